@@ -1,0 +1,106 @@
+// Backend: the seam between the model (which composes layers) and the device that runs them.
+// The model owns no kernels; it calls these ops on tensors the backend allocated. Every op has a CPU
+// reference (backend/cpu) and each GPU kernel is tested against it. Ops run in order on the backend's stream;
+// only the explicit to_host copies synchronise.
+//
+// Shapes below: T = tokens in the step, H = hidden, E = local experts, k = experts per token,
+// nh = local attention heads, kvr = kv_lora_rank, rope = qk_rope_head_dim.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/tensor.h"
+#include "io/model_config.h"
+#include "model/forward_batch.h"
+
+namespace mlaserve {
+
+struct RouterParams {
+  TopkMethod method = TopkMethod::Greedy;
+  ScoringFunc scoring = ScoringFunc::Softmax;
+  int32_t top_k = 1;
+  int32_t n_group = 1;
+  int32_t topk_group = 1;
+  bool norm_topk_prob = false;
+  float routed_scaling_factor = 1.0f;
+};
+
+struct MlaParams {
+  int32_t num_heads = 0;  // local heads
+  int32_t qk_nope = 0, qk_rope = 0, v_head = 0, kv_lora = 0;
+  float softmax_scale = 1.0f;
+  MlaForm form = MlaForm::Auto;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual Device device() const = 0;
+  // Element type of activations and of the latent KV cache on this backend.
+  virtual DType act_dtype() const = 0;
+
+  // ---- memory ----
+  virtual Tensor alloc(const Shape& shape, DType dtype) = 0;  // zero-filled
+  // The element type weights of source dtype `src` are kept in on this backend.
+  virtual DType weight_dtype(DType src) const = 0;
+  // Uploads a host tensor, converting its elements to `dtype` (F32/F16/BF16/F8_E4M3 sources).
+  virtual Tensor upload(const Tensor& host, DType dtype) = 0;
+  // Copies a host tensor into an existing backend tensor of the same element count, converting elements.
+  virtual void upload_into(const Tensor& host, Tensor& dst) = 0;
+  // Downloads to a new host F32 tensor (converting).
+  virtual Tensor to_host_f32(const Tensor& t) = 0;
+  // Deterministic pseudo-random fill for dummy weights: value = mean + stddev * u, u uniform with unit variance,
+  // a function of (seed, index in the FULL tensor) only, so every backend and shard layout agrees. t is viewed
+  // as [rows, cols]; its element (r, c) is full element (r + row_offset) * full_cols + c + col_offset.
+  virtual void fill_random(Tensor& t, uint64_t seed, float mean, float stddev, int64_t full_cols, int64_t row_offset,
+                           int64_t col_offset) = 0;
+
+  // ---- per step ----
+  // Uploads the step's metadata once; every op below reads it (positions, slots, page table, ...).
+  virtual void begin_step(const ForwardBatch& batch) = 0;
+
+  // ---- ops ----
+  // out[T, H] = table[ids - vocab_begin] for ids in [vocab_begin, vocab_begin + rows), else 0.
+  virtual void embedding(const Tensor& table, int64_t vocab_begin, Tensor& out) = 0;
+  // out[N, D] = x * rsqrt(mean(x^2) + eps) * w (fp32 math). out may alias x.
+  virtual void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out) = 0;
+  // residual[N, D] += x; out = rmsnorm(residual).
+  virtual void add_rmsnorm(const Tensor& x, Tensor& residual, const Tensor& w, float eps, Tensor& out) = 0;
+  // y[N, out] = x[N, in] @ w[out, in]^T. y may be act_dtype or F32.
+  virtual void linear(const Tensor& x, const Tensor& w, Tensor& y) = 0;
+  // out[N, I] = silu(gate_up[:, :I]) * gate_up[:, I:]
+  virtual void silu_mul(const Tensor& gate_up, Tensor& out) = 0;
+  // a += b (same shape)
+  virtual void add(Tensor& a, const Tensor& b) = 0;
+  // out[R, C] = x[logit_rows of the step, C]
+  virtual void gather_logit_rows(const Tensor& x, Tensor& out) = 0;
+
+  // MLA, part 1. latent[T, kvr + rope] = kv_a_proj_with_mqa(x): normalise c_kv with `kv_norm`, rotate k_pe
+  // (adjacent pairs, YaRN-scaled cos/sin), write both into cache rows out_slots. cache: [slots, kvr + rope].
+  virtual void mla_write_latent(Tensor& latent, const Tensor& kv_norm, float eps, Tensor& cache) = 0;
+  // MLA, part 2. q[T, nh * (nope + rope)]: rotate the rope part of every head in place.
+  virtual void mla_rope_q(Tensor& q, int32_t num_heads, int32_t qk_nope, int32_t qk_rope) = 0;
+  // MLA, part 3: causal attention of q over the paged latent cache (this step's tokens already written).
+  // kv_b: [nh * (nope + v), kvr]. out: [T, nh * v].
+  virtual void mla_attention(const Tensor& q, const Tensor& cache, const Tensor& kv_b, const MlaParams& p,
+                             Tensor& out) = 0;
+
+  // MoE routing from router logits[T, E_total] (F32) and optional correction bias[E_total] (F32).
+  // topk_ids[T, k] (I32, global expert ids), topk_weights[T, k] (F32, scaled).
+  virtual void moe_route(const Tensor& logits, const Tensor* bias, const RouterParams& p, Tensor& topk_ids,
+                         Tensor& topk_weights) = 0;
+  // out[T, H] = sum_k w * down_e(silu(gate_e x) * up_e x) over the experts in [expert_begin, expert_begin + E).
+  // gate_up: [E, 2I, H] (gate rows then up rows), down: [E, H, I].
+  virtual void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
+                           const Tensor& down, int32_t expert_begin, Tensor& out) = 0;
+
+  // Rotary tables: inverse frequencies [rope / 2] and the cos/sin multiplier, set once at model load.
+  virtual void set_rope(const std::vector<float>& inv_freq, float attention_factor) = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend();
+
+}  // namespace mlaserve

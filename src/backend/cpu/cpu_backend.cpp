@@ -1,0 +1,256 @@
+// The CPU backend: reference semantics for every op (fp32 activations and latent cache, bf16 or fp32
+// weights, fp32 accumulation), multi-threaded with the core thread pool. Every result row depends only on
+// its own inputs, never on which other rows share the batch, so a request's logits are the same alone or
+// in any batch.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cpu/cpu_kernels.h"
+#include "core/random.h"
+#include "core/thread_pool.h"
+
+namespace mlaserve {
+
+namespace {
+
+const float* f32(const Tensor& t) {
+  MLA_CHECK(t.dtype() == DType::F32, "cpu backend: expected an F32 tensor, got {}", dtype_name(t.dtype()));
+  return t.data_as<const float>();
+}
+float* f32m(Tensor& t) {
+  MLA_CHECK(t.dtype() == DType::F32, "cpu backend: expected an F32 tensor, got {}", dtype_name(t.dtype()));
+  return t.data_as<float>();
+}
+int64_t rows_of(const Tensor& t) { return t.dim() == 0 ? 1 : t.numel() / t.size(-1); }
+
+class CpuBackend final : public Backend {
+ public:
+  std::string name() const override { return "cpu"; }
+  Device device() const override { return Device::CPU; }
+  DType act_dtype() const override { return DType::F32; }
+  DType weight_dtype(DType src) const override { return src == DType::BF16 ? DType::BF16 : DType::F32; }
+
+  Tensor alloc(const Shape& shape, DType dtype) override { return Tensor::empty_host(shape, dtype); }
+
+  Tensor upload(const Tensor& host, DType dtype) override {
+    Tensor out = Tensor::empty_host(host.shape(), dtype);
+    cpu::convert(host.data(), host.dtype(), out.data(), dtype, host.numel());
+    return out;
+  }
+
+  void upload_into(const Tensor& host, Tensor& dst) override {
+    MLA_CHECK(host.numel() == dst.numel(), "upload_into: {} elements into {}", host.numel(), dst.numel());
+    cpu::convert(host.data(), host.dtype(), dst.data(), dst.dtype(), host.numel());
+  }
+
+  Tensor to_host_f32(const Tensor& t) override {
+    Tensor out = Tensor::empty_host(t.shape(), DType::F32);
+    cpu::convert(t.data(), t.dtype(), out.data(), DType::F32, t.numel());
+    return out;
+  }
+
+  void fill_random(Tensor& t, uint64_t seed, float mean, float stddev, int64_t full_cols, int64_t row_offset,
+                   int64_t col_offset) override {
+    const int64_t cols = t.dim() == 0 ? 1 : t.size(-1);
+    const int64_t rows = t.numel() / std::max<int64_t>(cols, 1);
+    parallel_for(rows, 64, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          const uint64_t idx = static_cast<uint64_t>((r + row_offset) * full_cols + c + col_offset);
+          const float v = mean + stddev * unit_uniform(seed, idx);
+          const int64_t i = r * cols + c;
+          if (t.dtype() == DType::BF16) t.data_as<uint16_t>()[i] = f32_to_bf16(v);
+          else f32m(t)[i] = v;
+        }
+    });
+  }
+
+  void begin_step(const ForwardBatch& batch) override { step_ = batch; }
+
+  void embedding(const Tensor& table, int64_t vocab_begin, Tensor& out) override {
+    const int64_t H = table.size(1), V = table.size(0);
+    const int64_t T = step_.num_tokens();
+    MLA_CHECK(out.numel() == T * H, "embedding: output has {} elements, expected {}", out.numel(), T * H);
+    float* o = f32m(out);
+    parallel_for(T, 16, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const int64_t id = step_.input_ids[static_cast<size_t>(t)] - vocab_begin;
+        if (id < 0 || id >= V) {
+          std::fill(o + t * H, o + (t + 1) * H, 0.0f);
+        } else {
+          cpu::convert(static_cast<const char*>(table.data()) + id * H * dtype_size(table.dtype()), table.dtype(),
+                       o + t * H, DType::F32, H);
+        }
+      }
+    });
+  }
+
+  void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out) override {
+    const int64_t D = x.size(-1), N = rows_of(x);
+    MLA_CHECK(w.numel() == D && out.numel() == x.numel(), "rmsnorm: shape mismatch");
+    const float* xp = f32(x);
+    const float* wp = f32(w);
+    float* op = f32m(out);
+    parallel_for(N, 8, [&](int64_t b, int64_t e) {
+      for (int64_t n = b; n < e; ++n) cpu::rmsnorm_row(xp + n * D, wp, D, eps, op + n * D);
+    });
+  }
+
+  void add_rmsnorm(const Tensor& x, Tensor& residual, const Tensor& w, float eps, Tensor& out) override {
+    const int64_t D = x.size(-1), N = rows_of(x);
+    MLA_CHECK(residual.numel() == x.numel() && out.numel() == x.numel() && w.numel() == D, "add_rmsnorm: shape mismatch");
+    const float* xp = f32(x);
+    float* rp = f32m(residual);
+    const float* wp = f32(w);
+    float* op = f32m(out);
+    parallel_for(N, 8, [&](int64_t b, int64_t e) {
+      for (int64_t n = b; n < e; ++n) {
+        for (int64_t d = 0; d < D; ++d) rp[n * D + d] += xp[n * D + d];
+        cpu::rmsnorm_row(rp + n * D, wp, D, eps, op + n * D);
+      }
+    });
+  }
+
+  void linear(const Tensor& x, const Tensor& w, Tensor& y) override {
+    const int64_t K = x.size(-1), N = rows_of(x), M = w.size(0);
+    MLA_CHECK(w.dim() == 2 && w.size(1) == K, "linear: weight {} does not match input width {}", shape_str(w.shape()), K);
+    MLA_CHECK(y.numel() == N * M, "linear: output has {} elements, expected {}x{}", y.numel(), N, M);
+    cpu::linear(f32(x), N, K, w.data(), w.dtype(), M, f32m(y), /*parallel=*/true);
+  }
+
+  void silu_mul(const Tensor& gate_up, Tensor& out) override {
+    const int64_t I2 = gate_up.size(-1), N = rows_of(gate_up), I = I2 / 2;
+    MLA_CHECK(out.numel() == N * I, "silu_mul: shape mismatch");
+    const float* g = f32(gate_up);
+    float* o = f32m(out);
+    parallel_for(N, 16, [&](int64_t b, int64_t e) {
+      for (int64_t n = b; n < e; ++n) cpu::silu_mul_row(g + n * I2, I, o + n * I);
+    });
+  }
+
+  void add(Tensor& a, const Tensor& b) override {
+    MLA_CHECK(a.numel() == b.numel(), "add: shape mismatch");
+    float* ap = f32m(a);
+    const float* bp = f32(b);
+    parallel_for(a.numel(), 4096, [&](int64_t s, int64_t e) {
+      for (int64_t i = s; i < e; ++i) ap[i] += bp[i];
+    });
+  }
+
+  void gather_logit_rows(const Tensor& x, Tensor& out) override {
+    const int64_t C = x.size(-1);
+    const auto& rows = step_.logit_rows;
+    MLA_CHECK(out.numel() == static_cast<int64_t>(rows.size()) * C, "gather_logit_rows: shape mismatch");
+    const float* xp = f32(x);
+    float* op = f32m(out);
+    for (size_t r = 0; r < rows.size(); ++r) std::memcpy(op + r * C, xp + rows[r] * C, C * sizeof(float));
+  }
+
+  void set_rope(const std::vector<float>& inv_freq, float attention_factor) override {
+    inv_freq_ = inv_freq;
+    rope_factor_ = attention_factor;
+  }
+
+  void mla_write_latent(Tensor& latent, const Tensor& kv_norm, float eps, Tensor& cache) override {
+    const int64_t W = latent.size(-1), kvr = kv_norm.numel(), rope = W - kvr;
+    const int64_t T = step_.num_tokens();
+    MLA_CHECK(cache.size(-1) == W, "mla_write_latent: cache row width {} != latent width {}", cache.size(-1), W);
+    MLA_CHECK(rope == static_cast<int64_t>(inv_freq_.size()) * 2, "mla_write_latent: rope width {} vs {} frequencies",
+              rope, inv_freq_.size());
+    float* lp = f32m(latent);
+    float* cp = f32m(cache);
+    const float* wp = f32(kv_norm);
+    const int64_t slots = cache.size(0);
+    parallel_for(T, 8, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        float* row = lp + t * W;
+        cpu::rmsnorm_row(row, wp, kvr, eps, row);
+        cpu::rope_pairs(row + kvr, rope, step_.positions[static_cast<size_t>(t)], inv_freq_.data(), rope_factor_);
+        const int64_t slot = step_.out_slots[static_cast<size_t>(t)];
+        MLA_CHECK(slot >= 0 && slot < slots, "mla_write_latent: slot {} outside the cache of {} slots", slot, slots);
+        std::memcpy(cp + slot * W, row, W * sizeof(float));
+      }
+    });
+  }
+
+  void mla_rope_q(Tensor& q, int32_t num_heads, int32_t qk_nope, int32_t qk_rope) override {
+    const int64_t T = step_.num_tokens(), hd = qk_nope + qk_rope;
+    MLA_CHECK(q.numel() == T * num_heads * hd, "mla_rope_q: shape mismatch");
+    float* qp = f32m(q);
+    parallel_for(T, 8, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t)
+        for (int64_t h = 0; h < num_heads; ++h)
+          cpu::rope_pairs(qp + (t * num_heads + h) * hd + qk_nope, qk_rope, step_.positions[static_cast<size_t>(t)],
+                          inv_freq_.data(), rope_factor_);
+    });
+  }
+
+  void mla_attention(const Tensor& q, const Tensor& cache, const Tensor& kv_b, const MlaParams& p, Tensor& out) override {
+    cpu::MlaArgs a;
+    a.batch = &step_;
+    a.q = f32(q);
+    a.cache = f32(cache);
+    a.cache_width = cache.size(-1);
+    a.kv_b = kv_b.data();
+    a.kv_b_dtype = kv_b.dtype();
+    a.p = p;
+    a.out = f32m(out);
+    MLA_CHECK(q.numel() == static_cast<int64_t>(step_.num_tokens()) * p.num_heads * (p.qk_nope + p.qk_rope),
+              "mla_attention: q shape mismatch");
+    MLA_CHECK(out.numel() == static_cast<int64_t>(step_.num_tokens()) * p.num_heads * p.v_head,
+              "mla_attention: out shape mismatch");
+    MLA_CHECK(kv_b.size(0) == static_cast<int64_t>(p.num_heads) * (p.qk_nope + p.v_head) && kv_b.size(1) == p.kv_lora,
+              "mla_attention: kv_b_proj shape {} mismatch", shape_str(kv_b.shape()));
+    cpu::mla_attention(a);
+  }
+
+  void moe_route(const Tensor& logits, const Tensor* bias, const RouterParams& p, Tensor& topk_ids,
+                 Tensor& topk_weights) override {
+    const int64_t T = rows_of(logits), E = logits.size(-1);
+    MLA_CHECK(topk_ids.numel() == T * p.top_k && topk_weights.numel() == T * p.top_k, "moe_route: shape mismatch");
+    const float* lp = f32(logits);
+    const float* bp = bias ? f32(*bias) : nullptr;
+    int32_t* ids = topk_ids.data_as<int32_t>();
+    float* ws = f32m(topk_weights);
+    parallel_for(T, 16, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) cpu::route_token(lp + t * E, bp, E, p, ids + t * p.top_k, ws + t * p.top_k);
+    });
+  }
+
+  void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
+                   const Tensor& down, int32_t expert_begin, Tensor& out) override {
+    cpu::MoeArgs a;
+    a.x = f32(x);
+    a.T = rows_of(x);
+    a.H = x.size(-1);
+    a.k = topk_ids.size(-1);
+    a.ids = topk_ids.data_as<const int32_t>();
+    a.weights = f32(topk_weights);
+    a.E = gate_up.size(0);
+    a.I = gate_up.size(1) / 2;
+    a.gate_up = gate_up.data();
+    a.down = down.data();
+    a.wdtype = gate_up.dtype();
+    a.expert_begin = expert_begin;
+    a.out = f32m(out);
+    MLA_CHECK(down.dtype() == gate_up.dtype() && down.size(0) == a.E && down.size(1) == a.H && down.size(2) == a.I,
+              "moe_experts: down {} does not match gate_up {}", shape_str(down.shape()), shape_str(gate_up.shape()));
+    cpu::moe_experts(a);
+  }
+
+ private:
+  ForwardBatch step_;
+  std::vector<float> inv_freq_;
+  float rope_factor_ = 1.0f;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+
+}  // namespace mlaserve

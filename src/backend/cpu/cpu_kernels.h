@@ -1,0 +1,47 @@
+// CPU reference kernels. These define the semantics every other backend is tested against.
+#pragma once
+
+#include <cstdint>
+
+#include "backend/backend.h"
+
+namespace mlaserve::cpu {
+
+// Element conversion between F32 / F16 / BF16 / F8_E4M3 (to F32 or BF16).
+void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n);
+
+void rmsnorm_row(const float* x, const float* w, int64_t D, float eps, float* out);
+void silu_mul_row(const float* gate_up, int64_t I, float* out);
+// Rotates adjacent pairs (x[2i], x[2i+1]) by angle pos * inv_freq[i]; cos/sin scaled by `factor`.
+void rope_pairs(float* x, int64_t dim, int32_t pos, const float* inv_freq, float factor);
+// y[N, M] = x[N, K] @ w[M, K]^T; w is F32 or BF16.
+void linear(const float* x, int64_t N, int64_t K, const void* w, DType wdtype, int64_t M, float* y, bool parallel);
+
+struct MlaArgs {
+  const ForwardBatch* batch = nullptr;
+  const float* q = nullptr;      // [T, nh, nope + rope], rope part already rotated
+  const float* cache = nullptr;  // [slots, cache_width] = [c_kv (kvr) | k_pe (rope)]
+  int64_t cache_width = 0;
+  const void* kv_b = nullptr;    // [nh * (nope + v), kvr]: per head W_UK rows then W_UV rows
+  DType kv_b_dtype = DType::F32;
+  MlaParams p;
+  float* out = nullptr;          // [T, nh, v]
+};
+void mla_attention(const MlaArgs& a);
+
+void route_token(const float* logits, const float* bias, int64_t E, const RouterParams& p, int32_t* ids, float* weights);
+
+struct MoeArgs {
+  const float* x = nullptr;  // [T, H]
+  int64_t T = 0, H = 0, k = 0, E = 0, I = 0;
+  const int32_t* ids = nullptr;    // [T, k] global expert ids
+  const float* weights = nullptr;  // [T, k]
+  const void* gate_up = nullptr;   // [E, 2I, H]
+  const void* down = nullptr;      // [E, H, I]
+  DType wdtype = DType::BF16;
+  int32_t expert_begin = 0;
+  float* out = nullptr;  // [T, H]
+};
+void moe_experts(const MoeArgs& a);
+
+}  // namespace mlaserve::cpu

@@ -1,0 +1,15 @@
+// Logging: spdlog behind a thin facade so the level is set once from --log-level.
+#pragma once
+
+#include <spdlog/spdlog.h>
+
+#include <string>
+
+namespace mlaserve {
+void set_log_level(const std::string& level);  // trace|debug|info|warning|error|critical|off
+}  // namespace mlaserve
+
+#define MLA_LOG_DEBUG(...) SPDLOG_DEBUG(__VA_ARGS__)
+#define MLA_LOG_INFO(...) spdlog::info(__VA_ARGS__)
+#define MLA_LOG_WARN(...) spdlog::warn(__VA_ARGS__)
+#define MLA_LOG_ERROR(...) spdlog::error(__VA_ARGS__)

@@ -1,0 +1,65 @@
+// Tensor: a typed, shaped, contiguous (row-major) view of memory on one device, optionally owning it.
+// Kernels receive raw pointers from it; the model never touches elements of a device tensor directly.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/error.h"
+
+namespace mlaserve {
+
+enum class Device : uint8_t { CPU, CUDA };
+
+using Shape = std::vector<int64_t>;
+
+std::string shape_str(const Shape& s);
+int64_t shape_numel(const Shape& s);
+
+class Tensor {
+ public:
+  Tensor() = default;
+
+  // A new zero-initialised host tensor (64-byte aligned).
+  static Tensor empty_host(Shape shape, DType dtype);
+  // A view of foreign memory; `keepalive` (may be null) keeps the memory alive as long as the view.
+  static Tensor view(void* data, Shape shape, DType dtype, Device device = Device::CPU,
+                     std::shared_ptr<void> keepalive = nullptr);
+
+  bool defined() const { return data_ != nullptr || !shape_.empty(); }
+  void* data() const { return data_; }
+  template <typename T>
+  T* data_as() const {
+    return static_cast<T*>(data_);
+  }
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+  const Shape& shape() const { return shape_; }
+  int64_t dim() const { return static_cast<int64_t>(shape_.size()); }
+  int64_t size(int64_t i) const {
+    if (i < 0) i += dim();
+    MLA_CHECK(i >= 0 && i < dim(), "tensor dim {} out of range for shape {}", i, shape_str(shape_));
+    return shape_[static_cast<size_t>(i)];
+  }
+  int64_t numel() const { return shape_numel(shape_); }
+  size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
+  const std::shared_ptr<void>& storage() const { return storage_; }
+
+  // Same memory, new shape (numel must match).
+  Tensor reshape(Shape shape) const;
+  // Rows [begin, end) along dim 0 (contiguous, no copy).
+  Tensor rows(int64_t begin, int64_t end) const;
+
+ private:
+  std::shared_ptr<void> storage_;
+  void* data_ = nullptr;
+  Shape shape_;
+  DType dtype_ = DType::F32;
+  Device device_ = Device::CPU;
+};
+
+}  // namespace mlaserve

@@ -1,0 +1,31 @@
+// Offline generation without a scheduler: runs a fixed set of prompts as one ragged batch through the model,
+// prefill (optionally in chunks) then greedy decode one token at a time through the paged latent cache.
+// Used by `mlaserve generate`, `mlaserve eval-logits` and the model tests.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "engine/page_pool.h"
+#include "model/deepseek_model.h"
+
+namespace mlaserve {
+
+struct OfflineOptions {
+  int32_t max_new_tokens = 0;
+  bool prompt_logits = true;    // return logits at every prompt position
+  int32_t prefill_chunk = 0;    // > 0: prefill each prompt in chunks of this many tokens (one step per chunk)
+  MlaForm form = MlaForm::Auto;
+  int32_t page_size = 16;
+  std::vector<int64_t> stop_ids;  // greedy generation of a sequence stops after one of these (empty: never)
+};
+
+struct OfflineResult {
+  std::vector<Tensor> prompt_logits;          // per prompt: F32 [len, vocab] (or [1, vocab]: last position only)
+  std::vector<std::vector<int32_t>> greedy;   // per prompt: generated ids
+};
+
+OfflineResult run_offline(DeepseekModel& model, const std::vector<std::vector<int32_t>>& prompts,
+                          const OfflineOptions& opts);
+
+}  // namespace mlaserve

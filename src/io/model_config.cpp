@@ -1,0 +1,282 @@
+#include "io/model_config.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace mlaserve {
+
+using json = nlohmann::json;
+
+namespace {
+
+struct Reader {
+  const json& j;
+  const std::string& src;
+
+  bool present(const char* k) const { return j.contains(k) && !j[k].is_null(); }
+  int64_t int_or(const char* k, int64_t def) const {
+    if (!present(k)) return def;
+    const json& v = j[k];
+    MLA_CHECK(v.is_number_integer() || (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>()),
+              "{}: field '{}' must be an integer, got {}", src, k, v.dump());
+    return v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(v.get<double>());
+  }
+  int64_t req_int(const char* k) const {
+    MLA_CHECK(present(k), "{}: missing required field '{}'", src, k);
+    return int_or(k, 0);
+  }
+  double num_or(const char* k, double def) const {
+    if (!present(k)) return def;
+    MLA_CHECK(j[k].is_number(), "{}: field '{}' must be a number, got {}", src, k, j[k].dump());
+    return j[k].get<double>();
+  }
+  bool bool_or(const char* k, bool def) const {
+    if (!present(k)) return def;
+    MLA_CHECK(j[k].is_boolean(), "{}: field '{}' must be true or false, got {}", src, k, j[k].dump());
+    return j[k].get<bool>();
+  }
+  std::string str_or(const char* k, const std::string& def) const {
+    if (!present(k)) return def;
+    MLA_CHECK(j[k].is_string(), "{}: field '{}' must be a string, got {}", src, k, j[k].dump());
+    return j[k].get<std::string>();
+  }
+};
+
+double yarn_mscale(double scale, double m) { return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; }
+
+}  // namespace
+
+ModelConfig ModelConfig::from_file(const std::string& path_in) {
+  std::filesystem::path p(path_in);
+  if (std::filesystem::is_directory(p)) p /= "config.json";
+  MLA_CHECK(std::filesystem::exists(p), "{}: config.json not found", p.string());
+  std::ifstream in(p);
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::exception& e) {
+    fail("{}: not valid JSON ({})", p.string(), e.what());
+  }
+  return from_json(j, p.string());
+}
+
+ModelConfig ModelConfig::from_json(const json& j, const std::string& src) {
+  MLA_CHECK(j.is_object(), "{}: expected a JSON object", src);
+  Reader r{j, src};
+  ModelConfig c;
+
+  std::string arch;
+  if (r.present("architectures")) {
+    MLA_CHECK(j["architectures"].is_array() && !j["architectures"].empty() && j["architectures"][0].is_string(),
+              "{}: field 'architectures' must be a non-empty list of strings", src);
+    arch = j["architectures"][0].get<std::string>();
+  } else {
+    std::string mt = r.str_or("model_type", "");
+    if (mt == "deepseek_v2") arch = "DeepseekV2ForCausalLM";
+    if (mt == "deepseek_v3") arch = "DeepseekV3ForCausalLM";
+  }
+  if (arch == "DeepseekV2ForCausalLM") {
+    c.arch = Architecture::DeepseekV2;
+  } else if (arch == "DeepseekV3ForCausalLM") {
+    c.arch = Architecture::DeepseekV3;
+  } else {
+    fail("{}: unsupported architecture '{}': mlaserve serves DeepseekV2ForCausalLM and DeepseekV3ForCausalLM",
+         src, arch.empty() ? std::string("(none given)") : arch);
+  }
+  c.arch_name = arch;
+
+  if (r.present("quantization_config")) {
+    const json& q = j["quantization_config"];
+    std::string method = q.is_object() && q.contains("quant_method") && q["quant_method"].is_string()
+                             ? q["quant_method"].get<std::string>()
+                             : std::string("unknown");
+    std::string detail = method;
+    if (method == "fp8")
+      detail = q.contains("weight_block_size") ? "block FP8 (weight_block_size)" : "per-tensor FP8";
+    else if (method == "awq")
+      detail = "AWQ W4A16";
+    fail("{}: quantization_config with quant_method '{}' ({}) is not supported yet; use a bf16 checkpoint", src,
+         method, detail);
+  }
+
+  std::string act = r.str_or("hidden_act", "silu");
+  MLA_CHECK(act == "silu", "{}: hidden_act '{}' is not supported (DeepSeek uses silu)", src, act);
+  MLA_CHECK(!r.bool_or("attention_bias", false), "{}: attention_bias true is not supported", src);
+
+  c.vocab_size = r.req_int("vocab_size");
+  c.hidden_size = r.req_int("hidden_size");
+  c.intermediate_size = r.req_int("intermediate_size");
+  c.num_hidden_layers = r.req_int("num_hidden_layers");
+  c.num_attention_heads = r.req_int("num_attention_heads");
+  c.q_lora_rank = r.int_or("q_lora_rank", 0);
+  c.kv_lora_rank = r.req_int("kv_lora_rank");
+  c.qk_nope_head_dim = r.req_int("qk_nope_head_dim");
+  c.qk_rope_head_dim = r.req_int("qk_rope_head_dim");
+  c.v_head_dim = r.req_int("v_head_dim");
+  c.n_routed_experts = r.int_or("n_routed_experts", 0);
+  c.moe_intermediate_size = r.int_or("moe_intermediate_size", 0);
+  c.n_shared_experts = r.int_or("n_shared_experts", 0);
+  c.num_experts_per_tok = r.int_or("num_experts_per_tok", 0);
+  c.first_k_dense_replace = r.int_or("first_k_dense_replace", 0);
+  c.moe_layer_freq = r.int_or("moe_layer_freq", 1);
+  c.norm_topk_prob = r.bool_or("norm_topk_prob", c.arch == Architecture::DeepseekV3);
+  c.routed_scaling_factor = r.num_or("routed_scaling_factor", 1.0);
+  c.n_group = r.int_or("n_group", 1);
+  c.topk_group = r.int_or("topk_group", 1);
+  c.max_position_embeddings = r.int_or("max_position_embeddings", 4096);
+  c.rms_norm_eps = r.num_or("rms_norm_eps", 1e-6);
+  c.tie_word_embeddings = r.bool_or("tie_word_embeddings", false);
+  c.bos_token_id = r.int_or("bos_token_id", -1);
+  c.num_nextn_predict_layers = r.int_or("num_nextn_predict_layers", 0);
+  if (r.present("eos_token_id")) {
+    const json& e = j["eos_token_id"];
+    if (e.is_array()) {
+      for (const auto& v : e) {
+        MLA_CHECK(v.is_number_integer(), "{}: eos_token_id entries must be integers", src);
+        c.eos_token_ids.push_back(v.get<int64_t>());
+      }
+    } else {
+      c.eos_token_ids.push_back(r.int_or("eos_token_id", -1));
+    }
+  }
+
+  const std::string default_method = c.arch == Architecture::DeepseekV3 ? "noaux_tc" : "greedy";
+  const std::string method = r.str_or("topk_method", default_method);
+  if (method == "greedy") c.topk_method = TopkMethod::Greedy;
+  else if (method == "group_limited_greedy") c.topk_method = TopkMethod::GroupLimitedGreedy;
+  else if (method == "noaux_tc") c.topk_method = TopkMethod::NoauxTc;
+  else fail("{}: unknown topk_method '{}' (expected greedy, group_limited_greedy or noaux_tc)", src, method);
+  const std::string scoring = r.str_or("scoring_func", c.arch == Architecture::DeepseekV3 ? "sigmoid" : "softmax");
+  if (scoring == "softmax") c.scoring_func = ScoringFunc::Softmax;
+  else if (scoring == "sigmoid") c.scoring_func = ScoringFunc::Sigmoid;
+  else fail("{}: unknown scoring_func '{}' (expected softmax or sigmoid)", src, scoring);
+
+  // RoPE: the original checkpoints write "rope_scaling" {"type": ...}; transformers 5 writes "rope_parameters".
+  c.rope.theta = r.num_or("rope_theta", 10000.0);
+  const char* rope_key = r.present("rope_scaling") ? "rope_scaling" : (r.present("rope_parameters") ? "rope_parameters" : nullptr);
+  if (rope_key) {
+    const json& rs = j[rope_key];
+    MLA_CHECK(rs.is_object(), "{}: field '{}' must be an object", src, rope_key);
+    Reader rr{rs, src};
+    std::string type = rr.str_or("type", rr.str_or("rope_type", "default"));
+    if (rs.contains("rope_theta")) c.rope.theta = rr.num_or("rope_theta", c.rope.theta);
+    if (type == "yarn") {
+      c.rope.yarn = true;
+      c.rope.factor = rr.num_or("factor", 0.0);
+      if (c.rope.factor <= 0.0) {
+        int64_t orig = rr.int_or("original_max_position_embeddings", 0);
+        MLA_CHECK(orig > 0, "{}: {} yarn needs 'factor' or 'original_max_position_embeddings'", src, rope_key);
+        c.rope.factor = static_cast<double>(c.max_position_embeddings) / static_cast<double>(orig);
+      }
+      c.rope.original_max_position_embeddings =
+          rr.int_or("original_max_position_embeddings", c.max_position_embeddings);
+      // transformers treats 0 / null like "absent" for these (`x or default`).
+      c.rope.beta_fast = rr.num_or("beta_fast", 0.0);
+      if (c.rope.beta_fast == 0.0) c.rope.beta_fast = 32.0;
+      c.rope.beta_slow = rr.num_or("beta_slow", 0.0);
+      if (c.rope.beta_slow == 0.0) c.rope.beta_slow = 1.0;
+      c.rope.mscale = rr.num_or("mscale", 0.0);
+      c.rope.mscale_all_dim = rr.num_or("mscale_all_dim", 0.0);
+      c.rope.attention_factor = rr.num_or("attention_factor", 0.0);
+    } else if (type != "default" && type != "none") {
+      fail("{}: {} type '{}' is not supported (expected yarn or none)", src, rope_key, type);
+    }
+  }
+
+  // Shape sanity: everything the forward pass divides or indexes by.
+  auto positive = [&](int64_t v, const char* k) { MLA_CHECK(v > 0, "{}: field '{}' must be positive, got {}", src, k, v); };
+  positive(c.vocab_size, "vocab_size");
+  positive(c.hidden_size, "hidden_size");
+  positive(c.intermediate_size, "intermediate_size");
+  positive(c.num_hidden_layers, "num_hidden_layers");
+  positive(c.num_attention_heads, "num_attention_heads");
+  positive(c.kv_lora_rank, "kv_lora_rank");
+  positive(c.qk_nope_head_dim, "qk_nope_head_dim");
+  positive(c.v_head_dim, "v_head_dim");
+  positive(c.moe_layer_freq, "moe_layer_freq");
+  MLA_CHECK(c.q_lora_rank >= 0, "{}: q_lora_rank must be null or positive", src);
+  MLA_CHECK(c.qk_rope_head_dim > 0 && c.qk_rope_head_dim % 2 == 0, "{}: qk_rope_head_dim must be positive and even, got {}",
+            src, c.qk_rope_head_dim);
+  if (c.n_routed_experts > 0) {
+    positive(c.moe_intermediate_size, "moe_intermediate_size");
+    MLA_CHECK(c.num_experts_per_tok > 0 && c.num_experts_per_tok <= c.n_routed_experts,
+              "{}: num_experts_per_tok must be in [1, n_routed_experts={}], got {}", src, c.n_routed_experts,
+              c.num_experts_per_tok);
+    MLA_CHECK(c.n_shared_experts >= 0, "{}: n_shared_experts must be >= 0", src);
+    if (c.topk_method != TopkMethod::Greedy) {
+      MLA_CHECK(c.n_group > 0 && c.n_routed_experts % c.n_group == 0,
+                "{}: n_routed_experts ({}) must be divisible by n_group ({})", src, c.n_routed_experts, c.n_group);
+      MLA_CHECK(c.topk_group > 0 && c.topk_group <= c.n_group, "{}: topk_group must be in [1, n_group]", src);
+      MLA_CHECK(c.topk_group * (c.n_routed_experts / c.n_group) >= c.num_experts_per_tok,
+                "{}: topk_group * experts per group is smaller than num_experts_per_tok", src);
+    }
+  }
+  return c;
+}
+
+std::vector<float> ModelConfig::rope_inv_freq() const {
+  const int64_t dim = qk_rope_head_dim;
+  const int64_t half = dim / 2;
+  std::vector<float> out(static_cast<size_t>(half));
+  const double base = rope.theta;
+  for (int64_t i = 0; i < half; ++i) {
+    const float pos_freq = static_cast<float>(std::pow(base, static_cast<double>(2 * i) / static_cast<double>(dim)));
+    const float extra = 1.0f / pos_freq;
+    out[static_cast<size_t>(i)] = extra;
+  }
+  if (!rope.yarn) return out;
+  // YaRN: blend interpolated (divided by factor) and extrapolated frequencies over a linear ramp.
+  const double L = static_cast<double>(rope.original_max_position_embeddings);
+  auto find_dim = [&](double rot) {
+    return (static_cast<double>(dim) * std::log(L / (rot * 2.0 * M_PI))) / (2.0 * std::log(base));
+  };
+  double low = std::floor(find_dim(rope.beta_fast));
+  double high = std::ceil(find_dim(rope.beta_slow));
+  low = std::max(low, 0.0);
+  high = std::min(high, static_cast<double>(dim - 1));
+  if (low == high) high += 0.001;
+  for (int64_t i = 0; i < half; ++i) {
+    const float pos_freq = static_cast<float>(std::pow(base, static_cast<double>(2 * i) / static_cast<double>(dim)));
+    const float extra = 1.0f / pos_freq;
+    const float inter = 1.0f / (static_cast<float>(rope.factor) * pos_freq);
+    float ramp = static_cast<float>((static_cast<double>(i) - low) / (high - low));
+    ramp = std::min(1.0f, std::max(0.0f, ramp));
+    const float extra_factor = 1.0f - ramp;
+    out[static_cast<size_t>(i)] = inter * (1.0f - extra_factor) + extra * extra_factor;
+  }
+  return out;
+}
+
+double ModelConfig::rope_attention_factor() const {
+  if (!rope.yarn) return 1.0;
+  if (rope.attention_factor > 0.0) return rope.attention_factor;
+  if (rope.mscale != 0.0 && rope.mscale_all_dim != 0.0)
+    return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim);
+  return yarn_mscale(rope.factor, 1.0);
+}
+
+double ModelConfig::softmax_scale() const {
+  double s = 1.0 / std::sqrt(static_cast<double>(qk_head_dim()));
+  if (rope.yarn && rope.mscale_all_dim != 0.0) {
+    const double m = yarn_mscale(rope.factor, rope.mscale_all_dim);
+    s *= m * m;
+  }
+  return s;
+}
+
+std::string ModelConfig::summary() const {
+  return fmt::format(
+      "{}: {} layers, hidden {}, heads {}, q_lora {}, kv_lora {}, nope/rope/v {}/{}/{}, experts {} routed + {} shared "
+      "(top-{}), vocab {}",
+      arch_name, num_hidden_layers, hidden_size, num_attention_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
+      qk_rope_head_dim, v_head_dim, n_routed_experts, n_shared_experts, num_experts_per_tok, vocab_size);
+}
+
+}  // namespace mlaserve

@@ -1,0 +1,81 @@
+// ModelConfig: every config.json field the DeepSeek V2 / V3 forward pass uses, validated, plus the values
+// derived from them (YaRN frequencies, softmax scale, which layers are MoE).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace mlaserve {
+
+enum class Architecture { DeepseekV2, DeepseekV3 };
+enum class TopkMethod { Greedy, GroupLimitedGreedy, NoauxTc };
+enum class ScoringFunc { Softmax, Sigmoid };
+
+struct RopeConfig {
+  bool yarn = false;  // false: plain RoPE
+  double theta = 10000.0;
+  double factor = 1.0;
+  int64_t original_max_position_embeddings = 0;
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  double mscale = 0.0;          // 0 = absent
+  double mscale_all_dim = 0.0;  // 0 = absent
+  double attention_factor = 0.0;  // 0 = derive
+};
+
+struct ModelConfig {
+  Architecture arch = Architecture::DeepseekV2;
+  std::string arch_name;
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t moe_intermediate_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t q_lora_rank = 0;  // 0: plain q_proj
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+  int64_t n_routed_experts = 0;  // 0: every layer dense
+  int64_t n_shared_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t first_k_dense_replace = 0;
+  int64_t moe_layer_freq = 1;
+  bool norm_topk_prob = false;
+  double routed_scaling_factor = 1.0;
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  TopkMethod topk_method = TopkMethod::Greedy;
+  ScoringFunc scoring_func = ScoringFunc::Softmax;
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  RopeConfig rope;
+  bool tie_word_embeddings = false;
+  std::vector<int64_t> eos_token_ids;
+  int64_t bos_token_id = -1;
+  int64_t num_nextn_predict_layers = 0;
+
+  // Parses DIR/config.json (or a file path). Throws naming the file and the field.
+  static ModelConfig from_file(const std::string& path);
+  static ModelConfig from_json(const nlohmann::json& j, const std::string& source);
+
+  int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
+  // Values per token per layer in the latent KV cache: c_kv and the shared rotated k_pe.
+  int64_t kv_cache_dim() const { return kv_lora_rank + qk_rope_head_dim; }
+  bool is_moe_layer(int64_t layer) const {
+    return n_routed_experts > 0 && layer >= first_k_dense_replace && layer % moe_layer_freq == 0;
+  }
+  // RoPE inverse frequencies [qk_rope_head_dim / 2] (YaRN-blended when rope.yarn).
+  std::vector<float> rope_inv_freq() const;
+  // Multiplier applied to cos/sin (YaRN attention factor; 1 for plain RoPE).
+  double rope_attention_factor() const;
+  // Attention softmax scale: qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN.
+  double softmax_scale() const;
+  std::string summary() const;
+};
+
+}  // namespace mlaserve

@@ -1,0 +1,331 @@
+#include "model/deepseek_model.h"
+
+#include <chrono>
+#include <cstring>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "core/log.h"
+#include "core/random.h"
+#include "io/safetensors.h"
+
+namespace mlaserve {
+
+namespace {
+std::string layer_name(int64_t l, const char* rest) { return fmt::format("model.layers.{}.{}", l, rest); }
+}  // namespace
+
+// Reads one tensor block [r0, r0 + rows) x [c0, c0 + cols) of a checkpoint tensor (or makes it, for dummy
+// weights) into a backend tensor. Shapes are checked against the full shape the config implies.
+class DeepseekModel::Loader {
+ public:
+  enum class Kind { Matrix, Norm, Embedding, Router, Bias, LmHead };
+
+  Loader(Backend& backend, const Checkpoint* ckpt, const LoadOptions& opts) : be_(backend), ckpt_(ckpt), opts_(opts) {}
+
+  DType matrix_dtype() const { return matrix_dtype_; }
+  void set_matrix_dtype(DType d) { matrix_dtype_ = d; }
+  const std::set<std::string>& used() const { return used_; }
+  int64_t bytes() const { return bytes_; }
+
+  // Allocates a tensor of shape `local` and fills it with the block of `name` starting at (r0, c0).
+  Tensor make(const std::string& name, const Shape& full, const Shape& local, int64_t r0, int64_t c0, Kind kind) {
+    const bool vec = kind == Kind::Norm || kind == Kind::Bias;
+    Tensor t = be_.alloc(local, vec ? DType::F32 : matrix_dtype_);
+    load_into(t, name, full, r0, c0, kind);
+    return t;
+  }
+
+  // dst is viewed as [rows, cols] (cols = last dim of `full`'s block).
+  void load_into(Tensor& dst, const std::string& name, const Shape& full, int64_t r0, int64_t c0, Kind kind) {
+    const int64_t full_cols = full.size() == 1 ? full[0] : full[1];
+    const int64_t nc = full.size() == 1 ? full[0] : dst.size(-1);
+    const int64_t nr = nc == 0 ? 0 : dst.numel() / nc;
+    bytes_ += static_cast<int64_t>(dst.nbytes());
+    if (opts_.dummy) {
+      float mean = 0.0f, stddev = 1.0f;
+      switch (kind) {
+        case Kind::Matrix: stddev = 1.0f / std::sqrt(static_cast<float>(full_cols)); break;
+        case Kind::Norm: mean = 1.0f; stddev = 0.05f; break;
+        case Kind::Embedding: stddev = 1.0f; break;
+        case Kind::Router: stddev = 1.0f / std::sqrt(static_cast<float>(full_cols)); break;
+        case Kind::Bias: stddev = 0.01f; break;
+        case Kind::LmHead: stddev = 1.0f / std::sqrt(static_cast<float>(full_cols)); break;
+      }
+      Tensor view = dst.reshape({nr, nc});
+      be_.fill_random(view, fnv1a64(name) ^ splitmix64(opts_.seed), mean, stddev, full_cols, r0, c0);
+      return;
+    }
+    const TensorInfo& info = ckpt_->get(name);
+    used_.insert(name);
+    MLA_CHECK(info.shape == full, "{}: tensor '{}' has shape {}, expected {} from config.json", info.file, name,
+              shape_str(info.shape), shape_str(full));
+    MLA_CHECK(info.dtype == DType::BF16 || info.dtype == DType::F16 || info.dtype == DType::F32,
+              "{}: tensor '{}' has dtype {}; only BF16 / F16 / F32 weights are supported (FP8 and other quantized "
+              "weights need a quantization_config, not supported yet)",
+              info.file, name, dtype_name(info.dtype));
+    const size_t es = dtype_size(info.dtype);
+    const auto* base = info.data;
+    Tensor host;
+    if (nc == full_cols) {  // a run of whole rows: no copy
+      host = Tensor::view(const_cast<uint8_t*>(base + static_cast<size_t>(r0 * full_cols) * es), {nr, nc}, info.dtype);
+    } else {
+      host = Tensor::empty_host({nr, nc}, info.dtype);
+      for (int64_t r = 0; r < nr; ++r)
+        std::memcpy(static_cast<char*>(host.data()) + static_cast<size_t>(r * nc) * es,
+                    base + static_cast<size_t>((r0 + r) * full_cols + c0) * es, static_cast<size_t>(nc) * es);
+    }
+    be_.upload_into(host, dst);
+  }
+
+ private:
+  Backend& be_;
+  const Checkpoint* ckpt_;
+  LoadOptions opts_;
+  DType matrix_dtype_ = DType::BF16;
+  std::set<std::string> used_;
+  int64_t bytes_ = 0;
+};
+
+DeepseekModel::DeepseekModel(ModelConfig config, Backend& backend, ParallelPlan plan, Communicator* tp_comm,
+                             Communicator* attn_tp_comm)
+    : config_(std::move(config)), backend_(backend), plan_(plan), tp_comm_(tp_comm), attn_tp_comm_(attn_tp_comm) {
+  const auto& c = config_;
+  auto divisible = [](int64_t n, int64_t d, const char* what, const char* group) {
+    MLA_CHECK(n % d == 0, "{} ({}) is not divisible by the {} size {}", what, n, group, d);
+    return n / d;
+  };
+  MLA_CHECK(plan_.tp_size >= 1 && plan_.attn_tp_size >= 1 && plan_.tp_rank < plan_.tp_size &&
+                plan_.attn_tp_rank < plan_.attn_tp_size,
+            "invalid parallel plan");
+  local_heads_ = divisible(c.num_attention_heads, plan_.attn_tp_size, "num_attention_heads", "attention tensor-parallel");
+  local_inter_ = divisible(c.intermediate_size, plan_.tp_size, "intermediate_size", "tensor-parallel");
+  local_moe_inter_ = c.n_routed_experts ? divisible(c.moe_intermediate_size, plan_.tp_size, "moe_intermediate_size", "tensor-parallel") : 0;
+  local_shared_inter_ = local_moe_inter_ * c.n_shared_experts;
+  local_vocab_ = divisible(c.vocab_size, plan_.tp_size, "vocab_size", "tensor-parallel");
+  MLA_CHECK(plan_.tp_size == 1 || tp_comm_ != nullptr, "tensor parallel size {} needs a communicator", plan_.tp_size);
+  MLA_CHECK(plan_.attn_tp_size == 1 || attn_tp_comm_ != nullptr, "attention TP size {} needs a communicator",
+            plan_.attn_tp_size);
+  backend_.set_rope(c.rope_inv_freq(), static_cast<float>(c.rope_attention_factor()));
+}
+
+DeepseekModel::~DeepseekModel() = default;
+
+void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) {
+  using Kind = Loader::Kind;
+  const auto t_start = std::chrono::steady_clock::now();
+  std::unique_ptr<Checkpoint> ckpt;
+  if (!opts.dummy) ckpt = std::make_unique<Checkpoint>(model_dir);
+  Loader ld(backend_, ckpt.get(), opts);
+  if (ckpt) {
+    const TensorInfo& e = ckpt->get("model.embed_tokens.weight");
+    ld.set_matrix_dtype(backend_.weight_dtype(e.dtype));
+  } else {
+    ld.set_matrix_dtype(backend_.weight_dtype(DType::BF16));
+  }
+  const auto& c = config_;
+  const int64_t H = c.hidden_size, nh = c.num_attention_heads, lh = local_heads_;
+  const int64_t nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim, vd = c.v_head_dim, qk = nope + rope;
+  const int64_t kvr = c.kv_lora_rank, h0 = plan_.attn_tp_rank * lh;
+  const int64_t tr = plan_.tp_rank;
+
+  local_vocab_ = c.vocab_size / plan_.tp_size;
+  embed_ = ld.make("model.embed_tokens.weight", {c.vocab_size, H}, {local_vocab_, H}, tr * local_vocab_, 0, Kind::Embedding);
+  final_norm_ = ld.make("model.norm.weight", {H}, {H}, 0, 0, Kind::Norm);
+  if (c.tie_word_embeddings && (!ckpt || !ckpt->has("lm_head.weight"))) {
+    lm_head_ = embed_;
+  } else {
+    lm_head_ = ld.make("lm_head.weight", {c.vocab_size, H}, {local_vocab_, H}, tr * local_vocab_, 0, Kind::LmHead);
+  }
+
+  // Loads gate rows then up rows of an MLP into one [2 * local, H] block (dst may be an expert's slice).
+  auto load_gate_up = [&](Tensor dst, const std::string& prefix, int64_t full_inter, int64_t local) {
+    Tensor g = dst.rows(0, local), u = dst.rows(local, 2 * local);
+    ld.load_into(g, prefix + "gate_proj.weight", {full_inter, H}, tr * local, 0, Kind::Matrix);
+    ld.load_into(u, prefix + "up_proj.weight", {full_inter, H}, tr * local, 0, Kind::Matrix);
+  };
+  auto load_down = [&](Tensor dst, const std::string& prefix, int64_t full_inter, int64_t local) {
+    ld.load_into(dst, prefix + "down_proj.weight", {H, full_inter}, 0, tr * local, Kind::Matrix);
+  };
+
+  layers_.clear();
+  layers_.resize(static_cast<size_t>(c.num_hidden_layers));
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    LayerWeights& w = layers_[static_cast<size_t>(l)];
+    w.input_norm = ld.make(layer_name(l, "input_layernorm.weight"), {H}, {H}, 0, 0, Kind::Norm);
+    w.post_norm = ld.make(layer_name(l, "post_attention_layernorm.weight"), {H}, {H}, 0, 0, Kind::Norm);
+    if (c.q_lora_rank > 0) {
+      const int64_t qr = c.q_lora_rank;
+      w.q_a_proj = ld.make(layer_name(l, "self_attn.q_a_proj.weight"), {qr, H}, {qr, H}, 0, 0, Kind::Matrix);
+      w.q_a_norm = ld.make(layer_name(l, "self_attn.q_a_layernorm.weight"), {qr}, {qr}, 0, 0, Kind::Norm);
+      w.q_b_proj = ld.make(layer_name(l, "self_attn.q_b_proj.weight"), {nh * qk, qr}, {lh * qk, qr}, h0 * qk, 0, Kind::Matrix);
+    } else {
+      w.q_proj = ld.make(layer_name(l, "self_attn.q_proj.weight"), {nh * qk, H}, {lh * qk, H}, h0 * qk, 0, Kind::Matrix);
+    }
+    w.kv_a_proj = ld.make(layer_name(l, "self_attn.kv_a_proj_with_mqa.weight"), {kvr + rope, H}, {kvr + rope, H}, 0, 0,
+                          Kind::Matrix);
+    w.kv_a_norm = ld.make(layer_name(l, "self_attn.kv_a_layernorm.weight"), {kvr}, {kvr}, 0, 0, Kind::Norm);
+    w.kv_b_proj = ld.make(layer_name(l, "self_attn.kv_b_proj.weight"), {nh * (nope + vd), kvr}, {lh * (nope + vd), kvr},
+                          h0 * (nope + vd), 0, Kind::Matrix);
+    w.o_proj = ld.make(layer_name(l, "self_attn.o_proj.weight"), {H, nh * vd}, {H, lh * vd}, 0, h0 * vd, Kind::Matrix);
+
+    w.is_moe = c.is_moe_layer(l);
+    if (!w.is_moe) {
+      const int64_t I = local_inter_;
+      w.mlp_gate_up = backend_.alloc({2 * I, H}, ld.matrix_dtype());
+      load_gate_up(w.mlp_gate_up, layer_name(l, "mlp."), c.intermediate_size, I);
+      w.mlp_down = backend_.alloc({H, I}, ld.matrix_dtype());
+      load_down(w.mlp_down, layer_name(l, "mlp."), c.intermediate_size, I);
+      continue;
+    }
+    const int64_t E = c.n_routed_experts, Im = local_moe_inter_;
+    w.router = ld.make(layer_name(l, "mlp.gate.weight"), {E, H}, {E, H}, 0, 0, Kind::Router);
+    const std::string bias_name = layer_name(l, "mlp.gate.e_score_correction_bias");
+    if (c.topk_method == TopkMethod::NoauxTc || (ckpt && ckpt->has(bias_name)))
+      w.router_bias = ld.make(bias_name, {E}, {E}, 0, 0, Kind::Bias);
+    w.experts_gate_up = backend_.alloc({E, 2 * Im, H}, ld.matrix_dtype());
+    w.experts_down = backend_.alloc({E, H, Im}, ld.matrix_dtype());
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string prefix = layer_name(l, "mlp.experts.") + std::to_string(e) + ".";
+      load_gate_up(w.experts_gate_up.rows(e, e + 1).reshape({2 * Im, H}), prefix, c.moe_intermediate_size, Im);
+      load_down(w.experts_down.rows(e, e + 1).reshape({H, Im}), prefix, c.moe_intermediate_size, Im);
+    }
+    if (c.n_shared_experts > 0) {
+      const int64_t Is = local_shared_inter_, full = c.moe_intermediate_size * c.n_shared_experts;
+      w.shared_gate_up = backend_.alloc({2 * Is, H}, ld.matrix_dtype());
+      load_gate_up(w.shared_gate_up, layer_name(l, "mlp.shared_experts."), full, Is);
+      w.shared_down = backend_.alloc({H, Is}, ld.matrix_dtype());
+      load_down(w.shared_down, layer_name(l, "mlp.shared_experts."), full, Is);
+    }
+    if (l % 8 == 7 || l + 1 == c.num_hidden_layers)
+      MLA_LOG_INFO("loading weights: layer {}/{}", l + 1, c.num_hidden_layers);
+  }
+  weight_bytes_ = ld.bytes();
+  if (ckpt) {
+    std::vector<std::string> extra;
+    for (const auto& n : ckpt->names())
+      if (!ld.used().count(n)) extra.push_back(n);
+    if (!extra.empty())
+      MLA_LOG_INFO("ignoring {} checkpoint tensors the model does not use (e.g. '{}'{})", extra.size(), extra.front(),
+                   extra.size() > 1 ? fmt::format(", '{}'", extra.back()) : std::string());
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  MLA_LOG_INFO("loaded {} weights: {:.2f} GiB on {} in {:.1f} s", opts.dummy ? "dummy" : "checkpoint",
+               static_cast<double>(weight_bytes_) / (1 << 30), backend_.name(), secs);
+}
+
+void DeepseekModel::attention(int64_t l, const Tensor& x, KvCache& cache, MlaForm form, Tensor& out) {
+  const auto& c = config_;
+  const LayerWeights& w = layers_[static_cast<size_t>(l)];
+  const int64_t T = x.size(0);
+  const int64_t nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim, vd = c.v_head_dim, kvr = c.kv_lora_rank;
+  const DType ad = backend_.act_dtype();
+  Tensor q = backend_.alloc({T, local_heads_ * (nope + rope)}, ad);
+  if (c.q_lora_rank > 0) {
+    Tensor qa = backend_.alloc({T, c.q_lora_rank}, ad);
+    backend_.linear(x, w.q_a_proj, qa);
+    backend_.rmsnorm(qa, w.q_a_norm, static_cast<float>(c.rms_norm_eps), qa);
+    backend_.linear(qa, w.q_b_proj, q);
+  } else {
+    backend_.linear(x, w.q_proj, q);
+  }
+  Tensor latent = backend_.alloc({T, kvr + rope}, ad);
+  backend_.linear(x, w.kv_a_proj, latent);
+  backend_.mla_write_latent(latent, w.kv_a_norm, static_cast<float>(c.rms_norm_eps), cache.layer(l));
+  backend_.mla_rope_q(q, static_cast<int32_t>(local_heads_), static_cast<int32_t>(nope), static_cast<int32_t>(rope));
+  MlaParams p;
+  p.num_heads = static_cast<int32_t>(local_heads_);
+  p.qk_nope = static_cast<int32_t>(nope);
+  p.qk_rope = static_cast<int32_t>(rope);
+  p.v_head = static_cast<int32_t>(vd);
+  p.kv_lora = static_cast<int32_t>(kvr);
+  p.softmax_scale = static_cast<float>(c.softmax_scale());
+  p.form = form;
+  Tensor attn = backend_.alloc({T, local_heads_ * vd}, ad);
+  backend_.mla_attention(q, cache.layer(l), w.kv_b_proj, p, attn);
+  backend_.linear(attn, w.o_proj, out);
+  if (plan_.attn_tp_size > 1) attn_tp_comm_->all_reduce_sum(out);
+}
+
+void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
+  const auto& c = config_;
+  const LayerWeights& w = layers_[static_cast<size_t>(l)];
+  const int64_t T = x.size(0), H = c.hidden_size;
+  const DType ad = backend_.act_dtype();
+  auto dense = [&](const Tensor& gate_up, const Tensor& down, int64_t inter, Tensor& y) {
+    Tensor gu = backend_.alloc({T, 2 * inter}, ad);
+    backend_.linear(x, gate_up, gu);
+    Tensor act = backend_.alloc({T, inter}, ad);
+    backend_.silu_mul(gu, act);
+    backend_.linear(act, down, y);
+  };
+  if (!w.is_moe) {
+    dense(w.mlp_gate_up, w.mlp_down, local_inter_, out);
+  } else {
+    const int64_t E = c.n_routed_experts, k = c.num_experts_per_tok;
+    Tensor logits = backend_.alloc({T, E}, DType::F32);
+    backend_.linear(x, w.router, logits);
+    Tensor ids = backend_.alloc({T, k}, DType::I32);
+    Tensor weights = backend_.alloc({T, k}, DType::F32);
+    RouterParams rp;
+    rp.method = c.topk_method;
+    rp.scoring = c.scoring_func;
+    rp.top_k = static_cast<int32_t>(k);
+    rp.n_group = static_cast<int32_t>(c.n_group);
+    rp.topk_group = static_cast<int32_t>(c.topk_group);
+    rp.norm_topk_prob = c.norm_topk_prob;
+    rp.routed_scaling_factor = static_cast<float>(c.routed_scaling_factor);
+    backend_.moe_route(logits, w.router_bias.defined() ? &w.router_bias : nullptr, rp, ids, weights);
+    backend_.moe_experts(x, ids, weights, w.experts_gate_up, w.experts_down, 0, out);
+    if (c.n_shared_experts > 0) {
+      Tensor shared = backend_.alloc({T, H}, ad);
+      dense(w.shared_gate_up, w.shared_down, local_shared_inter_, shared);
+      backend_.add(out, shared);
+    }
+  }
+  if (plan_.tp_size > 1) tp_comm_->all_reduce_sum(out);
+}
+
+Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm form) {
+  MLA_CHECK(!layers_.empty(), "model weights are not loaded");
+  const auto& c = config_;
+  backend_.begin_step(batch);
+  const int64_t T = batch.num_tokens(), H = c.hidden_size;
+  for (int32_t id : batch.input_ids)
+    MLA_CHECK(id >= 0 && id < c.vocab_size, "token id {} is outside the vocabulary [0, {})", id, c.vocab_size);
+  const DType ad = backend_.act_dtype();
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  Tensor hidden = backend_.alloc({T, H}, ad);
+  Tensor residual = backend_.alloc({T, H}, ad);
+  Tensor normed = backend_.alloc({T, H}, ad);
+  backend_.embedding(embed_, plan_.tp_rank * local_vocab_, hidden);
+  if (plan_.tp_size > 1) tp_comm_->all_reduce_sum(hidden);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const LayerWeights& w = layers_[static_cast<size_t>(l)];
+    backend_.add_rmsnorm(hidden, residual, w.input_norm, eps, normed);
+    attention(l, normed, cache, form, hidden);
+    backend_.add_rmsnorm(hidden, residual, w.post_norm, eps, normed);
+    mlp(l, normed, hidden);
+  }
+  backend_.add_rmsnorm(hidden, residual, final_norm_, eps, normed);
+  const int64_t R = static_cast<int64_t>(batch.logit_rows.size());
+  Tensor rows = backend_.alloc({R, H}, ad);
+  backend_.gather_logit_rows(normed, rows);
+  Tensor logits_local = backend_.alloc({R, local_vocab_}, DType::F32);
+  backend_.linear(rows, lm_head_, logits_local);
+  Tensor host_local = backend_.to_host_f32(logits_local);
+  if (plan_.tp_size == 1) return host_local;
+  // Vocab-parallel lm_head: gather [tp, R, V/tp] and interleave into [R, V].
+  Tensor gathered = backend_.alloc({plan_.tp_size * R, local_vocab_}, DType::F32);
+  tp_comm_->all_gather(logits_local, gathered);
+  Tensor g = backend_.to_host_f32(gathered);
+  Tensor out = Tensor::empty_host({R, c.vocab_size}, DType::F32);
+  for (int64_t r = 0; r < plan_.tp_size; ++r)
+    for (int64_t i = 0; i < R; ++i)
+      std::memcpy(out.data_as<float>() + i * c.vocab_size + r * local_vocab_,
+                  g.data_as<float>() + (r * R + i) * local_vocab_, static_cast<size_t>(local_vocab_) * sizeof(float));
+  return out;
+}
+
+}  // namespace mlaserve

@@ -1,0 +1,84 @@
+// DeepseekModel: the DeepSeek V2 / V3 decoder (MLA attention + MoE / dense MLP) composed from backend ops.
+// It owns this rank's weight shards; the latent KV cache is passed in per call.
+//
+// One forward over a ragged ForwardBatch (T tokens, B sequences):
+//   hidden[T,H] = embed(ids)                                     (vocab-parallel: all-reduce over TP)
+//   per layer:  normed = rmsnorm(residual += hidden)
+//               q[T, nh*(nope+rope)] = q_proj | q_b(rmsnorm(q_a(normed)))
+//               latent[T, kvr+rope] = kv_a(normed) -> norm c_kv, rotate k_pe, write to cache slots
+//               attn[T, nh*v] = MLA over the paged cache (expanded or absorbed form)
+//               hidden = o_proj(attn)                             (all-reduce over attention TP)
+//               normed = rmsnorm(residual += hidden)
+//               hidden = MoE(normed) + shared(normed) | dense MLP  (all-reduce over TP)
+//   logits[R, V] = lm_head(rmsnorm(residual + hidden)[logit_rows])
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "io/model_config.h"
+#include "model/kv_cache.h"
+#include "model/parallel_plan.h"
+#include "parallel/communicator.h"
+
+namespace mlaserve {
+
+class Checkpoint;
+
+struct LayerWeights {
+  Tensor input_norm, post_norm;         // [H] F32
+  Tensor q_proj;                        // [nh*(nope+rope), H]      (no q LoRA)
+  Tensor q_a_proj, q_a_norm, q_b_proj;  // [qr, H], [qr], [nh*(nope+rope), qr]
+  Tensor kv_a_proj;                     // [kvr+rope, H]
+  Tensor kv_a_norm;                     // [kvr] F32
+  Tensor kv_b_proj;                     // [nh*(nope+v), kvr]: per head W_UK rows then W_UV rows
+  Tensor o_proj;                        // [H, nh*v]
+  bool is_moe = false;
+  Tensor mlp_gate_up, mlp_down;             // dense: [2*I, H], [H, I]
+  Tensor router, router_bias;               // [E, H], [E] F32 (noaux_tc only)
+  Tensor experts_gate_up, experts_down;     // [E, 2*Im, H], [E, H, Im]
+  Tensor shared_gate_up, shared_down;       // [2*Is, H], [H, Is]
+};
+
+struct LoadOptions {
+  bool dummy = false;       // --load-format dummy: random weights from config.json alone
+  uint64_t seed = 0;        // dummy weights' seed
+};
+
+class DeepseekModel {
+ public:
+  DeepseekModel(ModelConfig config, Backend& backend, ParallelPlan plan = {}, Communicator* tp_comm = nullptr,
+                Communicator* attn_tp_comm = nullptr);
+  ~DeepseekModel();
+
+  // Loads from DIR (config already parsed) or makes dummy weights.
+  void load(const std::string& model_dir, const LoadOptions& opts);
+
+  // Runs one step; returns host F32 logits [batch.logit_rows.size(), vocab].
+  Tensor forward(const ForwardBatch& batch, KvCache& cache, MlaForm form = MlaForm::Auto);
+
+  const ModelConfig& config() const { return config_; }
+  Backend& backend() { return backend_; }
+  int64_t num_local_heads() const { return local_heads_; }
+  // Bytes of weights held by this rank.
+  int64_t weight_bytes() const { return weight_bytes_; }
+
+ private:
+  class Loader;
+  void attention(int64_t layer, const Tensor& x, KvCache& cache, MlaForm form, Tensor& out);
+  void mlp(int64_t layer, const Tensor& x, Tensor& out);
+
+  ModelConfig config_;
+  Backend& backend_;
+  ParallelPlan plan_;
+  Communicator* tp_comm_;
+  Communicator* attn_tp_comm_;
+  int64_t local_heads_ = 0, local_inter_ = 0, local_moe_inter_ = 0, local_shared_inter_ = 0, local_vocab_ = 0;
+  Tensor embed_, final_norm_, lm_head_;
+  std::vector<LayerWeights> layers_;
+  int64_t weight_bytes_ = 0;
+};
+
+}  // namespace mlaserve

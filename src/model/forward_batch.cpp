@@ -1,0 +1,73 @@
+#include "model/forward_batch.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace mlaserve {
+
+const char* forward_mode_name(ForwardMode m) {
+  switch (m) {
+    case ForwardMode::Idle: return "idle";
+    case ForwardMode::Extend: return "extend";
+    case ForwardMode::Decode: return "decode";
+    case ForwardMode::Mixed: return "mixed";
+  }
+  return "?";
+}
+
+ForwardBatchBuilder::ForwardBatchBuilder(int32_t page_size) {
+  MLA_CHECK(page_size > 0, "page size must be positive, got {}", page_size);
+  b_.page_size = page_size;
+  b_.seq_q_start.push_back(0);
+}
+
+void ForwardBatchBuilder::add(std::span<const int32_t> new_tokens, int32_t prefix_len, std::span<const int32_t> pages,
+                              bool all_logits) {
+  MLA_CHECK(!new_tokens.empty(), "a sequence in a batch needs at least one new token");
+  MLA_CHECK(prefix_len >= 0, "negative prefix length {}", prefix_len);
+  const int32_t total = prefix_len + static_cast<int32_t>(new_tokens.size());
+  const int32_t ps = b_.page_size;
+  MLA_CHECK(static_cast<int64_t>(pages.size()) * ps >= total, "{} pages of {} tokens cannot hold {} tokens",
+            pages.size(), ps, total);
+  const int32_t seq = b_.num_seqs();
+  for (size_t i = 0; i < new_tokens.size(); ++i) {
+    const int32_t pos = prefix_len + static_cast<int32_t>(i);
+    const int32_t page = pages[static_cast<size_t>(pos / ps)];
+    MLA_CHECK(page >= 0, "page table entry {} of sequence {} is unset", pos / ps, seq);
+    if (all_logits || i + 1 == new_tokens.size()) b_.logit_rows.push_back(b_.num_tokens());
+    b_.input_ids.push_back(new_tokens[i]);
+    b_.positions.push_back(pos);
+    b_.token_seq.push_back(seq);
+    b_.out_slots.push_back(page * ps + pos % ps);
+  }
+  b_.seq_q_start.push_back(b_.num_tokens());
+  b_.seq_prefix_lens.push_back(prefix_len);
+  b_.seq_lens.push_back(total);
+  const int32_t needed = (total + ps - 1) / ps;
+  pages_.emplace_back(pages.begin(), pages.begin() + needed);
+  if (new_tokens.size() == 1 && prefix_len > 0) any_decode_ = true;
+  else any_prefill_ = true;
+}
+
+ForwardBatch ForwardBatchBuilder::finish() {
+  int32_t max_pages = 0;
+  for (const auto& p : pages_) max_pages = std::max<int32_t>(max_pages, static_cast<int32_t>(p.size()));
+  b_.max_pages = max_pages;
+  b_.page_table.assign(static_cast<size_t>(max_pages) * pages_.size(), -1);
+  for (size_t s = 0; s < pages_.size(); ++s)
+    std::copy(pages_[s].begin(), pages_[s].end(), b_.page_table.begin() + static_cast<int64_t>(s) * max_pages);
+  if (b_.num_tokens() == 0) b_.mode = ForwardMode::Idle;
+  else if (any_prefill_ && any_decode_) b_.mode = ForwardMode::Mixed;
+  else if (any_prefill_) b_.mode = ForwardMode::Extend;
+  else b_.mode = ForwardMode::Decode;
+  ForwardBatch out = std::move(b_);
+  b_ = ForwardBatch{};
+  b_.page_size = out.page_size;
+  b_.seq_q_start.push_back(0);
+  pages_.clear();
+  any_prefill_ = any_decode_ = false;
+  return out;
+}
+
+}  // namespace mlaserve

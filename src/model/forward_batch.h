@@ -1,0 +1,60 @@
+// ForwardBatch: the per-step batch description, built once on the host before layer 0 and handed to the
+// backend (which uploads it once). It is a ragged batch of sequences; each contributes either a chunk of
+// prefill tokens (possibly continuing a prefix already in the paged latent cache) or one decode token.
+// A batch with no tokens is an IDLE step (DP attention: the rank still joins every collective).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace mlaserve {
+
+enum class ForwardMode : uint8_t { Idle, Extend, Decode, Mixed };
+const char* forward_mode_name(ForwardMode m);
+
+// Which MLA form the attention uses. Auto: expanded for steps that carry prefill, absorbed for pure decode.
+enum class MlaForm : uint8_t { Auto, Expanded, Absorbed };
+
+struct ForwardBatch {
+  ForwardMode mode = ForwardMode::Idle;
+  int32_t page_size = 0;
+  int32_t max_pages = 0;  // columns of page_table
+
+  // Per token, [num_tokens]
+  std::vector<int32_t> input_ids;
+  std::vector<int32_t> positions;   // absolute position in its sequence
+  std::vector<int32_t> token_seq;   // index of the sequence the token belongs to
+  std::vector<int32_t> out_slots;   // latent-cache slot written by the token: page * page_size + offset
+
+  // Per sequence, [num_seqs] (seq_q_start has num_seqs + 1 entries: cu_seqlens of the new tokens)
+  std::vector<int32_t> seq_q_start;
+  std::vector<int32_t> seq_prefix_lens;  // tokens already cached before this step
+  std::vector<int32_t> seq_lens;         // prefix + new tokens: the context attended to by the last token
+  std::vector<int32_t> page_table;       // [num_seqs, max_pages], row-major, unused entries -1
+
+  // Token rows whose logits are returned, in output order.
+  std::vector<int32_t> logit_rows;
+
+  int32_t num_tokens() const { return static_cast<int32_t>(input_ids.size()); }
+  int32_t num_seqs() const { return static_cast<int32_t>(seq_lens.size()); }
+  bool has_prefill() const { return mode == ForwardMode::Extend || mode == ForwardMode::Mixed; }
+};
+
+// Builds a ForwardBatch sequence by sequence.
+class ForwardBatchBuilder {
+ public:
+  explicit ForwardBatchBuilder(int32_t page_size);
+  // Adds a sequence whose first `prefix_len` tokens are already cached; `new_tokens` follow them.
+  // `pages` must cover prefix_len + new_tokens.size() positions. With `all_logits`, every new token's
+  // logits are returned, otherwise only the last one's.
+  void add(std::span<const int32_t> new_tokens, int32_t prefix_len, std::span<const int32_t> pages, bool all_logits);
+  ForwardBatch finish();
+
+ private:
+  ForwardBatch b_;
+  std::vector<std::vector<int32_t>> pages_;
+  bool any_prefill_ = false, any_decode_ = false;
+};
+
+}  // namespace mlaserve
