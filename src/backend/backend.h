@@ -43,7 +43,11 @@ class Backend {
   virtual DType act_dtype() const = 0;
 
   // ---- memory ----
-  virtual Tensor alloc(const Shape& shape, DType dtype) = 0;  // zero-filled
+  // Persistent memory (weights, KV cache), zero-filled. On a GPU: taken up front, never in the steady state.
+  virtual Tensor alloc(const Shape& shape, DType dtype) = 0;
+  // Step-scoped memory for activations: contents undefined, valid until the next begin_step (an arena that
+  // begin_step resets; no device allocation per step).
+  virtual Tensor scratch(const Shape& shape, DType dtype) = 0;
   // The element type weights of source dtype `src` are kept in on this backend.
   virtual DType weight_dtype(DType src) const = 0;
   // Uploads a host tensor, converting its elements to `dtype` (F32/F16/BF16/F8_E4M3 sources).
@@ -73,6 +77,8 @@ class Backend {
   virtual void linear(const Tensor& x, const Tensor& w, Tensor& y) = 0;
   // out[N, I] = silu(gate_up[:, :I]) * gate_up[:, I:]
   virtual void silu_mul(const Tensor& gate_up, Tensor& out) = 0;
+  // dst = src (same element count and dtype), device to device.
+  virtual void copy(const Tensor& src, Tensor& dst) = 0;
   // a += b (same shape)
   virtual void add(Tensor& a, const Tensor& b) = 0;
   // out[R, C] = x[logit_rows of the step, C]

@@ -58,7 +58,7 @@ OfflineResult run_offline(DeepseekModel& model, const std::vector<std::vector<in
       members.push_back(j);
     }
     ForwardBatch fb = bb.finish();
-    Tensor logits = model.forward(fb, cache, opts.form);
+    Tensor logits = model.backend().to_host_f32(model.forward(fb, cache, opts.form));
     int64_t row = 0;
     for (size_t j : members) {
       const size_t end = std::min(prompts[j].size(), start + chunk);
@@ -91,7 +91,7 @@ OfflineResult run_offline(DeepseekModel& model, const std::vector<std::vector<in
     }
     if (members.empty()) break;
     ForwardBatch fb = bb.finish();
-    Tensor logits = model.forward(fb, cache, opts.form);
+    Tensor logits = model.backend().to_host_f32(model.forward(fb, cache, opts.form));
     for (size_t r = 0; r < members.size(); ++r) {
       const size_t j = members[r];
       ++len[j];

@@ -221,16 +221,16 @@ void DeepseekModel::attention(int64_t l, const Tensor& x, KvCache& cache, MlaFor
   const int64_t T = x.size(0);
   const int64_t nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim, vd = c.v_head_dim, kvr = c.kv_lora_rank;
   const DType ad = backend_.act_dtype();
-  Tensor q = backend_.alloc({T, local_heads_ * (nope + rope)}, ad);
+  Tensor q = backend_.scratch({T, local_heads_ * (nope + rope)}, ad);
   if (c.q_lora_rank > 0) {
-    Tensor qa = backend_.alloc({T, c.q_lora_rank}, ad);
+    Tensor qa = backend_.scratch({T, c.q_lora_rank}, ad);
     backend_.linear(x, w.q_a_proj, qa);
     backend_.rmsnorm(qa, w.q_a_norm, static_cast<float>(c.rms_norm_eps), qa);
     backend_.linear(qa, w.q_b_proj, q);
   } else {
     backend_.linear(x, w.q_proj, q);
   }
-  Tensor latent = backend_.alloc({T, kvr + rope}, ad);
+  Tensor latent = backend_.scratch({T, kvr + rope}, ad);
   backend_.linear(x, w.kv_a_proj, latent);
   backend_.mla_write_latent(latent, w.kv_a_norm, static_cast<float>(c.rms_norm_eps), cache.layer(l));
   backend_.mla_rope_q(q, static_cast<int32_t>(local_heads_), static_cast<int32_t>(nope), static_cast<int32_t>(rope));
@@ -242,7 +242,7 @@ void DeepseekModel::attention(int64_t l, const Tensor& x, KvCache& cache, MlaFor
   p.kv_lora = static_cast<int32_t>(kvr);
   p.softmax_scale = static_cast<float>(c.softmax_scale());
   p.form = form;
-  Tensor attn = backend_.alloc({T, local_heads_ * vd}, ad);
+  Tensor attn = backend_.scratch({T, local_heads_ * vd}, ad);
   backend_.mla_attention(q, cache.layer(l), w.kv_b_proj, p, attn);
   backend_.linear(attn, w.o_proj, out);
   if (plan_.attn_tp_size > 1) attn_tp_comm_->all_reduce_sum(out);
@@ -254,9 +254,9 @@ void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
   const int64_t T = x.size(0), H = c.hidden_size;
   const DType ad = backend_.act_dtype();
   auto dense = [&](const Tensor& gate_up, const Tensor& down, int64_t inter, Tensor& y) {
-    Tensor gu = backend_.alloc({T, 2 * inter}, ad);
+    Tensor gu = backend_.scratch({T, 2 * inter}, ad);
     backend_.linear(x, gate_up, gu);
-    Tensor act = backend_.alloc({T, inter}, ad);
+    Tensor act = backend_.scratch({T, inter}, ad);
     backend_.silu_mul(gu, act);
     backend_.linear(act, down, y);
   };
@@ -264,10 +264,10 @@ void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
     dense(w.mlp_gate_up, w.mlp_down, local_inter_, out);
   } else {
     const int64_t E = c.n_routed_experts, k = c.num_experts_per_tok;
-    Tensor logits = backend_.alloc({T, E}, DType::F32);
+    Tensor logits = backend_.scratch({T, E}, DType::F32);
     backend_.linear(x, w.router, logits);
-    Tensor ids = backend_.alloc({T, k}, DType::I32);
-    Tensor weights = backend_.alloc({T, k}, DType::F32);
+    Tensor ids = backend_.scratch({T, k}, DType::I32);
+    Tensor weights = backend_.scratch({T, k}, DType::F32);
     RouterParams rp;
     rp.method = c.topk_method;
     rp.scoring = c.scoring_func;
@@ -279,7 +279,7 @@ void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
     backend_.moe_route(logits, w.router_bias.defined() ? &w.router_bias : nullptr, rp, ids, weights);
     backend_.moe_experts(x, ids, weights, w.experts_gate_up, w.experts_down, 0, out);
     if (c.n_shared_experts > 0) {
-      Tensor shared = backend_.alloc({T, H}, ad);
+      Tensor shared = backend_.scratch({T, H}, ad);
       dense(w.shared_gate_up, w.shared_down, local_shared_inter_, shared);
       backend_.add(out, shared);
     }
@@ -296,35 +296,39 @@ Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm
     MLA_CHECK(id >= 0 && id < c.vocab_size, "token id {} is outside the vocabulary [0, {})", id, c.vocab_size);
   const DType ad = backend_.act_dtype();
   const float eps = static_cast<float>(c.rms_norm_eps);
-  Tensor hidden = backend_.alloc({T, H}, ad);
-  Tensor residual = backend_.alloc({T, H}, ad);
-  Tensor normed = backend_.alloc({T, H}, ad);
+  Tensor hidden = backend_.scratch({T, H}, ad);
+  Tensor residual = backend_.scratch({T, H}, ad);
+  Tensor normed = backend_.scratch({T, H}, ad);
   backend_.embedding(embed_, plan_.tp_rank * local_vocab_, hidden);
   if (plan_.tp_size > 1) tp_comm_->all_reduce_sum(hidden);
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& w = layers_[static_cast<size_t>(l)];
-    backend_.add_rmsnorm(hidden, residual, w.input_norm, eps, normed);
+    if (l == 0) {
+      backend_.copy(hidden, residual);
+      backend_.rmsnorm(hidden, w.input_norm, eps, normed);
+    } else {
+      backend_.add_rmsnorm(hidden, residual, w.input_norm, eps, normed);
+    }
     attention(l, normed, cache, form, hidden);
     backend_.add_rmsnorm(hidden, residual, w.post_norm, eps, normed);
     mlp(l, normed, hidden);
   }
   backend_.add_rmsnorm(hidden, residual, final_norm_, eps, normed);
   const int64_t R = static_cast<int64_t>(batch.logit_rows.size());
-  Tensor rows = backend_.alloc({R, H}, ad);
+  Tensor rows = backend_.scratch({R, H}, ad);
   backend_.gather_logit_rows(normed, rows);
-  Tensor logits_local = backend_.alloc({R, local_vocab_}, DType::F32);
+  Tensor logits_local = backend_.scratch({R, local_vocab_}, DType::F32);
   backend_.linear(rows, lm_head_, logits_local);
-  Tensor host_local = backend_.to_host_f32(logits_local);
-  if (plan_.tp_size == 1) return host_local;
+  if (plan_.tp_size == 1) return logits_local;
   // Vocab-parallel lm_head: gather [tp, R, V/tp] and interleave into [R, V].
-  Tensor gathered = backend_.alloc({plan_.tp_size * R, local_vocab_}, DType::F32);
+  Tensor gathered = backend_.scratch({plan_.tp_size * R, local_vocab_}, DType::F32);
   tp_comm_->all_gather(logits_local, gathered);
-  Tensor g = backend_.to_host_f32(gathered);
-  Tensor out = Tensor::empty_host({R, c.vocab_size}, DType::F32);
+  Tensor out = backend_.scratch({R, c.vocab_size}, DType::F32);
   for (int64_t r = 0; r < plan_.tp_size; ++r)
-    for (int64_t i = 0; i < R; ++i)
-      std::memcpy(out.data_as<float>() + i * c.vocab_size + r * local_vocab_,
-                  g.data_as<float>() + (r * R + i) * local_vocab_, static_cast<size_t>(local_vocab_) * sizeof(float));
+    for (int64_t i = 0; i < R; ++i) {
+      Tensor dst = out.rows(i, i + 1).reshape({plan_.tp_size, local_vocab_}).rows(r, r + 1);
+      backend_.copy(gathered.rows(r * R + i, r * R + i + 1), dst);
+    }
   return out;
 }
 

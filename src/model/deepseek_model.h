@@ -56,7 +56,8 @@ class DeepseekModel {
   // Loads from DIR (config already parsed) or makes dummy weights.
   void load(const std::string& model_dir, const LoadOptions& opts);
 
-  // Runs one step; returns host F32 logits [batch.logit_rows.size(), vocab].
+  // Runs one step; returns F32 logits [batch.logit_rows.size(), vocab] in backend scratch memory (valid until
+  // the next step; backend().to_host_f32 copies them out).
   Tensor forward(const ForwardBatch& batch, KvCache& cache, MlaForm form = MlaForm::Auto);
 
   const ModelConfig& config() const { return config_; }

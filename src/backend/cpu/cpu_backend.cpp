@@ -36,6 +36,13 @@ class CpuBackend final : public Backend {
   DType weight_dtype(DType src) const override { return src == DType::BF16 ? DType::BF16 : DType::F32; }
 
   Tensor alloc(const Shape& shape, DType dtype) override { return Tensor::empty_host(shape, dtype); }
+  Tensor scratch(const Shape& shape, DType dtype) override { return Tensor::empty_host(shape, dtype); }
+
+  void copy(const Tensor& src, Tensor& dst) override {
+    MLA_CHECK(src.nbytes() == dst.nbytes() && src.dtype() == dst.dtype(), "copy: {} {} into {} {}",
+              dtype_name(src.dtype()), shape_str(src.shape()), dtype_name(dst.dtype()), shape_str(dst.shape()));
+    if (src.data() != dst.data()) std::memcpy(dst.data(), src.data(), src.nbytes());
+  }
 
   Tensor upload(const Tensor& host, DType dtype) override {
     Tensor out = Tensor::empty_host(host.shape(), dtype);
