@@ -63,6 +63,7 @@ class DeepseekModel {
   const ModelConfig& config() const { return config_; }
   Backend& backend() { return backend_; }
   int64_t num_local_heads() const { return local_heads_; }
+  const LayerWeights& layer_weights(int64_t l) const { return layers_.at(static_cast<size_t>(l)); }
   // Bytes of weights held by this rank.
   int64_t weight_bytes() const { return weight_bytes_; }
 

@@ -1,0 +1,52 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "core/dtype.h"
+#include "core/random.h"
+
+using namespace mlaserve;
+
+TEST(DType, Bf16RoundTripAndRounding) {
+  for (float v : {0.0f, 1.0f, -2.5f, 3.140625f, std::ldexp(1.5f, -100), 65536.0f}) EXPECT_EQ(bf16_to_f32(f32_to_bf16(v)), v) << v;
+  // 1 + 2^-8 lies exactly between two bf16 values: ties to even (1.0); 1 + 3*2^-9 rounds up.
+  EXPECT_EQ(bf16_to_f32(f32_to_bf16(1.0f + std::ldexp(1.0f, -8))), 1.0f);
+  EXPECT_EQ(bf16_to_f32(f32_to_bf16(1.0f + 3 * std::ldexp(1.0f, -9))), 1.0f + std::ldexp(1.0f, -7));
+  EXPECT_TRUE(std::isnan(bf16_to_f32(f32_to_bf16(std::nanf("")))));
+}
+
+TEST(DType, F16Decode) {
+  EXPECT_EQ(f16_to_f32(0x3c00), 1.0f);
+  EXPECT_EQ(f16_to_f32(0xc000), -2.0f);
+  EXPECT_EQ(f16_to_f32(0x7bff), 65504.0f);
+  EXPECT_EQ(f16_to_f32(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
+  EXPECT_TRUE(std::isinf(f16_to_f32(0x7c00)));
+}
+
+TEST(DType, Fp8E4m3Decode) {
+  EXPECT_EQ(f8e4m3_to_f32(0x38), 1.0f);    // exp 7, mant 0
+  EXPECT_EQ(f8e4m3_to_f32(0x7e), 448.0f);  // max finite
+  EXPECT_EQ(f8e4m3_to_f32(0xfe), -448.0f);
+  EXPECT_EQ(f8e4m3_to_f32(0x01), std::ldexp(1.0f, -9));  // smallest subnormal
+  EXPECT_TRUE(std::isnan(f8e4m3_to_f32(0x7f)));
+}
+
+TEST(DType, NamesRoundTrip) {
+  for (DType t : {DType::F32, DType::F16, DType::BF16, DType::F8_E4M3, DType::I64, DType::I32})
+    EXPECT_EQ(dtype_from_name(dtype_name(t)), t);
+  EXPECT_FALSE(dtype_from_name("F4").has_value());
+}
+
+TEST(Random, CounterBasedUnitVariance) {
+  double s = 0, s2 = 0;
+  const int n = 200000;
+  for (int i = 0; i < n; ++i) {
+    float u = unit_uniform(42, static_cast<uint64_t>(i));
+    s += u;
+    s2 += u * u;
+  }
+  EXPECT_NEAR(s / n, 0.0, 0.01);
+  EXPECT_NEAR(s2 / n, 1.0, 0.01);
+  EXPECT_EQ(unit_uniform(7, 123), unit_uniform(7, 123));
+  EXPECT_NE(unit_uniform(7, 123), unit_uniform(8, 123));
+}

@@ -1,0 +1,173 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "io/model_config.h"
+#include "test_util.h"
+
+using namespace mlaserve;
+using json = nlohmann::json;
+
+namespace {
+
+// DeepSeek-V2-Lite's config.json values (the fields the forward pass reads).
+json v2_lite() {
+  return json::parse(R"({
+    "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 102400, "hidden_size": 2048,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": null, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+    "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "norm_topk_prob": false, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "topk_method": "greedy",
+    "scoring_func": "softmax", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    "tie_word_embeddings": false, "bos_token_id": 100000, "eos_token_id": 100001})");
+}
+
+json v3() {
+  json j = v2_lite();
+  j["architectures"] = {"DeepseekV3ForCausalLM"};
+  j["hidden_size"] = 7168;
+  j["num_attention_heads"] = 128;
+  j["q_lora_rank"] = 1536;
+  j["n_routed_experts"] = 256;
+  j["n_shared_experts"] = 1;
+  j["num_experts_per_tok"] = 8;
+  j["n_group"] = 8;
+  j["topk_group"] = 4;
+  j["topk_method"] = "noaux_tc";
+  j["scoring_func"] = "sigmoid";
+  j["norm_topk_prob"] = true;
+  j["routed_scaling_factor"] = 2.5;
+  j["first_k_dense_replace"] = 3;
+  j["rope_scaling"]["mscale"] = 1.0;
+  j["rope_scaling"]["mscale_all_dim"] = 1.0;
+  return j;
+}
+
+std::string error_of(const json& j) {
+  try {
+    ModelConfig::from_json(j, "config.json");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(ModelConfig, V2LiteDerivedValues) {
+  ModelConfig c = ModelConfig::from_json(v2_lite(), "config.json");
+  EXPECT_EQ(c.arch, Architecture::DeepseekV2);
+  EXPECT_EQ(c.q_lora_rank, 0);
+  EXPECT_EQ(c.kv_cache_dim(), 576);
+  EXPECT_TRUE(c.rope.yarn);
+  EXPECT_FALSE(c.is_moe_layer(0));
+  EXPECT_TRUE(c.is_moe_layer(1));
+  EXPECT_EQ(c.topk_method, TopkMethod::Greedy);
+  // Softmax scale from the notes: 192^-0.5 * mscale(40, 0.707)^2.
+  EXPECT_NEAR(c.softmax_scale(), 0.114721, 1e-6);
+  EXPECT_NEAR(c.rope_attention_factor(), 1.0, 1e-12);  // mscale == mscale_all_dim
+  auto f = c.rope_inv_freq();
+  ASSERT_EQ(f.size(), 32u);
+  EXPECT_FLOAT_EQ(f[0], 1.0f);                                // fastest pair extrapolates
+  EXPECT_NEAR(f[31], std::pow(10000.0, -62.0 / 64) / 40, 1e-12);  // slowest pair fully interpolated
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{100001}));
+}
+
+TEST(ModelConfig, V3Values) {
+  ModelConfig c = ModelConfig::from_json(v3(), "config.json");
+  EXPECT_EQ(c.arch, Architecture::DeepseekV3);
+  EXPECT_EQ(c.topk_method, TopkMethod::NoauxTc);
+  EXPECT_EQ(c.scoring_func, ScoringFunc::Sigmoid);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_NEAR(c.softmax_scale(), 0.135234, 1e-6);
+  EXPECT_FALSE(c.is_moe_layer(2));
+  EXPECT_TRUE(c.is_moe_layer(3));
+}
+
+TEST(ModelConfig, MoeLayerFrequency) {
+  json j = v2_lite();
+  j["moe_layer_freq"] = 2;
+  ModelConfig c = ModelConfig::from_json(j, "config.json");
+  EXPECT_FALSE(c.is_moe_layer(1));
+  EXPECT_TRUE(c.is_moe_layer(2));
+  EXPECT_FALSE(c.is_moe_layer(3));
+}
+
+TEST(ModelConfig, RopeVariants) {
+  json j = v2_lite();
+  j["rope_scaling"] = nullptr;
+  ModelConfig c = ModelConfig::from_json(j, "config.json");
+  EXPECT_FALSE(c.rope.yarn);
+  EXPECT_NEAR(c.softmax_scale(), 1.0 / std::sqrt(192.0), 1e-9);
+  EXPECT_FLOAT_EQ(c.rope_inv_freq()[1], static_cast<float>(std::pow(10000.0, -2.0 / 64)));
+  // transformers 5 spelling.
+  j = v2_lite();
+  j.erase("rope_scaling");
+  j["rope_parameters"] = {{"rope_type", "yarn"}, {"factor", 40}, {"original_max_position_embeddings", 4096},
+                          {"mscale", 0.707}, {"mscale_all_dim", 0.707}, {"rope_theta", 10000}};
+  c = ModelConfig::from_json(j, "config.json");
+  EXPECT_TRUE(c.rope.yarn);
+  EXPECT_NEAR(c.softmax_scale(), 0.114721, 1e-6);
+  // Without mscale / mscale_all_dim, cos/sin are scaled by mscale(factor) as transformers does.
+  j["rope_parameters"].erase("mscale");
+  j["rope_parameters"].erase("mscale_all_dim");
+  c = ModelConfig::from_json(j, "config.json");
+  EXPECT_NEAR(c.rope_attention_factor(), 0.1 * std::log(40.0) + 1.0, 1e-9);
+  j["rope_parameters"]["rope_type"] = "linear";
+  EXPECT_NE(error_of(j).find("'linear' is not supported"), std::string::npos);
+}
+
+TEST(ModelConfig, ClearErrors) {
+  json j = v2_lite();
+  j["architectures"] = {"LlamaForCausalLM"};
+  EXPECT_NE(error_of(j).find("unsupported architecture 'LlamaForCausalLM'"), std::string::npos);
+
+  j = v2_lite();
+  j["quantization_config"] = {{"quant_method", "fp8"}, {"activation_scheme", "static"}};
+  auto e = error_of(j);
+  EXPECT_NE(e.find("'fp8'"), std::string::npos) << e;
+  EXPECT_NE(e.find("not supported yet"), std::string::npos) << e;
+  j["quantization_config"] = {{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}};
+  EXPECT_NE(error_of(j).find("block FP8"), std::string::npos);
+  j["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}};
+  EXPECT_NE(error_of(j).find("AWQ"), std::string::npos);
+
+  j = v2_lite();
+  j.erase("kv_lora_rank");
+  EXPECT_NE(error_of(j).find("missing required field 'kv_lora_rank'"), std::string::npos);
+  j = v2_lite();
+  j["hidden_size"] = "big";
+  EXPECT_NE(error_of(j).find("'hidden_size' must be an integer"), std::string::npos);
+  j = v2_lite();
+  j["topk_method"] = "magic";
+  EXPECT_NE(error_of(j).find("unknown topk_method 'magic'"), std::string::npos);
+  j = v3();
+  j["n_group"] = 7;
+  EXPECT_NE(error_of(j).find("divisible by n_group"), std::string::npos);
+  j = v2_lite();
+  j["num_experts_per_tok"] = 65;
+  EXPECT_NE(error_of(j).find("num_experts_per_tok"), std::string::npos);
+}
+
+TEST(ModelConfig, FromFileNamesThePath) {
+  auto dir = test::temp_dir("cfg");
+  try {
+    ModelConfig::from_file(dir.string());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("config.json not found"), std::string::npos);
+  }
+  test::write_text(dir / "config.json", "{oops");
+  try {
+    ModelConfig::from_file(dir.string());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not valid JSON"), std::string::npos);
+  }
+  ModelConfig c = ModelConfig::from_file(test::golden_dir("v3"));
+  EXPECT_EQ(c.arch, Architecture::DeepseekV3);
+}
