@@ -1,0 +1,124 @@
+// The engine's public face: what the server (or any other front end) submits and what it gets back.
+// No JSON, no text: token ids in, token ids (+ logprobs) out. Text-level concerns (tokenizing, chat templates,
+// detokenizing, stop strings) belong to the front end, which aborts a request with FinishReason::Stop when it
+// matches a stop string.
+//
+// Threading: submit / abort / stats / flush_cache may be called from any thread. `on_output` is called on an
+// engine thread: it must be cheap and thread-safe (typically: post to the connection's executor).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace mlaserve {
+
+struct SamplingParams {
+  int32_t max_new_tokens = 128;
+  float temperature = 1.0f;  // 0: greedy
+  float top_p = 1.0f;
+  int32_t top_k = -1;  // <= 0: all
+  float min_p = 0.0f;
+  float frequency_penalty = 0.0f;
+  float presence_penalty = 0.0f;
+  float repetition_penalty = 1.0f;
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;
+  std::optional<uint64_t> seed;  // per-request seed: same seed, same prompt -> same sample
+  bool return_logprob = false;   // logprob of every generated token
+  int32_t top_logprobs_num = 0;  // and the top-N alternatives at each step
+};
+
+enum class FinishKind { None, Length, Stop, Abort };
+
+struct FinishReason {
+  FinishKind kind = FinishKind::None;
+  // Stop: the matched stop token id (matched_token >= 0) or stop string (front end); Abort: a message.
+  int32_t matched_token = -1;
+  std::string matched_text;
+  std::string message;
+};
+
+struct TokenLogprob {
+  int32_t token = -1;
+  float logprob = 0.0f;
+  std::vector<std::pair<int32_t, float>> top;  // top_logprobs_num alternatives, best first
+};
+
+struct GenerateOutput {
+  std::vector<int32_t> new_tokens;  // generated since the previous output of this request
+  std::vector<TokenLogprob> new_logprobs;  // parallel to new_tokens when return_logprob
+  bool finished = false;
+  FinishReason finish;
+  int32_t prompt_tokens = 0;
+  int32_t completion_tokens = 0;  // total so far
+  int32_t cached_tokens = 0;      // prompt tokens served from the prefix cache
+};
+
+struct GenerateRequest {
+  std::string rid;  // unique among live requests
+  std::vector<int32_t> input_ids;
+  SamplingParams sampling;
+  int32_t data_parallel_rank = -1;  // pin to a DP rank (-1: the controller decides)
+  std::function<void(const GenerateOutput&)> on_output;
+};
+
+// Per DP rank, for /get_server_info (internal_states) and /metrics.
+struct RankStats {
+  int64_t kv_tokens_total = 0;
+  int64_t kv_tokens_free = 0;    // free pages * page size
+  int64_t kv_tokens_cached = 0;  // held only by the prefix cache (evictable)
+  int32_t num_running_reqs = 0;
+  int32_t num_queue_reqs = 0;
+  int64_t prompt_tokens_total = 0;      // counters since start
+  int64_t generation_tokens_total = 0;
+  int64_t cached_prompt_tokens_total = 0;
+  int64_t num_requests_finished = 0;
+  int64_t num_retractions = 0;
+  int64_t forward_steps = 0;
+};
+
+class EngineClient {
+ public:
+  virtual ~EngineClient() = default;
+  // Validates and queues; throws mlaserve::Error (a client error) for a bad request, e.g. a prompt longer than
+  // the context or empty input.
+  virtual void submit(GenerateRequest req) = 0;
+  // Frees the request's slot and pages at once; its on_output gets a final output with `finish` (unless it has
+  // already finished). Unknown rids are ignored.
+  virtual void abort(const std::string& rid, FinishReason reason) = 0;
+  virtual std::vector<RankStats> stats() const = 0;
+  // Drops every prefix-cache entry not in use. Returns false if requests are running (nothing done).
+  virtual bool flush_cache() = 0;
+  virtual int64_t max_context_len() const = 0;
+  virtual std::vector<int32_t> eos_token_ids() const = 0;
+  // Stops the engine threads; pending requests are aborted.
+  virtual void shutdown() = 0;
+};
+
+// What it takes to build an engine (the server maps SGLang's flags onto this).
+struct EngineArgs {
+  std::string model_path;
+  std::string device = "auto";
+  std::string load_format = "auto";
+  uint64_t seed = 0;
+  int32_t tp_size = 1;
+  int32_t dp_size = 1;
+  bool enable_dp_attention = false;
+  std::string load_balance_method = "round_robin";
+  int32_t page_size = 16;
+  int32_t max_running_requests = 0;  // 0: derived from memory
+  int64_t max_total_tokens = 0;      // 0: derived from --mem-fraction-static
+  double mem_fraction_static = 0.0;  // 0: backend default
+  int32_t chunked_prefill_size = 8192;
+  bool disable_radix_cache = false;
+  int64_t context_length = 0;        // 0: config's max_position_embeddings
+  std::vector<int32_t> extra_eos_token_ids;  // e.g. from generation_config.json
+};
+
+std::unique_ptr<EngineClient> make_engine(const EngineArgs& args);
+
+}  // namespace mlaserve
