@@ -1,5 +1,7 @@
 #include "cli/model_args.h"
 
+#include "backend/backend_factory.h"
+
 #include "core/error.h"
 #include "core/log.h"
 #include "io/model_config.h"
@@ -32,13 +34,7 @@ LoadedModel load_model(const ModelArgs& args) {
   MLA_CHECK(args.tp == 1, "--tp {}: tensor parallelism is recognised but not implemented in this command yet", args.tp);
   (void)args.form();
   LoadedModel lm;
-  if (args.device == "cpu" || args.device == "auto") {
-    lm.backend = make_cpu_backend();
-  } else if (args.device == "cuda") {
-    fail("--device cuda: this build has no CUDA backend yet (configure with -DMLASERVE_CUDA=ON once it lands)");
-  } else {
-    fail("--device: expected auto, cpu or cuda, got '{}'", args.device);
-  }
+  lm.backend = make_backend(args.device);
   ModelConfig cfg = ModelConfig::from_file(args.model_path);
   MLA_LOG_INFO("{}", cfg.summary());
   lm.model = std::make_unique<DeepseekModel>(cfg, *lm.backend);
