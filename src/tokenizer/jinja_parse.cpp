@@ -368,7 +368,7 @@ class Parser {
     while (true) {
       const Token& t = cur();
       if (t.type == Token::Eof) {
-        if (!ends.empty()) error(t, fmt::format("missing '{{% {} %}}'", ends[0]));
+        if (!ends.empty()) error(t, fmt::format("missing '{{% {} %}}'", ends.back()));
         return body;
       }
       if (t.type == Token::Text) {
