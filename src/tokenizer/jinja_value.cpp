@@ -83,15 +83,22 @@ std::string python_float(double v) {
       if (static_cast<int>(digits.size()) <= exp + 1) {
         out += digits + std::string(exp + 1 - digits.size(), '0') + ".0";
       } else {
-        out += digits.substr(0, exp + 1) + "." + digits.substr(exp + 1);
+        out.append(digits, 0, exp + 1);
+        out += '.';
+        out.append(digits, exp + 1, std::string::npos);
       }
     } else {
-      out += "0." + std::string(-exp - 1, '0') + digits;
+      out += "0.";
+      out.append(static_cast<size_t>(-exp - 1), '0');
+      out += digits;
     }
     return out;
   }
-  out += digits.substr(0, 1);
-  if (digits.size() > 1) out += "." + digits.substr(1);
+  out += digits[0];
+  if (digits.size() > 1) {
+    out += '.';
+    out.append(digits, 1, std::string::npos);
+  }
   char eb[16];
   std::snprintf(eb, sizeof(eb), "e%c%02d", exp < 0 ? '-' : '+', std::abs(exp));
   return out + eb;
