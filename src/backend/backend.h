@@ -48,6 +48,12 @@ class Backend {
   // Step-scoped memory for activations: contents undefined, valid until the next begin_step (an arena that
   // begin_step resets; no device allocation per step).
   virtual Tensor scratch(const Shape& shape, DType dtype) = 0;
+  // Makes the calling thread use this backend's device (cudaSetDevice); every rank thread calls it first.
+  virtual void bind_thread() {}
+  // Bytes of persistent memory still free for alloc() (the latent KV pool is sized from it); -1: no fixed budget.
+  virtual int64_t persistent_bytes_free() const { return -1; }
+  // The device stream (cudaStream_t) collectives must be ordered on; null on the CPU.
+  virtual void* native_stream() { return nullptr; }
   // The element type weights of source dtype `src` are kept in on this backend.
   virtual DType weight_dtype(DType src) const = 0;
   // Uploads a host tensor, converting its elements to `dtype` (F32/F16/BF16/F8_E4M3 sources).

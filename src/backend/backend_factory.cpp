@@ -4,7 +4,8 @@
 
 namespace mlaserve {
 
-std::unique_ptr<Backend> make_backend(const std::string& device) {
+std::unique_ptr<Backend> make_backend(const std::string& device, int device_index) {
+  (void)device_index;
   if (device == "cpu" || device == "auto") return make_cpu_backend();
   if (device == "cuda")
     fail("--device cuda: this build has no CUDA backend (configure with -DMLASERVE_CUDA=ON)");

@@ -7,5 +7,6 @@
 #include "backend/backend.h"
 
 namespace mlaserve {
-std::unique_ptr<Backend> make_backend(const std::string& device);
+// device_index: the local GPU (ignored on the CPU).
+std::unique_ptr<Backend> make_backend(const std::string& device, int device_index = 0);
 }  // namespace mlaserve

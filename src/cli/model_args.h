@@ -21,6 +21,10 @@ struct ModelArgs {
   int32_t tp = 1;
   int32_t dp = 1;
   bool enable_dp_attention = false;
+  int32_t nnodes = 1;
+  int32_t node_rank = 0;
+  std::string dist_init_addr;
+  double dist_timeout = 120.0;  // seconds
 
   void add_to(CLI::App& app);
   MlaForm form() const;
@@ -30,6 +34,7 @@ struct ModelArgs {
 
 // Runs prompts offline in the layout the args ask for: --tp N (one replica of N ranks), --dp D (D replicas,
 // prompts round-robin), --tp N --dp D --enable-dp-attention (D attention-DP groups in one replica).
+// On a node other than 0 (--node-rank > 0) it serves node 0's steps and returns an empty result.
 OfflineResult run_offline_layout(const ModelArgs& args, const std::vector<std::vector<int32_t>>& prompts,
                                  const OfflineOptions& opts, ModelConfig* config_out = nullptr);
 
