@@ -303,6 +303,7 @@ Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm
   if (plan_.tp_size > 1) tp_comm_->all_reduce_sum(hidden);
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& w = layers_[static_cast<size_t>(l)];
+    const size_t mark = backend_.scratch_mark();  // this layer's temporaries are released at its end
     if (l == 0) {
       backend_.copy(hidden, residual);
       backend_.rmsnorm(hidden, w.input_norm, eps, normed);
@@ -312,6 +313,7 @@ Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm
     attention(l, normed, cache, form, hidden);
     backend_.add_rmsnorm(hidden, residual, w.post_norm, eps, normed);
     mlp(l, normed, hidden);
+    backend_.scratch_release(mark);
   }
   backend_.add_rmsnorm(hidden, residual, final_norm_, eps, normed);
   const int64_t R = static_cast<int64_t>(batch.logit_rows.size());
