@@ -124,8 +124,8 @@ class CudaBackend final : public Backend {
     CUDA_OK(cudaMalloc(&blas_ws_, blas_ws_bytes), "allocating the cuBLAS workspace");
     CUBLAS_OK(cublasSetWorkspace(blas_, blas_ws_, blas_ws_bytes), "cublasSetWorkspace");
     CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&pinned_), meta_bytes, cudaHostAllocDefault), "pinned buffer");
-    allow_fast_ = !env_flag("MLASERVE_CUDA_SIMPLE");
-    moe_cublas_ = env_flag("MLASERVE_MOE_CUBLAS");
+    allow_fast_ = !(o.simple_kernels || env_flag("MLASERVE_CUDA_SIMPLE"));
+    moe_cublas_ = o.moe_cublas || env_flag("MLASERVE_MOE_CUBLAS");
     MLA_LOG_INFO("cuda: GPU {} '{}' ({} SMs, {:.1f} GiB): {:.2f} GiB for weights + KV cache, {:.2f} GiB activation "
                  "scratch{}{}",
                  device, prop.name, num_sms_, total_b / kGiB, persistent / kGiB, scratch / kGiB,
