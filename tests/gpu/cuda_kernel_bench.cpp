@@ -67,7 +67,7 @@ int num_sms() {
   return p.multiProcessorCount;
 }
 
-void bench_mla(int batch, int ctx, int nh, int page_size) {
+double bench_mla(int batch, int ctx, int nh, int page_size, int variant) {
   const int kvr = 512, rope = 64, nope = 128, W = kvr + rope;
   const int64_t slots = static_cast<int64_t>(batch) * ctx;
   const int pages_per_seq = ctx / page_size;
@@ -111,6 +111,7 @@ void bench_mla(int batch, int ctx, int nh, int page_size) {
   p.page_size = page_size;
   p.max_pages = pages_per_seq;
   p.softmax_scale = 0.1f;
+  p.variant = variant;
   p.out_lat = dev<bf16>(static_cast<size_t>(batch) * nh * kvr);
   p.partial_o = dev<float>(static_cast<size_t>(std::max(partial, 1)) * nh * kvr);
   p.partial_lse = dev<float>(static_cast<size_t>(std::max(partial, 1)) * nh);
@@ -122,9 +123,9 @@ void bench_mla(int batch, int ctx, int nh, int page_size) {
   });
   const double bytes = static_cast<double>(slots) * W * 2;
   const double flops = static_cast<double>(slots) * nh * (W + kvr) * 2;
-  std::printf("mla_decode  batch %4d ctx %5d heads %3d page %2d: split %5d keys (%4zu blocks x %d groups)  kernel %7.3f ms"
+  std::printf("mla_decode v%d batch %4d ctx %5d heads %3d page %2d: split %5d keys (%4zu blocks x %d groups)  kernel %7.3f ms"
               "  %5.2f TB/s  %6.1f TFLOP/s | +combine %6.3f ms -> %5.2f TB/s\n",
-              batch, ctx, nh, page_size, chunk, items.size(), nh % 64 == 0 ? nh / 64 : (nh + 15) / 16, t_kernel,
+              variant, batch, ctx, nh, page_size, chunk, items.size(), nh % 64 == 0 ? nh / 64 : (nh + 15) / 16, t_kernel,
               bytes / t_kernel / 1e9, flops / t_kernel / 1e9, t_comb, bytes / (t_kernel + t_comb) / 1e9);
   CK(cudaFree(cache));
   CK(cudaFree(q_lat));
@@ -132,6 +133,7 @@ void bench_mla(int batch, int ctx, int nh, int page_size) {
   CK(cudaFree(p.out_lat));
   CK(cudaFree(p.partial_o));
   CK(cudaFree(p.partial_lse));
+  return bytes / t_kernel / 1e9;
 }
 
 void bench_moe(int T, int E, int k, int H, int I) {
@@ -221,10 +223,19 @@ int main(int argc, char** argv) {
   CK(cudaSetDevice(0));
   if (what == "all" || what == "copy") bench_copy();
   if (what == "all" || what == "mla") {
-    bench_mla(128, 4096, 16, 64);
-    bench_mla(128, 4096, 16, 16);
-    bench_mla(128, 4096, 128, 64);
-    bench_mla(256, 1024, 16, 16);
+    int best = 0;
+    double best_bw = 0;
+    for (int v = 0; v < kMlaDecodeVariants; ++v) {
+      const double bw = bench_mla(128, 4096, 16, 64, v) + bench_mla(256, 1024, 16, 16, v);
+      if (bw > best_bw) {
+        best_bw = bw;
+        best = v;
+      }
+    }
+    bench_mla(128, 4096, 16, 16, best);
+    std::printf("best_mla_variant %d\n", best);
+    bench_mla(128, 4096, 128, 64, 0);
+    bench_mla(128, 4096, 128, 64, 1);
   }
   if (what == "all" || what == "moe") {
     bench_moe(256, 64, 6, 2048, 1408);

@@ -21,7 +21,11 @@ if want golden; then
    echo "golden gen rc=$?" >> $OUT/golden_gen.log) &
   GEN=$!
 fi
-if want bench; then t kernel bench; timeout 90 $B/cuda_kernel_bench all 2>&1 | tee $OUT/kernel_bench.log; fi
+if want bench; then
+  t kernel bench; timeout 120 $B/cuda_kernel_bench all 2>&1 | tee $OUT/kernel_bench.log
+  best=$(awk '/^best_mla_variant/{print $2}' $OUT/kernel_bench.log)
+  [ -n "$best" ] && export MLASERVE_MLA_DECODE_VARIANT=$best && echo "using MLA decode variant $best"
+fi
 if want ops; then
   t ops tests; timeout 240 $B/cuda_ops_test > $OUT/ops_test.log 2>&1; echo "ops_test rc=$?"
   grep -E "^\[  (FAILED|PASSED) |FAILED  \]|Failure|error" $OUT/ops_test.log | head -30
@@ -47,6 +51,8 @@ if want perf; then
   t perf
   { timeout 150 $M --batch-size 256 --input-len 1024 --output-len 16
     timeout 100 $M --batch-size 16 --input-len 1024 --output-len 1
+    echo "(grouped MoE kernels forced for the prefill:)"
+    MLASERVE_MOE_GROUPED=1 timeout 100 $M --batch-size 16 --input-len 1024 --output-len 1
     timeout 100 $M --batch-size 256 --input-len 128 --output-len 16; } 2>&1 | tee $OUT/perf.log | grep -vE "^\[.*info\] loading"
 fi
 if want hf; then
@@ -55,8 +61,9 @@ if want hf; then
 fi
 t done
 echo "================ summary"
-grep -hE "^(device copy|mla_decode|moe T)" $OUT/kernel_bench.log 2>/dev/null | cut -c1-200
+grep -hE "^(device copy|mla_decode|moe T|best)" $OUT/kernel_bench.log 2>/dev/null | cut -c1-230
+grep -hE "routing flips|routing forced|dummy prompt" $OUT/model_test.log 2>/dev/null
 grep -hE "tests, listed|PASSED|FAILED" $OUT/ops_test.log $OUT/model_test.log 2>/dev/null | head
 grep -hE "^(-- |prompt)" $OUT/eval.log 2>/dev/null | grep -E "^--|FAIL" | head -20
-grep -hE "bench-one-batch:|prefill:|decode:" $OUT/perf.log 2>/dev/null
+grep -hE "bench-one-batch:|prefill:|decode:|grouped MoE" $OUT/perf.log 2>/dev/null
 grep -hE "^hf" $OUT/hf.log 2>/dev/null

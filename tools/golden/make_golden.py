@@ -59,7 +59,7 @@ FAMILIES = {
         rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 128,
                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
     # Real MLA dims, V2-Lite-like: 16 heads, plain q_proj, greedy softmax top-6 of 64, YaRN as in V2-Lite.
-    "real16": dict(BASE, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", shard="100MB",
+    "real16": dict(BASE, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", shard="16MB",
         vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=128,
         num_hidden_layers=3, num_attention_heads=16, num_key_value_heads=16,
         n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6, kv_lora_rank=512, q_lora_rank=None,
@@ -69,7 +69,7 @@ FAMILIES = {
         rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
                       "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}),
     # Real MLA dims, V3-like: 128 heads, q LoRA, noaux_tc sigmoid top-6 of 64 in 8 groups (4 kept), YaRN mscale 1.
-    "real128": dict(BASE, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", shard="100MB",
+    "real128": dict(BASE, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", shard="16MB",
         vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=128,
         num_hidden_layers=3, num_attention_heads=128, num_key_value_heads=128,
         n_shared_experts=1, n_routed_experts=64, num_experts_per_tok=6, kv_lora_rank=512, q_lora_rank=384,

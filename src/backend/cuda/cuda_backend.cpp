@@ -126,6 +126,8 @@ class CudaBackend final : public Backend {
     CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&pinned_), meta_bytes, cudaHostAllocDefault), "pinned buffer");
     allow_fast_ = !(o.simple_kernels || env_flag("MLASERVE_CUDA_SIMPLE"));
     moe_cublas_ = o.moe_cublas || env_flag("MLASERVE_MOE_CUBLAS");
+    if (const char* v = std::getenv("MLASERVE_MLA_DECODE_VARIANT")) mla_variant_ = std::atoi(v);
+    moe_grouped_only_ = env_flag("MLASERVE_MOE_GROUPED");
     MLA_LOG_INFO("cuda: GPU {} '{}' ({} SMs, {:.1f} GiB): {:.2f} GiB for weights + KV cache, {:.2f} GiB activation "
                  "scratch{}{}",
                  device, prop.name, num_sms_, total_b / kGiB, persistent / kGiB, scratch / kGiB,
@@ -504,6 +506,9 @@ class CudaBackend final : public Backend {
   char* pinned_ = nullptr;
   size_t scratch_peak_ = 0;
   bool allow_fast_ = true, moe_cublas_ = false;
+  int32_t mla_variant_ = 0;
+  bool moe_grouped_only_ = false;
+  static constexpr int64_t kMoeCublasRowsPerExpert = 384;
 
   ForwardBatch step_;
   int32_t* d_input_ids_ = nullptr;
@@ -630,6 +635,7 @@ void CudaBackend::mla_attention(const Tensor& q, const Tensor& cache, const Tens
     dp.out_lat = bf(o_lat);
     dp.partial_o = part_o.data_as<float>();
     dp.partial_lse = part_lse.data_as<float>();
+    dp.variant = mla_variant_;
     CUDA_OK(cuda::mla_decode(dp, allow_fast_, stream_), "mla_decode");
     CUDA_OK(cuda::mla_decode_combine(plan.d_combine, plan.num_combine, dp.partial_o, dp.partial_lse, dp.num_heads,
                                      dp.kvr, bf(o_lat), stream_),
@@ -686,13 +692,19 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
   CUDA_OK(cuda::moe_group(topk_ids.data_as<const int32_t>(), topk_weights.data_as<const float>(), T,
                           static_cast<int32_t>(k), static_cast<int32_t>(E), expert_begin, bm, g, stream_),
           "moe_group");
-  Tensor y = scratch({P, H}, DType::F32);
-  if (moe_cublas_) {
-    // Reference path: per-expert cuBLASLt GEMMs on gathered rows (one host synchronisation per layer).
+  // Many rows per expert (prefill): per-expert cuBLASLt GEMMs (Hopper tensor-core kernels) on gathered rows, one
+  // host synchronisation per layer for the counts. Few rows (decode): the grouped kernels, no synchronisation.
+  const bool use_cublas = moe_cublas_ || (!moe_grouped_only_ && P >= kMoeCublasRowsPerExpert * E);
+  if (use_cublas) {
     std::vector<int32_t> cnt(static_cast<size_t>(E));
     download(counts, cnt.data());
-    Tensor xs = scratch({P, H}, DType::BF16), gu = scratch({P, 2 * I}, DType::BF16);
-    Tensor act = scratch({P, I}, DType::BF16), ybf = scratch({P, H}, DType::BF16);
+    // Each expert's GEMM covers its rows rounded up to 128 (bounded number of distinct shapes, so cuBLASLt
+    // heuristics are queried a few times, not once per count): the extra rows belong to the next expert, whose
+    // GEMM runs later on the stream and overwrites them; the buffers have 128 rows of slack at the end.
+    constexpr int64_t kPad = 128;
+    auto padded = [](int64_t c) { return (c + kPad - 1) / kPad * kPad; };
+    Tensor xs = scratch({P + kPad, H}, DType::BF16), gu = scratch({P + kPad, 2 * I}, DType::BF16);
+    Tensor act = scratch({P + kPad, I}, DType::BF16), ybf = scratch({P + kPad, H}, DType::BF16);
     CUDA_OK(cuda::moe_gather_x(bf(x), H, pos_row.data_as<int32_t>(), expert_end.data_as<int32_t>(),
                                static_cast<int32_t>(E), P, bf(xs), stream_),
             "moe_gather_x");
@@ -702,7 +714,7 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
       const int64_t c = cnt[static_cast<size_t>(e)];
       if (c == 0) continue;
       gemm(static_cast<const char*>(gate_up.data()) + e * 2 * I * H * esz, H, bf(xs) + off * H, H, bf(gu) + off * 2 * I,
-           2 * I, DType::BF16, 2 * I, c, H);
+           2 * I, DType::BF16, 2 * I, padded(c), H);
       off += c;
     }
     CUDA_OK(cuda::silu_mul(bf(gu), off, I, bf(act), stream_), "silu_mul");
@@ -711,13 +723,16 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
       const int64_t c = cnt[static_cast<size_t>(e)];
       if (c == 0) continue;
       gemm(static_cast<const char*>(down.data()) + e * H * I * esz, I, bf(act) + off * I, I, bf(ybf) + off * H, H,
-           DType::BF16, H, c, I);
+           DType::BF16, H, padded(c), I);
       off += c;
     }
-    CUDA_OK(cuda::moe_scale_rows(bf(ybf), pos_weight.data_as<float>(), expert_end.data_as<int32_t>(),
-                                 static_cast<int32_t>(E), H, P, y.data_as<float>(), stream_),
-            "moe_scale_rows");
-  } else {
+    CUDA_OK(cuda::moe_combine_bf16(bf(ybf), pos_weight.data_as<float>(), assign_pos.data_as<int32_t>(), T,
+                                   static_cast<int32_t>(k), H, bf(out), stream_),
+            "moe_combine_bf16");
+    return;
+  }
+  Tensor y = scratch({P, H}, DType::F32);
+  {
     Tensor act = scratch({P, I}, DType::BF16);
     cuda::MoeGemmParams gp{};
     gp.x = bf(x);

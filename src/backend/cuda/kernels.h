@@ -91,7 +91,11 @@ struct MlaDecodeParams {
   bf16* out_lat;           // [T, nh, kvr]: softmax(q k^T) @ c_kv per head
   float* partial_o;        // [num_partials, nh, kvr]: per split, normalised by its own softmax sum
   float* partial_lse;      // [num_partials, nh]: log2-sum-exp2 of the split's scaled scores
+  // Fast-path pipeline (16-head groups): 0: 32-key tiles, 2 stages, 2 blocks/SM; 1: 3 stages; 2: 4 stages
+  // (1 block/SM); 3: 64-key tiles, 8 warps, 2 stages. 64-head groups: 1: 3 stages, else 2.
+  int32_t variant = 0;
 };
+constexpr int kMlaDecodeVariants = 4;
 // Absorbed-form attention over the paged latent cache (one KV head of 576 shared by all heads).
 // Fast tensor-core path for kvr 512 / rope 64 (heads in groups of 16, 32 or 64); a simple path otherwise.
 cudaError_t mla_decode(const MlaDecodeParams& p, bool allow_fast, cudaStream_t stream);
@@ -185,6 +189,9 @@ cudaError_t moe_gemm_down(const MoeGemmParams& p, int32_t block_m, cudaStream_t 
 // out[t, :] = bf16(sum_j y[assign_pos[t * k + j], :]) over j in order, skipping -1.
 cudaError_t moe_combine(const float* y, const int32_t* assign_pos, int64_t T, int32_t k, int64_t H, bf16* out,
                         cudaStream_t stream);
+// out[t, :] = bf16(sum_j pos_weight[p_j] * y[p_j, :]) with p_j = assign_pos[t * k + j] (skipping -1), y bf16.
+cudaError_t moe_combine_bf16(const bf16* y, const float* pos_weight, const int32_t* assign_pos, int64_t T, int32_t k,
+                             int64_t H, bf16* out, cudaStream_t stream);
 // xs[p, :] = x[pos_row[p], :] for p < P (P read from expert_end[E - 1]; rows up to max_p)
 cudaError_t moe_gather_x(const bf16* x, int64_t H, const int32_t* pos_row, const int32_t* expert_end, int32_t E,
                          int64_t max_p, bf16* xs, cudaStream_t stream);

@@ -7,7 +7,6 @@
 // into shared memory (rows past the split are zero-filled: unused pages are never read, so NaN there cannot leak),
 // online softmax in log2 space. Splits write normalised partial outputs + log2-sum-exp; mla_decode_combine merges.
 #include <cmath>
-#include <cstdlib>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/kernels.h"
@@ -18,10 +17,10 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-template <int HB, int NW, int STAGES>
+template <int HB, int NW, int STAGES, int BN_>
 struct DecodeCfg {
   static constexpr int D = 576, KVR = 512, ROPE = 64;
-  static constexpr int BN = 32;             // keys per tile
+  static constexpr int BN = BN_;            // keys per tile
   static constexpr int LDS = D + 8;         // smem row stride (elements): 1168 B, conflict-free ldmatrix
   static constexpr int MT = HB / 16;        // 16-head row tiles
   static constexpr int NTS = BN / 8;        // n8 tiles of S
@@ -42,9 +41,9 @@ struct DecodeCfg {
   static_assert(KPT >= 1 && TPR <= 32, "softmax mapping");
 };
 
-template <int HB, int NW, int STAGES>
+template <int HB, int NW, int STAGES, int BN_>
 __global__ void __launch_bounds__(NW * 32) mla_decode_fast_kernel(const MlaDecodeParams p) {
-  using C = DecodeCfg<HB, NW, STAGES>;
+  using C = DecodeCfg<HB, NW, STAGES, BN_>;
   constexpr int D = C::D, KVR = C::KVR, BN = C::BN, LDS = C::LDS;
   constexpr int NT = NW * 32;
   constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
@@ -68,24 +67,27 @@ __global__ void __launch_bounds__(NW * 32) mla_decode_fast_kernel(const MlaDecod
   const int num_keys = it.key_end - it.key_begin;
   const int n_tiles = (num_keys + BN - 1) / BN;
 
-  // Q: rows = heads, [q_lat (512) | q_pe (64)]
-  for (int c = tid; c < HB * CHUNKS; c += NT) {
-    const int r = c / CHUNKS, col = (c - r * CHUNKS) * 8;
+  // Q: rows = heads, [q_lat (512) | q_pe (64)]; one warp per row, 72 chunks of 16 bytes over its lanes.
+  for (int r = warp; r < HB; r += NW) {
     const bool ok = r < rows_valid;
     const int64_t th = static_cast<int64_t>(it.token) * nh + h0 + (ok ? r : 0);
-    const bf16* src = col < KVR ? p.q_lat + th * KVR + col : p.q + th * (p.nope + C::ROPE) + p.nope + (col - KVR);
-    cp_async16(sQ + r * LDS + col, src, ok);
+    for (int c = lane; c < CHUNKS; c += 32) {
+      const int col = c * 8;
+      const bf16* src = col < KVR ? p.q_lat + th * KVR + col : p.q + th * (p.nope + C::ROPE) + p.nope + (col - KVR);
+      cp_async16(sQ + r * LDS + col, src, ok);
+    }
   }
+  // A tile of cache rows: one warp per row (the page-table lookup once per row), rows past the split zero-filled.
   auto load_tile = [&](int kt, int stage) {
     bf16* dst = sK + stage * BN * LDS;
     const int key0 = it.key_begin + kt * BN;
-    for (int c = tid; c < BN * CHUNKS; c += NT) {
-      const int r = c / CHUNKS, col = (c - r * CHUNKS) * 8;
+    for (int r = warp; r < BN; r += NW) {
       const int key = key0 + r;
       const bool ok = key < it.key_end;
       int64_t slot = 0;
       if (ok) slot = static_cast<int64_t>(ptab[key / p.page_size]) * p.page_size + key % p.page_size;
-      cp_async16(dst + r * LDS + col, p.cache + slot * D + col, ok);
+      const bf16* src = p.cache + slot * D;
+      for (int c = lane; c < CHUNKS; c += 32) cp_async16(dst + r * LDS + c * 8, src + c * 8, ok);
     }
   };
   load_tile(0, 0);
@@ -314,10 +316,10 @@ __global__ void mla_decode_combine_kernel(const MlaDecodeCombineItem* items, con
   }
 }
 
-template <int HB, int NW, int STAGES>
+template <int HB, int NW, int STAGES, int BN>
 cudaError_t launch_fast(const MlaDecodeParams& p, cudaStream_t stream) {
-  using C = DecodeCfg<HB, NW, STAGES>;
-  auto kernel = mla_decode_fast_kernel<HB, NW, STAGES>;
+  using C = DecodeCfg<HB, NW, STAGES, BN>;
+  auto kernel = mla_decode_fast_kernel<HB, NW, STAGES, BN>;
   static bool configured = false;  // per instantiation; the attribute is per function and device
   if (!configured) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -358,14 +360,16 @@ int32_t mla_decode_split_keys(int64_t total_keys, int32_t num_heads, int32_t kvr
 cudaError_t mla_decode(const MlaDecodeParams& p, bool allow_fast, cudaStream_t stream) {
   if (p.num_items == 0 || p.num_heads == 0) return cudaSuccess;
   if (allow_fast && fast_dims(p.kvr, p.rope)) {
-    if (p.num_heads % 64 == 0) return launch_fast<64, 8, 2>(p, stream);
-    // MLASERVE_MLA_DECODE_STAGES=3: one block per SM with three tiles in flight instead of two blocks of two.
-    static const bool three = [] {
-      const char* e = std::getenv("MLASERVE_MLA_DECODE_STAGES");
-      return e != nullptr && e[0] == '3';
-    }();
-    if (three) return launch_fast<16, 4, 3>(p, stream);
-    return launch_fast<16, 4, 2>(p, stream);
+    if (p.num_heads % 64 == 0) {
+      if (p.variant == 1) return launch_fast<64, 8, 3, 32>(p, stream);
+      return launch_fast<64, 8, 2, 32>(p, stream);
+    }
+    switch (p.variant) {
+      case 1: return launch_fast<16, 4, 3, 32>(p, stream);
+      case 2: return launch_fast<16, 4, 4, 32>(p, stream);
+      case 3: return launch_fast<16, 8, 2, 64>(p, stream);
+      default: return launch_fast<16, 4, 2, 32>(p, stream);
+    }
   }
   if (p.kvr > kSimpleThreads * kSimpleMaxCols) return cudaErrorInvalidValue;
   dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>(p.num_heads));

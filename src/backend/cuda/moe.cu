@@ -194,13 +194,33 @@ __global__ void moe_combine_kernel(const float* y, const int32_t* assign_pos, in
   }
 }
 
+__global__ void moe_combine_bf16_kernel(const bf16* y, const float* pos_weight, const int32_t* assign_pos, int32_t k,
+                                        int64_t H, bf16* out) {
+  const int64_t t = blockIdx.x;
+  const int32_t* ap = assign_pos + t * k;
+  bf16* o = out + t * H;
+  for (int64_t i = threadIdx.x; i < H; i += blockDim.x) {
+    float acc = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      const int32_t pos = ap[j];
+      if (pos >= 0) acc += pos_weight[pos] * __bfloat162float(y[static_cast<int64_t>(pos) * H + i]);
+    }
+    o[i] = __float2bfloat16_rn(acc);
+  }
+}
+
 __global__ void moe_gather_x_kernel(const bf16* x, int64_t H, const int32_t* pos_row, const int32_t* expert_end,
                                     int32_t E, bf16* xs) {
   const int64_t p = blockIdx.x;
   if (p >= expert_end[E - 1]) return;
   const bf16* src = x + static_cast<int64_t>(pos_row[p]) * H;
   bf16* dst = xs + p * H;
-  for (int64_t i = threadIdx.x; i < H; i += blockDim.x) dst[i] = src[i];
+  if ((H & 7) == 0) {
+    for (int64_t i = threadIdx.x; i < H / 8; i += blockDim.x)
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+  } else {
+    for (int64_t i = threadIdx.x; i < H; i += blockDim.x) dst[i] = src[i];
+  }
 }
 
 __global__ void moe_scale_rows_kernel(const bf16* in, const float* pos_weight, const int32_t* expert_end, int32_t E,
@@ -242,6 +262,13 @@ cudaError_t moe_combine(const float* y, const int32_t* assign_pos, int64_t T, in
                         cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
   moe_combine_kernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(y, assign_pos, k, H, out);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_combine_bf16(const bf16* y, const float* pos_weight, const int32_t* assign_pos, int64_t T, int32_t k,
+                             int64_t H, bf16* out, cudaStream_t stream) {
+  if (T == 0) return cudaSuccess;
+  moe_combine_bf16_kernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(y, pos_weight, assign_pos, k, H, out);
   return cudaGetLastError();
 }
 

@@ -66,6 +66,25 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
   float* x = p.work + r * V;
   const int tid = threadIdx.x;
 
+  const bool greedy = row.temperature <= 0.0f;
+  if (greedy && row.penalty_begin == row.penalty_end) {  // plain argmax: read the logits in place
+    float bv = -INFINITY;
+    int bi = -1;
+    for (int64_t v = tid; v < V; v += blockDim.x)
+      if (bi < 0 || lg[v] > bv) {
+        bv = lg[v];
+        bi = static_cast<int>(v);
+      }
+    block_argmax(bv, bi, red, redi);
+    if (p.logprobs) {
+      float z = 0.0f;
+      for (int64_t v = tid; v < V; v += blockDim.x) z += expf(lg[v] - bv);
+      z = block_sum(z, red);
+      if (tid == 0) p.logprobs[r] = -logf(z);
+    }
+    if (tid == 0) p.ids[r] = bi;
+    return;
+  }
   for (int64_t v = tid; v < V; v += blockDim.x) x[v] = lg[v];
   __syncthreads();
   for (int i = row.penalty_begin + tid; i < row.penalty_end; i += blockDim.x) {
@@ -78,7 +97,6 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
     x[tok] = v;
   }
   __syncthreads();
-  const bool greedy = row.temperature <= 0.0f;
   if (!greedy)
     for (int64_t v = tid; v < V; v += blockDim.x) x[v] = x[v] / row.temperature;
   __syncthreads();
