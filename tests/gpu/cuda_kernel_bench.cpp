@@ -81,7 +81,7 @@ double bench_mla(int batch, int ctx, int nh, int page_size, int variant) {
   std::iota(table.begin(), table.end(), 0);
   std::mt19937_64 rng(5);
   std::shuffle(table.begin(), table.end(), rng);
-  const int32_t chunk = mla_decode_split_keys(slots, nh, kvr, rope, num_sms());
+  const int32_t chunk = mla_decode_split_keys(slots, batch, ctx, nh, kvr, rope, num_sms());
   std::vector<MlaDecodeItem> items;
   std::vector<MlaDecodeCombineItem> comb;
   int32_t partial = 0;

@@ -536,16 +536,20 @@ const CudaBackend::MlaPlan& CudaBackend::plan_for(MlaForm form, int32_t nh, int3
   std::vector<cuda::MlaPrefillItem> prefill;
   std::vector<int32_t> row_seq, row_pos;
   std::vector<int32_t> absorbed_seqs, expanded_seqs;
-  int64_t total_keys = 0;
+  int64_t total_keys = 0, absorbed_tokens = 0, max_ctx = 1;
   for (int32_t s = 0; s < b.num_seqs(); ++s) {
     const int32_t qlen = b.seq_q_start[s + 1] - b.seq_q_start[s];
     const bool absorbed = form == MlaForm::Absorbed || (form == MlaForm::Auto && qlen == 1);
     (absorbed ? absorbed_seqs : expanded_seqs).push_back(s);
     if (absorbed)
-      for (int32_t t = b.seq_q_start[s]; t < b.seq_q_start[s + 1]; ++t) total_keys += b.positions[t] + 1;
+      for (int32_t t = b.seq_q_start[s]; t < b.seq_q_start[s + 1]; ++t) {
+        total_keys += b.positions[t] + 1;
+        max_ctx = std::max<int64_t>(max_ctx, b.positions[t] + 1);
+        ++absorbed_tokens;
+      }
   }
   if (!absorbed_seqs.empty()) {
-    const int32_t chunk = cuda::mla_decode_split_keys(total_keys, nh, kvr, rope, num_sms_);
+    const int32_t chunk = cuda::mla_decode_split_keys(total_keys, absorbed_tokens, max_ctx, nh, kvr, rope, num_sms_);
     int32_t partial = 0;
     for (int32_t s : absorbed_seqs)
       for (int32_t t = b.seq_q_start[s]; t < b.seq_q_start[s + 1]; ++t) {

@@ -92,10 +92,11 @@ struct MlaDecodeParams {
   float* partial_o;        // [num_partials, nh, kvr]: per split, normalised by its own softmax sum
   float* partial_lse;      // [num_partials, nh]: log2-sum-exp2 of the split's scaled scores
   // Fast-path pipeline (16-head groups): 0: 32-key tiles, 2 stages, 2 blocks/SM; 1: 3 stages; 2: 4 stages
-  // (1 block/SM); 3: 64-key tiles, 8 warps, 2 stages. 64-head groups: 1: 3 stages, else 2.
+  // (1 block/SM); 3: 64-key tiles, 8 warps, 2 stages; 4: 32-key tiles, 8 warps, QK^T dims split over warp pairs.
+  // 64-head groups: 1: 3 stages, else 2.
   int32_t variant = 0;
 };
-constexpr int kMlaDecodeVariants = 4;
+constexpr int kMlaDecodeVariants = 5;
 // Absorbed-form attention over the paged latent cache (one KV head of 576 shared by all heads).
 // Fast tensor-core path for kvr 512 / rope 64 (heads in groups of 16, 32 or 64); a simple path otherwise.
 cudaError_t mla_decode(const MlaDecodeParams& p, bool allow_fast, cudaStream_t stream);
@@ -103,8 +104,10 @@ cudaError_t mla_decode(const MlaDecodeParams& p, bool allow_fast, cudaStream_t s
 cudaError_t mla_decode_combine(const MlaDecodeCombineItem* items, int32_t num_items, const float* partial_o,
                                const float* partial_lse, int32_t num_heads, int32_t kvr, bf16* out_lat,
                                cudaStream_t stream);
-// Keys per split the decode planner should use, given the total keys over all items (chosen from the SM count).
-int32_t mla_decode_split_keys(int64_t total_keys, int32_t num_heads, int32_t kvr, int32_t rope, int32_t num_sms);
+// Keys per split the decode planner should use for num_tokens tokens with total_keys keys in all (longest max_ctx),
+// chosen from the SM count: no split when the tokens alone fill a wave of blocks.
+int32_t mla_decode_split_keys(int64_t total_keys, int64_t num_tokens, int64_t max_ctx, int32_t num_heads, int32_t kvr,
+                              int32_t rope, int32_t num_sms);
 
 // Expanded-form (prefill) work: up to kPrefillBlockQ consecutive new tokens of one sequence.
 constexpr int32_t kPrefillBlockQ = 64;

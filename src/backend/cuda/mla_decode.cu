@@ -6,6 +6,7 @@
 // Fast path (kvr 512, rope 64): tensor cores (mma.sync m16n8k16 bf16), cache tiles of 32 keys streamed with cp.async
 // into shared memory (rows past the split are zero-filled: unused pages are never read, so NaN there cannot leak),
 // online softmax in log2 space. Splits write normalised partial outputs + log2-sum-exp; mla_decode_combine merges.
+#include <algorithm>
 #include <cmath>
 
 #include "backend/cuda/common.cuh"
@@ -17,14 +18,16 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-template <int HB, int NW, int STAGES, int BN_>
+template <int HB, int NW, int STAGES, int BN_, int KSPLIT_ = 1>
 struct DecodeCfg {
+  static constexpr int KSPLIT = KSPLIT_;    // warps sharing one S tile, each over a slice of the 576 dims
   static constexpr int D = 576, KVR = 512, ROPE = 64;
   static constexpr int BN = BN_;            // keys per tile
   static constexpr int LDS = D + 8;         // smem row stride (elements): 1168 B, conflict-free ldmatrix
   static constexpr int MT = HB / 16;        // 16-head row tiles
   static constexpr int NTS = BN / 8;        // n8 tiles of S
-  static constexpr int UPW = MT * NTS / NW; // S units (16 heads x 8 keys) per warp
+  static constexpr int UPW = MT * NTS * KSPLIT / NW;  // S units (16 heads x 8 keys x a dim slice) per warp
+  static constexpr int KSTEPS = D / 16 / KSPLIT;       // 16-wide k steps per unit
   static constexpr int CG = NW / MT;        // warps sharing a row tile in P @ V (split over dv)
   static constexpr int DVW = KVR / CG;      // dv columns per warp
   static constexpr int NTO = DVW / 8;       // O n8 tiles per warp
@@ -34,16 +37,17 @@ struct DecodeCfg {
   static constexpr int LDSS = BN + 1;       // S row stride (floats)
   static constexpr size_t smem_bytes =
       sizeof(bf16) * (static_cast<size_t>(HB) * LDS + static_cast<size_t>(STAGES) * BN * LDS + HB * LDP) +
-      sizeof(float) * (HB * LDSS + 3 * HB);
-  static_assert(MT * NTS % NW == 0, "S units must split evenly over warps");
+      sizeof(float) * (KSPLIT * HB * LDSS + 3 * HB);
+  static_assert(MT * NTS * KSPLIT % NW == 0, "S units must split evenly over warps");
+  static_assert(KSTEPS % 2 == 0, "k steps come in pairs");
   static_assert(NW % MT == 0, "warps must split evenly over row tiles");
   static_assert(NTO % 2 == 0, "O tiles come in pairs");
   static_assert(KPT >= 1 && TPR <= 32, "softmax mapping");
 };
 
-template <int HB, int NW, int STAGES, int BN_>
+template <int HB, int NW, int STAGES, int BN_, int KSPLIT_>
 __global__ void __launch_bounds__(NW * 32) mla_decode_fast_kernel(const MlaDecodeParams p) {
-  using C = DecodeCfg<HB, NW, STAGES, BN_>;
+  using C = DecodeCfg<HB, NW, STAGES, BN_, KSPLIT_>;
   constexpr int D = C::D, KVR = C::KVR, BN = C::BN, LDS = C::LDS;
   constexpr int NT = NW * 32;
   constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
@@ -52,7 +56,7 @@ __global__ void __launch_bounds__(NW * 32) mla_decode_fast_kernel(const MlaDecod
   bf16* sK = sQ + HB * LDS;
   bf16* sP = sK + STAGES * BN * LDS;
   float* sS = reinterpret_cast<float*>(sP + HB * C::LDP);
-  float* sAlpha = sS + HB * C::LDSS;
+  float* sAlpha = sS + C::KSPLIT * HB * C::LDSS;
   float* sM = sAlpha + HB;
   float* sL = sM + HB;
 
@@ -115,26 +119,42 @@ __global__ void __launch_bounds__(NW * 32) mla_decode_fast_kernel(const MlaDecod
     const bf16* K = sK + (kt % STAGES) * BN * LDS;
     const int key0 = it.key_begin + kt * BN;
 
-    // S = Q K^T for this warp's (16 heads x 8 keys) units, written scaled to sS.
+    // S = Q K^T for this warp's units (16 heads x 8 keys x a slice of the dims), written scaled to sS (one buffer
+    // per dim slice). Fragments for the next k-step pair are loaded before the current pair's MMAs issue.
 #pragma unroll
     for (int u = 0; u < C::UPW; ++u) {
       const int unit = warp * C::UPW + u;
-      const int mt = unit / C::NTS, nt = unit % C::NTS;
+      const int kh = unit % C::KSPLIT, tile = unit / C::KSPLIT;
+      const int mt = tile / C::NTS, nt = tile % C::NTS;
       float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-      const bf16* qrow = sQ + (mt * 16 + (lane & 15)) * LDS + (lane >> 4) * 8;
-      const bf16* krow = K + (nt * 8 + (lane & 7)) * LDS + (lane >> 3) * 8;
-#pragma unroll 6
-      for (int ks = 0; ks < D / 16; ks += 2) {
-        uint32_t a0[4], a1[4], b[4];
-        ldmatrix_x4(a0, qrow + ks * 16);
-        ldmatrix_x4(a1, qrow + ks * 16 + 16);
-        ldmatrix_x4(b, krow + ks * 16);
+      const bf16* qrow = sQ + (mt * 16 + (lane & 15)) * LDS + (lane >> 4) * 8 + kh * C::KSTEPS * 16;
+      const bf16* krow = K + (nt * 8 + (lane & 7)) * LDS + (lane >> 3) * 8 + kh * C::KSTEPS * 16;
+      uint32_t a0[4], a1[4], b[4];
+      ldmatrix_x4(a0, qrow);
+      ldmatrix_x4(a1, qrow + 16);
+      ldmatrix_x4(b, krow);
+#pragma unroll
+      for (int ks = 0; ks < C::KSTEPS; ks += 2) {
+        uint32_t na0[4], na1[4], nb[4];
+        if (ks + 2 < C::KSTEPS) {
+          ldmatrix_x4(na0, qrow + (ks + 2) * 16);
+          ldmatrix_x4(na1, qrow + (ks + 3) * 16);
+          ldmatrix_x4(nb, krow + (ks + 2) * 16);
+        }
         mma_bf16(acc[0], a0, b[0], b[1]);
         mma_bf16(acc[1], a1, b[2], b[3]);
+        if (ks + 2 < C::KSTEPS) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            a0[i] = na0[i];
+            a1[i] = na1[i];
+            b[i] = nb[i];
+          }
+        }
       }
       const int kc = nt * 8 + 2 * t4;
       const bool v0 = key0 + kc < it.key_end, v1 = key0 + kc + 1 < it.key_end;
-      float* s0 = sS + (mt * 16 + g) * C::LDSS + kc;
+      float* s0 = sS + kh * HB * C::LDSS + (mt * 16 + g) * C::LDSS + kc;
       float* s1 = s0 + 8 * C::LDSS;
       s0[0] = v0 ? (acc[0][0] + acc[1][0]) * scale : -INFINITY;
       s0[1] = v1 ? (acc[0][1] + acc[1][1]) * scale : -INFINITY;
@@ -152,6 +172,8 @@ __global__ void __launch_bounds__(NW * 32) mla_decode_fast_kernel(const MlaDecod
 #pragma unroll
       for (int j = 0; j < C::KPT; ++j) {
         sv[j] = srow[j];
+#pragma unroll
+        for (int q = 1; q < C::KSPLIT; ++q) sv[j] += srow[q * HB * C::LDSS + j];
         mx = fmaxf(mx, sv[j]);
       }
 #pragma unroll
@@ -192,12 +214,18 @@ __global__ void __launch_bounds__(NW * 32) mla_decode_fast_kernel(const MlaDecod
         uint32_t a[4];
         ldmatrix_x4(a, sP + (pv_mt * 16 + (lane & 15)) * C::LDP + ks * 16 + (lane >> 4) * 8);
         const bf16* vbase = K + (ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + pv_cg * C::DVW + (lane >> 4) * 8;
+        // All B fragments of this k step first (issued back to back), then the MMAs.
+        constexpr int NB = C::NTO / 2 < 8 ? C::NTO / 2 : 8;
 #pragma unroll
-        for (int np = 0; np < C::NTO / 2; ++np) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, vbase + np * 16);
-          mma_bf16(o[2 * np], a, b[0], b[1]);
-          mma_bf16(o[2 * np + 1], a, b[2], b[3]);
+        for (int n0 = 0; n0 < C::NTO / 2; n0 += NB) {
+          uint32_t b[NB][4];
+#pragma unroll
+          for (int j = 0; j < NB; ++j) ldmatrix_x4_trans(b[j], vbase + (n0 + j) * 16);
+#pragma unroll
+          for (int j = 0; j < NB; ++j) {
+            mma_bf16(o[2 * (n0 + j)], a, b[j][0], b[j][1]);
+            mma_bf16(o[2 * (n0 + j) + 1], a, b[j][2], b[j][3]);
+          }
         }
       }
     }
@@ -316,10 +344,10 @@ __global__ void mla_decode_combine_kernel(const MlaDecodeCombineItem* items, con
   }
 }
 
-template <int HB, int NW, int STAGES, int BN>
+template <int HB, int NW, int STAGES, int BN, int KSPLIT = 1>
 cudaError_t launch_fast(const MlaDecodeParams& p, cudaStream_t stream) {
-  using C = DecodeCfg<HB, NW, STAGES, BN>;
-  auto kernel = mla_decode_fast_kernel<HB, NW, STAGES, BN>;
+  using C = DecodeCfg<HB, NW, STAGES, BN, KSPLIT>;
+  auto kernel = mla_decode_fast_kernel<HB, NW, STAGES, BN, KSPLIT>;
   static bool configured = false;  // per instantiation; the attribute is per function and device
   if (!configured) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -336,7 +364,8 @@ bool fast_dims(int32_t kvr, int32_t rope) { return kvr == 512 && rope == 64; }
 
 }  // namespace
 
-int32_t mla_decode_split_keys(int64_t total_keys, int32_t num_heads, int32_t kvr, int32_t rope, int32_t num_sms) {
+int32_t mla_decode_split_keys(int64_t total_keys, int64_t num_tokens, int64_t max_ctx, int32_t num_heads, int32_t kvr,
+                              int32_t rope, int32_t num_sms) {
   int64_t slots;      // blocks resident at once
   int64_t groups;     // blocks per item
   if (fast_dims(kvr, rope) && num_heads % 64 == 0) {
@@ -349,8 +378,10 @@ int32_t mla_decode_split_keys(int64_t total_keys, int32_t num_heads, int32_t kvr
     slots = 8LL * num_sms;
     groups = num_heads;
   }
-  // About two waves of blocks; splits of at least 256 keys, in whole 64-key steps.
-  int64_t chunk = (total_keys * groups + 2 * slots - 1) / (2 * slots);
+  // No split when the unsplit blocks already fill about one wave (no combine pass then); otherwise splits sized
+  // for about one wave of blocks, at least 256 keys, in whole 64-key steps.
+  if (num_tokens * groups * 4 >= slots * 3) return static_cast<int32_t>(std::min<int64_t>(max_ctx, 1 << 30));
+  int64_t chunk = (total_keys * groups + slots - 1) / slots;
   chunk = (chunk + 63) / 64 * 64;
   if (chunk < 256) chunk = 256;
   if (chunk > (1 << 30)) chunk = 1 << 30;
@@ -368,6 +399,7 @@ cudaError_t mla_decode(const MlaDecodeParams& p, bool allow_fast, cudaStream_t s
       case 1: return launch_fast<16, 4, 3, 32>(p, stream);
       case 2: return launch_fast<16, 4, 4, 32>(p, stream);
       case 3: return launch_fast<16, 8, 2, 64>(p, stream);
+      case 4: return launch_fast<16, 8, 2, 32, 2>(p, stream);
       default: return launch_fast<16, 4, 2, 32>(p, stream);
     }
   }
