@@ -139,8 +139,9 @@ void golden_family(const std::string& fam) {
                 ref.greedy[j].size(), upto);
     EXPECT_EQ(df.nan + d.nan, 0);
     EXPECT_LE(df.max_abs / sd, kLogitTol) << fam << " prompt " << j << " (routing forced)";
-    if (free_run.flips == 0 || d.max_abs / sd <= kLogitTol)
+    if (free_run.flips == 0 || d.max_abs / sd <= kLogitTol) {
       EXPECT_GE(agree, upto) << fam << " prompt " << j << ": greedy tokens differ before the first near tie";
+    }
   }
 }
 

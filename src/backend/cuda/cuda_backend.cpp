@@ -506,7 +506,7 @@ class CudaBackend final : public Backend {
   char* pinned_ = nullptr;
   size_t scratch_peak_ = 0;
   bool allow_fast_ = true, moe_cublas_ = false;
-  int32_t mla_variant_ = 0;
+  int32_t mla_variant_ = 4;  // measured fastest on H200 (docs/perf.md); MLASERVE_MLA_DECODE_VARIANT overrides
   bool moe_grouped_only_ = false;
   static constexpr int64_t kMoeCublasRowsPerExpert = 384;
 

@@ -49,7 +49,6 @@ template <int HB, int NW, int STAGES, int BN_, int KSPLIT_>
 __global__ void __launch_bounds__(NW * 32) mla_decode_fast_kernel(const MlaDecodeParams p) {
   using C = DecodeCfg<HB, NW, STAGES, BN_, KSPLIT_>;
   constexpr int D = C::D, KVR = C::KVR, BN = C::BN, LDS = C::LDS;
-  constexpr int NT = NW * 32;
   constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
   extern __shared__ __align__(128) uint8_t smem_raw[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
