@@ -16,6 +16,7 @@ ParallelConfig parallel_config(const EngineArgs& a, int32_t dp_groups) {
   pc.tp_size = a.tp_size;
   pc.dp_size = dp_groups;
   pc.device = a.device;
+  if (a.mem_fraction_static > 0.0) pc.backend.mem_fraction_static = a.mem_fraction_static;
   pc.nnodes = a.nnodes;
   pc.node_rank = a.node_rank;
   pc.dist_init_addr = a.dist_init_addr;

@@ -35,7 +35,7 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
   for (int32_t i = 0; i < rpn; ++i) {
     auto rk = std::make_unique<Rank>();
     rk->global = pc_.node_rank * rpn + i;
-    rk->backend = make_backend(pc_.device, i);
+    rk->backend = make_backend(pc_.device, i, pc_.backend);
     ranks_.push_back(std::move(rk));
   }
   const bool gpu = ranks_[0]->backend->device() == Device::CUDA;

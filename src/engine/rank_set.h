@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/backend_factory.h"
 #include "model/deepseek_model.h"
 #include "parallel/communicator.h"
 #include "parallel/rendezvous.h"
@@ -29,6 +30,7 @@ struct ParallelConfig {
   int32_t tp_size = 1;
   int32_t dp_size = 1;  // attention-DP groups (DP attention); 1 = plain TP
   std::string device = "auto";
+  BackendOptions backend;
   int32_t nnodes = 1;
   int32_t node_rank = 0;
   std::string dist_init_addr;
