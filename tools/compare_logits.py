@@ -36,7 +36,7 @@ def main():
     ref, out = read(args[0]), read(args[1])
     ok = True
     j = 0
-    while f"prompt_{j}" in ref:
+    while f"logits_{j}" in ref:
         rl, ol = ref[f"logits_{j}"][1], out[f"logits_{j}"][1]
         mean = sum(rl) / len(rl)
         std = math.sqrt(sum((x - mean) ** 2 for x in rl) / len(rl))
@@ -48,9 +48,11 @@ def main():
         full = list(rg) == list(og)
         status = "ok" if err <= tol and gmatch else "FAIL"
         ok &= status == "ok"
-        print(f"prompt {j}: len {ref[f'prompt_{j}'][0][0]} max|dlogit|/std {err:.2e} greedy "
+        print(f"prompt {j}: len {ref[f'logits_{j}'][0][0]} max|dlogit|/std {err:.2e} greedy "
               f"{'equal' if full else ('equal to near-tie step %d' % upto if gmatch else 'DIFFERENT')} {status}")
         j += 1
+    if j == 0:
+        print("no logits_0 in the reference"); ok = False
     sys.exit(0 if ok else 1)
 
 

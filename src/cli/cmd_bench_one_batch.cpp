@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/page_pool.h"
+#include "engine/rank_set.h"
 #include "model/kv_cache.h"
 
 namespace mlaserve::cli {
@@ -30,38 +31,58 @@ struct RunResult {
   std::vector<int32_t> last_ids;
 };
 
+// Runs the static batch on every rank of the layout: sequence j lives in DP group j % groups with pages from that
+// group's pool; prefill steps take whole sequences up to the token budget per group; decode steps one token each.
 class BatchRunner {
  public:
-  BatchRunner(DeepseekModel& model, KvCache& cache, std::vector<std::vector<int32_t>> prompts,
+  BatchRunner(RankSet& ranks, int32_t page_size, std::vector<std::vector<int32_t>> prompts,
               std::vector<std::vector<int32_t>> pages, int32_t max_prefill_tokens)
-      : model_(model), cache_(cache), prompts_(std::move(prompts)), pages_(std::move(pages)),
+      : ranks_(ranks), ps_(page_size), prompts_(std::move(prompts)), pages_(std::move(pages)),
         max_prefill_(max_prefill_tokens) {}
 
   RunResult run(int32_t output_len, MlaForm form) {
-    Backend& be = model_.backend();
     const size_t B = prompts_.size();
+    const size_t G = static_cast<size_t>(ranks_.dp_groups());
     RunResult r;
     std::vector<int32_t> next(B, 0);
     const auto t0 = Clock::now();
-    for (size_t first = 0; first < B;) {
-      ForwardBatchBuilder bb(cache_.page_size());
-      size_t last = first, tokens = 0;
-      while (last < B && (last == first || tokens + prompts_[last].size() <= static_cast<size_t>(max_prefill_))) {
-        bb.add(prompts_[last], 0, pages_[last], false);
-        tokens += prompts_[last].size();
-        ++last;
+    std::vector<size_t> cursor(G);
+    for (size_t g = 0; g < G; ++g) cursor[g] = g;
+    for (;;) {
+      std::vector<std::vector<size_t>> members(G);
+      std::vector<ForwardBatch> batches(G);
+      bool any = false;
+      for (size_t g = 0; g < G; ++g) {
+        ForwardBatchBuilder bb(ps_);
+        size_t tokens = 0;
+        while (cursor[g] < B && (members[g].empty() || tokens + prompts_[cursor[g]].size() <= static_cast<size_t>(max_prefill_))) {
+          bb.add(prompts_[cursor[g]], 0, pages_[cursor[g]], false);
+          tokens += prompts_[cursor[g]].size();
+          members[g].push_back(cursor[g]);
+          cursor[g] += G;
+        }
+        batches[g] = bb.finish();
+        any |= !members[g].empty();
       }
-      sample_into(be, model_.forward(bb.finish(), cache_, form), next, first);
-      first = last;
+      if (!any) break;
+      step(batches, members, next, form);
     }
     r.prefill_s = seconds_since(t0);
     std::vector<int32_t> len(B);
     for (size_t j = 0; j < B; ++j) len[j] = static_cast<int32_t>(prompts_[j].size());
-    for (int32_t step = 0; step + 1 < output_len; ++step) {
+    for (int32_t s = 0; s + 1 < output_len; ++s) {
       const auto ts = Clock::now();
-      ForwardBatchBuilder bb(cache_.page_size());
-      for (size_t j = 0; j < B; ++j) bb.add(std::span<const int32_t>(&next[j], 1), len[j]++, pages_[j], false);
-      sample_into(be, model_.forward(bb.finish(), cache_, form), next, 0);
+      std::vector<std::vector<size_t>> members(G);
+      std::vector<ForwardBatch> batches(G);
+      for (size_t g = 0; g < G; ++g) {
+        ForwardBatchBuilder bb(ps_);
+        for (size_t j = g; j < B; j += G) {
+          bb.add(std::span<const int32_t>(&next[j], 1), len[j]++, pages_[j], false);
+          members[g].push_back(j);
+        }
+        batches[g] = bb.finish();
+      }
+      step(batches, members, next, form);
       r.decode_s.push_back(seconds_since(ts));
     }
     r.last_ids = next;
@@ -69,17 +90,22 @@ class BatchRunner {
   }
 
  private:
-  // Greedy ids of the logits' rows into next[first + i], sampled on the backend; only the ids come back.
-  void sample_into(Backend& be, const Tensor& logits, std::vector<int32_t>& next, size_t first) {
-    const int64_t R = logits.size(0);
-    std::vector<RowSampling> params(static_cast<size_t>(R));
-    Tensor ids = be.scratch({R}, DType::I32);
-    be.sample(logits, params, ids, nullptr);
-    be.download(ids, next.data() + first);
+  // One step; greedy ids sampled on the devices (only the ids come back) into next[].
+  void step(const std::vector<ForwardBatch>& batches, const std::vector<std::vector<size_t>>& members,
+            std::vector<int32_t>& next, MlaForm form) {
+    std::vector<const ForwardBatch*> ptrs;
+    std::vector<std::vector<RowSampling>> greedy;
+    for (size_t g = 0; g < batches.size(); ++g) {
+      ptrs.push_back(members[g].empty() ? nullptr : &batches[g]);
+      greedy.emplace_back(members[g].size());
+    }
+    std::vector<GroupOutput> outs = ranks_.step(ptrs, greedy, /*want_logits=*/false, form);
+    for (size_t g = 0; g < batches.size(); ++g)
+      for (size_t i = 0; i < members[g].size(); ++i) next[members[g][i]] = outs[g].ids[i];
   }
 
-  DeepseekModel& model_;
-  KvCache& cache_;
+  RankSet& ranks_;
+  int32_t ps_;
   std::vector<std::vector<int32_t>> prompts_;
   std::vector<std::vector<int32_t>> pages_;
   int32_t max_prefill_;
@@ -113,24 +139,33 @@ const RegisterCommand reg("bench-one-batch", "prefill and decode latency / throu
   return [=]() -> int {
     MLA_CHECK(*batch > 0 && *in_len > 0 && *out_len > 0, "--batch-size, --input-len and --output-len must be positive");
     MLA_CHECK(*max_prefill > 0, "--max-prefill-tokens must be positive");
-    LoadedModel lm = load_model(*args);
-    DeepseekModel& model = *lm.model;
-    const ModelConfig& cfg = model.config();
+    args->validate();
+    const ModelConfig cfg = ModelConfig::from_file(args->model_path);
+    ParallelConfig pc;
+    pc.tp_size = args->tp;
+    pc.dp_size = args->enable_dp_attention ? args->dp : 1;
+    MLA_CHECK(args->enable_dp_attention || args->dp == 1, "bench-one-batch runs one replica: --dp needs --enable-dp-attention");
+    MLA_CHECK(args->nnodes == 1, "bench-one-batch runs on one node");
+    pc.device = args->device;
+    pc.backend = args->backend_options();
+    RankSet ranks(cfg, pc, args->model_path, args->load_options());
     const int32_t ps = args->page_size;
     const int32_t pages_per_seq = (*in_len + *out_len + ps - 1) / ps;
-    const int32_t total_pages = *batch * pages_per_seq;
-    KvCache cache(model.backend(), cfg, total_pages, ps);
-    PagePool pool(total_pages);
+    const int32_t groups = ranks.dp_groups();
+    const int32_t total_pages = (*batch + groups - 1) / groups * pages_per_seq;  // per group
+    ranks.allocate_kv(total_pages, ps);
+    std::vector<std::unique_ptr<PagePool>> pools;
+    for (int32_t g = 0; g < groups; ++g) pools.push_back(std::make_unique<PagePool>(total_pages));
     std::vector<std::vector<int32_t>> pages, prompts;
     std::mt19937_64 rng(*input_seed);
     std::uniform_int_distribution<int32_t> tok(2, static_cast<int32_t>(cfg.vocab_size - 1));
     for (int32_t j = 0; j < *batch; ++j) {
-      pages.push_back(*pool.alloc(pages_per_seq));
+      pages.push_back(*pools[static_cast<size_t>(j % groups)]->alloc(pages_per_seq));
       std::vector<int32_t> p(static_cast<size_t>(*in_len));
       for (auto& t : p) t = tok(rng);
       prompts.push_back(std::move(p));
     }
-    BatchRunner runner(model, cache, prompts, pages, *max_prefill);
+    BatchRunner runner(ranks, ps, prompts, pages, *max_prefill);
     if (*warmup) runner.run(std::min(*out_len, 3), args->form());
     const RunResult r = runner.run(*out_len, args->form());
 
@@ -139,8 +174,10 @@ const RegisterCommand reg("bench-one-batch", "prefill and decode latency / throu
     double dec_sum = 0.0;
     for (double d : r.decode_s) dec_sum += d;
     const double dec_tokens = static_cast<double>(*batch) * r.decode_s.size();
-    fmt::print("bench-one-batch: {} on {}, batch {}, input {}, output {}, page size {}\n", cfg.arch_name,
-               model.backend().name(), *batch, *in_len, *out_len, ps);
+    const std::string layout = fmt::format("{} x{}{}", ranks.backend(0).name(), args->tp,
+                                           groups > 1 ? fmt::format(" (DP attention, {} groups)", groups) : "");
+    fmt::print("bench-one-batch: {} on {}, batch {}, input {}, output {}, page size {}\n", cfg.arch_name, layout,
+               *batch, *in_len, *out_len, ps);
     fmt::print("  prefill: {:>10.2f} ms   {:>10.0f} tok/s   ({} tokens)\n", r.prefill_s * 1e3,
                prefill_tokens / r.prefill_s, static_cast<int64_t>(prefill_tokens));
     if (!r.decode_s.empty()) {
@@ -154,7 +191,7 @@ const RegisterCommand reg("bench-one-batch", "prefill and decode latency / throu
     fmt::print("{{\"arch\": \"{}\", \"device\": \"{}\", \"batch_size\": {}, \"input_len\": {}, \"output_len\": {}, "
                "\"prefill_ms\": {:.3f}, \"prefill_tok_s\": {:.1f}, \"decode_median_ms\": {:.4f}, "
                "\"decode_tok_s\": {:.1f}, \"first_ids\": [{}]}}\n",
-               cfg.arch_name, model.backend().name(), *batch, *in_len, *out_len, r.prefill_s * 1e3,
+               cfg.arch_name, layout, *batch, *in_len, *out_len, r.prefill_s * 1e3,
                prefill_tokens / r.prefill_s, dec_med * 1e3, dec_med > 0 ? *batch / dec_med : 0.0,
                fmt::join(r.last_ids.begin(), r.last_ids.begin() + std::min<size_t>(4, r.last_ids.size()), ", "));
     return 0;

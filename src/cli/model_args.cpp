@@ -97,6 +97,7 @@ OfflineResult run_offline_layout(const ModelArgs& args, const std::vector<std::v
       idx.push_back(j);
     }
     if (mine.empty()) continue;
+    pc.device_offset = r * args.tp;  // on GPUs, replica r uses its own devices
     RankSet ranks(cfg, pc, args.model_path, args.load_options());
     OfflineResult res = run_offline(ranks, mine, opts);
     for (size_t k = 0; k < idx.size(); ++k) {

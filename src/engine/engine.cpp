@@ -4,7 +4,6 @@
 #include <cstdlib>
 
 #include "core/log.h"
-#include "core/thread_pool.h"
 
 namespace mlaserve {
 
@@ -179,27 +178,33 @@ void Engine::step() {
   const int64_t V = ranks_->config().vocab_size;
   std::vector<std::vector<SampleResult>> sampled(groups);
   try {
-    std::vector<Tensor> logits = ranks_->step(batches);
-    // Sample every group's rows (rows are independent: parallel over all of them).
-    std::vector<std::pair<size_t, Req*>> rows;
-    std::vector<const float*> row_logits;
-    for (size_t g = 0; g < groups; ++g) {
-      int64_t i = 0;
+    // One RowSampling per logit row; the leading rank of each group draws on its device.
+    std::vector<std::vector<RowSampling>> rows(groups);
+    bool want_logits = false;  // only for top-N logprobs, computed on the host
+    for (size_t g = 0; g < groups; ++g)
       for (const ScheduledSeq& s : plans[g].seqs)
         if (s.wants_logits) {
-          rows.emplace_back(g, s.req);
-          row_logits.push_back(logits[g].data_as<float>() + i++ * V);
+          rows[g].push_back(s.req->sampler.row(s.req->sampling));
+          want_logits |= s.req->sampling.top_logprobs_num > 0;
         }
-      sampled[g].resize(static_cast<size_t>(i));
+    std::vector<GroupOutput> outs = ranks_->step(batches, rows, want_logits);
+    for (size_t g = 0; g < groups; ++g) {
+      int64_t i = 0;
+      for (const ScheduledSeq& s : plans[g].seqs) {
+        if (!s.wants_logits) continue;
+        SampleResult r;
+        r.token = outs[g].ids[static_cast<size_t>(i)];
+        const SamplingParams& sp = s.req->sampling;
+        if (sp.top_logprobs_num > 0) {
+          r.logprob = top_logprobs(outs[g].logits.data_as<float>() + i * V, V, r.token, sp.top_logprobs_num);
+        } else if (sp.return_logprob) {
+          r.logprob.token = r.token;
+          r.logprob.logprob = outs[g].logprobs[static_cast<size_t>(i)];
+        }
+        sampled[g].push_back(std::move(r));
+        ++i;
+      }
     }
-    std::vector<SampleResult> flat(rows.size());
-    parallel_for(static_cast<int64_t>(rows.size()), 1, [&](int64_t b, int64_t e) {
-      std::vector<float> scratch;
-      for (int64_t i = b; i < e; ++i)
-        flat[i] = sample_row(row_logits[i], V, rows[i].second->sampling, rows[i].second->sampler, scratch);
-    });
-    std::vector<size_t> next(groups, 0);
-    for (size_t i = 0; i < rows.size(); ++i) sampled[rows[i].first][next[rows[i].first]++] = flat[i];
   } catch (const std::exception& e) {
     MLA_LOG_ERROR("forward step failed: {}; aborting its requests", e.what());
     FinishReason f;

@@ -31,8 +31,11 @@ LoadOptions load_options(const EngineArgs& a) {
   return lo;
 }
 
-std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfig& cfg, int32_t dp_groups) {
-  auto ranks = std::make_unique<RankSet>(cfg, parallel_config(a, dp_groups), a.model_path, load_options(a));
+std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfig& cfg, int32_t dp_groups,
+                                           int32_t replica = 0) {
+  ParallelConfig pc = parallel_config(a, dp_groups);
+  pc.device_offset = replica * a.tp_size;  // on GPUs, replica r uses its own devices
+  auto ranks = std::make_unique<RankSet>(cfg, pc, a.model_path, load_options(a));
 
   EngineOptions o;
   o.page_size = a.page_size;
@@ -101,7 +104,7 @@ std::unique_ptr<EngineClient> make_engine(const EngineArgs& a) {
   MLA_LOG_INFO("{}", cfg.summary());
   if (a.enable_dp_attention || a.dp_size == 1) return make_replica(a, cfg, a.enable_dp_attention ? a.dp_size : 1);
   std::vector<std::unique_ptr<EngineClient>> replicas;
-  for (int32_t r = 0; r < a.dp_size; ++r) replicas.push_back(make_replica(a, cfg, 1));
+  for (int32_t r = 0; r < a.dp_size; ++r) replicas.push_back(make_replica(a, cfg, 1, r));
   return std::make_unique<DpController>(std::move(replicas), a.load_balance_method);
 }
 

@@ -146,8 +146,15 @@ OfflineResult run_offline(RankSet& ranks, const std::vector<std::vector<int32_t>
   std::vector<int32_t> group_pages(static_cast<size_t>(groups), 0);
   for (size_t j = 0; j < prompts.size(); ++j) group_pages[j % static_cast<size_t>(groups)] += pages_for(prompts[j], opts);
   ranks.allocate_kv(std::max(1, *std::max_element(group_pages.begin(), group_pages.end())), opts.page_size);
-  return drive(ranks.config().vocab_size, groups, prompts, opts,
-               [&](const std::vector<const ForwardBatch*>& b) { return ranks.step(b, opts.form); });
+  return drive(ranks.config().vocab_size, groups, prompts, opts, [&](const std::vector<const ForwardBatch*>& b) {
+    std::vector<std::vector<RowSampling>> greedy(b.size());
+    for (size_t g = 0; g < b.size(); ++g)
+      if (b[g]) greedy[g].resize(b[g]->logit_rows.size());
+    std::vector<GroupOutput> outs = ranks.step(b, greedy, /*want_logits=*/true, opts.form);
+    std::vector<Tensor> logits;
+    for (auto& o : outs) logits.push_back(o.logits);
+    return logits;
+  });
 }
 
 }  // namespace mlaserve

@@ -16,13 +16,65 @@ enum Op : char { kStep = 'S', kKv = 'K', kQuit = 'Q' };
 
 void put(std::string& o, const void* p, size_t n) { o.append(static_cast<const char*>(p), n); }
 template <typename T>
+void put_pod(std::string& o, const T& v) {
+  put(o, &v, sizeof v);
+}
+template <typename T>
 T get(const char*& p, const char* end) {
-  MLA_CHECK(end - p >= static_cast<int64_t>(sizeof(T)), "truncated message from node 0");
+  MLA_CHECK(end - p >= static_cast<int64_t>(sizeof(T)), "truncated message between nodes");
   T v;
   std::memcpy(&v, p, sizeof v);
   p += sizeof v;
   return v;
 }
+template <typename T>
+void put_vec(std::string& o, const std::vector<T>& v) {
+  put_pod(o, static_cast<int64_t>(v.size()));
+  put(o, v.data(), v.size() * sizeof(T));
+}
+template <typename T>
+std::vector<T> get_vec(const char*& p, const char* end) {
+  const int64_t n = get<int64_t>(p, end);
+  MLA_CHECK(n >= 0 && end - p >= n * static_cast<int64_t>(sizeof(T)), "truncated message between nodes");
+  std::vector<T> v(static_cast<size_t>(n));
+  std::memcpy(static_cast<void*>(v.data()), p, static_cast<size_t>(n) * sizeof(T));
+  p += n * static_cast<int64_t>(sizeof(T));
+  return v;
+}
+void put_sampling(std::string& o, const std::vector<RowSampling>& rows) {
+  put_pod(o, static_cast<int64_t>(rows.size()));
+  for (const RowSampling& r : rows) {
+    put_pod(o, r.temperature);
+    put_pod(o, r.top_k);
+    put_pod(o, r.top_p);
+    put_pod(o, r.min_p);
+    put_pod(o, r.frequency_penalty);
+    put_pod(o, r.presence_penalty);
+    put_pod(o, r.repetition_penalty);
+    put_pod(o, r.seed);
+    put_pod(o, r.step);
+    put_vec(o, r.penalty_counts);
+  }
+}
+std::vector<RowSampling> get_sampling(const char*& p, const char* end) {
+  const int64_t n = get<int64_t>(p, end);
+  MLA_CHECK(n >= 0 && n < (int64_t{1} << 24), "bad sampling rows in a step message");
+  std::vector<RowSampling> rows(static_cast<size_t>(n));
+  for (RowSampling& r : rows) {
+    r.temperature = get<float>(p, end);
+    r.top_k = get<int32_t>(p, end);
+    r.top_p = get<float>(p, end);
+    r.min_p = get<float>(p, end);
+    r.frequency_penalty = get<float>(p, end);
+    r.presence_penalty = get<float>(p, end);
+    r.repetition_penalty = get<float>(p, end);
+    r.seed = get<uint64_t>(p, end);
+    r.step = get<uint64_t>(p, end);
+    r.penalty_counts = get_vec<std::pair<int32_t, int32_t>>(p, end);
+  }
+  return rows;
+}
+
 }  // namespace
 
 RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std::string& model_dir, const LoadOptions& lo)
@@ -35,7 +87,7 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
   for (int32_t i = 0; i < rpn; ++i) {
     auto rk = std::make_unique<Rank>();
     rk->global = pc_.node_rank * rpn + i;
-    rk->backend = make_backend(pc_.device, i, pc_.backend);
+    rk->backend = make_backend(pc_.device, pc_.device_offset + i, pc_.backend);
     ranks_.push_back(std::move(rk));
   }
   const bool gpu = ranks_[0]->backend->device() == Device::CUDA;
@@ -76,7 +128,8 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
       ParallelPlan plan = ParallelPlan::make(n, d, rk.global);
 #ifdef MLASERVE_HAS_CUDA
       if (gpu && n > 1) {
-        auto world = std::make_unique<NcclCommunicator>(nccl_id, n, rk.global, i, rk.backend->native_stream());
+        auto world = std::make_unique<NcclCommunicator>(nccl_id, n, rk.global, pc_.device_offset + i,
+                                                        rk.backend->native_stream());
         if (at > 1 && d > 1) rk.attn = world->split(plan.dp_rank, rk.global);
         rk.world = std::move(world);
       }
@@ -186,7 +239,9 @@ void RankSet::allocate_kv(int32_t num_pages, int32_t page_size) {
   });
 }
 
-void RankSet::run_local(const std::vector<const ForwardBatch*>& batches, MlaForm form, std::vector<Tensor>& out) {
+void RankSet::run_local(const std::vector<const ForwardBatch*>& batches,
+                        const std::vector<std::vector<RowSampling>>& sampling, bool want_logits, MlaForm form,
+                        std::vector<GroupOutput>& out) {
   const int32_t d = pc_.dp_size, at = attn_tp();
   DpStepInfo info;
   for (const ForwardBatch* b : batches) info.num_tokens.push_back(b ? b->num_tokens() : 0);
@@ -198,33 +253,52 @@ void RankSet::run_local(const std::vector<const ForwardBatch*>& batches, MlaForm
     const int32_t g = rk.global / at;
     const ForwardBatch& b = batches[static_cast<size_t>(g)] ? *batches[static_cast<size_t>(g)] : idle;
     Tensor logits = rk.model->forward(b, *rk.kv, form, d > 1 ? &info : nullptr);
-    if (rk.global % at == 0) out[static_cast<size_t>(g)] = rk.backend->to_host_f32(logits);
+    if (rk.global % at != 0) return;
+    // The group's leading rank samples its rows on the device; only ids and logprobs come back.
+    GroupOutput& o = out[static_cast<size_t>(g)];
+    const int64_t R = logits.size(0);
+    const auto& params = sampling[static_cast<size_t>(g)];
+    MLA_CHECK(static_cast<int64_t>(params.size()) == R, "step: {} sampling rows for {} logit rows of group {}",
+              params.size(), R, g);
+    o.ids.assign(static_cast<size_t>(R), 0);
+    o.logprobs.assign(static_cast<size_t>(R), 0.0f);
+    if (R > 0) {
+      Tensor ids = rk.backend->scratch({R}, DType::I32), lps = rk.backend->scratch({R}, DType::F32);
+      rk.backend->sample(logits, params, ids, &lps);
+      rk.backend->download(ids, o.ids.data());
+      rk.backend->download(lps, o.logprobs.data());
+    }
+    if (want_logits) o.logits = rk.backend->to_host_f32(logits);
   });
 }
 
-std::vector<Tensor> RankSet::step(const std::vector<const ForwardBatch*>& batches, MlaForm form) {
+std::vector<GroupOutput> RankSet::step(const std::vector<const ForwardBatch*>& batches,
+                                       const std::vector<std::vector<RowSampling>>& sampling, bool want_logits,
+                                       MlaForm form) {
   const int32_t d = pc_.dp_size, at = attn_tp(), rpn = ranks_per_node();
   MLA_CHECK(pc_.node_rank == 0, "RankSet::step runs on node 0 only");
-  MLA_CHECK(static_cast<int32_t>(batches.size()) == d, "step: {} batches for {} DP groups", batches.size(), d);
+  MLA_CHECK(static_cast<int32_t>(batches.size()) == d && static_cast<int32_t>(sampling.size()) == d,
+            "step: {} batches and {} sampling lists for {} DP groups", batches.size(), sampling.size(), d);
   bool any = false;
   for (const ForwardBatch* b : batches) any |= b && b->num_tokens() > 0;
-  std::vector<Tensor> out(static_cast<size_t>(d));
+  std::vector<GroupOutput> out(static_cast<size_t>(d));
   if (!any) return out;  // every group idle: no forward at all
   const bool remote = link_ && pc_.nnodes > 1;
   if (remote) {
     std::string m(1, kStep);
-    const char f = static_cast<char>(form);
-    put(m, &f, 1);
-    for (const ForwardBatch* b : batches) {
-      const char has = b ? 1 : 0;
-      put(m, &has, 1);
+    put_pod(m, static_cast<char>(form));
+    put_pod(m, static_cast<char>(want_logits));
+    for (int32_t g = 0; g < d; ++g) {
+      const ForwardBatch* b = batches[static_cast<size_t>(g)];
+      put_pod(m, static_cast<char>(b ? 1 : 0));
       if (b) serialize(*b, m);
+      put_sampling(m, sampling[static_cast<size_t>(g)]);
     }
     link_->broadcast(m);
   }
-  run_local(batches, form, out);
+  run_local(batches, sampling, want_logits, form, out);
   if (remote) {
-    // Logits of groups led by ranks of other nodes, node by node, in group order.
+    // Outputs of groups led by ranks of other nodes, node by node, in group order.
     const int64_t V = config_.vocab_size;
     for (int32_t node = 1; node < pc_.nnodes; ++node) {
       bool leads = false;
@@ -235,12 +309,16 @@ std::vector<Tensor> RankSet::step(const std::vector<const ForwardBatch*>& batche
       const char* end = p + msg.size();
       for (int32_t g = 0; g < d; ++g) {
         if ((g * at) / rpn != node) continue;
-        const int64_t rows = get<int64_t>(p, end);
-        MLA_CHECK(end - p >= rows * V * 4, "truncated logits from node {}", node);
-        Tensor t = Tensor::empty_host({rows, V}, DType::F32);
-        std::memcpy(t.data(), p, static_cast<size_t>(rows * V) * 4);
-        p += rows * V * 4;
-        out[static_cast<size_t>(g)] = t;
+        GroupOutput& o = out[static_cast<size_t>(g)];
+        o.ids = get_vec<int32_t>(p, end);
+        o.logprobs = get_vec<float>(p, end);
+        if (want_logits) {
+          std::vector<float> l = get_vec<float>(p, end);
+          const int64_t rows = static_cast<int64_t>(o.ids.size());
+          MLA_CHECK(static_cast<int64_t>(l.size()) == rows * V, "bad logits from node {}", node);
+          o.logits = Tensor::empty_host({rows, V}, DType::F32);
+          if (!l.empty()) std::memcpy(o.logits.data(), l.data(), l.size() * sizeof(float));
+        }
       }
     }
   }
@@ -263,23 +341,33 @@ void RankSet::follow() {
     }
     MLA_CHECK(msg[0] == kStep, "unknown message '{}' from node 0", msg[0]);
     const MlaForm form = static_cast<MlaForm>(get<char>(p, end));
+    const bool want_logits = get<char>(p, end) != 0;
     std::vector<ForwardBatch> storage(static_cast<size_t>(d));
     std::vector<const ForwardBatch*> batches(static_cast<size_t>(d), nullptr);
-    for (int32_t g = 0; g < d; ++g)
+    std::vector<std::vector<RowSampling>> sampling(static_cast<size_t>(d));
+    for (int32_t g = 0; g < d; ++g) {
       if (get<char>(p, end)) {
         storage[static_cast<size_t>(g)] = deserialize_forward_batch(p, end);
         batches[static_cast<size_t>(g)] = &storage[static_cast<size_t>(g)];
       }
-    std::vector<Tensor> out(static_cast<size_t>(d));
-    run_local(batches, form, out);
+      sampling[static_cast<size_t>(g)] = get_sampling(p, end);
+    }
+    std::vector<GroupOutput> out(static_cast<size_t>(d));
+    run_local(batches, sampling, want_logits, form, out);
     std::string reply;
     bool leads = false;
     for (int32_t g = 0; g < d; ++g) {
       if ((g * at) / rpn != pc_.node_rank) continue;
       leads = true;
-      const int64_t rows = out[static_cast<size_t>(g)].defined() ? out[static_cast<size_t>(g)].size(0) : 0;
-      put(reply, &rows, 8);
-      if (rows) put(reply, out[static_cast<size_t>(g)].data(), out[static_cast<size_t>(g)].nbytes());
+      const GroupOutput& o = out[static_cast<size_t>(g)];
+      put_vec(reply, o.ids);
+      put_vec(reply, o.logprobs);
+      if (want_logits) {
+        std::vector<float> l;
+        if (o.logits.defined() && o.logits.numel() > 0)
+          l.assign(o.logits.data_as<float>(), o.logits.data_as<float>() + o.logits.numel());
+        put_vec(reply, l);
+      }
     }
     if (leads) link_->send(reply);
   }

@@ -31,10 +31,18 @@ struct ParallelConfig {
   int32_t dp_size = 1;  // attention-DP groups (DP attention); 1 = plain TP
   std::string device = "auto";
   BackendOptions backend;
+  int32_t device_offset = 0;  // first local GPU of this replica (--dp replicas in one process use disjoint GPUs)
   int32_t nnodes = 1;
   int32_t node_rank = 0;
   std::string dist_init_addr;
   std::chrono::milliseconds dist_timeout{std::chrono::seconds(120)};
+};
+
+// What one DP group's leading rank hands back after a step.
+struct GroupOutput {
+  std::vector<int32_t> ids;       // sampled on the device, one per logit row
+  std::vector<float> logprobs;    // of the sampled ids
+  Tensor logits;                  // host F32 [rows, vocab], only when asked for
 };
 
 class RankSet {
@@ -54,8 +62,12 @@ class RankSet {
 
   // Gives every rank a latent cache of `num_pages` pages (ranks of one DP group hold the same sequences).
   void allocate_kv(int32_t num_pages, int32_t page_size);
-  // One forward on every rank; batches[g] for DP group g. Returns F32 host logits [rows_g, vocab] per group.
-  std::vector<Tensor> step(const std::vector<const ForwardBatch*>& batches, MlaForm form = MlaForm::Auto);
+  // One forward on every rank; batches[g] for DP group g, sampling[g] one RowSampling per logit row of it. Each
+  // group's leading rank samples on its device and only the ids (and their logprobs) come back; the full logits
+  // are copied to the host as well when `want_logits`.
+  std::vector<GroupOutput> step(const std::vector<const ForwardBatch*>& batches,
+                                const std::vector<std::vector<RowSampling>>& sampling, bool want_logits,
+                                MlaForm form = MlaForm::Auto);
   // Nodes other than 0: serve node 0's steps until it finishes.
   void follow();
 
@@ -72,7 +84,8 @@ class RankSet {
   void worker(int local);
   void stop_workers();
   // Runs the local ranks; fills out[g] for groups led by a local rank.
-  void run_local(const std::vector<const ForwardBatch*>& batches, MlaForm form, std::vector<Tensor>& out);
+  void run_local(const std::vector<const ForwardBatch*>& batches, const std::vector<std::vector<RowSampling>>& sampling,
+                 bool want_logits, MlaForm form, std::vector<GroupOutput>& out);
   int32_t attn_tp() const { return pc_.tp_size / pc_.dp_size; }
   int32_t ranks_per_node() const { return pc_.tp_size / pc_.nnodes; }
 

@@ -1,8 +1,7 @@
-// Sampling one token from one row of logits (host memory), with the request's parameters. The result depends
-// only on the row, the parameters, the request's token history and (seed, step): never on the batch.
-// Order (as SGLang / vLLM): repetition penalty (prompt + output tokens), frequency and presence penalties
-// (output tokens), then temperature 0 -> argmax, else temperature, top-k, top-p, min-p and a draw.
-// Logprobs are of the model's distribution (log_softmax of the raw logits).
+// Per-request sampling state and the host-side helpers around Backend::sample (which draws the tokens on the
+// device: penalties, temperature, top-k / top-p / min-p, counter-based noise keyed on (seed, step, token), so every
+// backend draws the same token). Here: the request's RNG key and token counts, the RowSampling built from them,
+// and top-N logprobs computed on the host for the rare requests that ask for them.
 #pragma once
 
 #include <cstdint>
@@ -10,31 +9,28 @@
 #include <unordered_map>
 #include <vector>
 
+#include "backend/backend.h"
 #include "engine/engine_api.h"
 
 namespace mlaserve {
 
 struct SampleResult {
   int32_t token = -1;
-  TokenLogprob logprob;  // filled when asked
+  TokenLogprob logprob;  // filled when the request asks for logprobs
 };
 
 struct SamplerState {
-  // Counts of each generated token so far (frequency / presence penalties).
-  std::unordered_map<int32_t, int32_t> output_counts;
-  // Tokens of prompt + output (repetition penalty); kept as a set-like map.
-  std::unordered_map<int32_t, int32_t> seen;
+  std::unordered_map<int32_t, int32_t> output_counts;  // generated token -> count (penalties)
   uint64_t seed = 0;
-  uint64_t step = 0;  // draws so far
-  void observe_prompt(std::span<const int32_t> ids);
-  void observe_output(int32_t id);
+  uint64_t step = 0;  // tokens drawn so far
+  void observe_output(int32_t id) { ++output_counts[id]; }
+  // The device sampler's parameters for this request's next token.
+  RowSampling row(const SamplingParams& p) const;
 };
 
 // Index of the largest value (the lowest index among ties).
 int32_t argmax_row(const float* x, int64_t n);
-
-// `scratch` is reused across calls to avoid allocations.
-SampleResult sample_row(const float* logits, int64_t vocab, const SamplingParams& p, SamplerState& state,
-                        std::vector<float>& scratch);
+// The n most likely tokens of log_softmax(x), best first (ties: lower id first), and the logprob of `token`.
+TokenLogprob top_logprobs(const float* x, int64_t vocab, int32_t token, int32_t n);
 
 }  // namespace mlaserve

@@ -52,7 +52,6 @@ void Scheduler::add(GenerateRequest g) {
   r->sampling = std::move(g.sampling);
   r->on_output = std::move(g.on_output);
   r->sampler.seed = r->sampling.seed ? splitmix64(*r->sampling.seed) : splitmix64(++seed_counter_ ^ fnv1a64(r->rid));
-  if (r->sampling.repetition_penalty != 1.0f) r->sampler.observe_prompt(r->prompt);
   if (r->sampling.max_new_tokens == 0) {
     FinishReason f;
     f.kind = FinishKind::Length;
@@ -290,6 +289,7 @@ void Scheduler::commit(StepPlan& plan, const std::vector<SampleResult>& sampled)
     r.output.push_back(sr.token);
     r.fill.push_back(sr.token);
     r.sampler.observe_output(sr.token);
+    ++r.sampler.step;
     if (r.sampling.return_logprob || r.sampling.top_logprobs_num > 0) r.pending_lps.push_back(sr.logprob);
     ++counters_.generation_tokens_total;
     const SamplingParams& sp = r.sampling;
