@@ -1,6 +1,7 @@
 // mlaserve: the single binary. Subcommands register themselves (cli/command.h).
 #include <spdlog/sinks/stdout_color_sinks.h>
 
+#include <cstdlib>
 #include <algorithm>
 #include <iostream>
 #include <map>
@@ -18,6 +19,12 @@ std::vector<CommandSpec>& command_registry() {
 
 int main(int argc, char** argv) {
   using namespace mlaserve;
+  // Several GPUs driven from one process with NCCL between them can deadlock under CUDA's lazy module loading (a
+  // kernel's first launch waits while another GPU's collective spins): load modules eagerly unless told otherwise.
+  ::setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
+  // Establish NCCL connections at communicator init rather than inside the first collective (which then allocates
+  // and maps peer memory while the other rank threads launch kernels).
+  ::setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
   // Logs go to stderr: stdout carries command output (token ids, JSON lines).
   auto logger = spdlog::stderr_color_mt("mlaserve");
   logger->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%^%l%$] %v");

@@ -130,7 +130,18 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
       if (gpu && n > 1) {
         auto world = std::make_unique<NcclCommunicator>(nccl_id, n, rk.global, pc_.device_offset + i,
                                                         rk.backend->native_stream());
-        if (at > 1 && d > 1) rk.attn = world->split(plan.dp_rank, rk.global);
+        if (at > 1 && d > 1) {
+          auto attn = world->split(plan.dp_rank, rk.global);
+          auto* a = attn.get();
+          std::lock_guard<std::mutex> lk(mu_);
+          abort_groups_.push_back([a] { a->abort(); });
+          rk.attn = std::move(attn);
+        }
+        auto* w = world.get();
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          abort_groups_.push_back([w] { w->abort(); });
+        }
         rk.world = std::move(world);
       }
 #endif
@@ -192,7 +203,12 @@ void RankSet::worker(int local) {
       (*job)(local);
     } catch (const std::exception& e) {
       err = e.what();
-      for (auto& a : abort_groups_) a();
+      std::vector<std::function<void()>> aborts;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        aborts = abort_groups_;
+      }
+      for (auto& a : aborts) a();  // wake the other ranks out of their collectives
     }
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -203,7 +219,7 @@ void RankSet::worker(int local) {
   }
 }
 
-void RankSet::run_on_all(const std::function<void(int)>& fn) {
+void RankSet::run_on_all(const std::function<void(int)>& fn, std::chrono::milliseconds timeout) {
   if (ranks_.size() == 1) {
     ranks_[0]->backend->bind_thread();
     fn(0);
@@ -217,7 +233,18 @@ void RankSet::run_on_all(const std::function<void(int)>& fn) {
   errors_.clear();
   ++generation_;
   cv_.notify_all();
-  done_cv_.wait(lk, [&] { return pending_ == 0; });
+  if (!done_cv_.wait_for(lk, timeout, [&] { return pending_ == 0; })) {
+    // A rank is stuck in a collective: abort the communicators so every rank returns, then report.
+    const int stuck = pending_;
+    std::vector<std::function<void()>> aborts = abort_groups_;
+    lk.unlock();
+    for (auto& a : aborts) a();
+    lk.lock();
+    done_cv_.wait_for(lk, std::chrono::seconds(30), [&] { return pending_ == 0; });
+    job_ = nullptr;
+    fail("{} of {} ranks did not finish a step within {} s (a rank missed a collective?); communicators aborted",
+         stuck, ranks_.size(), timeout.count() / 1000.0);
+  }
   job_ = nullptr;
   if (!errors_.empty()) {
     std::string all;
@@ -248,7 +275,8 @@ void RankSet::run_local(const std::vector<const ForwardBatch*>& batches,
   ForwardBatch idle;
   idle.page_size = 1;
   idle.seq_q_start = {0};
-  run_on_all([&](int i) {
+  run_on_all(
+      [&](int i) {
     Rank& rk = *ranks_[static_cast<size_t>(i)];
     const int32_t g = rk.global / at;
     const ForwardBatch& b = batches[static_cast<size_t>(g)] ? *batches[static_cast<size_t>(g)] : idle;
@@ -269,7 +297,8 @@ void RankSet::run_local(const std::vector<const ForwardBatch*>& batches,
       rk.backend->download(lps, o.logprobs.data());
     }
     if (want_logits) o.logits = rk.backend->to_host_f32(logits);
-  });
+      },
+      pc_.step_timeout);
 }
 
 std::vector<GroupOutput> RankSet::step(const std::vector<const ForwardBatch*>& batches,

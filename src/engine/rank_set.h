@@ -36,6 +36,9 @@ struct ParallelConfig {
   int32_t node_rank = 0;
   std::string dist_init_addr;
   std::chrono::milliseconds dist_timeout{std::chrono::seconds(120)};
+  // A step that has not finished on every rank after this long is stuck (a rank missed a collective): the
+  // communicators are aborted and the step fails with an error instead of hanging.
+  std::chrono::milliseconds step_timeout{std::chrono::seconds(600)};
 };
 
 // What one DP group's leading rank hands back after a step.
@@ -80,7 +83,7 @@ class RankSet {
     std::unique_ptr<KvCache> kv;
     std::thread thread;
   };
-  void run_on_all(const std::function<void(int)>& fn);
+  void run_on_all(const std::function<void(int)>& fn, std::chrono::milliseconds timeout = std::chrono::hours(2));
   void worker(int local);
   void stop_workers();
   // Runs the local ranks; fills out[g] for groups led by a local rank.

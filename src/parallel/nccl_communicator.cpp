@@ -57,6 +57,13 @@ NcclCommunicator::~NcclCommunicator() {
   if (impl_ && impl_->comm) ncclCommDestroy(impl_->comm);
 }
 
+void NcclCommunicator::abort() {
+  if (impl_ && impl_->comm) {
+    ncclCommAbort(impl_->comm);
+    impl_->comm = nullptr;
+  }
+}
+
 void NcclCommunicator::all_reduce_sum(Tensor& t) {
   if (size_ == 1 || t.numel() == 0) return;
   nccl_check(ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), ncclSum,

@@ -25,6 +25,9 @@ class NcclCommunicator final : public Communicator {
   void reduce_scatter_sum(const Tensor& in, Tensor& out) override;
   void broadcast(Tensor& t, int root) override;
   void barrier() override;
+  // Aborts the communicator (from any thread): collectives in flight return instead of waiting for a rank that
+  // failed. The communicator is unusable afterwards.
+  void abort();
   // A sub-group (ncclCommSplit): ranks with the same color, ordered by key.
   std::unique_ptr<NcclCommunicator> split(int color, int key);
 

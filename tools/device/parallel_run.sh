@@ -8,13 +8,19 @@ PKG=$1
 OUT=$2
 export LD_LIBRARY_PATH=$PWD/$PKG/lib:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0
+# Lazy module loading can deadlock kernels of several GPUs driven from one process (a first launch waits while
+# another GPU's NCCL kernel spins): load eagerly.
+export CUDA_MODULE_LOADING=EAGER
+FAMILIES=${FAMILIES:-v2 v3}
+BATCHES=${BATCHES:-256 1024}
+OUTLEN=${OUTLEN:-64}
 BIN=$PKG/bin/mlaserve
 CMP="python3 tools/compare_logits.py"
 nvidia-smi -L
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 
-for fam in v2 v3; do
+for fam in $FAMILIES; do
   M=tests/golden/data/$fam
   P=$M/reference.safetensors
   $BIN eval-logits --device cuda --model-path $M --prompts $P --out /tmp/$fam-tp1.st --max-new-tokens 24 --log-level warning
@@ -46,19 +52,19 @@ done
 
 # Two processes as two nodes (one GPU each) against one process driving both GPUs.
 M=tests/golden/data/v2; P=$M/reference.safetensors; PORT=29$((RANDOM % 500 + 100))
-CUDA_VISIBLE_DEVICES=1 timeout 200 $BIN eval-logits --device cuda --model-path $M --prompts $P --out /tmp/unused.st \
+CUDA_VISIBLE_DEVICES=1 timeout 100 $BIN eval-logits --device cuda --model-path $M --prompts $P --out /tmp/unused.st \
   --max-new-tokens 24 --tp 2 --nnodes 2 --node-rank 1 --dist-init-addr 127.0.0.1:$PORT > $OUT/node1.log 2>&1 &
 N1=$!
-CUDA_VISIBLE_DEVICES=0 timeout 200 $BIN eval-logits --device cuda --model-path $M --prompts $P --out /tmp/mn.st \
+CUDA_VISIBLE_DEVICES=0 timeout 100 $BIN eval-logits --device cuda --model-path $M --prompts $P --out /tmp/mn.st \
   --max-new-tokens 24 --tp 2 --nnodes 2 --node-rank 0 --dist-init-addr 127.0.0.1:$PORT > $OUT/node0.log 2>&1
 rc0=$?; wait $N1; rc1=$?
 note "two nodes: node0 rc=$rc0 node1 rc=$rc1"
 $CMP /tmp/v2-tp2.st /tmp/mn.st --tol 1e-6 --near-tie 0 > $OUT/multinode-vs-tp2.txt; note "two nodes vs one process tp2 (tol 1e-6): rc=$? $(tail -1 $OUT/multinode-vs-tp2.txt)"
 # DP attention across the two nodes too.
-CUDA_VISIBLE_DEVICES=1 timeout 200 $BIN eval-logits --device cuda --model-path $M --prompts $P --out /tmp/unused.st \
+CUDA_VISIBLE_DEVICES=1 timeout 100 $BIN eval-logits --device cuda --model-path $M --prompts $P --out /tmp/unused.st \
   --max-new-tokens 24 --tp 2 --dp 2 --enable-dp-attention --nnodes 2 --node-rank 1 --dist-init-addr 127.0.0.1:$((PORT+1)) > $OUT/node1-dpa.log 2>&1 &
 N1=$!
-CUDA_VISIBLE_DEVICES=0 timeout 200 $BIN eval-logits --device cuda --model-path $M --prompts $P --out /tmp/mn-dpa.st \
+CUDA_VISIBLE_DEVICES=0 timeout 100 $BIN eval-logits --device cuda --model-path $M --prompts $P --out /tmp/mn-dpa.st \
   --max-new-tokens 24 --tp 2 --dp 2 --enable-dp-attention --nnodes 2 --node-rank 0 --dist-init-addr 127.0.0.1:$((PORT+1)) > $OUT/node0-dpa.log 2>&1
 rc0=$?; wait $N1; rc1=$?
 $CMP /tmp/v2-dpa2.st /tmp/mn-dpa.st --tol 1e-6 --near-tie 0 > $OUT/multinode-dpa.txt; note "two nodes DP attention (rc $rc0/$rc1) vs one process: rc=$? $(tail -1 $OUT/multinode-dpa.txt)"
@@ -68,10 +74,10 @@ timeout 60 $BIN eval-logits --device cuda --model-path $M --prompts $P --out /tm
 note "missing node: rc=$? $(grep -o 'error:.*' $OUT/timeout.log | head -c 300)"
 
 # Decode throughput, V2-Lite shape, dummy weights: TP 2 against DP attention over the same 2 GPUs.
-for B in 256 1024; do
+for B in $BATCHES; do
   for L in "--tp 2" "--tp 2 --dp 2 --enable-dp-attention"; do
     $BIN bench-one-batch --device cuda --model-path tools/bench/deepseek-v2-lite --load-format dummy --batch-size $B \
-      --input-len 128 --output-len 64 --log-level warning $L > $OUT/bench-$B-${L// /_}.log 2>&1
+      --input-len 128 --output-len $OUTLEN --log-level warning $L > $OUT/bench-$B-${L// /_}.log 2>&1
     note "bench B=$B $L: $(grep -E 'prefill:|decode:' $OUT/bench-$B-${L// /_}.log | tr -s ' ' | tr '\n' ' ')"
   done
 done

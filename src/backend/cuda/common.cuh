@@ -5,6 +5,9 @@
 //   C (16x8):  c0,c1 = (g, 2t..2t+1), c2,c3 = (g+8, 2t..2t+1)      with g = lane / 4, t = lane % 4.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
+
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -91,3 +94,17 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
 inline int ceil_div_i(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
 }  // namespace mlaserve::cuda
+
+// cudaFuncSetAttribute is per function AND per device: remember, per kernel instantiation (its own static mask),
+// which devices have been configured, so several GPUs in one process each get the attribute.
+template <typename Kernel>
+inline cudaError_t set_max_dynamic_smem_once(Kernel kernel, int bytes, std::atomic<uint64_t>& configured_devices) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const uint64_t bit = uint64_t{1} << (dev & 63);
+  if (configured_devices.load(std::memory_order_acquire) & bit) return cudaSuccess;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess) configured_devices.fetch_or(bit, std::memory_order_acq_rel);
+  return e;
+}

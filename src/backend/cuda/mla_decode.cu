@@ -347,13 +347,9 @@ template <int HB, int NW, int STAGES, int BN, int KSPLIT = 1>
 cudaError_t launch_fast(const MlaDecodeParams& p, cudaStream_t stream) {
   using C = DecodeCfg<HB, NW, STAGES, BN, KSPLIT>;
   auto kernel = mla_decode_fast_kernel<HB, NW, STAGES, BN, KSPLIT>;
-  static bool configured = false;  // per instantiation; the attribute is per function and device
-  if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(C::smem_bytes));
-    if (e != cudaSuccess) return e;
-    configured = true;
-  }
+  static std::atomic<uint64_t> configured{0};  // per instantiation, one bit per device
+  if (cudaError_t e = set_max_dynamic_smem_once(kernel, static_cast<int>(C::smem_bytes), configured); e != cudaSuccess)
+    return e;
   dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>((p.num_heads + HB - 1) / HB));
   kernel<<<grid, NW * 32, C::smem_bytes, stream>>>(p);
   return cudaGetLastError();

@@ -275,13 +275,10 @@ cudaError_t mla_gather_context(const bf16* cache, int32_t width, const int32_t* 
 cudaError_t mla_prefill(const MlaPrefillParams& p, bool allow_fast, cudaStream_t stream) {
   if (p.num_items == 0 || p.num_heads == 0) return cudaSuccess;
   if (allow_fast && p.nope == fa::NOPE && p.rope == fa::ROPE && p.v == fa::DV && p.kvr == fa::KVR) {
-    static bool configured = false;
-    if (!configured) {
-      cudaError_t e = cudaFuncSetAttribute(mla_prefill_fast_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(fa::smem_bytes));
-      if (e != cudaSuccess) return e;
-      configured = true;
-    }
+    static std::atomic<uint64_t> configured{0};  // one bit per device
+    if (cudaError_t e = set_max_dynamic_smem_once(mla_prefill_fast_kernel, static_cast<int>(fa::smem_bytes), configured);
+        e != cudaSuccess)
+      return e;
     dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>(p.num_heads));
     mla_prefill_fast_kernel<<<grid, fa::NT, fa::smem_bytes, stream>>>(p);
     return cudaGetLastError();

@@ -161,13 +161,9 @@ template <int BM, int BN, int WM, int WN, int STAGES, bool GATE_UP>
 cudaError_t launch_moe_gemm(const MoeGemmParams& p, cudaStream_t stream) {
   using C = MoeGemmCfg<BM, BN, WM, WN, STAGES, GATE_UP>;
   auto kernel = moe_gemm_kernel<BM, BN, WM, WN, STAGES, GATE_UP>;
-  static bool configured = false;
-  if (!configured) {
-    cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::smem_bytes));
-    if (e != cudaSuccess) return e;
-    configured = true;
-  }
+  static std::atomic<uint64_t> configured{0};  // one bit per device
+  if (cudaError_t e = set_max_dynamic_smem_once(kernel, static_cast<int>(C::smem_bytes), configured); e != cudaSuccess)
+    return e;
   if (p.max_tiles == 0 || p.N == 0) return cudaSuccess;
   dim3 grid(static_cast<unsigned>((p.N + BN - 1) / BN), static_cast<unsigned>(p.max_tiles));
   kernel<<<grid, C::NTH, C::smem_bytes, stream>>>(p);
