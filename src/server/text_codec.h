@@ -1,0 +1,34 @@
+// TextCodec: the seam between the server and a tokenizer. The server needs token ids <-> text and the model's
+// chat template; everything else text-level (incremental detokenizing, stop strings) is built on top of these
+// calls in text_stream.h, so any tokenizer library plugs in by implementing this interface.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace mlaserve::server {
+
+class TextCodec {
+ public:
+  virtual ~TextCodec() = default;
+  // Text -> ids; add_special_tokens adds the tokenizer's BOS (as Hugging Face's encode does).
+  virtual std::vector<int32_t> encode(const std::string& text, bool add_special_tokens) const = 0;
+  // Ids -> text. Bytes of an incomplete UTF-8 sequence at the end decode to U+FFFD (as Hugging Face does).
+  virtual std::string decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const = 0;
+  // OpenAI `messages` (role + string content) rendered with the model's chat template. The result already holds
+  // the template's special tokens (BOS), so it is encoded with add_special_tokens = false.
+  virtual std::string apply_chat_template(const nlohmann::json& messages, bool add_generation_prompt) const = 0;
+  // The text of one token for logprob listings (special tokens included).
+  virtual std::string token_text(int32_t id) const { return decode({id}, false); }
+  virtual std::string name_or_path() const = 0;
+};
+
+// The tokenizer found at `path` (a directory with tokenizer.json / tokenizer_config.json), or nullptr when this
+// build has no tokenizer library. Throws mlaserve::Error when the files are missing or malformed.
+std::unique_ptr<TextCodec> load_text_codec(const std::string& path);
+
+}  // namespace mlaserve::server
