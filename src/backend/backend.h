@@ -77,6 +77,8 @@ class Backend {
   virtual void linear(const Tensor& x, const Tensor& w, Tensor& y) = 0;
   // out[N, I] = silu(gate_up[:, :I]) * gate_up[:, I:]
   virtual void silu_mul(const Tensor& gate_up, Tensor& out) = 0;
+  // t = 0.
+  virtual void zero(Tensor& t) = 0;
   // dst = src (same element count and dtype), device to device.
   virtual void copy(const Tensor& src, Tensor& dst) = 0;
   // a += b (same shape)

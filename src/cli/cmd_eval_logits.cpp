@@ -39,7 +39,8 @@ std::vector<std::vector<int32_t>> read_prompts(const std::string& path) {
   return prompts;
 }
 
-const RegisterCommand reg("eval-logits", "prompt logits and greedy continuations for a file of prompts",
+const RegisterCommand reg("eval-logits",
+                          "prompt logits and greedy continuations for a file of prompts (prompts spread over DP ranks)",
                           [](CLI::App& app) {
   auto args = std::make_shared<ModelArgs>();
   auto in = std::make_shared<std::string>();
@@ -55,14 +56,13 @@ const RegisterCommand reg("eval-logits", "prompt logits and greedy continuations
     MLA_CHECK(*n >= 0, "--max-new-tokens must be >= 0, got {}", *n);
     MLA_CHECK(*chunk >= 0, "--prefill-chunk must be >= 0, got {}", *chunk);
     auto prompts = read_prompts(*in);
-    LoadedModel lm = load_model(*args);
     OfflineOptions o;
     o.max_new_tokens = *n;
     o.prompt_logits = true;
     o.prefill_chunk = *chunk;
     o.form = args->form();
     o.page_size = args->page_size;
-    OfflineResult r = run_offline(*lm.model, prompts, o);
+    OfflineResult r = run_offline_layout(*args, prompts, o);
     std::map<std::string, Tensor> outs;
     for (size_t j = 0; j < prompts.size(); ++j) {
       outs["logits_" + std::to_string(j)] = r.prompt_logits[j];

@@ -44,14 +44,13 @@ const RegisterCommand reg("generate", "greedy-decode token ids from a prompt of 
   return [=]() -> int {
     MLA_CHECK(*n >= 0, "--max-new-tokens must be >= 0, got {}", *n);
     std::vector<int32_t> prompt = parse_ids(*ids);
-    LoadedModel lm = load_model(*args);
     OfflineOptions o;
     o.max_new_tokens = *n;
     o.prompt_logits = false;
     o.form = args->form();
     o.page_size = args->page_size;
-    if (*stop_at_eos) o.stop_ids = lm.model->config().eos_token_ids;
-    OfflineResult r = run_offline(*lm.model, {prompt}, o);
+    if (*stop_at_eos) o.stop_ids = ModelConfig::from_file(args->model_path).eos_token_ids;
+    OfflineResult r = run_offline_layout(*args, {prompt}, o);
     std::string out;
     for (size_t i = 0; i < r.greedy[0].size(); ++i) out += (i ? "," : "") + std::to_string(r.greedy[0][i]);
     std::cout << out << std::endl;

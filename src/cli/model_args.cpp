@@ -15,7 +15,10 @@ void ModelArgs::add_to(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--page-size", page_size, "tokens per latent-cache page")->capture_default_str();
   app.add_option("--seed", seed, "seed of dummy weights")->capture_default_str();
-  app.add_option("--tp", tp, "tensor parallel size")->capture_default_str();
+  app.add_option("--tp,--tp-size", tp, "tensor parallel size")->capture_default_str();
+  app.add_option("--dp,--dp-size", dp, "data parallel size")->capture_default_str();
+  app.add_flag("--enable-dp-attention", enable_dp_attention,
+               "attention data-parallel over --dp groups inside the --tp ranks (MoE stays tensor-parallel)");
 }
 
 MlaForm ModelArgs::form() const {
@@ -25,28 +28,58 @@ MlaForm ModelArgs::form() const {
   fail("--mla-form: expected auto, expanded or absorbed, got '{}'", mla_form);
 }
 
-LoadedModel load_model(const ModelArgs& args) {
-  MLA_CHECK(args.load_format == "auto" || args.load_format == "safetensors" || args.load_format == "dummy",
-            "--load-format: expected auto, safetensors or dummy, got '{}'", args.load_format);
-  MLA_CHECK(args.page_size > 0, "--page-size must be positive, got {}", args.page_size);
-  MLA_CHECK(args.tp == 1, "--tp {}: tensor parallelism is recognised but not implemented in this command yet", args.tp);
-  (void)args.form();
-  LoadedModel lm;
-  if (args.device == "cpu" || args.device == "auto") {
-    lm.backend = make_cpu_backend();
-  } else if (args.device == "cuda") {
-    fail("--device cuda: this build has no CUDA backend yet (configure with -DMLASERVE_CUDA=ON once it lands)");
-  } else {
-    fail("--device: expected auto, cpu or cuda, got '{}'", args.device);
-  }
+LoadOptions ModelArgs::load_options() const {
+  LoadOptions lo;
+  lo.dummy = load_format == "dummy";
+  lo.seed = seed;
+  return lo;
+}
+
+void ModelArgs::validate() const {
+  MLA_CHECK(load_format == "auto" || load_format == "safetensors" || load_format == "dummy",
+            "--load-format: expected auto, safetensors or dummy, got '{}'", load_format);
+  MLA_CHECK(page_size > 0, "--page-size must be positive, got {}", page_size);
+  MLA_CHECK(tp >= 1, "--tp must be >= 1, got {}", tp);
+  MLA_CHECK(dp >= 1, "--dp must be >= 1, got {}", dp);
+  MLA_CHECK(!enable_dp_attention || tp % dp == 0, "--enable-dp-attention needs --dp ({}) to divide --tp ({})", dp, tp);
+  (void)form();
+}
+
+OfflineResult run_offline_layout(const ModelArgs& args, const std::vector<std::vector<int32_t>>& prompts,
+                                 const OfflineOptions& opts, ModelConfig* config_out) {
+  args.validate();
   ModelConfig cfg = ModelConfig::from_file(args.model_path);
   MLA_LOG_INFO("{}", cfg.summary());
-  lm.model = std::make_unique<DeepseekModel>(cfg, *lm.backend);
-  LoadOptions lo;
-  lo.dummy = args.load_format == "dummy";
-  lo.seed = args.seed;
-  lm.model->load(args.model_path, lo);
-  return lm;
+  if (config_out) *config_out = cfg;
+  ParallelConfig pc;
+  pc.tp_size = args.tp;
+  pc.dp_size = args.enable_dp_attention ? args.dp : 1;
+  pc.device = args.device;
+  const int32_t replicas = args.enable_dp_attention ? 1 : args.dp;
+  if (replicas == 1) {
+    RankSet ranks(cfg, pc, args.model_path, args.load_options());
+    return run_offline(ranks, prompts, opts);
+  }
+  // Independent replicas: prompt j runs on replica j % replicas.
+  OfflineResult all;
+  all.prompt_logits.resize(prompts.size());
+  all.greedy.resize(prompts.size());
+  for (int32_t r = 0; r < replicas; ++r) {
+    std::vector<std::vector<int32_t>> mine;
+    std::vector<size_t> idx;
+    for (size_t j = r; j < prompts.size(); j += static_cast<size_t>(replicas)) {
+      mine.push_back(prompts[j]);
+      idx.push_back(j);
+    }
+    if (mine.empty()) continue;
+    RankSet ranks(cfg, pc, args.model_path, args.load_options());
+    OfflineResult res = run_offline(ranks, mine, opts);
+    for (size_t k = 0; k < idx.size(); ++k) {
+      all.prompt_logits[idx[k]] = res.prompt_logits[k];
+      all.greedy[idx[k]] = res.greedy[k];
+    }
+  }
+  return all;
 }
 
 }  // namespace mlaserve::cli

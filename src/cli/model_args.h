@@ -6,8 +6,8 @@
 
 #include <CLI/CLI.hpp>
 
-#include "backend/backend.h"
-#include "model/deepseek_model.h"
+#include "engine/offline.h"
+#include "engine/rank_set.h"
 
 namespace mlaserve::cli {
 
@@ -19,16 +19,18 @@ struct ModelArgs {
   int32_t page_size = 16;
   uint64_t seed = 0;
   int32_t tp = 1;
+  int32_t dp = 1;
+  bool enable_dp_attention = false;
 
   void add_to(CLI::App& app);
   MlaForm form() const;
+  LoadOptions load_options() const;
+  void validate() const;
 };
 
-struct LoadedModel {
-  std::unique_ptr<Backend> backend;
-  std::unique_ptr<DeepseekModel> model;
-};
-
-LoadedModel load_model(const ModelArgs& args);
+// Runs prompts offline in the layout the args ask for: --tp N (one replica of N ranks), --dp D (D replicas,
+// prompts round-robin), --tp N --dp D --enable-dp-attention (D attention-DP groups in one replica).
+OfflineResult run_offline_layout(const ModelArgs& args, const std::vector<std::vector<int32_t>>& prompts,
+                                 const OfflineOptions& opts, ModelConfig* config_out = nullptr);
 
 }  // namespace mlaserve::cli

@@ -1,12 +1,15 @@
-// Offline generation without a scheduler: runs a fixed set of prompts as one ragged batch through the model,
-// prefill (optionally in chunks) then greedy decode one token at a time through the paged latent cache.
-// Used by `mlaserve generate`, `mlaserve eval-logits` and the model tests.
+// Offline generation without a scheduler: runs a fixed set of prompts through the model, prefill (optionally in
+// chunks) then greedy decode one token at a time through the paged latent cache. Used by `mlaserve generate`,
+// `mlaserve eval-logits` and the model tests. With several attention-DP groups (RankSet), prompts are spread
+// round-robin over the groups and all groups step together (a group with nothing left runs IDLE).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "engine/page_pool.h"
+#include "engine/rank_set.h"
 #include "model/deepseek_model.h"
 
 namespace mlaserve {
@@ -25,7 +28,10 @@ struct OfflineResult {
   std::vector<std::vector<int32_t>> greedy;   // per prompt: generated ids
 };
 
+// One model on one backend.
 OfflineResult run_offline(DeepseekModel& model, const std::vector<std::vector<int32_t>>& prompts,
                           const OfflineOptions& opts);
+// Every rank of a parallel layout (allocates the ranks' KV caches).
+OfflineResult run_offline(RankSet& ranks, const std::vector<std::vector<int32_t>>& prompts, const OfflineOptions& opts);
 
 }  // namespace mlaserve

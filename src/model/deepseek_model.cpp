@@ -88,9 +88,9 @@ class DeepseekModel::Loader {
   int64_t bytes_ = 0;
 };
 
-DeepseekModel::DeepseekModel(ModelConfig config, Backend& backend, ParallelPlan plan, Communicator* tp_comm,
-                             Communicator* attn_tp_comm)
-    : config_(std::move(config)), backend_(backend), plan_(plan), tp_comm_(tp_comm), attn_tp_comm_(attn_tp_comm) {
+DeepseekModel::DeepseekModel(ModelConfig config, Backend& backend, ParallelPlan plan, Communicator* world_comm,
+                             Communicator* attn_comm)
+    : config_(std::move(config)), backend_(backend), plan_(plan), world_comm_(world_comm), attn_comm_(attn_comm) {
   const auto& c = config_;
   auto divisible = [](int64_t n, int64_t d, const char* what, const char* group) {
     MLA_CHECK(n % d == 0, "{} ({}) is not divisible by the {} size {}", what, n, group, d);
@@ -103,9 +103,11 @@ DeepseekModel::DeepseekModel(ModelConfig config, Backend& backend, ParallelPlan 
   local_inter_ = divisible(c.intermediate_size, plan_.tp_size, "intermediate_size", "tensor-parallel");
   local_moe_inter_ = c.n_routed_experts ? divisible(c.moe_intermediate_size, plan_.tp_size, "moe_intermediate_size", "tensor-parallel") : 0;
   local_shared_inter_ = local_moe_inter_ * c.n_shared_experts;
-  local_vocab_ = divisible(c.vocab_size, plan_.tp_size, "vocab_size", "tensor-parallel");
-  MLA_CHECK(plan_.tp_size == 1 || tp_comm_ != nullptr, "tensor parallel size {} needs a communicator", plan_.tp_size);
-  MLA_CHECK(plan_.attn_tp_size == 1 || attn_tp_comm_ != nullptr, "attention TP size {} needs a communicator",
+  local_vocab_ = divisible(c.vocab_size, plan_.attn_tp_size, "vocab_size", "attention tensor-parallel");
+  MLA_CHECK(plan_.dp_size >= 1 && plan_.tp_size % plan_.dp_size == 0 && plan_.attn_tp_size * plan_.dp_size == plan_.tp_size,
+            "inconsistent parallel plan: tp {} dp {} attention tp {}", plan_.tp_size, plan_.dp_size, plan_.attn_tp_size);
+  MLA_CHECK(plan_.tp_size == 1 || world_comm_ != nullptr, "tensor parallel size {} needs a communicator", plan_.tp_size);
+  MLA_CHECK(plan_.attn_tp_size == 1 || attn_comm_ != nullptr, "attention TP size {} needs a communicator",
             plan_.attn_tp_size);
   backend_.set_rope(c.rope_inv_freq(), static_cast<float>(c.rope_attention_factor()));
 }
@@ -129,14 +131,14 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
   const int64_t nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim, vd = c.v_head_dim, qk = nope + rope;
   const int64_t kvr = c.kv_lora_rank, h0 = plan_.attn_tp_rank * lh;
   const int64_t tr = plan_.tp_rank;
+  const int64_t v0 = plan_.attn_tp_rank * local_vocab_;
 
-  local_vocab_ = c.vocab_size / plan_.tp_size;
-  embed_ = ld.make("model.embed_tokens.weight", {c.vocab_size, H}, {local_vocab_, H}, tr * local_vocab_, 0, Kind::Embedding);
+  embed_ = ld.make("model.embed_tokens.weight", {c.vocab_size, H}, {local_vocab_, H}, v0, 0, Kind::Embedding);
   final_norm_ = ld.make("model.norm.weight", {H}, {H}, 0, 0, Kind::Norm);
   if (c.tie_word_embeddings && (!ckpt || !ckpt->has("lm_head.weight"))) {
     lm_head_ = embed_;
   } else {
-    lm_head_ = ld.make("lm_head.weight", {c.vocab_size, H}, {local_vocab_, H}, tr * local_vocab_, 0, Kind::LmHead);
+    lm_head_ = ld.make("lm_head.weight", {c.vocab_size, H}, {local_vocab_, H}, v0, 0, Kind::LmHead);
   }
 
   // Loads gate rows then up rows of an MLP into one [2 * local, H] block (dst may be an expert's slice).
@@ -245,7 +247,7 @@ void DeepseekModel::attention(int64_t l, const Tensor& x, KvCache& cache, MlaFor
   Tensor attn = backend_.scratch({T, local_heads_ * vd}, ad);
   backend_.mla_attention(q, cache.layer(l), w.kv_b_proj, p, attn);
   backend_.linear(attn, w.o_proj, out);
-  if (plan_.attn_tp_size > 1) attn_tp_comm_->all_reduce_sum(out);
+  if (plan_.attn_tp_size > 1) attn_comm_->all_reduce_sum(out);
 }
 
 void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
@@ -284,23 +286,42 @@ void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
       backend_.add(out, shared);
     }
   }
-  if (plan_.tp_size > 1) tp_comm_->all_reduce_sum(out);
+  if (plan_.tp_size > 1) world_comm_->all_reduce_sum(out);
 }
 
-Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm form) {
+Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm form, const DpStepInfo* dp) {
   MLA_CHECK(!layers_.empty(), "model weights are not loaded");
   const auto& c = config_;
   backend_.begin_step(batch);
   const int64_t T = batch.num_tokens(), H = c.hidden_size;
   for (int32_t id : batch.input_ids)
     MLA_CHECK(id >= 0 && id < c.vocab_size, "token id {} is outside the vocabulary [0, {})", id, c.vocab_size);
+  // DP attention: this group's rows [dp_offset, dp_offset + T) of the world's dp_total tokens.
+  const bool dp_attention = plan_.dp_size > 1;
+  int64_t dp_offset = 0, dp_total = T;
+  if (dp_attention) {
+    MLA_CHECK(dp && static_cast<int32_t>(dp->num_tokens.size()) == plan_.dp_size,
+              "DP attention step without the token counts of all {} groups", plan_.dp_size);
+    MLA_CHECK(dp->num_tokens[static_cast<size_t>(plan_.dp_rank)] == T, "DP group {} runs {} tokens but the step says {}",
+              plan_.dp_rank, T, dp->num_tokens[static_cast<size_t>(plan_.dp_rank)]);
+    dp_total = 0;
+    for (int32_t g = 0; g < plan_.dp_size; ++g) {
+      if (g == plan_.dp_rank) dp_offset = dp_total;
+      dp_total += dp->num_tokens[static_cast<size_t>(g)];
+    }
+  }
   const DType ad = backend_.act_dtype();
   const float eps = static_cast<float>(c.rms_norm_eps);
   Tensor hidden = backend_.scratch({T, H}, ad);
   Tensor residual = backend_.scratch({T, H}, ad);
   Tensor normed = backend_.scratch({T, H}, ad);
-  backend_.embedding(embed_, plan_.tp_rank * local_vocab_, hidden);
-  if (plan_.tp_size > 1) tp_comm_->all_reduce_sum(hidden);
+  backend_.embedding(embed_, plan_.attn_tp_rank * local_vocab_, hidden);
+  if (plan_.attn_tp_size > 1) attn_comm_->all_reduce_sum(hidden);
+  Tensor gathered, gathered_out;
+  if (dp_attention) {
+    gathered = backend_.scratch({dp_total, H}, ad);
+    gathered_out = backend_.scratch({dp_total, H}, ad);
+  }
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& w = layers_[static_cast<size_t>(l)];
     if (l == 0) {
@@ -311,7 +332,20 @@ Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm
     }
     attention(l, normed, cache, form, hidden);
     backend_.add_rmsnorm(hidden, residual, w.post_norm, eps, normed);
-    mlp(l, normed, hidden);
+    if (!dp_attention) {
+      mlp(l, normed, hidden);
+      continue;
+    }
+    // Gather every group's rows (one copy per group: its attention-TP rank 0 writes, the others add zeros),
+    // run the world-parallel MLP on all of them, keep this group's rows.
+    backend_.zero(gathered);
+    if (plan_.attn_tp_rank == 0 && T > 0) {
+      Tensor mine = gathered.rows(dp_offset, dp_offset + T);
+      backend_.copy(normed, mine);
+    }
+    world_comm_->all_reduce_sum(gathered);
+    mlp(l, gathered, gathered_out);
+    backend_.copy(gathered_out.rows(dp_offset, dp_offset + T), hidden);
   }
   backend_.add_rmsnorm(hidden, residual, final_norm_, eps, normed);
   const int64_t R = static_cast<int64_t>(batch.logit_rows.size());
@@ -319,15 +353,16 @@ Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm
   backend_.gather_logit_rows(normed, rows);
   Tensor logits_local = backend_.scratch({R, local_vocab_}, DType::F32);
   backend_.linear(rows, lm_head_, logits_local);
-  if (plan_.tp_size == 1) return logits_local;
-  // Vocab-parallel lm_head: gather [tp, R, V/tp] and interleave into [R, V].
-  Tensor gathered = backend_.scratch({plan_.tp_size * R, local_vocab_}, DType::F32);
-  tp_comm_->all_gather(logits_local, gathered);
+  if (plan_.attn_tp_size == 1) return logits_local;
+  // Vocab-parallel lm_head: gather [attn_tp, R, V/attn_tp] and interleave into [R, V].
+  const int64_t n = plan_.attn_tp_size;
+  Tensor gathered_logits = backend_.scratch({n * R, local_vocab_}, DType::F32);
+  attn_comm_->all_gather(logits_local, gathered_logits);
   Tensor out = backend_.scratch({R, c.vocab_size}, DType::F32);
-  for (int64_t r = 0; r < plan_.tp_size; ++r)
+  for (int64_t r = 0; r < n; ++r)
     for (int64_t i = 0; i < R; ++i) {
-      Tensor dst = out.rows(i, i + 1).reshape({plan_.tp_size, local_vocab_}).rows(r, r + 1);
-      backend_.copy(gathered.rows(r * R + i, r * R + i + 1), dst);
+      Tensor dst = out.rows(i, i + 1).reshape({n, local_vocab_}).rows(r, r + 1);
+      backend_.copy(gathered_logits.rows(r * R + i, r * R + i + 1), dst);
     }
   return out;
 }

@@ -49,8 +49,10 @@ struct LoadOptions {
 
 class DeepseekModel {
  public:
-  DeepseekModel(ModelConfig config, Backend& backend, ParallelPlan plan = {}, Communicator* tp_comm = nullptr,
-                Communicator* attn_tp_comm = nullptr);
+  // world_comm: all tp_size ranks (MLP / MoE, DP-attention gather); attn_comm: the attention-TP group (heads,
+  // vocabulary). Both may be null when their group has one rank.
+  DeepseekModel(ModelConfig config, Backend& backend, ParallelPlan plan = {}, Communicator* world_comm = nullptr,
+                Communicator* attn_comm = nullptr);
   ~DeepseekModel();
 
   // Loads from DIR (config already parsed) or makes dummy weights.
@@ -58,7 +60,10 @@ class DeepseekModel {
 
   // Runs one step; returns F32 logits [batch.logit_rows.size(), vocab] in backend scratch memory (valid until
   // the next step; backend().to_host_f32 copies them out).
-  Tensor forward(const ForwardBatch& batch, KvCache& cache, MlaForm form = MlaForm::Auto);
+  // With DP attention (plan.dp_size > 1) `dp` gives every group's token count for this step; a group with no
+  // tokens runs an IDLE forward (it joins every collective).
+  Tensor forward(const ForwardBatch& batch, KvCache& cache, MlaForm form = MlaForm::Auto, const DpStepInfo* dp = nullptr);
+  const ParallelPlan& plan() const { return plan_; }
 
   const ModelConfig& config() const { return config_; }
   Backend& backend() { return backend_; }
@@ -75,8 +80,8 @@ class DeepseekModel {
   ModelConfig config_;
   Backend& backend_;
   ParallelPlan plan_;
-  Communicator* tp_comm_;
-  Communicator* attn_tp_comm_;
+  Communicator* world_comm_;
+  Communicator* attn_comm_;
   int64_t local_heads_ = 0, local_inter_ = 0, local_moe_inter_ = 0, local_shared_inter_ = 0, local_vocab_ = 0;
   Tensor embed_, final_norm_, lm_head_;
   std::vector<LayerWeights> layers_;

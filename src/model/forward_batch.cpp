@@ -23,7 +23,7 @@ ForwardBatchBuilder::ForwardBatchBuilder(int32_t page_size) {
 }
 
 void ForwardBatchBuilder::add(std::span<const int32_t> new_tokens, int32_t prefix_len, std::span<const int32_t> pages,
-                              bool all_logits) {
+                              Logits logits) {
   MLA_CHECK(!new_tokens.empty(), "a sequence in a batch needs at least one new token");
   MLA_CHECK(prefix_len >= 0, "negative prefix length {}", prefix_len);
   const int32_t total = prefix_len + static_cast<int32_t>(new_tokens.size());
@@ -35,7 +35,8 @@ void ForwardBatchBuilder::add(std::span<const int32_t> new_tokens, int32_t prefi
     const int32_t pos = prefix_len + static_cast<int32_t>(i);
     const int32_t page = pages[static_cast<size_t>(pos / ps)];
     MLA_CHECK(page >= 0, "page table entry {} of sequence {} is unset", pos / ps, seq);
-    if (all_logits || i + 1 == new_tokens.size()) b_.logit_rows.push_back(b_.num_tokens());
+    if (logits == Logits::All || (logits == Logits::Last && i + 1 == new_tokens.size()))
+      b_.logit_rows.push_back(b_.num_tokens());
     b_.input_ids.push_back(new_tokens[i]);
     b_.positions.push_back(pos);
     b_.token_seq.push_back(seq);

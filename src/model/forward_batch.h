@@ -45,10 +45,14 @@ struct ForwardBatch {
 class ForwardBatchBuilder {
  public:
   explicit ForwardBatchBuilder(int32_t page_size);
+  enum class Logits : uint8_t { None, Last, All };
   // Adds a sequence whose first `prefix_len` tokens are already cached; `new_tokens` follow them.
-  // `pages` must cover prefix_len + new_tokens.size() positions. With `all_logits`, every new token's
-  // logits are returned, otherwise only the last one's.
-  void add(std::span<const int32_t> new_tokens, int32_t prefix_len, std::span<const int32_t> pages, bool all_logits);
+  // `pages` must cover prefix_len + new_tokens.size() positions. `logits` picks which new tokens' logits
+  // are returned (none: a prefill chunk that is not the prompt's last).
+  void add(std::span<const int32_t> new_tokens, int32_t prefix_len, std::span<const int32_t> pages, Logits logits);
+  void add(std::span<const int32_t> new_tokens, int32_t prefix_len, std::span<const int32_t> pages, bool all_logits) {
+    add(new_tokens, prefix_len, pages, all_logits ? Logits::All : Logits::Last);
+  }
   ForwardBatch finish();
 
  private:

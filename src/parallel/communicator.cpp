@@ -10,4 +10,10 @@ void SingleRankCommunicator::all_gather(const Tensor& in, Tensor& out) {
   if (in.data() != out.data()) std::memcpy(out.data(), in.data(), in.nbytes());
 }
 
+void SingleRankCommunicator::all_gather_v(const Tensor& in, Tensor& out, const std::vector<int64_t>&) {
+  all_gather(in, out);
+}
+
+void SingleRankCommunicator::reduce_scatter_sum(const Tensor& in, Tensor& out) { all_gather(in, out); }
+
 }  // namespace mlaserve

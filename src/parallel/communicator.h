@@ -3,6 +3,8 @@
 // with the same shapes in the same order; sizes are in elements of the tensor's dtype.
 #pragma once
 
+#include <vector>
+
 #include "core/tensor.h"
 
 namespace mlaserve {
@@ -16,6 +18,13 @@ class Communicator {
   virtual void all_reduce_sum(Tensor& t) = 0;
   // out[size * n, ...] = concat over ranks of in[n, ...] along dim 0.
   virtual void all_gather(const Tensor& in, Tensor& out) = 0;
+  // Unequal sizes: rank r contributes counts[r] rows (in has counts[rank] rows); out has sum(counts) rows,
+  // rank r's rows first at offset sum(counts[:r]).
+  virtual void all_gather_v(const Tensor& in, Tensor& out, const std::vector<int64_t>& counts) = 0;
+  // out[n, ...] = sum over ranks of rows [rank * n, (rank + 1) * n) of in[size * n, ...].
+  virtual void reduce_scatter_sum(const Tensor& in, Tensor& out) = 0;
+  // Copies root's t into every rank's t (same shape everywhere).
+  virtual void broadcast(Tensor& t, int root) = 0;
   virtual void barrier() = 0;
 };
 
@@ -26,6 +35,9 @@ class SingleRankCommunicator final : public Communicator {
   int size() const override { return 1; }
   void all_reduce_sum(Tensor&) override {}
   void all_gather(const Tensor& in, Tensor& out) override;
+  void all_gather_v(const Tensor& in, Tensor& out, const std::vector<int64_t>& counts) override;
+  void reduce_scatter_sum(const Tensor& in, Tensor& out) override;
+  void broadcast(Tensor&, int) override {}
   void barrier() override {}
 };
 

@@ -38,6 +38,8 @@ class CpuBackend final : public Backend {
   Tensor alloc(const Shape& shape, DType dtype) override { return Tensor::empty_host(shape, dtype); }
   Tensor scratch(const Shape& shape, DType dtype) override { return Tensor::empty_host(shape, dtype); }
 
+  void zero(Tensor& t) override { std::memset(t.data(), 0, t.nbytes()); }
+
   void copy(const Tensor& src, Tensor& dst) override {
     MLA_CHECK(src.nbytes() == dst.nbytes() && src.dtype() == dst.dtype(), "copy: {} {} into {} {}",
               dtype_name(src.dtype()), shape_str(src.shape()), dtype_name(dst.dtype()), shape_str(dst.shape()));

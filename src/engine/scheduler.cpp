@@ -1,0 +1,354 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+#include <limits>
+#include <set>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "core/random.h"
+
+namespace mlaserve {
+
+namespace {
+int32_t div_up(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
+}  // namespace
+
+Scheduler::Scheduler(SchedulerConfig cfg)
+    : cfg_(std::move(cfg)), pool_(cfg_.num_pages), cache_(cfg_.page_size, pool_, cfg_.enable_radix_cache) {
+  MLA_CHECK(cfg_.max_running_requests > 0, "max running requests must be positive");
+}
+
+Scheduler::~Scheduler() = default;
+
+void Scheduler::validate(const GenerateRequest& r) const {
+  MLA_CHECK(!r.input_ids.empty(), "the prompt is empty");
+  for (int32_t id : r.input_ids) MLA_CHECK(id >= 0, "invalid token id {}", id);
+  const int64_t n = static_cast<int64_t>(r.input_ids.size());
+  MLA_CHECK(n < cfg_.context_len, "the prompt has {} tokens but the model's context length is {}", n, cfg_.context_len);
+  const int64_t pool_tokens = static_cast<int64_t>(cfg_.num_pages) * cfg_.page_size;
+  MLA_CHECK(n + 1 <= pool_tokens, "the prompt has {} tokens but the KV cache holds only {} tokens", n, pool_tokens);
+  const SamplingParams& s = r.sampling;
+  MLA_CHECK(s.max_new_tokens >= 0, "max_new_tokens must be >= 0, got {}", s.max_new_tokens);
+  MLA_CHECK(s.temperature >= 0.0f, "temperature must be >= 0, got {}", s.temperature);
+  MLA_CHECK(s.top_p > 0.0f && s.top_p <= 1.0f, "top_p must be in (0, 1], got {}", s.top_p);
+  MLA_CHECK(s.min_p >= 0.0f && s.min_p <= 1.0f, "min_p must be in [0, 1], got {}", s.min_p);
+  MLA_CHECK(s.top_k >= -1 && s.top_k != 0, "top_k must be -1 (all) or positive, got {}", s.top_k);
+  MLA_CHECK(s.repetition_penalty > 0.0f, "repetition_penalty must be > 0, got {}", s.repetition_penalty);
+  MLA_CHECK(s.frequency_penalty >= -2.0f && s.frequency_penalty <= 2.0f, "frequency_penalty must be in [-2, 2], got {}",
+            s.frequency_penalty);
+  MLA_CHECK(s.presence_penalty >= -2.0f && s.presence_penalty <= 2.0f, "presence_penalty must be in [-2, 2], got {}",
+            s.presence_penalty);
+  MLA_CHECK(s.top_logprobs_num >= 0 && s.top_logprobs_num <= 100, "top_logprobs_num must be in [0, 100], got {}",
+            s.top_logprobs_num);
+}
+
+void Scheduler::add(GenerateRequest g) {
+  validate(g);
+  auto r = std::make_unique<Req>();
+  r->rid = std::move(g.rid);
+  r->prompt = std::move(g.input_ids);
+  r->fill = r->prompt;
+  r->sampling = std::move(g.sampling);
+  r->on_output = std::move(g.on_output);
+  r->sampler.seed = r->sampling.seed ? splitmix64(*r->sampling.seed) : splitmix64(++seed_counter_ ^ fnv1a64(r->rid));
+  if (r->sampling.repetition_penalty != 1.0f) r->sampler.observe_prompt(r->prompt);
+  if (r->sampling.max_new_tokens == 0) {
+    FinishReason f;
+    f.kind = FinishKind::Length;
+    r->finish = f;
+    r->state = ReqState::Finished;
+    emit(*r);
+    return;
+  }
+  waiting_.push_back(std::move(r));
+}
+
+void Scheduler::emit(Req& r) {
+  if (!r.on_output) return;
+  GenerateOutput o;
+  o.new_tokens.assign(r.output.begin() + r.emitted, r.output.end());
+  o.new_logprobs = std::move(r.pending_lps);
+  r.pending_lps.clear();
+  r.emitted = static_cast<int32_t>(r.output.size());
+  o.finished = r.state == ReqState::Finished;
+  o.finish = r.finish;
+  o.prompt_tokens = static_cast<int32_t>(r.prompt.size());
+  o.completion_tokens = static_cast<int32_t>(r.output.size());
+  o.cached_tokens = r.cached_tokens;
+  r.on_output(o);
+}
+
+bool Scheduler::ensure_pages(int32_t n, const Req*) {
+  if (pool_.num_free() >= n) return true;
+  cache_.evict(n - pool_.num_free());
+  return pool_.num_free() >= n;
+}
+
+bool Scheduler::take_pages(Req& r, int32_t upto_tokens, const Req* protect) {
+  const int32_t need = div_up(upto_tokens, cfg_.page_size) - static_cast<int32_t>(r.pages.size());
+  if (need <= 0) return true;
+  if (!ensure_pages(need, protect)) return false;
+  auto got = pool_.alloc(need);
+  MLA_CHECK(got.has_value(), "page pool: allocation failed after ensure");
+  r.pages.insert(r.pages.end(), got->begin(), got->end());
+  return true;
+}
+
+void Scheduler::admit(Req& r) {
+  // Reuse the longest cached prefix, leaving at least one token to compute (its logits give the next token).
+  auto m = cache_.match_prefix(r.fill, static_cast<int32_t>(r.fill.size()) - 1);
+  cache_.lock(m.node);
+  r.prefix_node = m.node;
+  r.pages = std::move(m.pages);
+  r.prefix_pages = static_cast<int32_t>(r.pages.size());
+  r.kv_len = m.tokens;
+  r.admit_order = ++admit_counter_;
+}
+
+void Scheduler::release(Req& r, bool cache_kv) {
+  const size_t P = static_cast<size_t>(cfg_.page_size);
+  const size_t full = static_cast<size_t>(r.kv_len) / P;
+  if (cache_kv && cache_.enabled() && full > 0) {
+    const size_t n = std::min(full, r.pages.size());
+    cache_.insert(std::span<const int32_t>(r.fill.data(), n * P), std::span<const int32_t>(r.pages.data(), n));
+    pool_.free(std::vector<int32_t>(r.pages.begin() + static_cast<int64_t>(n), r.pages.end()));
+  } else {
+    pool_.free(std::vector<int32_t>(r.pages.begin() + r.prefix_pages, r.pages.end()));
+  }
+  cache_.unlock(r.prefix_node);
+  r.prefix_node = nullptr;
+  r.pages.clear();
+  r.prefix_pages = 0;
+}
+
+void Scheduler::retract(Req& r) {
+  MLA_LOG_DEBUG("retracting request {} ({} tokens of KV)", r.rid, r.kv_len);
+  release(r, /*cache_kv=*/true);
+  r.kv_len = 0;
+  r.state = ReqState::Waiting;
+  ++counters_.num_retractions;
+}
+
+void Scheduler::finish(Req& r, FinishReason reason) {
+  r.finish = std::move(reason);
+  const bool held = r.state == ReqState::Prefilling || r.state == ReqState::Decoding;
+  r.state = ReqState::Finished;
+  if (held) release(r, /*cache_kv=*/true);
+  ++counters_.num_requests_finished;
+  emit(r);
+}
+
+void Scheduler::erase_finished() {
+  running_.erase(std::remove_if(running_.begin(), running_.end(),
+                                [](const std::unique_ptr<Req>& r) { return r->state == ReqState::Finished; }),
+                 running_.end());
+}
+
+bool Scheduler::abort(const std::string& rid, const FinishReason& reason) {
+  for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
+    if ((*it)->rid != rid) continue;
+    std::unique_ptr<Req> r = std::move(*it);
+    waiting_.erase(it);
+    finish(*r, reason);
+    return true;
+  }
+  for (auto& r : running_) {
+    if (r->rid != rid || r->state == ReqState::Finished) continue;
+    finish(*r, reason);
+    erase_finished();
+    return true;
+  }
+  return false;
+}
+
+StepPlan Scheduler::schedule() {
+  StepPlan plan;
+  const int32_t P = cfg_.page_size;
+
+  // 1. Decode: one token for every decoding request; retract the newest ones if pages run out.
+  std::vector<Req*> decoding;
+  for (auto& r : running_)
+    if (r->state == ReqState::Decoding) decoding.push_back(r.get());
+  auto pages_needed = [&]() {
+    int32_t n = 0;
+    for (Req* r : decoding) n += std::max(0, div_up(r->kv_len + 1, P) - static_cast<int32_t>(r->pages.size()));
+    return n;
+  };
+  while (!decoding.empty() && !ensure_pages(pages_needed(), nullptr)) {
+    if (decoding.size() == 1 && std::none_of(running_.begin(), running_.end(), [&](const auto& r) {
+          return r->state == ReqState::Prefilling;
+        })) {
+      // Alone and still no room: the KV cache cannot hold this sequence any longer.
+      FinishReason f;
+      f.kind = FinishKind::Length;
+      f.message = "KV cache full";
+      finish(*decoding.front(), f);
+      decoding.clear();
+      break;
+    }
+    // Retract a mid-prefill request first (it has the least sunk work), else the newest decoding one.
+    Req* victim = nullptr;
+    for (auto& r : running_)
+      if (r->state == ReqState::Prefilling) victim = r.get();
+    if (!victim) {
+      victim = decoding.back();
+      decoding.pop_back();
+    }
+    retract(*victim);
+    for (auto it = running_.begin(); it != running_.end(); ++it)
+      if (it->get() == victim) {
+        waiting_.push_front(std::move(*it));
+        running_.erase(it);
+        break;
+      }
+  }
+  erase_finished();
+  for (Req* r : decoding) {
+    MLA_CHECK(take_pages(*r, r->kv_len + 1, r), "scheduler: decode pages vanished");
+    plan.seqs.push_back({r, 1, true});
+  }
+
+  // 2. Prefill: continue the chunked request, then admit waiting requests in order, within the token budget.
+  int64_t budget = cfg_.chunked_prefill_size > 0 ? cfg_.chunked_prefill_size : std::numeric_limits<int64_t>::max();
+  const int32_t headroom = static_cast<int32_t>(decoding.size());  // next step's decode pages, roughly
+  auto available_tokens = [&](const Req& r) {
+    return static_cast<int64_t>(pool_.num_free() + cache_.evictable_pages() - headroom) * P +
+           (static_cast<int64_t>(r.pages.size()) * P - r.kv_len);
+  };
+  bool chunk_open = false;
+  for (auto& rp : running_) {
+    Req& r = *rp;
+    if (r.state != ReqState::Prefilling) continue;
+    const int64_t remaining = static_cast<int64_t>(r.fill.size()) - r.kv_len;
+    const int64_t n = std::min({remaining, budget, available_tokens(r)});
+    if (n <= 0) {
+      chunk_open = true;
+      continue;
+    }
+    MLA_CHECK(take_pages(r, r.kv_len + static_cast<int32_t>(n), &r), "scheduler: prefill pages vanished");
+    plan.seqs.push_back({&r, static_cast<int32_t>(n), n == remaining});
+    budget -= n;
+    if (n < remaining) chunk_open = true;
+  }
+  while (!chunk_open && budget > 0 && !waiting_.empty() &&
+         static_cast<int32_t>(running_.size()) < cfg_.max_running_requests) {
+    Req& r = *waiting_.front();
+    admit(r);
+    const int64_t remaining = static_cast<int64_t>(r.fill.size()) - r.kv_len;
+    const int64_t n = std::min({remaining, budget, available_tokens(r)});
+    // Admission control: wait (do not fail) until the whole prompt fits in free + evictable pages,
+    // unless it is chunked anyway because of the budget.
+    const bool fits = available_tokens(r) >= std::min(remaining, budget);
+    if (n <= 0 || !fits) {
+      cache_.unlock(r.prefix_node);
+      r.prefix_node = nullptr;
+      r.pages.clear();
+      r.prefix_pages = 0;
+      r.kv_len = 0;
+      break;
+    }
+    MLA_CHECK(take_pages(r, r.kv_len + static_cast<int32_t>(n), &r), "scheduler: admission pages vanished");
+    r.state = ReqState::Prefilling;
+    if (!r.counted) {  // first admission: what the prefix cache served
+      r.cached_tokens = r.kv_len;
+      r.counted = true;
+      counters_.prompt_tokens_total += static_cast<int64_t>(r.prompt.size());
+      counters_.cached_prompt_tokens_total += r.kv_len;
+    }
+    plan.seqs.push_back({&r, static_cast<int32_t>(n), n == remaining});
+    budget -= n;
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+    if (n < remaining) chunk_open = true;
+  }
+
+  // 3. The step's ForwardBatch.
+  ForwardBatchBuilder bb(P);
+  for (const ScheduledSeq& s : plan.seqs) {
+    Req& r = *s.req;
+    bb.add(std::span<const int32_t>(r.fill.data() + r.kv_len, static_cast<size_t>(s.num_tokens)), r.kv_len, r.pages,
+           s.wants_logits ? ForwardBatchBuilder::Logits::Last : ForwardBatchBuilder::Logits::None);
+  }
+  plan.batch = bb.finish();
+  return plan;
+}
+
+void Scheduler::commit(StepPlan& plan, const std::vector<SampleResult>& sampled) {
+  size_t i = 0;
+  for (ScheduledSeq& s : plan.seqs) {
+    Req& r = *s.req;
+    if (r.state == ReqState::Finished) {  // aborted while the step ran
+      if (s.wants_logits) ++i;
+      continue;
+    }
+    r.kv_len += s.num_tokens;
+    if (!s.wants_logits) continue;
+    MLA_CHECK(i < sampled.size(), "scheduler: {} sampled tokens for more rows", sampled.size());
+    const SampleResult& sr = sampled[i++];
+    r.state = ReqState::Decoding;
+    r.output.push_back(sr.token);
+    r.fill.push_back(sr.token);
+    r.sampler.observe_output(sr.token);
+    if (r.sampling.return_logprob || r.sampling.top_logprobs_num > 0) r.pending_lps.push_back(sr.logprob);
+    ++counters_.generation_tokens_total;
+    const SamplingParams& sp = r.sampling;
+    FinishReason f;
+    if (std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), sr.token) != sp.stop_token_ids.end() ||
+        (!sp.ignore_eos && std::find(cfg_.eos_token_ids.begin(), cfg_.eos_token_ids.end(), sr.token) !=
+                               cfg_.eos_token_ids.end())) {
+      f.kind = FinishKind::Stop;
+      f.matched_token = sr.token;
+    } else if (static_cast<int32_t>(r.output.size()) >= sp.max_new_tokens ||
+               static_cast<int64_t>(r.fill.size()) >= cfg_.context_len) {
+      f.kind = FinishKind::Length;
+    }
+    if (f.kind != FinishKind::None) finish(r, f);
+    else emit(r);
+  }
+  MLA_CHECK(i == sampled.size(), "scheduler: {} sampled tokens for {} rows", sampled.size(), i);
+  erase_finished();
+}
+
+void Scheduler::abort_all(const FinishReason& reason) {
+  while (!waiting_.empty()) abort(waiting_.front()->rid, reason);
+  while (!running_.empty()) abort(running_.front()->rid, reason);
+}
+
+bool Scheduler::flush_cache() {
+  if (!running_.empty()) return false;
+  return cache_.reset();
+}
+
+RankStats Scheduler::stats() const {
+  RankStats s = counters_;
+  s.kv_tokens_total = static_cast<int64_t>(pool_.num_pages()) * cfg_.page_size;
+  s.kv_tokens_free = static_cast<int64_t>(pool_.num_free()) * cfg_.page_size;
+  s.kv_tokens_cached = static_cast<int64_t>(cache_.evictable_pages()) * cfg_.page_size;
+  s.num_running_reqs = num_running();
+  s.num_queue_reqs = num_waiting();
+  return s;
+}
+
+void Scheduler::check_integrity() const {
+  pool_.check_integrity();
+  cache_.check_integrity();
+  // Pages: free + cached + owned by requests (beyond their cached prefix) == all, with no overlap.
+  std::set<int32_t> owned;
+  int chunked = 0;
+  for (const auto& r : running_) {
+    MLA_CHECK(r->state == ReqState::Prefilling || r->state == ReqState::Decoding, "scheduler: finished request still running");
+    if (r->state == ReqState::Prefilling) ++chunked;
+    MLA_CHECK(static_cast<int64_t>(r->pages.size()) * cfg_.page_size >= r->kv_len,
+              "scheduler: request {} holds {} pages for {} tokens", r->rid, r->pages.size(), r->kv_len);
+    for (size_t i = static_cast<size_t>(r->prefix_pages); i < r->pages.size(); ++i)
+      MLA_CHECK(owned.insert(r->pages[i]).second, "scheduler: page {} owned twice", r->pages[i]);
+  }
+  for (const auto& r : waiting_) MLA_CHECK(r->pages.empty(), "scheduler: waiting request {} holds pages", r->rid);
+  MLA_CHECK(chunked <= 1, "scheduler: {} requests mid-prefill", chunked);
+  MLA_CHECK(static_cast<int32_t>(owned.size()) + pool_.num_free() + cache_.cached_pages() == pool_.num_pages(),
+            "scheduler: page accounting broken: {} owned + {} free + {} cached != {}", owned.size(), pool_.num_free(),
+            cache_.cached_pages(), pool_.num_pages());
+}
+
+}  // namespace mlaserve

@@ -1,0 +1,122 @@
+// Scheduler: continuous batching for one DP rank, host-only (no model, no device). Each step it picks the
+// decode tokens of running requests and prefill chunks of waiting ones under the budgets, takes KV pages for
+// them (evicting prefix-cache pages, or retracting running requests when decode runs out), and describes the
+// step as a ForwardBatch. After the forward, `commit` takes the sampled tokens and decides what finished.
+//
+// Invariants (check_integrity): every page is exactly one of free / held by one running request / cached in
+// the radix tree (requests may share cached pages they locked); a running request holds pages covering its
+// kv_len tokens; at most one request is mid-prefill (chunked).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/engine_api.h"
+#include "engine/page_pool.h"
+#include "engine/radix_cache.h"
+#include "engine/sampler.h"
+#include "model/forward_batch.h"
+
+namespace mlaserve {
+
+struct SchedulerConfig {
+  int32_t page_size = 16;
+  int32_t num_pages = 0;
+  int32_t max_running_requests = 256;
+  int32_t chunked_prefill_size = 8192;  // prefill tokens per step (<= 0: unlimited)
+  int64_t context_len = 4096;
+  bool enable_radix_cache = true;
+  std::vector<int32_t> eos_token_ids;
+};
+
+enum class ReqState { Waiting, Prefilling, Decoding, Finished };
+
+struct Req {
+  std::string rid;
+  std::vector<int32_t> prompt;   // the original input ids
+  std::vector<int32_t> output;   // generated ids
+  std::vector<int32_t> fill;     // prompt + output: the tokens whose KV the request needs
+  SamplingParams sampling;
+  std::function<void(const GenerateOutput&)> on_output;
+  SamplerState sampler;
+
+  ReqState state = ReqState::Waiting;
+  std::vector<int32_t> pages;           // cover positions [0, kv_len + this step's tokens)
+  RadixCache::Node* prefix_node = nullptr;  // locked cached prefix (its pages lead `pages`)
+  int32_t prefix_pages = 0;            // how many of `pages` belong to the cache
+  int32_t kv_len = 0;                  // tokens whose latent is in the cache
+  int32_t cached_tokens = 0;           // prompt tokens served by the prefix cache (first admission)
+  int32_t emitted = 0;                 // output tokens already reported
+  uint64_t admit_order = 0;
+  bool counted = false;                // prompt counted in the stats (first admission)
+  std::vector<TokenLogprob> pending_lps;  // logprobs not yet reported
+  FinishReason finish;
+};
+
+// One scheduled unit of work: `num_tokens` tokens of `req` starting at position req->kv_len.
+struct ScheduledSeq {
+  Req* req = nullptr;
+  int32_t num_tokens = 0;
+  bool wants_logits = false;  // last chunk of the prompt, or a decode token
+};
+
+struct StepPlan {
+  std::vector<ScheduledSeq> seqs;
+  ForwardBatch batch;  // logit rows follow `seqs` order among those with wants_logits
+  bool empty() const { return seqs.empty(); }
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(SchedulerConfig cfg);
+  ~Scheduler();
+
+  const SchedulerConfig& config() const { return cfg_; }
+  // Throws mlaserve::Error for requests that can never run (empty, too long for the context or the pool).
+  void validate(const GenerateRequest& r) const;
+  void add(GenerateRequest r);
+  // Removes the request wherever it is and reports `reason` to it. Returns false if unknown.
+  bool abort(const std::string& rid, const FinishReason& reason);
+  // Plans the next step (possibly empty).
+  StepPlan schedule();
+  // Applies the sampled tokens (one per seq with wants_logits, in order) of the planned step.
+  void commit(StepPlan& plan, const std::vector<SampleResult>& sampled);
+  bool flush_cache();
+  // Finishes every waiting and running request with `reason` (shutdown).
+  void abort_all(const FinishReason& reason);
+
+  bool has_work() const { return !waiting_.empty() || !running_.empty(); }
+  int32_t num_running() const { return static_cast<int32_t>(running_.size()); }
+  int32_t num_waiting() const { return static_cast<int32_t>(waiting_.size()); }
+  const PagePool& pool() const { return pool_; }
+  const RadixCache& cache() const { return cache_; }
+  RankStats stats() const;
+  void check_integrity() const;
+  // Sampling state of a scheduled request (the engine samples with it).
+  static SamplerState& sampler_of(Req& r) { return r.sampler; }
+
+ private:
+  bool ensure_pages(int32_t n, const Req* protect);
+  bool take_pages(Req& r, int32_t upto_tokens, const Req* protect);
+  void admit(Req& r);
+  void release(Req& r, bool cache_kv);
+  void retract(Req& r);
+  void finish(Req& r, FinishReason reason);
+  void emit(Req& r);
+  void erase_finished();
+
+  SchedulerConfig cfg_;
+  PagePool pool_;
+  RadixCache cache_;
+  std::deque<std::unique_ptr<Req>> waiting_;
+  std::vector<std::unique_ptr<Req>> running_;  // admission order
+  uint64_t admit_counter_ = 0;
+  RankStats counters_;
+  uint64_t seed_counter_ = 0x5eed;
+};
+
+}  // namespace mlaserve
