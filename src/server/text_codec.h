@@ -25,6 +25,8 @@ class TextCodec {
   // The text of one token for logprob listings (special tokens included).
   virtual std::string token_text(int32_t id) const { return decode({id}, false); }
   virtual std::string name_or_path() const = 0;
+  // One more than the largest token id (the bench client draws random ids below it).
+  virtual size_t vocab_size() const = 0;
 };
 
 // The tokenizer found at `path` (a directory with tokenizer.json / tokenizer_config.json), or nullptr when this

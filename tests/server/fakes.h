@@ -52,6 +52,7 @@ class ByteCodec : public server::TextCodec {
     return s;
   }
   std::string name_or_path() const override { return "bytes"; }
+  size_t vocab_size() const override { return 258; }
 };
 
 class FakeEngine : public EngineClient {
