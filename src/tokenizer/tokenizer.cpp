@@ -268,6 +268,9 @@ std::unique_ptr<Tokenizer> Tokenizer::from_json(const nlohmann::json& j, const s
     t->added_by_id_[tok.id] = t->added_.size();
     t->added_.push_back(tok);
   }
+  t->vocab_size_ = t->model_->vocab_size();
+  for (const auto& [tok, id] : t->model_->vocab()) t->vocab_size_ = std::max(t->vocab_size_, static_cast<size_t>(id) + 1);
+  for (const auto& a : t->added_) t->vocab_size_ = std::max(t->vocab_size_, static_cast<size_t>(a.id) + 1);
   // Matching sets: special tokens first, then the others (HF's order; it matters only for equal contents).
   t->raw_matcher_ = std::make_unique<Matcher>();
   t->normalized_matcher_ = std::make_unique<Matcher>();
@@ -391,11 +394,6 @@ bool Tokenizer::is_special(int32_t id) const {
   return it != added_by_id_.end() && added_[it->second].special;
 }
 
-size_t Tokenizer::vocab_size() const {
-  size_t n = model_->vocab_size();
-  for (const auto& a : added_) n = std::max(n, static_cast<size_t>(a.id) + 1);
-  for (const auto& [tok, id] : model_->vocab()) n = std::max(n, static_cast<size_t>(id) + 1);
-  return n;
-}
+size_t Tokenizer::vocab_size() const { return vocab_size_; }
 
 }  // namespace mlaserve::tok

@@ -82,6 +82,7 @@ class Tokenizer {
   std::unordered_map<int32_t, size_t> added_by_id_;   // id -> index in added_
   std::unordered_map<std::string, int32_t> added_by_content_;
   std::unique_ptr<Matcher> raw_matcher_, normalized_matcher_;
+  size_t vocab_size_ = 0;
 };
 
 }  // namespace mlaserve::tok
