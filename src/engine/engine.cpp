@@ -8,12 +8,12 @@
 
 namespace mlaserve {
 
-Engine::Engine(std::unique_ptr<Backend> backend, std::unique_ptr<DeepseekModel> model, const EngineOptions& opts)
-    : backend_(std::move(backend)), model_(std::move(model)), opts_(opts) {
-  const ModelConfig& cfg = model_->config();
+Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
+    : ranks_(std::move(ranks)), opts_(opts), balancer_(ranks_->dp_groups(), opts.load_balance_method) {
+  const ModelConfig& cfg = ranks_->config();
   if (opts_.context_len <= 0) opts_.context_len = cfg.max_position_embeddings;
   MLA_CHECK(opts_.num_pages > 0, "engine: the KV pool has no pages");
-  kv_ = std::make_unique<KvCache>(*backend_, cfg, opts_.num_pages, opts_.page_size);
+  ranks_->allocate_kv(opts_.num_pages, opts_.page_size);
   SchedulerConfig sc;
   sc.page_size = opts_.page_size;
   sc.num_pages = opts_.num_pages;
@@ -22,8 +22,9 @@ Engine::Engine(std::unique_ptr<Backend> backend, std::unique_ptr<DeepseekModel> 
   sc.context_len = opts_.context_len;
   sc.enable_radix_cache = opts_.enable_radix_cache;
   sc.eos_token_ids = opts_.eos_token_ids;
-  sched_ = std::make_unique<Scheduler>(sc);
+  for (int32_t g = 0; g < ranks_->dp_groups(); ++g) scheds_.push_back(std::make_unique<Scheduler>(sc));
   if (const char* e = std::getenv("MLASERVE_CHECK_INTEGRITY"); e && *e && *e != '0') opts_.check_integrity = true;
+  published_.resize(scheds_.size());
   publish_stats();
   thread_ = std::thread([this] { loop(); });
 }
@@ -33,26 +34,35 @@ Engine::~Engine() { shutdown(); }
 void Engine::shutdown() {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (stop_) {
-      if (thread_.joinable() && std::this_thread::get_id() != thread_.get_id()) thread_.join();
-      return;
-    }
-    stop_ = true;
+    if (!stop_) stop_ = true;
   }
   cv_.notify_all();
   flush_cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  if (thread_.joinable() && std::this_thread::get_id() != thread_.get_id()) thread_.join();
 }
 
 void Engine::submit(GenerateRequest req) {
-  const int64_t V = model_->config().vocab_size;
+  const int64_t V = ranks_->config().vocab_size;
   for (int32_t id : req.input_ids)
     MLA_CHECK(id >= 0 && id < V, "token id {} is outside the vocabulary [0, {})", id, V);
-  sched_->validate(req);  // reads only the immutable config
+  scheds_[0]->validate(req);  // reads only the immutable config
+  MLA_CHECK(req.data_parallel_rank < ranks_->dp_groups(), "data_parallel_rank {} is out of range (dp size {})",
+            req.data_parallel_rank, ranks_->dp_groups());
+  const int64_t cost = static_cast<int64_t>(req.input_ids.size()) + req.sampling.max_new_tokens;
+  const int32_t group = balancer_.assign(req.rid, cost, req.data_parallel_rank);
+  // The balancer forgets the request when it finishes (its final output).
+  auto user = std::move(req.on_output);
+  req.on_output = [this, rid = req.rid, user = std::move(user)](const GenerateOutput& o) {
+    if (o.finished) balancer_.release(rid);
+    if (user) user(o);
+  };
   {
     std::lock_guard<std::mutex> lk(mu_);
-    MLA_CHECK(!stop_, "the engine is shutting down");
-    inbox_.push_back(std::move(req));
+    if (stop_) {
+      balancer_.release(req.rid);
+      fail("the engine is shutting down");
+    }
+    inbox_.emplace_back(group, std::move(req));
   }
   cv_.notify_one();
 }
@@ -67,7 +77,7 @@ void Engine::abort(const std::string& rid, FinishReason reason) {
 
 std::vector<RankStats> Engine::stats() const {
   std::lock_guard<std::mutex> lk(mu_);
-  return {published_};
+  return published_;
 }
 
 bool Engine::flush_cache() {
@@ -79,33 +89,40 @@ bool Engine::flush_cache() {
 }
 
 void Engine::publish_stats() {
-  RankStats s = sched_->stats();
+  std::vector<RankStats> s;
+  for (auto& sc : scheds_) {
+    s.push_back(sc->stats());
+    s.back().forward_steps = static_cast<int64_t>(steps_);
+  }
   std::lock_guard<std::mutex> lk(mu_);
-  const int64_t steps = published_.forward_steps;
-  published_ = s;
-  published_.forward_steps = steps;
+  published_ = std::move(s);
 }
 
 void Engine::loop() {
+  auto has_work = [&] {
+    for (auto& s : scheds_)
+      if (s->has_work()) return true;
+    return false;
+  };
   for (;;) {
-    std::deque<GenerateRequest> in;
+    std::deque<std::pair<int32_t, GenerateRequest>> in;
     std::deque<std::pair<std::string, FinishReason>> ab;
     int flushes = 0;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait_for(lk, std::chrono::milliseconds(sched_->has_work() ? 0 : 50), [&] {
-        return stop_ || !inbox_.empty() || !aborts_.empty() || flush_requests_ > flush_done_ || sched_->has_work();
+      const bool busy = has_work();
+      cv_.wait_for(lk, std::chrono::milliseconds(busy ? 0 : 50), [&] {
+        return stop_ || !inbox_.empty() || !aborts_.empty() || flush_requests_ > flush_done_ || busy;
       });
       if (stop_) break;
       in.swap(inbox_);
       ab.swap(aborts_);
       flushes = flush_requests_ - flush_done_;
     }
-    for (auto& r : in) {
-      const std::string rid = r.rid;
+    for (auto& [g, r] : in) {
       auto cb = r.on_output;
       try {
-        sched_->add(std::move(r));
+        scheds_[static_cast<size_t>(g)]->add(std::move(r));
       } catch (const Error& e) {
         if (cb) {
           GenerateOutput o;
@@ -116,9 +133,12 @@ void Engine::loop() {
         }
       }
     }
-    for (auto& [rid, reason] : ab) sched_->abort(rid, reason);
+    for (auto& [rid, reason] : ab)
+      for (auto& s : scheds_)
+        if (s->abort(rid, reason)) break;
     if (flushes > 0) {
-      const bool ok = sched_->flush_cache();
+      bool ok = true;
+      for (auto& s : scheds_) ok &= s->flush_cache();
       {
         std::lock_guard<std::mutex> lk(mu_);
         flush_ok_ = ok;
@@ -126,60 +146,82 @@ void Engine::loop() {
       }
       flush_cv_.notify_all();
     }
-    if (sched_->has_work()) step();
+    if (has_work()) step();
     publish_stats();
   }
   // Shutting down: abort whatever is left so no caller waits forever.
   FinishReason f;
   f.kind = FinishKind::Abort;
   f.message = "server shutting down";
-  std::deque<GenerateRequest> in;
+  std::deque<std::pair<int32_t, GenerateRequest>> in;
   {
     std::lock_guard<std::mutex> lk(mu_);
     in.swap(inbox_);
   }
-  for (auto& r : in)
+  for (auto& [g, r] : in)
     if (r.on_output) {
       GenerateOutput o;
       o.finished = true;
       o.finish = f;
       r.on_output(o);
     }
-  sched_->abort_all(f);
+  for (auto& s : scheds_) s->abort_all(f);
 }
 
 void Engine::step() {
-  StepPlan plan = sched_->schedule();
-  if (plan.empty()) return;
-  const int64_t V = model_->config().vocab_size;
-  std::vector<SampleResult> sampled;
+  const size_t groups = scheds_.size();
+  std::vector<StepPlan> plans(groups);
+  std::vector<const ForwardBatch*> batches(groups, nullptr);
+  bool any = false;
+  for (size_t g = 0; g < groups; ++g) {
+    plans[g] = scheds_[g]->schedule();
+    if (!plans[g].empty()) {
+      batches[g] = &plans[g].batch;
+      any = true;
+    }
+  }
+  if (!any) return;
+  const int64_t V = ranks_->config().vocab_size;
+  std::vector<std::vector<SampleResult>> sampled(groups);
   try {
-    Tensor logits = backend_->to_host_f32(model_->forward(plan.batch, *kv_));
-    std::vector<Req*> rows;
-    for (const ScheduledSeq& s : plan.seqs)
-      if (s.wants_logits) rows.push_back(s.req);
-    sampled.resize(rows.size());
+    std::vector<Tensor> logits = ranks_->step(batches);
+    // Sample every group's rows (rows are independent: parallel over all of them).
+    std::vector<std::pair<size_t, Req*>> rows;
+    std::vector<const float*> row_logits;
+    for (size_t g = 0; g < groups; ++g) {
+      int64_t i = 0;
+      for (const ScheduledSeq& s : plans[g].seqs)
+        if (s.wants_logits) {
+          rows.emplace_back(g, s.req);
+          row_logits.push_back(logits[g].data_as<float>() + i++ * V);
+        }
+      sampled[g].resize(static_cast<size_t>(i));
+    }
+    std::vector<SampleResult> flat(rows.size());
     parallel_for(static_cast<int64_t>(rows.size()), 1, [&](int64_t b, int64_t e) {
       std::vector<float> scratch;
       for (int64_t i = b; i < e; ++i)
-        sampled[i] = sample_row(logits.data_as<float>() + i * V, V, rows[i]->sampling, rows[i]->sampler, scratch);
+        flat[i] = sample_row(row_logits[i], V, rows[i].second->sampling, rows[i].second->sampler, scratch);
     });
+    std::vector<size_t> next(groups, 0);
+    for (size_t i = 0; i < rows.size(); ++i) sampled[rows[i].first][next[rows[i].first]++] = flat[i];
   } catch (const std::exception& e) {
     MLA_LOG_ERROR("forward step failed: {}; aborting its requests", e.what());
     FinishReason f;
     f.kind = FinishKind::Abort;
     f.message = std::string("internal error: ") + e.what();
-    std::vector<std::string> rids;
-    for (const ScheduledSeq& s : plan.seqs) rids.push_back(s.req->rid);
-    for (const auto& rid : rids) sched_->abort(rid, f);
+    for (size_t g = 0; g < groups; ++g) {
+      std::vector<std::string> rids;
+      for (const ScheduledSeq& s : plans[g].seqs) rids.push_back(s.req->rid);
+      for (const auto& rid : rids) scheds_[g]->abort(rid, f);
+    }
     return;
   }
-  sched_->commit(plan, sampled);
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    ++published_.forward_steps;
-  }
-  if (opts_.check_integrity) sched_->check_integrity();
+  for (size_t g = 0; g < groups; ++g)
+    if (!plans[g].empty()) scheds_[g]->commit(plans[g], sampled[g]);
+  ++steps_;
+  if (opts_.check_integrity)
+    for (auto& s : scheds_) s->check_integrity();
 }
 
 }  // namespace mlaserve

@@ -1,9 +1,11 @@
-// Engine: one DP rank's serving loop on its own thread: inbox -> Scheduler::schedule -> DeepseekModel::forward
-// -> sample -> Scheduler::commit -> outputs. Implements EngineClient for a single rank (tp = dp = 1); the
-// parallel layouts compose several of these (engine/dp_controller, parallel issue).
+// Engine: the serving loop of one model replica, on its own thread. The replica's ranks (RankSet: one, or
+// --tp ranks, possibly in --dp attention-DP groups) run in lockstep; each attention-DP group has its own
+// Scheduler, KV pool and prefix cache. Every step: drain the inbox (requests dispatched to a group by the
+// LoadBalancer), each group schedules its batch, the ranks run one forward (groups with nothing to do run IDLE;
+// when all are empty nothing runs), each group samples its own rows and commits. Because one thread takes every
+// decision, all ranks always agree on the step (same collectives, same shapes).
 #pragma once
 
-#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -11,26 +13,27 @@
 #include <thread>
 
 #include "engine/engine_api.h"
+#include "engine/load_balancer.h"
+#include "engine/rank_set.h"
 #include "engine/scheduler.h"
-#include "model/deepseek_model.h"
 
 namespace mlaserve {
 
 struct EngineOptions {
   int32_t page_size = 16;
-  int32_t num_pages = 0;
-  int32_t max_running_requests = 256;
-  int32_t chunked_prefill_size = 8192;
+  int32_t num_pages = 0;  // per DP group
+  int32_t max_running_requests = 256;  // per DP group
+  int32_t chunked_prefill_size = 8192;  // per DP group
   int64_t context_len = 0;
   bool enable_radix_cache = true;
   bool check_integrity = false;  // after every step (tests)
+  std::string load_balance_method = "round_robin";
   std::vector<int32_t> eos_token_ids;
 };
 
 class Engine final : public EngineClient {
  public:
-  // Takes ownership of the backend and the loaded model.
-  Engine(std::unique_ptr<Backend> backend, std::unique_ptr<DeepseekModel> model, const EngineOptions& opts);
+  Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts);
   ~Engine() override;
 
   void submit(GenerateRequest req) override;
@@ -46,23 +49,22 @@ class Engine final : public EngineClient {
   void step();
   void publish_stats();
 
-  std::unique_ptr<Backend> backend_;
-  std::unique_ptr<DeepseekModel> model_;
+  std::unique_ptr<RankSet> ranks_;
   EngineOptions opts_;
-  std::unique_ptr<KvCache> kv_;
-  std::unique_ptr<Scheduler> sched_;
+  std::vector<std::unique_ptr<Scheduler>> scheds_;  // one per attention-DP group
+  LoadBalancer balancer_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<GenerateRequest> inbox_;
+  std::deque<std::pair<int32_t, GenerateRequest>> inbox_;  // (group, request)
   std::deque<std::pair<std::string, FinishReason>> aborts_;
   int flush_requests_ = 0;
   int flush_done_ = 0;
   bool flush_ok_ = false;
   std::condition_variable flush_cv_;
   bool stop_ = false;
-  RankStats published_;
-  std::vector<float> scratch_;
+  std::vector<RankStats> published_;
+  uint64_t steps_ = 0;
   std::thread thread_;
 };
 

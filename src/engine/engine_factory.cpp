@@ -1,18 +1,68 @@
-// make_engine: EngineArgs (the server's flags) -> a loaded model, a sized KV pool and a running engine.
+// make_engine: EngineArgs (the server's flags) -> loaded ranks, sized KV pools and running engine(s).
 #include <unistd.h>
 
 #include <algorithm>
 
-#include "backend/backend_factory.h"
 #include "core/log.h"
+#include "engine/dp_controller.h"
 #include "engine/engine.h"
 
 namespace mlaserve {
 
+namespace {
+
+std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfig& cfg, int32_t dp_groups) {
+  ParallelConfig pc;
+  pc.tp_size = a.tp_size;
+  pc.dp_size = dp_groups;
+  pc.device = a.device;
+  LoadOptions lo;
+  lo.dummy = a.load_format == "dummy";
+  lo.seed = a.seed;
+  auto ranks = std::make_unique<RankSet>(cfg, pc, a.model_path, lo);
+
+  EngineOptions o;
+  o.page_size = a.page_size;
+  o.chunked_prefill_size = a.chunked_prefill_size;
+  o.enable_radix_cache = !a.disable_radix_cache;
+  o.context_len = a.context_length > 0 ? a.context_length : cfg.max_position_embeddings;
+  o.load_balance_method = a.load_balance_method;
+  for (int64_t e : cfg.eos_token_ids) o.eos_token_ids.push_back(static_cast<int32_t>(e));
+  for (int32_t e : a.extra_eos_token_ids)
+    if (std::find(o.eos_token_ids.begin(), o.eos_token_ids.end(), e) == o.eos_token_ids.end()) o.eos_token_ids.push_back(e);
+
+  // KV pool per rank: --max-total-tokens, else a share of memory (--mem-fraction-static of RAM minus the weights
+  // on CPU; by default 2 GiB of cache per CPU replica, split over its ranks).
+  const int64_t bpt = KvCache::bytes_per_token(cfg, ranks->act_dtype());
+  int64_t tokens = a.max_total_tokens;
+  if (tokens <= 0) {
+    int64_t budget = (int64_t{2} << 30) / a.tp_size;
+    if (a.mem_fraction_static > 0.0) {
+      const int64_t ram = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+      budget = static_cast<int64_t>(a.mem_fraction_static * static_cast<double>(ram)) / a.tp_size -
+               ranks->weight_bytes_per_rank();
+      MLA_CHECK(budget > 0, "--mem-fraction-static {} leaves no memory for the KV cache after {} bytes of weights per rank",
+                a.mem_fraction_static, ranks->weight_bytes_per_rank());
+    }
+    tokens = std::min<int64_t>(budget / bpt, int64_t{4} << 20);
+  }
+  o.num_pages = static_cast<int32_t>(tokens / a.page_size);
+  MLA_CHECK(o.num_pages > 0, "the KV cache would hold no page of {} tokens", a.page_size);
+  o.max_running_requests = a.max_running_requests > 0 ? a.max_running_requests : 256;
+  MLA_LOG_INFO("KV cache per rank: {} tokens ({} pages of {}), {:.2f} GiB; max running requests {} per DP group",
+               static_cast<int64_t>(o.num_pages) * a.page_size, o.num_pages, a.page_size,
+               static_cast<double>(static_cast<int64_t>(o.num_pages) * a.page_size * bpt) / (1 << 30),
+               o.max_running_requests);
+  return std::make_unique<Engine>(std::move(ranks), o);
+}
+
+}  // namespace
+
 std::unique_ptr<EngineClient> make_engine(const EngineArgs& a) {
-  MLA_CHECK(a.tp_size == 1 && a.dp_size == 1 && !a.enable_dp_attention,
-            "--tp {} --dp {}{}: parallel layouts are recognised but not implemented yet", a.tp_size, a.dp_size,
-            a.enable_dp_attention ? " --enable-dp-attention" : "");
+  MLA_CHECK(a.tp_size >= 1, "--tp must be >= 1, got {}", a.tp_size);
+  MLA_CHECK(a.dp_size >= 1, "--dp must be >= 1, got {}", a.dp_size);
+  MLA_CHECK(!a.enable_dp_attention || a.tp_size % a.dp_size == 0,
+            "--enable-dp-attention needs --dp ({}) to divide --tp ({})", a.dp_size, a.tp_size);
   MLA_CHECK(a.load_format == "auto" || a.load_format == "safetensors" || a.load_format == "dummy",
             "--load-format: expected auto, safetensors or dummy, got '{}'", a.load_format);
   MLA_CHECK(a.page_size > 0, "--page-size must be positive, got {}", a.page_size);
@@ -20,46 +70,12 @@ std::unique_ptr<EngineClient> make_engine(const EngineArgs& a) {
             "--mem-fraction-static must be in (0, 1), got {}", a.mem_fraction_static);
   MLA_CHECK(a.max_total_tokens >= 0, "--max-total-tokens must be >= 0");
   MLA_CHECK(a.max_running_requests >= 0, "--max-running-requests must be >= 0");
-  auto backend = make_backend(a.device);
   ModelConfig cfg = ModelConfig::from_file(a.model_path);
   MLA_LOG_INFO("{}", cfg.summary());
-  auto model = std::make_unique<DeepseekModel>(cfg, *backend);
-  LoadOptions lo;
-  lo.dummy = a.load_format == "dummy";
-  lo.seed = a.seed;
-  model->load(a.model_path, lo);
-
-  EngineOptions o;
-  o.page_size = a.page_size;
-  o.chunked_prefill_size = a.chunked_prefill_size;
-  o.enable_radix_cache = !a.disable_radix_cache;
-  o.context_len = a.context_length > 0 ? a.context_length : cfg.max_position_embeddings;
-  for (int64_t e : cfg.eos_token_ids) o.eos_token_ids.push_back(static_cast<int32_t>(e));
-  for (int32_t e : a.extra_eos_token_ids)
-    if (std::find(o.eos_token_ids.begin(), o.eos_token_ids.end(), e) == o.eos_token_ids.end()) o.eos_token_ids.push_back(e);
-
-  // KV pool size: --max-total-tokens, else a share of memory (--mem-fraction-static of RAM minus the weights on
-  // CPU; default 2 GiB of cache on CPU).
-  const int64_t bpt = KvCache::bytes_per_token(cfg, backend->act_dtype());
-  int64_t tokens = a.max_total_tokens;
-  if (tokens <= 0) {
-    int64_t budget = int64_t{2} << 30;
-    if (a.mem_fraction_static > 0.0) {
-      const int64_t ram = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
-      budget = static_cast<int64_t>(a.mem_fraction_static * static_cast<double>(ram)) - model->weight_bytes();
-      MLA_CHECK(budget > 0, "--mem-fraction-static {} leaves no memory for the KV cache after {} bytes of weights",
-                a.mem_fraction_static, model->weight_bytes());
-    }
-    tokens = std::min<int64_t>(budget / bpt, int64_t{4} << 20);
-  }
-  o.num_pages = static_cast<int32_t>(tokens / a.page_size);
-  MLA_CHECK(o.num_pages > 0, "the KV cache would hold no page of {} tokens", a.page_size);
-  o.max_running_requests = a.max_running_requests > 0 ? a.max_running_requests : 256;
-  MLA_LOG_INFO("KV cache: {} tokens ({} pages of {}), {:.2f} GiB; max running requests {}",
-               static_cast<int64_t>(o.num_pages) * a.page_size, o.num_pages, a.page_size,
-               static_cast<double>(static_cast<int64_t>(o.num_pages) * a.page_size * bpt) / (1 << 30),
-               o.max_running_requests);
-  return std::make_unique<Engine>(std::move(backend), std::move(model), o);
+  if (a.enable_dp_attention || a.dp_size == 1) return make_replica(a, cfg, a.enable_dp_attention ? a.dp_size : 1);
+  std::vector<std::unique_ptr<EngineClient>> replicas;
+  for (int32_t r = 0; r < a.dp_size; ++r) replicas.push_back(make_replica(a, cfg, 1));
+  return std::make_unique<DpController>(std::move(replicas), a.load_balance_method);
 }
 
 }  // namespace mlaserve

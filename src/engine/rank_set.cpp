@@ -38,16 +38,23 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
     ranks_[static_cast<size_t>(r)] = std::move(rk);
   }
   // Load every rank's shard (in parallel: each rank reads its slices of the mapped checkpoint).
-  run_on_all([&](int r) {
-    Rank& rk = *ranks_[static_cast<size_t>(r)];
-    ParallelPlan plan = ParallelPlan::make(n, d, r);
-    Communicator* attn_comm = d > 1 ? rk.attn.get() : rk.world.get();
-    rk.model = std::make_unique<DeepseekModel>(config_, *rk.backend, plan, rk.world.get(), attn_comm);
-    rk.model->load(model_dir, lo);
-  });
+  try {
+    run_on_all([&](int r) {
+      Rank& rk = *ranks_[static_cast<size_t>(r)];
+      ParallelPlan plan = ParallelPlan::make(n, d, r);
+      Communicator* attn_comm = d > 1 ? rk.attn.get() : rk.world.get();
+      rk.model = std::make_unique<DeepseekModel>(config_, *rk.backend, plan, rk.world.get(), attn_comm);
+      rk.model->load(model_dir, lo);
+    });
+  } catch (...) {
+    stop_workers();
+    throw;
+  }
 }
 
-RankSet::~RankSet() {
+RankSet::~RankSet() { stop_workers(); }
+
+void RankSet::stop_workers() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;

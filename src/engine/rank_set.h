@@ -51,6 +51,7 @@ class RankSet {
   };
   void run_on_all(const std::function<void(int)>& fn);
   void worker(int rank);
+  void stop_workers();
 
   ModelConfig config_;
   ParallelConfig pc_;

@@ -37,17 +37,21 @@ class EngineTest : public ::testing::Test {
     }
   }
 
-  std::unique_ptr<Engine> make(int32_t pages, int32_t page_size = 8, int32_t chunk = 8192, bool radix = true) {
-    auto be = make_cpu_backend();
-    auto model = std::make_unique<DeepseekModel>(ModelConfig::from_file(test::golden_dir("v2")), *be);
-    model->load(test::golden_dir("v2"), {});
+  std::unique_ptr<Engine> make(int32_t pages, int32_t page_size = 8, int32_t chunk = 8192, bool radix = true,
+                               int32_t tp = 1, int32_t dp = 1) {
+    ParallelConfig pc;
+    pc.tp_size = tp;
+    pc.dp_size = dp;
+    pc.device = "cpu";
+    auto ranks = std::make_unique<RankSet>(ModelConfig::from_file(test::golden_dir("v2")), pc, test::golden_dir("v2"),
+                                           LoadOptions{});
     EngineOptions o;
     o.page_size = page_size;
     o.num_pages = pages;
     o.chunked_prefill_size = chunk;
     o.enable_radix_cache = radix;
     o.check_integrity = true;
-    return std::make_unique<Engine>(std::move(be), std::move(model), o);
+    return std::make_unique<Engine>(std::move(ranks), o);
   }
 
   // Submits and returns a future of the whole result.

@@ -1,0 +1,31 @@
+// DpController: --dp D without DP attention: D independent replicas (each an Engine over its own --tp ranks)
+// behind one EngineClient. Each request goes to one replica (LoadBalancer: round robin, or the replica with the
+// fewest tokens in flight; a request may pin data_parallel_rank); aborts follow the request.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "engine/engine_api.h"
+#include "engine/load_balancer.h"
+
+namespace mlaserve {
+
+class DpController final : public EngineClient {
+ public:
+  DpController(std::vector<std::unique_ptr<EngineClient>> replicas, const std::string& method);
+  ~DpController() override;
+  void submit(GenerateRequest req) override;
+  void abort(const std::string& rid, FinishReason reason) override;
+  std::vector<RankStats> stats() const override;
+  bool flush_cache() override;
+  int64_t max_context_len() const override { return replicas_[0]->max_context_len(); }
+  std::vector<int32_t> eos_token_ids() const override { return replicas_[0]->eos_token_ids(); }
+  void shutdown() override;
+
+ private:
+  std::vector<std::unique_ptr<EngineClient>> replicas_;
+  LoadBalancer balancer_;
+};
+
+}  // namespace mlaserve

@@ -1,0 +1,35 @@
+// LoadBalancer: picks the DP rank (an attention-DP group or a replica) for each new request.
+// round_robin cycles; shortest_queue picks the rank with the fewest tokens in flight (prompt + max_new_tokens of
+// every unfinished request), counting tokens rather than requests so long prompts weigh what they cost.
+// Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace mlaserve {
+
+class LoadBalancer {
+ public:
+  LoadBalancer(int32_t ranks, const std::string& method);
+  // Chooses a rank (or takes `pinned` when >= 0) and records the request's cost there.
+  int32_t assign(const std::string& rid, int64_t tokens, int32_t pinned = -1);
+  // The request finished: its tokens leave its rank. Returns its rank (-1 if unknown).
+  int32_t release(const std::string& rid);
+  // Rank holding a live request, or -1.
+  int32_t rank_of(const std::string& rid) const;
+  std::vector<int64_t> tokens_in_flight() const;
+
+ private:
+  int32_t ranks_;
+  bool shortest_;
+  mutable std::mutex mu_;
+  int32_t next_ = 0;
+  std::vector<int64_t> load_;
+  std::unordered_map<std::string, std::pair<int32_t, int64_t>> live_;
+};
+
+}  // namespace mlaserve

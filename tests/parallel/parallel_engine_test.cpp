@@ -1,0 +1,152 @@
+// The serving engine in parallel layouts on CPU ranks: DP attention with idle groups and a prefill on one group
+// meeting decode on another; DP replicas behind the controller; the load balancer. Outputs equal the reference.
+#include <gtest/gtest.h>
+
+#include <future>
+#include <thread>
+
+#include "engine/dp_controller.h"
+#include "engine/engine.h"
+#include "engine/load_balancer.h"
+#include "io/safetensors.h"
+#include "test_util.h"
+
+using namespace mlaserve;
+
+namespace {
+
+struct Golden {
+  std::vector<std::vector<int32_t>> prompts, greedy;
+};
+
+Golden golden(const std::string& fam) {
+  Golden g;
+  SafetensorsFile f(test::golden_dir(fam) + "/reference.safetensors");
+  for (int j = 0; j < 5; ++j) {
+    Tensor p = f.tensor("prompt_" + std::to_string(j)), gr = f.tensor("greedy_" + std::to_string(j)),
+           m = f.tensor("margin_" + std::to_string(j));
+    g.prompts.emplace_back(p.data_as<int32_t>(), p.data_as<int32_t>() + p.numel());
+    std::vector<int32_t> ref;
+    for (int64_t i = 0; i < gr.numel() && m.data_as<float>()[i] >= 0.02f; ++i) ref.push_back(gr.data_as<int32_t>()[i]);
+    g.greedy.push_back(ref);
+  }
+  return g;
+}
+
+std::future<std::vector<int32_t>> submit(EngineClient& e, const std::string& rid, const std::vector<int32_t>& ids,
+                                         int32_t max_new, int32_t dp_rank = -1) {
+  auto prom = std::make_shared<std::promise<std::vector<int32_t>>>();
+  auto acc = std::make_shared<std::vector<int32_t>>();
+  GenerateRequest g;
+  g.rid = rid;
+  g.input_ids = ids;
+  g.sampling.max_new_tokens = max_new;
+  g.sampling.temperature = 0.0f;
+  g.sampling.ignore_eos = true;
+  g.data_parallel_rank = dp_rank;
+  g.on_output = [prom, acc](const GenerateOutput& o) {
+    acc->insert(acc->end(), o.new_tokens.begin(), o.new_tokens.end());
+    if (o.finished) prom->set_value(*acc);
+  };
+  e.submit(std::move(g));
+  return prom->get_future();
+}
+
+std::vector<int32_t> wait(std::future<std::vector<int32_t>>& f) {
+  EXPECT_EQ(f.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "hang?";
+  return f.get();
+}
+
+void expect_prefix(const std::vector<int32_t>& got, const std::vector<int32_t>& ref) {
+  for (size_t i = 0; i < std::min(got.size(), ref.size()); ++i) EXPECT_EQ(got[i], ref[i]) << "step " << i;
+}
+
+void expect_idle_and_clean(EngineClient& e) {
+  for (int i = 0; i < 300; ++i) {
+    bool idle = true;
+    for (auto& s : e.stats()) idle &= s.num_running_reqs == 0 && s.num_queue_reqs == 0;
+    if (idle) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(e.flush_cache());
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  for (auto& s : e.stats()) EXPECT_EQ(s.kv_tokens_free, s.kv_tokens_total);
+}
+
+}  // namespace
+
+TEST(DpAttentionEngine, PrefillMeetsDecodeAndIdleGroups) {
+  Golden g = golden("v3");
+  ParallelConfig pc;
+  pc.tp_size = 4;
+  pc.dp_size = 4;
+  pc.device = "cpu";
+  auto ranks = std::make_unique<RankSet>(ModelConfig::from_file(test::golden_dir("v3")), pc, test::golden_dir("v3"),
+                                         LoadOptions{});
+  EngineOptions o;
+  o.page_size = 8;
+  o.num_pages = 128;
+  o.chunked_prefill_size = 32;
+  o.check_integrity = true;
+  Engine e(std::move(ranks), o);
+  ASSERT_EQ(e.stats().size(), 4u);
+  // Group 0 decodes a long continuation; while it runs, group 1 gets a long prefill (in chunks); groups 2 and 3
+  // stay idle throughout but must join every step.
+  auto a = submit(e, "a", g.prompts[1], 20, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  auto b = submit(e, "b", g.prompts[4], 6, 1);
+  expect_prefix(wait(a), g.greedy[1]);
+  expect_prefix(wait(b), g.greedy[4]);
+  // Then everything at once, balanced by the load balancer.
+  std::vector<std::future<std::vector<int32_t>>> fs;
+  for (int j = 0; j < 5; ++j) fs.push_back(submit(e, "c" + std::to_string(j), g.prompts[j], 8));
+  for (int j = 0; j < 5; ++j) expect_prefix(wait(fs[j]), g.greedy[j]);
+  expect_idle_and_clean(e);
+}
+
+TEST(DpReplicas, ControllerDispatchesAndRoutesAborts) {
+  Golden g = golden("v2");
+  EngineArgs a;
+  a.model_path = test::golden_dir("v2");
+  a.device = "cpu";
+  a.tp_size = 2;
+  a.dp_size = 2;
+  a.max_total_tokens = 4096;
+  a.page_size = 8;
+  a.load_balance_method = "shortest_queue";
+  auto e = make_engine(a);
+  ASSERT_EQ(e->stats().size(), 2u);
+  std::vector<std::future<std::vector<int32_t>>> fs;
+  for (int j = 0; j < 5; ++j) fs.push_back(submit(*e, "r" + std::to_string(j), g.prompts[j], 8));
+  auto victim = submit(*e, "victim", g.prompts[2], 4000);
+  FinishReason why;
+  why.kind = FinishKind::Abort;
+  e->abort("victim", why);
+  EXPECT_LT(wait(victim).size(), 4000u);
+  for (int j = 0; j < 5; ++j) expect_prefix(wait(fs[j]), g.greedy[j]);
+  int64_t prompts = 0;
+  for (auto& s : e->stats()) {
+    EXPECT_GT(s.prompt_tokens_total, 0) << "both replicas should have served requests";
+    prompts += s.prompt_tokens_total;
+  }
+  EXPECT_GT(prompts, 0);
+  expect_idle_and_clean(*e);
+}
+
+TEST(LoadBalancer, ShortestQueueCountsTokensNotRequests) {
+  LoadBalancer lb(2, "shortest_queue");
+  EXPECT_EQ(lb.assign("big", 1000), 0);
+  EXPECT_EQ(lb.assign("s1", 10), 1);
+  EXPECT_EQ(lb.assign("s2", 10), 1);  // two requests on rank 1 still weigh less than one big on rank 0
+  EXPECT_EQ(lb.assign("s3", 10), 1);
+  EXPECT_EQ(lb.release("big"), 0);
+  EXPECT_EQ(lb.assign("s4", 10), 0);
+  EXPECT_EQ(lb.assign("pinned", 5, 1), 1);
+  EXPECT_EQ(lb.rank_of("pinned"), 1);
+  LoadBalancer rr(3, "round_robin");
+  EXPECT_EQ(rr.assign("a", 1), 0);
+  EXPECT_EQ(rr.assign("b", 1), 1);
+  EXPECT_EQ(rr.assign("c", 1), 2);
+  EXPECT_EQ(rr.assign("d", 1), 0);
+  EXPECT_THROW(LoadBalancer(2, "random"), Error);
+}

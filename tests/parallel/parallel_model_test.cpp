@@ -1,0 +1,128 @@
+// Every parallel layout on CPU ranks gives the tp = 1 logits and greedy tokens (and so Hugging Face's), including
+// steps where DP groups are idle, all but one are idle, or run very uneven token counts.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "engine/offline.h"
+#include "io/safetensors.h"
+#include "test_util.h"
+
+using namespace mlaserve;
+
+namespace {
+
+std::vector<std::vector<int32_t>> golden_prompts(const std::string& fam) {
+  SafetensorsFile f(test::golden_dir(fam) + "/reference.safetensors");
+  std::vector<std::vector<int32_t>> out;
+  for (int j = 0; f.has("prompt_" + std::to_string(j)); ++j) {
+    Tensor p = f.tensor("prompt_" + std::to_string(j));
+    out.emplace_back(p.data_as<int32_t>(), p.data_as<int32_t>() + p.numel());
+  }
+  return out;
+}
+
+OfflineResult run(const std::string& fam, int tp, int dp, const std::vector<std::vector<int32_t>>& prompts,
+                  int32_t chunk = 0) {
+  ParallelConfig pc;
+  pc.tp_size = tp;
+  pc.dp_size = dp;
+  pc.device = "cpu";
+  RankSet ranks(ModelConfig::from_file(test::golden_dir(fam)), pc, test::golden_dir(fam), {});
+  OfflineOptions o;
+  o.max_new_tokens = 8;
+  o.prefill_chunk = chunk;
+  o.page_size = 8;
+  return run_offline(ranks, prompts, o);
+}
+
+double rel_err(const Tensor& a, const Tensor& b) {
+  double m = 0, mean = 0, var = 0;
+  const int64_t n = b.numel();
+  for (int64_t i = 0; i < n; ++i) mean += b.data_as<float>()[i];
+  mean /= n;
+  for (int64_t i = 0; i < n; ++i) {
+    var += (b.data_as<float>()[i] - mean) * (b.data_as<float>()[i] - mean);
+    m = std::max(m, std::fabs(double(a.data_as<float>()[i]) - b.data_as<float>()[i]));
+  }
+  return m / std::sqrt(var / n);
+}
+
+void expect_same(const OfflineResult& a, const OfflineResult& b) {
+  ASSERT_EQ(a.greedy.size(), b.greedy.size());
+  for (size_t j = 0; j < a.greedy.size(); ++j) {
+    EXPECT_LT(rel_err(a.prompt_logits[j], b.prompt_logits[j]), 1e-4) << "prompt " << j;
+    EXPECT_EQ(a.greedy[j], b.greedy[j]) << "prompt " << j;
+  }
+}
+
+struct Layout {
+  int tp, dp;
+};
+
+class ParallelLayouts : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ParallelLayouts, EqualToSingleRank) {
+  auto prompts = golden_prompts(GetParam());
+  OfflineResult ref = run(GetParam(), 1, 1, prompts);
+  for (Layout l : {Layout{2, 1}, Layout{4, 1}, Layout{2, 2}, Layout{4, 4}, Layout{4, 2}}) {
+    SCOPED_TRACE("tp " + std::to_string(l.tp) + " dp-attention " + std::to_string(l.dp));
+    expect_same(run(GetParam(), l.tp, l.dp, prompts), ref);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, ParallelLayouts, ::testing::Values("v2lite", "v2", "v3"));
+
+TEST(DpAttention, IdleAndUnevenGroups) {
+  auto prompts = golden_prompts("v3");
+  // One prompt over four groups: three groups are idle at every step.
+  std::vector<std::vector<int32_t>> one{prompts[3]};
+  expect_same(run("v3", 4, 4, one), run("v3", 1, 1, one));
+  // Two prompts of 1 and 257 tokens with small chunks: very uneven token counts, groups going idle early.
+  std::vector<std::vector<int32_t>> uneven{prompts[0], prompts[4]};
+  expect_same(run("v3", 2, 2, uneven, /*chunk=*/64), run("v3", 1, 1, uneven));
+  // Five prompts over four groups (one group runs two).
+  expect_same(run("v3", 4, 4, prompts, 48), run("v3", 1, 1, prompts));
+}
+
+TEST(ParallelLayoutErrors, IndivisibleShapesAreClear) {
+  ParallelConfig pc;
+  pc.tp_size = 3;
+  pc.device = "cpu";
+  try {
+    RankSet r(ModelConfig::from_file(test::golden_dir("v3")), pc, test::golden_dir("v3"), {});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("num_attention_heads (4) is not divisible by the attention tensor-parallel size 3"),
+              std::string::npos)
+        << e.what();
+  }
+  pc.tp_size = 4;
+  pc.dp_size = 3;
+  EXPECT_THROW(RankSet(ModelConfig::from_file(test::golden_dir("v3")), pc, test::golden_dir("v3"), {}), Error);
+}
+
+TEST(ParallelCli, EvalLogitsAcrossLayoutsThroughTheBinary) {
+  auto dir = test::temp_dir("pcli");
+  const std::string model = test::golden_dir("v2");
+  std::vector<std::string> files;
+  for (std::string layout : {"", "--tp 2", "--dp 2", "--tp 4 --dp 2 --enable-dp-attention"}) {
+    const std::string out = (dir / ("out" + std::to_string(files.size()) + ".safetensors")).string();
+    auto r = test::run_command(std::string(MLASERVE_BINARY) + " eval-logits --model-path " + model + " --prompts " +
+                               model + "/reference.safetensors --out " + out + " --max-new-tokens 6 " + layout);
+    ASSERT_EQ(r.exit_code, 0) << layout << ": " << r.output;
+    files.push_back(out);
+  }
+  SafetensorsFile ref(files[0]);
+  for (size_t k = 1; k < files.size(); ++k) {
+    SafetensorsFile f(files[k]);
+    for (int j = 0; j < 5; ++j) {
+      EXPECT_LT(rel_err(f.tensor("logits_" + std::to_string(j)), ref.tensor("logits_" + std::to_string(j))), 1e-4);
+      Tensor a = f.tensor("greedy_" + std::to_string(j)), b = ref.tensor("greedy_" + std::to_string(j));
+      EXPECT_EQ(std::vector<int32_t>(a.data_as<int32_t>(), a.data_as<int32_t>() + a.numel()),
+                std::vector<int32_t>(b.data_as<int32_t>(), b.data_as<int32_t>() + b.numel()));
+    }
+  }
+}
+
+}  // namespace
