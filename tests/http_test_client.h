@@ -98,6 +98,10 @@ class HttpConnection {
   // Reads the response head, then de-chunked body bytes until `n_events` SSE events ("\n\n") arrived.
   HttpResponse read_events(size_t n_events) {
     HttpResponse r = read_head();
+    if (auto cl = r.headers.find("content-length"); cl != r.headers.end()) {  // not a stream (an error)
+      r.body = read_exact(std::stoul(cl->second));
+      return r;
+    }
     size_t seen = 0;
     while (seen < n_events) {
       std::string line = read_line();

@@ -18,7 +18,8 @@ GenerationJob::GenerationJob(EngineClient& engine, const TextCodec* codec, Serve
     c.prompt_index = i / static_cast<size_t>(spec_.n);
     c.rid = total == 1 ? spec_.id : fmt::format("{}-{}", spec_.id, i);
     c.prompt_tokens = static_cast<int32_t>(spec_.prompts[c.prompt_index].input_ids.size());
-    text_.push_back({IncrementalDetokenizer(codec_, spec_.skip_special_tokens), StopStringMatcher(spec_.stop)});
+    text_.push_back({codec_ ? codec_->stream_decoder(spec_.skip_special_tokens) : nullptr,
+                     StopStringMatcher(spec_.stop)});
   }
   last_token_time_.assign(total, start_time_);
   submitted_.assign(total, false);
@@ -102,7 +103,7 @@ void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
       to_decode.back() == out.finish.matched_token)
     to_decode.pop_back();
   TextState& ts = text_[i];
-  c.text += ts.stop.push(ts.detok.push(to_decode));
+  c.text += ts.stop.push(ts.detok ? ts.detok->push(to_decode) : std::string());
   if (ts.stop.matched()) {
     FinishReason r;
     r.kind = FinishKind::Stop;
@@ -111,7 +112,7 @@ void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
     if (!out.finished) engine_.abort(c.rid, r);  // frees the slot now; later outputs are ignored
     finish_choice(i, r);
   } else if (out.finished) {
-    c.text += ts.stop.push(ts.detok.flush());
+    c.text += ts.stop.push(ts.detok ? ts.detok->flush() : std::string());
     if (ts.stop.matched()) {
       FinishReason r;
       r.kind = FinishKind::Stop;

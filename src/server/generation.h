@@ -85,7 +85,7 @@ class GenerationJob : public std::enable_shared_from_this<GenerationJob> {
 
  private:
   struct TextState {
-    IncrementalDetokenizer detok;
+    std::unique_ptr<StreamDecoder> detok;  // null without a codec: no text
     StopStringMatcher stop;
   };
   void handle_output(size_t i, const GenerateOutput& out);

@@ -12,6 +12,15 @@
 
 namespace mlaserve::server {
 
+// Ids -> text a piece at a time: push() returns only text later ids cannot change (never half a UTF-8
+// character); flush() returns what is held back at the end.
+class StreamDecoder {
+ public:
+  virtual ~StreamDecoder() = default;
+  virtual std::string push(const std::vector<int32_t>& ids) = 0;
+  virtual std::string flush() = 0;
+};
+
 class TextCodec {
  public:
   virtual ~TextCodec() = default;
@@ -27,6 +36,8 @@ class TextCodec {
   virtual std::string name_or_path() const = 0;
   // One more than the largest token id (the bench client draws random ids below it).
   virtual size_t vocab_size() const = 0;
+  // A streaming decoder; the default (text_stream.h) works over decode() for any tokenizer.
+  virtual std::unique_ptr<StreamDecoder> stream_decoder(bool skip_special_tokens) const;
 };
 
 // The tokenizer found at `path` (a directory with tokenizer.json / tokenizer_config.json), or nullptr when this

@@ -16,13 +16,13 @@ namespace mlaserve::server {
 // starts a few tokens back (prefix) and subtracting the window's earlier text makes word-boundary effects
 // (leading spaces, merged bytes) come out as a full decode would; a window whose text ends in U+FFFD (an
 // incomplete UTF-8 character split across tokens) is held back until the next token completes it.
-class IncrementalDetokenizer {
+class IncrementalDetokenizer : public StreamDecoder {
  public:
   IncrementalDetokenizer(const TextCodec* codec, bool skip_special_tokens)
       : codec_(codec), skip_special_(skip_special_tokens) {}
-  std::string push(const std::vector<int32_t>& tokens);
+  std::string push(const std::vector<int32_t>& tokens) override;
   // Text still held back at the end of generation (an incomplete character decodes to U+FFFD).
-  std::string flush();
+  std::string flush() override;
 
  private:
   const TextCodec* codec_;

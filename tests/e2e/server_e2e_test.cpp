@@ -59,7 +59,9 @@ class ServerE2E : public ::testing::Test {
     server_ = nullptr;
   }
   void SetUp() override {
-    if (!server_ || !server_->running()) GTEST_SKIP() << "server did not start";
+    if (!server_ || !server_->running()) {
+      GTEST_SKIP() << "server did not start";
+    }
   }
   static int port() { return server_->port(); }
   static ServerProcess* server_;
@@ -214,8 +216,12 @@ TEST_F(ServerE2E, ConcurrentStreamsWithRandomDisconnectsLeakNoPages) {
         } else {
           auto r = c.read_response();
           auto ev = sse_payloads(r.body);
-          if (r.status == 200 && !ev.empty() && ev.back() == "[DONE]") ++finished;
-          else ++failures;
+          if (r.status == 200 && !ev.empty() && ev.back() == "[DONE]") {
+            ++finished;
+          } else {
+            ++failures;
+            ADD_FAILURE() << "stream " << i << ": HTTP " << r.status << " " << r.body.substr(0, 300);
+          }
         }
       } catch (const std::exception& e) {
         ++failures;
@@ -227,10 +233,17 @@ TEST_F(ServerE2E, ConcurrentStreamsWithRandomDisconnectsLeakNoPages) {
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(finished.load() + dropped.load(), kStreams);
   json st = wait_idle(port());
-  // Only the prefix cache may hold pages now; flushing it frees everything.
-  EXPECT_EQ(st["kv_tokens_free"].get<int64_t>(),
-            st["kv_tokens_total"].get<int64_t>() - st["kv_tokens_cached"].get<int64_t>())
-      << st.dump();
+  // Only the prefix cache may hold pages now; flushing it frees everything. (Polled: the last aborts may land
+  // a step after the request counters drop; a leak stays.)
+  auto no_leak = [](const json& s) {
+    return s["kv_tokens_free"].get<int64_t>() ==
+           s["kv_tokens_total"].get<int64_t>() - s["kv_tokens_cached"].get<int64_t>();
+  };
+  for (int k = 0; k < 100 && !no_leak(st); ++k) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    st = get_json(port(), "/get_server_info")["internal_states"][0];
+  }
+  EXPECT_TRUE(no_leak(st)) << st.dump();
   EXPECT_EQ(http_request(port(), "POST", "/flush_cache").status, 200);
   st = get_json(port(), "/get_server_info")["internal_states"][0];
   EXPECT_EQ(st["kv_tokens_free"], st["kv_tokens_total"]) << st.dump();
@@ -271,8 +284,11 @@ TEST_F(ServerE2E, StopStringsOnRealTokens) {
     if (stream) {
       auto ev = sse_payloads(r.body);
       ASSERT_GE(ev.size(), 2u);
-      for (const auto& e : ev)
-        if (e != "[DONE]") EXPECT_EQ(json::parse(e)["text"].get<std::string>().find(stop), std::string::npos);
+      for (const auto& e : ev) {
+        if (e != "[DONE]") {
+          EXPECT_EQ(json::parse(e)["text"].get<std::string>().find(stop), std::string::npos);
+        }
+      }
       out = json::parse(ev[ev.size() - 2]);
     } else {
       out = json::parse(r.body);
@@ -398,8 +414,21 @@ TEST(ServerE2EVariants, LongPromptWithinTheBodyLimitWorks) {
   EXPECT_EQ(j["meta_info"]["completion_tokens"], 2);
 }
 
+TEST(ServerE2EVariants, DataParallelReportsOneStateObjectPerRank) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  ServerProcess s({"--dp", "2"});
+  ASSERT_TRUE(s.running()) << s.log();
+  std::vector<std::thread> ts;
+  for (int i = 0; i < 6; ++i)
+    ts.emplace_back([&, i] { EXPECT_EQ(greedy(s.port(), test_prompt(i, 20), 4).size(), 4u); });
+  for (auto& t : ts) t.join();
+  auto st = get_json(s.port(), "/get_server_info")["internal_states"];
+  ASSERT_EQ(st.size(), 2u) << st.dump();
+  for (const auto& r : st) EXPECT_EQ(r["num_running_reqs"], 0);
+}
+
 TEST(ServeFlags, RecognisedButNotImplementedExitNonZero) {
-  for (const std::string flags : {"--nnodes 2", "--quantization fp8", "--tp 2", "--dist-init-addr 1.2.3.4:5"}) {
+  for (const std::string flags : {"--nnodes 2", "--quantization fp8", "--kv-cache-dtype fp8_e4m3", "--dist-init-addr 1.2.3.4:5"}) {
     auto r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --model-path " + e2e_model_dir() +
                          " --tokenizer-path " + deepseek_tokenizer_dir() + " --load-format dummy --port 0 " + flags);
     EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;
