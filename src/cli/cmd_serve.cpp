@@ -1,6 +1,7 @@
 // mlaserve serve: the HTTP server (native /generate + OpenAI-compatible API) in front of the engine.
 // Flags follow SGLang's launch_server names so existing launch scripts work; a flag that is recognised but whose
 // feature is not implemented says so and exits non-zero.
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -72,6 +73,15 @@ std::vector<int32_t> generation_config_eos(const std::string& model_path) {
 
 void not_implemented(bool cond, const std::string& what) {
   MLA_CHECK(!cond, "{}: recognised but not implemented yet", what);
+}
+
+// Every connection is a file descriptor: lift the soft limit to the hard one (thousands of streams).
+void raise_fd_limit() {
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &rl);
+  }
 }
 
 // Progress while the engine loads weights (make_engine blocks): elapsed time on stderr.
@@ -255,6 +265,7 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     so.request_timeout_s = s.request_timeout;
     so.limits.max_n = s.max_n;
     so.server_args = server_args_json(s);
+    raise_fd_limit();
     server::Api api(*engine, codec.get(), so);
     server::HttpServer http(api, so);
     try {

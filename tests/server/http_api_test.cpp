@@ -1,6 +1,8 @@
 // The HTTP API end to end in one process: real sockets and the Beast server, a fake engine (fakes.h).
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+
 #include <regex>
 #include <thread>
 
@@ -382,6 +384,34 @@ TEST(HttpApi, DisconnectsAbortAndFreeEverything) {
   EXPECT_EQ(s.engine.aborted().size(), static_cast<size_t>(kStreams / 2));
   auto si = json::parse(s.get("/get_server_info").body)["internal_states"][0];
   EXPECT_EQ(si["kv_tokens_free"], si["kv_tokens_total"]);
+}
+
+// Many concurrent streams on two server threads: 1500 connections opened at once, each streaming, read by one
+// client thread with poll().
+TEST(HttpApi, ThousandsOfConcurrentStreams) {
+  rlimit rl{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &rl), 0);
+  rl.rlim_cur = rl.rlim_max;
+  ::setrlimit(RLIMIT_NOFILE, &rl);
+  ::getrlimit(RLIMIT_NOFILE, &rl);
+  const size_t n = std::min<size_t>(1500, (rl.rlim_cur - 64) / 2);  // client + server fds in this process
+  TestServer s;
+  std::vector<std::unique_ptr<HttpConnection>> conns;
+  for (size_t i = 0; i < n; ++i) {
+    conns.push_back(std::make_unique<HttpConnection>(s.port()));
+    conns.back()->send_request("POST", "/generate",
+                               R"({"text": "c)" + std::to_string(i) +
+                                   R"(", "stream": true, "sampling_params": {"max_new_tokens": 5}})");
+  }
+  size_t ok = 0;
+  for (size_t i = 0; i < n; ++i) {
+    auto r = conns[i]->read_response();
+    auto ev = sse_payloads(r.body);
+    if (r.status == 200 && ev.size() == 6 && ev.back() == "[DONE]") ++ok;
+  }
+  EXPECT_EQ(ok, n);
+  EXPECT_TRUE(s.wait_idle());
+  EXPECT_GE(n, 400u) << "file descriptor limit too low for a meaningful test";
 }
 
 TEST(HttpApi, NonStreamDisconnectAborts) {
