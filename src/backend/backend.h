@@ -9,7 +9,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/tensor.h"
 #include "io/model_config.h"
@@ -34,6 +37,24 @@ struct MlaParams {
   MlaForm form = MlaForm::Auto;
 };
 
+// Per-row parameters of Backend::sample (the engine's sampler). Order of application: repetition, frequency and
+// presence penalties on the listed tokens; then temperature; then top-k, top-p (over the top-k set's renormalised
+// probabilities) and min-p; then a Gumbel-max draw. Thresholds keep every token tied with the last one kept.
+struct RowSampling {
+  float temperature = 0.0f;  // <= 0: greedy (argmax, lowest id on ties)
+  int32_t top_k = 0;         // <= 0 or >= vocab: off
+  float top_p = 1.0f;        // >= 1: off; <= 0: only the most likely token(s)
+  float min_p = 0.0f;        // <= 0: off; else keep p >= min_p * p_max
+  float frequency_penalty = 0.0f;   // logit -= frequency_penalty * count
+  float presence_penalty = 0.0f;    // logit -= presence_penalty (count > 0)
+  float repetition_penalty = 1.0f;  // logit > 0 ? logit / r : logit * r
+  // Counter-based randomness: token v's Gumbel noise is a function of (seed, step, v) only (open_uniform in
+  // core/random.h), so every backend draws the same token; advance `step` once per generated token.
+  uint64_t seed = 0, step = 0;
+  // (token id, count) of the tokens generated so far, ids unique, counts > 0.
+  std::vector<std::pair<int32_t, int32_t>> penalty_counts;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -48,6 +69,18 @@ class Backend {
   // Step-scoped memory for activations: contents undefined, valid until the next begin_step (an arena that
   // begin_step resets; no device allocation per step).
   virtual Tensor scratch(const Shape& shape, DType dtype) = 0;
+  // Scratch taken after scratch_mark() may be handed out again after scratch_release(mark) (the model releases each
+  // layer's temporaries at the layer's end, so the arena holds one layer's worth). Tensors from before the mark stay.
+  virtual size_t scratch_mark() { return 0; }
+  virtual void scratch_release(size_t mark) { (void)mark; }
+  // Bytes of persistent memory still free for alloc() (the latent KV pool is sized from it); -1: no fixed budget.
+  virtual int64_t persistent_bytes_free() const { return -1; }
+  // Waits for every op issued so far.
+  virtual void synchronize() {}
+  // Makes the calling thread use this backend's device (cudaSetDevice); every rank thread calls it first.
+  virtual void bind_thread() {}
+  // The device stream (cudaStream_t) collectives must be ordered on; null on the CPU.
+  virtual void* native_stream() { return nullptr; }
   // The element type weights of source dtype `src` are kept in on this backend.
   virtual DType weight_dtype(DType src) const = 0;
   // Uploads a host tensor, converting its elements to `dtype` (F32/F16/BF16/F8_E4M3 sources).
@@ -56,6 +89,8 @@ class Backend {
   virtual void upload_into(const Tensor& host, Tensor& dst) = 0;
   // Downloads to a new host F32 tensor (converting).
   virtual Tensor to_host_f32(const Tensor& t) = 0;
+  // Copies the raw bytes of a backend tensor to host memory (t.nbytes() bytes), waiting for it.
+  virtual void download(const Tensor& t, void* dst) = 0;
   // Deterministic pseudo-random fill for dummy weights: value = mean + stddev * u, u uniform with unit variance,
   // a function of (seed, index in the FULL tensor) only, so every backend and shard layout agrees. t is viewed
   // as [rows, cols]; its element (r, c) is full element (r + row_offset) * full_cols + c + col_offset.
@@ -104,6 +139,11 @@ class Backend {
   // gate_up: [E, 2I, H] (gate rows then up rows), down: [E, H, I].
   virtual void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
                            const Tensor& down, int32_t expert_begin, Tensor& out) = 0;
+
+  // Samples one token per row of logits[R, V] (F32) with params[r]: ids[R] (I32, backend tensor) and, when
+  // logprobs is given, the chosen token's log-probability under the penalised, temperature-scaled distribution
+  // (before the top-k / top-p / min-p filters; temperature 0 counts as 1). CPU reference: CpuBackend::sample.
+  virtual void sample(const Tensor& logits, std::span<const RowSampling> params, Tensor& ids, Tensor* logprobs) = 0;
 
   // Rotary tables: inverse frequencies [rope / 2] and the cos/sin multiplier, set once at model load.
   virtual void set_rope(const std::vector<float>& inv_freq, float attention_factor) = 0;

@@ -63,6 +63,7 @@ const RegisterCommand reg("eval-logits",
     o.form = args->form();
     o.page_size = args->page_size;
     OfflineResult r = run_offline_layout(*args, prompts, o);
+    if (args->node_rank > 0) return 0;  // node 0 writes the output
     std::map<std::string, Tensor> outs;
     for (size_t j = 0; j < prompts.size(); ++j) {
       outs["logits_" + std::to_string(j)] = r.prompt_logits[j];

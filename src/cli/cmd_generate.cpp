@@ -51,6 +51,7 @@ const RegisterCommand reg("generate", "greedy-decode token ids from a prompt of 
     o.page_size = args->page_size;
     if (*stop_at_eos) o.stop_ids = ModelConfig::from_file(args->model_path).eos_token_ids;
     OfflineResult r = run_offline_layout(*args, {prompt}, o);
+    if (args->node_rank > 0) return 0;  // node 0 prints the ids
     std::string out;
     for (size_t i = 0; i < r.greedy[0].size(); ++i) out += (i ? "," : "") + std::to_string(r.greedy[0][i]);
     std::cout << out << std::endl;

@@ -41,6 +41,7 @@ struct ServeArgs {
   std::string load_balance_method = "round_robin";
   int32_t nnodes = 1, node_rank = 0;
   std::string dist_init_addr;
+  double dist_timeout = 120.0;
   std::string api_key;
   std::string device = "auto";
   uint64_t random_seed = 0;
@@ -150,6 +151,9 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["context_length"] = a.context_length;
   j["device"] = a.device;
   j["random_seed"] = a.random_seed;
+  j["nnodes"] = a.nnodes;
+  j["node_rank"] = a.node_rank;
+  j["dist_init_addr"] = a.dist_init_addr;
   j["skip_tokenizer_init"] = a.skip_tokenizer_init;
   j["api_key_set"] = !a.api_key.empty();
   j["max_body_bytes"] = a.max_body_bytes;
@@ -186,7 +190,8 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
   app.add_option("--load-balance-method", a->load_balance_method, "DP load balancing")->capture_default_str();
   app.add_option("--nnodes", a->nnodes, "number of nodes")->capture_default_str();
   app.add_option("--node-rank", a->node_rank, "this node's rank")->capture_default_str();
-  app.add_option("--dist-init-addr", a->dist_init_addr, "rendezvous address for multi-node");
+  app.add_option("--dist-init-addr", a->dist_init_addr, "rendezvous address for multi-node (host:port of node 0)");
+  app.add_option("--dist-timeout", a->dist_timeout, "multi-node rendezvous timeout (s)")->capture_default_str();
   app.add_option("--api-key", a->api_key, "require 'Authorization: Bearer <key>'");
   app.add_option("--device", a->device, "auto|cpu|cuda")->capture_default_str();
   app.add_option("--random-seed,--seed", a->random_seed, "seed (dummy weights, sampling)")->capture_default_str();
@@ -201,14 +206,14 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
   return [a]() -> int {
     ServeArgs& s = *a;
     // Recognised, not implemented: say so, exit non-zero.
-    not_implemented(s.nnodes != 1, fmt::format("--nnodes {} (multi-node serving)", s.nnodes));
-    not_implemented(s.node_rank != 0, "--node-rank (multi-node serving)");
-    not_implemented(!s.dist_init_addr.empty(), "--dist-init-addr (multi-node serving)");
     not_implemented(!s.quantization.empty(), fmt::format("--quantization {}", s.quantization));
     not_implemented(s.dtype != "auto" && s.dtype != "bfloat16" && s.dtype != "bf16", fmt::format("--dtype {}", s.dtype));
     not_implemented(s.kv_cache_dtype != "auto" && s.kv_cache_dtype != "bfloat16" && s.kv_cache_dtype != "bf16",
                     fmt::format("--kv-cache-dtype {}", s.kv_cache_dtype));
     not_implemented(s.stream_interval != 1, fmt::format("--stream-interval {} (only 1)", s.stream_interval));
+    MLA_CHECK(s.nnodes >= 1 && s.node_rank >= 0 && s.node_rank < s.nnodes, "--node-rank {} must be in [0, --nnodes {})",
+              s.node_rank, s.nnodes);
+    MLA_CHECK(s.nnodes == 1 || !s.dist_init_addr.empty(), "--nnodes {} needs --dist-init-addr host:port", s.nnodes);
     MLA_CHECK(s.port >= 0 && s.port <= 65535, "--port must be in [0, 65535], got {}", s.port);
     MLA_CHECK(s.num_http_threads >= 1 && s.num_http_threads <= 256, "--num-http-threads must be in [1, 256]");
     MLA_CHECK(s.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024");
@@ -244,6 +249,16 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     ea.disable_radix_cache = s.disable_radix_cache;
     ea.context_length = s.context_length;
     ea.extra_eos_token_ids = generation_config_eos(s.model_path);
+    ea.nnodes = s.nnodes;
+    ea.node_rank = s.node_rank;
+    ea.dist_init_addr = s.dist_init_addr;
+    ea.dist_timeout_s = s.dist_timeout;
+    if (s.node_rank > 0) {
+      // Nodes other than 0 run their ranks for node 0's engine; only node 0 serves HTTP.
+      MLA_LOG_INFO("node {} of {}: following node 0 at {}", s.node_rank, s.nnodes, s.dist_init_addr);
+      run_follower_node(ea);
+      return 0;
+    }
 
     std::unique_ptr<EngineClient> engine;
     {

@@ -3,6 +3,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "io/model_config.h"
+#include "model/kv_cache.h"
 
 namespace mlaserve::cli {
 
@@ -19,6 +20,15 @@ void ModelArgs::add_to(CLI::App& app) {
   app.add_option("--dp,--dp-size", dp, "data parallel size")->capture_default_str();
   app.add_flag("--enable-dp-attention", enable_dp_attention,
                "attention data-parallel over --dp groups inside the --tp ranks (MoE stays tensor-parallel)");
+  app.add_option("--nnodes", nnodes, "number of nodes (one process per node)")->capture_default_str();
+  app.add_option("--node-rank", node_rank, "this node's rank in [0, --nnodes)")->capture_default_str();
+  app.add_option("--dist-init-addr", dist_init_addr, "host:port where node 0 serves the rendezvous");
+  app.add_option("--dist-timeout", dist_timeout, "seconds to wait for every node")->capture_default_str();
+  app.add_option("--mem-fraction-static", mem_fraction_static,
+                 "cuda: fraction of GPU memory taken for weights + the latent KV pool")
+      ->capture_default_str();
+  app.add_option("--scratch-gb", scratch_gb, "cuda: GiB of activation scratch (0: min(8, what is left))")
+      ->capture_default_str();
 }
 
 MlaForm ModelArgs::form() const {
@@ -42,6 +52,11 @@ void ModelArgs::validate() const {
   MLA_CHECK(tp >= 1, "--tp must be >= 1, got {}", tp);
   MLA_CHECK(dp >= 1, "--dp must be >= 1, got {}", dp);
   MLA_CHECK(!enable_dp_attention || tp % dp == 0, "--enable-dp-attention needs --dp ({}) to divide --tp ({})", dp, tp);
+  MLA_CHECK(nnodes >= 1 && node_rank >= 0 && node_rank < nnodes, "--node-rank {} must be in [0, --nnodes {})", node_rank,
+            nnodes);
+  MLA_CHECK(nnodes == 1 || !dist_init_addr.empty(), "--nnodes {} needs --dist-init-addr host:port", nnodes);
+  MLA_CHECK(nnodes == 1 || enable_dp_attention || dp == 1, "--dp replicas across nodes are not supported; use "
+            "--enable-dp-attention or one replica");
   (void)form();
 }
 
@@ -55,6 +70,16 @@ OfflineResult run_offline_layout(const ModelArgs& args, const std::vector<std::v
   pc.tp_size = args.tp;
   pc.dp_size = args.enable_dp_attention ? args.dp : 1;
   pc.device = args.device;
+  pc.backend = args.backend_options();
+  pc.nnodes = args.nnodes;
+  pc.node_rank = args.node_rank;
+  pc.dist_init_addr = args.dist_init_addr;
+  pc.dist_timeout = std::chrono::milliseconds(static_cast<int64_t>(args.dist_timeout * 1000));
+  if (args.node_rank > 0) {
+    RankSet ranks(cfg, pc, args.model_path, args.load_options());
+    ranks.follow();
+    return {};
+  }
   const int32_t replicas = args.enable_dp_attention ? 1 : args.dp;
   if (replicas == 1) {
     RankSet ranks(cfg, pc, args.model_path, args.load_options());
@@ -80,6 +105,31 @@ OfflineResult run_offline_layout(const ModelArgs& args, const std::vector<std::v
     }
   }
   return all;
+}
+
+BackendOptions ModelArgs::backend_options() const {
+  BackendOptions o;
+  o.mem_fraction_static = mem_fraction_static;
+  o.scratch_bytes = static_cast<int64_t>(scratch_gb * (1LL << 30));
+  return o;
+}
+
+LoadedModel load_model(const ModelArgs& args) {
+  args.validate();
+  MLA_CHECK(args.tp == 1 && args.dp == 1 && args.nnodes == 1, "this command runs one rank: drop --tp / --dp / --nnodes");
+  LoadedModel lm;
+  lm.backend = make_backend(args.device, 0, args.backend_options());
+  ModelConfig cfg = ModelConfig::from_file(args.model_path);
+  MLA_LOG_INFO("{}", cfg.summary());
+  lm.model = std::make_unique<DeepseekModel>(cfg, *lm.backend);
+  lm.model->load(args.model_path, args.load_options());
+  const int64_t free_bytes = lm.backend->persistent_bytes_free();
+  if (free_bytes >= 0) {
+    const int64_t per_token = KvCache::bytes_per_token(cfg, lm.backend->act_dtype());
+    MLA_LOG_INFO("KV cache: {} tokens fit in the {:.2f} GiB left for it ({} bytes per token)", free_bytes / per_token,
+                 static_cast<double>(free_bytes) / (1 << 30), per_token);
+  }
+  return lm;
 }
 
 }  // namespace mlaserve::cli

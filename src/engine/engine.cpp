@@ -50,12 +50,7 @@ void Engine::submit(GenerateRequest req) {
             req.data_parallel_rank, ranks_->dp_groups());
   const int64_t cost = static_cast<int64_t>(req.input_ids.size()) + req.sampling.max_new_tokens;
   const int32_t group = balancer_.assign(req.rid, cost, req.data_parallel_rank);
-  // The balancer forgets the request when it finishes (its final output).
-  auto user = std::move(req.on_output);
-  req.on_output = [this, rid = req.rid, user = std::move(user)](const GenerateOutput& o) {
-    if (o.finished) balancer_.release(rid);
-    if (user) user(o);
-  };
+  req.on_output = balancer_.release_on_finish(req.rid, std::move(req.on_output));
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (stop_) {

@@ -117,8 +117,15 @@ struct EngineArgs {
   bool disable_radix_cache = false;
   int64_t context_length = 0;        // 0: config's max_position_embeddings
   std::vector<int32_t> extra_eos_token_ids;  // e.g. from generation_config.json
+  // Several nodes (one process each): node 0 runs the engine, other nodes serve its steps.
+  int32_t nnodes = 1;
+  int32_t node_rank = 0;
+  std::string dist_init_addr;
+  double dist_timeout_s = 120.0;
 };
 
 std::unique_ptr<EngineClient> make_engine(const EngineArgs& args);
+// On nodes other than 0: load this node's ranks and serve node 0's steps until it shuts down.
+void run_follower_node(const EngineArgs& args);
 
 }  // namespace mlaserve

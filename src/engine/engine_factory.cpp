@@ -11,15 +11,28 @@ namespace mlaserve {
 
 namespace {
 
-std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfig& cfg, int32_t dp_groups) {
+ParallelConfig parallel_config(const EngineArgs& a, int32_t dp_groups) {
   ParallelConfig pc;
   pc.tp_size = a.tp_size;
   pc.dp_size = dp_groups;
   pc.device = a.device;
+  if (a.mem_fraction_static > 0.0) pc.backend.mem_fraction_static = a.mem_fraction_static;
+  pc.nnodes = a.nnodes;
+  pc.node_rank = a.node_rank;
+  pc.dist_init_addr = a.dist_init_addr;
+  pc.dist_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.dist_timeout_s * 1000));
+  return pc;
+}
+
+LoadOptions load_options(const EngineArgs& a) {
   LoadOptions lo;
   lo.dummy = a.load_format == "dummy";
   lo.seed = a.seed;
-  auto ranks = std::make_unique<RankSet>(cfg, pc, a.model_path, lo);
+  return lo;
+}
+
+std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfig& cfg, int32_t dp_groups) {
+  auto ranks = std::make_unique<RankSet>(cfg, parallel_config(a, dp_groups), a.model_path, load_options(a));
 
   EngineOptions o;
   o.page_size = a.page_size;
@@ -35,7 +48,10 @@ std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfi
   // on CPU; by default 2 GiB of cache per CPU replica, split over its ranks).
   const int64_t bpt = KvCache::bytes_per_token(cfg, ranks->act_dtype());
   int64_t tokens = a.max_total_tokens;
-  if (tokens <= 0) {
+  if (tokens <= 0 && ranks->kv_bytes_free() >= 0) {
+    // A device with a fixed memory budget (the backend took --mem-fraction-static of it up front).
+    tokens = ranks->kv_bytes_free() / bpt;
+  } else if (tokens <= 0) {
     int64_t budget = (int64_t{2} << 30) / a.tp_size;
     if (a.mem_fraction_static > 0.0) {
       const int64_t ram = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
@@ -58,6 +74,14 @@ std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfi
 
 }  // namespace
 
+void run_follower_node(const EngineArgs& a) {
+  MLA_CHECK(a.node_rank > 0, "run_follower_node is for --node-rank > 0");
+  ModelConfig cfg = ModelConfig::from_file(a.model_path);
+  RankSet ranks(cfg, parallel_config(a, a.enable_dp_attention ? a.dp_size : 1), a.model_path, load_options(a));
+  MLA_LOG_INFO("node {}: ranks loaded; serving node 0's steps", a.node_rank);
+  ranks.follow();
+}
+
 std::unique_ptr<EngineClient> make_engine(const EngineArgs& a) {
   MLA_CHECK(a.tp_size >= 1, "--tp must be >= 1, got {}", a.tp_size);
   MLA_CHECK(a.dp_size >= 1, "--dp must be >= 1, got {}", a.dp_size);
@@ -70,6 +94,9 @@ std::unique_ptr<EngineClient> make_engine(const EngineArgs& a) {
             "--mem-fraction-static must be in (0, 1), got {}", a.mem_fraction_static);
   MLA_CHECK(a.max_total_tokens >= 0, "--max-total-tokens must be >= 0");
   MLA_CHECK(a.max_running_requests >= 0, "--max-running-requests must be >= 0");
+  MLA_CHECK(a.node_rank == 0, "make_engine runs on node 0; other nodes use run_follower_node");
+  MLA_CHECK(a.nnodes == 1 || a.enable_dp_attention || a.dp_size == 1,
+            "--dp replicas across nodes are not supported; use --enable-dp-attention or one replica");
   ModelConfig cfg = ModelConfig::from_file(a.model_path);
   MLA_LOG_INFO("{}", cfg.summary());
   if (a.enable_dp_attention || a.dp_size == 1) return make_replica(a, cfg, a.enable_dp_attention ? a.dp_size : 1);

@@ -39,6 +39,14 @@ int32_t LoadBalancer::release(const std::string& rid) {
   return r;
 }
 
+std::function<void(const GenerateOutput&)> LoadBalancer::release_on_finish(
+    const std::string& rid, std::function<void(const GenerateOutput&)> user) {
+  return [this, rid, user = std::move(user)](const GenerateOutput& o) {
+    if (o.finished) release(rid);
+    if (user) user(o);
+  };
+}
+
 int32_t LoadBalancer::rank_of(const std::string& rid) const {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = live_.find(rid);

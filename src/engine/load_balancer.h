@@ -9,6 +9,9 @@
 #include <string>
 #include <unordered_map>
 #include <vector>
+#include <functional>
+
+#include "engine/engine_api.h"
 
 namespace mlaserve {
 
@@ -19,6 +22,9 @@ class LoadBalancer {
   int32_t assign(const std::string& rid, int64_t tokens, int32_t pinned = -1);
   // The request finished: its tokens leave its rank. Returns its rank (-1 if unknown).
   int32_t release(const std::string& rid);
+  // Wraps a request's output callback so the request is released when its final output arrives.
+  std::function<void(const GenerateOutput&)> release_on_finish(const std::string& rid,
+                                                              std::function<void(const GenerateOutput&)> user);
   // Rank holding a live request, or -1.
   int32_t rank_of(const std::string& rid) const;
   std::vector<int64_t> tokens_in_flight() const;

@@ -4,17 +4,11 @@
 #include <cstring>
 
 #include "core/log.h"
+#include "engine/sampler.h"
 
 namespace mlaserve {
 
 namespace {
-
-int32_t argmax(const float* x, int64_t n) {
-  int32_t best = 0;
-  for (int64_t i = 1; i < n; ++i)
-    if (x[i] > x[best]) best = static_cast<int32_t>(i);
-  return best;
-}
 
 // Runs one step of every DP group: batches[g] (null: idle) -> host logits per group.
 using Stepper = std::function<std::vector<Tensor>(const std::vector<const ForwardBatch*>&)>;
@@ -91,7 +85,7 @@ OfflineResult drive(int64_t vocab, int32_t groups, const std::vector<std::vector
         const int64_t dst_row = opts.prompt_logits ? e.prefix : 0;
         const float* src = logits[static_cast<size_t>(g)].data_as<float>() + row * V;
         std::memcpy(res.prompt_logits[j].data_as<float>() + dst_row * V, src, static_cast<size_t>(rows * V) * sizeof(float));
-        if (end == prompts[j].size()) next[j] = argmax(src + (rows - 1) * V, V);
+        if (end == prompts[j].size()) next[j] = argmax_row(src + (rows - 1) * V, V);
         row += rows;
       }
     }
@@ -122,7 +116,7 @@ OfflineResult drive(int64_t vocab, int32_t groups, const std::vector<std::vector
       int64_t row = 0;
       for (const Entry& e : members[static_cast<size_t>(g)]) {
         ++len[e.j];
-        next[e.j] = argmax(logits[static_cast<size_t>(g)].data_as<float>() + row * V, V);
+        next[e.j] = argmax_row(logits[static_cast<size_t>(g)].data_as<float>() + row * V, V);
         ++row;
       }
     }

@@ -1,47 +1,86 @@
 #include "engine/rank_set.h"
 
+#include <cstring>
+
 #include "backend/backend_factory.h"
 #include "core/log.h"
 #include "parallel/inprocess_communicator.h"
+#ifdef MLASERVE_HAS_CUDA
+#include "parallel/nccl_communicator.h"
+#endif
 
 namespace mlaserve {
+
+namespace {
+enum Op : char { kStep = 'S', kKv = 'K', kQuit = 'Q' };
+
+void put(std::string& o, const void* p, size_t n) { o.append(static_cast<const char*>(p), n); }
+template <typename T>
+T get(const char*& p, const char* end) {
+  MLA_CHECK(end - p >= static_cast<int64_t>(sizeof(T)), "truncated message from node 0");
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  p += sizeof v;
+  return v;
+}
+}  // namespace
 
 RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std::string& model_dir, const LoadOptions& lo)
     : config_(config), pc_(pc) {
   const int32_t n = pc_.tp_size, d = pc_.dp_size;
   MLA_CHECK(n >= 1, "--tp must be >= 1, got {}", n);
   MLA_CHECK(d >= 1 && n % d == 0, "--dp {} must divide --tp {} with --enable-dp-attention", d, n);
-  const int32_t attn_tp = n / d;
-  ranks_.resize(static_cast<size_t>(n));
-  // Communicators: the world, and one attention-TP group per DP group.
-  std::vector<std::unique_ptr<InProcessCommunicator>> world;
-  if (n > 1) {
-    world = make_inprocess_communicators(n);
+  MLA_CHECK(pc_.nnodes >= 1 && n % pc_.nnodes == 0, "--tp {} must be a multiple of --nnodes {}", n, pc_.nnodes);
+  const int32_t rpn = ranks_per_node(), at = attn_tp();
+  for (int32_t i = 0; i < rpn; ++i) {
+    auto rk = std::make_unique<Rank>();
+    rk->global = pc_.node_rank * rpn + i;
+    rk->backend = make_backend(pc_.device, i, pc_.backend);
+    ranks_.push_back(std::move(rk));
+  }
+  const bool gpu = ranks_[0]->backend->device() == Device::CUDA;
+  MLA_CHECK(pc_.nnodes == 1 || gpu, "--nnodes {}: several nodes need GPU ranks (NCCL)", pc_.nnodes);
+
+  std::string nccl_id;
+  if (gpu && n > 1) {
+#ifdef MLASERVE_HAS_CUDA
+    RendezvousConfig rc;
+    rc.nnodes = pc_.nnodes;
+    rc.node_rank = pc_.node_rank;
+    rc.ranks_per_node = rpn;
+    rc.addr = pc_.dist_init_addr;
+    rc.timeout = pc_.dist_timeout;
+    link_ = NodeLink::connect(rc, pc_.node_rank == 0 ? nccl_unique_id() : std::string());
+    nccl_id = link_->payload();
+#else
+    fail("multi-GPU layouts need a CUDA build");
+#endif
+  } else if (n > 1) {
+    auto world = make_inprocess_communicators(n);
     auto* g = &world[0]->group();
     abort_groups_.push_back([g] { g->abort("another rank failed"); });
+    for (int32_t r = 0; r < n; ++r) ranks_[static_cast<size_t>(r)]->world = std::move(world[static_cast<size_t>(r)]);
+    if (at > 1 && d > 1)
+      for (int32_t gi = 0; gi < d; ++gi) {
+        auto attn = make_inprocess_communicators(at);
+        auto* grp = &attn[0]->group();
+        abort_groups_.push_back([grp] { grp->abort("another rank failed"); });
+        for (int32_t k = 0; k < at; ++k) ranks_[static_cast<size_t>(gi * at + k)]->attn = std::move(attn[static_cast<size_t>(k)]);
+      }
   }
-  std::vector<std::vector<std::unique_ptr<InProcessCommunicator>>> attn(static_cast<size_t>(d));
-  if (attn_tp > 1 && d > 1) {
-    for (int32_t g = 0; g < d; ++g) {
-      attn[static_cast<size_t>(g)] = make_inprocess_communicators(attn_tp);
-      auto* grp = &attn[static_cast<size_t>(g)][0]->group();
-      abort_groups_.push_back([grp] { grp->abort("another rank failed"); });
-    }
-  }
-  for (int32_t r = 0; r < n; ++r) {
-    auto rk = std::make_unique<Rank>();
-    rk->backend = make_backend(pc_.device);
-    MLA_CHECK(rk->backend->device() == Device::CPU || n == 1,
-              "multi-rank layouts on GPUs need the NCCL communicator (not in this build yet)");
-    if (n > 1) rk->world = std::move(world[static_cast<size_t>(r)]);
-    if (attn_tp > 1 && d > 1) rk->attn = std::move(attn[static_cast<size_t>(r / attn_tp)][static_cast<size_t>(r % attn_tp)]);
-    ranks_[static_cast<size_t>(r)] = std::move(rk);
-  }
-  // Load every rank's shard (in parallel: each rank reads its slices of the mapped checkpoint).
+
+  // Per rank, in parallel: communicators (NCCL init is collective) and this rank's weight shard.
   try {
-    run_on_all([&](int r) {
-      Rank& rk = *ranks_[static_cast<size_t>(r)];
-      ParallelPlan plan = ParallelPlan::make(n, d, r);
+    run_on_all([&](int i) {
+      Rank& rk = *ranks_[static_cast<size_t>(i)];
+      ParallelPlan plan = ParallelPlan::make(n, d, rk.global);
+#ifdef MLASERVE_HAS_CUDA
+      if (gpu && n > 1) {
+        auto world = std::make_unique<NcclCommunicator>(nccl_id, n, rk.global, i, rk.backend->native_stream());
+        if (at > 1 && d > 1) rk.attn = world->split(plan.dp_rank, rk.global);
+        rk.world = std::move(world);
+      }
+#endif
       Communicator* attn_comm = d > 1 ? rk.attn.get() : rk.world.get();
       rk.model = std::make_unique<DeepseekModel>(config_, *rk.backend, plan, rk.world.get(), attn_comm);
       rk.model->load(model_dir, lo);
@@ -52,7 +91,15 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
   }
 }
 
-RankSet::~RankSet() { stop_workers(); }
+RankSet::~RankSet() {
+  if (link_ && pc_.node_rank == 0 && pc_.nnodes > 1) {
+    try {
+      link_->broadcast(std::string(1, kQuit));
+    } catch (const std::exception&) {
+    }
+  }
+  stop_workers();
+}
 
 void RankSet::stop_workers() {
   {
@@ -66,8 +113,18 @@ void RankSet::stop_workers() {
 
 int64_t RankSet::weight_bytes_per_rank() const { return ranks_[0]->model ? ranks_[0]->model->weight_bytes() : 0; }
 
-void RankSet::worker(int rank) {
+int64_t RankSet::kv_bytes_free() const {
+  int64_t m = -1;
+  for (const auto& r : ranks_) {
+    const int64_t f = r->backend->persistent_bytes_free();
+    if (f >= 0) m = m < 0 ? f : std::min(m, f);
+  }
+  return m;
+}
+
+void RankSet::worker(int local) {
   uint64_t seen = 0;
+  ranks_[static_cast<size_t>(local)]->backend->bind_thread();
   for (;;) {
     const std::function<void(int)>* job;
     {
@@ -79,14 +136,14 @@ void RankSet::worker(int rank) {
     }
     std::string err;
     try {
-      (*job)(rank);
+      (*job)(local);
     } catch (const std::exception& e) {
       err = e.what();
       for (auto& a : abort_groups_) a();
     }
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (!err.empty()) errors_.push_back(fmt::format("rank {}: {}", rank, err));
+      if (!err.empty()) errors_.push_back(fmt::format("rank {}: {}", ranks_[static_cast<size_t>(local)]->global, err));
       --pending_;
     }
     done_cv_.notify_all();
@@ -95,6 +152,7 @@ void RankSet::worker(int rank) {
 
 void RankSet::run_on_all(const std::function<void(int)>& fn) {
   if (ranks_.size() == 1) {
+    ranks_[0]->backend->bind_thread();
     fn(0);
     return;
   }
@@ -116,31 +174,115 @@ void RankSet::run_on_all(const std::function<void(int)>& fn) {
 }
 
 void RankSet::allocate_kv(int32_t num_pages, int32_t page_size) {
-  for (auto& r : ranks_) r->kv = std::make_unique<KvCache>(*r->backend, config_, num_pages, page_size);
+  if (link_ && pc_.node_rank == 0 && pc_.nnodes > 1) {
+    std::string m(1, kKv);
+    put(m, &num_pages, 4);
+    put(m, &page_size, 4);
+    link_->broadcast(m);
+  }
+  run_on_all([&](int i) {
+    Rank& r = *ranks_[static_cast<size_t>(i)];
+    r.kv = std::make_unique<KvCache>(*r.backend, config_, num_pages, page_size);
+  });
 }
 
-std::vector<Tensor> RankSet::step(const std::vector<const ForwardBatch*>& batches, MlaForm form) {
-  const int32_t d = pc_.dp_size, attn_tp = pc_.tp_size / pc_.dp_size;
-  MLA_CHECK(static_cast<int32_t>(batches.size()) == d, "step: {} batches for {} DP groups", batches.size(), d);
+void RankSet::run_local(const std::vector<const ForwardBatch*>& batches, MlaForm form, std::vector<Tensor>& out) {
+  const int32_t d = pc_.dp_size, at = attn_tp();
   DpStepInfo info;
-  bool any = false;
-  for (const ForwardBatch* b : batches) {
-    info.num_tokens.push_back(b ? b->num_tokens() : 0);
-    any |= b && b->num_tokens() > 0;
-  }
-  std::vector<Tensor> out(static_cast<size_t>(d));
-  if (!any) return out;  // every group idle: no forward at all
+  for (const ForwardBatch* b : batches) info.num_tokens.push_back(b ? b->num_tokens() : 0);
   ForwardBatch idle;
   idle.page_size = 1;
   idle.seq_q_start = {0};
-  run_on_all([&](int r) {
-    const int32_t g = r / attn_tp;
-    Rank& rk = *ranks_[static_cast<size_t>(r)];
+  run_on_all([&](int i) {
+    Rank& rk = *ranks_[static_cast<size_t>(i)];
+    const int32_t g = rk.global / at;
     const ForwardBatch& b = batches[static_cast<size_t>(g)] ? *batches[static_cast<size_t>(g)] : idle;
     Tensor logits = rk.model->forward(b, *rk.kv, form, d > 1 ? &info : nullptr);
-    if (r % attn_tp == 0) out[static_cast<size_t>(g)] = rk.backend->to_host_f32(logits);
+    if (rk.global % at == 0) out[static_cast<size_t>(g)] = rk.backend->to_host_f32(logits);
   });
+}
+
+std::vector<Tensor> RankSet::step(const std::vector<const ForwardBatch*>& batches, MlaForm form) {
+  const int32_t d = pc_.dp_size, at = attn_tp(), rpn = ranks_per_node();
+  MLA_CHECK(pc_.node_rank == 0, "RankSet::step runs on node 0 only");
+  MLA_CHECK(static_cast<int32_t>(batches.size()) == d, "step: {} batches for {} DP groups", batches.size(), d);
+  bool any = false;
+  for (const ForwardBatch* b : batches) any |= b && b->num_tokens() > 0;
+  std::vector<Tensor> out(static_cast<size_t>(d));
+  if (!any) return out;  // every group idle: no forward at all
+  const bool remote = link_ && pc_.nnodes > 1;
+  if (remote) {
+    std::string m(1, kStep);
+    const char f = static_cast<char>(form);
+    put(m, &f, 1);
+    for (const ForwardBatch* b : batches) {
+      const char has = b ? 1 : 0;
+      put(m, &has, 1);
+      if (b) serialize(*b, m);
+    }
+    link_->broadcast(m);
+  }
+  run_local(batches, form, out);
+  if (remote) {
+    // Logits of groups led by ranks of other nodes, node by node, in group order.
+    const int64_t V = config_.vocab_size;
+    for (int32_t node = 1; node < pc_.nnodes; ++node) {
+      bool leads = false;
+      for (int32_t g = 0; g < d; ++g) leads |= (g * at) / rpn == node;
+      if (!leads) continue;
+      const std::string msg = link_->recv_from(node);
+      const char* p = msg.data();
+      const char* end = p + msg.size();
+      for (int32_t g = 0; g < d; ++g) {
+        if ((g * at) / rpn != node) continue;
+        const int64_t rows = get<int64_t>(p, end);
+        MLA_CHECK(end - p >= rows * V * 4, "truncated logits from node {}", node);
+        Tensor t = Tensor::empty_host({rows, V}, DType::F32);
+        std::memcpy(t.data(), p, static_cast<size_t>(rows * V) * 4);
+        p += rows * V * 4;
+        out[static_cast<size_t>(g)] = t;
+      }
+    }
+  }
   return out;
+}
+
+void RankSet::follow() {
+  MLA_CHECK(pc_.node_rank > 0 && link_, "RankSet::follow runs on nodes other than 0");
+  const int32_t d = pc_.dp_size, at = attn_tp(), rpn = ranks_per_node();
+  for (;;) {
+    const std::string msg = link_->recv();
+    MLA_CHECK(!msg.empty(), "empty message from node 0");
+    const char* p = msg.data() + 1;
+    const char* end = msg.data() + msg.size();
+    if (msg[0] == kQuit) return;
+    if (msg[0] == kKv) {
+      const int32_t pages = get<int32_t>(p, end), ps = get<int32_t>(p, end);
+      allocate_kv(pages, ps);
+      continue;
+    }
+    MLA_CHECK(msg[0] == kStep, "unknown message '{}' from node 0", msg[0]);
+    const MlaForm form = static_cast<MlaForm>(get<char>(p, end));
+    std::vector<ForwardBatch> storage(static_cast<size_t>(d));
+    std::vector<const ForwardBatch*> batches(static_cast<size_t>(d), nullptr);
+    for (int32_t g = 0; g < d; ++g)
+      if (get<char>(p, end)) {
+        storage[static_cast<size_t>(g)] = deserialize_forward_batch(p, end);
+        batches[static_cast<size_t>(g)] = &storage[static_cast<size_t>(g)];
+      }
+    std::vector<Tensor> out(static_cast<size_t>(d));
+    run_local(batches, form, out);
+    std::string reply;
+    bool leads = false;
+    for (int32_t g = 0; g < d; ++g) {
+      if ((g * at) / rpn != pc_.node_rank) continue;
+      leads = true;
+      const int64_t rows = out[static_cast<size_t>(g)].defined() ? out[static_cast<size_t>(g)].size(0) : 0;
+      put(reply, &rows, 8);
+      if (rows) put(reply, out[static_cast<size_t>(g)].data(), out[static_cast<size_t>(g)].nbytes());
+    }
+    if (leads) link_->send(reply);
+  }
 }
 
 }  // namespace mlaserve

@@ -1,9 +1,15 @@
-// RankSet: every rank of one model replica in this process (CPU ranks as threads, or one GPU each), run in
-// lockstep. A step takes one ForwardBatch per attention-DP group (an empty batch: that group runs an IDLE
-// forward and still joins every collective) and returns the host logits of each group. When every group is
-// empty nothing runs. A rank that fails aborts the communicator groups, so no other rank hangs.
+// RankSet: the ranks of one model replica that live in this process (CPU ranks as threads, or one GPU each), run
+// in lockstep. A step takes one ForwardBatch per attention-DP group (null: that group runs an IDLE forward and still
+// joins every collective) and returns the host logits of each group. When every group is empty nothing runs.
+// A rank that fails aborts the communicator groups, so no other rank hangs.
+//
+// Several nodes (--nnodes > 1, GPU ranks over NCCL): node 0 owns the RankSet that the engine drives; it sends each
+// step to the other nodes over the NodeLink control channel, and receives the logits of DP groups whose leading
+// rank lives elsewhere. Other nodes run follow() until node 0 is done. Global rank = node_rank * ranks_per_node +
+// local rank.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <memory>
@@ -13,8 +19,10 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/backend_factory.h"
 #include "model/deepseek_model.h"
 #include "parallel/communicator.h"
+#include "parallel/rendezvous.h"
 
 namespace mlaserve {
 
@@ -22,6 +30,11 @@ struct ParallelConfig {
   int32_t tp_size = 1;
   int32_t dp_size = 1;  // attention-DP groups (DP attention); 1 = plain TP
   std::string device = "auto";
+  BackendOptions backend;
+  int32_t nnodes = 1;
+  int32_t node_rank = 0;
+  std::string dist_init_addr;
+  std::chrono::milliseconds dist_timeout{std::chrono::seconds(120)};
 };
 
 class RankSet {
@@ -31,18 +44,24 @@ class RankSet {
 
   int32_t num_ranks() const { return pc_.tp_size; }
   int32_t dp_groups() const { return pc_.dp_size; }
+  bool is_leader_node() const { return pc_.node_rank == 0; }
   const ModelConfig& config() const { return config_; }
-  Backend& backend(int rank) { return *ranks_[static_cast<size_t>(rank)]->backend; }
+  Backend& backend(int local_rank) { return *ranks_[static_cast<size_t>(local_rank)]->backend; }
   int64_t weight_bytes_per_rank() const;
   DType act_dtype() const { return ranks_[0]->backend->act_dtype(); }
+  // Bytes a rank may still give to its KV cache (-1: no fixed budget, e.g. the CPU).
+  int64_t kv_bytes_free() const;
 
   // Gives every rank a latent cache of `num_pages` pages (ranks of one DP group hold the same sequences).
   void allocate_kv(int32_t num_pages, int32_t page_size);
   // One forward on every rank; batches[g] for DP group g. Returns F32 host logits [rows_g, vocab] per group.
   std::vector<Tensor> step(const std::vector<const ForwardBatch*>& batches, MlaForm form = MlaForm::Auto);
+  // Nodes other than 0: serve node 0's steps until it finishes.
+  void follow();
 
  private:
   struct Rank {
+    int global = 0;
     std::unique_ptr<Backend> backend;
     std::unique_ptr<Communicator> world, attn;
     std::unique_ptr<DeepseekModel> model;
@@ -50,12 +69,17 @@ class RankSet {
     std::thread thread;
   };
   void run_on_all(const std::function<void(int)>& fn);
-  void worker(int rank);
+  void worker(int local);
   void stop_workers();
+  // Runs the local ranks; fills out[g] for groups led by a local rank.
+  void run_local(const std::vector<const ForwardBatch*>& batches, MlaForm form, std::vector<Tensor>& out);
+  int32_t attn_tp() const { return pc_.tp_size / pc_.dp_size; }
+  int32_t ranks_per_node() const { return pc_.tp_size / pc_.nnodes; }
 
   ModelConfig config_;
   ParallelConfig pc_;
-  std::vector<std::unique_ptr<Rank>> ranks_;
+  std::unique_ptr<NodeLink> link_;
+  std::vector<std::unique_ptr<Rank>> ranks_;  // local ranks
   std::vector<std::function<void()>> abort_groups_;
 
   std::mutex mu_;

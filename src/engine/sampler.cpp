@@ -18,14 +18,14 @@ void SamplerState::observe_output(int32_t id) {
   ++seen[id];
 }
 
-namespace {
-
-int32_t argmax(const float* x, int64_t n) {
+int32_t argmax_row(const float* x, int64_t n) {
   int32_t best = 0;
   for (int64_t i = 1; i < n; ++i)
     if (x[i] > x[best]) best = static_cast<int32_t>(i);
   return best;
 }
+
+namespace {
 
 // Fills lp with log_softmax(x).
 void log_softmax(const float* x, int64_t n, std::vector<float>& lp) {
@@ -57,7 +57,7 @@ SampleResult sample_row(const float* raw, int64_t V, const SamplingParams& p, Sa
     }
 
   if (p.temperature <= 0.0f || p.top_k == 1) {
-    r.token = argmax(x.data(), V);
+    r.token = argmax_row(x.data(), V);
   } else {
     // Probabilities at this temperature, then the filters, on the candidates sorted by probability.
     const float inv_t = 1.0f / p.temperature;

@@ -30,6 +30,9 @@ struct SamplerState {
   void observe_output(int32_t id);
 };
 
+// Index of the largest value (the lowest index among ties).
+int32_t argmax_row(const float* x, int64_t n);
+
 // `scratch` is reused across calls to avoid allocations.
 SampleResult sample_row(const float* logits, int64_t vocab, const SamplingParams& p, SamplerState& state,
                         std::vector<float>& scratch);

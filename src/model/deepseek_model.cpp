@@ -324,6 +324,7 @@ Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm
   }
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& w = layers_[static_cast<size_t>(l)];
+    const size_t mark = backend_.scratch_mark();  // this layer's temporaries are released at its end
     if (l == 0) {
       backend_.copy(hidden, residual);
       backend_.rmsnorm(hidden, w.input_norm, eps, normed);
@@ -334,18 +335,19 @@ Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm
     backend_.add_rmsnorm(hidden, residual, w.post_norm, eps, normed);
     if (!dp_attention) {
       mlp(l, normed, hidden);
-      continue;
+    } else {
+      // Gather every group's rows (one copy per group: its attention-TP rank 0 writes, the others add zeros),
+      // run the world-parallel MLP on all of them, keep this group's rows.
+      backend_.zero(gathered);
+      if (plan_.attn_tp_rank == 0 && T > 0) {
+        Tensor mine = gathered.rows(dp_offset, dp_offset + T);
+        backend_.copy(normed, mine);
+      }
+      world_comm_->all_reduce_sum(gathered);
+      mlp(l, gathered, gathered_out);
+      backend_.copy(gathered_out.rows(dp_offset, dp_offset + T), hidden);
     }
-    // Gather every group's rows (one copy per group: its attention-TP rank 0 writes, the others add zeros),
-    // run the world-parallel MLP on all of them, keep this group's rows.
-    backend_.zero(gathered);
-    if (plan_.attn_tp_rank == 0 && T > 0) {
-      Tensor mine = gathered.rows(dp_offset, dp_offset + T);
-      backend_.copy(normed, mine);
-    }
-    world_comm_->all_reduce_sum(gathered);
-    mlp(l, gathered, gathered_out);
-    backend_.copy(gathered_out.rows(dp_offset, dp_offset + T), hidden);
+    backend_.scratch_release(mark);
   }
   backend_.add_rmsnorm(hidden, residual, final_norm_, eps, normed);
   const int64_t R = static_cast<int64_t>(batch.logit_rows.size());

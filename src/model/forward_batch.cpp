@@ -1,6 +1,7 @@
 #include "model/forward_batch.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "core/error.h"
 
@@ -14,6 +15,49 @@ const char* forward_mode_name(ForwardMode m) {
     case ForwardMode::Mixed: return "mixed";
   }
   return "?";
+}
+
+namespace {
+void put_i32(std::string& o, int32_t v) { o.append(reinterpret_cast<const char*>(&v), 4); }
+void put_vec(std::string& o, const std::vector<int32_t>& v) {
+  put_i32(o, static_cast<int32_t>(v.size()));
+  o.append(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+}
+int32_t get_i32(const char*& p, const char* end) {
+  MLA_CHECK(end - p >= 4, "truncated step message");
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  p += 4;
+  return v;
+}
+std::vector<int32_t> get_vec(const char*& p, const char* end) {
+  const int32_t n = get_i32(p, end);
+  MLA_CHECK(n >= 0 && end - p >= static_cast<int64_t>(n) * 4, "truncated step message");
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  std::memcpy(v.data(), p, static_cast<size_t>(n) * 4);
+  p += static_cast<int64_t>(n) * 4;
+  return v;
+}
+}  // namespace
+
+void serialize(const ForwardBatch& b, std::string& o) {
+  put_i32(o, static_cast<int32_t>(b.mode));
+  put_i32(o, b.page_size);
+  put_i32(o, b.max_pages);
+  for (const auto* v : {&b.input_ids, &b.positions, &b.token_seq, &b.out_slots, &b.seq_q_start, &b.seq_prefix_lens,
+                        &b.seq_lens, &b.page_table, &b.logit_rows})
+    put_vec(o, *v);
+}
+
+ForwardBatch deserialize_forward_batch(const char*& p, const char* end) {
+  ForwardBatch b;
+  b.mode = static_cast<ForwardMode>(get_i32(p, end));
+  b.page_size = get_i32(p, end);
+  b.max_pages = get_i32(p, end);
+  for (auto* v : {&b.input_ids, &b.positions, &b.token_seq, &b.out_slots, &b.seq_q_start, &b.seq_prefix_lens,
+                  &b.seq_lens, &b.page_table, &b.logit_rows})
+    *v = get_vec(p, end);
+  return b;
 }
 
 ForwardBatchBuilder::ForwardBatchBuilder(int32_t page_size) {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 namespace mlaserve {
@@ -40,6 +41,10 @@ struct ForwardBatch {
   int32_t num_seqs() const { return static_cast<int32_t>(seq_lens.size()); }
   bool has_prefill() const { return mode == ForwardMode::Extend || mode == ForwardMode::Mixed; }
 };
+
+// Byte serialisation, for sending a step to the ranks of other nodes.
+void serialize(const ForwardBatch& b, std::string& out);
+ForwardBatch deserialize_forward_batch(const char*& p, const char* end);
 
 // Builds a ForwardBatch sequence by sequence.
 class ForwardBatchBuilder {

@@ -8,7 +8,7 @@ dest=$1; shift
 mkdir -p "$dest/bin" "$dest/lib"
 for f in "$@"; do
   cp -f "$f" "$dest/bin/"
-  ldd "$f" | awk '/=> \//{print $3}' | grep -E 'lib(spdlog|fmt|boost|pcre2|gtest|gmock|icuuc|icudata|icui18n)' | while read -r lib; do
+  ldd "$f" | awk '/=> \//{print $3}' | { grep -E 'lib(spdlog|fmt|boost|pcre2|gtest|gmock|icuuc|icudata|icui18n|nccl)' || true; } | while read -r lib; do
     cp -fL "$lib" "$dest/lib/"
   done
 done

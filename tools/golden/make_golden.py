@@ -8,6 +8,10 @@ implementation (eager attention) loaded back from those files. Output per family
   DIR/reference.safetensors with prompt_j (int32 [len]), logits_j (f32 [len, vocab]),
   greedy_j (int32 [N]), margin_j (f32 [N], top1 - top2 logit at each greedy step).
 
+The real-dims families (real16, real128: kv_lora_rank 512, rope 64, nope 128, v 128, 64 experts top-6, 16 or 128
+heads) are too big to commit: they are generated on the GPU machine at test time (the reference then runs on the
+GPU in fp32, TF32 off) and are not part of the default family list.
+
 usage: make_golden.py OUT_DIR [family ...]
 """
 import json, math, os, sys
@@ -54,7 +58,28 @@ FAMILIES = {
         scoring_func="sigmoid", max_position_embeddings=5120,
         rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 128,
                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # Real MLA dims, V2-Lite-like: 16 heads, plain q_proj, greedy softmax top-6 of 64, YaRN as in V2-Lite.
+    "real16": dict(BASE, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", shard="16MB",
+        vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=128,
+        num_hidden_layers=3, num_attention_heads=16, num_key_value_heads=16,
+        n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1, moe_layer_freq=1,
+        norm_topk_prob=False, routed_scaling_factor=1.0, n_group=1, topk_group=1, topk_method="greedy",
+        scoring_func="softmax", max_position_embeddings=163840,
+        rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    # Real MLA dims, V3-like: 128 heads, q LoRA, noaux_tc sigmoid top-6 of 64 in 8 groups (4 kept), YaRN mscale 1.
+    "real128": dict(BASE, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", shard="16MB",
+        vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=128,
+        num_hidden_layers=3, num_attention_heads=128, num_key_value_heads=128,
+        n_shared_experts=1, n_routed_experts=64, num_experts_per_tok=6, kv_lora_rank=512, q_lora_rank=384,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1, moe_layer_freq=1,
+        norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8, topk_group=4, topk_method="noaux_tc",
+        scoring_func="sigmoid", max_position_embeddings=163840,
+        rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
 }
+DEFAULT_FAMILIES = ["v2lite", "v2", "v3"]
 
 
 def init_weights(model, cfg, seed):
@@ -84,7 +109,9 @@ def init_weights(model, cfg, seed):
 
 
 def make_family(out_root, fam, seed):
-    cfg_dict = FAMILIES[fam]
+    cfg_dict = dict(FAMILIES[fam])
+    shard = cfg_dict.pop("shard", "600KB")
+    dev = "cuda" if shard != "600KB" and torch.cuda.is_available() else "cpu"
     d = os.path.join(out_root, fam)
     os.makedirs(d, exist_ok=True)
     cfg_cls = transformers.AutoConfig.for_model(cfg_dict["model_type"]).__class__
@@ -93,7 +120,7 @@ def make_family(out_root, fam, seed):
     init_weights(model, cfg_dict, seed)
     print(fam, [(n, tuple(p.shape)) for n, p in model.named_parameters() if 'layers.%d.' % (cfg_dict['num_hidden_layers'] - 1) in n], flush=True)
     model = model.to(torch.bfloat16)
-    model.save_pretrained(d, max_shard_size="600KB")
+    model.save_pretrained(d, max_shard_size=shard)
     # Write config.json in the original checkpoint format (rope_scaling, not transformers 5's rope_parameters).
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg_dict, f, indent=1)
@@ -111,6 +138,7 @@ def make_family(out_root, fam, seed):
     for k in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         assert not info.get(k), f"{fam}: {k} = {info.get(k)}"
     ref.eval()
+    ref.to(dev)
     print(fam, "rope:", getattr(ref.config, "rope_parameters", None), flush=True)
 
     g = torch.Generator().manual_seed(seed + 1)
@@ -118,8 +146,8 @@ def make_family(out_root, fam, seed):
     with torch.no_grad():
         for j, n in enumerate(PROMPT_LENS):
             prompt = torch.randint(2, cfg_dict["vocab_size"], (n,), generator=g, dtype=torch.int64)
-            out = ref(prompt[None], use_cache=True)
-            logits = out.logits[0].float()
+            out = ref(prompt[None].to(dev), use_cache=True)
+            logits = out.logits[0].float().cpu()
             past = out.past_key_values
             greedy, margins = [], []
             last = logits[-1]
@@ -128,9 +156,9 @@ def make_family(out_root, fam, seed):
                 tok = int(top2.indices[0])
                 greedy.append(tok)
                 margins.append(float(top2.values[0] - top2.values[1]))
-                o = ref(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+                o = ref(torch.tensor([[tok]], device=dev), past_key_values=past, use_cache=True)
                 past = o.past_key_values
-                last = o.logits[0, -1].float()
+                last = o.logits[0, -1].float().cpu()
             tensors[f"prompt_{j}"] = prompt.to(torch.int32).contiguous()
             tensors[f"logits_{j}"] = logits.contiguous()
             tensors[f"greedy_{j}"] = torch.tensor(greedy, dtype=torch.int32)
@@ -142,10 +170,12 @@ def make_family(out_root, fam, seed):
 
 def main():
     out_root = sys.argv[1]
-    fams = sys.argv[2:] or list(FAMILIES)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    fams = sys.argv[2:] or DEFAULT_FAMILIES
     print("transformers", transformers.__version__, "torch", torch.__version__)
-    for i, fam in enumerate(fams):
-        make_family(out_root, fam, 1234 + 17 * i)
+    for fam in fams:
+        make_family(out_root, fam, 1234 + 17 * list(FAMILIES).index(fam))
 
 
 if __name__ == "__main__":

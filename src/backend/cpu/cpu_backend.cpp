@@ -57,6 +57,26 @@ class CpuBackend final : public Backend {
     cpu::convert(host.data(), host.dtype(), dst.data(), dst.dtype(), host.numel());
   }
 
+  void download(const Tensor& t, void* dst) override { std::memcpy(dst, t.data(), t.nbytes()); }
+
+  void sample(const Tensor& logits, std::span<const RowSampling> params, Tensor& ids, Tensor* logprobs) override {
+    const int64_t V = logits.size(-1), R = rows_of(logits);
+    MLA_CHECK(static_cast<int64_t>(params.size()) == R, "sample: {} parameter rows for {} logit rows", params.size(), R);
+    MLA_CHECK(ids.dtype() == DType::I32 && ids.numel() == R, "sample: ids must be I32 [{}]", R);
+    MLA_CHECK(!logprobs || (logprobs->dtype() == DType::F32 && logprobs->numel() == R), "sample: logprobs must be F32 [{}]", R);
+    const float* lp = f32(logits);
+    int32_t* out = ids.data_as<int32_t>();
+    float* lpo = logprobs ? f32m(*logprobs) : nullptr;
+    parallel_for(R, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> work(static_cast<size_t>(V));
+      for (int64_t r = b; r < e; ++r) {
+        float l = 0.0f;
+        cpu::sample_row(lp + r * V, V, params[static_cast<size_t>(r)], work.data(), out + r, &l);
+        if (lpo) lpo[r] = l;
+      }
+    });
+  }
+
   Tensor to_host_f32(const Tensor& t) override {
     Tensor out = Tensor::empty_host(t.shape(), DType::F32);
     cpu::convert(t.data(), t.dtype(), out.data(), DType::F32, t.numel());

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <vector>
 
+#include "core/random.h"
 #include "core/thread_pool.h"
 
 namespace mlaserve::cpu {
@@ -236,6 +238,86 @@ void mla_attention(const MlaArgs& a) {
     });
   }
   (void)hd;
+}
+
+namespace {
+// Monotone map of floats to unsigned integers (larger float, larger key): thresholds compare these.
+inline uint32_t ordered_key(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+}  // namespace
+
+void sample_row(const float* logits, int64_t V, const RowSampling& sp, float* x, int32_t* id, float* logprob) {
+  std::copy(logits, logits + V, x);
+  for (const auto& [tok, cnt] : sp.penalty_counts) {
+    if (tok < 0 || tok >= V || cnt <= 0) continue;
+    float v = x[tok];
+    if (sp.repetition_penalty != 1.0f) v = v > 0.0f ? v / sp.repetition_penalty : v * sp.repetition_penalty;
+    v -= sp.frequency_penalty * static_cast<float>(cnt);
+    v -= sp.presence_penalty;
+    x[tok] = v;
+  }
+  const bool greedy = sp.temperature <= 0.0f;
+  if (!greedy)
+    for (int64_t v = 0; v < V; ++v) x[v] = x[v] / sp.temperature;
+  int64_t best = 0;
+  for (int64_t v = 1; v < V; ++v)
+    if (x[v] > x[best]) best = v;
+  const float xmax = x[best];
+  float z = 0.0f;
+  for (int64_t v = 0; v < V; ++v) z += std::exp(x[v] - xmax);
+  const float log_z = std::log(z);
+  if (greedy) {
+    *id = static_cast<int32_t>(best);
+    *logprob = -log_z;
+    return;
+  }
+  // top-k: key of the k-th largest logit; keep keys >= it.
+  std::vector<uint32_t> keys(static_cast<size_t>(V));
+  for (int64_t v = 0; v < V; ++v) keys[v] = ordered_key(x[v]);
+  uint32_t kth_key = 0;
+  if (sp.top_k > 0 && sp.top_k < V) {
+    std::vector<uint32_t> k2 = keys;
+    std::nth_element(k2.begin(), k2.begin() + (sp.top_k - 1), k2.end(), std::greater<uint32_t>());
+    kth_key = k2[static_cast<size_t>(sp.top_k - 1)];
+  }
+  // top-p over the top-k set: the largest key whose mass of keys >= it reaches top_p of the set's mass.
+  uint32_t p_key = 0;
+  if (sp.top_p < 1.0f) {
+    std::vector<int64_t> order;
+    float zk = 0.0f;
+    for (int64_t v = 0; v < V; ++v)
+      if (keys[v] >= kth_key) {
+        order.push_back(v);
+        zk += std::exp(x[v] - xmax);
+      }
+    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys[a] > keys[b] || (keys[a] == keys[b] && a < b); });
+    const float target = sp.top_p * zk;
+    float cum = 0.0f;
+    p_key = keys[order.front()];
+    for (int64_t v : order) {
+      cum += std::exp(x[v] - xmax);
+      p_key = keys[v];
+      if (cum >= target) break;
+    }
+  }
+  const uint32_t min_key = std::max(kth_key, p_key);
+  float best_s = -std::numeric_limits<float>::infinity();
+  int64_t chosen = -1;
+  for (int64_t v = 0; v < V; ++v) {
+    if (keys[v] < min_key) continue;
+    if (sp.min_p > 0.0f && std::exp(x[v] - xmax) < sp.min_p) continue;
+    const float u = open_uniform(sp.seed, sp.step, static_cast<uint64_t>(v));
+    const float s = x[v] - std::log(-std::log(u));
+    if (chosen < 0 || s > best_s) {
+      best_s = s;
+      chosen = v;
+    }
+  }
+  *id = static_cast<int32_t>(chosen);
+  *logprob = x[chosen] - xmax - log_z;
 }
 
 void route_token(const float* logits, const float* bias, int64_t E, const RouterParams& p, int32_t* ids, float* weights) {

@@ -29,6 +29,9 @@ struct MlaArgs {
 };
 void mla_attention(const MlaArgs& a);
 
+// One row of Backend::sample (see RowSampling). work: [V] scratch. Writes the id and the log-probability.
+void sample_row(const float* logits, int64_t V, const RowSampling& sp, float* work, int32_t* id, float* logprob);
+
 void route_token(const float* logits, const float* bias, int64_t E, const RouterParams& p, int32_t* ids, float* weights);
 
 struct MoeArgs {

@@ -1,0 +1,836 @@
+// CudaBackend: the Backend ops on one GPU. Kernels live in the .cu files (kernels.h launchers); dense GEMMs go
+// through cuBLASLt (bf16 in, fp32 accumulate, bf16 or fp32 out; one heuristic query per shape, cached), the per-head
+// MLA projections through cuBLAS strided-batched GEMMs. Everything runs in order on one non-blocking stream; only
+// to_host_f32 / download / synchronize wait for it.
+//
+// Memory (all taken in the constructor, none in the steady state):
+//   persistent arena  weights then the KV pool (alloc; bump allocation, never freed)
+//   scratch arena     a step's activations (scratch; reset by begin_step, rewound by scratch_release)
+//   meta arena        the step's metadata and attention work lists, uploaded from a pinned mirror of the same layout
+#include "backend/cuda/cuda_backend.h"
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <tuple>
+#include <vector>
+
+#include "backend/cpu/cpu_kernels.h"
+#include "backend/cuda/kernels.h"
+#include "core/log.h"
+
+namespace mlaserve {
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+#define CUDA_OK(expr, what)                                                                            \
+  do {                                                                                                 \
+    const cudaError_t err_ = (expr);                                                                   \
+    if (err_ != cudaSuccess) ::mlaserve::fail("cuda: {}: {} ({})", what, cudaGetErrorString(err_),     \
+                                              static_cast<int>(err_));                                 \
+  } while (0)
+
+#define CUBLAS_OK(expr, what)                                                               \
+  do {                                                                                      \
+    const cublasStatus_t st_ = (expr);                                                      \
+    if (st_ != CUBLAS_STATUS_SUCCESS)                                                       \
+      ::mlaserve::fail("cublas: {}: status {} ({})", what, static_cast<int>(st_),           \
+                       cublasGetStatusString(st_));                                         \
+  } while (0)
+
+int64_t rows_of(const Tensor& t) { return t.dim() == 0 ? 1 : (t.size(-1) == 0 ? 0 : t.numel() / t.size(-1)); }
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] != '\0' && v[0] != '0';
+}
+
+int alignment_of(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  int al = 256;
+  while (al > 1 && (a % static_cast<uintptr_t>(al)) != 0) al /= 2;
+  return al;
+}
+
+struct Arena {
+  char* base = nullptr;
+  size_t size = 0;
+  size_t used = 0;
+  // Returns nullptr when full.
+  char* take(size_t bytes, size_t align = 256) {
+    const size_t start = (used + align - 1) / align * align;
+    if (start + bytes > size) return nullptr;
+    used = start + bytes;
+    return base + start;
+  }
+};
+
+cuda::bf16* bf(const Tensor& t) { return static_cast<cuda::bf16*>(t.data()); }
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, const CudaBackendOptions& o) : device_(device) {
+    int count = 0;
+    CUDA_OK(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+    MLA_CHECK(device >= 0 && device < count, "--device cuda: device {} does not exist ({} CUDA devices)", device, count);
+    CUDA_OK(cudaSetDevice(device), "cudaSetDevice");
+    cudaDeviceProp prop{};
+    CUDA_OK(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+    MLA_CHECK(prop.major == 9, "the CUDA backend is built for Hopper (sm_90a); device {} '{}' is sm_{}{}", device,
+              prop.name, prop.major, prop.minor);
+    num_sms_ = prop.multiProcessorCount;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream");
+    CUDA_OK(cudaEventCreateWithFlags(&meta_event_, cudaEventDisableTiming), "event");
+    CUBLAS_OK(cublasLtCreate(&lt_), "cublasLtCreate");
+    CUBLAS_OK(cublasCreate(&blas_), "cublasCreate");
+    CUBLAS_OK(cublasSetStream(blas_, stream_), "cublasSetStream");
+
+    size_t free_b = 0, total_b = 0;
+    CUDA_OK(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+    const size_t ws_bytes = 64ull << 20, meta_bytes = 64ull << 20, blas_ws_bytes = 32ull << 20;
+    const size_t reserve = 1ull << 30;  // CUDA context, cuBLAS handles, kernels
+    size_t persistent = o.persistent_bytes > 0 ? static_cast<size_t>(o.persistent_bytes)
+                                               : static_cast<size_t>(o.mem_fraction_static * static_cast<double>(total_b));
+    MLA_CHECK(o.persistent_bytes > 0 || (o.mem_fraction_static > 0.0 && o.mem_fraction_static < 1.0),
+              "--mem-fraction-static must be in (0, 1), got {}", o.mem_fraction_static);
+    const size_t fixed = ws_bytes + meta_bytes + blas_ws_bytes + reserve;
+    MLA_CHECK(persistent + fixed < free_b,
+              "--mem-fraction-static {}: {:.1f} GiB for weights and KV cache plus {:.1f} GiB of buffers exceed the "
+              "{:.1f} GiB free on GPU {} ({:.1f} GiB total)",
+              o.mem_fraction_static, persistent / kGiB, fixed / kGiB, free_b / kGiB, device, total_b / kGiB);
+    size_t scratch = o.scratch_bytes > 0 ? static_cast<size_t>(o.scratch_bytes)
+                                         : std::min<size_t>(8ull << 30, free_b - persistent - fixed);
+    MLA_CHECK(persistent + fixed + scratch <= free_b,
+              "{:.1f} GiB of activation scratch does not fit next to {:.1f} GiB of weights and KV cache on GPU {} "
+              "({:.1f} GiB free): lower --mem-fraction-static or --scratch-gb",
+              scratch / kGiB, persistent / kGiB, device, free_b / kGiB);
+    MLA_CHECK(scratch >= (64ull << 20), "only {:.0f} MiB left for activation scratch: lower --mem-fraction-static",
+              scratch / 1048576.0);
+    persistent_.size = persistent;
+    scratch_.size = scratch;
+    meta_.size = meta_bytes;
+    CUDA_OK(cudaMalloc(&persistent_.base, persistent), "allocating the persistent arena");
+    CUDA_OK(cudaMalloc(&scratch_.base, scratch), "allocating the scratch arena");
+    CUDA_OK(cudaMalloc(&meta_.base, meta_bytes), "allocating the metadata arena");
+    CUDA_OK(cudaMalloc(&lt_ws_, ws_bytes), "allocating the cuBLASLt workspace");
+    lt_ws_size_ = ws_bytes;
+    CUDA_OK(cudaMalloc(&blas_ws_, blas_ws_bytes), "allocating the cuBLAS workspace");
+    CUBLAS_OK(cublasSetWorkspace(blas_, blas_ws_, blas_ws_bytes), "cublasSetWorkspace");
+    CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&pinned_), meta_bytes, cudaHostAllocDefault), "pinned buffer");
+    allow_fast_ = !(o.simple_kernels || env_flag("MLASERVE_CUDA_SIMPLE"));
+    moe_cublas_ = o.moe_cublas || env_flag("MLASERVE_MOE_CUBLAS");
+    if (const char* v = std::getenv("MLASERVE_MLA_DECODE_VARIANT")) mla_variant_ = std::atoi(v);
+    moe_grouped_only_ = env_flag("MLASERVE_MOE_GROUPED");
+    MLA_LOG_INFO("cuda: GPU {} '{}' ({} SMs, {:.1f} GiB): {:.2f} GiB for weights + KV cache, {:.2f} GiB activation "
+                 "scratch{}{}",
+                 device, prop.name, num_sms_, total_b / kGiB, persistent / kGiB, scratch / kGiB,
+                 allow_fast_ ? "" : " (simple kernels)", moe_cublas_ ? " (MoE through cuBLAS)" : "");
+  }
+
+  ~CudaBackend() override {
+    cudaStreamSynchronize(stream_);
+    for (auto& [k, g] : gemms_) {
+      cublasLtMatrixLayoutDestroy(g.a);
+      cublasLtMatrixLayoutDestroy(g.b);
+      cublasLtMatrixLayoutDestroy(g.c);
+      cublasLtMatmulDescDestroy(g.desc);
+    }
+    cublasDestroy(blas_);
+    cublasLtDestroy(lt_);
+    cudaFree(persistent_.base);
+    cudaFree(scratch_.base);
+    cudaFree(meta_.base);
+    cudaFree(lt_ws_);
+    cudaFree(blas_ws_);
+    cudaFreeHost(pinned_);
+    cudaEventDestroy(meta_event_);
+    cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override { return "cuda"; }
+  Device device() const override { return Device::CUDA; }
+  DType act_dtype() const override { return DType::BF16; }
+  DType weight_dtype(DType) const override { return DType::BF16; }
+
+  // ---- memory ----
+  Tensor alloc(const Shape& shape, DType dtype) override {
+    const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+    char* p = persistent_.take(bytes);
+    MLA_CHECK(p != nullptr,
+              "out of persistent GPU memory: {} bytes requested, {:.2f} of {:.2f} GiB used (raise "
+              "--mem-fraction-static or use fewer KV pages)",
+              bytes, persistent_.used / kGiB, persistent_.size / kGiB);
+    if (bytes) CUDA_OK(cudaMemsetAsync(p, 0, bytes, stream_), "alloc memset");
+    return Tensor::view(p, shape, dtype, Device::CUDA);
+  }
+
+  Tensor scratch(const Shape& shape, DType dtype) override {
+    const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+    char* p = scratch_.take(bytes);
+    MLA_CHECK(p != nullptr,
+              "GPU activation scratch exhausted: {} more bytes needed with {:.2f} of {:.2f} GiB in use (raise "
+              "--scratch-gb or run fewer tokens per step)",
+              bytes, scratch_.used / kGiB, scratch_.size / kGiB);
+    scratch_peak_ = std::max(scratch_peak_, scratch_.used);
+    return Tensor::view(p, shape, dtype, Device::CUDA);
+  }
+  size_t scratch_mark() override { return scratch_.used; }
+  void scratch_release(size_t mark) override {
+    MLA_CHECK(mark <= scratch_.used, "scratch_release: mark {} is past the top {}", mark, scratch_.used);
+    scratch_.used = mark;
+  }
+  int64_t persistent_bytes_free() const override {
+    return static_cast<int64_t>(persistent_.size - std::min(persistent_.size, (persistent_.used + 255) / 256 * 256));
+  }
+  void synchronize() override { CUDA_OK(cudaStreamSynchronize(stream_), "synchronize"); }
+  void bind_thread() override { CUDA_OK(cudaSetDevice(device_), "cudaSetDevice"); }
+  void* native_stream() override { return stream_; }
+
+  void zero(Tensor& t) override {
+    if (t.nbytes()) CUDA_OK(cudaMemsetAsync(t.data(), 0, t.nbytes(), stream_), "zero");
+  }
+
+  void copy(const Tensor& src, Tensor& dst) override {
+    MLA_CHECK(src.nbytes() == dst.nbytes() && src.dtype() == dst.dtype(), "copy: {} {} into {} {}",
+              dtype_name(src.dtype()), shape_str(src.shape()), dtype_name(dst.dtype()), shape_str(dst.shape()));
+    if (src.data() != dst.data() && src.nbytes())
+      CUDA_OK(cudaMemcpyAsync(dst.data(), src.data(), src.nbytes(), cudaMemcpyDeviceToDevice, stream_), "copy");
+  }
+
+  Tensor upload(const Tensor& host, DType dtype) override {
+    Tensor t = alloc(host.shape(), dtype);
+    upload_into(host, t);
+    return t;
+  }
+
+  void upload_into(const Tensor& host, Tensor& dst) override {
+    MLA_CHECK(host.numel() == dst.numel(), "upload_into: {} elements into {}", host.numel(), dst.numel());
+    if (host.numel() == 0) return;
+    const void* src = host.data();
+    std::vector<char> conv;
+    if (host.dtype() != dst.dtype()) {
+      conv.resize(dst.nbytes());
+      cpu::convert(host.data(), host.dtype(), conv.data(), dst.dtype(), host.numel());
+      src = conv.data();
+    }
+    CUDA_OK(cudaMemcpyAsync(dst.data(), src, dst.nbytes(), cudaMemcpyHostToDevice, stream_), "upload");
+    CUDA_OK(cudaStreamSynchronize(stream_), "upload");
+  }
+
+  void download(const Tensor& t, void* dst) override {
+    if (t.nbytes() == 0) return;
+    CUDA_OK(cudaMemcpyAsync(dst, t.data(), t.nbytes(), cudaMemcpyDeviceToHost, stream_), "download");
+    CUDA_OK(cudaStreamSynchronize(stream_), "download");
+  }
+
+  Tensor to_host_f32(const Tensor& t) override {
+    Tensor out = Tensor::empty_host(t.shape(), DType::F32);
+    if (t.numel() == 0) return out;
+    if (t.dtype() == DType::F32) {
+      download(t, out.data());
+    } else {
+      std::vector<char> raw(t.nbytes());
+      download(t, raw.data());
+      cpu::convert(raw.data(), t.dtype(), out.data(), DType::F32, t.numel());
+    }
+    return out;
+  }
+
+  void fill_random(Tensor& t, uint64_t seed, float mean, float stddev, int64_t full_cols, int64_t row_offset,
+                   int64_t col_offset) override {
+    MLA_CHECK(t.dtype() == DType::BF16 || t.dtype() == DType::F32, "fill_random: unsupported dtype {}",
+              dtype_name(t.dtype()));
+    const int64_t cols = t.dim() == 0 ? 1 : t.size(-1);
+    const int64_t rows = cols == 0 ? 0 : t.numel() / cols;
+    CUDA_OK(cuda::fill_random(t.data(), t.dtype() == DType::BF16, rows, cols, seed, mean, stddev, full_cols,
+                              row_offset, col_offset, stream_),
+            "fill_random");
+  }
+
+  // ---- per step ----
+  void begin_step(const ForwardBatch& batch) override {
+    step_ = batch;
+    scratch_.used = 0;
+    CUDA_OK(cudaEventSynchronize(meta_event_), "waiting for the previous step's metadata upload");
+    meta_.used = 0;
+    plans_.clear();
+    MetaUpload up(*this);
+    d_input_ids_ = up.add(step_.input_ids);
+    d_positions_ = up.add(step_.positions);
+    d_out_slots_ = up.add(step_.out_slots);
+    d_page_table_ = up.add(step_.page_table);
+    d_logit_rows_ = up.add(step_.logit_rows);
+    up.flush();
+  }
+
+  // ---- ops ----
+  void embedding(const Tensor& table, int64_t vocab_begin, Tensor& out) override {
+    const int64_t H = table.size(1), V = table.size(0), T = step_.num_tokens();
+    MLA_CHECK(out.numel() == T * H && out.dtype() == DType::BF16 && table.dtype() == DType::BF16,
+              "embedding: output {} {} for {} tokens of width {}", dtype_name(out.dtype()), shape_str(out.shape()), T,
+              H);
+    CUDA_OK(cuda::embedding(bf(table), V, H, vocab_begin, d_input_ids_, T, bf(out), stream_), "embedding");
+  }
+
+  void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out) override {
+    const int64_t D = x.size(-1), N = rows_of(x);
+    MLA_CHECK(w.numel() == D && out.numel() == x.numel() && w.dtype() == DType::F32 && x.dtype() == DType::BF16 &&
+                  out.dtype() == DType::BF16,
+              "rmsnorm: x {} {}, w {} {}, out {} {}", dtype_name(x.dtype()), shape_str(x.shape()),
+              dtype_name(w.dtype()), shape_str(w.shape()), dtype_name(out.dtype()), shape_str(out.shape()));
+    CUDA_OK(cuda::rmsnorm(bf(x), w.data_as<const float>(), N, D, eps, bf(out), stream_), "rmsnorm");
+  }
+
+  void add_rmsnorm(const Tensor& x, Tensor& residual, const Tensor& w, float eps, Tensor& out) override {
+    const int64_t D = x.size(-1), N = rows_of(x);
+    MLA_CHECK(residual.numel() == x.numel() && out.numel() == x.numel() && w.numel() == D &&
+                  x.dtype() == DType::BF16 && residual.dtype() == DType::BF16 && out.dtype() == DType::BF16 &&
+                  w.dtype() == DType::F32,
+              "add_rmsnorm: shape or dtype mismatch");
+    CUDA_OK(cuda::add_rmsnorm(bf(x), bf(residual), w.data_as<const float>(), N, D, eps, bf(out), stream_),
+            "add_rmsnorm");
+  }
+
+  void linear(const Tensor& x, const Tensor& w, Tensor& y) override {
+    const int64_t K = x.size(-1), N = rows_of(x), M = w.size(0);
+    MLA_CHECK(w.dim() == 2 && w.size(1) == K, "linear: weight {} does not match input width {}", shape_str(w.shape()),
+              K);
+    MLA_CHECK(y.numel() == N * M, "linear: output has {} elements, expected {}x{}", y.numel(), N, M);
+    MLA_CHECK(x.dtype() == DType::BF16 && w.dtype() == DType::BF16 && (y.dtype() == DType::BF16 || y.dtype() == DType::F32),
+              "linear: x {} w {} y {} (expected bf16, bf16, bf16|f32)", dtype_name(x.dtype()), dtype_name(w.dtype()),
+              dtype_name(y.dtype()));
+    gemm(w.data(), K, x.data(), K, y.data(), M, y.dtype(), M, N, K);
+  }
+
+  void silu_mul(const Tensor& gate_up, Tensor& out) override {
+    const int64_t I2 = gate_up.size(-1), N = rows_of(gate_up), I = I2 / 2;
+    MLA_CHECK(out.numel() == N * I && gate_up.dtype() == DType::BF16 && out.dtype() == DType::BF16,
+              "silu_mul: shape mismatch");
+    CUDA_OK(cuda::silu_mul(bf(gate_up), N, I, bf(out), stream_), "silu_mul");
+  }
+
+  void add(Tensor& a, const Tensor& b) override {
+    MLA_CHECK(a.numel() == b.numel() && a.dtype() == DType::BF16 && b.dtype() == DType::BF16, "add: shape mismatch");
+    CUDA_OK(cuda::add_inplace(bf(a), bf(b), a.numel(), stream_), "add");
+  }
+
+  void gather_logit_rows(const Tensor& x, Tensor& out) override {
+    const int64_t C = x.size(-1), R = static_cast<int64_t>(step_.logit_rows.size());
+    MLA_CHECK(out.numel() == R * C && out.dtype() == x.dtype(), "gather_logit_rows: shape mismatch");
+    CUDA_OK(cuda::gather_rows(x.data(), C * static_cast<int64_t>(dtype_size(x.dtype())), d_logit_rows_, R, out.data(),
+                              stream_),
+            "gather_logit_rows");
+  }
+
+  void set_rope(const std::vector<float>& inv_freq, float attention_factor) override {
+    Tensor h = Tensor::empty_host({static_cast<int64_t>(inv_freq.size())}, DType::F32);
+    std::copy(inv_freq.begin(), inv_freq.end(), h.data_as<float>());
+    inv_freq_ = upload(h, DType::F32);
+    rope_dim_ = static_cast<int64_t>(inv_freq.size()) * 2;
+    rope_factor_ = attention_factor;
+  }
+
+  void mla_write_latent(Tensor& latent, const Tensor& kv_norm, float eps, Tensor& cache) override {
+    const int64_t W = latent.size(-1), kvr = kv_norm.numel(), rope = W - kvr, T = step_.num_tokens();
+    MLA_CHECK(cache.size(-1) == W, "mla_write_latent: cache row width {} != latent width {}", cache.size(-1), W);
+    MLA_CHECK(rope == rope_dim_, "mla_write_latent: rope width {} vs {} frequencies", rope, rope_dim_ / 2);
+    MLA_CHECK(latent.dtype() == DType::BF16 && cache.dtype() == DType::BF16 && kv_norm.dtype() == DType::F32 &&
+                  latent.numel() == T * W,
+              "mla_write_latent: dtype or shape mismatch");
+    const int64_t slots = cache.size(0);
+    for (int32_t s : step_.out_slots)
+      MLA_CHECK(s >= 0 && s < slots, "mla_write_latent: slot {} outside the cache of {} slots", s, slots);
+    CUDA_OK(cuda::write_latent(bf(latent), T, static_cast<int32_t>(kvr), static_cast<int32_t>(rope),
+                               kv_norm.data_as<const float>(), eps, d_positions_, d_out_slots_,
+                               inv_freq_.data_as<const float>(), rope_factor_, bf(cache), stream_),
+            "mla_write_latent");
+  }
+
+  void mla_rope_q(Tensor& q, int32_t num_heads, int32_t qk_nope, int32_t qk_rope) override {
+    const int64_t T = step_.num_tokens();
+    MLA_CHECK(q.numel() == T * num_heads * (qk_nope + qk_rope) && q.dtype() == DType::BF16, "mla_rope_q: shape mismatch");
+    MLA_CHECK(qk_rope == rope_dim_, "mla_rope_q: rope width {} vs {} frequencies", qk_rope, rope_dim_ / 2);
+    CUDA_OK(cuda::rope_q(bf(q), T, num_heads, qk_nope, qk_rope, d_positions_, inv_freq_.data_as<const float>(),
+                         rope_factor_, stream_),
+            "mla_rope_q");
+  }
+
+  void mla_attention(const Tensor& q, const Tensor& cache, const Tensor& kv_b, const MlaParams& p, Tensor& out) override;
+
+  void moe_route(const Tensor& logits, const Tensor* bias, const RouterParams& p, Tensor& topk_ids,
+                 Tensor& topk_weights) override {
+    const int64_t T = rows_of(logits), E = logits.size(-1);
+    MLA_CHECK(topk_ids.numel() == T * p.top_k && topk_weights.numel() == T * p.top_k && logits.dtype() == DType::F32,
+              "moe_route: shape mismatch");
+    MLA_CHECK(E <= 1024 && p.top_k <= E, "moe_route: {} experts (top-{}) exceed the kernel's limit of 1024", E, p.top_k);
+    MLA_CHECK(p.n_group <= 1 || (p.n_group <= 32 && E % p.n_group == 0), "moe_route: {} groups over {} experts", p.n_group, E);
+    cuda::RouteArgs a;
+    a.method = p.method == TopkMethod::Greedy ? cuda::RouteMethod::Greedy
+               : p.method == TopkMethod::GroupLimitedGreedy ? cuda::RouteMethod::GroupLimitedGreedy
+                                                             : cuda::RouteMethod::NoauxTc;
+    a.sigmoid = p.scoring == ScoringFunc::Sigmoid;
+    a.top_k = p.top_k;
+    a.n_group = p.n_group;
+    a.topk_group = p.topk_group;
+    a.norm_topk_prob = p.norm_topk_prob;
+    a.routed_scaling_factor = p.routed_scaling_factor;
+    CUDA_OK(cuda::moe_route(logits.data_as<const float>(), bias ? bias->data_as<const float>() : nullptr, T,
+                            static_cast<int32_t>(E), a, topk_ids.data_as<int32_t>(), topk_weights.data_as<float>(),
+                            stream_),
+            "moe_route");
+  }
+
+  void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
+                   const Tensor& down, int32_t expert_begin, Tensor& out) override;
+
+  void sample(const Tensor& logits, std::span<const RowSampling> params, Tensor& ids, Tensor* logprobs) override;
+
+ private:
+  // Host arrays staged in the pinned buffer at the same offsets they get in the meta arena; flush() copies the
+  // staged range in one transfer and records the event begin_step waits on before reusing the pinned buffer.
+  class MetaUpload {
+   public:
+    explicit MetaUpload(CudaBackend& be) : be_(be), start_(be.meta_.used) {}
+    template <typename T>
+    T* add(const std::vector<T>& v) {
+      return add(v.data(), v.size());
+    }
+    template <typename T>
+    T* add(const T* data, size_t n) {
+      const size_t bytes = std::max<size_t>(n * sizeof(T), 1);
+      char* d = be_.meta_.take(bytes, 16);
+      MLA_CHECK(d != nullptr, "step metadata exceeds the {} MiB metadata buffer", be_.meta_.size >> 20);
+      if (n) std::memcpy(be_.pinned_ + (d - be_.meta_.base), data, n * sizeof(T));
+      return reinterpret_cast<T*>(d);
+    }
+    void flush() {
+      const size_t end = be_.meta_.used;
+      if (end > start_)
+        CUDA_OK(cudaMemcpyAsync(be_.meta_.base + start_, be_.pinned_ + start_, end - start_, cudaMemcpyHostToDevice,
+                                be_.stream_),
+                "metadata upload");
+      CUDA_OK(cudaEventRecord(be_.meta_event_, be_.stream_), "metadata event");
+    }
+
+   private:
+    CudaBackend& be_;
+    size_t start_;
+  };
+
+  struct GemmPlan {
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+  };
+
+  // y[N, M] (ldy) = x[N, K] (ldx) @ w[M, K] (ldw)^T; bf16 inputs, y bf16 or f32.
+  void gemm(const void* w, int64_t ldw, const void* x, int64_t ldx, void* y, int64_t ldy, DType ydt, int64_t M,
+            int64_t N, int64_t K) {
+    if (M == 0 || N == 0) return;
+    MLA_CHECK(K > 0, "gemm: empty inner dimension");
+    const int aw = alignment_of(w), ax = alignment_of(x), ay = alignment_of(y);
+    auto key = std::make_tuple(M, N, K, ldw, ldx, ldy, static_cast<int>(ydt), aw, ax, ay);
+    auto it = gemms_.find(key);
+    if (it == gemms_.end()) {
+      GemmPlan g;
+      const cudaDataType_t yt = ydt == DType::F32 ? CUDA_R_32F : CUDA_R_16BF;
+      CUBLAS_OK(cublasLtMatmulDescCreate(&g.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc");
+      const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
+      CUBLAS_OK(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof(opT)), "transa");
+      CUBLAS_OK(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof(opN)), "transb");
+      CUBLAS_OK(cublasLtMatrixLayoutCreate(&g.a, CUDA_R_16BF, K, M, ldw), "layout A");
+      CUBLAS_OK(cublasLtMatrixLayoutCreate(&g.b, CUDA_R_16BF, K, N, ldx), "layout B");
+      CUBLAS_OK(cublasLtMatrixLayoutCreate(&g.c, yt, M, N, ldy), "layout C");
+      cublasLtMatmulPreference_t pref;
+      CUBLAS_OK(cublasLtMatmulPreferenceCreate(&pref), "preference");
+      const uint64_t ws = lt_ws_size_;
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+      const uint32_t ua = aw, ux = ax, uy = ay;
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &ua, sizeof(ua));
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ux, sizeof(ux));
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &uy, sizeof(uy));
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &uy, sizeof(uy));
+      cublasLtMatmulHeuristicResult_t res{};
+      int found = 0;
+      const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt_, g.desc, g.a, g.b, g.c, g.c, pref, 1, &res, &found);
+      cublasLtMatmulPreferenceDestroy(pref);
+      MLA_CHECK(st == CUBLAS_STATUS_SUCCESS && found > 0,
+                "cuBLASLt has no algorithm for a bf16 GEMM of M {} N {} K {} (status {})", M, N, K, static_cast<int>(st));
+      g.algo = res.algo;
+      it = gemms_.emplace(key, g).first;
+    }
+    const float alpha = 1.0f, beta = 0.0f;
+    GemmPlan& g = it->second;
+    CUBLAS_OK(cublasLtMatmul(lt_, g.desc, &alpha, w, g.a, x, g.b, &beta, y, g.c, y, g.c, &g.algo, lt_ws_, lt_ws_size_,
+                             stream_),
+              "cublasLtMatmul");
+  }
+
+  // Per-head batched GEMM in cuBLAS column-major terms: C[m, n] (ldc, strideC) = op(A)[m, k] @ B[k, n], bf16.
+  void batched_gemm(bool transa, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda, int64_t sa,
+                    const void* B, int64_t ldb, int64_t sb, void* C, int64_t ldc, int64_t sc, int64_t batch) {
+    if (m == 0 || n == 0 || batch == 0) return;
+    const float alpha = 1.0f, beta = 0.0f;
+    CUBLAS_OK(cublasGemmStridedBatchedEx(blas_, transa ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(m),
+                                         static_cast<int>(n), static_cast<int>(k), &alpha, A, CUDA_R_16BF,
+                                         static_cast<int>(lda), sa, B, CUDA_R_16BF, static_cast<int>(ldb), sb, &beta,
+                                         C, CUDA_R_16BF, static_cast<int>(ldc), sc, static_cast<int>(batch),
+                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+              "cublasGemmStridedBatchedEx");
+  }
+
+  // The attention work of one step for one form: built on the host from the step, uploaded once.
+  struct MlaPlan {
+    int32_t num_decode_items = 0, num_partials = 0, num_combine = 0;
+    cuda::MlaDecodeItem* d_decode = nullptr;
+    cuda::MlaDecodeCombineItem* d_combine = nullptr;
+    int32_t num_prefill_items = 0;
+    int64_t ctx_rows = 0;
+    cuda::MlaPrefillItem* d_prefill = nullptr;
+    int32_t* d_row_seq = nullptr;
+    int32_t* d_row_pos = nullptr;
+  };
+  const MlaPlan& plan_for(MlaForm form, int32_t nh, int32_t kvr, int32_t rope);
+
+  int device_;
+  int num_sms_ = 132;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t meta_event_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
+  void* lt_ws_ = nullptr;
+  size_t lt_ws_size_ = 0;
+  void* blas_ws_ = nullptr;
+  Arena persistent_, scratch_, meta_;
+  char* pinned_ = nullptr;
+  size_t scratch_peak_ = 0;
+  bool allow_fast_ = true, moe_cublas_ = false;
+  int32_t mla_variant_ = 4;  // measured fastest on H200 (docs/perf.md); MLASERVE_MLA_DECODE_VARIANT overrides
+  bool moe_grouped_only_ = false;
+  static constexpr int64_t kMoeCublasRowsPerExpert = 384;
+
+  ForwardBatch step_;
+  int32_t* d_input_ids_ = nullptr;
+  int32_t* d_positions_ = nullptr;
+  int32_t* d_out_slots_ = nullptr;
+  int32_t* d_page_table_ = nullptr;
+  int32_t* d_logit_rows_ = nullptr;
+  std::map<std::tuple<int, int32_t, int32_t, int32_t>, MlaPlan> plans_;
+
+  Tensor inv_freq_;
+  int64_t rope_dim_ = 0;
+  float rope_factor_ = 1.0f;
+
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int>, GemmPlan> gemms_;
+};
+
+const CudaBackend::MlaPlan& CudaBackend::plan_for(MlaForm form, int32_t nh, int32_t kvr, int32_t rope) {
+  const auto key = std::make_tuple(static_cast<int>(form), nh, kvr, rope);
+  auto found = plans_.find(key);
+  if (found != plans_.end()) return found->second;
+  const ForwardBatch& b = step_;
+  MlaPlan plan;
+  std::vector<cuda::MlaDecodeItem> decode;
+  std::vector<cuda::MlaDecodeCombineItem> combine;
+  std::vector<cuda::MlaPrefillItem> prefill;
+  std::vector<int32_t> row_seq, row_pos;
+  std::vector<int32_t> absorbed_seqs, expanded_seqs;
+  int64_t total_keys = 0, absorbed_tokens = 0, max_ctx = 1;
+  for (int32_t s = 0; s < b.num_seqs(); ++s) {
+    const int32_t qlen = b.seq_q_start[s + 1] - b.seq_q_start[s];
+    const bool absorbed = form == MlaForm::Absorbed || (form == MlaForm::Auto && qlen == 1);
+    (absorbed ? absorbed_seqs : expanded_seqs).push_back(s);
+    if (absorbed)
+      for (int32_t t = b.seq_q_start[s]; t < b.seq_q_start[s + 1]; ++t) {
+        total_keys += b.positions[t] + 1;
+        max_ctx = std::max<int64_t>(max_ctx, b.positions[t] + 1);
+        ++absorbed_tokens;
+      }
+  }
+  if (!absorbed_seqs.empty()) {
+    const int32_t chunk = cuda::mla_decode_split_keys(total_keys, absorbed_tokens, max_ctx, nh, kvr, rope, num_sms_);
+    int32_t partial = 0;
+    for (int32_t s : absorbed_seqs)
+      for (int32_t t = b.seq_q_start[s]; t < b.seq_q_start[s + 1]; ++t) {
+        const int32_t ctx = b.positions[t] + 1;
+        const int32_t nsplit = (ctx + chunk - 1) / chunk;
+        if (nsplit <= 1) {
+          decode.push_back({t, s, 0, ctx, -1});
+          continue;
+        }
+        int32_t len = (ctx + nsplit - 1) / nsplit;
+        len = (len + 63) / 64 * 64;
+        const int32_t first = partial;
+        for (int32_t k0 = 0; k0 < ctx; k0 += len) decode.push_back({t, s, k0, std::min(ctx, k0 + len), partial++});
+        combine.push_back({t, first, partial - first});
+      }
+    plan.num_partials = partial;
+  }
+  int64_t ctx_rows = 0;
+  for (int32_t s : expanded_seqs) {
+    const int32_t len = b.seq_lens[s];
+    for (int32_t j = 0; j < len; ++j) {
+      row_seq.push_back(s);
+      row_pos.push_back(j);
+    }
+    const int32_t t0 = b.seq_q_start[s], t1 = b.seq_q_start[s + 1];
+    for (int32_t t = t0; t < t1; t += cuda::kPrefillBlockQ) {
+      const int32_t n = std::min(cuda::kPrefillBlockQ, t1 - t);
+      prefill.push_back({t, n, b.positions[t], static_cast<int32_t>(ctx_rows)});
+    }
+    ctx_rows += len;
+  }
+  // Longest causal ranges first: the tail of the grid is short blocks.
+  std::stable_sort(prefill.begin(), prefill.end(), [](const cuda::MlaPrefillItem& x, const cuda::MlaPrefillItem& y) {
+    return x.pos_begin + x.num_tokens > y.pos_begin + y.num_tokens;
+  });
+  MetaUpload up(*this);
+  plan.num_decode_items = static_cast<int32_t>(decode.size());
+  plan.num_combine = static_cast<int32_t>(combine.size());
+  plan.d_decode = up.add(decode);
+  plan.d_combine = up.add(combine);
+  plan.num_prefill_items = static_cast<int32_t>(prefill.size());
+  plan.ctx_rows = ctx_rows;
+  plan.d_prefill = up.add(prefill);
+  plan.d_row_seq = up.add(row_seq);
+  plan.d_row_pos = up.add(row_pos);
+  up.flush();
+  return plans_.emplace(key, plan).first->second;
+}
+
+void CudaBackend::mla_attention(const Tensor& q, const Tensor& cache, const Tensor& kv_b, const MlaParams& p,
+                                Tensor& out) {
+  const int64_t T = step_.num_tokens();
+  const int64_t nh = p.num_heads, nope = p.qk_nope, rope = p.qk_rope, vh = p.v_head, kvr = p.kv_lora;
+  const int64_t hd = nope + rope, W = kvr + rope;
+  MLA_CHECK(q.numel() == T * nh * hd && q.dtype() == DType::BF16, "mla_attention: q shape mismatch");
+  MLA_CHECK(out.numel() == T * nh * vh && out.dtype() == DType::BF16, "mla_attention: out shape mismatch");
+  MLA_CHECK(kv_b.size(0) == nh * (nope + vh) && kv_b.size(1) == kvr && kv_b.dtype() == DType::BF16,
+            "mla_attention: kv_b_proj shape {} mismatch", shape_str(kv_b.shape()));
+  MLA_CHECK(cache.size(-1) == W && cache.dtype() == DType::BF16, "mla_attention: cache width {} != kv_lora + rope {}",
+            cache.size(-1), W);
+  if (T == 0) return;
+  const MlaPlan& plan = plan_for(p.form, static_cast<int32_t>(nh), static_cast<int32_t>(kvr), static_cast<int32_t>(rope));
+  const char* kvb = static_cast<const char*>(kv_b.data());
+  const int64_t head_rows = nope + vh;  // rows of kv_b per head: W_UK (nope) then W_UV (v)
+  if (plan.num_decode_items > 0) {
+    // q_lat[t, h, :] = q_nope[t, h, :] @ W_UK[h]   (W_UK[h]: [nope, kvr] rows of kv_b)
+    Tensor q_lat = scratch({T, nh, kvr}, DType::BF16);
+    batched_gemm(false, kvr, T, nope, kvb, kvr, head_rows * kvr, q.data(), nh * hd, hd, q_lat.data(), nh * kvr, kvr,
+                 nh);
+    Tensor o_lat = scratch({T, nh, kvr}, DType::BF16);
+    Tensor part_o = scratch({std::max(plan.num_partials, 1), nh, kvr}, DType::F32);
+    Tensor part_lse = scratch({std::max(plan.num_partials, 1), nh}, DType::F32);
+    cuda::MlaDecodeParams dp{};
+    dp.q_lat = bf(q_lat);
+    dp.q = bf(q);
+    dp.cache = bf(cache);
+    dp.page_table = d_page_table_;
+    dp.items = plan.d_decode;
+    dp.num_items = plan.num_decode_items;
+    dp.num_heads = static_cast<int32_t>(nh);
+    dp.kvr = static_cast<int32_t>(kvr);
+    dp.rope = static_cast<int32_t>(rope);
+    dp.nope = static_cast<int32_t>(nope);
+    dp.page_size = step_.page_size;
+    dp.max_pages = step_.max_pages;
+    dp.softmax_scale = p.softmax_scale;
+    dp.out_lat = bf(o_lat);
+    dp.partial_o = part_o.data_as<float>();
+    dp.partial_lse = part_lse.data_as<float>();
+    dp.variant = mla_variant_;
+    CUDA_OK(cuda::mla_decode(dp, allow_fast_, stream_), "mla_decode");
+    CUDA_OK(cuda::mla_decode_combine(plan.d_combine, plan.num_combine, dp.partial_o, dp.partial_lse, dp.num_heads,
+                                     dp.kvr, bf(o_lat), stream_),
+            "mla_decode_combine");
+    // out[t, h, :] = o_lat[t, h, :] @ W_UV[h]^T   (W_UV[h]: [v, kvr] rows of kv_b)
+    batched_gemm(true, vh, T, kvr, kvb + nope * kvr * 2, kvr, head_rows * kvr, o_lat.data(), nh * kvr, kvr,
+                 out.data(), nh * vh, vh, nh);
+  }
+  if (plan.num_prefill_items > 0) {
+    const int64_t L = plan.ctx_rows;
+    Tensor ctx = scratch({L, W}, DType::BF16);
+    CUDA_OK(cuda::mla_gather_context(bf(cache), static_cast<int32_t>(W), d_page_table_, step_.page_size,
+                                     step_.max_pages, plan.d_row_seq, plan.d_row_pos, L, bf(ctx), stream_),
+            "mla_gather_context");
+    Tensor kv = scratch({L, nh * head_rows}, DType::BF16);
+    gemm(kv_b.data(), kvr, ctx.data(), W, kv.data(), nh * head_rows, DType::BF16, nh * head_rows, L, kvr);
+    cuda::MlaPrefillParams pp{};
+    pp.q = bf(q);
+    pp.kv = bf(kv);
+    pp.ctx_latent = bf(ctx);
+    pp.items = plan.d_prefill;
+    pp.num_items = plan.num_prefill_items;
+    pp.num_heads = static_cast<int32_t>(nh);
+    pp.nope = static_cast<int32_t>(nope);
+    pp.rope = static_cast<int32_t>(rope);
+    pp.v = static_cast<int32_t>(vh);
+    pp.kvr = static_cast<int32_t>(kvr);
+    pp.softmax_scale = p.softmax_scale;
+    pp.out = bf(out);
+    CUDA_OK(cuda::mla_prefill(pp, allow_fast_, stream_), "mla_prefill");
+  }
+}
+
+void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
+                              const Tensor& gate_up, const Tensor& down, int32_t expert_begin, Tensor& out) {
+  const int64_t T = rows_of(x), H = x.size(-1), k = topk_ids.size(-1);
+  const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2;
+  MLA_CHECK(down.dtype() == gate_up.dtype() && down.size(0) == E && down.size(1) == H && down.size(2) == I,
+            "moe_experts: down {} does not match gate_up {}", shape_str(down.shape()), shape_str(gate_up.shape()));
+  MLA_CHECK(x.dtype() == DType::BF16 && out.dtype() == DType::BF16 && gate_up.dtype() == DType::BF16 &&
+                out.numel() == T * H && topk_ids.numel() == T * k && gate_up.size(2) == H,
+            "moe_experts: dtype or shape mismatch");
+  MLA_CHECK(H % 8 == 0 && I % 8 == 0, "moe_experts: hidden {} and expert width {} must be multiples of 8", H, I);
+  if (T == 0) return;
+  const int64_t P = T * k;
+  const int32_t bm = cuda::moe_block_m(P, static_cast<int32_t>(E));
+  const int32_t max_tiles = cuda::moe_max_tiles(T, static_cast<int32_t>(k), static_cast<int32_t>(E), bm);
+  Tensor expert_end = scratch({E}, DType::I32), counts = scratch({E}, DType::I32);
+  Tensor pos_row = scratch({P}, DType::I32), pos_weight = scratch({P}, DType::F32), assign_pos = scratch({P}, DType::I32);
+  Tensor tiles = scratch({max_tiles}, DType::I32), num_tiles = scratch({1}, DType::I32);
+  cuda::MoeGroupOut g{expert_end.data_as<int32_t>(), pos_row.data_as<int32_t>(), pos_weight.data_as<float>(),
+                      assign_pos.data_as<int32_t>(), tiles.data_as<int32_t>(), num_tiles.data_as<int32_t>(),
+                      counts.data_as<int32_t>()};
+  CUDA_OK(cuda::moe_group(topk_ids.data_as<const int32_t>(), topk_weights.data_as<const float>(), T,
+                          static_cast<int32_t>(k), static_cast<int32_t>(E), expert_begin, bm, g, stream_),
+          "moe_group");
+  // Many rows per expert (prefill): per-expert cuBLASLt GEMMs (Hopper tensor-core kernels) on gathered rows, one
+  // host synchronisation per layer for the counts. Few rows (decode): the grouped kernels, no synchronisation.
+  const bool use_cublas = moe_cublas_ || (!moe_grouped_only_ && P >= kMoeCublasRowsPerExpert * E);
+  if (use_cublas) {
+    std::vector<int32_t> cnt(static_cast<size_t>(E));
+    download(counts, cnt.data());
+    // Each expert's GEMM covers its rows rounded up to 128 (bounded number of distinct shapes, so cuBLASLt
+    // heuristics are queried a few times, not once per count): the extra rows belong to the next expert, whose
+    // GEMM runs later on the stream and overwrites them; the buffers have 128 rows of slack at the end.
+    constexpr int64_t kPad = 128;
+    auto padded = [](int64_t c) { return (c + kPad - 1) / kPad * kPad; };
+    Tensor xs = scratch({P + kPad, H}, DType::BF16), gu = scratch({P + kPad, 2 * I}, DType::BF16);
+    Tensor act = scratch({P + kPad, I}, DType::BF16), ybf = scratch({P + kPad, H}, DType::BF16);
+    CUDA_OK(cuda::moe_gather_x(bf(x), H, pos_row.data_as<int32_t>(), expert_end.data_as<int32_t>(),
+                               static_cast<int32_t>(E), P, bf(xs), stream_),
+            "moe_gather_x");
+    int64_t off = 0;
+    const size_t esz = 2;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t c = cnt[static_cast<size_t>(e)];
+      if (c == 0) continue;
+      gemm(static_cast<const char*>(gate_up.data()) + e * 2 * I * H * esz, H, bf(xs) + off * H, H, bf(gu) + off * 2 * I,
+           2 * I, DType::BF16, 2 * I, padded(c), H);
+      off += c;
+    }
+    CUDA_OK(cuda::silu_mul(bf(gu), off, I, bf(act), stream_), "silu_mul");
+    off = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t c = cnt[static_cast<size_t>(e)];
+      if (c == 0) continue;
+      gemm(static_cast<const char*>(down.data()) + e * H * I * esz, I, bf(act) + off * I, I, bf(ybf) + off * H, H,
+           DType::BF16, H, padded(c), I);
+      off += c;
+    }
+    CUDA_OK(cuda::moe_combine_bf16(bf(ybf), pos_weight.data_as<float>(), assign_pos.data_as<int32_t>(), T,
+                                   static_cast<int32_t>(k), H, bf(out), stream_),
+            "moe_combine_bf16");
+    return;
+  }
+  Tensor y = scratch({P, H}, DType::F32);
+  {
+    Tensor act = scratch({P, I}, DType::BF16);
+    cuda::MoeGemmParams gp{};
+    gp.x = bf(x);
+    gp.pos_row = pos_row.data_as<int32_t>();
+    gp.w = bf(gate_up);
+    gp.tiles = tiles.data_as<int32_t>();
+    gp.num_tiles = num_tiles.data_as<int32_t>();
+    gp.expert_end = expert_end.data_as<int32_t>();
+    gp.max_tiles = max_tiles;
+    gp.N = static_cast<int32_t>(I);
+    gp.K = static_cast<int32_t>(H);
+    gp.act = bf(act);
+    CUDA_OK(cuda::moe_gemm_gate_up(gp, bm, stream_), "moe_gemm_gate_up");
+    gp.x = bf(act);
+    gp.pos_row = nullptr;
+    gp.w = bf(down);
+    gp.N = static_cast<int32_t>(H);
+    gp.K = static_cast<int32_t>(I);
+    gp.act = nullptr;
+    gp.y = y.data_as<float>();
+    gp.pos_weight = pos_weight.data_as<float>();
+    CUDA_OK(cuda::moe_gemm_down(gp, bm, stream_), "moe_gemm_down");
+  }
+  CUDA_OK(cuda::moe_combine(y.data_as<float>(), assign_pos.data_as<int32_t>(), T, static_cast<int32_t>(k), H, bf(out),
+                            stream_),
+          "moe_combine");
+}
+
+void CudaBackend::sample(const Tensor& logits, std::span<const RowSampling> params, Tensor& ids, Tensor* logprobs) {
+  const int64_t V = logits.size(-1), R = rows_of(logits);
+  MLA_CHECK(static_cast<int64_t>(params.size()) == R, "sample: {} parameter rows for {} logit rows", params.size(), R);
+  MLA_CHECK(logits.dtype() == DType::F32, "sample: logits must be F32");
+  MLA_CHECK(ids.dtype() == DType::I32 && ids.numel() == R, "sample: ids must be I32 [{}]", R);
+  MLA_CHECK(!logprobs || (logprobs->dtype() == DType::F32 && logprobs->numel() == R), "sample: logprobs must be F32 [{}]",
+            R);
+  if (R == 0) return;
+  std::vector<cuda::SampleRow> rows(static_cast<size_t>(R));
+  std::vector<int32_t> ptok, pcnt;
+  for (int64_t r = 0; r < R; ++r) {
+    const RowSampling& s = params[static_cast<size_t>(r)];
+    cuda::SampleRow& o = rows[static_cast<size_t>(r)];
+    o.temperature = s.temperature;
+    o.top_k = s.top_k;
+    o.top_p = s.top_p;
+    o.min_p = s.min_p;
+    o.frequency_penalty = s.frequency_penalty;
+    o.presence_penalty = s.presence_penalty;
+    o.repetition_penalty = s.repetition_penalty;
+    o.seed = s.seed;
+    o.step = s.step;
+    o.penalty_begin = static_cast<int32_t>(ptok.size());
+    for (const auto& [tok, cnt] : s.penalty_counts) {
+      ptok.push_back(tok);
+      pcnt.push_back(cnt);
+    }
+    o.penalty_end = static_cast<int32_t>(ptok.size());
+  }
+  MetaUpload up(*this);
+  cuda::SampleParams sp{};
+  sp.rows = up.add(rows);
+  sp.penalty_tokens = up.add(ptok);
+  sp.penalty_counts = up.add(pcnt);
+  up.flush();
+  const size_t mark = scratch_mark();
+  Tensor work = scratch({R, V}, DType::F32);
+  sp.logits = logits.data_as<const float>();
+  sp.R = R;
+  sp.V = V;
+  sp.work = work.data_as<float>();
+  sp.ids = ids.data_as<int32_t>();
+  sp.logprobs = logprobs ? logprobs->data_as<float>() : nullptr;
+  CUDA_OK(cuda::sample(sp, stream_), "sample");
+  scratch_release(mark);
+}
+
+}  // namespace
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+std::unique_ptr<Backend> make_cuda_backend(int device_index, const CudaBackendOptions& options) {
+  return std::make_unique<CudaBackend>(device_index, options);
+}
+
+}  // namespace mlaserve

@@ -1,0 +1,281 @@
+// Row and elementwise kernels: dummy-weight RNG, conversions, embedding, RMSNorm (+ residual add), SiLU-and-mul,
+// add, row gather, RoPE on q and the latent-cache write. CPU references: backend/cpu/cpu_backend.cpp.
+#include <cmath>
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/kernels.h"
+#include "core/random.h"
+
+namespace mlaserve::cuda {
+
+namespace {
+
+int grid_for(int64_t n, int threads, int max_blocks = 65536) {
+  int64_t b = (n + threads - 1) / threads;
+  if (b < 1) b = 1;
+  return static_cast<int>(b < max_blocks ? b : max_blocks);
+}
+
+__global__ void fill_random_kernel(void* out, bool out_bf16, int64_t n, int64_t cols, uint64_t seed, float mean,
+                                   float stddev, int64_t full_cols, int64_t row_offset, int64_t col_offset) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i - r * cols;
+    const uint64_t idx = static_cast<uint64_t>((r + row_offset) * full_cols + c + col_offset);
+    // Explicit roundings: the CPU computes mean + stddev * u without a fused multiply-add.
+    const float v = __fadd_rn(mean, __fmul_rn(stddev, unit_uniform(seed, idx)));
+    if (out_bf16) static_cast<bf16*>(out)[i] = __float2bfloat16_rn(v);
+    else static_cast<float*>(out)[i] = v;
+  }
+}
+
+__global__ void bf16_to_f32_kernel(const bf16* in, float* out, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = __bfloat162float(in[i]);
+}
+__global__ void f32_to_bf16_kernel(const float* in, bf16* out, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = __float2bfloat16_rn(in[i]);
+}
+
+__global__ void embedding_kernel(const bf16* table, int64_t vocab_rows, int64_t H, int64_t vocab_begin,
+                                 const int32_t* ids, bf16* out) {
+  const int64_t t = blockIdx.x;
+  const int64_t id = static_cast<int64_t>(ids[t]) - vocab_begin;
+  bf16* o = out + t * H;
+  const bool inside = id >= 0 && id < vocab_rows;
+  if ((H & 7) == 0) {
+    const uint4* src = reinterpret_cast<const uint4*>(table + (inside ? id : 0) * H);
+    uint4* dst = reinterpret_cast<uint4*>(o);
+    for (int64_t i = threadIdx.x; i < H / 8; i += blockDim.x) dst[i] = inside ? src[i] : make_uint4(0, 0, 0, 0);
+  } else {
+    for (int64_t i = threadIdx.x; i < H; i += blockDim.x)
+      o[i] = inside ? table[id * H + i] : __float2bfloat16_rn(0.0f);
+  }
+}
+
+// One block per row. ADD: residual = bf16(residual + x) first, and the norm reads the rounded residual.
+template <bool ADD>
+__global__ void rmsnorm_kernel(const bf16* x, bf16* residual, const float* w, int64_t D, float eps, bf16* out) {
+  __shared__ float red[32];
+  const int64_t row = blockIdx.x;
+  const bf16* xr = x + row * D;
+  bf16* rr = ADD ? residual + row * D : nullptr;
+  const bf16* src = ADD ? rr : xr;
+  bf16* o = out + row * D;
+  float ss = 0.0f;
+  const bool vec = (D & 7) == 0;
+  if (vec) {
+    for (int64_t i = threadIdx.x; i < D / 8; i += blockDim.x) {
+      uint4 xv = reinterpret_cast<const uint4*>(xr)[i];
+      const bf16* xe = reinterpret_cast<const bf16*>(&xv);
+      if (ADD) {
+        uint4 rv = reinterpret_cast<const uint4*>(rr)[i];
+        bf16* re = reinterpret_cast<bf16*>(&rv);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          re[j] = __float2bfloat16_rn(__bfloat162float(re[j]) + __bfloat162float(xe[j]));
+          const float v = __bfloat162float(re[j]);
+          ss += v * v;
+        }
+        reinterpret_cast<uint4*>(rr)[i] = rv;
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float v = __bfloat162float(xe[j]);
+          ss += v * v;
+        }
+      }
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+      float v = __bfloat162float(xr[i]);
+      if (ADD) {
+        const bf16 r = __float2bfloat16_rn(__bfloat162float(rr[i]) + v);
+        rr[i] = r;
+        v = __bfloat162float(r);
+      }
+      ss += v * v;
+    }
+  }
+  ss = block_sum(ss, red);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+  if (vec) {
+    for (int64_t i = threadIdx.x; i < D / 8; i += blockDim.x) {
+      uint4 sv = reinterpret_cast<const uint4*>(src)[i];
+      const bf16* se = reinterpret_cast<const bf16*>(&sv);
+      uint4 ov;
+      bf16* oe = reinterpret_cast<bf16*>(&ov);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) oe[j] = __float2bfloat16_rn(w[i * 8 + j] * (__bfloat162float(se[j]) * inv));
+      reinterpret_cast<uint4*>(o)[i] = ov;
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < D; i += blockDim.x)
+      o[i] = __float2bfloat16_rn(w[i] * (__bfloat162float(src[i]) * inv));
+  }
+}
+
+__global__ void silu_mul_kernel(const bf16* gu, int64_t N, int64_t I, bf16* out) {
+  const int64_t n = N * I;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / I, c = i - r * I;
+    const float g = __bfloat162float(gu[r * 2 * I + c]);
+    const float u = __bfloat162float(gu[r * 2 * I + I + c]);
+    out[i] = __float2bfloat16_rn(g / (1.0f + expf(-g)) * u);
+  }
+}
+
+__global__ void add_kernel(bf16* a, const bf16* b, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    a[i] = __float2bfloat16_rn(__bfloat162float(a[i]) + __bfloat162float(b[i]));
+}
+
+__global__ void gather_rows_kernel(const char* x, int64_t row_bytes, const int32_t* rows, char* out) {
+  const int64_t r = blockIdx.x;
+  const char* src = x + static_cast<int64_t>(rows[r]) * row_bytes;
+  char* dst = out + r * row_bytes;
+  if ((row_bytes & 15) == 0) {
+    for (int64_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x)
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+  } else {
+    for (int64_t i = threadIdx.x; i < row_bytes; i += blockDim.x) dst[i] = src[i];
+  }
+}
+
+__device__ __forceinline__ void rotate_pair(bf16* x, int i, int32_t pos, const float* inv_freq, float factor) {
+  const float ang = inv_freq[i] * static_cast<float>(pos);
+  const float c = cosf(ang) * factor, s = sinf(ang) * factor;
+  const float x0 = __bfloat162float(x[2 * i]), x1 = __bfloat162float(x[2 * i + 1]);
+  x[2 * i] = __float2bfloat16_rn(x0 * c - x1 * s);
+  x[2 * i + 1] = __float2bfloat16_rn(x0 * s + x1 * c);
+}
+
+__global__ void rope_q_kernel(bf16* q, int64_t T, int32_t nh, int32_t nope, int32_t rope, const int32_t* positions,
+                              const float* inv_freq, float factor) {
+  const int32_t half = rope / 2, hd = nope + rope;
+  const int64_t n = T * nh * half;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t th = i / half;
+    const int32_t p = static_cast<int32_t>(i - th * half);
+    const int64_t t = th / nh;
+    rotate_pair(q + th * hd + nope, p, positions[t], inv_freq, factor);
+  }
+}
+
+__global__ void write_latent_kernel(bf16* latent, int32_t kvr, int32_t rope, const float* w, float eps,
+                                    const int32_t* positions, const int32_t* slots, const float* inv_freq,
+                                    float factor, bf16* cache) {
+  __shared__ float red[32];
+  const int64_t t = blockIdx.x;
+  const int32_t W = kvr + rope;
+  bf16* row = latent + t * W;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < kvr; i += blockDim.x) {
+    const float v = __bfloat162float(row[i]);
+    ss += v * v;
+  }
+  ss = block_sum(ss, red);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(kvr) + eps);
+  __syncthreads();  // every thread has read the row before it is overwritten
+  bf16* dst = cache + static_cast<int64_t>(slots[t]) * W;
+  for (int i = threadIdx.x; i < kvr; i += blockDim.x) {
+    const bf16 v = __float2bfloat16_rn(w[i] * (__bfloat162float(row[i]) * inv));
+    row[i] = v;
+    dst[i] = v;
+  }
+  const int32_t pos = positions[t];
+  for (int i = threadIdx.x; i < rope / 2; i += blockDim.x) {
+    rotate_pair(row + kvr, i, pos, inv_freq, factor);
+    dst[kvr + 2 * i] = row[kvr + 2 * i];
+    dst[kvr + 2 * i + 1] = row[kvr + 2 * i + 1];
+  }
+}
+
+}  // namespace
+
+cudaError_t fill_random(void* out, bool out_bf16, int64_t rows, int64_t cols, uint64_t seed, float mean, float stddev,
+                        int64_t full_cols, int64_t row_offset, int64_t col_offset, cudaStream_t stream) {
+  const int64_t n = rows * cols;
+  if (n == 0) return cudaSuccess;
+  fill_random_kernel<<<grid_for(n, 256), 256, 0, stream>>>(out, out_bf16, n, cols, seed, mean, stddev, full_cols,
+                                                             row_offset, col_offset);
+  return cudaGetLastError();
+}
+
+cudaError_t convert_bf16_to_f32(const bf16* in, float* out, int64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  bf16_to_f32_kernel<<<grid_for(n, 256), 256, 0, stream>>>(in, out, n);
+  return cudaGetLastError();
+}
+cudaError_t convert_f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  f32_to_bf16_kernel<<<grid_for(n, 256), 256, 0, stream>>>(in, out, n);
+  return cudaGetLastError();
+}
+
+cudaError_t embedding(const bf16* table, int64_t vocab_rows, int64_t H, int64_t vocab_begin, const int32_t* ids,
+                      int64_t T, bf16* out, cudaStream_t stream) {
+  if (T == 0) return cudaSuccess;
+  embedding_kernel<<<static_cast<unsigned>(T), 128, 0, stream>>>(table, vocab_rows, H, vocab_begin, ids, out);
+  return cudaGetLastError();
+}
+
+static int norm_threads(int64_t D) { return D >= 4096 ? 512 : (D >= 1024 ? 256 : 128); }
+
+cudaError_t rmsnorm(const bf16* x, const float* w, int64_t N, int64_t D, float eps, bf16* out, cudaStream_t stream) {
+  if (N == 0) return cudaSuccess;
+  rmsnorm_kernel<false><<<static_cast<unsigned>(N), norm_threads(D), 0, stream>>>(x, nullptr, w, D, eps, out);
+  return cudaGetLastError();
+}
+
+cudaError_t add_rmsnorm(const bf16* x, bf16* residual, const float* w, int64_t N, int64_t D, float eps, bf16* out,
+                        cudaStream_t stream) {
+  if (N == 0) return cudaSuccess;
+  rmsnorm_kernel<true><<<static_cast<unsigned>(N), norm_threads(D), 0, stream>>>(x, residual, w, D, eps, out);
+  return cudaGetLastError();
+}
+
+cudaError_t silu_mul(const bf16* gate_up, int64_t N, int64_t I, bf16* out, cudaStream_t stream) {
+  if (N * I == 0) return cudaSuccess;
+  silu_mul_kernel<<<grid_for(N * I, 256), 256, 0, stream>>>(gate_up, N, I, out);
+  return cudaGetLastError();
+}
+
+cudaError_t add_inplace(bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  add_kernel<<<grid_for(n, 256), 256, 0, stream>>>(a, b, n);
+  return cudaGetLastError();
+}
+
+cudaError_t gather_rows(const void* x, int64_t row_bytes, const int32_t* rows, int64_t R, void* out,
+                        cudaStream_t stream) {
+  if (R == 0 || row_bytes == 0) return cudaSuccess;
+  gather_rows_kernel<<<static_cast<unsigned>(R), 128, 0, stream>>>(static_cast<const char*>(x), row_bytes, rows,
+                                                                   static_cast<char*>(out));
+  return cudaGetLastError();
+}
+
+cudaError_t rope_q(bf16* q, int64_t T, int32_t nh, int32_t nope, int32_t rope, const int32_t* positions,
+                   const float* inv_freq, float factor, cudaStream_t stream) {
+  const int64_t n = T * nh * (rope / 2);
+  if (n == 0) return cudaSuccess;
+  rope_q_kernel<<<grid_for(n, 256), 256, 0, stream>>>(q, T, nh, nope, rope, positions, inv_freq, factor);
+  return cudaGetLastError();
+}
+
+cudaError_t write_latent(bf16* latent, int64_t T, int32_t kvr, int32_t rope, const float* norm_w, float eps,
+                         const int32_t* positions, const int32_t* slots, const float* inv_freq, float factor,
+                         bf16* cache, cudaStream_t stream) {
+  if (T == 0) return cudaSuccess;
+  write_latent_kernel<<<static_cast<unsigned>(T), 128, 0, stream>>>(latent, kvr, rope, norm_w, eps, positions, slots,
+                                                                    inv_freq, factor, cache);
+  return cudaGetLastError();
+}
+
+}  // namespace mlaserve::cuda

@@ -1,0 +1,229 @@
+// CUDA kernel launchers: a plain C++17 header (no fmt / spdlog / backend.h) shared by the .cu files (nvcc,
+// -std=c++17) and the CudaBackend (g++, C++20). Launchers take raw device pointers, sizes and a stream, enqueue
+// their kernels and return the launch status (cudaGetLastError); they never synchronise or allocate.
+//
+// Element types: activations and the latent cache are bf16, norm weights and router logits fp32, ids int32.
+// Every kernel has a CPU reference in backend/cpu (named in docs/cuda.md) and a test in tests/gpu.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace mlaserve::cuda {
+
+using bf16 = __nv_bfloat16;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Elementwise / row kernels (elementwise.cu)
+
+// out[rows, cols] (bf16 if out_bf16 else f32) = mean + stddev * unit_uniform(seed, full index), the full index of
+// element (r, c) being (r + row_offset) * full_cols + c + col_offset (core/random.h, bit-identical to the CPU).
+cudaError_t fill_random(void* out, bool out_bf16, int64_t rows, int64_t cols, uint64_t seed, float mean, float stddev,
+                        int64_t full_cols, int64_t row_offset, int64_t col_offset, cudaStream_t stream);
+
+// out[n] = in[n] converted (bf16 <-> f32).
+cudaError_t convert_bf16_to_f32(const bf16* in, float* out, int64_t n, cudaStream_t stream);
+cudaError_t convert_f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream);
+
+// out[T, H] = table[ids[t] - vocab_begin] when inside [0, vocab_rows), else 0.
+cudaError_t embedding(const bf16* table, int64_t vocab_rows, int64_t H, int64_t vocab_begin, const int32_t* ids,
+                      int64_t T, bf16* out, cudaStream_t stream);
+
+// out[N, D] = x * rsqrt(mean(x^2) + eps) * w (fp32 math). out may alias x.
+cudaError_t rmsnorm(const bf16* x, const float* w, int64_t N, int64_t D, float eps, bf16* out, cudaStream_t stream);
+
+// residual[N, D] = bf16(residual + x); out = rmsnorm(residual). out may alias x.
+cudaError_t add_rmsnorm(const bf16* x, bf16* residual, const float* w, int64_t N, int64_t D, float eps, bf16* out,
+                        cudaStream_t stream);
+
+// out[N, I] = silu(gate_up[:, :I]) * gate_up[:, I:]   (gate_up: [N, 2I])
+cudaError_t silu_mul(const bf16* gate_up, int64_t N, int64_t I, bf16* out, cudaStream_t stream);
+
+// a[n] += b[n]
+cudaError_t add_inplace(bf16* a, const bf16* b, int64_t n, cudaStream_t stream);
+
+// out[r, :] = x[rows[r], :]  (rows of row_bytes bytes)
+cudaError_t gather_rows(const void* x, int64_t row_bytes, const int32_t* rows, int64_t R, void* out,
+                        cudaStream_t stream);
+
+// Rotates adjacent pairs of the rope part of every head in place: q[T, nh, nope + rope].
+// inv_freq: [rope / 2] (device); cos / sin scaled by `factor`.
+cudaError_t rope_q(bf16* q, int64_t T, int32_t nh, int32_t nope, int32_t rope, const int32_t* positions,
+                   const float* inv_freq, float factor, cudaStream_t stream);
+
+// latent[T, kvr + rope]: c_kv = rmsnorm(c_kv) * norm_w, k_pe rotated; the row is written back in place and
+// into cache[slots[t], :] (cache: [num_slots, kvr + rope]).
+cudaError_t write_latent(bf16* latent, int64_t T, int32_t kvr, int32_t rope, const float* norm_w, float eps,
+                         const int32_t* positions, const int32_t* slots, const float* inv_freq, float factor,
+                         bf16* cache, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------------
+// MLA attention (mla_decode.cu, mla_prefill.cu)
+
+// One unit of absorbed-form work: a token's keys [key_begin, key_end) (positions in its sequence).
+struct MlaDecodeItem {
+  int32_t token;       // row of q / out
+  int32_t seq;         // row of the page table
+  int32_t key_begin;   // first key position of this split
+  int32_t key_end;     // one past the last key position
+  int32_t partial;     // index of this split's partial row block, or -1: the only split, written to out directly
+};
+
+// Per token with more than one split: where its splits' partial results live.
+struct MlaDecodeCombineItem {
+  int32_t token;
+  int32_t first_partial;
+  int32_t num_partials;
+};
+
+struct MlaDecodeParams {
+  const bf16* q_lat;       // [T, nh, kvr]    q_nope @ W_UK per head
+  const bf16* q;           // [T, nh, nope + rope]: the rotated q_pe is read from here
+  const bf16* cache;       // [num_slots, kvr + rope] = [num_pages * page_size, 576]
+  const int32_t* page_table;  // [num_seqs, max_pages]
+  const MlaDecodeItem* items; // [num_items]
+  int32_t num_items;
+  int32_t num_heads, kvr, rope, nope;
+  int32_t page_size, max_pages;
+  float softmax_scale;
+  bf16* out_lat;           // [T, nh, kvr]: softmax(q k^T) @ c_kv per head
+  float* partial_o;        // [num_partials, nh, kvr]: per split, normalised by its own softmax sum
+  float* partial_lse;      // [num_partials, nh]: log2-sum-exp2 of the split's scaled scores
+  // Fast-path pipeline (16-head groups; the backend uses 4, measured fastest): 0: 32-key tiles, 2 stages, 2 blocks/SM; 1: 3 stages; 2: 4 stages
+  // (1 block/SM); 3: 64-key tiles, 8 warps, 2 stages; 4: 32-key tiles, 8 warps, QK^T dims split over warp pairs.
+  // 64-head groups: 1: 3 stages, else 2.
+  int32_t variant = 0;
+};
+constexpr int kMlaDecodeVariants = 5;
+// Absorbed-form attention over the paged latent cache (one KV head of 576 shared by all heads).
+// Fast tensor-core path for kvr 512 / rope 64 (heads in groups of 16, 32 or 64); a simple path otherwise.
+cudaError_t mla_decode(const MlaDecodeParams& p, bool allow_fast, cudaStream_t stream);
+// out_lat[token] = sum over splits of exp2(lse_i - lse) * partial_o_i
+cudaError_t mla_decode_combine(const MlaDecodeCombineItem* items, int32_t num_items, const float* partial_o,
+                               const float* partial_lse, int32_t num_heads, int32_t kvr, bf16* out_lat,
+                               cudaStream_t stream);
+// Keys per split the decode planner should use for num_tokens tokens with total_keys keys in all (longest max_ctx),
+// chosen from the SM count: no split when the tokens alone fill a wave of blocks.
+int32_t mla_decode_split_keys(int64_t total_keys, int64_t num_tokens, int64_t max_ctx, int32_t num_heads, int32_t kvr,
+                              int32_t rope, int32_t num_sms);
+
+// Expanded-form (prefill) work: up to kPrefillBlockQ consecutive new tokens of one sequence.
+constexpr int32_t kPrefillBlockQ = 64;
+struct MlaPrefillItem {
+  int32_t token_begin;  // first token row (q / out)
+  int32_t num_tokens;   // <= kPrefillBlockQ
+  int32_t pos_begin;    // position of the first token (the rest follow contiguously)
+  int32_t kv_begin;     // first row of this sequence's context in kv / ctx_latent
+};
+
+struct MlaPrefillParams {
+  const bf16* q;            // [T, nh, nope + rope] (rope part rotated)
+  const bf16* kv;           // [L, nh, nope + v]   = kv_b_proj(c_kv) of every context position
+  const bf16* ctx_latent;   // [L, kvr + rope]     gathered cache rows: k_pe read at column kvr
+  const MlaPrefillItem* items;
+  int32_t num_items;
+  int32_t num_heads, nope, rope, v, kvr;
+  float softmax_scale;
+  bf16* out;                // [T, nh, v]
+};
+// Causal attention, expanded form. Fast tensor-core path for nope 128 / rope 64 / v 128, a simple path otherwise.
+cudaError_t mla_prefill(const MlaPrefillParams& p, bool allow_fast, cudaStream_t stream);
+
+// ctx_latent[row, :] = cache[slot of (seq, pos)] for every context row; row_seq / row_pos: [L].
+cudaError_t mla_gather_context(const bf16* cache, int32_t width, const int32_t* page_table, int32_t page_size,
+                               int32_t max_pages, const int32_t* row_seq, const int32_t* row_pos, int64_t L,
+                               bf16* ctx_latent, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------------
+// MoE (moe.cu, moe_gemm*.cu)
+
+enum class RouteMethod : int32_t { Greedy = 0, GroupLimitedGreedy = 1, NoauxTc = 2 };
+struct RouteArgs {
+  RouteMethod method = RouteMethod::Greedy;
+  bool sigmoid = false;  // scoring function: sigmoid, else softmax
+  int32_t top_k = 1, n_group = 1, topk_group = 1;
+  bool norm_topk_prob = false;
+  float routed_scaling_factor = 1.0f;
+};
+// ids[T, k], weights[T, k] from logits[T, E] (+ bias[E] or null). E <= 1024.
+cudaError_t moe_route(const float* logits, const float* bias, int64_t T, int32_t E, const RouteArgs& a, int32_t* ids,
+                      float* weights, cudaStream_t stream);
+
+// Groups the T * k assignments by local expert (ids in [expert_begin, expert_begin + E)) into "positions":
+//   expert_end[E]     one past the last position of each expert (positions of expert e: [end[e-1], end[e]))
+//   pos_row[P]        token row of the assignment at each position (P <= T * k)
+//   pos_weight[P]     its routing weight
+//   assign_pos[T * k] position of each assignment, -1 when its expert is not local
+//   tiles[max_tiles]  (expert << 20 | m_start) for every block_m-row tile of every expert; num_tiles[1]
+// max_tiles must be >= ceil(T * k / block_m) + E.
+struct MoeGroupOut {
+  int32_t* expert_end;
+  int32_t* pos_row;
+  float* pos_weight;
+  int32_t* assign_pos;
+  int32_t* tiles;
+  int32_t* num_tiles;
+  int32_t* expert_counts;  // [E] tokens per expert (for the cuBLAS path and statistics)
+};
+cudaError_t moe_group(const int32_t* ids, const float* weights, int64_t T, int32_t k, int32_t E, int32_t expert_begin,
+                      int32_t block_m, const MoeGroupOut& out, cudaStream_t stream);
+int32_t moe_max_tiles(int64_t T, int32_t k, int32_t E, int32_t block_m);
+// Row tile the grouped GEMMs use for a given number of assignments per expert (64 for decode, 128 for prefill).
+int32_t moe_block_m(int64_t assignments, int32_t E);
+
+struct MoeGemmParams {
+  const bf16* x;            // [T, H] activations (gate_up) or [P, I] (down: rows are positions)
+  const int32_t* pos_row;   // gate_up: [P] row of x for each position; down: null (position = row)
+  const bf16* w;            // gate_up: [E, 2I, H]; down: [E, H, I]
+  const int32_t* tiles;
+  const int32_t* num_tiles;
+  const int32_t* expert_end;
+  int32_t max_tiles;
+  int32_t N, K;             // gate_up: N = I, K = H; down: N = H, K = I (K % 8 == 0)
+  bf16* act;                // gate_up output [P, I] = silu(x W_gate^T) * (x W_up^T)
+  float* y;                 // down output [P, H] = pos_weight * (act W_down^T)
+  const float* pos_weight;  // [P]
+};
+cudaError_t moe_gemm_gate_up(const MoeGemmParams& p, int32_t block_m, cudaStream_t stream);
+cudaError_t moe_gemm_down(const MoeGemmParams& p, int32_t block_m, cudaStream_t stream);
+
+// out[t, :] = bf16(sum_j y[assign_pos[t * k + j], :]) over j in order, skipping -1.
+cudaError_t moe_combine(const float* y, const int32_t* assign_pos, int64_t T, int32_t k, int64_t H, bf16* out,
+                        cudaStream_t stream);
+// out[t, :] = bf16(sum_j pos_weight[p_j] * y[p_j, :]) with p_j = assign_pos[t * k + j] (skipping -1), y bf16.
+cudaError_t moe_combine_bf16(const bf16* y, const float* pos_weight, const int32_t* assign_pos, int64_t T, int32_t k,
+                             int64_t H, bf16* out, cudaStream_t stream);
+// xs[p, :] = x[pos_row[p], :] for p < P (P read from expert_end[E - 1]; rows up to max_p)
+cudaError_t moe_gather_x(const bf16* x, int64_t H, const int32_t* pos_row, const int32_t* expert_end, int32_t E,
+                         int64_t max_p, bf16* xs, cudaStream_t stream);
+// y[p, :] = pos_weight[p] * y_bf16[p, :]   (the cuBLAS path's epilogue)
+cudaError_t moe_scale_rows(const bf16* in, const float* pos_weight, const int32_t* expert_end, int32_t E, int64_t H,
+                           int64_t max_p, float* y, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Sampling (sampling.cu)
+
+struct SampleRow {
+  float temperature;         // 0: greedy
+  int32_t top_k;             // <= 0: off
+  float top_p;               // >= 1: off
+  float min_p;               // <= 0: off
+  float frequency_penalty, presence_penalty, repetition_penalty;
+  uint64_t seed, step;
+  int32_t penalty_begin, penalty_end;  // range in the penalty list
+};
+struct SampleParams {
+  const float* logits;       // [R, V]
+  int64_t R, V;
+  const SampleRow* rows;     // [R]
+  const int32_t* penalty_tokens;  // token ids of all rows' penalty lists
+  const int32_t* penalty_counts;  // counts
+  float* work;               // [R, V] scratch
+  int32_t* ids;              // [R] out
+  float* logprobs;           // [R] out or null
+};
+cudaError_t sample(const SampleParams& p, cudaStream_t stream);
+
+}  // namespace mlaserve::cuda

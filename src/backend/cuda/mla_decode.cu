@@ -1,0 +1,421 @@
+// MLA decode attention, absorbed form: per token, heads attend with 576-wide queries [q_lat (512) | q_pe (64)] over
+// the paged latent cache rows [c_kv (512) | k_pe (64)] (one KV head), values = c_kv. CPU reference:
+// cpu::mla_attention (absorbed_token_head).
+//
+// Work: one block per (item, head group); an item is one token's keys [key_begin, key_end) (a split of its context).
+// Fast path (kvr 512, rope 64): tensor cores (mma.sync m16n8k16 bf16), cache tiles of 32 keys streamed with cp.async
+// into shared memory (rows past the split are zero-filled: unused pages are never read, so NaN there cannot leak),
+// online softmax in log2 space. Splits write normalised partial outputs + log2-sum-exp; mla_decode_combine merges.
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/kernels.h"
+
+namespace mlaserve::cuda {
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <int HB, int NW, int STAGES, int BN_, int KSPLIT_ = 1>
+struct DecodeCfg {
+  static constexpr int KSPLIT = KSPLIT_;    // warps sharing one S tile, each over a slice of the 576 dims
+  static constexpr int D = 576, KVR = 512, ROPE = 64;
+  static constexpr int BN = BN_;            // keys per tile
+  static constexpr int LDS = D + 8;         // smem row stride (elements): 1168 B, conflict-free ldmatrix
+  static constexpr int MT = HB / 16;        // 16-head row tiles
+  static constexpr int NTS = BN / 8;        // n8 tiles of S
+  static constexpr int UPW = MT * NTS * KSPLIT / NW;  // S units (16 heads x 8 keys x a dim slice) per warp
+  static constexpr int KSTEPS = D / 16 / KSPLIT;       // 16-wide k steps per unit
+  static constexpr int CG = NW / MT;        // warps sharing a row tile in P @ V (split over dv)
+  static constexpr int DVW = KVR / CG;      // dv columns per warp
+  static constexpr int NTO = DVW / 8;       // O n8 tiles per warp
+  static constexpr int TPR = NW * 32 / HB;  // softmax threads per row
+  static constexpr int KPT = BN / TPR;      // keys per softmax thread
+  static constexpr int LDP = BN + 8;        // P row stride (elements)
+  static constexpr int LDSS = BN + 1;       // S row stride (floats)
+  static constexpr size_t smem_bytes =
+      sizeof(bf16) * (static_cast<size_t>(HB) * LDS + static_cast<size_t>(STAGES) * BN * LDS + HB * LDP) +
+      sizeof(float) * (KSPLIT * HB * LDSS + 3 * HB);
+  static_assert(MT * NTS * KSPLIT % NW == 0, "S units must split evenly over warps");
+  static_assert(KSTEPS % 2 == 0, "k steps come in pairs");
+  static_assert(NW % MT == 0, "warps must split evenly over row tiles");
+  static_assert(NTO % 2 == 0, "O tiles come in pairs");
+  static_assert(KPT >= 1 && TPR <= 32, "softmax mapping");
+};
+
+template <int HB, int NW, int STAGES, int BN_, int KSPLIT_>
+__global__ void __launch_bounds__(NW * 32) mla_decode_fast_kernel(const MlaDecodeParams p) {
+  using C = DecodeCfg<HB, NW, STAGES, BN_, KSPLIT_>;
+  constexpr int D = C::D, KVR = C::KVR, BN = C::BN, LDS = C::LDS;
+  constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
+  bf16* sK = sQ + HB * LDS;
+  bf16* sP = sK + STAGES * BN * LDS;
+  float* sS = reinterpret_cast<float*>(sP + HB * C::LDP);
+  float* sAlpha = sS + C::KSPLIT * HB * C::LDSS;
+  float* sM = sAlpha + HB;
+  float* sL = sM + HB;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const MlaDecodeItem it = p.items[blockIdx.x];
+  const int h0 = blockIdx.y * HB;
+  const int nh = p.num_heads;
+  const int rows_valid = min(HB, nh - h0);
+  const int32_t* ptab = p.page_table + static_cast<int64_t>(it.seq) * p.max_pages;
+  const float scale = p.softmax_scale * kLog2e;
+  const int num_keys = it.key_end - it.key_begin;
+  const int n_tiles = (num_keys + BN - 1) / BN;
+
+  // Q: rows = heads, [q_lat (512) | q_pe (64)]; one warp per row, 72 chunks of 16 bytes over its lanes.
+  for (int r = warp; r < HB; r += NW) {
+    const bool ok = r < rows_valid;
+    const int64_t th = static_cast<int64_t>(it.token) * nh + h0 + (ok ? r : 0);
+    for (int c = lane; c < CHUNKS; c += 32) {
+      const int col = c * 8;
+      const bf16* src = col < KVR ? p.q_lat + th * KVR + col : p.q + th * (p.nope + C::ROPE) + p.nope + (col - KVR);
+      cp_async16(sQ + r * LDS + col, src, ok);
+    }
+  }
+  // A tile of cache rows: one warp per row (the page-table lookup once per row), rows past the split zero-filled.
+  auto load_tile = [&](int kt, int stage) {
+    bf16* dst = sK + stage * BN * LDS;
+    const int key0 = it.key_begin + kt * BN;
+    for (int r = warp; r < BN; r += NW) {
+      const int key = key0 + r;
+      const bool ok = key < it.key_end;
+      int64_t slot = 0;
+      if (ok) slot = static_cast<int64_t>(ptab[key / p.page_size]) * p.page_size + key % p.page_size;
+      const bf16* src = p.cache + slot * D;
+      for (int c = lane; c < CHUNKS; c += 32) cp_async16(dst + r * LDS + c * 8, src + c * 8, ok);
+    }
+  };
+  load_tile(0, 0);
+  cp_async_commit();
+#pragma unroll
+  for (int s = 1; s < STAGES - 1; ++s) {
+    if (s < n_tiles) load_tile(s, s);
+    cp_async_commit();
+  }
+  if (tid < HB) {
+    sM[tid] = -INFINITY;
+    sL[tid] = 0.0f;
+  }
+
+  float o[C::NTO][4];
+#pragma unroll
+  for (int i = 0; i < C::NTO; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  const int pv_mt = warp / C::CG, pv_cg = warp % C::CG;
+
+  for (int kt = 0; kt < n_tiles; ++kt) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    if (kt + STAGES - 1 < n_tiles) load_tile(kt + STAGES - 1, (kt + STAGES - 1) % STAGES);
+    cp_async_commit();
+    const bf16* K = sK + (kt % STAGES) * BN * LDS;
+    const int key0 = it.key_begin + kt * BN;
+
+    // S = Q K^T for this warp's units (16 heads x 8 keys x a slice of the dims), written scaled to sS (one buffer
+    // per dim slice). Fragments for the next k-step pair are loaded before the current pair's MMAs issue.
+#pragma unroll
+    for (int u = 0; u < C::UPW; ++u) {
+      const int unit = warp * C::UPW + u;
+      const int kh = unit % C::KSPLIT, tile = unit / C::KSPLIT;
+      const int mt = tile / C::NTS, nt = tile % C::NTS;
+      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      const bf16* qrow = sQ + (mt * 16 + (lane & 15)) * LDS + (lane >> 4) * 8 + kh * C::KSTEPS * 16;
+      const bf16* krow = K + (nt * 8 + (lane & 7)) * LDS + (lane >> 3) * 8 + kh * C::KSTEPS * 16;
+      uint32_t a0[4], a1[4], b[4];
+      ldmatrix_x4(a0, qrow);
+      ldmatrix_x4(a1, qrow + 16);
+      ldmatrix_x4(b, krow);
+#pragma unroll
+      for (int ks = 0; ks < C::KSTEPS; ks += 2) {
+        uint32_t na0[4], na1[4], nb[4];
+        if (ks + 2 < C::KSTEPS) {
+          ldmatrix_x4(na0, qrow + (ks + 2) * 16);
+          ldmatrix_x4(na1, qrow + (ks + 3) * 16);
+          ldmatrix_x4(nb, krow + (ks + 2) * 16);
+        }
+        mma_bf16(acc[0], a0, b[0], b[1]);
+        mma_bf16(acc[1], a1, b[2], b[3]);
+        if (ks + 2 < C::KSTEPS) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            a0[i] = na0[i];
+            a1[i] = na1[i];
+            b[i] = nb[i];
+          }
+        }
+      }
+      const int kc = nt * 8 + 2 * t4;
+      const bool v0 = key0 + kc < it.key_end, v1 = key0 + kc + 1 < it.key_end;
+      float* s0 = sS + kh * HB * C::LDSS + (mt * 16 + g) * C::LDSS + kc;
+      float* s1 = s0 + 8 * C::LDSS;
+      s0[0] = v0 ? (acc[0][0] + acc[1][0]) * scale : -INFINITY;
+      s0[1] = v1 ? (acc[0][1] + acc[1][1]) * scale : -INFINITY;
+      s1[0] = v0 ? (acc[0][2] + acc[1][2]) * scale : -INFINITY;
+      s1[1] = v1 ? (acc[0][3] + acc[1][3]) * scale : -INFINITY;
+    }
+    __syncthreads();
+
+    // Online softmax: TPR consecutive lanes per row.
+    {
+      const int row = tid / C::TPR, sub = tid % C::TPR;
+      const float* srow = sS + row * C::LDSS + sub * C::KPT;
+      float sv[C::KPT];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < C::KPT; ++j) {
+        sv[j] = srow[j];
+#pragma unroll
+        for (int q = 1; q < C::KSPLIT; ++q) sv[j] += srow[q * HB * C::LDSS + j];
+        mx = fmaxf(mx, sv[j]);
+      }
+#pragma unroll
+      for (int o2 = C::TPR / 2; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
+      const float m_old = sM[row];
+      const float m_new = fmaxf(m_old, mx);
+      float sum = 0.0f;
+      bf16* prow = sP + row * C::LDP + sub * C::KPT;
+#pragma unroll
+      for (int j = 0; j < C::KPT; ++j) {
+        const float e = exp2f(sv[j] - m_new);
+        sum += e;
+        prow[j] = __float2bfloat16_rn(e);
+      }
+#pragma unroll
+      for (int o2 = C::TPR / 2; o2 > 0; o2 >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o2);
+      if (sub == 0) {
+        const float alpha = exp2f(m_old - m_new);
+        sAlpha[row] = alpha;
+        sL[row] = sL[row] * alpha + sum;
+        sM[row] = m_new;
+      }
+    }
+    __syncthreads();
+
+    // O = alpha * O + P V   (V = the first 512 columns of the cache tile)
+    {
+      const float al0 = sAlpha[pv_mt * 16 + g], al1 = sAlpha[pv_mt * 16 + g + 8];
+#pragma unroll
+      for (int i = 0; i < C::NTO; ++i) {
+        o[i][0] *= al0;
+        o[i][1] *= al0;
+        o[i][2] *= al1;
+        o[i][3] *= al1;
+      }
+#pragma unroll
+      for (int ks = 0; ks < BN / 16; ++ks) {
+        uint32_t a[4];
+        ldmatrix_x4(a, sP + (pv_mt * 16 + (lane & 15)) * C::LDP + ks * 16 + (lane >> 4) * 8);
+        const bf16* vbase = K + (ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + pv_cg * C::DVW + (lane >> 4) * 8;
+        // All B fragments of this k step first (issued back to back), then the MMAs.
+        constexpr int NB = C::NTO / 2 < 8 ? C::NTO / 2 : 8;
+#pragma unroll
+        for (int n0 = 0; n0 < C::NTO / 2; n0 += NB) {
+          uint32_t b[NB][4];
+#pragma unroll
+          for (int j = 0; j < NB; ++j) ldmatrix_x4_trans(b[j], vbase + (n0 + j) * 16);
+#pragma unroll
+          for (int j = 0; j < NB; ++j) {
+            mma_bf16(o[2 * (n0 + j)], a, b[j][0], b[j][1]);
+            mma_bf16(o[2 * (n0 + j) + 1], a, b[j][2], b[j][3]);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  const int r0 = pv_mt * 16 + g, r1 = r0 + 8;
+  const float inv0 = 1.0f / sL[r0], inv1 = 1.0f / sL[r1];
+  const int colbase = pv_cg * C::DVW + 2 * t4;
+  if (it.partial < 0) {
+    bf16* out0 = p.out_lat + (static_cast<int64_t>(it.token) * nh + h0 + r0) * KVR + colbase;
+    bf16* out1 = out0 + 8 * KVR;
+#pragma unroll
+    for (int i = 0; i < C::NTO; ++i) {
+      if (r0 < rows_valid)
+        *reinterpret_cast<uint32_t*>(out0 + i * 8) = pack_bf16x2(o[i][0] * inv0, o[i][1] * inv0);
+      if (r1 < rows_valid)
+        *reinterpret_cast<uint32_t*>(out1 + i * 8) = pack_bf16x2(o[i][2] * inv1, o[i][3] * inv1);
+    }
+  } else {
+    float* out0 = p.partial_o + (static_cast<int64_t>(it.partial) * nh + h0 + r0) * KVR + colbase;
+    float* out1 = out0 + 8 * KVR;
+#pragma unroll
+    for (int i = 0; i < C::NTO; ++i) {
+      if (r0 < rows_valid) *reinterpret_cast<float2*>(out0 + i * 8) = make_float2(o[i][0] * inv0, o[i][1] * inv0);
+      if (r1 < rows_valid) *reinterpret_cast<float2*>(out1 + i * 8) = make_float2(o[i][2] * inv1, o[i][3] * inv1);
+    }
+    if (tid < rows_valid) p.partial_lse[static_cast<int64_t>(it.partial) * nh + h0 + tid] = sM[tid] + log2f(sL[tid]);
+  }
+}
+
+// Simple path for any kvr / rope: one block per (item, head); keys in chunks of blockDim, fp32 throughout.
+constexpr int kSimpleThreads = 128;
+constexpr int kSimpleMaxCols = 8;  // kvr <= 1024
+
+__global__ void __launch_bounds__(kSimpleThreads) mla_decode_simple_kernel(const MlaDecodeParams p) {
+  extern __shared__ float sq[];  // [kvr + rope] query, then [kSimpleThreads] probabilities
+  __shared__ float red[32];
+  const MlaDecodeItem it = p.items[blockIdx.x];
+  const int h = blockIdx.y, nh = p.num_heads, kvr = p.kvr, W = p.kvr + p.rope;
+  float* sp = sq + W;
+  const int64_t th = static_cast<int64_t>(it.token) * nh + h;
+  for (int i = threadIdx.x; i < W; i += blockDim.x)
+    sq[i] = i < kvr ? __bfloat162float(p.q_lat[th * kvr + i])
+                    : __bfloat162float(p.q[th * (p.nope + p.rope) + p.nope + (i - kvr)]);
+  __syncthreads();
+  const int32_t* ptab = p.page_table + static_cast<int64_t>(it.seq) * p.max_pages;
+  const float scale = p.softmax_scale * kLog2e;
+  float m = -INFINITY, l = 0.0f;
+  float o[kSimpleMaxCols];
+#pragma unroll
+  for (int i = 0; i < kSimpleMaxCols; ++i) o[i] = 0.0f;
+  for (int k0 = it.key_begin; k0 < it.key_end; k0 += kSimpleThreads) {
+    const int key = k0 + threadIdx.x;
+    float s = -INFINITY;
+    if (key < it.key_end) {
+      const int64_t slot = static_cast<int64_t>(ptab[key / p.page_size]) * p.page_size + key % p.page_size;
+      const bf16* row = p.cache + slot * W;
+      float acc = 0.0f;
+      for (int d = 0; d < W; ++d) acc += sq[d] * __bfloat162float(row[d]);
+      s = acc * scale;
+    }
+    const float m_new = fmaxf(m, block_max(s, red));
+    const float e = key < it.key_end ? exp2f(s - m_new) : 0.0f;
+    const float sum = block_sum(e, red);
+    const float alpha = exp2f(m - m_new);
+    l = l * alpha + sum;
+    m = m_new;
+    sp[threadIdx.x] = e;
+    __syncthreads();
+    const int n = min(kSimpleThreads, it.key_end - k0);
+#pragma unroll
+    for (int i = 0; i < kSimpleMaxCols; ++i) o[i] *= alpha;
+    for (int j = 0; j < n; ++j) {
+      const int kj = k0 + j;
+      const int64_t slot = static_cast<int64_t>(ptab[kj / p.page_size]) * p.page_size + kj % p.page_size;
+      const bf16* row = p.cache + slot * W;
+      const float pj = sp[j];
+#pragma unroll
+      for (int i = 0; i < kSimpleMaxCols; ++i) {
+        const int c = threadIdx.x + i * kSimpleThreads;
+        if (c < kvr) o[i] += pj * __bfloat162float(row[c]);
+      }
+    }
+    __syncthreads();
+  }
+  const float inv = 1.0f / l;
+#pragma unroll
+  for (int i = 0; i < kSimpleMaxCols; ++i) {
+    const int c = threadIdx.x + i * kSimpleThreads;
+    if (c >= kvr) continue;
+    if (it.partial < 0) p.out_lat[th * kvr + c] = __float2bfloat16_rn(o[i] * inv);
+    else p.partial_o[(static_cast<int64_t>(it.partial) * nh + h) * kvr + c] = o[i] * inv;
+  }
+  if (it.partial >= 0 && threadIdx.x == 0) p.partial_lse[static_cast<int64_t>(it.partial) * nh + h] = m + log2f(l);
+}
+
+__global__ void mla_decode_combine_kernel(const MlaDecodeCombineItem* items, const float* partial_o,
+                                          const float* partial_lse, int32_t nh, int32_t kvr, bf16* out_lat) {
+  const MlaDecodeCombineItem it = items[blockIdx.x];
+  const int h = blockIdx.y;
+  float mx = -INFINITY;
+  for (int i = 0; i < it.num_partials; ++i) mx = fmaxf(mx, partial_lse[static_cast<int64_t>(it.first_partial + i) * nh + h]);
+  float total = 0.0f;
+  for (int i = 0; i < it.num_partials; ++i)
+    total += exp2f(partial_lse[static_cast<int64_t>(it.first_partial + i) * nh + h] - mx);
+  const float inv_total = 1.0f / total;
+  for (int c = threadIdx.x; c < kvr; c += blockDim.x) {
+    float acc = 0.0f;
+    for (int i = 0; i < it.num_partials; ++i) {
+      const int64_t pr = static_cast<int64_t>(it.first_partial + i) * nh + h;
+      acc += exp2f(partial_lse[pr] - mx) * partial_o[pr * kvr + c];
+    }
+    out_lat[(static_cast<int64_t>(it.token) * nh + h) * kvr + c] = __float2bfloat16_rn(acc * inv_total);
+  }
+}
+
+template <int HB, int NW, int STAGES, int BN, int KSPLIT = 1>
+cudaError_t launch_fast(const MlaDecodeParams& p, cudaStream_t stream) {
+  using C = DecodeCfg<HB, NW, STAGES, BN, KSPLIT>;
+  auto kernel = mla_decode_fast_kernel<HB, NW, STAGES, BN, KSPLIT>;
+  static bool configured = false;  // per instantiation; the attribute is per function and device
+  if (!configured) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(C::smem_bytes));
+    if (e != cudaSuccess) return e;
+    configured = true;
+  }
+  dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>((p.num_heads + HB - 1) / HB));
+  kernel<<<grid, NW * 32, C::smem_bytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+bool fast_dims(int32_t kvr, int32_t rope) { return kvr == 512 && rope == 64; }
+
+}  // namespace
+
+int32_t mla_decode_split_keys(int64_t total_keys, int64_t num_tokens, int64_t max_ctx, int32_t num_heads, int32_t kvr,
+                              int32_t rope, int32_t num_sms) {
+  int64_t slots;      // blocks resident at once
+  int64_t groups;     // blocks per item
+  if (fast_dims(kvr, rope) && num_heads % 64 == 0) {
+    slots = num_sms;
+    groups = num_heads / 64;
+  } else if (fast_dims(kvr, rope)) {
+    slots = 2LL * num_sms;
+    groups = (num_heads + 15) / 16;
+  } else {
+    slots = 8LL * num_sms;
+    groups = num_heads;
+  }
+  // No split when the unsplit blocks already fill about one wave (no combine pass then); otherwise splits sized
+  // for about one wave of blocks, at least 256 keys, in whole 64-key steps.
+  if (num_tokens * groups * 4 >= slots * 3) return static_cast<int32_t>(std::min<int64_t>(max_ctx, 1 << 30));
+  int64_t chunk = (total_keys * groups + slots - 1) / slots;
+  chunk = (chunk + 63) / 64 * 64;
+  if (chunk < 256) chunk = 256;
+  if (chunk > (1 << 30)) chunk = 1 << 30;
+  return static_cast<int32_t>(chunk);
+}
+
+cudaError_t mla_decode(const MlaDecodeParams& p, bool allow_fast, cudaStream_t stream) {
+  if (p.num_items == 0 || p.num_heads == 0) return cudaSuccess;
+  if (allow_fast && fast_dims(p.kvr, p.rope)) {
+    if (p.num_heads % 64 == 0) {
+      if (p.variant == 1) return launch_fast<64, 8, 3, 32>(p, stream);
+      return launch_fast<64, 8, 2, 32>(p, stream);
+    }
+    switch (p.variant) {
+      case 1: return launch_fast<16, 4, 3, 32>(p, stream);
+      case 2: return launch_fast<16, 4, 4, 32>(p, stream);
+      case 3: return launch_fast<16, 8, 2, 64>(p, stream);
+      case 4: return launch_fast<16, 8, 2, 32, 2>(p, stream);
+      default: return launch_fast<16, 4, 2, 32>(p, stream);
+    }
+  }
+  if (p.kvr > kSimpleThreads * kSimpleMaxCols) return cudaErrorInvalidValue;
+  dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>(p.num_heads));
+  const size_t smem = sizeof(float) * (p.kvr + p.rope + kSimpleThreads);
+  mla_decode_simple_kernel<<<grid, kSimpleThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t mla_decode_combine(const MlaDecodeCombineItem* items, int32_t num_items, const float* partial_o,
+                               const float* partial_lse, int32_t num_heads, int32_t kvr, bf16* out_lat,
+                               cudaStream_t stream) {
+  if (num_items == 0 || num_heads == 0) return cudaSuccess;
+  dim3 grid(static_cast<unsigned>(num_items), static_cast<unsigned>(num_heads));
+  mla_decode_combine_kernel<<<grid, 128, 0, stream>>>(items, partial_o, partial_lse, num_heads, kvr, out_lat);
+  return cudaGetLastError();
+}
+
+}  // namespace mlaserve::cuda

@@ -1,0 +1,289 @@
+// MoE routing (greedy, group-limited greedy, noaux_tc), grouping of the assignments by expert, and the weighted
+// combine. CPU references: cpu::route_token and cpu::moe_experts.
+#include <cmath>
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/kernels.h"
+
+namespace mlaserve::cuda {
+
+namespace {
+
+constexpr int kRouteWarps = 4;
+
+// Is (va, ia) ranked before (vb, ib)? Higher value first, lower index on ties (the CPU's partial_sort order).
+__device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib) {
+  return va > vb || (va == vb && ia < ib);
+}
+
+// One warp per token. Shared memory per warp: s[E], choice[E], taken[E].
+__global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float* logits, const float* bias,
+                                                                    int64_t T, int32_t E, RouteArgs a, int32_t* ids,
+                                                                    float* weights) {
+  extern __shared__ float route_smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouteWarps + warp;
+  if (t >= T) return;
+  float* s = route_smem + static_cast<int64_t>(warp) * 3 * E;
+  float* choice = s + E;
+  float* taken = choice + E;
+  const float* lg = logits + t * E;
+  const float ninf = -INFINITY;
+
+  if (!a.sigmoid) {
+    float m = ninf;
+    for (int e = lane; e < E; e += 32) m = fmaxf(m, lg[e]);
+    m = warp_max(m);
+    float sum = 0.0f;
+    for (int e = lane; e < E; e += 32) {
+      const float v = expf(lg[e] - m);
+      s[e] = v;
+      sum += v;
+    }
+    sum = warp_sum(sum);
+    const float inv = 1.0f / sum;
+    for (int e = lane; e < E; e += 32) s[e] *= inv;
+  } else {
+    for (int e = lane; e < E; e += 32) s[e] = 1.0f / (1.0f + expf(-lg[e]));
+  }
+  for (int e = lane; e < E; e += 32) {
+    choice[e] = s[e] + (bias ? bias[e] : 0.0f);
+    taken[e] = 0.0f;
+  }
+  __syncwarp();
+
+  if (a.method != RouteMethod::Greedy && a.n_group > 1) {
+    const int per = E / a.n_group;
+    float gscore = ninf;
+    if (lane < a.n_group) {
+      const float* c = choice + lane * per;
+      if (a.method == RouteMethod::NoauxTc) {
+        float b1 = ninf, b2 = ninf;
+        for (int i = 0; i < per; ++i) {
+          if (c[i] > b1) {
+            b2 = b1;
+            b1 = c[i];
+          } else if (c[i] > b2) {
+            b2 = c[i];
+          }
+        }
+        gscore = per >= 2 ? b1 + b2 : b1;
+      } else {
+        for (int i = 0; i < per; ++i) gscore = fmaxf(gscore, c[i]);
+      }
+    }
+    // Rank of this lane's group: groups with a higher score, or an equal score and a lower index, come first.
+    int rank = 0;
+    for (int h = 0; h < a.n_group; ++h) {
+      const float gh = __shfl_sync(0xffffffffu, gscore, h);
+      if (lane < a.n_group && h != lane && ranks_before(gh, h, gscore, lane)) ++rank;
+    }
+    const bool keep_mine = lane < a.n_group && rank < a.topk_group;
+    const unsigned keep_mask = __ballot_sync(0xffffffffu, keep_mine);
+    __syncwarp();
+    for (int e = lane; e < E; e += 32)
+      if (!((keep_mask >> (e / per)) & 1u)) choice[e] = ninf;
+    __syncwarp();
+  }
+
+  float wsum = 0.0f;
+  for (int i = 0; i < a.top_k; ++i) {
+    float bv = 0.0f;
+    int bi = -1;
+    for (int e = lane; e < E; e += 32) {
+      if (taken[e] != 0.0f) continue;
+      if (bi < 0 || ranks_before(choice[e], e, bv, bi)) {
+        bv = choice[e];
+        bi = e;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (oi >= 0 && (bi < 0 || ranks_before(ov, oi, bv, bi))) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    if (lane == 0) {
+      taken[bi] = 1.0f;
+      ids[t * a.top_k + i] = bi;
+      const float w = s[bi];
+      weights[t * a.top_k + i] = w;
+      wsum += w;
+    }
+    __syncwarp();
+  }
+  if (lane == 0) {
+    if (a.norm_topk_prob) {
+      const float denom = wsum + 1e-20f;
+      for (int i = 0; i < a.top_k; ++i) weights[t * a.top_k + i] /= denom;
+    }
+    for (int i = 0; i < a.top_k; ++i) weights[t * a.top_k + i] *= a.routed_scaling_factor;
+  }
+}
+
+constexpr int kGroupThreads = 1024;
+
+__global__ void __launch_bounds__(kGroupThreads) moe_group_kernel(const int32_t* ids, const float* weights,
+                                                                  int64_t n_assign, int32_t k, int32_t E,
+                                                                  int32_t expert_begin, int32_t block_m,
+                                                                  MoeGroupOut out) {
+  extern __shared__ int32_t grp_smem[];
+  int32_t* cnt = grp_smem;        // [E]
+  int32_t* cursor = cnt + E;      // [E]
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n_assign; i += blockDim.x) {
+    const int e = ids[i] - expert_begin;
+    if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t off = 0, n_tiles = 0;
+    for (int e = 0; e < E; ++e) {
+      cursor[e] = off;
+      for (int m = 0; m < cnt[e]; m += block_m) out.tiles[n_tiles++] = (e << 20) | (off + m);
+      off += cnt[e];
+      out.expert_end[e] = off;
+      out.expert_counts[e] = cnt[e];
+    }
+    out.num_tiles[0] = n_tiles;
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n_assign; i += blockDim.x) {
+    const int e = ids[i] - expert_begin;
+    if (e >= 0 && e < E) {
+      const int pos = atomicAdd(&cursor[e], 1);
+      out.pos_row[pos] = static_cast<int32_t>(i / k);
+      out.pos_weight[pos] = weights[i];
+      out.assign_pos[i] = pos;
+    } else {
+      out.assign_pos[i] = -1;
+    }
+  }
+}
+
+__global__ void moe_combine_kernel(const float* y, const int32_t* assign_pos, int32_t k, int64_t H, bf16* out) {
+  const int64_t t = blockIdx.x;
+  const int32_t* ap = assign_pos + t * k;
+  bf16* o = out + t * H;
+  if ((H & 3) == 0) {
+    for (int64_t i = threadIdx.x; i < H / 4; i += blockDim.x) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int j = 0; j < k; ++j) {
+        const int32_t pos = ap[j];
+        if (pos < 0) continue;
+        const float4 v = reinterpret_cast<const float4*>(y + static_cast<int64_t>(pos) * H)[i];
+        acc.x += v.x;
+        acc.y += v.y;
+        acc.z += v.z;
+        acc.w += v.w;
+      }
+      reinterpret_cast<uint32_t*>(o)[2 * i] = pack_bf16x2(acc.x, acc.y);
+      reinterpret_cast<uint32_t*>(o)[2 * i + 1] = pack_bf16x2(acc.z, acc.w);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < H; i += blockDim.x) {
+      float acc = 0.0f;
+      for (int j = 0; j < k; ++j)
+        if (ap[j] >= 0) acc += y[static_cast<int64_t>(ap[j]) * H + i];
+      o[i] = __float2bfloat16_rn(acc);
+    }
+  }
+}
+
+__global__ void moe_combine_bf16_kernel(const bf16* y, const float* pos_weight, const int32_t* assign_pos, int32_t k,
+                                        int64_t H, bf16* out) {
+  const int64_t t = blockIdx.x;
+  const int32_t* ap = assign_pos + t * k;
+  bf16* o = out + t * H;
+  for (int64_t i = threadIdx.x; i < H; i += blockDim.x) {
+    float acc = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      const int32_t pos = ap[j];
+      if (pos >= 0) acc += pos_weight[pos] * __bfloat162float(y[static_cast<int64_t>(pos) * H + i]);
+    }
+    o[i] = __float2bfloat16_rn(acc);
+  }
+}
+
+__global__ void moe_gather_x_kernel(const bf16* x, int64_t H, const int32_t* pos_row, const int32_t* expert_end,
+                                    int32_t E, bf16* xs) {
+  const int64_t p = blockIdx.x;
+  if (p >= expert_end[E - 1]) return;
+  const bf16* src = x + static_cast<int64_t>(pos_row[p]) * H;
+  bf16* dst = xs + p * H;
+  if ((H & 7) == 0) {
+    for (int64_t i = threadIdx.x; i < H / 8; i += blockDim.x)
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+  } else {
+    for (int64_t i = threadIdx.x; i < H; i += blockDim.x) dst[i] = src[i];
+  }
+}
+
+__global__ void moe_scale_rows_kernel(const bf16* in, const float* pos_weight, const int32_t* expert_end, int32_t E,
+                                      int64_t H, float* y) {
+  const int64_t p = blockIdx.x;
+  if (p >= expert_end[E - 1]) return;
+  const float w = pos_weight[p];
+  for (int64_t i = threadIdx.x; i < H; i += blockDim.x) y[p * H + i] = w * __bfloat162float(in[p * H + i]);
+}
+
+}  // namespace
+
+cudaError_t moe_route(const float* logits, const float* bias, int64_t T, int32_t E, const RouteArgs& a, int32_t* ids,
+                      float* weights, cudaStream_t stream) {
+  if (T == 0) return cudaSuccess;
+  if (E > 1024 || a.top_k > E || (a.n_group > 1 && (a.n_group > 32 || E % a.n_group != 0)))
+    return cudaErrorInvalidValue;
+  const size_t smem = sizeof(float) * 3 * E * kRouteWarps;
+  const unsigned blocks = static_cast<unsigned>((T + kRouteWarps - 1) / kRouteWarps);
+  moe_route_kernel<<<blocks, kRouteWarps * 32, smem, stream>>>(logits, bias, T, E, a, ids, weights);
+  return cudaGetLastError();
+}
+
+int32_t moe_max_tiles(int64_t T, int32_t k, int32_t E, int32_t block_m) {
+  return static_cast<int32_t>((T * k + block_m - 1) / block_m + E);
+}
+
+int32_t moe_block_m(int64_t assignments, int32_t E) { return assignments > 96LL * E ? 128 : 64; }
+
+cudaError_t moe_group(const int32_t* ids, const float* weights, int64_t T, int32_t k, int32_t E, int32_t expert_begin,
+                      int32_t block_m, const MoeGroupOut& out, cudaStream_t stream) {
+  if (E > 2047 || T * k >= (1 << 20)) return cudaErrorInvalidValue;
+  const size_t smem = sizeof(int32_t) * 2 * E;
+  moe_group_kernel<<<1, kGroupThreads, smem, stream>>>(ids, weights, T * k, k, E, expert_begin, block_m, out);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_combine(const float* y, const int32_t* assign_pos, int64_t T, int32_t k, int64_t H, bf16* out,
+                        cudaStream_t stream) {
+  if (T == 0) return cudaSuccess;
+  moe_combine_kernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(y, assign_pos, k, H, out);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_combine_bf16(const bf16* y, const float* pos_weight, const int32_t* assign_pos, int64_t T, int32_t k,
+                             int64_t H, bf16* out, cudaStream_t stream) {
+  if (T == 0) return cudaSuccess;
+  moe_combine_bf16_kernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(y, pos_weight, assign_pos, k, H, out);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_gather_x(const bf16* x, int64_t H, const int32_t* pos_row, const int32_t* expert_end, int32_t E,
+                         int64_t max_p, bf16* xs, cudaStream_t stream) {
+  if (max_p == 0) return cudaSuccess;
+  moe_gather_x_kernel<<<static_cast<unsigned>(max_p), 128, 0, stream>>>(x, H, pos_row, expert_end, E, xs);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_scale_rows(const bf16* in, const float* pos_weight, const int32_t* expert_end, int32_t E, int64_t H,
+                           int64_t max_p, float* y, cudaStream_t stream) {
+  if (max_p == 0) return cudaSuccess;
+  moe_scale_rows_kernel<<<static_cast<unsigned>(max_p), 128, 0, stream>>>(in, pos_weight, expert_end, E, H, y);
+  return cudaGetLastError();
+}
+
+}  // namespace mlaserve::cuda

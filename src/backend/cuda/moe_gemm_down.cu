@@ -1,0 +1,14 @@
+// Instantiations of the grouped down GEMM with the routing-weight epilogue (see moe_gemm.cuh).
+#include "backend/cuda/moe_gemm.cuh"
+
+namespace mlaserve::cuda {
+
+cudaError_t moe_gemm_down(const MoeGemmParams& p, int32_t block_m, cudaStream_t stream) {
+  if (p.K % 8 != 0 || p.N % 2 != 0) return cudaErrorInvalidValue;
+  if (static_cast<int64_t>(p.max_tiles + 1) * block_m * p.K >= (1LL << 32) || 2LL * p.N * p.K >= (1LL << 31))
+    return cudaErrorInvalidValue;
+  if (block_m == 128) return launch_moe_gemm<128, 128, 4, 2, 3, false>(p, stream);
+  return launch_moe_gemm<64, 128, 2, 2, 4, false>(p, stream);
+}
+
+}  // namespace mlaserve::cuda

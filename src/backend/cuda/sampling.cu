@@ -1,0 +1,232 @@
+// Sampling on the GPU, one block per row: penalties, temperature, top-k / top-p / min-p filters and a Gumbel-max
+// draw whose noise is a counter-based function of (seed, step, token id), so it equals the CPU sampler
+// (CpuBackend::sample, the reference) token for token. Thresholds are exact radix selections over the logits'
+// ordered bit patterns (top-k: counts; top-p: probability mass), so ties at a threshold are all kept, as on the CPU.
+#include <cmath>
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/kernels.h"
+#include "core/random.h"
+
+namespace mlaserve::cuda {
+
+namespace {
+
+constexpr int kSampleThreads = 1024;
+
+__device__ __forceinline__ uint32_t ordered_key(float x) {
+  const uint32_t u = __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Block argmax (value desc, index asc) of (v, i); every thread gets the result.
+__device__ void block_argmax(float& v, int& i, float* rv, int* ri) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (oi >= 0 && (i < 0 || ov > v || (ov == v && oi < i))) {
+      v = ov;
+      i = oi;
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) {
+    rv[warp] = v;
+    ri[warp] = i;
+  }
+  __syncthreads();
+  v = lane < (blockDim.x >> 5) ? rv[lane] : 0.0f;
+  i = lane < (blockDim.x >> 5) ? ri[lane] : -1;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (oi >= 0 && (i < 0 || ov > v || (ov == v && oi < i))) {
+      v = ov;
+      i = oi;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SampleParams p) {
+  __shared__ float red[32];
+  __shared__ int redi[32];
+  __shared__ float hist_mass[256];
+  __shared__ int hist_cnt[256];
+  __shared__ uint32_t sh_prefix;
+  __shared__ float sh_mass_above;
+  __shared__ int sh_need;
+
+  const int64_t r = blockIdx.x;
+  const int64_t V = p.V;
+  const SampleRow row = p.rows[r];
+  const float* lg = p.logits + r * V;
+  float* x = p.work + r * V;
+  const int tid = threadIdx.x;
+
+  const bool greedy = row.temperature <= 0.0f;
+  if (greedy && row.penalty_begin == row.penalty_end) {  // plain argmax: read the logits in place
+    float bv = -INFINITY;
+    int bi = -1;
+    for (int64_t v = tid; v < V; v += blockDim.x)
+      if (bi < 0 || lg[v] > bv) {
+        bv = lg[v];
+        bi = static_cast<int>(v);
+      }
+    block_argmax(bv, bi, red, redi);
+    if (p.logprobs) {
+      float z = 0.0f;
+      for (int64_t v = tid; v < V; v += blockDim.x) z += expf(lg[v] - bv);
+      z = block_sum(z, red);
+      if (tid == 0) p.logprobs[r] = -logf(z);
+    }
+    if (tid == 0) p.ids[r] = bi;
+    return;
+  }
+  for (int64_t v = tid; v < V; v += blockDim.x) x[v] = lg[v];
+  __syncthreads();
+  for (int i = row.penalty_begin + tid; i < row.penalty_end; i += blockDim.x) {
+    const int32_t tok = p.penalty_tokens[i], cnt = p.penalty_counts[i];
+    if (tok < 0 || tok >= V || cnt <= 0) continue;
+    float v = x[tok];
+    if (row.repetition_penalty != 1.0f) v = v > 0.0f ? v / row.repetition_penalty : v * row.repetition_penalty;
+    v -= row.frequency_penalty * static_cast<float>(cnt);
+    v -= row.presence_penalty;
+    x[tok] = v;
+  }
+  __syncthreads();
+  if (!greedy)
+    for (int64_t v = tid; v < V; v += blockDim.x) x[v] = x[v] / row.temperature;
+  __syncthreads();
+
+  float bv = -INFINITY;
+  int bi = -1;
+  for (int64_t v = tid; v < V; v += blockDim.x)
+    if (bi < 0 || x[v] > bv) {
+      bv = x[v];
+      bi = static_cast<int>(v);
+    }
+  block_argmax(bv, bi, red, redi);
+  const float xmax = bv;
+  float z = 0.0f;
+  for (int64_t v = tid; v < V; v += blockDim.x) z += expf(x[v] - xmax);
+  z = block_sum(z, red);
+  const float log_z = logf(z);
+  if (greedy) {
+    if (tid == 0) {
+      p.ids[r] = bi;
+      if (p.logprobs) p.logprobs[r] = -log_z;
+    }
+    return;
+  }
+
+  // top-k: the k-th largest key (exact, 4 radix passes of 8 bits).
+  uint32_t kth_key = 0;
+  if (row.top_k > 0 && row.top_k < V) {
+    if (tid == 0) {
+      sh_prefix = 0;
+      sh_need = row.top_k;
+    }
+    for (int pass = 0; pass < 4; ++pass) {
+      const int shift = 24 - 8 * pass;
+      const uint32_t hi_mask = pass == 0 ? 0u : (0xffffffffu << (shift + 8));
+      for (int b = tid; b < 256; b += blockDim.x) hist_cnt[b] = 0;
+      __syncthreads();
+      const uint32_t prefix = sh_prefix;
+      for (int64_t v = tid; v < V; v += blockDim.x) {
+        const uint32_t k = ordered_key(x[v]);
+        if ((k & hi_mask) == prefix) atomicAdd(&hist_cnt[(k >> shift) & 0xff], 1);
+      }
+      __syncthreads();
+      if (tid == 0) {
+        int need = sh_need;
+        for (int b = 255; b >= 0; --b) {
+          if (hist_cnt[b] >= need) {
+            sh_prefix = prefix | (static_cast<uint32_t>(b) << shift);
+            break;
+          }
+          need -= hist_cnt[b];
+        }
+        sh_need = need;
+      }
+      __syncthreads();
+    }
+    kth_key = sh_prefix;
+  }
+
+  // top-p over the top-k set: the largest key whose mass of keys >= it reaches top_p of the set's mass.
+  uint32_t p_key = 0;
+  if (row.top_p <= 0.0f) {
+    p_key = ordered_key(xmax);
+  } else if (row.top_p < 1.0f) {
+    float zk = 0.0f;
+    for (int64_t v = tid; v < V; v += blockDim.x)
+      if (ordered_key(x[v]) >= kth_key) zk += expf(x[v] - xmax);
+    zk = block_sum(zk, red);
+    const float target = row.top_p * zk;
+    if (tid == 0) {
+      sh_prefix = 0;
+      sh_mass_above = 0.0f;
+    }
+    for (int pass = 0; pass < 4; ++pass) {
+      const int shift = 24 - 8 * pass;
+      const uint32_t hi_mask = pass == 0 ? 0u : (0xffffffffu << (shift + 8));
+      for (int b = tid; b < 256; b += blockDim.x) hist_mass[b] = 0.0f;
+      __syncthreads();
+      const uint32_t prefix = sh_prefix;
+      for (int64_t v = tid; v < V; v += blockDim.x) {
+        const uint32_t k = ordered_key(x[v]);
+        if (k >= kth_key && (k & hi_mask) == prefix) atomicAdd(&hist_mass[(k >> shift) & 0xff], expf(x[v] - xmax));
+      }
+      __syncthreads();
+      if (tid == 0) {
+        float above = sh_mass_above;
+        int chosen = 0;
+        for (int b = 255; b >= 0; --b) {
+          if (above + hist_mass[b] >= target) {
+            chosen = b;
+            break;
+          }
+          above += hist_mass[b];
+        }
+        sh_prefix = prefix | (static_cast<uint32_t>(chosen) << shift);
+        sh_mass_above = above;
+      }
+      __syncthreads();
+    }
+    p_key = sh_prefix;
+  }
+  const uint32_t min_key = kth_key > p_key ? kth_key : p_key;
+
+  // Gumbel-max over the kept tokens.
+  float best = -INFINITY;
+  int besti = -1;
+  for (int64_t v = tid; v < V; v += blockDim.x) {
+    const float xv = x[v];
+    if (ordered_key(xv) < min_key) continue;
+    if (row.min_p > 0.0f && expf(xv - xmax) < row.min_p) continue;
+    const float u = open_uniform(row.seed, row.step, static_cast<uint64_t>(v));
+    const float s = xv - logf(-logf(u));
+    if (besti < 0 || s > best) {
+      best = s;
+      besti = static_cast<int>(v);
+    }
+  }
+  block_argmax(best, besti, red, redi);
+  if (tid == 0) {
+    p.ids[r] = besti;
+    if (p.logprobs) p.logprobs[r] = x[besti] - xmax - log_z;
+  }
+}
+
+}  // namespace
+
+cudaError_t sample(const SampleParams& p, cudaStream_t stream) {
+  if (p.R == 0) return cudaSuccess;
+  sample_kernel<<<static_cast<unsigned>(p.R), kSampleThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace mlaserve::cuda

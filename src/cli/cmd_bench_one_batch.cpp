@@ -1,0 +1,165 @@
+// mlaserve bench-one-batch: latency and throughput of one static batch, offline (no scheduler, no HTTP).
+// B sequences of I random prompt tokens are prefilled (in steps of at most --max-prefill-tokens tokens, whole
+// sequences per step), then decoded greedily for O - 1 more steps (the prefill yields the first output token), with
+// sampling on the backend and only the sampled ids copied back. A warm-up pass (prefill + 2 decode steps) runs
+// first so one-time costs (GEMM heuristics, first launches) stay out of the numbers.
+#include <algorithm>
+#include <chrono>
+#include <iostream>
+#include <random>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "cli/command.h"
+#include "cli/model_args.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "engine/page_pool.h"
+#include "model/kv_cache.h"
+
+namespace mlaserve::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+struct RunResult {
+  double prefill_s = 0.0;
+  std::vector<double> decode_s;  // per decode step
+  std::vector<int32_t> last_ids;
+};
+
+class BatchRunner {
+ public:
+  BatchRunner(DeepseekModel& model, KvCache& cache, std::vector<std::vector<int32_t>> prompts,
+              std::vector<std::vector<int32_t>> pages, int32_t max_prefill_tokens)
+      : model_(model), cache_(cache), prompts_(std::move(prompts)), pages_(std::move(pages)),
+        max_prefill_(max_prefill_tokens) {}
+
+  RunResult run(int32_t output_len, MlaForm form) {
+    Backend& be = model_.backend();
+    const size_t B = prompts_.size();
+    RunResult r;
+    std::vector<int32_t> next(B, 0);
+    const auto t0 = Clock::now();
+    for (size_t first = 0; first < B;) {
+      ForwardBatchBuilder bb(cache_.page_size());
+      size_t last = first, tokens = 0;
+      while (last < B && (last == first || tokens + prompts_[last].size() <= static_cast<size_t>(max_prefill_))) {
+        bb.add(prompts_[last], 0, pages_[last], false);
+        tokens += prompts_[last].size();
+        ++last;
+      }
+      sample_into(be, model_.forward(bb.finish(), cache_, form), next, first);
+      first = last;
+    }
+    r.prefill_s = seconds_since(t0);
+    std::vector<int32_t> len(B);
+    for (size_t j = 0; j < B; ++j) len[j] = static_cast<int32_t>(prompts_[j].size());
+    for (int32_t step = 0; step + 1 < output_len; ++step) {
+      const auto ts = Clock::now();
+      ForwardBatchBuilder bb(cache_.page_size());
+      for (size_t j = 0; j < B; ++j) bb.add(std::span<const int32_t>(&next[j], 1), len[j]++, pages_[j], false);
+      sample_into(be, model_.forward(bb.finish(), cache_, form), next, 0);
+      r.decode_s.push_back(seconds_since(ts));
+    }
+    r.last_ids = next;
+    return r;
+  }
+
+ private:
+  // Greedy ids of the logits' rows into next[first + i], sampled on the backend; only the ids come back.
+  void sample_into(Backend& be, const Tensor& logits, std::vector<int32_t>& next, size_t first) {
+    const int64_t R = logits.size(0);
+    std::vector<RowSampling> params(static_cast<size_t>(R));
+    Tensor ids = be.scratch({R}, DType::I32);
+    be.sample(logits, params, ids, nullptr);
+    be.download(ids, next.data() + first);
+  }
+
+  DeepseekModel& model_;
+  KvCache& cache_;
+  std::vector<std::vector<int32_t>> prompts_;
+  std::vector<std::vector<int32_t>> pages_;
+  int32_t max_prefill_;
+};
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+const RegisterCommand reg("bench-one-batch", "prefill and decode latency / throughput of one static batch",
+                          [](CLI::App& app) {
+  auto args = std::make_shared<ModelArgs>();
+  auto batch = std::make_shared<int32_t>(1);
+  auto in_len = std::make_shared<int32_t>(128);
+  auto out_len = std::make_shared<int32_t>(16);
+  auto max_prefill = std::make_shared<int32_t>(16384);
+  auto warmup = std::make_shared<bool>(true);
+  auto input_seed = std::make_shared<uint64_t>(1);
+  args->add_to(app);
+  app.add_option("--batch-size", *batch, "sequences in the batch")->capture_default_str();
+  app.add_option("--input-len", *in_len, "prompt tokens per sequence")->capture_default_str();
+  app.add_option("--output-len", *out_len, "generated tokens per sequence (the first comes from the prefill)")
+      ->capture_default_str();
+  app.add_option("--max-prefill-tokens", *max_prefill, "most prompt tokens in one prefill step (whole sequences)")
+      ->capture_default_str();
+  app.add_option("--warmup", *warmup, "run a warm-up pass first")->capture_default_str();
+  app.add_option("--input-seed", *input_seed, "seed of the random prompt ids")->capture_default_str();
+  return [=]() -> int {
+    MLA_CHECK(*batch > 0 && *in_len > 0 && *out_len > 0, "--batch-size, --input-len and --output-len must be positive");
+    MLA_CHECK(*max_prefill > 0, "--max-prefill-tokens must be positive");
+    LoadedModel lm = load_model(*args);
+    DeepseekModel& model = *lm.model;
+    const ModelConfig& cfg = model.config();
+    const int32_t ps = args->page_size;
+    const int32_t pages_per_seq = (*in_len + *out_len + ps - 1) / ps;
+    const int32_t total_pages = *batch * pages_per_seq;
+    KvCache cache(model.backend(), cfg, total_pages, ps);
+    PagePool pool(total_pages);
+    std::vector<std::vector<int32_t>> pages, prompts;
+    std::mt19937_64 rng(*input_seed);
+    std::uniform_int_distribution<int32_t> tok(2, static_cast<int32_t>(cfg.vocab_size - 1));
+    for (int32_t j = 0; j < *batch; ++j) {
+      pages.push_back(*pool.alloc(pages_per_seq));
+      std::vector<int32_t> p(static_cast<size_t>(*in_len));
+      for (auto& t : p) t = tok(rng);
+      prompts.push_back(std::move(p));
+    }
+    BatchRunner runner(model, cache, prompts, pages, *max_prefill);
+    if (*warmup) runner.run(std::min(*out_len, 3), args->form());
+    const RunResult r = runner.run(*out_len, args->form());
+
+    const double prefill_tokens = static_cast<double>(*batch) * *in_len;
+    const double dec_med = median(r.decode_s);
+    double dec_sum = 0.0;
+    for (double d : r.decode_s) dec_sum += d;
+    const double dec_tokens = static_cast<double>(*batch) * r.decode_s.size();
+    fmt::print("bench-one-batch: {} on {}, batch {}, input {}, output {}, page size {}\n", cfg.arch_name,
+               model.backend().name(), *batch, *in_len, *out_len, ps);
+    fmt::print("  prefill: {:>10.2f} ms   {:>10.0f} tok/s   ({} tokens)\n", r.prefill_s * 1e3,
+               prefill_tokens / r.prefill_s, static_cast<int64_t>(prefill_tokens));
+    if (!r.decode_s.empty()) {
+      fmt::print("  decode:  {:>10.3f} ms/step (median of {}, mean {:.3f})   {:>10.0f} tok/s (median)   {:.0f} tok/s (mean)\n",
+                 dec_med * 1e3, r.decode_s.size(), dec_sum / r.decode_s.size() * 1e3, *batch / dec_med,
+                 dec_tokens / dec_sum);
+    }
+    const double total_s = r.prefill_s + dec_sum;
+    fmt::print("  total:   {:>10.2f} ms   {:>10.0f} tok/s (prompt + generated)\n", total_s * 1e3,
+               (prefill_tokens + dec_tokens + *batch) / total_s);
+    fmt::print("{{\"arch\": \"{}\", \"device\": \"{}\", \"batch_size\": {}, \"input_len\": {}, \"output_len\": {}, "
+               "\"prefill_ms\": {:.3f}, \"prefill_tok_s\": {:.1f}, \"decode_median_ms\": {:.4f}, "
+               "\"decode_tok_s\": {:.1f}, \"first_ids\": [{}]}}\n",
+               cfg.arch_name, model.backend().name(), *batch, *in_len, *out_len, r.prefill_s * 1e3,
+               prefill_tokens / r.prefill_s, dec_med * 1e3, dec_med > 0 ? *batch / dec_med : 0.0,
+               fmt::join(r.last_ids.begin(), r.last_ids.begin() + std::min<size_t>(4, r.last_ids.size()), ", "));
+    return 0;
+  };
+});
+
+}  // namespace
+}  // namespace mlaserve::cli

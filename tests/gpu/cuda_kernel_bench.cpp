@@ -1,0 +1,246 @@
+// Kernel micro-benchmarks on the GPU (not a test): the MLA decode kernel alone (bytes of latent cache read per
+// second; FLOP/s with 128 heads) and the grouped MoE GEMMs (bytes of expert weights read per second at decode
+// batch sizes, FLOP/s at prefill sizes). Random data (fill_random), CUDA events, median of 20 runs after warm-up.
+// usage: cuda_kernel_bench [mla|moe|all]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/kernels.h"
+
+using namespace mlaserve::cuda;
+
+#define CK(x)                                                                                   \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
+
+namespace {
+
+template <typename T>
+T* dev(size_t n) {
+  void* p = nullptr;
+  CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
+  return static_cast<T*>(p);
+}
+template <typename T>
+T* upload(const std::vector<T>& v) {
+  T* p = dev<T>(v.size());
+  CK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
+double time_ms(const std::function<void()>& f, int warmup = 3, int iters = 20) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < warmup; ++i) f();
+  std::vector<float> ts;
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(a));
+    f();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    ts.push_back(ms);
+  }
+  std::sort(ts.begin(), ts.end());
+  return ts[ts.size() / 2];
+}
+
+int num_sms() {
+  cudaDeviceProp p{};
+  CK(cudaGetDeviceProperties(&p, 0));
+  return p.multiProcessorCount;
+}
+
+double bench_mla(int batch, int ctx, int nh, int page_size, int variant) {
+  const int kvr = 512, rope = 64, nope = 128, W = kvr + rope;
+  const int64_t slots = static_cast<int64_t>(batch) * ctx;
+  const int pages_per_seq = ctx / page_size;
+  bf16* cache = dev<bf16>(slots * W);
+  CK(fill_random(cache, true, slots, W, 1, 0.0f, 1.0f, W, 0, 0, nullptr));
+  bf16* q_lat = dev<bf16>(static_cast<size_t>(batch) * nh * kvr);
+  bf16* q = dev<bf16>(static_cast<size_t>(batch) * nh * (nope + rope));
+  CK(fill_random(q_lat, true, static_cast<int64_t>(batch) * nh, kvr, 2, 0.0f, 0.05f, kvr, 0, 0, nullptr));
+  CK(fill_random(q, true, static_cast<int64_t>(batch) * nh, nope + rope, 3, 0.0f, 0.1f, nope + rope, 0, 0, nullptr));
+  std::vector<int32_t> table(static_cast<size_t>(batch) * pages_per_seq);
+  std::iota(table.begin(), table.end(), 0);
+  std::mt19937_64 rng(5);
+  std::shuffle(table.begin(), table.end(), rng);
+  const int32_t chunk = mla_decode_split_keys(slots, batch, ctx, nh, kvr, rope, num_sms());
+  std::vector<MlaDecodeItem> items;
+  std::vector<MlaDecodeCombineItem> comb;
+  int32_t partial = 0;
+  for (int t = 0; t < batch; ++t) {
+    const int nsplit = (ctx + chunk - 1) / chunk;
+    if (nsplit <= 1) {
+      items.push_back({t, t, 0, ctx, -1});
+      continue;
+    }
+    int len = (ctx + nsplit - 1) / nsplit;
+    len = (len + 63) / 64 * 64;
+    const int first = partial;
+    for (int k0 = 0; k0 < ctx; k0 += len) items.push_back({t, t, k0, std::min(ctx, k0 + len), partial++});
+    comb.push_back({t, first, partial - first});
+  }
+  MlaDecodeParams p{};
+  p.q_lat = q_lat;
+  p.q = q;
+  p.cache = cache;
+  p.page_table = upload(table);
+  p.items = upload(items);
+  p.num_items = static_cast<int32_t>(items.size());
+  p.num_heads = nh;
+  p.kvr = kvr;
+  p.rope = rope;
+  p.nope = nope;
+  p.page_size = page_size;
+  p.max_pages = pages_per_seq;
+  p.softmax_scale = 0.1f;
+  p.variant = variant;
+  p.out_lat = dev<bf16>(static_cast<size_t>(batch) * nh * kvr);
+  p.partial_o = dev<float>(static_cast<size_t>(std::max(partial, 1)) * nh * kvr);
+  p.partial_lse = dev<float>(static_cast<size_t>(std::max(partial, 1)) * nh);
+  MlaDecodeCombineItem* d_comb = upload(comb);
+  const double t_kernel = time_ms([&] { CK(mla_decode(p, true, nullptr)); });
+  const double t_comb = time_ms([&] {
+    CK(mla_decode_combine(d_comb, static_cast<int32_t>(comb.size()), p.partial_o, p.partial_lse, nh, kvr, p.out_lat,
+                          nullptr));
+  });
+  const double bytes = static_cast<double>(slots) * W * 2;
+  const double flops = static_cast<double>(slots) * nh * (W + kvr) * 2;
+  std::printf("mla_decode v%d batch %4d ctx %5d heads %3d page %2d: split %5d keys (%4zu blocks x %d groups)  kernel %7.3f ms"
+              "  %5.2f TB/s  %6.1f TFLOP/s | +combine %6.3f ms -> %5.2f TB/s\n",
+              variant, batch, ctx, nh, page_size, chunk, items.size(), nh % 64 == 0 ? nh / 64 : (nh + 15) / 16, t_kernel,
+              bytes / t_kernel / 1e9, flops / t_kernel / 1e9, t_comb, bytes / (t_kernel + t_comb) / 1e9);
+  CK(cudaFree(cache));
+  CK(cudaFree(q_lat));
+  CK(cudaFree(q));
+  CK(cudaFree(p.out_lat));
+  CK(cudaFree(p.partial_o));
+  CK(cudaFree(p.partial_lse));
+  return bytes / t_kernel / 1e9;
+}
+
+void bench_moe(int T, int E, int k, int H, int I) {
+  std::mt19937_64 rng(9);
+  std::vector<int32_t> ids(static_cast<size_t>(T) * k);
+  for (int t = 0; t < T; ++t) {
+    std::vector<int32_t> all(static_cast<size_t>(E));
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    for (int j = 0; j < k; ++j) ids[static_cast<size_t>(t) * k + j] = all[static_cast<size_t>(j)];
+  }
+  std::vector<char> touched(static_cast<size_t>(E), 0);
+  for (int32_t e : ids) touched[static_cast<size_t>(e)] = 1;
+  const int n_touched = static_cast<int>(std::count(touched.begin(), touched.end(), 1));
+  std::vector<float> w(ids.size(), 0.1f);
+  int32_t* d_ids = upload(ids);
+  float* d_w = upload(w);
+  bf16* x = dev<bf16>(static_cast<size_t>(T) * H);
+  CK(fill_random(x, true, T, H, 4, 0.0f, 1.0f, H, 0, 0, nullptr));
+  bf16* gu = dev<bf16>(static_cast<size_t>(E) * 2 * I * H);
+  bf16* dn = dev<bf16>(static_cast<size_t>(E) * H * I);
+  CK(fill_random(gu, true, static_cast<int64_t>(E) * 2 * I, H, 5, 0.0f, 0.02f, H, 0, 0, nullptr));
+  CK(fill_random(dn, true, static_cast<int64_t>(E) * H, I, 6, 0.0f, 0.02f, I, 0, 0, nullptr));
+  const int64_t P = static_cast<int64_t>(T) * k;
+  const int32_t bm = moe_block_m(P, E);
+  const int32_t max_tiles = moe_max_tiles(T, k, E, bm);
+  MoeGroupOut g{dev<int32_t>(E), dev<int32_t>(P), dev<float>(P), dev<int32_t>(P), dev<int32_t>(max_tiles),
+                dev<int32_t>(1), dev<int32_t>(E)};
+  bf16* act = dev<bf16>(static_cast<size_t>(P) * I);
+  float* y = dev<float>(static_cast<size_t>(P) * H);
+  bf16* out = dev<bf16>(static_cast<size_t>(T) * H);
+  MoeGemmParams gp{};
+  gp.x = x;
+  gp.pos_row = g.pos_row;
+  gp.w = gu;
+  gp.tiles = g.tiles;
+  gp.num_tiles = g.num_tiles;
+  gp.expert_end = g.expert_end;
+  gp.max_tiles = max_tiles;
+  gp.N = I;
+  gp.K = H;
+  gp.act = act;
+  MoeGemmParams dp = gp;
+  dp.x = act;
+  dp.pos_row = nullptr;
+  dp.w = dn;
+  dp.N = H;
+  dp.K = I;
+  dp.act = nullptr;
+  dp.y = y;
+  dp.pos_weight = g.pos_weight;
+  const double t_group = time_ms([&] { CK(moe_group(d_ids, d_w, T, k, E, 0, bm, g, nullptr)); });
+  const double t_gu = time_ms([&] { CK(moe_gemm_gate_up(gp, bm, nullptr)); });
+  const double t_dn = time_ms([&] { CK(moe_gemm_down(dp, bm, nullptr)); });
+  const double t_comb = time_ms([&] { CK(moe_combine(y, g.assign_pos, T, k, H, out, nullptr)); });
+  const double b_gu = static_cast<double>(n_touched) * 2 * I * H * 2, b_dn = static_cast<double>(n_touched) * H * I * 2;
+  const double f_gu = 2.0 * P * 2 * I * H, f_dn = 2.0 * P * H * I;
+  std::printf("moe T %5d E %3d k %d H %4d I %4d (tile %3d, %d experts used): group %6.3f ms | gate_up %7.3f ms %6.0f GB/s "
+              "%6.1f TFLOP/s | down %7.3f ms %6.0f GB/s %6.1f TFLOP/s | combine %6.3f ms | experts %7.3f ms %6.0f GB/s\n",
+              T, E, k, H, I, bm, n_touched, t_group, t_gu, b_gu / t_gu / 1e6, f_gu / t_gu / 1e9, t_dn,
+              b_dn / t_dn / 1e6, f_dn / t_dn / 1e9, t_comb, t_gu + t_dn, (b_gu + b_dn) / (t_gu + t_dn) / 1e6);
+  for (void* pp : std::initializer_list<void*>{d_ids, d_w, x, gu, dn, act, y, out, g.expert_end, g.pos_row, g.pos_weight,
+                                               g.assign_pos, g.tiles, g.num_tiles, g.expert_counts})
+    CK(cudaFree(pp));
+}
+
+void bench_copy() {
+  const size_t n = 2ull << 30;
+  char* a = dev<char>(n);
+  char* b = dev<char>(n);
+  CK(cudaMemset(a, 1, n));
+  const double t = time_ms([&] { CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice)); });
+  std::printf("device copy 2 GiB: %.3f ms -> %.2f TB/s (read + write)\n", t, 2.0 * n / t / 1e9);
+  CK(cudaFree(a));
+  CK(cudaFree(b));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string what = argc > 1 ? argv[1] : "all";
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    std::printf("no CUDA device\n");
+    return 0;
+  }
+  CK(cudaSetDevice(0));
+  if (what == "all" || what == "copy") bench_copy();
+  if (what == "all" || what == "mla") {
+    int best = 0;
+    double best_bw = 0;
+    for (int v = 0; v < kMlaDecodeVariants; ++v) {
+      const double bw = bench_mla(128, 4096, 16, 64, v) + bench_mla(256, 1024, 16, 16, v);
+      if (bw > best_bw) {
+        best_bw = bw;
+        best = v;
+      }
+    }
+    bench_mla(128, 4096, 16, 16, best);
+    std::printf("best_mla_variant %d\n", best);
+    bench_mla(128, 4096, 128, 64, 0);
+    bench_mla(128, 4096, 128, 64, 1);
+  }
+  if (what == "all" || what == "moe") {
+    bench_moe(256, 64, 6, 2048, 1408);
+    bench_moe(64, 64, 6, 2048, 1408);
+    bench_moe(16384, 64, 6, 2048, 1408);
+  }
+  return 0;
+}

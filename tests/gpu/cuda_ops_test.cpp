@@ -1,0 +1,369 @@
+// Every CUDA backend op against the CPU reference backend on the same (bf16-exact) inputs, with hostile data:
+// NaN in every cache slot no sequence owns, shuffled page tables, contexts of 1 and on page boundaries, splits of
+// long contexts, experts that receive no tokens, batches of zero tokens.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "gpu_test_util.h"
+#include "model/forward_batch.h"
+
+namespace mlaserve::test {
+namespace {
+
+// A batch of sequences (prefix, new tokens) with pages taken from a shuffled pool of `num_pages`.
+struct Scenario {
+  ForwardBatch batch;
+  int64_t num_pages = 0;
+  std::vector<std::vector<int32_t>> pages;
+};
+
+Scenario make_scenario(const std::vector<std::pair<int32_t, int32_t>>& seqs, int32_t page_size, uint64_t seed,
+                       int32_t vocab = 100) {
+  Scenario s;
+  int64_t need = 0;
+  for (auto [prefix, q] : seqs) need += (prefix + q + page_size - 1) / page_size;
+  s.num_pages = need + 7;  // spare pages nobody owns
+  std::vector<int32_t> pool(static_cast<size_t>(s.num_pages));
+  std::iota(pool.begin(), pool.end(), 0);
+  std::mt19937_64 rng(seed);
+  std::shuffle(pool.begin(), pool.end(), rng);
+  ForwardBatchBuilder bb(page_size);
+  size_t next = 0;
+  for (auto [prefix, q] : seqs) {
+    const int32_t n = (prefix + q + page_size - 1) / page_size;
+    std::vector<int32_t> pages(pool.begin() + static_cast<int64_t>(next), pool.begin() + static_cast<int64_t>(next + n));
+    next += n;
+    std::vector<int32_t> toks(static_cast<size_t>(q));
+    for (auto& t : toks) t = static_cast<int32_t>(rng() % vocab);
+    bb.add(toks, prefix, pages, true);
+    s.pages.push_back(pages);
+  }
+  s.batch = bb.finish();
+  return s;
+}
+
+void begin(const ForwardBatch& b) {
+  cpu().begin_step(b);
+  gpu().begin_step(b);
+}
+
+TEST(CudaOps, FillRandomIsBitIdentical) {
+  REQUIRE_GPU();
+  for (DType dt : {DType::BF16, DType::F32}) {
+    Tensor c = cpu().alloc({37, 100}, dt), g = gpu().alloc({37, 100}, dt);
+    cpu().fill_random(c, 12345, 0.5f, 0.02f, 1000, 11, 300);
+    gpu().fill_random(g, 12345, 0.5f, 0.02f, 1000, 11, 300);
+    Tensor ch = cpu().to_host_f32(c), gh = gpu().to_host_f32(g);
+    int64_t diffs = 0;
+    for (int64_t i = 0; i < ch.numel(); ++i) diffs += ch.data_as<float>()[i] != gh.data_as<float>()[i];
+    EXPECT_EQ(diffs, 0) << dtype_name(dt);
+  }
+}
+
+TEST(CudaOps, EmbeddingShard) {
+  REQUIRE_GPU();
+  Scenario s = make_scenario({{0, 5}, {3, 4}}, 4, 1, 60);
+  s.batch.input_ids[0] = 5;   // below the shard
+  s.batch.input_ids[1] = 59;  // above it
+  begin(s.batch);
+  Tensor table = rand_host({40, 64}, 2);
+  Tensor tc = cpu().upload(table, DType::BF16), tg = gpu().upload(table, DType::BF16);
+  const int64_t T = s.batch.num_tokens();
+  Tensor oc = cpu().scratch({T, 64}, DType::F32), og = gpu().scratch({T, 64}, DType::BF16);
+  cpu().embedding(tc, 10, oc);
+  gpu().embedding(tg, 10, og);
+  expect_close(cpu().to_host_f32(oc), gpu().to_host_f32(og), 0.0, 0.0, "embedding (exact)");
+}
+
+TEST(CudaOps, RmsNormAndResidual) {
+  REQUIRE_GPU();
+  for (int64_t N : {0, 1, 7, 300})
+    for (int64_t D : {100, 512, 2048, 7168}) {
+      Tensor x = rand_host({N, D}, 3 + N + D), r = rand_host({N, D}, 4 + N), w = rand_host({D}, 5, 0.2f);
+      for (int64_t i = 0; i < D; ++i) w.data_as<float>()[i] += 1.0f;
+      Tensor xc = cpu().upload(x, DType::F32), xg = gpu().upload(x, DType::BF16);
+      Tensor wc = cpu().upload(w, DType::F32), wg = gpu().upload(w, DType::F32);
+      Tensor oc = cpu().alloc({N, D}, DType::F32), og = gpu().alloc({N, D}, DType::BF16);
+      cpu().rmsnorm(xc, wc, 1e-6f, oc);
+      gpu().rmsnorm(xg, wg, 1e-6f, og);
+      expect_close(cpu().to_host_f32(oc), gpu().to_host_f32(og), 5e-3, 1e-2, "rmsnorm N" + std::to_string(N) + " D" + std::to_string(D));
+      Tensor rc = cpu().upload(r, DType::F32), rg = gpu().upload(r, DType::BF16);
+      cpu().add_rmsnorm(xc, rc, wc, 1e-6f, oc);
+      gpu().add_rmsnorm(xg, rg, wg, 1e-6f, og);
+      expect_close(cpu().to_host_f32(rc), gpu().to_host_f32(rg), 5e-3, 1e-2, "add_rmsnorm residual");
+      expect_close(cpu().to_host_f32(oc), gpu().to_host_f32(og), 8e-3, 2e-2, "add_rmsnorm out");
+    }
+}
+
+TEST(CudaOps, LinearShapes) {
+  REQUIRE_GPU();
+  struct Case { int64_t N, K, M; DType out; };
+  for (const Case c : {Case{0, 64, 32, DType::BF16}, Case{1, 2048, 3072, DType::BF16}, Case{37, 512, 576, DType::BF16},
+                       Case{256, 2048, 64, DType::F32}, Case{5, 2048, 1000, DType::F32}}) {
+    Tensor x = rand_host({c.N, c.K}, 7 + c.N), w = rand_host({c.M, c.K}, 8 + c.M, 1.0f / std::sqrt(static_cast<float>(c.K)));
+    Tensor xc = cpu().upload(x, DType::F32), xg = gpu().upload(x, DType::BF16);
+    Tensor wc = cpu().upload(w, DType::BF16), wg = gpu().upload(w, DType::BF16);
+    Tensor yc = cpu().alloc({c.N, c.M}, DType::F32), yg = gpu().alloc({c.N, c.M}, c.out);
+    cpu().linear(xc, wc, yc);
+    gpu().linear(xg, wg, yg);
+    expect_close(cpu().to_host_f32(yc), gpu().to_host_f32(yg), 8e-3, 2e-2,
+                 "linear " + std::to_string(c.N) + "x" + std::to_string(c.K) + "x" + std::to_string(c.M));
+  }
+}
+
+TEST(CudaOps, ElementwiseOps) {
+  REQUIRE_GPU();
+  Scenario s = make_scenario({{0, 3}, {10, 1}, {0, 6}}, 16, 9);
+  begin(s.batch);
+  const int64_t T = s.batch.num_tokens(), I = 200;
+  Tensor gu = rand_host({T, 2 * I}, 10, 2.0f);
+  Tensor gc = cpu().upload(gu, DType::F32), gg = gpu().upload(gu, DType::BF16);
+  Tensor oc = cpu().alloc({T, I}, DType::F32), og = gpu().alloc({T, I}, DType::BF16);
+  cpu().silu_mul(gc, oc);
+  gpu().silu_mul(gg, og);
+  expect_close(cpu().to_host_f32(oc), gpu().to_host_f32(og), 5e-3, 1e-2, "silu_mul");
+  Tensor b = rand_host({T, I}, 11);
+  Tensor bc = cpu().upload(b, DType::F32), bg = gpu().upload(b, DType::BF16);
+  cpu().add(oc, bc);
+  gpu().add(og, bg);
+  expect_close(cpu().to_host_f32(oc), gpu().to_host_f32(og), 5e-3, 1e-2, "add");
+  Tensor cc = cpu().alloc({T, I}, DType::F32), cg = gpu().alloc({T, I}, DType::BF16);
+  cpu().copy(oc, cc);
+  gpu().copy(og, cg);
+  expect_close(cpu().to_host_f32(oc), gpu().to_host_f32(cg), 5e-3, 1e-2, "copy");
+  const int64_t R = static_cast<int64_t>(s.batch.logit_rows.size());
+  Tensor rc = cpu().alloc({R, I}, DType::F32), rg = gpu().alloc({R, I}, DType::BF16);
+  cpu().gather_logit_rows(cc, rc);
+  gpu().gather_logit_rows(cg, rg);
+  expect_close(cpu().to_host_f32(rc), gpu().to_host_f32(rg), 5e-3, 1e-2, "gather_logit_rows");
+}
+
+std::vector<float> yarn_freqs(int64_t rope) {
+  std::vector<float> f(static_cast<size_t>(rope / 2));
+  for (size_t i = 0; i < f.size(); ++i) f[i] = std::pow(10000.0f, -2.0f * static_cast<float>(i) / static_cast<float>(rope)) / (i > 8 ? 40.0f : 1.0f);
+  return f;
+}
+
+TEST(CudaOps, RopeAndLatentWrite) {
+  REQUIRE_GPU();
+  const int64_t kvr = 512, rope = 64, nh = 16, nope = 128;
+  Scenario s = make_scenario({{0, 1}, {15, 1}, {16, 33}, {100000, 2}}, 16, 12);
+  begin(s.batch);
+  cpu().set_rope(yarn_freqs(rope), 1.2f);
+  gpu().set_rope(yarn_freqs(rope), 1.2f);
+  const int64_t T = s.batch.num_tokens(), slots = s.num_pages * 16;
+  Tensor q = rand_host({T, nh * (nope + rope)}, 13);
+  Tensor qc = cpu().upload(q, DType::F32), qg = gpu().upload(q, DType::BF16);
+  cpu().mla_rope_q(qc, nh, nope, rope);
+  gpu().mla_rope_q(qg, nh, nope, rope);
+  expect_close(cpu().to_host_f32(qc), gpu().to_host_f32(qg), 5e-3, 1e-2, "mla_rope_q");
+
+  Tensor lat = rand_host({T, kvr + rope}, 14, 3.0f), w = rand_host({kvr}, 15, 0.1f);
+  for (int64_t i = 0; i < kvr; ++i) w.data_as<float>()[i] += 1.0f;
+  Tensor cache = Tensor::empty_host({slots, kvr + rope}, DType::F32);
+  std::fill(cache.data_as<float>(), cache.data_as<float>() + cache.numel(), std::nanf(""));
+  Tensor cc = cpu().upload(cache, DType::F32), cg = gpu().upload(cache, DType::BF16);
+  Tensor lc = cpu().upload(lat, DType::F32), lg = gpu().upload(lat, DType::BF16);
+  Tensor wc = cpu().upload(w, DType::F32), wg = gpu().upload(w, DType::F32);
+  cpu().mla_write_latent(lc, wc, 1e-6f, cc);
+  gpu().mla_write_latent(lg, wg, 1e-6f, cg);
+  expect_close(cpu().to_host_f32(lc), gpu().to_host_f32(lg), 5e-3, 1e-2, "mla_write_latent (latent)");
+  Tensor ch = cpu().to_host_f32(cc), gh = gpu().to_host_f32(cg);
+  int64_t untouched_bad = 0;
+  std::vector<char> written(static_cast<size_t>(slots), 0);
+  for (int32_t sl : s.batch.out_slots) written[sl] = 1;
+  Tensor rows_c = Tensor::empty_host({T, kvr + rope}, DType::F32), rows_g = Tensor::empty_host({T, kvr + rope}, DType::F32);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t sl = s.batch.out_slots[t];
+    std::copy_n(ch.data_as<float>() + sl * (kvr + rope), kvr + rope, rows_c.data_as<float>() + t * (kvr + rope));
+    std::copy_n(gh.data_as<float>() + sl * (kvr + rope), kvr + rope, rows_g.data_as<float>() + t * (kvr + rope));
+  }
+  for (int64_t sl = 0; sl < slots; ++sl)
+    if (!written[sl] && !std::isnan(gh.data_as<float>()[sl * (kvr + rope)])) ++untouched_bad;
+  EXPECT_EQ(untouched_bad, 0) << "slots no token owns were written";
+  expect_close(rows_c, rows_g, 5e-3, 1e-2, "mla_write_latent (cache rows)");
+}
+
+// MLA attention in every form over a NaN-poisoned, shuffled paged cache.
+void mla_case(int64_t nh, int64_t kvr, int64_t rope, int64_t nope, int64_t vh, int32_t page_size, bool long_ctx,
+              int kind) {
+  std::vector<std::pair<int32_t, int32_t>> seqs = {{0, 1},  {15, 1}, {16, 1}, {299, 1},
+                                                   {0, 100}, {40, 30}, {63, 65}};
+  seqs.push_back({long_ctx ? 2499 : 700, 1});
+  Scenario s = make_scenario(seqs, page_size, 100 + nh + kind);
+  const int64_t T = s.batch.num_tokens(), W = kvr + rope, slots = s.num_pages * page_size;
+  Tensor cache = Tensor::empty_host({slots, W}, DType::F32);
+  std::fill(cache.data_as<float>(), cache.data_as<float>() + cache.numel(), std::nanf(""));
+  std::mt19937_64 rng(77);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int32_t q = 0; q < s.batch.num_seqs(); ++q)
+    for (int32_t pos = 0; pos < s.batch.seq_lens[q]; ++pos) {
+      const int64_t slot = static_cast<int64_t>(s.pages[q][pos / page_size]) * page_size + pos % page_size;
+      for (int64_t d = 0; d < W; ++d) cache.data_as<float>()[slot * W + d] = bf16_to_f32(f32_to_bf16(nd(rng)));
+    }
+  Tensor q = rand_host({T, nh * (nope + rope)}, 21);
+  Tensor kvb = rand_host({nh * (nope + vh), kvr}, 22, 1.0f / std::sqrt(static_cast<float>(kvr)));
+  Backend& g = gpu(kind);
+  cpu().begin_step(s.batch);
+  g.begin_step(s.batch);
+  Tensor cc = cpu().upload(cache, DType::F32), cg = g.upload(cache, DType::BF16);
+  Tensor qc = cpu().upload(q, DType::F32), qg = g.upload(q, DType::BF16);
+  Tensor bc = cpu().upload(kvb, DType::BF16), bg = g.upload(kvb, DType::BF16);
+  MlaParams p;
+  p.num_heads = static_cast<int32_t>(nh);
+  p.qk_nope = static_cast<int32_t>(nope);
+  p.qk_rope = static_cast<int32_t>(rope);
+  p.v_head = static_cast<int32_t>(vh);
+  p.kv_lora = static_cast<int32_t>(kvr);
+  p.softmax_scale = 0.1f;
+  for (MlaForm form : {MlaForm::Auto, MlaForm::Absorbed, MlaForm::Expanded}) {
+    p.form = form;
+    Tensor oc = cpu().alloc({T, nh * vh}, DType::F32), og = g.alloc({T, nh * vh}, DType::BF16);
+    cpu().mla_attention(qc, cc, bc, p, oc);
+    g.mla_attention(qg, cg, bg, p, og);
+    const char* fn = form == MlaForm::Auto ? "auto" : form == MlaForm::Absorbed ? "absorbed" : "expanded";
+    expect_close(cpu().to_host_f32(oc), g.to_host_f32(og), 2e-2, 5e-2,
+                 "mla " + std::string(fn) + " nh" + std::to_string(nh) + " kvr" + std::to_string(kvr) + " ps" +
+                     std::to_string(page_size) + (kind == 1 ? " simple" : ""));
+  }
+}
+
+TEST(CudaOps, MlaAttention16Heads) {
+  REQUIRE_GPU();
+  mla_case(16, 512, 64, 128, 128, 16, true, 0);
+  mla_case(16, 512, 64, 128, 128, 64, true, 0);
+  mla_case(16, 512, 64, 128, 128, 16, true, 1);
+}
+
+TEST(CudaOps, MlaAttention128Heads) {
+  REQUIRE_GPU();
+  mla_case(128, 512, 64, 128, 128, 16, false, 0);
+}
+
+TEST(CudaOps, MlaAttentionOddDims) {
+  REQUIRE_GPU();
+  mla_case(4, 64, 16, 32, 32, 16, true, 0);   // golden-model dims: simple kernels
+  mla_case(24, 512, 64, 128, 128, 16, false, 0);  // heads not a multiple of 16: padded head group
+}
+
+TEST(CudaOps, MlaEmptyBatch) {
+  REQUIRE_GPU();
+  ForwardBatchBuilder bb(16);
+  ForwardBatch b = bb.finish();
+  gpu().begin_step(b);
+  Tensor q = gpu().scratch({0, 16 * 192}, DType::BF16), out = gpu().scratch({0, 16 * 128}, DType::BF16);
+  Tensor cache = gpu().alloc({64, 576}, DType::BF16), kvb = gpu().alloc({16 * 256, 512}, DType::BF16);
+  MlaParams p{16, 128, 64, 128, 512, 0.1f, MlaForm::Auto};
+  gpu().mla_attention(q, cache, kvb, p, out);
+  gpu().synchronize();
+}
+
+void route_case(int64_t T, int64_t E, const RouterParams& rp, bool bias, uint64_t seed) {
+  Tensor lg = rand_host({T, E}, seed, 2.0f), bs = rand_host({E}, seed + 1, 0.1f);
+  Tensor lc = cpu().upload(lg, DType::F32), lgp = gpu().upload(lg, DType::F32);
+  Tensor bc = cpu().upload(bs, DType::F32), bgp = gpu().upload(bs, DType::F32);
+  Tensor ic = cpu().alloc({T, rp.top_k}, DType::I32), ig = gpu().alloc({T, rp.top_k}, DType::I32);
+  Tensor wc = cpu().alloc({T, rp.top_k}, DType::F32), wg = gpu().alloc({T, rp.top_k}, DType::F32);
+  cpu().moe_route(lc, bias ? &bc : nullptr, rp, ic, wc);
+  gpu().moe_route(lgp, bias ? &bgp : nullptr, rp, ig, wg);
+  Tensor ich = cpu().to_host_f32(ic), igh = gpu().to_host_f32(ig);
+  int64_t mismatch = 0;
+  for (int64_t i = 0; i < ich.numel(); ++i) mismatch += ich.data_as<float>()[i] != igh.data_as<float>()[i];
+  EXPECT_EQ(mismatch, 0) << "routing ids differ (T " << T << ", E " << E << ")";
+  if (T > 0) expect_close(cpu().to_host_f32(wc), gpu().to_host_f32(wg), 1e-5, 1e-5, "route weights E" + std::to_string(E));
+}
+
+TEST(CudaOps, MoeRouteAllMethods) {
+  REQUIRE_GPU();
+  RouterParams greedy{TopkMethod::Greedy, ScoringFunc::Softmax, 6, 1, 1, false, 1.0f};
+  RouterParams glg{TopkMethod::GroupLimitedGreedy, ScoringFunc::Softmax, 6, 8, 3, false, 16.0f};
+  RouterParams noaux{TopkMethod::NoauxTc, ScoringFunc::Sigmoid, 8, 8, 4, true, 2.5f};
+  for (int64_t T : {0, 1, 333}) {
+    route_case(T, 64, greedy, false, 30 + T);
+    route_case(T, 160, glg, false, 31 + T);
+    route_case(T, 256, noaux, true, 32 + T);
+  }
+}
+
+void moe_case(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, int32_t expert_begin, int64_t e_total,
+              int64_t active, int kind, uint64_t seed) {
+  // ids only from the first `active` global experts (the rest receive nothing), distinct per token.
+  Tensor ids = Tensor::empty_host({T, k}, DType::I32);
+  std::mt19937_64 rng(seed);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int32_t> all(static_cast<size_t>(active));
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    for (int64_t j = 0; j < k; ++j) ids.data_as<int32_t>()[t * k + j] = all[static_cast<size_t>(j)];
+  }
+  (void)e_total;
+  Tensor w = rand_host({T, k}, seed + 1, 0.3f), x = rand_host({T, H}, seed + 2);
+  Tensor gu = rand_host({E, 2 * I, H}, seed + 3, 1.0f / std::sqrt(static_cast<float>(H)));
+  Tensor dn = rand_host({E, H, I}, seed + 4, 1.0f / std::sqrt(static_cast<float>(I)));
+  Backend& g = gpu(kind);
+  Tensor xc = cpu().upload(x, DType::F32), xg = g.upload(x, DType::BF16);
+  Tensor idc = cpu().upload(ids, DType::I32), idg = g.upload(ids, DType::I32);
+  Tensor wc = cpu().upload(w, DType::F32), wg = g.upload(w, DType::F32);
+  Tensor guc = cpu().upload(gu, DType::BF16), gug = g.upload(gu, DType::BF16);
+  Tensor dnc = cpu().upload(dn, DType::BF16), dng = g.upload(dn, DType::BF16);
+  Tensor oc = cpu().alloc({T, H}, DType::F32), og = g.alloc({T, H}, DType::BF16);
+  cpu().moe_experts(xc, idc, wc, guc, dnc, expert_begin, oc);
+  g.moe_experts(xg, idg, wg, gug, dng, expert_begin, og);
+  expect_close(cpu().to_host_f32(oc), g.to_host_f32(og), 1e-2, 3e-2,
+               "moe T" + std::to_string(T) + " E" + std::to_string(E) + " H" + std::to_string(H) + " I" +
+                   std::to_string(I) + (kind == 2 ? " cublas" : ""));
+}
+
+TEST(CudaOps, MoeExpertsSmall) {
+  REQUIRE_GPU();
+  for (int kind : {0, 2}) {
+    moe_case(1, 16, 4, 256, 96, 0, 16, 16, kind, 40);
+    moe_case(5, 16, 4, 256, 96, 0, 16, 6, kind, 41);      // 10 experts with no tokens
+    moe_case(300, 8, 4, 256, 48, 4, 16, 16, kind, 42);    // local experts 4..11 of 16
+    moe_case(600, 16, 4, 128, 48, 0, 16, 16, kind, 43);   // > 96 rows per expert: the 128-row tiles
+  }
+  moe_case(0, 16, 4, 256, 96, 0, 16, 16, 0, 44);
+}
+
+TEST(CudaOps, MoeExpertsV2LiteShape) {
+  REQUIRE_GPU();
+  moe_case(256, 64, 6, 2048, 1408, 0, 64, 64, 0, 50);
+}
+
+TEST(CudaOps, SampleMatchesCpu) {
+  REQUIRE_GPU();
+  for (int64_t V : {1000, 102400}) {
+    const int64_t R = V > 5000 ? 6 : 48;
+    Tensor lg = rand_host({R, V}, 60 + V, 3.0f);
+    std::vector<RowSampling> ps(static_cast<size_t>(R));
+    for (int64_t r = 0; r < R; ++r) {
+      RowSampling& sp = ps[static_cast<size_t>(r)];
+      sp.seed = 1000 + r;
+      sp.step = 7 * r;
+      switch (r % 6) {
+        case 0: break;  // greedy
+        case 1: sp.temperature = 0.7f; sp.top_k = 50; break;
+        case 2: sp.temperature = 1.0f; sp.top_p = 0.9f; break;
+        case 3: sp.temperature = 1.3f; sp.min_p = 0.05f; sp.top_k = 200; sp.top_p = 0.8f; break;
+        case 4: sp.temperature = 1.0f; sp.repetition_penalty = 1.3f; sp.frequency_penalty = 0.5f; sp.presence_penalty = 0.2f;
+                sp.penalty_counts = {{3, 2}, {17, 1}, {static_cast<int32_t>(V - 1), 5}}; break;
+        case 5: sp.temperature = 2.0f; break;
+      }
+    }
+    Tensor lc = cpu().upload(lg, DType::F32), lgg = gpu().upload(lg, DType::F32);
+    Tensor ic = cpu().alloc({R}, DType::I32), ig = gpu().alloc({R}, DType::I32);
+    Tensor pc = cpu().alloc({R}, DType::F32), pg = gpu().alloc({R}, DType::F32);
+    cpu().sample(lc, ps, ic, &pc);
+    gpu().sample(lgg, ps, ig, &pg);
+    std::vector<int32_t> a(static_cast<size_t>(R)), b(static_cast<size_t>(R));
+    cpu().download(ic, a.data());
+    gpu().download(ig, b.data());
+    EXPECT_EQ(a, b) << "V " << V;
+    expect_close(cpu().to_host_f32(pc), gpu().to_host_f32(pg), 1e-4, 1e-4, "sample logprobs V" + std::to_string(V));
+  }
+}
+
+}  // namespace
+}  // namespace mlaserve::test
