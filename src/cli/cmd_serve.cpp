@@ -1,0 +1,304 @@
+// mlaserve serve: the HTTP server (native /generate + OpenAI-compatible API) in front of the engine.
+// Flags follow SGLang's launch_server names so existing launch scripts work; a flag that is recognised but whose
+// feature is not implemented says so and exits non-zero.
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/command.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "engine/engine_api.h"
+#include "server/api.h"
+#include "server/http_server.h"
+#include "server/text_codec.h"
+
+namespace mlaserve::cli {
+namespace {
+
+struct ServeArgs {
+  std::string model_path, tokenizer_path, served_model_name;
+  std::string host = "127.0.0.1";
+  int port = 30000;
+  int32_t tp = 1, dp = 1;
+  bool enable_dp_attention = false, disable_radix_cache = false, trust_remote_code = false;
+  std::string load_format = "auto", dtype = "auto", quantization, kv_cache_dtype = "auto";
+  double mem_fraction_static = 0.0;
+  int32_t max_running_requests = 0;
+  int64_t max_total_tokens = 0;
+  int32_t chunked_prefill_size = 8192;
+  int32_t cuda_graph_max_bs = 0;
+  bool disable_cuda_graph = false, disable_overlap_schedule = false, enable_metrics = false;
+  std::string load_balance_method = "round_robin";
+  int32_t nnodes = 1, node_rank = 0;
+  std::string dist_init_addr;
+  double dist_timeout = 120.0;
+  std::string api_key;
+  std::string device = "auto";
+  uint64_t random_seed = 0;
+  int32_t page_size = 16;
+  int64_t context_length = 0;
+  bool skip_tokenizer_init = false;
+  int32_t stream_interval = 1;
+  // mlaserve's own.
+  size_t max_body_bytes = 256u << 20;
+  int num_http_threads = 4;
+  double request_timeout = 0.0;
+  int32_t max_n = 64;
+};
+
+// eos_token_id of generation_config.json (int or list), if the file exists.
+std::vector<int32_t> generation_config_eos(const std::string& model_path) {
+  std::vector<int32_t> ids;
+  const auto p = std::filesystem::path(model_path) / "generation_config.json";
+  if (!std::filesystem::exists(p)) return ids;
+  std::ifstream in(p);
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("eos_token_id")) return ids;
+  const auto& e = j["eos_token_id"];
+  if (e.is_number_integer()) ids.push_back(e.get<int32_t>());
+  if (e.is_array())
+    for (const auto& v : e)
+      if (v.is_number_integer()) ids.push_back(v.get<int32_t>());
+  return ids;
+}
+
+void not_implemented(bool cond, const std::string& what) {
+  MLA_CHECK(!cond, "{}: recognised but not implemented yet", what);
+}
+
+// Every connection is a file descriptor: lift the soft limit to the hard one (thousands of streams).
+void raise_fd_limit() {
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &rl);
+  }
+}
+
+// Progress while the engine loads weights (make_engine blocks): elapsed time on stderr.
+class LoadProgress {
+ public:
+  explicit LoadProgress(std::string what) : what_(std::move(what)), start_(std::chrono::steady_clock::now()) {
+    tty_ = ::isatty(STDERR_FILENO);
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~LoadProgress() { finish(); }
+  void finish() {
+    {
+      std::lock_guard lk(mu_);
+      if (done_) return;
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+    if (tty_) std::cerr << "\n";
+  }
+  double elapsed() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  void loop() {
+    static const char* spin = "|/-\\";
+    std::unique_lock lk(mu_);
+    for (int i = 0; !done_; ++i) {
+      if (tty_)
+        std::cerr << fmt::format("\r{} {} {:.1f} s", what_, spin[i % 4], elapsed()) << std::flush;
+      else if (i > 0 && i % 10 == 0)
+        MLA_LOG_INFO("{}... {:.0f} s", what_, elapsed());
+      cv_.wait_for(lk, std::chrono::milliseconds(500));
+    }
+  }
+  std::string what_;
+  std::chrono::steady_clock::time_point start_;
+  bool tty_ = false;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+nlohmann::json server_args_json(const ServeArgs& a) {
+  nlohmann::json j;
+  j["model_path"] = a.model_path;
+  j["tokenizer_path"] = a.tokenizer_path;
+  j["served_model_name"] = a.served_model_name;
+  j["host"] = a.host;
+  j["port"] = a.port;
+  j["tp_size"] = a.tp;
+  j["dp_size"] = a.dp;
+  j["enable_dp_attention"] = a.enable_dp_attention;
+  j["disable_radix_cache"] = a.disable_radix_cache;
+  j["load_format"] = a.load_format;
+  j["dtype"] = a.dtype;
+  j["kv_cache_dtype"] = a.kv_cache_dtype;
+  j["mem_fraction_static"] = a.mem_fraction_static;
+  j["max_running_requests"] = a.max_running_requests;
+  j["max_total_tokens"] = a.max_total_tokens;
+  j["chunked_prefill_size"] = a.chunked_prefill_size;
+  j["load_balance_method"] = a.load_balance_method;
+  j["page_size"] = a.page_size;
+  j["context_length"] = a.context_length;
+  j["device"] = a.device;
+  j["random_seed"] = a.random_seed;
+  j["nnodes"] = a.nnodes;
+  j["node_rank"] = a.node_rank;
+  j["dist_init_addr"] = a.dist_init_addr;
+  j["skip_tokenizer_init"] = a.skip_tokenizer_init;
+  j["api_key_set"] = !a.api_key.empty();
+  j["max_body_bytes"] = a.max_body_bytes;
+  j["num_http_threads"] = a.num_http_threads;
+  j["request_timeout"] = a.request_timeout;
+  return j;
+}
+
+const RegisterCommand reg("serve", "serve a model over HTTP (native /generate and OpenAI-compatible API)",
+                          [](CLI::App& app) {
+  auto a = std::make_shared<ServeArgs>();
+  app.add_option("--model-path", a->model_path, "checkpoint directory (config.json + safetensors)")->required();
+  app.add_option("--tokenizer-path", a->tokenizer_path, "tokenizer directory (default: --model-path)");
+  app.add_option("--served-model-name", a->served_model_name, "model name in the OpenAI API (default: --model-path)");
+  app.add_option("--host", a->host, "address to listen on")->capture_default_str();
+  app.add_option("--port", a->port, "port to listen on (0: any free port)")->capture_default_str();
+  app.add_option("--tp,--tp-size,--tensor-parallel-size", a->tp, "tensor parallel size")->capture_default_str();
+  app.add_option("--dp,--dp-size,--data-parallel-size", a->dp, "data parallel size")->capture_default_str();
+  app.add_flag("--enable-dp-attention", a->enable_dp_attention, "data-parallel attention, tensor-parallel MoE");
+  app.add_flag("--disable-radix-cache", a->disable_radix_cache, "no prefix cache");
+  app.add_flag("--trust-remote-code", a->trust_remote_code, "accepted for compatibility; no effect");
+  app.add_option("--load-format", a->load_format, "auto|safetensors|dummy")->capture_default_str();
+  app.add_option("--dtype", a->dtype, "auto|bfloat16")->capture_default_str();
+  app.add_option("--quantization", a->quantization, "weight quantization (only the checkpoint's own)");
+  app.add_option("--kv-cache-dtype", a->kv_cache_dtype, "auto")->capture_default_str();
+  app.add_option("--mem-fraction-static", a->mem_fraction_static, "fraction of device memory for weights + KV cache");
+  app.add_option("--max-running-requests", a->max_running_requests, "cap on the running batch (0: from memory)");
+  app.add_option("--max-total-tokens", a->max_total_tokens, "KV-cache size in tokens (0: from memory)");
+  app.add_option("--chunked-prefill-size", a->chunked_prefill_size, "prefill tokens per step")->capture_default_str();
+  app.add_option("--cuda-graph-max-bs", a->cuda_graph_max_bs, "largest batch captured in a CUDA graph");
+  app.add_flag("--disable-cuda-graph", a->disable_cuda_graph, "no CUDA graphs");
+  app.add_flag("--disable-overlap-schedule", a->disable_overlap_schedule, "no CPU/GPU overlap in the scheduler");
+  app.add_flag("--enable-metrics", a->enable_metrics, "accepted for compatibility; /metrics is always on");
+  app.add_option("--load-balance-method", a->load_balance_method, "DP load balancing")->capture_default_str();
+  app.add_option("--nnodes", a->nnodes, "number of nodes")->capture_default_str();
+  app.add_option("--node-rank", a->node_rank, "this node's rank")->capture_default_str();
+  app.add_option("--dist-init-addr", a->dist_init_addr, "rendezvous address for multi-node (host:port of node 0)");
+  app.add_option("--dist-timeout", a->dist_timeout, "multi-node rendezvous timeout (s)")->capture_default_str();
+  app.add_option("--api-key", a->api_key, "require 'Authorization: Bearer <key>'");
+  app.add_option("--device", a->device, "auto|cpu|cuda")->capture_default_str();
+  app.add_option("--random-seed,--seed", a->random_seed, "seed (dummy weights, sampling)")->capture_default_str();
+  app.add_option("--page-size", a->page_size, "tokens per KV-cache page")->capture_default_str();
+  app.add_option("--context-length", a->context_length, "context length (0: the model's)");
+  app.add_flag("--skip-tokenizer-init", a->skip_tokenizer_init, "no tokenizer: token ids in and out only");
+  app.add_option("--stream-interval", a->stream_interval, "tokens per streamed chunk (only 1)");
+  app.add_option("--max-body-bytes", a->max_body_bytes, "largest request body accepted")->capture_default_str();
+  app.add_option("--num-http-threads", a->num_http_threads, "HTTP io threads")->capture_default_str();
+  app.add_option("--request-timeout", a->request_timeout, "abort requests running longer (s; 0: never)");
+  app.add_option("--max-n", a->max_n, "largest n (parallel samples) accepted")->capture_default_str();
+  return [a]() -> int {
+    ServeArgs& s = *a;
+    // Recognised, not implemented: say so, exit non-zero.
+    not_implemented(!s.quantization.empty(), fmt::format("--quantization {}", s.quantization));
+    not_implemented(s.dtype != "auto" && s.dtype != "bfloat16" && s.dtype != "bf16", fmt::format("--dtype {}", s.dtype));
+    not_implemented(s.kv_cache_dtype != "auto" && s.kv_cache_dtype != "bfloat16" && s.kv_cache_dtype != "bf16",
+                    fmt::format("--kv-cache-dtype {}", s.kv_cache_dtype));
+    not_implemented(s.stream_interval != 1, fmt::format("--stream-interval {} (only 1)", s.stream_interval));
+    MLA_CHECK(s.nnodes >= 1 && s.node_rank >= 0 && s.node_rank < s.nnodes, "--node-rank {} must be in [0, --nnodes {})",
+              s.node_rank, s.nnodes);
+    MLA_CHECK(s.nnodes == 1 || !s.dist_init_addr.empty(), "--nnodes {} needs --dist-init-addr host:port", s.nnodes);
+    MLA_CHECK(s.port >= 0 && s.port <= 65535, "--port must be in [0, 65535], got {}", s.port);
+    MLA_CHECK(s.num_http_threads >= 1 && s.num_http_threads <= 256, "--num-http-threads must be in [1, 256]");
+    MLA_CHECK(s.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024");
+    MLA_CHECK(s.max_n >= 1, "--max-n must be at least 1");
+    MLA_CHECK(s.request_timeout >= 0, "--request-timeout must be >= 0");
+    MLA_CHECK(std::filesystem::is_directory(s.model_path), "--model-path: '{}' is not a directory", s.model_path);
+    if (s.tokenizer_path.empty()) s.tokenizer_path = s.model_path;
+    if (s.served_model_name.empty()) s.served_model_name = s.model_path;
+    if (s.trust_remote_code) MLA_LOG_DEBUG("--trust-remote-code: no effect (no remote code is ever run)");
+
+    std::unique_ptr<server::TextCodec> codec;
+    if (!s.skip_tokenizer_init) {
+      codec = server::load_text_codec(s.tokenizer_path);
+      MLA_CHECK(codec != nullptr,
+                "this build has no tokenizer library; start with --skip-tokenizer-init to serve token ids only");
+      MLA_LOG_INFO("tokenizer: {}", s.tokenizer_path);
+    }
+
+    EngineArgs ea;
+    ea.model_path = s.model_path;
+    ea.device = s.device;
+    ea.load_format = s.load_format;
+    ea.seed = s.random_seed;
+    ea.tp_size = s.tp;
+    ea.dp_size = s.dp;
+    ea.enable_dp_attention = s.enable_dp_attention;
+    ea.load_balance_method = s.load_balance_method;
+    ea.page_size = s.page_size;
+    ea.max_running_requests = s.max_running_requests;
+    ea.max_total_tokens = s.max_total_tokens;
+    ea.mem_fraction_static = s.mem_fraction_static;
+    ea.chunked_prefill_size = s.chunked_prefill_size;
+    ea.disable_radix_cache = s.disable_radix_cache;
+    ea.context_length = s.context_length;
+    ea.extra_eos_token_ids = generation_config_eos(s.model_path);
+    ea.nnodes = s.nnodes;
+    ea.node_rank = s.node_rank;
+    ea.dist_init_addr = s.dist_init_addr;
+    ea.dist_timeout_s = s.dist_timeout;
+    if (s.node_rank > 0) {
+      // Nodes other than 0 run their ranks for node 0's engine; only node 0 serves HTTP.
+      MLA_LOG_INFO("node {} of {}: following node 0 at {}", s.node_rank, s.nnodes, s.dist_init_addr);
+      run_follower_node(ea);
+      return 0;
+    }
+
+    std::unique_ptr<EngineClient> engine;
+    {
+      LoadProgress progress(fmt::format("loading {} ({} weights)", s.model_path, s.load_format));
+      engine = make_engine(ea);
+      progress.finish();
+      MLA_LOG_INFO("model loaded in {:.1f} s; context length {}", progress.elapsed(), engine->max_context_len());
+    }
+
+    server::ServerOptions so;
+    so.host = s.host;
+    so.port = s.port;
+    so.api_key = s.api_key;
+    so.served_model_name = s.served_model_name;
+    so.model_path = s.model_path;
+    so.tokenizer_path = s.skip_tokenizer_init ? "" : s.tokenizer_path;
+    so.max_body_bytes = s.max_body_bytes;
+    so.num_threads = s.num_http_threads;
+    so.request_timeout_s = s.request_timeout;
+    so.limits.max_n = s.max_n;
+    so.server_args = server_args_json(s);
+    raise_fd_limit();
+    server::Api api(*engine, codec.get(), so);
+    server::HttpServer http(api, so);
+    try {
+      http.start();
+    } catch (...) {
+      engine->shutdown();
+      throw;
+    }
+    std::cout << fmt::format("mlaserve: serving '{}' on http://{}:{}", so.served_model_name, s.host, http.port())
+              << std::endl;
+    MLA_LOG_INFO("ready: http://{}:{} ({} http threads)", s.host, http.port(), so.num_threads);
+    http.wait_for_signal();
+    engine->shutdown();  // aborts what is left; outputs still post to the live io threads
+    http.stop();
+    MLA_LOG_INFO("stopped");
+    return 0;
+  };
+});
+
+}  // namespace
+}  // namespace mlaserve::cli

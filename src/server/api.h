@@ -1,0 +1,83 @@
+// The HTTP API without the HTTP machinery: routes a request (method, path, body) to its handler, which answers
+// through an HttpExchange. The Beast layer (http_server.cpp) implements HttpExchange per connection; tests can
+// implement it in memory.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/engine_api.h"
+#include "server/generation.h"
+#include "server/metrics.h"
+#include "server/protocol.h"
+#include "server/text_codec.h"
+
+namespace mlaserve::server {
+
+struct HttpRequest {
+  std::string method;  // "GET", "POST", ...
+  std::string target;  // path + optional query
+  std::string body;
+  std::string authorization;  // the Authorization header
+};
+
+// One request's response channel. Every call happens on executor() (the connection's strand).
+class HttpExchange {
+ public:
+  virtual ~HttpExchange() = default;
+  virtual Executor executor() = 0;
+  // A complete response; ends the exchange.
+  virtual void respond(int status, const std::string& content_type, std::string body) = 0;
+  // Server-sent events: start_stream sends the 200 headers, send_event writes `data: <payload>\n\n`,
+  // end_stream finishes the response.
+  virtual void start_stream() = 0;
+  virtual void send_event(std::string payload) = 0;
+  virtual void end_stream() = 0;
+  // `fn` runs (once, on the executor) if the client goes away or the request times out before the response has
+  // ended; the response cannot be written after that.
+  virtual void on_cancel(std::function<void(const std::string& why)> fn) = 0;
+};
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 30000;
+  std::string api_key;                // empty: no auth
+  std::string served_model_name;      // what /v1/models lists and OpenAI requests name
+  std::string model_path;
+  std::string tokenizer_path;
+  size_t max_body_bytes = 256u << 20;
+  int num_threads = 4;                // io_context threads
+  double request_timeout_s = 0.0;     // 0: none; else a generation running longer is aborted
+  double idle_timeout_s = 300.0;      // keep-alive connection without a request
+  ParseLimits limits;
+  nlohmann::json server_args = nlohmann::json::object();  // echoed by /get_server_info
+};
+
+class Api {
+ public:
+  Api(EngineClient& engine, const TextCodec* codec, ServerOptions opts);
+  void handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
+  ServerMetrics& metrics() { return metrics_; }
+  const ServerOptions& options() const { return opts_; }
+
+ private:
+  struct Prepared;
+  void generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
+  Prepared prepare(ParsedRequest& pr);
+  void respond_json(const std::shared_ptr<HttpExchange>& ex, int status, const std::string& body);
+  void respond_error(const std::shared_ptr<HttpExchange>& ex, int status, const std::string& body);
+  std::string new_id();
+
+  EngineClient& engine_;
+  const TextCodec* codec_;
+  ServerOptions opts_;
+  ServerMetrics metrics_;
+  std::atomic<uint64_t> next_id_{0};
+  uint64_t id_salt_;
+};
+
+}  // namespace mlaserve::server

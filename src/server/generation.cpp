@@ -1,0 +1,147 @@
+#include "server/generation.h"
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace mlaserve::server {
+
+GenerationJob::GenerationJob(EngineClient& engine, const TextCodec* codec, ServerMetrics* metrics, Executor post,
+                             JobSpec spec)
+    : engine_(engine), codec_(codec), metrics_(metrics), post_(std::move(post)), spec_(std::move(spec)),
+      start_time_(Clock::now()) {
+  const size_t total = spec_.prompts.size() * static_cast<size_t>(spec_.n);
+  choices_.resize(total);
+  text_.reserve(total);
+  for (size_t i = 0; i < total; ++i) {
+    Choice& c = choices_[i];
+    c.index = i;
+    c.prompt_index = i / static_cast<size_t>(spec_.n);
+    c.rid = total == 1 ? spec_.id : fmt::format("{}-{}", spec_.id, i);
+    c.prompt_tokens = static_cast<int32_t>(spec_.prompts[c.prompt_index].input_ids.size());
+    text_.push_back({codec_ ? codec_->stream_decoder(spec_.skip_special_tokens) : nullptr,
+                     StopStringMatcher(spec_.stop)});
+  }
+  last_token_time_.assign(total, start_time_);
+  submitted_.assign(total, false);
+}
+
+GenerationJob::~GenerationJob() = default;
+
+void GenerationJob::start() {
+  std::weak_ptr<GenerationJob> weak = weak_from_this();
+  for (size_t i = 0; i < choices_.size(); ++i) {
+    GenerateRequest req;
+    req.rid = choices_[i].rid;
+    req.input_ids = spec_.prompts[choices_[i].prompt_index].input_ids;
+    req.sampling = spec_.sampling;
+    // n samples of one prompt with a seed: each sample its own stream, reproducible as a set.
+    if (req.sampling.seed && spec_.n > 1) *req.sampling.seed += i % static_cast<size_t>(spec_.n);
+    // The engine thread only posts: the job's state is touched on the executor alone.
+    std::shared_ptr<GenerationJob> self = shared_from_this();
+    req.on_output = [self, i](const GenerateOutput& out) {
+      self->post_([self, i, out] { self->handle_output(i, out); });
+    };
+    try {
+      engine_.submit(std::move(req));
+    } catch (...) {
+      cancel("submit of a sibling request failed");
+      throw;
+    }
+    submitted_[i] = true;
+    if (metrics_) ++metrics_->generate_requests_total;
+  }
+}
+
+void GenerationJob::cancel(const std::string& why) {
+  if (cancelled_ || done_) return;
+  cancelled_ = true;
+  on_update = nullptr;
+  on_done = nullptr;
+  for (size_t i = 0; i < choices_.size(); ++i) {
+    if (!submitted_[i] || choices_[i].finished) continue;
+    FinishReason r;
+    r.kind = FinishKind::Abort;
+    r.message = why;
+    choices_[i].finished = true;
+    choices_[i].finish = r;
+    engine_.abort(choices_[i].rid, r);
+    if (metrics_) ++metrics_->aborted_requests_total;
+  }
+}
+
+void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
+  Choice& c = choices_[i];
+  if (cancelled_ || c.finished) return;  // outputs racing a stop-string abort or a cancel
+  const Clock::time_point now = Clock::now();
+  ChoiceUpdate u;
+  u.choice = i;
+  u.ids_begin = c.output_ids.size();
+  u.logprobs_begin = c.logprobs.size();
+  u.text_begin = c.text.size();
+  c.prompt_tokens = out.prompt_tokens;
+  c.cached_tokens = out.cached_tokens;
+
+  const size_t k = out.new_tokens.size();
+  if (k > 0) {
+    if (c.output_ids.empty()) {
+      c.first_token_time = now;
+      if (metrics_) metrics_->ttft_seconds.observe(std::chrono::duration<double>(now - start_time_).count());
+    } else if (metrics_) {
+      // A chunk of k tokens: its latency split evenly over them.
+      const double per_token = std::chrono::duration<double>(now - last_token_time_[i]).count() / double(k);
+      for (size_t t = 0; t < k; ++t) metrics_->inter_token_latency_seconds.observe(per_token);
+    }
+    last_token_time_[i] = now;
+  }
+  c.output_ids.insert(c.output_ids.end(), out.new_tokens.begin(), out.new_tokens.end());
+  c.logprobs.insert(c.logprobs.end(), out.new_logprobs.begin(), out.new_logprobs.end());
+  c.completion_tokens = std::max<int32_t>(out.completion_tokens, static_cast<int32_t>(c.output_ids.size()));
+
+  // Text: a matched stop token (EOS or stop_token_ids) is never part of the text.
+  std::vector<int32_t> to_decode = out.new_tokens;
+  if (out.finished && out.finish.kind == FinishKind::Stop && out.finish.matched_token >= 0 && !to_decode.empty() &&
+      to_decode.back() == out.finish.matched_token)
+    to_decode.pop_back();
+  TextState& ts = text_[i];
+  c.text += ts.stop.push(ts.detok ? ts.detok->push(to_decode) : std::string());
+  if (ts.stop.matched()) {
+    FinishReason r;
+    r.kind = FinishKind::Stop;
+    r.matched_text = *ts.stop.matched();
+    if (spec_.no_stop_trim) c.text += r.matched_text;
+    if (!out.finished) engine_.abort(c.rid, r);  // frees the slot now; later outputs are ignored
+    finish_choice(i, r);
+  } else if (out.finished) {
+    c.text += ts.stop.push(ts.detok ? ts.detok->flush() : std::string());
+    if (ts.stop.matched()) {
+      FinishReason r;
+      r.kind = FinishKind::Stop;
+      r.matched_text = *ts.stop.matched();
+      if (spec_.no_stop_trim) c.text += r.matched_text;
+      finish_choice(i, r);
+    } else {
+      c.text += ts.stop.flush();
+      finish_choice(i, out.finish);
+    }
+  }
+  u.finished = c.finished;
+  if (on_update && (k > 0 || u.finished)) on_update(u);
+  if (c.finished && num_finished_ == choices_.size() && !done_) {
+    done_ = true;
+    auto done_cb = std::move(on_done);
+    on_update = nullptr;
+    on_done = nullptr;
+    if (done_cb) done_cb();
+  }
+}
+
+void GenerationJob::finish_choice(size_t i, FinishReason reason) {
+  Choice& c = choices_[i];
+  c.finished = true;
+  c.finish = std::move(reason);
+  c.finish_time = Clock::now();
+  ++num_finished_;
+  if (metrics_) metrics_->e2e_latency_seconds.observe(std::chrono::duration<double>(c.finish_time - start_time_).count());
+}
+
+}  // namespace mlaserve::server

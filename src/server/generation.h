@@ -1,0 +1,109 @@
+// GenerationJob: one front-end request turned into engine requests (one per prompt and sample: n > 1 and
+// batches expand here), and the engine's token outputs turned back into text. The job runs on one executor
+// (a connection's strand): the engine's on_output only posts there, and detokenizing, stop-string matching and
+// the caller's callbacks all happen on that executor, never on an engine thread.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/engine_api.h"
+#include "server/metrics.h"
+#include "server/text_stream.h"
+
+namespace mlaserve::server {
+
+using Clock = std::chrono::steady_clock;
+using Executor = std::function<void(std::function<void()>)>;  // runs a function later, serialized
+
+struct JobPrompt {
+  std::vector<int32_t> input_ids;
+  std::string text;  // the prompt's text when known (echo)
+};
+
+struct JobSpec {
+  std::string id;                 // response id; engine rids are id, or id-<k> for more than one choice
+  std::vector<JobPrompt> prompts;
+  int32_t n = 1;
+  SamplingParams sampling;
+  std::vector<std::string> stop;  // stop strings
+  bool skip_special_tokens = true;
+  bool no_stop_trim = false;      // keep the matched stop string in the text
+};
+
+struct Choice {
+  size_t index = 0;         // prompt-major: prompt p, sample s -> p * n + s
+  size_t prompt_index = 0;
+  std::string rid;
+  int32_t prompt_tokens = 0;
+  int32_t completion_tokens = 0;
+  int32_t cached_tokens = 0;
+  std::vector<int32_t> output_ids;
+  std::vector<TokenLogprob> logprobs;
+  std::string text;         // the text shown so far (stop strings never appear in it)
+  bool finished = false;
+  FinishReason finish;
+  Clock::time_point first_token_time{};
+  Clock::time_point finish_time{};
+};
+
+// What changed in one choice after one engine output: output_ids / logprobs from *_begin on and text from
+// text_begin on are new.
+struct ChoiceUpdate {
+  size_t choice = 0;
+  size_t ids_begin = 0;
+  size_t logprobs_begin = 0;
+  size_t text_begin = 0;
+  bool finished = false;
+};
+
+class GenerationJob : public std::enable_shared_from_this<GenerationJob> {
+ public:
+  GenerationJob(EngineClient& engine, const TextCodec* codec, ServerMetrics* metrics, Executor post, JobSpec spec);
+  ~GenerationJob();
+
+  // Both run on the executor. on_update follows every engine output that brought tokens or finished a choice;
+  // on_done follows the last choice's finish (once).
+  std::function<void(const ChoiceUpdate&)> on_update;
+  std::function<void()> on_done;
+
+  // Submits every choice to the engine (call on the executor). A client error from the engine (e.g. a prompt
+  // too long) throws mlaserve::Error after aborting the choices already submitted.
+  void start();
+  // Aborts every unfinished choice (client gone, timeout); no callbacks after this.
+  void cancel(const std::string& why);
+
+  const std::vector<Choice>& choices() const { return choices_; }
+  const JobSpec& spec() const { return spec_; }
+  Clock::time_point start_time() const { return start_time_; }
+  bool done() const { return done_; }
+
+ private:
+  struct TextState {
+    std::unique_ptr<StreamDecoder> detok;  // null without a codec: no text
+    StopStringMatcher stop;
+  };
+  void handle_output(size_t i, const GenerateOutput& out);
+  void finish_choice(size_t i, FinishReason reason);
+
+  EngineClient& engine_;
+  const TextCodec* codec_;
+  ServerMetrics* metrics_;
+  Executor post_;
+  JobSpec spec_;
+  std::vector<Choice> choices_;
+  std::vector<TextState> text_;
+  std::vector<Clock::time_point> last_token_time_;
+  std::vector<bool> submitted_;
+  size_t num_finished_ = 0;
+  bool cancelled_ = false;
+  bool done_ = false;
+  Clock::time_point start_time_;
+};
+
+}  // namespace mlaserve::server

@@ -1,0 +1,382 @@
+#include "server/http_server.h"
+
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/strand.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <thread>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "server/api_error.h"
+
+namespace mlaserve::server {
+namespace {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = net::ip::tcp;
+
+constexpr size_t kMaxPendingWriteBytes = 256u << 20;  // a client that stops reading is dropped past this
+constexpr size_t kMaxPipelinedBytes = 1u << 20;
+
+std::string status_line(int status) {
+  return fmt::format("HTTP/1.1 {} {}\r\n", status,
+                     std::string(http::obsolete_reason(static_cast<http::status>(status))));
+}
+
+// One connection. It is its own HttpExchange: HTTP/1.1 serves one request at a time per connection.
+class Session : public HttpExchange, public std::enable_shared_from_this<Session> {
+ public:
+  Session(tcp::socket&& socket, Api& api, const ServerOptions& opts)
+      : stream_(std::move(socket)), timer_(stream_.get_executor()), api_(api), opts_(opts) {
+    ++api_.metrics().open_connections;
+  }
+  ~Session() override { --api_.metrics().open_connections; }
+
+  void run() {
+    net::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->do_read(); });
+  }
+
+  // ---- HttpExchange ----
+  Executor executor() override {
+    return [ex = stream_.get_executor()](std::function<void()> fn) { net::post(ex, std::move(fn)); };
+  }
+
+  void respond(int status, const std::string& content_type, std::string body) override {
+    if (closed_ || response_started_) return;
+    response_started_ = true;
+    std::string out = status_line(status);
+    out += fmt::format("Content-Type: {}\r\nContent-Length: {}\r\n", content_type, body.size());
+    out += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
+    out += body;
+    enqueue(std::move(out), /*last=*/true);
+  }
+
+  void start_stream() override {
+    if (closed_ || response_started_) return;
+    response_started_ = true;
+    std::string out = status_line(200);
+    out += "Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n";
+    out += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
+    enqueue(std::move(out), false);
+  }
+
+  void send_event(std::string payload) override {
+    if (closed_ || !response_started_ || response_ended_) return;
+    const size_t n = payload.size() + 8;  // "data: " + payload + "\n\n"
+    std::string out = fmt::format("{:x}\r\ndata: ", n);
+    out += payload;
+    out += "\n\n\r\n";
+    enqueue(std::move(out), false);
+  }
+
+  void end_stream() override {
+    if (closed_ || !response_started_ || response_ended_) return;
+    enqueue("0\r\n\r\n", true);
+  }
+
+  void on_cancel(std::function<void(const std::string&)> fn) override { cancel_fn_ = std::move(fn); }
+
+ private:
+  void do_read() {
+    if (closed_) return;
+    parser_.emplace();
+    parser_->body_limit(opts_.max_body_bytes);
+    parser_->header_limit(64 * 1024);
+    response_started_ = response_ended_ = false;
+    stream_.expires_after(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+        std::chrono::duration<double>(opts_.idle_timeout_s)));
+    http::async_read_header(stream_, buffer_, *parser_,
+                            [self = shared_from_this()](beast::error_code ec, size_t) { self->on_header(ec); });
+  }
+
+  // Errors while reading a request: answer what can be answered (size limits), close on the rest.
+  bool read_failed(beast::error_code ec) {
+    if (!ec) return false;
+    keep_alive_ = false;
+    if (ec == http::error::body_limit) {
+      reject(413, fmt::format("the request body exceeds the server's limit of {} bytes (see --max-body-bytes)",
+                              opts_.max_body_bytes));
+    } else if (ec == http::error::header_limit) {
+      reject(431, "the request headers are too large");
+    } else if (ec == http::error::end_of_stream || ec == net::error::eof || ec == beast::error::timeout ||
+               ec == net::error::operation_aborted || ec == net::error::connection_reset) {
+      close();
+    } else {
+      reject(400, fmt::format("malformed HTTP request: {}", ec.message()));
+    }
+    return true;
+  }
+
+  void reject(int status, const std::string& message) {
+    ++api_.metrics().client_errors_total;
+    stream_.expires_after(std::chrono::seconds(30));
+    respond(status, "application/json", error_body(status, message));
+  }
+
+  void on_header(beast::error_code ec) {
+    if (read_failed(ec)) return;
+    keep_alive_ = parser_->get().keep_alive();
+    auto expect = parser_->get().find(http::field::expect);
+    if (expect != parser_->get().end() && beast::iequals(expect->value(), "100-continue")) {
+      auto msg = std::make_shared<std::string>("HTTP/1.1 100 Continue\r\n\r\n");
+      net::async_write(stream_, net::buffer(*msg),
+                       [self = shared_from_this(), msg](beast::error_code ec2, size_t) {
+                         if (ec2) return self->close();
+                         self->read_body();
+                       });
+      return;
+    }
+    read_body();
+  }
+
+  void read_body() {
+    http::async_read(stream_, buffer_, *parser_,
+                     [self = shared_from_this()](beast::error_code ec, size_t) { self->on_request(ec); });
+  }
+
+  void on_request(beast::error_code ec) {
+    if (read_failed(ec)) return;
+    stream_.expires_never();
+    auto& msg = parser_->get();
+    HttpRequest req;
+    req.method = std::string(msg.method_string());
+    req.target = std::string(msg.target());
+    req.body = std::move(msg.body());
+    if (auto it = msg.find(http::field::authorization); it != msg.end()) req.authorization = std::string(it->value());
+    MLA_LOG_DEBUG("{} {} ({} bytes)", req.method, req.target, req.body.size());
+    handling_ = true;
+    start_monitor();
+    if (opts_.request_timeout_s > 0) {
+      timer_.expires_after(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+          std::chrono::duration<double>(opts_.request_timeout_s)));
+      timer_.async_wait([self = shared_from_this(), serial = serial_](beast::error_code tec) {
+        if (tec || self->serial_ != serial || !self->handling_) return;
+        self->timed_out();
+      });
+    }
+    api_.handle(req, shared_from_this());
+  }
+
+  // While a request is served, keep one read pending: it completes with an error when the client goes away,
+  // which aborts the request in the engine. Bytes of a pipelined next request stay in buffer_.
+  void start_monitor() {
+    if (monitoring_ || closed_ || buffer_.size() > kMaxPipelinedBytes) return;
+    monitoring_ = true;
+    stream_.async_read_some(buffer_.prepare(4096), [self = shared_from_this()](beast::error_code ec, size_t n) {
+      self->monitoring_ = false;
+      if (!ec) {
+        self->buffer_.commit(n);
+        if (self->handling_) self->start_monitor();
+        else self->do_read();
+        return;
+      }
+      if (ec == net::error::operation_aborted && !self->handling_ && !self->closed_) {
+        self->do_read();  // cancelled on purpose: the response is complete, read the next request
+        return;
+      }
+      if (self->handling_) self->client_gone("client disconnected");
+      else self->close();
+    });
+  }
+
+  void client_gone(const std::string& why) {
+    closed_ = true;
+    fire_cancel(why);
+    close();
+  }
+
+  void timed_out() {
+    const std::string why = fmt::format("request timed out after {} s", opts_.request_timeout_s);
+    fire_cancel(why);
+    if (!response_started_) {
+      keep_alive_ = false;
+      respond(408, "application/json", error_body(408, why, "timeout_error", "request_timeout"));
+    } else {
+      close();
+    }
+  }
+
+  void fire_cancel(const std::string& why) {
+    if (auto fn = std::move(cancel_fn_)) {
+      cancel_fn_ = nullptr;
+      fn(why);
+    }
+  }
+
+  void enqueue(std::string bytes, bool last) {
+    pending_bytes_ += bytes.size();
+    queue_.push_back(std::move(bytes));
+    if (last) response_ended_ = true;
+    if (pending_bytes_ > kMaxPendingWriteBytes) return client_gone("client not reading its response");
+    if (!writing_) do_write();
+  }
+
+  void do_write() {
+    write_buf_.clear();
+    while (!queue_.empty()) {  // coalesce: one write for everything queued
+      write_buf_ += queue_.front();
+      queue_.pop_front();
+    }
+    pending_bytes_ = 0;
+    writing_ = true;
+    const bool ends_response = response_ended_;
+    net::async_write(stream_, net::buffer(write_buf_),
+                     [self = shared_from_this(), ends_response](beast::error_code ec, size_t) {
+                       self->writing_ = false;
+                       if (ec) {
+                         if (self->handling_) self->client_gone("client disconnected");
+                         else self->close();
+                         return;
+                       }
+                       if (!self->queue_.empty()) return self->do_write();
+                       if (ends_response && self->response_ended_) self->finish_response();
+                     });
+  }
+
+  void finish_response() {
+    handling_ = false;
+    cancel_fn_ = nullptr;
+    ++serial_;
+    timer_.cancel();
+    if (closed_) return;
+    if (!keep_alive_) {
+      beast::error_code ec;
+      stream_.socket().shutdown(tcp::socket::shutdown_send, ec);
+      return close();
+    }
+    if (monitoring_) {
+      beast::error_code ec;
+      stream_.socket().cancel(ec);  // its handler starts the next read
+    } else {
+      do_read();
+    }
+  }
+
+  void close() {
+    closed_ = true;
+    handling_ = false;
+    cancel_fn_ = nullptr;
+    timer_.cancel();
+    beast::error_code ec;
+    stream_.socket().close(ec);
+  }
+
+  beast::tcp_stream stream_;
+  net::steady_timer timer_;
+  beast::flat_buffer buffer_;
+  std::optional<http::request_parser<http::string_body>> parser_;
+  Api& api_;
+  const ServerOptions& opts_;
+  std::function<void(const std::string&)> cancel_fn_;
+  std::deque<std::string> queue_;
+  std::string write_buf_;
+  size_t pending_bytes_ = 0;
+  uint64_t serial_ = 0;
+  bool keep_alive_ = true;
+  bool handling_ = false;
+  bool monitoring_ = false;
+  bool writing_ = false;
+  bool response_started_ = false;
+  bool response_ended_ = false;
+  bool closed_ = false;
+};
+
+}  // namespace
+
+struct HttpServer::Impl {
+  Impl(Api& api, const ServerOptions& opts) : api(api), opts(opts), acceptor(ioc) {}
+
+  void do_accept() {
+    acceptor.async_accept(net::make_strand(ioc), [this](beast::error_code ec, tcp::socket socket) {
+      if (ec) {
+        if (ec == net::error::operation_aborted || !acceptor.is_open()) return;
+        MLA_LOG_WARN("accept: {}", ec.message());
+      } else {
+        beast::error_code ignored;
+        socket.set_option(tcp::no_delay(true), ignored);
+        std::make_shared<Session>(std::move(socket), api, opts)->run();
+      }
+      do_accept();
+    });
+  }
+
+  Api& api;
+  ServerOptions opts;
+  net::io_context ioc;
+  tcp::acceptor acceptor;
+  std::vector<std::thread> threads;
+  int bound_port = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stopped = false;
+  bool signalled = false;
+};
+
+HttpServer::HttpServer(Api& api, const ServerOptions& opts) : impl_(std::make_unique<Impl>(api, opts)) {}
+
+HttpServer::~HttpServer() { stop(); }
+
+void HttpServer::start() {
+  Impl& s = *impl_;
+  beast::error_code ec;
+  const auto addr = net::ip::make_address(s.opts.host, ec);
+  MLA_CHECK(!ec, "--host: '{}' is not an IP address ({})", s.opts.host, ec.message());
+  tcp::endpoint ep(addr, static_cast<unsigned short>(s.opts.port));
+  s.acceptor.open(ep.protocol(), ec);
+  MLA_CHECK(!ec, "cannot open a socket: {}", ec.message());
+  s.acceptor.set_option(net::socket_base::reuse_address(true), ec);
+  s.acceptor.bind(ep, ec);
+  MLA_CHECK(!ec, "cannot listen on {}:{}: {}", s.opts.host, s.opts.port, ec.message());
+  s.acceptor.listen(net::socket_base::max_listen_connections, ec);
+  MLA_CHECK(!ec, "cannot listen on {}:{}: {}", s.opts.host, s.opts.port, ec.message());
+  s.bound_port = s.acceptor.local_endpoint().port();
+  s.do_accept();
+  const int n = std::max(1, s.opts.num_threads);
+  for (int i = 0; i < n; ++i) s.threads.emplace_back([&s] { s.ioc.run(); });
+}
+
+int HttpServer::port() const { return impl_->bound_port; }
+
+void HttpServer::stop() {
+  Impl& s = *impl_;
+  {
+    std::lock_guard lk(s.mu);
+    if (s.stopped) return;
+    s.stopped = true;
+  }
+  s.cv.notify_all();
+  net::post(s.ioc, [&s] {
+    beast::error_code ec;
+    s.acceptor.close(ec);
+  });
+  s.ioc.stop();
+  for (auto& t : s.threads)
+    if (t.joinable()) t.join();
+}
+
+void HttpServer::wait_for_signal() {
+  Impl& s = *impl_;
+  net::signal_set signals(s.ioc, SIGINT, SIGTERM);
+  signals.async_wait([&s](beast::error_code ec, int sig) {
+    if (ec) return;
+    MLA_LOG_INFO("signal {}: shutting down", sig);
+    std::lock_guard lk(s.mu);
+    s.signalled = true;
+    s.cv.notify_all();
+  });
+  std::unique_lock lk(s.mu);
+  s.cv.wait(lk, [&s] { return s.stopped || s.signalled; });
+  lk.unlock();
+  beast::error_code ec;
+  signals.cancel(ec);
+}
+
+}  // namespace mlaserve::server

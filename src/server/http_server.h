@@ -1,0 +1,30 @@
+// HttpServer: the Boost.Beast front door. A few io_context threads serve every connection (thousands of
+// concurrent streams are fine: nothing blocks). HTTP/1.1 keep-alive, a configurable body limit, SSE streaming
+// (chunked), and disconnect detection while a request is being served (the request is then aborted in the
+// engine at once). Routing and responses live in Api; this layer only moves bytes.
+#pragma once
+
+#include <memory>
+
+#include "server/api.h"
+
+namespace mlaserve::server {
+
+class HttpServer {
+ public:
+  HttpServer(Api& api, const ServerOptions& opts);
+  ~HttpServer();
+  // Binds and starts the io threads; throws mlaserve::Error if the address cannot be bound.
+  void start();
+  int port() const;  // the bound port (useful with port 0)
+  // Stops accepting and stops the io threads (open connections are dropped). Idempotent.
+  void stop();
+  // Blocks until stop() or SIGINT / SIGTERM.
+  void wait_for_signal();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mlaserve::server

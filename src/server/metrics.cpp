@@ -1,0 +1,99 @@
+#include "server/metrics.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace mlaserve::server {
+
+Histogram::Histogram(std::vector<double> upper_bounds)
+    : bounds_(std::move(upper_bounds)), counts_(bounds_.size() + 1, 0) {}
+
+void Histogram::observe(double v) {
+  const size_t i = std::lower_bound(bounds_.begin(), bounds_.end(), v) - bounds_.begin();
+  std::lock_guard lk(mu_);
+  ++counts_[i];
+  sum_ += v;
+  ++total_;
+}
+
+uint64_t Histogram::count() const {
+  std::lock_guard lk(mu_);
+  return total_;
+}
+
+void Histogram::render(std::string& out, const std::string& name, const std::string& help) const {
+  std::lock_guard lk(mu_);
+  out += fmt::format("# HELP {} {}\n# TYPE {} histogram\n", name, help, name);
+  uint64_t cum = 0;
+  for (size_t i = 0; i < bounds_.size(); ++i) {
+    cum += counts_[i];
+    out += fmt::format("{}_bucket{{le=\"{}\"}} {}\n", name, bounds_[i], cum);
+  }
+  cum += counts_.back();
+  out += fmt::format("{}_bucket{{le=\"+Inf\"}} {}\n{}_sum {}\n{}_count {}\n", name, cum, name, sum_, name, total_);
+}
+
+ServerMetrics::ServerMetrics()
+    : ttft_seconds({0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 15.0,
+                    20.0, 30.0, 60.0}),
+      inter_token_latency_seconds({0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06,
+                                   0.08, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0}),
+      e2e_latency_seconds({0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0}) {}
+
+std::string ServerMetrics::render(const std::vector<RankStats>& ranks) const {
+  RankStats sum;
+  for (const auto& r : ranks) {
+    sum.kv_tokens_total += r.kv_tokens_total;
+    sum.kv_tokens_free += r.kv_tokens_free;
+    sum.kv_tokens_cached += r.kv_tokens_cached;
+    sum.num_running_reqs += r.num_running_reqs;
+    sum.num_queue_reqs += r.num_queue_reqs;
+    sum.prompt_tokens_total += r.prompt_tokens_total;
+    sum.generation_tokens_total += r.generation_tokens_total;
+    sum.cached_prompt_tokens_total += r.cached_prompt_tokens_total;
+    sum.num_requests_finished += r.num_requests_finished;
+    sum.num_retractions += r.num_retractions;
+    sum.forward_steps += r.forward_steps;
+  }
+  std::string out;
+  auto gauge = [&](const char* name, const char* help, auto value) {
+    out += fmt::format("# HELP mlaserve:{} {}\n# TYPE mlaserve:{} gauge\nmlaserve:{} {}\n", name, help, name, name,
+                       value);
+  };
+  auto counter = [&](const char* name, const char* help, auto value) {
+    out += fmt::format("# HELP mlaserve:{} {}\n# TYPE mlaserve:{} counter\nmlaserve:{} {}\n", name, help, name, name,
+                       value);
+  };
+  const int64_t used = sum.kv_tokens_total - sum.kv_tokens_free - sum.kv_tokens_cached;
+  gauge("num_running_reqs", "Requests in the running batch.", sum.num_running_reqs);
+  gauge("num_queue_reqs", "Requests waiting to be scheduled.", sum.num_queue_reqs);
+  gauge("num_used_tokens", "KV-cache token slots held by requests.", used);
+  gauge("num_cached_tokens", "KV-cache token slots held only by the prefix cache.", sum.kv_tokens_cached);
+  gauge("max_total_num_tokens", "KV-cache token slots in all.", sum.kv_tokens_total);
+  gauge("token_usage", "Fraction of KV-cache slots held by requests.",
+        sum.kv_tokens_total > 0 ? static_cast<double>(used) / static_cast<double>(sum.kv_tokens_total) : 0.0);
+  gauge("cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens, since start.",
+        sum.prompt_tokens_total > 0
+            ? static_cast<double>(sum.cached_prompt_tokens_total) / static_cast<double>(sum.prompt_tokens_total)
+            : 0.0);
+  gauge("open_connections", "Open HTTP connections.", open_connections.load());
+  counter("prompt_tokens_total", "Prompt tokens processed.", sum.prompt_tokens_total);
+  counter("generation_tokens_total", "Tokens generated.", sum.generation_tokens_total);
+  counter("cached_prompt_tokens_total", "Prompt tokens served from the prefix cache.", sum.cached_prompt_tokens_total);
+  counter("num_requests_total", "Engine requests finished.", sum.num_requests_finished);
+  counter("num_retractions_total", "Requests retracted (preempted) for lack of KV-cache memory.", sum.num_retractions);
+  counter("forward_steps_total", "Model forward steps.", sum.forward_steps);
+  counter("http_requests_total", "HTTP requests received.", http_requests_total.load());
+  counter("generate_requests_total", "Generation requests submitted to the engine (n > 1 counts n).",
+          generate_requests_total.load());
+  counter("aborted_requests_total", "Generation requests aborted (client gone, timeout).", aborted_requests_total.load());
+  counter("client_errors_total", "Requests answered with a 4xx status.", client_errors_total.load());
+  ttft_seconds.render(out, "mlaserve:time_to_first_token_seconds", "Time to first token, seconds.");
+  inter_token_latency_seconds.render(out, "mlaserve:inter_token_latency_seconds",
+                                     "Time between consecutive output tokens, seconds.");
+  e2e_latency_seconds.render(out, "mlaserve:e2e_request_latency_seconds", "End-to-end request latency, seconds.");
+  return out;
+}
+
+}  // namespace mlaserve::server

@@ -1,0 +1,46 @@
+// Server-side metrics in Prometheus text format: latency histograms measured at the front end (TTFT, inter-token
+// latency, end-to-end latency) plus the engine's counters and gauges (RankStats). Thread-safe.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/engine_api.h"
+
+namespace mlaserve::server {
+
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> upper_bounds);
+  void observe(double v);
+  // `name`_bucket{le=...}, `name`_sum, `name`_count lines (cumulative buckets, +Inf last).
+  void render(std::string& out, const std::string& name, const std::string& help) const;
+  uint64_t count() const;
+
+ private:
+  std::vector<double> bounds_;
+  mutable std::mutex mu_;
+  std::vector<uint64_t> counts_;  // per bucket (not cumulative); last = +Inf
+  double sum_ = 0.0;
+  uint64_t total_ = 0;
+};
+
+class ServerMetrics {
+ public:
+  ServerMetrics();
+  Histogram ttft_seconds;
+  Histogram inter_token_latency_seconds;
+  Histogram e2e_latency_seconds;
+  std::atomic<int64_t> http_requests_total{0};
+  std::atomic<int64_t> generate_requests_total{0};  // engine requests submitted (n > 1 counts n)
+  std::atomic<int64_t> aborted_requests_total{0};   // client gone, timeout, server-side abort
+  std::atomic<int64_t> client_errors_total{0};      // 4xx answers
+  std::atomic<int64_t> open_connections{0};
+
+  std::string render(const std::vector<RankStats>& ranks) const;
+};
+
+}  // namespace mlaserve::server

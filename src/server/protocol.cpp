@@ -1,0 +1,429 @@
+#include "server/protocol.h"
+
+#include <cmath>
+#include <limits>
+
+#include "server/api_error.h"
+
+namespace mlaserve::server {
+namespace {
+
+using json = nlohmann::json;
+
+const char* type_name(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null: return "null";
+    case json::value_t::boolean: return "boolean";
+    case json::value_t::string: return "string";
+    case json::value_t::array: return "array";
+    case json::value_t::object: return "object";
+    case json::value_t::number_float: return "number";
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned: return "integer";
+    default: return "value";
+  }
+}
+
+// Typed, validated access to the fields of one JSON object; `prefix` makes error params precise
+// ("sampling_params.top_p").
+class Fields {
+ public:
+  Fields(const json& obj, std::string prefix) : obj_(obj), prefix_(std::move(prefix)) {}
+
+  std::string param(const std::string& key) const { return prefix_ + key; }
+  // nullptr when absent or null (JSON null means "default" in these APIs).
+  const json* get(const std::string& key) const {
+    auto it = obj_.find(key);
+    if (it == obj_.end() || it->is_null()) return nullptr;
+    return &*it;
+  }
+  bool has(const std::string& key) const { return get(key) != nullptr; }
+
+  std::optional<double> number(const std::string& key, double lo, double hi, bool lo_open = false) const {
+    const json* v = get(key);
+    if (!v) return std::nullopt;
+    if (!v->is_number())
+      bad_request(param(key), "invalid_type", "'{}' must be a number, got {}", param(key), type_name(*v));
+    double d = v->get<double>();
+    if (!std::isfinite(d) || d < lo || d > hi || (lo_open && d == lo))
+      bad_request(param(key), "invalid_value", "'{}' must be in {}{}, {}], got {}", param(key), lo_open ? "(" : "[",
+                  lo, hi, v->dump());
+    return d;
+  }
+
+  std::optional<int64_t> integer(const std::string& key, int64_t lo, int64_t hi) const {
+    const json* v = get(key);
+    if (!v) return std::nullopt;
+    return as_integer(*v, param(key), lo, hi);
+  }
+
+  static int64_t as_integer(const json& v, const std::string& p, int64_t lo, int64_t hi) {
+    int64_t i = 0;
+    if (v.is_number_unsigned()) {
+      uint64_t u = v.get<uint64_t>();
+      if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+        bad_request(p, "invalid_value", "'{}' must be in [{}, {}], got {}", p, lo, hi, v.dump());
+      i = static_cast<int64_t>(u);
+    } else if (v.is_number_integer()) {
+      i = v.get<int64_t>();
+    } else if (v.is_number_float() && std::isfinite(v.get<double>()) && std::floor(v.get<double>()) == v.get<double>() &&
+               std::fabs(v.get<double>()) < 9e15) {
+      i = static_cast<int64_t>(v.get<double>());
+    } else {
+      bad_request(p, "invalid_type", "'{}' must be an integer, got {}", p,
+                  v.is_number_float() ? "a fractional number" : type_name(v));
+    }
+    if (i < lo || i > hi) bad_request(p, "invalid_value", "'{}' must be in [{}, {}], got {}", p, lo, hi, i);
+    return i;
+  }
+
+  std::optional<bool> boolean(const std::string& key) const {
+    const json* v = get(key);
+    if (!v) return std::nullopt;
+    if (!v->is_boolean())
+      bad_request(param(key), "invalid_type", "'{}' must be a boolean, got {}", param(key), type_name(*v));
+    return v->get<bool>();
+  }
+
+  std::optional<std::string> string(const std::string& key) const {
+    const json* v = get(key);
+    if (!v) return std::nullopt;
+    if (!v->is_string())
+      bad_request(param(key), "invalid_type", "'{}' must be a string, got {}", param(key), type_name(*v));
+    return v->get<std::string>();
+  }
+
+  // Fields this server does not implement: present and not the neutral value -> 400 saying so.
+  void reject_unsupported(const std::string& key, const char* why) const {
+    const json* v = get(key);
+    if (!v) return;
+    if ((v->is_array() || v->is_object() || v->is_string()) && v->empty()) return;
+    if (v->is_boolean() && !v->get<bool>()) return;
+    bad_request(param(key), "unsupported_parameter", "'{}' is not supported by this server ({})", param(key), why);
+  }
+
+ private:
+  const json& obj_;
+  std::string prefix_;
+};
+
+std::vector<int32_t> token_ids(const json& v, const std::string& p) {
+  if (!v.is_array()) bad_request(p, "invalid_type", "'{}' must be an array of token ids, got {}", p, type_name(v));
+  if (v.empty()) bad_request(p, "invalid_value", "'{}' must not be empty", p);
+  std::vector<int32_t> ids;
+  ids.reserve(v.size());
+  for (size_t i = 0; i < v.size(); ++i)
+    ids.push_back(static_cast<int32_t>(
+        Fields::as_integer(v[i], fmt::format("{}[{}]", p, i), 0, std::numeric_limits<int32_t>::max())));
+  return ids;
+}
+
+bool is_id_list(const json& v) { return v.is_array() && !v.empty() && v[0].is_number(); }
+
+// Sampling fields shared by all three APIs. `max_tokens_keys` are the names max_new_tokens goes by.
+void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_keys, const ParseLimits& limits,
+                    ParsedRequest& r) {
+  SamplingParams& s = r.sampling;
+  for (const auto& k : max_tokens_keys)
+    if (auto v = f.integer(k, 1, std::numeric_limits<int32_t>::max())) {
+      s.max_new_tokens = static_cast<int32_t>(*v);
+      r.max_new_tokens_given = true;
+    }
+  if (auto v = f.number("temperature", 0.0, 100.0)) s.temperature = static_cast<float>(*v);
+  if (auto v = f.number("top_p", 0.0, 1.0, /*lo_open=*/true)) s.top_p = static_cast<float>(*v);
+  if (auto v = f.integer("top_k", -1, 1 << 30)) s.top_k = *v <= 0 ? -1 : static_cast<int32_t>(*v);
+  if (auto v = f.number("min_p", 0.0, 1.0)) s.min_p = static_cast<float>(*v);
+  if (auto v = f.number("frequency_penalty", -2.0, 2.0)) s.frequency_penalty = static_cast<float>(*v);
+  if (auto v = f.number("presence_penalty", -2.0, 2.0)) s.presence_penalty = static_cast<float>(*v);
+  if (auto v = f.number("repetition_penalty", 0.0, 2.0, /*lo_open=*/true)) s.repetition_penalty = static_cast<float>(*v);
+  if (auto v = f.boolean("ignore_eos")) s.ignore_eos = *v;
+  if (auto v = f.boolean("skip_special_tokens")) r.skip_special_tokens = *v;
+  if (auto v = f.integer("n", 1, limits.max_n)) r.n = static_cast<int32_t>(*v);
+  for (const char* key : {"seed", "sampling_seed"})
+    if (auto v = f.integer(key, std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()))
+      s.seed = static_cast<uint64_t>(*v);
+  if (const json* v = f.get("stop")) {
+    const std::string p = f.param("stop");
+    if (v->is_string()) {
+      r.stop = {v->get<std::string>()};
+    } else if (v->is_array()) {
+      if (v->size() > static_cast<size_t>(limits.max_stop_strings))
+        bad_request(p, "invalid_value", "'{}' has {} stop strings; at most {} are allowed", p, v->size(),
+                    limits.max_stop_strings);
+      for (size_t i = 0; i < v->size(); ++i) {
+        if (!(*v)[i].is_string())
+          bad_request(p, "invalid_type", "'{}[{}]' must be a string, got {}", p, i, type_name((*v)[i]));
+        r.stop.push_back((*v)[i].get<std::string>());
+      }
+    } else {
+      bad_request(p, "invalid_type", "'{}' must be a string or an array of strings, got {}", p, type_name(*v));
+    }
+    for (const auto& s2 : r.stop)
+      if (s2.empty()) bad_request(p, "invalid_value", "'{}' must not contain empty strings", p);
+  }
+  if (const json* v = f.get("stop_token_ids")) {
+    const std::string p = f.param("stop_token_ids");
+    if (!v->is_array())
+      bad_request(p, "invalid_type", "'{}' must be an array of token ids, got {}", p, type_name(*v));
+    for (size_t i = 0; i < v->size(); ++i)
+      s.stop_token_ids.push_back(static_cast<int32_t>(
+          Fields::as_integer((*v)[i], fmt::format("{}[{}]", p, i), 0, std::numeric_limits<int32_t>::max())));
+  }
+  f.reject_unsupported("logit_bias", "no logit bias in the sampler");
+  f.reject_unsupported("regex", "no constrained decoding");
+  f.reject_unsupported("json_schema", "no constrained decoding");
+  f.reject_unsupported("ebnf", "no constrained decoding");
+  if (auto v = f.integer("min_new_tokens", 0, std::numeric_limits<int32_t>::max()); v && *v > 0)
+    bad_request(f.param("min_new_tokens"), "unsupported_parameter", "'{}' > 0 is not supported by this server",
+                f.param("min_new_tokens"));
+}
+
+void parse_stream_options(const Fields& f, ParsedRequest& r) {
+  if (auto v = f.boolean("stream")) r.stream = *v;
+  if (const json* so = f.get("stream_options")) {
+    if (!so->is_object())
+      bad_request("stream_options", "invalid_type", "'stream_options' must be an object, got {}", type_name(*so));
+    Fields sf(*so, "stream_options.");
+    if (auto v = sf.boolean("include_usage")) r.include_usage = *v;
+    if (!r.stream)
+      bad_request("stream_options", "invalid_value", "'stream_options' is only allowed when 'stream' is true");
+  }
+}
+
+void parse_openai_common(const Fields& f, const ParseLimits& limits, ParsedRequest& r) {
+  if (auto v = f.string("model")) r.model = *v;
+  f.reject_unsupported("suffix", "no insertion mode");
+  if (const json* b = f.get("best_of")) {
+    int64_t best_of = Fields::as_integer(*b, "best_of", 1, limits.max_n);
+    if (best_of != r.n) bad_request("best_of", "unsupported_parameter", "'best_of' different from 'n' is not supported");
+  }
+  parse_stream_options(f, r);
+}
+
+}  // namespace
+
+nlohmann::json parse_body(const std::string& body) {
+  json j;
+  try {
+    j = json::parse(body);
+  } catch (const json::parse_error& e) {
+    throw ApiError(400, fmt::format("the request body is not valid JSON: {}", e.what()), "", "invalid_json");
+  }
+  if (!j.is_object())
+    throw ApiError(400, fmt::format("the request body must be a JSON object, got {}", type_name(j)), "",
+                   "invalid_type");
+  return j;
+}
+
+ParsedRequest parse_native(const json& body, const ParseLimits& limits) {
+  ParsedRequest r;
+  r.api = ApiKind::Native;
+  Fields f(body, "");
+  const json* text = f.get("text");
+  const json* ids = f.get("input_ids");
+  for (const char* unsupported : {"input_embeds", "image_data", "audio_data", "lora_path"})
+    f.reject_unsupported(unsupported, "text-only model");
+  if (text && ids) bad_request("text", "invalid_value", "give either 'text' or 'input_ids', not both");
+  if (!text && !ids) bad_request("text", "invalid_value", "one of 'text' or 'input_ids' is required");
+  if (text) {
+    if (text->is_string()) {
+      r.prompts.push_back({text->get<std::string>(), {}});
+    } else if (text->is_array()) {
+      if (text->empty()) bad_request("text", "invalid_value", "'text' must not be an empty array");
+      if (text->size() > limits.max_batch)
+        bad_request("text", "invalid_value", "'text' has {} prompts; at most {} are allowed", text->size(),
+                    limits.max_batch);
+      r.batch = true;
+      for (size_t i = 0; i < text->size(); ++i) {
+        if (!(*text)[i].is_string())
+          bad_request("text", "invalid_type", "'text[{}]' must be a string, got {}", i, type_name((*text)[i]));
+        r.prompts.push_back({(*text)[i].get<std::string>(), {}});
+      }
+    } else {
+      bad_request("text", "invalid_type", "'text' must be a string or an array of strings, got {}", type_name(*text));
+    }
+  } else {
+    if (!ids->is_array() || ids->empty())
+      bad_request("input_ids", ids->is_array() ? "invalid_value" : "invalid_type",
+                  "'input_ids' must be a non-empty array of token ids or of arrays of token ids");
+    if ((*ids)[0].is_array()) {
+      if (ids->size() > limits.max_batch)
+        bad_request("input_ids", "invalid_value", "'input_ids' has {} prompts; at most {} are allowed", ids->size(),
+                    limits.max_batch);
+      r.batch = true;
+      for (size_t i = 0; i < ids->size(); ++i)
+        r.prompts.push_back({std::nullopt, token_ids((*ids)[i], fmt::format("input_ids[{}]", i))});
+    } else {
+      r.prompts.push_back({std::nullopt, token_ids(*ids, "input_ids")});
+    }
+  }
+  if (const json* sp = f.get("sampling_params")) {
+    if (!sp->is_object())
+      bad_request("sampling_params", "invalid_type", "'sampling_params' must be an object, got {}", type_name(*sp));
+    Fields sf(*sp, "sampling_params.");
+    parse_sampling(sf, {"max_new_tokens"}, limits, r);
+    if (auto v = sf.boolean("no_stop_trim")) r.no_stop_trim = *v;
+  }
+  if (auto v = f.boolean("stream")) r.stream = *v;
+  if (const json* rid = f.get("rid")) {
+    if (rid->is_string()) r.rid = rid->get<std::string>();
+    else if (!rid->is_array()) bad_request("rid", "invalid_type", "'rid' must be a string, got {}", type_name(*rid));
+  }
+  if (auto v = f.boolean("return_logprob")) r.logprobs = *v;
+  if (auto v = f.integer("top_logprobs_num", 0, limits.max_top_logprobs)) r.top_logprobs = static_cast<int32_t>(*v);
+  if (auto v = f.boolean("return_text_in_logprobs")) r.return_text_in_logprobs = *v;
+  if (auto v = f.integer("logprob_start_len", -1, std::numeric_limits<int32_t>::max()); v && *v >= 0 && r.logprobs)
+    bad_request("logprob_start_len", "unsupported_parameter",
+                "prompt logprobs ('logprob_start_len' >= 0) are not supported; use -1");
+  return r;
+}
+
+ParsedRequest parse_completions(const json& body, const ParseLimits& limits) {
+  ParsedRequest r;
+  r.api = ApiKind::Completions;
+  Fields f(body, "");
+  const json* prompt = f.get("prompt");
+  if (!prompt) bad_request("prompt", "invalid_value", "'prompt' is required");
+  if (prompt->is_string()) {
+    r.prompts.push_back({prompt->get<std::string>(), {}});
+  } else if (prompt->is_array() && !prompt->empty()) {
+    if (prompt->size() > limits.max_batch)
+      bad_request("prompt", "invalid_value", "'prompt' has {} prompts; at most {} are allowed", prompt->size(),
+                  limits.max_batch);
+    if (is_id_list(*prompt)) {
+      r.prompts.push_back({std::nullopt, token_ids(*prompt, "prompt")});
+    } else {
+      r.batch = true;
+      for (size_t i = 0; i < prompt->size(); ++i) {
+        const json& p = (*prompt)[i];
+        if (p.is_string()) r.prompts.push_back({p.get<std::string>(), {}});
+        else if (p.is_array()) r.prompts.push_back({std::nullopt, token_ids(p, fmt::format("prompt[{}]", i))});
+        else bad_request("prompt", "invalid_type", "'prompt[{}]' must be a string or an array of token ids, got {}", i,
+                         type_name(p));
+      }
+    }
+  } else {
+    bad_request("prompt", prompt->is_array() ? "invalid_value" : "invalid_type",
+                "'prompt' must be a string, an array of strings, or (arrays of) token ids");
+  }
+  parse_sampling(f, {"max_tokens"}, limits, r);
+  if (!r.max_new_tokens_given) r.sampling.max_new_tokens = 16;  // OpenAI's default for completions
+  if (const json* lp = f.get("logprobs")) {
+    r.logprobs = true;
+    r.top_logprobs = static_cast<int32_t>(Fields::as_integer(*lp, "logprobs", 0, limits.max_top_logprobs));
+  }
+  if (auto v = f.boolean("echo")) r.echo = *v;
+  parse_openai_common(f, limits, r);
+  return r;
+}
+
+ParsedRequest parse_chat(const json& body, const ParseLimits& limits) {
+  ParsedRequest r;
+  r.api = ApiKind::Chat;
+  Fields f(body, "");
+  const json* msgs = f.get("messages");
+  if (!msgs) bad_request("messages", "invalid_value", "'messages' is required");
+  if (!msgs->is_array() || msgs->empty())
+    bad_request("messages", msgs->is_array() ? "invalid_value" : "invalid_type",
+                "'messages' must be a non-empty array of messages");
+  r.messages = json::array();
+  for (size_t i = 0; i < msgs->size(); ++i) {
+    const json& m = (*msgs)[i];
+    const std::string p = fmt::format("messages[{}]", i);
+    if (!m.is_object()) bad_request(p, "invalid_type", "'{}' must be an object, got {}", p, type_name(m));
+    Fields mf(m, p + ".");
+    auto role = mf.string("role");
+    if (!role) bad_request(p + ".role", "invalid_value", "'{}.role' is required", p);
+    if (*role != "system" && *role != "user" && *role != "assistant" && *role != "tool" && *role != "developer")
+      bad_request(p + ".role", "invalid_value",
+                  "'{}.role' must be one of system, developer, user, assistant, tool; got '{}'", p, *role);
+    json out = json::object();
+    out["role"] = *role == "developer" ? "system" : *role;
+    const json* content = mf.get("content");
+    if (!content) {
+      if (*role != "assistant") bad_request(p + ".content", "invalid_value", "'{}.content' is required", p);
+      out["content"] = nullptr;
+    } else if (content->is_string()) {
+      out["content"] = *content;
+    } else if (content->is_array()) {
+      std::string text;
+      for (size_t k = 0; k < content->size(); ++k) {
+        const json& part = (*content)[k];
+        const std::string pp = fmt::format("{}.content[{}]", p, k);
+        if (!part.is_object() || !part.contains("type") || part["type"] != "text" || !part.contains("text") ||
+            !part["text"].is_string())
+          bad_request(pp, "invalid_value", "'{}' must be a text part {{\"type\": \"text\", \"text\": ...}}", pp);
+        text += part["text"].get<std::string>();
+      }
+      out["content"] = text;
+    } else {
+      bad_request(p + ".content", "invalid_type", "'{}.content' must be a string or an array of text parts, got {}", p,
+                  type_name(*content));
+    }
+    if (const json* tc = mf.get("tool_calls")) out["tool_calls"] = *tc;
+    r.messages.push_back(std::move(out));
+  }
+  parse_sampling(f, {"max_tokens", "max_completion_tokens"}, limits, r);
+  if (auto v = f.boolean("logprobs")) r.logprobs = *v;
+  if (auto v = f.integer("top_logprobs", 0, limits.max_top_logprobs)) {
+    if (!r.logprobs && *v > 0)
+      bad_request("top_logprobs", "invalid_value", "'top_logprobs' needs 'logprobs' to be true");
+    r.top_logprobs = static_cast<int32_t>(*v);
+  }
+  f.reject_unsupported("tools", "no tool-call parsing");
+  f.reject_unsupported("functions", "no tool-call parsing");
+  if (const json* rf = f.get("response_format")) {
+    if (!rf->is_object() || rf->value("type", "") != "text")
+      bad_request("response_format", "unsupported_parameter",
+                  "only 'response_format' {{\"type\": \"text\"}} is supported (no constrained decoding)");
+  }
+  parse_openai_common(f, limits, r);
+  return r;
+}
+
+nlohmann::ordered_json native_finish_reason(const FinishReason& f, int32_t completion_tokens) {
+  nlohmann::ordered_json j;
+  switch (f.kind) {
+    case FinishKind::None: return nullptr;
+    case FinishKind::Length:
+      j["type"] = "length";
+      j["length"] = completion_tokens;
+      break;
+    case FinishKind::Stop:
+      j["type"] = "stop";
+      if (f.matched_token >= 0) j["matched"] = f.matched_token;
+      else j["matched"] = f.matched_text;
+      break;
+    case FinishKind::Abort:
+      j["type"] = "abort";
+      j["message"] = f.message;
+      break;
+  }
+  return j;
+}
+
+nlohmann::ordered_json openai_finish_reason(const FinishReason& f) {
+  switch (f.kind) {
+    case FinishKind::None: return nullptr;
+    case FinishKind::Length: return "length";
+    case FinishKind::Stop: return "stop";
+    case FinishKind::Abort: return "abort";
+  }
+  return nullptr;
+}
+
+std::string error_body(const ApiError& e) { return error_body(e.status, e.what(), e.type, e.code, e.param); }
+
+std::string error_body(int status, const std::string& message, const std::string& type, const std::string& code,
+                       const std::string& param) {
+  nlohmann::ordered_json err;
+  err["message"] = message;
+  err["type"] = type;
+  err["param"] = param.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(param);
+  err["code"] = code.empty() ? nlohmann::ordered_json(status) : nlohmann::ordered_json(code);
+  nlohmann::ordered_json body;
+  body["error"] = std::move(err);
+  return body.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+}  // namespace mlaserve::server

@@ -1,0 +1,67 @@
+// The three generation APIs (native /generate, OpenAI completions, OpenAI chat) parsed into one request shape,
+// with every field validated (ApiError with the field's name on a bad value). No engine calls here.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/engine_api.h"
+
+namespace mlaserve::server {
+
+enum class ApiKind { Native, Completions, Chat };
+
+// A prompt as given: text (tokenized later) or token ids.
+struct PromptInput {
+  std::optional<std::string> text;
+  std::vector<int32_t> input_ids;
+};
+
+struct ParsedRequest {
+  ApiKind api = ApiKind::Native;
+  std::vector<PromptInput> prompts;  // one entry unless a batch
+  bool batch = false;                // the input was a list: the native response is a list too
+  SamplingParams sampling;           // engine-level sampling (max_new_tokens may be filled in later)
+  bool max_new_tokens_given = false;
+  std::vector<std::string> stop;     // stop strings (text level)
+  bool skip_special_tokens = true;
+  bool no_stop_trim = false;         // keep the matched stop string in the output (native only)
+  int32_t n = 1;
+  bool stream = false;
+  std::string rid;                   // client-chosen id (native) or empty
+  // logprobs: native return_logprob/top_logprobs_num; completions `logprobs: k`; chat `logprobs` + `top_logprobs`.
+  bool logprobs = false;
+  int32_t top_logprobs = 0;
+  bool return_text_in_logprobs = false;
+  // OpenAI only.
+  std::string model;
+  bool echo = false;
+  bool include_usage = false;
+  nlohmann::json messages;           // chat
+};
+
+struct ParseLimits {
+  int32_t max_n = 64;
+  int32_t max_top_logprobs = 20;
+  int32_t max_stop_strings = 32;
+  size_t max_batch = 4096;
+};
+
+// Throws ApiError (400) naming the offending field.
+ParsedRequest parse_native(const nlohmann::json& body, const ParseLimits& limits);
+ParsedRequest parse_completions(const nlohmann::json& body, const ParseLimits& limits);
+ParsedRequest parse_chat(const nlohmann::json& body, const ParseLimits& limits);
+
+// The body as JSON, or ApiError 400 (invalid_json) / 400 when it is not an object.
+nlohmann::json parse_body(const std::string& body);
+
+// Native `finish_reason` ({"type": "length", "length": N} / {"type": "stop", "matched": ...} / abort) and the
+// OpenAI string ("length" / "stop" / "abort"); null JSON while not finished.
+nlohmann::ordered_json native_finish_reason(const FinishReason& f, int32_t completion_tokens);
+nlohmann::ordered_json openai_finish_reason(const FinishReason& f);
+
+}  // namespace mlaserve::server

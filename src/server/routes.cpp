@@ -1,0 +1,547 @@
+// Route handlers: /generate, /v1/completions, /v1/chat/completions and the informational endpoints.
+#include <chrono>
+#include <random>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "server/api.h"
+#include "server/api_error.h"
+
+namespace mlaserve::server {
+namespace {
+
+using ojson = nlohmann::ordered_json;
+using json = nlohmann::json;
+
+std::string dump(const ojson& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+int64_t unix_seconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string_view path_of(std::string_view target) {
+  const size_t q = target.find('?');
+  return q == std::string_view::npos ? target : target.substr(0, q);
+}
+
+bool constant_time_equal(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char d = 0;
+  for (size_t i = 0; i < a.size(); ++i) d |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return d == 0;
+}
+
+// Everything a response builder needs besides the job.
+struct ResponseContext {
+  ApiKind api;
+  std::string id;
+  std::string model;
+  int64_t created;
+  bool logprobs;
+  int32_t top_logprobs;
+  bool return_text_in_logprobs;
+  bool echo;
+  bool include_usage;
+  bool list_response;  // native: answer with a list (batch input or n > 1)
+  const TextCodec* codec;
+};
+
+std::string token_str(const ResponseContext& rc, int32_t id) { return rc.codec ? rc.codec->token_text(id) : ""; }
+
+// ---- native /generate ----
+
+ojson native_logprob_entry(const ResponseContext& rc, float lp, int32_t id) {
+  ojson e = ojson::array();
+  e.push_back(lp);
+  e.push_back(id);
+  if (rc.return_text_in_logprobs) e.push_back(token_str(rc, id));
+  else e.push_back(nullptr);
+  return e;
+}
+
+ojson native_object(const ResponseContext& rc, const GenerationJob& job, const Choice& c) {
+  ojson o;
+  o["text"] = c.text;
+  o["output_ids"] = c.output_ids;
+  ojson meta;
+  meta["id"] = c.rid;
+  meta["finish_reason"] = native_finish_reason(c.finish, c.completion_tokens);
+  meta["prompt_tokens"] = c.prompt_tokens;
+  meta["completion_tokens"] = c.completion_tokens;
+  meta["cached_tokens"] = c.cached_tokens;
+  if (rc.logprobs) {
+    ojson out = ojson::array();
+    ojson top = ojson::array();
+    for (const auto& lp : c.logprobs) {
+      out.push_back(native_logprob_entry(rc, lp.logprob, lp.token));
+      ojson alts = ojson::array();
+      for (const auto& [tok, l] : lp.top) alts.push_back(native_logprob_entry(rc, l, tok));
+      top.push_back(std::move(alts));
+    }
+    meta["output_token_logprobs"] = std::move(out);
+    if (rc.top_logprobs > 0) meta["output_top_logprobs"] = std::move(top);
+  }
+  if (c.finished) {
+    meta["e2e_latency"] = std::chrono::duration<double>(c.finish_time - job.start_time()).count();
+  }
+  o["meta_info"] = std::move(meta);
+  if (rc.list_response) o["index"] = c.index;
+  return o;
+}
+
+// ---- OpenAI ----
+
+struct CompletionLogprobs {
+  ojson tokens = ojson::array(), token_logprobs = ojson::array(), top_logprobs = ojson::array(),
+        text_offset = ojson::array();
+};
+
+ojson completion_logprobs(const ResponseContext& rc, const Choice& c, size_t begin, size_t text_offset) {
+  CompletionLogprobs l;
+  for (size_t i = begin; i < c.logprobs.size(); ++i) {
+    const auto& lp = c.logprobs[i];
+    std::string t = token_str(rc, lp.token);
+    l.tokens.push_back(t);
+    l.token_logprobs.push_back(lp.logprob);
+    l.text_offset.push_back(text_offset);
+    text_offset += t.size();
+    if (rc.top_logprobs > 0) {
+      ojson alts = ojson::object();
+      for (const auto& [tok, v] : lp.top) alts[token_str(rc, tok)] = v;
+      l.top_logprobs.push_back(std::move(alts));
+    } else {
+      l.top_logprobs.push_back(nullptr);
+    }
+  }
+  ojson o;
+  o["tokens"] = std::move(l.tokens);
+  o["token_logprobs"] = std::move(l.token_logprobs);
+  o["top_logprobs"] = std::move(l.top_logprobs);
+  o["text_offset"] = std::move(l.text_offset);
+  return o;
+}
+
+ojson bytes_of(const std::string& s) {
+  ojson b = ojson::array();
+  for (unsigned char ch : s) b.push_back(static_cast<int>(ch));
+  return b;
+}
+
+ojson chat_logprobs(const ResponseContext& rc, const Choice& c, size_t begin) {
+  ojson content = ojson::array();
+  for (size_t i = begin; i < c.logprobs.size(); ++i) {
+    const auto& lp = c.logprobs[i];
+    std::string t = token_str(rc, lp.token);
+    ojson e;
+    e["token"] = t;
+    e["logprob"] = lp.logprob;
+    e["bytes"] = bytes_of(t);
+    ojson alts = ojson::array();
+    for (size_t k = 0; k < lp.top.size() && static_cast<int32_t>(k) < rc.top_logprobs; ++k) {
+      std::string at = token_str(rc, lp.top[k].first);
+      ojson a;
+      a["token"] = at;
+      a["logprob"] = lp.top[k].second;
+      a["bytes"] = bytes_of(at);
+      alts.push_back(std::move(a));
+    }
+    e["top_logprobs"] = std::move(alts);
+    content.push_back(std::move(e));
+  }
+  ojson o;
+  o["content"] = std::move(content);
+  return o;
+}
+
+ojson matched_stop(const FinishReason& f) {
+  if (f.kind != FinishKind::Stop) return nullptr;
+  if (f.matched_token >= 0) return f.matched_token;
+  return f.matched_text;
+}
+
+ojson usage(const GenerationJob& job) {
+  int64_t prompt = 0, completion = 0, cached = 0;
+  const int32_t n = job.spec().n;
+  for (const auto& c : job.choices()) {
+    if (c.index % static_cast<size_t>(n) == 0) {  // each prompt counted once, however many samples
+      prompt += c.prompt_tokens;
+      cached += c.cached_tokens;
+    }
+    completion += c.completion_tokens;
+  }
+  ojson u;
+  u["prompt_tokens"] = prompt;
+  u["completion_tokens"] = completion;
+  u["total_tokens"] = prompt + completion;
+  if (cached > 0) u["prompt_tokens_details"] = ojson{{"cached_tokens", cached}};
+  return u;
+}
+
+ojson openai_envelope(const ResponseContext& rc, const char* object) {
+  ojson o;
+  o["id"] = rc.id;
+  o["object"] = object;
+  o["created"] = rc.created;
+  o["model"] = rc.model;
+  return o;
+}
+
+ojson openai_response(const ResponseContext& rc, const GenerationJob& job) {
+  const bool chat = rc.api == ApiKind::Chat;
+  ojson o = openai_envelope(rc, chat ? "chat.completion" : "text_completion");
+  ojson choices = ojson::array();
+  for (const auto& c : job.choices()) {
+    ojson ch;
+    ch["index"] = c.index;
+    if (chat) {
+      ch["message"] = ojson{{"role", "assistant"}, {"content", c.text}};
+      ch["logprobs"] = rc.logprobs ? chat_logprobs(rc, c, 0) : ojson(nullptr);
+    } else {
+      const std::string& prompt_text = job.spec().prompts[c.prompt_index].text;
+      ch["text"] = rc.echo ? prompt_text + c.text : c.text;
+      ch["logprobs"] = rc.logprobs ? completion_logprobs(rc, c, 0, rc.echo ? prompt_text.size() : 0) : ojson(nullptr);
+    }
+    ch["finish_reason"] = openai_finish_reason(c.finish);
+    ch["matched_stop"] = matched_stop(c.finish);
+    choices.push_back(std::move(ch));
+  }
+  o["choices"] = std::move(choices);
+  o["usage"] = usage(job);
+  return o;
+}
+
+// Streaming state of an OpenAI response: what each choice has been sent so far.
+struct OpenAIStream {
+  std::vector<size_t> text_offsets;  // completions text_offset bookkeeping
+};
+
+ojson openai_chunk(const ResponseContext& rc, ojson choice) {
+  ojson o = openai_envelope(rc, rc.api == ApiKind::Chat ? "chat.completion.chunk" : "text_completion");
+  ojson choices = ojson::array();
+  choices.push_back(std::move(choice));
+  o["choices"] = std::move(choices);
+  if (rc.include_usage) o["usage"] = nullptr;
+  return o;
+}
+
+}  // namespace
+
+struct Api::Prepared {
+  JobSpec spec;
+  ResponseContext rc;
+};
+
+Api::Api(EngineClient& engine, const TextCodec* codec, ServerOptions opts)
+    : engine_(engine), codec_(codec), opts_(std::move(opts)), id_salt_(std::random_device{}()) {
+  if (opts_.served_model_name.empty()) opts_.served_model_name = opts_.model_path;
+}
+
+std::string Api::new_id() {
+  return fmt::format("{:08x}{:08x}", static_cast<uint32_t>(id_salt_), static_cast<uint32_t>(next_id_.fetch_add(1)));
+}
+
+void Api::respond_json(const std::shared_ptr<HttpExchange>& ex, int status, const std::string& body) {
+  ex->respond(status, "application/json", body);
+}
+
+void Api::respond_error(const std::shared_ptr<HttpExchange>& ex, int status, const std::string& body) {
+  if (status >= 400 && status < 500) ++metrics_.client_errors_total;
+  ex->respond(status, "application/json", body);
+}
+
+void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
+  ++metrics_.http_requests_total;
+  const std::string path(path_of(req.target));
+  const bool get = req.method == "GET";
+  const bool post = req.method == "POST";
+  try {
+    if (!opts_.api_key.empty() && path != "/health" && path != "/health_generate" && path != "/metrics") {
+      const std::string expected = "Bearer " + opts_.api_key;
+      if (!constant_time_equal(req.authorization, expected))
+        throw ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "", "invalid_api_key",
+                       "authentication_error");
+    }
+    auto method_not_allowed = [&] {
+      throw ApiError(405, fmt::format("method {} is not allowed on {}", req.method, path), "", "method_not_allowed");
+    };
+    if (path == "/generate") {
+      if (!post) method_not_allowed();
+      generate(ApiKind::Native, req, ex);
+    } else if (path == "/v1/completions") {
+      if (!post) method_not_allowed();
+      generate(ApiKind::Completions, req, ex);
+    } else if (path == "/v1/chat/completions") {
+      if (!post) method_not_allowed();
+      generate(ApiKind::Chat, req, ex);
+    } else if (path == "/health" || path == "/health_generate") {
+      if (!get) method_not_allowed();
+      ex->respond(200, "text/plain", "");
+    } else if (path == "/v1/models") {
+      if (!get) method_not_allowed();
+      ojson m;
+      m["id"] = opts_.served_model_name;
+      m["object"] = "model";
+      m["created"] = unix_seconds();
+      m["owned_by"] = "mlaserve";
+      m["root"] = opts_.served_model_name;
+      m["max_model_len"] = engine_.max_context_len();
+      ojson body;
+      body["object"] = "list";
+      body["data"] = ojson::array({m});
+      respond_json(ex, 200, dump(body));
+    } else if (path == "/get_model_info") {
+      if (!get) method_not_allowed();
+      ojson body;
+      body["model_path"] = opts_.model_path;
+      body["tokenizer_path"] = opts_.tokenizer_path.empty() ? ojson(nullptr) : ojson(opts_.tokenizer_path);
+      body["served_model_name"] = opts_.served_model_name;
+      body["is_generation"] = true;
+      body["max_context_length"] = engine_.max_context_len();
+      body["eos_token_ids"] = engine_.eos_token_ids();
+      body["preferred_sampling_params"] = nullptr;
+      respond_json(ex, 200, dump(body));
+    } else if (path == "/get_server_info") {
+      if (!get) method_not_allowed();
+      ojson body = ojson::parse(opts_.server_args.dump());
+      ojson states = ojson::array();
+      int rank = 0;
+      for (const RankStats& s : engine_.stats()) {
+        ojson st;
+        st["dp_rank"] = rank++;
+        st["kv_tokens_total"] = s.kv_tokens_total;
+        st["kv_tokens_free"] = s.kv_tokens_free;
+        st["kv_tokens_cached"] = s.kv_tokens_cached;
+        st["num_running_reqs"] = s.num_running_reqs;
+        st["num_queue_reqs"] = s.num_queue_reqs;
+        st["prompt_tokens_total"] = s.prompt_tokens_total;
+        st["generation_tokens_total"] = s.generation_tokens_total;
+        st["cached_prompt_tokens_total"] = s.cached_prompt_tokens_total;
+        st["num_requests_finished"] = s.num_requests_finished;
+        st["num_retractions"] = s.num_retractions;
+        st["forward_steps"] = s.forward_steps;
+        states.push_back(std::move(st));
+      }
+      body["internal_states"] = std::move(states);
+      body["version"] = "mlaserve";
+      respond_json(ex, 200, dump(body));
+    } else if (path == "/flush_cache") {
+      if (!get && !post) method_not_allowed();
+      if (engine_.flush_cache())
+        ex->respond(200, "text/plain", "Cache flushed.\n");
+      else
+        throw ApiError(400, "cache not flushed: requests are running or waiting; retry when the server is idle", "",
+                       "server_busy");
+    } else if (path == "/metrics") {
+      if (!get) method_not_allowed();
+      ex->respond(200, "text/plain; version=0.0.4", metrics_.render(engine_.stats()));
+    } else {
+      throw ApiError(404, fmt::format("no route for {} {}", req.method, path), "", "not_found");
+    }
+  } catch (const ApiError& e) {
+    respond_error(ex, e.status, error_body(e));
+  } catch (const Error& e) {  // the engine refusing a request (client error by the interface's contract)
+    respond_error(ex, 400, error_body(400, e.what()));
+  } catch (const std::exception& e) {
+    MLA_LOG_ERROR("{} {}: {}", req.method, path, e.what());
+    ex->respond(500, "application/json", error_body(500, e.what(), "internal_error", "internal_error"));
+  }
+}
+
+Api::Prepared Api::prepare(ParsedRequest& pr) {
+  Prepared p;
+  const bool openai = pr.api != ApiKind::Native;
+  if (openai && !pr.model.empty() && pr.model != opts_.served_model_name && pr.model != opts_.model_path &&
+      pr.model != "default")
+    throw ApiError(404, fmt::format("the model '{}' does not exist; this server serves '{}'", pr.model,
+                                    opts_.served_model_name),
+                   "model", "model_not_found");
+  const int64_t ctx = engine_.max_context_len();
+  if (pr.api == ApiKind::Chat) {
+    if (!codec_) throw ApiError(400, "chat needs a tokenizer; this server runs without one", "messages", "no_tokenizer");
+    std::string prompt;
+    try {
+      prompt = codec_->apply_chat_template(pr.messages, true);
+    } catch (const std::exception& e) {
+      throw ApiError(400, fmt::format("the chat template failed on these messages: {}", e.what()), "messages",
+                     "invalid_value");
+    }
+    pr.prompts = {{prompt, {}}};
+    pr.prompts[0].input_ids = codec_->encode(prompt, /*add_special_tokens=*/false);
+  }
+  for (size_t i = 0; i < pr.prompts.size(); ++i) {
+    PromptInput& in = pr.prompts[i];
+    JobPrompt jp;
+    if (in.text) {
+      if (in.input_ids.empty()) {
+        if (!codec_)
+          throw ApiError(400, "text prompts need a tokenizer; this server runs without one: send token ids", "text",
+                         "no_tokenizer");
+        in.input_ids = codec_->encode(*in.text, /*add_special_tokens=*/true);
+      }
+      jp.text = *in.text;
+    } else if (codec_ && pr.echo) {
+      jp.text = codec_->decode(in.input_ids, false);
+    }
+    jp.input_ids = std::move(in.input_ids);
+    const int64_t len = static_cast<int64_t>(jp.input_ids.size());
+    const std::string param = pr.api == ApiKind::Chat ? "messages" : pr.api == ApiKind::Native ? "text" : "prompt";
+    if (len == 0) throw ApiError(400, "the prompt is empty (no tokens)", param, "invalid_value");
+    if (len >= ctx)
+      throw ApiError(400,
+                     fmt::format("the prompt has {} tokens; this model's context length is {} tokens (room is needed "
+                                 "for at least one new token)",
+                                 len, ctx),
+                     param, "context_length_exceeded");
+    if (!pr.max_new_tokens_given && pr.api == ApiKind::Chat) {
+      pr.sampling.max_new_tokens = static_cast<int32_t>(ctx - len);
+    } else if (len + pr.sampling.max_new_tokens > ctx) {
+      if (pr.max_new_tokens_given)
+        throw ApiError(400,
+                       fmt::format("this model's context length is {} tokens, but {} were requested ({} in the "
+                                   "prompt, {} to generate); reduce the prompt or the number of new tokens",
+                                   ctx, len + pr.sampling.max_new_tokens, len, pr.sampling.max_new_tokens),
+                       pr.api == ApiKind::Native ? "sampling_params.max_new_tokens" : "max_tokens",
+                       "context_length_exceeded");
+      pr.sampling.max_new_tokens = static_cast<int32_t>(ctx - len);  // a default that does not fit: shortened
+    }
+    p.spec.prompts.push_back(std::move(jp));
+  }
+  pr.sampling.return_logprob = pr.logprobs;
+  pr.sampling.top_logprobs_num = pr.logprobs ? pr.top_logprobs : 0;
+  const std::string id = new_id();
+  p.spec.id = pr.api == ApiKind::Native ? (pr.rid.empty() ? id : pr.rid)
+                                        : (pr.api == ApiKind::Chat ? "chatcmpl-" : "cmpl-") + id;
+  p.spec.n = pr.n;
+  p.spec.sampling = pr.sampling;
+  p.spec.stop = pr.stop;
+  p.spec.skip_special_tokens = pr.skip_special_tokens;
+  p.spec.no_stop_trim = pr.no_stop_trim;
+  p.rc = ResponseContext{pr.api,
+                         p.spec.id,
+                         opts_.served_model_name,
+                         unix_seconds(),
+                         pr.logprobs,
+                         pr.top_logprobs,
+                         pr.return_text_in_logprobs,
+                         pr.echo,
+                         pr.include_usage,
+                         pr.batch || pr.n > 1,
+                         codec_};
+  return p;
+}
+
+void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
+  json body = parse_body(req.body);
+  ParsedRequest pr = api == ApiKind::Native      ? parse_native(body, opts_.limits)
+                     : api == ApiKind::Completions ? parse_completions(body, opts_.limits)
+                                                   : parse_chat(body, opts_.limits);
+  Prepared p = prepare(pr);
+  const bool stream = pr.stream;
+  auto job = std::make_shared<GenerationJob>(engine_, codec_, &metrics_, ex->executor(), std::move(p.spec));
+  const ResponseContext rc = p.rc;
+  std::weak_ptr<HttpExchange> wex = ex;
+  std::weak_ptr<GenerationJob> wjob = job;
+
+  if (!stream) {
+    job->on_done = [this, wex, wjob, rc] {
+      auto ex2 = wex.lock();
+      auto job2 = wjob.lock();
+      if (!ex2 || !job2) return;
+      if (rc.api == ApiKind::Native) {
+        if (!rc.list_response) {
+          respond_json(ex2, 200, dump(native_object(rc, *job2, job2->choices()[0])));
+        } else {
+          ojson arr = ojson::array();
+          for (const auto& c : job2->choices()) arr.push_back(native_object(rc, *job2, c));
+          respond_json(ex2, 200, dump(arr));
+        }
+      } else {
+        respond_json(ex2, 200, dump(openai_response(rc, *job2)));
+      }
+    };
+  } else {
+    auto state = std::make_shared<OpenAIStream>();
+    for (const auto& c : job->choices())
+      state->text_offsets.push_back(rc.echo ? job->spec().prompts[c.prompt_index].text.size() : 0);
+    job->on_update = [wex, wjob, rc, state](const ChoiceUpdate& u) {
+      auto ex2 = wex.lock();
+      auto job2 = wjob.lock();
+      if (!ex2 || !job2) return;
+      const Choice& c = job2->choices()[u.choice];
+      if (rc.api == ApiKind::Native) {
+        ex2->send_event(dump(native_object(rc, *job2, c)));
+        return;
+      }
+      const std::string delta = c.text.substr(u.text_begin);
+      const bool new_logprobs = rc.logprobs && c.logprobs.size() > u.logprobs_begin;
+      if (!delta.empty() || new_logprobs) {
+        ojson ch;
+        ch["index"] = c.index;
+        if (rc.api == ApiKind::Chat) {
+          ch["delta"] = ojson{{"content", delta}};
+          ch["logprobs"] = rc.logprobs ? chat_logprobs(rc, c, u.logprobs_begin) : ojson(nullptr);
+        } else {
+          ch["text"] = delta;
+          if (rc.logprobs) {
+            ch["logprobs"] = completion_logprobs(rc, c, u.logprobs_begin, state->text_offsets[u.choice]);
+            for (size_t i = u.logprobs_begin; i < c.logprobs.size(); ++i)
+              state->text_offsets[u.choice] += token_str(rc, c.logprobs[i].token).size();
+          } else {
+            ch["logprobs"] = nullptr;
+          }
+        }
+        ch["finish_reason"] = nullptr;
+        ex2->send_event(dump(openai_chunk(rc, std::move(ch))));
+      }
+      if (u.finished) {
+        ojson ch;
+        ch["index"] = c.index;
+        if (rc.api == ApiKind::Chat) ch["delta"] = ojson::object();
+        else ch["text"] = "";
+        ch["logprobs"] = nullptr;
+        ch["finish_reason"] = openai_finish_reason(c.finish);
+        ch["matched_stop"] = matched_stop(c.finish);
+        ex2->send_event(dump(openai_chunk(rc, std::move(ch))));
+      }
+    };
+    job->on_done = [wex, wjob, rc] {
+      auto ex2 = wex.lock();
+      auto job2 = wjob.lock();
+      if (!ex2 || !job2) return;
+      if (rc.api != ApiKind::Native && rc.include_usage) {
+        ojson o = openai_envelope(rc, rc.api == ApiKind::Chat ? "chat.completion.chunk" : "text_completion");
+        o["choices"] = ojson::array();
+        o["usage"] = usage(*job2);
+        ex2->send_event(dump(o));
+      }
+      ex2->send_event("[DONE]");
+      ex2->end_stream();
+    };
+  }
+  ex->on_cancel([wjob, this](const std::string& why) {
+    if (auto j = wjob.lock()) j->cancel(why);
+  });
+  job->start();  // throws (400) before anything was sent if the engine refuses the request
+  if (stream) {
+    ex->start_stream();
+    // The first chunks: chat opens every choice with the assistant role; completions echo the prompt.
+    for (const auto& c : job->choices()) {
+      ojson ch;
+      ch["index"] = c.index;
+      if (rc.api == ApiKind::Chat) {
+        ch["delta"] = ojson{{"role", "assistant"}, {"content", ""}};
+        ch["logprobs"] = nullptr;
+      } else if (rc.api == ApiKind::Completions && rc.echo) {
+        ch["text"] = job->spec().prompts[c.prompt_index].text;
+        ch["logprobs"] = nullptr;
+      } else {
+        continue;
+      }
+      ch["finish_reason"] = nullptr;
+      ex->send_event(dump(openai_chunk(rc, std::move(ch))));
+    }
+  }
+}
+
+}  // namespace mlaserve::server

@@ -1,0 +1,16 @@
+#include "server/text_codec.h"
+
+#include "server/text_stream.h"
+
+namespace mlaserve::server {
+
+std::unique_ptr<StreamDecoder> TextCodec::stream_decoder(bool skip_special_tokens) const {
+  return std::make_unique<IncrementalDetokenizer>(this, skip_special_tokens);
+}
+
+// The tokenizer library (src/tokenizer) is adapted in tokenizer_codec.cpp when it is part of the build.
+#ifndef MLASERVE_HAS_TOKENIZER
+std::unique_ptr<TextCodec> load_text_codec(const std::string&) { return nullptr; }
+#endif
+
+}  // namespace mlaserve::server

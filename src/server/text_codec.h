@@ -1,0 +1,47 @@
+// TextCodec: the seam between the server and a tokenizer. The server needs token ids <-> text and the model's
+// chat template; everything else text-level (incremental detokenizing, stop strings) is built on top of these
+// calls in text_stream.h, so any tokenizer library plugs in by implementing this interface.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace mlaserve::server {
+
+// Ids -> text a piece at a time: push() returns only text later ids cannot change (never half a UTF-8
+// character); flush() returns what is held back at the end.
+class StreamDecoder {
+ public:
+  virtual ~StreamDecoder() = default;
+  virtual std::string push(const std::vector<int32_t>& ids) = 0;
+  virtual std::string flush() = 0;
+};
+
+class TextCodec {
+ public:
+  virtual ~TextCodec() = default;
+  // Text -> ids; add_special_tokens adds the tokenizer's BOS (as Hugging Face's encode does).
+  virtual std::vector<int32_t> encode(const std::string& text, bool add_special_tokens) const = 0;
+  // Ids -> text. Bytes of an incomplete UTF-8 sequence at the end decode to U+FFFD (as Hugging Face does).
+  virtual std::string decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const = 0;
+  // OpenAI `messages` (role + string content) rendered with the model's chat template. The result already holds
+  // the template's special tokens (BOS), so it is encoded with add_special_tokens = false.
+  virtual std::string apply_chat_template(const nlohmann::json& messages, bool add_generation_prompt) const = 0;
+  // The text of one token for logprob listings (special tokens included).
+  virtual std::string token_text(int32_t id) const { return decode({id}, false); }
+  virtual std::string name_or_path() const = 0;
+  // One more than the largest token id (the bench client draws random ids below it).
+  virtual size_t vocab_size() const = 0;
+  // A streaming decoder; the default (text_stream.h) works over decode() for any tokenizer.
+  virtual std::unique_ptr<StreamDecoder> stream_decoder(bool skip_special_tokens) const;
+};
+
+// The tokenizer found at `path` (a directory with tokenizer.json / tokenizer_config.json), or nullptr when this
+// build has no tokenizer library. Throws mlaserve::Error when the files are missing or malformed.
+std::unique_ptr<TextCodec> load_text_codec(const std::string& path);
+
+}  // namespace mlaserve::server

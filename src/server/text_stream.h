@@ -1,0 +1,52 @@
+// Text-level streaming on top of a TextCodec: turning generated ids into text a piece at a time, and cutting
+// the text at stop strings.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "server/text_codec.h"
+
+namespace mlaserve::server {
+
+// Incremental detokenizer: push() returns only text that later tokens cannot change. Decoding a window that
+// starts a few tokens back (prefix) and subtracting the window's earlier text makes word-boundary effects
+// (leading spaces, merged bytes) come out as a full decode would; a window whose text ends in U+FFFD (an
+// incomplete UTF-8 character split across tokens) is held back until the next token completes it.
+class IncrementalDetokenizer : public StreamDecoder {
+ public:
+  IncrementalDetokenizer(const TextCodec* codec, bool skip_special_tokens)
+      : codec_(codec), skip_special_(skip_special_tokens) {}
+  std::string push(const std::vector<int32_t>& tokens) override;
+  // Text still held back at the end of generation (an incomplete character decodes to U+FFFD).
+  std::string flush() override;
+
+ private:
+  const TextCodec* codec_;
+  bool skip_special_;
+  std::vector<int32_t> ids_;
+  size_t prefix_offset_ = 0;  // window start
+  size_t read_offset_ = 0;    // text of ids_[prefix_offset_, read_offset_) was already returned
+};
+
+// Stop strings on the detokenized text. push() returns the text that is safe to show: anything that could be
+// the beginning of a stop string is held back until the next text decides it. On a match, the text before the
+// stop string is returned, `matched()` is set and the stop string (and anything after it) is never returned.
+class StopStringMatcher {
+ public:
+  explicit StopStringMatcher(std::vector<std::string> stops);
+  std::string push(std::string_view text);
+  std::string flush();  // generation ended without a match: the held-back text is real output
+  const std::optional<std::string>& matched() const { return matched_; }
+  bool empty() const { return stops_.empty(); }
+
+ private:
+  std::vector<std::string> stops_;
+  std::string held_;
+  std::optional<std::string> matched_;
+};
+
+}  // namespace mlaserve::server

@@ -1,0 +1,61 @@
+// TextCodec over the tokenizer library (src/tokenizer): PretrainedTokenizer gives ids <-> text with the
+// checkpoint's BOS rule, the chat template (Jinja), and the incremental detokenizer used for streaming.
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "server/text_codec.h"
+#include "tokenizer/detokenizer.h"
+#include "tokenizer/tokenizer_config.h"
+
+namespace mlaserve::server {
+namespace {
+
+class LibraryStreamDecoder : public StreamDecoder {
+ public:
+  LibraryStreamDecoder(const tok::Tokenizer& t, bool skip_special) : detok_(t, skip_special) {}
+  std::string push(const std::vector<int32_t>& ids) override {
+    std::string out;
+    for (int32_t id : ids) out += detok_.push(id);
+    return out;
+  }
+  std::string flush() override { return detok_.finish(); }
+
+ private:
+  tok::IncrementalDetokenizer detok_;
+};
+
+class TokenizerCodec : public TextCodec {
+ public:
+  explicit TokenizerCodec(const std::string& path) : path_(path) {
+    namespace fs = std::filesystem;
+    const std::string dir = fs::is_directory(path) ? path : fs::path(path).parent_path().string();
+    MLA_CHECK(fs::exists(fs::path(dir) / "tokenizer.json"), "--tokenizer-path: no tokenizer.json in '{}'", dir);
+    tok_ = tok::PretrainedTokenizer::load(dir);
+  }
+  std::vector<int32_t> encode(const std::string& text, bool add_special_tokens) const override {
+    return tok_->encode(text, add_special_tokens);
+  }
+  std::string decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const override {
+    return tok_->decode(ids, skip_special_tokens);
+  }
+  std::string apply_chat_template(const nlohmann::json& messages, bool add_generation_prompt) const override {
+    return tok_->apply_chat_template(nlohmann::ordered_json::parse(messages.dump()), add_generation_prompt);
+  }
+  std::string name_or_path() const override { return path_; }
+  size_t vocab_size() const override { return tok_->tokenizer().vocab_size(); }
+  std::unique_ptr<StreamDecoder> stream_decoder(bool skip_special_tokens) const override {
+    return std::make_unique<LibraryStreamDecoder>(tok_->tokenizer(), skip_special_tokens);
+  }
+
+ private:
+  std::string path_;
+  std::unique_ptr<tok::PretrainedTokenizer> tok_;
+};
+
+}  // namespace
+
+std::unique_ptr<TextCodec> load_text_codec(const std::string& path) { return std::make_unique<TokenizerCodec>(path); }
+
+}  // namespace mlaserve::server

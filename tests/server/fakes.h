@@ -1,0 +1,232 @@
+// Test doubles for the server's unit tests (not used by the product):
+// - ByteCodec: a byte-level "tokenizer": ids 0..255 are bytes, 256 = <bos>, 257 = <eos>.
+// - FakeEngine: an EngineClient whose requests generate their own prompt bytes again, cyclically (without the
+//   BOS), one token per 1 ms step (or `tokens_per_output` per output); a prompt byte '#' comes out as <eos>.
+//   It keeps KV accounting (prompt + generated tokens held per live request) so leaks show in stats().
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "engine/engine_api.h"
+#include "server/text_codec.h"
+
+namespace mlaserve::test {
+
+constexpr int32_t kBos = 256, kEos = 257;
+
+class ByteCodec : public server::TextCodec {
+ public:
+  std::vector<int32_t> encode(const std::string& text, bool add_special) const override {
+    std::vector<int32_t> ids;
+    if (add_special) ids.push_back(kBos);
+    for (unsigned char c : text) ids.push_back(c);
+    return ids;
+  }
+  std::string decode(const std::vector<int32_t>& ids, bool skip_special) const override {
+    std::string bytes;
+    for (int32_t id : ids) {
+      if (id < 256) bytes.push_back(static_cast<char>(id));
+      else if (!skip_special) bytes += id == kBos ? "<bos>" : "<eos>";
+    }
+    // An incomplete UTF-8 sequence at the end decodes to U+FFFD, as Hugging Face tokenizers do.
+    size_t i = bytes.size(), back = 0;
+    while (i > 0 && back < 4 && (static_cast<unsigned char>(bytes[i - 1]) & 0xC0) == 0x80) --i, ++back;
+    if (i > 0) {
+      unsigned char lead = static_cast<unsigned char>(bytes[i - 1]);
+      size_t need = lead >= 0xF0 ? 3 : lead >= 0xE0 ? 2 : lead >= 0xC0 ? 1 : 0;
+      if (need > back) bytes = bytes.substr(0, i - 1) + "\xEF\xBF\xBD";
+    }
+    return bytes;
+  }
+  std::string apply_chat_template(const nlohmann::json& messages, bool add_generation_prompt) const override {
+    std::string s = "<bos>";
+    for (const auto& m : messages) s += "[" + m["role"].get<std::string>() + "]" + m["content"].get<std::string>();
+    if (add_generation_prompt) s += "[assistant]";
+    return s;
+  }
+  std::string name_or_path() const override { return "bytes"; }
+  size_t vocab_size() const override { return 258; }
+};
+
+class FakeEngine : public EngineClient {
+ public:
+  explicit FakeEngine(int64_t context_len = 4096, int64_t kv_tokens = 1 << 20, int tokens_per_output = 1)
+      : context_len_(context_len), kv_total_(kv_tokens), tokens_per_output_(tokens_per_output) {
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~FakeEngine() override { shutdown(); }
+
+  void submit(GenerateRequest req) override {
+    MLA_CHECK(!req.input_ids.empty(), "empty prompt");
+    MLA_CHECK(static_cast<int64_t>(req.input_ids.size()) < context_len_, "prompt too long");
+    std::lock_guard lk(mu_);
+    MLA_CHECK(!live_.count(req.rid), "duplicate rid '{}'", req.rid);
+    Live l;
+    l.req = std::move(req);
+    for (int32_t id : l.req.input_ids)
+      if (id != kBos) l.script.push_back(id);
+    if (l.script.empty()) l.script.push_back('x');
+    held_ += static_cast<int64_t>(l.req.input_ids.size());
+    submitted_.push_back(l.req.rid);
+    live_.emplace(l.req.rid, std::move(l));
+    cv_.notify_all();
+  }
+
+  void abort(const std::string& rid, FinishReason reason) override {
+    std::function<void(const GenerateOutput&)> cb;
+    GenerateOutput out;
+    {
+      std::lock_guard lk(mu_);
+      auto it = live_.find(rid);
+      if (it == live_.end()) return;
+      aborted_.push_back(rid);
+      out = final_output(it->second, reason);
+      cb = std::move(it->second.req.on_output);
+      release(it);
+    }
+    cb(out);
+  }
+
+  std::vector<RankStats> stats() const override {
+    std::lock_guard lk(mu_);
+    RankStats s;
+    s.kv_tokens_total = kv_total_;
+    s.kv_tokens_free = kv_total_ - held_;
+    s.num_running_reqs = static_cast<int32_t>(live_.size());
+    s.prompt_tokens_total = prompt_tokens_total_;
+    s.generation_tokens_total = generation_tokens_total_;
+    return {s};
+  }
+  bool flush_cache() override {
+    std::lock_guard lk(mu_);
+    return live_.empty();
+  }
+  int64_t max_context_len() const override { return context_len_; }
+  std::vector<int32_t> eos_token_ids() const override { return {kEos}; }
+  void shutdown() override {
+    {
+      std::lock_guard lk(mu_);
+      if (stop_) return;
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+  size_t num_live() const {
+    std::lock_guard lk(mu_);
+    return live_.size();
+  }
+  std::vector<std::string> aborted() const {
+    std::lock_guard lk(mu_);
+    return aborted_;
+  }
+  std::vector<std::string> submitted() const {
+    std::lock_guard lk(mu_);
+    return submitted_;
+  }
+  std::atomic<int> step_delay_ms{1};
+
+ private:
+  struct Live {
+    GenerateRequest req;
+    std::vector<int32_t> script;
+    int32_t generated = 0;
+  };
+
+  GenerateOutput final_output(const Live& l, FinishReason reason) {
+    GenerateOutput out;
+    out.finished = true;
+    out.finish = std::move(reason);
+    out.prompt_tokens = static_cast<int32_t>(l.req.input_ids.size());
+    out.completion_tokens = l.generated;
+    return out;
+  }
+  void release(std::map<std::string, Live>::iterator it) {
+    held_ -= static_cast<int64_t>(it->second.req.input_ids.size()) + it->second.generated;
+    prompt_tokens_total_ += static_cast<int64_t>(it->second.req.input_ids.size());
+    live_.erase(it);
+  }
+
+  void loop() {
+    while (true) {
+      std::vector<std::pair<std::function<void(const GenerateOutput&)>, GenerateOutput>> outs;
+      {
+        std::unique_lock lk(mu_);
+        cv_.wait(lk, [this] { return stop_ || !live_.empty(); });
+        if (stop_) {
+          for (auto it = live_.begin(); it != live_.end();) {
+            FinishReason r;
+            r.kind = FinishKind::Abort;
+            r.message = "engine shut down";
+            outs.emplace_back(it->second.req.on_output, final_output(it->second, r));
+            auto next = std::next(it);
+            release(it);
+            it = next;
+          }
+        }
+        for (auto it = live_.begin(); it != live_.end();) {
+          Live& l = it->second;
+          GenerateOutput out;
+          out.prompt_tokens = static_cast<int32_t>(l.req.input_ids.size());
+          for (int t = 0; t < tokens_per_output_ && !out.finished; ++t) {
+            int32_t tok = l.script[static_cast<size_t>(l.generated) % l.script.size()];
+            if (tok == '#') tok = kEos;
+            ++l.generated;
+            ++held_;
+            ++generation_tokens_total_;
+            out.new_tokens.push_back(tok);
+            if (l.req.sampling.return_logprob) {
+              TokenLogprob lp;
+              lp.token = tok;
+              lp.logprob = -0.25f * static_cast<float>(l.generated % 4);
+              for (int k = 0; k < l.req.sampling.top_logprobs_num; ++k)
+                lp.top.emplace_back((tok + k) % 256, -0.5f * static_cast<float>(k));
+              out.new_logprobs.push_back(lp);
+            }
+            const auto& stops = l.req.sampling.stop_token_ids;
+            if (tok == kEos && !l.req.sampling.ignore_eos) {
+              out.finished = true;
+              out.finish.kind = FinishKind::Stop;
+              out.finish.matched_token = kEos;
+            } else if (std::find(stops.begin(), stops.end(), tok) != stops.end()) {
+              out.finished = true;
+              out.finish.kind = FinishKind::Stop;
+              out.finish.matched_token = tok;
+            } else if (l.generated >= l.req.sampling.max_new_tokens) {
+              out.finished = true;
+              out.finish.kind = FinishKind::Length;
+            }
+          }
+          out.completion_tokens = l.generated;
+          outs.emplace_back(l.req.on_output, out);
+          auto next = std::next(it);
+          if (out.finished) release(it);
+          it = next;
+        }
+      }
+      for (auto& [cb, out] : outs) cb(out);
+      if (stop_) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(step_delay_ms.load()));
+    }
+  }
+
+  const int64_t context_len_, kv_total_;
+  const int tokens_per_output_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, Live> live_;
+  std::vector<std::string> aborted_, submitted_;
+  int64_t held_ = 0, prompt_tokens_total_ = 0, generation_tokens_total_ = 0;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace mlaserve::test

@@ -1,0 +1,451 @@
+// The HTTP API end to end in one process: real sockets and the Beast server, a fake engine (fakes.h).
+#include <gtest/gtest.h>
+
+#include <sys/resource.h>
+
+#include <regex>
+#include <thread>
+
+#include "fakes.h"
+#include "http_test_client.h"
+#include "server/api.h"
+#include "server/http_server.h"
+
+namespace mlaserve::server {
+namespace {
+
+using json = nlohmann::json;
+using test::http_request;
+using test::HttpConnection;
+using test::sse_payloads;
+
+struct TestServer {
+  explicit TestServer(ServerOptions o = {}, int64_t context_len = 4096, int tokens_per_output = 1)
+      : engine(context_len, 1 << 20, tokens_per_output), opts(fill(std::move(o))), api(engine, &codec, opts),
+        http(api, opts) {
+    http.start();
+  }
+  ~TestServer() {
+    engine.shutdown();
+    http.stop();
+  }
+  static ServerOptions fill(ServerOptions o) {
+    o.host = "127.0.0.1";
+    o.port = 0;
+    o.model_path = "/models/fake";
+    o.served_model_name = "fake";
+    o.num_threads = 2;
+    return o;
+  }
+  int port() const { return http.port(); }
+  test::HttpResponse post(const std::string& path, const std::string& body, const std::string& headers = "") {
+    return http_request(port(), "POST", path, body, headers);
+  }
+  test::HttpResponse get(const std::string& path) { return http_request(port(), "GET", path); }
+  // Waits until the fake engine holds no request (aborts are asynchronous to the client).
+  bool wait_idle(double seconds = 10) {
+    auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    while (std::chrono::steady_clock::now() < end) {
+      auto s = engine.stats()[0];
+      if (engine.num_live() == 0 && s.kv_tokens_free == s.kv_tokens_total) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return false;
+  }
+
+  test::FakeEngine engine;
+  test::ByteCodec codec;
+  ServerOptions opts;
+  Api api;
+  HttpServer http;
+};
+
+std::string mask_latency(std::string s) {
+  return std::regex_replace(s, std::regex(R"("e2e_latency":[0-9.eE+-]+)"), R"("e2e_latency":L)");
+}
+
+TEST(HttpApi, InfoEndpoints) {
+  TestServer s;
+  EXPECT_EQ(s.get("/health").status, 200);
+  auto models = json::parse(s.get("/v1/models").body);
+  EXPECT_EQ(models["object"], "list");
+  EXPECT_EQ(models["data"][0]["id"], "fake");
+  auto info = json::parse(s.get("/get_model_info").body);
+  EXPECT_EQ(info["model_path"], "/models/fake");
+  EXPECT_EQ(info["is_generation"], true);
+  auto si = json::parse(s.get("/get_server_info").body);
+  ASSERT_EQ(si["internal_states"].size(), 1u);
+  for (const char* k : {"kv_tokens_total", "kv_tokens_free", "kv_tokens_cached", "num_running_reqs", "num_queue_reqs"})
+    EXPECT_TRUE(si["internal_states"][0].contains(k)) << k;
+  EXPECT_EQ(s.post("/flush_cache", "").status, 200);
+  auto m = s.get("/metrics");
+  EXPECT_EQ(m.status, 200);
+  EXPECT_NE(m.body.find("mlaserve:num_running_reqs"), std::string::npos);
+  EXPECT_EQ(s.get("/nope").status, 404);
+  EXPECT_EQ(s.get("/generate").status, 405);
+}
+
+TEST(HttpApi, GenerateNonStream) {
+  TestServer s;
+  auto r = s.post("/generate", R"({"text": "hello", "sampling_params": {"max_new_tokens": 7, "temperature": 0}})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.headers["content-type"], "application/json");
+  auto j = json::parse(r.body);
+  EXPECT_EQ(j["text"], "hellohe");
+  EXPECT_EQ(j["output_ids"], json::parse("[104,101,108,108,111,104,101]"));
+  EXPECT_EQ(j["meta_info"]["finish_reason"], json::parse(R"({"type":"length","length":7})"));
+  EXPECT_EQ(j["meta_info"]["prompt_tokens"], 6);
+  EXPECT_EQ(j["meta_info"]["completion_tokens"], 7);
+  EXPECT_EQ(j["meta_info"]["cached_tokens"], 0);
+  EXPECT_TRUE(j["meta_info"]["e2e_latency"].is_number());
+  EXPECT_TRUE(s.wait_idle());
+}
+
+TEST(HttpApi, GenerateStreamExactFormat) {
+  TestServer s;
+  auto r = s.post("/generate", R"({"text": "ab", "rid": "r1", "stream": true, "sampling_params": {"max_new_tokens": 3}})");
+  ASSERT_EQ(r.status, 200);
+  EXPECT_EQ(r.headers["content-type"], "text/event-stream");
+  const std::string expected =
+      R"(data: {"text":"a","output_ids":[97],"meta_info":{"id":"r1","finish_reason":null,"prompt_tokens":3,"completion_tokens":1,"cached_tokens":0}})"
+      "\n\n"
+      R"(data: {"text":"ab","output_ids":[97,98],"meta_info":{"id":"r1","finish_reason":null,"prompt_tokens":3,"completion_tokens":2,"cached_tokens":0}})"
+      "\n\n"
+      R"(data: {"text":"aba","output_ids":[97,98,97],"meta_info":{"id":"r1","finish_reason":{"type":"length","length":3},"prompt_tokens":3,"completion_tokens":3,"cached_tokens":0,"e2e_latency":L}})"
+      "\n\n"
+      "data: [DONE]\n\n";
+  EXPECT_EQ(mask_latency(r.body), expected);
+}
+
+TEST(HttpApi, StopStringAcrossTokensNeverShownAndAborts) {
+  TestServer s;
+  auto r = s.post("/generate", R"({"text": "abcSTOPdef", "rid": "s1", "sampling_params": {"max_new_tokens": 50, "stop": ["STOP", "zzz"]}})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto j = json::parse(r.body);
+  EXPECT_EQ(j["text"], "abc");
+  EXPECT_EQ(j["meta_info"]["finish_reason"], json::parse(R"({"type":"stop","matched":"STOP"})"));
+  EXPECT_EQ(j["meta_info"]["completion_tokens"], 7);
+  EXPECT_EQ(s.engine.aborted(), std::vector<std::string>{"s1"});
+  EXPECT_TRUE(s.wait_idle());
+
+  // Streaming: no chunk ever shows a piece of the stop string.
+  r = s.post("/generate", R"({"text": "abcSTOPdef", "stream": true, "sampling_params": {"max_new_tokens": 50, "stop": "STOP"}})");
+  auto events = sse_payloads(r.body);
+  ASSERT_GE(events.size(), 2u);
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    auto text = json::parse(events[i])["text"].get<std::string>();
+    EXPECT_EQ(text.find('S'), std::string::npos) << text;
+  }
+  EXPECT_EQ(json::parse(events[events.size() - 2])["text"], "abc");
+  EXPECT_EQ(events.back(), "[DONE]");
+
+  // no_stop_trim keeps it.
+  r = s.post("/generate", R"({"text": "abcSTOPdef", "sampling_params": {"max_new_tokens": 50, "stop": "STOP", "no_stop_trim": true}})");
+  EXPECT_EQ(json::parse(r.body)["text"], "abcSTOP");
+}
+
+TEST(HttpApi, EosAndStopTokenIdsNotInText) {
+  TestServer s;
+  auto j = json::parse(s.post("/generate", R"({"text": "ab#", "sampling_params": {"max_new_tokens": 50}})").body);
+  EXPECT_EQ(j["text"], "ab");
+  EXPECT_EQ(j["output_ids"], json::parse("[97,98,257]"));
+  EXPECT_EQ(j["meta_info"]["finish_reason"], json::parse(R"({"type":"stop","matched":257})"));
+  j = json::parse(s.post("/generate", R"({"text": "abc", "sampling_params": {"max_new_tokens": 50, "stop_token_ids": [99]}})").body);
+  EXPECT_EQ(j["text"], "ab");
+  EXPECT_EQ(j["meta_info"]["finish_reason"], json::parse(R"({"type":"stop","matched":99})"));
+  j = json::parse(s.post("/generate", R"({"text": "ab#", "sampling_params": {"max_new_tokens": 4, "ignore_eos": true}})").body);
+  EXPECT_EQ(j["text"], "aba");  // the <eos> token is special: skipped in the text
+  EXPECT_EQ(j["meta_info"]["completion_tokens"], 4);
+}
+
+TEST(HttpApi, BatchAndParallelSamplesArePromptMajor) {
+  TestServer s;
+  auto r = s.post("/generate", R"({"text": ["x", "y"], "sampling_params": {"max_new_tokens": 2, "n": 2}})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto j = json::parse(r.body);
+  ASSERT_EQ(j.size(), 4u);
+  const char* want[] = {"xx", "xx", "yy", "yy"};
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(j[i]["text"], want[i]);
+    EXPECT_EQ(j[i]["index"], i);
+  }
+  r = s.post("/generate", R"({"input_ids": [[120], [121, 122]], "stream": true, "sampling_params": {"max_new_tokens": 2}})");
+  auto events = sse_payloads(r.body);
+  ASSERT_EQ(events.size(), 5u);
+  std::map<int, std::string> last;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    auto e = json::parse(events[i]);
+    last[e["index"].get<int>()] = e["text"];
+  }
+  EXPECT_EQ(last[0], "xx");
+  EXPECT_EQ(last[1], "yz");
+}
+
+TEST(HttpApi, Logprobs) {
+  TestServer s;
+  auto j = json::parse(s.post("/generate", R"({"text": "ab", "return_logprob": true, "top_logprobs_num": 2,
+      "return_text_in_logprobs": true, "sampling_params": {"max_new_tokens": 2}})").body);
+  auto lp = j["meta_info"]["output_token_logprobs"];
+  ASSERT_EQ(lp.size(), 2u);
+  EXPECT_EQ(lp[0], json::parse(R"([-0.25, 97, "a"])"));
+  ASSERT_EQ(j["meta_info"]["output_top_logprobs"][1].size(), 2u);
+  j = json::parse(s.post("/v1/completions", R"({"prompt": "ab", "max_tokens": 2, "logprobs": 1})").body);
+  EXPECT_EQ(j["choices"][0]["logprobs"]["tokens"], json::parse(R"(["a", "b"])"));
+  EXPECT_EQ(j["choices"][0]["logprobs"]["text_offset"], json::parse("[0, 1]"));
+  EXPECT_EQ(j["choices"][0]["logprobs"]["top_logprobs"][0], json::parse(R"({"a": -0.0})"));
+  j = json::parse(s.post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "q"}], "max_tokens": 1,
+      "logprobs": true, "top_logprobs": 2})").body);
+  auto c = j["choices"][0]["logprobs"]["content"][0];
+  EXPECT_EQ(c["token"], "<");  // the byte codec's template starts with "<bos>"
+  EXPECT_EQ(c["bytes"], json::parse("[60]"));
+  EXPECT_EQ(c["top_logprobs"].size(), 2u);
+}
+
+TEST(HttpApi, CompletionsNonStreamAndStream) {
+  TestServer s;
+  auto r = s.post("/v1/completions", R"({"model": "fake", "prompt": "hey", "max_tokens": 4, "echo": true})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto j = json::parse(r.body);
+  EXPECT_EQ(j["object"], "text_completion");
+  EXPECT_EQ(j["model"], "fake");
+  EXPECT_EQ(j["choices"][0]["text"], "heyheyh");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(j["usage"], json::parse(R"({"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8})"));
+
+  r = s.post("/v1/completions", R"({"prompt": "hey", "max_tokens": 4, "n": 2, "stream": true, "stop": "y",
+                                    "stream_options": {"include_usage": true}})");
+  auto events = sse_payloads(r.body);
+  ASSERT_GE(events.size(), 3u);
+  EXPECT_EQ(events.back(), "[DONE]");
+  auto usage = json::parse(events[events.size() - 2]);
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["prompt_tokens"], 4);
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 6);  // "h", "e", "y" per sample; the stop string is cut
+  std::map<int, std::string> text;
+  std::map<int, std::string> finish;
+  for (size_t i = 0; i + 2 < events.size(); ++i) {
+    auto e = json::parse(events[i]);
+    EXPECT_TRUE(e.contains("usage") && e["usage"].is_null());
+    auto ch = e["choices"][0];
+    text[ch["index"].get<int>()] += ch["text"].get<std::string>();
+    if (!ch["finish_reason"].is_null()) finish[ch["index"].get<int>()] = ch["finish_reason"];
+  }
+  EXPECT_EQ(text[0], "he");
+  EXPECT_EQ(text[1], "he");
+  EXPECT_EQ(finish[0], "stop");
+  EXPECT_EQ(finish[1], "stop");
+}
+
+TEST(HttpApi, ChatNonStreamAndStream) {
+  TestServer s;
+  auto r = s.post("/v1/chat/completions",
+                  R"({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto j = json::parse(r.body);
+  EXPECT_EQ(j["object"], "chat.completion");
+  // The fake engine repeats the templated prompt "<bos>[user]hi[assistant]"; <bos> is text there, not a token.
+  EXPECT_EQ(j["choices"][0]["message"], json::parse(R"({"role": "assistant", "content": "<bos>"})"));
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 24);
+
+  r = s.post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+      "stream": true, "stream_options": {"include_usage": true}})");
+  auto events = sse_payloads(r.body);
+  ASSERT_EQ(events.size(), 1 + 3 + 1 + 1 + 1u);  // role, 3 contents, finish, usage, [DONE]
+  auto first = json::parse(events[0]);
+  EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_EQ(first["choices"][0]["delta"], json::parse(R"({"role": "assistant", "content": ""})"));
+  std::string content;
+  for (size_t i = 1; i < 4; ++i) content += json::parse(events[i])["choices"][0]["delta"]["content"].get<std::string>();
+  EXPECT_EQ(content, "<bo");
+  auto fin = json::parse(events[4]);
+  EXPECT_EQ(fin["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(fin["choices"][0]["delta"], json::object());
+  EXPECT_EQ(json::parse(events[5])["usage"]["completion_tokens"], 3);
+}
+
+TEST(HttpApi, ClientErrors) {
+  ServerOptions o;
+  o.max_body_bytes = 4096;
+  TestServer s(o, /*context_len=*/64);
+  struct Case {
+    std::string path, body;
+    int status;
+    std::string code;
+  };
+  const std::vector<Case> cases = {
+      {"/generate", "{not json", 400, "invalid_json"},
+      {"/generate", "[]", 400, "invalid_type"},
+      {"/generate", R"({"text": 1})", 400, "invalid_type"},
+      {"/generate", R"({"text": "a", "sampling_params": {"temperature": -2}})", 400, "invalid_value"},
+      {"/generate", R"({"text": "a", "sampling_params": {"max_new_tokens": 1000000000}})", 400,
+       "context_length_exceeded"},
+      {"/generate", std::string(R"({"text": ")") + std::string(100, 'a') + "\"}", 400, "context_length_exceeded"},
+      {"/v1/completions", R"({"model": "gpt-4", "prompt": "a"})", 404, "model_not_found"},
+      {"/v1/completions", R"({"prompt": "a", "n": -1})", 400, "invalid_value"},
+      {"/v1/completions", R"({"prompt": "a", "top_p": 7})", 400, "invalid_value"},
+      {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"})", 400,
+       "invalid_type"},
+      {"/v1/chat/completions", R"({"model": "nope", "messages": [{"role": "user", "content": "x"}]})", 404,
+       "model_not_found"},
+      {"/generate", std::string(R"({"text": ")") + std::string(5000, 'a') + "\"}", 413, "413"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.body.substr(0, 120));
+    auto r = s.post(c.path, c.body);
+    EXPECT_EQ(r.status, c.status) << r.body;
+    auto j = json::parse(r.body);
+    ASSERT_TRUE(j.contains("error")) << r.body;
+    EXPECT_TRUE(j["error"]["message"].is_string());
+    EXPECT_TRUE(j["error"].contains("type"));
+    EXPECT_TRUE(j["error"].contains("param"));
+    EXPECT_EQ(j["error"]["code"].is_string() ? j["error"]["code"].get<std::string>() : j["error"]["code"].dump(),
+              c.code);
+  }
+  EXPECT_TRUE(s.wait_idle());
+  EXPECT_TRUE(s.engine.submitted().empty());  // nothing reached the engine
+}
+
+TEST(HttpApi, ApiKey) {
+  ServerOptions o;
+  o.api_key = "sekret";
+  TestServer s(o);
+  EXPECT_EQ(s.post("/generate", R"({"text": "a"})").status, 401);
+  EXPECT_EQ(s.post("/generate", R"({"text": "a"})", "Authorization: Bearer wrong\r\n").status, 401);
+  EXPECT_EQ(s.post("/generate", R"({"text": "a", "sampling_params": {"max_new_tokens": 1}})",
+                   "Authorization: Bearer sekret\r\n")
+                .status,
+            200);
+  EXPECT_EQ(s.get("/health").status, 200);
+  EXPECT_EQ(s.get("/v1/models").status, 401);
+}
+
+TEST(HttpApi, KeepAliveServesSeveralRequestsOnOneConnection) {
+  TestServer s;
+  HttpConnection c(s.port());
+  for (int i = 0; i < 3; ++i) {
+    c.send_request("POST", "/generate", R"({"text": "k", "stream": true, "sampling_params": {"max_new_tokens": 2}})");
+    auto r = c.read_response();
+    EXPECT_EQ(r.status, 200);
+    EXPECT_EQ(sse_payloads(r.body).back(), "[DONE]");
+    c.send_request("GET", "/health");
+    EXPECT_EQ(c.read_response().status, 200);
+  }
+  // Pipelined: two requests in one write.
+  c.send_raw("GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n");
+  EXPECT_EQ(c.read_response().status, 200);
+  EXPECT_EQ(c.read_response().status, 200);
+}
+
+TEST(HttpApi, ExpectContinueAndLargeBody) {
+  TestServer s;
+  HttpConnection c(s.port());
+  std::string body = R"({"text": ")" + std::string(3000, 'q') + R"(", "sampling_params": {"max_new_tokens": 1}})";
+  c.send_raw("POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
+             "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n");
+  auto cont = c.read_response();
+  EXPECT_EQ(cont.status, 100);
+  c.send_raw(body);
+  auto r = c.read_response();
+  EXPECT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["meta_info"]["prompt_tokens"], 3001);
+}
+
+TEST(HttpApi, DisconnectsAbortAndFreeEverything) {
+  TestServer s;
+  s.engine.step_delay_ms = 2;
+  constexpr int kStreams = 80;
+  std::vector<std::thread> threads;
+  std::atomic<int> completed{0}, dropped{0};
+  for (int i = 0; i < kStreams; ++i) {
+    threads.emplace_back([&, i] {
+      HttpConnection c(s.port());
+      const bool drop = i % 2 == 0;
+      const char* api = i % 3 == 0 ? "/v1/chat/completions" : "/generate";
+      std::string body = i % 3 == 0
+                             ? R"({"messages": [{"role": "user", "content": "m"}], "stream": true, "max_tokens": 200})"
+                             : R"({"text": "stream me", "stream": true, "sampling_params": {"max_new_tokens": 200}})";
+      if (!drop) body = R"({"text": "x", "stream": true, "sampling_params": {"max_new_tokens": 20}})";
+      c.send_request("POST", drop ? api : "/generate", body);
+      if (drop) {
+        c.read_events(1 + i % 4);
+        if (i % 4 == 0) c.reset();
+        else c.close();
+        ++dropped;
+      } else {
+        auto r = c.read_response();
+        if (sse_payloads(r.body).back() == "[DONE]") ++completed;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(completed.load(), kStreams / 2);
+  EXPECT_EQ(dropped.load(), kStreams / 2);
+  EXPECT_TRUE(s.wait_idle()) << "engine still holds " << s.engine.num_live() << " requests";
+  EXPECT_EQ(s.engine.aborted().size(), static_cast<size_t>(kStreams / 2));
+  auto si = json::parse(s.get("/get_server_info").body)["internal_states"][0];
+  EXPECT_EQ(si["kv_tokens_free"], si["kv_tokens_total"]);
+}
+
+// Many concurrent streams on two server threads: 1500 connections opened at once, each streaming, read by one
+// client thread with poll().
+TEST(HttpApi, ThousandsOfConcurrentStreams) {
+  rlimit rl{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &rl), 0);
+  rl.rlim_cur = rl.rlim_max;
+  ::setrlimit(RLIMIT_NOFILE, &rl);
+  ::getrlimit(RLIMIT_NOFILE, &rl);
+  const size_t n = std::min<size_t>(1500, (rl.rlim_cur - 64) / 2);  // client + server fds in this process
+  TestServer s;
+  std::vector<std::unique_ptr<HttpConnection>> conns;
+  for (size_t i = 0; i < n; ++i) {
+    conns.push_back(std::make_unique<HttpConnection>(s.port()));
+    conns.back()->send_request("POST", "/generate",
+                               R"({"text": "c)" + std::to_string(i) +
+                                   R"(", "stream": true, "sampling_params": {"max_new_tokens": 5}})");
+  }
+  size_t ok = 0;
+  for (size_t i = 0; i < n; ++i) {
+    auto r = conns[i]->read_response();
+    auto ev = sse_payloads(r.body);
+    if (r.status == 200 && ev.size() == 6 && ev.back() == "[DONE]") ++ok;
+  }
+  EXPECT_EQ(ok, n);
+  EXPECT_TRUE(s.wait_idle());
+  EXPECT_GE(n, 400u) << "file descriptor limit too low for a meaningful test";
+}
+
+TEST(HttpApi, NonStreamDisconnectAborts) {
+  TestServer s;
+  {
+    HttpConnection c(s.port());
+    c.send_request("POST", "/generate", R"({"text": "slow", "sampling_params": {"max_new_tokens": 4000}})");
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ASSERT_EQ(s.engine.num_live(), 1u);
+  }
+  EXPECT_TRUE(s.wait_idle());
+}
+
+TEST(HttpApi, RequestTimeoutAborts) {
+  ServerOptions o;
+  o.request_timeout_s = 0.2;
+  TestServer s(o);
+  auto r = s.post("/generate", R"({"text": "slow", "sampling_params": {"max_new_tokens": 4000}})");
+  EXPECT_EQ(r.status, 408) << r.body;
+  EXPECT_TRUE(s.wait_idle());
+}
+
+TEST(HttpApi, MultiTokenOutputsAndMetrics) {
+  TestServer s({}, 4096, /*tokens_per_output=*/3);
+  auto r = s.post("/generate", R"({"text": "abcdefg", "stream": true, "sampling_params": {"max_new_tokens": 7}})");
+  auto events = sse_payloads(r.body);
+  ASSERT_EQ(events.size(), 4u);  // 3 + 3 + 1 tokens, then [DONE]
+  EXPECT_EQ(json::parse(events[0])["meta_info"]["completion_tokens"], 3);
+  EXPECT_EQ(json::parse(events[2])["text"], "abcdefg");
+  auto m = s.get("/metrics").body;
+  EXPECT_NE(m.find("mlaserve:time_to_first_token_seconds_count 1\n"), std::string::npos) << m;
+  EXPECT_NE(m.find("mlaserve:inter_token_latency_seconds_count 4\n"), std::string::npos) << m;
+  EXPECT_NE(m.find("mlaserve:e2e_request_latency_seconds_count 1\n"), std::string::npos) << m;
+}
+
+}  // namespace
+}  // namespace mlaserve::server

@@ -1,0 +1,183 @@
+#include "server/protocol.h"
+
+#include <gtest/gtest.h>
+
+#include "server/api_error.h"
+
+namespace mlaserve::server {
+namespace {
+
+using json = nlohmann::json;
+
+TEST(Protocol, NativeDefaultsAndFields) {
+  ParsedRequest r = parse_native(json::parse(R"({"text": "hi", "sampling_params": {"max_new_tokens": 5,
+      "temperature": 0, "top_k": 3, "top_p": 0.5, "min_p": 0.1, "stop": "x", "stop_token_ids": [7],
+      "ignore_eos": true, "n": 2, "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1},
+      "stream": true, "return_logprob": true, "top_logprobs_num": 3})"),
+                                 {});
+  ASSERT_EQ(r.prompts.size(), 1u);
+  EXPECT_EQ(*r.prompts[0].text, "hi");
+  EXPECT_FALSE(r.batch);
+  EXPECT_EQ(r.sampling.max_new_tokens, 5);
+  EXPECT_EQ(r.sampling.temperature, 0.0f);
+  EXPECT_EQ(r.sampling.top_k, 3);
+  EXPECT_FLOAT_EQ(r.sampling.top_p, 0.5f);
+  EXPECT_FLOAT_EQ(r.sampling.min_p, 0.1f);
+  EXPECT_EQ(r.stop, std::vector<std::string>{"x"});
+  EXPECT_EQ(r.sampling.stop_token_ids, std::vector<int32_t>{7});
+  EXPECT_TRUE(r.sampling.ignore_eos);
+  EXPECT_EQ(r.n, 2);
+  EXPECT_TRUE(r.stream);
+  EXPECT_TRUE(r.logprobs);
+  EXPECT_EQ(r.top_logprobs, 3);
+
+  r = parse_native(json::parse(R"({"input_ids": [[1, 2], [3]]})"), {});
+  EXPECT_TRUE(r.batch);
+  ASSERT_EQ(r.prompts.size(), 2u);
+  EXPECT_EQ(r.prompts[1].input_ids, std::vector<int32_t>{3});
+  EXPECT_EQ(r.sampling.max_new_tokens, 128);
+}
+
+TEST(Protocol, CompletionsPromptShapes) {
+  EXPECT_EQ(parse_completions(json::parse(R"({"prompt": [1, 2, 3]})"), {}).prompts.size(), 1u);
+  EXPECT_FALSE(parse_completions(json::parse(R"({"prompt": [1, 2, 3]})"), {}).batch);
+  auto r = parse_completions(json::parse(R"({"prompt": ["a", "b"], "max_tokens": 3, "logprobs": 2, "echo": true,
+                                              "stream": true, "stream_options": {"include_usage": true}})"),
+                             {});
+  EXPECT_TRUE(r.batch);
+  EXPECT_EQ(r.prompts.size(), 2u);
+  EXPECT_EQ(r.sampling.max_new_tokens, 3);
+  EXPECT_TRUE(r.logprobs);
+  EXPECT_EQ(r.top_logprobs, 2);
+  EXPECT_TRUE(r.echo);
+  EXPECT_TRUE(r.include_usage);
+  EXPECT_EQ(parse_completions(json::parse(R"({"prompt": "a"})"), {}).sampling.max_new_tokens, 16);
+}
+
+TEST(Protocol, ChatMessagesFlattened) {
+  auto r = parse_chat(json::parse(R"({"model": "m", "messages": [{"role": "developer", "content": "sys"},
+      {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+      "logprobs": true, "top_logprobs": 2, "max_completion_tokens": 9})"),
+                      {});
+  EXPECT_EQ(r.messages[0]["role"], "system");
+  EXPECT_EQ(r.messages[1]["content"], "ab");
+  EXPECT_EQ(r.model, "m");
+  EXPECT_EQ(r.top_logprobs, 2);
+  EXPECT_EQ(r.sampling.max_new_tokens, 9);
+}
+
+struct BadCase {
+  const char* api;  // n: native, c: completions, h: chat
+  const char* body;
+  const char* param;
+  const char* code;
+};
+
+TEST(Protocol, BadRequestsNameTheField) {
+  const BadCase cases[] = {
+      {"n", R"({})", "text", "invalid_value"},
+      {"n", R"({"text": "a", "input_ids": [1]})", "text", "invalid_value"},
+      {"n", R"({"text": 5})", "text", "invalid_type"},
+      {"n", R"({"text": []})", "text", "invalid_value"},
+      {"n", R"({"input_ids": [1, -2]})", "input_ids[1]", "invalid_value"},
+      {"n", R"({"input_ids": [1, "x"]})", "input_ids[1]", "invalid_type"},
+      {"n", R"({"input_ids": []})", "input_ids", "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": []})", "sampling_params", "invalid_type"},
+      {"n", R"({"text": "a", "sampling_params": {"temperature": -1}})", "sampling_params.temperature", "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"temperature": "hot"}})", "sampling_params.temperature",
+       "invalid_type"},
+      {"n", R"({"text": "a", "sampling_params": {"top_p": 0}})", "sampling_params.top_p", "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"top_p": 1.5}})", "sampling_params.top_p", "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"top_k": -5}})", "sampling_params.top_k", "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"min_p": 2}})", "sampling_params.min_p", "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"max_new_tokens": -1}})", "sampling_params.max_new_tokens",
+       "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"max_new_tokens": 1.5}})", "sampling_params.max_new_tokens",
+       "invalid_type"},
+      {"n", R"({"text": "a", "sampling_params": {"max_new_tokens": 1e30}})", "sampling_params.max_new_tokens",
+       "invalid_type"},
+      {"n", R"({"text": "a", "sampling_params": {"n": 0}})", "sampling_params.n", "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"n": 100000}})", "sampling_params.n", "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"frequency_penalty": 3}})", "sampling_params.frequency_penalty",
+       "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"repetition_penalty": 0}})", "sampling_params.repetition_penalty",
+       "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"stop": 3}})", "sampling_params.stop", "invalid_type"},
+      {"n", R"({"text": "a", "sampling_params": {"stop": [""]}})", "sampling_params.stop", "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"stop_token_ids": [-1]}})", "sampling_params.stop_token_ids[0]",
+       "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"ignore_eos": "yes"}})", "sampling_params.ignore_eos",
+       "invalid_type"},
+      {"n", R"({"text": "a", "stream": 1})", "stream", "invalid_type"},
+      {"n", R"({"text": "a", "top_logprobs_num": 1000})", "top_logprobs_num", "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"regex": "a+"}})", "sampling_params.regex", "unsupported_parameter"},
+      {"c", R"({})", "prompt", "invalid_value"},
+      {"c", R"({"prompt": {}})", "prompt", "invalid_type"},
+      {"c", R"({"prompt": "a", "max_tokens": 0})", "max_tokens", "invalid_value"},
+      {"c", R"({"prompt": "a", "logprobs": 99})", "logprobs", "invalid_value"},
+      {"c", R"({"prompt": "a", "stream_options": {"include_usage": true}})", "stream_options", "invalid_value"},
+      {"c", R"({"prompt": "a", "best_of": 3})", "best_of", "unsupported_parameter"},
+      {"c", R"({"prompt": "a", "model": 7})", "model", "invalid_type"},
+      {"h", R"({})", "messages", "invalid_value"},
+      {"h", R"({"messages": []})", "messages", "invalid_value"},
+      {"h", R"({"messages": "hi"})", "messages", "invalid_type"},
+      {"h", R"({"messages": [{"role": "wizard", "content": "x"}]})", "messages[0].role", "invalid_value"},
+      {"h", R"({"messages": [{"role": "user"}]})", "messages[0].content", "invalid_value"},
+      {"h", R"({"messages": [{"role": "user", "content": 5}]})", "messages[0].content", "invalid_type"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})", "top_logprobs",
+       "invalid_value"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "temperature": -0.1})", "temperature",
+       "invalid_value"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})", "tools",
+       "unsupported_parameter"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.body);
+    json body = json::parse(c.body);
+    try {
+      if (c.api[0] == 'n') parse_native(body, {});
+      else if (c.api[0] == 'c') parse_completions(body, {});
+      else parse_chat(body, {});
+      ADD_FAILURE() << "accepted";
+    } catch (const ApiError& e) {
+      EXPECT_EQ(e.status, 400);
+      EXPECT_EQ(e.param, c.param) << e.what();
+      EXPECT_EQ(e.code, c.code) << e.what();
+    }
+  }
+}
+
+TEST(Protocol, BodyMustBeJsonObject) {
+  for (const char* body : {"", "{", "[1]", "\"x\"", "{\"a\": }"}) {
+    try {
+      parse_body(body);
+      ADD_FAILURE() << body;
+    } catch (const ApiError& e) {
+      EXPECT_EQ(e.status, 400);
+    }
+  }
+}
+
+TEST(Protocol, ErrorBodyShape) {
+  json j = json::parse(error_body(ApiError(400, "bad", "temperature", "invalid_value")));
+  EXPECT_EQ(j["error"]["message"], "bad");
+  EXPECT_EQ(j["error"]["type"], "invalid_request_error");
+  EXPECT_EQ(j["error"]["param"], "temperature");
+  EXPECT_EQ(j["error"]["code"], "invalid_value");
+}
+
+TEST(Protocol, FinishReasons) {
+  FinishReason f;
+  f.kind = FinishKind::Length;
+  EXPECT_EQ(native_finish_reason(f, 7).dump(), R"({"type":"length","length":7})");
+  f.kind = FinishKind::Stop;
+  f.matched_token = 2;
+  EXPECT_EQ(native_finish_reason(f, 7).dump(), R"({"type":"stop","matched":2})");
+  f.matched_token = -1;
+  f.matched_text = "\n";
+  EXPECT_EQ(native_finish_reason(f, 7).dump(), R"({"type":"stop","matched":"\n"})");
+  EXPECT_EQ(openai_finish_reason(f).dump(), R"("stop")");
+}
+
+}  // namespace
+}  // namespace mlaserve::server

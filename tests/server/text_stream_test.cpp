@@ -1,0 +1,105 @@
+#include "server/text_stream.h"
+
+#include <gtest/gtest.h>
+
+#include "fakes.h"
+
+namespace mlaserve::server {
+namespace {
+
+std::vector<int32_t> bytes(const std::string& s) { return test::ByteCodec().encode(s, false); }
+
+TEST(IncrementalDetokenizer, HoldsBackSplitUtf8) {
+  test::ByteCodec codec;
+  IncrementalDetokenizer d(&codec, true);
+  const std::string e_acute = "\xC3\xA9";  // é: two tokens in the byte codec
+  EXPECT_EQ(d.push(bytes("a")), "a");
+  EXPECT_EQ(d.push({0xC3}), "");
+  EXPECT_EQ(d.push({0xA9}), e_acute);
+  EXPECT_EQ(d.push(bytes("bc")), "bc");
+  const std::string euro = "\xE2\x82\xAC";
+  EXPECT_EQ(d.push({0xE2, 0x82}), "");
+  EXPECT_EQ(d.push({0xAC, 'x'}), euro + "x");
+  EXPECT_EQ(d.flush(), "");
+}
+
+TEST(IncrementalDetokenizer, FlushEmitsIncompleteAsReplacement) {
+  test::ByteCodec codec;
+  IncrementalDetokenizer d(&codec, true);
+  EXPECT_EQ(d.push({'o', 'k', 0xE2}), "");  // held: the last character is incomplete
+  EXPECT_EQ(d.flush(), "ok\xEF\xBF\xBD");
+}
+
+TEST(IncrementalDetokenizer, SkipsSpecialTokens) {
+  test::ByteCodec codec;
+  IncrementalDetokenizer d(&codec, true);
+  EXPECT_EQ(d.push({'h', test::kEos}), "h");
+  EXPECT_EQ(d.push({'i'}), "i");
+  IncrementalDetokenizer keep(&codec, false);
+  EXPECT_EQ(keep.push({'h', test::kEos}), "h<eos>");
+}
+
+TEST(IncrementalDetokenizer, MatchesFullDecodeOverManyPieces) {
+  test::ByteCodec codec;
+  const std::string text = "héllo wörld \xE2\x82\xAC \xF0\x9F\x98\x80 end";
+  for (size_t step = 1; step <= 5; ++step) {
+    IncrementalDetokenizer d(&codec, true);
+    auto ids = bytes(text);
+    std::string out;
+    for (size_t i = 0; i < ids.size(); i += step)
+      out += d.push(std::vector<int32_t>(ids.begin() + i, ids.begin() + std::min(ids.size(), i + step)));
+    out += d.flush();
+    EXPECT_EQ(out, text) << "step " << step;
+  }
+}
+
+TEST(StopStringMatcher, NoStopsPassesThrough) {
+  StopStringMatcher m({});
+  EXPECT_EQ(m.push("abc"), "abc");
+  EXPECT_EQ(m.flush(), "");
+  EXPECT_FALSE(m.matched());
+}
+
+TEST(StopStringMatcher, MatchAcrossPiecesIsNeverEmitted) {
+  StopStringMatcher m({"STOP"});
+  std::string out;
+  for (std::string piece : {"ab", "cS", "T", "O", "Pxyz"}) out += m.push(piece);
+  EXPECT_EQ(out, "abc");
+  ASSERT_TRUE(m.matched());
+  EXPECT_EQ(*m.matched(), "STOP");
+  EXPECT_EQ(m.push("more"), "");
+  EXPECT_EQ(m.flush(), "");
+}
+
+TEST(StopStringMatcher, HeldPrefixReleasedWhenItDiverges) {
+  StopStringMatcher m({"STOP"});
+  EXPECT_EQ(m.push("aS"), "a");
+  EXPECT_EQ(m.push("T"), "");
+  EXPECT_EQ(m.push("x"), "STx");
+  EXPECT_EQ(m.push("ST"), "");
+  EXPECT_EQ(m.flush(), "ST");
+  EXPECT_FALSE(m.matched());
+}
+
+TEST(StopStringMatcher, EarliestMatchWinsAmongSeveral) {
+  StopStringMatcher m({"world", "lo w", "\n\n"});
+  EXPECT_EQ(m.push("hello world"), "hel");
+  EXPECT_EQ(*m.matched(), "lo w");
+}
+
+TEST(StopStringMatcher, OverlappingPrefixes) {
+  StopStringMatcher m({"aab"});
+  std::string out;
+  for (char c : std::string("xaaaab")) out += m.push(std::string(1, c));
+  EXPECT_EQ(out, "xaa");
+  EXPECT_TRUE(m.matched());
+}
+
+TEST(StopStringMatcher, EmptyStopStringsIgnored) {
+  StopStringMatcher m({""});
+  EXPECT_TRUE(m.empty());
+  EXPECT_EQ(m.push("abc"), "abc");
+}
+
+}  // namespace
+}  // namespace mlaserve::server
