@@ -49,7 +49,9 @@ void Engine::submit(GenerateRequest req) {
             req.data_parallel_rank, ranks_->dp_groups());
   const int64_t cost = static_cast<int64_t>(req.input_ids.size()) + req.sampling.max_new_tokens;
   const int32_t group = balancer_.assign(req.rid, cost, req.data_parallel_rank);
-  req.on_output = balancer_.release_on_finish(req.rid, std::move(req.on_output));
+  req.on_output = [this, cb = balancer_.release_on_finish(req.rid, std::move(req.on_output))](const GenerateOutput& o) {
+    deferred_.emplace_back(cb, o);  // called on the engine thread; delivered after publish_stats()
+  };
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (stop_) {
@@ -142,6 +144,7 @@ void Engine::loop() {
     }
     if (has_work()) step();
     publish_stats();
+    deliver_outputs();
   }
   // Shutting down: abort whatever is left so no caller waits forever.
   FinishReason f;
@@ -160,6 +163,14 @@ void Engine::loop() {
       r.on_output(o);
     }
   for (auto& s : scheds_) s->abort_all(f);
+  publish_stats();
+  deliver_outputs();
+}
+
+void Engine::deliver_outputs() {
+  std::vector<std::pair<std::function<void(const GenerateOutput&)>, GenerateOutput>> out;
+  out.swap(deferred_);
+  for (auto& [cb, o] : out) cb(o);
 }
 
 void Engine::step() {

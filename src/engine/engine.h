@@ -48,6 +48,7 @@ class Engine final : public EngineClient {
   void loop();
   void step();
   void publish_stats();
+  void deliver_outputs();
 
   std::unique_ptr<RankSet> ranks_;
   EngineOptions opts_;
@@ -65,6 +66,9 @@ class Engine final : public EngineClient {
   bool stop_ = false;
   std::vector<RankStats> published_;
   uint64_t steps_ = 0;
+  // Outputs of the current step, delivered after the stats are published (so a client that sees a request finish
+  // never reads stats from before it). Engine thread only.
+  std::vector<std::pair<std::function<void(const GenerateOutput&)>, GenerateOutput>> deferred_;
   std::thread thread_;
 };
 

@@ -10,6 +10,9 @@
 #include <chrono>
 #include <filesystem>
 #include <regex>
+#include <sstream>
+#include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
@@ -51,6 +54,14 @@ class ServerProcess {
                                      "--served-model-name",
                                      "tiny-v3"};
     args.insert(args.end(), extra.begin(), extra.end());
+    // MLASERVE_E2E_LAYOUT (e.g. "--tp 4 --dp 4 --enable-dp-attention") reruns the suite in a parallel layout;
+    // tests that choose their own layout keep it.
+    if (const char* layout = std::getenv("MLASERVE_E2E_LAYOUT");
+        layout && std::find(extra.begin(), extra.end(), "--dp") == extra.end() &&
+        std::find(extra.begin(), extra.end(), "--tp") == extra.end()) {
+      std::istringstream words(layout);
+      for (std::string w; words >> w;) args.push_back(w);
+    }
     pid_ = ::fork();
     if (pid_ == 0) {
       int fd = ::open(log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
