@@ -28,6 +28,18 @@ struct RouterParams {
   int32_t topk_group = 1;
   bool norm_topk_prob = false;
   float routed_scaling_factor = 1.0f;
+
+  static RouterParams from_config(const ModelConfig& c) {
+    RouterParams p;
+    p.method = c.topk_method;
+    p.scoring = c.scoring_func;
+    p.top_k = static_cast<int32_t>(c.num_experts_per_tok);
+    p.n_group = static_cast<int32_t>(c.n_group);
+    p.topk_group = static_cast<int32_t>(c.topk_group);
+    p.norm_topk_prob = c.norm_topk_prob;
+    p.routed_scaling_factor = static_cast<float>(c.routed_scaling_factor);
+    return p;
+  }
 };
 
 struct MlaParams {

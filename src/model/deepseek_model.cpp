@@ -270,14 +270,7 @@ void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
     backend_.linear(x, w.router, logits);
     Tensor ids = backend_.scratch({T, k}, DType::I32);
     Tensor weights = backend_.scratch({T, k}, DType::F32);
-    RouterParams rp;
-    rp.method = c.topk_method;
-    rp.scoring = c.scoring_func;
-    rp.top_k = static_cast<int32_t>(k);
-    rp.n_group = static_cast<int32_t>(c.n_group);
-    rp.topk_group = static_cast<int32_t>(c.topk_group);
-    rp.norm_topk_prob = c.norm_topk_prob;
-    rp.routed_scaling_factor = static_cast<float>(c.routed_scaling_factor);
+    const RouterParams rp = RouterParams::from_config(c);
     backend_.moe_route(logits, w.router_bias.defined() ? &w.router_bias : nullptr, rp, ids, weights);
     backend_.moe_experts(x, ids, weights, w.experts_gate_up, w.experts_down, 0, out);
     if (c.n_shared_experts > 0) {

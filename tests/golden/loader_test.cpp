@@ -144,12 +144,7 @@ TEST(Loader, DummyWeightsAreDeterministicAndSensible) {
   be->fill_random(x, 99, 0.0f, 1.0f, H, 0, 0);
   Tensor logits = be->alloc({T, E}, DType::F32), ids = be->alloc({T, k}, DType::I32), wts = be->alloc({T, k}, DType::F32);
   be->linear(x, w.router, logits);
-  RouterParams rp;
-  rp.method = cfg.topk_method;
-  rp.scoring = cfg.scoring_func;
-  rp.top_k = static_cast<int32_t>(k);
-  rp.n_group = static_cast<int32_t>(cfg.n_group);
-  rp.topk_group = static_cast<int32_t>(cfg.topk_group);
+  const RouterParams rp = RouterParams::from_config(cfg);
   be->moe_route(logits, &w.router_bias, rp, ids, wts);
   std::vector<int> count(static_cast<size_t>(E), 0);
   for (int64_t i = 0; i < T * k; ++i) ++count[static_cast<size_t>(ids.data_as<int32_t>()[i])];
