@@ -135,6 +135,7 @@ void Engine::loop() {
     if (flushes > 0) {
       bool ok = true;
       for (auto& s : scheds_) ok &= s->flush_cache();
+      publish_stats();  // a caller that sees the flush done must see its effect in the stats
       {
         std::lock_guard<std::mutex> lk(mu_);
         flush_ok_ = ok;
