@@ -252,6 +252,7 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     ea.nnodes = s.nnodes;
     ea.node_rank = s.node_rank;
     ea.dist_init_addr = s.dist_init_addr;
+    ea.disable_overlap_schedule = s.disable_overlap_schedule;
     ea.dist_timeout_s = s.dist_timeout;
     if (s.node_rank > 0) {
       // Nodes other than 0 run their ranks for node 0's engine; only node 0 serves HTTP.

@@ -106,7 +106,7 @@ void Engine::loop() {
     int flushes = 0;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      const bool busy = has_work();
+      const bool busy = has_work() || inflight_.has_value();
       cv_.wait_for(lk, std::chrono::milliseconds(busy ? 0 : 50), [&] {
         return stop_ || !inbox_.empty() || !aborts_.empty() || flush_requests_ > flush_done_ || busy;
       });
@@ -143,10 +143,16 @@ void Engine::loop() {
       }
       flush_cv_.notify_all();
     }
-    if (has_work()) step();
+    if (opts_.overlap) {
+      if (has_work() || inflight_) overlap_step();
+    } else if (has_work()) {
+      step();
+    }
+    for (auto& sc : scheds_) sc->erase_finished();
     publish_stats();
     deliver_outputs();
   }
+  finish_inflight();
   // Shutting down: abort whatever is left so no caller waits forever.
   FinishReason f;
   f.kind = FinishKind::Abort;
@@ -174,6 +180,53 @@ void Engine::deliver_outputs() {
   for (auto& [cb, o] : out) cb(o);
 }
 
+std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<StepPlan>& plans, bool& want_logits) {
+  std::vector<std::vector<RowSampling>> rows(plans.size());
+  want_logits = false;  // only for top-N logprobs, computed on the host
+  for (size_t g = 0; g < plans.size(); ++g)
+    for (const ScheduledSeq& s : plans[g].seqs)
+      if (s.wants_logits) {
+        rows[g].push_back(s.req->sampler.row(s.req->sampling));
+        want_logits |= s.req->sampling.top_logprobs_num > 0;
+      }
+  return rows;
+}
+
+std::vector<std::vector<SampleResult>> Engine::collect(const std::vector<StepPlan>& plans, std::vector<GroupOutput>& outs) {
+  const int64_t V = ranks_->config().vocab_size;
+  std::vector<std::vector<SampleResult>> sampled(plans.size());
+  for (size_t g = 0; g < plans.size(); ++g) {
+    int64_t i = 0;
+    for (const ScheduledSeq& s : plans[g].seqs) {
+      if (!s.wants_logits) continue;
+      SampleResult r;
+      r.token = outs[g].ids[static_cast<size_t>(i)];
+      const SamplingParams& sp = s.req->sampling;
+      if (sp.top_logprobs_num > 0) {
+        r.logprob = top_logprobs(outs[g].logits.data_as<float>() + i * V, V, r.token, sp.top_logprobs_num);
+      } else if (sp.return_logprob) {
+        r.logprob.token = r.token;
+        r.logprob.logprob = outs[g].logprobs[static_cast<size_t>(i)];
+      }
+      sampled[g].push_back(std::move(r));
+      ++i;
+    }
+  }
+  return sampled;
+}
+
+void Engine::abort_plans(const std::vector<StepPlan>& plans, const std::string& why) {
+  MLA_LOG_ERROR("forward step failed: {}; aborting its requests", why);
+  FinishReason f;
+  f.kind = FinishKind::Abort;
+  f.message = "internal error: " + why;
+  for (size_t g = 0; g < plans.size(); ++g) {
+    std::vector<std::string> rids;
+    for (const ScheduledSeq& s : plans[g].seqs) rids.push_back(s.req->rid);
+    for (const auto& rid : rids) scheds_[g]->abort(rid, f);
+  }
+}
+
 void Engine::step() {
   const size_t groups = scheds_.size();
   std::vector<StepPlan> plans(groups);
@@ -187,50 +240,71 @@ void Engine::step() {
     }
   }
   if (!any) return;
-  const int64_t V = ranks_->config().vocab_size;
-  std::vector<std::vector<SampleResult>> sampled(groups);
+  bool want_logits = false;
+  auto rows = sampling_rows(plans, want_logits);
+  std::vector<std::vector<SampleResult>> sampled;
   try {
-    // One RowSampling per logit row; the leading rank of each group draws on its device.
-    std::vector<std::vector<RowSampling>> rows(groups);
-    bool want_logits = false;  // only for top-N logprobs, computed on the host
-    for (size_t g = 0; g < groups; ++g)
-      for (const ScheduledSeq& s : plans[g].seqs)
-        if (s.wants_logits) {
-          rows[g].push_back(s.req->sampler.row(s.req->sampling));
-          want_logits |= s.req->sampling.top_logprobs_num > 0;
-        }
     std::vector<GroupOutput> outs = ranks_->step(batches, rows, want_logits);
-    for (size_t g = 0; g < groups; ++g) {
-      int64_t i = 0;
-      for (const ScheduledSeq& s : plans[g].seqs) {
-        if (!s.wants_logits) continue;
-        SampleResult r;
-        r.token = outs[g].ids[static_cast<size_t>(i)];
-        const SamplingParams& sp = s.req->sampling;
-        if (sp.top_logprobs_num > 0) {
-          r.logprob = top_logprobs(outs[g].logits.data_as<float>() + i * V, V, r.token, sp.top_logprobs_num);
-        } else if (sp.return_logprob) {
-          r.logprob.token = r.token;
-          r.logprob.logprob = outs[g].logprobs[static_cast<size_t>(i)];
-        }
-        sampled[g].push_back(std::move(r));
-        ++i;
-      }
-    }
+    sampled = collect(plans, outs);
   } catch (const std::exception& e) {
-    MLA_LOG_ERROR("forward step failed: {}; aborting its requests", e.what());
-    FinishReason f;
-    f.kind = FinishKind::Abort;
-    f.message = std::string("internal error: ") + e.what();
-    for (size_t g = 0; g < groups; ++g) {
-      std::vector<std::string> rids;
-      for (const ScheduledSeq& s : plans[g].seqs) rids.push_back(s.req->rid);
-      for (const auto& rid : rids) scheds_[g]->abort(rid, f);
-    }
+    abort_plans(plans, e.what());
     return;
   }
   for (size_t g = 0; g < groups; ++g)
     if (!plans[g].empty()) scheds_[g]->commit(plans[g], sampled[g]);
+  ++steps_;
+  if (opts_.check_integrity)
+    for (auto& s : scheds_) s->check_integrity();
+}
+
+void Engine::finish_inflight() {
+  if (!inflight_) return;
+  InFlight cur = std::move(*inflight_);
+  inflight_.reset();
+  try {
+    std::vector<GroupOutput> outs = cur.result.get();
+    auto sampled = collect(cur.plans, outs);
+    for (size_t g = 0; g < scheds_.size(); ++g)
+      if (!cur.plans[g].empty()) scheds_[g]->resolve(cur.plans[g], sampled[g]);
+  } catch (const std::exception& e) {
+    abort_plans(cur.plans, e.what());
+  }
+}
+
+void Engine::overlap_step() {
+  const size_t groups = scheds_.size();
+  // Plan the next step while the current one runs (its requests already advanced: kv lengths, pending tokens).
+  const bool running = inflight_.has_value();
+  std::vector<StepPlan> next(groups);
+  for (size_t g = 0; g < groups; ++g) next[g] = scheds_[g]->schedule(/*allow_retract=*/!running);
+  finish_inflight();
+  for (size_t g = 0; g < groups; ++g) {
+    // A group that needed to retract plans again now that nothing runs; the others just drop requests that
+    // finished meanwhile and take the tokens that came back.
+    if (next[g].blocked) next[g] = scheds_[g]->schedule(/*allow_retract=*/true);
+    else if (running) scheds_[g]->refresh(next[g]);
+    scheds_[g]->erase_finished();
+  }
+  std::vector<const ForwardBatch*> batches(groups, nullptr);
+  bool any = false;
+  for (size_t g = 0; g < groups; ++g)
+    if (!next[g].empty()) {
+      batches[g] = &next[g].batch;
+      any = true;
+    }
+  if (!any) return;
+  bool want_logits = false;
+  auto rows = sampling_rows(next, want_logits);
+  InFlight f;
+  f.plans = std::move(next);
+  // The batches live in f.plans, which stay put (moved into inflight_ below, vectors keep their buffers).
+  for (size_t g = 0; g < groups; ++g) batches[g] = f.plans[g].empty() ? nullptr : &f.plans[g].batch;
+  f.result = std::async(std::launch::async, [this, batches, rows = std::move(rows), want_logits] {
+    return ranks_->step(batches, rows, want_logits);
+  });
+  inflight_ = std::move(f);
+  for (size_t g = 0; g < groups; ++g)
+    if (!inflight_->plans[g].empty()) scheds_[g]->advance(inflight_->plans[g]);
   ++steps_;
   if (opts_.check_integrity)
     for (auto& s : scheds_) s->check_integrity();

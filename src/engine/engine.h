@@ -8,6 +8,8 @@
 
 #include <condition_variable>
 #include <deque>
+#include <future>
+#include <optional>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -28,6 +30,9 @@ struct EngineOptions {
   bool enable_radix_cache = true;
   bool check_integrity = false;  // after every step (tests)
   std::string load_balance_method = "round_robin";
+  // Overlap scheduling: plan step N+1 while step N runs (tokens sampled in N are filled in when N returns;
+  // stop checks happen one step late, never with wrong output). Off: plan, run, commit in turn.
+  bool overlap = true;
   std::vector<int32_t> eos_token_ids;
 };
 
@@ -46,7 +51,13 @@ class Engine final : public EngineClient {
 
  private:
   void loop();
-  void step();
+  void step();          // one synchronous step (no overlap)
+  void overlap_step();  // plan the next step, finish the running one, launch the next
+  std::vector<std::vector<RowSampling>> sampling_rows(const std::vector<StepPlan>& plans, bool& want_logits);
+  std::vector<std::vector<SampleResult>> collect(const std::vector<StepPlan>& plans, std::vector<GroupOutput>& outs);
+  // Waits for the running step and resolves its samples (or aborts its requests if it failed).
+  void finish_inflight();
+  void abort_plans(const std::vector<StepPlan>& plans, const std::string& why);
   void publish_stats();
   void deliver_outputs();
 
@@ -69,6 +80,11 @@ class Engine final : public EngineClient {
   // Outputs of the current step, delivered after the stats are published (so a client that sees a request finish
   // never reads stats from before it). Engine thread only.
   std::vector<std::pair<std::function<void(const GenerateOutput&)>, GenerateOutput>> deferred_;
+  struct InFlight {
+    std::vector<StepPlan> plans;
+    std::future<std::vector<GroupOutput>> result;
+  };
+  std::optional<InFlight> inflight_;
   std::thread thread_;
 };
 

@@ -115,6 +115,7 @@ struct EngineArgs {
   double mem_fraction_static = 0.0;  // 0: backend default
   int32_t chunked_prefill_size = 8192;
   bool disable_radix_cache = false;
+  bool disable_overlap_schedule = false;
   int64_t context_length = 0;        // 0: config's max_position_embeddings
   std::vector<int32_t> extra_eos_token_ids;  // e.g. from generation_config.json
   // Several nodes (one process each): node 0 runs the engine, other nodes serve its steps.

@@ -154,27 +154,36 @@ bool Scheduler::abort(const std::string& rid, const FinishReason& reason) {
   }
   for (auto& r : running_) {
     if (r->rid != rid || r->state == ReqState::Finished) continue;
-    finish(*r, reason);
-    erase_finished();
+    finish(*r, reason);  // freed by erase_finished(), once no plan refers to it
     return true;
   }
   return false;
 }
 
-StepPlan Scheduler::schedule() {
+StepPlan Scheduler::schedule(bool allow_retract) {
   StepPlan plan;
   const int32_t P = cfg_.page_size;
 
   // 1. Decode: one token for every decoding request; retract the newest ones if pages run out.
   std::vector<Req*> decoding;
-  for (auto& r : running_)
-    if (r->state == ReqState::Decoding) decoding.push_back(r.get());
+  for (auto& r : running_) {
+    if (r->state != ReqState::Decoding) continue;
+    // A request whose in-flight token will reach its length limit finishes when that token resolves.
+    if (r->in_flight > 0 && (static_cast<int32_t>(r->output.size()) + r->in_flight >= r->sampling.max_new_tokens ||
+                             static_cast<int64_t>(r->fill.size()) >= cfg_.context_len))
+      continue;
+    decoding.push_back(r.get());
+  }
   auto pages_needed = [&]() {
     int32_t n = 0;
     for (Req* r : decoding) n += std::max(0, div_up(r->kv_len + 1, P) - static_cast<int32_t>(r->pages.size()));
     return n;
   };
   while (!decoding.empty() && !ensure_pages(pages_needed(), nullptr)) {
+    if (!allow_retract) {
+      plan.blocked = true;
+      return plan;
+    }
     if (decoding.size() == 1 && std::none_of(running_.begin(), running_.end(), [&](const auto& r) {
           return r->state == ReqState::Prefilling;
         })) {
@@ -202,7 +211,6 @@ StepPlan Scheduler::schedule() {
         break;
       }
   }
-  erase_finished();
   for (Req* r : decoding) {
     MLA_CHECK(take_pages(*r, r->kv_len + 1, r), "scheduler: decode pages vanished");
     plan.seqs.push_back({r, 1, true});
@@ -231,7 +239,7 @@ StepPlan Scheduler::schedule() {
     if (n < remaining) chunk_open = true;
   }
   while (!chunk_open && budget > 0 && !waiting_.empty() &&
-         static_cast<int32_t>(running_.size()) < cfg_.max_running_requests) {
+         num_running() < cfg_.max_running_requests) {
     Req& r = *waiting_.front();
     admit(r);
     const int64_t remaining = static_cast<int64_t>(r.fill.size()) - r.kv_len;
@@ -262,32 +270,68 @@ StepPlan Scheduler::schedule() {
     if (n < remaining) chunk_open = true;
   }
 
-  // 3. The step's ForwardBatch.
-  ForwardBatchBuilder bb(P);
-  for (const ScheduledSeq& s : plan.seqs) {
-    Req& r = *s.req;
-    bb.add(std::span<const int32_t>(r.fill.data() + r.kv_len, static_cast<size_t>(s.num_tokens)), r.kv_len, r.pages,
-           s.wants_logits ? ForwardBatchBuilder::Logits::Last : ForwardBatchBuilder::Logits::None);
-  }
-  plan.batch = bb.finish();
+  build_batch(plan);
   return plan;
 }
 
+void Scheduler::build_batch(StepPlan& plan) {
+  ForwardBatchBuilder bb(cfg_.page_size);
+  bool pending = false;
+  for (const ScheduledSeq& s : plan.seqs) {
+    Req& r = *s.req;
+    std::span<const int32_t> toks(r.fill.data() + r.kv_len, static_cast<size_t>(s.num_tokens));
+    for (int32_t t : toks) pending |= t == kPendingToken;
+    bb.add(toks, r.kv_len, r.pages, s.wants_logits ? ForwardBatchBuilder::Logits::Last : ForwardBatchBuilder::Logits::None);
+  }
+  plan.batch = bb.finish();
+  // A batch holding a pending token is refreshed before it runs; keep a valid id there meanwhile.
+  if (pending)
+    for (int32_t& t : plan.batch.input_ids)
+      if (t == kPendingToken) t = 0;
+}
+
+void Scheduler::refresh(StepPlan& plan) {
+  plan.seqs.erase(std::remove_if(plan.seqs.begin(), plan.seqs.end(),
+                                 [](const ScheduledSeq& s) { return s.req->state == ReqState::Finished; }),
+                  plan.seqs.end());
+  for (const ScheduledSeq& s : plan.seqs)
+    for (int32_t i = 0; i < s.num_tokens; ++i)
+      MLA_CHECK(s.req->fill[static_cast<size_t>(s.req->kv_len + i)] != kPendingToken,
+                "scheduler: request {} still has a pending token at refresh", s.req->rid);
+  build_batch(plan);
+}
+
 void Scheduler::commit(StepPlan& plan, const std::vector<SampleResult>& sampled) {
-  size_t i = 0;
+  advance(plan);
+  resolve(plan, sampled);
+  erase_finished();
+}
+
+void Scheduler::advance(StepPlan& plan) {
   for (ScheduledSeq& s : plan.seqs) {
     Req& r = *s.req;
-    if (r.state == ReqState::Finished) {  // aborted while the step ran
-      if (s.wants_logits) ++i;
-      continue;
-    }
+    if (r.state == ReqState::Finished) continue;  // aborted meanwhile
     r.kv_len += s.num_tokens;
+    if (!s.wants_logits) continue;
+    r.state = ReqState::Decoding;
+    r.fill.push_back(kPendingToken);
+    ++r.in_flight;
+  }
+}
+
+void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled) {
+  size_t i = 0;
+  for (ScheduledSeq& s : plan.seqs) {
     if (!s.wants_logits) continue;
     MLA_CHECK(i < sampled.size(), "scheduler: {} sampled tokens for more rows", sampled.size());
     const SampleResult& sr = sampled[i++];
-    r.state = ReqState::Decoding;
+    Req& r = *s.req;
+    if (r.state == ReqState::Finished) continue;  // aborted while the step ran
+    MLA_CHECK(r.in_flight == 1 && r.fill.back() == kPendingToken, "scheduler: request {} has no pending token",
+              r.rid);
+    r.fill.back() = sr.token;
+    --r.in_flight;
     r.output.push_back(sr.token);
-    r.fill.push_back(sr.token);
     r.sampler.observe_output(sr.token);
     ++r.sampler.step;
     if (r.sampling.return_logprob || r.sampling.top_logprobs_num > 0) r.pending_lps.push_back(sr.logprob);
@@ -307,16 +351,17 @@ void Scheduler::commit(StepPlan& plan, const std::vector<SampleResult>& sampled)
     else emit(r);
   }
   MLA_CHECK(i == sampled.size(), "scheduler: {} sampled tokens for {} rows", sampled.size(), i);
-  erase_finished();
 }
 
 void Scheduler::abort_all(const FinishReason& reason) {
   while (!waiting_.empty()) abort(waiting_.front()->rid, reason);
-  while (!running_.empty()) abort(running_.front()->rid, reason);
+  for (auto& r : running_)
+    if (r->state != ReqState::Finished) finish(*r, reason);
+  erase_finished();
 }
 
 bool Scheduler::flush_cache() {
-  if (!running_.empty()) return false;
+  if (num_running() > 0) return false;
   return cache_.reset();
 }
 
@@ -337,7 +382,10 @@ void Scheduler::check_integrity() const {
   std::set<int32_t> owned;
   int chunked = 0;
   for (const auto& r : running_) {
-    MLA_CHECK(r->state == ReqState::Prefilling || r->state == ReqState::Decoding, "scheduler: finished request still running");
+    if (r->state == ReqState::Finished) {
+      MLA_CHECK(r->pages.empty(), "scheduler: finished request {} still holds pages", r->rid);
+      continue;
+    }
     if (r->state == ReqState::Prefilling) ++chunked;
     MLA_CHECK(static_cast<int64_t>(r->pages.size()) * cfg_.page_size >= r->kv_len,
               "scheduler: request {} holds {} pages for {} tokens", r->rid, r->pages.size(), r->kv_len);

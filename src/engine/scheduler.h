@@ -53,6 +53,7 @@ struct Req {
   int32_t emitted = 0;                 // output tokens already reported
   uint64_t admit_order = 0;
   bool counted = false;                // prompt counted in the stats (first admission)
+  int32_t in_flight = 0;               // tokens of a step that ran (advance) but whose sample is not back (resolve)
   std::vector<TokenLogprob> pending_lps;  // logprobs not yet reported
   FinishReason finish;
 };
@@ -67,8 +68,12 @@ struct ScheduledSeq {
 struct StepPlan {
   std::vector<ScheduledSeq> seqs;
   ForwardBatch batch;  // logit rows follow `seqs` order among those with wants_logits
+  bool blocked = false;  // schedule(allow_retract = false) needed a retraction: nothing was planned
   bool empty() const { return seqs.empty(); }
 };
+
+// A token whose sample has not come back yet (overlap scheduling); never sent to the model.
+inline constexpr int32_t kPendingToken = -1;
 
 class Scheduler {
  public:
@@ -81,16 +86,32 @@ class Scheduler {
   void add(GenerateRequest r);
   // Removes the request wherever it is and reports `reason` to it. Returns false if unknown.
   bool abort(const std::string& rid, const FinishReason& reason);
-  // Plans the next step (possibly empty).
-  StepPlan schedule();
-  // Applies the sampled tokens (one per seq with wants_logits, in order) of the planned step.
+  // Plans the next step (possibly empty). With allow_retract = false (a step is still running, so its requests'
+  // pages are in use), a plan that would need to retract comes back `blocked` and empty instead.
+  StepPlan schedule(bool allow_retract = true);
+  // Applies the sampled tokens (one per seq with wants_logits, in order) of the planned step:
+  // advance + resolve + erase_finished.
   void commit(StepPlan& plan, const std::vector<SampleResult>& sampled);
+  // Overlap scheduling splits commit in two. advance: what the step does without its samples (kv lengths grow,
+  // each sampled row leaves a kPendingToken in the request's tokens), so the next step can be planned while this
+  // one runs. resolve: the samples arrive; pending tokens are replaced, stop / length checks run, outputs go out.
+  void advance(StepPlan& plan);
+  void resolve(StepPlan& plan, const std::vector<SampleResult>& sampled);
+  // A plan made before the previous step resolved: drops requests that finished meanwhile and rebuilds the
+  // batch with the now-known tokens.
+  void refresh(StepPlan& plan);
+  // Frees finished requests; call only when no plan refers to them any more.
+  void erase_finished();
   bool flush_cache();
   // Finishes every waiting and running request with `reason` (shutdown).
   void abort_all(const FinishReason& reason);
 
-  bool has_work() const { return !waiting_.empty() || !running_.empty(); }
-  int32_t num_running() const { return static_cast<int32_t>(running_.size()); }
+  bool has_work() const { return !waiting_.empty() || num_running() > 0; }
+  int32_t num_running() const {
+    int32_t n = 0;
+    for (const auto& r : running_) n += r->state != ReqState::Finished;
+    return n;
+  }
   int32_t num_waiting() const { return static_cast<int32_t>(waiting_.size()); }
   const PagePool& pool() const { return pool_; }
   const RadixCache& cache() const { return cache_; }
@@ -107,7 +128,7 @@ class Scheduler {
   void retract(Req& r);
   void finish(Req& r, FinishReason reason);
   void emit(Req& r);
-  void erase_finished();
+  void build_batch(StepPlan& plan);
 
   SchedulerConfig cfg_;
   PagePool pool_;

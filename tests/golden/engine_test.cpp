@@ -22,7 +22,8 @@ struct Result {
   int32_t prompt_tokens = 0, completion_tokens = 0;
 };
 
-class EngineTest : public ::testing::Test {
+// Every test runs with overlap scheduling on and off: outputs must not differ.
+class EngineTest : public ::testing::TestWithParam<bool> {
  protected:
   static void SetUpTestSuite() {
     SafetensorsFile f(test::golden_dir("v2") + "/reference.safetensors");
@@ -51,6 +52,7 @@ class EngineTest : public ::testing::Test {
     o.chunked_prefill_size = chunk;
     o.enable_radix_cache = radix;
     o.check_integrity = true;
+    o.overlap = GetParam();
     return std::make_unique<Engine>(std::move(ranks), o);
   }
 
@@ -110,7 +112,7 @@ class EngineTest : public ::testing::Test {
   static inline std::vector<std::vector<int32_t>> prompts_, greedy_;
 };
 
-TEST_F(EngineTest, GreedyEqualsReferenceAloneAndInAFullBatch) {
+TEST_P(EngineTest, GreedyEqualsReferenceAloneAndInAFullBatch) {
   auto e = make(512);
   auto f = submit(*e, "alone", prompts_[3], 12);
   Result alone = wait(f);
@@ -129,7 +131,7 @@ TEST_F(EngineTest, GreedyEqualsReferenceAloneAndInAFullBatch) {
   expect_no_leak(*e);
 }
 
-TEST_F(EngineTest, SmallChunksAndNoCacheGiveTheSameTokens) {
+TEST_P(EngineTest, SmallChunksAndNoCacheGiveTheSameTokens) {
   auto e = make(512, /*page_size=*/4, /*chunk=*/16, /*radix=*/false);
   std::vector<std::future<Result>> fs;
   for (int j : {4, 2, 3}) fs.push_back(submit(*e, "c" + std::to_string(j), prompts_[j], 10));
@@ -142,7 +144,7 @@ TEST_F(EngineTest, SmallChunksAndNoCacheGiveTheSameTokens) {
   expect_no_leak(*e);
 }
 
-TEST_F(EngineTest, RetractionUnderMemoryPressureKeepsOutputsExact) {
+TEST_P(EngineTest, RetractionUnderMemoryPressureKeepsOutputsExact) {
   // 50 pages of 8 tokens: the five prompts (~400 tokens) + 16 new tokens each do not fit together.
   auto e = make(50, 8, 64);
   std::vector<std::future<Result>> fs;
@@ -156,7 +158,7 @@ TEST_F(EngineTest, RetractionUnderMemoryPressureKeepsOutputsExact) {
   expect_no_leak(*e);
 }
 
-TEST_F(EngineTest, AbortAndBadRequests) {
+TEST_P(EngineTest, AbortAndBadRequests) {
   auto e = make(512);
   auto f = submit(*e, "long", prompts_[4], 3000);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -176,7 +178,26 @@ TEST_F(EngineTest, AbortAndBadRequests) {
   expect_no_leak(*e);
 }
 
-TEST_F(EngineTest, SeededSamplingIsReproducible) {
+TEST_P(EngineTest, StopTokenEndsTheRequestAtThatToken) {
+  // With overlap the stop is seen one step late: the output must still end exactly at the stop token.
+  auto e = make(512);
+  ASSERT_GE(greedy_[3].size(), 4u);
+  SamplingParams sp;
+  sp.stop_token_ids = {greedy_[3][3]};
+  std::vector<std::future<Result>> fs;
+  fs.push_back(submit(*e, "stop", prompts_[3], 20, sp));
+  fs.push_back(submit(*e, "other", prompts_[1], 12));  // keeps the batch going past the stop
+  Result r = wait(fs[0]);
+  EXPECT_EQ(r.finish.kind, FinishKind::Stop);
+  EXPECT_EQ(r.finish.matched_token, greedy_[3][3]);
+  size_t first = 0;
+  while (greedy_[3][first] != greedy_[3][3]) ++first;
+  EXPECT_EQ(r.tokens, std::vector<int32_t>(greedy_[3].begin(), greedy_[3].begin() + first + 1));
+  expect_prefix(wait(fs[1]).tokens, 1);
+  expect_no_leak(*e);
+}
+
+TEST_P(EngineTest, SeededSamplingIsReproducible) {
   auto e = make(512);
   SamplingParams sp;
   sp.temperature = 0.8f;
@@ -187,5 +208,8 @@ TEST_F(EngineTest, SeededSamplingIsReproducible) {
   EXPECT_EQ(wait(a).tokens, wait(b).tokens);
   expect_no_leak(*e);
 }
+
+INSTANTIATE_TEST_SUITE_P(Overlap, EngineTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "overlap" : "no_overlap"; });
 
 }  // namespace
