@@ -10,6 +10,9 @@
 #include <fstream>
 #include <string>
 
+#include <thread>
+
+#include "engine/engine_api.h"
 #include "io/safetensors.h"
 
 namespace mlaserve::test {
@@ -53,6 +56,18 @@ inline void write_text(const std::filesystem::path& p, const std::string& s) {
 inline std::string read_text(const std::filesystem::path& p) {
   std::ifstream i(p, std::ios::binary);
   return std::string((std::istreambuf_iterator<char>(i)), std::istreambuf_iterator<char>());
+}
+
+// Waits until no DP rank runs or queues a request, flushes the prefix cache, and expects every KV page free.
+inline void expect_engine_idle_and_clean(EngineClient& e) {
+  for (int i = 0; i < 300; ++i) {
+    bool idle = true;
+    for (auto& s : e.stats()) idle &= s.num_running_reqs == 0 && s.num_queue_reqs == 0;
+    if (idle) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(e.flush_cache());
+  for (auto& s : e.stats()) EXPECT_EQ(s.kv_tokens_free, s.kv_tokens_total);
 }
 
 }  // namespace mlaserve::test

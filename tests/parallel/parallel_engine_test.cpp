@@ -61,17 +61,7 @@ void expect_prefix(const std::vector<int32_t>& got, const std::vector<int32_t>& 
   for (size_t i = 0; i < std::min(got.size(), ref.size()); ++i) EXPECT_EQ(got[i], ref[i]) << "step " << i;
 }
 
-void expect_idle_and_clean(EngineClient& e) {
-  for (int i = 0; i < 300; ++i) {
-    bool idle = true;
-    for (auto& s : e.stats()) idle &= s.num_running_reqs == 0 && s.num_queue_reqs == 0;
-    if (idle) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_TRUE(e.flush_cache());
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  for (auto& s : e.stats()) EXPECT_EQ(s.kv_tokens_free, s.kv_tokens_total);
-}
+void expect_idle_and_clean(EngineClient& e) { test::expect_engine_idle_and_clean(e); }
 
 }  // namespace
 

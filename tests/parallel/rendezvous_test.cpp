@@ -2,6 +2,11 @@
 // a node that never arrives and nodes that disagree on sizes give clear errors.
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <thread>
 
 #include "core/error.h"
@@ -10,7 +15,19 @@
 using namespace mlaserve;
 
 namespace {
-std::string addr(int offset) { return "127.0.0.1:" + std::to_string(20000 + (::getpid() % 20000) + offset); }
+// A port nobody listens on right now (the kernel picks it), so parallel test processes never collide.
+std::string addr(int) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+}
 RendezvousConfig cfg(int nnodes, int rank, const std::string& a, int ms = 5000, int rpn = 2) {
   RendezvousConfig c;
   c.nnodes = nnodes;

@@ -90,12 +90,5 @@ TEST(Soak, DpAttentionMixedTrafficWithAbortsNeverHangsOrLeaks) {
     EXPECT_EQ(f.get().first, ref);
   }
   EXPECT_GT(n, 20);
-  for (int i = 0; i < 300; ++i) {
-    bool idle = true;
-    for (auto& s : e.stats()) idle &= s.num_running_reqs == 0 && s.num_queue_reqs == 0;
-    if (idle) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_TRUE(e.flush_cache());
-  for (auto& s : e.stats()) EXPECT_EQ(s.kv_tokens_free, s.kv_tokens_total);
+  test::expect_engine_idle_and_clean(e);
 }
