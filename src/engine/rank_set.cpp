@@ -91,7 +91,7 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
     ranks_.push_back(std::move(rk));
   }
   const bool gpu = ranks_[0]->backend->device() == Device::CUDA;
-  MLA_CHECK(pc_.nnodes == 1 || gpu, "--nnodes {}: several nodes need GPU ranks (NCCL)", pc_.nnodes);
+  MLA_CHECK(pc_.nnodes == 1 || gpu || pc_.comm_factory, "--nnodes {}: several nodes need GPU ranks (NCCL)", pc_.nnodes);
 
   std::string nccl_id;
   if (gpu && n > 1) {
@@ -107,6 +107,20 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
 #else
     fail("multi-GPU layouts need a CUDA build");
 #endif
+  } else if (n > 1 && pc_.comm_factory) {
+    if (pc_.nnodes > 1) {
+      RendezvousConfig rc;
+      rc.nnodes = pc_.nnodes;
+      rc.node_rank = pc_.node_rank;
+      rc.ranks_per_node = rpn;
+      rc.addr = pc_.dist_init_addr;
+      rc.timeout = pc_.dist_timeout;
+      link_ = NodeLink::connect(rc, std::string());
+    }
+    for (auto& rk : ranks_) {
+      rk->world = pc_.comm_factory(rk->global, -1);
+      if (at > 1 && d > 1) rk->attn = pc_.comm_factory(rk->global, rk->global / at);
+    }
   } else if (n > 1) {
     auto world = make_inprocess_communicators(n);
     auto* g = &world[0]->group();

@@ -39,6 +39,9 @@ struct ParallelConfig {
   // A step that has not finished on every rank after this long is stuck (a rank missed a collective): the
   // communicators are aborted and the step fails with an error instead of hanging.
   std::chrono::milliseconds step_timeout{std::chrono::seconds(600)};
+  // Tests only: communicators for CPU ranks of simulated nodes in one process (so the multi-node control path runs
+  // without GPUs): (global rank, attention-DP group or -1 for the world) -> that rank's communicator.
+  std::function<std::unique_ptr<Communicator>(int32_t global_rank, int32_t dp_group)> comm_factory;
 };
 
 // What one DP group's leading rank hands back after a step.
