@@ -10,6 +10,12 @@
 #include <fstream>
 #include <string>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmath>
 #include <thread>
 
 #include "engine/engine_api.h"
@@ -56,6 +62,46 @@ inline void write_text(const std::filesystem::path& p, const std::string& s) {
 inline std::string read_text(const std::filesystem::path& p) {
   std::ifstream i(p, std::ios::binary);
   return std::string((std::istreambuf_iterator<char>(i)), std::istreambuf_iterator<char>());
+}
+
+// max |a - b| / std(b): the logit error relative to the reference's scale.
+inline double rel_err(const Tensor& a, const Tensor& b) {
+  EXPECT_EQ(a.numel(), b.numel());
+  const int64_t n = b.numel();
+  const float* x = a.data_as<float>();
+  const float* y = b.data_as<float>();
+  double mean = 0, var = 0, worst = 0;
+  for (int64_t i = 0; i < n; ++i) mean += y[i];
+  mean /= static_cast<double>(n);
+  for (int64_t i = 0; i < n; ++i) {
+    var += (y[i] - mean) * (y[i] - mean);
+    worst = std::max(worst, std::fabs(double(x[i]) - y[i]));
+  }
+  return worst / std::sqrt(var / static_cast<double>(n));
+}
+
+// The prompt_j tensors of a golden family's reference file.
+inline std::vector<std::vector<int32_t>> golden_prompts(const std::string& family) {
+  SafetensorsFile f(golden_dir(family) + "/reference.safetensors");
+  std::vector<std::vector<int32_t>> out;
+  for (int j = 0; f.has("prompt_" + std::to_string(j)); ++j) {
+    Tensor p = f.tensor("prompt_" + std::to_string(j));
+    out.emplace_back(p.data_as<int32_t>(), p.data_as<int32_t>() + p.numel());
+  }
+  return out;
+}
+
+// "127.0.0.1:PORT" with a port nobody listens on right now (the kernel picks it), so parallel tests never collide.
+inline std::string free_loopback_addr() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
 }
 
 // Waits until no DP rank runs or queues a request, flushes the prefix cache, and expects every KV page free.

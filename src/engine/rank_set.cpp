@@ -1,5 +1,6 @@
 #include "engine/rank_set.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "backend/backend_factory.h"
@@ -96,27 +97,13 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
   std::string nccl_id;
   if (gpu && n > 1) {
 #ifdef MLASERVE_HAS_CUDA
-    RendezvousConfig rc;
-    rc.nnodes = pc_.nnodes;
-    rc.node_rank = pc_.node_rank;
-    rc.ranks_per_node = rpn;
-    rc.addr = pc_.dist_init_addr;
-    rc.timeout = pc_.dist_timeout;
-    link_ = NodeLink::connect(rc, pc_.node_rank == 0 ? nccl_unique_id() : std::string());
+    connect_nodes(pc_.node_rank == 0 ? nccl_unique_id() : std::string());
     nccl_id = link_->payload();
 #else
     fail("multi-GPU layouts need a CUDA build");
 #endif
   } else if (n > 1 && pc_.comm_factory) {
-    if (pc_.nnodes > 1) {
-      RendezvousConfig rc;
-      rc.nnodes = pc_.nnodes;
-      rc.node_rank = pc_.node_rank;
-      rc.ranks_per_node = rpn;
-      rc.addr = pc_.dist_init_addr;
-      rc.timeout = pc_.dist_timeout;
-      link_ = NodeLink::connect(rc, std::string());
-    }
+    if (pc_.nnodes > 1) connect_nodes(std::string());
     for (auto& rk : ranks_) {
       rk->world = pc_.comm_factory(rk->global, -1);
       if (at > 1 && d > 1) rk->attn = pc_.comm_factory(rk->global, rk->global / at);
@@ -167,6 +154,16 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
     stop_workers();
     throw;
   }
+}
+
+void RankSet::connect_nodes(const std::string& payload) {
+  RendezvousConfig rc;
+  rc.nnodes = pc_.nnodes;
+  rc.node_rank = pc_.node_rank;
+  rc.ranks_per_node = ranks_per_node();
+  rc.addr = pc_.dist_init_addr;
+  rc.timeout = pc_.dist_timeout;
+  link_ = NodeLink::connect(rc, payload);
 }
 
 RankSet::~RankSet() {
@@ -305,10 +302,15 @@ void RankSet::run_local(const std::vector<const ForwardBatch*>& batches,
     o.ids.assign(static_cast<size_t>(R), 0);
     o.logprobs.assign(static_cast<size_t>(R), 0.0f);
     if (R > 0) {
-      Tensor ids = rk.backend->scratch({R}, DType::I32), lps = rk.backend->scratch({R}, DType::F32);
+      // ids and logprobs side by side in one buffer: one device-to-host copy (and wait) per step.
+      Tensor both = rk.backend->scratch({2 * R}, DType::I32);
+      Tensor ids = both.rows(0, R);
+      Tensor lps = Tensor::view(static_cast<int32_t*>(both.data()) + R, {R}, DType::F32, both.device());
       rk.backend->sample(logits, params, ids, &lps);
-      rk.backend->download(ids, o.ids.data());
-      rk.backend->download(lps, o.logprobs.data());
+      std::vector<int32_t> host(static_cast<size_t>(2 * R));
+      rk.backend->download(both, host.data());
+      std::copy(host.begin(), host.begin() + R, o.ids.begin());
+      std::memcpy(o.logprobs.data(), host.data() + R, static_cast<size_t>(R) * sizeof(float));
     }
     if (want_logits) o.logits = rk.backend->to_host_f32(logits);
       },

@@ -89,6 +89,8 @@ class RankSet {
   void run_on_all(const std::function<void(int)>& fn, std::chrono::milliseconds timeout = std::chrono::hours(2));
   void worker(int local);
   void stop_workers();
+  // Rendezvous with the other nodes (node 0 hands out `payload`); keeps the link as the control channel.
+  void connect_nodes(const std::string& payload);
   // Runs the local ranks; fills out[g] for groups led by a local rank.
   void run_local(const std::vector<const ForwardBatch*>& batches, const std::vector<std::vector<RowSampling>>& sampling,
                  bool want_logits, MlaForm form, std::vector<GroupOutput>& out);

@@ -52,21 +52,7 @@ Loaded load(const std::string& family) {
   return l;
 }
 
-double stddev(const float* x, int64_t n) {
-  double m = 0, s = 0;
-  for (int64_t i = 0; i < n; ++i) m += x[i];
-  m /= n;
-  for (int64_t i = 0; i < n; ++i) s += (x[i] - m) * (x[i] - m);
-  return std::sqrt(s / n);
-}
 
-// max |a - b| / std(b)
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.numel(), b.numel());
-  double m = 0;
-  for (int64_t i = 0; i < a.numel(); ++i) m = std::max(m, std::fabs(double(a.data_as<float>()[i]) - b.data_as<float>()[i]));
-  return m / stddev(b.data_as<float>(), b.numel());
-}
 
 class GoldenModel : public ::testing::TestWithParam<std::string> {};
 
@@ -78,7 +64,7 @@ TEST_P(GoldenModel, LogitsAndGreedyMatchHuggingFace) {
   OfflineResult r = run_offline(*l.model, g.prompts, o);  // all prompts as one ragged batch
   for (size_t j = 0; j < g.prompts.size(); ++j) {
     SCOPED_TRACE("prompt " + std::to_string(j));
-    EXPECT_LT(rel_err(r.prompt_logits[j], g.logits[j]), kRelTol);
+    EXPECT_LT(test::rel_err(r.prompt_logits[j], g.logits[j]), kRelTol);
     const int64_t n = g.greedy[j].numel();
     ASSERT_EQ(static_cast<int64_t>(r.greedy[j].size()), n);
     for (int64_t i = 0; i < n; ++i) {
@@ -96,7 +82,7 @@ TEST_P(GoldenModel, SameLogitsAloneAndInRaggedBatch) {
   OfflineResult batch = run_offline(*l.model, g.prompts, o);
   for (size_t j : {size_t(1), size_t(4)}) {
     OfflineResult alone = run_offline(*l.model, {g.prompts[j]}, o);
-    EXPECT_LT(rel_err(alone.prompt_logits[0], batch.prompt_logits[j]), 1e-6) << "prompt " << j;
+    EXPECT_LT(test::rel_err(alone.prompt_logits[0], batch.prompt_logits[j]), 1e-6) << "prompt " << j;
     EXPECT_EQ(alone.greedy[0], batch.greedy[j]);
   }
 }
@@ -112,7 +98,7 @@ TEST_P(GoldenModel, AbsorbedAndExpandedMlaAgree) {
   o.form = MlaForm::Absorbed;
   OfflineResult a = run_offline(*l.model, prompts, o);
   for (size_t j = 0; j < prompts.size(); ++j) {
-    EXPECT_LT(rel_err(a.prompt_logits[j], e.prompt_logits[j]), 1e-4);
+    EXPECT_LT(test::rel_err(a.prompt_logits[j], e.prompt_logits[j]), 1e-4);
     EXPECT_EQ(a.greedy[j], e.greedy[j]);
   }
 }
@@ -133,7 +119,7 @@ TEST_P(GoldenModel, ChunkedPrefillEqualsPrefillAtOnce) {
       oc.page_size = page;
       OfflineResult c = run_offline(*l.model, prompts, oc);
       for (size_t j = 0; j < prompts.size(); ++j) {
-        EXPECT_LT(rel_err(c.prompt_logits[j], whole.prompt_logits[j]), 1e-4) << "prompt " << j;
+        EXPECT_LT(test::rel_err(c.prompt_logits[j], whole.prompt_logits[j]), 1e-4) << "prompt " << j;
         EXPECT_EQ(c.greedy[j], whole.greedy[j]);
       }
     }
@@ -155,7 +141,7 @@ TEST(GoldenCli, EvalLogitsAndGenerate) {
   for (size_t j = 0; j < g.prompts.size(); ++j) {
     Tensor lg = f.tensor("logits_" + std::to_string(j));
     EXPECT_EQ(lg.shape(), g.logits[j].shape());
-    EXPECT_LT(rel_err(lg, g.logits[j]), kRelTol);
+    EXPECT_LT(test::rel_err(lg, g.logits[j]), kRelTol);
     Tensor gr = f.tensor("greedy_" + std::to_string(j));
     ASSERT_EQ(gr.numel(), 24);
     ASSERT_EQ(gr.dtype(), DType::I32);

@@ -21,27 +21,7 @@ using namespace mlaserve;
 
 namespace {
 
-std::string free_addr() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
-}
 
-std::vector<std::vector<int32_t>> prompts(const std::string& fam) {
-  SafetensorsFile f(test::golden_dir(fam) + "/reference.safetensors");
-  std::vector<std::vector<int32_t>> out;
-  for (int j = 0; f.has("prompt_" + std::to_string(j)); ++j) {
-    Tensor p = f.tensor("prompt_" + std::to_string(j));
-    out.emplace_back(p.data_as<int32_t>(), p.data_as<int32_t>() + p.numel());
-  }
-  return out;
-}
 
 // Runs `tp` ranks (`dp` attention-DP groups) as two nodes; returns node 0's offline result.
 OfflineResult two_nodes(const std::string& fam, int tp, int dp, const std::vector<std::vector<int32_t>>& ps,
@@ -59,7 +39,7 @@ OfflineResult two_nodes(const std::string& fam, int tp, int dp, const std::vecto
     if (group < 0) return std::move(world[static_cast<size_t>(rank)]);
     return std::move(attn[static_cast<size_t>(group)][static_cast<size_t>(rank % at)]);
   };
-  const std::string addr = free_addr();
+  const std::string addr = test::free_loopback_addr();
   auto pc = [&](int node) {
     ParallelConfig p;
     p.tp_size = tp;
@@ -91,22 +71,11 @@ OfflineResult two_nodes(const std::string& fam, int tp, int dp, const std::vecto
   return res;
 }
 
-double rel_err(const Tensor& a, const Tensor& b) {
-  double m = 0, mean = 0, var = 0;
-  const int64_t n = b.numel();
-  for (int64_t i = 0; i < n; ++i) mean += b.data_as<float>()[i];
-  mean /= n;
-  for (int64_t i = 0; i < n; ++i) {
-    var += (b.data_as<float>()[i] - mean) * (b.data_as<float>()[i] - mean);
-    m = std::max(m, std::fabs(double(a.data_as<float>()[i]) - b.data_as<float>()[i]));
-  }
-  return m / std::sqrt(var / n);
-}
 
 }  // namespace
 
 TEST(MultiNode, TwoSimulatedNodesEqualOneNode) {
-  auto ps = prompts("v2");
+  auto ps = test::golden_prompts("v2");
   OfflineOptions o;
   o.max_new_tokens = 6;
   o.page_size = 8;
@@ -122,7 +91,7 @@ TEST(MultiNode, TwoSimulatedNodesEqualOneNode) {
     OfflineResult r = two_nodes("v2", l.tp, l.dp, ps, o);
     ASSERT_EQ(r.greedy.size(), ref.greedy.size());
     for (size_t j = 0; j < ps.size(); ++j) {
-      EXPECT_LT(rel_err(r.prompt_logits[j], ref.prompt_logits[j]), 1e-4) << "prompt " << j;
+      EXPECT_LT(test::rel_err(r.prompt_logits[j], ref.prompt_logits[j]), 1e-4) << "prompt " << j;
       EXPECT_EQ(r.greedy[j], ref.greedy[j]) << "prompt " << j;
     }
   }

@@ -12,15 +12,6 @@ using namespace mlaserve;
 
 namespace {
 
-std::vector<std::vector<int32_t>> golden_prompts(const std::string& fam) {
-  SafetensorsFile f(test::golden_dir(fam) + "/reference.safetensors");
-  std::vector<std::vector<int32_t>> out;
-  for (int j = 0; f.has("prompt_" + std::to_string(j)); ++j) {
-    Tensor p = f.tensor("prompt_" + std::to_string(j));
-    out.emplace_back(p.data_as<int32_t>(), p.data_as<int32_t>() + p.numel());
-  }
-  return out;
-}
 
 OfflineResult run(const std::string& fam, int tp, int dp, const std::vector<std::vector<int32_t>>& prompts,
                   int32_t chunk = 0) {
@@ -36,22 +27,11 @@ OfflineResult run(const std::string& fam, int tp, int dp, const std::vector<std:
   return run_offline(ranks, prompts, o);
 }
 
-double rel_err(const Tensor& a, const Tensor& b) {
-  double m = 0, mean = 0, var = 0;
-  const int64_t n = b.numel();
-  for (int64_t i = 0; i < n; ++i) mean += b.data_as<float>()[i];
-  mean /= n;
-  for (int64_t i = 0; i < n; ++i) {
-    var += (b.data_as<float>()[i] - mean) * (b.data_as<float>()[i] - mean);
-    m = std::max(m, std::fabs(double(a.data_as<float>()[i]) - b.data_as<float>()[i]));
-  }
-  return m / std::sqrt(var / n);
-}
 
 void expect_same(const OfflineResult& a, const OfflineResult& b) {
   ASSERT_EQ(a.greedy.size(), b.greedy.size());
   for (size_t j = 0; j < a.greedy.size(); ++j) {
-    EXPECT_LT(rel_err(a.prompt_logits[j], b.prompt_logits[j]), 1e-4) << "prompt " << j;
+    EXPECT_LT(test::rel_err(a.prompt_logits[j], b.prompt_logits[j]), 1e-4) << "prompt " << j;
     EXPECT_EQ(a.greedy[j], b.greedy[j]) << "prompt " << j;
   }
 }
@@ -63,7 +43,7 @@ struct Layout {
 class ParallelLayouts : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ParallelLayouts, EqualToSingleRank) {
-  auto prompts = golden_prompts(GetParam());
+  auto prompts = test::golden_prompts(GetParam());
   OfflineResult ref = run(GetParam(), 1, 1, prompts);
   for (Layout l : {Layout{2, 1}, Layout{4, 1}, Layout{2, 2}, Layout{4, 4}, Layout{4, 2}}) {
     SCOPED_TRACE("tp " + std::to_string(l.tp) + " dp-attention " + std::to_string(l.dp));
@@ -74,7 +54,7 @@ TEST_P(ParallelLayouts, EqualToSingleRank) {
 INSTANTIATE_TEST_SUITE_P(Families, ParallelLayouts, ::testing::Values("v2lite", "v2", "v3"));
 
 TEST(DpAttention, IdleAndUnevenGroups) {
-  auto prompts = golden_prompts("v3");
+  auto prompts = test::golden_prompts("v3");
   // One prompt over four groups: three groups are idle at every step.
   std::vector<std::vector<int32_t>> one{prompts[3]};
   expect_same(run("v3", 4, 4, one), run("v3", 1, 1, one));
@@ -117,7 +97,7 @@ TEST(ParallelCli, EvalLogitsAcrossLayoutsThroughTheBinary) {
   for (size_t k = 1; k < files.size(); ++k) {
     SafetensorsFile f(files[k]);
     for (int j = 0; j < 5; ++j) {
-      EXPECT_LT(rel_err(f.tensor("logits_" + std::to_string(j)), ref.tensor("logits_" + std::to_string(j))), 1e-4);
+      EXPECT_LT(test::rel_err(f.tensor("logits_" + std::to_string(j)), ref.tensor("logits_" + std::to_string(j))), 1e-4);
       Tensor a = f.tensor("greedy_" + std::to_string(j)), b = ref.tensor("greedy_" + std::to_string(j));
       EXPECT_EQ(std::vector<int32_t>(a.data_as<int32_t>(), a.data_as<int32_t>() + a.numel()),
                 std::vector<int32_t>(b.data_as<int32_t>(), b.data_as<int32_t>() + b.numel()));

@@ -2,32 +2,15 @@
 // a node that never arrives and nodes that disagree on sizes give clear errors.
 #include <gtest/gtest.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <thread>
 
 #include "core/error.h"
 #include "parallel/rendezvous.h"
+#include "test_util.h"
 
 using namespace mlaserve;
 
 namespace {
-// A port nobody listens on right now (the kernel picks it), so parallel test processes never collide.
-std::string addr(int) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
-}
 RendezvousConfig cfg(int nnodes, int rank, const std::string& a, int ms = 5000, int rpn = 2) {
   RendezvousConfig c;
   c.nnodes = nnodes;
@@ -40,7 +23,7 @@ RendezvousConfig cfg(int nnodes, int rank, const std::string& a, int ms = 5000, 
 }  // namespace
 
 TEST(Rendezvous, ThreeNodesExchangePayloadAndMessages) {
-  const std::string a = addr(1);
+  const std::string a = test::free_loopback_addr();
   std::vector<std::unique_ptr<NodeLink>> links(3);
   std::vector<std::thread> ts;
   for (int r = 2; r >= 1; --r)  // followers first: they retry until node 0 listens
@@ -58,7 +41,7 @@ TEST(Rendezvous, ThreeNodesExchangePayloadAndMessages) {
 
 TEST(Rendezvous, MissingNodeTimesOutNamingIt) {
   try {
-    NodeLink::connect(cfg(3, 0, addr(2), 300), "id");
+    NodeLink::connect(cfg(3, 0, test::free_loopback_addr(), 300), "id");
     FAIL();
   } catch (const Error& e) {
     std::string m = e.what();
@@ -66,7 +49,7 @@ TEST(Rendezvous, MissingNodeTimesOutNamingIt) {
     EXPECT_NE(m.find("1, 2"), std::string::npos) << m;
   }
   try {
-    NodeLink::connect(cfg(2, 1, addr(3), 300), "");
+    NodeLink::connect(cfg(2, 1, test::free_loopback_addr(), 300), "");
     FAIL();
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("could not reach node 0"), std::string::npos) << e.what();
@@ -74,7 +57,7 @@ TEST(Rendezvous, MissingNodeTimesOutNamingIt) {
 }
 
 TEST(Rendezvous, DisagreeingSizesAreRefused) {
-  const std::string a = addr(4);
+  const std::string a = test::free_loopback_addr();
   std::string follower_err;
   std::thread t([&] {
     try {
