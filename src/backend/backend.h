@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/error.h"
 #include "core/tensor.h"
 #include "io/model_config.h"
 #include "model/forward_batch.h"
@@ -113,6 +114,21 @@ class Backend {
   // Uploads the step's metadata once; every op below reads it (positions, slots, page table, ...).
   virtual void begin_step(const ForwardBatch& batch) = 0;
 
+  // ---- graphs (CUDA graphs for decode steps; backends without them keep these defaults) ----
+  // A graph step is a pure decode batch (one token per sequence). begin_graph_step lays its metadata out at offsets
+  // that depend only on the token count (so a graph recorded for that count reads each later step's metadata) and
+  // splits attention work into a fixed number of parts per token. It needs an earlier begin_step + mla_attention of
+  // the same model (the attention shapes are learnt there).
+  virtual bool supports_graphs() const { return false; }
+  virtual void begin_graph_step(const ForwardBatch& batch) { begin_step(batch); }
+  // Records the ops issued until graph_capture_end instead of running them; returns the graph's id.
+  virtual void graph_capture_begin() { fail("the {} backend has no graphs", name()); }
+  virtual int32_t graph_capture_end() { fail("the {} backend has no graphs", name()); }
+  // Runs a recorded graph on this step's metadata (after begin_graph_step with the same token count).
+  virtual void graph_replay(int32_t graph) { fail("the {} backend has no graph {}", name(), graph); }
+  // Destroys every graph (before the communicators their collectives use).
+  virtual void release_graphs() {}
+
   // ---- ops ----
   // out[T, H] = table[ids - vocab_begin] for ids in [vocab_begin, vocab_begin + rows), else 0.
   virtual void embedding(const Tensor& table, int64_t vocab_begin, Tensor& out) = 0;
@@ -132,6 +148,9 @@ class Backend {
   virtual void add(Tensor& a, const Tensor& b) = 0;
   // out[R, C] = x[logit_rows of the step, C]
   virtual void gather_logit_rows(const Tensor& x, Tensor& out) = 0;
+  // parts[n * R, C] (n blocks of R rows, e.g. each rank's slice of the vocabulary) -> out[R, n * C] with
+  // out[i, r * C + c] = parts[r * R + i, c].
+  virtual void interleave_blocks(const Tensor& parts, int64_t n, Tensor& out) = 0;
 
   // MLA, part 1. latent[T, kvr + rope] = kv_a_proj_with_mqa(x): normalise c_kv with `kv_norm`, rotate k_pe
   // (adjacent pairs, YaRN-scaled cos/sin), write both into cache rows out_slots. cache: [slots, kvr + rope].

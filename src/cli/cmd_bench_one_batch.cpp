@@ -141,13 +141,9 @@ const RegisterCommand reg("bench-one-batch", "prefill and decode latency / throu
     MLA_CHECK(*max_prefill > 0, "--max-prefill-tokens must be positive");
     args->validate();
     const ModelConfig cfg = ModelConfig::from_file(args->model_path);
-    ParallelConfig pc;
-    pc.tp_size = args->tp;
-    pc.dp_size = args->enable_dp_attention ? args->dp : 1;
     MLA_CHECK(args->enable_dp_attention || args->dp == 1, "bench-one-batch runs one replica: --dp needs --enable-dp-attention");
     MLA_CHECK(args->nnodes == 1, "bench-one-batch runs on one node");
-    pc.device = args->device;
-    pc.backend = args->backend_options();
+    const ParallelConfig pc = args->parallel_config();
     RankSet ranks(cfg, pc, args->model_path, args->load_options());
     const int32_t ps = args->page_size;
     const int32_t pages_per_seq = (*in_len + *out_len + ps - 1) / ps;

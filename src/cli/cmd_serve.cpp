@@ -36,7 +36,7 @@ struct ServeArgs {
   int32_t max_running_requests = 0;
   int64_t max_total_tokens = 0;
   int32_t chunked_prefill_size = 8192;
-  int32_t cuda_graph_max_bs = 0;
+  int32_t cuda_graph_max_bs = 256;
   bool disable_cuda_graph = false, disable_overlap_schedule = false, enable_metrics = false;
   std::string load_balance_method = "round_robin";
   int32_t nnodes = 1, node_rank = 0;
@@ -183,7 +183,9 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
   app.add_option("--max-running-requests", a->max_running_requests, "cap on the running batch (0: from memory)");
   app.add_option("--max-total-tokens", a->max_total_tokens, "KV-cache size in tokens (0: from memory)");
   app.add_option("--chunked-prefill-size", a->chunked_prefill_size, "prefill tokens per step")->capture_default_str();
-  app.add_option("--cuda-graph-max-bs", a->cuda_graph_max_bs, "largest batch captured in a CUDA graph");
+  app.add_option("--cuda-graph-max-bs", a->cuda_graph_max_bs,
+                 "largest decode batch (per DP group) recorded as a CUDA graph")
+      ->capture_default_str();
   app.add_flag("--disable-cuda-graph", a->disable_cuda_graph, "no CUDA graphs");
   app.add_flag("--disable-overlap-schedule", a->disable_overlap_schedule, "no CPU/GPU overlap in the scheduler");
   app.add_flag("--enable-metrics", a->enable_metrics, "accepted for compatibility; /metrics is always on");
@@ -253,6 +255,8 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     ea.node_rank = s.node_rank;
     ea.dist_init_addr = s.dist_init_addr;
     ea.disable_overlap_schedule = s.disable_overlap_schedule;
+    ea.cuda_graph_max_bs = s.cuda_graph_max_bs;
+    ea.disable_cuda_graph = s.disable_cuda_graph;
     ea.dist_timeout_s = s.dist_timeout;
     if (s.node_rank > 0) {
       // Nodes other than 0 run their ranks for node 0's engine; only node 0 serves HTTP.

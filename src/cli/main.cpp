@@ -19,9 +19,9 @@ std::vector<CommandSpec>& command_registry() {
 
 int main(int argc, char** argv) {
   using namespace mlaserve;
-  // Several GPUs driven from one process with NCCL between them can deadlock under CUDA's lazy module loading (a
-  // kernel's first launch waits while another GPU's collective spins): load modules eagerly unless told otherwise.
-  ::setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
+  // CUDA's default lazy module loading stays: measured on 2 x H200 (docs/perf.md), one process driving both GPUs
+  // with NCCL deadlocked in the first step under CUDA_MODULE_LOADING=EAGER (TP 2 bench and DP attention, every
+  // attempt) and ran clean under LAZY; the kernels' shared-memory attributes are set when each backend starts.
   // Establish NCCL connections at communicator init rather than inside the first collective (which then allocates
   // and maps peer memory while the other rank threads launch kernels).
   ::setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);

@@ -29,6 +29,24 @@ void ModelArgs::add_to(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--scratch-gb", scratch_gb, "cuda: GiB of activation scratch (0: min(8, what is left))")
       ->capture_default_str();
+  app.add_option("--cuda-graph-max-bs", cuda_graph_max_bs,
+                 "cuda: largest decode batch (per DP group) recorded as a CUDA graph")
+      ->capture_default_str();
+  app.add_flag("--disable-cuda-graph", disable_cuda_graph, "cuda: run every step eagerly");
+}
+
+ParallelConfig ModelArgs::parallel_config() const {
+  ParallelConfig pc;
+  pc.tp_size = tp;
+  pc.dp_size = enable_dp_attention ? dp : 1;
+  pc.device = device;
+  pc.backend = backend_options();
+  pc.nnodes = nnodes;
+  pc.node_rank = node_rank;
+  pc.dist_init_addr = dist_init_addr;
+  pc.dist_timeout = std::chrono::milliseconds(static_cast<int64_t>(dist_timeout * 1000));
+  pc.cuda_graph_max_bs = disable_cuda_graph ? 0 : cuda_graph_max_bs;
+  return pc;
 }
 
 MlaForm ModelArgs::form() const {
@@ -49,6 +67,7 @@ void ModelArgs::validate() const {
   MLA_CHECK(load_format == "auto" || load_format == "safetensors" || load_format == "dummy",
             "--load-format: expected auto, safetensors or dummy, got '{}'", load_format);
   MLA_CHECK(page_size > 0, "--page-size must be positive, got {}", page_size);
+  MLA_CHECK(cuda_graph_max_bs >= 0, "--cuda-graph-max-bs must be >= 0, got {}", cuda_graph_max_bs);
   MLA_CHECK(tp >= 1, "--tp must be >= 1, got {}", tp);
   MLA_CHECK(dp >= 1, "--dp must be >= 1, got {}", dp);
   MLA_CHECK(!enable_dp_attention || tp % dp == 0, "--enable-dp-attention needs --dp ({}) to divide --tp ({})", dp, tp);
@@ -66,15 +85,7 @@ OfflineResult run_offline_layout(const ModelArgs& args, const std::vector<std::v
   ModelConfig cfg = ModelConfig::from_file(args.model_path);
   MLA_LOG_INFO("{}", cfg.summary());
   if (config_out) *config_out = cfg;
-  ParallelConfig pc;
-  pc.tp_size = args.tp;
-  pc.dp_size = args.enable_dp_attention ? args.dp : 1;
-  pc.device = args.device;
-  pc.backend = args.backend_options();
-  pc.nnodes = args.nnodes;
-  pc.node_rank = args.node_rank;
-  pc.dist_init_addr = args.dist_init_addr;
-  pc.dist_timeout = std::chrono::milliseconds(static_cast<int64_t>(args.dist_timeout * 1000));
+  ParallelConfig pc = args.parallel_config();
   if (args.node_rank > 0) {
     RankSet ranks(cfg, pc, args.model_path, args.load_options());
     ranks.follow();

@@ -28,12 +28,16 @@ struct ModelArgs {
   double dist_timeout = 120.0;  // seconds
   double mem_fraction_static = 0.85;
   double scratch_gb = 0.0;
+  int32_t cuda_graph_max_bs = 256;
+  bool disable_cuda_graph = false;
 
   void add_to(CLI::App& app);
   MlaForm form() const;
   LoadOptions load_options() const;
   void validate() const;
   BackendOptions backend_options() const;
+  // The layout, device and graph settings of these args (one replica).
+  ParallelConfig parallel_config() const;
 };
 
 // Runs prompts offline in the layout the args ask for: --tp N (one replica of N ranks), --dp D (D replicas,

@@ -9,6 +9,7 @@ void set_log_level(const std::string& level) {
   auto lv = spdlog::level::from_str(l);
   MLA_CHECK(lv != spdlog::level::off || l == "off", "--log-level: unknown level '{}'", level);
   spdlog::set_level(lv);
+  if (lv == spdlog::level::trace) spdlog::flush_on(spdlog::level::trace);
 }
 
 }  // namespace mlaserve

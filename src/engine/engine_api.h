@@ -116,6 +116,8 @@ struct EngineArgs {
   int32_t chunked_prefill_size = 8192;
   bool disable_radix_cache = false;
   bool disable_overlap_schedule = false;
+  int32_t cuda_graph_max_bs = 256;   // decode steps up to this many tokens per DP group replay CUDA graphs
+  bool disable_cuda_graph = false;
   int64_t context_length = 0;        // 0: config's max_position_embeddings
   std::vector<int32_t> extra_eos_token_ids;  // e.g. from generation_config.json
   // Several nodes (one process each): node 0 runs the engine, other nodes serve its steps.

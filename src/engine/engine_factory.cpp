@@ -21,6 +21,7 @@ ParallelConfig parallel_config(const EngineArgs& a, int32_t dp_groups) {
   pc.node_rank = a.node_rank;
   pc.dist_init_addr = a.dist_init_addr;
   pc.dist_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.dist_timeout_s * 1000));
+  pc.cuda_graph_max_bs = a.disable_cuda_graph ? 0 : a.cuda_graph_max_bs;
   return pc;
 }
 

@@ -174,6 +174,15 @@ RankSet::~RankSet() {
     }
   }
   stop_workers();
+  // Graphs before the communicators whose collectives they hold (the ranks' members go after this).
+  for (auto& r : ranks_)
+    if (r && r->backend) {
+      try {
+        r->backend->bind_thread();
+        r->backend->release_graphs();
+      } catch (const std::exception&) {
+      }
+    }
 }
 
 void RankSet::stop_workers() {
@@ -194,6 +203,8 @@ int64_t RankSet::kv_bytes_free() const {
     const int64_t f = r->backend->persistent_bytes_free();
     if (f >= 0) m = m < 0 ? f : std::min(m, f);
   }
+  // Graphs add one page per layer that no request owns (allocate_kv): keep room for it and the layers' alignment.
+  if (m >= 0 && pc_.cuda_graph_max_bs > 0 && ranks_[0]->backend->supports_graphs()) m = std::max<int64_t>(0, m - (64LL << 20));
   return m;
 }
 
@@ -271,10 +282,68 @@ void RankSet::allocate_kv(int32_t num_pages, int32_t page_size) {
     put(m, &page_size, 4);
     link_->broadcast(m);
   }
+  // Graphs: one more page that no request owns, for the rows that pad a batch to its graph's size.
+  const bool graphs = pc_.cuda_graph_max_bs > 0 && ranks_[0]->backend->supports_graphs();
   run_on_all([&](int i) {
     Rank& r = *ranks_[static_cast<size_t>(i)];
-    r.kv = std::make_unique<KvCache>(*r.backend, config_, num_pages, page_size);
+    r.kv = std::make_unique<KvCache>(*r.backend, config_, num_pages + (graphs ? 1 : 0), page_size);
   });
+  page_size_ = page_size;
+  if (graphs) {
+    dummy_page_ = num_pages;
+    capture_graphs();
+  }
+}
+
+std::vector<int32_t> cuda_graph_batch_sizes(int32_t max_bs) {
+  std::vector<int32_t> v;
+  for (int32_t b = 1; b <= max_bs;) {
+    v.push_back(b);
+    b = b < 8 ? b * 2 : b < 256 ? b + 8 : b + 32;
+  }
+  if (max_bs > 0 && v.back() != max_bs) v.push_back(max_bs);
+  return v;
+}
+
+void RankSet::capture_graphs() {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<int32_t> sizes = cuda_graph_batch_sizes(pc_.cuda_graph_max_bs);
+  const int32_t d = pc_.dp_size;
+  ForwardBatch empty;
+  empty.page_size = page_size_;
+  empty.seq_q_start = {0};
+  // Every group runs the same padded batch of dummy rows. One eager step first: the backends learn the attention
+  // shapes that graph steps plan for up front.
+  for (size_t k = 0; k <= sizes.size(); ++k) {
+    const int32_t n = k == 0 ? 1 : sizes[k - 1];
+    const ForwardBatch padded = pad_decode_batch(empty, n, dummy_page_, page_size_);
+    DpStepInfo info;
+    info.num_tokens.assign(static_cast<size_t>(d), n);
+    run_on_all(
+        [&](int i) {
+          Rank& rk = *ranks_[static_cast<size_t>(i)];
+          if (k == 0) rk.model->forward(padded, *rk.kv, MlaForm::Auto, d > 1 ? &info : nullptr);
+          else rk.model->forward_graph(padded, *rk.kv, d > 1 ? &info : nullptr);
+          rk.backend->synchronize();
+        },
+        pc_.step_timeout);
+  }
+  graph_sizes_ = sizes;
+  MLA_LOG_INFO("graphs: decode batches of {} sizes up to {} tokens recorded in {:.1f} s", sizes.size(), sizes.back(),
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
+int32_t RankSet::graph_size_for(const std::vector<const ForwardBatch*>& batches, MlaForm form) const {
+  if (graph_sizes_.empty() || form != MlaForm::Auto) return 0;
+  int32_t most = 0;
+  for (const ForwardBatch* b : batches) {
+    if (!b || b->num_tokens() == 0) continue;  // an idle group replays with padding only
+    if (!is_single_token_batch(*b)) return 0;  // prefill anywhere: every group runs eagerly
+    most = std::max(most, b->num_tokens());
+  }
+  // The largest group decides (never the sum): every group pads to that size.
+  if (most == 0 || most > graph_sizes_.back()) return 0;
+  return *std::lower_bound(graph_sizes_.begin(), graph_sizes_.end(), most);
 }
 
 void RankSet::run_local(const std::vector<const ForwardBatch*>& batches,
@@ -286,12 +355,23 @@ void RankSet::run_local(const std::vector<const ForwardBatch*>& batches,
   ForwardBatch idle;
   idle.page_size = 1;
   idle.seq_q_start = {0};
+  // The same decision on every rank and node (it depends only on the step): replay a graph or run eagerly.
+  const int32_t graph_size = graph_size_for(batches, form);
+  DpStepInfo graph_info;
+  graph_info.num_tokens.assign(static_cast<size_t>(d), graph_size);
   run_on_all(
       [&](int i) {
     Rank& rk = *ranks_[static_cast<size_t>(i)];
     const int32_t g = rk.global / at;
     const ForwardBatch& b = batches[static_cast<size_t>(g)] ? *batches[static_cast<size_t>(g)] : idle;
-    Tensor logits = rk.model->forward(b, *rk.kv, form, d > 1 ? &info : nullptr);
+    Tensor logits;
+    if (graph_size > 0) {
+      const ForwardBatch padded = pad_decode_batch(b, graph_size, dummy_page_, page_size_);
+      logits = rk.model->forward_graph(padded, *rk.kv, d > 1 ? &graph_info : nullptr).rows(0, b.num_tokens());
+    } else {
+      logits = rk.model->forward(b, *rk.kv, form, d > 1 ? &info : nullptr);
+    }
+    MLA_LOG_TRACE("rank {}: forward enqueued", rk.global);
     if (rk.global % at != 0) return;
     // The group's leading rank samples its rows on the device; only ids and logprobs come back.
     GroupOutput& o = out[static_cast<size_t>(g)];
@@ -308,11 +388,14 @@ void RankSet::run_local(const std::vector<const ForwardBatch*>& batches,
       Tensor lps = Tensor::view(static_cast<int32_t*>(both.data()) + R, {R}, DType::F32, both.device());
       rk.backend->sample(logits, params, ids, &lps);
       std::vector<int32_t> host(static_cast<size_t>(2 * R));
+      MLA_LOG_TRACE("rank {}: sampled, waiting for the ids", rk.global);
       rk.backend->download(both, host.data());
+      MLA_LOG_TRACE("rank {}: ids back", rk.global);
       std::copy(host.begin(), host.begin() + R, o.ids.begin());
       std::memcpy(o.logprobs.data(), host.data() + R, static_cast<size_t>(R) * sizeof(float));
     }
     if (want_logits) o.logits = rk.backend->to_host_f32(logits);
+    MLA_LOG_TRACE("rank {}: step done", rk.global);
       },
       pc_.step_timeout);
 }

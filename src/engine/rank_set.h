@@ -39,6 +39,9 @@ struct ParallelConfig {
   // A step that has not finished on every rank after this long is stuck (a rank missed a collective): the
   // communicators are aborted and the step fails with an error instead of hanging.
   std::chrono::milliseconds step_timeout{std::chrono::seconds(600)};
+  // Decode steps of up to this many tokens per DP group replay graphs recorded after allocate_kv (CUDA graphs;
+  // backends without graphs ignore it). 0: off (--disable-cuda-graph).
+  int32_t cuda_graph_max_bs = 0;
   // Tests only: communicators for CPU ranks of simulated nodes in one process (so the multi-node control path runs
   // without GPUs): (global rank, attention-DP group or -1 for the world) -> that rank's communicator.
   std::function<std::unique_ptr<Communicator>(int32_t global_rank, int32_t dp_group)> comm_factory;
@@ -50,6 +53,9 @@ struct GroupOutput {
   std::vector<float> logprobs;    // of the sampled ids
   Tensor logits;                  // host F32 [rows, vocab], only when asked for
 };
+
+// Batch sizes recorded as graphs: 1, 2, 4, 8, then every 8 up to 256, then every 32, and max_bs itself.
+std::vector<int32_t> cuda_graph_batch_sizes(int32_t max_bs);
 
 class RankSet {
  public:
@@ -76,6 +82,10 @@ class RankSet {
                                 MlaForm form = MlaForm::Auto);
   // Nodes other than 0: serve node 0's steps until it finishes.
   void follow();
+  // Token counts (per DP group) that have a recorded graph; empty when graphs are off.
+  const std::vector<int32_t>& graph_batch_sizes() const { return graph_sizes_; }
+  // The graph size a step of these batches would replay (0: it runs eagerly).
+  int32_t graph_size_for(const std::vector<const ForwardBatch*>& batches, MlaForm form) const;
 
  private:
   struct Rank {
@@ -94,6 +104,7 @@ class RankSet {
   // Runs the local ranks; fills out[g] for groups led by a local rank.
   void run_local(const std::vector<const ForwardBatch*>& batches, const std::vector<std::vector<RowSampling>>& sampling,
                  bool want_logits, MlaForm form, std::vector<GroupOutput>& out);
+  void capture_graphs();
   int32_t attn_tp() const { return pc_.tp_size / pc_.dp_size; }
   int32_t ranks_per_node() const { return pc_.tp_size / pc_.nnodes; }
 
@@ -102,6 +113,8 @@ class RankSet {
   std::unique_ptr<NodeLink> link_;
   std::vector<std::unique_ptr<Rank>> ranks_;  // local ranks
   std::vector<std::function<void()>> abort_groups_;
+  std::vector<int32_t> graph_sizes_;
+  int32_t dummy_page_ = -1, page_size_ = 0;  // graphs: padded rows read and write only this page
 
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;

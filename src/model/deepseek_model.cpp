@@ -279,16 +279,53 @@ void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
       backend_.add(out, shared);
     }
   }
-  if (plan_.tp_size > 1) world_comm_->all_reduce_sum(out);
+  if (plan_.tp_size > 1) {
+    MLA_LOG_TRACE("rank {}: layer {} MLP all-reduce", plan_.tp_rank, l);
+    world_comm_->all_reduce_sum(out);
+  }
+}
+
+void DeepseekModel::check_ids(const ForwardBatch& batch) const {
+  MLA_CHECK(!layers_.empty(), "model weights are not loaded");
+  for (int32_t id : batch.input_ids)
+    MLA_CHECK(id >= 0 && id < config_.vocab_size, "token id {} is outside the vocabulary [0, {})", id,
+              config_.vocab_size);
 }
 
 Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm form, const DpStepInfo* dp) {
-  MLA_CHECK(!layers_.empty(), "model weights are not loaded");
-  const auto& c = config_;
+  check_ids(batch);
+  MLA_LOG_TRACE("rank {}: forward of {} tokens", plan_.tp_rank, batch.num_tokens());
   backend_.begin_step(batch);
+  return forward_body(batch, cache, form, dp);
+}
+
+Tensor DeepseekModel::forward_graph(const ForwardBatch& batch, KvCache& cache, const DpStepInfo* dp) {
+  check_ids(batch);
+  MLA_LOG_TRACE("rank {}: graph forward of {} tokens", plan_.tp_rank, batch.num_tokens());
+  backend_.begin_graph_step(batch);
+  auto it = graphs_.find(batch.num_tokens());
+  if (it == graphs_.end()) {
+    Graph g;
+    backend_.graph_capture_begin();
+    try {
+      g.logits = forward_body(batch, cache, MlaForm::Auto, dp);
+    } catch (...) {
+      try {
+        backend_.graph_capture_end();  // leave the stream usable; the recording is dropped
+      } catch (const std::exception&) {
+      }
+      throw;
+    }
+    g.id = backend_.graph_capture_end();
+    it = graphs_.emplace(batch.num_tokens(), g).first;
+  }
+  backend_.graph_replay(it->second.id);
+  return it->second.logits;
+}
+
+Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, MlaForm form, const DpStepInfo* dp) {
+  const auto& c = config_;
   const int64_t T = batch.num_tokens(), H = c.hidden_size;
-  for (int32_t id : batch.input_ids)
-    MLA_CHECK(id >= 0 && id < c.vocab_size, "token id {} is outside the vocabulary [0, {})", id, c.vocab_size);
   // DP attention: this group's rows [dp_offset, dp_offset + T) of the world's dp_total tokens.
   const bool dp_attention = plan_.dp_size > 1;
   int64_t dp_offset = 0, dp_total = T;
@@ -336,6 +373,7 @@ Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm
         Tensor mine = gathered.rows(dp_offset, dp_offset + T);
         backend_.copy(normed, mine);
       }
+      MLA_LOG_TRACE("rank {}: layer {} DP gather ({} of {} rows)", plan_.tp_rank, l, T, dp_total);
       world_comm_->all_reduce_sum(gathered);
       mlp(l, gathered, gathered_out);
       backend_.copy(gathered_out.rows(dp_offset, dp_offset + T), hidden);
@@ -352,13 +390,10 @@ Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm
   // Vocab-parallel lm_head: gather [attn_tp, R, V/attn_tp] and interleave into [R, V].
   const int64_t n = plan_.attn_tp_size;
   Tensor gathered_logits = backend_.scratch({n * R, local_vocab_}, DType::F32);
+  MLA_LOG_TRACE("rank {}: logits all-gather", plan_.tp_rank);
   attn_comm_->all_gather(logits_local, gathered_logits);
   Tensor out = backend_.scratch({R, c.vocab_size}, DType::F32);
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t i = 0; i < R; ++i) {
-      Tensor dst = out.rows(i, i + 1).reshape({n, local_vocab_}).rows(r, r + 1);
-      backend_.copy(gathered_logits.rows(r * R + i, r * R + i + 1), dst);
-    }
+  backend_.interleave_blocks(gathered_logits, n, out);
   return out;
 }
 

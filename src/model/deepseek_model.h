@@ -13,6 +13,7 @@
 //   logits[R, V] = lm_head(rmsnorm(residual + hidden)[logit_rows])
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,6 +64,12 @@ class DeepseekModel {
   // With DP attention (plan.dp_size > 1) `dp` gives every group's token count for this step; a group with no
   // tokens runs an IDLE forward (it joins every collective).
   Tensor forward(const ForwardBatch& batch, KvCache& cache, MlaForm form = MlaForm::Auto, const DpStepInfo* dp = nullptr);
+  // The same for a decode batch through a graph of the backend (CUDA graphs): the first call for a token count
+  // records the forward, later calls replay it on the new step's metadata. The batch is padded to the graph's
+  // token count by the caller (pad_decode_batch); with DP attention every group has that count. Needs an eager
+  // forward of this model before the first call.
+  Tensor forward_graph(const ForwardBatch& batch, KvCache& cache, const DpStepInfo* dp = nullptr);
+  int32_t num_graphs() const { return static_cast<int32_t>(graphs_.size()); }
   const ParallelPlan& plan() const { return plan_; }
 
   const ModelConfig& config() const { return config_; }
@@ -76,6 +83,13 @@ class DeepseekModel {
   class Loader;
   void attention(int64_t layer, const Tensor& x, KvCache& cache, MlaForm form, Tensor& out);
   void mlp(int64_t layer, const Tensor& x, Tensor& out);
+  void check_ids(const ForwardBatch& batch) const;
+  Tensor forward_body(const ForwardBatch& batch, KvCache& cache, MlaForm form, const DpStepInfo* dp);
+  struct Graph {
+    int32_t id = -1;
+    Tensor logits;  // where the replay leaves them
+  };
+  std::map<int32_t, Graph> graphs_;  // by token count
 
   ModelConfig config_;
   Backend& backend_;

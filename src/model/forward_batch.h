@@ -42,6 +42,13 @@ struct ForwardBatch {
   bool has_prefill() const { return mode == ForwardMode::Extend || mode == ForwardMode::Mixed; }
 };
 
+// True when every sequence brings one new token and asks for its logits (a decode step; CUDA graphs replay these).
+bool is_single_token_batch(const ForwardBatch& b);
+// Pads a single-token batch (or an empty one: an idle DP group) to `tokens` sequences of one token. The added
+// sequences are token 0 at position 0 reading and writing only page `dummy_page` (a page no request owns); their
+// logit rows follow the real ones, so rows [0, real) of the logits are the real ones.
+ForwardBatch pad_decode_batch(const ForwardBatch& b, int32_t tokens, int32_t dummy_page, int32_t page_size);
+
 // Byte serialisation, for sending a step to the ranks of other nodes.
 void serialize(const ForwardBatch& b, std::string& out);
 ForwardBatch deserialize_forward_batch(const char*& p, const char* end);

@@ -95,6 +95,12 @@ class CheckingBackend final : public Backend {
     g_.gather_logit_rows(x, out);
     check("gather_logit_rows", oc, out);
   }
+  void interleave_blocks(const Tensor& parts, int64_t n, Tensor& out) override {
+    Tensor pc = cpu_copy(parts), oc = cpu_like(out);
+    c_->interleave_blocks(pc, n, oc);
+    g_.interleave_blocks(parts, n, out);
+    check("interleave_blocks", oc, out);
+  }
   void mla_write_latent(Tensor& latent, const Tensor& w, float eps, Tensor& cache) override {
     Tensor lc = cpu_copy(latent), wc = cpu_copy(w), cc = cpu_copy(cache);
     c_->mla_write_latent(lc, wc, eps, cc);

@@ -138,6 +138,14 @@ TEST(CudaOps, ElementwiseOps) {
   cpu().gather_logit_rows(cc, rc);
   gpu().gather_logit_rows(cg, rg);
   expect_close(cpu().to_host_f32(rc), gpu().to_host_f32(rg), 5e-3, 1e-2, "gather_logit_rows");
+  // Vocabulary slices of 3 ranks, R rows each, interleaved into full rows (exact: a copy).
+  Tensor parts = rand_host({3 * R, 40}, 12);
+  Tensor pc = cpu().upload(parts, DType::F32), pg = gpu().upload(parts, DType::F32);
+  Tensor ic = cpu().alloc({R, 120}, DType::F32), ig = gpu().alloc({R, 120}, DType::F32);
+  cpu().interleave_blocks(pc, 3, ic);
+  gpu().interleave_blocks(pg, 3, ig);
+  expect_close(cpu().to_host_f32(ic), gpu().to_host_f32(ig), 0.0, 0.0, "interleave_blocks");
+  EXPECT_EQ(cpu().to_host_f32(ic).data_as<float>()[40], parts.data_as<float>()[R * 40]);  // row 0, rank 1's slice
 }
 
 std::vector<float> yarn_freqs(int64_t rope) {
@@ -187,10 +195,13 @@ TEST(CudaOps, RopeAndLatentWrite) {
 }
 
 // MLA attention in every form over a NaN-poisoned, shuffled paged cache.
+// decode_only: one new token per sequence, planned in fixed parts per token (as CUDA graph steps are), many of them
+// empty for the short contexts.
 void mla_case(int64_t nh, int64_t kvr, int64_t rope, int64_t nope, int64_t vh, int32_t page_size, bool long_ctx,
-              int kind) {
+              int kind, bool decode_only = false) {
   std::vector<std::pair<int32_t, int32_t>> seqs = {{0, 1},  {15, 1}, {16, 1}, {299, 1},
                                                    {0, 100}, {40, 30}, {63, 65}};
+  if (decode_only) seqs = {{0, 1}, {15, 1}, {16, 1}, {299, 1}, {63, 1}, {1000, 1}};
   seqs.push_back({long_ctx ? 2499 : 700, 1});
   Scenario s = make_scenario(seqs, page_size, 100 + nh + kind);
   const int64_t T = s.batch.num_tokens(), W = kvr + rope, slots = s.num_pages * page_size;
@@ -246,6 +257,13 @@ TEST(CudaOps, MlaAttentionOddDims) {
   REQUIRE_GPU();
   mla_case(4, 64, 16, 32, 32, 16, true, 0);   // golden-model dims: simple kernels
   mla_case(24, 512, 64, 128, 128, 16, false, 0);  // heads not a multiple of 16: padded head group
+}
+
+TEST(CudaOps, MlaDecodeFixedSplits) {
+  REQUIRE_GPU();
+  mla_case(16, 512, 64, 128, 128, 16, true, 0, true);
+  mla_case(128, 512, 64, 128, 128, 16, true, 0, true);
+  mla_case(4, 64, 16, 32, 32, 16, true, 0, true);  // simple kernels
 }
 
 TEST(CudaOps, MlaEmptyBatch) {

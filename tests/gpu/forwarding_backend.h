@@ -39,6 +39,13 @@ class ForwardingBackend : public Backend {
   void zero(Tensor& t) override { b_.zero(t); }
   void add(Tensor& a, const Tensor& b) override { b_.add(a, b); }
   void gather_logit_rows(const Tensor& x, Tensor& o) override { b_.gather_logit_rows(x, o); }
+  void interleave_blocks(const Tensor& p, int64_t n, Tensor& o) override { b_.interleave_blocks(p, n, o); }
+  bool supports_graphs() const override { return b_.supports_graphs(); }
+  void begin_graph_step(const ForwardBatch& b) override { b_.begin_graph_step(b); }
+  void graph_capture_begin() override { b_.graph_capture_begin(); }
+  int32_t graph_capture_end() override { return b_.graph_capture_end(); }
+  void graph_replay(int32_t g) override { b_.graph_replay(g); }
+  void release_graphs() override { b_.release_graphs(); }
   void mla_write_latent(Tensor& l, const Tensor& w, float e, Tensor& c) override { b_.mla_write_latent(l, w, e, c); }
   void mla_rope_q(Tensor& q, int32_t a, int32_t b, int32_t c) override { b_.mla_rope_q(q, a, b, c); }
   void mla_attention(const Tensor& q, const Tensor& c, const Tensor& k, const MlaParams& p, Tensor& o) override {

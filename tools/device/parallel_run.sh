@@ -8,9 +8,6 @@ PKG=$1
 OUT=$2
 export LD_LIBRARY_PATH=$PWD/$PKG/lib:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0
-# Lazy module loading can deadlock kernels of several GPUs driven from one process (a first launch waits while
-# another GPU's NCCL kernel spins): load eagerly.
-export CUDA_MODULE_LOADING=EAGER
 FAMILIES=${FAMILIES:-v2 v3}
 BATCHES=${BATCHES:-256 1024}
 OUTLEN=${OUTLEN:-64}
@@ -19,15 +16,31 @@ CMP="python3 tools/compare_logits.py"
 nvidia-smi -L
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
+# Runs a command with a time limit; when it is still running at the limit, prints every thread's stack (gdb, when
+# the machine has it) into $OUT/hang-N.txt before killing it, so a hang shows where it is.
+hangs=0
+guard() {
+  local limit=$1; shift
+  "$@" & local pid=$!
+  local t=0
+  while kill -0 $pid 2>/dev/null && [ $t -lt $limit ]; do sleep 1; t=$((t + 1)); done
+  if kill -0 $pid 2>/dev/null; then
+    hangs=$((hangs + 1))
+    echo "HANG after ${limit}s: $*" > $OUT/hang-$hangs.txt
+    command -v gdb >/dev/null && gdb -p $pid -batch -ex "thread apply all bt 12" >> $OUT/hang-$hangs.txt 2>&1
+    kill -9 $pid; wait $pid 2>/dev/null; return 124
+  fi
+  wait $pid
+}
 
 for fam in $FAMILIES; do
   M=tests/golden/data/$fam
   P=$M/reference.safetensors
-  $BIN eval-logits --device cuda --model-path $M --prompts $P --out /tmp/$fam-tp1.st --max-new-tokens 24 --log-level warning
+  guard 90 $BIN eval-logits --device cuda --model-path $M --prompts $P --out /tmp/$fam-tp1.st --max-new-tokens 24 --log-level warning
   $CMP $P /tmp/$fam-tp1.st --tol 0.1 > $OUT/$fam-tp1-vs-hf.txt; note "$fam tp1 vs HF: rc=$? $(tail -1 $OUT/$fam-tp1-vs-hf.txt)"
   for L in "tp2:--tp 2" "dpa2:--tp 2 --dp 2 --enable-dp-attention" "dp2:--dp 2"; do
     name=${L%%:*}; flags=${L#*:}
-    $BIN eval-logits --device cuda --model-path $M --prompts $P --out /tmp/$fam-$name.st --max-new-tokens 24 --log-level warning $flags \
+    NCCL_DEBUG=WARN guard 90 $BIN eval-logits --device cuda --model-path $M --prompts $P --out /tmp/$fam-$name.st --max-new-tokens 24 --log-level warning $flags \
       > $OUT/$fam-$name.log 2>&1 || note "$fam $name FAILED: $(tail -2 $OUT/$fam-$name.log)"
     # Against tp = 1 on the GPU: the same bf16 math, other reduction orders.
     python3 - /tmp/$fam-tp1.st /tmp/$fam-$name.st <<'PY' > $OUT/$fam-$name-vs-tp1.txt
@@ -76,10 +89,11 @@ note "missing node: rc=$? $(grep -o 'error:.*' $OUT/timeout.log | head -c 300)"
 # Decode throughput, V2-Lite shape, dummy weights: TP 2 against DP attention over the same 2 GPUs.
 for B in $BATCHES; do
   for L in "--tp 2" "--tp 2 --dp 2 --enable-dp-attention"; do
-    $BIN bench-one-batch --device cuda --model-path tools/bench/deepseek-v2-lite --load-format dummy --batch-size $B \
+    guard 150 $BIN bench-one-batch --device cuda --model-path tools/bench/deepseek-v2-lite --load-format dummy --batch-size $B \
       --input-len 128 --output-len $OUTLEN --log-level warning $L > $OUT/bench-$B-${L// /_}.log 2>&1
     note "bench B=$B $L: $(grep -E 'prefill:|decode:' $OUT/bench-$B-${L// /_}.log | tr -s ' ' | tr '\n' ' ')"
   done
 done
+note "hangs: $hangs"
 printf '%s\n' "${summary[@]}" > $OUT/summary.txt
 echo; echo "==== summary"; cat $OUT/summary.txt

@@ -180,6 +180,18 @@ class CpuBackend final : public Backend {
     for (size_t r = 0; r < rows.size(); ++r) std::memcpy(op + r * C, xp + rows[r] * C, C * sizeof(float));
   }
 
+  void interleave_blocks(const Tensor& parts, int64_t n, Tensor& out) override {
+    const int64_t C = parts.size(-1), R = n > 0 ? parts.numel() / C / n : 0;
+    MLA_CHECK(n > 0 && parts.numel() == n * R * C && out.numel() == parts.numel() && out.dtype() == parts.dtype(),
+              "interleave_blocks: parts {} in {} blocks into {}", shape_str(parts.shape()), n, shape_str(out.shape()));
+    const size_t row = static_cast<size_t>(C) * dtype_size(parts.dtype());
+    const auto* src = static_cast<const char*>(parts.data());
+    auto* dst = static_cast<char*>(out.data());
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t i = 0; i < R; ++i)
+        std::memcpy(dst + static_cast<size_t>(i * n + r) * row, src + static_cast<size_t>(r * R + i) * row, row);
+  }
+
   void set_rope(const std::vector<float>& inv_freq, float attention_factor) override {
     inv_freq_ = inv_freq;
     rope_factor_ = attention_factor;

@@ -124,10 +124,14 @@ class CudaBackend final : public Backend {
     CUDA_OK(cudaMalloc(&blas_ws_, blas_ws_bytes), "allocating the cuBLAS workspace");
     CUBLAS_OK(cublasSetWorkspace(blas_, blas_ws_, blas_ws_bytes), "cublasSetWorkspace");
     CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&pinned_), meta_bytes, cudaHostAllocDefault), "pinned buffer");
+    for (auto prepare : {cuda::mla_decode_prepare, cuda::mla_prefill_prepare, cuda::moe_gemm_gate_up_prepare,
+                         cuda::moe_gemm_down_prepare})
+      CUDA_OK(prepare(), "setting kernel shared-memory limits");
     allow_fast_ = !(o.simple_kernels || env_flag("MLASERVE_CUDA_SIMPLE"));
     moe_cublas_ = o.moe_cublas || env_flag("MLASERVE_MOE_CUBLAS");
     if (const char* v = std::getenv("MLASERVE_MLA_DECODE_VARIANT")) mla_variant_ = std::atoi(v);
     moe_grouped_only_ = env_flag("MLASERVE_MOE_GROUPED");
+    idle_stats_ = env_flag("MLASERVE_GPU_IDLE_STATS");
     MLA_LOG_INFO("cuda: GPU {} '{}' ({} SMs, {:.1f} GiB): {:.2f} GiB for weights + KV cache, {:.2f} GiB activation "
                  "scratch{}{}",
                  device, prop.name, num_sms_, total_b / kGiB, persistent / kGiB, scratch / kGiB,
@@ -136,6 +140,8 @@ class CudaBackend final : public Backend {
 
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
+    report_idle();
+    release_graphs();
     for (auto& [k, g] : gemms_) {
       cublasLtMatrixLayoutDestroy(g.a);
       cublasLtMatrixLayoutDestroy(g.b);
@@ -227,6 +233,7 @@ class CudaBackend final : public Backend {
   void download(const Tensor& t, void* dst) override {
     if (t.nbytes() == 0) return;
     CUDA_OK(cudaMemcpyAsync(dst, t.data(), t.nbytes(), cudaMemcpyDeviceToHost, stream_), "download");
+    if (idle_stats_ && !step_events_.empty()) cudaEventRecord(step_events_.back().second, stream_);
     CUDA_OK(cudaStreamSynchronize(stream_), "download");
   }
 
@@ -256,7 +263,9 @@ class CudaBackend final : public Backend {
 
   // ---- per step ----
   void begin_step(const ForwardBatch& batch) override {
+    MLA_CHECK(!capturing_, "begin_step while a graph is being recorded");
     step_ = batch;
+    graph_step_ = false;
     scratch_.used = 0;
     CUDA_OK(cudaEventSynchronize(meta_event_), "waiting for the previous step's metadata upload");
     meta_.used = 0;
@@ -267,7 +276,73 @@ class CudaBackend final : public Backend {
     d_out_slots_ = up.add(step_.out_slots);
     d_page_table_ = up.add(step_.page_table);
     d_logit_rows_ = up.add(step_.logit_rows);
+    mark_step_start();
     up.flush();
+  }
+
+  // ---- graphs ----
+  bool supports_graphs() const override { return true; }
+
+  // The same metadata as begin_step, but every array whose size depends on more than the token count (the page
+  // table) comes last, and the attention plans of the shapes seen so far are built now with a fixed number of
+  // splits per token and page-table rows as offsets, so a graph recorded for this token count stays valid.
+  void begin_graph_step(const ForwardBatch& batch) override {
+    MLA_CHECK(!capturing_, "begin_graph_step while a graph is being recorded");
+    MLA_CHECK(batch.num_tokens() == batch.num_seqs() && batch.num_tokens() > 0,
+              "a graph step is a decode batch of one token per sequence ({} tokens, {} sequences)", batch.num_tokens(),
+              batch.num_seqs());
+    MLA_CHECK(!plan_keys_.empty(), "a graph step needs an eager step of the model first (attention shapes unknown)");
+    step_ = batch;
+    graph_step_ = true;
+    scratch_.used = 0;
+    CUDA_OK(cudaEventSynchronize(meta_event_), "waiting for the previous step's metadata upload");
+    meta_.used = 0;
+    plans_.clear();
+    MetaUpload up(*this);
+    d_input_ids_ = up.add(step_.input_ids);
+    d_positions_ = up.add(step_.positions);
+    d_out_slots_ = up.add(step_.out_slots);
+    d_logit_rows_ = up.add(step_.logit_rows);
+    for (const auto& key : plan_keys_)
+      if (std::get<0>(key) != static_cast<int>(MlaForm::Expanded)) plans_.emplace(key, build_plan(key, up, true));
+    d_page_table_ = up.add(step_.page_table);
+    mark_step_start();
+    up.flush();
+  }
+
+  void graph_capture_begin() override {
+    MLA_CHECK(graph_step_ && !capturing_, "graph_capture_begin outside a graph step");
+    // Thread-local: other ranks' threads of this process keep issuing their own work while this one records.
+    CUDA_OK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "begin graph capture");
+    capturing_ = true;
+  }
+
+  int32_t graph_capture_end() override {
+    MLA_CHECK(capturing_, "graph_capture_end without graph_capture_begin");
+    capturing_ = false;
+    cudaGraph_t g = nullptr;
+    CUDA_OK(cudaStreamEndCapture(stream_, &g), "end graph capture");
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
+    cudaGraphDestroy(g);
+    CUDA_OK(e, "instantiating a graph");
+    graphs_.push_back({exec, scratch_.used});
+    return static_cast<int32_t>(graphs_.size()) - 1;
+  }
+
+  void graph_replay(int32_t id) override {
+    MLA_CHECK(graph_step_ && !capturing_, "graph_replay outside a graph step");
+    MLA_CHECK(id >= 0 && id < static_cast<int32_t>(graphs_.size()) && graphs_[static_cast<size_t>(id)].exec,
+              "graph {} does not exist", id);
+    const Graph& g = graphs_[static_cast<size_t>(id)];
+    CUDA_OK(cudaGraphLaunch(g.exec, stream_), "graph launch");
+    scratch_.used = g.scratch_end;  // the graph's tensors stay valid until the next begin_step
+  }
+
+  void release_graphs() override {
+    for (Graph& g : graphs_)
+      if (g.exec) cudaGraphExecDestroy(g.exec);
+    graphs_.clear();
   }
 
   // ---- ops ----
@@ -327,6 +402,19 @@ class CudaBackend final : public Backend {
     CUDA_OK(cuda::gather_rows(x.data(), C * static_cast<int64_t>(dtype_size(x.dtype())), d_logit_rows_, R, out.data(),
                               stream_),
             "gather_logit_rows");
+  }
+
+  void interleave_blocks(const Tensor& parts, int64_t n, Tensor& out) override {
+    const int64_t C = parts.size(-1), R = n > 0 ? parts.numel() / C / n : 0;
+    MLA_CHECK(n > 0 && parts.numel() == n * R * C && out.numel() == parts.numel() && out.dtype() == parts.dtype(),
+              "interleave_blocks: parts {} in {} blocks into {}", shape_str(parts.shape()), n, shape_str(out.shape()));
+    if (R == 0 || C == 0) return;
+    const size_t row = static_cast<size_t>(C) * dtype_size(parts.dtype());
+    for (int64_t r = 0; r < n; ++r)
+      CUDA_OK(cudaMemcpy2DAsync(static_cast<char*>(out.data()) + r * row, n * row,
+                                static_cast<const char*>(parts.data()) + r * R * row, row, row, R,
+                                cudaMemcpyDeviceToDevice, stream_),
+              "interleave_blocks");
   }
 
   void set_rope(const std::vector<float>& inv_freq, float attention_factor) override {
@@ -486,6 +574,7 @@ class CudaBackend final : public Backend {
               "cublasGemmStridedBatchedEx");
   }
 
+  using PlanKey = std::tuple<int, int32_t, int32_t, int32_t>;  // form, heads, kv_lora, rope
   // The attention work of one step for one form: built on the host from the step, uploaded once.
   struct MlaPlan {
     int32_t num_decode_items = 0, num_partials = 0, num_combine = 0;
@@ -496,8 +585,50 @@ class CudaBackend final : public Backend {
     cuda::MlaPrefillItem* d_prefill = nullptr;
     int32_t* d_row_seq = nullptr;
     int32_t* d_row_pos = nullptr;
+    bool row_offsets = false;  // decode items carry page-table row offsets (seq * max_pages), not rows
   };
   const MlaPlan& plan_for(MlaForm form, int32_t nh, int32_t kvr, int32_t rope);
+  MlaPlan build_plan(const PlanKey& key, MetaUpload& up, bool fixed_splits);
+
+  // MLASERVE_GPU_IDLE_STATS=1: events at each step's first GPU work (the metadata upload) and after its last
+  // download; at exit, the time the GPU had no step queued between the end of one step and the start of the next,
+  // against the wall time from the first step to the last.
+  void mark_step_start() {
+    if (!idle_stats_ || step_events_.size() >= kMaxStepEvents) return;
+    cudaEvent_t a = nullptr, b = nullptr;
+    if (cudaEventCreate(&a) != cudaSuccess || cudaEventCreate(&b) != cudaSuccess) return;
+    cudaEventRecord(a, stream_);
+    cudaEventRecord(b, stream_);  // moved to the step's last download
+    step_events_.emplace_back(a, b);
+  }
+  // Gaps of kIdleGapMs or more mean no step was waiting (startup, graph recording, a server without requests):
+  // they are counted apart, not as idle time between steps.
+  void report_idle() {
+    if (step_events_.size() < 2) return;
+    constexpr float kIdleGapMs = 50.0f;
+    double idle = 0.0, busy = 0.0;
+    int64_t long_gaps = 0;
+    float ms = 0.0f;
+    for (size_t i = 0; i < step_events_.size(); ++i) {
+      if (cudaEventElapsedTime(&ms, step_events_[i].first, step_events_[i].second) == cudaSuccess) busy += ms;
+      if (i > 0 && cudaEventElapsedTime(&ms, step_events_[i - 1].second, step_events_[i].first) == cudaSuccess) {
+        if (ms >= kIdleGapMs) ++long_gaps;
+        else idle += std::max(ms, 0.0f);
+      }
+    }
+    MLA_LOG_INFO("cuda {}: GPU idle between steps {:.1f} ms of {:.1f} ms ({:.2f}%) over {} steps ({} gaps of {} ms "
+                 "or more with no step waiting left out)",
+                 device_, idle, idle + busy, idle + busy > 0 ? 100.0 * idle / (idle + busy) : 0.0, step_events_.size(),
+                 long_gaps, kIdleGapMs);
+    for (auto& [a, b] : step_events_) {
+      cudaEventDestroy(a);
+      cudaEventDestroy(b);
+    }
+    step_events_.clear();
+  }
+  static constexpr size_t kMaxStepEvents = 200000;
+  bool idle_stats_ = false;
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> step_events_;
 
   int device_;
   int num_sms_ = 132;
@@ -522,7 +653,14 @@ class CudaBackend final : public Backend {
   int32_t* d_out_slots_ = nullptr;
   int32_t* d_page_table_ = nullptr;
   int32_t* d_logit_rows_ = nullptr;
-  std::map<std::tuple<int, int32_t, int32_t, int32_t>, MlaPlan> plans_;
+  std::map<PlanKey, MlaPlan> plans_;
+  std::vector<PlanKey> plan_keys_;  // every attention shape seen, planned up front in graph steps
+  bool graph_step_ = false, capturing_ = false;
+  struct Graph {
+    cudaGraphExec_t exec = nullptr;
+    size_t scratch_end = 0;
+  };
+  std::vector<Graph> graphs_;
 
   Tensor inv_freq_;
   int64_t rope_dim_ = 0;
@@ -532,9 +670,25 @@ class CudaBackend final : public Backend {
 };
 
 const CudaBackend::MlaPlan& CudaBackend::plan_for(MlaForm form, int32_t nh, int32_t kvr, int32_t rope) {
-  const auto key = std::make_tuple(static_cast<int>(form), nh, kvr, rope);
+  const PlanKey key = std::make_tuple(static_cast<int>(form), nh, kvr, rope);
   auto found = plans_.find(key);
   if (found != plans_.end()) return found->second;
+  MLA_CHECK(!graph_step_, "graph step: no attention plan for {} heads (form {}) was made up front", nh,
+            static_cast<int>(form));
+  if (std::find(plan_keys_.begin(), plan_keys_.end(), key) == plan_keys_.end()) plan_keys_.push_back(key);
+  // Steps of one new token per sequence plan like graph steps (fixed parts per token, chosen from the token count
+  // rounded up to a power of two, which a graph's padded size shares): a replayed decode step computes exactly
+  // what the eager one does.
+  const bool single = form != MlaForm::Expanded && step_.num_tokens() > 0 && step_.num_tokens() == step_.num_seqs();
+  MetaUpload up(*this);
+  MlaPlan plan = build_plan(key, up, single);
+  up.flush();
+  return plans_.emplace(key, plan).first->second;
+}
+
+CudaBackend::MlaPlan CudaBackend::build_plan(const PlanKey& key, MetaUpload& up, bool fixed_splits) {
+  const MlaForm form = static_cast<MlaForm>(std::get<0>(key));
+  const int32_t nh = std::get<1>(key), kvr = std::get<2>(key), rope = std::get<3>(key);
   const ForwardBatch& b = step_;
   MlaPlan plan;
   std::vector<cuda::MlaDecodeItem> decode;
@@ -554,7 +708,30 @@ const CudaBackend::MlaPlan& CudaBackend::plan_for(MlaForm form, int32_t nh, int3
         ++absorbed_tokens;
       }
   }
-  if (!absorbed_seqs.empty()) {
+  if (fixed_splits) {
+    // Graph (or single-token) step: S parts per token, whatever its context (empty parts get weight zero in the
+    // combine), and the page-table row as an offset (max_pages varies from step to step; the kernels see 1).
+    MLA_CHECK(expanded_seqs.empty(), "graph step with prefill tokens");
+    int64_t basis = 1;
+    while (basis < absorbed_tokens) basis *= 2;
+    const int32_t S = cuda::mla_decode_fixed_splits(basis, nh, kvr, rope, num_sms_);
+    int32_t partial = 0;
+    for (int32_t s : absorbed_seqs)
+      for (int32_t t = b.seq_q_start[s]; t < b.seq_q_start[s + 1]; ++t) {
+        const int32_t ctx = b.positions[t] + 1, row = s * b.max_pages;
+        if (S == 1) {
+          decode.push_back({t, row, 0, ctx, -1});
+          continue;
+        }
+        const int32_t len = ((ctx + S - 1) / S + 63) / 64 * 64;
+        for (int32_t i = 0; i < S; ++i)
+          decode.push_back({t, row, std::min(ctx, i * len), std::min(ctx, (i + 1) * len), partial + i});
+        combine.push_back({t, partial, S});
+        partial += S;
+      }
+    plan.num_partials = partial;
+    plan.row_offsets = true;
+  } else if (!absorbed_seqs.empty()) {
     const int32_t chunk = cuda::mla_decode_split_keys(total_keys, absorbed_tokens, max_ctx, nh, kvr, rope, num_sms_);
     int32_t partial = 0;
     for (int32_t s : absorbed_seqs)
@@ -591,7 +768,6 @@ const CudaBackend::MlaPlan& CudaBackend::plan_for(MlaForm form, int32_t nh, int3
   std::stable_sort(prefill.begin(), prefill.end(), [](const cuda::MlaPrefillItem& x, const cuda::MlaPrefillItem& y) {
     return x.pos_begin + x.num_tokens > y.pos_begin + y.num_tokens;
   });
-  MetaUpload up(*this);
   plan.num_decode_items = static_cast<int32_t>(decode.size());
   plan.num_combine = static_cast<int32_t>(combine.size());
   plan.d_decode = up.add(decode);
@@ -601,8 +777,7 @@ const CudaBackend::MlaPlan& CudaBackend::plan_for(MlaForm form, int32_t nh, int3
   plan.d_prefill = up.add(prefill);
   plan.d_row_seq = up.add(row_seq);
   plan.d_row_pos = up.add(row_pos);
-  up.flush();
-  return plans_.emplace(key, plan).first->second;
+  return plan;
 }
 
 void CudaBackend::mla_attention(const Tensor& q, const Tensor& cache, const Tensor& kv_b, const MlaParams& p,
@@ -640,7 +815,7 @@ void CudaBackend::mla_attention(const Tensor& q, const Tensor& cache, const Tens
     dp.rope = static_cast<int32_t>(rope);
     dp.nope = static_cast<int32_t>(nope);
     dp.page_size = step_.page_size;
-    dp.max_pages = step_.max_pages;
+    dp.max_pages = plan.row_offsets ? 1 : step_.max_pages;
     dp.softmax_scale = p.softmax_scale;
     dp.out_lat = bf(o_lat);
     dp.partial_o = part_o.data_as<float>();
@@ -704,9 +879,10 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
           "moe_group");
   // Many rows per expert (prefill): per-expert cuBLASLt GEMMs (Hopper tensor-core kernels) on gathered rows, one
   // host synchronisation per layer for the counts. Few rows (decode): the grouped kernels, no synchronisation.
-  const bool use_cublas = moe_cublas_ || (!moe_grouped_only_ && P >= kMoeCublasRowsPerExpert * E);
+  const bool use_cublas = !capturing_ && (moe_cublas_ || (!moe_grouped_only_ && P >= kMoeCublasRowsPerExpert * E));
   if (use_cublas) {
     std::vector<int32_t> cnt(static_cast<size_t>(E));
+    MLA_LOG_TRACE("cuda {}: MoE counts download (host sync)", device_);
     download(counts, cnt.data());
     // Each expert's GEMM covers its rows rounded up to 128 (bounded number of distinct shapes, so cuBLASLt
     // heuristics are queried a few times, not once per count): the extra rows belong to the next expert, whose
@@ -779,6 +955,7 @@ void CudaBackend::sample(const Tensor& logits, std::span<const RowSampling> para
   MLA_CHECK(!logprobs || (logprobs->dtype() == DType::F32 && logprobs->numel() == R), "sample: logprobs must be F32 [{}]",
             R);
   if (R == 0) return;
+  MLA_CHECK(!capturing_, "sampling is not recorded in graphs (it runs after the replay)");
   std::vector<cuda::SampleRow> rows(static_cast<size_t>(R));
   std::vector<int32_t> ptok, pcnt;
   for (int64_t r = 0; r < R; ++r) {

@@ -109,6 +109,11 @@ cudaError_t mla_decode_combine(const MlaDecodeCombineItem* items, int32_t num_it
 int32_t mla_decode_split_keys(int64_t total_keys, int64_t num_tokens, int64_t max_ctx, int32_t num_heads, int32_t kvr,
                               int32_t rope, int32_t num_sms);
 
+// Graph steps (CUDA graphs: the grid may not depend on the step): every decode token's keys in this many parts
+// (some empty for short contexts), chosen from the token count so the blocks fill about one wave.
+constexpr int32_t kMaxFixedSplits = 32;
+int32_t mla_decode_fixed_splits(int64_t num_tokens, int32_t num_heads, int32_t kvr, int32_t rope, int32_t num_sms);
+
 // Expanded-form (prefill) work: up to kPrefillBlockQ consecutive new tokens of one sequence.
 constexpr int32_t kPrefillBlockQ = 64;
 struct MlaPrefillItem {
@@ -188,6 +193,14 @@ struct MoeGemmParams {
 };
 cudaError_t moe_gemm_gate_up(const MoeGemmParams& p, int32_t block_m, cudaStream_t stream);
 cudaError_t moe_gemm_down(const MoeGemmParams& p, int32_t block_m, cudaStream_t stream);
+
+// Each sets its kernels' dynamic-shared-memory attributes on the current device. The backend calls them at
+// construction: setting a function attribute later, while another GPU of the process runs a collective, can block
+// until that GPU is idle (seen as a deadlock with DP attention, one process driving two GPUs).
+cudaError_t mla_decode_prepare();
+cudaError_t mla_prefill_prepare();
+cudaError_t moe_gemm_gate_up_prepare();
+cudaError_t moe_gemm_down_prepare();
 
 // out[t, :] = bf16(sum_j y[assign_pos[t * k + j], :]) over j in order, skipping -1.
 cudaError_t moe_combine(const float* y, const int32_t* assign_pos, int64_t T, int32_t k, int64_t H, bf16* out,

@@ -65,6 +65,11 @@ __global__ void __launch_bounds__(NW * 32) mla_decode_fast_kernel(const MlaDecod
   const int h0 = blockIdx.y * HB;
   const int nh = p.num_heads;
   const int rows_valid = min(HB, nh - h0);
+  if (it.key_end <= it.key_begin) {
+    // An empty split (fixed split counts for CUDA graphs): weight zero in the combine.
+    if (it.partial >= 0 && tid < rows_valid) p.partial_lse[static_cast<int64_t>(it.partial) * nh + h0 + tid] = -INFINITY;
+    return;
+  }
   const int32_t* ptab = p.page_table + static_cast<int64_t>(it.seq) * p.max_pages;
   const float scale = p.softmax_scale * kLog2e;
   const int num_keys = it.key_end - it.key_begin;
@@ -268,6 +273,10 @@ __global__ void __launch_bounds__(kSimpleThreads) mla_decode_simple_kernel(const
   const int h = blockIdx.y, nh = p.num_heads, kvr = p.kvr, W = p.kvr + p.rope;
   float* sp = sq + W;
   const int64_t th = static_cast<int64_t>(it.token) * nh + h;
+  if (it.key_end <= it.key_begin) {
+    if (it.partial >= 0 && threadIdx.x == 0) p.partial_lse[static_cast<int64_t>(it.partial) * nh + h] = -INFINITY;
+    return;
+  }
   for (int i = threadIdx.x; i < W; i += blockDim.x)
     sq[i] = i < kvr ? __bfloat162float(p.q_lat[th * kvr + i])
                     : __bfloat162float(p.q[th * (p.nope + p.rope) + p.nope + (i - kvr)]);
@@ -337,19 +346,26 @@ __global__ void mla_decode_combine_kernel(const MlaDecodeCombineItem* items, con
     float acc = 0.0f;
     for (int i = 0; i < it.num_partials; ++i) {
       const int64_t pr = static_cast<int64_t>(it.first_partial + i) * nh + h;
-      acc += exp2f(partial_lse[pr] - mx) * partial_o[pr * kvr + c];
+      const float w = exp2f(partial_lse[pr] - mx);
+      if (w > 0.0f) acc += w * partial_o[pr * kvr + c];  // empty splits (lse -inf) leave their rows unwritten
     }
     out_lat[(static_cast<int64_t>(it.token) * nh + h) * kvr + c] = __float2bfloat16_rn(acc * inv_total);
   }
 }
 
 template <int HB, int NW, int STAGES, int BN, int KSPLIT = 1>
+cudaError_t configure_fast() {
+  using C = DecodeCfg<HB, NW, STAGES, BN, KSPLIT>;
+  static std::atomic<uint64_t> configured{0};  // per instantiation, one bit per device
+  return set_max_dynamic_smem_once(mla_decode_fast_kernel<HB, NW, STAGES, BN, KSPLIT>, static_cast<int>(C::smem_bytes),
+                                   configured);
+}
+
+template <int HB, int NW, int STAGES, int BN, int KSPLIT = 1>
 cudaError_t launch_fast(const MlaDecodeParams& p, cudaStream_t stream) {
   using C = DecodeCfg<HB, NW, STAGES, BN, KSPLIT>;
   auto kernel = mla_decode_fast_kernel<HB, NW, STAGES, BN, KSPLIT>;
-  static std::atomic<uint64_t> configured{0};  // per instantiation, one bit per device
-  if (cudaError_t e = set_max_dynamic_smem_once(kernel, static_cast<int>(C::smem_bytes), configured); e != cudaSuccess)
-    return e;
+  if (cudaError_t e = configure_fast<HB, NW, STAGES, BN, KSPLIT>(); e != cudaSuccess) return e;
   dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>((p.num_heads + HB - 1) / HB));
   kernel<<<grid, NW * 32, C::smem_bytes, stream>>>(p);
   return cudaGetLastError();
@@ -381,6 +397,31 @@ int32_t mla_decode_split_keys(int64_t total_keys, int64_t num_tokens, int64_t ma
   if (chunk < 256) chunk = 256;
   if (chunk > (1 << 30)) chunk = 1 << 30;
   return static_cast<int32_t>(chunk);
+}
+
+int32_t mla_decode_fixed_splits(int64_t num_tokens, int32_t num_heads, int32_t kvr, int32_t rope, int32_t num_sms) {
+  int64_t slots, groups;
+  if (fast_dims(kvr, rope) && num_heads % 64 == 0) {
+    slots = num_sms;
+    groups = num_heads / 64;
+  } else if (fast_dims(kvr, rope)) {
+    slots = 2LL * num_sms;
+    groups = (num_heads + 15) / 16;
+  } else {
+    slots = 8LL * num_sms;
+    groups = num_heads;
+  }
+  const int64_t blocks = std::max<int64_t>(1, num_tokens * groups);
+  if (blocks * 4 >= slots * 3) return 1;
+  return static_cast<int32_t>(std::min<int64_t>(kMaxFixedSplits, (slots + blocks - 1) / blocks));
+}
+
+cudaError_t mla_decode_prepare() {
+  for (cudaError_t e : {configure_fast<64, 8, 3, 32>(), configure_fast<64, 8, 2, 32>(), configure_fast<16, 4, 3, 32>(),
+                        configure_fast<16, 4, 4, 32>(), configure_fast<16, 8, 2, 64>(), configure_fast<16, 8, 2, 32, 2>(),
+                        configure_fast<16, 4, 2, 32>()})
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
 }
 
 cudaError_t mla_decode(const MlaDecodeParams& p, bool allow_fast, cudaStream_t stream) {

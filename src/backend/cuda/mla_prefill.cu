@@ -272,13 +272,19 @@ cudaError_t mla_gather_context(const bf16* cache, int32_t width, const int32_t* 
   return cudaGetLastError();
 }
 
+namespace {
+cudaError_t configure_prefill_fast() {
+  static std::atomic<uint64_t> configured{0};  // one bit per device
+  return set_max_dynamic_smem_once(mla_prefill_fast_kernel, static_cast<int>(fa::smem_bytes), configured);
+}
+}  // namespace
+
+cudaError_t mla_prefill_prepare() { return configure_prefill_fast(); }
+
 cudaError_t mla_prefill(const MlaPrefillParams& p, bool allow_fast, cudaStream_t stream) {
   if (p.num_items == 0 || p.num_heads == 0) return cudaSuccess;
   if (allow_fast && p.nope == fa::NOPE && p.rope == fa::ROPE && p.v == fa::DV && p.kvr == fa::KVR) {
-    static std::atomic<uint64_t> configured{0};  // one bit per device
-    if (cudaError_t e = set_max_dynamic_smem_once(mla_prefill_fast_kernel, static_cast<int>(fa::smem_bytes), configured);
-        e != cudaSuccess)
-      return e;
+    if (cudaError_t e = configure_prefill_fast(); e != cudaSuccess) return e;
     dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>(p.num_heads));
     mla_prefill_fast_kernel<<<grid, fa::NT, fa::smem_bytes, stream>>>(p);
     return cudaGetLastError();

@@ -11,4 +11,12 @@ cudaError_t moe_gemm_down(const MoeGemmParams& p, int32_t block_m, cudaStream_t 
   return launch_moe_gemm<64, 128, 2, 2, 4, false>(p, stream);
 }
 
+// Sets the kernels' shared-memory attribute on the current device (no launch: zero tiles).
+cudaError_t moe_gemm_down_prepare() {
+  const MoeGemmParams none{};
+  for (cudaError_t e : {launch_moe_gemm<128, 128, 4, 2, 3, false>(none, nullptr), launch_moe_gemm<64, 128, 2, 2, 4, false>(none, nullptr)})
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
+}
+
 }  // namespace mlaserve::cuda

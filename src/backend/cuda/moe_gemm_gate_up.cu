@@ -11,4 +11,12 @@ cudaError_t moe_gemm_gate_up(const MoeGemmParams& p, int32_t block_m, cudaStream
   return launch_moe_gemm<64, 64, 2, 2, 4, true>(p, stream);
 }
 
+// Sets the kernels' shared-memory attribute on the current device (no launch: zero tiles).
+cudaError_t moe_gemm_gate_up_prepare() {
+  const MoeGemmParams none{};
+  for (cudaError_t e : {launch_moe_gemm<128, 64, 4, 2, 3, true>(none, nullptr), launch_moe_gemm<64, 64, 2, 2, 4, true>(none, nullptr)})
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
+}
+
 }  // namespace mlaserve::cuda

@@ -1,0 +1,89 @@
+// ForwardBatch helpers that CUDA graphs rely on: which steps may replay a graph, how a batch is padded to a graph's
+// size, and the recorded sizes.
+#include <gtest/gtest.h>
+
+#include "engine/rank_set.h"
+#include "model/forward_batch.h"
+
+namespace mlaserve {
+namespace {
+
+ForwardBatch decode_batch() {
+  ForwardBatchBuilder bb(4);
+  bb.add(std::vector<int32_t>{11}, 5, std::vector<int32_t>{3, 7}, false);         // position 5: page 7
+  bb.add(std::vector<int32_t>{12}, 0, std::vector<int32_t>{9}, false);            // a one-token prompt
+  bb.add(std::vector<int32_t>{13}, 9, std::vector<int32_t>{1, 2, 4}, false);      // three pages
+  return bb.finish();
+}
+
+TEST(ForwardBatch, SingleTokenBatches) {
+  EXPECT_TRUE(is_single_token_batch(decode_batch()));
+  ForwardBatchBuilder bb(4);
+  bb.add(std::vector<int32_t>{1, 2}, 0, std::vector<int32_t>{0}, false);
+  EXPECT_FALSE(is_single_token_batch(bb.finish()));  // a two-token prefill
+  bb.add(std::vector<int32_t>{1}, 0, std::vector<int32_t>{0}, ForwardBatchBuilder::Logits::None);
+  EXPECT_FALSE(is_single_token_batch(bb.finish()));  // no logits asked
+  EXPECT_FALSE(is_single_token_batch(bb.finish()));  // empty
+}
+
+TEST(ForwardBatch, PadDecodeBatchKeepsRealRowsFirst) {
+  const ForwardBatch b = decode_batch();
+  const ForwardBatch p = pad_decode_batch(b, 8, 20, 4);
+  ASSERT_EQ(p.num_tokens(), 8);
+  ASSERT_EQ(p.num_seqs(), 8);
+  EXPECT_EQ(p.mode, ForwardMode::Decode);
+  EXPECT_EQ(p.max_pages, b.max_pages);
+  for (int32_t t = 0; t < 3; ++t) {
+    EXPECT_EQ(p.input_ids[t], b.input_ids[t]);
+    EXPECT_EQ(p.positions[t], b.positions[t]);
+    EXPECT_EQ(p.out_slots[t], b.out_slots[t]);
+    EXPECT_EQ(p.seq_lens[t], b.seq_lens[t]);
+    for (int32_t k = 0; k < b.max_pages; ++k)
+      EXPECT_EQ(p.page_table[t * p.max_pages + k], b.page_table[t * b.max_pages + k]);
+  }
+  for (int32_t t = 3; t < 8; ++t) {
+    EXPECT_EQ(p.input_ids[t], 0);
+    EXPECT_EQ(p.positions[t], 0);
+    EXPECT_EQ(p.out_slots[t], 20 * 4);       // only the dummy page is written
+    EXPECT_EQ(p.page_table[t * p.max_pages], 20);
+    EXPECT_EQ(p.page_table[t * p.max_pages + 1], -1);
+    EXPECT_EQ(p.seq_lens[t], 1);
+    EXPECT_EQ(p.seq_q_start[t + 1], t + 1);
+  }
+  for (int32_t t = 0; t < 8; ++t) EXPECT_EQ(p.logit_rows[t], t);
+  EXPECT_TRUE(is_single_token_batch(p));
+}
+
+TEST(ForwardBatch, PadIdleGroup) {
+  ForwardBatch idle;
+  idle.page_size = 1;
+  idle.seq_q_start = {0};
+  const ForwardBatch p = pad_decode_batch(idle, 4, 6, 16);
+  EXPECT_EQ(p.num_tokens(), 4);
+  EXPECT_EQ(p.page_size, 16);
+  EXPECT_EQ(p.max_pages, 1);
+  EXPECT_EQ(p.page_table, (std::vector<int32_t>{6, 6, 6, 6}));
+  EXPECT_EQ(p.out_slots, (std::vector<int32_t>{96, 96, 96, 96}));
+}
+
+TEST(ForwardBatch, PadRejectsPrefillAndShrinking) {
+  ForwardBatchBuilder bb(4);
+  bb.add(std::vector<int32_t>{1, 2}, 0, std::vector<int32_t>{0}, false);
+  EXPECT_THROW(pad_decode_batch(bb.finish(), 8, 1, 4), Error);
+  EXPECT_THROW(pad_decode_batch(decode_batch(), 2, 1, 4), Error);
+}
+
+TEST(ForwardBatch, GraphBatchSizes) {
+  EXPECT_EQ(cuda_graph_batch_sizes(0), std::vector<int32_t>{});
+  EXPECT_EQ(cuda_graph_batch_sizes(1), std::vector<int32_t>{1});
+  EXPECT_EQ(cuda_graph_batch_sizes(6), (std::vector<int32_t>{1, 2, 4, 6}));
+  EXPECT_EQ(cuda_graph_batch_sizes(24), (std::vector<int32_t>{1, 2, 4, 8, 16, 24}));
+  const auto big = cuda_graph_batch_sizes(320);
+  EXPECT_EQ(big.back(), 320);
+  EXPECT_EQ(big[big.size() - 2], 288);
+  EXPECT_EQ(big[big.size() - 3], 256);
+  for (size_t i = 1; i < big.size(); ++i) EXPECT_LT(big[i - 1], big[i]);
+}
+
+}  // namespace
+}  // namespace mlaserve

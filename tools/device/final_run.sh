@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The device proofs of graphs + parallel layouts in one bounded call (each step has its own limit and prints its
+# result at once): GPU tests, eval-logits with graphs on / off in tp 1, tp 2 and DP attention 2/2 (and two
+# processes as two nodes), bench-one-batch, and serve + bench-serving for --tp 2 against DP attention, with the GPU
+# idle time between steps (MLASERVE_GPU_IDLE_STATS=1, logged by each backend at exit).
+# usage: tools/device/final_run.sh PKG_DIR MODEL_WITH_TOKENIZER
+set -uo pipefail
+PKG=$1; TOKM=$2
+export LD_LIBRARY_PATH=$PWD/$PKG/lib:${LD_LIBRARY_PATH:-} NCCL_NVLS_ENABLE=0 MLASERVE_GOLDEN_DIR=$PWD/tests/golden/data
+BIN=$PKG/bin/mlaserve
+L=/tmp/final; mkdir -p $L
+CMP="python3 tools/compare_logits.py"
+lim() { local t=$1; shift; timeout -s KILL $t "$@"; }
+echo "== gpus: $(nvidia-smi -L | wc -l)"
+if [ "${ONLY_SERVE:-0}" = 0 ]; then
+lim 60 $PKG/bin/cuda_ops_test --gtest_filter=-*V2LiteShape* > $L/ops.log 2>&1; echo "== ops rc=$? $(grep -cE '^\[       OK' $L/ops.log) ok; $(grep -E 'FAILED  \]' $L/ops.log | tr '\n' ' ')"
+lim 40 $PKG/bin/cuda_model_test --gtest_filter='*Graph*:*GoldenV2:*Idle*' > $L/model.log 2>&1; echo "== model rc=$? $(grep -E 'graph vs eager|FAILED  \]' $L/model.log | awk '{print $NF}' | tr '\n' ' ')"
+M=tests/golden/data/v2; P=$M/reference.safetensors
+EV="eval-logits --device cuda --model-path $M --prompts $P --max-new-tokens 24 --cuda-graph-max-bs 16 --log-level warning"
+for X in "tp1:" "tp2:--tp 2" "dpa2:--tp 2 --dp 2 --enable-dp-attention"; do
+  n=${X%%:*}; f=${X#*:}
+  lim 40 $BIN $EV --out /tmp/$n-on.st $f > $L/$n-on.log 2>&1 || echo "== $n on FAILED $(tail -1 $L/$n-on.log)"
+  lim 40 $BIN $EV --out /tmp/$n-off.st $f --disable-cuda-graph > $L/$n-off.log 2>&1 || echo "== $n off FAILED $(tail -1 $L/$n-off.log)"
+  echo "== $n graphs on vs off (exact): $($CMP /tmp/$n-off.st /tmp/$n-on.st --tol 1e-6 --near-tie 0 2>&1 | grep -c ok)/5 prompts ok: $($CMP /tmp/$n-off.st /tmp/$n-on.st --tol 1e-6 --near-tie 0 2>&1 | grep -v ' ok' | tr '\n' '|')"
+  [ $n != tp1 ] && echo "== $n vs tp1: $($CMP /tmp/tp1-off.st /tmp/$n-off.st --tol 0.1 2>&1 | tr '\n' '|')"
+done
+PORT=29$((RANDOM % 400 + 100))
+CUDA_VISIBLE_DEVICES=1 lim 40 $BIN $EV --out /tmp/u.st --tp 2 --dp 2 --enable-dp-attention --nnodes 2 --node-rank 1 --dist-init-addr 127.0.0.1:$PORT > $L/n1.log 2>&1 &
+CUDA_VISIBLE_DEVICES=0 lim 40 $BIN $EV --out /tmp/mn.st --tp 2 --dp 2 --enable-dp-attention --nnodes 2 --node-rank 0 --dist-init-addr 127.0.0.1:$PORT > $L/n0.log 2>&1; r0=$?; wait; 
+echo "== two nodes DPA (rc $r0) vs one process: $($CMP /tmp/dpa2-on.st /tmp/mn.st --tol 1e-6 --near-tie 0 2>&1 | grep -c ok)/5 ok"
+BOB="bench-one-batch --device cuda --model-path tools/bench/deepseek-v2-lite --load-format dummy --input-len 128 --output-len 48 --cuda-graph-max-bs 1024 --log-level info"
+for X in "1:1:" "1:256:" "2:256:--tp 2" "2:256:--tp 2 --dp 2 --enable-dp-attention" "2:1024:--tp 2" "2:1024:--tp 2 --dp 2 --enable-dp-attention"; do
+  g=${X%%:*}; r=${X#*:}; b=${r%%:*}; f=${r#*:}; dev=0; [ $g = 2 ] && dev=0,1
+  CUDA_VISIBLE_DEVICES=$dev MLASERVE_GPU_IDLE_STATS=1 lim 60 $BIN $BOB --batch-size $b $f > $L/bob.log 2>&1
+  echo "== bob B=$b $f rc=$?: $(grep -E 'decode:' $L/bob.log | tr -s ' ') idle: $(grep -o 'idle between steps.*' $L/bob.log | head -1)"
+done
+fi
+serve_bench() {  # name, serve flags..., -- bench flags...
+  local name=$1; shift; local s=() b=()
+  while [ "$1" != -- ]; do s+=("$1"); shift; done; shift; b=("$@")
+  local port=30$((RANDOM % 400 + 100))
+  MLASERVE_GPU_IDLE_STATS=1 $BIN serve --model-path $TOKM --load-format dummy --port $port --disable-radix-cache "${s[@]}" > $L/serve-$name.log 2>&1 &
+  local pid=$! t=0
+  until python3 -c "import urllib.request;urllib.request.urlopen('http://127.0.0.1:$port/health',timeout=2)" 2>/dev/null; do
+    sleep 1; t=$((t + 1)); if [ $t -gt 60 ] || ! kill -0 $pid 2>/dev/null; then echo "== $name: no server: $(tail -2 $L/serve-$name.log)"; kill -9 $pid; return; fi
+  done
+  lim 75 $BIN bench-serving --backend sglang --port $port --dataset-name random --random-range-ratio 1 "${b[@]}" > $L/bench-$name.log 2>&1
+  echo "== $name (up in ${t}s) bench rc=$?: $(grep -iE 'throughput|Successful' $L/bench-$name.log | tr -s ' ' | tr '\n' '|')"
+  kill -TERM $pid; t=0; while kill -0 $pid 2>/dev/null && [ $t -lt 20 ]; do sleep 1; t=$((t + 1)); done; kill -9 $pid 2>/dev/null
+  echo "== $name idle: $(grep -o 'GPU idle between steps.*' $L/serve-$name.log | tr '\n' '|')"
+}
+# The same 1024 requests in flight in both layouts (--max-running-requests is per DP group).
+serve_bench tp2 --tp 2 --max-running-requests 1024 --cuda-graph-max-bs 1024 -- --random-input 1 --random-output 512 --num-prompts 1024
+serve_bench dpa2 --tp 2 --dp 2 --enable-dp-attention --max-running-requests 512 --cuda-graph-max-bs 512 -- --random-input 1 --random-output 512 --num-prompts 1024
+CUDA_VISIBLE_DEVICES=0 serve_bench tp1-b256 --max-running-requests 256 -- --random-input 128 --random-output 128 --num-prompts 768
