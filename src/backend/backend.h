@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -128,6 +129,10 @@ class Backend {
   virtual void graph_replay(int32_t graph) { fail("the {} backend has no graph {}", name(), graph); }
   // Destroys every graph (before the communicators their collectives use).
   virtual void release_graphs() {}
+  // Runs a collective (a Communicator call on this rank's tensors) in the step's order: at once where the device
+  // stream orders it (NCCL enqueues on the stream, and a CUDA graph being recorded captures it); GraphRecorder
+  // records it with the ops. The closure owns what it uses (tensor views, communicator pointer).
+  virtual void collective(std::function<void()> fn) { fn(); }
 
   // ---- ops ----
   // out[T, H] = table[ids - vocab_begin] for ids in [vocab_begin, vocab_begin + rows), else 0.

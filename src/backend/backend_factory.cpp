@@ -1,5 +1,6 @@
 #include "backend/backend_factory.h"
 
+#include "backend/forwarding_backend.h"
 #include "core/error.h"
 #ifdef MLASERVE_HAS_CUDA
 #include "backend/cuda/cuda_backend.h"
@@ -16,7 +17,10 @@ std::unique_ptr<Backend> make_backend(const std::string& device_in, int device_i
     device = "cpu";
 #endif
   }
-  if (device == "cpu") return make_cpu_backend();
+  if (device == "cpu") {
+    if (opts.cpu_graphs) return std::make_unique<GraphRecorder>(make_cpu_backend());
+    return make_cpu_backend();
+  }
   if (device == "cuda") {
 #ifdef MLASERVE_HAS_CUDA
     MLA_CHECK(device_index < cuda_device_count(), "--device cuda: GPU {} requested but {} visible", device_index,

@@ -11,6 +11,8 @@ namespace mlaserve {
 struct BackendOptions {
   double mem_fraction_static = 0.85;  // cuda: fraction of the GPU taken for weights + the latent KV pool
   int64_t scratch_bytes = 0;          // cuda: bytes of activation scratch (0: min(8 GiB, what is left))
+  // cpu: graphs as recorded op closures (GraphRecorder), so CUDA-graph code paths run without a GPU (tests).
+  bool cpu_graphs = false;
 };
 
 // device: auto (cuda when this build has it and a GPU is present, else cpu) | cpu | cuda.

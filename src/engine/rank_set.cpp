@@ -89,6 +89,7 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
     auto rk = std::make_unique<Rank>();
     rk->global = pc_.node_rank * rpn + i;
     rk->backend = make_backend(pc_.device, pc_.device_offset + i, pc_.backend);
+    if (pc_.wrap_backend) rk->backend = pc_.wrap_backend(std::move(rk->backend), rk->global);
     ranks_.push_back(std::move(rk));
   }
   const bool gpu = ranks_[0]->backend->device() == Device::CUDA;
@@ -357,6 +358,7 @@ void RankSet::run_local(const std::vector<const ForwardBatch*>& batches,
   idle.seq_q_start = {0};
   // The same decision on every rank and node (it depends only on the step): replay a graph or run eagerly.
   const int32_t graph_size = graph_size_for(batches, form);
+  if (graph_size > 0) ++graph_steps_;
   DpStepInfo graph_info;
   graph_info.num_tokens.assign(static_cast<size_t>(d), graph_size);
   run_on_all(

@@ -45,6 +45,8 @@ struct ParallelConfig {
   // Tests only: communicators for CPU ranks of simulated nodes in one process (so the multi-node control path runs
   // without GPUs): (global rank, attention-DP group or -1 for the world) -> that rank's communicator.
   std::function<std::unique_ptr<Communicator>(int32_t global_rank, int32_t dp_group)> comm_factory;
+  // Tests only: wraps each rank's backend (e.g. to force recorded MoE routing on the GPUs of a layout).
+  std::function<std::unique_ptr<Backend>(std::unique_ptr<Backend> made, int32_t global_rank)> wrap_backend;
 };
 
 // What one DP group's leading rank hands back after a step.
@@ -84,6 +86,8 @@ class RankSet {
   void follow();
   // Token counts (per DP group) that have a recorded graph; empty when graphs are off.
   const std::vector<int32_t>& graph_batch_sizes() const { return graph_sizes_; }
+  // Steps that replayed a graph so far.
+  int64_t graph_steps() const { return graph_steps_; }
   // The graph size a step of these batches would replay (0: it runs eagerly).
   int32_t graph_size_for(const std::vector<const ForwardBatch*>& batches, MlaForm form) const;
 
@@ -114,6 +118,7 @@ class RankSet {
   std::vector<std::unique_ptr<Rank>> ranks_;  // local ranks
   std::vector<std::function<void()>> abort_groups_;
   std::vector<int32_t> graph_sizes_;
+  int64_t graph_steps_ = 0;
   int32_t dummy_page_ = -1, page_size_ = 0;  // graphs: padded rows read and write only this page
 
   std::mutex mu_;

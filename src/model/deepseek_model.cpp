@@ -247,7 +247,7 @@ void DeepseekModel::attention(int64_t l, const Tensor& x, KvCache& cache, MlaFor
   Tensor attn = backend_.scratch({T, local_heads_ * vd}, ad);
   backend_.mla_attention(q, cache.layer(l), w.kv_b_proj, p, attn);
   backend_.linear(attn, w.o_proj, out);
-  if (plan_.attn_tp_size > 1) attn_comm_->all_reduce_sum(out);
+  if (plan_.attn_tp_size > 1) backend_.collective([c = attn_comm_, out]() mutable { c->all_reduce_sum(out); });
 }
 
 void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
@@ -281,7 +281,7 @@ void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
   }
   if (plan_.tp_size > 1) {
     MLA_LOG_TRACE("rank {}: layer {} MLP all-reduce", plan_.tp_rank, l);
-    world_comm_->all_reduce_sum(out);
+    backend_.collective([c = world_comm_, out]() mutable { c->all_reduce_sum(out); });
   }
 }
 
@@ -346,7 +346,7 @@ Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, Ml
   Tensor residual = backend_.scratch({T, H}, ad);
   Tensor normed = backend_.scratch({T, H}, ad);
   backend_.embedding(embed_, plan_.attn_tp_rank * local_vocab_, hidden);
-  if (plan_.attn_tp_size > 1) attn_comm_->all_reduce_sum(hidden);
+  if (plan_.attn_tp_size > 1) backend_.collective([c = attn_comm_, hidden]() mutable { c->all_reduce_sum(hidden); });
   Tensor gathered, gathered_out;
   if (dp_attention) {
     gathered = backend_.scratch({dp_total, H}, ad);
@@ -374,7 +374,7 @@ Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, Ml
         backend_.copy(normed, mine);
       }
       MLA_LOG_TRACE("rank {}: layer {} DP gather ({} of {} rows)", plan_.tp_rank, l, T, dp_total);
-      world_comm_->all_reduce_sum(gathered);
+      backend_.collective([c = world_comm_, gathered]() mutable { c->all_reduce_sum(gathered); });
       mlp(l, gathered, gathered_out);
       backend_.copy(gathered_out.rows(dp_offset, dp_offset + T), hidden);
     }
@@ -391,7 +391,8 @@ Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, Ml
   const int64_t n = plan_.attn_tp_size;
   Tensor gathered_logits = backend_.scratch({n * R, local_vocab_}, DType::F32);
   MLA_LOG_TRACE("rank {}: logits all-gather", plan_.tp_rank);
-  attn_comm_->all_gather(logits_local, gathered_logits);
+  backend_.collective(
+      [c = attn_comm_, logits_local, gathered_logits]() mutable { c->all_gather(logits_local, gathered_logits); });
   Tensor out = backend_.scratch({R, c.vocab_size}, DType::F32);
   backend_.interleave_blocks(gathered_logits, n, out);
   return out;

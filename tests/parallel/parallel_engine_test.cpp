@@ -65,14 +65,18 @@ void expect_idle_and_clean(EngineClient& e) { test::expect_engine_idle_and_clean
 
 }  // namespace
 
-TEST(DpAttentionEngine, PrefillMeetsDecodeAndIdleGroups) {
+// graphs: decode steps through recorded graphs (GraphRecorder on the CPU ranks), with overlap scheduling on.
+void prefill_meets_decode(bool graphs) {
   Golden g = golden("v3");
   ParallelConfig pc;
   pc.tp_size = 4;
   pc.dp_size = 4;
   pc.device = "cpu";
+  pc.backend.cpu_graphs = graphs;
+  pc.cuda_graph_max_bs = graphs ? 8 : 0;
   auto ranks = std::make_unique<RankSet>(ModelConfig::from_file(test::golden_dir("v3")), pc, test::golden_dir("v3"),
                                          LoadOptions{});
+  const RankSet* rs = ranks.get();
   EngineOptions o;
   o.page_size = 8;
   o.num_pages = 128;
@@ -92,7 +96,12 @@ TEST(DpAttentionEngine, PrefillMeetsDecodeAndIdleGroups) {
   for (int j = 0; j < 5; ++j) fs.push_back(submit(e, "c" + std::to_string(j), g.prompts[j], 8));
   for (int j = 0; j < 5; ++j) expect_prefix(wait(fs[j]), g.greedy[j]);
   expect_idle_and_clean(e);
+  if (graphs) EXPECT_GT(rs->graph_steps(), 10);
+  else EXPECT_EQ(rs->graph_steps(), 0);
 }
+
+TEST(DpAttentionEngine, PrefillMeetsDecodeAndIdleGroups) { prefill_meets_decode(false); }
+TEST(DpAttentionEngine, PrefillMeetsDecodeThroughGraphs) { prefill_meets_decode(true); }
 
 TEST(DpReplicas, ControllerDispatchesAndRoutesAborts) {
   Golden g = golden("v2");

@@ -1,0 +1,140 @@
+// ForwardingBackend: a Backend that hands every call to an inner backend. Decorators override what they change:
+// GraphRecorder (graphs as recorded op closures, so the graph path runs on the CPU) and the GPU tests' routing
+// recorders.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+
+namespace mlaserve {
+
+class ForwardingBackend : public Backend {
+ public:
+  explicit ForwardingBackend(Backend& inner) : b_(inner) {}
+  std::string name() const override { return b_.name(); }
+  Device device() const override { return b_.device(); }
+  DType act_dtype() const override { return b_.act_dtype(); }
+  DType weight_dtype(DType s) const override { return b_.weight_dtype(s); }
+  Tensor alloc(const Shape& s, DType d) override { return b_.alloc(s, d); }
+  Tensor scratch(const Shape& s, DType d) override { return b_.scratch(s, d); }
+  size_t scratch_mark() override { return b_.scratch_mark(); }
+  void scratch_release(size_t m) override { b_.scratch_release(m); }
+  int64_t persistent_bytes_free() const override { return b_.persistent_bytes_free(); }
+  void synchronize() override { b_.synchronize(); }
+  void bind_thread() override { b_.bind_thread(); }
+  void* native_stream() override { return b_.native_stream(); }
+  Tensor upload(const Tensor& h, DType d) override { return b_.upload(h, d); }
+  void upload_into(const Tensor& h, Tensor& d) override { b_.upload_into(h, d); }
+  Tensor to_host_f32(const Tensor& t) override { return b_.to_host_f32(t); }
+  void download(const Tensor& t, void* dst) override { b_.download(t, dst); }
+  void fill_random(Tensor& t, uint64_t s, float m, float sd, int64_t fc, int64_t ro, int64_t co) override {
+    b_.fill_random(t, s, m, sd, fc, ro, co);
+  }
+  void begin_step(const ForwardBatch& b) override { b_.begin_step(b); }
+  bool supports_graphs() const override { return b_.supports_graphs(); }
+  void begin_graph_step(const ForwardBatch& b) override { b_.begin_graph_step(b); }
+  void graph_capture_begin() override { b_.graph_capture_begin(); }
+  int32_t graph_capture_end() override { return b_.graph_capture_end(); }
+  void graph_replay(int32_t g) override { b_.graph_replay(g); }
+  void release_graphs() override { b_.release_graphs(); }
+  void collective(std::function<void()> fn) override { b_.collective(std::move(fn)); }
+  void embedding(const Tensor& t, int64_t vb, Tensor& o) override { b_.embedding(t, vb, o); }
+  void rmsnorm(const Tensor& x, const Tensor& w, float e, Tensor& o) override { b_.rmsnorm(x, w, e, o); }
+  void add_rmsnorm(const Tensor& x, Tensor& r, const Tensor& w, float e, Tensor& o) override {
+    b_.add_rmsnorm(x, r, w, e, o);
+  }
+  void linear(const Tensor& x, const Tensor& w, Tensor& y) override { b_.linear(x, w, y); }
+  void silu_mul(const Tensor& g, Tensor& o) override { b_.silu_mul(g, o); }
+  void zero(Tensor& t) override { b_.zero(t); }
+  void copy(const Tensor& s, Tensor& d) override { b_.copy(s, d); }
+  void add(Tensor& a, const Tensor& b) override { b_.add(a, b); }
+  void gather_logit_rows(const Tensor& x, Tensor& o) override { b_.gather_logit_rows(x, o); }
+  void interleave_blocks(const Tensor& p, int64_t n, Tensor& o) override { b_.interleave_blocks(p, n, o); }
+  void mla_write_latent(Tensor& l, const Tensor& w, float e, Tensor& c) override { b_.mla_write_latent(l, w, e, c); }
+  void mla_rope_q(Tensor& q, int32_t a, int32_t b, int32_t c) override { b_.mla_rope_q(q, a, b, c); }
+  void mla_attention(const Tensor& q, const Tensor& c, const Tensor& k, const MlaParams& p, Tensor& o) override {
+    b_.mla_attention(q, c, k, p, o);
+  }
+  void moe_route(const Tensor& l, const Tensor* bias, const RouterParams& p, Tensor& i, Tensor& w) override {
+    b_.moe_route(l, bias, p, i, w);
+  }
+  void moe_experts(const Tensor& x, const Tensor& i, const Tensor& w, const Tensor& g, const Tensor& d, int32_t eb,
+                   Tensor& o) override {
+    b_.moe_experts(x, i, w, g, d, eb, o);
+  }
+  void sample(const Tensor& l, std::span<const RowSampling> p, Tensor& i, Tensor* lp) override { b_.sample(l, p, i, lp); }
+  void set_rope(const std::vector<float>& f, float a) override { b_.set_rope(f, a); }
+
+ protected:
+  Backend& b_;
+};
+
+// Graphs as recorded closures over the inner backend's ops (meant for the CPU, whose ops read the step's metadata
+// when they run): between graph_capture_begin and graph_capture_end every op and collective is recorded instead of
+// run; graph_replay runs the recording against the current step. The model and the rank set then take exactly the
+// path they take with CUDA graphs (padding, fixed sizes, DP-attention decisions), so CPU tests cover it.
+class GraphRecorder final : public ForwardingBackend {
+ public:
+  explicit GraphRecorder(std::unique_ptr<Backend> inner) : ForwardingBackend(*inner), owned_(std::move(inner)) {}
+  std::string name() const override { return b_.name() + "+graphs"; }
+  bool supports_graphs() const override { return true; }
+  void begin_step(const ForwardBatch& b) override;
+  void begin_graph_step(const ForwardBatch& b) override;
+  void graph_capture_begin() override;
+  int32_t graph_capture_end() override;
+  void graph_replay(int32_t g) override;
+  void release_graphs() override { graphs_.clear(); }
+  void collective(std::function<void()> fn) override { run(std::move(fn)); }
+
+  void embedding(const Tensor& t, int64_t vb, Tensor& o) override {
+    run([this, t, vb, o]() mutable { b_.embedding(t, vb, o); });
+  }
+  void rmsnorm(const Tensor& x, const Tensor& w, float e, Tensor& o) override {
+    run([this, x, w, e, o]() mutable { b_.rmsnorm(x, w, e, o); });
+  }
+  void add_rmsnorm(const Tensor& x, Tensor& r, const Tensor& w, float e, Tensor& o) override {
+    run([this, x, r, w, e, o]() mutable { b_.add_rmsnorm(x, r, w, e, o); });
+  }
+  void linear(const Tensor& x, const Tensor& w, Tensor& y) override {
+    run([this, x, w, y]() mutable { b_.linear(x, w, y); });
+  }
+  void silu_mul(const Tensor& g, Tensor& o) override { run([this, g, o]() mutable { b_.silu_mul(g, o); }); }
+  void zero(Tensor& t) override { run([this, t]() mutable { b_.zero(t); }); }
+  void copy(const Tensor& s, Tensor& d) override { run([this, s, d]() mutable { b_.copy(s, d); }); }
+  void add(Tensor& a, const Tensor& x) override { run([this, a, x]() mutable { b_.add(a, x); }); }
+  void gather_logit_rows(const Tensor& x, Tensor& o) override {
+    run([this, x, o]() mutable { b_.gather_logit_rows(x, o); });
+  }
+  void interleave_blocks(const Tensor& p, int64_t n, Tensor& o) override {
+    run([this, p, n, o]() mutable { b_.interleave_blocks(p, n, o); });
+  }
+  void mla_write_latent(Tensor& l, const Tensor& w, float e, Tensor& c) override {
+    run([this, l, w, e, c]() mutable { b_.mla_write_latent(l, w, e, c); });
+  }
+  void mla_rope_q(Tensor& q, int32_t a, int32_t n, int32_t r) override {
+    run([this, q, a, n, r]() mutable { b_.mla_rope_q(q, a, n, r); });
+  }
+  void mla_attention(const Tensor& q, const Tensor& c, const Tensor& k, const MlaParams& p, Tensor& o) override {
+    run([this, q, c, k, p, o]() mutable { b_.mla_attention(q, c, k, p, o); });
+  }
+  void moe_route(const Tensor& l, const Tensor* bias, const RouterParams& p, Tensor& i, Tensor& w) override {
+    run([this, l, bias, p, i, w]() mutable { b_.moe_route(l, bias, p, i, w); });
+  }
+  void moe_experts(const Tensor& x, const Tensor& i, const Tensor& w, const Tensor& g, const Tensor& d, int32_t eb,
+                   Tensor& o) override {
+    run([this, x, i, w, g, d, eb, o]() mutable { b_.moe_experts(x, i, w, g, d, eb, o); });
+  }
+  void sample(const Tensor& l, std::span<const RowSampling> p, Tensor& i, Tensor* lp) override;
+
+ private:
+  void run(std::function<void()> op);
+  std::unique_ptr<Backend> owned_;
+  bool graph_step_ = false, recording_ = false;
+  std::vector<std::function<void()>> current_;
+  std::vector<std::vector<std::function<void()>>> graphs_;
+};
+
+}  // namespace mlaserve
