@@ -7,11 +7,12 @@
 #include <string>
 #include <vector>
 
+#include "backend/forwarding_backend.h"
 #include "gpu_test_util.h"
 
 namespace mlaserve::test {
 
-class CheckingBackend final : public Backend {
+class CheckingBackend final : public ForwardingBackend {
  public:
   struct Record {
     std::string op;
@@ -20,27 +21,11 @@ class CheckingBackend final : public Backend {
     int64_t nonfinite;
   };
 
-  explicit CheckingBackend(Backend& gpu) : g_(gpu), c_(make_cpu_backend()) {}
+  // Memory, transfers and sampling go to the GPU backend (ForwardingBackend); the ops below run on both.
+  explicit CheckingBackend(Backend& gpu) : ForwardingBackend(gpu), g_(gpu), c_(make_cpu_backend()) {}
   std::vector<Record> records;
 
   std::string name() const override { return "checking(" + g_.name() + ")"; }
-  Device device() const override { return g_.device(); }
-  DType act_dtype() const override { return g_.act_dtype(); }
-  DType weight_dtype(DType s) const override { return g_.weight_dtype(s); }
-  Tensor alloc(const Shape& s, DType d) override { return g_.alloc(s, d); }
-  Tensor scratch(const Shape& s, DType d) override { return g_.scratch(s, d); }
-  size_t scratch_mark() override { return g_.scratch_mark(); }
-  void scratch_release(size_t m) override { g_.scratch_release(m); }
-  int64_t persistent_bytes_free() const override { return g_.persistent_bytes_free(); }
-  void synchronize() override { g_.synchronize(); }
-  Tensor upload(const Tensor& h, DType d) override { return g_.upload(h, d); }
-  void upload_into(const Tensor& h, Tensor& d) override { g_.upload_into(h, d); }
-  Tensor to_host_f32(const Tensor& t) override { return g_.to_host_f32(t); }
-  void download(const Tensor& t, void* dst) override { g_.download(t, dst); }
-  void fill_random(Tensor& t, uint64_t s, float m, float sd, int64_t fc, int64_t ro, int64_t co) override {
-    g_.fill_random(t, s, m, sd, fc, ro, co);
-  }
-  void sample(const Tensor& l, std::span<const RowSampling> p, Tensor& i, Tensor* lp) override { g_.sample(l, p, i, lp); }
   void set_rope(const std::vector<float>& f, float a) override {
     g_.set_rope(f, a);
     c_->set_rope(f, a);

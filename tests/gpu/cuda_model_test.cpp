@@ -31,10 +31,6 @@ namespace {
 
 constexpr double kLogitTol = 0.10;
 
-std::string golden_dir() {
-  const char* e = std::getenv("MLASERVE_GOLDEN_DIR");
-  return e ? e : MLASERVE_GOLDEN_DIR;
-}
 
 struct Prompts {
   std::vector<std::vector<int32_t>> prompts;
@@ -62,16 +58,6 @@ Prompts read_reference(const std::string& path) {
   return p;
 }
 
-double stddev(const Tensor& t) {
-  const float* x = t.data_as<const float>();
-  double s = 0, s2 = 0;
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    s += x[i];
-    s2 += static_cast<double>(x[i]) * x[i];
-  }
-  const double n = static_cast<double>(t.numel());
-  return std::sqrt(std::max(0.0, s2 / n - (s / n) * (s / n)));
-}
 
 // Loads a model directory on a GPU backend of its own (weights are never freed: one backend per model).
 struct GpuModel {

@@ -22,21 +22,7 @@ namespace {
 
 constexpr double kLogitTol = 0.10;  // as in cuda_model_test.cpp (justified in docs/cuda.md)
 
-std::string golden_dir() {
-  const char* e = std::getenv("MLASERVE_GOLDEN_DIR");
-  return e ? e : MLASERVE_GOLDEN_DIR;
-}
 
-double stddev(const Tensor& t) {
-  const float* x = t.data_as<const float>();
-  double s = 0, s2 = 0;
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    s += x[i];
-    s2 += static_cast<double>(x[i]) * x[i];
-  }
-  const double n = static_cast<double>(t.numel());
-  return std::sqrt(std::max(0.0, s2 / n - (s / n) * (s / n)));
-}
 
 void layout_case(const std::string& fam, int32_t tp, int32_t dp) {
   const std::string dir = golden_dir() + "/" + fam;

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <memory>
@@ -84,6 +85,24 @@ inline void expect_close(const Tensor& ref, const Tensor& got, double rel_tol, d
   EXPECT_LE(d.max_abs, max_tol * std::max(d.ref_max, 1e-30)) << what << ": max abs error " << d.max_abs << " vs |ref| "
                                                              << d.ref_max;
   std::printf("  %-48s rel_l2 %.2e  max_abs/|ref| %.2e\n", what.c_str(), d.rel_l2, d.max_abs / std::max(d.ref_max, 1e-30));
+}
+
+// The golden checkpoints (MLASERVE_GOLDEN_DIR in the environment overrides the path baked in at build time).
+inline std::string golden_dir() {
+  const char* e = std::getenv("MLASERVE_GOLDEN_DIR");
+  return e ? e : MLASERVE_GOLDEN_DIR;
+}
+
+// Standard deviation of a host F32 tensor's elements (logit tolerances are relative to it).
+inline double stddev(const Tensor& t) {
+  const float* x = t.data_as<const float>();
+  double s = 0, s2 = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    s += x[i];
+    s2 += static_cast<double>(x[i]) * x[i];
+  }
+  const double n = static_cast<double>(t.numel());
+  return std::sqrt(std::max(0.0, s2 / n - (s / n) * (s / n)));
 }
 
 }  // namespace mlaserve::test

@@ -262,52 +262,17 @@ class CudaBackend final : public Backend {
   }
 
   // ---- per step ----
-  void begin_step(const ForwardBatch& batch) override {
-    MLA_CHECK(!capturing_, "begin_step while a graph is being recorded");
-    step_ = batch;
-    graph_step_ = false;
-    scratch_.used = 0;
-    CUDA_OK(cudaEventSynchronize(meta_event_), "waiting for the previous step's metadata upload");
-    meta_.used = 0;
-    plans_.clear();
-    MetaUpload up(*this);
-    d_input_ids_ = up.add(step_.input_ids);
-    d_positions_ = up.add(step_.positions);
-    d_out_slots_ = up.add(step_.out_slots);
-    d_page_table_ = up.add(step_.page_table);
-    d_logit_rows_ = up.add(step_.logit_rows);
-    mark_step_start();
-    up.flush();
-  }
+  void begin_step(const ForwardBatch& batch) override { start_step(batch, false); }
 
   // ---- graphs ----
   bool supports_graphs() const override { return true; }
 
-  // The same metadata as begin_step, but every array whose size depends on more than the token count (the page
-  // table) comes last, and the attention plans of the shapes seen so far are built now with a fixed number of
-  // splits per token and page-table rows as offsets, so a graph recorded for this token count stays valid.
   void begin_graph_step(const ForwardBatch& batch) override {
-    MLA_CHECK(!capturing_, "begin_graph_step while a graph is being recorded");
     MLA_CHECK(batch.num_tokens() == batch.num_seqs() && batch.num_tokens() > 0,
               "a graph step is a decode batch of one token per sequence ({} tokens, {} sequences)", batch.num_tokens(),
               batch.num_seqs());
     MLA_CHECK(!plan_keys_.empty(), "a graph step needs an eager step of the model first (attention shapes unknown)");
-    step_ = batch;
-    graph_step_ = true;
-    scratch_.used = 0;
-    CUDA_OK(cudaEventSynchronize(meta_event_), "waiting for the previous step's metadata upload");
-    meta_.used = 0;
-    plans_.clear();
-    MetaUpload up(*this);
-    d_input_ids_ = up.add(step_.input_ids);
-    d_positions_ = up.add(step_.positions);
-    d_out_slots_ = up.add(step_.out_slots);
-    d_logit_rows_ = up.add(step_.logit_rows);
-    for (const auto& key : plan_keys_)
-      if (std::get<0>(key) != static_cast<int>(MlaForm::Expanded)) plans_.emplace(key, build_plan(key, up, true));
-    d_page_table_ = up.add(step_.page_table);
-    mark_step_start();
-    up.flush();
+    start_step(batch, true);
   }
 
   void graph_capture_begin() override {
@@ -589,6 +554,30 @@ class CudaBackend final : public Backend {
   };
   const MlaPlan& plan_for(MlaForm form, int32_t nh, int32_t kvr, int32_t rope);
   MlaPlan build_plan(const PlanKey& key, MetaUpload& up, bool fixed_splits);
+
+  // Uploads the step's metadata. Every array whose size depends on more than the token count (the page table) comes
+  // last; a graph step also builds the attention plans of the shapes seen so far now, with a fixed number of parts
+  // per token and page-table rows as offsets, so a graph recorded for this token count stays valid.
+  void start_step(const ForwardBatch& batch, bool graph) {
+    MLA_CHECK(!capturing_, "a step begins while a graph is being recorded");
+    step_ = batch;
+    graph_step_ = graph;
+    scratch_.used = 0;
+    CUDA_OK(cudaEventSynchronize(meta_event_), "waiting for the previous step's metadata upload");
+    meta_.used = 0;
+    plans_.clear();
+    MetaUpload up(*this);
+    d_input_ids_ = up.add(step_.input_ids);
+    d_positions_ = up.add(step_.positions);
+    d_out_slots_ = up.add(step_.out_slots);
+    d_logit_rows_ = up.add(step_.logit_rows);
+    if (graph)
+      for (const auto& key : plan_keys_)
+        if (std::get<0>(key) != static_cast<int>(MlaForm::Expanded)) plans_.emplace(key, build_plan(key, up, true));
+    d_page_table_ = up.add(step_.page_table);
+    mark_step_start();
+    up.flush();
+  }
 
   // MLASERVE_GPU_IDLE_STATS=1: events at each step's first GPU work (the metadata upload) and after its last
   // download; at exit, the time the GPU had no step queued between the end of one step and the start of the next,

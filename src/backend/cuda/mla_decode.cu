@@ -373,12 +373,8 @@ cudaError_t launch_fast(const MlaDecodeParams& p, cudaStream_t stream) {
 
 bool fast_dims(int32_t kvr, int32_t rope) { return kvr == 512 && rope == 64; }
 
-}  // namespace
-
-int32_t mla_decode_split_keys(int64_t total_keys, int64_t num_tokens, int64_t max_ctx, int32_t num_heads, int32_t kvr,
-                              int32_t rope, int32_t num_sms) {
-  int64_t slots;      // blocks resident at once
-  int64_t groups;     // blocks per item
+// Blocks of the decode kernel resident at once, and blocks per item (head groups), for these dims.
+void decode_occupancy(int32_t num_heads, int32_t kvr, int32_t rope, int32_t num_sms, int64_t& slots, int64_t& groups) {
   if (fast_dims(kvr, rope) && num_heads % 64 == 0) {
     slots = num_sms;
     groups = num_heads / 64;
@@ -389,6 +385,14 @@ int32_t mla_decode_split_keys(int64_t total_keys, int64_t num_tokens, int64_t ma
     slots = 8LL * num_sms;
     groups = num_heads;
   }
+}
+
+}  // namespace
+
+int32_t mla_decode_split_keys(int64_t total_keys, int64_t num_tokens, int64_t max_ctx, int32_t num_heads, int32_t kvr,
+                              int32_t rope, int32_t num_sms) {
+  int64_t slots, groups;
+  decode_occupancy(num_heads, kvr, rope, num_sms, slots, groups);
   // No split when the unsplit blocks already fill about one wave (no combine pass then); otherwise splits sized
   // for about one wave of blocks, at least 256 keys, in whole 64-key steps.
   if (num_tokens * groups * 4 >= slots * 3) return static_cast<int32_t>(std::min<int64_t>(max_ctx, 1 << 30));
@@ -401,16 +405,7 @@ int32_t mla_decode_split_keys(int64_t total_keys, int64_t num_tokens, int64_t ma
 
 int32_t mla_decode_fixed_splits(int64_t num_tokens, int32_t num_heads, int32_t kvr, int32_t rope, int32_t num_sms) {
   int64_t slots, groups;
-  if (fast_dims(kvr, rope) && num_heads % 64 == 0) {
-    slots = num_sms;
-    groups = num_heads / 64;
-  } else if (fast_dims(kvr, rope)) {
-    slots = 2LL * num_sms;
-    groups = (num_heads + 15) / 16;
-  } else {
-    slots = 8LL * num_sms;
-    groups = num_heads;
-  }
+  decode_occupancy(num_heads, kvr, rope, num_sms, slots, groups);
   const int64_t blocks = std::max<int64_t>(1, num_tokens * groups);
   if (blocks * 4 >= slots * 3) return 1;
   return static_cast<int32_t>(std::min<int64_t>(kMaxFixedSplits, (slots + blocks - 1) / blocks));
