@@ -4,6 +4,9 @@
 # processes as two nodes), bench-one-batch, and serve + bench-serving for --tp 2 against DP attention, with the GPU
 # idle time between steps (MLASERVE_GPU_IDLE_STATS=1, logged by each backend at exit).
 # usage: tools/device/final_run.sh PKG_DIR MODEL_WITH_TOKENIZER
+#   PKG_DIR: tools/device/pack.sh DIR build-cuda/src/mlaserve build-cuda/tests/gpu/cuda_{ops,model,parallel}_test
+#   (strip the binaries and xz libicudata to stay under the 64 MiB carry limit); MODEL_WITH_TOKENIZER: the V2-Lite
+#   config.json (vocab_size 129280) with DeepSeek-V3's tokenizer.json / tokenizer_config.json from tests/npm.
 set -uo pipefail
 PKG=$1; TOKM=$2
 export LD_LIBRARY_PATH=$PWD/$PKG/lib:${LD_LIBRARY_PATH:-} NCCL_NVLS_ENABLE=0 MLASERVE_GOLDEN_DIR=$PWD/tests/golden/data
@@ -14,6 +17,7 @@ lim() { local t=$1; shift; timeout -s KILL $t "$@"; }
 echo "== gpus: $(nvidia-smi -L | wc -l)"
 if [ "${ONLY_SERVE:-0}" = 0 ]; then
 lim 60 $PKG/bin/cuda_ops_test --gtest_filter=-*V2LiteShape* > $L/ops.log 2>&1; echo "== ops rc=$? $(grep -cE '^\[       OK' $L/ops.log) ok; $(grep -E 'FAILED  \]' $L/ops.log | tr '\n' ' ')"
+[ -x $PKG/bin/cuda_parallel_test ] && { lim 60 $PKG/bin/cuda_parallel_test > $L/par.log 2>&1; echo "== parallel (forced routing) rc=$? max|dlogit|/std $(grep -o 'std [0-9.e+-]* (routing forced)' $L/par.log | awk '{print $2}' | tr '\n' ' ') $(grep -E 'FAILED  \]' $L/par.log | tr '\n' ' ')"; }
 lim 40 $PKG/bin/cuda_model_test --gtest_filter='*Graph*:*GoldenV2:*Idle*' > $L/model.log 2>&1; echo "== model rc=$? $(grep -E 'graph vs eager|FAILED  \]' $L/model.log | awk '{print $NF}' | tr '\n' ' ')"
 M=tests/golden/data/v2; P=$M/reference.safetensors
 EV="eval-logits --device cuda --model-path $M --prompts $P --max-new-tokens 24 --cuda-graph-max-bs 16 --log-level warning"
