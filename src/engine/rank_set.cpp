@@ -285,8 +285,12 @@ void RankSet::allocate_kv(int32_t num_pages, int32_t page_size) {
   }
   // Graphs: one more page that no request owns, for the rows that pad a batch to its graph's size.
   const bool graphs = pc_.cuda_graph_max_bs > 0 && ranks_[0]->backend->supports_graphs();
+  graph_sizes_.clear();
   run_on_all([&](int i) {
     Rank& r = *ranks_[static_cast<size_t>(i)];
+    // Graphs recorded over a previous cache would replay on its memory: drop them first.
+    r.model->clear_graphs();
+    r.backend->release_graphs();
     r.kv = std::make_unique<KvCache>(*r.backend, config_, num_pages + (graphs ? 1 : 0), page_size);
   });
   page_size_ = page_size;

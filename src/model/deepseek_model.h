@@ -70,6 +70,9 @@ class DeepseekModel {
   // forward of this model before the first call.
   Tensor forward_graph(const ForwardBatch& batch, KvCache& cache, const DpStepInfo* dp = nullptr);
   int32_t num_graphs() const { return static_cast<int32_t>(graphs_.size()); }
+  // Forgets the recorded graphs (they hold the KV cache and scratch they were recorded with); the backend's own
+  // graphs go with Backend::release_graphs.
+  void clear_graphs() { graphs_.clear(); }
   const ParallelPlan& plan() const { return plan_; }
 
   const ModelConfig& config() const { return config_; }

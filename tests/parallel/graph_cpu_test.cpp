@@ -4,6 +4,8 @@
 // recording run in CI. Greedy tokens and prompt logits must equal the eager run's exactly, in every layout.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "engine/offline.h"
 #include "test_util.h"
 
@@ -74,6 +76,32 @@ TEST(CpuGraphs, OneBusyGroupThreeIdle) {
   const Outcome eager = run("v3", 4, 4, false, one), graph = run("v3", 4, 4, true, one);
   EXPECT_EQ(graph.graph_steps, 5);
   EXPECT_EQ(graph.out.greedy[0], eager.out.greedy[0]);
+}
+
+}  // namespace
+
+namespace {
+
+TEST(CpuGraphs, NewKvCacheRecordsAgain) {
+  // Two offline runs on one rank set: each allocates a new KV cache, so the graphs of the first (recorded over the
+  // old cache) must not replay in the second.
+  auto prompts = test::golden_prompts("v2");
+  prompts.resize(2);
+  ParallelConfig pc;
+  pc.tp_size = 2;
+  pc.device = "cpu";
+  pc.backend.cpu_graphs = true;
+  pc.cuda_graph_max_bs = 4;
+  RankSet ranks(ModelConfig::from_file(test::golden_dir("v2")), pc, test::golden_dir("v2"), {});
+  OfflineOptions o;
+  o.max_new_tokens = 5;
+  o.page_size = 8;
+  const OfflineResult a = run_offline(ranks, prompts, o);
+  std::reverse(prompts.begin(), prompts.end());
+  const OfflineResult b = run_offline(ranks, prompts, o);
+  EXPECT_EQ(ranks.graph_steps(), 8);
+  EXPECT_EQ(a.greedy[0], b.greedy[1]);
+  EXPECT_EQ(a.greedy[1], b.greedy[0]);
 }
 
 }  // namespace
