@@ -365,6 +365,13 @@ void RankSet::run_local(const std::vector<const ForwardBatch*>& batches,
   if (graph_size > 0) ++graph_steps_;
   DpStepInfo graph_info;
   graph_info.num_tokens.assign(static_cast<size_t>(d), graph_size);
+  // Each group's batch padded to the graph's size, once per group (its ranks share it).
+  std::vector<ForwardBatch> padded;
+  if (graph_size > 0)
+    for (int32_t g = 0; g < d; ++g) {
+      const ForwardBatch* b = batches[static_cast<size_t>(g)];
+      padded.push_back(pad_decode_batch(b ? *b : idle, graph_size, dummy_page_, page_size_));
+    }
   run_on_all(
       [&](int i) {
     Rank& rk = *ranks_[static_cast<size_t>(i)];
@@ -372,8 +379,8 @@ void RankSet::run_local(const std::vector<const ForwardBatch*>& batches,
     const ForwardBatch& b = batches[static_cast<size_t>(g)] ? *batches[static_cast<size_t>(g)] : idle;
     Tensor logits;
     if (graph_size > 0) {
-      const ForwardBatch padded = pad_decode_batch(b, graph_size, dummy_page_, page_size_);
-      logits = rk.model->forward_graph(padded, *rk.kv, d > 1 ? &graph_info : nullptr).rows(0, b.num_tokens());
+      logits = rk.model->forward_graph(padded[static_cast<size_t>(g)], *rk.kv, d > 1 ? &graph_info : nullptr)
+                   .rows(0, b.num_tokens());
     } else {
       logits = rk.model->forward(b, *rk.kv, form, d > 1 ? &info : nullptr);
     }

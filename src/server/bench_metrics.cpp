@@ -64,23 +64,18 @@ BenchMetrics compute_bench_metrics(const std::vector<RequestResult>& results, do
     m.total_throughput = static_cast<double>(m.total_input + m.total_output) / duration;
     m.concurrency = std::accumulate(e2e.begin(), e2e.end(), 0.0) / 1000.0 / duration;
   }
-  m.mean_e2e_ms = mean(e2e);
-  m.median_e2e_ms = percentile(e2e, 50);
-  m.std_e2e_ms = stddev(e2e);
-  m.p99_e2e_ms = percentile(e2e, 99);
-  m.mean_ttft_ms = mean(ttft);
-  m.median_ttft_ms = percentile(ttft, 50);
-  m.std_ttft_ms = stddev(ttft);
-  m.p99_ttft_ms = percentile(ttft, 99);
-  m.mean_tpot_ms = mean(tpot);
-  m.median_tpot_ms = percentile(tpot, 50);
-  m.std_tpot_ms = stddev(tpot);
-  m.p99_tpot_ms = percentile(tpot, 99);
-  m.mean_itl_ms = mean(itl);
-  m.median_itl_ms = percentile(itl, 50);
-  m.std_itl_ms = stddev(itl);
+  // mean, median, standard deviation and 99th percentile of one series
+  auto summarize = [](const std::vector<double>& v, double& mean_ms, double& median_ms, double& std_ms, double& p99_ms) {
+    mean_ms = mean(v);
+    median_ms = percentile(v, 50);
+    std_ms = stddev(v);
+    p99_ms = percentile(v, 99);
+  };
+  summarize(e2e, m.mean_e2e_ms, m.median_e2e_ms, m.std_e2e_ms, m.p99_e2e_ms);
+  summarize(ttft, m.mean_ttft_ms, m.median_ttft_ms, m.std_ttft_ms, m.p99_ttft_ms);
+  summarize(tpot, m.mean_tpot_ms, m.median_tpot_ms, m.std_tpot_ms, m.p99_tpot_ms);
+  summarize(itl, m.mean_itl_ms, m.median_itl_ms, m.std_itl_ms, m.p99_itl_ms);
   m.p95_itl_ms = percentile(itl, 95);
-  m.p99_itl_ms = percentile(itl, 99);
   m.max_itl_ms = itl.empty() ? 0.0 : *std::max_element(itl.begin(), itl.end());
   return m;
 }

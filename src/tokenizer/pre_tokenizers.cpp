@@ -55,6 +55,22 @@ struct Span {
   bool match;
 };
 
+// Walks the spans in order, extending the last merged span by the current one when joins(previous span matched,
+// this span matches) says so (never into nothing).
+template <typename Joins>
+std::vector<Span> merge_forward(const std::vector<Span>& spans, Joins joins) {
+  std::vector<Span> merged;
+  bool prev_match = false;
+  for (const auto& s : spans) {
+    if (joins(prev_match, s.match) && !merged.empty())
+      merged.back().e = s.e;
+    else
+      merged.push_back(s);
+    prev_match = s.match;
+  }
+  return merged;
+}
+
 // Applies a SplitDelimiterBehavior to the spans (which cover the whole piece, in order) and appends the resulting
 // non-empty sub-pieces of `p` to `out`. Mirrors NormalizedString::split.
 void split_by_spans(const Piece& p, std::vector<Span>& spans, Behavior behavior, Pieces& out) {
@@ -69,32 +85,12 @@ void split_by_spans(const Piece& p, std::vector<Span>& spans, Behavior behavior,
       for (const auto& s : spans)
         if (!s.match) emit(s.b, s.e);
       return;
-    case Behavior::Contiguous: {
-      std::vector<Span> merged;
-      bool prev_match = false;
-      for (const auto& s : spans) {
-        if (s.match == prev_match && !merged.empty())
-          merged.back().e = s.e;
-        else
-          merged.push_back(s);
-        prev_match = s.match;
-      }
-      for (const auto& s : merged) emit(s.b, s.e);
+    case Behavior::Contiguous:  // runs of matches (and of non-matches) become one piece
+      for (const auto& s : merge_forward(spans, [](bool prev, bool cur) { return cur == prev; })) emit(s.b, s.e);
       return;
-    }
-    case Behavior::MergedWithPrevious: {
-      std::vector<Span> merged;
-      bool prev_match = false;
-      for (const auto& s : spans) {
-        if (s.match && !prev_match && !merged.empty())
-          merged.back().e = s.e;
-        else
-          merged.push_back(s);
-        prev_match = s.match;
-      }
-      for (const auto& s : merged) emit(s.b, s.e);
+    case Behavior::MergedWithPrevious:  // a match joins the piece before it
+      for (const auto& s : merge_forward(spans, [](bool prev, bool cur) { return cur && !prev; })) emit(s.b, s.e);
       return;
-    }
     case Behavior::MergedWithNext: {
       std::vector<Span> merged;  // built back to front
       bool prev_match = false;

@@ -85,18 +85,7 @@ double bench_mla(int batch, int ctx, int nh, int page_size, int variant) {
   std::vector<MlaDecodeItem> items;
   std::vector<MlaDecodeCombineItem> comb;
   int32_t partial = 0;
-  for (int t = 0; t < batch; ++t) {
-    const int nsplit = (ctx + chunk - 1) / chunk;
-    if (nsplit <= 1) {
-      items.push_back({t, t, 0, ctx, -1});
-      continue;
-    }
-    int len = (ctx + nsplit - 1) / nsplit;
-    len = (len + 63) / 64 * 64;
-    const int first = partial;
-    for (int k0 = 0; k0 < ctx; k0 += len) items.push_back({t, t, k0, std::min(ctx, k0 + len), partial++});
-    comb.push_back({t, first, partial - first});
-  }
+  for (int t = 0; t < batch; ++t) plan_decode_token(t, t, ctx, chunk, items, comb, partial);
   MlaDecodeParams p{};
   p.q_lat = q_lat;
   p.q = q;

@@ -724,19 +724,8 @@ CudaBackend::MlaPlan CudaBackend::build_plan(const PlanKey& key, MetaUpload& up,
     const int32_t chunk = cuda::mla_decode_split_keys(total_keys, absorbed_tokens, max_ctx, nh, kvr, rope, num_sms_);
     int32_t partial = 0;
     for (int32_t s : absorbed_seqs)
-      for (int32_t t = b.seq_q_start[s]; t < b.seq_q_start[s + 1]; ++t) {
-        const int32_t ctx = b.positions[t] + 1;
-        const int32_t nsplit = (ctx + chunk - 1) / chunk;
-        if (nsplit <= 1) {
-          decode.push_back({t, s, 0, ctx, -1});
-          continue;
-        }
-        int32_t len = (ctx + nsplit - 1) / nsplit;
-        len = (len + 63) / 64 * 64;
-        const int32_t first = partial;
-        for (int32_t k0 = 0; k0 < ctx; k0 += len) decode.push_back({t, s, k0, std::min(ctx, k0 + len), partial++});
-        combine.push_back({t, first, partial - first});
-      }
+      for (int32_t t = b.seq_q_start[s]; t < b.seq_q_start[s + 1]; ++t)
+        cuda::plan_decode_token(t, s, b.positions[t] + 1, chunk, decode, combine, partial);
     plan.num_partials = partial;
   }
   int64_t ctx_rows = 0;

@@ -9,7 +9,9 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace mlaserve::cuda {
 
@@ -108,6 +110,22 @@ cudaError_t mla_decode_combine(const MlaDecodeCombineItem* items, int32_t num_it
 // chosen from the SM count: no split when the tokens alone fill a wave of blocks.
 int32_t mla_decode_split_keys(int64_t total_keys, int64_t num_tokens, int64_t max_ctx, int32_t num_heads, int32_t kvr,
                               int32_t rope, int32_t num_sms);
+
+// Appends one decode token's work: its keys [0, ctx) in parts of at most `chunk` keys (equal parts in whole 64-key
+// steps), each part writing its own partial result and one combine item gathering them; a single item writing the
+// output directly when one part suffices. `row`: the token's page-table row; `partial`: the next free partial.
+inline void plan_decode_token(int32_t token, int32_t row, int32_t ctx, int32_t chunk, std::vector<MlaDecodeItem>& items,
+                              std::vector<MlaDecodeCombineItem>& combine, int32_t& partial) {
+  const int32_t nsplit = (ctx + chunk - 1) / chunk;
+  if (nsplit <= 1) {
+    items.push_back({token, row, 0, ctx, -1});
+    return;
+  }
+  const int32_t len = ((ctx + nsplit - 1) / nsplit + 63) / 64 * 64;
+  const int32_t first = partial;
+  for (int32_t k0 = 0; k0 < ctx; k0 += len) items.push_back({token, row, k0, std::min(ctx, k0 + len), partial++});
+  combine.push_back({token, first, partial - first});
+}
 
 // Graph steps (CUDA graphs: the grid may not depend on the step): every decode token's keys in this many parts
 // (some empty for short contexts), chosen from the token count so the blocks fill about one wave.

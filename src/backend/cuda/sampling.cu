@@ -50,6 +50,25 @@ __device__ void block_argmax(float& v, int& i, float* rv, int* ri) {
   }
 }
 
+// Argmax of the row x[0, V) over the block (every thread gets it).
+__device__ void row_argmax(const float* x, int64_t V, float& bv, int& bi, float* rv, int* ri) {
+  bv = -INFINITY;
+  bi = -1;
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x)
+    if (bi < 0 || x[v] > bv) {
+      bv = x[v];
+      bi = static_cast<int>(v);
+    }
+  block_argmax(bv, bi, rv, ri);
+}
+
+// sum of exp(x[v] - mx) over the row x[0, V) (every thread gets it).
+__device__ float row_sum_exp(const float* x, int64_t V, float mx, float* red) {
+  float z = 0.0f;
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) z += expf(x[v] - mx);
+  return block_sum(z, red);
+}
+
 __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SampleParams p) {
   __shared__ float red[32];
   __shared__ int redi[32];
@@ -68,18 +87,11 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
 
   const bool greedy = row.temperature <= 0.0f;
   if (greedy && row.penalty_begin == row.penalty_end) {  // plain argmax: read the logits in place
-    float bv = -INFINITY;
-    int bi = -1;
-    for (int64_t v = tid; v < V; v += blockDim.x)
-      if (bi < 0 || lg[v] > bv) {
-        bv = lg[v];
-        bi = static_cast<int>(v);
-      }
-    block_argmax(bv, bi, red, redi);
+    float bv;
+    int bi;
+    row_argmax(lg, V, bv, bi, red, redi);
     if (p.logprobs) {
-      float z = 0.0f;
-      for (int64_t v = tid; v < V; v += blockDim.x) z += expf(lg[v] - bv);
-      z = block_sum(z, red);
+      const float z = row_sum_exp(lg, V, bv, red);
       if (tid == 0) p.logprobs[r] = -logf(z);
     }
     if (tid == 0) p.ids[r] = bi;
@@ -101,18 +113,11 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
     for (int64_t v = tid; v < V; v += blockDim.x) x[v] = x[v] / row.temperature;
   __syncthreads();
 
-  float bv = -INFINITY;
-  int bi = -1;
-  for (int64_t v = tid; v < V; v += blockDim.x)
-    if (bi < 0 || x[v] > bv) {
-      bv = x[v];
-      bi = static_cast<int>(v);
-    }
-  block_argmax(bv, bi, red, redi);
+  float bv;
+  int bi;
+  row_argmax(x, V, bv, bi, red, redi);
   const float xmax = bv;
-  float z = 0.0f;
-  for (int64_t v = tid; v < V; v += blockDim.x) z += expf(x[v] - xmax);
-  z = block_sum(z, red);
+  float z = row_sum_exp(x, V, xmax, red);
   const float log_z = logf(z);
   if (greedy) {
     if (tid == 0) {
