@@ -99,6 +99,7 @@ std::unique_ptr<EngineClient> make_engine(const EngineArgs& a) {
             "--mem-fraction-static must be in (0, 1), got {}", a.mem_fraction_static);
   MLA_CHECK(a.max_total_tokens >= 0, "--max-total-tokens must be >= 0");
   MLA_CHECK(a.max_running_requests >= 0, "--max-running-requests must be >= 0");
+  MLA_CHECK(a.cuda_graph_max_bs >= 0, "--cuda-graph-max-bs must be >= 0, got {}", a.cuda_graph_max_bs);
   MLA_CHECK(a.node_rank == 0, "make_engine runs on node 0; other nodes use run_follower_node");
   MLA_CHECK(a.nnodes == 1 || a.enable_dp_attention || a.dp_size == 1,
             "--dp replicas across nodes are not supported; use --enable-dp-attention or one replica");

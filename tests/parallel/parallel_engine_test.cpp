@@ -149,3 +149,16 @@ TEST(LoadBalancer, ShortestQueueCountsTokensNotRequests) {
   EXPECT_EQ(rr.assign("d", 1), 0);
   EXPECT_THROW(LoadBalancer(2, "random"), Error);
 }
+
+TEST(EngineArgsErrors, NegativeCudaGraphMaxBsIsClear) {
+  EngineArgs a;
+  a.model_path = test::golden_dir("v2");
+  a.device = "cpu";
+  a.cuda_graph_max_bs = -1;
+  try {
+    make_engine(a);
+    FAIL() << "a negative --cuda-graph-max-bs was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--cuda-graph-max-bs must be >= 0, got -1"), std::string::npos) << e.what();
+  }
+}
