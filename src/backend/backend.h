@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <span>
@@ -105,6 +106,12 @@ class Backend {
   virtual Tensor to_host_f32(const Tensor& t) = 0;
   // Copies the raw bytes of a backend tensor to host memory (t.nbytes() bytes), waiting for it.
   virtual void download(const Tensor& t, void* dst) = 0;
+  // Starts copying t's raw bytes to the host and returns at once (the device keeps working on what was issued);
+  // download_finish(ticket, dst) waits for that copy and writes its bytes to dst. Up to kMaxDownloads may be in
+  // flight; they finish in the order they started. Default: a synchronous copy kept until finished.
+  static constexpr int kMaxDownloads = 4;
+  virtual uint64_t download_start(const Tensor& t);
+  virtual void download_finish(uint64_t ticket, void* dst);
   // Deterministic pseudo-random fill for dummy weights: value = mean + stddev * u, u uniform with unit variance,
   // a function of (seed, index in the FULL tensor) only, so every backend and shard layout agrees. t is viewed
   // as [rows, cols]; its element (r, c) is full element (r + row_offset) * full_cols + c + col_offset.
@@ -114,6 +121,12 @@ class Backend {
   // ---- per step ----
   // Uploads the step's metadata once; every op below reads it (positions, slots, page table, ...).
   virtual void begin_step(const ForwardBatch& batch) = 0;
+  // Input ids of this step that are negative, -(k + 1), become prev[k]: the ids sampled in the previous step,
+  // which stayed on the device (overlap scheduling launches a step before the previous one's ids reach the host).
+  // prev: I32 [n] backend tensor; k >= n gives id 0 (the host checks the range). Recorded in graphs.
+  virtual void resolve_prev_ids(const Tensor& prev) = 0;
+  // The step's last op has been issued (idle statistics mark the end of its device work here).
+  virtual void end_step() {}
 
   // ---- graphs (CUDA graphs for decode steps; backends without them keep these defaults) ----
   // A graph step is a pure decode batch (one token per sequence). begin_graph_step lays its metadata out at offsets
@@ -183,6 +196,11 @@ class Backend {
 
   // Rotary tables: inverse frequencies [rope / 2] and the cos/sin multiplier, set once at model load.
   virtual void set_rope(const std::vector<float>& inv_freq, float attention_factor) = 0;
+
+ private:
+  // The default download_start's copies, oldest first, with their tickets.
+  std::deque<std::pair<uint64_t, std::vector<char>>> done_downloads_;
+  uint64_t next_download_ = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

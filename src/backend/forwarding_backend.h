@@ -30,10 +30,14 @@ class ForwardingBackend : public Backend {
   void upload_into(const Tensor& h, Tensor& d) override { b_.upload_into(h, d); }
   Tensor to_host_f32(const Tensor& t) override { return b_.to_host_f32(t); }
   void download(const Tensor& t, void* dst) override { b_.download(t, dst); }
+  uint64_t download_start(const Tensor& t) override { return b_.download_start(t); }
+  void download_finish(uint64_t k, void* dst) override { b_.download_finish(k, dst); }
   void fill_random(Tensor& t, uint64_t s, float m, float sd, int64_t fc, int64_t ro, int64_t co) override {
     b_.fill_random(t, s, m, sd, fc, ro, co);
   }
   void begin_step(const ForwardBatch& b) override { b_.begin_step(b); }
+  void resolve_prev_ids(const Tensor& p) override { b_.resolve_prev_ids(p); }
+  void end_step() override { b_.end_step(); }
   bool supports_graphs() const override { return b_.supports_graphs(); }
   void begin_graph_step(const ForwardBatch& b) override { b_.begin_graph_step(b); }
   void graph_capture_begin() override { b_.graph_capture_begin(); }
@@ -89,6 +93,7 @@ class GraphRecorder final : public ForwardingBackend {
   void release_graphs() override { graphs_.clear(); }
   void collective(std::function<void()> fn) override { run(std::move(fn)); }
 
+  void resolve_prev_ids(const Tensor& p) override { run([this, p] { b_.resolve_prev_ids(p); }); }
   void embedding(const Tensor& t, int64_t vb, Tensor& o) override {
     run([this, t, vb, o]() mutable { b_.embedding(t, vb, o); });
   }

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <utility>
 
 #include "core/log.h"
 
@@ -89,6 +90,7 @@ void Engine::publish_stats() {
   for (auto& sc : scheds_) {
     s.push_back(sc->stats());
     s.back().forward_steps = static_cast<int64_t>(steps_);
+    s.back().overlapped_steps = pipelined_steps_;
   }
   std::lock_guard<std::mutex> lk(mu_);
   published_ = std::move(s);
@@ -187,6 +189,7 @@ std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<St
     for (const ScheduledSeq& s : plans[g].seqs)
       if (s.wants_logits) {
         rows[g].push_back(s.req->sampler.row(s.req->sampling));
+        rows[g].back().step += static_cast<uint64_t>(s.req->in_flight);  // draws of tokens still in flight
         want_logits |= s.req->sampling.top_logprobs_num > 0;
       }
   return rows;
@@ -262,13 +265,36 @@ void Engine::finish_inflight() {
   InFlight cur = std::move(*inflight_);
   inflight_.reset();
   try {
-    std::vector<GroupOutput> outs = cur.result.get();
+    std::vector<GroupOutput> outs = ranks_->finish(cur.launched);
     auto sampled = collect(cur.plans, outs);
     for (size_t g = 0; g < scheds_.size(); ++g)
       if (!cur.plans[g].empty()) scheds_[g]->resolve(cur.plans[g], sampled[g]);
   } catch (const std::exception& e) {
     abort_plans(cur.plans, e.what());
+    for (size_t g = 0; g < scheds_.size(); ++g) scheds_[g]->drop(cur.plans[g]);
   }
+}
+
+bool Engine::launch(std::vector<StepPlan> plans) {
+  const size_t groups = scheds_.size();
+  std::vector<const ForwardBatch*> batches(groups, nullptr);
+  for (size_t g = 0; g < groups; ++g)
+    if (!plans[g].empty()) batches[g] = &plans[g].batch;
+  bool want_logits = false;
+  auto rows = sampling_rows(plans, want_logits);
+  InFlight f;
+  try {
+    f.launched = ranks_->launch(batches, rows, want_logits);
+  } catch (const std::exception& e) {
+    abort_plans(plans, e.what());
+    return false;
+  }
+  for (size_t g = 0; g < groups; ++g)
+    if (!plans[g].empty()) scheds_[g]->advance(plans[g]);
+  f.plans = std::move(plans);
+  inflight_ = std::move(f);
+  ++steps_;
+  return true;
 }
 
 void Engine::overlap_step() {
@@ -276,36 +302,38 @@ void Engine::overlap_step() {
   // Plan the next step while the current one runs (its requests already advanced: kv lengths, pending tokens).
   const bool running = inflight_.has_value();
   std::vector<StepPlan> next(groups);
-  for (size_t g = 0; g < groups; ++g) next[g] = scheds_[g]->schedule(/*allow_retract=*/!running);
-  finish_inflight();
+  bool blocked = false, any = false, host_needs_samples = false;
   for (size_t g = 0; g < groups; ++g) {
-    // A group that needed to retract plans again now that nothing runs; the others just drop requests that
-    // finished meanwhile and take the tokens that came back.
-    if (next[g].blocked) next[g] = scheds_[g]->schedule(/*allow_retract=*/true);
-    else if (running) scheds_[g]->refresh(next[g]);
-    scheds_[g]->erase_finished();
+    next[g] = scheds_[g]->schedule(/*allow_retract=*/!running);
+    blocked |= next[g].blocked;
+    any |= !next[g].empty();
+    // Penalties are computed from the generated tokens on the host, so they need the running step's samples.
+    for (const ScheduledSeq& s : next[g].seqs)
+      host_needs_samples |= s.req->in_flight > 0 && (s.req->sampling.frequency_penalty != 0.0f ||
+                                                     s.req->sampling.presence_penalty != 0.0f ||
+                                                     s.req->sampling.repetition_penalty != 1.0f);
   }
-  std::vector<const ForwardBatch*> batches(groups, nullptr);
-  bool any = false;
-  for (size_t g = 0; g < groups; ++g)
-    if (!next[g].empty()) {
-      batches[g] = &next[g].batch;
-      any = true;
+  if (running && any && !blocked && !host_needs_samples) {
+    // Launch it behind the running step (its pending tokens are read on the device), then finish the running one:
+    // the device never waits for the host between the two.
+    std::optional<InFlight> launched = std::exchange(inflight_, std::nullopt);
+    if (launch(std::move(next))) ++pipelined_steps_;
+    std::swap(launched, inflight_);  // the older step first
+    finish_inflight();
+    inflight_ = std::move(launched);
+  } else {
+    finish_inflight();
+    for (size_t g = 0; g < groups; ++g) {
+      // A group that needed to retract plans again now that nothing runs; the others just drop requests that
+      // finished meanwhile and take the tokens that came back.
+      if (next[g].blocked) next[g] = scheds_[g]->schedule(/*allow_retract=*/true);
+      else if (running) scheds_[g]->refresh(next[g]);
     }
-  if (!any) return;
-  bool want_logits = false;
-  auto rows = sampling_rows(next, want_logits);
-  InFlight f;
-  f.plans = std::move(next);
-  // The batches live in f.plans, which stay put (moved into inflight_ below, vectors keep their buffers).
-  for (size_t g = 0; g < groups; ++g) batches[g] = f.plans[g].empty() ? nullptr : &f.plans[g].batch;
-  f.result = std::async(std::launch::async, [this, batches, rows = std::move(rows), want_logits] {
-    return ranks_->step(batches, rows, want_logits);
-  });
-  inflight_ = std::move(f);
-  for (size_t g = 0; g < groups; ++g)
-    if (!inflight_->plans[g].empty()) scheds_[g]->advance(inflight_->plans[g]);
-  ++steps_;
+    any = false;
+    for (size_t g = 0; g < groups; ++g) any |= !next[g].empty();
+    if (any) launch(std::move(next));
+  }
+  for (auto& s : scheds_) s->erase_finished();
   if (opts_.check_integrity)
     for (auto& s : scheds_) s->check_integrity();
 }

@@ -8,7 +8,6 @@
 
 #include <condition_variable>
 #include <deque>
-#include <future>
 #include <optional>
 #include <memory>
 #include <mutex>
@@ -30,7 +29,7 @@ struct EngineOptions {
   bool enable_radix_cache = true;
   bool check_integrity = false;  // after every step (tests)
   std::string load_balance_method = "round_robin";
-  // Overlap scheduling: plan step N+1 while step N runs (tokens sampled in N are filled in when N returns;
+  // Overlap scheduling: plan and launch step N+1 while step N runs (tokens sampled in N reach N+1 on the device;
   // stop checks happen one step late, never with wrong output). Off: plan, run, commit in turn.
   bool overlap = true;
   std::vector<int32_t> eos_token_ids;
@@ -52,11 +51,13 @@ class Engine final : public EngineClient {
  private:
   void loop();
   void step();          // one synchronous step (no overlap)
-  void overlap_step();  // plan the next step, finish the running one, launch the next
+  void overlap_step();  // plan and launch the next step, then finish the running one
   std::vector<std::vector<RowSampling>> sampling_rows(const std::vector<StepPlan>& plans, bool& want_logits);
   std::vector<std::vector<SampleResult>> collect(const std::vector<StepPlan>& plans, std::vector<GroupOutput>& outs);
   // Waits for the running step and resolves its samples (or aborts its requests if it failed).
   void finish_inflight();
+  // Launches the planned step (its requests advance) as the one in flight; false if it failed (aborted).
+  bool launch(std::vector<StepPlan> plans);
   void abort_plans(const std::vector<StepPlan>& plans, const std::string& why);
   void publish_stats();
   void deliver_outputs();
@@ -82,9 +83,10 @@ class Engine final : public EngineClient {
   std::vector<std::pair<std::function<void(const GenerateOutput&)>, GenerateOutput>> deferred_;
   struct InFlight {
     std::vector<StepPlan> plans;
-    std::future<std::vector<GroupOutput>> result;
+    RankSet::Launched launched;
   };
   std::optional<InFlight> inflight_;
+  int64_t pipelined_steps_ = 0;  // steps launched before the previous one finished
   std::thread thread_;
 };
 

@@ -79,6 +79,7 @@ struct RankStats {
   int64_t num_requests_finished = 0;
   int64_t num_retractions = 0;
   int64_t forward_steps = 0;
+  int64_t overlapped_steps = 0;  // launched before the previous step finished (its ids fed on the device)
 };
 
 class EngineClient {

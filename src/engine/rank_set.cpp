@@ -14,6 +14,7 @@ namespace mlaserve {
 
 namespace {
 enum Op : char { kStep = 'S', kKv = 'K', kQuit = 'Q' };
+constexpr int64_t kMaxSampledRows = 1 << 16;
 
 void put(std::string& o, const void* p, size_t n) { o.append(static_cast<const char*>(p), n); }
 template <typename T>
@@ -206,6 +207,8 @@ int64_t RankSet::kv_bytes_free() const {
   }
   // Graphs add one page per layer that no request owns (allocate_kv): keep room for it and the layers' alignment.
   if (m >= 0 && pc_.cuda_graph_max_bs > 0 && ranks_[0]->backend->supports_graphs()) m = std::max<int64_t>(0, m - (64LL << 20));
+  // The samples kept on the device (Rank::sampled, at most kMaxSampledRows rows of 8 bytes).
+  if (m >= 0) m = std::max<int64_t>(0, m - (1LL << 20));
   return m;
 }
 
@@ -286,11 +289,16 @@ void RankSet::allocate_kv(int32_t num_pages, int32_t page_size) {
   // Graphs: one more page that no request owns, for the rows that pad a batch to its graph's size.
   const bool graphs = pc_.cuda_graph_max_bs > 0 && ranks_[0]->backend->supports_graphs();
   graph_sizes_.clear();
+  // Every logit row of a step has a token in the cache, so a step never has more rows than the cache tokens.
+  sampled_rows_ = std::clamp<int64_t>(static_cast<int64_t>(num_pages) * page_size, 1, kMaxSampledRows);
   run_on_all([&](int i) {
     Rank& r = *ranks_[static_cast<size_t>(i)];
     // Graphs recorded over a previous cache would replay on its memory: drop them first.
     r.model->clear_graphs();
     r.backend->release_graphs();
+    if (!r.sampled.defined() || r.sampled.numel() < 2 * sampled_rows_)
+      r.sampled = r.backend->alloc({2 * sampled_rows_}, DType::I32);
+    r.model->set_prev_ids(r.sampled.rows(0, sampled_rows_));
     r.kv = std::make_unique<KvCache>(*r.backend, config_, num_pages + (graphs ? 1 : 0), page_size);
   });
   page_size_ = page_size;
@@ -351,12 +359,17 @@ int32_t RankSet::graph_size_for(const std::vector<const ForwardBatch*>& batches,
   return *std::lower_bound(graph_sizes_.begin(), graph_sizes_.end(), most);
 }
 
-void RankSet::run_local(const std::vector<const ForwardBatch*>& batches,
-                        const std::vector<std::vector<RowSampling>>& sampling, bool want_logits, MlaForm form,
-                        std::vector<GroupOutput>& out) {
+void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
+                           const std::vector<std::vector<RowSampling>>& sampling, bool want_logits, MlaForm form,
+                           Launched& h) {
   const int32_t d = pc_.dp_size, at = attn_tp();
   DpStepInfo info;
-  for (const ForwardBatch* b : batches) info.num_tokens.push_back(b ? b->num_tokens() : 0);
+  bool prev_ids = false;
+  for (const ForwardBatch* b : batches) {
+    info.num_tokens.push_back(b ? b->num_tokens() : 0);
+    if (b) prev_ids |= std::any_of(b->input_ids.begin(), b->input_ids.end(), [](int32_t id) { return id < 0; });
+  }
+  if (prev_ids) ++prev_id_steps_;
   ForwardBatch idle;
   idle.page_size = 1;
   idle.seq_q_start = {0};
@@ -372,43 +385,65 @@ void RankSet::run_local(const std::vector<const ForwardBatch*>& batches,
       const ForwardBatch* b = batches[static_cast<size_t>(g)];
       padded.push_back(pad_decode_batch(b ? *b : idle, graph_size, dummy_page_, page_size_));
     }
+  h.rows.assign(ranks_.size(), -1);
+  h.tickets.assign(ranks_.size(), 0);
   run_on_all(
       [&](int i) {
-    Rank& rk = *ranks_[static_cast<size_t>(i)];
-    const int32_t g = rk.global / at;
-    const ForwardBatch& b = batches[static_cast<size_t>(g)] ? *batches[static_cast<size_t>(g)] : idle;
-    Tensor logits;
-    if (graph_size > 0) {
-      logits = rk.model->forward_graph(padded[static_cast<size_t>(g)], *rk.kv, d > 1 ? &graph_info : nullptr)
-                   .rows(0, b.num_tokens());
-    } else {
-      logits = rk.model->forward(b, *rk.kv, form, d > 1 ? &info : nullptr);
-    }
-    MLA_LOG_TRACE("rank {}: forward enqueued", rk.global);
-    if (rk.global % at != 0) return;
-    // The group's leading rank samples its rows on the device; only ids and logprobs come back.
-    GroupOutput& o = out[static_cast<size_t>(g)];
-    const int64_t R = logits.size(0);
-    const auto& params = sampling[static_cast<size_t>(g)];
-    MLA_CHECK(static_cast<int64_t>(params.size()) == R, "step: {} sampling rows for {} logit rows of group {}",
-              params.size(), R, g);
-    o.ids.assign(static_cast<size_t>(R), 0);
-    o.logprobs.assign(static_cast<size_t>(R), 0.0f);
-    if (R > 0) {
-      // ids and logprobs side by side in one buffer: one device-to-host copy (and wait) per step.
-      Tensor both = rk.backend->scratch({2 * R}, DType::I32);
-      Tensor ids = both.rows(0, R);
-      Tensor lps = Tensor::view(static_cast<int32_t*>(both.data()) + R, {R}, DType::F32, both.device());
-      rk.backend->sample(logits, params, ids, &lps);
-      std::vector<int32_t> host(static_cast<size_t>(2 * R));
-      MLA_LOG_TRACE("rank {}: sampled, waiting for the ids", rk.global);
-      rk.backend->download(both, host.data());
-      MLA_LOG_TRACE("rank {}: ids back", rk.global);
-      std::copy(host.begin(), host.begin() + R, o.ids.begin());
-      std::memcpy(o.logprobs.data(), host.data() + R, static_cast<size_t>(R) * sizeof(float));
-    }
-    if (want_logits) o.logits = rk.backend->to_host_f32(logits);
-    MLA_LOG_TRACE("rank {}: step done", rk.global);
+        Rank& rk = *ranks_[static_cast<size_t>(i)];
+        const int32_t g = rk.global / at;
+        const ForwardBatch& b = batches[static_cast<size_t>(g)] ? *batches[static_cast<size_t>(g)] : idle;
+        Tensor logits;
+        if (graph_size > 0) {
+          logits = rk.model->forward_graph(padded[static_cast<size_t>(g)], *rk.kv, d > 1 ? &graph_info : nullptr)
+                       .rows(0, b.num_tokens());
+        } else {
+          logits = rk.model->forward(b, *rk.kv, form, d > 1 ? &info : nullptr);
+        }
+        MLA_LOG_TRACE("rank {}: forward enqueued", rk.global);
+        const int64_t R = static_cast<int64_t>(b.logit_rows.size());
+        const bool leader = rk.global % at == 0;
+        if (R > 0) {
+          MLA_CHECK(R <= sampled_rows_, "step: {} logit rows in group {}, more than the {} kept on the device "
+                    "(allocate_kv first)", R, g, sampled_rows_);
+          Tensor ids = rk.sampled.rows(0, R);
+          if (leader) {
+            // The group's leading rank samples its rows on the device; only ids and logprobs go to the host.
+            const auto& params = sampling[static_cast<size_t>(g)];
+            MLA_CHECK(static_cast<int64_t>(params.size()) == R, "step: {} sampling rows for {} logit rows of group {}",
+                      params.size(), R, g);
+            Tensor lps = Tensor::view(static_cast<int32_t*>(rk.sampled.data()) + R, {R}, DType::F32,
+                                      rk.sampled.device());
+            rk.backend->sample(logits, params, ids, &lps);
+          }
+          // The other ranks of the group need the ids too (the next step may read them on the device).
+          Communicator* group = d > 1 ? rk.attn.get() : rk.world.get();
+          if (at > 1) rk.backend->collective([group, ids]() mutable { group->broadcast(ids, 0); });
+          if (leader) {
+            h.rows[static_cast<size_t>(i)] = R;
+            h.tickets[static_cast<size_t>(i)] = rk.backend->download_start(rk.sampled.rows(0, 2 * R));
+          }
+        }
+        rk.backend->end_step();
+        if (leader && want_logits) h.out[static_cast<size_t>(g)].logits = rk.backend->to_host_f32(logits);
+        MLA_LOG_TRACE("rank {}: step issued", rk.global);
+      },
+      pc_.step_timeout);
+}
+
+void RankSet::finish_local(Launched& h) {
+  const int32_t at = attn_tp();
+  run_on_all(
+      [&](int i) {
+        Rank& rk = *ranks_[static_cast<size_t>(i)];
+        const int64_t R = h.rows[static_cast<size_t>(i)];
+        if (R < 0) return;
+        GroupOutput& o = h.out[static_cast<size_t>(rk.global / at)];
+        std::vector<int32_t> host(static_cast<size_t>(2 * R));
+        MLA_LOG_TRACE("rank {}: waiting for the ids", rk.global);
+        rk.backend->download_finish(h.tickets[static_cast<size_t>(i)], host.data());
+        o.ids.assign(host.begin(), host.begin() + R);
+        o.logprobs.resize(static_cast<size_t>(R));
+        std::memcpy(o.logprobs.data(), host.data() + R, static_cast<size_t>(R) * sizeof(float));
       },
       pc_.step_timeout);
 }
@@ -416,15 +451,26 @@ void RankSet::run_local(const std::vector<const ForwardBatch*>& batches,
 std::vector<GroupOutput> RankSet::step(const std::vector<const ForwardBatch*>& batches,
                                        const std::vector<std::vector<RowSampling>>& sampling, bool want_logits,
                                        MlaForm form) {
-  const int32_t d = pc_.dp_size, at = attn_tp(), rpn = ranks_per_node();
+  Launched h = launch(batches, sampling, want_logits, form);
+  return finish(h);
+}
+
+RankSet::Launched RankSet::launch(const std::vector<const ForwardBatch*>& batches,
+                                  const std::vector<std::vector<RowSampling>>& sampling, bool want_logits,
+                                  MlaForm form) {
+  const int32_t d = pc_.dp_size;
   MLA_CHECK(pc_.node_rank == 0, "RankSet::step runs on node 0 only");
   MLA_CHECK(static_cast<int32_t>(batches.size()) == d && static_cast<int32_t>(sampling.size()) == d,
             "step: {} batches and {} sampling lists for {} DP groups", batches.size(), sampling.size(), d);
   bool any = false;
   for (const ForwardBatch* b : batches) any |= b && b->num_tokens() > 0;
-  std::vector<GroupOutput> out(static_cast<size_t>(d));
-  if (!any) return out;  // every group idle: no forward at all
+  Launched h;
+  h.out.resize(static_cast<size_t>(d));
+  h.want_logits = want_logits;
+  if (!any) return h;  // every group idle: no forward at all
+  h.ran = true;
   const bool remote = link_ && pc_.nnodes > 1;
+  h.remote = remote;
   if (remote) {
     std::string m(1, kStep);
     put_pod(m, static_cast<char>(form));
@@ -437,8 +483,18 @@ std::vector<GroupOutput> RankSet::step(const std::vector<const ForwardBatch*>& b
     }
     link_->broadcast(m);
   }
-  run_local(batches, sampling, want_logits, form, out);
-  if (remote) {
+  launch_local(batches, sampling, want_logits, form, h);
+  return h;
+}
+
+std::vector<GroupOutput> RankSet::finish(Launched& h) {
+  const int32_t d = pc_.dp_size, at = attn_tp(), rpn = ranks_per_node();
+  if (!h.ran) return std::move(h.out);
+  h.ran = false;
+  finish_local(h);
+  std::vector<GroupOutput>& out = h.out;
+  const bool want_logits = h.want_logits;
+  if (h.remote) {
     // Outputs of groups led by ranks of other nodes, node by node, in group order.
     const int64_t V = config_.vocab_size;
     for (int32_t node = 1; node < pc_.nnodes; ++node) {
@@ -463,7 +519,7 @@ std::vector<GroupOutput> RankSet::step(const std::vector<const ForwardBatch*>& b
       }
     }
   }
-  return out;
+  return std::move(out);
 }
 
 void RankSet::follow() {
@@ -493,8 +549,11 @@ void RankSet::follow() {
       }
       sampling[static_cast<size_t>(g)] = get_sampling(p, end);
     }
-    std::vector<GroupOutput> out(static_cast<size_t>(d));
-    run_local(batches, sampling, want_logits, form, out);
+    Launched h;
+    h.out.resize(static_cast<size_t>(d));
+    launch_local(batches, sampling, want_logits, form, h);
+    finish_local(h);
+    const std::vector<GroupOutput>& out = h.out;
     std::string reply;
     bool leads = false;
     for (int32_t g = 0; g < d; ++g) {

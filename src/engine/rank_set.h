@@ -82,6 +82,21 @@ class RankSet {
   std::vector<GroupOutput> step(const std::vector<const ForwardBatch*>& batches,
                                 const std::vector<std::vector<RowSampling>>& sampling, bool want_logits,
                                 MlaForm form = MlaForm::Auto);
+  // step() in two halves, for overlap scheduling: launch issues the step on every rank and returns while the
+  // devices work (the ids come back through an asynchronous copy; they also stay on each rank of the group, where
+  // the next step's input ids -(row + 1) read them); finish waits for that copy. Launches finish in order; at most
+  // two may be outstanding. A batch with such ids must be launched right after the step whose rows it names.
+  struct Launched {
+    std::vector<GroupOutput> out;
+    std::vector<int64_t> rows;        // per local rank: logit rows it downloads (-1: none)
+    std::vector<uint64_t> tickets;    // per local rank: its download
+    bool ran = false, remote = false, want_logits = false;
+  };
+  Launched launch(const std::vector<const ForwardBatch*>& batches,
+                  const std::vector<std::vector<RowSampling>>& sampling, bool want_logits, MlaForm form = MlaForm::Auto);
+  std::vector<GroupOutput> finish(Launched& launched);
+  // Steps whose batches took input ids from the previous step's samples on the device.
+  int64_t prev_id_steps() const { return prev_id_steps_; }
   // Nodes other than 0: serve node 0's steps until it finishes.
   void follow();
   // Token counts (per DP group) that have a recorded graph; empty when graphs are off.
@@ -98,6 +113,9 @@ class RankSet {
     std::unique_ptr<Communicator> world, attn;
     std::unique_ptr<DeepseekModel> model;
     std::unique_ptr<KvCache> kv;
+    // The group's last samples, on the device: ids [0, R) then their logprobs [R, 2R) (one download); the ids
+    // reach every rank of the group (broadcast from its leading rank) and feed the next step.
+    Tensor sampled;
     std::thread thread;
   };
   void run_on_all(const std::function<void(int)>& fn, std::chrono::milliseconds timeout = std::chrono::hours(2));
@@ -105,9 +123,10 @@ class RankSet {
   void stop_workers();
   // Rendezvous with the other nodes (node 0 hands out `payload`); keeps the link as the control channel.
   void connect_nodes(const std::string& payload);
-  // Runs the local ranks; fills out[g] for groups led by a local rank.
-  void run_local(const std::vector<const ForwardBatch*>& batches, const std::vector<std::vector<RowSampling>>& sampling,
-                 bool want_logits, MlaForm form, std::vector<GroupOutput>& out);
+  // Issues the step on the local ranks (outputs of groups led by a local rank land in h), then waits for them.
+  void launch_local(const std::vector<const ForwardBatch*>& batches,
+                    const std::vector<std::vector<RowSampling>>& sampling, bool want_logits, MlaForm form, Launched& h);
+  void finish_local(Launched& h);
   void capture_graphs();
   int32_t attn_tp() const { return pc_.tp_size / pc_.dp_size; }
   int32_t ranks_per_node() const { return pc_.tp_size / pc_.nnodes; }
@@ -118,7 +137,8 @@ class RankSet {
   std::vector<std::unique_ptr<Rank>> ranks_;  // local ranks
   std::vector<std::function<void()>> abort_groups_;
   std::vector<int32_t> graph_sizes_;
-  int64_t graph_steps_ = 0;
+  int64_t graph_steps_ = 0, prev_id_steps_ = 0;
+  int64_t sampled_rows_ = 0;  // capacity of Rank::sampled (rows)
   int32_t dummy_page_ = -1, page_size_ = 0;  // graphs: padded rows read and write only this page
 
   std::mutex mu_;

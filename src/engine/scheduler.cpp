@@ -140,7 +140,9 @@ void Scheduler::finish(Req& r, FinishReason reason) {
 
 void Scheduler::erase_finished() {
   running_.erase(std::remove_if(running_.begin(), running_.end(),
-                                [](const std::unique_ptr<Req>& r) { return r->state == ReqState::Finished; }),
+                                [](const std::unique_ptr<Req>& r) {
+                                  return r->state == ReqState::Finished && r->plan_refs == 0;
+                                }),
                  running_.end());
 }
 
@@ -276,18 +278,24 @@ StepPlan Scheduler::schedule(bool allow_retract) {
 
 void Scheduler::build_batch(StepPlan& plan) {
   ForwardBatchBuilder bb(cfg_.page_size);
-  bool pending = false;
+  std::vector<std::pair<size_t, int32_t>> from_device;  // (token index in the batch, previous step's logit row)
+  size_t at = 0;
   for (const ScheduledSeq& s : plan.seqs) {
     Req& r = *s.req;
     std::span<const int32_t> toks(r.fill.data() + r.kv_len, static_cast<size_t>(s.num_tokens));
-    for (int32_t t : toks) pending |= t == kPendingToken;
+    for (size_t i = 0; i < toks.size(); ++i)
+      if (toks[i] == kPendingToken) {
+        // Only a decode token can be pending, and only the newest one (one step in flight when planning).
+        MLA_CHECK(r.in_flight == 1 && r.pending_row >= 0 && static_cast<size_t>(r.kv_len) + i + 1 == r.fill.size(),
+                  "scheduler: request {} plans a pending token it cannot take from the device", r.rid);
+        from_device.emplace_back(at + i, r.pending_row);
+      }
+    at += toks.size();
     bb.add(toks, r.kv_len, r.pages, s.wants_logits ? ForwardBatchBuilder::Logits::Last : ForwardBatchBuilder::Logits::None);
   }
   plan.batch = bb.finish();
-  // A batch holding a pending token is refreshed before it runs; keep a valid id there meanwhile.
-  if (pending)
-    for (int32_t& t : plan.batch.input_ids)
-      if (t == kPendingToken) t = 0;
+  plan.uses_prev_ids = !from_device.empty();
+  for (const auto& [t, row] : from_device) plan.batch.input_ids[t] = -(row + 1);
 }
 
 void Scheduler::refresh(StepPlan& plan) {
@@ -308,28 +316,38 @@ void Scheduler::commit(StepPlan& plan, const std::vector<SampleResult>& sampled)
 }
 
 void Scheduler::advance(StepPlan& plan) {
+  int32_t row = 0;
   for (ScheduledSeq& s : plan.seqs) {
     Req& r = *s.req;
-    if (r.state == ReqState::Finished) continue;  // aborted meanwhile
+    ++r.plan_refs;
+    const int32_t my_row = s.wants_logits ? row++ : -1;
+    if (r.state == ReqState::Finished) continue;  // aborted or stopped meanwhile
     r.kv_len += s.num_tokens;
     if (!s.wants_logits) continue;
     r.state = ReqState::Decoding;
     r.fill.push_back(kPendingToken);
     ++r.in_flight;
+    r.pending_row = my_row;
   }
+}
+
+void Scheduler::drop(StepPlan& plan) {
+  for (ScheduledSeq& s : plan.seqs) --s.req->plan_refs;
 }
 
 void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled) {
   size_t i = 0;
   for (ScheduledSeq& s : plan.seqs) {
+    Req& r = *s.req;
+    --r.plan_refs;
     if (!s.wants_logits) continue;
     MLA_CHECK(i < sampled.size(), "scheduler: {} sampled tokens for more rows", sampled.size());
     const SampleResult& sr = sampled[i++];
-    Req& r = *s.req;
-    if (r.state == ReqState::Finished) continue;  // aborted while the step ran
-    MLA_CHECK(r.in_flight == 1 && r.fill.back() == kPendingToken, "scheduler: request {} has no pending token",
-              r.rid);
-    r.fill.back() = sr.token;
+    if (r.state == ReqState::Finished) continue;  // aborted while the step ran, or stopped by an earlier token
+    // The oldest token still in flight is this step's.
+    const size_t at = r.fill.size() - static_cast<size_t>(r.in_flight);
+    MLA_CHECK(r.in_flight >= 1 && r.fill[at] == kPendingToken, "scheduler: request {} has no pending token", r.rid);
+    r.fill[at] = sr.token;
     --r.in_flight;
     r.output.push_back(sr.token);
     r.sampler.observe_output(sr.token);
@@ -344,7 +362,7 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
       f.kind = FinishKind::Stop;
       f.matched_token = sr.token;
     } else if (static_cast<int32_t>(r.output.size()) >= sp.max_new_tokens ||
-               static_cast<int64_t>(r.fill.size()) >= cfg_.context_len) {
+               static_cast<int64_t>(r.fill.size()) - r.in_flight >= cfg_.context_len) {
       f.kind = FinishKind::Length;
     }
     if (f.kind != FinishKind::None) finish(r, f);

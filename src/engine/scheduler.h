@@ -54,6 +54,8 @@ struct Req {
   uint64_t admit_order = 0;
   bool counted = false;                // prompt counted in the stats (first admission)
   int32_t in_flight = 0;               // tokens of a step that ran (advance) but whose sample is not back (resolve)
+  int32_t pending_row = -1;            // logit row of the newest such token in the step that samples it
+  int32_t plan_refs = 0;               // launched plans (advance) not yet resolved that name this request
   std::vector<TokenLogprob> pending_lps;  // logprobs not yet reported
   FinishReason finish;
 };
@@ -69,6 +71,9 @@ struct StepPlan {
   std::vector<ScheduledSeq> seqs;
   ForwardBatch batch;  // logit rows follow `seqs` order among those with wants_logits
   bool blocked = false;  // schedule(allow_retract = false) needed a retraction: nothing was planned
+  // Some input ids are the samples of the step still running (ForwardBatch: -(row + 1)): the batch is valid only
+  // as the very next step on the same ranks (the sampled ids stay on the device), else refresh() it first.
+  bool uses_prev_ids = false;
   bool empty() const { return seqs.empty(); }
 };
 
@@ -94,13 +99,18 @@ class Scheduler {
   void commit(StepPlan& plan, const std::vector<SampleResult>& sampled);
   // Overlap scheduling splits commit in two. advance: what the step does without its samples (kv lengths grow,
   // each sampled row leaves a kPendingToken in the request's tokens), so the next step can be planned while this
-  // one runs. resolve: the samples arrive; pending tokens are replaced, stop / length checks run, outputs go out.
+  // one runs; that plan feeds the pending tokens from the device (uses_prev_ids) and may be launched before this
+  // step resolves, so a request can have two tokens in flight. resolve: the samples arrive, oldest first; pending
+  // tokens are replaced, stop / length checks run, outputs go out. A request that finished while a later step was
+  // already running gets that step's token dropped.
   void advance(StepPlan& plan);
   void resolve(StepPlan& plan, const std::vector<SampleResult>& sampled);
   // A plan made before the previous step resolved: drops requests that finished meanwhile and rebuilds the
   // batch with the now-known tokens.
   void refresh(StepPlan& plan);
-  // Frees finished requests; call only when no plan refers to them any more.
+  // A launched plan (advance) that will never resolve (its step failed): its requests stop waiting for it.
+  void drop(StepPlan& plan);
+  // Frees finished requests that no launched, unresolved plan names.
   void erase_finished();
   bool flush_cache();
   // Finishes every waiting and running request with `reason` (shutdown).

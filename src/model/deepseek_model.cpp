@@ -287,9 +287,15 @@ void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
 
 void DeepseekModel::check_ids(const ForwardBatch& batch) const {
   MLA_CHECK(!layers_.empty(), "model weights are not loaded");
-  for (int32_t id : batch.input_ids)
-    MLA_CHECK(id >= 0 && id < config_.vocab_size, "token id {} is outside the vocabulary [0, {})", id,
-              config_.vocab_size);
+  const int64_t prev = prev_ids_.defined() ? prev_ids_.numel() : 0;
+  for (int32_t id : batch.input_ids) {
+    if (id < 0) {
+      MLA_CHECK(-static_cast<int64_t>(id) <= prev, "input id {} names row {} of the previous step's samples, which "
+                "has {} rows on this rank", id, -static_cast<int64_t>(id) - 1, prev);
+      continue;
+    }
+    MLA_CHECK(id < config_.vocab_size, "token id {} is outside the vocabulary [0, {})", id, config_.vocab_size);
+  }
 }
 
 Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm form, const DpStepInfo* dp) {
@@ -345,6 +351,8 @@ Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, Ml
   Tensor hidden = backend_.scratch({T, H}, ad);
   Tensor residual = backend_.scratch({T, H}, ad);
   Tensor normed = backend_.scratch({T, H}, ad);
+  // Ids sampled by the previous step that stayed on the device (always in a graph: a later replay may have them).
+  if (prev_ids_.defined()) backend_.resolve_prev_ids(prev_ids_);
   backend_.embedding(embed_, plan_.attn_tp_rank * local_vocab_, hidden);
   if (plan_.attn_tp_size > 1) backend_.collective([c = attn_comm_, hidden]() mutable { c->all_reduce_sum(hidden); });
   Tensor gathered, gathered_out;

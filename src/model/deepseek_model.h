@@ -74,6 +74,9 @@ class DeepseekModel {
   // graphs go with Backend::release_graphs.
   void clear_graphs() { graphs_.clear(); }
   const ParallelPlan& plan() const { return plan_; }
+  // The ids this rank's group sampled in its previous step, on the device (I32 [n]): input ids -(k + 1) of a
+  // later batch read prev[k] (ForwardBatch::input_ids). Set once (after allocate_kv); undefined: no such ids.
+  void set_prev_ids(Tensor prev) { prev_ids_ = std::move(prev); }
 
   const ModelConfig& config() const { return config_; }
   Backend& backend() { return backend_; }
@@ -103,6 +106,7 @@ class DeepseekModel {
   Tensor embed_, final_norm_, lm_head_;
   std::vector<LayerWeights> layers_;
   int64_t weight_bytes_ = 0;
+  Tensor prev_ids_;
 };
 
 }  // namespace mlaserve

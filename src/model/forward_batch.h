@@ -22,7 +22,8 @@ struct ForwardBatch {
   int32_t page_size = 0;
   int32_t max_pages = 0;  // columns of page_table
 
-  // Per token, [num_tokens]
+  // Per token, [num_tokens]. An id -(k + 1) is not known on the host yet: it is the id sampled for logit row k of
+  // this DP group's previous step, which stayed on the device (overlap scheduling; DeepseekModel::set_prev_ids).
   std::vector<int32_t> input_ids;
   std::vector<int32_t> positions;   // absolute position in its sequence
   std::vector<int32_t> token_seq;   // index of the sequence the token belongs to

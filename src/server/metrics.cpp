@@ -55,6 +55,7 @@ std::string ServerMetrics::render(const std::vector<RankStats>& ranks) const {
     sum.num_requests_finished += r.num_requests_finished;
     sum.num_retractions += r.num_retractions;
     sum.forward_steps += r.forward_steps;
+    sum.overlapped_steps += r.overlapped_steps;
   }
   std::string out;
   auto gauge = [&](const char* name, const char* help, auto value) {
@@ -84,6 +85,7 @@ std::string ServerMetrics::render(const std::vector<RankStats>& ranks) const {
   counter("num_requests_total", "Engine requests finished.", sum.num_requests_finished);
   counter("num_retractions_total", "Requests retracted (preempted) for lack of KV-cache memory.", sum.num_retractions);
   counter("forward_steps_total", "Model forward steps.", sum.forward_steps);
+  counter("overlapped_steps_total", "Forward steps launched before the previous one finished.", sum.overlapped_steps);
   counter("http_requests_total", "HTTP requests received.", http_requests_total.load());
   counter("generate_requests_total", "Generation requests submitted to the engine (n > 1 counts n).",
           generate_requests_total.load());

@@ -320,6 +320,7 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
         st["num_requests_finished"] = s.num_requests_finished;
         st["num_retractions"] = s.num_retractions;
         st["forward_steps"] = s.forward_steps;
+        st["overlapped_steps"] = s.overlapped_steps;
         states.push_back(std::move(st));
       }
       body["internal_states"] = std::move(states);

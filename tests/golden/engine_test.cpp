@@ -209,6 +209,65 @@ TEST_P(EngineTest, SeededSamplingIsReproducible) {
   expect_no_leak(*e);
 }
 
+// Compares overlap on and off itself (not a parameter), so no EngineTest::make here.
+class OverlapIds : public EngineTest {};
+
+TEST_F(OverlapIds, TakesIdsFromTheDeviceWithTheSameOutputs) {
+  // Seeded sampling (each token's draw must keep its own step even when the previous token is still in flight),
+  // a stop token (seen one step late, while the next step already runs) and a length limit, next to a greedy
+  // request: the same tokens with overlap on and off. Penalties need the previous token on the host, so a batch
+  // with them is not launched early.
+  SamplingParams seeded;
+  seeded.temperature = 0.9f;
+  seeded.top_k = 40;
+  seeded.seed = 77;
+  SamplingParams stop;
+  stop.stop_token_ids = {greedy_[3][3]};
+  auto run = [&](bool overlap, bool penalties) {
+    ParallelConfig pc;
+    pc.device = "cpu";
+    auto ranks = std::make_unique<RankSet>(ModelConfig::from_file(test::golden_dir("v2")), pc, test::golden_dir("v2"),
+                                           LoadOptions{});
+    EngineOptions o;
+    o.page_size = 8;
+    o.num_pages = 512;
+    o.check_integrity = true;
+    o.overlap = overlap;
+    Engine eng(std::move(ranks), o);
+    std::vector<std::future<Result>> fs;
+    SamplingParams pen = seeded;
+    pen.frequency_penalty = 0.7f;
+    pen.repetition_penalty = 1.3f;
+    if (penalties) {
+      fs.push_back(submit(eng, "pen", prompts_[2], 12, pen));
+    } else {
+      fs.push_back(submit(eng, "seeded", prompts_[2], 12, seeded));
+      fs.push_back(submit(eng, "stop", prompts_[3], 20, stop));
+      fs.push_back(submit(eng, "greedy", prompts_[1], 9));
+    }
+    std::vector<Result> out;
+    for (auto& f : fs) out.push_back(wait(f));
+    expect_no_leak(eng);
+    return std::make_pair(out, eng.stats()[0].overlapped_steps);
+  };
+  const auto [off, off_steps] = run(false, false);
+  const auto [on, on_steps] = run(true, false);
+  ASSERT_EQ(on.size(), off.size());
+  for (size_t i = 0; i < on.size(); ++i) {
+    EXPECT_EQ(on[i].tokens, off[i].tokens) << "request " << i;
+    EXPECT_EQ(on[i].finish.kind, off[i].finish.kind) << "request " << i;
+  }
+  EXPECT_EQ(off[0].tokens.size(), 12u);
+  EXPECT_EQ(on[1].finish.kind, FinishKind::Stop);
+  EXPECT_EQ(on[1].tokens.back(), greedy_[3][3]);
+  EXPECT_EQ(off_steps, 0);
+  EXPECT_GT(on_steps, 8);
+  const auto [pen_off, pen_off_steps] = run(false, true);
+  const auto [pen_on, pen_on_steps] = run(true, true);
+  EXPECT_EQ(pen_on[0].tokens, pen_off[0].tokens);
+  EXPECT_EQ(pen_on_steps, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Overlap, EngineTest, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "overlap" : "no_overlap"; });
 

@@ -6,6 +6,7 @@
 #include <numeric>
 #include <random>
 
+#include "backend/cpu/cpu_kernels.h"
 #include "gpu_test_util.h"
 #include "model/forward_batch.h"
 
@@ -75,6 +76,59 @@ TEST(CudaOps, EmbeddingShard) {
   cpu().embedding(tc, 10, oc);
   gpu().embedding(tg, 10, og);
   expect_close(cpu().to_host_f32(oc), gpu().to_host_f32(og), 0.0, 0.0, "embedding (exact)");
+}
+
+TEST(CudaOps, PrevIdsFeedTheEmbedding) {
+  REQUIRE_GPU();
+  // Ids -(k + 1) read the previous step's samples kept on the device (k past them: id 0), others stay.
+  Scenario s = make_scenario({{0, 5}, {3, 1}, {9, 1}}, 4, 3, 40);
+  const int32_t n_prev = 3;
+  s.batch.input_ids[0] = -1;
+  s.batch.input_ids[2] = -3;
+  s.batch.input_ids[5] = -2;
+  s.batch.input_ids[6] = -(n_prev + 2);  // out of range
+  begin(s.batch);
+  Tensor prev_h = Tensor::empty_host({n_prev}, DType::I32);
+  const int32_t prev_ids[n_prev] = {17, 33, 4};
+  std::copy(prev_ids, prev_ids + n_prev, prev_h.data_as<int32_t>());
+  Tensor pc = cpu().alloc({n_prev}, DType::I32), pg = gpu().alloc({n_prev}, DType::I32);
+  cpu().upload_into(prev_h, pc);
+  gpu().upload_into(prev_h, pg);
+  cpu().resolve_prev_ids(pc);
+  gpu().resolve_prev_ids(pg);
+  Tensor table = rand_host({40, 64}, 5);
+  Tensor tc = cpu().upload(table, DType::BF16), tg = gpu().upload(table, DType::BF16);
+  const int64_t T = s.batch.num_tokens();
+  Tensor oc = cpu().scratch({T, 64}, DType::F32), og = gpu().scratch({T, 64}, DType::BF16);
+  cpu().embedding(tc, 0, oc);
+  gpu().embedding(tg, 0, og);
+  Tensor hc = cpu().to_host_f32(oc), hg = gpu().to_host_f32(og);
+  expect_close(hc, hg, 0.0, 0.0, "embedding of resolved ids (exact)");
+  // The CPU reference itself: row 0 is table[17], row 6 table[0].
+  std::vector<int32_t> ids(s.batch.input_ids);
+  cpu::resolve_prev_ids(ids.data(), T, prev_ids, n_prev);
+  EXPECT_EQ(ids[0], 17);
+  EXPECT_EQ(ids[2], 4);
+  EXPECT_EQ(ids[5], 33);
+  EXPECT_EQ(ids[6], 0);
+  EXPECT_EQ(ids[1], s.batch.input_ids[1]);
+}
+
+TEST(CudaOps, AsyncDownloadsFinishInOrder) {
+  REQUIRE_GPU();
+  Tensor h = rand_host({3000}, 9);
+  Tensor a = gpu().alloc({3000}, DType::F32), b = gpu().alloc({1000}, DType::F32);
+  gpu().upload_into(h, a);
+  gpu().upload_into(Tensor::view(h.data_as<float>() + 7, {1000}, DType::F32, h.device()), b);
+  const uint64_t ta = gpu().download_start(a);
+  const uint64_t tb = gpu().download_start(b);
+  gpu().zero(a);  // issued after the copy: the copy still sees the old values
+  std::vector<float> ra(3000), rb(1000);
+  EXPECT_THROW(gpu().download_finish(tb, rb.data()), Error);  // out of order
+  gpu().download_finish(ta, ra.data());
+  gpu().download_finish(tb, rb.data());
+  for (int i = 0; i < 3000; ++i) ASSERT_EQ(ra[static_cast<size_t>(i)], h.data_as<float>()[i]) << i;
+  for (int i = 0; i < 1000; ++i) ASSERT_EQ(rb[static_cast<size_t>(i)], h.data_as<float>()[i + 7]) << i;
 }
 
 TEST(CudaOps, RmsNormAndResidual) {

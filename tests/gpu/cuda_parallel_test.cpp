@@ -20,7 +20,13 @@
 namespace mlaserve::test {
 namespace {
 
-constexpr double kLogitTol = 0.10;  // as in cuda_model_test.cpp (justified in docs/cuda.md)
+// One GPU: 0.10, as in cuda_model_test.cpp (justified in docs/cuda.md). Split layouts round each rank's partial
+// o_proj / MoE / MLP output to bf16 before the all-reduce sums them (two all-reduces per layer), one more bf16
+// rounding of every residual contribution than on one GPU: measured up to 1.03e-1 on v2 (routed_scaling_factor 16
+// amplifies the expert outputs; one GPU 9.2e-2 there), so the layouts get 0.15. A wrong shard, a missing or doubled
+// all-reduce or rows swapped between DP groups give errors of order 1 or more.
+constexpr double kOneGpuTol = 0.10;
+constexpr double kLayoutTol = 0.15;
 
 
 
@@ -66,7 +72,7 @@ void layout_case(const std::string& fam, int32_t tp, int32_t dp) {
     const Diff d = diff(ref.prompt_logits[k], got.prompt_logits[j]);
     std::printf("  %-4s tp %d dp %d prompt %zu (len %zu): max|dlogit|/std %.2e (routing forced)\n", fam.c_str(), tp, dp,
                 j, prompts[j].size(), d.max_abs / sd);
-    EXPECT_LE(d.max_abs / sd, kLogitTol) << fam << " tp " << tp << " dp " << dp << " prompt " << j;
+    EXPECT_LE(d.max_abs / sd, tp * dp == 1 ? kOneGpuTol : kLayoutTol) << fam << " tp " << tp << " dp " << dp << " prompt " << j;
   }
 }
 
@@ -75,7 +81,10 @@ void layout_case(const std::string& fam, int32_t tp, int32_t dp) {
 
 TEST(CudaParallel, TensorParallelMatchesReference) {
   REQUIRE_TWO_GPUS();
-  for (const char* fam : {"v2", "v3"}) layout_case(fam, 2, 1);
+  for (const char* fam : {"v2", "v3"}) {
+    layout_case(fam, 1, 1);  // the one-GPU numbers next to the layout's, same prompts and routing
+    layout_case(fam, 2, 1);
+  }
 }
 
 TEST(CudaParallel, DpAttentionMatchesReference) {

@@ -98,10 +98,55 @@ void prefill_meets_decode(bool graphs) {
   expect_idle_and_clean(e);
   if (graphs) EXPECT_GT(rs->graph_steps(), 10);
   else EXPECT_EQ(rs->graph_steps(), 0);
+  // Overlap scheduling launched decode steps whose ids came from the previous step's samples on the ranks.
+  EXPECT_GT(e.stats()[0].overlapped_steps, 10);
+  EXPECT_GT(rs->prev_id_steps(), 10);
 }
 
 TEST(DpAttentionEngine, PrefillMeetsDecodeAndIdleGroups) { prefill_meets_decode(false); }
 TEST(DpAttentionEngine, PrefillMeetsDecodeThroughGraphs) { prefill_meets_decode(true); }
+
+// Layouts whose attention groups have several ranks: only a group's leading rank samples, and the ids reach the
+// group's other ranks on the device (broadcast) before the next step, which overlap scheduling launches before the
+// host has them. Outputs equal the reference; the same with overlap off (nothing taken from the device).
+void ids_on_the_ranks(int32_t tp, int32_t dp, bool graphs, bool overlap) {
+  Golden g = golden("v2");
+  ParallelConfig pc;
+  pc.tp_size = tp;
+  pc.dp_size = dp;
+  pc.device = "cpu";
+  pc.backend.cpu_graphs = graphs;
+  pc.cuda_graph_max_bs = graphs ? 8 : 0;
+  auto ranks = std::make_unique<RankSet>(ModelConfig::from_file(test::golden_dir("v2")), pc, test::golden_dir("v2"),
+                                         LoadOptions{});
+  const RankSet* rs = ranks.get();
+  EngineOptions o;
+  o.page_size = 8;
+  o.num_pages = 160;
+  o.check_integrity = true;
+  o.overlap = overlap;
+  Engine e(std::move(ranks), o);
+  std::vector<std::future<std::vector<int32_t>>> fs;
+  for (int j = 0; j < 5; ++j) fs.push_back(submit(e, "r" + std::to_string(j), g.prompts[j], 10 + j));
+  for (int j = 0; j < 5; ++j) {
+    const std::vector<int32_t> got = wait(fs[static_cast<size_t>(j)]);
+    EXPECT_EQ(got.size(), static_cast<size_t>(10 + j));
+    expect_prefix(got, g.greedy[static_cast<size_t>(j)]);
+  }
+  expect_idle_and_clean(e);
+  if (overlap) {
+    EXPECT_GT(e.stats()[0].overlapped_steps, 5);
+    EXPECT_GT(rs->prev_id_steps(), 5);
+  } else {
+    EXPECT_EQ(e.stats()[0].overlapped_steps, 0);
+    EXPECT_EQ(rs->prev_id_steps(), 0);
+  }
+  if (graphs) EXPECT_GT(rs->graph_steps(), 5);
+}
+
+TEST(IdsOnTheDevice, TensorParallel2) { ids_on_the_ranks(2, 1, false, true); }
+TEST(IdsOnTheDevice, TensorParallel2NoOverlap) { ids_on_the_ranks(2, 1, false, false); }
+TEST(IdsOnTheDevice, DpAttention4x2ThroughGraphs) { ids_on_the_ranks(4, 2, true, true); }
 
 TEST(DpReplicas, ControllerDispatchesAndRoutesAborts) {
   Golden g = golden("v2");

@@ -101,6 +101,11 @@ class CpuBackend final : public Backend {
 
   void begin_step(const ForwardBatch& batch) override { step_ = batch; }
 
+  void resolve_prev_ids(const Tensor& prev) override {
+    MLA_CHECK(prev.dtype() == DType::I32, "resolve_prev_ids: prev must be I32");
+    cpu::resolve_prev_ids(step_.input_ids.data(), step_.num_tokens(), prev.data_as<int32_t>(), prev.numel());
+  }
+
   void embedding(const Tensor& table, int64_t vocab_begin, Tensor& out) override {
     const int64_t H = table.size(1), V = table.size(0);
     const int64_t T = step_.num_tokens();

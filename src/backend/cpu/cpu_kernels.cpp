@@ -39,6 +39,14 @@ void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) {
   }
 }
 
+void resolve_prev_ids(int32_t* ids, int64_t n, const int32_t* prev, int64_t n_prev) {
+  for (int64_t t = 0; t < n; ++t)
+    if (ids[t] < 0) {
+      const int64_t k = -static_cast<int64_t>(ids[t]) - 1;
+      ids[t] = k < n_prev ? prev[k] : 0;
+    }
+}
+
 void rmsnorm_row(const float* x, const float* w, int64_t D, float eps, float* out) {
   float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)

@@ -10,6 +10,8 @@ namespace mlaserve::cpu {
 // Element conversion between F32 / F16 / BF16 / F8_E4M3 (to F32 or BF16).
 void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n);
 
+// ids[t] < 0, -(k + 1), becomes prev[k] (0 when k >= n_prev); others stay (Backend::resolve_prev_ids).
+void resolve_prev_ids(int32_t* ids, int64_t n, const int32_t* prev, int64_t n_prev);
 void rmsnorm_row(const float* x, const float* w, int64_t D, float eps, float* out);
 void silu_mul_row(const float* gate_up, int64_t I, float* out);
 // Rotates adjacent pairs (x[2i], x[2i+1]) by angle pos * inv_freq[i]; cos/sin scaled by `factor`.

@@ -156,6 +156,10 @@ class CudaBackend final : public Backend {
     cudaFree(lt_ws_);
     cudaFree(blas_ws_);
     cudaFreeHost(pinned_);
+    for (Download& d : downloads_) {
+      if (d.host) cudaFreeHost(d.host);
+      if (d.done) cudaEventDestroy(d.done);
+    }
     cudaEventDestroy(meta_event_);
     cudaStreamDestroy(stream_);
   }
@@ -237,6 +241,36 @@ class CudaBackend final : public Backend {
     CUDA_OK(cudaStreamSynchronize(stream_), "download");
   }
 
+  // Asynchronous downloads land in pinned slots (one per download in flight, grown when a larger one comes; a
+  // slot is reused only after its download finished) and an event marks each copy's end.
+  uint64_t download_start(const Tensor& t) override {
+    MLA_CHECK(downloads_in_flight_ < kMaxDownloads, "more than {} downloads in flight", kMaxDownloads);
+    Download& d = downloads_[next_download_ % kMaxDownloads];
+    if (d.capacity < t.nbytes()) {  // the first steps only: slots keep their largest size
+      if (d.host) cudaFreeHost(d.host);
+      d.host = nullptr;
+      d.capacity = 0;
+      const size_t cap = std::max<size_t>(t.nbytes(), 64 << 10);
+      CUDA_OK(cudaHostAlloc(&d.host, cap, cudaHostAllocDefault), "pinned download slot");
+      d.capacity = cap;
+    }
+    if (!d.done) CUDA_OK(cudaEventCreateWithFlags(&d.done, cudaEventDisableTiming), "download event");
+    d.bytes = t.nbytes();
+    if (d.bytes) CUDA_OK(cudaMemcpyAsync(d.host, t.data(), d.bytes, cudaMemcpyDeviceToHost, stream_), "download");
+    CUDA_OK(cudaEventRecord(d.done, stream_), "download event");
+    ++downloads_in_flight_;
+    return next_download_++;
+  }
+
+  void download_finish(uint64_t ticket, void* dst) override {
+    MLA_CHECK(downloads_in_flight_ > 0 && ticket + static_cast<uint64_t>(downloads_in_flight_) == next_download_,
+              "download {} finished out of order or twice", ticket);
+    Download& d = downloads_[ticket % kMaxDownloads];
+    CUDA_OK(cudaEventSynchronize(d.done), "waiting for a download");
+    if (d.bytes) std::memcpy(dst, d.host, d.bytes);
+    --downloads_in_flight_;
+  }
+
   Tensor to_host_f32(const Tensor& t) override {
     Tensor out = Tensor::empty_host(t.shape(), DType::F32);
     if (t.numel() == 0) return out;
@@ -308,6 +342,17 @@ class CudaBackend final : public Backend {
     for (Graph& g : graphs_)
       if (g.exec) cudaGraphExecDestroy(g.exec);
     graphs_.clear();
+  }
+
+  void resolve_prev_ids(const Tensor& prev) override {
+    MLA_CHECK(prev.dtype() == DType::I32, "resolve_prev_ids: prev must be I32");
+    CUDA_OK(cuda::resolve_prev_ids(d_input_ids_, step_.num_tokens(), static_cast<const int32_t*>(prev.data()),
+                                   prev.numel(), stream_),
+            "resolve_prev_ids");
+  }
+
+  void end_step() override {
+    if (idle_stats_ && !step_events_.empty()) cudaEventRecord(step_events_.back().second, stream_);
   }
 
   // ---- ops ----
@@ -630,6 +675,14 @@ class CudaBackend final : public Backend {
   void* blas_ws_ = nullptr;
   Arena persistent_, scratch_, meta_;
   char* pinned_ = nullptr;
+  struct Download {
+    void* host = nullptr;
+    size_t capacity = 0, bytes = 0;
+    cudaEvent_t done = nullptr;
+  };
+  Download downloads_[kMaxDownloads];
+  uint64_t next_download_ = 0;
+  int downloads_in_flight_ = 0;
   size_t scratch_peak_ = 0;
   bool allow_fast_ = true, moe_cublas_ = false;
   int32_t mla_variant_ = 4;  // measured fastest on H200 (docs/perf.md); MLASERVE_MLA_DECODE_VARIANT overrides

@@ -40,6 +40,17 @@ __global__ void f32_to_bf16_kernel(const float* in, bf16* out, int64_t n) {
     out[i] = __float2bfloat16_rn(in[i]);
 }
 
+__global__ void resolve_prev_ids_kernel(int32_t* ids, int64_t n, const int32_t* prev, int64_t n_prev) {
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < n;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t id = ids[t];
+    if (id < 0) {
+      const int64_t k = -static_cast<int64_t>(id) - 1;
+      ids[t] = k < n_prev ? prev[k] : 0;
+    }
+  }
+}
+
 __global__ void embedding_kernel(const bf16* table, int64_t vocab_rows, int64_t H, int64_t vocab_begin,
                                  const int32_t* ids, bf16* out) {
   const int64_t t = blockIdx.x;
@@ -216,6 +227,12 @@ cudaError_t convert_bf16_to_f32(const bf16* in, float* out, int64_t n, cudaStrea
 cudaError_t convert_f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   f32_to_bf16_kernel<<<grid_for(n, 256), 256, 0, stream>>>(in, out, n);
+  return cudaGetLastError();
+}
+
+cudaError_t resolve_prev_ids(int32_t* ids, int64_t n, const int32_t* prev, int64_t n_prev, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  resolve_prev_ids_kernel<<<grid_for(n, 256), 256, 0, stream>>>(ids, n, prev, n_prev);
   return cudaGetLastError();
 }
 

@@ -30,6 +30,9 @@ cudaError_t convert_bf16_to_f32(const bf16* in, float* out, int64_t n, cudaStrea
 cudaError_t convert_f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream);
 
 // out[T, H] = table[ids[t] - vocab_begin] when inside [0, vocab_rows), else 0.
+// ids[t] < 0, -(k + 1), becomes prev[k] (0 when k >= n_prev). CPU reference: cpu::resolve_prev_ids.
+cudaError_t resolve_prev_ids(int32_t* ids, int64_t n, const int32_t* prev, int64_t n_prev, cudaStream_t stream);
+
 cudaError_t embedding(const bf16* table, int64_t vocab_rows, int64_t H, int64_t vocab_begin, const int32_t* ids,
                       int64_t T, bf16* out, cudaStream_t stream);
 

@@ -1,0 +1,45 @@
+#!/usr/bin/env python3
+"""Sends greedy /generate requests of token ids to an mlaserve (or SGLang) server and prints the output ids as JSON.
+
+Used on the device to compare two servers (overlap scheduling on / off, graphs on / off) request by request.
+usage: greedy_ids.py PORT [--concurrent] [--n N] [--len L] [--new M]
+  default: N requests one after another (each runs alone, so both servers run the very same steps);
+  --concurrent: all at once (batch composition then depends on timing).
+"""
+import json
+import sys
+import threading
+import urllib.request
+
+
+def generate(port, ids, new):
+    body = json.dumps({"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new,
+                                                             "ignore_eos": True}}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["output_ids"]
+
+
+def main():
+    args = sys.argv[1:]
+    port = int(args[0])
+    n, length, new = 8, 24, 32
+    if "--n" in args: n = int(args[args.index("--n") + 1])
+    if "--len" in args: length = int(args[args.index("--len") + 1])
+    if "--new" in args: new = int(args[args.index("--new") + 1])
+    prompts = [[(1000 + 7919 * (i * length + j)) % 100000 for j in range(length + i)] for i in range(n)]
+    out = [None] * n
+    if "--concurrent" in args:
+        def run(i):
+            out[i] = generate(port, prompts[i], new)
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+        for t in ts: t.start()
+        for t in ts: t.join()
+    else:
+        for i in range(n):
+            out[i] = generate(port, prompts[i], new)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
