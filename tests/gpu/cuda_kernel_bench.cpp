@@ -1,7 +1,7 @@
 // Kernel micro-benchmarks on the GPU (not a test): the MLA decode kernel alone (bytes of latent cache read per
 // second; FLOP/s with 128 heads) and the grouped MoE GEMMs (bytes of expert weights read per second at decode
 // batch sizes, FLOP/s at prefill sizes). Random data (fill_random), CUDA events, median of 20 runs after warm-up.
-// usage: cuda_kernel_bench [mla|moe|all]
+// usage: cuda_kernel_bench [mla [variant]|mla128|moe|all]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -81,7 +81,7 @@ double bench_mla(int batch, int ctx, int nh, int page_size, int variant) {
   std::iota(table.begin(), table.end(), 0);
   std::mt19937_64 rng(5);
   std::shuffle(table.begin(), table.end(), rng);
-  const int32_t chunk = mla_decode_split_keys(slots, batch, ctx, nh, kvr, rope, num_sms());
+  const int32_t chunk = mla_decode_split_keys(slots, batch, ctx, nh, kvr, rope, num_sms(), variant);
   std::vector<MlaDecodeItem> items;
   std::vector<MlaDecodeCombineItem> comb;
   int32_t partial = 0;
@@ -211,6 +211,19 @@ int main(int argc, char** argv) {
   }
   CK(cudaSetDevice(0));
   if (what == "all" || what == "copy") bench_copy();
+  if (what == "mla" && argc > 2) {
+    // One variant only: cuda_kernel_bench mla V
+    const int v = std::atoi(argv[2]);
+    bench_mla(128, 4096, 16, 64, v);
+    bench_mla(256, 1024, 16, 16, v);
+    bench_mla(128, 4096, 16, 16, v);
+    return 0;
+  }
+  if (what == "mla128") {
+    bench_mla(128, 4096, 128, 64, 0);
+    bench_mla(128, 4096, 128, 64, 1);
+    return 0;
+  }
   if (what == "all" || what == "mla") {
     int best = 0;
     double best_bw = 0;

@@ -685,7 +685,8 @@ class CudaBackend final : public Backend {
   int downloads_in_flight_ = 0;
   size_t scratch_peak_ = 0;
   bool allow_fast_ = true, moe_cublas_ = false;
-  int32_t mla_variant_ = 4;  // measured fastest on H200 (docs/perf.md); MLASERVE_MLA_DECODE_VARIANT overrides
+  // measured fastest on H200 (docs/perf.md); MLASERVE_MLA_DECODE_VARIANT overrides
+  int32_t mla_variant_ = cuda::kMlaDecodeDefaultVariant;
   bool moe_grouped_only_ = false;
   static constexpr int64_t kMoeCublasRowsPerExpert = 384;
 
@@ -756,7 +757,7 @@ CudaBackend::MlaPlan CudaBackend::build_plan(const PlanKey& key, MetaUpload& up,
     MLA_CHECK(expanded_seqs.empty(), "graph step with prefill tokens");
     int64_t basis = 1;
     while (basis < absorbed_tokens) basis *= 2;
-    const int32_t S = cuda::mla_decode_fixed_splits(basis, nh, kvr, rope, num_sms_);
+    const int32_t S = cuda::mla_decode_fixed_splits(basis, nh, kvr, rope, num_sms_, mla_variant_);
     int32_t partial = 0;
     for (int32_t s : absorbed_seqs)
       for (int32_t t = b.seq_q_start[s]; t < b.seq_q_start[s + 1]; ++t) {
@@ -774,7 +775,8 @@ CudaBackend::MlaPlan CudaBackend::build_plan(const PlanKey& key, MetaUpload& up,
     plan.num_partials = partial;
     plan.row_offsets = true;
   } else if (!absorbed_seqs.empty()) {
-    const int32_t chunk = cuda::mla_decode_split_keys(total_keys, absorbed_tokens, max_ctx, nh, kvr, rope, num_sms_);
+    const int32_t chunk = cuda::mla_decode_split_keys(total_keys, absorbed_tokens, max_ctx, nh, kvr, rope, num_sms_,
+                                                        mla_variant_);
     int32_t partial = 0;
     for (int32_t s : absorbed_seqs)
       for (int32_t t = b.seq_q_start[s]; t < b.seq_q_start[s + 1]; ++t)

@@ -96,12 +96,16 @@ struct MlaDecodeParams {
   bf16* out_lat;           // [T, nh, kvr]: softmax(q k^T) @ c_kv per head
   float* partial_o;        // [num_partials, nh, kvr]: per split, normalised by its own softmax sum
   float* partial_lse;      // [num_partials, nh]: log2-sum-exp2 of the split's scaled scores
-  // Fast-path pipeline (16-head groups; the backend uses 4, measured fastest): 0: 32-key tiles, 2 stages, 2 blocks/SM; 1: 3 stages; 2: 4 stages
-  // (1 block/SM); 3: 64-key tiles, 8 warps, 2 stages; 4: 32-key tiles, 8 warps, QK^T dims split over warp pairs.
+  // Fast-path pipeline (16-head groups; the backend uses kMlaDecodeDefaultVariant): 0: 32-key tiles, 2 stages,
+  // 2 blocks/SM; 1: 3 stages; 2: 4 stages (1 block/SM); 3: 64-key tiles, 8 warps, 2 stages; 4: 32-key tiles, 8 warps,
+  // QK^T dims split over warp pairs. Warp-specialised (a bulk-copy producer warp + 8 consumer warps, mbarrier ring,
+  // Q in registers, one barrier per tile): 5: 32-key tiles, 5 stages, dims over warp pairs, 1 block/SM; 6: the same
+  // with dims over 4 warps; 7: dims over 4 warps, 2 stages, 2 blocks/SM; 8: 64-key tiles, 2 stages, 1 block/SM.
   // 64-head groups: 1: 3 stages, else 2.
   int32_t variant = 0;
 };
-constexpr int kMlaDecodeVariants = 5;
+constexpr int kMlaDecodeVariants = 9;
+constexpr int kMlaDecodeDefaultVariant = 7;  // measured fastest on H200 (docs/perf.md)
 // Absorbed-form attention over the paged latent cache (one KV head of 576 shared by all heads).
 // Fast tensor-core path for kvr 512 / rope 64 (heads in groups of 16, 32 or 64); a simple path otherwise.
 cudaError_t mla_decode(const MlaDecodeParams& p, bool allow_fast, cudaStream_t stream);
@@ -112,7 +116,7 @@ cudaError_t mla_decode_combine(const MlaDecodeCombineItem* items, int32_t num_it
 // Keys per split the decode planner should use for num_tokens tokens with total_keys keys in all (longest max_ctx),
 // chosen from the SM count: no split when the tokens alone fill a wave of blocks.
 int32_t mla_decode_split_keys(int64_t total_keys, int64_t num_tokens, int64_t max_ctx, int32_t num_heads, int32_t kvr,
-                              int32_t rope, int32_t num_sms);
+                              int32_t rope, int32_t num_sms, int32_t variant = kMlaDecodeDefaultVariant);
 
 // Appends one decode token's work: its keys [0, ctx) in parts of at most `chunk` keys (equal parts in whole 64-key
 // steps), each part writing its own partial result and one combine item gathering them; a single item writing the
@@ -133,7 +137,8 @@ inline void plan_decode_token(int32_t token, int32_t row, int32_t ctx, int32_t c
 // Graph steps (CUDA graphs: the grid may not depend on the step): every decode token's keys in this many parts
 // (some empty for short contexts), chosen from the token count so the blocks fill about one wave.
 constexpr int32_t kMaxFixedSplits = 32;
-int32_t mla_decode_fixed_splits(int64_t num_tokens, int32_t num_heads, int32_t kvr, int32_t rope, int32_t num_sms);
+int32_t mla_decode_fixed_splits(int64_t num_tokens, int32_t num_heads, int32_t kvr, int32_t rope, int32_t num_sms,
+                                int32_t variant = kMlaDecodeDefaultVariant);
 
 // Expanded-form (prefill) work: up to kPrefillBlockQ consecutive new tokens of one sequence.
 constexpr int32_t kPrefillBlockQ = 64;

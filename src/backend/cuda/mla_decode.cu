@@ -3,9 +3,17 @@
 // cpu::mla_attention (absorbed_token_head).
 //
 // Work: one block per (item, head group); an item is one token's keys [key_begin, key_end) (a split of its context).
-// Fast path (kvr 512, rope 64): tensor cores (mma.sync m16n8k16 bf16), cache tiles of 32 keys streamed with cp.async
-// into shared memory (rows past the split are zero-filled: unused pages are never read, so NaN there cannot leak),
-// online softmax in log2 space. Splits write normalised partial outputs + log2-sum-exp; mla_decode_combine merges.
+// Fast paths (kvr 512, rope 64): tensor cores (mma.sync m16n8k16 bf16), online softmax in log2 space, rows past the
+// split zero-filled (unused pages are never read, so NaN there cannot leak). Splits write normalised partial outputs +
+// log2-sum-exp; mla_decode_combine merges.
+//  - mla_decode_ws_kernel (variants 5..8; 7 is the default, kMlaDecodeDefaultVariant): warp-specialised. A producer
+//    warp streams cache tiles into a ring of shared-memory stages with bulk copies (cp.async.bulk, one 1152-byte row
+//    per lane, mbarrier full/empty handshake), the consumer warps keep Q in registers and pass one named barrier per
+//    tile (the split S exchange); each consumer warp redoes the tile's softmax into its own P fragments. Variant 7
+//    (4 consumer warps, 32-key tiles, 2 stages, 2 blocks/SM) measured 3.77-3.83 TB/s of latent cache on one H200
+//    (batch 128 x 4096, 16 heads, page 64), against 2.68-2.83 for variant 4 (docs/perf.md).
+//  - mla_decode_fast_kernel (variants 0..4, and 64-head groups): every warp loads tiles with cp.async, S and P go
+//    through shared memory, three block barriers per tile.
 #include <algorithm>
 #include <cmath>
 
@@ -262,6 +270,357 @@ __global__ void __launch_bounds__(NW * 32) mla_decode_fast_kernel(const MlaDecod
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Warp-specialised path (variants 5..8, 16-head groups): one producer warp streams 32- or 64-key cache tiles into a
+// ring of STAGES shared-memory buffers with bulk copies (cp.async.bulk, one 1152-byte row per lane, completing on a
+// "full" mbarrier per stage); NW consumer warps compute on them and hand each buffer back through an "empty" mbarrier.
+// Consumers keep their Q fragments in registers (loaded once), split QK^T over (8-key n-tiles x KSPLIT dim slices),
+// exchange the partial scores through a double-buffered shared S tile (the only block-level barrier per tile: a named
+// barrier among the consumers), and then every consumer warp redoes the online softmax of the whole 16 x BN tile
+// itself, straight into its P @ V A-fragments: no P tile in shared memory, no second barrier. Row max / sum / rescale
+// are the same arithmetic in every warp, so the warps agree bit for bit. Rows past the split are zero-filled by the
+// producer (generic stores + a proxy fence): unused pages are never read.
+template <int NW, int STAGES, int BN, int KSPLIT, int MINB>
+struct WsCfg {
+  static constexpr int HB = 16, D = 576, KVR = 512, ROPE = 64;
+  static constexpr int LDS = D + 8;                  // smem row stride (elements): 1168 B, conflict-free ldmatrix
+  static constexpr int ROW_BYTES = D * 2;            // one cache row in global memory
+  static constexpr int NT = BN / 8;                  // 8-key n-tiles of S
+  static constexpr int NPW = NT * KSPLIT / NW;       // n-tiles per consumer warp (all in one dim slice)
+  static constexpr int KSTEPS = D / 16 / KSPLIT;     // 16-deep k steps per dim slice
+  static constexpr int DVW = KVR / NW, NTO = DVW / 8;  // P @ V: dv columns per warp, n8 tiles
+  static constexpr int LDSS = BN + 8;                // S row stride (floats): float2 accesses conflict-free
+  static constexpr int THREADS = (NW + 1) * 32;
+  static constexpr int NLOAD = NPW == 1 ? (KSTEPS + 1) / 2 : KSTEPS * NPW / 2;  // ldmatrix.x4 per tile for QK^T
+  // K fragments in flight: all of them when registers allow (ptxas: no spills in 5 and 6, 4 and 12 bytes in 7 and 8)
+  static constexpr int PF = MINB > 1 || NLOAD > 9 ? 4 : NLOAD;
+  static constexpr size_t k_bytes = sizeof(bf16) * static_cast<size_t>(STAGES) * BN * LDS;
+  static constexpr size_t s_bytes = sizeof(float) * 2 * KSPLIT * HB * LDSS;
+  static constexpr size_t smem_bytes = k_bytes + s_bytes + 2 * STAGES * sizeof(uint64_t);
+  static_assert(NW % KSPLIT == 0 && (NT * KSPLIT) % NW == 0 && NPW >= 1, "S units must split evenly over warps");
+  static_assert(NPW == 1 || NPW % 2 == 0, "n-tiles per warp: one or pairs");
+  static_assert(BN % 32 == 0 && BN <= 64, "the producer moves one row per lane per 32 keys");
+  static_assert(NTO % 2 == 0, "O tiles come in pairs");
+};
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile(
+      "{\n .reg .b64 st;\n mbarrier.arrive.release.cta.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// bytes (a multiple of 16) from global to shared, completing as transaction bytes on bar.
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int NW, int STAGES, int BN, int KSPLIT, int MINB>
+__global__ void __launch_bounds__((NW + 1) * 32, MINB) mla_decode_ws_kernel(const MlaDecodeParams p) {
+  using C = WsCfg<NW, STAGES, BN, KSPLIT, MINB>;
+  constexpr int HB = C::HB, KVR = C::KVR, LDS = C::LDS, LDSS = C::LDSS, KSTEPS = C::KSTEPS, NPW = C::NPW;
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  bf16* sK = reinterpret_cast<bf16*>(smem_raw);
+  float* sS = reinterpret_cast<float*>(smem_raw + C::k_bytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw + C::k_bytes + C::s_bytes);
+  uint64_t* empty = full + STAGES;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const MlaDecodeItem it = p.items[blockIdx.x];
+  const int h0 = blockIdx.y * HB;
+  const int nh = p.num_heads;
+  const int rows_valid = min(HB, nh - h0);
+  if (it.key_end <= it.key_begin) {
+    // An empty split (fixed split counts for CUDA graphs): weight zero in the combine.
+    if (it.partial >= 0 && tid < rows_valid) p.partial_lse[static_cast<int64_t>(it.partial) * nh + h0 + tid] = -INFINITY;
+    return;
+  }
+  const int n_tiles = (it.key_end - it.key_begin + BN - 1) / BN;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full + s, 32);  // every producer lane arrives once per fill
+      mbar_init(empty + s, NW);  // one arrival per consumer warp per use
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == NW) {
+    // Producer: fill stage kt % STAGES with tile kt once its previous use has been handed back.
+    const int32_t* ptab = p.page_table + static_cast<int64_t>(it.seq) * p.max_pages;
+    for (int kt = 0; kt < n_tiles; ++kt) {
+      const int s = kt % STAGES;
+      const int key0 = it.key_begin + kt * BN;
+      int64_t slot[BN / 32];
+#pragma unroll
+      for (int i = 0; i < BN / 32; ++i) {
+        const int key = key0 + lane + 32 * i;
+        slot[i] = key < it.key_end
+                      ? static_cast<int64_t>(ptab[key / p.page_size]) * p.page_size + key % p.page_size
+                      : 0;
+      }
+      if (kt >= STAGES) mbar_wait(empty + s, ((kt / STAGES) - 1) & 1);
+      if (lane == 0) mbar_expect_tx(full + s, static_cast<uint32_t>(min(BN, it.key_end - key0) * C::ROW_BYTES));
+      __syncwarp();
+      bf16* dst = sK + s * BN * LDS;
+#pragma unroll
+      for (int i = 0; i < BN / 32; ++i) {
+        const int r = lane + 32 * i;
+        if (key0 + r < it.key_end) {
+          bulk_copy_g2s(dst + r * LDS, p.cache + slot[i] * C::D, C::ROW_BYTES, full + s);
+        } else {
+          uint4* z = reinterpret_cast<uint4*>(dst + r * LDS);
+          for (int c = 0; c < C::D / 8; ++c) z[c] = make_uint4(0, 0, 0, 0);
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // before later bulk writes to this row
+        }
+      }
+      mbar_arrive(full + s);
+    }
+    return;
+  }
+
+  // Consumers. This warp's S units: dim slice kh, n-tiles nt0 + j * (NW / KSPLIT).
+  const int kh = warp % KSPLIT, nt0 = warp / KSPLIT;
+  const float scale = p.softmax_scale * kLog2e;
+
+  // Q fragments (A layout, rows = heads) for this warp's dim slice, straight from global memory, once.
+  uint32_t qa[KSTEPS][4];
+  {
+    auto qword = [&](int row, int d) -> uint32_t {
+      if (row >= rows_valid) return 0u;
+      const int64_t th = static_cast<int64_t>(it.token) * nh + h0 + row;
+      const bf16* src = d < KVR ? p.q_lat + th * KVR + d : p.q + th * (p.nope + C::ROPE) + p.nope + (d - KVR);
+      return *reinterpret_cast<const uint32_t*>(src);
+    };
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+      const int d = (kh * KSTEPS + ks) * 16 + 2 * t4;
+      qa[ks][0] = qword(g, d);
+      qa[ks][1] = qword(g + 8, d);
+      qa[ks][2] = qword(g, d + 8);
+      qa[ks][3] = qword(g + 8, d + 8);
+    }
+  }
+
+  float o[C::NTO][4];
+#pragma unroll
+  for (int i = 0; i < C::NTO; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.0f, 0.0f};  // rows g, g + 8; l: this lane's keys only
+
+  for (int kt = 0; kt < n_tiles; ++kt) {
+    const int s = kt % STAGES;
+    mbar_wait(full + s, (kt / STAGES) & 1);
+    const bf16* K = sK + s * BN * LDS;
+    const int key0 = it.key_begin + kt * BN;
+    float* sSb = sS + (kt & 1) * KSPLIT * HB * LDSS;
+
+    // S = Q K^T over this warp's units; even / odd k steps in separate accumulators (shorter MMA chains).
+    {
+      float acc[NPW][2][4];
+#pragma unroll
+      for (int j = 0; j < NPW; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) acc[j][e][0] = acc[j][e][1] = acc[j][e][2] = acc[j][e][3] = 0.0f;
+      auto frag_addr = [&](int i) -> const bf16* {
+        if constexpr (NPW == 1) {
+          // x4 = k steps 2i, 2i+1 of one n-tile
+          return K + (nt0 * 8 + (lane & 7)) * LDS + (kh * KSTEPS + 2 * i) * 16 + (lane >> 3) * 8;
+        } else {
+          // x4 = one k step of n-tiles 2pp, 2pp+1
+          const int ks = i / (NPW / 2), pp = i % (NPW / 2);
+          const int nt = nt0 + (2 * pp + (lane >> 4)) * (NW / KSPLIT);
+          return K + (nt * 8 + (lane & 7)) * LDS + (kh * KSTEPS + ks) * 16 + ((lane >> 3) & 1) * 8;
+        }
+      };
+      constexpr int PF = C::PF < C::NLOAD ? C::PF : C::NLOAD;
+      uint32_t bfr[PF][4];
+#pragma unroll
+      for (int i = 0; i < PF; ++i) {
+        if constexpr (NPW == 1) {
+          if (2 * i + 1 < KSTEPS) ldmatrix_x4(bfr[i], frag_addr(i));
+          else {
+            uint32_t h[2];
+            ldmatrix_x2(h, frag_addr(i));
+            bfr[i][0] = h[0], bfr[i][1] = h[1], bfr[i][2] = bfr[i][3] = 0u;
+          }
+        } else {
+          ldmatrix_x4(bfr[i], frag_addr(i));
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < C::NLOAD; ++i) {
+        uint32_t b[4] = {bfr[i % PF][0], bfr[i % PF][1], bfr[i % PF][2], bfr[i % PF][3]};
+        if (i + PF < C::NLOAD) {
+          const int ni = i + PF;
+          if constexpr (NPW == 1) {
+            if (2 * ni + 1 < KSTEPS) ldmatrix_x4(bfr[i % PF], frag_addr(ni));
+            else {
+              uint32_t h[2];
+              ldmatrix_x2(h, frag_addr(ni));
+              bfr[i % PF][0] = h[0], bfr[i % PF][1] = h[1];
+            }
+          } else {
+            ldmatrix_x4(bfr[i % PF], frag_addr(ni));
+          }
+        }
+        if constexpr (NPW == 1) {
+          mma_bf16(acc[0][0], qa[2 * i], b[0], b[1]);
+          if (2 * i + 1 < KSTEPS) mma_bf16(acc[0][1], qa[2 * i + 1], b[2], b[3]);
+        } else {
+          const int ks = i / (NPW / 2), pp = i % (NPW / 2);
+          mma_bf16(acc[2 * pp][ks & 1], qa[ks], b[0], b[1]);
+          mma_bf16(acc[2 * pp + 1][ks & 1], qa[ks], b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < NPW; ++j) {
+        const int kc = (nt0 + j * (NW / KSPLIT)) * 8 + 2 * t4;
+        const bool v0 = key0 + kc < it.key_end, v1 = key0 + kc + 1 < it.key_end;
+        float* s0 = sSb + kh * HB * LDSS + g * LDSS + kc;
+        *reinterpret_cast<float2*>(s0) = make_float2(v0 ? (acc[j][0][0] + acc[j][1][0]) * scale : -INFINITY,
+                                                     v1 ? (acc[j][0][1] + acc[j][1][1]) * scale : -INFINITY);
+        *reinterpret_cast<float2*>(s0 + 8 * LDSS) =
+            make_float2(v0 ? (acc[j][0][2] + acc[j][1][2]) * scale : -INFINITY,
+                        v1 ? (acc[j][0][3] + acc[j][1][3]) * scale : -INFINITY);
+      }
+    }
+    named_bar_sync(1, NW * 32);
+
+    // Online softmax of the whole tile in every warp, in P @ V A-fragment order: [k step][row g / g+8][4 keys].
+    constexpr int PK = BN / 16;
+    uint32_t pa[PK][4];
+    {
+      float sv[PK][2][4];
+#pragma unroll
+      for (int j = 0; j < PK; ++j)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float* src = sSb + (g + 8 * r) * LDSS + j * 16 + h * 8 + 2 * t4;
+            float2 v = *reinterpret_cast<const float2*>(src);
+#pragma unroll
+            for (int q = 1; q < KSPLIT; ++q) {
+              const float2 w = *reinterpret_cast<const float2*>(src + q * HB * LDSS);
+              v.x += w.x;
+              v.y += w.y;
+            }
+            sv[j][r][2 * h] = v.x;
+            sv[j][r][2 * h + 1] = v.y;
+          }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < PK; ++j)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) mx = fmaxf(mx, sv[j][r][c]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_r[r], mx);
+        const float mb = m_new == -INFINITY ? 0.0f : m_new;
+        const float alpha = exp2f(m_r[r] - mb);
+        m_r[r] = m_new;
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < PK; ++j)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            sv[j][r][c] = exp2f(sv[j][r][c] - mb);
+            sum += sv[j][r][c];
+          }
+        l_r[r] = l_r[r] * alpha + sum;
+#pragma unroll
+        for (int i = 0; i < C::NTO; ++i) {
+          o[i][2 * r] *= alpha;
+          o[i][2 * r + 1] *= alpha;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < PK; ++j) {
+        pa[j][0] = pack_bf16x2(sv[j][0][0], sv[j][0][1]);
+        pa[j][1] = pack_bf16x2(sv[j][1][0], sv[j][1][1]);
+        pa[j][2] = pack_bf16x2(sv[j][0][2], sv[j][0][3]);
+        pa[j][3] = pack_bf16x2(sv[j][1][2], sv[j][1][3]);
+      }
+    }
+
+    // O += P V  (V = the first 512 columns of the cache tile; this warp's DVW columns)
+#pragma unroll
+    for (int j = 0; j < PK; ++j) {
+      const bf16* vbase = K + (j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + warp * C::DVW + (lane >> 4) * 8;
+      constexpr int NB = C::NTO / 2 < 8 ? C::NTO / 2 : 8;
+#pragma unroll
+      for (int n0 = 0; n0 < C::NTO / 2; n0 += NB) {
+        uint32_t b[NB][4];
+#pragma unroll
+        for (int q = 0; q < NB; ++q) ldmatrix_x4_trans(b[q], vbase + (n0 + q) * 16);
+#pragma unroll
+        for (int q = 0; q < NB; ++q) {
+          mma_bf16(o[2 * (n0 + q)], pa[j], b[q][0], b[q][1]);
+          mma_bf16(o[2 * (n0 + q) + 1], pa[j], b[q][2], b[q][3]);
+        }
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + s);
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 1);
+    l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
+  }
+  const int r0 = g, r1 = g + 8;
+  const float inv0 = 1.0f / l_r[0], inv1 = 1.0f / l_r[1];
+  const int colbase = warp * C::DVW + 2 * t4;
+  if (it.partial < 0) {
+    bf16* out0 = p.out_lat + (static_cast<int64_t>(it.token) * nh + h0 + r0) * KVR + colbase;
+    bf16* out1 = out0 + 8 * KVR;
+#pragma unroll
+    for (int i = 0; i < C::NTO; ++i) {
+      if (r0 < rows_valid) *reinterpret_cast<uint32_t*>(out0 + i * 8) = pack_bf16x2(o[i][0] * inv0, o[i][1] * inv0);
+      if (r1 < rows_valid) *reinterpret_cast<uint32_t*>(out1 + i * 8) = pack_bf16x2(o[i][2] * inv1, o[i][3] * inv1);
+    }
+  } else {
+    float* out0 = p.partial_o + (static_cast<int64_t>(it.partial) * nh + h0 + r0) * KVR + colbase;
+    float* out1 = out0 + 8 * KVR;
+#pragma unroll
+    for (int i = 0; i < C::NTO; ++i) {
+      if (r0 < rows_valid) *reinterpret_cast<float2*>(out0 + i * 8) = make_float2(o[i][0] * inv0, o[i][1] * inv0);
+      if (r1 < rows_valid) *reinterpret_cast<float2*>(out1 + i * 8) = make_float2(o[i][2] * inv1, o[i][3] * inv1);
+    }
+    if (warp == 0 && t4 == 0) {
+      float* lse = p.partial_lse + static_cast<int64_t>(it.partial) * nh + h0;
+      if (r0 < rows_valid) lse[r0] = m_r[0] + log2f(l_r[0]);
+      if (r1 < rows_valid) lse[r1] = m_r[1] + log2f(l_r[1]);
+    }
+  }
+}
+
 // Simple path for any kvr / rope: one block per (item, head); keys in chunks of blockDim, fp32 throughout.
 constexpr int kSimpleThreads = 128;
 constexpr int kSimpleMaxCols = 8;  // kvr <= 1024
@@ -371,15 +730,36 @@ cudaError_t launch_fast(const MlaDecodeParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+template <int NW, int STAGES, int BN, int KSPLIT, int MINB>
+cudaError_t configure_ws() {
+  using C = WsCfg<NW, STAGES, BN, KSPLIT, MINB>;
+  static std::atomic<uint64_t> configured{0};
+  return set_max_dynamic_smem_once(mla_decode_ws_kernel<NW, STAGES, BN, KSPLIT, MINB>, static_cast<int>(C::smem_bytes),
+                                   configured);
+}
+
+template <int NW, int STAGES, int BN, int KSPLIT, int MINB>
+cudaError_t launch_ws(const MlaDecodeParams& p, cudaStream_t stream) {
+  using C = WsCfg<NW, STAGES, BN, KSPLIT, MINB>;
+  if (cudaError_t e = configure_ws<NW, STAGES, BN, KSPLIT, MINB>(); e != cudaSuccess) return e;
+  dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>((p.num_heads + C::HB - 1) / C::HB));
+  mla_decode_ws_kernel<NW, STAGES, BN, KSPLIT, MINB><<<grid, C::THREADS, C::smem_bytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
 bool fast_dims(int32_t kvr, int32_t rope) { return kvr == 512 && rope == 64; }
 
+// Resident blocks per SM of a 16-head-group variant (the planner sizes splits for one wave of them).
+int64_t blocks_per_sm_16(int32_t variant) { return variant == 5 || variant == 6 || variant == 8 ? 1 : 2; }
+
 // Blocks of the decode kernel resident at once, and blocks per item (head groups), for these dims.
-void decode_occupancy(int32_t num_heads, int32_t kvr, int32_t rope, int32_t num_sms, int64_t& slots, int64_t& groups) {
+void decode_occupancy(int32_t num_heads, int32_t kvr, int32_t rope, int32_t num_sms, int32_t variant, int64_t& slots,
+                      int64_t& groups) {
   if (fast_dims(kvr, rope) && num_heads % 64 == 0) {
     slots = num_sms;
     groups = num_heads / 64;
   } else if (fast_dims(kvr, rope)) {
-    slots = 2LL * num_sms;
+    slots = blocks_per_sm_16(variant) * num_sms;
     groups = (num_heads + 15) / 16;
   } else {
     slots = 8LL * num_sms;
@@ -390,9 +770,9 @@ void decode_occupancy(int32_t num_heads, int32_t kvr, int32_t rope, int32_t num_
 }  // namespace
 
 int32_t mla_decode_split_keys(int64_t total_keys, int64_t num_tokens, int64_t max_ctx, int32_t num_heads, int32_t kvr,
-                              int32_t rope, int32_t num_sms) {
+                              int32_t rope, int32_t num_sms, int32_t variant) {
   int64_t slots, groups;
-  decode_occupancy(num_heads, kvr, rope, num_sms, slots, groups);
+  decode_occupancy(num_heads, kvr, rope, num_sms, variant, slots, groups);
   // No split when the unsplit blocks already fill about one wave (no combine pass then); otherwise splits sized
   // for about one wave of blocks, at least 256 keys, in whole 64-key steps.
   if (num_tokens * groups * 4 >= slots * 3) return static_cast<int32_t>(std::min<int64_t>(max_ctx, 1 << 30));
@@ -403,9 +783,10 @@ int32_t mla_decode_split_keys(int64_t total_keys, int64_t num_tokens, int64_t ma
   return static_cast<int32_t>(chunk);
 }
 
-int32_t mla_decode_fixed_splits(int64_t num_tokens, int32_t num_heads, int32_t kvr, int32_t rope, int32_t num_sms) {
+int32_t mla_decode_fixed_splits(int64_t num_tokens, int32_t num_heads, int32_t kvr, int32_t rope, int32_t num_sms,
+                                int32_t variant) {
   int64_t slots, groups;
-  decode_occupancy(num_heads, kvr, rope, num_sms, slots, groups);
+  decode_occupancy(num_heads, kvr, rope, num_sms, variant, slots, groups);
   const int64_t blocks = std::max<int64_t>(1, num_tokens * groups);
   if (blocks * 4 >= slots * 3) return 1;
   return static_cast<int32_t>(std::min<int64_t>(kMaxFixedSplits, (slots + blocks - 1) / blocks));
@@ -414,7 +795,8 @@ int32_t mla_decode_fixed_splits(int64_t num_tokens, int32_t num_heads, int32_t k
 cudaError_t mla_decode_prepare() {
   for (cudaError_t e : {configure_fast<64, 8, 3, 32>(), configure_fast<64, 8, 2, 32>(), configure_fast<16, 4, 3, 32>(),
                         configure_fast<16, 4, 4, 32>(), configure_fast<16, 8, 2, 64>(), configure_fast<16, 8, 2, 32, 2>(),
-                        configure_fast<16, 4, 2, 32>()})
+                        configure_fast<16, 4, 2, 32>(), configure_ws<8, 5, 32, 2, 1>(), configure_ws<8, 5, 32, 4, 1>(),
+                        configure_ws<4, 2, 32, 4, 2>(), configure_ws<8, 2, 64, 2, 1>()})
     if (e != cudaSuccess) return e;
   return cudaSuccess;
 }
@@ -431,6 +813,10 @@ cudaError_t mla_decode(const MlaDecodeParams& p, bool allow_fast, cudaStream_t s
       case 2: return launch_fast<16, 4, 4, 32>(p, stream);
       case 3: return launch_fast<16, 8, 2, 64>(p, stream);
       case 4: return launch_fast<16, 8, 2, 32, 2>(p, stream);
+      case 5: return launch_ws<8, 5, 32, 2, 1>(p, stream);
+      case 6: return launch_ws<8, 5, 32, 4, 1>(p, stream);
+      case 7: return launch_ws<4, 2, 32, 4, 2>(p, stream);
+      case 8: return launch_ws<8, 2, 64, 2, 1>(p, stream);
       default: return launch_fast<16, 4, 2, 32>(p, stream);
     }
   }
