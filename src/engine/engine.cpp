@@ -8,6 +8,13 @@
 
 namespace mlaserve {
 
+namespace {
+using PhaseClock = std::chrono::steady_clock;
+double ms_since(PhaseClock::time_point t) {
+  return std::chrono::duration<double, std::milli>(PhaseClock::now() - t).count();
+}
+}  // namespace
+
 Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
     : ranks_(std::move(ranks)), opts_(opts), balancer_(ranks_->dp_groups(), opts.load_balance_method) {
   const ModelConfig& cfg = ranks_->config();
@@ -24,6 +31,7 @@ Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
   sc.eos_token_ids = opts_.eos_token_ids;
   for (int32_t g = 0; g < ranks_->dp_groups(); ++g) scheds_.push_back(std::make_unique<Scheduler>(sc));
   if (const char* e = std::getenv("MLASERVE_CHECK_INTEGRITY"); e && *e && *e != '0') opts_.check_integrity = true;
+  if (const char* e = std::getenv("MLASERVE_ENGINE_STATS"); e && *e && *e != '0') phase_stats_ = true;
   published_.resize(scheds_.size());
   publish_stats();
   thread_ = std::thread([this] { loop(); });
@@ -145,15 +153,29 @@ void Engine::loop() {
       }
       flush_cv_.notify_all();
     }
+    const auto t0 = PhaseClock::now();
+    const bool stepped = opts_.overlap ? (has_work() || inflight_) : has_work();
     if (opts_.overlap) {
-      if (has_work() || inflight_) overlap_step();
-    } else if (has_work()) {
+      if (stepped) overlap_step();
+    } else if (stepped) {
       step();
     }
     for (auto& sc : scheds_) sc->erase_finished();
     publish_stats();
+    const auto t1 = PhaseClock::now();
     deliver_outputs();
+    if (phase_stats_ && stepped) {
+      phases_.deliver += ms_since(t1);
+      phases_.total += ms_since(t0);
+      ++phases_.iterations;
+    }
   }
+  if (phase_stats_ && phases_.iterations > 0)
+    MLA_LOG_INFO("engine thread over {} steps, ms per step: schedule {:.3f}, launch {:.3f}, wait for the device "
+                 "{:.3f}, resolve {:.3f}, deliver {:.3f}, all {:.3f}",
+                 phases_.iterations, phases_.schedule / phases_.iterations, phases_.launch / phases_.iterations,
+                 phases_.wait / phases_.iterations, phases_.resolve / phases_.iterations,
+                 phases_.deliver / phases_.iterations, phases_.total / phases_.iterations);
   finish_inflight();
   // Shutting down: abort whatever is left so no caller waits forever.
   FinishReason f;
@@ -265,10 +287,16 @@ void Engine::finish_inflight() {
   InFlight cur = std::move(*inflight_);
   inflight_.reset();
   try {
+    const auto t0 = PhaseClock::now();
     std::vector<GroupOutput> outs = ranks_->finish(cur.launched);
+    const auto t1 = PhaseClock::now();
     auto sampled = collect(cur.plans, outs);
     for (size_t g = 0; g < scheds_.size(); ++g)
       if (!cur.plans[g].empty()) scheds_[g]->resolve(cur.plans[g], sampled[g]);
+    if (phase_stats_) {
+      phases_.wait += std::chrono::duration<double, std::milli>(t1 - t0).count();
+      phases_.resolve += ms_since(t1);
+    }
   } catch (const std::exception& e) {
     abort_plans(cur.plans, e.what());
     for (size_t g = 0; g < scheds_.size(); ++g) scheds_[g]->drop(cur.plans[g]);
@@ -284,7 +312,9 @@ bool Engine::launch(std::vector<StepPlan> plans) {
   auto rows = sampling_rows(plans, want_logits);
   InFlight f;
   try {
+    const auto t0 = PhaseClock::now();
     f.launched = ranks_->launch(batches, rows, want_logits);
+    if (phase_stats_) phases_.launch += ms_since(t0);
   } catch (const std::exception& e) {
     abort_plans(plans, e.what());
     return false;
@@ -303,6 +333,7 @@ void Engine::overlap_step() {
   const bool running = inflight_.has_value();
   std::vector<StepPlan> next(groups);
   bool blocked = false, any = false, host_needs_samples = false;
+  const auto t0 = PhaseClock::now();
   for (size_t g = 0; g < groups; ++g) {
     next[g] = scheds_[g]->schedule(/*allow_retract=*/!running);
     blocked |= next[g].blocked;
@@ -313,6 +344,7 @@ void Engine::overlap_step() {
                                                      s.req->sampling.presence_penalty != 0.0f ||
                                                      s.req->sampling.repetition_penalty != 1.0f);
   }
+  if (phase_stats_) phases_.schedule += ms_since(t0);
   if (running && any && !blocked && !host_needs_samples) {
     // Launch it behind the running step (its pending tokens are read on the device), then finish the running one:
     // the device never waits for the host between the two.

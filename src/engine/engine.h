@@ -87,6 +87,13 @@ class Engine final : public EngineClient {
   };
   std::optional<InFlight> inflight_;
   int64_t pipelined_steps_ = 0;  // steps launched before the previous one finished
+  // MLASERVE_ENGINE_STATS=1: where the engine thread's time goes (logged at shutdown).
+  struct PhaseTimes {
+    double schedule = 0, launch = 0, wait = 0, resolve = 0, deliver = 0, total = 0;
+    int64_t iterations = 0;
+  };
+  bool phase_stats_ = false;
+  PhaseTimes phases_;
   std::thread thread_;
 };
 

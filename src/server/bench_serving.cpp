@@ -321,7 +321,33 @@ class StreamedRequest : public std::enable_shared_from_this<StreamedRequest> {
     }
   }
 
+  // The native stream's payloads are cumulative (text and output ids so far), so parsing each one in full costs
+  // O(length^2) per request; a streamed native payload is only scanned for its completion_tokens (meta_info comes
+  // last, so from the end; an error payload has none and is parsed in full), and the last one is parsed (for the
+  // text) when the request ends. Quotes inside JSON strings are escaped, so the key cannot match inside the text.
+  static bool scan_completion_tokens(const std::string& payload, int64_t& ct) {
+    static const std::string key = "\"completion_tokens\":";
+    const size_t k = payload.rfind(key);
+    if (k == std::string::npos) return false;
+    size_t i = k + key.size();
+    while (i < payload.size() && payload[i] == ' ') ++i;
+    int64_t v = 0;
+    const size_t start = i;
+    while (i < payload.size() && payload[i] >= '0' && payload[i] <= '9') v = v * 10 + (payload[i++] - '0');
+    if (i == start) return false;
+    ct = v;
+    return true;
+  }
+
   void handle_payload(const std::string& payload, Clock::time_point now, bool whole) {
+    const bool native_stream = !whole && (shared_.args.backend == "sglang" || shared_.args.backend == "sglang-native");
+    int64_t ct = 0;
+    if (native_stream && scan_completion_tokens(payload, ct)) {
+      last_native_ = payload;
+      count_tokens(ct - result_.output_len, now, whole);
+      result_.output_len = ct;
+      return;
+    }
     json j = json::parse(payload, nullptr, false);
     if (j.is_discarded()) return;
     if (j.contains("error")) {
@@ -350,6 +376,10 @@ class StreamedRequest : public std::enable_shared_from_this<StreamedRequest> {
       tokens_now = 1;  // an OpenAI chunk carries one token's text (the usage chunk corrects the total)
       ++chunk_tokens_;
     }
+    count_tokens(tokens_now, now, whole);
+  }
+
+  void count_tokens(int64_t tokens_now, Clock::time_point now, bool whole) {
     if (tokens_now <= 0) return;
     if (!got_first_) {
       got_first_ = true;
@@ -365,6 +395,10 @@ class StreamedRequest : public std::enable_shared_from_this<StreamedRequest> {
     finished_ = true;
     result_.latency = seconds(Clock::now() - start_);
     const bool native = shared_.args.backend == "sglang" || shared_.args.backend == "sglang-native";
+    if (native && !last_native_.empty()) {
+      json j = json::parse(last_native_, nullptr, false);
+      if (!j.is_discarded() && j.contains("text") && j["text"].is_string()) result_.generated_text = j["text"];
+    }
     if (!native) result_.output_len = usage_tokens_ >= 0 ? usage_tokens_ : chunk_tokens_;
     if (!error_.empty()) {
       result_.error = error_;
@@ -402,6 +436,7 @@ class StreamedRequest : public std::enable_shared_from_this<StreamedRequest> {
   http::response_parser<http::string_body> parser_;
   beast::flat_buffer buffer_;
   RequestResult result_;
+  std::string last_native_;  // the latest cumulative native payload (parsed at the end)
   Clock::time_point start_, last_;
   bool got_first_ = false, finished_ = false;
   int64_t usage_tokens_ = -1, chunk_tokens_ = 0;

@@ -51,7 +51,7 @@ fi
 start_server() {  # log name, serve flags...: sets PORT and SPID, or returns 1
   local name=$1; shift
   PORT=30$((RANDOM % 400 + 100))
-  MLASERVE_GPU_IDLE_STATS=1 $BIN serve --model-path $TOKM --load-format dummy --port $PORT --disable-radix-cache "$@" > $L/serve-$name.log 2>&1 &
+  MLASERVE_ENGINE_STATS=1 MLASERVE_GPU_IDLE_STATS=1 $BIN serve --model-path $TOKM --load-format dummy --port $PORT --disable-radix-cache "$@" > $L/serve-$name.log 2>&1 &
   SPID=$! UP=0
   until python3 -c "import urllib.request;urllib.request.urlopen('http://127.0.0.1:$PORT/health',timeout=2)" 2>/dev/null; do
     sleep 1; UP=$((UP + 1)); if [ $UP -gt 60 ] || ! kill -0 $SPID 2>/dev/null; then echo "== $name: no server: $(tail -2 $L/serve-$name.log)"; kill -9 $SPID; return 1; fi
@@ -79,7 +79,7 @@ serve_bench() {  # name, serve flags..., -- bench flags...
   local name=$1; shift; local s=() b=()
   while [ "$1" != -- ]; do s+=("$1"); shift; done; shift; b=("$@")
   local port=30$((RANDOM % 400 + 100))
-  MLASERVE_GPU_IDLE_STATS=1 $BIN serve --model-path $TOKM --load-format dummy --port $port --disable-radix-cache "${s[@]}" > $L/serve-$name.log 2>&1 &
+  MLASERVE_ENGINE_STATS=1 MLASERVE_GPU_IDLE_STATS=1 $BIN serve --model-path $TOKM --load-format dummy --port $port --disable-radix-cache "${s[@]}" > $L/serve-$name.log 2>&1 &
   local pid=$! t=0
   until python3 -c "import urllib.request;urllib.request.urlopen('http://127.0.0.1:$port/health',timeout=2)" 2>/dev/null; do
     sleep 1; t=$((t + 1)); if [ $t -gt 60 ] || ! kill -0 $pid 2>/dev/null; then echo "== $name: no server: $(tail -2 $L/serve-$name.log)"; kill -9 $pid; return; fi
@@ -89,6 +89,7 @@ serve_bench() {  # name, serve flags..., -- bench flags...
   PORT=$port; echo "== $name $(steps)"
   kill -TERM $pid; t=0; while kill -0 $pid 2>/dev/null && [ $t -lt 20 ]; do sleep 1; t=$((t + 1)); done; kill -9 $pid 2>/dev/null
   echo "== $name idle: $(grep -o 'GPU idle between steps.*' $L/serve-$name.log | tr '\n' '|')"
+  echo "== $name engine: $(grep -o 'engine thread.*' $L/serve-$name.log)"
 }
 [ "${SERVE:-1}" = 1 ] || exit 0
 # The same 1024 requests in flight in both layouts (--max-running-requests is per DP group).

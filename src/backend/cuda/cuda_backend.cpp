@@ -87,7 +87,7 @@ class CudaBackend final : public Backend {
               prop.name, prop.major, prop.minor);
     num_sms_ = prop.multiProcessorCount;
     CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream");
-    CUDA_OK(cudaEventCreateWithFlags(&meta_event_, cudaEventDisableTiming), "event");
+    for (cudaEvent_t& e : meta_events_) CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event");
     CUBLAS_OK(cublasLtCreate(&lt_), "cublasLtCreate");
     CUBLAS_OK(cublasCreate(&blas_), "cublasCreate");
     CUBLAS_OK(cublasSetStream(blas_, stream_), "cublasSetStream");
@@ -123,7 +123,7 @@ class CudaBackend final : public Backend {
     lt_ws_size_ = ws_bytes;
     CUDA_OK(cudaMalloc(&blas_ws_, blas_ws_bytes), "allocating the cuBLAS workspace");
     CUBLAS_OK(cublasSetWorkspace(blas_, blas_ws_, blas_ws_bytes), "cublasSetWorkspace");
-    CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&pinned_), meta_bytes, cudaHostAllocDefault), "pinned buffer");
+    CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&pinned_), 2 * meta_bytes, cudaHostAllocDefault), "pinned buffer");
     for (auto prepare : {cuda::mla_decode_prepare, cuda::mla_prefill_prepare, cuda::moe_gemm_gate_up_prepare,
                          cuda::moe_gemm_down_prepare})
       CUDA_OK(prepare(), "setting kernel shared-memory limits");
@@ -160,7 +160,7 @@ class CudaBackend final : public Backend {
       if (d.host) cudaFreeHost(d.host);
       if (d.done) cudaEventDestroy(d.done);
     }
-    cudaEventDestroy(meta_event_);
+    for (cudaEvent_t e : meta_events_) cudaEventDestroy(e);
     cudaStreamDestroy(stream_);
   }
 
@@ -505,16 +505,16 @@ class CudaBackend final : public Backend {
       const size_t bytes = std::max<size_t>(n * sizeof(T), 1);
       char* d = be_.meta_.take(bytes, 16);
       MLA_CHECK(d != nullptr, "step metadata exceeds the {} MiB metadata buffer", be_.meta_.size >> 20);
-      if (n) std::memcpy(be_.pinned_ + (d - be_.meta_.base), data, n * sizeof(T));
+      if (n) std::memcpy(be_.staging() + (d - be_.meta_.base), data, n * sizeof(T));
       return reinterpret_cast<T*>(d);
     }
     void flush() {
       const size_t end = be_.meta_.used;
       if (end > start_)
-        CUDA_OK(cudaMemcpyAsync(be_.meta_.base + start_, be_.pinned_ + start_, end - start_, cudaMemcpyHostToDevice,
+        CUDA_OK(cudaMemcpyAsync(be_.meta_.base + start_, be_.staging() + start_, end - start_, cudaMemcpyHostToDevice,
                                 be_.stream_),
                 "metadata upload");
-      CUDA_OK(cudaEventRecord(be_.meta_event_, be_.stream_), "metadata event");
+      CUDA_OK(cudaEventRecord(be_.meta_events_[be_.staging_half_], be_.stream_), "metadata event");
     }
 
    private:
@@ -608,7 +608,10 @@ class CudaBackend final : public Backend {
     step_ = batch;
     graph_step_ = graph;
     scratch_.used = 0;
-    CUDA_OK(cudaEventSynchronize(meta_event_), "waiting for the previous step's metadata upload");
+    // Steps alternate between the two halves of the pinned staging buffer, so a step issued while the previous one
+    // still runs (overlap scheduling) waits only for the uploads of the step before that.
+    staging_half_ ^= 1;
+    CUDA_OK(cudaEventSynchronize(meta_events_[staging_half_]), "waiting for an earlier step's metadata upload");
     meta_.used = 0;
     plans_.clear();
     MetaUpload up(*this);
@@ -632,49 +635,62 @@ class CudaBackend final : public Backend {
     cudaEvent_t a = nullptr, b = nullptr;
     if (cudaEventCreate(&a) != cudaSuccess || cudaEventCreate(&b) != cudaSuccess) return;
     cudaEventRecord(a, stream_);
-    cudaEventRecord(b, stream_);  // moved to the step's last download
+    cudaEventRecord(b, stream_);  // moved to the step's end (end_step, or its last download)
     step_events_.emplace_back(a, b);
+    step_is_graph_.push_back(graph_step_);
   }
   // Gaps of kIdleGapMs or more mean no step was waiting (startup, graph recording, a server without requests):
   // they are counted apart, not as idle time between steps.
   void report_idle() {
     if (step_events_.size() < 2) return;
     constexpr float kIdleGapMs = 50.0f;
-    double idle = 0.0, busy = 0.0;
-    int64_t long_gaps = 0;
+    double idle = 0.0, busy = 0.0, idle_graph = 0.0;  // idle_graph: the gaps before graph steps
+    int64_t long_gaps = 0, graph_steps = 0;
     float ms = 0.0f;
     for (size_t i = 0; i < step_events_.size(); ++i) {
+      graph_steps += step_is_graph_[i];
       if (cudaEventElapsedTime(&ms, step_events_[i].first, step_events_[i].second) == cudaSuccess) busy += ms;
       if (i > 0 && cudaEventElapsedTime(&ms, step_events_[i - 1].second, step_events_[i].first) == cudaSuccess) {
-        if (ms >= kIdleGapMs) ++long_gaps;
-        else idle += std::max(ms, 0.0f);
+        if (ms >= kIdleGapMs) {
+          ++long_gaps;
+        } else {
+          idle += std::max(ms, 0.0f);
+          if (step_is_graph_[i]) idle_graph += std::max(ms, 0.0f);
+        }
       }
     }
+    // Only gaps between steps are seen: inside an eager step the GPU may also wait for the host to issue kernels.
     MLA_LOG_INFO("cuda {}: GPU idle between steps {:.1f} ms of {:.1f} ms ({:.2f}%) over {} steps ({} gaps of {} ms "
-                 "or more with no step waiting left out)",
+                 "or more with no step waiting left out); {} graph steps with {:.1f} ms idle before them, {} eager "
+                 "steps with {:.1f} ms",
                  device_, idle, idle + busy, idle + busy > 0 ? 100.0 * idle / (idle + busy) : 0.0, step_events_.size(),
-                 long_gaps, kIdleGapMs);
+                 long_gaps, kIdleGapMs, graph_steps, idle_graph,
+                 static_cast<int64_t>(step_events_.size()) - graph_steps, idle - idle_graph);
     for (auto& [a, b] : step_events_) {
       cudaEventDestroy(a);
       cudaEventDestroy(b);
     }
     step_events_.clear();
+    step_is_graph_.clear();
   }
   static constexpr size_t kMaxStepEvents = 200000;
   bool idle_stats_ = false;
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> step_events_;
+  std::vector<bool> step_is_graph_;
 
   int device_;
   int num_sms_ = 132;
   cudaStream_t stream_ = nullptr;
-  cudaEvent_t meta_event_ = nullptr;
+  cudaEvent_t meta_events_[2] = {nullptr, nullptr};  // last upload from each half of the pinned staging buffer
   cublasLtHandle_t lt_ = nullptr;
   cublasHandle_t blas_ = nullptr;
   void* lt_ws_ = nullptr;
   size_t lt_ws_size_ = 0;
   void* blas_ws_ = nullptr;
   Arena persistent_, scratch_, meta_;
-  char* pinned_ = nullptr;
+  char* pinned_ = nullptr;  // two halves of meta_.size bytes, one per step in turn
+  int staging_half_ = 0;
+  char* staging() const { return pinned_ + static_cast<size_t>(staging_half_) * meta_.size; }
   struct Download {
     void* host = nullptr;
     size_t capacity = 0, bytes = 0;
