@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <algorithm>
 #include <condition_variable>
 #include <filesystem>
 #include <fstream>
@@ -51,7 +52,7 @@ struct ServeArgs {
   int32_t stream_interval = 1;
   // mlaserve's own.
   size_t max_body_bytes = 256u << 20;
-  int num_http_threads = 4;
+  int num_http_threads = 0;  // 0: from the machine's cores (auto_http_threads)
   double request_timeout = 0.0;
   int32_t max_n = 64;
 };
@@ -202,7 +203,9 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
   app.add_flag("--skip-tokenizer-init", a->skip_tokenizer_init, "no tokenizer: token ids in and out only");
   app.add_option("--stream-interval", a->stream_interval, "tokens per streamed chunk (only 1)");
   app.add_option("--max-body-bytes", a->max_body_bytes, "largest request body accepted")->capture_default_str();
-  app.add_option("--num-http-threads", a->num_http_threads, "HTTP io threads")->capture_default_str();
+  app.add_option("--num-http-threads", a->num_http_threads,
+                 "HTTP io threads (0: half the cores, 4 to 16; streaming many requests needs several)")
+      ->capture_default_str();
   app.add_option("--request-timeout", a->request_timeout, "abort requests running longer (s; 0: never)");
   app.add_option("--max-n", a->max_n, "largest n (parallel samples) accepted")->capture_default_str();
   return [a]() -> int {
@@ -217,7 +220,9 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
               s.node_rank, s.nnodes);
     MLA_CHECK(s.nnodes == 1 || !s.dist_init_addr.empty(), "--nnodes {} needs --dist-init-addr host:port", s.nnodes);
     MLA_CHECK(s.port >= 0 && s.port <= 65535, "--port must be in [0, 65535], got {}", s.port);
-    MLA_CHECK(s.num_http_threads >= 1 && s.num_http_threads <= 256, "--num-http-threads must be in [1, 256]");
+    MLA_CHECK(s.num_http_threads >= 0 && s.num_http_threads <= 256, "--num-http-threads must be in [0, 256]");
+    if (s.num_http_threads == 0)
+      s.num_http_threads = static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency() / 2, 4, 16));
     MLA_CHECK(s.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024");
     MLA_CHECK(s.max_n >= 1, "--max-n must be at least 1");
     MLA_CHECK(s.request_timeout >= 0, "--request-timeout must be >= 0");

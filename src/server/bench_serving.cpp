@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -544,7 +545,10 @@ std::vector<RequestResult> run_requests(const Shared& s, const std::vector<Promp
   if (prompts.empty()) work.reset();
   else net::post(ioc, [&] { schedule_next(); });
   std::vector<std::thread> threads;
-  for (int t = 1; t < std::max(1, s.args.num_threads); ++t) threads.emplace_back([&] { ioc.run(); });
+  const int nthreads = s.args.num_threads > 0
+                           ? s.args.num_threads
+                           : static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency() / 2, 2, 8));
+  for (int t = 1; t < nthreads; ++t) threads.emplace_back([&] { ioc.run(); });
   ioc.run();
   for (auto& t : threads) t.join();
   duration = seconds(Clock::now() - t0);

@@ -35,7 +35,7 @@ struct BenchArgs {
   bool disable_tqdm = false;
   int32_t warmup_requests = 1;
   std::string extra_request_body;   // JSON object merged into every request
-  int num_threads = 2;
+  int num_threads = 0;  // 0: half the cores, 2 to 8 (a thousand streams of cumulative payloads need several)
 };
 
 // One request as measured by the client.

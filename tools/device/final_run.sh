@@ -84,7 +84,7 @@ serve_bench() {  # name, serve flags..., -- bench flags...
   until python3 -c "import urllib.request;urllib.request.urlopen('http://127.0.0.1:$port/health',timeout=2)" 2>/dev/null; do
     sleep 1; t=$((t + 1)); if [ $t -gt 60 ] || ! kill -0 $pid 2>/dev/null; then echo "== $name: no server: $(tail -2 $L/serve-$name.log)"; kill -9 $pid; return; fi
   done
-  lim 75 $BIN bench-serving --backend sglang --port $port --dataset-name random --random-range-ratio 1 "${b[@]}" > $L/bench-$name.log 2>&1
+  lim 75 $BIN bench-serving --backend ${BACKEND:-sglang} --port $port --dataset-name random --random-range-ratio 1 "${b[@]}" > $L/bench-$name.log 2>&1
   echo "== $name (up in ${t}s) bench rc=$?: $(grep -iE 'throughput|Successful' $L/bench-$name.log | tr -s ' ' | tr '\n' '|')"
   PORT=$port; echo "== $name $(steps)"
   kill -TERM $pid; t=0; while kill -0 $pid 2>/dev/null && [ $t -lt 20 ]; do sleep 1; t=$((t + 1)); done; kill -9 $pid 2>/dev/null
@@ -95,4 +95,8 @@ serve_bench() {  # name, serve flags..., -- bench flags...
 # The same 1024 requests in flight in both layouts (--max-running-requests is per DP group).
 serve_bench tp2 --tp 2 --max-running-requests 1024 --cuda-graph-max-bs 1024 -- --random-input 1 --random-output 512 --num-prompts 1024
 serve_bench dpa2 --tp 2 --dp 2 --enable-dp-attention --max-running-requests 512 --cuda-graph-max-bs 512 -- --random-input 1 --random-output 512 --num-prompts 1024
+# The same through the OpenAI completions stream (incremental chunks: less JSON per token than the native stream's
+# cumulative text and ids).
+BACKEND=sglang-oai serve_bench tp2-oai --tp 2 --max-running-requests 1024 --cuda-graph-max-bs 1024 -- --random-input 1 --random-output 512 --num-prompts 1024
+BACKEND=sglang-oai serve_bench dpa2-oai --tp 2 --dp 2 --enable-dp-attention --max-running-requests 512 --cuda-graph-max-bs 512 -- --random-input 1 --random-output 512 --num-prompts 1024
 CUDA_VISIBLE_DEVICES=0 serve_bench tp1-b256 --max-running-requests 256 -- --random-input 128 --random-output 128 --num-prompts 768

@@ -326,6 +326,8 @@ class CudaBackend final : public Backend {
     cudaGraphDestroy(g);
     CUDA_OK(e, "instantiating a graph");
     graphs_.push_back({exec, scratch_.used});
+    // The idle statistics cover serving, not the recording phase (its gaps are graph instantiation on the host).
+    clear_step_events();
     return static_cast<int32_t>(graphs_.size()) - 1;
   }
 
@@ -666,6 +668,9 @@ class CudaBackend final : public Backend {
                  device_, idle, idle + busy, idle + busy > 0 ? 100.0 * idle / (idle + busy) : 0.0, step_events_.size(),
                  long_gaps, kIdleGapMs, graph_steps, idle_graph,
                  static_cast<int64_t>(step_events_.size()) - graph_steps, idle - idle_graph);
+    clear_step_events();
+  }
+  void clear_step_events() {
     for (auto& [a, b] : step_events_) {
       cudaEventDestroy(a);
       cudaEventDestroy(b);
