@@ -34,6 +34,7 @@ Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
   if (const char* e = std::getenv("MLASERVE_ENGINE_STATS"); e && *e && *e != '0') phase_stats_ = true;
   published_.resize(scheds_.size());
   publish_stats();
+  out_thread_ = std::thread([this] { output_loop(); });
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -47,6 +48,27 @@ void Engine::shutdown() {
   cv_.notify_all();
   flush_cv_.notify_all();
   if (thread_.joinable() && std::this_thread::get_id() != thread_.get_id()) thread_.join();
+  // The step loop has queued its last outputs (aborts included): deliver them, then stop.
+  {
+    std::lock_guard<std::mutex> lk(out_mu_);
+    out_stop_ = true;
+  }
+  out_cv_.notify_all();
+  if (out_thread_.joinable() && std::this_thread::get_id() != out_thread_.get_id()) out_thread_.join();
+}
+
+void Engine::output_loop() {
+  for (;;) {
+    OutputBatch batch;
+    {
+      std::unique_lock<std::mutex> lk(out_mu_);
+      out_cv_.wait(lk, [&] { return out_stop_ || !out_queue_.empty(); });
+      if (out_queue_.empty()) return;  // stopping, nothing left
+      batch = std::move(out_queue_.front());
+      out_queue_.pop_front();
+    }
+    for (auto& [cb, o] : batch) cb(o);
+  }
 }
 
 void Engine::submit(GenerateRequest req) {
@@ -172,7 +194,7 @@ void Engine::loop() {
   }
   if (phase_stats_ && phases_.iterations > 0)
     MLA_LOG_INFO("engine thread over {} steps, ms per step: schedule {:.3f}, launch {:.3f}, wait for the device "
-                 "{:.3f}, resolve {:.3f}, deliver {:.3f}, all {:.3f}",
+                 "{:.3f}, resolve {:.3f}, hand outputs over {:.3f}, all {:.3f}",
                  phases_.iterations, phases_.schedule / phases_.iterations, phases_.launch / phases_.iterations,
                  phases_.wait / phases_.iterations, phases_.resolve / phases_.iterations,
                  phases_.deliver / phases_.iterations, phases_.total / phases_.iterations);
@@ -199,9 +221,13 @@ void Engine::loop() {
 }
 
 void Engine::deliver_outputs() {
-  std::vector<std::pair<std::function<void(const GenerateOutput&)>, GenerateOutput>> out;
-  out.swap(deferred_);
-  for (auto& [cb, o] : out) cb(o);
+  if (deferred_.empty()) return;
+  {
+    std::lock_guard<std::mutex> lk(out_mu_);
+    out_queue_.push_back(std::move(deferred_));
+  }
+  deferred_.clear();
+  out_cv_.notify_one();
 }
 
 std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<StepPlan>& plans, bool& want_logits) {

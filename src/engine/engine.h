@@ -86,6 +86,15 @@ class Engine final : public EngineClient {
     RankSet::Launched launched;
   };
   std::optional<InFlight> inflight_;
+  // Outputs reach their callbacks on a thread of their own, step by step in order, so what the callbacks cost
+  // (posting to a thousand connections) stays off the step loop.
+  using OutputBatch = std::vector<std::pair<std::function<void(const GenerateOutput&)>, GenerateOutput>>;
+  void output_loop();
+  std::mutex out_mu_;
+  std::condition_variable out_cv_;
+  std::deque<OutputBatch> out_queue_;
+  bool out_stop_ = false;
+  std::thread out_thread_;
   int64_t pipelined_steps_ = 0;  // steps launched before the previous one finished
   // MLASERVE_ENGINE_STATS=1: where the engine thread's time goes (logged at shutdown).
   struct PhaseTimes {
