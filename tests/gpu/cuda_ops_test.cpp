@@ -393,6 +393,7 @@ TEST(CudaOps, MoeExpertsSmall) {
   for (int kind : {0, 2}) {
     moe_case(1, 16, 4, 256, 96, 0, 16, 16, kind, 40);
     moe_case(5, 16, 4, 256, 96, 0, 16, 6, kind, 41);      // 10 experts with no tokens
+    moe_case(8, 8, 6, 256, 104, 4, 16, 7, kind, 45);      // local experts 4..11 of 16, ~7 rows each from 8 tokens
     moe_case(300, 8, 4, 256, 48, 4, 16, 16, kind, 42);    // local experts 4..11 of 16
     moe_case(600, 16, 4, 128, 48, 0, 16, 16, kind, 43);   // > 96 rows per expert: the 128-row tiles
   }
