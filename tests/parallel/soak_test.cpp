@@ -17,12 +17,14 @@
 
 using namespace mlaserve;
 
-TEST(Soak, DpAttentionMixedTrafficWithAbortsNeverHangsOrLeaks) {
+// tp 4 / dp 4: attention groups of one rank; tp 4 / dp 2: groups of two, whose leading rank's samples reach the
+// other rank on the device (overlap launches steps that read them there).
+void soak(int32_t tp, int32_t groups) {
   double seconds = 15.0;
   if (const char* e = std::getenv("MLASERVE_SOAK_SECONDS")) seconds = std::atof(e);
   ParallelConfig pc;
-  pc.tp_size = 4;
-  pc.dp_size = 4;
+  pc.tp_size = tp;
+  pc.dp_size = groups;
   pc.device = "cpu";
   const ModelConfig cfg = ModelConfig::from_file(test::golden_dir("v3"));
   auto ranks = std::make_unique<RankSet>(cfg, pc, test::golden_dir("v3"), LoadOptions{});
@@ -65,7 +67,7 @@ TEST(Soak, DpAttentionMixedTrafficWithAbortsNeverHangsOrLeaks) {
   int n = 0;
   while (std::chrono::steady_clock::now() < end) {
     // Bursts pinned to one or two groups, so the others idle, then move on.
-    const int busy = static_cast<int>(rng() % 4);
+    const int busy = static_cast<int>(rng() % static_cast<uint64_t>(groups));
     for (int k = 0; k < 3; ++k) {
       const std::string rid = "r" + std::to_string(n++);
       if (rng() % 5 == 0) {
@@ -92,3 +94,6 @@ TEST(Soak, DpAttentionMixedTrafficWithAbortsNeverHangsOrLeaks) {
   EXPECT_GT(n, 20);
   test::expect_engine_idle_and_clean(e);
 }
+
+TEST(Soak, DpAttentionMixedTrafficWithAbortsNeverHangsOrLeaks) { soak(4, 4); }
+TEST(Soak, DpAttentionGroupsOfTwoRanksNeverHangOrLeak) { soak(4, 2); }
