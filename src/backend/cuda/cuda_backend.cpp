@@ -124,6 +124,13 @@ class CudaBackend final : public Backend {
     CUDA_OK(cudaMalloc(&blas_ws_, blas_ws_bytes), "allocating the cuBLAS workspace");
     CUBLAS_OK(cublasSetWorkspace(blas_, blas_ws_, blas_ws_bytes), "cublasSetWorkspace");
     CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&pinned_), 2 * meta_bytes, cudaHostAllocDefault), "pinned buffer");
+    // Download slots up front, large enough for any step's ids + logprobs (RankSet keeps at most 65536 rows), so the
+    // steady state allocates no pinned memory (cudaFreeHost would synchronise the device).
+    for (Download& d : downloads_) {
+      CUDA_OK(cudaHostAlloc(&d.host, kDownloadSlotBytes, cudaHostAllocDefault), "pinned download slot");
+      d.capacity = kDownloadSlotBytes;
+      CUDA_OK(cudaEventCreateWithFlags(&d.done, cudaEventDisableTiming), "download event");
+    }
     for (auto prepare : {cuda::mla_decode_prepare, cuda::mla_prefill_prepare, cuda::moe_gemm_gate_up_prepare,
                          cuda::moe_gemm_down_prepare})
       CUDA_OK(prepare(), "setting kernel shared-memory limits");
@@ -246,7 +253,7 @@ class CudaBackend final : public Backend {
   uint64_t download_start(const Tensor& t) override {
     MLA_CHECK(downloads_in_flight_ < kMaxDownloads, "more than {} downloads in flight", kMaxDownloads);
     Download& d = downloads_[next_download_ % kMaxDownloads];
-    if (d.capacity < t.nbytes()) {  // the first steps only: slots keep their largest size
+    if (d.capacity < t.nbytes()) {  // larger than any step's ids: grow (synchronises the device once)
       if (d.host) cudaFreeHost(d.host);
       d.host = nullptr;
       d.capacity = 0;
@@ -701,6 +708,7 @@ class CudaBackend final : public Backend {
     size_t capacity = 0, bytes = 0;
     cudaEvent_t done = nullptr;
   };
+  static constexpr size_t kDownloadSlotBytes = 1 << 20;
   Download downloads_[kMaxDownloads];
   uint64_t next_download_ = 0;
   int downloads_in_flight_ = 0;
