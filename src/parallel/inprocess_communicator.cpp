@@ -58,7 +58,7 @@ void InProcessCommunicator::all_reduce_sum(Tensor& t) {
     for (int64_t i = 0; i < n; ++i) temp_[static_cast<size_t>(i)] += src[i];
   }
   group_->arrive_and_wait(rank_, "all_reduce");  // everyone has read every input
-  std::memcpy(t.data(), temp_.data(), static_cast<size_t>(n) * sizeof(float));
+  if (n > 0) std::memcpy(t.data(), temp_.data(), static_cast<size_t>(n) * sizeof(float));  // empty: null pointers
 }
 
 void InProcessCommunicator::all_gather(const Tensor& in, Tensor& out) {
@@ -68,7 +68,8 @@ void InProcessCommunicator::all_gather(const Tensor& in, Tensor& out) {
   group_->post(rank_, in.data());
   group_->arrive_and_wait(rank_, "all_gather");
   for (int r = 0; r < size(); ++r)
-    std::memcpy(static_cast<char*>(out.data()) + static_cast<size_t>(r) * in.nbytes(), group_->slot(r), in.nbytes());
+    if (in.nbytes() > 0)
+      std::memcpy(static_cast<char*>(out.data()) + static_cast<size_t>(r) * in.nbytes(), group_->slot(r), in.nbytes());
   group_->arrive_and_wait(rank_, "all_gather");
 }
 
@@ -113,7 +114,7 @@ void InProcessCommunicator::broadcast(Tensor& t, int root) {
   if (size() == 1) return;
   group_->post(rank_, t.data());
   group_->arrive_and_wait(rank_, "broadcast");
-  if (rank_ != root) std::memcpy(t.data(), group_->slot(root), t.nbytes());
+  if (rank_ != root && t.nbytes() > 0) std::memcpy(t.data(), group_->slot(root), t.nbytes());
   group_->arrive_and_wait(rank_, "broadcast");
 }
 
