@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "engine/engine_api.h"
+#include "engine/rank_set.h"
 #include "io/safetensors.h"
 
 namespace mlaserve::test {
@@ -102,6 +103,19 @@ inline std::string free_loopback_addr() {
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
   ::close(fd);
   return "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+}
+
+// CPU ranks of a golden family in a layout (tp ranks, dp attention-DP groups); graph_max_bs > 0 records decode
+// graphs up to that many tokens (GraphRecorder).
+inline std::unique_ptr<RankSet> cpu_ranks(const std::string& family, int32_t tp = 1, int32_t dp = 1,
+                                          int32_t graph_max_bs = 0) {
+  ParallelConfig pc;
+  pc.tp_size = tp;
+  pc.dp_size = dp;
+  pc.device = "cpu";
+  pc.backend.cpu_graphs = graph_max_bs > 0;
+  pc.cuda_graph_max_bs = graph_max_bs;
+  return std::make_unique<RankSet>(ModelConfig::from_file(golden_dir(family)), pc, golden_dir(family), LoadOptions{});
 }
 
 // Waits until no DP rank runs or queues a request, flushes the prefix cache, and expects every KV page free.

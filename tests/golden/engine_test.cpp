@@ -40,12 +40,7 @@ class EngineTest : public ::testing::TestWithParam<bool> {
 
   std::unique_ptr<Engine> make(int32_t pages, int32_t page_size = 8, int32_t chunk = 8192, bool radix = true,
                                int32_t tp = 1, int32_t dp = 1) {
-    ParallelConfig pc;
-    pc.tp_size = tp;
-    pc.dp_size = dp;
-    pc.device = "cpu";
-    auto ranks = std::make_unique<RankSet>(ModelConfig::from_file(test::golden_dir("v2")), pc, test::golden_dir("v2"),
-                                           LoadOptions{});
+    auto ranks = test::cpu_ranks("v2", tp, dp);
     EngineOptions o;
     o.page_size = page_size;
     o.num_pages = pages;
@@ -224,16 +219,12 @@ TEST_F(OverlapIds, TakesIdsFromTheDeviceWithTheSameOutputs) {
   SamplingParams stop;
   stop.stop_token_ids = {greedy_[3][3]};
   auto run = [&](bool overlap, bool penalties) {
-    ParallelConfig pc;
-    pc.device = "cpu";
-    auto ranks = std::make_unique<RankSet>(ModelConfig::from_file(test::golden_dir("v2")), pc, test::golden_dir("v2"),
-                                           LoadOptions{});
     EngineOptions o;
     o.page_size = 8;
     o.num_pages = 512;
     o.check_integrity = true;
     o.overlap = overlap;
-    Engine eng(std::move(ranks), o);
+    Engine eng(test::cpu_ranks("v2"), o);
     std::vector<std::future<Result>> fs;
     SamplingParams pen = seeded;
     pen.frequency_penalty = 0.7f;

@@ -261,7 +261,9 @@ void graph_case(const std::string& dir, bool dummy) {
       const float* e = eager.data_as<const float>() + r * V;
       const float* g = graph.data_as<const float>() + r * V;
       const int64_t ae = std::max_element(e, e + V) - e, ag = std::max_element(g, g + V) - g;
-      if (ae != ag) EXPECT_LE(std::abs(e[ae] - e[ag]), 0.03 * sd) << "argmax differs beyond a near tie, row " << r;
+      if (ae != ag) {
+        EXPECT_LE(std::abs(e[ae] - e[ag]), 0.03 * sd) << "argmax differs beyond a near tie, row " << r;
+      }
     }
   }
   EXPECT_EQ(m.num_graphs(), 1);  // one recording, replayed for every step after

@@ -50,6 +50,17 @@ void begin(const ForwardBatch& b) {
   gpu().begin_step(b);
 }
 
+// Embeds the current step's T ids on both backends from one random table [40, 64] (vocabulary shard from vocab_begin)
+// and expects the same rows exactly.
+void expect_same_embedding(int64_t T, int64_t vocab_begin, uint64_t seed, const std::string& what) {
+  Tensor table = rand_host({40, 64}, seed);
+  Tensor tc = cpu().upload(table, DType::BF16), tg = gpu().upload(table, DType::BF16);
+  Tensor oc = cpu().scratch({T, 64}, DType::F32), og = gpu().scratch({T, 64}, DType::BF16);
+  cpu().embedding(tc, vocab_begin, oc);
+  gpu().embedding(tg, vocab_begin, og);
+  expect_close(cpu().to_host_f32(oc), gpu().to_host_f32(og), 0.0, 0.0, what);
+}
+
 TEST(CudaOps, FillRandomIsBitIdentical) {
   REQUIRE_GPU();
   for (DType dt : {DType::BF16, DType::F32}) {
@@ -69,13 +80,7 @@ TEST(CudaOps, EmbeddingShard) {
   s.batch.input_ids[0] = 5;   // below the shard
   s.batch.input_ids[1] = 59;  // above it
   begin(s.batch);
-  Tensor table = rand_host({40, 64}, 2);
-  Tensor tc = cpu().upload(table, DType::BF16), tg = gpu().upload(table, DType::BF16);
-  const int64_t T = s.batch.num_tokens();
-  Tensor oc = cpu().scratch({T, 64}, DType::F32), og = gpu().scratch({T, 64}, DType::BF16);
-  cpu().embedding(tc, 10, oc);
-  gpu().embedding(tg, 10, og);
-  expect_close(cpu().to_host_f32(oc), gpu().to_host_f32(og), 0.0, 0.0, "embedding (exact)");
+  expect_same_embedding(s.batch.num_tokens(), 10, 2, "embedding (exact)");
 }
 
 TEST(CudaOps, PrevIdsFeedTheEmbedding) {
@@ -96,14 +101,8 @@ TEST(CudaOps, PrevIdsFeedTheEmbedding) {
   gpu().upload_into(prev_h, pg);
   cpu().resolve_prev_ids(pc);
   gpu().resolve_prev_ids(pg);
-  Tensor table = rand_host({40, 64}, 5);
-  Tensor tc = cpu().upload(table, DType::BF16), tg = gpu().upload(table, DType::BF16);
   const int64_t T = s.batch.num_tokens();
-  Tensor oc = cpu().scratch({T, 64}, DType::F32), og = gpu().scratch({T, 64}, DType::BF16);
-  cpu().embedding(tc, 0, oc);
-  gpu().embedding(tg, 0, og);
-  Tensor hc = cpu().to_host_f32(oc), hg = gpu().to_host_f32(og);
-  expect_close(hc, hg, 0.0, 0.0, "embedding of resolved ids (exact)");
+  expect_same_embedding(T, 0, 5, "embedding of resolved ids (exact)");
   // The CPU reference itself: row 0 is table[17], row 6 table[0].
   std::vector<int32_t> ids(s.batch.input_ids);
   cpu::resolve_prev_ids(ids.data(), T, prev_ids, n_prev);

@@ -20,13 +20,8 @@ struct Outcome {
 };
 
 Outcome run(const std::string& fam, int tp, int dp, bool graphs, const std::vector<std::vector<int32_t>>& prompts) {
-  ParallelConfig pc;
-  pc.tp_size = tp;
-  pc.dp_size = dp;
-  pc.device = "cpu";
-  pc.backend.cpu_graphs = graphs;
-  pc.cuda_graph_max_bs = graphs ? 4 : 0;
-  RankSet ranks(ModelConfig::from_file(test::golden_dir(fam)), pc, test::golden_dir(fam), {});
+  auto rs = test::cpu_ranks(fam, tp, dp, graphs ? 4 : 0);
+  RankSet& ranks = *rs;
   OfflineOptions o;
   o.max_new_tokens = 6;
   o.page_size = 8;
@@ -87,12 +82,8 @@ TEST(CpuGraphs, NewKvCacheRecordsAgain) {
   // old cache) must not replay in the second.
   auto prompts = test::golden_prompts("v2");
   prompts.resize(2);
-  ParallelConfig pc;
-  pc.tp_size = 2;
-  pc.device = "cpu";
-  pc.backend.cpu_graphs = true;
-  pc.cuda_graph_max_bs = 4;
-  RankSet ranks(ModelConfig::from_file(test::golden_dir("v2")), pc, test::golden_dir("v2"), {});
+  auto rs = test::cpu_ranks("v2", 2, 1, 4);
+  RankSet& ranks = *rs;
   OfflineOptions o;
   o.max_new_tokens = 5;
   o.page_size = 8;

@@ -68,14 +68,7 @@ void expect_idle_and_clean(EngineClient& e) { test::expect_engine_idle_and_clean
 // graphs: decode steps through recorded graphs (GraphRecorder on the CPU ranks), with overlap scheduling on.
 void prefill_meets_decode(bool graphs) {
   Golden g = golden("v3");
-  ParallelConfig pc;
-  pc.tp_size = 4;
-  pc.dp_size = 4;
-  pc.device = "cpu";
-  pc.backend.cpu_graphs = graphs;
-  pc.cuda_graph_max_bs = graphs ? 8 : 0;
-  auto ranks = std::make_unique<RankSet>(ModelConfig::from_file(test::golden_dir("v3")), pc, test::golden_dir("v3"),
-                                         LoadOptions{});
+  auto ranks = test::cpu_ranks("v3", 4, 4, graphs ? 8 : 0);
   const RankSet* rs = ranks.get();
   EngineOptions o;
   o.page_size = 8;
@@ -111,14 +104,7 @@ TEST(DpAttentionEngine, PrefillMeetsDecodeThroughGraphs) { prefill_meets_decode(
 // host has them. Outputs equal the reference; the same with overlap off (nothing taken from the device).
 void ids_on_the_ranks(int32_t tp, int32_t dp, bool graphs, bool overlap) {
   Golden g = golden("v2");
-  ParallelConfig pc;
-  pc.tp_size = tp;
-  pc.dp_size = dp;
-  pc.device = "cpu";
-  pc.backend.cpu_graphs = graphs;
-  pc.cuda_graph_max_bs = graphs ? 8 : 0;
-  auto ranks = std::make_unique<RankSet>(ModelConfig::from_file(test::golden_dir("v2")), pc, test::golden_dir("v2"),
-                                         LoadOptions{});
+  auto ranks = test::cpu_ranks("v2", tp, dp, graphs ? 8 : 0);
   const RankSet* rs = ranks.get();
   EngineOptions o;
   o.page_size = 8;
@@ -141,7 +127,9 @@ void ids_on_the_ranks(int32_t tp, int32_t dp, bool graphs, bool overlap) {
     EXPECT_EQ(e.stats()[0].overlapped_steps, 0);
     EXPECT_EQ(rs->prev_id_steps(), 0);
   }
-  if (graphs) EXPECT_GT(rs->graph_steps(), 5);
+  if (graphs) {
+    EXPECT_GT(rs->graph_steps(), 5);
+  }
 }
 
 TEST(IdsOnTheDevice, TensorParallel2) { ids_on_the_ranks(2, 1, false, true); }

@@ -15,11 +15,8 @@ namespace {
 
 OfflineResult run(const std::string& fam, int tp, int dp, const std::vector<std::vector<int32_t>>& prompts,
                   int32_t chunk = 0) {
-  ParallelConfig pc;
-  pc.tp_size = tp;
-  pc.dp_size = dp;
-  pc.device = "cpu";
-  RankSet ranks(ModelConfig::from_file(test::golden_dir(fam)), pc, test::golden_dir(fam), {});
+  auto rs = test::cpu_ranks(fam, tp, dp);
+  RankSet& ranks = *rs;
   OfflineOptions o;
   o.max_new_tokens = 8;
   o.prefill_chunk = chunk;

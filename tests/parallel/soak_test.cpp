@@ -22,12 +22,7 @@ using namespace mlaserve;
 void soak(int32_t tp, int32_t groups) {
   double seconds = 15.0;
   if (const char* e = std::getenv("MLASERVE_SOAK_SECONDS")) seconds = std::atof(e);
-  ParallelConfig pc;
-  pc.tp_size = tp;
-  pc.dp_size = groups;
-  pc.device = "cpu";
-  const ModelConfig cfg = ModelConfig::from_file(test::golden_dir("v3"));
-  auto ranks = std::make_unique<RankSet>(cfg, pc, test::golden_dir("v3"), LoadOptions{});
+  auto ranks = test::cpu_ranks("v3", tp, groups);
   EngineOptions o;
   o.page_size = 8;
   o.num_pages = 96;  // small: admission waits and retraction happen
