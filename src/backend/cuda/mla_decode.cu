@@ -26,6 +26,41 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+// An empty split (fixed split counts for CUDA graphs) gets weight zero in the combine; true when the item is empty.
+__device__ __forceinline__ bool empty_split(const MlaDecodeParams& p, const MlaDecodeItem& it, int h0, int rows_valid) {
+  if (it.key_end > it.key_begin) return false;
+  if (it.partial >= 0 && static_cast<int>(threadIdx.x) < rows_valid)
+    p.partial_lse[static_cast<int64_t>(it.partial) * p.num_heads + h0 + threadIdx.x] = -INFINITY;
+  return true;
+}
+
+// Writes a warp's normalised output fragments (rows r0 and r0 + 8 of the head group, NTO n8 tiles from colbase):
+// straight to the latent output (bf16) for an unsplit item, else to the item's partial (fp32).
+template <int NTO>
+__device__ __forceinline__ void store_output(const MlaDecodeParams& p, const MlaDecodeItem& it, int h0, int r0,
+                                             int colbase, int rows_valid, const float (&o)[NTO][4], float inv0,
+                                             float inv1) {
+  constexpr int KVR = 512;  // the fast paths only (kvr 512)
+  const int nh = p.num_heads, r1 = r0 + 8;
+  if (it.partial < 0) {
+    bf16* out0 = p.out_lat + (static_cast<int64_t>(it.token) * nh + h0 + r0) * KVR + colbase;
+    bf16* out1 = out0 + 8 * KVR;
+#pragma unroll
+    for (int i = 0; i < NTO; ++i) {
+      if (r0 < rows_valid) *reinterpret_cast<uint32_t*>(out0 + i * 8) = pack_bf16x2(o[i][0] * inv0, o[i][1] * inv0);
+      if (r1 < rows_valid) *reinterpret_cast<uint32_t*>(out1 + i * 8) = pack_bf16x2(o[i][2] * inv1, o[i][3] * inv1);
+    }
+  } else {
+    float* out0 = p.partial_o + (static_cast<int64_t>(it.partial) * nh + h0 + r0) * KVR + colbase;
+    float* out1 = out0 + 8 * KVR;
+#pragma unroll
+    for (int i = 0; i < NTO; ++i) {
+      if (r0 < rows_valid) *reinterpret_cast<float2*>(out0 + i * 8) = make_float2(o[i][0] * inv0, o[i][1] * inv0);
+      if (r1 < rows_valid) *reinterpret_cast<float2*>(out1 + i * 8) = make_float2(o[i][2] * inv1, o[i][3] * inv1);
+    }
+  }
+}
+
 template <int HB, int NW, int STAGES, int BN_, int KSPLIT_ = 1>
 struct DecodeCfg {
   static constexpr int KSPLIT = KSPLIT_;    // warps sharing one S tile, each over a slice of the 576 dims
@@ -73,11 +108,7 @@ __global__ void __launch_bounds__(NW * 32) mla_decode_fast_kernel(const MlaDecod
   const int h0 = blockIdx.y * HB;
   const int nh = p.num_heads;
   const int rows_valid = min(HB, nh - h0);
-  if (it.key_end <= it.key_begin) {
-    // An empty split (fixed split counts for CUDA graphs): weight zero in the combine.
-    if (it.partial >= 0 && tid < rows_valid) p.partial_lse[static_cast<int64_t>(it.partial) * nh + h0 + tid] = -INFINITY;
-    return;
-  }
+  if (empty_split(p, it, h0, rows_valid)) return;
   const int32_t* ptab = p.page_table + static_cast<int64_t>(it.seq) * p.max_pages;
   const float scale = p.softmax_scale * kLog2e;
   const int num_keys = it.key_end - it.key_begin;
@@ -245,29 +276,10 @@ __global__ void __launch_bounds__(NW * 32) mla_decode_fast_kernel(const MlaDecod
   cp_async_wait<0>();
   __syncthreads();
 
-  const int r0 = pv_mt * 16 + g, r1 = r0 + 8;
-  const float inv0 = 1.0f / sL[r0], inv1 = 1.0f / sL[r1];
-  const int colbase = pv_cg * C::DVW + 2 * t4;
-  if (it.partial < 0) {
-    bf16* out0 = p.out_lat + (static_cast<int64_t>(it.token) * nh + h0 + r0) * KVR + colbase;
-    bf16* out1 = out0 + 8 * KVR;
-#pragma unroll
-    for (int i = 0; i < C::NTO; ++i) {
-      if (r0 < rows_valid)
-        *reinterpret_cast<uint32_t*>(out0 + i * 8) = pack_bf16x2(o[i][0] * inv0, o[i][1] * inv0);
-      if (r1 < rows_valid)
-        *reinterpret_cast<uint32_t*>(out1 + i * 8) = pack_bf16x2(o[i][2] * inv1, o[i][3] * inv1);
-    }
-  } else {
-    float* out0 = p.partial_o + (static_cast<int64_t>(it.partial) * nh + h0 + r0) * KVR + colbase;
-    float* out1 = out0 + 8 * KVR;
-#pragma unroll
-    for (int i = 0; i < C::NTO; ++i) {
-      if (r0 < rows_valid) *reinterpret_cast<float2*>(out0 + i * 8) = make_float2(o[i][0] * inv0, o[i][1] * inv0);
-      if (r1 < rows_valid) *reinterpret_cast<float2*>(out1 + i * 8) = make_float2(o[i][2] * inv1, o[i][3] * inv1);
-    }
-    if (tid < rows_valid) p.partial_lse[static_cast<int64_t>(it.partial) * nh + h0 + tid] = sM[tid] + log2f(sL[tid]);
-  }
+  const int r0 = pv_mt * 16 + g;
+  store_output(p, it, h0, r0, pv_cg * C::DVW + 2 * t4, rows_valid, o, 1.0f / sL[r0], 1.0f / sL[r0 + 8]);
+  if (it.partial >= 0 && tid < rows_valid)
+    p.partial_lse[static_cast<int64_t>(it.partial) * nh + h0 + tid] = sM[tid] + log2f(sL[tid]);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -353,11 +365,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, MINB) mla_decode_ws_kernel(cons
   const int h0 = blockIdx.y * HB;
   const int nh = p.num_heads;
   const int rows_valid = min(HB, nh - h0);
-  if (it.key_end <= it.key_begin) {
-    // An empty split (fixed split counts for CUDA graphs): weight zero in the combine.
-    if (it.partial >= 0 && tid < rows_valid) p.partial_lse[static_cast<int64_t>(it.partial) * nh + h0 + tid] = -INFINITY;
-    return;
-  }
+  if (empty_split(p, it, h0, rows_valid)) return;
   const int n_tiles = (it.key_end - it.key_begin + BN - 1) / BN;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -595,29 +603,11 @@ __global__ void __launch_bounds__((NW + 1) * 32, MINB) mla_decode_ws_kernel(cons
     l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
   }
   const int r0 = g, r1 = g + 8;
-  const float inv0 = 1.0f / l_r[0], inv1 = 1.0f / l_r[1];
-  const int colbase = warp * C::DVW + 2 * t4;
-  if (it.partial < 0) {
-    bf16* out0 = p.out_lat + (static_cast<int64_t>(it.token) * nh + h0 + r0) * KVR + colbase;
-    bf16* out1 = out0 + 8 * KVR;
-#pragma unroll
-    for (int i = 0; i < C::NTO; ++i) {
-      if (r0 < rows_valid) *reinterpret_cast<uint32_t*>(out0 + i * 8) = pack_bf16x2(o[i][0] * inv0, o[i][1] * inv0);
-      if (r1 < rows_valid) *reinterpret_cast<uint32_t*>(out1 + i * 8) = pack_bf16x2(o[i][2] * inv1, o[i][3] * inv1);
-    }
-  } else {
-    float* out0 = p.partial_o + (static_cast<int64_t>(it.partial) * nh + h0 + r0) * KVR + colbase;
-    float* out1 = out0 + 8 * KVR;
-#pragma unroll
-    for (int i = 0; i < C::NTO; ++i) {
-      if (r0 < rows_valid) *reinterpret_cast<float2*>(out0 + i * 8) = make_float2(o[i][0] * inv0, o[i][1] * inv0);
-      if (r1 < rows_valid) *reinterpret_cast<float2*>(out1 + i * 8) = make_float2(o[i][2] * inv1, o[i][3] * inv1);
-    }
-    if (warp == 0 && t4 == 0) {
-      float* lse = p.partial_lse + static_cast<int64_t>(it.partial) * nh + h0;
-      if (r0 < rows_valid) lse[r0] = m_r[0] + log2f(l_r[0]);
-      if (r1 < rows_valid) lse[r1] = m_r[1] + log2f(l_r[1]);
-    }
+  store_output(p, it, h0, r0, warp * C::DVW + 2 * t4, rows_valid, o, 1.0f / l_r[0], 1.0f / l_r[1]);
+  if (it.partial >= 0 && warp == 0 && t4 == 0) {
+    float* lse = p.partial_lse + static_cast<int64_t>(it.partial) * nh + h0;
+    if (r0 < rows_valid) lse[r0] = m_r[0] + log2f(l_r[0]);
+    if (r1 < rows_valid) lse[r1] = m_r[1] + log2f(l_r[1]);
   }
 }
 
