@@ -285,24 +285,27 @@ void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
   }
 }
 
-void DeepseekModel::check_ids(const ForwardBatch& batch) const {
+bool DeepseekModel::check_ids(const ForwardBatch& batch) const {
   MLA_CHECK(!layers_.empty(), "model weights are not loaded");
   const int64_t prev = prev_ids_.defined() ? prev_ids_.numel() : 0;
+  bool any_prev = false;
   for (int32_t id : batch.input_ids) {
     if (id < 0) {
+      any_prev = true;
       MLA_CHECK(-static_cast<int64_t>(id) <= prev, "input id {} names row {} of the previous step's samples, which "
                 "has {} rows on this rank", id, -static_cast<int64_t>(id) - 1, prev);
       continue;
     }
     MLA_CHECK(id < config_.vocab_size, "token id {} is outside the vocabulary [0, {})", id, config_.vocab_size);
   }
+  return any_prev;
 }
 
 Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm form, const DpStepInfo* dp) {
-  check_ids(batch);
+  const bool prev_ids = check_ids(batch);
   MLA_LOG_TRACE("rank {}: forward of {} tokens", plan_.tp_rank, batch.num_tokens());
   backend_.begin_step(batch);
-  return forward_body(batch, cache, form, dp);
+  return forward_body(batch, cache, form, dp, prev_ids);
 }
 
 Tensor DeepseekModel::forward_graph(const ForwardBatch& batch, KvCache& cache, const DpStepInfo* dp) {
@@ -314,7 +317,7 @@ Tensor DeepseekModel::forward_graph(const ForwardBatch& batch, KvCache& cache, c
     Graph g;
     backend_.graph_capture_begin();
     try {
-      g.logits = forward_body(batch, cache, MlaForm::Auto, dp);
+      g.logits = forward_body(batch, cache, MlaForm::Auto, dp, /*prev_ids=*/true);
     } catch (...) {
       try {
         backend_.graph_capture_end();  // leave the stream usable; the recording is dropped
@@ -329,7 +332,8 @@ Tensor DeepseekModel::forward_graph(const ForwardBatch& batch, KvCache& cache, c
   return it->second.logits;
 }
 
-Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, MlaForm form, const DpStepInfo* dp) {
+Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, MlaForm form, const DpStepInfo* dp,
+                                   bool prev_ids) {
   const auto& c = config_;
   const int64_t T = batch.num_tokens(), H = c.hidden_size;
   // DP attention: this group's rows [dp_offset, dp_offset + T) of the world's dp_total tokens.
@@ -351,8 +355,7 @@ Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, Ml
   Tensor hidden = backend_.scratch({T, H}, ad);
   Tensor residual = backend_.scratch({T, H}, ad);
   Tensor normed = backend_.scratch({T, H}, ad);
-  // Ids sampled by the previous step that stayed on the device (always in a graph: a later replay may have them).
-  if (prev_ids_.defined()) backend_.resolve_prev_ids(prev_ids_);
+  if (prev_ids && prev_ids_.defined()) backend_.resolve_prev_ids(prev_ids_);
   backend_.embedding(embed_, plan_.attn_tp_rank * local_vocab_, hidden);
   if (plan_.attn_tp_size > 1) backend_.collective([c = attn_comm_, hidden]() mutable { c->all_reduce_sum(hidden); });
   Tensor gathered, gathered_out;

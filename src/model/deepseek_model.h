@@ -89,8 +89,10 @@ class DeepseekModel {
   class Loader;
   void attention(int64_t layer, const Tensor& x, KvCache& cache, MlaForm form, Tensor& out);
   void mlp(int64_t layer, const Tensor& x, Tensor& out);
-  void check_ids(const ForwardBatch& batch) const;
-  Tensor forward_body(const ForwardBatch& batch, KvCache& cache, MlaForm form, const DpStepInfo* dp);
+  // Validates the ids; true when some come from the previous step's samples (negative).
+  bool check_ids(const ForwardBatch& batch) const;
+  // prev_ids: replace the negative ids from the device first (always in a graph: a later replay may have them).
+  Tensor forward_body(const ForwardBatch& batch, KvCache& cache, MlaForm form, const DpStepInfo* dp, bool prev_ids);
   struct Graph {
     int32_t id = -1;
     Tensor logits;  // where the replay leaves them
