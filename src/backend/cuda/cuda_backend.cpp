@@ -244,7 +244,7 @@ class CudaBackend final : public Backend {
   void download(const Tensor& t, void* dst) override {
     if (t.nbytes() == 0) return;
     CUDA_OK(cudaMemcpyAsync(dst, t.data(), t.nbytes(), cudaMemcpyDeviceToHost, stream_), "download");
-    if (idle_stats_ && !step_events_.empty()) cudaEventRecord(step_events_.back().second, stream_);
+    end_step();  // a step's last download ends its device work (offline runs)
     CUDA_OK(cudaStreamSynchronize(stream_), "download");
   }
 
@@ -261,7 +261,6 @@ class CudaBackend final : public Backend {
       CUDA_OK(cudaHostAlloc(&d.host, cap, cudaHostAllocDefault), "pinned download slot");
       d.capacity = cap;
     }
-    if (!d.done) CUDA_OK(cudaEventCreateWithFlags(&d.done, cudaEventDisableTiming), "download event");
     d.bytes = t.nbytes();
     if (d.bytes) CUDA_OK(cudaMemcpyAsync(d.host, t.data(), d.bytes, cudaMemcpyDeviceToHost, stream_), "download");
     CUDA_OK(cudaEventRecord(d.done, stream_), "download event");
