@@ -21,4 +21,29 @@ void Backend::download_finish(uint64_t ticket, void* dst) {
   done_downloads_.pop_front();
 }
 
+int64_t shared_experts_width(const Tensor& x, const Tensor* gate_up, const Tensor* down, const Tensor& out) {
+  if (!gate_up && !down) return 0;
+  MLA_CHECK(gate_up && down, "moe_experts: shared experts need both their gate_up and down weights");
+  const int64_t H = x.size(-1), Is = down->size(-1);
+  MLA_CHECK(gate_up->dim() == 2 && gate_up->size(0) == 2 * Is && gate_up->size(1) == H && down->dim() == 2 &&
+                down->size(0) == out.size(-1),
+            "moe_experts: shared experts gate_up {} / down {} do not match hidden {}", shape_str(gate_up->shape()),
+            shape_str(down->shape()), H);
+  return Is;
+}
+
+void add_shared_experts(Backend& be, const Tensor& x, const Tensor* gate_up, const Tensor* down, Tensor& out) {
+  const int64_t Is = shared_experts_width(x, gate_up, down, out);
+  if (Is == 0) return;
+  const int64_t H = x.size(-1), T = H ? x.numel() / H : 0;
+  const size_t mark = be.scratch_mark();
+  Tensor gu = be.scratch({T, 2 * Is}, be.act_dtype()), act = be.scratch({T, Is}, be.act_dtype());
+  Tensor y = be.scratch({T, out.size(-1)}, out.dtype());
+  be.linear(x, *gate_up, gu);
+  be.silu_mul(gu, act);
+  be.linear(act, *down, y);
+  be.add(out, y);
+  be.scratch_release(mark);
+}
+
 }  // namespace mlaserve

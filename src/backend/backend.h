@@ -185,9 +185,12 @@ class Backend {
   virtual void moe_route(const Tensor& logits, const Tensor* bias, const RouterParams& p, Tensor& topk_ids,
                          Tensor& topk_weights) = 0;
   // out[T, H] = sum_k w * down_e(silu(gate_e x) * up_e x) over the experts in [expert_begin, expert_begin + E).
-  // gate_up: [E, 2I, H] (gate rows then up rows), down: [E, H, I].
+  // gate_up: [E, 2I, H] (gate rows then up rows), down: [E, H, I]. With shared experts (shared_gate_up [2 Is, H] and
+  // shared_down [H, Is], both or neither) their MLP is added: out = routed + down_s(silu(gate_s x) * up_s x), each
+  // term in the activation type before the sum (as linear + silu_mul + linear + add would give).
   virtual void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
-                           const Tensor& down, int32_t expert_begin, Tensor& out) = 0;
+                           const Tensor& down, int32_t expert_begin, const Tensor* shared_gate_up,
+                           const Tensor* shared_down, Tensor& out) = 0;
 
   // Samples one token per row of logits[R, V] (F32) with params[r]: ids[R] (I32, backend tensor) and, when
   // logprobs is given, the chosen token's log-probability under the penalised, temperature-scaled distribution
@@ -202,6 +205,12 @@ class Backend {
   std::deque<std::pair<uint64_t, std::vector<char>>> done_downloads_;
   uint64_t next_download_ = 0;
 };
+
+// The width Is of moe_experts' shared experts (0 without them) after checking their shapes against x [T, H] and out.
+int64_t shared_experts_width(const Tensor& x, const Tensor* gate_up, const Tensor* down, const Tensor& out);
+// out += down(silu(gate x) * up x) with gate_up [2 Is, H], down [H, Is], through the backend's linear / silu_mul /
+// add (the shared experts of Backend::moe_experts where a backend has no fused path); nothing without them.
+void add_shared_experts(Backend& be, const Tensor& x, const Tensor* gate_up, const Tensor* down, Tensor& out);
 
 std::unique_ptr<Backend> make_cpu_backend();
 

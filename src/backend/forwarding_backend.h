@@ -66,8 +66,8 @@ class ForwardingBackend : public Backend {
     b_.moe_route(l, bias, p, i, w);
   }
   void moe_experts(const Tensor& x, const Tensor& i, const Tensor& w, const Tensor& g, const Tensor& d, int32_t eb,
-                   Tensor& o) override {
-    b_.moe_experts(x, i, w, g, d, eb, o);
+                   const Tensor* sg, const Tensor* sd, Tensor& o) override {
+    b_.moe_experts(x, i, w, g, d, eb, sg, sd, o);
   }
   void sample(const Tensor& l, std::span<const RowSampling> p, Tensor& i, Tensor* lp) override { b_.sample(l, p, i, lp); }
   void set_rope(const std::vector<float>& f, float a) override { b_.set_rope(f, a); }
@@ -129,8 +129,11 @@ class GraphRecorder final : public ForwardingBackend {
     run([this, l, bias, p, i, w]() mutable { b_.moe_route(l, bias, p, i, w); });
   }
   void moe_experts(const Tensor& x, const Tensor& i, const Tensor& w, const Tensor& g, const Tensor& d, int32_t eb,
-                   Tensor& o) override {
-    run([this, x, i, w, g, d, eb, o]() mutable { b_.moe_experts(x, i, w, g, d, eb, o); });
+                   const Tensor* sg, const Tensor* sd, Tensor& o) override {
+    const Tensor sgv = sg ? *sg : Tensor(), sdv = sd ? *sd : Tensor();
+    run([this, x, i, w, g, d, eb, sgv, sdv, o]() mutable {
+      b_.moe_experts(x, i, w, g, d, eb, sgv.defined() ? &sgv : nullptr, sdv.defined() ? &sdv : nullptr, o);
+    });
   }
   void sample(const Tensor& l, std::span<const RowSampling> p, Tensor& i, Tensor* lp) override;
 

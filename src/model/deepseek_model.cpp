@@ -253,17 +253,14 @@ void DeepseekModel::attention(int64_t l, const Tensor& x, KvCache& cache, MlaFor
 void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
   const auto& c = config_;
   const LayerWeights& w = layers_[static_cast<size_t>(l)];
-  const int64_t T = x.size(0), H = c.hidden_size;
+  const int64_t T = x.size(0);
   const DType ad = backend_.act_dtype();
-  auto dense = [&](const Tensor& gate_up, const Tensor& down, int64_t inter, Tensor& y) {
-    Tensor gu = backend_.scratch({T, 2 * inter}, ad);
-    backend_.linear(x, gate_up, gu);
-    Tensor act = backend_.scratch({T, inter}, ad);
-    backend_.silu_mul(gu, act);
-    backend_.linear(act, down, y);
-  };
   if (!w.is_moe) {
-    dense(w.mlp_gate_up, w.mlp_down, local_inter_, out);
+    Tensor gu = backend_.scratch({T, 2 * local_inter_}, ad);
+    backend_.linear(x, w.mlp_gate_up, gu);
+    Tensor act = backend_.scratch({T, local_inter_}, ad);
+    backend_.silu_mul(gu, act);
+    backend_.linear(act, w.mlp_down, out);
   } else {
     const int64_t E = c.n_routed_experts, k = c.num_experts_per_tok;
     Tensor logits = backend_.scratch({T, E}, DType::F32);
@@ -272,12 +269,9 @@ void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
     Tensor weights = backend_.scratch({T, k}, DType::F32);
     const RouterParams rp = RouterParams::from_config(c);
     backend_.moe_route(logits, w.router_bias.defined() ? &w.router_bias : nullptr, rp, ids, weights);
-    backend_.moe_experts(x, ids, weights, w.experts_gate_up, w.experts_down, 0, out);
-    if (c.n_shared_experts > 0) {
-      Tensor shared = backend_.scratch({T, H}, ad);
-      dense(w.shared_gate_up, w.shared_down, local_shared_inter_, shared);
-      backend_.add(out, shared);
-    }
+    const bool shared = c.n_shared_experts > 0;
+    backend_.moe_experts(x, ids, weights, w.experts_gate_up, w.experts_down, 0, shared ? &w.shared_gate_up : nullptr,
+                         shared ? &w.shared_down : nullptr, out);
   }
   if (plan_.tp_size > 1) {
     MLA_LOG_TRACE("rank {}: layer {} MLP all-reduce", plan_.tp_rank, l);

@@ -153,8 +153,16 @@ TEST(CudaOps, RmsNormAndResidual) {
 TEST(CudaOps, LinearShapes) {
   REQUIRE_GPU();
   struct Case { int64_t N, K, M; DType out; };
+  // Up to 8 rows: the small-batch kernels (K split over warps for the narrow outputs); K % 8 != 0: cuBLAS.
   for (const Case c : {Case{0, 64, 32, DType::BF16}, Case{1, 2048, 3072, DType::BF16}, Case{37, 512, 576, DType::BF16},
-                       Case{256, 2048, 64, DType::F32}, Case{5, 2048, 1000, DType::F32}}) {
+                       Case{256, 2048, 64, DType::F32}, Case{5, 2048, 1000, DType::F32}, Case{1, 2048, 576, DType::BF16},
+                       Case{3, 1408, 2048, DType::BF16}, Case{8, 2048, 64, DType::F32}, Case{2, 24, 130, DType::BF16},
+                       Case{7, 10944, 300, DType::BF16}, Case{4, 520, 77, DType::F32}, Case{2, 20, 33, DType::BF16},
+                       Case{9, 2048, 576, DType::BF16},
+                       // golden v2 widths at 6 rows (several 16-row groups per block: K split over fewer warps)
+                       Case{6, 128, 48, DType::BF16}, Case{6, 48, 384, DType::BF16}, Case{6, 128, 80, DType::BF16},
+                       Case{6, 192, 128, DType::BF16}, Case{6, 128, 512, DType::BF16}, Case{6, 256, 128, DType::BF16},
+                       Case{6, 96, 128, DType::BF16}, Case{6, 128, 16, DType::F32}, Case{1, 128, 640, DType::F32}}) {
     Tensor x = rand_host({c.N, c.K}, 7 + c.N), w = rand_host({c.M, c.K}, 8 + c.M, 1.0f / std::sqrt(static_cast<float>(c.K)));
     Tensor xc = cpu().upload(x, DType::F32), xg = gpu().upload(x, DType::BF16);
     Tensor wc = cpu().upload(w, DType::BF16), wg = gpu().upload(w, DType::BF16);
@@ -358,8 +366,9 @@ TEST(CudaOps, MoeRouteAllMethods) {
   }
 }
 
+// kind: gpu(kind); Is > 0: shared experts of that width too.
 void moe_case(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, int32_t expert_begin, int64_t e_total,
-              int64_t active, int kind, uint64_t seed) {
+              int64_t active, int kind, uint64_t seed, int64_t Is = 0) {
   // ids only from the first `active` global experts (the rest receive nothing), distinct per token.
   Tensor ids = Tensor::empty_host({T, k}, DType::I32);
   std::mt19937_64 rng(seed);
@@ -380,16 +389,35 @@ void moe_case(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, int32_t exp
   Tensor guc = cpu().upload(gu, DType::BF16), gug = g.upload(gu, DType::BF16);
   Tensor dnc = cpu().upload(dn, DType::BF16), dng = g.upload(dn, DType::BF16);
   Tensor oc = cpu().alloc({T, H}, DType::F32), og = g.alloc({T, H}, DType::BF16);
-  cpu().moe_experts(xc, idc, wc, guc, dnc, expert_begin, oc);
-  g.moe_experts(xg, idg, wg, gug, dng, expert_begin, og);
+  Tensor sgc, sgg, sdc, sdg;
+  if (Is > 0) {
+    Tensor sgu = rand_host({2 * Is, H}, seed + 5, 1.0f / std::sqrt(static_cast<float>(H)));
+    Tensor sdn = rand_host({H, Is}, seed + 6, 1.0f / std::sqrt(static_cast<float>(Is)));
+    sgc = cpu().upload(sgu, DType::BF16);
+    sgg = g.upload(sgu, DType::BF16);
+    sdc = cpu().upload(sdn, DType::BF16);
+    sdg = g.upload(sdn, DType::BF16);
+  }
+  cpu().moe_experts(xc, idc, wc, guc, dnc, expert_begin, Is ? &sgc : nullptr, Is ? &sdc : nullptr, oc);
+  g.moe_experts(xg, idg, wg, gug, dng, expert_begin, Is ? &sgg : nullptr, Is ? &sdg : nullptr, og);
   expect_close(cpu().to_host_f32(oc), g.to_host_f32(og), 1e-2, 3e-2,
                "moe T" + std::to_string(T) + " E" + std::to_string(E) + " H" + std::to_string(H) + " I" +
-                   std::to_string(I) + (kind == 2 ? " cublas" : ""));
+                   std::to_string(I) + " shared " + std::to_string(Is) + " kind " + std::to_string(kind));
 }
 
 TEST(CudaOps, MoeExpertsSmall) {
   REQUIRE_GPU();
-  for (int kind : {0, 2}) {
+  // Up to 2 tokens: the small-batch MoE (kind 0), with and without shared experts; kind 3 the grouped kernels at the
+  // same sizes, kind 2 cuBLAS.
+  for (int kind : {0, 3}) {
+    moe_case(1, 8, 6, 2048, 1408, 0, 8, 8, kind, 46, 2816);  // V2-Lite widths, 2 shared experts (two slices)
+    moe_case(2, 16, 6, 256, 96, 0, 16, 16, kind, 47, 192);
+    moe_case(2, 32, 16, 256, 64, 0, 32, 32, kind, 48, 64);   // 32 (token, slot) pairs: the plan's limit
+    moe_case(2, 8, 6, 256, 104, 4, 16, 10, kind, 49, 104);   // local experts 4..11 of 16, shared experts
+    moe_case(2, 16, 3, 256, 64, 0, 16, 3, kind, 50, 1024);   // both tokens on the same 3 experts; 8 shared slices
+    moe_case(3, 8, 6, 256, 104, 4, 16, 10, kind, 51, 104);   // 3 tokens: the grouped kernels + shared MLP
+  }
+  for (int kind : {0, 2, 3}) {
     moe_case(1, 16, 4, 256, 96, 0, 16, 16, kind, 40);
     moe_case(5, 16, 4, 256, 96, 0, 16, 6, kind, 41);      // 10 experts with no tokens
     moe_case(8, 8, 6, 256, 104, 4, 16, 7, kind, 45);      // local experts 4..11 of 16, ~7 rows each from 8 tokens

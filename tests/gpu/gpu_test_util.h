@@ -23,14 +23,17 @@ inline bool have_gpu() { return cuda_device_count() > 0; }
   if (!::mlaserve::test::have_gpu()) GTEST_SKIP() << "no CUDA device"
 
 // kind 0: tensor-core kernels + grouped MoE; 1: simple kernels; 2: MoE through cuBLAS.
+// kind 0: default; 1: simple attention kernels; 2: MoE through cuBLAS; 3: no small-batch kernels (cuBLAS and the
+// grouped MoE kernels at any batch).
 inline Backend& gpu(int kind = 0) {
-  static std::unique_ptr<Backend> b[3];
+  static std::unique_ptr<Backend> b[4];
   if (!b[kind]) {
     CudaBackendOptions o;
     o.persistent_bytes = 6LL << 30;
     o.scratch_bytes = 6LL << 30;
     o.simple_kernels = kind == 1;
     o.moe_cublas = kind == 2;
+    o.small_batch = kind != 3;
     b[kind] = make_cuda_backend(0, o);
   }
   return *b[kind];

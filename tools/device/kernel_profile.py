@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Sums ncu's per-kernel durations (CSV from `ncu --metrics gpu__time_duration.sum --csv`) over the last N launches,
-by kernel name: where one decode step's GPU time goes.
-usage: kernel_profile.py NCU_CSV LAST_N"""
+"""Sums ncu's per-kernel durations (CSV from `ncu --metrics gpu__time_duration.sum --csv`) by kernel name: where one
+decode step's GPU time goes. The step is the last N launches, or (--step MARKER) the launches from the second-last
+kernel whose name contains MARKER up to the last one (one whole step when MARKER is its first kernel).
+usage: kernel_profile.py NCU_CSV (LAST_N | --step MARKER)"""
 import csv
 import sys
 from collections import defaultdict
@@ -18,14 +19,20 @@ def main():
         unit = r.get("Metric Unit", "ns")
         us = v / 1000.0 if unit == "nsecond" or unit == "ns" else v if unit in ("usecond", "us") else v * 1000.0
         rows.append((r["Kernel Name"][:90], us, r.get("Grid Size", ""), r.get("Block Size", "")))
-    last = rows[-int(sys.argv[2]):]
+    if sys.argv[2] == "--step":
+        marks = [i for i, r in enumerate(rows) if sys.argv[3] in r[0]]
+        if len(marks) < 2:
+            sys.exit(f"fewer than two kernels named like '{sys.argv[3]}' in {len(rows)} profiled")
+        last = rows[marks[-2]:marks[-1]]
+    else:
+        last = rows[-int(sys.argv[2]):]
     total = sum(u for _, u, _, _ in last)
     by = defaultdict(lambda: [0, 0.0])
     for n, u, _, _ in last:
         by[n][0] += 1
         by[n][1] += u
-    print(f"{len(rows)} kernels profiled; last {len(last)}: {total:.1f} us of kernel time")
-    for n, (c, u) in sorted(by.items(), key=lambda kv: -kv[1][1])[:28]:
+    print(f"{len(rows)} kernels profiled; one step: {len(last)} kernels, {total:.1f} us of kernel time")
+    for n, (c, u) in sorted(by.items(), key=lambda kv: -kv[1][1])[:40]:
         print(f"{u:9.1f} us {100 * u / total:5.1f}% {c:5d}x {u / c:7.2f} us  {n}")
 
 

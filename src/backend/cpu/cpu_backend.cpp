@@ -269,7 +269,8 @@ class CpuBackend final : public Backend {
   }
 
   void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
-                   const Tensor& down, int32_t expert_begin, Tensor& out) override {
+                   const Tensor& down, int32_t expert_begin, const Tensor* shared_gate_up, const Tensor* shared_down,
+                   Tensor& out) override {
     cpu::MoeArgs a;
     a.x = f32(x);
     a.T = rows_of(x);
@@ -287,6 +288,7 @@ class CpuBackend final : public Backend {
     MLA_CHECK(down.dtype() == gate_up.dtype() && down.size(0) == a.E && down.size(1) == a.H && down.size(2) == a.I,
               "moe_experts: down {} does not match gate_up {}", shape_str(down.shape()), shape_str(gate_up.shape()));
     cpu::moe_experts(a);
+    add_shared_experts(*this, x, shared_gate_up, shared_down, out);
   }
 
  private:

@@ -93,6 +93,36 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
 
 inline int ceil_div_i(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
+// Programmatic dependent launch (PDL). A kernel launched with launch() may start while the kernel before it on the
+// stream still runs: everything before pdl_wait() may only read memory no earlier kernel of the step writes (the
+// weights), and pdl_wait() must run in every block before it touches anything else. pdl_wait returns when the
+// previous kernel has finished and its writes are visible; as each kernel waits, that covers all earlier kernels.
+// pdl_trigger() lets the next kernel start launching (its blocks take free SM slots and prefetch its weights).
+// Without the launch attribute both are no-ops.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
+// Whether launch() sets the PDL attribute: on unless MLASERVE_PDL=0 (read once).
+bool pdl_enabled();
+
+// Launches kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization allowed (PDL),
+// for kernels that call pdl_wait() first (see above). Returns the launch status.
+template <typename... P, typename... A>
+cudaError_t launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(args)...);
+  return e == cudaSuccess ? cudaGetLastError() : e;
+}
+
 }  // namespace mlaserve::cuda
 
 // cudaFuncSetAttribute is per function AND per device: remember, per kernel instantiation (its own static mask),

@@ -51,6 +51,11 @@ bool env_flag(const char* name) {
   const char* v = std::getenv(name);
   return v != nullptr && v[0] != '\0' && v[0] != '0';
 }
+// A feature that is on by default, off when the variable is "0".
+bool env_off(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] == '0';
+}
 
 int alignment_of(const void* p) {
   const auto a = reinterpret_cast<uintptr_t>(p);
@@ -138,6 +143,7 @@ class CudaBackend final : public Backend {
     moe_cublas_ = o.moe_cublas || env_flag("MLASERVE_MOE_CUBLAS");
     if (const char* v = std::getenv("MLASERVE_MLA_DECODE_VARIANT")) mla_variant_ = std::atoi(v);
     moe_grouped_only_ = env_flag("MLASERVE_MOE_GROUPED");
+    small_batch_ = o.small_batch && !env_off("MLASERVE_SMALL_BATCH");
     idle_stats_ = env_flag("MLASERVE_GPU_IDLE_STATS");
     MLA_LOG_INFO("cuda: GPU {} '{}' ({} SMs, {:.1f} GiB): {:.2f} GiB for weights + KV cache, {:.2f} GiB activation "
                  "scratch{}{}",
@@ -399,6 +405,14 @@ class CudaBackend final : public Backend {
     MLA_CHECK(x.dtype() == DType::BF16 && w.dtype() == DType::BF16 && (y.dtype() == DType::BF16 || y.dtype() == DType::F32),
               "linear: x {} w {} y {} (expected bf16, bf16, bf16|f32)", dtype_name(x.dtype()), dtype_name(w.dtype()),
               dtype_name(y.dtype()));
+    // Up to 8 rows: matrix-vector kernels that read each weight once for all rows (cuBLAS tiles leave most of the
+    // GPU idle at one token).
+    if (small_batch_ && cuda::gemv_fits(N, K, x.data(), K, w.data(), K)) {
+      cuda::GemvArgs g = gemv_args(x.data(), K, 0, w.data(), K, 0, y.data(), M, 0, N, M, K);
+      g.y_f32 = y.dtype() == DType::F32;
+      CUDA_OK(cuda::gemv_t(g, 1, num_sms_, stream_), "gemv");
+      return;
+    }
     gemm(w.data(), K, x.data(), K, y.data(), M, y.dtype(), M, N, K);
   }
 
@@ -475,7 +489,8 @@ class CudaBackend final : public Backend {
     const int64_t T = rows_of(logits), E = logits.size(-1);
     MLA_CHECK(topk_ids.numel() == T * p.top_k && topk_weights.numel() == T * p.top_k && logits.dtype() == DType::F32,
               "moe_route: shape mismatch");
-    MLA_CHECK(E <= 1024 && p.top_k <= E, "moe_route: {} experts (top-{}) exceed the kernel's limit of 1024", E, p.top_k);
+    MLA_CHECK(E <= 1024 && p.top_k <= E && p.top_k <= 32,
+              "moe_route: {} experts with top-{} exceed the kernel's limits (1024 experts, top-32)", E, p.top_k);
     MLA_CHECK(p.n_group <= 1 || (p.n_group <= 32 && E % p.n_group == 0), "moe_route: {} groups over {} experts", p.n_group, E);
     cuda::RouteArgs a;
     a.method = p.method == TopkMethod::Greedy ? cuda::RouteMethod::Greedy
@@ -494,11 +509,15 @@ class CudaBackend final : public Backend {
   }
 
   void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
-                   const Tensor& down, int32_t expert_begin, Tensor& out) override;
+                   const Tensor& down, int32_t expert_begin, const Tensor* shared_gate_up, const Tensor* shared_down,
+                   Tensor& out) override;
 
   void sample(const Tensor& logits, std::span<const RowSampling> params, Tensor& ids, Tensor* logprobs) override;
 
  private:
+  // The routed experts of moe_experts through the grouped kernels (or per-expert cuBLASLt GEMMs for many rows).
+  void moe_routed(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
+                  const Tensor& down, int32_t expert_begin, Tensor& out);
   // Host arrays staged in the pinned buffer at the same offsets they get in the meta arena; flush() copies the
   // staged range in one transfer and records the event begin_step waits on before reusing the pinned buffer.
   class MetaUpload {
@@ -590,6 +609,26 @@ class CudaBackend final : public Backend {
                                          C, CUDA_R_16BF, static_cast<int>(ldc), sc, static_cast<int>(batch),
                                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
               "cublasGemmStridedBatchedEx");
+  }
+
+  // Small-batch product arguments (bf16 out unless changed): x[b][t] at x + b * sx + t * ldx, W[b] at w + b * sw
+  // (rows of ldw), y[b][t] at y + b * sy + t * ldy; T rows, N outputs, K inputs.
+  static cuda::GemvArgs gemv_args(const void* x, int64_t ldx, int64_t sx, const void* w, int64_t ldw, int64_t sw,
+                                  void* y, int64_t ldy, int64_t sy, int64_t T, int64_t N, int64_t K) {
+    cuda::GemvArgs g{};
+    g.x = static_cast<const cuda::bf16*>(x);
+    g.ldx = ldx;
+    g.sx = sx;
+    g.w = static_cast<const cuda::bf16*>(w);
+    g.ldw = ldw;
+    g.sw = sw;
+    g.y = y;
+    g.ldy = ldy;
+    g.sy = sy;
+    g.T = static_cast<int32_t>(T);
+    g.N = static_cast<int32_t>(N);
+    g.K = static_cast<int32_t>(K);
+    return g;
   }
 
   using PlanKey = std::tuple<int, int32_t, int32_t, int32_t>;  // form, heads, kv_lora, rope
@@ -716,6 +755,9 @@ class CudaBackend final : public Backend {
   // measured fastest on H200 (docs/perf.md); MLASERVE_MLA_DECODE_VARIANT overrides
   int32_t mla_variant_ = cuda::kMlaDecodeDefaultVariant;
   bool moe_grouped_only_ = false;
+  // Steps of at most cuda::kGemvMaxRows rows use the small-batch kernels (gemv.cu); MLASERVE_SMALL_BATCH=0: cuBLAS and
+  // the grouped MoE kernels instead.
+  bool small_batch_ = true;
   static constexpr int64_t kMoeCublasRowsPerExpert = 384;
 
   ForwardBatch step_;
@@ -859,8 +901,17 @@ void CudaBackend::mla_attention(const Tensor& q, const Tensor& cache, const Tens
   if (plan.num_decode_items > 0) {
     // q_lat[t, h, :] = q_nope[t, h, :] @ W_UK[h]   (W_UK[h]: [nope, kvr] rows of kv_b)
     Tensor q_lat = scratch({T, nh, kvr}, DType::BF16);
-    batched_gemm(false, kvr, T, nope, kvb, kvr, head_rows * kvr, q.data(), nh * hd, hd, q_lat.data(), nh * kvr, kvr,
-                 nh);
+    const bool small = small_batch_ && T <= cuda::kGemvMaxRows && kvr % 8 == 0 && nope % 8 == 0 && hd % 8 == 0 &&
+                       alignment_of(kvb) >= 16 && alignment_of(q.data()) >= 16;
+    if (small && T <= cuda::kFewRows) {
+      CUDA_OK(cuda::gemv_n(gemv_args(q.data(), nh * hd, hd, kvb, kvr, head_rows * kvr, q_lat.data(), nh * kvr, kvr, T,
+                                     kvr, nope),
+                           static_cast<int32_t>(nh), stream_),
+              "gemv_n (q_lat)");
+    } else {
+      batched_gemm(false, kvr, T, nope, kvb, kvr, head_rows * kvr, q.data(), nh * hd, hd, q_lat.data(), nh * kvr, kvr,
+                   nh);
+    }
     Tensor o_lat = scratch({T, nh, kvr}, DType::BF16);
     Tensor part_o = scratch({std::max(plan.num_partials, 1), nh, kvr}, DType::F32);
     Tensor part_lse = scratch({std::max(plan.num_partials, 1), nh}, DType::F32);
@@ -887,8 +938,15 @@ void CudaBackend::mla_attention(const Tensor& q, const Tensor& cache, const Tens
                                      dp.kvr, bf(o_lat), stream_),
             "mla_decode_combine");
     // out[t, h, :] = o_lat[t, h, :] @ W_UV[h]^T   (W_UV[h]: [v, kvr] rows of kv_b)
-    batched_gemm(true, vh, T, kvr, kvb + nope * kvr * 2, kvr, head_rows * kvr, o_lat.data(), nh * kvr, kvr,
-                 out.data(), nh * vh, vh, nh);
+    if (small) {
+      CUDA_OK(cuda::gemv_t(gemv_args(o_lat.data(), nh * kvr, kvr, kvb + nope * kvr * 2, kvr, head_rows * kvr,
+                                     out.data(), nh * vh, vh, T, vh, kvr),
+                           static_cast<int32_t>(nh), num_sms_, stream_),
+              "gemv (W_UV)");
+    } else {
+      batched_gemm(true, vh, T, kvr, kvb + nope * kvr * 2, kvr, head_rows * kvr, o_lat.data(), nh * kvr, kvr,
+                   out.data(), nh * vh, vh, nh);
+    }
   }
   if (plan.num_prefill_items > 0) {
     const int64_t L = plan.ctx_rows;
@@ -916,7 +974,8 @@ void CudaBackend::mla_attention(const Tensor& q, const Tensor& cache, const Tens
 }
 
 void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
-                              const Tensor& gate_up, const Tensor& down, int32_t expert_begin, Tensor& out) {
+                              const Tensor& gate_up, const Tensor& down, int32_t expert_begin,
+                              const Tensor* shared_gate_up, const Tensor* shared_down, Tensor& out) {
   const int64_t T = rows_of(x), H = x.size(-1), k = topk_ids.size(-1);
   const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2;
   MLA_CHECK(down.dtype() == gate_up.dtype() && down.size(0) == E && down.size(1) == H && down.size(2) == I,
@@ -926,6 +985,44 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
             "moe_experts: dtype or shape mismatch");
   MLA_CHECK(H % 8 == 0 && I % 8 == 0, "moe_experts: hidden {} and expert width {} must be multiples of 8", H, I);
   if (T == 0) return;
+  const int64_t Is = shared_experts_width(x, shared_gate_up, shared_down, out);
+  if (Is > 0)
+    MLA_CHECK(shared_gate_up->dtype() == DType::BF16 && shared_down->dtype() == DType::BF16,
+              "moe_experts: shared experts must be bf16");
+  if (small_batch_ && !moe_cublas_ && T <= cuda::kFewRows && k <= cuda::kMoeSmallMaxK && Is % 8 == 0) {
+    cuda::MoeSmallArgs a{};
+    a.x = bf(x);
+    a.ldx = H;
+    a.T = static_cast<int32_t>(T);
+    a.H = static_cast<int32_t>(H);
+    a.ids = topk_ids.data_as<const int32_t>();
+    a.weights = topk_weights.data_as<const float>();
+    a.k = static_cast<int32_t>(k);
+    a.gate_up = bf(gate_up);
+    a.down = bf(down);
+    a.E = static_cast<int32_t>(E);
+    a.I = static_cast<int32_t>(I);
+    a.expert_begin = expert_begin;
+    a.shared_gate_up = shared_gate_up ? bf(*shared_gate_up) : nullptr;
+    a.shared_down = shared_down ? bf(*shared_down) : nullptr;
+    a.Is = static_cast<int32_t>(Is);
+    Tensor act = scratch({T * k, I}, DType::BF16), act_shared = scratch({T, std::max<int64_t>(Is, 1)}, DType::BF16);
+    a.act = bf(act);
+    a.act_shared = bf(act_shared);
+    a.out = bf(out);
+    a.ldo = H;
+    Tensor plan = scratch({static_cast<int64_t>(cuda::moe_small_plan_bytes())}, DType::U8);
+    CUDA_OK(cuda::moe_small(a, plan.data(), stream_), "moe_small");
+    return;
+  }
+  moe_routed(x, topk_ids, topk_weights, gate_up, down, expert_begin, out);
+  add_shared_experts(*this, x, shared_gate_up, shared_down, out);
+}
+
+void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
+                             const Tensor& gate_up, const Tensor& down, int32_t expert_begin, Tensor& out) {
+  const int64_t T = rows_of(x), H = x.size(-1), k = topk_ids.size(-1);
+  const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2;
   const int64_t P = T * k;
   const int32_t bm = cuda::moe_block_m(P, static_cast<int32_t>(E));
   const int32_t max_tiles = cuda::moe_max_tiles(T, static_cast<int32_t>(k), static_cast<int32_t>(E), bm);

@@ -18,6 +18,9 @@ struct CudaBackendOptions {
                                       // (also env MLASERVE_CUDA_SIMPLE=1)
   bool moe_cublas = false;            // MoE experts as per-expert cuBLASLt GEMMs (one host sync per layer)
                                       // instead of the grouped kernels (also env MLASERVE_MOE_CUBLAS=1)
+  bool small_batch = true;            // steps of at most 8 rows: matrix-vector kernels and the two-kernel MoE
+                                      // (gemv.cu) instead of cuBLAS and the grouped MoE (env MLASERVE_SMALL_BATCH=0
+                                      // turns them off)
 };
 
 // Number of CUDA devices usable by this process (0 without a driver or GPU; never throws).

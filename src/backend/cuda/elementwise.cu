@@ -1,6 +1,8 @@
 // Row and elementwise kernels: dummy-weight RNG, conversions, embedding, RMSNorm (+ residual add), SiLU-and-mul,
 // add, row gather, RoPE on q and the latent-cache write. CPU references: backend/cpu/cpu_backend.cpp.
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/kernels.h"
@@ -41,6 +43,8 @@ __global__ void f32_to_bf16_kernel(const float* in, bf16* out, int64_t n) {
 }
 
 __global__ void resolve_prev_ids_kernel(int32_t* ids, int64_t n, const int32_t* prev, int64_t n_prev) {
+  pdl_wait();
+  pdl_trigger();
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < n;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int32_t id = ids[t];
@@ -53,6 +57,8 @@ __global__ void resolve_prev_ids_kernel(int32_t* ids, int64_t n, const int32_t* 
 
 __global__ void embedding_kernel(const bf16* table, int64_t vocab_rows, int64_t H, int64_t vocab_begin,
                                  const int32_t* ids, bf16* out) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t t = blockIdx.x;
   const int64_t id = static_cast<int64_t>(ids[t]) - vocab_begin;
   bf16* o = out + t * H;
@@ -71,6 +77,8 @@ __global__ void embedding_kernel(const bf16* table, int64_t vocab_rows, int64_t 
 template <bool ADD>
 __global__ void rmsnorm_kernel(const bf16* x, bf16* residual, const float* w, int64_t D, float eps, bf16* out) {
   __shared__ float red[32];
+  pdl_wait();
+  pdl_trigger();
   const int64_t row = blockIdx.x;
   const bf16* xr = x + row * D;
   bf16* rr = ADD ? residual + row * D : nullptr;
@@ -130,6 +138,8 @@ __global__ void rmsnorm_kernel(const bf16* x, bf16* residual, const float* w, in
 }
 
 __global__ void silu_mul_kernel(const bf16* gu, int64_t N, int64_t I, bf16* out) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t n = N * I;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -141,12 +151,16 @@ __global__ void silu_mul_kernel(const bf16* gu, int64_t N, int64_t I, bf16* out)
 }
 
 __global__ void add_kernel(bf16* a, const bf16* b, int64_t n) {
+  pdl_wait();
+  pdl_trigger();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     a[i] = __float2bfloat16_rn(__bfloat162float(a[i]) + __bfloat162float(b[i]));
 }
 
 __global__ void gather_rows_kernel(const char* x, int64_t row_bytes, const int32_t* rows, char* out) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t r = blockIdx.x;
   const char* src = x + static_cast<int64_t>(rows[r]) * row_bytes;
   char* dst = out + r * row_bytes;
@@ -168,6 +182,8 @@ __device__ __forceinline__ void rotate_pair(bf16* x, int i, int32_t pos, const f
 
 __global__ void rope_q_kernel(bf16* q, int64_t T, int32_t nh, int32_t nope, int32_t rope, const int32_t* positions,
                               const float* inv_freq, float factor) {
+  pdl_wait();
+  pdl_trigger();
   const int32_t half = rope / 2, hd = nope + rope;
   const int64_t n = T * nh * half;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -183,6 +199,8 @@ __global__ void write_latent_kernel(bf16* latent, int32_t kvr, int32_t rope, con
                                     const int32_t* positions, const int32_t* slots, const float* inv_freq,
                                     float factor, bf16* cache) {
   __shared__ float red[32];
+  pdl_wait();
+  pdl_trigger();
   const int64_t t = blockIdx.x;
   const int32_t W = kvr + rope;
   bf16* row = latent + t * W;
@@ -210,6 +228,14 @@ __global__ void write_latent_kernel(bf16* latent, int32_t kvr, int32_t rope, con
 
 }  // namespace
 
+bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MLASERVE_PDL");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+
 cudaError_t fill_random(void* out, bool out_bf16, int64_t rows, int64_t cols, uint64_t seed, float mean, float stddev,
                         int64_t full_cols, int64_t row_offset, int64_t col_offset, cudaStream_t stream) {
   const int64_t n = rows * cols;
@@ -232,67 +258,58 @@ cudaError_t convert_f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStrea
 
 cudaError_t resolve_prev_ids(int32_t* ids, int64_t n, const int32_t* prev, int64_t n_prev, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  resolve_prev_ids_kernel<<<grid_for(n, 256), 256, 0, stream>>>(ids, n, prev, n_prev);
-  return cudaGetLastError();
+  return launch(resolve_prev_ids_kernel, grid_for(n, 256), 256, 0, stream, ids, n, prev, n_prev);
 }
 
 cudaError_t embedding(const bf16* table, int64_t vocab_rows, int64_t H, int64_t vocab_begin, const int32_t* ids,
                       int64_t T, bf16* out, cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
-  embedding_kernel<<<static_cast<unsigned>(T), 128, 0, stream>>>(table, vocab_rows, H, vocab_begin, ids, out);
-  return cudaGetLastError();
+  return launch(embedding_kernel, static_cast<unsigned>(T), 128, 0, stream, table, vocab_rows, H, vocab_begin, ids, out);
 }
 
 static int norm_threads(int64_t D) { return D >= 4096 ? 512 : (D >= 1024 ? 256 : 128); }
 
 cudaError_t rmsnorm(const bf16* x, const float* w, int64_t N, int64_t D, float eps, bf16* out, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
-  rmsnorm_kernel<false><<<static_cast<unsigned>(N), norm_threads(D), 0, stream>>>(x, nullptr, w, D, eps, out);
-  return cudaGetLastError();
+  return launch(rmsnorm_kernel<false>, static_cast<unsigned>(N), norm_threads(D), 0, stream, x, nullptr, w, D, eps, out);
 }
 
 cudaError_t add_rmsnorm(const bf16* x, bf16* residual, const float* w, int64_t N, int64_t D, float eps, bf16* out,
                         cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
-  rmsnorm_kernel<true><<<static_cast<unsigned>(N), norm_threads(D), 0, stream>>>(x, residual, w, D, eps, out);
-  return cudaGetLastError();
+  return launch(rmsnorm_kernel<true>, static_cast<unsigned>(N), norm_threads(D), 0, stream, x, residual, w, D, eps, out);
 }
 
 cudaError_t silu_mul(const bf16* gate_up, int64_t N, int64_t I, bf16* out, cudaStream_t stream) {
   if (N * I == 0) return cudaSuccess;
-  silu_mul_kernel<<<grid_for(N * I, 256), 256, 0, stream>>>(gate_up, N, I, out);
-  return cudaGetLastError();
+  return launch(silu_mul_kernel, grid_for(N * I, 256), 256, 0, stream, gate_up, N, I, out);
 }
 
 cudaError_t add_inplace(bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  add_kernel<<<grid_for(n, 256), 256, 0, stream>>>(a, b, n);
-  return cudaGetLastError();
+  return launch(add_kernel, grid_for(n, 256), 256, 0, stream, a, b, n);
 }
 
 cudaError_t gather_rows(const void* x, int64_t row_bytes, const int32_t* rows, int64_t R, void* out,
                         cudaStream_t stream) {
   if (R == 0 || row_bytes == 0) return cudaSuccess;
-  gather_rows_kernel<<<static_cast<unsigned>(R), 128, 0, stream>>>(static_cast<const char*>(x), row_bytes, rows,
-                                                                   static_cast<char*>(out));
-  return cudaGetLastError();
+  return launch(gather_rows_kernel, static_cast<unsigned>(R), 128, 0, stream, static_cast<const char*>(x), row_bytes,
+                rows, static_cast<char*>(out));
 }
 
 cudaError_t rope_q(bf16* q, int64_t T, int32_t nh, int32_t nope, int32_t rope, const int32_t* positions,
                    const float* inv_freq, float factor, cudaStream_t stream) {
   const int64_t n = T * nh * (rope / 2);
   if (n == 0) return cudaSuccess;
-  rope_q_kernel<<<grid_for(n, 256), 256, 0, stream>>>(q, T, nh, nope, rope, positions, inv_freq, factor);
-  return cudaGetLastError();
+  return launch(rope_q_kernel, grid_for(n, 256), 256, 0, stream, q, T, nh, nope, rope, positions, inv_freq, factor);
 }
 
 cudaError_t write_latent(bf16* latent, int64_t T, int32_t kvr, int32_t rope, const float* norm_w, float eps,
                          const int32_t* positions, const int32_t* slots, const float* inv_freq, float factor,
                          bf16* cache, cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
-  write_latent_kernel<<<static_cast<unsigned>(T), 128, 0, stream>>>(latent, kvr, rope, norm_w, eps, positions, slots,
-                                                                    inv_freq, factor, cache);
-  return cudaGetLastError();
+  return launch(write_latent_kernel, static_cast<unsigned>(T), 128, 0, stream, latent, kvr, rope, norm_w, eps, positions,
+                slots, inv_freq, factor, cache);
 }
 
 }  // namespace mlaserve::cuda

@@ -242,6 +242,62 @@ cudaError_t moe_scale_rows(const bf16* in, const float* pos_weight, const int32_
                            int64_t max_p, float* y, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
+// Small batches (gemv.cu): at most kGemvMaxRows token rows. Launched with programmatic dependent launch.
+
+constexpr int kGemvMaxRows = 8;
+// gemv_n and moe_small take at most this many rows: they pay off against the batched cuBLAS GEMM and the grouped MoE
+// kernels only up to here (measured on H200, docs/perf.md). A graph bucket size, so a padded graph step takes the
+// path its eager step takes.
+constexpr int kFewRows = 2;
+struct GemvArgs {
+  const bf16* x;      // x[b][t][k] at x + b * sx + t * ldx + k
+  int64_t ldx, sx;
+  const bf16* w;      // gemv_t: W[b][n][k] at w + b * sw + n * ldw + k; gemv_n: W[b][k][n] at w + b * sw + k * ldw + n
+  int64_t ldw, sw;
+  void* y;            // y[b][t][n] at y + b * sy + t * ldy + n (elements of bf16, or f32 when y_f32)
+  int64_t ldy, sy;
+  int32_t T, N, K;
+  bool y_f32;
+  int32_t ks;         // set by the launcher
+};
+// Whether gemv_t takes x[T, K] (ldx) @ w[N, K] (ldw)^T: T in [1, kGemvMaxRows], K, ldx, ldw multiples of 8,
+// x and w 16-byte aligned.
+bool gemv_fits(int64_t T, int64_t K, const void* x, int64_t ldx, const void* w, int64_t ldw);
+// y = x W^T for each of `batch` matrices (bf16 in, fp32 sums, bf16 or f32 out). num_sms sizes the K split. T >= 2 and
+// K % 32 == 0: tensor cores (any T in [2, 8] costs about the same); else one warp per row (the faster at T = 1). Each
+// token's result is independent of the others and of T within each kernel, so a graph step padded from T >= 2 rows to
+// a larger bucket computes what the eager step does (T = 1 only ever pads to 1).
+cudaError_t gemv_t(GemvArgs a, int32_t batch, int32_t num_sms, cudaStream_t stream);
+// y = x W for each of `batch` matrices, bf16 out (T <= kFewRows, N and ldw multiples of 8, w 16-byte aligned).
+cudaError_t gemv_n(GemvArgs a, int32_t batch, cudaStream_t stream);
+
+constexpr int kMoeSmallMaxK = 16;
+struct MoeSmallArgs {
+  const bf16* x;                 // [T, H] (row stride ldx)
+  int64_t ldx;
+  int32_t T, H;
+  const int32_t* ids;            // [T, k] global expert ids
+  const float* weights;          // [T, k]
+  int32_t k;
+  const bf16* gate_up;           // [E, 2I, H] local experts (gate rows then up rows)
+  const bf16* down;              // [E, H, I]
+  int32_t E, I, expert_begin;
+  const bf16* shared_gate_up;    // [2 Is, H] or null (Is = 0)
+  const bf16* shared_down;       // [H, Is]
+  int32_t Is;
+  bf16* act;                     // scratch [T * k, I]
+  bf16* act_shared;              // scratch [T, Is]
+  bf16* out;                     // [T, H] (row stride ldo) = routed experts (+ shared experts)
+  int64_t ldo;
+};
+// out = sum_k w * down_e(silu(gate_e x) * up_e x) over the local experts, rounded, plus the shared experts' MLP,
+// rounded (as moe_experts + the dense shared MLP + add compute it). T <= kFewRows, k <= kMoeSmallMaxK,
+// H, I, Is multiples of 8. Three kernels (a one-block plan of the distinct experts into plan_buf, 16-byte aligned,
+// moe_small_plan_bytes() bytes; gate/up; down), no host sync.
+size_t moe_small_plan_bytes();
+cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------------
 // Sampling (sampling.cu)
 
 struct SampleRow {

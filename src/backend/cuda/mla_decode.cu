@@ -351,6 +351,8 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
 
 template <int NW, int STAGES, int BN, int KSPLIT, int MINB>
 __global__ void __launch_bounds__((NW + 1) * 32, MINB) mla_decode_ws_kernel(const MlaDecodeParams p) {
+  pdl_wait();
+  pdl_trigger();
   using C = WsCfg<NW, STAGES, BN, KSPLIT, MINB>;
   constexpr int HB = C::HB, KVR = C::KVR, LDS = C::LDS, LDSS = C::LDSS, KSTEPS = C::KSTEPS, NPW = C::NPW;
   extern __shared__ __align__(128) uint8_t smem_raw[];
@@ -681,24 +683,51 @@ __global__ void __launch_bounds__(kSimpleThreads) mla_decode_simple_kernel(const
   if (it.partial >= 0 && threadIdx.x == 0) p.partial_lse[static_cast<int64_t>(it.partial) * nh + h] = m + log2f(l);
 }
 
-__global__ void mla_decode_combine_kernel(const MlaDecodeCombineItem* items, const float* partial_o,
-                                          const float* partial_lse, int32_t nh, int32_t kvr, bf16* out_lat) {
+constexpr int kCombineThreads = 128, kCombineMaxCols = 8;  // kvr <= 1024
+
+// One block per (token, head): the splits' weights exp2(lse_i - max) are computed once, 128 at a time, into shared
+// memory; each thread sums its columns over them (independent loads, no per-split recomputation).
+__global__ void __launch_bounds__(kCombineThreads) mla_decode_combine_kernel(const MlaDecodeCombineItem* items,
+                                                                            const float* partial_o,
+                                                                            const float* partial_lse, int32_t nh,
+                                                                            int32_t kvr, bf16* out_lat) {
+  pdl_wait();
+  pdl_trigger();
+  __shared__ float red[32];
+  __shared__ float wts[kCombineThreads];
   const MlaDecodeCombineItem it = items[blockIdx.x];
-  const int h = blockIdx.y;
+  const int h = blockIdx.y, tid = threadIdx.x, np = it.num_partials;
+  auto lse = [&](int i) { return partial_lse[static_cast<int64_t>(it.first_partial + i) * nh + h]; };
   float mx = -INFINITY;
-  for (int i = 0; i < it.num_partials; ++i) mx = fmaxf(mx, partial_lse[static_cast<int64_t>(it.first_partial + i) * nh + h]);
+  for (int i = tid; i < np; i += kCombineThreads) mx = fmaxf(mx, lse(i));
+  mx = block_max(mx, red);
   float total = 0.0f;
-  for (int i = 0; i < it.num_partials; ++i)
-    total += exp2f(partial_lse[static_cast<int64_t>(it.first_partial + i) * nh + h] - mx);
+  for (int i = tid; i < np; i += kCombineThreads) total += exp2f(lse(i) - mx);
+  total = block_sum(total, red);
   const float inv_total = 1.0f / total;
-  for (int c = threadIdx.x; c < kvr; c += blockDim.x) {
-    float acc = 0.0f;
-    for (int i = 0; i < it.num_partials; ++i) {
-      const int64_t pr = static_cast<int64_t>(it.first_partial + i) * nh + h;
-      const float w = exp2f(partial_lse[pr] - mx);
-      if (w > 0.0f) acc += w * partial_o[pr * kvr + c];  // empty splits (lse -inf) leave their rows unwritten
+  float acc[kCombineMaxCols];
+#pragma unroll
+  for (int j = 0; j < kCombineMaxCols; ++j) acc[j] = 0.0f;
+  for (int i0 = 0; i0 < np; i0 += kCombineThreads) {
+    const int n = min(kCombineThreads, np - i0);
+    __syncthreads();
+    if (tid < n) wts[tid] = exp2f(lse(i0 + tid) - mx);
+    __syncthreads();
+    for (int i = 0; i < n; ++i) {
+      const float w = wts[i];
+      if (w <= 0.0f) continue;  // empty splits (lse -inf) leave their rows unwritten
+      const float* po = partial_o + (static_cast<int64_t>(it.first_partial + i0 + i) * nh + h) * kvr;
+#pragma unroll
+      for (int j = 0; j < kCombineMaxCols; ++j) {
+        const int c = tid + j * kCombineThreads;
+        if (c < kvr) acc[j] += w * po[c];
+      }
     }
-    out_lat[(static_cast<int64_t>(it.token) * nh + h) * kvr + c] = __float2bfloat16_rn(acc * inv_total);
+  }
+#pragma unroll
+  for (int j = 0; j < kCombineMaxCols; ++j) {
+    const int c = tid + j * kCombineThreads;
+    if (c < kvr) out_lat[(static_cast<int64_t>(it.token) * nh + h) * kvr + c] = __float2bfloat16_rn(acc[j] * inv_total);
   }
 }
 
@@ -733,8 +762,7 @@ cudaError_t launch_ws(const MlaDecodeParams& p, cudaStream_t stream) {
   using C = WsCfg<NW, STAGES, BN, KSPLIT, MINB>;
   if (cudaError_t e = configure_ws<NW, STAGES, BN, KSPLIT, MINB>(); e != cudaSuccess) return e;
   dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>((p.num_heads + C::HB - 1) / C::HB));
-  mla_decode_ws_kernel<NW, STAGES, BN, KSPLIT, MINB><<<grid, C::THREADS, C::smem_bytes, stream>>>(p);
-  return cudaGetLastError();
+  return launch(mla_decode_ws_kernel<NW, STAGES, BN, KSPLIT, MINB>, grid, C::THREADS, C::smem_bytes, stream, p);
 }
 
 bool fast_dims(int32_t kvr, int32_t rope) { return kvr == 512 && rope == 64; }
@@ -821,9 +849,10 @@ cudaError_t mla_decode_combine(const MlaDecodeCombineItem* items, int32_t num_it
                                const float* partial_lse, int32_t num_heads, int32_t kvr, bf16* out_lat,
                                cudaStream_t stream) {
   if (num_items == 0 || num_heads == 0) return cudaSuccess;
+  if (kvr > kCombineThreads * kCombineMaxCols) return cudaErrorInvalidValue;
   dim3 grid(static_cast<unsigned>(num_items), static_cast<unsigned>(num_heads));
-  mla_decode_combine_kernel<<<grid, 128, 0, stream>>>(items, partial_o, partial_lse, num_heads, kvr, out_lat);
-  return cudaGetLastError();
+  return launch(mla_decode_combine_kernel, grid, kCombineThreads, 0, stream, items, partial_o, partial_lse, num_heads,
+                kvr, out_lat);
 }
 
 }  // namespace mlaserve::cuda

@@ -20,6 +20,8 @@ __device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib)
 __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float* logits, const float* bias,
                                                                     int64_t T, int32_t E, RouteArgs a, int32_t* ids,
                                                                     float* weights) {
+  pdl_wait();
+  pdl_trigger();
   extern __shared__ float route_smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouteWarps + warp;
@@ -86,7 +88,9 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float
     __syncwarp();
   }
 
-  float wsum = 0.0f;
+  // Lane i keeps the i-th pick (top_k <= 32): ids and weights are written once, after the normalisation.
+  int my_id = -1;
+  float my_w = 0.0f;
   for (int i = 0; i < a.top_k; ++i) {
     float bv = 0.0f;
     int bi = -1;
@@ -106,21 +110,21 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float
         bi = oi;
       }
     }
-    if (lane == 0) {
-      taken[bi] = 1.0f;
-      ids[t * a.top_k + i] = bi;
-      const float w = s[bi];
-      weights[t * a.top_k + i] = w;
-      wsum += w;
+    if (lane == i) {
+      my_id = bi;
+      my_w = s[bi];
     }
+    if (lane == 0) taken[bi] = 1.0f;
     __syncwarp();
   }
-  if (lane == 0) {
-    if (a.norm_topk_prob) {
-      const float denom = wsum + 1e-20f;
-      for (int i = 0; i < a.top_k; ++i) weights[t * a.top_k + i] /= denom;
-    }
-    for (int i = 0; i < a.top_k; ++i) weights[t * a.top_k + i] *= a.routed_scaling_factor;
+  // The CPU sums the picked weights in pick order: lane 0 does the same from the lanes' values.
+  float wsum = 0.0f;
+  for (int i = 0; i < a.top_k; ++i) wsum += __shfl_sync(0xffffffffu, my_w, i);
+  if (lane < a.top_k) {
+    float w = my_w;
+    if (a.norm_topk_prob) w /= wsum + 1e-20f;
+    ids[t * a.top_k + lane] = my_id;
+    weights[t * a.top_k + lane] = w * a.routed_scaling_factor;
   }
 }
 
@@ -130,6 +134,8 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_kernel(const int32_t*
                                                                   int64_t n_assign, int32_t k, int32_t E,
                                                                   int32_t expert_begin, int32_t block_m,
                                                                   MoeGroupOut out) {
+  pdl_wait();
+  pdl_trigger();
   extern __shared__ int32_t grp_smem[];
   int32_t* cnt = grp_smem;        // [E]
   int32_t* cursor = cnt + E;      // [E]
@@ -166,6 +172,8 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_kernel(const int32_t*
 }
 
 __global__ void moe_combine_kernel(const float* y, const int32_t* assign_pos, int32_t k, int64_t H, bf16* out) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t t = blockIdx.x;
   const int32_t* ap = assign_pos + t * k;
   bf16* o = out + t * H;
@@ -196,6 +204,8 @@ __global__ void moe_combine_kernel(const float* y, const int32_t* assign_pos, in
 
 __global__ void moe_combine_bf16_kernel(const bf16* y, const float* pos_weight, const int32_t* assign_pos, int32_t k,
                                         int64_t H, bf16* out) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t t = blockIdx.x;
   const int32_t* ap = assign_pos + t * k;
   bf16* o = out + t * H;
@@ -211,6 +221,8 @@ __global__ void moe_combine_bf16_kernel(const bf16* y, const float* pos_weight, 
 
 __global__ void moe_gather_x_kernel(const bf16* x, int64_t H, const int32_t* pos_row, const int32_t* expert_end,
                                     int32_t E, bf16* xs) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t p = blockIdx.x;
   if (p >= expert_end[E - 1]) return;
   const bf16* src = x + static_cast<int64_t>(pos_row[p]) * H;
@@ -225,6 +237,8 @@ __global__ void moe_gather_x_kernel(const bf16* x, int64_t H, const int32_t* pos
 
 __global__ void moe_scale_rows_kernel(const bf16* in, const float* pos_weight, const int32_t* expert_end, int32_t E,
                                       int64_t H, float* y) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t p = blockIdx.x;
   if (p >= expert_end[E - 1]) return;
   const float w = pos_weight[p];
@@ -236,12 +250,11 @@ __global__ void moe_scale_rows_kernel(const bf16* in, const float* pos_weight, c
 cudaError_t moe_route(const float* logits, const float* bias, int64_t T, int32_t E, const RouteArgs& a, int32_t* ids,
                       float* weights, cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
-  if (E > 1024 || a.top_k > E || (a.n_group > 1 && (a.n_group > 32 || E % a.n_group != 0)))
+  if (E > 1024 || a.top_k > E || a.top_k > 32 || (a.n_group > 1 && (a.n_group > 32 || E % a.n_group != 0)))
     return cudaErrorInvalidValue;
   const size_t smem = sizeof(float) * 3 * E * kRouteWarps;
   const unsigned blocks = static_cast<unsigned>((T + kRouteWarps - 1) / kRouteWarps);
-  moe_route_kernel<<<blocks, kRouteWarps * 32, smem, stream>>>(logits, bias, T, E, a, ids, weights);
-  return cudaGetLastError();
+  return launch(moe_route_kernel, blocks, kRouteWarps * 32, smem, stream, logits, bias, T, E, a, ids, weights);
 }
 
 int32_t moe_max_tiles(int64_t T, int32_t k, int32_t E, int32_t block_m) {
@@ -254,36 +267,31 @@ cudaError_t moe_group(const int32_t* ids, const float* weights, int64_t T, int32
                       int32_t block_m, const MoeGroupOut& out, cudaStream_t stream) {
   if (E > 2047 || T * k >= (1 << 20)) return cudaErrorInvalidValue;
   const size_t smem = sizeof(int32_t) * 2 * E;
-  moe_group_kernel<<<1, kGroupThreads, smem, stream>>>(ids, weights, T * k, k, E, expert_begin, block_m, out);
-  return cudaGetLastError();
+  return launch(moe_group_kernel, 1, kGroupThreads, smem, stream, ids, weights, T * k, k, E, expert_begin, block_m, out);
 }
 
 cudaError_t moe_combine(const float* y, const int32_t* assign_pos, int64_t T, int32_t k, int64_t H, bf16* out,
                         cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
-  moe_combine_kernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(y, assign_pos, k, H, out);
-  return cudaGetLastError();
+  return launch(moe_combine_kernel, static_cast<unsigned>(T), 256, 0, stream, y, assign_pos, k, H, out);
 }
 
 cudaError_t moe_combine_bf16(const bf16* y, const float* pos_weight, const int32_t* assign_pos, int64_t T, int32_t k,
                              int64_t H, bf16* out, cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
-  moe_combine_bf16_kernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(y, pos_weight, assign_pos, k, H, out);
-  return cudaGetLastError();
+  return launch(moe_combine_bf16_kernel, static_cast<unsigned>(T), 256, 0, stream, y, pos_weight, assign_pos, k, H, out);
 }
 
 cudaError_t moe_gather_x(const bf16* x, int64_t H, const int32_t* pos_row, const int32_t* expert_end, int32_t E,
                          int64_t max_p, bf16* xs, cudaStream_t stream) {
   if (max_p == 0) return cudaSuccess;
-  moe_gather_x_kernel<<<static_cast<unsigned>(max_p), 128, 0, stream>>>(x, H, pos_row, expert_end, E, xs);
-  return cudaGetLastError();
+  return launch(moe_gather_x_kernel, static_cast<unsigned>(max_p), 128, 0, stream, x, H, pos_row, expert_end, E, xs);
 }
 
 cudaError_t moe_scale_rows(const bf16* in, const float* pos_weight, const int32_t* expert_end, int32_t E, int64_t H,
                            int64_t max_p, float* y, cudaStream_t stream) {
   if (max_p == 0) return cudaSuccess;
-  moe_scale_rows_kernel<<<static_cast<unsigned>(max_p), 128, 0, stream>>>(in, pos_weight, expert_end, E, H, y);
-  return cudaGetLastError();
+  return launch(moe_scale_rows_kernel, static_cast<unsigned>(max_p), 128, 0, stream, in, pos_weight, expert_end, E, H, y);
 }
 
 }  // namespace mlaserve::cuda

@@ -2,6 +2,7 @@
 // draw whose noise is a counter-based function of (seed, step, token id), so it equals the CPU sampler
 // (CpuBackend::sample, the reference) token for token. Thresholds are exact radix selections over the logits'
 // ordered bit patterns (top-k: counts; top-p: probability mass), so ties at a threshold are all kept, as on the CPU.
+#include <algorithm>
 #include <cmath>
 
 #include "backend/cuda/common.cuh"
@@ -69,7 +70,38 @@ __device__ float row_sum_exp(const float* x, int64_t V, float mx, float* red) {
   return block_sum(z, red);
 }
 
-__global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SampleParams p) {
+// Plain greedy rows (temperature 0, no penalties) of a few rows are split over many blocks: block (c, r) writes the
+// (max, lowest index of the max, sum of exp(x - max)) of part c of row r to work[r * V + 3c ...]; sample_kernel
+// merges the parts in order. Other rows return at once.
+constexpr int kSplitThreads = 256, kMaxSplit = 64, kMinSplitLen = 1024;
+__device__ __forceinline__ bool plain_greedy(const SampleRow& row) {
+  return row.temperature <= 0.0f && row.penalty_begin == row.penalty_end;
+}
+
+__global__ void __launch_bounds__(kSplitThreads) greedy_parts_kernel(const SampleParams p, int32_t parts) {
+  pdl_wait();
+  pdl_trigger();
+  __shared__ float red[32];
+  __shared__ int redi[32];
+  const int64_t r = blockIdx.y;
+  if (!plain_greedy(p.rows[r])) return;
+  const int64_t len = (p.V + parts - 1) / parts, v0 = min(p.V, blockIdx.x * len), v1 = min(p.V, v0 + len);
+  const float* lg = p.logits + r * p.V + v0;
+  float bv;
+  int bi;
+  row_argmax(lg, v1 - v0, bv, bi, red, redi);
+  const float z = p.logprobs && bi >= 0 ? row_sum_exp(lg, v1 - v0, bv, red) : 0.0f;
+  if (threadIdx.x == 0) {
+    float* part = p.work + r * p.V + 3 * blockIdx.x;
+    part[0] = bv;
+    part[1] = __int_as_float(bi < 0 ? -1 : static_cast<int>(v0) + bi);
+    part[2] = z;
+  }
+}
+
+__global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SampleParams p, int32_t parts) {
+  pdl_wait();
+  pdl_trigger();
   __shared__ float red[32];
   __shared__ int redi[32];
   __shared__ float hist_mass[256];
@@ -86,7 +118,30 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
   const int tid = threadIdx.x;
 
   const bool greedy = row.temperature <= 0.0f;
-  if (greedy && row.penalty_begin == row.penalty_end) {  // plain argmax: read the logits in place
+  if (plain_greedy(row) && parts > 1) {  // merge greedy_parts_kernel's parts in order
+    if (tid == 0) {
+      const float* part = x;
+      float m = -INFINITY;
+      int best = -1;
+      for (int c = 0; c < parts; ++c) {
+        const float v = part[3 * c];
+        const int i = __float_as_int(part[3 * c + 1]);
+        if (i >= 0 && (best < 0 || v > m || (v == m && i < best))) {
+          m = v;
+          best = i;
+        }
+      }
+      p.ids[r] = best;
+      if (p.logprobs) {
+        float z = 0.0f;
+        for (int c = 0; c < parts; ++c)
+          if (__float_as_int(part[3 * c + 1]) >= 0) z += part[3 * c + 2] * expf(part[3 * c] - m);
+        p.logprobs[r] = -logf(z);
+      }
+    }
+    return;
+  }
+  if (plain_greedy(row)) {  // plain argmax: read the logits in place
     float bv;
     int bi;
     row_argmax(lg, V, bv, bi, red, redi);
@@ -230,8 +285,15 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
 
 cudaError_t sample(const SampleParams& p, cudaStream_t stream) {
   if (p.R == 0) return cudaSuccess;
-  sample_kernel<<<static_cast<unsigned>(p.R), kSampleThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  // A few rows leave most SMs idle with one block each: their greedy rows are split (256 blocks in all at most).
+  const int32_t parts = static_cast<int32_t>(
+      std::min<int64_t>({kMaxSplit, std::max<int64_t>(1, 256 / p.R), std::max<int64_t>(1, p.V / kMinSplitLen)}));
+  if (parts > 1) {
+    const cudaError_t e = launch(greedy_parts_kernel, dim3(static_cast<unsigned>(parts), static_cast<unsigned>(p.R)),
+                                 kSplitThreads, 0, stream, p, parts);
+    if (e != cudaSuccess) return e;
+  }
+  return launch(sample_kernel, static_cast<unsigned>(p.R), kSampleThreads, 0, stream, p, parts);
 }
 
 }  // namespace mlaserve::cuda

@@ -1,0 +1,513 @@
+// Small-batch kernels (at most kGemvMaxRows token rows): matrix-vector products that stream each weight row once for
+// all rows of the batch, and the MoE of such a batch in two kernels (gate/up + SiLU, then down + the weighted sum +
+// the shared experts). They are launched with programmatic dependent launch: each warp loads its first weights
+// before pdl_wait(), so a kernel's weight reads overlap the kernel before it. CPU references: cpu::linear,
+// cpu::moe_experts (and the model's shared-expert MLP).
+#include <cmath>
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/kernels.h"
+
+namespace mlaserve::cuda {
+
+namespace {
+
+constexpr int kWarps = 8;   // warps per block
+constexpr int kUnroll = 8;  // 16-byte weight loads per lane in flight
+
+// Weights are read once per step: a 16-byte load that does not allocate in L1 (kept for the activations).
+__device__ __forceinline__ uint4 ld_weights(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ uint4 ld_act(const bf16* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// Dot product of 8 bf16 pairs, fp32.
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
+  const __nv_bfloat162* pa = reinterpret_cast<const __nv_bfloat162*>(&a);
+  const __nv_bfloat162* pb = reinterpret_cast<const __nv_bfloat162*>(&b);
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 fa = __bfloat1622float2(pa[i]), fb = __bfloat1622float2(pb[i]);
+    s = fmaf(fa.x, fb.x, s);
+    s = fmaf(fa.y, fb.y, s);
+  }
+  return s;
+}
+
+__device__ __forceinline__ void load_chunk(uint4 (&w)[kUnroll], const uint4* row, int v, int end) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) w[u] = v + u * 32 < end ? ld_weights(row + v + u * 32) : make_uint4(0, 0, 0, 0);
+}
+
+// acc[t] += row . x[t] over this lane's 16-byte vectors [v, end) of one chunk (x: TT rows of ldx elements; rows
+// >= T are skipped, as are rows whose bit in `mask` is clear).
+template <int TT>
+__device__ __forceinline__ void chunk_dot(float (&acc)[TT], const uint4 (&w)[kUnroll], int v, int end, const bf16* x,
+                                          int64_t ldx, int T, unsigned mask) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int vi = v + u * 32;
+    if (vi < end) {
+#pragma unroll
+      for (int t = 0; t < TT; ++t)
+        if (t < T && (mask >> t & 1u)) acc[t] += dot8(w[u], ld_act(x + t * ldx + static_cast<int64_t>(vi) * 8));
+    }
+  }
+}
+
+// acc[t] = row . x[t] for a row of `nvec` 16-byte vectors, its first chunk already in w (load_chunk at lane).
+template <int TT>
+__device__ __forceinline__ void row_dot(float (&acc)[TT], uint4 (&w)[kUnroll], const uint4* row, int begin, int end,
+                                        const bf16* x, int64_t ldx, int T, unsigned mask) {
+  const int lane = threadIdx.x & 31;
+  for (int v = begin + lane;;) {
+    chunk_dot<TT>(acc, w, v, end, x, ldx, T, mask);
+    v += kUnroll * 32;
+    if (v >= end) break;
+    load_chunk(w, row, v, end);
+  }
+}
+
+template <int TT>
+__device__ __forceinline__ void warp_sum_all(float (&acc)[TT]) {
+#pragma unroll
+  for (int t = 0; t < TT; ++t) acc[t] = warp_sum(acc[t]);
+}
+
+// ---- y = x W^T ----------------------------------------------------------------------------------------------
+// Warp w of block b: row n = b.x * (8 / ks) + w / ks, part w % ks of K; batch b.y.
+template <int TT>
+__global__ void __maxnreg__(128) gemv_t_kernel(GemvArgs a) {
+  __shared__ float red[kWarps][TT];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int ks = a.ks, n = blockIdx.x * (kWarps / ks) + warp / ks, part = warp % ks;
+  const int nvec = a.K >> 3, vb = part * nvec / ks, ve = (part + 1) * nvec / ks;
+  const bool active = n < a.N;
+  const uint4* row = reinterpret_cast<const uint4*>(a.w + blockIdx.y * a.sw + static_cast<int64_t>(active ? n : 0) * a.ldw);
+  uint4 w[kUnroll];
+  load_chunk(w, row, vb + lane, active ? ve : 0);
+  pdl_wait();
+  pdl_trigger();
+  float acc[TT];
+#pragma unroll
+  for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
+  if (active) row_dot<TT>(acc, w, row, vb, ve, a.x + blockIdx.y * a.sx, a.ldx, a.T, ~0u);
+  warp_sum_all<TT>(acc);
+  if (ks > 1) {
+    if (lane == 0)
+#pragma unroll
+      for (int t = 0; t < TT; ++t) red[warp][t] = acc[t];
+    __syncthreads();
+    if (part == 0 && lane == 0)
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        float s = 0.0f;
+        for (int p = 0; p < ks; ++p) s += red[warp + p][t];
+        acc[t] = s;
+      }
+  }
+  if (!active || part != 0 || lane != 0) return;
+#pragma unroll
+  for (int t = 0; t < TT; ++t) {
+    if (t >= a.T) break;
+    const int64_t o = blockIdx.y * a.sy + t * a.ldy + n;
+    if (a.y_f32) static_cast<float*>(a.y)[o] = acc[t];
+    else static_cast<bf16*>(a.y)[o] = __float2bfloat16_rn(acc[t]);
+  }
+}
+
+// ---- y = x W^T on tensor cores (K % 32 == 0) ----------------------------------------------------------------
+// A warp computes 16 rows for all (up to 8) tokens with mma.m16n8k16: the weights are the A operand and the tokens
+// the 8 columns of B, so the activations are read once per 16 rows (the lane kernel above reads them once per row).
+// Within each 32-wide chunk of K, lane (g, t4) loads 16 bytes at 8 * t4 of rows g and g + 8 and of token g; the
+// first 8 bytes feed one mma and the last 8 the other. That assigns the MMA's k index 2t4 + {0, 1, 8, 9} to
+// positions 8 t4 + {0, 1, 2, 3} (then + 4): a permutation of the chunk applied to both operands, so the sum is the
+// same dot product. Warp w of block b: row group b.x * (8 / ks) + w / ks, part w % ks of K; batch b.y.
+constexpr int kMmaUnroll = 8;  // 32-wide chunks per load batch (16 16-byte weight loads per lane in flight)
+__global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(GemvArgs a) {
+  __shared__ float red[kWarps][32][4];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+  const int ks = a.ks, row0 = (blockIdx.x * (kWarps / ks) + warp / ks) * 16, part = warp % ks;
+  const int nch = a.K >> 5, cb = part * nch / ks, ce = (part + 1) * nch / ks;
+  const bool has_lo = row0 + g < a.N, has_hi = row0 + g + 8 < a.N;
+  const bf16* wb = a.w + blockIdx.y * a.sw + 8 * t4;
+  const bf16* w_lo = wb + static_cast<int64_t>(has_lo ? row0 + g : 0) * a.ldw;
+  const bf16* w_hi = wb + static_cast<int64_t>(has_hi ? row0 + g + 8 : 0) * a.ldw;
+  uint4 lo[kMmaUnroll], hi[kMmaUnroll];
+  auto load = [&](int c) {
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      const bool in = c + u < ce;
+      lo[u] = in && has_lo ? ld_weights(w_lo + (c + u) * 32) : make_uint4(0, 0, 0, 0);
+      hi[u] = in && has_hi ? ld_weights(w_hi + (c + u) * 32) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  load(cb);
+  pdl_wait();
+  pdl_trigger();
+  const bool tok = g < a.T;
+  const bf16* xr = a.x + blockIdx.y * a.sx + static_cast<int64_t>(tok ? g : 0) * a.ldx + 8 * t4;
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int ch = cb; ch < ce; ch += kMmaUnroll) {
+    if (ch != cb) load(ch);
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      if (ch + u >= ce) break;
+      const uint4 xv = tok ? ld_act(xr + (ch + u) * 32) : make_uint4(0, 0, 0, 0);
+      const uint32_t a1[4] = {lo[u].x, hi[u].x, lo[u].y, hi[u].y}, a2[4] = {lo[u].z, hi[u].z, lo[u].w, hi[u].w};
+      mma_bf16(c, a1, xv.x, xv.y);
+      mma_bf16(c, a2, xv.z, xv.w);
+    }
+  }
+  if (ks > 1) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) red[warp][lane][j] = c[j];
+    __syncthreads();
+    if (part == 0)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float s = 0.0f;
+        for (int p = 0; p < ks; ++p) s += red[warp + p][lane][j];
+        c[j] = s;
+      }
+  }
+  if (part != 0) return;
+  // c0, c1: row row0 + g, tokens 2 t4 and 2 t4 + 1; c2, c3: row row0 + g + 8.
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int n = row0 + g + (j >= 2 ? 8 : 0), t = 2 * t4 + (j & 1);
+    if (n >= a.N || t >= a.T) continue;
+    const int64_t o = blockIdx.y * a.sy + t * a.ldy + n;
+    if (a.y_f32) static_cast<float*>(a.y)[o] = c[j];
+    else static_cast<bf16*>(a.y)[o] = __float2bfloat16_rn(c[j]);
+  }
+}
+
+// ---- y = x W (W: [K, N] rows), bf16 out ------------------------------------------------------------------------
+// Block (b.x, b.y): columns [256 b.x, 256 b.x + 256) of batch b.y; warp w sums rows [w K / 8, (w + 1) K / 8), each
+// lane 8 columns; the warps' partial sums meet in shared memory.
+constexpr int kNRows = 16;  // rows per warp held in registers at once
+template <int TT>
+__global__ void __launch_bounds__(kWarps * 32) gemv_n_kernel(GemvArgs a) {
+  __shared__ float part[kWarps][256];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int c0 = blockIdx.x * 256 + lane * 8;
+  const bool active = c0 < a.N;
+  const int r0 = warp * a.K / kWarps, r1 = (warp + 1) * a.K / kWarps;
+  const bf16* wb = a.w + blockIdx.y * a.sw + c0;
+  uint4 w[kNRows];
+#pragma unroll
+  for (int i = 0; i < kNRows; ++i)
+    w[i] = active && r0 + i < r1 ? ld_weights(wb + static_cast<int64_t>(r0 + i) * a.ldw) : make_uint4(0, 0, 0, 0);
+  pdl_wait();
+  pdl_trigger();
+  float acc[TT][8];
+#pragma unroll
+  for (int t = 0; t < TT; ++t)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[t][j] = 0.0f;
+  const bf16* xb = a.x + blockIdx.y * a.sx;
+  for (int rb = r0; rb < r1; rb += kNRows) {
+    if (rb != r0) {
+#pragma unroll
+      for (int i = 0; i < kNRows; ++i)
+        w[i] = active && rb + i < r1 ? ld_weights(wb + static_cast<int64_t>(rb + i) * a.ldw) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kNRows; ++i) {
+      if (rb + i >= r1) break;
+      const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&w[i]);
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        if (t >= a.T) break;
+        const float xv = __bfloat162float(xb[t * a.ldx + rb + i]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(wp[j]);
+          acc[t][2 * j] = fmaf(xv, f.x, acc[t][2 * j]);
+          acc[t][2 * j + 1] = fmaf(xv, f.y, acc[t][2 * j + 1]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < TT; ++t) {
+    if (t >= a.T) break;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) part[warp][lane * 8 + j] = acc[t][j];
+    __syncthreads();
+    const int c = blockIdx.x * 256 + threadIdx.x;
+    if (c < a.N) {
+      float s = 0.0f;
+      for (int q = 0; q < kWarps; ++q) s += part[q][threadIdx.x];
+      static_cast<bf16*>(a.y)[blockIdx.y * a.sy + t * a.ldy + c] = __float2bfloat16_rn(s);
+    }
+    __syncthreads();
+  }
+}
+
+// ---- MoE of a small batch ---------------------------------------------------------------------------------------
+// The plan (one block, written to scratch): the batch's distinct local experts in first-occurrence order over
+// (token, slot), and for each of them the slot every token chose it in (-1: not chosen).
+constexpr int kMaxPairs = kFewRows * kMoeSmallMaxK;  // (token, slot) pairs
+struct MoePlan {
+  int32_t n;
+  int32_t uniq[kMaxPairs];
+  int8_t slot[kMaxPairs][kFewRows];
+};
+
+__global__ void __launch_bounds__(kMaxPairs) moe_small_plan_kernel(MoeSmallArgs a, MoePlan* plan) {
+  pdl_wait();
+  pdl_trigger();
+  __shared__ int32_t ids[kMaxPairs], pos[kMaxPairs], warp_firsts[kMaxPairs / 32];
+  const int i = threadIdx.x, n = a.T * a.k, lane = i & 31, warp = i >> 5;
+  int e = -1;
+  if (i < n) {
+    e = a.ids[i] - a.expert_begin;
+    if (e < 0 || e >= a.E) e = -1;
+  }
+  ids[i] = e;
+  for (int t = 0; t < kFewRows; ++t) plan->slot[i][t] = -1;
+  __syncthreads();
+  int first = e >= 0 ? i : -1;  // the first pair that chose this expert
+  for (int j = 0; j < i && first == i; ++j)
+    if (ids[j] == e) first = j;
+  const unsigned m = __ballot_sync(0xffffffffu, first == i);
+  if (lane == 0) warp_firsts[warp] = __popc(m);
+  __syncthreads();
+  int before = __popc(m & ((1u << lane) - 1u));
+  for (int w = 0; w < warp; ++w) before += warp_firsts[w];
+  if (first == i) {
+    pos[i] = before;
+    plan->uniq[before] = e;
+  }
+  if (i == kMaxPairs - 1) plan->n = before + (first == i ? 1 : 0);
+  __syncthreads();
+  if (first >= 0) plan->slot[pos[first]][i / a.k] = static_cast<int8_t>(i % a.k);
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// Warp gw: shared-expert row gw for gw < Is (its weights do not depend on the routing: loaded before the wait), else
+// routed row (plan entry r / I, row r % I) for r = gw - Is. act[t * k + slot, i] = silu(gate . x) * (up . x) from fp32
+// sums (the grouped kernel's epilogue); act_shared[t, i] the same from bf16-rounded sums (the shared MLP's linear +
+// silu_mul).
+template <int TT>
+__global__ void __launch_bounds__(kWarps * 32) moe_small_gate_up_kernel(MoeSmallArgs a, const MoePlan* plan) {
+  const int lane = threadIdx.x & 31;
+  const int64_t gw = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const int nvec = a.H >> 3;
+  const bool shared = gw < a.Is;
+  const uint4 *gr = nullptr, *ur = nullptr;
+  uint4 wg[kUnroll], wu[kUnroll];
+  if (shared) {
+    gr = reinterpret_cast<const uint4*>(a.shared_gate_up + gw * a.H);
+    ur = reinterpret_cast<const uint4*>(a.shared_gate_up + (a.Is + gw) * a.H);
+    load_chunk(wg, gr, lane, nvec);
+    load_chunk(wu, ur, lane, nvec);
+  }
+  pdl_wait();
+  pdl_trigger();
+  unsigned mask = (1u << a.T) - 1u;
+  int slot[TT];
+  int64_t i = gw;
+  if (!shared) {
+    const int64_t r = gw - a.Is;
+    const int u = static_cast<int>(r / a.I);
+    i = r % a.I;
+    if (u >= plan->n) return;
+    const int e = plan->uniq[u];
+    gr = reinterpret_cast<const uint4*>(a.gate_up + (static_cast<int64_t>(e) * 2 * a.I + i) * a.H);
+    ur = reinterpret_cast<const uint4*>(a.gate_up + (static_cast<int64_t>(e) * 2 * a.I + a.I + i) * a.H);
+    load_chunk(wg, gr, lane, nvec);
+    load_chunk(wu, ur, lane, nvec);
+    mask = 0;
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      slot[t] = plan->slot[u][t];
+      if (slot[t] >= 0) mask |= 1u << t;
+    }
+  }
+  float ag[TT], au[TT];
+#pragma unroll
+  for (int t = 0; t < TT; ++t) ag[t] = au[t] = 0.0f;
+  for (int v = lane;;) {
+    chunk_dot<TT>(ag, wg, v, nvec, a.x, a.ldx, a.T, mask);
+    chunk_dot<TT>(au, wu, v, nvec, a.x, a.ldx, a.T, mask);
+    v += kUnroll * 32;
+    if (v >= nvec) break;
+    load_chunk(wg, gr, v, nvec);
+    load_chunk(wu, ur, v, nvec);
+  }
+  warp_sum_all<TT>(ag);
+  warp_sum_all<TT>(au);
+  if (lane != 0) return;
+#pragma unroll
+  for (int t = 0; t < TT; ++t) {
+    if (!(mask >> t & 1u)) continue;
+    if (shared) {
+      const float g = __bfloat162float(__float2bfloat16_rn(ag[t])), up = __bfloat162float(__float2bfloat16_rn(au[t]));
+      a.act_shared[t * static_cast<int64_t>(a.Is) + i] = __float2bfloat16_rn(silu(g) * up);
+    } else {
+      a.act[(static_cast<int64_t>(t) * a.k + slot[t]) * a.I + i] = __float2bfloat16_rn(silu(ag[t]) * au[t]);
+    }
+  }
+}
+
+// Block h: output column h of every token. Its "segments" (a slice of the shared experts' row, or one routed
+// expert's row) go to the warps in turn; each routed segment leaves w * (row . act) per (token, slot) in shared
+// memory, summed per token in slot order and rounded (the grouped path's combine), then the shared experts' output
+// rounded and added (the model's add).
+template <int TT>
+__global__ void __launch_bounds__(kWarps * 32) moe_small_down_kernel(MoeSmallArgs a, const MoePlan* plan,
+                                                                     int32_t shared_segs) {
+  __shared__ float part[kMaxPairs];
+  __shared__ float spart[kWarps][TT];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t h = blockIdx.x;
+  const int nvec_s = a.Is >> 3, nvec = a.I >> 3;
+  // This warp's first segment, when it is a shared slice, is loaded before the wait.
+  const uint4* srow = reinterpret_cast<const uint4*>(a.shared_down + h * a.Is);
+  uint4 w[kUnroll];
+  const int s0 = warp * nvec_s / max(shared_segs, 1), s1 = (warp + 1) * nvec_s / max(shared_segs, 1);
+  if (warp < shared_segs) load_chunk(w, srow, s0 + lane, s1);
+  pdl_wait();
+  pdl_trigger();
+  for (int i = threadIdx.x; i < a.T * a.k; i += blockDim.x) part[i] = 0.0f;
+  __syncthreads();
+  const unsigned all = (1u << a.T) - 1u;
+  const int n = plan->n;
+  for (int s = warp; s < shared_segs + n; s += kWarps) {
+    float acc[TT];
+#pragma unroll
+    for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
+    if (s < shared_segs) {  // s == warp: loaded above
+      row_dot<TT>(acc, w, srow, s0, s1, a.act_shared, a.Is, a.T, all);
+      warp_sum_all<TT>(acc);
+      if (lane == 0)
+#pragma unroll
+        for (int t = 0; t < TT; ++t) spart[warp][t] = acc[t];
+      continue;
+    }
+    const int u = s - shared_segs, e = plan->uniq[u];
+    const uint4* row = reinterpret_cast<const uint4*>(a.down + (static_cast<int64_t>(e) * a.H + h) * a.I);
+    load_chunk(w, row, lane, nvec);
+    int slot[TT];
+    unsigned mask = 0;
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      slot[t] = plan->slot[u][t];
+      if (slot[t] >= 0) mask |= 1u << t;
+    }
+    // Token t reads its own activation row t * k + slot[t].
+    for (int v = lane;;) {
+#pragma unroll
+      for (int uu = 0; uu < kUnroll; ++uu) {
+        const int vi = v + uu * 32;
+        if (vi < nvec) {
+#pragma unroll
+          for (int t = 0; t < TT; ++t)
+            if (mask >> t & 1u)
+              acc[t] += dot8(w[uu], ld_act(a.act + (static_cast<int64_t>(t) * a.k + slot[t]) * a.I +
+                                           static_cast<int64_t>(vi) * 8));
+        }
+      }
+      v += kUnroll * 32;
+      if (v >= nvec) break;
+      load_chunk(w, row, v, nvec);
+    }
+    warp_sum_all<TT>(acc);
+    if (lane == 0)
+#pragma unroll
+      for (int t = 0; t < TT; ++t)
+        if (mask >> t & 1u) part[t * a.k + slot[t]] = a.weights[t * a.k + slot[t]] * acc[t];
+  }
+  __syncthreads();
+  const int t = threadIdx.x;
+  if (t >= a.T) return;
+  float r = 0.0f;
+  for (int j = 0; j < a.k; ++j) r += part[t * a.k + j];  // pairs of non-local experts stay 0
+  float o = __bfloat162float(__float2bfloat16_rn(r));
+  if (shared_segs > 0) {
+    float sh = 0.0f;
+    for (int q = 0; q < shared_segs; ++q) sh += spart[q][t];
+    o += __bfloat162float(__float2bfloat16_rn(sh));
+  }
+  a.out[t * a.ldo + h] = __float2bfloat16_rn(o);
+}
+
+int rows_bucket(int T) { return T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8; }
+
+}  // namespace
+
+bool gemv_fits(int64_t T, int64_t K, const void* x, int64_t ldx, const void* w, int64_t ldw) {
+  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  return T >= 1 && T <= kGemvMaxRows && K % 8 == 0 && ldx % 8 == 0 && ldw % 8 == 0 && aligned(x) && aligned(w);
+}
+
+cudaError_t gemv_t(GemvArgs a, int32_t batch, int32_t num_sms, cudaStream_t stream) {
+  if (a.N == 0 || batch == 0 || a.T == 0) return cudaSuccess;
+  if (!gemv_fits(a.T, a.K, a.x, a.ldx, a.w, a.ldw) || a.K == 0) return cudaErrorInvalidValue;
+  // Split K over up to 8 warps while the rows alone leave the GPU short of ~16 warps per SM.
+  const int64_t target = static_cast<int64_t>(num_sms) * 16, nvec = a.K / 8;
+  int ks = 1;
+  if (a.K % 32 == 0 && a.T > 1) {  // tensor cores: 16 rows per warp, >= 2 chunks of 32 per part
+    const int64_t groups = (a.N + 15) / 16, nch = a.K / 32;
+    while (ks < kWarps && groups * batch * ks < target && nch / (ks * 2) >= 2) ks *= 2;
+    a.ks = ks;
+    const dim3 grid(static_cast<unsigned>((groups + kWarps / ks - 1) / (kWarps / ks)), static_cast<unsigned>(batch));
+    return launch(gemv_mma_kernel, grid, kWarps * 32, 0, stream, a);
+  }
+  while (ks < kWarps && static_cast<int64_t>(a.N) * batch * ks < target && nvec / (ks * 2) >= 32) ks *= 2;
+  a.ks = ks;
+  const dim3 grid(static_cast<unsigned>((a.N + kWarps / ks - 1) / (kWarps / ks)), static_cast<unsigned>(batch));
+  switch (rows_bucket(a.T)) {
+    case 1: return launch(gemv_t_kernel<1>, grid, kWarps * 32, 0, stream, a);
+    case 2: return launch(gemv_t_kernel<2>, grid, kWarps * 32, 0, stream, a);
+    case 4: return launch(gemv_t_kernel<4>, grid, kWarps * 32, 0, stream, a);
+    default: return launch(gemv_t_kernel<8>, grid, kWarps * 32, 0, stream, a);
+  }
+}
+
+cudaError_t gemv_n(GemvArgs a, int32_t batch, cudaStream_t stream) {
+  if (a.N == 0 || batch == 0 || a.T == 0) return cudaSuccess;
+  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  if (a.T > kFewRows || a.N % 8 != 0 || a.ldw % 8 != 0 || !aligned(a.w) || a.y_f32) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>((a.N + 255) / 256), static_cast<unsigned>(batch));
+  static_assert(kFewRows == 2, "gemv_n instantiates 1 and 2 rows");
+  return a.T == 1 ? launch(gemv_n_kernel<1>, grid, kWarps * 32, 0, stream, a)
+                  : launch(gemv_n_kernel<2>, grid, kWarps * 32, 0, stream, a);
+}
+
+size_t moe_small_plan_bytes() { return sizeof(MoePlan); }
+
+cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, cudaStream_t stream) {
+  if (a.T == 0) return cudaSuccess;
+  if (a.T > kFewRows || a.k > kMoeSmallMaxK || a.H % 8 != 0 || a.I % 8 != 0 || a.Is % 8 != 0 || a.ldx % 8 != 0 ||
+      (reinterpret_cast<uintptr_t>(plan_buf) & 15) != 0)
+    return cudaErrorInvalidValue;
+  MoePlan* plan = static_cast<MoePlan*>(plan_buf);
+  const int max_unique = std::min(a.T * a.k, a.E);
+  // The shared experts' row in slices of about one routed row each (at most one slice per warp).
+  const int shared_segs = a.Is == 0 ? 0 : std::min(kWarps, std::max(1, (a.Is + a.I / 2) / a.I));
+  const int64_t gate_up_warps = static_cast<int64_t>(max_unique) * a.I + a.Is;
+  const unsigned g1 = static_cast<unsigned>((gate_up_warps + kWarps - 1) / kWarps);
+  const unsigned g2 = static_cast<unsigned>(a.H);
+  cudaError_t e = launch(moe_small_plan_kernel, 1, kMaxPairs, 0, stream, a, plan);
+  if (e != cudaSuccess) return e;
+  static_assert(kFewRows == 2, "moe_small instantiates 1 and 2 rows");
+  if (a.T == 1) {
+    e = launch(moe_small_gate_up_kernel<1>, g1, kWarps * 32, 0, stream, a, plan);
+    return e != cudaSuccess ? e : launch(moe_small_down_kernel<1>, g2, kWarps * 32, 0, stream, a, plan, shared_segs);
+  }
+  e = launch(moe_small_gate_up_kernel<2>, g1, kWarps * 32, 0, stream, a, plan);
+  return e != cudaSuccess ? e : launch(moe_small_down_kernel<2>, g2, kWarps * 32, 0, stream, a, plan, shared_segs);
+}
+
+}  // namespace mlaserve::cuda
