@@ -4,11 +4,13 @@ decode step's GPU time goes. The step is the last N launches, or (--step MARKER)
 kernel whose name contains MARKER up to the last one (one whole step when MARKER is its first kernel).
 usage: kernel_profile.py NCU_CSV (LAST_N | --step MARKER)"""
 import csv
+import signal
 import sys
 from collections import defaultdict
 
 
 def main():
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # quiet when piped into head
     rows = []
     with open(sys.argv[1], newline="") as f:
         lines = [l for l in f if l.startswith('"')]

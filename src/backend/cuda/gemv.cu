@@ -1,8 +1,9 @@
-// Small-batch kernels (at most kGemvMaxRows token rows): matrix-vector products that stream each weight row once for
-// all rows of the batch, and the MoE of such a batch in two kernels (gate/up + SiLU, then down + the weighted sum +
-// the shared experts). They are launched with programmatic dependent launch: each warp loads its first weights
-// before pdl_wait(), so a kernel's weight reads overlap the kernel before it. CPU references: cpu::linear,
-// cpu::moe_experts (and the model's shared-expert MLP).
+// Small-batch kernels: matrix-vector products of at most kGemvMaxRows token rows that stream each weight row once
+// for all rows of the batch (gemv_t: y = x W^T, a warp per row or 16 rows per warp on tensor cores; gemv_n: y = x W),
+// and the MoE of at most kFewRows tokens in three kernels (a plan of the distinct experts; gate/up + SiLU; down + the
+// weighted sum + the shared experts). They are launched with programmatic dependent launch: each warp loads its first
+// weights before pdl_wait(), so a kernel's weight reads overlap the kernel before it. CPU references: cpu::linear,
+// cpu::moe_experts + add_shared_experts.
 #include <cmath>
 
 #include "backend/cuda/common.cuh"
