@@ -46,29 +46,36 @@ __device__ __forceinline__ void load_chunk(uint4 (&w)[kUnroll], const uint4* row
   for (int u = 0; u < kUnroll; ++u) w[u] = v + u * 32 < end ? ld_weights(row + v + u * 32) : make_uint4(0, 0, 0, 0);
 }
 
-// acc[t] += row . x[t] over this lane's 16-byte vectors [v, end) of one chunk (x: TT rows of ldx elements; rows
-// >= T are skipped, as are rows whose bit in `mask` is clear).
-template <int TT>
-__device__ __forceinline__ void chunk_dot(float (&acc)[TT], const uint4 (&w)[kUnroll], int v, int end, const bf16* x,
-                                          int64_t ldx, int T, unsigned mask) {
+// Token t's activation row: x + t * ldx (the x_row argument of chunk_dot / row_dot where rows are evenly spaced).
+struct EvenRows {
+  const bf16* x;
+  int64_t ldx;
+  __device__ __forceinline__ const bf16* operator()(int t) const { return x + t * ldx; }
+};
+
+// acc[t] += row . x_row(t) over this lane's 16-byte vectors [v, end) of one chunk; tokens >= T are skipped, as are
+// tokens whose bit in `mask` is clear.
+template <int TT, typename XRow>
+__device__ __forceinline__ void chunk_dot(float (&acc)[TT], const uint4 (&w)[kUnroll], int v, int end, XRow x_row,
+                                          int T, unsigned mask) {
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int vi = v + u * 32;
     if (vi < end) {
 #pragma unroll
       for (int t = 0; t < TT; ++t)
-        if (t < T && (mask >> t & 1u)) acc[t] += dot8(w[u], ld_act(x + t * ldx + static_cast<int64_t>(vi) * 8));
+        if (t < T && (mask >> t & 1u)) acc[t] += dot8(w[u], ld_act(x_row(t) + static_cast<int64_t>(vi) * 8));
     }
   }
 }
 
-// acc[t] = row . x[t] for a row of `nvec` 16-byte vectors, its first chunk already in w (load_chunk at lane).
-template <int TT>
+// acc[t] += row . x_row(t) over the vectors [begin, end) of a row, its first chunk already in w (load_chunk at lane).
+template <int TT, typename XRow>
 __device__ __forceinline__ void row_dot(float (&acc)[TT], uint4 (&w)[kUnroll], const uint4* row, int begin, int end,
-                                        const bf16* x, int64_t ldx, int T, unsigned mask) {
+                                        XRow x_row, int T, unsigned mask) {
   const int lane = threadIdx.x & 31;
   for (int v = begin + lane;;) {
-    chunk_dot<TT>(acc, w, v, end, x, ldx, T, mask);
+    chunk_dot<TT>(acc, w, v, end, x_row, T, mask);
     v += kUnroll * 32;
     if (v >= end) break;
     load_chunk(w, row, v, end);
@@ -98,7 +105,7 @@ __global__ void __maxnreg__(128) gemv_t_kernel(GemvArgs a) {
   float acc[TT];
 #pragma unroll
   for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
-  if (active) row_dot<TT>(acc, w, row, vb, ve, a.x + blockIdx.y * a.sx, a.ldx, a.T, ~0u);
+  if (active) row_dot<TT>(acc, w, row, vb, ve, EvenRows{a.x + blockIdx.y * a.sx, a.ldx}, a.T, ~0u);
   warp_sum_all<TT>(acc);
   if (ks > 1) {
     if (lane == 0)
@@ -339,8 +346,8 @@ __global__ void __launch_bounds__(kWarps * 32) moe_small_gate_up_kernel(MoeSmall
 #pragma unroll
   for (int t = 0; t < TT; ++t) ag[t] = au[t] = 0.0f;
   for (int v = lane;;) {
-    chunk_dot<TT>(ag, wg, v, nvec, a.x, a.ldx, a.T, mask);
-    chunk_dot<TT>(au, wu, v, nvec, a.x, a.ldx, a.T, mask);
+    chunk_dot<TT>(ag, wg, v, nvec, EvenRows{a.x, a.ldx}, a.T, mask);
+    chunk_dot<TT>(au, wu, v, nvec, EvenRows{a.x, a.ldx}, a.T, mask);
     v += kUnroll * 32;
     if (v >= nvec) break;
     load_chunk(wg, gr, v, nvec);
@@ -389,7 +396,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_small_down_kernel(MoeSmallArg
 #pragma unroll
     for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
     if (s < shared_segs) {  // s == warp: loaded above
-      row_dot<TT>(acc, w, srow, s0, s1, a.act_shared, a.Is, a.T, all);
+      row_dot<TT>(acc, w, srow, s0, s1, EvenRows{a.act_shared, a.Is}, a.T, all);
       warp_sum_all<TT>(acc);
       if (lane == 0)
 #pragma unroll
@@ -407,22 +414,8 @@ __global__ void __launch_bounds__(kWarps * 32) moe_small_down_kernel(MoeSmallArg
       if (slot[t] >= 0) mask |= 1u << t;
     }
     // Token t reads its own activation row t * k + slot[t].
-    for (int v = lane;;) {
-#pragma unroll
-      for (int uu = 0; uu < kUnroll; ++uu) {
-        const int vi = v + uu * 32;
-        if (vi < nvec) {
-#pragma unroll
-          for (int t = 0; t < TT; ++t)
-            if (mask >> t & 1u)
-              acc[t] += dot8(w[uu], ld_act(a.act + (static_cast<int64_t>(t) * a.k + slot[t]) * a.I +
-                                           static_cast<int64_t>(vi) * 8));
-        }
-      }
-      v += kUnroll * 32;
-      if (v >= nvec) break;
-      load_chunk(w, row, v, nvec);
-    }
+    const auto act_row = [&](int t) { return a.act + (static_cast<int64_t>(t) * a.k + slot[t]) * a.I; };
+    row_dot<TT>(acc, w, row, 0, nvec, act_row, TT, mask);  // mask holds only tokens < T
     warp_sum_all<TT>(acc);
     if (lane == 0)
 #pragma unroll
