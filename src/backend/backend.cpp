@@ -4,6 +4,15 @@
 
 namespace mlaserve {
 
+void Backend::moe_gate(const Tensor& x, const Tensor& router, const Tensor* bias, const RouterParams& p,
+                       Tensor& topk_ids, Tensor& topk_weights) {
+  MLA_CHECK(x.dim() == 2 && router.dim() == 2 && router.size(1) == x.size(1),
+            "moe_gate: router {} does not match input {}", shape_str(router.shape()), shape_str(x.shape()));
+  Tensor logits = scratch({x.size(0), router.size(0)}, DType::F32);
+  linear(x, router, logits);
+  moe_route(logits, bias, p, topk_ids, topk_weights);
+}
+
 uint64_t Backend::download_start(const Tensor& t) {
   MLA_CHECK(done_downloads_.size() < static_cast<size_t>(kMaxDownloads), "more than {} downloads in flight",
             kMaxDownloads);

@@ -175,6 +175,13 @@ class Backend {
   virtual void mla_write_latent(Tensor& latent, const Tensor& kv_norm, float eps, Tensor& cache) = 0;
   // MLA, part 2. q[T, nh * (nope + rope)]: rotate the rope part of every head in place.
   virtual void mla_rope_q(Tensor& q, int32_t num_heads, int32_t qk_nope, int32_t qk_rope) = 0;
+  // MLA, parts 1 and 2 together (mla_write_latent, then mla_rope_q): the default runs the two ops; a backend may
+  // fuse them.
+  virtual void mla_prepare(Tensor& q, int32_t num_heads, int32_t qk_nope, int32_t qk_rope, Tensor& latent,
+                           const Tensor& kv_norm, float eps, Tensor& cache) {
+    mla_write_latent(latent, kv_norm, eps, cache);
+    mla_rope_q(q, num_heads, qk_nope, qk_rope);
+  }
   // MLA, part 3: causal attention of q over the paged latent cache (this step's tokens already written).
   // kv_b: [nh * (nope + v), kvr]. out: [T, nh * v].
   virtual void mla_attention(const Tensor& q, const Tensor& cache, const Tensor& kv_b, const MlaParams& p,
@@ -184,6 +191,10 @@ class Backend {
   // topk_ids[T, k] (I32, global expert ids), topk_weights[T, k] (F32, scaled).
   virtual void moe_route(const Tensor& logits, const Tensor* bias, const RouterParams& p, Tensor& topk_ids,
                          Tensor& topk_weights) = 0;
+  // moe_route of logits = linear(x[T, H], router[E_total, H]) in F32: the default runs the two ops; a backend may
+  // fuse them (the CUDA one does for a few rows).
+  virtual void moe_gate(const Tensor& x, const Tensor& router, const Tensor* bias, const RouterParams& p,
+                        Tensor& topk_ids, Tensor& topk_weights);
   // out[T, H] = sum_k w * down_e(silu(gate_e x) * up_e x) over the experts in [expert_begin, expert_begin + E).
   // gate_up: [E, 2I, H] (gate rows then up rows), down: [E, H, I]. With shared experts (shared_gate_up [2 Is, H] and
   // shared_down [H, Is], both or neither) their MLP is added: out = routed + down_s(silu(gate_s x) * up_s x), each

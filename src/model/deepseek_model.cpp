@@ -234,8 +234,8 @@ void DeepseekModel::attention(int64_t l, const Tensor& x, KvCache& cache, MlaFor
   }
   Tensor latent = backend_.scratch({T, kvr + rope}, ad);
   backend_.linear(x, w.kv_a_proj, latent);
-  backend_.mla_write_latent(latent, w.kv_a_norm, static_cast<float>(c.rms_norm_eps), cache.layer(l));
-  backend_.mla_rope_q(q, static_cast<int32_t>(local_heads_), static_cast<int32_t>(nope), static_cast<int32_t>(rope));
+  backend_.mla_prepare(q, static_cast<int32_t>(local_heads_), static_cast<int32_t>(nope), static_cast<int32_t>(rope),
+                       latent, w.kv_a_norm, static_cast<float>(c.rms_norm_eps), cache.layer(l));
   MlaParams p;
   p.num_heads = static_cast<int32_t>(local_heads_);
   p.qk_nope = static_cast<int32_t>(nope);
@@ -262,13 +262,11 @@ void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
     backend_.silu_mul(gu, act);
     backend_.linear(act, w.mlp_down, out);
   } else {
-    const int64_t E = c.n_routed_experts, k = c.num_experts_per_tok;
-    Tensor logits = backend_.scratch({T, E}, DType::F32);
-    backend_.linear(x, w.router, logits);
+    const int64_t k = c.num_experts_per_tok;
     Tensor ids = backend_.scratch({T, k}, DType::I32);
     Tensor weights = backend_.scratch({T, k}, DType::F32);
     const RouterParams rp = RouterParams::from_config(c);
-    backend_.moe_route(logits, w.router_bias.defined() ? &w.router_bias : nullptr, rp, ids, weights);
+    backend_.moe_gate(x, w.router, w.router_bias.defined() ? &w.router_bias : nullptr, rp, ids, weights);
     const bool shared = c.n_shared_experts > 0;
     backend_.moe_experts(x, ids, weights, w.experts_gate_up, w.experts_down, 0, shared ? &w.shared_gate_up : nullptr,
                          shared ? &w.shared_down : nullptr, out);

@@ -253,6 +253,19 @@ TEST(CudaOps, RopeAndLatentWrite) {
     if (!written[sl] && !std::isnan(gh.data_as<float>()[sl * (kvr + rope)])) ++untouched_bad;
   EXPECT_EQ(untouched_bad, 0) << "slots no token owns were written";
   expect_close(rows_c, rows_g, 5e-3, 1e-2, "mla_write_latent (cache rows)");
+
+  // mla_prepare (one launch on the GPU) gives exactly what the two ops give, q, latent and cache alike.
+  Tensor q2 = gpu().upload(q, DType::BF16), l2 = gpu().upload(lat, DType::BF16), c2 = gpu().upload(cache, DType::BF16);
+  gpu().mla_prepare(q2, nh, nope, rope, l2, wg, 1e-6f, c2);
+  expect_close(gpu().to_host_f32(qg), gpu().to_host_f32(q2), 0.0, 0.0, "mla_prepare (q)");
+  expect_close(gpu().to_host_f32(lg), gpu().to_host_f32(l2), 0.0, 0.0, "mla_prepare (latent)");
+  Tensor g2 = gpu().to_host_f32(c2);
+  int64_t cache_diff = 0;
+  for (int64_t i = 0; i < g2.numel(); ++i) {
+    const float a = gh.data_as<float>()[i], b = g2.data_as<float>()[i];
+    cache_diff += !(a == b || (std::isnan(a) && std::isnan(b)));
+  }
+  EXPECT_EQ(cache_diff, 0) << "mla_prepare wrote a different cache";
 }
 
 // MLA attention in every form over a NaN-poisoned, shuffled paged cache.
@@ -366,6 +379,48 @@ TEST(CudaOps, MoeRouteAllMethods) {
   }
 }
 
+// moe_gate (router product + routing) against the CPU's linear + moe_route. Integer-valued inputs (x in [-2, 2],
+// router weights in 256ths of [-4, 4]) make every logit exact in fp32 whatever the summation order, so the ids
+// must match exactly (ties included: both rank them by index). Each case runs twice on the GPU: the fused kernel's
+// arrival counter must be left ready for the next launch.
+void gate_case(int64_t T, int64_t E, int64_t H, const RouterParams& rp, bool bias, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Tensor x = Tensor::empty_host({T, H}, DType::F32), w = Tensor::empty_host({E, H}, DType::F32);
+  for (int64_t i = 0; i < x.numel(); ++i) x.data_as<float>()[i] = static_cast<float>(static_cast<int>(rng() % 5) - 2);
+  for (int64_t i = 0; i < w.numel(); ++i)
+    w.data_as<float>()[i] = static_cast<float>(static_cast<int>(rng() % 9) - 4) / 256.0f;
+  Tensor bs = rand_host({E}, seed + 1, 0.1f);
+  Tensor xc = cpu().upload(x, DType::F32), xg = gpu().upload(x, DType::BF16);
+  Tensor wc = cpu().upload(w, DType::BF16), wg = gpu().upload(w, DType::BF16);
+  Tensor bc = cpu().upload(bs, DType::F32), bg = gpu().upload(bs, DType::F32);
+  Tensor ic = cpu().alloc({T, rp.top_k}, DType::I32), vc = cpu().alloc({T, rp.top_k}, DType::F32);
+  cpu().moe_gate(xc, wc, bias ? &bc : nullptr, rp, ic, vc);
+  const std::string what = "gate T" + std::to_string(T) + " E" + std::to_string(E) + " H" + std::to_string(H);
+  for (int run = 0; run < 2; ++run) {
+    Tensor ig = gpu().alloc({T, rp.top_k}, DType::I32), vg = gpu().alloc({T, rp.top_k}, DType::F32);
+    gpu().moe_gate(xg, wg, bias ? &bg : nullptr, rp, ig, vg);
+    Tensor ich = cpu().to_host_f32(ic), igh = gpu().to_host_f32(ig);
+    int64_t mismatch = 0;
+    for (int64_t i = 0; i < ich.numel(); ++i) mismatch += ich.data_as<float>()[i] != igh.data_as<float>()[i];
+    EXPECT_EQ(mismatch, 0) << what << " run " << run;
+    expect_close(cpu().to_host_f32(vc), gpu().to_host_f32(vg), 1e-5, 1e-5, what + " weights");
+  }
+}
+
+TEST(CudaOps, MoeGateMatchesLinearAndRoute) {
+  REQUIRE_GPU();
+  RouterParams greedy{TopkMethod::Greedy, ScoringFunc::Softmax, 6, 1, 1, false, 1.0f};
+  RouterParams glg{TopkMethod::GroupLimitedGreedy, ScoringFunc::Softmax, 6, 8, 3, false, 16.0f};
+  RouterParams noaux{TopkMethod::NoauxTc, ScoringFunc::Sigmoid, 8, 8, 4, true, 2.5f};
+  for (int64_t T : {1, 2, 3, 8, 9}) {  // the fused kernel takes one row; more go through linear + moe_route
+    gate_case(T, 64, 2048, greedy, false, 60 + T);
+    gate_case(T, 160, 5120, glg, false, 61 + T);
+    gate_case(T, 256, 7168, noaux, true, 62 + T);
+    gate_case(T, 20, 40, greedy, false, 63 + T);  // K % 32 != 0, fewer experts than a block's warps
+    gate_case(T, 384, 256, greedy, false, 64 + T);  // more experts than the fused kernel takes
+  }
+}
+
 // kind: gpu(kind); Is > 0: shared experts of that width too.
 void moe_case(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, int32_t expert_begin, int64_t e_total,
               int64_t active, int kind, uint64_t seed, int64_t Is = 0) {
@@ -416,6 +471,8 @@ TEST(CudaOps, MoeExpertsSmall) {
     moe_case(2, 8, 6, 256, 104, 4, 16, 10, kind, 49, 104);   // local experts 4..11 of 16, shared experts
     moe_case(2, 16, 3, 256, 64, 0, 16, 3, kind, 50, 1024);   // both tokens on the same 3 experts; 8 shared slices
     moe_case(3, 8, 6, 256, 104, 4, 16, 10, kind, 51, 104);   // 3 tokens: the grouped kernels + shared MLP
+    moe_case(2, 4, 2, 64, 2560, 0, 4, 4, kind, 52, 2560);    // rows of two load chunks (routed and shared)
+    moe_case(2, 8, 6, 2048, 1408, 0, 8, 8, kind, 53, 2816);  // V2-Lite widths at 2 tokens
   }
   for (int kind : {0, 2, 3}) {
     moe_case(1, 16, 4, 256, 96, 0, 16, 16, kind, 40);

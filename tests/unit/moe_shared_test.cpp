@@ -1,7 +1,9 @@
 // Backend::moe_experts with shared experts (the CPU reference the GPU's fused small-batch MoE is held to): the
 // routed experts' sum plus the shared experts' MLP, computed here by hand; and the errors for mismatched weights.
+// Also Backend::moe_gate, the router product + routing op.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -77,6 +79,39 @@ TEST(MoeShared, MismatchedSharedWeightsAreClearErrors) {
   EXPECT_NE(message(&sgu, nullptr).find("need both their gate_up and down"), std::string::npos);
   EXPECT_NE(message(&sgu, &bad_dn).find("shared experts gate_up [12, 8] / down [8, 5]"), std::string::npos)
       << message(&sgu, &bad_dn);
+}
+
+// Backend::moe_gate (what the model calls; the CUDA backend fuses it at one token): the routing of the router's
+// logits, checked here against logits computed by hand, and a clear error for a router of the wrong width.
+TEST(MoeShared, GateRoutesTheRouterLogits) {
+  auto be = make_cpu_backend();
+  const int64_t T = 2, H = 6, E = 5;
+  Tensor x = random_tensor(*be, {T, H}, 7, 1.0f), router = random_tensor(*be, {E, H}, 8, 1.0f);
+  RouterParams rp;
+  rp.top_k = 2;
+  rp.norm_topk_prob = true;
+  Tensor ids = be->alloc({T, 2}, DType::I32), w = be->alloc({T, 2}, DType::F32);
+  be->moe_gate(x, router, nullptr, rp, ids, w);
+  for (int64_t t = 0; t < T; ++t) {
+    const std::vector<float> lg = matvec(router, x.data_as<float>() + t * H);
+    std::vector<int32_t> order(static_cast<size_t>(E));
+    for (int32_t e = 0; e < E; ++e) order[static_cast<size_t>(e)] = e;
+    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return lg[a] > lg[b]; });
+    EXPECT_EQ(ids.data_as<int32_t>()[t * 2], order[0]) << "token " << t;
+    EXPECT_EQ(ids.data_as<int32_t>()[t * 2 + 1], order[1]) << "token " << t;
+    // Normalised over the two picks: softmax ratio exp(l0) / (exp(l0) + exp(l1)).
+    const float l0 = lg[static_cast<size_t>(order[0])], l1 = lg[static_cast<size_t>(order[1])];
+    EXPECT_NEAR(w.data_as<float>()[t * 2], 1.0f / (1.0f + std::exp(l1 - l0)), 1e-5f);
+    EXPECT_NEAR(w.data_as<float>()[t * 2] + w.data_as<float>()[t * 2 + 1], 1.0f, 1e-5f);
+  }
+  Tensor narrow = random_tensor(*be, {E, H - 1}, 9, 1.0f);
+  try {
+    be->moe_gate(x, narrow, nullptr, rp, ids, w);
+    ADD_FAILURE() << "a router of the wrong width was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("moe_gate: router [5, 5] does not match input [2, 6]"), std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

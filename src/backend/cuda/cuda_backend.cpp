@@ -127,6 +127,8 @@ class CudaBackend final : public Backend {
     CUDA_OK(cudaMalloc(&lt_ws_, ws_bytes), "allocating the cuBLASLt workspace");
     lt_ws_size_ = ws_bytes;
     CUDA_OK(cudaMalloc(&blas_ws_, blas_ws_bytes), "allocating the cuBLAS workspace");
+    CUDA_OK(cudaMalloc(&gate_counter_, sizeof(unsigned)), "allocating the router's counter");
+    CUDA_OK(cudaMemset(gate_counter_, 0, sizeof(unsigned)), "clearing the router's counter");
     CUBLAS_OK(cublasSetWorkspace(blas_, blas_ws_, blas_ws_bytes), "cublasSetWorkspace");
     CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&pinned_), 2 * meta_bytes, cudaHostAllocDefault), "pinned buffer");
     // Download slots up front, large enough for any step's ids + logprobs (RankSet keeps at most 65536 rows), so the
@@ -168,6 +170,7 @@ class CudaBackend final : public Backend {
     cudaFree(meta_.base);
     cudaFree(lt_ws_);
     cudaFree(blas_ws_);
+    cudaFree(gate_counter_);
     cudaFreeHost(pinned_);
     for (Download& d : downloads_) {
       if (d.host) cudaFreeHost(d.host);
@@ -458,28 +461,29 @@ class CudaBackend final : public Backend {
   }
 
   void mla_write_latent(Tensor& latent, const Tensor& kv_norm, float eps, Tensor& cache) override {
-    const int64_t W = latent.size(-1), kvr = kv_norm.numel(), rope = W - kvr, T = step_.num_tokens();
-    MLA_CHECK(cache.size(-1) == W, "mla_write_latent: cache row width {} != latent width {}", cache.size(-1), W);
-    MLA_CHECK(rope == rope_dim_, "mla_write_latent: rope width {} vs {} frequencies", rope, rope_dim_ / 2);
-    MLA_CHECK(latent.dtype() == DType::BF16 && cache.dtype() == DType::BF16 && kv_norm.dtype() == DType::F32 &&
-                  latent.numel() == T * W,
-              "mla_write_latent: dtype or shape mismatch");
-    const int64_t slots = cache.size(0);
-    for (int32_t s : step_.out_slots)
-      MLA_CHECK(s >= 0 && s < slots, "mla_write_latent: slot {} outside the cache of {} slots", s, slots);
-    CUDA_OK(cuda::write_latent(bf(latent), T, static_cast<int32_t>(kvr), static_cast<int32_t>(rope),
-                               kv_norm.data_as<const float>(), eps, d_positions_, d_out_slots_,
-                               inv_freq_.data_as<const float>(), rope_factor_, bf(cache), stream_),
+    const int64_t kvr = check_latent(latent, kv_norm, cache);
+    CUDA_OK(cuda::write_latent(bf(latent), step_.num_tokens(), static_cast<int32_t>(kvr),
+                               static_cast<int32_t>(rope_dim_), kv_norm.data_as<const float>(), eps, d_positions_,
+                               d_out_slots_, inv_freq_.data_as<const float>(), rope_factor_, bf(cache), stream_),
             "mla_write_latent");
   }
 
   void mla_rope_q(Tensor& q, int32_t num_heads, int32_t qk_nope, int32_t qk_rope) override {
-    const int64_t T = step_.num_tokens();
-    MLA_CHECK(q.numel() == T * num_heads * (qk_nope + qk_rope) && q.dtype() == DType::BF16, "mla_rope_q: shape mismatch");
-    MLA_CHECK(qk_rope == rope_dim_, "mla_rope_q: rope width {} vs {} frequencies", qk_rope, rope_dim_ / 2);
-    CUDA_OK(cuda::rope_q(bf(q), T, num_heads, qk_nope, qk_rope, d_positions_, inv_freq_.data_as<const float>(),
-                         rope_factor_, stream_),
+    check_rope_q(q, num_heads, qk_nope, qk_rope);
+    CUDA_OK(cuda::rope_q(bf(q), step_.num_tokens(), num_heads, qk_nope, qk_rope, d_positions_,
+                         inv_freq_.data_as<const float>(), rope_factor_, stream_),
             "mla_rope_q");
+  }
+
+  void mla_prepare(Tensor& q, int32_t num_heads, int32_t qk_nope, int32_t qk_rope, Tensor& latent,
+                   const Tensor& kv_norm, float eps, Tensor& cache) override {
+    const int64_t kvr = check_latent(latent, kv_norm, cache);
+    check_rope_q(q, num_heads, qk_nope, qk_rope);
+    CUDA_OK(cuda::rope_q_write_latent(bf(q), num_heads, qk_nope, bf(latent), step_.num_tokens(),
+                                      static_cast<int32_t>(kvr), static_cast<int32_t>(rope_dim_),
+                                      kv_norm.data_as<const float>(), eps, d_positions_, d_out_slots_,
+                                      inv_freq_.data_as<const float>(), rope_factor_, bf(cache), stream_),
+            "mla_prepare");
   }
 
   void mla_attention(const Tensor& q, const Tensor& cache, const Tensor& kv_b, const MlaParams& p, Tensor& out) override;
@@ -487,25 +491,31 @@ class CudaBackend final : public Backend {
   void moe_route(const Tensor& logits, const Tensor* bias, const RouterParams& p, Tensor& topk_ids,
                  Tensor& topk_weights) override {
     const int64_t T = rows_of(logits), E = logits.size(-1);
-    MLA_CHECK(topk_ids.numel() == T * p.top_k && topk_weights.numel() == T * p.top_k && logits.dtype() == DType::F32,
-              "moe_route: shape mismatch");
-    MLA_CHECK(E <= 1024 && p.top_k <= E && p.top_k <= 32,
-              "moe_route: {} experts with top-{} exceed the kernel's limits (1024 experts, top-32)", E, p.top_k);
-    MLA_CHECK(p.n_group <= 1 || (p.n_group <= 32 && E % p.n_group == 0), "moe_route: {} groups over {} experts", p.n_group, E);
-    cuda::RouteArgs a;
-    a.method = p.method == TopkMethod::Greedy ? cuda::RouteMethod::Greedy
-               : p.method == TopkMethod::GroupLimitedGreedy ? cuda::RouteMethod::GroupLimitedGreedy
-                                                             : cuda::RouteMethod::NoauxTc;
-    a.sigmoid = p.scoring == ScoringFunc::Sigmoid;
-    a.top_k = p.top_k;
-    a.n_group = p.n_group;
-    a.topk_group = p.topk_group;
-    a.norm_topk_prob = p.norm_topk_prob;
-    a.routed_scaling_factor = p.routed_scaling_factor;
+    MLA_CHECK(logits.dtype() == DType::F32, "moe_route: logits must be f32");
+    const cuda::RouteArgs a = route_args("moe_route", T, E, p, topk_ids, topk_weights);
     CUDA_OK(cuda::moe_route(logits.data_as<const float>(), bias ? bias->data_as<const float>() : nullptr, T,
                             static_cast<int32_t>(E), a, topk_ids.data_as<int32_t>(), topk_weights.data_as<float>(),
                             stream_),
             "moe_route");
+  }
+
+  // One row: the router product and the routing in one kernel (cuda::moe_gate).
+  void moe_gate(const Tensor& x, const Tensor& router, const Tensor* bias, const RouterParams& p, Tensor& topk_ids,
+                Tensor& topk_weights) override {
+    const int64_t T = rows_of(x), H = x.size(-1), E = router.size(0);
+    if (!small_batch_ || T < 1 || T > cuda::kMoeGateMaxRows || router.dim() != 2 || router.size(1) != H ||
+        x.dtype() != DType::BF16 || router.dtype() != DType::BF16 || !cuda::gemv_fits(T, H, x.data(), H, router.data(), H) ||
+        E > cuda::kMoeGateMaxExperts) {
+      Backend::moe_gate(x, router, bias, p, topk_ids, topk_weights);
+      return;
+    }
+    const cuda::RouteArgs a = route_args("moe_gate", T, E, p, topk_ids, topk_weights);
+    Tensor logits = scratch({T, E}, DType::F32);
+    cuda::GemvArgs g = gemv_args(x.data(), H, 0, router.data(), H, 0, logits.data(), E, 0, T, E, H);
+    g.y_f32 = true;
+    CUDA_OK(cuda::moe_gate(g, bias ? bias->data_as<const float>() : nullptr, a, gate_counter_,
+                           topk_ids.data_as<int32_t>(), topk_weights.data_as<float>(), stream_),
+            "moe_gate");
   }
 
   void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
@@ -609,6 +619,48 @@ class CudaBackend final : public Backend {
                                          C, CUDA_R_16BF, static_cast<int>(ldc), sc, static_cast<int>(batch),
                                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
               "cublasGemmStridedBatchedEx");
+  }
+
+  // mla_write_latent's checks; returns kv_lora.
+  int64_t check_latent(const Tensor& latent, const Tensor& kv_norm, const Tensor& cache) const {
+    const int64_t W = latent.size(-1), kvr = kv_norm.numel(), rope = W - kvr, T = step_.num_tokens();
+    MLA_CHECK(cache.size(-1) == W, "mla_write_latent: cache row width {} != latent width {}", cache.size(-1), W);
+    MLA_CHECK(rope == rope_dim_, "mla_write_latent: rope width {} vs {} frequencies", rope, rope_dim_ / 2);
+    MLA_CHECK(latent.dtype() == DType::BF16 && cache.dtype() == DType::BF16 && kv_norm.dtype() == DType::F32 &&
+                  latent.numel() == T * W,
+              "mla_write_latent: dtype or shape mismatch");
+    const int64_t slots = cache.size(0);
+    for (int32_t s : step_.out_slots)
+      MLA_CHECK(s >= 0 && s < slots, "mla_write_latent: slot {} outside the cache of {} slots", s, slots);
+    return kvr;
+  }
+  void check_rope_q(const Tensor& q, int32_t num_heads, int32_t qk_nope, int32_t qk_rope) const {
+    MLA_CHECK(q.numel() == step_.num_tokens() * num_heads * (qk_nope + qk_rope) && q.dtype() == DType::BF16,
+              "mla_rope_q: shape mismatch");
+    MLA_CHECK(qk_rope == rope_dim_, "mla_rope_q: rope width {} vs {} frequencies", qk_rope, rope_dim_ / 2);
+  }
+
+  // The routing kernels' arguments after checking the shapes and the kernels' limits.
+  static cuda::RouteArgs route_args(const char* op, int64_t T, int64_t E, const RouterParams& p, const Tensor& ids,
+                                    const Tensor& weights) {
+    MLA_CHECK(ids.numel() == T * p.top_k && weights.numel() == T * p.top_k && ids.dtype() == DType::I32 &&
+                  weights.dtype() == DType::F32,
+              "{}: ids / weights must be [{}, {}] (i32 / f32)", op, T, p.top_k);
+    MLA_CHECK(E <= 1024 && p.top_k >= 1 && p.top_k <= E && p.top_k <= 32,
+              "{}: {} experts with top-{} exceed the kernel's limits (1024 experts, top-32)", op, E, p.top_k);
+    MLA_CHECK(p.n_group <= 1 || (p.n_group <= 32 && E % p.n_group == 0), "{}: {} groups over {} experts", op,
+              p.n_group, E);
+    cuda::RouteArgs a;
+    a.method = p.method == TopkMethod::Greedy ? cuda::RouteMethod::Greedy
+               : p.method == TopkMethod::GroupLimitedGreedy ? cuda::RouteMethod::GroupLimitedGreedy
+                                                             : cuda::RouteMethod::NoauxTc;
+    a.sigmoid = p.scoring == ScoringFunc::Sigmoid;
+    a.top_k = p.top_k;
+    a.n_group = p.n_group;
+    a.topk_group = p.topk_group;
+    a.norm_topk_prob = p.norm_topk_prob;
+    a.routed_scaling_factor = p.routed_scaling_factor;
+    return a;
   }
 
   // Small-batch product arguments (bf16 out unless changed): x[b][t] at x + b * sx + t * ldx, W[b] at w + b * sw
@@ -763,6 +815,7 @@ class CudaBackend final : public Backend {
   ForwardBatch step_;
   int32_t* d_input_ids_ = nullptr;
   int32_t* d_positions_ = nullptr;
+  unsigned* gate_counter_ = nullptr;  // cuda::moe_gate's arrival counter (0 between launches)
   int32_t* d_out_slots_ = nullptr;
   int32_t* d_page_table_ = nullptr;
   int32_t* d_logit_rows_ = nullptr;
@@ -1012,7 +1065,7 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
     a.out = bf(out);
     a.ldo = H;
     Tensor plan = scratch({static_cast<int64_t>(cuda::moe_small_plan_bytes())}, DType::U8);
-    CUDA_OK(cuda::moe_small(a, plan.data(), stream_), "moe_small");
+    CUDA_OK(cuda::moe_small(a, plan.data(), num_sms_, stream_), "moe_small");
     return;
   }
   moe_routed(x, topk_ids, topk_weights, gate_up, down, expert_begin, out);

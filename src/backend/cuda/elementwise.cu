@@ -1,5 +1,6 @@
 // Row and elementwise kernels: dummy-weight RNG, conversions, embedding, RMSNorm (+ residual add), SiLU-and-mul,
 // add, row gather, RoPE on q and the latent-cache write. CPU references: backend/cpu/cpu_backend.cpp.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -180,14 +181,12 @@ __device__ __forceinline__ void rotate_pair(bf16* x, int i, int32_t pos, const f
   x[2 * i + 1] = __float2bfloat16_rn(x0 * s + x1 * c);
 }
 
-__global__ void rope_q_kernel(bf16* q, int64_t T, int32_t nh, int32_t nope, int32_t rope, const int32_t* positions,
-                              const float* inv_freq, float factor) {
-  pdl_wait();
-  pdl_trigger();
+// Rotates pairs [begin, end) of step over the rope parts of q (pair i: head row i / half, pair i % half).
+__device__ __forceinline__ void rope_q_pairs(bf16* q, int64_t n, int32_t nh, int32_t nope, int32_t rope,
+                                             const int32_t* positions, const float* inv_freq, float factor,
+                                             int64_t first, int64_t step) {
   const int32_t half = rope / 2, hd = nope + rope;
-  const int64_t n = T * nh * half;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t i = first; i < n; i += step) {
     const int64_t th = i / half;
     const int32_t p = static_cast<int32_t>(i - th * half);
     const int64_t t = th / nh;
@@ -195,13 +194,20 @@ __global__ void rope_q_kernel(bf16* q, int64_t T, int32_t nh, int32_t nope, int3
   }
 }
 
-__global__ void write_latent_kernel(bf16* latent, int32_t kvr, int32_t rope, const float* w, float eps,
-                                    const int32_t* positions, const int32_t* slots, const float* inv_freq,
-                                    float factor, bf16* cache) {
-  __shared__ float red[32];
+__global__ void rope_q_kernel(bf16* q, int64_t T, int32_t nh, int32_t nope, int32_t rope, const int32_t* positions,
+                              const float* inv_freq, float factor) {
   pdl_wait();
   pdl_trigger();
-  const int64_t t = blockIdx.x;
+  rope_q_pairs(q, T * nh * (rope / 2), nh, nope, rope, positions, inv_freq, factor,
+               blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x,
+               static_cast<int64_t>(gridDim.x) * blockDim.x);
+}
+
+// Token t's latent row: c_kv normalised, k_pe rotated, written back and into its cache slot (one block).
+__device__ __forceinline__ void write_latent_row(int64_t t, bf16* latent, int32_t kvr, int32_t rope, const float* w,
+                                                 float eps, const int32_t* positions, const int32_t* slots,
+                                                 const float* inv_freq, float factor, bf16* cache) {
+  __shared__ float red[32];
   const int32_t W = kvr + rope;
   bf16* row = latent + t * W;
   float ss = 0.0f;
@@ -224,6 +230,29 @@ __global__ void write_latent_kernel(bf16* latent, int32_t kvr, int32_t rope, con
     dst[kvr + 2 * i] = row[kvr + 2 * i];
     dst[kvr + 2 * i + 1] = row[kvr + 2 * i + 1];
   }
+}
+
+__global__ void write_latent_kernel(bf16* latent, int32_t kvr, int32_t rope, const float* w, float eps,
+                                    const int32_t* positions, const int32_t* slots, const float* inv_freq,
+                                    float factor, bf16* cache) {
+  pdl_wait();
+  pdl_trigger();
+  write_latent_row(blockIdx.x, latent, kvr, rope, w, eps, positions, slots, inv_freq, factor, cache);
+}
+
+// Both in one launch: blocks [0, T) write the latent rows, the rest rotate q.
+__global__ void rope_q_write_latent_kernel(bf16* q, int64_t T, int32_t nh, int32_t nope, bf16* latent, int32_t kvr,
+                                           int32_t rope, const float* w, float eps, const int32_t* positions,
+                                           const int32_t* slots, const float* inv_freq, float factor, bf16* cache) {
+  pdl_wait();
+  pdl_trigger();
+  if (blockIdx.x < T) {
+    write_latent_row(blockIdx.x, latent, kvr, rope, w, eps, positions, slots, inv_freq, factor, cache);
+    return;
+  }
+  rope_q_pairs(q, T * nh * (rope / 2), nh, nope, rope, positions, inv_freq, factor,
+               (blockIdx.x - T) * static_cast<int64_t>(blockDim.x) + threadIdx.x,
+               static_cast<int64_t>(gridDim.x - T) * blockDim.x);
 }
 
 }  // namespace
@@ -310,6 +339,16 @@ cudaError_t write_latent(bf16* latent, int64_t T, int32_t kvr, int32_t rope, con
   if (T == 0) return cudaSuccess;
   return launch(write_latent_kernel, static_cast<unsigned>(T), 128, 0, stream, latent, kvr, rope, norm_w, eps, positions,
                 slots, inv_freq, factor, cache);
+}
+
+cudaError_t rope_q_write_latent(bf16* q, int32_t nh, int32_t nope, bf16* latent, int64_t T, int32_t kvr, int32_t rope,
+                                const float* norm_w, float eps, const int32_t* positions, const int32_t* slots,
+                                const float* inv_freq, float factor, bf16* cache, cudaStream_t stream) {
+  if (T == 0) return cudaSuccess;
+  const int64_t pairs = T * nh * (rope / 2);
+  const int64_t rope_blocks = std::min<int64_t>(std::max<int64_t>((pairs + 127) / 128, 1), 1024);
+  return launch(rope_q_write_latent_kernel, static_cast<unsigned>(T + rope_blocks), 128, 0, stream, q, T, nh, nope,
+                latent, kvr, rope, norm_w, eps, positions, slots, inv_freq, factor, cache);
 }
 
 }  // namespace mlaserve::cuda

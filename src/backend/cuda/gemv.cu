@@ -1,13 +1,15 @@
 // Small-batch kernels: matrix-vector products of at most kGemvMaxRows token rows that stream each weight row once
 // for all rows of the batch (gemv_t: y = x W^T, a warp per row or 16 rows per warp on tensor cores; gemv_n: y = x W),
-// and the MoE of at most kFewRows tokens in three kernels (a plan of the distinct experts; gate/up + SiLU; down + the
-// weighted sum + the shared experts). They are launched with programmatic dependent launch: each warp loads its first
-// weights before pdl_wait(), so a kernel's weight reads overlap the kernel before it. CPU references: cpu::linear,
-// cpu::moe_experts + add_shared_experts.
+// the router product fused with the routing (moe_gate), and the MoE of at most kFewRows tokens in two kernels (gate/up
+// + SiLU; down + the weighted sum + the shared experts), each block finding the batch's distinct experts itself.
+// They are launched with programmatic dependent launch: each warp loads its first weights before pdl_wait(), so a
+// kernel's weight reads overlap the kernel before it. CPU references: cpu::linear, cpu::route_token (through
+// CpuBackend::moe_gate = linear + moe_route), cpu::moe_experts + add_shared_experts.
 #include <cmath>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/route.cuh"
 
 namespace mlaserve::cuda {
 
@@ -197,6 +199,43 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(GemvArgs a) {
   }
 }
 
+// ---- router + routing ---------------------------------------------------------------------------------------
+// logits[t, e] = x[t] . router[e] (fp32, a warp per expert as in gemv_t_kernel), then the block that finishes last
+// routes the token(s) (route_block) from the logits the others left in L2, and resets the counter
+// for the next launch (graph replays included).
+static_assert(kMoeGateMaxExperts <= kBlockRouteMax && kWarps * 32 >= kBlockRouteMax, "route_block: a thread per expert");
+template <int TT>
+__global__ void __launch_bounds__(kWarps * 32) moe_gate_kernel(GemvArgs g, const float* bias, RouteArgs r,
+                                                             unsigned* counter, int32_t* ids, float* weights) {
+  __shared__ bool last;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = blockIdx.x * kWarps + warp, nvec = g.K >> 3;
+  const bool active = n < g.N;
+  const uint4* row = reinterpret_cast<const uint4*>(g.w + static_cast<int64_t>(active ? n : 0) * g.ldw);
+  uint4 w[kUnroll];
+  load_chunk(w, row, lane, active ? nvec : 0);
+  pdl_wait();
+  pdl_trigger();
+  float acc[TT];
+#pragma unroll
+  for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
+  if (active) row_dot<TT>(acc, w, row, 0, nvec, EvenRows{g.x, g.ldx}, g.T, ~0u);
+  warp_sum_all<TT>(acc);
+  float* logits = static_cast<float*>(g.y);
+  if (active && lane == 0)
+#pragma unroll
+    for (int t = 0; t < TT; ++t)
+      if (t < g.T) logits[t * g.ldy + n] = acc[t];
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  route_block(logits, g.ldy, g.T, bias, g.N, r, ids, weights);
+  if (threadIdx.x == 0) *counter = 0;
+}
+
 // ---- y = x W (W: [K, N] rows), bf16 out ------------------------------------------------------------------------
 // Block (b.x, b.y): columns [256 b.x, 256 b.x + 256) of batch b.y; warp w sums rows [w K / 8, (w + 1) K / 8), each
 // lane 8 columns; the warps' partial sums meet in shared memory.
@@ -261,8 +300,9 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_n_kernel(GemvArgs a) {
 }
 
 // ---- MoE of a small batch ---------------------------------------------------------------------------------------
-// The plan (one block, written to scratch): the batch's distinct local experts in first-occurrence order over
-// (token, slot), and for each of them the slot every token chose it in (-1: not chosen).
+// The plan: the batch's distinct local experts in first-occurrence order over (token, slot), and for each of them
+// the slot every token chose it in (-1: not chosen). Each block that needs it builds it in shared memory from the
+// routing ids (at most kMaxPairs of them), so no kernel of its own sits between the router and the experts.
 constexpr int kMaxPairs = kFewRows * kMoeSmallMaxK;  // (token, slot) pairs
 struct MoePlan {
   int32_t n;
@@ -270,170 +310,247 @@ struct MoePlan {
   int8_t slot[kMaxPairs][kFewRows];
 };
 
-__global__ void __launch_bounds__(kMaxPairs) moe_small_plan_kernel(MoeSmallArgs a, MoePlan* plan) {
-  pdl_wait();
-  pdl_trigger();
+// Thread i's routing pair (its local expert, -1 for none): read once the ids are final, ahead of build_plan.
+__device__ __forceinline__ int plan_pair(const MoeSmallArgs& a) {
+  const int i = threadIdx.x;
+  if (i >= a.T * a.k) return -1;
+  const int e = a.ids[i] - a.expert_begin;
+  return e >= 0 && e < a.E ? e : -1;
+}
+
+// Called by every thread of a block of >= kMaxPairs threads with its plan_pair; p is __shared__.
+__device__ __forceinline__ void build_plan(const MoeSmallArgs& a, int e, MoePlan& p) {
   __shared__ int32_t ids[kMaxPairs], pos[kMaxPairs], warp_firsts[kMaxPairs / 32];
-  const int i = threadIdx.x, n = a.T * a.k, lane = i & 31, warp = i >> 5;
-  int e = -1;
-  if (i < n) {
-    e = a.ids[i] - a.expert_begin;
-    if (e < 0 || e >= a.E) e = -1;
+  const int i = threadIdx.x, lane = i & 31, warp = i >> 5;
+  const bool mine = i < kMaxPairs;  // whole warps
+  int first = -1;
+  unsigned m = 0;
+  if (mine) {
+    ids[i] = e;
+    for (int t = 0; t < kFewRows; ++t) p.slot[i][t] = -1;
   }
-  ids[i] = e;
-  for (int t = 0; t < kFewRows; ++t) plan->slot[i][t] = -1;
   __syncthreads();
-  int first = e >= 0 ? i : -1;  // the first pair that chose this expert
-  for (int j = 0; j < i && first == i; ++j)
-    if (ids[j] == e) first = j;
-  const unsigned m = __ballot_sync(0xffffffffu, first == i);
-  if (lane == 0) warp_firsts[warp] = __popc(m);
-  __syncthreads();
-  int before = __popc(m & ((1u << lane) - 1u));
-  for (int w = 0; w < warp; ++w) before += warp_firsts[w];
-  if (first == i) {
-    pos[i] = before;
-    plan->uniq[before] = e;
+  if (mine) {
+    first = e >= 0 ? i : -1;  // the first pair that chose this expert
+    for (int j = 0; j < i && first == i; ++j)
+      if (ids[j] == e) first = j;
+    m = __ballot_sync(0xffffffffu, first == i);
+    if (lane == 0) warp_firsts[warp] = __popc(m);
   }
-  if (i == kMaxPairs - 1) plan->n = before + (first == i ? 1 : 0);
   __syncthreads();
-  if (first >= 0) plan->slot[pos[first]][i / a.k] = static_cast<int8_t>(i % a.k);
+  if (mine) {
+    int before = __popc(m & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w) before += warp_firsts[w];
+    if (first == i) {
+      pos[i] = before;
+      p.uniq[before] = e;
+    }
+    if (i == kMaxPairs - 1) p.n = before + (first == i ? 1 : 0);
+  }
+  __syncthreads();
+  if (mine && first >= 0) p.slot[pos[first]][i / a.k] = static_cast<int8_t>(i % a.k);
+  __syncthreads();
 }
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
-// Warp gw: shared-expert row gw for gw < Is (its weights do not depend on the routing: loaded before the wait), else
-// routed row (plan entry r / I, row r % I) for r = gw - Is. act[t * k + slot, i] = silu(gate . x) * (up . x) from fp32
-// sums (the grouped kernel's epilogue); act_shared[t, i] the same from bf16-rounded sums (the shared MLP's linear +
-// silu_mul).
+// Work item it (< Is + n * I): shared-expert row it for it < Is (its weights do not depend on the routing), else
+// routed row (plan entry r / I, row r % I) for r = it - Is. Warps take items it = global warp, + all warps, ...; a
+// warp's first item, when shared, is loaded before the wait and computed before the plan is built (it needs none).
+// act[t * k + slot, i] = silu(gate . x) * (up . x) from fp32 sums (the grouped kernel's epilogue); act_shared[t, i]
+// the same from bf16-rounded sums (the shared MLP's linear + silu_mul). Persistent blocks (a couple per SM) build the
+// plan once each; block 0 leaves a copy in plan_out (when given) for the down kernel.
 template <int TT>
-__global__ void __launch_bounds__(kWarps * 32) moe_small_gate_up_kernel(MoeSmallArgs a, const MoePlan* plan) {
+__global__ void __launch_bounds__(kWarps * 32, 2) moe_small_gate_up_kernel(MoeSmallArgs a, MoePlan* plan_out) {
+  __shared__ MoePlan plan;
   const int lane = threadIdx.x & 31;
-  const int64_t gw = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
   const int nvec = a.H >> 3;
-  const bool shared = gw < a.Is;
-  const uint4 *gr = nullptr, *ur = nullptr;
   uint4 wg[kUnroll], wu[kUnroll];
-  if (shared) {
-    gr = reinterpret_cast<const uint4*>(a.shared_gate_up + gw * a.H);
-    ur = reinterpret_cast<const uint4*>(a.shared_gate_up + (a.Is + gw) * a.H);
+  const uint4 *gr = nullptr, *ur = nullptr;
+  const bool first_shared = first < a.Is;
+  if (first_shared) {
+    gr = reinterpret_cast<const uint4*>(a.shared_gate_up + first * a.H);
+    ur = reinterpret_cast<const uint4*>(a.shared_gate_up + (a.Is + first) * a.H);
     load_chunk(wg, gr, lane, nvec);
     load_chunk(wu, ur, lane, nvec);
   }
   pdl_wait();
   pdl_trigger();
-  unsigned mask = (1u << a.T) - 1u;
-  int slot[TT];
-  int64_t i = gw;
-  if (!shared) {
-    const int64_t r = gw - a.Is;
-    const int u = static_cast<int>(r / a.I);
-    i = r % a.I;
-    if (u >= plan->n) return;
-    const int e = plan->uniq[u];
-    gr = reinterpret_cast<const uint4*>(a.gate_up + (static_cast<int64_t>(e) * 2 * a.I + i) * a.H);
-    ur = reinterpret_cast<const uint4*>(a.gate_up + (static_cast<int64_t>(e) * 2 * a.I + a.I + i) * a.H);
-    load_chunk(wg, gr, lane, nvec);
-    load_chunk(wu, ur, lane, nvec);
-    mask = 0;
+  const int pair = plan_pair(a);  // in flight while the first item is computed
+  // Item it, its first chunk already in wg / wu (gr / ur set).
+  auto compute = [&](int64_t it) {
+    const bool shared = it < a.Is;
+    unsigned mask = (1u << a.T) - 1u;
+    int slot[TT];
+    int64_t i = it;
+    if (!shared) {
+      const int u = static_cast<int>((it - a.Is) / a.I);
+      i = (it - a.Is) % a.I;
+      mask = 0;
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        slot[t] = plan.slot[u][t];
+        if (slot[t] >= 0) mask |= 1u << t;
+      }
+    }
+    float ag[TT], au[TT];
+#pragma unroll
+    for (int t = 0; t < TT; ++t) ag[t] = au[t] = 0.0f;
+    for (int v = lane;;) {
+      chunk_dot<TT>(ag, wg, v, nvec, EvenRows{a.x, a.ldx}, a.T, mask);
+      chunk_dot<TT>(au, wu, v, nvec, EvenRows{a.x, a.ldx}, a.T, mask);
+      v += kUnroll * 32;
+      if (v >= nvec) break;
+      load_chunk(wg, gr, v, nvec);
+      load_chunk(wu, ur, v, nvec);
+    }
+    warp_sum_all<TT>(ag);
+    warp_sum_all<TT>(au);
+    if (lane != 0) return;
 #pragma unroll
     for (int t = 0; t < TT; ++t) {
-      slot[t] = plan->slot[u][t];
-      if (slot[t] >= 0) mask |= 1u << t;
+      if (!(mask >> t & 1u)) continue;
+      if (shared) {
+        const float g = __bfloat162float(__float2bfloat16_rn(ag[t])), up = __bfloat162float(__float2bfloat16_rn(au[t]));
+        a.act_shared[t * static_cast<int64_t>(a.Is) + i] = __float2bfloat16_rn(silu(g) * up);
+      } else {
+        a.act[(static_cast<int64_t>(t) * a.k + slot[t]) * a.I + i] = __float2bfloat16_rn(silu(ag[t]) * au[t]);
+      }
     }
-  }
-  float ag[TT], au[TT];
-#pragma unroll
-  for (int t = 0; t < TT; ++t) ag[t] = au[t] = 0.0f;
-  for (int v = lane;;) {
-    chunk_dot<TT>(ag, wg, v, nvec, EvenRows{a.x, a.ldx}, a.T, mask);
-    chunk_dot<TT>(au, wu, v, nvec, EvenRows{a.x, a.ldx}, a.T, mask);
-    v += kUnroll * 32;
-    if (v >= nvec) break;
-    load_chunk(wg, gr, v, nvec);
-    load_chunk(wu, ur, v, nvec);
-  }
-  warp_sum_all<TT>(ag);
-  warp_sum_all<TT>(au);
-  if (lane != 0) return;
-#pragma unroll
-  for (int t = 0; t < TT; ++t) {
-    if (!(mask >> t & 1u)) continue;
-    if (shared) {
-      const float g = __bfloat162float(__float2bfloat16_rn(ag[t])), up = __bfloat162float(__float2bfloat16_rn(au[t]));
-      a.act_shared[t * static_cast<int64_t>(a.Is) + i] = __float2bfloat16_rn(silu(g) * up);
+  };
+  if (first_shared) compute(first);
+  build_plan(a, pair, plan);
+  if (plan_out && blockIdx.x == 0)
+    for (int i = threadIdx.x; i < static_cast<int>(sizeof(MoePlan) / 4); i += blockDim.x)
+      reinterpret_cast<int32_t*>(plan_out)[i] = reinterpret_cast<const int32_t*>(&plan)[i];
+  const int64_t items = a.Is + static_cast<int64_t>(plan.n) * a.I;
+  for (int64_t it = first_shared ? first + stride : first; it < items; it += stride) {
+    if (it < a.Is) {
+      gr = reinterpret_cast<const uint4*>(a.shared_gate_up + it * a.H);
+      ur = reinterpret_cast<const uint4*>(a.shared_gate_up + (a.Is + it) * a.H);
     } else {
-      a.act[(static_cast<int64_t>(t) * a.k + slot[t]) * a.I + i] = __float2bfloat16_rn(silu(ag[t]) * au[t]);
+      const int64_t r = it - a.Is, i = r % a.I;
+      const int e = plan.uniq[r / a.I];
+      gr = reinterpret_cast<const uint4*>(a.gate_up + (static_cast<int64_t>(e) * 2 * a.I + i) * a.H);
+      ur = reinterpret_cast<const uint4*>(a.gate_up + (static_cast<int64_t>(e) * 2 * a.I + a.I + i) * a.H);
     }
+    load_chunk(wg, gr, lane, nvec);
+    load_chunk(wu, ur, lane, nvec);
+    compute(it);
   }
 }
 
-// Block h: output column h of every token. Its "segments" (a slice of the shared experts' row, or one routed
-// expert's row) go to the warps in turn; each routed segment leaves w * (row . act) per (token, slot) in shared
-// memory, summed per token in slot order and rounded (the grouped path's combine), then the shared experts' output
-// rounded and added (the model's add).
-template <int TT>
-__global__ void __launch_bounds__(kWarps * 32) moe_small_down_kernel(MoeSmallArgs a, const MoePlan* plan,
-                                                                     int32_t shared_segs) {
-  __shared__ float part[kMaxPairs];
-  __shared__ float spart[kWarps][TT];
+// Block b: output columns [COLS b, COLS (b + 1)) of every token. Its "segments" (a slice of the
+// shared experts' rows, or one routed expert's rows) go to the warps in turn; a warp walks its segment's rows (one per
+// column, consecutive in memory), loading the next row while it reduces the current one. Each routed segment
+// leaves w * (row . act) per (column, token, slot) in shared memory, summed per token in slot order and rounded (the
+// grouped path's combine), then the shared experts' output is rounded and added (the model's add).
+template <int TT, int COLS>
+__global__ void __launch_bounds__(kWarps * 32, COLS == 1 ? 4 : 2) moe_small_down_kernel(MoeSmallArgs a,
+                                                                                        const MoePlan* gplan,
+                                                                                        int32_t shared_segs) {
+  __shared__ MoePlan plan;
+  __shared__ float part[COLS][kMaxPairs];
+  __shared__ float spart[COLS][kWarps][TT];
+  constexpr int cols = COLS;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t h = blockIdx.x;
-  const int nvec_s = a.Is >> 3, nvec = a.I >> 3;
-  // This warp's first segment, when it is a shared slice, is loaded before the wait.
-  const uint4* srow = reinterpret_cast<const uint4*>(a.shared_down + h * a.Is);
-  uint4 w[kUnroll];
-  const int s0 = warp * nvec_s / max(shared_segs, 1), s1 = (warp + 1) * nvec_s / max(shared_segs, 1);
-  if (warp < shared_segs) load_chunk(w, srow, s0 + lane, s1);
+  const int64_t h0 = static_cast<int64_t>(blockIdx.x) * cols;
+  const int ncol = a.H - h0 < cols ? static_cast<int>(a.H - h0) : cols;
+  const int nvec = a.I >> 3, nvec_s = a.Is >> 3;
+  const MoePlan* P = gplan ? gplan : &plan;  // gate/up's copy is read where it lies (after the wait)
+  // Segment s of this warp: rows [s0, s1) (16-byte vectors) of row `base + c * stride` for column c.
+  auto seg_rows = [&](int s, const uint4*& base, int64_t& stride, int& s0, int& s1) {
+    if (s < shared_segs) {
+      base = reinterpret_cast<const uint4*>(a.shared_down + h0 * a.Is);
+      stride = nvec_s;
+      s0 = s * nvec_s / shared_segs;
+      s1 = (s + 1) * nvec_s / shared_segs;
+    } else {
+      base = reinterpret_cast<const uint4*>(a.down + (static_cast<int64_t>(P->uniq[s - shared_segs]) * a.H + h0) * a.I);
+      stride = nvec;
+      s0 = 0;
+      s1 = nvec;
+    }
+  };
+  uint4 wa[kUnroll], wb[kUnroll];
+  // Before the wait, without gplan: the plan and this warp's first row. The routing ids were written before the
+  // gate/up kernel began (it waits for them), and that kernel lets this one start only after its own wait, so they
+  // are final here; the activations (gate/up's output) are read after the wait only. With gplan (gate/up's copy of
+  // the plan, read after the wait): the first row only when it is a shared slice.
+  if (!gplan) build_plan(a, plan_pair(a), plan);
+  for (int i = threadIdx.x; i < COLS * kMaxPairs; i += blockDim.x) (&part[0][0])[i] = 0.0f;
+  const int first_segs = gplan ? shared_segs : shared_segs + plan.n;  // first rows loadable now
+  const uint4* base = nullptr;
+  int64_t stride = 0;
+  int s0 = 0, s1 = 0;
+  if (warp < first_segs) {
+    seg_rows(warp, base, stride, s0, s1);
+    load_chunk(wa, base, s0 + lane, s1);
+  }
   pdl_wait();
   pdl_trigger();
-  for (int i = threadIdx.x; i < a.T * a.k; i += blockDim.x) part[i] = 0.0f;
   __syncthreads();
+  const int nseg = shared_segs + P->n;
   const unsigned all = (1u << a.T) - 1u;
-  const int n = plan->n;
-  for (int s = warp; s < shared_segs + n; s += kWarps) {
-    float acc[TT];
-#pragma unroll
-    for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
-    if (s < shared_segs) {  // s == warp: loaded above
-      row_dot<TT>(acc, w, srow, s0, s1, EvenRows{a.act_shared, a.Is}, a.T, all);
-      warp_sum_all<TT>(acc);
-      if (lane == 0)
-#pragma unroll
-        for (int t = 0; t < TT; ++t) spart[warp][t] = acc[t];
-      continue;
-    }
-    const int u = s - shared_segs, e = plan->uniq[u];
-    const uint4* row = reinterpret_cast<const uint4*>(a.down + (static_cast<int64_t>(e) * a.H + h) * a.I);
-    load_chunk(w, row, lane, nvec);
+  for (int s = warp; s < nseg; s += kWarps) {
+    const bool sh = s < shared_segs;
+    unsigned mask = all;
     int slot[TT];
-    unsigned mask = 0;
+    if (!sh) {
+      mask = 0;
 #pragma unroll
-    for (int t = 0; t < TT; ++t) {
-      slot[t] = plan->slot[u][t];
-      if (slot[t] >= 0) mask |= 1u << t;
+      for (int t = 0; t < TT; ++t) {
+        slot[t] = P->slot[s - shared_segs][t];
+        if (slot[t] >= 0) mask |= 1u << t;
+      }
     }
-    // Token t reads its own activation row t * k + slot[t].
-    const auto act_row = [&](int t) { return a.act + (static_cast<int64_t>(t) * a.k + slot[t]) * a.I; };
-    row_dot<TT>(acc, w, row, 0, nvec, act_row, TT, mask);  // mask holds only tokens < T
-    warp_sum_all<TT>(acc);
-    if (lane == 0)
+    if (s != warp || s >= first_segs) {
+      seg_rows(s, base, stride, s0, s1);
+      load_chunk(wa, base, s0 + lane, s1);
+    }
+    // Token t's activation row: act_shared row t, or act row t * k + slot[t].
+    const auto act_row = [&](int t) {
+      return sh ? a.act_shared + static_cast<int64_t>(t) * a.Is
+                : a.act + (static_cast<int64_t>(t) * a.k + slot[t]) * a.I;
+    };
 #pragma unroll
-      for (int t = 0; t < TT; ++t)
-        if (mask >> t & 1u) part[t * a.k + slot[t]] = a.weights[t * a.k + slot[t]] * acc[t];
+    for (int c = 0; c < COLS; ++c) {
+      if (c >= ncol) break;
+      const uint4* row = base + c * stride;
+      uint4(&cur)[kUnroll] = c % 2 ? wb : wa;  // c is a constant here: no indexing of the buffers at run time
+      uint4(&next)[kUnroll] = c % 2 ? wa : wb;
+      if (c + 1 < ncol) load_chunk(next, row + stride, s0 + lane, s1);
+      float acc[TT];
+#pragma unroll
+      for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
+      row_dot<TT>(acc, cur, row, s0, s1, act_row, TT, mask);  // mask holds only tokens < T
+      warp_sum_all<TT>(acc);
+      if (lane == 0) {
+        if (sh) {
+#pragma unroll
+          for (int t = 0; t < TT; ++t) spart[c][s][t] = acc[t];
+        } else {
+#pragma unroll
+          for (int t = 0; t < TT; ++t)
+            if (mask >> t & 1u) part[c][t * a.k + slot[t]] = a.weights[t * a.k + slot[t]] * acc[t];
+        }
+      }
+    }
   }
   __syncthreads();
-  const int t = threadIdx.x;
-  if (t >= a.T) return;
+  const int c = threadIdx.x / TT, t = threadIdx.x % TT;
+  if (c >= ncol || t >= a.T) return;
   float r = 0.0f;
-  for (int j = 0; j < a.k; ++j) r += part[t * a.k + j];  // pairs of non-local experts stay 0
+  for (int j = 0; j < a.k; ++j) r += part[c][t * a.k + j];  // pairs of non-local experts stay 0
   float o = __bfloat162float(__float2bfloat16_rn(r));
   if (shared_segs > 0) {
     float sh = 0.0f;
-    for (int q = 0; q < shared_segs; ++q) sh += spart[q][t];
+    for (int q = 0; q < shared_segs; ++q) sh += spart[c][q][t];
     o += __bfloat162float(__float2bfloat16_rn(sh));
   }
-  a.out[t * a.ldo + h] = __float2bfloat16_rn(o);
+  a.out[t * a.ldo + h0 + c] = __float2bfloat16_rn(o);
 }
 
 int rows_bucket(int T) { return T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8; }
@@ -469,6 +586,17 @@ cudaError_t gemv_t(GemvArgs a, int32_t batch, int32_t num_sms, cudaStream_t stre
   }
 }
 
+cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned* counter, int32_t* ids,
+                     float* weights, cudaStream_t stream) {
+  if (a.T == 0) return cudaSuccess;
+  if (a.T > kMoeGateMaxRows || !gemv_fits(a.T, a.K, a.x, a.ldx, a.w, a.ldw) || a.K == 0 || a.N == 0 || r.top_k > 32 ||
+      r.top_k > a.N || a.N > kMoeGateMaxExperts || a.ldy != a.N)
+    return cudaErrorInvalidValue;
+  static_assert(kMoeGateMaxRows == 1, "moe_gate instantiates one row");
+  const unsigned grid = static_cast<unsigned>((a.N + kWarps - 1) / kWarps);
+  return launch(moe_gate_kernel<1>, grid, kWarps * 32, 0, stream, a, bias, r, counter, ids, weights);
+}
+
 cudaError_t gemv_n(GemvArgs a, int32_t batch, cudaStream_t stream) {
   if (a.N == 0 || batch == 0 || a.T == 0) return cudaSuccess;
   auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
@@ -481,27 +609,33 @@ cudaError_t gemv_n(GemvArgs a, int32_t batch, cudaStream_t stream) {
 
 size_t moe_small_plan_bytes() { return sizeof(MoePlan); }
 
-cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, cudaStream_t stream) {
+cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStream_t stream) {
   if (a.T == 0) return cudaSuccess;
-  if (a.T > kFewRows || a.k > kMoeSmallMaxK || a.H % 8 != 0 || a.I % 8 != 0 || a.Is % 8 != 0 || a.ldx % 8 != 0 ||
-      (reinterpret_cast<uintptr_t>(plan_buf) & 15) != 0)
+  if (a.T > kFewRows || a.k > kMoeSmallMaxK || a.k < 1 || a.H % 8 != 0 || a.I % 8 != 0 || a.Is % 8 != 0 ||
+      a.ldx % 8 != 0 || (reinterpret_cast<uintptr_t>(plan_buf) & 15) != 0)
     return cudaErrorInvalidValue;
   MoePlan* plan = static_cast<MoePlan*>(plan_buf);
   const int max_unique = std::min(a.T * a.k, a.E);
   // The shared experts' row in slices of about one routed row each (at most one slice per warp).
   const int shared_segs = a.Is == 0 ? 0 : std::min(kWarps, std::max(1, (a.Is + a.I / 2) / a.I));
-  const int64_t gate_up_warps = static_cast<int64_t>(max_unique) * a.I + a.Is;
-  const unsigned g1 = static_cast<unsigned>((gate_up_warps + kWarps - 1) / kWarps);
-  const unsigned g2 = static_cast<unsigned>(a.H);
-  cudaError_t e = launch(moe_small_plan_kernel, 1, kMaxPairs, 0, stream, a, plan);
-  if (e != cudaSuccess) return e;
+  const int64_t gate_up_items = static_cast<int64_t>(max_unique) * a.I + a.Is;
+  const unsigned g1 = static_cast<unsigned>(
+      std::min<int64_t>((gate_up_items + kWarps - 1) / kWarps, 2 * static_cast<int64_t>(std::max(num_sms, 1))));
+  // Down, measured on H200 (docs/perf.md): at one token, 8 columns per block (about one wave; each warp walks 8 rows
+  // of its segment) with the plan built before the wait; at two, up to twice the segments, so one column per block
+  // (many short blocks, 4 per SM) reading gate/up's copy of the plan.
   static_assert(kFewRows == 2, "moe_small instantiates 1 and 2 rows");
+  cudaError_t e;
   if (a.T == 1) {
-    e = launch(moe_small_gate_up_kernel<1>, g1, kWarps * 32, 0, stream, a, plan);
-    return e != cudaSuccess ? e : launch(moe_small_down_kernel<1>, g2, kWarps * 32, 0, stream, a, plan, shared_segs);
+    e = launch(moe_small_gate_up_kernel<1>, g1, kWarps * 32, 0, stream, a, static_cast<MoePlan*>(nullptr));
+    return e != cudaSuccess ? e
+                            : launch(moe_small_down_kernel<1, 8>, static_cast<unsigned>((a.H + 7) / 8), kWarps * 32,
+                                     0, stream, a, static_cast<const MoePlan*>(nullptr), shared_segs);
   }
   e = launch(moe_small_gate_up_kernel<2>, g1, kWarps * 32, 0, stream, a, plan);
-  return e != cudaSuccess ? e : launch(moe_small_down_kernel<2>, g2, kWarps * 32, 0, stream, a, plan, shared_segs);
+  return e != cudaSuccess ? e
+                          : launch(moe_small_down_kernel<2, 1>, static_cast<unsigned>(a.H), kWarps * 32, 0, stream, a,
+                                   static_cast<const MoePlan*>(plan), shared_segs);
 }
 
 }  // namespace mlaserve::cuda

@@ -63,6 +63,10 @@ cudaError_t rope_q(bf16* q, int64_t T, int32_t nh, int32_t nope, int32_t rope, c
 cudaError_t write_latent(bf16* latent, int64_t T, int32_t kvr, int32_t rope, const float* norm_w, float eps,
                          const int32_t* positions, const int32_t* slots, const float* inv_freq, float factor,
                          bf16* cache, cudaStream_t stream);
+// write_latent and rope_q (q: [T, nh, nope + rope]) in one launch, with the same results.
+cudaError_t rope_q_write_latent(bf16* q, int32_t nh, int32_t nope, bf16* latent, int64_t T, int32_t kvr, int32_t rope,
+                                const float* norm_w, float eps, const int32_t* positions, const int32_t* slots,
+                                const float* inv_freq, float factor, bf16* cache, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
 // MLA attention (mla_decode.cu, mla_prefill.cu)
@@ -271,6 +275,15 @@ cudaError_t gemv_t(GemvArgs a, int32_t batch, int32_t num_sms, cudaStream_t stre
 // y = x W for each of `batch` matrices, bf16 out (T <= kFewRows, N and ldw multiples of 8, w 16-byte aligned).
 cudaError_t gemv_n(GemvArgs a, int32_t batch, cudaStream_t stream);
 
+// Router and routing in one kernel (moe_route of y = x router^T, logits fp32 in a.y with ldy == N experts):
+// ids[T, top_k], weights[T, top_k] as moe_route gives them from the logits (a warp per expert row, full K: the sums
+// may differ from gemv_t's K split in the last bit). T <= kMoeGateMaxRows, E <= kMoeGateMaxExperts. One row only:
+// its routing runs in one block, token after token, which lost to gemv_t + moe_route at 2-8 rows (docs/perf.md). counter: a device word, 0 before the first launch
+// (left 0 after each).
+constexpr int kMoeGateMaxExperts = 256;
+constexpr int kMoeGateMaxRows = 1;
+cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned* counter, int32_t* ids,
+                     float* weights, cudaStream_t stream);
 constexpr int kMoeSmallMaxK = 16;
 struct MoeSmallArgs {
   const bf16* x;                 // [T, H] (row stride ldx)
@@ -292,10 +305,11 @@ struct MoeSmallArgs {
 };
 // out = sum_k w * down_e(silu(gate_e x) * up_e x) over the local experts, rounded, plus the shared experts' MLP,
 // rounded (as moe_experts + the dense shared MLP + add compute it). T <= kFewRows, k <= kMoeSmallMaxK,
-// H, I, Is multiples of 8. Three kernels (a one-block plan of the distinct experts into plan_buf, 16-byte aligned,
-// moe_small_plan_bytes() bytes; gate/up; down), no host sync.
+// H, I, Is multiples of 8. Two kernels (gate/up, persistent over about 2 blocks per SM of num_sms; down), the blocks
+// finding the distinct experts from the ids themselves or (down, two tokens) from gate/up's copy in plan_buf (16-byte
+// aligned, moe_small_plan_bytes() bytes); no host sync.
 size_t moe_small_plan_bytes();
-cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, cudaStream_t stream);
+cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Sampling (sampling.cu)

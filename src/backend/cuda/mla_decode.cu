@@ -684,6 +684,7 @@ __global__ void __launch_bounds__(kSimpleThreads) mla_decode_simple_kernel(const
 }
 
 constexpr int kCombineThreads = 128, kCombineMaxCols = 8;  // kvr <= 1024
+constexpr int kCombineBatch = 8;                             // splits read at once
 
 // One block per (token, head): the splits' weights exp2(lse_i - max) are computed once, 128 at a time, into shared
 // memory; each thread sums its columns over them (independent loads, no per-split recomputation).
@@ -713,15 +714,25 @@ __global__ void __launch_bounds__(kCombineThreads) mla_decode_combine_kernel(con
     __syncthreads();
     if (tid < n) wts[tid] = exp2f(lse(i0 + tid) - mx);
     __syncthreads();
-    for (int i = 0; i < n; ++i) {
-      const float w = wts[i];
-      if (w <= 0.0f) continue;  // empty splits (lse -inf) leave their rows unwritten
-      const float* po = partial_o + (static_cast<int64_t>(it.first_partial + i0 + i) * nh + h) * kvr;
+    // kCombineBatch splits' loads in flight at once, then their terms added in split order. Empty splits (lse
+    // -inf, weight 0) leave their rows unwritten: not read, and they add nothing.
+    for (int i = 0; i < n; i += kCombineBatch) {
+      float w[kCombineBatch], v[kCombineBatch][kCombineMaxCols];
 #pragma unroll
-      for (int j = 0; j < kCombineMaxCols; ++j) {
-        const int c = tid + j * kCombineThreads;
-        if (c < kvr) acc[j] += w * po[c];
+      for (int u = 0; u < kCombineBatch; ++u) {
+        w[u] = i + u < n ? wts[i + u] : 0.0f;
+        const float* po = partial_o + (static_cast<int64_t>(it.first_partial + i0 + i + u) * nh + h) * kvr;
+#pragma unroll
+        for (int j = 0; j < kCombineMaxCols; ++j) {
+          const int c = tid + j * kCombineThreads;
+          v[u][j] = w[u] > 0.0f && c < kvr ? po[c] : 0.0f;
+        }
       }
+#pragma unroll
+      for (int u = 0; u < kCombineBatch; ++u)
+        if (w[u] > 0.0f)
+#pragma unroll
+          for (int j = 0; j < kCombineMaxCols; ++j) acc[j] += w[u] * v[u][j];
     }
   }
 #pragma unroll

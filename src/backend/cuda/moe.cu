@@ -4,17 +4,13 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/route.cuh"
 
 namespace mlaserve::cuda {
 
 namespace {
 
 constexpr int kRouteWarps = 4;
-
-// Is (va, ia) ranked before (vb, ib)? Higher value first, lower index on ties (the CPU's partial_sort order).
-__device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib) {
-  return va > vb || (va == vb && ia < ib);
-}
 
 // One warp per token. Shared memory per warp: s[E], choice[E], taken[E].
 __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float* logits, const float* bias,
@@ -23,109 +19,11 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float
   pdl_wait();
   pdl_trigger();
   extern __shared__ float route_smem[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warp = threadIdx.x >> 5;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouteWarps + warp;
   if (t >= T) return;
-  float* s = route_smem + static_cast<int64_t>(warp) * 3 * E;
-  float* choice = s + E;
-  float* taken = choice + E;
-  const float* lg = logits + t * E;
-  const float ninf = -INFINITY;
-
-  if (!a.sigmoid) {
-    float m = ninf;
-    for (int e = lane; e < E; e += 32) m = fmaxf(m, lg[e]);
-    m = warp_max(m);
-    float sum = 0.0f;
-    for (int e = lane; e < E; e += 32) {
-      const float v = expf(lg[e] - m);
-      s[e] = v;
-      sum += v;
-    }
-    sum = warp_sum(sum);
-    const float inv = 1.0f / sum;
-    for (int e = lane; e < E; e += 32) s[e] *= inv;
-  } else {
-    for (int e = lane; e < E; e += 32) s[e] = 1.0f / (1.0f + expf(-lg[e]));
-  }
-  for (int e = lane; e < E; e += 32) {
-    choice[e] = s[e] + (bias ? bias[e] : 0.0f);
-    taken[e] = 0.0f;
-  }
-  __syncwarp();
-
-  if (a.method != RouteMethod::Greedy && a.n_group > 1) {
-    const int per = E / a.n_group;
-    float gscore = ninf;
-    if (lane < a.n_group) {
-      const float* c = choice + lane * per;
-      if (a.method == RouteMethod::NoauxTc) {
-        float b1 = ninf, b2 = ninf;
-        for (int i = 0; i < per; ++i) {
-          if (c[i] > b1) {
-            b2 = b1;
-            b1 = c[i];
-          } else if (c[i] > b2) {
-            b2 = c[i];
-          }
-        }
-        gscore = per >= 2 ? b1 + b2 : b1;
-      } else {
-        for (int i = 0; i < per; ++i) gscore = fmaxf(gscore, c[i]);
-      }
-    }
-    // Rank of this lane's group: groups with a higher score, or an equal score and a lower index, come first.
-    int rank = 0;
-    for (int h = 0; h < a.n_group; ++h) {
-      const float gh = __shfl_sync(0xffffffffu, gscore, h);
-      if (lane < a.n_group && h != lane && ranks_before(gh, h, gscore, lane)) ++rank;
-    }
-    const bool keep_mine = lane < a.n_group && rank < a.topk_group;
-    const unsigned keep_mask = __ballot_sync(0xffffffffu, keep_mine);
-    __syncwarp();
-    for (int e = lane; e < E; e += 32)
-      if (!((keep_mask >> (e / per)) & 1u)) choice[e] = ninf;
-    __syncwarp();
-  }
-
-  // Lane i keeps the i-th pick (top_k <= 32): ids and weights are written once, after the normalisation.
-  int my_id = -1;
-  float my_w = 0.0f;
-  for (int i = 0; i < a.top_k; ++i) {
-    float bv = 0.0f;
-    int bi = -1;
-    for (int e = lane; e < E; e += 32) {
-      if (taken[e] != 0.0f) continue;
-      if (bi < 0 || ranks_before(choice[e], e, bv, bi)) {
-        bv = choice[e];
-        bi = e;
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (oi >= 0 && (bi < 0 || ranks_before(ov, oi, bv, bi))) {
-        bv = ov;
-        bi = oi;
-      }
-    }
-    if (lane == i) {
-      my_id = bi;
-      my_w = s[bi];
-    }
-    if (lane == 0) taken[bi] = 1.0f;
-    __syncwarp();
-  }
-  // The CPU sums the picked weights in pick order: lane 0 does the same from the lanes' values.
-  float wsum = 0.0f;
-  for (int i = 0; i < a.top_k; ++i) wsum += __shfl_sync(0xffffffffu, my_w, i);
-  if (lane < a.top_k) {
-    float w = my_w;
-    if (a.norm_topk_prob) w /= wsum + 1e-20f;
-    ids[t * a.top_k + lane] = my_id;
-    weights[t * a.top_k + lane] = w * a.routed_scaling_factor;
-  }
+  route_token_warp(logits + t * E, bias, E, a, route_smem + static_cast<int64_t>(warp) * 3 * E, ids + t * a.top_k,
+                   weights + t * a.top_k);
 }
 
 constexpr int kGroupThreads = 1024;
