@@ -271,11 +271,14 @@ TEST(CudaOps, RopeAndLatentWrite) {
 // MLA attention in every form over a NaN-poisoned, shuffled paged cache.
 // decode_only: one new token per sequence, planned in fixed parts per token (as CUDA graph steps are), many of them
 // empty for the short contexts.
+// few_tokens > 0 (with decode_only): only that many decode tokens, every one long enough to be split.
 void mla_case(int64_t nh, int64_t kvr, int64_t rope, int64_t nope, int64_t vh, int32_t page_size, bool long_ctx,
-              int kind, bool decode_only = false) {
+              int kind, bool decode_only = false, int few_tokens = 0) {
   std::vector<std::pair<int32_t, int32_t>> seqs = {{0, 1},  {15, 1}, {16, 1}, {299, 1},
                                                    {0, 100}, {40, 30}, {63, 65}};
   if (decode_only) seqs = {{0, 1}, {15, 1}, {16, 1}, {299, 1}, {63, 1}, {1000, 1}};
+  if (few_tokens > 0) seqs = {{299, 1}, {16, 1}};
+  seqs.resize(few_tokens > 0 ? static_cast<size_t>(few_tokens - 1) : seqs.size());
   seqs.push_back({long_ctx ? 2499 : 700, 1});
   Scenario s = make_scenario(seqs, page_size, 100 + nh + kind);
   const int64_t T = s.batch.num_tokens(), W = kvr + rope, slots = s.num_pages * page_size;
@@ -338,6 +341,11 @@ TEST(CudaOps, MlaDecodeFixedSplits) {
   mla_case(16, 512, 64, 128, 128, 16, true, 0, true);
   mla_case(128, 512, 64, 128, 128, 16, true, 0, true);
   mla_case(4, 64, 16, 32, 32, 16, true, 0, true);  // simple kernels
+  for (int few : {1, 2}) {  // one or two decode tokens (the small-batch sizes), each combining its splits
+    mla_case(16, 512, 64, 128, 128, 16, true, 0, true, few);
+    mla_case(16, 512, 64, 128, 128, 16, false, 0, true, few);
+    mla_case(4, 64, 16, 32, 32, 16, true, 0, true, few);
+  }
 }
 
 TEST(CudaOps, MlaEmptyBatch) {

@@ -15,6 +15,26 @@ __device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib)
   return va > vb || (va == vb && ia < ib);
 }
 
+// A group's score from its experts' choice values c[0, per): the sum of the best two (noaux_tc) or the best.
+__device__ __forceinline__ float group_score(const float* c, int per, RouteMethod method) {
+  const float ninf = -INFINITY;
+  if (method == RouteMethod::NoauxTc) {
+    float b1 = ninf, b2 = ninf;
+    for (int i = 0; i < per; ++i) {
+      if (c[i] > b1) {
+        b2 = b1;
+        b1 = c[i];
+      } else if (c[i] > b2) {
+        b2 = c[i];
+      }
+    }
+    return per >= 2 ? b1 + b2 : b1;
+  }
+  float g = ninf;
+  for (int i = 0; i < per; ++i) g = fmaxf(g, c[i]);
+  return g;
+}
+
 // lg: the token's E logits (read through L2: another block may have written them in this kernel); s: 3E floats of
 // shared memory for this warp; ids / weights: the token's top_k outputs.
 __device__ __forceinline__ void route_token_warp(const float* lg, const float* bias, int32_t E, const RouteArgs& a,
@@ -49,23 +69,7 @@ __device__ __forceinline__ void route_token_warp(const float* lg, const float* b
   if (a.method != RouteMethod::Greedy && a.n_group > 1) {
     const int per = E / a.n_group;
     float gscore = ninf;
-    if (lane < a.n_group) {
-      const float* c = choice + lane * per;
-      if (a.method == RouteMethod::NoauxTc) {
-        float b1 = ninf, b2 = ninf;
-        for (int i = 0; i < per; ++i) {
-          if (c[i] > b1) {
-            b2 = b1;
-            b1 = c[i];
-          } else if (c[i] > b2) {
-            b2 = c[i];
-          }
-        }
-        gscore = per >= 2 ? b1 + b2 : b1;
-      } else {
-        for (int i = 0; i < per; ++i) gscore = fmaxf(gscore, c[i]);
-      }
-    }
+    if (lane < a.n_group) gscore = group_score(choice + lane * per, per, a.method);
     // Rank of this lane's group: groups with a higher score, or an equal score and a lower index, come first.
     int rank = 0;
     for (int h = 0; h < a.n_group; ++h) {
@@ -149,25 +153,7 @@ __device__ __forceinline__ void route_block(const float* logits, int64_t ldl, in
     __syncthreads();
     if (a.method != RouteMethod::Greedy && a.n_group > 1) {
       const int per = E / a.n_group;
-      if (e < a.n_group) {
-        const float* cg = choice_s + e * per;
-        float gs = ninf;
-        if (a.method == RouteMethod::NoauxTc) {
-          float b1 = ninf, b2 = ninf;
-          for (int i = 0; i < per; ++i) {
-            if (cg[i] > b1) {
-              b2 = b1;
-              b1 = cg[i];
-            } else if (cg[i] > b2) {
-              b2 = cg[i];
-            }
-          }
-          gs = per >= 2 ? b1 + b2 : b1;
-        } else {
-          for (int i = 0; i < per; ++i) gs = fmaxf(gs, cg[i]);
-        }
-        gscore_s[e] = gs;
-      }
+      if (e < a.n_group) gscore_s[e] = group_score(choice_s + e * per, per, a.method);
       __syncthreads();
       if (in) {
         const int g = e / per;
