@@ -192,7 +192,7 @@ class Backend {
   virtual void moe_route(const Tensor& logits, const Tensor* bias, const RouterParams& p, Tensor& topk_ids,
                          Tensor& topk_weights) = 0;
   // moe_route of logits = linear(x[T, H], router[E_total, H]) in F32: the default runs the two ops; a backend may
-  // fuse them (the CUDA one does for a few rows).
+  // fuse them (the CUDA one does for one row).
   virtual void moe_gate(const Tensor& x, const Tensor& router, const Tensor* bias, const RouterParams& p,
                         Tensor& topk_ids, Tensor& topk_weights);
   // out[T, H] = sum_k w * down_e(silu(gate_e x) * up_e x) over the experts in [expert_begin, expert_begin + E).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Batch-1..8 decode of several builds on one machine, alternating (machines vary by a few percent), plus an optional
-# ncu profile of one graph-replayed batch-1 step of the first build (per-call CSV kept).
+# ncu profile (tools/device/ncu_step.sh) of the builds named in NCU, the per-call CSVs kept.
 # usage: LIB=.devcarry/lib tools/device/ab_b1.sh BIN_DIR... (ROUNDS=2 BATCHES="1" NCU="BIN_DIR..."; writes
 # $OUT/ab.tar.xz)
 set -uo pipefail
@@ -18,13 +18,9 @@ for r in $(seq ${ROUNDS:-2}); do
     done
   done
 done
-for d in ${NCU:-}; do  # NCU="BIN_DIR...": every kernel of a batch-${NCU_B:-1} run (warm-up, then steps of 6 tokens)
+for d in ${NCU:-}; do  # NCU="BIN_DIR...": ncu_step.sh on each (a batch-${NCU_B:-1} run), one layer listed
   n=$(basename $(dirname $d))
-  timeout -s KILL ${NCU_LIMIT:-200} /usr/local/cuda/bin/ncu --graph-profiling node --cache-control none \
-    --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name-base function \
-    -k 'regex:^(?!fill_random|convert)' $d/mlaserve $BOB --batch-size ${NCU_B:-1} --output-len 6 --cuda-graph-max-bs 8 \
-    > $L/ncu-$n.csv 2> $L/ncu-$n.err
-  echo "== ncu $n rc=$?"
-  python3 tools/device/kernel_profile.py $L/ncu-$n.csv --step embedding | head -${NCU_LINES:-24} || tail -5 $L/ncu-$n.err
+  LAYER=${LAYER:-mla_decode_ws} bash tools/device/ncu_step.sh $(dirname $d) ${NCU_B:-1} | head -${NCU_LINES:-40}
+  cp /tmp/ncu/ncu-b${NCU_B:-1}.csv $L/ncu-$n.csv
 done
 tar -C /tmp -cJf ${OUT:-/tmp}/ab.tar.xz ab

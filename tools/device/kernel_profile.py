@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Sums ncu's per-kernel durations (CSV from `ncu --metrics gpu__time_duration.sum --csv`) by kernel name: where one
 decode step's GPU time goes. The step is the last N launches, or (--step MARKER) the launches from the second-last
-kernel whose name contains MARKER up to the last one (one whole step when MARKER is its first kernel).
-usage: kernel_profile.py NCU_CSV (LAST_N | --step MARKER)"""
+kernel whose name contains MARKER up to the last one (one whole step when MARKER is its first kernel). With --layer
+LAYER_MARKER also every kernel of one decoder layer in launch order (time, grid, block): the launches from the 5th to
+the 6th kernel of the step whose name contains LAYER_MARKER (e.g. mla_decode_ws).
+usage: kernel_profile.py NCU_CSV (LAST_N | --step MARKER [--layer LAYER_MARKER])"""
 import csv
 import signal
 import sys
@@ -28,6 +30,13 @@ def main():
         last = rows[marks[-2]:marks[-1]]
     else:
         last = rows[-int(sys.argv[2]):]
+    if len(sys.argv) > 5 and sys.argv[4] == "--layer":
+        at = [i for i, r in enumerate(last) if sys.argv[5] in r[0]]
+        if len(at) >= 6:
+            layer = last[at[4]:at[5]]
+            for n, u, g, b in layer:
+                print(f"{u:7.2f} us  {n.split('(')[0][:60]:60s} {g} {b}")
+            print(f"{sum(u for _, u, _, _ in layer):7.2f} us  one layer")
     total = sum(u for _, u, _, _ in last)
     by = defaultdict(lambda: [0, 0.0])
     for n, u, _, _ in last:

@@ -204,7 +204,6 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(GemvArgs a) {
 // routes the token(s) (route_block) from the logits the others left in L2, and resets the counter
 // for the next launch (graph replays included).
 static_assert(kMoeGateMaxExperts <= kBlockRouteMax && kWarps * 32 >= kBlockRouteMax, "route_block: a thread per expert");
-template <int TT>
 __global__ void __launch_bounds__(kWarps * 32) moe_gate_kernel(GemvArgs g, const float* bias, RouteArgs r,
                                                              unsigned* counter, int32_t* ids, float* weights) {
   __shared__ bool last;
@@ -216,6 +215,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_kernel(GemvArgs g, const
   load_chunk(w, row, lane, active ? nvec : 0);
   pdl_wait();
   pdl_trigger();
+  constexpr int TT = kMoeGateMaxRows;
   float acc[TT];
 #pragma unroll
   for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
@@ -592,9 +592,8 @@ cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned
   if (a.T > kMoeGateMaxRows || !gemv_fits(a.T, a.K, a.x, a.ldx, a.w, a.ldw) || a.K == 0 || a.N == 0 || r.top_k > 32 ||
       r.top_k > a.N || a.N > kMoeGateMaxExperts || a.ldy != a.N)
     return cudaErrorInvalidValue;
-  static_assert(kMoeGateMaxRows == 1, "moe_gate instantiates one row");
   const unsigned grid = static_cast<unsigned>((a.N + kWarps - 1) / kWarps);
-  return launch(moe_gate_kernel<1>, grid, kWarps * 32, 0, stream, a, bias, r, counter, ids, weights);
+  return launch(moe_gate_kernel, grid, kWarps * 32, 0, stream, a, bias, r, counter, ids, weights);
 }
 
 cudaError_t gemv_n(GemvArgs a, int32_t batch, cudaStream_t stream) {

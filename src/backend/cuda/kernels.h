@@ -278,8 +278,8 @@ cudaError_t gemv_n(GemvArgs a, int32_t batch, cudaStream_t stream);
 // Router and routing in one kernel (moe_route of y = x router^T, logits fp32 in a.y with ldy == N experts):
 // ids[T, top_k], weights[T, top_k] as moe_route gives them from the logits (a warp per expert row, full K: the sums
 // may differ from gemv_t's K split in the last bit). T <= kMoeGateMaxRows, E <= kMoeGateMaxExperts. One row only:
-// its routing runs in one block, token after token, which lost to gemv_t + moe_route at 2-8 rows (docs/perf.md). counter: a device word, 0 before the first launch
-// (left 0 after each).
+// its routing runs in one block, token after token, which lost to gemv_t + moe_route at 2-8 rows (docs/perf.md).
+// counter: a device word, 0 before the first launch (left 0 after each).
 constexpr int kMoeGateMaxExperts = 256;
 constexpr int kMoeGateMaxRows = 1;
 cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned* counter, int32_t* ids,
