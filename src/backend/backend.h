@@ -156,6 +156,12 @@ class Backend {
   virtual void add_rmsnorm(const Tensor& x, Tensor& residual, const Tensor& w, float eps, Tensor& out) = 0;
   // y[N, out] = x[N, in] @ w[out, in]^T. y may be act_dtype or F32.
   virtual void linear(const Tensor& x, const Tensor& w, Tensor& y) = 0;
+  // Two products of the same input, y1 = x @ w1^T and y2 = x @ w2^T (e.g. the q and latent projections): the default
+  // runs the two linears; a backend may run them as one launch.
+  virtual void linear_pair(const Tensor& x, const Tensor& w1, Tensor& y1, const Tensor& w2, Tensor& y2) {
+    linear(x, w1, y1);
+    linear(x, w2, y2);
+  }
   // out[N, I] = silu(gate_up[:, :I]) * gate_up[:, I:]
   virtual void silu_mul(const Tensor& gate_up, Tensor& out) = 0;
   // t = 0.

@@ -224,16 +224,15 @@ void DeepseekModel::attention(int64_t l, const Tensor& x, KvCache& cache, MlaFor
   const int64_t nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim, vd = c.v_head_dim, kvr = c.kv_lora_rank;
   const DType ad = backend_.act_dtype();
   Tensor q = backend_.scratch({T, local_heads_ * (nope + rope)}, ad);
+  Tensor latent = backend_.scratch({T, kvr + rope}, ad);
   if (c.q_lora_rank > 0) {
     Tensor qa = backend_.scratch({T, c.q_lora_rank}, ad);
-    backend_.linear(x, w.q_a_proj, qa);
+    backend_.linear_pair(x, w.q_a_proj, qa, w.kv_a_proj, latent);
     backend_.rmsnorm(qa, w.q_a_norm, static_cast<float>(c.rms_norm_eps), qa);
     backend_.linear(qa, w.q_b_proj, q);
   } else {
-    backend_.linear(x, w.q_proj, q);
+    backend_.linear_pair(x, w.q_proj, q, w.kv_a_proj, latent);
   }
-  Tensor latent = backend_.scratch({T, kvr + rope}, ad);
-  backend_.linear(x, w.kv_a_proj, latent);
   backend_.mla_prepare(q, static_cast<int32_t>(local_heads_), static_cast<int32_t>(nope), static_cast<int32_t>(rope),
                        latent, w.kv_a_norm, static_cast<float>(c.rms_norm_eps), cache.layer(l));
   MlaParams p;

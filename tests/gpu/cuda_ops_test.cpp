@@ -174,6 +174,38 @@ TEST(CudaOps, LinearShapes) {
   }
 }
 
+// linear_pair runs both products in one launch where they take the matrix-vector kernels: each output must be what
+// linear alone gives, bit for bit (same K split per problem), for the lane kernel (1 row, or K % 32 != 0), the tensor
+// core kernel (2-8 rows) and cuBLAS (9 rows), with bf16 and f32 outputs and narrow second problems.
+TEST(CudaOps, LinearPairIsTwoLinears) {
+  REQUIRE_GPU();
+  struct Case { int64_t T, K, M1, M2; DType out2; };
+  for (const Case c : {Case{1, 2048, 3072, 576, DType::BF16}, Case{2, 2048, 3072, 576, DType::BF16},
+                       Case{8, 2048, 1536, 576, DType::BF16}, Case{3, 520, 300, 77, DType::F32},
+                       Case{1, 128, 640, 16, DType::F32}, Case{5, 7168, 1536, 576, DType::BF16},
+                       Case{9, 2048, 3072, 576, DType::BF16}, Case{1, 2048, 8, 2000, DType::BF16}}) {
+    const std::string what = "pair T " + std::to_string(c.T) + " K " + std::to_string(c.K) + " M " +
+                             std::to_string(c.M1) + "+" + std::to_string(c.M2);
+    Tensor x = rand_host({c.T, c.K}, 31 + c.T), w1 = rand_host({c.M1, c.K}, 32 + c.M1, 0.05f),
+           w2 = rand_host({c.M2, c.K}, 33 + c.M2, 0.05f);
+    Tensor xg = gpu().upload(x, DType::BF16), w1g = gpu().upload(w1, DType::BF16), w2g = gpu().upload(w2, DType::BF16);
+    Tensor a1 = gpu().alloc({c.T, c.M1}, DType::BF16), a2 = gpu().alloc({c.T, c.M2}, c.out2);
+    Tensor b1 = gpu().alloc({c.T, c.M1}, DType::BF16), b2 = gpu().alloc({c.T, c.M2}, c.out2);
+    gpu().linear_pair(xg, w1g, a1, w2g, a2);
+    gpu().linear(xg, w1g, b1);
+    gpu().linear(xg, w2g, b2);
+    expect_close(gpu().to_host_f32(b1), gpu().to_host_f32(a1), 0.0, 0.0, what + " (first)");
+    expect_close(gpu().to_host_f32(b2), gpu().to_host_f32(a2), 0.0, 0.0, what + " (second)");
+    // and against the CPU reference, so a pair that wrote nothing (both zero) cannot pass
+    Tensor xc = cpu().upload(x, DType::F32), w2c = cpu().upload(w2, DType::BF16), yc = cpu().alloc({c.T, c.M2}, DType::F32);
+    cpu().linear(xc, w2c, yc);
+    expect_close(cpu().to_host_f32(yc), gpu().to_host_f32(a2), 8e-3, 2e-2, what + " vs cpu");
+  }
+  Tensor x = gpu().alloc({2, 64}, DType::BF16), w = gpu().alloc({8, 64}, DType::BF16), bad = gpu().alloc({8, 32}, DType::BF16);
+  Tensor y = gpu().alloc({2, 8}, DType::BF16);
+  EXPECT_THROW(gpu().linear_pair(x, w, y, bad, y), std::exception);
+}
+
 TEST(CudaOps, ElementwiseOps) {
   REQUIRE_GPU();
   Scenario s = make_scenario({{0, 3}, {10, 1}, {0, 6}}, 16, 9);

@@ -401,22 +401,28 @@ class CudaBackend final : public Backend {
   }
 
   void linear(const Tensor& x, const Tensor& w, Tensor& y) override {
-    const int64_t K = x.size(-1), N = rows_of(x), M = w.size(0);
-    MLA_CHECK(w.dim() == 2 && w.size(1) == K, "linear: weight {} does not match input width {}", shape_str(w.shape()),
-              K);
-    MLA_CHECK(y.numel() == N * M, "linear: output has {} elements, expected {}x{}", y.numel(), N, M);
-    MLA_CHECK(x.dtype() == DType::BF16 && w.dtype() == DType::BF16 && (y.dtype() == DType::BF16 || y.dtype() == DType::F32),
-              "linear: x {} w {} y {} (expected bf16, bf16, bf16|f32)", dtype_name(x.dtype()), dtype_name(w.dtype()),
-              dtype_name(y.dtype()));
+    const int64_t K = x.size(-1), N = rows_of(x), M = check_linear("linear", x, w, y);
     // Up to 8 rows: matrix-vector kernels that read each weight once for all rows (cuBLAS tiles leave most of the
     // GPU idle at one token).
     if (small_batch_ && cuda::gemv_fits(N, K, x.data(), K, w.data(), K)) {
-      cuda::GemvArgs g = gemv_args(x.data(), K, 0, w.data(), K, 0, y.data(), M, 0, N, M, K);
-      g.y_f32 = y.dtype() == DType::F32;
-      CUDA_OK(cuda::gemv_t(g, 1, num_sms_, stream_), "gemv");
+      CUDA_OK(cuda::gemv_t(linear_gemv(x, w, y), 1, num_sms_, stream_), "gemv");
       return;
     }
     gemm(w.data(), K, x.data(), K, y.data(), M, y.dtype(), M, N, K);
+  }
+
+  // Where both take the matrix-vector kernels: one launch for the two.
+  void linear_pair(const Tensor& x, const Tensor& w1, Tensor& y1, const Tensor& w2, Tensor& y2) override {
+    check_linear("linear_pair (first)", x, w1, y1);
+    check_linear("linear_pair (second)", x, w2, y2);
+    const int64_t K = x.size(-1), N = rows_of(x);
+    if (small_batch_ && cuda::gemv_fits(N, K, x.data(), K, w1.data(), K) &&
+        cuda::gemv_fits(N, K, x.data(), K, w2.data(), K)) {
+      CUDA_OK(cuda::gemv_t_pair(linear_gemv(x, w1, y1), linear_gemv(x, w2, y2), num_sms_, stream_), "gemv pair");
+      return;
+    }
+    linear(x, w1, y1);
+    linear(x, w2, y2);
   }
 
   void silu_mul(const Tensor& gate_up, Tensor& out) override {
@@ -661,6 +667,25 @@ class CudaBackend final : public Backend {
     a.norm_topk_prob = p.norm_topk_prob;
     a.routed_scaling_factor = p.routed_scaling_factor;
     return a;
+  }
+
+  // linear's checks; returns the output width.
+  static int64_t check_linear(const char* what, const Tensor& x, const Tensor& w, const Tensor& y) {
+    const int64_t K = x.size(-1), N = rows_of(x), M = w.size(0);
+    MLA_CHECK(w.dim() == 2 && w.size(1) == K, "{}: weight {} does not match input width {}", what,
+              shape_str(w.shape()), K);
+    MLA_CHECK(y.numel() == N * M, "{}: output has {} elements, expected {}x{}", what, y.numel(), N, M);
+    MLA_CHECK(x.dtype() == DType::BF16 && w.dtype() == DType::BF16 && (y.dtype() == DType::BF16 || y.dtype() == DType::F32),
+              "{}: x {} w {} y {} (expected bf16, bf16, bf16|f32)", what, dtype_name(x.dtype()), dtype_name(w.dtype()),
+              dtype_name(y.dtype()));
+    return M;
+  }
+  // y = x w^T of linear as matrix-vector kernel arguments.
+  static cuda::GemvArgs linear_gemv(const Tensor& x, const Tensor& w, Tensor& y) {
+    const int64_t K = x.size(-1), N = rows_of(x), M = w.size(0);
+    cuda::GemvArgs g = gemv_args(x.data(), K, 0, w.data(), K, 0, y.data(), M, 0, N, M, K);
+    g.y_f32 = y.dtype() == DType::F32;
+    return g;
   }
 
   // Small-batch product arguments (bf16 out unless changed): x[b][t] at x + b * sx + t * ldx, W[b] at w + b * sw

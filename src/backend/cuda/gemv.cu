@@ -91,12 +91,17 @@ __device__ __forceinline__ void warp_sum_all(float (&acc)[TT]) {
 }
 
 // ---- y = x W^T ----------------------------------------------------------------------------------------------
-// Warp w of block b: row n = b.x * (8 / ks) + w / ks, part w % ks of K; batch b.y.
-template <int TT>
-__global__ void __maxnreg__(128) gemv_t_kernel(GemvArgs a) {
+// Warp w of block b: row n = bx * (8 / ks) + w / ks, part w % ks of K; batch b.y. bx = b.x, except with PAIR (two
+// problems of one batch, gemv_t_pair): blocks [0, split) compute a0, the rest a1 with bx = b.x - split. Without PAIR
+// a1 and split are unused (no selection code in the single-problem kernels: it measured ~2% at batch 1).
+template <int TT, bool PAIR>
+__global__ void __maxnreg__(128) gemv_t_kernel(GemvArgs a0, GemvArgs a1, unsigned split) {
   __shared__ float red[kWarps][TT];
+  const bool second = PAIR && blockIdx.x >= split;
+  const GemvArgs a = second ? a1 : a0;
+  const int bx = static_cast<int>(second ? blockIdx.x - split : blockIdx.x);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int ks = a.ks, n = blockIdx.x * (kWarps / ks) + warp / ks, part = warp % ks;
+  const int ks = a.ks, n = bx * (kWarps / ks) + warp / ks, part = warp % ks;
   const int nvec = a.K >> 3, vb = part * nvec / ks, ve = (part + 1) * nvec / ks;
   const bool active = n < a.N;
   const uint4* row = reinterpret_cast<const uint4*>(a.w + blockIdx.y * a.sw + static_cast<int64_t>(active ? n : 0) * a.ldw);
@@ -138,12 +143,17 @@ __global__ void __maxnreg__(128) gemv_t_kernel(GemvArgs a) {
 // Within each 32-wide chunk of K, lane (g, t4) loads 16 bytes at 8 * t4 of rows g and g + 8 and of token g; the
 // first 8 bytes feed one mma and the last 8 the other. That assigns the MMA's k index 2t4 + {0, 1, 8, 9} to
 // positions 8 t4 + {0, 1, 2, 3} (then + 4): a permutation of the chunk applied to both operands, so the sum is the
-// same dot product. Warp w of block b: row group b.x * (8 / ks) + w / ks, part w % ks of K; batch b.y.
+// same dot product. Warp w of block b: row group bx * (8 / ks) + w / ks, part w % ks of K; batch b.y; bx and PAIR
+// as in gemv_t_kernel.
 constexpr int kMmaUnroll = 8;  // 32-wide chunks per load batch (16 16-byte weight loads per lane in flight)
-__global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(GemvArgs a) {
+template <bool PAIR>
+__global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(GemvArgs a0, GemvArgs a1, unsigned split) {
   __shared__ float red[kWarps][32][4];
+  const bool second = PAIR && blockIdx.x >= split;
+  const GemvArgs a = second ? a1 : a0;
+  const int bx = static_cast<int>(second ? blockIdx.x - split : blockIdx.x);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
-  const int ks = a.ks, row0 = (blockIdx.x * (kWarps / ks) + warp / ks) * 16, part = warp % ks;
+  const int ks = a.ks, row0 = (bx * (kWarps / ks) + warp / ks) * 16, part = warp % ks;
   const int nch = a.K >> 5, cb = part * nch / ks, ce = (part + 1) * nch / ks;
   const bool has_lo = row0 + g < a.N, has_hi = row0 + g + 8 < a.N;
   const bf16* wb = a.w + blockIdx.y * a.sw + 8 * t4;
@@ -562,28 +572,59 @@ bool gemv_fits(int64_t T, int64_t K, const void* x, int64_t ldx, const void* w, 
   return T >= 1 && T <= kGemvMaxRows && K % 8 == 0 && ldx % 8 == 0 && ldw % 8 == 0 && aligned(x) && aligned(w);
 }
 
-cudaError_t gemv_t(GemvArgs a, int32_t batch, int32_t num_sms, cudaStream_t stream) {
-  if (a.N == 0 || batch == 0 || a.T == 0) return cudaSuccess;
-  if (!gemv_fits(a.T, a.K, a.x, a.ldx, a.w, a.ldw) || a.K == 0) return cudaErrorInvalidValue;
-  // Split K over up to 8 warps while the rows alone leave the GPU short of ~16 warps per SM.
-  const int64_t target = static_cast<int64_t>(num_sms) * 16, nvec = a.K / 8;
+namespace {
+
+// The K split (a.ks) and the blocks of one problem: K is split over up to 8 warps while the rows alone leave the GPU
+// short of ~16 warps per SM. mma: the tensor-core kernel (16 rows per warp, >= 2 chunks of 32 per part).
+unsigned cut_gemv_t(GemvArgs& a, int32_t batch, int32_t num_sms, bool mma) {
+  const int64_t target = static_cast<int64_t>(num_sms) * 16;
   int ks = 1;
-  if (a.K % 32 == 0 && a.T > 1) {  // tensor cores: 16 rows per warp, >= 2 chunks of 32 per part
+  if (mma) {
     const int64_t groups = (a.N + 15) / 16, nch = a.K / 32;
     while (ks < kWarps && groups * batch * ks < target && nch / (ks * 2) >= 2) ks *= 2;
     a.ks = ks;
-    const dim3 grid(static_cast<unsigned>((groups + kWarps / ks - 1) / (kWarps / ks)), static_cast<unsigned>(batch));
-    return launch(gemv_mma_kernel, grid, kWarps * 32, 0, stream, a);
+    return static_cast<unsigned>((groups + kWarps / ks - 1) / (kWarps / ks));
   }
+  const int64_t nvec = a.K / 8;
   while (ks < kWarps && static_cast<int64_t>(a.N) * batch * ks < target && nvec / (ks * 2) >= 32) ks *= 2;
   a.ks = ks;
-  const dim3 grid(static_cast<unsigned>((a.N + kWarps / ks - 1) / (kWarps / ks)), static_cast<unsigned>(batch));
+  return static_cast<unsigned>((a.N + kWarps / ks - 1) / (kWarps / ks));
+}
+
+// T >= 2 and K % 32 == 0: the tensor-core kernel.
+bool use_mma(const GemvArgs& a) { return a.K % 32 == 0 && a.T > 1; }
+
+}  // namespace
+
+cudaError_t gemv_t(GemvArgs a, int32_t batch, int32_t num_sms, cudaStream_t stream) {
+  if (a.N == 0 || batch == 0 || a.T == 0) return cudaSuccess;
+  if (!gemv_fits(a.T, a.K, a.x, a.ldx, a.w, a.ldw) || a.K == 0) return cudaErrorInvalidValue;
+  const bool mma = use_mma(a);
+  const unsigned blocks = cut_gemv_t(a, batch, num_sms, mma);
+  const dim3 grid(blocks, static_cast<unsigned>(batch));
+  if (mma) return launch(gemv_mma_kernel<false>, grid, kWarps * 32, 0, stream, a, a, blocks);
   switch (rows_bucket(a.T)) {
-    case 1: return launch(gemv_t_kernel<1>, grid, kWarps * 32, 0, stream, a);
-    case 2: return launch(gemv_t_kernel<2>, grid, kWarps * 32, 0, stream, a);
-    case 4: return launch(gemv_t_kernel<4>, grid, kWarps * 32, 0, stream, a);
-    default: return launch(gemv_t_kernel<8>, grid, kWarps * 32, 0, stream, a);
+    case 1: return launch(gemv_t_kernel<1, false>, grid, kWarps * 32, 0, stream, a, a, blocks);
+    case 2: return launch(gemv_t_kernel<2, false>, grid, kWarps * 32, 0, stream, a, a, blocks);
+    case 4: return launch(gemv_t_kernel<4, false>, grid, kWarps * 32, 0, stream, a, a, blocks);
+    default: return launch(gemv_t_kernel<8, false>, grid, kWarps * 32, 0, stream, a, a, blocks);
   }
+}
+
+cudaError_t gemv_t_pair(GemvArgs a, GemvArgs b, int32_t num_sms, cudaStream_t stream) {
+  if (a.T != b.T || a.K != b.K) return cudaErrorInvalidValue;
+  // One launch on tensor cores or at one row (the lane kernel at 2-8 rows only when K % 32 != 0: not paired).
+  const bool mma = use_mma(a);
+  if (a.T == 0 || a.N == 0 || b.N == 0 || (!mma && a.T != 1)) {
+    const cudaError_t e = gemv_t(a, 1, num_sms, stream);
+    return e != cudaSuccess ? e : gemv_t(b, 1, num_sms, stream);
+  }
+  if (!gemv_fits(a.T, a.K, a.x, a.ldx, a.w, a.ldw) || !gemv_fits(b.T, b.K, b.x, b.ldx, b.w, b.ldw))
+    return cudaErrorInvalidValue;
+  // Each problem gets the cut it would get alone, so its rows are computed exactly as gemv_t computes them.
+  const unsigned ba = cut_gemv_t(a, 1, num_sms, mma), bb = cut_gemv_t(b, 1, num_sms, mma);
+  if (mma) return launch(gemv_mma_kernel<true>, dim3(ba + bb, 1), kWarps * 32, 0, stream, a, b, ba);
+  return launch(gemv_t_kernel<1, true>, dim3(ba + bb, 1), kWarps * 32, 0, stream, a, b, ba);
 }
 
 cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned* counter, int32_t* ids,
