@@ -2,7 +2,7 @@
 # Small-batch decode on one GPU: wall time per step at batch 1, 2, 4, 8 with graphs on (and off at batch 1), with the
 # small-batch kernels and PDL on / off, plus an ncu profile of one graph-replayed batch-1 step at the GPU's own
 # clocks without cache flushes (real per-kernel times; the gaps between kernels are the step's wall time minus their
-# sum). usage: tools/device/b1_profile.sh PKG_DIR  (NCU=0 skips the profile; writes $OUT/b1.tar.xz)
+# sum). usage: tools/device/b1_profile.sh PKG_DIR  (NCU=1 adds the profile; writes $OUT/b1.tar.xz)
 set -uo pipefail
 PKG=$1
 export LD_LIBRARY_PATH=$PWD/$PKG/lib:${LD_LIBRARY_PATH:-}
@@ -21,11 +21,7 @@ for b in ${BATCHES:-1 2 4 8}; do
   run b$b-old MLASERVE_SMALL_BATCH=0 MLASERVE_PDL=0 -- --batch-size $b
 done
 run b1-eager -- --batch-size 1 --disable-cuda-graph
-if [ "${NCU:-0}" = 1 ]; then
-timeout -s KILL ${NCU_LIMIT:-240} /usr/local/cuda/bin/ncu --graph-profiling node --cache-control none --clock-control none \
-  --metrics gpu__time_duration.sum --csv --kernel-name-base function -k 'regex:^(?!fill_random|convert)' \
-  --launch-skip ${SKIP:-3000} --launch-count ${COUNT:-1000} $BIN $BOB --batch-size 1 --output-len 12 > $L/ncu.csv 2> $L/ncu.err
-echo "== ncu rc=$?"
-python3 tools/device/kernel_profile.py $L/ncu.csv --step ${MARK:-embedding} || tail -5 $L/ncu.err
+if [ "${NCU:-0}" = 1 ]; then  # one graph-replayed batch-1 step (tools/device/ncu_step.sh), its CSV kept
+  bash tools/device/ncu_step.sh $PKG 1 && cp /tmp/ncu/ncu-b1.csv $L/ncu.csv
 fi
 tar -C /tmp -cJf ${OUT:-/tmp}/b1.tar.xz b1
