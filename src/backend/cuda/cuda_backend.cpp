@@ -517,10 +517,8 @@ class CudaBackend final : public Backend {
     }
     const cuda::RouteArgs a = route_args("moe_gate", T, E, p, topk_ids, topk_weights);
     Tensor logits = scratch({T, E}, DType::F32);
-    cuda::GemvArgs g = gemv_args(x.data(), H, 0, router.data(), H, 0, logits.data(), E, 0, T, E, H);
-    g.y_f32 = true;
-    CUDA_OK(cuda::moe_gate(g, bias ? bias->data_as<const float>() : nullptr, a, gate_counter_,
-                           topk_ids.data_as<int32_t>(), topk_weights.data_as<float>(), stream_),
+    CUDA_OK(cuda::moe_gate(linear_gemv(x, router, logits), bias ? bias->data_as<const float>() : nullptr, a,
+                           gate_counter_, topk_ids.data_as<int32_t>(), topk_weights.data_as<float>(), stream_),
             "moe_gate");
   }
 
