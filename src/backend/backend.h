@@ -193,6 +193,14 @@ class Backend {
   virtual void mla_attention(const Tensor& q, const Tensor& cache, const Tensor& kv_b, const MlaParams& p,
                              Tensor& out) = 0;
 
+  // mla_prepare, then mla_attention (p gives the heads and dims): the default runs the two ops; a backend may fuse
+  // them (the CUDA one does at 1-2 decode tokens).
+  virtual void mla_prepare_attention(Tensor& q, Tensor& latent, const Tensor& kv_norm, float eps, Tensor& cache,
+                                     const Tensor& kv_b, const MlaParams& p, Tensor& out) {
+    mla_prepare(q, p.num_heads, p.qk_nope, p.qk_rope, latent, kv_norm, eps, cache);
+    mla_attention(q, cache, kv_b, p, out);
+  }
+
   // MoE routing from router logits[T, E_total] (F32) and optional correction bias[E_total] (F32).
   // topk_ids[T, k] (I32, global expert ids), topk_weights[T, k] (F32, scaled).
   virtual void moe_route(const Tensor& logits, const Tensor* bias, const RouterParams& p, Tensor& topk_ids,

@@ -233,8 +233,6 @@ void DeepseekModel::attention(int64_t l, const Tensor& x, KvCache& cache, MlaFor
   } else {
     backend_.linear_pair(x, w.q_proj, q, w.kv_a_proj, latent);
   }
-  backend_.mla_prepare(q, static_cast<int32_t>(local_heads_), static_cast<int32_t>(nope), static_cast<int32_t>(rope),
-                       latent, w.kv_a_norm, static_cast<float>(c.rms_norm_eps), cache.layer(l));
   MlaParams p;
   p.num_heads = static_cast<int32_t>(local_heads_);
   p.qk_nope = static_cast<int32_t>(nope);
@@ -244,7 +242,8 @@ void DeepseekModel::attention(int64_t l, const Tensor& x, KvCache& cache, MlaFor
   p.softmax_scale = static_cast<float>(c.softmax_scale());
   p.form = form;
   Tensor attn = backend_.scratch({T, local_heads_ * vd}, ad);
-  backend_.mla_attention(q, cache.layer(l), w.kv_b_proj, p, attn);
+  backend_.mla_prepare_attention(q, latent, w.kv_a_norm, static_cast<float>(c.rms_norm_eps), cache.layer(l), w.kv_b_proj,
+                                 p, attn);
   backend_.linear(attn, w.o_proj, out);
   if (plan_.attn_tp_size > 1) backend_.collective([c = attn_comm_, out]() mutable { c->all_reduce_sum(out); });
 }

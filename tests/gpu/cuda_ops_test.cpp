@@ -392,6 +392,77 @@ TEST(CudaOps, MlaEmptyBatch) {
   gpu().synchronize();
 }
 
+// Exact equality of two device tensors' values (NaN matches NaN).
+int64_t count_diff(const Tensor& a, const Tensor& b) {
+  Tensor ha = gpu().to_host_f32(a), hb = gpu().to_host_f32(b);
+  if (ha.numel() != hb.numel()) return -1;
+  int64_t d = 0;
+  for (int64_t i = 0; i < ha.numel(); ++i) {
+    const float x = ha.data_as<float>()[i], y = hb.data_as<float>()[i];
+    d += !(x == y || (std::isnan(x) && std::isnan(y)));
+  }
+  return d;
+}
+
+// mla_prepare_attention (at 1-2 decode tokens one launch for the preparation and the q_lat product) gives exactly
+// what mla_prepare then mla_attention give: q, latent, cache and output. Also for a step with prefill tokens, where
+// the preparation runs on its own.
+void prepare_attention_case(const std::vector<std::pair<int32_t, int32_t>>& seqs, int64_t nh, int64_t kvr,
+                            int64_t rope, int64_t nope, int64_t vh, bool graph_plan, uint64_t seed) {
+  Scenario s = make_scenario(seqs, 16, seed);
+  const int64_t T = s.batch.num_tokens(), W = kvr + rope, slots = s.num_pages * 16;
+  Tensor cache = Tensor::empty_host({slots, W}, DType::F32);
+  std::fill(cache.data_as<float>(), cache.data_as<float>() + cache.numel(), std::nanf(""));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int32_t q = 0; q < s.batch.num_seqs(); ++q)
+    for (int32_t pos = 0; pos < s.batch.seq_lens[q]; ++pos) {
+      const int64_t slot = static_cast<int64_t>(s.pages[q][pos / 16]) * 16 + pos % 16;
+      for (int64_t d = 0; d < W; ++d) cache.data_as<float>()[slot * W + d] = nd(rng);
+    }
+  Tensor q = rand_host({T, nh * (nope + rope)}, seed + 1), lat = rand_host({T, W}, seed + 2, 3.0f);
+  Tensor kvb = rand_host({nh * (nope + vh), kvr}, seed + 3, 1.0f / std::sqrt(static_cast<float>(kvr)));
+  Tensor nw = rand_host({kvr}, seed + 4, 0.1f);
+  for (int64_t i = 0; i < kvr; ++i) nw.data_as<float>()[i] += 1.0f;
+  if (graph_plan) gpu().begin_graph_step(s.batch);
+  else gpu().begin_step(s.batch);
+  gpu().set_rope(yarn_freqs(rope), 1.2f);
+  MlaParams p{static_cast<int32_t>(nh), static_cast<int32_t>(nope), static_cast<int32_t>(rope),
+              static_cast<int32_t>(vh), static_cast<int32_t>(kvr), 0.1f, MlaForm::Auto};
+  Tensor bg = gpu().upload(kvb, DType::BF16), wg = gpu().upload(nw, DType::F32);
+  Tensor q1 = gpu().upload(q, DType::BF16), l1 = gpu().upload(lat, DType::BF16), c1 = gpu().upload(cache, DType::BF16);
+  Tensor q2 = gpu().upload(q, DType::BF16), l2 = gpu().upload(lat, DType::BF16), c2 = gpu().upload(cache, DType::BF16);
+  Tensor o1 = gpu().alloc({T, nh * vh}, DType::BF16), o2 = gpu().alloc({T, nh * vh}, DType::BF16);
+  gpu().mla_prepare(q1, p.num_heads, p.qk_nope, p.qk_rope, l1, wg, 1e-6f, c1);
+  gpu().mla_attention(q1, c1, bg, p, o1);
+  gpu().mla_prepare_attention(q2, l2, wg, 1e-6f, c2, bg, p, o2);
+  const std::string what = "prepare+attention T" + std::to_string(T) + " nh" + std::to_string(nh) + " kvr" +
+                           std::to_string(kvr) + (graph_plan ? " graph plan" : "");
+  EXPECT_EQ(count_diff(q1, q2), 0) << what << ": q";
+  EXPECT_EQ(count_diff(l1, l2), 0) << what << ": latent";
+  EXPECT_EQ(count_diff(c1, c2), 0) << what << ": cache";
+  EXPECT_EQ(count_diff(o1, o2), 0) << what << ": out";
+  // And both against the CPU's two ops.
+  cpu().begin_step(s.batch);
+  cpu().set_rope(yarn_freqs(rope), 1.2f);
+  Tensor qc = cpu().upload(q, DType::F32), lc = cpu().upload(lat, DType::F32), cc = cpu().upload(cache, DType::F32);
+  Tensor bc = cpu().upload(kvb, DType::BF16), wc = cpu().upload(nw, DType::F32);
+  Tensor oc = cpu().alloc({T, nh * vh}, DType::F32);
+  cpu().mla_prepare_attention(qc, lc, wc, 1e-6f, cc, bc, p, oc);
+  expect_close(cpu().to_host_f32(oc), gpu().to_host_f32(o2), 2e-2, 5e-2, what + " vs CPU");
+}
+
+TEST(CudaOps, MlaPrepareAttentionIsPrepareThenAttention) {
+  REQUIRE_GPU();
+  for (bool graph_plan : {false, true}) {
+    prepare_attention_case({{299, 1}}, 16, 512, 64, 128, 128, graph_plan, 80);           // one token, folded
+    prepare_attention_case({{700, 1}, {16, 1}}, 16, 512, 64, 128, 128, graph_plan, 81);  // two tokens, folded
+    prepare_attention_case({{40, 1}}, 4, 64, 16, 32, 32, graph_plan, 82);               // simple decode kernel
+    prepare_attention_case({{5, 1}, {0, 1}, {30, 1}}, 16, 512, 64, 128, 128, graph_plan, 83);  // 3 tokens: apart
+  }
+  prepare_attention_case({{12, 1}, {0, 20}}, 16, 512, 64, 128, 128, false, 84);  // prefill in the step: apart
+}
+
 void route_case(int64_t T, int64_t E, const RouterParams& rp, bool bias, uint64_t seed) {
   Tensor lg = rand_host({T, E}, seed, 2.0f), bs = rand_host({E}, seed + 1, 0.1f);
   Tensor lc = cpu().upload(lg, DType::F32), lgp = gpu().upload(lg, DType::F32);

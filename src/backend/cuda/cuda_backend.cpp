@@ -467,7 +467,7 @@ class CudaBackend final : public Backend {
   }
 
   void mla_write_latent(Tensor& latent, const Tensor& kv_norm, float eps, Tensor& cache) override {
-    const int64_t kvr = check_latent(latent, kv_norm, cache);
+    const int64_t kvr = check_latent("mla_write_latent", latent, kv_norm, cache);
     CUDA_OK(cuda::write_latent(bf(latent), step_.num_tokens(), static_cast<int32_t>(kvr),
                                static_cast<int32_t>(rope_dim_), kv_norm.data_as<const float>(), eps, d_positions_,
                                d_out_slots_, inv_freq_.data_as<const float>(), rope_factor_, bf(cache), stream_),
@@ -475,7 +475,7 @@ class CudaBackend final : public Backend {
   }
 
   void mla_rope_q(Tensor& q, int32_t num_heads, int32_t qk_nope, int32_t qk_rope) override {
-    check_rope_q(q, num_heads, qk_nope, qk_rope);
+    check_rope_q("mla_rope_q", q, num_heads, qk_nope, qk_rope);
     CUDA_OK(cuda::rope_q(bf(q), step_.num_tokens(), num_heads, qk_nope, qk_rope, d_positions_,
                          inv_freq_.data_as<const float>(), rope_factor_, stream_),
             "mla_rope_q");
@@ -483,16 +483,20 @@ class CudaBackend final : public Backend {
 
   void mla_prepare(Tensor& q, int32_t num_heads, int32_t qk_nope, int32_t qk_rope, Tensor& latent,
                    const Tensor& kv_norm, float eps, Tensor& cache) override {
-    const int64_t kvr = check_latent(latent, kv_norm, cache);
-    check_rope_q(q, num_heads, qk_nope, qk_rope);
-    CUDA_OK(cuda::rope_q_write_latent(bf(q), num_heads, qk_nope, bf(latent), step_.num_tokens(),
-                                      static_cast<int32_t>(kvr), static_cast<int32_t>(rope_dim_),
-                                      kv_norm.data_as<const float>(), eps, d_positions_, d_out_slots_,
-                                      inv_freq_.data_as<const float>(), rope_factor_, bf(cache), stream_),
+    CUDA_OK(cuda::rope_q_write_latent(prep_args(q, num_heads, qk_nope, qk_rope, latent, kv_norm, eps, cache), stream_),
             "mla_prepare");
   }
 
-  void mla_attention(const Tensor& q, const Tensor& cache, const Tensor& kv_b, const MlaParams& p, Tensor& out) override;
+  void mla_attention(const Tensor& q, const Tensor& cache, const Tensor& kv_b, const MlaParams& p, Tensor& out) override {
+    attend(q, cache, kv_b, p, out, nullptr);
+  }
+
+  // At 1-2 decode tokens the preparation runs inside the q_lat product's launch (cuda::gemv_n_prepare).
+  void mla_prepare_attention(Tensor& q, Tensor& latent, const Tensor& kv_norm, float eps, Tensor& cache,
+                             const Tensor& kv_b, const MlaParams& p, Tensor& out) override {
+    const cuda::MlaPrepArgs prep = prep_args(q, p.num_heads, p.qk_nope, p.qk_rope, latent, kv_norm, eps, cache);
+    attend(q, cache, kv_b, p, out, &prep);
+  }
 
   void moe_route(const Tensor& logits, const Tensor* bias, const RouterParams& p, Tensor& topk_ids,
                  Tensor& topk_weights) override {
@@ -626,23 +630,51 @@ class CudaBackend final : public Backend {
   }
 
   // mla_write_latent's checks; returns kv_lora.
-  int64_t check_latent(const Tensor& latent, const Tensor& kv_norm, const Tensor& cache) const {
+  int64_t check_latent(const char* op, const Tensor& latent, const Tensor& kv_norm, const Tensor& cache) const {
     const int64_t W = latent.size(-1), kvr = kv_norm.numel(), rope = W - kvr, T = step_.num_tokens();
-    MLA_CHECK(cache.size(-1) == W, "mla_write_latent: cache row width {} != latent width {}", cache.size(-1), W);
-    MLA_CHECK(rope == rope_dim_, "mla_write_latent: rope width {} vs {} frequencies", rope, rope_dim_ / 2);
+    MLA_CHECK(cache.size(-1) == W, "{}: cache row width {} != latent width {}", op, cache.size(-1), W);
+    MLA_CHECK(rope == rope_dim_, "{}: rope width {} vs {} frequencies", op, rope, rope_dim_ / 2);
     MLA_CHECK(latent.dtype() == DType::BF16 && cache.dtype() == DType::BF16 && kv_norm.dtype() == DType::F32 &&
                   latent.numel() == T * W,
-              "mla_write_latent: dtype or shape mismatch");
+              "{}: dtype or shape mismatch", op);
     const int64_t slots = cache.size(0);
     for (int32_t s : step_.out_slots)
-      MLA_CHECK(s >= 0 && s < slots, "mla_write_latent: slot {} outside the cache of {} slots", s, slots);
+      MLA_CHECK(s >= 0 && s < slots, "{}: slot {} outside the cache of {} slots", op, s, slots);
     return kvr;
   }
-  void check_rope_q(const Tensor& q, int32_t num_heads, int32_t qk_nope, int32_t qk_rope) const {
+  void check_rope_q(const char* op, const Tensor& q, int32_t num_heads, int32_t qk_nope, int32_t qk_rope) const {
     MLA_CHECK(q.numel() == step_.num_tokens() * num_heads * (qk_nope + qk_rope) && q.dtype() == DType::BF16,
-              "mla_rope_q: shape mismatch");
-    MLA_CHECK(qk_rope == rope_dim_, "mla_rope_q: rope width {} vs {} frequencies", qk_rope, rope_dim_ / 2);
+              "{}: shape mismatch", op);
+    MLA_CHECK(qk_rope == rope_dim_, "{}: rope width {} vs {} frequencies", op, qk_rope, rope_dim_ / 2);
   }
+
+  // mla_prepare's checks and kernel arguments.
+  cuda::MlaPrepArgs prep_args(Tensor& q, int32_t num_heads, int32_t qk_nope, int32_t qk_rope, Tensor& latent,
+                              const Tensor& kv_norm, float eps, Tensor& cache) {
+    const int64_t kvr = check_latent("mla_prepare", latent, kv_norm, cache);
+    check_rope_q("mla_prepare", q, num_heads, qk_nope, qk_rope);
+    cuda::MlaPrepArgs a{};
+    a.q = bf(q);
+    a.T = step_.num_tokens();
+    a.nh = num_heads;
+    a.nope = qk_nope;
+    a.rope = qk_rope;
+    a.latent = bf(latent);
+    a.kvr = static_cast<int32_t>(kvr);
+    a.norm_w = kv_norm.data_as<const float>();
+    a.eps = eps;
+    a.positions = d_positions_;
+    a.slots = d_out_slots_;
+    a.inv_freq = inv_freq_.data_as<const float>();
+    a.factor = rope_factor_;
+    a.cache = bf(cache);
+    return a;
+  }
+
+  // mla_attention, with mla_prepare's work (prep, when given) run first: inside the q_lat launch where that takes
+  // the small-batch kernel, else as its own launch.
+  void attend(const Tensor& q, const Tensor& cache, const Tensor& kv_b, const MlaParams& p, Tensor& out,
+              const cuda::MlaPrepArgs* prep);
 
   // The routing kernels' arguments after checking the shapes and the kernels' limits.
   static cuda::RouteArgs route_args(const char* op, int64_t T, int64_t E, const RouterParams& p, const Tensor& ids,
@@ -959,8 +991,8 @@ CudaBackend::MlaPlan CudaBackend::build_plan(const PlanKey& key, MetaUpload& up,
   return plan;
 }
 
-void CudaBackend::mla_attention(const Tensor& q, const Tensor& cache, const Tensor& kv_b, const MlaParams& p,
-                                Tensor& out) {
+void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_b, const MlaParams& p, Tensor& out,
+                         const cuda::MlaPrepArgs* prep) {
   const int64_t T = step_.num_tokens();
   const int64_t nh = p.num_heads, nope = p.qk_nope, rope = p.qk_rope, vh = p.v_head, kvr = p.kv_lora;
   const int64_t hd = nope + rope, W = kvr + rope;
@@ -974,16 +1006,20 @@ void CudaBackend::mla_attention(const Tensor& q, const Tensor& cache, const Tens
   const MlaPlan& plan = plan_for(p.form, static_cast<int32_t>(nh), static_cast<int32_t>(kvr), static_cast<int32_t>(rope));
   const char* kvb = static_cast<const char*>(kv_b.data());
   const int64_t head_rows = nope + vh;  // rows of kv_b per head: W_UK (nope) then W_UV (v)
+  const bool small = small_batch_ && T <= cuda::kGemvMaxRows && kvr % 8 == 0 && nope % 8 == 0 && hd % 8 == 0 &&
+                     alignment_of(kvb) >= 16 && alignment_of(q.data()) >= 16;
+  const bool fold_prep = prep && small && T <= cuda::kFewRows && plan.num_decode_items > 0 && plan.num_prefill_items == 0;
+  if (prep && !fold_prep) CUDA_OK(cuda::rope_q_write_latent(*prep, stream_), "mla_prepare");
   if (plan.num_decode_items > 0) {
     // q_lat[t, h, :] = q_nope[t, h, :] @ W_UK[h]   (W_UK[h]: [nope, kvr] rows of kv_b)
     Tensor q_lat = scratch({T, nh, kvr}, DType::BF16);
-    const bool small = small_batch_ && T <= cuda::kGemvMaxRows && kvr % 8 == 0 && nope % 8 == 0 && hd % 8 == 0 &&
-                       alignment_of(kvb) >= 16 && alignment_of(q.data()) >= 16;
     if (small && T <= cuda::kFewRows) {
-      CUDA_OK(cuda::gemv_n(gemv_args(q.data(), nh * hd, hd, kvb, kvr, head_rows * kvr, q_lat.data(), nh * kvr, kvr, T,
-                                     kvr, nope),
-                           static_cast<int32_t>(nh), stream_),
-              "gemv_n (q_lat)");
+      const cuda::GemvArgs g =
+          gemv_args(q.data(), nh * hd, hd, kvb, kvr, head_rows * kvr, q_lat.data(), nh * kvr, kvr, T, kvr, nope);
+      if (fold_prep)
+        CUDA_OK(cuda::gemv_n_prepare(g, static_cast<int32_t>(nh), *prep, stream_), "gemv_n (q_lat) + mla_prepare");
+      else
+        CUDA_OK(cuda::gemv_n(g, static_cast<int32_t>(nh), stream_), "gemv_n (q_lat)");
     } else {
       batched_gemm(false, kvr, T, nope, kvb, kvr, head_rows * kvr, q.data(), nh * hd, hd, q_lat.data(), nh * kvr, kvr,
                    nh);

@@ -7,6 +7,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/prepare.cuh"
 #include "core/random.h"
 
 namespace mlaserve::cuda {
@@ -173,27 +174,6 @@ __global__ void gather_rows_kernel(const char* x, int64_t row_bytes, const int32
   }
 }
 
-__device__ __forceinline__ void rotate_pair(bf16* x, int i, int32_t pos, const float* inv_freq, float factor) {
-  const float ang = inv_freq[i] * static_cast<float>(pos);
-  const float c = cosf(ang) * factor, s = sinf(ang) * factor;
-  const float x0 = __bfloat162float(x[2 * i]), x1 = __bfloat162float(x[2 * i + 1]);
-  x[2 * i] = __float2bfloat16_rn(x0 * c - x1 * s);
-  x[2 * i + 1] = __float2bfloat16_rn(x0 * s + x1 * c);
-}
-
-// Rotates pairs [begin, end) of step over the rope parts of q (pair i: head row i / half, pair i % half).
-__device__ __forceinline__ void rope_q_pairs(bf16* q, int64_t n, int32_t nh, int32_t nope, int32_t rope,
-                                             const int32_t* positions, const float* inv_freq, float factor,
-                                             int64_t first, int64_t step) {
-  const int32_t half = rope / 2, hd = nope + rope;
-  for (int64_t i = first; i < n; i += step) {
-    const int64_t th = i / half;
-    const int32_t p = static_cast<int32_t>(i - th * half);
-    const int64_t t = th / nh;
-    rotate_pair(q + th * hd + nope, p, positions[t], inv_freq, factor);
-  }
-}
-
 __global__ void rope_q_kernel(bf16* q, int64_t T, int32_t nh, int32_t nope, int32_t rope, const int32_t* positions,
                               const float* inv_freq, float factor) {
   pdl_wait();
@@ -201,35 +181,6 @@ __global__ void rope_q_kernel(bf16* q, int64_t T, int32_t nh, int32_t nope, int3
   rope_q_pairs(q, T * nh * (rope / 2), nh, nope, rope, positions, inv_freq, factor,
                blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x,
                static_cast<int64_t>(gridDim.x) * blockDim.x);
-}
-
-// Token t's latent row: c_kv normalised, k_pe rotated, written back and into its cache slot (one block).
-__device__ __forceinline__ void write_latent_row(int64_t t, bf16* latent, int32_t kvr, int32_t rope, const float* w,
-                                                 float eps, const int32_t* positions, const int32_t* slots,
-                                                 const float* inv_freq, float factor, bf16* cache) {
-  __shared__ float red[32];
-  const int32_t W = kvr + rope;
-  bf16* row = latent + t * W;
-  float ss = 0.0f;
-  for (int i = threadIdx.x; i < kvr; i += blockDim.x) {
-    const float v = __bfloat162float(row[i]);
-    ss += v * v;
-  }
-  ss = block_sum(ss, red);
-  const float inv = 1.0f / sqrtf(ss / static_cast<float>(kvr) + eps);
-  __syncthreads();  // every thread has read the row before it is overwritten
-  bf16* dst = cache + static_cast<int64_t>(slots[t]) * W;
-  for (int i = threadIdx.x; i < kvr; i += blockDim.x) {
-    const bf16 v = __float2bfloat16_rn(w[i] * (__bfloat162float(row[i]) * inv));
-    row[i] = v;
-    dst[i] = v;
-  }
-  const int32_t pos = positions[t];
-  for (int i = threadIdx.x; i < rope / 2; i += blockDim.x) {
-    rotate_pair(row + kvr, i, pos, inv_freq, factor);
-    dst[kvr + 2 * i] = row[kvr + 2 * i];
-    dst[kvr + 2 * i + 1] = row[kvr + 2 * i + 1];
-  }
 }
 
 __global__ void write_latent_kernel(bf16* latent, int32_t kvr, int32_t rope, const float* w, float eps,
@@ -241,18 +192,10 @@ __global__ void write_latent_kernel(bf16* latent, int32_t kvr, int32_t rope, con
 }
 
 // Both in one launch: blocks [0, T) write the latent rows, the rest rotate q.
-__global__ void rope_q_write_latent_kernel(bf16* q, int64_t T, int32_t nh, int32_t nope, bf16* latent, int32_t kvr,
-                                           int32_t rope, const float* w, float eps, const int32_t* positions,
-                                           const int32_t* slots, const float* inv_freq, float factor, bf16* cache) {
+__global__ void rope_q_write_latent_kernel(MlaPrepArgs a) {
   pdl_wait();
   pdl_trigger();
-  if (blockIdx.x < T) {
-    write_latent_row(blockIdx.x, latent, kvr, rope, w, eps, positions, slots, inv_freq, factor, cache);
-    return;
-  }
-  rope_q_pairs(q, T * nh * (rope / 2), nh, nope, rope, positions, inv_freq, factor,
-               (blockIdx.x - T) * static_cast<int64_t>(blockDim.x) + threadIdx.x,
-               static_cast<int64_t>(gridDim.x - T) * blockDim.x);
+  mla_prepare_block(a, blockIdx.x, gridDim.x);
 }
 
 }  // namespace
@@ -341,14 +284,11 @@ cudaError_t write_latent(bf16* latent, int64_t T, int32_t kvr, int32_t rope, con
                 slots, inv_freq, factor, cache);
 }
 
-cudaError_t rope_q_write_latent(bf16* q, int32_t nh, int32_t nope, bf16* latent, int64_t T, int32_t kvr, int32_t rope,
-                                const float* norm_w, float eps, const int32_t* positions, const int32_t* slots,
-                                const float* inv_freq, float factor, bf16* cache, cudaStream_t stream) {
-  if (T == 0) return cudaSuccess;
-  const int64_t pairs = T * nh * (rope / 2);
+cudaError_t rope_q_write_latent(const MlaPrepArgs& a, cudaStream_t stream) {
+  if (a.T == 0) return cudaSuccess;
+  const int64_t pairs = a.T * a.nh * (a.rope / 2);
   const int64_t rope_blocks = std::min<int64_t>(std::max<int64_t>((pairs + 127) / 128, 1), 1024);
-  return launch(rope_q_write_latent_kernel, static_cast<unsigned>(T + rope_blocks), 128, 0, stream, q, T, nh, nope,
-                latent, kvr, rope, norm_w, eps, positions, slots, inv_freq, factor, cache);
+  return launch(rope_q_write_latent_kernel, static_cast<unsigned>(a.T + rope_blocks), 128, 0, stream, a);
 }
 
 }  // namespace mlaserve::cuda

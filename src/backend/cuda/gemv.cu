@@ -5,10 +5,12 @@
 // They are launched with programmatic dependent launch: each warp loads its first weights before pdl_wait(), so a
 // kernel's weight reads overlap the kernel before it. CPU references: cpu::linear, cpu::route_token (through
 // CpuBackend::moe_gate = linear + moe_route), cpu::moe_experts + add_shared_experts.
+#include <algorithm>
 #include <cmath>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/prepare.cuh"
 #include "backend/cuda/route.cuh"
 
 namespace mlaserve::cuda {
@@ -250,8 +252,15 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_kernel(GemvArgs g, const
 // Block (b.x, b.y): columns [256 b.x, 256 b.x + 256) of batch b.y; warp w sums rows [w K / 8, (w + 1) K / 8), each
 // lane 8 columns; the warps' partial sums meet in shared memory.
 constexpr int kNRows = 16;  // rows per warp held in registers at once
-template <int TT>
-__global__ void __launch_bounds__(kWarps * 32) gemv_n_kernel(GemvArgs a) {
+// PREP: the last row of blocks (b.y == gridDim.y - 1) runs mla_prepare_block instead (gemv_n_prepare).
+template <int TT, bool PREP>
+__global__ void __launch_bounds__(kWarps * 32) gemv_n_kernel(GemvArgs a, MlaPrepArgs prep) {
+  if (PREP && blockIdx.y == gridDim.y - 1) {
+    pdl_wait();
+    pdl_trigger();
+    mla_prepare_block(prep, blockIdx.x, gridDim.x);
+    return;
+  }
   __shared__ float part[kWarps][256];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int c0 = blockIdx.x * 256 + lane * 8;
@@ -637,14 +646,34 @@ cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned
   return launch(moe_gate_kernel, grid, kWarps * 32, 0, stream, a, bias, r, counter, ids, weights);
 }
 
+namespace {
+
+bool gemv_n_fits(const GemvArgs& a) {
+  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  return a.T <= kFewRows && a.N % 8 == 0 && a.ldw % 8 == 0 && aligned(a.w) && !a.y_f32;
+}
+
+}  // namespace
+
 cudaError_t gemv_n(GemvArgs a, int32_t batch, cudaStream_t stream) {
   if (a.N == 0 || batch == 0 || a.T == 0) return cudaSuccess;
-  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  if (a.T > kFewRows || a.N % 8 != 0 || a.ldw % 8 != 0 || !aligned(a.w) || a.y_f32) return cudaErrorInvalidValue;
+  if (!gemv_n_fits(a)) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>((a.N + 255) / 256), static_cast<unsigned>(batch));
   static_assert(kFewRows == 2, "gemv_n instantiates 1 and 2 rows");
-  return a.T == 1 ? launch(gemv_n_kernel<1>, grid, kWarps * 32, 0, stream, a)
-                  : launch(gemv_n_kernel<2>, grid, kWarps * 32, 0, stream, a);
+  const MlaPrepArgs none{};
+  return a.T == 1 ? launch(gemv_n_kernel<1, false>, grid, kWarps * 32, 0, stream, a, none)
+                  : launch(gemv_n_kernel<2, false>, grid, kWarps * 32, 0, stream, a, none);
+}
+
+cudaError_t gemv_n_prepare(GemvArgs a, int32_t batch, const MlaPrepArgs& prep, cudaStream_t stream) {
+  if (a.T == 0) return cudaSuccess;
+  if (!gemv_n_fits(a) || prep.T != a.T || a.N == 0 || batch == 0) return cudaErrorInvalidValue;
+  // The preparation's row needs T + 1 blocks (T latent rows, at least one for q's RoPE); product blocks past N
+  // compute nothing.
+  const unsigned nx = static_cast<unsigned>(std::max<int64_t>((a.N + 255) / 256, a.T + 1));
+  const dim3 grid(nx, static_cast<unsigned>(batch) + 1);
+  return a.T == 1 ? launch(gemv_n_kernel<1, true>, grid, kWarps * 32, 0, stream, a, prep)
+                  : launch(gemv_n_kernel<2, true>, grid, kWarps * 32, 0, stream, a, prep);
 }
 
 size_t moe_small_plan_bytes() { return sizeof(MoePlan); }

@@ -64,9 +64,21 @@ cudaError_t write_latent(bf16* latent, int64_t T, int32_t kvr, int32_t rope, con
                          const int32_t* positions, const int32_t* slots, const float* inv_freq, float factor,
                          bf16* cache, cudaStream_t stream);
 // write_latent and rope_q (q: [T, nh, nope + rope]) in one launch, with the same results.
-cudaError_t rope_q_write_latent(bf16* q, int32_t nh, int32_t nope, bf16* latent, int64_t T, int32_t kvr, int32_t rope,
-                                const float* norm_w, float eps, const int32_t* positions, const int32_t* slots,
-                                const float* inv_freq, float factor, bf16* cache, cudaStream_t stream);
+struct MlaPrepArgs {
+  bf16* q;
+  int64_t T;
+  int32_t nh, nope, rope;
+  bf16* latent;         // [T, kvr + rope]
+  int32_t kvr;
+  const float* norm_w;  // [kvr]
+  float eps;
+  const int32_t* positions;
+  const int32_t* slots;
+  const float* inv_freq;
+  float factor;
+  bf16* cache;
+};
+cudaError_t rope_q_write_latent(const MlaPrepArgs& a, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
 // MLA attention (mla_decode.cu, mla_prefill.cu)
@@ -278,6 +290,9 @@ cudaError_t gemv_t(GemvArgs a, int32_t batch, int32_t num_sms, cudaStream_t stre
 cudaError_t gemv_t_pair(GemvArgs a, GemvArgs b, int32_t num_sms, cudaStream_t stream);
 // y = x W for each of `batch` matrices, bf16 out (T <= kFewRows, N and ldw multiples of 8, w 16-byte aligned).
 cudaError_t gemv_n(GemvArgs a, int32_t batch, cudaStream_t stream);
+// gemv_n and rope_q_write_latent(prep) in one launch (an extra row of blocks), with the same results: MLA decode's
+// q_lat product reads only q's nope part, which the preparation leaves alone. prep.T == a.T.
+cudaError_t gemv_n_prepare(GemvArgs a, int32_t batch, const MlaPrepArgs& prep, cudaStream_t stream);
 
 // Router and routing in one kernel (moe_route of y = x router^T, logits fp32 in a.y with ldy == N experts):
 // ids[T, top_k], weights[T, top_k] as moe_route gives them from the logits (a warp per expert row, full K: the sums

@@ -1,0 +1,76 @@
+// MLA's per-step preparation, shared by the kernels that run it (elementwise.cu's own launches, and gemv.cu's q_lat
+// product, which takes it as an extra row of blocks): q's RoPE (rope_q_pairs) and the latent-cache write
+// (write_latent_row). CPU references: cpu::rope_pairs, CpuBackend::mla_write_latent.
+#pragma once
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/kernels.h"
+
+namespace mlaserve::cuda {
+
+__device__ __forceinline__ void rotate_pair(bf16* x, int i, int32_t pos, const float* inv_freq, float factor) {
+  const float ang = inv_freq[i] * static_cast<float>(pos);
+  const float c = cosf(ang) * factor, s = sinf(ang) * factor;
+  const float x0 = __bfloat162float(x[2 * i]), x1 = __bfloat162float(x[2 * i + 1]);
+  x[2 * i] = __float2bfloat16_rn(x0 * c - x1 * s);
+  x[2 * i + 1] = __float2bfloat16_rn(x0 * s + x1 * c);
+}
+
+// Rotates pairs [begin, end) of step over the rope parts of q (pair i: head row i / half, pair i % half).
+__device__ __forceinline__ void rope_q_pairs(bf16* q, int64_t n, int32_t nh, int32_t nope, int32_t rope,
+                                             const int32_t* positions, const float* inv_freq, float factor,
+                                             int64_t first, int64_t step) {
+  const int32_t half = rope / 2, hd = nope + rope;
+  for (int64_t i = first; i < n; i += step) {
+    const int64_t th = i / half;
+    const int32_t p = static_cast<int32_t>(i - th * half);
+    const int64_t t = th / nh;
+    rotate_pair(q + th * hd + nope, p, positions[t], inv_freq, factor);
+  }
+}
+
+// Token t's latent row: c_kv normalised, k_pe rotated, written back and into its cache slot (one block).
+__device__ __forceinline__ void write_latent_row(int64_t t, bf16* latent, int32_t kvr, int32_t rope, const float* w,
+                                                 float eps, const int32_t* positions, const int32_t* slots,
+                                                 const float* inv_freq, float factor, bf16* cache) {
+  __shared__ float red[32];
+  const int32_t W = kvr + rope;
+  bf16* row = latent + t * W;
+  // The sum of squares over the first kLatentSumThreads threads whatever the block size, so every kernel that runs
+  // this (128 or 256 threads) rounds it the same way.
+  constexpr int kLatentSumThreads = 128;
+  float ss = 0.0f;
+  if (threadIdx.x < kLatentSumThreads)
+    for (int i = threadIdx.x; i < kvr; i += kLatentSumThreads) {
+      const float v = __bfloat162float(row[i]);
+      ss += v * v;
+    }
+  ss = block_sum(ss, red);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(kvr) + eps);
+  __syncthreads();  // every thread has read the row before it is overwritten
+  bf16* dst = cache + static_cast<int64_t>(slots[t]) * W;
+  for (int i = threadIdx.x; i < kvr; i += blockDim.x) {
+    const bf16 v = __float2bfloat16_rn(w[i] * (__bfloat162float(row[i]) * inv));
+    row[i] = v;
+    dst[i] = v;
+  }
+  const int32_t pos = positions[t];
+  for (int i = threadIdx.x; i < rope / 2; i += blockDim.x) {
+    rotate_pair(row + kvr, i, pos, inv_freq, factor);
+    dst[kvr + 2 * i] = row[kvr + 2 * i];
+    dst[kvr + 2 * i + 1] = row[kvr + 2 * i + 1];
+  }
+}
+
+// Block b of nb (nb > T): blocks [0, T) write the latent rows, the rest rotate q. Any block size >= 128.
+__device__ __forceinline__ void mla_prepare_block(const MlaPrepArgs& a, int64_t b, int64_t nb) {
+  if (b < a.T) {
+    write_latent_row(b, a.latent, a.kvr, a.rope, a.norm_w, a.eps, a.positions, a.slots, a.inv_freq, a.factor,
+                     a.cache);
+    return;
+  }
+  rope_q_pairs(a.q, a.T * a.nh * (a.rope / 2), a.nh, a.nope, a.rope, a.positions, a.inv_freq, a.factor,
+               (b - a.T) * static_cast<int64_t>(blockDim.x) + threadIdx.x, (nb - a.T) * static_cast<int64_t>(blockDim.x));
+}
+
+}  // namespace mlaserve::cuda
