@@ -19,6 +19,7 @@ namespace {
 
 constexpr int kWarps = 8;   // warps per block
 constexpr int kUnroll = 8;  // 16-byte weight loads per lane in flight
+constexpr int kSmallMoeUnroll = 4;  // the small-batch MoE's (fewer registers, more warps per SM: measured faster)
 
 // Weights are read once per step: a 16-byte load that does not allocate in L1 (kept for the activations).
 __device__ __forceinline__ uint4 ld_weights(const void* p) {
@@ -45,9 +46,10 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
   return s;
 }
 
-__device__ __forceinline__ void load_chunk(uint4 (&w)[kUnroll], const uint4* row, int v, int end) {
+template <int U>
+__device__ __forceinline__ void load_chunk(uint4 (&w)[U], const uint4* row, int v, int end) {
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) w[u] = v + u * 32 < end ? ld_weights(row + v + u * 32) : make_uint4(0, 0, 0, 0);
+  for (int u = 0; u < U; ++u) w[u] = v + u * 32 < end ? ld_weights(row + v + u * 32) : make_uint4(0, 0, 0, 0);
 }
 
 // Token t's activation row: x + t * ldx (the x_row argument of chunk_dot / row_dot where rows are evenly spaced).
@@ -59,11 +61,11 @@ struct EvenRows {
 
 // acc[t] += row . x_row(t) over this lane's 16-byte vectors [v, end) of one chunk; tokens >= T are skipped, as are
 // tokens whose bit in `mask` is clear.
-template <int TT, typename XRow>
-__device__ __forceinline__ void chunk_dot(float (&acc)[TT], const uint4 (&w)[kUnroll], int v, int end, XRow x_row,
+template <int TT, int U, typename XRow>
+__device__ __forceinline__ void chunk_dot(float (&acc)[TT], const uint4 (&w)[U], int v, int end, XRow x_row,
                                           int T, unsigned mask) {
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < U; ++u) {
     const int vi = v + u * 32;
     if (vi < end) {
 #pragma unroll
@@ -74,13 +76,13 @@ __device__ __forceinline__ void chunk_dot(float (&acc)[TT], const uint4 (&w)[kUn
 }
 
 // acc[t] += row . x_row(t) over the vectors [begin, end) of a row, its first chunk already in w (load_chunk at lane).
-template <int TT, typename XRow>
-__device__ __forceinline__ void row_dot(float (&acc)[TT], uint4 (&w)[kUnroll], const uint4* row, int begin, int end,
+template <int TT, int U, typename XRow>
+__device__ __forceinline__ void row_dot(float (&acc)[TT], uint4 (&w)[U], const uint4* row, int begin, int end,
                                         XRow x_row, int T, unsigned mask) {
   const int lane = threadIdx.x & 31;
   for (int v = begin + lane;;) {
     chunk_dot<TT>(acc, w, v, end, x_row, T, mask);
-    v += kUnroll * 32;
+    v += U * 32;
     if (v >= end) break;
     load_chunk(w, row, v, end);
   }
@@ -377,16 +379,17 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 // routed row (plan entry r / I, row r % I) for r = it - Is. Warps take items it = global warp, + all warps, ...; a
 // warp's first item, when shared, is loaded before the wait and computed before the plan is built (it needs none).
 // act[t * k + slot, i] = silu(gate . x) * (up . x) from fp32 sums (the grouped kernel's epilogue); act_shared[t, i]
-// the same from bf16-rounded sums (the shared MLP's linear + silu_mul). Persistent blocks (a couple per SM) build the
+// the same from bf16-rounded sums (the shared MLP's linear + silu_mul). Persistent blocks (MINB per SM) build the
 // plan once each; block 0 leaves a copy in plan_out (when given) for the down kernel.
-template <int TT>
-__global__ void __launch_bounds__(kWarps * 32, 2) moe_small_gate_up_kernel(MoeSmallArgs a, MoePlan* plan_out) {
+// U: 16-byte loads per lane in flight; MINB: blocks per SM (the launch sizes the persistent grid to match).
+template <int TT, int U, int MINB>
+__global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(MoeSmallArgs a, MoePlan* plan_out) {
   __shared__ MoePlan plan;
   const int lane = threadIdx.x & 31;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
   const int nvec = a.H >> 3;
-  uint4 wg[kUnroll], wu[kUnroll];
+  uint4 wg[U], wu[U];
   const uint4 *gr = nullptr, *ur = nullptr;
   const bool first_shared = first < a.Is;
   if (first_shared) {
@@ -420,7 +423,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) moe_small_gate_up_kernel(MoeSm
     for (int v = lane;;) {
       chunk_dot<TT>(ag, wg, v, nvec, EvenRows{a.x, a.ldx}, a.T, mask);
       chunk_dot<TT>(au, wu, v, nvec, EvenRows{a.x, a.ldx}, a.T, mask);
-      v += kUnroll * 32;
+      v += U * 32;
       if (v >= nvec) break;
       load_chunk(wg, gr, v, nvec);
       load_chunk(wu, ur, v, nvec);
@@ -466,10 +469,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) moe_small_gate_up_kernel(MoeSm
 // column, consecutive in memory), loading the next row while it reduces the current one. Each routed segment
 // leaves w * (row . act) per (column, token, slot) in shared memory, summed per token in slot order and rounded (the
 // grouped path's combine), then the shared experts' output is rounded and added (the model's add).
-template <int TT, int COLS>
-__global__ void __launch_bounds__(kWarps * 32, COLS == 1 ? 4 : 2) moe_small_down_kernel(MoeSmallArgs a,
-                                                                                        const MoePlan* gplan,
-                                                                                        int32_t shared_segs) {
+// U: 16-byte loads per lane per chunk of a row; MINB: blocks per SM.
+template <int TT, int COLS, int U, int MINB>
+__global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_kernel(MoeSmallArgs a, const MoePlan* gplan,
+                                                                           int32_t shared_segs) {
   __shared__ MoePlan plan;
   __shared__ float part[COLS][kMaxPairs];
   __shared__ float spart[COLS][kWarps][TT];
@@ -493,7 +496,7 @@ __global__ void __launch_bounds__(kWarps * 32, COLS == 1 ? 4 : 2) moe_small_down
       s1 = nvec;
     }
   };
-  uint4 wa[kUnroll], wb[kUnroll];
+  uint4 wa[U], wb[U];
   // Before the wait, without gplan: the plan and this warp's first row. The routing ids were written before the
   // gate/up kernel began (it waits for them), and that kernel lets this one start only after its own wait, so they
   // are final here; the activations (gate/up's output) are read after the wait only. With gplan (gate/up's copy of
@@ -538,8 +541,8 @@ __global__ void __launch_bounds__(kWarps * 32, COLS == 1 ? 4 : 2) moe_small_down
     for (int c = 0; c < COLS; ++c) {
       if (c >= ncol) break;
       const uint4* row = base + c * stride;
-      uint4(&cur)[kUnroll] = c % 2 ? wb : wa;  // c is a constant here: no indexing of the buffers at run time
-      uint4(&next)[kUnroll] = c % 2 ? wa : wb;
+      uint4(&cur)[U] = c % 2 ? wb : wa;  // c is a constant here: no indexing of the buffers at run time
+      uint4(&next)[U] = c % 2 ? wa : wb;
       if (c + 1 < ncol) load_chunk(next, row + stride, s0 + lane, s1);
       float acc[TT];
 #pragma unroll
@@ -688,23 +691,28 @@ cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStrea
   // The shared experts' row in slices of about one routed row each (at most one slice per warp).
   const int shared_segs = a.Is == 0 ? 0 : std::min(kWarps, std::max(1, (a.Is + a.I / 2) / a.I));
   const int64_t gate_up_items = static_cast<int64_t>(max_unique) * a.I + a.Is;
-  const unsigned g1 = static_cast<unsigned>(
-      std::min<int64_t>((gate_up_items + kWarps - 1) / kWarps, 2 * static_cast<int64_t>(std::max(num_sms, 1))));
-  // Down, measured on H200 (docs/perf.md): at one token, 8 columns per block (about one wave; each warp walks 8 rows
-  // of its segment) with the plan built before the wait; at two, up to twice the segments, so one column per block
-  // (many short blocks, 4 per SM) reading gate/up's copy of the plan.
+  // Gate/up: persistent blocks, as many as fit at once, or fewer when there are fewer items (a warp each).
+  auto gate_up_grid = [&](int per_sm) {
+    return static_cast<unsigned>(std::min<int64_t>((gate_up_items + kWarps - 1) / kWarps,
+                                                   per_sm * static_cast<int64_t>(std::max(num_sms, 1))));
+  };
+  // Measured on H200 (docs/perf.md): gate/up with kSmallMoeUnroll loads per lane (64 / 72 registers), 4 / 3 blocks
+  // per SM at one / two tokens. Down at one token: 4 columns per block (each warp walks 4 rows of its segment), 4
+  // blocks per SM, the plan built before the wait; at two, up to twice the segments, so one column per block (many
+  // short blocks, 4 per SM) reading gate/up's copy of the plan.
   static_assert(kFewRows == 2, "moe_small instantiates 1 and 2 rows");
   cudaError_t e;
   if (a.T == 1) {
-    e = launch(moe_small_gate_up_kernel<1>, g1, kWarps * 32, 0, stream, a, static_cast<MoePlan*>(nullptr));
+    e = launch(moe_small_gate_up_kernel<1, kSmallMoeUnroll, 4>, gate_up_grid(4), kWarps * 32, 0, stream, a,
+               static_cast<MoePlan*>(nullptr));
     return e != cudaSuccess ? e
-                            : launch(moe_small_down_kernel<1, 8>, static_cast<unsigned>((a.H + 7) / 8), kWarps * 32,
-                                     0, stream, a, static_cast<const MoePlan*>(nullptr), shared_segs);
+                            : launch(moe_small_down_kernel<1, 4, kSmallMoeUnroll, 4>, static_cast<unsigned>((a.H + 3) / 4),
+                                     kWarps * 32, 0, stream, a, static_cast<const MoePlan*>(nullptr), shared_segs);
   }
-  e = launch(moe_small_gate_up_kernel<2>, g1, kWarps * 32, 0, stream, a, plan);
+  e = launch(moe_small_gate_up_kernel<2, kSmallMoeUnroll, 3>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
   return e != cudaSuccess ? e
-                          : launch(moe_small_down_kernel<2, 1>, static_cast<unsigned>(a.H), kWarps * 32, 0, stream, a,
-                                   static_cast<const MoePlan*>(plan), shared_segs);
+                          : launch(moe_small_down_kernel<2, 1, kUnroll, 4>, static_cast<unsigned>(a.H), kWarps * 32, 0,
+                                   stream, a, static_cast<const MoePlan*>(plan), shared_segs);
 }
 
 }  // namespace mlaserve::cuda
