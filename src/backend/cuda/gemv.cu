@@ -696,10 +696,10 @@ cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStrea
     return static_cast<unsigned>(std::min<int64_t>((gate_up_items + kWarps - 1) / kWarps,
                                                    per_sm * static_cast<int64_t>(std::max(num_sms, 1))));
   };
-  // Measured on H200 (docs/perf.md): gate/up with kSmallMoeUnroll loads per lane (64 / 72 registers), 4 / 3 blocks
-  // per SM at one / two tokens. Down at one token: 4 columns per block (each warp walks 4 rows of its segment), 4
-  // blocks per SM, the plan built before the wait; at two, up to twice the segments, so one column per block (many
-  // short blocks, 4 per SM) reading gate/up's copy of the plan.
+  // Measured on H200 (docs/perf.md), all with kSmallMoeUnroll loads per lane: gate/up with 4 / 3 blocks per SM at one
+  // / two tokens (64 / 72 registers). Down at one token: 4 columns per block (each warp walks 4 rows of its segment),
+  // 4 blocks per SM, the plan built before the wait; at two, up to twice the segments, so one column per block (many
+  // short blocks, 6 per SM, 40 registers) reading gate/up's copy of the plan.
   static_assert(kFewRows == 2, "moe_small instantiates 1 and 2 rows");
   cudaError_t e;
   if (a.T == 1) {
@@ -711,8 +711,8 @@ cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStrea
   }
   e = launch(moe_small_gate_up_kernel<2, kSmallMoeUnroll, 3>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
   return e != cudaSuccess ? e
-                          : launch(moe_small_down_kernel<2, 1, kUnroll, 4>, static_cast<unsigned>(a.H), kWarps * 32, 0,
-                                   stream, a, static_cast<const MoePlan*>(plan), shared_segs);
+                          : launch(moe_small_down_kernel<2, 1, kSmallMoeUnroll, 6>, static_cast<unsigned>(a.H),
+                                   kWarps * 32, 0, stream, a, static_cast<const MoePlan*>(plan), shared_segs);
 }
 
 }  // namespace mlaserve::cuda
