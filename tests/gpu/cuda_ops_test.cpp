@@ -584,6 +584,8 @@ TEST(CudaOps, MoeExpertsSmall) {
     moe_case(3, 8, 6, 256, 104, 4, 16, 10, kind, 51, 104);   // 3 tokens: the grouped kernels + shared MLP
     moe_case(2, 4, 2, 64, 2560, 0, 4, 4, kind, 52, 2560);    // rows of two load chunks (routed and shared)
     moe_case(2, 8, 6, 2048, 1408, 0, 8, 8, kind, 53, 2816);  // V2-Lite widths at 2 tokens
+    moe_case(4, 8, 6, 2048, 1408, 0, 8, 8, kind, 54, 2816);  // V2-Lite widths at 4 tokens
+    moe_case(4, 64, 16, 256, 64, 0, 64, 64, kind, 55, 64);   // 64 (token, slot) pairs
   }
   for (int kind : {0, 2, 3}) {
     moe_case(1, 16, 4, 256, 96, 0, 16, 16, kind, 40);

@@ -1101,7 +1101,7 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
   if (Is > 0)
     MLA_CHECK(shared_gate_up->dtype() == DType::BF16 && shared_down->dtype() == DType::BF16,
               "moe_experts: shared experts must be bf16");
-  if (small_batch_ && !moe_cublas_ && T <= cuda::kFewRows && k <= cuda::kMoeSmallMaxK && Is % 8 == 0) {
+  if (small_batch_ && !moe_cublas_ && T <= cuda::kMoeSmallRows && k <= cuda::kMoeSmallMaxK && Is % 8 == 0) {
     cuda::MoeSmallArgs a{};
     a.x = bf(x);
     a.ldx = H;

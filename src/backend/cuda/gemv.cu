@@ -1,7 +1,8 @@
 // Small-batch kernels: matrix-vector products of at most kGemvMaxRows token rows that stream each weight row once
 // for all rows of the batch (gemv_t: y = x W^T, a warp per row or 16 rows per warp on tensor cores; gemv_n: y = x W),
-// the router product fused with the routing (moe_gate), and the MoE of at most kFewRows tokens in two kernels (gate/up
-// + SiLU; down + the weighted sum + the shared experts), each block finding the batch's distinct experts itself.
+// the router product fused with the routing (moe_gate), and the MoE of at most kMoeSmallRows tokens in two kernels
+// (gate/up + SiLU; down + the weighted sum + the shared experts), each block finding the batch's distinct experts
+// itself.
 // They are launched with programmatic dependent launch: each warp loads its first weights before pdl_wait(), so a
 // kernel's weight reads overlap the kernel before it. CPU references: cpu::linear, cpu::route_token (through
 // CpuBackend::moe_gate = linear + moe_route), cpu::moe_experts + add_shared_experts.
@@ -324,11 +325,11 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_n_kernel(GemvArgs a, MlaPrep
 // The plan: the batch's distinct local experts in first-occurrence order over (token, slot), and for each of them
 // the slot every token chose it in (-1: not chosen). Each block that needs it builds it in shared memory from the
 // routing ids (at most kMaxPairs of them), so no kernel of its own sits between the router and the experts.
-constexpr int kMaxPairs = kFewRows * kMoeSmallMaxK;  // (token, slot) pairs
+constexpr int kMaxPairs = kMoeSmallRows * kMoeSmallMaxK;  // (token, slot) pairs
 struct MoePlan {
   int32_t n;
   int32_t uniq[kMaxPairs];
-  int8_t slot[kMaxPairs][kFewRows];
+  int8_t slot[kMaxPairs][kMoeSmallRows];
 };
 
 // Thread i's routing pair (its local expert, -1 for none): read once the ids are final, ahead of build_plan.
@@ -348,7 +349,7 @@ __device__ __forceinline__ void build_plan(const MoeSmallArgs& a, int e, MoePlan
   unsigned m = 0;
   if (mine) {
     ids[i] = e;
-    for (int t = 0; t < kFewRows; ++t) p.slot[i][t] = -1;
+    for (int t = 0; t < kMoeSmallRows; ++t) p.slot[i][t] = -1;
   }
   __syncthreads();
   if (mine) {
@@ -683,7 +684,7 @@ size_t moe_small_plan_bytes() { return sizeof(MoePlan); }
 
 cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStream_t stream) {
   if (a.T == 0) return cudaSuccess;
-  if (a.T > kFewRows || a.k > kMoeSmallMaxK || a.k < 1 || a.H % 8 != 0 || a.I % 8 != 0 || a.Is % 8 != 0 ||
+  if (a.T > kMoeSmallRows || a.k > kMoeSmallMaxK || a.k < 1 || a.H % 8 != 0 || a.I % 8 != 0 || a.Is % 8 != 0 ||
       a.ldx % 8 != 0 || (reinterpret_cast<uintptr_t>(plan_buf) & 15) != 0)
     return cudaErrorInvalidValue;
   MoePlan* plan = static_cast<MoePlan*>(plan_buf);
@@ -696,11 +697,11 @@ cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStrea
     return static_cast<unsigned>(std::min<int64_t>((gate_up_items + kWarps - 1) / kWarps,
                                                    per_sm * static_cast<int64_t>(std::max(num_sms, 1))));
   };
-  // Measured on H200 (docs/perf.md), all with kSmallMoeUnroll loads per lane: gate/up with 4 / 3 blocks per SM at one
-  // / two tokens (64 / 72 registers). Down at one token: 4 columns per block (each warp walks 4 rows of its segment),
-  // 4 blocks per SM, the plan built before the wait; at two, up to twice the segments, so one column per block (many
-  // short blocks, 6 per SM, 40 registers) reading gate/up's copy of the plan.
-  static_assert(kFewRows == 2, "moe_small instantiates 1 and 2 rows");
+  // Measured on H200 (docs/perf.md), all with kSmallMoeUnroll loads per lane: gate/up with 4 / 3 / 3 blocks per SM at
+  // one / two / 3-4 tokens (64 / 72 / 78 registers). Down at one token: 4 columns per block (each warp walks 4 rows of
+  // its segment), 4 blocks per SM, the plan built before the wait; at 2-4 tokens, up to 4 times the segments, so one
+  // column per block (many short blocks, 6 / 5 per SM, 40 / 48 registers) reading gate/up's copy of the plan.
+  static_assert(kMoeSmallRows == 4, "moe_small instantiates 1, 2 and 4 rows");
   cudaError_t e;
   if (a.T == 1) {
     e = launch(moe_small_gate_up_kernel<1, kSmallMoeUnroll, 4>, gate_up_grid(4), kWarps * 32, 0, stream, a,
@@ -708,6 +709,12 @@ cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStrea
     return e != cudaSuccess ? e
                             : launch(moe_small_down_kernel<1, 4, kSmallMoeUnroll, 4>, static_cast<unsigned>((a.H + 3) / 4),
                                      kWarps * 32, 0, stream, a, static_cast<const MoePlan*>(nullptr), shared_segs);
+  }
+  if (a.T > 2) {
+    e = launch(moe_small_gate_up_kernel<4, kSmallMoeUnroll, 3>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
+    return e != cudaSuccess ? e
+                            : launch(moe_small_down_kernel<4, 1, kSmallMoeUnroll, 5>, static_cast<unsigned>(a.H),
+                                     kWarps * 32, 0, stream, a, static_cast<const MoePlan*>(plan), shared_segs);
   }
   e = launch(moe_small_gate_up_kernel<2, kSmallMoeUnroll, 3>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
   return e != cudaSuccess ? e

@@ -261,10 +261,11 @@ cudaError_t moe_scale_rows(const bf16* in, const float* pos_weight, const int32_
 // Small batches (gemv.cu): at most kGemvMaxRows token rows. Launched with programmatic dependent launch.
 
 constexpr int kGemvMaxRows = 8;
-// gemv_n and moe_small take at most this many rows: they pay off against the batched cuBLAS GEMM and the grouped MoE
-// kernels only up to here (measured on H200, docs/perf.md). A graph bucket size, so a padded graph step takes the
-// path its eager step takes.
+// gemv_n takes at most kFewRows rows, moe_small kMoeSmallRows: they pay off against the batched cuBLAS GEMM and the
+// grouped MoE kernels only up to there (measured on H200, docs/perf.md). Graph bucket sizes, so a padded graph step
+// takes the path its eager step takes.
 constexpr int kFewRows = 2;
+constexpr int kMoeSmallRows = 4;
 struct GemvArgs {
   const bf16* x;      // x[b][t][k] at x + b * sx + t * ldx + k
   int64_t ldx, sx;
@@ -323,9 +324,9 @@ struct MoeSmallArgs {
   int64_t ldo;
 };
 // out = sum_k w * down_e(silu(gate_e x) * up_e x) over the local experts, rounded, plus the shared experts' MLP,
-// rounded (as moe_experts + the dense shared MLP + add compute it). T <= kFewRows, k <= kMoeSmallMaxK,
-// H, I, Is multiples of 8. Two kernels (gate/up, persistent over about 2 blocks per SM of num_sms; down), the blocks
-// finding the distinct experts from the ids themselves or (down, two tokens) from gate/up's copy in plan_buf (16-byte
+// rounded (as moe_experts + the dense shared MLP + add compute it). T <= kMoeSmallRows, k <= kMoeSmallMaxK,
+// H, I, Is multiples of 8. Two kernels (gate/up, persistent over a few blocks per SM of num_sms; down), the blocks
+// finding the distinct experts from the ids themselves or (down, 2-4 tokens) from gate/up's copy in plan_buf (16-byte
 // aligned, moe_small_plan_bytes() bytes); no host sync.
 size_t moe_small_plan_bytes();
 cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStream_t stream);
