@@ -1,7 +1,8 @@
 // Kernel micro-benchmarks on the GPU (not a test): the MLA decode kernel alone (bytes of latent cache read per
 // second; FLOP/s with 128 heads) and the grouped MoE GEMMs (bytes of expert weights read per second at decode
-// batch sizes, FLOP/s at prefill sizes). Random data (fill_random), CUDA events, median of 20 runs after warm-up.
-// usage: cuda_kernel_bench [mla [variant]|mla128|moe|all]
+// batch sizes, FLOP/s at prefill sizes), and what one dependency between phases of GPU work costs (sync_bench.cu).
+// Random data (fill_random), CUDA events, median of 20 runs after warm-up.
+// usage: cuda_kernel_bench [mla [variant]|mla128|moe|sync|all]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -202,6 +203,8 @@ void bench_copy() {
 
 }  // namespace
 
+void bench_sync();  // sync_bench.cu
+
 int main(int argc, char** argv) {
   const std::string what = argc > 1 ? argv[1] : "all";
   int n = 0;
@@ -239,6 +242,7 @@ int main(int argc, char** argv) {
     bench_mla(128, 4096, 128, 64, 0);
     bench_mla(128, 4096, 128, 64, 1);
   }
+  if (what == "all" || what == "sync") bench_sync();
   if (what == "all" || what == "moe") {
     bench_moe(256, 64, 6, 2048, 1408);
     bench_moe(64, 64, 6, 2048, 1408);
