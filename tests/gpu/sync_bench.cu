@@ -14,16 +14,9 @@
 #include <cstdlib>
 #include <vector>
 
-namespace {
+#include "bench_check.h"
 
-#define SB_CK(x)                                                                                \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
+namespace {
 
 constexpr int kThreads = 256;
 
@@ -88,20 +81,20 @@ double median(std::vector<double> v) {
 template <typename F>
 double time_us(cudaStream_t s, int runs, F fn) {
   cudaEvent_t a, b;
-  SB_CK(cudaEventCreate(&a));
-  SB_CK(cudaEventCreate(&b));
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
   std::vector<double> t;
   for (int r = 0; r < runs + 2; ++r) {
-    SB_CK(cudaEventRecord(a, s));
+    CK(cudaEventRecord(a, s));
     fn();
-    SB_CK(cudaEventRecord(b, s));
-    SB_CK(cudaEventSynchronize(b));
+    CK(cudaEventRecord(b, s));
+    CK(cudaEventSynchronize(b));
     float ms = 0;
-    SB_CK(cudaEventElapsedTime(&ms, a, b));
+    CK(cudaEventElapsedTime(&ms, a, b));
     if (r >= 2) t.push_back(ms * 1000.0);
   }
-  SB_CK(cudaEventDestroy(a));
-  SB_CK(cudaEventDestroy(b));
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
   return median(t);
 }
 
@@ -113,23 +106,23 @@ bool check(const unsigned* d_last, int G, int P) {
     v.swap(w);
   }
   std::vector<unsigned> got(static_cast<size_t>(G));
-  SB_CK(cudaMemcpy(got.data(), d_last, G * sizeof(unsigned), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(got.data(), d_last, G * sizeof(unsigned), cudaMemcpyDeviceToHost));
   return got == v;
 }
 
 void run(int G, int P, int runs) {
   cudaStream_t s;
-  SB_CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   unsigned *vals = nullptr, *sync = nullptr;
   const size_t n = static_cast<size_t>(P + 1) * G;
-  SB_CK(cudaMalloc(&vals, n * sizeof(unsigned)));
-  SB_CK(cudaMalloc(&sync, n * sizeof(unsigned)));
-  SB_CK(cudaMemset(vals, 0, n * sizeof(unsigned)));
+  CK(cudaMalloc(&vals, n * sizeof(unsigned)));
+  CK(cudaMalloc(&sync, n * sizeof(unsigned)));
+  CK(cudaMemset(vals, 0, n * sizeof(unsigned)));
 
   // pdl: P kernels recorded once into a graph.
   cudaGraph_t graph;
   cudaGraphExec_t exec;
-  SB_CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   for (int i = 1; i <= P; ++i) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(G);
@@ -140,42 +133,42 @@ void run(int G, int P, int runs) {
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    SB_CK(cudaLaunchKernelEx(&cfg, pdl_phase_kernel, static_cast<const unsigned*>(vals + (i - 1) * G),
+    CK(cudaLaunchKernelEx(&cfg, pdl_phase_kernel, static_cast<const unsigned*>(vals + (i - 1) * G),
                              vals + static_cast<size_t>(i) * G));
   }
-  SB_CK(cudaStreamEndCapture(s, &graph));
-  SB_CK(cudaGraphInstantiate(&exec, graph, 0));
-  const double pdl = time_us(s, runs, [&] { SB_CK(cudaGraphLaunch(exec, s)); });
+  CK(cudaStreamEndCapture(s, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  const double pdl = time_us(s, runs, [&] { CK(cudaGraphLaunch(exec, s)); });
   const bool pdl_ok = check(vals + static_cast<size_t>(P) * G, G, P);
 
-  SB_CK(cudaMemset(vals, 0, n * sizeof(unsigned)));
+  CK(cudaMemset(vals, 0, n * sizeof(unsigned)));
   const double barrier = time_us(s, runs, [&] {
-    SB_CK(cudaMemsetAsync(sync, 0, (P + 1) * sizeof(unsigned), s));
+    CK(cudaMemsetAsync(sync, 0, (P + 1) * sizeof(unsigned), s));
     barrier_kernel<<<G, kThreads, 0, s>>>(vals, sync, P);
-    SB_CK(cudaGetLastError());
+    CK(cudaGetLastError());
   });
   const bool barrier_ok = check(vals + static_cast<size_t>(P) * G, G, P);
 
-  SB_CK(cudaMemset(vals, 0, n * sizeof(unsigned)));
+  CK(cudaMemset(vals, 0, n * sizeof(unsigned)));
   const double flags = time_us(s, runs, [&] {
-    SB_CK(cudaMemsetAsync(sync, 0, n * sizeof(unsigned), s));
+    CK(cudaMemsetAsync(sync, 0, n * sizeof(unsigned), s));
     flags_kernel<<<G, kThreads, 0, s>>>(vals, sync, P);
-    SB_CK(cudaGetLastError());
+    CK(cudaGetLastError());
   });
   const bool flags_ok = check(vals + static_cast<size_t>(P) * G, G, P);
 
   // The memsets are inside the timed region of the persistent kernels: time them alone and take them off.
   const double memset_barrier =
-      time_us(s, runs, [&] { SB_CK(cudaMemsetAsync(sync, 0, (P + 1) * sizeof(unsigned), s)); });
-  const double memset_flags = time_us(s, runs, [&] { SB_CK(cudaMemsetAsync(sync, 0, n * sizeof(unsigned), s)); });
+      time_us(s, runs, [&] { CK(cudaMemsetAsync(sync, 0, (P + 1) * sizeof(unsigned), s)); });
+  const double memset_flags = time_us(s, runs, [&] { CK(cudaMemsetAsync(sync, 0, n * sizeof(unsigned), s)); });
   std::printf("sync G=%d P=%d: pdl %.2f us/phase%s, barrier %.2f us/phase%s, flags %.2f us/phase%s\n", G, P, pdl / P,
               pdl_ok ? "" : " (WRONG VALUES)", (barrier - memset_barrier) / P, barrier_ok ? "" : " (WRONG VALUES)",
               (flags - memset_flags) / P, flags_ok ? "" : " (WRONG VALUES)");
-  SB_CK(cudaGraphExecDestroy(exec));
-  SB_CK(cudaGraphDestroy(graph));
-  SB_CK(cudaFree(vals));
-  SB_CK(cudaFree(sync));
-  SB_CK(cudaStreamDestroy(s));
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  CK(cudaFree(vals));
+  CK(cudaFree(sync));
+  CK(cudaStreamDestroy(s));
 }
 
 }  // namespace
@@ -184,10 +177,10 @@ void run(int G, int P, int runs) {
 // are at most the resident capacity the occupancy API reports.
 void bench_sync() {
   int dev = 0, sms = 0, per_sm_b = 0, per_sm_f = 0;
-  SB_CK(cudaGetDevice(&dev));
-  SB_CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  SB_CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_b, barrier_kernel, kThreads, 0));
-  SB_CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_f, flags_kernel, kThreads, 0));
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_b, barrier_kernel, kThreads, 0));
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_f, flags_kernel, kThreads, 0));
   const int per_sm = std::min({per_sm_b, per_sm_f, 2});
   for (int k = 1; k <= per_sm; ++k) run(k * sms, 64, 20);
 }
