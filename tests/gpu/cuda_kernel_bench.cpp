@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "backend/cuda/kernels.h"
-#include "bench_check.h"
+#include "bench_util.h"
 
 using namespace mlaserve::cuda;
 
@@ -33,25 +33,6 @@ T* upload(const std::vector<T>& v) {
   T* p = dev<T>(v.size());
   CK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
   return p;
-}
-
-double time_ms(const std::function<void()>& f, int warmup = 3, int iters = 20) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < warmup; ++i) f();
-  std::vector<float> ts;
-  for (int i = 0; i < iters; ++i) {
-    CK(cudaEventRecord(a));
-    f();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    ts.push_back(ms);
-  }
-  std::sort(ts.begin(), ts.end());
-  return ts[ts.size() / 2];
 }
 
 int num_sms() {

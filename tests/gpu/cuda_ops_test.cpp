@@ -241,6 +241,18 @@ TEST(CudaOps, ElementwiseOps) {
   EXPECT_EQ(cpu().to_host_f32(ic).data_as<float>()[40], parts.data_as<float>()[R * 40]);  // row 0, rank 1's slice
 }
 
+// Exact equality of two device tensors' values (NaN matches NaN).
+int64_t count_diff(const Tensor& a, const Tensor& b) {
+  Tensor ha = gpu().to_host_f32(a), hb = gpu().to_host_f32(b);
+  if (ha.numel() != hb.numel()) return -1;
+  int64_t d = 0;
+  for (int64_t i = 0; i < ha.numel(); ++i) {
+    const float x = ha.data_as<float>()[i], y = hb.data_as<float>()[i];
+    d += !(x == y || (std::isnan(x) && std::isnan(y)));
+  }
+  return d;
+}
+
 std::vector<float> yarn_freqs(int64_t rope) {
   std::vector<float> f(static_cast<size_t>(rope / 2));
   for (size_t i = 0; i < f.size(); ++i) f[i] = std::pow(10000.0f, -2.0f * static_cast<float>(i) / static_cast<float>(rope)) / (i > 8 ? 40.0f : 1.0f);
@@ -291,13 +303,7 @@ TEST(CudaOps, RopeAndLatentWrite) {
   gpu().mla_prepare(q2, nh, nope, rope, l2, wg, 1e-6f, c2);
   expect_close(gpu().to_host_f32(qg), gpu().to_host_f32(q2), 0.0, 0.0, "mla_prepare (q)");
   expect_close(gpu().to_host_f32(lg), gpu().to_host_f32(l2), 0.0, 0.0, "mla_prepare (latent)");
-  Tensor g2 = gpu().to_host_f32(c2);
-  int64_t cache_diff = 0;
-  for (int64_t i = 0; i < g2.numel(); ++i) {
-    const float a = gh.data_as<float>()[i], b = g2.data_as<float>()[i];
-    cache_diff += !(a == b || (std::isnan(a) && std::isnan(b)));
-  }
-  EXPECT_EQ(cache_diff, 0) << "mla_prepare wrote a different cache";
+  EXPECT_EQ(count_diff(cg, c2), 0) << "mla_prepare wrote a different cache";
 }
 
 // MLA attention in every form over a NaN-poisoned, shuffled paged cache.
@@ -390,18 +396,6 @@ TEST(CudaOps, MlaEmptyBatch) {
   MlaParams p{16, 128, 64, 128, 512, 0.1f, MlaForm::Auto};
   gpu().mla_attention(q, cache, kvb, p, out);
   gpu().synchronize();
-}
-
-// Exact equality of two device tensors' values (NaN matches NaN).
-int64_t count_diff(const Tensor& a, const Tensor& b) {
-  Tensor ha = gpu().to_host_f32(a), hb = gpu().to_host_f32(b);
-  if (ha.numel() != hb.numel()) return -1;
-  int64_t d = 0;
-  for (int64_t i = 0; i < ha.numel(); ++i) {
-    const float x = ha.data_as<float>()[i], y = hb.data_as<float>()[i];
-    d += !(x == y || (std::isnan(x) && std::isnan(y)));
-  }
-  return d;
 }
 
 // mla_prepare_attention (at 1-2 decode tokens one launch for the preparation and the q_lat product) gives exactly

@@ -14,7 +14,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "bench_check.h"
+#include "bench_util.h"
 
 namespace {
 
@@ -72,30 +72,10 @@ __global__ void flags_kernel(unsigned* vals, unsigned* flags, int P) {
   }
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Times fn (enqueued on stream s) `runs` times after two warm-ups; returns the median in microseconds.
+// Median microseconds of fn (enqueued on stream s) over `runs` runs after two warm-ups.
 template <typename F>
 double time_us(cudaStream_t s, int runs, F fn) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<double> t;
-  for (int r = 0; r < runs + 2; ++r) {
-    CK(cudaEventRecord(a, s));
-    fn();
-    CK(cudaEventRecord(b, s));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    if (r >= 2) t.push_back(ms * 1000.0);
-  }
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  return median(t);
+  return 1000.0 * time_ms(fn, 2, runs, s);
 }
 
 // Checks the last phase's values against the host's recurrence (every method must compute the same chain).
