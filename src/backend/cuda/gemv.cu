@@ -20,7 +20,8 @@ namespace {
 
 constexpr int kWarps = 8;   // warps per block
 constexpr int kUnroll = 8;  // 16-byte weight loads per lane in flight
-constexpr int kSmallMoeUnroll = 4;  // the small-batch MoE's (fewer registers, more warps per SM: measured faster)
+constexpr int kSmallMoeUnroll = 4;
+constexpr int kPairBlocksPerSm = 4;  // the one-row pair's kernel at 64 registers  // the small-batch MoE's (fewer registers, more warps per SM: measured faster)
 
 // Weights are read once per step: a 16-byte load that does not allocate in L1 (kept for the activations).
 __device__ __forceinline__ uint4 ld_weights(const void* p) {
@@ -99,8 +100,9 @@ __device__ __forceinline__ void warp_sum_all(float (&acc)[TT]) {
 // Warp w of block b: row n = bx * (8 / ks) + w / ks, part w % ks of K; batch b.y. bx = b.x, except with PAIR (two
 // problems of one batch, gemv_t_pair): blocks [0, split) compute a0, the rest a1 with bx = b.x - split. Without PAIR
 // a1 and split are unused (no selection code in the single-problem kernels: it measured ~2% at batch 1).
-template <int TT, bool PAIR>
-__global__ void __maxnreg__(128) gemv_t_kernel(GemvArgs a0, GemvArgs a1, unsigned split) {
+// REG: the register cap (64: 4 blocks per SM, the one-row pair).
+template <int TT, bool PAIR, int REG = 128>
+__global__ void __maxnreg__(REG) gemv_t_kernel(GemvArgs a0, GemvArgs a1, unsigned split) {
   __shared__ float red[kWarps][TT];
   const bool second = PAIR && blockIdx.x >= split;
   const GemvArgs a = second ? a1 : a0;
@@ -634,10 +636,21 @@ cudaError_t gemv_t_pair(GemvArgs a, GemvArgs b, int32_t num_sms, cudaStream_t st
   }
   if (!gemv_fits(a.T, a.K, a.x, a.ldx, a.w, a.ldw) || !gemv_fits(b.T, b.K, b.x, b.ldx, b.w, b.ldw))
     return cudaErrorInvalidValue;
-  // Each problem gets the cut it would get alone, so its rows are computed exactly as gemv_t computes them.
-  const unsigned ba = cut_gemv_t(a, 1, num_sms, mma), bb = cut_gemv_t(b, 1, num_sms, mma);
+  // On tensor cores each problem gets the cut it would get alone, so its rows are computed exactly as gemv_t computes
+  // them.
+  unsigned ba = cut_gemv_t(a, 1, num_sms, mma), bb = cut_gemv_t(b, 1, num_sms, mma);
   if (mma) return launch(gemv_mma_kernel<true>, dim3(ba + bb, 1), kWarps * 32, 0, stream, a, b, ba);
-  return launch(gemv_t_kernel<1, true>, dim3(ba + bb, 1), kWarps * 32, 0, stream, a, b, ba);
+  // One row: the grid is made to fit at once (kPairBlocksPerSm per SM), so every warp loads its weights before the
+  // PDL wait: the wider K split of the two is halved until it fits (measured on H200, docs/perf.md: q_proj + kv_a of
+  // V2-Lite ~1% faster per step than each problem cut alone, two waves at 3 blocks per SM).
+  const int64_t fit = static_cast<int64_t>(kPairBlocksPerSm) * std::max(num_sms, 1);
+  auto rows_per_block = [](const GemvArgs& g) { return kWarps / g.ks; };
+  while (static_cast<int64_t>(ba) + bb > fit && (a.ks > 1 || b.ks > 1)) {
+    GemvArgs& g = a.ks >= b.ks ? a : b;
+    g.ks /= 2;
+    (&g == &a ? ba : bb) = static_cast<unsigned>((g.N + rows_per_block(g) - 1) / rows_per_block(g));
+  }
+  return launch(gemv_t_kernel<1, true, 64>, dim3(ba + bb, 1), kWarps * 32, 0, stream, a, b, ba);
 }
 
 cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned* counter, int32_t* ids,

@@ -285,9 +285,10 @@ bool gemv_fits(int64_t T, int64_t K, const void* x, int64_t ldx, const void* w, 
 // token's result is independent of the others and of T within each kernel, so a graph step padded from T >= 2 rows to
 // a larger bucket computes what the eager step does (T = 1 only ever pads to 1).
 cudaError_t gemv_t(GemvArgs a, int32_t batch, int32_t num_sms, cudaStream_t stream);
-// Two problems (a.T == b.T, a.K == b.K; one matrix each, e.g. two projections of the same x) in one launch, each
-// problem's rows computed exactly as gemv_t computes them alone (two launches where gemv_t would take the lane kernel
-// at 2-8 rows).
+// Two problems (a.T == b.T, a.K == b.K; one matrix each, e.g. two projections of the same x) in one launch. At 2-8
+// rows each problem's rows are computed exactly as gemv_t computes them alone (two launches where gemv_t would take
+// the lane kernel); at one row the K splits may be narrower than alone, so that the grid fits the GPU at once (the
+// same products, summed in another order).
 cudaError_t gemv_t_pair(GemvArgs a, GemvArgs b, int32_t num_sms, cudaStream_t stream);
 // y = x W for each of `batch` matrices, bf16 out (T <= kFewRows, N and ldw multiples of 8, w 16-byte aligned).
 cudaError_t gemv_n(GemvArgs a, int32_t batch, cudaStream_t stream);
