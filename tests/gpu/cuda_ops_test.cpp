@@ -637,6 +637,26 @@ TEST(CudaOps, SampleMatchesCpu) {
     EXPECT_EQ(a, b) << "V " << V;
     expect_close(cpu().to_host_f32(pc), gpu().to_host_f32(pg), 1e-4, 1e-4, "sample logprobs V" + std::to_string(V));
   }
+  // Greedy rows split over many blocks (1 and 3 rows): the row maximum appears twice, in different parts, and the
+  // lower index wins, as on the CPU.
+  for (int64_t R : {1, 3}) {
+    const int64_t V = 102400;
+    Tensor lg = rand_host({R, V}, 70 + R, 3.0f);
+    float* l = lg.data_as<float>();
+    for (int64_t r = 0; r < R; ++r) l[r * V + 70000 - 5000 * r] = l[r * V + 90001 - 3 * r] = 50.0f;
+    std::vector<RowSampling> ps(static_cast<size_t>(R));
+    Tensor lc = cpu().upload(lg, DType::F32), lgg = gpu().upload(lg, DType::F32);
+    Tensor ic = cpu().alloc({R}, DType::I32), ig = gpu().alloc({R}, DType::I32);
+    Tensor pc = cpu().alloc({R}, DType::F32), pg = gpu().alloc({R}, DType::F32);
+    cpu().sample(lc, ps, ic, &pc);
+    gpu().sample(lgg, ps, ig, &pg);
+    std::vector<int32_t> a(static_cast<size_t>(R)), b(static_cast<size_t>(R));
+    cpu().download(ic, a.data());
+    gpu().download(ig, b.data());
+    EXPECT_EQ(a, b) << "greedy rows " << R;
+    for (int64_t r = 0; r < R; ++r) EXPECT_EQ(b[static_cast<size_t>(r)], 70000 - 5000 * r) << "row " << r;
+    expect_close(cpu().to_host_f32(pc), gpu().to_host_f32(pg), 1e-4, 1e-4, "greedy logprobs R" + std::to_string(R));
+  }
 }
 
 }  // namespace

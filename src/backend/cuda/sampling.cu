@@ -118,26 +118,22 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
   const int tid = threadIdx.x;
 
   const bool greedy = row.temperature <= 0.0f;
-  if (plain_greedy(row) && parts > 1) {  // merge greedy_parts_kernel's parts in order
-    if (tid == 0) {
-      const float* part = x;
-      float m = -INFINITY;
-      int best = -1;
-      for (int c = 0; c < parts; ++c) {
-        const float v = part[3 * c];
-        const int i = __float_as_int(part[3 * c + 1]);
-        if (i >= 0 && (best < 0 || v > m || (v == m && i < best))) {
-          m = v;
-          best = i;
-        }
-      }
-      p.ids[r] = best;
-      if (p.logprobs) {
-        float z = 0.0f;
-        for (int c = 0; c < parts; ++c)
-          if (__float_as_int(part[3 * c + 1]) >= 0) z += part[3 * c + 2] * expf(part[3 * c] - m);
-        p.logprobs[r] = -logf(z);
-      }
+  if (plain_greedy(row) && parts > 1) {  // merge greedy_parts_kernel's parts: thread c reads part c (one load each)
+    const float* part = x;
+    float v = 0.0f, z = 0.0f;
+    int i = -1;
+    if (tid < parts) {
+      v = part[3 * tid];
+      i = __float_as_int(part[3 * tid + 1]);
+      z = part[3 * tid + 2];
+    }
+    float m = v;
+    int best = i;
+    block_argmax(m, best, red, redi);  // (value desc, index asc), as the parts' own argmax
+    if (tid == 0) p.ids[r] = best;
+    if (p.logprobs) {
+      const float zsum = block_sum(i >= 0 ? z * expf(v - m) : 0.0f, red);
+      if (tid == 0) p.logprobs[r] = -logf(zsum);
     }
     return;
   }
