@@ -20,8 +20,8 @@ namespace {
 
 constexpr int kWarps = 8;   // warps per block
 constexpr int kUnroll = 8;  // 16-byte weight loads per lane in flight
-constexpr int kSmallMoeUnroll = 4;
-constexpr int kPairBlocksPerSm = 4;  // the one-row pair's kernel at 64 registers  // the small-batch MoE's (fewer registers, more warps per SM: measured faster)
+constexpr int kSmallMoeUnroll = 4;  // the small-batch MoE's (fewer registers, more warps per SM: measured faster)
+constexpr int kPairBlocksPerSm = 4;  // the one-row pair's kernel at 64 registers
 
 // Weights are read once per step: a 16-byte load that does not allocate in L1 (kept for the activations).
 __device__ __forceinline__ uint4 ld_weights(const void* p) {
