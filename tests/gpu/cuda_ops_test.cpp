@@ -606,6 +606,22 @@ TEST(CudaOps, MoeExpertsV2LiteShape) {
   moe_case(256, 64, 6, 2048, 1408, 0, 64, 64, 0, 50);
 }
 
+// Samples the rows of host logits lg [R, V] on the CPU and the GPU: equal ids, logprobs within 1e-4; the GPU's ids.
+std::vector<int32_t> sample_both(const Tensor& lg, const std::vector<RowSampling>& ps, const std::string& what) {
+  const int64_t R = lg.size(0);
+  Tensor lc = cpu().upload(lg, DType::F32), lgg = gpu().upload(lg, DType::F32);
+  Tensor ic = cpu().alloc({R}, DType::I32), ig = gpu().alloc({R}, DType::I32);
+  Tensor pc = cpu().alloc({R}, DType::F32), pg = gpu().alloc({R}, DType::F32);
+  cpu().sample(lc, ps, ic, &pc);
+  gpu().sample(lgg, ps, ig, &pg);
+  std::vector<int32_t> a(static_cast<size_t>(R)), b(static_cast<size_t>(R));
+  cpu().download(ic, a.data());
+  gpu().download(ig, b.data());
+  EXPECT_EQ(a, b) << what;
+  expect_close(cpu().to_host_f32(pc), gpu().to_host_f32(pg), 1e-4, 1e-4, what + " logprobs");
+  return b;
+}
+
 TEST(CudaOps, SampleMatchesCpu) {
   REQUIRE_GPU();
   for (int64_t V : {1000, 102400}) {
@@ -626,16 +642,7 @@ TEST(CudaOps, SampleMatchesCpu) {
         case 5: sp.temperature = 2.0f; break;
       }
     }
-    Tensor lc = cpu().upload(lg, DType::F32), lgg = gpu().upload(lg, DType::F32);
-    Tensor ic = cpu().alloc({R}, DType::I32), ig = gpu().alloc({R}, DType::I32);
-    Tensor pc = cpu().alloc({R}, DType::F32), pg = gpu().alloc({R}, DType::F32);
-    cpu().sample(lc, ps, ic, &pc);
-    gpu().sample(lgg, ps, ig, &pg);
-    std::vector<int32_t> a(static_cast<size_t>(R)), b(static_cast<size_t>(R));
-    cpu().download(ic, a.data());
-    gpu().download(ig, b.data());
-    EXPECT_EQ(a, b) << "V " << V;
-    expect_close(cpu().to_host_f32(pc), gpu().to_host_f32(pg), 1e-4, 1e-4, "sample logprobs V" + std::to_string(V));
+    sample_both(lg, ps, "V " + std::to_string(V));
   }
   // Greedy rows split over many blocks (1 and 3 rows): the row maximum appears twice, in different parts, and the
   // lower index wins, as on the CPU.
@@ -644,18 +651,9 @@ TEST(CudaOps, SampleMatchesCpu) {
     Tensor lg = rand_host({R, V}, 70 + R, 3.0f);
     float* l = lg.data_as<float>();
     for (int64_t r = 0; r < R; ++r) l[r * V + 70000 - 5000 * r] = l[r * V + 90001 - 3 * r] = 50.0f;
-    std::vector<RowSampling> ps(static_cast<size_t>(R));
-    Tensor lc = cpu().upload(lg, DType::F32), lgg = gpu().upload(lg, DType::F32);
-    Tensor ic = cpu().alloc({R}, DType::I32), ig = gpu().alloc({R}, DType::I32);
-    Tensor pc = cpu().alloc({R}, DType::F32), pg = gpu().alloc({R}, DType::F32);
-    cpu().sample(lc, ps, ic, &pc);
-    gpu().sample(lgg, ps, ig, &pg);
-    std::vector<int32_t> a(static_cast<size_t>(R)), b(static_cast<size_t>(R));
-    cpu().download(ic, a.data());
-    gpu().download(ig, b.data());
-    EXPECT_EQ(a, b) << "greedy rows " << R;
-    for (int64_t r = 0; r < R; ++r) EXPECT_EQ(b[static_cast<size_t>(r)], 70000 - 5000 * r) << "row " << r;
-    expect_close(cpu().to_host_f32(pc), gpu().to_host_f32(pg), 1e-4, 1e-4, "greedy logprobs R" + std::to_string(R));
+    const std::vector<int32_t> ids = sample_both(lg, std::vector<RowSampling>(static_cast<size_t>(R)),
+                                                 "greedy rows " + std::to_string(R));
+    for (int64_t r = 0; r < R; ++r) EXPECT_EQ(ids[static_cast<size_t>(r)], 70000 - 5000 * r) << "row " << r;
   }
 }
 
