@@ -175,8 +175,9 @@ TEST(CudaOps, LinearShapes) {
 }
 
 // linear_pair runs both products in one launch where they take the matrix-vector kernels: each output must be what
-// linear alone gives, bit for bit (same K split per problem), for the lane kernel (1 row, or K % 32 != 0), the tensor
-// core kernel (2-8 rows) and cuBLAS (9 rows), with bf16 and f32 outputs and narrow second problems.
+// linear alone gives, bit for bit at 2-8 rows (the tensor-core kernel, same K split per problem) and with cuBLAS (9
+// rows), within the last bf16 bit at one row (the lane kernel, whose K splits the pair may narrow), with bf16 and f32
+// outputs and narrow second problems.
 TEST(CudaOps, LinearPairIsTwoLinears) {
   REQUIRE_GPU();
   struct Case { int64_t T, K, M1, M2; DType out2; };

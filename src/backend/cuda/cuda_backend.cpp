@@ -637,9 +637,13 @@ class CudaBackend final : public Backend {
     MLA_CHECK(latent.dtype() == DType::BF16 && cache.dtype() == DType::BF16 && kv_norm.dtype() == DType::F32 &&
                   latent.numel() == T * W,
               "{}: dtype or shape mismatch", op);
+    // The step's slots against the cache's size once per step (every layer's cache has the same size).
     const int64_t slots = cache.size(0);
-    for (int32_t s : step_.out_slots)
-      MLA_CHECK(s >= 0 && s < slots, "{}: slot {} outside the cache of {} slots", op, s, slots);
+    if (slots != slots_checked_) {
+      for (int32_t s : step_.out_slots)
+        MLA_CHECK(s >= 0 && s < slots, "{}: slot {} outside the cache of {} slots", op, s, slots);
+      slots_checked_ = slots;
+    }
     return kvr;
   }
   void check_rope_q(const char* op, const Tensor& q, int32_t num_heads, int32_t qk_nope, int32_t qk_rope) const {
@@ -761,6 +765,7 @@ class CudaBackend final : public Backend {
     MLA_CHECK(!capturing_, "a step begins while a graph is being recorded");
     step_ = batch;
     graph_step_ = graph;
+    slots_checked_ = -1;
     scratch_.used = 0;
     // Steps alternate between the two halves of the pinned staging buffer, so a step issued while the previous one
     // still runs (overlap scheduling) waits only for the uploads of the step before that.
@@ -877,6 +882,7 @@ class CudaBackend final : public Backend {
   std::map<PlanKey, MlaPlan> plans_;
   std::vector<PlanKey> plan_keys_;  // every attention shape seen, planned up front in graph steps
   bool graph_step_ = false, capturing_ = false;
+  mutable int64_t slots_checked_ = -1;  // cache size the step's out_slots were checked against (check_latent)
   struct Graph {
     cudaGraphExec_t exec = nullptr;
     size_t scratch_end = 0;

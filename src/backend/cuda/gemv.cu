@@ -589,6 +589,9 @@ bool gemv_fits(int64_t T, int64_t K, const void* x, int64_t ldx, const void* w, 
 
 namespace {
 
+// Blocks of the lane kernel for a.N rows at K split a.ks (kWarps / ks rows per block).
+unsigned lane_blocks(const GemvArgs& a) { return static_cast<unsigned>((a.N + kWarps / a.ks - 1) / (kWarps / a.ks)); }
+
 // The K split (a.ks) and the blocks of one problem: K is split over up to 8 warps while the rows alone leave the GPU
 // short of ~16 warps per SM. mma: the tensor-core kernel (16 rows per warp, >= 2 chunks of 32 per part).
 unsigned cut_gemv_t(GemvArgs& a, int32_t batch, int32_t num_sms, bool mma) {
@@ -603,7 +606,7 @@ unsigned cut_gemv_t(GemvArgs& a, int32_t batch, int32_t num_sms, bool mma) {
   const int64_t nvec = a.K / 8;
   while (ks < kWarps && static_cast<int64_t>(a.N) * batch * ks < target && nvec / (ks * 2) >= 32) ks *= 2;
   a.ks = ks;
-  return static_cast<unsigned>((a.N + kWarps / ks - 1) / (kWarps / ks));
+  return lane_blocks(a);
 }
 
 // T >= 2 and K % 32 == 0: the tensor-core kernel.
@@ -644,14 +647,13 @@ cudaError_t gemv_t_pair(GemvArgs a, GemvArgs b, int32_t num_sms, cudaStream_t st
   // PDL wait: the wider K split of the two is halved until it fits (measured on H200, docs/perf.md: q_proj + kv_a of
   // V2-Lite, 528 blocks instead of two waves of 672 at 3 blocks per SM, -1.7% per step).
   const int64_t fit = static_cast<int64_t>(kPairBlocksPerSm) * std::max(num_sms, 1);
-  auto blocks = [](const GemvArgs& g) { return static_cast<unsigned>((g.N + kWarps / g.ks - 1) / (kWarps / g.ks)); };
   while (static_cast<int64_t>(ba) + bb > fit && (a.ks > 1 || b.ks > 1)) {
     if (a.ks >= b.ks) {
       a.ks /= 2;
-      ba = blocks(a);
+      ba = lane_blocks(a);
     } else {
       b.ks /= 2;
-      bb = blocks(b);
+      bb = lane_blocks(b);
     }
   }
   return launch(gemv_t_kernel<1, true, 64>, dim3(ba + bb, 1), kWarps * 32, 0, stream, a, b, ba);
