@@ -68,6 +68,10 @@ struct RowSampling {
   uint64_t seed = 0, step = 0;
   // (token id, count) of the tokens generated so far, ids unique, counts > 0.
   std::vector<std::pair<int32_t, int32_t>> penalty_counts;
+  // >= 0: one more generated token, not in penalty_counts: this step's input id at that token index, read on the
+  // device after resolve_prev_ids (overlap scheduling: the token sampled by the step still running). It counts as
+  // one more occurrence of its id (added to its entry, or a new entry of count 1).
+  int32_t pending_input = -1;
 };
 
 class Backend {

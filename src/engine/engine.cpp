@@ -236,8 +236,18 @@ std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<St
   for (size_t g = 0; g < plans.size(); ++g)
     for (const ScheduledSeq& s : plans[g].seqs)
       if (s.wants_logits) {
-        rows[g].push_back(s.req->sampler.row(s.req->sampling));
-        rows[g].back().step += static_cast<uint64_t>(s.req->in_flight);  // draws of tokens still in flight
+        RowSampling row = s.req->sampler.row(s.req->sampling);
+        row.step += static_cast<uint64_t>(s.req->in_flight);  // draws of tokens still in flight
+        if (s.req->in_flight > 0 && penalised(s.req->sampling)) {
+          // The token still in flight is this row's input (an id read on the device): the sampler counts it there.
+          const ForwardBatch& b = plans[g].batch;
+          const int32_t pos = b.logit_rows[rows[g].size()];
+          MLA_CHECK(s.req->in_flight == 1 && b.input_ids[static_cast<size_t>(pos)] < 0,
+                    "request {}: {} tokens in flight, input id {}", s.req->rid, s.req->in_flight,
+                    b.input_ids[static_cast<size_t>(pos)]);
+          row.pending_input = pos;
+        }
+        rows[g].push_back(std::move(row));
         want_logits |= s.req->sampling.top_logprobs_num > 0;
       }
   return rows;
@@ -358,20 +368,15 @@ void Engine::overlap_step() {
   // Plan the next step while the current one runs (its requests already advanced: kv lengths, pending tokens).
   const bool running = inflight_.has_value();
   std::vector<StepPlan> next(groups);
-  bool blocked = false, any = false, host_needs_samples = false;
+  bool blocked = false, any = false;
   const auto t0 = PhaseClock::now();
   for (size_t g = 0; g < groups; ++g) {
     next[g] = scheds_[g]->schedule(/*allow_retract=*/!running);
     blocked |= next[g].blocked;
     any |= !next[g].empty();
-    // Penalties are computed from the generated tokens on the host, so they need the running step's samples.
-    for (const ScheduledSeq& s : next[g].seqs)
-      host_needs_samples |= s.req->in_flight > 0 && (s.req->sampling.frequency_penalty != 0.0f ||
-                                                     s.req->sampling.presence_penalty != 0.0f ||
-                                                     s.req->sampling.repetition_penalty != 1.0f);
   }
   if (phase_stats_) phases_.schedule += ms_since(t0);
-  if (running && any && !blocked && !host_needs_samples) {
+  if (running && any && !blocked) {
     // Launch it behind the running step (its pending tokens are read on the device), then finish the running one:
     // the device never waits for the host between the two.
     std::optional<InFlight> launched = std::exchange(inflight_, std::nullopt);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 
 #include "backend/backend_factory.h"
 #include "core/log.h"
@@ -13,7 +14,10 @@
 namespace mlaserve {
 
 namespace {
-enum Op : char { kStep = 'S', kKv = 'K', kQuit = 'Q' };
+// Node 0 -> other nodes. kStep launches a step there; kFinish (sent when node 0 begins to finish its oldest step)
+// makes them finish their oldest launched step and reply, so under overlap scheduling they too launch step N + 1
+// before waiting for step N.
+enum Op : char { kStep = 'S', kFinish = 'F', kKv = 'K', kQuit = 'Q' };
 constexpr int64_t kMaxSampledRows = 1 << 16;
 
 void put(std::string& o, const void* p, size_t n) { o.append(static_cast<const char*>(p), n); }
@@ -56,6 +60,7 @@ void put_sampling(std::string& o, const std::vector<RowSampling>& rows) {
     put_pod(o, r.seed);
     put_pod(o, r.step);
     put_vec(o, r.penalty_counts);
+    put_pod(o, r.pending_input);
   }
 }
 std::vector<RowSampling> get_sampling(const char*& p, const char* end) {
@@ -73,6 +78,7 @@ std::vector<RowSampling> get_sampling(const char*& p, const char* end) {
     r.seed = get<uint64_t>(p, end);
     r.step = get<uint64_t>(p, end);
     r.penalty_counts = get_vec<std::pair<int32_t, int32_t>>(p, end);
+    r.pending_input = get<int32_t>(p, end);
   }
   return rows;
 }
@@ -491,6 +497,7 @@ std::vector<GroupOutput> RankSet::finish(Launched& h) {
   const int32_t d = pc_.dp_size, at = attn_tp(), rpn = ranks_per_node();
   if (!h.ran) return std::move(h.out);
   h.ran = false;
+  if (h.remote) link_->broadcast(std::string(1, kFinish));  // the other nodes finish this step alongside
   finish_local(h);
   std::vector<GroupOutput>& out = h.out;
   const bool want_logits = h.want_logits;
@@ -525,6 +532,7 @@ std::vector<GroupOutput> RankSet::finish(Launched& h) {
 void RankSet::follow() {
   MLA_CHECK(pc_.node_rank > 0 && link_, "RankSet::follow runs on nodes other than 0");
   const int32_t d = pc_.dp_size, at = attn_tp(), rpn = ranks_per_node();
+  std::deque<Launched> running;  // launched here, not finished yet, oldest first (as on node 0)
   for (;;) {
     const std::string msg = link_->recv();
     MLA_CHECK(!msg.empty(), "empty message from node 0");
@@ -532,8 +540,32 @@ void RankSet::follow() {
     const char* end = msg.data() + msg.size();
     if (msg[0] == kQuit) return;
     if (msg[0] == kKv) {
+      MLA_CHECK(running.empty(), "node 0 resized the KV cache while {} steps run", running.size());
       const int32_t pages = get<int32_t>(p, end), ps = get<int32_t>(p, end);
       allocate_kv(pages, ps);
+      continue;
+    }
+    if (msg[0] == kFinish) {
+      MLA_CHECK(!running.empty(), "node 0 finished a step this node never launched");
+      Launched h = std::move(running.front());
+      running.pop_front();
+      finish_local(h);
+      std::string reply;
+      bool leads = false;
+      for (int32_t g = 0; g < d; ++g) {
+        if ((g * at) / rpn != pc_.node_rank) continue;
+        leads = true;
+        const GroupOutput& o = h.out[static_cast<size_t>(g)];
+        put_vec(reply, o.ids);
+        put_vec(reply, o.logprobs);
+        if (h.want_logits) {
+          std::vector<float> l;
+          if (o.logits.defined() && o.logits.numel() > 0)
+            l.assign(o.logits.data_as<float>(), o.logits.data_as<float>() + o.logits.numel());
+          put_vec(reply, l);
+        }
+      }
+      if (leads) link_->send(reply);
       continue;
     }
     MLA_CHECK(msg[0] == kStep, "unknown message '{}' from node 0", msg[0]);
@@ -551,25 +583,11 @@ void RankSet::follow() {
     }
     Launched h;
     h.out.resize(static_cast<size_t>(d));
+    h.want_logits = want_logits;
     launch_local(batches, sampling, want_logits, form, h);
-    finish_local(h);
-    const std::vector<GroupOutput>& out = h.out;
-    std::string reply;
-    bool leads = false;
-    for (int32_t g = 0; g < d; ++g) {
-      if ((g * at) / rpn != pc_.node_rank) continue;
-      leads = true;
-      const GroupOutput& o = out[static_cast<size_t>(g)];
-      put_vec(reply, o.ids);
-      put_vec(reply, o.logprobs);
-      if (want_logits) {
-        std::vector<float> l;
-        if (o.logits.defined() && o.logits.numel() > 0)
-          l.assign(o.logits.data_as<float>(), o.logits.data_as<float>() + o.logits.numel());
-        put_vec(reply, l);
-      }
-    }
-    if (leads) link_->send(reply);
+    running.push_back(std::move(h));
+    ++followed_steps_;
+    if (running.size() > 1) ++followed_overlapped_;
   }
 }
 

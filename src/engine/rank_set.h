@@ -97,8 +97,12 @@ class RankSet {
   std::vector<GroupOutput> finish(Launched& launched);
   // Steps whose batches took input ids from the previous step's samples on the device.
   int64_t prev_id_steps() const { return prev_id_steps_; }
-  // Nodes other than 0: serve node 0's steps until it finishes.
+  // Nodes other than 0: serve node 0's steps until it finishes. Each step is launched when it arrives and finished
+  // when node 0 finishes it, so a step launched behind a running one (overlap scheduling) is queued here too.
   void follow();
+  // On a following node: steps served, and those launched while an earlier one still ran.
+  int64_t followed_steps() const { return followed_steps_; }
+  int64_t followed_overlapped_steps() const { return followed_overlapped_; }
   // Token counts (per DP group) that have a recorded graph; empty when graphs are off.
   const std::vector<int32_t>& graph_batch_sizes() const { return graph_sizes_; }
   // Steps that replayed a graph so far.
@@ -137,7 +141,7 @@ class RankSet {
   std::vector<std::unique_ptr<Rank>> ranks_;  // local ranks
   std::vector<std::function<void()>> abort_groups_;
   std::vector<int32_t> graph_sizes_;
-  int64_t graph_steps_ = 0, prev_id_steps_ = 0;
+  int64_t graph_steps_ = 0, prev_id_steps_ = 0, followed_steps_ = 0, followed_overlapped_ = 0;
   int64_t sampled_rows_ = 0;  // capacity of Rank::sampled (rows)
   int32_t dummy_page_ = -1, page_size_ = 0;  // graphs: padded rows read and write only this page
 

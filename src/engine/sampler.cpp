@@ -18,7 +18,7 @@ RowSampling SamplerState::row(const SamplingParams& p) const {
   r.repetition_penalty = p.repetition_penalty;
   r.seed = seed;
   r.step = step;
-  if (p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f || p.repetition_penalty != 1.0f) {
+  if (penalised(p)) {
     r.penalty_counts.assign(output_counts.begin(), output_counts.end());
     std::sort(r.penalty_counts.begin(), r.penalty_counts.end());
   }

@@ -28,6 +28,11 @@ struct SamplerState {
   RowSampling row(const SamplingParams& p) const;
 };
 
+// Whether any penalty is on (the sampler then needs the request's generated tokens).
+inline bool penalised(const SamplingParams& p) {
+  return p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f || p.repetition_penalty != 1.0f;
+}
+
 // Index of the largest value (the lowest index among ties).
 int32_t argmax_row(const float* x, int64_t n);
 // The n most likely tokens of log_softmax(x), best first (ties: lower id first), and the logprob of `token`.

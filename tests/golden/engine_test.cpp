@@ -217,8 +217,8 @@ class OverlapIds : public EngineTest {};
 TEST_F(OverlapIds, TakesIdsFromTheDeviceWithTheSameOutputs) {
   // Seeded sampling (each token's draw must keep its own step even when the previous token is still in flight),
   // a stop token (seen one step late, while the next step already runs) and a length limit, next to a greedy
-  // request: the same tokens with overlap on and off. Penalties need the previous token on the host, so a batch
-  // with them is not launched early.
+  // request: the same tokens with overlap on and off. Then penalised requests (seeded, and greedy ones whose penalties
+  // change their tokens): also launched early, the token in flight counted by the sampler on the device.
   SamplingParams seeded;
   seeded.temperature = 0.9f;
   seeded.top_k = 40;
@@ -236,8 +236,13 @@ TEST_F(OverlapIds, TakesIdsFromTheDeviceWithTheSameOutputs) {
     SamplingParams pen = seeded;
     pen.frequency_penalty = 0.7f;
     pen.repetition_penalty = 1.3f;
+    SamplingParams pen_greedy;  // negative penalties favour the tokens already generated, the newest included
+    pen_greedy.frequency_penalty = -1.0f;
+    pen_greedy.presence_penalty = -1.0f;
     if (penalties) {
       fs.push_back(submit(eng, "pen", prompts_[2], 12, pen));
+      fs.push_back(submit(eng, "pen_greedy", prompts_[1], 9, pen_greedy));
+      fs.push_back(submit(eng, "pen_greedy_long", prompts_[3], 24, pen_greedy));
     } else {
       fs.push_back(submit(eng, "seeded", prompts_[2], 12, seeded));
       fs.push_back(submit(eng, "stop", prompts_[3], 20, stop));
@@ -262,8 +267,11 @@ TEST_F(OverlapIds, TakesIdsFromTheDeviceWithTheSameOutputs) {
   EXPECT_GT(on_steps, 8);
   const auto [pen_off, pen_off_steps] = run(false, true);
   const auto [pen_on, pen_on_steps] = run(true, true);
-  EXPECT_EQ(pen_on[0].tokens, pen_off[0].tokens);
-  EXPECT_EQ(pen_on_steps, 0);
+  ASSERT_EQ(pen_on.size(), 3u);
+  for (size_t i = 0; i < pen_on.size(); ++i) EXPECT_EQ(pen_on[i].tokens, pen_off[i].tokens) << "penalised " << i;
+  EXPECT_NE(pen_off[1].tokens, off[2].tokens) << "the penalties change the greedy tokens";
+  EXPECT_EQ(pen_off_steps, 0);
+  EXPECT_GT(pen_on_steps, 8);
 }
 
 INSTANTIATE_TEST_SUITE_P(Overlap, EngineTest, ::testing::Values(false, true),

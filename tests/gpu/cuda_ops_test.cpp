@@ -658,5 +658,50 @@ TEST(CudaOps, SampleMatchesCpu) {
   }
 }
 
+// A token still in flight (RowSampling::pending_input: this step's input id, resolved from the previous step's samples
+// on the device) counts as one more generated token: on the GPU as on the CPU, and on the CPU exactly as the list with
+// that token counted (cpu::count_token): in an entry of its own, or added to the entry of its id.
+TEST(CudaOps, SamplePendingTokenMatchesCpu) {
+  REQUIRE_GPU();
+  const int64_t V = 5000, R = 8;
+  Tensor lg = rand_host({R, V}, 90, 3.0f);
+  // Pending ids: each row's own maximum (so a penalty on it changes the greedy pick) or its runner-up.
+  std::vector<int32_t> prev(static_cast<size_t>(R)), inputs(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    const float* l = lg.data_as<float>() + r * V;
+    prev[static_cast<size_t>(r)] = static_cast<int32_t>(std::max_element(l, l + V) - l);
+    inputs[static_cast<size_t>(r)] = r % 3 == 2 ? static_cast<int32_t>(r) : -static_cast<int32_t>(r + 1);
+  }
+  ForwardBatch b;
+  b.input_ids = inputs;
+  Tensor prev_h = Tensor::empty_host({R}, DType::I32);
+  std::copy(prev.begin(), prev.end(), prev_h.data_as<int32_t>());
+  for (Backend* be : {&cpu(), &gpu()}) {
+    be->begin_step(b);
+    be->resolve_prev_ids(be->upload(prev_h, DType::I32));
+  }
+  std::vector<RowSampling> ps(static_cast<size_t>(R)), counted;
+  for (int64_t r = 0; r < R; ++r) {
+    RowSampling& sp = ps[static_cast<size_t>(r)];
+    const int32_t tok = inputs[static_cast<size_t>(r)] < 0 ? prev[static_cast<size_t>(r)] : inputs[static_cast<size_t>(r)];
+    sp.seed = 500 + r;
+    sp.pending_input = static_cast<int32_t>(r);
+    switch (r % 4) {
+      case 0: sp.repetition_penalty = 1.5f; sp.presence_penalty = 2.0f; break;  // greedy, empty list
+      case 1: sp.frequency_penalty = 0.8f; sp.penalty_counts = {{tok, 2}, {11, 1}}; break;  // its entry + 1
+      case 2: sp.temperature = 0.8f; sp.top_k = 20; sp.frequency_penalty = 1.5f; sp.penalty_counts = {{3, 1}}; break;
+      case 3: sp.temperature = 1.0f; sp.presence_penalty = 3.0f; sp.penalty_counts = {{tok, 1}}; break;
+    }
+    RowSampling c = sp;
+    c.pending_input = -1;
+    cpu::count_token(c.penalty_counts, tok);
+    counted.push_back(c);
+  }
+  const std::vector<int32_t> pending_ids = sample_both(lg, ps, "pending tokens");
+  EXPECT_EQ(pending_ids, sample_both(lg, counted, "the same tokens counted on the host"));
+  for (int64_t r = 0; r < R; r += 4)  // the greedy rows' maximum is penalised away
+    EXPECT_NE(pending_ids[static_cast<size_t>(r)], prev[static_cast<size_t>(r)]) << "row " << r;
+}
+
 }  // namespace
 }  // namespace mlaserve::test

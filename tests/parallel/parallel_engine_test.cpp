@@ -33,15 +33,17 @@ Golden golden(const std::string& fam) {
   return g;
 }
 
+// Greedy unless `sp` is given (its max_new_tokens and ignore_eos are set here).
 std::future<std::vector<int32_t>> submit(EngineClient& e, const std::string& rid, const std::vector<int32_t>& ids,
-                                         int32_t max_new, int32_t dp_rank = -1) {
+                                         int32_t max_new, int32_t dp_rank = -1, const SamplingParams* sp = nullptr) {
   auto prom = std::make_shared<std::promise<std::vector<int32_t>>>();
   auto acc = std::make_shared<std::vector<int32_t>>();
   GenerateRequest g;
   g.rid = rid;
   g.input_ids = ids;
+  if (sp) g.sampling = *sp;
+  else g.sampling.temperature = 0.0f;
   g.sampling.max_new_tokens = max_new;
-  g.sampling.temperature = 0.0f;
   g.sampling.ignore_eos = true;
   g.data_parallel_rank = dp_rank;
   g.on_output = [prom, acc](const GenerateOutput& o) {
@@ -131,6 +133,46 @@ void ids_on_the_ranks(int32_t tp, int32_t dp, bool graphs, bool overlap) {
     EXPECT_GT(rs->graph_steps(), 5);
   }
 }
+
+// Penalised requests under overlap scheduling in layouts where another rank than the engine's first samples (a DP
+// group's leading rank; a graph's padded batch): the token in flight is counted there, on the device, so the steps are
+// launched early and the tokens equal those of overlap off.
+void penalised_overlap(int32_t tp, int32_t dp, bool graphs) {
+  Golden g = golden("v2");
+  auto run = [&](bool overlap) {
+    auto ranks = test::cpu_ranks("v2", tp, dp, graphs ? 8 : 0);
+    EngineOptions o;
+    o.page_size = 8;
+    o.num_pages = 160;
+    o.check_integrity = true;
+    o.overlap = overlap;
+    Engine e(std::move(ranks), o);
+    SamplingParams favour;  // negative penalties: the newest token is favoured, so miscounting it shows
+    favour.temperature = 0.0f;
+    favour.frequency_penalty = -1.0f;
+    favour.presence_penalty = -1.0f;
+    SamplingParams seeded;
+    seeded.temperature = 0.8f;
+    seeded.seed = 9;
+    seeded.repetition_penalty = 1.4f;
+    seeded.frequency_penalty = 0.5f;
+    std::vector<std::future<std::vector<int32_t>>> fs;
+    for (int j = 0; j < 5; ++j)
+      fs.push_back(submit(e, "r" + std::to_string(j), g.prompts[j], 10 + j, j % dp, j % 2 ? &favour : &seeded));
+    std::vector<std::vector<int32_t>> out;
+    for (auto& f : fs) out.push_back(wait(f));
+    expect_idle_and_clean(e);
+    return std::make_pair(out, e.stats()[0].overlapped_steps);
+  };
+  const auto [off, off_steps] = run(false);
+  const auto [on, on_steps] = run(true);
+  EXPECT_EQ(on, off);
+  EXPECT_EQ(off_steps, 0);
+  EXPECT_GT(on_steps, 5);
+}
+
+TEST(PenalisedOverlap, TensorParallel2) { penalised_overlap(2, 1, false); }
+TEST(PenalisedOverlap, DpAttention4x2ThroughGraphs) { penalised_overlap(4, 2, true); }
 
 TEST(IdsOnTheDevice, TensorParallel2) { ids_on_the_ranks(2, 1, false, true); }
 TEST(IdsOnTheDevice, TensorParallel2NoOverlap) { ids_on_the_ranks(2, 1, false, false); }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "model/forward_batch.h"
 
 namespace mlaserve {
 namespace {
@@ -131,6 +132,35 @@ TEST(Sampling, Penalties) {
   neg.penalty_counts = {{2, 1}};
   auto ids = run(*be, l, 3, {rep, freq, pres, neg});
   EXPECT_EQ(ids, (std::vector<int32_t>{1, 1, 0, 0}));
+}
+
+// A token still in flight (overlap scheduling) is this step's input id, resolved from the previous step's samples;
+// pending_input makes the sampler count it once more: added to its id's entry, or as an entry of its own, with the
+// presence and repetition penalties still applied once per id.
+TEST(Sampling, PendingTokenCountsOnceMore) {
+  auto be = make_cpu_backend();
+  ForwardBatch b;
+  b.input_ids = {-1, 2};  // token 0: the id sampled for row 0 of the previous step
+  be->begin_step(b);
+  Tensor prev = Tensor::empty_host({1}, DType::I32);
+  prev.data_as<int32_t>()[0] = 0;
+  be->resolve_prev_ids(be->upload(prev, DType::I32));
+  std::vector<float> l = {2.0f, 1.9f, 1.8f, -1.0f};
+  RowSampling freq;  // id 0 counted twice: 2.0 - 0.12 < 1.9 (once: 1.94, still the maximum)
+  freq.frequency_penalty = 0.06f;
+  freq.penalty_counts = {{0, 1}};
+  RowSampling pres = freq;  // presence once per id: 2.0 - 0.07 > 1.9 (twice would be 1.86)
+  pres.frequency_penalty = 0.0f;
+  pres.presence_penalty = 0.07f;
+  RowSampling rep;  // id 0 not listed yet: a new entry, 2.0 / 1.2 < 1.9
+  rep.repetition_penalty = 1.2f;
+  RowSampling other = rep;  // the pending token is input 1 (id 2): id 0 keeps its logit
+  std::vector<RowSampling> ps = {freq, pres, rep, other};
+  for (size_t i = 0; i < 3; ++i) ps[i].pending_input = 0;
+  ps[3].pending_input = 1;
+  EXPECT_EQ(run(*be, l, 4, ps), (std::vector<int32_t>{1, 0, 1, 0}));
+  ps[0].pending_input = 2;  // past the step's 2 tokens
+  EXPECT_THROW(run(*be, l, 4, ps), std::exception);
 }
 
 }  // namespace

@@ -5,7 +5,8 @@
 # idle time between steps (MLASERVE_GPU_IDLE_STATS=1, logged by each backend at exit).
 # Sections (all by default; set the others to 0 to skip): TESTS (GPU tests), EVAL (eval-logits, two nodes), BOB
 # (bench-one-batch), OVERLAP (servers with overlap on vs off give the same greedy ids, per layout), SERVE (bench-serving
-# + idle statistics). ONLY_SERVE=1 is SERVE alone.
+# + idle statistics). ONLY_SERVE=1 is SERVE alone. LAYOUTS: the OVERLAP layouts, space-separated names among tp1 tp2 dpa2
+# (default all three; LAYOUTS=tp1 on one GPU).
 # usage: tools/device/final_run.sh PKG_DIR MODEL_WITH_TOKENIZER
 #   PKG_DIR: tools/device/pack.sh DIR build-cuda/src/mlaserve build-cuda/tests/gpu/cuda_{ops,model,parallel}_test
 #   (strip the binaries and xz libicudata to stay under the 64 MiB carry limit); MODEL_WITH_TOKENIZER: the V2-Lite
@@ -64,15 +65,18 @@ steps() { python3 -c "import urllib.request;print(' '.join(l for l in urllib.req
 if [ "${OVERLAP:-1}" = 1 ]; then
 for X in "tp1:" "tp2:--tp 2" "dpa2:--tp 2 --dp 2 --enable-dp-attention"; do
   n=${X%%:*}; f=${X#*:}
+  [[ " ${LAYOUTS:-tp1 tp2 dpa2} " == *" $n "* ]] || continue
   for mode in on off; do
     extra=""; [ $mode = off ] && extra="--disable-overlap-schedule"
     start_server ov-$n-$mode $f $extra --cuda-graph-max-bs 16 || continue
     lim 60 python3 tools/device/greedy_ids.py $PORT --n 6 --new 32 > /tmp/ov-$n-$mode.json 2> $L/ov-$n-$mode.err
     lim 60 python3 tools/device/greedy_ids.py $PORT --n 6 --new 32 --concurrent > /tmp/ovc-$n-$mode.json 2>> $L/ov-$n-$mode.err
     echo "== overlap $mode $n: $(steps)"
+    lim 60 python3 tools/device/greedy_ids.py $PORT --n 6 --new 32 --penalties > /tmp/ovp-$n-$mode.json 2>> $L/ov-$n-$mode.err
+    echo "== overlap $mode $n, after the penalised requests: $(steps)"
     stop_server
   done
-  echo "== $n overlap on vs off, sequential greedy ids: $(cmp -s /tmp/ov-$n-on.json /tmp/ov-$n-off.json && echo IDENTICAL || echo DIFFERENT) ($(wc -c < /tmp/ov-$n-on.json) bytes); concurrent: $(cmp -s /tmp/ovc-$n-on.json /tmp/ovc-$n-off.json && echo identical || echo different)"
+  echo "== $n overlap on vs off, sequential greedy ids: $(cmp -s /tmp/ov-$n-on.json /tmp/ov-$n-off.json && echo IDENTICAL || echo DIFFERENT) ($(wc -c < /tmp/ov-$n-on.json) bytes); concurrent: $(cmp -s /tmp/ovc-$n-on.json /tmp/ovc-$n-off.json && echo identical || echo different); penalised (sequential): $(cmp -s /tmp/ovp-$n-on.json /tmp/ovp-$n-off.json && echo IDENTICAL || echo DIFFERENT), differ from plain greedy: $(cmp -s /tmp/ovp-$n-on.json /tmp/ov-$n-on.json && echo no || echo yes)"
 done
 fi
 serve_bench() {  # name, serve flags..., -- bench flags...

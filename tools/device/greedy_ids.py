@@ -2,9 +2,11 @@
 """Sends greedy /generate requests of token ids to an mlaserve (or SGLang) server and prints the output ids as JSON.
 
 Used on the device to compare two servers (overlap scheduling on / off, graphs on / off) request by request.
-usage: greedy_ids.py PORT [--concurrent] [--n N] [--len L] [--new M]
+usage: greedy_ids.py PORT [--concurrent] [--penalties] [--n N] [--len L] [--new M]
   default: N requests one after another (each runs alone, so both servers run the very same steps);
-  --concurrent: all at once (batch composition then depends on timing).
+  --concurrent: all at once (batch composition then depends on timing);
+  --penalties: every other request has frequency and presence penalties of -1 (favouring the tokens it generated,
+  the newest included: with overlap scheduling that one is still in flight when the next step is launched).
 """
 import json
 import sys
@@ -12,9 +14,11 @@ import threading
 import urllib.request
 
 
-def generate(port, ids, new):
-    body = json.dumps({"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new,
-                                                             "ignore_eos": True}}).encode()
+def generate(port, ids, new, penalised=False):
+    sp = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
+    if penalised:
+        sp.update(frequency_penalty=-1.0, presence_penalty=-1.0)
+    body = json.dumps({"input_ids": ids, "sampling_params": sp}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())["output_ids"]
@@ -29,15 +33,16 @@ def main():
     if "--new" in args: new = int(args[args.index("--new") + 1])
     prompts = [[(1000 + 7919 * (i * length + j)) % 100000 for j in range(length + i)] for i in range(n)]
     out = [None] * n
+    pen = "--penalties" in args
     if "--concurrent" in args:
         def run(i):
-            out[i] = generate(port, prompts[i], new)
+            out[i] = generate(port, prompts[i], new, pen and i % 2 == 1)
         ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
         for t in ts: t.start()
         for t in ts: t.join()
     else:
         for i in range(n):
-            out[i] = generate(port, prompts[i], new)
+            out[i] = generate(port, prompts[i], new, pen and i % 2 == 1)
     print(json.dumps(out))
 
 

@@ -71,7 +71,17 @@ class CpuBackend final : public Backend {
       std::vector<float> work(static_cast<size_t>(V));
       for (int64_t r = b; r < e; ++r) {
         float l = 0.0f;
-        cpu::sample_row(lp + r * V, V, params[static_cast<size_t>(r)], work.data(), out + r, &l);
+        const RowSampling& sp = params[static_cast<size_t>(r)];
+        if (sp.pending_input >= 0) {
+          MLA_CHECK(sp.pending_input < step_.num_tokens(), "sample: pending input {} of a {}-token step",
+                    sp.pending_input, step_.num_tokens());
+          RowSampling with = sp;
+          with.pending_input = -1;
+          cpu::count_token(with.penalty_counts, step_.input_ids[static_cast<size_t>(sp.pending_input)]);
+          cpu::sample_row(lp + r * V, V, with, work.data(), out + r, &l);
+        } else {
+          cpu::sample_row(lp + r * V, V, sp, work.data(), out + r, &l);
+        }
         if (lpo) lpo[r] = l;
       }
     });

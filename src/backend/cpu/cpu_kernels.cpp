@@ -257,6 +257,15 @@ inline uint32_t ordered_key(float x) {
 }
 }  // namespace
 
+void count_token(std::vector<std::pair<int32_t, int32_t>>& counts, int32_t id) {
+  for (auto& [tok, cnt] : counts)
+    if (tok == id) {
+      ++cnt;
+      return;
+    }
+  counts.emplace_back(id, 1);
+}
+
 void sample_row(const float* logits, int64_t V, const RowSampling& sp, float* x, int32_t* id, float* logprob) {
   std::copy(logits, logits + V, x);
   for (const auto& [tok, cnt] : sp.penalty_counts) {

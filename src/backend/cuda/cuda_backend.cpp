@@ -1252,12 +1252,16 @@ void CudaBackend::sample(const Tensor& logits, std::span<const RowSampling> para
       pcnt.push_back(cnt);
     }
     o.penalty_end = static_cast<int32_t>(ptok.size());
+    MLA_CHECK(s.pending_input < step_.num_tokens(), "sample: pending input {} of a {}-token step", s.pending_input,
+              step_.num_tokens());
+    o.pending_input = s.pending_input;
   }
   MetaUpload up(*this);
   cuda::SampleParams sp{};
   sp.rows = up.add(rows);
   sp.penalty_tokens = up.add(ptok);
   sp.penalty_counts = up.add(pcnt);
+  sp.input_ids = d_input_ids_;
   up.flush();
   const size_t mark = scratch_mark();
   Tensor work = scratch({R, V}, DType::F32);

@@ -343,6 +343,7 @@ struct SampleRow {
   float frequency_penalty, presence_penalty, repetition_penalty;
   uint64_t seed, step;
   int32_t penalty_begin, penalty_end;  // range in the penalty list
+  int32_t pending_input;               // >= 0: input_ids[pending_input] is one more generated token (RowSampling)
 };
 struct SampleParams {
   const float* logits;       // [R, V]
@@ -350,6 +351,7 @@ struct SampleParams {
   const SampleRow* rows;     // [R]
   const int32_t* penalty_tokens;  // token ids of all rows' penalty lists
   const int32_t* penalty_counts;  // counts
+  const int32_t* input_ids;       // the step's input ids, resolved (read for rows with pending_input >= 0)
   float* work;               // [R, V] scratch
   int32_t* ids;              // [R] out
   float* logprobs;           // [R] out or null

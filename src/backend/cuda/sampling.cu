@@ -75,7 +75,7 @@ __device__ float row_sum_exp(const float* x, int64_t V, float mx, float* red) {
 // merges the parts in order. Other rows return at once.
 constexpr int kSplitThreads = 256, kMaxSplit = 64, kMinSplitLen = 1024;
 __device__ __forceinline__ bool plain_greedy(const SampleRow& row) {
-  return row.temperature <= 0.0f && row.penalty_begin == row.penalty_end;
+  return row.temperature <= 0.0f && row.penalty_begin == row.penalty_end && row.pending_input < 0;
 }
 
 __global__ void __launch_bounds__(kSplitThreads) greedy_parts_kernel(const SampleParams p, int32_t parts) {
@@ -150,15 +150,29 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
   }
   for (int64_t v = tid; v < V; v += blockDim.x) x[v] = lg[v];
   __syncthreads();
-  for (int i = row.penalty_begin + tid; i < row.penalty_end; i += blockDim.x) {
-    const int32_t tok = p.penalty_tokens[i], cnt = p.penalty_counts[i];
-    if (tok < 0 || tok >= V || cnt <= 0) continue;
+  // The pending token (a generated token still in flight when the row was built) counts once more: in its entry
+  // when the list has one, else as an entry of its own (cpu::count_token).
+  const int32_t pending = row.pending_input >= 0 ? p.input_ids[row.pending_input] : -1;
+  auto penalise = [&](int32_t tok, int32_t cnt) {
     float v = x[tok];
     if (row.repetition_penalty != 1.0f) v = v > 0.0f ? v / row.repetition_penalty : v * row.repetition_penalty;
     v -= row.frequency_penalty * static_cast<float>(cnt);
     v -= row.presence_penalty;
     x[tok] = v;
+  };
+  bool listed = false;
+  for (int i = row.penalty_begin + tid; i < row.penalty_end; i += blockDim.x) {
+    const int32_t tok = p.penalty_tokens[i];
+    int32_t cnt = p.penalty_counts[i];
+    if (tok == pending) {
+      listed = true;
+      ++cnt;
+    }
+    if (tok < 0 || tok >= V || cnt <= 0) continue;
+    penalise(tok, cnt);
   }
+  listed = __syncthreads_or(listed);
+  if (tid == 0 && !listed && pending >= 0 && pending < V) penalise(pending, 1);
   __syncthreads();
   if (!greedy)
     for (int64_t v = tid; v < V; v += blockDim.x) x[v] = x[v] / row.temperature;
