@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -99,7 +100,49 @@ inline int ceil_div_i(int64_t a, int64_t b) { return static_cast<int>((a + b - 1
 // previous kernel has finished and its writes are visible; as each kernel waits, that covers all earlier kernels.
 // pdl_trigger() lets the next kernel start launching (its blocks take free SM slots and prefetch its weights).
 // Without the launch attribute both are no-ops.
+#ifdef MLASERVE_PROBE
+// Probe builds (-DMLASERVE_PROBE=ON; tools/device/probe_step.sh): thread 0 of every block appends (grid, block, tag,
+// %globaltimer) records to this translation unit's buffer: tag 0 when it reaches pdl_wait(), 1 when the wait
+// returns, others where a kernel calls probe_mark. CudaBackend records one graph step (probe_start / probe_dump).
+struct ProbeRecord {
+  unsigned long long grid, time;
+  unsigned block, tag;
+};
+constexpr unsigned kProbeCap = 1u << 19;
+struct ProbeBuf {
+  unsigned on, n;
+  ProbeRecord rec[kProbeCap];
+};
+namespace {
+__device__ ProbeBuf g_probe;
+}
+__device__ __forceinline__ void probe_mark(unsigned tag) {
+  if (threadIdx.x != 0 || !*(volatile unsigned*)&g_probe.on) return;
+  unsigned long long t, g;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
+  const unsigned i = atomicAdd(&g_probe.n, 1u);
+  if (i < kProbeCap) g_probe.rec[i] = {g, t, blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), tag};
+}
+// Host: every translation unit's buffer (registered at load).
+std::vector<void* (*)()>& probe_buffers();
+namespace {
+void* probe_buffer_address() {
+  void* p = nullptr;
+  cudaGetSymbolAddress(&p, g_probe);
+  return p;
+}
+const bool probe_registered = (probe_buffers().push_back(&probe_buffer_address), true);
+}  // namespace
+__device__ __forceinline__ void pdl_wait() {
+  probe_mark(0);
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  probe_mark(1);
+}
+#else
+__device__ __forceinline__ void probe_mark(unsigned) {}
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+#endif
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
 // Whether launch() sets the PDL attribute: on unless MLASERVE_PDL=0 (read once).

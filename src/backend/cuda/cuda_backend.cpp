@@ -784,6 +784,20 @@ class CudaBackend final : public Backend {
     d_page_table_ = up.add(step_.page_table);
     mark_step_start();
     up.flush();
+#ifdef MLASERVE_PROBE
+    // Probe builds: record the MLASERVE_PROBE_STEP-th graph step (default 40) into MLASERVE_PROBE_OUT.
+    if (graph) {
+      static const long probe_step = std::getenv("MLASERVE_PROBE_STEP") ? std::atol(std::getenv("MLASERVE_PROBE_STEP")) : 40;
+      const char* out = std::getenv("MLASERVE_PROBE_OUT");
+      if (probe_graph_steps_ == probe_step) {
+        cudaStreamSynchronize(stream_);
+        cuda::probe_start();
+      } else if (probe_graph_steps_ == probe_step + 1) {
+        cuda::probe_dump(out ? out : "/tmp/probe.txt");
+      }
+      ++probe_graph_steps_;
+    }
+#endif
   }
 
   // MLASERVE_GPU_IDLE_STATS=1: events at each step's first GPU work (the metadata upload) and after its last
@@ -874,6 +888,9 @@ class CudaBackend final : public Backend {
 
   ForwardBatch step_;
   int32_t* d_input_ids_ = nullptr;
+#ifdef MLASERVE_PROBE
+  long probe_graph_steps_ = 0;
+#endif
   int32_t* d_positions_ = nullptr;
   unsigned* gate_counter_ = nullptr;  // cuda::moe_gate's arrival counter (0 between launches)
   int32_t* d_out_slots_ = nullptr;
@@ -945,14 +962,14 @@ CudaBackend::MlaPlan CudaBackend::build_plan(const PlanKey& key, MetaUpload& up,
     int32_t partial = 0;
     for (int32_t s : absorbed_seqs)
       for (int32_t t = b.seq_q_start[s]; t < b.seq_q_start[s + 1]; ++t) {
-        const int32_t ctx = b.positions[t] + 1, row = s * b.max_pages;
+        const int32_t ctx = b.positions[t] + 1, row = s * b.max_pages, cached = b.seq_prefix_lens[s];
         if (S == 1) {
-          decode.push_back({t, row, 0, ctx, -1});
+          decode.push_back({t, row, 0, ctx, -1, cached});
           continue;
         }
         const int32_t len = ((ctx + S - 1) / S + 63) / 64 * 64;
         for (int32_t i = 0; i < S; ++i)
-          decode.push_back({t, row, std::min(ctx, i * len), std::min(ctx, (i + 1) * len), partial + i});
+          decode.push_back({t, row, std::min(ctx, i * len), std::min(ctx, (i + 1) * len), partial + i, cached});
         combine.push_back({t, partial, S});
         partial += S;
       }
@@ -964,7 +981,7 @@ CudaBackend::MlaPlan CudaBackend::build_plan(const PlanKey& key, MetaUpload& up,
     int32_t partial = 0;
     for (int32_t s : absorbed_seqs)
       for (int32_t t = b.seq_q_start[s]; t < b.seq_q_start[s + 1]; ++t)
-        cuda::plan_decode_token(t, s, b.positions[t] + 1, chunk, decode, combine, partial);
+        cuda::plan_decode_token(t, s, b.positions[t] + 1, chunk, decode, combine, partial, b.seq_prefix_lens[s]);
     plan.num_partials = partial;
   }
   int64_t ctx_rows = 0;

@@ -2,6 +2,8 @@
 // add, row gather, RoPE on q and the latent-cache write. CPU references: backend/cpu/cpu_backend.cpp.
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -199,6 +201,36 @@ __global__ void rope_q_write_latent_kernel(MlaPrepArgs a) {
 }
 
 }  // namespace
+
+#ifdef MLASERVE_PROBE
+std::vector<void* (*)()>& probe_buffers() {
+  static std::vector<void* (*)()> b;
+  return b;
+}
+
+void probe_start() {
+  const unsigned header[2] = {1u, 0u};
+  for (auto addr : probe_buffers()) cudaMemcpy(addr(), header, sizeof(header), cudaMemcpyHostToDevice);
+}
+
+void probe_dump(const char* path) {
+  cudaDeviceSynchronize();
+  FILE* f = std::fopen(path, "w");
+  for (auto addr : probe_buffers()) {
+    char* p = static_cast<char*>(addr());
+    unsigned header[2] = {0u, 0u};
+    cudaMemcpy(header, p, sizeof(header), cudaMemcpyDeviceToHost);
+    const unsigned n = std::min(header[1], kProbeCap);
+    std::vector<ProbeRecord> rec(n);
+    cudaMemcpy(rec.data(), p + offsetof(ProbeBuf, rec), n * sizeof(ProbeRecord), cudaMemcpyDeviceToHost);
+    const unsigned off[2] = {0u, 0u};
+    cudaMemcpy(p, off, sizeof(off), cudaMemcpyHostToDevice);
+    if (f)
+      for (const ProbeRecord& r : rec) std::fprintf(f, "%llu %u %u %llu\n", r.grid, r.block, r.tag, r.time);
+  }
+  if (f) std::fclose(f);
+}
+#endif
 
 bool pdl_enabled() {
   static const bool on = [] {

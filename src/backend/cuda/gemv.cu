@@ -247,10 +247,12 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_kernel(GemvArgs g, const
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
   __syncthreads();
+  probe_mark(3);
   if (!last) return;
   __threadfence();
   route_block(logits, g.ldy, g.T, bias, g.N, r, ids, weights);
   if (threadIdx.x == 0) *counter = 0;
+  probe_mark(2);
 }
 
 // ---- y = x W (W: [K, N] rows), bf16 out ------------------------------------------------------------------------
@@ -447,6 +449,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
   };
   if (first_shared) compute(first);
   build_plan(a, pair, plan);
+  probe_mark(2);
   if (plan_out && blockIdx.x == 0)
     for (int i = threadIdx.x; i < static_cast<int>(sizeof(MoePlan) / 4); i += blockDim.x)
       reinterpret_cast<int32_t*>(plan_out)[i] = reinterpret_cast<const int32_t*>(&plan)[i];
@@ -465,6 +468,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
     load_chunk(wu, ur, lane, nvec);
     compute(it);
   }
+  probe_mark(3);  // thread 0's warp is done
 }
 
 // Block b: output columns [COLS b, COLS (b + 1)) of every token. Its "segments" (a slice of the
@@ -565,6 +569,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_kernel(MoeSm
     }
   }
   __syncthreads();
+  probe_mark(3);
   const int c = threadIdx.x / TT, t = threadIdx.x % TT;
   if (c >= ncol || t >= a.T) return;
   float r = 0.0f;

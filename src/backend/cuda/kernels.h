@@ -25,6 +25,13 @@ using bf16 = __nv_bfloat16;
 cudaError_t fill_random(void* out, bool out_bf16, int64_t rows, int64_t cols, uint64_t seed, float mean, float stddev,
                         int64_t full_cols, int64_t row_offset, int64_t col_offset, cudaStream_t stream);
 
+#ifdef MLASERVE_PROBE
+// Probe builds: probe_start clears every kernel file's record buffer and turns recording on; probe_dump waits for the
+// device, writes "grid block tag time_ns" lines of all buffers to `path` and turns recording off.
+void probe_start();
+void probe_dump(const char* path);
+#endif
+
 // out[n] = in[n] converted (bf16 <-> f32).
 cudaError_t convert_bf16_to_f32(const bf16* in, float* out, int64_t n, cudaStream_t stream);
 cudaError_t convert_f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream);
@@ -90,6 +97,8 @@ struct MlaDecodeItem {
   int32_t key_begin;   // first key position of this split
   int32_t key_end;     // one past the last key position
   int32_t partial;     // index of this split's partial row block, or -1: the only split, written to out directly
+  int32_t cached_end = 0;  // keys below this were written by earlier steps: the fast kernels may load them before
+                           // their PDL wait (0: none)
 };
 
 // Per token with more than one split: where its splits' partial results live.
@@ -136,17 +145,19 @@ int32_t mla_decode_split_keys(int64_t total_keys, int64_t num_tokens, int64_t ma
 
 // Appends one decode token's work: its keys [0, ctx) in parts of at most `chunk` keys (equal parts in whole 64-key
 // steps), each part writing its own partial result and one combine item gathering them; a single item writing the
-// output directly when one part suffices. `row`: the token's page-table row; `partial`: the next free partial.
+// output directly when one part suffices. `row`: the token's page-table row; `partial`: the next free partial;
+// `cached_end`: the keys its sequence had cached before this step (MlaDecodeItem::cached_end).
 inline void plan_decode_token(int32_t token, int32_t row, int32_t ctx, int32_t chunk, std::vector<MlaDecodeItem>& items,
-                              std::vector<MlaDecodeCombineItem>& combine, int32_t& partial) {
+                              std::vector<MlaDecodeCombineItem>& combine, int32_t& partial, int32_t cached_end = 0) {
   const int32_t nsplit = (ctx + chunk - 1) / chunk;
   if (nsplit <= 1) {
-    items.push_back({token, row, 0, ctx, -1});
+    items.push_back({token, row, 0, ctx, -1, cached_end});
     return;
   }
   const int32_t len = ((ctx + nsplit - 1) / nsplit + 63) / 64 * 64;
   const int32_t first = partial;
-  for (int32_t k0 = 0; k0 < ctx; k0 += len) items.push_back({token, row, k0, std::min(ctx, k0 + len), partial++});
+  for (int32_t k0 = 0; k0 < ctx; k0 += len)
+    items.push_back({token, row, k0, std::min(ctx, k0 + len), partial++, cached_end});
   combine.push_back({token, first, partial - first});
 }
 

@@ -351,8 +351,6 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
 
 template <int NW, int STAGES, int BN, int KSPLIT, int MINB>
 __global__ void __launch_bounds__((NW + 1) * 32, MINB) mla_decode_ws_kernel(const MlaDecodeParams p) {
-  pdl_wait();
-  pdl_trigger();
   using C = WsCfg<NW, STAGES, BN, KSPLIT, MINB>;
   constexpr int HB = C::HB, KVR = C::KVR, LDS = C::LDS, LDSS = C::LDSS, KSTEPS = C::KSTEPS, NPW = C::NPW;
   extern __shared__ __align__(128) uint8_t smem_raw[];
@@ -363,13 +361,15 @@ __global__ void __launch_bounds__((NW + 1) * 32, MINB) mla_decode_ws_kernel(cons
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
+  // The item and the page table were uploaded before the step, and cache rows below it.cached_end were written by
+  // earlier steps: the producer loads the first stages of those before the PDL wait (the newest rows are written by
+  // the kernel before this one). Everything else waits.
   const MlaDecodeItem it = p.items[blockIdx.x];
   const int h0 = blockIdx.y * HB;
   const int nh = p.num_heads;
   const int rows_valid = min(HB, nh - h0);
-  if (empty_split(p, it, h0, rows_valid)) return;
   const int n_tiles = (it.key_end - it.key_begin + BN - 1) / BN;
-  if (tid == 0) {
+  if (tid == 0 && n_tiles > 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full + s, 32);  // every producer lane arrives once per fill
       mbar_init(empty + s, NW);  // one arrival per consumer warp per use
@@ -377,38 +377,44 @@ __global__ void __launch_bounds__((NW + 1) * 32, MINB) mla_decode_ws_kernel(cons
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-
-  if (warp == NW) {
-    // Producer: fill stage kt % STAGES with tile kt once its previous use has been handed back.
-    const int32_t* ptab = p.page_table + static_cast<int64_t>(it.seq) * p.max_pages;
-    for (int kt = 0; kt < n_tiles; ++kt) {
-      const int s = kt % STAGES;
-      const int key0 = it.key_begin + kt * BN;
-      int64_t slot[BN / 32];
+  // Producer: fill stage kt % STAGES with tile kt once its previous use has been handed back.
+  const int32_t* ptab = p.page_table + static_cast<int64_t>(it.seq) * p.max_pages;
+  auto produce = [&](int kt) {
+    const int s = kt % STAGES;
+    const int key0 = it.key_begin + kt * BN;
+    int64_t slot[BN / 32];
 #pragma unroll
-      for (int i = 0; i < BN / 32; ++i) {
-        const int key = key0 + lane + 32 * i;
-        slot[i] = key < it.key_end
-                      ? static_cast<int64_t>(ptab[key / p.page_size]) * p.page_size + key % p.page_size
-                      : 0;
-      }
-      if (kt >= STAGES) mbar_wait(empty + s, ((kt / STAGES) - 1) & 1);
-      if (lane == 0) mbar_expect_tx(full + s, static_cast<uint32_t>(min(BN, it.key_end - key0) * C::ROW_BYTES));
-      __syncwarp();
-      bf16* dst = sK + s * BN * LDS;
-#pragma unroll
-      for (int i = 0; i < BN / 32; ++i) {
-        const int r = lane + 32 * i;
-        if (key0 + r < it.key_end) {
-          bulk_copy_g2s(dst + r * LDS, p.cache + slot[i] * C::D, C::ROW_BYTES, full + s);
-        } else {
-          uint4* z = reinterpret_cast<uint4*>(dst + r * LDS);
-          for (int c = 0; c < C::D / 8; ++c) z[c] = make_uint4(0, 0, 0, 0);
-          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // before later bulk writes to this row
-        }
-      }
-      mbar_arrive(full + s);
+    for (int i = 0; i < BN / 32; ++i) {
+      const int key = key0 + lane + 32 * i;
+      slot[i] = key < it.key_end ? static_cast<int64_t>(ptab[key / p.page_size]) * p.page_size + key % p.page_size
+                                 : 0;
     }
+    if (kt >= STAGES) mbar_wait(empty + s, ((kt / STAGES) - 1) & 1);
+    if (lane == 0) mbar_expect_tx(full + s, static_cast<uint32_t>(min(BN, it.key_end - key0) * C::ROW_BYTES));
+    __syncwarp();
+    bf16* dst = sK + s * BN * LDS;
+#pragma unroll
+    for (int i = 0; i < BN / 32; ++i) {
+      const int r = lane + 32 * i;
+      if (key0 + r < it.key_end) {
+        bulk_copy_g2s(dst + r * LDS, p.cache + slot[i] * C::D, C::ROW_BYTES, full + s);
+      } else {
+        uint4* z = reinterpret_cast<uint4*>(dst + r * LDS);
+        for (int c = 0; c < C::D / 8; ++c) z[c] = make_uint4(0, 0, 0, 0);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // before later bulk writes to this row
+      }
+    }
+    mbar_arrive(full + s);
+  };
+  int early = 0;  // tiles produced before the wait: whole tiles of earlier steps' rows, up to the ring's size
+  if (warp == NW)
+    while (early < n_tiles && early < STAGES && min(it.key_begin + (early + 1) * BN, it.key_end) <= it.cached_end)
+      produce(early++);
+  pdl_wait();
+  pdl_trigger();
+  if (empty_split(p, it, h0, rows_valid)) return;
+  if (warp == NW) {
+    for (int kt = early; kt < n_tiles; ++kt) produce(kt);
     return;
   }
 

@@ -99,6 +99,16 @@ __global__ void __launch_bounds__(kSplitThreads) greedy_parts_kernel(const Sampl
   }
 }
 
+// x[tok] with the row's penalties for `cnt` occurrences (nothing for ids outside [0, V) or cnt <= 0).
+__device__ __forceinline__ void penalise(float* x, int64_t V, const SampleRow& row, int32_t tok, int32_t cnt) {
+  if (tok < 0 || tok >= V || cnt <= 0) return;
+  float v = x[tok];
+  if (row.repetition_penalty != 1.0f) v = v > 0.0f ? v / row.repetition_penalty : v * row.repetition_penalty;
+  v -= row.frequency_penalty * static_cast<float>(cnt);
+  v -= row.presence_penalty;
+  x[tok] = v;
+}
+
 __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SampleParams p, int32_t parts) {
   pdl_wait();
   pdl_trigger();
@@ -112,7 +122,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
 
   const int64_t r = blockIdx.x;
   const int64_t V = p.V;
-  const SampleRow row = p.rows[r];
+  const SampleRow& row = p.rows[r];  // read where used (L1): fewer registers live through the kernel
   const float* lg = p.logits + r * V;
   float* x = p.work + r * V;
   const int tid = threadIdx.x;
@@ -153,26 +163,14 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
   // The pending token (a generated token still in flight when the row was built) counts once more: in its entry
   // when the list has one, else as an entry of its own (cpu::count_token).
   const int32_t pending = row.pending_input >= 0 ? p.input_ids[row.pending_input] : -1;
-  auto penalise = [&](int32_t tok, int32_t cnt) {
-    float v = x[tok];
-    if (row.repetition_penalty != 1.0f) v = v > 0.0f ? v / row.repetition_penalty : v * row.repetition_penalty;
-    v -= row.frequency_penalty * static_cast<float>(cnt);
-    v -= row.presence_penalty;
-    x[tok] = v;
-  };
   bool listed = false;
   for (int i = row.penalty_begin + tid; i < row.penalty_end; i += blockDim.x) {
     const int32_t tok = p.penalty_tokens[i];
-    int32_t cnt = p.penalty_counts[i];
-    if (tok == pending) {
-      listed = true;
-      ++cnt;
-    }
-    if (tok < 0 || tok >= V || cnt <= 0) continue;
-    penalise(tok, cnt);
+    const bool mine = tok == pending;
+    listed |= mine;
+    penalise(x, V, row, tok, p.penalty_counts[i] + (mine ? 1 : 0));
   }
-  listed = __syncthreads_or(listed);
-  if (tid == 0 && !listed && pending >= 0 && pending < V) penalise(pending, 1);
+  if (!__syncthreads_or(listed) && tid == 0) penalise(x, V, row, pending, 1);
   __syncthreads();
   if (!greedy)
     for (int64_t v = tid; v < V; v += blockDim.x) x[v] = x[v] / row.temperature;
