@@ -82,7 +82,6 @@ template <bool ADD>
 __global__ void rmsnorm_kernel(const bf16* x, bf16* residual, const float* w, int64_t D, float eps, bf16* out) {
   __shared__ float red[32];
   pdl_wait();
-  pdl_trigger();
   const int64_t row = blockIdx.x;
   const bf16* xr = x + row * D;
   bf16* rr = ADD ? residual + row * D : nullptr;
@@ -124,6 +123,7 @@ __global__ void rmsnorm_kernel(const bf16* x, bf16* residual, const float* w, in
     }
   }
   ss = block_sum(ss, red);
+  pdl_trigger();  // after this kernel's reads: the next kernel's early weight loads would hold them up
   const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
   if (vec) {
     for (int64_t i = threadIdx.x; i < D / 8; i += blockDim.x) {

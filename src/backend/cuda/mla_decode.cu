@@ -699,7 +699,6 @@ __global__ void __launch_bounds__(kCombineThreads) mla_decode_combine_kernel(con
                                                                             const float* partial_lse, int32_t nh,
                                                                             int32_t kvr, bf16* out_lat) {
   pdl_wait();
-  pdl_trigger();
   __shared__ float red[32];
   __shared__ float wts[kCombineThreads];
   const MlaDecodeCombineItem it = items[blockIdx.x];
@@ -741,6 +740,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_decode_combine_kernel(con
           for (int j = 0; j < kCombineMaxCols; ++j) acc[j] += w[u] * v[u][j];
     }
   }
+  pdl_trigger();  // after this kernel's reads: the next kernel's early weight loads would hold them up
 #pragma unroll
   for (int j = 0; j < kCombineMaxCols; ++j) {
     const int c = tid + j * kCombineThreads;
