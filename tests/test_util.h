@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <future>
+#include <memory>
 #include <string>
 
 #include <arpa/inet.h>
@@ -18,6 +20,7 @@
 #include <cmath>
 #include <thread>
 
+#include "engine/engine.h"
 #include "engine/engine_api.h"
 #include "engine/rank_set.h"
 #include "io/safetensors.h"
@@ -116,6 +119,44 @@ inline std::unique_ptr<RankSet> cpu_ranks(const std::string& family, int32_t tp 
   pc.backend.cpu_graphs = graph_max_bs > 0;
   pc.cuda_graph_max_bs = graph_max_bs;
   return std::make_unique<RankSet>(ModelConfig::from_file(golden_dir(family)), pc, golden_dir(family), LoadOptions{});
+}
+
+// Engine options of the engine tests: pages of 8 tokens, integrity checks after every step.
+inline EngineOptions small_engine_options(bool overlap, int32_t num_pages = 160) {
+  EngineOptions o;
+  o.page_size = 8;
+  o.num_pages = num_pages;
+  o.check_integrity = true;
+  o.overlap = overlap;
+  return o;
+}
+
+// Submits token ids for max_new new tokens (EOS ignored), greedy unless `sp` is given; the future holds every new token.
+inline std::future<std::vector<int32_t>> submit_ids(EngineClient& e, const std::string& rid,
+                                                    const std::vector<int32_t>& ids, int32_t max_new,
+                                                    int32_t dp_rank = -1, const SamplingParams* sp = nullptr) {
+  auto prom = std::make_shared<std::promise<std::vector<int32_t>>>();
+  auto acc = std::make_shared<std::vector<int32_t>>();
+  GenerateRequest g;
+  g.rid = rid;
+  g.input_ids = ids;
+  if (sp) g.sampling = *sp;
+  else g.sampling.temperature = 0.0f;
+  g.sampling.max_new_tokens = max_new;
+  g.sampling.ignore_eos = true;
+  g.data_parallel_rank = dp_rank;
+  g.on_output = [prom, acc](const GenerateOutput& o) {
+    acc->insert(acc->end(), o.new_tokens.begin(), o.new_tokens.end());
+    if (o.finished) prom->set_value(*acc);
+  };
+  e.submit(std::move(g));
+  return prom->get_future();
+}
+
+// The tokens of submit_ids' future (a hang fails the test instead of blocking it).
+inline std::vector<int32_t> wait_ids(std::future<std::vector<int32_t>>& f) {
+  EXPECT_EQ(f.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "hang?";
+  return f.get();
 }
 
 // Waits until no DP rank runs or queues a request, flushes the prefix cache, and expects every KV page free.

@@ -6,11 +6,7 @@
 #include <cstdint>
 #include <string_view>
 
-#if defined(__CUDACC__)
-#define MLA_HOST_DEVICE __host__ __device__
-#else
-#define MLA_HOST_DEVICE
-#endif
+#include "core/host_device.h"
 
 namespace mlaserve {
 

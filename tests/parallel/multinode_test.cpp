@@ -14,7 +14,6 @@
 #include <mutex>
 #include <thread>
 
-#include "engine/engine.h"
 #include "engine/offline.h"
 #include "io/safetensors.h"
 #include "parallel/inprocess_communicator.h"
@@ -112,38 +111,16 @@ TEST(MultiNode, TwoSimulatedNodesEqualOneNode) {
 TEST(MultiNode, EngineOverlapsOnEveryNode) {
   auto ps = test::golden_prompts("v2");
   auto run = [&](std::unique_ptr<RankSet> ranks, bool overlap) {
-    EngineOptions o;
-    o.page_size = 8;
-    o.num_pages = 160;
-    o.check_integrity = true;
-    o.overlap = overlap;
-    Engine e(std::move(ranks), o);
+    Engine e(std::move(ranks), test::small_engine_options(overlap));
+    SamplingParams favour;  // negative penalties: the newest token is favoured, so miscounting it changes the output
+    favour.temperature = 0.0f;
+    favour.frequency_penalty = -1.0f;
+    favour.presence_penalty = -1.0f;
     std::vector<std::future<std::vector<int32_t>>> fs;
-    for (size_t j = 0; j < ps.size(); ++j) {
-      auto prom = std::make_shared<std::promise<std::vector<int32_t>>>();
-      auto acc = std::make_shared<std::vector<int32_t>>();
-      GenerateRequest g;
-      g.rid = "r" + std::to_string(j);
-      g.input_ids = ps[j];
-      g.sampling.max_new_tokens = 12;
-      g.sampling.temperature = 0.0f;
-      g.sampling.ignore_eos = true;
-      if (j % 2) {  // negative penalties: the newest token is favoured, so miscounting it changes the output
-        g.sampling.frequency_penalty = -1.0f;
-        g.sampling.presence_penalty = -1.0f;
-      }
-      g.on_output = [prom, acc](const GenerateOutput& out) {
-        acc->insert(acc->end(), out.new_tokens.begin(), out.new_tokens.end());
-        if (out.finished) prom->set_value(*acc);
-      };
-      e.submit(std::move(g));
-      fs.push_back(prom->get_future());
-    }
+    for (size_t j = 0; j < ps.size(); ++j)
+      fs.push_back(test::submit_ids(e, "r" + std::to_string(j), ps[j], 12, -1, j % 2 ? &favour : nullptr));
     std::vector<std::vector<int32_t>> out;
-    for (auto& f : fs) {
-      EXPECT_EQ(f.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "hang?";
-      out.push_back(f.get());
-    }
+    for (auto& f : fs) out.push_back(test::wait_ids(f));
     test::expect_engine_idle_and_clean(e);
     return std::make_pair(out, e.stats()[0].overlapped_steps);
   };

@@ -33,31 +33,12 @@ Golden golden(const std::string& fam) {
   return g;
 }
 
-// Greedy unless `sp` is given (its max_new_tokens and ignore_eos are set here).
 std::future<std::vector<int32_t>> submit(EngineClient& e, const std::string& rid, const std::vector<int32_t>& ids,
                                          int32_t max_new, int32_t dp_rank = -1, const SamplingParams* sp = nullptr) {
-  auto prom = std::make_shared<std::promise<std::vector<int32_t>>>();
-  auto acc = std::make_shared<std::vector<int32_t>>();
-  GenerateRequest g;
-  g.rid = rid;
-  g.input_ids = ids;
-  if (sp) g.sampling = *sp;
-  else g.sampling.temperature = 0.0f;
-  g.sampling.max_new_tokens = max_new;
-  g.sampling.ignore_eos = true;
-  g.data_parallel_rank = dp_rank;
-  g.on_output = [prom, acc](const GenerateOutput& o) {
-    acc->insert(acc->end(), o.new_tokens.begin(), o.new_tokens.end());
-    if (o.finished) prom->set_value(*acc);
-  };
-  e.submit(std::move(g));
-  return prom->get_future();
+  return test::submit_ids(e, rid, ids, max_new, dp_rank, sp);
 }
 
-std::vector<int32_t> wait(std::future<std::vector<int32_t>>& f) {
-  EXPECT_EQ(f.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "hang?";
-  return f.get();
-}
+std::vector<int32_t> wait(std::future<std::vector<int32_t>>& f) { return test::wait_ids(f); }
 
 void expect_prefix(const std::vector<int32_t>& got, const std::vector<int32_t>& ref) {
   for (size_t i = 0; i < std::min(got.size(), ref.size()); ++i) EXPECT_EQ(got[i], ref[i]) << "step " << i;
@@ -108,12 +89,7 @@ void ids_on_the_ranks(int32_t tp, int32_t dp, bool graphs, bool overlap) {
   Golden g = golden("v2");
   auto ranks = test::cpu_ranks("v2", tp, dp, graphs ? 8 : 0);
   const RankSet* rs = ranks.get();
-  EngineOptions o;
-  o.page_size = 8;
-  o.num_pages = 160;
-  o.check_integrity = true;
-  o.overlap = overlap;
-  Engine e(std::move(ranks), o);
+  Engine e(std::move(ranks), test::small_engine_options(overlap));
   std::vector<std::future<std::vector<int32_t>>> fs;
   for (int j = 0; j < 5; ++j) fs.push_back(submit(e, "r" + std::to_string(j), g.prompts[j], 10 + j));
   for (int j = 0; j < 5; ++j) {
@@ -140,13 +116,7 @@ void ids_on_the_ranks(int32_t tp, int32_t dp, bool graphs, bool overlap) {
 void penalised_overlap(int32_t tp, int32_t dp, bool graphs) {
   Golden g = golden("v2");
   auto run = [&](bool overlap) {
-    auto ranks = test::cpu_ranks("v2", tp, dp, graphs ? 8 : 0);
-    EngineOptions o;
-    o.page_size = 8;
-    o.num_pages = 160;
-    o.check_integrity = true;
-    o.overlap = overlap;
-    Engine e(std::move(ranks), o);
+    Engine e(test::cpu_ranks("v2", tp, dp, graphs ? 8 : 0), test::small_engine_options(overlap));
     SamplingParams favour;  // negative penalties: the newest token is favoured, so miscounting it shows
     favour.temperature = 0.0f;
     favour.frequency_penalty = -1.0f;

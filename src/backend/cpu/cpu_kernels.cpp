@@ -8,6 +8,7 @@
 #include <numeric>
 #include <vector>
 
+#include "core/penalty.h"
 #include "core/random.h"
 #include "core/thread_pool.h"
 
@@ -270,11 +271,7 @@ void sample_row(const float* logits, int64_t V, const RowSampling& sp, float* x,
   std::copy(logits, logits + V, x);
   for (const auto& [tok, cnt] : sp.penalty_counts) {
     if (tok < 0 || tok >= V || cnt <= 0) continue;
-    float v = x[tok];
-    if (sp.repetition_penalty != 1.0f) v = v > 0.0f ? v / sp.repetition_penalty : v * sp.repetition_penalty;
-    v -= sp.frequency_penalty * static_cast<float>(cnt);
-    v -= sp.presence_penalty;
-    x[tok] = v;
+    x[tok] = penalised_logit(x[tok], sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty, cnt);
   }
   const bool greedy = sp.temperature <= 0.0f;
   if (!greedy)

@@ -7,6 +7,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/kernels.h"
+#include "core/penalty.h"
 #include "core/random.h"
 
 namespace mlaserve::cuda {
@@ -102,11 +103,7 @@ __global__ void __launch_bounds__(kSplitThreads) greedy_parts_kernel(const Sampl
 // x[tok] with the row's penalties for `cnt` occurrences (nothing for ids outside [0, V) or cnt <= 0).
 __device__ __forceinline__ void penalise(float* x, int64_t V, const SampleRow& row, int32_t tok, int32_t cnt) {
   if (tok < 0 || tok >= V || cnt <= 0) return;
-  float v = x[tok];
-  if (row.repetition_penalty != 1.0f) v = v > 0.0f ? v / row.repetition_penalty : v * row.repetition_penalty;
-  v -= row.frequency_penalty * static_cast<float>(cnt);
-  v -= row.presence_penalty;
-  x[tok] = v;
+  x[tok] = penalised_logit(x[tok], row.repetition_penalty, row.frequency_penalty, row.presence_penalty, cnt);
 }
 
 __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SampleParams p, int32_t parts) {
