@@ -14,9 +14,10 @@
 namespace mlaserve {
 
 namespace {
-// Node 0 -> other nodes. kStep launches a step there; kFinish (sent when node 0 begins to finish its oldest step)
-// makes them finish their oldest launched step and reply, so under overlap scheduling they too launch step N + 1
-// before waiting for step N.
+// Node 0 -> other nodes. kStep launches a step there; kFinish (sent when node 0 begins to finish a step) makes them
+// finish that step and reply, so under overlap scheduling they too launch step N + 1 before waiting for step N. Steps,
+// finishes and replies carry the step's number: a step node 0 dropped (its own launch failed after sending it) is
+// finished without a reply when a later one is, and a reply for the wrong step is an error, not wrong tokens.
 enum Op : char { kStep = 'S', kFinish = 'F', kKv = 'K', kQuit = 'Q' };
 constexpr int64_t kMaxSampledRows = 1 << 16;
 
@@ -478,7 +479,9 @@ RankSet::Launched RankSet::launch(const std::vector<const ForwardBatch*>& batche
   const bool remote = link_ && pc_.nnodes > 1;
   h.remote = remote;
   if (remote) {
+    h.seq = ++remote_seq_;
     std::string m(1, kStep);
+    put_pod(m, h.seq);
     put_pod(m, static_cast<char>(form));
     put_pod(m, static_cast<char>(want_logits));
     for (int32_t g = 0; g < d; ++g) {
@@ -497,7 +500,11 @@ std::vector<GroupOutput> RankSet::finish(Launched& h) {
   const int32_t d = pc_.dp_size, at = attn_tp(), rpn = ranks_per_node();
   if (!h.ran) return std::move(h.out);
   h.ran = false;
-  if (h.remote) link_->broadcast(std::string(1, kFinish));  // the other nodes finish this step alongside
+  if (h.remote) {  // the other nodes finish this step alongside
+    std::string m(1, kFinish);
+    put_pod(m, h.seq);
+    link_->broadcast(m);
+  }
   finish_local(h);
   std::vector<GroupOutput>& out = h.out;
   const bool want_logits = h.want_logits;
@@ -511,6 +518,8 @@ std::vector<GroupOutput> RankSet::finish(Launched& h) {
       const std::string msg = link_->recv_from(node);
       const char* p = msg.data();
       const char* end = p + msg.size();
+      const uint64_t seq = get<uint64_t>(p, end);
+      MLA_CHECK(seq == h.seq, "node {} replied for step {} while node 0 finishes step {}", node, seq, h.seq);
       for (int32_t g = 0; g < d; ++g) {
         if ((g * at) / rpn != node) continue;
         GroupOutput& o = out[static_cast<size_t>(g)];
@@ -546,11 +555,19 @@ void RankSet::follow() {
       continue;
     }
     if (msg[0] == kFinish) {
-      MLA_CHECK(!running.empty(), "node 0 finished a step this node never launched");
+      const uint64_t seq = get<uint64_t>(p, end);
+      // Steps before it were dropped on node 0 (it never finishes them): finish them here without a reply.
+      while (!running.empty() && running.front().seq < seq) {
+        finish_local(running.front());
+        running.pop_front();
+      }
+      MLA_CHECK(!running.empty() && running.front().seq == seq, "node 0 finished step {}, which this node never launched",
+                seq);
       Launched h = std::move(running.front());
       running.pop_front();
       finish_local(h);
       std::string reply;
+      put_pod(reply, seq);
       bool leads = false;
       for (int32_t g = 0; g < d; ++g) {
         if ((g * at) / rpn != pc_.node_rank) continue;
@@ -569,6 +586,9 @@ void RankSet::follow() {
       continue;
     }
     MLA_CHECK(msg[0] == kStep, "unknown message '{}' from node 0", msg[0]);
+    const uint64_t seq = get<uint64_t>(p, end);
+    MLA_CHECK(seq > remote_seq_, "step {} from node 0 after step {}", seq, remote_seq_);
+    remote_seq_ = seq;
     const MlaForm form = static_cast<MlaForm>(get<char>(p, end));
     const bool want_logits = get<char>(p, end) != 0;
     std::vector<ForwardBatch> storage(static_cast<size_t>(d));
@@ -584,6 +604,7 @@ void RankSet::follow() {
     Launched h;
     h.out.resize(static_cast<size_t>(d));
     h.want_logits = want_logits;
+    h.seq = seq;
     launch_local(batches, sampling, want_logits, form, h);
     running.push_back(std::move(h));
     ++followed_steps_;

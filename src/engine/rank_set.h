@@ -91,6 +91,7 @@ class RankSet {
     std::vector<int64_t> rows;        // per local rank: logit rows it downloads (-1: none)
     std::vector<uint64_t> tickets;    // per local rank: its download
     bool ran = false, remote = false, want_logits = false;
+    uint64_t seq = 0;  // with other nodes: this step's number in node 0's messages
   };
   Launched launch(const std::vector<const ForwardBatch*>& batches,
                   const std::vector<std::vector<RowSampling>>& sampling, bool want_logits, MlaForm form = MlaForm::Auto);
@@ -142,6 +143,7 @@ class RankSet {
   std::vector<std::function<void()>> abort_groups_;
   std::vector<int32_t> graph_sizes_;
   int64_t graph_steps_ = 0, prev_id_steps_ = 0, followed_steps_ = 0, followed_overlapped_ = 0;
+  uint64_t remote_seq_ = 0;  // steps sent to (node 0) or received from (others) the other nodes
   int64_t sampled_rows_ = 0;  // capacity of Rank::sampled (rows)
   int32_t dummy_page_ = -1, page_size_ = 0;  // graphs: padded rows read and write only this page
 
