@@ -258,9 +258,14 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_kernel(GemvArgs g, const
 }
 
 // ---- y = x W (W: [K, N] rows), bf16 out ------------------------------------------------------------------------
-// Block (b.x, b.y): columns [256 b.x, 256 b.x + 256) of batch b.y; warp w sums rows [w K / 8, (w + 1) K / 8), each
-// lane 8 columns; the warps' partial sums meet in shared memory.
-constexpr int kNRows = 16;  // rows per warp held in registers at once
+// Block (b.x, b.y): columns [kNCols b.x, kNCols (b.x + 1)) of batch b.y; warp w sums rows [w K / 8, (w + 1) K / 8).
+// Within a warp, lane l takes the 8 columns (l % 8) and rows (l / 8) + 4 i of each group of kNRows rows, so a block
+// holds only kNCols columns (W_UK of V2-Lite: 128 blocks of 16 KB, where 256-column blocks made 32 of 64 KB, each
+// streaming its weights alone after the wide kernel before it let it in). Lanes of one column group add their sums
+// (shuffles), the warps' meet in shared memory.
+constexpr int kNRows = 16;             // rows per warp held in registers at once
+constexpr int kNCols = 64;             // columns per block: 8 per lane, 8 lanes across
+constexpr int kNLanesPerRow = kNCols / 8, kNRowGroups = 32 / kNLanesPerRow, kNRowsPerLane = kNRows / kNRowGroups;
 // PREP: the last row of blocks (b.y == gridDim.y - 1) runs mla_prepare_block instead (gemv_n_prepare).
 template <int TT, bool PREP>
 __global__ void __launch_bounds__(kWarps * 32) gemv_n_kernel(GemvArgs a, MlaPrepArgs prep) {
@@ -270,16 +275,22 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_n_kernel(GemvArgs a, MlaPrep
     mla_prepare_block(prep, blockIdx.x, gridDim.x);
     return;
   }
-  __shared__ float part[kWarps][256];
+  __shared__ float part[kWarps][kNCols];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int c0 = blockIdx.x * 256 + lane * 8;
+  const int lc = lane % kNLanesPerRow, rg = lane / kNLanesPerRow;
+  const int c0 = blockIdx.x * kNCols + lc * 8;
   const bool active = c0 < a.N;
   const int r0 = warp * a.K / kWarps, r1 = (warp + 1) * a.K / kWarps;
   const bf16* wb = a.w + blockIdx.y * a.sw + c0;
-  uint4 w[kNRows];
+  auto load = [&](uint4 (&w)[kNRowsPerLane], int rb) {
 #pragma unroll
-  for (int i = 0; i < kNRows; ++i)
-    w[i] = active && r0 + i < r1 ? ld_weights(wb + static_cast<int64_t>(r0 + i) * a.ldw) : make_uint4(0, 0, 0, 0);
+    for (int i = 0; i < kNRowsPerLane; ++i) {
+      const int r = rb + rg + kNRowGroups * i;
+      w[i] = active && r < r1 ? ld_weights(wb + static_cast<int64_t>(r) * a.ldw) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  uint4 w[kNRowsPerLane];
+  load(w, r0);
   pdl_wait();
   pdl_trigger();
   float acc[TT][8];
@@ -289,19 +300,16 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_n_kernel(GemvArgs a, MlaPrep
     for (int j = 0; j < 8; ++j) acc[t][j] = 0.0f;
   const bf16* xb = a.x + blockIdx.y * a.sx;
   for (int rb = r0; rb < r1; rb += kNRows) {
-    if (rb != r0) {
+    if (rb != r0) load(w, rb);
 #pragma unroll
-      for (int i = 0; i < kNRows; ++i)
-        w[i] = active && rb + i < r1 ? ld_weights(wb + static_cast<int64_t>(rb + i) * a.ldw) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int i = 0; i < kNRows; ++i) {
-      if (rb + i >= r1) break;
+    for (int i = 0; i < kNRowsPerLane; ++i) {
+      const int r = rb + rg + kNRowGroups * i;
+      if (r >= r1) break;
       const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&w[i]);
 #pragma unroll
       for (int t = 0; t < TT; ++t) {
         if (t >= a.T) break;
-        const float xv = __bfloat162float(xb[t * a.ldx + rb + i]);
+        const float xv = __bfloat162float(xb[t * a.ldx + r]);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const float2 f = __bfloat1622float2(wp[j]);
@@ -312,13 +320,20 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_n_kernel(GemvArgs a, MlaPrep
     }
   }
 #pragma unroll
+  for (int t = 0; t < TT; ++t)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int o = kNLanesPerRow; o < 32; o <<= 1) acc[t][j] += __shfl_xor_sync(0xffffffffu, acc[t][j], o);
+#pragma unroll
   for (int t = 0; t < TT; ++t) {
     if (t >= a.T) break;
+    if (rg == 0)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) part[warp][lane * 8 + j] = acc[t][j];
+      for (int j = 0; j < 8; ++j) part[warp][lc * 8 + j] = acc[t][j];
     __syncthreads();
-    const int c = blockIdx.x * 256 + threadIdx.x;
-    if (c < a.N) {
+    const int c = blockIdx.x * kNCols + threadIdx.x;
+    if (threadIdx.x < kNCols && c < a.N) {
       float s = 0.0f;
       for (int q = 0; q < kWarps; ++q) s += part[q][threadIdx.x];
       static_cast<bf16*>(a.y)[blockIdx.y * a.sy + t * a.ldy + c] = __float2bfloat16_rn(s);
@@ -688,7 +703,7 @@ bool gemv_n_fits(const GemvArgs& a) {
 cudaError_t gemv_n(GemvArgs a, int32_t batch, cudaStream_t stream) {
   if (a.N == 0 || batch == 0 || a.T == 0) return cudaSuccess;
   if (!gemv_n_fits(a)) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>((a.N + 255) / 256), static_cast<unsigned>(batch));
+  const dim3 grid(static_cast<unsigned>((a.N + kNCols - 1) / kNCols), static_cast<unsigned>(batch));
   static_assert(kFewRows == 2, "gemv_n instantiates 1 and 2 rows");
   const MlaPrepArgs none{};
   return a.T == 1 ? launch(gemv_n_kernel<1, false>, grid, kWarps * 32, 0, stream, a, none)
@@ -700,7 +715,7 @@ cudaError_t gemv_n_prepare(GemvArgs a, int32_t batch, const MlaPrepArgs& prep, c
   if (!gemv_n_fits(a) || prep.T != a.T || a.N == 0 || batch == 0) return cudaErrorInvalidValue;
   // The preparation's row needs T + 1 blocks (T latent rows, at least one for q's RoPE); product blocks past N
   // compute nothing.
-  const unsigned nx = static_cast<unsigned>(std::max<int64_t>((a.N + 255) / 256, a.T + 1));
+  const unsigned nx = static_cast<unsigned>(std::max<int64_t>((a.N + kNCols - 1) / kNCols, a.T + 1));
   const dim3 grid(nx, static_cast<unsigned>(batch) + 1);
   return a.T == 1 ? launch(gemv_n_kernel<1, true>, grid, kWarps * 32, 0, stream, a, prep)
                   : launch(gemv_n_kernel<2, true>, grid, kWarps * 32, 0, stream, a, prep);
