@@ -394,6 +394,8 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
     }
   h.rows.assign(ranks_.size(), -1);
   h.tickets.assign(ranks_.size(), 0);
+  h.logit_tickets.assign(ranks_.size(), 0);
+  h.logit_cols.assign(ranks_.size(), 0);
   run_on_all(
       [&](int i) {
         Rank& rk = *ranks_[static_cast<size_t>(i)];
@@ -428,10 +430,14 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
           if (leader) {
             h.rows[static_cast<size_t>(i)] = R;
             h.tickets[static_cast<size_t>(i)] = rk.backend->download_start(rk.sampled.rows(0, 2 * R));
+            if (want_logits) {  // top-N logprobs: the logits too, without waiting for them here
+              MLA_CHECK(logits.dtype() == DType::F32, "step: logits must be F32");
+              h.logit_cols[static_cast<size_t>(i)] = logits.size(-1);
+              h.logit_tickets[static_cast<size_t>(i)] = rk.backend->download_start(logits);
+            }
           }
         }
         rk.backend->end_step();
-        if (leader && want_logits) h.out[static_cast<size_t>(g)].logits = rk.backend->to_host_f32(logits);
         MLA_LOG_TRACE("rank {}: step issued", rk.global);
       },
       pc_.step_timeout);
@@ -451,6 +457,10 @@ void RankSet::finish_local(Launched& h) {
         o.ids.assign(host.begin(), host.begin() + R);
         o.logprobs.resize(static_cast<size_t>(R));
         std::memcpy(o.logprobs.data(), host.data() + R, static_cast<size_t>(R) * sizeof(float));
+        if (h.want_logits) {
+          o.logits = Tensor::empty_host({R, h.logit_cols[static_cast<size_t>(i)]}, DType::F32);
+          rk.backend->download_finish(h.logit_tickets[static_cast<size_t>(i)], o.logits.data());
+        }
       },
       pc_.step_timeout);
 }

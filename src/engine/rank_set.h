@@ -90,6 +90,8 @@ class RankSet {
     std::vector<GroupOutput> out;
     std::vector<int64_t> rows;        // per local rank: logit rows it downloads (-1: none)
     std::vector<uint64_t> tickets;    // per local rank: its download
+    std::vector<uint64_t> logit_tickets;  // per local rank, with want_logits: its logits' download (after tickets')
+    std::vector<int64_t> logit_cols;      // and their columns
     bool ran = false, remote = false, want_logits = false;
     uint64_t seq = 0;  // with other nodes: this step's number in node 0's messages
   };

@@ -17,6 +17,7 @@ namespace {
 
 struct Result {
   std::vector<int32_t> tokens;
+  std::vector<TokenLogprob> logprobs;  // with return_logprob
   FinishReason finish;
   int32_t cached = 0;
   int32_t prompt_tokens = 0, completion_tokens = 0;
@@ -65,6 +66,7 @@ class EngineTest : public ::testing::TestWithParam<bool> {
     g.sampling = sp;
     g.on_output = [prom, acc](const GenerateOutput& o) {
       acc->tokens.insert(acc->tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
+      acc->logprobs.insert(acc->logprobs.end(), o.new_logprobs.begin(), o.new_logprobs.end());
       acc->cached = o.cached_tokens;
       acc->prompt_tokens = o.prompt_tokens;
       acc->completion_tokens = o.completion_tokens;
@@ -217,7 +219,8 @@ class OverlapIds : public EngineTest {};
 TEST_F(OverlapIds, TakesIdsFromTheDeviceWithTheSameOutputs) {
   // Seeded sampling (each token's draw must keep its own step even when the previous token is still in flight),
   // a stop token (seen one step late, while the next step already runs) and a length limit, next to a greedy
-  // request: the same tokens with overlap on and off. Then penalised requests (seeded, and greedy ones whose penalties
+  // request, and one asking for its top-3 logprobs (computed on the host from logits copied without waiting for them):
+  // the same tokens and logprobs with overlap on and off. Then penalised requests (seeded, and greedy ones whose penalties
   // change their tokens): also launched early, the token in flight counted by the sampler on the device.
   SamplingParams seeded;
   seeded.temperature = 0.9f;
@@ -247,6 +250,10 @@ TEST_F(OverlapIds, TakesIdsFromTheDeviceWithTheSameOutputs) {
       fs.push_back(submit(eng, "seeded", prompts_[2], 12, seeded));
       fs.push_back(submit(eng, "stop", prompts_[3], 20, stop));
       fs.push_back(submit(eng, "greedy", prompts_[1], 9));
+      SamplingParams top;
+      top.return_logprob = true;
+      top.top_logprobs_num = 3;
+      fs.push_back(submit(eng, "top", prompts_[4], 10, top));
     }
     std::vector<Result> out;
     for (auto& f : fs) out.push_back(wait(f));
@@ -259,6 +266,15 @@ TEST_F(OverlapIds, TakesIdsFromTheDeviceWithTheSameOutputs) {
   for (size_t i = 0; i < on.size(); ++i) {
     EXPECT_EQ(on[i].tokens, off[i].tokens) << "request " << i;
     EXPECT_EQ(on[i].finish.kind, off[i].finish.kind) << "request " << i;
+  }
+  ASSERT_EQ(on[3].logprobs.size(), 10u);
+  ASSERT_EQ(off[3].logprobs.size(), 10u);
+  for (size_t i = 0; i < 10; ++i) {
+    EXPECT_EQ(on[3].logprobs[i].token, on[3].tokens[i]);
+    EXPECT_EQ(on[3].logprobs[i].logprob, off[3].logprobs[i].logprob) << "token " << i;
+    ASSERT_EQ(on[3].logprobs[i].top.size(), 3u);
+    EXPECT_EQ(on[3].logprobs[i].top, off[3].logprobs[i].top) << "token " << i;
+    EXPECT_EQ(on[3].logprobs[i].top[0].first, on[3].tokens[i]) << "greedy: the best alternative is the token";
   }
   EXPECT_EQ(off[0].tokens.size(), 12u);
   EXPECT_EQ(on[1].finish.kind, FinishKind::Stop);

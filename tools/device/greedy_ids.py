@@ -2,11 +2,13 @@
 """Sends greedy /generate requests of token ids to an mlaserve (or SGLang) server and prints the output ids as JSON.
 
 Used on the device to compare two servers (overlap scheduling on / off, graphs on / off) request by request.
-usage: greedy_ids.py PORT [--concurrent] [--penalties] [--n N] [--len L] [--new M]
+usage: greedy_ids.py PORT [--concurrent] [--penalties] [--top-logprobs] [--n N] [--len L] [--new M]
   default: N requests one after another (each runs alone, so both servers run the very same steps);
   --concurrent: all at once (batch composition then depends on timing);
   --penalties: every other request has frequency and presence penalties of -1 (favouring the tokens it generated,
-  the newest included: with overlap scheduling that one is still in flight when the next step is launched).
+  the newest included: with overlap scheduling that one is still in flight when the next step is launched);
+  --top-logprobs: every other request also asks for its top-5 logprobs (computed on the host from the step's logits),
+  printed with the ids.
 """
 import json
 import sys
@@ -14,14 +16,20 @@ import threading
 import urllib.request
 
 
-def generate(port, ids, new, penalised=False):
+def generate(port, ids, new, penalised=False, top=False):
     sp = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
     if penalised:
         sp.update(frequency_penalty=-1.0, presence_penalty=-1.0)
-    body = json.dumps({"input_ids": ids, "sampling_params": sp}).encode()
+    req = {"input_ids": ids, "sampling_params": sp}
+    if top:
+        req.update(return_logprob=True, top_logprobs_num=5)
+    body = json.dumps(req).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())["output_ids"]
+        out = json.loads(r.read())
+    if top:
+        return [out["output_ids"], out["meta_info"]["output_top_logprobs"]]
+    return out["output_ids"]
 
 
 def main():
@@ -34,15 +42,16 @@ def main():
     prompts = [[(1000 + 7919 * (i * length + j)) % 100000 for j in range(length + i)] for i in range(n)]
     out = [None] * n
     pen = "--penalties" in args
+    top = "--top-logprobs" in args
     if "--concurrent" in args:
         def run(i):
-            out[i] = generate(port, prompts[i], new, pen and i % 2 == 1)
+            out[i] = generate(port, prompts[i], new, pen and i % 2 == 1, top and i % 2 == 1)
         ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
         for t in ts: t.start()
         for t in ts: t.join()
     else:
         for i in range(n):
-            out[i] = generate(port, prompts[i], new, pen and i % 2 == 1)
+            out[i] = generate(port, prompts[i], new, pen and i % 2 == 1, top and i % 2 == 1)
     print(json.dumps(out))
 
 
