@@ -4,11 +4,8 @@
 # usage: LIB=.devcarry/lib tools/device/ab_b1.sh BIN_DIR... (ROUNDS=2 BATCHES="1" NCU="BIN_DIR..."; writes
 # $OUT/ab.tar.xz)
 set -uo pipefail
-LIB=${LIB:-.devcarry/lib}
-[ -f $LIB/libicudata.so.72.xz ] && xz -d -k -f $LIB/libicudata.so.72.xz
-export LD_LIBRARY_PATH=$PWD/$LIB:${LD_LIBRARY_PATH:-}
+source "$(dirname "$0")/bench_env.sh"
 L=/tmp/ab; mkdir -p $L
-BOB="bench-one-batch --device cuda --model-path tools/bench/deepseek-v2-lite --load-format dummy --input-len 128 --log-level info"
 for r in $(seq ${ROUNDS:-2}); do
   for b in ${BATCHES:-1}; do
     for d in "$@"; do

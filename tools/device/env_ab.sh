@@ -3,12 +3,9 @@
 # usage: LIB=.devcarry/lib tools/device/env_ab.sh BIN_DIR "ENV1" "ENV2" ...  (each ENV: "VAR=x VAR2=y" or "-" for
 # none; ROUNDS=2 BATCHES="1")
 set -uo pipefail
-LIB=${LIB:-.devcarry/lib}
-[ -f $LIB/libicudata.so.72.xz ] && xz -d -k -f $LIB/libicudata.so.72.xz
-export LD_LIBRARY_PATH=$PWD/$LIB:${LD_LIBRARY_PATH:-}
+source "$(dirname "$0")/bench_env.sh"
 BIN=$1; shift
 L=/tmp/envab; mkdir -p $L
-BOB="bench-one-batch --device cuda --model-path tools/bench/deepseek-v2-lite --load-format dummy --input-len 128 --log-level info"
 for r in $(seq ${ROUNDS:-2}); do
   for b in ${BATCHES:-1}; do
     for e in "$@"; do

@@ -4,11 +4,8 @@
 # trace it does not slow short kernels (a probe build measured the same step time as a normal one).
 # usage: LIB=.devcarry/lib tools/device/probe_step.sh BIN_DIR [BATCH=1] [LAYER=5]  (records kept in ${OUT:-/tmp})
 set -uo pipefail
-LIB=${LIB:-.devcarry/lib}
-[ -f $LIB/libicudata.so.72.xz ] && xz -d -k -f $LIB/libicudata.so.72.xz
-export LD_LIBRARY_PATH=$PWD/$LIB:${LD_LIBRARY_PATH:-}
+source "$(dirname "$0")/bench_env.sh"
 BIN=$1; B=${2:-1}; LAYER=${3:-5}
 REC=${OUT:-/tmp}/probe-b$B.txt
-MLASERVE_PROBE_OUT=$REC timeout -s KILL 90 $BIN/mlaserve bench-one-batch --device cuda --model-path tools/bench/deepseek-v2-lite \
-  --load-format dummy --input-len 128 --output-len 64 --batch-size $B 2>&1 | grep -E 'decode:'
+MLASERVE_PROBE_OUT=$REC timeout -s KILL 90 $BIN/mlaserve $BOB --output-len 64 --batch-size $B 2>&1 | grep -E 'decode:'
 python3 tools/device/probe_timeline.py $REC --layer $LAYER
