@@ -162,7 +162,11 @@ TEST(CudaOps, LinearShapes) {
                        // golden v2 widths at 6 rows (several 16-row groups per block: K split over fewer warps)
                        Case{6, 128, 48, DType::BF16}, Case{6, 48, 384, DType::BF16}, Case{6, 128, 80, DType::BF16},
                        Case{6, 192, 128, DType::BF16}, Case{6, 128, 512, DType::BF16}, Case{6, 256, 128, DType::BF16},
-                       Case{6, 96, 128, DType::BF16}, Case{6, 128, 16, DType::F32}, Case{1, 128, 640, DType::F32}}) {
+                       Case{6, 96, 128, DType::BF16}, Case{6, 128, 16, DType::F32}, Case{1, 128, 640, DType::F32},
+                       // one row and more blocks than fit at once: an lm_head, the dense MLP's gate/up and down (K
+                       // split over two warps); two rows with K % 32 != 0 (the lane kernel) over many blocks
+                       Case{1, 2048, 40000, DType::F32}, Case{1, 2048, 21888, DType::BF16},
+                       Case{1, 10944, 2048, DType::BF16}, Case{2, 1000, 9000, DType::F32}}) {
     Tensor x = rand_host({c.N, c.K}, 7 + c.N), w = rand_host({c.M, c.K}, 8 + c.M, 1.0f / std::sqrt(static_cast<float>(c.K)));
     Tensor xc = cpu().upload(x, DType::F32), xg = gpu().upload(x, DType::BF16);
     Tensor wc = cpu().upload(w, DType::BF16), wg = gpu().upload(w, DType::BF16);
