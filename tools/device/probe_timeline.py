@@ -39,8 +39,8 @@ def main():
     sel = rows
     if "--layer" in sys.argv:
         n = int(sys.argv[sys.argv.index("--layer") + 1])
-        # layers start at the input norm (1 block) that follows a MoE down kernel (t3 set, many blocks)
-        starts = [r["i"] for r in rows if r["n"] == 1 and r["i"] > 0 and rows[r["i"] - 1]["t3"] is not None
+        # layers start at the kernel after a small-batch MoE down kernel (the one with mark 3 and no mark 2)
+        starts = [r["i"] for r in rows if r["i"] > 0 and rows[r["i"] - 1]["t3"] is not None
                   and rows[r["i"] - 1]["t2"] is None]
         if n < len(starts) - 1:
             sel = rows[starts[n]:starts[n + 1]]
