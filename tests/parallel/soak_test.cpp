@@ -1,6 +1,7 @@
 // Mixed traffic for a while on CPU ranks with DP attention and overlap scheduling: groups alternate prefill and
-// decode, some sit idle, requests are aborted at random. Nothing may hang (every request finishes within the
-// deadline), nothing may leak, and greedy requests still match the single-request output.
+// decode, some sit idle, requests are aborted at random; some requests have penalties (their token in flight counted
+// on the device) or ask for top logprobs. Nothing may hang (every request finishes within the deadline), nothing may
+// leak, and greedy requests, penalised or not, still match the single-request output.
 // MLASERVE_SOAK_SECONDS sets the duration (default 15).
 #include <gtest/gtest.h>
 
@@ -22,6 +23,19 @@ using namespace mlaserve;
 void soak(int32_t tp, int32_t groups) {
   double seconds = 15.0;
   if (const char* e = std::getenv("MLASERVE_SOAK_SECONDS")) seconds = std::atof(e);
+  // The penalised probe's reference: alone, with overlap off (every step sees its previous token on the host).
+  SamplingParams favour;  // greedy with negative penalties: the tokens generated, the newest included, are favoured
+  favour.temperature = 0.0f;
+  favour.frequency_penalty = -1.0f;
+  favour.presence_penalty = -1.0f;
+  std::vector<int32_t> probe;
+  for (int i = 0; i < 40; ++i) probe.push_back(3 + (i * 37) % 600);
+  std::vector<int32_t> ref_pen;
+  {
+    Engine off(test::cpu_ranks("v3", tp, groups), test::small_engine_options(false));
+    auto f = test::submit_ids(off, "ref_pen", probe, 12, 0, &favour);
+    ref_pen = test::wait_ids(f);
+  }
   auto ranks = test::cpu_ranks("v3", tp, groups);
   EngineOptions o;
   o.page_size = 8;
@@ -33,16 +47,16 @@ void soak(int32_t tp, int32_t groups) {
   Engine e(std::move(ranks), o);
 
   // The reference: one greedy request alone.
-  std::vector<int32_t> probe;
-  for (int i = 0; i < 40; ++i) probe.push_back(3 + (i * 37) % 600);
-  auto run_one = [&](const std::string& rid, std::vector<int32_t> ids, int32_t n, int32_t dp, float temp) {
+  auto run_one = [&](const std::string& rid, std::vector<int32_t> ids, int32_t n, int32_t dp, float temp,
+                     const SamplingParams* sp = nullptr) {
     auto prom = std::make_shared<std::promise<std::pair<std::vector<int32_t>, FinishKind>>>();
     auto acc = std::make_shared<std::vector<int32_t>>();
     GenerateRequest g;
     g.rid = rid;
     g.input_ids = std::move(ids);
+    if (sp) g.sampling = *sp;
+    else g.sampling.temperature = temp;
     g.sampling.max_new_tokens = n;
-    g.sampling.temperature = temp;
     g.sampling.ignore_eos = true;
     g.data_parallel_rank = dp;
     g.on_output = [prom, acc](const GenerateOutput& out) {
@@ -55,22 +69,36 @@ void soak(int32_t tp, int32_t groups) {
   auto ref_f = run_one("ref", probe, 12, 0, 0.0f);
   ASSERT_EQ(ref_f.wait_for(std::chrono::seconds(60)), std::future_status::ready);
   const std::vector<int32_t> ref = ref_f.get().first;
+  ASSERT_NE(ref_pen, ref) << "the penalties change the probe's tokens";
 
   std::mt19937 rng(7);
   const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  std::vector<std::future<std::pair<std::vector<int32_t>, FinishKind>>> probes, others;
+  std::vector<std::future<std::pair<std::vector<int32_t>, FinishKind>>> probes, pen_probes, others;
   int n = 0;
   while (std::chrono::steady_clock::now() < end) {
     // Bursts pinned to one or two groups, so the others idle, then move on.
     const int busy = static_cast<int>(rng() % static_cast<uint64_t>(groups));
     for (int k = 0; k < 3; ++k) {
       const std::string rid = "r" + std::to_string(n++);
-      if (rng() % 5 == 0) {
+      const uint32_t kind = rng() % 10;
+      if (kind < 2) {
         probes.push_back(run_one(rid, probe, 12, busy, 0.0f));
+      } else if (kind == 2) {
+        pen_probes.push_back(run_one(rid, probe, 12, busy, 0.0f, &favour));
       } else {
         std::vector<int32_t> ids(1 + rng() % 120);
         for (auto& t : ids) t = 2 + static_cast<int32_t>(rng() % 600);
-        others.push_back(run_one(rid, ids, 1 + static_cast<int32_t>(rng() % 24), rng() % 3 ? busy : -1, 0.7f));
+        SamplingParams sp;
+        sp.temperature = 0.7f;
+        sp.seed = rng();
+        if (kind == 3) {
+          sp.repetition_penalty = 1.3f;
+          sp.frequency_penalty = 0.5f;
+        } else if (kind == 4) {
+          sp.return_logprob = true;
+          sp.top_logprobs_num = 4;
+        }
+        others.push_back(run_one(rid, ids, 1 + static_cast<int32_t>(rng() % 24), rng() % 3 ? busy : -1, 0.7f, &sp));
         if (rng() % 4 == 0) {
           std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 20));
           FinishReason f;
@@ -86,7 +114,12 @@ void soak(int32_t tp, int32_t groups) {
     ASSERT_EQ(f.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "a request hung";
     EXPECT_EQ(f.get().first, ref);
   }
+  for (auto& f : pen_probes) {
+    ASSERT_EQ(f.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "a request hung";
+    EXPECT_EQ(f.get().first, ref_pen);  // never aborted (only the other requests are)
+  }
   EXPECT_GT(n, 20);
+  EXPECT_FALSE(pen_probes.empty());
   test::expect_engine_idle_and_clean(e);
 }
 
