@@ -345,9 +345,9 @@ bool Engine::launch(std::vector<StepPlan> plans) {
   for (size_t g = 0; g < groups; ++g)
     if (!plans[g].empty()) batches[g] = &plans[g].batch;
   bool want_logits = false;
-  auto rows = sampling_rows(plans, want_logits);
   InFlight f;
   try {
+    const auto rows = sampling_rows(plans, want_logits);
     const auto t0 = PhaseClock::now();
     f.launched = ranks_->launch(batches, rows, want_logits);
     if (phase_stats_) phases_.launch += ms_since(t0);
