@@ -131,7 +131,8 @@ inline EngineOptions small_engine_options(bool overlap, int32_t num_pages = 160)
   return o;
 }
 
-// Submits token ids for max_new new tokens (EOS ignored), greedy unless `sp` is given; the future holds every new token.
+// Submits token ids for max_new new tokens (EOS ignored), greedy unless `sp` is given; the future holds every new
+// token.
 inline std::future<std::vector<int32_t>> submit_ids(EngineClient& e, const std::string& rid,
                                                     const std::vector<int32_t>& ids, int32_t max_new,
                                                     int32_t dp_rank = -1, const SamplingParams* sp = nullptr) {

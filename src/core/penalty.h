@@ -9,7 +9,8 @@
 
 namespace mlaserve {
 
-MLA_HOST_DEVICE inline float penalised_logit(float v, float repetition, float frequency, float presence, int32_t count) {
+MLA_HOST_DEVICE inline float penalised_logit(float v, float repetition, float frequency, float presence,
+                                             int32_t count) {
   if (repetition != 1.0f) v = v > 0.0f ? v / repetition : v * repetition;
   v -= frequency * static_cast<float>(count);
   return v - presence;

@@ -571,8 +571,8 @@ void RankSet::follow() {
         finish_local(running.front());
         running.pop_front();
       }
-      MLA_CHECK(!running.empty() && running.front().seq == seq, "node 0 finished step {}, which this node never launched",
-                seq);
+      MLA_CHECK(!running.empty() && running.front().seq == seq,
+                "node 0 finished step {}, which this node never launched", seq);
       Launched h = std::move(running.front());
       running.pop_front();
       finish_local(h);

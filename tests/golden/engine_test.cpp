@@ -220,8 +220,8 @@ TEST_F(OverlapIds, TakesIdsFromTheDeviceWithTheSameOutputs) {
   // Seeded sampling (each token's draw must keep its own step even when the previous token is still in flight),
   // a stop token (seen one step late, while the next step already runs) and a length limit, next to a greedy
   // request, and one asking for its top-3 logprobs (computed on the host from logits copied without waiting for them):
-  // the same tokens and logprobs with overlap on and off. Then penalised requests (seeded, and greedy ones whose penalties
-  // change their tokens): also launched early, the token in flight counted by the sampler on the device.
+  // the same tokens and logprobs with overlap on and off. Then penalised requests (seeded, and greedy ones whose
+  // penalties change their tokens): also launched early, the token in flight counted by the sampler on the device.
   SamplingParams seeded;
   seeded.temperature = 0.9f;
   seeded.top_k = 40;

@@ -687,7 +687,8 @@ TEST(CudaOps, SamplePendingTokenMatchesCpu) {
   std::vector<RowSampling> ps(static_cast<size_t>(R)), counted;
   for (int64_t r = 0; r < R; ++r) {
     RowSampling& sp = ps[static_cast<size_t>(r)];
-    const int32_t tok = inputs[static_cast<size_t>(r)] < 0 ? prev[static_cast<size_t>(r)] : inputs[static_cast<size_t>(r)];
+    const size_t i = static_cast<size_t>(r);
+    const int32_t tok = inputs[i] < 0 ? prev[i] : inputs[i];
     sp.seed = 500 + r;
     sp.pending_input = static_cast<int32_t>(r);
     switch (r % 4) {

@@ -787,7 +787,8 @@ class CudaBackend final : public Backend {
 #ifdef MLASERVE_PROBE
     // Probe builds: record the MLASERVE_PROBE_STEP-th graph step (default 40) into MLASERVE_PROBE_OUT.
     if (graph) {
-      static const long probe_step = std::getenv("MLASERVE_PROBE_STEP") ? std::atol(std::getenv("MLASERVE_PROBE_STEP")) : 40;
+      static const char* step_env = std::getenv("MLASERVE_PROBE_STEP");
+      static const long probe_step = step_env ? std::atol(step_env) : 40;
       const char* out = std::getenv("MLASERVE_PROBE_OUT");
       if (probe_graph_steps_ == probe_step) {
         cudaStreamSynchronize(stream_);
