@@ -33,12 +33,8 @@ Golden golden(const std::string& fam) {
   return g;
 }
 
-std::future<std::vector<int32_t>> submit(EngineClient& e, const std::string& rid, const std::vector<int32_t>& ids,
-                                         int32_t max_new, int32_t dp_rank = -1, const SamplingParams* sp = nullptr) {
-  return test::submit_ids(e, rid, ids, max_new, dp_rank, sp);
-}
-
-std::vector<int32_t> wait(std::future<std::vector<int32_t>>& f) { return test::wait_ids(f); }
+using test::submit_ids;
+using test::wait_ids;
 
 void expect_prefix(const std::vector<int32_t>& got, const std::vector<int32_t>& ref) {
   for (size_t i = 0; i < std::min(got.size(), ref.size()); ++i) EXPECT_EQ(got[i], ref[i]) << "step " << i;
@@ -62,15 +58,15 @@ void prefill_meets_decode(bool graphs) {
   ASSERT_EQ(e.stats().size(), 4u);
   // Group 0 decodes a long continuation; while it runs, group 1 gets a long prefill (in chunks); groups 2 and 3
   // stay idle throughout but must join every step.
-  auto a = submit(e, "a", g.prompts[1], 20, 0);
+  auto a = submit_ids(e, "a", g.prompts[1], 20, 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(30));
-  auto b = submit(e, "b", g.prompts[4], 6, 1);
-  expect_prefix(wait(a), g.greedy[1]);
-  expect_prefix(wait(b), g.greedy[4]);
+  auto b = submit_ids(e, "b", g.prompts[4], 6, 1);
+  expect_prefix(wait_ids(a), g.greedy[1]);
+  expect_prefix(wait_ids(b), g.greedy[4]);
   // Then everything at once, balanced by the load balancer.
   std::vector<std::future<std::vector<int32_t>>> fs;
-  for (int j = 0; j < 5; ++j) fs.push_back(submit(e, "c" + std::to_string(j), g.prompts[j], 8));
-  for (int j = 0; j < 5; ++j) expect_prefix(wait(fs[j]), g.greedy[j]);
+  for (int j = 0; j < 5; ++j) fs.push_back(submit_ids(e, "c" + std::to_string(j), g.prompts[j], 8));
+  for (int j = 0; j < 5; ++j) expect_prefix(wait_ids(fs[j]), g.greedy[j]);
   expect_idle_and_clean(e);
   if (graphs) EXPECT_GT(rs->graph_steps(), 10);
   else EXPECT_EQ(rs->graph_steps(), 0);
@@ -91,9 +87,9 @@ void ids_on_the_ranks(int32_t tp, int32_t dp, bool graphs, bool overlap) {
   const RankSet* rs = ranks.get();
   Engine e(std::move(ranks), test::small_engine_options(overlap));
   std::vector<std::future<std::vector<int32_t>>> fs;
-  for (int j = 0; j < 5; ++j) fs.push_back(submit(e, "r" + std::to_string(j), g.prompts[j], 10 + j));
+  for (int j = 0; j < 5; ++j) fs.push_back(submit_ids(e, "r" + std::to_string(j), g.prompts[j], 10 + j));
   for (int j = 0; j < 5; ++j) {
-    const std::vector<int32_t> got = wait(fs[static_cast<size_t>(j)]);
+    const std::vector<int32_t> got = wait_ids(fs[static_cast<size_t>(j)]);
     EXPECT_EQ(got.size(), static_cast<size_t>(10 + j));
     expect_prefix(got, g.greedy[static_cast<size_t>(j)]);
   }
@@ -128,9 +124,9 @@ void penalised_overlap(int32_t tp, int32_t dp, bool graphs) {
     seeded.frequency_penalty = 0.5f;
     std::vector<std::future<std::vector<int32_t>>> fs;
     for (int j = 0; j < 5; ++j)
-      fs.push_back(submit(e, "r" + std::to_string(j), g.prompts[j], 10 + j, j % dp, j % 2 ? &favour : &seeded));
+      fs.push_back(submit_ids(e, "r" + std::to_string(j), g.prompts[j], 10 + j, j % dp, j % 2 ? &favour : &seeded));
     std::vector<std::vector<int32_t>> out;
-    for (auto& f : fs) out.push_back(wait(f));
+    for (auto& f : fs) out.push_back(wait_ids(f));
     expect_idle_and_clean(e);
     return std::make_pair(out, e.stats()[0].overlapped_steps);
   };
@@ -161,13 +157,13 @@ TEST(DpReplicas, ControllerDispatchesAndRoutesAborts) {
   auto e = make_engine(a);
   ASSERT_EQ(e->stats().size(), 2u);
   std::vector<std::future<std::vector<int32_t>>> fs;
-  for (int j = 0; j < 5; ++j) fs.push_back(submit(*e, "r" + std::to_string(j), g.prompts[j], 8));
-  auto victim = submit(*e, "victim", g.prompts[2], 4000);
+  for (int j = 0; j < 5; ++j) fs.push_back(submit_ids(*e, "r" + std::to_string(j), g.prompts[j], 8));
+  auto victim = submit_ids(*e, "victim", g.prompts[2], 4000);
   FinishReason why;
   why.kind = FinishKind::Abort;
   e->abort("victim", why);
-  EXPECT_LT(wait(victim).size(), 4000u);
-  for (int j = 0; j < 5; ++j) expect_prefix(wait(fs[j]), g.greedy[j]);
+  EXPECT_LT(wait_ids(victim).size(), 4000u);
+  for (int j = 0; j < 5; ++j) expect_prefix(wait_ids(fs[j]), g.greedy[j]);
   int64_t prompts = 0;
   for (auto& s : e->stats()) {
     EXPECT_GT(s.prompt_tokens_total, 0) << "both replicas should have served requests";

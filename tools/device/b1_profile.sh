@@ -5,10 +5,9 @@
 # sum). usage: tools/device/b1_profile.sh PKG_DIR  (NCU=1 adds the profile; writes $OUT/b1.tar.xz)
 set -uo pipefail
 PKG=$1
-export LD_LIBRARY_PATH=$PWD/$PKG/lib:${LD_LIBRARY_PATH:-}
+LIB=${LIB:-$PKG/lib} source "$(dirname "$0")/bench_env.sh"
 BIN=$PKG/bin/mlaserve
 L=/tmp/b1; mkdir -p $L
-BOB="bench-one-batch --device cuda --model-path tools/bench/deepseek-v2-lite --load-format dummy --input-len 128 --log-level info"
 run() {  # name, env..., -- flags
   local name=$1; shift; local envs=()
   while [ "$1" != -- ]; do envs+=("$1"); shift; done; shift
