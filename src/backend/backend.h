@@ -166,6 +166,16 @@ class Backend {
     linear(x, w1, y1);
     linear(x, w2, y2);
   }
+  // add_rmsnorm with the sums written to residual_out (not in place; it must not overlap residual or x), then
+  // linear_pair of the normalised rows: the default runs the ops (normed receives the rows); a backend may fuse them
+  // (the CUDA one does at one token, where normed is left unwritten).
+  virtual void add_rmsnorm_linear_pair(const Tensor& x, const Tensor& residual, Tensor& residual_out,
+                                       const Tensor& norm_w, float eps, Tensor& normed, const Tensor& w1, Tensor& y1,
+                                       const Tensor& w2, Tensor& y2) {
+    copy(residual, residual_out);
+    add_rmsnorm(x, residual_out, norm_w, eps, normed);
+    linear_pair(normed, w1, y1, w2, y2);
+  }
   // out[N, I] = silu(gate_up[:, :I]) * gate_up[:, I:]
   virtual void silu_mul(const Tensor& gate_up, Tensor& out) = 0;
   // t = 0.
@@ -213,6 +223,16 @@ class Backend {
   // fuse them (the CUDA one does for one row).
   virtual void moe_gate(const Tensor& x, const Tensor& router, const Tensor* bias, const RouterParams& p,
                         Tensor& topk_ids, Tensor& topk_weights);
+  // add_rmsnorm with the sums written to residual_out (as add_rmsnorm_linear_pair), then moe_gate of the normalised
+  // rows, which `normed` receives (the experts' input): the default runs the ops; a backend may fuse them (the CUDA
+  // one does at one row).
+  virtual void add_rmsnorm_moe_gate(const Tensor& x, const Tensor& residual, Tensor& residual_out, const Tensor& norm_w,
+                                    float eps, Tensor& normed, const Tensor& router, const Tensor* bias,
+                                    const RouterParams& p, Tensor& topk_ids, Tensor& topk_weights) {
+    copy(residual, residual_out);
+    add_rmsnorm(x, residual_out, norm_w, eps, normed);
+    moe_gate(normed, router, bias, p, topk_ids, topk_weights);
+  }
   // out[T, H] = sum_k w * down_e(silu(gate_e x) * up_e x) over the experts in [expert_begin, expert_begin + E).
   // gate_up: [E, 2I, H] (gate rows then up rows), down: [E, H, I]. With shared experts (shared_gate_up [2 Is, H] and
   // shared_down [H, Is], both or neither) their MLP is added: out = routed + down_s(silu(gate_s x) * up_s x), each

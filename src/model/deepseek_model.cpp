@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstring>
 #include <set>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -217,21 +218,25 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
                static_cast<double>(weight_bytes_) / (1 << 30), backend_.name(), secs);
 }
 
-void DeepseekModel::attention(int64_t l, const Tensor& x, KvCache& cache, MlaForm form, Tensor& out) {
+void DeepseekModel::attention(int64_t l, const Tensor& x, const Tensor& residual, Tensor& residual_out, Tensor& normed,
+                              KvCache& cache, MlaForm form, Tensor& out) {
   const auto& c = config_;
   const LayerWeights& w = layers_[static_cast<size_t>(l)];
   const int64_t T = x.size(0);
   const int64_t nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim, vd = c.v_head_dim, kvr = c.kv_lora_rank;
   const DType ad = backend_.act_dtype();
+  const float eps = static_cast<float>(c.rms_norm_eps);
   Tensor q = backend_.scratch({T, local_heads_ * (nope + rope)}, ad);
   Tensor latent = backend_.scratch({T, kvr + rope}, ad);
   if (c.q_lora_rank > 0) {
     Tensor qa = backend_.scratch({T, c.q_lora_rank}, ad);
-    backend_.linear_pair(x, w.q_a_proj, qa, w.kv_a_proj, latent);
-    backend_.rmsnorm(qa, w.q_a_norm, static_cast<float>(c.rms_norm_eps), qa);
+    backend_.add_rmsnorm_linear_pair(x, residual, residual_out, w.input_norm, eps, normed, w.q_a_proj, qa, w.kv_a_proj,
+                                     latent);
+    backend_.rmsnorm(qa, w.q_a_norm, eps, qa);
     backend_.linear(qa, w.q_b_proj, q);
   } else {
-    backend_.linear_pair(x, w.q_proj, q, w.kv_a_proj, latent);
+    backend_.add_rmsnorm_linear_pair(x, residual, residual_out, w.input_norm, eps, normed, w.q_proj, q, w.kv_a_proj,
+                                     latent);
   }
   MlaParams p;
   p.num_heads = static_cast<int32_t>(local_heads_);
@@ -242,14 +247,12 @@ void DeepseekModel::attention(int64_t l, const Tensor& x, KvCache& cache, MlaFor
   p.softmax_scale = static_cast<float>(c.softmax_scale());
   p.form = form;
   Tensor attn = backend_.scratch({T, local_heads_ * vd}, ad);
-  backend_.mla_prepare_attention(q, latent, w.kv_a_norm, static_cast<float>(c.rms_norm_eps), cache.layer(l), w.kv_b_proj,
-                                 p, attn);
+  backend_.mla_prepare_attention(q, latent, w.kv_a_norm, eps, cache.layer(l), w.kv_b_proj, p, attn);
   backend_.linear(attn, w.o_proj, out);
   if (plan_.attn_tp_size > 1) backend_.collective([c = attn_comm_, out]() mutable { c->all_reduce_sum(out); });
 }
 
 void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
-  const auto& c = config_;
   const LayerWeights& w = layers_[static_cast<size_t>(l)];
   const int64_t T = x.size(0);
   const DType ad = backend_.act_dtype();
@@ -259,20 +262,46 @@ void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
     Tensor act = backend_.scratch({T, local_inter_}, ad);
     backend_.silu_mul(gu, act);
     backend_.linear(act, w.mlp_down, out);
-  } else {
-    const int64_t k = c.num_experts_per_tok;
-    Tensor ids = backend_.scratch({T, k}, DType::I32);
-    Tensor weights = backend_.scratch({T, k}, DType::F32);
-    const RouterParams rp = RouterParams::from_config(c);
-    backend_.moe_gate(x, w.router, w.router_bias.defined() ? &w.router_bias : nullptr, rp, ids, weights);
-    const bool shared = c.n_shared_experts > 0;
-    backend_.moe_experts(x, ids, weights, w.experts_gate_up, w.experts_down, 0, shared ? &w.shared_gate_up : nullptr,
-                         shared ? &w.shared_down : nullptr, out);
+    reduce_mlp(l, out);
+    return;
   }
-  if (plan_.tp_size > 1) {
-    MLA_LOG_TRACE("rank {}: layer {} MLP all-reduce", plan_.tp_rank, l);
-    backend_.collective([c = world_comm_, out]() mutable { c->all_reduce_sum(out); });
+  Tensor ids = backend_.scratch({T, config_.num_experts_per_tok}, DType::I32);
+  Tensor weights = backend_.scratch({T, config_.num_experts_per_tok}, DType::F32);
+  backend_.moe_gate(x, w.router, w.router_bias.defined() ? &w.router_bias : nullptr, RouterParams::from_config(config_),
+                    ids, weights);
+  experts(l, x, ids, weights, out);
+}
+
+void DeepseekModel::norm_mlp(int64_t l, const Tensor& x, Tensor& residual, Tensor& spare, Tensor& normed, Tensor& out) {
+  const LayerWeights& w = layers_[static_cast<size_t>(l)];
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  if (!w.is_moe) {
+    backend_.add_rmsnorm(x, residual, w.post_norm, eps, normed);
+    mlp(l, normed, out);
+    return;
   }
+  const int64_t T = x.size(0);
+  Tensor ids = backend_.scratch({T, config_.num_experts_per_tok}, DType::I32);
+  Tensor weights = backend_.scratch({T, config_.num_experts_per_tok}, DType::F32);
+  backend_.add_rmsnorm_moe_gate(x, residual, spare, w.post_norm, eps, normed, w.router,
+                                w.router_bias.defined() ? &w.router_bias : nullptr, RouterParams::from_config(config_),
+                                ids, weights);
+  std::swap(residual, spare);
+  experts(l, normed, ids, weights, out);
+}
+
+void DeepseekModel::experts(int64_t l, const Tensor& x, const Tensor& ids, const Tensor& weights, Tensor& out) {
+  const LayerWeights& w = layers_[static_cast<size_t>(l)];
+  const bool shared = config_.n_shared_experts > 0;
+  backend_.moe_experts(x, ids, weights, w.experts_gate_up, w.experts_down, 0, shared ? &w.shared_gate_up : nullptr,
+                       shared ? &w.shared_down : nullptr, out);
+  reduce_mlp(l, out);
+}
+
+void DeepseekModel::reduce_mlp(int64_t l, Tensor& out) {
+  if (plan_.tp_size <= 1) return;
+  MLA_LOG_TRACE("rank {}: layer {} MLP all-reduce", plan_.tp_rank, l);
+  backend_.collective([c = world_comm_, out]() mutable { c->all_reduce_sum(out); });
 }
 
 bool DeepseekModel::check_ids(const ForwardBatch& batch) const {
@@ -343,7 +372,8 @@ Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, Ml
   const DType ad = backend_.act_dtype();
   const float eps = static_cast<float>(c.rms_norm_eps);
   Tensor hidden = backend_.scratch({T, H}, ad);
-  Tensor residual = backend_.scratch({T, H}, ad);
+  // The residual stream alternates between two buffers: each layer's input norm writes the sum to the other one.
+  Tensor residual = backend_.scratch({T, H}, ad), residual_next = backend_.scratch({T, H}, ad);
   Tensor normed = backend_.scratch({T, H}, ad);
   if (prev_ids && prev_ids_.defined()) backend_.resolve_prev_ids(prev_ids_);
   backend_.embedding(embed_, plan_.attn_tp_rank * local_vocab_, hidden);
@@ -356,17 +386,13 @@ Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, Ml
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& w = layers_[static_cast<size_t>(l)];
     const size_t mark = backend_.scratch_mark();  // this layer's temporaries are released at its end
-    if (l == 0) {
-      backend_.copy(hidden, residual);
-      backend_.rmsnorm(hidden, w.input_norm, eps, normed);
-    } else {
-      backend_.add_rmsnorm(hidden, residual, w.input_norm, eps, normed);
-    }
-    attention(l, normed, cache, form, hidden);
-    backend_.add_rmsnorm(hidden, residual, w.post_norm, eps, normed);
+    if (l == 0) backend_.zero(residual);  // the first sum is the embedding itself
+    attention(l, hidden, residual, residual_next, normed, cache, form, hidden);
+    std::swap(residual, residual_next);
     if (!dp_attention) {
-      mlp(l, normed, hidden);
+      norm_mlp(l, hidden, residual, residual_next, normed, hidden);
     } else {
+      backend_.add_rmsnorm(hidden, residual, w.post_norm, eps, normed);
       // Gather every group's rows (one copy per group: its attention-TP rank 0 writes, the others add zeros),
       // run the world-parallel MLP on all of them, keep this group's rows.
       backend_.zero(gathered);

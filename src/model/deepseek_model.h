@@ -87,8 +87,18 @@ class DeepseekModel {
 
  private:
   class Loader;
-  void attention(int64_t layer, const Tensor& x, KvCache& cache, MlaForm form, Tensor& out);
+  // The input norm and the attention: residual_out = residual + x, out = attention(rmsnorm(residual_out)) (normed:
+  // scratch for the normalised rows). out may be x.
+  void attention(int64_t layer, const Tensor& x, const Tensor& residual, Tensor& residual_out, Tensor& normed,
+                 KvCache& cache, MlaForm form, Tensor& out);
+  // The MLP of normalised rows x (dense, or the router and the experts), all-reduced over tensor-parallel ranks.
   void mlp(int64_t layer, const Tensor& x, Tensor& out);
+  // The post-attention norm and the MLP: residual += x, out = mlp(rmsnorm(residual)) (normed: the normalised rows).
+  // A MoE layer writes the sums to `spare` (inside the router's launch where the backend fuses them) and swaps the two.
+  void norm_mlp(int64_t layer, const Tensor& x, Tensor& residual, Tensor& spare, Tensor& normed, Tensor& out);
+  // The experts of the routed rows x, then the tensor-parallel all-reduce.
+  void experts(int64_t layer, const Tensor& x, const Tensor& ids, const Tensor& weights, Tensor& out);
+  void reduce_mlp(int64_t layer, Tensor& out);
   // Validates the ids; true when some come from the previous step's samples (negative).
   bool check_ids(const ForwardBatch& batch) const;
   // prev_ids: replace the negative ids from the device first (always in a graph: a later replay may have them).

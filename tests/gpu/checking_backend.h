@@ -54,6 +54,16 @@ class CheckingBackend final : public ForwardingBackend {
     check("add_rmsnorm.residual", rc, r);
     check("add_rmsnorm.out", oc, out);
   }
+  void add_rmsnorm_linear_pair(const Tensor& x, const Tensor& r, Tensor& r_out, const Tensor& nw, float eps,
+                               Tensor& normed, const Tensor& w1, Tensor& y1, const Tensor& w2, Tensor& y2) override {
+    Tensor xc = cpu_copy(x), rc = cpu_copy(r), roc = cpu_like(r_out), nwc = cpu_copy(nw), nc = cpu_like(normed);
+    Tensor w1c = cpu_copy(w1), w2c = cpu_copy(w2), y1c = cpu_like(y1), y2c = cpu_like(y2);
+    c_->add_rmsnorm_linear_pair(xc, rc, roc, nwc, eps, nc, w1c, y1c, w2c, y2c);
+    g_.add_rmsnorm_linear_pair(x, r, r_out, nw, eps, normed, w1, y1, w2, y2);
+    check("add_rmsnorm_linear_pair.residual", roc, r_out);
+    check("add_rmsnorm_linear_pair " + shape_str(w1.shape()), y1c, y1);
+    check("add_rmsnorm_linear_pair " + shape_str(w2.shape()), y2c, y2);
+  }
   void linear(const Tensor& x, const Tensor& w, Tensor& y) override {
     Tensor xc = cpu_copy(x), wc = cpu_copy(w), yc = cpu_like(y);
     c_->linear(xc, wc, yc);
@@ -109,12 +119,21 @@ class CheckingBackend final : public ForwardingBackend {
            wc = cpu_like(w);
     c_->moe_route(lc, bias ? &bc : nullptr, p, ic, wc);
     g_.moe_route(logits, bias, p, ids, w);
-    Tensor ig = g_.to_host_f32(ids), ich = c_->to_host_f32(ic);
-    int64_t mism = 0;
-    for (int64_t i = 0; i < ig.numel(); ++i) mism += ig.data_as<float>()[i] != ich.data_as<float>()[i];
-    if (mism) std::printf("  moe_route #%lld: %lld of %lld ids differ\n", static_cast<long long>(counter_),
-                          static_cast<long long>(mism), static_cast<long long>(ig.numel()));
+    report_ids("moe_route", ic, ids);
     check("moe_route.weights", wc, w);
+  }
+  void add_rmsnorm_moe_gate(const Tensor& x, const Tensor& r, Tensor& r_out, const Tensor& nw, float eps,
+                            Tensor& normed, const Tensor& router, const Tensor* bias, const RouterParams& p,
+                            Tensor& ids, Tensor& w) override {
+    Tensor xc = cpu_copy(x), rc = cpu_copy(r), roc = cpu_like(r_out), nwc = cpu_copy(nw), nc = cpu_like(normed);
+    Tensor rtc = cpu_copy(router), bc = bias ? cpu_copy(*bias) : Tensor(), ic = c_->alloc(ids.shape(), DType::I32),
+           wc = cpu_like(w);
+    c_->add_rmsnorm_moe_gate(xc, rc, roc, nwc, eps, nc, rtc, bias ? &bc : nullptr, p, ic, wc);
+    g_.add_rmsnorm_moe_gate(x, r, r_out, nw, eps, normed, router, bias, p, ids, w);
+    check("add_rmsnorm_moe_gate.residual", roc, r_out);
+    check("add_rmsnorm_moe_gate.normed", nc, normed);
+    report_ids("add_rmsnorm_moe_gate", ic, ids);
+    check("add_rmsnorm_moe_gate.weights", wc, w);
   }
   void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& w, const Tensor& gu, const Tensor& dn, int32_t eb,
                    const Tensor* sg, const Tensor* sd, Tensor& out) override {
@@ -128,6 +147,14 @@ class CheckingBackend final : public ForwardingBackend {
   }
 
  private:
+  // Prints how many routed ids of the GPU differ from the CPU's (near-ties may differ; the weights are checked).
+  void report_ids(const char* op, const Tensor& cpu_ids, const Tensor& gpu_ids) {
+    Tensor ig = g_.to_host_f32(gpu_ids), ich = c_->to_host_f32(cpu_ids);
+    int64_t mism = 0;
+    for (int64_t i = 0; i < ig.numel(); ++i) mism += ig.data_as<float>()[i] != ich.data_as<float>()[i];
+    if (mism) std::printf("  %s #%lld: %lld of %lld ids differ\n", op, static_cast<long long>(counter_),
+                          static_cast<long long>(mism), static_cast<long long>(ig.numel()));
+  }
   Tensor cpu_copy(const Tensor& t) {
     if (t.dtype() == DType::I32) {
       Tensor h = c_->alloc(t.shape(), DType::I32);

@@ -268,6 +268,47 @@ int64_t count_diff(const Tensor& a, const Tensor& b) {
   return d;
 }
 
+// add_rmsnorm_linear_pair (at one token one launch: every block of the pair normalises the row itself) gives what
+// add_rmsnorm then linear_pair give: the residual sums bit for bit; the products bit for bit where the norm kernel
+// also uses 256 threads (1024 <= K < 4096), else within the last bf16 bit; and close to the CPU's ops.
+TEST(CudaOps, AddRmsnormLinearPairIsTheOps) {
+  REQUIRE_GPU();
+  struct Case { int64_t T, K, M1, M2; };
+  for (const Case c : {Case{1, 2048, 3072, 576}, Case{1, 1024, 1536, 576}, Case{1, 7168, 1536, 576},
+                       Case{1, 128, 640, 16}, Case{1, 520, 300, 77}, Case{2, 2048, 3072, 576}, Case{3, 7168, 512, 64}}) {
+    const std::string what = "norm+pair T " + std::to_string(c.T) + " K " + std::to_string(c.K);
+    Tensor x = rand_host({c.T, c.K}, 41 + c.K), r = rand_host({c.T, c.K}, 42 + c.K), nw = rand_host({c.K}, 43, 0.2f);
+    for (int64_t i = 0; i < c.K; ++i) nw.data_as<float>()[i] += 1.0f;
+    Tensor w1 = rand_host({c.M1, c.K}, 44 + c.M1, 0.05f), w2 = rand_host({c.M2, c.K}, 45 + c.M2, 0.05f);
+    Tensor xg = gpu().upload(x, DType::BF16), rg = gpu().upload(r, DType::BF16), nwg = gpu().upload(nw, DType::F32);
+    Tensor w1g = gpu().upload(w1, DType::BF16), w2g = gpu().upload(w2, DType::BF16);
+    Tensor ro = gpu().alloc({c.T, c.K}, DType::BF16), normed = gpu().alloc({c.T, c.K}, DType::BF16);
+    Tensor a1 = gpu().alloc({c.T, c.M1}, DType::BF16), a2 = gpu().alloc({c.T, c.M2}, DType::F32);
+    gpu().add_rmsnorm_linear_pair(xg, rg, ro, nwg, 1e-6f, normed, w1g, a1, w2g, a2);
+    // the ops, on a copy of the residual
+    Tensor r2 = gpu().upload(r, DType::BF16), n2 = gpu().alloc({c.T, c.K}, DType::BF16);
+    Tensor b1 = gpu().alloc({c.T, c.M1}, DType::BF16), b2 = gpu().alloc({c.T, c.M2}, DType::F32);
+    gpu().add_rmsnorm(xg, r2, nwg, 1e-6f, n2);
+    gpu().linear_pair(n2, w1g, b1, w2g, b2);
+    EXPECT_EQ(count_diff(r2, ro), 0) << what << ": residual sums";
+    EXPECT_EQ(count_diff(rg, gpu().upload(r, DType::BF16)), 0) << what << ": the residual input was written";
+    const bool exact = c.T > 1 || (c.K >= 1024 && c.K < 4096);
+    expect_close(gpu().to_host_f32(b1), gpu().to_host_f32(a1), exact ? 0.0 : 4e-3, exact ? 0.0 : 1e-2, what + " (first)");
+    expect_close(gpu().to_host_f32(b2), gpu().to_host_f32(a2), exact ? 0.0 : 4e-3, exact ? 0.0 : 1e-2, what + " (second)");
+    Tensor xc = cpu().upload(x, DType::F32), rc = cpu().upload(r, DType::F32), nwc = cpu().upload(nw, DType::F32);
+    Tensor roc = cpu().alloc({c.T, c.K}, DType::F32), nc = cpu().alloc({c.T, c.K}, DType::F32);
+    Tensor w1c = cpu().upload(w1, DType::BF16), w2c = cpu().upload(w2, DType::BF16);
+    Tensor y1c = cpu().alloc({c.T, c.M1}, DType::F32), y2c = cpu().alloc({c.T, c.M2}, DType::F32);
+    cpu().add_rmsnorm_linear_pair(xc, rc, roc, nwc, 1e-6f, nc, w1c, y1c, w2c, y2c);
+    expect_close(cpu().to_host_f32(roc), gpu().to_host_f32(ro), 5e-3, 1e-2, what + " residual vs cpu");
+    expect_close(cpu().to_host_f32(y1c), gpu().to_host_f32(a1), 1e-2, 3e-2, what + " (first) vs cpu");
+    expect_close(cpu().to_host_f32(y2c), gpu().to_host_f32(a2), 1e-2, 3e-2, what + " (second) vs cpu");
+  }
+  Tensor x = gpu().alloc({1, 64}, DType::BF16), r = gpu().alloc({1, 64}, DType::BF16), n = gpu().alloc({1, 64}, DType::BF16);
+  Tensor nw = gpu().alloc({64}, DType::F32), w = gpu().alloc({8, 64}, DType::BF16), y = gpu().alloc({1, 8}, DType::BF16);
+  EXPECT_THROW(gpu().add_rmsnorm_linear_pair(x, r, r, nw, 1e-6f, n, w, y, w, y), std::exception);  // in place
+}
+
 std::vector<float> yarn_freqs(int64_t rope) {
   std::vector<float> f(static_cast<size_t>(rope / 2));
   for (size_t i = 0; i < f.size(); ++i) f[i] = std::pow(10000.0f, -2.0f * static_cast<float>(i) / static_cast<float>(rope)) / (i > 8 ? 40.0f : 1.0f);
@@ -465,6 +506,8 @@ TEST(CudaOps, MlaPrepareAttentionIsPrepareThenAttention) {
   REQUIRE_GPU();
   for (bool graph_plan : {false, true}) {
     prepare_attention_case({{299, 1}}, 16, 512, 64, 128, 128, graph_plan, 80);           // one token, folded
+    // one token of 101 keys: one split in an eager step (W_UV reads o_lat), parts with a graph plan (W_UV combines)
+    prepare_attention_case({{100, 1}}, 16, 512, 64, 128, 128, graph_plan, 84);
     prepare_attention_case({{700, 1}, {16, 1}}, 16, 512, 64, 128, 128, graph_plan, 81);  // two tokens, folded
     prepare_attention_case({{40, 1}}, 4, 64, 16, 32, 32, graph_plan, 82);               // simple decode kernel
     prepare_attention_case({{5, 1}, {0, 1}, {30, 1}}, 16, 512, 64, 128, 128, graph_plan, 83);  // 3 tokens: apart
@@ -538,6 +581,48 @@ TEST(CudaOps, MoeGateMatchesLinearAndRoute) {
     gate_case(T, 256, 7168, noaux, true, 62 + T);
     gate_case(T, 20, 40, greedy, false, 63 + T);  // K % 32 != 0, fewer experts than a block's warps
     gate_case(T, 384, 256, greedy, false, 64 + T);  // more experts than the fused kernel takes
+  }
+}
+
+// add_rmsnorm_moe_gate (at one row the norm runs inside the router's launch) gives what add_rmsnorm then moe_gate
+// give: residual sums bit for bit; the normalised rows, ids and weights bit for bit where the norm kernel also uses
+// 256 threads (1024 <= H < 4096) or the ops run apart (2 rows), the rows within the last bf16 bit otherwise.
+TEST(CudaOps, AddRmsnormMoeGateIsTheOps) {
+  REQUIRE_GPU();
+  RouterParams greedy{TopkMethod::Greedy, ScoringFunc::Softmax, 6, 1, 1, false, 1.0f};
+  RouterParams noaux{TopkMethod::NoauxTc, ScoringFunc::Sigmoid, 8, 8, 4, true, 2.5f};
+  struct Case { int64_t T, E, H; const RouterParams* rp; bool bias; };
+  for (const Case c : {Case{1, 64, 2048, &greedy, false}, Case{1, 256, 7168, &noaux, true}, Case{1, 20, 40, &greedy, false},
+                       Case{2, 64, 2048, &greedy, false}}) {
+    const std::string what = "norm+gate T" + std::to_string(c.T) + " E" + std::to_string(c.E) + " H" + std::to_string(c.H);
+    Tensor x = rand_host({c.T, c.H}, 71 + c.H), r = rand_host({c.T, c.H}, 72 + c.H), nw = rand_host({c.H}, 73, 0.2f);
+    for (int64_t i = 0; i < c.H; ++i) nw.data_as<float>()[i] += 1.0f;
+    Tensor w = rand_host({c.E, c.H}, 74 + c.E, 0.05f), bs = rand_host({c.E}, 75, 0.1f);
+    Tensor xg = gpu().upload(x, DType::BF16), rg = gpu().upload(r, DType::BF16), nwg = gpu().upload(nw, DType::F32);
+    Tensor wg = gpu().upload(w, DType::BF16), bg = gpu().upload(bs, DType::F32);
+    const Tensor* bias = c.bias ? &bg : nullptr;
+    Tensor ro = gpu().alloc({c.T, c.H}, DType::BF16), n1 = gpu().alloc({c.T, c.H}, DType::BF16);
+    Tensor i1 = gpu().alloc({c.T, c.rp->top_k}, DType::I32), v1 = gpu().alloc({c.T, c.rp->top_k}, DType::F32);
+    gpu().add_rmsnorm_moe_gate(xg, rg, ro, nwg, 1e-6f, n1, wg, bias, *c.rp, i1, v1);
+    Tensor r2 = gpu().upload(r, DType::BF16), n2 = gpu().alloc({c.T, c.H}, DType::BF16);
+    Tensor i2 = gpu().alloc({c.T, c.rp->top_k}, DType::I32), v2 = gpu().alloc({c.T, c.rp->top_k}, DType::F32);
+    gpu().add_rmsnorm(xg, r2, nwg, 1e-6f, n2);
+    gpu().moe_gate(n2, wg, bias, *c.rp, i2, v2);
+    EXPECT_EQ(count_diff(r2, ro), 0) << what << ": residual sums";
+    EXPECT_EQ(count_diff(rg, gpu().upload(r, DType::BF16)), 0) << what << ": the residual input was written";
+    if (c.T > 1 || (c.H >= 1024 && c.H < 4096)) {
+      EXPECT_EQ(count_diff(n1, n2), 0) << what << ": normalised rows";
+      EXPECT_EQ(count_diff(i1, i2), 0) << what << ": ids";
+      EXPECT_EQ(count_diff(v1, v2), 0) << what << ": weights";
+    } else {
+      expect_close(gpu().to_host_f32(n2), gpu().to_host_f32(n1), 4e-3, 1e-2, what + " normalised rows");
+    }
+    Tensor nc = cpu().alloc({c.T, c.H}, DType::F32), rc = cpu().upload(r, DType::F32);
+    Tensor roc = cpu().alloc({c.T, c.H}, DType::F32), ic = cpu().alloc({c.T, c.rp->top_k}, DType::I32);
+    Tensor vc = cpu().alloc({c.T, c.rp->top_k}, DType::F32), bc = cpu().upload(bs, DType::F32);
+    cpu().add_rmsnorm_moe_gate(cpu().upload(x, DType::F32), rc, roc, cpu().upload(nw, DType::F32), 1e-6f, nc,
+                               cpu().upload(w, DType::BF16), c.bias ? &bc : nullptr, *c.rp, ic, vc);
+    expect_close(cpu().to_host_f32(nc), gpu().to_host_f32(n1), 8e-3, 2e-2, what + " normalised rows vs cpu");
   }
 }
 

@@ -396,8 +396,29 @@ class CudaBackend final : public Backend {
                   x.dtype() == DType::BF16 && residual.dtype() == DType::BF16 && out.dtype() == DType::BF16 &&
                   w.dtype() == DType::F32,
               "add_rmsnorm: shape or dtype mismatch");
-    CUDA_OK(cuda::add_rmsnorm(bf(x), bf(residual), w.data_as<const float>(), N, D, eps, bf(out), stream_),
+    CUDA_OK(cuda::add_rmsnorm(bf(x), bf(residual), bf(residual), w.data_as<const float>(), N, D, eps, bf(out), stream_),
             "add_rmsnorm");
+  }
+
+  // One token: the norm inside the pair's launch (cuda::gemv_t_pair_norm).
+  void add_rmsnorm_linear_pair(const Tensor& x, const Tensor& residual, Tensor& residual_out, const Tensor& norm_w,
+                               float eps, Tensor& normed, const Tensor& w1, Tensor& y1, const Tensor& w2,
+                               Tensor& y2) override {
+    const int64_t D = x.size(-1), N = rows_of(x);
+    check_add_norm("add_rmsnorm_linear_pair", x, residual, residual_out, norm_w, normed);
+    check_linear("add_rmsnorm_linear_pair (first)", normed, w1, y1);
+    check_linear("add_rmsnorm_linear_pair (second)", normed, w2, y2);
+    if (small_batch_ && N == 1 && D <= cuda::kPairNormMaxK && cuda::gemv_fits(1, D, x.data(), D, w1.data(), D) &&
+        cuda::gemv_fits(1, D, x.data(), D, w2.data(), D)) {
+      const cuda::AddNormIn n{bf(x), bf(residual), bf(residual_out), norm_w.data_as<const float>(), eps};
+      CUDA_OK(cuda::gemv_t_pair_norm(linear_gemv(normed, w1, y1), linear_gemv(normed, w2, y2), n, num_sms_, stream_),
+              "gemv pair + add_rmsnorm");
+      return;
+    }
+    CUDA_OK(cuda::add_rmsnorm(bf(x), bf(residual), bf(residual_out), norm_w.data_as<const float>(), N, D, eps,
+                              bf(normed), stream_),
+            "add_rmsnorm");
+    linear_pair(normed, w1, y1, w2, y2);
   }
 
   void linear(const Tensor& x, const Tensor& w, Tensor& y) override {
@@ -510,12 +531,17 @@ class CudaBackend final : public Backend {
   }
 
   // One row: the router product and the routing in one kernel (cuda::moe_gate).
+  // Whether moe_gate takes cuda::moe_gate for x.
+  bool gate_fused(const Tensor& x, const Tensor& router) const {
+    const int64_t T = rows_of(x), H = x.size(-1), E = router.size(0);
+    return small_batch_ && T >= 1 && T <= cuda::kMoeGateMaxRows && router.dim() == 2 && router.size(1) == H &&
+           x.dtype() == DType::BF16 && router.dtype() == DType::BF16 &&
+           cuda::gemv_fits(T, H, x.data(), H, router.data(), H) && E <= cuda::kMoeGateMaxExperts;
+  }
   void moe_gate(const Tensor& x, const Tensor& router, const Tensor* bias, const RouterParams& p, Tensor& topk_ids,
                 Tensor& topk_weights) override {
-    const int64_t T = rows_of(x), H = x.size(-1), E = router.size(0);
-    if (!small_batch_ || T < 1 || T > cuda::kMoeGateMaxRows || router.dim() != 2 || router.size(1) != H ||
-        x.dtype() != DType::BF16 || router.dtype() != DType::BF16 || !cuda::gemv_fits(T, H, x.data(), H, router.data(), H) ||
-        E > cuda::kMoeGateMaxExperts) {
+    const int64_t T = rows_of(x), E = router.size(0);
+    if (!gate_fused(x, router)) {
       Backend::moe_gate(x, router, bias, p, topk_ids, topk_weights);
       return;
     }
@@ -524,6 +550,28 @@ class CudaBackend final : public Backend {
     CUDA_OK(cuda::moe_gate(linear_gemv(x, router, logits), bias ? bias->data_as<const float>() : nullptr, a,
                            gate_counter_, topk_ids.data_as<int32_t>(), topk_weights.data_as<float>(), stream_),
             "moe_gate");
+  }
+
+  // One row: the norm inside the router's launch (cuda::moe_gate_norm).
+  void add_rmsnorm_moe_gate(const Tensor& x, const Tensor& residual, Tensor& residual_out, const Tensor& norm_w,
+                            float eps, Tensor& normed, const Tensor& router, const Tensor* bias, const RouterParams& p,
+                            Tensor& topk_ids, Tensor& topk_weights) override {
+    const int64_t D = x.size(-1), N = rows_of(x), E = router.size(0);
+    check_add_norm("add_rmsnorm_moe_gate", x, residual, residual_out, norm_w, normed);
+    if (N == 1 && D <= cuda::kPairNormMaxK && gate_fused(normed, router)) {
+      const cuda::RouteArgs a = route_args("add_rmsnorm_moe_gate", N, E, p, topk_ids, topk_weights);
+      Tensor logits = scratch({N, E}, DType::F32);
+      const cuda::AddNormIn n{bf(x), bf(residual), bf(residual_out), norm_w.data_as<const float>(), eps};
+      CUDA_OK(cuda::moe_gate_norm(linear_gemv(normed, router, logits), bias ? bias->data_as<const float>() : nullptr, a,
+                                  n, bf(normed), gate_counter_, topk_ids.data_as<int32_t>(),
+                                  topk_weights.data_as<float>(), stream_),
+              "moe_gate + add_rmsnorm");
+      return;
+    }
+    CUDA_OK(cuda::add_rmsnorm(bf(x), bf(residual), bf(residual_out), norm_w.data_as<const float>(), N, D, eps,
+                              bf(normed), stream_),
+            "add_rmsnorm");
+    moe_gate(normed, router, bias, p, topk_ids, topk_weights);
   }
 
   void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
@@ -703,6 +751,19 @@ class CudaBackend final : public Backend {
     return a;
   }
 
+  // The checks of an add_rmsnorm whose sums go to residual_out.
+  static void check_add_norm(const char* op, const Tensor& x, const Tensor& residual, const Tensor& residual_out,
+                             const Tensor& norm_w, const Tensor& normed) {
+    auto apart = [](const Tensor& a, const Tensor& b) {
+      const char *pa = static_cast<const char*>(a.data()), *pb = static_cast<const char*>(b.data());
+      return pa + a.nbytes() <= pb || pb + b.nbytes() <= pa;
+    };
+    MLA_CHECK(residual.numel() == x.numel() && residual_out.numel() == x.numel() && normed.numel() == x.numel() &&
+                  norm_w.numel() == x.size(-1) && x.dtype() == DType::BF16 && residual.dtype() == DType::BF16 &&
+                  residual_out.dtype() == DType::BF16 && normed.dtype() == DType::BF16 && norm_w.dtype() == DType::F32,
+              "{}: shape or dtype mismatch", op);
+    MLA_CHECK(apart(residual_out, residual) && apart(residual_out, x), "{}: residual_out overlaps residual or x", op);
+  }
   // linear's checks; returns the output width.
   static int64_t check_linear(const char* what, const Tensor& x, const Tensor& w, const Tensor& y) {
     const int64_t K = x.size(-1), N = rows_of(x), M = w.size(0);
@@ -1070,18 +1131,22 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
     dp.partial_lse = part_lse.data_as<float>();
     dp.variant = mla_variant_;
     CUDA_OK(cuda::mla_decode(dp, allow_fast_, stream_), "mla_decode");
-    CUDA_OK(cuda::mla_decode_combine(plan.d_combine, plan.num_combine, dp.partial_o, dp.partial_lse, dp.num_heads,
-                                     dp.kvr, bf(o_lat), stream_),
-            "mla_decode_combine");
     // out[t, h, :] = o_lat[t, h, :] @ W_UV[h]^T   (W_UV[h]: [v, kvr] rows of kv_b)
-    if (small) {
-      CUDA_OK(cuda::gemv_t(gemv_args(o_lat.data(), nh * kvr, kvr, kvb + nope * kvr * 2, kvr, head_rows * kvr,
-                                     out.data(), nh * vh, vh, T, vh, kvr),
-                           static_cast<int32_t>(nh), num_sms_, stream_),
-              "gemv (W_UV)");
+    const cuda::GemvArgs uv = gemv_args(o_lat.data(), nh * kvr, kvr, kvb + nope * kvr * 2, kvr, head_rows * kvr,
+                                        out.data(), nh * vh, vh, T, vh, kvr);
+    if (small && T == 1 && kvr <= cuda::kCombineUvMaxK) {  // one token: the combine inside the W_UV launch
+      CUDA_OK(cuda::mla_combine_uv(uv, static_cast<int32_t>(nh), plan.num_combine > 0 ? plan.d_combine : nullptr,
+                                   dp.partial_o, dp.partial_lse, stream_),
+              "mla_combine_uv");
     } else {
-      batched_gemm(true, vh, T, kvr, kvb + nope * kvr * 2, kvr, head_rows * kvr, o_lat.data(), nh * kvr, kvr,
-                   out.data(), nh * vh, vh, nh);
+      CUDA_OK(cuda::mla_decode_combine(plan.d_combine, plan.num_combine, dp.partial_o, dp.partial_lse, dp.num_heads,
+                                       dp.kvr, bf(o_lat), stream_),
+              "mla_decode_combine");
+      if (small)
+        CUDA_OK(cuda::gemv_t(uv, static_cast<int32_t>(nh), num_sms_, stream_), "gemv (W_UV)");
+      else
+        batched_gemm(true, vh, T, kvr, kvb + nope * kvr * 2, kvr, head_rows * kvr, o_lat.data(), nh * kvr, kvr,
+                     out.data(), nh * vh, vh, nh);
     }
   }
   if (plan.num_prefill_items > 0) {

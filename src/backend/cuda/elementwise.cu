@@ -9,6 +9,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/norm.cuh"
 #include "backend/cuda/prepare.cuh"
 #include "core/random.h"
 
@@ -77,46 +78,32 @@ __global__ void embedding_kernel(const bf16* table, int64_t vocab_rows, int64_t 
   }
 }
 
-// One block per row. ADD: residual = bf16(residual + x) first, and the norm reads the rounded residual.
+// One block per row. ADD: residual_out = bf16(residual + x) first, and the norm reads the rounded sum.
 template <bool ADD>
-__global__ void rmsnorm_kernel(const bf16* x, bf16* residual, const float* w, int64_t D, float eps, bf16* out) {
+__global__ void rmsnorm_kernel(const bf16* x, const bf16* residual, bf16* residual_out, const float* w, int64_t D,
+                               float eps, bf16* out) {
   __shared__ float red[32];
   pdl_wait();
   const int64_t row = blockIdx.x;
   const bf16* xr = x + row * D;
-  bf16* rr = ADD ? residual + row * D : nullptr;
-  const bf16* src = ADD ? rr : xr;
+  const bf16* rr = ADD ? residual + row * D : nullptr;
+  bf16* ro = ADD ? residual_out + row * D : nullptr;
+  const bf16* src = ADD ? ro : xr;
   bf16* o = out + row * D;
   float ss = 0.0f;
   const bool vec = (D & 7) == 0;
   if (vec) {
     for (int64_t i = threadIdx.x; i < D / 8; i += blockDim.x) {
       uint4 xv = reinterpret_cast<const uint4*>(xr)[i];
-      const bf16* xe = reinterpret_cast<const bf16*>(&xv);
-      if (ADD) {
-        uint4 rv = reinterpret_cast<const uint4*>(rr)[i];
-        bf16* re = reinterpret_cast<bf16*>(&rv);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          re[j] = __float2bfloat16_rn(__bfloat162float(re[j]) + __bfloat162float(xe[j]));
-          const float v = __bfloat162float(re[j]);
-          ss += v * v;
-        }
-        reinterpret_cast<uint4*>(rr)[i] = rv;
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float v = __bfloat162float(xe[j]);
-          ss += v * v;
-        }
-      }
+      if (ADD) xv = add_residual8(xv, reinterpret_cast<const uint4*>(rr)[i], reinterpret_cast<uint4*>(ro) + i);
+      add_squares8(ss, xv);
     }
   } else {
     for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
       float v = __bfloat162float(xr[i]);
       if (ADD) {
         const bf16 r = __float2bfloat16_rn(__bfloat162float(rr[i]) + v);
-        rr[i] = r;
+        ro[i] = r;
         v = __bfloat162float(r);
       }
       ss += v * v;
@@ -124,17 +111,10 @@ __global__ void rmsnorm_kernel(const bf16* x, bf16* residual, const float* w, in
   }
   ss = block_sum(ss, red);
   pdl_trigger();  // after this kernel's reads: the next kernel's early weight loads would hold them up
-  const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+  const float inv = rms_inverse(ss, D, eps);
   if (vec) {
-    for (int64_t i = threadIdx.x; i < D / 8; i += blockDim.x) {
-      uint4 sv = reinterpret_cast<const uint4*>(src)[i];
-      const bf16* se = reinterpret_cast<const bf16*>(&sv);
-      uint4 ov;
-      bf16* oe = reinterpret_cast<bf16*>(&ov);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) oe[j] = __float2bfloat16_rn(w[i * 8 + j] * (__bfloat162float(se[j]) * inv));
-      reinterpret_cast<uint4*>(o)[i] = ov;
-    }
+    for (int64_t i = threadIdx.x; i < D / 8; i += blockDim.x)
+      reinterpret_cast<uint4*>(o)[i] = scale8(reinterpret_cast<const uint4*>(src)[i], w + i * 8, inv);
   } else {
     for (int64_t i = threadIdx.x; i < D; i += blockDim.x)
       o[i] = __float2bfloat16_rn(w[i] * (__bfloat162float(src[i]) * inv));
@@ -275,13 +255,15 @@ static int norm_threads(int64_t D) { return D >= 4096 ? 512 : (D >= 1024 ? 256 :
 
 cudaError_t rmsnorm(const bf16* x, const float* w, int64_t N, int64_t D, float eps, bf16* out, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
-  return launch(rmsnorm_kernel<false>, static_cast<unsigned>(N), norm_threads(D), 0, stream, x, nullptr, w, D, eps, out);
+  return launch(rmsnorm_kernel<false>, static_cast<unsigned>(N), norm_threads(D), 0, stream, x, nullptr, nullptr, w, D,
+                eps, out);
 }
 
-cudaError_t add_rmsnorm(const bf16* x, bf16* residual, const float* w, int64_t N, int64_t D, float eps, bf16* out,
-                        cudaStream_t stream) {
+cudaError_t add_rmsnorm(const bf16* x, const bf16* residual, bf16* residual_out, const float* w, int64_t N, int64_t D,
+                        float eps, bf16* out, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
-  return launch(rmsnorm_kernel<true>, static_cast<unsigned>(N), norm_threads(D), 0, stream, x, residual, w, D, eps, out);
+  return launch(rmsnorm_kernel<true>, static_cast<unsigned>(N), norm_threads(D), 0, stream, x, residual, residual_out,
+                w, D, eps, out);
 }
 
 cudaError_t silu_mul(const bf16* gate_up, int64_t N, int64_t I, bf16* out, cudaStream_t stream) {

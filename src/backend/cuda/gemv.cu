@@ -9,8 +9,10 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/cuda/combine.cuh"
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/norm.cuh"
 #include "backend/cuda/prepare.cuh"
 #include "backend/cuda/route.cuh"
 
@@ -96,13 +98,50 @@ __device__ __forceinline__ void warp_sum_all(float (&acc)[TT]) {
   for (int t = 0; t < TT; ++t) acc[t] = warp_sum(acc[t]);
 }
 
+// The norm's weights (D f32, D % 4 == 0) into shared memory: they are weights, so this may run before the PDL wait.
+__device__ __forceinline__ void stage_norm_weights(const float* w, int D, float* ws) {
+  for (int i = threadIdx.x; i < D / 4; i += blockDim.x)
+    reinterpret_cast<float4*>(ws)[i] = reinterpret_cast<const float4*>(w)[i];
+}
+
+// One row of add_rmsnorm in a block, as rmsnorm_kernel<true> computes it with this block's threads: xs (shared, D
+// bf16) = rmsnorm(bf16(n.residual + n.x)) * w with w staged in ws (shared, D f32); block 0 also writes the sums to
+// n.residual_out. With `trigger`, lets the next kernel launch after its global reads. Ends with a block barrier. red: a
+// float per warp.
+__device__ __forceinline__ void block_add_rmsnorm(const AddNormIn& n, int D, const float* ws, bf16* xs, float* red,
+                                                  bool trigger) {
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < D / 8; i += blockDim.x) {
+    const uint4 r = add_residual8(ld_act(n.x + i * 8), ld_act(n.residual + i * 8), reinterpret_cast<uint4*>(xs) + i);
+    if (blockIdx.x == 0) reinterpret_cast<uint4*>(n.residual_out)[i] = r;
+    add_squares8(ss, r);
+  }
+  ss = block_sum(ss, red);
+  if (trigger) pdl_trigger();
+  const float inv = rms_inverse(ss, D, n.eps);
+  // The vectors this thread wrote, a pair at a time (scale8's arithmetic in fewer registers: the pair kernel's
+  // weights are held in 32 of its 64).
+  for (int i = threadIdx.x; i < D / 8; i += blockDim.x) {
+    __nv_bfloat162* v = reinterpret_cast<__nv_bfloat162*>(xs) + i * 4;
+    const float2* wv = reinterpret_cast<const float2*>(ws) + i * 4;
+#pragma unroll 1
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(v[j]), g = wv[j];
+      v[j] = __halves2bfloat162(__float2bfloat16_rn(g.x * (f.x * inv)), __float2bfloat16_rn(g.y * (f.y * inv)));
+    }
+  }
+  __syncthreads();
+}
+
 // ---- y = x W^T ----------------------------------------------------------------------------------------------
 // Warp w of block b: row n = bx * (8 / ks) + w / ks, part w % ks of K; batch b.y. bx = b.x, except with PAIR (two
 // problems of one batch, gemv_t_pair): blocks [0, split) compute a0, the rest a1 with bx = b.x - split. Without PAIR
 // a1 and split are unused (no selection code in the single-problem kernels: it measured ~2% at batch 1).
 // REG: the register cap (64: 4 blocks per SM, the one-row pair).
-template <int TT, bool PAIR, int REG = 128>
-__global__ void __maxnreg__(REG) gemv_t_kernel(GemvArgs a0, GemvArgs a1, unsigned split) {
+// NORM (one row, gemv_t_pair_norm): the input row is add_rmsnorm of nrm, computed by every block into shared memory
+// (block_add_rmsnorm; K bf16 after K f32 of staged norm weights, dynamic), a.x unused.
+template <int TT, bool PAIR, int REG = 128, bool NORM = false>
+__global__ void __maxnreg__(REG) gemv_t_kernel(GemvArgs a0, GemvArgs a1, unsigned split, AddNormIn nrm) {
   __shared__ float red[kWarps][TT];
   const bool second = PAIR && blockIdx.x >= split;
   const GemvArgs a = second ? a1 : a0;
@@ -114,12 +153,18 @@ __global__ void __maxnreg__(REG) gemv_t_kernel(GemvArgs a0, GemvArgs a1, unsigne
   const uint4* row = reinterpret_cast<const uint4*>(a.w + blockIdx.y * a.sw + static_cast<int64_t>(active ? n : 0) * a.ldw);
   uint4 w[kUnroll];
   load_chunk(w, row, vb + lane, active ? ve : 0);
+  extern __shared__ __align__(16) uint8_t norm_smem[];
+  float* ws = reinterpret_cast<float*>(norm_smem);
+  bf16* xs = reinterpret_cast<bf16*>(norm_smem + a.K * sizeof(float));
+  if constexpr (NORM) stage_norm_weights(nrm.w, a.K, ws);
   pdl_wait();
-  pdl_trigger();
+  if constexpr (NORM) block_add_rmsnorm(nrm, a.K, ws, xs, &red[0][0], true);
+  else pdl_trigger();
   float acc[TT];
 #pragma unroll
   for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
-  if (active) row_dot<TT>(acc, w, row, vb, ve, EvenRows{a.x + blockIdx.y * a.sx, a.ldx}, a.T, ~0u);
+  const EvenRows x_row = NORM ? EvenRows{xs, 0} : EvenRows{a.x + blockIdx.y * a.sx, a.ldx};
+  if (active) row_dot<TT>(acc, w, row, vb, ve, x_row, a.T, ~0u);
   warp_sum_all<TT>(acc);
   if (ks > 1) {
     if (lane == 0)
@@ -141,6 +186,59 @@ __global__ void __maxnreg__(REG) gemv_t_kernel(GemvArgs a0, GemvArgs a1, unsigne
     const int64_t o = blockIdx.y * a.sy + t * a.ldy + n;
     if (a.y_f32) static_cast<float*>(a.y)[o] = acc[t];
     else static_cast<bf16*>(a.y)[o] = __float2bfloat16_rn(acc[t]);
+  }
+}
+
+// ---- W_UV at one token with the MLA decode combine folded in (mla_combine_uv) --------------------------------
+// Block (b.x, h): rows [b.x * 8 * kUvRowsPerWarp, +8 * kUvRowsPerWarp) of head h's W_UV, a warp per kUvRowsPerWarp
+// rows over all of K, the first kUvUnroll * 32 16-byte vectors of each row loaded before the PDL wait (a 512-wide row:
+// all of it). After the wait the block sums its head's splits (combine_splits), or reads o_lat when the decode kernel
+// wrote it (one split), into shared memory as bf16, rounded as mla_decode_combine rounds o_lat.
+constexpr int kUvRowsPerWarp = 2, kUvUnroll = 2;
+__global__ void __launch_bounds__(kWarps * 32) combine_uv_kernel(GemvArgs a, int32_t nh, const MlaDecodeCombineItem* item,
+                                                                const float* partial_o, const float* partial_lse) {
+  __shared__ float red[32];
+  __shared__ float wts[kWarps * 32];
+  __shared__ __align__(16) bf16 xs[kCombineUvMaxK];
+  const int h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nvec = a.K >> 3, n0 = (blockIdx.x * kWarps + warp) * kUvRowsPerWarp;
+  const uint4* rows[kUvRowsPerWarp];
+  uint4 w[kUvRowsPerWarp][kUvUnroll];
+#pragma unroll
+  for (int r = 0; r < kUvRowsPerWarp; ++r) {
+    const int n = n0 + r;
+    rows[r] = reinterpret_cast<const uint4*>(a.w + h * a.sw + static_cast<int64_t>(n < a.N ? n : 0) * a.ldw);
+    load_chunk(w[r], rows[r], lane, n < a.N ? nvec : 0);
+  }
+  pdl_wait();
+  if (item) {
+    constexpr int kCols = kCombineUvMaxK / (kWarps * 32);
+    const MlaDecodeCombineItem it = *item;
+    float acc[kCols], inv_total;
+    combine_splits<kWarps * 32>(partial_o, partial_lse, it.first_partial, it.num_partials, nh, h, a.K, red, wts, acc,
+                                inv_total);
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      const int c = tid + j * kWarps * 32;
+      if (c < a.K) xs[c] = __float2bfloat16_rn(acc[j] * inv_total);
+    }
+  } else {
+    for (int v = tid; v < nvec; v += kWarps * 32)
+      reinterpret_cast<uint4*>(xs)[v] = ld_act(a.x + h * a.sx + static_cast<int64_t>(v) * 8);
+  }
+  __syncthreads();
+  pdl_trigger();  // after this kernel's activation reads
+#pragma unroll
+  for (int r = 0; r < kUvRowsPerWarp; ++r) {
+    const int n = n0 + r;
+    if (n >= a.N) break;
+    float acc[1] = {0.0f};
+    row_dot<1>(acc, w[r], rows[r], 0, nvec, EvenRows{xs, 0}, 1, ~0u);
+    acc[0] = warp_sum(acc[0]);
+    if (lane != 0) continue;
+    const int64_t o = h * a.sy + n;
+    if (a.y_f32) static_cast<float*>(a.y)[o] = acc[0];
+    else static_cast<bf16*>(a.y)[o] = __float2bfloat16_rn(acc[0]);
   }
 }
 
@@ -221,21 +319,37 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(GemvArgs a0, Gemv
 // routes the token(s) (route_block) from the logits the others left in L2, and resets the counter
 // for the next launch (graph replays included).
 static_assert(kMoeGateMaxExperts <= kBlockRouteMax && kWarps * 32 >= kBlockRouteMax, "route_block: a thread per expert");
+// NORM (one row, moe_gate_norm): the row is add_rmsnorm of nrm, computed by every block into shared memory as in
+// gemv_t_kernel; block 0 also writes it to `normed` (the experts' input).
+template <bool NORM>
 __global__ void __launch_bounds__(kWarps * 32) moe_gate_kernel(GemvArgs g, const float* bias, RouteArgs r,
-                                                             unsigned* counter, int32_t* ids, float* weights) {
+                                                             unsigned* counter, int32_t* ids, float* weights,
+                                                             AddNormIn nrm, bf16* normed) {
   __shared__ bool last;
+  __shared__ float red[kWarps];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = blockIdx.x * kWarps + warp, nvec = g.K >> 3;
   const bool active = n < g.N;
   const uint4* row = reinterpret_cast<const uint4*>(g.w + static_cast<int64_t>(active ? n : 0) * g.ldw);
   uint4 w[kUnroll];
   load_chunk(w, row, lane, active ? nvec : 0);
+  extern __shared__ __align__(16) uint8_t gate_smem[];
+  float* ws = reinterpret_cast<float*>(gate_smem);
+  bf16* xs = reinterpret_cast<bf16*>(gate_smem + g.K * sizeof(float));
+  if constexpr (NORM) stage_norm_weights(nrm.w, g.K, ws);
   pdl_wait();
+  if constexpr (NORM) {
+    block_add_rmsnorm(nrm, g.K, ws, xs, red, false);
+    if (blockIdx.x == 0)
+      for (int i = threadIdx.x; i < nvec; i += kWarps * 32)
+        reinterpret_cast<uint4*>(normed)[i] = reinterpret_cast<const uint4*>(xs)[i];
+  }
   constexpr int TT = kMoeGateMaxRows;
   float acc[TT];
 #pragma unroll
   for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
-  if (active) row_dot<TT>(acc, w, row, 0, nvec, EvenRows{g.x, g.ldx}, g.T, ~0u);
+  const EvenRows x_row = NORM ? EvenRows{xs, 0} : EvenRows{g.x, g.ldx};
+  if (active) row_dot<TT>(acc, w, row, 0, nvec, x_row, g.T, ~0u);
   warp_sum_all<TT>(acc);
   float* logits = static_cast<float*>(g.y);
   if (active && lane == 0)
@@ -631,6 +745,22 @@ unsigned cut_gemv_t(GemvArgs& a, int32_t batch, int32_t num_sms, bool mma) {
   return lane_blocks(a);
 }
 
+// One row of gemv_t_pair: the grid is made to fit at once (kPairBlocksPerSm per SM), so every warp loads its weights
+// before the PDL wait: the wider K split of the two is halved until it fits (measured on H200, docs/perf.md: q_proj +
+// kv_a of V2-Lite, 528 blocks instead of two waves of 672 at 3 blocks per SM, -1.7% per step).
+void fit_one_row_pair(GemvArgs& a, GemvArgs& b, unsigned& ba, unsigned& bb, int32_t num_sms) {
+  const int64_t fit = static_cast<int64_t>(kPairBlocksPerSm) * std::max(num_sms, 1);
+  while (static_cast<int64_t>(ba) + bb > fit && (a.ks > 1 || b.ks > 1)) {
+    if (a.ks >= b.ks) {
+      a.ks /= 2;
+      ba = lane_blocks(a);
+    } else {
+      b.ks /= 2;
+      bb = lane_blocks(b);
+    }
+  }
+}
+
 // T >= 2 and K % 32 == 0: the tensor-core kernel.
 bool use_mma(const GemvArgs& a) { return a.K % 32 == 0 && a.T > 1; }
 
@@ -644,11 +774,22 @@ cudaError_t gemv_t(GemvArgs a, int32_t batch, int32_t num_sms, cudaStream_t stre
   const dim3 grid(blocks, static_cast<unsigned>(batch));
   if (mma) return launch(gemv_mma_kernel<false>, grid, kWarps * 32, 0, stream, a, a, blocks);
   switch (rows_bucket(a.T)) {
-    case 1: return launch(gemv_t_kernel<1, false>, grid, kWarps * 32, 0, stream, a, a, blocks);
-    case 2: return launch(gemv_t_kernel<2, false>, grid, kWarps * 32, 0, stream, a, a, blocks);
-    case 4: return launch(gemv_t_kernel<4, false>, grid, kWarps * 32, 0, stream, a, a, blocks);
-    default: return launch(gemv_t_kernel<8, false>, grid, kWarps * 32, 0, stream, a, a, blocks);
+    case 1: return launch(gemv_t_kernel<1, false>, grid, kWarps * 32, 0, stream, a, a, blocks, AddNormIn{});
+    case 2: return launch(gemv_t_kernel<2, false>, grid, kWarps * 32, 0, stream, a, a, blocks, AddNormIn{});
+    case 4: return launch(gemv_t_kernel<4, false>, grid, kWarps * 32, 0, stream, a, a, blocks, AddNormIn{});
+    default: return launch(gemv_t_kernel<8, false>, grid, kWarps * 32, 0, stream, a, a, blocks, AddNormIn{});
   }
+}
+
+cudaError_t mla_combine_uv(GemvArgs a, int32_t nh, const MlaDecodeCombineItem* item, const float* partial_o,
+                           const float* partial_lse, cudaStream_t stream) {
+  if (a.N == 0 || nh == 0) return cudaSuccess;
+  if (a.T != 1 || a.K == 0 || a.K > kCombineUvMaxK || !gemv_fits(a.T, a.K, a.x, a.ldx, a.w, a.ldw) || a.sw % 8 != 0 ||
+      a.sx % 8 != 0)
+    return cudaErrorInvalidValue;
+  constexpr int rows = kWarps * kUvRowsPerWarp;
+  const dim3 grid(static_cast<unsigned>((a.N + rows - 1) / rows), static_cast<unsigned>(nh));
+  return launch(combine_uv_kernel, grid, kWarps * 32, 0, stream, a, nh, item, partial_o, partial_lse);
 }
 
 cudaError_t gemv_t_pair(GemvArgs a, GemvArgs b, int32_t num_sms, cudaStream_t stream) {
@@ -665,20 +806,20 @@ cudaError_t gemv_t_pair(GemvArgs a, GemvArgs b, int32_t num_sms, cudaStream_t st
   // them.
   unsigned ba = cut_gemv_t(a, 1, num_sms, mma), bb = cut_gemv_t(b, 1, num_sms, mma);
   if (mma) return launch(gemv_mma_kernel<true>, dim3(ba + bb, 1), kWarps * 32, 0, stream, a, b, ba);
-  // One row: the grid is made to fit at once (kPairBlocksPerSm per SM), so every warp loads its weights before the
-  // PDL wait: the wider K split of the two is halved until it fits (measured on H200, docs/perf.md: q_proj + kv_a of
-  // V2-Lite, 528 blocks instead of two waves of 672 at 3 blocks per SM, -1.7% per step).
-  const int64_t fit = static_cast<int64_t>(kPairBlocksPerSm) * std::max(num_sms, 1);
-  while (static_cast<int64_t>(ba) + bb > fit && (a.ks > 1 || b.ks > 1)) {
-    if (a.ks >= b.ks) {
-      a.ks /= 2;
-      ba = lane_blocks(a);
-    } else {
-      b.ks /= 2;
-      bb = lane_blocks(b);
-    }
-  }
-  return launch(gemv_t_kernel<1, true, 64>, dim3(ba + bb, 1), kWarps * 32, 0, stream, a, b, ba);
+  fit_one_row_pair(a, b, ba, bb, num_sms);
+  return launch(gemv_t_kernel<1, true, 64>, dim3(ba + bb, 1), kWarps * 32, 0, stream, a, b, ba, AddNormIn{});
+}
+
+cudaError_t gemv_t_pair_norm(GemvArgs a, GemvArgs b, const AddNormIn& n, int32_t num_sms, cudaStream_t stream) {
+  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  if (a.T != 1 || b.T != 1 || a.K != b.K || a.K > kPairNormMaxK || a.N == 0 || b.N == 0 ||
+      !gemv_fits(1, a.K, a.w, a.ldw, a.w, a.ldw) || !gemv_fits(1, b.K, b.w, b.ldw, b.w, b.ldw) || !aligned(n.x) ||
+      !aligned(n.residual) || !aligned(n.residual_out) || !aligned(n.w))
+    return cudaErrorInvalidValue;
+  unsigned ba = cut_gemv_t(a, 1, num_sms, false), bb = cut_gemv_t(b, 1, num_sms, false);
+  fit_one_row_pair(a, b, ba, bb, num_sms);
+  const size_t smem = static_cast<size_t>(a.K) * (sizeof(float) + sizeof(bf16));
+  return launch(gemv_t_kernel<1, true, 64, true>, dim3(ba + bb, 1), kWarps * 32, smem, stream, a, b, ba, n);
 }
 
 cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned* counter, int32_t* ids,
@@ -688,7 +829,20 @@ cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned
       r.top_k > a.N || a.N > kMoeGateMaxExperts || a.ldy != a.N)
     return cudaErrorInvalidValue;
   const unsigned grid = static_cast<unsigned>((a.N + kWarps - 1) / kWarps);
-  return launch(moe_gate_kernel, grid, kWarps * 32, 0, stream, a, bias, r, counter, ids, weights);
+  return launch(moe_gate_kernel<false>, grid, kWarps * 32, 0, stream, a, bias, r, counter, ids, weights, AddNormIn{},
+                nullptr);
+}
+
+cudaError_t moe_gate_norm(GemvArgs a, const float* bias, const RouteArgs& r, const AddNormIn& n, bf16* normed,
+                          unsigned* counter, int32_t* ids, float* weights, cudaStream_t stream) {
+  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  if (a.T != 1 || a.K > kPairNormMaxK || !gemv_fits(1, a.K, a.w, a.ldw, a.w, a.ldw) || a.K == 0 || a.N == 0 ||
+      r.top_k > 32 || r.top_k > a.N || a.N > kMoeGateMaxExperts || a.ldy != a.N || !aligned(n.x) ||
+      !aligned(n.residual) || !aligned(n.residual_out) || !aligned(n.w) || !aligned(normed))
+    return cudaErrorInvalidValue;
+  const unsigned grid = static_cast<unsigned>((a.N + kWarps - 1) / kWarps);
+  const size_t smem = static_cast<size_t>(a.K) * (sizeof(float) + sizeof(bf16));
+  return launch(moe_gate_kernel<true>, grid, kWarps * 32, smem, stream, a, bias, r, counter, ids, weights, n, normed);
 }
 
 namespace {

@@ -46,9 +46,10 @@ cudaError_t embedding(const bf16* table, int64_t vocab_rows, int64_t H, int64_t 
 // out[N, D] = x * rsqrt(mean(x^2) + eps) * w (fp32 math). out may alias x.
 cudaError_t rmsnorm(const bf16* x, const float* w, int64_t N, int64_t D, float eps, bf16* out, cudaStream_t stream);
 
-// residual[N, D] = bf16(residual + x); out = rmsnorm(residual). out may alias x.
-cudaError_t add_rmsnorm(const bf16* x, bf16* residual, const float* w, int64_t N, int64_t D, float eps, bf16* out,
-                        cudaStream_t stream);
+// residual_out[N, D] = bf16(residual + x); out = rmsnorm(residual_out). out may alias x; residual_out may be residual
+// (in place) and must not overlap it otherwise.
+cudaError_t add_rmsnorm(const bf16* x, const bf16* residual, bf16* residual_out, const float* w, int64_t N, int64_t D,
+                        float eps, bf16* out, cudaStream_t stream);
 
 // out[N, I] = silu(gate_up[:, :I]) * gate_up[:, I:]   (gate_up: [N, 2I])
 cudaError_t silu_mul(const bf16* gate_up, int64_t N, int64_t I, bf16* out, cudaStream_t stream);
@@ -301,6 +302,29 @@ cudaError_t gemv_t(GemvArgs a, int32_t batch, int32_t num_sms, cudaStream_t stre
 // the lane kernel); at one row the K splits may be narrower than alone, so that the grid fits the GPU at once (the
 // same products, summed in another order).
 cudaError_t gemv_t_pair(GemvArgs a, GemvArgs b, int32_t num_sms, cudaStream_t stream);
+// One token's add_rmsnorm as the input of a product (gemv_t_pair_norm): residual_out = bf16(residual + x), the row
+// rmsnorm(residual_out) * w (eps). residual_out must not overlap residual or x.
+struct AddNormIn {
+  const bf16* x;
+  const bf16* residual;
+  bf16* residual_out;
+  const float* w;
+  float eps;
+};
+// gemv_t_pair at one row (a.T == b.T == 1) whose row is add_rmsnorm of n, computed by every block itself (a.x, b.x
+// unused; one block writes residual_out): no norm launch, and the row never goes through global memory. The norm
+// kernel's arithmetic over 256 threads: the same bits as add_rmsnorm then gemv_t_pair where add_rmsnorm uses 256
+// threads (1024 <= K < 4096). K <= kPairNormMaxK, a multiple of 8.
+constexpr int kPairNormMaxK = 8192;
+cudaError_t gemv_t_pair_norm(GemvArgs a, GemvArgs b, const AddNormIn& n, int32_t num_sms, cudaStream_t stream);
+// MLA's W_UV product at one token with the decode combine folded in: y[h] = o_lat[h] W_UV[h]^T for the nh heads
+// (a.T == 1; W_UV[h]: a.N rows of a.K = kvr at a.w + h * a.sw; o_lat[h] at a.x + h * a.sx; y[h] at a.y + h * a.sy).
+// With `item` (the token's MlaDecodeCombineItem, on the device) each block sums its head's splits from partial_o /
+// partial_lse itself, as mla_decode_combine would (o_lat is not written); without, it reads o_lat, which the decode
+// kernel wrote (one split). a.K <= kCombineUvMaxK; a.sw, a.sx multiples of 8.
+constexpr int kCombineUvMaxK = 1024;
+cudaError_t mla_combine_uv(GemvArgs a, int32_t nh, const MlaDecodeCombineItem* item, const float* partial_o,
+                           const float* partial_lse, cudaStream_t stream);
 // y = x W for each of `batch` matrices, bf16 out (T <= kFewRows, N and ldw multiples of 8, w 16-byte aligned).
 cudaError_t gemv_n(GemvArgs a, int32_t batch, cudaStream_t stream);
 // gemv_n and rope_q_write_latent(prep) in one launch (an extra row of blocks), with the same results: MLA decode's
@@ -316,6 +340,10 @@ constexpr int kMoeGateMaxExperts = 256;
 constexpr int kMoeGateMaxRows = 1;
 cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned* counter, int32_t* ids,
                      float* weights, cudaStream_t stream);
+// moe_gate at one row (a.T == 1) whose row is add_rmsnorm of n, computed by every block (a.x unused), as
+// gemv_t_pair_norm does; one block writes residual_out, and the row to normed (the experts' input). K <= kPairNormMaxK.
+cudaError_t moe_gate_norm(GemvArgs a, const float* bias, const RouteArgs& r, const AddNormIn& n, bf16* normed,
+                          unsigned* counter, int32_t* ids, float* weights, cudaStream_t stream);
 constexpr int kMoeSmallMaxK = 16;
 struct MoeSmallArgs {
   const bf16* x;                 // [T, H] (row stride ldx)

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/cuda/combine.cuh"
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/kernels.h"
 
@@ -690,10 +691,8 @@ __global__ void __launch_bounds__(kSimpleThreads) mla_decode_simple_kernel(const
 }
 
 constexpr int kCombineThreads = 128, kCombineMaxCols = 8;  // kvr <= 1024
-constexpr int kCombineBatch = 8;                             // splits read at once
 
-// One block per (token, head): the splits' weights exp2(lse_i - max) are computed once, 128 at a time, into shared
-// memory; each thread sums its columns over them (independent loads, no per-split recomputation).
+// One block per (token, head): combine_splits (combine.cuh).
 __global__ void __launch_bounds__(kCombineThreads) mla_decode_combine_kernel(const MlaDecodeCombineItem* items,
                                                                             const float* partial_o,
                                                                             const float* partial_lse, int32_t nh,
@@ -702,44 +701,10 @@ __global__ void __launch_bounds__(kCombineThreads) mla_decode_combine_kernel(con
   __shared__ float red[32];
   __shared__ float wts[kCombineThreads];
   const MlaDecodeCombineItem it = items[blockIdx.x];
-  const int h = blockIdx.y, tid = threadIdx.x, np = it.num_partials;
-  auto lse = [&](int i) { return partial_lse[static_cast<int64_t>(it.first_partial + i) * nh + h]; };
-  float mx = -INFINITY;
-  for (int i = tid; i < np; i += kCombineThreads) mx = fmaxf(mx, lse(i));
-  mx = block_max(mx, red);
-  float total = 0.0f;
-  for (int i = tid; i < np; i += kCombineThreads) total += exp2f(lse(i) - mx);
-  total = block_sum(total, red);
-  const float inv_total = 1.0f / total;
-  float acc[kCombineMaxCols];
-#pragma unroll
-  for (int j = 0; j < kCombineMaxCols; ++j) acc[j] = 0.0f;
-  for (int i0 = 0; i0 < np; i0 += kCombineThreads) {
-    const int n = min(kCombineThreads, np - i0);
-    __syncthreads();
-    if (tid < n) wts[tid] = exp2f(lse(i0 + tid) - mx);
-    __syncthreads();
-    // kCombineBatch splits' loads in flight at once, then their terms added in split order. Empty splits (lse
-    // -inf, weight 0) leave their rows unwritten: not read, and they add nothing.
-    for (int i = 0; i < n; i += kCombineBatch) {
-      float w[kCombineBatch], v[kCombineBatch][kCombineMaxCols];
-#pragma unroll
-      for (int u = 0; u < kCombineBatch; ++u) {
-        w[u] = i + u < n ? wts[i + u] : 0.0f;
-        const float* po = partial_o + (static_cast<int64_t>(it.first_partial + i0 + i + u) * nh + h) * kvr;
-#pragma unroll
-        for (int j = 0; j < kCombineMaxCols; ++j) {
-          const int c = tid + j * kCombineThreads;
-          v[u][j] = w[u] > 0.0f && c < kvr ? po[c] : 0.0f;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kCombineBatch; ++u)
-        if (w[u] > 0.0f)
-#pragma unroll
-          for (int j = 0; j < kCombineMaxCols; ++j) acc[j] += w[u] * v[u][j];
-    }
-  }
+  const int h = blockIdx.y, tid = threadIdx.x;
+  float acc[kCombineMaxCols], inv_total;
+  combine_splits<kCombineThreads>(partial_o, partial_lse, it.first_partial, it.num_partials, nh, h, kvr, red, wts, acc,
+                                  inv_total);
   pdl_trigger();  // after this kernel's reads: the next kernel's early weight loads would hold them up
 #pragma unroll
   for (int j = 0; j < kCombineMaxCols; ++j) {
