@@ -99,7 +99,7 @@ class BatchRunner {
       ptrs.push_back(members[g].empty() ? nullptr : &batches[g]);
       greedy.emplace_back(members[g].size());
     }
-    std::vector<GroupOutput> outs = ranks_.step(ptrs, greedy, /*want_logits=*/false, form);
+    std::vector<GroupOutput> outs = ranks_.step(ptrs, greedy, LogitRows{}, form);
     for (size_t g = 0; g < batches.size(); ++g)
       for (size_t i = 0; i < members[g].size(); ++i) next[members[g][i]] = outs[g].ids[i];
   }

@@ -230,9 +230,10 @@ void Engine::deliver_outputs() {
   out_cv_.notify_one();
 }
 
-std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<StepPlan>& plans, bool& want_logits) {
+std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<StepPlan>& plans,
+                                                            LogitRows& logit_rows) {
   std::vector<std::vector<RowSampling>> rows(plans.size());
-  want_logits = false;  // only for top-N logprobs, computed on the host
+  logit_rows.assign(plans.size(), {});  // only for top-N logprobs, computed on the host
   for (size_t g = 0; g < plans.size(); ++g)
     for (const ScheduledSeq& s : plans[g].seqs)
       if (s.wants_logits) {
@@ -247,8 +248,8 @@ std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<St
                     b.input_ids[static_cast<size_t>(pos)]);
           row.pending_input = pos;
         }
+        if (s.req->sampling.top_logprobs_num > 0) logit_rows[g].push_back(static_cast<int32_t>(rows[g].size()));
         rows[g].push_back(std::move(row));
-        want_logits |= s.req->sampling.top_logprobs_num > 0;
       }
   return rows;
 }
@@ -257,14 +258,16 @@ std::vector<std::vector<SampleResult>> Engine::collect(const std::vector<StepPla
   const int64_t V = ranks_->config().vocab_size;
   std::vector<std::vector<SampleResult>> sampled(plans.size());
   for (size_t g = 0; g < plans.size(); ++g) {
-    int64_t i = 0;
+    int64_t i = 0, kept = 0;  // row i; kept: the rows with logits before it (their order in outs[g].logits)
     for (const ScheduledSeq& s : plans[g].seqs) {
       if (!s.wants_logits) continue;
       SampleResult r;
       r.token = outs[g].ids[static_cast<size_t>(i)];
       const SamplingParams& sp = s.req->sampling;
       if (sp.top_logprobs_num > 0) {
-        r.logprob = top_logprobs(outs[g].logits.data_as<float>() + i * V, V, r.token, sp.top_logprobs_num);
+        MLA_CHECK(kept < (outs[g].logits.defined() ? outs[g].logits.size(0) : 0), "group {}: logits of row {} missing",
+                  g, i);
+        r.logprob = top_logprobs(outs[g].logits.data_as<float>() + kept++ * V, V, r.token, sp.top_logprobs_num);
       } else if (sp.return_logprob) {
         r.logprob.token = r.token;
         r.logprob.logprob = outs[g].logprobs[static_cast<size_t>(i)];
@@ -301,11 +304,11 @@ void Engine::step() {
     }
   }
   if (!any) return;
-  bool want_logits = false;
-  auto rows = sampling_rows(plans, want_logits);
+  LogitRows logit_rows;
+  auto rows = sampling_rows(plans, logit_rows);
   std::vector<std::vector<SampleResult>> sampled;
   try {
-    std::vector<GroupOutput> outs = ranks_->step(batches, rows, want_logits);
+    std::vector<GroupOutput> outs = ranks_->step(batches, rows, logit_rows);
     sampled = collect(plans, outs);
   } catch (const std::exception& e) {
     abort_plans(plans, e.what());
@@ -344,12 +347,12 @@ bool Engine::launch(std::vector<StepPlan> plans) {
   std::vector<const ForwardBatch*> batches(groups, nullptr);
   for (size_t g = 0; g < groups; ++g)
     if (!plans[g].empty()) batches[g] = &plans[g].batch;
-  bool want_logits = false;
+  LogitRows logit_rows;
   InFlight f;
   try {
-    const auto rows = sampling_rows(plans, want_logits);
+    const auto rows = sampling_rows(plans, logit_rows);
     const auto t0 = PhaseClock::now();
-    f.launched = ranks_->launch(batches, rows, want_logits);
+    f.launched = ranks_->launch(batches, rows, logit_rows);
     if (phase_stats_) phases_.launch += ms_since(t0);
   } catch (const std::exception& e) {
     abort_plans(plans, e.what());

@@ -52,7 +52,8 @@ class Engine final : public EngineClient {
   void loop();
   void step();          // one synchronous step (no overlap)
   void overlap_step();  // plan and launch the next step, then finish the running one
-  std::vector<std::vector<RowSampling>> sampling_rows(const std::vector<StepPlan>& plans, bool& want_logits);
+  // One RowSampling per logit row of each group; logit_rows: the rows that ask for top-N logprobs.
+  std::vector<std::vector<RowSampling>> sampling_rows(const std::vector<StepPlan>& plans, LogitRows& logit_rows);
   std::vector<std::vector<SampleResult>> collect(const std::vector<StepPlan>& plans, std::vector<GroupOutput>& outs);
   // Waits for the running step and resolves its samples (or aborts its requests if it failed).
   void finish_inflight();

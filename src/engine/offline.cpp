@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 #include "core/log.h"
 #include "engine/sampler.h"
@@ -148,9 +149,14 @@ OfflineResult run_offline(RankSet& ranks, const std::vector<std::vector<int32_t>
   ranks.allocate_kv(std::max(1, *std::max_element(group_pages.begin(), group_pages.end())), opts.page_size);
   return drive(ranks.config().vocab_size, groups, prompts, opts, [&](const std::vector<const ForwardBatch*>& b) {
     std::vector<std::vector<RowSampling>> greedy(b.size());
-    for (size_t g = 0; g < b.size(); ++g)
-      if (b[g]) greedy[g].resize(b[g]->logit_rows.size());
-    std::vector<GroupOutput> outs = ranks.step(b, greedy, /*want_logits=*/true, opts.form);
+    LogitRows all(b.size());  // every row's logits
+    for (size_t g = 0; g < b.size(); ++g) {
+      if (!b[g]) continue;
+      greedy[g].resize(b[g]->logit_rows.size());
+      all[g].resize(b[g]->logit_rows.size());
+      std::iota(all[g].begin(), all[g].end(), 0);
+    }
+    std::vector<GroupOutput> outs = ranks.step(b, greedy, all, opts.form);
     std::vector<Tensor> logits;
     for (auto& o : outs) logits.push_back(o.logits);
     return logits;

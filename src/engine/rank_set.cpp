@@ -48,6 +48,12 @@ std::vector<T> get_vec(const char*& p, const char* end) {
   p += n * static_cast<int64_t>(sizeof(T));
   return v;
 }
+// Group g's rows whose logits come back, or null for none.
+const std::vector<int32_t>* rows_of_group(const LogitRows& rows, int32_t g) {
+  if (g < 0 || static_cast<size_t>(g) >= rows.size() || rows[static_cast<size_t>(g)].empty()) return nullptr;
+  return &rows[static_cast<size_t>(g)];
+}
+
 void put_sampling(std::string& o, const std::vector<RowSampling>& rows) {
   put_pod(o, static_cast<int64_t>(rows.size()));
   for (const RowSampling& r : rows) {
@@ -367,7 +373,8 @@ int32_t RankSet::graph_size_for(const std::vector<const ForwardBatch*>& batches,
 }
 
 void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
-                           const std::vector<std::vector<RowSampling>>& sampling, bool want_logits, MlaForm form,
+                           const std::vector<std::vector<RowSampling>>& sampling, const LogitRows& logit_rows,
+                           MlaForm form,
                            Launched& h) {
   const int32_t d = pc_.dp_size, at = attn_tp();
   DpStepInfo info;
@@ -430,10 +437,23 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
           if (leader) {
             h.rows[static_cast<size_t>(i)] = R;
             h.tickets[static_cast<size_t>(i)] = rk.backend->download_start(rk.sampled.rows(0, 2 * R));
-            if (want_logits) {  // top-N logprobs: the logits too, without waiting for them here
+            const std::vector<int32_t>* keep = rows_of_group(logit_rows, g);
+            if (keep) {  // top-N logprobs: those rows' logits too, without waiting for them here
               MLA_CHECK(logits.dtype() == DType::F32, "step: logits must be F32");
+              // Moved to the front in ascending order (row j from row keep[j] >= j: no row is overwritten before it
+              // is read; the sampler, earlier on the stream, has read them all), then one download.
+              const int64_t n = static_cast<int64_t>(keep->size());
+              for (int64_t j = 0; j < n; ++j) {
+                const int32_t r = (*keep)[static_cast<size_t>(j)];
+                MLA_CHECK(r >= j && r < R && (j == 0 || r > (*keep)[static_cast<size_t>(j - 1)]),
+                          "step: logit rows of group {} must be ascending rows below {}", g, R);
+                if (r != j) {
+                  Tensor dst = logits.rows(j, j + 1);
+                  rk.backend->copy(logits.rows(r, r + 1), dst);
+                }
+              }
               h.logit_cols[static_cast<size_t>(i)] = logits.size(-1);
-              h.logit_tickets[static_cast<size_t>(i)] = rk.backend->download_start(logits);
+              h.logit_tickets[static_cast<size_t>(i)] = rk.backend->download_start(logits.rows(0, n));
             }
           }
         }
@@ -457,8 +477,9 @@ void RankSet::finish_local(Launched& h) {
         o.ids.assign(host.begin(), host.begin() + R);
         o.logprobs.resize(static_cast<size_t>(R));
         std::memcpy(o.logprobs.data(), host.data() + R, static_cast<size_t>(R) * sizeof(float));
-        if (h.want_logits) {
-          o.logits = Tensor::empty_host({R, h.logit_cols[static_cast<size_t>(i)]}, DType::F32);
+        if (const std::vector<int32_t>* keep = rows_of_group(h.logit_rows, rk.global / at)) {
+          o.logits = Tensor::empty_host({static_cast<int64_t>(keep->size()), h.logit_cols[static_cast<size_t>(i)]},
+                                        DType::F32);
           rk.backend->download_finish(h.logit_tickets[static_cast<size_t>(i)], o.logits.data());
         }
       },
@@ -466,15 +487,15 @@ void RankSet::finish_local(Launched& h) {
 }
 
 std::vector<GroupOutput> RankSet::step(const std::vector<const ForwardBatch*>& batches,
-                                       const std::vector<std::vector<RowSampling>>& sampling, bool want_logits,
-                                       MlaForm form) {
-  Launched h = launch(batches, sampling, want_logits, form);
+                                       const std::vector<std::vector<RowSampling>>& sampling,
+                                       const LogitRows& logit_rows, MlaForm form) {
+  Launched h = launch(batches, sampling, logit_rows, form);
   return finish(h);
 }
 
 RankSet::Launched RankSet::launch(const std::vector<const ForwardBatch*>& batches,
-                                  const std::vector<std::vector<RowSampling>>& sampling, bool want_logits,
-                                  MlaForm form) {
+                                  const std::vector<std::vector<RowSampling>>& sampling,
+                                  const LogitRows& logit_rows, MlaForm form) {
   const int32_t d = pc_.dp_size;
   MLA_CHECK(pc_.node_rank == 0, "RankSet::step runs on node 0 only");
   MLA_CHECK(static_cast<int32_t>(batches.size()) == d && static_cast<int32_t>(sampling.size()) == d,
@@ -483,7 +504,8 @@ RankSet::Launched RankSet::launch(const std::vector<const ForwardBatch*>& batche
   for (const ForwardBatch* b : batches) any |= b && b->num_tokens() > 0;
   Launched h;
   h.out.resize(static_cast<size_t>(d));
-  h.want_logits = want_logits;
+  MLA_CHECK(static_cast<int32_t>(logit_rows.size()) <= d, "step: logit rows for {} groups of {}", logit_rows.size(), d);
+  h.logit_rows = logit_rows;
   if (!any) return h;  // every group idle: no forward at all
   h.ran = true;
   const bool remote = link_ && pc_.nnodes > 1;
@@ -493,16 +515,17 @@ RankSet::Launched RankSet::launch(const std::vector<const ForwardBatch*>& batche
     std::string m(1, kStep);
     put_pod(m, h.seq);
     put_pod(m, static_cast<char>(form));
-    put_pod(m, static_cast<char>(want_logits));
     for (int32_t g = 0; g < d; ++g) {
       const ForwardBatch* b = batches[static_cast<size_t>(g)];
       put_pod(m, static_cast<char>(b ? 1 : 0));
       if (b) serialize(*b, m);
       put_sampling(m, sampling[static_cast<size_t>(g)]);
+      const std::vector<int32_t>* keep = rows_of_group(logit_rows, g);
+      put_vec(m, keep ? *keep : std::vector<int32_t>{});
     }
     link_->broadcast(m);
   }
-  launch_local(batches, sampling, want_logits, form, h);
+  launch_local(batches, sampling, logit_rows, form, h);
   return h;
 }
 
@@ -517,7 +540,6 @@ std::vector<GroupOutput> RankSet::finish(Launched& h) {
   }
   finish_local(h);
   std::vector<GroupOutput>& out = h.out;
-  const bool want_logits = h.want_logits;
   if (h.remote) {
     // Outputs of groups led by ranks of other nodes, node by node, in group order.
     const int64_t V = config_.vocab_size;
@@ -535,9 +557,9 @@ std::vector<GroupOutput> RankSet::finish(Launched& h) {
         GroupOutput& o = out[static_cast<size_t>(g)];
         o.ids = get_vec<int32_t>(p, end);
         o.logprobs = get_vec<float>(p, end);
-        if (want_logits) {
+        if (const std::vector<int32_t>* keep = rows_of_group(h.logit_rows, g)) {
           std::vector<float> l = get_vec<float>(p, end);
-          const int64_t rows = static_cast<int64_t>(o.ids.size());
+          const int64_t rows = static_cast<int64_t>(keep->size());
           MLA_CHECK(static_cast<int64_t>(l.size()) == rows * V, "bad logits from node {}", node);
           o.logits = Tensor::empty_host({rows, V}, DType::F32);
           if (!l.empty()) std::memcpy(o.logits.data(), l.data(), l.size() * sizeof(float));
@@ -585,7 +607,7 @@ void RankSet::follow() {
         const GroupOutput& o = h.out[static_cast<size_t>(g)];
         put_vec(reply, o.ids);
         put_vec(reply, o.logprobs);
-        if (h.want_logits) {
+        if (rows_of_group(h.logit_rows, g)) {
           std::vector<float> l;
           if (o.logits.defined() && o.logits.numel() > 0)
             l.assign(o.logits.data_as<float>(), o.logits.data_as<float>() + o.logits.numel());
@@ -600,7 +622,7 @@ void RankSet::follow() {
     MLA_CHECK(seq > remote_seq_, "step {} from node 0 after step {}", seq, remote_seq_);
     remote_seq_ = seq;
     const MlaForm form = static_cast<MlaForm>(get<char>(p, end));
-    const bool want_logits = get<char>(p, end) != 0;
+    LogitRows logit_rows(static_cast<size_t>(d));
     std::vector<ForwardBatch> storage(static_cast<size_t>(d));
     std::vector<const ForwardBatch*> batches(static_cast<size_t>(d), nullptr);
     std::vector<std::vector<RowSampling>> sampling(static_cast<size_t>(d));
@@ -610,12 +632,13 @@ void RankSet::follow() {
         batches[static_cast<size_t>(g)] = &storage[static_cast<size_t>(g)];
       }
       sampling[static_cast<size_t>(g)] = get_sampling(p, end);
+      logit_rows[static_cast<size_t>(g)] = get_vec<int32_t>(p, end);
     }
     Launched h;
     h.out.resize(static_cast<size_t>(d));
-    h.want_logits = want_logits;
+    h.logit_rows = logit_rows;
     h.seq = seq;
-    launch_local(batches, sampling, want_logits, form, h);
+    launch_local(batches, sampling, logit_rows, form, h);
     running.push_back(std::move(h));
     ++followed_steps_;
     if (running.size() > 1) ++followed_overlapped_;

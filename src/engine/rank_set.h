@@ -53,8 +53,12 @@ struct ParallelConfig {
 struct GroupOutput {
   std::vector<int32_t> ids;       // sampled on the device, one per logit row
   std::vector<float> logprobs;    // of the sampled ids
-  Tensor logits;                  // host F32 [rows, vocab], only when asked for
+  Tensor logits;                  // host F32 [n, vocab]: the n rows its LogitRows entry named, in that order
 };
+
+// Per DP group, the logit rows (indices into its batch's logit_rows) whose full logits come back to the host (top-N
+// logprobs), ascending; an empty list (or no entry) for none.
+using LogitRows = std::vector<std::vector<int32_t>>;
 
 // Batch sizes recorded as graphs: 1, 2, 4, 8, then every 8 up to 256, then every 32, and max_bs itself.
 std::vector<int32_t> cuda_graph_batch_sizes(int32_t max_bs);
@@ -77,10 +81,10 @@ class RankSet {
   // Gives every rank a latent cache of `num_pages` pages (ranks of one DP group hold the same sequences).
   void allocate_kv(int32_t num_pages, int32_t page_size);
   // One forward on every rank; batches[g] for DP group g, sampling[g] one RowSampling per logit row of it. Each
-  // group's leading rank samples on its device and only the ids (and their logprobs) come back; the full logits
-  // are copied to the host as well when `want_logits`.
+  // group's leading rank samples on its device and only the ids (and their logprobs) come back, and the full logits
+  // of the rows logit_rows[g] names (gathered on the device first, so only those cross to the host).
   std::vector<GroupOutput> step(const std::vector<const ForwardBatch*>& batches,
-                                const std::vector<std::vector<RowSampling>>& sampling, bool want_logits,
+                                const std::vector<std::vector<RowSampling>>& sampling, const LogitRows& logit_rows,
                                 MlaForm form = MlaForm::Auto);
   // step() in two halves, for overlap scheduling: launch issues the step on every rank and returns while the
   // devices work (the ids come back through an asynchronous copy; they also stay on each rank of the group, where
@@ -90,13 +94,15 @@ class RankSet {
     std::vector<GroupOutput> out;
     std::vector<int64_t> rows;        // per local rank: logit rows it downloads (-1: none)
     std::vector<uint64_t> tickets;    // per local rank: its download
-    std::vector<uint64_t> logit_tickets;  // per local rank, with want_logits: its logits' download (after tickets')
+    std::vector<uint64_t> logit_tickets;  // per local rank, with logit rows: their download (after tickets')
     std::vector<int64_t> logit_cols;      // and their columns
-    bool ran = false, remote = false, want_logits = false;
+    LogitRows logit_rows;
+    bool ran = false, remote = false;
     uint64_t seq = 0;  // with other nodes: this step's number in node 0's messages
   };
   Launched launch(const std::vector<const ForwardBatch*>& batches,
-                  const std::vector<std::vector<RowSampling>>& sampling, bool want_logits, MlaForm form = MlaForm::Auto);
+                  const std::vector<std::vector<RowSampling>>& sampling, const LogitRows& logit_rows,
+                  MlaForm form = MlaForm::Auto);
   std::vector<GroupOutput> finish(Launched& launched);
   // Steps whose batches took input ids from the previous step's samples on the device.
   int64_t prev_id_steps() const { return prev_id_steps_; }
@@ -132,7 +138,8 @@ class RankSet {
   void connect_nodes(const std::string& payload);
   // Issues the step on the local ranks (outputs of groups led by a local rank land in h), then waits for them.
   void launch_local(const std::vector<const ForwardBatch*>& batches,
-                    const std::vector<std::vector<RowSampling>>& sampling, bool want_logits, MlaForm form, Launched& h);
+                    const std::vector<std::vector<RowSampling>>& sampling, const LogitRows& logit_rows, MlaForm form,
+                    Launched& h);
   void finish_local(Launched& h);
   void capture_graphs();
   int32_t attn_tp() const { return pc_.tp_size / pc_.dp_size; }

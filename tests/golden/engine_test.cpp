@@ -6,6 +6,7 @@
 #include <chrono>
 #include <future>
 #include <mutex>
+#include <tuple>
 
 #include "engine/engine.h"
 #include "io/safetensors.h"
@@ -214,6 +215,44 @@ TEST_P(EngineTest, SeededSamplingIsReproducible) {
 }
 
 // Compares overlap on and off itself (not a parameter), so no EngineTest::make here.
+// Only the rows that ask for top-N logprobs bring their logits to the host, packed in row order: each request's
+// lists equal those it gets alone, with other requests (asking or not) before, between and after it in the batch.
+TEST_P(EngineTest, TopLogprobsOfSomeRowsEqualThoseAlone) {
+  SamplingParams top3, top2;
+  top3.return_logprob = top2.return_logprob = true;
+  top3.top_logprobs_num = 3;
+  top2.top_logprobs_num = 2;
+  auto alone = [&](int j, const SamplingParams& sp) {
+    auto e = make(256);
+    auto f = submit(*e, "alone", prompts_[static_cast<size_t>(j)], 6, sp);
+    return wait(f);
+  };
+  const Result a3 = alone(4, top3), a2 = alone(2, top2);
+  auto e = make(256);
+  std::vector<std::future<Result>> fs;
+  fs.push_back(submit(*e, "g0", prompts_[0], 6));
+  fs.push_back(submit(*e, "t3", prompts_[4], 6, top3));
+  fs.push_back(submit(*e, "g1", prompts_[1], 6));
+  fs.push_back(submit(*e, "t2", prompts_[2], 6, top2));
+  fs.push_back(submit(*e, "g3", prompts_[3], 6));
+  std::vector<Result> out;
+  for (auto& f : fs) out.push_back(wait(f));
+  for (const auto& [got, ref, what] : {std::tuple{&out[1], &a3, "top-3"}, std::tuple{&out[3], &a2, "top-2"}}) {
+    ASSERT_EQ(got->tokens, ref->tokens) << what;
+    ASSERT_EQ(got->logprobs.size(), ref->logprobs.size()) << what;
+    for (size_t i = 0; i < got->logprobs.size(); ++i) {
+      const auto &g = got->logprobs[i].top, &r = ref->logprobs[i].top;
+      ASSERT_EQ(g.size(), r.size()) << what << " token " << i;
+      for (size_t k = 0; k < g.size(); ++k) {
+        EXPECT_EQ(g[k].first, r[k].first) << what << " token " << i << " rank " << k;
+        EXPECT_NEAR(g[k].second, r[k].second, 1e-4) << what << " token " << i << " rank " << k;
+      }
+    }
+  }
+  EXPECT_TRUE(out[0].logprobs.empty() && out[2].logprobs.empty() && out[4].logprobs.empty());
+  expect_no_leak(*e);
+}
+
 class OverlapIds : public EngineTest {};
 
 TEST_F(OverlapIds, TakesIdsFromTheDeviceWithTheSameOutputs) {
