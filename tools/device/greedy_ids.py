@@ -3,6 +3,9 @@
 
 Used on the device to compare two servers (overlap scheduling on / off, graphs on / off) request by request.
 usage: greedy_ids.py PORT [--concurrent] [--penalties] [--top-logprobs] [--n N] [--len L] [--new M]
+       greedy_ids.py --check-top FILE: of the tokens of the requests in FILE (an output with --top-logprobs) that
+       asked for top logprobs, how many have their own id as the best alternative (greedy: all, when each row's
+       logits are its own), printed as "K/N"
   default: N requests one after another (each runs alone, so both servers run the very same steps);
   --concurrent: all at once (batch composition then depends on timing);
   --penalties: every other request has frequency and presence penalties of -1 (favouring the tokens it generated,
@@ -32,8 +35,21 @@ def generate(port, ids, new, penalised=False, top=False):
     return out["output_ids"]
 
 
+def check_top(path):
+    good = total = 0
+    for r in json.load(open(path)):
+        if len(r) == 2 and isinstance(r[0], list):  # [ids, top lists]
+            for tok, alts in zip(r[0], r[1]):
+                total += 1
+                good += bool(alts) and alts[0][1] == tok
+    print(f"{good}/{total}")
+
+
 def main():
     args = sys.argv[1:]
+    if args[0] == "--check-top":
+        check_top(args[1])
+        return
     port = int(args[0])
     n, length, new = 8, 24, 32
     if "--n" in args: n = int(args[args.index("--n") + 1])
