@@ -374,8 +374,7 @@ int32_t RankSet::graph_size_for(const std::vector<const ForwardBatch*>& batches,
 
 void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
                            const std::vector<std::vector<RowSampling>>& sampling, const LogitRows& logit_rows,
-                           MlaForm form,
-                           Launched& h) {
+                           MlaForm form, Launched& h) {
   const int32_t d = pc_.dp_size, at = attn_tp();
   DpStepInfo info;
   bool prev_ids = false;

@@ -265,11 +265,15 @@ void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
     reduce_mlp(l, out);
     return;
   }
-  Tensor ids = backend_.scratch({T, config_.num_experts_per_tok}, DType::I32);
-  Tensor weights = backend_.scratch({T, config_.num_experts_per_tok}, DType::F32);
-  backend_.moe_gate(x, w.router, w.router_bias.defined() ? &w.router_bias : nullptr, RouterParams::from_config(config_),
-                    ids, weights);
+  Tensor ids, weights;
+  routing_scratch(T, ids, weights);
+  backend_.moe_gate(x, w.router, router_bias(w), RouterParams::from_config(config_), ids, weights);
   experts(l, x, ids, weights, out);
+}
+
+void DeepseekModel::routing_scratch(int64_t T, Tensor& ids, Tensor& weights) {
+  ids = backend_.scratch({T, config_.num_experts_per_tok}, DType::I32);
+  weights = backend_.scratch({T, config_.num_experts_per_tok}, DType::F32);
 }
 
 void DeepseekModel::norm_mlp(int64_t l, const Tensor& x, Tensor& residual, Tensor& spare, Tensor& normed, Tensor& out) {
@@ -280,12 +284,10 @@ void DeepseekModel::norm_mlp(int64_t l, const Tensor& x, Tensor& residual, Tenso
     mlp(l, normed, out);
     return;
   }
-  const int64_t T = x.size(0);
-  Tensor ids = backend_.scratch({T, config_.num_experts_per_tok}, DType::I32);
-  Tensor weights = backend_.scratch({T, config_.num_experts_per_tok}, DType::F32);
-  backend_.add_rmsnorm_moe_gate(x, residual, spare, w.post_norm, eps, normed, w.router,
-                                w.router_bias.defined() ? &w.router_bias : nullptr, RouterParams::from_config(config_),
-                                ids, weights);
+  Tensor ids, weights;
+  routing_scratch(x.size(0), ids, weights);
+  backend_.add_rmsnorm_moe_gate(x, residual, spare, w.post_norm, eps, normed, w.router, router_bias(w),
+                                RouterParams::from_config(config_), ids, weights);
   std::swap(residual, spare);
   experts(l, normed, ids, weights, out);
 }

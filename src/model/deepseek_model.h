@@ -99,6 +99,9 @@ class DeepseekModel {
   // The experts of the routed rows x, then the tensor-parallel all-reduce.
   void experts(int64_t layer, const Tensor& x, const Tensor& ids, const Tensor& weights, Tensor& out);
   void reduce_mlp(int64_t layer, Tensor& out);
+  // The router's outputs for T rows (scratch): ids [T, k] I32, weights [T, k] F32.
+  void routing_scratch(int64_t T, Tensor& ids, Tensor& weights);
+  static const Tensor* router_bias(const LayerWeights& w) { return w.router_bias.defined() ? &w.router_bias : nullptr; }
   // Validates the ids; true when some come from the previous step's samples (negative).
   bool check_ids(const ForwardBatch& batch) const;
   // prev_ids: replace the negative ids from the device first (always in a graph: a later replay may have them).

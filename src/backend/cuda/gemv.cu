@@ -2,10 +2,12 @@
 // for all rows of the batch (gemv_t: y = x W^T, a warp per row or 16 rows per warp on tensor cores; gemv_n: y = x W),
 // the router product fused with the routing (moe_gate), and the MoE of at most kMoeSmallRows tokens in two kernels
 // (gate/up + SiLU; down + the weighted sum + the shared experts), each block finding the batch's distinct experts
-// itself.
+// itself. At one token the one-row pair and the router also compute their input row's residual add + RMSNorm
+// (gemv_t_pair_norm, moe_gate_norm), and MLA's W_UV sums the decode splits itself (mla_combine_uv).
 // They are launched with programmatic dependent launch: each warp loads its first weights before pdl_wait(), so a
 // kernel's weight reads overlap the kernel before it. CPU references: cpu::linear, cpu::route_token (through
-// CpuBackend::moe_gate = linear + moe_route), cpu::moe_experts + add_shared_experts.
+// CpuBackend::moe_gate = linear + moe_route), cpu::moe_experts + add_shared_experts, cpu::rmsnorm_row,
+// cpu::mla_attention.
 #include <algorithm>
 #include <cmath>
 
@@ -195,7 +197,8 @@ __global__ void __maxnreg__(REG) gemv_t_kernel(GemvArgs a0, GemvArgs a1, unsigne
 // all of it). After the wait the block sums its head's splits (combine_splits), or reads o_lat when the decode kernel
 // wrote it (one split), into shared memory as bf16, rounded as mla_decode_combine rounds o_lat.
 constexpr int kUvRowsPerWarp = 2, kUvUnroll = 2;
-__global__ void __launch_bounds__(kWarps * 32) combine_uv_kernel(GemvArgs a, int32_t nh, const MlaDecodeCombineItem* item,
+__global__ void __launch_bounds__(kWarps * 32) combine_uv_kernel(GemvArgs a, int32_t nh,
+                                                                const MlaDecodeCombineItem* item,
                                                                 const float* partial_o, const float* partial_lse) {
   __shared__ float red[32];
   __shared__ float wts[kWarps * 32];
