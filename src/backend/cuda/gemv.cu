@@ -318,18 +318,24 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(GemvArgs a0, Gemv
 }
 
 // ---- router + routing ---------------------------------------------------------------------------------------
-// logits[t, e] = x[t] . router[e] (fp32, a warp per expert as in gemv_t_kernel), then the block that finishes last
-// routes the token(s) (route_block) from the logits the others left in L2, and resets the counter
-// for the next launch (graph replays included).
+// logits[t, e] = x[t] . router[e] (fp32, a warp per expert as in gemv_t_kernel), then one block routes the token(s)
+// (route_block): with CLUSTER block 0 (below), else the block that finishes last, from the logits the others left in
+// L2, resetting the counter for the next launch (graph replays included).
 static_assert(kMoeGateMaxExperts <= kBlockRouteMax && kWarps * 32 >= kBlockRouteMax, "route_block: a thread per expert");
 // NORM (one row, moe_gate_norm): the row is add_rmsnorm of nrm, computed by every block into shared memory as in
 // gemv_t_kernel; block 0 also writes it to `normed` (the experts' input).
-template <bool NORM>
+// CLUSTER (a grid of at most kGateClusterMax blocks launched as one thread-block cluster): the blocks put their logits
+// straight into block 0's shared memory and meet at a cluster barrier; block 0 routes from there (no arrival counter,
+// no fences, no logits in global memory).
+constexpr int kGateClusterMax = 8;  // portable cluster size
+template <bool NORM, bool CLUSTER>
 __global__ void __launch_bounds__(kWarps * 32) moe_gate_kernel(GemvArgs g, const float* bias, RouteArgs r,
                                                              unsigned* counter, int32_t* ids, float* weights,
                                                              AddNormIn nrm, bf16* normed) {
   __shared__ bool last;
   __shared__ float red[kWarps];
+  __shared__ float cluster_logits[CLUSTER ? kGateClusterMax * kWarps : 1];
+  if constexpr (CLUSTER) asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");  // this block runs
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = blockIdx.x * kWarps + warp, nvec = g.K >> 3;
   const bool active = n < g.N;
@@ -354,6 +360,21 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_kernel(GemvArgs g, const
   const EvenRows x_row = NORM ? EvenRows{xs, 0} : EvenRows{g.x, g.ldx};
   if (active) row_dot<TT>(acc, w, row, 0, nvec, x_row, g.T, ~0u);
   warp_sum_all<TT>(acc);
+  if constexpr (CLUSTER) {
+    static_assert(TT == 1, "one row per cluster launch");
+    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every block of the cluster runs
+    if (active && lane == 0) {
+      uint32_t remote;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, 0;\n" : "=r"(remote) : "r"(smem_addr(cluster_logits + n)));
+      asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(acc[0]) : "memory");
+    }
+    pdl_trigger();  // as below: the MoE kernel's loads start after these products
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    if (blockIdx.x != 0) return;
+    route_block<true>(cluster_logits, g.N, 1, bias, g.N, r, ids, weights);
+    return;
+  }
   float* logits = static_cast<float*>(g.y);
   if (active && lane == 0)
 #pragma unroll
@@ -825,6 +846,31 @@ cudaError_t gemv_t_pair_norm(GemvArgs a, GemvArgs b, const AddNormIn& n, int32_t
   return launch(gemv_t_kernel<1, true, 64, true>, dim3(ba + bb, 1), kWarps * 32, smem, stream, a, b, ba, n);
 }
 
+namespace {
+
+// The router kernel as one thread-block cluster of `grid` blocks (<= kGateClusterMax), with PDL as launch() sets it.
+template <typename... P, typename... A>
+cudaError_t launch_cluster(void (*kernel)(P...), unsigned grid, size_t smem, cudaStream_t stream, A&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kWarps * 32);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = grid;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 2 : 1;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(args)...);
+  return e == cudaSuccess ? cudaGetLastError() : e;
+}
+
+}  // namespace
+
 cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned* counter, int32_t* ids,
                      float* weights, cudaStream_t stream) {
   if (a.T == 0) return cudaSuccess;
@@ -832,8 +878,11 @@ cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned
       r.top_k > a.N || a.N > kMoeGateMaxExperts || a.ldy != a.N)
     return cudaErrorInvalidValue;
   const unsigned grid = static_cast<unsigned>((a.N + kWarps - 1) / kWarps);
-  return launch(moe_gate_kernel<false>, grid, kWarps * 32, 0, stream, a, bias, r, counter, ids, weights, AddNormIn{},
-                nullptr);
+  if (a.T == 1 && grid <= kGateClusterMax)
+    return launch_cluster(moe_gate_kernel<false, true>, grid, 0, stream, a, bias, r, counter, ids, weights,
+                          AddNormIn{}, nullptr);
+  return launch(moe_gate_kernel<false, false>, grid, kWarps * 32, 0, stream, a, bias, r, counter, ids, weights,
+                AddNormIn{}, nullptr);
 }
 
 cudaError_t moe_gate_norm(GemvArgs a, const float* bias, const RouteArgs& r, const AddNormIn& n, bf16* normed,
@@ -845,7 +894,11 @@ cudaError_t moe_gate_norm(GemvArgs a, const float* bias, const RouteArgs& r, con
     return cudaErrorInvalidValue;
   const unsigned grid = static_cast<unsigned>((a.N + kWarps - 1) / kWarps);
   const size_t smem = static_cast<size_t>(a.K) * (sizeof(float) + sizeof(bf16));
-  return launch(moe_gate_kernel<true>, grid, kWarps * 32, smem, stream, a, bias, r, counter, ids, weights, n, normed);
+  if (grid <= kGateClusterMax)
+    return launch_cluster(moe_gate_kernel<true, true>, grid, smem, stream, a, bias, r, counter, ids, weights, n,
+                          normed);
+  return launch(moe_gate_kernel<true, false>, grid, kWarps * 32, smem, stream, a, bias, r, counter, ids, weights, n,
+                normed);
 }
 
 namespace {

@@ -130,6 +130,8 @@ __device__ __forceinline__ void route_token_warp(const float* lg, const float* b
 // Tokens go one after another (measured on H200: one token takes about 1 us; a warp per token with each lane ranking
 // its experts was slower, the loop over shared memory being latency-bound).
 constexpr int kBlockRouteMax = 256;  // experts (and at least this many threads)
+// SHARED: logits in this block's shared memory (else global memory, read through L2).
+template <bool SHARED = false>
 __device__ __forceinline__ void route_block(const float* logits, int64_t ldl, int T, const float* bias, int32_t E,
                                             const RouteArgs& a, int32_t* ids, float* weights) {
   __shared__ float red[32], choice_s[kBlockRouteMax], gscore_s[32], pick_w[32];
@@ -138,7 +140,7 @@ __device__ __forceinline__ void route_block(const float* logits, int64_t ldl, in
   const bool in = e < E;
   const float ninf = -INFINITY;
   for (int t = 0; t < T; ++t) {
-    const float lg = in ? __ldcg(logits + t * ldl + e) : ninf;
+    const float lg = !in ? ninf : SHARED ? logits[t * ldl + e] : __ldcg(logits + t * ldl + e);
     float s;
     if (!a.sigmoid) {
       const float m = block_max(lg, red);
