@@ -411,8 +411,14 @@ Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, Ml
   }
   backend_.add_rmsnorm(hidden, residual, final_norm_, eps, normed);
   const int64_t R = static_cast<int64_t>(batch.logit_rows.size());
-  Tensor rows = backend_.scratch({R, H}, ad);
-  backend_.gather_logit_rows(normed, rows);
+  // Every token a logit row, in order (decode steps, graph steps, whole-prompt logits): lm_head reads them in place.
+  bool in_order = R == T;
+  for (int64_t i = 0; in_order && i < R; ++i) in_order = batch.logit_rows[static_cast<size_t>(i)] == i;
+  Tensor rows = normed;
+  if (!in_order) {
+    rows = backend_.scratch({R, H}, ad);
+    backend_.gather_logit_rows(normed, rows);
+  }
   Tensor logits_local = backend_.scratch({R, local_vocab_}, DType::F32);
   backend_.linear(rows, lm_head_, logits_local);
   if (plan_.attn_tp_size == 1) return logits_local;
