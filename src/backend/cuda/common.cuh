@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include <cuda_bf16.h>
@@ -148,22 +149,36 @@ __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.lau
 // Whether launch() sets the PDL attribute: on unless MLASERVE_PDL=0 (read once).
 bool pdl_enabled();
 
-// Launches kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization allowed (PDL),
-// for kernels that call pdl_wait() first (see above). Returns the launch status.
+// launch() in thread-block clusters of cluster_x blocks along x (grid.x a multiple of it; 0: no clusters).
 template <typename... P, typename... A>
-cudaError_t launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A&&... args) {
+cudaError_t launch_clustered(unsigned cluster_x, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                             cudaStream_t stream, A&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (pdl_enabled()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster_x > 0) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n++].val.clusterDim = {cluster_x, 1, 1};
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  cfg.numAttrs = n;
   const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(args)...);
   return e == cudaSuccess ? cudaGetLastError() : e;
+}
+
+// Launches kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization allowed (PDL),
+// for kernels that call pdl_wait() first (see above). Returns the launch status.
+template <typename... P, typename... A>
+cudaError_t launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A&&... args) {
+  return launch_clustered(0, kernel, grid, block, smem, stream, std::forward<A>(args)...);
 }
 
 }  // namespace mlaserve::cuda

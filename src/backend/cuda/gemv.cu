@@ -846,31 +846,6 @@ cudaError_t gemv_t_pair_norm(GemvArgs a, GemvArgs b, const AddNormIn& n, int32_t
   return launch(gemv_t_kernel<1, true, 64, true>, dim3(ba + bb, 1), kWarps * 32, smem, stream, a, b, ba, n);
 }
 
-namespace {
-
-// The router kernel as one thread-block cluster of `grid` blocks (<= kGateClusterMax), with PDL as launch() sets it.
-template <typename... P, typename... A>
-cudaError_t launch_cluster(void (*kernel)(P...), unsigned grid, size_t smem, cudaStream_t stream, A&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kWarps * 32);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = grid;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 2 : 1;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(args)...);
-  return e == cudaSuccess ? cudaGetLastError() : e;
-}
-
-}  // namespace
-
 cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned* counter, int32_t* ids,
                      float* weights, cudaStream_t stream) {
   if (a.T == 0) return cudaSuccess;
@@ -879,8 +854,8 @@ cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned
     return cudaErrorInvalidValue;
   const unsigned grid = static_cast<unsigned>((a.N + kWarps - 1) / kWarps);
   if (a.T == 1 && grid <= kGateClusterMax)
-    return launch_cluster(moe_gate_kernel<false, true>, grid, 0, stream, a, bias, r, counter, ids, weights,
-                          AddNormIn{}, nullptr);
+    return launch_clustered(grid, moe_gate_kernel<false, true>, grid, kWarps * 32, 0, stream, a, bias, r, counter,
+                            ids, weights, AddNormIn{}, nullptr);
   return launch(moe_gate_kernel<false, false>, grid, kWarps * 32, 0, stream, a, bias, r, counter, ids, weights,
                 AddNormIn{}, nullptr);
 }
@@ -895,8 +870,8 @@ cudaError_t moe_gate_norm(GemvArgs a, const float* bias, const RouteArgs& r, con
   const unsigned grid = static_cast<unsigned>((a.N + kWarps - 1) / kWarps);
   const size_t smem = static_cast<size_t>(a.K) * (sizeof(float) + sizeof(bf16));
   if (grid <= kGateClusterMax)
-    return launch_cluster(moe_gate_kernel<true, true>, grid, smem, stream, a, bias, r, counter, ids, weights, n,
-                          normed);
+    return launch_clustered(grid, moe_gate_kernel<true, true>, grid, kWarps * 32, smem, stream, a, bias, r, counter,
+                            ids, weights, n, normed);
   return launch(moe_gate_kernel<true, false>, grid, kWarps * 32, smem, stream, a, bias, r, counter, ids, weights, n,
                 normed);
 }
