@@ -1,8 +1,23 @@
 #include "backend/backend.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace mlaserve {
+
+int64_t Backend::check_sample(const Tensor& logits, std::span<const RowSampling> params, const Tensor& ids,
+                              const Tensor* logprobs, int64_t step_tokens) {
+  const int64_t R = logits.dim() >= 1 ? logits.numel() / std::max<int64_t>(logits.size(-1), 1) : 0;
+  MLA_CHECK(static_cast<int64_t>(params.size()) == R, "sample: {} parameter rows for {} logit rows", params.size(), R);
+  MLA_CHECK(logits.dtype() == DType::F32, "sample: logits must be F32");
+  MLA_CHECK(ids.dtype() == DType::I32 && ids.numel() == R, "sample: ids must be I32 [{}]", R);
+  MLA_CHECK(!logprobs || (logprobs->dtype() == DType::F32 && logprobs->numel() == R),
+            "sample: logprobs must be F32 [{}]", R);
+  for (const RowSampling& s : params)
+    MLA_CHECK(s.pending_input < step_tokens, "sample: pending input {} of a {}-token step", s.pending_input,
+              step_tokens);
+  return R;
+}
 
 void Backend::moe_gate(const Tensor& x, const Tensor& router, const Tensor* bias, const RouterParams& p,
                        Tensor& topk_ids, Tensor& topk_weights) {

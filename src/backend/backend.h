@@ -245,6 +245,10 @@ class Backend {
   // logprobs is given, the chosen token's log-probability under the penalised, temperature-scaled distribution
   // (before the top-k / top-p / min-p filters; temperature 0 counts as 1). CPU reference: CpuBackend::sample.
   virtual void sample(const Tensor& logits, std::span<const RowSampling> params, Tensor& ids, Tensor* logprobs) = 0;
+  // sample()'s argument checks, shared by the backends: shapes and dtypes, and every pending input a token of the
+  // step (of step_tokens). Returns R, the rows.
+  static int64_t check_sample(const Tensor& logits, std::span<const RowSampling> params, const Tensor& ids,
+                              const Tensor* logprobs, int64_t step_tokens);
 
   // Rotary tables: inverse frequencies [rope / 2] and the cos/sin multiplier, set once at model load.
   virtual void set_rope(const std::vector<float>& inv_freq, float attention_factor) = 0;

@@ -60,10 +60,7 @@ class CpuBackend final : public Backend {
   void download(const Tensor& t, void* dst) override { std::memcpy(dst, t.data(), t.nbytes()); }
 
   void sample(const Tensor& logits, std::span<const RowSampling> params, Tensor& ids, Tensor* logprobs) override {
-    const int64_t V = logits.size(-1), R = rows_of(logits);
-    MLA_CHECK(static_cast<int64_t>(params.size()) == R, "sample: {} parameter rows for {} logit rows", params.size(), R);
-    MLA_CHECK(ids.dtype() == DType::I32 && ids.numel() == R, "sample: ids must be I32 [{}]", R);
-    MLA_CHECK(!logprobs || (logprobs->dtype() == DType::F32 && logprobs->numel() == R), "sample: logprobs must be F32 [{}]", R);
+    const int64_t V = logits.size(-1), R = check_sample(logits, params, ids, logprobs, step_.num_tokens());
     const float* lp = f32(logits);
     int32_t* out = ids.data_as<int32_t>();
     float* lpo = logprobs ? f32m(*logprobs) : nullptr;
@@ -73,8 +70,6 @@ class CpuBackend final : public Backend {
         float l = 0.0f;
         const RowSampling& sp = params[static_cast<size_t>(r)];
         if (sp.pending_input >= 0) {
-          MLA_CHECK(sp.pending_input < step_.num_tokens(), "sample: pending input {} of a {}-token step",
-                    sp.pending_input, step_.num_tokens());
           RowSampling with = sp;
           with.pending_input = -1;
           cpu::count_token(with.penalty_counts, step_.input_ids[static_cast<size_t>(sp.pending_input)]);

@@ -1307,12 +1307,7 @@ void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tens
 }
 
 void CudaBackend::sample(const Tensor& logits, std::span<const RowSampling> params, Tensor& ids, Tensor* logprobs) {
-  const int64_t V = logits.size(-1), R = rows_of(logits);
-  MLA_CHECK(static_cast<int64_t>(params.size()) == R, "sample: {} parameter rows for {} logit rows", params.size(), R);
-  MLA_CHECK(logits.dtype() == DType::F32, "sample: logits must be F32");
-  MLA_CHECK(ids.dtype() == DType::I32 && ids.numel() == R, "sample: ids must be I32 [{}]", R);
-  MLA_CHECK(!logprobs || (logprobs->dtype() == DType::F32 && logprobs->numel() == R), "sample: logprobs must be F32 [{}]",
-            R);
+  const int64_t V = logits.size(-1), R = check_sample(logits, params, ids, logprobs, step_.num_tokens());
   if (R == 0) return;
   MLA_CHECK(!capturing_, "sampling is not recorded in graphs (it runs after the replay)");
   std::vector<cuda::SampleRow> rows(static_cast<size_t>(R));
@@ -1335,8 +1330,6 @@ void CudaBackend::sample(const Tensor& logits, std::span<const RowSampling> para
       pcnt.push_back(cnt);
     }
     o.penalty_end = static_cast<int32_t>(ptok.size());
-    MLA_CHECK(s.pending_input < step_.num_tokens(), "sample: pending input {} of a {}-token step", s.pending_input,
-              step_.num_tokens());
     o.pending_input = s.pending_input;
   }
   MetaUpload up(*this);
