@@ -11,6 +11,7 @@
 #include <future>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -133,19 +134,27 @@ inline EngineOptions small_engine_options(bool overlap, int32_t num_pages = 160)
 
 // Submits token ids for max_new new tokens (EOS ignored), greedy unless `sp` is given; the future holds every new
 // token.
-inline std::future<std::vector<int32_t>> submit_ids(EngineClient& e, const std::string& rid,
-                                                    const std::vector<int32_t>& ids, int32_t max_new,
-                                                    int32_t dp_rank = -1, const SamplingParams* sp = nullptr) {
-  auto prom = std::make_shared<std::promise<std::vector<int32_t>>>();
-  auto acc = std::make_shared<std::vector<int32_t>>();
+// A request of `ids` for max_new tokens (EOS ignored) with `sp`'s sampling (greedy when null), on DP rank dp_rank
+// (-1: any); no output callback yet.
+inline GenerateRequest ids_request(const std::string& rid, std::vector<int32_t> ids, int32_t max_new,
+                                   int32_t dp_rank = -1, const SamplingParams* sp = nullptr) {
   GenerateRequest g;
   g.rid = rid;
-  g.input_ids = ids;
+  g.input_ids = std::move(ids);
   if (sp) g.sampling = *sp;
   else g.sampling.temperature = 0.0f;
   g.sampling.max_new_tokens = max_new;
   g.sampling.ignore_eos = true;
   g.data_parallel_rank = dp_rank;
+  return g;
+}
+
+inline std::future<std::vector<int32_t>> submit_ids(EngineClient& e, const std::string& rid,
+                                                    const std::vector<int32_t>& ids, int32_t max_new,
+                                                    int32_t dp_rank = -1, const SamplingParams* sp = nullptr) {
+  auto prom = std::make_shared<std::promise<std::vector<int32_t>>>();
+  auto acc = std::make_shared<std::vector<int32_t>>();
+  GenerateRequest g = ids_request(rid, ids, max_new, dp_rank, sp);
   g.on_output = [prom, acc](const GenerateOutput& o) {
     acc->insert(acc->end(), o.new_tokens.begin(), o.new_tokens.end());
     if (o.finished) prom->set_value(*acc);

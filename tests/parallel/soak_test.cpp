@@ -51,14 +51,8 @@ void soak(int32_t tp, int32_t groups) {
                      const SamplingParams* sp = nullptr) {
     auto prom = std::make_shared<std::promise<std::pair<std::vector<int32_t>, FinishKind>>>();
     auto acc = std::make_shared<std::vector<int32_t>>();
-    GenerateRequest g;
-    g.rid = rid;
-    g.input_ids = std::move(ids);
-    if (sp) g.sampling = *sp;
-    else g.sampling.temperature = temp;
-    g.sampling.max_new_tokens = n;
-    g.sampling.ignore_eos = true;
-    g.data_parallel_rank = dp;
+    GenerateRequest g = test::ids_request(rid, std::move(ids), n, dp, sp);
+    if (!sp) g.sampling.temperature = temp;
     g.on_output = [prom, acc](const GenerateOutput& out) {
       acc->insert(acc->end(), out.new_tokens.begin(), out.new_tokens.end());
       if (out.finished) prom->set_value({*acc, out.finish.kind});
