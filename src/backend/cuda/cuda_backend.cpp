@@ -530,7 +530,6 @@ class CudaBackend final : public Backend {
             "moe_route");
   }
 
-  // One row: the router product and the routing in one kernel (cuda::moe_gate).
   // Whether moe_gate takes cuda::moe_gate for x.
   bool gate_fused(const Tensor& x, const Tensor& router) const {
     const int64_t T = rows_of(x), H = x.size(-1), E = router.size(0);
@@ -538,6 +537,7 @@ class CudaBackend final : public Backend {
            x.dtype() == DType::BF16 && router.dtype() == DType::BF16 &&
            cuda::gemv_fits(T, H, x.data(), H, router.data(), H) && E <= cuda::kMoeGateMaxExperts;
   }
+  // One row: the router product and the routing in one kernel (cuda::moe_gate).
   void moe_gate(const Tensor& x, const Tensor& router, const Tensor* bias, const RouterParams& p, Tensor& topk_ids,
                 Tensor& topk_weights) override {
     const int64_t T = rows_of(x), E = router.size(0);
