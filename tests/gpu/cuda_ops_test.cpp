@@ -578,7 +578,9 @@ TEST(CudaOps, MoeGateMatchesLinearAndRoute) {
   RouterParams greedy{TopkMethod::Greedy, ScoringFunc::Softmax, 6, 1, 1, false, 1.0f};
   RouterParams glg{TopkMethod::GroupLimitedGreedy, ScoringFunc::Softmax, 6, 8, 3, false, 16.0f};
   RouterParams noaux{TopkMethod::NoauxTc, ScoringFunc::Sigmoid, 8, 8, 4, true, 2.5f};
-  for (int64_t T : {1, 2, 3, 8, 9}) {  // the fused kernel takes one row; more go through linear + moe_route
+  // The fused kernel takes one row, or two (a block routing each) where the experts fit one cluster (<= 64); the rest
+  // go through linear + moe_route.
+  for (int64_t T : {1, 2, 3, 8, 9}) {
     gate_case(T, 64, 2048, greedy, false, 60 + T);
     gate_case(T, 160, 5120, glg, false, 61 + T);
     gate_case(T, 256, 7168, noaux, true, 62 + T);

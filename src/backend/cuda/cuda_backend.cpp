@@ -533,9 +533,9 @@ class CudaBackend final : public Backend {
   // Whether moe_gate takes cuda::moe_gate for x.
   bool gate_fused(const Tensor& x, const Tensor& router) const {
     const int64_t T = rows_of(x), H = x.size(-1), E = router.size(0);
-    return small_batch_ && T >= 1 && T <= cuda::kMoeGateMaxRows && router.dim() == 2 && router.size(1) == H &&
+    return small_batch_ && cuda::moe_gate_fits(T, E) && router.dim() == 2 && router.size(1) == H &&
            x.dtype() == DType::BF16 && router.dtype() == DType::BF16 &&
-           cuda::gemv_fits(T, H, x.data(), H, router.data(), H) && E <= cuda::kMoeGateMaxExperts;
+           cuda::gemv_fits(T, H, x.data(), H, router.data(), H);
   }
   // One row: the router product and the routing in one kernel (cuda::moe_gate).
   void moe_gate(const Tensor& x, const Tensor& router, const Tensor* bias, const RouterParams& p, Tensor& topk_ids,

@@ -324,14 +324,15 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(GemvArgs a0, Gemv
 static_assert(kMoeGateMaxExperts <= kBlockRouteMax && kWarps * 32 >= kBlockRouteMax, "route_block: a thread per expert");
 // NORM (one row, moe_gate_norm): the row is add_rmsnorm of nrm, computed by every block into shared memory as in
 // gemv_t_kernel; block 0 also writes it to `normed` (the experts' input).
-// CLUSTER (a grid of at most kGateClusterMax blocks launched as one thread-block cluster): the blocks put their logits
-// straight into block 0's shared memory and meet at a cluster barrier; block 0 routes from there (no arrival counter,
-// no fences, no logits in global memory).
-constexpr int kGateClusterMax = 8;  // portable cluster size
-template <bool NORM, bool CLUSTER>
+// CLUSTER (a grid of at most kGateClusterMax blocks launched as one thread-block cluster, at most as many tokens as
+// blocks): the blocks put token t's logits straight into block t's shared memory and meet at a cluster barrier;
+// block t routes token t from there (no arrival counter, no fences, no logits in global memory).
+// TT: token rows held per warp (1 without CLUSTER).
+template <int TT, bool NORM, bool CLUSTER>
 __global__ void __launch_bounds__(kWarps * 32) moe_gate_kernel(GemvArgs g, const float* bias, RouteArgs r,
                                                              unsigned* counter, int32_t* ids, float* weights,
                                                              AddNormIn nrm, bf16* normed) {
+  static_assert(TT == 1 || (CLUSTER && !NORM), "several tokens only through the cluster, without the norm");
   __shared__ bool last;
   __shared__ float red[kWarps];
   __shared__ float cluster_logits[CLUSTER ? kGateClusterMax * kWarps : 1];
@@ -353,7 +354,6 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_kernel(GemvArgs g, const
       for (int i = threadIdx.x; i < nvec; i += kWarps * 32)
         reinterpret_cast<uint4*>(normed)[i] = reinterpret_cast<const uint4*>(xs)[i];
   }
-  constexpr int TT = kMoeGateMaxRows;
   float acc[TT];
 #pragma unroll
   for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
@@ -361,18 +361,22 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_kernel(GemvArgs g, const
   if (active) row_dot<TT>(acc, w, row, 0, nvec, x_row, g.T, ~0u);
   warp_sum_all<TT>(acc);
   if constexpr (CLUSTER) {
-    static_assert(TT == 1, "one row per cluster launch");
     asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every block of the cluster runs
-    if (active && lane == 0) {
-      uint32_t remote;
-      asm volatile("mapa.shared::cluster.u32 %0, %1, 0;\n" : "=r"(remote) : "r"(smem_addr(cluster_logits + n)));
-      asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(acc[0]) : "memory");
-    }
+    if (active && lane == 0)
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        if (t >= g.T) break;
+        uint32_t remote;  // expert n's logit for token t, into block t
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(cluster_logits + n)),
+                     "r"(t));
+        asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(acc[t]) : "memory");
+      }
     pdl_trigger();  // as below: the MoE kernel's loads start after these products
     asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
     asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-    if (blockIdx.x != 0) return;
-    route_block<true>(cluster_logits, g.N, 1, bias, g.N, r, ids, weights);
+    const int t = static_cast<int>(blockIdx.x);
+    if (t >= g.T) return;
+    route_block<true>(cluster_logits, g.N, 1, bias, g.N, r, ids + t * r.top_k, weights + t * r.top_k);
     return;
   }
   float* logits = static_cast<float*>(g.y);
@@ -846,17 +850,30 @@ cudaError_t gemv_t_pair_norm(GemvArgs a, GemvArgs b, const AddNormIn& n, int32_t
   return launch(gemv_t_kernel<1, true, 64, true>, dim3(ba + bb, 1), kWarps * 32, smem, stream, a, b, ba, n);
 }
 
+bool moe_gate_fits(int64_t T, int64_t E) {
+  const int64_t grid = (E + kWarps - 1) / kWarps;
+  // Two tokens through the cluster (measured on H200, docs/perf.md: batch 2 -3%, while 4 and 8 tokens per warp lost
+  // to gemv_t + moe_route by 1% / 3-5%); 2 is its own graph bucket, so a padded graph step takes the same path.
+  return E >= 1 && E <= kMoeGateMaxExperts && (T == 1 || (T == kMoeGateClusterRows && grid <= kGateClusterMax &&
+                                                           grid >= kMoeGateClusterRows));
+}
+
 cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned* counter, int32_t* ids,
                      float* weights, cudaStream_t stream) {
   if (a.T == 0) return cudaSuccess;
-  if (a.T > kMoeGateMaxRows || !gemv_fits(a.T, a.K, a.x, a.ldx, a.w, a.ldw) || a.K == 0 || a.N == 0 || r.top_k > 32 ||
-      r.top_k > a.N || a.N > kMoeGateMaxExperts || a.ldy != a.N)
+  if (!moe_gate_fits(a.T, a.N) || !gemv_fits(a.T, a.K, a.x, a.ldx, a.w, a.ldw) || a.K == 0 || r.top_k > 32 ||
+      r.top_k > a.N || a.ldy != a.N)
     return cudaErrorInvalidValue;
   const unsigned grid = static_cast<unsigned>((a.N + kWarps - 1) / kWarps);
-  if (a.T == 1 && grid <= kGateClusterMax)
-    return launch_clustered(grid, moe_gate_kernel<false, true>, grid, kWarps * 32, 0, stream, a, bias, r, counter,
-                            ids, weights, AddNormIn{}, nullptr);
-  return launch(moe_gate_kernel<false, false>, grid, kWarps * 32, 0, stream, a, bias, r, counter, ids, weights,
+  if (grid <= kGateClusterMax) {
+    auto go = [&](auto kernel) {
+      return launch_clustered(grid, kernel, grid, kWarps * 32, 0, stream, a, bias, r, counter, ids, weights,
+                              AddNormIn{}, nullptr);
+    };
+    static_assert(kMoeGateClusterRows == 2, "moe_gate instantiates 1 and 2 rows");
+    return a.T == 1 ? go(moe_gate_kernel<1, false, true>) : go(moe_gate_kernel<2, false, true>);
+  }
+  return launch(moe_gate_kernel<1, false, false>, grid, kWarps * 32, 0, stream, a, bias, r, counter, ids, weights,
                 AddNormIn{}, nullptr);
 }
 
@@ -870,9 +887,9 @@ cudaError_t moe_gate_norm(GemvArgs a, const float* bias, const RouteArgs& r, con
   const unsigned grid = static_cast<unsigned>((a.N + kWarps - 1) / kWarps);
   const size_t smem = static_cast<size_t>(a.K) * (sizeof(float) + sizeof(bf16));
   if (grid <= kGateClusterMax)
-    return launch_clustered(grid, moe_gate_kernel<true, true>, grid, kWarps * 32, smem, stream, a, bias, r, counter,
-                            ids, weights, n, normed);
-  return launch(moe_gate_kernel<true, false>, grid, kWarps * 32, smem, stream, a, bias, r, counter, ids, weights, n,
+    return launch_clustered(grid, moe_gate_kernel<1, true, true>, grid, kWarps * 32, smem, stream, a, bias, r,
+                            counter, ids, weights, n, normed);
+  return launch(moe_gate_kernel<1, true, false>, grid, kWarps * 32, smem, stream, a, bias, r, counter, ids, weights, n,
                 normed);
 }
 

@@ -333,11 +333,15 @@ cudaError_t gemv_n_prepare(GemvArgs a, int32_t batch, const MlaPrepArgs& prep, c
 
 // Router and routing in one kernel (moe_route of y = x router^T, logits fp32 in a.y with ldy == N experts):
 // ids[T, top_k], weights[T, top_k] as moe_route gives them from the logits (a warp per expert row, full K: the sums
-// may differ from gemv_t's K split in the last bit). T <= kMoeGateMaxRows, E <= kMoeGateMaxExperts. One row only:
-// its routing runs in one block, token after token, which lost to gemv_t + moe_route at 2-8 rows (docs/perf.md).
-// counter: a device word, 0 before the first launch (left 0 after each).
+// may differ from gemv_t's K split in the last bit). E <= kMoeGateMaxExperts; T as moe_gate_fits says: up to 64
+// experts (at most 8 blocks of 8 warps, one thread-block cluster) one or kMoeGateClusterRows tokens, each routed by
+// a block of its own; more experts one token (the last block to finish routes it; one block routing token after
+// token lost to gemv_t + moe_route at 2-8 rows, docs/perf.md). counter: a device word, 0 before the first launch
+// (left 0 after each).
 constexpr int kMoeGateMaxExperts = 256;
-constexpr int kMoeGateMaxRows = 1;
+constexpr int kGateClusterMax = 8;      // blocks of the cluster path (the portable cluster size)
+constexpr int kMoeGateClusterRows = 2;  // tokens the cluster path also takes
+bool moe_gate_fits(int64_t T, int64_t E);
 cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned* counter, int32_t* ids,
                      float* weights, cudaStream_t stream);
 // moe_gate at one row (a.T == 1) whose row is add_rmsnorm of n, computed by every block (a.x unused), as
