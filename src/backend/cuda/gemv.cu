@@ -27,6 +27,8 @@ constexpr int kUnroll = 8;  // 16-byte weight loads per lane in flight
 constexpr int kSmallMoeUnroll = 4;  // the small-batch MoE's (fewer registers, more warps per SM: measured faster)
 constexpr int kPairBlocksPerSm = 4;  // the one-row pair's kernel at 64 registers
 
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
 // Weights are read once per step: a 16-byte load that does not allocate in L1 (kept for the activations).
 __device__ __forceinline__ uint4 ld_weights(const void* p) {
   uint4 r;
@@ -747,8 +749,7 @@ int rows_bucket(int T) { return T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8; }
 }  // namespace
 
 bool gemv_fits(int64_t T, int64_t K, const void* x, int64_t ldx, const void* w, int64_t ldw) {
-  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  return T >= 1 && T <= kGemvMaxRows && K % 8 == 0 && ldx % 8 == 0 && ldw % 8 == 0 && aligned(x) && aligned(w);
+  return T >= 1 && T <= kGemvMaxRows && K % 8 == 0 && ldx % 8 == 0 && ldw % 8 == 0 && aligned16(x) && aligned16(w);
 }
 
 namespace {
@@ -839,10 +840,9 @@ cudaError_t gemv_t_pair(GemvArgs a, GemvArgs b, int32_t num_sms, cudaStream_t st
 }
 
 cudaError_t gemv_t_pair_norm(GemvArgs a, GemvArgs b, const AddNormIn& n, int32_t num_sms, cudaStream_t stream) {
-  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  if (a.T != 1 || b.T != 1 || a.K != b.K || a.K > kPairNormMaxK || a.N == 0 || b.N == 0 ||
-      !gemv_fits(1, a.K, a.w, a.ldw, a.w, a.ldw) || !gemv_fits(1, b.K, b.w, b.ldw, b.w, b.ldw) || !aligned(n.x) ||
-      !aligned(n.residual) || !aligned(n.residual_out) || !aligned(n.w))
+  if (a.T != 1 || b.T != 1 || a.K != b.K || a.K % 8 != 0 || a.K > kPairNormMaxK || a.N == 0 || b.N == 0 ||
+      a.ldw % 8 != 0 || b.ldw % 8 != 0 || !aligned16(a.w) || !aligned16(b.w) || !aligned16(n.x) ||
+      !aligned16(n.residual) || !aligned16(n.residual_out) || !aligned16(n.w))
     return cudaErrorInvalidValue;
   unsigned ba = cut_gemv_t(a, 1, num_sms, false), bb = cut_gemv_t(b, 1, num_sms, false);
   fit_one_row_pair(a, b, ba, bb, num_sms);
@@ -879,10 +879,9 @@ cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned
 
 cudaError_t moe_gate_norm(GemvArgs a, const float* bias, const RouteArgs& r, const AddNormIn& n, bf16* normed,
                           unsigned* counter, int32_t* ids, float* weights, cudaStream_t stream) {
-  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  if (a.T != 1 || a.K > kPairNormMaxK || !gemv_fits(1, a.K, a.w, a.ldw, a.w, a.ldw) || a.K == 0 || a.N == 0 ||
-      r.top_k > 32 || r.top_k > a.N || a.N > kMoeGateMaxExperts || a.ldy != a.N || !aligned(n.x) ||
-      !aligned(n.residual) || !aligned(n.residual_out) || !aligned(n.w) || !aligned(normed))
+  if (a.T != 1 || a.K == 0 || a.K % 8 != 0 || a.K > kPairNormMaxK || a.ldw % 8 != 0 || !aligned16(a.w) || a.N == 0 ||
+      r.top_k > 32 || r.top_k > a.N || a.N > kMoeGateMaxExperts || a.ldy != a.N || !aligned16(n.x) ||
+      !aligned16(n.residual) || !aligned16(n.residual_out) || !aligned16(n.w) || !aligned16(normed))
     return cudaErrorInvalidValue;
   const unsigned grid = static_cast<unsigned>((a.N + kWarps - 1) / kWarps);
   const size_t smem = static_cast<size_t>(a.K) * (sizeof(float) + sizeof(bf16));
@@ -896,8 +895,7 @@ cudaError_t moe_gate_norm(GemvArgs a, const float* bias, const RouteArgs& r, con
 namespace {
 
 bool gemv_n_fits(const GemvArgs& a) {
-  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  return a.T <= kFewRows && a.N % 8 == 0 && a.ldw % 8 == 0 && aligned(a.w) && !a.y_f32;
+  return a.T <= kFewRows && a.N % 8 == 0 && a.ldw % 8 == 0 && aligned16(a.w) && !a.y_f32;
 }
 
 }  // namespace
