@@ -82,7 +82,8 @@ class RankSet {
   void allocate_kv(int32_t num_pages, int32_t page_size);
   // One forward on every rank; batches[g] for DP group g, sampling[g] one RowSampling per logit row of it. Each
   // group's leading rank samples on its device and only the ids (and their logprobs) come back, and the full logits
-  // of the rows logit_rows[g] names (gathered on the device first, so only those cross to the host).
+  // of the rows logit_rows[g] names (moved to the front of the logits on the device, so only those cross to the
+  // host).
   std::vector<GroupOutput> step(const std::vector<const ForwardBatch*>& batches,
                                 const std::vector<std::vector<RowSampling>>& sampling, const LogitRows& logit_rows,
                                 MlaForm form = MlaForm::Auto);

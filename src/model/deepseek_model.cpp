@@ -374,7 +374,8 @@ Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, Ml
   const DType ad = backend_.act_dtype();
   const float eps = static_cast<float>(c.rms_norm_eps);
   Tensor hidden = backend_.scratch({T, H}, ad);
-  // The residual stream alternates between two buffers: each layer's input norm writes the sum to the other one.
+  // The residual stream alternates between two buffers: the input norm and a MoE layer's post-attention norm write
+  // the sums to the other one (their fused kernels read the old sums in every block).
   Tensor residual = backend_.scratch({T, H}, ad), residual_next = backend_.scratch({T, H}, ad);
   Tensor normed = backend_.scratch({T, H}, ad);
   if (prev_ids && prev_ids_.defined()) backend_.resolve_prev_ids(prev_ids_);

@@ -31,9 +31,9 @@ struct MlaArgs {
 };
 void mla_attention(const MlaArgs& a);
 
-// One row of Backend::sample (see RowSampling). work: [V] scratch. Writes the id and the log-probability.
 // One more occurrence of `id` in a penalty list of unique ids: its count + 1, or a new entry (id, 1) at the end.
 void count_token(std::vector<std::pair<int32_t, int32_t>>& counts, int32_t id);
+// One row of Backend::sample (see RowSampling). work: [V] scratch. Writes the id and the log-probability.
 void sample_row(const float* logits, int64_t V, const RowSampling& sp, float* work, int32_t* id, float* logprob);
 
 void route_token(const float* logits, const float* bias, int64_t E, const RouterParams& p, int32_t* ids, float* weights);
