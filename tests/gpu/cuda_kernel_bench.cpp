@@ -2,7 +2,7 @@
 // second; FLOP/s with 128 heads) and the grouped MoE GEMMs (bytes of expert weights read per second at decode
 // batch sizes, FLOP/s at prefill sizes), and what one dependency between phases of GPU work costs (sync_bench.cu).
 // Random data (fill_random), CUDA events, median of 20 runs after warm-up.
-// usage: cuda_kernel_bench [mla [variant]|mla128|moe|sync|all]
+// usage: cuda_kernel_bench [mla [variant]|mla128|moe|sync|layer [ctx]|all]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -177,6 +177,7 @@ void bench_copy() {
 }  // namespace
 
 void bench_sync();  // sync_bench.cu
+void bench_layer(int ctx);  // layer_stream_bench.cu
 
 int main(int argc, char** argv) {
   const std::string what = argc > 1 ? argv[1] : "all";
@@ -216,6 +217,7 @@ int main(int argc, char** argv) {
     bench_mla(128, 4096, 128, 64, 1);
   }
   if (what == "all" || what == "sync") bench_sync();
+  if (what == "all" || what == "layer") bench_layer(argc > 2 && what == "layer" ? std::atoi(argv[2]) : 192);
   if (what == "all" || what == "moe") {
     bench_moe(256, 64, 6, 2048, 1408);
     bench_moe(64, 64, 6, 2048, 1408);
