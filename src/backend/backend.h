@@ -138,6 +138,9 @@ class Backend {
   // splits attention work into a fixed number of parts per token. It needs an earlier begin_step + mla_attention of
   // the same model (the attention shapes are learnt there).
   virtual bool supports_graphs() const { return false; }
+  // Graphs of one token count may differ by the kernels a step of that batch takes (e.g. by context length): the
+  // model keeps one graph per (token count, variant).
+  virtual int32_t graph_variant(const ForwardBatch& /*batch*/) const { return 0; }
   virtual void begin_graph_step(const ForwardBatch& batch) { begin_step(batch); }
   // Records the ops issued until graph_capture_end instead of running them; returns the graph's id.
   virtual void graph_capture_begin() { fail("the {} backend has no graphs", name()); }
@@ -208,7 +211,8 @@ class Backend {
                              Tensor& out) = 0;
 
   // mla_prepare, then mla_attention (p gives the heads and dims): the default runs the two ops; a backend may fuse
-  // them (the CUDA one does at 1-2 decode tokens).
+  // them (the CUDA one does at 1-2 decode tokens). The cache rows and out are the result; q and latent may be left
+  // as they were (the CUDA one-token kernel reads them only).
   virtual void mla_prepare_attention(Tensor& q, Tensor& latent, const Tensor& kv_norm, float eps, Tensor& cache,
                                      const Tensor& kv_b, const MlaParams& p, Tensor& out) {
     mla_prepare(q, p.num_heads, p.qk_nope, p.qk_rope, latent, kv_norm, eps, cache);

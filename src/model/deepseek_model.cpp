@@ -332,8 +332,9 @@ Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm
 Tensor DeepseekModel::forward_graph(const ForwardBatch& batch, KvCache& cache, const DpStepInfo* dp) {
   check_ids(batch);
   MLA_LOG_TRACE("rank {}: graph forward of {} tokens", plan_.tp_rank, batch.num_tokens());
+  const std::pair<int64_t, int32_t> key{batch.num_tokens(), backend_.graph_variant(batch)};
   backend_.begin_graph_step(batch);
-  auto it = graphs_.find(batch.num_tokens());
+  auto it = graphs_.find(key);
   if (it == graphs_.end()) {
     Graph g;
     backend_.graph_capture_begin();
@@ -347,7 +348,7 @@ Tensor DeepseekModel::forward_graph(const ForwardBatch& batch, KvCache& cache, c
       throw;
     }
     g.id = backend_.graph_capture_end();
-    it = graphs_.emplace(batch.num_tokens(), g).first;
+    it = graphs_.emplace(key, g).first;
   }
   backend_.graph_replay(it->second.id);
   return it->second.logits;

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <map>
+#include <utility>
 #include <memory>
 #include <string>
 #include <vector>
@@ -110,7 +111,7 @@ class DeepseekModel {
     int32_t id = -1;
     Tensor logits;  // where the replay leaves them
   };
-  std::map<int32_t, Graph> graphs_;  // by token count
+  std::map<std::pair<int64_t, int32_t>, Graph> graphs_;  // by token count and Backend::graph_variant
 
   ModelConfig config_;
   Backend& backend_;

@@ -11,13 +11,16 @@
 // MoE routing is discrete: bf16 rounding reorders near-tied experts for 1-6% of the tokens (counted and reported),
 // and each such flip moves that token and, through attention, later ones; so the tolerance is asserted with the
 // fp32 run's routing forced, and the free run's numbers are reported.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 
 #include <nlohmann/json.hpp>
 
+#include "backend/cuda/kernels.h"
 #include "checking_backend.h"
 #include "engine/offline.h"
 #include "forwarding_backend.h"
@@ -63,10 +66,11 @@ Prompts read_reference(const std::string& path) {
 struct GpuModel {
   std::unique_ptr<Backend> backend;
   std::unique_ptr<DeepseekModel> model;
-  GpuModel(const std::string& dir, bool dummy) {
+  GpuModel(const std::string& dir, bool dummy, bool one_token = false) {
     CudaBackendOptions o;
     o.persistent_bytes = 4LL << 30;
     o.scratch_bytes = 2LL << 30;
+    o.one_token_attention = one_token;
     backend = make_cuda_backend(0, o);
     model = std::make_unique<DeepseekModel>(ModelConfig::from_file(dir), *backend);
     LoadOptions lo;
@@ -140,6 +144,52 @@ TEST(CudaModel, GoldenV3) { REQUIRE_GPU(); golden_family("v3"); }
 // Real-dims families, generated on the device by tools/golden/make_golden.py (real16, real128).
 TEST(CudaModel, GoldenReal16Heads) { REQUIRE_GPU(); golden_family("real16"); }
 TEST(CudaModel, GoldenReal128Heads) { REQUIRE_GPU(); golden_family("real128"); }
+
+// The one-launch attention of one decode token (cuda::mla_one_token) in a real-dims model (real16: 16 heads and
+// DeepSeek's MLA dims): every golden prompt prefilled one token per step, so each step is a one-token decode step,
+// with the CPU's routing forced. Its logits against the HF reference (kLogitTol, as every golden family) and against
+// the same steps through the usual attention kernels.
+TEST(CudaModel, OneTokenAttentionGoldenReal16) {
+  REQUIRE_GPU();
+  const std::string dir = golden_dir() + "/real16";
+  if (!std::filesystem::exists(dir + "/reference.safetensors")) GTEST_SKIP() << "no golden data at " << dir;
+  Prompts ref = read_reference(dir + "/reference.safetensors");
+  const ModelConfig cfg = ModelConfig::from_file(dir);
+  OfflineOptions steps;
+  steps.max_new_tokens = 0;
+  steps.prefill_chunk = 1;
+  RouteLog log;  // the prompts one after another, in the same order on every backend
+  {
+    auto cpu_be = make_cpu_backend();
+    RouteRecorder rec(*cpu_be, log);
+    DeepseekModel cm(cfg, rec);
+    cm.load(dir, LoadOptions{});
+    for (const auto& prompt : ref.prompts) run_offline(cm, {prompt}, steps);
+  }
+  std::vector<Tensor> logits[2];
+  for (int on = 0; on < 2; ++on) {
+    CudaBackendOptions o;
+    o.persistent_bytes = 4LL << 30;
+    o.scratch_bytes = 2LL << 30;
+    o.one_token_attention = on == 1;
+    auto be = make_cuda_backend(0, o);
+    RouteReplayer forced(*be, log, true);
+    DeepseekModel m(cfg, forced);
+    m.load(dir, LoadOptions{});
+    for (const auto& prompt : ref.prompts) logits[on].push_back(run_offline(m, {prompt}, steps).prompt_logits[0]);
+  }
+  for (size_t j = 0; j < ref.prompts.size(); ++j) {
+    const double sd = stddev(ref.logits[j]);
+    const Diff usual = diff(ref.logits[j], logits[0][j]), one = diff(ref.logits[j], logits[1][j]);
+    const Diff between = diff(logits[0][j], logits[1][j]);
+    std::printf("  real16 prompt %zu len %4zu, a step per token: max|dlogit|/std usual kernels %.2e, one launch %.2e, "
+                "between them %.2e\n",
+                j, ref.prompts[j].size(), usual.max_abs / sd, one.max_abs / sd, between.max_abs / sd);
+    EXPECT_EQ(usual.nan + one.nan, 0);
+    EXPECT_LE(usual.max_abs / sd, kLogitTol) << "prompt " << j << " (usual kernels)";
+    EXPECT_LE(one.max_abs / sd, kLogitTol) << "prompt " << j << " (one launch)";
+  }
+}
 
 // Every op of real model runs, on the GPU and on the CPU with the GPU's inputs: localises any disagreement.
 TEST(CudaModel, EveryOpMatchesCpuInModel) {
@@ -293,20 +343,60 @@ void graph_case(const std::string& dir, bool dummy) {
   EXPECT_EQ(m.num_graphs(), 1);  // one recording, replayed for every step after
 }
 
-TEST(CudaModel, GraphReplayMatchesEager) {
-  REQUIRE_GPU();
-  graph_case(golden_dir() + "/v2", false);
-  // Real MLA dims, two layers (dense then MoE), dummy weights.
+// A V2-Lite config cut to two layers (dense then MoE) and a 2048-token vocabulary: real MLA dims, dummy weights.
+std::string real_dims_dir() {
   const std::string src = golden_dir() + "/../../../tools/bench/deepseek-v2-lite/config.json";
   std::ifstream in(src);
-  ASSERT_TRUE(in) << src;
+  EXPECT_TRUE(in) << src;
   nlohmann::json cfg = nlohmann::json::parse(in);
   cfg["num_hidden_layers"] = 2;
   cfg["vocab_size"] = 2048;
   const auto dir = std::filesystem::temp_directory_path() / "mlaserve-graph-real";
   std::filesystem::create_directories(dir);
   std::ofstream(dir / "config.json") << cfg.dump();
-  graph_case(dir.string(), true);
+  return dir.string();
+}
+
+TEST(CudaModel, GraphReplayMatchesEager) {
+  REQUIRE_GPU();
+  graph_case(golden_dir() + "/v2", false);
+  graph_case(real_dims_dir(), true);
+}
+
+// One sequence decoding past cuda::kOneTokenMaxCtx keys with the one-launch attention of one token: up to the bound
+// the graph replays that kernel on each step's metadata (the eager step runs the same kernel: equal bit for bit);
+// past it a second graph (Backend::graph_variant) runs the usual kernels (with fixed splits: within 3% of std).
+TEST(CudaModel, OneTokenGraphAcrossTheContextBound) {
+  REQUIRE_GPU();
+  GpuModel gm(real_dims_dir(), true, /*one_token=*/true);
+  DeepseekModel& m = *gm.model;
+  const int32_t ps = 16, len = 1019, pages = 66, dummy_page = pages;
+  KvCache cache(*gm.backend, m.config(), pages + 1, ps);
+  std::vector<int32_t> page_of(static_cast<size_t>(pages));
+  std::iota(page_of.begin(), page_of.end(), 0);
+  std::reverse(page_of.begin(), page_of.end());  // pages out of order
+  std::vector<int32_t> toks(static_cast<size_t>(len));
+  for (int32_t i = 0; i < len; ++i) toks[static_cast<size_t>(i)] = (i * 31) % 1900 + 3;
+  ForwardBatchBuilder pre(ps);
+  pre.add(toks, 0, page_of, false);
+  m.forward(pre.finish(), cache);
+  for (int step = 0; step < 10; ++step) {  // contexts 1020 .. 1029
+    ForwardBatchBuilder bb(ps);
+    bb.add(std::vector<int32_t>{(step * 13) % 1900 + 2}, len + step, page_of, false);
+    const ForwardBatch b = bb.finish();
+    const int32_t ctx = len + step + 1;
+    const Tensor eager = gm.backend->to_host_f32(m.forward(b, cache));
+    const Tensor graph = gm.backend->to_host_f32(m.forward_graph(pad_decode_batch(b, 1, dummy_page, ps), cache));
+    ASSERT_EQ(eager.numel(), graph.numel());
+    const double sd = stddev(eager);
+    const Diff d = diff(eager, graph);
+    std::printf("  one-token decode, context %d: graph vs eager max|dlogit|/std %.2e\n", ctx, d.max_abs / sd);
+    if (ctx <= cuda::kOneTokenMaxCtx)
+      EXPECT_EQ(d.max_abs, 0.0) << "context " << ctx;
+    else
+      EXPECT_LE(d.max_abs / sd, 0.03) << "context " << ctx;
+  }
+  EXPECT_EQ(m.num_graphs(), 2);  // one per side of the bound
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "backend/cpu/cpu_kernels.h"
+#include "backend/cuda/kernels.h"
 #include "gpu_test_util.h"
 #include "model/forward_batch.h"
 
@@ -460,8 +461,10 @@ TEST(CudaOps, MlaEmptyBatch) {
 // mla_prepare_attention (at 1-2 decode tokens one launch for the preparation and the q_lat product) gives exactly
 // what mla_prepare then mla_attention give: q, latent, cache and output. Also for a step with prefill tokens, where
 // the preparation runs on its own.
+// kind: the gpu() backend (4: with the one-launch attention of one decode token).
 void prepare_attention_case(const std::vector<std::pair<int32_t, int32_t>>& seqs, int64_t nh, int64_t kvr,
-                            int64_t rope, int64_t nope, int64_t vh, bool graph_plan, uint64_t seed) {
+                            int64_t rope, int64_t nope, int64_t vh, bool graph_plan, uint64_t seed, int kind = 0) {
+  Backend& g = gpu(kind);
   Scenario s = make_scenario(seqs, 16, seed);
   const int64_t T = s.batch.num_tokens(), W = kvr + rope, slots = s.num_pages * 16;
   Tensor cache = Tensor::empty_host({slots, W}, DType::F32);
@@ -477,24 +480,35 @@ void prepare_attention_case(const std::vector<std::pair<int32_t, int32_t>>& seqs
   Tensor kvb = rand_host({nh * (nope + vh), kvr}, seed + 3, 1.0f / std::sqrt(static_cast<float>(kvr)));
   Tensor nw = rand_host({kvr}, seed + 4, 0.1f);
   for (int64_t i = 0; i < kvr; ++i) nw.data_as<float>()[i] += 1.0f;
-  if (graph_plan) gpu().begin_graph_step(s.batch);
-  else gpu().begin_step(s.batch);
-  gpu().set_rope(yarn_freqs(rope), 1.2f);
+  if (graph_plan) g.begin_graph_step(s.batch);
+  else g.begin_step(s.batch);
+  g.set_rope(yarn_freqs(rope), 1.2f);
   MlaParams p{static_cast<int32_t>(nh), static_cast<int32_t>(nope), static_cast<int32_t>(rope),
               static_cast<int32_t>(vh), static_cast<int32_t>(kvr), 0.1f, MlaForm::Auto};
-  Tensor bg = gpu().upload(kvb, DType::BF16), wg = gpu().upload(nw, DType::F32);
-  Tensor q1 = gpu().upload(q, DType::BF16), l1 = gpu().upload(lat, DType::BF16), c1 = gpu().upload(cache, DType::BF16);
-  Tensor q2 = gpu().upload(q, DType::BF16), l2 = gpu().upload(lat, DType::BF16), c2 = gpu().upload(cache, DType::BF16);
-  Tensor o1 = gpu().alloc({T, nh * vh}, DType::BF16), o2 = gpu().alloc({T, nh * vh}, DType::BF16);
-  gpu().mla_prepare(q1, p.num_heads, p.qk_nope, p.qk_rope, l1, wg, 1e-6f, c1);
-  gpu().mla_attention(q1, c1, bg, p, o1);
-  gpu().mla_prepare_attention(q2, l2, wg, 1e-6f, c2, bg, p, o2);
+  Tensor bg = g.upload(kvb, DType::BF16), wg = g.upload(nw, DType::F32);
+  Tensor q1 = g.upload(q, DType::BF16), l1 = g.upload(lat, DType::BF16), c1 = g.upload(cache, DType::BF16);
+  Tensor q2 = g.upload(q, DType::BF16), l2 = g.upload(lat, DType::BF16), c2 = g.upload(cache, DType::BF16);
+  Tensor o1 = g.alloc({T, nh * vh}, DType::BF16), o2 = g.alloc({T, nh * vh}, DType::BF16);
+  g.mla_prepare(q1, p.num_heads, p.qk_nope, p.qk_rope, l1, wg, 1e-6f, c1);
+  g.mla_attention(q1, c1, bg, p, o1);
+  g.mla_prepare_attention(q2, l2, wg, 1e-6f, c2, bg, p, o2);
+  // With it, one decode token of at most kOneTokenMaxCtx keys takes the one-launch kernel (cuda::mla_one_token): q
+  // and latent are left as they were, the sums run in another order; everything else runs the two ops' kernels.
+  const bool one_token = kind == 4 && T == 1 && seqs.size() == 1 && seqs[0].second == 1 &&
+                         seqs[0].first + 1 <= cuda::kOneTokenMaxCtx &&
+                         cuda::mla_one_token_fits(p.num_heads, p.qk_nope, p.qk_rope, p.v_head, p.kv_lora,
+                                                  cuda::mla_one_token_max_clusters());
   const std::string what = "prepare+attention T" + std::to_string(T) + " nh" + std::to_string(nh) + " kvr" +
-                           std::to_string(kvr) + (graph_plan ? " graph plan" : "");
-  EXPECT_EQ(count_diff(q1, q2), 0) << what << ": q";
-  EXPECT_EQ(count_diff(l1, l2), 0) << what << ": latent";
+                           std::to_string(kvr) + " ctx" + std::to_string(seqs[0].first + seqs[0].second) +
+                           (graph_plan ? " graph plan" : "") + (one_token ? " (one launch)" : "");
   EXPECT_EQ(count_diff(c1, c2), 0) << what << ": cache";
-  EXPECT_EQ(count_diff(o1, o2), 0) << what << ": out";
+  if (one_token) {
+    expect_close(g.to_host_f32(o1), g.to_host_f32(o2), 1e-2, 3e-2, what + " vs the ops");
+  } else {
+    EXPECT_EQ(count_diff(q1, q2), 0) << what << ": q";
+    EXPECT_EQ(count_diff(l1, l2), 0) << what << ": latent";
+    EXPECT_EQ(count_diff(o1, o2), 0) << what << ": out";
+  }
   // And both against the CPU's two ops.
   cpu().begin_step(s.batch);
   cpu().set_rope(yarn_freqs(rope), 1.2f);
@@ -502,7 +516,7 @@ void prepare_attention_case(const std::vector<std::pair<int32_t, int32_t>>& seqs
   Tensor bc = cpu().upload(kvb, DType::BF16), wc = cpu().upload(nw, DType::F32);
   Tensor oc = cpu().alloc({T, nh * vh}, DType::F32);
   cpu().mla_prepare_attention(qc, lc, wc, 1e-6f, cc, bc, p, oc);
-  expect_close(cpu().to_host_f32(oc), gpu().to_host_f32(o2), 2e-2, 5e-2, what + " vs CPU");
+  expect_close(cpu().to_host_f32(oc), g.to_host_f32(o2), 2e-2, 5e-2, what + " vs CPU");
 }
 
 TEST(CudaOps, MlaPrepareAttentionIsPrepareThenAttention) {
@@ -516,6 +530,19 @@ TEST(CudaOps, MlaPrepareAttentionIsPrepareThenAttention) {
     prepare_attention_case({{5, 1}, {0, 1}, {30, 1}}, 16, 512, 64, 128, 128, graph_plan, 83);  // 3 tokens: apart
   }
   prepare_attention_case({{12, 1}, {0, 20}}, 16, 512, 64, 128, 128, false, 84);  // prefill in the step: apart
+}
+
+// The one-launch attention of one decode token (cuda::mla_one_token) against the ops' kernels and the CPU: blocks of
+// a head without keys (1 and 6 keys), uneven counts (300), every block's tile full (1024 keys); past kOneTokenMaxCtx
+// (1401 keys), more heads than fit the GPU at once (32) or two tokens, the usual kernels (bit for bit).
+TEST(CudaOps, MlaOneTokenIsPrepareThenAttention) {
+  REQUIRE_GPU();
+  for (bool graph_plan : {false, true}) {
+    for (int32_t cached : {0, 5, 299, 1023, 1400})
+      prepare_attention_case({{cached, 1}}, 16, 512, 64, 128, 128, graph_plan, 90 + cached, 4);
+    prepare_attention_case({{100, 1}}, 32, 512, 64, 128, 128, graph_plan, 91, 4);
+    prepare_attention_case({{300, 1}, {16, 1}}, 16, 512, 64, 128, 128, graph_plan, 92, 4);
+  }
 }
 
 void route_case(int64_t T, int64_t E, const RouterParams& rp, bool bias, uint64_t seed) {

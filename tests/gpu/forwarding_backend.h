@@ -43,6 +43,12 @@ class RouteReplayer final : public ForwardingBackend {
   RouteReplayer(std::unique_ptr<Backend> inner, const RouteLog& log, bool force)
       : ForwardingBackend(*inner), log_(log), force_(force), owned_(std::move(inner)) {}
   int64_t flips = 0, decisions = 0;
+  // Attention is not watched: the inner backend's own fused preparation + attention runs (e.g. the CUDA one-token
+  // kernel), as in the engine.
+  void mla_prepare_attention(Tensor& q, Tensor& l, const Tensor& nw, float eps, Tensor& c, const Tensor& kvb,
+                             const MlaParams& p, Tensor& o) override {
+    b_.mla_prepare_attention(q, l, nw, eps, c, kvb, p, o);
+  }
   void moe_route(const Tensor& l, const Tensor* bias, const RouterParams& p, Tensor& i, Tensor& w) override {
     b_.moe_route(l, bias, p, i, w);
     if (call_ >= log_.ids.size()) return;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "backend/forwarding_backend.h"
 #include "engine/offline.h"
 #include "test_util.h"
 
@@ -93,6 +94,53 @@ TEST(CpuGraphs, NewKvCacheRecordsAgain) {
   EXPECT_EQ(ranks.graph_steps(), 8);
   EXPECT_EQ(a.greedy[0], b.greedy[1]);
   EXPECT_EQ(a.greedy[1], b.greedy[0]);
+}
+
+// Reports graph variant 1 for steps past a context length (as the CUDA backend does past kOneTokenMaxCtx keys, where
+// one token's attention takes other kernels) and counts the graph recordings.
+class VariantPast final : public ForwardingBackend {
+ public:
+  VariantPast(std::unique_ptr<Backend> inner, int32_t bound, int* recordings)
+      : ForwardingBackend(*inner), owned_(std::move(inner)), bound_(bound), recordings_(recordings) {}
+  int32_t graph_variant(const ForwardBatch& b) const override {
+    for (int32_t p : b.positions)
+      if (p + 1 > bound_) return 1;
+    return 0;
+  }
+  void graph_capture_begin() override {
+    ++*recordings_;
+    ForwardingBackend::graph_capture_begin();
+  }
+
+ private:
+  std::unique_ptr<Backend> owned_;
+  int32_t bound_;
+  int* recordings_;
+};
+
+TEST(CpuGraphs, VariantsRecordApart) {
+  // One sequence decoding across the bound: one graph of size 1 on each side (the model keys graphs by token count
+  // and Backend::graph_variant), the tokens those of the eager run.
+  auto prompts = test::golden_prompts("v2");
+  prompts.resize(1);
+  const int32_t len = static_cast<int32_t>(prompts[0].size());
+  const Outcome eager = run("v2", 1, 1, false, prompts);
+  ParallelConfig pc;
+  pc.device = "cpu";
+  pc.backend.cpu_graphs = true;
+  pc.cuda_graph_max_bs = 4;
+  int recordings = 0;
+  pc.wrap_backend = [&](std::unique_ptr<Backend> made, int32_t) -> std::unique_ptr<Backend> {
+    return std::make_unique<VariantPast>(std::move(made), len + 3, &recordings);
+  };
+  RankSet ranks(ModelConfig::from_file(test::golden_dir("v2")), pc, test::golden_dir("v2"), LoadOptions{});
+  OfflineOptions o;
+  o.max_new_tokens = 6;
+  o.page_size = 8;
+  const OfflineResult r = run_offline(ranks, prompts, o);
+  EXPECT_EQ(ranks.graph_steps(), 6);  // every decode step
+  EXPECT_EQ(recordings, 4);          // sizes 1, 2, 4 with the KV cache (contexts of one token), 1 past the bound
+  EXPECT_EQ(r.greedy[0], eager.out.greedy[0]);
 }
 
 }  // namespace

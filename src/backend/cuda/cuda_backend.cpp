@@ -146,6 +146,8 @@ class CudaBackend final : public Backend {
     if (const char* v = std::getenv("MLASERVE_MLA_DECODE_VARIANT")) mla_variant_ = std::atoi(v);
     moe_grouped_only_ = env_flag("MLASERVE_MOE_GROUPED");
     small_batch_ = o.small_batch && !env_off("MLASERVE_SMALL_BATCH");
+    one_token_ = small_batch_ && (o.one_token_attention || env_flag("MLASERVE_MLA_ONE_TOKEN"));
+    one_token_clusters_ = one_token_ ? cuda::mla_one_token_max_clusters() : 0;
     idle_stats_ = env_flag("MLASERVE_GPU_IDLE_STATS");
     MLA_LOG_INFO("cuda: GPU {} '{}' ({} SMs, {:.1f} GiB): {:.2f} GiB for weights + KV cache, {:.2f} GiB activation "
                  "scratch{}{}",
@@ -315,6 +317,11 @@ class CudaBackend final : public Backend {
 
   // ---- graphs ----
   bool supports_graphs() const override { return true; }
+
+  // One token past cuda::kOneTokenMaxCtx keys runs other attention kernels than one within it (one_token_step).
+  int32_t graph_variant(const ForwardBatch& batch) const override {
+    return one_token_ && batch.num_tokens() == 1 && batch.positions[0] + 1 > cuda::kOneTokenMaxCtx ? 1 : 0;
+  }
 
   void begin_graph_step(const ForwardBatch& batch) override {
     MLA_CHECK(batch.num_tokens() == batch.num_seqs() && batch.num_tokens() > 0,
@@ -817,6 +824,14 @@ class CudaBackend final : public Backend {
     bool row_offsets = false;  // decode items carry page-table row offsets (seq * max_pages), not rows
   };
   const MlaPlan& plan_for(MlaForm form, int32_t nh, int32_t kvr, int32_t rope);
+  // Whether this step's attention takes cuda::mla_one_token: one token in the absorbed form, the newest of its
+  // sequence (every earlier row cached), at most kOneTokenMaxCtx keys (graph_variant keys graphs by the same bound).
+  bool one_token_step(const MlaParams& p, const MlaPlan& plan) const {
+    return one_token_ && step_.num_tokens() == 1 && step_.num_seqs() == 1 && plan.num_decode_items > 0 &&
+           plan.num_prefill_items == 0 && step_.positions[0] == step_.seq_prefix_lens[0] &&
+           step_.positions[0] + 1 <= cuda::kOneTokenMaxCtx &&
+           cuda::mla_one_token_fits(p.num_heads, p.qk_nope, p.qk_rope, p.v_head, p.kv_lora, one_token_clusters_);
+  }
   MlaPlan build_plan(const PlanKey& key, MetaUpload& up, bool fixed_splits);
 
   // Uploads the step's metadata. Every array whose size depends on more than the token count (the page table) comes
@@ -946,6 +961,10 @@ class CudaBackend final : public Backend {
   // Steps of at most cuda::kGemvMaxRows rows use the small-batch kernels (gemv.cu); MLASERVE_SMALL_BATCH=0: cuBLAS and
   // the grouped MoE kernels instead.
   bool small_batch_ = true;
+  // A step of one decode token of at most cuda::kOneTokenMaxCtx keys runs its attention as one launch
+  // (cuda::mla_one_token): CudaBackendOptions::one_token_attention or MLASERVE_MLA_ONE_TOKEN=1.
+  bool one_token_ = false;
+  int32_t one_token_clusters_ = 0;  // how many of its clusters (one per head) the GPU holds at once
   static constexpr int64_t kMoeCublasRowsPerExpert = 384;
 
   ForwardBatch step_;
@@ -1093,6 +1112,11 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
   const int64_t head_rows = nope + vh;  // rows of kv_b per head: W_UK (nope) then W_UV (v)
   const bool small = small_batch_ && T <= cuda::kGemvMaxRows && kvr % 8 == 0 && nope % 8 == 0 && hd % 8 == 0 &&
                      alignment_of(kvb) >= 16 && alignment_of(q.data()) >= 16;
+  if (prep && small && one_token_step(p, plan)) {
+    const cuda::MlaOneTokenArgs a{*prep, d_page_table_, step_.page_size, bf(kv_b), p.softmax_scale, bf(out)};
+    CUDA_OK(cuda::mla_one_token(a, static_cast<int32_t>(nh), stream_), "mla_one_token");
+    return;
+  }
   const bool fold_prep = prep && small && T <= cuda::kFewRows && plan.num_decode_items > 0 && plan.num_prefill_items == 0;
   if (prep && !fold_prep) CUDA_OK(cuda::rope_q_write_latent(*prep, stream_), "mla_prepare");
   if (plan.num_decode_items > 0) {

@@ -88,6 +88,27 @@ struct MlaPrepArgs {
 };
 cudaError_t rope_q_write_latent(const MlaPrepArgs& a, cudaStream_t stream);
 
+// MLA attention of one decode token in one launch (mla_one_token.cu): the preparation (prep.T == 1), q_lat, the
+// attention over the paged cache, the combine and W_UV, one thread-block cluster per head. out[h * v_head + i] as
+// mla_prepare_attention gives it, the cache row written the same (q and latent are left as they were). The dims
+// are DeepSeek's (every V2 / V3 model); the token's context (positions[0] + 1) at most kOneTokenMaxCtx keys (each
+// block holds its kOneTokenMaxCtx / kOneTokenCluster in shared memory).
+constexpr int32_t kOneTokenCluster = 8, kOneTokenKvr = 512, kOneTokenRope = 64, kOneTokenNope = 128,
+                  kOneTokenVHead = 128, kOneTokenMaxCtx = 1024;
+struct MlaOneTokenArgs {
+  MlaPrepArgs prep;
+  const int32_t* page_table;  // the token's page-table row
+  int32_t page_size;
+  const bf16* kv_b;  // [nh * (nope + v_head), kvr]: W_UK then W_UV rows of each head
+  float softmax_scale;
+  bf16* out;  // [nh * v_head]
+};
+// How many of mla_one_token's clusters the current device holds at once (0: none, or the query failed).
+int32_t mla_one_token_max_clusters();
+// Whether mla_one_token takes these dims: DeepSeek's MLA dims, and a cluster per head all on the GPU at once.
+bool mla_one_token_fits(int32_t nh, int32_t nope, int32_t rope, int32_t v_head, int32_t kvr, int32_t max_clusters);
+cudaError_t mla_one_token(const MlaOneTokenArgs& a, int32_t nh, cudaStream_t stream);
+
 // ---------------------------------------------------------------------------------------------------------------
 // MLA attention (mla_decode.cu, mla_prefill.cu)
 

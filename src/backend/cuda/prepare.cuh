@@ -8,12 +8,18 @@
 
 namespace mlaserve::cuda {
 
-__device__ __forceinline__ void rotate_pair(bf16* x, int i, int32_t pos, const float* inv_freq, float factor) {
+// Pair i of a rope part (x0, x1) rotated by position pos, each rounded to bf16.
+__device__ __forceinline__ void rotated_pair(float x0, float x1, int i, int32_t pos, const float* inv_freq,
+                                             float factor, bf16& y0, bf16& y1) {
   const float ang = inv_freq[i] * static_cast<float>(pos);
   const float c = cosf(ang) * factor, s = sinf(ang) * factor;
-  const float x0 = __bfloat162float(x[2 * i]), x1 = __bfloat162float(x[2 * i + 1]);
-  x[2 * i] = __float2bfloat16_rn(x0 * c - x1 * s);
-  x[2 * i + 1] = __float2bfloat16_rn(x0 * s + x1 * c);
+  y0 = __float2bfloat16_rn(x0 * c - x1 * s);
+  y1 = __float2bfloat16_rn(x0 * s + x1 * c);
+}
+
+__device__ __forceinline__ void rotate_pair(bf16* x, int i, int32_t pos, const float* inv_freq, float factor) {
+  rotated_pair(__bfloat162float(x[2 * i]), __bfloat162float(x[2 * i + 1]), i, pos, inv_freq, factor, x[2 * i],
+               x[2 * i + 1]);
 }
 
 // Rotates pairs [begin, end) of step over the rope parts of q (pair i: head row i / half, pair i % half).
@@ -29,37 +35,40 @@ __device__ __forceinline__ void rope_q_pairs(bf16* q, int64_t n, int32_t nh, int
   }
 }
 
-// Token t's latent row: c_kv normalised, k_pe rotated, written back and into its cache slot (one block).
-__device__ __forceinline__ void write_latent_row(int64_t t, bf16* latent, int32_t kvr, int32_t rope, const float* w,
-                                                 float eps, const int32_t* positions, const int32_t* slots,
-                                                 const float* inv_freq, float factor, bf16* cache) {
+// A latent row as the cache holds it (one block, any size >= 128): dst = src with c_kv normalised (weights w) and
+// k_pe rotated to position pos. dst may be src.
+__device__ __forceinline__ void latent_row(const bf16* src, bf16* dst, int32_t kvr, int32_t rope, const float* w,
+                                           float eps, int32_t pos, const float* inv_freq, float factor) {
   __shared__ float red[32];
-  const int32_t W = kvr + rope;
-  bf16* row = latent + t * W;
   // The sum of squares over the first kLatentSumThreads threads whatever the block size, so every kernel that runs
   // this (128 or 256 threads) rounds it the same way.
   constexpr int kLatentSumThreads = 128;
   float ss = 0.0f;
   if (threadIdx.x < kLatentSumThreads)
     for (int i = threadIdx.x; i < kvr; i += kLatentSumThreads) {
-      const float v = __bfloat162float(row[i]);
+      const float v = __bfloat162float(src[i]);
       ss += v * v;
     }
   ss = block_sum(ss, red);
   const float inv = 1.0f / sqrtf(ss / static_cast<float>(kvr) + eps);
   __syncthreads();  // every thread has read the row before it is overwritten
+  for (int i = threadIdx.x; i < kvr; i += blockDim.x)
+    dst[i] = __float2bfloat16_rn(w[i] * (__bfloat162float(src[i]) * inv));
+  for (int i = threadIdx.x; i < rope / 2; i += blockDim.x)
+    rotated_pair(__bfloat162float(src[kvr + 2 * i]), __bfloat162float(src[kvr + 2 * i + 1]), i, pos, inv_freq, factor,
+                 dst[kvr + 2 * i], dst[kvr + 2 * i + 1]);
+}
+
+// Token t's latent row: made as the cache holds it (latent_row), written back and into its cache slot (one block).
+__device__ __forceinline__ void write_latent_row(int64_t t, bf16* latent, int32_t kvr, int32_t rope, const float* w,
+                                                 float eps, const int32_t* positions, const int32_t* slots,
+                                                 const float* inv_freq, float factor, bf16* cache) {
+  const int32_t W = kvr + rope;
+  bf16* row = latent + t * W;
+  latent_row(row, row, kvr, rope, w, eps, positions[t], inv_freq, factor);
+  __syncthreads();
   bf16* dst = cache + static_cast<int64_t>(slots[t]) * W;
-  for (int i = threadIdx.x; i < kvr; i += blockDim.x) {
-    const bf16 v = __float2bfloat16_rn(w[i] * (__bfloat162float(row[i]) * inv));
-    row[i] = v;
-    dst[i] = v;
-  }
-  const int32_t pos = positions[t];
-  for (int i = threadIdx.x; i < rope / 2; i += blockDim.x) {
-    rotate_pair(row + kvr, i, pos, inv_freq, factor);
-    dst[kvr + 2 * i] = row[kvr + 2 * i];
-    dst[kvr + 2 * i + 1] = row[kvr + 2 * i + 1];
-  }
+  for (int i = threadIdx.x; i < W; i += blockDim.x) dst[i] = row[i];
 }
 
 // Block b of nb (nb > T): blocks [0, T) write the latent rows, the rest rotate q. Any block size >= 128.
