@@ -24,9 +24,16 @@
 #include <cstdlib>
 #include <vector>
 
+#include "backend/cuda/common.cuh"
 #include "bench_util.h"
 
 namespace {
+
+using mlaserve::cuda::bulk_copy_g2s;
+using mlaserve::cuda::mbar_arrive;
+using mlaserve::cuda::mbar_init;
+using mlaserve::cuda::mbar_wait;
+using mlaserve::cuda::smem_addr;
 
 struct Phase {
   const uint8_t* w;      // the phase's weights, contiguous
@@ -46,45 +53,20 @@ __device__ __forceinline__ void wait_count(const unsigned* ctr, unsigned target)
   while (static_cast<int>(ld_acquire(ctr) - target) < 0) {
   }
 }
-__device__ __forceinline__ uint32_t saddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(saddr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.release.cta.shared::cta.b64 st, [%0];\n}\n" ::"r"(saddr(bar))
-               : "memory");
-}
+// mbar_arrive with the stage's transaction bytes announced.
 __device__ __forceinline__ void mbar_arrive_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile(
-      "{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(saddr(bar)),
+      "{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(
+          smem_addr(bar)),
       "r"(bytes)
       : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(saddr(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   saddr(dst)),
-               "l"(src), "r"(bytes), "r"(saddr(bar))
-               : "memory");
 }
 __device__ __forceinline__ void bulk_g2s_evict_first(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile(
       "{\n .reg .b64 pol;\n createpolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
       " cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1], %2, [%3], pol;\n}\n" ::"r"(saddr(dst)),
-      "l"(src), "r"(bytes), "r"(saddr(bar))
+      " [%0], [%1], %2, [%3], pol;\n}\n" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
 }
 __device__ __forceinline__ void consumers_sync(int threads) {
@@ -137,7 +119,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           if (EVICT)
             bulk_g2s_evict_first(ring + s * CHUNK + lo, ph.w + off + lo, len, full + s);
           else
-            bulk_g2s(ring + s * CHUNK + lo, ph.w + off + lo, len, full + s);
+            bulk_copy_g2s(ring + s * CHUNK + lo, ph.w + off + lo, len, full + s);
         }
       }
     }

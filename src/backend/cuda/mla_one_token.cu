@@ -35,6 +35,7 @@ constexpr int kTileKeys = kOneTokenMaxCtx / kC;
 static_assert(KVR % (8 * kC) == 0 && VH % kC == 0 && kThreads % kCols == 0 && NOPE % (kThreads / kCols) == 0);
 static_assert(kThreads * 2 == KVR, "each thread owns two latent columns");
 static_assert(kRows % kWarps == 0, "out rows split evenly over the warps");
+static_assert(kTileKeys <= kThreads, "a thread per key turns the scores into weights");
 
 struct Smem {
   bf16 uk[NOPE][kCols];
@@ -128,6 +129,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
     s.qpe[2 * tid] = __bfloat162float(y0);
     s.qpe[2 * tid + 1] = __bfloat162float(y1);
   }
+  const int n = k1 - k0;
+  if (n > 0 && k1 == ctx) {  // the newest key: this step's latent row as the cache holds it (its read beside q's)
+    bf16* row = s.keys[ctx - 1 - k0];
+    latent_row(p.latent, row, KVR, ROPE, p.norm_w, p.eps, pos, p.inv_freq, p.factor);
+    __syncthreads();
+    if (h == 0) {
+      bf16* dst = p.cache + static_cast<int64_t>(p.slots[0]) * W;
+      for (int i = tid; i < W; i += kThreads) dst[i] = row[i];
+    }
+  }
   cp_async_wait<0>();
   __syncthreads();
   {  // this block's q_lat columns, in quarters of the nope rows
@@ -151,17 +162,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
 
   // Attention over keys [k0, k1) (at most kTileKeys: the caller keeps ctx <= kOneTokenMaxCtx). Thread tid owns latent
   // columns 2 tid, 2 tid + 1 of the weighted sum.
-  const int n = k1 - k0;
-  if (n > 0 && k1 == ctx) {  // the newest key: this step's latent row, as the cache holds it
-    bf16* row = s.keys[ctx - 1 - k0];
-    latent_row(p.latent, row, KVR, ROPE, p.norm_w, p.eps, pos, p.inv_freq, p.factor);
-    __syncthreads();
-    if (h == 0) {
-      bf16* dst = p.cache + static_cast<int64_t>(p.slots[0]) * W;
-      for (int i = tid; i < W; i += kThreads) dst[i] = row[i];
-    }
-  }
-  __syncthreads();
   for (int k = warp; k < n; k += kWarps) {
     const __nv_bfloat162* kr = reinterpret_cast<const __nv_bfloat162*>(s.keys[k]);
     float acc = 0.0f;
@@ -178,8 +178,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
   __syncthreads();
   float m = -INFINITY, l = 0.0f, o0 = 0.0f, o1 = 0.0f;
   for (int k = 0; k < n; ++k) m = fmaxf(m, s.score[k]);
+  __syncthreads();  // every thread has its max before the scores become weights
+  if (tid < n) s.score[tid] = expf(s.score[tid] - m);
+  __syncthreads();
   for (int k = 0; k < n; ++k) {
-    const float w = expf(s.score[k] - m);
+    const float w = s.score[k];
     const float2 c = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(s.keys[k])[tid]);
     l += w;
     o0 = fmaf(w, c.x, o0);
