@@ -16,9 +16,10 @@ namespace mlaserve {
 namespace {
 // Node 0 -> other nodes. kStep launches a step there; kFinish (sent when node 0 begins to finish a step) makes them
 // finish that step and reply, so under overlap scheduling they too launch step N + 1 before waiting for step N. Steps,
-// finishes and replies carry the step's number: a step node 0 dropped (its own launch failed after sending it) is
-// finished without a reply when a later one is, and a reply for the wrong step is an error, not wrong tokens.
-enum Op : char { kStep = 'S', kFinish = 'F', kKv = 'K', kQuit = 'Q' };
+// finishes and replies carry the step's number: a reply for the wrong step is an error, not wrong tokens. kAbort
+// (with the error): a step or cache change node 0 had sent failed there; the other nodes abort their communicators
+// and stop with that error (RankSet::stop_nodes).
+enum Op : char { kStep = 'S', kFinish = 'F', kKv = 'K', kQuit = 'Q', kAbort = 'A' };
 constexpr int64_t kMaxSampledRows = 1 << 16;
 
 void put(std::string& o, const void* p, size_t n) { o.append(static_cast<const char*>(p), n); }
@@ -122,6 +123,8 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
     for (auto& rk : ranks_) {
       rk->world = pc_.comm_factory(rk->global, -1);
       if (at > 1 && d > 1) rk->attn = pc_.comm_factory(rk->global, rk->global / at);
+      for (Communicator* c : {rk->world.get(), rk->attn.get()})
+        if (c) abort_groups_.push_back([c] { c->abort(); });
     }
   } else if (n > 1) {
     auto world = make_inprocess_communicators(n);
@@ -293,12 +296,24 @@ void RankSet::run_on_all(const std::function<void(int)>& fn, std::chrono::millis
 }
 
 void RankSet::allocate_kv(int32_t num_pages, int32_t page_size) {
-  if (link_ && pc_.node_rank == 0 && pc_.nnodes > 1) {
+  const bool remote = link_ && pc_.node_rank == 0 && pc_.nnodes > 1;
+  if (remote) {
+    MLA_CHECK(stopped_.empty(), "the layout of {} nodes stopped after a failed step (restart it): {}", pc_.nnodes,
+              stopped_);
     std::string m(1, kKv);
     put(m, &num_pages, 4);
     put(m, &page_size, 4);
     link_->broadcast(m);
   }
+  try {
+    allocate_kv_local(num_pages, page_size);
+  } catch (const std::exception& e) {
+    if (remote) stop_nodes(e.what());
+    throw;
+  }
+}
+
+void RankSet::allocate_kv_local(int32_t num_pages, int32_t page_size) {
   // Graphs: one more page that no request owns, for the rows that pad a batch to its graph's size.
   const bool graphs = pc_.cuda_graph_max_bs > 0 && ranks_[0]->backend->supports_graphs();
   graph_sizes_.clear();
@@ -506,8 +521,10 @@ RankSet::Launched RankSet::launch(const std::vector<const ForwardBatch*>& batche
   MLA_CHECK(static_cast<int32_t>(logit_rows.size()) <= d, "step: logit rows for {} groups of {}", logit_rows.size(), d);
   h.logit_rows = logit_rows;
   if (!any) return h;  // every group idle: no forward at all
-  h.ran = true;
   const bool remote = link_ && pc_.nnodes > 1;
+  MLA_CHECK(!remote || stopped_.empty(), "the layout of {} nodes stopped after a failed step (restart it): {}",
+            pc_.nnodes, stopped_);
+  h.ran = true;
   h.remote = remote;
   if (remote) {
     h.seq = ++remote_seq_;
@@ -524,45 +541,83 @@ RankSet::Launched RankSet::launch(const std::vector<const ForwardBatch*>& batche
     }
     link_->broadcast(m);
   }
-  launch_local(batches, sampling, logit_rows, form, h);
+  try {
+    launch_local(batches, sampling, logit_rows, form, h);
+  } catch (const std::exception& e) {
+    if (remote) stop_nodes(e.what());
+    throw;
+  }
   return h;
 }
 
+void RankSet::stop_nodes(const std::string& why) {
+  if (!stopped_.empty()) return;
+  stopped_ = why;
+  MLA_LOG_ERROR("a step sent to the other nodes failed on node 0; stopping the layout of {} nodes: {}", pc_.nnodes,
+                why);
+  std::vector<std::function<void()>> aborts;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    aborts = abort_groups_;
+  }
+  for (auto& a : aborts) a();
+  std::string m(1, kAbort);
+  put_vec(m, std::vector<char>(why.begin(), why.end()));
+  try {
+    link_->broadcast(m);
+  } catch (const std::exception& e) {
+    MLA_LOG_WARN("telling the other nodes to stop: {}", e.what());
+  }
+}
+
 std::vector<GroupOutput> RankSet::finish(Launched& h) {
-  const int32_t d = pc_.dp_size, at = attn_tp(), rpn = ranks_per_node();
   if (!h.ran) return std::move(h.out);
   h.ran = false;
-  if (h.remote) {  // the other nodes finish this step alongside
+  if (!h.remote) {
+    finish_local(h);
+    return std::move(h.out);
+  }
+  try {
+    return finish_remote(h);
+  } catch (const std::exception& e) {
+    stop_nodes(e.what());
+    throw;
+  }
+}
+
+std::vector<GroupOutput> RankSet::finish_remote(Launched& h) {
+  const int32_t d = pc_.dp_size, at = attn_tp(), rpn = ranks_per_node();
+  MLA_CHECK(stopped_.empty(), "the layout of {} nodes stopped after a failed step (restart it): {}", pc_.nnodes,
+            stopped_);
+  {  // the other nodes finish this step alongside
     std::string m(1, kFinish);
     put_pod(m, h.seq);
     link_->broadcast(m);
   }
   finish_local(h);
   std::vector<GroupOutput>& out = h.out;
-  if (h.remote) {
-    // Outputs of groups led by ranks of other nodes, node by node, in group order.
-    const int64_t V = config_.vocab_size;
-    for (int32_t node = 1; node < pc_.nnodes; ++node) {
-      bool leads = false;
-      for (int32_t g = 0; g < d; ++g) leads |= (g * at) / rpn == node;
-      if (!leads) continue;
-      const std::string msg = link_->recv_from(node);
-      const char* p = msg.data();
-      const char* end = p + msg.size();
-      const uint64_t seq = get<uint64_t>(p, end);
-      MLA_CHECK(seq == h.seq, "node {} replied for step {} while node 0 finishes step {}", node, seq, h.seq);
-      for (int32_t g = 0; g < d; ++g) {
-        if ((g * at) / rpn != node) continue;
-        GroupOutput& o = out[static_cast<size_t>(g)];
-        o.ids = get_vec<int32_t>(p, end);
-        o.logprobs = get_vec<float>(p, end);
-        if (const std::vector<int32_t>* keep = rows_of_group(h.logit_rows, g)) {
-          std::vector<float> l = get_vec<float>(p, end);
-          const int64_t rows = static_cast<int64_t>(keep->size());
-          MLA_CHECK(static_cast<int64_t>(l.size()) == rows * V, "bad logits from node {}", node);
-          o.logits = Tensor::empty_host({rows, V}, DType::F32);
-          if (!l.empty()) std::memcpy(o.logits.data(), l.data(), l.size() * sizeof(float));
-        }
+  // Outputs of groups led by ranks of other nodes, node by node, in group order.
+  const int64_t V = config_.vocab_size;
+  for (int32_t node = 1; node < pc_.nnodes; ++node) {
+    bool leads = false;
+    for (int32_t g = 0; g < d; ++g) leads |= (g * at) / rpn == node;
+    if (!leads) continue;
+    const std::string msg = link_->recv_from(node);
+    const char* p = msg.data();
+    const char* end = p + msg.size();
+    const uint64_t seq = get<uint64_t>(p, end);
+    MLA_CHECK(seq == h.seq, "node {} replied for step {} while node 0 finishes step {}", node, seq, h.seq);
+    for (int32_t g = 0; g < d; ++g) {
+      if ((g * at) / rpn != node) continue;
+      GroupOutput& o = out[static_cast<size_t>(g)];
+      o.ids = get_vec<int32_t>(p, end);
+      o.logprobs = get_vec<float>(p, end);
+      if (const std::vector<int32_t>* keep = rows_of_group(h.logit_rows, g)) {
+        std::vector<float> l = get_vec<float>(p, end);
+        const int64_t rows = static_cast<int64_t>(keep->size());
+        MLA_CHECK(static_cast<int64_t>(l.size()) == rows * V, "bad logits from node {}", node);
+        o.logits = Tensor::empty_host({rows, V}, DType::F32);
+        if (!l.empty()) std::memcpy(o.logits.data(), l.data(), l.size() * sizeof(float));
       }
     }
   }
@@ -579,6 +634,16 @@ void RankSet::follow() {
     const char* p = msg.data() + 1;
     const char* end = msg.data() + msg.size();
     if (msg[0] == kQuit) return;
+    if (msg[0] == kAbort) {
+      const std::vector<char> why = get_vec<char>(p, end);
+      std::vector<std::function<void()>> aborts;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        aborts = abort_groups_;
+      }
+      for (auto& a : aborts) a();  // steps running here wait in collectives node 0 never joined
+      fail("node 0 stopped the layout after a failed step: {}", std::string(why.begin(), why.end()));
+    }
     if (msg[0] == kKv) {
       MLA_CHECK(running.empty(), "node 0 resized the KV cache while {} steps run", running.size());
       const int32_t pages = get<int32_t>(p, end), ps = get<int32_t>(p, end);
@@ -587,13 +652,9 @@ void RankSet::follow() {
     }
     if (msg[0] == kFinish) {
       const uint64_t seq = get<uint64_t>(p, end);
-      // Steps before it were dropped on node 0 (it never finishes them): finish them here without a reply.
-      while (!running.empty() && running.front().seq < seq) {
-        finish_local(running.front());
-        running.pop_front();
-      }
       MLA_CHECK(!running.empty() && running.front().seq == seq,
-                "node 0 finished step {}, which this node never launched", seq);
+                "node 0 finished step {}, but the oldest step running here is {}", seq,
+                running.empty() ? std::string("none") : std::to_string(running.front().seq));
       Launched h = std::move(running.front());
       running.pop_front();
       finish_local(h);

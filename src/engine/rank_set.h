@@ -142,6 +142,13 @@ class RankSet {
                     const std::vector<std::vector<RowSampling>>& sampling, const LogitRows& logit_rows, MlaForm form,
                     Launched& h);
   void finish_local(Launched& h);
+  // Node 0, with other nodes: finish() of a step they run too (they finish it alongside and send their outputs).
+  std::vector<GroupOutput> finish_remote(Launched& h);
+  void allocate_kv_local(int32_t num_pages, int32_t page_size);
+  // Node 0, after a step it sent to the other nodes failed here: their ranks ran (or wait in) collectives this node
+  // never joined, so the layout cannot go on. Aborts the local communicators, tells the other nodes to stop with
+  // `why`, and makes every later call fail with it.
+  void stop_nodes(const std::string& why);
   void capture_graphs();
   int32_t attn_tp() const { return pc_.tp_size / pc_.dp_size; }
   int32_t ranks_per_node() const { return pc_.tp_size / pc_.nnodes; }
@@ -154,6 +161,7 @@ class RankSet {
   std::vector<int32_t> graph_sizes_;
   int64_t graph_steps_ = 0, prev_id_steps_ = 0, followed_steps_ = 0, followed_overlapped_ = 0;
   uint64_t remote_seq_ = 0;  // steps sent to (node 0) or received from (others) the other nodes
+  std::string stopped_;      // node 0: why the layout of several nodes stopped (empty: it runs)
   int64_t sampled_rows_ = 0;  // capacity of Rank::sampled (rows)
   int32_t dummy_page_ = -1, page_size_ = 0;  // graphs: padded rows read and write only this page
 

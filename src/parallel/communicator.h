@@ -26,6 +26,9 @@ class Communicator {
   // Copies root's t into every rank's t (same shape everywhere).
   virtual void broadcast(Tensor& t, int root) = 0;
   virtual void barrier() = 0;
+  // From any thread: collectives in flight, here and on the group's other ranks, return with an error instead of
+  // waiting for a rank that failed. The communicator is unusable afterwards. (One rank: nothing to wake.)
+  virtual void abort() {}
 };
 
 // The trivial group of one rank: every collective is the identity.

@@ -49,6 +49,7 @@ class InProcessCommunicator final : public Communicator {
   void reduce_scatter_sum(const Tensor& in, Tensor& out) override;
   void broadcast(Tensor& t, int root) override;
   void barrier() override { group_->arrive_and_wait(rank_, "barrier"); }
+  void abort() override { group_->abort("another rank failed"); }
   InProcessGroup& group() { return *group_; }
 
  private:

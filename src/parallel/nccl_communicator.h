@@ -27,7 +27,7 @@ class NcclCommunicator final : public Communicator {
   void barrier() override;
   // Aborts the communicator (from any thread): collectives in flight return instead of waiting for a rank that
   // failed. The communicator is unusable afterwards.
-  void abort();
+  void abort() override;
   // A sub-group (ncclCommSplit): ranks with the same color, ordered by key.
   std::unique_ptr<NcclCommunicator> split(int color, int key);
 

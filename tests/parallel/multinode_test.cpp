@@ -8,12 +8,15 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <future>
 #include <mutex>
 #include <thread>
 
+#include "backend/forwarding_backend.h"
 #include "engine/offline.h"
 #include "io/safetensors.h"
 #include "parallel/inprocess_communicator.h"
@@ -28,8 +31,11 @@ namespace {
 // Runs `tp` ranks (`dp` attention-DP groups) as two nodes: node 1 follows in a thread while `drive` uses node 0's
 // RankSet (and destroys it, which tells node 1 to stop). Returns node 1's counts of steps served and of steps it
 // launched while an earlier one still ran.
+// follower_error: where node 1's error goes (null: there must be none); node0: changes to node 0's configuration.
 std::pair<int64_t, int64_t> two_nodes(const std::string& fam, int tp, int dp,
-                                      const std::function<void(std::unique_ptr<RankSet>)>& drive) {
+                                      const std::function<void(std::unique_ptr<RankSet>)>& drive,
+                                      std::string* follower_error_out = nullptr,
+                                      const std::function<void(ParallelConfig&)>& node0 = {}) {
   const ModelConfig cfg = ModelConfig::from_file(test::golden_dir(fam));
   // Communicators shared by the simulated nodes: the world, and one group per DP group.
   auto world = make_inprocess_communicators(tp);
@@ -67,9 +73,14 @@ std::pair<int64_t, int64_t> two_nodes(const std::string& fam, int tp, int dp,
       follower_error = e.what();
     }
   });
-  drive(std::make_unique<RankSet>(cfg, pc(0), test::golden_dir(fam), LoadOptions{}));
+  ParallelConfig pc0 = pc(0);
+  if (node0) node0(pc0);
+  drive(std::make_unique<RankSet>(cfg, pc0, test::golden_dir(fam), LoadOptions{}));
   follower.join();
-  EXPECT_EQ(follower_error, "");
+  if (follower_error_out)
+    *follower_error_out = follower_error;
+  else
+    EXPECT_EQ(follower_error, "");
   return followed;
 }
 
@@ -137,5 +148,70 @@ TEST(MultiNode, EngineOverlapsOnEveryNode) {
     EXPECT_GT(overlapped, 5);
     EXPECT_GT(served, 10);
     EXPECT_GT(served_overlapped, 5) << "node 1 launched each step only after finishing the one before";
+  }
+}
+
+// Throws from the embedding while `armed` (once): a failure on node 0 inside a step it has already sent to node 1.
+class FailOnce final : public ForwardingBackend {
+ public:
+  FailOnce(std::unique_ptr<Backend> inner, std::atomic<bool>& armed)
+      : ForwardingBackend(*inner), owned_(std::move(inner)), armed_(armed) {}
+  void embedding(const Tensor& t, int64_t vb, Tensor& o) override {
+    if (armed_.exchange(false)) fail("injected failure on node 0");
+    ForwardingBackend::embedding(t, vb, o);
+  }
+
+ private:
+  std::unique_ptr<Backend> owned_;
+  std::atomic<bool>& armed_;
+};
+
+// A step node 0 sent to node 1 fails on node 0: node 1's ranks ran (or wait in) collectives node 0 never joins.
+// Node 0 reports the failure, node 1 stops with an error instead of waiting forever, and node 0 refuses every later
+// step and cache change at once, naming the failure.
+TEST(MultiNode, FailedStepStopsEveryNode) {
+  auto ps = test::golden_prompts("v2");
+  ps.resize(2);
+  OfflineOptions o;
+  o.max_new_tokens = 3;
+  o.page_size = 8;
+  for (auto [tp, dp] : {std::pair{2, 1}, std::pair{2, 2}}) {
+    SCOPED_TRACE("tp " + std::to_string(tp) + " dp " + std::to_string(dp));
+    std::atomic<bool> armed{false};
+    std::string follower_error;
+    const auto t0 = std::chrono::steady_clock::now();
+    two_nodes(
+        "v2", tp, dp,
+        [&](std::unique_ptr<RankSet> r0) {
+          const OfflineResult ok = run_offline(*r0, ps, o);  // the layout works
+          ASSERT_EQ(ok.greedy.size(), ps.size());
+          armed = true;
+          try {
+            run_offline(*r0, ps, o);
+            ADD_FAILURE() << "the failed step was not reported";
+          } catch (const std::exception& e) {
+            EXPECT_NE(std::string(e.what()).find("injected failure on node 0"), std::string::npos) << e.what();
+          }
+          for (int i = 0; i < 2; ++i) {
+            try {
+              run_offline(*r0, ps, o);
+              ADD_FAILURE() << "a step ran after the layout stopped";
+            } catch (const std::exception& e) {
+              EXPECT_NE(std::string(e.what()).find("stopped after a failed step"), std::string::npos) << e.what();
+              EXPECT_NE(std::string(e.what()).find("injected failure on node 0"), std::string::npos) << e.what();
+            }
+          }
+        },
+        &follower_error,
+        [&](ParallelConfig& pc) {
+          pc.wrap_backend = [&](std::unique_ptr<Backend> made, int32_t global) -> std::unique_ptr<Backend> {
+            if (global != 0) return made;
+            return std::make_unique<FailOnce>(std::move(made), armed);
+          };
+        });
+    // Node 1 stopped with an error: woken in its collectives (another rank failed) or told by node 0.
+    EXPECT_FALSE(follower_error.empty());
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30)) << "a node waited for a timeout";
+    std::printf("  node 1 stopped with: %s\n", follower_error.c_str());
   }
 }
