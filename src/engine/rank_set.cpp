@@ -298,8 +298,7 @@ void RankSet::run_on_all(const std::function<void(int)>& fn, std::chrono::millis
 void RankSet::allocate_kv(int32_t num_pages, int32_t page_size) {
   const bool remote = link_ && pc_.node_rank == 0 && pc_.nnodes > 1;
   if (remote) {
-    MLA_CHECK(stopped_.empty(), "the layout of {} nodes stopped after a failed step (restart it): {}", pc_.nnodes,
-              stopped_);
+    check_not_stopped();
     std::string m(1, kKv);
     put(m, &num_pages, 4);
     put(m, &page_size, 4);
@@ -522,8 +521,7 @@ RankSet::Launched RankSet::launch(const std::vector<const ForwardBatch*>& batche
   h.logit_rows = logit_rows;
   if (!any) return h;  // every group idle: no forward at all
   const bool remote = link_ && pc_.nnodes > 1;
-  MLA_CHECK(!remote || stopped_.empty(), "the layout of {} nodes stopped after a failed step (restart it): {}",
-            pc_.nnodes, stopped_);
+  if (remote) check_not_stopped();
   h.ran = true;
   h.remote = remote;
   if (remote) {
@@ -548,6 +546,11 @@ RankSet::Launched RankSet::launch(const std::vector<const ForwardBatch*>& batche
     throw;
   }
   return h;
+}
+
+void RankSet::check_not_stopped() const {
+  MLA_CHECK(stopped_.empty(), "the layout of {} nodes stopped after a failed step (restart it): {}", pc_.nnodes,
+            stopped_);
 }
 
 void RankSet::stop_nodes(const std::string& why) {
@@ -587,8 +590,7 @@ std::vector<GroupOutput> RankSet::finish(Launched& h) {
 
 std::vector<GroupOutput> RankSet::finish_remote(Launched& h) {
   const int32_t d = pc_.dp_size, at = attn_tp(), rpn = ranks_per_node();
-  MLA_CHECK(stopped_.empty(), "the layout of {} nodes stopped after a failed step (restart it): {}", pc_.nnodes,
-            stopped_);
+  check_not_stopped();
   {  // the other nodes finish this step alongside
     std::string m(1, kFinish);
     put_pod(m, h.seq);

@@ -149,6 +149,7 @@ class RankSet {
   // never joined, so the layout cannot go on. Aborts the local communicators, tells the other nodes to stop with
   // `why`, and makes every later call fail with it.
   void stop_nodes(const std::string& why);
+  void check_not_stopped() const;  // fails, naming the error, once stop_nodes ran
   void capture_graphs();
   int32_t attn_tp() const { return pc_.tp_size / pc_.dp_size; }
   int32_t ranks_per_node() const { return pc_.tp_size / pc_.nnodes; }
