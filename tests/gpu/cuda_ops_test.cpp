@@ -461,9 +461,9 @@ TEST(CudaOps, MlaEmptyBatch) {
 // mla_prepare_attention (at 1-2 decode tokens one launch for the preparation and the q_lat product) gives exactly
 // what mla_prepare then mla_attention give: q, latent, cache and output. Also for a step with prefill tokens, where
 // the preparation runs on its own.
-// kind: the gpu() backend (4: with the one-launch attention of one decode token).
+// kind: the gpu() backend (4: without the one-launch attention of one decode token).
 void prepare_attention_case(const std::vector<std::pair<int32_t, int32_t>>& seqs, int64_t nh, int64_t kvr,
-                            int64_t rope, int64_t nope, int64_t vh, bool graph_plan, uint64_t seed, int kind = 0) {
+                            int64_t rope, int64_t nope, int64_t vh, bool graph_plan, uint64_t seed, int kind) {
   Backend& g = gpu(kind);
   Scenario s = make_scenario(seqs, 16, seed);
   const int64_t T = s.batch.num_tokens(), W = kvr + rope, slots = s.num_pages * 16;
@@ -494,10 +494,14 @@ void prepare_attention_case(const std::vector<std::pair<int32_t, int32_t>>& seqs
   g.mla_prepare_attention(q2, l2, wg, 1e-6f, c2, bg, p, o2);
   // With it, one decode token of at most kOneTokenMaxCtx keys takes the one-launch kernel (cuda::mla_one_token): q
   // and latent are left as they were, the sums run in another order; everything else runs the two ops' kernels.
-  const bool one_token = kind == 4 && T == 1 && seqs.size() == 1 && seqs[0].second == 1 &&
+  const int32_t ctx = seqs[0].first + seqs[0].second, keys = cuda::mla_one_token_tile_keys(ctx);
+  int32_t clusters[cuda::kOneTokenMaxHeadsPerCluster + 1] = {};
+  for (int32_t g = 1; g <= cuda::kOneTokenMaxHeadsPerCluster; ++g)
+    ASSERT_EQ(cuda::mla_one_token_max_clusters({g, keys}, &clusters[g]), cudaSuccess);
+  const bool one_token = kind != 4 && T == 1 && seqs.size() == 1 && seqs[0].second == 1 &&
                          seqs[0].first + 1 <= cuda::kOneTokenMaxCtx &&
-                         cuda::mla_one_token_fits(p.num_heads, p.qk_nope, p.qk_rope, p.v_head, p.kv_lora,
-                                                  cuda::mla_one_token_max_clusters());
+                         cuda::mla_one_token_heads_per_cluster(p.num_heads, p.qk_nope, p.qk_rope, p.v_head, p.kv_lora,
+                                                               clusters) > 0;
   const std::string what = "prepare+attention T" + std::to_string(T) + " nh" + std::to_string(nh) + " kvr" +
                            std::to_string(kvr) + " ctx" + std::to_string(seqs[0].first + seqs[0].second) +
                            (graph_plan ? " graph plan" : "") + (one_token ? " (one launch)" : "");
@@ -519,29 +523,46 @@ void prepare_attention_case(const std::vector<std::pair<int32_t, int32_t>>& seqs
   expect_close(cpu().to_host_f32(oc), g.to_host_f32(o2), 2e-2, 5e-2, what + " vs CPU");
 }
 
+// Without the one-launch attention (kind 4): the q_lat launch with the preparation, bit for bit against the ops.
 TEST(CudaOps, MlaPrepareAttentionIsPrepareThenAttention) {
   REQUIRE_GPU();
   for (bool graph_plan : {false, true}) {
-    prepare_attention_case({{299, 1}}, 16, 512, 64, 128, 128, graph_plan, 80);           // one token, folded
+    prepare_attention_case({{299, 1}}, 16, 512, 64, 128, 128, graph_plan, 80, 4);           // one token, folded
     // one token of 101 keys: one split in an eager step (W_UV reads o_lat), parts with a graph plan (W_UV combines)
-    prepare_attention_case({{100, 1}}, 16, 512, 64, 128, 128, graph_plan, 84);
-    prepare_attention_case({{700, 1}, {16, 1}}, 16, 512, 64, 128, 128, graph_plan, 81);  // two tokens, folded
-    prepare_attention_case({{40, 1}}, 4, 64, 16, 32, 32, graph_plan, 82);               // simple decode kernel
-    prepare_attention_case({{5, 1}, {0, 1}, {30, 1}}, 16, 512, 64, 128, 128, graph_plan, 83);  // 3 tokens: apart
+    prepare_attention_case({{100, 1}}, 16, 512, 64, 128, 128, graph_plan, 84, 4);
+    prepare_attention_case({{700, 1}, {16, 1}}, 16, 512, 64, 128, 128, graph_plan, 81, 4);  // two tokens, folded
+    prepare_attention_case({{40, 1}}, 4, 64, 16, 32, 32, graph_plan, 82, 4);               // simple decode kernel
+    prepare_attention_case({{5, 1}, {0, 1}, {30, 1}}, 16, 512, 64, 128, 128, graph_plan, 83, 4);  // 3 tokens
   }
-  prepare_attention_case({{12, 1}, {0, 20}}, 16, 512, 64, 128, 128, false, 84);  // prefill in the step: apart
+  prepare_attention_case({{12, 1}, {0, 20}}, 16, 512, 64, 128, 128, false, 84, 4);  // prefill in the step: apart
 }
 
 // The one-launch attention of one decode token (cuda::mla_one_token) against the ops' kernels and the CPU: blocks of
-// a head without keys (1 and 6 keys), uneven counts (300), every block's tile full (1024 keys); past kOneTokenMaxCtx
-// (1401 keys), more heads than fit the GPU at once (32) or two tokens, the usual kernels (bit for bit).
+// a head without keys (1 and 6 keys), uneven counts (300), every block's tile full (256 keys: the small tile; 1024),
+// the large tile's least (257), 8 heads (one per
+// cluster on an H200) and 16 (two per cluster there: 15 clusters of 8 blocks fit at once); past kOneTokenMaxCtx
+// (1401 keys), more heads than fit the GPU at once (64) or two tokens, the usual kernels (bit for bit).
 TEST(CudaOps, MlaOneTokenIsPrepareThenAttention) {
   REQUIRE_GPU();
+  for (int32_t ctx : {cuda::kOneTokenSmallCtx, cuda::kOneTokenMaxCtx}) {
+    const int32_t keys = cuda::mla_one_token_tile_keys(ctx);
+    int32_t clusters[cuda::kOneTokenMaxHeadsPerCluster + 1] = {};
+    for (int32_t g = 1; g <= cuda::kOneTokenMaxHeadsPerCluster; ++g) {
+      const cudaError_t e = cuda::mla_one_token_max_clusters({g, keys}, &clusters[g]);
+      ASSERT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
+      std::printf("  one-token attention: %d clusters of %d blocks (%d heads, %d keys each) fit the GPU at once\n",
+                  clusters[g], cuda::kOneTokenCluster, g, keys);
+    }
+    const int32_t g16 = cuda::mla_one_token_heads_per_cluster(16, 128, 64, 128, 512, clusters);
+    std::printf("  16 heads, %d keys per block: %d per cluster\n", keys, g16);
+    ASSERT_GT(g16, 0) << "the 16 heads of these cases would not take the one-launch kernel";
+  }
   for (bool graph_plan : {false, true}) {
-    for (int32_t cached : {0, 5, 299, 1023, 1400})
-      prepare_attention_case({{cached, 1}}, 16, 512, 64, 128, 128, graph_plan, 90 + cached, 4);
-    prepare_attention_case({{100, 1}}, 32, 512, 64, 128, 128, graph_plan, 91, 4);
-    prepare_attention_case({{300, 1}, {16, 1}}, 16, 512, 64, 128, 128, graph_plan, 92, 4);
+    for (int32_t cached : {0, 5, 255, 256, 299, 1023, 1400})
+      prepare_attention_case({{cached, 1}}, 16, 512, 64, 128, 128, graph_plan, 90 + cached, 0);
+    prepare_attention_case({{300, 1}}, 8, 512, 64, 128, 128, graph_plan, 93, 0);
+    prepare_attention_case({{100, 1}}, 64, 512, 64, 128, 128, graph_plan, 91, 0);
+    prepare_attention_case({{300, 1}, {16, 1}}, 16, 512, 64, 128, 128, graph_plan, 92, 0);
   }
 }
 

@@ -23,7 +23,7 @@ inline bool have_gpu() { return cuda_device_count() > 0; }
   if (!::mlaserve::test::have_gpu()) GTEST_SKIP() << "no CUDA device"
 
 // kind 0: default; 1: simple attention kernels; 2: MoE through cuBLAS; 3: no small-batch kernels (cuBLAS and the
-// grouped MoE kernels at any batch); 4: default with the one-launch attention of one decode token.
+// grouped MoE kernels at any batch); 4: default without the one-launch attention of one decode token.
 inline Backend& gpu(int kind = 0) {
   static std::unique_ptr<Backend> b[5];
   if (!b[kind]) {
@@ -33,7 +33,7 @@ inline Backend& gpu(int kind = 0) {
     o.simple_kernels = kind == 1;
     o.moe_cublas = kind == 2;
     o.small_batch = kind != 3;
-    o.one_token_attention = kind == 4;
+    o.one_token_attention = kind != 4;
     b[kind] = make_cuda_backend(0, o);
   }
   return *b[kind];

@@ -21,8 +21,8 @@ struct CudaBackendOptions {
   bool small_batch = true;            // steps of at most 8 rows: matrix-vector kernels and the two-kernel MoE
                                       // (gemv.cu) instead of cuBLAS and the grouped MoE (env MLASERVE_SMALL_BATCH=0
                                       // turns them off)
-  bool one_token_attention = false;   // one decode token's attention as one launch (cuda::mla_one_token; also env
-                                      // MLASERVE_MLA_ONE_TOKEN=1): not yet run on a GPU, so off by default
+  bool one_token_attention = true;    // one decode token's attention as one launch (cuda::mla_one_token; env
+                                      // MLASERVE_MLA_ONE_TOKEN=0 turns it off)
 };
 
 // Number of CUDA devices usable by this process (0 without a driver or GPU; never throws).

@@ -3,19 +3,22 @@
 // the combine of its parts and out = o_lat W_UV^T, for every head, where the usual path runs three kernels (q_lat
 // with the preparation, the decode, W_UV with the combine) joined by two grid-wide dependencies.
 //
-// One thread-block cluster of kCluster blocks per head; the dependencies inside a head are cluster barriers with
-// the data passed through distributed shared memory (docs/cuda.md: the cheapest dependency measured). Block r of
-// head h:
-//   - before the PDL wait: loads its slice of W_UK[h] (columns r * 64..), of W_UV[h] (rows r * 16..) and the cache
-//     rows of its keys that earlier steps wrote (an even split of the context: at most kTileKeys);
-//   - computes its 64 q_lat columns and stores them into every block of the cluster (barrier);
-//   - the scores and the softmax-weighted latent sum over its keys (the newest key's row made from the latent as
-//     the cache holds it; cluster 0 writes it to the cache);
-//   - reads every block's partial (max, sum, 512 sums) from the cluster (barrier) and combines them into o_lat
-//     (rounded to bf16, as the usual path stores it);
-//   - its 16 rows of out.
-// Every block re-reads the context of its head from L2, and holds its keys in shared memory: the kernel takes at most
-// kOneTokenMaxCtx keys (longer contexts run the usual kernels, in a CUDA graph of their own: graph_variant).
+// One thread-block cluster of kCluster blocks per head (per G = 2 heads where a cluster per head does not fit the
+// GPU at once; they share the cache rows each block holds); the dependencies inside a cluster are cluster barriers
+// with the data passed through distributed shared memory (docs/cuda.md: the cheapest dependency measured). Block r:
+//   - before the PDL wait: loads its slice of each head's W_UK (columns r * 64..) and W_UV (rows r * 16..) and the
+//     cache rows of its keys that earlier steps wrote (an even split of the context, KT at most: 32 keys up to
+//     kOneTokenSmallCtx keys, so that the blocks are small enough to start as the kernel before leaves SMs, 128 up
+//     to kOneTokenMaxCtx);
+//   - computes its 64 q_lat columns of each head and stores them into every block of the cluster (barrier);
+//   - the scores and the softmax-weighted latent sums over its keys (the newest key's row made from the latent as
+//     the cache holds it; the first cluster writes it to the cache);
+//   - reads every block's partials (max, sum, 512 sums per head) from the cluster (barrier) and combines them into
+//     o_lat (rounded to bf16, as the usual path stores it);
+//   - its 16 rows of out per head.
+// Every cluster re-reads the context from L2, and each block holds its keys in shared memory: the kernel takes at
+// most kOneTokenMaxCtx keys (longer contexts run the usual kernels; the CUDA graphs of the three cases are apart:
+// Backend::graph_variant).
 // CPU reference: CpuBackend::mla_prepare_attention (mla_prepare then mla_attention).
 #include <cmath>
 
@@ -31,49 +34,43 @@ constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int KVR = kOneTokenKvr, ROPE = kOneTokenRope, NOPE = kOneTokenNope, VH = kOneTokenVHead, W = KVR + ROPE;
 constexpr int kCols = KVR / kC;  // q_lat columns per block
 constexpr int kRows = VH / kC;   // out rows per block
-constexpr int kTileKeys = kOneTokenMaxCtx / kC;
 static_assert(KVR % (8 * kC) == 0 && VH % kC == 0 && kThreads % kCols == 0 && NOPE % (kThreads / kCols) == 0);
 static_assert(kThreads * 2 == KVR, "each thread owns two latent columns");
 static_assert(kRows % kWarps == 0, "out rows split evenly over the warps");
-static_assert(kTileKeys <= kThreads, "a thread per key turns the scores into weights");
+static_assert(kOneTokenMaxCtx / kC <= kThreads, "a thread per key turns the scores into weights");
 
+// G heads per cluster (they share the cache rows a block holds); KT: the most keys a block holds.
+template <int G, int KT>
 struct Smem {
-  bf16 uk[NOPE][kCols];
-  bf16 uv[kRows][KVR];
-  bf16 keys[kTileKeys][W];
-  float qlat[KVR];  // the head's q_lat, bf16-rounded, gathered from the cluster
-  float qpe[ROPE];
-  float qnope[NOPE];
-  float qlat_part[kThreads / kCols][kCols];
-  float score[kTileKeys];
-  float part_o[KVR];  // this block's sums over its keys, and their max / sum of weights
-  float part_m, part_l;
-  float olat[KVR];
+  bf16 uk[G][NOPE][kCols];
+  bf16 uv[G][kRows][KVR];
+  bf16 keys[KT][W];
+  float qlat[G][KVR];  // the heads' q_lat, bf16-rounded, gathered from the cluster
+  float qpe[G][ROPE];
+  float qnope[G][NOPE];
+  float qlat_part[G][kThreads / kCols][kCols];
+  float score[G][KT];
+  float part_o[G][KVR];  // this block's sums over its keys, and their max / sum of weights
+  float part_m[G], part_l[G];
+  float olat[G][KVR];
 };
+
+// Hopper's opt-in limit per block, less latent_row's static reduction buffer.
+static_assert(sizeof(Smem<2, kOneTokenMaxCtx / kC>) + 32 * sizeof(float) <= 227 * 1024,
+              "two heads' slices and the keys fit one SM");
 
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
   return r;
 }
-__device__ __forceinline__ uint32_t remote_addr(const void* local, uint32_t rank) {
-  uint32_t a;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(smem_addr(local)), "r"(rank));
-  return a;
-}
-__device__ __forceinline__ void st_remote(const float* local, uint32_t rank, float v) {
-  asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote_addr(local, rank)), "f"(v) : "memory");
-}
-__device__ __forceinline__ float ld_remote(const float* local, uint32_t rank) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote_addr(local, rank)) : "memory");
-  return v;
-}
-__device__ __forceinline__ float2 ld_remote2(const float* local, uint32_t rank) {
-  float2 v;
-  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(remote_addr(local, rank))
-               : "memory");
-  return v;
+// Block `rank`'s copy of a shared-memory variable, as a generic pointer (mapa): plain loads and stores through it
+// let the compiler keep many in flight (the cluster barriers order them).
+template <typename T>
+__device__ __forceinline__ T* in_block(T* local, uint32_t rank) {
+  uint64_t out;
+  asm("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(local)), "r"(rank));
+  return reinterpret_cast<T*>(out);
 }
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
@@ -82,7 +79,8 @@ __device__ __forceinline__ void cluster_sync() {
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // Cache rows of keys [t0, t1) into s.keys, except the newest (ctx - 1: this step's, made from the latent).
-__device__ __forceinline__ void load_keys(Smem& s, const MlaOneTokenArgs& a, int t0, int t1, int ctx) {
+template <int G, int KT>
+__device__ __forceinline__ void load_keys(Smem<G, KT>& s, const MlaOneTokenArgs& a, int t0, int t1, int ctx) {
   constexpr int kChunks = W / 8;
   for (int u = threadIdx.x; u < (t1 - t0) * kChunks; u += kThreads) {
     const int k = t0 + u / kChunks, c = u % kChunks;
@@ -92,49 +90,56 @@ __device__ __forceinline__ void load_keys(Smem& s, const MlaOneTokenArgs& a, int
   }
 }
 
+template <int G, int KT>
 __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOneTokenArgs a) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
-  Smem& s = *reinterpret_cast<Smem*>(smem_raw);
+  Smem<G, KT>& s = *reinterpret_cast<Smem<G, KT>*>(smem_raw);
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");  // this block runs
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t r = cluster_rank();
-  const int h = static_cast<int>(blockIdx.x) / kC;
+  const int h0 = static_cast<int>(blockIdx.x) / kC * G;  // the cluster's heads: h0 .. h0 + G - 1
   const MlaPrepArgs& p = a.prep;
   // Metadata (positions, page table) was uploaded before the step; the weights and the cache rows of earlier steps
   // are not written by the kernel before this one: all loaded before the PDL wait.
   const int32_t pos = p.positions[0], ctx = pos + 1;
   const int per = (ctx + kC - 1) / kC;
-  if (per > kTileKeys) __trap();  // the caller's bound (kOneTokenMaxCtx) broken: never read past shared memory
+  if (per > KT) __trap();  // the caller's bound broken: never read past shared memory
   const int k0 = min(ctx, static_cast<int>(r) * per), k1 = min(ctx, k0 + per);
-  const bf16* head = a.kv_b + static_cast<int64_t>(h) * (NOPE + VH) * KVR;
-  for (int u = tid; u < NOPE * kCols / 8; u += kThreads) {
-    const int i = u / (kCols / 8), c = u % (kCols / 8);
-    cp_async16(&s.uk[i][c * 8], head + static_cast<int64_t>(i) * KVR + r * kCols + c * 8, true);
-  }
-  for (int u = tid; u < kRows * KVR / 8; u += kThreads) {
-    const int v = u / (KVR / 8), c = u % (KVR / 8);
-    cp_async16(&s.uv[v][c * 8], head + static_cast<int64_t>(NOPE + r * kRows + v) * KVR + c * 8, true);
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const bf16* head = a.kv_b + static_cast<int64_t>(h0 + g) * (NOPE + VH) * KVR;
+    for (int u = tid; u < NOPE * kCols / 8; u += kThreads) {
+      const int i = u / (kCols / 8), c = u % (kCols / 8);
+      cp_async16(&s.uk[g][i][c * 8], head + static_cast<int64_t>(i) * KVR + r * kCols + c * 8, true);
+    }
+    for (int u = tid; u < kRows * KVR / 8; u += kThreads) {
+      const int v = u / (KVR / 8), c = u % (KVR / 8);
+      cp_async16(&s.uv[g][v][c * 8], head + static_cast<int64_t>(NOPE + r * kRows + v) * KVR + c * 8, true);
+    }
   }
   load_keys(s, a, k0, k1, ctx);
   cp_async_commit();
   pdl_wait();
 
-  // q of head h: the nope part, and the rope part rotated as rope_q_pairs rounds it.
-  const bf16* qh = p.q + static_cast<int64_t>(h) * (NOPE + ROPE);
-  if (tid < NOPE) s.qnope[tid] = __bfloat162float(qh[tid]);
-  if (tid < ROPE / 2) {
-    bf16 y0, y1;
-    rotated_pair(__bfloat162float(qh[NOPE + 2 * tid]), __bfloat162float(qh[NOPE + 2 * tid + 1]), tid, pos,
-                 p.inv_freq, p.factor, y0, y1);
-    s.qpe[2 * tid] = __bfloat162float(y0);
-    s.qpe[2 * tid + 1] = __bfloat162float(y1);
+  // q of the heads: the nope parts, and the rope parts rotated as rope_q_pairs rounds them.
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const bf16* qh = p.q + static_cast<int64_t>(h0 + g) * (NOPE + ROPE);
+    if (tid < NOPE) s.qnope[g][tid] = __bfloat162float(qh[tid]);
+    if (tid < ROPE / 2) {
+      bf16 y0, y1;
+      rotated_pair(__bfloat162float(qh[NOPE + 2 * tid]), __bfloat162float(qh[NOPE + 2 * tid + 1]), tid, pos,
+                   p.inv_freq, p.factor, y0, y1);
+      s.qpe[g][2 * tid] = __bfloat162float(y0);
+      s.qpe[g][2 * tid + 1] = __bfloat162float(y1);
+    }
   }
   const int n = k1 - k0;
   if (n > 0 && k1 == ctx) {  // the newest key: this step's latent row as the cache holds it (its read beside q's)
     bf16* row = s.keys[ctx - 1 - k0];
     latent_row(p.latent, row, KVR, ROPE, p.norm_w, p.eps, pos, p.inv_freq, p.factor);
     __syncthreads();
-    if (h == 0) {
+    if (h0 == 0) {
       bf16* dst = p.cache + static_cast<int64_t>(p.slots[0]) * W;
       for (int i = tid; i < W; i += kThreads) dst[i] = row[i];
     }
@@ -144,129 +149,196 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
   {  // this block's q_lat columns, in quarters of the nope rows
     constexpr int kParts = kThreads / kCols, kPartRows = NOPE / kParts;
     const int c = tid % kCols, part = tid / kCols;
-    float acc = 0.0f;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float acc = 0.0f;
 #pragma unroll 8
-    for (int i = part * kPartRows; i < (part + 1) * kPartRows; ++i) acc += s.qnope[i] * __bfloat162float(s.uk[i][c]);
-    s.qlat_part[part][c] = acc;
+      for (int i = part * kPartRows; i < (part + 1) * kPartRows; ++i)
+        acc += s.qnope[g][i] * __bfloat162float(s.uk[g][i][c]);
+      s.qlat_part[g][part][c] = acc;
+    }
   }
   __syncthreads();
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every block of the cluster runs
-  if (tid < kCols) {
+  if (tid < G * kCols) {
+    const int g = tid / kCols, c = tid % kCols;
     float v = 0.0f;
 #pragma unroll
-    for (int part = 0; part < kThreads / kCols; ++part) v += s.qlat_part[part][tid];
+    for (int part = 0; part < kThreads / kCols; ++part) v += s.qlat_part[g][part][c];
     v = bf16_round(v);
-    for (uint32_t dst = 0; dst < kC; ++dst) st_remote(&s.qlat[r * kCols + tid], dst, v);
+    for (uint32_t dst = 0; dst < kC; ++dst) *in_block(&s.qlat[g][r * kCols + c], dst) = v;
   }
   cluster_sync();  // q_lat complete in every block
 
-  // Attention over keys [k0, k1) (at most kTileKeys: the caller keeps ctx <= kOneTokenMaxCtx). Thread tid owns latent
-  // columns 2 tid, 2 tid + 1 of the weighted sum.
+  // Attention over keys [k0, k1) (at most KT: the caller picks KT for the context), each key row read once
+  // for the G heads. Thread tid owns latent columns 2 tid, 2 tid + 1 of the weighted sums.
   for (int k = warp; k < n; k += kWarps) {
     const __nv_bfloat162* kr = reinterpret_cast<const __nv_bfloat162*>(s.keys[k]);
-    float acc = 0.0f;
+    float acc[G] = {};
 #pragma unroll
     for (int i = 0; i < W / 64; ++i) {
       const int j = lane + 32 * i;  // pair j: columns 2j, 2j + 1
       const float2 f = __bfloat1622float2(kr[j]);
-      const float* qv = 2 * j < KVR ? &s.qlat[2 * j] : &s.qpe[2 * j - KVR];
-      acc = fmaf(f.x, qv[0], fmaf(f.y, qv[1], acc));
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float* qv = 2 * j < KVR ? &s.qlat[g][2 * j] : &s.qpe[g][2 * j - KVR];
+        acc[g] = fmaf(f.x, qv[0], fmaf(f.y, qv[1], acc[g]));
+      }
     }
-    acc = warp_sum(acc);
-    if (lane == 0) s.score[k] = acc * a.softmax_scale;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float sc = warp_sum(acc[g]);
+      if (lane == 0) s.score[g][k] = sc * a.softmax_scale;
+    }
   }
   __syncthreads();
-  float m = -INFINITY, l = 0.0f, o0 = 0.0f, o1 = 0.0f;
-  for (int k = 0; k < n; ++k) m = fmaxf(m, s.score[k]);
-  __syncthreads();  // every thread has its max before the scores become weights
-  if (tid < n) s.score[tid] = expf(s.score[tid] - m);
+  float m[G], l[G], o0[G], o1[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = o0[g] = o1[g] = 0.0f;
+    for (int k = 0; k < n; ++k) m[g] = fmaxf(m[g], s.score[g][k]);
+  }
+  __syncthreads();  // every thread has its maxima before the scores become weights
+  if (tid < n)
+#pragma unroll
+    for (int g = 0; g < G; ++g) s.score[g][tid] = expf(s.score[g][tid] - m[g]);
   __syncthreads();
   for (int k = 0; k < n; ++k) {
-    const float w = s.score[k];
     const float2 c = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(s.keys[k])[tid]);
-    l += w;
-    o0 = fmaf(w, c.x, o0);
-    o1 = fmaf(w, c.y, o1);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float w = s.score[g][k];
+      l[g] += w;
+      o0[g] = fmaf(w, c.x, o0[g]);
+      o1[g] = fmaf(w, c.y, o1[g]);
+    }
   }
-  s.part_o[2 * tid] = o0;
-  s.part_o[2 * tid + 1] = o1;
-  if (tid == 0) {
-    s.part_m = m;
-    s.part_l = l;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    s.part_o[g][2 * tid] = o0[g];
+    s.part_o[g][2 * tid + 1] = o1[g];
+    if (tid == 0) {
+      s.part_m[g] = m[g];
+      s.part_l[g] = l[g];
+    }
   }
   cluster_sync();  // every block's partial is complete
 
-  {  // combine the cluster's partials (a block without keys has m = -inf, l = 0: weight zero)
-    float M = -INFINITY;
 #pragma unroll
-    for (int c = 0; c < kC; ++c) M = fmaxf(M, ld_remote(&s.part_m, c));
+  for (int g = 0; g < G; ++g) {  // combine the cluster's partials (a block without keys: m = -inf, l = 0, weight 0)
+    float mc[kC], lc[kC], M = -INFINITY;
+    float2 oc[kC];
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      mc[c] = *in_block(&s.part_m[g], c);
+      lc[c] = *in_block(&s.part_l[g], c);
+      oc[c] = *in_block(reinterpret_cast<float2*>(&s.part_o[g][2 * tid]), c);
+    }
+#pragma unroll
+    for (int c = 0; c < kC; ++c) M = fmaxf(M, mc[c]);
     float L = 0.0f, x0 = 0.0f, x1 = 0.0f;
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
-      const float mc = ld_remote(&s.part_m, c);
-      const float e = mc == -INFINITY ? 0.0f : expf(mc - M);
-      const float2 oc = ld_remote2(&s.part_o[2 * tid], c);
-      L = fmaf(ld_remote(&s.part_l, c), e, L);
-      x0 = fmaf(oc.x, e, x0);
-      x1 = fmaf(oc.y, e, x1);
+      const float e = mc[c] == -INFINITY ? 0.0f : expf(mc[c] - M);
+      L = fmaf(lc[c], e, L);
+      x0 = fmaf(oc[c].x, e, x0);
+      x1 = fmaf(oc[c].y, e, x1);
     }
-    s.olat[2 * tid] = bf16_round(x0 / L);
-    s.olat[2 * tid + 1] = bf16_round(x1 / L);
+    s.olat[g][2 * tid] = bf16_round(x0 / L);
+    s.olat[g][2 * tid + 1] = bf16_round(x1 / L);
   }
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");  // done reading the other blocks
   pdl_trigger();
   __syncthreads();
-  // out rows r * kRows.. of head h: o_lat W_UV^T
+  // out rows r * kRows.. of each head: o_lat W_UV^T
 #pragma unroll
-  for (int i = 0; i < kRows / kWarps; ++i) {
-    const int row = warp * (kRows / kWarps) + i;
-    const __nv_bfloat162* u = reinterpret_cast<const __nv_bfloat162*>(s.uv[row]);
+  for (int i = 0; i < G * kRows / kWarps; ++i) {
+    const int gr = warp * (G * kRows / kWarps) + i, g = gr / kRows, row = gr % kRows;
+    const __nv_bfloat162* u = reinterpret_cast<const __nv_bfloat162*>(s.uv[g][row]);
     float acc = 0.0f;
 #pragma unroll
     for (int j = lane; j < KVR / 2; j += 32) {
       const float2 f = __bfloat1622float2(u[j]);
-      acc = fmaf(f.x, s.olat[2 * j], fmaf(f.y, s.olat[2 * j + 1], acc));
+      acc = fmaf(f.x, s.olat[g][2 * j], fmaf(f.y, s.olat[g][2 * j + 1], acc));
     }
     acc = warp_sum(acc);
-    if (lane == 0) a.out[static_cast<int64_t>(h) * VH + r * kRows + row] = __float2bfloat16_rn(acc);
+    if (lane == 0) a.out[static_cast<int64_t>(h0 + g) * VH + r * kRows + row] = __float2bfloat16_rn(acc);
   }
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // no block leaves while others read its memory
 }
 
-std::atomic<uint64_t> g_smem_configured{0};  // devices whose shared-memory limit is set for the kernel
+// Devices whose shared-memory limit is set, per instantiation: [heads per cluster - 1][small tile or not].
+std::atomic<uint64_t> g_smem_configured[2][2];
+
+template <int G, int KT>
+cudaError_t configure(const void*& kernel, size_t& smem) {
+  kernel = reinterpret_cast<const void*>(mla_one_token_kernel<G, KT>);
+  smem = sizeof(Smem<G, KT>);
+  return set_max_dynamic_smem_once(mla_one_token_kernel<G, KT>, static_cast<int>(smem),
+                                   g_smem_configured[G - 1][KT == kOneTokenSmallCtx / kC]);
+}
+// The instantiation for `shape` (heads per cluster 1 or 2; tile keys kOneTokenSmallCtx or kOneTokenMaxCtx / kC).
+cudaError_t configure(MlaOneTokenShape shape, const void*& kernel, size_t& smem) {
+  const bool small = shape.tile_keys == kOneTokenSmallCtx / kC;
+  if (shape.heads_per_cluster == 1)
+    return small ? configure<1, kOneTokenSmallCtx / kC>(kernel, smem) : configure<1, kOneTokenMaxCtx / kC>(kernel, smem);
+  return small ? configure<2, kOneTokenSmallCtx / kC>(kernel, smem) : configure<2, kOneTokenMaxCtx / kC>(kernel, smem);
+}
+static_assert(kOneTokenMaxHeadsPerCluster == 2, "configure() instantiates 1 and 2 heads per cluster");
 
 }  // namespace
 
-int32_t mla_one_token_max_clusters() {
-  if (set_max_dynamic_smem_once(mla_one_token_kernel, static_cast<int>(sizeof(Smem)), g_smem_configured) !=
-      cudaSuccess)
-    return 0;
+int32_t mla_one_token_tile_keys(int32_t ctx) {
+  return ctx <= kOneTokenSmallCtx ? kOneTokenSmallCtx / kC : kOneTokenMaxCtx / kC;
+}
+
+cudaError_t mla_one_token_max_clusters(MlaOneTokenShape shape, int32_t* clusters) {
+  *clusters = 0;
+  const void* kernel = nullptr;
+  size_t smem = 0;
+  cudaError_t e = configure(shape, kernel, smem);
+  if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(kC * 256);
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = sizeof(Smem);
+  cfg.dynamicSmemBytes = smem;
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeClusterDimension;
   attr.val.clusterDim = {static_cast<unsigned>(kC), 1, 1};
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, mla_one_token_kernel, &cfg) != cudaSuccess) {
+  e = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg);
+  if (e != cudaSuccess) {
     (void)cudaGetLastError();
-    return 0;
+    return e;
   }
-  return n;
+  *clusters = n;
+  return cudaSuccess;
 }
 
-bool mla_one_token_fits(int32_t nh, int32_t nope, int32_t rope, int32_t v_head, int32_t kvr, int32_t max_clusters) {
-  return nope == NOPE && rope == ROPE && v_head == VH && kvr == KVR && nh >= 1 && nh <= max_clusters;
+int32_t mla_one_token_heads_per_cluster(int32_t nh, int32_t nope, int32_t rope, int32_t v_head, int32_t kvr,
+                                        const int32_t* max_clusters) {
+  if (nope != NOPE || rope != ROPE || v_head != VH || kvr != KVR || nh < 1) return 0;
+  for (int32_t g = 1; g <= kOneTokenMaxHeadsPerCluster; ++g)
+    if (nh % g == 0 && nh / g <= max_clusters[g]) return g;
+  return 0;
 }
 
-cudaError_t mla_one_token(const MlaOneTokenArgs& a, int32_t nh, cudaStream_t stream) {
-  const cudaError_t e =
-      set_max_dynamic_smem_once(mla_one_token_kernel, static_cast<int>(sizeof(Smem)), g_smem_configured);
+cudaError_t mla_one_token(const MlaOneTokenArgs& a, int32_t nh, MlaOneTokenShape shape, cudaStream_t stream) {
+  const void* kernel = nullptr;
+  size_t smem = 0;
+  const cudaError_t e = configure(shape, kernel, smem);
   if (e != cudaSuccess) return e;
-  return launch_clustered(kC, mla_one_token_kernel, dim3(nh * kC), dim3(kThreads), sizeof(Smem), stream, a);
+  const dim3 grid(nh / shape.heads_per_cluster * kC), block(kThreads);
+  const bool small = shape.tile_keys == kOneTokenSmallCtx / kC;
+  constexpr int S = kOneTokenSmallCtx / kC, L = kOneTokenMaxCtx / kC;
+  if (shape.heads_per_cluster == 1)
+    return small ? launch_clustered(kC, mla_one_token_kernel<1, S>, grid, block, smem, stream, a)
+                 : launch_clustered(kC, mla_one_token_kernel<1, L>, grid, block, smem, stream, a);
+  return small ? launch_clustered(kC, mla_one_token_kernel<2, S>, grid, block, smem, stream, a)
+               : launch_clustered(kC, mla_one_token_kernel<2, L>, grid, block, smem, stream, a);
 }
 
 }  // namespace mlaserve::cuda
