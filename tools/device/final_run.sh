@@ -13,6 +13,7 @@
 #   config.json (vocab_size 129280) with DeepSeek-V3's tokenizer.json / tokenizer_config.json from tests/npm.
 set -uo pipefail
 PKG=$1; TOKM=$2
+[ -f $PKG/lib/libicudata.so.72.xz ] && xz -d -k -f $PKG/lib/libicudata.so.72.xz  # kept compressed for the carry limit
 export LD_LIBRARY_PATH=$PWD/$PKG/lib:${LD_LIBRARY_PATH:-} NCCL_NVLS_ENABLE=0 MLASERVE_GOLDEN_DIR=$PWD/tests/golden/data
 BIN=$PKG/bin/mlaserve
 L=/tmp/final; mkdir -p $L
