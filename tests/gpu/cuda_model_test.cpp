@@ -370,7 +370,7 @@ TEST(CudaModel, OneTokenGraphAcrossTheContextBound) {
   REQUIRE_GPU();
   GpuModel gm(real_dims_dir(), true, /*one_token=*/true);
   DeepseekModel& m = *gm.model;
-  const int32_t ps = 16, len = 1019, pages = 66, dummy_page = pages;
+  const int32_t ps = 16, len = cuda::kOneTokenMaxCtx - 5, pages = (len + 10) / ps + 2, dummy_page = pages;
   KvCache cache(*gm.backend, m.config(), pages + 1, ps);
   std::vector<int32_t> page_of(static_cast<size_t>(pages));
   std::iota(page_of.begin(), page_of.end(), 0);
@@ -380,7 +380,7 @@ TEST(CudaModel, OneTokenGraphAcrossTheContextBound) {
   ForwardBatchBuilder pre(ps);
   pre.add(toks, 0, page_of, false);
   m.forward(pre.finish(), cache);
-  for (int step = 0; step < 10; ++step) {  // contexts 1020 .. 1029
+  for (int step = 0; step < 10; ++step) {  // contexts kOneTokenMaxCtx - 4 .. + 5
     ForwardBatchBuilder bb(ps);
     bb.add(std::vector<int32_t>{(step * 13) % 1900 + 2}, len + step, page_of, false);
     const ForwardBatch b = bb.finish();

@@ -147,15 +147,13 @@ class CudaBackend final : public Backend {
     moe_grouped_only_ = env_flag("MLASERVE_MOE_GROUPED");
     small_batch_ = o.small_batch && !env_off("MLASERVE_SMALL_BATCH");
     one_token_ = small_batch_ && o.one_token_attention && !env_off("MLASERVE_MLA_ONE_TOKEN");
-    for (int32_t t = 0; one_token_ && t < 2; ++t)
-      for (int32_t g = 1; g <= cuda::kOneTokenMaxHeadsPerCluster; ++g) {
-        const int32_t keys = cuda::mla_one_token_tile_keys(t == 0 ? cuda::kOneTokenSmallCtx : cuda::kOneTokenMaxCtx);
-        const cudaError_t e = cuda::mla_one_token_max_clusters({g, keys}, &one_token_clusters_[t][g]);
-        MLA_LOG_INFO("cuda: one-token attention in one launch: {} clusters of {} blocks ({} heads, {} keys each) fit "
-                     "the GPU at once{}",
-                     one_token_clusters_[t][g], cuda::kOneTokenCluster, g, keys,
-                     e == cudaSuccess ? "" : fmt::format(" (query failed: {})", cudaGetErrorString(e)));
-      }
+    for (int32_t g = 1; one_token_ && g <= cuda::kOneTokenMaxHeadsPerCluster; ++g) {
+      const cudaError_t e = cuda::mla_one_token_max_clusters(g, &one_token_clusters_[g]);
+      MLA_LOG_INFO("cuda: one-token attention in one launch: {} clusters of {} blocks ({} heads each) fit the GPU at "
+                   "once{}",
+                   one_token_clusters_[g], cuda::kOneTokenCluster, g,
+                   e == cudaSuccess ? "" : fmt::format(" (query failed: {})", cudaGetErrorString(e)));
+    }
     idle_stats_ = env_flag("MLASERVE_GPU_IDLE_STATS");
     MLA_LOG_INFO("cuda: GPU {} '{}' ({} SMs, {:.1f} GiB): {:.2f} GiB for weights + KV cache, {:.2f} GiB activation "
                  "scratch{}{}",
@@ -326,12 +324,9 @@ class CudaBackend final : public Backend {
   // ---- graphs ----
   bool supports_graphs() const override { return true; }
 
-  // One token's attention (one_token_step): the one-launch kernel with the small tile (variant 0), with the large
-  // one (1), the usual kernels past kOneTokenMaxCtx keys (2).
+  // One token past cuda::kOneTokenMaxCtx keys runs other attention kernels than one within it (one_token_step).
   int32_t graph_variant(const ForwardBatch& batch) const override {
-    if (!one_token_ || batch.num_tokens() != 1) return 0;
-    const int32_t ctx = batch.positions[0] + 1;
-    return ctx <= cuda::kOneTokenSmallCtx ? 0 : ctx <= cuda::kOneTokenMaxCtx ? 1 : 2;
+    return one_token_ && batch.num_tokens() == 1 && batch.positions[0] + 1 > cuda::kOneTokenMaxCtx ? 1 : 0;
   }
 
   void begin_graph_step(const ForwardBatch& batch) override {
@@ -835,18 +830,16 @@ class CudaBackend final : public Backend {
     bool row_offsets = false;  // decode items carry page-table row offsets (seq * max_pages), not rows
   };
   const MlaPlan& plan_for(MlaForm form, int32_t nh, int32_t kvr, int32_t rope);
-  // The launch shape when this step's attention takes cuda::mla_one_token (heads_per_cluster 0: it does not): one
-  // token in the absorbed form, the newest of its sequence (every earlier row cached), at most kOneTokenMaxCtx keys
-  // (graph_variant keys graphs by the same bounds), dims and clusters that fit.
-  cuda::MlaOneTokenShape one_token_step(const MlaParams& p, const MlaPlan& plan) const {
-    const int32_t ctx = step_.num_tokens() == 1 ? step_.positions[0] + 1 : 0;
+  // The heads per cluster when this step's attention takes cuda::mla_one_token (0: it does not): one token in the
+  // absorbed form, the newest of its sequence (every earlier row cached), at most kOneTokenMaxCtx keys
+  // (graph_variant keys graphs by the same bound), dims and clusters that fit.
+  int32_t one_token_step(const MlaParams& p, const MlaPlan& plan) const {
     if (!one_token_ || step_.num_tokens() != 1 || step_.num_seqs() != 1 || plan.num_decode_items == 0 ||
-        plan.num_prefill_items > 0 || step_.positions[0] != step_.seq_prefix_lens[0] || ctx > cuda::kOneTokenMaxCtx)
-      return {0, 0};
-    const int32_t keys = cuda::mla_one_token_tile_keys(ctx);
-    return {cuda::mla_one_token_heads_per_cluster(p.num_heads, p.qk_nope, p.qk_rope, p.v_head, p.kv_lora,
-                                                  one_token_clusters_[ctx <= cuda::kOneTokenSmallCtx ? 0 : 1]),
-            keys};
+        plan.num_prefill_items > 0 || step_.positions[0] != step_.seq_prefix_lens[0] ||
+        step_.positions[0] + 1 > cuda::kOneTokenMaxCtx)
+      return 0;
+    return cuda::mla_one_token_heads_per_cluster(p.num_heads, p.qk_nope, p.qk_rope, p.v_head, p.kv_lora,
+                                                 one_token_clusters_);
   }
   MlaPlan build_plan(const PlanKey& key, MetaUpload& up, bool fixed_splits);
 
@@ -980,8 +973,8 @@ class CudaBackend final : public Backend {
   // A step of one decode token of at most cuda::kOneTokenMaxCtx keys runs its attention as one launch
   // (cuda::mla_one_token) unless CudaBackendOptions::one_token_attention is off or MLASERVE_MLA_ONE_TOKEN=0.
   bool one_token_ = true;
-  // How many of its clusters the GPU holds at once: [small tile 0 / large 1][heads per cluster 1, 2].
-  int32_t one_token_clusters_[2][cuda::kOneTokenMaxHeadsPerCluster + 1] = {};
+  // How many of its clusters the GPU holds at once, by heads per cluster (index 1, 2).
+  int32_t one_token_clusters_[cuda::kOneTokenMaxHeadsPerCluster + 1] = {};
   static constexpr int64_t kMoeCublasRowsPerExpert = 384;
 
   ForwardBatch step_;
@@ -1129,10 +1122,9 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
   const int64_t head_rows = nope + vh;  // rows of kv_b per head: W_UK (nope) then W_UV (v)
   const bool small = small_batch_ && T <= cuda::kGemvMaxRows && kvr % 8 == 0 && nope % 8 == 0 && hd % 8 == 0 &&
                      alignment_of(kvb) >= 16 && alignment_of(q.data()) >= 16;
-  if (const cuda::MlaOneTokenShape shape = prep && small ? one_token_step(p, plan) : cuda::MlaOneTokenShape{0, 0};
-      shape.heads_per_cluster > 0) {
+  if (const int32_t heads_per_cluster = prep && small ? one_token_step(p, plan) : 0) {
     const cuda::MlaOneTokenArgs a{*prep, d_page_table_, step_.page_size, bf(kv_b), p.softmax_scale, bf(out)};
-    CUDA_OK(cuda::mla_one_token(a, static_cast<int32_t>(nh), shape, stream_), "mla_one_token");
+    CUDA_OK(cuda::mla_one_token(a, static_cast<int32_t>(nh), heads_per_cluster, stream_), "mla_one_token");
     return;
   }
   const bool fold_prep = prep && small && T <= cuda::kFewRows && plan.num_decode_items > 0 && plan.num_prefill_items == 0;

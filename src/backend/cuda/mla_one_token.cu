@@ -7,9 +7,8 @@
 // GPU at once; they share the cache rows each block holds); the dependencies inside a cluster are cluster barriers
 // with the data passed through distributed shared memory (docs/cuda.md: the cheapest dependency measured). Block r:
 //   - before the PDL wait: loads its slice of each head's W_UK (columns r * 64..) and W_UV (rows r * 16..) and the
-//     cache rows of its keys that earlier steps wrote (an even split of the context, KT at most: 32 keys up to
-//     kOneTokenSmallCtx keys, so that the blocks are small enough to start as the kernel before leaves SMs, 128 up
-//     to kOneTokenMaxCtx);
+//     cache rows of its keys that earlier steps wrote (an even split of the context: at most KT = 32 keys, so that
+//     the blocks are small enough to start as the kernel before leaves SMs);
 //   - computes its 64 q_lat columns of each head and stores them into every block of the cluster (barrier);
 //   - the scores and the softmax-weighted latent sums over its keys (the newest key's row made from the latent as
 //     the cache holds it; the first cluster writes it to the cache);
@@ -17,7 +16,7 @@
 //     o_lat (rounded to bf16, as the usual path stores it);
 //   - its 16 rows of out per head.
 // Every cluster re-reads the context from L2, and each block holds its keys in shared memory: the kernel takes at
-// most kOneTokenMaxCtx keys (longer contexts run the usual kernels; the CUDA graphs of the three cases are apart:
+// most kOneTokenMaxCtx keys (longer contexts run the usual kernels, in CUDA graphs of their own:
 // Backend::graph_variant).
 // CPU reference: CpuBackend::mla_prepare_attention (mla_prepare then mla_attention).
 #include <cmath>
@@ -37,7 +36,8 @@ constexpr int kRows = VH / kC;   // out rows per block
 static_assert(KVR % (8 * kC) == 0 && VH % kC == 0 && kThreads % kCols == 0 && NOPE % (kThreads / kCols) == 0);
 static_assert(kThreads * 2 == KVR, "each thread owns two latent columns");
 static_assert(kRows % kWarps == 0, "out rows split evenly over the warps");
-static_assert(kOneTokenMaxCtx / kC <= kThreads, "a thread per key turns the scores into weights");
+constexpr int kTileKeys = kOneTokenMaxCtx / kC;  // keys a block holds at most
+static_assert(kTileKeys <= kThreads, "a thread per key turns the scores into weights");
 
 // G heads per cluster (they share the cache rows a block holds); KT: the most keys a block holds.
 template <int G, int KT>
@@ -56,7 +56,7 @@ struct Smem {
 };
 
 // Hopper's opt-in limit per block, less latent_row's static reduction buffer.
-static_assert(sizeof(Smem<2, kOneTokenMaxCtx / kC>) + 32 * sizeof(float) <= 227 * 1024,
+static_assert(sizeof(Smem<2, kTileKeys>) + 32 * sizeof(float) <= 227 * 1024,
               "two heads' slices and the keys fit one SM");
 
 __device__ __forceinline__ uint32_t cluster_rank() {
@@ -268,36 +268,27 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // no block leaves while others read its memory
 }
 
-// Devices whose shared-memory limit is set, per instantiation: [heads per cluster - 1][small tile or not].
-std::atomic<uint64_t> g_smem_configured[2][2];
+// Devices whose shared-memory limit is set, per heads-per-cluster instantiation.
+std::atomic<uint64_t> g_smem_configured[kOneTokenMaxHeadsPerCluster + 1];
 
-template <int G, int KT>
+template <int G>
 cudaError_t configure(const void*& kernel, size_t& smem) {
-  kernel = reinterpret_cast<const void*>(mla_one_token_kernel<G, KT>);
-  smem = sizeof(Smem<G, KT>);
-  return set_max_dynamic_smem_once(mla_one_token_kernel<G, KT>, static_cast<int>(smem),
-                                   g_smem_configured[G - 1][KT == kOneTokenSmallCtx / kC]);
+  kernel = reinterpret_cast<const void*>(mla_one_token_kernel<G, kTileKeys>);
+  smem = sizeof(Smem<G, kTileKeys>);
+  return set_max_dynamic_smem_once(mla_one_token_kernel<G, kTileKeys>, static_cast<int>(smem), g_smem_configured[G]);
 }
-// The instantiation for `shape` (heads per cluster 1 or 2; tile keys kOneTokenSmallCtx or kOneTokenMaxCtx / kC).
-cudaError_t configure(MlaOneTokenShape shape, const void*& kernel, size_t& smem) {
-  const bool small = shape.tile_keys == kOneTokenSmallCtx / kC;
-  if (shape.heads_per_cluster == 1)
-    return small ? configure<1, kOneTokenSmallCtx / kC>(kernel, smem) : configure<1, kOneTokenMaxCtx / kC>(kernel, smem);
-  return small ? configure<2, kOneTokenSmallCtx / kC>(kernel, smem) : configure<2, kOneTokenMaxCtx / kC>(kernel, smem);
+cudaError_t configure(int32_t g, const void*& kernel, size_t& smem) {
+  return g == 1 ? configure<1>(kernel, smem) : configure<2>(kernel, smem);
 }
 static_assert(kOneTokenMaxHeadsPerCluster == 2, "configure() instantiates 1 and 2 heads per cluster");
 
 }  // namespace
 
-int32_t mla_one_token_tile_keys(int32_t ctx) {
-  return ctx <= kOneTokenSmallCtx ? kOneTokenSmallCtx / kC : kOneTokenMaxCtx / kC;
-}
-
-cudaError_t mla_one_token_max_clusters(MlaOneTokenShape shape, int32_t* clusters) {
+cudaError_t mla_one_token_max_clusters(int32_t heads_per_cluster, int32_t* clusters) {
   *clusters = 0;
   const void* kernel = nullptr;
   size_t smem = 0;
-  cudaError_t e = configure(shape, kernel, smem);
+  cudaError_t e = configure(heads_per_cluster, kernel, smem);
   if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(kC * 256);
@@ -326,19 +317,15 @@ int32_t mla_one_token_heads_per_cluster(int32_t nh, int32_t nope, int32_t rope, 
   return 0;
 }
 
-cudaError_t mla_one_token(const MlaOneTokenArgs& a, int32_t nh, MlaOneTokenShape shape, cudaStream_t stream) {
+cudaError_t mla_one_token(const MlaOneTokenArgs& a, int32_t nh, int32_t heads_per_cluster, cudaStream_t stream) {
   const void* kernel = nullptr;
   size_t smem = 0;
-  const cudaError_t e = configure(shape, kernel, smem);
+  const cudaError_t e = configure(heads_per_cluster, kernel, smem);
   if (e != cudaSuccess) return e;
-  const dim3 grid(nh / shape.heads_per_cluster * kC), block(kThreads);
-  const bool small = shape.tile_keys == kOneTokenSmallCtx / kC;
-  constexpr int S = kOneTokenSmallCtx / kC, L = kOneTokenMaxCtx / kC;
-  if (shape.heads_per_cluster == 1)
-    return small ? launch_clustered(kC, mla_one_token_kernel<1, S>, grid, block, smem, stream, a)
-                 : launch_clustered(kC, mla_one_token_kernel<1, L>, grid, block, smem, stream, a);
-  return small ? launch_clustered(kC, mla_one_token_kernel<2, S>, grid, block, smem, stream, a)
-               : launch_clustered(kC, mla_one_token_kernel<2, L>, grid, block, smem, stream, a);
+  const dim3 grid(nh / heads_per_cluster * kC), block(kThreads);
+  if (heads_per_cluster == 1)
+    return launch_clustered(kC, mla_one_token_kernel<1, kTileKeys>, grid, block, smem, stream, a);
+  return launch_clustered(kC, mla_one_token_kernel<2, kTileKeys>, grid, block, smem, stream, a);
 }
 
 }  // namespace mlaserve::cuda
