@@ -495,8 +495,8 @@ void prepare_attention_case(const std::vector<std::pair<int32_t, int32_t>>& seqs
   // With it, one decode token of at most kOneTokenMaxCtx keys takes the one-launch kernel (cuda::mla_one_token): q
   // and latent are left as they were, the sums run in another order; everything else runs the two ops' kernels.
   int32_t clusters[cuda::kOneTokenMaxHeadsPerCluster + 1] = {};
-  for (int32_t g = 1; g <= cuda::kOneTokenMaxHeadsPerCluster; ++g)
-    ASSERT_EQ(cuda::mla_one_token_max_clusters(g, &clusters[g]), cudaSuccess);
+  for (int32_t heads = 1; heads <= cuda::kOneTokenMaxHeadsPerCluster; ++heads)
+    ASSERT_EQ(cuda::mla_one_token_max_clusters(heads, &clusters[heads]), cudaSuccess);
   const bool one_token = kind != 4 && T == 1 && seqs.size() == 1 && seqs[0].second == 1 &&
                          seqs[0].first + 1 <= cuda::kOneTokenMaxCtx &&
                          cuda::mla_one_token_heads_per_cluster(p.num_heads, p.qk_nope, p.qk_rope, p.v_head, p.kv_lora,
