@@ -128,14 +128,12 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
     }
   } else if (n > 1) {
     auto world = make_inprocess_communicators(n);
-    auto* g = &world[0]->group();
-    abort_groups_.push_back([g] { g->abort("another rank failed"); });
+    abort_groups_.push_back([c = world[0].get()] { c->abort(); });  // one rank's abort wakes its whole group
     for (int32_t r = 0; r < n; ++r) ranks_[static_cast<size_t>(r)]->world = std::move(world[static_cast<size_t>(r)]);
     if (at > 1 && d > 1)
       for (int32_t gi = 0; gi < d; ++gi) {
         auto attn = make_inprocess_communicators(at);
-        auto* grp = &attn[0]->group();
-        abort_groups_.push_back([grp] { grp->abort("another rank failed"); });
+        abort_groups_.push_back([c = attn[0].get()] { c->abort(); });
         for (int32_t k = 0; k < at; ++k) ranks_[static_cast<size_t>(gi * at + k)]->attn = std::move(attn[static_cast<size_t>(k)]);
       }
   }
@@ -245,12 +243,7 @@ void RankSet::worker(int local) {
       (*job)(local);
     } catch (const std::exception& e) {
       err = e.what();
-      std::vector<std::function<void()>> aborts;
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        aborts = abort_groups_;
-      }
-      for (auto& a : aborts) a();  // wake the other ranks out of their collectives
+      abort_communicators();  // wake the other ranks out of their collectives
     }
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -278,9 +271,8 @@ void RankSet::run_on_all(const std::function<void(int)>& fn, std::chrono::millis
   if (!done_cv_.wait_for(lk, timeout, [&] { return pending_ == 0; })) {
     // A rank is stuck in a collective: abort the communicators so every rank returns, then report.
     const int stuck = pending_;
-    std::vector<std::function<void()>> aborts = abort_groups_;
     lk.unlock();
-    for (auto& a : aborts) a();
+    abort_communicators();
     lk.lock();
     done_cv_.wait_for(lk, std::chrono::seconds(30), [&] { return pending_ == 0; });
     job_ = nullptr;
@@ -548,6 +540,15 @@ RankSet::Launched RankSet::launch(const std::vector<const ForwardBatch*>& batche
   return h;
 }
 
+void RankSet::abort_communicators() {
+  std::vector<std::function<void()>> aborts;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    aborts = abort_groups_;
+  }
+  for (auto& a : aborts) a();
+}
+
 void RankSet::check_not_stopped() const {
   MLA_CHECK(stopped_.empty(), "the layout of {} nodes stopped after a failed step (restart it): {}", pc_.nnodes,
             stopped_);
@@ -558,12 +559,7 @@ void RankSet::stop_nodes(const std::string& why) {
   stopped_ = why;
   MLA_LOG_ERROR("a step sent to the other nodes failed on node 0; stopping the layout of {} nodes: {}", pc_.nnodes,
                 why);
-  std::vector<std::function<void()>> aborts;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    aborts = abort_groups_;
-  }
-  for (auto& a : aborts) a();
+  abort_communicators();
   std::string m(1, kAbort);
   put_vec(m, std::vector<char>(why.begin(), why.end()));
   try {
@@ -638,12 +634,7 @@ void RankSet::follow() {
     if (msg[0] == kQuit) return;
     if (msg[0] == kAbort) {
       const std::vector<char> why = get_vec<char>(p, end);
-      std::vector<std::function<void()>> aborts;
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        aborts = abort_groups_;
-      }
-      for (auto& a : aborts) a();  // steps running here wait in collectives node 0 never joined
+      abort_communicators();  // steps running here wait in collectives node 0 never joined
       fail("node 0 stopped the layout after a failed step: {}", std::string(why.begin(), why.end()));
     }
     if (msg[0] == kKv) {

@@ -150,6 +150,8 @@ class RankSet {
   // `why`, and makes every later call fail with it.
   void stop_nodes(const std::string& why);
   void check_not_stopped() const;  // fails, naming the error, once stop_nodes ran
+  // Aborts every local communicator (from any thread, mu_ not held): collectives in flight return with an error.
+  void abort_communicators();
   void capture_graphs();
   int32_t attn_tp() const { return pc_.tp_size / pc_.dp_size; }
   int32_t ranks_per_node() const { return pc_.tp_size / pc_.nnodes; }

@@ -326,8 +326,11 @@ class CudaBackend final : public Backend {
 
   // One token past cuda::kOneTokenMaxCtx keys runs other attention kernels than one within it (one_token_step).
   int32_t graph_variant(const ForwardBatch& batch) const override {
-    return one_token_ && batch.num_tokens() == 1 && batch.positions[0] + 1 > cuda::kOneTokenMaxCtx ? 1 : 0;
+    return one_token_ && batch.num_tokens() == 1 && !one_token_context(batch) ? 1 : 0;
   }
+  // Whether the one token of `batch` has at most cuda::kOneTokenMaxCtx keys (the bound of graph_variant and
+  // one_token_step).
+  static bool one_token_context(const ForwardBatch& batch) { return batch.positions[0] + 1 <= cuda::kOneTokenMaxCtx; }
 
   void begin_graph_step(const ForwardBatch& batch) override {
     MLA_CHECK(batch.num_tokens() == batch.num_seqs() && batch.num_tokens() > 0,
@@ -835,8 +838,7 @@ class CudaBackend final : public Backend {
   // (graph_variant keys graphs by the same bound), dims and clusters that fit.
   int32_t one_token_step(const MlaParams& p, const MlaPlan& plan) const {
     if (!one_token_ || step_.num_tokens() != 1 || step_.num_seqs() != 1 || plan.num_decode_items == 0 ||
-        plan.num_prefill_items > 0 || step_.positions[0] != step_.seq_prefix_lens[0] ||
-        step_.positions[0] + 1 > cuda::kOneTokenMaxCtx)
+        plan.num_prefill_items > 0 || step_.positions[0] != step_.seq_prefix_lens[0] || !one_token_context(step_))
       return 0;
     return cuda::mla_one_token_heads_per_cluster(p.num_heads, p.qk_nope, p.qk_rope, p.v_head, p.kv_lora,
                                                  one_token_clusters_);
