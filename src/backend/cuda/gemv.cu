@@ -338,7 +338,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_kernel(GemvArgs g, const
   __shared__ bool last;
   __shared__ float red[kWarps];
   __shared__ float cluster_logits[CLUSTER ? kGateClusterMax * kWarps : 1];
-  if constexpr (CLUSTER) asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");  // this block runs
+  if constexpr (CLUSTER) cluster_arrive_relaxed();  // this block runs
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = blockIdx.x * kWarps + warp, nvec = g.K >> 3;
   const bool active = n < g.N;
@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_kernel(GemvArgs g, const
   if (active) row_dot<TT>(acc, w, row, 0, nvec, x_row, g.T, ~0u);
   warp_sum_all<TT>(acc);
   if constexpr (CLUSTER) {
-    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every block of the cluster runs
+    cluster_wait();  // every block of the cluster runs
     if (active && lane == 0)
 #pragma unroll
       for (int t = 0; t < TT; ++t) {
@@ -374,8 +374,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_kernel(GemvArgs g, const
         asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(acc[t]) : "memory");
       }
     pdl_trigger();  // as below: the MoE kernel's loads start after these products
-    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    cluster_sync();
     const int t = static_cast<int>(blockIdx.x);
     if (t >= g.T) return;
     route_block<true>(cluster_logits, g.N, 1, bias, g.N, r, ids + t * r.top_k, weights + t * r.top_k);

@@ -72,10 +72,6 @@ __device__ __forceinline__ T* in_block(T* local, uint32_t rank) {
   asm("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(local)), "r"(rank));
   return reinterpret_cast<T*>(out);
 }
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // Cache rows of keys [t0, t1) into s.keys, except the newest (ctx - 1: this step's, made from the latent).
@@ -94,7 +90,7 @@ template <int G, int KT>
 __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOneTokenArgs a) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   Smem<G, KT>& s = *reinterpret_cast<Smem<G, KT>*>(smem_raw);
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");  // this block runs
+  cluster_arrive_relaxed();  // this block runs
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t r = cluster_rank();
   const int h0 = static_cast<int>(blockIdx.x) / kC * G;  // the cluster's heads: h0 .. h0 + G - 1
@@ -159,7 +155,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
     }
   }
   __syncthreads();
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every block of the cluster runs
+  cluster_wait();  // every block of the cluster runs
   if (tid < G * kCols) {
     const int g = tid / kCols, c = tid % kCols;
     float v = 0.0f;
@@ -248,7 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
     s.olat[g][2 * tid] = bf16_round(x0 / L);
     s.olat[g][2 * tid + 1] = bf16_round(x1 / L);
   }
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");  // done reading the other blocks
+  cluster_arrive();  // done reading the other blocks
   pdl_trigger();
   __syncthreads();
   // out rows r * kRows.. of each head: o_lat W_UV^T
@@ -265,7 +261,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
     acc = warp_sum(acc);
     if (lane == 0) a.out[static_cast<int64_t>(h0 + g) * VH + r * kRows + row] = __float2bfloat16_rn(acc);
   }
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // no block leaves while others read its memory
+  cluster_wait();  // no block leaves while others read its memory
 }
 
 // Devices whose shared-memory limit is set, per heads-per-cluster instantiation.
