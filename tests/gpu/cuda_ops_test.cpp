@@ -494,13 +494,11 @@ void prepare_attention_case(const std::vector<std::pair<int32_t, int32_t>>& seqs
   g.mla_prepare_attention(q2, l2, wg, 1e-6f, c2, bg, p, o2);
   // With it, one decode token of at most kOneTokenMaxCtx keys takes the one-launch kernel (cuda::mla_one_token): q
   // and latent are left as they were, the sums run in another order; everything else runs the two ops' kernels.
-  int32_t clusters[cuda::kOneTokenMaxHeadsPerCluster + 1] = {};
-  for (int32_t heads = 1; heads <= cuda::kOneTokenMaxHeadsPerCluster; ++heads)
-    ASSERT_EQ(cuda::mla_one_token_max_clusters(heads, &clusters[heads]), cudaSuccess);
+  int32_t clusters = 0;
+  ASSERT_EQ(cuda::mla_one_token_max_clusters(&clusters), cudaSuccess);
   const bool one_token = kind != 4 && T == 1 && seqs.size() == 1 && seqs[0].second == 1 &&
                          seqs[0].first + 1 <= cuda::kOneTokenMaxCtx &&
-                         cuda::mla_one_token_heads_per_cluster(p.num_heads, p.qk_nope, p.qk_rope, p.v_head, p.kv_lora,
-                                                               clusters) > 0;
+                         cuda::mla_one_token_fits(p.num_heads, p.qk_nope, p.qk_rope, p.v_head, p.kv_lora, clusters);
   const std::string what = "prepare+attention T" + std::to_string(T) + " nh" + std::to_string(nh) + " kvr" +
                            std::to_string(kvr) + " ctx" + std::to_string(seqs[0].first + seqs[0].second) +
                            (graph_plan ? " graph plan" : "") + (one_token ? " (one launch)" : "");
@@ -542,16 +540,12 @@ TEST(CudaOps, MlaPrepareAttentionIsPrepareThenAttention) {
 // fit the GPU at once (64) or two tokens, the usual kernels (bit for bit).
 TEST(CudaOps, MlaOneTokenIsPrepareThenAttention) {
   REQUIRE_GPU();
-  int32_t clusters[cuda::kOneTokenMaxHeadsPerCluster + 1] = {};
-  for (int32_t g = 1; g <= cuda::kOneTokenMaxHeadsPerCluster; ++g) {
-    const cudaError_t e = cuda::mla_one_token_max_clusters(g, &clusters[g]);
-    ASSERT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
-    std::printf("  one-token attention: %d clusters of %d blocks (%d heads each) fit the GPU at once\n", clusters[g],
-                cuda::kOneTokenCluster, g);
-  }
-  const int32_t g16 = cuda::mla_one_token_heads_per_cluster(16, 128, 64, 128, 512, clusters);
-  std::printf("  16 heads: %d per cluster\n", g16);
-  ASSERT_GT(g16, 0) << "the 16 heads of these cases would not take the one-launch kernel";
+  int32_t clusters = 0;
+  const cudaError_t e = cuda::mla_one_token_max_clusters(&clusters);
+  ASSERT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
+  std::printf("  one-token attention: %d clusters of %d blocks fit the GPU at once\n", clusters, cuda::kOneTokenCluster);
+  ASSERT_TRUE(cuda::mla_one_token_fits(16, 128, 64, 128, 512, clusters))
+      << "the 16 heads of these cases would not take the one-launch kernel";
   for (bool graph_plan : {false, true}) {
     for (int32_t cached : {0, 5, 100, 255, 256})
       prepare_attention_case({{cached, 1}}, 16, 512, 64, 128, 128, graph_plan, 90 + cached, 0);

@@ -147,11 +147,11 @@ class CudaBackend final : public Backend {
     moe_grouped_only_ = env_flag("MLASERVE_MOE_GROUPED");
     small_batch_ = o.small_batch && !env_off("MLASERVE_SMALL_BATCH");
     one_token_ = small_batch_ && o.one_token_attention && !env_off("MLASERVE_MLA_ONE_TOKEN");
-    for (int32_t g = 1; one_token_ && g <= cuda::kOneTokenMaxHeadsPerCluster; ++g) {
-      const cudaError_t e = cuda::mla_one_token_max_clusters(g, &one_token_clusters_[g]);
-      MLA_LOG_INFO("cuda: one-token attention in one launch: {} clusters of {} blocks ({} heads each) fit the GPU at "
+    if (one_token_) {
+      const cudaError_t e = cuda::mla_one_token_max_clusters(&one_token_clusters_);
+      MLA_LOG_INFO("cuda: one-token attention in one launch: {} clusters of {} blocks (a head each) fit the GPU at "
                    "once{}",
-                   one_token_clusters_[g], cuda::kOneTokenCluster, g,
+                   one_token_clusters_, cuda::kOneTokenCluster,
                    e == cudaSuccess ? "" : fmt::format(" (query failed: {})", cudaGetErrorString(e)));
     }
     idle_stats_ = env_flag("MLASERVE_GPU_IDLE_STATS");
@@ -833,15 +833,13 @@ class CudaBackend final : public Backend {
     bool row_offsets = false;  // decode items carry page-table row offsets (seq * max_pages), not rows
   };
   const MlaPlan& plan_for(MlaForm form, int32_t nh, int32_t kvr, int32_t rope);
-  // The heads per cluster when this step's attention takes cuda::mla_one_token (0: it does not): one token in the
-  // absorbed form, the newest of its sequence (every earlier row cached), at most kOneTokenMaxCtx keys
-  // (graph_variant keys graphs by the same bound), dims and clusters that fit.
-  int32_t one_token_step(const MlaParams& p, const MlaPlan& plan) const {
-    if (!one_token_ || step_.num_tokens() != 1 || step_.num_seqs() != 1 || plan.num_decode_items == 0 ||
-        plan.num_prefill_items > 0 || step_.positions[0] != step_.seq_prefix_lens[0] || !one_token_context(step_))
-      return 0;
-    return cuda::mla_one_token_heads_per_cluster(p.num_heads, p.qk_nope, p.qk_rope, p.v_head, p.kv_lora,
-                                                 one_token_clusters_);
+  // Whether this step's attention takes cuda::mla_one_token: one token in the absorbed form, the newest of its
+  // sequence (every earlier row cached), at most kOneTokenMaxCtx keys (graph_variant keys graphs by the same bound),
+  // dims and clusters that fit.
+  bool one_token_step(const MlaParams& p, const MlaPlan& plan) const {
+    return one_token_ && step_.num_tokens() == 1 && step_.num_seqs() == 1 && plan.num_decode_items > 0 &&
+           plan.num_prefill_items == 0 && step_.positions[0] == step_.seq_prefix_lens[0] && one_token_context(step_) &&
+           cuda::mla_one_token_fits(p.num_heads, p.qk_nope, p.qk_rope, p.v_head, p.kv_lora, one_token_clusters_);
   }
   MlaPlan build_plan(const PlanKey& key, MetaUpload& up, bool fixed_splits);
 
@@ -975,8 +973,7 @@ class CudaBackend final : public Backend {
   // A step of one decode token of at most cuda::kOneTokenMaxCtx keys runs its attention as one launch
   // (cuda::mla_one_token) unless CudaBackendOptions::one_token_attention is off or MLASERVE_MLA_ONE_TOKEN=0.
   bool one_token_ = true;
-  // How many of its clusters the GPU holds at once, by heads per cluster (index 1, 2).
-  int32_t one_token_clusters_[cuda::kOneTokenMaxHeadsPerCluster + 1] = {};
+  int32_t one_token_clusters_ = 0;  // how many of its clusters (one per head) the GPU holds at once
   static constexpr int64_t kMoeCublasRowsPerExpert = 384;
 
   ForwardBatch step_;
@@ -1124,9 +1121,9 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
   const int64_t head_rows = nope + vh;  // rows of kv_b per head: W_UK (nope) then W_UV (v)
   const bool small = small_batch_ && T <= cuda::kGemvMaxRows && kvr % 8 == 0 && nope % 8 == 0 && hd % 8 == 0 &&
                      alignment_of(kvb) >= 16 && alignment_of(q.data()) >= 16;
-  if (const int32_t heads_per_cluster = prep && small ? one_token_step(p, plan) : 0) {
+  if (prep && small && one_token_step(p, plan)) {
     const cuda::MlaOneTokenArgs a{*prep, d_page_table_, step_.page_size, bf(kv_b), p.softmax_scale, bf(out)};
-    CUDA_OK(cuda::mla_one_token(a, static_cast<int32_t>(nh), heads_per_cluster, stream_), "mla_one_token");
+    CUDA_OK(cuda::mla_one_token(a, static_cast<int32_t>(nh), stream_), "mla_one_token");
     return;
   }
   const bool fold_prep = prep && small && T <= cuda::kFewRows && plan.num_decode_items > 0 && plan.num_prefill_items == 0;

@@ -89,14 +89,13 @@ struct MlaPrepArgs {
 cudaError_t rope_q_write_latent(const MlaPrepArgs& a, cudaStream_t stream);
 
 // MLA attention of one decode token in one launch (mla_one_token.cu): the preparation (prep.T == 1), q_lat, the
-// attention over the paged cache, the combine and W_UV, one thread-block cluster per head, or per two heads where a
-// cluster per head would not fit the GPU at once (they share the cache rows each block holds). out[h * v_head + i]
-// as mla_prepare_attention gives it, the cache row written the same (q and latent are left as they were). The dims
+// attention over the paged cache, the combine and W_UV, one thread-block cluster per head. out[h * v_head + i] as
+// mla_prepare_attention gives it, the cache row written the same (q and latent are left as they were). The dims
 // are DeepSeek's (every V2 / V3 model); the token's context (positions[0] + 1) at most kOneTokenMaxCtx keys (each
 // block holds its share in shared memory: small enough to start as the kernel before leaves SMs; longer contexts
 // lose to the usual kernels, measured at 1024 and 512).
 constexpr int32_t kOneTokenCluster = 8, kOneTokenKvr = 512, kOneTokenRope = 64, kOneTokenNope = 128,
-                  kOneTokenVHead = 128, kOneTokenMaxCtx = 256, kOneTokenMaxHeadsPerCluster = 2;
+                  kOneTokenVHead = 128, kOneTokenMaxCtx = 256;
 struct MlaOneTokenArgs {
   MlaPrepArgs prep;
   const int32_t* page_table;  // the token's page-table row
@@ -105,14 +104,11 @@ struct MlaOneTokenArgs {
   float softmax_scale;
   bf16* out;  // [nh * v_head]
 };
-// How many clusters of heads_per_cluster heads (1 or 2) the current device holds at once (0 unless it returns
-// cudaSuccess).
-cudaError_t mla_one_token_max_clusters(int32_t heads_per_cluster, int32_t* clusters);
-// The heads per cluster mla_one_token takes for these dims (0: it does not): DeepSeek's MLA dims, and every cluster
-// on the GPU at once. max_clusters[g]: mla_one_token_max_clusters(g) for g in 1..kOneTokenMaxHeadsPerCluster.
-int32_t mla_one_token_heads_per_cluster(int32_t nh, int32_t nope, int32_t rope, int32_t v_head, int32_t kvr,
-                                        const int32_t* max_clusters);
-cudaError_t mla_one_token(const MlaOneTokenArgs& a, int32_t nh, int32_t heads_per_cluster, cudaStream_t stream);
+// How many of mla_one_token's clusters the current device holds at once (0 unless it returns cudaSuccess).
+cudaError_t mla_one_token_max_clusters(int32_t* clusters);
+// Whether mla_one_token takes these dims: DeepSeek's MLA dims, and a cluster per head all on the GPU at once.
+bool mla_one_token_fits(int32_t nh, int32_t nope, int32_t rope, int32_t v_head, int32_t kvr, int32_t max_clusters);
+cudaError_t mla_one_token(const MlaOneTokenArgs& a, int32_t nh, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
 // MLA attention (mla_decode.cu, mla_prefill.cu)

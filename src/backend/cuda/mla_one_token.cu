@@ -3,8 +3,8 @@
 // the combine of its parts and out = o_lat W_UV^T, for every head, where the usual path runs three kernels (q_lat
 // with the preparation, the decode, W_UV with the combine) joined by two grid-wide dependencies.
 //
-// One thread-block cluster of kCluster blocks per head (per G = 2 heads where a cluster per head does not fit the
-// GPU at once; they share the cache rows each block holds); the dependencies inside a cluster are cluster barriers
+// One thread-block cluster of kCluster blocks per head (the kernel is written for G heads per cluster; only G = 1 is
+// launched); the dependencies inside a cluster are cluster barriers
 // with the data passed through distributed shared memory (docs/cuda.md: the cheapest dependency measured). Block r:
 //   - before the PDL wait: loads its slice of each head's W_UK (columns r * 64..) and W_UV (rows r * 16..) and the
 //     cache rows of its keys that earlier steps wrote (an even split of the context: at most KT = 32 keys, so that
@@ -56,8 +56,7 @@ struct Smem {
 };
 
 // Hopper's opt-in limit per block, less latent_row's static reduction buffer.
-static_assert(sizeof(Smem<2, kTileKeys>) + 32 * sizeof(float) <= 227 * 1024,
-              "two heads' slices and the keys fit one SM");
+static_assert(sizeof(Smem<1, kTileKeys>) + 32 * sizeof(float) <= 227 * 1024, "the slices and the keys fit one SM");
 
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t r;
@@ -264,39 +263,31 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
   cluster_wait();  // no block leaves while others read its memory
 }
 
-// Devices whose shared-memory limit is set, per heads-per-cluster instantiation.
-std::atomic<uint64_t> g_smem_configured[kOneTokenMaxHeadsPerCluster + 1];
+// The one instantiation launched: a head per cluster (G = 2, two heads sharing a cluster's cache rows, is never
+// chosen where 32 keys per block let a cluster per head fit, as on an H200; kept unlaunched, not yet removed).
+constexpr auto kKernel = mla_one_token_kernel<1, kTileKeys>;
+constexpr size_t kSmemBytes = sizeof(Smem<1, kTileKeys>);
+std::atomic<uint64_t> g_smem_configured{0};  // devices whose shared-memory limit is set for the kernel
 
-template <int G>
-cudaError_t configure(const void*& kernel, size_t& smem) {
-  kernel = reinterpret_cast<const void*>(mla_one_token_kernel<G, kTileKeys>);
-  smem = sizeof(Smem<G, kTileKeys>);
-  return set_max_dynamic_smem_once(mla_one_token_kernel<G, kTileKeys>, static_cast<int>(smem), g_smem_configured[G]);
-}
-cudaError_t configure(int32_t g, const void*& kernel, size_t& smem) {
-  return g == 1 ? configure<1>(kernel, smem) : configure<2>(kernel, smem);
-}
-static_assert(kOneTokenMaxHeadsPerCluster == 2, "configure() instantiates 1 and 2 heads per cluster");
+cudaError_t configure() { return set_max_dynamic_smem_once(kKernel, static_cast<int>(kSmemBytes), g_smem_configured); }
 
 }  // namespace
 
-cudaError_t mla_one_token_max_clusters(int32_t heads_per_cluster, int32_t* clusters) {
+cudaError_t mla_one_token_max_clusters(int32_t* clusters) {
   *clusters = 0;
-  const void* kernel = nullptr;
-  size_t smem = 0;
-  cudaError_t e = configure(heads_per_cluster, kernel, smem);
+  cudaError_t e = configure();
   if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(kC * 256);
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
+  cfg.dynamicSmemBytes = kSmemBytes;
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeClusterDimension;
   attr.val.clusterDim = {static_cast<unsigned>(kC), 1, 1};
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
   int n = 0;
-  e = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg);
+  e = cudaOccupancyMaxActiveClusters(&n, kKernel, &cfg);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return e;
@@ -305,23 +296,14 @@ cudaError_t mla_one_token_max_clusters(int32_t heads_per_cluster, int32_t* clust
   return cudaSuccess;
 }
 
-int32_t mla_one_token_heads_per_cluster(int32_t nh, int32_t nope, int32_t rope, int32_t v_head, int32_t kvr,
-                                        const int32_t* max_clusters) {
-  if (nope != NOPE || rope != ROPE || v_head != VH || kvr != KVR || nh < 1) return 0;
-  for (int32_t g = 1; g <= kOneTokenMaxHeadsPerCluster; ++g)
-    if (nh % g == 0 && nh / g <= max_clusters[g]) return g;
-  return 0;
+bool mla_one_token_fits(int32_t nh, int32_t nope, int32_t rope, int32_t v_head, int32_t kvr, int32_t max_clusters) {
+  return nope == NOPE && rope == ROPE && v_head == VH && kvr == KVR && nh >= 1 && nh <= max_clusters;
 }
 
-cudaError_t mla_one_token(const MlaOneTokenArgs& a, int32_t nh, int32_t heads_per_cluster, cudaStream_t stream) {
-  const void* kernel = nullptr;
-  size_t smem = 0;
-  const cudaError_t e = configure(heads_per_cluster, kernel, smem);
+cudaError_t mla_one_token(const MlaOneTokenArgs& a, int32_t nh, cudaStream_t stream) {
+  const cudaError_t e = configure();
   if (e != cudaSuccess) return e;
-  const dim3 grid(nh / heads_per_cluster * kC), block(kThreads);
-  if (heads_per_cluster == 1)
-    return launch_clustered(kC, mla_one_token_kernel<1, kTileKeys>, grid, block, smem, stream, a);
-  return launch_clustered(kC, mla_one_token_kernel<2, kTileKeys>, grid, block, smem, stream, a);
+  return launch_clustered(kC, kKernel, dim3(nh * kC), dim3(kThreads), kSmemBytes, stream, a);
 }
 
 }  // namespace mlaserve::cuda
