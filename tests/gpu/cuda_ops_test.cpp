@@ -543,7 +543,8 @@ TEST(CudaOps, MlaOneTokenIsPrepareThenAttention) {
   int32_t clusters = 0;
   const cudaError_t e = cuda::mla_one_token_max_clusters(&clusters);
   ASSERT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
-  std::printf("  one-token attention: %d clusters of %d blocks fit the GPU at once\n", clusters, cuda::kOneTokenCluster);
+  std::printf("  one-token attention: %d clusters of %d blocks fit the GPU at once\n", clusters,
+              cuda::kOneTokenCluster);
   ASSERT_TRUE(cuda::mla_one_token_fits(16, 128, 64, 128, 512, clusters))
       << "the 16 heads of these cases would not take the one-launch kernel";
   for (bool graph_plan : {false, true}) {
