@@ -141,6 +141,9 @@ class Backend {
   // Graphs of one token count may differ by the kernels a step of that batch takes (e.g. by context length): the
   // model keeps one graph per (token count, variant).
   virtual int32_t graph_variant(const ForwardBatch& /*batch*/) const { return 0; }
+  // The contexts (keys of its token) from which a one-token step has another graph_variant, ascending: the rank set
+  // records a graph for each at startup too, so no step waits for a recording.
+  virtual std::vector<int32_t> graph_variant_contexts() const { return {}; }
   virtual void begin_graph_step(const ForwardBatch& batch) { begin_step(batch); }
   // Records the ops issued until graph_capture_end instead of running them; returns the graph's id.
   virtual void graph_capture_begin() { fail("the {} backend has no graphs", name()); }

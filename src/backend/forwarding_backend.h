@@ -40,6 +40,7 @@ class ForwardingBackend : public Backend {
   void end_step() override { b_.end_step(); }
   bool supports_graphs() const override { return b_.supports_graphs(); }
   int32_t graph_variant(const ForwardBatch& b) const override { return b_.graph_variant(b); }
+  std::vector<int32_t> graph_variant_contexts() const override { return b_.graph_variant_contexts(); }
   void begin_graph_step(const ForwardBatch& b) override { b_.begin_graph_step(b); }
   void graph_capture_begin() override { b_.graph_capture_begin(); }
   int32_t graph_capture_end() override { return b_.graph_capture_end(); }

@@ -360,8 +360,31 @@ void RankSet::capture_graphs() {
         },
         pc_.step_timeout);
   }
+  // One token at each context where the backend switches kernels (Backend::graph_variant_contexts), over the dummy
+  // page zeroed first (its slots are the keys): recorded now, not when a request first gets there.
+  std::vector<int32_t> contexts = ranks_[0]->backend->graph_variant_contexts();
+  std::erase_if(contexts, [&](int32_t c) { return config_.max_position_embeddings > 0 &&
+                                                  c > config_.max_position_embeddings; });
+  for (int32_t c : contexts) {
+    const ForwardBatch row = dummy_decode_row(c, dummy_page_, page_size_);
+    DpStepInfo info;
+    info.num_tokens.assign(static_cast<size_t>(d), 1);
+    run_on_all(
+        [&](int i) {
+          Rank& rk = *ranks_[static_cast<size_t>(i)];
+          for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
+            Tensor page = rk.kv->layer(l).rows(static_cast<int64_t>(dummy_page_) * page_size_,
+                                                static_cast<int64_t>(dummy_page_ + 1) * page_size_);
+            rk.backend->zero(page);
+          }
+          rk.model->forward_graph(row, *rk.kv, d > 1 ? &info : nullptr);
+          rk.backend->synchronize();
+        },
+        pc_.step_timeout);
+  }
   graph_sizes_ = sizes;
-  MLA_LOG_INFO("graphs: decode batches of {} sizes up to {} tokens recorded in {:.1f} s", sizes.size(), sizes.back(),
+  MLA_LOG_INFO("graphs: decode batches of {} sizes up to {} tokens and {} more one-token contexts recorded in {:.1f} s",
+               sizes.size(), sizes.back(), contexts.size(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 

@@ -151,4 +151,14 @@ ForwardBatch pad_decode_batch(const ForwardBatch& b, int32_t tokens, int32_t dum
   return p;
 }
 
+ForwardBatch dummy_decode_row(int32_t context, int32_t dummy_page, int32_t page_size) {
+  MLA_CHECK(context >= 1 && dummy_page >= 0 && page_size > 0, "dummy_decode_row: context {} on page {}", context,
+            dummy_page);
+  const std::vector<int32_t> pages(static_cast<size_t>((context + page_size - 1) / page_size), dummy_page);
+  const int32_t id = 0;
+  ForwardBatchBuilder b(page_size);
+  b.add(std::span<const int32_t>(&id, 1), context - 1, pages, ForwardBatchBuilder::Logits::Last);
+  return b.finish();
+}
+
 }  // namespace mlaserve

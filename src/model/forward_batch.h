@@ -50,6 +50,10 @@ bool is_single_token_batch(const ForwardBatch& b);
 // logit rows follow the real ones, so rows [0, real) of the logits are the real ones.
 ForwardBatch pad_decode_batch(const ForwardBatch& b, int32_t tokens, int32_t dummy_page, int32_t page_size);
 
+// One decode token at position context - 1 whose every page is `dummy_page` (the page no request owns): a step of
+// that context for recording its graph; its keys are whatever the dummy page holds.
+ForwardBatch dummy_decode_row(int32_t context, int32_t dummy_page, int32_t page_size);
+
 // Byte serialisation, for sending a step to the ranks of other nodes.
 void serialize(const ForwardBatch& b, std::string& out);
 ForwardBatch deserialize_forward_batch(const char*& p, const char* end);

@@ -97,7 +97,8 @@ TEST(CpuGraphs, NewKvCacheRecordsAgain) {
 }
 
 // Reports graph variant 1 for steps past a context length (as the CUDA backend does past kOneTokenMaxCtx keys, where
-// one token's attention takes other kernels) and counts the graph recordings.
+// one token's attention takes other kernels), that context as its graph_variant_contexts, and counts the graph
+// recordings.
 class VariantPast final : public ForwardingBackend {
  public:
   VariantPast(std::unique_ptr<Backend> inner, int32_t bound, int* recordings)
@@ -107,6 +108,7 @@ class VariantPast final : public ForwardingBackend {
       if (p + 1 > bound_) return 1;
     return 0;
   }
+  std::vector<int32_t> graph_variant_contexts() const override { return {bound_ + 1}; }
   void graph_capture_begin() override {
     ++*recordings_;
     ForwardingBackend::graph_capture_begin();
@@ -120,7 +122,7 @@ class VariantPast final : public ForwardingBackend {
 
 TEST(CpuGraphs, VariantsRecordApart) {
   // One sequence decoding across the bound: one graph of size 1 on each side (the model keys graphs by token count
-  // and Backend::graph_variant), the tokens those of the eager run.
+  // and Backend::graph_variant), both recorded with the KV cache, the tokens those of the eager run.
   auto prompts = test::golden_prompts("v2");
   prompts.resize(1);
   const int32_t len = static_cast<int32_t>(prompts[0].size());
@@ -137,9 +139,11 @@ TEST(CpuGraphs, VariantsRecordApart) {
   OfflineOptions o;
   o.max_new_tokens = 6;
   o.page_size = 8;
+  ranks.allocate_kv(16, 8);
+  EXPECT_EQ(recordings, 4);  // sizes 1, 2, 4 (contexts of one token) and size 1 past the bound
   const OfflineResult r = run_offline(ranks, prompts, o);
   EXPECT_EQ(ranks.graph_steps(), 6);  // every decode step
-  EXPECT_EQ(recordings, 4);          // sizes 1, 2, 4 with the KV cache (contexts of one token), 1 past the bound
+  EXPECT_EQ(recordings, 8);          // run_offline's own KV cache: the four again, none while decoding
   EXPECT_EQ(r.greedy[0], eager.out.greedy[0]);
 }
 

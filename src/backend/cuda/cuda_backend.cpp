@@ -328,6 +328,10 @@ class CudaBackend final : public Backend {
   int32_t graph_variant(const ForwardBatch& batch) const override {
     return one_token_ && batch.num_tokens() == 1 && !one_token_context(batch) ? 1 : 0;
   }
+  std::vector<int32_t> graph_variant_contexts() const override {
+    if (!one_token_) return {};
+    return {cuda::kOneTokenMaxCtx + 1};
+  }
   // Whether the one token of `batch` has at most cuda::kOneTokenMaxCtx keys (the bound of graph_variant and
   // one_token_step).
   static bool one_token_context(const ForwardBatch& batch) { return batch.positions[0] + 1 <= cuda::kOneTokenMaxCtx; }

@@ -3,18 +3,17 @@
 // the combine of its parts and out = o_lat W_UV^T, for every head, where the usual path runs three kernels (q_lat
 // with the preparation, the decode, W_UV with the combine) joined by two grid-wide dependencies.
 //
-// One thread-block cluster of kCluster blocks per head (the kernel is written for G heads per cluster; only G = 1 is
-// launched); the dependencies inside a cluster are cluster barriers
+// One thread-block cluster of kCluster blocks per head; the dependencies inside a cluster are cluster barriers
 // with the data passed through distributed shared memory (docs/cuda.md: the cheapest dependency measured). Block r:
-//   - before the PDL wait: loads its slice of each head's W_UK (columns r * 64..) and W_UV (rows r * 16..) and the
+//   - before the PDL wait: loads its slice of the head's W_UK (columns r * 64..) and W_UV (rows r * 16..) and the
 //     cache rows of its keys that earlier steps wrote (an even split of the context: at most KT = 32 keys, so that
 //     the blocks are small enough to start as the kernel before leaves SMs);
-//   - computes its 64 q_lat columns of each head and stores them into every block of the cluster (barrier);
+//   - computes its 64 q_lat columns and stores them into every block of the cluster (barrier);
 //   - the scores and the softmax-weighted latent sums over its keys (the newest key's row made from the latent as
 //     the cache holds it; the first cluster writes it to the cache);
-//   - reads every block's partials (max, sum, 512 sums per head) from the cluster (barrier) and combines them into
+//   - reads every block's partials (max, sum, 512 sums) from the cluster (barrier) and combines them into
 //     o_lat (rounded to bf16, as the usual path stores it);
-//   - its 16 rows of out per head.
+//   - its 16 rows of the head's out.
 // Every cluster re-reads the context from L2, and each block holds its keys in shared memory: the kernel takes at
 // most kOneTokenMaxCtx keys (longer contexts run the usual kernels, in CUDA graphs of their own:
 // Backend::graph_variant).
@@ -39,24 +38,24 @@ static_assert(kRows % kWarps == 0, "out rows split evenly over the warps");
 constexpr int kTileKeys = kOneTokenMaxCtx / kC;  // keys a block holds at most
 static_assert(kTileKeys <= kThreads, "a thread per key turns the scores into weights");
 
-// G heads per cluster (they share the cache rows a block holds); KT: the most keys a block holds.
-template <int G, int KT>
+// KT: the most keys a block holds.
+template <int KT>
 struct Smem {
-  bf16 uk[G][NOPE][kCols];
-  bf16 uv[G][kRows][KVR];
+  bf16 uk[NOPE][kCols];
+  bf16 uv[kRows][KVR];
   bf16 keys[KT][W];
-  float qlat[G][KVR];  // the heads' q_lat, bf16-rounded, gathered from the cluster
-  float qpe[G][ROPE];
-  float qnope[G][NOPE];
-  float qlat_part[G][kThreads / kCols][kCols];
-  float score[G][KT];
-  float part_o[G][KVR];  // this block's sums over its keys, and their max / sum of weights
-  float part_m[G], part_l[G];
-  float olat[G][KVR];
+  float qlat[KVR];  // the head's q_lat, bf16-rounded, gathered from the cluster
+  float qpe[ROPE];
+  float qnope[NOPE];
+  float qlat_part[kThreads / kCols][kCols];
+  float score[KT];
+  float part_o[KVR];  // this block's sums over its keys, and their max / sum of weights
+  float part_m, part_l;
+  float olat[KVR];
 };
 
 // Hopper's opt-in limit per block, less latent_row's static reduction buffer.
-static_assert(sizeof(Smem<1, kTileKeys>) + 32 * sizeof(float) <= 227 * 1024, "the slices and the keys fit one SM");
+static_assert(sizeof(Smem<kTileKeys>) + 32 * sizeof(float) <= 227 * 1024, "the slices and the keys fit one SM");
 
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t r;
@@ -74,8 +73,8 @@ __device__ __forceinline__ T* in_block(T* local, uint32_t rank) {
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // Cache rows of keys [t0, t1) into s.keys, except the newest (ctx - 1: this step's, made from the latent).
-template <int G, int KT>
-__device__ __forceinline__ void load_keys(Smem<G, KT>& s, const MlaOneTokenArgs& a, int t0, int t1, int ctx) {
+template <int KT>
+__device__ __forceinline__ void load_keys(Smem<KT>& s, const MlaOneTokenArgs& a, int t0, int t1, int ctx) {
   constexpr int kChunks = W / 8;
   for (int u = threadIdx.x; u < (t1 - t0) * kChunks; u += kThreads) {
     const int k = t0 + u / kChunks, c = u % kChunks;
@@ -85,14 +84,14 @@ __device__ __forceinline__ void load_keys(Smem<G, KT>& s, const MlaOneTokenArgs&
   }
 }
 
-template <int G, int KT>
+template <int KT>
 __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOneTokenArgs a) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
-  Smem<G, KT>& s = *reinterpret_cast<Smem<G, KT>*>(smem_raw);
+  Smem<KT>& s = *reinterpret_cast<Smem<KT>*>(smem_raw);
   cluster_arrive_relaxed();  // this block runs
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t r = cluster_rank();
-  const int h0 = static_cast<int>(blockIdx.x) / kC * G;  // the cluster's heads: h0 .. h0 + G - 1
+  const int h = static_cast<int>(blockIdx.x) / kC;  // the cluster's head
   const MlaPrepArgs& p = a.prep;
   // Metadata (positions, page table) was uploaded before the step; the weights and the cache rows of earlier steps
   // are not written by the kernel before this one: all loaded before the PDL wait.
@@ -100,33 +99,30 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
   const int per = (ctx + kC - 1) / kC;
   if (per > KT) __trap();  // the caller's bound broken: never read past shared memory
   const int k0 = min(ctx, static_cast<int>(r) * per), k1 = min(ctx, k0 + per);
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const bf16* head = a.kv_b + static_cast<int64_t>(h0 + g) * (NOPE + VH) * KVR;
+  {
+    const bf16* head = a.kv_b + static_cast<int64_t>(h) * (NOPE + VH) * KVR;
     for (int u = tid; u < NOPE * kCols / 8; u += kThreads) {
       const int i = u / (kCols / 8), c = u % (kCols / 8);
-      cp_async16(&s.uk[g][i][c * 8], head + static_cast<int64_t>(i) * KVR + r * kCols + c * 8, true);
+      cp_async16(&s.uk[i][c * 8], head + static_cast<int64_t>(i) * KVR + r * kCols + c * 8, true);
     }
     for (int u = tid; u < kRows * KVR / 8; u += kThreads) {
       const int v = u / (KVR / 8), c = u % (KVR / 8);
-      cp_async16(&s.uv[g][v][c * 8], head + static_cast<int64_t>(NOPE + r * kRows + v) * KVR + c * 8, true);
+      cp_async16(&s.uv[v][c * 8], head + static_cast<int64_t>(NOPE + r * kRows + v) * KVR + c * 8, true);
     }
   }
   load_keys(s, a, k0, k1, ctx);
   cp_async_commit();
   pdl_wait();
 
-  // q of the heads: the nope parts, and the rope parts rotated as rope_q_pairs rounds them.
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const bf16* qh = p.q + static_cast<int64_t>(h0 + g) * (NOPE + ROPE);
-    if (tid < NOPE) s.qnope[g][tid] = __bfloat162float(qh[tid]);
+  {  // q of the head: the nope part, and the rope part rotated as rope_q_pairs rounds it
+    const bf16* qh = p.q + static_cast<int64_t>(h) * (NOPE + ROPE);
+    if (tid < NOPE) s.qnope[tid] = __bfloat162float(qh[tid]);
     if (tid < ROPE / 2) {
       bf16 y0, y1;
       rotated_pair(__bfloat162float(qh[NOPE + 2 * tid]), __bfloat162float(qh[NOPE + 2 * tid + 1]), tid, pos,
                    p.inv_freq, p.factor, y0, y1);
-      s.qpe[g][2 * tid] = __bfloat162float(y0);
-      s.qpe[g][2 * tid + 1] = __bfloat162float(y1);
+      s.qpe[2 * tid] = __bfloat162float(y0);
+      s.qpe[2 * tid + 1] = __bfloat162float(y1);
     }
   }
   const int n = k1 - k0;
@@ -134,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
     bf16* row = s.keys[ctx - 1 - k0];
     latent_row(p.latent, row, KVR, ROPE, p.norm_w, p.eps, pos, p.inv_freq, p.factor);
     __syncthreads();
-    if (h0 == 0) {
+    if (h == 0) {
       bf16* dst = p.cache + static_cast<int64_t>(p.slots[0]) * W;
       for (int i = tid; i < W; i += kThreads) dst[i] = row[i];
     }
@@ -144,91 +140,67 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
   {  // this block's q_lat columns, in quarters of the nope rows
     constexpr int kParts = kThreads / kCols, kPartRows = NOPE / kParts;
     const int c = tid % kCols, part = tid / kCols;
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float acc = 0.0f;
+    float acc = 0.0f;
 #pragma unroll 8
-      for (int i = part * kPartRows; i < (part + 1) * kPartRows; ++i)
-        acc += s.qnope[g][i] * __bfloat162float(s.uk[g][i][c]);
-      s.qlat_part[g][part][c] = acc;
-    }
+    for (int i = part * kPartRows; i < (part + 1) * kPartRows; ++i)
+      acc += s.qnope[i] * __bfloat162float(s.uk[i][c]);
+    s.qlat_part[part][c] = acc;
   }
   __syncthreads();
   cluster_wait();  // every block of the cluster runs
-  if (tid < G * kCols) {
-    const int g = tid / kCols, c = tid % kCols;
+  if (tid < kCols) {
     float v = 0.0f;
 #pragma unroll
-    for (int part = 0; part < kThreads / kCols; ++part) v += s.qlat_part[g][part][c];
+    for (int part = 0; part < kThreads / kCols; ++part) v += s.qlat_part[part][tid];
     v = bf16_round(v);
-    for (uint32_t dst = 0; dst < kC; ++dst) *in_block(&s.qlat[g][r * kCols + c], dst) = v;
+    for (uint32_t dst = 0; dst < kC; ++dst) *in_block(&s.qlat[r * kCols + tid], dst) = v;
   }
   cluster_sync();  // q_lat complete in every block
 
-  // Attention over keys [k0, k1) (at most KT: the caller picks KT for the context), each key row read once
-  // for the G heads. Thread tid owns latent columns 2 tid, 2 tid + 1 of the weighted sums.
+  // Attention over keys [k0, k1) (at most KT: the caller picks KT for the context), each key row read once.
+  // Thread tid owns latent columns 2 tid, 2 tid + 1 of the weighted sums.
   for (int k = warp; k < n; k += kWarps) {
     const __nv_bfloat162* kr = reinterpret_cast<const __nv_bfloat162*>(s.keys[k]);
-    float acc[G] = {};
+    float acc = 0.0f;
 #pragma unroll
     for (int i = 0; i < W / 64; ++i) {
       const int j = lane + 32 * i;  // pair j: columns 2j, 2j + 1
       const float2 f = __bfloat1622float2(kr[j]);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float* qv = 2 * j < KVR ? &s.qlat[g][2 * j] : &s.qpe[g][2 * j - KVR];
-        acc[g] = fmaf(f.x, qv[0], fmaf(f.y, qv[1], acc[g]));
-      }
+      const float* qv = 2 * j < KVR ? &s.qlat[2 * j] : &s.qpe[2 * j - KVR];
+      acc = fmaf(f.x, qv[0], fmaf(f.y, qv[1], acc));
     }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const float sc = warp_sum(acc[g]);
-      if (lane == 0) s.score[g][k] = sc * a.softmax_scale;
-    }
+    const float sc = warp_sum(acc);
+    if (lane == 0) s.score[k] = sc * a.softmax_scale;
   }
   __syncthreads();
-  float m[G], l[G], o0[G], o1[G];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = o0[g] = o1[g] = 0.0f;
-    for (int k = 0; k < n; ++k) m[g] = fmaxf(m[g], s.score[g][k]);
-  }
-  __syncthreads();  // every thread has its maxima before the scores become weights
-  if (tid < n)
-#pragma unroll
-    for (int g = 0; g < G; ++g) s.score[g][tid] = expf(s.score[g][tid] - m[g]);
+  float m = -INFINITY, l = 0.0f, o0 = 0.0f, o1 = 0.0f;
+  for (int k = 0; k < n; ++k) m = fmaxf(m, s.score[k]);
+  __syncthreads();  // every thread has the maximum before the scores become weights
+  if (tid < n) s.score[tid] = expf(s.score[tid] - m);
   __syncthreads();
   for (int k = 0; k < n; ++k) {
     const float2 c = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(s.keys[k])[tid]);
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const float w = s.score[g][k];
-      l[g] += w;
-      o0[g] = fmaf(w, c.x, o0[g]);
-      o1[g] = fmaf(w, c.y, o1[g]);
-    }
+    const float w = s.score[k];
+    l += w;
+    o0 = fmaf(w, c.x, o0);
+    o1 = fmaf(w, c.y, o1);
   }
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    s.part_o[g][2 * tid] = o0[g];
-    s.part_o[g][2 * tid + 1] = o1[g];
-    if (tid == 0) {
-      s.part_m[g] = m[g];
-      s.part_l[g] = l[g];
-    }
+  s.part_o[2 * tid] = o0;
+  s.part_o[2 * tid + 1] = o1;
+  if (tid == 0) {
+    s.part_m = m;
+    s.part_l = l;
   }
   cluster_sync();  // every block's partial is complete
 
-#pragma unroll
-  for (int g = 0; g < G; ++g) {  // combine the cluster's partials (a block without keys: m = -inf, l = 0, weight 0)
+  {  // combine the cluster's partials (a block without keys: m = -inf, l = 0, weight 0)
     float mc[kC], lc[kC], M = -INFINITY;
     float2 oc[kC];
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
-      mc[c] = *in_block(&s.part_m[g], c);
-      lc[c] = *in_block(&s.part_l[g], c);
-      oc[c] = *in_block(reinterpret_cast<float2*>(&s.part_o[g][2 * tid]), c);
+      mc[c] = *in_block(&s.part_m, c);
+      lc[c] = *in_block(&s.part_l, c);
+      oc[c] = *in_block(reinterpret_cast<float2*>(&s.part_o[2 * tid]), c);
     }
 #pragma unroll
     for (int c = 0; c < kC; ++c) M = fmaxf(M, mc[c]);
@@ -240,33 +212,31 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
       x0 = fmaf(oc[c].x, e, x0);
       x1 = fmaf(oc[c].y, e, x1);
     }
-    s.olat[g][2 * tid] = bf16_round(x0 / L);
-    s.olat[g][2 * tid + 1] = bf16_round(x1 / L);
+    s.olat[2 * tid] = bf16_round(x0 / L);
+    s.olat[2 * tid + 1] = bf16_round(x1 / L);
   }
   cluster_arrive();  // done reading the other blocks
   pdl_trigger();
   __syncthreads();
-  // out rows r * kRows.. of each head: o_lat W_UV^T
+  // out rows r * kRows.. of the head: o_lat W_UV^T
 #pragma unroll
-  for (int i = 0; i < G * kRows / kWarps; ++i) {
-    const int gr = warp * (G * kRows / kWarps) + i, g = gr / kRows, row = gr % kRows;
-    const __nv_bfloat162* u = reinterpret_cast<const __nv_bfloat162*>(s.uv[g][row]);
+  for (int i = 0; i < kRows / kWarps; ++i) {
+    const int row = warp * (kRows / kWarps) + i;
+    const __nv_bfloat162* u = reinterpret_cast<const __nv_bfloat162*>(s.uv[row]);
     float acc = 0.0f;
 #pragma unroll
     for (int j = lane; j < KVR / 2; j += 32) {
       const float2 f = __bfloat1622float2(u[j]);
-      acc = fmaf(f.x, s.olat[g][2 * j], fmaf(f.y, s.olat[g][2 * j + 1], acc));
+      acc = fmaf(f.x, s.olat[2 * j], fmaf(f.y, s.olat[2 * j + 1], acc));
     }
     acc = warp_sum(acc);
-    if (lane == 0) a.out[static_cast<int64_t>(h0 + g) * VH + r * kRows + row] = __float2bfloat16_rn(acc);
+    if (lane == 0) a.out[static_cast<int64_t>(h) * VH + r * kRows + row] = __float2bfloat16_rn(acc);
   }
   cluster_wait();  // no block leaves while others read its memory
 }
 
-// The one instantiation launched: a head per cluster (G = 2, two heads sharing a cluster's cache rows, is never
-// chosen where 32 keys per block let a cluster per head fit, as on an H200; kept unlaunched, not yet removed).
-constexpr auto kKernel = mla_one_token_kernel<1, kTileKeys>;
-constexpr size_t kSmemBytes = sizeof(Smem<1, kTileKeys>);
+constexpr auto kKernel = mla_one_token_kernel<kTileKeys>;
+constexpr size_t kSmemBytes = sizeof(Smem<kTileKeys>);
 std::atomic<uint64_t> g_smem_configured{0};  // devices whose shared-memory limit is set for the kernel
 
 cudaError_t configure() { return set_max_dynamic_smem_once(kKernel, static_cast<int>(kSmemBytes), g_smem_configured); }
