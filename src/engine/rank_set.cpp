@@ -20,6 +20,10 @@ namespace {
 // (with the error): a step or cache change node 0 had sent failed there; the other nodes abort their communicators
 // and stop with that error (RankSet::stop_nodes).
 enum Op : char { kStep = 'S', kFinish = 'F', kKv = 'K', kQuit = 'Q', kAbort = 'A' };
+// Other nodes -> node 0: kReply (a finished step's outputs), or kFailed (with the error) when a node stops on an error
+// of its own; node 0 watches for it (and for a closed connection) while its ranks wait, and aborts its communicators
+// (RankSet::run_on_all): its ranks may wait in collectives that node will never join.
+enum ReplyOp : char { kReply = 'R', kFailed = 'E' };
 constexpr int64_t kMaxSampledRows = 1 << 16;
 
 void put(std::string& o, const void* p, size_t n) { o.append(static_cast<const char*>(p), n); }
@@ -255,7 +259,9 @@ void RankSet::worker(int local) {
 }
 
 void RankSet::run_on_all(const std::function<void(int)>& fn, std::chrono::milliseconds timeout) {
-  if (ranks_.size() == 1) {
+  // Node 0 with other nodes watches them while its ranks work, so even one rank runs on a worker thread.
+  const bool watch = link_ && pc_.node_rank == 0 && pc_.nnodes > 1;
+  if (ranks_.size() == 1 && !watch) {
     ranks_[0]->backend->bind_thread();
     fn(0);
     return;
@@ -268,7 +274,32 @@ void RankSet::run_on_all(const std::function<void(int)>& fn, std::chrono::millis
   errors_.clear();
   ++generation_;
   cv_.notify_all();
-  if (!done_cv_.wait_for(lk, timeout, [&] { return pending_ == 0; })) {
+  const auto done = [&] { return pending_ == 0; };
+  std::string node_failed;  // another node's error (or lost connection) seen while waiting
+  bool finished = false;
+  if (!watch) {
+    finished = done_cv_.wait_for(lk, timeout, done);
+  } else {
+    const auto until = std::chrono::steady_clock::now() + timeout;
+    while (!(finished = done_cv_.wait_for(lk, std::chrono::milliseconds(20), done)) &&
+           std::chrono::steady_clock::now() < until) {
+      if (!node_failed.empty()) continue;
+      lk.unlock();
+      std::optional<NodeLink::NodeFailure> f;
+      try {
+        f = link_->poll_failure(kFailed);
+      } catch (const std::exception& e) {
+        f = NodeLink::NodeFailure{0, e.what()};
+      }
+      if (f) {
+        node_failed = f->node > 0 ? fmt::format("node {} failed: {}", f->node, f->what) : f->what;
+        MLA_LOG_ERROR("{}; aborting this node's communicators", node_failed);
+        abort_communicators();  // this node's ranks may wait in collectives that node will never join
+      }
+      lk.lock();
+    }
+  }
+  if (!finished) {
     // A rank is stuck in a collective: abort the communicators so every rank returns, then report.
     const int stuck = pending_;
     lk.unlock();
@@ -280,8 +311,8 @@ void RankSet::run_on_all(const std::function<void(int)>& fn, std::chrono::millis
          stuck, ranks_.size(), timeout.count() / 1000.0);
   }
   job_ = nullptr;
-  if (!errors_.empty()) {
-    std::string all;
+  if (!node_failed.empty() || !errors_.empty()) {
+    std::string all = node_failed;
     for (const auto& e : errors_) all += (all.empty() ? "" : "; ") + e;
     fail("{}", all);
   }
@@ -624,8 +655,10 @@ std::vector<GroupOutput> RankSet::finish_remote(Launched& h) {
     for (int32_t g = 0; g < d; ++g) leads |= (g * at) / rpn == node;
     if (!leads) continue;
     const std::string msg = link_->recv_from(node);
-    const char* p = msg.data();
-    const char* end = p + msg.size();
+    MLA_CHECK(!msg.empty() && (msg[0] == kReply || msg[0] == kFailed), "unknown reply from node {}", node);
+    if (msg[0] == kFailed) fail("node {} failed: {}", node, msg.substr(1));
+    const char* p = msg.data() + 1;
+    const char* end = msg.data() + msg.size();
     const uint64_t seq = get<uint64_t>(p, end);
     MLA_CHECK(seq == h.seq, "node {} replied for step {} while node 0 finishes step {}", node, seq, h.seq);
     for (int32_t g = 0; g < d; ++g) {
@@ -647,6 +680,22 @@ std::vector<GroupOutput> RankSet::finish_remote(Launched& h) {
 
 void RankSet::follow() {
   MLA_CHECK(pc_.node_rank > 0 && link_, "RankSet::follow runs on nodes other than 0");
+  try {
+    follow_steps();
+  } catch (const std::exception& e) {
+    if (!told_to_stop_) {  // node 0 may wait in collectives this node will never join: tell it
+      MLA_LOG_ERROR("node {} stops: {}", pc_.node_rank, e.what());
+      try {
+        link_->send(std::string(1, kFailed) + e.what());
+      } catch (const std::exception& e2) {
+        MLA_LOG_WARN("telling node 0: {}", e2.what());
+      }
+    }
+    throw;
+  }
+}
+
+void RankSet::follow_steps() {
   const int32_t d = pc_.dp_size, at = attn_tp(), rpn = ranks_per_node();
   std::deque<Launched> running;  // launched here, not finished yet, oldest first (as on node 0)
   for (;;) {
@@ -656,6 +705,7 @@ void RankSet::follow() {
     const char* end = msg.data() + msg.size();
     if (msg[0] == kQuit) return;
     if (msg[0] == kAbort) {
+      told_to_stop_ = true;
       const std::vector<char> why = get_vec<char>(p, end);
       abort_communicators();  // steps running here wait in collectives node 0 never joined
       fail("node 0 stopped the layout after a failed step: {}", std::string(why.begin(), why.end()));
@@ -674,7 +724,7 @@ void RankSet::follow() {
       Launched h = std::move(running.front());
       running.pop_front();
       finish_local(h);
-      std::string reply;
+      std::string reply(1, kReply);
       put_pod(reply, seq);
       bool leads = false;
       for (int32_t g = 0; g < d; ++g) {

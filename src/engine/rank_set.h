@@ -108,7 +108,8 @@ class RankSet {
   // Steps whose batches took input ids from the previous step's samples on the device.
   int64_t prev_id_steps() const { return prev_id_steps_; }
   // Nodes other than 0: serve node 0's steps until it finishes. Each step is launched when it arrives and finished
-  // when node 0 finishes it, so a step launched behind a running one (overlap scheduling) is queued here too.
+  // when node 0 finishes it, so a step launched behind a running one (overlap scheduling) is queued here too. On an
+  // error of this node's own, node 0 is told (it aborts its communicators) before the error is thrown.
   void follow();
   // On a following node: steps served, and those launched while an earlier one still ran.
   int64_t followed_steps() const { return followed_steps_; }
@@ -142,6 +143,7 @@ class RankSet {
                     const std::vector<std::vector<RowSampling>>& sampling, const LogitRows& logit_rows, MlaForm form,
                     Launched& h);
   void finish_local(Launched& h);
+  void follow_steps();  // follow()'s loop
   // Node 0, with other nodes: finish() of a step they run too (they finish it alongside and send their outputs).
   std::vector<GroupOutput> finish_remote(Launched& h);
   void allocate_kv_local(int32_t num_pages, int32_t page_size);
@@ -165,6 +167,7 @@ class RankSet {
   int64_t graph_steps_ = 0, prev_id_steps_ = 0, followed_steps_ = 0, followed_overlapped_ = 0;
   uint64_t remote_seq_ = 0;  // steps sent to (node 0) or received from (others) the other nodes
   std::string stopped_;      // node 0: why the layout of several nodes stopped (empty: it runs)
+  bool told_to_stop_ = false;  // other nodes: node 0 stopped the layout (kAbort), so this node's error is no news
   int64_t sampled_rows_ = 0;  // capacity of Rank::sampled (rows)
   int32_t dummy_page_ = -1, page_size_ = 0;  // graphs: padded rows read and write only this page
 

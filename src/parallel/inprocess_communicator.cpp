@@ -9,13 +9,16 @@
 namespace mlaserve {
 
 InProcessGroup::InProcessGroup(int size, std::chrono::milliseconds timeout)
-    : size_(size), timeout_(timeout), present_(static_cast<size_t>(size), 0), slots_(static_cast<size_t>(size), nullptr) {
+    : size_(size), timeout_(timeout), present_(static_cast<size_t>(size), 0), rank_aborted_(static_cast<size_t>(size), 0),
+      slots_(static_cast<size_t>(size), nullptr) {
   MLA_CHECK(size >= 1, "communicator group size must be >= 1");
 }
 
 void InProcessGroup::arrive_and_wait(int rank, const char* what) {
   std::unique_lock<std::mutex> lk(mu_);
+  const char& mine = rank_aborted_[static_cast<size_t>(rank)];
   if (aborted_) fail("collective {} on rank {}: group aborted ({})", what, rank, abort_reason_);
+  if (mine) fail("collective {} on rank {}: this rank's communicator was aborted", what, rank);
   const uint64_t gen = generation_;
   present_[static_cast<size_t>(rank)] = 1;
   if (++arrived_ == size_) {
@@ -25,7 +28,7 @@ void InProcessGroup::arrive_and_wait(int rank, const char* what) {
     cv_.notify_all();
     return;
   }
-  if (!cv_.wait_for(lk, timeout_, [&] { return generation_ != gen || aborted_; })) {
+  if (!cv_.wait_for(lk, timeout_, [&] { return generation_ != gen || aborted_ || mine; })) {
     std::string missing;
     for (int r = 0; r < size_; ++r)
       if (!present_[static_cast<size_t>(r)]) missing += (missing.empty() ? "" : ",") + std::to_string(r);
@@ -35,6 +38,13 @@ void InProcessGroup::arrive_and_wait(int rank, const char* what) {
     fail("collective {}", abort_reason_);
   }
   if (generation_ == gen && aborted_) fail("collective {} on rank {}: group aborted ({})", what, rank, abort_reason_);
+  if (generation_ == gen && mine) fail("collective {} on rank {}: this rank's communicator was aborted", what, rank);
+}
+
+void InProcessGroup::abort_rank(int rank) {
+  std::lock_guard<std::mutex> lk(mu_);
+  rank_aborted_[static_cast<size_t>(rank)] = 1;
+  cv_.notify_all();
 }
 
 void InProcessGroup::abort(const std::string& why) {

@@ -22,6 +22,9 @@ class InProcessGroup {
   // Waits until all ranks arrive (or throws on abort / timeout).
   void arrive_and_wait(int rank, const char* what);
   void abort(const std::string& why);
+  // Wakes only `rank` (its waits and later collectives throw): what an abort on one node does to a communicator that
+  // spans nodes (NCCL), where the other nodes' ranks go on waiting. Tests of several simulated nodes use it.
+  void abort_rank(int rank);
   void post(int rank, const void* p) { slots_[static_cast<size_t>(rank)] = p; }
   const void* slot(int rank) const { return slots_[static_cast<size_t>(rank)]; }
 
@@ -33,6 +36,7 @@ class InProcessGroup {
   int arrived_ = 0;
   uint64_t generation_ = 0;
   std::vector<char> present_;
+  std::vector<char> rank_aborted_;
   bool aborted_ = false;
   std::string abort_reason_;
   std::vector<const void*> slots_;

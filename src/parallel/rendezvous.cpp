@@ -208,6 +208,26 @@ std::string NodeLink::recv_from(int32_t node) {
   return recv_msg(fds_[static_cast<size_t>(node)]);
 }
 
+std::optional<NodeLink::NodeFailure> NodeLink::poll_failure(char fail_op) {
+  MLA_CHECK(cfg_.node_rank == 0, "NodeLink::poll_failure on node {}", cfg_.node_rank);
+  for (int32_t node = 1; node < cfg_.nnodes; ++node) {
+    const int fd = fds_[static_cast<size_t>(node)];
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 0) <= 0) continue;
+    char head[9];  // the length, then the message's first byte
+    const ssize_t r = ::recv(fd, head, sizeof head, MSG_PEEK | MSG_DONTWAIT);
+    if (r == 0) return NodeFailure{node, "it closed the connection"};
+    if (r < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
+      return NodeFailure{node, fmt::format("its connection failed: {}", std::strerror(errno))};
+    }
+    if (r < static_cast<ssize_t>(sizeof head) || head[8] != fail_op) continue;  // a reply, or not all here yet
+    const std::string m = recv_msg(fd);
+    return NodeFailure{node, m.substr(1)};
+  }
+  return std::nullopt;
+}
+
 void NodeLink::send(const std::string& msg) {
   MLA_CHECK(cfg_.node_rank > 0, "NodeLink::send on node 0");
   send_msg(fds_[0], msg);

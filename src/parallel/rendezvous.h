@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,13 @@ class NodeLink {
   void broadcast(const std::string& msg) {
     for (int32_t n = 1; n < cfg_.nnodes; ++n) send_to(n, msg);
   }
+  // Without blocking or taking any other message: the first node whose next message starts with byte `fail_op`
+  // (that message is taken and returned, less the byte) or whose connection is closed or broken (a description).
+  struct NodeFailure {
+    int32_t node = 0;
+    std::string what;
+  };
+  std::optional<NodeFailure> poll_failure(char fail_op);
   // Other nodes: talk to node 0.
   void send(const std::string& msg);
   std::string recv();

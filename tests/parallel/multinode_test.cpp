@@ -26,16 +26,38 @@ using namespace mlaserve;
 
 namespace {
 
+// A rank's in-process communicator whose abort wakes only this rank, as NCCL's abort on one node leaves the ranks of
+// the others waiting in their collectives.
+class NodeLocalAbort final : public Communicator {
+ public:
+  explicit NodeLocalAbort(std::unique_ptr<InProcessCommunicator> c) : c_(std::move(c)) {}
+  int rank() const override { return c_->rank(); }
+  int size() const override { return c_->size(); }
+  void all_reduce_sum(Tensor& t) override { c_->all_reduce_sum(t); }
+  void all_gather(const Tensor& in, Tensor& out) override { c_->all_gather(in, out); }
+  void all_gather_v(const Tensor& in, Tensor& out, const std::vector<int64_t>& counts) override {
+    c_->all_gather_v(in, out, counts);
+  }
+  void reduce_scatter_sum(const Tensor& in, Tensor& out) override { c_->reduce_scatter_sum(in, out); }
+  void broadcast(Tensor& t, int root) override { c_->broadcast(t, root); }
+  void barrier() override { c_->barrier(); }
+  void abort() override { c_->group().abort_rank(c_->rank()); }
 
+ private:
+  std::unique_ptr<InProcessCommunicator> c_;
+};
 
 // Runs `tp` ranks (`dp` attention-DP groups) as two nodes: node 1 follows in a thread while `drive` uses node 0's
 // RankSet (and destroys it, which tells node 1 to stop). Returns node 1's counts of steps served and of steps it
 // launched while an earlier one still ran.
-// follower_error: where node 1's error goes (null: there must be none); node0: changes to node 0's configuration.
+// follower_error: where node 1's error goes (null: there must be none); node0 / node1: changes to that node's
+// configuration; node_local_aborts: a rank's abort wakes that rank only (NodeLocalAbort), else its whole group.
 std::pair<int64_t, int64_t> two_nodes(const std::string& fam, int tp, int dp,
                                       const std::function<void(std::unique_ptr<RankSet>)>& drive,
                                       std::string* follower_error_out = nullptr,
-                                      const std::function<void(ParallelConfig&)>& node0 = {}) {
+                                      const std::function<void(ParallelConfig&)>& node0 = {},
+                                      const std::function<void(ParallelConfig&)>& node1 = {},
+                                      bool node_local_aborts = false) {
   const ModelConfig cfg = ModelConfig::from_file(test::golden_dir(fam));
   // Communicators shared by the simulated nodes: the world, and one group per DP group.
   auto world = make_inprocess_communicators(tp);
@@ -46,8 +68,10 @@ std::pair<int64_t, int64_t> two_nodes(const std::string& fam, int tp, int dp,
   std::mutex mu;
   auto factory = [&](int32_t rank, int32_t group) -> std::unique_ptr<Communicator> {
     std::lock_guard<std::mutex> lk(mu);
-    if (group < 0) return std::move(world[static_cast<size_t>(rank)]);
-    return std::move(attn[static_cast<size_t>(group)][static_cast<size_t>(rank % at)]);
+    std::unique_ptr<InProcessCommunicator> c = group < 0 ? std::move(world[static_cast<size_t>(rank)])
+                                                         : std::move(attn[static_cast<size_t>(group)][static_cast<size_t>(rank % at)]);
+    if (node_local_aborts) return std::make_unique<NodeLocalAbort>(std::move(c));
+    return c;
   };
   const std::string addr = test::free_loopback_addr();
   auto pc = [&](int node) {
@@ -66,7 +90,9 @@ std::pair<int64_t, int64_t> two_nodes(const std::string& fam, int tp, int dp,
   std::pair<int64_t, int64_t> followed{0, 0};
   std::thread follower([&] {
     try {
-      RankSet r1(cfg, pc(1), test::golden_dir(fam), {});
+      ParallelConfig pc1 = pc(1);
+      if (node1) node1(pc1);
+      RankSet r1(cfg, pc1, test::golden_dir(fam), {});
       r1.follow();
       followed = {r1.followed_steps(), r1.followed_overlapped_steps()};
     } catch (const std::exception& e) {
@@ -151,19 +177,20 @@ TEST(MultiNode, EngineOverlapsOnEveryNode) {
   }
 }
 
-// Throws from the embedding while `armed` (once): a failure on node 0 inside a step it has already sent to node 1.
+// Throws `what` from the embedding while `armed` (once): a failure inside a step every node runs.
 class FailOnce final : public ForwardingBackend {
  public:
-  FailOnce(std::unique_ptr<Backend> inner, std::atomic<bool>& armed)
-      : ForwardingBackend(*inner), owned_(std::move(inner)), armed_(armed) {}
+  FailOnce(std::unique_ptr<Backend> inner, std::atomic<bool>& armed, std::string what = "injected failure on node 0")
+      : ForwardingBackend(*inner), owned_(std::move(inner)), armed_(armed), what_(std::move(what)) {}
   void embedding(const Tensor& t, int64_t vb, Tensor& o) override {
-    if (armed_.exchange(false)) fail("injected failure on node 0");
+    if (armed_.exchange(false)) fail("{}", what_);
     ForwardingBackend::embedding(t, vb, o);
   }
 
  private:
   std::unique_ptr<Backend> owned_;
   std::atomic<bool>& armed_;
+  std::string what_;
 };
 
 // A step node 0 sent to node 1 fails on node 0: node 1's ranks ran (or wait in) collectives node 0 never joins.
@@ -213,5 +240,51 @@ TEST(MultiNode, FailedStepStopsEveryNode) {
     EXPECT_FALSE(follower_error.empty());
     EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30)) << "a node waited for a timeout";
     std::printf("  node 1 stopped with: %s\n", follower_error.c_str());
+  }
+}
+
+// A step fails on node 1. Its abort wakes only node 1's ranks (NodeLocalAbort, as with NCCL across nodes), so node 0's
+// ranks would wait in their collectives until the step timeout; node 1 tells node 0 instead, which aborts its own
+// communicators, fails the step at once naming node 1's error, and refuses later steps.
+TEST(MultiNode, FollowerFailureStopsNodeZeroAtOnce) {
+  auto ps = test::golden_prompts("v2");
+  ps.resize(2);
+  OfflineOptions o;
+  o.max_new_tokens = 3;
+  o.page_size = 8;
+  for (auto [tp, dp] : {std::pair{2, 1}, std::pair{2, 2}}) {
+    SCOPED_TRACE("tp " + std::to_string(tp) + " dp " + std::to_string(dp));
+    std::atomic<bool> armed{false};
+    std::string follower_error;
+    two_nodes(
+        "v2", tp, dp,
+        [&](std::unique_ptr<RankSet> r0) {
+          const OfflineResult ok = run_offline(*r0, ps, o);  // the layout works
+          ASSERT_EQ(ok.greedy.size(), ps.size());
+          armed = true;
+          const auto t0 = std::chrono::steady_clock::now();
+          try {
+            run_offline(*r0, ps, o);
+            ADD_FAILURE() << "node 1's failure was not reported";
+          } catch (const std::exception& e) {
+            EXPECT_NE(std::string(e.what()).find("node 1 failed: injected failure on node 1"), std::string::npos)
+                << e.what();
+          }
+          EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10)) << "node 0 waited for a timeout";
+          try {
+            run_offline(*r0, ps, o);
+            ADD_FAILURE() << "a step ran after the layout stopped";
+          } catch (const std::exception& e) {
+            EXPECT_NE(std::string(e.what()).find("stopped after a failed step"), std::string::npos) << e.what();
+          }
+        },
+        &follower_error, [](ParallelConfig& pc) { pc.step_timeout = std::chrono::seconds(40); },
+        [&](ParallelConfig& pc) {
+          pc.wrap_backend = [&](std::unique_ptr<Backend> made, int32_t) -> std::unique_ptr<Backend> {
+            return std::make_unique<FailOnce>(std::move(made), armed, "injected failure on node 1");
+          };
+        },
+        /*node_local_aborts=*/true);
+    EXPECT_NE(follower_error.find("injected failure on node 1"), std::string::npos) << follower_error;
   }
 }
