@@ -22,7 +22,7 @@ lim() { local t=$1; shift; timeout -s KILL $t "$@"; }
 echo "== gpus: $(nvidia-smi -L | wc -l)"
 if [ "${ONLY_SERVE:-0}" = 1 ]; then TESTS=0 EVAL=0 BOB=0 OVERLAP=0; fi
 if [ "${TESTS:-1}" = 1 ]; then
-lim 60 $PKG/bin/cuda_ops_test --gtest_filter=-*V2LiteShape* > $L/ops.log 2>&1; echo "== ops rc=$? $(grep -cE '^\[       OK' $L/ops.log) ok; $(grep -E 'FAILED  \]' $L/ops.log | tr '\n' ' ')"
+lim 150 $PKG/bin/cuda_ops_test --gtest_filter=-*V2LiteShape* > $L/ops.log 2>&1; echo "== ops rc=$? $(grep -cE '^\[       OK' $L/ops.log) ok; $(grep -E 'FAILED  \]' $L/ops.log | tr '\n' ' ')"
 [ -x $PKG/bin/cuda_parallel_test ] && { lim 60 $PKG/bin/cuda_parallel_test > $L/par.log 2>&1; echo "== parallel (forced routing) rc=$? max|dlogit|/std $(grep -o 'std [0-9.e+-]* (routing forced)' $L/par.log | awk '{print $2}' | tr '\n' ' ') $(grep -E 'FAILED  \]' $L/par.log | tr '\n' ' ')"; }
 lim 40 $PKG/bin/cuda_model_test --gtest_filter='*Graph*:*GoldenV2:*Idle*' > $L/model.log 2>&1; echo "== model rc=$? $(grep -E 'graph vs eager|FAILED  \]' $L/model.log | awk '{print $NF}' | tr '\n' ' ')"
 grep -E 'routing forced' $L/par.log

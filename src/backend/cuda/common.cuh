@@ -82,6 +82,19 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// Block `rank`'s copy of a shared-memory variable, as a generic pointer (mapa): plain loads and stores through it
+// let the compiler keep many in flight (the cluster barriers order them).
+template <typename T>
+__device__ __forceinline__ T* in_block(T* local, uint32_t rank) {
+  uint64_t out;
+  asm("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(local)), "r"(rank));
+  return reinterpret_cast<T*>(out);
+}
 
 // mbarriers in shared memory (phase-parity waits) and bulk copies (cp.async.bulk) that complete on them.
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {

@@ -368,10 +368,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_kernel(GemvArgs g, const
 #pragma unroll
       for (int t = 0; t < TT; ++t) {
         if (t >= g.T) break;
-        uint32_t remote;  // expert n's logit for token t, into block t
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(cluster_logits + n)),
-                     "r"(t));
-        asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(acc[t]) : "memory");
+        *in_block(cluster_logits + n, t) = acc[t];  // expert n's logit for token t, into block t
       }
     pdl_trigger();  // as below: the MoE kernel's loads start after these products
     cluster_sync();

@@ -57,19 +57,6 @@ struct Smem {
 // Hopper's opt-in limit per block, less latent_row's static reduction buffer.
 static_assert(sizeof(Smem<kTileKeys>) + 32 * sizeof(float) <= 227 * 1024, "the slices and the keys fit one SM");
 
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-// Block `rank`'s copy of a shared-memory variable, as a generic pointer (mapa): plain loads and stores through it
-// let the compiler keep many in flight (the cluster barriers order them).
-template <typename T>
-__device__ __forceinline__ T* in_block(T* local, uint32_t rank) {
-  uint64_t out;
-  asm("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(local)), "r"(rank));
-  return reinterpret_cast<T*>(out);
-}
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // Cache rows of keys [t0, t1) into s.keys, except the newest (ctx - 1: this step's, made from the latent).
