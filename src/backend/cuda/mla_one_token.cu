@@ -124,6 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
   }
   cp_async_wait<0>();
   __syncthreads();
+  probe_mark(4);  // probe builds: where each phase ends (tools/device/probe_phases.py)
   {  // this block's q_lat columns, in quarters of the nope rows
     constexpr int kParts = kThreads / kCols, kPartRows = NOPE / kParts;
     const int c = tid % kCols, part = tid / kCols;
@@ -143,6 +144,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
     for (uint32_t dst = 0; dst < kC; ++dst) *in_block(&s.qlat[r * kCols + tid], dst) = v;
   }
   cluster_sync();  // q_lat complete in every block
+  probe_mark(5);
 
   // Attention over keys [k0, k1) (at most KT: the caller picks KT for the context), each key row read once.
   // Thread tid owns latent columns 2 tid, 2 tid + 1 of the weighted sums.
@@ -178,7 +180,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
     s.part_m = m;
     s.part_l = l;
   }
+  probe_mark(6);
   cluster_sync();  // every block's partial is complete
+  probe_mark(7);
 
   {  // combine the cluster's partials (a block without keys: m = -inf, l = 0, weight 0)
     float mc[kC], lc[kC], M = -INFINITY;
@@ -219,6 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
     acc = warp_sum(acc);
     if (lane == 0) a.out[static_cast<int64_t>(h) * VH + r * kRows + row] = __float2bfloat16_rn(acc);
   }
+  probe_mark(8);
   cluster_wait();  // no block leaves while others read its memory
 }
 
