@@ -9,7 +9,10 @@
 namespace mlaserve {
 
 InProcessGroup::InProcessGroup(int size, std::chrono::milliseconds timeout)
-    : size_(size), timeout_(timeout), present_(static_cast<size_t>(size), 0), rank_aborted_(static_cast<size_t>(size), 0),
+    : size_(size),
+      timeout_(timeout),
+      present_(static_cast<size_t>(size), 0),
+      rank_aborted_(static_cast<size_t>(size), 0),
       slots_(static_cast<size_t>(size), nullptr) {
   MLA_CHECK(size >= 1, "communicator group size must be >= 1");
 }

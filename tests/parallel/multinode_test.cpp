@@ -68,8 +68,9 @@ std::pair<int64_t, int64_t> two_nodes(const std::string& fam, int tp, int dp,
   std::mutex mu;
   auto factory = [&](int32_t rank, int32_t group) -> std::unique_ptr<Communicator> {
     std::lock_guard<std::mutex> lk(mu);
-    std::unique_ptr<InProcessCommunicator> c = group < 0 ? std::move(world[static_cast<size_t>(rank)])
-                                                         : std::move(attn[static_cast<size_t>(group)][static_cast<size_t>(rank % at)]);
+    std::unique_ptr<InProcessCommunicator> c =
+        group < 0 ? std::move(world[static_cast<size_t>(rank)])
+                  : std::move(attn[static_cast<size_t>(group)][static_cast<size_t>(rank % at)]);
     if (node_local_aborts) return std::make_unique<NodeLocalAbort>(std::move(c));
     return c;
   };
@@ -193,15 +194,42 @@ class FailOnce final : public ForwardingBackend {
   std::string what_;
 };
 
-// A step node 0 sent to node 1 fails on node 0: node 1's ranks ran (or wait in) collectives node 0 never joins.
-// Node 0 reports the failure, node 1 stops with an error instead of waiting forever, and node 0 refuses every later
-// step and cache change at once, naming the failure.
-TEST(MultiNode, FailedStepStopsEveryNode) {
+// Two prompts run once on node 0 (the layout works); then `armed` is set and the next run must fail naming `failure`,
+// within `fast` (no node waited for a timeout), and `refused` runs after it must be refused as a stopped layout
+// naming `stopped_names`.
+static void works_then_fails(RankSet& r0, std::atomic<bool>& armed, const std::string& failure,
+                             std::chrono::seconds fast, int refused, const std::string& stopped_names) {
   auto ps = test::golden_prompts("v2");
   ps.resize(2);
   OfflineOptions o;
   o.max_new_tokens = 3;
   o.page_size = 8;
+  const OfflineResult ok = run_offline(r0, ps, o);
+  ASSERT_EQ(ok.greedy.size(), ps.size());
+  armed = true;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    run_offline(r0, ps, o);
+    ADD_FAILURE() << "the failed step was not reported";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find(failure), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, fast) << "a node waited for a timeout";
+  for (int i = 0; i < refused; ++i) {
+    try {
+      run_offline(r0, ps, o);
+      ADD_FAILURE() << "a step ran after the layout stopped";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("stopped after a failed step"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(stopped_names), std::string::npos) << e.what();
+    }
+  }
+}
+
+// A step node 0 sent to node 1 fails on node 0: node 1's ranks ran (or wait in) collectives node 0 never joins.
+// Node 0 reports the failure, node 1 stops with an error instead of waiting forever, and node 0 refuses every later
+// step and cache change at once, naming the failure.
+TEST(MultiNode, FailedStepStopsEveryNode) {
   for (auto [tp, dp] : {std::pair{2, 1}, std::pair{2, 2}}) {
     SCOPED_TRACE("tp " + std::to_string(tp) + " dp " + std::to_string(dp));
     std::atomic<bool> armed{false};
@@ -210,24 +238,8 @@ TEST(MultiNode, FailedStepStopsEveryNode) {
     two_nodes(
         "v2", tp, dp,
         [&](std::unique_ptr<RankSet> r0) {
-          const OfflineResult ok = run_offline(*r0, ps, o);  // the layout works
-          ASSERT_EQ(ok.greedy.size(), ps.size());
-          armed = true;
-          try {
-            run_offline(*r0, ps, o);
-            ADD_FAILURE() << "the failed step was not reported";
-          } catch (const std::exception& e) {
-            EXPECT_NE(std::string(e.what()).find("injected failure on node 0"), std::string::npos) << e.what();
-          }
-          for (int i = 0; i < 2; ++i) {
-            try {
-              run_offline(*r0, ps, o);
-              ADD_FAILURE() << "a step ran after the layout stopped";
-            } catch (const std::exception& e) {
-              EXPECT_NE(std::string(e.what()).find("stopped after a failed step"), std::string::npos) << e.what();
-              EXPECT_NE(std::string(e.what()).find("injected failure on node 0"), std::string::npos) << e.what();
-            }
-          }
+          works_then_fails(*r0, armed, "injected failure on node 0", std::chrono::seconds(30), 2,
+                           "injected failure on node 0");
         },
         &follower_error,
         [&](ParallelConfig& pc) {
@@ -247,11 +259,6 @@ TEST(MultiNode, FailedStepStopsEveryNode) {
 // ranks would wait in their collectives until the step timeout; node 1 tells node 0 instead, which aborts its own
 // communicators, fails the step at once naming node 1's error, and refuses later steps.
 TEST(MultiNode, FollowerFailureStopsNodeZeroAtOnce) {
-  auto ps = test::golden_prompts("v2");
-  ps.resize(2);
-  OfflineOptions o;
-  o.max_new_tokens = 3;
-  o.page_size = 8;
   for (auto [tp, dp] : {std::pair{2, 1}, std::pair{2, 2}}) {
     SCOPED_TRACE("tp " + std::to_string(tp) + " dp " + std::to_string(dp));
     std::atomic<bool> armed{false};
@@ -259,24 +266,8 @@ TEST(MultiNode, FollowerFailureStopsNodeZeroAtOnce) {
     two_nodes(
         "v2", tp, dp,
         [&](std::unique_ptr<RankSet> r0) {
-          const OfflineResult ok = run_offline(*r0, ps, o);  // the layout works
-          ASSERT_EQ(ok.greedy.size(), ps.size());
-          armed = true;
-          const auto t0 = std::chrono::steady_clock::now();
-          try {
-            run_offline(*r0, ps, o);
-            ADD_FAILURE() << "node 1's failure was not reported";
-          } catch (const std::exception& e) {
-            EXPECT_NE(std::string(e.what()).find("node 1 failed: injected failure on node 1"), std::string::npos)
-                << e.what();
-          }
-          EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10)) << "node 0 waited for a timeout";
-          try {
-            run_offline(*r0, ps, o);
-            ADD_FAILURE() << "a step ran after the layout stopped";
-          } catch (const std::exception& e) {
-            EXPECT_NE(std::string(e.what()).find("stopped after a failed step"), std::string::npos) << e.what();
-          }
+          works_then_fails(*r0, armed, "node 1 failed: injected failure on node 1", std::chrono::seconds(10), 1,
+                           "node 1 failed");
         },
         &follower_error, [](ParallelConfig& pc) { pc.step_timeout = std::chrono::seconds(40); },
         [&](ParallelConfig& pc) {

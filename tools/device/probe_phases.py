@@ -6,20 +6,18 @@ taken relative to the kernel's first wait return; per tag this prints, averaged 
 size, the earliest block, the median block and the last block, plus the next kernel's first wait return ("next").
 usage: probe_phases.py RECORDS BLOCKS   (e.g. 128 for mla_one_token at V2-Lite's 16 heads)
 """
+import os
 import statistics
 import sys
 from collections import defaultdict
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from probe_timeline import read_records  # noqa: E402
+
 
 def main():
-    path, want = sys.argv[1], int(sys.argv[2])
-    grids = defaultdict(lambda: defaultdict(list))
-    blocks = defaultdict(set)
-    for line in open(path):
-        g, b, tag, t = line.split()
-        grids[g][int(tag)].append(int(t))
-        blocks[g].add(int(b))
-    order = sorted((min(v[1]) if v[1] else min(v[0]), g) for g, v in grids.items())
+    want = int(sys.argv[2])
+    grids, blocks, order = read_records(sys.argv[1])
     per_tag = defaultdict(lambda: [[], [], []])
     nxt = []
     count = 0

@@ -14,15 +14,20 @@ from collections import defaultdict
 signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # quiet when piped into head
 
 
-def main():
-    path = sys.argv[1]
+def read_records(path):
+    """grids: grid -> tag -> times (ns); blocks: grid -> block indices; order: (first wait return, grid), sorted."""
     grids = defaultdict(lambda: defaultdict(list))
     blocks = defaultdict(set)
     for line in open(path):
         g, b, tag, t = line.split()
         grids[g][int(tag)].append(int(t))
         blocks[g].add(int(b))
-    ks = sorted((min(v[1]) if v[1] else min(v[0]), g) for g, v in grids.items())
+    order = sorted((min(v[1]) if v[1] else min(v[0]), g) for g, v in grids.items())
+    return grids, blocks, order
+
+
+def main():
+    grids, blocks, ks = read_records(sys.argv[1])
     t0 = ks[0][0]
     rows = []
     for i, (rel, g) in enumerate(ks):
