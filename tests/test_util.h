@@ -132,8 +132,6 @@ inline EngineOptions small_engine_options(bool overlap, int32_t num_pages = 160)
   return o;
 }
 
-// Submits token ids for max_new new tokens (EOS ignored), greedy unless `sp` is given; the future holds every new
-// token.
 // A request of `ids` for max_new tokens (EOS ignored) with `sp`'s sampling (greedy when null), on DP rank dp_rank
 // (-1: any); no output callback yet.
 inline GenerateRequest ids_request(const std::string& rid, std::vector<int32_t> ids, int32_t max_new,
@@ -149,6 +147,8 @@ inline GenerateRequest ids_request(const std::string& rid, std::vector<int32_t> 
   return g;
 }
 
+// Submits token ids for max_new new tokens (EOS ignored), greedy unless `sp` is given; the future holds every new
+// token.
 inline std::future<std::vector<int32_t>> submit_ids(EngineClient& e, const std::string& rid,
                                                     const std::vector<int32_t>& ids, int32_t max_new,
                                                     int32_t dp_rank = -1, const SamplingParams* sp = nullptr) {

@@ -26,8 +26,9 @@ class Communicator {
   // Copies root's t into every rank's t (same shape everywhere).
   virtual void broadcast(Tensor& t, int root) = 0;
   virtual void barrier() = 0;
-  // From any thread: collectives in flight, here and on the group's other ranks, return with an error instead of
-  // waiting for a rank that failed. The communicator is unusable afterwards. (One rank: nothing to wake.)
+  // From any thread: collectives in flight on this rank return with an error instead of waiting for a rank that
+  // failed (in-process groups wake every rank of the group; NCCL only this process's, so other nodes must be told:
+  // RankSet's kAbort / kFailed). The communicator is unusable afterwards. (One rank: nothing to wake.)
   virtual void abort() {}
 };
 

@@ -62,16 +62,22 @@ Prompts read_reference(const std::string& path) {
 }
 
 
-// Loads a model directory on a GPU backend of its own (weights are never freed: one backend per model).
+// A GPU backend of its own for one model (weights are never freed), with or without the one-launch attention of one
+// decode token.
+std::unique_ptr<Backend> model_backend(bool one_token = true) {
+  CudaBackendOptions o;
+  o.persistent_bytes = 4LL << 30;
+  o.scratch_bytes = 2LL << 30;
+  o.one_token_attention = one_token;
+  return make_cuda_backend(0, o);
+}
+
+// Loads a model directory on a GPU backend of its own.
 struct GpuModel {
   std::unique_ptr<Backend> backend;
   std::unique_ptr<DeepseekModel> model;
   GpuModel(const std::string& dir, bool dummy, bool one_token = true) {
-    CudaBackendOptions o;
-    o.persistent_bytes = 4LL << 30;
-    o.scratch_bytes = 2LL << 30;
-    o.one_token_attention = one_token;
-    backend = make_cuda_backend(0, o);
+    backend = model_backend(one_token);
     model = std::make_unique<DeepseekModel>(ModelConfig::from_file(dir), *backend);
     LoadOptions lo;
     lo.dummy = dummy;
@@ -102,10 +108,7 @@ void golden_family(const std::string& fam) {
     cm.load(dir, LoadOptions{});
     run_offline(cm, ref.prompts, prefill_only);
   }
-  CudaBackendOptions o;
-  o.persistent_bytes = 4LL << 30;
-  o.scratch_bytes = 2LL << 30;
-  auto gpu_be = make_cuda_backend(0, o);
+  auto gpu_be = model_backend();
   RouteReplayer forced(*gpu_be, log, true);
   DeepseekModel fm(cfg, forced);
   fm.load(dir, LoadOptions{});
@@ -168,11 +171,7 @@ TEST(CudaModel, OneTokenAttentionGoldenReal16) {
   }
   std::vector<Tensor> logits[2];
   for (int on = 0; on < 2; ++on) {
-    CudaBackendOptions o;
-    o.persistent_bytes = 4LL << 30;
-    o.scratch_bytes = 2LL << 30;
-    o.one_token_attention = on == 1;
-    auto be = make_cuda_backend(0, o);
+    auto be = model_backend(on == 1);
     RouteReplayer forced(*be, log, true);
     DeepseekModel m(cfg, forced);
     m.load(dir, LoadOptions{});
