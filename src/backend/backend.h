@@ -72,6 +72,8 @@ struct RowSampling {
   // device after resolve_prev_ids (overlap scheduling: the token sampled by the step still running). It counts as
   // one more occurrence of its id (added to its entry, or a new entry of count 1).
   int32_t pending_input = -1;
+  // (token id, bias) added to the logits before the penalties (-inf: never drawn), ids unique.
+  std::vector<std::pair<int32_t, float>> logit_bias;
 };
 
 class Backend {

@@ -1,7 +1,10 @@
 #include "engine/engine.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <utility>
 
 #include "core/log.h"
@@ -75,6 +78,19 @@ void Engine::submit(GenerateRequest req) {
   const int64_t V = ranks_->config().vocab_size;
   for (int32_t id : req.input_ids)
     MLA_CHECK(id >= 0 && id < V, "token id {} is outside the vocabulary [0, {})", id, V);
+  const SamplingParams& sp = req.sampling;
+  std::vector<int32_t> biased;
+  biased.reserve(sp.logit_bias.size());
+  for (const auto& [id, bias] : sp.logit_bias) {
+    MLA_CHECK(id >= 0 && id < V, "logit_bias: token id {} is outside the vocabulary [0, {})", id, V);
+    MLA_CHECK(std::isfinite(bias), "logit_bias: the bias of token {} is not a finite number", id);
+    biased.push_back(id);
+  }
+  std::sort(biased.begin(), biased.end());
+  const auto twice = std::adjacent_find(biased.begin(), biased.end());
+  MLA_CHECK(twice == biased.end(), "logit_bias: token id {} appears twice", twice == biased.end() ? 0 : *twice);
+  MLA_CHECK(sp.min_new_tokens >= 0 && sp.min_new_tokens <= sp.max_new_tokens,
+            "min_new_tokens ({}) must be between 0 and max_new_tokens ({})", sp.min_new_tokens, sp.max_new_tokens);
   scheds_[0]->validate(req);  // reads only the immutable config
   MLA_CHECK(req.data_parallel_rank < ranks_->dp_groups(), "data_parallel_rank {} is out of range (dp size {})",
             req.data_parallel_rank, ranks_->dp_groups());
@@ -230,6 +246,21 @@ void Engine::deliver_outputs() {
   out_cv_.notify_one();
 }
 
+// A draw before min_new_tokens: the request's stop tokens get -inf (an entry of their own or the bias's entry).
+void Engine::ban_stop_tokens(const SamplingParams& sp, RowSampling& row) const {
+  auto ban = [&](int32_t id) {
+    for (auto& [tok, bias] : row.logit_bias)
+      if (tok == id) {
+        bias = -std::numeric_limits<float>::infinity();
+        return;
+      }
+    row.logit_bias.emplace_back(id, -std::numeric_limits<float>::infinity());
+  };
+  for (int32_t id : sp.stop_token_ids) ban(id);
+  if (!sp.ignore_eos)
+    for (int32_t id : opts_.eos_token_ids) ban(id);
+}
+
 std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<StepPlan>& plans,
                                                             LogitRows& logit_rows) {
   std::vector<std::vector<RowSampling>> rows(plans.size());
@@ -239,6 +270,8 @@ std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<St
       if (s.wants_logits) {
         RowSampling row = s.req->sampler.row(s.req->sampling);
         row.step += static_cast<uint64_t>(s.req->in_flight);  // draws of tokens still in flight
+        if (row.step < static_cast<uint64_t>(std::max(s.req->sampling.min_new_tokens, 0)))
+          ban_stop_tokens(s.req->sampling, row);
         if (s.req->in_flight > 0 && penalised(s.req->sampling)) {
           // The token still in flight is this row's input (an id read on the device): the sampler counts it there.
           const ForwardBatch& b = plans[g].batch;

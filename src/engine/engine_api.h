@@ -27,6 +27,11 @@ struct SamplingParams {
   float repetition_penalty = 1.0f;
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
+  // The first min_new_tokens tokens are never a stop token (EOS unless ignore_eos, stop_token_ids: their logits are
+  // -inf for those draws), and stop strings are not looked for in their text.
+  int32_t min_new_tokens = 0;
+  // (token id, bias) added to the token's logit before penalties and temperature (OpenAI logit_bias); ids unique.
+  std::vector<std::pair<int32_t, float>> logit_bias;
   std::optional<uint64_t> seed;  // per-request seed: same seed, same prompt -> same sample
   bool return_logprob = false;   // logprob of every generated token
   int32_t top_logprobs_num = 0;  // and the top-N alternatives at each step

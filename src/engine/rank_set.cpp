@@ -73,6 +73,7 @@ void put_sampling(std::string& o, const std::vector<RowSampling>& rows) {
     put_pod(o, r.step);
     put_vec(o, r.penalty_counts);
     put_pod(o, r.pending_input);
+    put_vec(o, r.logit_bias);
   }
 }
 std::vector<RowSampling> get_sampling(const char*& p, const char* end) {
@@ -91,6 +92,7 @@ std::vector<RowSampling> get_sampling(const char*& p, const char* end) {
     r.step = get<uint64_t>(p, end);
     r.penalty_counts = get_vec<std::pair<int32_t, int32_t>>(p, end);
     r.pending_input = get<int32_t>(p, end);
+    r.logit_bias = get_vec<std::pair<int32_t, float>>(p, end);
   }
   return rows;
 }

@@ -18,6 +18,7 @@ RowSampling SamplerState::row(const SamplingParams& p) const {
   r.repetition_penalty = p.repetition_penalty;
   r.seed = seed;
   r.step = step;
+  r.logit_bias = p.logit_bias;
   if (penalised(p)) {
     r.penalty_counts.assign(output_counts.begin(), output_counts.end());
     std::sort(r.penalty_counts.begin(), r.penalty_counts.end());

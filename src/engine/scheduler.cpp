@@ -356,9 +356,11 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     ++counters_.generation_tokens_total;
     const SamplingParams& sp = r.sampling;
     FinishReason f;
-    if (std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), sr.token) != sp.stop_token_ids.end() ||
-        (!sp.ignore_eos && std::find(cfg_.eos_token_ids.begin(), cfg_.eos_token_ids.end(), sr.token) !=
-                               cfg_.eos_token_ids.end())) {
+    const bool may_stop = r.output.size() > static_cast<size_t>(std::max(sp.min_new_tokens, 0));
+    if (may_stop &&
+        (std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), sr.token) != sp.stop_token_ids.end() ||
+         (!sp.ignore_eos && std::find(cfg_.eos_token_ids.begin(), cfg_.eos_token_ids.end(), sr.token) !=
+                                cfg_.eos_token_ids.end()))) {
       f.kind = FinishKind::Stop;
       f.matched_token = sr.token;
     } else if (static_cast<int32_t>(r.output.size()) >= sp.max_new_tokens ||

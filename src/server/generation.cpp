@@ -1,5 +1,7 @@
 #include "server/generation.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "core/log.h"
 
@@ -103,7 +105,10 @@ void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
       to_decode.back() == out.finish.matched_token)
     to_decode.pop_back();
   TextState& ts = text_[i];
-  c.text += ts.stop.push(ts.detok ? ts.detok->push(to_decode) : std::string());
+  // Stop strings count from the min_new_tokens-th token on (SGLang looks for them once that many were generated).
+  const bool search = c.output_ids.size() >= static_cast<size_t>(std::max(spec_.sampling.min_new_tokens, 0));
+  const std::string piece = ts.detok ? ts.detok->push(to_decode) : std::string();
+  c.text += search ? ts.stop.push(piece) : ts.stop.pass(piece);
   if (ts.stop.matched()) {
     FinishReason r;
     r.kind = FinishKind::Stop;

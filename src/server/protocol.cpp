@@ -1,5 +1,7 @@
 #include "server/protocol.h"
 
+#include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <limits>
 
@@ -169,13 +171,37 @@ void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_
       s.stop_token_ids.push_back(static_cast<int32_t>(
           Fields::as_integer((*v)[i], fmt::format("{}[{}]", p, i), 0, std::numeric_limits<int32_t>::max())));
   }
-  f.reject_unsupported("logit_bias", "no logit bias in the sampler");
+  if (const json* v = f.get("logit_bias")) {
+    // {"<token id>": bias in [-100, 100]} (OpenAI; SGLang's sampling_params take the same object).
+    const std::string p = f.param("logit_bias");
+    if (!v->is_object())
+      bad_request(p, "invalid_type", "'{}' must be an object of token id -> bias, got {}", p, type_name(*v));
+    for (const auto& [key, bias] : v->items()) {
+      int64_t id = -1;
+      const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), id);
+      if (ec != std::errc() || end != key.data() + key.size() || id < 0 || id > std::numeric_limits<int32_t>::max())
+        bad_request(p, "invalid_value", "'{}' keys must be token ids (non-negative integers), got \"{}\"", p, key);
+      if (!bias.is_number() || !std::isfinite(bias.get<double>()) || bias.get<double>() < -100.0 ||
+          bias.get<double>() > 100.0)
+        bad_request(p, "invalid_value", "'{}[\"{}\"]' must be a number in [-100, 100], got {}", p, key, bias.dump());
+      s.logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(bias.get<double>()));
+    }
+    std::sort(s.logit_bias.begin(), s.logit_bias.end());
+    for (size_t i = 1; i < s.logit_bias.size(); ++i)
+      if (s.logit_bias[i].first == s.logit_bias[i - 1].first)
+        bad_request(p, "invalid_value", "'{}' names token {} twice", p, s.logit_bias[i].first);
+  }
   f.reject_unsupported("regex", "no constrained decoding");
   f.reject_unsupported("json_schema", "no constrained decoding");
   f.reject_unsupported("ebnf", "no constrained decoding");
-  if (auto v = f.integer("min_new_tokens", 0, std::numeric_limits<int32_t>::max()); v && *v > 0)
-    bad_request(f.param("min_new_tokens"), "unsupported_parameter", "'{}' > 0 is not supported by this server",
-                f.param("min_new_tokens"));
+  // SGLang's min_new_tokens; vLLM's and SGLang's OpenAI endpoints call it min_tokens.
+  for (const char* key : {"min_new_tokens", "min_tokens"})
+    if (auto v = f.integer(key, 0, std::numeric_limits<int32_t>::max())) {
+      s.min_new_tokens = static_cast<int32_t>(*v);
+      if (r.max_new_tokens_given && s.min_new_tokens > s.max_new_tokens)
+        bad_request(f.param(key), "invalid_value", "'{}' ({}) must not exceed the maximum number of new tokens ({})",
+                    f.param(key), s.min_new_tokens, s.max_new_tokens);
+    }
 }
 
 void parse_stream_options(const Fields& f, ParsedRequest& r) {

@@ -44,6 +44,14 @@ StopStringMatcher::StopStringMatcher(std::vector<std::string> stops) : stops_(st
   std::erase_if(stops_, [](const std::string& s) { return s.empty(); });
 }
 
+std::string StopStringMatcher::pass(std::string_view text) {
+  if (matched_) return {};
+  std::string out = std::move(held_);
+  held_.clear();
+  out.append(text);
+  return out;
+}
+
 std::string StopStringMatcher::push(std::string_view text) {
   if (matched_) return {};
   if (stops_.empty()) return std::string(text);

@@ -39,6 +39,8 @@ class StopStringMatcher {
  public:
   explicit StopStringMatcher(std::vector<std::string> stops);
   std::string push(std::string_view text);
+  // Text not to be searched (before the request's min_new_tokens): returned with what was held back.
+  std::string pass(std::string_view text);
   std::string flush();  // generation ended without a match: the held-back text is real output
   const std::optional<std::string>& matched() const { return matched_; }
   bool empty() const { return stops_.empty(); }

@@ -308,6 +308,40 @@ TEST_F(ServerE2E, StopStringsOnRealTokens) {
   wait_idle(port());
 }
 
+// logit_bias through the native and the OpenAI API; min_new_tokens / min_tokens: a stop string in the first tokens'
+// text is not looked for there (and the output runs on past it).
+TEST_F(ServerE2E, LogitBiasAndMinTokens) {
+  auto g = post_json(port(), "/generate", R"({"text": "Once upon a time",
+      "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": true}})");
+  const std::vector<int32_t> ids = g["output_ids"];
+  const std::string full = g["text"];
+  ASSERT_EQ(ids.size(), 8u);
+  const int32_t forced = ids[0] == 300 ? 301 : 300;
+  auto n = post_json(port(), "/generate", R"({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 4,
+      "temperature": 0, "ignore_eos": true, "logit_bias": {")" + std::to_string(forced) + R"(": 100}}})");
+  EXPECT_EQ(n["output_ids"], json(std::vector<int32_t>(4, forced)));
+  auto c = post_json(port(), "/v1/completions", R"({"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0,
+      "logit_bias": {")" + std::to_string(ids[0]) + R"(": -100}})");
+  const std::string banned_text = c["choices"][0]["text"];
+  EXPECT_NE(banned_text.substr(0, std::min(banned_text.size(), full.size())), full.substr(0, banned_text.size()))
+      << "the greedy first token was not replaced";
+
+  auto first = post_json(port(), "/generate",
+                         R"({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 1, "temperature": 0}})");
+  const std::string stop = first["text"];  // the first token's text: the output's first piece
+  ASSERT_FALSE(stop.empty());
+  auto plain = post_json(port(), "/v1/completions", R"({"prompt": "Once upon a time", "max_tokens": 8,
+      "temperature": 0, "ignore_eos": true, "stop": )" + json(stop).dump() + "}");
+  EXPECT_EQ(plain["choices"][0]["text"], "");
+  EXPECT_EQ(plain["choices"][0]["finish_reason"], "stop");
+  auto held = post_json(port(), "/v1/completions", R"({"prompt": "Once upon a time", "max_tokens": 8,
+      "temperature": 0, "ignore_eos": true, "min_tokens": 3, "stop": )" + json(stop).dump() + "}");
+  const std::string text = held["choices"][0]["text"];
+  EXPECT_EQ(text.substr(0, stop.size()), stop);  // the first piece stays
+  EXPECT_GE(held["usage"]["completion_tokens"].get<int>(), 3);
+  wait_idle(port());
+}
+
 TEST_F(ServerE2E, BadRequestsGet4xx) {
   struct Case {
     std::string path, body;
@@ -331,6 +365,11 @@ TEST_F(ServerE2E, BadRequestsGet4xx) {
       {"/v1/completions", R"({"model": "gpt-4o", "prompt": "x"})", 404},
       {"/v1/completions", R"({"prompt": "x", "max_tokens": -4})", 400},
       {"/v1/completions", R"({"prompt": "x", "presence_penalty": 99})", 400},
+      {"/v1/completions", R"({"prompt": "x", "logit_bias": {"999999999": 5}})", 400},
+      {"/v1/completions", R"({"prompt": "x", "logit_bias": {"5": 500}})", 400},
+      {"/v1/completions", R"({"prompt": "x", "max_tokens": 2, "min_tokens": 9})", 400},
+      {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                   "min_tokens": 9})", 400},
       {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": 1}]})", 400},
       {"/v1/chat/completions", R"({"messages": "hi"})", 400},
       {"/v1/chat/completions", R"({"model": "tiny-v3", "messages": [{"role": "user", "content": "x"}], "top_p": -1})", 400},

@@ -202,6 +202,53 @@ TEST_P(EngineTest, StopTokenEndsTheRequestAtThatToken) {
   expect_no_leak(*e);
 }
 
+// logit_bias moves the greedy choice (+100 on one token makes it every token; -100 on the greedy first token replaces
+// it); min_new_tokens keeps a stop token out of the first tokens (with overlap the draw index counts the token in
+// flight) and ends the request at its first appearance after them. Bad values are refused at submit.
+TEST_P(EngineTest, LogitBiasAndMinNewTokens) {
+  auto e = make(512);
+  const int32_t first = greedy_[3][0], forced = first == 7 ? 8 : 7;
+  SamplingParams up;
+  up.logit_bias = {{forced, 100.0f}};
+  SamplingParams ban;
+  ban.logit_bias = {{first, -100.0f}};
+  SamplingParams early;  // stops at the first token without min_new_tokens
+  early.stop_token_ids = {first};
+  SamplingParams late = early;
+  late.min_new_tokens = 3;
+  late.logit_bias = {{first, 30.0f}};  // without the ban every token would be `first`
+  auto fu = submit(*e, "up", prompts_[3], 6, up);
+  auto fb = submit(*e, "ban", prompts_[3], 2, ban);
+  auto fe = submit(*e, "early", prompts_[3], 6, early);
+  auto fl = submit(*e, "late", prompts_[3], 8, late);
+  EXPECT_EQ(wait(fu).tokens, std::vector<int32_t>(6, forced));
+  const Result b = wait(fb);
+  ASSERT_FALSE(b.tokens.empty());
+  EXPECT_NE(b.tokens[0], first);
+  const Result re = wait(fe);
+  EXPECT_EQ(re.tokens, std::vector<int32_t>{first});
+  EXPECT_EQ(re.finish.kind, FinishKind::Stop);
+  const Result rl = wait(fl);
+  ASSERT_EQ(rl.tokens.size(), 4u);  // three tokens that are not `first`, then `first` (biased to win) stops it
+  for (size_t i = 0; i < 3; ++i) EXPECT_NE(rl.tokens[i], first) << i;
+  EXPECT_EQ(rl.tokens[3], first);
+  EXPECT_EQ(rl.finish.kind, FinishKind::Stop);
+  EXPECT_EQ(rl.finish.matched_token, first);
+
+  GenerateRequest bad;
+  bad.rid = "bad";
+  bad.input_ids = {1, 2};
+  bad.sampling.logit_bias = {{100000, 1.0f}};  // outside the vocabulary
+  EXPECT_THROW(e->submit(bad), Error);
+  bad.sampling.logit_bias = {{3, 1.0f}, {3, 2.0f}};
+  EXPECT_THROW(e->submit(bad), Error);
+  bad.sampling.logit_bias.clear();
+  bad.sampling.max_new_tokens = 4;
+  bad.sampling.min_new_tokens = 5;
+  EXPECT_THROW(e->submit(bad), Error);
+  expect_no_leak(*e);
+}
+
 TEST_P(EngineTest, SeededSamplingIsReproducible) {
   auto e = make(512);
   SamplingParams sp;

@@ -3,6 +3,7 @@
 // long contexts, experts that receive no tokens, batches of zero tokens.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -777,6 +778,22 @@ TEST(CudaOps, SampleMatchesCpu) {
       }
     }
     sample_both(lg, ps, "V " + std::to_string(V));
+    // The same rows with logit biases (before the penalties): a greedy row (off the split path) pushed to a biased
+    // token, sampled rows with banned tokens (-inf) and the penalised row biased on its penalised ids.
+    for (int64_t r = 0; r < R; ++r) {
+      RowSampling& sp = ps[static_cast<size_t>(r)];
+      const int32_t t = static_cast<int32_t>((r * 37 + 11) % V);
+      sp.logit_bias = {{t, r % 2 ? 4.0f : 40.0f}, {static_cast<int32_t>(V - 1 - r), -2.5f}};
+      if (r % 6 == 4) sp.logit_bias.emplace_back(3, 1.5f);
+      if (r % 6 == 1 || r % 6 == 5) {  // ban this row's greedy choice and a few more
+        const float* l = lg.data_as<float>() + r * V;
+        const int32_t best = static_cast<int32_t>(std::max_element(l, l + V) - l);
+        sp.logit_bias = {{best, -std::numeric_limits<float>::infinity()},
+                         {static_cast<int32_t>((best + 1) % V), -std::numeric_limits<float>::infinity()}};
+      }
+    }
+    const std::vector<int32_t> ids = sample_both(lg, ps, "V " + std::to_string(V) + " biased");
+    for (int64_t r = 0; r < R; r += 6) EXPECT_EQ(ids[static_cast<size_t>(r)], (r * 37 + 11) % V) << "row " << r;
   }
   // Greedy rows split over many blocks (1 and 3 rows): the row maximum appears twice, in different parts, and the
   // lower index wins, as on the CPU.

@@ -157,6 +157,11 @@ TEST(MultiNode, EngineOverlapsOnEveryNode) {
     std::vector<std::future<std::vector<int32_t>>> fs;
     for (size_t j = 0; j < ps.size(); ++j)
       fs.push_back(test::submit_ids(e, "r" + std::to_string(j), ps[j], 12, -1, j % 2 ? &favour : nullptr));
+    SamplingParams forced;  // a logit bias travels with the row to the sampling rank: every token is 5
+    forced.temperature = 0.0f;
+    forced.logit_bias = {{5, 100.0f}};
+    const int32_t last_group = static_cast<int32_t>(e.stats().size()) - 1;  // on node 1 with DP attention 2/2
+    fs.push_back(test::submit_ids(e, "forced", ps[0], 6, last_group > 0 ? last_group : -1, &forced));
     std::vector<std::vector<int32_t>> out;
     for (auto& f : fs) out.push_back(test::wait_ids(f));
     test::expect_engine_idle_and_clean(e);
@@ -164,6 +169,7 @@ TEST(MultiNode, EngineOverlapsOnEveryNode) {
   };
   const auto [ref, ref_steps] = run(test::cpu_ranks("v2"), false);
   EXPECT_EQ(ref_steps, 0);
+  EXPECT_EQ(ref.back(), std::vector<int32_t>(6, 5));
   for (auto [tp, dp] : {std::pair{2, 1}, std::pair{2, 2}}) {
     SCOPED_TRACE("tp " + std::to_string(tp) + " dp " + std::to_string(dp));
     std::vector<std::vector<int32_t>> got;

@@ -111,6 +111,21 @@ TEST(Protocol, BadRequestsNameTheField) {
       {"n", R"({"text": "a", "stream": 1})", "stream", "invalid_type"},
       {"n", R"({"text": "a", "top_logprobs_num": 1000})", "top_logprobs_num", "invalid_value"},
       {"n", R"({"text": "a", "sampling_params": {"regex": "a+"}})", "sampling_params.regex", "unsupported_parameter"},
+      {"n", R"({"text": "a", "sampling_params": {"logit_bias": [1]}})", "sampling_params.logit_bias", "invalid_type"},
+      {"n", R"({"text": "a", "sampling_params": {"logit_bias": {"x": 1}}})", "sampling_params.logit_bias",
+       "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"logit_bias": {"-3": 1}}})", "sampling_params.logit_bias",
+       "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"logit_bias": {"3": 101}}})", "sampling_params.logit_bias",
+       "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"logit_bias": {"3": "up"}}})", "sampling_params.logit_bias",
+       "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"logit_bias": {"3": 1, "03": 2}}})", "sampling_params.logit_bias",
+       "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"min_new_tokens": -1}})", "sampling_params.min_new_tokens",
+       "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"max_new_tokens": 4, "min_new_tokens": 5}})",
+       "sampling_params.min_new_tokens", "invalid_value"},
       {"c", R"({})", "prompt", "invalid_value"},
       {"c", R"({"prompt": {}})", "prompt", "invalid_type"},
       {"c", R"({"prompt": "a", "max_tokens": 0})", "max_tokens", "invalid_value"},
@@ -118,6 +133,8 @@ TEST(Protocol, BadRequestsNameTheField) {
       {"c", R"({"prompt": "a", "stream_options": {"include_usage": true}})", "stream_options", "invalid_value"},
       {"c", R"({"prompt": "a", "best_of": 3})", "best_of", "unsupported_parameter"},
       {"c", R"({"prompt": "a", "model": 7})", "model", "invalid_type"},
+      {"c", R"({"prompt": "a", "max_tokens": 2, "min_tokens": 3})", "min_tokens", "invalid_value"},
+      {"c", R"({"prompt": "a", "logit_bias": {"5": -100.5}})", "logit_bias", "invalid_value"},
       {"h", R"({})", "messages", "invalid_value"},
       {"h", R"({"messages": []})", "messages", "invalid_value"},
       {"h", R"({"messages": "hi"})", "messages", "invalid_type"},
@@ -145,6 +162,25 @@ TEST(Protocol, BadRequestsNameTheField) {
       EXPECT_EQ(e.code, c.code) << e.what();
     }
   }
+}
+
+TEST(Protocol, LogitBiasAndMinTokens) {
+  ParsedRequest r = parse_completions(
+      json::parse(R"({"prompt": "a", "logit_bias": {"50256": -100, "7": 2.5, "0": 100}, "min_tokens": 3})"), {});
+  using Bias = std::vector<std::pair<int32_t, float>>;
+  EXPECT_EQ(r.sampling.logit_bias, (Bias{{0, 100.0f}, {7, 2.5f}, {50256, -100.0f}}));  // sorted by id
+  EXPECT_EQ(r.sampling.min_new_tokens, 3);
+  r = parse_native(json::parse(R"({"text": "a", "sampling_params": {"logit_bias": {"9": 1}, "min_new_tokens": 2}})"),
+                   {});
+  EXPECT_EQ(r.sampling.logit_bias, (Bias{{9, 1.0f}}));
+  EXPECT_EQ(r.sampling.min_new_tokens, 2);
+  r = parse_chat(json::parse(R"({"messages": [{"role": "user", "content": "x"}], "min_tokens": 4, "logit_bias": {}})"),
+                 {});
+  EXPECT_TRUE(r.sampling.logit_bias.empty());
+  EXPECT_EQ(r.sampling.min_new_tokens, 4);
+  r = parse_completions(json::parse(R"({"prompt": "a"})"), {});
+  EXPECT_TRUE(r.sampling.logit_bias.empty());
+  EXPECT_EQ(r.sampling.min_new_tokens, 0);
 }
 
 TEST(Protocol, BodyMustBeJsonObject) {

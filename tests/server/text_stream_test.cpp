@@ -60,6 +60,18 @@ TEST(StopStringMatcher, NoStopsPassesThrough) {
   EXPECT_FALSE(m.matched());
 }
 
+// Text before a request's min_new_tokens is passed through unsearched, with what was held back before it.
+TEST(StopStringMatcher, PassedTextIsNotSearched) {
+  StopStringMatcher m({"STOP"});
+  EXPECT_EQ(m.pass("aSTOPb"), "aSTOPb");
+  EXPECT_FALSE(m.matched());
+  EXPECT_EQ(m.push("xST"), "x");
+  EXPECT_EQ(m.pass("O"), "STO");  // the held prefix goes out with the passed text
+  EXPECT_EQ(m.push("cSTOPd"), "c");
+  ASSERT_TRUE(m.matched());
+  EXPECT_EQ(m.pass("more"), "");
+}
+
 TEST(StopStringMatcher, MatchAcrossPiecesIsNeverEmitted) {
   StopStringMatcher m({"STOP"});
   std::string out;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <map>
 #include <set>
 #include <vector>
@@ -132,6 +133,33 @@ TEST(Sampling, Penalties) {
   neg.penalty_counts = {{2, 1}};
   auto ids = run(*be, l, 3, {rep, freq, pres, neg});
   EXPECT_EQ(ids, (std::vector<int32_t>{1, 1, 0, 0}));
+}
+
+// logit_bias is added to the logits first: it moves the argmax, -inf bans a token even at temperature > 0, and the
+// penalties apply to the biased logit (repetition divides it).
+TEST(Sampling, LogitBiasComesFirst) {
+  auto be = make_cpu_backend();
+  std::vector<float> l = {2.0f, 1.9f, -1.0f};
+  RowSampling up;
+  up.logit_bias = {{2, 3.5f}};  // -1 + 3.5 = 2.5 > 2.0
+  RowSampling down;
+  down.logit_bias = {{0, -0.2f}};  // 1.8 < 1.9
+  RowSampling ban;  // sampled at temperature 1 with only tokens 0 and 2 left possible... token 0 banned too
+  ban.temperature = 1.0f;
+  ban.seed = 5;
+  ban.logit_bias = {{0, -std::numeric_limits<float>::infinity()}, {1, -std::numeric_limits<float>::infinity()}};
+  RowSampling rep;  // (2.0 + 2.0) / 2 = 2.0 < 1.9 + 0.5: bias before the repetition penalty
+  rep.repetition_penalty = 2.0f;
+  rep.penalty_counts = {{0, 1}};
+  rep.logit_bias = {{0, 2.0f}, {1, 0.5f}};
+  std::vector<float> lps;
+  auto ids = run(*be, l, 3, {up, down, ban, rep}, &lps);
+  EXPECT_EQ(ids, (std::vector<int32_t>{2, 1, 2, 1}));
+  EXPECT_NEAR(lps[2], 0.0f, 1e-6f);  // the only token left
+  for (uint64_t step = 0; step < 20; ++step) {  // never a banned token, whatever the noise
+    ban.step = step;
+    EXPECT_EQ(run(*be, l, 3, {ban})[0], 2);
+  }
 }
 
 // A token still in flight (overlap scheduling) is this step's input id, resolved from the previous step's samples;

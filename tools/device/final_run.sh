@@ -78,9 +78,11 @@ for X in "tp1:" "tp2:--tp 2" "dpa2:--tp 2 --dp 2 --enable-dp-attention"; do
     lim 60 python3 tools/device/greedy_ids.py $PORT --n 6 --new 32 --top-logprobs > /tmp/ovt-$n-$mode.json 2>> $L/ov-$n-$mode.err
     lim 60 python3 tools/device/greedy_ids.py $PORT --n 6 --new 32 --top-logprobs --concurrent > /tmp/ovtc-$n-$mode.json 2>> $L/ov-$n-$mode.err
     echo "== overlap $mode $n, concurrent, half asking top logprobs: best alternative = the token in $(python3 tools/device/greedy_ids.py --check-top /tmp/ovtc-$n-$mode.json)"
+    lim 60 python3 tools/device/greedy_ids.py $PORT --n 6 --new 32 --bias --concurrent > /tmp/ovb-$n-$mode.json 2>> $L/ov-$n-$mode.err
+    echo "== overlap $mode $n, concurrent, half with logit_bias + min_new_tokens: expected tokens in $(python3 tools/device/greedy_ids.py --check-bias /tmp/ovb-$n-$mode.json)"
     stop_server
   done
-  echo "== $n overlap on vs off, sequential greedy ids: $(cmp -s /tmp/ov-$n-on.json /tmp/ov-$n-off.json && echo IDENTICAL || echo DIFFERENT) ($(wc -c < /tmp/ov-$n-on.json) bytes); concurrent: $(cmp -s /tmp/ovc-$n-on.json /tmp/ovc-$n-off.json && echo identical || echo different); penalised (sequential): $(cmp -s /tmp/ovp-$n-on.json /tmp/ovp-$n-off.json && echo IDENTICAL || echo DIFFERENT), differ from plain greedy: $(cmp -s /tmp/ovp-$n-on.json /tmp/ov-$n-on.json && echo no || echo yes); with top logprobs: $(cmp -s /tmp/ovt-$n-on.json /tmp/ovt-$n-off.json && echo IDENTICAL || echo DIFFERENT) ($(wc -c < /tmp/ovt-$n-on.json) bytes)"
+  echo "== $n overlap on vs off, sequential greedy ids: $(cmp -s /tmp/ov-$n-on.json /tmp/ov-$n-off.json && echo IDENTICAL || echo DIFFERENT) ($(wc -c < /tmp/ov-$n-on.json) bytes); concurrent: $(cmp -s /tmp/ovc-$n-on.json /tmp/ovc-$n-off.json && echo identical || echo different); penalised (sequential): $(cmp -s /tmp/ovp-$n-on.json /tmp/ovp-$n-off.json && echo IDENTICAL || echo DIFFERENT), differ from plain greedy: $(cmp -s /tmp/ovp-$n-on.json /tmp/ov-$n-on.json && echo no || echo yes); with top logprobs: $(cmp -s /tmp/ovt-$n-on.json /tmp/ovt-$n-off.json && echo IDENTICAL || echo DIFFERENT) ($(wc -c < /tmp/ovt-$n-on.json) bytes); biased (concurrent): $(cmp -s /tmp/ovb-$n-on.json /tmp/ovb-$n-off.json && echo IDENTICAL || echo DIFFERENT)"
 done
 fi
 serve_bench() {  # name, serve flags..., -- bench flags...

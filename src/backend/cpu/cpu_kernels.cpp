@@ -269,6 +269,8 @@ void count_token(std::vector<std::pair<int32_t, int32_t>>& counts, int32_t id) {
 
 void sample_row(const float* logits, int64_t V, const RowSampling& sp, float* x, int32_t* id, float* logprob) {
   std::copy(logits, logits + V, x);
+  for (const auto& [tok, bias] : sp.logit_bias)
+    if (tok >= 0 && tok < V) x[tok] += bias;
   for (const auto& [tok, cnt] : sp.penalty_counts) {
     if (tok < 0 || tok >= V || cnt <= 0) continue;
     x[tok] = penalised_logit(x[tok], sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty, cnt);

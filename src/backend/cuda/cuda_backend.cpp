@@ -1348,7 +1348,8 @@ void CudaBackend::sample(const Tensor& logits, std::span<const RowSampling> para
   if (R == 0) return;
   MLA_CHECK(!capturing_, "sampling is not recorded in graphs (it runs after the replay)");
   std::vector<cuda::SampleRow> rows(static_cast<size_t>(R));
-  std::vector<int32_t> ptok, pcnt;
+  std::vector<int32_t> ptok, pcnt, btok;
+  std::vector<float> bval;
   for (int64_t r = 0; r < R; ++r) {
     const RowSampling& s = params[static_cast<size_t>(r)];
     cuda::SampleRow& o = rows[static_cast<size_t>(r)];
@@ -1368,12 +1369,20 @@ void CudaBackend::sample(const Tensor& logits, std::span<const RowSampling> para
     }
     o.penalty_end = static_cast<int32_t>(ptok.size());
     o.pending_input = s.pending_input;
+    o.bias_begin = static_cast<int32_t>(btok.size());
+    for (const auto& [tok, bias] : s.logit_bias) {
+      btok.push_back(tok);
+      bval.push_back(bias);
+    }
+    o.bias_end = static_cast<int32_t>(btok.size());
   }
   MetaUpload up(*this);
   cuda::SampleParams sp{};
   sp.rows = up.add(rows);
   sp.penalty_tokens = up.add(ptok);
   sp.penalty_counts = up.add(pcnt);
+  sp.bias_tokens = up.add(btok);
+  sp.bias_values = up.add(bval);
   sp.input_ids = d_input_ids_;
   up.flush();
   const size_t mark = scratch_mark();

@@ -76,7 +76,8 @@ __device__ float row_sum_exp(const float* x, int64_t V, float mx, float* red) {
 // merges the parts in order. Other rows return at once.
 constexpr int kSplitThreads = 256, kMaxSplit = 64, kMinSplitLen = 1024;
 __device__ __forceinline__ bool plain_greedy(const SampleRow& row) {
-  return row.temperature <= 0.0f && row.penalty_begin == row.penalty_end && row.pending_input < 0;
+  return row.temperature <= 0.0f && row.penalty_begin == row.penalty_end && row.pending_input < 0 &&
+         row.bias_begin == row.bias_end;
 }
 
 __global__ void __launch_bounds__(kSplitThreads) greedy_parts_kernel(const SampleParams p, int32_t parts) {
@@ -156,6 +157,11 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
     return;
   }
   for (int64_t v = tid; v < V; v += blockDim.x) x[v] = lg[v];
+  __syncthreads();
+  for (int i = row.bias_begin + tid; i < row.bias_end; i += blockDim.x) {
+    const int32_t tok = p.bias_tokens[i];
+    if (tok >= 0 && tok < V) x[tok] += p.bias_values[i];
+  }
   __syncthreads();
   // The pending token (a generated token still in flight when the row was built) counts once more: in its entry
   // when the list has one, else as an entry of its own (cpu::count_token).
