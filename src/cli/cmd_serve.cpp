@@ -201,7 +201,7 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
   app.add_option("--page-size", a->page_size, "tokens per KV-cache page")->capture_default_str();
   app.add_option("--context-length", a->context_length, "context length (0: the model's)");
   app.add_flag("--skip-tokenizer-init", a->skip_tokenizer_init, "no tokenizer: token ids in and out only");
-  app.add_option("--stream-interval", a->stream_interval, "tokens per streamed chunk (only 1)");
+  app.add_option("--stream-interval", a->stream_interval, "tokens per streamed chunk (>= 1)")->capture_default_str();
   app.add_option("--max-body-bytes", a->max_body_bytes, "largest request body accepted")->capture_default_str();
   app.add_option("--num-http-threads", a->num_http_threads,
                  "HTTP io threads (0: half the cores, 4 to 16; streaming many requests needs several)")
@@ -215,7 +215,6 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     not_implemented(s.dtype != "auto" && s.dtype != "bfloat16" && s.dtype != "bf16", fmt::format("--dtype {}", s.dtype));
     not_implemented(s.kv_cache_dtype != "auto" && s.kv_cache_dtype != "bfloat16" && s.kv_cache_dtype != "bf16",
                     fmt::format("--kv-cache-dtype {}", s.kv_cache_dtype));
-    not_implemented(s.stream_interval != 1, fmt::format("--stream-interval {} (only 1)", s.stream_interval));
     MLA_CHECK(s.nnodes >= 1 && s.node_rank >= 0 && s.node_rank < s.nnodes, "--node-rank {} must be in [0, --nnodes {})",
               s.node_rank, s.nnodes);
     MLA_CHECK(s.nnodes == 1 || !s.dist_init_addr.empty(), "--nnodes {} needs --dist-init-addr host:port", s.nnodes);
@@ -225,6 +224,7 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
       s.num_http_threads = static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency() / 2, 4, 16));
     MLA_CHECK(s.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024");
     MLA_CHECK(s.max_n >= 1, "--max-n must be at least 1");
+    MLA_CHECK(s.stream_interval >= 1, "--stream-interval must be at least 1, got {}", s.stream_interval);
     MLA_CHECK(s.request_timeout >= 0, "--request-timeout must be >= 0");
     MLA_CHECK(std::filesystem::is_directory(s.model_path), "--model-path: '{}' is not a directory", s.model_path);
     if (s.tokenizer_path.empty()) s.tokenizer_path = s.model_path;
@@ -289,6 +289,7 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     so.num_threads = s.num_http_threads;
     so.request_timeout_s = s.request_timeout;
     so.limits.max_n = s.max_n;
+    so.stream_interval = s.stream_interval;
     so.server_args = server_args_json(s);
     raise_fd_limit();
     server::Api api(*engine, codec.get(), so);

@@ -53,6 +53,7 @@ struct ServerOptions {
   int num_threads = 4;                // io_context threads
   double request_timeout_s = 0.0;     // 0: none; else a generation running longer is aborted
   double idle_timeout_s = 300.0;      // keep-alive connection without a request
+  int32_t stream_interval = 1;        // tokens per streamed chunk (the last chunk of a choice may have fewer)
   ParseLimits limits;
   nlohmann::json server_args = nlohmann::json::object();  // echoed by /get_server_info
 };

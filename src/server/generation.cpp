@@ -24,6 +24,7 @@ GenerationJob::GenerationJob(EngineClient& engine, const TextCodec* codec, Serve
                      StopStringMatcher(spec_.stop)});
   }
   last_token_time_.assign(total, start_time_);
+  unsent_.assign(total, ChoiceUpdate{});
   submitted_.assign(total, false);
 }
 
@@ -75,11 +76,6 @@ void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
   Choice& c = choices_[i];
   if (cancelled_ || c.finished) return;  // outputs racing a stop-string abort or a cancel
   const Clock::time_point now = Clock::now();
-  ChoiceUpdate u;
-  u.choice = i;
-  u.ids_begin = c.output_ids.size();
-  u.logprobs_begin = c.logprobs.size();
-  u.text_begin = c.text.size();
   c.prompt_tokens = out.prompt_tokens;
   c.cached_tokens = out.cached_tokens;
 
@@ -129,8 +125,16 @@ void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
       finish_choice(i, out.finish);
     }
   }
+  ChoiceUpdate& u = unsent_[i];
+  u.choice = i;
   u.finished = c.finished;
-  if (on_update && (k > 0 || u.finished)) on_update(u);
+  const size_t due = static_cast<size_t>(std::max(spec_.stream_interval, 1));
+  if (on_update && (u.finished || (k > 0 && c.output_ids.size() - u.ids_begin >= due))) {
+    on_update(u);
+    u.ids_begin = c.output_ids.size();
+    u.logprobs_begin = c.logprobs.size();
+    u.text_begin = c.text.size();
+  }
   if (c.finished && num_finished_ == choices_.size() && !done_) {
     done_ = true;
     auto done_cb = std::move(on_done);

@@ -34,6 +34,7 @@ struct JobSpec {
   std::vector<std::string> stop;  // stop strings
   bool skip_special_tokens = true;
   bool no_stop_trim = false;      // keep the matched stop string in the text
+  int32_t stream_interval = 1;    // on_update once a choice has this many tokens since its last one (or finished)
 };
 
 struct Choice {
@@ -67,8 +68,9 @@ class GenerationJob : public std::enable_shared_from_this<GenerationJob> {
   GenerationJob(EngineClient& engine, const TextCodec* codec, ServerMetrics* metrics, Executor post, JobSpec spec);
   ~GenerationJob();
 
-  // Both run on the executor. on_update follows every engine output that brought tokens or finished a choice;
-  // on_done follows the last choice's finish (once).
+  // Both run on the executor. on_update follows an engine output that finished a choice or brought its tokens since
+  // the choice's last update to spec.stream_interval or more (every output that brought tokens at interval 1); the
+  // update covers everything since that last one. on_done follows the last choice's finish (once).
   std::function<void(const ChoiceUpdate&)> on_update;
   std::function<void()> on_done;
 
@@ -99,6 +101,7 @@ class GenerationJob : public std::enable_shared_from_this<GenerationJob> {
   std::vector<Choice> choices_;
   std::vector<TextState> text_;
   std::vector<Clock::time_point> last_token_time_;
+  std::vector<ChoiceUpdate> unsent_;  // per choice: where the next update starts
   std::vector<bool> submitted_;
   size_t num_finished_ = 0;
   bool cancelled_ = false;

@@ -418,6 +418,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
   p.spec.stop = pr.stop;
   p.spec.skip_special_tokens = pr.skip_special_tokens;
   p.spec.no_stop_trim = pr.no_stop_trim;
+  p.spec.stream_interval = opts_.stream_interval;
   p.rc = ResponseContext{pr.api,
                          p.spec.id,
                          opts_.served_model_name,

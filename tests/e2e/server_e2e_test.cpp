@@ -418,6 +418,39 @@ TEST_F(ServerE2E, BenchServingPrintsTheMetricBlock) {
   wait_idle(port());
 }
 
+// --stream-interval 3: a chunk every 3 tokens and one at the end, each covering everything since the one before (the
+// native stream's cumulative ids; the OpenAI deltas add up to the whole text).
+TEST(ServerE2EVariants, StreamIntervalGroupsTokens) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  ServerProcess s({"--stream-interval", "3"});
+  ASSERT_TRUE(s.running()) << s.log();
+  const std::string req = R"({"text": "The quick brown fox", "sampling_params": {"max_new_tokens": 7,
+      "temperature": 0, "ignore_eos": true}})";
+  auto whole = post_json(s.port(), "/generate", req);
+  auto r = http_request(s.port(), "POST", "/generate", std::string(req).insert(1, R"("stream": true, )"));
+  ASSERT_EQ(r.status, 200);
+  auto ev = sse_payloads(r.body);
+  ASSERT_EQ(ev.size(), 4u) << r.body;  // 3, 6 and 7 tokens, then [DONE]
+  std::vector<size_t> counts;
+  for (size_t i = 0; i + 1 < ev.size(); ++i) counts.push_back(json::parse(ev[i])["output_ids"].size());
+  EXPECT_EQ(counts, (std::vector<size_t>{3, 6, 7}));
+  EXPECT_EQ(json::parse(ev[2])["output_ids"], whole["output_ids"]);
+  EXPECT_EQ(json::parse(ev[2])["text"], whole["text"]);
+  EXPECT_EQ(ev[3], "[DONE]");
+  auto c = http_request(s.port(), "POST", "/v1/completions", R"({"prompt": "The quick brown fox", "max_tokens": 7,
+      "temperature": 0, "ignore_eos": true, "stream": true})");
+  ASSERT_EQ(c.status, 200);
+  std::string text;
+  int chunks = 0;
+  for (const auto& e : sse_payloads(c.body))
+    if (e != "[DONE]") {
+      text += json::parse(e)["choices"][0]["text"].get<std::string>();
+      ++chunks;
+    }
+  EXPECT_EQ(text, whole["text"].get<std::string>());
+  EXPECT_LE(chunks, 4);  // 3 + 3 + 1 tokens (an empty last chunk may carry the finish reason)
+}
+
 TEST(ServerE2EVariants, ChunkedPrefillGivesTheSameGreedyTokens) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   const auto prompt = test_prompt(0, 150);
@@ -486,7 +519,7 @@ TEST(ServerE2EVariants, DataParallelReportsOneStateObjectPerRank) {
 }
 
 TEST(ServeFlags, RecognisedButNotImplementedExitNonZero) {
-  for (const std::string flags : {"--quantization fp8", "--kv-cache-dtype fp8_e4m3", "--dtype float16", "--stream-interval 4"}) {
+  for (const std::string flags : {"--quantization fp8", "--kv-cache-dtype fp8_e4m3", "--dtype float16"}) {
     auto r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --model-path " + e2e_model_dir() +
                          " --tokenizer-path " + deepseek_tokenizer_dir() + " --load-format dummy --port 0 " + flags);
     EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;
@@ -495,6 +528,10 @@ TEST(ServeFlags, RecognisedButNotImplementedExitNonZero) {
   auto r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --model-path " + e2e_model_dir() +
                        " --no-such-flag 1");
   EXPECT_NE(r.exit_code, 0);
+  r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --model-path " + e2e_model_dir() +
+                  " --load-format dummy --port 0 --stream-interval 0");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--stream-interval must be at least 1"), std::string::npos) << r.output;
 }
 
 }  // namespace
