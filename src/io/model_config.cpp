@@ -97,13 +97,25 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& src) {
     std::string method = q.is_object() && q.contains("quant_method") && q["quant_method"].is_string()
                              ? q["quant_method"].get<std::string>()
                              : std::string("unknown");
-    std::string detail = method;
-    if (method == "fp8")
-      detail = q.contains("weight_block_size") ? "block FP8 (weight_block_size)" : "per-tensor FP8";
-    else if (method == "awq")
-      detail = "AWQ W4A16";
-    fail("{}: quantization_config with quant_method '{}' ({}) is not supported yet; use a bf16 checkpoint", src,
-         method, detail);
+    if (method == "fp8") {
+      const std::string fmt = q.contains("fmt") && q["fmt"].is_string() ? q["fmt"].get<std::string>() : "e4m3";
+      MLA_CHECK(fmt == "e4m3", "{}: quantization_config fmt '{}' is not supported (FP8 checkpoints: e4m3)", src, fmt);
+      if (q.contains("weight_block_size") && !q["weight_block_size"].is_null()) {
+        const json& b = q["weight_block_size"];
+        MLA_CHECK(b.is_array() && b.size() == 2 && b[0].is_number_integer() && b[1].is_number_integer() &&
+                      b[0].get<int64_t>() > 0 && b[1].get<int64_t>() > 0,
+                  "{}: quantization_config.weight_block_size must be two positive integers, got {}", src, b.dump());
+        c.quant = QuantMethod::Fp8Block;
+        c.quant_block_rows = b[0].get<int64_t>();
+        c.quant_block_cols = b[1].get<int64_t>();
+      } else {
+        c.quant = QuantMethod::Fp8Tensor;
+      }
+    } else {
+      const std::string detail = method == "awq" ? "AWQ W4A16" : method;
+      fail("{}: quantization_config with quant_method '{}' ({}) is not supported yet; use a bf16 or FP8 checkpoint",
+           src, method, detail);
+    }
   }
 
   std::string act = r.str_or("hidden_act", "silu");
@@ -274,9 +286,13 @@ double ModelConfig::softmax_scale() const {
 std::string ModelConfig::summary() const {
   return fmt::format(
       "{}: {} layers, hidden {}, heads {}, q_lora {}, kv_lora {}, nope/rope/v {}/{}/{}, experts {} routed + {} shared "
-      "(top-{}), vocab {}",
+      "(top-{}), vocab {}{}",
       arch_name, num_hidden_layers, hidden_size, num_attention_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
-      qk_rope_head_dim, v_head_dim, n_routed_experts, n_shared_experts, num_experts_per_tok, vocab_size);
+      qk_rope_head_dim, v_head_dim, n_routed_experts, n_shared_experts, num_experts_per_tok, vocab_size,
+      quant == QuantMethod::Fp8Block    ? fmt::format(", FP8 weights in {}x{} blocks (dequantized to bf16 at load)",
+                                                      quant_block_rows, quant_block_cols)
+      : quant == QuantMethod::Fp8Tensor ? std::string(", FP8 weights with per-tensor scales (dequantized to bf16 at load)")
+                                        : std::string());
 }
 
 }  // namespace mlaserve

@@ -1,5 +1,7 @@
 #include "model/deepseek_model.h"
 
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <set>
@@ -9,6 +11,7 @@
 
 #include "core/log.h"
 #include "core/random.h"
+#include "core/thread_pool.h"
 #include "io/safetensors.h"
 
 namespace mlaserve {
@@ -62,9 +65,13 @@ class DeepseekModel::Loader {
     used_.insert(name);
     MLA_CHECK(info.shape == full, "{}: tensor '{}' has shape {}, expected {} from config.json", info.file, name,
               shape_str(info.shape), shape_str(full));
+    if (info.dtype == DType::F8_E4M3) {
+      be_.upload_into(dequantize_fp8(info, r0, c0, nr, nc), dst);
+      return;
+    }
     MLA_CHECK(info.dtype == DType::BF16 || info.dtype == DType::F16 || info.dtype == DType::F32,
-              "{}: tensor '{}' has dtype {}; only BF16 / F16 / F32 weights are supported (FP8 and other quantized "
-              "weights need a quantization_config, not supported yet)",
+              "{}: tensor '{}' has dtype {}; only BF16 / F16 / F32 weights are supported, and F8_E4M3 with an FP8 "
+              "quantization_config",
               info.file, name, dtype_name(info.dtype));
     const size_t es = dtype_size(info.dtype);
     const auto* base = info.data;
@@ -80,11 +87,97 @@ class DeepseekModel::Loader {
     be_.upload_into(host, dst);
   }
 
+  void set_quant(QuantMethod m, int64_t block_rows, int64_t block_cols) {
+    quant_ = m;
+    block_rows_ = block_rows;
+    block_cols_ = block_cols;
+  }
+
  private:
+  // Element i of a scale tensor (F32, BF16 or F16).
+  static float scale_at(const TensorInfo& s, int64_t i) {
+    switch (s.dtype) {
+      case DType::F32: {
+        float f;
+        std::memcpy(&f, s.data + static_cast<size_t>(i) * 4, 4);
+        return f;
+      }
+      case DType::BF16: {
+        uint16_t h;
+        std::memcpy(&h, s.data + static_cast<size_t>(i) * 2, 2);
+        return bf16_to_f32(h);
+      }
+      case DType::F16: {
+        uint16_t h;
+        std::memcpy(&h, s.data + static_cast<size_t>(i) * 2, 2);
+        return f16_to_f32(h);
+      }
+      default: fail("{}: scale tensor '{}' has dtype {}; expected F32, BF16 or F16", s.file, s.name, dtype_name(s.dtype));
+    }
+  }
+
+  // Rows [r0, r0 + nr) x columns [c0, c0 + nc) of the F8_E4M3 matrix `w`, times its scale: `weight_scale_inv` of
+  // the element's block (Fp8Block) or the tensor's `weight_scale` (Fp8Tensor), as an F32 host tensor.
+  Tensor dequantize_fp8(const TensorInfo& w, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
+    const std::string& name = w.name;
+    MLA_CHECK(quant_ != QuantMethod::None,
+              "{}: tensor '{}' is F8_E4M3 but config.json has no FP8 quantization_config", w.file, name);
+    MLA_CHECK(w.shape.size() == 2, "{}: F8_E4M3 tensor '{}' has shape {}; only matrices can be FP8", w.file, name,
+              shape_str(w.shape));
+    const std::string stem = name.size() > 7 && name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
+    const int64_t R = w.shape[0], C = w.shape[1];
+    Tensor out = Tensor::empty_host({nr, nc}, DType::F32);
+    float* o = out.data_as<float>();
+    static const std::array<float, 256> kF8 = [] {
+      std::array<float, 256> t{};
+      for (int v = 0; v < 256; ++v) t[static_cast<size_t>(v)] = f8e4m3_to_f32(static_cast<uint8_t>(v));
+      return t;
+    }();
+    if (quant_ == QuantMethod::Fp8Block) {
+      const std::string sname = stem + ".weight_scale_inv";
+      MLA_CHECK(ckpt_->has(sname), "{}: FP8 tensor '{}' has no '{}' (block scales)", w.file, name, sname);
+      const TensorInfo& s = ckpt_->get(sname);
+      used_.insert(sname);
+      const Shape want{(R + block_rows_ - 1) / block_rows_, (C + block_cols_ - 1) / block_cols_};
+      MLA_CHECK(s.shape == want, "{}: '{}' has shape {}, expected {} for '{}' {} in {}x{} blocks", s.file, sname,
+                shape_str(s.shape), shape_str(want), name, shape_str(w.shape), block_rows_, block_cols_);
+      parallel_for(nr, 16, [&](int64_t rb, int64_t re) {
+        for (int64_t r = rb; r < re; ++r) {
+          const int64_t gr = r0 + r, srow = gr / block_rows_ * want[1];
+          const uint8_t* q = w.data + gr * C;
+          for (int64_t c = c0; c < c0 + nc;) {  // a block's columns at a time
+            const int64_t end = std::min(c0 + nc, (c / block_cols_ + 1) * block_cols_);
+            const float scale = scale_at(s, srow + c / block_cols_);
+            for (; c < end; ++c) o[r * nc + (c - c0)] = kF8[q[c]] * scale;
+          }
+        }
+      });
+    } else {
+      const std::string sname = stem + ".weight_scale";
+      MLA_CHECK(ckpt_->has(sname), "{}: FP8 tensor '{}' has no '{}' (its scale)", w.file, name, sname);
+      const TensorInfo& s = ckpt_->get(sname);
+      used_.insert(sname);
+      if (ckpt_->has(stem + ".input_scale")) used_.insert(stem + ".input_scale");  // activations stay bf16
+      int64_t n = 1;
+      for (int64_t d : s.shape) n *= d;
+      MLA_CHECK(n == 1, "{}: '{}' has shape {}; a per-tensor scale is one number", s.file, sname, shape_str(s.shape));
+      const float scale = scale_at(s, 0);
+      parallel_for(nr, 16, [&](int64_t rb, int64_t re) {
+        for (int64_t r = rb; r < re; ++r) {
+          const uint8_t* q = w.data + (r0 + r) * C + c0;
+          for (int64_t c = 0; c < nc; ++c) o[r * nc + c] = kF8[q[c]] * scale;
+        }
+      });
+    }
+    return out;
+  }
+
   Backend& be_;
   const Checkpoint* ckpt_;
   LoadOptions opts_;
   DType matrix_dtype_ = DType::BF16;
+  QuantMethod quant_ = QuantMethod::None;
+  int64_t block_rows_ = 0, block_cols_ = 0;
   std::set<std::string> used_;
   int64_t bytes_ = 0;
 };
@@ -121,6 +214,7 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
   std::unique_ptr<Checkpoint> ckpt;
   if (!opts.dummy) ckpt = std::make_unique<Checkpoint>(model_dir);
   Loader ld(backend_, ckpt.get(), opts);
+  ld.set_quant(config_.quant, config_.quant_block_rows, config_.quant_block_cols);
   if (ckpt) {
     const TensorInfo& e = ckpt->get("model.embed_tokens.weight");
     ld.set_matrix_dtype(backend_.weight_dtype(e.dtype));

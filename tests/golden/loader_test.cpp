@@ -2,12 +2,16 @@
 // ignored, other float dtypes load to the same model, and dummy weights are deterministic and sensible.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
 #include "engine/offline.h"
+#include "engine/rank_set.h"
 #include "io/safetensors.h"
 #include "model/deepseek_model.h"
 #include "test_util.h"
@@ -84,7 +88,158 @@ TEST(Loader, QuantizedDtypeWithoutConfigIsRefused) {
     ts["model.layers.2.self_attn.kv_b_proj.weight"] = Tensor::empty_host({8 * 56, 64}, DType::F8_E4M3);
   });
   auto e = load_error(dir);
-  EXPECT_NE(e.find("'model.layers.2.self_attn.kv_b_proj.weight' has dtype F8_E4M3"), std::string::npos) << e;
+  EXPECT_NE(e.find("'model.layers.2.self_attn.kv_b_proj.weight' is F8_E4M3 but config.json has no FP8 "
+                   "quantization_config"),
+            std::string::npos)
+      << e;
+}
+
+namespace {
+
+// The E4M3 code nearest to x (ties to the lower magnitude; x within +-448).
+uint8_t to_e4m3(float x) {
+  static const std::vector<std::pair<float, uint8_t>> pos = [] {
+    std::vector<std::pair<float, uint8_t>> v;
+    for (int c = 0; c < 0x7f; ++c) v.emplace_back(f8e4m3_to_f32(static_cast<uint8_t>(c)), static_cast<uint8_t>(c));
+    return v;  // increasing with the code
+  }();
+  const float a = std::fabs(x);
+  auto it = std::lower_bound(pos.begin(), pos.end(), a, [](const auto& p, float v) { return p.first < v; });
+  if (it == pos.end()) it = pos.end() - 1;
+  if (it != pos.begin() && a - (it - 1)->first <= it->first - a) --it;
+  return static_cast<uint8_t>(it->second | (x < 0 ? 0x80 : 0));
+}
+
+// Whether a golden tensor is a linear layer's weight that FP8 checkpoints store quantized (not the embedding,
+// lm_head, norms or the router).
+bool quantizable(const std::string& n, const Tensor& t) {
+  return t.dim() == 2 && n.ends_with(".weight") && n.find("embed_tokens") == std::string::npos &&
+         n.find("lm_head") == std::string::npos && n.find("norm") == std::string::npos &&
+         !n.ends_with("mlp.gate.weight");
+}
+
+float value_of(const Tensor& t, int64_t i) {
+  return t.dtype() == DType::BF16 ? bf16_to_f32(t.data_as<uint16_t>()[i]) : t.data_as<float>()[i];
+}
+
+// Writes the golden family's FP8 checkpoint (block scales of br x bc, or one scale per tensor when br == 0) to
+// `fp8` and its dequantized model (those weights as F32, the rest unchanged) to `ref`.
+void write_fp8_pair(const std::string& family, const fs::path& fp8, const fs::path& ref, int64_t br, int64_t bc) {
+  std::map<std::string, Tensor> q_ts, r_ts;
+  rewrite_checkpoint(family, ref, [&](std::map<std::string, Tensor>& ts) {
+    for (auto& [n, t] : ts) {
+      if (!quantizable(n, t)) {
+        q_ts[n] = t;
+        continue;
+      }
+      const int64_t R = t.size(0), C = t.size(1);
+      const int64_t bR = br ? br : R, bC = br ? bc : C;  // a single block: the per-tensor scale
+      const int64_t sr = (R + bR - 1) / bR, sc = (C + bC - 1) / bC;
+      Tensor q = Tensor::empty_host({R, C}, DType::F8_E4M3), s = Tensor::empty_host({sr, sc}, DType::F32);
+      Tensor d = Tensor::empty_host({R, C}, DType::F32);
+      for (int64_t i = 0; i < sr; ++i)
+        for (int64_t j = 0; j < sc; ++j) {
+          float amax = 0.0f;
+          for (int64_t r = i * bR; r < std::min(R, (i + 1) * bR); ++r)
+            for (int64_t c = j * bC; c < std::min(C, (j + 1) * bC); ++c) amax = std::max(amax, std::fabs(value_of(t, r * C + c)));
+          const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+          s.data_as<float>()[i * sc + j] = scale;
+          for (int64_t r = i * bR; r < std::min(R, (i + 1) * bR); ++r)
+            for (int64_t c = j * bC; c < std::min(C, (j + 1) * bC); ++c) {
+              const uint8_t code = to_e4m3(value_of(t, r * C + c) / scale);
+              q.data_as<uint8_t>()[r * C + c] = code;
+              d.data_as<float>()[r * C + c] = f8e4m3_to_f32(code) * scale;
+            }
+        }
+      const std::string stem = n.substr(0, n.size() - 7);
+      q_ts[n] = q;
+      if (br) {
+        q_ts[stem + ".weight_scale_inv"] = s;
+      } else {
+        Tensor scalar = Tensor::empty_host({}, DType::F32);
+        scalar.data_as<float>()[0] = s.data_as<float>()[0];
+        q_ts[stem + ".weight_scale"] = scalar;
+        Tensor in = Tensor::empty_host({}, DType::F32);  // a static activation scale: unused when dequantizing
+        in.data_as<float>()[0] = 0.5f;
+        q_ts[stem + ".input_scale"] = in;
+      }
+      t = d;
+    }
+  });
+  auto cfg = nlohmann::json::parse(test::read_text(ref / "config.json"));
+  cfg["quantization_config"] = br ? nlohmann::json{{"quant_method", "fp8"}, {"fmt", "e4m3"},
+                                                   {"activation_scheme", "dynamic"}, {"weight_block_size", {br, bc}}}
+                                  : nlohmann::json{{"quant_method", "fp8"}, {"activation_scheme", "static"}};
+  test::write_text(fp8 / "config.json", cfg.dump(2));
+  write_safetensors((fp8 / "model.safetensors").string(), q_ts);
+}
+
+std::vector<float> ranks_logits(const fs::path& dir, int32_t tp) {
+  ParallelConfig pc;
+  pc.tp_size = tp;
+  pc.device = "cpu";
+  RankSet ranks(ModelConfig::from_file(dir.string()), pc, dir.string(), LoadOptions{});
+  OfflineOptions o;
+  o.prompt_logits = true;
+  const Tensor t = run_offline(ranks, {kPrompt}, o).prompt_logits[0];
+  return std::vector<float>(t.data_as<float>(), t.data_as<float>() + t.numel());
+}
+
+}  // namespace
+
+// An FP8 checkpoint (DeepSeek-V3's block format with edge blocks cut short, and AutoFP8's per-tensor scales) loads
+// as the model of its dequantized weights, on one rank and as tp 2 (each rank dequantizing its slices).
+TEST(Loader, Fp8CheckpointsAreTheirDequantizedModels) {
+  struct Case {
+    std::string family;
+    int64_t br, bc;
+  };
+  for (const Case& c : {Case{"v3", 32, 48}, Case{"v2", 0, 0}, Case{"v2lite", 128, 128}}) {
+    SCOPED_TRACE(c.family + " blocks " + std::to_string(c.br) + "x" + std::to_string(c.bc));
+    auto fp8 = test::temp_dir("fp8"), ref = test::temp_dir("fp8ref");
+    write_fp8_pair(c.family, fp8, ref, c.br, c.bc);
+    for (int32_t tp : {1, 2}) {
+      const auto a = ranks_logits(fp8, tp), b = ranks_logits(ref, tp);
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << "logit " << i << " tp " << tp;
+    }
+    // And it is not the bf16 model: quantization moved the logits.
+    const auto orig = logits_of(test::golden_dir(c.family), {}, kPrompt), a = ranks_logits(fp8, 1);
+    double diff = 0.0;
+    for (size_t i = 0; i < a.size(); ++i) diff = std::max(diff, static_cast<double>(std::fabs(a[i] - orig[i])));
+    EXPECT_GT(diff, 1e-4);
+  }
+}
+
+TEST(Loader, Fp8ScaleErrorsNameTheTensor) {
+  auto fp8 = test::temp_dir("fp8"), ref = test::temp_dir("fp8ref");
+  write_fp8_pair("v3", fp8, ref, 32, 48);
+  const std::string w = "model.layers.1.self_attn.o_proj.weight";
+  auto edit_fp8 = [&](const std::function<void(std::map<std::string, Tensor>&)>& f) {
+    Checkpoint src(fp8.string());
+    std::map<std::string, Tensor> ts;
+    for (const auto& n : src.names()) {
+      const TensorInfo& i = src.get(n);
+      Tensor t = Tensor::empty_host(i.shape, i.dtype);
+      std::memcpy(t.data(), i.data, i.nbytes);
+      ts[n] = t;
+    }
+    f(ts);
+    auto dir = test::temp_dir("fp8bad");
+    fs::copy_file(fp8 / "config.json", dir / "config.json");
+    write_safetensors((dir / "model.safetensors").string(), ts);
+    return load_error(dir);
+  };
+  auto e = edit_fp8([&](auto& ts) { ts.erase("model.layers.1.self_attn.o_proj.weight_scale_inv"); });
+  EXPECT_NE(e.find("'" + w + "' has no 'model.layers.1.self_attn.o_proj.weight_scale_inv'"), std::string::npos) << e;
+  e = edit_fp8([&](auto& ts) { ts["model.layers.1.self_attn.o_proj.weight_scale_inv"] = Tensor::empty_host({1, 1}, DType::F32); });
+  EXPECT_NE(e.find("'model.layers.1.self_attn.o_proj.weight_scale_inv' has shape [1, 1], expected"), std::string::npos)
+      << e;
+  auto j = nlohmann::json::parse(test::read_text(fp8 / "config.json"));
+  j["quantization_config"]["weight_block_size"] = {128};
+  test::write_text(fp8 / "config.json", j.dump());
+  e = load_error(fp8);
+  EXPECT_NE(e.find("weight_block_size must be two positive integers"), std::string::npos) << e;
 }
 
 TEST(Loader, ExtraTensorsAreIgnoredAndF32LoadsTheSameModel) {

@@ -121,20 +121,33 @@ TEST(ModelConfig, RopeVariants) {
   EXPECT_NE(error_of(j).find("'linear' is not supported"), std::string::npos);
 }
 
+TEST(ModelConfig, Fp8QuantizationConfigs) {
+  json j = v3();
+  EXPECT_EQ(ModelConfig::from_json(j, "config.json").quant, QuantMethod::None);
+  j["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"activation_scheme", "dynamic"},
+                              {"weight_block_size", {128, 64}}};
+  ModelConfig c = ModelConfig::from_json(j, "config.json");
+  EXPECT_EQ(c.quant, QuantMethod::Fp8Block);
+  EXPECT_EQ(c.quant_block_rows, 128);
+  EXPECT_EQ(c.quant_block_cols, 64);
+  EXPECT_NE(c.summary().find("FP8 weights in 128x64 blocks"), std::string::npos) << c.summary();
+  j["quantization_config"] = {{"quant_method", "fp8"}, {"activation_scheme", "static"}, {"ignored_layers", {"lm_head"}}};
+  EXPECT_EQ(ModelConfig::from_json(j, "config.json").quant, QuantMethod::Fp8Tensor);
+}
+
 TEST(ModelConfig, ClearErrors) {
   json j = v2_lite();
   j["architectures"] = {"LlamaForCausalLM"};
   EXPECT_NE(error_of(j).find("unsupported architecture 'LlamaForCausalLM'"), std::string::npos);
 
   j = v2_lite();
-  j["quantization_config"] = {{"quant_method", "fp8"}, {"activation_scheme", "static"}};
-  auto e = error_of(j);
-  EXPECT_NE(e.find("'fp8'"), std::string::npos) << e;
-  EXPECT_NE(e.find("not supported yet"), std::string::npos) << e;
-  j["quantization_config"] = {{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}};
-  EXPECT_NE(error_of(j).find("block FP8"), std::string::npos);
   j["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}};
-  EXPECT_NE(error_of(j).find("AWQ"), std::string::npos);
+  auto e = error_of(j);
+  EXPECT_NE(e.find("'awq' (AWQ W4A16) is not supported yet"), std::string::npos) << e;
+  j["quantization_config"] = {{"quant_method", "fp8"}, {"weight_block_size", {128, 0}}};
+  EXPECT_NE(error_of(j).find("weight_block_size must be two positive integers"), std::string::npos);
+  j["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e5m2"}};
+  EXPECT_NE(error_of(j).find("fmt 'e5m2' is not supported"), std::string::npos);
 
   j = v2_lite();
   j.erase("kv_lora_rank");

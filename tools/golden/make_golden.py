@@ -142,10 +142,16 @@ def make_family(out_root, fam, seed):
     print(fam, "rope:", getattr(ref.config, "rope_parameters", None), flush=True)
 
     g = torch.Generator().manual_seed(seed + 1)
+    prompts = [torch.randint(2, cfg_dict["vocab_size"], (n,), generator=g, dtype=torch.int64) for n in PROMPT_LENS]
+    save_file(reference_tensors(ref, prompts, dev, fam), os.path.join(d, "reference.safetensors"))
+
+
+def reference_tensors(ref, prompts, dev, tag):
+    """prompt_j, logits_j (fp32 [len, vocab]), greedy_j and margin_j of the Hugging Face model `ref`."""
     tensors = {}
     with torch.no_grad():
-        for j, n in enumerate(PROMPT_LENS):
-            prompt = torch.randint(2, cfg_dict["vocab_size"], (n,), generator=g, dtype=torch.int64)
+        for j, prompt in enumerate(prompts):
+            n = len(prompt)
             out = ref(prompt[None].to(dev), use_cache=True)
             logits = out.logits[0].float().cpu()
             past = out.past_key_values
@@ -163,9 +169,9 @@ def make_family(out_root, fam, seed):
             tensors[f"logits_{j}"] = logits.contiguous()
             tensors[f"greedy_{j}"] = torch.tensor(greedy, dtype=torch.int32)
             tensors[f"margin_{j}"] = torch.tensor(margins, dtype=torch.float32)
-            print(f"{fam} prompt {j}: len {n} logits std {logits.std():.3f} min margin {min(margins):.4f}",
+            print(f"{tag} prompt {j}: len {n} logits std {logits.std():.3f} min margin {min(margins):.4f}",
                   flush=True)
-    save_file(tensors, os.path.join(d, "reference.safetensors"))
+    return tensors
 
 
 def main():
