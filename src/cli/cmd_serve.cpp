@@ -212,7 +212,7 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     ServeArgs& s = *a;
     // Recognised, not implemented: say so, exit non-zero.
     not_implemented(!s.quantization.empty(),
-                    fmt::format("--quantization {} (quantizing at load; FP8 checkpoints load without the flag)",
+                    fmt::format("--quantization {} (quantizing at load; FP8 and AWQ checkpoints load without the flag)",
                                 s.quantization));
     not_implemented(s.dtype != "auto" && s.dtype != "bfloat16" && s.dtype != "bf16", fmt::format("--dtype {}", s.dtype));
     not_implemented(s.kv_cache_dtype != "auto" && s.kv_cache_dtype != "bfloat16" && s.kv_cache_dtype != "bf16",

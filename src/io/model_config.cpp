@@ -111,10 +111,27 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& src) {
       } else {
         c.quant = QuantMethod::Fp8Tensor;
       }
+    } else if (method == "awq") {
+      auto int_of = [&](const char* key, int64_t dflt) {
+        if (!q.contains(key) || q[key].is_null()) return dflt;
+        MLA_CHECK(q[key].is_number_integer(), "{}: quantization_config.{} must be an integer", src, key);
+        return q[key].get<int64_t>();
+      };
+      const int64_t bits = int_of("bits", int_of("w_bit", 4));
+      const int64_t group = int_of("group_size", int_of("q_group_size", 128));
+      const std::string version = q.contains("version") && q["version"].is_string() ? q["version"].get<std::string>()
+                                                                                      : "gemm";
+      const bool zero = !q.contains("zero_point") || !q["zero_point"].is_boolean() || q["zero_point"].get<bool>();
+      MLA_CHECK(bits == 4, "{}: AWQ with {} bits is not supported (4-bit only)", src, bits);
+      MLA_CHECK(group > 0, "{}: quantization_config.group_size must be positive, got {}", src, group);
+      MLA_CHECK(version == "gemm" || version == "GEMM",
+                "{}: AWQ version '{}' is not supported (AutoAWQ's \"gemm\" layout only)", src, version);
+      MLA_CHECK(zero, "{}: AWQ without zero points is not supported", src);
+      c.quant = QuantMethod::Awq;
+      c.quant_group = group;
     } else {
-      const std::string detail = method == "awq" ? "AWQ W4A16" : method;
-      fail("{}: quantization_config with quant_method '{}' ({}) is not supported yet; use a bf16 or FP8 checkpoint",
-           src, method, detail);
+      fail("{}: quantization_config with quant_method '{}' is not supported; use a bf16, FP8 or AWQ checkpoint", src,
+           method);
     }
   }
 
@@ -292,7 +309,9 @@ std::string ModelConfig::summary() const {
       quant == QuantMethod::Fp8Block    ? fmt::format(", FP8 weights in {}x{} blocks (dequantized to bf16 at load)",
                                                       quant_block_rows, quant_block_cols)
       : quant == QuantMethod::Fp8Tensor ? std::string(", FP8 weights with per-tensor scales (dequantized to bf16 at load)")
-                                        : std::string());
+      : quant == QuantMethod::Awq
+          ? fmt::format(", AWQ 4-bit weights in groups of {} (dequantized to bf16 at load)", quant_group)
+          : std::string());
 }
 
 }  // namespace mlaserve

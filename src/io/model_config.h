@@ -15,8 +15,9 @@ enum class TopkMethod { Greedy, GroupLimitedGreedy, NoauxTc };
 enum class ScoringFunc { Softmax, Sigmoid };
 // Weights stored quantized in the checkpoint (config.json's quantization_config); they are dequantized to bf16 when
 // loaded (the model computes in bf16 either way). Fp8Block: F8_E4M3 weights with `weight_scale_inv` per block of
-// quant_block rows x cols (DeepSeek-V3's format); Fp8Tensor: F8_E4M3 weights with one `weight_scale` each (AutoFP8).
-enum class QuantMethod { None, Fp8Block, Fp8Tensor };
+// quant_block rows x cols (DeepSeek-V3's format); Fp8Tensor: F8_E4M3 weights with one `weight_scale` each (AutoFP8);
+// Awq: AutoAWQ's 4-bit "gemm" layout (`qweight` / `qzeros` / `scales` in groups of quant_group input channels).
+enum class QuantMethod { None, Fp8Block, Fp8Tensor, Awq };
 
 struct RopeConfig {
   bool yarn = false;  // false: plain RoPE
@@ -64,6 +65,7 @@ struct ModelConfig {
   int64_t num_nextn_predict_layers = 0;
   QuantMethod quant = QuantMethod::None;
   int64_t quant_block_rows = 0, quant_block_cols = 0;  // Fp8Block
+  int64_t quant_group = 0;                             // Awq
 
   // Parses DIR/config.json (or a file path). Throws naming the file and the field.
   static ModelConfig from_file(const std::string& path);

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include <fmt/format.h>
@@ -61,6 +62,11 @@ class DeepseekModel::Loader {
       be_.fill_random(view, fnv1a64(name) ^ splitmix64(opts_.seed), mean, stddev, full_cols, r0, c0);
       return;
     }
+    if (quant_ == QuantMethod::Awq && !ckpt_->has(name) && name.ends_with(".weight") &&
+        ckpt_->has(name.substr(0, name.size() - 7) + ".qweight")) {
+      be_.upload_into(dequantize_awq(name.substr(0, name.size() - 7), full, r0, c0, nr, nc), dst);
+      return;
+    }
     const TensorInfo& info = ckpt_->get(name);
     used_.insert(name);
     MLA_CHECK(info.shape == full, "{}: tensor '{}' has shape {}, expected {} from config.json", info.file, name,
@@ -87,10 +93,11 @@ class DeepseekModel::Loader {
     be_.upload_into(host, dst);
   }
 
-  void set_quant(QuantMethod m, int64_t block_rows, int64_t block_cols) {
+  void set_quant(QuantMethod m, int64_t block_rows, int64_t block_cols, int64_t group) {
     quant_ = m;
     block_rows_ = block_rows;
     block_cols_ = block_cols;
+    group_ = group;
   }
 
  private:
@@ -172,12 +179,55 @@ class DeepseekModel::Loader {
     return out;
   }
 
+  // Rows (output channels) [r0, r0 + nr) x columns (input channels) [c0, c0 + nc) of the AWQ linear `stem` (full:
+  // [out, in]) as an F32 host tensor: w[o][i] = (q[i][o] - z[i / g][o]) * s[i / g][o], where `qweight` [in, out / 8]
+  // and `qzeros` [in / g, out / 8] (int32) hold 8 four-bit values each, output channel 8 k + j in the nibble at bits
+  // 4 kAwqNibble[j] (AutoAWQ's packing order), and `scales` [in / g, out] (F16, BF16 or F32).
+  Tensor dequantize_awq(const std::string& stem, const Shape& full, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
+    static constexpr int kAwqNibble[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+    const std::string qn = stem + ".qweight", zn = stem + ".qzeros", sn = stem + ".scales";
+    const TensorInfo& qw = ckpt_->get(qn);
+    MLA_CHECK(full.size() == 2 && full[0] % 8 == 0 && full[1] % group_ == 0,
+              "{}: AWQ tensor '{}' for a {} weight: the output channels must be a multiple of 8 and the input "
+              "channels of the group size {}",
+              qw.file, qn, shape_str(full), group_);
+    const int64_t O = full[0], I = full[1], G = I / group_;
+    MLA_CHECK(ckpt_->has(zn) && ckpt_->has(sn), "{}: AWQ tensor '{}' needs '{}' and '{}'", qw.file, qn, zn, sn);
+    const TensorInfo& qz = ckpt_->get(zn);
+    const TensorInfo& sc = ckpt_->get(sn);
+    for (const auto& [t, want, dt] : {std::tuple{&qw, Shape{I, O / 8}, true}, std::tuple{&qz, Shape{G, O / 8}, true},
+                                      std::tuple{&sc, Shape{G, O}, false}}) {
+      MLA_CHECK(t->shape == want, "{}: tensor '{}' has shape {}, expected {} for a [{}, {}] weight in groups of {}",
+                t->file, t->name, shape_str(t->shape), shape_str(want), O, I, group_);
+      MLA_CHECK(!dt || t->dtype == DType::I32, "{}: tensor '{}' has dtype {}, expected I32", t->file, t->name,
+                dtype_name(t->dtype));
+    }
+    used_.insert(qn);
+    used_.insert(zn);
+    used_.insert(sn);
+    const auto* q = reinterpret_cast<const uint32_t*>(qw.data);
+    const auto* z = reinterpret_cast<const uint32_t*>(qz.data);
+    Tensor out = Tensor::empty_host({nr, nc}, DType::F32);
+    float* o = out.data_as<float>();
+    parallel_for(nr, 8, [&](int64_t rb, int64_t re) {
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t i = c0 + c, g = i / group_;
+        for (int64_t r = rb; r < re; ++r) {
+          const int64_t oc = r0 + r, shift = 4 * kAwqNibble[oc % 8];
+          const int64_t qv = (q[i * (O / 8) + oc / 8] >> shift) & 15, zv = (z[g * (O / 8) + oc / 8] >> shift) & 15;
+          o[r * nc + c] = static_cast<float>(qv - zv) * scale_at(sc, g * O + oc);
+        }
+      }
+    });
+    return out;
+  }
+
   Backend& be_;
   const Checkpoint* ckpt_;
   LoadOptions opts_;
   DType matrix_dtype_ = DType::BF16;
   QuantMethod quant_ = QuantMethod::None;
-  int64_t block_rows_ = 0, block_cols_ = 0;
+  int64_t block_rows_ = 0, block_cols_ = 0, group_ = 0;
   std::set<std::string> used_;
   int64_t bytes_ = 0;
 };
@@ -214,7 +264,7 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
   std::unique_ptr<Checkpoint> ckpt;
   if (!opts.dummy) ckpt = std::make_unique<Checkpoint>(model_dir);
   Loader ld(backend_, ckpt.get(), opts);
-  ld.set_quant(config_.quant, config_.quant_block_rows, config_.quant_block_cols);
+  ld.set_quant(config_.quant, config_.quant_block_rows, config_.quant_block_cols, config_.quant_group);
   if (ckpt) {
     const TensorInfo& e = ckpt->get("model.embed_tokens.weight");
     ld.set_matrix_dtype(backend_.weight_dtype(e.dtype));

@@ -211,6 +211,111 @@ TEST(Loader, Fp8CheckpointsAreTheirDequantizedModels) {
   }
 }
 
+namespace {
+
+uint16_t to_f16(float f) {  // round to nearest even; finite normal or zero results only (test data)
+  if (f == 0.0f) return 0;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  int32_t e = static_cast<int32_t>((u >> 23) & 0xff) - 127 + 15;
+  uint32_t m = u & 0x7fffffu;
+  uint32_t h = (static_cast<uint32_t>(e) << 10) | (m >> 13);
+  const uint32_t rest = m & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;
+  return static_cast<uint16_t>(sign | h);
+}
+
+// Writes the golden family's AutoAWQ "gemm" checkpoint (4-bit, groups of `g` input channels, zero points; every
+// quantizable linear except the kv_a projection, which stays as it was) to `awq` and its dequantized model to `ref`.
+void write_awq_pair(const std::string& family, const fs::path& awq, const fs::path& ref, int64_t g) {
+  static constexpr int kPackOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // nibble k holds output channel 8 j + order[k]
+  std::map<std::string, Tensor> q_ts;
+  rewrite_checkpoint(family, ref, [&](std::map<std::string, Tensor>& ts) {
+    for (auto& [n, t] : ts) {
+      if (!quantizable(n, t) || n.find("kv_a_proj") != std::string::npos) {
+        q_ts[n] = t;
+        continue;
+      }
+      const int64_t O = t.size(0), I = t.size(1), G = I / g;
+      std::vector<uint8_t> qv(static_cast<size_t>(O * I)), zv(static_cast<size_t>(O * G));
+      Tensor sc = Tensor::empty_host({G, O}, DType::F16), d = Tensor::empty_host({O, I}, DType::F32);
+      for (int64_t o = 0; o < O; ++o)
+        for (int64_t k = 0; k < G; ++k) {
+          float lo = 0.0f, hi = 0.0f;
+          for (int64_t i = k * g; i < (k + 1) * g; ++i) {
+            lo = std::min(lo, value_of(t, o * I + i));
+            hi = std::max(hi, value_of(t, o * I + i));
+          }
+          const uint16_t s16 = to_f16(hi > lo ? (hi - lo) / 15.0f : 1.0f);
+          const float s = f16_to_f32(s16);
+          const int zero = std::clamp(static_cast<int>(std::lround(-lo / s)), 0, 15);
+          sc.data_as<uint16_t>()[k * O + o] = s16;
+          zv[static_cast<size_t>(o * G + k)] = static_cast<uint8_t>(zero);
+          for (int64_t i = k * g; i < (k + 1) * g; ++i) {
+            const int qi = std::clamp(static_cast<int>(std::lround(value_of(t, o * I + i) / s)) + zero, 0, 15);
+            qv[static_cast<size_t>(o * I + i)] = static_cast<uint8_t>(qi);
+            d.data_as<float>()[o * I + i] = static_cast<float>(qi - zero) * s;
+          }
+        }
+      Tensor qw = Tensor::empty_host({I, O / 8}, DType::I32), qz = Tensor::empty_host({G, O / 8}, DType::I32);
+      for (int64_t i = 0; i < I; ++i)
+        for (int64_t j = 0; j < O / 8; ++j) {
+          uint32_t word = 0;
+          for (int k = 0; k < 8; ++k) word |= uint32_t{qv[static_cast<size_t>((8 * j + kPackOrder[k]) * I + i)]} << (4 * k);
+          qw.data_as<uint32_t>()[i * (O / 8) + j] = word;
+        }
+      for (int64_t k = 0; k < G; ++k)
+        for (int64_t j = 0; j < O / 8; ++j) {
+          uint32_t word = 0;
+          for (int b = 0; b < 8; ++b) word |= uint32_t{zv[static_cast<size_t>((8 * j + kPackOrder[b]) * G + k)]} << (4 * b);
+          qz.data_as<uint32_t>()[k * (O / 8) + j] = word;
+        }
+      const std::string stem = n.substr(0, n.size() - 7);
+      q_ts[stem + ".qweight"] = qw;
+      q_ts[stem + ".qzeros"] = qz;
+      q_ts[stem + ".scales"] = sc;
+      t = d;
+    }
+  });
+  auto cfg = nlohmann::json::parse(test::read_text(ref / "config.json"));
+  cfg["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}, {"group_size", g}, {"zero_point", true},
+                                {"version", "gemm"}};
+  test::write_text(awq / "config.json", cfg.dump(2));
+  write_safetensors((awq / "model.safetensors").string(), q_ts);
+}
+
+}  // namespace
+
+// An AWQ checkpoint (AutoAWQ's packing order, f16 scales, zero points) loads as the model of its dequantized weights,
+// on one rank and as tp 2; the unquantized kv_a projection loads as usual beside it.
+TEST(Loader, AwqCheckpointIsItsDequantizedModel) {
+  for (const std::string fam : {"v2", "v3"}) {
+    SCOPED_TRACE(fam);
+    auto awq = test::temp_dir("awq"), ref = test::temp_dir("awqref");
+    write_awq_pair(fam, awq, ref, 16);
+    for (int32_t tp : {1, 2}) {
+      const auto a = ranks_logits(awq, tp), b = ranks_logits(ref, tp);
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << "logit " << i << " tp " << tp;
+    }
+  }
+  auto awq = test::temp_dir("awq"), ref = test::temp_dir("awqref");
+  write_awq_pair("v2", awq, ref, 16);
+  Checkpoint src(awq.string());
+  std::map<std::string, Tensor> ts;
+  for (const auto& n : src.names()) {
+    const TensorInfo& i = src.get(n);
+    Tensor t = Tensor::empty_host(i.shape, i.dtype);
+    std::memcpy(t.data(), i.data, i.nbytes);
+    ts[n] = t;
+  }
+  ts["model.layers.1.self_attn.o_proj.qzeros"] = Tensor::empty_host({3, 16}, DType::I32);
+  write_safetensors((awq / "model.safetensors").string(), ts);
+  const auto e = load_error(awq);
+  EXPECT_NE(e.find("'model.layers.1.self_attn.o_proj.qzeros' has shape [3, 16], expected"), std::string::npos) << e;
+}
+
 TEST(Loader, Fp8ScaleErrorsNameTheTensor) {
   auto fp8 = test::temp_dir("fp8"), ref = test::temp_dir("fp8ref");
   write_fp8_pair("v3", fp8, ref, 32, 48);

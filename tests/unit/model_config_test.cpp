@@ -121,7 +121,7 @@ TEST(ModelConfig, RopeVariants) {
   EXPECT_NE(error_of(j).find("'linear' is not supported"), std::string::npos);
 }
 
-TEST(ModelConfig, Fp8QuantizationConfigs) {
+TEST(ModelConfig, QuantizationConfigs) {
   json j = v3();
   EXPECT_EQ(ModelConfig::from_json(j, "config.json").quant, QuantMethod::None);
   j["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"activation_scheme", "dynamic"},
@@ -133,6 +133,11 @@ TEST(ModelConfig, Fp8QuantizationConfigs) {
   EXPECT_NE(c.summary().find("FP8 weights in 128x64 blocks"), std::string::npos) << c.summary();
   j["quantization_config"] = {{"quant_method", "fp8"}, {"activation_scheme", "static"}, {"ignored_layers", {"lm_head"}}};
   EXPECT_EQ(ModelConfig::from_json(j, "config.json").quant, QuantMethod::Fp8Tensor);
+  j["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}, {"group_size", 64}, {"zero_point", true},
+                              {"version", "gemm"}, {"modules_to_not_convert", nullptr}};
+  c = ModelConfig::from_json(j, "config.json");
+  EXPECT_EQ(c.quant, QuantMethod::Awq);
+  EXPECT_EQ(c.quant_group, 64);
 }
 
 TEST(ModelConfig, ClearErrors) {
@@ -141,9 +146,15 @@ TEST(ModelConfig, ClearErrors) {
   EXPECT_NE(error_of(j).find("unsupported architecture 'LlamaForCausalLM'"), std::string::npos);
 
   j = v2_lite();
-  j["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}};
+  j["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 4}};
   auto e = error_of(j);
-  EXPECT_NE(e.find("'awq' (AWQ W4A16) is not supported yet"), std::string::npos) << e;
+  EXPECT_NE(e.find("quant_method 'gptq' is not supported"), std::string::npos) << e;
+  j["quantization_config"] = {{"quant_method", "awq"}, {"bits", 8}};
+  EXPECT_NE(error_of(j).find("AWQ with 8 bits is not supported"), std::string::npos);
+  j["quantization_config"] = {{"quant_method", "awq"}, {"version", "gemv"}};
+  EXPECT_NE(error_of(j).find("AWQ version 'gemv' is not supported"), std::string::npos);
+  j["quantization_config"] = {{"quant_method", "awq"}, {"zero_point", false}};
+  EXPECT_NE(error_of(j).find("without zero points"), std::string::npos);
   j["quantization_config"] = {{"quant_method", "fp8"}, {"weight_block_size", {128, 0}}};
   EXPECT_NE(error_of(j).find("weight_block_size must be two positive integers"), std::string::npos);
   j["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e5m2"}};
