@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/engine_api.h"
+#include "io/model_config.h"
 #include "server/api.h"
 #include "server/http_server.h"
 #include "server/text_codec.h"
@@ -210,7 +211,14 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
   app.add_option("--max-n", a->max_n, "largest n (parallel samples) accepted")->capture_default_str();
   return [a]() -> int {
     ServeArgs& s = *a;
-    // Recognised, not implemented: say so, exit non-zero.
+    // Recognised, not implemented: say so, exit non-zero. --quantization naming the checkpoint's own method (an FP8
+    // or AWQ checkpoint) is accepted: those load from their quantization_config; quantizing at load is not done.
+    if (!s.quantization.empty() && s.load_format != "dummy" && std::filesystem::exists(s.model_path + "/config.json")) {
+      const QuantMethod q = ModelConfig::from_file(s.model_path).quant;
+      if ((s.quantization == "fp8" && (q == QuantMethod::Fp8Block || q == QuantMethod::Fp8Tensor)) ||
+          (s.quantization == "awq" && q == QuantMethod::Awq))
+        s.quantization.clear();
+    }
     not_implemented(!s.quantization.empty(),
                     fmt::format("--quantization {} (quantizing at load; FP8 and AWQ checkpoints load without the flag)",
                                 s.quantization));

@@ -528,6 +528,15 @@ TEST(ServeFlags, RecognisedButNotImplementedExitNonZero) {
   auto r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --model-path " + e2e_model_dir() +
                        " --no-such-flag 1");
   EXPECT_NE(r.exit_code, 0);
+  // --quantization naming the checkpoint's own method is accepted (serving starts; the timeout ends it), another is
+  // refused.
+  r = run_command(std::string("timeout 8 ") + MLASERVE_BINARY + " serve --model-path " + golden_dir("v3-fp8") +
+                  " --skip-tokenizer-init --device cpu --port 0 --quantization fp8");
+  EXPECT_NE(r.output.find("serving"), std::string::npos) << r.output;
+  r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --model-path " + golden_dir("v3-fp8") +
+                  " --skip-tokenizer-init --device cpu --port 0 --quantization awq");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--quantization awq (quantizing at load"), std::string::npos) << r.output;
   r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --model-path " + e2e_model_dir() +
                   " --load-format dummy --port 0 --stream-interval 0");
   EXPECT_NE(r.exit_code, 0);
