@@ -21,11 +21,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Copies a golden checkpoint into `dir` as one model.safetensors after applying `edit` to the tensor map.
-void rewrite_checkpoint(const std::string& family, const fs::path& dir,
-                        const std::function<void(std::map<std::string, Tensor>&)>& edit) {
-  fs::copy_file(test::golden_dir(family) + "/config.json", dir / "config.json", fs::copy_options::overwrite_existing);
-  Checkpoint src(test::golden_dir(family));
+// Every tensor of the checkpoint in `dir`, copied to host memory.
+std::map<std::string, Tensor> read_checkpoint(const std::string& dir) {
+  Checkpoint src(dir);
   std::map<std::string, Tensor> ts;
   for (const auto& n : src.names()) {
     const TensorInfo& i = src.get(n);
@@ -33,6 +31,14 @@ void rewrite_checkpoint(const std::string& family, const fs::path& dir,
     std::memcpy(t.data(), i.data, i.nbytes);
     ts[n] = t;
   }
+  return ts;
+}
+
+// Copies a golden checkpoint into `dir` as one model.safetensors after applying `edit` to the tensor map.
+void rewrite_checkpoint(const std::string& family, const fs::path& dir,
+                        const std::function<void(std::map<std::string, Tensor>&)>& edit) {
+  fs::copy_file(test::golden_dir(family) + "/config.json", dir / "config.json", fs::copy_options::overwrite_existing);
+  std::map<std::string, Tensor> ts = read_checkpoint(test::golden_dir(family));
   edit(ts);
   write_safetensors((dir / "model.safetensors").string(), ts);
 }
@@ -302,14 +308,7 @@ TEST(Loader, AwqCheckpointIsItsDequantizedModel) {
   }
   auto awq = test::temp_dir("awq"), ref = test::temp_dir("awqref");
   write_awq_pair("v2", awq, ref, 16);
-  Checkpoint src(awq.string());
-  std::map<std::string, Tensor> ts;
-  for (const auto& n : src.names()) {
-    const TensorInfo& i = src.get(n);
-    Tensor t = Tensor::empty_host(i.shape, i.dtype);
-    std::memcpy(t.data(), i.data, i.nbytes);
-    ts[n] = t;
-  }
+  std::map<std::string, Tensor> ts = read_checkpoint(awq.string());
   ts["model.layers.1.self_attn.o_proj.qzeros"] = Tensor::empty_host({3, 16}, DType::I32);
   write_safetensors((awq / "model.safetensors").string(), ts);
   const auto e = load_error(awq);
@@ -321,14 +320,7 @@ TEST(Loader, Fp8ScaleErrorsNameTheTensor) {
   write_fp8_pair("v3", fp8, ref, 32, 48);
   const std::string w = "model.layers.1.self_attn.o_proj.weight";
   auto edit_fp8 = [&](const std::function<void(std::map<std::string, Tensor>&)>& f) {
-    Checkpoint src(fp8.string());
-    std::map<std::string, Tensor> ts;
-    for (const auto& n : src.names()) {
-      const TensorInfo& i = src.get(n);
-      Tensor t = Tensor::empty_host(i.shape, i.dtype);
-      std::memcpy(t.data(), i.data, i.nbytes);
-      ts[n] = t;
-    }
+    std::map<std::string, Tensor> ts = read_checkpoint(fp8.string());
     f(ts);
     auto dir = test::temp_dir("fp8bad");
     fs::copy_file(fp8 / "config.json", dir / "config.json");
