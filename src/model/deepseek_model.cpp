@@ -127,7 +127,7 @@ class DeepseekModel::Loader {
   // the element's block (Fp8Block) or the tensor's `weight_scale` (Fp8Tensor), as an F32 host tensor.
   Tensor dequantize_fp8(const TensorInfo& w, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
     const std::string& name = w.name;
-    MLA_CHECK(quant_ != QuantMethod::None,
+    MLA_CHECK(quant_ == QuantMethod::Fp8Block || quant_ == QuantMethod::Fp8Tensor,
               "{}: tensor '{}' is F8_E4M3 but config.json has no FP8 quantization_config", w.file, name);
     MLA_CHECK(w.shape.size() == 2, "{}: F8_E4M3 tensor '{}' has shape {}; only matrices can be FP8", w.file, name,
               shape_str(w.shape));
