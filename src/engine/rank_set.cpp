@@ -176,6 +176,21 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
     stop_workers();
     throw;
   }
+  std::lock_guard<std::mutex> lk(mu_);
+  for (const auto& rk : ranks_)
+    for (Communicator* c : {rk->world.get(), rk->attn.get()})
+      if (c) watched_.push_back(c);
+}
+
+std::string RankSet::communicator_error() {
+  std::vector<Communicator*> comms;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    comms = watched_;
+  }
+  for (Communicator* c : comms)
+    if (std::string e = c->async_error(); !e.empty()) return e;
+  return {};
 }
 
 void RankSet::connect_nodes(const std::string& payload) {
@@ -277,29 +292,31 @@ void RankSet::run_on_all(const std::function<void(int)>& fn, std::chrono::millis
   ++generation_;
   cv_.notify_all();
   const auto done = [&] { return pending_ == 0; };
-  std::string node_failed;  // another node's error (or lost connection) seen while waiting
+  // While the ranks work, every 20 ms: the other nodes (node 0: a kFailed message or a lost connection) and the
+  // communicators' asynchronous errors. Either means this node's ranks may wait in collectives that never complete:
+  // abort the communicators (they return) and fail the step naming it.
+  std::string failure;
   bool finished = false;
-  if (!watch) {
-    finished = done_cv_.wait_for(lk, timeout, done);
-  } else {
-    const auto until = std::chrono::steady_clock::now() + timeout;
-    while (!(finished = done_cv_.wait_for(lk, std::chrono::milliseconds(20), done)) &&
-           std::chrono::steady_clock::now() < until) {
-      if (!node_failed.empty()) continue;
-      lk.unlock();
-      std::optional<NodeLink::NodeFailure> f;
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while (!(finished = done_cv_.wait_for(lk, std::chrono::milliseconds(20), done)) &&
+         std::chrono::steady_clock::now() < until) {
+    if (!failure.empty()) continue;
+    lk.unlock();
+    std::optional<NodeLink::NodeFailure> f;
+    if (watch) {
       try {
         f = link_->poll_failure(kFailed);
       } catch (const std::exception& e) {
         f = NodeLink::NodeFailure{0, e.what()};
       }
-      if (f) {
-        node_failed = f->node > 0 ? fmt::format("node {} failed: {}", f->node, f->what) : f->what;
-        MLA_LOG_ERROR("{}; aborting this node's communicators", node_failed);
-        abort_communicators();  // this node's ranks may wait in collectives that node will never join
-      }
-      lk.lock();
     }
+    if (f) failure = f->node > 0 ? fmt::format("node {} failed: {}", f->node, f->what) : f->what;
+    if (failure.empty()) failure = communicator_error();
+    if (!failure.empty()) {
+      MLA_LOG_ERROR("{}; aborting this node's communicators", failure);
+      abort_communicators();
+    }
+    lk.lock();
   }
   if (!finished) {
     // A rank is stuck in a collective: abort the communicators so every rank returns, then report.
@@ -313,8 +330,8 @@ void RankSet::run_on_all(const std::function<void(int)>& fn, std::chrono::millis
          stuck, ranks_.size(), timeout.count() / 1000.0);
   }
   job_ = nullptr;
-  if (!node_failed.empty() || !errors_.empty()) {
-    std::string all = node_failed;
+  if (!failure.empty() || !errors_.empty()) {
+    std::string all = failure;
     for (const auto& e : errors_) all += (all.empty() ? "" : "; ") + e;
     fail("{}", all);
   }

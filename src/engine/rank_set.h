@@ -154,6 +154,9 @@ class RankSet {
   void check_not_stopped() const;  // fails, naming the error, once stop_nodes ran
   // Aborts every local communicator (from any thread, mu_ not held): collectives in flight return with an error.
   void abort_communicators();
+  // The first asynchronous error of this node's communicators (Communicator::async_error), empty when none (mu_ not
+  // held).
+  std::string communicator_error();
   void capture_graphs();
   int32_t attn_tp() const { return pc_.tp_size / pc_.dp_size; }
   int32_t ranks_per_node() const { return pc_.tp_size / pc_.nnodes; }
@@ -163,6 +166,7 @@ class RankSet {
   std::unique_ptr<NodeLink> link_;
   std::vector<std::unique_ptr<Rank>> ranks_;  // local ranks
   std::vector<std::function<void()>> abort_groups_;
+  std::vector<Communicator*> watched_;  // every rank's communicators (their asynchronous errors are polled)
   std::vector<int32_t> graph_sizes_;
   int64_t graph_steps_ = 0, prev_id_steps_ = 0, followed_steps_ = 0, followed_overlapped_ = 0;
   uint64_t remote_seq_ = 0;  // steps sent to (node 0) or received from (others) the other nodes

@@ -30,6 +30,10 @@ class Communicator {
   // failed (in-process groups wake every rank of the group; NCCL only this process's, so other nodes must be told:
   // RankSet's kAbort / kFailed). The communicator is unusable afterwards. (One rank: nothing to wake.)
   virtual void abort() {}
+  // From any thread: a message when the communicator failed outside a call (NCCL's asynchronous errors: a peer or
+  // link lost), after which its collectives may never return; empty while healthy. RankSet polls it while its ranks
+  // work and aborts the communicators when it is set.
+  virtual std::string async_error() { return {}; }
 };
 
 // The trivial group of one rank: every collective is the identity.

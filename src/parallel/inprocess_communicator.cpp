@@ -24,7 +24,7 @@ void InProcessGroup::arrive_and_wait(int rank, const char* what) {
   if (mine) fail("collective {} on rank {}: this rank's communicator was aborted", what, rank);
   const uint64_t gen = generation_;
   present_[static_cast<size_t>(rank)] = 1;
-  if (++arrived_ == size_) {
+  if (++arrived_ == size_ && async_error_.empty()) {
     arrived_ = 0;
     std::fill(present_.begin(), present_.end(), 0);
     ++generation_;
@@ -42,6 +42,16 @@ void InProcessGroup::arrive_and_wait(int rank, const char* what) {
   }
   if (generation_ == gen && aborted_) fail("collective {} on rank {}: group aborted ({})", what, rank, abort_reason_);
   if (generation_ == gen && mine) fail("collective {} on rank {}: this rank's communicator was aborted", what, rank);
+}
+
+void InProcessGroup::fail_async(const std::string& why) {
+  std::lock_guard<std::mutex> lk(mu_);
+  async_error_ = why;
+}
+
+std::string InProcessGroup::async_error() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return async_error_;
 }
 
 void InProcessGroup::abort_rank(int rank) {

@@ -25,6 +25,10 @@ class InProcessGroup {
   // Wakes only `rank` (its waits and later collectives throw): what an abort on one node does to a communicator that
   // spans nodes (NCCL), where the other nodes' ranks go on waiting. Tests of several simulated nodes use it.
   void abort_rank(int rank);
+  // Tests: what NCCL does after an asynchronous error: async_error() returns `why`, and collectives stop completing
+  // (ranks wait in them until an abort or the timeout).
+  void fail_async(const std::string& why);
+  std::string async_error();
   void post(int rank, const void* p) { slots_[static_cast<size_t>(rank)] = p; }
   const void* slot(int rank) const { return slots_[static_cast<size_t>(rank)]; }
 
@@ -39,6 +43,7 @@ class InProcessGroup {
   std::vector<char> rank_aborted_;
   bool aborted_ = false;
   std::string abort_reason_;
+  std::string async_error_;  // fail_async: collectives stall
   std::vector<const void*> slots_;
 };
 
@@ -54,6 +59,7 @@ class InProcessCommunicator final : public Communicator {
   void broadcast(Tensor& t, int root) override;
   void barrier() override { group_->arrive_and_wait(rank_, "barrier"); }
   void abort() override { group_->abort("another rank failed"); }
+  std::string async_error() override { return group_->async_error(); }
   InProcessGroup& group() { return *group_; }
 
  private:

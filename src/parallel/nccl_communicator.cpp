@@ -4,6 +4,7 @@
 #include <nccl.h>
 
 #include <cstring>
+#include <mutex>
 
 #include "core/error.h"
 
@@ -30,6 +31,7 @@ ncclDataType_t nccl_type(DType t) {
 }  // namespace
 
 struct NcclCommunicator::Impl {
+  std::mutex mu;  // abort and async_error, which other threads call
   ncclComm_t comm = nullptr;
   cudaStream_t stream = nullptr;
   int device = 0;
@@ -58,10 +60,23 @@ NcclCommunicator::~NcclCommunicator() {
 }
 
 void NcclCommunicator::abort() {
-  if (impl_ && impl_->comm) {
+  if (!impl_) return;
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  if (impl_->comm) {
     ncclCommAbort(impl_->comm);
     impl_->comm = nullptr;
   }
+}
+
+std::string NcclCommunicator::async_error() {
+  if (!impl_) return {};
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  if (!impl_->comm) return {};
+  ncclResult_t r = ncclSuccess;
+  if (ncclCommGetAsyncError(impl_->comm, &r) != ncclSuccess || r == ncclSuccess || r == ncclInProgress) return {};
+  const char* last = ncclGetLastError(impl_->comm);
+  return fmt::format("NCCL asynchronous error on rank {} of {}: {}{}{}", rank_, size_, ncclGetErrorString(r),
+                     last && *last ? ": " : "", last ? last : "");
 }
 
 void NcclCommunicator::all_reduce_sum(Tensor& t) {

@@ -28,6 +28,8 @@ class NcclCommunicator final : public Communicator {
   // Aborts the communicator (from any thread): collectives in flight return instead of waiting for a rank that
   // failed. The communicator is unusable afterwards.
   void abort() override;
+  // ncclCommGetAsyncError (the watchdog's question), as a message naming the error; empty when healthy or aborted.
+  std::string async_error() override;
   // A sub-group (ncclCommSplit): ranks with the same color, ordered by key.
   std::unique_ptr<NcclCommunicator> split(int color, int key);
 

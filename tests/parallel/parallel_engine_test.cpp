@@ -8,6 +8,8 @@
 #include "engine/dp_controller.h"
 #include "engine/engine.h"
 #include "engine/load_balancer.h"
+#include "engine/offline.h"
+#include "parallel/inprocess_communicator.h"
 #include "io/safetensors.h"
 #include "test_util.h"
 
@@ -202,4 +204,33 @@ TEST(EngineArgsErrors, NegativeCudaGraphMaxBsIsClear) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("--cuda-graph-max-bs must be >= 0, got -1"), std::string::npos) << e.what();
   }
+}
+
+// A communicator that fails asynchronously (NCCL's asynchronous errors: its collectives then stop completing) fails
+// the step at once, naming the error, instead of leaving the ranks in collectives until a timeout; later steps are
+// refused by the aborted communicators.
+TEST(RankSetFailures, AsyncCommunicatorErrorFailsTheStepAtOnce) {
+  auto group = std::make_shared<InProcessGroup>(2, std::chrono::seconds(20));
+  ParallelConfig pc;
+  pc.tp_size = 2;
+  pc.device = "cpu";
+  pc.comm_factory = [group](int32_t global, int32_t) -> std::unique_ptr<Communicator> {
+    return std::make_unique<InProcessCommunicator>(group, global);
+  };
+  RankSet ranks(ModelConfig::from_file(test::golden_dir("v2")), pc, test::golden_dir("v2"), LoadOptions{});
+  const auto prompts = test::golden_prompts("v2");
+  OfflineOptions o;
+  o.max_new_tokens = 2;
+  run_offline(ranks, {prompts[1]}, o);  // healthy: runs
+  group->fail_async("simulated NCCL error: remote peer lost");
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string what;
+  try {
+    run_offline(ranks, {prompts[1]}, o);
+  } catch (const Error& e) {
+    what = e.what();
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(what.find("simulated NCCL error: remote peer lost"), std::string::npos) << what;
+  EXPECT_LT(s, 5.0) << "the step waited for the collectives' timeout: " << what;
 }
