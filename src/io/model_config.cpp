@@ -306,9 +306,11 @@ std::string ModelConfig::summary() const {
       "(top-{}), vocab {}{}",
       arch_name, num_hidden_layers, hidden_size, num_attention_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
       qk_rope_head_dim, v_head_dim, n_routed_experts, n_shared_experts, num_experts_per_tok, vocab_size,
-      quant == QuantMethod::Fp8Block    ? fmt::format(", FP8 weights in {}x{} blocks (dequantized to bf16 at load)",
-                                                      quant_block_rows, quant_block_cols)
-      : quant == QuantMethod::Fp8Tensor ? std::string(", FP8 weights with per-tensor scales (dequantized to bf16 at load)")
+      quant == QuantMethod::Fp8Block
+          ? fmt::format(", FP8 weights in {}x{} blocks (dequantized to bf16 at load)", quant_block_rows,
+                        quant_block_cols)
+      : quant == QuantMethod::Fp8Tensor
+          ? std::string(", FP8 weights with per-tensor scales (dequantized to bf16 at load)")
       : quant == QuantMethod::Awq
           ? fmt::format(", AWQ 4-bit weights in groups of {} (dequantized to bf16 at load)", quant_group)
           : std::string());

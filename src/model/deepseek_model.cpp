@@ -119,7 +119,8 @@ class DeepseekModel::Loader {
         std::memcpy(&h, s.data + static_cast<size_t>(i) * 2, 2);
         return f16_to_f32(h);
       }
-      default: fail("{}: scale tensor '{}' has dtype {}; expected F32, BF16 or F16", s.file, s.name, dtype_name(s.dtype));
+      default:
+        fail("{}: scale tensor '{}' has dtype {}; expected F32, BF16 or F16", s.file, s.name, dtype_name(s.dtype));
     }
   }
 

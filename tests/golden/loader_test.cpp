@@ -147,7 +147,8 @@ void write_fp8_pair(const std::string& family, const fs::path& fp8, const fs::pa
         for (int64_t j = 0; j < sc; ++j) {
           float amax = 0.0f;
           for (int64_t r = i * bR; r < std::min(R, (i + 1) * bR); ++r)
-            for (int64_t c = j * bC; c < std::min(C, (j + 1) * bC); ++c) amax = std::max(amax, std::fabs(value_of(t, r * C + c)));
+            for (int64_t c = j * bC; c < std::min(C, (j + 1) * bC); ++c)
+              amax = std::max(amax, std::fabs(value_of(t, r * C + c)));
           const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
           s.data_as<float>()[i * sc + j] = scale;
           for (int64_t r = i * bR; r < std::min(R, (i + 1) * bR); ++r)
@@ -268,13 +269,15 @@ void write_awq_pair(const std::string& family, const fs::path& awq, const fs::pa
       for (int64_t i = 0; i < I; ++i)
         for (int64_t j = 0; j < O / 8; ++j) {
           uint32_t word = 0;
-          for (int k = 0; k < 8; ++k) word |= uint32_t{qv[static_cast<size_t>((8 * j + kPackOrder[k]) * I + i)]} << (4 * k);
+          for (int k = 0; k < 8; ++k)
+            word |= uint32_t{qv[static_cast<size_t>((8 * j + kPackOrder[k]) * I + i)]} << (4 * k);
           qw.data_as<uint32_t>()[i * (O / 8) + j] = word;
         }
       for (int64_t k = 0; k < G; ++k)
         for (int64_t j = 0; j < O / 8; ++j) {
           uint32_t word = 0;
-          for (int b = 0; b < 8; ++b) word |= uint32_t{zv[static_cast<size_t>((8 * j + kPackOrder[b]) * G + k)]} << (4 * b);
+          for (int b = 0; b < 8; ++b)
+            word |= uint32_t{zv[static_cast<size_t>((8 * j + kPackOrder[b]) * G + k)]} << (4 * b);
           qz.data_as<uint32_t>()[k * (O / 8) + j] = word;
         }
       const std::string stem = n.substr(0, n.size() - 7);
@@ -329,7 +332,9 @@ TEST(Loader, Fp8ScaleErrorsNameTheTensor) {
   };
   auto e = edit_fp8([&](auto& ts) { ts.erase("model.layers.1.self_attn.o_proj.weight_scale_inv"); });
   EXPECT_NE(e.find("'" + w + "' has no 'model.layers.1.self_attn.o_proj.weight_scale_inv'"), std::string::npos) << e;
-  e = edit_fp8([&](auto& ts) { ts["model.layers.1.self_attn.o_proj.weight_scale_inv"] = Tensor::empty_host({1, 1}, DType::F32); });
+  e = edit_fp8([&](auto& ts) {
+    ts["model.layers.1.self_attn.o_proj.weight_scale_inv"] = Tensor::empty_host({1, 1}, DType::F32);
+  });
   EXPECT_NE(e.find("'model.layers.1.self_attn.o_proj.weight_scale_inv' has shape [1, 1], expected"), std::string::npos)
       << e;
   auto j = nlohmann::json::parse(test::read_text(fp8 / "config.json"));

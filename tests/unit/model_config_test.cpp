@@ -131,7 +131,8 @@ TEST(ModelConfig, QuantizationConfigs) {
   EXPECT_EQ(c.quant_block_rows, 128);
   EXPECT_EQ(c.quant_block_cols, 64);
   EXPECT_NE(c.summary().find("FP8 weights in 128x64 blocks"), std::string::npos) << c.summary();
-  j["quantization_config"] = {{"quant_method", "fp8"}, {"activation_scheme", "static"}, {"ignored_layers", {"lm_head"}}};
+  j["quantization_config"] = {{"quant_method", "fp8"}, {"activation_scheme", "static"},
+                              {"ignored_layers", {"lm_head"}}};
   EXPECT_EQ(ModelConfig::from_json(j, "config.json").quant, QuantMethod::Fp8Tensor);
   j["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}, {"group_size", 64}, {"zero_point", true},
                               {"version", "gemm"}, {"modules_to_not_convert", nullptr}};

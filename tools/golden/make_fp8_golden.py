@@ -5,9 +5,10 @@ Quantizes a golden family's linear weights (not the embedding, lm_head, norms or
 checkpoint in one of the two layouts mlaserve loads:
   block (DeepSeek-V3's): `weight_scale_inv` F32 per BR x BC block, quantization_config weight_block_size [BR, BC];
   tensor (AutoFP8's):    one `weight_scale` per tensor (+ an unused static `input_scale`), no weight_block_size.
-Scales are powers of two (the dequantized weights are exact in bf16). Then loads it back with Hugging Face (FineGrainedFP8Config(dequantize=True) for the block layout: the weights
-dequantized to the model dtype, fp32 here) and writes reference.safetensors for the golden family's prompts, in
-make_golden.py's format, so `mlaserve eval-logits` + tools/compare_logits.py check mlaserve's FP8 loading against it.
+Scales are powers of two (the dequantized weights are exact in bf16). Then loads it back with Hugging Face
+(FineGrainedFP8Config(dequantize=True) for the block layout: the weights dequantized to the model dtype, fp32 here)
+and writes reference.safetensors for the golden family's prompts, in make_golden.py's format: the golden tests
+(tests/golden/data/v3-fp8, v2-fp8-tensor) and `mlaserve eval-logits` + tools/compare_logits.py use it.
 The tensor layout has no Hugging Face loader here; its reference is the same model dequantized in torch.
 
 usage: make_fp8_golden.py SRC_FAMILY_DIR OUT_DIR block BR BC | tensor
@@ -94,7 +95,8 @@ def main():
     else:
         tmp = os.path.join(out, "dequantized")
         os.makedirs(tmp, exist_ok=True)
-        json.dump({k: v for k, v in cfg.items() if k != "quantization_config"}, open(os.path.join(tmp, "config.json"), "w"))
+        plain = {k: v for k, v in cfg.items() if k != "quantization_config"}
+        json.dump(plain, open(os.path.join(tmp, "config.json"), "w"))
         save_file({k: v.contiguous() for k, v in deq.items()}, os.path.join(tmp, "model.safetensors"))
         ref = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="eager")
         how = "Hugging Face on the torch-dequantized weights"
