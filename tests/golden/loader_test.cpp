@@ -265,21 +265,19 @@ void write_awq_pair(const std::string& family, const fs::path& awq, const fs::pa
             d.data_as<float>()[o * I + i] = static_cast<float>(qi - zero) * s;
           }
         }
-      Tensor qw = Tensor::empty_host({I, O / 8}, DType::I32), qz = Tensor::empty_host({G, O / 8}, DType::I32);
-      for (int64_t i = 0; i < I; ++i)
-        for (int64_t j = 0; j < O / 8; ++j) {
-          uint32_t word = 0;
-          for (int k = 0; k < 8; ++k)
-            word |= uint32_t{qv[static_cast<size_t>((8 * j + kPackOrder[k]) * I + i)]} << (4 * k);
-          qw.data_as<uint32_t>()[i * (O / 8) + j] = word;
-        }
-      for (int64_t k = 0; k < G; ++k)
-        for (int64_t j = 0; j < O / 8; ++j) {
-          uint32_t word = 0;
-          for (int b = 0; b < 8; ++b)
-            word |= uint32_t{zv[static_cast<size_t>((8 * j + kPackOrder[b]) * G + k)]} << (4 * b);
-          qz.data_as<uint32_t>()[k * (O / 8) + j] = word;
-        }
+      // v [O, N] (4-bit values) -> [N, O / 8] int32 words in AutoAWQ's order.
+      auto pack = [&](const std::vector<uint8_t>& v, int64_t N) {
+        Tensor p = Tensor::empty_host({N, O / 8}, DType::I32);
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t j = 0; j < O / 8; ++j) {
+            uint32_t word = 0;
+            for (int k = 0; k < 8; ++k)
+              word |= uint32_t{v[static_cast<size_t>((8 * j + kPackOrder[k]) * N + n)]} << (4 * k);
+            p.data_as<uint32_t>()[n * (O / 8) + j] = word;
+          }
+        return p;
+      };
+      Tensor qw = pack(qv, I), qz = pack(zv, G);
       const std::string stem = n.substr(0, n.size() - 7);
       q_ts[stem + ".qweight"] = qw;
       q_ts[stem + ".qzeros"] = qz;
