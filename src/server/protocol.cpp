@@ -224,6 +224,9 @@ void parse_openai_common(const Fields& f, const ParseLimits& limits, ParsedReque
     if (best_of != r.n) bad_request("best_of", "unsupported_parameter", "'best_of' different from 'n' is not supported");
   }
   parse_stream_options(f, r);
+  // Keep a matched stop string in the text: SGLang's no_stop_trim, vLLM's include_stop_str_in_output.
+  for (const char* key : {"no_stop_trim", "include_stop_str_in_output"})
+    if (auto v = f.boolean(key)) r.no_stop_trim = *v;
 }
 
 }  // namespace

@@ -305,6 +305,11 @@ TEST_F(ServerE2E, StopStringsOnRealTokens) {
     EXPECT_EQ(out["meta_info"]["finish_reason"]["type"], "stop");
     EXPECT_EQ(out["meta_info"]["finish_reason"]["matched"], stop);
   }
+  // OpenAI: the same stop, kept in the text on request (vLLM's include_stop_str_in_output).
+  auto c = post_json(port(), "/v1/completions", R"({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0,
+      "ignore_eos": true, "include_stop_str_in_output": true, "stop": )" + json(stop).dump() + "}");
+  EXPECT_EQ(c["choices"][0]["text"], full.substr(0, first) + stop);
+  EXPECT_EQ(c["choices"][0]["finish_reason"], "stop");
   wait_idle(port());
 }
 
