@@ -68,6 +68,9 @@ class Api {
  private:
   struct Prepared;
   void generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
+  // vLLM's /tokenize ({"prompt"} or chat {"messages"}) and /detokenize ({"tokens"}).
+  void tokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
+  void detokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   Prepared prepare(ParsedRequest& pr);
   void respond_json(const std::shared_ptr<HttpExchange>& ex, int status, const std::string& body);
   void respond_error(const std::shared_ptr<HttpExchange>& ex, int status, const std::string& body);

@@ -326,6 +326,12 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
       body["internal_states"] = std::move(states);
       body["version"] = "mlaserve";
       respond_json(ex, 200, dump(body));
+    } else if (path == "/tokenize" || path == "/v1/tokenize") {
+      if (!post) method_not_allowed();
+      tokenize(req, ex);
+    } else if (path == "/detokenize" || path == "/v1/detokenize") {
+      if (!post) method_not_allowed();
+      detokenize(req, ex);
     } else if (path == "/flush_cache") {
       if (!get && !post) method_not_allowed();
       if (engine_.flush_cache())
@@ -431,6 +437,63 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                          pr.batch || pr.n > 1,
                          codec_};
   return p;
+}
+
+void Api::tokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
+  if (!codec_) throw ApiError(400, "tokenizing needs a tokenizer; this server runs without one", "", "no_tokenizer");
+  const json body = parse_body(req.body);
+  std::vector<int32_t> ids;
+  if (body.contains("messages")) {
+    ParsedRequest pr = parse_chat(body, opts_.limits);  // validates the messages
+    bool gen = true;
+    if (const auto it = body.find("add_generation_prompt"); it != body.end() && !it->is_null()) {
+      if (!it->is_boolean())
+        throw ApiError(400, "'add_generation_prompt' must be a boolean", "add_generation_prompt", "invalid_type");
+      gen = it->get<bool>();
+    }
+    try {
+      ids = codec_->encode(codec_->apply_chat_template(pr.messages, gen), /*add_special_tokens=*/false);
+    } catch (const std::exception& e) {
+      throw ApiError(400, fmt::format("the chat template failed on these messages: {}", e.what()), "messages",
+                     "invalid_value");
+    }
+  } else {
+    const auto it = body.find("prompt");
+    if (it == body.end() || !it->is_string())
+      throw ApiError(400, "'prompt' (a string) or 'messages' is required", "prompt", "invalid_value");
+    bool special = true;
+    if (const auto a = body.find("add_special_tokens"); a != body.end() && !a->is_null()) {
+      if (!a->is_boolean())
+        throw ApiError(400, "'add_special_tokens' must be a boolean", "add_special_tokens", "invalid_type");
+      special = a->get<bool>();
+    }
+    ids = codec_->encode(it->get<std::string>(), special);
+  }
+  ojson out;
+  out["count"] = ids.size();
+  out["max_model_len"] = engine_.max_context_len();
+  out["tokens"] = ids;
+  respond_json(ex, 200, dump(out));
+}
+
+void Api::detokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
+  if (!codec_) throw ApiError(400, "detokenizing needs a tokenizer; this server runs without one", "", "no_tokenizer");
+  const json body = parse_body(req.body);
+  const auto it = body.find("tokens");
+  if (it == body.end() || !it->is_array())
+    throw ApiError(400, "'tokens' (an array of token ids) is required", "tokens", "invalid_value");
+  std::vector<int32_t> ids;
+  const int64_t vocab = static_cast<int64_t>(codec_->vocab_size());
+  for (size_t i = 0; i < it->size(); ++i) {
+    const json& v = (*it)[i];
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= vocab)
+      throw ApiError(400, fmt::format("'tokens[{}]' must be a token id in [0, {}), got {}", i, vocab, v.dump()),
+                     fmt::format("tokens[{}]", i), "invalid_value");
+    ids.push_back(static_cast<int32_t>(v.get<int64_t>()));
+  }
+  ojson out;
+  out["prompt"] = codec_->decode(ids, /*skip_special_tokens=*/false);
+  respond_json(ex, 200, dump(out));
 }
 
 void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {

@@ -347,6 +347,29 @@ TEST_F(ServerE2E, LogitBiasAndMinTokens) {
   wait_idle(port());
 }
 
+// vLLM's /tokenize and /detokenize: the ids the server would feed the model (text: with BOS unless
+// add_special_tokens is false; messages: the chat template), and back.
+TEST_F(ServerE2E, TokenizeAndDetokenize) {
+  const std::string text = "Once upon a time";
+  auto g = post_json(port(), "/generate", R"({"text": ")" + text + R"(", "sampling_params": {"max_new_tokens": 1}})");
+  auto t = post_json(port(), "/tokenize", R"({"prompt": ")" + text + R"("})");
+  EXPECT_EQ(t["count"], g["meta_info"]["prompt_tokens"]);
+  ASSERT_EQ(t["tokens"].size(), t["count"].get<size_t>());
+  EXPECT_GT(t["max_model_len"].get<int64_t>(), 0);
+  auto plain = post_json(port(), "/tokenize", R"({"prompt": ")" + text + R"(", "add_special_tokens": false})");
+  EXPECT_EQ(plain["count"].get<size_t>() + 1, t["count"].get<size_t>());
+  auto d = post_json(port(), "/detokenize", R"({"tokens": )" + plain["tokens"].dump() + "}");
+  EXPECT_EQ(d["prompt"], text);
+  const std::string msgs = R"({"messages": [{"role": "user", "content": "Hi there"}])";
+  auto c = post_json(port(), "/v1/chat/completions", msgs + R"(, "max_tokens": 1})");
+  auto tc = post_json(port(), "/tokenize", msgs + "}");
+  EXPECT_EQ(tc["count"], c["usage"]["prompt_tokens"]);
+  EXPECT_EQ(http_request(port(), "POST", "/detokenize", R"({"tokens": [-1]})").status, 400);
+  EXPECT_EQ(http_request(port(), "POST", "/tokenize", R"({})").status, 400);
+  EXPECT_EQ(http_request(port(), "GET", "/tokenize").status, 405);
+  wait_idle(port());
+}
+
 TEST_F(ServerE2E, BadRequestsGet4xx) {
   struct Case {
     std::string path, body;
