@@ -182,7 +182,8 @@ TEST(Protocol, LogitBiasAndMinTokens) {
   EXPECT_TRUE(r.sampling.logit_bias.empty());
   EXPECT_EQ(r.sampling.min_new_tokens, 0);
   EXPECT_FALSE(r.no_stop_trim);
-  EXPECT_TRUE(parse_completions(json::parse(R"({"prompt": "a", "include_stop_str_in_output": true})"), {}).no_stop_trim);
+  r = parse_completions(json::parse(R"({"prompt": "a", "include_stop_str_in_output": true})"), {});
+  EXPECT_TRUE(r.no_stop_trim);
   EXPECT_TRUE(parse_chat(json::parse(R"({"messages": [{"role": "user", "content": "x"}], "no_stop_trim": true})"), {})
                   .no_stop_trim);
 }
