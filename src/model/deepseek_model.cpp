@@ -1,7 +1,6 @@
 #include "model/deepseek_model.h"
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cstring>
 #include <set>
@@ -10,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "backend/cpu/cpu_kernels.h"
 #include "core/log.h"
 #include "core/random.h"
 #include "core/thread_pool.h"
@@ -101,31 +101,18 @@ class DeepseekModel::Loader {
   }
 
  private:
-  // Element i of a scale tensor (F32, BF16 or F16).
-  static float scale_at(const TensorInfo& s, int64_t i) {
-    switch (s.dtype) {
-      case DType::F32: {
-        float f;
-        std::memcpy(&f, s.data + static_cast<size_t>(i) * 4, 4);
-        return f;
-      }
-      case DType::BF16: {
-        uint16_t h;
-        std::memcpy(&h, s.data + static_cast<size_t>(i) * 2, 2);
-        return bf16_to_f32(h);
-      }
-      case DType::F16: {
-        uint16_t h;
-        std::memcpy(&h, s.data + static_cast<size_t>(i) * 2, 2);
-        return f16_to_f32(h);
-      }
-      default:
-        fail("{}: scale tensor '{}' has dtype {}; expected F32, BF16 or F16", s.file, s.name, dtype_name(s.dtype));
-    }
+  // A scale tensor's values as floats (F32, BF16 or F16: cpu::convert).
+  static std::vector<float> scales_of(const TensorInfo& s) {
+    MLA_CHECK(s.dtype == DType::F32 || s.dtype == DType::BF16 || s.dtype == DType::F16,
+              "{}: scale tensor '{}' has dtype {}; expected F32, BF16 or F16", s.file, s.name, dtype_name(s.dtype));
+    std::vector<float> v(s.nbytes / dtype_size(s.dtype));
+    cpu::convert(s.data, s.dtype, v.data(), DType::F32, static_cast<int64_t>(v.size()));
+    return v;
   }
 
   // Rows [r0, r0 + nr) x columns [c0, c0 + nc) of the F8_E4M3 matrix `w`, times its scale: `weight_scale_inv` of
-  // the element's block (Fp8Block) or the tensor's `weight_scale` (Fp8Tensor), as an F32 host tensor.
+  // the element's block (Fp8Block) or the tensor's `weight_scale` (Fp8Tensor: one block of the whole matrix), as an
+  // F32 host tensor.
   Tensor dequantize_fp8(const TensorInfo& w, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
     const std::string& name = w.name;
     MLA_CHECK(quant_ == QuantMethod::Fp8Block || quant_ == QuantMethod::Fp8Tensor,
@@ -134,49 +121,38 @@ class DeepseekModel::Loader {
               shape_str(w.shape));
     const std::string stem = name.size() > 7 && name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
     const int64_t R = w.shape[0], C = w.shape[1];
-    Tensor out = Tensor::empty_host({nr, nc}, DType::F32);
-    float* o = out.data_as<float>();
-    static const std::array<float, 256> kF8 = [] {
-      std::array<float, 256> t{};
-      for (int v = 0; v < 256; ++v) t[static_cast<size_t>(v)] = f8e4m3_to_f32(static_cast<uint8_t>(v));
-      return t;
-    }();
-    if (quant_ == QuantMethod::Fp8Block) {
-      const std::string sname = stem + ".weight_scale_inv";
-      MLA_CHECK(ckpt_->has(sname), "{}: FP8 tensor '{}' has no '{}' (block scales)", w.file, name, sname);
-      const TensorInfo& s = ckpt_->get(sname);
-      used_.insert(sname);
-      const Shape want{(R + block_rows_ - 1) / block_rows_, (C + block_cols_ - 1) / block_cols_};
+    const bool block = quant_ == QuantMethod::Fp8Block;
+    const int64_t br = block ? block_rows_ : R, bc = block ? block_cols_ : C;
+    const std::string sname = stem + (block ? ".weight_scale_inv" : ".weight_scale");
+    MLA_CHECK(ckpt_->has(sname), "{}: FP8 tensor '{}' has no '{}' ({})", w.file, name, sname,
+              block ? "block scales" : "its scale");
+    const TensorInfo& s = ckpt_->get(sname);
+    used_.insert(sname);
+    const Shape want{(R + br - 1) / br, (C + bc - 1) / bc};
+    if (block) {
       MLA_CHECK(s.shape == want, "{}: '{}' has shape {}, expected {} for '{}' {} in {}x{} blocks", s.file, sname,
-                shape_str(s.shape), shape_str(want), name, shape_str(w.shape), block_rows_, block_cols_);
-      parallel_for(nr, 16, [&](int64_t rb, int64_t re) {
-        for (int64_t r = rb; r < re; ++r) {
-          const int64_t gr = r0 + r, srow = gr / block_rows_ * want[1];
-          const uint8_t* q = w.data + gr * C;
-          for (int64_t c = c0; c < c0 + nc;) {  // a block's columns at a time
-            const int64_t end = std::min(c0 + nc, (c / block_cols_ + 1) * block_cols_);
-            const float scale = scale_at(s, srow + c / block_cols_);
-            for (; c < end; ++c) o[r * nc + (c - c0)] = kF8[q[c]] * scale;
-          }
-        }
-      });
+                shape_str(s.shape), shape_str(want), name, shape_str(w.shape), br, bc);
     } else {
-      const std::string sname = stem + ".weight_scale";
-      MLA_CHECK(ckpt_->has(sname), "{}: FP8 tensor '{}' has no '{}' (its scale)", w.file, name, sname);
-      const TensorInfo& s = ckpt_->get(sname);
-      used_.insert(sname);
-      if (ckpt_->has(stem + ".input_scale")) used_.insert(stem + ".input_scale");  // activations stay bf16
       int64_t n = 1;
       for (int64_t d : s.shape) n *= d;
       MLA_CHECK(n == 1, "{}: '{}' has shape {}; a per-tensor scale is one number", s.file, sname, shape_str(s.shape));
-      const float scale = scale_at(s, 0);
-      parallel_for(nr, 16, [&](int64_t rb, int64_t re) {
-        for (int64_t r = rb; r < re; ++r) {
-          const uint8_t* q = w.data + (r0 + r) * C + c0;
-          for (int64_t c = 0; c < nc; ++c) o[r * nc + c] = kF8[q[c]] * scale;
-        }
-      });
+      if (ckpt_->has(stem + ".input_scale")) used_.insert(stem + ".input_scale");  // activations stay bf16
     }
+    const std::vector<float> scales = scales_of(s);
+    Tensor out = Tensor::empty_host({nr, nc}, DType::F32);
+    float* o = out.data_as<float>();
+    parallel_for(nr, 16, [&](int64_t rb, int64_t re) {
+      for (int64_t r = rb; r < re; ++r) {
+        const int64_t gr = r0 + r;
+        float* row = o + r * nc;
+        cpu::convert(w.data + gr * C + c0, DType::F8_E4M3, row, DType::F32, nc);
+        for (int64_t c = c0; c < c0 + nc;) {  // a block's columns at a time
+          const int64_t end = std::min(c0 + nc, (c / bc + 1) * bc);
+          const float scale = scales[static_cast<size_t>(gr / br * want[1] + c / bc)];
+          for (; c < end; ++c) row[c - c0] *= scale;
+        }
+      }
+    });
     return out;
   }
 
@@ -208,6 +184,7 @@ class DeepseekModel::Loader {
     used_.insert(sn);
     const auto* q = reinterpret_cast<const uint32_t*>(qw.data);
     const auto* z = reinterpret_cast<const uint32_t*>(qz.data);
+    const std::vector<float> scales = scales_of(sc);
     Tensor out = Tensor::empty_host({nr, nc}, DType::F32);
     float* o = out.data_as<float>();
     parallel_for(nr, 8, [&](int64_t rb, int64_t re) {
@@ -216,7 +193,7 @@ class DeepseekModel::Loader {
         for (int64_t r = rb; r < re; ++r) {
           const int64_t oc = r0 + r, shift = 4 * kAwqNibble[oc % 8];
           const int64_t qv = (q[i * (O / 8) + oc / 8] >> shift) & 15, zv = (z[g * (O / 8) + oc / 8] >> shift) & 15;
-          o[r * nc + c] = static_cast<float>(qv - zv) * scale_at(sc, g * O + oc);
+          o[r * nc + c] = static_cast<float>(qv - zv) * scales[static_cast<size_t>(g * O + oc)];
         }
       }
     });

@@ -1,6 +1,7 @@
 #include "backend/cpu/cpu_kernels.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -14,6 +15,15 @@
 
 namespace mlaserve::cpu {
 
+namespace {
+// Every E4M3 code's value (checkpoint loading converts billions of them).
+const std::array<float, 256> kF8E4M3 = [] {
+  std::array<float, 256> t{};
+  for (int v = 0; v < 256; ++v) t[static_cast<size_t>(v)] = f8e4m3_to_f32(static_cast<uint8_t>(v));
+  return t;
+}();
+}  // namespace
+
 void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) {
   if (sd == dd) {
     std::memcpy(dst, src, static_cast<size_t>(n) * dtype_size(sd));
@@ -24,7 +34,7 @@ void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) {
       case DType::F32: return static_cast<const float*>(src)[i];
       case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(src)[i]);
       case DType::F16: return f16_to_f32(static_cast<const uint16_t*>(src)[i]);
-      case DType::F8_E4M3: return f8e4m3_to_f32(static_cast<const uint8_t*>(src)[i]);
+      case DType::F8_E4M3: return kF8E4M3[static_cast<const uint8_t*>(src)[i]];
       case DType::I32: return static_cast<float>(static_cast<const int32_t*>(src)[i]);
       default: fail("convert: unsupported source dtype {}", dtype_name(sd));
     }
