@@ -130,17 +130,21 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
       rk->world = pc_.comm_factory(rk->global, -1);
       if (at > 1 && d > 1) rk->attn = pc_.comm_factory(rk->global, rk->global / at);
       for (Communicator* c : {rk->world.get(), rk->attn.get()})
-        if (c) abort_groups_.push_back([c] { c->abort(); });
+        if (c) comms_.push_back(c);
     }
   } else if (n > 1) {
     auto world = make_inprocess_communicators(n);
-    abort_groups_.push_back([c = world[0].get()] { c->abort(); });  // one rank's abort wakes its whole group
-    for (int32_t r = 0; r < n; ++r) ranks_[static_cast<size_t>(r)]->world = std::move(world[static_cast<size_t>(r)]);
+    for (int32_t r = 0; r < n; ++r) {
+      comms_.push_back(world[static_cast<size_t>(r)].get());
+      ranks_[static_cast<size_t>(r)]->world = std::move(world[static_cast<size_t>(r)]);
+    }
     if (at > 1 && d > 1)
       for (int32_t gi = 0; gi < d; ++gi) {
         auto attn = make_inprocess_communicators(at);
-        abort_groups_.push_back([c = attn[0].get()] { c->abort(); });
-        for (int32_t k = 0; k < at; ++k) ranks_[static_cast<size_t>(gi * at + k)]->attn = std::move(attn[static_cast<size_t>(k)]);
+        for (int32_t k = 0; k < at; ++k) {
+          comms_.push_back(attn[static_cast<size_t>(k)].get());
+          ranks_[static_cast<size_t>(gi * at + k)]->attn = std::move(attn[static_cast<size_t>(k)]);
+        }
       }
   }
 
@@ -157,13 +161,13 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
           auto attn = world->split(plan.dp_rank, rk.global);
           auto* a = attn.get();
           std::lock_guard<std::mutex> lk(mu_);
-          abort_groups_.push_back([a] { a->abort(); });
+          comms_.push_back(a);
           rk.attn = std::move(attn);
         }
         auto* w = world.get();
         {
           std::lock_guard<std::mutex> lk(mu_);
-          abort_groups_.push_back([w] { w->abort(); });
+          comms_.push_back(w);
         }
         rk.world = std::move(world);
       }
@@ -176,17 +180,13 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
     stop_workers();
     throw;
   }
-  std::lock_guard<std::mutex> lk(mu_);
-  for (const auto& rk : ranks_)
-    for (Communicator* c : {rk->world.get(), rk->attn.get()})
-      if (c) watched_.push_back(c);
 }
 
 std::string RankSet::communicator_error() {
   std::vector<Communicator*> comms;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    comms = watched_;
+    comms = comms_;
   }
   for (Communicator* c : comms)
     if (std::string e = c->async_error(); !e.empty()) return e;
@@ -614,12 +614,12 @@ RankSet::Launched RankSet::launch(const std::vector<const ForwardBatch*>& batche
 }
 
 void RankSet::abort_communicators() {
-  std::vector<std::function<void()>> aborts;
+  std::vector<Communicator*> comms;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    aborts = abort_groups_;
+    comms = comms_;
   }
-  for (auto& a : aborts) a();
+  for (Communicator* c : comms) c->abort();
 }
 
 void RankSet::check_not_stopped() const {

@@ -165,8 +165,8 @@ class RankSet {
   ParallelConfig pc_;
   std::unique_ptr<NodeLink> link_;
   std::vector<std::unique_ptr<Rank>> ranks_;  // local ranks
-  std::vector<std::function<void()>> abort_groups_;
-  std::vector<Communicator*> watched_;  // every rank's communicators (their asynchronous errors are polled)
+  // Every local rank's communicators, as they are made (mu_): aborted together, their asynchronous errors polled.
+  std::vector<Communicator*> comms_;
   std::vector<int32_t> graph_sizes_;
   int64_t graph_steps_ = 0, prev_id_steps_ = 0, followed_steps_ = 0, followed_overlapped_ = 0;
   uint64_t remote_seq_ = 0;  // steps sent to (node 0) or received from (others) the other nodes
