@@ -264,9 +264,13 @@ void Engine::ban_stop_tokens(const SamplingParams& sp, RowSampling& row) const {
 std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<StepPlan>& plans,
                                                             LogitRows& logit_rows) {
   std::vector<std::vector<RowSampling>> rows(plans.size());
-  logit_rows.assign(plans.size(), {});  // only for top-N logprobs, computed on the host
+  logit_rows.assign(plans.size(), {});  // only for top-N and prompt logprobs, computed on the host
   for (size_t g = 0; g < plans.size(); ++g)
-    for (const ScheduledSeq& s : plans[g].seqs)
+    for (const ScheduledSeq& s : plans[g].seqs) {
+      for (int32_t k = 0; k < s.lp_rows; ++k) {  // prompt logprobs: the logits come to the host, the draw is dropped
+        logit_rows[g].push_back(static_cast<int32_t>(rows[g].size()));
+        rows[g].emplace_back();  // greedy
+      }
       if (s.wants_logits) {
         RowSampling row = s.req->sampler.row(s.req->sampling);
         row.step += static_cast<uint64_t>(s.req->in_flight);  // draws of tokens still in flight
@@ -284,6 +288,7 @@ std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<St
         if (s.req->sampling.top_logprobs_num > 0) logit_rows[g].push_back(static_cast<int32_t>(rows[g].size()));
         rows[g].push_back(std::move(row));
       }
+    }
   return rows;
 }
 
@@ -292,15 +297,24 @@ std::vector<std::vector<SampleResult>> Engine::collect(const std::vector<StepPla
   std::vector<std::vector<SampleResult>> sampled(plans.size());
   for (size_t g = 0; g < plans.size(); ++g) {
     int64_t i = 0, kept = 0;  // row i; kept: the rows with logits before it (their order in outs[g].logits)
+    auto host_logits = [&](int64_t row) {
+      MLA_CHECK(kept < (outs[g].logits.defined() ? outs[g].logits.size(0) : 0), "group {}: logits of row {} missing",
+                g, row);
+      return outs[g].logits.data_as<float>() + kept++ * V;
+    };
     for (const ScheduledSeq& s : plans[g].seqs) {
+      const SamplingParams& sp = s.req->sampling;
+      for (int32_t k = 0; k < s.lp_rows; ++k, ++i) {  // the logprob of the prompt token after each row's position
+        const int32_t next = s.req->prompt[static_cast<size_t>(s.lp_first_pos + k + 1)];
+        SampleResult r;
+        r.logprob = top_logprobs(host_logits(i), V, next, sp.top_logprobs_num);
+        sampled[g].push_back(std::move(r));
+      }
       if (!s.wants_logits) continue;
       SampleResult r;
       r.token = outs[g].ids[static_cast<size_t>(i)];
-      const SamplingParams& sp = s.req->sampling;
       if (sp.top_logprobs_num > 0) {
-        MLA_CHECK(kept < (outs[g].logits.defined() ? outs[g].logits.size(0) : 0), "group {}: logits of row {} missing",
-                  g, i);
-        r.logprob = top_logprobs(outs[g].logits.data_as<float>() + kept++ * V, V, r.token, sp.top_logprobs_num);
+        r.logprob = top_logprobs(host_logits(i), V, r.token, sp.top_logprobs_num);
       } else if (sp.return_logprob) {
         r.logprob.token = r.token;
         r.logprob.logprob = outs[g].logprobs[static_cast<size_t>(i)];

@@ -35,6 +35,10 @@ struct SamplingParams {
   std::optional<uint64_t> seed;  // per-request seed: same seed, same prompt -> same sample
   bool return_logprob = false;   // logprob of every generated token
   int32_t top_logprobs_num = 0;  // and the top-N alternatives at each step
+  // >= 0: also the logprob of every prompt token from this position on, given the tokens before it (the raw
+  // model's log-softmax), with top_logprobs_num alternatives; position 0 has none (NaN). Prompt tokens served from
+  // the prefix cache are computed again from there. -1: none.
+  int32_t logprob_start_len = -1;
 };
 
 enum class FinishKind { None, Length, Stop, Abort };
@@ -56,6 +60,9 @@ struct TokenLogprob {
 struct GenerateOutput {
   std::vector<int32_t> new_tokens;  // generated since the previous output of this request
   std::vector<TokenLogprob> new_logprobs;  // parallel to new_tokens when return_logprob
+  // With logprob_start_len >= 0: prompt positions [logprob_start_len, prompt length), all in one output (the one
+  // that brings the first token, or the last output of a request that generates none).
+  std::vector<TokenLogprob> prompt_logprobs;
   bool finished = false;
   FinishReason finish;
   int32_t prompt_tokens = 0;

@@ -12,6 +12,8 @@ namespace mlaserve {
 
 namespace {
 int32_t div_up(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
+// The first prompt position whose logit row gives a prompt logprob (that of the token after it).
+int32_t lp_first_row_of(const SamplingParams& sp) { return std::max(sp.logprob_start_len - 1, 0); }
 }  // namespace
 
 Scheduler::Scheduler(SchedulerConfig cfg)
@@ -41,6 +43,8 @@ void Scheduler::validate(const GenerateRequest& r) const {
             s.presence_penalty);
   MLA_CHECK(s.top_logprobs_num >= 0 && s.top_logprobs_num <= 100, "top_logprobs_num must be in [0, 100], got {}",
             s.top_logprobs_num);
+  MLA_CHECK(s.logprob_start_len >= -1 && s.logprob_start_len < n,
+            "logprob_start_len must be -1 or a position of the prompt (< {} tokens), got {}", n, s.logprob_start_len);
 }
 
 void Scheduler::add(GenerateRequest g) {
@@ -52,7 +56,8 @@ void Scheduler::add(GenerateRequest g) {
   r->sampling = std::move(g.sampling);
   r->on_output = std::move(g.on_output);
   r->sampler.seed = r->sampling.seed ? splitmix64(*r->sampling.seed) : splitmix64(++seed_counter_ ^ fnv1a64(r->rid));
-  if (r->sampling.max_new_tokens == 0) {
+  r->prompt_lps_done = r->sampling.logprob_start_len < 0;
+  if (r->sampling.max_new_tokens == 0 && r->prompt_lps_done) {  // nothing to compute
     FinishReason f;
     f.kind = FinishKind::Length;
     r->finish = f;
@@ -69,6 +74,15 @@ void Scheduler::emit(Req& r) {
   o.new_tokens.assign(r.output.begin() + r.emitted, r.output.end());
   o.new_logprobs = std::move(r.pending_lps);
   r.pending_lps.clear();
+  if (r.prompt_lps_done && r.sampling.logprob_start_len >= 0 && r.emitted == 0) {
+    // The first output after the prompt's last row resolved (prompt_lps_done): the prompt's logprobs, position 0
+    // (which nothing predicts) as NaN.
+    if (r.sampling.logprob_start_len == 0)
+      o.prompt_logprobs.push_back({r.prompt[0], std::numeric_limits<float>::quiet_NaN(), {}});
+    o.prompt_logprobs.insert(o.prompt_logprobs.end(), std::make_move_iterator(r.prompt_lps.begin()),
+                             std::make_move_iterator(r.prompt_lps.end()));
+    r.prompt_lps.clear();
+  }
   r.emitted = static_cast<int32_t>(r.output.size());
   o.finished = r.state == ReqState::Finished;
   o.finish = r.finish;
@@ -94,9 +108,25 @@ bool Scheduler::take_pages(Req& r, int32_t upto_tokens, const Req* protect) {
   return true;
 }
 
+int32_t Scheduler::lp_first_row(const Req& r) {
+  return r.prompt_lps_done ? -1 : lp_first_row_of(r.sampling);
+}
+
+ScheduledSeq Scheduler::prefill_seq(Req& r, int32_t n) const {
+  ScheduledSeq q{&r, n, r.kv_len + n == static_cast<int32_t>(r.fill.size())};
+  if (const int32_t first = lp_first_row(r); first >= 0) {
+    q.lp_first_pos = std::max(first, r.kv_len);
+    q.lp_rows = std::max(0, std::min(r.kv_len + n, static_cast<int32_t>(r.prompt.size()) - 1) - q.lp_first_pos);
+  }
+  return q;
+}
+
 void Scheduler::admit(Req& r) {
-  // Reuse the longest cached prefix, leaving at least one token to compute (its logits give the next token).
-  auto m = cache_.match_prefix(r.fill, static_cast<int32_t>(r.fill.size()) - 1);
+  // Reuse the longest cached prefix, leaving at least one token to compute (its logits give the next token), and
+  // every token whose logit row the prompt logprobs need.
+  int32_t limit = static_cast<int32_t>(r.fill.size()) - 1;
+  if (const int32_t first = lp_first_row(r); first >= 0) limit = std::min(limit, first);
+  auto m = cache_.match_prefix(r.fill, limit);
   cache_.lock(m.node);
   r.prefix_node = m.node;
   r.pages = std::move(m.pages);
@@ -123,6 +153,7 @@ void Scheduler::release(Req& r, bool cache_kv) {
 
 void Scheduler::retract(Req& r) {
   MLA_LOG_DEBUG("retracting request {} ({} tokens of KV)", r.rid, r.kv_len);
+  r.prompt_lps.clear();  // a prefill cut short: its rows are computed again (admit stops the prefix before them)
   release(r, /*cache_kv=*/true);
   r.kv_len = 0;
   r.state = ReqState::Waiting;
@@ -225,18 +256,27 @@ StepPlan Scheduler::schedule(bool allow_retract) {
     return static_cast<int64_t>(pool_.num_free() + cache_.evictable_pages() - headroom) * P +
            (static_cast<int64_t>(r.pages.size()) * P - r.kv_len);
   };
+  // Prompt-logprob rows left this step: a chunk needing more ends where they run out.
+  int64_t lp_budget = std::max(cfg_.max_prompt_logprob_rows, 1);
+  auto lp_limit = [&](const Req& r) {  // rows are those of positions [max(first, kv_len), prompt length - 1)
+    const int32_t first = lp_first_row(r);
+    const int64_t end = std::max<int64_t>(first, r.kv_len) + lp_budget;
+    if (first < 0 || end >= static_cast<int64_t>(r.prompt.size()) - 1) return std::numeric_limits<int64_t>::max();
+    return end - r.kv_len;
+  };
   bool chunk_open = false;
   for (auto& rp : running_) {
     Req& r = *rp;
     if (r.state != ReqState::Prefilling) continue;
     const int64_t remaining = static_cast<int64_t>(r.fill.size()) - r.kv_len;
-    const int64_t n = std::min({remaining, budget, available_tokens(r)});
+    const int64_t n = std::min({remaining, budget, available_tokens(r), lp_limit(r)});
     if (n <= 0) {
       chunk_open = true;
       continue;
     }
     MLA_CHECK(take_pages(r, r.kv_len + static_cast<int32_t>(n), &r), "scheduler: prefill pages vanished");
-    plan.seqs.push_back({&r, static_cast<int32_t>(n), n == remaining});
+    plan.seqs.push_back(prefill_seq(r, static_cast<int32_t>(n)));
+    lp_budget -= plan.seqs.back().lp_rows;
     budget -= n;
     if (n < remaining) chunk_open = true;
   }
@@ -245,7 +285,7 @@ StepPlan Scheduler::schedule(bool allow_retract) {
     Req& r = *waiting_.front();
     admit(r);
     const int64_t remaining = static_cast<int64_t>(r.fill.size()) - r.kv_len;
-    const int64_t n = std::min({remaining, budget, available_tokens(r)});
+    const int64_t n = std::min({remaining, budget, available_tokens(r), lp_limit(r)});
     // Admission control: wait (do not fail) until the whole prompt fits in free + evictable pages,
     // unless it is chunked anyway because of the budget.
     const bool fits = available_tokens(r) >= std::min(remaining, budget);
@@ -265,7 +305,8 @@ StepPlan Scheduler::schedule(bool allow_retract) {
       counters_.prompt_tokens_total += static_cast<int64_t>(r.prompt.size());
       counters_.cached_prompt_tokens_total += r.kv_len;
     }
-    plan.seqs.push_back({&r, static_cast<int32_t>(n), n == remaining});
+    plan.seqs.push_back(prefill_seq(r, static_cast<int32_t>(n)));
+    lp_budget -= plan.seqs.back().lp_rows;
     budget -= n;
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
@@ -291,7 +332,7 @@ void Scheduler::build_batch(StepPlan& plan) {
         from_device.emplace_back(at + i, r.pending_row);
       }
     at += toks.size();
-    bb.add(toks, r.kv_len, r.pages, s.wants_logits ? ForwardBatchBuilder::Logits::Last : ForwardBatchBuilder::Logits::None);
+    bb.add_logits_from(toks, r.kv_len, r.pages, s.num_tokens - s.rows());
   }
   plan.batch = bb.finish();
   plan.uses_prev_ids = !from_device.empty();
@@ -320,6 +361,7 @@ void Scheduler::advance(StepPlan& plan) {
   for (ScheduledSeq& s : plan.seqs) {
     Req& r = *s.req;
     ++r.plan_refs;
+    row += s.lp_rows;
     const int32_t my_row = s.wants_logits ? row++ : -1;
     if (r.state == ReqState::Finished) continue;  // aborted or stopped meanwhile
     r.kv_len += s.num_tokens;
@@ -340,10 +382,31 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
   for (ScheduledSeq& s : plan.seqs) {
     Req& r = *s.req;
     --r.plan_refs;
+    MLA_CHECK(i + static_cast<size_t>(s.rows()) <= sampled.size(), "scheduler: {} sampled tokens for more rows",
+              sampled.size());
+    if (r.state != ReqState::Finished)
+      for (int32_t k = 0; k < s.lp_rows; ++k) r.prompt_lps.push_back(sampled[i + static_cast<size_t>(k)].logprob);
+    i += static_cast<size_t>(s.lp_rows);
     if (!s.wants_logits) continue;
-    MLA_CHECK(i < sampled.size(), "scheduler: {} sampled tokens for more rows", sampled.size());
     const SampleResult& sr = sampled[i++];
     if (r.state == ReqState::Finished) continue;  // aborted while the step ran, or stopped by an earlier token
+    if (!r.prompt_lps_done) {
+      r.prompt_lps_done = true;  // the prompt's last row: its logprobs go out with this output
+      MLA_CHECK(r.prompt_lps.size() + 1 == r.prompt.size() - static_cast<size_t>(lp_first_row_of(r.sampling)),
+                "scheduler: request {} has {} prompt logprobs for {} prompt tokens from {}", r.rid,
+                r.prompt_lps.size(), r.prompt.size(), r.sampling.logprob_start_len);
+    }
+    if (r.sampling.max_new_tokens == 0) {  // prompt logprobs only: the sample is dropped
+      const size_t at = r.fill.size() - static_cast<size_t>(r.in_flight);
+      MLA_CHECK(r.in_flight == 1 && at + 1 == r.fill.size(), "scheduler: request {} has {} tokens in flight", r.rid,
+                r.in_flight);
+      r.fill.pop_back();
+      --r.in_flight;
+      FinishReason f;
+      f.kind = FinishKind::Length;
+      finish(r, f);
+      continue;
+    }
     // The oldest token still in flight is this step's.
     const size_t at = r.fill.size() - static_cast<size_t>(r.in_flight);
     MLA_CHECK(r.in_flight >= 1 && r.fill[at] == kPendingToken, "scheduler: request {} has no pending token", r.rid);

@@ -31,6 +31,9 @@ struct SchedulerConfig {
   int64_t context_len = 4096;
   bool enable_radix_cache = true;
   std::vector<int32_t> eos_token_ids;
+  // Logit rows of prompt logprobs (SamplingParams::logprob_start_len) per step: their full logits come to the host,
+  // so a prompt that asks for them is prefilled in chunks of at most this many such rows.
+  int32_t max_prompt_logprob_rows = 512;
 };
 
 enum class ReqState { Waiting, Prefilling, Decoding, Finished };
@@ -57,6 +60,11 @@ struct Req {
   int32_t pending_row = -1;            // logit row of the newest such token in the step that samples it
   int32_t plan_refs = 0;               // launched plans (advance) not yet resolved that name this request
   std::vector<TokenLogprob> pending_lps;  // logprobs not yet reported
+  // Prompt logprobs (sampling.logprob_start_len >= 0): those of prompt positions lp_first_row + 1 on, one per logit
+  // row from prompt position lp_first_row up to the prompt's second last, collected as the chunks resolve and
+  // reported with the first token (prompt_lps_done from then on).
+  std::vector<TokenLogprob> prompt_lps;
+  bool prompt_lps_done = true;
   FinishReason finish;
 };
 
@@ -64,12 +72,17 @@ struct Req {
 struct ScheduledSeq {
   Req* req = nullptr;
   int32_t num_tokens = 0;
-  bool wants_logits = false;  // last chunk of the prompt, or a decode token
+  bool wants_logits = false;  // samples a token (its last row): last chunk of the prompt, or a decode token
+  // Prompt logprobs: logit rows of prompt positions [lp_first_pos, lp_first_pos + lp_rows) (each gives the logprob of
+  // the prompt token after it), before the sampled row. Rows of a step: every seq's lp_rows, then its sampled row.
+  int32_t lp_rows = 0;
+  int32_t lp_first_pos = 0;
+  int32_t rows() const { return lp_rows + (wants_logits ? 1 : 0); }
 };
 
 struct StepPlan {
   std::vector<ScheduledSeq> seqs;
-  ForwardBatch batch;  // logit rows follow `seqs` order among those with wants_logits
+  ForwardBatch batch;  // logit rows follow `seqs` order, rows() of each
   bool blocked = false;  // schedule(allow_retract = false) needed a retraction: nothing was planned
   // Some input ids are the samples of the step still running (ForwardBatch: -(row + 1)): the batch is valid only
   // as the very next step on the same ranks (the sampled ids stay on the device), else refresh() it first.
@@ -94,8 +107,8 @@ class Scheduler {
   // Plans the next step (possibly empty). With allow_retract = false (a step is still running, so its requests'
   // pages are in use), a plan that would need to retract comes back `blocked` and empty instead.
   StepPlan schedule(bool allow_retract = true);
-  // Applies the sampled tokens (one per seq with wants_logits, in order) of the planned step:
-  // advance + resolve + erase_finished.
+  // Applies the results of the planned step's logit rows (rows() per seq in order: the prompt logprobs, then the
+  // sampled token): advance + resolve + erase_finished.
   void commit(StepPlan& plan, const std::vector<SampleResult>& sampled);
   // Overlap scheduling splits commit in two. advance: what the step does without its samples (kv lengths grow,
   // each sampled row leaves a kPendingToken in the request's tokens), so the next step can be planned while this
@@ -139,6 +152,10 @@ class Scheduler {
   void finish(Req& r, FinishReason reason);
   void emit(Req& r);
   void build_batch(StepPlan& plan);
+  // First prompt position whose logit row the request still needs for its prompt logprobs (-1: none).
+  static int32_t lp_first_row(const Req& r);
+  // Plans `n` new tokens of a prefilling request (its prompt-logprob rows set from its position).
+  ScheduledSeq prefill_seq(Req& r, int32_t n) const;
 
   SchedulerConfig cfg_;
   PagePool pool_;

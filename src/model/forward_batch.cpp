@@ -68,7 +68,15 @@ ForwardBatchBuilder::ForwardBatchBuilder(int32_t page_size) {
 
 void ForwardBatchBuilder::add(std::span<const int32_t> new_tokens, int32_t prefix_len, std::span<const int32_t> pages,
                               Logits logits) {
+  const int32_t n = static_cast<int32_t>(new_tokens.size());
+  add_logits_from(new_tokens, prefix_len, pages, logits == Logits::All ? 0 : logits == Logits::Last ? n - 1 : n);
+}
+
+void ForwardBatchBuilder::add_logits_from(std::span<const int32_t> new_tokens, int32_t prefix_len,
+                                          std::span<const int32_t> pages, int32_t first_logit) {
   MLA_CHECK(!new_tokens.empty(), "a sequence in a batch needs at least one new token");
+  MLA_CHECK(first_logit >= 0 && first_logit <= static_cast<int32_t>(new_tokens.size()),
+            "first logit row {} of a sequence of {} new tokens", first_logit, new_tokens.size());
   MLA_CHECK(prefix_len >= 0, "negative prefix length {}", prefix_len);
   const int32_t total = prefix_len + static_cast<int32_t>(new_tokens.size());
   const int32_t ps = b_.page_size;
@@ -79,8 +87,7 @@ void ForwardBatchBuilder::add(std::span<const int32_t> new_tokens, int32_t prefi
     const int32_t pos = prefix_len + static_cast<int32_t>(i);
     const int32_t page = pages[static_cast<size_t>(pos / ps)];
     MLA_CHECK(page >= 0, "page table entry {} of sequence {} is unset", pos / ps, seq);
-    if (logits == Logits::All || (logits == Logits::Last && i + 1 == new_tokens.size()))
-      b_.logit_rows.push_back(b_.num_tokens());
+    if (static_cast<int32_t>(i) >= first_logit) b_.logit_rows.push_back(b_.num_tokens());
     b_.input_ids.push_back(new_tokens[i]);
     b_.positions.push_back(pos);
     b_.token_seq.push_back(seq);

@@ -67,6 +67,10 @@ class ForwardBatchBuilder {
   // `pages` must cover prefix_len + new_tokens.size() positions. `logits` picks which new tokens' logits
   // are returned (none: a prefill chunk that is not the prompt's last).
   void add(std::span<const int32_t> new_tokens, int32_t prefix_len, std::span<const int32_t> pages, Logits logits);
+  // The same, returning the logits of new tokens [first_logit, new_tokens.size()) (a prompt chunk whose prompt
+  // logprobs are asked for; first_logit == new_tokens.size(): none).
+  void add_logits_from(std::span<const int32_t> new_tokens, int32_t prefix_len, std::span<const int32_t> pages,
+                       int32_t first_logit);
   void add(std::span<const int32_t> new_tokens, int32_t prefix_len, std::span<const int32_t> pages, bool all_logits) {
     add(new_tokens, prefix_len, pages, all_logits ? Logits::All : Logits::Last);
   }

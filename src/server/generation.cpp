@@ -93,6 +93,7 @@ void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
   }
   c.output_ids.insert(c.output_ids.end(), out.new_tokens.begin(), out.new_tokens.end());
   c.logprobs.insert(c.logprobs.end(), out.new_logprobs.begin(), out.new_logprobs.end());
+  c.prompt_logprobs.insert(c.prompt_logprobs.end(), out.prompt_logprobs.begin(), out.prompt_logprobs.end());
   c.completion_tokens = std::max<int32_t>(out.completion_tokens, static_cast<int32_t>(c.output_ids.size()));
 
   // Text: a matched stop token (EOS or stop_token_ids) is never part of the text.

@@ -46,6 +46,7 @@ struct Choice {
   int32_t cached_tokens = 0;
   std::vector<int32_t> output_ids;
   std::vector<TokenLogprob> logprobs;
+  std::vector<TokenLogprob> prompt_logprobs;  // SamplingParams::logprob_start_len >= 0: once the prompt is read
   std::string text;         // the text shown so far (stop strings never appear in it)
   bool finished = false;
   FinishReason finish;

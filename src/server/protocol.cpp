@@ -122,12 +122,13 @@ std::vector<int32_t> token_ids(const json& v, const std::string& p) {
 
 bool is_id_list(const json& v) { return v.is_array() && !v.empty() && v[0].is_number(); }
 
-// Sampling fields shared by all three APIs. `max_tokens_keys` are the names max_new_tokens goes by.
+// Sampling fields shared by all three APIs. `max_tokens_keys` are the names max_new_tokens goes by; 0 only where
+// `zero_ok` (a request that only reads its prompt's logprobs).
 void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_keys, const ParseLimits& limits,
-                    ParsedRequest& r) {
+                    ParsedRequest& r, bool zero_ok = false) {
   SamplingParams& s = r.sampling;
   for (const auto& k : max_tokens_keys)
-    if (auto v = f.integer(k, 1, std::numeric_limits<int32_t>::max())) {
+    if (auto v = f.integer(k, zero_ok ? 0 : 1, std::numeric_limits<int32_t>::max())) {
       s.max_new_tokens = static_cast<int32_t>(*v);
       r.max_new_tokens_given = true;
     }
@@ -290,7 +291,7 @@ ParsedRequest parse_native(const json& body, const ParseLimits& limits) {
     if (!sp->is_object())
       bad_request("sampling_params", "invalid_type", "'sampling_params' must be an object, got {}", type_name(*sp));
     Fields sf(*sp, "sampling_params.");
-    parse_sampling(sf, {"max_new_tokens"}, limits, r);
+    parse_sampling(sf, {"max_new_tokens"}, limits, r, /*zero_ok=*/true);
     if (auto v = sf.boolean("no_stop_trim")) r.no_stop_trim = *v;
   }
   if (auto v = f.boolean("stream")) r.stream = *v;
@@ -301,9 +302,9 @@ ParsedRequest parse_native(const json& body, const ParseLimits& limits) {
   if (auto v = f.boolean("return_logprob")) r.logprobs = *v;
   if (auto v = f.integer("top_logprobs_num", 0, limits.max_top_logprobs)) r.top_logprobs = static_cast<int32_t>(*v);
   if (auto v = f.boolean("return_text_in_logprobs")) r.return_text_in_logprobs = *v;
-  if (auto v = f.integer("logprob_start_len", -1, std::numeric_limits<int32_t>::max()); v && *v >= 0 && r.logprobs)
-    bad_request("logprob_start_len", "unsupported_parameter",
-                "prompt logprobs ('logprob_start_len' >= 0) are not supported; use -1");
+  // Prompt logprobs from this position on (checked against the prompt's length by the engine).
+  if (auto v = f.integer("logprob_start_len", -1, std::numeric_limits<int32_t>::max()); v && r.logprobs)
+    r.sampling.logprob_start_len = static_cast<int32_t>(*v);
   return r;
 }
 
@@ -335,13 +336,16 @@ ParsedRequest parse_completions(const json& body, const ParseLimits& limits) {
     bad_request("prompt", prompt->is_array() ? "invalid_value" : "invalid_type",
                 "'prompt' must be a string, an array of strings, or (arrays of) token ids");
   }
-  parse_sampling(f, {"max_tokens"}, limits, r);
+  if (auto v = f.boolean("echo")) r.echo = *v;
+  // max_tokens 0 with echo: the prompt alone (and its logprobs), as vLLM allows.
+  parse_sampling(f, {"max_tokens"}, limits, r, /*zero_ok=*/r.echo);
   if (!r.max_new_tokens_given) r.sampling.max_new_tokens = 16;  // OpenAI's default for completions
   if (const json* lp = f.get("logprobs")) {
     r.logprobs = true;
     r.top_logprobs = static_cast<int32_t>(Fields::as_integer(*lp, "logprobs", 0, limits.max_top_logprobs));
   }
-  if (auto v = f.boolean("echo")) r.echo = *v;
+  // Echo with logprobs: the prompt's tokens come with their logprobs too (the first one's null).
+  if (r.echo && r.logprobs) r.sampling.logprob_start_len = 0;
   parse_openai_common(f, limits, r);
   return r;
 }

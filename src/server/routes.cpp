@@ -1,5 +1,6 @@
 // Route handlers: /generate, /v1/completions, /v1/chat/completions and the informational endpoints.
 #include <chrono>
+#include <cmath>
 #include <random>
 
 #include "core/error.h"
@@ -41,6 +42,7 @@ struct ResponseContext {
   bool logprobs;
   int32_t top_logprobs;
   bool return_text_in_logprobs;
+  bool prompt_logprobs;  // logprob_start_len >= 0 (completions: echo with logprobs)
   bool echo;
   bool include_usage;
   bool list_response;  // native: answer with a list (batch input or n > 1)
@@ -51,9 +53,12 @@ std::string token_str(const ResponseContext& rc, int32_t id) { return rc.codec ?
 
 // ---- native /generate ----
 
+// A logprob, or null where there is none (a prompt's first token).
+ojson logprob_value(float lp) { return std::isnan(lp) ? ojson(nullptr) : ojson(lp); }
+
 ojson native_logprob_entry(const ResponseContext& rc, float lp, int32_t id) {
   ojson e = ojson::array();
-  e.push_back(lp);
+  e.push_back(logprob_value(lp));
   e.push_back(id);
   if (rc.return_text_in_logprobs) e.push_back(token_str(rc, id));
   else e.push_back(nullptr);
@@ -71,16 +76,21 @@ ojson native_object(const ResponseContext& rc, const GenerationJob& job, const C
   meta["completion_tokens"] = c.completion_tokens;
   meta["cached_tokens"] = c.cached_tokens;
   if (rc.logprobs) {
-    ojson out = ojson::array();
-    ojson top = ojson::array();
-    for (const auto& lp : c.logprobs) {
-      out.push_back(native_logprob_entry(rc, lp.logprob, lp.token));
-      ojson alts = ojson::array();
-      for (const auto& [tok, l] : lp.top) alts.push_back(native_logprob_entry(rc, l, tok));
-      top.push_back(std::move(alts));
-    }
-    meta["output_token_logprobs"] = std::move(out);
-    if (rc.top_logprobs > 0) meta["output_top_logprobs"] = std::move(top);
+    // [logprob, id, text] per token; the top-N alternatives of each position (null where the logprob is).
+    auto lists = [&](const std::vector<TokenLogprob>& lps, const char* tokens_key, const char* top_key) {
+      ojson out = ojson::array();
+      ojson top = ojson::array();
+      for (const auto& lp : lps) {
+        out.push_back(native_logprob_entry(rc, lp.logprob, lp.token));
+        ojson alts = std::isnan(lp.logprob) ? ojson(nullptr) : ojson::array();
+        for (const auto& [tok, l] : lp.top) alts.push_back(native_logprob_entry(rc, l, tok));
+        top.push_back(std::move(alts));
+      }
+      meta[tokens_key] = std::move(out);
+      if (rc.top_logprobs > 0) meta[top_key] = std::move(top);
+    };
+    if (rc.prompt_logprobs) lists(c.prompt_logprobs, "input_token_logprobs", "input_top_logprobs");
+    lists(c.logprobs, "output_token_logprobs", "output_top_logprobs");
   }
   if (c.finished) {
     meta["e2e_latency"] = std::chrono::duration<double>(c.finish_time - job.start_time()).count();
@@ -97,16 +107,17 @@ struct CompletionLogprobs {
         text_offset = ojson::array();
 };
 
-ojson completion_logprobs(const ResponseContext& rc, const Choice& c, size_t begin, size_t text_offset) {
-  CompletionLogprobs l;
-  for (size_t i = begin; i < c.logprobs.size(); ++i) {
-    const auto& lp = c.logprobs[i];
+// Appends lps[begin:], their text offsets counted from text_offset over their tokens' text; returns the offset after.
+size_t add_completion_logprobs(const ResponseContext& rc, const std::vector<TokenLogprob>& lps, size_t begin,
+                               size_t text_offset, CompletionLogprobs& l) {
+  for (size_t i = begin; i < lps.size(); ++i) {
+    const auto& lp = lps[i];
     std::string t = token_str(rc, lp.token);
     l.tokens.push_back(t);
-    l.token_logprobs.push_back(lp.logprob);
+    l.token_logprobs.push_back(logprob_value(lp.logprob));
     l.text_offset.push_back(text_offset);
     text_offset += t.size();
-    if (rc.top_logprobs > 0) {
+    if (rc.top_logprobs > 0 && !std::isnan(lp.logprob)) {
       ojson alts = ojson::object();
       for (const auto& [tok, v] : lp.top) alts[token_str(rc, tok)] = v;
       l.top_logprobs.push_back(std::move(alts));
@@ -114,6 +125,16 @@ ojson completion_logprobs(const ResponseContext& rc, const Choice& c, size_t beg
       l.top_logprobs.push_back(nullptr);
     }
   }
+  return text_offset;
+}
+
+// The choice's generated tokens from `begin` on, their text offsets from `text_offset`; with `prompt`, its prompt's
+// tokens first (echo), offsets from 0 on over all the tokens' text (as vLLM counts them) whatever text_offset says.
+ojson completion_logprobs(const ResponseContext& rc, const Choice& c, size_t begin, size_t text_offset,
+                          bool prompt = false) {
+  CompletionLogprobs l;
+  if (prompt) text_offset = add_completion_logprobs(rc, c.prompt_logprobs, 0, 0, l);
+  add_completion_logprobs(rc, c.logprobs, begin, text_offset, l);
   ojson o;
   o["tokens"] = std::move(l.tokens);
   o["token_logprobs"] = std::move(l.token_logprobs);
@@ -200,7 +221,7 @@ ojson openai_response(const ResponseContext& rc, const GenerationJob& job) {
     } else {
       const std::string& prompt_text = job.spec().prompts[c.prompt_index].text;
       ch["text"] = rc.echo ? prompt_text + c.text : c.text;
-      ch["logprobs"] = rc.logprobs ? completion_logprobs(rc, c, 0, rc.echo ? prompt_text.size() : 0) : ojson(nullptr);
+      ch["logprobs"] = rc.logprobs ? completion_logprobs(rc, c, 0, 0, rc.echo) : ojson(nullptr);
     }
     ch["finish_reason"] = openai_finish_reason(c.finish);
     ch["matched_stop"] = matched_stop(c.finish);
@@ -213,7 +234,9 @@ ojson openai_response(const ResponseContext& rc, const GenerationJob& job) {
 
 // Streaming state of an OpenAI response: what each choice has been sent so far.
 struct OpenAIStream {
-  std::vector<size_t> text_offsets;  // completions text_offset bookkeeping
+  std::vector<size_t> text_offsets;  // completions text_offset bookkeeping (echo: the prompt's tokens counted)
+  // Completions echo with logprobs: the echoed prompt waits for its logprobs (the choice's first update).
+  std::vector<bool> echo_pending;
 };
 
 ojson openai_chunk(const ResponseContext& rc, ojson choice) {
@@ -432,6 +455,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                          pr.logprobs,
                          pr.top_logprobs,
                          pr.return_text_in_logprobs,
+                         pr.sampling.logprob_start_len >= 0,
                          pr.echo,
                          pr.include_usage,
                          pr.batch || pr.n > 1,
@@ -527,8 +551,10 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
     };
   } else {
     auto state = std::make_shared<OpenAIStream>();
-    for (const auto& c : job->choices())
-      state->text_offsets.push_back(rc.echo ? job->spec().prompts[c.prompt_index].text.size() : 0);
+    for (size_t i = 0; i < job->choices().size(); ++i) {
+      state->text_offsets.push_back(0);
+      state->echo_pending.push_back(rc.api == ApiKind::Completions && rc.echo && rc.logprobs);
+    }
     job->on_update = [wex, wjob, rc, state](const ChoiceUpdate& u) {
       auto ex2 = wex.lock();
       auto job2 = wjob.lock();
@@ -537,6 +563,16 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
       if (rc.api == ApiKind::Native) {
         ex2->send_event(dump(native_object(rc, *job2, c)));
         return;
+      }
+      if (state->echo_pending[u.choice]) {  // the prompt and its logprobs, before the first tokens
+        state->echo_pending[u.choice] = false;
+        ojson ch;
+        ch["index"] = c.index;
+        ch["text"] = job2->spec().prompts[c.prompt_index].text;
+        ch["logprobs"] = completion_logprobs(rc, c, c.logprobs.size(), 0, /*prompt=*/true);
+        for (const auto& lp : c.prompt_logprobs) state->text_offsets[u.choice] += token_str(rc, lp.token).size();
+        ch["finish_reason"] = nullptr;
+        ex2->send_event(dump(openai_chunk(rc, std::move(ch))));
       }
       const std::string delta = c.text.substr(u.text_begin);
       const bool new_logprobs = rc.logprobs && c.logprobs.size() > u.logprobs_begin;
@@ -597,7 +633,7 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
       if (rc.api == ApiKind::Chat) {
         ch["delta"] = ojson{{"role", "assistant"}, {"content", ""}};
         ch["logprobs"] = nullptr;
-      } else if (rc.api == ApiKind::Completions && rc.echo) {
+      } else if (rc.api == ApiKind::Completions && rc.echo && !rc.logprobs) {  // else with its logprobs, later
         ch["text"] = job->spec().prompts[c.prompt_index].text;
         ch["logprobs"] = nullptr;
       } else {

@@ -370,6 +370,50 @@ TEST_F(ServerE2E, TokenizeAndDetokenize) {
   wait_idle(port());
 }
 
+// Prompt logprobs on real tokens, over chunks of 64 (the suite's chunked prefill): completions echo + logprobs gives
+// at position i the distribution a request of the first i tokens gets for its first token (same top-3, same values),
+// and the native API the same from logprob_start_len on; a start past the prompt is a 400.
+TEST_F(ServerE2E, PromptLogprobsAreTheNextTokenDistributions) {
+  std::string text;
+  for (int i = 0; i < 12; ++i) text += "The quick brown fox jumps over the lazy dog number " + std::to_string(i) + ". ";
+  const std::vector<int32_t> ids = post_json(port(), "/tokenize", R"({"prompt": ")" + text + R"("})")["tokens"];
+  ASSERT_GT(ids.size(), 70u);
+  auto echo = post_json(port(), "/v1/completions", R"({"prompt": )" + ids_json(ids) +
+                                                        R"(, "max_tokens": 1, "echo": true, "logprobs": 3})");
+  const json lp = echo["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["token_logprobs"].size(), ids.size() + 1);
+  EXPECT_TRUE(lp["token_logprobs"][0].is_null());
+  EXPECT_TRUE(lp["top_logprobs"][0].is_null());
+  for (size_t i : {size_t{1}, size_t{5}, size_t{63}, size_t{64}, size_t{70}, ids.size() - 1}) {
+    SCOPED_TRACE("position " + std::to_string(i));
+    const std::vector<int32_t> head(ids.begin(), ids.begin() + static_cast<int64_t>(i));
+    auto one = post_json(port(), "/v1/completions", R"({"prompt": )" + ids_json(head) +
+                                                       R"(, "max_tokens": 1, "temperature": 0, "logprobs": 3})");
+    const json want = one["choices"][0]["logprobs"]["top_logprobs"][0], got = lp["top_logprobs"][i];
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [tok, v] : want.items()) {
+      ASSERT_TRUE(got.contains(tok)) << tok;
+      EXPECT_NEAR(got[tok].get<double>(), v.get<double>(), 1e-3) << tok;
+    }
+    EXPECT_LE(lp["token_logprobs"][i].get<double>(), 0.0);
+  }
+  auto native = post_json(port(), "/generate", R"({"input_ids": )" + ids_json(ids) +
+                                                   R"(, "sampling_params": {"max_new_tokens": 0}, "return_logprob": true,
+                                                     "logprob_start_len": 60})");
+  const json in = native["meta_info"]["input_token_logprobs"];
+  ASSERT_EQ(in.size(), ids.size() - 60);
+  for (size_t k = 0; k < in.size(); ++k) {
+    EXPECT_EQ(in[k][1], ids[60 + k]);
+    EXPECT_NEAR(in[k][0].get<double>(), lp["token_logprobs"][60 + k].get<double>(), 1e-3) << k;
+  }
+  EXPECT_TRUE(native["output_ids"].empty());
+  auto bad = http_request(port(), "POST", "/generate",
+                          R"({"input_ids": [1, 2, 3], "return_logprob": true, "logprob_start_len": 3})");
+  EXPECT_EQ(bad.status, 400) << bad.body;
+  EXPECT_NE(bad.body.find("logprob_start_len"), std::string::npos) << bad.body;
+  wait_idle(port());
+}
+
 TEST_F(ServerE2E, BadRequestsGet4xx) {
   struct Case {
     std::string path, body;

@@ -3,7 +3,9 @@
 // aborts free pages; nothing leaks.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <future>
 #include <mutex>
 #include <tuple>
@@ -19,6 +21,7 @@ namespace {
 struct Result {
   std::vector<int32_t> tokens;
   std::vector<TokenLogprob> logprobs;  // with return_logprob
+  std::vector<TokenLogprob> prompt_logprobs;  // with logprob_start_len >= 0
   FinishReason finish;
   int32_t cached = 0;
   int32_t prompt_tokens = 0, completion_tokens = 0;
@@ -31,8 +34,21 @@ class EngineTest : public ::testing::TestWithParam<bool> {
     SafetensorsFile f(test::golden_dir("v2") + "/reference.safetensors");
     for (int j = 0; j < 5; ++j) {
       Tensor p = f.tensor("prompt_" + std::to_string(j)), g = f.tensor("greedy_" + std::to_string(j)),
-             m = f.tensor("margin_" + std::to_string(j));
+             m = f.tensor("margin_" + std::to_string(j)), l = f.tensor("logits_" + std::to_string(j));
       prompts_.emplace_back(p.data_as<int32_t>(), p.data_as<int32_t>() + p.numel());
+      // Hugging Face's log-softmax at every prompt position.
+      const int64_t V = l.size(1);
+      std::vector<std::vector<float>> lps;
+      for (int64_t t = 0; t < l.size(0); ++t) {
+        const float* x = l.data_as<float>() + t * V;
+        const float m0 = *std::max_element(x, x + V);
+        double sum = 0;
+        for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(x[v] - m0));
+        std::vector<float> row(static_cast<size_t>(V));
+        for (int64_t v = 0; v < V; ++v) row[static_cast<size_t>(v)] = x[v] - m0 - static_cast<float>(std::log(sum));
+        lps.push_back(std::move(row));
+      }
+      hf_logprobs_.push_back(std::move(lps));
       // Reference greedy up to the first near tie.
       std::vector<int32_t> ref;
       for (int64_t i = 0; i < g.numel() && m.data_as<float>()[i] >= 0.02f; ++i) ref.push_back(g.data_as<int32_t>()[i]);
@@ -68,6 +84,7 @@ class EngineTest : public ::testing::TestWithParam<bool> {
     g.on_output = [prom, acc](const GenerateOutput& o) {
       acc->tokens.insert(acc->tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
       acc->logprobs.insert(acc->logprobs.end(), o.new_logprobs.begin(), o.new_logprobs.end());
+      acc->prompt_logprobs.insert(acc->prompt_logprobs.end(), o.prompt_logprobs.begin(), o.prompt_logprobs.end());
       acc->cached = o.cached_tokens;
       acc->prompt_tokens = o.prompt_tokens;
       acc->completion_tokens = o.completion_tokens;
@@ -108,6 +125,7 @@ class EngineTest : public ::testing::TestWithParam<bool> {
   }
 
   static inline std::vector<std::vector<int32_t>> prompts_, greedy_;
+  static inline std::vector<std::vector<std::vector<float>>> hf_logprobs_;  // [prompt][position][token]
 };
 
 TEST_P(EngineTest, GreedyEqualsReferenceAloneAndInAFullBatch) {
@@ -298,6 +316,59 @@ TEST_P(EngineTest, TopLogprobsOfSomeRowsEqualThoseAlone) {
   }
   EXPECT_TRUE(out[0].logprobs.empty() && out[2].logprobs.empty() && out[4].logprobs.empty());
   expect_no_leak(*e);
+}
+
+// Prompt logprobs (logprob_start_len) against Hugging Face's log-softmax at each prompt position: in chunks, after
+// another request cached the prompt, next to requests that ask for none, with top-N alternatives, with a request
+// that generates nothing; on one rank and on two TP ranks.
+TEST_P(EngineTest, PromptLogprobsEqualHuggingFace) {
+  auto check = [&](const Result& r, size_t j, int32_t start, int32_t top, const std::string& what) {
+    const auto& prompt = prompts_[j];
+    ASSERT_EQ(r.prompt_logprobs.size(), prompt.size() - static_cast<size_t>(start)) << what;
+    for (size_t i = 0; i < r.prompt_logprobs.size(); ++i) {
+      const size_t pos = static_cast<size_t>(start) + i;
+      const TokenLogprob& lp = r.prompt_logprobs[i];
+      EXPECT_EQ(lp.token, prompt[pos]) << what << " position " << pos;
+      if (pos == 0) {
+        EXPECT_TRUE(std::isnan(lp.logprob)) << what;
+        EXPECT_TRUE(lp.top.empty()) << what;
+        continue;
+      }
+      const std::vector<float>& hf = hf_logprobs_[j][pos - 1];
+      EXPECT_NEAR(lp.logprob, hf[static_cast<size_t>(prompt[pos])], 2e-3) << what << " position " << pos;
+      ASSERT_EQ(lp.top.size(), static_cast<size_t>(top)) << what << " position " << pos;
+      for (int32_t k = 0; k < top; ++k) {
+        const auto& [id, v] = lp.top[static_cast<size_t>(k)];
+        EXPECT_NEAR(v, hf[static_cast<size_t>(id)], 2e-3) << what << " position " << pos << " rank " << k;
+      }
+      if (top > 0) EXPECT_NEAR(lp.top[0].second, *std::max_element(hf.begin(), hf.end()), 2e-3) << what;
+    }
+  };
+  SamplingParams from0, from40;
+  from0.logprob_start_len = 0;
+  from0.top_logprobs_num = 2;
+  from40.logprob_start_len = 40;
+  for (int32_t tp : {1, 2}) {
+    auto e = make(256, /*page_size=*/8, /*chunk=*/48, /*radix=*/true, tp);
+    const std::string t = " tp " + std::to_string(tp);
+    auto warm = submit(*e, "warm", prompts_[4], 2);
+    wait(warm);
+    auto a = submit(*e, "a", prompts_[4], 3, from0);  // chunks of 48 over the cached prompt
+    auto b = submit(*e, "b", prompts_[3], 3);
+    auto c = submit(*e, "c", prompts_[3], 0, from40);  // nothing generated
+    auto d = submit(*e, "d", prompts_[1], 2, from0);
+    const Result ra = wait(a), rb = wait(b), rc = wait(c), rd = wait(d);
+    check(ra, 4, 0, 2, "a" + t);
+    expect_prefix(ra.tokens, 4);
+    EXPECT_EQ(ra.tokens.size(), 3u);
+    EXPECT_TRUE(rb.prompt_logprobs.empty());
+    expect_prefix(rb.tokens, 3);
+    check(rc, 3, 40, 0, "c" + t);
+    EXPECT_TRUE(rc.tokens.empty());
+    EXPECT_EQ(rc.finish.kind, FinishKind::Length);
+    check(rd, 1, 0, 2, "d" + t);
+    expect_no_leak(*e);
+  }
 }
 
 class OverlapIds : public EngineTest {};

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -176,6 +177,21 @@ class FakeEngine : public EngineClient {
           Live& l = it->second;
           GenerateOutput out;
           out.prompt_tokens = static_cast<int32_t>(l.req.input_ids.size());
+          if (const int32_t from = l.req.sampling.logprob_start_len; from >= 0 && l.generated == 0) {
+            // Prompt logprobs: position p's is -p / 10 (none at 0), alternatives as for generated tokens.
+            for (size_t p = static_cast<size_t>(from); p < l.req.input_ids.size(); ++p) {
+              TokenLogprob lp;
+              lp.token = l.req.input_ids[p];
+              lp.logprob = p == 0 ? std::numeric_limits<float>::quiet_NaN() : -0.1f * static_cast<float>(p);
+              for (int k = 0; p > 0 && k < l.req.sampling.top_logprobs_num; ++k)
+                lp.top.emplace_back((lp.token + k) % 256, -0.5f * static_cast<float>(k));
+              out.prompt_logprobs.push_back(lp);
+            }
+          }
+          if (l.req.sampling.max_new_tokens == 0) {
+            out.finished = true;
+            out.finish.kind = FinishKind::Length;
+          }
           for (int t = 0; t < tokens_per_output_ && !out.finished; ++t) {
             int32_t tok = l.script[static_cast<size_t>(l.generated) % l.script.size()];
             if (tok == '#') tok = kEos;

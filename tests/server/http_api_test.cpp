@@ -236,6 +236,69 @@ TEST(HttpApi, CompletionsNonStreamAndStream) {
   EXPECT_EQ(finish[1], "stop");
 }
 
+// Prompt logprobs: completions echo with logprobs lists the prompt's tokens first (the first one's logprob and
+// alternatives null, offsets from 0), then the generated ones; streamed, the echoed prompt comes with them; max_tokens
+// 0 with echo reads the prompt only. The native API gives input_token_logprobs from logprob_start_len on.
+TEST(HttpApi, PromptLogprobs) {
+  TestServer s;
+  auto r = s.post("/v1/completions", R"({"prompt": "hey", "max_tokens": 2, "echo": true, "logprobs": 1})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto lp = json::parse(r.body)["choices"][0]["logprobs"];
+  EXPECT_EQ(lp["tokens"], json::parse(R"(["<bos>", "h", "e", "y", "h", "e"])"));
+  ASSERT_EQ(lp["token_logprobs"].size(), 6u);
+  EXPECT_TRUE(lp["token_logprobs"][0].is_null());
+  EXPECT_NEAR(lp["token_logprobs"][1].get<double>(), -0.1, 1e-6);
+  EXPECT_NEAR(lp["token_logprobs"][3].get<double>(), -0.3, 1e-6);
+  EXPECT_TRUE(lp["top_logprobs"][0].is_null());
+  EXPECT_EQ(lp["top_logprobs"][2].size(), 1u);
+  EXPECT_EQ(lp["text_offset"], json::parse("[0, 5, 6, 7, 8, 9]"));  // over the tokens' text, as vLLM counts
+  // Without echo: the generated tokens only.
+  lp = json::parse(s.post("/v1/completions", R"({"prompt": "hey", "max_tokens": 2, "logprobs": 0})").body)
+           ["choices"][0]["logprobs"];
+  EXPECT_EQ(lp["tokens"].size(), 2u);
+
+  r = s.post("/v1/completions", R"({"prompt": "hey", "max_tokens": 0, "echo": true, "logprobs": 0})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto ch = json::parse(r.body)["choices"][0];
+  EXPECT_EQ(ch["text"], "hey");
+  EXPECT_EQ(ch["finish_reason"], "length");
+  EXPECT_EQ(ch["logprobs"]["tokens"].size(), 4u);
+  EXPECT_EQ(s.post("/v1/completions", R"({"prompt": "hey", "max_tokens": 0})").status, 400);
+
+  r = s.post("/v1/completions", R"({"prompt": "hey", "max_tokens": 2, "echo": true, "logprobs": 0, "stream": true})");
+  auto events = sse_payloads(r.body);
+  ASSERT_GE(events.size(), 3u);
+  auto first = json::parse(events[0])["choices"][0];
+  EXPECT_EQ(first["text"], "hey");
+  EXPECT_EQ(first["logprobs"]["tokens"].size(), 4u);
+  EXPECT_EQ(first["logprobs"]["text_offset"], json::parse("[0, 5, 6, 7]"));
+  std::string text;
+  json offsets = json::array();
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    auto c = json::parse(events[i])["choices"][0];
+    text += c["text"].get<std::string>();
+    if (!c["logprobs"].is_null())
+      for (const auto& o : c["logprobs"]["text_offset"]) offsets.push_back(o);
+  }
+  EXPECT_EQ(text, "heyhe");
+  EXPECT_EQ(offsets, json::parse("[0, 5, 6, 7, 8, 9]"));
+
+  auto meta = json::parse(s.post("/generate", R"({"text": "hey", "sampling_params": {"max_new_tokens": 1},
+      "return_logprob": true, "logprob_start_len": 2, "top_logprobs_num": 2})").body)["meta_info"];
+  ASSERT_EQ(meta["input_token_logprobs"].size(), 2u);  // positions 2, 3 of <bos> h e y
+  EXPECT_NEAR(meta["input_token_logprobs"][0][0].get<double>(), -0.2, 1e-6);
+  EXPECT_EQ(meta["input_token_logprobs"][0][1], 'e');
+  EXPECT_EQ(meta["input_top_logprobs"][1].size(), 2u);
+  EXPECT_EQ(meta["output_token_logprobs"].size(), 1u);
+  meta = json::parse(s.post("/generate", R"({"input_ids": [104, 105], "sampling_params": {"max_new_tokens": 0},
+      "return_logprob": true, "logprob_start_len": 0})").body)["meta_info"];
+  ASSERT_EQ(meta["input_token_logprobs"].size(), 2u);
+  EXPECT_TRUE(meta["input_token_logprobs"][0][0].is_null());
+  EXPECT_TRUE(meta["output_token_logprobs"].empty());
+  meta = json::parse(s.post("/generate", R"({"text": "hey", "return_logprob": true})").body)["meta_info"];
+  EXPECT_FALSE(meta.contains("input_token_logprobs"));
+}
+
 TEST(HttpApi, ChatNonStreamAndStream) {
   TestServer s;
   auto r = s.post("/v1/chat/completions",

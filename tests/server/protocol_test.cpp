@@ -51,7 +51,19 @@ TEST(Protocol, CompletionsPromptShapes) {
   EXPECT_EQ(r.top_logprobs, 2);
   EXPECT_TRUE(r.echo);
   EXPECT_TRUE(r.include_usage);
+  EXPECT_EQ(r.sampling.logprob_start_len, 0);  // echo with logprobs: the prompt's logprobs too
   EXPECT_EQ(parse_completions(json::parse(R"({"prompt": "a"})"), {}).sampling.max_new_tokens, 16);
+  EXPECT_EQ(parse_completions(json::parse(R"({"prompt": "a", "logprobs": 1})"), {}).sampling.logprob_start_len, -1);
+  EXPECT_EQ(parse_completions(json::parse(R"({"prompt": "a", "echo": true})"), {}).sampling.logprob_start_len, -1);
+  EXPECT_EQ(parse_completions(json::parse(R"({"prompt": "a", "echo": true, "max_tokens": 0})"), {})
+                .sampling.max_new_tokens,
+            0);
+  auto n = parse_native(json::parse(R"({"text": "a", "return_logprob": true, "logprob_start_len": 3,
+                                        "sampling_params": {"max_new_tokens": 0}})"),
+                        {});
+  EXPECT_EQ(n.sampling.logprob_start_len, 3);
+  EXPECT_EQ(n.sampling.max_new_tokens, 0);
+  EXPECT_EQ(parse_native(json::parse(R"({"text": "a", "logprob_start_len": 3})"), {}).sampling.logprob_start_len, -1);
 }
 
 TEST(Protocol, ChatMessagesFlattened) {
@@ -129,6 +141,9 @@ TEST(Protocol, BadRequestsNameTheField) {
       {"c", R"({})", "prompt", "invalid_value"},
       {"c", R"({"prompt": {}})", "prompt", "invalid_type"},
       {"c", R"({"prompt": "a", "max_tokens": 0})", "max_tokens", "invalid_value"},
+      {"n", R"({"text": "a", "return_logprob": true, "logprob_start_len": -2})", "logprob_start_len",
+       "invalid_value"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0})", "max_tokens", "invalid_value"},
       {"c", R"({"prompt": "a", "logprobs": 99})", "logprobs", "invalid_value"},
       {"c", R"({"prompt": "a", "stream_options": {"include_usage": true}})", "stream_options", "invalid_value"},
       {"c", R"({"prompt": "a", "best_of": 3})", "best_of", "unsupported_parameter"},

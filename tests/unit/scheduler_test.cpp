@@ -2,6 +2,7 @@
 // scheduled and the state after it, and run the integrity checks.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 
 #include "core/error.h"
@@ -17,6 +18,8 @@ struct Collected {
   FinishReason finish;
   int32_t cached = -1;
   int calls = 0;
+  std::vector<TokenLogprob> prompt_lps;
+  int prompt_lp_outputs = 0;  // outputs that brought prompt logprobs
 };
 
 class SchedulerTest : public ::testing::Test {
@@ -45,19 +48,30 @@ class SchedulerTest : public ::testing::Test {
       c.finish = o.finish;
       c.cached = o.cached_tokens;
       ++c.calls;
+      if (!o.prompt_logprobs.empty()) ++c.prompt_lp_outputs;
+      c.prompt_lps.insert(c.prompt_lps.end(), o.prompt_logprobs.begin(), o.prompt_logprobs.end());
     };
     s->add(std::move(g));
   }
-  // One step: the fake model "samples" token = 100 + position of the sampled token (deterministic).
+  // One step: the fake model "samples" token = 100 + position of the sampled token (deterministic); a prompt-logprob
+  // row says which prompt token it is for: logprob -(its position), token the prompt's there.
   StepPlan step(std::function<int32_t(const Req&)> next = nullptr) {
     StepPlan p = s->schedule();
     std::vector<SampleResult> sampled;
-    for (auto& q : p.seqs)
+    for (auto& q : p.seqs) {
+      for (int32_t k = 0; k < q.lp_rows; ++k) {
+        const int32_t pos = q.lp_first_pos + k + 1;
+        SampleResult r;
+        r.logprob.token = q.req->prompt[static_cast<size_t>(pos)];
+        r.logprob.logprob = -static_cast<float>(pos);
+        sampled.push_back(r);
+      }
       if (q.wants_logits) {
         SampleResult r;
         r.token = next ? next(*q.req) : 100 + static_cast<int32_t>(q.req->fill.size());
         sampled.push_back(r);
       }
+    }
     EXPECT_EQ(static_cast<int>(p.batch.logit_rows.size()), static_cast<int>(sampled.size()));
     s->commit(p, sampled);
     s->check_integrity();
@@ -245,6 +259,88 @@ TEST_F(SchedulerTest, NoRadixCacheMeansNoReuse) {
   EXPECT_EQ(out["b"].cached, 0);
   while (s->has_work()) step();
   EXPECT_EQ(s->stats().kv_tokens_free, s->stats().kv_tokens_total);
+}
+
+// Prompt logprobs: the logit rows from position logprob_start_len - 1 on come back in order, chunk after chunk, and
+// the prompt's list goes out once, with the first token: position start's on (position 0 as NaN).
+TEST_F(SchedulerTest, PromptLogprobRowsFollowTheChunks) {
+  make(64, /*chunk=*/4);
+  SamplingParams sp;
+  sp.logprob_start_len = 3;
+  add("a", range(10, 10), 2, sp);
+  std::vector<std::vector<int32_t>> rows;  // per step: the logit rows (token indices of the batch)
+  std::vector<std::pair<int32_t, int32_t>> lp;  // per step: (lp_first_pos, lp_rows)
+  while (s->has_work()) {
+    StepPlan p = step();
+    rows.push_back(p.batch.logit_rows);
+    lp.emplace_back(p.seqs[0].lp_first_pos, p.seqs[0].lp_rows);
+  }
+  // Chunks [0, 4) [4, 8) [8, 10): rows of positions 2, 3 (predicting 3, 4), 4-7, then 8 and the sampled 9.
+  ASSERT_GE(rows.size(), 3u);
+  EXPECT_EQ(rows[0], (std::vector<int32_t>{2, 3}));
+  EXPECT_EQ(rows[1], (std::vector<int32_t>{0, 1, 2, 3}));
+  EXPECT_EQ(rows[2], (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(lp[0], std::make_pair(2, 2));
+  EXPECT_EQ(lp[1], std::make_pair(4, 4));
+  EXPECT_EQ(lp[2], std::make_pair(8, 1));
+  EXPECT_EQ(lp[3], std::make_pair(0, 0));  // decode
+  const Collected& c = out["a"];
+  EXPECT_EQ(c.tokens.size(), 2u);
+  EXPECT_EQ(c.prompt_lp_outputs, 1);
+  ASSERT_EQ(c.prompt_lps.size(), 7u);  // positions 3..9
+  for (size_t i = 0; i < c.prompt_lps.size(); ++i) {
+    EXPECT_EQ(c.prompt_lps[i].token, 13 + static_cast<int32_t>(i));
+    EXPECT_EQ(c.prompt_lps[i].logprob, -static_cast<float>(3 + i));
+  }
+  expect_all_pages_back();
+}
+
+// Cached prefixes stop where the prompt logprobs need rows; max_new_tokens 0 computes them and generates nothing; a
+// step's prompt-logprob rows are bounded.
+TEST_F(SchedulerTest, PromptLogprobsLimitThePrefixAndTheRowsPerStep) {
+  SchedulerConfig c;
+  c.page_size = 4;
+  c.num_pages = 64;
+  c.chunked_prefill_size = 100;
+  c.context_len = 1000;
+  c.max_prompt_logprob_rows = 3;
+  s = std::make_unique<Scheduler>(c);
+  add("warm", range(10, 13), 1);
+  while (s->has_work()) step();
+  SamplingParams from0, from10;
+  from0.logprob_start_len = 0;
+  from10.logprob_start_len = 10;
+  add("zero", range(10, 13), 0, from0);  // only the prompt's logprobs
+  int32_t most = 0, steps = 0;
+  while (s->has_work()) {
+    StepPlan p = step();
+    ++steps;
+    for (const auto& q : p.seqs) most = std::max(most, q.lp_rows);
+  }
+  EXPECT_EQ(most, 3);
+  EXPECT_EQ(steps, 4);  // rows 0-2, 3-5, 6-8, then 9-11 and the dropped draw at 12
+  const Collected& z = out["zero"];
+  EXPECT_TRUE(z.finished);
+  EXPECT_EQ(z.finish.kind, FinishKind::Length);
+  EXPECT_TRUE(z.tokens.empty());
+  EXPECT_EQ(z.cached, 0);  // the cached prompt is computed again from position 0
+  ASSERT_EQ(z.prompt_lps.size(), 13u);
+  EXPECT_TRUE(std::isnan(z.prompt_lps[0].logprob));
+  EXPECT_EQ(z.prompt_lps[0].token, 10);
+  for (size_t i = 1; i < 13; ++i) EXPECT_EQ(z.prompt_lps[i].logprob, -static_cast<float>(i));
+  add("ten", range(10, 13), 1, from10);  // rows from position 9: the cached pages [0, 8) serve
+  while (s->has_work()) step();
+  EXPECT_EQ(out["ten"].cached, 8);
+  ASSERT_EQ(out["ten"].prompt_lps.size(), 3u);
+  EXPECT_EQ(out["ten"].prompt_lps[0].logprob, -10.0f);
+  EXPECT_EQ(out["ten"].tokens.size(), 1u);
+  GenerateRequest g;
+  g.input_ids = range(0, 5);
+  g.sampling.logprob_start_len = 5;
+  EXPECT_THROW(s->validate(g), Error);
+  g.sampling.logprob_start_len = -2;
+  EXPECT_THROW(s->validate(g), Error);
+  expect_all_pages_back();
 }
 
 }  // namespace
