@@ -23,6 +23,7 @@
 #include "server/api.h"
 #include "server/http_server.h"
 #include "server/text_codec.h"
+#include "server/text_stream.h"
 
 namespace mlaserve::cli {
 namespace {
@@ -51,6 +52,7 @@ struct ServeArgs {
   int64_t context_length = 0;
   bool skip_tokenizer_init = false;
   int32_t stream_interval = 1;
+  std::string reasoning_parser;
   // mlaserve's own.
   size_t max_body_bytes = 256u << 20;
   int num_http_threads = 0;  // 0: from the machine's cores (auto_http_threads)
@@ -203,6 +205,8 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
   app.add_option("--context-length", a->context_length, "context length (0: the model's)");
   app.add_flag("--skip-tokenizer-init", a->skip_tokenizer_init, "no tokenizer: token ids in and out only");
   app.add_option("--stream-interval", a->stream_interval, "tokens per streamed chunk (>= 1)")->capture_default_str();
+  app.add_option("--reasoning-parser", a->reasoning_parser,
+                 "split chat output into reasoning_content and content (deepseek-r1)");
   app.add_option("--max-body-bytes", a->max_body_bytes, "largest request body accepted")->capture_default_str();
   app.add_option("--num-http-threads", a->num_http_threads,
                  "HTTP io threads (0: half the cores, 4 to 16; streaming many requests needs several)")
@@ -235,6 +239,8 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     MLA_CHECK(s.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024");
     MLA_CHECK(s.max_n >= 1, "--max-n must be at least 1");
     MLA_CHECK(s.stream_interval >= 1, "--stream-interval must be at least 1, got {}", s.stream_interval);
+    MLA_CHECK(s.reasoning_parser.empty() || server::known_reasoning_parser(s.reasoning_parser),
+              "--reasoning-parser '{}' is not known (known: deepseek-r1)", s.reasoning_parser);
     MLA_CHECK(s.request_timeout >= 0, "--request-timeout must be >= 0");
     MLA_CHECK(std::filesystem::is_directory(s.model_path), "--model-path: '{}' is not a directory", s.model_path);
     if (s.tokenizer_path.empty()) s.tokenizer_path = s.model_path;
@@ -300,6 +306,7 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     so.request_timeout_s = s.request_timeout;
     so.limits.max_n = s.max_n;
     so.stream_interval = s.stream_interval;
+    so.reasoning_parser = s.reasoning_parser;
     so.server_args = server_args_json(s);
     raise_fd_limit();
     server::Api api(*engine, codec.get(), so);

@@ -54,6 +54,7 @@ struct ServerOptions {
   double request_timeout_s = 0.0;     // 0: none; else a generation running longer is aborted
   double idle_timeout_s = 300.0;      // keep-alive connection without a request
   int32_t stream_interval = 1;        // tokens per streamed chunk (the last chunk of a choice may have fewer)
+  std::string reasoning_parser;       // --reasoning-parser (known_reasoning_parser): chat gives reasoning_content
   ParseLimits limits;
   nlohmann::json server_args = nlohmann::json::object();  // echoed by /get_server_info
 };

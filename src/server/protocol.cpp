@@ -394,8 +394,16 @@ ParsedRequest parse_chat(const json& body, const ParseLimits& limits) {
                   type_name(*content));
     }
     if (const json* tc = mf.get("tool_calls")) out["tool_calls"] = *tc;
+    if (auto rc = mf.string("reasoning_content")) out["reasoning_content"] = *rc;
     r.messages.push_back(std::move(out));
   }
+  if (const json* kw = f.get("chat_template_kwargs")) {
+    if (!kw->is_object())
+      bad_request("chat_template_kwargs", "invalid_type", "'chat_template_kwargs' must be an object, got {}",
+                  type_name(*kw));
+    r.chat_template_kwargs = *kw;
+  }
+  if (auto v = f.boolean("separate_reasoning")) r.separate_reasoning = *v;
   parse_sampling(f, {"max_tokens", "max_completion_tokens"}, limits, r);
   if (auto v = f.boolean("logprobs")) r.logprobs = *v;
   if (auto v = f.integer("top_logprobs", 0, limits.max_top_logprobs)) {

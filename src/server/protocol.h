@@ -42,6 +42,8 @@ struct ParsedRequest {
   bool echo = false;
   bool include_usage = false;
   nlohmann::json messages;           // chat
+  nlohmann::json chat_template_kwargs = nlohmann::json::object();  // chat: more variables for the template
+  bool separate_reasoning = true;    // chat with --reasoning-parser: reasoning_content apart from content
 };
 
 struct ParseLimits {

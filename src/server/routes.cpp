@@ -7,6 +7,7 @@
 #include "core/log.h"
 #include "server/api.h"
 #include "server/api_error.h"
+#include "server/text_stream.h"
 
 namespace mlaserve::server {
 namespace {
@@ -43,6 +44,7 @@ struct ResponseContext {
   int32_t top_logprobs;
   bool return_text_in_logprobs;
   bool prompt_logprobs;  // logprob_start_len >= 0 (completions: echo with logprobs)
+  bool split_reasoning;  // chat with a reasoning parser: reasoning_content apart from content
   bool echo;
   bool include_usage;
   bool list_response;  // native: answer with a list (batch input or n > 1)
@@ -215,7 +217,16 @@ ojson openai_response(const ResponseContext& rc, const GenerationJob& job) {
   for (const auto& c : job.choices()) {
     ojson ch;
     ch["index"] = c.index;
-    if (chat) {
+    if (chat && rc.split_reasoning) {
+      ReasoningSplitter split;
+      ReasoningSplitter::Parts a = split.push(c.text), b = split.flush();
+      a.reasoning += b.reasoning;
+      a.content += b.content;
+      ch["message"] = ojson{{"role", "assistant"},
+                            {"content", a.content},
+                            {"reasoning_content", a.reasoning.empty() ? ojson(nullptr) : ojson(a.reasoning)}};
+      ch["logprobs"] = rc.logprobs ? chat_logprobs(rc, c, 0) : ojson(nullptr);
+    } else if (chat) {
       ch["message"] = ojson{{"role", "assistant"}, {"content", c.text}};
       ch["logprobs"] = rc.logprobs ? chat_logprobs(rc, c, 0) : ojson(nullptr);
     } else {
@@ -237,6 +248,7 @@ struct OpenAIStream {
   std::vector<size_t> text_offsets;  // completions text_offset bookkeeping (echo: the prompt's tokens counted)
   // Completions echo with logprobs: the echoed prompt waits for its logprobs (the choice's first update).
   std::vector<bool> echo_pending;
+  std::vector<ReasoningSplitter> reasoning;  // chat with a reasoning parser, per choice
 };
 
 ojson openai_chunk(const ResponseContext& rc, ojson choice) {
@@ -391,7 +403,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     if (!codec_) throw ApiError(400, "chat needs a tokenizer; this server runs without one", "messages", "no_tokenizer");
     std::string prompt;
     try {
-      prompt = codec_->apply_chat_template(pr.messages, true);
+      prompt = codec_->apply_chat_template(pr.messages, true, pr.chat_template_kwargs);
     } catch (const std::exception& e) {
       throw ApiError(400, fmt::format("the chat template failed on these messages: {}", e.what()), "messages",
                      "invalid_value");
@@ -456,6 +468,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                          pr.top_logprobs,
                          pr.return_text_in_logprobs,
                          pr.sampling.logprob_start_len >= 0,
+                         pr.api == ApiKind::Chat && !opts_.reasoning_parser.empty() && pr.separate_reasoning,
                          pr.echo,
                          pr.include_usage,
                          pr.batch || pr.n > 1,
@@ -476,7 +489,8 @@ void Api::tokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& 
       gen = it->get<bool>();
     }
     try {
-      ids = codec_->encode(codec_->apply_chat_template(pr.messages, gen), /*add_special_tokens=*/false);
+      ids = codec_->encode(codec_->apply_chat_template(pr.messages, gen, pr.chat_template_kwargs),
+                           /*add_special_tokens=*/false);
     } catch (const std::exception& e) {
       throw ApiError(400, fmt::format("the chat template failed on these messages: {}", e.what()), "messages",
                      "invalid_value");
@@ -554,6 +568,7 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
     for (size_t i = 0; i < job->choices().size(); ++i) {
       state->text_offsets.push_back(0);
       state->echo_pending.push_back(rc.api == ApiKind::Completions && rc.echo && rc.logprobs);
+      state->reasoning.emplace_back();
     }
     job->on_update = [wex, wjob, rc, state](const ChoiceUpdate& u) {
       auto ex2 = wex.lock();
@@ -576,10 +591,26 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
       }
       const std::string delta = c.text.substr(u.text_begin);
       const bool new_logprobs = rc.logprobs && c.logprobs.size() > u.logprobs_begin;
-      if (!delta.empty() || new_logprobs) {
+      ReasoningSplitter::Parts parts;
+      if (rc.split_reasoning) {  // the text so far split at "</think>" (held back while undecided)
+        parts = state->reasoning[u.choice].push(delta);
+        if (u.finished) {
+          ReasoningSplitter::Parts rest = state->reasoning[u.choice].flush();
+          parts.reasoning += rest.reasoning;
+          parts.content += rest.content;
+        }
+      }
+      const bool new_text = rc.split_reasoning ? !parts.reasoning.empty() || !parts.content.empty() : !delta.empty();
+      if (new_text || new_logprobs) {
         ojson ch;
         ch["index"] = c.index;
-        if (rc.api == ApiKind::Chat) {
+        if (rc.split_reasoning) {
+          ojson d = ojson::object();
+          if (!parts.reasoning.empty()) d["reasoning_content"] = parts.reasoning;
+          if (!parts.content.empty() || parts.reasoning.empty()) d["content"] = parts.content;
+          ch["delta"] = std::move(d);
+          ch["logprobs"] = rc.logprobs ? chat_logprobs(rc, c, u.logprobs_begin) : ojson(nullptr);
+        } else if (rc.api == ApiKind::Chat) {
           ch["delta"] = ojson{{"content", delta}};
           ch["logprobs"] = rc.logprobs ? chat_logprobs(rc, c, u.logprobs_begin) : ojson(nullptr);
         } else {

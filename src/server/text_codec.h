@@ -29,8 +29,10 @@ class TextCodec {
   // Ids -> text. Bytes of an incomplete UTF-8 sequence at the end decode to U+FFFD (as Hugging Face does).
   virtual std::string decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const = 0;
   // OpenAI `messages` (role + string content) rendered with the model's chat template. The result already holds
-  // the template's special tokens (BOS), so it is encoded with add_special_tokens = false.
-  virtual std::string apply_chat_template(const nlohmann::json& messages, bool add_generation_prompt) const = 0;
+  // the template's special tokens (BOS), so it is encoded with add_special_tokens = false. `extra`: more template
+  // variables (chat_template_kwargs).
+  virtual std::string apply_chat_template(const nlohmann::json& messages, bool add_generation_prompt,
+                                          const nlohmann::json& extra) const = 0;
   // The text of one token for logprob listings (special tokens included).
   virtual std::string token_text(int32_t id) const { return decode({id}, false); }
   virtual std::string name_or_path() const = 0;

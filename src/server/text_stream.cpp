@@ -94,4 +94,78 @@ std::string StopStringMatcher::flush() {
   return out;
 }
 
+namespace {
+constexpr std::string_view kThinkStart = "<think>", kThinkEnd = "</think>";
+bool is_space(char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
+// Length of the longest suffix of `s` that is a proper prefix of `tag`.
+size_t partial_tag_suffix(std::string_view s, std::string_view tag) {
+  for (size_t len = std::min(tag.size() - 1, s.size()); len > 0; --len)
+    if (s.substr(s.size() - len) == tag.substr(0, len)) return len;
+  return 0;
+}
+}  // namespace
+
+bool known_reasoning_parser(const std::string& name) { return name == "deepseek-r1"; }
+
+ReasoningSplitter::Parts ReasoningSplitter::push(std::string_view text) {
+  Parts out;
+  held_.append(text);
+  if (state_ == State::Start) {  // an opening "<think>" (after whitespace) is not part of the reasoning
+    size_t i = 0;
+    while (i < held_.size() && is_space(held_[i])) ++i;
+    const std::string_view rest = std::string_view(held_).substr(i);
+    if (rest.size() < kThinkStart.size() && kThinkStart.substr(0, rest.size()) == rest) return out;  // undecided
+    if (rest.substr(0, kThinkStart.size()) == kThinkStart) {
+      held_.erase(0, i + kThinkStart.size());
+      reasoning_started_ = false;  // the whitespace after it goes too
+    }
+    state_ = State::Reasoning;
+  }
+  if (state_ == State::Reasoning && !reasoning_started_) {
+    size_t i = 0;
+    while (i < held_.size() && is_space(held_[i])) ++i;
+    held_.erase(0, i);
+    if (held_.empty()) return out;
+    reasoning_started_ = true;
+  }
+  if (state_ == State::Reasoning) {
+    const size_t end = held_.find(kThinkEnd);
+    if (end == std::string::npos) {
+      const size_t keep = partial_tag_suffix(held_, kThinkEnd);
+      out.reasoning = held_.substr(0, held_.size() - keep);
+      held_.erase(0, held_.size() - keep);
+      return out;
+    }
+    out.reasoning = held_.substr(0, end);
+    held_.erase(0, end + kThinkEnd.size());
+    state_ = State::Content;
+  }
+  if (!content_started_) {
+    size_t i = 0;
+    while (i < held_.size() && is_space(held_[i])) ++i;
+    held_.erase(0, i);
+    if (held_.empty()) return out;
+    content_started_ = true;
+  }
+  out.content = std::move(held_);
+  held_.clear();
+  return out;
+}
+
+ReasoningSplitter::Parts ReasoningSplitter::flush() {
+  Parts out;
+  if (state_ != State::Content) {
+    // Undecided text at the start that turned out not to be "<think>", or a partial "</think>": reasoning.
+    out.reasoning = std::move(held_);
+    if (state_ == State::Start) {
+      size_t i = 0;
+      while (i < out.reasoning.size() && is_space(out.reasoning[i])) ++i;
+      if (std::string_view(out.reasoning).substr(i) == kThinkStart.substr(0, out.reasoning.size() - i))
+        out.reasoning.clear();  // only a prefix of "<think>" was ever generated
+    }
+  }
+  held_.clear();
+  return out;
+}
+
 }  // namespace mlaserve::server

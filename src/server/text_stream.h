@@ -51,4 +51,29 @@ class StopStringMatcher {
   std::optional<std::string> matched_;
 };
 
+// Reasoning models' output (DeepSeek-R1: "<think>" optional at the start, the reasoning, "</think>", the answer) split
+// into reasoning_content and content, a piece at a time: push() returns the new text of each part; a suffix that may
+// begin "</think>" is held back until the next text decides it (flush() at the end: reasoning). Before "</think>"
+// everything is reasoning (an output cut short by its length is all reasoning); whitespace right after "<think>" and
+// at the start of the content is dropped (so the streamed parts equal the whole text's).
+class ReasoningSplitter {
+ public:
+  struct Parts {
+    std::string reasoning, content;
+  };
+  Parts push(std::string_view text);
+  Parts flush();
+  bool in_reasoning() const { return state_ != State::Content; }
+
+ private:
+  enum class State { Start, Reasoning, Content };
+  State state_ = State::Start;
+  std::string held_;
+  bool reasoning_started_ = true;  // false right after "<think>": whitespace is dropped until the reasoning starts
+  bool content_started_ = false;
+};
+
+// The reasoning parsers `--reasoning-parser` takes (the model families whose output ReasoningSplitter splits).
+bool known_reasoning_parser(const std::string& name);
+
 }  // namespace mlaserve::server

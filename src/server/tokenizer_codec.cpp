@@ -40,8 +40,10 @@ class TokenizerCodec : public TextCodec {
   std::string decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const override {
     return tok_->decode(ids, skip_special_tokens);
   }
-  std::string apply_chat_template(const nlohmann::json& messages, bool add_generation_prompt) const override {
-    return tok_->apply_chat_template(nlohmann::ordered_json::parse(messages.dump()), add_generation_prompt);
+  std::string apply_chat_template(const nlohmann::json& messages, bool add_generation_prompt,
+                                  const nlohmann::json& extra) const override {
+    return tok_->apply_chat_template(nlohmann::ordered_json::parse(messages.dump()), add_generation_prompt,
+                                     nlohmann::ordered_json::parse(extra.dump()));
   }
   std::string name_or_path() const override { return path_; }
   size_t vocab_size() const override { return tok_->tokenizer().vocab_size(); }

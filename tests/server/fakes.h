@@ -46,10 +46,12 @@ class ByteCodec : public server::TextCodec {
     }
     return bytes;
   }
-  std::string apply_chat_template(const nlohmann::json& messages, bool add_generation_prompt) const override {
+  // chat_template_kwargs: {"prefix": "..."} starts the assistant's turn with it.
+  std::string apply_chat_template(const nlohmann::json& messages, bool add_generation_prompt,
+                                  const nlohmann::json& extra) const override {
     std::string s = "<bos>";
     for (const auto& m : messages) s += "[" + m["role"].get<std::string>() + "]" + m["content"].get<std::string>();
-    if (add_generation_prompt) s += "[assistant]";
+    if (add_generation_prompt) s += "[assistant]" + extra.value("prefix", std::string());
     return s;
   }
   std::string name_or_path() const override { return "bytes"; }

@@ -299,6 +299,50 @@ TEST(HttpApi, PromptLogprobs) {
   EXPECT_FALSE(meta.contains("input_token_logprobs"));
 }
 
+// --reasoning-parser deepseek-r1: chat output before "</think>" is reasoning_content, after it content, whole or
+// streamed (the fake engine repeats the prompt: "<bos>[user]why</think>so[assistant]" + the template's prefix);
+// separate_reasoning false keeps it in content; chat_template_kwargs reach the template (the fake's "prefix").
+TEST(HttpApi, ReasoningContentAndTemplateKwargs) {
+  ServerOptions o;
+  o.reasoning_parser = "deepseek-r1";
+  TestServer s(o);
+  const std::string script = "<bos>[user]why</think>so[assistant]P";
+  const std::string body = R"({"messages": [{"role": "user", "content": "why</think>so"}], "chat_template_kwargs":
+      {"prefix": "P"}, "max_tokens": )" + std::to_string(script.size());
+  auto r = s.post("/v1/chat/completions", body + "}");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto msg = json::parse(r.body)["choices"][0]["message"];
+  EXPECT_EQ(msg["reasoning_content"], "<bos>[user]why");
+  EXPECT_EQ(msg["content"], "so[assistant]P");
+  msg = json::parse(s.post("/v1/chat/completions", body + R"(, "separate_reasoning": false})").body)["choices"][0]
+                                                                                                   ["message"];
+  EXPECT_EQ(msg["content"], script);
+  EXPECT_FALSE(msg.contains("reasoning_content"));
+
+  auto events = sse_payloads(s.post("/v1/chat/completions", body + R"(, "stream": true})").body);
+  std::string reasoning, content;
+  bool content_started = false, reasoning_after_content = false;
+  for (const auto& e : events) {
+    if (e == "[DONE]") continue;
+    const auto d = json::parse(e)["choices"][0]["delta"];
+    if (d.contains("reasoning_content")) {
+      reasoning += d["reasoning_content"].get<std::string>();
+      reasoning_after_content |= content_started;
+    }
+    if (d.contains("content") && d["content"].is_string()) {
+      content += d["content"].get<std::string>();
+      content_started |= !d["content"].get<std::string>().empty();
+    }
+  }
+  EXPECT_EQ(reasoning, "<bos>[user]why");
+  EXPECT_EQ(content, "so[assistant]P");
+  EXPECT_FALSE(reasoning_after_content);
+  auto bad = s.post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "a"}],
+      "chat_template_kwargs": [1]})");
+  EXPECT_EQ(bad.status, 400);
+  EXPECT_NE(bad.body.find("chat_template_kwargs"), std::string::npos);
+}
+
 TEST(HttpApi, ChatNonStreamAndStream) {
   TestServer s;
   auto r = s.post("/v1/chat/completions",

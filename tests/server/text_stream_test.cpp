@@ -113,5 +113,49 @@ TEST(StopStringMatcher, EmptyStopStringsIgnored) {
   EXPECT_EQ(m.push("abc"), "abc");
 }
 
+// DeepSeek-R1 output split at "</think>": the whole text, and the same text pushed in every split into pieces of
+// 1, 2, 3 and 5 bytes, give the same two parts.
+TEST(ReasoningSplitter, SplitsAtTheEndTagWhateverThePieces) {
+  struct Case {
+    std::string text, reasoning, content;
+  };
+  const std::vector<Case> cases = {
+      {"<think>\nLet me see.\n</think>\n\nThe answer is 4.", "Let me see.\n", "The answer is 4."},
+      {"Let me see.</think>Four.", "Let me see.", "Four."},  // the template opened the think block
+      {"  <think>a</think>b", "a", "b"},
+      {"still thinking when the length ran out", "still thinking when the length ran out", ""},
+      {"<think>cut at </thi", "cut at </thi", ""},
+      {"<thinking is not the tag</think>x", "<thinking is not the tag", "x"},
+      {"<thi", "", ""},
+      {"a</think></think>b", "a", "</think>b"},
+      {"</think>", "", ""},
+  };
+  for (const auto& c : cases) {
+    for (size_t piece : {size_t{1000}, size_t{1}, size_t{2}, size_t{3}, size_t{5}}) {
+      ReasoningSplitter sp;
+      std::string reasoning, content;
+      for (size_t i = 0; i < c.text.size(); i += piece) {
+        auto p = sp.push(std::string_view(c.text).substr(i, piece));
+        reasoning += p.reasoning;
+        content += p.content;
+      }
+      auto p = sp.flush();
+      reasoning += p.reasoning;
+      content += p.content;
+      EXPECT_EQ(reasoning, c.reasoning) << c.text << " in pieces of " << piece;
+      EXPECT_EQ(content, c.content) << c.text << " in pieces of " << piece;
+    }
+  }
+  ReasoningSplitter sp;
+  EXPECT_TRUE(sp.in_reasoning());
+  EXPECT_EQ(sp.push("x</th").reasoning, "x");  // the partial tag waits
+  auto p = sp.push("ink>y");
+  EXPECT_EQ(p.reasoning, "");
+  EXPECT_EQ(p.content, "y");
+  EXPECT_FALSE(sp.in_reasoning());
+  EXPECT_TRUE(known_reasoning_parser("deepseek-r1"));
+  EXPECT_FALSE(known_reasoning_parser("r2"));
+}
+
 }  // namespace
 }  // namespace mlaserve::server
