@@ -24,6 +24,7 @@
 #include "server/http_server.h"
 #include "server/text_codec.h"
 #include "server/text_stream.h"
+#include "server/tool_calls.h"
 
 namespace mlaserve::cli {
 namespace {
@@ -53,6 +54,8 @@ struct ServeArgs {
   bool skip_tokenizer_init = false;
   int32_t stream_interval = 1;
   std::string reasoning_parser;
+  std::string tool_call_parser;
+  std::string chat_template;
   // mlaserve's own.
   size_t max_body_bytes = 256u << 20;
   int num_http_threads = 0;  // 0: from the machine's cores (auto_http_threads)
@@ -207,6 +210,8 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
   app.add_option("--stream-interval", a->stream_interval, "tokens per streamed chunk (>= 1)")->capture_default_str();
   app.add_option("--reasoning-parser", a->reasoning_parser,
                  "split chat output into reasoning_content and content (deepseek-r1)");
+  app.add_option("--tool-call-parser", a->tool_call_parser, "parse tool calls out of chat output (deepseekv3)");
+  app.add_option("--chat-template", a->chat_template, "a Jinja chat template file replacing the tokenizer's");
   app.add_option("--max-body-bytes", a->max_body_bytes, "largest request body accepted")->capture_default_str();
   app.add_option("--num-http-threads", a->num_http_threads,
                  "HTTP io threads (0: half the cores, 4 to 16; streaming many requests needs several)")
@@ -241,6 +246,10 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     MLA_CHECK(s.stream_interval >= 1, "--stream-interval must be at least 1, got {}", s.stream_interval);
     MLA_CHECK(s.reasoning_parser.empty() || server::known_reasoning_parser(s.reasoning_parser),
               "--reasoning-parser '{}' is not known (known: deepseek-r1)", s.reasoning_parser);
+    MLA_CHECK(s.tool_call_parser.empty() || server::known_tool_call_parser(s.tool_call_parser),
+              "--tool-call-parser '{}' is not known (known: deepseekv3, deepseek_v3)", s.tool_call_parser);
+    MLA_CHECK(s.chat_template.empty() || std::filesystem::is_regular_file(s.chat_template),
+              "--chat-template: '{}' is not a file", s.chat_template);
     MLA_CHECK(s.request_timeout >= 0, "--request-timeout must be >= 0");
     MLA_CHECK(std::filesystem::is_directory(s.model_path), "--model-path: '{}' is not a directory", s.model_path);
     if (s.tokenizer_path.empty()) s.tokenizer_path = s.model_path;
@@ -249,7 +258,7 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
 
     std::unique_ptr<server::TextCodec> codec;
     if (!s.skip_tokenizer_init) {
-      codec = server::load_text_codec(s.tokenizer_path);
+      codec = server::load_text_codec(s.tokenizer_path, s.chat_template);
       MLA_CHECK(codec != nullptr,
                 "this build has no tokenizer library; start with --skip-tokenizer-init to serve token ids only");
       MLA_LOG_INFO("tokenizer: {}", s.tokenizer_path);
@@ -307,6 +316,7 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     so.limits.max_n = s.max_n;
     so.stream_interval = s.stream_interval;
     so.reasoning_parser = s.reasoning_parser;
+    so.tool_call_parser = s.tool_call_parser;
     so.server_args = server_args_json(s);
     raise_fd_limit();
     server::Api api(*engine, codec.get(), so);

@@ -411,8 +411,35 @@ ParsedRequest parse_chat(const json& body, const ParseLimits& limits) {
       bad_request("top_logprobs", "invalid_value", "'top_logprobs' needs 'logprobs' to be true");
     r.top_logprobs = static_cast<int32_t>(*v);
   }
-  f.reject_unsupported("tools", "no tool-call parsing");
-  f.reject_unsupported("functions", "no tool-call parsing");
+  if (const json* tools = f.get("tools")) {
+    if (!tools->is_array())
+      bad_request("tools", "invalid_type", "'tools' must be an array of tools, got {}", type_name(*tools));
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const json& t = (*tools)[i];
+      const std::string p = fmt::format("tools[{}]", i);
+      if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") || !t["function"].is_object())
+        bad_request(p, "invalid_value", "'{}' must be {{\"type\": \"function\", \"function\": {{...}}}}", p);
+      const json& fn = t["function"];
+      if (!fn.contains("name") || !fn["name"].is_string() || fn["name"].get<std::string>().empty())
+        bad_request(p + ".function.name", "invalid_value", "'{}.function.name' must be a non-empty string", p);
+      if (fn.contains("parameters") && !fn["parameters"].is_null() && !fn["parameters"].is_object())
+        bad_request(p + ".function.parameters", "invalid_type", "'{}.function.parameters' must be an object", p);
+    }
+    if (!tools->empty()) r.tools = *tools;
+  }
+  if (const json* tc = f.get("tool_choice")) {
+    if (tc->is_string() && (*tc == "none" || *tc == "auto")) {
+      r.tool_choice_none = *tc == "none";
+    } else if ((tc->is_string() && *tc == "required") || tc->is_object()) {
+      bad_request("tool_choice", "unsupported_parameter",
+                  "'tool_choice' 'required' or a named function needs constrained decoding, which this server does "
+                  "not have; use 'auto'");
+    } else {
+      bad_request("tool_choice", "invalid_value", "'tool_choice' must be 'none', 'auto', 'required' or a function");
+    }
+  }
+  if (auto v = f.boolean("parallel_tool_calls")) r.parallel_tool_calls = *v;
+  f.reject_unsupported("functions", "the legacy 'functions' field is not supported; use 'tools'");
   if (const json* rf = f.get("response_format")) {
     if (!rf->is_object() || rf->value("type", "") != "text")
       bad_request("response_format", "unsupported_parameter",

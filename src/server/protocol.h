@@ -44,6 +44,9 @@ struct ParsedRequest {
   nlohmann::json messages;           // chat
   nlohmann::json chat_template_kwargs = nlohmann::json::object();  // chat: more variables for the template
   bool separate_reasoning = true;    // chat with --reasoning-parser: reasoning_content apart from content
+  nlohmann::json tools;              // chat: the function tools (an array, or null when none)
+  bool tool_choice_none = false;     // tool_choice "none": the tools are neither shown to the model nor parsed
+  bool parallel_tool_calls = true;   // false: only the first call is returned
 };
 
 struct ParseLimits {

@@ -8,6 +8,7 @@
 #include "server/api.h"
 #include "server/api_error.h"
 #include "server/text_stream.h"
+#include "server/tool_calls.h"
 
 namespace mlaserve::server {
 namespace {
@@ -45,6 +46,8 @@ struct ResponseContext {
   bool return_text_in_logprobs;
   bool prompt_logprobs;  // logprob_start_len >= 0 (completions: echo with logprobs)
   bool split_reasoning;  // chat with a reasoning parser: reasoning_content apart from content
+  bool parse_tools;      // chat with tools and a tool-call parser: tool_calls apart from content
+  bool parallel_tool_calls;
   bool echo;
   bool include_usage;
   bool list_response;  // native: answer with a list (batch input or n > 1)
@@ -177,6 +180,63 @@ ojson chat_logprobs(const ResponseContext& rc, const Choice& c, size_t begin) {
   return o;
 }
 
+// A chat choice's text as the client sees it: reasoning (with a reasoning parser), content, and tool calls (with
+// tools), a piece at a time.
+struct ChatSplitter {
+  struct Parts {
+    std::string reasoning, content;
+    std::vector<ToolCall> calls;
+  };
+  Parts push(const ResponseContext& rc, std::string_view text, bool last) {
+    Parts out;
+    std::string content;
+    if (rc.split_reasoning) {
+      ReasoningSplitter::Parts p = reasoning.push(text);
+      if (last) {
+        ReasoningSplitter::Parts rest = reasoning.flush();
+        p.reasoning += rest.reasoning;
+        p.content += rest.content;
+      }
+      out.reasoning = std::move(p.reasoning);
+      content = std::move(p.content);
+    } else {
+      content = std::string(text);
+    }
+    if (!rc.parse_tools) {
+      out.content = std::move(content);
+      return out;
+    }
+    ToolCallParser::Out t = tools.push(content);
+    if (last) {
+      ToolCallParser::Out rest = tools.flush();
+      t.content += rest.content;
+    }
+    out.content = std::move(t.content);
+    for (auto& call : t.calls)  // parallel_tool_calls false: the first call only
+      if (rc.parallel_tool_calls || calls_made++ == 0) out.calls.push_back(std::move(call));
+    return out;
+  }
+  ReasoningSplitter reasoning;
+  ToolCallParser tools;
+  size_t calls_made = 0;
+};
+
+// A tool call as OpenAI lists it; ids are unique per response, choice and call.
+ojson tool_call_json(const ResponseContext& rc, const Choice& c, const ToolCall& call, size_t k, bool stream) {
+  ojson t;
+  if (stream) t["index"] = k;
+  t["id"] = fmt::format("call_{}_{}_{}", rc.id.substr(rc.id.find('-') + 1), c.index, k);
+  t["type"] = "function";
+  t["function"] = ojson{{"name", call.name}, {"arguments", call.arguments}};
+  return t;
+}
+
+// finish_reason "tool_calls" when the choice called tools and stopped on its own.
+ojson chat_finish_reason(const Choice& c, bool called_tools) {
+  if (called_tools && c.finish.kind == FinishKind::Stop) return "tool_calls";
+  return openai_finish_reason(c.finish);
+}
+
 ojson matched_stop(const FinishReason& f) {
   if (f.kind != FinishKind::Stop) return nullptr;
   if (f.matched_token >= 0) return f.matched_token;
@@ -217,24 +277,29 @@ ojson openai_response(const ResponseContext& rc, const GenerationJob& job) {
   for (const auto& c : job.choices()) {
     ojson ch;
     ch["index"] = c.index;
-    if (chat && rc.split_reasoning) {
-      ReasoningSplitter split;
-      ReasoningSplitter::Parts a = split.push(c.text), b = split.flush();
-      a.reasoning += b.reasoning;
-      a.content += b.content;
-      ch["message"] = ojson{{"role", "assistant"},
-                            {"content", a.content},
-                            {"reasoning_content", a.reasoning.empty() ? ojson(nullptr) : ojson(a.reasoning)}};
-      ch["logprobs"] = rc.logprobs ? chat_logprobs(rc, c, 0) : ojson(nullptr);
-    } else if (chat) {
-      ch["message"] = ojson{{"role", "assistant"}, {"content", c.text}};
+    bool called_tools = false;
+    if (chat) {
+      ChatSplitter split;
+      ChatSplitter::Parts parts = split.push(rc, c.text, /*last=*/true);
+      called_tools = !parts.calls.empty();
+      ojson msg{{"role", "assistant"},
+                {"content", called_tools && parts.content.empty() ? ojson(nullptr) : ojson(parts.content)}};
+      if (rc.split_reasoning)
+        msg["reasoning_content"] = parts.reasoning.empty() ? ojson(nullptr) : ojson(parts.reasoning);
+      if (called_tools) {
+        ojson calls = ojson::array();
+        for (size_t k = 0; k < parts.calls.size(); ++k)
+          calls.push_back(tool_call_json(rc, c, parts.calls[k], k, /*stream=*/false));
+        msg["tool_calls"] = std::move(calls);
+      }
+      ch["message"] = std::move(msg);
       ch["logprobs"] = rc.logprobs ? chat_logprobs(rc, c, 0) : ojson(nullptr);
     } else {
       const std::string& prompt_text = job.spec().prompts[c.prompt_index].text;
       ch["text"] = rc.echo ? prompt_text + c.text : c.text;
       ch["logprobs"] = rc.logprobs ? completion_logprobs(rc, c, 0, 0, rc.echo) : ojson(nullptr);
     }
-    ch["finish_reason"] = openai_finish_reason(c.finish);
+    ch["finish_reason"] = chat ? chat_finish_reason(c, called_tools) : openai_finish_reason(c.finish);
     ch["matched_stop"] = matched_stop(c.finish);
     choices.push_back(std::move(ch));
   }
@@ -248,7 +313,8 @@ struct OpenAIStream {
   std::vector<size_t> text_offsets;  // completions text_offset bookkeeping (echo: the prompt's tokens counted)
   // Completions echo with logprobs: the echoed prompt waits for its logprobs (the choice's first update).
   std::vector<bool> echo_pending;
-  std::vector<ReasoningSplitter> reasoning;  // chat with a reasoning parser, per choice
+  std::vector<ChatSplitter> chat;  // per chat choice: reasoning / content / tool calls
+  std::vector<size_t> calls_sent;  // per chat choice: tool calls streamed (their indices)
 };
 
 ojson openai_chunk(const ResponseContext& rc, ojson choice) {
@@ -399,11 +465,25 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                                     opts_.served_model_name),
                    "model", "model_not_found");
   const int64_t ctx = engine_.max_context_len();
+  // Tools: shown to the model through the chat template's `tools` variable and parsed out of its output; their
+  // markers are special tokens, so the text keeps special tokens.
+  bool parse_tools = false;
+  json template_vars = pr.chat_template_kwargs;
+  if (!pr.tools.is_null()) {
+    if (opts_.tool_call_parser.empty())
+      throw ApiError(400, "'tools' needs a server started with --tool-call-parser (deepseekv3)", "tools",
+                     "unsupported_parameter");
+    if (!pr.tool_choice_none) {
+      template_vars["tools"] = pr.tools;
+      parse_tools = true;
+      pr.skip_special_tokens = false;
+    }
+  }
   if (pr.api == ApiKind::Chat) {
     if (!codec_) throw ApiError(400, "chat needs a tokenizer; this server runs without one", "messages", "no_tokenizer");
     std::string prompt;
     try {
-      prompt = codec_->apply_chat_template(pr.messages, true, pr.chat_template_kwargs);
+      prompt = codec_->apply_chat_template(pr.messages, true, template_vars);
     } catch (const std::exception& e) {
       throw ApiError(400, fmt::format("the chat template failed on these messages: {}", e.what()), "messages",
                      "invalid_value");
@@ -469,6 +549,8 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                          pr.return_text_in_logprobs,
                          pr.sampling.logprob_start_len >= 0,
                          pr.api == ApiKind::Chat && !opts_.reasoning_parser.empty() && pr.separate_reasoning,
+                         parse_tools,
+                         pr.parallel_tool_calls,
                          pr.echo,
                          pr.include_usage,
                          pr.batch || pr.n > 1,
@@ -489,8 +571,9 @@ void Api::tokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& 
       gen = it->get<bool>();
     }
     try {
-      ids = codec_->encode(codec_->apply_chat_template(pr.messages, gen, pr.chat_template_kwargs),
-                           /*add_special_tokens=*/false);
+      json vars = pr.chat_template_kwargs;
+      if (!pr.tools.is_null() && !pr.tool_choice_none) vars["tools"] = pr.tools;
+      ids = codec_->encode(codec_->apply_chat_template(pr.messages, gen, vars), /*add_special_tokens=*/false);
     } catch (const std::exception& e) {
       throw ApiError(400, fmt::format("the chat template failed on these messages: {}", e.what()), "messages",
                      "invalid_value");
@@ -568,7 +651,8 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
     for (size_t i = 0; i < job->choices().size(); ++i) {
       state->text_offsets.push_back(0);
       state->echo_pending.push_back(rc.api == ApiKind::Completions && rc.echo && rc.logprobs);
-      state->reasoning.emplace_back();
+      state->chat.emplace_back();
+      state->calls_sent.push_back(0);
     }
     job->on_update = [wex, wjob, rc, state](const ChoiceUpdate& u) {
       auto ex2 = wex.lock();
@@ -591,23 +675,25 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
       }
       const std::string delta = c.text.substr(u.text_begin);
       const bool new_logprobs = rc.logprobs && c.logprobs.size() > u.logprobs_begin;
-      ReasoningSplitter::Parts parts;
-      if (rc.split_reasoning) {  // the text so far split at "</think>" (held back while undecided)
-        parts = state->reasoning[u.choice].push(delta);
-        if (u.finished) {
-          ReasoningSplitter::Parts rest = state->reasoning[u.choice].flush();
-          parts.reasoning += rest.reasoning;
-          parts.content += rest.content;
-        }
-      }
-      const bool new_text = rc.split_reasoning ? !parts.reasoning.empty() || !parts.content.empty() : !delta.empty();
+      // Chat with a reasoning or tool-call parser: the new text split (held back while a marker is undecided).
+      const bool split = rc.api == ApiKind::Chat && (rc.split_reasoning || rc.parse_tools);
+      ChatSplitter::Parts parts;
+      if (split) parts = state->chat[u.choice].push(rc, delta, u.finished);
+      const bool new_text =
+          split ? !parts.reasoning.empty() || !parts.content.empty() || !parts.calls.empty() : !delta.empty();
       if (new_text || new_logprobs) {
         ojson ch;
         ch["index"] = c.index;
-        if (rc.split_reasoning) {
+        if (split) {
           ojson d = ojson::object();
           if (!parts.reasoning.empty()) d["reasoning_content"] = parts.reasoning;
-          if (!parts.content.empty() || parts.reasoning.empty()) d["content"] = parts.content;
+          if (!parts.content.empty() || (parts.reasoning.empty() && parts.calls.empty())) d["content"] = parts.content;
+          if (!parts.calls.empty()) {
+            ojson calls = ojson::array();
+            for (const auto& call : parts.calls)
+              calls.push_back(tool_call_json(rc, c, call, state->calls_sent[u.choice]++, true));
+            d["tool_calls"] = std::move(calls);
+          }
           ch["delta"] = std::move(d);
           ch["logprobs"] = rc.logprobs ? chat_logprobs(rc, c, u.logprobs_begin) : ojson(nullptr);
         } else if (rc.api == ApiKind::Chat) {
@@ -632,7 +718,8 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
         if (rc.api == ApiKind::Chat) ch["delta"] = ojson::object();
         else ch["text"] = "";
         ch["logprobs"] = nullptr;
-        ch["finish_reason"] = openai_finish_reason(c.finish);
+        ch["finish_reason"] = rc.api == ApiKind::Chat ? chat_finish_reason(c, state->calls_sent[u.choice] > 0)
+                                                      : openai_finish_reason(c.finish);
         ch["matched_stop"] = matched_stop(c.finish);
         ex2->send_event(dump(openai_chunk(rc, std::move(ch))));
       }

@@ -10,7 +10,7 @@ std::unique_ptr<StreamDecoder> TextCodec::stream_decoder(bool skip_special_token
 
 // The tokenizer library (src/tokenizer) is adapted in tokenizer_codec.cpp when it is part of the build.
 #ifndef MLASERVE_HAS_TOKENIZER
-std::unique_ptr<TextCodec> load_text_codec(const std::string&) { return nullptr; }
+std::unique_ptr<TextCodec> load_text_codec(const std::string&, const std::string&) { return nullptr; }
 #endif
 
 }  // namespace mlaserve::server

@@ -44,6 +44,7 @@ class TextCodec {
 
 // The tokenizer found at `path` (a directory with tokenizer.json / tokenizer_config.json), or nullptr when this
 // build has no tokenizer library. Throws mlaserve::Error when the files are missing or malformed.
-std::unique_ptr<TextCodec> load_text_codec(const std::string& path);
+// `chat_template`: a Jinja file that replaces the tokenizer's chat templates (serve --chat-template), or empty.
+std::unique_ptr<TextCodec> load_text_codec(const std::string& path, const std::string& chat_template = "");
 
 }  // namespace mlaserve::server

@@ -1,6 +1,8 @@
 // TextCodec over the tokenizer library (src/tokenizer): PretrainedTokenizer gives ids <-> text with the
 // checkpoint's BOS rule, the chat template (Jinja), and the incremental detokenizer used for streaming.
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -28,11 +30,18 @@ class LibraryStreamDecoder : public StreamDecoder {
 
 class TokenizerCodec : public TextCodec {
  public:
-  explicit TokenizerCodec(const std::string& path) : path_(path) {
+  TokenizerCodec(const std::string& path, const std::string& chat_template) : path_(path) {
     namespace fs = std::filesystem;
     const std::string dir = fs::is_directory(path) ? path : fs::path(path).parent_path().string();
     MLA_CHECK(fs::exists(fs::path(dir) / "tokenizer.json"), "--tokenizer-path: no tokenizer.json in '{}'", dir);
     tok_ = tok::PretrainedTokenizer::load(dir);
+    if (!chat_template.empty()) {
+      std::ifstream f(chat_template, std::ios::binary);
+      MLA_CHECK(f.good(), "--chat-template: cannot read '{}'", chat_template);
+      std::stringstream ss;
+      ss << f.rdbuf();
+      tok_->set_chat_template(ss.str(), chat_template);
+    }
   }
   std::vector<int32_t> encode(const std::string& text, bool add_special_tokens) const override {
     return tok_->encode(text, add_special_tokens);
@@ -58,6 +67,8 @@ class TokenizerCodec : public TextCodec {
 
 }  // namespace
 
-std::unique_ptr<TextCodec> load_text_codec(const std::string& path) { return std::make_unique<TokenizerCodec>(path); }
+std::unique_ptr<TextCodec> load_text_codec(const std::string& path, const std::string& chat_template) {
+  return std::make_unique<TokenizerCodec>(path, chat_template);
+}
 
 }  // namespace mlaserve::server

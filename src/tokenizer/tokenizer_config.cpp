@@ -149,6 +149,12 @@ void check_json_utf8(const nlohmann::ordered_json& j, const std::string& where) 
 }
 }  // namespace
 
+void PretrainedTokenizer::set_chat_template(const std::string& source, const std::string& where) {
+  auto t = std::make_unique<jinja::Template>(source, where);
+  templates_.clear();
+  templates_["default"] = std::move(t);
+}
+
 std::string PretrainedTokenizer::apply_chat_template(const nlohmann::ordered_json& messages,
                                                      bool add_generation_prompt,
                                                      const nlohmann::ordered_json& extra,

@@ -57,6 +57,8 @@ class PretrainedTokenizer {
   bool add_bos_token() const { return add_bos_; }
   bool add_eos_token() const { return add_eos_; }
   std::vector<std::string> chat_template_names() const;
+  // Replaces every chat template with this one (`where` names it in errors); a template that does not parse throws.
+  void set_chat_template(const std::string& source, const std::string& where);
 
  private:
   std::optional<int32_t> id_of(const std::optional<std::string>& t) const {

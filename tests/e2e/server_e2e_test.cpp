@@ -492,6 +492,45 @@ TEST_F(ServerE2E, BenchServingPrintsTheMetricBlock) {
 
 // --stream-interval 3: a chunk every 3 tokens and one at the end, each covering everything since the one before (the
 // native stream's cumulative ids; the OpenAI deltas add up to the whole text).
+// --chat-template with the repo's DeepSeek-V3 tool template and --tool-call-parser deepseekv3 on the real tokenizer:
+// the tools are described to the model, the history's calls and results are written in DeepSeek's marker tokens, and
+// a chat request with tools is answered (the dummy model's random text parsed: no calls expected, a valid shape).
+TEST(ServerE2EVariants, ToolTemplateAndParser) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  const std::string tmpl = std::string(MLASERVE_SOURCE_DIR) + "/examples/chat_templates/deepseek_v3_tools.jinja";
+  ServerProcess s({"--chat-template", tmpl, "--tool-call-parser", "deepseekv3", "--reasoning-parser", "deepseek-r1"});
+  ASSERT_TRUE(s.running()) << s.log();
+  const std::string tools = R"("tools": [{"type": "function", "function": {"name": "get_weather", "description":
+      "Weather of a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])";
+  const std::string history = R"("messages": [{"role": "system", "content": "Be brief."},
+      {"role": "user", "content": "Weather in Paris?"},
+      {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function":
+        {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+      {"role": "tool", "tool_call_id": "c1", "content": "{\"temp\": 21}"}])";
+  auto t = post_json(s.port(), "/tokenize", "{" + history + ", " + tools + "}");
+  const std::vector<int32_t> ids = t["tokens"];
+  auto text = post_json(s.port(), "/detokenize", R"({"tokens": )" + t["tokens"].dump() + "}")["prompt"];
+  const std::string prompt = text.get<std::string>();
+  EXPECT_NE(prompt.find("Be brief.\n\n## Tools"), std::string::npos) << prompt;
+  EXPECT_NE(prompt.find("### get_weather\nDescription: Weather of a city\nParameters: {"), std::string::npos) << prompt;
+  EXPECT_NE(prompt.find("function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```"), std::string::npos)
+      << prompt;
+  EXPECT_EQ(prompt.substr(prompt.size() - std::string("<｜tool▁outputs▁end｜>").size()), "<｜tool▁outputs▁end｜>");
+  // The markers are single special tokens: calls begin / end, call begin / end, separator, outputs, output.
+  for (int32_t special : {128806, 128807, 128808, 128809, 128814, 128810, 128811, 128812, 128813})
+    EXPECT_NE(std::find(ids.begin(), ids.end(), special), ids.end()) << special;
+  auto r = post_json(s.port(), "/v1/chat/completions", "{" + history + ", " + tools + R"(, "max_tokens": 6})");
+  EXPECT_TRUE(r["choices"][0]["message"].contains("content"));
+  EXPECT_TRUE(r["choices"][0]["message"].contains("reasoning_content"));
+  EXPECT_EQ(r["usage"]["prompt_tokens"], t["count"]);
+  // Without tools the template writes what DeepSeek-V3's own does.
+  ServerProcess plain;
+  ASSERT_TRUE(plain.running()) << plain.log();
+  const std::string chat = R"({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"},
+      {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]})";
+  EXPECT_EQ(post_json(s.port(), "/tokenize", chat)["tokens"], post_json(plain.port(), "/tokenize", chat)["tokens"]);
+}
+
 TEST(ServerE2EVariants, StreamIntervalGroupsTokens) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   ServerProcess s({"--stream-interval", "3"});

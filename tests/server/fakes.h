@@ -46,10 +46,15 @@ class ByteCodec : public server::TextCodec {
     }
     return bytes;
   }
-  // chat_template_kwargs: {"prefix": "..."} starts the assistant's turn with it.
+  // chat_template_kwargs: {"prefix": "..."} starts the assistant's turn with it; tools: "[tools:a,b]" first.
   std::string apply_chat_template(const nlohmann::json& messages, bool add_generation_prompt,
                                   const nlohmann::json& extra) const override {
     std::string s = "<bos>";
+    if (extra.contains("tools")) {
+      s += "[tools:";
+      for (const auto& t : extra["tools"]) s += t["function"]["name"].get<std::string>() + ",";
+      s += "]";
+    }
     for (const auto& m : messages) s += "[" + m["role"].get<std::string>() + "]" + m["content"].get<std::string>();
     if (add_generation_prompt) s += "[assistant]" + extra.value("prefix", std::string());
     return s;

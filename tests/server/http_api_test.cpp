@@ -343,6 +343,69 @@ TEST(HttpApi, ReasoningContentAndTemplateKwargs) {
   EXPECT_NE(bad.body.find("chat_template_kwargs"), std::string::npos);
 }
 
+// --tool-call-parser deepseekv3: the tools reach the template, the calls in the output come back as tool_calls (whole
+// and streamed, finish_reason "tool_calls" when the model stopped after them). The fake engine repeats the prompt
+// "<bos>[tools:f,g,][user]<user content>[assistant]", where the user content holds the calls and a '#' (EOS).
+TEST(HttpApi, ToolCalls) {
+  ServerOptions o;
+  o.tool_call_parser = "deepseekv3";
+  TestServer s(o);
+  const std::string calls =
+      "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜>\n"
+      "<｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+  const std::string tools = R"([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+      {"type": "function", "function": {"name": "g"}}])";
+  const std::string body = R"({"messages": [{"role": "user", "content": )" + json("hi" + calls + "#").dump() +
+                           R"(}], "max_tokens": 500, "tools": )" + tools;
+  auto r = s.post("/v1/chat/completions", body + "}");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto ch = json::parse(r.body)["choices"][0];
+  EXPECT_EQ(ch["finish_reason"], "tool_calls");
+  EXPECT_EQ(ch["message"]["content"], "<bos>[tools:f,g,][user]hi");
+  ASSERT_EQ(ch["message"]["tool_calls"].size(), 2u);
+  const auto& c0 = ch["message"]["tool_calls"][0];
+  EXPECT_EQ(c0["type"], "function");
+  EXPECT_EQ(c0["function"]["name"], "f");
+  EXPECT_EQ(c0["function"]["arguments"], "{\"a\": 1}");
+  EXPECT_EQ(c0["id"].get<std::string>().rfind("call_", 0), 0u);
+  EXPECT_NE(c0["id"], ch["message"]["tool_calls"][1]["id"]);
+  EXPECT_EQ(ch["message"]["tool_calls"][1]["function"]["name"], "g");
+
+  ch = json::parse(s.post("/v1/chat/completions", body + R"(, "parallel_tool_calls": false})").body)["choices"][0];
+  EXPECT_EQ(ch["message"]["tool_calls"].size(), 1u);
+  ch = json::parse(s.post("/v1/chat/completions", body + R"(, "tool_choice": "none"})").body)["choices"][0];
+  EXPECT_FALSE(ch["message"].contains("tool_calls"));  // neither shown nor parsed
+  EXPECT_EQ(ch["finish_reason"], "stop");
+  EXPECT_EQ(ch["message"]["content"].get<std::string>().rfind("<bos>[user]hi<｜tool", 0), 0u);
+
+  auto events = sse_payloads(s.post("/v1/chat/completions", body + R"(, "stream": true})").body);
+  std::string content;
+  std::vector<json> streamed;
+  std::string finish;
+  for (const auto& e : events) {
+    if (e == "[DONE]") continue;
+    const auto c = json::parse(e)["choices"][0];
+    if (c["delta"].contains("content") && c["delta"]["content"].is_string()) content += c["delta"]["content"];
+    if (c["delta"].contains("tool_calls"))
+      for (const auto& t : c["delta"]["tool_calls"]) streamed.push_back(t);
+    if (!c["finish_reason"].is_null()) finish = c["finish_reason"];
+  }
+  EXPECT_EQ(content, "<bos>[tools:f,g,][user]hi");
+  ASSERT_EQ(streamed.size(), 2u);
+  EXPECT_EQ(streamed[0]["index"], 0);
+  EXPECT_EQ(streamed[1]["index"], 1);
+  EXPECT_EQ(streamed[1]["function"]["name"], "g");
+  EXPECT_EQ(finish, "tool_calls");
+
+  EXPECT_EQ(s.post("/v1/chat/completions", body + R"(, "tool_choice": "required"})").status, 400);
+  EXPECT_EQ(s.post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "a"}], "tools": [{"type":
+      "function", "function": {}}]})").status, 400);
+  TestServer plain;
+  auto no_parser = plain.post("/v1/chat/completions", body + "}");
+  EXPECT_EQ(no_parser.status, 400);
+  EXPECT_NE(no_parser.body.find("--tool-call-parser"), std::string::npos);
+}
+
 TEST(HttpApi, ChatNonStreamAndStream) {
   TestServer s;
   auto r = s.post("/v1/chat/completions",

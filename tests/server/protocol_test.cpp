@@ -160,8 +160,17 @@ TEST(Protocol, BadRequestsNameTheField) {
        "invalid_value"},
       {"h", R"({"messages": [{"role": "user", "content": "x"}], "temperature": -0.1})", "temperature",
        "invalid_value"},
-      {"h", R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})", "tools",
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})", "tools[0]",
+       "invalid_value"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "tools": {}})", "tools", "invalid_type"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})", "tool_choice",
        "unsupported_parameter"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"})", "tool_choice",
+       "invalid_value"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]})", "functions",
+       "unsupported_parameter"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": "x"})", "chat_template_kwargs",
+       "invalid_type"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.body);

@@ -1,0 +1,97 @@
+#include "server/tool_calls.h"
+
+#include <algorithm>
+
+namespace mlaserve::server {
+namespace {
+
+constexpr std::string_view kCallsBegin = "<｜tool▁calls▁begin｜>", kCallsEnd = "<｜tool▁calls▁end｜>",
+                           kCallBegin = "<｜tool▁call▁begin｜>", kCallEnd = "<｜tool▁call▁end｜>",
+                           kSep = "<｜tool▁sep｜>";
+
+std::string_view trim(std::string_view s) {
+  auto space = [](char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; };
+  while (!s.empty() && space(s.front())) s.remove_prefix(1);
+  while (!s.empty() && space(s.back())) s.remove_suffix(1);
+  return s;
+}
+
+// Length of the longest suffix of `s` that is a proper prefix of `tag`.
+size_t partial_suffix(std::string_view s, std::string_view tag) {
+  for (size_t len = std::min(tag.size() - 1, s.size()); len > 0; --len)
+    if (s.substr(s.size() - len) == tag.substr(0, len)) return len;
+  return 0;
+}
+
+// One call's text between its markers; false when it has no name.
+bool parse_call(std::string_view body, ToolCall& out) {
+  const size_t sep = body.find(kSep);
+  if (sep == std::string_view::npos) return false;
+  const std::string_view left = trim(body.substr(0, sep));
+  std::string_view right = body.substr(sep + kSep.size());
+  if (left == "function") {  // V3 / R1: the name on the first line, the arguments in a ```json fence
+    const size_t nl = right.find('\n');
+    out.name = std::string(trim(right.substr(0, nl)));
+    std::string_view args = nl == std::string_view::npos ? std::string_view() : trim(right.substr(nl + 1));
+    if (args.substr(0, 3) == "```") {
+      const size_t line = args.find('\n');
+      args = line == std::string_view::npos ? std::string_view() : args.substr(line + 1);
+      if (const size_t fence = args.rfind("```"); fence != std::string_view::npos) args = args.substr(0, fence);
+    }
+    out.arguments = std::string(trim(args));
+  } else {  // V3.1: NAME<｜tool▁sep｜>ARGS
+    out.name = std::string(left);
+    out.arguments = std::string(trim(right));
+  }
+  return !out.name.empty();
+}
+
+}  // namespace
+
+bool known_tool_call_parser(const std::string& name) { return name == "deepseekv3" || name == "deepseek_v3"; }
+
+ToolCallParser::Out ToolCallParser::push(std::string_view text) {
+  Out out;
+  held_.append(text);
+  if (state_ == State::Content) {
+    const size_t at = held_.find(kCallsBegin);
+    if (at == std::string::npos) {
+      const size_t keep = partial_suffix(held_, kCallsBegin);
+      out.content = held_.substr(0, held_.size() - keep);
+      held_.erase(0, held_.size() - keep);
+      return out;
+    }
+    out.content = held_.substr(0, at);
+    held_.erase(0, at + kCallsBegin.size());
+    state_ = State::Calls;
+  }
+  while (state_ == State::Calls) {
+    const size_t begin = held_.find(kCallBegin), calls_end = held_.find(kCallsEnd);
+    if (calls_end != std::string::npos && (begin == std::string::npos || calls_end < begin)) {
+      held_.erase(0, calls_end + kCallsEnd.size());
+      state_ = State::After;
+      break;
+    }
+    if (begin == std::string::npos) break;
+    const size_t end = held_.find(kCallEnd, begin);
+    if (end == std::string::npos) break;
+    ToolCall call;
+    const size_t body = begin + kCallBegin.size();
+    if (parse_call(std::string_view(held_).substr(body, end - body), call)) out.calls.push_back(std::move(call));
+    held_.erase(0, end + kCallEnd.size());
+  }
+  if (state_ == State::After) {  // text after the calls (rare): content
+    out.content += held_;
+    held_.clear();
+  }
+  return out;
+}
+
+ToolCallParser::Out ToolCallParser::flush() {
+  Out out;
+  if (state_ == State::Content) out.content = std::move(held_);
+  held_.clear();
+  return out;
+}
+
+}  // namespace mlaserve::server
