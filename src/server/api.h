@@ -6,7 +6,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include <nlohmann/json.hpp>
 
@@ -73,6 +75,10 @@ class Api {
   // vLLM's /tokenize ({"prompt"} or chat {"messages"}) and /detokenize ({"tokens"}).
   void tokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   void detokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
+  // SGLang's /abort_request ({"rid"} or {"abort_all": true}): the named running jobs end with an abort finish.
+  void abort_request(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
+  // /health_generate: one token generated (200), or 503 when the engine fails it.
+  void health_generate(const std::shared_ptr<HttpExchange>& ex);
   Prepared prepare(ParsedRequest& pr);
   void respond_json(const std::shared_ptr<HttpExchange>& ex, int status, const std::string& body);
   void respond_error(const std::shared_ptr<HttpExchange>& ex, int status, const std::string& body);
@@ -84,6 +90,8 @@ class Api {
   ServerMetrics metrics_;
   std::atomic<uint64_t> next_id_{0};
   uint64_t id_salt_;
+  std::mutex jobs_mu_;
+  std::unordered_map<std::string, std::weak_ptr<GenerationJob>> jobs_;  // running jobs by id (rid), for aborts
 };
 
 }  // namespace mlaserve::server

@@ -375,9 +375,15 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/v1/chat/completions") {
       if (!post) method_not_allowed();
       generate(ApiKind::Chat, req, ex);
-    } else if (path == "/health" || path == "/health_generate") {
+    } else if (path == "/health") {
       if (!get) method_not_allowed();
       ex->respond(200, "text/plain", "");
+    } else if (path == "/health_generate") {
+      if (!get) method_not_allowed();
+      health_generate(ex);
+    } else if (path == "/abort_request") {
+      if (!post) method_not_allowed();
+      abort_request(req, ex);
     } else if (path == "/v1/models") {
       if (!get) method_not_allowed();
       ojson m;
@@ -617,6 +623,60 @@ void Api::detokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>
   respond_json(ex, 200, dump(out));
 }
 
+void Api::abort_request(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
+  const json body = parse_body(req.body);
+  const auto rid = body.find("rid");
+  const auto all = body.find("abort_all");
+  const bool abort_all = all != body.end() && all->is_boolean() && all->get<bool>();
+  if (!abort_all && (rid == body.end() || !rid->is_string()))
+    throw ApiError(400, "'rid' (a string) or 'abort_all': true is required", "rid", "invalid_value");
+  std::vector<std::shared_ptr<GenerationJob>> hit;
+  {
+    std::lock_guard lk(jobs_mu_);
+    for (const auto& [id, w] : jobs_)
+      if (abort_all || id == rid->get<std::string>())
+        if (auto j = w.lock(); j && !j->done()) hit.push_back(std::move(j));
+  }
+  FinishReason f;
+  f.kind = FinishKind::Abort;
+  f.message = "aborted by /abort_request";
+  for (const auto& j : hit)
+    for (const auto& c : j->choices()) engine_.abort(c.rid, f);  // each choice ends as aborted, its client answered
+  respond_json(ex, 200, dump(ojson{{"aborted", hit.size()}}));
+}
+
+void Api::health_generate(const std::shared_ptr<HttpExchange>& ex) {
+  GenerateRequest g;
+  g.rid = "health-" + new_id();
+  g.input_ids = {0};
+  g.sampling.max_new_tokens = 1;
+  g.sampling.temperature = 0.0f;
+  std::weak_ptr<HttpExchange> wex = ex;
+  Executor post = ex->executor();
+  g.on_output = [wex, post](const GenerateOutput& o) {
+    if (!o.finished) return;
+    const bool ok = o.finish.kind != FinishKind::Abort && o.completion_tokens == 1;
+    post([wex, ok, why = o.finish.message] {
+      if (auto ex2 = wex.lock())
+        ex2->respond(ok ? 200 : 503, "application/json",
+                     ok ? "{}" : error_body(503, "the engine failed a one-token generation: " + why, "engine_error",
+                                            "service_unavailable"));
+    });
+  };
+  ex->on_cancel([this, rid = g.rid](const std::string& why) {
+    FinishReason f;
+    f.kind = FinishKind::Abort;
+    f.message = why;
+    engine_.abort(rid, f);
+  });
+  try {
+    engine_.submit(std::move(g));
+  } catch (const std::exception& e) {
+    respond_error(ex, 503, error_body(503, std::string("the engine refused a one-token generation: ") + e.what(),
+                                      "engine_error", "service_unavailable"));
+  }
+}
+
 void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
   json body = parse_body(req.body);
   ParsedRequest pr = api == ApiKind::Native      ? parse_native(body, opts_.limits)
@@ -741,6 +801,11 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
   ex->on_cancel([wjob, this](const std::string& why) {
     if (auto j = wjob.lock()) j->cancel(why);
   });
+  {  // known to /abort_request before its first choice reaches the engine
+    std::lock_guard lk(jobs_mu_);
+    std::erase_if(jobs_, [](const auto& kv) { return kv.second.expired(); });  // jobs that ended
+    jobs_[job->spec().id] = job;
+  }
   job->start();  // throws (400) before anything was sent if the engine refuses the request
   if (stream) {
     ex->start_stream();

@@ -406,6 +406,39 @@ TEST(HttpApi, ToolCalls) {
   EXPECT_NE(no_parser.body.find("--tool-call-parser"), std::string::npos);
 }
 
+// SGLang's /abort_request ends a running request by its rid (its client gets the abort finish), or every request
+// with abort_all; /health_generate runs a one-token generation.
+TEST(HttpApi, AbortRequestAndHealthGenerate) {
+  TestServer s;
+  auto health = s.get("/health_generate");
+  EXPECT_EQ(health.status, 200) << health.body;
+  EXPECT_EQ(s.post("/health_generate", "{}").status, 405);
+  test::HttpResponse long_one, other;
+  std::thread t1([&] {
+    long_one = s.post("/generate", R"({"rid": "long1", "text": "abc", "sampling_params": {"max_new_tokens": 4000,
+        "ignore_eos": true}})");
+  });
+  std::thread t2([&] {
+    other = s.post("/v1/completions", R"({"prompt": "abc", "max_tokens": 4000, "ignore_eos": true})");
+  });
+  for (int i = 0; i < 500 && s.engine.num_live() < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  EXPECT_EQ(s.engine.num_live(), 2u);  // (4 s of tokens each: the threads end by the aborts below)
+  auto a = s.post("/abort_request", R"({"rid": "long1"})");
+  EXPECT_EQ(a.status, 200) << a.body;
+  EXPECT_EQ(json::parse(a.body)["aborted"], 1);
+  t1.join();
+  ASSERT_EQ(long_one.status, 200) << long_one.body;
+  EXPECT_EQ(json::parse(long_one.body)["meta_info"]["finish_reason"]["type"], "abort");
+  EXPECT_EQ(s.engine.num_live(), 1u);  // the other one runs on
+  EXPECT_EQ(json::parse(s.post("/abort_request", R"({"rid": "nobody"})").body)["aborted"], 0);
+  EXPECT_EQ(json::parse(s.post("/abort_request", R"({"abort_all": true})").body)["aborted"], 1);
+  t2.join();
+  ASSERT_EQ(other.status, 200) << other.body;
+  EXPECT_EQ(json::parse(other.body)["choices"][0]["finish_reason"], "abort");
+  EXPECT_EQ(s.post("/abort_request", R"({})").status, 400);
+  EXPECT_TRUE(s.wait_idle());
+}
+
 TEST(HttpApi, ChatNonStreamAndStream) {
   TestServer s;
   auto r = s.post("/v1/chat/completions",
