@@ -55,6 +55,7 @@ struct TokenLogprob {
   int32_t token = -1;
   float logprob = 0.0f;
   std::vector<std::pair<int32_t, float>> top;  // top_logprobs_num alternatives, best first
+  int32_t rank = 0;  // 1 + the number of tokens more likely than `token` (0: not computed)
 };
 
 struct GenerateOutput {

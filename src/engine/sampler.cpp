@@ -42,6 +42,7 @@ TokenLogprob top_logprobs(const float* x, int64_t V, int32_t token, int32_t n) {
   TokenLogprob out;
   out.token = token;
   out.logprob = x[token] - lse;
+  out.rank = 1 + static_cast<int32_t>(std::count_if(x, x + V, [&](float v) { return v > x[token]; }));
   const int64_t k = std::min<int64_t>(n, V);
   if (k > 0) {
     std::vector<int32_t> idx(static_cast<size_t>(V));

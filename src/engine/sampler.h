@@ -35,7 +35,7 @@ inline bool penalised(const SamplingParams& p) {
 
 // Index of the largest value (the lowest index among ties).
 int32_t argmax_row(const float* x, int64_t n);
-// The n most likely tokens of log_softmax(x), best first (ties: lower id first), and the logprob of `token`.
+// The n most likely tokens of log_softmax(x), best first (ties: lower id first), and the logprob and rank of `token`.
 TokenLogprob top_logprobs(const float* x, int64_t vocab, int32_t token, int32_t n);
 
 }  // namespace mlaserve

@@ -228,6 +228,11 @@ void parse_openai_common(const Fields& f, const ParseLimits& limits, ParsedReque
   // Keep a matched stop string in the text: SGLang's no_stop_trim, vLLM's include_stop_str_in_output.
   for (const char* key : {"no_stop_trim", "include_stop_str_in_output"})
     if (auto v = f.boolean(key)) r.no_stop_trim = *v;
+  // vLLM's prompt_logprobs: each prompt token's logprob and rank, with this many alternatives.
+  if (auto v = f.integer("prompt_logprobs", 0, limits.max_top_logprobs)) {
+    r.prompt_logprobs = static_cast<int32_t>(*v);
+    r.sampling.logprob_start_len = 0;
+  }
 }
 
 }  // namespace

@@ -40,6 +40,7 @@ struct ParsedRequest {
   // OpenAI only.
   std::string model;
   bool echo = false;
+  int32_t prompt_logprobs = -1;      // vLLM's prompt_logprobs (>= 0: the prompt's logprobs with that many alternatives)
   bool include_usage = false;
   nlohmann::json messages;           // chat
   nlohmann::json chat_template_kwargs = nlohmann::json::object();  // chat: more variables for the template

@@ -45,6 +45,7 @@ struct ResponseContext {
   int32_t top_logprobs;
   bool return_text_in_logprobs;
   bool prompt_logprobs;  // logprob_start_len >= 0 (completions: echo with logprobs)
+  int32_t vllm_prompt_logprobs;  // vLLM's prompt_logprobs: -1 none, else the alternatives per prompt token
   bool split_reasoning;  // chat with a reasoning parser: reasoning_content apart from content
   bool parse_tools;      // chat with tools and a tool-call parser: tool_calls apart from content
   bool parallel_tool_calls;
@@ -124,7 +125,8 @@ size_t add_completion_logprobs(const ResponseContext& rc, const std::vector<Toke
     text_offset += t.size();
     if (rc.top_logprobs > 0 && !std::isnan(lp.logprob)) {
       ojson alts = ojson::object();
-      for (const auto& [tok, v] : lp.top) alts[token_str(rc, tok)] = v;
+      for (size_t k = 0; k < lp.top.size() && static_cast<int32_t>(k) < rc.top_logprobs; ++k)
+        alts[token_str(rc, lp.top[k].first)] = lp.top[k].second;
       l.top_logprobs.push_back(std::move(alts));
     } else {
       l.top_logprobs.push_back(nullptr);
@@ -146,6 +148,29 @@ ojson completion_logprobs(const ResponseContext& rc, const Choice& c, size_t beg
   o["top_logprobs"] = std::move(l.top_logprobs);
   o["text_offset"] = std::move(l.text_offset);
   return o;
+}
+
+// vLLM's prompt_logprobs: null for the first token, then per token {"<id>": {logprob, rank, decoded_token}} of the
+// prompt's token and its rc.vllm_prompt_logprobs best alternatives (ranks 1, 2, ...).
+ojson vllm_prompt_logprobs(const ResponseContext& rc, const Choice& c) {
+  ojson out = ojson::array();
+  for (const auto& lp : c.prompt_logprobs) {
+    if (std::isnan(lp.logprob)) {
+      out.push_back(nullptr);
+      continue;
+    }
+    ojson d = ojson::object();
+    d[std::to_string(lp.token)] =
+        ojson{{"logprob", lp.logprob}, {"rank", lp.rank}, {"decoded_token", token_str(rc, lp.token)}};
+    for (size_t k = 0; k < lp.top.size() && static_cast<int32_t>(k) < rc.vllm_prompt_logprobs; ++k) {
+      const auto& [id, v] = lp.top[k];
+      const std::string key = std::to_string(id);
+      if (!d.contains(key))
+        d[key] = ojson{{"logprob", v}, {"rank", static_cast<int64_t>(k) + 1}, {"decoded_token", token_str(rc, id)}};
+    }
+    out.push_back(std::move(d));
+  }
+  return out;
 }
 
 ojson bytes_of(const std::string& s) {
@@ -301,6 +326,7 @@ ojson openai_response(const ResponseContext& rc, const GenerationJob& job) {
     }
     ch["finish_reason"] = chat ? chat_finish_reason(c, called_tools) : openai_finish_reason(c.finish);
     ch["matched_stop"] = matched_stop(c.finish);
+    if (rc.vllm_prompt_logprobs >= 0) ch["prompt_logprobs"] = vllm_prompt_logprobs(rc, c);
     choices.push_back(std::move(ch));
   }
   o["choices"] = std::move(choices);
@@ -315,6 +341,7 @@ struct OpenAIStream {
   std::vector<bool> echo_pending;
   std::vector<ChatSplitter> chat;  // per chat choice: reasoning / content / tool calls
   std::vector<size_t> calls_sent;  // per chat choice: tool calls streamed (their indices)
+  std::vector<bool> prompt_lps_sent;  // per choice: vLLM's prompt_logprobs went out (with the first chunk after them)
 };
 
 ojson openai_chunk(const ResponseContext& rc, ojson choice) {
@@ -536,7 +563,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     p.spec.prompts.push_back(std::move(jp));
   }
   pr.sampling.return_logprob = pr.logprobs;
-  pr.sampling.top_logprobs_num = pr.logprobs ? pr.top_logprobs : 0;
+  pr.sampling.top_logprobs_num = std::max(pr.logprobs ? pr.top_logprobs : 0, pr.prompt_logprobs);
   const std::string id = new_id();
   p.spec.id = pr.api == ApiKind::Native ? (pr.rid.empty() ? id : pr.rid)
                                         : (pr.api == ApiKind::Chat ? "chatcmpl-" : "cmpl-") + id;
@@ -554,6 +581,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                          pr.top_logprobs,
                          pr.return_text_in_logprobs,
                          pr.sampling.logprob_start_len >= 0,
+                         pr.prompt_logprobs,
                          pr.api == ApiKind::Chat && !opts_.reasoning_parser.empty() && pr.separate_reasoning,
                          parse_tools,
                          pr.parallel_tool_calls,
@@ -713,6 +741,7 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
       state->echo_pending.push_back(rc.api == ApiKind::Completions && rc.echo && rc.logprobs);
       state->chat.emplace_back();
       state->calls_sent.push_back(0);
+      state->prompt_lps_sent.push_back(false);
     }
     job->on_update = [wex, wjob, rc, state](const ChoiceUpdate& u) {
       auto ex2 = wex.lock();
@@ -735,6 +764,12 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
       }
       const std::string delta = c.text.substr(u.text_begin);
       const bool new_logprobs = rc.logprobs && c.logprobs.size() > u.logprobs_begin;
+      // vLLM's prompt_logprobs: with the first chunk once they are known.
+      auto attach_prompt_logprobs = [&](ojson& ch) {
+        if (rc.vllm_prompt_logprobs < 0 || state->prompt_lps_sent[u.choice] || c.prompt_logprobs.empty()) return;
+        ch["prompt_logprobs"] = vllm_prompt_logprobs(rc, c);
+        state->prompt_lps_sent[u.choice] = true;
+      };
       // Chat with a reasoning or tool-call parser: the new text split (held back while a marker is undecided).
       const bool split = rc.api == ApiKind::Chat && (rc.split_reasoning || rc.parse_tools);
       ChatSplitter::Parts parts;
@@ -770,6 +805,7 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
           }
         }
         ch["finish_reason"] = nullptr;
+        attach_prompt_logprobs(ch);
         ex2->send_event(dump(openai_chunk(rc, std::move(ch))));
       }
       if (u.finished) {
@@ -781,6 +817,7 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
         ch["finish_reason"] = rc.api == ApiKind::Chat ? chat_finish_reason(c, state->calls_sent[u.choice] > 0)
                                                       : openai_finish_reason(c.finish);
         ch["matched_stop"] = matched_stop(c.finish);
+        attach_prompt_logprobs(ch);
         ex2->send_event(dump(openai_chunk(rc, std::move(ch))));
       }
     };

@@ -407,6 +407,20 @@ TEST_F(ServerE2E, PromptLogprobsAreTheNextTokenDistributions) {
     EXPECT_NEAR(in[k][0].get<double>(), lp["token_logprobs"][60 + k].get<double>(), 1e-3) << k;
   }
   EXPECT_TRUE(native["output_ids"].empty());
+  // vLLM's prompt_logprobs: the same logprobs, each token's rank (1 where it is the most likely).
+  auto v = post_json(port(), "/v1/completions", R"({"prompt": )" + ids_json(ids) +
+                                                    R"(, "max_tokens": 1, "prompt_logprobs": 2})");
+  const json pl = v["choices"][0]["prompt_logprobs"];
+  ASSERT_EQ(pl.size(), ids.size());
+  EXPECT_TRUE(pl[0].is_null());
+  for (size_t i = 1; i < ids.size(); ++i) {
+    const json& e = pl[i][std::to_string(ids[i])];
+    EXPECT_NEAR(e["logprob"].get<double>(), lp["token_logprobs"][i].get<double>(), 1e-3) << i;
+    double top = -1e30;  // the most likely token's logprob (the echo request's top 3)
+    for (const auto& [k, val] : lp["top_logprobs"][i].items()) top = std::max(top, val.get<double>());
+    EXPECT_EQ(e["rank"].get<int>() == 1, e["logprob"].get<double>() >= top - 1e-6) << i;
+    EXPECT_LE(pl[i].size(), 3u);
+  }
   auto bad = http_request(port(), "POST", "/generate",
                           R"({"input_ids": [1, 2, 3], "return_logprob": true, "logprob_start_len": 3})");
   EXPECT_EQ(bad.status, 400) << bad.body;

@@ -190,6 +190,7 @@ class FakeEngine : public EngineClient {
               TokenLogprob lp;
               lp.token = l.req.input_ids[p];
               lp.logprob = p == 0 ? std::numeric_limits<float>::quiet_NaN() : -0.1f * static_cast<float>(p);
+              lp.rank = p == 0 ? 0 : 1 + static_cast<int32_t>(p % 3);
               for (int k = 0; p > 0 && k < l.req.sampling.top_logprobs_num; ++k)
                 lp.top.emplace_back((lp.token + k) % 256, -0.5f * static_cast<float>(k));
               out.prompt_logprobs.push_back(lp);

@@ -297,6 +297,30 @@ TEST(HttpApi, PromptLogprobs) {
   EXPECT_TRUE(meta["output_token_logprobs"].empty());
   meta = json::parse(s.post("/generate", R"({"text": "hey", "return_logprob": true})").body)["meta_info"];
   EXPECT_FALSE(meta.contains("input_token_logprobs"));
+
+  // vLLM's prompt_logprobs: per prompt token {"<id>": {logprob, rank, decoded_token}} with the alternatives.
+  for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
+    const std::string input = std::string(path) == "/v1/completions"
+                                  ? R"("prompt": "hey")"
+                                  : R"("messages": [{"role": "user", "content": "hey"}])";
+    const std::string req = "{" + input + R"(, "max_tokens": 1, "prompt_logprobs": 1)";
+    auto pl = json::parse(s.post(path, req + "}").body)["choices"][0]["prompt_logprobs"];
+    SCOPED_TRACE(path);
+    ASSERT_TRUE(pl.is_array() && pl.size() >= 4u);
+    EXPECT_TRUE(pl[0].is_null());
+    const auto& e = pl[1];  // the fake: logprob -0.1 p, rank 1 + p % 3, alternatives (token + k) % 256
+    ASSERT_TRUE(e.is_object());
+    const std::string first_key = e.begin().key();
+    EXPECT_NEAR(e[first_key]["logprob"].get<double>(), -0.1, 1e-6);
+    EXPECT_EQ(e[first_key]["rank"], 2);
+    EXPECT_EQ(e.size(), 1u);  // the only alternative (k = 0) is the token itself
+    auto events = sse_payloads(s.post(path, req + R"(, "stream": true})").body);
+    int with = 0;
+    for (const auto& ev : events)
+      if (ev != "[DONE]" && json::parse(ev)["choices"][0].contains("prompt_logprobs")) ++with;
+    EXPECT_EQ(with, 1);
+  }
+  EXPECT_EQ(s.post("/v1/completions", R"({"prompt": "a", "prompt_logprobs": 99})").status, 400);
 }
 
 // --reasoning-parser deepseek-r1: chat output before "</think>" is reasoning_content, after it content, whole or

@@ -43,5 +43,7 @@ TEST(TopLogprobs, AreOfTheModelDistribution) {
   EXPECT_EQ(t.top[1].first, 0);
   EXPECT_EQ(t.top[2].first, 1);
   EXPECT_NEAR(t.top[0].second, 3.0 - std::log(z), 1e-5);
+  EXPECT_EQ(t.rank, 2);  // only token 4 is more likely
+  EXPECT_EQ(top_logprobs(x.data(), 6, 3, 0).rank, 6);
   EXPECT_EQ(argmax_row(x.data(), 6), 4);
 }
