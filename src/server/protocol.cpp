@@ -212,6 +212,7 @@ void parse_stream_options(const Fields& f, ParsedRequest& r) {
       bad_request("stream_options", "invalid_type", "'stream_options' must be an object, got {}", type_name(*so));
     Fields sf(*so, "stream_options.");
     if (auto v = sf.boolean("include_usage")) r.include_usage = *v;
+    if (auto v = sf.boolean("continuous_usage_stats")) r.continuous_usage = *v;
     if (!r.stream)
       bad_request("stream_options", "invalid_value", "'stream_options' is only allowed when 'stream' is true");
   }
@@ -409,6 +410,14 @@ ParsedRequest parse_chat(const json& body, const ParseLimits& limits) {
     r.chat_template_kwargs = *kw;
   }
   if (auto v = f.boolean("separate_reasoning")) r.separate_reasoning = *v;
+  if (auto v = f.boolean("add_generation_prompt")) r.add_generation_prompt = *v;
+  if (auto v = f.boolean("continue_final_message")) r.continue_final_message = *v;
+  if (r.continue_final_message && r.add_generation_prompt)
+    bad_request("continue_final_message", "invalid_value",
+                "'continue_final_message' needs 'add_generation_prompt': false (the final message is continued, no "
+                "new turn is opened)");
+  if (r.continue_final_message && r.messages.back()["role"] != "assistant")
+    bad_request("continue_final_message", "invalid_value", "'continue_final_message' needs a final assistant message");
   parse_sampling(f, {"max_tokens", "max_completion_tokens"}, limits, r);
   if (auto v = f.boolean("logprobs")) r.logprobs = *v;
   if (auto v = f.integer("top_logprobs", 0, limits.max_top_logprobs)) {

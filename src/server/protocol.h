@@ -42,8 +42,11 @@ struct ParsedRequest {
   bool echo = false;
   int32_t prompt_logprobs = -1;      // vLLM's prompt_logprobs (>= 0: the prompt's logprobs with that many alternatives)
   bool include_usage = false;
+  bool continuous_usage = false;     // stream_options.continuous_usage_stats: usage in every chunk
   nlohmann::json messages;           // chat
   nlohmann::json chat_template_kwargs = nlohmann::json::object();  // chat: more variables for the template
+  bool add_generation_prompt = true;    // chat: the template's opening of the assistant's turn
+  bool continue_final_message = false;  // chat: the final (assistant) message left open, continued by the model
   bool separate_reasoning = true;    // chat with --reasoning-parser: reasoning_content apart from content
   nlohmann::json tools;              // chat: the function tools (an array, or null when none)
   bool tool_choice_none = false;     // tool_choice "none": the tools are neither shown to the model nor parsed

@@ -51,6 +51,7 @@ struct ResponseContext {
   bool parallel_tool_calls;
   bool echo;
   bool include_usage;
+  bool continuous_usage;
   bool list_response;  // native: answer with a list (batch input or n > 1)
   const TextCodec* codec;
 };
@@ -344,12 +345,13 @@ struct OpenAIStream {
   std::vector<bool> prompt_lps_sent;  // per choice: vLLM's prompt_logprobs went out (with the first chunk after them)
 };
 
-ojson openai_chunk(const ResponseContext& rc, ojson choice) {
+// With include_usage every chunk has "usage": null, or (continuous_usage_stats) the job's usage so far.
+ojson openai_chunk(const ResponseContext& rc, ojson choice, const GenerationJob& job) {
   ojson o = openai_envelope(rc, rc.api == ApiKind::Chat ? "chat.completion.chunk" : "text_completion");
   ojson choices = ojson::array();
   choices.push_back(std::move(choice));
   o["choices"] = std::move(choices);
-  if (rc.include_usage) o["usage"] = nullptr;
+  if (rc.include_usage) o["usage"] = rc.continuous_usage ? usage(job) : ojson(nullptr);
   return o;
 }
 
@@ -516,7 +518,16 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     if (!codec_) throw ApiError(400, "chat needs a tokenizer; this server runs without one", "messages", "no_tokenizer");
     std::string prompt;
     try {
-      prompt = codec_->apply_chat_template(pr.messages, true, template_vars);
+      prompt = codec_->apply_chat_template(pr.messages, pr.add_generation_prompt, template_vars);
+      if (pr.continue_final_message) {  // cut after the final message's content (its end-of-turn tokens go)
+        const json& last = pr.messages.back()["content"];
+        const std::string content = last.is_string() ? last.get<std::string>() : std::string();
+        const size_t at = content.empty() ? std::string::npos : prompt.rfind(content);
+        if (at == std::string::npos)
+          throw ApiError(400, "the chat template does not write the final message's content as given, so it cannot "
+                             "be continued", "continue_final_message", "invalid_value");
+        prompt.resize(at + content.size());
+      }
     } catch (const std::exception& e) {
       throw ApiError(400, fmt::format("the chat template failed on these messages: {}", e.what()), "messages",
                      "invalid_value");
@@ -587,6 +598,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                          pr.parallel_tool_calls,
                          pr.echo,
                          pr.include_usage,
+                         pr.continuous_usage,
                          pr.batch || pr.n > 1,
                          codec_};
   return p;
@@ -760,7 +772,7 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
         ch["logprobs"] = completion_logprobs(rc, c, c.logprobs.size(), 0, /*prompt=*/true);
         for (const auto& lp : c.prompt_logprobs) state->text_offsets[u.choice] += token_str(rc, lp.token).size();
         ch["finish_reason"] = nullptr;
-        ex2->send_event(dump(openai_chunk(rc, std::move(ch))));
+        ex2->send_event(dump(openai_chunk(rc, std::move(ch), *job2)));
       }
       const std::string delta = c.text.substr(u.text_begin);
       const bool new_logprobs = rc.logprobs && c.logprobs.size() > u.logprobs_begin;
@@ -806,7 +818,7 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
         }
         ch["finish_reason"] = nullptr;
         attach_prompt_logprobs(ch);
-        ex2->send_event(dump(openai_chunk(rc, std::move(ch))));
+        ex2->send_event(dump(openai_chunk(rc, std::move(ch), *job2)));
       }
       if (u.finished) {
         ojson ch;
@@ -818,7 +830,7 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
                                                       : openai_finish_reason(c.finish);
         ch["matched_stop"] = matched_stop(c.finish);
         attach_prompt_logprobs(ch);
-        ex2->send_event(dump(openai_chunk(rc, std::move(ch))));
+        ex2->send_event(dump(openai_chunk(rc, std::move(ch), *job2)));
       }
     };
     job->on_done = [wex, wjob, rc] {
@@ -860,7 +872,7 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
         continue;
       }
       ch["finish_reason"] = nullptr;
-      ex->send_event(dump(openai_chunk(rc, std::move(ch))));
+      ex->send_event(dump(openai_chunk(rc, std::move(ch), *job)));
     }
   }
 }

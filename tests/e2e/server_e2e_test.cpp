@@ -364,6 +364,14 @@ TEST_F(ServerE2E, TokenizeAndDetokenize) {
   auto c = post_json(port(), "/v1/chat/completions", msgs + R"(, "max_tokens": 1})");
   auto tc = post_json(port(), "/tokenize", msgs + "}");
   EXPECT_EQ(tc["count"], c["usage"]["prompt_tokens"]);
+  // continue_final_message: DeepSeek's template closes an assistant message with <｜end▁of▁sentence｜> (id 1); a
+  // continued one stops right after its content.
+  const std::string open = R"({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content":
+      "Once upon"}], "add_generation_prompt": false)";
+  auto closed = post_json(port(), "/tokenize", open + "}");
+  ASSERT_EQ(closed["tokens"].back(), 1);
+  auto cont = post_json(port(), "/v1/chat/completions", open + R"(, "continue_final_message": true, "max_tokens": 1})");
+  EXPECT_EQ(cont["usage"]["prompt_tokens"].get<int>() + 1, closed["count"].get<int>());
   EXPECT_EQ(http_request(port(), "POST", "/detokenize", R"({"tokens": [-1]})").status, 400);
   EXPECT_EQ(http_request(port(), "POST", "/tokenize", R"({})").status, 400);
   EXPECT_EQ(http_request(port(), "GET", "/tokenize").status, 405);

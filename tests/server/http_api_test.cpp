@@ -463,6 +463,38 @@ TEST(HttpApi, AbortRequestAndHealthGenerate) {
   EXPECT_TRUE(s.wait_idle());
 }
 
+// continue_final_message (with add_generation_prompt false) leaves the final assistant message open; vLLM's
+// stream_options.continuous_usage_stats puts the usage so far in every chunk.
+TEST(HttpApi, ContinueFinalMessageAndContinuousUsage) {
+  TestServer s;
+  const std::string msgs = R"({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "Once"}],
+      "max_tokens": 2)";
+  auto r = json::parse(s.post("/v1/chat/completions",
+                              msgs + R"(, "add_generation_prompt": false, "continue_final_message": true})").body);
+  EXPECT_EQ(r["usage"]["prompt_tokens"], std::string("<bos>[user]q[assistant]Once").size());
+  r = json::parse(s.post("/v1/chat/completions", msgs + "}").body);
+  EXPECT_EQ(r["usage"]["prompt_tokens"], std::string("<bos>[user]q[assistant]Once[assistant]").size());
+  EXPECT_EQ(s.post("/v1/chat/completions", msgs + R"(, "continue_final_message": true})").status, 400);
+  EXPECT_EQ(s.post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "q"}],
+      "add_generation_prompt": false, "continue_final_message": true})").status, 400);
+
+  auto events = sse_payloads(s.post("/v1/completions", R"({"prompt": "abc", "max_tokens": 3, "stream": true,
+      "stream_options": {"include_usage": true, "continuous_usage_stats": true}})").body);
+  int64_t last = -1;
+  int chunks = 0;
+  for (const auto& e : events) {
+    if (e == "[DONE]") continue;
+    const auto j = json::parse(e);
+    ASSERT_TRUE(j["usage"].is_object()) << e;
+    EXPECT_EQ(j["usage"]["prompt_tokens"], 4);
+    EXPECT_GE(j["usage"]["completion_tokens"].get<int64_t>(), last);
+    last = j["usage"]["completion_tokens"];
+    ++chunks;
+  }
+  EXPECT_EQ(last, 3);
+  EXPECT_GE(chunks, 4);
+}
+
 TEST(HttpApi, ChatNonStreamAndStream) {
   TestServer s;
   auto r = s.post("/v1/chat/completions",
