@@ -343,4 +343,33 @@ TEST_F(SchedulerTest, PromptLogprobsLimitThePrefixAndTheRowsPerStep) {
   expect_all_pages_back();
 }
 
+// A request retracted mid-prefill (its pages taken for another's decode) computes its prompt logprobs again from the
+// start when it comes back: the list it reports has each position once, in order.
+TEST_F(SchedulerTest, PromptLogprobsSurviveRetractionMidPrefill) {
+  make(8, /*chunk=*/4);  // 32 token slots, prefill 4 tokens a step
+  add("d", range(10, 8), 20);  // grows to 28 tokens while decoding
+  step();
+  step();
+  SamplingParams sp;
+  sp.logprob_start_len = 0;
+  add("p", range(50, 22), 2, sp);  // its 6 pages and d's 4 do not fit: p is retracted mid-prefill
+  int steps = 0;
+  while (s->has_work() && steps < 500) {
+    step();
+    ++steps;
+  }
+  ASSERT_FALSE(s->has_work());
+  EXPECT_GT(s->stats().num_retractions, 0);
+  const Collected& c = out["p"];
+  EXPECT_EQ(c.tokens.size(), 2u);
+  EXPECT_EQ(c.prompt_lp_outputs, 1);
+  ASSERT_EQ(c.prompt_lps.size(), 22u);
+  EXPECT_TRUE(std::isnan(c.prompt_lps[0].logprob));
+  for (size_t i = 1; i < 22; ++i) {
+    EXPECT_EQ(c.prompt_lps[i].logprob, -static_cast<float>(i)) << i;
+    EXPECT_EQ(c.prompt_lps[i].token, 50 + static_cast<int32_t>(i));
+  }
+  expect_all_pages_back();
+}
+
 }  // namespace
