@@ -77,6 +77,29 @@ check(content === r.choices[0].message.content, 'streamed chat content equals no
 check(finish === r.choices[0].finish_reason, 'streamed chat finish', finish);
 check(usage && usage.completion_tokens === r.usage.completion_tokens && usage.prompt_tokens === r.usage.prompt_tokens, 'streamed chat usage', usage);
 
+// lm-eval-harness's loglikelihood request: token ids, echo, logprobs 1, one new token; the prompt's tokens lead the
+// lists (the first one's logprob and alternatives null), and a token that is the most likely one has exactly the
+// best alternative's logprob (lm-eval's greedy test).
+const prompt = [1000, 2000, 3000, 4000, 5000];
+const ll = await client.completions.create({ model, prompt, max_tokens: 1, echo: true, logprobs: 1, temperature: 0 });
+const lp = ll.choices[0].logprobs;
+check(lp.tokens.length === prompt.length + 1 && lp.token_logprobs.length === prompt.length + 1,
+  'echo logprobs length', lp);
+check(lp.token_logprobs[0] === null && lp.top_logprobs[0] === null, 'echo: the first token has no logprob', lp);
+check(lp.token_logprobs.slice(1).every(x => x <= 0), 'echo logprobs are logprobs', lp.token_logprobs);
+for (let i = 1; i <= prompt.length; ++i) {
+  const best = Math.max(...Object.values(lp.top_logprobs[i]));
+  check(lp.token_logprobs[i] <= best + 1e-6, 'no token beats the best alternative', { i, lp });
+}
+const last = lp.token_logprobs[prompt.length];
+check(last === Math.max(...Object.values(lp.top_logprobs[prompt.length])), 'the greedy new token is the best', lp);
+// vLLM's prompt_logprobs (an extra body field for the client).
+const pl = await client.completions.create({ model, prompt, max_tokens: 1, prompt_logprobs: 2 });
+const plp = pl.choices[0].prompt_logprobs;
+check(Array.isArray(plp) && plp.length === prompt.length && plp[0] === null, 'prompt_logprobs list', plp);
+check(Math.abs(plp[1][String(prompt[1])].logprob - lp.token_logprobs[1]) < 1e-3, 'prompt_logprobs = echo logprobs',
+  plp[1]);
+
 // Errors surface as the client's typed errors with the server's status.
 try {
   await client.chat.completions.create({ model: 'no-such-model', messages, max_tokens: 2 });
@@ -89,6 +112,14 @@ try {
   check(false, 'negative temperature must fail');
 } catch (e) {
   check(e.status === 400, 'negative temperature -> 400', { status: e.status, message: e.message });
+}
+try {  // this server has no --tool-call-parser
+  await client.chat.completions.create({ model, messages, max_tokens: 2,
+    tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object' } } }] });
+  check(false, 'tools without a parser must fail');
+} catch (e) {
+  check(e.status === 400 && e.message.includes('--tool-call-parser'), 'tools without a parser -> 400',
+    { status: e.status, message: e.message });
 }
 
 // Models list.
