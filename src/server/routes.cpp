@@ -519,18 +519,18 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     std::string prompt;
     try {
       prompt = codec_->apply_chat_template(pr.messages, pr.add_generation_prompt, template_vars);
-      if (pr.continue_final_message) {  // cut after the final message's content (its end-of-turn tokens go)
-        const json& last = pr.messages.back()["content"];
-        const std::string content = last.is_string() ? last.get<std::string>() : std::string();
-        const size_t at = content.empty() ? std::string::npos : prompt.rfind(content);
-        if (at == std::string::npos)
-          throw ApiError(400, "the chat template does not write the final message's content as given, so it cannot "
-                             "be continued", "continue_final_message", "invalid_value");
-        prompt.resize(at + content.size());
-      }
     } catch (const std::exception& e) {
       throw ApiError(400, fmt::format("the chat template failed on these messages: {}", e.what()), "messages",
                      "invalid_value");
+    }
+    if (pr.continue_final_message) {  // cut after the final message's content (its end-of-turn tokens go)
+      const json& last = pr.messages.back()["content"];
+      const std::string content = last.is_string() ? last.get<std::string>() : std::string();
+      const size_t at = content.empty() ? std::string::npos : prompt.rfind(content);
+      if (at == std::string::npos)
+        throw ApiError(400, "the chat template does not write the final message's content as given, so it cannot "
+                            "be continued", "continue_final_message", "invalid_value");
+      prompt.resize(at + content.size());
     }
     pr.prompts = {{prompt, {}}};
     pr.prompts[0].input_ids = codec_->encode(prompt, /*add_special_tokens=*/false);

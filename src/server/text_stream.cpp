@@ -74,14 +74,7 @@ std::string StopStringMatcher::push(std::string_view text) {
   }
   // Hold back the longest suffix of held_ that is a proper prefix of a stop string.
   size_t keep = 0;
-  for (const auto& s : stops_) {
-    const size_t max_len = std::min(s.size() - 1, held_.size());
-    for (size_t len = max_len; len > keep; --len)
-      if (held_.compare(held_.size() - len, len, s, 0, len) == 0) {
-        keep = len;
-        break;
-      }
-  }
+  for (const auto& s : stops_) keep = std::max(keep, partial_tag_suffix(held_, s));
   std::string out = held_.substr(0, held_.size() - keep);
   held_.erase(0, held_.size() - keep);
   return out;
@@ -94,15 +87,21 @@ std::string StopStringMatcher::flush() {
   return out;
 }
 
-namespace {
-constexpr std::string_view kThinkStart = "<think>", kThinkEnd = "</think>";
-bool is_space(char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
-// Length of the longest suffix of `s` that is a proper prefix of `tag`.
 size_t partial_tag_suffix(std::string_view s, std::string_view tag) {
+  if (tag.empty()) return 0;
   for (size_t len = std::min(tag.size() - 1, s.size()); len > 0; --len)
     if (s.substr(s.size() - len) == tag.substr(0, len)) return len;
   return 0;
 }
+
+size_t leading_space(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size() && (s[i] == ' ' || s[i] == '\n' || s[i] == '\r' || s[i] == '\t')) ++i;
+  return i;
+}
+
+namespace {
+constexpr std::string_view kThinkStart = "<think>", kThinkEnd = "</think>";
 }  // namespace
 
 bool known_reasoning_parser(const std::string& name) { return name == "deepseek-r1"; }
@@ -111,8 +110,7 @@ ReasoningSplitter::Parts ReasoningSplitter::push(std::string_view text) {
   Parts out;
   held_.append(text);
   if (state_ == State::Start) {  // an opening "<think>" (after whitespace) is not part of the reasoning
-    size_t i = 0;
-    while (i < held_.size() && is_space(held_[i])) ++i;
+    const size_t i = leading_space(held_);
     const std::string_view rest = std::string_view(held_).substr(i);
     if (rest.size() < kThinkStart.size() && kThinkStart.substr(0, rest.size()) == rest) return out;  // undecided
     if (rest.substr(0, kThinkStart.size()) == kThinkStart) {
@@ -122,9 +120,7 @@ ReasoningSplitter::Parts ReasoningSplitter::push(std::string_view text) {
     state_ = State::Reasoning;
   }
   if (state_ == State::Reasoning && !reasoning_started_) {
-    size_t i = 0;
-    while (i < held_.size() && is_space(held_[i])) ++i;
-    held_.erase(0, i);
+    held_.erase(0, leading_space(held_));
     if (held_.empty()) return out;
     reasoning_started_ = true;
   }
@@ -141,9 +137,7 @@ ReasoningSplitter::Parts ReasoningSplitter::push(std::string_view text) {
     state_ = State::Content;
   }
   if (!content_started_) {
-    size_t i = 0;
-    while (i < held_.size() && is_space(held_[i])) ++i;
-    held_.erase(0, i);
+    held_.erase(0, leading_space(held_));
     if (held_.empty()) return out;
     content_started_ = true;
   }
@@ -158,8 +152,7 @@ ReasoningSplitter::Parts ReasoningSplitter::flush() {
     // Undecided text at the start that turned out not to be "<think>", or a partial "</think>": reasoning.
     out.reasoning = std::move(held_);
     if (state_ == State::Start) {
-      size_t i = 0;
-      while (i < out.reasoning.size() && is_space(out.reasoning[i])) ++i;
+      const size_t i = leading_space(out.reasoning);
       if (std::string_view(out.reasoning).substr(i) == kThinkStart.substr(0, out.reasoning.size() - i))
         out.reasoning.clear();  // only a prefix of "<think>" was ever generated
     }

@@ -73,6 +73,11 @@ class ReasoningSplitter {
   bool content_started_ = false;
 };
 
+// Length of the longest suffix of `s` that is a proper prefix of `tag` (text to hold back while a marker may start).
+size_t partial_tag_suffix(std::string_view s, std::string_view tag);
+// Number of leading spaces, tabs and newlines of `s`.
+size_t leading_space(std::string_view s);
+
 // The reasoning parsers `--reasoning-parser` takes (the model families whose output ReasoningSplitter splits).
 bool known_reasoning_parser(const std::string& name);
 

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "server/text_stream.h"
+
 namespace mlaserve::server {
 namespace {
 
@@ -10,17 +12,9 @@ constexpr std::string_view kCallsBegin = "<｜tool▁calls▁begin｜>", kCallsE
                            kSep = "<｜tool▁sep｜>";
 
 std::string_view trim(std::string_view s) {
-  auto space = [](char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; };
-  while (!s.empty() && space(s.front())) s.remove_prefix(1);
-  while (!s.empty() && space(s.back())) s.remove_suffix(1);
+  s.remove_prefix(leading_space(s));
+  while (!s.empty() && leading_space(s.substr(s.size() - 1)) == 1) s.remove_suffix(1);
   return s;
-}
-
-// Length of the longest suffix of `s` that is a proper prefix of `tag`.
-size_t partial_suffix(std::string_view s, std::string_view tag) {
-  for (size_t len = std::min(tag.size() - 1, s.size()); len > 0; --len)
-    if (s.substr(s.size() - len) == tag.substr(0, len)) return len;
-  return 0;
 }
 
 // One call's text between its markers; false when it has no name.
@@ -56,7 +50,7 @@ ToolCallParser::Out ToolCallParser::push(std::string_view text) {
   if (state_ == State::Content) {
     const size_t at = held_.find(kCallsBegin);
     if (at == std::string::npos) {
-      const size_t keep = partial_suffix(held_, kCallsBegin);
+      const size_t keep = partial_tag_suffix(held_, kCallsBegin);
       out.content = held_.substr(0, held_.size() - keep);
       held_.erase(0, held_.size() - keep);
       return out;
