@@ -94,6 +94,14 @@ size_t partial_tag_suffix(std::string_view s, std::string_view tag) {
   return 0;
 }
 
+bool take_until_tag(std::string& held, std::string_view tag, std::string& out) {
+  const size_t at = held.find(tag);
+  const size_t n = at == std::string::npos ? held.size() - partial_tag_suffix(held, tag) : at;
+  out.append(held, 0, n);
+  held.erase(0, at == std::string::npos ? n : at + tag.size());
+  return at != std::string::npos;
+}
+
 size_t leading_space(std::string_view s) {
   size_t i = 0;
   while (i < s.size() && (s[i] == ' ' || s[i] == '\n' || s[i] == '\r' || s[i] == '\t')) ++i;
@@ -125,15 +133,7 @@ ReasoningSplitter::Parts ReasoningSplitter::push(std::string_view text) {
     reasoning_started_ = true;
   }
   if (state_ == State::Reasoning) {
-    const size_t end = held_.find(kThinkEnd);
-    if (end == std::string::npos) {
-      const size_t keep = partial_tag_suffix(held_, kThinkEnd);
-      out.reasoning = held_.substr(0, held_.size() - keep);
-      held_.erase(0, held_.size() - keep);
-      return out;
-    }
-    out.reasoning = held_.substr(0, end);
-    held_.erase(0, end + kThinkEnd.size());
+    if (!take_until_tag(held_, kThinkEnd, out.reasoning)) return out;
     state_ = State::Content;
   }
   if (!content_started_) {

@@ -75,6 +75,9 @@ class ReasoningSplitter {
 
 // Length of the longest suffix of `s` that is a proper prefix of `tag` (text to hold back while a marker may start).
 size_t partial_tag_suffix(std::string_view s, std::string_view tag);
+// Moves the text of `held` before `tag` to `out` and drops the tag (true); without the tag, moves all but a suffix that
+// may begin it (false).
+bool take_until_tag(std::string& held, std::string_view tag, std::string& out);
 // Number of leading spaces, tabs and newlines of `s`.
 size_t leading_space(std::string_view s);
 

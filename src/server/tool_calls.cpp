@@ -48,15 +48,7 @@ ToolCallParser::Out ToolCallParser::push(std::string_view text) {
   Out out;
   held_.append(text);
   if (state_ == State::Content) {
-    const size_t at = held_.find(kCallsBegin);
-    if (at == std::string::npos) {
-      const size_t keep = partial_tag_suffix(held_, kCallsBegin);
-      out.content = held_.substr(0, held_.size() - keep);
-      held_.erase(0, held_.size() - keep);
-      return out;
-    }
-    out.content = held_.substr(0, at);
-    held_.erase(0, at + kCallsBegin.size());
+    if (!take_until_tag(held_, kCallsBegin, out.content)) return out;
     state_ = State::Calls;
   }
   while (state_ == State::Calls) {

@@ -8,19 +8,12 @@ top 3 ids with Hugging Face's. Prints one line per prompt: positions, median / m
 usage: prompt_logprobs_golden.py PORT REFERENCE [LOGITS]
   LOGITS: other logits of the same prompts (an eval-logits output: the engine's own forward) to compare against.
 """
-import json
 import sys
-import urllib.request
 
 import numpy as np
 from safetensors.numpy import load_file
 
-
-def post(port, body):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
+from prompt_logprobs_check import post
 
 
 def main():
