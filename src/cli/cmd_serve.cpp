@@ -56,6 +56,7 @@ struct ServeArgs {
   std::string reasoning_parser;
   std::string tool_call_parser;
   std::string chat_template;
+  std::string fp8_experts = "auto";
   // mlaserve's own.
   size_t max_body_bytes = 256u << 20;
   int num_http_threads = 0;  // 0: from the machine's cores (auto_http_threads)
@@ -212,6 +213,9 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
                  "split chat output into reasoning_content and content (deepseek-r1)");
   app.add_option("--tool-call-parser", a->tool_call_parser, "parse tool calls out of chat output (deepseekv3)");
   app.add_option("--chat-template", a->chat_template, "a Jinja chat template file replacing the tokenizer's");
+  app.add_option("--fp8-experts", a->fp8_experts,
+                 "FP8 checkpoints' routed experts: auto|on (kept FP8: half the memory, slower)|off (bf16 at load)")
+      ->capture_default_str();
   app.add_option("--max-body-bytes", a->max_body_bytes, "largest request body accepted")->capture_default_str();
   app.add_option("--num-http-threads", a->num_http_threads,
                  "HTTP io threads (0: half the cores, 4 to 16; streaming many requests needs several)")
@@ -268,6 +272,7 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     ea.model_path = s.model_path;
     ea.device = s.device;
     ea.load_format = s.load_format;
+    ea.fp8_experts = s.fp8_experts;
     ea.seed = s.random_seed;
     ea.tp_size = s.tp;
     ea.dp_size = s.dp;

@@ -12,6 +12,9 @@ void ModelArgs::add_to(CLI::App& app) {
   app.add_option("--device", device, "auto|cpu|cuda")->capture_default_str();
   app.add_option("--load-format", load_format, "auto|safetensors|dummy (dummy: random weights from config.json)")
       ->capture_default_str();
+  app.add_option("--fp8-experts", fp8_experts,
+                 "FP8 checkpoints' routed experts: auto|on (kept FP8: half the memory, slower)|off (bf16 at load)")
+      ->capture_default_str();
   app.add_option("--mla-form", mla_form, "auto|expanded|absorbed (auto: expanded for prefill, absorbed for decode)")
       ->capture_default_str();
   app.add_option("--page-size", page_size, "tokens per latent-cache page")->capture_default_str();
@@ -59,6 +62,7 @@ MlaForm ModelArgs::form() const {
 LoadOptions ModelArgs::load_options() const {
   LoadOptions lo;
   lo.dummy = load_format == "dummy";
+  lo.fp8_experts = parse_fp8_experts(fp8_experts);
   lo.seed = seed;
   return lo;
 }

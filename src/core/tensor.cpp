@@ -47,6 +47,7 @@ Tensor Tensor::reshape(Shape shape) const {
   MLA_CHECK(shape_numel(shape) == numel(), "cannot reshape {} to {}", shape_str(shape_), shape_str(shape));
   Tensor t = *this;
   t.shape_ = std::move(shape);
+  t.scales_.reset();
   return t;
 }
 
@@ -57,6 +58,7 @@ Tensor Tensor::rows(int64_t begin, int64_t end) const {
   int64_t row_elems = shape_numel(Shape(shape_.begin() + 1, shape_.end()));
   t.data_ = static_cast<char*>(data_) + static_cast<size_t>(begin * row_elems) * dtype_size(dtype_);
   t.shape_[0] = end - begin;
+  t.scales_.reset();
   return t;
 }
 

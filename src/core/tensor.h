@@ -14,6 +14,7 @@
 namespace mlaserve {
 
 enum class Device : uint8_t { CPU, CUDA };
+struct BlockScales;
 
 using Shape = std::vector<int64_t>;
 
@@ -53,6 +54,10 @@ class Tensor {
   Tensor reshape(Shape shape) const;
   // Rows [begin, end) along dim 0 (contiguous, no copy).
   Tensor rows(int64_t begin, int64_t end) const;
+  // FP8 weights kept quantized (F8_E4M3): the scales of their blocks (BlockScales), null otherwise. reshape and rows
+  // views drop them (the blocks are of the whole tensor's last two dims).
+  const BlockScales* block_scales() const { return scales_.get(); }
+  void set_block_scales(std::shared_ptr<const BlockScales> s) { scales_ = std::move(s); }
 
  private:
   std::shared_ptr<void> storage_;
@@ -60,6 +65,14 @@ class Tensor {
   Shape shape_;
   DType dtype_ = DType::F32;
   Device device_ = Device::CPU;
+  std::shared_ptr<const BlockScales> scales_;
+};
+
+// The F32 scale of each block_rows x block_cols block of an F8_E4M3 tensor [..., R, C]: scale [..., ceil(R /
+// block_rows), ceil(C / block_cols)]; element (.., r, c) is f8 * scale[.., r / block_rows, c / block_cols].
+struct BlockScales {
+  Tensor scale;
+  int64_t block_rows = 0, block_cols = 0;
 };
 
 }  // namespace mlaserve

@@ -28,6 +28,7 @@ ParallelConfig parallel_config(const EngineArgs& a, int32_t dp_groups) {
 LoadOptions load_options(const EngineArgs& a) {
   LoadOptions lo;
   lo.dummy = a.load_format == "dummy";
+  lo.fp8_experts = parse_fp8_experts(a.fp8_experts);
   lo.seed = a.seed;
   return lo;
 }

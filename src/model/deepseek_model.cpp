@@ -21,6 +21,13 @@ namespace {
 std::string layer_name(int64_t l, const char* rest) { return fmt::format("model.layers.{}.{}", l, rest); }
 }  // namespace
 
+LoadOptions::Fp8Experts parse_fp8_experts(const std::string& s) {
+  if (s == "auto") return LoadOptions::Fp8Experts::Auto;
+  if (s == "on") return LoadOptions::Fp8Experts::On;
+  MLA_CHECK(s == "off", "--fp8-experts: expected auto, on or off, got '{}'", s);
+  return LoadOptions::Fp8Experts::Off;
+}
+
 // Reads one tensor block [r0, r0 + rows) x [c0, c0 + cols) of a checkpoint tensor (or makes it, for dummy
 // weights) into a backend tensor. Shapes are checked against the full shape the config implies.
 class DeepseekModel::Loader {
@@ -93,8 +100,62 @@ class DeepseekModel::Loader {
     be_.upload_into(host, dst);
   }
 
+  // Whether an FP8 block checkpoint's routed experts stay FP8 on this backend (BlockScales on the tensors): the
+  // backend takes them, the checkpoint's `gate_name` is F8 (dummy weights: the config's quantization says so), and
+  // the rank's slices are whole blocks (`local` rows of gate / up at `offset`, the same columns of down) with columns
+  // in 8-element vectors.
+  bool keep_fp8_experts(const std::string& gate_name, int64_t local, int64_t offset, int64_t H) const {
+    if (!keep_fp8_ || quant_ != QuantMethod::Fp8Block || !be_.takes_fp8_experts()) return false;
+    if (!opts_.dummy && (!ckpt_->has(gate_name) || ckpt_->get(gate_name).dtype != DType::F8_E4M3)) return false;
+    return local % block_rows_ == 0 && offset % block_rows_ == 0 && local % block_cols_ == 0 &&
+           offset % block_cols_ == 0 && block_cols_ % 8 == 0 && H % 8 == 0 && local % 8 == 0;
+  }
+
+  // Rows [r0, r0 + codes rows) x columns [c0, c0 + codes cols) of the F8 matrix `name` (whole blocks, or the
+  // matrix's last ones) copied as they are into `codes` (F8) and their blocks' scales into `scales` (F32 [rows /
+  // block_rows, ceil(cols / block_cols)]).
+  void load_fp8_blocks(const std::string& name, const Shape& full, int64_t r0, int64_t c0, Tensor codes,
+                       Tensor scales) {
+    bytes_ += static_cast<int64_t>(codes.nbytes() + scales.nbytes());
+    if (opts_.dummy) {  // random codes (no NaNs), every block scaled to about N(0, 1 / cols) like the bf16 dummies
+      Tensor host = Tensor::empty_host(codes.shape(), DType::F8_E4M3);
+      const uint64_t seed = fnv1a64(name) ^ splitmix64(opts_.seed) ^ static_cast<uint64_t>(r0 * 131 + c0);
+      parallel_for(host.numel(), 1 << 20, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+          const auto v = static_cast<uint8_t>(splitmix64(seed + static_cast<uint64_t>(i)) & 0xbf);  // |x| <= 1.875
+          host.data_as<uint8_t>()[i] = v;
+        }
+      });
+      Tensor hs = Tensor::empty_host(scales.shape(), DType::F32);
+      std::fill(hs.data_as<float>(), hs.data_as<float>() + hs.numel(), 1.0f / std::sqrt(static_cast<float>(full[1])));
+      be_.upload_into(host, codes);
+      be_.upload_into(hs, scales);
+      return;
+    }
+    const TensorInfo& w = ckpt_->get(name);
+    used_.insert(name);
+    MLA_CHECK(w.shape == full && w.dtype == DType::F8_E4M3, "{}: tensor '{}' is {} {}, expected F8_E4M3 {}", w.file,
+              name, dtype_name(w.dtype), shape_str(w.shape), shape_str(full));
+    const int64_t C = full[1], nr = codes.size(0), nc = codes.size(1);
+    const std::vector<float> all = fp8_scales(w);
+    const int64_t scols = (C + block_cols_ - 1) / block_cols_, sr = scales.size(0), sc = scales.size(1);
+    Tensor host = Tensor::empty_host({nr, nc}, DType::F8_E4M3), hs = Tensor::empty_host({sr, sc}, DType::F32);
+    for (int64_t r = 0; r < nr; ++r)
+      std::memcpy(host.data_as<uint8_t>() + r * nc, w.data + (r0 + r) * C + c0, static_cast<size_t>(nc));
+    const int64_t sr0 = r0 / block_rows_, sc0 = c0 / block_cols_;  // the slice's first block
+    for (int64_t r = 0; r < sr; ++r)
+      for (int64_t c = 0; c < sc; ++c)
+        hs.data_as<float>()[r * sc + c] = all[static_cast<size_t>((sr0 + r) * scols + sc0 + c)];
+    be_.upload_into(host, codes);
+    be_.upload_into(hs, scales);
+  }
+  int64_t block_rows() const { return block_rows_; }
+  int64_t block_cols() const { return block_cols_; }
+  void set_keep_fp8(bool keep) { keep_fp8_ = keep; }
+
   void set_quant(QuantMethod m, int64_t block_rows, int64_t block_cols, int64_t group) {
     quant_ = m;
+    keep_fp8_ = false;
     block_rows_ = block_rows;
     block_cols_ = block_cols;
     group_ = group;
@@ -110,15 +171,10 @@ class DeepseekModel::Loader {
     return v;
   }
 
-  // Rows [r0, r0 + nr) x columns [c0, c0 + nc) of the F8_E4M3 matrix `w`, times its scale: `weight_scale_inv` of
-  // the element's block (Fp8Block) or the tensor's `weight_scale` (Fp8Tensor: one block of the whole matrix), as an
-  // F32 host tensor.
-  Tensor dequantize_fp8(const TensorInfo& w, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
+  // The scales of the F8_E4M3 matrix `w` as floats, checked: `weight_scale_inv` of each block (Fp8Block, [ceil(R /
+  // block_rows), ceil(C / block_cols)]) or the tensor's `weight_scale` (Fp8Tensor: one number).
+  std::vector<float> fp8_scales(const TensorInfo& w) {
     const std::string& name = w.name;
-    MLA_CHECK(quant_ == QuantMethod::Fp8Block || quant_ == QuantMethod::Fp8Tensor,
-              "{}: tensor '{}' is F8_E4M3 but config.json has no FP8 quantization_config", w.file, name);
-    MLA_CHECK(w.shape.size() == 2, "{}: F8_E4M3 tensor '{}' has shape {}; only matrices can be FP8", w.file, name,
-              shape_str(w.shape));
     const std::string stem = name.size() > 7 && name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
     const int64_t R = w.shape[0], C = w.shape[1];
     const bool block = quant_ == QuantMethod::Fp8Block;
@@ -128,8 +184,8 @@ class DeepseekModel::Loader {
               block ? "block scales" : "its scale");
     const TensorInfo& s = ckpt_->get(sname);
     used_.insert(sname);
-    const Shape want{(R + br - 1) / br, (C + bc - 1) / bc};
     if (block) {
+      const Shape want{(R + br - 1) / br, (C + bc - 1) / bc};
       MLA_CHECK(s.shape == want, "{}: '{}' has shape {}, expected {} for '{}' {} in {}x{} blocks", s.file, sname,
                 shape_str(s.shape), shape_str(want), name, shape_str(w.shape), br, bc);
     } else {
@@ -138,7 +194,23 @@ class DeepseekModel::Loader {
       MLA_CHECK(n == 1, "{}: '{}' has shape {}; a per-tensor scale is one number", s.file, sname, shape_str(s.shape));
       if (ckpt_->has(stem + ".input_scale")) used_.insert(stem + ".input_scale");  // activations stay bf16
     }
-    const std::vector<float> scales = scales_of(s);
+    return scales_of(s);
+  }
+
+  // Rows [r0, r0 + nr) x columns [c0, c0 + nc) of the F8_E4M3 matrix `w`, times its scale: `weight_scale_inv` of
+  // the element's block (Fp8Block) or the tensor's `weight_scale` (Fp8Tensor: one block of the whole matrix), as an
+  // F32 host tensor.
+  Tensor dequantize_fp8(const TensorInfo& w, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
+    const std::string& name = w.name;
+    MLA_CHECK(quant_ == QuantMethod::Fp8Block || quant_ == QuantMethod::Fp8Tensor,
+              "{}: tensor '{}' is F8_E4M3 but config.json has no FP8 quantization_config", w.file, name);
+    MLA_CHECK(w.shape.size() == 2, "{}: F8_E4M3 tensor '{}' has shape {}; only matrices can be FP8", w.file, name,
+              shape_str(w.shape));
+    const int64_t R = w.shape[0], C = w.shape[1];
+    const bool block = quant_ == QuantMethod::Fp8Block;
+    const int64_t br = block ? block_rows_ : R, bc = block ? block_cols_ : C;
+    const Shape want{(R + br - 1) / br, (C + bc - 1) / bc};
+    const std::vector<float> scales = fp8_scales(w);
     Tensor out = Tensor::empty_host({nr, nc}, DType::F32);
     float* o = out.data_as<float>();
     parallel_for(nr, 16, [&](int64_t rb, int64_t re) {
@@ -206,6 +278,7 @@ class DeepseekModel::Loader {
   DType matrix_dtype_ = DType::BF16;
   QuantMethod quant_ = QuantMethod::None;
   int64_t block_rows_ = 0, block_cols_ = 0, group_ = 0;
+  bool keep_fp8_ = false;  // routed experts of an FP8 block checkpoint stay FP8 (where keep_fp8_experts allows)
   std::set<std::string> used_;
   int64_t bytes_ = 0;
 };
@@ -243,6 +316,14 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
   if (!opts.dummy) ckpt = std::make_unique<Checkpoint>(model_dir);
   Loader ld(backend_, ckpt.get(), opts);
   ld.set_quant(config_.quant, config_.quant_block_rows, config_.quant_block_cols, config_.quant_group);
+  {  // FP8 experts kept? (Auto: when their bf16 form would take more than half of the free weight memory)
+    int64_t moe_layers = 0;
+    for (int64_t l = 0; l < config_.num_hidden_layers; ++l) moe_layers += config_.is_moe_layer(l);
+    const int64_t bf16_bytes = moe_layers * config_.n_routed_experts * 3 * local_moe_inter_ * config_.hidden_size * 2;
+    const int64_t free = backend_.persistent_bytes_free();
+    using F = LoadOptions::Fp8Experts;
+    ld.set_keep_fp8(opts.fp8_experts == F::On || (opts.fp8_experts == F::Auto && free >= 0 && bf16_bytes > free / 2));
+  }
   if (ckpt) {
     const TensorInfo& e = ckpt->get("model.embed_tokens.weight");
     ld.set_matrix_dtype(backend_.weight_dtype(e.dtype));
@@ -309,12 +390,35 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
     const std::string bias_name = layer_name(l, "mlp.gate.e_score_correction_bias");
     if (c.topk_method == TopkMethod::NoauxTc || (ckpt && ckpt->has(bias_name)))
       w.router_bias = ld.make(bias_name, {E}, {E}, 0, 0, Kind::Bias);
-    w.experts_gate_up = backend_.alloc({E, 2 * Im, H}, ld.matrix_dtype());
-    w.experts_down = backend_.alloc({E, H, Im}, ld.matrix_dtype());
-    for (int64_t e = 0; e < E; ++e) {
-      const std::string prefix = layer_name(l, "mlp.experts.") + std::to_string(e) + ".";
-      load_gate_up(w.experts_gate_up.rows(e, e + 1).reshape({2 * Im, H}), prefix, c.moe_intermediate_size, Im);
-      load_down(w.experts_down.rows(e, e + 1).reshape({H, Im}), prefix, c.moe_intermediate_size, Im);
+    const std::string experts = layer_name(l, "mlp.experts.");
+    if (ld.keep_fp8_experts(experts + "0.gate_proj.weight", Im, tr * Im, H)) {
+      // FP8 kept: codes as they are, each block's scale beside them (gate rows' blocks, then up rows').
+      const int64_t br = ld.block_rows(), bc = ld.block_cols(), full = c.moe_intermediate_size;
+      w.experts_gate_up = backend_.alloc({E, 2 * Im, H}, DType::F8_E4M3);
+      w.experts_down = backend_.alloc({E, H, Im}, DType::F8_E4M3);
+      Tensor gs = backend_.alloc({E, 2 * Im / br, (H + bc - 1) / bc}, DType::F32);
+      Tensor ds = backend_.alloc({E, (H + br - 1) / br, Im / bc}, DType::F32);
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string prefix = experts + std::to_string(e) + ".";
+        Tensor gu = w.experts_gate_up.rows(e, e + 1).reshape({2 * Im, H});
+        Tensor gus = gs.rows(e, e + 1).reshape({2 * Im / br, gs.size(2)});
+        ld.load_fp8_blocks(prefix + "gate_proj.weight", {full, H}, tr * Im, 0, gu.rows(0, Im), gus.rows(0, Im / br));
+        ld.load_fp8_blocks(prefix + "up_proj.weight", {full, H}, tr * Im, 0, gu.rows(Im, 2 * Im),
+                           gus.rows(Im / br, 2 * Im / br));
+        ld.load_fp8_blocks(prefix + "down_proj.weight", {H, full}, 0, tr * Im,
+                           w.experts_down.rows(e, e + 1).reshape({H, Im}),
+                           ds.rows(e, e + 1).reshape({ds.size(1), Im / bc}));
+      }
+      w.experts_gate_up.set_block_scales(std::make_shared<const BlockScales>(BlockScales{gs, br, bc}));
+      w.experts_down.set_block_scales(std::make_shared<const BlockScales>(BlockScales{ds, br, bc}));
+    } else {
+      w.experts_gate_up = backend_.alloc({E, 2 * Im, H}, ld.matrix_dtype());
+      w.experts_down = backend_.alloc({E, H, Im}, ld.matrix_dtype());
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string prefix = experts + std::to_string(e) + ".";
+        load_gate_up(w.experts_gate_up.rows(e, e + 1).reshape({2 * Im, H}), prefix, c.moe_intermediate_size, Im);
+        load_down(w.experts_down.rows(e, e + 1).reshape({H, Im}), prefix, c.moe_intermediate_size, Im);
+      }
     }
     if (c.n_shared_experts > 0) {
       const int64_t Is = local_shared_inter_, full = c.moe_intermediate_size * c.n_shared_experts;

@@ -47,7 +47,15 @@ struct LayerWeights {
 struct LoadOptions {
   bool dummy = false;       // --load-format dummy: random weights from config.json alone
   uint64_t seed = 0;        // dummy weights' seed
+  // FP8 block checkpoints' routed experts on a backend that takes them FP8 (Backend::takes_fp8_experts): On keeps
+  // them FP8 (half the memory; each step dequantizes the experts it uses, so it runs slower than bf16), Off
+  // dequantizes them at load like every other FP8 weight, Auto keeps them only when their bf16 form would take more
+  // than half of the backend's free weight memory (--fp8-experts).
+  enum class Fp8Experts { Auto, On, Off };
+  Fp8Experts fp8_experts = Fp8Experts::Auto;
 };
+// --fp8-experts auto|on|off.
+LoadOptions::Fp8Experts parse_fp8_experts(const std::string& s);
 
 class DeepseekModel {
  public:

@@ -341,7 +341,9 @@ TEST_P(EngineTest, PromptLogprobsEqualHuggingFace) {
         const auto& [id, v] = lp.top[static_cast<size_t>(k)];
         EXPECT_NEAR(v, hf[static_cast<size_t>(id)], 2e-3) << what << " position " << pos << " rank " << k;
       }
-      if (top > 0) EXPECT_NEAR(lp.top[0].second, *std::max_element(hf.begin(), hf.end()), 2e-3) << what;
+      if (top > 0) {
+        EXPECT_NEAR(lp.top[0].second, *std::max_element(hf.begin(), hf.end()), 2e-3) << what;
+      }
     }
   };
   SamplingParams from0, from40;

@@ -736,6 +736,107 @@ TEST(CudaOps, MoeExpertsSmall) {
   moe_case(0, 16, 4, 256, 96, 0, 16, 16, 0, 44);
 }
 
+// FP8 weights kept quantized: random E4M3 codes (every byte but the two NaNs) and block scales; B matrices.
+struct Fp8Weights {
+  Tensor codes, scales, bf16_ref;  // host: F8 [B, R, C], F32 scales, and the CPU reference's bf16 as F32
+};
+Fp8Weights fp8_weights(int64_t B, int64_t R, int64_t C, int64_t br, int64_t bc, uint64_t seed) {
+  Fp8Weights w;
+  const int64_t sr = (R + br - 1) / br, sc = (C + bc - 1) / bc;
+  w.codes = Tensor::empty_host({B, R, C}, DType::F8_E4M3);
+  w.scales = Tensor::empty_host({B, sr, sc}, DType::F32);
+  std::mt19937_64 rng(seed);
+  for (int64_t i = 0; i < w.codes.numel(); ++i) {
+    uint8_t c = static_cast<uint8_t>(rng());
+    if ((c & 0x7f) == 0x7f) c ^= 1;  // not a NaN
+    w.codes.data_as<uint8_t>()[i] = c;
+  }
+  std::uniform_real_distribution<float> u(1e-3f, 2e-2f);
+  for (int64_t i = 0; i < w.scales.numel(); ++i) w.scales.data_as<float>()[i] = u(rng);
+  w.bf16_ref = Tensor::empty_host({B, R, C}, DType::F32);
+  cpu::dequant_fp8(w.codes.data_as<uint8_t>(), w.scales.data_as<float>(), B, R, C, br, bc, w.bf16_ref.data_as<float>());
+  for (int64_t i = 0; i < w.bf16_ref.numel(); ++i) {
+    float& v = w.bf16_ref.data_as<float>()[i];
+    v = bf16_to_f32(f32_to_bf16(v));
+  }
+  return w;
+}
+
+// cuda::dequant_fp8 is the CPU reference rounded to bf16, bit for bit (edge blocks cut short included), and with
+// routing ids it writes only the matrices they name.
+TEST(CudaOps, DequantFp8IsTheCpuReference) {
+  REQUIRE_GPU();
+  struct Case {
+    int64_t B, R, C, br, bc;
+  };
+  for (const Case& c : {Case{3, 40, 48, 16, 16}, Case{2, 200, 264, 128, 128}, Case{4, 24, 64, 8, 8}}) {
+    const std::string what = std::to_string(c.B) + "x" + std::to_string(c.R) + "x" + std::to_string(c.C) + " in " +
+                             std::to_string(c.br) + "x" + std::to_string(c.bc);
+    Fp8Weights w = fp8_weights(c.B, c.R, c.C, c.br, c.bc, 61);
+    Tensor codes = gpu().upload(w.codes, DType::F8_E4M3), scales = gpu().upload(w.scales, DType::F32);
+    for (bool routed : {false, true}) {
+      Tensor fill = Tensor::empty_host({c.B, c.R, c.C}, DType::F32);
+      std::fill(fill.data_as<float>(), fill.data_as<float>() + fill.numel(), 7.0f);
+      Tensor out = gpu().upload(fill, DType::BF16);
+      const int32_t eb = 5;
+      const std::vector<int32_t> ids{eb + 0, eb + 2, eb + 2, 1, eb + 100};  // matrices 0 and 2; others not local
+      Tensor idg = gpu().upload(Tensor::view(const_cast<int32_t*>(ids.data()), {5}, DType::I32), DType::I32);
+      cuda::Fp8DequantArgs a{};
+      a.w = codes.data_as<const uint8_t>();
+      a.scale = scales.data_as<const float>();
+      a.B = c.B;
+      a.R = c.R;
+      a.C = c.C;
+      a.block_rows = c.br;
+      a.block_cols = c.bc;
+      a.ids = routed ? idg.data_as<const int32_t>() : nullptr;
+      a.num_ids = 5;
+      a.expert_begin = eb;
+      a.out = static_cast<cuda::bf16*>(out.data());
+      ASSERT_EQ(cuda::dequant_fp8(a, static_cast<cudaStream_t>(gpu().native_stream())), cudaSuccess);
+      const Tensor got = gpu().to_host_f32(out);
+      const int64_t n = c.R * c.C;
+      int64_t bad = 0;
+      for (int64_t b = 0; b < c.B; ++b) {
+        const bool named = !routed || b == 0 || b == 2;
+        for (int64_t i = b * n; i < (b + 1) * n; ++i)
+          bad += got.data_as<float>()[i] != (named ? w.bf16_ref.data_as<float>()[i] : 7.0f);
+      }
+      EXPECT_EQ(bad, 0) << what << (routed ? " routed" : " all");
+    }
+  }
+}
+
+// moe_experts on FP8 experts (F8 codes with BlockScales) equals moe_experts on their dequantized bf16 weights bit for
+// bit, through the small-batch kernels, the grouped kernels and cuBLAS.
+TEST(CudaOps, MoeExpertsFp8IsItsDequantizedModel) {
+  REQUIRE_GPU();
+  const int64_t E = 8, k = 2, H = 256, I = 128, br = 64, bc = 64;
+  Fp8Weights gu = fp8_weights(E, 2 * I, H, br, bc, 62), dn = fp8_weights(E, H, I, br, bc, 63);
+  for (int kind : {0, 2, 3}) {
+    Backend& g = gpu(kind);
+    Tensor gu8 = g.upload(gu.codes, DType::F8_E4M3), dn8 = g.upload(dn.codes, DType::F8_E4M3);
+    gu8.set_block_scales(std::make_shared<const BlockScales>(BlockScales{g.upload(gu.scales, DType::F32), br, bc}));
+    dn8.set_block_scales(std::make_shared<const BlockScales>(BlockScales{g.upload(dn.scales, DType::F32), br, bc}));
+    Tensor gub = g.upload(gu.bf16_ref, DType::BF16), dnb = g.upload(dn.bf16_ref, DType::BF16);
+    for (int64_t T : {1, 3, 300}) {
+      Tensor x = g.upload(rand_host({T, H}, 64 + T), DType::BF16);
+      Tensor ids_h = Tensor::empty_host({T, k}, DType::I32), w_h = rand_host({T, k}, 65, 0.5f);
+      std::mt19937 rng(static_cast<uint32_t>(T));
+      for (int64_t i = 0; i < T * k; ++i) ids_h.data_as<int32_t>()[i] = static_cast<int32_t>(rng() % E);
+      for (int64_t t = 0; t < T; ++t)  // distinct experts per token
+        if (ids_h.data_as<int32_t>()[t * k] == ids_h.data_as<int32_t>()[t * k + 1])
+          ids_h.data_as<int32_t>()[t * k + 1] = (ids_h.data_as<int32_t>()[t * k] + 1) % E;
+      Tensor ids = g.upload(ids_h, DType::I32), wts = g.upload(w_h, DType::F32);
+      Tensor o8 = g.alloc({T, H}, DType::BF16), ob = g.alloc({T, H}, DType::BF16);
+      g.moe_experts(x, ids, wts, gu8, dn8, 0, nullptr, nullptr, o8);
+      g.moe_experts(x, ids, wts, gub, dnb, 0, nullptr, nullptr, ob);
+      expect_close(g.to_host_f32(ob), g.to_host_f32(o8), 0.0, 0.0,
+                   "fp8 experts T" + std::to_string(T) + " kind " + std::to_string(kind));
+    }
+  }
+}
+
 TEST(CudaOps, MoeExpertsV2LiteShape) {
   REQUIRE_GPU();
   moe_case(256, 64, 6, 2048, 1408, 0, 64, 64, 0, 50);

@@ -276,6 +276,23 @@ class CpuBackend final : public Backend {
   void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
                    const Tensor& down, int32_t expert_begin, const Tensor* shared_gate_up, const Tensor* shared_down,
                    Tensor& out) override {
+    if (gate_up.dtype() == DType::F8_E4M3 || down.dtype() == DType::F8_E4M3) {
+      // FP8 experts: dequantized and rounded to bf16 (as the CUDA kernel, and as the loader's dequantization gives an
+      // FP8 checkpoint's bf16 model), then below.
+      auto bf16_of = [](const Tensor& w) {
+        const BlockScales* s = w.block_scales();
+        MLA_CHECK(w.dtype() == DType::F8_E4M3 && s && w.dim() == 3, "moe_experts: FP8 experts need both matrices in "
+                  "F8_E4M3 [E, rows, cols] with their block scales");
+        Tensor f = Tensor::empty_host(w.shape(), DType::F32), o = Tensor::empty_host(w.shape(), DType::BF16);
+        cpu::dequant_fp8(w.data_as<const uint8_t>(), s->scale.data_as<const float>(), w.size(0), w.size(1), w.size(2),
+                         s->block_rows, s->block_cols, f.data_as<float>());
+        cpu::convert(f.data(), DType::F32, o.data(), DType::BF16, f.numel());
+        return o;
+      };
+      moe_experts(x, topk_ids, topk_weights, bf16_of(gate_up), bf16_of(down), expert_begin, shared_gate_up,
+                  shared_down, out);
+      return;
+    }
     cpu::MoeArgs a;
     a.x = f32(x);
     a.T = rows_of(x);

@@ -24,6 +24,17 @@ const std::array<float, 256> kF8E4M3 = [] {
 }();
 }  // namespace
 
+void dequant_fp8(const uint8_t* w, const float* scale, int64_t B, int64_t R, int64_t C, int64_t block_rows,
+                 int64_t block_cols, float* out) {
+  const int64_t sr = (R + block_rows - 1) / block_rows, sc = (C + block_cols - 1) / block_cols;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) {
+        const int64_t i = (b * R + r) * C + c;
+        out[i] = kF8E4M3[w[i]] * scale[(b * sr + r / block_rows) * sc + c / block_cols];
+      }
+}
+
 void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) {
   if (sd == dd) {
     std::memcpy(dst, src, static_cast<size_t>(n) * dtype_size(sd));

@@ -9,6 +9,11 @@ namespace mlaserve::cpu {
 
 // Element conversion between F32 / F16 / BF16 / F8_E4M3 (to F32 or BF16).
 void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n);
+// FP8 weights kept quantized, as F32: out[b][r][c] = f8[b][r][c] * scale[b][r / block_rows][c / block_cols] (w: B
+// matrices of R x C codes; scale: [B, ceil(R / block_rows), ceil(C / block_cols)]). The reference of cuda::dequant_fp8
+// (which rounds each product to bf16).
+void dequant_fp8(const uint8_t* w, const float* scale, int64_t B, int64_t R, int64_t C, int64_t block_rows,
+                 int64_t block_cols, float* out);
 
 // ids[t] < 0, -(k + 1), becomes prev[k] (0 when k >= n_prev); others stay (Backend::resolve_prev_ids).
 void resolve_prev_ids(int32_t* ids, int64_t n, const int32_t* prev, int64_t n_prev);

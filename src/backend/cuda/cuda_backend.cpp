@@ -594,6 +594,7 @@ class CudaBackend final : public Backend {
     moe_gate(normed, router, bias, p, topk_ids, topk_weights);
   }
 
+  bool takes_fp8_experts() const override { return true; }
   void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
                    const Tensor& down, int32_t expert_begin, const Tensor* shared_gate_up, const Tensor* shared_down,
                    Tensor& out) override;
@@ -1214,6 +1215,32 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
 void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
                               const Tensor& gate_up, const Tensor& down, int32_t expert_begin,
                               const Tensor* shared_gate_up, const Tensor* shared_down, Tensor& out) {
+  if (gate_up.dtype() == DType::F8_E4M3 || down.dtype() == DType::F8_E4M3) {
+    // FP8 experts: the ones the step's ids name dequantized into bf16 scratch, then the bf16 paths (which read only
+    // those experts).
+    const BlockScales *gs = gate_up.block_scales(), *ds = down.block_scales();
+    MLA_CHECK(gate_up.dtype() == DType::F8_E4M3 && down.dtype() == DType::F8_E4M3 && gs && ds && gate_up.dim() == 3 &&
+                  down.dim() == 3,
+              "moe_experts: FP8 experts need both matrices in F8_E4M3 [E, rows, cols] with their block scales");
+    Tensor gu = scratch(gate_up.shape(), DType::BF16), dn = scratch(down.shape(), DType::BF16);
+    for (auto [w, s, o] : {std::tuple{&gate_up, gs, &gu}, std::tuple{&down, ds, &dn}}) {
+      cuda::Fp8DequantArgs a{};
+      a.w = w->data_as<const uint8_t>();
+      a.scale = s->scale.data_as<const float>();
+      a.B = w->size(0);
+      a.R = w->size(1);
+      a.C = w->size(2);
+      a.block_rows = s->block_rows;
+      a.block_cols = s->block_cols;
+      a.ids = topk_ids.data_as<const int32_t>();
+      a.num_ids = topk_ids.numel();
+      a.expert_begin = expert_begin;
+      a.out = bf(*o);
+      CUDA_OK(cuda::dequant_fp8(a, stream_), "dequant_fp8");
+    }
+    moe_experts(x, topk_ids, topk_weights, gu, dn, expert_begin, shared_gate_up, shared_down, out);
+    return;
+  }
   const int64_t T = rows_of(x), H = x.size(-1), k = topk_ids.size(-1);
   const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2;
   MLA_CHECK(down.dtype() == gate_up.dtype() && down.size(0) == E && down.size(1) == H && down.size(2) == I,

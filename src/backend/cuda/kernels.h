@@ -398,6 +398,24 @@ size_t moe_small_plan_bytes();
 cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
+// FP8 weights (fp8.cu)
+
+struct Fp8DequantArgs {
+  const uint8_t* w;      // [B, R, C] F8_E4M3 codes
+  const float* scale;    // [B, ceil(R / block_rows), ceil(C / block_cols)]
+  int64_t B, R, C;       // C % 8 == 0
+  int64_t block_rows, block_cols;  // block_cols % 8 == 0
+  const int32_t* ids;    // null: every matrix; else only the matrices b that some ids[i] - expert_begin names
+  int64_t num_ids;
+  int32_t expert_begin;
+  bf16* out;             // [B, R, C]: f8 * its block's scale, rounded to bf16 (matrices not named are left as they are)
+};
+// Launched without PDL: it waits for the kernels before it (the routing ids), and the kernels after it may read its
+// output before their own PDL wait only through a kernel that waited. CPU reference: the loader's dequantization
+// (F8 -> f32 times the block's scale, rounded to bf16 on upload).
+cudaError_t dequant_fp8(const Fp8DequantArgs& a, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------------
 // Sampling (sampling.cu)
 
 struct SampleRow {
