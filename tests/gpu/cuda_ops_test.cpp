@@ -808,33 +808,48 @@ TEST(CudaOps, DequantFp8IsTheCpuReference) {
 }
 
 // moe_experts on FP8 experts (F8 codes with BlockScales) equals moe_experts on their dequantized bf16 weights bit for
-// bit, through the small-batch kernels, the grouped kernels and cuBLAS.
-TEST(CudaOps, MoeExpertsFp8IsItsDequantizedModel) {
-  REQUIRE_GPU();
-  const int64_t E = 8, k = 2, H = 256, I = 128, br = 64, bc = 64;
-  Fp8Weights gu = fp8_weights(E, 2 * I, H, br, bc, 62), dn = fp8_weights(E, H, I, br, bc, 63);
+// bit: read as they are by the small-batch kernels (1-4 tokens), dequantized first for the grouped kernels and
+// cuBLAS; with and without shared experts (bf16 beside the FP8 routed ones), V2-Lite widths in 128 x 128 blocks.
+void moe_fp8_case(int64_t E, int64_t k, int64_t H, int64_t I, int64_t Is, int64_t br, int64_t bc,
+                  std::initializer_list<int64_t> Ts, uint64_t seed) {
+  Fp8Weights gu = fp8_weights(E, 2 * I, H, br, bc, seed), dn = fp8_weights(E, H, I, br, bc, seed + 1);
   for (int kind : {0, 2, 3}) {
     Backend& g = gpu(kind);
     Tensor gu8 = g.upload(gu.codes, DType::F8_E4M3), dn8 = g.upload(dn.codes, DType::F8_E4M3);
     gu8.set_block_scales(std::make_shared<const BlockScales>(BlockScales{g.upload(gu.scales, DType::F32), br, bc}));
     dn8.set_block_scales(std::make_shared<const BlockScales>(BlockScales{g.upload(dn.scales, DType::F32), br, bc}));
     Tensor gub = g.upload(gu.bf16_ref, DType::BF16), dnb = g.upload(dn.bf16_ref, DType::BF16);
-    for (int64_t T : {1, 3, 300}) {
-      Tensor x = g.upload(rand_host({T, H}, 64 + T), DType::BF16);
-      Tensor ids_h = Tensor::empty_host({T, k}, DType::I32), w_h = rand_host({T, k}, 65, 0.5f);
-      std::mt19937 rng(static_cast<uint32_t>(T));
-      for (int64_t i = 0; i < T * k; ++i) ids_h.data_as<int32_t>()[i] = static_cast<int32_t>(rng() % E);
-      for (int64_t t = 0; t < T; ++t)  // distinct experts per token
-        if (ids_h.data_as<int32_t>()[t * k] == ids_h.data_as<int32_t>()[t * k + 1])
-          ids_h.data_as<int32_t>()[t * k + 1] = (ids_h.data_as<int32_t>()[t * k] + 1) % E;
+    Tensor sg, sd;
+    if (Is) {
+      sg = g.upload(rand_host({2 * Is, H}, seed + 2, 1.0f / std::sqrt(static_cast<float>(H))), DType::BF16);
+      sd = g.upload(rand_host({H, Is}, seed + 3, 1.0f / std::sqrt(static_cast<float>(Is))), DType::BF16);
+    }
+    for (int64_t T : Ts) {
+      Tensor x = g.upload(rand_host({T, H}, seed + 4 + static_cast<uint64_t>(T)), DType::BF16);
+      Tensor ids_h = Tensor::empty_host({T, k}, DType::I32), w_h = rand_host({T, k}, seed + 5, 0.5f);
+      std::mt19937_64 rng(seed + static_cast<uint64_t>(T));
+      for (int64_t t = 0; t < T; ++t) {  // distinct experts per token
+        std::vector<int32_t> all(static_cast<size_t>(E));
+        std::iota(all.begin(), all.end(), 0);
+        std::shuffle(all.begin(), all.end(), rng);
+        for (int64_t j = 0; j < k; ++j) ids_h.data_as<int32_t>()[t * k + j] = all[static_cast<size_t>(j)];
+      }
       Tensor ids = g.upload(ids_h, DType::I32), wts = g.upload(w_h, DType::F32);
       Tensor o8 = g.alloc({T, H}, DType::BF16), ob = g.alloc({T, H}, DType::BF16);
-      g.moe_experts(x, ids, wts, gu8, dn8, 0, nullptr, nullptr, o8);
-      g.moe_experts(x, ids, wts, gub, dnb, 0, nullptr, nullptr, ob);
+      g.moe_experts(x, ids, wts, gu8, dn8, 0, Is ? &sg : nullptr, Is ? &sd : nullptr, o8);
+      g.moe_experts(x, ids, wts, gub, dnb, 0, Is ? &sg : nullptr, Is ? &sd : nullptr, ob);
       expect_close(g.to_host_f32(ob), g.to_host_f32(o8), 0.0, 0.0,
-                   "fp8 experts T" + std::to_string(T) + " kind " + std::to_string(kind));
+                   "fp8 experts T" + std::to_string(T) + " I" + std::to_string(I) + " shared " + std::to_string(Is) +
+                       " kind " + std::to_string(kind));
     }
   }
+}
+
+TEST(CudaOps, MoeExpertsFp8IsItsDequantizedModel) {
+  REQUIRE_GPU();
+  moe_fp8_case(8, 2, 256, 128, 0, 64, 64, {1, 2, 3, 4, 300}, 62);
+  moe_fp8_case(16, 6, 2048, 1408, 2816, 128, 128, {1, 2, 4, 9}, 70);  // V2-Lite widths, 2 shared experts
+  moe_fp8_case(8, 2, 256, 96, 96, 16, 48, {1, 3}, 80);                 // blocks of 16 x 48 rows / columns
 }
 
 TEST(CudaOps, MoeExpertsV2LiteShape) {

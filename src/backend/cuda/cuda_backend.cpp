@@ -602,6 +602,11 @@ class CudaBackend final : public Backend {
   void sample(const Tensor& logits, std::span<const RowSampling> params, Tensor& ids, Tensor* logprobs) override;
 
  private:
+  // moe_experts through the small-batch kernels (cuda::moe_small); FP8 experts (gs, ds: their BlockScales) read as
+  // they are.
+  void moe_small_path(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
+                      const Tensor& down, int32_t expert_begin, const Tensor* shared_gate_up, const Tensor* shared_down,
+                      int64_t Is, Tensor& out, const BlockScales* gs = nullptr, const BlockScales* ds = nullptr);
   // The routed experts of moe_experts through the grouped kernels (or per-expert cuBLASLt GEMMs for many rows).
   void moe_routed(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
                   const Tensor& down, int32_t expert_begin, Tensor& out);
@@ -1216,12 +1221,21 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
                               const Tensor& gate_up, const Tensor& down, int32_t expert_begin,
                               const Tensor* shared_gate_up, const Tensor* shared_down, Tensor& out) {
   if (gate_up.dtype() == DType::F8_E4M3 || down.dtype() == DType::F8_E4M3) {
-    // FP8 experts: the ones the step's ids name dequantized into bf16 scratch, then the bf16 paths (which read only
-    // those experts).
+    // FP8 experts: read as they are by the small-batch kernels; else the ones the step's ids name dequantized into
+    // bf16 scratch, then the bf16 paths (which read only those experts).
     const BlockScales *gs = gate_up.block_scales(), *ds = down.block_scales();
     MLA_CHECK(gate_up.dtype() == DType::F8_E4M3 && down.dtype() == DType::F8_E4M3 && gs && ds && gate_up.dim() == 3 &&
                   down.dim() == 3,
               "moe_experts: FP8 experts need both matrices in F8_E4M3 [E, rows, cols] with their block scales");
+    const int64_t T = rows_of(x), k = topk_ids.size(-1);
+    const int64_t Is = T == 0 ? 0 : shared_experts_width(x, shared_gate_up, shared_down, out);
+    if (small_batch_ && !moe_cublas_ && T >= 1 && T <= cuda::kMoeSmallRows && k <= cuda::kMoeSmallMaxK &&
+        Is % 8 == 0 && gs->block_rows == ds->block_rows && gs->block_cols == ds->block_cols &&
+        gs->block_cols % 8 == 0 && x.size(-1) % 8 == 0 && gate_up.size(1) % 16 == 0) {
+      moe_small_path(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared_gate_up, shared_down, Is, out, gs,
+                     ds);
+      return;
+    }
     Tensor gu = scratch(gate_up.shape(), DType::BF16), dn = scratch(down.shape(), DType::BF16);
     for (auto [w, s, o] : {std::tuple{&gate_up, gs, &gu}, std::tuple{&down, ds, &dn}}) {
       cuda::Fp8DequantArgs a{};
@@ -1255,6 +1269,20 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
     MLA_CHECK(shared_gate_up->dtype() == DType::BF16 && shared_down->dtype() == DType::BF16,
               "moe_experts: shared experts must be bf16");
   if (small_batch_ && !moe_cublas_ && T <= cuda::kMoeSmallRows && k <= cuda::kMoeSmallMaxK && Is % 8 == 0) {
+    moe_small_path(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared_gate_up, shared_down, Is, out);
+    return;
+  }
+  moe_routed(x, topk_ids, topk_weights, gate_up, down, expert_begin, out);
+  add_shared_experts(*this, x, shared_gate_up, shared_down, out);
+}
+
+void CudaBackend::moe_small_path(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
+                                 const Tensor& gate_up, const Tensor& down, int32_t expert_begin,
+                                 const Tensor* shared_gate_up, const Tensor* shared_down, int64_t Is, Tensor& out,
+                                 const BlockScales* gs, const BlockScales* ds) {
+  const int64_t T = rows_of(x), H = x.size(-1), k = topk_ids.size(-1);
+  const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2;
+  {
     cuda::MoeSmallArgs a{};
     a.x = bf(x);
     a.ldx = H;
@@ -1263,8 +1291,14 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
     a.ids = topk_ids.data_as<const int32_t>();
     a.weights = topk_weights.data_as<const float>();
     a.k = static_cast<int32_t>(k);
-    a.gate_up = bf(gate_up);
-    a.down = bf(down);
+    a.gate_up = static_cast<const cuda::bf16*>(gate_up.data());  // F8 codes with gs / ds
+    a.down = static_cast<const cuda::bf16*>(down.data());
+    if (gs) {
+      a.gate_up_scale = gs->scale.data_as<const float>();
+      a.down_scale = ds->scale.data_as<const float>();
+      a.block_rows = static_cast<int32_t>(gs->block_rows);
+      a.block_cols = static_cast<int32_t>(gs->block_cols);
+    }
     a.E = static_cast<int32_t>(E);
     a.I = static_cast<int32_t>(I);
     a.expert_begin = expert_begin;
@@ -1278,10 +1312,7 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
     a.ldo = H;
     Tensor plan = scratch({static_cast<int64_t>(cuda::moe_small_plan_bytes())}, DType::U8);
     CUDA_OK(cuda::moe_small(a, plan.data(), num_sms_, stream_), "moe_small");
-    return;
   }
-  moe_routed(x, topk_ids, topk_weights, gate_up, down, expert_begin, out);
-  add_shared_experts(*this, x, shared_gate_up, shared_down, out);
 }
 
 void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,

@@ -8,8 +8,11 @@
 // kernel's weight reads overlap the kernel before it. CPU references: cpu::linear, cpu::route_token (through
 // CpuBackend::moe_gate = linear + moe_route), cpu::moe_experts + add_shared_experts, cpu::rmsnorm_row,
 // cpu::mla_attention.
+#include <cuda_fp8.h>
+
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "backend/cuda/combine.cuh"
 #include "backend/cuda/common.cuh"
@@ -54,10 +57,40 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
   return s;
 }
 
-template <int U>
-__device__ __forceinline__ void load_chunk(uint4 (&w)[U], const uint4* row, int v, int end) {
+// An 8-byte weight load that does not allocate in L1 (FP8 codes).
+__device__ __forceinline__ uint2 ld_weights8(const void* p) {
+  uint2 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+
+// A weight row of the small-batch MoE with FP8 experts: bf16 (shared experts: `scale` null, p a bf16 row) or F8
+// codes whose 16-byte vectors of 8 bf16 are made as dequant_fp8 makes them (code times its block's scale, rounded).
+struct Fp8Row {
+  const void* p;
+  const float* scale;  // the row's block scales, one per vec_per_scale vectors (null: bf16)
+  int vec_per_scale;
+};
+__device__ __forceinline__ uint4 load_vec(const uint4* row, int v) { return ld_weights(row + v); }
+__device__ __forceinline__ uint4 load_vec(const Fp8Row& row, int v) {
+  if (!row.scale) return ld_weights(static_cast<const uint4*>(row.p) + v);
+  const uint2 q = ld_weights8(static_cast<const uint2*>(row.p) + v);
+  const float s = row.scale[v / row.vec_per_scale];
+  const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&q);
+  uint4 o;
+  __nv_bfloat162* ob = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
-  for (int u = 0; u < U; ++u) w[u] = v + u * 32 < end ? ld_weights(row + v + u * 32) : make_uint4(0, 0, 0, 0);
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3)));
+    ob[i] = __halves2bfloat162(__float2bfloat16_rn(f.x * s), __float2bfloat16_rn(f.y * s));
+  }
+  return o;
+}
+
+template <int U, typename Row>
+__device__ __forceinline__ void load_chunk(uint4 (&w)[U], const Row& row, int v, int end) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) w[u] = v + u * 32 < end ? load_vec(row, v + u * 32) : make_uint4(0, 0, 0, 0);
 }
 
 // Token t's activation row: x + t * ldx (the x_row argument of chunk_dot / row_dot where rows are evenly spaced).
@@ -84,8 +117,8 @@ __device__ __forceinline__ void chunk_dot(float (&acc)[TT], const uint4 (&w)[U],
 }
 
 // acc[t] += row . x_row(t) over the vectors [begin, end) of a row, its first chunk already in w (load_chunk at lane).
-template <int TT, int U, typename XRow>
-__device__ __forceinline__ void row_dot(float (&acc)[TT], uint4 (&w)[U], const uint4* row, int begin, int end,
+template <int TT, int U, typename XRow, typename Row>
+__device__ __forceinline__ void row_dot(float (&acc)[TT], uint4 (&w)[U], const Row& row, int begin, int end,
                                         XRow x_row, int T, unsigned mask) {
   const int lane = threadIdx.x & 31;
   for (int v = begin + lane;;) {
@@ -544,7 +577,23 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 // the same from bf16-rounded sums (the shared MLP's linear + silu_mul). Persistent blocks (MINB per SM) build the
 // plan once each; block 0 leaves a copy in plan_out (when given) for the down kernel.
 // U: 16-byte loads per lane in flight; MINB: blocks per SM (the launch sizes the persistent grid to match).
-template <int TT, int U, int MINB>
+// FP8 routed experts' rows (a.gate_up_scale): a row of gate / up (r in [0, 2I)) of local expert e, or (e < 0) row r of the
+// shared experts' gate_up (bf16).
+template <bool FP8>
+__device__ __forceinline__ std::conditional_t<FP8, Fp8Row, const uint4*> gate_up_row(const MoeSmallArgs& a, int e,
+                                                                                      int64_t r) {
+  const bf16* shared = a.shared_gate_up + r * a.H;
+  if constexpr (FP8) {
+    if (e < 0) return Fp8Row{shared, nullptr, 0};
+    const int64_t sr = (2 * a.I + a.block_rows - 1) / a.block_rows, sc = (a.H + a.block_cols - 1) / a.block_cols;
+    return Fp8Row{reinterpret_cast<const uint8_t*>(a.gate_up) + (static_cast<int64_t>(e) * 2 * a.I + r) * a.H,
+                  a.gate_up_scale + (e * sr + r / a.block_rows) * sc, a.block_cols / 8};
+  } else {
+    return reinterpret_cast<const uint4*>(e < 0 ? shared : a.gate_up + (static_cast<int64_t>(e) * 2 * a.I + r) * a.H);
+  }
+}
+
+template <int TT, int U, int MINB, bool FP8 = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(MoeSmallArgs a, MoePlan* plan_out) {
   __shared__ MoePlan plan;
   const int lane = threadIdx.x & 31;
@@ -552,11 +601,11 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
   const int nvec = a.H >> 3;
   uint4 wg[U], wu[U];
-  const uint4 *gr = nullptr, *ur = nullptr;
+  std::conditional_t<FP8, Fp8Row, const uint4*> gr{}, ur{};
   const bool first_shared = first < a.Is;
   if (first_shared) {
-    gr = reinterpret_cast<const uint4*>(a.shared_gate_up + first * a.H);
-    ur = reinterpret_cast<const uint4*>(a.shared_gate_up + (a.Is + first) * a.H);
+    gr = gate_up_row<FP8>(a, -1, first);
+    ur = gate_up_row<FP8>(a, -1, a.Is + first);
     load_chunk(wg, gr, lane, nvec);
     load_chunk(wu, ur, lane, nvec);
   }
@@ -613,13 +662,13 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
   const int64_t items = a.Is + static_cast<int64_t>(plan.n) * a.I;
   for (int64_t it = first_shared ? first + stride : first; it < items; it += stride) {
     if (it < a.Is) {
-      gr = reinterpret_cast<const uint4*>(a.shared_gate_up + it * a.H);
-      ur = reinterpret_cast<const uint4*>(a.shared_gate_up + (a.Is + it) * a.H);
+      gr = gate_up_row<FP8>(a, -1, it);
+      ur = gate_up_row<FP8>(a, -1, a.Is + it);
     } else {
       const int64_t r = it - a.Is, i = r % a.I;
       const int e = plan.uniq[r / a.I];
-      gr = reinterpret_cast<const uint4*>(a.gate_up + (static_cast<int64_t>(e) * 2 * a.I + i) * a.H);
-      ur = reinterpret_cast<const uint4*>(a.gate_up + (static_cast<int64_t>(e) * 2 * a.I + a.I + i) * a.H);
+      gr = gate_up_row<FP8>(a, e, i);
+      ur = gate_up_row<FP8>(a, e, a.I + i);
     }
     load_chunk(wg, gr, lane, nvec);
     load_chunk(wu, ur, lane, nvec);
@@ -634,7 +683,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
 // leaves w * (row . act) per (column, token, slot) in shared memory, summed per token in slot order and rounded (the
 // grouped path's combine), then the shared experts' output is rounded and added (the model's add).
 // U: 16-byte loads per lane per chunk of a row; MINB: blocks per SM.
-template <int TT, int COLS, int U, int MINB>
+template <int TT, int COLS, int U, int MINB, bool FP8 = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_kernel(MoeSmallArgs a, const MoePlan* gplan,
                                                                            int32_t shared_segs) {
   __shared__ MoePlan plan;
@@ -646,18 +695,35 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_kernel(MoeSm
   const int ncol = a.H - h0 < cols ? static_cast<int>(a.H - h0) : cols;
   const int nvec = a.I >> 3, nvec_s = a.Is >> 3;
   const MoePlan* P = gplan ? gplan : &plan;  // gate/up's copy is read where it lies (after the wait)
-  // Segment s of this warp: rows [s0, s1) (16-byte vectors) of row `base + c * stride` for column c.
+  // Segment s of this warp: rows [s0, s1) (16-byte vectors) of row `base + c * stride` for column c (FP8: of
+  // row_at(c), local expert seg_e's or, seg_e < 0, the shared experts').
+  int seg_e = -1;
   auto seg_rows = [&](int s, const uint4*& base, int64_t& stride, int& s0, int& s1) {
     if (s < shared_segs) {
       base = reinterpret_cast<const uint4*>(a.shared_down + h0 * a.Is);
       stride = nvec_s;
       s0 = s * nvec_s / shared_segs;
       s1 = (s + 1) * nvec_s / shared_segs;
+      seg_e = -1;
     } else {
-      base = reinterpret_cast<const uint4*>(a.down + (static_cast<int64_t>(P->uniq[s - shared_segs]) * a.H + h0) * a.I);
+      seg_e = P->uniq[s - shared_segs];
+      base = reinterpret_cast<const uint4*>(a.down + (static_cast<int64_t>(seg_e) * a.H + h0) * a.I);
       stride = nvec;
       s0 = 0;
       s1 = nvec;
+    }
+  };
+  const uint4* base = nullptr;
+  int64_t stride = 0;
+  auto row_at = [&](int c) {
+    if constexpr (FP8) {
+      if (seg_e < 0) return Fp8Row{base + c * stride, nullptr, 0};
+      const int64_t sr = (a.H + a.block_rows - 1) / a.block_rows, sc = (a.I + a.block_cols - 1) / a.block_cols;
+      const int64_t h = h0 + c;
+      return Fp8Row{reinterpret_cast<const uint8_t*>(a.down) + (static_cast<int64_t>(seg_e) * a.H + h) * a.I,
+                    a.down_scale + (seg_e * sr + h / a.block_rows) * sc, a.block_cols / 8};
+    } else {
+      return base + c * stride;
     }
   };
   uint4 wa[U], wb[U];
@@ -668,12 +734,10 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_kernel(MoeSm
   if (!gplan) build_plan(a, plan_pair(a), plan);
   for (int i = threadIdx.x; i < COLS * kMaxPairs; i += blockDim.x) (&part[0][0])[i] = 0.0f;
   const int first_segs = gplan ? shared_segs : shared_segs + plan.n;  // first rows loadable now
-  const uint4* base = nullptr;
-  int64_t stride = 0;
   int s0 = 0, s1 = 0;
   if (warp < first_segs) {
     seg_rows(warp, base, stride, s0, s1);
-    load_chunk(wa, base, s0 + lane, s1);
+    load_chunk(wa, row_at(0), s0 + lane, s1);
   }
   pdl_wait();
   pdl_trigger();
@@ -694,7 +758,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_kernel(MoeSm
     }
     if (s != warp || s >= first_segs) {
       seg_rows(s, base, stride, s0, s1);
-      load_chunk(wa, base, s0 + lane, s1);
+      load_chunk(wa, row_at(0), s0 + lane, s1);
     }
     // Token t's activation row: act_shared row t, or act row t * k + slot[t].
     const auto act_row = [&](int t) {
@@ -704,10 +768,10 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_kernel(MoeSm
 #pragma unroll
     for (int c = 0; c < COLS; ++c) {
       if (c >= ncol) break;
-      const uint4* row = base + c * stride;
+      const auto row = row_at(c);
       uint4(&cur)[U] = c % 2 ? wb : wa;  // c is a constant here: no indexing of the buffers at run time
       uint4(&next)[U] = c % 2 ? wa : wb;
-      if (c + 1 < ncol) load_chunk(next, row + stride, s0 + lane, s1);
+      if (c + 1 < ncol) load_chunk(next, row_at(c + 1), s0 + lane, s1);
       float acc[TT];
 #pragma unroll
       for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
@@ -917,6 +981,34 @@ cudaError_t gemv_n_prepare(GemvArgs a, int32_t batch, const MlaPrepArgs& prep, c
                   : launch(gemv_n_kernel<2, true>, grid, kWarps * 32, 0, stream, a, prep);
 }
 
+namespace {
+
+template <bool FP8, typename Grid>
+cudaError_t moe_small_launch(const MoeSmallArgs& a, MoePlan* plan, int shared_segs, Grid gate_up_grid,
+                             cudaStream_t stream) {
+  cudaError_t e;
+  if (a.T == 1) {
+    e = launch(moe_small_gate_up_kernel<1, kSmallMoeUnroll, 4, FP8>, gate_up_grid(4), kWarps * 32, 0, stream, a,
+               static_cast<MoePlan*>(nullptr));
+    return e != cudaSuccess ? e
+                            : launch(moe_small_down_kernel<1, 4, kSmallMoeUnroll, 4, FP8>,
+                                     static_cast<unsigned>((a.H + 3) / 4), kWarps * 32, 0, stream, a,
+                                     static_cast<const MoePlan*>(nullptr), shared_segs);
+  }
+  if (a.T > 2) {
+    e = launch(moe_small_gate_up_kernel<4, kSmallMoeUnroll, 3, FP8>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
+    return e != cudaSuccess ? e
+                            : launch(moe_small_down_kernel<4, 1, kSmallMoeUnroll, 5, FP8>, static_cast<unsigned>(a.H),
+                                     kWarps * 32, 0, stream, a, static_cast<const MoePlan*>(plan), shared_segs);
+  }
+  e = launch(moe_small_gate_up_kernel<2, kSmallMoeUnroll, 3, FP8>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
+  return e != cudaSuccess ? e
+                          : launch(moe_small_down_kernel<2, 1, kSmallMoeUnroll, 6, FP8>, static_cast<unsigned>(a.H),
+                                   kWarps * 32, 0, stream, a, static_cast<const MoePlan*>(plan), shared_segs);
+}
+
+}  // namespace
+
 size_t moe_small_plan_bytes() { return sizeof(MoePlan); }
 
 cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStream_t stream) {
@@ -939,24 +1031,11 @@ cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStrea
   // its segment), 4 blocks per SM, the plan built before the wait; at 2-4 tokens, up to 4 times the segments, so one
   // column per block (many short blocks, 6 / 5 per SM, 40 / 48 registers) reading gate/up's copy of the plan.
   static_assert(kMoeSmallRows == 4, "moe_small instantiates 1, 2 and 4 rows");
-  cudaError_t e;
-  if (a.T == 1) {
-    e = launch(moe_small_gate_up_kernel<1, kSmallMoeUnroll, 4>, gate_up_grid(4), kWarps * 32, 0, stream, a,
-               static_cast<MoePlan*>(nullptr));
-    return e != cudaSuccess ? e
-                            : launch(moe_small_down_kernel<1, 4, kSmallMoeUnroll, 4>, static_cast<unsigned>((a.H + 3) / 4),
-                                     kWarps * 32, 0, stream, a, static_cast<const MoePlan*>(nullptr), shared_segs);
+  if (a.gate_up_scale) {
+    if (!a.down_scale || a.block_rows <= 0 || a.block_cols <= 0 || a.block_cols % 8 != 0) return cudaErrorInvalidValue;
+    return moe_small_launch<true>(a, plan, shared_segs, gate_up_grid, stream);
   }
-  if (a.T > 2) {
-    e = launch(moe_small_gate_up_kernel<4, kSmallMoeUnroll, 3>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
-    return e != cudaSuccess ? e
-                            : launch(moe_small_down_kernel<4, 1, kSmallMoeUnroll, 5>, static_cast<unsigned>(a.H),
-                                     kWarps * 32, 0, stream, a, static_cast<const MoePlan*>(plan), shared_segs);
-  }
-  e = launch(moe_small_gate_up_kernel<2, kSmallMoeUnroll, 3>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
-  return e != cudaSuccess ? e
-                          : launch(moe_small_down_kernel<2, 1, kSmallMoeUnroll, 6>, static_cast<unsigned>(a.H),
-                                   kWarps * 32, 0, stream, a, static_cast<const MoePlan*>(plan), shared_segs);
+  return moe_small_launch<false>(a, plan, shared_segs, gate_up_grid, stream);
 }
 
 }  // namespace mlaserve::cuda

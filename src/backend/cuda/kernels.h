@@ -388,6 +388,12 @@ struct MoeSmallArgs {
   bf16* act_shared;              // scratch [T, Is]
   bf16* out;                     // [T, H] (row stride ldo) = routed experts (+ shared experts)
   int64_t ldo;
+  // FP8 routed experts: gate_up / down hold F8_E4M3 codes (read 8 per 8-byte vector, each times its block's scale
+  // and rounded to bf16 as dequant_fp8 rounds it), these their scales ([E, ceil(2I / br), ceil(H / bc)] and [E,
+  // ceil(H / br), ceil(I / bc)], block_cols % 8 == 0); null: bf16 experts.
+  const float* gate_up_scale = nullptr;
+  const float* down_scale = nullptr;
+  int32_t block_rows = 0, block_cols = 0;
 };
 // out = sum_k w * down_e(silu(gate_e x) * up_e x) over the local experts, rounded, plus the shared experts' MLP,
 // rounded (as moe_experts + the dense shared MLP + add compute it). T <= kMoeSmallRows, k <= kMoeSmallMaxK,
