@@ -1,7 +1,6 @@
 // FP8 weights kept quantized: their blocks dequantized to bf16 where the step needs them.
-#include <cuda_fp8.h>
-
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/fp8.cuh"
 #include "backend/cuda/kernels.h"
 
 namespace mlaserve::cuda {
@@ -30,16 +29,7 @@ __global__ void __launch_bounds__(kDequantThreads) dequant_fp8_kernel(Fp8Dequant
        v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = v / vecs_per_row, c = (v % vecs_per_row) * 8;
     const float s = scale[(r / a.block_rows) * sb_cols + c / a.block_cols];
-    const uint2 q = w[v];
-    const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&q);
-    uint4 o;
-    __nv_bfloat162* ob = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3)));
-      ob[i] = __halves2bfloat162(__float2bfloat16_rn(f.x * s), __float2bfloat16_rn(f.y * s));
-    }
-    out[v] = o;
+    out[v] = fp8x8_to_bf16(w[v], s);
   }
 }
 

@@ -8,14 +8,13 @@
 // kernel's weight reads overlap the kernel before it. CPU references: cpu::linear, cpu::route_token (through
 // CpuBackend::moe_gate = linear + moe_route), cpu::moe_experts + add_shared_experts, cpu::rmsnorm_row,
 // cpu::mla_attention.
-#include <cuda_fp8.h>
-
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
 
 #include "backend/cuda/combine.cuh"
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/fp8.cuh"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/norm.cuh"
 #include "backend/cuda/prepare.cuh"
@@ -74,17 +73,7 @@ struct Fp8Row {
 __device__ __forceinline__ uint4 load_vec(const uint4* row, int v) { return ld_weights(row + v); }
 __device__ __forceinline__ uint4 load_vec(const Fp8Row& row, int v) {
   if (!row.scale) return ld_weights(static_cast<const uint4*>(row.p) + v);
-  const uint2 q = ld_weights8(static_cast<const uint2*>(row.p) + v);
-  const float s = row.scale[v / row.vec_per_scale];
-  const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&q);
-  uint4 o;
-  __nv_bfloat162* ob = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3)));
-    ob[i] = __halves2bfloat162(__float2bfloat16_rn(f.x * s), __float2bfloat16_rn(f.y * s));
-  }
-  return o;
+  return fp8x8_to_bf16(ld_weights8(static_cast<const uint2*>(row.p) + v), row.scale[v / row.vec_per_scale]);
 }
 
 template <int U, typename Row>
@@ -577,8 +566,8 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 // the same from bf16-rounded sums (the shared MLP's linear + silu_mul). Persistent blocks (MINB per SM) build the
 // plan once each; block 0 leaves a copy in plan_out (when given) for the down kernel.
 // U: 16-byte loads per lane in flight; MINB: blocks per SM (the launch sizes the persistent grid to match).
-// FP8 routed experts' rows (a.gate_up_scale): a row of gate / up (r in [0, 2I)) of local expert e, or (e < 0) row r of the
-// shared experts' gate_up (bf16).
+// The small-batch MoE's gate / up rows: row r (of [0, 2I)) of local expert e, F8 with its block scales when FP8, or
+// (e < 0) row r of the shared experts' gate_up (bf16).
 template <bool FP8>
 __device__ __forceinline__ std::conditional_t<FP8, Fp8Row, const uint4*> gate_up_row(const MoeSmallArgs& a, int e,
                                                                                       int64_t r) {
