@@ -602,6 +602,10 @@ class CudaBackend final : public Backend {
   void sample(const Tensor& logits, std::span<const RowSampling> params, Tensor& ids, Tensor* logprobs) override;
 
  private:
+  // Whether moe_experts of T tokens, k experts each, Is shared-expert columns takes the small-batch kernels.
+  bool use_moe_small(int64_t T, int64_t k, int64_t Is) const {
+    return small_batch_ && !moe_cublas_ && T <= cuda::kMoeSmallRows && k <= cuda::kMoeSmallMaxK && Is % 8 == 0;
+  }
   // moe_experts through the small-batch kernels (cuda::moe_small); FP8 experts (gs, ds: their BlockScales) read as
   // they are.
   void moe_small_path(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
@@ -1229,8 +1233,7 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
               "moe_experts: FP8 experts need both matrices in F8_E4M3 [E, rows, cols] with their block scales");
     const int64_t T = rows_of(x), k = topk_ids.size(-1);
     const int64_t Is = T == 0 ? 0 : shared_experts_width(x, shared_gate_up, shared_down, out);
-    if (small_batch_ && !moe_cublas_ && T >= 1 && T <= cuda::kMoeSmallRows && k <= cuda::kMoeSmallMaxK &&
-        Is % 8 == 0 && gs->block_rows == ds->block_rows && gs->block_cols == ds->block_cols &&
+    if (T >= 1 && use_moe_small(T, k, Is) && gs->block_rows == ds->block_rows && gs->block_cols == ds->block_cols &&
         gs->block_cols % 8 == 0 && x.size(-1) % 8 == 0 && gate_up.size(1) % 16 == 0) {
       moe_small_path(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared_gate_up, shared_down, Is, out, gs,
                      ds);
@@ -1268,7 +1271,7 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
   if (Is > 0)
     MLA_CHECK(shared_gate_up->dtype() == DType::BF16 && shared_down->dtype() == DType::BF16,
               "moe_experts: shared experts must be bf16");
-  if (small_batch_ && !moe_cublas_ && T <= cuda::kMoeSmallRows && k <= cuda::kMoeSmallMaxK && Is % 8 == 0) {
+  if (use_moe_small(T, k, Is)) {
     moe_small_path(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared_gate_up, shared_down, Is, out);
     return;
   }

@@ -559,13 +559,6 @@ __device__ __forceinline__ void build_plan(const MoeSmallArgs& a, int e, MoePlan
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
-// Work item it (< Is + n * I): shared-expert row it for it < Is (its weights do not depend on the routing), else
-// routed row (plan entry r / I, row r % I) for r = it - Is. Warps take items it = global warp, + all warps, ...; a
-// warp's first item, when shared, is loaded before the wait and computed before the plan is built (it needs none).
-// act[t * k + slot, i] = silu(gate . x) * (up . x) from fp32 sums (the grouped kernel's epilogue); act_shared[t, i]
-// the same from bf16-rounded sums (the shared MLP's linear + silu_mul). Persistent blocks (MINB per SM) build the
-// plan once each; block 0 leaves a copy in plan_out (when given) for the down kernel.
-// U: 16-byte loads per lane in flight; MINB: blocks per SM (the launch sizes the persistent grid to match).
 // The small-batch MoE's gate / up rows: row r (of [0, 2I)) of local expert e, F8 with its block scales when FP8, or
 // (e < 0) row r of the shared experts' gate_up (bf16).
 template <bool FP8>
@@ -582,6 +575,13 @@ __device__ __forceinline__ std::conditional_t<FP8, Fp8Row, const uint4*> gate_up
   }
 }
 
+// Work item it (< Is + n * I): shared-expert row it for it < Is (its weights do not depend on the routing), else
+// routed row (plan entry r / I, row r % I) for r = it - Is. Warps take items it = global warp, + all warps, ...; a
+// warp's first item, when shared, is loaded before the wait and computed before the plan is built (it needs none).
+// act[t * k + slot, i] = silu(gate . x) * (up . x) from fp32 sums (the grouped kernel's epilogue); act_shared[t, i]
+// the same from bf16-rounded sums (the shared MLP's linear + silu_mul). Persistent blocks (MINB per SM) build the
+// plan once each; block 0 leaves a copy in plan_out (when given) for the down kernel.
+// U: 16-byte loads per lane in flight; MINB: blocks per SM (the launch sizes the persistent grid to match).
 template <int TT, int U, int MINB, bool FP8 = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(MoeSmallArgs a, MoePlan* plan_out) {
   __shared__ MoePlan plan;
