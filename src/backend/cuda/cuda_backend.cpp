@@ -611,9 +611,16 @@ class CudaBackend final : public Backend {
   void moe_small_path(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
                       const Tensor& down, int32_t expert_begin, const Tensor* shared_gate_up, const Tensor* shared_down,
                       int64_t Is, Tensor& out, const BlockScales* gs = nullptr, const BlockScales* ds = nullptr);
-  // The routed experts of moe_experts through the grouped kernels (or per-expert cuBLASLt GEMMs for many rows).
+  // Whether the routed experts of P (token, expert) pairs over E local experts go to per-expert cuBLASLt GEMMs (else
+  // the grouped kernels).
+  bool moe_uses_cublas(int64_t P, int64_t E) const {
+    return !capturing_ && (moe_cublas_ || (!moe_grouped_only_ && P >= kMoeCublasRowsPerExpert * E));
+  }
+  // The routed experts of moe_experts through the grouped kernels (or per-expert cuBLASLt GEMMs for many rows); FP8
+  // experts (gs, ds: their BlockScales) only through the grouped kernels.
   void moe_routed(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
-                  const Tensor& down, int32_t expert_begin, Tensor& out);
+                  const Tensor& down, int32_t expert_begin, Tensor& out, const BlockScales* gs = nullptr,
+                  const BlockScales* ds = nullptr);
   // Host arrays staged in the pinned buffer at the same offsets they get in the meta arena; flush() copies the
   // staged range in one transfer and records the event begin_step waits on before reusing the pinned buffer.
   class MetaUpload {
@@ -1239,6 +1246,16 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
                      ds);
       return;
     }
+    const int64_t H = x.size(-1), I = gate_up.size(1) / 2, E = gate_up.size(0);
+    MLA_CHECK(down.size(0) == E && down.size(1) == H && down.size(2) == I && gate_up.size(2) == H &&
+                  x.dtype() == DType::BF16 && out.dtype() == DType::BF16,
+              "moe_experts: FP8 experts gate_up {} / down {} do not match x {}", shape_str(gate_up.shape()),
+              shape_str(down.shape()), shape_str(x.shape()));
+    if (T >= 1 && !moe_uses_cublas(T * k, E) && gs->block_cols % 16 == 0 && H % 16 == 0 && I % 16 == 0) {
+      moe_routed(x, topk_ids, topk_weights, gate_up, down, expert_begin, out, gs, ds);
+      add_shared_experts(*this, x, shared_gate_up, shared_down, out);
+      return;
+    }
     Tensor gu = scratch(gate_up.shape(), DType::BF16), dn = scratch(down.shape(), DType::BF16);
     for (auto [w, s, o] : {std::tuple{&gate_up, gs, &gu}, std::tuple{&down, ds, &dn}}) {
       cuda::Fp8DequantArgs a{};
@@ -1319,7 +1336,8 @@ void CudaBackend::moe_small_path(const Tensor& x, const Tensor& topk_ids, const 
 }
 
 void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
-                             const Tensor& gate_up, const Tensor& down, int32_t expert_begin, Tensor& out) {
+                             const Tensor& gate_up, const Tensor& down, int32_t expert_begin, Tensor& out,
+                             const BlockScales* gs, const BlockScales* ds) {
   const int64_t T = rows_of(x), H = x.size(-1), k = topk_ids.size(-1);
   const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2;
   const int64_t P = T * k;
@@ -1336,8 +1354,8 @@ void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tens
           "moe_group");
   // Many rows per expert (prefill): per-expert cuBLASLt GEMMs (Hopper tensor-core kernels) on gathered rows, one
   // host synchronisation per layer for the counts. Few rows (decode): the grouped kernels, no synchronisation.
-  const bool use_cublas = !capturing_ && (moe_cublas_ || (!moe_grouped_only_ && P >= kMoeCublasRowsPerExpert * E));
-  if (use_cublas) {
+  if (moe_uses_cublas(P, E)) {
+    MLA_CHECK(!gs, "moe_routed: FP8 experts take the grouped kernels only");
     std::vector<int32_t> cnt(static_cast<size_t>(E));
     MLA_LOG_TRACE("cuda {}: MoE counts download (host sync)", device_);
     download(counts, cnt.data());
@@ -1380,7 +1398,12 @@ void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tens
     cuda::MoeGemmParams gp{};
     gp.x = bf(x);
     gp.pos_row = pos_row.data_as<int32_t>();
-    gp.w = bf(gate_up);
+    gp.w = static_cast<const cuda::bf16*>(gate_up.data());  // F8 codes with gs
+    if (gs) {
+      gp.w_scale = gs->scale.data_as<const float>();
+      gp.block_rows = static_cast<int32_t>(gs->block_rows);
+      gp.block_cols = static_cast<int32_t>(gs->block_cols);
+    }
     gp.tiles = tiles.data_as<int32_t>();
     gp.num_tiles = num_tiles.data_as<int32_t>();
     gp.expert_end = expert_end.data_as<int32_t>();
@@ -1391,7 +1414,12 @@ void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tens
     CUDA_OK(cuda::moe_gemm_gate_up(gp, bm, stream_), "moe_gemm_gate_up");
     gp.x = bf(act);
     gp.pos_row = nullptr;
-    gp.w = bf(down);
+    gp.w = static_cast<const cuda::bf16*>(down.data());
+    if (ds) {
+      gp.w_scale = ds->scale.data_as<const float>();
+      gp.block_rows = static_cast<int32_t>(ds->block_rows);
+      gp.block_cols = static_cast<int32_t>(ds->block_cols);
+    }
     gp.N = static_cast<int32_t>(H);
     gp.K = static_cast<int32_t>(I);
     gp.act = nullptr;

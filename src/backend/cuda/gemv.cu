@@ -2,7 +2,7 @@
 // for all rows of the batch (gemv_t: y = x W^T, a warp per row or 16 rows per warp on tensor cores; gemv_n: y = x W),
 // the router product fused with the routing (moe_gate), and the MoE of at most kMoeSmallRows tokens in two kernels
 // (gate/up + SiLU; down + the weighted sum + the shared experts), each block finding the batch's distinct experts
-// itself. At one token the one-row pair and the router also compute their input row's residual add + RMSNorm
+// itself; FP8 experts there on tensor cores (fp8_tile) when their scale blocks are whole 64-column chunks. At one token the one-row pair and the router also compute their input row's residual add + RMSNorm
 // (gemv_t_pair_norm, moe_gate_norm), and MLA's W_UV sums the decode splits itself (mla_combine_uv).
 // They are launched with programmatic dependent launch: each warp loads its first weights before pdl_wait(), so a
 // kernel's weight reads overlap the kernel before it. CPU references: cpu::linear, cpu::route_token (through
@@ -74,6 +74,70 @@ __device__ __forceinline__ uint4 load_vec(const uint4* row, int v) { return ld_w
 __device__ __forceinline__ uint4 load_vec(const Fp8Row& row, int v) {
   if (!row.scale) return ld_weights(static_cast<const uint4*>(row.p) + v);
   return fp8x8_to_bf16(ld_weights8(static_cast<const uint2*>(row.p) + v), row.scale[v / row.vec_per_scale]);
+}
+
+// FP8 experts on tensor cores (the small-batch MoE when the scale blocks are whole 64-column chunks). A warp
+// multiplies 8 weight rows (mma m16n8k16's B: lane / 4 loads row lane / 4, 16 codes at column 16 (lane % 4) of each
+// 64-column chunk) with the tokens (A's rows: lane / 4 < T loads its token's activations at the same columns; rows
+// 8-15 are zero). Each code becomes the bf16 of exactly its value; each chunk's product is scaled by its rows' block
+// scales in f32. So a product is the sum over chunks of scale * (codes . x): the dequantized model's product without
+// rounding code * scale to bf16 first (close to it, not bit for bit).
+
+// 4 F8 codes (low byte first) as 4 bf16 of exactly their values (lo: codes 0-1, hi: codes 2-3). The sign and the 7
+// other bits placed where bf16 keeps them make code * 2^-120 (E4M3's exponent bias is 7, bf16's 127; subnormal codes
+// become subnormal bf16), and a multiply by 2^120 (exact) makes the value.
+__device__ __forceinline__ void fp8x4_bf16(uint32_t q, uint32_t& lo, uint32_t& hi) {
+  const uint32_t m = q & 0x7f7f7f7fu, s = q & 0x80808080u;
+  const uint32_t l = (__byte_perm(m, 0u, 0x4140) << 4) | __byte_perm(s, 0u, 0x1404);
+  const uint32_t h = (__byte_perm(m, 0u, 0x4342) << 4) | __byte_perm(s, 0u, 0x3424);
+  constexpr uint32_t k2p120 = 0x7B807B80u, kNegZero = 0x80008000u;  // bf16x2 2^120, -0
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(lo) : "r"(l), "r"(k2p120), "r"(kNegZero));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(hi) : "r"(h), "r"(k2p120), "r"(kNegZero));
+}
+
+// acc[j] += the products of this lane's token (A row lane / 4) with weight row 2 (lane % 4) + j of the warp's 8 (the C
+// fragment's two columns). w: this lane's weight row at column 16 (lane % 4), nch chunks of 64 codes; x: its token's
+// activations at the same column (null: zeros); s0 / s1: the block-scale rows of weight rows 2 (lane % 4) and
+// 2 (lane % 4) + 1, one scale per 2^cps_shift chunks. Two sets of U chunks in flight: one loads while the other is
+// computed.
+template <int U>
+__device__ __forceinline__ void fp8_tile(float (&acc)[2], const uint8_t* w, const bf16* x, const float* s0,
+                                         const float* s1, int nch, int cps_shift) {
+  auto load = [&](uint4 (&b)[U], int c0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      b[u] = c0 + u < nch ? ld_weights(w + static_cast<int64_t>(c0 + u) * 64) : make_uint4(0, 0, 0, 0);
+  };
+  auto compute = [&](const uint4 (&b)[U], int c0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u;
+      if (c >= nch) break;
+      const float sa = s0[c >> cps_shift], sb = s1[c >> cps_shift];
+      uint4 xa = make_uint4(0, 0, 0, 0), xb = xa;
+      if (x) {
+        xa = ld_act(x + static_cast<int64_t>(c) * 64);
+        xb = ld_act(x + static_cast<int64_t>(c) * 64 + 8);
+      }
+      const uint32_t wq[4] = {b[u].x, b[u].y, b[u].z, b[u].w};
+      const uint32_t xq[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // codes 4j..4j+3: k 2q, 2q+1 (a0 / b0) and 2q+8, 2q+9 (a2 / b1) of an mma
+        uint32_t lo, hi;
+        fp8x4_bf16(wq[j], lo, hi);
+        const uint32_t af[4] = {xq[2 * j], 0u, xq[2 * j + 1], 0u};
+        mma_bf16(d, af, lo, hi);
+      }
+      acc[0] = fmaf(sa, d[0], acc[0]);
+      acc[1] = fmaf(sb, d[1], acc[1]);
+    }
+  };
+  for (int c0 = 0; c0 < nch; c0 += U) {
+    uint4 b[U];
+    load(b, c0);
+    compute(b, c0);
+  }
 }
 
 template <int U, typename Row>
@@ -582,7 +646,9 @@ __device__ __forceinline__ std::conditional_t<FP8, Fp8Row, const uint4*> gate_up
 // the same from bf16-rounded sums (the shared MLP's linear + silu_mul). Persistent blocks (MINB per SM) build the
 // plan once each; block 0 leaves a copy in plan_out (when given) for the down kernel.
 // U: 16-byte loads per lane in flight; MINB: blocks per SM (the launch sizes the persistent grid to match).
-template <int TT, int U, int MINB, bool FP8 = false>
+// TC (FP8 experts in whole 64-column scale blocks): routed items are fp8_tile's 8 rows, the gate and up rows of 4
+// intermediate indices (B column 2j gate row i0 + j, 2j + 1 its up row), so a lane holds both halves of its act.
+template <int TT, int U, int MINB, bool FP8 = false, bool TC = false, int UT = U>
 __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(MoeSmallArgs a, MoePlan* plan_out) {
   __shared__ MoePlan plan;
   const int lane = threadIdx.x & 31;
@@ -648,8 +714,29 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
   if (plan_out && blockIdx.x == 0)
     for (int i = threadIdx.x; i < static_cast<int>(sizeof(MoePlan) / 4); i += blockDim.x)
       reinterpret_cast<int32_t*>(plan_out)[i] = reinterpret_cast<const int32_t*>(&plan)[i];
-  const int64_t items = a.Is + static_cast<int64_t>(plan.n) * a.I;
+  // A TC item: 4 intermediate indices [i0, i0 + 4) of plan entry r / (I / 4).
+  [[maybe_unused]] auto tile = [&](int64_t r) {
+    const int quads = a.I / 4, u = static_cast<int>(r / quads), i0 = static_cast<int>(r % quads) * 4;
+    const int e = plan.uniq[u], g = lane >> 2, q = lane & 3;
+    const int s = g < a.T ? plan.slot[u][g] : -1;
+    const int64_t row = (g & 1 ? a.I : 0) + i0 + (g >> 1);
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(a.gate_up) + (static_cast<int64_t>(e) * 2 * a.I + row) * a.H +
+                       16 * q;
+    const int64_t sr = (2 * a.I + a.block_rows - 1) / a.block_rows, sc = (a.H + a.block_cols - 1) / a.block_cols;
+    const float* s0 = a.gate_up_scale + (e * sr + (i0 + q) / a.block_rows) * sc;
+    const float* s1 = a.gate_up_scale + (e * sr + (a.I + i0 + q) / a.block_rows) * sc;
+    float acc[2] = {0.0f, 0.0f};
+    fp8_tile<UT>(acc, w, s >= 0 ? a.x + g * a.ldx + 16 * q : nullptr, s0, s1, a.H >> 6, __ffs(a.block_cols >> 6) - 1);
+    if (s >= 0) a.act[(static_cast<int64_t>(g) * a.k + s) * a.I + i0 + q] = __float2bfloat16_rn(silu(acc[0]) * acc[1]);
+  };
+  const int64_t items = a.Is + static_cast<int64_t>(plan.n) * (TC ? a.I / 4 : a.I);
   for (int64_t it = first_shared ? first + stride : first; it < items; it += stride) {
+    if constexpr (TC) {
+      if (it >= a.Is) {
+        tile(it - a.Is);
+        continue;
+      }
+    }
     if (it < a.Is) {
       gr = gate_up_row<FP8>(a, -1, it);
       ur = gate_up_row<FP8>(a, -1, a.Is + it);
@@ -672,9 +759,11 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
 // leaves w * (row . act) per (column, token, slot) in shared memory, summed per token in slot order and rounded (the
 // grouped path's combine), then the shared experts' output is rounded and added (the model's add).
 // U: 16-byte loads per lane per chunk of a row; MINB: blocks per SM.
-template <int TT, int COLS, int U, int MINB, bool FP8 = false>
+// TC (COLS 8): a routed segment is one fp8_tile of the block's 8 columns (B column j: row h0 + j of the expert).
+template <int TT, int COLS, int U, int MINB, bool FP8 = false, bool TC = false, int UT = U>
 __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_kernel(MoeSmallArgs a, const MoePlan* gplan,
                                                                            int32_t shared_segs) {
+  static_assert(!TC || (FP8 && COLS == 8), "fp8_tile makes 8 columns");
   __shared__ MoePlan plan;
   __shared__ float part[COLS][kMaxPairs];
   __shared__ float spart[COLS][kWarps][TT];
@@ -722,7 +811,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_kernel(MoeSm
   // the plan, read after the wait): the first row only when it is a shared slice.
   if (!gplan) build_plan(a, plan_pair(a), plan);
   for (int i = threadIdx.x; i < COLS * kMaxPairs; i += blockDim.x) (&part[0][0])[i] = 0.0f;
-  const int first_segs = gplan ? shared_segs : shared_segs + plan.n;  // first rows loadable now
+  const int first_segs = gplan || TC ? shared_segs : shared_segs + plan.n;  // first rows loadable now
   int s0 = 0, s1 = 0;
   if (warp < first_segs) {
     seg_rows(warp, base, stride, s0, s1);
@@ -735,6 +824,26 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_kernel(MoeSm
   const unsigned all = (1u << a.T) - 1u;
   for (int s = warp; s < nseg; s += kWarps) {
     const bool sh = s < shared_segs;
+    if constexpr (TC) {
+      if (!sh) {
+        const int u = s - shared_segs, e = P->uniq[u], g = lane >> 2, q = lane & 3;
+        const int sl = g < a.T ? P->slot[u][g] : -1;
+        const uint8_t* w =
+            reinterpret_cast<const uint8_t*>(a.down) + (static_cast<int64_t>(e) * a.H + h0 + g) * a.I + 16 * q;
+        const int64_t sr = (a.H + a.block_rows - 1) / a.block_rows, sc = (a.I + a.block_cols - 1) / a.block_cols;
+        const float* s0 = a.down_scale + (e * sr + (h0 + 2 * q) / a.block_rows) * sc;
+        const float* s1 = a.down_scale + (e * sr + (h0 + 2 * q + 1) / a.block_rows) * sc;
+        float acc[2] = {0.0f, 0.0f};
+        const bf16* x = sl >= 0 ? a.act + (static_cast<int64_t>(g) * a.k + sl) * a.I + 16 * q : nullptr;
+        fp8_tile<UT>(acc, w, x, s0, s1, a.I >> 6, __ffs(a.block_cols >> 6) - 1);
+        if (sl >= 0) {
+          const int p = g * a.k + sl;
+          part[2 * q][p] = a.weights[p] * acc[0];
+          part[2 * q + 1][p] = a.weights[p] * acc[1];
+        }
+        continue;
+      }
+    }
     unsigned mask = all;
     int slot[TT];
     if (!sh) {
@@ -972,28 +1081,36 @@ cudaError_t gemv_n_prepare(GemvArgs a, int32_t batch, const MlaPrepArgs& prep, c
 
 namespace {
 
-template <bool FP8, typename Grid>
+// TC: FP8 experts through fp8_tile, 8 chunks of loads per lane at one token (2 gate/up blocks per SM), 4 at 2-4
+// tokens (measured on H200, docs/perf.md).
+template <bool FP8, bool TC, typename Grid>
 cudaError_t moe_small_launch(const MoeSmallArgs& a, MoePlan* plan, int shared_segs, Grid gate_up_grid,
                              cudaStream_t stream) {
+  constexpr int U = kSmallMoeUnroll;
+  // Down: rows of COLS columns per block (TC: 8, fp8_tile's), MINB blocks per SM.
+  auto down = [&](auto kernel, int cols, const MoePlan* p) {
+    return launch(kernel, static_cast<unsigned>((a.H + cols - 1) / cols), kWarps * 32, 0, stream, a, p, shared_segs);
+  };
+  constexpr int GB1 = TC ? 2 : 4;  // gate/up blocks per SM at one token
+  const MoePlan* none = nullptr;
   cudaError_t e;
   if (a.T == 1) {
-    e = launch(moe_small_gate_up_kernel<1, kSmallMoeUnroll, 4, FP8>, gate_up_grid(4), kWarps * 32, 0, stream, a,
+    e = launch(moe_small_gate_up_kernel<1, U, GB1, FP8, TC, 8>, gate_up_grid(GB1), kWarps * 32, 0, stream, a,
                static_cast<MoePlan*>(nullptr));
-    return e != cudaSuccess ? e
-                            : launch(moe_small_down_kernel<1, 4, kSmallMoeUnroll, 4, FP8>,
-                                     static_cast<unsigned>((a.H + 3) / 4), kWarps * 32, 0, stream, a,
-                                     static_cast<const MoePlan*>(nullptr), shared_segs);
+    if (e != cudaSuccess) return e;
+    if constexpr (TC) return down(moe_small_down_kernel<1, 8, U, 2, FP8, TC, 8>, 8, none);
+    return down(moe_small_down_kernel<1, 4, U, 4, FP8>, 4, none);
   }
   if (a.T > 2) {
-    e = launch(moe_small_gate_up_kernel<4, kSmallMoeUnroll, 3, FP8>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
-    return e != cudaSuccess ? e
-                            : launch(moe_small_down_kernel<4, 1, kSmallMoeUnroll, 5, FP8>, static_cast<unsigned>(a.H),
-                                     kWarps * 32, 0, stream, a, static_cast<const MoePlan*>(plan), shared_segs);
+    e = launch(moe_small_gate_up_kernel<4, U, 3, FP8, TC>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
+    if (e != cudaSuccess) return e;
+    if constexpr (TC) return down(moe_small_down_kernel<4, 8, U, 2, FP8, TC>, 8, plan);
+    return down(moe_small_down_kernel<4, 1, U, 5, FP8>, 1, plan);
   }
-  e = launch(moe_small_gate_up_kernel<2, kSmallMoeUnroll, 3, FP8>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
-  return e != cudaSuccess ? e
-                          : launch(moe_small_down_kernel<2, 1, kSmallMoeUnroll, 6, FP8>, static_cast<unsigned>(a.H),
-                                   kWarps * 32, 0, stream, a, static_cast<const MoePlan*>(plan), shared_segs);
+  e = launch(moe_small_gate_up_kernel<2, U, 3, FP8, TC>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
+  if (e != cudaSuccess) return e;
+  if constexpr (TC) return down(moe_small_down_kernel<2, 8, U, 2, FP8, TC>, 8, plan);
+  return down(moe_small_down_kernel<2, 1, U, 6, FP8>, 1, plan);
 }
 
 }  // namespace
@@ -1007,9 +1124,12 @@ cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStrea
     return cudaErrorInvalidValue;
   MoePlan* plan = static_cast<MoePlan*>(plan_buf);
   const int max_unique = std::min(a.T * a.k, a.E);
-  // The shared experts' row in slices of about one routed row each (at most one slice per warp).
+  // FP8 experts in whole 64-column scale blocks (a power of two of chunks) go to the tensor cores (fp8_tile).
+  const bool tc = a.gate_up_scale && a.H % 64 == 0 && a.I % 64 == 0 && a.block_cols % 64 == 0 &&
+                  ((a.block_cols / 64) & (a.block_cols / 64 - 1)) == 0;
+  // The shared experts' row in slices of about the bytes of one routed row each (at most one slice per warp).
   const int shared_segs = a.Is == 0 ? 0 : std::min(kWarps, std::max(1, (a.Is + a.I / 2) / a.I));
-  const int64_t gate_up_items = static_cast<int64_t>(max_unique) * a.I + a.Is;
+  const int64_t gate_up_items = static_cast<int64_t>(max_unique) * (tc ? a.I / 4 : a.I) + a.Is;
   // Gate/up: persistent blocks, as many as fit at once, or fewer when there are fewer items (a warp each).
   auto gate_up_grid = [&](int per_sm) {
     return static_cast<unsigned>(std::min<int64_t>((gate_up_items + kWarps - 1) / kWarps,
@@ -1022,9 +1142,10 @@ cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStrea
   static_assert(kMoeSmallRows == 4, "moe_small instantiates 1, 2 and 4 rows");
   if (a.gate_up_scale) {
     if (!a.down_scale || a.block_rows <= 0 || a.block_cols <= 0 || a.block_cols % 8 != 0) return cudaErrorInvalidValue;
-    return moe_small_launch<true>(a, plan, shared_segs, gate_up_grid, stream);
+    return tc ? moe_small_launch<true, true>(a, plan, shared_segs, gate_up_grid, stream)
+              : moe_small_launch<true, false>(a, plan, shared_segs, gate_up_grid, stream);
   }
-  return moe_small_launch<false>(a, plan, shared_segs, gate_up_grid, stream);
+  return moe_small_launch<false, false>(a, plan, shared_segs, gate_up_grid, stream);
 }
 
 }  // namespace mlaserve::cuda

@@ -266,6 +266,11 @@ struct MoeGemmParams {
   bf16* act;                // gate_up output [P, I] = silu(x W_gate^T) * (x W_up^T)
   float* y;                 // down output [P, H] = pos_weight * (act W_down^T)
   const float* pos_weight;  // [P]
+  // FP8 experts: w holds F8_E4M3 codes, these their block scales ([E, ceil(rows / block_rows), ceil(K /
+  // block_cols)] with rows = 2I or H), each tile made into bf16(code * scale) as dequant_fp8 makes it (K % 16 == 0,
+  // block_cols % 16 == 0); null: bf16 weights.
+  const float* w_scale = nullptr;
+  int32_t block_rows = 0, block_cols = 0;
 };
 cudaError_t moe_gemm_gate_up(const MoeGemmParams& p, int32_t block_m, cudaStream_t stream);
 cudaError_t moe_gemm_down(const MoeGemmParams& p, int32_t block_m, cudaStream_t stream);
@@ -388,9 +393,11 @@ struct MoeSmallArgs {
   bf16* act_shared;              // scratch [T, Is]
   bf16* out;                     // [T, H] (row stride ldo) = routed experts (+ shared experts)
   int64_t ldo;
-  // FP8 routed experts: gate_up / down hold F8_E4M3 codes (read 8 per 8-byte vector, each times its block's scale
-  // and rounded to bf16 as dequant_fp8 rounds it), these their scales ([E, ceil(2I / br), ceil(H / bc)] and [E,
-  // ceil(H / br), ceil(I / bc)], block_cols % 8 == 0); null: bf16 experts.
+  // FP8 routed experts: gate_up / down hold F8_E4M3 codes, these their scales ([E, ceil(2I / br), ceil(H / bc)] and
+  // [E, ceil(H / br), ceil(I / bc)], block_cols % 8 == 0); null: bf16 experts. With H and I multiples of 64 and
+  // block_cols a power-of-two multiple of 64, on tensor cores (each code's exact value, scaled per 64-column chunk in
+  // f32: within the bf16 rounding of code * scale of the dequantized model); else 8 codes per 8-byte vector, each
+  // times its block's scale and rounded to bf16 as dequant_fp8 rounds it (bit for bit the dequantized model).
   const float* gate_up_scale = nullptr;
   const float* down_scale = nullptr;
   int32_t block_rows = 0, block_cols = 0;

@@ -5,15 +5,17 @@
 // One block per (n tile, row tile of one expert); row tiles come from moe_group's tile list, blocks past its end
 // exit at once. Tiles of 64 along K stream through a STAGES-deep cp.async ring in XOR-swizzled shared memory
 // (16-byte chunk c of row r stored at chunk c ^ (r % 8): conflict-free ldmatrix). Rows past an expert's end, columns
-// past N and K past its end are zero-filled, so any N and K % 8 == 0 work.
+// past N and K past its end are zero-filled, so any N and K % 8 == 0 work. FP8 experts: B's codes stream through the
+// ring as they are and each k tile is converted into one bf16 tile (K % 16 == 0).
 #pragma once
 
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/fp8.cuh"
 #include "backend/cuda/kernels.h"
 
 namespace mlaserve::cuda {
 
-template <int BM, int BN, int WM, int WN, int STAGES, bool GATE_UP>
+template <int BM, int BN, int WM, int WN, int STAGES, bool GATE_UP, bool FP8 = false>
 struct MoeGemmCfg {
   static constexpr int BK = 64;
   static constexpr int NPARTS = GATE_UP ? 2 : 1;
@@ -21,17 +23,23 @@ struct MoeGemmCfg {
   static constexpr int BROWS = NPARTS * BN;
   static constexpr int WTM = BM / WM, WTN = BN / WN;
   static constexpr int MT = WTM / 16, NT = WTN / 8;
-  static constexpr int A_CH = BM * 8 / NTH, B_CH = BROWS * 8 / NTH;
-  static constexpr size_t smem_bytes = sizeof(bf16) * STAGES * (BM + BROWS) * BK;
+  static constexpr int A_CH = BM * 8 / NTH, B_CH = BROWS * (FP8 ? 4 : 8) / NTH;  // 16-byte chunks per thread
+  // A and B rings (FP8: B's codes, then one bf16 tile they are converted into).
+  static constexpr size_t smem_bytes = sizeof(bf16) * STAGES * BM * BK +
+                                       (FP8 ? STAGES * BROWS * BK + sizeof(bf16) * BROWS * BK
+                                            : sizeof(bf16) * STAGES * BROWS * BK);
   static_assert(MT >= 1 && NT % 2 == 0, "warp tile");
-  static_assert(BM * 8 % NTH == 0 && BROWS * 8 % NTH == 0, "load mapping");
+  static_assert(BM * 8 % NTH == 0 && BROWS * (FP8 ? 4 : 8) % NTH == 0, "load mapping");
 };
 
 __device__ __forceinline__ int swz(int row, int chunk) { return row * 64 + ((chunk ^ (row & 7)) << 3); }
 
-template <int BM, int BN, int WM, int WN, int STAGES, bool GATE_UP>
+// FP8: W holds F8 codes with block scales (p.w_scale); each k tile's codes land in the ring as they are and are made
+// into bf16(code * scale), as dequant_fp8 makes them, in one bf16 tile before the products (so the results equal the
+// dequantized experts' bit for bit).
+template <int BM, int BN, int WM, int WN, int STAGES, bool GATE_UP, bool FP8 = false>
 __global__ void __launch_bounds__(WM * WN * 32, 2) moe_gemm_kernel(const MoeGemmParams p) {
-  using C = MoeGemmCfg<BM, BN, WM, WN, STAGES, GATE_UP>;
+  using C = MoeGemmCfg<BM, BN, WM, WN, STAGES, GATE_UP, FP8>;
   constexpr int BK = C::BK;
   const int tile = blockIdx.y;
   if (tile >= *p.num_tiles) return;
@@ -40,11 +48,14 @@ __global__ void __launch_bounds__(WM * WN * 32, 2) moe_gemm_kernel(const MoeGemm
   const int m_end = p.expert_end[e];
   const int n0 = blockIdx.x * BN;
   const int N = p.N, K = p.K;
-  const bf16* W = p.w + static_cast<int64_t>(e) * C::NPARTS * N * K;
+  const int64_t w_off = static_cast<int64_t>(e) * C::NPARTS * N * K;  // this expert's weights (elements = bytes in FP8)
+  const bf16* W = p.w + w_off;
+  const uint8_t* W8 = reinterpret_cast<const uint8_t*>(p.w) + w_off;
 
   extern __shared__ __align__(128) uint8_t smem_raw[];
   bf16* sA = reinterpret_cast<bf16*>(smem_raw);   // [STAGES][BM][BK]
-  bf16* sB = sA + STAGES * BM * BK;               // [STAGES][BROWS][BK]
+  bf16* sB = sA + STAGES * BM * BK;               // [STAGES][BROWS][BK] (FP8: the converted tile, [BROWS][BK])
+  uint8_t* sB8 = reinterpret_cast<uint8_t*>(sB + (FP8 ? C::BROWS * BK : 0));  // FP8: [STAGES][BROWS][BK] codes
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / WN, wn = warp % WN;
@@ -64,26 +75,57 @@ __global__ void __launch_bounds__(WM * WN * 32, 2) moe_gemm_kernel(const MoeGemm
     a_src[i] = static_cast<uint32_t>(row * K + ch * 8);
     a_dst[i] = swz(r, ch);
   }
+  // B's chunks: bf16, 8 per row (chunk ch, swizzled); FP8, 4 per row of 64 codes (chunk c8, stored as they are).
+  const int c8 = tid & 3;
   uint32_t b_src[C::B_CH];
   int b_dst[C::B_CH];
   bool b_ok[C::B_CH];
+  [[maybe_unused]] const float* b_scale[C::B_CH];  // FP8: the row's block scales
 #pragma unroll
   for (int i = 0; i < C::B_CH; ++i) {
-    const int r = (tid + i * C::NTH) >> 3;
+    const int r = (tid + i * C::NTH) >> (FP8 ? 2 : 3);
     const int part = r / BN, n = n0 + r % BN;
     b_ok[i] = n < N;
-    b_src[i] = static_cast<uint32_t>((part * N + (b_ok[i] ? n : 0)) * K + ch * 8);
-    b_dst[i] = swz(r, ch);
+    const int64_t row = part * N + (b_ok[i] ? n : 0);
+    if constexpr (FP8) {
+      b_src[i] = static_cast<uint32_t>(row * K + c8 * 16);
+      b_dst[i] = r * BK + c8 * 16;
+      const int64_t sr = (C::NPARTS * N + p.block_rows - 1) / p.block_rows, sc = (K + p.block_cols - 1) / p.block_cols;
+      b_scale[i] = p.w_scale + (e * sr + row / p.block_rows) * sc;
+    } else {
+      b_src[i] = static_cast<uint32_t>(row * K + ch * 8);
+      b_dst[i] = swz(r, ch);
+    }
   }
   const int k_tiles = (K + BK - 1) / BK;
   auto load_stage = [&](int kt, int stage) {
     const bool k_ok = kt * BK + ch * 8 < K;
     bf16* a = sA + stage * BM * BK;
-    bf16* b = sB + stage * C::BROWS * BK;
 #pragma unroll
     for (int i = 0; i < C::A_CH; ++i) cp_async16(a + a_dst[i], p.x + a_src[i] + kt * BK, a_ok[i] && k_ok);
+    if constexpr (FP8) {
+      uint8_t* b = sB8 + stage * C::BROWS * BK;
+      const bool k8_ok = kt * BK + c8 * 16 < K;
 #pragma unroll
-    for (int i = 0; i < C::B_CH; ++i) cp_async16(b + b_dst[i], W + b_src[i] + kt * BK, b_ok[i] && k_ok);
+      for (int i = 0; i < C::B_CH; ++i) cp_async16(b + b_dst[i], W8 + b_src[i] + kt * BK, b_ok[i] && k8_ok);
+    } else {
+      bf16* b = sB + stage * C::BROWS * BK;
+#pragma unroll
+      for (int i = 0; i < C::B_CH; ++i) cp_async16(b + b_dst[i], W + b_src[i] + kt * BK, b_ok[i] && k_ok);
+    }
+  };
+  // FP8: this thread's chunks of k tile kt (its own copies, complete after its cp_async_wait) into the bf16 tile.
+  [[maybe_unused]] auto convert_stage = [&](int kt, int stage) {
+    const uint8_t* b = sB8 + stage * C::BROWS * BK;
+    const int k0 = kt * BK + c8 * 16;
+#pragma unroll
+    for (int i = 0; i < C::B_CH; ++i) {
+      const float s = b_ok[i] && k0 < K ? b_scale[i][k0 / p.block_cols] : 0.0f;
+      const uint4 q = *reinterpret_cast<const uint4*>(b + b_dst[i]);
+      const int r = (tid + i * C::NTH) >> 2;
+      *reinterpret_cast<uint4*>(sB + swz(r, 2 * c8)) = fp8x8_to_bf16(make_uint2(q.x, q.y), s);
+      *reinterpret_cast<uint4*>(sB + swz(r, 2 * c8 + 1)) = fp8x8_to_bf16(make_uint2(q.z, q.w), s);
+    }
   };
 
   float acc[C::NPARTS][C::MT][C::NT][4];
@@ -104,8 +146,12 @@ __global__ void __launch_bounds__(WM * WN * 32, 2) moe_gemm_kernel(const MoeGemm
     __syncthreads();
     if (kt + STAGES - 1 < k_tiles) load_stage(kt + STAGES - 1, (kt + STAGES - 1) % STAGES);
     cp_async_commit();
+    if constexpr (FP8) {
+      convert_stage(kt, kt % STAGES);
+      __syncthreads();
+    }
     const bf16* a = sA + (kt % STAGES) * BM * BK;
-    const bf16* b = sB + (kt % STAGES) * C::BROWS * BK;
+    const bf16* b = FP8 ? sB : sB + (kt % STAGES) * C::BROWS * BK;
 #pragma unroll
     for (int ks = 0; ks < BK / 16; ++ks) {
       uint32_t af[C::MT][4];
@@ -157,10 +203,10 @@ __global__ void __launch_bounds__(WM * WN * 32, 2) moe_gemm_kernel(const MoeGemm
   }
 }
 
-template <int BM, int BN, int WM, int WN, int STAGES, bool GATE_UP>
+template <int BM, int BN, int WM, int WN, int STAGES, bool GATE_UP, bool FP8 = false>
 cudaError_t launch_moe_gemm(const MoeGemmParams& p, cudaStream_t stream) {
-  using C = MoeGemmCfg<BM, BN, WM, WN, STAGES, GATE_UP>;
-  auto kernel = moe_gemm_kernel<BM, BN, WM, WN, STAGES, GATE_UP>;
+  using C = MoeGemmCfg<BM, BN, WM, WN, STAGES, GATE_UP, FP8>;
+  auto kernel = moe_gemm_kernel<BM, BN, WM, WN, STAGES, GATE_UP, FP8>;
   static std::atomic<uint64_t> configured{0};  // one bit per device
   if (cudaError_t e = set_max_dynamic_smem_once(kernel, static_cast<int>(C::smem_bytes), configured); e != cudaSuccess)
     return e;
