@@ -185,7 +185,8 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
   app.add_flag("--trust-remote-code", a->trust_remote_code, "accepted for compatibility; no effect");
   app.add_option("--load-format", a->load_format, "auto|safetensors|dummy")->capture_default_str();
   app.add_option("--dtype", a->dtype, "auto|bfloat16")->capture_default_str();
-  app.add_option("--quantization", a->quantization, "weight quantization (only the checkpoint's own)");
+  app.add_option("--quantization", a->quantization,
+                 "fp8: quantize a bf16 checkpoint's routed experts to FP8 at load (else only the checkpoint's own)");
   app.add_option("--kv-cache-dtype", a->kv_cache_dtype, "auto")->capture_default_str();
   app.add_option("--mem-fraction-static", a->mem_fraction_static, "fraction of device memory for weights + KV cache");
   app.add_option("--max-running-requests", a->max_running_requests, "cap on the running batch (0: from memory)");
@@ -214,7 +215,7 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
   app.add_option("--tool-call-parser", a->tool_call_parser, "parse tool calls out of chat output (deepseekv3)");
   app.add_option("--chat-template", a->chat_template, "a Jinja chat template file replacing the tokenizer's");
   app.add_option("--fp8-experts", a->fp8_experts,
-                 "FP8 checkpoints' routed experts: auto|on (kept FP8: half the memory, slower)|off (bf16 at load)")
+                 "FP8 routed experts: auto|on (kept FP8: half the memory)|off (bf16 at load)")
       ->capture_default_str();
   app.add_option("--max-body-bytes", a->max_body_bytes, "largest request body accepted")->capture_default_str();
   app.add_option("--num-http-threads", a->num_http_threads,
@@ -224,16 +225,20 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
   app.add_option("--max-n", a->max_n, "largest n (parallel samples) accepted")->capture_default_str();
   return [a]() -> int {
     ServeArgs& s = *a;
-    // Recognised, not implemented: say so, exit non-zero. --quantization naming the checkpoint's own method (an FP8
-    // or AWQ checkpoint) is accepted: those load from their quantization_config; quantizing at load is not done.
+    // --quantization naming the checkpoint's own method (an FP8 or AWQ checkpoint) is accepted: those load from
+    // their quantization_config. fp8 on a checkpoint without one quantizes its routed experts at load; another
+    // method, or fp8 on an AWQ checkpoint, is refused (recognised, not implemented: exit non-zero).
     if (!s.quantization.empty() && s.load_format != "dummy" && std::filesystem::exists(s.model_path + "/config.json")) {
       const QuantMethod q = ModelConfig::from_file(s.model_path).quant;
       if ((s.quantization == "fp8" && (q == QuantMethod::Fp8Block || q == QuantMethod::Fp8Tensor)) ||
           (s.quantization == "awq" && q == QuantMethod::Awq))
         s.quantization.clear();
+      MLA_CHECK(s.quantization != "fp8" || q == QuantMethod::None,
+                "--quantization fp8: {} is an AWQ checkpoint (quantizing it again is not supported)", s.model_path);
     }
-    not_implemented(!s.quantization.empty(),
-                    fmt::format("--quantization {} (quantizing at load; FP8 and AWQ checkpoints load without the flag)",
+    not_implemented(!s.quantization.empty() && s.quantization != "fp8",
+                    fmt::format("--quantization {} (quantizing at load is fp8 only; FP8 and AWQ checkpoints load "
+                                "without the flag)",
                                 s.quantization));
     not_implemented(s.dtype != "auto" && s.dtype != "bfloat16" && s.dtype != "bf16", fmt::format("--dtype {}", s.dtype));
     not_implemented(s.kv_cache_dtype != "auto" && s.kv_cache_dtype != "bfloat16" && s.kv_cache_dtype != "bf16",
@@ -273,6 +278,7 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     ea.device = s.device;
     ea.load_format = s.load_format;
     ea.fp8_experts = s.fp8_experts;
+    ea.quantization = s.quantization;
     ea.seed = s.random_seed;
     ea.tp_size = s.tp;
     ea.dp_size = s.dp;

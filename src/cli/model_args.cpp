@@ -13,8 +13,10 @@ void ModelArgs::add_to(CLI::App& app) {
   app.add_option("--load-format", load_format, "auto|safetensors|dummy (dummy: random weights from config.json)")
       ->capture_default_str();
   app.add_option("--fp8-experts", fp8_experts,
-                 "FP8 checkpoints' routed experts: auto|on (kept FP8: half the memory, slower)|off (bf16 at load)")
+                 "FP8 routed experts: auto|on (kept FP8: half the memory)|off (bf16 at load)")
       ->capture_default_str();
+  app.add_option("--quantization", quantization, "fp8: quantize a bf16 checkpoint's routed experts to FP8 at load")
+      ->check(CLI::IsMember({"fp8"}));
   app.add_option("--mla-form", mla_form, "auto|expanded|absorbed (auto: expanded for prefill, absorbed for decode)")
       ->capture_default_str();
   app.add_option("--page-size", page_size, "tokens per latent-cache page")->capture_default_str();
@@ -63,6 +65,7 @@ LoadOptions ModelArgs::load_options() const {
   LoadOptions lo;
   lo.dummy = load_format == "dummy";
   lo.fp8_experts = parse_fp8_experts(fp8_experts);
+  lo.quantize_fp8 = quantization == "fp8";
   lo.seed = seed;
   return lo;
 }

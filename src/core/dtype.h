@@ -67,4 +67,18 @@ inline float f8e4m3_to_f32(uint8_t v) {
   return sign * std::ldexp(1.0f + static_cast<float>(mant) / 8.0f, exp - 7);
 }
 
+// The E4M3 code nearest to x, ties to the even code (round to nearest even), saturated to +-448; NaN gives 0x7f.
+// Normal codes keep f32's exponent and top 3 mantissa bits, rounded on the 20 dropped bits (a carry moves into the
+// exponent); below 2^-6 the subnormal codes are steps of 2^-9.
+inline uint8_t f32_to_e4m3(float x) {
+  if (std::isnan(x)) return 0x7f;
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const auto sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  u &= 0x7fffffffu;
+  if (u >= 0x43e00000u) return sign | 0x7e;  // |x| >= 448 (infinities included)
+  if (u < 0x3c800000u) return sign | static_cast<uint8_t>(std::nearbyint(std::fabs(x) * 512.0f));  // |x| < 2^-6
+  return sign | static_cast<uint8_t>(((u + 0x7ffffu + ((u >> 20) & 1u)) >> 20) - (120u << 3));
+}
+
 }  // namespace mlaserve

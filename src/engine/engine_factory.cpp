@@ -29,6 +29,9 @@ LoadOptions load_options(const EngineArgs& a) {
   LoadOptions lo;
   lo.dummy = a.load_format == "dummy";
   lo.fp8_experts = parse_fp8_experts(a.fp8_experts);
+  MLA_CHECK(a.quantization.empty() || a.quantization == "fp8", "quantization: expected fp8 or none, got '{}'",
+            a.quantization);
+  lo.quantize_fp8 = a.quantization == "fp8";
   lo.seed = a.seed;
   return lo;
 }

@@ -149,6 +149,56 @@ class DeepseekModel::Loader {
     be_.upload_into(host, codes);
     be_.upload_into(hs, scales);
   }
+  // --quantization fp8 on a checkpoint without quantization: the block size of the routed experts' FP8 form on this
+  // rank (the largest power of two from 128 down to 8 dividing its `local` expert rows; 0: not quantized).
+  int64_t quantize_block(int64_t local) const {
+    if (!opts_.quantize_fp8 || quant_ != QuantMethod::None) return 0;
+    for (int64_t b = 128; b >= 8; b /= 2)
+      if (local % b == 0) return b;
+    return 0;
+  }
+
+  // Rows [r0, r0 + nr) x columns [c0, c0 + nc) of the BF16 / F16 / F32 matrix `name` quantized to FP8 in b x b
+  // blocks (cpu::quantize_fp8): host codes [nr, nc] and scales [ceil(nr / b), ceil(nc / b)].
+  std::pair<Tensor, Tensor> quantize_slice(const std::string& name, const Shape& full, int64_t r0, int64_t c0,
+                                           int64_t nr, int64_t nc, int64_t b) {
+    const TensorInfo& w = ckpt_->get(name);
+    used_.insert(name);
+    MLA_CHECK(w.shape == full && (w.dtype == DType::BF16 || w.dtype == DType::F16 || w.dtype == DType::F32),
+              "{}: tensor '{}' is {} {}; --quantization fp8 quantizes BF16 / F16 / F32 {} weights", w.file, name,
+              dtype_name(w.dtype), shape_str(w.shape), shape_str(full));
+    const int64_t C = full[1], es = static_cast<int64_t>(dtype_size(w.dtype));
+    Tensor f = Tensor::empty_host({nr, nc}, DType::F32), q = Tensor::empty_host({nr, nc}, DType::F8_E4M3);
+    Tensor s = Tensor::empty_host({(nr + b - 1) / b, (nc + b - 1) / b}, DType::F32);
+    for (int64_t r = 0; r < nr; ++r)
+      cpu::convert(w.data + ((r0 + r) * C + c0) * es, w.dtype, f.data_as<float>() + r * nc, DType::F32, nc);
+    cpu::quantize_fp8(f.data_as<float>(), nr, nc, b, b, q.data_as<uint8_t>(), s.data_as<float>());
+    return {q, s};
+  }
+
+  // quantize_slice of the rows [r0, ...) x columns [c0, ...) that `codes` (F8) holds into it and `scales` (F32);
+  // dummy weights: random codes as load_fp8_blocks makes them.
+  void quantize_fp8_blocks(const std::string& name, const Shape& full, int64_t r0, int64_t c0, int64_t b, Tensor codes,
+                           Tensor scales) {
+    if (opts_.dummy) return load_fp8_blocks(name, full, r0, c0, codes, scales);
+    auto [q, s] = quantize_slice(name, full, r0, c0, codes.size(0), codes.size(1), b);
+    bytes_ += static_cast<int64_t>(codes.nbytes() + scales.nbytes());
+    be_.upload_into(q, codes);
+    be_.upload_into(s, scales);
+  }
+
+  // The same block into dst (matrix dtype) as the quantized weights' values (code * scale; a backend keeping no FP8
+  // experts runs the same model); dummy weights: load_into's.
+  void load_quantized(Tensor dst, const std::string& name, const Shape& full, int64_t r0, int64_t c0, int64_t b) {
+    if (opts_.dummy) return load_into(dst, name, full, r0, c0, Kind::Matrix);
+    const int64_t nr = dst.size(0), nc = dst.size(1);
+    auto [q, s] = quantize_slice(name, full, r0, c0, nr, nc, b);
+    Tensor f = Tensor::empty_host({nr, nc}, DType::F32);
+    cpu::dequant_fp8(q.data_as<uint8_t>(), s.data_as<float>(), 1, nr, nc, b, b, f.data_as<float>());
+    bytes_ += static_cast<int64_t>(dst.nbytes());
+    be_.upload_into(f, dst);
+  }
+
   int64_t block_rows() const { return block_rows_; }
   int64_t block_cols() const { return block_cols_; }
   void set_keep_fp8(bool keep) { keep_fp8_ = keep; }
@@ -391,9 +441,18 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
     if (c.topk_method == TopkMethod::NoauxTc || (ckpt && ckpt->has(bias_name)))
       w.router_bias = ld.make(bias_name, {E}, {E}, 0, 0, Kind::Bias);
     const std::string experts = layer_name(l, "mlp.experts.");
-    if (ld.keep_fp8_experts(experts + "0.gate_proj.weight", Im, tr * Im, H)) {
-      // FP8 kept: codes as they are, each block's scale beside them (gate rows' blocks, then up rows').
-      const int64_t br = ld.block_rows(), bc = ld.block_cols(), full = c.moe_intermediate_size;
+    const int64_t qb = ld.quantize_block(Im);  // --quantization fp8
+    const bool keep_ckpt = ld.keep_fp8_experts(experts + "0.gate_proj.weight", Im, tr * Im, H);
+    if (keep_ckpt ||
+        (qb && backend_.takes_fp8_experts() && opts.fp8_experts != LoadOptions::Fp8Experts::Off && H % 8 == 0)) {
+      // FP8 kept: the checkpoint's codes as they are (or the bf16 weights quantized), each block's scale beside
+      // them (gate rows' blocks, then up rows').
+      const int64_t br = keep_ckpt ? ld.block_rows() : qb, bc = keep_ckpt ? ld.block_cols() : qb;
+      const int64_t full = c.moe_intermediate_size;
+      auto fill = [&](const std::string& name, const Shape& shape, int64_t r0, int64_t c0, Tensor codes, Tensor sc) {
+        if (keep_ckpt) ld.load_fp8_blocks(name, shape, r0, c0, codes, sc);
+        else ld.quantize_fp8_blocks(name, shape, r0, c0, qb, codes, sc);
+      };
       w.experts_gate_up = backend_.alloc({E, 2 * Im, H}, DType::F8_E4M3);
       w.experts_down = backend_.alloc({E, H, Im}, DType::F8_E4M3);
       Tensor gs = backend_.alloc({E, 2 * Im / br, (H + bc - 1) / bc}, DType::F32);
@@ -402,12 +461,10 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
         const std::string prefix = experts + std::to_string(e) + ".";
         Tensor gu = w.experts_gate_up.rows(e, e + 1).reshape({2 * Im, H});
         Tensor gus = gs.rows(e, e + 1).reshape({2 * Im / br, gs.size(2)});
-        ld.load_fp8_blocks(prefix + "gate_proj.weight", {full, H}, tr * Im, 0, gu.rows(0, Im), gus.rows(0, Im / br));
-        ld.load_fp8_blocks(prefix + "up_proj.weight", {full, H}, tr * Im, 0, gu.rows(Im, 2 * Im),
-                           gus.rows(Im / br, 2 * Im / br));
-        ld.load_fp8_blocks(prefix + "down_proj.weight", {H, full}, 0, tr * Im,
-                           w.experts_down.rows(e, e + 1).reshape({H, Im}),
-                           ds.rows(e, e + 1).reshape({ds.size(1), Im / bc}));
+        fill(prefix + "gate_proj.weight", {full, H}, tr * Im, 0, gu.rows(0, Im), gus.rows(0, Im / br));
+        fill(prefix + "up_proj.weight", {full, H}, tr * Im, 0, gu.rows(Im, 2 * Im), gus.rows(Im / br, 2 * Im / br));
+        fill(prefix + "down_proj.weight", {H, full}, 0, tr * Im, w.experts_down.rows(e, e + 1).reshape({H, Im}),
+             ds.rows(e, e + 1).reshape({ds.size(1), Im / bc}));
       }
       w.experts_gate_up.set_block_scales(std::make_shared<const BlockScales>(BlockScales{gs, br, bc}));
       w.experts_down.set_block_scales(std::make_shared<const BlockScales>(BlockScales{ds, br, bc}));
@@ -416,8 +473,17 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
       w.experts_down = backend_.alloc({E, H, Im}, ld.matrix_dtype());
       for (int64_t e = 0; e < E; ++e) {
         const std::string prefix = experts + std::to_string(e) + ".";
-        load_gate_up(w.experts_gate_up.rows(e, e + 1).reshape({2 * Im, H}), prefix, c.moe_intermediate_size, Im);
-        load_down(w.experts_down.rows(e, e + 1).reshape({H, Im}), prefix, c.moe_intermediate_size, Im);
+        Tensor gu = w.experts_gate_up.rows(e, e + 1).reshape({2 * Im, H});
+        Tensor dn = w.experts_down.rows(e, e + 1).reshape({H, Im});
+        if (qb) {  // quantized, then dequantized again
+          const int64_t full = c.moe_intermediate_size;
+          ld.load_quantized(gu.rows(0, Im), prefix + "gate_proj.weight", {full, H}, tr * Im, 0, qb);
+          ld.load_quantized(gu.rows(Im, 2 * Im), prefix + "up_proj.weight", {full, H}, tr * Im, 0, qb);
+          ld.load_quantized(dn, prefix + "down_proj.weight", {H, full}, 0, tr * Im, qb);
+        } else {
+          load_gate_up(gu, prefix, c.moe_intermediate_size, Im);
+          load_down(dn, prefix, c.moe_intermediate_size, Im);
+        }
       }
     }
     if (c.n_shared_experts > 0) {

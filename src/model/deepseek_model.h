@@ -48,11 +48,15 @@ struct LoadOptions {
   bool dummy = false;       // --load-format dummy: random weights from config.json alone
   uint64_t seed = 0;        // dummy weights' seed
   // FP8 block checkpoints' routed experts on a backend that takes them FP8 (Backend::takes_fp8_experts): On keeps
-  // them FP8 (half the memory; each step dequantizes the experts it uses, so it runs slower than bf16), Off
-  // dequantizes them at load like every other FP8 weight, Auto keeps them only when their bf16 form would take more
-  // than half of the backend's free weight memory (--fp8-experts).
+  // them FP8 (half the memory; the MoE kernels read them as they are: about bf16's speed at 1-4 tokens, slower at
+  // more, docs/perf.md), Off dequantizes them at load like every other FP8 weight, Auto keeps them only when their
+  // bf16 form would take more than half of the backend's free weight memory (--fp8-experts).
   enum class Fp8Experts { Auto, On, Off };
   Fp8Experts fp8_experts = Fp8Experts::Auto;
+  // --quantization fp8 on a checkpoint without quantization: its routed experts quantized to FP8 at load
+  // (cpu::quantize_fp8, blocks of 128, or the largest power of two down to 8 dividing a rank's expert width), kept FP8
+  // on a backend that takes them unless fp8_experts is Off, else dequantized again (the same model in bf16).
+  bool quantize_fp8 = false;
 };
 // --fp8-experts auto|on|off.
 LoadOptions::Fp8Experts parse_fp8_experts(const std::string& s);

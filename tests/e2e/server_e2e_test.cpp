@@ -652,7 +652,7 @@ TEST(ServerE2EVariants, DataParallelReportsOneStateObjectPerRank) {
 }
 
 TEST(ServeFlags, RecognisedButNotImplementedExitNonZero) {
-  for (const std::string flags : {"--quantization fp8", "--kv-cache-dtype fp8_e4m3", "--dtype float16"}) {
+  for (const std::string flags : {"--quantization gptq", "--kv-cache-dtype fp8_e4m3", "--dtype float16"}) {
     auto r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --model-path " + e2e_model_dir() +
                          " --tokenizer-path " + deepseek_tokenizer_dir() + " --load-format dummy --port 0 " + flags);
     EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;
@@ -661,9 +661,12 @@ TEST(ServeFlags, RecognisedButNotImplementedExitNonZero) {
   auto r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --model-path " + e2e_model_dir() +
                        " --no-such-flag 1");
   EXPECT_NE(r.exit_code, 0);
-  // --quantization naming the checkpoint's own method is accepted (serving starts; the timeout ends it), another is
-  // refused.
+  // --quantization naming the checkpoint's own method is accepted (serving starts; the timeout ends it), fp8 on a
+  // bf16 checkpoint quantizes at load, another method is refused.
   r = run_command(std::string("timeout 8 ") + MLASERVE_BINARY + " serve --model-path " + golden_dir("v3-fp8") +
+                  " --skip-tokenizer-init --device cpu --port 0 --quantization fp8");
+  EXPECT_NE(r.output.find("serving"), std::string::npos) << r.output;
+  r = run_command(std::string("timeout 8 ") + MLASERVE_BINARY + " serve --model-path " + golden_dir("v3") +
                   " --skip-tokenizer-init --device cpu --port 0 --quantization fp8");
   EXPECT_NE(r.output.find("serving"), std::string::npos) << r.output;
   r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --model-path " + golden_dir("v3-fp8") +

@@ -9,8 +9,10 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 
+#include "backend/cpu/cpu_kernels.h"
 #include "backend/forwarding_backend.h"
 #include "core/dtype.h"
+#include "core/random.h"
 #include "engine/offline.h"
 #include "engine/rank_set.h"
 #include "io/safetensors.h"
@@ -103,7 +105,7 @@ TEST(Loader, QuantizedDtypeWithoutConfigIsRefused) {
 
 namespace {
 
-// The E4M3 code nearest to x (ties to the lower magnitude; x within +-448).
+// The E4M3 code nearest to x (ties to the even code; x within +-448).
 uint8_t to_e4m3(float x) {
   static const std::vector<std::pair<float, uint8_t>> pos = [] {
     std::vector<std::pair<float, uint8_t>> v;
@@ -113,7 +115,10 @@ uint8_t to_e4m3(float x) {
   const float a = std::fabs(x);
   auto it = std::lower_bound(pos.begin(), pos.end(), a, [](const auto& p, float v) { return p.first < v; });
   if (it == pos.end()) it = pos.end() - 1;
-  if (it != pos.begin() && a - (it - 1)->first <= it->first - a) --it;
+  if (it != pos.begin()) {
+    const float below = a - (it - 1)->first, above = it->first - a;
+    if (below < above || (below == above && (it - 1)->second % 2 == 0)) --it;
+  }
   return static_cast<uint8_t>(it->second | (x < 0 ? 0x80 : 0));
 }
 
@@ -129,13 +134,15 @@ float value_of(const Tensor& t, int64_t i) {
   return t.dtype() == DType::BF16 ? bf16_to_f32(t.data_as<uint16_t>()[i]) : t.data_as<float>()[i];
 }
 
-// Writes the golden family's FP8 checkpoint (block scales of br x bc, or one scale per tensor when br == 0) to
-// `fp8` and its dequantized model (those weights as F32, the rest unchanged) to `ref`.
-void write_fp8_pair(const std::string& family, const fs::path& fp8, const fs::path& ref, int64_t br, int64_t bc) {
+// Writes the golden family's FP8 checkpoint (block scales of br x bc, or one scale per tensor when br == 0; only the
+// routed experts with `experts_only`) to `fp8` and its dequantized model (those weights as F32, the rest unchanged) to
+// `ref`.
+void write_fp8_pair(const std::string& family, const fs::path& fp8, const fs::path& ref, int64_t br, int64_t bc,
+                    bool experts_only = false) {
   std::map<std::string, Tensor> q_ts, r_ts;
   rewrite_checkpoint(family, ref, [&](std::map<std::string, Tensor>& ts) {
     for (auto& [n, t] : ts) {
-      if (!quantizable(n, t)) {
+      if (!quantizable(n, t) || (experts_only && n.find("mlp.experts.") == std::string::npos)) {
         q_ts[n] = t;
         continue;
       }
@@ -192,9 +199,10 @@ class TakesFp8Experts : public ForwardingBackend {
   std::unique_ptr<Backend> own_;
 };
 
-// The prompt's logits on `tp` CPU ranks (taking FP8 experts when `fp8_experts`); `weight_bytes` gets a rank's.
+// The prompt's logits on `tp` CPU ranks (taking FP8 experts when `fp8_experts`; quantizing the routed experts to FP8
+// at load with `quantize_fp8`); `weight_bytes` gets a rank's.
 std::vector<float> ranks_logits(const fs::path& dir, int32_t tp, bool fp8_experts = false,
-                                int64_t* weight_bytes = nullptr) {
+                                int64_t* weight_bytes = nullptr, bool quantize_fp8 = false) {
   ParallelConfig pc;
   pc.tp_size = tp;
   pc.device = "cpu";
@@ -204,6 +212,7 @@ std::vector<float> ranks_logits(const fs::path& dir, int32_t tp, bool fp8_expert
     };
   LoadOptions lo;
   lo.fp8_experts = fp8_experts ? LoadOptions::Fp8Experts::On : LoadOptions::Fp8Experts::Off;
+  lo.quantize_fp8 = quantize_fp8;
   RankSet ranks(ModelConfig::from_file(dir.string()), pc, dir.string(), lo);
   if (weight_bytes) *weight_bytes = ranks.weight_bytes_per_rank();
   OfflineOptions o;
@@ -260,6 +269,69 @@ TEST(Loader, Fp8ExpertsKeptQuantizedAreTheSameModel) {
       if (tp == 1 || c.tp2_kept) EXPECT_LT(kept_bytes, plain_bytes) << "tp " << tp;
       else EXPECT_EQ(kept_bytes, plain_bytes) << "tp " << tp;
     }
+  }
+}
+
+// cpu::quantize_fp8: each block's scale is its largest magnitude / 448 (edge blocks cut short; 1 for zeros), its
+// codes the nearest to w / scale; so the largest element comes back as itself (within f32 rounding) and every
+// element within half a code step.
+TEST(Loader, QuantizeFp8Blocks) {
+  const int64_t R = 40, C = 72, b = 16, sr = 3, sc = 5;
+  std::vector<float> w(static_cast<size_t>(R * C));
+  uint64_t st = 11;
+  for (float& v : w) v = static_cast<float>(static_cast<int64_t>((st = splitmix64(st)) % 20001) - 10000) * 1e-4f;
+  for (int64_t r = 16; r < 32; ++r)
+    for (int64_t c = 16; c < 32; ++c) w[static_cast<size_t>(r * C + c)] = 0.0f;  // block (1, 1): zeros
+  w[5 * C + 70] = 3.5f;                                                            // block (0, 4)'s largest
+  std::vector<uint8_t> codes(w.size());
+  std::vector<float> scales(static_cast<size_t>(sr * sc)), back(w.size());
+  cpu::quantize_fp8(w.data(), R, C, b, b, codes.data(), scales.data());
+  cpu::dequant_fp8(codes.data(), scales.data(), 1, R, C, b, b, back.data());
+  for (int64_t i = 0; i < sr; ++i)
+    for (int64_t j = 0; j < sc; ++j) {
+      float amax = 0.0f;
+      for (int64_t r = i * b; r < std::min(R, (i + 1) * b); ++r)
+        for (int64_t c = j * b; c < std::min(C, (j + 1) * b); ++c) amax = std::max(amax, std::fabs(w[r * C + c]));
+      EXPECT_EQ(scales[static_cast<size_t>(i * sc + j)], amax > 0 ? amax / 448.0f : 1.0f) << i << "," << j;
+    }
+  EXPECT_NEAR(back[5 * C + 70], 3.5f, 1e-6f);
+  for (size_t i = 0; i < w.size(); ++i) {
+    const float s = scales[static_cast<size_t>((static_cast<int64_t>(i) / C / b) * sc + (static_cast<int64_t>(i) % C) / b)];
+    ASSERT_EQ(codes[i], to_e4m3(w[i] / s)) << i;
+    // half a code step: 1/16 of the value's power of two, 2^-10 in the subnormal range (scaled)
+    const float a = std::fabs(w[i] / s), step = a < 0x1p-6f ? 0x1p-9f : std::ldexp(1.0f, std::ilogb(a) - 3);
+    ASSERT_LE(std::fabs(back[i] - w[i]), step / 2 * s * 1.0001f) << i;
+  }
+  EXPECT_EQ(codes[17 * C + 17], 0);
+}
+
+// --quantization fp8 (LoadOptions::quantize_fp8) on a bf16 checkpoint: its routed experts quantized at load (blocks
+// of the largest power of two dividing a rank's expert width: v3's 48 rows give 16 x 16 blocks at tp 1, 8 x 8 at
+// tp 2) are the model of the FP8 checkpoint of the same experts in the same blocks (written by this test's own
+// quantizer), bit for bit: kept FP8 (a backend that takes them: less memory) or dequantized again. And not the
+// bf16 model.
+TEST(Loader, QuantizeFp8AtLoadIsTheFp8Checkpoint) {
+  const fs::path bf16 = test::golden_dir("v3");
+  for (int32_t tp : {1, 2}) {
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    const int64_t b = tp == 1 ? 16 : 8;
+    auto fp8 = test::temp_dir("fp8q"), ref = test::temp_dir("fp8qref");
+    write_fp8_pair("v3", fp8, ref, b, b, /*experts_only=*/true);
+    int64_t kept_bytes = 0, plain_bytes = 0;
+    const auto want = ranks_logits(fp8, tp);
+    const auto kept = ranks_logits(bf16, tp, /*fp8_experts=*/true, &kept_bytes, /*quantize_fp8=*/true);
+    const auto again = ranks_logits(bf16, tp, /*fp8_experts=*/false, &plain_bytes, /*quantize_fp8=*/true);
+    ASSERT_EQ(kept.size(), want.size());
+    ASSERT_EQ(again.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_EQ(kept[i], want[i]) << "logit " << i;
+      ASSERT_EQ(again[i], want[i]) << "logit " << i;
+    }
+    EXPECT_LT(kept_bytes, plain_bytes);
+    const auto orig = ranks_logits(bf16, tp);
+    double diff = 0.0;
+    for (size_t i = 0; i < want.size(); ++i) diff = std::max(diff, static_cast<double>(std::fabs(want[i] - orig[i])));
+    EXPECT_GT(diff, 1e-4);
   }
 }
 

@@ -31,6 +31,45 @@ TEST(DType, Fp8E4m3Decode) {
   EXPECT_TRUE(std::isnan(f8e4m3_to_f32(0x7f)));
 }
 
+// The reference: the code of least |value - x| over all finite codes of x's sign, ties to the even code.
+uint8_t nearest_e4m3(float x) {
+  uint8_t best = 0;
+  double bd = 1e30;
+  for (int c = 0; c < 0x7f; ++c) {
+    const double d = std::fabs(static_cast<double>(f8e4m3_to_f32(static_cast<uint8_t>(c))) - std::fabs(x));
+    if (d < bd || (d == bd && c % 2 == 0)) {
+      bd = d;
+      best = static_cast<uint8_t>(c);
+    }
+  }
+  return static_cast<uint8_t>(best | (std::signbit(x) ? 0x80 : 0));
+}
+
+TEST(DType, Fp8E4m3EncodeRoundsToNearestEven) {
+  for (int c = 0; c < 256; ++c) {  // every finite code's value is its own code (the sign of zero kept)
+    if ((c & 0x7f) == 0x7f) continue;
+    EXPECT_EQ(f32_to_e4m3(f8e4m3_to_f32(static_cast<uint8_t>(c))), c) << c;
+  }
+  for (int c = 0; c < 0x7e; ++c) {  // halfway between neighbours: the even code; either side of it: the nearer
+    const float lo = f8e4m3_to_f32(static_cast<uint8_t>(c)), hi = f8e4m3_to_f32(static_cast<uint8_t>(c + 1));
+    const float mid = (lo + hi) / 2;
+    EXPECT_EQ(f32_to_e4m3(mid), c % 2 == 0 ? c : c + 1) << c;
+    EXPECT_EQ(f32_to_e4m3(std::nextafter(mid, 0.0f)), c) << c;
+    EXPECT_EQ(f32_to_e4m3(std::nextafter(mid, 1e9f)), c + 1) << c;
+    EXPECT_EQ(f32_to_e4m3(-mid), (c % 2 == 0 ? c : c + 1) | 0x80) << c;
+  }
+  EXPECT_EQ(f32_to_e4m3(460.0f), 0x7e);  // saturated, not NaN
+  EXPECT_EQ(f32_to_e4m3(-1e9f), 0xfe);
+  EXPECT_EQ(f32_to_e4m3(INFINITY), 0x7e);
+  EXPECT_EQ(f32_to_e4m3(std::nanf("")), 0x7f);
+  uint64_t st = 7;
+  for (int i = 0; i < 20000; ++i) {  // random magnitudes over the whole range, subnormals included
+    st = splitmix64(st);
+    const float x = std::ldexp(static_cast<float>(st >> 40) / 16777216.0f - 0.5f, static_cast<int>(st % 22) - 12);
+    ASSERT_EQ(f32_to_e4m3(x), nearest_e4m3(x)) << x;
+  }
+}
+
 TEST(DType, NamesRoundTrip) {
   for (DType t : {DType::F32, DType::F16, DType::BF16, DType::F8_E4M3, DType::I64, DType::I32})
     EXPECT_EQ(dtype_from_name(dtype_name(t)), t);

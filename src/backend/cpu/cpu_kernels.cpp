@@ -35,6 +35,24 @@ void dequant_fp8(const uint8_t* w, const float* scale, int64_t B, int64_t R, int
       }
 }
 
+void quantize_fp8(const float* w, int64_t R, int64_t C, int64_t block_rows, int64_t block_cols, uint8_t* codes,
+                  float* scales) {
+  const int64_t sr = (R + block_rows - 1) / block_rows, sc = (C + block_cols - 1) / block_cols;
+  parallel_for(sr, 1, [&](int64_t ib, int64_t ie) {
+    for (int64_t i = ib; i < ie; ++i)
+      for (int64_t j = 0; j < sc; ++j) {
+        const int64_t r1 = std::min(R, (i + 1) * block_rows), c0 = j * block_cols, c1 = std::min(C, c0 + block_cols);
+        float amax = 0.0f;
+        for (int64_t r = i * block_rows; r < r1; ++r)
+          for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(w[r * C + c]));
+        const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+        scales[i * sc + j] = s;
+        for (int64_t r = i * block_rows; r < r1; ++r)
+          for (int64_t c = c0; c < c1; ++c) codes[r * C + c] = f32_to_e4m3(w[r * C + c] / s);
+      }
+  });
+}
+
 void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) {
   if (sd == dd) {
     std::memcpy(dst, src, static_cast<size_t>(n) * dtype_size(sd));

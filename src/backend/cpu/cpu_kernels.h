@@ -14,6 +14,11 @@ void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64
 // (which rounds each product to bf16).
 void dequant_fp8(const uint8_t* w, const float* scale, int64_t B, int64_t R, int64_t C, int64_t block_rows,
                  int64_t block_cols, float* out);
+// An R x C matrix quantized to FP8 in blocks of block_rows x block_cols (--quantization fp8): each block's scale is
+// its largest magnitude / 448 (1 for an all-zero block), its codes f32_to_e4m3(w / scale); scales as dequant_fp8
+// reads them ([ceil(R / block_rows), ceil(C / block_cols)]).
+void quantize_fp8(const float* w, int64_t R, int64_t C, int64_t block_rows, int64_t block_cols, uint8_t* codes,
+                  float* scales);
 
 // ids[t] < 0, -(k + 1), becomes prev[k] (0 when k >= n_prev); others stay (Backend::resolve_prev_ids).
 void resolve_prev_ids(int32_t* ids, int64_t n, const int32_t* prev, int64_t n_prev);
