@@ -150,12 +150,12 @@ TEST(CudaModel, GoldenV3) { REQUIRE_GPU(); golden_family("v3"); }
 // matches Hugging Face to 1e-5 (docs/status.md).
 TEST(CudaModel, GoldenV3Fp8Blocks) { REQUIRE_GPU(); golden_family("v3-fp8"); }
 // Real-dims families, generated on the device by tools/golden/make_golden.py (real16, real128).
-// An FP8 checkpoint's routed experts kept FP8 on the GPU (the default: F8 codes and block scales, dequantized by
-// moe_experts where the step uses them) give the logits and greedy tokens of their dequantization at load bit for
-// bit, in less memory.
-TEST(CudaModel, Fp8ExpertsKeptAreTheDequantizedModel) {
-  REQUIRE_GPU();
-  const std::string dir = golden_dir() + "/v3-fp8";
+// An FP8 checkpoint's routed experts kept FP8 on the GPU (F8 codes and block scales, read as they are by the MoE
+// kernels: 16 x 16 blocks take the exact conversions at every batch) give the logits and greedy tokens of their
+// dequantization at load bit for bit, in less memory; so do a bf16 checkpoint's experts quantized at load
+// (--quantization fp8: v3's 48 expert rows in 16 x 16 blocks) against the same quantization dequantized again.
+void fp8_experts_kept_vs_dequantized(const std::string& family, bool quantize) {
+  const std::string dir = golden_dir() + "/" + family;
   if (!std::filesystem::exists(dir + "/reference.safetensors")) GTEST_SKIP() << "no golden data at " << dir;
   const Prompts ref = read_reference(dir + "/reference.safetensors");
   auto run = [&](bool keep, int64_t& bytes) {
@@ -163,6 +163,7 @@ TEST(CudaModel, Fp8ExpertsKeptAreTheDequantizedModel) {
     DeepseekModel m(ModelConfig::from_file(dir), *be);
     LoadOptions lo;
     lo.fp8_experts = keep ? LoadOptions::Fp8Experts::On : LoadOptions::Fp8Experts::Off;
+    lo.quantize_fp8 = quantize;
     m.load(dir, lo);
     bytes = m.weight_bytes();
     OfflineOptions o;
@@ -172,13 +173,23 @@ TEST(CudaModel, Fp8ExpertsKeptAreTheDequantizedModel) {
   int64_t kept_bytes = 0, plain_bytes = 0;
   const OfflineResult a = run(true, kept_bytes), b = run(false, plain_bytes);
   EXPECT_LT(kept_bytes, plain_bytes);
-  std::printf("  v3-fp8 weights: %lld bytes with FP8 experts, %lld dequantized at load\n",
+  std::printf("  %s weights: %lld bytes with FP8 experts, %lld dequantized at load\n", family.c_str(),
               static_cast<long long>(kept_bytes), static_cast<long long>(plain_bytes));
   for (size_t j = 0; j < ref.prompts.size(); ++j) {
     const Diff d = diff(b.prompt_logits[j], a.prompt_logits[j]);
     EXPECT_EQ(d.max_abs, 0.0) << "prompt " << j;
     EXPECT_EQ(a.greedy[j], b.greedy[j]) << "prompt " << j;
   }
+}
+
+TEST(CudaModel, Fp8ExpertsKeptAreTheDequantizedModel) {
+  REQUIRE_GPU();
+  fp8_experts_kept_vs_dequantized("v3-fp8", false);
+}
+
+TEST(CudaModel, QuantizedAtLoadFp8ExpertsKeptAreTheDequantizedModel) {
+  REQUIRE_GPU();
+  fp8_experts_kept_vs_dequantized("v3", true);
 }
 
 TEST(CudaModel, GoldenReal16Heads) { REQUIRE_GPU(); golden_family("real16"); }
