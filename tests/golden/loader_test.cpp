@@ -296,7 +296,8 @@ TEST(Loader, QuantizeFp8Blocks) {
     }
   EXPECT_NEAR(back[5 * C + 70], 3.5f, 1e-6f);
   for (size_t i = 0; i < w.size(); ++i) {
-    const float s = scales[static_cast<size_t>((static_cast<int64_t>(i) / C / b) * sc + (static_cast<int64_t>(i) % C) / b)];
+    const int64_t r = static_cast<int64_t>(i) / C, c = static_cast<int64_t>(i) % C;
+    const float s = scales[static_cast<size_t>(r / b * sc + c / b)];
     ASSERT_EQ(codes[i], to_e4m3(w[i] / s)) << i;
     // half a code step: 1/16 of the value's power of two, 2^-10 in the subnormal range (scaled)
     const float a = std::fabs(w[i] / s), step = a < 0x1p-6f ? 0x1p-9f : std::ldexp(1.0f, std::ilogb(a) - 3);

@@ -2,8 +2,9 @@
 // for all rows of the batch (gemv_t: y = x W^T, a warp per row or 16 rows per warp on tensor cores; gemv_n: y = x W),
 // the router product fused with the routing (moe_gate), and the MoE of at most kMoeSmallRows tokens in two kernels
 // (gate/up + SiLU; down + the weighted sum + the shared experts), each block finding the batch's distinct experts
-// itself; FP8 experts there on tensor cores (fp8_tile) when their scale blocks are whole 64-column chunks. At one token the one-row pair and the router also compute their input row's residual add + RMSNorm
-// (gemv_t_pair_norm, moe_gate_norm), and MLA's W_UV sums the decode splits itself (mla_combine_uv).
+// itself; FP8 experts there on tensor cores (fp8_tile) when their scale blocks are whole 64-column chunks. At one
+// token the one-row pair and the router also compute their input row's residual add + RMSNorm (gemv_t_pair_norm,
+// moe_gate_norm), and MLA's W_UV sums the decode splits itself (mla_combine_uv).
 // They are launched with programmatic dependent launch: each warp loads its first weights before pdl_wait(), so a
 // kernel's weight reads overlap the kernel before it. CPU references: cpu::linear, cpu::route_token (through
 // CpuBackend::moe_gate = linear + moe_route), cpu::moe_experts + add_shared_experts, cpu::rmsnorm_row,
@@ -98,8 +99,8 @@ __device__ __forceinline__ void fp8x4_bf16(uint32_t q, uint32_t& lo, uint32_t& h
 // acc[j] += the products of this lane's token (A row lane / 4) with weight row 2 (lane % 4) + j of the warp's 8 (the C
 // fragment's two columns). w: this lane's weight row at column 16 (lane % 4), nch chunks of 64 codes; x: its token's
 // activations at the same column (null: zeros); s0 / s1: the block-scale rows of weight rows 2 (lane % 4) and
-// 2 (lane % 4) + 1, one scale per 2^cps_shift chunks. Two sets of U chunks in flight: one loads while the other is
-// computed.
+// 2 (lane % 4) + 1, one scale per 2^cps_shift chunks. U chunks of loads in flight, then computed (two sets, one
+// loading while the other is computed, measured slower: docs/perf.md).
 template <int U>
 __device__ __forceinline__ void fp8_tile(float (&acc)[2], const uint8_t* w, const bf16* x, const float* s0,
                                          const float* s1, int nch, int cps_shift) {
@@ -1091,14 +1092,14 @@ cudaError_t moe_small_launch(const MoeSmallArgs& a, MoePlan* plan, int shared_se
   auto down = [&](auto kernel, int cols, const MoePlan* p) {
     return launch(kernel, static_cast<unsigned>((a.H + cols - 1) / cols), kWarps * 32, 0, stream, a, p, shared_segs);
   };
-  constexpr int GB1 = TC ? 2 : 4;  // gate/up blocks per SM at one token
+  constexpr int GB1 = TC ? 2 : 4, UT1 = TC ? 8 : U;  // gate/up blocks per SM, fp8_tile's chunks at one token
   const MoePlan* none = nullptr;
   cudaError_t e;
   if (a.T == 1) {
-    e = launch(moe_small_gate_up_kernel<1, U, GB1, FP8, TC, 8>, gate_up_grid(GB1), kWarps * 32, 0, stream, a,
+    e = launch(moe_small_gate_up_kernel<1, U, GB1, FP8, TC, UT1>, gate_up_grid(GB1), kWarps * 32, 0, stream, a,
                static_cast<MoePlan*>(nullptr));
     if (e != cudaSuccess) return e;
-    if constexpr (TC) return down(moe_small_down_kernel<1, 8, U, 2, FP8, TC, 8>, 8, none);
+    if constexpr (TC) return down(moe_small_down_kernel<1, 8, U, 2, FP8, TC, UT1>, 8, none);
     return down(moe_small_down_kernel<1, 4, U, 4, FP8>, 4, none);
   }
   if (a.T > 2) {
@@ -1127,7 +1128,7 @@ cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStrea
   // FP8 experts in whole 64-column scale blocks (a power of two of chunks) go to the tensor cores (fp8_tile).
   const bool tc = a.gate_up_scale && a.H % 64 == 0 && a.I % 64 == 0 && a.block_cols % 64 == 0 &&
                   ((a.block_cols / 64) & (a.block_cols / 64 - 1)) == 0;
-  // The shared experts' row in slices of about the bytes of one routed row each (at most one slice per warp).
+  // The shared experts' row in slices of about one routed row each (at most one slice per warp).
   const int shared_segs = a.Is == 0 ? 0 : std::min(kWarps, std::max(1, (a.Is + a.I / 2) / a.I));
   const int64_t gate_up_items = static_cast<int64_t>(max_unique) * (tc ? a.I / 4 : a.I) + a.Is;
   // Gate/up: persistent blocks, as many as fit at once, or fewer when there are fewer items (a warp each).
