@@ -407,6 +407,7 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
 
   layers_.clear();
   layers_.resize(static_cast<size_t>(c.num_hidden_layers));
+  bool logged_quantization = false;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     LayerWeights& w = layers_[static_cast<size_t>(l)];
     w.input_norm = ld.make(layer_name(l, "input_layernorm.weight"), {H}, {H}, 0, 0, Kind::Norm);
@@ -443,8 +444,19 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
     const std::string experts = layer_name(l, "mlp.experts.");
     const int64_t qb = ld.quantize_block(Im);  // --quantization fp8
     const bool keep_ckpt = ld.keep_fp8_experts(experts + "0.gate_proj.weight", Im, tr * Im, H);
-    if (keep_ckpt ||
-        (qb && backend_.takes_fp8_experts() && opts.fp8_experts != LoadOptions::Fp8Experts::Off && H % 8 == 0)) {
+    const bool keep_quantized =
+        qb && backend_.takes_fp8_experts() && opts.fp8_experts != LoadOptions::Fp8Experts::Off && H % 8 == 0;
+    if (qb && !logged_quantization) {
+      MLA_LOG_INFO("quantizing the routed experts to FP8 in {}x{} blocks ({})", qb, qb,
+                   keep_quantized ? "kept FP8" : "dequantized again: this backend keeps no FP8 experts");
+      logged_quantization = true;
+    } else if (opts.quantize_fp8 && !qb && !logged_quantization) {
+      MLA_LOG_INFO("--quantization fp8: {}", config_.quant != QuantMethod::None
+                                                  ? "the checkpoint is quantized already; loading its own weights"
+                                                  : "no block size divides the experts' width; they stay bf16");
+      logged_quantization = true;
+    }
+    if (keep_ckpt || keep_quantized) {
       // FP8 kept: the checkpoint's codes as they are (or the bf16 weights quantized), each block's scale beside
       // them (gate rows' blocks, then up rows').
       const int64_t br = keep_ckpt ? ld.block_rows() : qb, bc = keep_ckpt ? ld.block_cols() : qb;

@@ -1251,7 +1251,8 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
                   x.dtype() == DType::BF16 && out.dtype() == DType::BF16,
               "moe_experts: FP8 experts gate_up {} / down {} do not match x {}", shape_str(gate_up.shape()),
               shape_str(down.shape()), shape_str(x.shape()));
-    if (T >= 1 && !moe_uses_cublas(T * k, E) && gs->block_cols % 16 == 0 && H % 16 == 0 && I % 16 == 0) {
+    if (T >= 1 && !moe_uses_cublas(T * k, E) && gs->block_cols % 16 == 0 && ds->block_cols % 16 == 0 &&
+        H % 16 == 0 && I % 16 == 0) {  // the grouped kernels' FP8 tiles (16 codes per copy, each in one block)
       moe_routed(x, topk_ids, topk_weights, gate_up, down, expert_begin, out, gs, ds);
       add_shared_experts(*this, x, shared_gate_up, shared_down, out);
       return;
