@@ -56,6 +56,7 @@ struct ServeArgs {
   std::string reasoning_parser;
   std::string tool_call_parser;
   std::string chat_template;
+  std::string completion_template;
   std::string fp8_experts = "auto";
   // mlaserve's own.
   size_t max_body_bytes = 256u << 20;
@@ -214,6 +215,8 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
                  "split chat output into reasoning_content and content (deepseek-r1)");
   app.add_option("--tool-call-parser", a->tool_call_parser, "parse tool calls out of chat output (deepseekv3)");
   app.add_option("--chat-template", a->chat_template, "a Jinja chat template file replacing the tokenizer's");
+  app.add_option("--completion-template", a->completion_template,
+                 "deepseek_coder: completions' suffix as DeepSeek's fill in the middle (always on with its tokens)");
   app.add_option("--fp8-experts", a->fp8_experts,
                  "FP8 routed experts: auto|on (kept FP8: half the memory)|off (bf16 at load)")
       ->capture_default_str();
@@ -241,6 +244,9 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
                                 "without the flag)",
                                 s.quantization));
     not_implemented(s.dtype != "auto" && s.dtype != "bfloat16" && s.dtype != "bf16", fmt::format("--dtype {}", s.dtype));
+    not_implemented(!s.completion_template.empty() && s.completion_template != "deepseek_coder",
+                    fmt::format("--completion-template {} (deepseek_coder's fill in the middle is built in)",
+                                s.completion_template));
     not_implemented(s.kv_cache_dtype != "auto" && s.kv_cache_dtype != "bfloat16" && s.kv_cache_dtype != "bf16",
                     fmt::format("--kv-cache-dtype {}", s.kv_cache_dtype));
     MLA_CHECK(s.nnodes >= 1 && s.node_rank >= 0 && s.node_rank < s.nnodes, "--node-rank {} must be in [0, --nnodes {})",

@@ -80,6 +80,8 @@ class Api {
   // /health_generate: one token generated (200), or 503 when the engine fails it.
   void health_generate(const std::shared_ptr<HttpExchange>& ex);
   Prepared prepare(ParsedRequest& pr);
+  // Completions `suffix`: the prompts' ids made into DeepSeek's fill-in-the-middle prompt.
+  void fill_in_the_middle(ParsedRequest& pr) const;
   void respond_json(const std::shared_ptr<HttpExchange>& ex, int status, const std::string& body);
   void respond_error(const std::shared_ptr<HttpExchange>& ex, int status, const std::string& body);
   std::string new_id();

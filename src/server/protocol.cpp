@@ -220,7 +220,6 @@ void parse_stream_options(const Fields& f, ParsedRequest& r) {
 
 void parse_openai_common(const Fields& f, const ParseLimits& limits, ParsedRequest& r) {
   if (auto v = f.string("model")) r.model = *v;
-  f.reject_unsupported("suffix", "no insertion mode");
   if (const json* b = f.get("best_of")) {
     int64_t best_of = Fields::as_integer(*b, "best_of", 1, limits.max_n);
     if (best_of != r.n) bad_request("best_of", "unsupported_parameter", "'best_of' different from 'n' is not supported");
@@ -343,6 +342,11 @@ ParsedRequest parse_completions(const json& body, const ParseLimits& limits) {
                 "'prompt' must be a string, an array of strings, or (arrays of) token ids");
   }
   if (auto v = f.boolean("echo")) r.echo = *v;
+  if (const json* sfx = f.get("suffix")) {  // fill in the middle (null: none)
+    if (!sfx->is_string()) bad_request("suffix", "invalid_type", "'suffix' must be a string, got {}", type_name(*sfx));
+    if (r.echo) bad_request("suffix", "invalid_value", "'suffix' cannot be combined with 'echo'");
+    if (!sfx->get<std::string>().empty()) r.suffix = sfx->get<std::string>();  // "": no hole, a plain completion
+  }
   // max_tokens 0 with echo: the prompt alone (and its logprobs), as vLLM allows.
   parse_sampling(f, {"max_tokens"}, limits, r, /*zero_ok=*/r.echo);
   if (!r.max_new_tokens_given) r.sampling.max_new_tokens = 16;  // OpenAI's default for completions
@@ -360,6 +364,7 @@ ParsedRequest parse_chat(const json& body, const ParseLimits& limits) {
   ParsedRequest r;
   r.api = ApiKind::Chat;
   Fields f(body, "");
+  f.reject_unsupported("suffix", "fill in the middle is a completions feature");
   const json* msgs = f.get("messages");
   if (!msgs) bad_request("messages", "invalid_value", "'messages' is required");
   if (!msgs->is_array() || msgs->empty())

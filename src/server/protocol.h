@@ -23,6 +23,8 @@ struct PromptInput {
 
 struct ParsedRequest {
   ApiKind api = ApiKind::Native;
+  // Completions `suffix`: fill in the middle (the prompt is the text before the hole, this the text after it).
+  std::optional<std::string> suffix;
   std::vector<PromptInput> prompts;  // one entry unless a batch
   bool batch = false;                // the input was a list: the native response is a list too
   SamplingParams sampling;           // engine-level sampling (max_new_tokens may be filled in later)

@@ -535,6 +535,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     pr.prompts = {{prompt, {}}};
     pr.prompts[0].input_ids = codec_->encode(prompt, /*add_special_tokens=*/false);
   }
+  if (pr.suffix) fill_in_the_middle(pr);
   for (size_t i = 0; i < pr.prompts.size(); ++i) {
     PromptInput& in = pr.prompts[i];
     JobPrompt jp;
@@ -602,6 +603,36 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                          pr.batch || pr.n > 1,
                          codec_};
   return p;
+}
+
+// Completions `suffix` (DeepSeek's fill in the middle, as DeepSeek-Coder is prompted and SGLang's deepseek_coder
+// completion template writes it): each prompt becomes <｜fim▁begin｜> prompt <｜fim▁hole｜> suffix <｜fim▁end｜> (after
+// the BOS a text prompt gets; a token-id prompt's leading BOS stays first), and the model writes the hole.
+void Api::fill_in_the_middle(ParsedRequest& pr) const {
+  if (!codec_)
+    throw ApiError(400, "'suffix' needs a tokenizer; this server runs without one", "suffix", "no_tokenizer");
+  auto special = [&](const char* text) {
+    const std::vector<int32_t> ids = codec_->encode(text, /*add_special_tokens=*/false);
+    if (ids.size() != 1 || codec_->token_text(ids[0]) != text)
+      throw ApiError(400,
+                     fmt::format("'suffix' (fill in the middle) needs a tokenizer with DeepSeek's FIM tokens; this one "
+                                 "has no {} token",
+                                 text),
+                     "suffix", "unsupported_parameter");
+    return ids[0];
+  };
+  const int32_t begin = special("<｜fim▁begin｜>"), hole = special("<｜fim▁hole｜>"), end = special("<｜fim▁end｜>");
+  const std::vector<int32_t> bos = codec_->encode("", /*add_special_tokens=*/true);  // [BOS] or nothing
+  const std::vector<int32_t> after = codec_->encode(*pr.suffix, /*add_special_tokens=*/false);
+  for (PromptInput& in : pr.prompts) {
+    std::vector<int32_t> ids = in.text ? codec_->encode(*in.text, /*add_special_tokens=*/true) : in.input_ids;
+    const auto at = ids.begin() + (bos.size() == 1 && !ids.empty() && ids[0] == bos[0] ? 1 : 0);
+    ids.insert(at, begin);
+    ids.push_back(hole);
+    ids.insert(ids.end(), after.begin(), after.end());
+    ids.push_back(end);
+    in.input_ids = std::move(ids);
+  }
 }
 
 void Api::tokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {

@@ -378,6 +378,29 @@ TEST_F(ServerE2E, TokenizeAndDetokenize) {
   wait_idle(port());
 }
 
+// Completions `suffix` is DeepSeek's fill in the middle: the same tokens and greedy text as the prompt written with
+// the FIM markers as text (they are special tokens), for a text prompt and for its token ids (BOS first); an empty
+// suffix is a plain completion.
+TEST_F(ServerE2E, SuffixIsDeepSeekFillInTheMiddle) {
+  const std::string pre = R"(def add(a, b):\n    return)", post = R"(\n\nprint(add(1, 2))\n)";
+  const std::string tail = R"(, "max_tokens": 6, "temperature": 0})";
+  auto fim = post_json(port(), "/v1/completions", R"({"prompt": ")" + pre + R"(", "suffix": ")" + post + "\"" + tail);
+  const std::string marked = "<｜fim▁begin｜>" + pre + "<｜fim▁hole｜>" + post + "<｜fim▁end｜>";
+  auto want = post_json(port(), "/v1/completions", R"({"prompt": ")" + marked + "\"" + tail);
+  auto t = post_json(port(), "/tokenize", R"({"prompt": ")" + marked + R"("})");
+  EXPECT_EQ(fim["usage"]["prompt_tokens"], want["usage"]["prompt_tokens"]);
+  EXPECT_EQ(fim["usage"]["prompt_tokens"], t["count"]);
+  EXPECT_EQ(fim["choices"][0]["text"], want["choices"][0]["text"]);
+  auto ids = post_json(port(), "/tokenize", R"({"prompt": ")" + pre + R"("})")["tokens"];
+  auto by_ids = post_json(port(), "/v1/completions",
+                          R"({"prompt": )" + ids.dump() + R"(, "suffix": ")" + post + "\"" + tail);
+  EXPECT_EQ(by_ids["usage"]["prompt_tokens"], t["count"]);
+  EXPECT_EQ(by_ids["choices"][0]["text"], want["choices"][0]["text"]);
+  auto plain = post_json(port(), "/v1/completions", R"({"prompt": ")" + pre + R"(", "suffix": "")" + tail);
+  EXPECT_EQ(plain["usage"]["prompt_tokens"], ids.size());
+  wait_idle(port());
+}
+
 // Prompt logprobs on real tokens, over chunks of 64 (the suite's chunked prefill): completions echo + logprobs gives
 // at position i the distribution a request of the first i tokens gets for its first token (same top-3, same values),
 // and the native API the same from logprob_start_len on; a start past the prompt is a 400.
@@ -652,7 +675,8 @@ TEST(ServerE2EVariants, DataParallelReportsOneStateObjectPerRank) {
 }
 
 TEST(ServeFlags, RecognisedButNotImplementedExitNonZero) {
-  for (const std::string flags : {"--quantization gptq", "--kv-cache-dtype fp8_e4m3", "--dtype float16"}) {
+  for (const std::string flags :
+       {"--quantization gptq", "--kv-cache-dtype fp8_e4m3", "--dtype float16", "--completion-template qwen"}) {
     auto r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --model-path " + e2e_model_dir() +
                          " --tokenizer-path " + deepseek_tokenizer_dir() + " --load-format dummy --port 0 " + flags);
     EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;

@@ -522,6 +522,16 @@ TEST(HttpApi, ChatNonStreamAndStream) {
   EXPECT_EQ(json::parse(events[5])["usage"]["completion_tokens"], 3);
 }
 
+// Completions `suffix` with a tokenizer that has no FIM tokens: a 400 naming the parameter.
+TEST(HttpApi, SuffixNeedsFimTokens) {
+  TestServer s;
+  auto r = s.post("/v1/completions", R"({"prompt": "ab", "suffix": "cd", "max_tokens": 2})");
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_EQ(json::parse(r.body)["error"]["param"], "suffix") << r.body;
+  EXPECT_NE(r.body.find("FIM tokens"), std::string::npos) << r.body;
+  EXPECT_EQ(s.post("/v1/completions", R"({"prompt": "ab", "suffix": "", "max_tokens": 2})").status, 200);
+}
+
 TEST(HttpApi, ClientErrors) {
   ServerOptions o;
   o.max_body_bytes = 4096;

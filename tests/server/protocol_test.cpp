@@ -64,6 +64,10 @@ TEST(Protocol, CompletionsPromptShapes) {
   EXPECT_EQ(n.sampling.logprob_start_len, 3);
   EXPECT_EQ(n.sampling.max_new_tokens, 0);
   EXPECT_EQ(parse_native(json::parse(R"({"text": "a", "logprob_start_len": 3})"), {}).sampling.logprob_start_len, -1);
+  // suffix: fill in the middle; "" and null are no suffix
+  EXPECT_EQ(parse_completions(json::parse(R"({"prompt": "a", "suffix": "b"})"), {}).suffix, "b");
+  EXPECT_FALSE(parse_completions(json::parse(R"({"prompt": "a", "suffix": ""})"), {}).suffix);
+  EXPECT_FALSE(parse_completions(json::parse(R"({"prompt": "a", "suffix": null})"), {}).suffix);
 }
 
 TEST(Protocol, ChatMessagesFlattened) {
@@ -147,6 +151,9 @@ TEST(Protocol, BadRequestsNameTheField) {
       {"c", R"({"prompt": "a", "logprobs": 99})", "logprobs", "invalid_value"},
       {"c", R"({"prompt": "a", "stream_options": {"include_usage": true}})", "stream_options", "invalid_value"},
       {"c", R"({"prompt": "a", "best_of": 3})", "best_of", "unsupported_parameter"},
+      {"c", R"({"prompt": "a", "suffix": 3})", "suffix", "invalid_type"},
+      {"c", R"({"prompt": "a", "suffix": "b", "echo": true})", "suffix", "invalid_value"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "suffix": "b"})", "suffix", "unsupported_parameter"},
       {"c", R"({"prompt": "a", "model": 7})", "model", "invalid_type"},
       {"c", R"({"prompt": "a", "max_tokens": 2, "min_tokens": 3})", "min_tokens", "invalid_value"},
       {"c", R"({"prompt": "a", "logit_bias": {"5": -100.5}})", "logit_bias", "invalid_value"},
