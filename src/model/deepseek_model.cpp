@@ -149,6 +149,7 @@ class DeepseekModel::Loader {
     be_.upload_into(host, codes);
     be_.upload_into(hs, scales);
   }
+
   // --quantization fp8 on a checkpoint without quantization: the block size of the routed experts' FP8 form on this
   // rank (the largest power of two from 128 down to 8 dividing its `local` expert rows; 0: not quantized).
   int64_t quantize_block(int64_t local) const {
