@@ -21,6 +21,7 @@
 #include <cmath>
 #include <thread>
 
+#include "core/dtype.h"
 #include "engine/engine.h"
 #include "engine/engine_api.h"
 #include "engine/rank_set.h"
@@ -55,6 +56,21 @@ inline CommandResult run_command(const std::string& cmd) {
   int st = ::pclose(f);
   r.exit_code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
   return r;
+}
+
+// The E4M3 code of least |value - x| over the finite codes of x's sign, ties to the even code (x within +-448): a
+// brute-force reference of f32_to_e4m3, and the tests' own FP8 quantizer.
+inline uint8_t nearest_e4m3(float x) {
+  uint8_t best = 0;
+  double bd = 1e30;
+  for (int c = 0; c < 0x7f; ++c) {
+    const double d = std::fabs(static_cast<double>(f8e4m3_to_f32(static_cast<uint8_t>(c))) - std::fabs(x));
+    if (d < bd || (d == bd && c % 2 == 0)) {
+      bd = d;
+      best = static_cast<uint8_t>(c);
+    }
+  }
+  return static_cast<uint8_t>(best | (std::signbit(x) ? 0x80 : 0));
 }
 
 inline std::string golden_dir(const std::string& family) { return std::string(MLASERVE_GOLDEN_DIR) + "/" + family; }

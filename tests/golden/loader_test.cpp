@@ -105,23 +105,6 @@ TEST(Loader, QuantizedDtypeWithoutConfigIsRefused) {
 
 namespace {
 
-// The E4M3 code nearest to x (ties to the even code; x within +-448).
-uint8_t to_e4m3(float x) {
-  static const std::vector<std::pair<float, uint8_t>> pos = [] {
-    std::vector<std::pair<float, uint8_t>> v;
-    for (int c = 0; c < 0x7f; ++c) v.emplace_back(f8e4m3_to_f32(static_cast<uint8_t>(c)), static_cast<uint8_t>(c));
-    return v;  // increasing with the code
-  }();
-  const float a = std::fabs(x);
-  auto it = std::lower_bound(pos.begin(), pos.end(), a, [](const auto& p, float v) { return p.first < v; });
-  if (it == pos.end()) it = pos.end() - 1;
-  if (it != pos.begin()) {
-    const float below = a - (it - 1)->first, above = it->first - a;
-    if (below < above || (below == above && (it - 1)->second % 2 == 0)) --it;
-  }
-  return static_cast<uint8_t>(it->second | (x < 0 ? 0x80 : 0));
-}
-
 // Whether a golden tensor is a linear layer's weight that FP8 checkpoints store quantized (not the embedding,
 // lm_head, norms or the router).
 bool quantizable(const std::string& n, const Tensor& t) {
@@ -161,7 +144,7 @@ void write_fp8_pair(const std::string& family, const fs::path& fp8, const fs::pa
           s.data_as<float>()[i * sc + j] = scale;
           for (int64_t r = i * bR; r < std::min(R, (i + 1) * bR); ++r)
             for (int64_t c = j * bC; c < std::min(C, (j + 1) * bC); ++c) {
-              const uint8_t code = to_e4m3(value_of(t, r * C + c) / scale);
+              const uint8_t code = test::nearest_e4m3(value_of(t, r * C + c) / scale);
               q.data_as<uint8_t>()[r * C + c] = code;
               d.data_as<float>()[r * C + c] = f8e4m3_to_f32(code) * scale;
             }
@@ -298,7 +281,7 @@ TEST(Loader, QuantizeFp8Blocks) {
   for (size_t i = 0; i < w.size(); ++i) {
     const int64_t r = static_cast<int64_t>(i) / C, c = static_cast<int64_t>(i) % C;
     const float s = scales[static_cast<size_t>(r / b * sc + c / b)];
-    ASSERT_EQ(codes[i], to_e4m3(w[i] / s)) << i;
+    ASSERT_EQ(codes[i], test::nearest_e4m3(w[i] / s)) << i;
     // half a code step: 1/16 of the value's power of two, 2^-10 in the subnormal range (scaled)
     const float a = std::fabs(w[i] / s), step = a < 0x1p-6f ? 0x1p-9f : std::ldexp(1.0f, std::ilogb(a) - 3);
     ASSERT_LE(std::fabs(back[i] - w[i]), step / 2 * s * 1.0001f) << i;

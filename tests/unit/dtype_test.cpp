@@ -4,6 +4,7 @@
 
 #include "core/dtype.h"
 #include "core/random.h"
+#include "test_util.h"
 
 using namespace mlaserve;
 
@@ -31,20 +32,6 @@ TEST(DType, Fp8E4m3Decode) {
   EXPECT_TRUE(std::isnan(f8e4m3_to_f32(0x7f)));
 }
 
-// The reference: the code of least |value - x| over all finite codes of x's sign, ties to the even code.
-uint8_t nearest_e4m3(float x) {
-  uint8_t best = 0;
-  double bd = 1e30;
-  for (int c = 0; c < 0x7f; ++c) {
-    const double d = std::fabs(static_cast<double>(f8e4m3_to_f32(static_cast<uint8_t>(c))) - std::fabs(x));
-    if (d < bd || (d == bd && c % 2 == 0)) {
-      bd = d;
-      best = static_cast<uint8_t>(c);
-    }
-  }
-  return static_cast<uint8_t>(best | (std::signbit(x) ? 0x80 : 0));
-}
-
 TEST(DType, Fp8E4m3EncodeRoundsToNearestEven) {
   for (int c = 0; c < 256; ++c) {  // every finite code's value is its own code (the sign of zero kept)
     if ((c & 0x7f) == 0x7f) continue;
@@ -66,7 +53,7 @@ TEST(DType, Fp8E4m3EncodeRoundsToNearestEven) {
   for (int i = 0; i < 20000; ++i) {  // random magnitudes over the whole range, subnormals included
     st = splitmix64(st);
     const float x = std::ldexp(static_cast<float>(st >> 40) / 16777216.0f - 0.5f, static_cast<int>(st % 22) - 12);
-    ASSERT_EQ(f32_to_e4m3(x), nearest_e4m3(x)) << x;
+    ASSERT_EQ(f32_to_e4m3(x), test::nearest_e4m3(x)) << x;
   }
 }
 

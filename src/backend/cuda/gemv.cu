@@ -84,18 +84,6 @@ __device__ __forceinline__ uint4 load_vec(const Fp8Row& row, int v) {
 // scales in f32. So a product is the sum over chunks of scale * (codes . x): the dequantized model's product without
 // rounding code * scale to bf16 first (close to it, not bit for bit).
 
-// 4 F8 codes (low byte first) as 4 bf16 of exactly their values (lo: codes 0-1, hi: codes 2-3). The sign and the 7
-// other bits placed where bf16 keeps them make code * 2^-120 (E4M3's exponent bias is 7, bf16's 127; subnormal codes
-// become subnormal bf16), and a multiply by 2^120 (exact) makes the value.
-__device__ __forceinline__ void fp8x4_bf16(uint32_t q, uint32_t& lo, uint32_t& hi) {
-  const uint32_t m = q & 0x7f7f7f7fu, s = q & 0x80808080u;
-  const uint32_t l = (__byte_perm(m, 0u, 0x4140) << 4) | __byte_perm(s, 0u, 0x1404);
-  const uint32_t h = (__byte_perm(m, 0u, 0x4342) << 4) | __byte_perm(s, 0u, 0x3424);
-  constexpr uint32_t k2p120 = 0x7B807B80u, kNegZero = 0x80008000u;  // bf16x2 2^120, -0
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(lo) : "r"(l), "r"(k2p120), "r"(kNegZero));
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(hi) : "r"(h), "r"(k2p120), "r"(kNegZero));
-}
-
 // acc[j] += the products of this lane's token (A row lane / 4) with weight row 2 (lane % 4) + j of the warp's 8 (the C
 // fragment's two columns). w: this lane's weight row at column 16 (lane % 4), nch chunks of 64 codes; x: its token's
 // activations at the same column (null: zeros); s0 / s1: the block-scale rows of weight rows 2 (lane % 4) and
