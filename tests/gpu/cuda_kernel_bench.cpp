@@ -178,6 +178,7 @@ void bench_copy() {
 
 void bench_sync();  // sync_bench.cu
 void bench_layer(int ctx);  // layer_stream_bench.cu
+void bench_fp8_stream();  // fp8_stream_bench.cu
 
 int main(int argc, char** argv) {
   const std::string what = argc > 1 ? argv[1] : "all";
@@ -218,6 +219,7 @@ int main(int argc, char** argv) {
   }
   if (what == "all" || what == "sync") bench_sync();
   if (what == "all" || what == "layer") bench_layer(argc > 2 && what == "layer" ? std::atoi(argv[2]) : 192);
+  if (what == "all" || what == "fp8stream") bench_fp8_stream();
   if (what == "all" || what == "moe") {
     bench_moe(256, 64, 6, 2048, 1408);
     bench_moe(64, 64, 6, 2048, 1408);

@@ -812,7 +812,7 @@ TEST(CudaOps, DequantFp8IsTheCpuReference) {
 // moe_experts on FP8 experts (F8 codes with BlockScales) against moe_experts on their dequantized bf16 weights:
 // bit for bit where the FP8 codes are made into the same bf16 values (dequantized first for cuBLAS, converted tile by
 // tile in the grouped kernels, read by the small-batch kernels one bf16 vector at a time at 1-4 tokens when the scale
-// blocks are not whole 64-column chunks); within the
+// blocks are not whole 64-column chunks, or the shared experts' width is not a multiple of 64); within the
 // rounding of code * scale to bf16 where the small-batch kernels take them to the tensor cores (1-4 tokens, blocks
 // of whole chunks: code . x scaled per chunk, the weights never rounded). With and without shared experts (bf16
 // beside the FP8 routed ones), V2-Lite widths in 128 x 128 blocks; `subnormal`: codes with exponent 0 only (their
@@ -821,7 +821,8 @@ void moe_fp8_case(int64_t E, int64_t k, int64_t H, int64_t I, int64_t Is, int64_
                   std::initializer_list<int64_t> Ts, uint64_t seed, bool subnormal = false) {
   Fp8Weights gu = fp8_weights(E, 2 * I, H, br, bc, seed, subnormal);
   Fp8Weights dn = fp8_weights(E, H, I, br, bc, seed + 1, subnormal);
-  const bool whole_chunks = bc % 64 == 0 && ((bc / 64) & (bc / 64 - 1)) == 0 && H % 64 == 0 && I % 64 == 0;
+  const bool whole_chunks =
+      bc % 64 == 0 && ((bc / 64) & (bc / 64 - 1)) == 0 && H % 64 == 0 && I % 64 == 0 && Is % 64 == 0;
   for (int kind : {0, 2, 3}) {
     Backend& g = gpu(kind);
     Tensor gu8 = g.upload(gu.codes, DType::F8_E4M3), dn8 = g.upload(dn.codes, DType::F8_E4M3);
@@ -863,6 +864,7 @@ TEST(CudaOps, MoeExpertsFp8IsItsDequantizedModel) {
   moe_fp8_case(8, 2, 256, 96, 96, 16, 48, {1, 3}, 80);                 // blocks of 16 x 48 rows / columns
   moe_fp8_case(8, 3, 512, 256, 0, 128, 128, {1, 4}, 90, true);         // subnormal codes only
   moe_fp8_case(8, 2, 512, 192, 64, 64, 256, {1, 2, 3}, 100);           // 4 chunks a scale block
+  moe_fp8_case(8, 2, 256, 128, 96, 64, 64, {1, 4}, 110);               // shared experts not in 64-column chunks
 }
 
 TEST(CudaOps, MoeExpertsV2LiteShape) {

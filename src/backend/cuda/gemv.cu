@@ -2,7 +2,9 @@
 // for all rows of the batch (gemv_t: y = x W^T, a warp per row or 16 rows per warp on tensor cores; gemv_n: y = x W),
 // the router product fused with the routing (moe_gate), and the MoE of at most kMoeSmallRows tokens in two kernels
 // (gate/up + SiLU; down + the weighted sum + the shared experts), each block finding the batch's distinct experts
-// itself; FP8 experts there on tensor cores (fp8_tile) when their scale blocks are whole 64-column chunks. At one
+// itself; FP8 experts there on tensor cores (fp8_tile) when their scale blocks are whole 64-column chunks (the down
+// kernel then takes the shared experts' bf16 on tensor cores too, bf16_tile, split so every warp streams about the
+// same bytes). At one
 // token the one-row pair and the router also compute their input row's residual add + RMSNorm (gemv_t_pair_norm,
 // moe_gate_norm), and MLA's W_UV sums the decode splits itself (mla_combine_uv).
 // They are launched with programmatic dependent launch: each warp loads its first weights before pdl_wait(), so a
@@ -126,6 +128,45 @@ __device__ __forceinline__ void fp8_tile(float (&acc)[2], const uint8_t* w, cons
     uint4 b[U];
     load(b, c0);
     compute(b, c0);
+  }
+}
+
+// bf16 weights on tensor cores, as fp8_tile lays them out: a warp multiplies 8 weight rows (lane / 4 loads row lane / 4,
+// 16 values at column 16 (lane % 4) of each 64-column chunk, two 16-byte loads) with the tokens (A's rows). b: U chunks
+// of this lane's loads, the first group already issued (bf16_tile_load at c0); d: the mma accumulators (d[0] / d[1]:
+// this lane's token with weight rows 2 (lane % 4) and 2 (lane % 4) + 1). Chunks [c0, c1); x as in fp8_tile.
+template <int U>
+__device__ __forceinline__ void bf16_tile_load(uint4 (&b)[2 * U], const bf16* w, int c, int c1) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const bool in = c + u < c1;
+    b[2 * u] = in ? ld_weights(w + static_cast<int64_t>(c + u) * 64) : make_uint4(0, 0, 0, 0);
+    b[2 * u + 1] = in ? ld_weights(w + static_cast<int64_t>(c + u) * 64 + 8) : make_uint4(0, 0, 0, 0);
+  }
+}
+template <int U>
+__device__ __forceinline__ void bf16_tile(float (&d)[4], uint4 (&b)[2 * U], const bf16* w, const bf16* x, int c0,
+                                          int c1) {
+  for (int c = c0; c < c1;) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (c + u >= c1) break;
+      uint4 xa = make_uint4(0, 0, 0, 0), xb = xa;
+      if (x) {
+        xa = ld_act(x + static_cast<int64_t>(c + u) * 64);
+        xb = ld_act(x + static_cast<int64_t>(c + u) * 64 + 8);
+      }
+      const uint32_t wq[8] = {b[2 * u].x,     b[2 * u].y,     b[2 * u].z,     b[2 * u].w,
+                              b[2 * u + 1].x, b[2 * u + 1].y, b[2 * u + 1].z, b[2 * u + 1].w};
+      const uint32_t xq[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // values 4j..4j+3: k 2q, 2q+1 (a0 / b0) and 2q+8, 2q+9 (a2 / b1)
+        const uint32_t af[4] = {xq[2 * j], 0u, xq[2 * j + 1], 0u};
+        mma_bf16(d, af, wq[2 * j], wq[2 * j + 1]);
+      }
+    }
+    c += U;
+    if (c < c1) bf16_tile_load<U>(b, w, c, c1);
   }
 }
 
@@ -747,12 +788,11 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
 // column, consecutive in memory), loading the next row while it reduces the current one. Each routed segment
 // leaves w * (row . act) per (column, token, slot) in shared memory, summed per token in slot order and rounded (the
 // grouped path's combine), then the shared experts' output is rounded and added (the model's add).
-// U: 16-byte loads per lane per chunk of a row; MINB: blocks per SM.
-// TC (COLS 8): a routed segment is one fp8_tile of the block's 8 columns (B column j: row h0 + j of the expert).
-template <int TT, int COLS, int U, int MINB, bool FP8 = false, bool TC = false, int UT = U>
+// U: 16-byte loads per lane per chunk of a row; MINB: blocks per SM. (FP8 experts on tensor cores:
+// moe_small_down_tc_kernel.)
+template <int TT, int COLS, int U, int MINB, bool FP8 = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_kernel(MoeSmallArgs a, const MoePlan* gplan,
                                                                            int32_t shared_segs) {
-  static_assert(!TC || (FP8 && COLS == 8), "fp8_tile makes 8 columns");
   __shared__ MoePlan plan;
   __shared__ float part[COLS][kMaxPairs];
   __shared__ float spart[COLS][kWarps][TT];
@@ -800,7 +840,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_kernel(MoeSm
   // the plan, read after the wait): the first row only when it is a shared slice.
   if (!gplan) build_plan(a, plan_pair(a), plan);
   for (int i = threadIdx.x; i < COLS * kMaxPairs; i += blockDim.x) (&part[0][0])[i] = 0.0f;
-  const int first_segs = gplan || TC ? shared_segs : shared_segs + plan.n;  // first rows loadable now
+  const int first_segs = gplan ? shared_segs : shared_segs + plan.n;  // first rows loadable now
   int s0 = 0, s1 = 0;
   if (warp < first_segs) {
     seg_rows(warp, base, stride, s0, s1);
@@ -813,26 +853,6 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_kernel(MoeSm
   const unsigned all = (1u << a.T) - 1u;
   for (int s = warp; s < nseg; s += kWarps) {
     const bool sh = s < shared_segs;
-    if constexpr (TC) {
-      if (!sh) {
-        const int u = s - shared_segs, e = P->uniq[u], g = lane >> 2, q = lane & 3;
-        const int sl = g < a.T ? P->slot[u][g] : -1;
-        const uint8_t* w =
-            reinterpret_cast<const uint8_t*>(a.down) + (static_cast<int64_t>(e) * a.H + h0 + g) * a.I + 16 * q;
-        const int64_t sr = (a.H + a.block_rows - 1) / a.block_rows, sc = (a.I + a.block_cols - 1) / a.block_cols;
-        const float* s0 = a.down_scale + (e * sr + (h0 + 2 * q) / a.block_rows) * sc;
-        const float* s1 = a.down_scale + (e * sr + (h0 + 2 * q + 1) / a.block_rows) * sc;
-        float acc[2] = {0.0f, 0.0f};
-        const bf16* x = sl >= 0 ? a.act + (static_cast<int64_t>(g) * a.k + sl) * a.I + 16 * q : nullptr;
-        fp8_tile<UT>(acc, w, x, s0, s1, a.I >> 6, __ffs(a.block_cols >> 6) - 1);
-        if (sl >= 0) {
-          const int p = g * a.k + sl;
-          part[2 * q][p] = a.weights[p] * acc[0];
-          part[2 * q + 1][p] = a.weights[p] * acc[1];
-        }
-        continue;
-      }
-    }
     unsigned mask = all;
     int slot[TT];
     if (!sh) {
@@ -886,6 +906,93 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_kernel(MoeSm
   if (shared_segs > 0) {
     float sh = 0.0f;
     for (int q = 0; q < shared_segs; ++q) sh += spart[c][q][t];
+    o += __bfloat162float(__float2bfloat16_rn(sh));
+  }
+  a.out[t * a.ldo + h0 + c] = __float2bfloat16_rn(o);
+}
+
+// The shared experts' chunks (64 columns of 8 rows) of warp w in the TC down kernel, [c0, c1) of nsc: split so that
+// every warp streams about the same bytes, its routed tiles (u = w, w + kWarps, ... < n, 8 rows x I codes each)
+// counted (a shared chunk: 8 x 64 bf16).
+__device__ __forceinline__ void shared_share(int w, int n, int I, int nsc, int& c0, int& c1) {
+  const int64_t total = static_cast<int64_t>(n) * 8 * I + static_cast<int64_t>(nsc) * 1024;
+  int64_t before = 0, mine = 0, all = 0;
+#pragma unroll
+  for (int v = 0; v < kWarps; ++v) {
+    const int64_t tiles = n > v ? (n - v + kWarps - 1) / kWarps : 0;
+    const int64_t left = total - kWarps * tiles * 8 * I, need = left > 0 ? left : 0;  // kWarps x the deficit
+    if (v < w) before += need;
+    if (v == w) mine = need;
+    all += need;
+  }
+  if (all == 0) {  // no shared chunks
+    c0 = c1 = 0;
+    return;
+  }
+  c0 = static_cast<int>(nsc * before / all);
+  c1 = static_cast<int>(nsc * (before + mine) / all);
+}
+
+// The down kernel of FP8 experts on tensor cores (MoeSmallArgs with H, I and Is multiples of 64): block b computes
+// output columns [8 b, 8 b + 8) of every token. Warp w takes the routed tiles u = w, w + kWarps, ... (fp8_tile of
+// local expert plan.uniq[u]'s rows h0..h0+7) and a slice of the shared experts' K (bf16_tile of shared_down's same
+// rows; shared_share: about the same bytes per warp), the first of its shared chunks loaded before the wait. The sums:
+// as moe_small_down_kernel's (routed pairs in slot order, rounded; the shared slices' f32 sum, rounded; added).
+template <int TT, int UT, int MINB>
+__global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_tc_kernel(MoeSmallArgs a, const MoePlan* gplan) {
+  __shared__ MoePlan plan;
+  __shared__ float part[8][kMaxPairs];
+  __shared__ float spart[8][kWarps][TT];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+  const int64_t h0 = static_cast<int64_t>(blockIdx.x) * 8;
+  const MoePlan* P = gplan ? gplan : &plan;
+  if (!gplan) build_plan(a, plan_pair(a), plan);  // the ids are final (see moe_small_down_kernel)
+  for (int i = threadIdx.x; i < 8 * kMaxPairs; i += blockDim.x) (&part[0][0])[i] = 0.0f;
+  const int nsc = a.Is / 64;
+  int sc0 = 0, sc1 = 0;  // gate/up's plan is read after the wait: balanced for the most experts the batch can use
+  shared_share(warp, gplan ? min(a.T * a.k, a.E) : plan.n, a.I, nsc, sc0, sc1);
+  const bf16* sw = a.shared_down + (h0 + g) * a.Is + 16 * q;
+  uint4 sb[2 * kSmallMoeUnroll];
+  bf16_tile_load<kSmallMoeUnroll>(sb, sw, sc0, sc1);
+  pdl_wait();
+  pdl_trigger();
+  __syncthreads();
+  if (nsc > 0) {
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    bf16_tile<kSmallMoeUnroll>(d, sb, sw, g < a.T ? a.act_shared + g * static_cast<int64_t>(a.Is) + 16 * q : nullptr,
+                               sc0, sc1);
+    if (g < TT) {
+      spart[2 * q][warp][g] = d[0];
+      spart[2 * q + 1][warp][g] = d[1];
+    }
+  }
+  const int n = P->n;
+  for (int u = warp; u < n; u += kWarps) {
+    const int e = P->uniq[u];
+    const int sl = g < a.T ? P->slot[u][g] : -1;
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(a.down) + (static_cast<int64_t>(e) * a.H + h0 + g) * a.I + 16 * q;
+    const int64_t sr = (a.H + a.block_rows - 1) / a.block_rows, sc = (a.I + a.block_cols - 1) / a.block_cols;
+    const float* s0 = a.down_scale + (e * sr + (h0 + 2 * q) / a.block_rows) * sc;
+    const float* s1 = a.down_scale + (e * sr + (h0 + 2 * q + 1) / a.block_rows) * sc;
+    float acc[2] = {0.0f, 0.0f};
+    const bf16* x = sl >= 0 ? a.act + (static_cast<int64_t>(g) * a.k + sl) * a.I + 16 * q : nullptr;
+    fp8_tile<UT>(acc, w, x, s0, s1, a.I >> 6, __ffs(a.block_cols >> 6) - 1);
+    if (sl >= 0) {
+      const int p = g * a.k + sl;
+      part[2 * q][p] = a.weights[p] * acc[0];
+      part[2 * q + 1][p] = a.weights[p] * acc[1];
+    }
+  }
+  __syncthreads();
+  probe_mark(3);
+  const int c = threadIdx.x / TT, t = threadIdx.x % TT;
+  if (c >= 8 || t >= a.T) return;
+  float r = 0.0f;
+  for (int j = 0; j < a.k; ++j) r += part[c][t * a.k + j];  // pairs of non-local experts stay 0
+  float o = __bfloat162float(__float2bfloat16_rn(r));
+  if (nsc > 0) {
+    float sh = 0.0f;
+    for (int v = 0; v < kWarps; ++v) sh += spart[c][v][t];
     o += __bfloat162float(__float2bfloat16_rn(sh));
   }
   a.out[t * a.ldo + h0 + c] = __float2bfloat16_rn(o);
@@ -1076,29 +1183,33 @@ template <bool FP8, bool TC, typename Grid>
 cudaError_t moe_small_launch(const MoeSmallArgs& a, MoePlan* plan, int shared_segs, Grid gate_up_grid,
                              cudaStream_t stream) {
   constexpr int U = kSmallMoeUnroll;
-  // Down: rows of COLS columns per block (TC: 8, fp8_tile's), MINB blocks per SM.
+  // Down: rows of COLS columns per block, MINB blocks per SM.
   auto down = [&](auto kernel, int cols, const MoePlan* p) {
     return launch(kernel, static_cast<unsigned>((a.H + cols - 1) / cols), kWarps * 32, 0, stream, a, p, shared_segs);
   };
   constexpr int GB1 = TC ? 2 : 4, UT1 = TC ? 8 : U;  // gate/up blocks per SM, fp8_tile's chunks at one token
+  // TC down: 8 columns per block, 2 blocks per SM.
+  auto down_tc = [&](auto kernel, const MoePlan* p) {
+    return launch(kernel, static_cast<unsigned>(a.H / 8), kWarps * 32, 0, stream, a, p);
+  };
   const MoePlan* none = nullptr;
   cudaError_t e;
   if (a.T == 1) {
     e = launch(moe_small_gate_up_kernel<1, U, GB1, FP8, TC, UT1>, gate_up_grid(GB1), kWarps * 32, 0, stream, a,
                static_cast<MoePlan*>(nullptr));
     if (e != cudaSuccess) return e;
-    if constexpr (TC) return down(moe_small_down_kernel<1, 8, U, 2, FP8, TC, UT1>, 8, none);
+    if constexpr (TC) return down_tc(moe_small_down_tc_kernel<1, UT1, 2>, none);
     return down(moe_small_down_kernel<1, 4, U, 4, FP8>, 4, none);
   }
   if (a.T > 2) {
     e = launch(moe_small_gate_up_kernel<4, U, 3, FP8, TC>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
     if (e != cudaSuccess) return e;
-    if constexpr (TC) return down(moe_small_down_kernel<4, 8, U, 2, FP8, TC>, 8, plan);
+    if constexpr (TC) return down_tc(moe_small_down_tc_kernel<4, U, 2>, plan);
     return down(moe_small_down_kernel<4, 1, U, 5, FP8>, 1, plan);
   }
   e = launch(moe_small_gate_up_kernel<2, U, 3, FP8, TC>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
   if (e != cudaSuccess) return e;
-  if constexpr (TC) return down(moe_small_down_kernel<2, 8, U, 2, FP8, TC>, 8, plan);
+  if constexpr (TC) return down_tc(moe_small_down_tc_kernel<2, U, 2>, plan);
   return down(moe_small_down_kernel<2, 1, U, 6, FP8>, 1, plan);
 }
 
@@ -1113,8 +1224,9 @@ cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStrea
     return cudaErrorInvalidValue;
   MoePlan* plan = static_cast<MoePlan*>(plan_buf);
   const int max_unique = std::min(a.T * a.k, a.E);
-  // FP8 experts in whole 64-column scale blocks (a power of two of chunks) go to the tensor cores (fp8_tile).
-  const bool tc = a.gate_up_scale && a.H % 64 == 0 && a.I % 64 == 0 && a.block_cols % 64 == 0 &&
+  // FP8 experts in whole 64-column scale blocks (a power of two of chunks) go to the tensor cores (fp8_tile; the
+  // down kernel's shared experts through bf16_tile, in 64-column chunks).
+  const bool tc = a.gate_up_scale && a.H % 64 == 0 && a.I % 64 == 0 && a.Is % 64 == 0 && a.block_cols % 64 == 0 &&
                   ((a.block_cols / 64) & (a.block_cols / 64 - 1)) == 0;
   // The shared experts' row in slices of about one routed row each (at most one slice per warp).
   const int shared_segs = a.Is == 0 ? 0 : std::min(kWarps, std::max(1, (a.Is + a.I / 2) / a.I));

@@ -394,7 +394,7 @@ struct MoeSmallArgs {
   bf16* out;                     // [T, H] (row stride ldo) = routed experts (+ shared experts)
   int64_t ldo;
   // FP8 routed experts: gate_up / down hold F8_E4M3 codes, these their scales ([E, ceil(2I / br), ceil(H / bc)] and
-  // [E, ceil(H / br), ceil(I / bc)], block_cols % 8 == 0); null: bf16 experts. With H and I multiples of 64 and
+  // [E, ceil(H / br), ceil(I / bc)], block_cols % 8 == 0); null: bf16 experts. With H, I and Is multiples of 64 and
   // block_cols a power-of-two multiple of 64, on tensor cores (each code's exact value, scaled per 64-column chunk in
   // f32: within the bf16 rounding of code * scale of the dequantized model); else 8 codes per 8-byte vector, each
   // times its block's scale and rounded to bf16 as dequant_fp8 rounds it (bit for bit the dequantized model).
