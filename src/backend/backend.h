@@ -74,6 +74,9 @@ struct RowSampling {
   int32_t pending_input = -1;
   // (token id, bias) added to the logits before the penalties (-inf: never drawn), ids unique.
   std::vector<std::pair<int32_t, float>> logit_bias;
+  // Constrained decoding: only tokens whose bit is set (bit t % 32 of word t / 32) may be drawn (the others' logits
+  // are -inf from the start; ids past the mask too). Null: every token.
+  std::shared_ptr<const std::vector<uint32_t>> allowed;
 };
 
 class Backend {

@@ -261,6 +261,28 @@ void Engine::ban_stop_tokens(const SamplingParams& sp, RowSampling& row) const {
     for (int32_t id : opts_.eos_token_ids) ban(id);
 }
 
+// Constrained decoding: the tokens the request's constraint allows in its state (its previous token is back: see
+// overlap_step), and its stop tokens where the text may end.
+void Engine::constrain(const Req& r, RowSampling& row) const {
+  MLA_CHECK(r.in_flight == 0, "request {}: a constrained draw with {} tokens in flight", r.rid, r.in_flight);
+  TokenConstraint& c = *r.sampling.constraint;
+  auto mask = c.allowed(r.constraint_state);
+  if (c.accepting(r.constraint_state)) {
+    std::vector<int32_t> stops = r.sampling.stop_token_ids;
+    if (!r.sampling.ignore_eos) stops.insert(stops.end(), opts_.eos_token_ids.begin(), opts_.eos_token_ids.end());
+    if (!stops.empty()) {
+      auto m = std::make_shared<std::vector<uint32_t>>(*mask);
+      for (int32_t id : stops) {
+        if (id < 0) continue;
+        if (static_cast<size_t>(id / 32) >= m->size()) m->resize(static_cast<size_t>(id / 32) + 1, 0u);
+        (*m)[static_cast<size_t>(id / 32)] |= 1u << (id % 32);
+      }
+      mask = std::move(m);
+    }
+  }
+  row.allowed = std::move(mask);
+}
+
 std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<StepPlan>& plans,
                                                             LogitRows& logit_rows) {
   std::vector<std::vector<RowSampling>> rows(plans.size());
@@ -276,6 +298,7 @@ std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<St
         row.step += static_cast<uint64_t>(s.req->in_flight);  // draws of tokens still in flight
         if (row.step < static_cast<uint64_t>(std::max(s.req->sampling.min_new_tokens, 0)))
           ban_stop_tokens(s.req->sampling, row);
+        if (s.req->sampling.constraint) constrain(*s.req, row);
         if (s.req->in_flight > 0 && penalised(s.req->sampling)) {
           // The token still in flight is this row's input (an id read on the device): the sampler counts it there.
           const ForwardBatch& b = plans[g].batch;
@@ -426,7 +449,12 @@ void Engine::overlap_step() {
     any |= !next[g].empty();
   }
   if (phase_stats_) phases_.schedule += ms_since(t0);
-  if (running && any && !blocked) {
+  // A constrained request's draw needs its previous token (its constraint's state): such a step waits for it.
+  bool needs_tokens = false;
+  for (size_t g = 0; g < groups; ++g)
+    for (const ScheduledSeq& s : next[g].seqs)
+      needs_tokens |= s.wants_logits && s.req->sampling.constraint && s.req->in_flight > 0;
+  if (running && any && !blocked && !needs_tokens) {
     // Launch it behind the running step (its pending tokens are read on the device), then finish the running one:
     // the device never waits for the host between the two.
     std::optional<InFlight> launched = std::exchange(inflight_, std::nullopt);

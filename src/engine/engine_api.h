@@ -16,6 +16,22 @@
 
 namespace mlaserve {
 
+// Constrained decoding (structured output): an automaton over token ids that the front end builds (it knows the
+// tokens' text). State 0 is the start; the engine keeps each request's state, asks for the tokens allowed in it
+// before every draw and moves it with every generated token. Called from one engine thread per request.
+class TokenConstraint {
+ public:
+  static constexpr int32_t kDead = -1;
+  virtual ~TokenConstraint() = default;
+  // The tokens allowed next (bit t % 32 of word t / 32; ids past the mask are not allowed). Stop tokens (EOS and
+  // stop_token_ids) are never in it: the engine allows them where accepting() holds.
+  virtual std::shared_ptr<const std::vector<uint32_t>> allowed(int32_t state) = 0;
+  // The state after `token` (kDead if it was not allowed).
+  virtual int32_t next(int32_t state, int32_t token) = 0;
+  // Whether the output may end in `state` (its text so far is a whole match).
+  virtual bool accepting(int32_t state) = 0;
+};
+
 struct SamplingParams {
   int32_t max_new_tokens = 128;
   float temperature = 1.0f;  // 0: greedy
@@ -39,6 +55,10 @@ struct SamplingParams {
   // model's log-softmax), with top_logprobs_num alternatives; position 0 has none (NaN). Prompt tokens served from
   // the prefix cache are computed again from there. -1: none.
   int32_t logprob_start_len = -1;
+  // Structured output: only tokens the constraint allows are drawn, and a stop token only where it accepts (the
+  // request then ends there; with ignore_eos, or when nothing else is allowed, it ends once its text is complete).
+  // Under overlap scheduling such a request's next step is planned only after its previous token is back.
+  std::shared_ptr<TokenConstraint> constraint;
 };
 
 enum class FinishKind { None, Length, Stop, Abort };

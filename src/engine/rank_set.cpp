@@ -74,6 +74,8 @@ void put_sampling(std::string& o, const std::vector<RowSampling>& rows) {
     put_vec(o, r.penalty_counts);
     put_pod(o, r.pending_input);
     put_vec(o, r.logit_bias);
+    put_vec(o, r.allowed ? *r.allowed : std::vector<uint32_t>{});
+    put_pod(o, static_cast<int8_t>(r.allowed ? 1 : 0));
   }
 }
 std::vector<RowSampling> get_sampling(const char*& p, const char* end) {
@@ -93,6 +95,8 @@ std::vector<RowSampling> get_sampling(const char*& p, const char* end) {
     r.penalty_counts = get_vec<std::pair<int32_t, int32_t>>(p, end);
     r.pending_input = get<int32_t>(p, end);
     r.logit_bias = get_vec<std::pair<int32_t, float>>(p, end);
+    auto mask = get_vec<uint32_t>(p, end);
+    if (get<int8_t>(p, end)) r.allowed = std::make_shared<const std::vector<uint32_t>>(std::move(mask));
   }
   return rows;
 }

@@ -420,12 +420,27 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     const SamplingParams& sp = r.sampling;
     FinishReason f;
     const bool may_stop = r.output.size() > static_cast<size_t>(std::max(sp.min_new_tokens, 0));
-    if (may_stop &&
-        (std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), sr.token) != sp.stop_token_ids.end() ||
-         (!sp.ignore_eos && std::find(cfg_.eos_token_ids.begin(), cfg_.eos_token_ids.end(), sr.token) !=
-                                cfg_.eos_token_ids.end()))) {
+    const bool stop_token =
+        std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), sr.token) != sp.stop_token_ids.end() ||
+        (!sp.ignore_eos &&
+         std::find(cfg_.eos_token_ids.begin(), cfg_.eos_token_ids.end(), sr.token) != cfg_.eos_token_ids.end());
+    // Constrained: a stop token ends the text where the constraint accepts; otherwise the token moves the state, and a
+    // state with no token allowed ends the request (a stop with no token: its text is complete).
+    bool complete = false;
+    if (sp.constraint && !(stop_token && may_stop && sp.constraint->accepting(r.constraint_state))) {
+      r.constraint_state = sp.constraint->next(r.constraint_state, sr.token);
+      if (r.constraint_state == TokenConstraint::kDead) {
+        complete = true;  // a token outside the constraint (only when every allowed token was banned)
+      } else {
+        const auto& m = *sp.constraint->allowed(r.constraint_state);
+        complete = std::all_of(m.begin(), m.end(), [](uint32_t w) { return w == 0; });
+      }
+    }
+    if (may_stop && stop_token) {
       f.kind = FinishKind::Stop;
       f.matched_token = sr.token;
+    } else if (complete) {
+      f.kind = FinishKind::Stop;
     } else if (static_cast<int32_t>(r.output.size()) >= sp.max_new_tokens ||
                static_cast<int64_t>(r.fill.size()) - r.in_flight >= cfg_.context_len) {
       f.kind = FinishKind::Length;

@@ -65,6 +65,7 @@ struct Req {
   // reported with the first token (prompt_lps_done from then on).
   std::vector<TokenLogprob> prompt_lps;
   bool prompt_lps_done = true;
+  int32_t constraint_state = 0;  // sampling.constraint's state after the resolved output tokens
   FinishReason finish;
 };
 

@@ -17,6 +17,7 @@
 #include "server/metrics.h"
 #include "server/protocol.h"
 #include "server/text_codec.h"
+#include "structured/token_constraint.h"
 
 namespace mlaserve::server {
 
@@ -92,6 +93,10 @@ class Api {
   ServerMetrics metrics_;
   std::atomic<uint64_t> next_id_{0};
   uint64_t id_salt_;
+  // The tokenizer's tokens as bytes for constrained decoding, made by the first request that needs them.
+  std::shared_ptr<const structured::TokenVocab> token_vocab();
+  std::mutex vocab_mu_;
+  std::shared_ptr<const structured::TokenVocab> vocab_;
   std::mutex jobs_mu_;
   std::unordered_map<std::string, std::weak_ptr<GenerationJob>> jobs_;  // running jobs by id (rid), for aborts
 };

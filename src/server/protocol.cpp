@@ -5,7 +5,10 @@
 #include <cmath>
 #include <limits>
 
+#include "core/error.h"
 #include "server/api_error.h"
+#include "structured/json_schema.h"
+#include "structured/regex.h"
 
 namespace mlaserve::server {
 namespace {
@@ -122,6 +125,78 @@ std::vector<int32_t> token_ids(const json& v, const std::string& p) {
 
 bool is_id_list(const json& v) { return v.is_array() && !v.empty() && v[0].is_number(); }
 
+// Structured output: the regex the generated text must match, from `param` (one such field per request). The regex
+// is compiled here once to reject a bad one with a 400 (the engine's automaton is built per request later).
+void set_constraint(ParsedRequest& r, const std::string& param, const std::string& regex) {
+  if (!r.constraint_param.empty())
+    bad_request(param, "invalid_value", "'{}' and '{}' both constrain the output; give one", r.constraint_param, param);
+  try {
+    structured::compile_regex(regex);
+  } catch (const Error& e) {
+    bad_request(param, "invalid_value", "'{}': {}", param, e.what());
+  }
+  r.constraint_param = param;
+  r.constraint_regex = regex;
+}
+
+// A JSON schema (an object, or SGLang's JSON text of one) as its regex; `ordered`: the same schema with its
+// properties in the request's order, when the caller has it.
+void set_schema_constraint(ParsedRequest& r, const std::string& param, const json& v,
+                           const nlohmann::ordered_json* ordered) {
+  nlohmann::ordered_json schema;
+  if (ordered) {
+    schema = *ordered;
+  } else if (v.is_string()) {
+    schema = nlohmann::ordered_json::parse(v.get<std::string>(), nullptr, false);
+    if (schema.is_discarded()) bad_request(param, "invalid_value", "'{}' is not valid JSON", param);
+  } else if (v.is_object() || v.is_boolean()) {
+    schema = nlohmann::ordered_json::parse(v.dump());
+  } else {
+    bad_request(param, "invalid_type", "'{}' must be a JSON schema (an object or its JSON text), got {}", param,
+                type_name(v));
+  }
+  std::string regex;
+  try {
+    regex = structured::json_schema_regex(schema);
+  } catch (const Error& e) {
+    bad_request(param, "invalid_value", "'{}': {}", param, e.what());
+  }
+  set_constraint(r, param, regex);
+}
+
+// OpenAI's response_format: text, json_object (any JSON object) or json_schema ({"json_schema": {"name", "schema",
+// "strict"}}). raw: the request body's text, read again for the schema's property order (parse_body's JSON sorts
+// keys).
+void parse_response_format(const Fields& f, ParsedRequest& r, std::string_view raw) {
+  const json* rf = f.get("response_format");
+  if (!rf) return;
+  if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string())
+    bad_request("response_format", "invalid_value", "'response_format' must be an object with a 'type'");
+  const std::string type = (*rf)["type"].get<std::string>();
+  if (type == "text") return;
+  if (type == "json_object") {
+    set_constraint(r, "response_format", structured::json_object_regex());
+    return;
+  }
+  if (type != "json_schema")
+    bad_request("response_format.type", "invalid_value",
+                "'response_format.type' must be 'text', 'json_object' or 'json_schema', got '{}'", type);
+  const json* js = rf->contains("json_schema") ? &(*rf)["json_schema"] : nullptr;
+  if (!js || !js->is_object() || !js->contains("schema"))
+    bad_request("response_format.json_schema", "invalid_value",
+                "'response_format.json_schema' must be an object with a 'schema'");
+  nlohmann::ordered_json ordered;
+  bool have_order = false;
+  if (!raw.empty()) {
+    auto whole = nlohmann::ordered_json::parse(raw, nullptr, false);
+    if (whole.is_object() && whole.contains("response_format")) {
+      ordered = whole["response_format"]["json_schema"]["schema"];
+      have_order = true;
+    }
+  }
+  set_schema_constraint(r, "response_format.json_schema.schema", (*js)["schema"], have_order ? &ordered : nullptr);
+}
+
 // Sampling fields shared by all three APIs. `max_tokens_keys` are the names max_new_tokens goes by; 0 only where
 // `zero_ok` (a request that only reads its prompt's logprobs).
 void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_keys, const ParseLimits& limits,
@@ -192,9 +267,12 @@ void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_
       if (s.logit_bias[i].first == s.logit_bias[i - 1].first)
         bad_request(p, "invalid_value", "'{}' names token {} twice", p, s.logit_bias[i].first);
   }
-  f.reject_unsupported("regex", "no constrained decoding");
-  f.reject_unsupported("json_schema", "no constrained decoding");
-  f.reject_unsupported("ebnf", "no constrained decoding");
+  // SGLang's regex / json_schema; vLLM's guided_regex / guided_json.
+  for (const char* key : {"regex", "guided_regex"})
+    if (auto v = f.string(key)) set_constraint(r, f.param(key), *v);
+  for (const char* key : {"json_schema", "guided_json"})
+    if (const json* v = f.get(key); v && !v->is_null()) set_schema_constraint(r, f.param(key), *v, nullptr);
+  f.reject_unsupported("ebnf", "EBNF grammars are not supported; use 'regex' or 'json_schema'");
   // SGLang's min_new_tokens; vLLM's and SGLang's OpenAI endpoints call it min_tokens.
   for (const char* key : {"min_new_tokens", "min_tokens"})
     if (auto v = f.integer(key, 0, std::numeric_limits<int32_t>::max())) {
@@ -313,7 +391,7 @@ ParsedRequest parse_native(const json& body, const ParseLimits& limits) {
   return r;
 }
 
-ParsedRequest parse_completions(const json& body, const ParseLimits& limits) {
+ParsedRequest parse_completions(const json& body, const ParseLimits& limits, std::string_view raw) {
   ParsedRequest r;
   r.api = ApiKind::Completions;
   Fields f(body, "");
@@ -356,11 +434,12 @@ ParsedRequest parse_completions(const json& body, const ParseLimits& limits) {
   }
   // Echo with logprobs: the prompt's tokens come with their logprobs too (the first one's null).
   if (r.echo && r.logprobs) r.sampling.logprob_start_len = 0;
+  parse_response_format(f, r, raw);
   parse_openai_common(f, limits, r);
   return r;
 }
 
-ParsedRequest parse_chat(const json& body, const ParseLimits& limits) {
+ParsedRequest parse_chat(const json& body, const ParseLimits& limits, std::string_view raw) {
   ParsedRequest r;
   r.api = ApiKind::Chat;
   Fields f(body, "");
@@ -459,11 +538,7 @@ ParsedRequest parse_chat(const json& body, const ParseLimits& limits) {
   }
   if (auto v = f.boolean("parallel_tool_calls")) r.parallel_tool_calls = *v;
   f.reject_unsupported("functions", "the legacy 'functions' field is not supported; use 'tools'");
-  if (const json* rf = f.get("response_format")) {
-    if (!rf->is_object() || rf->value("type", "") != "text")
-      bad_request("response_format", "unsupported_parameter",
-                  "only 'response_format' {{\"type\": \"text\"}} is supported (no constrained decoding)");
-  }
+  parse_response_format(f, r, raw);
   parse_openai_common(f, limits, r);
   return r;
 }
@@ -479,7 +554,8 @@ nlohmann::ordered_json native_finish_reason(const FinishReason& f, int32_t compl
     case FinishKind::Stop:
       j["type"] = "stop";
       if (f.matched_token >= 0) j["matched"] = f.matched_token;
-      else j["matched"] = f.matched_text;
+      else if (!f.matched_text.empty()) j["matched"] = f.matched_text;
+      else j["matched"] = nullptr;  // a constrained text completed (nothing more allowed)
       break;
     case FinishKind::Abort:
       j["type"] = "abort";

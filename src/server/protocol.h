@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -53,6 +54,10 @@ struct ParsedRequest {
   nlohmann::json tools;              // chat: the function tools (an array, or null when none)
   bool tool_choice_none = false;     // tool_choice "none": the tools are neither shown to the model nor parsed
   bool parallel_tool_calls = true;   // false: only the first call is returned
+  // Structured output (regex, json_schema, response_format): the regex the generated text must match, and the
+  // field it came from; empty: none.
+  std::string constraint_regex;
+  std::string constraint_param;
 };
 
 struct ParseLimits {
@@ -64,8 +69,9 @@ struct ParseLimits {
 
 // Throws ApiError (400) naming the offending field.
 ParsedRequest parse_native(const nlohmann::json& body, const ParseLimits& limits);
-ParsedRequest parse_completions(const nlohmann::json& body, const ParseLimits& limits);
-ParsedRequest parse_chat(const nlohmann::json& body, const ParseLimits& limits);
+// raw: the body's text, when there (a response_format json_schema's properties keep its order).
+ParsedRequest parse_completions(const nlohmann::json& body, const ParseLimits& limits, std::string_view raw = {});
+ParsedRequest parse_chat(const nlohmann::json& body, const ParseLimits& limits, std::string_view raw = {});
 
 // The body as JSON, or ApiError 400 (invalid_json) / 400 when it is not an object.
 nlohmann::json parse_body(const std::string& body);

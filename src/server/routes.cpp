@@ -585,6 +585,15 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
   p.spec.skip_special_tokens = pr.skip_special_tokens;
   p.spec.no_stop_trim = pr.no_stop_trim;
   p.spec.stream_interval = opts_.stream_interval;
+  if (!pr.constraint_regex.empty()) {
+    if (!codec_)
+      throw ApiError(400, "constrained decoding needs the tokenizer; this server runs without one",
+                     pr.constraint_param, "no_tokenizer");
+    auto vocab = token_vocab();
+    p.spec.make_constraint = [vocab, regex = pr.constraint_regex]() -> std::shared_ptr<TokenConstraint> {
+      return std::make_shared<structured::RegexConstraint>(vocab, regex);
+    };
+  }
   p.rc = ResponseContext{pr.api,
                          p.spec.id,
                          opts_.served_model_name,
@@ -748,11 +757,17 @@ void Api::health_generate(const std::shared_ptr<HttpExchange>& ex) {
   }
 }
 
+std::shared_ptr<const structured::TokenVocab> Api::token_vocab() {
+  std::lock_guard<std::mutex> lk(vocab_mu_);
+  if (!vocab_) vocab_ = std::make_shared<const structured::TokenVocab>(codec_->token_bytes());
+  return vocab_;
+}
+
 void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
   json body = parse_body(req.body);
   ParsedRequest pr = api == ApiKind::Native      ? parse_native(body, opts_.limits)
-                     : api == ApiKind::Completions ? parse_completions(body, opts_.limits)
-                                                   : parse_chat(body, opts_.limits);
+                     : api == ApiKind::Completions ? parse_completions(body, opts_.limits, req.body)
+                                                   : parse_chat(body, opts_.limits, req.body);
   Prepared p = prepare(pr);
   const bool stream = pr.stream;
   auto job = std::make_shared<GenerationJob>(engine_, codec_, &metrics_, ex->executor(), std::move(p.spec));

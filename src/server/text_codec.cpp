@@ -8,6 +8,12 @@ std::unique_ptr<StreamDecoder> TextCodec::stream_decoder(bool skip_special_token
   return std::make_unique<IncrementalDetokenizer>(this, skip_special_tokens);
 }
 
+std::vector<std::string> TextCodec::token_bytes() const {
+  std::vector<std::string> out(vocab_size());
+  for (size_t id = 0; id < out.size(); ++id) out[id] = decode({static_cast<int32_t>(id)}, true);
+  return out;
+}
+
 // The tokenizer library (src/tokenizer) is adapted in tokenizer_codec.cpp when it is part of the build.
 #ifndef MLASERVE_HAS_TOKENIZER
 std::unique_ptr<TextCodec> load_text_codec(const std::string&, const std::string&) { return nullptr; }

@@ -56,6 +56,13 @@ class TokenizerCodec : public TextCodec {
   }
   std::string name_or_path() const override { return path_; }
   size_t vocab_size() const override { return tok_->tokenizer().vocab_size(); }
+  std::vector<std::string> token_bytes() const override {
+    const tok::Tokenizer& t = tok_->tokenizer();
+    std::vector<std::string> out(t.vocab_size());
+    for (size_t id = 0; id < out.size(); ++id)
+      if (auto b = t.token_bytes(static_cast<int32_t>(id))) out[id] = std::move(*b);
+    return out;
+  }
   std::unique_ptr<StreamDecoder> stream_decoder(bool skip_special_tokens) const override {
     return std::make_unique<LibraryStreamDecoder>(tok_->tokenizer(), skip_special_tokens);
   }

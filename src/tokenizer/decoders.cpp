@@ -15,6 +15,9 @@ class SequenceDecoder : public Decoder {
   void decode_chain(std::vector<std::string>& t) const override {
     for (const auto& p : parts) p->decode_chain(t);
   }
+  void decode_chain_raw(std::vector<std::string>& t) const override {
+    for (const auto& p : parts) p->decode_chain_raw(t);
+  }
 };
 
 // ByteLevel: each token's characters map back to bytes (a token with any other character keeps its UTF-8 bytes,
@@ -22,6 +25,10 @@ class SequenceDecoder : public Decoder {
 class ByteLevelDecoder : public Decoder {
  public:
   void decode_chain(std::vector<std::string>& tokens) const override {
+    decode_chain_raw(tokens);
+    tokens[0] = utf8_lossy(tokens[0]);
+  }
+  void decode_chain_raw(std::vector<std::string>& tokens) const override {
     std::string bytes;
     for (const auto& t : tokens) {
       size_t start = bytes.size();
@@ -40,7 +47,7 @@ class ByteLevelDecoder : public Decoder {
         bytes += t;
       }
     }
-    tokens.assign(1, utf8_lossy(bytes));
+    tokens.assign(1, std::move(bytes));
   }
 };
 

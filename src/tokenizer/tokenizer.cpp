@@ -389,6 +389,18 @@ std::optional<std::string> Tokenizer::id_to_token(int32_t id) const {
   return std::nullopt;
 }
 
+std::optional<std::string> Tokenizer::token_bytes(int32_t id) const {
+  if (added_by_id_.count(id)) return std::nullopt;
+  const std::string* t = model_->id_to_token(id);
+  if (!t) return std::nullopt;
+  std::vector<std::string> tokens{*t};
+  if (!decoder_) return *t;
+  decoder_->decode_chain_raw(tokens);
+  std::string out;
+  for (const auto& s : tokens) out += s;
+  return out;
+}
+
 bool Tokenizer::is_special(int32_t id) const {
   auto it = added_by_id_.find(id);
   return it != added_by_id_.end() && added_[it->second].special;

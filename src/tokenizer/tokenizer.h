@@ -56,6 +56,9 @@ class Tokenizer {
   std::optional<int32_t> token_to_id(std::string_view token) const;
   std::optional<std::string> id_to_token(int32_t id) const;
   bool is_special(int32_t id) const;
+  // The bytes a model-vocabulary token stands for in generated text (not necessarily UTF-8 on its own: a byte-level
+  // token may hold part of a character); nullopt for added tokens and unknown ids.
+  std::optional<std::string> token_bytes(int32_t id) const;
   // One more than the largest id of the model vocab and the added tokens.
   size_t vocab_size() const;
   const std::vector<AddedToken>& added_tokens() const { return added_; }

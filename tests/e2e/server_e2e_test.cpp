@@ -10,6 +10,8 @@
 
 #include "e2e/server_process.h"
 #include "http_test_client.h"
+#include "structured/json_schema.h"
+#include "structured/regex.h"
 
 namespace mlaserve::test {
 namespace {
@@ -398,6 +400,52 @@ TEST_F(ServerE2E, SuffixIsDeepSeekFillInTheMiddle) {
   EXPECT_EQ(by_ids["choices"][0]["text"], want["choices"][0]["text"]);
   auto plain = post_json(port(), "/v1/completions", R"({"prompt": ")" + pre + R"(", "suffix": "")" + tail);
   EXPECT_EQ(plain["usage"]["prompt_tokens"], ids.size());
+  wait_idle(port());
+}
+
+// Structured output on the real tokenizer (byte-level tokens, some holding part of a UTF-8 character): SGLang's
+// regex on /generate and on completions (n = 3) with a finite language always ends with a whole match; a chat answer
+// under response_format json_schema / json_object is always a prefix of its language, and JSON of the schema when
+// the model ended it; a bad pattern is a 400 naming the field.
+TEST_F(ServerE2E, StructuredOutputsFollowTheirConstraints) {
+  const std::string re = "(red|green|blue|[αβγ]{2}) [0-9]{1,2}!";
+  structured::Dfa dfa(structured::compile_regex(re));
+  for (int seed = 0; seed < 3; ++seed) {
+    json body = {{"text", "Pick a colour and a number:"},
+                 {"sampling_params", {{"max_new_tokens", 30}, {"temperature", 0.8}, {"seed", seed}, {"regex", re}}}};
+    auto g = post_json(port(), "/generate", body.dump());
+    EXPECT_TRUE(dfa.matches(g["text"].get<std::string>())) << g["text"];
+    EXPECT_EQ(g["meta_info"]["finish_reason"]["type"], "stop") << g.dump();
+  }
+  json c = {{"prompt", "Pick:"}, {"regex", re}, {"n", 3}, {"max_tokens", 30}, {"temperature", 1.0}};
+  auto cr = post_json(port(), "/v1/completions", c.dump());
+  ASSERT_EQ(cr["choices"].size(), 3u);
+  for (const auto& ch : cr["choices"]) {
+    EXPECT_TRUE(dfa.matches(ch["text"].get<std::string>())) << ch["text"];
+    EXPECT_EQ(ch["finish_reason"], "stop");
+  }
+  const ojson schema = ojson::parse(R"({"type": "object", "properties": {"colour": {"enum": ["red", "green"]},
+      "n": {"type": "integer"}, "ok": {"type": "boolean"}}})");
+  for (const ojson& rf : {ojson{{"type", "json_schema"}, {"json_schema", {{"name", "pick"}, {"schema", schema}}}},
+                          ojson{{"type", "json_object"}}}) {
+    const bool with_schema = rf["type"] == "json_schema";
+    structured::Dfa d(structured::compile_regex(with_schema ? structured::json_schema_regex(schema)
+                                                            : structured::json_object_regex()));
+    for (double temperature : {0.0, 1.0}) {
+      ojson req = {{"messages", {{{"role", "user"}, {"content", "Answer in JSON."}}}}, {"max_tokens", 40},
+                   {"temperature", temperature}, {"seed", 3}, {"response_format", rf}};
+      auto r = post_json(port(), "/v1/chat/completions", req.dump());
+      const std::string content = r["choices"][0]["message"]["content"].get<std::string>();
+      EXPECT_GE(d.walk(0, content), 0) << content;
+      if (r["choices"][0]["finish_reason"] == "stop") {
+        EXPECT_TRUE(d.matches(content)) << content;
+        const json doc = json::parse(content);
+        if (with_schema) EXPECT_TRUE(doc["colour"] == "red" || doc["colour"] == "green") << content;
+      }
+    }
+  }
+  auto bad = post_json(port(), "/generate", R"({"text": "a", "sampling_params": {"regex": "(a"}})", 400);
+  EXPECT_EQ(bad["error"]["param"], "sampling_params.regex");
   wait_idle(port());
 }
 

@@ -8,10 +8,12 @@
 #include <cmath>
 #include <future>
 #include <mutex>
+#include <set>
 #include <tuple>
 
 #include "engine/engine.h"
 #include "io/safetensors.h"
+#include "structured/token_constraint.h"
 #include "test_util.h"
 
 using namespace mlaserve;
@@ -57,7 +59,7 @@ class EngineTest : public ::testing::TestWithParam<bool> {
   }
 
   std::unique_ptr<Engine> make(int32_t pages, int32_t page_size = 8, int32_t chunk = 8192, bool radix = true,
-                               int32_t tp = 1, int32_t dp = 1) {
+                               int32_t tp = 1, int32_t dp = 1, std::vector<int32_t> eos = {}) {
     auto ranks = test::cpu_ranks("v2", tp, dp);
     EngineOptions o;
     o.page_size = page_size;
@@ -66,6 +68,7 @@ class EngineTest : public ::testing::TestWithParam<bool> {
     o.enable_radix_cache = radix;
     o.check_integrity = true;
     o.overlap = GetParam();
+    o.eos_token_ids = std::move(eos);
     return std::make_unique<Engine>(std::move(ranks), o);
   }
 
@@ -264,6 +267,71 @@ TEST_P(EngineTest, LogitBiasAndMinNewTokens) {
   bad.sampling.max_new_tokens = 4;
   bad.sampling.min_new_tokens = 5;
   EXPECT_THROW(e->submit(bad), Error);
+  expect_no_leak(*e);
+}
+
+// Constrained decoding: a vocabulary of runs of one character (token i: 1 + i / 22 copies of the i % 22-th, token
+// 5 special as the EOS) and a regex. Greedy and seeded draws alike give outputs whose bytes match it; a request that
+// ignores EOS ends (a stop without a token) once its text is complete and nothing more is allowed; with EOS allowed
+// (where the text may end) and biased to win, the request ends at the first place it may, on the EOS.
+TEST_P(EngineTest, ConstrainedDecodingFollowsTheRegex) {
+  const std::string chars = "{}\"a5b0123456789:tru e";  // token 5 (a b) is the EOS instead
+  std::vector<std::string> bytes(640);
+  for (size_t i = 0; i < bytes.size(); ++i)
+    if (i != 5) bytes[i] = std::string(1 + i / chars.size(), chars[i % chars.size()]);
+  auto vocab = std::make_shared<const structured::TokenVocab>(bytes);
+  auto text = [&](const std::vector<int32_t>& ids) {
+    std::string t;
+    for (int32_t id : ids) t += bytes[static_cast<size_t>(id)];
+    return t;
+  };
+  const std::string re = R"(\{"a{1,40}b?": ([0-9]{1,3}|true)\})";  // at most 52 bytes: done in 60 tokens
+  auto e = make(512, 8, 8192, true, 1, 1, {5});
+  std::vector<std::future<Result>> fs;
+  for (int k = 0; k < 6; ++k) {
+    SamplingParams sp;
+    sp.temperature = k == 0 ? 0.0f : 0.9f;
+    sp.seed = 100 + k;
+    sp.constraint = std::make_shared<structured::RegexConstraint>(vocab, re);
+    fs.push_back(submit(*e, "c" + std::to_string(k), prompts_[k % 5], 60, sp));
+  }
+  auto other = submit(*e, "plain", prompts_[1], 12);  // an unconstrained request in the same batches
+  structured::Dfa dfa(structured::compile_regex(re));
+  std::set<std::string> distinct;
+  for (auto& f : fs) {
+    const Result r = wait(f);
+    EXPECT_TRUE(dfa.matches(text(r.tokens))) << text(r.tokens);
+    EXPECT_EQ(r.finish.kind, FinishKind::Stop);
+    EXPECT_EQ(r.finish.matched_token, -1);
+    distinct.insert(text(r.tokens));
+  }
+  EXPECT_GT(distinct.size(), 2u);  // the draws differ
+  expect_prefix(wait(other).tokens, 1);
+
+  GenerateRequest g;  // EOS not ignored: [0-9]+ may end after its first token, where the biased EOS wins
+  g.rid = "eos";
+  g.input_ids = prompts_[2];
+  g.sampling.temperature = 0.0f;
+  g.sampling.max_new_tokens = 20;
+  g.sampling.logit_bias = {{5, 100.0f}};
+  g.sampling.constraint = std::make_shared<structured::RegexConstraint>(vocab, "[0-9]+");
+  auto prom = std::make_shared<std::promise<Result>>();
+  auto acc = std::make_shared<Result>();
+  g.on_output = [prom, acc](const GenerateOutput& o) {
+    acc->tokens.insert(acc->tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
+    if (o.finished) {
+      acc->finish = o.finish;
+      prom->set_value(*acc);
+    }
+  };
+  auto fe = prom->get_future();
+  e->submit(std::move(g));
+  const Result r = wait(fe);
+  ASSERT_EQ(r.tokens.size(), 2u);
+  EXPECT_TRUE(structured::Dfa(structured::compile_regex("[0-9]+")).matches(bytes[static_cast<size_t>(r.tokens[0])]));
+  EXPECT_EQ(r.tokens[1], 5);
+  EXPECT_EQ(r.finish.kind, FinishKind::Stop);
+  EXPECT_EQ(r.finish.matched_token, 5);
   expect_no_leak(*e);
 }
 

@@ -925,6 +925,25 @@ TEST(CudaOps, SampleMatchesCpu) {
     }
     const std::vector<int32_t> ids = sample_both(lg, ps, "V " + std::to_string(V) + " biased");
     for (int64_t r = 0; r < R; r += 6) EXPECT_EQ(ids[static_cast<size_t>(r)], (r * 37 + 11) % V) << "row " << r;
+    // Constrained decoding: rows with an allowed-token mask (every 3rd token of a window, the rest never drawn; a mask
+    // shorter than the vocabulary leaves the ids past it out) beside rows without one; the draws stay in the masks.
+    for (int64_t r = 0; r < R; ++r) {
+      RowSampling& sp = ps[static_cast<size_t>(r)];
+      if (r % 3 == 2) continue;
+      const int64_t lo = (r * 101) % (V / 2), words = r % 3 == 1 ? (V / 2 + 31) / 32 : (V + 31) / 32;
+      auto m = std::make_shared<std::vector<uint32_t>>(static_cast<size_t>(words), 0u);
+      for (int64_t t = lo; t < std::min(V, lo + 300); t += 3)
+        if (t / 32 < words) (*m)[static_cast<size_t>(t / 32)] |= 1u << (t % 32);
+      sp.allowed = m;
+    }
+    const std::vector<int32_t> masked = sample_both(lg, ps, "V " + std::to_string(V) + " masked");
+    for (int64_t r = 0; r < R; ++r) {
+      const auto& m = ps[static_cast<size_t>(r)].allowed;
+      const int32_t t = masked[static_cast<size_t>(r)];
+      if (m) EXPECT_TRUE(static_cast<size_t>(t / 32) < m->size() && ((*m)[static_cast<size_t>(t / 32)] >> (t % 32) & 1u))
+          << "row " << r << " drew " << t;
+    }
+    for (RowSampling& sp : ps) sp.allowed.reset();
   }
   // Greedy rows split over many blocks (1 and 3 rows): the row maximum appears twice, in different parts, and the
   // lower index wins, as on the CPU.

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "server/api_error.h"
+#include "structured/regex.h"
 
 namespace mlaserve::server {
 namespace {
@@ -126,7 +127,25 @@ TEST(Protocol, BadRequestsNameTheField) {
        "invalid_type"},
       {"n", R"({"text": "a", "stream": 1})", "stream", "invalid_type"},
       {"n", R"({"text": "a", "top_logprobs_num": 1000})", "top_logprobs_num", "invalid_value"},
-      {"n", R"({"text": "a", "sampling_params": {"regex": "a+"}})", "sampling_params.regex", "unsupported_parameter"},
+      {"n", R"({"text": "a", "sampling_params": {"regex": "(a+"}})", "sampling_params.regex", "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"regex": 3}})", "sampling_params.regex", "invalid_type"},
+      {"n", R"({"text": "a", "sampling_params": {"regex": "a", "json_schema": "{}"}})", "sampling_params.json_schema",
+       "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"json_schema": "{not json"}})", "sampling_params.json_schema",
+       "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"json_schema": "{\"$ref\": \"#\"}"}})",
+       "sampling_params.json_schema", "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"ebnf": "root ::= x"}})", "sampling_params.ebnf",
+       "unsupported_parameter"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}})",
+       "response_format.type", "invalid_value"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}})",
+       "response_format.json_schema", "invalid_value"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema",
+       "json_schema": {"name": "x", "schema": {"type": "tuple"}}}})", "response_format.json_schema.schema",
+       "invalid_value"},
+      {"c", R"({"prompt": "a", "response_format": {"type": "json_object"}, "regex": "a"})", "response_format",
+       "invalid_value"},
       {"n", R"({"text": "a", "sampling_params": {"logit_bias": [1]}})", "sampling_params.logit_bias", "invalid_type"},
       {"n", R"({"text": "a", "sampling_params": {"logit_bias": {"x": 1}}})", "sampling_params.logit_bias",
        "invalid_value"},
@@ -217,6 +236,44 @@ TEST(Protocol, LogitBiasAndMinTokens) {
   EXPECT_TRUE(r.no_stop_trim);
   EXPECT_TRUE(parse_chat(json::parse(R"({"messages": [{"role": "user", "content": "x"}], "no_stop_trim": true})"), {})
                   .no_stop_trim);
+}
+
+// Structured output: SGLang's regex / json_schema (and vLLM's guided_* names), OpenAI's response_format, each made
+// into the regex the engine's constraint runs; a json_schema's properties keep the request's order where the body's
+// text is given (parse_body's JSON sorts keys).
+TEST(Protocol, StructuredOutputFields) {
+  auto matches = [](const ParsedRequest& r, const std::string& text) {
+    return structured::Dfa(structured::compile_regex(r.constraint_regex)).matches(text);
+  };
+  ParsedRequest n = parse_native(json::parse(R"({"text": "a", "sampling_params": {"regex": "(yes|no)!"}})"), {});
+  EXPECT_EQ(n.constraint_regex, "(yes|no)!");
+  EXPECT_EQ(n.constraint_param, "sampling_params.regex");
+  n = parse_native(json::parse(R"({"text": "a", "sampling_params": {"json_schema":
+      "{\"type\": \"object\", \"properties\": {\"b\": {\"type\": \"integer\"}, \"a\": {\"type\": \"boolean\"}}}"}})"),
+                   {});
+  EXPECT_TRUE(matches(n, R"({"b": 1, "a": true})"));
+  EXPECT_FALSE(matches(n, R"({"a": true, "b": 1})"));
+  EXPECT_TRUE(parse_native(json::parse(R"({"text": "a"})"), {}).constraint_regex.empty());
+
+  const std::string chat = R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema",
+      "json_schema": {"name": "r", "schema": {"type": "object", "properties": {"z": {"type": "null"},
+      "y": {"enum": [1, 2]}}}}}})";
+  ParsedRequest h = parse_chat(json::parse(chat), {}, chat);
+  EXPECT_EQ(h.constraint_param, "response_format.json_schema.schema");
+  EXPECT_TRUE(matches(h, R"({"z": null, "y": 2})"));
+  EXPECT_FALSE(matches(h, R"({"y": 2, "z": null})"));
+  EXPECT_TRUE(matches(parse_chat(json::parse(chat), {}), R"({"y": 2, "z": null})"));  // no text: sorted keys
+  ParsedRequest o = parse_completions(
+      json::parse(R"({"prompt": "a", "response_format": {"type": "json_object"}})"), {});
+  EXPECT_TRUE(matches(o, R"({"k": [1, {"j": "v"}]})"));
+  EXPECT_FALSE(matches(o, "[1]"));
+  EXPECT_TRUE(parse_completions(json::parse(R"({"prompt": "a", "response_format": {"type": "text"}})"), {})
+                  .constraint_regex.empty());
+  ParsedRequest g = parse_completions(json::parse(R"({"prompt": "a", "guided_json": {"type": "integer"}})"), {});
+  EXPECT_TRUE(matches(g, "-12"));
+  EXPECT_FALSE(matches(g, "1.5"));
+  EXPECT_EQ(parse_completions(json::parse(R"({"prompt": "a", "guided_regex": "[0-9]"})"), {}).constraint_regex,
+            "[0-9]");
 }
 
 TEST(Protocol, BodyMustBeJsonObject) {

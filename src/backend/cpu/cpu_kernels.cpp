@@ -308,6 +308,12 @@ void count_token(std::vector<std::pair<int32_t, int32_t>>& counts, int32_t id) {
 
 void sample_row(const float* logits, int64_t V, const RowSampling& sp, float* x, int32_t* id, float* logprob) {
   std::copy(logits, logits + V, x);
+  if (sp.allowed) {
+    const std::vector<uint32_t>& m = *sp.allowed;
+    for (int64_t v = 0; v < V; ++v)
+      if (static_cast<size_t>(v / 32) >= m.size() || !(m[static_cast<size_t>(v / 32)] >> (v % 32) & 1u))
+        x[v] = -std::numeric_limits<float>::infinity();
+  }
   for (const auto& [tok, bias] : sp.logit_bias)
     if (tok >= 0 && tok < V) x[tok] += bias;
   for (const auto& [tok, cnt] : sp.penalty_counts) {

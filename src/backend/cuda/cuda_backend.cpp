@@ -1440,6 +1440,7 @@ void CudaBackend::sample(const Tensor& logits, std::span<const RowSampling> para
   std::vector<cuda::SampleRow> rows(static_cast<size_t>(R));
   std::vector<int32_t> ptok, pcnt, btok;
   std::vector<float> bval;
+  std::vector<uint32_t> masks;
   for (int64_t r = 0; r < R; ++r) {
     const RowSampling& s = params[static_cast<size_t>(r)];
     cuda::SampleRow& o = rows[static_cast<size_t>(r)];
@@ -1465,6 +1466,9 @@ void CudaBackend::sample(const Tensor& logits, std::span<const RowSampling> para
       bval.push_back(bias);
     }
     o.bias_end = static_cast<int32_t>(btok.size());
+    o.mask_begin = s.allowed ? static_cast<int32_t>(masks.size()) : -1;
+    o.mask_words = s.allowed ? static_cast<int32_t>(s.allowed->size()) : 0;
+    if (s.allowed) masks.insert(masks.end(), s.allowed->begin(), s.allowed->end());
   }
   MetaUpload up(*this);
   cuda::SampleParams sp{};
@@ -1473,6 +1477,7 @@ void CudaBackend::sample(const Tensor& logits, std::span<const RowSampling> para
   sp.penalty_counts = up.add(pcnt);
   sp.bias_tokens = up.add(btok);
   sp.bias_values = up.add(bval);
+  sp.allowed = up.add(masks);
   sp.input_ids = d_input_ids_;
   up.flush();
   const size_t mark = scratch_mark();

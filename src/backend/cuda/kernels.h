@@ -441,6 +441,7 @@ struct SampleRow {
   int32_t penalty_begin, penalty_end;  // range in the penalty list
   int32_t pending_input;               // >= 0: input_ids[pending_input] is one more generated token (RowSampling)
   int32_t bias_begin, bias_end;        // range in the logit-bias list (ids unique within a row)
+  int32_t mask_begin, mask_words;      // constrained decoding: the row's allowed-token bits in `allowed` (-1: none)
 };
 struct SampleParams {
   const float* logits;       // [R, V]
@@ -451,6 +452,7 @@ struct SampleParams {
   const int32_t* input_ids;       // the step's input ids, resolved (read for rows with pending_input >= 0)
   const int32_t* bias_tokens;     // token ids of all rows' logit-bias lists
   const float* bias_values;       // their biases (added to the logits before the penalties)
+  const uint32_t* allowed;        // rows' allowed-token bitmasks (tokens without a set bit are never drawn)
   float* work;               // [R, V] scratch
   int32_t* ids;              // [R] out
   float* logprobs;           // [R] out or null

@@ -77,7 +77,7 @@ __device__ float row_sum_exp(const float* x, int64_t V, float mx, float* red) {
 constexpr int kSplitThreads = 256, kMaxSplit = 64, kMinSplitLen = 1024;
 __device__ __forceinline__ bool plain_greedy(const SampleRow& row) {
   return row.temperature <= 0.0f && row.penalty_begin == row.penalty_end && row.pending_input < 0 &&
-         row.bias_begin == row.bias_end;
+         row.bias_begin == row.bias_end && row.mask_begin < 0;
 }
 
 __global__ void __launch_bounds__(kSplitThreads) greedy_parts_kernel(const SampleParams p, int32_t parts) {
@@ -156,7 +156,13 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
     if (tid == 0) p.ids[r] = bi;
     return;
   }
-  for (int64_t v = tid; v < V; v += blockDim.x) x[v] = lg[v];
+  if (row.mask_begin >= 0) {  // constrained decoding: tokens outside the mask are never drawn
+    const uint32_t* m = p.allowed + row.mask_begin;
+    for (int64_t v = tid; v < V; v += blockDim.x)
+      x[v] = v / 32 < row.mask_words && (m[v / 32] >> (v % 32) & 1u) ? lg[v] : -INFINITY;
+  } else {
+    for (int64_t v = tid; v < V; v += blockDim.x) x[v] = lg[v];
+  }
   __syncthreads();
   for (int i = row.bias_begin + tid; i < row.bias_end; i += blockDim.x) {
     const int32_t tok = p.bias_tokens[i];

@@ -1,0 +1,27 @@
+// JSON Schema to a regular expression (structured/regex.h) of the JSON texts it allows, for constrained decoding
+// (SGLang's `json_schema`, OpenAI's response_format json_schema / json_object). Supported: type (one or a list), enum,
+// const, properties (every listed property, in the schema's order), items, minItems / maxItems, minLength /
+// maxLength, pattern (the string's unescaped content), anyOf / oneOf, allOf of one schema, $ref to #/$defs/... or
+// #/definitions/... (not recursive), and the empty schema. Values nested under no schema (an object without
+// properties, an array without items, {}) are any JSON value nested at most kAnyDepth deep. Whitespace between
+// tokens: any run of spaces, tabs and newlines. Keywords that bound numbers (minimum, multipleOf, ...) or name
+// formats are not enforced.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <string_view>
+
+namespace mlaserve::structured {
+
+constexpr int kAnyDepth = 4;
+
+// Throws mlaserve::Error naming the schema path for what it cannot express (recursion, allOf of several, ...).
+std::string json_schema_regex(const nlohmann::ordered_json& schema);
+// Any JSON object (OpenAI's json_object response format).
+std::string json_object_regex();
+// `text` as a regex matching exactly it.
+std::string regex_escape(std::string_view text);
+
+}  // namespace mlaserve::structured

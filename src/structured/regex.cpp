@@ -1,0 +1,509 @@
+#include "structured/regex.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "core/error.h"
+
+namespace mlaserve::structured {
+
+namespace {
+
+using Ranges = std::vector<std::pair<uint32_t, uint32_t>>;  // code-point ranges, inclusive
+constexpr uint32_t kMaxCp = 0x10FFFF;
+
+struct Node {
+  enum Kind { Set, Concat, Alt, Repeat } kind = Concat;  // an empty Concat matches the empty string
+  Ranges ranges;
+  std::vector<Node> kids;
+  int min = 0, max = -1;  // Repeat: max -1 = unbounded
+};
+
+Ranges normalized(Ranges r) {
+  std::sort(r.begin(), r.end());
+  Ranges out;
+  for (const auto& [lo, hi] : r) {
+    if (!out.empty() && lo <= out.back().second + 1) out.back().second = std::max(out.back().second, hi);
+    else out.emplace_back(lo, hi);
+  }
+  return out;
+}
+
+Ranges complement(const Ranges& r0) {
+  const Ranges r = normalized(r0);
+  Ranges out;
+  uint32_t next = 0;
+  for (const auto& [lo, hi] : r) {
+    if (lo > next) out.emplace_back(next, lo - 1);
+    next = hi + 1;
+  }
+  if (next <= kMaxCp) out.emplace_back(next, kMaxCp);
+  return out;
+}
+
+const Ranges kDigit{{'0', '9'}};
+const Ranges kWord{{'0', '9'}, {'A', 'Z'}, {'_', '_'}, {'a', 'z'}};
+const Ranges kSpace{{'\t', '\r'}, {' ', ' '}};
+
+class Parser {
+ public:
+  explicit Parser(std::string_view pattern) : pattern_(pattern) {
+    for (size_t i = 0; i < pattern.size();) {  // decode UTF-8
+      const auto b = static_cast<uint8_t>(pattern[i]);
+      const int n = b < 0x80 ? 1 : (b >> 5) == 6 ? 2 : (b >> 4) == 14 ? 3 : (b >> 3) == 30 ? 4 : 0;
+      if (n == 0 || i + n > pattern.size()) fail("regex '{}': not valid UTF-8 at byte {}", pattern, i);
+      uint32_t cp = n == 1 ? b : b & (0x7F >> n);
+      for (int k = 1; k < n; ++k) {
+        const auto c = static_cast<uint8_t>(pattern[i + k]);
+        if ((c >> 6) != 2) fail("regex '{}': not valid UTF-8 at byte {}", pattern, i);
+        cp = cp << 6 | (c & 0x3F);
+      }
+      cps_.push_back(cp);
+      i += n;
+    }
+  }
+
+  Node parse() {
+    Node n = alt();
+    if (pos_ < cps_.size()) error("unbalanced ')'");
+    return n;
+  }
+
+ private:
+  [[noreturn]] void error(const std::string& what) const {
+    fail("regex '{}': {} at position {}", pattern_, what, pos_);
+  }
+  bool eof() const { return pos_ >= cps_.size(); }
+  uint32_t peek(size_t k = 0) const { return pos_ + k < cps_.size() ? cps_[pos_ + k] : 0xFFFFFFFFu; }
+  uint32_t take() {
+    if (eof()) error("unexpected end");
+    return cps_[pos_++];
+  }
+
+  Node alt() {
+    Node first = concat();
+    if (peek() != '|') return first;
+    Node n;
+    n.kind = Node::Alt;
+    n.kids.push_back(std::move(first));
+    while (peek() == '|') {
+      ++pos_;
+      n.kids.push_back(concat());
+    }
+    return n;
+  }
+
+  Node concat() {
+    Node n;
+    while (!eof() && peek() != '|' && peek() != ')') n.kids.push_back(repeat());
+    return n.kids.size() == 1 ? std::move(n.kids[0]) : n;
+  }
+
+  // {n}, {n,}, {n,m} at pos_ (on '{'); false (pos_ unchanged) when it is not one: '{' is then a literal.
+  bool counted(int& lo, int& hi) {
+    size_t p = pos_ + 1;
+    auto number = [&](int& v) {
+      const size_t s = p;
+      v = 0;
+      while (p < cps_.size() && cps_[p] >= '0' && cps_[p] <= '9' && p - s < 6) v = v * 10 + static_cast<int>(cps_[p++] - '0');
+      return p > s;
+    };
+    const bool has_lo = number(lo);  // {,n}: 0 to n, as Python reads it
+    hi = lo;
+    if (p < cps_.size() && cps_[p] == ',') {
+      ++p;
+      if (!number(hi)) {
+        if (!has_lo) return false;
+        hi = -1;
+      }
+    } else if (!has_lo) {
+      return false;
+    }
+    if (p >= cps_.size() || cps_[p] != '}') return false;
+    pos_ = p + 1;
+    if (hi >= 0 && hi < lo) error("a repeat count's maximum is below its minimum");
+    return true;
+  }
+
+  Node repeat() {
+    const uint32_t c = peek();
+    if (c == '*' || c == '+' || c == '?') error("nothing to repeat");
+    Node a = atom();
+    for (;;) {
+      int lo = 0, hi = -1;
+      const uint32_t q = peek();
+      if (q == '*') {
+        ++pos_;
+      } else if (q == '+') {
+        ++pos_;
+        lo = 1;
+      } else if (q == '?') {
+        ++pos_;
+        hi = 1;
+      } else if (q == '{' && counted(lo, hi)) {
+      } else {
+        break;
+      }
+      if (peek() == '?' || peek() == '+') ++pos_;  // lazy / possessive: the same language
+      Node r;
+      r.kind = Node::Repeat;
+      r.min = lo;
+      r.max = hi;
+      r.kids.push_back(std::move(a));
+      a = std::move(r);
+    }
+    return a;
+  }
+
+  static Node set(Ranges r) {
+    Node n;
+    n.kind = Node::Set;
+    n.ranges = normalized(std::move(r));
+    return n;
+  }
+
+  uint32_t hex(int digits) {
+    uint32_t v = 0;
+    for (int i = 0; i < digits; ++i) {
+      const uint32_t c = take();
+      const int d = c >= '0' && c <= '9' ? static_cast<int>(c - '0')
+                    : c >= 'a' && c <= 'f' ? static_cast<int>(c - 'a' + 10)
+                    : c >= 'A' && c <= 'F' ? static_cast<int>(c - 'A' + 10)
+                                           : -1;
+      if (d < 0) error("a hex escape needs hex digits");
+      v = v * 16 + static_cast<uint32_t>(d);
+    }
+    return v;
+  }
+
+  // After a backslash: a class shorthand (into `cls`, returns true) or one code point (into cp).
+  bool escape(Ranges& cls, uint32_t& cp) {
+    const uint32_t c = take();
+    switch (c) {
+      case 'd': cls = kDigit; return true;
+      case 'D': cls = complement(kDigit); return true;
+      case 'w': cls = kWord; return true;
+      case 'W': cls = complement(kWord); return true;
+      case 's': cls = kSpace; return true;
+      case 'S': cls = complement(kSpace); return true;
+      case 'n': cp = '\n'; return false;
+      case 't': cp = '\t'; return false;
+      case 'r': cp = '\r'; return false;
+      case 'f': cp = '\f'; return false;
+      case 'v': cp = '\v'; return false;
+      case 'a': cp = 7; return false;
+      case '0': cp = 0; return false;
+      case 'x': cp = hex(2); return false;
+      case 'u': cp = hex(4); return false;
+      case 'U': cp = hex(8); return false;
+      default: break;
+    }
+    if (c < 0x80 && ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')))
+      error(fmt::format("the escape '\\{}' is not supported (backreferences, anchors and word boundaries are not)",
+                        static_cast<char>(c)));
+    cp = c;
+    return false;
+  }
+
+  Node klass() {  // after '['
+    bool negate = false;
+    if (peek() == '^') {
+      ++pos_;
+      negate = true;
+    }
+    Ranges r;
+    bool first = true;
+    for (;;) {
+      if (eof()) error("unterminated character class");
+      uint32_t c = take();
+      if (c == ']' && !first) break;
+      first = false;
+      Ranges cls;
+      if (c == '\\') {
+        if (escape(cls, c)) {
+          r.insert(r.end(), cls.begin(), cls.end());
+          continue;
+        }
+      } else if (c == '[' && peek() == ':') {
+        error("POSIX classes ([:name:]) are not supported");
+      }
+      uint32_t hi = c;
+      if (peek() == '-' && peek(1) != ']' && peek(1) != 0xFFFFFFFFu) {
+        ++pos_;
+        hi = take();
+        if (hi == '\\' && escape(cls, hi)) error("a class shorthand cannot end a range");
+        if (hi < c) error("a character range is out of order");
+      }
+      r.emplace_back(c, hi);
+    }
+    return set(negate ? complement(r) : r);
+  }
+
+  Node atom() {
+    const size_t at = pos_;
+    const uint32_t c = take();
+    switch (c) {
+      case '(': {
+        if (peek() == '?') {
+          ++pos_;
+          const uint32_t k = take();
+          if (k == ':') {
+          } else if (k == 'P' || (k == '<' && peek() != '=' && peek() != '!')) {
+            if (k == 'P' && take() != '<') error("only (?P<name>...) groups are supported after (?P");
+            while (take() != '>') {
+            }
+          } else {
+            error("lookaround, flags and other (?...) groups are not supported");
+          }
+        }
+        Node n = alt();
+        if (take() != ')') error("missing ')'");
+        return n;
+      }
+      case '[':
+        return klass();
+      case '.':
+        return set(complement({{'\n', '\n'}}));
+      case '^':
+        if (at != 0) error("'^' is supported only at the start");
+        return Node{};
+      case '$':
+        if (pos_ != cps_.size()) error("'$' is supported only at the end");
+        return Node{};
+      case ')':
+        error("unbalanced ')'");
+      case '\\': {
+        Ranges cls;
+        uint32_t cp = 0;
+        if (escape(cls, cp)) return set(cls);
+        return set({{cp, cp}});
+      }
+      default:
+        return set({{c, c}});
+    }
+  }
+
+  std::string_view pattern_;
+  std::vector<uint32_t> cps_;
+  size_t pos_ = 0;
+};
+
+// The UTF-8 byte-range sequences of code points [a, b], all of one encoded length n: each sequence is a product of
+// byte ranges. Split until, at every continuation level, the range either keeps the higher bits or spans every
+// lower value.
+void split_same_len(uint32_t a, uint32_t b, int n, std::vector<std::vector<std::pair<uint8_t, uint8_t>>>& out) {
+  for (int i = 1; i < n; ++i) {
+    const uint32_t m = (1u << (6 * i)) - 1;
+    if ((a & ~m) != (b & ~m)) {
+      if ((a & m) != 0) {
+        split_same_len(a, a | m, n, out);
+        split_same_len((a | m) + 1, b, n, out);
+        return;
+      }
+      if ((b & m) != m) {
+        split_same_len(a, (b & ~m) - 1, n, out);
+        split_same_len(b & ~m, b, n, out);
+        return;
+      }
+    }
+  }
+  auto encode = [n](uint32_t cp, uint8_t* o) {
+    if (n == 1) {
+      o[0] = static_cast<uint8_t>(cp);
+      return;
+    }
+    for (int k = n - 1; k > 0; --k) {
+      o[k] = static_cast<uint8_t>(0x80 | (cp & 0x3F));
+      cp >>= 6;
+    }
+    o[0] = static_cast<uint8_t>((0xF00u >> n) | cp);  // 110xxxxx, 1110xxxx, 11110xxx
+  };
+  uint8_t ea[4], eb[4];
+  encode(a, ea);
+  encode(b, eb);
+  std::vector<std::pair<uint8_t, uint8_t>> seq;
+  for (int k = 0; k < n; ++k) seq.emplace_back(ea[k], eb[k]);
+  out.push_back(std::move(seq));
+}
+
+void utf8_sequences(uint32_t lo, uint32_t hi, std::vector<std::vector<std::pair<uint8_t, uint8_t>>>& out) {
+  static constexpr uint32_t kLast[4] = {0x7F, 0x7FF, 0xFFFF, kMaxCp};
+  for (int n = 1; n <= 4; ++n) {
+    const uint32_t first = n == 1 ? 0 : kLast[n - 2] + 1;
+    uint32_t a = std::max(lo, first), b = std::min(hi, kLast[n - 1]);
+    if (a > b) continue;
+    if (n == 3) {  // no surrogates
+      if (a <= 0xD7FF) split_same_len(a, std::min(b, 0xD7FFu), 3, out);
+      if (b >= 0xE000) split_same_len(std::max(a, 0xE000u), b, 3, out);
+      continue;
+    }
+    split_same_len(a, b, n, out);
+  }
+}
+
+class Builder {
+ public:
+  Builder(Nfa& nfa, size_t max_states, std::string_view pattern) : nfa_(nfa), max_(max_states), pattern_(pattern) {}
+
+  struct Frag {
+    int32_t start, end;
+  };
+
+  int32_t state() {
+    if (nfa_.states.size() >= max_) fail("regex '{}': its automaton would exceed {} states", pattern_, max_);
+    nfa_.states.emplace_back();
+    return static_cast<int32_t>(nfa_.states.size() - 1);
+  }
+  void eps(int32_t a, int32_t b) { nfa_.states[static_cast<size_t>(a)].eps.push_back(b); }
+
+  Frag build(const Node& n) {
+    switch (n.kind) {
+      case Node::Set: {
+        const int32_t s = state(), e = state();
+        std::vector<std::vector<std::pair<uint8_t, uint8_t>>> seqs;
+        for (const auto& [lo, hi] : n.ranges) utf8_sequences(lo, hi, seqs);
+        for (const auto& seq : seqs) {
+          int32_t cur = s;
+          for (size_t k = 0; k < seq.size(); ++k) {
+            const int32_t to = k + 1 == seq.size() ? e : state();
+            nfa_.states[static_cast<size_t>(cur)].edges.push_back({seq[k].first, seq[k].second, to});
+            cur = to;
+          }
+        }
+        return {s, e};
+      }
+      case Node::Concat: {
+        const int32_t s = state();
+        int32_t cur = s;
+        for (const Node& k : n.kids) {
+          const Frag f = build(k);
+          eps(cur, f.start);
+          cur = f.end;
+        }
+        return {s, cur};
+      }
+      case Node::Alt: {
+        const int32_t s = state(), e = state();
+        for (const Node& k : n.kids) {
+          const Frag f = build(k);
+          eps(s, f.start);
+          eps(f.end, e);
+        }
+        return {s, e};
+      }
+      case Node::Repeat: {
+        const int32_t s = state();
+        int32_t cur = s;
+        for (int i = 0; i < n.min; ++i) {
+          const Frag f = build(n.kids[0]);
+          eps(cur, f.start);
+          cur = f.end;
+        }
+        if (n.max < 0) {
+          const Frag f = build(n.kids[0]);
+          const int32_t e = state();
+          eps(cur, f.start);
+          eps(cur, e);
+          eps(f.end, f.start);
+          eps(f.end, e);
+          return {s, e};
+        }
+        const int32_t e = state();
+        for (int i = n.min; i < n.max; ++i) {
+          const Frag f = build(n.kids[0]);
+          eps(cur, f.start);
+          eps(cur, e);
+          cur = f.end;
+        }
+        eps(cur, e);
+        return {s, e};
+      }
+    }
+    return {0, 0};
+  }
+
+ private:
+  Nfa& nfa_;
+  size_t max_;
+  std::string_view pattern_;
+};
+
+constexpr int32_t kUnknown = -2;
+
+}  // namespace
+
+Nfa compile_regex(std::string_view pattern, size_t max_states) {
+  const Node root = Parser(pattern).parse();
+  Nfa nfa;
+  Builder b(nfa, max_states, pattern);
+  const Builder::Frag f = b.build(root);
+  nfa.start = f.start;
+  nfa.accept = f.end;
+  return nfa;
+}
+
+Dfa::Dfa(Nfa nfa) : nfa_(std::move(nfa)) { intern(closure({nfa_.start})); }
+
+std::vector<int32_t> Dfa::closure(std::vector<int32_t> seeds) const {
+  std::vector<char> seen(nfa_.states.size(), 0);
+  std::vector<int32_t> out, stack;
+  for (int32_t s : seeds)
+    if (!seen[static_cast<size_t>(s)]) {
+      seen[static_cast<size_t>(s)] = 1;
+      stack.push_back(s);
+    }
+  while (!stack.empty()) {
+    const int32_t s = stack.back();
+    stack.pop_back();
+    out.push_back(s);
+    for (int32_t t : nfa_.states[static_cast<size_t>(s)].eps)
+      if (!seen[static_cast<size_t>(t)]) {
+        seen[static_cast<size_t>(t)] = 1;
+        stack.push_back(t);
+      }
+  }
+  // Only states with byte edges (and the accept state) tell states apart.
+  std::vector<int32_t> kept;
+  for (int32_t s : out)
+    if (!nfa_.states[static_cast<size_t>(s)].edges.empty() || s == nfa_.accept) kept.push_back(s);
+  std::sort(kept.begin(), kept.end());
+  return kept;
+}
+
+int32_t Dfa::intern(std::vector<int32_t> set) {
+  if (set.empty()) return kDead;
+  if (auto it = ids_.find(set); it != ids_.end()) return it->second;
+  constexpr size_t kMaxDfaStates = 1 << 16;
+  MLA_CHECK(sets_.size() < kMaxDfaStates, "regex automaton: more than {} DFA states", kMaxDfaStates);
+  const auto id = static_cast<int32_t>(sets_.size());
+  accepting_.push_back(std::binary_search(set.begin(), set.end(), nfa_.accept));
+  std::array<int32_t, 256> row;
+  row.fill(kUnknown);
+  next_.push_back(row);
+  ids_.emplace(set, id);
+  sets_.push_back(std::move(set));
+  return id;
+}
+
+int32_t Dfa::step(int32_t state, uint8_t byte) {
+  if (state < 0) return kDead;
+  const int32_t known = next_[static_cast<size_t>(state)][byte];
+  if (known != kUnknown) return known;
+  std::vector<int32_t> seeds;
+  for (int32_t s : sets_[static_cast<size_t>(state)])
+    for (const Nfa::Edge& e : nfa_.states[static_cast<size_t>(s)].edges)
+      if (byte >= e.lo && byte <= e.hi) seeds.push_back(e.to);
+  const int32_t id = seeds.empty() ? kDead : intern(closure(std::move(seeds)));
+  next_[static_cast<size_t>(state)][byte] = id;
+  return id;
+}
+
+int32_t Dfa::walk(int32_t state, std::string_view bytes) {
+  for (char c : bytes) {
+    state = step(state, static_cast<uint8_t>(c));
+    if (state < 0) return kDead;
+  }
+  return state;
+}
+
+}  // namespace mlaserve::structured

@@ -1,0 +1,58 @@
+// Regular expressions over UTF-8 text as byte automata, for constrained decoding: a pattern (the common syntax of
+// Python's re / JSON Schema's "pattern": literals, escapes, classes, groups, alternation, greedy or lazy
+// quantifiers; ^ / $ only at the ends) is parsed into code-point sets and compiled into a byte-level NFA (each set
+// as the UTF-8 byte sequences of its code points), which a lazy DFA runs: states are made on first use, one byte at
+// a time. A whole-string match: the text must be in the language, not just contain a match.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace mlaserve::structured {
+
+// A byte-level NFA (Thompson): state 0 .. size-1; edges on byte ranges, epsilon moves.
+struct Nfa {
+  struct Edge {
+    uint8_t lo, hi;
+    int32_t to;
+  };
+  struct State {
+    std::vector<Edge> edges;
+    std::vector<int32_t> eps;
+  };
+  std::vector<State> states;
+  int32_t start = 0, accept = 0;
+};
+
+// Parses and compiles `pattern`; throws mlaserve::Error naming the pattern and the position for a syntax error, a
+// feature outside the subset (backreferences, lookaround, anchors inside), or a pattern over max_states states.
+Nfa compile_regex(std::string_view pattern, size_t max_states = 1 << 20);
+
+// The NFA's DFA, built as it is walked. State 0 is the start; kDead: no string from here matches.
+class Dfa {
+ public:
+  static constexpr int32_t kDead = -1;
+  explicit Dfa(Nfa nfa);
+  int32_t step(int32_t state, uint8_t byte);
+  bool accepting(int32_t state) const { return state >= 0 && accepting_[static_cast<size_t>(state)]; }
+  int32_t walk(int32_t state, std::string_view bytes);  // kDead once dead
+  bool matches(std::string_view text) { return accepting(walk(0, text)); }
+  size_t num_states() const { return sets_.size(); }
+
+ private:
+  int32_t intern(std::vector<int32_t> set);  // an epsilon-closed, sorted NFA state set
+  std::vector<int32_t> closure(std::vector<int32_t> seeds) const;
+
+  Nfa nfa_;
+  std::vector<std::vector<int32_t>> sets_;
+  std::vector<std::array<int32_t, 256>> next_;  // kUnknown until made
+  std::vector<bool> accepting_;
+  std::map<std::vector<int32_t>, int32_t> ids_;
+};
+
+}  // namespace mlaserve::structured

@@ -1,0 +1,220 @@
+// Constrained decoding's automata (src/structured): the regex DFA against std::regex on ASCII patterns and by hand on
+// UTF-8, the JSON-schema regexes on valid and invalid documents, and a regex constraint's token masks against a
+// brute-force walk of every token.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "structured/json_schema.h"
+#include "structured/regex.h"
+#include "structured/token_constraint.h"
+
+using namespace mlaserve;
+using namespace mlaserve::structured;
+
+namespace {
+
+bool full_match(const std::string& pattern, const std::string& text) {
+  Dfa d(compile_regex(pattern));
+  return d.matches(text);
+}
+
+std::string utf8(uint32_t cp) {
+  std::string s;
+  if (cp < 0x80) {
+    s += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    s += static_cast<char>(0xC0 | cp >> 6);
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    s += static_cast<char>(0xE0 | cp >> 12);
+    s += static_cast<char>(0x80 | (cp >> 6 & 0x3F));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    s += static_cast<char>(0xF0 | cp >> 18);
+    s += static_cast<char>(0x80 | (cp >> 12 & 0x3F));
+    s += static_cast<char>(0x80 | (cp >> 6 & 0x3F));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return s;
+}
+
+}  // namespace
+
+// Whole-string matches of ASCII patterns equal std::regex_match's on random strings (and on each pattern's own
+// samples, so that matches are not all misses).
+TEST(Regex, AsciiPatternsMatchLikeStdRegex) {
+  const std::vector<std::string> patterns = {
+      "a+b*",          "(ab|cd)*e?",     "[a-c]{2,4}",         "x(y|z){0,3}",     "[^ab]+",
+      "\\d{1,3}(\\.\\d+)?", "a|b|",       "(a*)*b",             "(?:ab){2}c{1,}",  "[a\\-c]+",
+      "\\w+\\s?\\w*",  ".{3}",           "a{2,}b{,2}",         "(a|ab)(c|bcd)",   "a{x}b",
+      "\\.\\*\\+",     "(a?){3}a{3}",    "[0-9a-fA-F]{2}x",    "ba*|ab*",         "(?P<n>ab)+",
+  };
+  std::mt19937 rng(7);
+  const std::string alphabet = "abcdexyz0123. -*+]{},";
+  for (const std::string& p : patterns) {
+    SCOPED_TRACE(p);
+    const std::regex re(p == "(?P<n>ab)+" ? "(ab)+" : p == "a{2,}b{,2}" ? "a{2,}b{0,2}" : p == "a{x}b" ? "a\\{x\\}b" : p);
+    Dfa d(compile_regex(p));
+    int hits = 0;
+    for (int i = 0; i < 3000; ++i) {
+      std::string s;
+      const int n = static_cast<int>(rng() % 8);
+      for (int k = 0; k < n; ++k) s += alphabet[rng() % alphabet.size()];
+      if (i % 3 == 0) {  // mostly letters of the pattern itself
+        s.clear();
+        for (int k = 0; k < n; ++k) s += p[rng() % p.size()];
+      }
+      const bool want = std::regex_match(s, re);
+      hits += want;
+      ASSERT_EQ(d.matches(s), want) << "'" << s << "'";
+    }
+    if (p != "[a\\-c]+" && p != "\\.\\*\\+" && p != "(a|ab)(c|bcd)" && p != "(?:ab){2}c{1,}" &&
+        p != "[0-9a-fA-F]{2}x" && p != "a{x}b")
+      EXPECT_GT(hits, 0);
+  }
+  EXPECT_TRUE(full_match("\\.\\*\\+", ".*+"));
+  EXPECT_TRUE(full_match("(a|ab)(c|bcd)", "abcd"));
+  EXPECT_TRUE(full_match("(?:ab){2}c{1,}", "ababcc"));
+  EXPECT_TRUE(full_match("^[0-9a-fA-F]{2}x$", "aFx"));
+  EXPECT_TRUE(full_match("a{x}b", "a{x}b"));  // not a count: literal braces, as Python reads them
+  EXPECT_TRUE(full_match("[]a]+", "]a]"));   // a leading ']' is a member
+}
+
+// Code points beyond ASCII: classes and '.' match whole UTF-8 characters of every length, never part of one.
+TEST(Regex, Utf8ClassesMatchWholeCharacters) {
+  EXPECT_TRUE(full_match("[α-ω]+", "αβγω"));
+  EXPECT_FALSE(full_match("[α-ω]+", "abc"));
+  EXPECT_FALSE(full_match("[α-ω]+", "Ω"));
+  EXPECT_TRUE(full_match(".", "😀"));
+  EXPECT_TRUE(full_match(".", "é"));
+  EXPECT_FALSE(full_match(".", "\n"));
+  EXPECT_FALSE(full_match(".", "\x80"));        // a lone continuation byte
+  EXPECT_FALSE(full_match(".", "\xED\xA0\x80"));  // an encoded surrogate
+  EXPECT_TRUE(full_match("[^a]", "é"));
+  EXPECT_FALSE(full_match("[^a]", "a"));
+  EXPECT_TRUE(full_match("\\u00e9\\x41", "éA"));
+  EXPECT_FALSE(full_match("[^a-zc-d]", "m"));  // a negated class of overlapping ranges
+  EXPECT_FALSE(full_match("[^\\w\\d]", "5"));
+  EXPECT_TRUE(full_match("[^\\w\\d]", "-"));
+  // Ranges across encoded lengths: every sampled code point in [lo, hi] matches, its neighbours outside do not.
+  for (auto [lo, hi] : std::vector<std::pair<uint32_t, uint32_t>>{{0x70, 0x7F0}, {0x7F0, 0x10FF0}, {0xFFF0, 0x10FFFF},
+                                                                    {0x800, 0xFFFF}, {0x4E00, 0x9FFF}}) {
+    const std::string p = "[" + utf8(lo) + "-" + utf8(hi) + "]";
+    Dfa d(compile_regex(p));
+    std::mt19937 rng(lo);
+    for (int i = 0; i < 2000; ++i) {
+      uint32_t cp = lo + rng() % (hi - lo + 1);
+      if (cp >= 0xD800 && cp <= 0xDFFF) continue;
+      ASSERT_TRUE(d.matches(utf8(cp))) << std::hex << cp << " in " << lo << "-" << hi;
+    }
+    for (uint32_t cp : {lo - 1, hi + 1, lo + 0x40000})
+      if (cp < lo || cp > hi)
+        if (cp <= 0x10FFFF && (cp < 0xD800 || cp > 0xDFFF)) EXPECT_FALSE(d.matches(utf8(cp))) << std::hex << cp;
+  }
+}
+
+// What the subset leaves out is an error that names the pattern and the place, not a wrong automaton.
+TEST(Regex, UnsupportedOrBadPatternsAreErrors) {
+  for (const char* p : {"(a", "a)", "*a", "a\\1", "(?=a)b", "a{3,2}", "[b-a]", "a^", "$a", "[abc", "\\bword",
+                        "(?i)a", "\\xZZ"}) {
+    try {
+      compile_regex(p);
+      ADD_FAILURE() << p << " compiled";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(compile_regex("(a{1000}){1000}", 100000), Error);  // too many states
+}
+
+namespace {
+
+bool schema_match(const std::string& schema, const std::string& doc) {
+  return full_match(json_schema_regex(nlohmann::ordered_json::parse(schema)), doc);
+}
+
+}  // namespace
+
+// JSON Schema's regexes: documents the schema allows match (whitespace anywhere between tokens), documents it
+// does not (wrong types, missing or reordered properties, bad counts) do not.
+TEST(JsonSchema, RegexMatchesTheSchemasDocuments) {
+  const std::string person = R"({"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
+      "age": {"type": "integer"}, "tags": {"type": "array", "items": {"enum": ["a", "b", 3]}, "maxItems": 2},
+      "score": {"type": ["number", "null"]}, "ok": {"type": "boolean"}}, "required": ["name"]})";
+  EXPECT_TRUE(schema_match(person, R"({"name": "Ann", "age": 31, "tags": ["a", 3], "score": -1.5e3, "ok": true})"));
+  EXPECT_TRUE(schema_match(person, "{\n  \"name\":\"\\u00e9\\n\",\n  \"age\": -0,\"tags\":[],\"score\":null,"
+                                   "\"ok\":false\n}"));
+  EXPECT_FALSE(schema_match(person, R"({"age": 31, "name": "Ann", "tags": [], "score": 1, "ok": true})"));
+  EXPECT_FALSE(schema_match(person, R"({"name": "Annabel", "age": 31, "tags": [], "score": 1, "ok": true})"));
+  EXPECT_FALSE(schema_match(person, R"({"name": "Ann", "age": 3.5, "tags": [], "score": 1, "ok": true})"));
+  EXPECT_FALSE(schema_match(person, R"({"name": "Ann", "age": 01, "tags": [], "score": 1, "ok": true})"));
+  EXPECT_FALSE(schema_match(person, R"({"name": "Ann", "age": 1, "tags": ["c"], "score": 1, "ok": true})"));
+  EXPECT_FALSE(schema_match(person, R"({"name": "Ann", "age": 1, "tags": ["a","a","a"], "score": 1, "ok": true})"));
+  EXPECT_FALSE(schema_match(person, R"({"name": "A"n", "age": 1, "tags": [], "score": 1, "ok": true})"));
+  EXPECT_FALSE(schema_match(person, R"({"name": "Ann", "age": 1, "tags": [], "score": 1, "ok": true,})"));
+
+  const std::string refs = R"({"$defs": {"pt": {"type": "object", "properties": {"x": {"type": "number"}}}},
+      "type": "array", "items": {"anyOf": [{"$ref": "#/$defs/pt"}, {"const": "none"}]}, "minItems": 1})";
+  EXPECT_TRUE(schema_match(refs, R"([{"x": 1}, "none", {"x": 2.5}])"));
+  EXPECT_FALSE(schema_match(refs, "[]"));
+  EXPECT_FALSE(schema_match(refs, R"([{"y": 1}])"));
+  EXPECT_TRUE(schema_match(R"({"type": "string", "pattern": "^[a-z]+-[0-9]{2}$"})", R"("ab-12")"));
+  EXPECT_FALSE(schema_match(R"({"type": "string", "pattern": "^[a-z]+-[0-9]{2}$"})", R"("ab-1")"));
+  EXPECT_TRUE(schema_match(R"({"type": "string", "minLength": 2})", R"("ab")"));
+  EXPECT_FALSE(schema_match(R"({"type": "string", "minLength": 2})", R"("a")"));
+
+  // Any JSON object (json_object; an object schema without properties).
+  const std::string any = json_object_regex();
+  for (const char* ok : {"{}", R"({"a": [1, {"b": null}, "x"], "c": {"d": [true, false, -2e-3]}})", "{ \"k\" : \"v\" }"})
+    EXPECT_TRUE(full_match(any, ok)) << ok;
+  for (const char* bad : {"[]", "{", R"({"a": })", R"({a: 1})", R"({"a": 1,})", "\"str\"", R"({"a": tru})"})
+    EXPECT_FALSE(full_match(any, bad)) << bad;
+  EXPECT_TRUE(schema_match(R"({"type": "object"})", R"({"any": [1, 2]})"));
+}
+
+TEST(JsonSchema, WhatItCannotExpressIsAnError) {
+  for (const char* s : {R"({"$ref": "#"})", R"({"$ref": "#/$defs/missing"})", R"({"type": "tuple"})",
+                        R"({"allOf": [{"type": "string"}, {"minLength": 2}]})", R"({"enum": []})", "false",
+                        R"({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})"}) {
+    EXPECT_THROW(json_schema_regex(nlohmann::ordered_json::parse(s)), Error) << s;
+  }
+}
+
+// A regex constraint's allowed tokens are exactly the tokens whose bytes keep the automaton alive (brute force over
+// the vocabulary), next() walks a token's bytes, and special tokens (no bytes) are never allowed.
+TEST(TokenConstraint, MasksAreTheTokensThatKeepTheRegexAlive) {
+  std::vector<std::string> bytes = {"",   "{",   "}",  "\"", "a",  "ab", "b",  "\"a", "1",  "12", "23", ":",
+                                    " ",  ", ",  "\n", "x",  "é",  "\xC3", "\xA9", "\": ", "}\n", "true", "tr", "ue"};
+  auto vocab = std::make_shared<const TokenVocab>(bytes);
+  const std::string re = R"(\{"a+b?": ([0-9]{1,3}|true)\})";
+  RegexConstraint c(vocab, re);
+  Dfa ref(compile_regex(re));
+  // Walk a few texts token by token, comparing the mask with brute force at every state on the way.
+  for (const std::vector<int32_t>& path : {std::vector<int32_t>{1, 7, 19, 9, 2}, std::vector<int32_t>{1, 3, 5, 19, 21, 2},
+                                           std::vector<int32_t>{1, 7, 4, 6, 19, 22, 23, 2}}) {
+    int32_t s = 0, rs = 0;
+    for (size_t k = 0; k <= path.size(); ++k) {
+      const auto& m = *c.allowed(s);
+      for (int32_t t = 0; t < vocab->size(); ++t) {
+        const bool want = !bytes[static_cast<size_t>(t)].empty() && ref.walk(rs, bytes[static_cast<size_t>(t)]) >= 0;
+        ASSERT_EQ((m[static_cast<size_t>(t) / 32] >> (t % 32) & 1u) != 0, want) << "token " << t << " at step " << k;
+      }
+      if (k == path.size()) break;
+      const int32_t t = path[k];
+      ASSERT_TRUE(m[static_cast<size_t>(t) / 32] >> (t % 32) & 1u) << "step " << k;
+      s = c.next(s, t);
+      rs = ref.walk(rs, bytes[static_cast<size_t>(t)]);
+      ASSERT_GE(s, 0);
+    }
+    EXPECT_TRUE(c.accepting(s));
+    EXPECT_TRUE(std::all_of(c.allowed(s)->begin(), c.allowed(s)->end(), [](uint32_t w) { return w == 0; }));
+  }
+  EXPECT_EQ(c.next(0, 2), TokenConstraint::kDead);  // "}" first
+  EXPECT_EQ(c.next(0, 0), TokenConstraint::kDead);  // a special token
+  EXPECT_FALSE(c.accepting(0));
+}
