@@ -18,7 +18,8 @@ namespace mlaserve {
 
 // Constrained decoding (structured output): an automaton over token ids that the front end builds (it knows the
 // tokens' text). State 0 is the start; the engine keeps each request's state, asks for the tokens allowed in it
-// before every draw and moves it with every generated token. Called from one engine thread per request.
+// before every draw and moves it with every generated token. One constraint may serve many requests at once, from
+// several engine threads (implementations are thread-safe).
 class TokenConstraint {
  public:
   static constexpr int32_t kDead = -1;

@@ -93,10 +93,13 @@ class Api {
   ServerMetrics metrics_;
   std::atomic<uint64_t> next_id_{0};
   uint64_t id_salt_;
-  // The tokenizer's tokens as bytes for constrained decoding, made by the first request that needs them.
-  std::shared_ptr<const structured::TokenVocab> token_vocab();
+  // Constrained decoding: the constraint of a regex over the tokenizer's tokens (made by the first request that needs
+  // it; the last kConstraintCache regexes are kept, so requests with the same schema share its automaton and masks).
+  std::shared_ptr<TokenConstraint> constraint_for(const std::string& regex);
+  static constexpr size_t kConstraintCache = 32;
   std::mutex vocab_mu_;
   std::shared_ptr<const structured::TokenVocab> vocab_;
+  std::vector<std::pair<std::string, std::shared_ptr<TokenConstraint>>> constraints_;  // most recent last
   std::mutex jobs_mu_;
   std::unordered_map<std::string, std::weak_ptr<GenerationJob>> jobs_;  // running jobs by id (rid), for aborts
 };

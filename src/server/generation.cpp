@@ -37,7 +37,6 @@ void GenerationJob::start() {
     req.rid = choices_[i].rid;
     req.input_ids = spec_.prompts[choices_[i].prompt_index].input_ids;
     req.sampling = spec_.sampling;
-    if (spec_.make_constraint) req.sampling.constraint = spec_.make_constraint();
     // n samples of one prompt with a seed: each sample its own stream, reproducible as a set.
     if (req.sampling.seed && spec_.n > 1) *req.sampling.seed += i % static_cast<size_t>(spec_.n);
     // The engine thread only posts: the job's state is touched on the executor alone.

@@ -35,8 +35,6 @@ struct JobSpec {
   bool skip_special_tokens = true;
   bool no_stop_trim = false;      // keep the matched stop string in the text
   int32_t stream_interval = 1;    // on_update once a choice has this many tokens since its last one (or finished)
-  // Structured output: a fresh constraint for each choice (each engine request keeps its own automaton); null: none.
-  std::function<std::shared_ptr<TokenConstraint>()> make_constraint;
 };
 
 struct Choice {

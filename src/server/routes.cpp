@@ -589,10 +589,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     if (!codec_)
       throw ApiError(400, "constrained decoding needs the tokenizer; this server runs without one",
                      pr.constraint_param, "no_tokenizer");
-    auto vocab = token_vocab();
-    p.spec.make_constraint = [vocab, regex = pr.constraint_regex]() -> std::shared_ptr<TokenConstraint> {
-      return std::make_shared<structured::RegexConstraint>(vocab, regex);
-    };
+    p.spec.sampling.constraint = constraint_for(pr.constraint_regex);  // shared by the choices
   }
   p.rc = ResponseContext{pr.api,
                          p.spec.id,
@@ -757,10 +754,19 @@ void Api::health_generate(const std::shared_ptr<HttpExchange>& ex) {
   }
 }
 
-std::shared_ptr<const structured::TokenVocab> Api::token_vocab() {
+std::shared_ptr<TokenConstraint> Api::constraint_for(const std::string& regex) {
   std::lock_guard<std::mutex> lk(vocab_mu_);
+  for (size_t i = 0; i < constraints_.size(); ++i)
+    if (constraints_[i].first == regex) {
+      std::rotate(constraints_.begin() + static_cast<int64_t>(i), constraints_.begin() + static_cast<int64_t>(i) + 1,
+                  constraints_.end());
+      return constraints_.back().second;
+    }
   if (!vocab_) vocab_ = std::make_shared<const structured::TokenVocab>(codec_->token_bytes());
-  return vocab_;
+  auto c = std::make_shared<structured::RegexConstraint>(vocab_, regex);
+  if (constraints_.size() >= kConstraintCache) constraints_.erase(constraints_.begin());
+  constraints_.emplace_back(regex, c);
+  return c;
 }
 
 void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {

@@ -6,6 +6,7 @@
 #include <random>
 #include <regex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/error.h"
@@ -217,4 +218,44 @@ TEST(TokenConstraint, MasksAreTheTokensThatKeepTheRegexAlive) {
   EXPECT_EQ(c.next(0, 2), TokenConstraint::kDead);  // "}" first
   EXPECT_EQ(c.next(0, 0), TokenConstraint::kDead);  // a special token
   EXPECT_FALSE(c.accepting(0));
+}
+
+// One constraint shared by requests on several engine threads (the server caches one per regex): concurrent walks
+// see the masks and states a constraint of their own gives.
+TEST(TokenConstraint, SharedAcrossThreadsGivesTheSameMasks) {
+  std::vector<std::string> bytes;
+  for (char c : std::string("{}\":, abcxyz0123456789.-etrufalsn")) {
+    bytes.emplace_back(1, c);
+    bytes.emplace_back(2, c);
+  }
+  bytes.push_back("true");
+  bytes.push_back("\": ");
+  auto vocab = std::make_shared<const TokenVocab>(bytes);
+  const std::string re = json_schema_regex(nlohmann::ordered_json::parse(
+      R"({"type": "object", "properties": {"k": {"type": "array", "items": {"type": "number"}}, "b": {"type": "boolean"}}})"));
+  auto shared = std::make_shared<RegexConstraint>(vocab, re);
+  auto walk = [&](TokenConstraint& c, uint64_t seed) {  // a random walk through allowed tokens; the masks on the way
+    std::mt19937_64 rng(seed);
+    std::vector<std::vector<uint32_t>> seen;
+    int32_t s = 0;
+    for (int step = 0; step < 60; ++step) {
+      const auto m = c.allowed(s);
+      seen.push_back(*m);
+      std::vector<int32_t> ok;
+      for (int32_t t = 0; t < vocab->size(); ++t)
+        if ((*m)[static_cast<size_t>(t) / 32] >> (t % 32) & 1u) ok.push_back(t);
+      if (ok.empty()) break;
+      s = c.next(s, ok[rng() % ok.size()]);
+      EXPECT_GE(s, 0);
+    }
+    return seen;
+  };
+  std::vector<std::vector<std::vector<uint32_t>>> got(8);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 8; ++i) threads.emplace_back([&, i] { got[static_cast<size_t>(i)] = walk(*shared, 50 + i); });
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 8; ++i) {
+    RegexConstraint own(vocab, re);
+    EXPECT_EQ(got[static_cast<size_t>(i)], walk(own, 50 + i)) << "walk " << i;
+  }
 }
