@@ -940,8 +940,8 @@ TEST(CudaOps, SampleMatchesCpu) {
     for (int64_t r = 0; r < R; ++r) {
       const auto& m = ps[static_cast<size_t>(r)].allowed;
       const int32_t t = masked[static_cast<size_t>(r)];
-      if (m) EXPECT_TRUE(static_cast<size_t>(t / 32) < m->size() && ((*m)[static_cast<size_t>(t / 32)] >> (t % 32) & 1u))
-          << "row " << r << " drew " << t;
+      const size_t w = static_cast<size_t>(t / 32);
+      if (m) EXPECT_TRUE(w < m->size() && ((*m)[w] >> (t % 32) & 1u)) << "row " << r << " drew " << t;
     }
     for (RowSampling& sp : ps) sp.allowed.reset();
   }

@@ -18,18 +18,11 @@
 namespace {
 
 using mlaserve::cuda::fp8x4_bf16;
+using mlaserve::cuda::ld_weights;
 using mlaserve::cuda::mma_bf16;
 
 constexpr int kH = 2048;           // codes per weight row
 constexpr int kTileBytes = 8 * kH;  // 8 rows
-
-__device__ __forceinline__ uint4 ld_nc(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
 
 // Each warp takes tiles warp, warp + all warps, ...; TILED: chunk c of a tile is its 512 bytes at c * 512 (lane l's
 // 16 at 16 l), else lane (g, q) reads row g at column 64 c + 16 q. COMPUTE: fp8_tile's conversion and mma per chunk
@@ -47,7 +40,7 @@ __global__ void __launch_bounds__(256, MINB) fp8_stream_kernel(const uint8_t* w,
     for (int c0 = 0; c0 < nch; c0 += U) {
       uint4 b[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) b[u] = ld_nc(base + (c0 + u) * (TILED ? 512 : 64));
+      for (int u = 0; u < U; ++u) b[u] = ld_weights(base + (c0 + u) * (TILED ? 512 : 64));
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         if constexpr (COMPUTE) {

@@ -38,6 +38,15 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   float r = lane < nw ? red[lane] : 0.0f;
   return warp_sum(r);
 }
+// Weights are read once per step: a 16-byte load that does not allocate in L1 (kept for the activations).
+__device__ __forceinline__ uint4 ld_weights(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
 __device__ __forceinline__ float block_max(float v, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   v = warp_max(v);

@@ -34,15 +34,6 @@ constexpr int kPairBlocksPerSm = 4;  // the one-row pair's kernel at 64 register
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-// Weights are read once per step: a 16-byte load that does not allocate in L1 (kept for the activations).
-__device__ __forceinline__ uint4 ld_weights(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
-
 __device__ __forceinline__ uint4 ld_act(const bf16* p) { return *reinterpret_cast<const uint4*>(p); }
 
 // Dot product of 8 bf16 pairs, fp32.
@@ -131,8 +122,8 @@ __device__ __forceinline__ void fp8_tile(float (&acc)[2], const uint8_t* w, cons
   }
 }
 
-// bf16 weights on tensor cores, as fp8_tile lays them out: a warp multiplies 8 weight rows (lane / 4 loads row lane / 4,
-// 16 values at column 16 (lane % 4) of each 64-column chunk, two 16-byte loads) with the tokens (A's rows). b: U chunks
+// bf16 weights on tensor cores, as fp8_tile lays them out: a warp multiplies 8 weight rows (lane / 4 loads row
+// lane / 4, 16 values at column 16 (lane % 4) of each 64-column chunk, two 16-byte loads) with the tokens (A's rows). b: U chunks
 // of this lane's loads, the first group already issued (bf16_tile_load at c0); d: the mma accumulators (d[0] / d[1]:
 // this lane's token with weight rows 2 (lane % 4) and 2 (lane % 4) + 1). Chunks [c0, c1); x as in fp8_tile.
 template <int U>
@@ -783,6 +774,23 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
   probe_mark(3);  // thread 0's warp is done
 }
 
+// Output column c of token t of a small-batch down kernel: the routed pairs' weighted products (part, per (token,
+// slot)) summed in slot order and rounded (the grouped path's combine), plus the shared experts' slices (spart, the
+// first nsh of them) summed and rounded (the model's add).
+template <int COLS, int TT>
+__device__ __forceinline__ bf16 down_output(const float (&part)[COLS][kMaxPairs],
+                                            const float (&spart)[COLS][kWarps][TT], int c, int t, int k, int nsh) {
+  float r = 0.0f;
+  for (int j = 0; j < k; ++j) r += part[c][t * k + j];  // pairs of non-local experts stay 0
+  float o = __bfloat162float(__float2bfloat16_rn(r));
+  if (nsh > 0) {
+    float sh = 0.0f;
+    for (int q = 0; q < nsh; ++q) sh += spart[c][q][t];
+    o += __bfloat162float(__float2bfloat16_rn(sh));
+  }
+  return __float2bfloat16_rn(o);
+}
+
 // Block b: output columns [COLS b, COLS (b + 1)) of every token. Its "segments" (a slice of the
 // shared experts' rows, or one routed expert's rows) go to the warps in turn; a warp walks its segment's rows (one per
 // column, consecutive in memory), loading the next row while it reduces the current one. Each routed segment
@@ -900,15 +908,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_kernel(MoeSm
   probe_mark(3);
   const int c = threadIdx.x / TT, t = threadIdx.x % TT;
   if (c >= ncol || t >= a.T) return;
-  float r = 0.0f;
-  for (int j = 0; j < a.k; ++j) r += part[c][t * a.k + j];  // pairs of non-local experts stay 0
-  float o = __bfloat162float(__float2bfloat16_rn(r));
-  if (shared_segs > 0) {
-    float sh = 0.0f;
-    for (int q = 0; q < shared_segs; ++q) sh += spart[c][q][t];
-    o += __bfloat162float(__float2bfloat16_rn(sh));
-  }
-  a.out[t * a.ldo + h0 + c] = __float2bfloat16_rn(o);
+  a.out[t * a.ldo + h0 + c] = down_output(part, spart, c, t, a.k, shared_segs);
 }
 
 // The shared experts' chunks (64 columns of 8 rows) of warp w in the TC down kernel, [c0, c1) of nsc: split so that
@@ -937,7 +937,7 @@ __device__ __forceinline__ void shared_share(int w, int n, int I, int nsc, int& 
 // output columns [8 b, 8 b + 8) of every token. Warp w takes the routed tiles u = w, w + kWarps, ... (fp8_tile of
 // local expert plan.uniq[u]'s rows h0..h0+7) and a slice of the shared experts' K (bf16_tile of shared_down's same
 // rows; shared_share: about the same bytes per warp), the first of its shared chunks loaded before the wait. The sums:
-// as moe_small_down_kernel's (routed pairs in slot order, rounded; the shared slices' f32 sum, rounded; added).
+// down_output's.
 template <int TT, int UT, int MINB>
 __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_tc_kernel(MoeSmallArgs a, const MoePlan* gplan) {
   __shared__ MoePlan plan;
@@ -970,7 +970,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_tc_kernel(Mo
   for (int u = warp; u < n; u += kWarps) {
     const int e = P->uniq[u];
     const int sl = g < a.T ? P->slot[u][g] : -1;
-    const uint8_t* w = reinterpret_cast<const uint8_t*>(a.down) + (static_cast<int64_t>(e) * a.H + h0 + g) * a.I + 16 * q;
+    const uint8_t* w =
+        reinterpret_cast<const uint8_t*>(a.down) + (static_cast<int64_t>(e) * a.H + h0 + g) * a.I + 16 * q;
     const int64_t sr = (a.H + a.block_rows - 1) / a.block_rows, sc = (a.I + a.block_cols - 1) / a.block_cols;
     const float* s0 = a.down_scale + (e * sr + (h0 + 2 * q) / a.block_rows) * sc;
     const float* s1 = a.down_scale + (e * sr + (h0 + 2 * q + 1) / a.block_rows) * sc;
@@ -987,15 +988,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_tc_kernel(Mo
   probe_mark(3);
   const int c = threadIdx.x / TT, t = threadIdx.x % TT;
   if (c >= 8 || t >= a.T) return;
-  float r = 0.0f;
-  for (int j = 0; j < a.k; ++j) r += part[c][t * a.k + j];  // pairs of non-local experts stay 0
-  float o = __bfloat162float(__float2bfloat16_rn(r));
-  if (nsc > 0) {
-    float sh = 0.0f;
-    for (int v = 0; v < kWarps; ++v) sh += spart[c][v][t];
-    o += __bfloat162float(__float2bfloat16_rn(sh));
-  }
-  a.out[t * a.ldo + h0 + c] = __float2bfloat16_rn(o);
+  a.out[t * a.ldo + h0 + c] = down_output(part, spart, c, t, a.k, nsc > 0 ? kWarps : 0);
 }
 
 int rows_bucket(int T) { return T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8; }
