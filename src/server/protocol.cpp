@@ -125,15 +125,18 @@ std::vector<int32_t> token_ids(const json& v, const std::string& p) {
 
 bool is_id_list(const json& v) { return v.is_array() && !v.empty() && v[0].is_number(); }
 
-// Structured output: the regex the generated text must match, from `param` (one such field per request). The regex
-// is compiled here once to reject a bad one with a 400 (the engine's automaton is built per request later).
-void set_constraint(ParsedRequest& r, const std::string& param, const std::string& regex) {
+// Structured output: the regex the generated text must match, from `param` (one such field per request). A regex
+// the client wrote is compiled here to reject a bad one with a 400; one made from a schema is checked where the
+// server builds its automaton (once per regex: Api::constraint_for).
+void set_constraint(ParsedRequest& r, const std::string& param, const std::string& regex, bool check) {
   if (!r.constraint_param.empty())
     bad_request(param, "invalid_value", "'{}' and '{}' both constrain the output; give one", r.constraint_param, param);
-  try {
-    structured::compile_regex(regex);
-  } catch (const Error& e) {
-    bad_request(param, "invalid_value", "'{}': {}", param, e.what());
+  if (check) {
+    try {
+      structured::compile_regex(regex);
+    } catch (const Error& e) {
+      bad_request(param, "invalid_value", "'{}': {}", param, e.what());
+    }
   }
   r.constraint_param = param;
   r.constraint_regex = regex;
@@ -161,7 +164,7 @@ void set_schema_constraint(ParsedRequest& r, const std::string& param, const jso
   } catch (const Error& e) {
     bad_request(param, "invalid_value", "'{}': {}", param, e.what());
   }
-  set_constraint(r, param, regex);
+  set_constraint(r, param, regex, /*check=*/false);
 }
 
 // OpenAI's response_format: text, json_object (any JSON object) or json_schema ({"json_schema": {"name", "schema",
@@ -175,7 +178,7 @@ void parse_response_format(const Fields& f, ParsedRequest& r, std::string_view r
   const std::string type = (*rf)["type"].get<std::string>();
   if (type == "text") return;
   if (type == "json_object") {
-    set_constraint(r, "response_format", structured::json_object_regex());
+    set_constraint(r, "response_format", structured::json_object_regex(), /*check=*/false);
     return;
   }
   if (type != "json_schema")
@@ -269,7 +272,7 @@ void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_
   }
   // SGLang's regex / json_schema; vLLM's guided_regex / guided_json.
   for (const char* key : {"regex", "guided_regex"})
-    if (auto v = f.string(key)) set_constraint(r, f.param(key), *v);
+    if (auto v = f.string(key)) set_constraint(r, f.param(key), *v, /*check=*/true);
   for (const char* key : {"json_schema", "guided_json"})
     if (const json* v = f.get(key); v && !v->is_null()) set_schema_constraint(r, f.param(key), *v, nullptr);
   f.reject_unsupported("ebnf", "EBNF grammars are not supported; use 'regex' or 'json_schema'");

@@ -589,7 +589,12 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     if (!codec_)
       throw ApiError(400, "constrained decoding needs the tokenizer; this server runs without one",
                      pr.constraint_param, "no_tokenizer");
-    p.spec.sampling.constraint = constraint_for(pr.constraint_regex);  // shared by the choices
+    try {
+      p.spec.sampling.constraint = constraint_for(pr.constraint_regex);  // shared by the choices
+    } catch (const Error& e) {  // a schema's pattern the regex compiler rejects
+      throw ApiError(400, fmt::format("'{}': {}", pr.constraint_param, e.what()), pr.constraint_param,
+                     "invalid_value");
+    }
   }
   p.rc = ResponseContext{pr.api,
                          p.spec.id,

@@ -55,7 +55,8 @@ class Converter {
     }
     if (!s.is_object()) fail("json_schema at {}: a schema must be an object or a boolean", path);
     if (auto it = s.find("$ref"); it != s.end()) {
-      if (refs > 16) fail("json_schema at {}: $ref nests more than 16 deep (recursive schemas are not supported)", path);
+      if (refs > 16)
+        fail("json_schema at {}: $ref nests more than 16 deep (recursive schemas are not supported)", path);
       return value(resolve(*it, path), path + "/$ref", refs + 1);
     }
     if (auto it = s.find("const"); it != s.end()) return regex_escape(it->dump());

@@ -105,7 +105,8 @@ class Parser {
     auto number = [&](int& v) {
       const size_t s = p;
       v = 0;
-      while (p < cps_.size() && cps_[p] >= '0' && cps_[p] <= '9' && p - s < 6) v = v * 10 + static_cast<int>(cps_[p++] - '0');
+      while (p < cps_.size() && cps_[p] >= '0' && cps_[p] <= '9' && p - s < 6)
+        v = v * 10 + static_cast<int>(cps_[p++] - '0');
       return p > s;
     };
     const bool has_lo = number(lo);  // {,n}: 0 to n, as Python reads it

@@ -446,6 +446,10 @@ TEST_F(ServerE2E, StructuredOutputsFollowTheirConstraints) {
   }
   auto bad = post_json(port(), "/generate", R"({"text": "a", "sampling_params": {"regex": "(a"}})", 400);
   EXPECT_EQ(bad["error"]["param"], "sampling_params.regex");
+  bad = post_json(port(), "/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "string",
+      "pattern": "(a"}}}})", 400);  // a schema's pattern: checked where the server builds the automaton
+  EXPECT_EQ(bad["error"]["param"], "response_format.json_schema.schema");
   wait_idle(port());
 }
 

@@ -255,8 +255,8 @@ TEST(Protocol, StructuredOutputFields) {
   EXPECT_FALSE(matches(n, R"({"a": true, "b": 1})"));
   EXPECT_TRUE(parse_native(json::parse(R"({"text": "a"})"), {}).constraint_regex.empty());
 
-  const std::string chat = R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema",
-      "json_schema": {"name": "r", "schema": {"type": "object", "properties": {"z": {"type": "null"},
+  const std::string chat = R"({"messages": [{"role": "user", "content": "x"}], "response_format": {
+      "type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object", "properties": {"z": {"type": "null"},
       "y": {"enum": [1, 2]}}}}}})";
   ParsedRequest h = parse_chat(json::parse(chat), {}, chat);
   EXPECT_EQ(h.constraint_param, "response_format.json_schema.schema");

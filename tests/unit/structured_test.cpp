@@ -59,7 +59,10 @@ TEST(Regex, AsciiPatternsMatchLikeStdRegex) {
   const std::string alphabet = "abcdexyz0123. -*+]{},";
   for (const std::string& p : patterns) {
     SCOPED_TRACE(p);
-    const std::regex re(p == "(?P<n>ab)+" ? "(ab)+" : p == "a{2,}b{,2}" ? "a{2,}b{0,2}" : p == "a{x}b" ? "a\\{x\\}b" : p);
+    const std::regex re(p == "(?P<n>ab)+"   ? "(ab)+"        // std::regex's spellings of the same language
+                        : p == "a{2,}b{,2}" ? "a{2,}b{0,2}"
+                        : p == "a{x}b"      ? "a\\{x\\}b"
+                                            : p);
     Dfa d(compile_regex(p));
     int hits = 0;
     for (int i = 0; i < 3000; ++i) {
@@ -171,7 +174,8 @@ TEST(JsonSchema, RegexMatchesTheSchemasDocuments) {
 
   // Any JSON object (json_object; an object schema without properties).
   const std::string any = json_object_regex();
-  for (const char* ok : {"{}", R"({"a": [1, {"b": null}, "x"], "c": {"d": [true, false, -2e-3]}})", "{ \"k\" : \"v\" }"})
+  for (const char* ok :
+       {"{}", R"({"a": [1, {"b": null}, "x"], "c": {"d": [true, false, -2e-3]}})", "{ \"k\" : \"v\" }"})
     EXPECT_TRUE(full_match(any, ok)) << ok;
   for (const char* bad : {"[]", "{", R"({"a": })", R"({a: 1})", R"({"a": 1,})", "\"str\"", R"({"a": tru})"})
     EXPECT_FALSE(full_match(any, bad)) << bad;
@@ -196,8 +200,8 @@ TEST(TokenConstraint, MasksAreTheTokensThatKeepTheRegexAlive) {
   RegexConstraint c(vocab, re);
   Dfa ref(compile_regex(re));
   // Walk a few texts token by token, comparing the mask with brute force at every state on the way.
-  for (const std::vector<int32_t>& path : {std::vector<int32_t>{1, 7, 19, 9, 2}, std::vector<int32_t>{1, 3, 5, 19, 21, 2},
-                                           std::vector<int32_t>{1, 7, 4, 6, 19, 22, 23, 2}}) {
+  using Path = std::vector<int32_t>;
+  for (const Path& path : {Path{1, 7, 19, 9, 2}, Path{1, 3, 5, 19, 21, 2}, Path{1, 7, 4, 6, 19, 22, 23, 2}}) {
     int32_t s = 0, rs = 0;
     for (size_t k = 0; k <= path.size(); ++k) {
       const auto& m = *c.allowed(s);
@@ -232,7 +236,8 @@ TEST(TokenConstraint, SharedAcrossThreadsGivesTheSameMasks) {
   bytes.push_back("\": ");
   auto vocab = std::make_shared<const TokenVocab>(bytes);
   const std::string re = json_schema_regex(nlohmann::ordered_json::parse(
-      R"({"type": "object", "properties": {"k": {"type": "array", "items": {"type": "number"}}, "b": {"type": "boolean"}}})"));
+      R"({"type": "object", "properties": {"k": {"type": "array", "items": {"type": "number"}},
+          "b": {"type": "boolean"}}})"));
   auto shared = std::make_shared<RegexConstraint>(vocab, re);
   auto walk = [&](TokenConstraint& c, uint64_t seed) {  // a random walk through allowed tokens; the masks on the way
     std::mt19937_64 rng(seed);

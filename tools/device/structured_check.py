@@ -26,7 +26,8 @@ for pat in PATTERNS:
         t0 = time.time()
         g = post("/generate", {"text": "Answer:", "sampling_params": {"max_new_tokens": 40, "temperature": temp,
                                                                       "seed": seed, "regex": pat}})
-        out["regex"].append({"pattern": pat, "seed": seed, "text": g["text"], "match": bool(re.fullmatch(pat, g["text"])),
+        out["regex"].append({"pattern": pat, "seed": seed, "text": g["text"],
+                             "match": bool(re.fullmatch(pat, g["text"])),
                              "finish": g["meta_info"]["finish_reason"]["type"], "s": round(time.time() - t0, 3)})
 # Mixed batch: constrained and plain requests at once (overlap scheduling waits only for the constrained ones).
 results = {}
