@@ -142,13 +142,29 @@ void set_constraint(ParsedRequest& r, const std::string& param, const std::strin
   r.constraint_regex = regex;
 }
 
-// A JSON schema (an object, or SGLang's JSON text of one) as its regex; `ordered`: the same schema with its
-// properties in the request's order, when the caller has it.
-void set_schema_constraint(ParsedRequest& r, const std::string& param, const json& v,
-                           const nlohmann::ordered_json* ordered) {
+// The object at `param` (dotted: "response_format.json_schema.schema") of the request body's text, read again with
+// its keys in the request's order (parse_body's JSON sorts them); false when there is no text or no object there.
+bool ordered_at(std::string_view raw, const std::string& param, nlohmann::ordered_json& out) {
+  if (raw.empty()) return false;
+  auto whole = nlohmann::ordered_json::parse(raw, nullptr, false);
+  const nlohmann::ordered_json* at = &whole;
+  for (size_t b = 0; b <= param.size();) {
+    const size_t e = std::min(param.find('.', b), param.size());
+    const std::string key = param.substr(b, e - b);
+    if (!at->is_object() || !at->contains(key)) return false;
+    at = &(*at)[key];
+    b = e + 1;
+  }
+  if (!at->is_object()) return false;
+  out = *at;
+  return true;
+}
+
+// A JSON schema (an object, or SGLang's JSON text of one) at `param` as its regex; raw: the body's text (an object's
+// properties keep their order), or empty.
+void set_schema_constraint(ParsedRequest& r, const std::string& param, const json& v, std::string_view raw) {
   nlohmann::ordered_json schema;
-  if (ordered) {
-    schema = *ordered;
+  if (v.is_object() && ordered_at(raw, param, schema)) {
   } else if (v.is_string()) {
     schema = nlohmann::ordered_json::parse(v.get<std::string>(), nullptr, false);
     if (schema.is_discarded()) bad_request(param, "invalid_value", "'{}' is not valid JSON", param);
@@ -165,6 +181,19 @@ void set_schema_constraint(ParsedRequest& r, const std::string& param, const jso
     bad_request(param, "invalid_value", "'{}': {}", param, e.what());
   }
   set_constraint(r, param, regex, /*check=*/false);
+}
+
+// vLLM's guided_choice: the output is exactly one of the listed strings.
+void set_choice_constraint(ParsedRequest& r, const std::string& param, const json& v) {
+  if (!v.is_array() || v.empty())
+    bad_request(param, "invalid_type", "'{}' must be a non-empty array of strings", param);
+  std::string re;
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (!v[i].is_string() || v[i].get<std::string>().empty())
+      bad_request(param, "invalid_value", "'{}[{}]' must be a non-empty string", param, i);
+    re += (i ? "|" : "") + structured::regex_escape(v[i].get<std::string>());
+  }
+  set_constraint(r, param, "(" + re + ")", /*check=*/false);
 }
 
 // OpenAI's response_format: text, json_object (any JSON object) or json_schema ({"json_schema": {"name", "schema",
@@ -188,22 +217,13 @@ void parse_response_format(const Fields& f, ParsedRequest& r, std::string_view r
   if (!js || !js->is_object() || !js->contains("schema"))
     bad_request("response_format.json_schema", "invalid_value",
                 "'response_format.json_schema' must be an object with a 'schema'");
-  nlohmann::ordered_json ordered;
-  bool have_order = false;
-  if (!raw.empty()) {
-    auto whole = nlohmann::ordered_json::parse(raw, nullptr, false);
-    if (whole.is_object() && whole.contains("response_format")) {
-      ordered = whole["response_format"]["json_schema"]["schema"];
-      have_order = true;
-    }
-  }
-  set_schema_constraint(r, "response_format.json_schema.schema", (*js)["schema"], have_order ? &ordered : nullptr);
+  set_schema_constraint(r, "response_format.json_schema.schema", (*js)["schema"], raw);
 }
 
 // Sampling fields shared by all three APIs. `max_tokens_keys` are the names max_new_tokens goes by; 0 only where
 // `zero_ok` (a request that only reads its prompt's logprobs).
 void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_keys, const ParseLimits& limits,
-                    ParsedRequest& r, bool zero_ok = false) {
+                    ParsedRequest& r, std::string_view raw, bool zero_ok = false) {
   SamplingParams& s = r.sampling;
   for (const auto& k : max_tokens_keys)
     if (auto v = f.integer(k, zero_ok ? 0 : 1, std::numeric_limits<int32_t>::max())) {
@@ -270,12 +290,34 @@ void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_
       if (s.logit_bias[i].first == s.logit_bias[i - 1].first)
         bad_request(p, "invalid_value", "'{}' names token {} twice", p, s.logit_bias[i].first);
   }
-  // SGLang's regex / json_schema; vLLM's guided_regex / guided_json.
+  // SGLang's regex / json_schema; vLLM's guided_regex / guided_json / guided_choice and structured_outputs.
   for (const char* key : {"regex", "guided_regex"})
     if (auto v = f.string(key)) set_constraint(r, f.param(key), *v, /*check=*/true);
   for (const char* key : {"json_schema", "guided_json"})
-    if (const json* v = f.get(key); v && !v->is_null()) set_schema_constraint(r, f.param(key), *v, nullptr);
-  f.reject_unsupported("ebnf", "EBNF grammars are not supported; use 'regex' or 'json_schema'");
+    if (const json* v = f.get(key); v && !v->is_null()) set_schema_constraint(r, f.param(key), *v, raw);
+  if (const json* v = f.get("guided_choice"); v && !v->is_null())
+    set_choice_constraint(r, f.param("guided_choice"), *v);
+  if (const json* v = f.get("structured_outputs"); v && !v->is_null()) {
+    const std::string p = f.param("structured_outputs");
+    if (!v->is_object()) bad_request(p, "invalid_type", "'{}' must be an object, got {}", p, type_name(*v));
+    for (const auto& [key, val] : v->items()) {
+      if (val.is_null()) continue;
+      const std::string kp = p + "." + key;
+      if (key == "regex" && val.is_string()) set_constraint(r, kp, val.get<std::string>(), /*check=*/true);
+      else if (key == "json") set_schema_constraint(r, kp, val, raw);
+      else if (key == "choice") set_choice_constraint(r, kp, val);
+      else if (key == "json_object" && val.is_boolean()) {
+        if (val.get<bool>()) set_constraint(r, kp, structured::json_object_regex(), /*check=*/false);
+      } else if (key == "grammar" || key == "structural_tag")
+        bad_request(kp, "unsupported_parameter", "'{}' is not supported; use 'json', 'regex' or 'choice'", kp);
+      else if (key != "disable_fallback" && key != "disable_any_whitespace" &&
+               key != "disable_additional_properties" && key != "whitespace_pattern")
+        bad_request(kp, "invalid_value", "'{}' is not a structured output this server knows (or has the wrong type)",
+                    kp);
+    }
+  }
+  for (const char* key : {"ebnf", "guided_grammar"})
+    f.reject_unsupported(key, "grammars are not supported; use 'regex' or 'json_schema'");
   // SGLang's min_new_tokens; vLLM's and SGLang's OpenAI endpoints call it min_tokens.
   for (const char* key : {"min_new_tokens", "min_tokens"})
     if (auto v = f.integer(key, 0, std::numeric_limits<int32_t>::max())) {
@@ -331,7 +373,7 @@ nlohmann::json parse_body(const std::string& body) {
   return j;
 }
 
-ParsedRequest parse_native(const json& body, const ParseLimits& limits) {
+ParsedRequest parse_native(const json& body, const ParseLimits& limits, std::string_view raw) {
   ParsedRequest r;
   r.api = ApiKind::Native;
   Fields f(body, "");
@@ -377,7 +419,7 @@ ParsedRequest parse_native(const json& body, const ParseLimits& limits) {
     if (!sp->is_object())
       bad_request("sampling_params", "invalid_type", "'sampling_params' must be an object, got {}", type_name(*sp));
     Fields sf(*sp, "sampling_params.");
-    parse_sampling(sf, {"max_new_tokens"}, limits, r, /*zero_ok=*/true);
+    parse_sampling(sf, {"max_new_tokens"}, limits, r, raw, /*zero_ok=*/true);
     if (auto v = sf.boolean("no_stop_trim")) r.no_stop_trim = *v;
   }
   if (auto v = f.boolean("stream")) r.stream = *v;
@@ -429,7 +471,7 @@ ParsedRequest parse_completions(const json& body, const ParseLimits& limits, std
     if (!sfx->get<std::string>().empty()) r.suffix = sfx->get<std::string>();  // "": no hole, a plain completion
   }
   // max_tokens 0 with echo: the prompt alone (and its logprobs), as vLLM allows.
-  parse_sampling(f, {"max_tokens"}, limits, r, /*zero_ok=*/r.echo);
+  parse_sampling(f, {"max_tokens"}, limits, r, raw, /*zero_ok=*/r.echo);
   if (!r.max_new_tokens_given) r.sampling.max_new_tokens = 16;  // OpenAI's default for completions
   if (const json* lp = f.get("logprobs")) {
     r.logprobs = true;
@@ -505,7 +547,7 @@ ParsedRequest parse_chat(const json& body, const ParseLimits& limits, std::strin
                 "new turn is opened)");
   if (r.continue_final_message && r.messages.back()["role"] != "assistant")
     bad_request("continue_final_message", "invalid_value", "'continue_final_message' needs a final assistant message");
-  parse_sampling(f, {"max_tokens", "max_completion_tokens"}, limits, r);
+  parse_sampling(f, {"max_tokens", "max_completion_tokens"}, limits, r, raw);
   if (auto v = f.boolean("logprobs")) r.logprobs = *v;
   if (auto v = f.integer("top_logprobs", 0, limits.max_top_logprobs)) {
     if (!r.logprobs && *v > 0)

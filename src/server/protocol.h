@@ -68,8 +68,8 @@ struct ParseLimits {
 };
 
 // Throws ApiError (400) naming the offending field.
-ParsedRequest parse_native(const nlohmann::json& body, const ParseLimits& limits);
-// raw: the body's text, when there (a response_format json_schema's properties keep its order).
+// raw: the body's text, when there (a JSON schema object's properties then keep the request's order).
+ParsedRequest parse_native(const nlohmann::json& body, const ParseLimits& limits, std::string_view raw = {});
 ParsedRequest parse_completions(const nlohmann::json& body, const ParseLimits& limits, std::string_view raw = {});
 ParsedRequest parse_chat(const nlohmann::json& body, const ParseLimits& limits, std::string_view raw = {});
 

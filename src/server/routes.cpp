@@ -776,7 +776,7 @@ std::shared_ptr<TokenConstraint> Api::constraint_for(const std::string& regex) {
 
 void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
   json body = parse_body(req.body);
-  ParsedRequest pr = api == ApiKind::Native      ? parse_native(body, opts_.limits)
+  ParsedRequest pr = api == ApiKind::Native      ? parse_native(body, opts_.limits, req.body)
                      : api == ApiKind::Completions ? parse_completions(body, opts_.limits, req.body)
                                                    : parse_chat(body, opts_.limits, req.body);
   Prepared p = prepare(pr);

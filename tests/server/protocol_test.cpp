@@ -146,6 +146,14 @@ TEST(Protocol, BadRequestsNameTheField) {
        "invalid_value"},
       {"c", R"({"prompt": "a", "response_format": {"type": "json_object"}, "regex": "a"})", "response_format",
        "invalid_value"},
+      {"c", R"({"prompt": "a", "guided_choice": []})", "guided_choice", "invalid_type"},
+      {"c", R"({"prompt": "a", "guided_choice": ["a", 3]})", "guided_choice", "invalid_value"},
+      {"c", R"({"prompt": "a", "guided_grammar": "root ::= x"})", "guided_grammar", "unsupported_parameter"},
+      {"c", R"({"prompt": "a", "structured_outputs": {"grammar": "root ::= x"}})", "structured_outputs.grammar",
+       "unsupported_parameter"},
+      {"c", R"({"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}})", "structured_outputs.regex",
+       "invalid_value"},
+      {"c", R"({"prompt": "a", "structured_outputs": {"yaml": "x"}})", "structured_outputs.yaml", "invalid_value"},
       {"n", R"({"text": "a", "sampling_params": {"logit_bias": [1]}})", "sampling_params.logit_bias", "invalid_type"},
       {"n", R"({"text": "a", "sampling_params": {"logit_bias": {"x": 1}}})", "sampling_params.logit_bias",
        "invalid_value"},
@@ -274,6 +282,21 @@ TEST(Protocol, StructuredOutputFields) {
   EXPECT_FALSE(matches(g, "1.5"));
   EXPECT_EQ(parse_completions(json::parse(R"({"prompt": "a", "guided_regex": "[0-9]"})"), {}).constraint_regex,
             "[0-9]");
+  // vLLM's guided_choice and structured_outputs; an object schema keeps its order where the text is given.
+  ParsedRequest ch = parse_completions(json::parse(R"J({"prompt": "a", "guided_choice": ["yes", "no (maybe)"]})J"), {});
+  EXPECT_TRUE(matches(ch, "no (maybe)"));
+  EXPECT_FALSE(matches(ch, "no"));
+  const std::string so = R"({"prompt": "a", "structured_outputs": {"json": {"type": "object",
+      "properties": {"q": {"type": "integer"}, "p": {"type": "integer"}}}}})";
+  ParsedRequest sj = parse_completions(json::parse(so), {}, so);
+  EXPECT_EQ(sj.constraint_param, "structured_outputs.json");
+  EXPECT_TRUE(matches(sj, R"({"q": 1, "p": 2})"));
+  EXPECT_FALSE(matches(sj, R"({"p": 2, "q": 1})"));
+  const std::string nat = R"({"text": "a", "sampling_params": {"json_schema": {"type": "object",
+      "properties": {"q": {"type": "integer"}, "p": {"type": "integer"}}}}})";
+  EXPECT_TRUE(matches(parse_native(json::parse(nat), {}, nat), R"({"q": 1, "p": 2})"));
+  EXPECT_TRUE(matches(parse_completions(json::parse(R"({"prompt": "a", "structured_outputs": {"choice": ["x"]}})"), {}),
+                      "x"));
 }
 
 TEST(Protocol, BodyMustBeJsonObject) {
