@@ -4,9 +4,11 @@
 #include <charconv>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "core/error.h"
 #include "server/api_error.h"
+#include "server/tool_calls.h"
 #include "structured/json_schema.h"
 #include "structured/regex.h"
 
@@ -151,8 +153,14 @@ bool ordered_at(std::string_view raw, const std::string& param, nlohmann::ordere
   for (size_t b = 0; b <= param.size();) {
     const size_t e = std::min(param.find('.', b), param.size());
     const std::string key = param.substr(b, e - b);
-    if (!at->is_object() || !at->contains(key)) return false;
-    at = &(*at)[key];
+    if (at->is_array() && !key.empty() && key.find_first_not_of("0123456789") == std::string::npos) {
+      const size_t i = std::stoul(key);  // an array index ("tools.0.function.parameters")
+      if (i >= at->size()) return false;
+      at = &(*at)[i];
+    } else {
+      if (!at->is_object() || !at->contains(key)) return false;
+      at = &(*at)[key];
+    }
     b = e + 1;
   }
   if (!at->is_object()) return false;
@@ -194,6 +202,39 @@ void set_choice_constraint(ParsedRequest& r, const std::string& param, const jso
     re += (i ? "|" : "") + structured::regex_escape(v[i].get<std::string>());
   }
   set_constraint(r, param, "(" + re + ")", /*check=*/false);
+}
+
+// tool_choice required (forced == "") or a named function: the output is DeepSeek's tool calls (its special tokens,
+// `\C` + their text in the constraint's vocabulary) of those tools, the arguments JSON of each tool's parameters (at
+// most a space between tokens); one call for a named function or parallel_tool_calls false, else one or more.
+void set_tool_constraint(ParsedRequest& r, const std::string& forced, std::string_view raw) {
+  if (r.tools.is_null())
+    bad_request("tool_choice", "invalid_value", "'tool_choice' '{}' needs 'tools'", forced.empty() ? "required" : forced);
+  auto marker = [](std::string_view text) { return "\\C" + structured::regex_escape(text); };
+  std::string calls;
+  for (size_t i = 0; i < r.tools.size(); ++i) {
+    const json& fn = r.tools[i]["function"];
+    const std::string name = fn["name"].get<std::string>();
+    if (!forced.empty() && name != forced) continue;
+    const std::string path = fmt::format("tools.{}.function.parameters", i);
+    nlohmann::ordered_json params = nlohmann::ordered_json::object({{"type", "object"}});
+    if (fn.contains("parameters") && fn["parameters"].is_object() && !ordered_at(raw, path, params))
+      params = nlohmann::ordered_json::parse(fn["parameters"].dump());
+    std::string args;
+    try {
+      args = structured::json_schema_regex(params, /*compact=*/true);
+    } catch (const Error& e) {
+      bad_request(fmt::format("tools[{}].function.parameters", i), "invalid_value", "{}", e.what());
+    }
+    calls += (calls.empty() ? "" : "|") + marker(kToolCallBegin) + "function" + marker(kToolSep) +
+             structured::regex_escape(name) + "\n```json\n(" + args + ")\n```" + marker(kToolCallEnd);
+  }
+  if (calls.empty())
+    bad_request("tool_choice", "invalid_value", "'tool_choice' names '{}', which is not in 'tools'", forced);
+  const bool one = !forced.empty() || !r.parallel_tool_calls;
+  set_constraint(r, "tool_choice", marker(kToolCallsBegin) + "(" + calls + ")" + (one ? "" : "+") +
+                                       marker(kToolCallsEnd), /*check=*/false);
+  r.forced_tool_calls = true;
 }
 
 // OpenAI's response_format: text, json_object (any JSON object) or json_schema ({"json_schema": {"name", "schema",
@@ -570,18 +611,24 @@ ParsedRequest parse_chat(const json& body, const ParseLimits& limits, std::strin
     }
     if (!tools->empty()) r.tools = *tools;
   }
+  std::optional<std::string> forced;  // tool_choice required (""), or the named function
   if (const json* tc = f.get("tool_choice")) {
     if (tc->is_string() && (*tc == "none" || *tc == "auto")) {
       r.tool_choice_none = *tc == "none";
-    } else if ((tc->is_string() && *tc == "required") || tc->is_object()) {
-      bad_request("tool_choice", "unsupported_parameter",
-                  "'tool_choice' 'required' or a named function needs constrained decoding, which this server does "
-                  "not have; use 'auto'");
+    } else if (tc->is_string() && *tc == "required") {
+      forced = "";
+    } else if (tc->is_object()) {
+      if (tc->value("type", "") != "function" || !tc->contains("function") || !(*tc)["function"].is_object() ||
+          !(*tc)["function"].contains("name") || !(*tc)["function"]["name"].is_string())
+        bad_request("tool_choice", "invalid_value",
+                    "'tool_choice' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}");
+      forced = (*tc)["function"]["name"].get<std::string>();
     } else {
       bad_request("tool_choice", "invalid_value", "'tool_choice' must be 'none', 'auto', 'required' or a function");
     }
   }
   if (auto v = f.boolean("parallel_tool_calls")) r.parallel_tool_calls = *v;
+  if (forced) set_tool_constraint(r, *forced, raw);
   f.reject_unsupported("functions", "the legacy 'functions' field is not supported; use 'tools'");
   parse_response_format(f, r, raw);
   parse_openai_common(f, limits, r);

@@ -58,6 +58,7 @@ struct ParsedRequest {
   // field it came from; empty: none.
   std::string constraint_regex;
   std::string constraint_param;
+  bool forced_tool_calls = false;    // tool_choice required or named: the constraint is DeepSeek's tool calls
 };
 
 struct ParseLimits {

@@ -589,6 +589,12 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     if (!codec_)
       throw ApiError(400, "constrained decoding needs the tokenizer; this server runs without one",
                      pr.constraint_param, "no_tokenizer");
+    if (pr.forced_tool_calls)  // the calls are written in DeepSeek's special tokens: the tokenizer must have them
+      for (std::string_view m : {kToolCallsBegin, kToolCallsEnd, kToolCallBegin, kToolCallEnd, kToolSep})
+        if (codec_->encode(std::string(m), false).size() != 1)
+          throw ApiError(400, fmt::format("'tool_choice' needs DeepSeek's tool-call tokens; this tokenizer has no {}",
+                                          m),
+                         "tool_choice", "invalid_value");
     try {
       p.spec.sampling.constraint = constraint_for(pr.constraint_regex);  // shared by the choices
     } catch (const Error& e) {  // a schema's pattern the regex compiler rejects

@@ -10,7 +10,16 @@ std::unique_ptr<StreamDecoder> TextCodec::stream_decoder(bool skip_special_token
 
 std::vector<std::string> TextCodec::token_bytes() const {
   std::vector<std::string> out(vocab_size());
-  for (size_t id = 0; id < out.size(); ++id) out[id] = decode({static_cast<int32_t>(id)}, true);
+  for (size_t id = 0; id < out.size(); ++id) {
+    const std::vector<int32_t> one{static_cast<int32_t>(id)};
+    std::string b = decode(one, true);
+    if (b.empty()) {  // special
+      if (const std::string s = decode(one, false); !s.empty()) b = "\xFF" + s;
+    } else if (b.find('\xFF') != std::string::npos) {
+      b.clear();
+    }
+    out[id] = std::move(b);
+  }
   return out;
 }
 

@@ -38,9 +38,10 @@ class TextCodec {
   virtual std::string name_or_path() const = 0;
   // One more than the largest token id (the bench client draws random ids below it).
   virtual size_t vocab_size() const = 0;
-  // Every id's bytes in generated text (constrained decoding), empty for ids never generated as text (special and
-  // added tokens, unused ids). The default: decode() of each non-special id (a token holding part of a UTF-8
-  // character then reads as U+FFFD).
+  // Every id's bytes in generated text (constrained decoding): special and added tokens as the byte 0xFF and their
+  // text (no UTF-8 text holds 0xFF, so a constraint allows them only by naming them, regex `\C`); empty for unused ids
+  // and for tokens whose bytes hold 0xFF (never part of UTF-8 text). The default: decode() of each id (a token
+  // holding part of a UTF-8 character then reads as U+FFFD).
   virtual std::vector<std::string> token_bytes() const;
   // A streaming decoder; the default (text_stream.h) works over decode() for any tokenizer.
   virtual std::unique_ptr<StreamDecoder> stream_decoder(bool skip_special_tokens) const;

@@ -59,8 +59,13 @@ class TokenizerCodec : public TextCodec {
   std::vector<std::string> token_bytes() const override {
     const tok::Tokenizer& t = tok_->tokenizer();
     std::vector<std::string> out(t.vocab_size());
-    for (size_t id = 0; id < out.size(); ++id)
-      if (auto b = t.token_bytes(static_cast<int32_t>(id))) out[id] = std::move(*b);
+    for (size_t id = 0; id < out.size(); ++id) {
+      if (auto b = t.token_bytes(static_cast<int32_t>(id))) {
+        if (b->find('\xFF') == std::string::npos) out[id] = std::move(*b);
+      } else if (auto added = t.id_to_token(static_cast<int32_t>(id))) {  // an added token: 0xFF + its text
+        out[id] = "\xFF" + *added;
+      }
+    }
     return out;
   }
   std::unique_ptr<StreamDecoder> stream_decoder(bool skip_special_tokens) const override {

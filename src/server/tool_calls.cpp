@@ -7,9 +7,8 @@
 namespace mlaserve::server {
 namespace {
 
-constexpr std::string_view kCallsBegin = "<｜tool▁calls▁begin｜>", kCallsEnd = "<｜tool▁calls▁end｜>",
-                           kCallBegin = "<｜tool▁call▁begin｜>", kCallEnd = "<｜tool▁call▁end｜>",
-                           kSep = "<｜tool▁sep｜>";
+constexpr std::string_view kCallsBegin = kToolCallsBegin, kCallsEnd = kToolCallsEnd, kCallBegin = kToolCallBegin,
+                           kCallEnd = kToolCallEnd, kSep = kToolSep;
 
 std::string_view trim(std::string_view s) {
   s.remove_prefix(leading_space(s));

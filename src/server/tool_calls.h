@@ -13,6 +13,11 @@
 
 namespace mlaserve::server {
 
+// DeepSeek's tool-call markers (each a special token).
+constexpr std::string_view kToolCallsBegin = "<｜tool▁calls▁begin｜>", kToolCallsEnd = "<｜tool▁calls▁end｜>",
+                           kToolCallBegin = "<｜tool▁call▁begin｜>", kToolCallEnd = "<｜tool▁call▁end｜>",
+                           kToolSep = "<｜tool▁sep｜>";
+
 struct ToolCall {
   std::string name;
   std::string arguments;  // as generated (a JSON object's text when the model follows its format)

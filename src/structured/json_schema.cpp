@@ -8,7 +8,7 @@ namespace mlaserve::structured {
 
 namespace {
 
-const std::string kWs = "[ \\t\\n\\r]*";
+const std::string kFreeWs = "[ \\t\\n\\r]*", kCompactWs = " ?";
 const std::string kString = "\"([^\"\\\\\\x00-\\x1F]|\\\\([\"\\\\/bfnrt]|u[0-9a-fA-F]{4}))*\"";
 const std::string kStringChar = "([^\"\\\\\\x00-\\x1F]|\\\\([\"\\\\/bfnrt]|u[0-9a-fA-F]{4}))";
 const std::string kInteger = "-?(0|[1-9][0-9]*)";
@@ -19,9 +19,9 @@ const std::string kNull = "null";
 std::string group(const std::string& r) { return "(" + r + ")"; }
 
 // `item` repeated as a JSON list between `open` and `close` (escaped), [lo, hi] times (hi < 0: unbounded).
-std::string list(const std::string& open, const std::string& item, const std::string& close, int64_t lo,
-                 int64_t hi) {
-  const std::string more = group(kWs + "," + kWs + item);
+std::string list(const std::string& ws, const std::string& open, const std::string& item, const std::string& close,
+                 int64_t lo, int64_t hi) {
+  const std::string more = group(ws + "," + ws + item);
   std::string body;
   if (hi == 0) {
     body = "";
@@ -31,27 +31,27 @@ std::string list(const std::string& open, const std::string& item, const std::st
     body = item + more + rest;
     if (lo == 0) body = group(body) + "?";
   }
-  return open + kWs + body + kWs + close;
+  return open + ws + body + ws + close;
 }
 
-std::string any_value(int depth) {
+std::string any_value(const std::string& ws, int depth) {
   std::string r = kString + "|" + kNumber + "|" + kBoolean + "|" + kNull;
   if (depth > 0) {
-    const std::string inner = group(any_value(depth - 1));
-    r += "|" + list("\\{", kString + kWs + ":" + kWs + inner, "\\}", 0, -1);
-    r += "|" + list("\\[", inner, "\\]", 0, -1);
+    const std::string inner = group(any_value(ws, depth - 1));
+    r += "|" + list(ws, "\\{", kString + ws + ":" + ws + inner, "\\}", 0, -1);
+    r += "|" + list(ws, "\\[", inner, "\\]", 0, -1);
   }
   return r;
 }
 
 class Converter {
  public:
-  explicit Converter(const nlohmann::ordered_json& root) : root_(root) {}
+  Converter(const nlohmann::ordered_json& root, bool compact) : root_(root), ws(compact ? kCompactWs : kFreeWs) {}
 
   std::string value(const nlohmann::ordered_json& s, const std::string& path, int refs) {
     if (s.is_boolean()) {
       if (!s.get<bool>()) fail("json_schema at {}: the schema false allows nothing", path);
-      return any_value(kAnyDepth);
+      return any_value(ws, kAnyDepth);
     }
     if (!s.is_object()) fail("json_schema at {}: a schema must be an object or a boolean", path);
     if (auto it = s.find("$ref"); it != s.end()) {
@@ -83,7 +83,7 @@ class Converter {
     if (t == s.end()) {  // the type from the keywords present, else any value
       if (s.contains("properties")) return typed(s, "object", path, refs);
       if (s.contains("items")) return typed(s, "array", path, refs);
-      return group(any_value(kAnyDepth));
+      return group(any_value(ws, kAnyDepth));
     }
     if (t->is_string()) return typed(s, t->get<std::string>(), path, refs);
     if (t->is_array() && !t->empty()) {
@@ -147,28 +147,29 @@ class Converter {
       const int64_t lo = count(s, "minItems", 0, path), hi = count(s, "maxItems", -1, path);
       if (hi >= 0 && hi < lo) fail("json_schema at {}: maxItems is below minItems", path);
       auto it = s.find("items");
-      const std::string item = it == s.end() ? group(any_value(kAnyDepth - 1))
+      const std::string item = it == s.end() ? group(any_value(ws, kAnyDepth - 1))
                                              : group(value(*it, path + "/items", refs));
-      return list("\\[", item, "\\]", lo, hi);
+      return list(ws, "\\[", item, "\\]", lo, hi);
     }
     if (type == "object") {
       auto props = s.find("properties");
       if (props == s.end() || !props->is_object() || props->empty())
-        return list("\\{", kString + kWs + ":" + kWs + group(any_value(kAnyDepth - 1)), "\\}", 0, -1);
-      std::string r = "\\{" + kWs;
+        return list(ws, "\\{", kString + ws + ":" + ws + group(any_value(ws, kAnyDepth - 1)), "\\}", 0, -1);
+      std::string r = "\\{" + ws;
       bool first = true;
       for (auto it = props->begin(); it != props->end(); ++it) {
-        if (!first) r += kWs + "," + kWs;
+        if (!first) r += ws + "," + ws;
         first = false;
-        r += regex_escape(nlohmann::ordered_json(it.key()).dump()) + kWs + ":" + kWs +
+        r += regex_escape(nlohmann::ordered_json(it.key()).dump()) + ws + ":" + ws +
              group(value(it.value(), path + "/properties/" + it.key(), refs));
       }
-      return r + kWs + "\\}";
+      return r + ws + "\\}";
     }
     fail("json_schema at {}/type: unknown type '{}'", path, type);
   }
 
   const nlohmann::ordered_json& root_;
+  const std::string& ws;  // whitespace between tokens
 };
 
 }  // namespace
@@ -186,13 +187,14 @@ std::string regex_escape(std::string_view text) {
   return out;
 }
 
-std::string json_schema_regex(const nlohmann::ordered_json& schema) {
-  Converter c(schema);
+std::string json_schema_regex(const nlohmann::ordered_json& schema, bool compact) {
+  Converter c(schema, compact);
   return c.value(schema, "#", 0);
 }
 
 std::string json_object_regex() {
-  return list("\\{", kString + kWs + ":" + kWs + group(any_value(kAnyDepth - 1)), "\\}", 0, -1);
+  return list(kFreeWs, "\\{", kString + kFreeWs + ":" + kFreeWs + group(any_value(kFreeWs, kAnyDepth - 1)), "\\}", 0,
+              -1);
 }
 
 }  // namespace mlaserve::structured

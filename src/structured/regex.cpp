@@ -13,7 +13,8 @@ using Ranges = std::vector<std::pair<uint32_t, uint32_t>>;  // code-point ranges
 constexpr uint32_t kMaxCp = 0x10FFFF;
 
 struct Node {
-  enum Kind { Set, Concat, Alt, Repeat } kind = Concat;  // an empty Concat matches the empty string
+  // an empty Concat matches the empty string; Byte: the raw byte 0xFF (\C, never in UTF-8 text)
+  enum Kind { Set, Concat, Alt, Repeat, Byte } kind = Concat;
   Ranges ranges;
   std::vector<Node> kids;
   int min = 0, max = -1;  // Repeat: max -1 = unbounded
@@ -274,6 +275,12 @@ class Parser {
       case ')':
         error("unbalanced ')'");
       case '\\': {
+        if (peek() == 'C') {  // mlaserve's marker byte of special tokens (structured/token_constraint.h)
+          ++pos_;
+          Node n;
+          n.kind = Node::Byte;
+          return n;
+        }
         Ranges cls;
         uint32_t cp = 0;
         if (escape(cls, cp)) return set(cls);
@@ -371,6 +378,11 @@ class Builder {
             cur = to;
           }
         }
+        return {s, e};
+      }
+      case Node::Byte: {
+        const int32_t s = state(), e = state();
+        nfa_.states[static_cast<size_t>(s)].edges.push_back({0xFF, 0xFF, e});
         return {s, e};
       }
       case Node::Concat: {

@@ -628,6 +628,53 @@ TEST(ServerE2EVariants, ToolTemplateAndParser) {
   EXPECT_EQ(post_json(s.port(), "/tokenize", chat)["tokens"], post_json(plain.port(), "/tokenize", chat)["tokens"]);
 }
 
+// tool_choice required / named on the real tokenizer and the tools template: the answer is DeepSeek's tool calls in
+// its special tokens, parsed into tool_calls (finish_reason "tool_calls"), their arguments JSON of the tool's
+// parameters, greedy and sampled, one call with parallel_tool_calls false.
+TEST(ServerE2EVariants, ForcedToolCallsFollowTheTools) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  const std::string tmpl = std::string(MLASERVE_SOURCE_DIR) + "/examples/chat_templates/deepseek_v3_tools.jinja";
+  ServerProcess s({"--chat-template", tmpl, "--tool-call-parser", "deepseekv3"});
+  ASSERT_TRUE(s.running()) << s.log();
+  const std::string base = R"({"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 120,
+      "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["C", "F"]}}}}},
+      {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties":
+        {"zone": {"enum": ["UTC", "CET"]}}}}}])";
+  for (const std::string& choice : {std::string(R"("tool_choice": {"type": "function", "function": {"name":
+                                        "get_weather"}}, "temperature": 0)"),
+                                    std::string(R"("tool_choice": "required", "temperature": 1.0, "seed": 7)"),
+                                    std::string(R"("tool_choice": "required", "parallel_tool_calls": false,
+                                        "temperature": 1.0, "seed": 8)")}) {
+    SCOPED_TRACE(choice);
+    auto r = post_json(s.port(), "/v1/chat/completions", base + ", " + choice + "}");
+    const json& ch = r["choices"][0];
+    const bool one = choice.find("parallel_tool_calls") != std::string::npos ||
+                     choice.find("get_weather") != std::string::npos;
+    // One call: the text is complete after it. Several allowed: a dummy model keeps calling until max_tokens.
+    if (one) EXPECT_EQ(ch["finish_reason"], "tool_calls") << r.dump();
+    ASSERT_TRUE(ch["message"].contains("tool_calls")) << r.dump();
+    const json& calls = ch["message"]["tool_calls"];
+    ASSERT_GE(calls.size(), 1u);
+    if (one) EXPECT_EQ(calls.size(), 1u);
+    for (const json& c : calls) {
+      const std::string name = c["function"]["name"];
+      const json args = json::parse(c["function"]["arguments"].get<std::string>());
+      if (choice.find("get_weather") != std::string::npos) EXPECT_EQ(name, "get_weather");
+      if (name == "get_weather") {
+        EXPECT_TRUE(args["city"] == "Paris" || args["city"] == "Rome") << args;
+        EXPECT_TRUE(args["unit"] == "C" || args["unit"] == "F") << args;
+      } else {
+        EXPECT_EQ(name, "get_time");
+        EXPECT_TRUE(args["zone"] == "UTC" || args["zone"] == "CET") << args;
+      }
+    }
+  }
+  auto bad = post_json(s.port(), "/v1/chat/completions",
+                       base + R"(, "tool_choice": {"type": "function", "function": {"name": "nope"}}})", 400);
+  EXPECT_EQ(bad["error"]["param"], "tool_choice");
+}
+
 TEST(ServerE2EVariants, StreamIntervalGroupsTokens) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   ServerProcess s({"--stream-interval", "3"});

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "server/api_error.h"
+#include "server/tool_calls.h"
 #include "structured/regex.h"
 
 namespace mlaserve::server {
@@ -198,7 +199,14 @@ TEST(Protocol, BadRequestsNameTheField) {
        "invalid_value"},
       {"h", R"({"messages": [{"role": "user", "content": "x"}], "tools": {}})", "tools", "invalid_type"},
       {"h", R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})", "tool_choice",
-       "unsupported_parameter"},
+       "invalid_value"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name":
+       "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}})", "tool_choice", "invalid_value"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name":
+       "f"}}], "tool_choice": {"type": "function"}})", "tool_choice", "invalid_value"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name":
+       "f"}}], "tool_choice": "required", "response_format": {"type": "json_object"}})", "response_format",
+       "invalid_value"},
       {"h", R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"})", "tool_choice",
        "invalid_value"},
       {"h", R"({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]})", "functions",
@@ -297,6 +305,43 @@ TEST(Protocol, StructuredOutputFields) {
   EXPECT_TRUE(matches(parse_native(json::parse(nat), {}, nat), R"({"q": 1, "p": 2})"));
   EXPECT_TRUE(matches(parse_completions(json::parse(R"({"prompt": "a", "structured_outputs": {"choice": ["x"]}})"), {}),
                       "x"));
+}
+
+// tool_choice required / a named function: the output is constrained to DeepSeek's tool calls (special tokens as the
+// byte 0xFF + their text, as the constraint's vocabulary spells them) of those tools, arguments per the parameters.
+TEST(Protocol, ForcedToolCallsAreAConstraint) {
+  auto matches = [](const ParsedRequest& r, const std::string& text) {
+    return structured::Dfa(structured::compile_regex(r.constraint_regex)).matches(text);
+  };
+  auto sp = [](std::string_view m) { return "\xFF" + std::string(m); };
+  auto call = [&](const std::string& name, const std::string& args) {
+    return sp(kToolCallBegin) + "function" + sp(kToolSep) + name + "\n```json\n" + args + "\n```" + sp(kToolCallEnd);
+  };
+  auto calls = [&](const std::string& inner) { return sp(kToolCallsBegin) + inner + sp(kToolCallsEnd); };
+  const std::string body = R"({"messages": [{"role": "user", "content": "x"}], "tools": [
+      {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties":
+        {"unit": {"enum": ["C", "F"]}, "city": {"type": "string"}}}}},
+      {"type": "function", "function": {"name": "now"}}])";
+  ParsedRequest named = parse_chat(
+      json::parse(body + R"(, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})"), {},
+      body + R"(, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})");
+  EXPECT_TRUE(named.forced_tool_calls);
+  EXPECT_EQ(named.constraint_param, "tool_choice");
+  EXPECT_TRUE(matches(named, calls(call("get_weather", R"({"unit": "C", "city": "Paris"})"))));
+  EXPECT_TRUE(matches(named, calls(call("get_weather", R"({"unit":"F","city":"Rome"})"))));
+  EXPECT_FALSE(matches(named, calls(call("get_weather", R"({"city": "Paris", "unit": "C"})"))));  // the order
+  EXPECT_FALSE(matches(named, calls(call("get_weather", "{\n  \"unit\": \"C\", \"city\": \"P\"}"))));  // compact
+  EXPECT_FALSE(matches(named, calls(call("now", "{}"))));
+  EXPECT_FALSE(matches(named, "<｜tool▁calls▁begin｜>"));  // the markers' text is not the special token
+  const std::string required = body + R"(, "tool_choice": "required"})";
+  ParsedRequest req = parse_chat(json::parse(required), {}, required);
+  EXPECT_TRUE(
+      matches(req, calls(call("now", R"({"any": [1]})") + call("get_weather", R"({"unit": "C", "city": ""})"))));
+  EXPECT_FALSE(matches(req, calls("")));
+  ParsedRequest one =
+      parse_chat(json::parse(body + R"(, "tool_choice": "required", "parallel_tool_calls": false})"), {});
+  EXPECT_TRUE(matches(one, calls(call("now", "{}"))));
+  EXPECT_FALSE(matches(one, calls(call("now", "{}") + call("now", "{}"))));
 }
 
 TEST(Protocol, BodyMustBeJsonObject) {

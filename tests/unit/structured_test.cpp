@@ -105,6 +105,9 @@ TEST(Regex, Utf8ClassesMatchWholeCharacters) {
   EXPECT_FALSE(full_match("[^a-zc-d]", "m"));  // a negated class of overlapping ranges
   EXPECT_FALSE(full_match("[^\\w\\d]", "5"));
   EXPECT_TRUE(full_match("[^\\w\\d]", "-"));
+  EXPECT_TRUE(full_match("a\\Cb", "a\xFF" "b"));  // \C: the raw byte 0xFF (special tokens' marker), nothing else
+  EXPECT_FALSE(full_match("a\\Cb", "a\u00FFb"));
+  EXPECT_FALSE(full_match(".", "\xFF"));
   // Ranges across encoded lengths: every sampled code point in [lo, hi] matches, its neighbours outside do not.
   for (auto [lo, hi] : std::vector<std::pair<uint32_t, uint32_t>>{{0x70, 0x7F0}, {0x7F0, 0x10FF0}, {0xFFF0, 0x10FFFF},
                                                                     {0x800, 0xFFFF}, {0x4E00, 0x9FFF}}) {
