@@ -209,7 +209,8 @@ void set_choice_constraint(ParsedRequest& r, const std::string& param, const jso
 // most a space between tokens); one call for a named function or parallel_tool_calls false, else one or more.
 void set_tool_constraint(ParsedRequest& r, const std::string& forced, std::string_view raw) {
   if (r.tools.is_null())
-    bad_request("tool_choice", "invalid_value", "'tool_choice' '{}' needs 'tools'", forced.empty() ? "required" : forced);
+    bad_request("tool_choice", "invalid_value", "'tool_choice' '{}' needs 'tools'",
+                forced.empty() ? "required" : forced);
   auto marker = [](std::string_view text) { return "\\C" + structured::regex_escape(text); };
   std::string calls;
   for (size_t i = 0; i < r.tools.size(); ++i) {

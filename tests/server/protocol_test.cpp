@@ -272,8 +272,8 @@ TEST(Protocol, StructuredOutputFields) {
   EXPECT_TRUE(parse_native(json::parse(R"({"text": "a"})"), {}).constraint_regex.empty());
 
   const std::string chat = R"({"messages": [{"role": "user", "content": "x"}], "response_format": {
-      "type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object", "properties": {"z": {"type": "null"},
-      "y": {"enum": [1, 2]}}}}}})";
+      "type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object", "properties": {
+      "z": {"type": "null"}, "y": {"enum": [1, 2]}}}}}})";
   ParsedRequest h = parse_chat(json::parse(chat), {}, chat);
   EXPECT_EQ(h.constraint_param, "response_format.json_schema.schema");
   EXPECT_TRUE(matches(h, R"({"z": null, "y": 2})"));

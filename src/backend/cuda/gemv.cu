@@ -123,9 +123,10 @@ __device__ __forceinline__ void fp8_tile(float (&acc)[2], const uint8_t* w, cons
 }
 
 // bf16 weights on tensor cores, as fp8_tile lays them out: a warp multiplies 8 weight rows (lane / 4 loads row
-// lane / 4, 16 values at column 16 (lane % 4) of each 64-column chunk, two 16-byte loads) with the tokens (A's rows). b: U chunks
-// of this lane's loads, the first group already issued (bf16_tile_load at c0); d: the mma accumulators (d[0] / d[1]:
-// this lane's token with weight rows 2 (lane % 4) and 2 (lane % 4) + 1). Chunks [c0, c1); x as in fp8_tile.
+// lane / 4, 16 values at column 16 (lane % 4) of each 64-column chunk, two 16-byte loads) with the tokens (A's rows).
+// b: U chunks of this lane's loads, the first group already issued (bf16_tile_load at c0); d: the mma accumulators
+// (d[0] / d[1]: this lane's token with weight rows 2 (lane % 4) and 2 (lane % 4) + 1). Chunks [c0, c1); x as in
+// fp8_tile.
 template <int U>
 __device__ __forceinline__ void bf16_tile_load(uint4 (&b)[2 * U], const bf16* w, int c, int c1) {
 #pragma unroll
