@@ -263,10 +263,16 @@ void Engine::ban_stop_tokens(const SamplingParams& sp, RowSampling& row) const {
 
 // Constrained decoding: the tokens the request's constraint allows in its state (its previous token is back: see
 // overlap_step), and its stop tokens where the text may end.
-void Engine::constrain(const Req& r, RowSampling& row) const {
+void Engine::constrain(Req& r, RowSampling& row) const {
   MLA_CHECK(r.in_flight == 0, "request {}: a constrained draw with {} tokens in flight", r.rid, r.in_flight);
   TokenConstraint& c = *r.sampling.constraint;
-  auto mask = c.allowed(r.constraint_state);
+  std::shared_ptr<const std::vector<uint32_t>> mask;
+  try {
+    mask = c.allowed(r.constraint_state);
+  } catch (const std::exception& e) {  // this request alone fails (Scheduler::resolve ends it); the draw is unmasked
+    r.constraint_error = e.what();
+    return;
+  }
   if (c.accepting(r.constraint_state)) {
     std::vector<int32_t> stops = r.sampling.stop_token_ids;
     if (!r.sampling.ignore_eos) stops.insert(stops.end(), opts_.eos_token_ids.begin(), opts_.eos_token_ids.end());

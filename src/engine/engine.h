@@ -54,7 +54,7 @@ class Engine final : public EngineClient {
   void overlap_step();  // plan and launch the next step, then finish the running one
   // One RowSampling per logit row of each group; logit_rows: the rows that ask for top-N logprobs.
   std::vector<std::vector<RowSampling>> sampling_rows(const std::vector<StepPlan>& plans, LogitRows& logit_rows);
-  void constrain(const Req& r, RowSampling& row) const;
+  void constrain(Req& r, RowSampling& row) const;
   void ban_stop_tokens(const SamplingParams& sp, RowSampling& row) const;
   std::vector<std::vector<SampleResult>> collect(const std::vector<StepPlan>& plans, std::vector<GroupOutput>& outs);
   // Waits for the running step and resolves its samples (or aborts its requests if it failed).

@@ -27,7 +27,8 @@ class TokenConstraint {
   // The tokens allowed next (bit t % 32 of word t / 32; ids past the mask are not allowed). Stop tokens (EOS and
   // stop_token_ids) are never in it: the engine allows them where accepting() holds.
   virtual std::shared_ptr<const std::vector<uint32_t>> allowed(int32_t state) = 0;
-  // The state after `token` (kDead if it was not allowed).
+  // The state after `token` (kDead if it was not allowed). allowed() and next() may throw (an automaton grown too
+  // large): the engine then aborts that request alone.
   virtual int32_t next(int32_t state, int32_t token) = 0;
   // Whether the output may end in `state` (its text so far is a whole match).
   virtual bool accepting(int32_t state) = 0;

@@ -427,16 +427,24 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     // Constrained: a stop token ends the text where the constraint accepts; otherwise the token moves the state, and a
     // state with no token allowed ends the request (a stop with no token: its text is complete).
     bool complete = false;
-    if (sp.constraint && !(stop_token && may_stop && sp.constraint->accepting(r.constraint_state))) {
-      r.constraint_state = sp.constraint->next(r.constraint_state, sr.token);
-      if (r.constraint_state == TokenConstraint::kDead) {
-        complete = true;  // a token outside the constraint (only when every allowed token was banned)
-      } else {
-        const auto& m = *sp.constraint->allowed(r.constraint_state);
-        complete = std::all_of(m.begin(), m.end(), [](uint32_t w) { return w == 0; });
+    if (sp.constraint && r.constraint_error.empty() &&
+        !(stop_token && may_stop && sp.constraint->accepting(r.constraint_state))) {
+      try {
+        r.constraint_state = sp.constraint->next(r.constraint_state, sr.token);
+        if (r.constraint_state == TokenConstraint::kDead) {
+          complete = true;  // a token outside the constraint (only when every allowed token was banned)
+        } else {
+          const auto& m = *sp.constraint->allowed(r.constraint_state);
+          complete = std::all_of(m.begin(), m.end(), [](uint32_t w) { return w == 0; });
+        }
+      } catch (const std::exception& e) {
+        r.constraint_error = e.what();
       }
     }
-    if (may_stop && stop_token) {
+    if (!r.constraint_error.empty()) {
+      f.kind = FinishKind::Abort;
+      f.message = "structured output: " + r.constraint_error;
+    } else if (may_stop && stop_token) {
       f.kind = FinishKind::Stop;
       f.matched_token = sr.token;
     } else if (complete) {

@@ -66,6 +66,7 @@ struct Req {
   std::vector<TokenLogprob> prompt_lps;
   bool prompt_lps_done = true;
   int32_t constraint_state = 0;  // sampling.constraint's state after the resolved output tokens
+  std::string constraint_error;  // the constraint failed (its draw ran unconstrained): the request ends with it
   FinishReason finish;
 };
 

@@ -455,7 +455,9 @@ Nfa compile_regex(std::string_view pattern, size_t max_states) {
   return nfa;
 }
 
-Dfa::Dfa(Nfa nfa) : nfa_(std::move(nfa)) { intern(closure({nfa_.start})); }
+Dfa::Dfa(Nfa nfa, size_t max_states) : nfa_(std::move(nfa)), max_states_(max_states) {
+  intern(closure({nfa_.start}));
+}
 
 std::vector<int32_t> Dfa::closure(std::vector<int32_t> seeds) const {
   std::vector<char> seen(nfa_.states.size(), 0);
@@ -486,8 +488,7 @@ std::vector<int32_t> Dfa::closure(std::vector<int32_t> seeds) const {
 int32_t Dfa::intern(std::vector<int32_t> set) {
   if (set.empty()) return kDead;
   if (auto it = ids_.find(set); it != ids_.end()) return it->second;
-  constexpr size_t kMaxDfaStates = 1 << 16;
-  MLA_CHECK(sets_.size() < kMaxDfaStates, "regex automaton: more than {} DFA states", kMaxDfaStates);
+  MLA_CHECK(sets_.size() < max_states_, "the regex's automaton needs more than {} states", max_states_);
   const auto id = static_cast<int32_t>(sets_.size());
   accepting_.push_back(std::binary_search(set.begin(), set.end(), nfa_.accept));
   std::array<int32_t, 256> row;

@@ -34,11 +34,13 @@ struct Nfa {
 // feature outside the subset (backreferences, lookaround, anchors inside), or a pattern over max_states states.
 Nfa compile_regex(std::string_view pattern, size_t max_states = 1 << 20);
 
-// The NFA's DFA, built as it is walked. State 0 is the start; kDead: no string from here matches.
+// The NFA's DFA, built as it is walked. State 0 is the start; kDead: no string from here matches. A step that would
+// make more than max_states states throws mlaserve::Error (a pattern whose DFA explodes, e.g. (a|b)*a(a|b){30}).
 class Dfa {
  public:
   static constexpr int32_t kDead = -1;
-  explicit Dfa(Nfa nfa);
+  static constexpr size_t kMaxStates = 1 << 16;
+  explicit Dfa(Nfa nfa, size_t max_states = kMaxStates);
   int32_t step(int32_t state, uint8_t byte);
   bool accepting(int32_t state) const { return state >= 0 && accepting_[static_cast<size_t>(state)]; }
   int32_t walk(int32_t state, std::string_view bytes);  // kDead once dead
@@ -50,6 +52,7 @@ class Dfa {
   std::vector<int32_t> closure(std::vector<int32_t> seeds) const;
 
   Nfa nfa_;
+  size_t max_states_;
   std::vector<std::vector<int32_t>> sets_;
   std::vector<std::array<int32_t, 256>> next_;  // kUnknown until made
   std::vector<bool> accepting_;

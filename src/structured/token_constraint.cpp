@@ -49,8 +49,8 @@ TokenVocab::TokenVocab(std::vector<std::string> bytes) : bytes_(std::move(bytes)
   trie_.end_begin.push_back(static_cast<int32_t>(trie_.end_token.size()));
 }
 
-RegexConstraint::RegexConstraint(std::shared_ptr<const TokenVocab> vocab, std::string_view pattern)
-    : vocab_(std::move(vocab)), dfa_(compile_regex(pattern)) {
+RegexConstraint::RegexConstraint(std::shared_ptr<const TokenVocab> vocab, std::string_view pattern, size_t max_states)
+    : vocab_(std::move(vocab)), dfa_(compile_regex(pattern), max_states) {
   MLA_CHECK(vocab_ != nullptr, "RegexConstraint: no vocabulary");
 }
 

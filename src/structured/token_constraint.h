@@ -41,8 +41,10 @@ class TokenVocab {
 
 class RegexConstraint : public TokenConstraint {
  public:
-  // Throws mlaserve::Error for a pattern compile_regex rejects.
-  RegexConstraint(std::shared_ptr<const TokenVocab> vocab, std::string_view pattern);
+  // Throws mlaserve::Error for a pattern compile_regex rejects; allowed() / next() throw it when the DFA would need
+  // more than max_states states.
+  RegexConstraint(std::shared_ptr<const TokenVocab> vocab, std::string_view pattern,
+                  size_t max_states = Dfa::kMaxStates);
   std::shared_ptr<const std::vector<uint32_t>> allowed(int32_t state) override;
   int32_t next(int32_t state, int32_t token) override;
   bool accepting(int32_t state) override;

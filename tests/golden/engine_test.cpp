@@ -273,7 +273,8 @@ TEST_P(EngineTest, LogitBiasAndMinNewTokens) {
 // Constrained decoding: a vocabulary of runs of one character (token i: 1 + i / 22 copies of the i % 22-th, token
 // 5 special as the EOS) and a regex. Greedy and seeded draws alike give outputs whose bytes match it; a request that
 // ignores EOS ends (a stop without a token) once its text is complete and nothing more is allowed; with EOS allowed
-// (where the text may end) and biased to win, the request ends at the first place it may, on the EOS.
+// (where the text may end) and biased to win, the request ends at the first place it may, on the EOS; a constraint
+// whose automaton outgrows its cap aborts its own request only.
 TEST_P(EngineTest, ConstrainedDecodingFollowsTheRegex) {
   const std::string chars = "{}\"a5b0123456789:tru e";  // token 5 (a b) is the EOS instead
   std::vector<std::string> bytes(640);
@@ -295,6 +296,9 @@ TEST_P(EngineTest, ConstrainedDecodingFollowsTheRegex) {
     sp.constraint = std::make_shared<structured::RegexConstraint>(vocab, re);
     fs.push_back(submit(*e, "c" + std::to_string(k), prompts_[k % 5], 60, sp));
   }
+  SamplingParams boom;  // an automaton that outgrows its cap (4 states): that request alone ends, aborted
+  boom.constraint = std::make_shared<structured::RegexConstraint>(vocab, "(a|b)*a(a|b){6}", 4);
+  auto fb = submit(*e, "boom", prompts_[0], 30, boom);
   auto other = submit(*e, "plain", prompts_[1], 12);  // an unconstrained request in the same batches
   structured::Dfa dfa(structured::compile_regex(re));
   std::set<std::string> distinct;
@@ -307,6 +311,11 @@ TEST_P(EngineTest, ConstrainedDecodingFollowsTheRegex) {
   }
   EXPECT_GT(distinct.size(), 2u);  // the draws differ
   expect_prefix(wait(other).tokens, 1);
+  const Result rb = wait(fb);
+  EXPECT_EQ(rb.finish.kind, FinishKind::Abort);
+  EXPECT_NE(rb.finish.message.find("structured output: the regex's automaton needs more than 4 states"),
+            std::string::npos)
+      << rb.finish.message;
 
   GenerateRequest g;  // EOS not ignored: [0-9]+ may end after its first token, where the biased EOS wins
   g.rid = "eos";
