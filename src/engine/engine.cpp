@@ -381,9 +381,9 @@ void Engine::step() {
   }
   if (!any) return;
   LogitRows logit_rows;
-  auto rows = sampling_rows(plans, logit_rows);
   std::vector<std::vector<SampleResult>> sampled;
   try {
+    const auto rows = sampling_rows(plans, logit_rows);  // as in launch(): a failure here ends the step's requests
     std::vector<GroupOutput> outs = ranks_->step(batches, rows, logit_rows);
     sampled = collect(plans, outs);
   } catch (const std::exception& e) {
