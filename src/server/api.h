@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 
@@ -83,6 +84,9 @@ class Api {
   Prepared prepare(ParsedRequest& pr);
   // Completions `suffix`: the prompts' ids made into DeepSeek's fill-in-the-middle prompt.
   void fill_in_the_middle(ParsedRequest& pr) const;
+  // The id of the tokenizer's one token whose text is `text` (a special token such as DeepSeek's FIM and tool-call
+  // markers), or nullopt; looked up once per text (the tokenizer never changes).
+  std::optional<int32_t> single_token(const std::string& text) const;
   void respond_json(const std::shared_ptr<HttpExchange>& ex, int status, const std::string& body);
   void respond_error(const std::shared_ptr<HttpExchange>& ex, int status, const std::string& body);
   std::string new_id();
@@ -97,6 +101,8 @@ class Api {
   // it; the last kConstraintCache regexes are kept, so requests with the same schema share its automaton and masks).
   std::shared_ptr<TokenConstraint> constraint_for(const std::string& regex);
   static constexpr size_t kConstraintCache = 32;
+  mutable std::mutex special_mu_;
+  mutable std::unordered_map<std::string, std::optional<int32_t>> specials_;
   std::mutex vocab_mu_;
   std::shared_ptr<const structured::TokenVocab> vocab_;
   std::vector<std::pair<std::string, std::shared_ptr<TokenConstraint>>> constraints_;  // most recent last

@@ -144,11 +144,15 @@ void set_constraint(ParsedRequest& r, const std::string& param, const std::strin
   r.constraint_regex = regex;
 }
 
-// The object at `param` (dotted: "response_format.json_schema.schema") of the request body's text, read again with
-// its keys in the request's order (parse_body's JSON sorts them); false when there is no text or no object there.
-bool ordered_at(std::string_view raw, const std::string& param, nlohmann::ordered_json& out) {
-  if (raw.empty()) return false;
-  auto whole = nlohmann::ordered_json::parse(raw, nullptr, false);
+// The request body's text read again with its keys in the request's order (parse_body's JSON sorts them); null
+// when there is no text.
+nlohmann::ordered_json ordered_body(std::string_view raw) {
+  return raw.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json::parse(raw, nullptr, false);
+}
+
+// The object at `param` (dotted: "response_format.json_schema.schema", "tools.0.function.parameters") of
+// ordered_body's JSON; false when there is none.
+bool ordered_at(const nlohmann::ordered_json& whole, const std::string& param, nlohmann::ordered_json& out) {
   const nlohmann::ordered_json* at = &whole;
   for (size_t b = 0; b <= param.size();) {
     const size_t e = std::min(param.find('.', b), param.size());
@@ -172,7 +176,7 @@ bool ordered_at(std::string_view raw, const std::string& param, nlohmann::ordere
 // properties keep their order), or empty.
 void set_schema_constraint(ParsedRequest& r, const std::string& param, const json& v, std::string_view raw) {
   nlohmann::ordered_json schema;
-  if (v.is_object() && ordered_at(raw, param, schema)) {
+  if (v.is_object() && ordered_at(ordered_body(raw), param, schema)) {
   } else if (v.is_string()) {
     schema = nlohmann::ordered_json::parse(v.get<std::string>(), nullptr, false);
     if (schema.is_discarded()) bad_request(param, "invalid_value", "'{}' is not valid JSON", param);
@@ -213,13 +217,14 @@ void set_tool_constraint(ParsedRequest& r, const std::string& forced, std::strin
                 forced.empty() ? "required" : forced);
   auto marker = [](std::string_view text) { return "\\C" + structured::regex_escape(text); };
   std::string calls;
+  const nlohmann::ordered_json body = ordered_body(raw);  // read once for every tool's parameters
   for (size_t i = 0; i < r.tools.size(); ++i) {
     const json& fn = r.tools[i]["function"];
     const std::string name = fn["name"].get<std::string>();
     if (!forced.empty() && name != forced) continue;
     const std::string path = fmt::format("tools.{}.function.parameters", i);
     nlohmann::ordered_json params = nlohmann::ordered_json::object({{"type", "object"}});
-    if (fn.contains("parameters") && fn["parameters"].is_object() && !ordered_at(raw, path, params))
+    if (fn.contains("parameters") && fn["parameters"].is_object() && !ordered_at(body, path, params))
       params = nlohmann::ordered_json::parse(fn["parameters"].dump());
     std::string args;
     try {

@@ -591,7 +591,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                      pr.constraint_param, "no_tokenizer");
     if (pr.forced_tool_calls)  // the calls are written in DeepSeek's special tokens: the tokenizer must have them
       for (std::string_view m : {kToolCallsBegin, kToolCallsEnd, kToolCallBegin, kToolCallEnd, kToolSep})
-        if (codec_->encode(std::string(m), false).size() != 1)
+        if (!single_token(std::string(m)))
           throw ApiError(400, fmt::format("'tool_choice' needs DeepSeek's tool-call tokens; this tokenizer has no {}",
                                           m),
                          "tool_choice", "invalid_value");
@@ -625,18 +625,30 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
 // Completions `suffix` (DeepSeek's fill in the middle, as DeepSeek-Coder is prompted and SGLang's deepseek_coder
 // completion template writes it): each prompt becomes <｜fim▁begin｜> prompt <｜fim▁hole｜> suffix <｜fim▁end｜> (after
 // the BOS a text prompt gets; a token-id prompt's leading BOS stays first), and the model writes the hole.
+std::optional<int32_t> Api::single_token(const std::string& text) const {
+  std::lock_guard<std::mutex> lk(special_mu_);
+  auto it = specials_.find(text);
+  if (it == specials_.end()) {
+    const std::vector<int32_t> ids = codec_->encode(text, /*add_special_tokens=*/false);
+    std::optional<int32_t> id;
+    if (ids.size() == 1 && codec_->token_text(ids[0]) == text) id = ids[0];
+    it = specials_.emplace(text, id).first;
+  }
+  return it->second;
+}
+
 void Api::fill_in_the_middle(ParsedRequest& pr) const {
   if (!codec_)
     throw ApiError(400, "'suffix' needs a tokenizer; this server runs without one", "suffix", "no_tokenizer");
   auto special = [&](const char* text) {
-    const std::vector<int32_t> ids = codec_->encode(text, /*add_special_tokens=*/false);
-    if (ids.size() != 1 || codec_->token_text(ids[0]) != text)
+    const std::optional<int32_t> id = single_token(text);
+    if (!id)
       throw ApiError(400,
                      fmt::format("'suffix' (fill in the middle) needs a tokenizer with DeepSeek's FIM tokens; this one "
                                  "has no {} token",
                                  text),
                      "suffix", "unsupported_parameter");
-    return ids[0];
+    return *id;
   };
   const int32_t begin = special("<｜fim▁begin｜>"), hole = special("<｜fim▁hole｜>"), end = special("<｜fim▁end｜>");
   const std::vector<int32_t> bos = codec_->encode("", /*add_special_tokens=*/true);  // [BOS] or nothing

@@ -192,9 +192,10 @@ std::string json_schema_regex(const nlohmann::ordered_json& schema, bool compact
   return c.value(schema, "#", 0);
 }
 
-std::string json_object_regex() {
-  return list(kFreeWs, "\\{", kString + kFreeWs + ":" + kFreeWs + group(any_value(kFreeWs, kAnyDepth - 1)), "\\}", 0,
-              -1);
+const std::string& json_object_regex() {
+  static const std::string r =
+      list(kFreeWs, "\\{", kString + kFreeWs + ":" + kFreeWs + group(any_value(kFreeWs, kAnyDepth - 1)), "\\}", 0, -1);
+  return r;
 }
 
 }  // namespace mlaserve::structured

@@ -20,8 +20,8 @@ constexpr int kAnyDepth = 4;
 // Throws mlaserve::Error naming the schema path for what it cannot express (recursion, allOf of several, ...).
 // compact: at most one space between tokens (tool-call arguments) instead of any whitespace.
 std::string json_schema_regex(const nlohmann::ordered_json& schema, bool compact = false);
-// Any JSON object (OpenAI's json_object response format).
-std::string json_object_regex();
+// Any JSON object (OpenAI's json_object response format); made once.
+const std::string& json_object_regex();
 // `text` as a regex matching exactly it.
 std::string regex_escape(std::string_view text);
 
