@@ -247,6 +247,13 @@ void Engine::deliver_outputs() {
 }
 
 // A draw before min_new_tokens: the request's stop tokens get -inf (an entry of their own or the bias's entry).
+// The request's stop tokens: its stop_token_ids, and the EOS ids unless it ignores EOS.
+std::vector<int32_t> Engine::stop_tokens(const SamplingParams& sp) const {
+  std::vector<int32_t> stops = sp.stop_token_ids;
+  if (!sp.ignore_eos) stops.insert(stops.end(), opts_.eos_token_ids.begin(), opts_.eos_token_ids.end());
+  return stops;
+}
+
 void Engine::ban_stop_tokens(const SamplingParams& sp, RowSampling& row) const {
   auto ban = [&](int32_t id) {
     for (auto& [tok, bias] : row.logit_bias)
@@ -256,9 +263,7 @@ void Engine::ban_stop_tokens(const SamplingParams& sp, RowSampling& row) const {
       }
     row.logit_bias.emplace_back(id, -std::numeric_limits<float>::infinity());
   };
-  for (int32_t id : sp.stop_token_ids) ban(id);
-  if (!sp.ignore_eos)
-    for (int32_t id : opts_.eos_token_ids) ban(id);
+  for (int32_t id : stop_tokens(sp)) ban(id);
 }
 
 // Constrained decoding: the tokens the request's constraint allows in its state (its previous token is back: see
@@ -274,8 +279,7 @@ void Engine::constrain(Req& r, RowSampling& row) const {
     return;
   }
   if (c.accepting(r.constraint_state)) {
-    std::vector<int32_t> stops = r.sampling.stop_token_ids;
-    if (!r.sampling.ignore_eos) stops.insert(stops.end(), opts_.eos_token_ids.begin(), opts_.eos_token_ids.end());
+    const std::vector<int32_t> stops = stop_tokens(r.sampling);
     if (!stops.empty()) {
       auto m = std::make_shared<std::vector<uint32_t>>(*mask);
       for (int32_t id : stops) {

@@ -55,6 +55,7 @@ class Engine final : public EngineClient {
   // One RowSampling per logit row of each group; logit_rows: the rows that ask for top-N logprobs.
   std::vector<std::vector<RowSampling>> sampling_rows(const std::vector<StepPlan>& plans, LogitRows& logit_rows);
   void constrain(Req& r, RowSampling& row) const;
+  std::vector<int32_t> stop_tokens(const SamplingParams& sp) const;
   void ban_stop_tokens(const SamplingParams& sp, RowSampling& row) const;
   std::vector<std::vector<SampleResult>> collect(const std::vector<StepPlan>& plans, std::vector<GroupOutput>& outs);
   // Waits for the running step and resolves its samples (or aborts its requests if it failed).
