@@ -7,9 +7,6 @@
 namespace mlaserve::server {
 namespace {
 
-constexpr std::string_view kCallsBegin = kToolCallsBegin, kCallsEnd = kToolCallsEnd, kCallBegin = kToolCallBegin,
-                           kCallEnd = kToolCallEnd, kSep = kToolSep;
-
 std::string_view trim(std::string_view s) {
   s.remove_prefix(leading_space(s));
   while (!s.empty() && leading_space(s.substr(s.size() - 1)) == 1) s.remove_suffix(1);
@@ -18,10 +15,10 @@ std::string_view trim(std::string_view s) {
 
 // One call's text between its markers; false when it has no name.
 bool parse_call(std::string_view body, ToolCall& out) {
-  const size_t sep = body.find(kSep);
+  const size_t sep = body.find(kToolSep);
   if (sep == std::string_view::npos) return false;
   const std::string_view left = trim(body.substr(0, sep));
-  std::string_view right = body.substr(sep + kSep.size());
+  std::string_view right = body.substr(sep + kToolSep.size());
   if (left == "function") {  // V3 / R1: the name on the first line, the arguments in a ```json fence
     const size_t nl = right.find('\n');
     out.name = std::string(trim(right.substr(0, nl)));
@@ -47,23 +44,23 @@ ToolCallParser::Out ToolCallParser::push(std::string_view text) {
   Out out;
   held_.append(text);
   if (state_ == State::Content) {
-    if (!take_until_tag(held_, kCallsBegin, out.content)) return out;
+    if (!take_until_tag(held_, kToolCallsBegin, out.content)) return out;
     state_ = State::Calls;
   }
   while (state_ == State::Calls) {
-    const size_t begin = held_.find(kCallBegin), calls_end = held_.find(kCallsEnd);
+    const size_t begin = held_.find(kToolCallBegin), calls_end = held_.find(kToolCallsEnd);
     if (calls_end != std::string::npos && (begin == std::string::npos || calls_end < begin)) {
-      held_.erase(0, calls_end + kCallsEnd.size());
+      held_.erase(0, calls_end + kToolCallsEnd.size());
       state_ = State::After;
       break;
     }
     if (begin == std::string::npos) break;
-    const size_t end = held_.find(kCallEnd, begin);
+    const size_t end = held_.find(kToolCallEnd, begin);
     if (end == std::string::npos) break;
     ToolCall call;
-    const size_t body = begin + kCallBegin.size();
+    const size_t body = begin + kToolCallBegin.size();
     if (parse_call(std::string_view(held_).substr(body, end - body), call)) out.calls.push_back(std::move(call));
-    held_.erase(0, end + kCallEnd.size());
+    held_.erase(0, end + kToolCallEnd.size());
   }
   if (state_ == State::After) {  // text after the calls (rare): content
     out.content += held_;
