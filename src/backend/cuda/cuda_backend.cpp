@@ -1240,7 +1240,12 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
               "moe_experts: FP8 experts need both matrices in F8_E4M3 [E, rows, cols] with their block scales");
     const int64_t T = rows_of(x), k = topk_ids.size(-1);
     const int64_t Is = T == 0 ? 0 : shared_experts_width(x, shared_gate_up, shared_down, out);
-    if (T >= 1 && use_moe_small(T, k, Is) && gs->block_rows == ds->block_rows && gs->block_cols == ds->block_cols &&
+    // Past kMoeSmallRows tokens only on tensor cores (cuda::moe_small_tc_fits).
+    const bool small_rows =
+        use_moe_small(T, k, Is) ||
+        (use_moe_small(std::min<int64_t>(T, cuda::kMoeSmallRows), k, Is) && T <= cuda::kMoeSmallTcRows &&
+         cuda::moe_small_tc_fits(x.size(-1), gate_up.size(1) / 2, Is, gs->block_cols));
+    if (T >= 1 && small_rows && gs->block_rows == ds->block_rows && gs->block_cols == ds->block_cols &&
         gs->block_cols % 8 == 0 && x.size(-1) % 8 == 0 && gate_up.size(1) % 16 == 0) {
       moe_small_path(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared_gate_up, shared_down, Is, out, gs,
                      ds);

@@ -594,11 +594,11 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_n_kernel(GemvArgs a, MlaPrep
 // The plan: the batch's distinct local experts in first-occurrence order over (token, slot), and for each of them
 // the slot every token chose it in (-1: not chosen). Each block that needs it builds it in shared memory from the
 // routing ids (at most kMaxPairs of them), so no kernel of its own sits between the router and the experts.
-constexpr int kMaxPairs = kMoeSmallRows * kMoeSmallMaxK;  // (token, slot) pairs
+constexpr int kMaxPairs = kMoeSmallTcRows * kMoeSmallMaxK;  // (token, slot) pairs
 struct MoePlan {
   int32_t n;
   int32_t uniq[kMaxPairs];
-  int8_t slot[kMaxPairs][kMoeSmallRows];
+  int8_t slot[kMaxPairs][kMoeSmallTcRows];
 };
 
 // Thread i's routing pair (its local expert, -1 for none): read once the ids are final, ahead of build_plan.
@@ -618,7 +618,7 @@ __device__ __forceinline__ void build_plan(const MoeSmallArgs& a, int e, MoePlan
   unsigned m = 0;
   if (mine) {
     ids[i] = e;
-    for (int t = 0; t < kMoeSmallRows; ++t) p.slot[i][t] = -1;
+    for (int t = 0; t < kMoeSmallTcRows; ++t) p.slot[i][t] = -1;
   }
   __syncthreads();
   if (mine) {
@@ -670,17 +670,30 @@ __device__ __forceinline__ std::conditional_t<FP8, Fp8Row, const uint4*> gate_up
 // U: 16-byte loads per lane in flight; MINB: blocks per SM (the launch sizes the persistent grid to match).
 // TC (FP8 experts in whole 64-column scale blocks): routed items are fp8_tile's 8 rows, the gate and up rows of 4
 // intermediate indices (B column 2j gate row i0 + j, 2j + 1 its up row), so a lane holds both halves of its act.
+// STC (TC at more than kMoeSmallRows tokens): the shared experts on tensor cores too, in bf16_tile's 8-row items laid
+// out as the routed ones (4 intermediate indices each), the first item's first chunks loaded before the wait.
 template <int TT, int U, int MINB, bool FP8 = false, bool TC = false, int UT = U>
 __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(MoeSmallArgs a, MoePlan* plan_out) {
+  constexpr bool STC = TC && TT > kMoeSmallRows;
   __shared__ MoePlan plan;
   const int lane = threadIdx.x & 31;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
   const int nvec = a.H >> 3;
-  uint4 wg[U], wu[U];
+  const int64_t shared_items = STC ? a.Is / 4 : a.Is;
+  [[maybe_unused]] uint4 wg[STC ? 1 : U], wu[STC ? 1 : U];
+  [[maybe_unused]] uint4 sb[2 * UT];  // STC only (unused otherwise)
   std::conditional_t<FP8, Fp8Row, const uint4*> gr{}, ur{};
-  const bool first_shared = first < a.Is;
-  if (first_shared) {
+  // An STC shared item j: this lane's row of the 8 (lane / 4: gate rows 4j.. at even, up rows at odd) at column
+  // 16 (lane % 4).
+  [[maybe_unused]] auto shared_tile_row = [&](int64_t j) {
+    const int g = lane >> 2;
+    return a.shared_gate_up + ((g & 1 ? a.Is : 0) + 4 * j + (g >> 1)) * a.H + 16 * (lane & 3);
+  };
+  const bool first_shared = first < shared_items;
+  if constexpr (STC) {
+    if (first_shared) bf16_tile_load<UT>(sb, shared_tile_row(first), 0, a.H >> 6);
+  } else if (first_shared) {
     gr = gate_up_row<FP8>(a, -1, first);
     ur = gate_up_row<FP8>(a, -1, a.Is + first);
     load_chunk(wg, gr, lane, nvec);
@@ -730,7 +743,24 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
       }
     }
   };
-  if (first_shared) compute(first);
+  // STC shared item j (its first chunks in sb when loaded): act_shared[t, 4 j + lane % 4] for token t = lane / 4, from
+  // bf16-rounded sums as compute's.
+  [[maybe_unused]] auto shared_tile = [&](int64_t j, bool loaded) {
+    const int g = lane >> 2, q = lane & 3;
+    const bf16* w = shared_tile_row(j);
+    if (!loaded) bf16_tile_load<UT>(sb, w, 0, a.H >> 6);
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    bf16_tile<UT>(d, sb, w, g < a.T ? a.x + g * a.ldx + 16 * q : nullptr, 0, a.H >> 6);
+    if (g < a.T) {
+      const float gv = __bfloat162float(__float2bfloat16_rn(d[0])), uv = __bfloat162float(__float2bfloat16_rn(d[1]));
+      a.act_shared[g * static_cast<int64_t>(a.Is) + 4 * j + q] = __float2bfloat16_rn(silu(gv) * uv);
+    }
+  };
+  if constexpr (STC) {
+    if (first_shared) shared_tile(first, true);
+  } else if (first_shared) {
+    compute(first);
+  }
   build_plan(a, pair, plan);
   probe_mark(2);
   if (plan_out && blockIdx.x == 0)
@@ -751,26 +781,30 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
     fp8_tile<UT>(acc, w, s >= 0 ? a.x + g * a.ldx + 16 * q : nullptr, s0, s1, a.H >> 6, __ffs(a.block_cols >> 6) - 1);
     if (s >= 0) a.act[(static_cast<int64_t>(g) * a.k + s) * a.I + i0 + q] = __float2bfloat16_rn(silu(acc[0]) * acc[1]);
   };
-  const int64_t items = a.Is + static_cast<int64_t>(plan.n) * (TC ? a.I / 4 : a.I);
+  const int64_t items = shared_items + static_cast<int64_t>(plan.n) * (TC ? a.I / 4 : a.I);
   for (int64_t it = first_shared ? first + stride : first; it < items; it += stride) {
     if constexpr (TC) {
-      if (it >= a.Is) {
-        tile(it - a.Is);
+      if (it >= shared_items) {
+        tile(it - shared_items);
         continue;
       }
     }
-    if (it < a.Is) {
-      gr = gate_up_row<FP8>(a, -1, it);
-      ur = gate_up_row<FP8>(a, -1, a.Is + it);
+    if constexpr (STC) {
+      shared_tile(it, false);
     } else {
-      const int64_t r = it - a.Is, i = r % a.I;
-      const int e = plan.uniq[r / a.I];
-      gr = gate_up_row<FP8>(a, e, i);
-      ur = gate_up_row<FP8>(a, e, a.I + i);
+      if (it < a.Is) {
+        gr = gate_up_row<FP8>(a, -1, it);
+        ur = gate_up_row<FP8>(a, -1, a.Is + it);
+      } else {
+        const int64_t r = it - a.Is, i = r % a.I;
+        const int e = plan.uniq[r / a.I];
+        gr = gate_up_row<FP8>(a, e, i);
+        ur = gate_up_row<FP8>(a, e, a.I + i);
+      }
+      load_chunk(wg, gr, lane, nvec);
+      load_chunk(wu, ur, lane, nvec);
+      compute(it);
     }
-    load_chunk(wg, gr, lane, nvec);
-    load_chunk(wu, ur, lane, nvec);
-    compute(it);
   }
   probe_mark(3);  // thread 0's warp is done
 }
@@ -1195,6 +1229,15 @@ cudaError_t moe_small_launch(const MoeSmallArgs& a, MoePlan* plan, int shared_se
     if constexpr (TC) return down_tc(moe_small_down_tc_kernel<1, UT1, 2>, none);
     return down(moe_small_down_kernel<1, 4, U, 4, FP8>, 4, none);
   }
+  if (a.T > kMoeSmallRows) {  // FP8 experts on tensor cores only (moe_small checks)
+    if constexpr (TC) {
+      e = launch(moe_small_gate_up_kernel<kMoeSmallTcRows, U, 3, FP8, TC>, gate_up_grid(3), kWarps * 32, 0, stream, a,
+                 plan);
+      if (e != cudaSuccess) return e;
+      return down_tc(moe_small_down_tc_kernel<kMoeSmallTcRows, U, 2>, plan);
+    }
+    return cudaErrorInvalidValue;
+  }
   if (a.T > 2) {
     e = launch(moe_small_gate_up_kernel<4, U, 3, FP8, TC>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
     if (e != cudaSuccess) return e;
@@ -1211,20 +1254,25 @@ cudaError_t moe_small_launch(const MoeSmallArgs& a, MoePlan* plan, int shared_se
 
 size_t moe_small_plan_bytes() { return sizeof(MoePlan); }
 
+bool moe_small_tc_fits(int64_t H, int64_t I, int64_t Is, int64_t block_cols) {
+  return H % 64 == 0 && I % 64 == 0 && Is % 64 == 0 && block_cols > 0 && block_cols % 64 == 0 &&
+         ((block_cols / 64) & (block_cols / 64 - 1)) == 0;
+}
+
 cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStream_t stream) {
   if (a.T == 0) return cudaSuccess;
-  if (a.T > kMoeSmallRows || a.k > kMoeSmallMaxK || a.k < 1 || a.H % 8 != 0 || a.I % 8 != 0 || a.Is % 8 != 0 ||
-      a.ldx % 8 != 0 || (reinterpret_cast<uintptr_t>(plan_buf) & 15) != 0)
+  // FP8 experts in whole 64-column scale blocks (a power of two of chunks) go to the tensor cores (fp8_tile; the
+  // down kernel's shared experts through bf16_tile, in 64-column chunks; past kMoeSmallRows tokens gate/up's too).
+  const bool tc = a.gate_up_scale && moe_small_tc_fits(a.H, a.I, a.Is, a.block_cols);
+  if (a.T > (tc ? kMoeSmallTcRows : kMoeSmallRows) || a.k > kMoeSmallMaxK || a.k < 1 || a.H % 8 != 0 ||
+      a.I % 8 != 0 || a.Is % 8 != 0 || a.ldx % 8 != 0 || (reinterpret_cast<uintptr_t>(plan_buf) & 15) != 0)
     return cudaErrorInvalidValue;
   MoePlan* plan = static_cast<MoePlan*>(plan_buf);
   const int max_unique = std::min(a.T * a.k, a.E);
-  // FP8 experts in whole 64-column scale blocks (a power of two of chunks) go to the tensor cores (fp8_tile; the
-  // down kernel's shared experts through bf16_tile, in 64-column chunks).
-  const bool tc = a.gate_up_scale && a.H % 64 == 0 && a.I % 64 == 0 && a.Is % 64 == 0 && a.block_cols % 64 == 0 &&
-                  ((a.block_cols / 64) & (a.block_cols / 64 - 1)) == 0;
   // The shared experts' row in slices of about one routed row each (at most one slice per warp).
   const int shared_segs = a.Is == 0 ? 0 : std::min(kWarps, std::max(1, (a.Is + a.I / 2) / a.I));
-  const int64_t gate_up_items = static_cast<int64_t>(max_unique) * (tc ? a.I / 4 : a.I) + a.Is;
+  const int64_t gate_up_items = static_cast<int64_t>(max_unique) * (tc ? a.I / 4 : a.I) +
+                                (tc && a.T > kMoeSmallRows ? a.Is / 4 : a.Is);
   // Gate/up: persistent blocks, as many as fit at once, or fewer when there are fewer items (a warp each).
   auto gate_up_grid = [&](int per_sm) {
     return static_cast<unsigned>(std::min<int64_t>((gate_up_items + kWarps - 1) / kWarps,
@@ -1234,7 +1282,7 @@ cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStrea
   // one / two / 3-4 tokens (64 / 72 / 78 registers). Down at one token: 4 columns per block (each warp walks 4 rows of
   // its segment), 4 blocks per SM, the plan built before the wait; at 2-4 tokens, up to 4 times the segments, so one
   // column per block (many short blocks, 6 / 5 per SM, 40 / 48 registers) reading gate/up's copy of the plan.
-  static_assert(kMoeSmallRows == 4, "moe_small instantiates 1, 2 and 4 rows");
+  static_assert(kMoeSmallRows == 4, "moe_small instantiates 1, 2 and 4 rows (and kMoeSmallTcRows on tensor cores)");
   if (a.gate_up_scale) {
     if (!a.down_scale || a.block_rows <= 0 || a.block_cols <= 0 || a.block_cols % 8 != 0) return cudaErrorInvalidValue;
     return tc ? moe_small_launch<true, true>(a, plan, shared_segs, gate_up_grid, stream)

@@ -305,6 +305,9 @@ constexpr int kGemvMaxRows = 8;
 // takes the path its eager step takes.
 constexpr int kFewRows = 2;
 constexpr int kMoeSmallRows = 4;
+// FP8 experts on tensor cores (moe_small_tc_fits) take the small-batch MoE up to 8 rows: fp8_tile's mma holds 8
+// tokens, and the grouped kernels convert every code of the experts they read in shared memory first.
+constexpr int kMoeSmallTcRows = 8;
 struct GemvArgs {
   const bf16* x;      // x[b][t][k] at x + b * sx + t * ldx + k
   int64_t ldx, sx;
@@ -403,11 +406,15 @@ struct MoeSmallArgs {
   int32_t block_rows = 0, block_cols = 0;
 };
 // out = sum_k w * down_e(silu(gate_e x) * up_e x) over the local experts, rounded, plus the shared experts' MLP,
-// rounded (as moe_experts + the dense shared MLP + add compute it). T <= kMoeSmallRows, k <= kMoeSmallMaxK,
-// H, I, Is multiples of 8. Two kernels (gate/up, persistent over a few blocks per SM of num_sms; down), the blocks
-// finding the distinct experts from the ids themselves or (down, 2-4 tokens) from gate/up's copy in plan_buf (16-byte
+// rounded (as moe_experts + the dense shared MLP + add compute it). T <= kMoeSmallRows (kMoeSmallTcRows for FP8
+// experts on tensor cores), k <= kMoeSmallMaxK, H, I, Is multiples of 8. Two kernels (gate/up, persistent over a few
+// blocks per SM of num_sms; down), the blocks finding the distinct experts from the ids themselves or (down, 2+
+// tokens) from gate/up's copy in plan_buf (16-byte
 // aligned, moe_small_plan_bytes() bytes); no host sync.
 size_t moe_small_plan_bytes();
+// Whether moe_small runs FP8 experts of these widths and scale blocks on tensor cores (then up to kMoeSmallTcRows
+// tokens): H, I and Is multiples of 64, block_cols a power-of-two multiple of 64.
+bool moe_small_tc_fits(int64_t H, int64_t I, int64_t Is, int64_t block_cols);
 cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
