@@ -859,14 +859,14 @@ void moe_fp8_case(int64_t E, int64_t k, int64_t H, int64_t I, int64_t Is, int64_
 
 TEST(CudaOps, MoeExpertsFp8IsItsDequantizedModel) {
   REQUIRE_GPU();
-  // Tensor cores up to kMoeSmallTcRows tokens where the scale blocks are whole 64-column chunks (5-8 tokens: the
-  // shared experts' gate/up on them too), the exact conversions elsewhere.
-  moe_fp8_case(8, 2, 256, 128, 0, 64, 64, {1, 2, 3, 4, 6, 8, 300}, 62);
-  moe_fp8_case(16, 6, 2048, 1408, 2816, 128, 128, {1, 2, 4, 5, 8, 9}, 70);  // V2-Lite widths, 2 shared experts
-  moe_fp8_case(8, 2, 256, 96, 96, 16, 48, {1, 3, 7}, 80);                   // blocks of 16 x 48 rows / columns
-  moe_fp8_case(8, 3, 512, 256, 0, 128, 128, {1, 4, 8}, 90, true);           // subnormal codes only
-  moe_fp8_case(8, 2, 512, 192, 64, 64, 256, {1, 2, 3, 7}, 100);             // 4 chunks a scale block
-  moe_fp8_case(8, 2, 256, 128, 96, 64, 64, {1, 4, 8}, 110);                 // shared experts not in 64-column chunks
+  // Tensor cores up to kMoeSmallTcRows tokens where the scale blocks are whole 64-column chunks (5+ tokens: the
+  // shared experts' gate/up on them too; 9+ tokens in the mma's rows 8-15 too), the exact conversions elsewhere.
+  moe_fp8_case(8, 2, 256, 128, 0, 64, 64, {1, 2, 3, 4, 6, 8, 12, 300}, 62);
+  moe_fp8_case(16, 6, 2048, 1408, 2816, 128, 128, {1, 2, 4, 5, 8, 9, 16, 17}, 70);  // V2-Lite widths, 2 shared
+  moe_fp8_case(8, 2, 256, 96, 96, 16, 48, {1, 3, 7, 16}, 80);                       // blocks of 16 x 48 rows / cols
+  moe_fp8_case(8, 3, 512, 256, 0, 128, 128, {1, 4, 8, 13}, 90, true);               // subnormal codes only
+  moe_fp8_case(8, 2, 512, 192, 64, 64, 256, {1, 2, 3, 7, 10}, 100);                 // 4 chunks a scale block
+  moe_fp8_case(8, 2, 256, 128, 96, 64, 64, {1, 4, 8, 16}, 110);                     // shared not in 64-col chunks
 }
 
 TEST(CudaOps, MoeExpertsV2LiteShape) {

@@ -82,9 +82,10 @@ __device__ __forceinline__ uint4 load_vec(const Fp8Row& row, int v) {
 // activations at the same column (null: zeros); s0 / s1: the block-scale rows of weight rows 2 (lane % 4) and
 // 2 (lane % 4) + 1, one scale per 2^cps_shift chunks. U chunks of loads in flight, then computed (two sets, one
 // loading while the other is computed, measured slower: docs/perf.md).
-template <int U>
-__device__ __forceinline__ void fp8_tile(float (&acc)[2], const uint8_t* w, const bf16* x, const float* s0,
-                                         const float* s1, int nch, int cps_shift) {
+// R2: tokens in A's rows 8-15 too (x2: lane / 4 + 8's activations, null: zeros; acc[2] / acc[3] its products).
+template <int U, bool R2 = false>
+__device__ __forceinline__ void fp8_tile(float (&acc)[R2 ? 4 : 2], const uint8_t* w, const bf16* x, const float* s0,
+                                         const float* s1, int nch, int cps_shift, const bf16* x2 = nullptr) {
   auto load = [&](uint4 (&b)[U], int c0) {
 #pragma unroll
     for (int u = 0; u < U; ++u)
@@ -96,23 +97,32 @@ __device__ __forceinline__ void fp8_tile(float (&acc)[2], const uint8_t* w, cons
       const int c = c0 + u;
       if (c >= nch) break;
       const float sa = s0[c >> cps_shift], sb = s1[c >> cps_shift];
-      uint4 xa = make_uint4(0, 0, 0, 0), xb = xa;
+      uint4 xa = make_uint4(0, 0, 0, 0), xb = xa, ya = xa, yb = xa;
       if (x) {
         xa = ld_act(x + static_cast<int64_t>(c) * 64);
         xb = ld_act(x + static_cast<int64_t>(c) * 64 + 8);
       }
+      if (R2 && x2) {
+        ya = ld_act(x2 + static_cast<int64_t>(c) * 64);
+        yb = ld_act(x2 + static_cast<int64_t>(c) * 64 + 8);
+      }
       const uint32_t wq[4] = {b[u].x, b[u].y, b[u].z, b[u].w};
       const uint32_t xq[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+      const uint32_t yq[8] = {ya.x, ya.y, ya.z, ya.w, yb.x, yb.y, yb.z, yb.w};
       float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {  // codes 4j..4j+3: k 2q, 2q+1 (a0 / b0) and 2q+8, 2q+9 (a2 / b1) of an mma
         uint32_t lo, hi;
         fp8x4_bf16(wq[j], lo, hi);
-        const uint32_t af[4] = {xq[2 * j], 0u, xq[2 * j + 1], 0u};
+        const uint32_t af[4] = {xq[2 * j], R2 ? yq[2 * j] : 0u, xq[2 * j + 1], R2 ? yq[2 * j + 1] : 0u};
         mma_bf16(d, af, lo, hi);
       }
       acc[0] = fmaf(sa, d[0], acc[0]);
       acc[1] = fmaf(sb, d[1], acc[1]);
+      if constexpr (R2) {
+        acc[2] = fmaf(sa, d[2], acc[2]);
+        acc[3] = fmaf(sb, d[3], acc[3]);
+      }
     }
   };
   for (int c0 = 0; c0 < nch; c0 += U) {
@@ -136,24 +146,30 @@ __device__ __forceinline__ void bf16_tile_load(uint4 (&b)[2 * U], const bf16* w,
     b[2 * u + 1] = in ? ld_weights(w + static_cast<int64_t>(c + u) * 64 + 8) : make_uint4(0, 0, 0, 0);
   }
 }
-template <int U>
+// R2 (as fp8_tile's): x2 the activations of token lane / 4 + 8, d[2] / d[3] its products.
+template <int U, bool R2 = false>
 __device__ __forceinline__ void bf16_tile(float (&d)[4], uint4 (&b)[2 * U], const bf16* w, const bf16* x, int c0,
-                                          int c1) {
+                                          int c1, const bf16* x2 = nullptr) {
   for (int c = c0; c < c1;) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (c + u >= c1) break;
-      uint4 xa = make_uint4(0, 0, 0, 0), xb = xa;
+      uint4 xa = make_uint4(0, 0, 0, 0), xb = xa, ya = xa, yb = xa;
       if (x) {
         xa = ld_act(x + static_cast<int64_t>(c + u) * 64);
         xb = ld_act(x + static_cast<int64_t>(c + u) * 64 + 8);
       }
+      if (R2 && x2) {
+        ya = ld_act(x2 + static_cast<int64_t>(c + u) * 64);
+        yb = ld_act(x2 + static_cast<int64_t>(c + u) * 64 + 8);
+      }
       const uint32_t wq[8] = {b[2 * u].x,     b[2 * u].y,     b[2 * u].z,     b[2 * u].w,
                               b[2 * u + 1].x, b[2 * u + 1].y, b[2 * u + 1].z, b[2 * u + 1].w};
       const uint32_t xq[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+      const uint32_t yq[8] = {ya.x, ya.y, ya.z, ya.w, yb.x, yb.y, yb.z, yb.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {  // values 4j..4j+3: k 2q, 2q+1 (a0 / b0) and 2q+8, 2q+9 (a2 / b1)
-        const uint32_t af[4] = {xq[2 * j], 0u, xq[2 * j + 1], 0u};
+        const uint32_t af[4] = {xq[2 * j], R2 ? yq[2 * j] : 0u, xq[2 * j + 1], R2 ? yq[2 * j + 1] : 0u};
         mma_bf16(d, af, wq[2 * j], wq[2 * j + 1]);
       }
     }
@@ -674,7 +690,7 @@ __device__ __forceinline__ std::conditional_t<FP8, Fp8Row, const uint4*> gate_up
 // out as the routed ones (4 intermediate indices each), the first item's first chunks loaded before the wait.
 template <int TT, int U, int MINB, bool FP8 = false, bool TC = false, int UT = U>
 __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(MoeSmallArgs a, MoePlan* plan_out) {
-  constexpr bool STC = TC && TT > kMoeSmallRows;
+  constexpr bool STC = TC && TT > kMoeSmallRows, R2 = TT > 8;  // R2: tokens 8-15 in the mma's A rows 8-15
   __shared__ MoePlan plan;
   const int lane = threadIdx.x & 31;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -682,7 +698,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
   const int nvec = a.H >> 3;
   const int64_t shared_items = STC ? a.Is / 4 : a.Is;
   [[maybe_unused]] uint4 wg[STC ? 1 : U], wu[STC ? 1 : U];
-  [[maybe_unused]] uint4 sb[2 * UT];  // STC only (unused otherwise)
+  [[maybe_unused]] uint4 sb[STC ? 2 * UT : 1];
   std::conditional_t<FP8, Fp8Row, const uint4*> gr{}, ur{};
   // An STC shared item j: this lane's row of the 8 (lane / 4: gate rows 4j.. at even, up rows at odd) at column
   // 16 (lane % 4).
@@ -746,14 +762,19 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
   // STC shared item j (its first chunks in sb when loaded): act_shared[t, 4 j + lane % 4] for token t = lane / 4, from
   // bf16-rounded sums as compute's.
   [[maybe_unused]] auto shared_tile = [&](int64_t j, bool loaded) {
-    const int g = lane >> 2, q = lane & 3;
-    const bf16* w = shared_tile_row(j);
-    if (!loaded) bf16_tile_load<UT>(sb, w, 0, a.H >> 6);
-    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    bf16_tile<UT>(d, sb, w, g < a.T ? a.x + g * a.ldx + 16 * q : nullptr, 0, a.H >> 6);
-    if (g < a.T) {
-      const float gv = __bfloat162float(__float2bfloat16_rn(d[0])), uv = __bfloat162float(__float2bfloat16_rn(d[1]));
-      a.act_shared[g * static_cast<int64_t>(a.Is) + 4 * j + q] = __float2bfloat16_rn(silu(gv) * uv);
+    if constexpr (STC) {  // made for STC only
+      const int g = lane >> 2, q = lane & 3;
+      const bf16* w = shared_tile_row(j);
+      if (!loaded) bf16_tile_load<UT>(sb, w, 0, a.H >> 6);
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      bf16_tile<UT, R2>(d, sb, w, g < a.T ? a.x + g * a.ldx + 16 * q : nullptr, 0, a.H >> 6,
+                        R2 && g + 8 < a.T ? a.x + (g + 8) * a.ldx + 16 * q : nullptr);
+      auto put = [&](int t, float gs, float us) {
+        const float gv = __bfloat162float(__float2bfloat16_rn(gs)), uv = __bfloat162float(__float2bfloat16_rn(us));
+        a.act_shared[t * static_cast<int64_t>(a.Is) + 4 * j + q] = __float2bfloat16_rn(silu(gv) * uv);
+      };
+      if (g < a.T) put(g, d[0], d[1]);
+      if (R2 && g + 8 < a.T) put(g + 8, d[2], d[3]);
     }
   };
   if constexpr (STC) {
@@ -770,16 +791,20 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
   [[maybe_unused]] auto tile = [&](int64_t r) {
     const int quads = a.I / 4, u = static_cast<int>(r / quads), i0 = static_cast<int>(r % quads) * 4;
     const int e = plan.uniq[u], g = lane >> 2, q = lane & 3;
-    const int s = g < a.T ? plan.slot[u][g] : -1;
+    const int s = g < a.T ? plan.slot[u][g] : -1, s2 = R2 && g + 8 < a.T ? plan.slot[u][g + 8] : -1;
     const int64_t row = (g & 1 ? a.I : 0) + i0 + (g >> 1);
     const uint8_t* w = reinterpret_cast<const uint8_t*>(a.gate_up) + (static_cast<int64_t>(e) * 2 * a.I + row) * a.H +
                        16 * q;
     const int64_t sr = (2 * a.I + a.block_rows - 1) / a.block_rows, sc = (a.H + a.block_cols - 1) / a.block_cols;
     const float* s0 = a.gate_up_scale + (e * sr + (i0 + q) / a.block_rows) * sc;
     const float* s1 = a.gate_up_scale + (e * sr + (a.I + i0 + q) / a.block_rows) * sc;
-    float acc[2] = {0.0f, 0.0f};
-    fp8_tile<UT>(acc, w, s >= 0 ? a.x + g * a.ldx + 16 * q : nullptr, s0, s1, a.H >> 6, __ffs(a.block_cols >> 6) - 1);
+    float acc[R2 ? 4 : 2] = {};
+    fp8_tile<UT, R2>(acc, w, s >= 0 ? a.x + g * a.ldx + 16 * q : nullptr, s0, s1, a.H >> 6,
+                     __ffs(a.block_cols >> 6) - 1, s2 >= 0 ? a.x + (g + 8) * a.ldx + 16 * q : nullptr);
     if (s >= 0) a.act[(static_cast<int64_t>(g) * a.k + s) * a.I + i0 + q] = __float2bfloat16_rn(silu(acc[0]) * acc[1]);
+    if constexpr (R2)
+      if (s2 >= 0)
+        a.act[(static_cast<int64_t>(g + 8) * a.k + s2) * a.I + i0 + q] = __float2bfloat16_rn(silu(acc[2]) * acc[3]);
   };
   const int64_t items = shared_items + static_cast<int64_t>(plan.n) * (TC ? a.I / 4 : a.I);
   for (int64_t it = first_shared ? first + stride : first; it < items; it += stride) {
@@ -992,31 +1017,45 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_tc_kernel(Mo
   pdl_wait();
   pdl_trigger();
   __syncthreads();
+  constexpr bool R2 = TT > 8;  // tokens 8-15 in the mma's A rows 8-15
   if (nsc > 0) {
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    bf16_tile<kSmallMoeUnroll>(d, sb, sw, g < a.T ? a.act_shared + g * static_cast<int64_t>(a.Is) + 16 * q : nullptr,
-                               sc0, sc1);
+    const bf16* xs = a.act_shared + 16 * q;
+    bf16_tile<kSmallMoeUnroll, R2>(d, sb, sw, g < a.T ? xs + g * static_cast<int64_t>(a.Is) : nullptr, sc0, sc1,
+                                   R2 && g + 8 < a.T ? xs + (g + 8) * static_cast<int64_t>(a.Is) : nullptr);
     if (g < TT) {
       spart[2 * q][warp][g] = d[0];
       spart[2 * q + 1][warp][g] = d[1];
+    }
+    if constexpr (R2) {
+      spart[2 * q][warp][g + 8] = d[2];
+      spart[2 * q + 1][warp][g + 8] = d[3];
     }
   }
   const int n = P->n;
   for (int u = warp; u < n; u += kWarps) {
     const int e = P->uniq[u];
-    const int sl = g < a.T ? P->slot[u][g] : -1;
+    const int sl = g < a.T ? P->slot[u][g] : -1, sl2 = R2 && g + 8 < a.T ? P->slot[u][g + 8] : -1;
     const uint8_t* w =
         reinterpret_cast<const uint8_t*>(a.down) + (static_cast<int64_t>(e) * a.H + h0 + g) * a.I + 16 * q;
     const int64_t sr = (a.H + a.block_rows - 1) / a.block_rows, sc = (a.I + a.block_cols - 1) / a.block_cols;
     const float* s0 = a.down_scale + (e * sr + (h0 + 2 * q) / a.block_rows) * sc;
     const float* s1 = a.down_scale + (e * sr + (h0 + 2 * q + 1) / a.block_rows) * sc;
-    float acc[2] = {0.0f, 0.0f};
+    float acc[R2 ? 4 : 2] = {};
     const bf16* x = sl >= 0 ? a.act + (static_cast<int64_t>(g) * a.k + sl) * a.I + 16 * q : nullptr;
-    fp8_tile<UT>(acc, w, x, s0, s1, a.I >> 6, __ffs(a.block_cols >> 6) - 1);
+    const bf16* x2 = sl2 >= 0 ? a.act + (static_cast<int64_t>(g + 8) * a.k + sl2) * a.I + 16 * q : nullptr;
+    fp8_tile<UT, R2>(acc, w, x, s0, s1, a.I >> 6, __ffs(a.block_cols >> 6) - 1, x2);
     if (sl >= 0) {
       const int p = g * a.k + sl;
       part[2 * q][p] = a.weights[p] * acc[0];
       part[2 * q + 1][p] = a.weights[p] * acc[1];
+    }
+    if constexpr (R2) {
+      if (sl2 >= 0) {
+        const int p = (g + 8) * a.k + sl2;
+        part[2 * q][p] = a.weights[p] * acc[2];
+        part[2 * q + 1][p] = a.weights[p] * acc[3];
+      }
     }
   }
   __syncthreads();
@@ -1231,10 +1270,15 @@ cudaError_t moe_small_launch(const MoeSmallArgs& a, MoePlan* plan, int shared_se
   }
   if (a.T > kMoeSmallRows) {  // FP8 experts on tensor cores only (moe_small checks)
     if constexpr (TC) {
-      e = launch(moe_small_gate_up_kernel<kMoeSmallTcRows, U, 3, FP8, TC>, gate_up_grid(3), kWarps * 32, 0, stream, a,
-                 plan);
+      static_assert(kMoeSmallTcRows == 16, "moe_small instantiates 8 and 16 rows on tensor cores");
+      if (a.T > 8) {
+        e = launch(moe_small_gate_up_kernel<16, U, 3, FP8, TC>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
+        if (e != cudaSuccess) return e;
+        return down_tc(moe_small_down_tc_kernel<16, U, 2>, plan);
+      }
+      e = launch(moe_small_gate_up_kernel<8, U, 3, FP8, TC>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
       if (e != cudaSuccess) return e;
-      return down_tc(moe_small_down_tc_kernel<kMoeSmallTcRows, U, 2>, plan);
+      return down_tc(moe_small_down_tc_kernel<8, U, 2>, plan);
     }
     return cudaErrorInvalidValue;
   }

@@ -305,9 +305,9 @@ constexpr int kGemvMaxRows = 8;
 // takes the path its eager step takes.
 constexpr int kFewRows = 2;
 constexpr int kMoeSmallRows = 4;
-// FP8 experts on tensor cores (moe_small_tc_fits) take the small-batch MoE up to 8 rows: fp8_tile's mma holds 8
+// FP8 experts on tensor cores (moe_small_tc_fits) take the small-batch MoE up to 16 rows: fp8_tile's mma holds 16
 // tokens, and the grouped kernels convert every code of the experts they read in shared memory first.
-constexpr int kMoeSmallTcRows = 8;
+constexpr int kMoeSmallTcRows = 16;
 struct GemvArgs {
   const bf16* x;      // x[b][t][k] at x + b * sx + t * ldx + k
   int64_t ldx, sx;
