@@ -603,8 +603,9 @@ class CudaBackend final : public Backend {
 
  private:
   // Whether moe_experts of T tokens, k experts each, Is shared-expert columns takes the small-batch kernels.
-  bool use_moe_small(int64_t T, int64_t k, int64_t Is) const {
-    return small_batch_ && !moe_cublas_ && T <= cuda::kMoeSmallRows && k <= cuda::kMoeSmallMaxK && Is % 8 == 0;
+  // max_rows: cuda::kMoeSmallTcRows for FP8 experts on tensor cores (cuda::moe_small_tc_fits).
+  bool use_moe_small(int64_t T, int64_t k, int64_t Is, int64_t max_rows = cuda::kMoeSmallRows) const {
+    return small_batch_ && !moe_cublas_ && T <= max_rows && k <= cuda::kMoeSmallMaxK && Is % 8 == 0;
   }
   // moe_experts through the small-batch kernels (cuda::moe_small); FP8 experts (gs, ds: their BlockScales) read as
   // they are.
@@ -1240,12 +1241,11 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
               "moe_experts: FP8 experts need both matrices in F8_E4M3 [E, rows, cols] with their block scales");
     const int64_t T = rows_of(x), k = topk_ids.size(-1);
     const int64_t Is = T == 0 ? 0 : shared_experts_width(x, shared_gate_up, shared_down, out);
-    // Past kMoeSmallRows tokens only on tensor cores (cuda::moe_small_tc_fits).
-    const bool small_rows =
-        use_moe_small(T, k, Is) ||
-        (use_moe_small(std::min<int64_t>(T, cuda::kMoeSmallRows), k, Is) && T <= cuda::kMoeSmallTcRows &&
-         cuda::moe_small_tc_fits(x.size(-1), gate_up.size(1) / 2, Is, gs->block_cols));
-    if (T >= 1 && small_rows && gs->block_rows == ds->block_rows && gs->block_cols == ds->block_cols &&
+    const int64_t max_rows = cuda::moe_small_tc_fits(x.size(-1), gate_up.size(1) / 2, Is, gs->block_cols)
+                                 ? cuda::kMoeSmallTcRows
+                                 : cuda::kMoeSmallRows;
+    if (T >= 1 && use_moe_small(T, k, Is, max_rows) && gs->block_rows == ds->block_rows &&
+        gs->block_cols == ds->block_cols &&
         gs->block_cols % 8 == 0 && x.size(-1) % 8 == 0 && gate_up.size(1) % 16 == 0) {
       moe_small_path(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared_gate_up, shared_down, Is, out, gs,
                      ds);

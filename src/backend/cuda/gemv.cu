@@ -759,8 +759,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
       }
     }
   };
-  // STC shared item j (its first chunks in sb when loaded): act_shared[t, 4 j + lane % 4] for token t = lane / 4, from
-  // bf16-rounded sums as compute's.
+  // STC shared item j (its first chunks in sb when loaded): act_shared[t, 4 j + lane % 4] for tokens t = lane / 4 and
+  // (R2) lane / 4 + 8, from bf16-rounded sums as compute's.
   [[maybe_unused]] auto shared_tile = [&](int64_t j, bool loaded) {
     if constexpr (STC) {  // made for STC only
       const int g = lane >> 2, q = lane & 3;
@@ -1325,7 +1325,8 @@ cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStrea
   // Measured on H200 (docs/perf.md), all with kSmallMoeUnroll loads per lane: gate/up with 4 / 3 / 3 blocks per SM at
   // one / two / 3-4 tokens (64 / 72 / 78 registers). Down at one token: 4 columns per block (each warp walks 4 rows of
   // its segment), 4 blocks per SM, the plan built before the wait; at 2-4 tokens, up to 4 times the segments, so one
-  // column per block (many short blocks, 6 / 5 per SM, 40 / 48 registers) reading gate/up's copy of the plan.
+  // column per block (many short blocks, 6 / 5 per SM, 40 / 48 registers) reading gate/up's copy of the plan. FP8 on
+  // tensor cores at 5-16 tokens: 3 gate/up and 2 down blocks per SM (as at 3-4 tokens; not tuned further).
   static_assert(kMoeSmallRows == 4, "moe_small instantiates 1, 2 and 4 rows (and kMoeSmallTcRows on tensor cores)");
   if (a.gate_up_scale) {
     if (!a.down_scale || a.block_rows <= 0 || a.block_cols <= 0 || a.block_cols % 8 != 0) return cudaErrorInvalidValue;

@@ -409,8 +409,7 @@ struct MoeSmallArgs {
 // rounded (as moe_experts + the dense shared MLP + add compute it). T <= kMoeSmallRows (kMoeSmallTcRows for FP8
 // experts on tensor cores), k <= kMoeSmallMaxK, H, I, Is multiples of 8. Two kernels (gate/up, persistent over a few
 // blocks per SM of num_sms; down), the blocks finding the distinct experts from the ids themselves or (down, 2+
-// tokens) from gate/up's copy in plan_buf (16-byte
-// aligned, moe_small_plan_bytes() bytes); no host sync.
+// tokens) from gate/up's copy in plan_buf (16-byte aligned, moe_small_plan_bytes() bytes); no host sync.
 size_t moe_small_plan_bytes();
 // Whether moe_small runs FP8 experts of these widths and scale blocks on tensor cores (then up to kMoeSmallTcRows
 // tokens): H, I and Is multiples of 64, block_cols a power-of-two multiple of 64.
