@@ -248,11 +248,7 @@ void Engine::deliver_outputs() {
 
 // A draw before min_new_tokens: the request's stop tokens get -inf (an entry of their own or the bias's entry).
 // The request's stop tokens: its stop_token_ids, and the EOS ids unless it ignores EOS.
-std::vector<int32_t> Engine::stop_tokens(const SamplingParams& sp) const {
-  std::vector<int32_t> stops = sp.stop_token_ids;
-  if (!sp.ignore_eos) stops.insert(stops.end(), opts_.eos_token_ids.begin(), opts_.eos_token_ids.end());
-  return stops;
-}
+std::vector<int32_t> Engine::stop_tokens(const SamplingParams& sp) const { return sp.stop_tokens(opts_.eos_token_ids); }
 
 void Engine::ban_stop_tokens(const SamplingParams& sp, RowSampling& row) const {
   auto ban = [&](int32_t id) {

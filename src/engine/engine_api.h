@@ -7,6 +7,7 @@
 // engine thread: it must be cheap and thread-safe (typically: post to the connection's executor).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -61,6 +62,17 @@ struct SamplingParams {
   // request then ends there; with ignore_eos, or when nothing else is allowed, it ends once its text is complete).
   // Under overlap scheduling such a request's next step is planned only after its previous token is back.
   std::shared_ptr<TokenConstraint> constraint;
+
+  // The tokens that end the text: stop_token_ids, and the model's EOS ids unless ignore_eos.
+  std::vector<int32_t> stop_tokens(const std::vector<int32_t>& eos) const {
+    std::vector<int32_t> stops = stop_token_ids;
+    if (!ignore_eos) stops.insert(stops.end(), eos.begin(), eos.end());
+    return stops;
+  }
+  bool is_stop_token(const std::vector<int32_t>& eos, int32_t id) const {
+    auto in = [id](const std::vector<int32_t>& v) { return std::find(v.begin(), v.end(), id) != v.end(); };
+    return in(stop_token_ids) || (!ignore_eos && in(eos));
+  }
 };
 
 enum class FinishKind { None, Length, Stop, Abort };

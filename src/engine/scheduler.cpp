@@ -57,9 +57,24 @@ void Scheduler::add(GenerateRequest g) {
   r->on_output = std::move(g.on_output);
   r->sampler.seed = r->sampling.seed ? splitmix64(*r->sampling.seed) : splitmix64(++seed_counter_ ^ fnv1a64(r->rid));
   r->prompt_lps_done = r->sampling.logprob_start_len < 0;
+  if (const SamplingParams& sp = r->sampling; sp.constraint && sp.max_new_tokens > 0) {
+    try {
+      const auto& m = *sp.constraint->allowed(r->constraint_state);
+      const bool can_stop = sp.constraint->accepting(r->constraint_state) && sp.min_new_tokens <= 0 &&
+                            !sp.stop_tokens(cfg_.eos_token_ids).empty();
+      r->empty_text = !can_stop && std::all_of(m.begin(), m.end(), [](uint32_t w) { return w == 0; });
+    } catch (const std::exception& e) {  // before any work: this request alone ends, as a failing draw would end it
+      r->finish.kind = FinishKind::Abort;
+      r->finish.message = fmt::format("structured output: {}", e.what());
+      r->state = ReqState::Finished;
+      emit(*r);
+      return;
+    }
+    if (r->empty_text) r->sampling.max_new_tokens = 0;
+  }
   if (r->sampling.max_new_tokens == 0 && r->prompt_lps_done) {  // nothing to compute
     FinishReason f;
-    f.kind = FinishKind::Length;
+    f.kind = r->empty_text ? FinishKind::Stop : FinishKind::Length;
     r->finish = f;
     r->state = ReqState::Finished;
     emit(*r);
@@ -403,7 +418,7 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
       r.fill.pop_back();
       --r.in_flight;
       FinishReason f;
-      f.kind = FinishKind::Length;
+      f.kind = r.empty_text ? FinishKind::Stop : FinishKind::Length;
       finish(r, f);
       continue;
     }
@@ -420,10 +435,7 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     const SamplingParams& sp = r.sampling;
     FinishReason f;
     const bool may_stop = r.output.size() > static_cast<size_t>(std::max(sp.min_new_tokens, 0));
-    const bool stop_token =
-        std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), sr.token) != sp.stop_token_ids.end() ||
-        (!sp.ignore_eos &&
-         std::find(cfg_.eos_token_ids.begin(), cfg_.eos_token_ids.end(), sr.token) != cfg_.eos_token_ids.end());
+    const bool stop_token = sp.is_stop_token(cfg_.eos_token_ids, sr.token);
     // Constrained: a stop token ends the text where the constraint accepts; otherwise the token moves the state, and a
     // state with no token allowed ends the request (a stop with no token: its text is complete).
     bool complete = false;

@@ -67,6 +67,9 @@ struct Req {
   bool prompt_lps_done = true;
   int32_t constraint_state = 0;  // sampling.constraint's state after the resolved output tokens
   std::string constraint_error;  // the constraint failed (its draw ran unconstrained): the request ends with it
+  // The constraint allows no first token and no stop token may end its text there (its language only the empty text):
+  // nothing is drawn (max_new_tokens set to 0) and the request stops with no tokens.
+  bool empty_text = false;
   FinishReason finish;
 };
 

@@ -317,6 +317,28 @@ TEST_P(EngineTest, ConstrainedDecodingFollowsTheRegex) {
             std::string::npos)
       << rb.finish.message;
 
+  // A constraint whose only text is the empty one, EOS ignored: no token may be drawn, so the request stops with none
+  // (also after prompt logprobs); an automaton that outgrows its cap in its very first state aborts before any work.
+  SamplingParams empty;
+  empty.constraint = std::make_shared<structured::RegexConstraint>(vocab, "");
+  auto fz = submit(*e, "empty", prompts_[3], 10, empty);
+  empty.logprob_start_len = 0;
+  auto fzl = submit(*e, "empty-lps", prompts_[3], 10, empty);
+  SamplingParams big;
+  big.constraint = std::make_shared<structured::RegexConstraint>(vocab, "(a|b)*a(a|b){6}", 1);
+  auto fbig = submit(*e, "boom-first", prompts_[0], 10, big);
+  const Result rz = wait(fz), rzl = wait(fzl);
+  for (const Result* r : {&rz, &rzl}) {
+    EXPECT_TRUE(r->tokens.empty()) << text(r->tokens);
+    EXPECT_EQ(r->completion_tokens, 0);
+    EXPECT_EQ(r->finish.kind, FinishKind::Stop);
+    EXPECT_EQ(r->finish.matched_token, -1);
+  }
+  EXPECT_EQ(rzl.prompt_logprobs.size(), prompts_[3].size());
+  const Result rbig = wait(fbig);
+  EXPECT_EQ(rbig.finish.kind, FinishKind::Abort);
+  EXPECT_TRUE(rbig.tokens.empty());
+
   GenerateRequest g;  // EOS not ignored: [0-9]+ may end after its first token, where the biased EOS wins
   g.rid = "eos";
   g.input_ids = prompts_[2];
