@@ -444,7 +444,12 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
       try {
         r.constraint_state = sp.constraint->next(r.constraint_state, sr.token);
         if (r.constraint_state == TokenConstraint::kDead) {
-          complete = true;  // a token outside the constraint (only when every allowed token was banned)
+          // A token outside the constraint (drawn only when every allowed one was banned, e.g. stop tokens under
+          // min_new_tokens): not part of the answer, which ends before it.
+          complete = true;
+          r.output.pop_back();
+          if (r.sampling.return_logprob || r.sampling.top_logprobs_num > 0) r.pending_lps.pop_back();
+          --counters_.generation_tokens_total;
         } else {
           const auto& m = *sp.constraint->allowed(r.constraint_state);
           complete = std::all_of(m.begin(), m.end(), [](uint32_t w) { return w == 0; });

@@ -338,6 +338,38 @@ TEST_P(EngineTest, ConstrainedDecodingFollowsTheRegex) {
   const Result rbig = wait(fbig);
   EXPECT_EQ(rbig.finish.kind, FinishKind::Abort);
   EXPECT_TRUE(rbig.tokens.empty());
+  {  // "a": only token 3 is allowed, a stop token that min_new_tokens bans, so the draw falls outside the constraint
+     // (greedy over all -inf: token 0, "{"); that token is not output and the request ends
+    GenerateRequest g;
+    g.rid = "banned";
+    g.input_ids = prompts_[1];
+    g.sampling.temperature = 0.0f;
+    g.sampling.max_new_tokens = 6;
+    g.sampling.min_new_tokens = 1;
+    g.sampling.stop_token_ids = {3};
+    g.sampling.ignore_eos = true;
+    g.sampling.return_logprob = true;
+    g.sampling.constraint = std::make_shared<structured::RegexConstraint>(vocab, "a");
+    auto prom = std::make_shared<std::promise<Result>>();
+    auto acc = std::make_shared<Result>();
+    g.on_output = [prom, acc](const GenerateOutput& o) {
+      acc->tokens.insert(acc->tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
+      acc->logprobs.insert(acc->logprobs.end(), o.new_logprobs.begin(), o.new_logprobs.end());
+      acc->completion_tokens = o.completion_tokens;
+      if (o.finished) {
+        acc->finish = o.finish;
+        prom->set_value(*acc);
+      }
+    };
+    auto f = prom->get_future();
+    e->submit(std::move(g));
+    const Result r = wait(f);
+    EXPECT_TRUE(r.tokens.empty()) << text(r.tokens);
+    EXPECT_TRUE(r.logprobs.empty());
+    EXPECT_EQ(r.completion_tokens, 0);
+    EXPECT_EQ(r.finish.kind, FinishKind::Stop);
+    EXPECT_EQ(r.finish.matched_token, -1);
+  }
 
   GenerateRequest g;  // EOS not ignored: [0-9]+ may end after its first token, where the biased EOS wins
   g.rid = "eos";
