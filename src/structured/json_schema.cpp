@@ -2,6 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <vector>
+
 #include "core/error.h"
 
 namespace mlaserve::structured {
@@ -32,6 +37,91 @@ std::string list(const std::string& ws, const std::string& open, const std::stri
     if (lo == 0) body = group(body) + "?";
   }
   return open + ws + body + ws + close;
+}
+
+std::string join(const std::vector<std::string>& alts) {
+  std::string r;
+  for (const auto& a : alts) r += (r.empty() ? "" : "|") + group(a);
+  return r;
+}
+
+// The numbers of exactly lo.size() decimal digits from lo to hi (lo <= hi, equal lengths).
+std::string same_length(const std::string& lo, const std::string& hi) {
+  if (lo == hi) return lo;
+  const size_t n = lo.size();
+  if (n == 1) return fmt::format("[{}-{}]", lo[0], hi[0]);
+  const std::string lo_rest = lo.substr(1), hi_rest = hi.substr(1);
+  if (lo[0] == hi[0]) return lo.substr(0, 1) + group(same_length(lo_rest, hi_rest));
+  const std::string zeros(n - 1, '0'), nines(n - 1, '9');
+  std::vector<std::string> alts;
+  char a = lo[0], b = hi[0];
+  if (lo_rest != zeros) {  // lo's first digit: only from lo's rest up
+    alts.push_back(lo.substr(0, 1) + group(same_length(lo_rest, nines)));
+    ++a;
+  }
+  if (hi_rest != nines) --b;  // hi's first digit: only up to hi's rest (below)
+  if (a <= b) alts.push_back((a == b ? std::string(1, a) : fmt::format("[{}-{}]", a, b)) + fmt::format("[0-9]{{{}}}", n - 1));
+  if (hi_rest != nines) alts.push_back(hi.substr(0, 1) + group(same_length(zeros, hi_rest)));
+  return join(alts);
+}
+
+// The non-negative integers from lo to hi (none: unbounded) written as JSON writes them; "" when there are none.
+std::string uint_range(uint64_t lo, std::optional<uint64_t> hi) {
+  if (hi && *hi < lo) return "";
+  const std::string los = std::to_string(lo);
+  const size_t first_len = los.size(), last_len = hi ? std::to_string(*hi).size() : first_len;
+  std::vector<std::string> alts;
+  uint64_t p = 1;  // 10^(len - 1)
+  for (size_t len = 1; len < first_len; ++len) p *= 10;
+  for (size_t len = first_len; len <= last_len; ++len, p *= 10) {
+    const uint64_t a = std::max(lo, len == 1 ? 0 : p), b = hi ? std::min(*hi, p * 10 - 1) : p * 10 - 1;
+    alts.push_back(same_length(std::to_string(a), std::to_string(b)));
+  }
+  if (!hi) alts.push_back(fmt::format("[1-9][0-9]{{{},}}", first_len));  // more digits than lo's
+  return join(alts);
+}
+
+// The integers from lo to hi (none: unbounded), as JSON writes them; "" when there are none.
+std::string int_range(std::optional<int64_t> lo, std::optional<int64_t> hi) {
+  std::vector<std::string> alts;
+  if (!lo || *lo < 0) {  // negative values: their magnitudes
+    const int64_t top = hi ? std::min<int64_t>(*hi, -1) : -1;
+    if (!lo || *lo <= top)
+      alts.push_back("-" + group(uint_range(static_cast<uint64_t>(-top),
+                                            lo ? std::optional<uint64_t>(static_cast<uint64_t>(-*lo)) : std::nullopt)));
+  }
+  if (!hi || *hi >= 0) {
+    const std::string r = uint_range(static_cast<uint64_t>(lo ? std::max<int64_t>(*lo, 0) : 0),
+                                     hi ? std::optional<uint64_t>(static_cast<uint64_t>(*hi)) : std::nullopt);
+    if (!r.empty()) alts.push_back(r);
+  }
+  return join(alts);
+}
+
+// The numbers from lo to hi (whole numbers; none: unbounded) with an optional fraction and no exponent; "" when none.
+// A value is at least lo >= 0 when its integer part is; at most hi when its integer part is below hi, or is hi with
+// a zero fraction (negative values alike, on their magnitudes).
+std::string number_range(std::optional<int64_t> lo, std::optional<int64_t> hi) {
+  const std::string frac = "(\\.[0-9]+)?", zero_frac = "(\\.0+)?";
+  auto upto = [&](uint64_t from, std::optional<uint64_t> bound) {  // magnitudes in [from, bound]
+    std::vector<std::string> alts;
+    if (!bound) return group(uint_range(from, std::nullopt)) + frac;
+    if (*bound > from) alts.push_back(group(uint_range(from, *bound - 1)) + frac);
+    if (*bound >= from) alts.push_back(std::to_string(*bound) + zero_frac);
+    return join(alts);
+  };
+  std::vector<std::string> alts;
+  if (!hi || *hi >= 0) {  // non-negative values
+    const uint64_t from = lo ? static_cast<uint64_t>(std::max<int64_t>(*lo, 0)) : 0;
+    const std::string r = upto(from, hi ? std::optional<uint64_t>(static_cast<uint64_t>(*hi)) : std::nullopt);
+    if (!r.empty()) alts.push_back(r);
+  }
+  if (!lo || *lo < 0) {  // negative values (-0 too where 0 is allowed)
+    const uint64_t from = hi && *hi < 0 ? static_cast<uint64_t>(-*hi) : 0;
+    const std::string r = upto(from, lo ? std::optional<uint64_t>(static_cast<uint64_t>(-*lo)) : std::nullopt);
+    if (!r.empty()) alts.push_back("-" + group(r));
+  }
+  return join(alts);
 }
 
 std::string any_value(const std::string& ws, int depth) {
@@ -125,6 +215,34 @@ class Converter {
     return it->get<int64_t>();
   }
 
+  // minimum / maximum and their exclusive forms (a bound of their own, or draft 4's flags on minimum / maximum) as
+  // whole-number bounds: an integer's rounded inwards; a number's must be whole and inclusive.
+  static std::pair<std::optional<int64_t>, std::optional<int64_t>> bounds(const nlohmann::ordered_json& s,
+                                                                          bool integer, const std::string& path) {
+    auto num = [&](const char* key) -> std::optional<double> {
+      auto it = s.find(key);
+      if (it == s.end() || it->is_boolean()) return std::nullopt;
+      if (!it->is_number()) fail("json_schema at {}/{}: must be a number", path, key);
+      const double v = it->get<double>();
+      if (!(std::fabs(v) <= 1e15)) fail("json_schema at {}/{}: bounds beyond 1e15 are not supported", path, key);
+      return v;
+    };
+    auto flag = [&](const char* key) {
+      auto it = s.find(key);
+      return it != s.end() && it->is_boolean() && it->get<bool>();
+    };
+    std::optional<double> mn = num("minimum"), mx = num("maximum");
+    bool mn_ex = mn && flag("exclusiveMinimum"), mx_ex = mx && flag("exclusiveMaximum");
+    if (auto v = num("exclusiveMinimum"); v && (!mn || *v >= *mn)) mn = v, mn_ex = true;
+    if (auto v = num("exclusiveMaximum"); v && (!mx || *v <= *mx)) mx = v, mx_ex = true;
+    if (!integer && ((mn && (mn_ex || *mn != std::floor(*mn))) || (mx && (mx_ex || *mx != std::floor(*mx)))))
+      fail("json_schema at {}: number bounds must be whole numbers and inclusive (minimum / maximum)", path);
+    std::optional<int64_t> lo, hi;
+    if (mn) lo = static_cast<int64_t>(mn_ex ? std::floor(*mn) + 1 : std::ceil(*mn));
+    if (mx) hi = static_cast<int64_t>(mx_ex ? std::ceil(*mx) - 1 : std::floor(*mx));
+    return {lo, hi};
+  }
+
   std::string typed(const nlohmann::ordered_json& s, const std::string& type, const std::string& path, int refs) {
     if (type == "string") {
       if (auto p = s.find("pattern"); p != s.end()) {
@@ -139,8 +257,14 @@ class Converter {
       if (hi >= 0 && hi < lo) fail("json_schema at {}: maxLength is below minLength", path);
       return "\"" + kStringChar + (hi < 0 ? fmt::format("{{{},}}", lo) : fmt::format("{{{},{}}}", lo, hi)) + "\"";
     }
-    if (type == "integer") return kInteger;
-    if (type == "number") return kNumber;
+    if (type == "integer" || type == "number") {
+      const bool integer = type == "integer";
+      const auto [lo, hi] = bounds(s, integer, path);
+      if (!lo && !hi) return integer ? kInteger : kNumber;
+      const std::string r = integer ? int_range(lo, hi) : number_range(lo, hi);
+      if (r.empty()) fail("json_schema at {}: no {} lies within its bounds", path, type);
+      return group(r);
+    }
     if (type == "boolean") return kBoolean;
     if (type == "null") return kNull;
     if (type == "array") {

@@ -4,8 +4,9 @@
 // maxLength, pattern (the string's unescaped content), anyOf / oneOf, allOf of one schema, $ref to #/$defs/... or
 // #/definitions/... (not recursive), and the empty schema. Values nested under no schema (an object without
 // properties, an array without items, {}) are any JSON value nested at most kAnyDepth deep. Whitespace between
-// tokens: any run of spaces, tabs and newlines. Keywords that bound numbers (minimum, multipleOf, ...) or name
-// formats are not enforced.
+// tokens: any run of spaces, tabs and newlines. minimum / maximum / exclusiveMinimum / exclusiveMaximum bound integers
+// (rounded inwards) and numbers (whole, inclusive bounds only; a bounded number is written without an exponent);
+// multipleOf and formats are not enforced.
 #pragma once
 
 #include <nlohmann/json.hpp>

@@ -3,6 +3,7 @@
 // brute-force walk of every token.
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <random>
 #include <regex>
 #include <string>
@@ -183,6 +184,86 @@ TEST(JsonSchema, RegexMatchesTheSchemasDocuments) {
   for (const char* bad : {"[]", "{", R"({"a": })", R"({a: 1})", R"({"a": 1,})", "\"str\"", R"({"a": tru})"})
     EXPECT_FALSE(full_match(any, bad)) << bad;
   EXPECT_TRUE(schema_match(R"({"type": "object"})", R"({"any": [1, 2]})"));
+}
+
+// Bounded integers: every integer in [-1200, 1200] (and a few far ones) matches exactly when it is within the bounds,
+// for bounds on either side of zero, one-sided, exclusive (a bound of its own, or draft 4's flag), fractional
+// (rounded inwards); leading zeros, "-0", fractions and exponents never match.
+TEST(JsonSchema, IntegerBoundsAreExact) {
+  struct Case {
+    const char* bounds;
+    int64_t lo, hi;  // INT64_MIN / INT64_MAX: unbounded
+  };
+  constexpr int64_t kMin = std::numeric_limits<int64_t>::min(), kMax = std::numeric_limits<int64_t>::max();
+  const Case cases[] = {
+      {R"("minimum": 0)", 0, kMax},
+      {R"("minimum": 1, "maximum": 100)", 1, 100},
+      {R"("minimum": -37, "maximum": 1021)", -37, 1021},
+      {R"("maximum": -5)", kMin, -5},
+      {R"("minimum": -999, "maximum": -10)", -999, -10},
+      {R"("minimum": 7)", 7, kMax},
+      {R"("minimum": 190, "maximum": 1109)", 190, 1109},
+      {R"("exclusiveMinimum": 0, "exclusiveMaximum": 10)", 1, 9},
+      {R"("minimum": 3, "exclusiveMinimum": true, "maximum": 99, "exclusiveMaximum": true)", 4, 98},
+      {R"("minimum": 2.5, "maximum": 8.5)", 3, 8},
+      {R"("minimum": -0.5)", 0, kMax},
+      {R"("minimum": 555, "maximum": 555)", 555, 555},
+      {R"("maximum": 0)", kMin, 0},
+  };
+  for (const Case& c : cases) {
+    const std::string schema = std::string(R"({"type": "integer", )") + c.bounds + "}";
+    Dfa d(compile_regex(json_schema_regex(nlohmann::ordered_json::parse(schema))));
+    std::vector<int64_t> values;
+    for (int64_t v = -1200; v <= 1200; ++v) values.push_back(v);
+    for (int64_t v : {-123456789LL, -10000LL, 10000LL, 99999LL, 100000LL, 123456789012LL}) values.push_back(v);
+    for (int64_t v : values) {
+      const bool in = v >= c.lo && v <= c.hi;
+      EXPECT_EQ(d.matches(std::to_string(v)), in) << schema << " " << v;
+    }
+    for (const char* bad : {"01", "007", "-0", "5.0", "1e2", "+5", "", "-"}) EXPECT_FALSE(d.matches(bad)) << schema << bad;
+  }
+  EXPECT_THROW(json_schema_regex(nlohmann::ordered_json::parse(R"({"type": "integer", "minimum": 5, "maximum": 4})")),
+               Error);
+  EXPECT_THROW(json_schema_regex(nlohmann::ordered_json::parse(R"({"type": "integer", "minimum": "1"})")), Error);
+  EXPECT_THROW(json_schema_regex(nlohmann::ordered_json::parse(R"({"type": "integer", "maximum": 1e300})")), Error);
+}
+
+// Bounded numbers (whole, inclusive bounds): values with or without a fraction match exactly when within the bounds
+// (a negative zero may not); exponents are not written; fractional or exclusive number bounds are an error.
+TEST(JsonSchema, NumberBoundsAreExact) {
+  auto rx = [](const std::string& bounds) {
+    return Dfa(compile_regex(
+        json_schema_regex(nlohmann::ordered_json::parse(std::string(R"({"type": "number", )") + bounds + "}"))));
+  };
+  struct Case {
+    const char* bounds;
+    double lo, hi;
+  };
+  const double inf = std::numeric_limits<double>::infinity();
+  const Case cases[] = {{R"("minimum": 0, "maximum": 1)", 0, 1},     {R"("minimum": -3, "maximum": 12)", -3, 12},
+                        {R"("minimum": 5)", 5, inf},                 {R"("maximum": -2)", -inf, -2},
+                        {R"("minimum": -20, "maximum": -10)", -20, -10}, {R"("maximum": 0)", -inf, 0}};
+  for (const Case& c : cases) {
+    Dfa d = rx(c.bounds);
+    for (int i = -250; i <= 250; ++i)
+      for (const char* f : {"", ".0", ".00", ".5", ".25", ".999", ".01"}) {
+        for (const std::string& sign : {std::string(), std::string("-")}) {
+          const std::string mag = std::to_string(i < 0 ? -i : i) + f;
+          if (i < 0 && sign.empty()) continue;
+          const std::string text = (i < 0 ? "-" : sign) + mag;
+          const double v = std::stod(text);
+          const bool in = v >= c.lo && v <= c.hi;
+          if (text[0] == '-' && v == 0.0)  // a negative zero may be left out (0 is written without the sign)
+            EXPECT_TRUE(!d.matches(text) || in) << c.bounds << " " << text;
+          else
+            EXPECT_EQ(d.matches(text), in) << c.bounds << " " << text;
+        }
+      }
+    for (const char* bad : {"1e0", "01.5", "1.", ".5", "- 1"}) EXPECT_FALSE(d.matches(bad)) << c.bounds << bad;
+  }
+  for (const char* bad : {R"("minimum": 0.5)", R"("exclusiveMinimum": 0)", R"("maximum": 1, "exclusiveMaximum": true)",
+                          R"("minimum": 3, "maximum": 2)"})
+    EXPECT_THROW(rx(bad), Error) << bad;
 }
 
 TEST(JsonSchema, WhatItCannotExpressIsAnError) {
