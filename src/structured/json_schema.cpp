@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "core/error.h"
@@ -279,15 +280,35 @@ class Converter {
       auto props = s.find("properties");
       if (props == s.end() || !props->is_object() || props->empty())
         return list(ws, "\\{", kString + ws + ":" + ws + group(any_value(ws, kAnyDepth - 1)), "\\}", 0, -1);
-      std::string r = "\\{" + ws;
-      bool first = true;
-      for (auto it = props->begin(); it != props->end(); ++it) {
-        if (!first) r += ws + "," + ws;
-        first = false;
-        r += regex_escape(nlohmann::ordered_json(it.key()).dump()) + ws + ":" + ws +
-             group(value(it.value(), path + "/properties/" + it.key(), refs));
+      // Properties in the schema's order, those not in `required` optional: alternatives by the first one written
+      // (any optional one before the first required one, or that one; none when nothing is required), each later
+      // one after a comma, optional ones optionally.
+      std::set<std::string> required;
+      if (auto req = s.find("required"); req != s.end()) {
+        if (!req->is_array()) fail("json_schema at {}/required: must be an array of names", path);
+        for (const auto& n : *req) {
+          if (!n.is_string()) fail("json_schema at {}/required: must be an array of names", path);
+          if (!props->contains(n.get<std::string>()))
+            fail("json_schema at {}/required: '{}' is not one of the properties", path, n.get<std::string>());
+          required.insert(n.get<std::string>());
+        }
       }
-      return r + ws + "\\}";
+      std::vector<std::string> pr;  // each property's "key": value
+      std::vector<bool> opt;
+      for (auto it = props->begin(); it != props->end(); ++it) {
+        pr.push_back(regex_escape(nlohmann::ordered_json(it.key()).dump()) + ws + ":" + ws +
+                     group(value(it.value(), path + "/properties/" + it.key(), refs)));
+        opt.push_back(!required.count(it.key()));
+      }
+      std::vector<std::string> firsts;
+      for (size_t k = 0; k < pr.size(); ++k) {
+        std::string r = pr[k];
+        for (size_t j = k + 1; j < pr.size(); ++j) r += group(ws + "," + ws + pr[j]) + (opt[j] ? "?" : "");
+        firsts.push_back(r);
+        if (!opt[k]) break;  // a required property is written: none before it may be the first
+      }
+      const bool all_optional = std::all_of(opt.begin(), opt.end(), [](bool o) { return o; });
+      return "\\{" + ws + (all_optional ? group(join(firsts)) + "?" : group(join(firsts))) + ws + "\\}";
     }
     fail("json_schema at {}/type: unknown type '{}'", path, type);
   }

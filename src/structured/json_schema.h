@@ -1,9 +1,9 @@
 // JSON Schema to a regular expression (structured/regex.h) of the JSON texts it allows, for constrained decoding
 // (SGLang's `json_schema`, OpenAI's response_format json_schema / json_object). Supported: type (one or a list), enum,
-// const, properties (every listed property, in the schema's order), items, minItems / maxItems, minLength /
-// maxLength, pattern (the string's unescaped content), anyOf / oneOf, allOf of one schema, $ref to #/$defs/... or
-// #/definitions/... (not recursive), and the empty schema. Values nested under no schema (an object without
-// properties, an array without items, {}) are any JSON value nested at most kAnyDepth deep. Whitespace between
+// const, properties (in the schema's order; those not in `required` may be left out), items, minItems / maxItems,
+// minLength / maxLength, pattern (the string's unescaped content), anyOf / oneOf, allOf of one schema, $ref to
+// #/$defs/... or #/definitions/... (not recursive), and the empty schema. Values nested under no schema (an object
+// without properties, an array without items, {}) are any JSON value nested at most kAnyDepth deep. Whitespace between
 // tokens: any run of spaces, tabs and newlines. minimum / maximum / exclusiveMinimum / exclusiveMaximum bound integers
 // (rounded inwards) and numbers (whole, inclusive bounds only; a bounded number is written without an exponent);
 // multipleOf and formats are not enforced.

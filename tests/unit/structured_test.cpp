@@ -176,6 +176,21 @@ TEST(JsonSchema, RegexMatchesTheSchemasDocuments) {
   EXPECT_TRUE(schema_match(R"({"type": "string", "minLength": 2})", R"("ab")"));
   EXPECT_FALSE(schema_match(R"({"type": "string", "minLength": 2})", R"("a")"));
 
+  // Properties not in `required` may be left out (in order still); the required ones may not; no stray commas.
+  for (const char* ok : {R"({"name": "Ann"})", R"({"name": "Ann", "ok": true})", R"({"name": "", "tags": [], "ok": false})"})
+    EXPECT_TRUE(schema_match(person, ok)) << ok;
+  for (const char* bad : {R"({"age": 3})", "{}", R"({"name": "A",})", R"({"ok": true, "name": "A"})", R"({, "name": "A"})"})
+    EXPECT_FALSE(schema_match(person, bad)) << bad;
+  const std::string optional = R"({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "null"},
+      "c": {"type": "boolean"}}, "required": ["c"]})";
+  for (const char* ok : {R"({"c": true})", R"({"a": 1, "c": true})", R"({"b": null, "c": false})", R"({"a": 1, "b": null, "c": true})"})
+    EXPECT_TRUE(schema_match(optional, ok)) << ok;
+  for (const char* bad : {"{}", R"({"a": 1})", R"({"c": true, "a": 1})", R"({"a": 1 "c": true})"})
+    EXPECT_FALSE(schema_match(optional, bad)) << bad;
+  const std::string none = R"({"properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}})";
+  for (const char* ok : {"{}", "{ }", R"({"b": 2})", R"({"a": 1, "b": 2})"}) EXPECT_TRUE(schema_match(none, ok)) << ok;
+  for (const char* bad : {R"({"b": 2, "a": 1})", R"({,})", R"({"a": 1,})"}) EXPECT_FALSE(schema_match(none, bad)) << bad;
+
   // Any JSON object (json_object; an object schema without properties).
   const std::string any = json_object_regex();
   for (const char* ok :
@@ -268,6 +283,7 @@ TEST(JsonSchema, NumberBoundsAreExact) {
 
 TEST(JsonSchema, WhatItCannotExpressIsAnError) {
   for (const char* s : {R"({"$ref": "#"})", R"({"$ref": "#/$defs/missing"})", R"({"type": "tuple"})",
+                        R"({"properties": {"a": {}}, "required": ["b"]})", R"({"properties": {"a": {}}, "required": "a"})",
                         R"({"allOf": [{"type": "string"}, {"minLength": 2}]})", R"({"enum": []})", "false",
                         R"({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})"}) {
     EXPECT_THROW(json_schema_regex(nlohmann::ordered_json::parse(s)), Error) << s;
