@@ -135,20 +135,30 @@ std::string any_value(const std::string& ws, int depth) {
   return r;
 }
 
+using Rx = std::optional<std::string>;  // a regex, or none: no value allowed
+
 class Converter {
  public:
   Converter(const nlohmann::ordered_json& root, bool compact) : root_(root), ws(compact ? kCompactWs : kFreeWs) {}
 
-  std::string value(const nlohmann::ordered_json& s, const std::string& path, int refs) {
+  // The regex of the values schema s allows; none when it allows none within the recursion bound.
+  Rx value(const nlohmann::ordered_json& s, const std::string& path) {
     if (s.is_boolean()) {
       if (!s.get<bool>()) fail("json_schema at {}: the schema false allows nothing", path);
       return any_value(ws, kAnyDepth);
     }
     if (!s.is_object()) fail("json_schema at {}: a schema must be an object or a boolean", path);
     if (auto it = s.find("$ref"); it != s.end()) {
-      if (refs > 16)
-        fail("json_schema at {}: $ref nests more than 16 deep (recursive schemas are not supported)", path);
-      return value(resolve(*it, path), path + "/$ref", refs + 1);
+      // A schema reached through kRefDepth references to itself already (recursion) allows no further value here,
+      // so the recursion ends where the containing schema can do without it (an empty array, an optional property,
+      // another alternative).
+      const nlohmann::ordered_json& target = resolve(*it, path);
+      if (std::count(expanding_.begin(), expanding_.end(), &target) >= kRefDepth) return std::nullopt;
+      if (expanding_.size() >= 64) fail("json_schema at {}: $ref nests more than 64 deep", path);
+      expanding_.push_back(&target);
+      Rx r = value(target, path + "/$ref");
+      expanding_.pop_back();
+      return r;
     }
     if (auto it = s.find("const"); it != s.end()) return regex_escape(it->dump());
     if (auto it = s.find("enum"); it != s.end()) {
@@ -160,30 +170,30 @@ class Converter {
     for (const char* key : {"anyOf", "oneOf"})
       if (auto it = s.find(key); it != s.end()) {
         if (!it->is_array() || it->empty()) fail("json_schema at {}/{}: must be a non-empty array", path, key);
-        std::string r;
+        std::vector<std::string> alts;
         for (size_t i = 0; i < it->size(); ++i)
-          r += (i ? "|" : "") + group(value((*it)[i], fmt::format("{}/{}/{}", path, key, i), refs));
-        return group(r);
+          if (Rx r = value((*it)[i], fmt::format("{}/{}/{}", path, key, i))) alts.push_back(*r);
+        return alts.empty() ? Rx() : group(join(alts));
       }
     if (auto it = s.find("allOf"); it != s.end()) {
       if (!it->is_array() || it->size() != 1)
         fail("json_schema at {}/allOf: only allOf of one schema is supported", path);
-      return value((*it)[0], path + "/allOf/0", refs);
+      return value((*it)[0], path + "/allOf/0");
     }
     auto t = s.find("type");
     if (t == s.end()) {  // the type from the keywords present, else any value
-      if (s.contains("properties")) return typed(s, "object", path, refs);
-      if (s.contains("items")) return typed(s, "array", path, refs);
+      if (s.contains("properties")) return typed(s, "object", path);
+      if (s.contains("items")) return typed(s, "array", path);
       return group(any_value(ws, kAnyDepth));
     }
-    if (t->is_string()) return typed(s, t->get<std::string>(), path, refs);
+    if (t->is_string()) return typed(s, t->get<std::string>(), path);
     if (t->is_array() && !t->empty()) {
-      std::string r;
+      std::vector<std::string> alts;
       for (const auto& one : *t) {
         if (!one.is_string()) fail("json_schema at {}/type: must name types", path);
-        r += (r.empty() ? "" : "|") + group(typed(s, one.get<std::string>(), path, refs));
+        if (Rx r = typed(s, one.get<std::string>(), path)) alts.push_back(*r);
       }
-      return group(r);
+      return alts.empty() ? Rx() : group(join(alts));
     }
     fail("json_schema at {}/type: must be a type name or a list of them", path);
   }
@@ -202,7 +212,7 @@ class Converter {
         fail("json_schema at {}/$ref: '{}' is not defined", path, r);
       }
     }
-    if (r == "#") fail("json_schema at {}/$ref: recursive schemas are not supported", path);
+    if (r == "#") return root_;
     fail("json_schema at {}/$ref: only references to #/$defs/... or #/definitions/... are supported, got '{}'", path,
          r);
   }
@@ -244,7 +254,7 @@ class Converter {
     return {lo, hi};
   }
 
-  std::string typed(const nlohmann::ordered_json& s, const std::string& type, const std::string& path, int refs) {
+  Rx typed(const nlohmann::ordered_json& s, const std::string& type, const std::string& path) {
     if (type == "string") {
       if (auto p = s.find("pattern"); p != s.end()) {
         if (!p->is_string()) fail("json_schema at {}/pattern: must be a string", path);
@@ -272,9 +282,9 @@ class Converter {
       const int64_t lo = count(s, "minItems", 0, path), hi = count(s, "maxItems", -1, path);
       if (hi >= 0 && hi < lo) fail("json_schema at {}: maxItems is below minItems", path);
       auto it = s.find("items");
-      const std::string item = it == s.end() ? group(any_value(ws, kAnyDepth - 1))
-                                             : group(value(*it, path + "/items", refs));
-      return list(ws, "\\[", item, "\\]", lo, hi);
+      const Rx item = it == s.end() ? Rx(any_value(ws, kAnyDepth - 1)) : value(*it, path + "/items");
+      if (!item) return lo == 0 ? Rx("\\[" + ws + "\\]") : Rx();  // no item value: only the empty array
+      return list(ws, "\\[", group(*item), "\\]", lo, hi);
     }
     if (type == "object") {
       auto props = s.find("properties");
@@ -293,13 +303,19 @@ class Converter {
           required.insert(n.get<std::string>());
         }
       }
-      std::vector<std::string> pr;  // each property's "key": value
+      std::vector<std::string> pr;  // each property's "key": value (an optional one without a value left out)
       std::vector<bool> opt;
       for (auto it = props->begin(); it != props->end(); ++it) {
-        pr.push_back(regex_escape(nlohmann::ordered_json(it.key()).dump()) + ws + ":" + ws +
-                     group(value(it.value(), path + "/properties/" + it.key(), refs)));
-        opt.push_back(!required.count(it.key()));
+        const Rx v = value(it.value(), path + "/properties/" + it.key());
+        const bool optional = !required.count(it.key());
+        if (!v) {
+          if (optional) continue;
+          return std::nullopt;  // a required property without a value: no object
+        }
+        pr.push_back(regex_escape(nlohmann::ordered_json(it.key()).dump()) + ws + ":" + ws + group(*v));
+        opt.push_back(optional);
       }
+      if (pr.empty()) return "\\{" + ws + "\\}";
       std::vector<std::string> firsts;
       for (size_t k = 0; k < pr.size(); ++k) {
         std::string r = pr[k];
@@ -315,6 +331,7 @@ class Converter {
 
   const nlohmann::ordered_json& root_;
   const std::string& ws;  // whitespace between tokens
+  std::vector<const nlohmann::ordered_json*> expanding_;  // the $ref targets being expanded, outermost first
 };
 
 }  // namespace
@@ -334,7 +351,9 @@ std::string regex_escape(std::string_view text) {
 
 std::string json_schema_regex(const nlohmann::ordered_json& schema, bool compact) {
   Converter c(schema, compact);
-  return c.value(schema, "#", 0);
+  Rx r = c.value(schema, "#");
+  if (!r) fail("json_schema: the schema allows no value (its references recurse with no way to end)");
+  return *r;
 }
 
 const std::string& json_object_regex() {

@@ -2,11 +2,11 @@
 // (SGLang's `json_schema`, OpenAI's response_format json_schema / json_object). Supported: type (one or a list), enum,
 // const, properties (in the schema's order; those not in `required` may be left out), items, minItems / maxItems,
 // minLength / maxLength, pattern (the string's unescaped content), anyOf / oneOf, allOf of one schema, $ref to
-// #/$defs/... or #/definitions/... (not recursive), and the empty schema. Values nested under no schema (an object
-// without properties, an array without items, {}) are any JSON value nested at most kAnyDepth deep. Whitespace between
-// tokens: any run of spaces, tabs and newlines. minimum / maximum / exclusiveMinimum / exclusiveMaximum bound integers
-// (rounded inwards) and numbers (whole, inclusive bounds only; a bounded number is written without an exponent);
-// multipleOf and formats are not enforced.
+// #/$defs/... or #/definitions/... or # (recursion followed kRefDepth deep), and the empty schema. Values nested under
+// no schema (an object without properties, an array without items, {}) are any JSON value nested at most kAnyDepth
+// deep. Whitespace between tokens: any run of spaces, tabs and newlines. minimum / maximum / exclusiveMinimum /
+// exclusiveMaximum bound integers (rounded inwards) and numbers (whole, inclusive bounds only; a bounded number is
+// written without an exponent); multipleOf and formats are not enforced.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -17,6 +17,10 @@
 namespace mlaserve::structured {
 
 constexpr int kAnyDepth = 4;
+// A recursive schema ($ref to "#" or to a definition that refers back to itself) is followed this many times along
+// one path; past that the recursion takes what allows it to end (an empty array, an optional property left out,
+// another alternative).
+constexpr int kRefDepth = 3;
 
 // Throws mlaserve::Error naming the schema path for what it cannot express (recursion, allOf of several, ...).
 // compact: at most one space between tokens (tool-call arguments) instead of any whitespace.

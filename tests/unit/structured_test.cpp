@@ -281,6 +281,30 @@ TEST(JsonSchema, NumberBoundsAreExact) {
     EXPECT_THROW(rx(bad), Error) << bad;
 }
 
+// Recursive schemas: a tree ($ref "#") nests children kRefDepth levels below the root, the deepest with no children;
+// a linked list through $defs ends in null; a recursion that cannot end (a required self-reference) is an error.
+TEST(JsonSchema, RecursionIsFollowedToItsBound) {
+  static_assert(kRefDepth == 3, "the documents below nest 3 levels");
+  const std::string tree = R"({"type": "object", "properties": {"v": {"type": "integer"},
+      "kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["v", "kids"]})";
+  auto node = [](int v, const std::string& kids) { return "{\"v\": " + std::to_string(v) + ", \"kids\": [" + kids + "]}"; };
+  EXPECT_TRUE(schema_match(tree, node(1, "")));
+  EXPECT_TRUE(schema_match(tree, node(1, node(2, "") + ", " + node(3, node(4, "")))));
+  EXPECT_TRUE(schema_match(tree, node(1, node(2, node(3, node(4, ""))))));
+  EXPECT_FALSE(schema_match(tree, node(1, node(2, node(3, node(4, node(5, "")))))));  // past the bound
+  EXPECT_FALSE(schema_match(tree, R"({"v": 1, "kids": [{"v": 2}]})"));
+  const std::string list = R"({"$defs": {"node": {"type": "object", "properties": {"val": {"type": "integer"},
+      "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}, "required": ["val", "next"]}},
+      "$ref": "#/$defs/node"})";
+  EXPECT_TRUE(schema_match(list, R"({"val": 1, "next": null})"));
+  EXPECT_TRUE(schema_match(list, R"({"val": 1, "next": {"val": 2, "next": {"val": 3, "next": null}}})"));
+  EXPECT_FALSE(schema_match(list, R"({"val": 1, "next": {"val": 2}})"));
+  for (const char* endless : {R"({"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                                 "required": ["x"]}}, "$ref": "#/$defs/a"})",
+                              R"({"type": "array", "items": {"$ref": "#"}, "minItems": 1})"})
+    EXPECT_THROW(json_schema_regex(nlohmann::ordered_json::parse(endless)), Error) << endless;
+}
+
 TEST(JsonSchema, WhatItCannotExpressIsAnError) {
   for (const char* s : {R"({"$ref": "#"})", R"({"$ref": "#/$defs/missing"})", R"({"type": "tuple"})",
                         R"({"properties": {"a": {}}, "required": ["b"]})", R"({"properties": {"a": {}}, "required": "a"})",
