@@ -61,7 +61,8 @@ std::string same_length(const std::string& lo, const std::string& hi) {
     ++a;
   }
   if (hi_rest != nines) --b;  // hi's first digit: only up to hi's rest (below)
-  if (a <= b) alts.push_back((a == b ? std::string(1, a) : fmt::format("[{}-{}]", a, b)) + fmt::format("[0-9]{{{}}}", n - 1));
+  if (a <= b)
+    alts.push_back((a == b ? std::string(1, a) : fmt::format("[{}-{}]", a, b)) + fmt::format("[0-9]{{{}}}", n - 1));
   if (hi_rest != nines) alts.push_back(hi.substr(0, 1) + group(same_length(zeros, hi_rest)));
   return join(alts);
 }

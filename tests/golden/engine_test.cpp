@@ -72,11 +72,9 @@ class EngineTest : public ::testing::TestWithParam<bool> {
     return std::make_unique<Engine>(std::move(ranks), o);
   }
 
-  // Submits and returns a future of the whole result.
+  // Submits and returns a future of the whole result (EOS ignored, greedy unless the sampling says otherwise).
   std::future<Result> submit(EngineClient& e, const std::string& rid, std::vector<int32_t> ids, int32_t max_new,
                              SamplingParams sp = {}) {
-    auto prom = std::make_shared<std::promise<Result>>();
-    auto acc = std::make_shared<Result>();
     GenerateRequest g;
     g.rid = rid;
     g.input_ids = std::move(ids);
@@ -84,6 +82,12 @@ class EngineTest : public ::testing::TestWithParam<bool> {
     sp.ignore_eos = true;
     if (sp.temperature == 1.0f) sp.temperature = 0.0f;  // greedy unless the test says otherwise
     g.sampling = sp;
+    return submit_request(e, std::move(g));
+  }
+  // Submits g as it is and returns a future of the whole result.
+  static std::future<Result> submit_request(EngineClient& e, GenerateRequest g) {
+    auto prom = std::make_shared<std::promise<Result>>();
+    auto acc = std::make_shared<Result>();
     g.on_output = [prom, acc](const GenerateOutput& o) {
       acc->tokens.insert(acc->tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
       acc->logprobs.insert(acc->logprobs.end(), o.new_logprobs.begin(), o.new_logprobs.end());
@@ -350,19 +354,7 @@ TEST_P(EngineTest, ConstrainedDecodingFollowsTheRegex) {
     g.sampling.ignore_eos = true;
     g.sampling.return_logprob = true;
     g.sampling.constraint = std::make_shared<structured::RegexConstraint>(vocab, "a");
-    auto prom = std::make_shared<std::promise<Result>>();
-    auto acc = std::make_shared<Result>();
-    g.on_output = [prom, acc](const GenerateOutput& o) {
-      acc->tokens.insert(acc->tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
-      acc->logprobs.insert(acc->logprobs.end(), o.new_logprobs.begin(), o.new_logprobs.end());
-      acc->completion_tokens = o.completion_tokens;
-      if (o.finished) {
-        acc->finish = o.finish;
-        prom->set_value(*acc);
-      }
-    };
-    auto f = prom->get_future();
-    e->submit(std::move(g));
+    auto f = submit_request(*e, std::move(g));
     const Result r = wait(f);
     EXPECT_TRUE(r.tokens.empty()) << text(r.tokens);
     EXPECT_TRUE(r.logprobs.empty());
@@ -378,17 +370,7 @@ TEST_P(EngineTest, ConstrainedDecodingFollowsTheRegex) {
   g.sampling.max_new_tokens = 20;
   g.sampling.logit_bias = {{5, 100.0f}};
   g.sampling.constraint = std::make_shared<structured::RegexConstraint>(vocab, "[0-9]+");
-  auto prom = std::make_shared<std::promise<Result>>();
-  auto acc = std::make_shared<Result>();
-  g.on_output = [prom, acc](const GenerateOutput& o) {
-    acc->tokens.insert(acc->tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
-    if (o.finished) {
-      acc->finish = o.finish;
-      prom->set_value(*acc);
-    }
-  };
-  auto fe = prom->get_future();
-  e->submit(std::move(g));
+  auto fe = submit_request(*e, std::move(g));
   const Result r = wait(fe);
   ASSERT_EQ(r.tokens.size(), 2u);
   EXPECT_TRUE(structured::Dfa(structured::compile_regex("[0-9]+")).matches(bytes[static_cast<size_t>(r.tokens[0])]));

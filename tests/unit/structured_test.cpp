@@ -177,19 +177,23 @@ TEST(JsonSchema, RegexMatchesTheSchemasDocuments) {
   EXPECT_FALSE(schema_match(R"({"type": "string", "minLength": 2})", R"("a")"));
 
   // Properties not in `required` may be left out (in order still); the required ones may not; no stray commas.
-  for (const char* ok : {R"({"name": "Ann"})", R"({"name": "Ann", "ok": true})", R"({"name": "", "tags": [], "ok": false})"})
+  for (const char* ok :
+       {R"({"name": "Ann"})", R"({"name": "Ann", "ok": true})", R"({"name": "", "tags": [], "ok": false})"})
     EXPECT_TRUE(schema_match(person, ok)) << ok;
-  for (const char* bad : {R"({"age": 3})", "{}", R"({"name": "A",})", R"({"ok": true, "name": "A"})", R"({, "name": "A"})"})
+  for (const char* bad :
+       {R"({"age": 3})", "{}", R"({"name": "A",})", R"({"ok": true, "name": "A"})", R"({, "name": "A"})"})
     EXPECT_FALSE(schema_match(person, bad)) << bad;
   const std::string optional = R"({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "null"},
       "c": {"type": "boolean"}}, "required": ["c"]})";
-  for (const char* ok : {R"({"c": true})", R"({"a": 1, "c": true})", R"({"b": null, "c": false})", R"({"a": 1, "b": null, "c": true})"})
+  for (const char* ok :
+       {R"({"c": true})", R"({"a": 1, "c": true})", R"({"b": null, "c": false})", R"({"a": 1, "b": null, "c": true})"})
     EXPECT_TRUE(schema_match(optional, ok)) << ok;
   for (const char* bad : {"{}", R"({"a": 1})", R"({"c": true, "a": 1})", R"({"a": 1 "c": true})"})
     EXPECT_FALSE(schema_match(optional, bad)) << bad;
   const std::string none = R"({"properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}})";
   for (const char* ok : {"{}", "{ }", R"({"b": 2})", R"({"a": 1, "b": 2})"}) EXPECT_TRUE(schema_match(none, ok)) << ok;
-  for (const char* bad : {R"({"b": 2, "a": 1})", R"({,})", R"({"a": 1,})"}) EXPECT_FALSE(schema_match(none, bad)) << bad;
+  for (const char* bad : {R"({"b": 2, "a": 1})", R"({,})", R"({"a": 1,})"})
+    EXPECT_FALSE(schema_match(none, bad)) << bad;
 
   // Any JSON object (json_object; an object schema without properties).
   const std::string any = json_object_regex();
@@ -235,7 +239,8 @@ TEST(JsonSchema, IntegerBoundsAreExact) {
       const bool in = v >= c.lo && v <= c.hi;
       EXPECT_EQ(d.matches(std::to_string(v)), in) << schema << " " << v;
     }
-    for (const char* bad : {"01", "007", "-0", "5.0", "1e2", "+5", "", "-"}) EXPECT_FALSE(d.matches(bad)) << schema << bad;
+    for (const char* bad : {"01", "007", "-0", "5.0", "1e2", "+5", "", "-"})
+      EXPECT_FALSE(d.matches(bad)) << schema << bad;
   }
   EXPECT_THROW(json_schema_regex(nlohmann::ordered_json::parse(R"({"type": "integer", "minimum": 5, "maximum": 4})")),
                Error);
@@ -287,7 +292,9 @@ TEST(JsonSchema, RecursionIsFollowedToItsBound) {
   static_assert(kRefDepth == 3, "the documents below nest 3 levels");
   const std::string tree = R"({"type": "object", "properties": {"v": {"type": "integer"},
       "kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["v", "kids"]})";
-  auto node = [](int v, const std::string& kids) { return "{\"v\": " + std::to_string(v) + ", \"kids\": [" + kids + "]}"; };
+  auto node = [](int v, const std::string& kids) {
+    return "{\"v\": " + std::to_string(v) + ", \"kids\": [" + kids + "]}";
+  };
   EXPECT_TRUE(schema_match(tree, node(1, "")));
   EXPECT_TRUE(schema_match(tree, node(1, node(2, "") + ", " + node(3, node(4, "")))));
   EXPECT_TRUE(schema_match(tree, node(1, node(2, node(3, node(4, ""))))));
@@ -307,7 +314,8 @@ TEST(JsonSchema, RecursionIsFollowedToItsBound) {
 
 TEST(JsonSchema, WhatItCannotExpressIsAnError) {
   for (const char* s : {R"({"$ref": "#"})", R"({"$ref": "#/$defs/missing"})", R"({"type": "tuple"})",
-                        R"({"properties": {"a": {}}, "required": ["b"]})", R"({"properties": {"a": {}}, "required": "a"})",
+                        R"({"properties": {"a": {}}, "required": ["b"]})",
+                        R"({"properties": {"a": {}}, "required": "a"})",
                         R"({"allOf": [{"type": "string"}, {"minLength": 2}]})", R"({"enum": []})", "false",
                         R"({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})"}) {
     EXPECT_THROW(json_schema_regex(nlohmann::ordered_json::parse(s)), Error) << s;
