@@ -213,7 +213,8 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
   app.add_option("--stream-interval", a->stream_interval, "tokens per streamed chunk (>= 1)")->capture_default_str();
   app.add_option("--reasoning-parser", a->reasoning_parser,
                  "split chat output into reasoning_content and content (deepseek-r1)");
-  app.add_option("--tool-call-parser", a->tool_call_parser, "parse tool calls out of chat output (deepseekv3)");
+  app.add_option("--tool-call-parser", a->tool_call_parser,
+                 "parse tool calls out of chat output (deepseekv3; deepseekv31: V3.1's call form for tool_choice)");
   app.add_option("--chat-template", a->chat_template, "a Jinja chat template file replacing the tokenizer's");
   app.add_option("--completion-template", a->completion_template,
                  "deepseek_coder: completions' suffix as DeepSeek's fill in the middle (always on with its tokens)");
@@ -262,7 +263,8 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     MLA_CHECK(s.reasoning_parser.empty() || server::known_reasoning_parser(s.reasoning_parser),
               "--reasoning-parser '{}' is not known (known: deepseek-r1)", s.reasoning_parser);
     MLA_CHECK(s.tool_call_parser.empty() || server::known_tool_call_parser(s.tool_call_parser),
-              "--tool-call-parser '{}' is not known (known: deepseekv3, deepseek_v3)", s.tool_call_parser);
+              "--tool-call-parser '{}' is not known (known: deepseekv3, deepseek_v3, deepseekv31, deepseek_v31)",
+              s.tool_call_parser);
     MLA_CHECK(s.chat_template.empty() || std::filesystem::is_regular_file(s.chat_template),
               "--chat-template: '{}' is not a file", s.chat_template);
     MLA_CHECK(s.request_timeout >= 0, "--request-timeout must be >= 0");
@@ -330,7 +332,8 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     so.max_body_bytes = s.max_body_bytes;
     so.num_threads = s.num_http_threads;
     so.request_timeout_s = s.request_timeout;
-    so.limits.max_n = s.max_n;
+    so.parse.max_n = s.max_n;
+    so.parse.tool_calls_v31 = server::tool_calls_v31(s.tool_call_parser);
     so.stream_interval = s.stream_interval;
     so.reasoning_parser = s.reasoning_parser;
     so.tool_call_parser = s.tool_call_parser;

@@ -60,7 +60,7 @@ struct ServerOptions {
   int32_t stream_interval = 1;        // tokens per streamed chunk (the last chunk of a choice may have fewer)
   std::string reasoning_parser;       // --reasoning-parser (known_reasoning_parser): chat gives reasoning_content
   std::string tool_call_parser;       // --tool-call-parser (known_tool_call_parser): chat takes tools
-  ParseLimits limits;
+  ParseOptions parse;
   nlohmann::json server_args = nlohmann::json::object();  // echoed by /get_server_info
 };
 

@@ -210,8 +210,9 @@ void set_choice_constraint(ParsedRequest& r, const std::string& param, const jso
 
 // tool_choice required (forced == "") or a named function: the output is DeepSeek's tool calls (its special tokens,
 // `\C` + their text in the constraint's vocabulary) of those tools, the arguments JSON of each tool's parameters (at
-// most a space between tokens); one call for a named function or parallel_tool_calls false, else one or more.
-void set_tool_constraint(ParsedRequest& r, const std::string& forced, std::string_view raw) {
+// most a space between tokens); one call for a named function or parallel_tool_calls false, else one or more. v31:
+// each call as V3.1 writes it (NAME<｜tool▁sep｜>ARGS), else as V3 / R1 do (function<｜tool▁sep｜>NAME, a json fence).
+void set_tool_constraint(ParsedRequest& r, const std::string& forced, std::string_view raw, bool v31) {
   if (r.tools.is_null())
     bad_request("tool_choice", "invalid_value", "'tool_choice' '{}' needs 'tools'",
                 forced.empty() ? "required" : forced);
@@ -232,8 +233,10 @@ void set_tool_constraint(ParsedRequest& r, const std::string& forced, std::strin
     } catch (const Error& e) {
       bad_request(fmt::format("tools[{}].function.parameters", i), "invalid_value", "{}", e.what());
     }
-    calls += (calls.empty() ? "" : "|") + marker(kToolCallBegin) + "function" + marker(kToolSep) +
-             structured::regex_escape(name) + "\n```json\n(" + args + ")\n```" + marker(kToolCallEnd);
+    const std::string call = v31 ? structured::regex_escape(name) + marker(kToolSep) + "(" + args + ")"
+                                 : "function" + marker(kToolSep) + structured::regex_escape(name) + "\n```json\n(" +
+                                       args + ")\n```";
+    calls += (calls.empty() ? "" : "|") + marker(kToolCallBegin) + call + marker(kToolCallEnd);
   }
   if (calls.empty())
     bad_request("tool_choice", "invalid_value", "'tool_choice' names '{}', which is not in 'tools'", forced);
@@ -269,7 +272,7 @@ void parse_response_format(const Fields& f, ParsedRequest& r, std::string_view r
 
 // Sampling fields shared by all three APIs. `max_tokens_keys` are the names max_new_tokens goes by; 0 only where
 // `zero_ok` (a request that only reads its prompt's logprobs).
-void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_keys, const ParseLimits& limits,
+void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_keys, const ParseOptions& opts,
                     ParsedRequest& r, std::string_view raw, bool zero_ok = false) {
   SamplingParams& s = r.sampling;
   for (const auto& k : max_tokens_keys)
@@ -286,7 +289,7 @@ void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_
   if (auto v = f.number("repetition_penalty", 0.0, 2.0, /*lo_open=*/true)) s.repetition_penalty = static_cast<float>(*v);
   if (auto v = f.boolean("ignore_eos")) s.ignore_eos = *v;
   if (auto v = f.boolean("skip_special_tokens")) r.skip_special_tokens = *v;
-  if (auto v = f.integer("n", 1, limits.max_n)) r.n = static_cast<int32_t>(*v);
+  if (auto v = f.integer("n", 1, opts.max_n)) r.n = static_cast<int32_t>(*v);
   for (const char* key : {"seed", "sampling_seed"})
     if (auto v = f.integer(key, std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()))
       s.seed = static_cast<uint64_t>(*v);
@@ -295,9 +298,9 @@ void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_
     if (v->is_string()) {
       r.stop = {v->get<std::string>()};
     } else if (v->is_array()) {
-      if (v->size() > static_cast<size_t>(limits.max_stop_strings))
+      if (v->size() > static_cast<size_t>(opts.max_stop_strings))
         bad_request(p, "invalid_value", "'{}' has {} stop strings; at most {} are allowed", p, v->size(),
-                    limits.max_stop_strings);
+                    opts.max_stop_strings);
       for (size_t i = 0; i < v->size(); ++i) {
         if (!(*v)[i].is_string())
           bad_request(p, "invalid_type", "'{}[{}]' must be a string, got {}", p, i, type_name((*v)[i]));
@@ -388,10 +391,10 @@ void parse_stream_options(const Fields& f, ParsedRequest& r) {
   }
 }
 
-void parse_openai_common(const Fields& f, const ParseLimits& limits, ParsedRequest& r) {
+void parse_openai_common(const Fields& f, const ParseOptions& opts, ParsedRequest& r) {
   if (auto v = f.string("model")) r.model = *v;
   if (const json* b = f.get("best_of")) {
-    int64_t best_of = Fields::as_integer(*b, "best_of", 1, limits.max_n);
+    int64_t best_of = Fields::as_integer(*b, "best_of", 1, opts.max_n);
     if (best_of != r.n) bad_request("best_of", "unsupported_parameter", "'best_of' different from 'n' is not supported");
   }
   parse_stream_options(f, r);
@@ -399,7 +402,7 @@ void parse_openai_common(const Fields& f, const ParseLimits& limits, ParsedReque
   for (const char* key : {"no_stop_trim", "include_stop_str_in_output"})
     if (auto v = f.boolean(key)) r.no_stop_trim = *v;
   // vLLM's prompt_logprobs: each prompt token's logprob and rank, with this many alternatives.
-  if (auto v = f.integer("prompt_logprobs", 0, limits.max_top_logprobs)) {
+  if (auto v = f.integer("prompt_logprobs", 0, opts.max_top_logprobs)) {
     r.prompt_logprobs = static_cast<int32_t>(*v);
     r.sampling.logprob_start_len = 0;
   }
@@ -420,7 +423,7 @@ nlohmann::json parse_body(const std::string& body) {
   return j;
 }
 
-ParsedRequest parse_native(const json& body, const ParseLimits& limits, std::string_view raw) {
+ParsedRequest parse_native(const json& body, const ParseOptions& opts, std::string_view raw) {
   ParsedRequest r;
   r.api = ApiKind::Native;
   Fields f(body, "");
@@ -435,9 +438,9 @@ ParsedRequest parse_native(const json& body, const ParseLimits& limits, std::str
       r.prompts.push_back({text->get<std::string>(), {}});
     } else if (text->is_array()) {
       if (text->empty()) bad_request("text", "invalid_value", "'text' must not be an empty array");
-      if (text->size() > limits.max_batch)
+      if (text->size() > opts.max_batch)
         bad_request("text", "invalid_value", "'text' has {} prompts; at most {} are allowed", text->size(),
-                    limits.max_batch);
+                    opts.max_batch);
       r.batch = true;
       for (size_t i = 0; i < text->size(); ++i) {
         if (!(*text)[i].is_string())
@@ -452,9 +455,9 @@ ParsedRequest parse_native(const json& body, const ParseLimits& limits, std::str
       bad_request("input_ids", ids->is_array() ? "invalid_value" : "invalid_type",
                   "'input_ids' must be a non-empty array of token ids or of arrays of token ids");
     if ((*ids)[0].is_array()) {
-      if (ids->size() > limits.max_batch)
+      if (ids->size() > opts.max_batch)
         bad_request("input_ids", "invalid_value", "'input_ids' has {} prompts; at most {} are allowed", ids->size(),
-                    limits.max_batch);
+                    opts.max_batch);
       r.batch = true;
       for (size_t i = 0; i < ids->size(); ++i)
         r.prompts.push_back({std::nullopt, token_ids((*ids)[i], fmt::format("input_ids[{}]", i))});
@@ -466,7 +469,7 @@ ParsedRequest parse_native(const json& body, const ParseLimits& limits, std::str
     if (!sp->is_object())
       bad_request("sampling_params", "invalid_type", "'sampling_params' must be an object, got {}", type_name(*sp));
     Fields sf(*sp, "sampling_params.");
-    parse_sampling(sf, {"max_new_tokens"}, limits, r, raw, /*zero_ok=*/true);
+    parse_sampling(sf, {"max_new_tokens"}, opts, r, raw, /*zero_ok=*/true);
     if (auto v = sf.boolean("no_stop_trim")) r.no_stop_trim = *v;
   }
   if (auto v = f.boolean("stream")) r.stream = *v;
@@ -475,7 +478,7 @@ ParsedRequest parse_native(const json& body, const ParseLimits& limits, std::str
     else if (!rid->is_array()) bad_request("rid", "invalid_type", "'rid' must be a string, got {}", type_name(*rid));
   }
   if (auto v = f.boolean("return_logprob")) r.logprobs = *v;
-  if (auto v = f.integer("top_logprobs_num", 0, limits.max_top_logprobs)) r.top_logprobs = static_cast<int32_t>(*v);
+  if (auto v = f.integer("top_logprobs_num", 0, opts.max_top_logprobs)) r.top_logprobs = static_cast<int32_t>(*v);
   if (auto v = f.boolean("return_text_in_logprobs")) r.return_text_in_logprobs = *v;
   // Prompt logprobs from this position on (checked against the prompt's length by the engine).
   if (auto v = f.integer("logprob_start_len", -1, std::numeric_limits<int32_t>::max()); v && r.logprobs)
@@ -483,7 +486,7 @@ ParsedRequest parse_native(const json& body, const ParseLimits& limits, std::str
   return r;
 }
 
-ParsedRequest parse_completions(const json& body, const ParseLimits& limits, std::string_view raw) {
+ParsedRequest parse_completions(const json& body, const ParseOptions& opts, std::string_view raw) {
   ParsedRequest r;
   r.api = ApiKind::Completions;
   Fields f(body, "");
@@ -492,9 +495,9 @@ ParsedRequest parse_completions(const json& body, const ParseLimits& limits, std
   if (prompt->is_string()) {
     r.prompts.push_back({prompt->get<std::string>(), {}});
   } else if (prompt->is_array() && !prompt->empty()) {
-    if (prompt->size() > limits.max_batch)
+    if (prompt->size() > opts.max_batch)
       bad_request("prompt", "invalid_value", "'prompt' has {} prompts; at most {} are allowed", prompt->size(),
-                  limits.max_batch);
+                  opts.max_batch);
     if (is_id_list(*prompt)) {
       r.prompts.push_back({std::nullopt, token_ids(*prompt, "prompt")});
     } else {
@@ -518,20 +521,20 @@ ParsedRequest parse_completions(const json& body, const ParseLimits& limits, std
     if (!sfx->get<std::string>().empty()) r.suffix = sfx->get<std::string>();  // "": no hole, a plain completion
   }
   // max_tokens 0 with echo: the prompt alone (and its logprobs), as vLLM allows.
-  parse_sampling(f, {"max_tokens"}, limits, r, raw, /*zero_ok=*/r.echo);
+  parse_sampling(f, {"max_tokens"}, opts, r, raw, /*zero_ok=*/r.echo);
   if (!r.max_new_tokens_given) r.sampling.max_new_tokens = 16;  // OpenAI's default for completions
   if (const json* lp = f.get("logprobs")) {
     r.logprobs = true;
-    r.top_logprobs = static_cast<int32_t>(Fields::as_integer(*lp, "logprobs", 0, limits.max_top_logprobs));
+    r.top_logprobs = static_cast<int32_t>(Fields::as_integer(*lp, "logprobs", 0, opts.max_top_logprobs));
   }
   // Echo with logprobs: the prompt's tokens come with their logprobs too (the first one's null).
   if (r.echo && r.logprobs) r.sampling.logprob_start_len = 0;
   parse_response_format(f, r, raw);
-  parse_openai_common(f, limits, r);
+  parse_openai_common(f, opts, r);
   return r;
 }
 
-ParsedRequest parse_chat(const json& body, const ParseLimits& limits, std::string_view raw) {
+ParsedRequest parse_chat(const json& body, const ParseOptions& opts, std::string_view raw) {
   ParsedRequest r;
   r.api = ApiKind::Chat;
   Fields f(body, "");
@@ -594,9 +597,9 @@ ParsedRequest parse_chat(const json& body, const ParseLimits& limits, std::strin
                 "new turn is opened)");
   if (r.continue_final_message && r.messages.back()["role"] != "assistant")
     bad_request("continue_final_message", "invalid_value", "'continue_final_message' needs a final assistant message");
-  parse_sampling(f, {"max_tokens", "max_completion_tokens"}, limits, r, raw);
+  parse_sampling(f, {"max_tokens", "max_completion_tokens"}, opts, r, raw);
   if (auto v = f.boolean("logprobs")) r.logprobs = *v;
-  if (auto v = f.integer("top_logprobs", 0, limits.max_top_logprobs)) {
+  if (auto v = f.integer("top_logprobs", 0, opts.max_top_logprobs)) {
     if (!r.logprobs && *v > 0)
       bad_request("top_logprobs", "invalid_value", "'top_logprobs' needs 'logprobs' to be true");
     r.top_logprobs = static_cast<int32_t>(*v);
@@ -634,10 +637,10 @@ ParsedRequest parse_chat(const json& body, const ParseLimits& limits, std::strin
     }
   }
   if (auto v = f.boolean("parallel_tool_calls")) r.parallel_tool_calls = *v;
-  if (forced) set_tool_constraint(r, *forced, raw);
+  if (forced) set_tool_constraint(r, *forced, raw, opts.tool_calls_v31);
   f.reject_unsupported("functions", "the legacy 'functions' field is not supported; use 'tools'");
   parse_response_format(f, r, raw);
-  parse_openai_common(f, limits, r);
+  parse_openai_common(f, opts, r);
   return r;
 }
 

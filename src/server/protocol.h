@@ -61,18 +61,21 @@ struct ParsedRequest {
   bool forced_tool_calls = false;    // tool_choice required or named: the constraint is DeepSeek's tool calls
 };
 
-struct ParseLimits {
+struct ParseOptions {
   int32_t max_n = 64;
   int32_t max_top_logprobs = 20;
   int32_t max_stop_strings = 32;
   size_t max_batch = 4096;
+  // tool_choice's forced calls in DeepSeek-V3.1's form (NAME<｜tool▁sep｜>ARGS; --tool-call-parser deepseekv31)
+  // instead of V3 / R1's (function<｜tool▁sep｜>NAME and a ```json fence).
+  bool tool_calls_v31 = false;
 };
 
 // Throws ApiError (400) naming the offending field.
 // raw: the body's text, when there (a JSON schema object's properties then keep the request's order).
-ParsedRequest parse_native(const nlohmann::json& body, const ParseLimits& limits, std::string_view raw = {});
-ParsedRequest parse_completions(const nlohmann::json& body, const ParseLimits& limits, std::string_view raw = {});
-ParsedRequest parse_chat(const nlohmann::json& body, const ParseLimits& limits, std::string_view raw = {});
+ParsedRequest parse_native(const nlohmann::json& body, const ParseOptions& opts, std::string_view raw = {});
+ParsedRequest parse_completions(const nlohmann::json& body, const ParseOptions& opts, std::string_view raw = {});
+ParsedRequest parse_chat(const nlohmann::json& body, const ParseOptions& opts, std::string_view raw = {});
 
 // The body as JSON, or ApiError 400 (invalid_json) / 400 when it is not an object.
 nlohmann::json parse_body(const std::string& body);

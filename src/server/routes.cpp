@@ -669,7 +669,7 @@ void Api::tokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& 
   const json body = parse_body(req.body);
   std::vector<int32_t> ids;
   if (body.contains("messages")) {
-    ParsedRequest pr = parse_chat(body, opts_.limits);  // validates the messages
+    ParsedRequest pr = parse_chat(body, opts_.parse);  // validates the messages
     bool gen = true;
     if (const auto it = body.find("add_generation_prompt"); it != body.end() && !it->is_null()) {
       if (!it->is_boolean())
@@ -794,9 +794,9 @@ std::shared_ptr<TokenConstraint> Api::constraint_for(const std::string& regex) {
 
 void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
   json body = parse_body(req.body);
-  ParsedRequest pr = api == ApiKind::Native      ? parse_native(body, opts_.limits, req.body)
-                     : api == ApiKind::Completions ? parse_completions(body, opts_.limits, req.body)
-                                                   : parse_chat(body, opts_.limits, req.body);
+  ParsedRequest pr = api == ApiKind::Native      ? parse_native(body, opts_.parse, req.body)
+                     : api == ApiKind::Completions ? parse_completions(body, opts_.parse, req.body)
+                                                   : parse_chat(body, opts_.parse, req.body);
   Prepared p = prepare(pr);
   const bool stream = pr.stream;
   auto job = std::make_shared<GenerationJob>(engine_, codec_, &metrics_, ex->executor(), std::move(p.spec));

@@ -38,7 +38,10 @@ bool parse_call(std::string_view body, ToolCall& out) {
 
 }  // namespace
 
-bool known_tool_call_parser(const std::string& name) { return name == "deepseekv3" || name == "deepseek_v3"; }
+bool tool_calls_v31(const std::string& name) { return name == "deepseekv31" || name == "deepseek_v31"; }
+bool known_tool_call_parser(const std::string& name) {
+  return name == "deepseekv3" || name == "deepseek_v3" || tool_calls_v31(name);
+}
 
 ToolCallParser::Out ToolCallParser::push(std::string_view text) {
   Out out;

@@ -23,8 +23,10 @@ struct ToolCall {
   std::string arguments;  // as generated (a JSON object's text when the model follows its format)
 };
 
-// The names `--tool-call-parser` takes.
+// The names `--tool-call-parser` takes (deepseekv3, deepseekv31 and their deepseek_v3* spellings; the parser reads
+// both call forms), and whether the name is V3.1's (tool_choice's forced calls are then written in its form).
 bool known_tool_call_parser(const std::string& name);
+bool tool_calls_v31(const std::string& name);
 
 class ToolCallParser {
  public:

@@ -629,12 +629,15 @@ TEST(ServerE2EVariants, ToolTemplateAndParser) {
 }
 
 // tool_choice required / named on the real tokenizer and the tools template: the answer is DeepSeek's tool calls in
-// its special tokens, parsed into tool_calls (finish_reason "tool_calls"), their arguments JSON of the tool's
-// parameters, greedy and sampled, one call with parallel_tool_calls false.
-TEST(ServerE2EVariants, ForcedToolCallsFollowTheTools) {
+// its special tokens (V3's form, and V3.1's with --tool-call-parser deepseekv31), parsed into tool_calls
+// (finish_reason "tool_calls"), their arguments JSON of the tool's parameters, greedy and sampled, one call with
+// parallel_tool_calls false.
+class ForcedToolCalls : public ::testing::TestWithParam<const char*> {};
+INSTANTIATE_TEST_SUITE_P(ServerE2EVariants, ForcedToolCalls, ::testing::Values("deepseekv3", "deepseekv31"));
+TEST_P(ForcedToolCalls, FollowTheTools) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   const std::string tmpl = std::string(MLASERVE_SOURCE_DIR) + "/examples/chat_templates/deepseek_v3_tools.jinja";
-  ServerProcess s({"--chat-template", tmpl, "--tool-call-parser", "deepseekv3"});
+  ServerProcess s({"--chat-template", tmpl, "--tool-call-parser", GetParam()});
   ASSERT_TRUE(s.running()) << s.log();
   const std::string base = R"({"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 120,
       "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",

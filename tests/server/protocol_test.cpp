@@ -342,6 +342,21 @@ TEST(Protocol, ForcedToolCallsAreAConstraint) {
       parse_chat(json::parse(body + R"(, "tool_choice": "required", "parallel_tool_calls": false})"), {});
   EXPECT_TRUE(matches(one, calls(call("now", "{}"))));
   EXPECT_FALSE(matches(one, calls(call("now", "{}") + call("now", "{}"))));
+  // --tool-call-parser deepseekv31: V3.1's form, NAME<｜tool▁sep｜>ARGS (optional properties may be left out).
+  auto call31 = [&](const std::string& name, const std::string& args) {
+    return sp(kToolCallBegin) + name + sp(kToolSep) + args + sp(kToolCallEnd);
+  };
+  ParseOptions v31;
+  v31.tool_calls_v31 = true;
+  ParsedRequest named31 = parse_chat(
+      json::parse(body + R"(, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})"), v31,
+      body + R"(, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})");
+  EXPECT_TRUE(matches(named31, calls(call31("get_weather", R"({"unit": "C", "city": "Paris"})"))));
+  EXPECT_TRUE(matches(named31, calls(call31("get_weather", R"({"city": "Paris"})"))));
+  EXPECT_FALSE(matches(named31, calls(call("get_weather", R"({"unit": "C", "city": "Paris"})"))));  // V3's form
+  EXPECT_FALSE(matches(named31, calls(call31("now", "{}"))));
+  EXPECT_TRUE(tool_calls_v31("deepseekv31") && known_tool_call_parser("deepseek_v31"));
+  EXPECT_FALSE(tool_calls_v31("deepseekv3"));
 }
 
 TEST(Protocol, BodyMustBeJsonObject) {
