@@ -144,6 +144,19 @@ class Converter {
 
   // The regex of the values schema s allows; none when it allows none within the recursion bound.
   Rx value(const nlohmann::ordered_json& s, const std::string& path) {
+    Rx r = value_of(s, path);
+    if (r) check_size(r->size(), path);
+    return r;
+  }
+
+ private:
+  static void check_size(size_t bytes, const std::string& path) {
+    if (bytes > kMaxRegexBytes)
+      fail("json_schema at {}: the schema's regex would exceed {} bytes (e.g. many references to recursive parts)",
+           path, kMaxRegexBytes);
+  }
+
+  Rx value_of(const nlohmann::ordered_json& s, const std::string& path) {
     if (s.is_boolean()) {
       if (!s.get<bool>()) fail("json_schema at {}: the schema false allows nothing", path);
       return any_value(ws, kAnyDepth);
@@ -165,15 +178,22 @@ class Converter {
     if (auto it = s.find("enum"); it != s.end()) {
       if (!it->is_array() || it->empty()) fail("json_schema at {}/enum: must be a non-empty array", path);
       std::string r;
-      for (const auto& v : *it) r += (r.empty() ? "" : "|") + regex_escape(v.dump());
+      for (const auto& v : *it) {
+        r += (r.empty() ? "" : "|") + regex_escape(v.dump());
+        check_size(r.size(), path);
+      }
       return group(r);
     }
     for (const char* key : {"anyOf", "oneOf"})
       if (auto it = s.find(key); it != s.end()) {
         if (!it->is_array() || it->empty()) fail("json_schema at {}/{}: must be a non-empty array", path, key);
         std::vector<std::string> alts;
+        size_t bytes = 0;
         for (size_t i = 0; i < it->size(); ++i)
-          if (Rx r = value((*it)[i], fmt::format("{}/{}/{}", path, key, i))) alts.push_back(*r);
+          if (Rx r = value((*it)[i], fmt::format("{}/{}/{}", path, key, i))) {
+            check_size(bytes += r->size(), path);
+            alts.push_back(*r);
+          }
         return alts.empty() ? Rx() : group(join(alts));
       }
     if (auto it = s.find("allOf"); it != s.end()) {
@@ -199,7 +219,6 @@ class Converter {
     fail("json_schema at {}/type: must be a type name or a list of them", path);
   }
 
- private:
   const nlohmann::ordered_json& resolve(const nlohmann::ordered_json& ref, const std::string& path) const {
     if (!ref.is_string()) fail("json_schema at {}/$ref: must be a string", path);
     const std::string r = ref.get<std::string>();
@@ -291,9 +310,9 @@ class Converter {
       auto props = s.find("properties");
       if (props == s.end() || !props->is_object() || props->empty())
         return list(ws, "\\{", kString + ws + ":" + ws + group(any_value(ws, kAnyDepth - 1)), "\\}", 0, -1);
-      // Properties in the schema's order, those not in `required` optional: alternatives by the first one written
-      // (any optional one before the first required one, or that one; none when nothing is required), each later
-      // one after a comma, optional ones optionally.
+      // Properties in the schema's order, those not in `required` optional. g: the lists of properties 0..k in order
+      // that hold every required one, at least one property: g(k) = g(k - 1) followed by ", P_k" (optionally when
+      // P_k is optional), or P_k alone when no required property comes before it: linear in the properties.
       std::set<std::string> required;
       if (auto req = s.find("required"); req != s.end()) {
         if (!req->is_array()) fail("json_schema at {}/required: must be an array of names", path);
@@ -304,28 +323,25 @@ class Converter {
           required.insert(n.get<std::string>());
         }
       }
-      std::vector<std::string> pr;  // each property's "key": value (an optional one without a value left out)
-      std::vector<bool> opt;
+      std::string g;
+      bool any_required = false;
       for (auto it = props->begin(); it != props->end(); ++it) {
         const Rx v = value(it.value(), path + "/properties/" + it.key());
         const bool optional = !required.count(it.key());
-        if (!v) {
+        if (!v) {  // no value for it: an optional property is left out, a required one leaves no object
           if (optional) continue;
-          return std::nullopt;  // a required property without a value: no object
+          return std::nullopt;
         }
-        pr.push_back(regex_escape(nlohmann::ordered_json(it.key()).dump()) + ws + ":" + ws + group(*v));
-        opt.push_back(optional);
+        const std::string p = regex_escape(nlohmann::ordered_json(it.key()).dump()) + ws + ":" + ws + group(*v);
+        std::vector<std::string> alts;
+        if (!g.empty()) alts.push_back(group(g) + group(ws + "," + ws + p) + (optional ? "?" : ""));
+        if (!any_required) alts.push_back(p);
+        g = join(alts);
+        any_required |= !optional;
+        check_size(g.size(), path);
       }
-      if (pr.empty()) return "\\{" + ws + "\\}";
-      std::vector<std::string> firsts;
-      for (size_t k = 0; k < pr.size(); ++k) {
-        std::string r = pr[k];
-        for (size_t j = k + 1; j < pr.size(); ++j) r += group(ws + "," + ws + pr[j]) + (opt[j] ? "?" : "");
-        firsts.push_back(r);
-        if (!opt[k]) break;  // a required property is written: none before it may be the first
-      }
-      const bool all_optional = std::all_of(opt.begin(), opt.end(), [](bool o) { return o; });
-      return "\\{" + ws + (all_optional ? group(join(firsts)) + "?" : group(join(firsts))) + ws + "\\}";
+      if (g.empty()) return "\\{" + ws + "\\}";
+      return "\\{" + ws + group(g) + (any_required ? "" : "?") + ws + "\\}";
     }
     fail("json_schema at {}/type: unknown type '{}'", path, type);
   }

@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstddef>
 #include <string>
 #include <string_view>
 
@@ -21,6 +22,8 @@ constexpr int kAnyDepth = 4;
 // one path; past that the recursion takes what allows it to end (an empty array, an optional property left out,
 // another alternative).
 constexpr int kRefDepth = 3;
+// A schema whose regex would be longer is an error (a bound on what one request can make the server build).
+constexpr size_t kMaxRegexBytes = size_t{1} << 22;
 
 // Throws mlaserve::Error naming the schema path for what it cannot express (recursion, allOf of several, ...).
 // compact: at most one space between tokens (tool-call arguments) instead of any whitespace.

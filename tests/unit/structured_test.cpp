@@ -306,6 +306,11 @@ TEST(JsonSchema, RecursionIsFollowedToItsBound) {
   EXPECT_TRUE(schema_match(list, R"({"val": 1, "next": null})"));
   EXPECT_TRUE(schema_match(list, R"({"val": 1, "next": {"val": 2, "next": {"val": 3, "next": null}}})"));
   EXPECT_FALSE(schema_match(list, R"({"val": 1, "next": {"val": 2}})"));
+  // Many optional references to the root at each level: the regex would grow as their count to the third power,
+  // so it is refused once it passes kMaxRegexBytes (quickly, without building it).
+  nlohmann::ordered_json wide = {{"type", "object"}, {"properties", nlohmann::ordered_json::object()}};
+  for (int i = 0; i < 60; ++i) wide["properties"]["p" + std::to_string(i)] = {{"$ref", "#"}};
+  EXPECT_THROW(json_schema_regex(wide), Error);
   for (const char* endless : {R"({"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
                                  "required": ["x"]}}, "$ref": "#/$defs/a"})",
                               R"({"type": "array", "items": {"$ref": "#"}, "minItems": 1})"})
