@@ -42,8 +42,21 @@ std::string list(const std::string& ws, const std::string& open, const std::stri
 
 std::string join(const std::vector<std::string>& alts) {
   std::string r;
-  for (const auto& a : alts) r += (r.empty() ? "" : "|") + group(a);
+  for (const auto& a : alts) {
+    if (!r.empty()) r += '|';
+    r += '(';
+    r += a;
+    r += ')';
+  }
   return r;
+}
+
+// "-" and the group of r (appended, not prepended: GCC 12 warns falsely on "-" + a temporary string).
+std::string negative(const std::string& r) {
+  std::string out = "-(";
+  out += r;
+  out += ')';
+  return out;
 }
 
 // The numbers of exactly lo.size() decimal digits from lo to hi (lo <= hi, equal lengths).
@@ -89,8 +102,8 @@ std::string int_range(std::optional<int64_t> lo, std::optional<int64_t> hi) {
   if (!lo || *lo < 0) {  // negative values: their magnitudes
     const int64_t top = hi ? std::min<int64_t>(*hi, -1) : -1;
     if (!lo || *lo <= top)
-      alts.push_back("-" + group(uint_range(static_cast<uint64_t>(-top),
-                                            lo ? std::optional<uint64_t>(static_cast<uint64_t>(-*lo)) : std::nullopt)));
+      alts.push_back(negative(uint_range(static_cast<uint64_t>(-top),
+                                         lo ? std::optional<uint64_t>(static_cast<uint64_t>(-*lo)) : std::nullopt)));
   }
   if (!hi || *hi >= 0) {
     const std::string r = uint_range(static_cast<uint64_t>(lo ? std::max<int64_t>(*lo, 0) : 0),
@@ -121,7 +134,7 @@ std::string number_range(std::optional<int64_t> lo, std::optional<int64_t> hi) {
   if (!lo || *lo < 0) {  // negative values (-0 too where 0 is allowed)
     const uint64_t from = hi && *hi < 0 ? static_cast<uint64_t>(-*hi) : 0;
     const std::string r = upto(from, lo ? std::optional<uint64_t>(static_cast<uint64_t>(-*lo)) : std::nullopt);
-    if (!r.empty()) alts.push_back("-" + group(r));
+    if (!r.empty()) alts.push_back(negative(r));
   }
   return join(alts);
 }
