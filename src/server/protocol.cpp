@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "server/api_error.h"
 #include "server/tool_calls.h"
+#include "structured/ebnf.h"
 #include "structured/json_schema.h"
 #include "structured/regex.h"
 
@@ -142,6 +143,17 @@ void set_constraint(ParsedRequest& r, const std::string& param, const std::strin
   }
   r.constraint_param = param;
   r.constraint_regex = regex;
+}
+
+// An EBNF grammar (GBNF / xgrammar notation, structured/ebnf.h) as the constraint; its errors a 400 naming param.
+void set_grammar_constraint(ParsedRequest& r, const std::string& param, const std::string& grammar) {
+  std::string regex;
+  try {
+    regex = structured::ebnf_regex(grammar);
+  } catch (const Error& e) {
+    bad_request(param, "invalid_value", "'{}': {}", param, e.what());
+  }
+  set_constraint(r, param, regex, /*check=*/true);  // its classes are written as the grammar wrote them
 }
 
 // The request body's text read again with its keys in the request's order (parse_body's JSON sorts them); null
@@ -358,8 +370,12 @@ void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_
       else if (key == "choice") set_choice_constraint(r, kp, val);
       else if (key == "json_object" && val.is_boolean()) {
         if (val.get<bool>()) set_constraint(r, kp, structured::json_object_regex(), /*check=*/false);
-      } else if (key == "grammar" || key == "structural_tag")
-        bad_request(kp, "unsupported_parameter", "'{}' is not supported; use 'json', 'regex' or 'choice'", kp);
+      } else if (key == "grammar" && val.is_string()) {
+        set_grammar_constraint(r, kp, val.get<std::string>());
+      } else if (key == "structural_tag") {
+        bad_request(kp, "unsupported_parameter", "'{}' is not supported; use 'json', 'regex', 'choice' or 'grammar'",
+                    kp);
+      }
       else if (key != "disable_fallback" && key != "disable_any_whitespace" &&
                key != "disable_additional_properties" && key != "whitespace_pattern")
         bad_request(kp, "invalid_value", "'{}' is not a structured output this server knows (or has the wrong type)",
@@ -367,7 +383,7 @@ void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_
     }
   }
   for (const char* key : {"ebnf", "guided_grammar"})
-    f.reject_unsupported(key, "grammars are not supported; use 'regex' or 'json_schema'");
+    if (auto v = f.string(key)) set_grammar_constraint(r, f.param(key), *v);
   // SGLang's min_new_tokens; vLLM's and SGLang's OpenAI endpoints call it min_tokens.
   for (const char* key : {"min_new_tokens", "min_tokens"})
     if (auto v = f.integer(key, 0, std::numeric_limits<int32_t>::max())) {

@@ -445,6 +445,16 @@ constexpr int32_t kUnknown = -2;
 
 }  // namespace
 
+void append_utf8(std::string& out, uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+    return;
+  }
+  const int n = cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
+  out += static_cast<char>((0xF00u >> n) | (cp >> (6 * (n - 1))));  // 110xxxxx, 1110xxxx or 11110xxx
+  for (int i = n - 2; i >= 0; --i) out += static_cast<char>(0x80 | (cp >> (6 * i) & 0x3F));
+}
+
 Nfa compile_regex(std::string_view pattern, size_t max_states) {
   const Node root = Parser(pattern).parse();
   Nfa nfa;

@@ -30,6 +30,9 @@ struct Nfa {
   int32_t start = 0, accept = 0;
 };
 
+// Appends code point cp (<= 0x10FFFF) to out as UTF-8.
+void append_utf8(std::string& out, uint32_t cp);
+
 // Parses and compiles `pattern`; throws mlaserve::Error naming the pattern and the position for a syntax error, a
 // feature outside the subset (backreferences, lookaround, anchors inside), or a pattern over max_states states.
 Nfa compile_regex(std::string_view pattern, size_t max_states = 1 << 20);

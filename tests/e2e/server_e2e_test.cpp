@@ -417,6 +417,19 @@ TEST_F(ServerE2E, StructuredOutputsFollowTheirConstraints) {
     EXPECT_TRUE(dfa.matches(g["text"].get<std::string>())) << g["text"];
     EXPECT_EQ(g["meta_info"]["finish_reason"]["type"], "stop") << g.dump();
   }
+  // The same language as an EBNF grammar (SGLang's ebnf; vLLM's guided_grammar on completions).
+  const std::string grammar =
+      "root ::= colour \" \" [0-9]{1,2} \"!\"\ncolour ::= \"red\" | \"green\" | \"blue\" | [αβγ]{2}";
+  for (int seed = 0; seed < 2; ++seed) {
+    json body = {{"text", "Pick a colour and a number:"},
+                 {"sampling_params",
+                  {{"max_new_tokens", 30}, {"temperature", 0.8}, {"seed", seed}, {"ebnf", grammar}}}};
+    auto g = post_json(port(), "/generate", body.dump());
+    EXPECT_TRUE(dfa.matches(g["text"].get<std::string>())) << g["text"];
+    EXPECT_EQ(g["meta_info"]["finish_reason"]["type"], "stop") << g.dump();
+  }
+  json gc = {{"prompt", "Pick:"}, {"guided_grammar", grammar}, {"max_tokens", 30}, {"temperature", 1.0}};
+  EXPECT_TRUE(dfa.matches(post_json(port(), "/v1/completions", gc.dump())["choices"][0]["text"].get<std::string>()));
   json c = {{"prompt", "Pick:"}, {"regex", re}, {"n", 3}, {"max_tokens", 30}, {"temperature", 1.0}};
   auto cr = post_json(port(), "/v1/completions", c.dump());
   ASSERT_EQ(cr["choices"].size(), 3u);

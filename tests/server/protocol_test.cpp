@@ -137,7 +137,9 @@ TEST(Protocol, BadRequestsNameTheField) {
       {"n", R"({"text": "a", "sampling_params": {"json_schema": "{\"$ref\": \"#\"}"}})",
        "sampling_params.json_schema", "invalid_value"},
       {"n", R"({"text": "a", "sampling_params": {"ebnf": "root ::= x"}})", "sampling_params.ebnf",
-       "unsupported_parameter"},
+       "invalid_value"},  // the rule x is not defined
+      {"n", R"({"text": "a", "sampling_params": {"ebnf": "root ::= [a-"}})", "sampling_params.ebnf",
+       "invalid_value"},
       {"h", R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}})",
        "response_format.type", "invalid_value"},
       {"h", R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}})",
@@ -149,9 +151,13 @@ TEST(Protocol, BadRequestsNameTheField) {
        "invalid_value"},
       {"c", R"({"prompt": "a", "guided_choice": []})", "guided_choice", "invalid_type"},
       {"c", R"({"prompt": "a", "guided_choice": ["a", 3]})", "guided_choice", "invalid_value"},
-      {"c", R"({"prompt": "a", "guided_grammar": "root ::= x"})", "guided_grammar", "unsupported_parameter"},
+      {"c", R"({"prompt": "a", "guided_grammar": "root ::= x"})", "guided_grammar", "invalid_value"},
       {"c", R"({"prompt": "a", "structured_outputs": {"grammar": "root ::= x"}})", "structured_outputs.grammar",
+       "invalid_value"},
+      {"c", R"({"prompt": "a", "structured_outputs": {"structural_tag": "x"}})", "structured_outputs.structural_tag",
        "unsupported_parameter"},
+      {"c", R"({"prompt": "a", "guided_grammar": "root ::= \"a\"", "regex": "a"})", "guided_grammar",
+       "invalid_value"},
       {"c", R"({"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}})", "structured_outputs.regex",
        "invalid_value"},
       {"c", R"({"prompt": "a", "structured_outputs": {"yaml": "x"}})", "structured_outputs.yaml", "invalid_value"},
@@ -288,6 +294,18 @@ TEST(Protocol, StructuredOutputFields) {
   ParsedRequest g = parse_completions(json::parse(R"({"prompt": "a", "guided_json": {"type": "integer"}})"), {});
   EXPECT_TRUE(matches(g, "-12"));
   EXPECT_FALSE(matches(g, "1.5"));
+  // EBNF grammars: SGLang's ebnf, vLLM's guided_grammar and structured_outputs.grammar.
+  const char* grammar = R"x("root ::= (\"yes\" | \"no\") [!?]")x";
+  for (const std::string& body :
+       {std::string(R"({"text": "a", "sampling_params": {"ebnf": )") + grammar + "}}",
+        std::string(R"({"prompt": "a", "guided_grammar": )") + grammar + "}",
+        std::string(R"({"prompt": "a", "structured_outputs": {"grammar": )") + grammar + "}}"}) {
+    const json b = json::parse(body);
+    ParsedRequest e = b.contains("text") ? parse_native(b, {}) : parse_completions(b, {});
+    EXPECT_TRUE(matches(e, "yes!")) << body;
+    EXPECT_TRUE(matches(e, "no?")) << body;
+    EXPECT_FALSE(matches(e, "maybe!")) << body;
+  }
   EXPECT_EQ(parse_completions(json::parse(R"({"prompt": "a", "guided_regex": "[0-9]"})"), {}).constraint_regex,
             "[0-9]");
   // vLLM's guided_choice and structured_outputs; an object schema keeps its order where the text is given.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "structured/ebnf.h"
 #include "structured/json_schema.h"
 #include "structured/regex.h"
 #include "structured/token_constraint.h"
@@ -27,21 +28,7 @@ bool full_match(const std::string& pattern, const std::string& text) {
 
 std::string utf8(uint32_t cp) {
   std::string s;
-  if (cp < 0x80) {
-    s += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    s += static_cast<char>(0xC0 | cp >> 6);
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    s += static_cast<char>(0xE0 | cp >> 12);
-    s += static_cast<char>(0x80 | (cp >> 6 & 0x3F));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    s += static_cast<char>(0xF0 | cp >> 18);
-    s += static_cast<char>(0x80 | (cp >> 12 & 0x3F));
-    s += static_cast<char>(0x80 | (cp >> 6 & 0x3F));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  }
+  append_utf8(s, cp);
   return s;
 }
 
@@ -91,6 +78,16 @@ TEST(Regex, AsciiPatternsMatchLikeStdRegex) {
 }
 
 // Code points beyond ASCII: classes and '.' match whole UTF-8 characters of every length, never part of one.
+TEST(Regex, AppendUtf8WritesTheEncodings) {
+  EXPECT_EQ(utf8('A'), "A");
+  EXPECT_EQ(utf8(0xE9), "\xC3\xA9");
+  EXPECT_EQ(utf8(0x7FF), "\xDF\xBF");
+  EXPECT_EQ(utf8(0x20AC), "\xE2\x82\xAC");
+  EXPECT_EQ(utf8(0xFFFF), "\xEF\xBF\xBF");
+  EXPECT_EQ(utf8(0x1F600), "\xF0\x9F\x98\x80");
+  EXPECT_EQ(utf8(0x10FFFF), "\xF4\x8F\xBF\xBF");
+}
+
 TEST(Regex, Utf8ClassesMatchWholeCharacters) {
   EXPECT_TRUE(full_match("[α-ω]+", "αβγω"));
   EXPECT_FALSE(full_match("[α-ω]+", "abc"));
@@ -315,6 +312,43 @@ TEST(JsonSchema, RecursionIsFollowedToItsBound) {
                                  "required": ["x"]}}, "$ref": "#/$defs/a"})",
                               R"({"type": "array", "items": {"$ref": "#"}, "minItems": 1})"})
     EXPECT_THROW(json_schema_regex(nlohmann::ordered_json::parse(endless)), Error) << endless;
+}
+
+// EBNF grammars (GBNF / xgrammar notation): rules inlined into one regex, strings with escapes, classes, groups,
+// repeats, comments and rules over several lines; a recursive rule followed kRefDepth deep (balanced parentheses
+// nest 3 levels); errors name the line.
+TEST(Ebnf, GrammarsMatchTheirTexts) {
+  auto matches = [](const std::string& grammar, const std::string& text) {
+    return full_match(ebnf_regex(grammar), text);
+  };
+  const std::string yes_no = R"(root ::= "yes" | "no"  # a comment)";
+  EXPECT_TRUE(matches(yes_no, "yes"));
+  EXPECT_TRUE(matches(yes_no, "no"));
+  EXPECT_FALSE(matches(yes_no, "yesno"));
+  const std::string list = R"(
+root ::= "[" ( item ( ", " item )* )? "]"
+item ::= [a-z]+ | num
+num  ::= "-"? [1-9] [0-9]{0,2}   # at most 3 digits
+     | "0"
+)";
+  for (const char* ok : {"[]", "[ab]", "[a, 12, -305, 0]", "[zz, 999]"}) EXPECT_TRUE(matches(list, ok)) << ok;
+  for (const char* bad : {"[", "[a,b]", "[1000]", "[01]", "[A]", "[a, ]"}) EXPECT_FALSE(matches(list, bad)) << bad;
+  const std::string esc = "root ::= \"say \\\"hi\\\"\\n\" 'x\\u00e9' [^\\]\"]";
+  EXPECT_TRUE(matches(esc, "say \"hi\"\nx\u00e9z")) << ebnf_regex(esc);
+  const std::string parens = R"g(root ::= "(" root ")" | "x" | "")g";
+  for (const char* ok : {"x", "()", "(x)", "((x))", "(((x)))", "((()))"}) EXPECT_TRUE(matches(parens, ok)) << ok;
+  EXPECT_FALSE(matches(parens, "((((x))))"));  // past the bound
+  EXPECT_FALSE(matches(parens, "(x"));
+  for (const char* bad : {"item ::= \"a\"", "root ::= missing", "root ::= \"a", "root ::= [a-z", "root ::= (\"a\"",
+                          "root ::= \"a\"{3,1}", "root ::= \"a\" @", "root ::= \"a\"\nroot ::= \"b\"",
+                          "root ::= \"(\" root \")\""})
+    EXPECT_THROW(ebnf_regex(bad), Error) << bad;
+  try {
+    ebnf_regex("root ::= a\na ::= \"x\"\nb ::= \"y\" ! ");
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("line 3"), std::string::npos) << e.what();
+  }
 }
 
 TEST(JsonSchema, WhatItCannotExpressIsAnError) {

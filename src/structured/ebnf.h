@@ -1,0 +1,19 @@
+// EBNF grammars (SGLang's `ebnf`, vLLM's `guided_grammar`, in the GBNF / xgrammar notation) as a regular expression
+// (structured/regex.h) for constrained decoding. Rules `name ::= body`; a body is alternatives (`|`) of sequences of
+// "strings" (escapes \n \t \r \\ \" \xHH \uHHHH), [character classes] (regex syntax), rule names and ( groups ), each
+// optionally repeated (`*`, `+`, `?`, `{m}`, `{m,}`, `{m,n}`); `#` starts a comment; a rule's body may span lines. The
+// text is the rule `root`. A rule that refers to itself (directly or through others) is followed kRefDepth times
+// along one path, then ended where the grammar allows (an alternative without it, a repeat taken zero times), as
+// recursive JSON schemas are (json_schema.h); a regex past kMaxRegexBytes is an error.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+namespace mlaserve::structured {
+
+// Throws mlaserve::Error naming the line for a syntax error, an undefined rule, a missing root or a grammar with no
+// text within the recursion bound.
+std::string ebnf_regex(std::string_view grammar);
+
+}  // namespace mlaserve::structured
