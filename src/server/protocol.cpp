@@ -428,11 +428,20 @@ void parse_openai_common(const Fields& f, const ParseOptions& opts, ParsedReques
 
 nlohmann::json parse_body(const std::string& body) {
   json j;
+  // Nesting is bounded: what reads the body (JSON schemas, tools into the chat template) recurses once per level.
+  bool too_deep = false;
+  const json::parser_callback_t depth = [&](int d, json::parse_event_t, json&) {
+    if (d > kMaxBodyDepth) too_deep = true;
+    return !too_deep;
+  };
   try {
-    j = json::parse(body);
+    j = json::parse(body, depth);
   } catch (const json::parse_error& e) {
     throw ApiError(400, fmt::format("the request body is not valid JSON: {}", e.what()), "", "invalid_json");
   }
+  if (too_deep)
+    throw ApiError(400, fmt::format("the request body nests more than {} levels", kMaxBodyDepth), "",
+                   "invalid_value");
   if (!j.is_object())
     throw ApiError(400, fmt::format("the request body must be a JSON object, got {}", type_name(j)), "",
                    "invalid_type");

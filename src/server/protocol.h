@@ -77,7 +77,9 @@ ParsedRequest parse_native(const nlohmann::json& body, const ParseOptions& opts,
 ParsedRequest parse_completions(const nlohmann::json& body, const ParseOptions& opts, std::string_view raw = {});
 ParsedRequest parse_chat(const nlohmann::json& body, const ParseOptions& opts, std::string_view raw = {});
 
-// The body as JSON, or ApiError 400 (invalid_json) / 400 when it is not an object.
+// The body as JSON, or ApiError 400 (invalid_json) / 400 when it is not an object or nests more than kMaxBodyDepth
+// levels.
+constexpr int kMaxBodyDepth = 64;
 nlohmann::json parse_body(const std::string& body);
 
 // Native `finish_reason` ({"type": "length", "length": N} / {"type": "stop", "matched": ...} / abort) and the

@@ -173,7 +173,9 @@ class Parser {
       n.text = std::string(g_.substr(start, pos_ - start));
     } else if (c == '(') {
       ++pos_;
+      if (++depth_ > 256) error("groups nest more than 256 deep");  // the parser and the converter recurse per level
       n = alternatives();
+      --depth_;
       skip();
       if (pos_ >= g_.size() || g_[pos_] != ')') error("a group must end with ')'");
       ++pos_;
@@ -228,6 +230,7 @@ class Parser {
   std::string_view g_;
   size_t pos_ = 0;
   int line_ = 1;
+  int depth_ = 0;
 };
 
 using Rx = std::optional<std::string>;  // a regex, or none: no text within the recursion bound

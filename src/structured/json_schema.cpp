@@ -157,7 +157,10 @@ class Converter {
 
   // The regex of the values schema s allows; none when it allows none within the recursion bound.
   Rx value(const nlohmann::ordered_json& s, const std::string& path) {
+    // The conversion recurses once per nested schema (and per $ref followed): bounded, whatever the schema's text.
+    if (++depth_ > 512) fail("json_schema at {}: the schema nests more than 512 levels", path);
     Rx r = value_of(s, path);
+    --depth_;
     if (r) check_size(r->size(), path);
     return r;
   }
@@ -362,6 +365,7 @@ class Converter {
   const nlohmann::ordered_json& root_;
   const std::string& ws;  // whitespace between tokens
   std::vector<const nlohmann::ordered_json*> expanding_;  // the $ref targets being expanded, outermost first
+  int depth_ = 0;
 };
 
 }  // namespace

@@ -74,6 +74,8 @@ class Parser {
   [[noreturn]] void error(const std::string& what) const {
     fail("regex '{}': {} at position {}", pattern_, what, pos_);
   }
+  static constexpr int kMaxGroupDepth = 256;  // the parser and the compiler recurse once per level
+  int depth_ = 0;
   bool eof() const { return pos_ >= cps_.size(); }
   uint32_t peek(size_t k = 0) const { return pos_ + k < cps_.size() ? cps_[pos_ + k] : 0xFFFFFFFFu; }
   uint32_t take() {
@@ -258,7 +260,9 @@ class Parser {
             error("lookaround, flags and other (?...) groups are not supported");
           }
         }
+        if (++depth_ > kMaxGroupDepth) error(fmt::format("groups nest more than {} deep", kMaxGroupDepth));
         Node n = alt();
+        --depth_;
         if (take() != ')') error("missing ')'");
         return n;
       }

@@ -378,6 +378,19 @@ TEST(Protocol, ForcedToolCallsAreAConstraint) {
 }
 
 TEST(Protocol, BodyMustBeJsonObject) {
+  // Nesting past kMaxBodyDepth is a 400 (what reads the body recurses per level), even 100,000 levels deep.
+  for (int levels : {kMaxBodyDepth + 1, 100000}) {
+    const std::string deep = "{\"a\": " + std::string(levels, '[') + std::string(levels, ']') + "}";
+    try {
+      parse_body(deep);
+      ADD_FAILURE() << levels;
+    } catch (const ApiError& e) {
+      EXPECT_EQ(e.status, 400);
+      EXPECT_NE(std::string(e.what()).find("nests more than"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_NO_THROW(parse_body("{\"a\": " + std::string(kMaxBodyDepth - 1, '[') + std::string(kMaxBodyDepth - 1, ']') +
+                             "}"));
   for (const char* body : {"", "{", "[1]", "\"x\"", "{\"a\": }"}) {
     try {
       parse_body(body);

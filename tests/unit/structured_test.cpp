@@ -351,6 +351,17 @@ num  ::= "-"? [1-9] [0-9]{0,2}   # at most 3 digits
   }
 }
 
+// Input nested past the parsers' bounds is an error, not a stack overflow: regex groups, EBNF groups, JSON schemas.
+TEST(Structured, DeepNestingIsAnError) {
+  const std::string deep_regex = std::string(100000, '(') + "a" + std::string(100000, ')');
+  EXPECT_THROW(compile_regex(deep_regex), Error);
+  EXPECT_NO_THROW(compile_regex(std::string(200, '(') + "a" + std::string(200, ')')));
+  EXPECT_THROW(ebnf_regex("root ::= " + std::string(100000, '(') + "\"a\"" + std::string(100000, ')')), Error);
+  nlohmann::ordered_json deep = {{"type", "string"}};
+  for (int i = 0; i < 2000; ++i) deep = {{"type", "array"}, {"items", deep}};
+  EXPECT_THROW(json_schema_regex(deep), Error);
+}
+
 TEST(JsonSchema, WhatItCannotExpressIsAnError) {
   for (const char* s : {R"({"$ref": "#"})", R"({"$ref": "#/$defs/missing"})", R"({"type": "tuple"})",
                         R"({"properties": {"a": {}}, "required": ["b"]})",
