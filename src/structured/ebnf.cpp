@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "structured/json_schema.h"
 #include "structured/regex.h"
+#include "structured/regex_build.h"
 
 namespace mlaserve::structured {
 namespace {
@@ -233,7 +234,8 @@ class Parser {
   int depth_ = 0;
 };
 
-using Rx = std::optional<std::string>;  // a regex, or none: no text within the recursion bound
+using build::group;
+using build::Rx;
 
 class Converter {
  public:
@@ -247,8 +249,6 @@ class Converter {
   }
 
  private:
-  static std::string group(const std::string& r) { return "(" + r + ")"; }
-
   Rx of(const Node& n) {
     switch (n.kind) {
       case Node::Lit: return regex_escape(n.text);
@@ -256,12 +256,7 @@ class Converter {
       case Node::Ref: {
         auto it = rules_.find(n.text);
         if (it == rules_.end()) fail("ebnf, line {}: the rule '{}' is not defined", n.line, n.text);
-        if (std::count(expanding_.begin(), expanding_.end(), &it->second) >= kRefDepth) return std::nullopt;
-        if (expanding_.size() >= 64) fail("ebnf, line {}: rules nest more than 64 deep", n.line);
-        expanding_.push_back(&it->second);
-        Rx r = convert(it->second);
-        expanding_.pop_back();
-        return r;
+        return refs_.follow(&it->second, [&] { return convert(it->second); }, fmt::format("ebnf, line {}", n.line));
       }
       case Node::Seq: {
         std::string r;
@@ -273,15 +268,10 @@ class Converter {
         return r;
       }
       case Node::Alt: {
-        std::string r;
-        bool any = false;
+        std::vector<std::string> alts;
         for (const Node& k : n.kids)
-          if (Rx x = convert(k)) {
-            if (any) r += '|';
-            r += group(*x);
-            any = true;
-          }
-        return any ? Rx(r) : Rx();
+          if (Rx x = convert(k)) alts.push_back(std::move(*x));
+        return alts.empty() ? Rx() : Rx(build::join(alts));
       }
       case Node::Rep: {
         Rx x = convert(n.kids[0]);
@@ -293,7 +283,7 @@ class Converter {
   }
 
   const std::map<std::string, Node>& rules_;
-  std::vector<const Node*> expanding_;
+  build::RefStack refs_;
 };
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "structured/regex_build.h"
 
 namespace mlaserve::structured {
 
@@ -22,7 +23,9 @@ const std::string kNumber = "-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?";
 const std::string kBoolean = "(true|false)";
 const std::string kNull = "null";
 
-std::string group(const std::string& r) { return "(" + r + ")"; }
+using build::group;
+using build::join;
+using build::Rx;
 
 // `item` repeated as a JSON list between `open` and `close` (escaped), [lo, hi] times (hi < 0: unbounded).
 std::string list(const std::string& ws, const std::string& open, const std::string& item, const std::string& close,
@@ -38,17 +41,6 @@ std::string list(const std::string& ws, const std::string& open, const std::stri
     if (lo == 0) body = group(body) + "?";
   }
   return open + ws + body + ws + close;
-}
-
-std::string join(const std::vector<std::string>& alts) {
-  std::string r;
-  for (const auto& a : alts) {
-    if (!r.empty()) r += '|';
-    r += '(';
-    r += a;
-    r += ')';
-  }
-  return r;
 }
 
 // "-" and the group of r (appended, not prepended: GCC 12 warns falsely on "-" + a temporary string).
@@ -149,8 +141,6 @@ std::string any_value(const std::string& ws, int depth) {
   return r;
 }
 
-using Rx = std::optional<std::string>;  // a regex, or none: no value allowed
-
 class Converter {
  public:
   Converter(const nlohmann::ordered_json& root, bool compact) : root_(root), ws(compact ? kCompactWs : kFreeWs) {}
@@ -183,12 +173,7 @@ class Converter {
       // so the recursion ends where the containing schema can do without it (an empty array, an optional property,
       // another alternative).
       const nlohmann::ordered_json& target = resolve(*it, path);
-      if (std::count(expanding_.begin(), expanding_.end(), &target) >= kRefDepth) return std::nullopt;
-      if (expanding_.size() >= 64) fail("json_schema at {}: $ref nests more than 64 deep", path);
-      expanding_.push_back(&target);
-      Rx r = value(target, path + "/$ref");
-      expanding_.pop_back();
-      return r;
+      return refs_.follow(&target, [&] { return value(target, path + "/$ref"); }, "json_schema at " + path);
     }
     if (auto it = s.find("const"); it != s.end()) return regex_escape(it->dump());
     if (auto it = s.find("enum"); it != s.end()) {
@@ -364,7 +349,7 @@ class Converter {
 
   const nlohmann::ordered_json& root_;
   const std::string& ws;  // whitespace between tokens
-  std::vector<const nlohmann::ordered_json*> expanding_;  // the $ref targets being expanded, outermost first
+  build::RefStack refs_;  // the $ref targets being expanded
   int depth_ = 0;
 };
 
