@@ -27,6 +27,41 @@ using build::group;
 using build::join;
 using build::Rx;
 
+// The content (between the quotes) of a string of JSON Schema `format` name, as xgrammar enforces them: RFC 3339's
+// date, time (an offset required) and date-time, ISO 8601 durations, RFC 5321 email addresses (dot-atom local parts),
+// RFC 4122 UUIDs, IPv4 / IPv6 addresses (IPv6 without an embedded IPv4 part or a zone), RFC 1123 host names and URIs
+// (a scheme, then URI characters). Empty for other names (an annotation then, as JSON Schema has it).
+std::string format_regex(const std::string& name) {
+  const std::string date = "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])";
+  const std::string time =
+      "([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])";
+  const std::string octet = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])";
+  const std::string label = "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?";
+  if (name == "date") return date;
+  if (name == "time") return time;
+  if (name == "date-time") return date + "[Tt]" + time;
+  if (name == "duration") {
+    const std::string dtime = "T([0-9]+H([0-9]+M)?([0-9]+S)?|[0-9]+M([0-9]+S)?|[0-9]+S)";
+    const std::string ddate = "([0-9]+Y([0-9]+M)?([0-9]+D)?|[0-9]+M([0-9]+D)?|[0-9]+D)";
+    return "P(" + ddate + "(" + dtime + ")?|" + dtime + "|[0-9]+W)";
+  }
+  if (name == "email") {
+    const std::string atom = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+";
+    return atom + "(\\." + atom + ")*@" + label + "(\\." + label + ")+";
+  }
+  if (name == "uuid") return "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}";
+  if (name == "ipv4") return "(" + octet + "\\.){3}" + octet;
+  if (name == "ipv6") {
+    const std::string h = "[0-9a-fA-F]{1,4}";
+    return "((" + h + ":){7}" + h + "|(" + h + ":){1,7}:|(" + h + ":){1,6}:" + h + "|(" + h + ":){1,5}(:" + h +
+           "){1,2}|(" + h + ":){1,4}(:" + h + "){1,3}|(" + h + ":){1,3}(:" + h + "){1,4}|(" + h + ":){1,2}(:" + h +
+           "){1,5}|" + h + ":(:" + h + "){1,6}|:((:" + h + "){1,7}|:))";
+  }
+  if (name == "hostname") return label + "(\\." + label + ")*";
+  if (name == "uri") return "[A-Za-z][A-Za-z0-9+.-]*:[A-Za-z0-9\\-._~:/?#\\[\\]@!$&'()*+,;=%]*";
+  return "";
+}
+
 // `item` repeated as a JSON list between `open` and `close` (escaped), [lo, hi] times (hi < 0: unbounded).
 std::string list(const std::string& ws, const std::string& open, const std::string& item, const std::string& close,
                  int64_t lo, int64_t hi) {
@@ -283,6 +318,10 @@ class Converter {
         if (!body.empty() && body.front() == '^') body.erase(0, 1);
         if (!body.empty() && body.back() == '$' && (body.size() < 2 || body[body.size() - 2] != '\\')) body.pop_back();
         return "\"" + group(body) + "\"";
+      }
+      if (auto f = s.find("format"); f != s.end()) {
+        if (!f->is_string()) fail("json_schema at {}/format: must be a string", path);
+        if (const std::string r = format_regex(f->get<std::string>()); !r.empty()) return "\"" + group(r) + "\"";
       }
       const int64_t lo = count(s, "minLength", 0, path), hi = count(s, "maxLength", -1, path);
       if (lo == 0 && hi < 0) return kString;

@@ -6,7 +6,8 @@
 // no schema (an object without properties, an array without items, {}) are any JSON value nested at most kAnyDepth
 // deep. Whitespace between tokens: any run of spaces, tabs and newlines. minimum / maximum / exclusiveMinimum /
 // exclusiveMaximum bound integers (rounded inwards) and numbers (whole, inclusive bounds only; a bounded number is
-// written without an exponent); multipleOf and formats are not enforced.
+// written without an exponent). String formats: date, time, date-time, duration, email, uuid, ipv4, ipv6, hostname
+// and uri (others are annotations; a pattern wins over a format). multipleOf is not enforced.
 #pragma once
 
 #include <nlohmann/json.hpp>

@@ -202,6 +202,43 @@ TEST(JsonSchema, RegexMatchesTheSchemasDocuments) {
   EXPECT_TRUE(schema_match(R"({"type": "object"})", R"({"any": [1, 2]})"));
 }
 
+// String formats (Pydantic writes them for datetime, date, time, timedelta, EmailStr, UUID, IP addresses, ...):
+// valid values match, invalid ones do not; an unknown format is an annotation (any string); `pattern` wins.
+TEST(JsonSchema, StringFormatsAreEnforced) {
+  struct Case {
+    const char* format;
+    std::vector<const char*> ok, bad;
+  };
+  const std::vector<Case> cases = {
+      {"date", {"2024-02-29", "1999-12-31"}, {"2024-13-01", "2024-1-01", "24-01-01", "2024-01-32", "2024-01-01T"}},
+      {"time", {"23:59:60Z", "08:30:00.123+05:30", "00:00:00z"}, {"24:00:00Z", "12:00:00", "12:60:00Z", "1:00:00Z"}},
+      {"date-time",
+       {"2024-05-01T12:34:56Z", "2024-05-01t00:00:00.5-08:00"},
+       {"2024-05-01 12:34:56Z", "2024-05-01T12:34:56", "2024-05-01"}},
+      {"duration", {"P1D", "PT1H30M", "P1Y2M3DT4H5M6S", "P3W", "PT0S"}, {"P", "PT", "1D", "P1H", "PT1D", "P1W2D"}},
+      {"email", {"ann@example.com", "a.b+c@mail.co.uk", "x_y@a-b.io"}, {"ann", "@x.com", "a@b", "a..b@c.de", "a@-b.de"}},
+      {"uuid",
+       {"123e4567-e89b-12d3-a456-426614174000", "ABCDEF01-2345-6789-ABCD-EF0123456789"},
+       {"123e4567e89b12d3a456426614174000", "123e4567-e89b-12d3-a456-42661417400g"}},
+      {"ipv4", {"192.168.0.1", "0.0.0.0", "255.255.255.255"}, {"256.1.1.1", "1.2.3", "01.2.3.4", "1.2.3.4.5"}},
+      {"ipv6", {"2001:db8::1", "::1", "::", "fe80::", "1:2:3:4:5:6:7:8"}, {"1:2:3:4:5:6:7:8:9", "12345::", ":::"}},
+      {"hostname", {"localhost", "api.example.com", "a-1.b2"}, {"-a.com", "a-.com", "a..b", "a_b.com"}},
+      {"uri", {"https://example.com/a?b=1#c", "mailto:ann@example.com", "urn:isbn:0451450523"}, {"example.com", "1a:b"}},
+  };
+  for (const Case& c : cases) {
+    const std::string schema = std::string(R"({"type": "string", "format": ")") + c.format + "\"}";
+    for (const char* v : c.ok) EXPECT_TRUE(schema_match(schema, '"' + std::string(v) + '"')) << c.format << " " << v;
+    for (const char* v : c.bad) EXPECT_FALSE(schema_match(schema, '"' + std::string(v) + '"')) << c.format << " " << v;
+  }
+  EXPECT_TRUE(schema_match(R"({"type": "string", "format": "color"})", R"("anything")"));
+  EXPECT_TRUE(schema_match(R"({"type": "string", "format": "email", "pattern": "^[a-z]+$"})", R"("abc")"));
+  EXPECT_TRUE(schema_match(R"({"type": "object", "properties": {"when": {"type": "string", "format": "date"}}})",
+                           R"({"when": "2024-05-01"})"));
+  EXPECT_FALSE(schema_match(R"({"type": "object", "properties": {"when": {"type": "string", "format": "date"}}})",
+                            R"({"when": "May 1st"})"));
+  EXPECT_THROW(json_schema_regex(nlohmann::ordered_json::parse(R"({"type": "string", "format": 3})")), Error);
+}
+
 // Bounded integers: every integer in [-1200, 1200] (and a few far ones) matches exactly when it is within the bounds,
 // for bounds on either side of zero, one-sided, exclusive (a bound of its own, or draft 4's flag), fractional
 // (rounded inwards); leading zeros, "-0", fractions and exponents never match.
