@@ -207,6 +207,64 @@ void set_schema_constraint(ParsedRequest& r, const std::string& param, const jso
   set_constraint(r, param, regex, /*check=*/false);
 }
 
+// A structural tag (SGLang's response_format / structural_tag, vLLM's structured_outputs.structural_tag; an object or
+// its JSON text): {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]} (a "type" other than
+// "structural_tag" is a 400). Free text holding no trigger, then one of the structures whose begin starts with the
+// trigger that appeared (the rest of begin, JSON of its schema, end), then free text again, any number of times; the
+// text may end only in free text. raw: the body's text (the schemas' property order).
+void set_structural_tag_constraint(ParsedRequest& r, const std::string& param, const json& v, std::string_view raw) {
+  nlohmann::ordered_json tag;
+  if (v.is_string()) {
+    tag = nlohmann::ordered_json::parse(v.get<std::string>(), nullptr, false);
+    if (tag.is_discarded()) bad_request(param, "invalid_value", "'{}' is not valid JSON", param);
+  } else if (v.is_object()) {
+    if (!ordered_at(ordered_body(raw), param, tag)) tag = nlohmann::ordered_json::parse(v.dump());
+  }
+  if (!tag.is_object())
+    bad_request(param, "invalid_type", "'{}' must be a structural tag (an object or its JSON text), got {}", param,
+                type_name(v));
+  if (tag.contains("type") && tag["type"] != "structural_tag")
+    bad_request(param, "invalid_value", "'{}.type' must be 'structural_tag' (the structures / triggers form)", param);
+  const auto strings = [&](const char* key) {
+    std::vector<std::string> out;
+    const auto it = tag.find(key);
+    if (it == tag.end() || !it->is_array() || it->empty())
+      bad_request(param, "invalid_value", "'{}.{}' must be a non-empty array", param, key);
+    for (size_t i = 0; i < it->size(); ++i) {
+      const auto& s = (*it)[i];
+      if (!s.is_string() || s.get<std::string>().empty())
+        bad_request(param, "invalid_value", "'{}.{}[{}]' must be a non-empty string", param, key, i);
+      out.push_back(s.get<std::string>());
+    }
+    return out;
+  };
+  const std::vector<std::string> triggers = strings("triggers");
+  const auto st = tag.find("structures");
+  if (st == tag.end() || !st->is_array() || st->empty())
+    bad_request(param, "invalid_value", "'{}.structures' must be a non-empty array", param);
+  std::string text = "(?~", structures;  // text: free text holding no trigger
+  for (size_t i = 0; i < triggers.size(); ++i) text += (i ? "|" : "") + structured::regex_escape(triggers[i]);
+  text += ")";
+  for (size_t i = 0; i < st->size(); ++i) {
+    const auto& s = (*st)[i];
+    const std::string at = fmt::format("{}.structures[{}]", param, i);
+    if (!s.is_object() || !s.contains("begin") || !s["begin"].is_string() || !s.contains("end") ||
+        !s["end"].is_string() || !s.contains("schema") || !(s["schema"].is_object() || s["schema"].is_boolean()))
+      bad_request(at, "invalid_value", "'{}' must be an object with 'begin', 'schema' and 'end'", at);
+    const std::string begin = s["begin"].get<std::string>(), end = s["end"].get<std::string>();
+    if (std::none_of(triggers.begin(), triggers.end(), [&](const std::string& t) { return begin.rfind(t, 0) == 0; }))
+      bad_request(at, "invalid_value", "'{}.begin' must start with one of the triggers", at);
+    std::string schema;
+    try {
+      schema = structured::json_schema_regex(s["schema"]);
+    } catch (const Error& e) {
+      bad_request(at + ".schema", "invalid_value", "'{}.schema': {}", at, e.what());
+    }
+    structures += (i ? "|" : "") + structured::regex_escape(begin) + "(" + schema + ")" + structured::regex_escape(end);
+  }
+  set_constraint(r, param, "(" + text + "(" + structures + "))*" + text, /*check=*/false);
+}
+
 // vLLM's guided_choice: the output is exactly one of the listed strings.
 void set_choice_constraint(ParsedRequest& r, const std::string& param, const json& v) {
   if (!v.is_array() || v.empty())
@@ -272,9 +330,14 @@ void parse_response_format(const Fields& f, ParsedRequest& r, std::string_view r
     set_constraint(r, "response_format", structured::json_object_regex(), /*check=*/false);
     return;
   }
+  if (type == "structural_tag") {  // SGLang's
+    set_structural_tag_constraint(r, "response_format", *rf, raw);
+    return;
+  }
   if (type != "json_schema")
     bad_request("response_format.type", "invalid_value",
-                "'response_format.type' must be 'text', 'json_object' or 'json_schema', got '{}'", type);
+                "'response_format.type' must be 'text', 'json_object', 'json_schema' or 'structural_tag', got '{}'",
+                type);
   const json* js = rf->contains("json_schema") ? &(*rf)["json_schema"] : nullptr;
   if (!js || !js->is_object() || !js->contains("schema"))
     bad_request("response_format.json_schema", "invalid_value",
@@ -373,8 +436,7 @@ void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_
       } else if (key == "grammar" && val.is_string()) {
         set_grammar_constraint(r, kp, val.get<std::string>());
       } else if (key == "structural_tag") {
-        bad_request(kp, "unsupported_parameter", "'{}' is not supported; use 'json', 'regex', 'choice' or 'grammar'",
-                    kp);
+        set_structural_tag_constraint(r, kp, val, raw);
       }
       else if (key != "disable_fallback" && key != "disable_any_whitespace" &&
                key != "disable_additional_properties" && key != "whitespace_pattern")
@@ -384,6 +446,8 @@ void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_
   }
   for (const char* key : {"ebnf", "guided_grammar"})
     if (auto v = f.string(key)) set_grammar_constraint(r, f.param(key), *v);
+  if (const json* v = f.get("structural_tag"); v && !v->is_null())
+    set_structural_tag_constraint(r, f.param("structural_tag"), *v, raw);
   // SGLang's min_new_tokens; vLLM's and SGLang's OpenAI endpoints call it min_tokens.
   for (const char* key : {"min_new_tokens", "min_tokens"})
     if (auto v = f.integer(key, 0, std::numeric_limits<int32_t>::max())) {

@@ -1,6 +1,8 @@
 #include "structured/regex.h"
 
 #include <algorithm>
+#include <map>
+#include <set>
 #include <utility>
 
 #include "core/error.h"
@@ -13,9 +15,11 @@ using Ranges = std::vector<std::pair<uint32_t, uint32_t>>;  // code-point ranges
 constexpr uint32_t kMaxCp = 0x10FFFF;
 
 struct Node {
-  // an empty Concat matches the empty string; Byte: the raw byte 0xFF (\C, never in UTF-8 text)
-  enum Kind { Set, Concat, Alt, Repeat, Byte } kind = Concat;
+  // an empty Concat matches the empty string; Byte: the raw byte 0xFF (\C, never in UTF-8 text); Absent: any text
+  // that holds none of `lits` (Onigmo's absent operator (?~a|b) of literals)
+  enum Kind { Set, Concat, Alt, Repeat, Byte, Absent } kind = Concat;
   Ranges ranges;
+  std::vector<std::vector<uint32_t>> lits;
   std::vector<Node> kids;
   int min = 0, max = -1;  // Repeat: max -1 = unbounded
 };
@@ -243,6 +247,31 @@ class Parser {
     return set(negate ? complement(r) : r);
   }
 
+  // After "(?~": literal alternatives up to ')' (escapes of one code point allowed).
+  Node absent() {
+    Node n;
+    n.kind = Node::Absent;
+    n.lits.emplace_back();
+    for (;;) {
+      const uint32_t c = take();
+      if (c == ')' || c == '|') {
+        if (n.lits.back().empty()) error("an alternative of the absent operator (?~...) is empty");
+        if (c == ')') return n;
+        n.lits.emplace_back();
+        continue;
+      }
+      uint32_t cp = c;
+      if (c == '\\') {
+        Ranges cls;
+        if (escape(cls, cp)) error("the absent operator (?~...) takes literal alternatives only");
+      } else if (c == '(' || c == '[' || c == '.' || c == '*' || c == '+' || c == '?' || c == '{' || c == '^' ||
+                 c == '$') {
+        error("the absent operator (?~...) takes literal alternatives only");
+      }
+      n.lits.back().push_back(cp);
+    }
+  }
+
   Node atom() {
     const size_t at = pos_;
     const uint32_t c = take();
@@ -252,6 +281,8 @@ class Parser {
           ++pos_;
           const uint32_t k = take();
           if (k == ':') {
+          } else if (k == '~') {
+            return absent();
           } else if (k == 'P' || (k == '<' && peek() != '=' && peek() != '!')) {
             if (k == 'P' && take() != '<') error("only (?P<name>...) groups are supported after (?P");
             while (take() != '>') {
@@ -368,22 +399,89 @@ class Builder {
   }
   void eps(int32_t a, int32_t b) { nfa_.states[static_cast<size_t>(a)].eps.push_back(b); }
 
+  // Edges from s to e reading one code point of `ranges` (its UTF-8 bytes).
+  void set_edges(int32_t s, int32_t e, const Ranges& ranges) {
+    std::vector<std::vector<std::pair<uint8_t, uint8_t>>> seqs;
+    for (const auto& [lo, hi] : ranges) utf8_sequences(lo, hi, seqs);
+    for (const auto& seq : seqs) {
+      int32_t cur = s;
+      for (size_t k = 0; k < seq.size(); ++k) {
+        const int32_t to = k + 1 == seq.size() ? e : state();
+        nfa_.states[static_cast<size_t>(cur)].edges.push_back({seq[k].first, seq[k].second, to});
+        cur = to;
+      }
+    }
+  }
+
+  // The absent operator: an Aho-Corasick automaton of the literals' code points whose nodes where a literal ends
+  // (there or at a suffix) are left out, every other node accepting.
+  Frag absent(const Node& n) {
+    std::vector<std::map<uint32_t, int>> kid(1);
+    std::vector<char> out(1, 0);
+    std::set<uint32_t> alphabet;
+    for (const auto& lit : n.lits) {
+      int v = 0;
+      for (uint32_t c : lit) {
+        alphabet.insert(c);
+        auto it = kid[static_cast<size_t>(v)].find(c);
+        int w = 0;
+        if (it != kid[static_cast<size_t>(v)].end()) {
+          w = it->second;
+        } else {
+          w = static_cast<int>(kid.size());
+          kid.emplace_back();
+          out.push_back(0);
+          kid[static_cast<size_t>(v)][c] = w;
+        }
+        v = w;
+      }
+      out[static_cast<size_t>(v)] = 1;
+    }
+    std::vector<int> fail(kid.size(), 0), order{0};
+    for (size_t i = 0; i < order.size(); ++i) {  // breadth first
+      const int v = order[i];
+      for (const auto& [c, w] : kid[static_cast<size_t>(v)]) {
+        int f = fail[static_cast<size_t>(v)];
+        while (f != 0 && !kid[static_cast<size_t>(f)].count(c)) f = fail[static_cast<size_t>(f)];
+        fail[static_cast<size_t>(w)] = v != 0 && kid[static_cast<size_t>(f)].count(c) ? kid[static_cast<size_t>(f)][c]
+                                                                                      : 0;
+        out[static_cast<size_t>(w)] |= out[static_cast<size_t>(fail[static_cast<size_t>(w)])];
+        order.push_back(w);
+      }
+    }
+    auto delta = [&](int v, uint32_t c) {
+      while (v != 0 && !kid[static_cast<size_t>(v)].count(c)) v = fail[static_cast<size_t>(v)];
+      const auto it = kid[static_cast<size_t>(v)].find(c);
+      return it == kid[static_cast<size_t>(v)].end() ? 0 : it->second;
+    };
+    Ranges others;
+    for (uint32_t c : alphabet) others.emplace_back(c, c);
+    others = complement(others);
+    std::vector<int32_t> st(kid.size(), -1);
+    for (size_t v = 0; v < kid.size(); ++v)
+      if (!out[v]) st[v] = state();
+    const int32_t e = state();
+    for (size_t v = 0; v < kid.size(); ++v) {
+      if (out[v]) continue;
+      eps(st[v], e);
+      std::map<int, Ranges> to;
+      for (uint32_t c : alphabet)
+        if (const int t = delta(static_cast<int>(v), c); !out[static_cast<size_t>(t)]) to[t].emplace_back(c, c);
+      for (const auto& [t, r] : to) set_edges(st[v], st[static_cast<size_t>(t)], normalized(r));
+      if (!others.empty()) set_edges(st[v], st[0], others);
+    }
+    return {st[0], e};
+  }
+
   Frag build(const Node& n) {
     switch (n.kind) {
       case Node::Set: {
         const int32_t s = state(), e = state();
-        std::vector<std::vector<std::pair<uint8_t, uint8_t>>> seqs;
-        for (const auto& [lo, hi] : n.ranges) utf8_sequences(lo, hi, seqs);
-        for (const auto& seq : seqs) {
-          int32_t cur = s;
-          for (size_t k = 0; k < seq.size(); ++k) {
-            const int32_t to = k + 1 == seq.size() ? e : state();
-            nfa_.states[static_cast<size_t>(cur)].edges.push_back({seq[k].first, seq[k].second, to});
-            cur = to;
-          }
-        }
+        set_edges(s, e, n.ranges);
         return {s, e};
       }
+      case Node::Absent:
+        return absent(n);
       case Node::Byte: {
         const int32_t s = state(), e = state();
         nfa_.states[static_cast<size_t>(s)].edges.push_back({0xFF, 0xFF, e});

@@ -2,8 +2,9 @@
 // Python's re / JSON Schema's "pattern": literals, escapes, classes, groups, alternation, greedy or lazy
 // quantifiers; ^ / $ only at the ends) is parsed into code-point sets and compiled into a byte-level NFA (each set
 // as the UTF-8 byte sequences of its code points), which a lazy DFA runs: states are made on first use, one byte at
-// a time. A whole-string match: the text must be in the language, not just contain a match. One extension: \C is
-// the byte 0xFF, which no UTF-8 text holds (token_constraint.h spells special tokens with it).
+// a time. A whole-string match: the text must be in the language, not just contain a match. Two extensions: \C is
+// the byte 0xFF, which no UTF-8 text holds (token_constraint.h spells special tokens with it), and Onigmo's absent
+// operator of literals, (?~ab|c): any text that holds none of them (the free text of a structural tag).
 #pragma once
 
 #include <array>

@@ -457,6 +457,23 @@ TEST_F(ServerE2E, StructuredOutputsFollowTheirConstraints) {
       }
     }
   }
+  // A structural tag whose trigger is the letter e (in many of the vocabulary's tokens, so random weights write it):
+  // free text without an e, and after each e the rest of "e<n>", an integer, "</n>"; at least one call writes one.
+  const ojson tag = ojson::parse(R"({"type": "structural_tag", "structures": [{"begin": "e<n>",
+      "schema": {"type": "integer"}, "end": "</n>"}], "triggers": ["e"]})");
+  const std::string number = structured::json_schema_regex(tag["structures"][0]["schema"]);
+  structured::Dfa td(structured::compile_regex("((?~e)e<n>(" + number + ")</n>)*(?~e)"));
+  int tagged = 0;
+  for (int seed = 0; seed < 3; ++seed) {
+    ojson req = {{"messages", {{{"role", "user"}, {"content", "Tag the numbers."}}}}, {"max_tokens", 60},
+                 {"temperature", 1.0}, {"seed", seed}, {"response_format", tag}};
+    auto r = post_json(port(), "/v1/chat/completions", req.dump());
+    const std::string content = r["choices"][0]["message"]["content"].get<std::string>();
+    EXPECT_GE(td.walk(0, content), 0) << content;
+    if (r["choices"][0]["finish_reason"] == "stop") EXPECT_TRUE(td.matches(content)) << content;
+    tagged += content.find("e<n>") != std::string::npos;
+  }
+  EXPECT_GT(tagged, 0);
   auto bad = post_json(port(), "/generate", R"({"text": "a", "sampling_params": {"regex": "(a"}})", 400);
   EXPECT_EQ(bad["error"]["param"], "sampling_params.regex");
   bad = post_json(port(), "/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}],

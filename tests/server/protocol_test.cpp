@@ -155,7 +155,19 @@ TEST(Protocol, BadRequestsNameTheField) {
       {"c", R"({"prompt": "a", "structured_outputs": {"grammar": "root ::= x"}})", "structured_outputs.grammar",
        "invalid_value"},
       {"c", R"({"prompt": "a", "structured_outputs": {"structural_tag": "x"}})", "structured_outputs.structural_tag",
-       "unsupported_parameter"},
+       "invalid_value"},
+      {"c", R"({"prompt": "a", "structured_outputs": {"structural_tag": 3}})", "structured_outputs.structural_tag",
+       "invalid_type"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "structural_tag",
+       "structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}], "triggers": ["<g"]}})",
+       "response_format.structures[0]", "invalid_value"},  // begin does not start with a trigger
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "structural_tag",
+       "structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}]}})", "response_format", "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"structural_tag": {"type": "triggered_tags", "triggers": ["<"]}}})",
+       "sampling_params.structural_tag", "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"structural_tag": {"structures": [{"begin": "<f>", "schema":
+       {"type": "tuple"}, "end": ""}], "triggers": ["<f"]}}})", "sampling_params.structural_tag.structures[0].schema",
+       "invalid_value"},
       {"c", R"({"prompt": "a", "guided_grammar": "root ::= \"a\"", "regex": "a"})", "guided_grammar",
        "invalid_value"},
       {"c", R"({"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}})", "structured_outputs.regex",
@@ -323,6 +335,31 @@ TEST(Protocol, StructuredOutputFields) {
   EXPECT_TRUE(matches(parse_native(json::parse(nat), {}, nat), R"({"q": 1, "p": 2})"));
   EXPECT_TRUE(matches(parse_completions(json::parse(R"({"prompt": "a", "structured_outputs": {"choice": ["x"]}})"), {}),
                       "x"));
+
+  // Structural tags (SGLang's response_format and sampling_params.structural_tag, vLLM's structured_outputs one as
+  // JSON text): free text until a trigger, then a structure that begins with it, its JSON, its end; again and again.
+  const std::string tag = R"({"type": "structural_tag", "structures": [{"begin": "<function=get_weather>",
+      "schema": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+      "required": ["city"]}, "end": "</function>"}, {"begin": "<function=noop>", "schema": {"type": "null"},
+      "end": "</function>"}], "triggers": ["<function="]})";
+  const std::string tc = R"({"messages": [{"role": "user", "content": "x"}], "response_format": )" + tag + "}";
+  const std::string tn = R"({"text": "a", "sampling_params": {"structural_tag": )" + tag + "}}";
+  const json tv = {{"prompt", "a"}, {"structured_outputs", {{"structural_tag", tag}}}};
+  const std::vector<ParsedRequest> tagged = {parse_chat(json::parse(tc), {}, tc), parse_native(json::parse(tn), {}, tn),
+                                             parse_completions(tv, {})};
+  EXPECT_EQ(tagged[0].constraint_param, "response_format");
+  EXPECT_EQ(tagged[1].constraint_param, "sampling_params.structural_tag");
+  EXPECT_EQ(tagged[2].constraint_param, "structured_outputs.structural_tag");
+  for (const ParsedRequest& t : tagged) {
+    for (const char* ok : {"", "Sure, one moment.\n", "a <functio", "<function=noop>null</function>",
+                           "Checking. <function=get_weather>{\"city\": \"Paris\", \"days\": 3}</function> Done.",
+                           "<function=noop>null</function>x<function=get_weather>{\"city\": \"\"}</function>"})
+      EXPECT_TRUE(matches(t, ok)) << t.constraint_param << ": " << ok;
+    for (const char* bad : {"<function=get_weather>{}</function>", "<function=other>{}</function>",
+                            "<function=noop>null", "x <function=get_weather>{\"city\": 1}</function>",
+                            "<function=get_weather>{\"days\": 3, \"city\": \"P\"}</function>"})
+      EXPECT_FALSE(matches(t, bad)) << t.constraint_param << ": " << bad;
+  }
 }
 
 // tool_choice required / a named function: the output is constrained to DeepSeek's tool calls (special tokens as the

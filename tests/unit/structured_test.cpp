@@ -124,6 +124,26 @@ TEST(Regex, Utf8ClassesMatchWholeCharacters) {
 }
 
 // What the subset leaves out is an error that names the pattern and the place, not a wrong automaton.
+// The absent operator (?~...) of literals: any text (newlines, other scripts) holding none of them, a prefix of one
+// at the end included; overlapping literals (Aho-Corasick's suffix links), escapes, multi-byte code points; inside a
+// larger pattern it ends where the next part begins.
+TEST(Regex, AbsentOperatorIsTextWithoutTheLiterals) {
+  for (const char* ok : {"", "abc", "<functio", "a <b>\nc\u00e9 \u4e2d", "<<functio", "<function", "xx<tool"})
+    EXPECT_TRUE(full_match("(?~<function=|<tool_call>)", ok)) << ok;
+  for (const char* bad : {"<function=", "a<function=x", "<tool_call>", "x<tool_call><function=", "<<function="})
+    EXPECT_FALSE(full_match("(?~<function=|<tool_call>)", bad)) << bad;
+  for (const char* ok : {"ab", "aab", "ba", "baab", "a b a"}) EXPECT_TRUE(full_match("(?~aba|bb)", ok)) << ok;
+  for (const char* bad : {"ababa", "aaba", "abb", "xbbx", "abba"}) EXPECT_FALSE(full_match("(?~aba|bb)", bad)) << bad;
+  EXPECT_TRUE(full_match("(?~\\.\\x41|\u00e9t\u00e9)x", "a.Bx"));
+  EXPECT_FALSE(full_match("(?~\\.\\x41|\u00e9t\u00e9)x", "a.Ax"));
+  EXPECT_FALSE(full_match("(?~\\.\\x41|\u00e9t\u00e9)x", "l'\u00e9t\u00e9x"));
+  EXPECT_TRUE(full_match("((?~END)END)*(?~END)", "aENDbENDc"));  // each free part ends at the next literal
+  EXPECT_TRUE(full_match("(?~END)END", "abEND"));
+  EXPECT_FALSE(full_match("(?~END)END", "aENDbEND"));
+  for (const char* bad : {"(?~)", "(?~a||b)", "(?~a[b])", "(?~a.)", "(?~\\d)", "(?~ab", "(?~a*)"})
+    EXPECT_THROW(compile_regex(bad), Error) << bad;
+}
+
 TEST(Regex, UnsupportedOrBadPatternsAreErrors) {
   for (const char* p : {"(a", "a)", "*a", "a\\1", "(?=a)b", "a{3,2}", "[b-a]", "a^", "$a", "[abc", "\\bword",
                         "(?i)a", "\\xZZ"}) {
