@@ -247,12 +247,16 @@ class Parser {
     return set(negate ? complement(r) : r);
   }
 
-  // After "(?~": literal alternatives up to ')' (escapes of one code point allowed).
+  // After "(?~": literal alternatives up to ')' (escapes of one code point allowed), kMaxAbsentCps code points in all
+  // (its automaton is built in time their count squared).
+  static constexpr size_t kMaxAbsentCps = 1024;
   Node absent() {
     Node n;
     n.kind = Node::Absent;
     n.lits.emplace_back();
-    for (;;) {
+    for (size_t total = 0;; ++total) {
+      if (total > kMaxAbsentCps)
+        error(fmt::format("the absent operator (?~...) holds more than {} characters", kMaxAbsentCps));
       const uint32_t c = take();
       if (c == ')' || c == '|') {
         if (n.lits.back().empty()) error("an alternative of the absent operator (?~...) is empty");

@@ -142,6 +142,8 @@ TEST(Regex, AbsentOperatorIsTextWithoutTheLiterals) {
   EXPECT_FALSE(full_match("(?~END)END", "aENDbEND"));
   for (const char* bad : {"(?~)", "(?~a||b)", "(?~a[b])", "(?~a.)", "(?~\\d)", "(?~ab", "(?~a*)"})
     EXPECT_THROW(compile_regex(bad), Error) << bad;
+  EXPECT_NO_THROW(compile_regex("(?~" + std::string(1000, 'a') + ")"));
+  EXPECT_THROW(compile_regex("(?~" + std::string(2000, 'a') + ")"), Error);  // a bound on what a request can build
 }
 
 TEST(Regex, UnsupportedOrBadPatternsAreErrors) {
