@@ -819,12 +819,13 @@ TEST(ServeFlags, RecognisedButNotImplementedExitNonZero) {
                        " --no-such-flag 1");
   EXPECT_NE(r.exit_code, 0);
   // --quantization naming the checkpoint's own method is accepted (serving starts; the timeout ends it), fp8 on a
-  // bf16 checkpoint quantizes at load, another method is refused.
-  r = run_command(std::string("timeout 8 ") + MLASERVE_BINARY + " serve --model-path " + golden_dir("v3-fp8") +
-                  " --skip-tokenizer-init --device cpu --port 0 --quantization fp8");
+  // bf16 checkpoint quantizes at load, another method is refused. A small KV cache: startup within the timeout on a
+  // busy machine (a 2 GiB cache took more than 8 s to set up while other builds ran).
+  r = run_command(std::string("timeout 12 ") + MLASERVE_BINARY + " serve --model-path " + golden_dir("v3-fp8") +
+                  " --skip-tokenizer-init --device cpu --port 0 --max-total-tokens 4096 --quantization fp8");
   EXPECT_NE(r.output.find("serving"), std::string::npos) << r.output;
-  r = run_command(std::string("timeout 8 ") + MLASERVE_BINARY + " serve --model-path " + golden_dir("v3") +
-                  " --skip-tokenizer-init --device cpu --port 0 --quantization fp8");
+  r = run_command(std::string("timeout 12 ") + MLASERVE_BINARY + " serve --model-path " + golden_dir("v3") +
+                  " --skip-tokenizer-init --device cpu --port 0 --max-total-tokens 4096 --quantization fp8");
   EXPECT_NE(r.output.find("serving"), std::string::npos) << r.output;
   r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --model-path " + golden_dir("v3-fp8") +
                   " --skip-tokenizer-init --device cpu --port 0 --quantization awq");
