@@ -17,7 +17,7 @@ namespace {
 
 struct Node {
   enum Kind { Lit, Class, Ref, Seq, Alt, Rep } kind = Seq;
-  std::string text;  // Lit: the bytes; Class: the class as written; Ref: the rule's name
+  std::string text;  // Lit: the bytes; Class: the class (or, from Lark, a regex) as written; Ref: the rule's name
   std::vector<Node> kids;
   int lo = 0, hi = -1;  // Rep: the count (hi < 0: unbounded)
   int line = 0;
@@ -28,20 +28,62 @@ bool name_char(char c) {
          c == '.';
 }
 
+// Lark's common terminals (lark/grammars/common.lark) as regexes, for `%import common.NAME`.
+const std::map<std::string, std::string>& lark_common() {
+  static const std::map<std::string, std::string> m = {
+      {"DIGIT", "[0-9]"},
+      {"HEXDIGIT", "[0-9a-fA-F]"},
+      {"INT", "[0-9]+"},
+      {"SIGNED_INT", "[+-]?[0-9]+"},
+      {"DECIMAL", "([0-9]+\\.[0-9]*|\\.[0-9]+)"},
+      {"FLOAT", "([0-9]+[eE][+-]?[0-9]+|([0-9]+\\.[0-9]*|\\.[0-9]+)([eE][+-]?[0-9]+)?)"},
+      {"SIGNED_FLOAT", "[+-]?([0-9]+[eE][+-]?[0-9]+|([0-9]+\\.[0-9]*|\\.[0-9]+)([eE][+-]?[0-9]+)?)"},
+      {"NUMBER", "([0-9]+[eE][+-]?[0-9]+|([0-9]+\\.[0-9]*|\\.[0-9]+)([eE][+-]?[0-9]+)?|[0-9]+)"},
+      {"SIGNED_NUMBER", "[+-]?([0-9]+[eE][+-]?[0-9]+|([0-9]+\\.[0-9]*|\\.[0-9]+)([eE][+-]?[0-9]+)?|[0-9]+)"},
+      {"ESCAPED_STRING", "\"([^\"\\\\\\n]|\\\\.)*\""},
+      {"LCASE_LETTER", "[a-z]"},
+      {"UCASE_LETTER", "[A-Z]"},
+      {"LETTER", "[A-Za-z]"},
+      {"WORD", "[A-Za-z]+"},
+      {"CNAME", "[_A-Za-z][_A-Za-z0-9]*"},
+      {"WS_INLINE", "[ \\t]+"},
+      {"WS", "[ \\t\\f\\r\\n]+"},
+      {"CR", "\\r"},
+      {"LF", "\\n"},
+      {"NEWLINE", "(\\r?\\n)+"},
+      {"SH_COMMENT", "#[^\\n]*"},
+      {"CPP_COMMENT", "//[^\\n]*"},
+  };
+  return m;
+}
+
 class Parser {
  public:
-  explicit Parser(std::string_view g) : g_(g) {}
+  // lark: Lark's notation (vLLM's guided_grammar takes it too) instead of GBNF's.
+  Parser(std::string_view g, bool lark) : g_(g), lark_(lark) {}
 
   std::map<std::string, Node> rules() {
     std::map<std::string, Node> out;
     skip();
     while (pos_ < g_.size()) {
       const int line = line_;
-      const std::string name = ident();
+      if (lark_ && g_[pos_] == '%') {
+        directive(out);
+        skip();
+        continue;
+      }
+      if (lark_ && (g_[pos_] == '?' || g_[pos_] == '!')) ++pos_;  // inlining / keeping tokens: the same text
+      std::string name = ident();
       if (name.empty()) error("a rule must start with its name");
+      if (lark_) strip_priority(name);
       skip();
-      if (g_.substr(pos_, 3) != "::=") error(fmt::format("'::=' must follow the rule name '{}'", name));
-      pos_ += 3;
+      if (lark_) {
+        if (pos_ >= g_.size() || g_[pos_] != ':') error(fmt::format("':' must follow the rule name '{}'", name));
+        ++pos_;
+      } else {
+        if (g_.substr(pos_, 3) != "::=") error(fmt::format("'::=' must follow the rule name '{}'", name));
+        pos_ += 3;
+      }
       if (out.count(name)) error(fmt::format("the rule '{}' is defined twice", name));
       Node body = alternatives();
       body.line = line;
@@ -52,12 +94,79 @@ class Parser {
   }
 
  private:
-  [[noreturn]] void error(const std::string& what) const { fail("ebnf, line {}: {}", line_, what); }
+  [[noreturn]] void error(const std::string& what) const {
+    fail("{}, line {}: {}", lark_ ? "lark grammar" : "ebnf", line_, what);
+  }
 
-  void skip() {  // whitespace (newlines too) and # comments
+  // A Lark rule's priority (name.2) is not part of its name.
+  void strip_priority(std::string& name) const {
+    const size_t dot = name.find('.');
+    if (dot != std::string::npos && dot + 1 < name.size() &&
+        name.find_first_not_of("0123456789", dot + 1) == std::string::npos)
+      name.resize(dot);
+  }
+
+  // %import common.NAME [-> ALIAS], %import common (A, B); %ignore and other directives are errors.
+  void directive(std::map<std::string, Node>& out) {
+    ++pos_;
+    const std::string what = ident();
+    if (what != "import")
+      error(fmt::format("'%{}' is not supported{}", what,
+                        what == "ignore" ? " (write the whitespace the text may hold into the rules)" : ""));
+    while (pos_ < g_.size() && (g_[pos_] == ' ' || g_[pos_] == '\t')) ++pos_;
+    std::string path = ident();  // "common.NAME" or "common"
+    std::vector<std::pair<std::string, std::string>> names;  // (common name, rule name)
+    auto blanks = [&] {
+      while (pos_ < g_.size() && (g_[pos_] == ' ' || g_[pos_] == '\t')) ++pos_;
+    };
+    blanks();
+    if (path.rfind("common.", 0) == 0) {
+      std::string name = path.substr(7), as = name;
+      if (g_.substr(pos_, 2) == "->") {
+        pos_ += 2;
+        blanks();
+        as = ident();
+      }
+      names.emplace_back(name, as);
+    } else if (path == "common" && pos_ < g_.size() && g_[pos_] == '(') {
+      ++pos_;
+      for (;;) {
+        skip();
+        const std::string name = ident();
+        if (name.empty()) error("'%import common (...)' must list names");
+        names.emplace_back(name, name);
+        skip();
+        if (pos_ < g_.size() && g_[pos_] == ',') {
+          ++pos_;
+          continue;
+        }
+        if (pos_ < g_.size() && g_[pos_] == ')') {
+          ++pos_;
+          break;
+        }
+        error("'%import common (...)' must end with ')'");
+      }
+    } else {
+      error(fmt::format("only Lark's common terminals can be imported, not '{}'", path));
+    }
+    for (const auto& [name, as] : names) {
+      const auto it = lark_common().find(name);
+      if (it == lark_common().end()) error(fmt::format("'common.{}' is not a terminal this server knows", name));
+      if (out.count(as)) error(fmt::format("the rule '{}' is defined twice", as));
+      Node n;
+      n.kind = Node::Class;
+      n.text = "(" + it->second + ")";
+      n.line = line_;
+      out.emplace(as, std::move(n));
+    }
+  }
+
+  void skip() {  // whitespace (newlines too) and # comments (Lark: // comments too)
     while (pos_ < g_.size()) {
       const char c = g_[pos_];
-      if (c == '#') {
+      if (lark_ && c == '/' && pos_ + 1 < g_.size() && g_[pos_ + 1] == '/') {
+        while (pos_ < g_.size() && g_[pos_] != '\n') ++pos_;
+      } else if (c == '#') {
         while (pos_ < g_.size() && g_[pos_] != '\n') ++pos_;
       } else if (c == ' ' || c == '\t' || c == '\r' || c == '\n') {
         if (c == '\n') ++line_;
@@ -74,11 +183,19 @@ class Parser {
     return std::string(g_.substr(start, pos_ - start));
   }
 
-  // Whether the next tokens are `name ::=` (the next rule starts), without moving.
+  // Whether the next tokens are `name ::=` (Lark: `[?!]name[.N] :` or a directive) -- the next rule starts --
+  // without moving.
   bool rule_ahead() {
     const size_t p = pos_;
     const int l = line_;
-    const bool ahead = !ident().empty() && (skip(), g_.substr(pos_, 3) == "::=");
+    bool ahead = false;
+    if (lark_) {
+      if (pos_ < g_.size() && g_[pos_] == '%') return true;
+      if (pos_ < g_.size() && (g_[pos_] == '?' || g_[pos_] == '!')) ++pos_;
+      ahead = !ident().empty() && (skip(), pos_ < g_.size() && g_[pos_] == ':');
+    } else {
+      ahead = !ident().empty() && (skip(), g_.substr(pos_, 3) == "::=");
+    }
     pos_ = p;
     line_ = l;
     return ahead;
@@ -89,13 +206,22 @@ class Parser {
     alt.kind = Node::Alt;
     alt.line = line_;
     alt.kids.push_back(sequence());
-    skip();
+    alias();
     while (pos_ < g_.size() && g_[pos_] == '|') {
       ++pos_;
       alt.kids.push_back(sequence());
-      skip();
+      alias();
     }
     return alt;
+  }
+
+  void alias() {  // Lark's "-> name" after an alternative names its tree node: no text
+    skip();
+    if (!lark_ || g_.substr(pos_, 2) != "->") return;
+    pos_ += 2;
+    skip();
+    if (ident().empty()) error("'->' must be followed by a name");
+    skip();
   }
 
   Node sequence() {
@@ -104,7 +230,9 @@ class Parser {
     seq.line = line_;
     for (;;) {
       skip();
-      if (pos_ >= g_.size() || g_[pos_] == '|' || g_[pos_] == ')' || rule_ahead()) break;
+      if (pos_ >= g_.size() || g_[pos_] == '|' || g_[pos_] == ')' || (lark_ && g_[pos_] == ']') ||
+          (lark_ && g_.substr(pos_, 2) == "->") || rule_ahead())
+        break;
       Node item = primary();
       repeats(item);
       seq.kids.push_back(std::move(item));
@@ -114,13 +242,19 @@ class Parser {
 
   void repeats(Node& item) {
     for (;;) {
+      if (lark_) {  // Lark writes "item ~ 3" with blanks around the ~
+        size_t p = pos_;
+        while (p < g_.size() && (g_[p] == ' ' || g_[p] == '\t')) ++p;
+        if (p < g_.size() && g_[p] == '~') pos_ = p;
+      }
       if (pos_ >= g_.size()) return;
       const char c = g_[pos_];
       int lo, hi;
       if (c == '*') lo = 0, hi = -1, ++pos_;
       else if (c == '+') lo = 1, hi = -1, ++pos_;
       else if (c == '?') lo = 0, hi = 1, ++pos_;
-      else if (c == '{') count(lo, hi);
+      else if (c == '{' && !lark_) count(lo, hi);
+      else if (c == '~' && lark_) tilde(lo, hi);
       else return;
       Node rep;
       rep.kind = Node::Rep;
@@ -130,6 +264,23 @@ class Parser {
       rep.kids.push_back(std::move(item));
       item = std::move(rep);
     }
+  }
+
+  void tilde(int& lo, int& hi) {  // Lark's item ~ n and item ~ n..m
+    ++pos_;
+    skip();
+    auto number = [&]() {
+      size_t start = pos_;
+      while (pos_ < g_.size() && g_[pos_] >= '0' && g_[pos_] <= '9') ++pos_;
+      if (start == pos_ || pos_ - start > 4) error("a repeat count must be a number below 10000");
+      return std::stoi(std::string(g_.substr(start, pos_ - start)));
+    };
+    lo = hi = number();
+    if (g_.substr(pos_, 2) == "..") {
+      pos_ += 2;
+      hi = number();
+    }
+    if (hi < lo) error("a repeat count's maximum is below its minimum");
   }
 
   void count(int& lo, int& hi) {  // after '{': m}, m,}, m,n}
@@ -155,7 +306,20 @@ class Parser {
     Node n;
     n.line = line_;
     const char c = g_[pos_];
-    if (c == '"' || c == '\'') {
+    if (lark_ && c == '"') {
+      lark_string(n);
+    } else if (lark_ && c == '/') {
+      lark_regex(n);
+    } else if (lark_ && c == '[') {  // an optional item
+      ++pos_;
+      Node body = group_body(']');
+      n.kind = Node::Rep;
+      n.lo = 0;
+      n.hi = 1;
+      n.kids.push_back(std::move(body));
+    } else if (lark_ && c == '{') {
+      error("templates are not supported");
+    } else if (c == '"' || c == '\'') {
       n.kind = Node::Lit;
       n.text = literal(c);
     } else if (c == '[') {
@@ -174,12 +338,7 @@ class Parser {
       n.text = std::string(g_.substr(start, pos_ - start));
     } else if (c == '(') {
       ++pos_;
-      if (++depth_ > 256) error("groups nest more than 256 deep");  // the parser and the converter recurse per level
-      n = alternatives();
-      --depth_;
-      skip();
-      if (pos_ >= g_.size() || g_[pos_] != ')') error("a group must end with ')'");
-      ++pos_;
+      n = group_body(')');
     } else if (name_char(c)) {
       n.kind = Node::Ref;
       n.text = ident();
@@ -187,6 +346,82 @@ class Parser {
       error(fmt::format("unexpected '{}'", c));
     }
     return n;
+  }
+
+  Node group_body(char close) {  // after the opening bracket
+    if (++depth_ > 256) error("groups nest more than 256 deep");  // the parser and the converter recurse per level
+    Node n = alternatives();
+    --depth_;
+    skip();
+    if (pos_ >= g_.size() || g_[pos_] != close) error(fmt::format("a group must end with '{}'", close));
+    ++pos_;
+    return n;
+  }
+
+  // Lark: "text", "text"i (any case), "a".."z" (a range of characters).
+  void lark_string(Node& n) {
+    const std::string s = literal('"');
+    if (g_.substr(pos_, 2) == "..") {
+      pos_ += 2;
+      if (pos_ >= g_.size() || g_[pos_] != '"') error("a range must be \"a\"..\"z\"");
+      const std::string t = literal('"');
+      const auto one = [&](const std::string& x) {  // the single code point of x (UTF-8)
+        uint32_t cp = 0;
+        const auto b = static_cast<uint8_t>(x.empty() ? 0 : x[0]);
+        const size_t len = b < 0x80 ? 1 : (b >> 5) == 6 ? 2 : (b >> 4) == 14 ? 3 : 4;
+        if (x.size() != len) error("a range's ends must be single characters");
+        cp = len == 1 ? b : b & (0x7F >> len);
+        for (size_t k = 1; k < len; ++k) cp = cp << 6 | (static_cast<uint8_t>(x[k]) & 0x3F);
+        return cp;
+      };
+      const uint32_t lo = one(s), hi = one(t);
+      if (hi < lo) error("a character range is out of order");
+      n.kind = Node::Class;
+      n.text = fmt::format("[\\U{:08X}-\\U{:08X}]", lo, hi);
+      return;
+    }
+    if (pos_ < g_.size() && g_[pos_] == 'i' && (pos_ + 1 >= g_.size() || !name_char(g_[pos_ + 1]))) {
+      ++pos_;
+      n.kind = Node::Class;  // a regex with both cases of each ASCII letter
+      for (char ch : s) {
+        const char lo = static_cast<char>(ch | 0x20);
+        if (lo >= 'a' && lo <= 'z') n.text += fmt::format("[{}{}]", lo, static_cast<char>(lo - 32));
+        else n.text += regex_escape(std::string(1, ch));
+      }
+      n.text = "(" + n.text + ")";
+      return;
+    }
+    n.kind = Node::Lit;
+    n.text = s;
+  }
+
+  // Lark: /regex/ (no flags), kept as the regex it is (\/ is a slash).
+  void lark_regex(Node& n) {
+    ++pos_;
+    std::string r;
+    while (pos_ < g_.size() && g_[pos_] != '/') {
+      if (g_[pos_] == '\n') error("a regex must end on its line");
+      if (g_[pos_] == '\\' && pos_ + 1 < g_.size()) {
+        if (g_[pos_ + 1] == '/') {
+          r += '/';
+          pos_ += 2;
+          continue;
+        }
+        r += g_[pos_++];
+      }
+      r += g_[pos_++];
+    }
+    if (pos_ >= g_.size()) error("a regex must end with '/'");
+    ++pos_;
+    if (pos_ < g_.size() && std::string_view("imslux").find(g_[pos_]) != std::string_view::npos)
+      error(fmt::format("the regex flag '{}' is not supported", g_[pos_]));
+    try {
+      compile_regex(r);
+    } catch (const Error& e) {
+      error(e.what());
+    }
+    n.kind = Node::Class;
+    n.text = "(" + r + ")";
   }
 
   std::string literal(char quote) {
@@ -229,10 +464,28 @@ class Parser {
   }
 
   std::string_view g_;
+  bool lark_ = false;
   size_t pos_ = 0;
   int line_ = 1;
   int depth_ = 0;
 };
+
+// Whether the grammar is written in Lark's notation: its first statement is a directive or `[?!]name[.N]:`.
+bool is_lark(std::string_view g) {
+  size_t p = 0;
+  for (;;) {  // blanks and comments
+    while (p < g.size() && (g[p] == ' ' || g[p] == '\t' || g[p] == '\r' || g[p] == '\n')) ++p;
+    if (p < g.size() && (g[p] == '#' || g.substr(p, 2) == "//")) {
+      while (p < g.size() && g[p] != '\n') ++p;
+      continue;
+    }
+    break;
+  }
+  if (p < g.size() && (g[p] == '%' || g[p] == '?' || g[p] == '!')) return true;
+  while (p < g.size() && name_char(g[p])) ++p;
+  while (p < g.size() && (g[p] == ' ' || g[p] == '\t')) ++p;
+  return p < g.size() && g[p] == ':' && g.substr(p, 3) != "::=";
+}
 
 using build::group;
 using build::Rx;
@@ -289,9 +542,12 @@ class Converter {
 }  // namespace
 
 std::string ebnf_regex(std::string_view grammar) {
-  const std::map<std::string, Node> rules = Parser(grammar).rules();
-  auto root = rules.find("root");
-  if (root == rules.end()) fail("ebnf: the grammar has no rule 'root' (the text it allows)");
+  const bool lark = is_lark(grammar);
+  const std::map<std::string, Node> rules = Parser(grammar, lark).rules();
+  auto root = rules.find(lark ? "start" : "root");
+  if (root == rules.end())
+    fail("{}", lark ? "lark grammar: the grammar has no rule 'start' (the text it allows)"
+                    : "ebnf: the grammar has no rule 'root' (the text it allows)");
   Converter c(rules);
   Rx r = c.convert(root->second);
   if (!r) fail("ebnf: the grammar allows no text (its rules recurse with no way to end)");

@@ -4,7 +4,10 @@
 // optionally repeated (`*`, `+`, `?`, `{m}`, `{m,}`, `{m,n}`); `#` starts a comment; a rule's body may span lines. The
 // text is the rule `root`. A rule that refers to itself (directly or through others) is followed kRefDepth times
 // along one path, then ended where the grammar allows (an alternative without it, a repeat taken zero times), as
-// recursive JSON schemas are (json_schema.h); a regex past kMaxRegexBytes is an error.
+// recursive JSON schemas are (json_schema.h); a regex past kMaxRegexBytes is an error. Lark's notation is read too
+// when the first statement is `name:` / `?name:` / a `%` directive (vLLM's guided_grammar takes it): the text is the
+// rule `start`; "strings" ("..."i any case, "a".."z" ranges), /regexes/ (no flags), [optional] items, `~ n..m`,
+// `-> alias`, // comments, `%import common.NAME` (Lark's common terminals); %ignore and templates are errors.
 #pragma once
 
 #include <string>

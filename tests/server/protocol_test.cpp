@@ -318,6 +318,12 @@ TEST(Protocol, StructuredOutputFields) {
     EXPECT_TRUE(matches(e, "no?")) << body;
     EXPECT_FALSE(matches(e, "maybe!")) << body;
   }
+  // vLLM's guided_grammar in Lark's notation (its documentation's example).
+  const json lark = {{"prompt", "a"},
+                     {"guided_grammar", "?start: \"SELECT \" cols \" FROM \" name\n?cols: name (\",\" name)*\n"
+                                        "?name: /[a-zA-Z_][a-zA-Z0-9_]*/\n"}};
+  EXPECT_TRUE(matches(parse_completions(lark, {}), "SELECT a,b FROM t"));
+  EXPECT_FALSE(matches(parse_completions(lark, {}), "SELECT a, b FROM t"));
   EXPECT_EQ(parse_completions(json::parse(R"({"prompt": "a", "guided_regex": "[0-9]"})"), {}).constraint_regex,
             "[0-9]");
   // vLLM's guided_choice and structured_outputs; an object schema keeps its order where the text is given.

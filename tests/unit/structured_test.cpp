@@ -414,6 +414,55 @@ num  ::= "-"? [1-9] [0-9]{0,2}   # at most 3 digits
   }
 }
 
+// Lark's notation (vLLM's guided_grammar takes it; its documentation's SQL example first): `rule:` and `?rule:`,
+// "strings" ("..."i any case, "a".."z" ranges), /regexes/, [optional] items, `~ n..m`, `-> alias`, // comments,
+// alternatives on continuation lines, `%import common.NAME` (and `-> ALIAS`, and the list form), the rule `start`.
+TEST(Ebnf, LarkGrammarsMatchTheirTexts) {
+  auto matches = [](const std::string& grammar, const std::string& text) {
+    return full_match(ebnf_regex(grammar), text);
+  };
+  const std::string sql = R"(
+    ?start: select_statement
+    ?select_statement: "SELECT " column_list " FROM " table_name
+    ?column_list: column_name ("," column_name)*
+    ?table_name: identifier
+    ?column_name: identifier
+    ?identifier: /[a-zA-Z_][a-zA-Z0-9_]*/
+)";
+  for (const char* ok : {"SELECT a FROM t", "SELECT a,b_2,_c FROM users"}) EXPECT_TRUE(matches(sql, ok)) << ok;
+  for (const char* bad : {"SELECT FROM t", "SELECT a FROM 1t", "select a FROM t", "SELECT a, b FROM t"})
+    EXPECT_FALSE(matches(sql, bad)) << bad;
+  const std::string json_like = R"(
+// a list of numbers or strings
+start: "[" [value ("," value)*] "]"
+value: SIGNED_NUMBER -> number
+     | ESCAPED_STRING
+     | "null"i
+     | letters
+letters.2: ("a".."f") ~ 2..3
+%import common.SIGNED_NUMBER
+%import common.ESCAPED_STRING
+)";
+  for (const char* ok : {"[]", "[1,-2.5e3,\"a\\\"b\"]", "[NULL,Null]", "[abc,fe]"})
+    EXPECT_TRUE(matches(json_like, ok)) << ok;
+  for (const char* bad : {"[", "[1,]", "[\"a]", "[nul]", "[a]", "[abcd]", "[ag]"})
+    EXPECT_FALSE(matches(json_like, bad)) << bad;
+  const std::string imports =
+      "start: NUM \" \" W\n%import common.NUMBER -> NUM\n%import common (WORD, WS)\nW: WORD";
+  EXPECT_TRUE(matches(imports, "3.5 hello"));
+  EXPECT_FALSE(matches(imports, "3.5  hello"));
+  for (const char* bad : {"start: \"a\"\n%ignore WS", "start: x", "start: /a/i", "start: \"a\"{2}",
+                          "%import other.X\nstart: X", "%import common.NOPE\nstart: NOPE", "start: \"ab\"..\"c\"",
+                          "rule: \"a\"", "start: [\"a\"", "start: /(/"})
+    EXPECT_THROW(ebnf_regex(bad), Error) << bad;
+  try {
+    ebnf_regex("start: a\na: \"x\"\nb: \"y\" @ ");
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("lark grammar, line 3"), std::string::npos) << e.what();
+  }
+}
+
 // Input nested past the parsers' bounds is an error, not a stack overflow: regex groups, EBNF groups, JSON schemas.
 TEST(Structured, DeepNestingIsAnError) {
   const std::string deep_regex = std::string(100000, '(') + "a" + std::string(100000, ')');
