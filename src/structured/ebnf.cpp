@@ -266,15 +266,16 @@ class Parser {
     }
   }
 
+  int number() {  // a repeat count
+    const size_t start = pos_;
+    while (pos_ < g_.size() && g_[pos_] >= '0' && g_[pos_] <= '9') ++pos_;
+    if (start == pos_ || pos_ - start > 4) error("a repeat count must be a number below 10000");
+    return std::stoi(std::string(g_.substr(start, pos_ - start)));
+  }
+
   void tilde(int& lo, int& hi) {  // Lark's item ~ n and item ~ n..m
     ++pos_;
     skip();
-    auto number = [&]() {
-      size_t start = pos_;
-      while (pos_ < g_.size() && g_[pos_] >= '0' && g_[pos_] <= '9') ++pos_;
-      if (start == pos_ || pos_ - start > 4) error("a repeat count must be a number below 10000");
-      return std::stoi(std::string(g_.substr(start, pos_ - start)));
-    };
     lo = hi = number();
     if (g_.substr(pos_, 2) == "..") {
       pos_ += 2;
@@ -285,12 +286,6 @@ class Parser {
 
   void count(int& lo, int& hi) {  // after '{': m}, m,}, m,n}
     ++pos_;
-    auto number = [&]() {
-      size_t start = pos_;
-      while (pos_ < g_.size() && g_[pos_] >= '0' && g_[pos_] <= '9') ++pos_;
-      if (start == pos_ || pos_ - start > 4) error("a repeat count must be a number below 10000");
-      return std::stoi(std::string(g_.substr(start, pos_ - start)));
-    };
     lo = number();
     hi = lo;
     if (pos_ < g_.size() && g_[pos_] == ',') {
