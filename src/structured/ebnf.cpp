@@ -62,6 +62,16 @@ class Parser {
   // lark: Lark's notation (vLLM's guided_grammar takes it too) instead of GBNF's.
   Parser(std::string_view g, bool lark) : g_(g), lark_(lark) {}
 
+  // Lark's notation: the first statement is a directive or `[?!]name[.N]:` (read as Lark; a GBNF rule's "::="
+  // is not).
+  bool starts_lark() {
+    skip();
+    if (pos_ < g_.size() && (g_[pos_] == '%' || g_[pos_] == '?' || g_[pos_] == '!')) return true;
+    ident();
+    skip();
+    return pos_ < g_.size() && g_[pos_] == ':' && g_.substr(pos_, 3) != "::=";
+  }
+
   std::map<std::string, Node> rules() {
     std::map<std::string, Node> out;
     skip();
@@ -113,12 +123,12 @@ class Parser {
     if (what != "import")
       error(fmt::format("'%{}' is not supported{}", what,
                         what == "ignore" ? " (write the whitespace the text may hold into the rules)" : ""));
-    while (pos_ < g_.size() && (g_[pos_] == ' ' || g_[pos_] == '\t')) ++pos_;
-    std::string path = ident();  // "common.NAME" or "common"
-    std::vector<std::pair<std::string, std::string>> names;  // (common name, rule name)
     auto blanks = [&] {
       while (pos_ < g_.size() && (g_[pos_] == ' ' || g_[pos_] == '\t')) ++pos_;
     };
+    blanks();
+    const std::string path = ident();  // "common.NAME" or "common"
+    std::vector<std::pair<std::string, std::string>> names;  // (common name, rule name)
     blanks();
     if (path.rfind("common.", 0) == 0) {
       std::string name = path.substr(7), as = name;
@@ -360,14 +370,10 @@ class Parser {
       pos_ += 2;
       if (pos_ >= g_.size() || g_[pos_] != '"') error("a range must be \"a\"..\"z\"");
       const std::string t = literal('"');
-      const auto one = [&](const std::string& x) {  // the single code point of x (UTF-8)
-        uint32_t cp = 0;
-        const auto b = static_cast<uint8_t>(x.empty() ? 0 : x[0]);
-        const size_t len = b < 0x80 ? 1 : (b >> 5) == 6 ? 2 : (b >> 4) == 14 ? 3 : 4;
-        if (x.size() != len) error("a range's ends must be single characters");
-        cp = len == 1 ? b : b & (0x7F >> len);
-        for (size_t k = 1; k < len; ++k) cp = cp << 6 | (static_cast<uint8_t>(x[k]) & 0x3F);
-        return cp;
+      const auto one = [&](const std::string& x) {  // the single code point of x
+        std::vector<uint32_t> cps;
+        if (!decode_utf8(x, cps) || cps.size() != 1) error("a range's ends must be single characters");
+        return cps[0];
       };
       const uint32_t lo = one(s), hi = one(t);
       if (hi < lo) error("a character range is out of order");
@@ -465,23 +471,6 @@ class Parser {
   int depth_ = 0;
 };
 
-// Whether the grammar is written in Lark's notation: its first statement is a directive or `[?!]name[.N]:`.
-bool is_lark(std::string_view g) {
-  size_t p = 0;
-  for (;;) {  // blanks and comments
-    while (p < g.size() && (g[p] == ' ' || g[p] == '\t' || g[p] == '\r' || g[p] == '\n')) ++p;
-    if (p < g.size() && (g[p] == '#' || g.substr(p, 2) == "//")) {
-      while (p < g.size() && g[p] != '\n') ++p;
-      continue;
-    }
-    break;
-  }
-  if (p < g.size() && (g[p] == '%' || g[p] == '?' || g[p] == '!')) return true;
-  while (p < g.size() && name_char(g[p])) ++p;
-  while (p < g.size() && (g[p] == ' ' || g[p] == '\t')) ++p;
-  return p < g.size() && g[p] == ':' && g.substr(p, 3) != "::=";
-}
-
 using build::group;
 using build::Rx;
 
@@ -537,7 +526,7 @@ class Converter {
 }  // namespace
 
 std::string ebnf_regex(std::string_view grammar) {
-  const bool lark = is_lark(grammar);
+  const bool lark = Parser(grammar, true).starts_lark();
   const std::map<std::string, Node> rules = Parser(grammar, lark).rules();
   auto root = rules.find(lark ? "start" : "root");
   if (root == rules.end())

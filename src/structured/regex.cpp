@@ -53,19 +53,8 @@ const Ranges kSpace{{'\t', '\r'}, {' ', ' '}};
 class Parser {
  public:
   explicit Parser(std::string_view pattern) : pattern_(pattern) {
-    for (size_t i = 0; i < pattern.size();) {  // decode UTF-8
-      const auto b = static_cast<uint8_t>(pattern[i]);
-      const int n = b < 0x80 ? 1 : (b >> 5) == 6 ? 2 : (b >> 4) == 14 ? 3 : (b >> 3) == 30 ? 4 : 0;
-      if (n == 0 || i + n > pattern.size()) fail("regex '{}': not valid UTF-8 at byte {}", pattern, i);
-      uint32_t cp = n == 1 ? b : b & (0x7F >> n);
-      for (int k = 1; k < n; ++k) {
-        const auto c = static_cast<uint8_t>(pattern[i + k]);
-        if ((c >> 6) != 2) fail("regex '{}': not valid UTF-8 at byte {}", pattern, i);
-        cp = cp << 6 | (c & 0x3F);
-      }
-      cps_.push_back(cp);
-      i += n;
-    }
+    size_t bad = 0;
+    if (!decode_utf8(pattern, cps_, &bad)) fail("regex '{}': not valid UTF-8 at byte {}", pattern, bad);
   }
 
   Node parse() {
@@ -559,6 +548,27 @@ void append_utf8(std::string& out, uint32_t cp) {
   const int n = cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
   out += static_cast<char>((0xF00u >> n) | (cp >> (6 * (n - 1))));  // 110xxxxx, 1110xxxx or 11110xxx
   for (int i = n - 2; i >= 0; --i) out += static_cast<char>(0x80 | (cp >> (6 * i) & 0x3F));
+}
+
+bool decode_utf8(std::string_view text, std::vector<uint32_t>& out, size_t* bad_at) {
+  for (size_t i = 0; i < text.size();) {
+    const auto b = static_cast<uint8_t>(text[i]);
+    const int n = b < 0x80 ? 1 : (b >> 5) == 6 ? 2 : (b >> 4) == 14 ? 3 : (b >> 3) == 30 ? 4 : 0;
+    bool ok = n > 0 && i + n <= text.size();
+    uint32_t cp = n == 1 ? b : b & (0x7F >> n);
+    for (int k = 1; ok && k < n; ++k) {
+      const auto c = static_cast<uint8_t>(text[i + k]);
+      ok = (c >> 6) == 2;
+      cp = cp << 6 | (c & 0x3F);
+    }
+    if (!ok) {
+      if (bad_at) *bad_at = i;
+      return false;
+    }
+    out.push_back(cp);
+    i += static_cast<size_t>(n);
+  }
+  return true;
 }
 
 Nfa compile_regex(std::string_view pattern, size_t max_states) {

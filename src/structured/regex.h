@@ -33,6 +33,8 @@ struct Nfa {
 
 // Appends code point cp (<= 0x10FFFF) to out as UTF-8.
 void append_utf8(std::string& out, uint32_t cp);
+// The code points of UTF-8 text; false (out partial) where it is not valid UTF-8, *bad_at its byte offset.
+bool decode_utf8(std::string_view text, std::vector<uint32_t>& out, size_t* bad_at = nullptr);
 
 // Parses and compiles `pattern`; throws mlaserve::Error naming the pattern and the position for a syntax error, a
 // feature outside the subset (backreferences, lookaround, anchors inside), or a pattern over max_states states.
