@@ -184,6 +184,15 @@ bool ordered_at(const nlohmann::ordered_json& whole, const std::string& param, n
   return true;
 }
 
+// json_schema_regex of the schema at `param`, or a 400 naming it with what the schema cannot express.
+std::string schema_regex(const std::string& param, const nlohmann::ordered_json& schema, bool compact = false) {
+  try {
+    return structured::json_schema_regex(schema, compact);
+  } catch (const Error& e) {
+    bad_request(param, "invalid_value", "'{}': {}", param, e.what());
+  }
+}
+
 // A JSON schema (an object, or SGLang's JSON text of one) at `param` as its regex; raw: the body's text (an object's
 // properties keep their order), or empty.
 void set_schema_constraint(ParsedRequest& r, const std::string& param, const json& v, std::string_view raw) {
@@ -198,13 +207,7 @@ void set_schema_constraint(ParsedRequest& r, const std::string& param, const jso
     bad_request(param, "invalid_type", "'{}' must be a JSON schema (an object or its JSON text), got {}", param,
                 type_name(v));
   }
-  std::string regex;
-  try {
-    regex = structured::json_schema_regex(schema);
-  } catch (const Error& e) {
-    bad_request(param, "invalid_value", "'{}': {}", param, e.what());
-  }
-  set_constraint(r, param, regex, /*check=*/false);
+  set_constraint(r, param, schema_regex(param, schema), /*check=*/false);
 }
 
 // A structural tag (SGLang's response_format / structural_tag, vLLM's structured_outputs.structural_tag; an object or
@@ -243,7 +246,10 @@ void set_structural_tag_constraint(ParsedRequest& r, const std::string& param, c
   if (st == tag.end() || !st->is_array() || st->empty())
     bad_request(param, "invalid_value", "'{}.structures' must be a non-empty array", param);
   std::string text = "(?~", structures;  // text: free text holding no trigger
-  for (size_t i = 0; i < triggers.size(); ++i) text += (i ? "|" : "") + structured::regex_escape(triggers[i]);
+  for (size_t i = 0; i < triggers.size(); ++i) {
+    if (i) text += '|';
+    text += structured::regex_escape(triggers[i]);
+  }
   text += ")";
   for (size_t i = 0; i < st->size(); ++i) {
     const auto& s = (*st)[i];
@@ -254,13 +260,13 @@ void set_structural_tag_constraint(ParsedRequest& r, const std::string& param, c
     const std::string begin = s["begin"].get<std::string>(), end = s["end"].get<std::string>();
     if (std::none_of(triggers.begin(), triggers.end(), [&](const std::string& t) { return begin.rfind(t, 0) == 0; }))
       bad_request(at, "invalid_value", "'{}.begin' must start with one of the triggers", at);
-    std::string schema;
-    try {
-      schema = structured::json_schema_regex(s["schema"]);
-    } catch (const Error& e) {
-      bad_request(at + ".schema", "invalid_value", "'{}.schema': {}", at, e.what());
-    }
-    structures += (i ? "|" : "") + structured::regex_escape(begin) + "(" + schema + ")" + structured::regex_escape(end);
+    const std::string schema = schema_regex(at + ".schema", s["schema"]);
+    if (i) structures += '|';  // appended piece by piece: GCC 12 warns falsely on "x" + a temporary
+    structures += structured::regex_escape(begin);
+    structures += '(';
+    structures += schema;
+    structures += ')';
+    structures += structured::regex_escape(end);
   }
   set_constraint(r, param, "(" + text + "(" + structures + "))*" + text, /*check=*/false);
 }
@@ -273,7 +279,8 @@ void set_choice_constraint(ParsedRequest& r, const std::string& param, const jso
   for (size_t i = 0; i < v.size(); ++i) {
     if (!v[i].is_string() || v[i].get<std::string>().empty())
       bad_request(param, "invalid_value", "'{}[{}]' must be a non-empty string", param, i);
-    re += (i ? "|" : "") + structured::regex_escape(v[i].get<std::string>());
+    if (i) re += '|';
+    re += structured::regex_escape(v[i].get<std::string>());
   }
   set_constraint(r, param, "(" + re + ")", /*check=*/false);
 }
@@ -297,12 +304,7 @@ void set_tool_constraint(ParsedRequest& r, const std::string& forced, std::strin
     nlohmann::ordered_json params = nlohmann::ordered_json::object({{"type", "object"}});
     if (fn.contains("parameters") && fn["parameters"].is_object() && !ordered_at(body, path, params))
       params = nlohmann::ordered_json::parse(fn["parameters"].dump());
-    std::string args;
-    try {
-      args = structured::json_schema_regex(params, /*compact=*/true);
-    } catch (const Error& e) {
-      bad_request(fmt::format("tools[{}].function.parameters", i), "invalid_value", "{}", e.what());
-    }
+    const std::string args = schema_regex(fmt::format("tools[{}].function.parameters", i), params, /*compact=*/true);
     const std::string call = v31 ? structured::regex_escape(name) + marker(kToolSep) + "(" + args + ")"
                                  : "function" + marker(kToolSep) + structured::regex_escape(name) + "\n```json\n(" +
                                        args + ")\n```";
