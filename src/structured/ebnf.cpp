@@ -23,6 +23,15 @@ struct Node {
   int line = 0;
 };
 
+// The key under which the parser keeps a Lark grammar's %ignore items (an alternation; '%' is in no name).
+constexpr const char* kIgnoreKey = "%ignore";
+
+// A Lark terminal (its name upper-case after any leading '_'), whose text holds no ignored pieces inside.
+bool lark_terminal(const std::string& name) {
+  const size_t i = name.find_first_not_of('_');
+  return i != std::string::npos && name[i] >= 'A' && name[i] <= 'Z';
+}
+
 bool name_char(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-' ||
          c == '.';
@@ -116,13 +125,22 @@ class Parser {
       name.resize(dot);
   }
 
-  // %import common.NAME [-> ALIAS], %import common (A, B); %ignore and other directives are errors.
+  // %import common.NAME [-> ALIAS], %import common (A, B), %ignore ITEM (a terminal, string or regex that may stand
+  // between any two tokens of the rules; several add up); other directives are errors.
   void directive(std::map<std::string, Node>& out) {
     ++pos_;
     const std::string what = ident();
-    if (what != "import")
-      error(fmt::format("'%{}' is not supported{}", what,
-                        what == "ignore" ? " (write the whitespace the text may hold into the rules)" : ""));
+    if (what == "ignore") {
+      const int line = line_;
+      Node item = alternatives();
+      if (item.kids.size() == 1 && item.kids[0].kids.empty()) error("'%ignore' must name what it ignores");
+      Node& all = out[kIgnoreKey];
+      all.kind = Node::Alt;
+      all.line = line;
+      all.kids.push_back(std::move(item));
+      return;
+    }
+    if (what != "import") error(fmt::format("'%{}' is not supported", what));
     auto blanks = [&] {
       while (pos_ < g_.size() && (g_[pos_] == ' ' || g_[pos_] == '\t')) ++pos_;
     };
@@ -476,7 +494,18 @@ using build::Rx;
 
 class Converter {
  public:
-  explicit Converter(const std::map<std::string, Node>& rules) : rules_(rules) {}
+  // With a Lark grammar's %ignore items, the rules' sequences and repeats allow them between their elements (not
+  // inside terminals: upper-case names, strings, regexes); ignored() is that piece of regex, empty without.
+  explicit Converter(const std::map<std::string, Node>& rules) : rules_(rules) {
+    const auto it = rules.find(kIgnoreKey);
+    if (it == rules.end()) return;
+    in_terminal_ = true;
+    Rx x = convert(it->second);
+    in_terminal_ = false;
+    if (!x || x->empty()) fail("lark grammar, line {}: '%ignore' matches no text", it->second.line);
+    ignore_ = group(*x) + "*";
+  }
+  const std::string& ignored() const { return ignore_; }
 
   Rx convert(const Node& n) {
     Rx r = of(n);
@@ -492,15 +521,23 @@ class Converter {
       case Node::Class: return n.text;
       case Node::Ref: {
         auto it = rules_.find(n.text);
-        if (it == rules_.end()) fail("ebnf, line {}: the rule '{}' is not defined", n.line, n.text);
-        return refs_.follow(&it->second, [&] { return convert(it->second); }, fmt::format("ebnf, line {}", n.line));
+        if (it == rules_.end() || n.text == kIgnoreKey)
+          fail("ebnf, line {}: the rule '{}' is not defined", n.line, n.text);
+        const bool outer = in_terminal_;
+        in_terminal_ = outer || lark_terminal(n.text);
+        Rx r = refs_.follow(&it->second, [&] { return convert(it->second); }, fmt::format("ebnf, line {}", n.line));
+        in_terminal_ = outer;
+        return r;
       }
       case Node::Seq: {
         std::string r;
+        bool first = true;
         for (const Node& k : n.kids) {
           Rx x = convert(k);
           if (!x) return std::nullopt;
+          if (!first && between()) r += ignore_;
           r += group(*x);
+          first = false;
         }
         return r;
       }
@@ -513,14 +550,25 @@ class Converter {
       case Node::Rep: {
         Rx x = convert(n.kids[0]);
         if (!x) return n.lo == 0 ? Rx(std::string()) : Rx();  // taken zero times
+        if (between() && n.hi != 0 && n.hi != 1) {  // x (ignored x){lo-1, hi-1}, optional when lo is 0
+          const std::string more = "(?:" + ignore_;
+          std::string r = group(*x) + more + group(*x) + ")";
+          const int lo = std::max(n.lo - 1, 0);
+          r += n.hi < 0 ? fmt::format("{{{},}}", lo) : fmt::format("{{{},{}}}", lo, n.hi - 1);
+          return n.lo == 0 ? "(?:" + r + ")?" : r;
+        }
         return group(*x) + (n.hi < 0 ? fmt::format("{{{},}}", n.lo) : fmt::format("{{{},{}}}", n.lo, n.hi));
       }
     }
     return std::nullopt;
   }
 
+  bool between() const { return !ignore_.empty() && !in_terminal_; }
+
   const std::map<std::string, Node>& rules_;
   build::RefStack refs_;
+  std::string ignore_;
+  bool in_terminal_ = false;
 };
 
 }  // namespace
@@ -535,6 +583,12 @@ std::string ebnf_regex(std::string_view grammar) {
   Converter c(rules);
   Rx r = c.convert(root->second);
   if (!r) fail("ebnf: the grammar allows no text (its rules recurse with no way to end)");
+  if (!c.ignored().empty()) {  // ignored text may also lead and trail the whole
+    std::string all = c.ignored();
+    all += group(*r);
+    all += c.ignored();
+    return all;
+  }
   return *r;
 }
 

@@ -7,7 +7,9 @@
 // recursive JSON schemas are (json_schema.h); a regex past kMaxRegexBytes is an error. Lark's notation is read too
 // when the first statement is `name:` / `?name:` / a `%` directive (vLLM's guided_grammar takes it): the text is the
 // rule `start`; "strings" ("..."i any case, "a".."z" ranges), /regexes/ (no flags), [optional] items, `~ n..m`,
-// `-> alias`, // comments, `%import common.NAME` (Lark's common terminals); %ignore and templates are errors.
+// `-> alias`, // comments, `%import common.NAME` (Lark's common terminals), `%ignore ITEM` (what it matches may stand
+// before, after and between any two elements of the rules -- not inside terminals: upper-case names, strings,
+// regexes -- as Lark's lexer skips it); templates are errors.
 #pragma once
 
 #include <string>

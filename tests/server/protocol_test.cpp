@@ -324,6 +324,11 @@ TEST(Protocol, StructuredOutputFields) {
                                         "?name: /[a-zA-Z_][a-zA-Z0-9_]*/\n"}};
   EXPECT_TRUE(matches(parse_completions(lark, {}), "SELECT a,b FROM t"));
   EXPECT_FALSE(matches(parse_completions(lark, {}), "SELECT a, b FROM t"));
+  // The same with Lark's usual blanks: %import common.WS, %ignore WS.
+  json lark_ws = lark;
+  lark_ws["guided_grammar"] = lark["guided_grammar"].get<std::string>() + "%import common.WS\n%ignore WS\n";
+  EXPECT_TRUE(matches(parse_completions(lark_ws, {}), "SELECT  a ,\nb  FROM t\n"));
+  EXPECT_FALSE(matches(parse_completions(lark_ws, {}), "SELECT a, b FROM t u"));
   EXPECT_EQ(parse_completions(json::parse(R"({"prompt": "a", "guided_regex": "[0-9]"})"), {}).constraint_regex,
             "[0-9]");
   // vLLM's guided_choice and structured_outputs; an object schema keeps its order where the text is given.

@@ -457,11 +457,52 @@ letters.2: ("a".."f") ~ 2..3
       "start: NUM \" \" W\n%import common.NUMBER -> NUM\n%import common (WORD, WS)\nW: WORD";
   EXPECT_TRUE(matches(imports, "3.5 hello"));
   EXPECT_FALSE(matches(imports, "3.5  hello"));
-  for (const char* bad : {"start: \"a\"\n%ignore WS", "start: x", "start: /a/i", "start: \"a\"{2}",
+  for (const char* bad : {"start: \"a\"\n%ignore", "start: x", "start: /a/i", "start: \"a\"{2}",
                           "%import other.X\nstart: X", "%import common.NOPE\nstart: NOPE", "start: \"ab\"..\"c\"",
                           "rule: \"a\"", "start: [\"a\"", "start: /(/"})
     EXPECT_THROW(ebnf_regex(bad), Error) << bad;
   EXPECT_NE(grammar_error("start: a\na: \"x\"\nb: \"y\" @ ").find("lark grammar, line 3"), std::string::npos);
+}
+
+// Lark's %ignore: what it matches may lead, trail and stand between any two elements of the rules (repeats and
+// nested rules too), never inside a terminal (an upper-case name, a string or a regex); several %ignore add up.
+TEST(Ebnf, LarkIgnoreStandsBetweenTokens) {
+  auto matches = [](const std::string& grammar, const std::string& text) {
+    return full_match(ebnf_regex(grammar), text);
+  };
+  const std::string calc = R"g(
+start: expr
+expr: term (OP term)*
+term: NUMBER | "(" expr ")" | NAME "(" [args] ")"
+args: expr ("," expr)*
+OP: "+" | "-" | "*"
+NAME: /[a-z]+/
+%import common.NUMBER
+%import common.WS
+%ignore WS
+)g";
+  for (const char* ok : {"1+2", " 1 + 2 ", "(1+2)*3", "( 1 +\n 2 ) * 3\t", "max(1, 2 ,3)", "f( )", "12.5-x(4)"})
+    EXPECT_TRUE(matches(calc, ok)) << ok;
+  // not inside terminals: a number, a name or a two-letter operator split by blanks; nor unbalanced text
+  for (const char* bad : {"1 2", "1 + ", "m ax(1)", "1.  5", "(1+2", "1 ++ 2", "max(1,)"})
+    EXPECT_FALSE(matches(calc, bad)) << bad;
+  // Two %ignore items (blanks and // comments), a string ignored, repeats with bounds.
+  const std::string list = R"(
+start: "[" item ~ 1..3 "]"
+item: LETTER
+LETTER: "a".."z"
+COMMENT: /#[^\n]*\n/
+%ignore " "
+%ignore COMMENT
+)";
+  for (const char* ok : {"[a]", "[ a b ]", "[a #note\n b c]", "[abc]"}) EXPECT_TRUE(matches(list, ok)) << ok;
+  for (const char* bad : {"[]", "[a b c d]", "[a\tb]", "[a #note b]"}) EXPECT_FALSE(matches(list, bad)) << bad;
+  // Without %ignore the same rules take no blanks.
+  EXPECT_FALSE(matches("start: \"a\" \"b\"", "a b"));
+  // An empty string ignored adds nothing; %ignore with nothing after it is an error.
+  EXPECT_TRUE(matches("start: \"a\" \"b\"\n%ignore \"\"", "ab"));
+  EXPECT_FALSE(matches("start: \"a\" \"b\"\n%ignore \"\"", "a b"));
+  EXPECT_NE(grammar_error("start: \"a\"\n%ignore\n").find("'%ignore' must name what it ignores"), std::string::npos);
 }
 
 // Input nested past the parsers' bounds is an error, not a stack overflow: regex groups, EBNF groups, JSON schemas.
