@@ -496,13 +496,14 @@ class Converter {
  public:
   // With a Lark grammar's %ignore items, the rules' sequences and repeats allow them between their elements (not
   // inside terminals: upper-case names, strings, regexes); ignored() is that piece of regex, empty without.
-  explicit Converter(const std::map<std::string, Node>& rules) : rules_(rules) {
+  // what: how errors name the grammar ("ebnf" or "lark grammar").
+  Converter(const std::map<std::string, Node>& rules, const char* what) : rules_(rules), what_(what) {
     const auto it = rules.find(kIgnoreKey);
     if (it == rules.end()) return;
     in_terminal_ = true;
     Rx x = convert(it->second);
     in_terminal_ = false;
-    if (!x || x->empty()) fail("lark grammar, line {}: '%ignore' matches no text", it->second.line);
+    if (!x || x->empty()) fail("{}, line {}: '%ignore' matches no text", what_, it->second.line);
     ignore_ = group(*x) + "*";
   }
   const std::string& ignored() const { return ignore_; }
@@ -510,7 +511,7 @@ class Converter {
   Rx convert(const Node& n) {
     Rx r = of(n);
     if (r && r->size() > kMaxRegexBytes)
-      fail("ebnf, line {}: the grammar's regex would exceed {} bytes", n.line, kMaxRegexBytes);
+      fail("{}, line {}: the grammar's regex would exceed {} bytes", what_, n.line, kMaxRegexBytes);
     return r;
   }
 
@@ -522,10 +523,11 @@ class Converter {
       case Node::Ref: {
         auto it = rules_.find(n.text);
         if (it == rules_.end() || n.text == kIgnoreKey)
-          fail("ebnf, line {}: the rule '{}' is not defined", n.line, n.text);
+          fail("{}, line {}: the rule '{}' is not defined", what_, n.line, n.text);
         const bool outer = in_terminal_;
         in_terminal_ = outer || lark_terminal(n.text);
-        Rx r = refs_.follow(&it->second, [&] { return convert(it->second); }, fmt::format("ebnf, line {}", n.line));
+        Rx r = refs_.follow(&it->second, [&] { return convert(it->second); },
+                            fmt::format("{}, line {}", what_, n.line));
         in_terminal_ = outer;
         return r;
       }
@@ -566,6 +568,7 @@ class Converter {
   bool between() const { return !ignore_.empty() && !in_terminal_; }
 
   const std::map<std::string, Node>& rules_;
+  const char* what_;
   build::RefStack refs_;
   std::string ignore_;
   bool in_terminal_ = false;
@@ -580,9 +583,10 @@ std::string ebnf_regex(std::string_view grammar) {
   if (root == rules.end())
     fail("{}", lark ? "lark grammar: the grammar has no rule 'start' (the text it allows)"
                     : "ebnf: the grammar has no rule 'root' (the text it allows)");
-  Converter c(rules);
+  const char* what = lark ? "lark grammar" : "ebnf";
+  Converter c(rules, what);
   Rx r = c.convert(root->second);
-  if (!r) fail("ebnf: the grammar allows no text (its rules recurse with no way to end)");
+  if (!r) fail("{}: the grammar allows no text (its rules recurse with no way to end)", what);
   if (!c.ignored().empty()) {  // ignored text may also lead and trail the whole
     std::string all = c.ignored();
     all += group(*r);

@@ -462,6 +462,8 @@ letters.2: ("a".."f") ~ 2..3
                           "rule: \"a\"", "start: [\"a\"", "start: /(/"})
     EXPECT_THROW(ebnf_regex(bad), Error) << bad;
   EXPECT_NE(grammar_error("start: a\na: \"x\"\nb: \"y\" @ ").find("lark grammar, line 3"), std::string::npos);
+  EXPECT_NE(grammar_error("start: a\na: \"x\" B").find("lark grammar, line 2: the rule 'B' is not defined"),
+            std::string::npos);
 }
 
 // Lark's %ignore: what it matches may lead, trail and stand between any two elements of the rules (repeats and
