@@ -99,7 +99,9 @@ class Api {
   uint64_t id_salt_;
   // Constrained decoding: the constraint of a regex over the tokenizer's tokens (made by the first request that needs
   // it; the last kConstraintCache regexes are kept, so requests with the same schema share its automaton and masks).
-  std::shared_ptr<TokenConstraint> constraint_for(const std::string& regex);
+  // nfa: the regex already compiled (ParsedRequest::constraint_nfa), or null.
+  std::shared_ptr<TokenConstraint> constraint_for(const std::string& regex,
+                                                  const std::shared_ptr<const structured::Nfa>& nfa = nullptr);
   static constexpr size_t kConstraintCache = 32;
   mutable std::mutex special_mu_;
   mutable std::unordered_map<std::string, std::optional<int32_t>> specials_;

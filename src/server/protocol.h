@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -11,6 +12,10 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/engine_api.h"
+
+namespace mlaserve::structured {
+struct Nfa;
+}
 
 namespace mlaserve::server {
 
@@ -58,6 +63,9 @@ struct ParsedRequest {
   // field it came from; empty: none.
   std::string constraint_regex;
   std::string constraint_param;
+  // A regex the client wrote (or a grammar's), compiled while checking it, so the server's automaton need not compile
+  // it again; null for the regexes the server makes (schemas, tool calls), compiled where the automaton is built.
+  std::shared_ptr<const structured::Nfa> constraint_nfa;
   bool forced_tool_calls = false;    // tool_choice required or named: the constraint is DeepSeek's tool calls
 };
 

@@ -596,7 +596,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                                           m),
                          "tool_choice", "invalid_value");
     try {
-      p.spec.sampling.constraint = constraint_for(pr.constraint_regex);  // shared by the choices
+      p.spec.sampling.constraint = constraint_for(pr.constraint_regex, pr.constraint_nfa);  // shared by the choices
     } catch (const Error& e) {  // a schema's pattern the regex compiler rejects
       throw ApiError(400, fmt::format("'{}': {}", pr.constraint_param, e.what()), pr.constraint_param,
                      "invalid_value");
@@ -777,7 +777,8 @@ void Api::health_generate(const std::shared_ptr<HttpExchange>& ex) {
   }
 }
 
-std::shared_ptr<TokenConstraint> Api::constraint_for(const std::string& regex) {
+std::shared_ptr<TokenConstraint> Api::constraint_for(const std::string& regex,
+                                                     const std::shared_ptr<const structured::Nfa>& nfa) {
   std::lock_guard<std::mutex> lk(vocab_mu_);
   for (size_t i = 0; i < constraints_.size(); ++i)
     if (constraints_[i].first == regex) {
@@ -786,7 +787,8 @@ std::shared_ptr<TokenConstraint> Api::constraint_for(const std::string& regex) {
       return constraints_.back().second;
     }
   if (!vocab_) vocab_ = std::make_shared<const structured::TokenVocab>(codec_->token_bytes());
-  auto c = std::make_shared<structured::RegexConstraint>(vocab_, regex);
+  auto c = nfa ? std::make_shared<structured::RegexConstraint>(vocab_, *nfa)
+               : std::make_shared<structured::RegexConstraint>(vocab_, regex);
   if (constraints_.size() >= kConstraintCache) constraints_.erase(constraints_.begin());
   constraints_.emplace_back(regex, c);
   return c;

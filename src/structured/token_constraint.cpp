@@ -50,7 +50,10 @@ TokenVocab::TokenVocab(std::vector<std::string> bytes) : bytes_(std::move(bytes)
 }
 
 RegexConstraint::RegexConstraint(std::shared_ptr<const TokenVocab> vocab, std::string_view pattern, size_t max_states)
-    : vocab_(std::move(vocab)), dfa_(compile_regex(pattern), max_states) {
+    : RegexConstraint(std::move(vocab), compile_regex(pattern), max_states) {}
+
+RegexConstraint::RegexConstraint(std::shared_ptr<const TokenVocab> vocab, Nfa nfa, size_t max_states)
+    : vocab_(std::move(vocab)), dfa_(std::move(nfa), max_states) {
   MLA_CHECK(vocab_ != nullptr, "RegexConstraint: no vocabulary");
 }
 

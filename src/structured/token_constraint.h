@@ -45,6 +45,8 @@ class RegexConstraint : public TokenConstraint {
   // more than max_states states.
   RegexConstraint(std::shared_ptr<const TokenVocab> vocab, std::string_view pattern,
                   size_t max_states = Dfa::kMaxStates);
+  // The same from the pattern's compile_regex already made.
+  RegexConstraint(std::shared_ptr<const TokenVocab> vocab, Nfa nfa, size_t max_states = Dfa::kMaxStates);
   std::shared_ptr<const std::vector<uint32_t>> allowed(int32_t state) override;
   int32_t next(int32_t state, int32_t token) override;
   bool accepting(int32_t state) override;

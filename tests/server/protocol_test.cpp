@@ -331,6 +331,11 @@ TEST(Protocol, StructuredOutputFields) {
   EXPECT_FALSE(matches(parse_completions(lark_ws, {}), "SELECT a, b FROM t u"));
   EXPECT_EQ(parse_completions(json::parse(R"({"prompt": "a", "guided_regex": "[0-9]"})"), {}).constraint_regex,
             "[0-9]");
+  // A client's regex or grammar arrives compiled (checked once, its automaton built from that compile); a regex the
+  // server made from a schema is compiled where the automaton is built.
+  EXPECT_NE(parse_completions(json::parse(R"({"prompt": "a", "guided_regex": "[0-9]"})"), {}).constraint_nfa, nullptr);
+  EXPECT_NE(parse_completions(lark_ws, {}).constraint_nfa, nullptr);
+  EXPECT_EQ(g.constraint_nfa, nullptr);
   // vLLM's guided_choice and structured_outputs; an object schema keeps its order where the text is given.
   ParsedRequest ch = parse_completions(json::parse(R"J({"prompt": "a", "guided_choice": ["yes", "no (maybe)"]})J"), {});
   EXPECT_TRUE(matches(ch, "no (maybe)"));

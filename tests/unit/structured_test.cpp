@@ -558,6 +558,14 @@ TEST(TokenConstraint, MasksAreTheTokensThatKeepTheRegexAlive) {
     EXPECT_TRUE(std::all_of(c.allowed(s)->begin(), c.allowed(s)->end(), [](uint32_t w) { return w == 0; }));
   }
   EXPECT_EQ(c.next(0, 2), TokenConstraint::kDead);  // "}" first
+  // Built from the pattern's compile already made (the server's path for a client's regex): the same masks and steps.
+  RegexConstraint from_nfa(vocab, compile_regex(re));
+  for (int32_t s = 0, k = 0; k < 5 && s >= 0; ++k) {
+    EXPECT_EQ(*from_nfa.allowed(s), *c.allowed(s)) << "state " << s;
+    const int32_t t = Path{1, 7, 19, 9, 2}[static_cast<size_t>(k)];
+    EXPECT_EQ(from_nfa.next(s, t), c.next(s, t));
+    s = c.next(s, t);
+  }
   EXPECT_EQ(c.next(0, 0), TokenConstraint::kDead);  // a special token
   EXPECT_FALSE(c.accepting(0));
 }
