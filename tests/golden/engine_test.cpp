@@ -168,18 +168,19 @@ TEST_P(EngineTest, SmallChunksAndNoCacheGiveTheSameTokens) {
 }
 
 TEST_P(EngineTest, RetractionUnderMemoryPressureKeepsOutputsExact) {
-  // 50 pages of 8 tokens: the five prompts (~400 tokens) + 16 new tokens each do not fit together. The requests
-  // are submitted while the engine runs: on a loaded machine the submitting thread can be descheduled long enough
-  // for the first requests to finish alone, so a run may see no retraction. Each run must be exact; up to three
-  // runs, one must have retracted.
+  // 50 pages of 8 tokens: the five prompts (~400 tokens) + 64 new tokens each do not fit together (three requests
+  // running at once already need more). The requests are submitted while the engine runs: on a loaded machine the
+  // submitting thread can be descheduled while the first requests run alone, so a run may see no retraction; 64 new
+  // tokens (not 16, which a loaded CI machine once saw finish alone three times) keep every request running long
+  // enough for the others to arrive. Each run must be exact; up to three runs, one must have retracted.
   int64_t retractions = 0;
   for (int attempt = 0; attempt < 3 && retractions == 0; ++attempt) {
     auto e = make(50, 8, 64);
     std::vector<std::future<Result>> fs;
-    for (int j = 0; j < 5; ++j) fs.push_back(submit(*e, "m" + std::to_string(j), prompts_[j], 16));
+    for (int j = 0; j < 5; ++j) fs.push_back(submit(*e, "m" + std::to_string(j), prompts_[j], 64));
     for (int j = 0; j < 5; ++j) {
       Result r = wait(fs[j]);
-      EXPECT_EQ(r.tokens.size(), 16u);
+      EXPECT_EQ(r.tokens.size(), 64u);
       expect_prefix(r.tokens, j);
     }
     retractions = e->stats()[0].num_retractions;
