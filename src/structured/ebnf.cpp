@@ -23,9 +23,6 @@ struct Node {
   int line = 0;
 };
 
-// The key under which the parser keeps a Lark grammar's %ignore items (an alternation; '%' is in no name).
-constexpr const char* kIgnoreKey = "%ignore";
-
 // A Lark terminal (its name upper-case after any leading '_'), whose text holds no ignored pieces inside.
 bool lark_terminal(const std::string& name) {
   const size_t i = name.find_first_not_of('_');
@@ -81,6 +78,9 @@ class Parser {
     return pos_ < g_.size() && g_[pos_] == ':' && g_.substr(pos_, 3) != "::=";
   }
 
+  // A Lark grammar's %ignore items as one alternation (no kids: none), read by rules().
+  const Node& ignored() const { return ignored_; }
+
   std::map<std::string, Node> rules() {
     std::map<std::string, Node> out;
     skip();
@@ -134,10 +134,9 @@ class Parser {
       const int line = line_;
       Node item = alternatives();
       if (item.kids.size() == 1 && item.kids[0].kids.empty()) error("'%ignore' must name what it ignores");
-      Node& all = out[kIgnoreKey];
-      all.kind = Node::Alt;
-      all.line = line;
-      all.kids.push_back(std::move(item));
+      ignored_.kind = Node::Alt;
+      if (ignored_.kids.empty()) ignored_.line = line;
+      ignored_.kids.push_back(std::move(item));
       return;
     }
     if (what != "import") error(fmt::format("'%{}' is not supported", what));
@@ -487,6 +486,7 @@ class Parser {
   size_t pos_ = 0;
   int line_ = 1;
   int depth_ = 0;
+  Node ignored_;
 };
 
 using build::group;
@@ -496,14 +496,14 @@ class Converter {
  public:
   // With a Lark grammar's %ignore items, the rules' sequences and repeats allow them between their elements (not
   // inside terminals: upper-case names, strings, regexes); ignored() is that piece of regex, empty without.
-  // what: how errors name the grammar ("ebnf" or "lark grammar").
-  Converter(const std::map<std::string, Node>& rules, const char* what) : rules_(rules), what_(what) {
-    const auto it = rules.find(kIgnoreKey);
-    if (it == rules.end()) return;
+  // what: how errors name the grammar ("ebnf" or "lark grammar"); ignored: Parser::ignored().
+  Converter(const std::map<std::string, Node>& rules, const Node& ignored, const char* what)
+      : rules_(rules), what_(what) {
+    if (ignored.kids.empty()) return;
     in_terminal_ = true;
-    Rx x = convert(it->second);
+    Rx x = convert(ignored);
     in_terminal_ = false;
-    if (!x || x->empty()) fail("{}, line {}: '%ignore' matches no text", what_, it->second.line);
+    if (!x || x->empty()) fail("{}, line {}: '%ignore' matches no text", what_, ignored.line);
     ignore_ = group(*x) + "*";
   }
   const std::string& ignored() const { return ignore_; }
@@ -522,8 +522,7 @@ class Converter {
       case Node::Class: return n.text;
       case Node::Ref: {
         auto it = rules_.find(n.text);
-        if (it == rules_.end() || n.text == kIgnoreKey)
-          fail("{}, line {}: the rule '{}' is not defined", what_, n.line, n.text);
+        if (it == rules_.end()) fail("{}, line {}: the rule '{}' is not defined", what_, n.line, n.text);
         const bool outer = in_terminal_;
         in_terminal_ = outer || lark_terminal(n.text);
         Rx r = refs_.follow(&it->second, [&] { return convert(it->second); },
@@ -553,8 +552,12 @@ class Converter {
         Rx x = convert(n.kids[0]);
         if (!x) return n.lo == 0 ? Rx(std::string()) : Rx();  // taken zero times
         if (between() && n.hi != 0 && n.hi != 1) {  // x (ignored x){lo-1, hi-1}, optional when lo is 0
-          const std::string more = "(?:" + ignore_;
-          std::string r = group(*x) + more + group(*x) + ")";
+          const std::string one = group(*x);
+          std::string r = one;
+          r += "(?:";
+          r += ignore_;
+          r += one;
+          r += ")";
           const int lo = std::max(n.lo - 1, 0);
           r += n.hi < 0 ? fmt::format("{{{},}}", lo) : fmt::format("{{{},{}}}", lo, n.hi - 1);
           return n.lo == 0 ? "(?:" + r + ")?" : r;
@@ -578,13 +581,14 @@ class Converter {
 
 std::string ebnf_regex(std::string_view grammar) {
   const bool lark = Parser(grammar, true).starts_lark();
-  const std::map<std::string, Node> rules = Parser(grammar, lark).rules();
+  Parser parser(grammar, lark);
+  const std::map<std::string, Node> rules = parser.rules();
   auto root = rules.find(lark ? "start" : "root");
   if (root == rules.end())
     fail("{}", lark ? "lark grammar: the grammar has no rule 'start' (the text it allows)"
                     : "ebnf: the grammar has no rule 'root' (the text it allows)");
   const char* what = lark ? "lark grammar" : "ebnf";
-  Converter c(rules, what);
+  Converter c(rules, parser.ignored(), what);
   Rx r = c.convert(root->second);
   if (!r) fail("{}: the grammar allows no text (its rules recurse with no way to end)", what);
   if (!c.ignored().empty()) {  // ignored text may also lead and trail the whole
