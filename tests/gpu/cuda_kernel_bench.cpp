@@ -2,7 +2,7 @@
 // second; FLOP/s with 128 heads) and the grouped MoE GEMMs (bytes of expert weights read per second at decode
 // batch sizes, FLOP/s at prefill sizes), and what one dependency between phases of GPU work costs (sync_bench.cu).
 // Random data (fill_random), CUDA events, median of 20 runs after warm-up.
-// usage: cuda_kernel_bench [mla [variant]|mla128|moe|sync|layer [ctx]|all]
+// usage: cuda_kernel_bench [mla [variant]|mla128|moe|moefp8|sync|layer [ctx]|all]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -163,6 +163,81 @@ void bench_moe(int T, int E, int k, int H, int I) {
     CK(cudaFree(pp));
 }
 
+// FP8 experts (128 x 128 scale blocks; every code 0x34, so the times do not depend on the values) at decode sizes:
+// the grouped kernels' shared-memory conversion (moe_gemm_*) against moe_fp8_decode; GB/s of the codes of the
+// experts used.
+void bench_moe_fp8(int T, int E, int k, int H, int I) {
+  std::mt19937_64 rng(19);
+  std::vector<int32_t> ids(static_cast<size_t>(T) * k);
+  for (int t = 0; t < T; ++t) {
+    std::vector<int32_t> all(static_cast<size_t>(E));
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    for (int j = 0; j < k; ++j) ids[static_cast<size_t>(t) * k + j] = all[static_cast<size_t>(j)];
+  }
+  std::vector<char> touched(static_cast<size_t>(E), 0);
+  for (int32_t e : ids) touched[static_cast<size_t>(e)] = 1;
+  const int n_touched = static_cast<int>(std::count(touched.begin(), touched.end(), 1));
+  int32_t* d_ids = upload(ids);
+  float* d_w = upload(std::vector<float>(ids.size(), 0.1f));
+  bf16* x = dev<bf16>(static_cast<size_t>(T) * H);
+  CK(fill_random(x, true, T, H, 4, 0.0f, 1.0f, H, 0, 0, nullptr));
+  const size_t n_gu = static_cast<size_t>(E) * 2 * I * H, n_dn = static_cast<size_t>(E) * H * I;
+  uint8_t* gu = dev<uint8_t>(n_gu);
+  uint8_t* dn = dev<uint8_t>(n_dn);
+  CK(cudaMemset(gu, 0x34, n_gu));
+  CK(cudaMemset(dn, 0x34, n_dn));
+  const int bs = 128;
+  const size_t sb_gu = static_cast<size_t>(E) * ((2 * I + bs - 1) / bs) * ((H + bs - 1) / bs);
+  float* s_gu = upload(std::vector<float>(sb_gu, 0.01f));
+  float* s_dn = upload(std::vector<float>(static_cast<size_t>(E) * ((H + bs - 1) / bs) * ((I + bs - 1) / bs), 0.01f));
+  const int64_t P = static_cast<int64_t>(T) * k;
+  const int32_t bm = moe_block_m(P, E);
+  const int32_t max_tiles = moe_max_tiles(T, k, E, bm);
+  MoeGroupOut g{dev<int32_t>(E), dev<int32_t>(P), dev<float>(P), dev<int32_t>(P), dev<int32_t>(max_tiles),
+                dev<int32_t>(1), dev<int32_t>(E)};
+  bf16* act = dev<bf16>(static_cast<size_t>(P) * I);
+  float* y = dev<float>(static_cast<size_t>(P) * H);
+  CK(moe_group(d_ids, d_w, T, k, E, 0, bm, g, nullptr));
+  MoeGemmParams gp{};
+  gp.x = x;
+  gp.pos_row = g.pos_row;
+  gp.w = reinterpret_cast<const bf16*>(gu);
+  gp.w_scale = s_gu;
+  gp.block_rows = gp.block_cols = bs;
+  gp.tiles = g.tiles;
+  gp.num_tiles = g.num_tiles;
+  gp.expert_end = g.expert_end;
+  gp.max_tiles = max_tiles;
+  gp.N = I;
+  gp.K = H;
+  gp.act = act;
+  MoeGemmParams dp = gp;
+  dp.x = act;
+  dp.pos_row = nullptr;
+  dp.w = reinterpret_cast<const bf16*>(dn);
+  dp.w_scale = s_dn;
+  dp.N = H;
+  dp.K = I;
+  dp.act = nullptr;
+  dp.y = y;
+  dp.pos_weight = g.pos_weight;
+  const double o_gu = time_ms([&] { CK(moe_gemm_gate_up(gp, bm, nullptr)); });
+  const double o_dn = time_ms([&] { CK(moe_gemm_down(dp, bm, nullptr)); });
+  const int sms = num_sms();
+  const double n_gu_ms = time_ms([&] { CK(moe_fp8_decode(gp, true, E, P, sms, nullptr)); });
+  const double n_dn_ms = time_ms([&] { CK(moe_fp8_decode(dp, false, E, P, sms, nullptr)); });
+  const double b_gu = static_cast<double>(n_touched) * 2 * I * H, b_dn = static_cast<double>(n_touched) * H * I;
+  std::printf("moe fp8 T %5d E %3d k %d H %4d I %4d (%3d experts used, %5.1f rows each): grouped gate_up %7.3f down "
+              "%7.3f ms %5.0f GB/s | moe_fp8_decode gate_up %7.3f (%5.0f GB/s) down %7.3f (%5.0f GB/s) ms %5.0f GB/s\n",
+              T, E, k, H, I, n_touched, static_cast<double>(P) / n_touched, o_gu, o_dn,
+              (b_gu + b_dn) / (o_gu + o_dn) / 1e6, n_gu_ms, b_gu / n_gu_ms / 1e6, n_dn_ms, b_dn / n_dn_ms / 1e6,
+              (b_gu + b_dn) / (n_gu_ms + n_dn_ms) / 1e6);
+  for (void* pp : std::initializer_list<void*>{d_ids, d_w, x, gu, dn, s_gu, s_dn, act, y, g.expert_end, g.pos_row,
+                                               g.pos_weight, g.assign_pos, g.tiles, g.num_tiles, g.expert_counts})
+    CK(cudaFree(pp));
+}
+
 void bench_copy() {
   const size_t n = 2ull << 30;
   char* a = dev<char>(n);
@@ -220,6 +295,10 @@ int main(int argc, char** argv) {
   if (what == "all" || what == "sync") bench_sync();
   if (what == "all" || what == "layer") bench_layer(argc > 2 && what == "layer" ? std::atoi(argv[2]) : 192);
   if (what == "all" || what == "fp8stream") bench_fp8_stream();
+  if (what == "all" || what == "moefp8") {
+    for (int T : {17, 32, 64, 128, 256, 384}) bench_moe_fp8(T, 64, 6, 2048, 1408);  // V2-Lite
+    for (int T : {64, 256, 1024}) bench_moe_fp8(T, 256, 8, 7168, 256);           // V3 at --tp 8, one rank's slice
+  }
   if (what == "all" || what == "moe") {
     bench_moe(256, 64, 6, 2048, 1408);
     bench_moe(64, 64, 6, 2048, 1408);

@@ -848,8 +848,14 @@ void moe_fp8_case(int64_t E, int64_t k, int64_t H, int64_t I, int64_t Is, int64_
       Tensor o8 = g.alloc({T, H}, DType::BF16), ob = g.alloc({T, H}, DType::BF16);
       g.moe_experts(x, ids, wts, gu8, dn8, 0, Is ? &sg : nullptr, Is ? &sd : nullptr, o8);
       g.moe_experts(x, ids, wts, gub, dnb, 0, Is ? &sg : nullptr, Is ? &sd : nullptr, ob);
+      // kind 0: tensor cores with exact codes (small batches, scaled products: within the bf16 rounding of the
+      // dequantized weights), moe_fp8_decode (the dequantized weights, another summation order: an act rounded to
+      // the other neighbouring bf16 at most), else the exact grouped kernels.
       const bool tensor_cores = kind == 0 && T <= mlaserve::cuda::kMoeSmallTcRows && whole_chunks;
-      const double tol = tensor_cores ? 1e-2 : 0.0;
+      const bool small = tensor_cores || T <= mlaserve::cuda::kMoeSmallRows;
+      const bool decode = kind == 0 && !small && T * k <= mlaserve::cuda::kMoeFp8DecodeRowsPerExpert * E &&
+                          mlaserve::cuda::moe_fp8_decode_fits(H, I, br, bc);
+      const double tol = tensor_cores ? 1e-2 : decode ? 2e-3 : 0.0;
       expect_close(g.to_host_f32(ob), g.to_host_f32(o8), tol, 5 * tol,
                    "fp8 experts T" + std::to_string(T) + " I" + std::to_string(I) + " shared " + std::to_string(Is) +
                        " kind " + std::to_string(kind) + (subnormal ? " subnormal" : ""));
@@ -861,12 +867,15 @@ TEST(CudaOps, MoeExpertsFp8IsItsDequantizedModel) {
   REQUIRE_GPU();
   // Tensor cores up to kMoeSmallTcRows tokens where the scale blocks are whole 64-column chunks (5+ tokens: the
   // shared experts' gate/up on them too; 9+ tokens in the mma's rows 8-15 too), the exact conversions elsewhere.
-  moe_fp8_case(8, 2, 256, 128, 0, 64, 64, {1, 2, 3, 4, 6, 8, 12, 300}, 62);
-  moe_fp8_case(16, 6, 2048, 1408, 2816, 128, 128, {1, 2, 4, 5, 8, 9, 16, 17}, 70);  // V2-Lite widths, 2 shared
-  moe_fp8_case(8, 2, 256, 96, 96, 16, 48, {1, 3, 7, 16}, 80);                       // blocks of 16 x 48 rows / cols
-  moe_fp8_case(8, 3, 512, 256, 0, 128, 128, {1, 4, 8, 13}, 90, true);               // subnormal codes only
-  moe_fp8_case(8, 2, 512, 192, 64, 64, 256, {1, 2, 3, 7, 10}, 100);                 // 4 chunks a scale block
+  // moe_fp8_decode past them up to kMoeFp8DecodeRowsPerExpert rows per expert (8, 16 or 32 of an expert's rows a
+  // pass, experts with none, with more than one pass), the exact grouped kernels past that.
+  moe_fp8_case(8, 2, 256, 128, 0, 64, 64, {1, 2, 3, 4, 6, 8, 12, 20, 60, 300}, 62);
+  moe_fp8_case(16, 6, 2048, 1408, 2816, 128, 128, {1, 2, 4, 5, 8, 9, 16, 17, 40, 80}, 70);  // V2-Lite, 2 shared
+  moe_fp8_case(8, 2, 256, 96, 96, 16, 48, {1, 3, 7, 16, 40}, 80);                   // blocks of 16 x 48 rows / cols
+  moe_fp8_case(8, 3, 512, 256, 0, 128, 128, {1, 4, 8, 13, 30}, 90, true);           // subnormal codes only
+  moe_fp8_case(8, 2, 512, 192, 64, 64, 256, {1, 2, 3, 7, 10, 24, 50}, 100);         // 4 chunks a scale block
   moe_fp8_case(8, 2, 256, 128, 96, 64, 64, {1, 4, 8, 16}, 110);                     // shared not in 64-col chunks
+  moe_fp8_case(64, 2, 256, 128, 0, 128, 128, {17, 33}, 120);                        // most experts without rows
 }
 
 TEST(CudaOps, MoeExpertsV2LiteShape) {

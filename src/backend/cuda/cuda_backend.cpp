@@ -146,6 +146,7 @@ class CudaBackend final : public Backend {
     if (const char* v = std::getenv("MLASERVE_MLA_DECODE_VARIANT")) mla_variant_ = std::atoi(v);
     moe_grouped_only_ = env_flag("MLASERVE_MOE_GROUPED");
     small_batch_ = o.small_batch && !env_off("MLASERVE_SMALL_BATCH");
+    fp8_decode_ = small_batch_ && !env_off("MLASERVE_MOE_FP8_DECODE");
     one_token_ = small_batch_ && o.one_token_attention && !env_off("MLASERVE_MLA_ONE_TOKEN");
     if (one_token_) {
       const cudaError_t e = cuda::mla_one_token_max_clusters(&one_token_clusters_);
@@ -989,6 +990,7 @@ class CudaBackend final : public Backend {
   // measured fastest on H200 (docs/perf.md); MLASERVE_MLA_DECODE_VARIANT overrides
   int32_t mla_variant_ = cuda::kMlaDecodeDefaultVariant;
   bool moe_grouped_only_ = false;
+  bool fp8_decode_ = true;  // FP8 experts at decode sizes through moe_fp8_decode (with small_batch_)
   // Steps of at most cuda::kGemvMaxRows rows use the small-batch kernels (gemv.cu); MLASERVE_SMALL_BATCH=0: cuBLAS and
   // the grouped MoE kernels instead.
   bool small_batch_ = true;
@@ -1417,7 +1419,14 @@ void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tens
     gp.N = static_cast<int32_t>(I);
     gp.K = static_cast<int32_t>(H);
     gp.act = bf(act);
-    CUDA_OK(cuda::moe_gemm_gate_up(gp, bm, stream_), "moe_gemm_gate_up");
+    // FP8 experts with few rows per expert: the weights straight into registers (moe_fp8_decode).
+    const bool fp8_decode = gs && ds && fp8_decode_ && P <= cuda::kMoeFp8DecodeRowsPerExpert * E &&
+                            cuda::moe_fp8_decode_fits(H, I, gs->block_rows, gs->block_cols) &&
+                            cuda::moe_fp8_decode_fits(H, I, ds->block_rows, ds->block_cols);
+    if (fp8_decode)
+      CUDA_OK(cuda::moe_fp8_decode(gp, true, static_cast<int32_t>(E), P, num_sms_, stream_), "moe_fp8_decode gate_up");
+    else
+      CUDA_OK(cuda::moe_gemm_gate_up(gp, bm, stream_), "moe_gemm_gate_up");
     gp.x = bf(act);
     gp.pos_row = nullptr;
     gp.w = static_cast<const cuda::bf16*>(down.data());
@@ -1431,7 +1440,10 @@ void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tens
     gp.act = nullptr;
     gp.y = y.data_as<float>();
     gp.pos_weight = pos_weight.data_as<float>();
-    CUDA_OK(cuda::moe_gemm_down(gp, bm, stream_), "moe_gemm_down");
+    if (fp8_decode)
+      CUDA_OK(cuda::moe_fp8_decode(gp, false, static_cast<int32_t>(E), P, num_sms_, stream_), "moe_fp8_decode down");
+    else
+      CUDA_OK(cuda::moe_gemm_down(gp, bm, stream_), "moe_gemm_down");
   }
   CUDA_OK(cuda::moe_combine(y.data_as<float>(), assign_pos.data_as<int32_t>(), T, static_cast<int32_t>(k), H, bf(out),
                             stream_),
