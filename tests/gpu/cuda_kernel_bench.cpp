@@ -13,6 +13,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/cuda/kernels.h"
@@ -99,8 +100,9 @@ double bench_mla(int batch, int ctx, int nh, int page_size, int variant) {
   return bytes / t_kernel / 1e9;
 }
 
-void bench_moe(int T, int E, int k, int H, int I) {
-  std::mt19937_64 rng(9);
+// k distinct random experts of E per token; n_touched: how many experts are named.
+std::vector<int32_t> random_ids(int T, int E, int k, uint64_t seed, int& n_touched) {
+  std::mt19937_64 rng(seed);
   std::vector<int32_t> ids(static_cast<size_t>(T) * k);
   for (int t = 0; t < T; ++t) {
     std::vector<int32_t> all(static_cast<size_t>(E));
@@ -110,28 +112,29 @@ void bench_moe(int T, int E, int k, int H, int I) {
   }
   std::vector<char> touched(static_cast<size_t>(E), 0);
   for (int32_t e : ids) touched[static_cast<size_t>(e)] = 1;
-  const int n_touched = static_cast<int>(std::count(touched.begin(), touched.end(), 1));
-  std::vector<float> w(ids.size(), 0.1f);
-  int32_t* d_ids = upload(ids);
-  float* d_w = upload(w);
-  bf16* x = dev<bf16>(static_cast<size_t>(T) * H);
-  CK(fill_random(x, true, T, H, 4, 0.0f, 1.0f, H, 0, 0, nullptr));
-  bf16* gu = dev<bf16>(static_cast<size_t>(E) * 2 * I * H);
-  bf16* dn = dev<bf16>(static_cast<size_t>(E) * H * I);
-  CK(fill_random(gu, true, static_cast<int64_t>(E) * 2 * I, H, 5, 0.0f, 0.02f, H, 0, 0, nullptr));
-  CK(fill_random(dn, true, static_cast<int64_t>(E) * H, I, 6, 0.0f, 0.02f, I, 0, 0, nullptr));
+  n_touched = static_cast<int>(std::count(touched.begin(), touched.end(), 1));
+  return ids;
+}
+
+struct GroupBuffers {
+  int32_t block_m, max_tiles;
+  MoeGroupOut out;
+};
+// moe_group's outputs for T tokens of k experts of E, on the device.
+GroupBuffers group_buffers(int T, int E, int k) {
   const int64_t P = static_cast<int64_t>(T) * k;
-  const int32_t bm = moe_block_m(P, E);
-  const int32_t max_tiles = moe_max_tiles(T, k, E, bm);
-  MoeGroupOut g{dev<int32_t>(E), dev<int32_t>(P), dev<float>(P), dev<int32_t>(P), dev<int32_t>(max_tiles),
-                dev<int32_t>(1), dev<int32_t>(E)};
-  bf16* act = dev<bf16>(static_cast<size_t>(P) * I);
-  float* y = dev<float>(static_cast<size_t>(P) * H);
-  bf16* out = dev<bf16>(static_cast<size_t>(T) * H);
+  const int32_t bm = moe_block_m(P, E), max_tiles = moe_max_tiles(T, k, E, bm);
+  return {bm, max_tiles, MoeGroupOut{dev<int32_t>(E), dev<int32_t>(P), dev<float>(P), dev<int32_t>(P),
+                                     dev<int32_t>(max_tiles), dev<int32_t>(1), dev<int32_t>(E)}};
+}
+
+// The grouped GEMMs' parameters for gate/up (x -> act) and down (act -> y) over moe_group's output g.
+std::pair<MoeGemmParams, MoeGemmParams> moe_params(const bf16* x, const MoeGroupOut& g, const void* gu, const void* dn,
+                                                   int32_t max_tiles, int H, int I, bf16* act, float* y) {
   MoeGemmParams gp{};
   gp.x = x;
   gp.pos_row = g.pos_row;
-  gp.w = gu;
+  gp.w = static_cast<const bf16*>(gu);
   gp.tiles = g.tiles;
   gp.num_tiles = g.num_tiles;
   gp.expert_end = g.expert_end;
@@ -142,12 +145,33 @@ void bench_moe(int T, int E, int k, int H, int I) {
   MoeGemmParams dp = gp;
   dp.x = act;
   dp.pos_row = nullptr;
-  dp.w = dn;
+  dp.w = static_cast<const bf16*>(dn);
   dp.N = H;
   dp.K = I;
   dp.act = nullptr;
   dp.y = y;
   dp.pos_weight = g.pos_weight;
+  return {gp, dp};
+}
+
+void bench_moe(int T, int E, int k, int H, int I) {
+  int n_touched = 0;
+  const std::vector<int32_t> ids = random_ids(T, E, k, 9, n_touched);
+  std::vector<float> w(ids.size(), 0.1f);
+  int32_t* d_ids = upload(ids);
+  float* d_w = upload(w);
+  bf16* x = dev<bf16>(static_cast<size_t>(T) * H);
+  CK(fill_random(x, true, T, H, 4, 0.0f, 1.0f, H, 0, 0, nullptr));
+  bf16* gu = dev<bf16>(static_cast<size_t>(E) * 2 * I * H);
+  bf16* dn = dev<bf16>(static_cast<size_t>(E) * H * I);
+  CK(fill_random(gu, true, static_cast<int64_t>(E) * 2 * I, H, 5, 0.0f, 0.02f, H, 0, 0, nullptr));
+  CK(fill_random(dn, true, static_cast<int64_t>(E) * H, I, 6, 0.0f, 0.02f, I, 0, 0, nullptr));
+  const int64_t P = static_cast<int64_t>(T) * k;
+  const auto [bm, max_tiles, g] = group_buffers(T, E, k);
+  bf16* act = dev<bf16>(static_cast<size_t>(P) * I);
+  float* y = dev<float>(static_cast<size_t>(P) * H);
+  bf16* out = dev<bf16>(static_cast<size_t>(T) * H);
+  const auto [gp, dp] = moe_params(x, g, gu, dn, max_tiles, H, I, act, y);
   const double t_group = time_ms([&] { CK(moe_group(d_ids, d_w, T, k, E, 0, bm, g, nullptr)); });
   const double t_gu = time_ms([&] { CK(moe_gemm_gate_up(gp, bm, nullptr)); });
   const double t_dn = time_ms([&] { CK(moe_gemm_down(dp, bm, nullptr)); });
@@ -167,17 +191,8 @@ void bench_moe(int T, int E, int k, int H, int I) {
 // the grouped kernels' shared-memory conversion (moe_gemm_*) against moe_fp8_decode; GB/s of the codes of the
 // experts used.
 void bench_moe_fp8(int T, int E, int k, int H, int I) {
-  std::mt19937_64 rng(19);
-  std::vector<int32_t> ids(static_cast<size_t>(T) * k);
-  for (int t = 0; t < T; ++t) {
-    std::vector<int32_t> all(static_cast<size_t>(E));
-    std::iota(all.begin(), all.end(), 0);
-    std::shuffle(all.begin(), all.end(), rng);
-    for (int j = 0; j < k; ++j) ids[static_cast<size_t>(t) * k + j] = all[static_cast<size_t>(j)];
-  }
-  std::vector<char> touched(static_cast<size_t>(E), 0);
-  for (int32_t e : ids) touched[static_cast<size_t>(e)] = 1;
-  const int n_touched = static_cast<int>(std::count(touched.begin(), touched.end(), 1));
+  int n_touched = 0;
+  const std::vector<int32_t> ids = random_ids(T, E, k, 19, n_touched);
   int32_t* d_ids = upload(ids);
   float* d_w = upload(std::vector<float>(ids.size(), 0.1f));
   bf16* x = dev<bf16>(static_cast<size_t>(T) * H);
@@ -192,36 +207,14 @@ void bench_moe_fp8(int T, int E, int k, int H, int I) {
   float* s_gu = upload(std::vector<float>(sb_gu, 0.01f));
   float* s_dn = upload(std::vector<float>(static_cast<size_t>(E) * ((H + bs - 1) / bs) * ((I + bs - 1) / bs), 0.01f));
   const int64_t P = static_cast<int64_t>(T) * k;
-  const int32_t bm = moe_block_m(P, E);
-  const int32_t max_tiles = moe_max_tiles(T, k, E, bm);
-  MoeGroupOut g{dev<int32_t>(E), dev<int32_t>(P), dev<float>(P), dev<int32_t>(P), dev<int32_t>(max_tiles),
-                dev<int32_t>(1), dev<int32_t>(E)};
+  const auto [bm, max_tiles, g] = group_buffers(T, E, k);
   bf16* act = dev<bf16>(static_cast<size_t>(P) * I);
   float* y = dev<float>(static_cast<size_t>(P) * H);
   CK(moe_group(d_ids, d_w, T, k, E, 0, bm, g, nullptr));
-  MoeGemmParams gp{};
-  gp.x = x;
-  gp.pos_row = g.pos_row;
-  gp.w = reinterpret_cast<const bf16*>(gu);
+  auto [gp, dp] = moe_params(x, g, gu, dn, max_tiles, H, I, act, y);
   gp.w_scale = s_gu;
-  gp.block_rows = gp.block_cols = bs;
-  gp.tiles = g.tiles;
-  gp.num_tiles = g.num_tiles;
-  gp.expert_end = g.expert_end;
-  gp.max_tiles = max_tiles;
-  gp.N = I;
-  gp.K = H;
-  gp.act = act;
-  MoeGemmParams dp = gp;
-  dp.x = act;
-  dp.pos_row = nullptr;
-  dp.w = reinterpret_cast<const bf16*>(dn);
   dp.w_scale = s_dn;
-  dp.N = H;
-  dp.K = I;
-  dp.act = nullptr;
-  dp.y = y;
-  dp.pos_weight = g.pos_weight;
+  gp.block_rows = gp.block_cols = dp.block_rows = dp.block_cols = bs;
   const double o_gu = time_ms([&] { CK(moe_gemm_gate_up(gp, bm, nullptr)); });
   const double o_dn = time_ms([&] { CK(moe_gemm_down(dp, bm, nullptr)); });
   const int sms = num_sms();
