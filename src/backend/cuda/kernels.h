@@ -273,6 +273,7 @@ struct MoeGemmParams {
   int32_t block_rows = 0, block_cols = 0;
 };
 cudaError_t moe_gemm_gate_up(const MoeGemmParams& p, int32_t block_m, cudaStream_t stream);
+cudaError_t moe_gemm_down(const MoeGemmParams& p, int32_t block_m, cudaStream_t stream);
 // FP8 experts at decode sizes (moe_fp8_decode.cu): the same products as moe_gemm_gate_up / moe_gemm_down (gate_up
 // true / false) over E local experts, the codes streamed into registers and made into bf16(code * scale) there (the
 // dequantized model; only the summation order differs). For few rows per expert (kMoeFp8DecodeRowsPerExpert, a
@@ -282,7 +283,6 @@ constexpr int64_t kMoeFp8DecodeRowsPerExpert = 32;
 bool moe_fp8_decode_fits(int64_t H, int64_t I, int64_t block_rows, int64_t block_cols);
 cudaError_t moe_fp8_decode(const MoeGemmParams& p, bool gate_up, int32_t E, int64_t assignments, int32_t num_sms,
                            cudaStream_t stream);
-cudaError_t moe_gemm_down(const MoeGemmParams& p, int32_t block_m, cudaStream_t stream);
 
 // Each sets its kernels' dynamic-shared-memory attributes on the current device. The backend calls them at
 // construction: setting a function attribute later, while another GPU of the process runs a collective, can block
