@@ -289,8 +289,8 @@ int main(int argc, char** argv) {
   if (what == "all" || what == "layer") bench_layer(argc > 2 && what == "layer" ? std::atoi(argv[2]) : 192);
   if (what == "all" || what == "fp8stream") bench_fp8_stream();
   if (what == "all" || what == "moefp8") {
-    for (int T : {17, 32, 64, 128, 256, 384}) bench_moe_fp8(T, 64, 6, 2048, 1408);  // V2-Lite
-    for (int T : {64, 256, 1024}) bench_moe_fp8(T, 256, 8, 7168, 256);           // V3 at --tp 8, one rank's slice
+    for (int T : {17, 32, 64, 128, 256, 384, 512}) bench_moe_fp8(T, 64, 6, 2048, 1408);  // V2-Lite
+    for (int T : {64, 256, 1024, 1280, 1536}) bench_moe_fp8(T, 256, 8, 7168, 256);  // V3 at --tp 8, a rank's slice
   }
   if (what == "all" || what == "moe") {
     bench_moe(256, 64, 6, 2048, 1408);

@@ -3,36 +3,54 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include "backend/cuda/common.cuh"
 
 namespace mlaserve::cuda {
 
-// f32 of code * 2^-120 for the code in the top byte of t, exactly (integer operations only): the sign and the 7 other
-// bits placed where f32 keeps them (E4M3's exponent bias is 7, f32's 127; subnormal codes become subnormal f32).
-__device__ __forceinline__ float fp8_top_byte_scaled(uint32_t t) {
-  return __int_as_float((static_cast<int32_t>(t) >> 4) & static_cast<int32_t>(0x87F00000u));
+// The 4 E4M3 codes of q (low byte first) as two f16x2 of exactly their values (every E4M3 value, subnormal ones
+// included, is a normal f16): lo codes 0-1, hi codes 2-3, the lower code in the lower half. One hardware conversion
+// per pair (sm_89 and later).
+__device__ __forceinline__ void fp8x4_f16x2(uint32_t q, uint32_t& lo, uint32_t& hi) {
+  asm("{\n"
+      "  .reg .b16 a, b;\n"
+      "  mov.b32 {a, b}, %2;\n"
+      "  cvt.rn.f16x2.e4m3x2 %0, a;\n"
+      "  cvt.rn.f16x2.e4m3x2 %1, b;\n"
+      "}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(q));
+}
+
+__device__ __forceinline__ float2 f16x2_to_float2(uint32_t h) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&h));
 }
 
 // bf16(code * s) for the 8 codes of q (low byte first), packed as a 16-byte vector of 8 bf16: each product rounded
-// once to f32 and once to bf16, as the host rounds code * scale when it uploads dequantized weights (code * 2^-120
-// times 2^120 is exact, so the product is the f32 of code * s).
+// once to f32 and once to bf16, as the host rounds code * scale when it uploads dequantized weights (the code's f16,
+// and so its f32, is exact).
 __device__ __forceinline__ uint4 fp8x8_to_bf16(const uint2& q, float s) {
-  auto f = [&](uint32_t t) { return fp8_top_byte_scaled(t) * 0x1p120f * s; };
-  return make_uint4(pack_bf16x2(f(q.x << 24), f(q.x << 16)), pack_bf16x2(f(q.x << 8), f(q.x)),
-                    pack_bf16x2(f(q.y << 24), f(q.y << 16)), pack_bf16x2(f(q.y << 8), f(q.y)));
+  uint32_t h[4];
+  fp8x4_f16x2(q.x, h[0], h[1]);
+  fp8x4_f16x2(q.y, h[2], h[3]);
+  uint32_t r[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = f16x2_to_float2(h[i]);
+    r[i] = pack_bf16x2(f.x * s, f.y * s);
+  }
+  return make_uint4(r[0], r[1], r[2], r[3]);
 }
 
-// 4 F8 codes (low byte first) as 4 bf16 of exactly their values (lo: codes 0-1, hi: codes 2-3). The sign and the 7
-// other bits placed where bf16 keeps them make code * 2^-120 (E4M3's exponent bias is 7, bf16's 127; subnormal codes
-// become subnormal bf16), and a multiply by 2^120 (exact) makes the value.
+// 4 F8 codes (low byte first) as 4 bf16 of exactly their values (lo: codes 0-1, hi: codes 2-3): through f16 and f32,
+// both exact, so the bf16 rounding is too.
 __device__ __forceinline__ void fp8x4_bf16(uint32_t q, uint32_t& lo, uint32_t& hi) {
-  const uint32_t m = q & 0x7f7f7f7fu, s = q & 0x80808080u;
-  const uint32_t l = (__byte_perm(m, 0u, 0x4140) << 4) | __byte_perm(s, 0u, 0x1404);
-  const uint32_t h = (__byte_perm(m, 0u, 0x4342) << 4) | __byte_perm(s, 0u, 0x3424);
-  constexpr uint32_t k2p120 = 0x7B807B80u, kNegZero = 0x80008000u;  // bf16x2 2^120, -0
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(lo) : "r"(l), "r"(k2p120), "r"(kNegZero));
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(hi) : "r"(h), "r"(k2p120), "r"(kNegZero));
+  uint32_t a, b;
+  fp8x4_f16x2(q, a, b);
+  const float2 fa = f16x2_to_float2(a), fb = f16x2_to_float2(b);
+  lo = pack_bf16x2(fa.x, fa.y);
+  hi = pack_bf16x2(fb.x, fb.y);
 }
 
 }  // namespace mlaserve::cuda

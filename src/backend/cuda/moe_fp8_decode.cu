@@ -33,9 +33,10 @@ __device__ __forceinline__ int tile_row(int r0, int m, int N) {
   return GATE_UP ? m * N + r0 : r0 + 16 * m;
 }
 
-// NT: n8 tiles of tokens per pass; U: chunks of weights in flight per lane.
-template <bool GATE_UP, int NT, int U>
-__global__ void __launch_bounds__(kDecodeWarps * 32, 3) moe_fp8_decode_kernel(const MoeGemmParams p, int32_t E) {
+// NT: n8 tiles of tokens per pass; U: chunks of weights in flight per lane; PX: each chunk's activations loaded a
+// chunk ahead; MINB: blocks per SM.
+template <bool GATE_UP, int NT, int U, bool PX, int MINB>
+__global__ void __launch_bounds__(kDecodeWarps * 32, MINB) moe_fp8_decode_kernel(const MoeGemmParams p, int32_t E) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const int N = p.N, K = p.K, nch = K >> 6;
   const int rows_per_item = GATE_UP ? 16 : 32;
@@ -83,21 +84,35 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 3) moe_fp8_decode_kernel(co
       uint4 wv[U][2][2];
 #pragma unroll
       for (int u = 0; u < U; ++u) load(wv[u], u);
+      // Chunk c's activations of the pass's tokens (zeros past its end).
+      auto load_x = [&](uint32_t (&xq)[NT][8], int c) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          uint4 xa = make_uint4(0, 0, 0, 0), xb = xa;
+          if (xr[t] && c < nch) {
+            xa = *reinterpret_cast<const uint4*>(xr[t] + static_cast<int64_t>(c) * 64);
+            xb = *reinterpret_cast<const uint4*>(xr[t] + static_cast<int64_t>(c) * 64 + 8);
+          }
+          xq[t][0] = xa.x, xq[t][1] = xa.y, xq[t][2] = xa.z, xq[t][3] = xa.w;
+          xq[t][4] = xb.x, xq[t][5] = xb.y, xq[t][6] = xb.z, xq[t][7] = xb.w;
+        }
+      };
+      [[maybe_unused]] uint32_t xnext[PX ? NT : 1][8];
+      if constexpr (PX) load_x(xnext, 0);
       for (int c0 = 0; c0 < nch; c0 += U) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int c = c0 + u;
           if (c < nch) {
             uint32_t xq[NT][8];
+            if constexpr (PX) {
 #pragma unroll
-            for (int t = 0; t < NT; ++t) {
-              uint4 xa = make_uint4(0, 0, 0, 0), xb = xa;
-              if (xr[t]) {
-                xa = *reinterpret_cast<const uint4*>(xr[t] + static_cast<int64_t>(c) * 64);
-                xb = *reinterpret_cast<const uint4*>(xr[t] + static_cast<int64_t>(c) * 64 + 8);
-              }
-              xq[t][0] = xa.x, xq[t][1] = xa.y, xq[t][2] = xa.z, xq[t][3] = xa.w;
-              xq[t][4] = xb.x, xq[t][5] = xb.y, xq[t][6] = xb.z, xq[t][7] = xb.w;
+              for (int t = 0; t < NT; ++t)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) xq[t][i] = xnext[t][i];
+              load_x(xnext, c + 1);
+            } else {
+              load_x(xq, c);
             }
 #pragma unroll
             for (int m = 0; m < 2; ++m) {
@@ -144,12 +159,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 3) moe_fp8_decode_kernel(co
   }
 }
 
-template <bool GATE_UP, int NT, int U>
+template <bool GATE_UP, int NT, int U, bool PX, int MINB = 3>
 cudaError_t launch_fp8_decode(const MoeGemmParams& p, int32_t E, int32_t num_sms, cudaStream_t stream) {
   const int rows_per_item = GATE_UP ? 16 : 32;
   const int64_t items = static_cast<int64_t>(E) * ((p.N + rows_per_item - 1) / rows_per_item);
-  const int64_t blocks = std::min<int64_t>((items + kDecodeWarps - 1) / kDecodeWarps, 3LL * num_sms);
-  moe_fp8_decode_kernel<GATE_UP, NT, U><<<static_cast<unsigned>(blocks), kDecodeWarps * 32, 0, stream>>>(p, E);
+  const int64_t blocks = std::min<int64_t>((items + kDecodeWarps - 1) / kDecodeWarps, int64_t{MINB} * num_sms);
+  moe_fp8_decode_kernel<GATE_UP, NT, U, PX, MINB>
+      <<<static_cast<unsigned>(blocks), kDecodeWarps * 32, 0, stream>>>(p, E);
   return cudaGetLastError();
 }
 
@@ -157,9 +173,11 @@ template <bool GATE_UP>
 cudaError_t launch_fp8_decode_nt(const MoeGemmParams& p, int32_t E, int64_t assignments, int32_t num_sms,
                                  cudaStream_t stream) {
   const int64_t per_expert = (assignments + E - 1) / E;
-  if (per_expert <= 8) return launch_fp8_decode<GATE_UP, 1, 4>(p, E, num_sms, stream);
-  if (per_expert <= 16) return launch_fp8_decode<GATE_UP, 2, 3>(p, E, num_sms, stream);
-  return launch_fp8_decode<GATE_UP, 4, 2>(p, E, num_sms, stream);
+  // Measured on H200 (docs/perf.md): up to 8 rows per expert 4 blocks per SM (128 registers) with 3 chunks in
+  // flight; up to 16, 3 blocks with 3; past it 3 with 2 and the activations loaded as used (a chunk ahead spills).
+  if (per_expert <= 8) return launch_fp8_decode<GATE_UP, 1, 3, true, 4>(p, E, num_sms, stream);
+  if (per_expert <= 16) return launch_fp8_decode<GATE_UP, 2, 3, true>(p, E, num_sms, stream);
+  return launch_fp8_decode<GATE_UP, 4, 2, false>(p, E, num_sms, stream);
 }
 
 }  // namespace
