@@ -129,15 +129,16 @@ std::vector<int32_t> token_ids(const json& v, const std::string& p) {
 bool is_id_list(const json& v) { return v.is_array() && !v.empty() && v[0].is_number(); }
 
 // Structured output: the regex the generated text must match, from `param` (one such field per request). A regex
-// the client wrote is compiled here to reject a bad one with a 400 (the automaton is then built from this compile);
-// one made from a schema is checked where the server builds its automaton (once per regex: Api::constraint_for).
+// the client wrote is compiled here to reject a bad one with a 400 (the automaton is then built from this compile;
+// one compiled lately is not compiled again: compile_regex_shared); one made from a schema is checked where the
+// server builds its automaton (once per regex: Api::constraint_for).
 void set_constraint(ParsedRequest& r, const std::string& param, const std::string& regex, bool check) {
   if (!r.constraint_param.empty())
     bad_request(param, "invalid_value", "'{}' and '{}' both constrain the output; give one", r.constraint_param, param);
   r.constraint_nfa = nullptr;
   if (check) {
     try {
-      r.constraint_nfa = std::make_shared<const structured::Nfa>(structured::compile_regex(regex));
+      r.constraint_nfa = structured::compile_regex_shared(regex);
     } catch (const Error& e) {
       bad_request(param, "invalid_value", "'{}': {}", param, e.what());
     }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <mutex>
 #include <set>
 #include <utility>
 
@@ -578,6 +579,24 @@ Nfa compile_regex(std::string_view pattern, size_t max_states) {
   const Builder::Frag f = b.build(root);
   nfa.start = f.start;
   nfa.accept = f.end;
+  return nfa;
+}
+
+std::shared_ptr<const Nfa> compile_regex_shared(const std::string& pattern) {
+  static std::mutex mu;
+  static std::vector<std::pair<std::string, std::shared_ptr<const Nfa>>> kept;  // most recently used last
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    for (auto it = kept.begin(); it != kept.end(); ++it)
+      if (it->first == pattern) {
+        std::rotate(it, it + 1, kept.end());
+        return kept.back().second;
+      }
+  }
+  auto nfa = std::make_shared<const Nfa>(compile_regex(pattern));  // outside the lock: it may take a while
+  std::lock_guard<std::mutex> lk(mu);
+  if (kept.size() >= kCompiledRegexes) kept.erase(kept.begin());
+  kept.emplace_back(pattern, nfa);
   return nfa;
 }
 

@@ -159,6 +159,33 @@ TEST(Regex, UnsupportedOrBadPatternsAreErrors) {
   EXPECT_THROW(compile_regex("(a{1000}){1000}", 100000), Error);  // too many states
 }
 
+// compile_regex_shared: a pattern compiled lately is the same automaton (not compiled again), from several threads
+// too; it is the pattern's (it matches what compile_regex's matches); the least recently used of more than
+// kCompiledRegexes patterns is compiled anew; bad patterns throw every time and are not kept.
+TEST(Regex, SharedCompilesKeepTheLatestPatterns) {
+  const std::string first = "shared-0[a-c]+";
+  const auto a = compile_regex_shared(first);
+  EXPECT_EQ(compile_regex_shared(first), a);
+  EXPECT_TRUE(Dfa(*a).matches("shared-0abc"));
+  EXPECT_FALSE(Dfa(*a).matches("shared-0abd"));
+  std::vector<std::shared_ptr<const Nfa>> got(4);
+  std::vector<std::thread> threads;
+  for (size_t t = 0; t < got.size(); ++t) threads.emplace_back([&, t] { got[t] = compile_regex_shared(first); });
+  for (auto& th : threads) th.join();
+  for (const auto& g : got) EXPECT_EQ(g, a);
+  const auto b = compile_regex_shared("shared-1[a-c]+");
+  EXPECT_NE(b, a);
+  EXPECT_EQ(compile_regex_shared(first), a);  // now the most recently used: b is the oldest
+  for (size_t i = 2; i < kCompiledRegexes + 1; ++i) {
+    std::string p = "shared-";
+    p += std::to_string(i);
+    compile_regex_shared(p);
+  }
+  EXPECT_EQ(compile_regex_shared(first), a);   // used last before the kCompiledRegexes - 1 new ones: kept
+  EXPECT_NE(compile_regex_shared("shared-1[a-c]+"), b);  // dropped, compiled again
+  for (int i = 0; i < 2; ++i) EXPECT_THROW(compile_regex_shared("(shared"), Error);
+}
+
 namespace {
 
 bool schema_match(const std::string& schema, const std::string& doc) {
