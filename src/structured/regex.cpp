@@ -595,8 +595,13 @@ std::shared_ptr<const Nfa> compile_regex_shared(const std::string& pattern) {
   }
   auto nfa = std::make_shared<const Nfa>(compile_regex(pattern));  // outside the lock: it may take a while
   std::lock_guard<std::mutex> lk(mu);
-  if (kept.size() >= kCompiledRegexes) kept.erase(kept.begin());
   kept.emplace_back(pattern, nfa);
+  size_t states = 0;
+  for (const auto& k : kept) states += k.second->states.size();
+  while (kept.size() > 1 && (kept.size() > kCompiledRegexes || states > kCompiledRegexStates)) {
+    states -= kept.front().second->states.size();
+    kept.erase(kept.begin());
+  }
   return nfa;
 }
 

@@ -40,10 +40,11 @@ bool decode_utf8(std::string_view text, std::vector<uint32_t>& out, size_t* bad_
 // feature outside the subset (backreferences, lookaround, anchors inside), or a pattern over max_states states.
 Nfa compile_regex(std::string_view pattern, size_t max_states = 1 << 20);
 
-// compile_regex(pattern) shared: the kCompiledRegexes patterns compiled last are kept (least recently used dropped),
-// so a client that sends the same regex or grammar with every request pays its compile once (a recursive grammar's
-// regex can take ~100 ms). Thread-safe; errors are thrown as compile_regex throws them and not kept.
-constexpr size_t kCompiledRegexes = 32;
+// compile_regex(pattern) shared: the patterns compiled last are kept, at most kCompiledRegexes of them and (beside
+// the newest) kCompiledRegexStates NFA states in all, the least recently used dropped first, so a client that sends
+// the same regex or grammar with every request pays its compile once (a recursive grammar's regex can take ~100 ms).
+// Thread-safe; errors are thrown as compile_regex throws them and not kept.
+constexpr size_t kCompiledRegexes = 32, kCompiledRegexStates = size_t{1} << 21;
 std::shared_ptr<const Nfa> compile_regex_shared(const std::string& pattern);
 
 // The NFA's DFA, built as it is walked. State 0 is the start; kDead: no string from here matches. A step that would

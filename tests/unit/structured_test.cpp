@@ -184,6 +184,15 @@ TEST(Regex, SharedCompilesKeepTheLatestPatterns) {
   EXPECT_EQ(compile_regex_shared(first), a);   // used last before the kCompiledRegexes - 1 new ones: kept
   EXPECT_NE(compile_regex_shared("shared-1[a-c]+"), b);  // dropped, compiled again
   for (int i = 0; i < 2; ++i) EXPECT_THROW(compile_regex_shared("(shared"), Error);
+  // Patterns of many states: the oldest go first once the states kept pass kCompiledRegexStates; the newest stays.
+  const auto big1 = compile_regex_shared("(a{1000}){450}");  // ~900k states: two fit in kCompiledRegexStates
+  const auto big2 = compile_regex_shared("(b{1000}){450}");
+  ASSERT_GT(big1->states.size() + big2->states.size(), kCompiledRegexStates / 2);
+  EXPECT_EQ(compile_regex_shared("(a{1000}){450}"), big1);
+  const auto big3 = compile_regex_shared("(c{1000}){450}");
+  EXPECT_EQ(compile_regex_shared("(c{1000}){450}"), big3);
+  EXPECT_NE(compile_regex_shared("(b{1000}){450}"), big2);  // the least recently used of the three
+  EXPECT_NE(compile_regex_shared(first), a);                 // older still
 }
 
 namespace {
