@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <optional>
 #include <set>
 #include <vector>
@@ -123,21 +124,48 @@ std::string uint_range(uint64_t lo, std::optional<uint64_t> hi) {
   return join(alts);
 }
 
-// The integers from lo to hi (none: unbounded), as JSON writes them; "" when there are none.
-std::string int_range(std::optional<int64_t> lo, std::optional<int64_t> hi) {
+// The integers from lo to hi (none: unbounded), as JSON writes them; "" when there are none. k > 1: only its
+// multiples (each magnitude's digits in (?%k:...); the regex may then match nothing).
+std::string int_range(std::optional<int64_t> lo, std::optional<int64_t> hi, int64_t k = 1) {
+  auto multiples = [&](const std::string& r) { return k > 1 ? fmt::format("(?%{}:{})", k, r) : r; };
   std::vector<std::string> alts;
   if (!lo || *lo < 0) {  // negative values: their magnitudes
     const int64_t top = hi ? std::min<int64_t>(*hi, -1) : -1;
     if (!lo || *lo <= top)
-      alts.push_back(negative(uint_range(static_cast<uint64_t>(-top),
-                                         lo ? std::optional<uint64_t>(static_cast<uint64_t>(-*lo)) : std::nullopt)));
+      alts.push_back(negative(multiples(uint_range(
+          static_cast<uint64_t>(-top), lo ? std::optional<uint64_t>(static_cast<uint64_t>(-*lo)) : std::nullopt))));
   }
   if (!hi || *hi >= 0) {
     const std::string r = uint_range(static_cast<uint64_t>(lo ? std::max<int64_t>(*lo, 0) : 0),
                                      hi ? std::optional<uint64_t>(static_cast<uint64_t>(*hi)) : std::nullopt);
-    if (!r.empty()) alts.push_back(r);
+    if (!r.empty()) alts.push_back(multiples(r));
   }
   return join(alts);
+}
+
+// multipleOf as p / 10^places (places <= 9, p <= kMaxMultipleOf).
+struct MultipleOf {
+  int64_t p = 1;
+  int places = 0;
+};
+
+int64_t pow10(int n) {
+  int64_t r = 1;
+  while (n-- > 0) r *= 10;
+  return r;
+}
+
+// The numbers that are multiples of p / 10^places, without bounds and written without an exponent: an integer part
+// and 0 to `places` fraction digits, the digits (the point skipped) a multiple of p / gcd(p, 10^(places - j)) for
+// j fraction digits.
+std::string number_multiples(const MultipleOf& mo) {
+  std::vector<std::string> alts;
+  for (int j = 0; j <= mo.places; ++j) {
+    const int64_t k = mo.p / std::gcd(mo.p, pow10(mo.places - j));
+    const std::string digits = j == 0 ? "0|[1-9][0-9]*" : fmt::format("(0|[1-9][0-9]*)\\.[0-9]{{{}}}", j);
+    alts.push_back(k > 1 ? fmt::format("(?%{}:{})", k, digits) : group(digits));
+  }
+  return "-?" + group(join(alts));
 }
 
 // The numbers from lo to hi (whole numbers; none: unbounded) with an optional fraction and no exponent; "" when none.
@@ -310,6 +338,27 @@ class Converter {
     return {lo, hi};
   }
 
+  // multipleOf's value as p / 10^places; p 1 and places 0 when there is none.
+  static MultipleOf multiple_of(const nlohmann::ordered_json& s, const std::string& path) {
+    MultipleOf mo;
+    auto it = s.find("multipleOf");
+    if (it == s.end()) return mo;
+    if (!it->is_number() || !(it->get<double>() > 0) || !std::isfinite(it->get<double>()))
+      fail("json_schema at {}/multipleOf: must be a number above 0", path);
+    const double v = it->get<double>();
+    for (int m = 0; m <= 9; ++m) {
+      const double x = v * static_cast<double>(pow10(m));
+      if (x > static_cast<double>(kMaxMultipleOf)) break;
+      if (std::round(x) >= 1 && std::fabs(x - std::round(x)) <= 1e-9 * x) {
+        mo.p = std::llround(x);
+        mo.places = m;
+        return mo;
+      }
+    }
+    fail("json_schema at {}/multipleOf: {} is not supported (a whole number up to {} or a decimal of at most 9 places "
+         "with at most as many digits)", path, v, kMaxMultipleOf);
+  }
+
   Rx typed(const nlohmann::ordered_json& s, const std::string& type, const std::string& path) {
     if (type == "string") {
       if (auto p = s.find("pattern"); p != s.end()) {
@@ -330,7 +379,19 @@ class Converter {
     }
     if (type == "integer" || type == "number") {
       const bool integer = type == "integer";
-      const auto [lo, hi] = bounds(s, integer, path);
+      const MultipleOf mo = multiple_of(s, path);
+      // a number with a whole multipleOf is written as an integer: its bounds are an integer's
+      const auto [lo, hi] = bounds(s, integer || (mo.places == 0 && mo.p > 1), path);
+      if (!integer && mo.places > 0) {
+        if (lo || hi) fail("json_schema at {}: multipleOf a fraction with minimum / maximum is not supported", path);
+        return number_multiples(mo);
+      }
+      // integers (a number with a whole multipleOf is written as one): the multiples of k in [lo, hi]
+      if (const int64_t k = mo.p / std::gcd(mo.p, pow10(mo.places)); k > 1) {
+        if (lo && hi && *lo + (k - *lo % k) % k > *hi)
+          fail("json_schema at {}: no multiple of {} lies within its bounds", path, k);
+        return group(int_range(lo, hi, k));
+      }
       if (!lo && !hi) return integer ? kInteger : kNumber;
       const std::string r = integer ? int_range(lo, hi) : number_range(lo, hi);
       if (r.empty()) fail("json_schema at {}: no {} lies within its bounds", path, type);

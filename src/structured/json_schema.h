@@ -7,7 +7,10 @@
 // deep. Whitespace between tokens: any run of spaces, tabs and newlines. minimum / maximum / exclusiveMinimum /
 // exclusiveMaximum bound integers (rounded inwards) and numbers (whole, inclusive bounds only; a bounded number is
 // written without an exponent). String formats: date, time, date-time, duration, email, uuid, ipv4, ipv6, hostname
-// and uri (others are annotations; a pattern wins over a format). multipleOf is not enforced.
+// and uri (others are annotations; a pattern wins over a format). multipleOf (whole, up to kMaxMultipleOf, or a
+// decimal of at most 9 places: p / 10^m): an integer's multiples within its bounds; a number's, without bounds, as
+// an integer part and at most m fraction digits (a whole multipleOf: integers only); a number's fractional multipleOf
+// with bounds is an error. Other keywords (uniqueItems, patternProperties, not, ...) are not enforced.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -25,6 +28,9 @@ constexpr int kAnyDepth = 4;
 constexpr int kRefDepth = 3;
 // A schema whose regex would be longer is an error (a bound on what one request can make the server build).
 constexpr size_t kMaxRegexBytes = size_t{1} << 22;
+// The largest multipleOf (or its digits, for a decimal) a schema may give: its automaton has up to that many states
+// per digit position.
+constexpr int64_t kMaxMultipleOf = int64_t{1} << 16;
 
 // Throws mlaserve::Error naming the schema path for what it cannot express (recursion, allOf of several, ...).
 // compact: at most one space between tokens (tool-call arguments) instead of any whitespace.

@@ -4,6 +4,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <unordered_map>
 #include <utility>
 
 #include "core/error.h"
@@ -17,12 +18,13 @@ constexpr uint32_t kMaxCp = 0x10FFFF;
 
 struct Node {
   // an empty Concat matches the empty string; Byte: the raw byte 0xFF (\C, never in UTF-8 text); Absent: any text
-  // that holds none of `lits` (Onigmo's absent operator (?~a|b) of literals)
-  enum Kind { Set, Concat, Alt, Repeat, Byte, Absent } kind = Concat;
+  // that holds none of `lits` (Onigmo's absent operator (?~a|b) of literals); Multiple: what kids[0] matches whose
+  // decimal digits make a multiple of `min` ((?%k:...))
+  enum Kind { Set, Concat, Alt, Repeat, Byte, Absent, Multiple } kind = Concat;
   Ranges ranges;
   std::vector<std::vector<uint32_t>> lits;
   std::vector<Node> kids;
-  int min = 0, max = -1;  // Repeat: max -1 = unbounded
+  int min = 0, max = -1;  // Repeat: max -1 = unbounded; Multiple: min is k
 };
 
 Ranges normalized(Ranges r) {
@@ -237,6 +239,26 @@ class Parser {
     return set(negate ? complement(r) : r);
   }
 
+  // After "(?%": the modulus, ':', and the group up to ')'.
+  Node multiple() {
+    int64_t k = 0;
+    for (uint32_t c = take(); c != ':'; c = take()) {
+      if (c < '0' || c > '9' || (k == 0 && c == '0')) error("(?%k:...) takes a whole number k from 1 to 2^24");
+      k = k * 10 + (c - '0');
+      if (k > kMaxModulus) error("(?%k:...) takes a whole number k from 1 to 2^24");
+    }
+    if (k == 0) error("(?%k:...) takes a whole number k from 1 to 2^24");
+    if (++depth_ > kMaxGroupDepth) error(fmt::format("groups nest more than {} deep", kMaxGroupDepth));
+    Node n;
+    n.kind = Node::Multiple;
+    n.min = static_cast<int>(k);
+    n.kids.push_back(alt());
+    --depth_;
+    if (take() != ')') error("missing ')'");
+    return n;
+  }
+  static constexpr int64_t kMaxModulus = int64_t{1} << 24;
+
   // After "(?~": literal alternatives up to ')' (escapes of one code point allowed), kMaxAbsentCps code points in all
   // (its automaton is built in time their count squared).
   static constexpr size_t kMaxAbsentCps = 1024;
@@ -277,6 +299,8 @@ class Parser {
           if (k == ':') {
           } else if (k == '~') {
             return absent();
+          } else if (k == '%') {
+            return multiple();
           } else if (k == 'P' || (k == '<' && peek() != '=' && peek() != '!')) {
             if (k == 'P' && take() != '<') error("only (?P<name>...) groups are supported after (?P");
             while (take() != '>') {
@@ -467,8 +491,48 @@ class Builder {
     return {st[0], e};
   }
 
+  // (?%k:...): the group's automaton times the remainders mod k of the number its digits make so far (other bytes
+  // leave the remainder as it is): the pairs (state, remainder) reachable from (start, 0); the end is (end, 0).
+  Frag multiple(const Node& n) {
+    Nfa sub;
+    Builder b(sub, max_, pattern_);
+    const Frag f = b.build(n.kids[0]);
+    const int64_t k = n.min;
+    std::unordered_map<int64_t, int32_t> id;  // state * k + remainder
+    std::vector<std::pair<int32_t, int32_t>> todo;
+    auto pair = [&](int32_t s, int32_t r) {
+      const auto [it, fresh] = id.try_emplace(s * k + r, 0);
+      if (fresh) {
+        it->second = state();
+        todo.emplace_back(s, r);
+      }
+      return it->second;
+    };
+    auto edge = [&](int32_t from, int lo, int hi, int32_t to) {
+      nfa_.states[static_cast<size_t>(from)].edges.push_back({static_cast<uint8_t>(lo), static_cast<uint8_t>(hi), to});
+    };
+    const int32_t start = pair(f.start, 0);
+    while (!todo.empty()) {
+      const auto [s, r] = todo.back();
+      todo.pop_back();
+      const int32_t me = id[s * k + r];
+      const Nfa::State& st = sub.states[static_cast<size_t>(s)];
+      for (int32_t t : st.eps) eps(me, pair(t, r));
+      for (const Nfa::Edge& e : st.edges) {
+        if (e.lo < '0') edge(me, e.lo, std::min<int>(e.hi, '0' - 1), pair(e.to, r));
+        if (e.hi > '9') edge(me, std::max<int>(e.lo, '9' + 1), e.hi, pair(e.to, r));
+        for (int d = std::max<int>(e.lo, '0'); d <= std::min<int>(e.hi, '9'); ++d)
+          edge(me, d, d, pair(e.to, static_cast<int32_t>((int64_t{r} * 10 + (d - '0')) % k)));
+      }
+    }
+    const auto end = id.find(int64_t{f.end} * k);
+    return {start, end != id.end() ? end->second : state()};
+  }
+
   Frag build(const Node& n) {
     switch (n.kind) {
+      case Node::Multiple:
+        return multiple(n);
       case Node::Set: {
         const int32_t s = state(), e = state();
         set_edges(s, e, n.ranges);

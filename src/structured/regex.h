@@ -3,8 +3,11 @@
 // quantifiers; ^ / $ only at the ends) is parsed into code-point sets and compiled into a byte-level NFA (each set
 // as the UTF-8 byte sequences of its code points), which a lazy DFA runs: states are made on first use, one byte at
 // a time. A whole-string match: the text must be in the language, not just contain a match. Two extensions: \C is
-// the byte 0xFF, which no UTF-8 text holds (token_constraint.h spells special tokens with it), and Onigmo's absent
-// operator of literals, (?~ab|c): any text that holds none of them (the free text of a structural tag).
+// the byte 0xFF, which no UTF-8 text holds (token_constraint.h spells special tokens with it), Onigmo's absent
+// operator of literals, (?~ab|c): any text that holds none of them (the free text of a structural tag), and
+// (?%k:...) (1 <= k <= 2^24): what the group matches whose decimal digits, read in order with every other character
+// skipped, make a multiple of k (JSON Schema's multipleOf; its automaton holds up to k states per state of the
+// group's).
 #pragma once
 
 #include <array>

@@ -1,6 +1,7 @@
 // Constrained decoding's automata (src/structured): the regex DFA against std::regex on ASCII patterns and by hand on
 // UTF-8, the JSON-schema regexes on valid and invalid documents, and a regex constraint's token masks against a
 // brute-force walk of every token.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <limits>
@@ -193,6 +194,34 @@ TEST(Regex, SharedCompilesKeepTheLatestPatterns) {
   EXPECT_EQ(compile_regex_shared("(c{1000}){450}"), big3);
   EXPECT_NE(compile_regex_shared("(b{1000}){450}"), big2);  // the least recently used of the three
   EXPECT_NE(compile_regex_shared(first), a);                 // older still
+}
+
+// (?%k:...): what the group matches whose digits (other characters skipped) make a multiple of k, against the
+// arithmetic (brute force over 0-3000 and long numbers); bad moduli and unclosed groups are errors.
+TEST(Regex, MultipleGroupsMatchMultiplesOfK) {
+  auto mod = [](const std::string& digits, int64_t k) {
+    int64_t r = 0;
+    for (char c : digits)
+      if (c >= '0' && c <= '9') r = (r * 10 + (c - '0')) % k;
+    return r;
+  };
+  for (int64_t k : {1, 2, 3, 7, 12, 25, 1000, 65536}) {
+    Dfa d(compile_regex("(?%" + std::to_string(k) + ":0|[1-9][0-9]*)"));
+    for (int64_t n = 0; n <= 3000; ++n) EXPECT_EQ(d.matches(std::to_string(n)), n % k == 0) << k << " " << n;
+    for (const char* big : {"123456789012345678901234567890", "98765432109876543210", "65536000", "1000000000000"})
+      EXPECT_EQ(d.matches(big), mod(big, k) == 0) << k << " " << big;
+    for (const char* bad : {"", "00", "07", "-7", "7a"}) EXPECT_FALSE(d.matches(bad)) << k << " " << bad;
+  }
+  EXPECT_TRUE(full_match("(?%3:[0-9]+\\.[0-9]+)", "1.2"));   // 12
+  EXPECT_FALSE(full_match("(?%3:[0-9]+\\.[0-9]+)", "1.3"));
+  EXPECT_TRUE(full_match("(?%3:[0-9]+\\.[0-9]+)", "0.03"));
+  EXPECT_TRUE(full_match("x(?%4:[0-9]*)y", "xy"));  // no digits: 0
+  EXPECT_TRUE(full_match("x(?%4:[0-9]*)y", "x0012y"));
+  EXPECT_FALSE(full_match("x(?%4:[0-9]*)y", "x10y"));
+  EXPECT_TRUE(full_match("-?(?%7:[0-9]+)(,(?%7:[0-9]+))*", "-14,21,0,70"));
+  EXPECT_FALSE(full_match("-?(?%7:[0-9]+)(,(?%7:[0-9]+))*", "14,22"));
+  for (const char* p : {"(?%0:1)", "(?%:1)", "(?%5", "(?%5:1", "(?%99999999:1)", "(?%a:1)", "(?%07:1)"})
+    EXPECT_THROW(compile_regex(p), Error) << p;
 }
 
 namespace {
@@ -552,6 +581,67 @@ TEST(Structured, DeepNestingIsAnError) {
   nlohmann::ordered_json deep = {{"type", "string"}};
   for (int i = 0; i < 2000; ++i) deep = {{"type", "array"}, {"items", deep}};
   EXPECT_THROW(json_schema_regex(deep), Error);
+}
+
+// multipleOf: an integer's values are exactly the multiples within its bounds (brute force); a fractional multipleOf
+// of an integer is its numerator's share (2.5: multiples of 5); a number's fractional multipleOf allows exactly the
+// multiples written with up to its places of fraction digits, a whole one the integers that are multiples; what it
+// cannot express (fractional with bounds, too many places, too large, no multiple in the bounds, not above 0) is an
+// error.
+TEST(JsonSchema, MultipleOfIsEnforced) {
+  constexpr int64_t kMin = std::numeric_limits<int64_t>::min(), kMax = std::numeric_limits<int64_t>::max();
+  struct Case {
+    const char* rest;
+    int64_t k, lo, hi;
+  };
+  const Case cases[] = {
+      {R"("multipleOf": 3)", 3, kMin, kMax},
+      {R"("multipleOf": 7, "minimum": 0)", 7, 0, kMax},
+      {R"("multipleOf": 25, "minimum": 1, "maximum": 100)", 25, 1, 100},
+      {R"("multipleOf": 12, "minimum": -37, "maximum": 1021)", 12, -37, 1021},
+      {R"("multipleOf": 2, "maximum": -5)", 2, kMin, -5},
+      {R"("multipleOf": 5, "exclusiveMinimum": 0)", 5, 1, kMax},
+      {R"("multipleOf": 2.5)", 5, kMin, kMax},
+      {R"("multipleOf": 0.5, "minimum": -3, "maximum": 3)", 1, -3, 3},
+      {R"("multipleOf": 1000)", 1000, kMin, kMax},
+  };
+  for (const char* type : {"integer", "number"}) {
+    for (const Case& c : cases) {
+      if (std::string(type) == "number" && std::string(c.rest).find('.') != std::string::npos) continue;
+      const std::string schema = fmt::format(R"({{"type": "{}", {}}})", type, c.rest);
+      Dfa d(compile_regex(json_schema_regex(nlohmann::ordered_json::parse(schema))));
+      std::vector<int64_t> values;
+      for (int64_t v = -1200; v <= 1200; ++v) values.push_back(v);
+      for (int64_t v : {-123456789000LL, -10000LL, 10000LL, 99999LL, 100000LL, 123456789012LL}) values.push_back(v);
+      for (int64_t v : values)
+        EXPECT_EQ(d.matches(std::to_string(v)), v >= c.lo && v <= c.hi && v % c.k == 0) << schema << " " << v;
+      for (const char* bad : {"01", "0100", "5.5", "+5", "", "-"}) EXPECT_FALSE(d.matches(bad)) << schema << bad;
+    }
+  }
+  // A number's fractional multipleOf: i / 100 written with two, one or no fraction digits.
+  Dfa q(compile_regex(json_schema_regex(nlohmann::ordered_json::parse(R"({"type": "number", "multipleOf": 0.25})"))));
+  for (int i = -500; i <= 500; ++i) {
+    const double v = i / 100.0;
+    EXPECT_EQ(q.matches(fmt::format("{:.2f}", v)), i % 25 == 0) << v;
+    if (i % 10 == 0) {
+      EXPECT_EQ(q.matches(fmt::format("{:.1f}", v)), i % 50 == 0) << v;
+    }
+    if (i % 100 == 0) {
+      EXPECT_TRUE(q.matches(std::to_string(i / 100))) << v;
+    }
+  }
+  for (const char* bad : {"0.125", "1.1", "1e2", ".25", "1.", "00.25"}) EXPECT_FALSE(q.matches(bad)) << bad;
+  Dfa cents(
+      compile_regex(json_schema_regex(nlohmann::ordered_json::parse(R"({"type": "number", "multipleOf": 0.01})"))));
+  for (const char* good : {"19.99", "0.5", "-3", "1000.10"}) EXPECT_TRUE(cents.matches(good)) << good;
+  EXPECT_FALSE(cents.matches("19.999"));
+  for (const char* s :
+       {R"({"type": "number", "multipleOf": 0.1, "minimum": 0})", R"({"type": "integer", "multipleOf": 0})",
+        R"({"type": "integer", "multipleOf": -3})", R"({"type": "integer", "multipleOf": "2"})",
+        R"({"type": "number", "multipleOf": 1e-12})", R"({"type": "integer", "multipleOf": 1e9})",
+        R"({"type": "integer", "multipleOf": 7, "minimum": 1, "maximum": 6})"}) {
+    EXPECT_THROW(json_schema_regex(nlohmann::ordered_json::parse(s)), Error) << s;
+  }
 }
 
 TEST(JsonSchema, WhatItCannotExpressIsAnError) {
