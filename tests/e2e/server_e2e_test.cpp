@@ -406,7 +406,7 @@ TEST_F(ServerE2E, SuffixIsDeepSeekFillInTheMiddle) {
 // Structured output on the real tokenizer (byte-level tokens, some holding part of a UTF-8 character): SGLang's
 // regex on /generate and on completions (n = 3) with a finite language always ends with a whole match; a chat answer
 // under response_format json_schema / json_object is always a prefix of its language, and JSON of the schema when
-// the model ended it; a bad pattern is a 400 naming the field.
+// the model ended it; an integer schema's multipleOf holds; a bad pattern is a 400 naming the field.
 TEST_F(ServerE2E, StructuredOutputsFollowTheirConstraints) {
   const std::string re = "(red|green|blue|[αβγ]{2}) [0-9]{1,2}!";
   structured::Dfa dfa(structured::compile_regex(re));
@@ -416,6 +416,20 @@ TEST_F(ServerE2E, StructuredOutputsFollowTheirConstraints) {
     auto g = post_json(port(), "/generate", body.dump());
     EXPECT_TRUE(dfa.matches(g["text"].get<std::string>())) << g["text"];
     EXPECT_EQ(g["meta_info"]["finish_reason"]["type"], "stop") << g.dump();
+  }
+  // JSON Schema's multipleOf (SGLang's json_schema): a finite language, so every answer ends, a multiple of 7 within
+  // the bounds.
+  const std::string sevens = R"({"type": "integer", "multipleOf": 7, "minimum": 10, "maximum": 9999})";
+  for (int seed = 0; seed < 4; ++seed) {
+    json body = {{"text", "A number:"},
+                 {"sampling_params",
+                  {{"max_new_tokens", 8}, {"temperature", 1.0}, {"seed", seed}, {"json_schema", sevens}}}};
+    auto g = post_json(port(), "/generate", body.dump());
+    const std::string t = g["text"].get<std::string>();
+    ASSERT_EQ(g["meta_info"]["finish_reason"]["type"], "stop") << g.dump();
+    ASSERT_TRUE(!t.empty() && t.size() <= 4 && t.find_first_not_of("0123456789") == std::string::npos) << t;
+    const int v = std::stoi(t);
+    EXPECT_TRUE(v % 7 == 0 && v >= 10 && v <= 9999) << t;
   }
   // The same language as an EBNF grammar (SGLang's ebnf; vLLM's guided_grammar on completions).
   const std::string grammar =
