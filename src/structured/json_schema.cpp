@@ -268,7 +268,7 @@ class Converter {
     auto t = s.find("type");
     if (t == s.end()) {  // the type from the keywords present, else any value
       if (s.contains("properties")) return typed(s, "object", path);
-      if (s.contains("items")) return typed(s, "array", path);
+      if (s.contains("items") || s.contains("prefixItems")) return typed(s, "array", path);
       return group(any_value(ws, kAnyDepth));
     }
     if (t->is_string()) return typed(s, t->get<std::string>(), path);
@@ -359,6 +359,53 @@ class Converter {
          "with at most as many digits)", path, v, kMaxMultipleOf);
   }
 
+  // A tuple array: element i of the schemas at prefix_key (prefixItems, or drafts 4-7's items array), the elements
+  // after them of the schema at rest_key (items / additionalItems: absent or true any value, false none), lo to hi
+  // elements in all (hi < 0: unbounded). An element schema with no value within the recursion bound ends the array
+  // before it.
+  Rx tuple(const nlohmann::ordered_json& s, const nlohmann::ordered_json& prefix, const char* prefix_key,
+           const char* rest_key, int64_t lo, int64_t hi, const std::string& path) {
+    if (!prefix.is_array()) fail("json_schema at {}/{}: must be an array of schemas", path, prefix_key);
+    std::vector<std::string> elems;
+    int64_t cap = hi;  // the most elements an array can hold
+    auto limit = [&](int64_t n) { cap = cap < 0 ? n : std::min(cap, n); };
+    for (size_t i = 0; i < prefix.size(); ++i) {
+      Rx e = value(prefix[i], fmt::format("{}/{}/{}", path, prefix_key, i));
+      if (!e) {
+        limit(static_cast<int64_t>(i));
+        break;
+      }
+      elems.push_back(group(*e));
+    }
+    const int64_t P = static_cast<int64_t>(elems.size());
+    Rx rest = any_value(ws, kAnyDepth - 1);
+    if (auto r = s.find(rest_key); r != s.end()) {
+      if (r->is_boolean()) {
+        if (!r->get<bool>()) rest.reset();
+      } else {
+        rest = value(*r, fmt::format("{}/{}", path, rest_key));
+      }
+    }
+    if (!rest) limit(P);
+    if (cap >= 0 && lo > cap) return Rx();  // no array of minItems elements
+    if (cap == 0) return "\\[" + ws + "\\]";
+    const std::string sep = ws + "," + ws;
+    // tail: the elements after the first k, each after a comma, built from the end
+    std::string tail;
+    if (rest && (cap < 0 || cap > P)) {
+      const int64_t a = std::max<int64_t>(0, lo - std::max<int64_t>(P, 1)), first = std::max<int64_t>(P, 1);
+      tail = group(sep + group(*rest)) +
+             (cap < 0 ? fmt::format("{{{},}}", a) : fmt::format("{{{},{}}}", a, cap - first));
+    }
+    for (int64_t k = P - 1; k >= 1; --k) {
+      if (cap >= 0 && k + 1 > cap) continue;  // element k would make too many
+      const std::string piece = sep + elems[static_cast<size_t>(k)] + tail;
+      tail = k < lo ? piece : group(piece) + "?";
+    }
+    const std::string body = (P > 0 ? elems[0] : group(*rest)) + tail;
+    return "\\[" + ws + (lo > 0 ? body : group(body) + "?") + ws + "\\]";
+  }
+
   Rx typed(const nlohmann::ordered_json& s, const std::string& type, const std::string& path) {
     if (type == "string") {
       if (auto p = s.find("pattern"); p != s.end()) {
@@ -402,6 +449,9 @@ class Converter {
     if (type == "array") {
       const int64_t lo = count(s, "minItems", 0, path), hi = count(s, "maxItems", -1, path);
       if (hi >= 0 && hi < lo) fail("json_schema at {}: maxItems is below minItems", path);
+      if (auto p = s.find("prefixItems"); p != s.end()) return tuple(s, *p, "prefixItems", "items", lo, hi, path);
+      if (auto p = s.find("items"); p != s.end() && p->is_array())
+        return tuple(s, *p, "items", "additionalItems", lo, hi, path);
       auto it = s.find("items");
       const Rx item = it == s.end() ? Rx(any_value(ws, kAnyDepth - 1)) : value(*it, path + "/items");
       if (!item) return lo == 0 ? Rx("\\[" + ws + "\\]") : Rx();  // no item value: only the empty array

@@ -1,6 +1,7 @@
 // JSON Schema to a regular expression (structured/regex.h) of the JSON texts it allows, for constrained decoding
 // (SGLang's `json_schema`, OpenAI's response_format json_schema / json_object). Supported: type (one or a list), enum,
-// const, properties (in the schema's order; those not in `required` may be left out), items, minItems / maxItems,
+// const, properties (in the schema's order; those not in `required` may be left out), items, tuples (prefixItems with
+// items for the rest, or drafts 4-7's items array with additionalItems; false: no more elements), minItems / maxItems,
 // minLength / maxLength, pattern (the string's unescaped content), anyOf / oneOf, allOf of one schema, $ref to
 // #/$defs/... or #/definitions/... or # (recursion followed kRefDepth deep), and the empty schema. Values nested under
 // no schema (an object without properties, an array without items, {}) are any JSON value nested at most kAnyDepth

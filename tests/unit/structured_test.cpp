@@ -644,6 +644,40 @@ TEST(JsonSchema, MultipleOfIsEnforced) {
   }
 }
 
+// Tuple arrays (prefixItems, as Pydantic writes tuple[str, int]; drafts 4-7's items array with additionalItems):
+// element i of its schema, the rest of items / additionalItems (absent: any value; false: none), within minItems /
+// maxItems; a tuple no array fits is an error.
+TEST(JsonSchema, TupleArraysFollowTheirElementSchemas) {
+  const std::string pair = R"({"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}],
+      "minItems": 2, "maxItems": 2})";
+  for (const char* good : {R"(["a", 1])", R"([ "a" , -7 ])"}) EXPECT_TRUE(schema_match(pair, good)) << good;
+  for (const char* bad : {R"(["a"])", R"(["a", 1, 2])", R"([1, "a"])", "[]", R"(["a", 1.5])"})
+    EXPECT_FALSE(schema_match(pair, bad)) << bad;
+  const std::string open = R"({"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}]})";
+  for (const char* good : {"[]", R"(["a"])", R"(["a", 1])", R"(["a", 1, true, null, {"x": [2]}])"})
+    EXPECT_TRUE(schema_match(open, good)) << good;
+  for (const char* bad : {"[1]", R"(["a", "b"])", R"(["a",])"}) EXPECT_FALSE(schema_match(open, bad)) << bad;
+  const std::string rest = R"({"type": "array", "prefixItems": [{"type": "string"}], "items": {"type": "boolean"},
+      "minItems": 2, "maxItems": 3})";
+  for (const char* good : {R"(["a", true])", R"(["a", true, false])"}) EXPECT_TRUE(schema_match(rest, good)) << good;
+  for (const char* bad : {R"(["a"])", R"(["a", 1])", R"(["a", true, false, true])", R"([true, true])"})
+    EXPECT_FALSE(schema_match(rest, bad)) << bad;
+  const std::string closed = R"({"prefixItems": [{"type": "string"}, {"type": "integer"}], "items": false})";
+  for (const char* good : {"[]", R"(["a"])", R"(["a", 1])"}) EXPECT_TRUE(schema_match(closed, good)) << good;
+  EXPECT_FALSE(schema_match(closed, R"(["a", 1, 2])"));
+  const std::string draft7 = R"({"type": "array", "items": [{"type": "integer"}, {"enum": ["x"]}],
+      "additionalItems": false, "minItems": 1})";
+  for (const char* good : {"[1]", R"([1, "x"])"}) EXPECT_TRUE(schema_match(draft7, good)) << good;
+  for (const char* bad : {"[]", R"([1, "y"])", R"([1, "x", 2])"}) EXPECT_FALSE(schema_match(draft7, bad)) << bad;
+  const std::string short_max = R"({"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}],
+      "maxItems": 1})";
+  EXPECT_TRUE(schema_match(short_max, R"(["a"])"));
+  EXPECT_FALSE(schema_match(short_max, R"(["a", 1])"));
+  for (const char* s : {R"({"type": "array", "prefixItems": {"type": "string"}})",
+                        R"({"type": "array", "prefixItems": [{"type": "string"}], "items": false, "minItems": 2})"})
+    EXPECT_THROW(json_schema_regex(nlohmann::ordered_json::parse(s)), Error) << s;
+}
+
 TEST(JsonSchema, WhatItCannotExpressIsAnError) {
   for (const char* s : {R"({"$ref": "#"})", R"({"$ref": "#/$defs/missing"})", R"({"type": "tuple"})",
                         R"({"properties": {"a": {}}, "required": ["b"]})",
