@@ -459,8 +459,22 @@ class Converter {
     }
     if (type == "object") {
       auto props = s.find("properties");
-      if (props == s.end() || !props->is_object() || props->empty())
-        return list(ws, "\\{", kString + ws + ":" + ws + group(any_value(ws, kAnyDepth - 1)), "\\}", 0, -1);
+      if (props == s.end() || !props->is_object() || props->empty()) {
+        // a map: any keys, the values of additionalProperties (absent or true: any value; false: none),
+        // minProperties to maxProperties of them
+        const int64_t lo = count(s, "minProperties", 0, path), hi = count(s, "maxProperties", -1, path);
+        if (hi >= 0 && hi < lo) fail("json_schema at {}: maxProperties is below minProperties", path);
+        Rx val = any_value(ws, kAnyDepth - 1);
+        if (auto ap = s.find("additionalProperties"); ap != s.end()) {
+          if (ap->is_boolean()) {
+            if (!ap->get<bool>()) val.reset();
+          } else {
+            val = value(*ap, path + "/additionalProperties");
+          }
+        }
+        if (!val) return lo == 0 ? Rx("\\{" + ws + "\\}") : Rx();
+        return list(ws, "\\{", kString + ws + ":" + ws + group(*val), "\\}", lo, hi);
+      }
       // Properties in the schema's order, those not in `required` optional. g: the lists of properties 0..k in order
       // that hold every required one, at least one property: g(k) = g(k - 1) followed by ", P_k" (optionally when
       // P_k is optional), or P_k alone when no required property comes before it: linear in the properties.

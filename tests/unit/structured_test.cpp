@@ -678,6 +678,27 @@ TEST(JsonSchema, TupleArraysFollowTheirElementSchemas) {
     EXPECT_THROW(json_schema_regex(nlohmann::ordered_json::parse(s)), Error) << s;
 }
 
+// Maps (an object without properties, as Pydantic writes dict[str, int]): any keys, the values of
+// additionalProperties (false: none), minProperties to maxProperties of them.
+TEST(JsonSchema, MapsFollowAdditionalProperties) {
+  const std::string ints = R"({"type": "object", "additionalProperties": {"type": "integer"}})";
+  for (const char* good : {"{}", R"({"a": 1, "b": -2})", R"({ "x y" : 3 })"})
+    EXPECT_TRUE(schema_match(ints, good)) << good;
+  for (const char* bad : {R"({"a": "x"})", R"({"a": 1, "b": null})", R"({"a": 1,})"})
+    EXPECT_FALSE(schema_match(ints, bad)) << bad;
+  const std::string none = R"({"type": "object", "additionalProperties": false})";
+  EXPECT_TRUE(schema_match(none, "{}"));
+  EXPECT_FALSE(schema_match(none, R"({"a": 1})"));
+  const std::string counted = R"({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1,
+      "maxProperties": 2})";
+  for (const char* good : {R"({"a": 1})", R"({"a": 1, "b": 2})"}) EXPECT_TRUE(schema_match(counted, good)) << good;
+  for (const char* bad : {"{}", R"({"a": 1, "b": 2, "c": 3})"}) EXPECT_FALSE(schema_match(counted, bad)) << bad;
+  EXPECT_TRUE(schema_match(R"({"type": "object"})", R"({"a": [1, {"b": null}], "c": "d"})"));
+  EXPECT_THROW(json_schema_regex(nlohmann::ordered_json::parse(
+                   R"({"type": "object", "minProperties": 3, "maxProperties": 2})")),
+               Error);
+}
+
 TEST(JsonSchema, WhatItCannotExpressIsAnError) {
   for (const char* s : {R"({"$ref": "#"})", R"({"$ref": "#/$defs/missing"})", R"({"type": "tuple"})",
                         R"({"properties": {"a": {}}, "required": ["b"]})",
