@@ -9,10 +9,11 @@
 // at most kAnyDepth deep. Whitespace between tokens: any run of spaces, tabs and newlines. minimum / maximum /
 // exclusiveMinimum / exclusiveMaximum bound integers (rounded inwards) and numbers (whole, inclusive bounds only; a
 // bounded number is written without an exponent). String formats: date, time, date-time, duration, email, uuid,
-// ipv4, ipv6, hostname and uri (others are annotations; a pattern wins over a format). multipleOf (whole, up to kMaxMultipleOf, or a
-// decimal of at most 9 places: p / 10^m): an integer's multiples within its bounds; a number's, without bounds, as
-// an integer part and at most m fraction digits (a whole multipleOf: integers only); a number's fractional multipleOf
-// with bounds is an error. Other keywords (uniqueItems, patternProperties, not, ...) are not enforced.
+// ipv4, ipv6, hostname and uri (others are annotations; a pattern wins over a format). multipleOf (whole, up to
+// kMaxMultipleOf, or a decimal of at most 9 places: p / 10^m): an integer's multiples within its bounds; a number's,
+// without bounds, as an integer part and at most m fraction digits (a whole multipleOf: integers only); a number's
+// fractional multipleOf with bounds is an error. Other keywords (uniqueItems, patternProperties, not, ...) are not
+// enforced.
 #pragma once
 
 #include <nlohmann/json.hpp>
