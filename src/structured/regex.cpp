@@ -659,6 +659,8 @@ std::shared_ptr<const Nfa> compile_regex_shared(const std::string& pattern) {
   }
   auto nfa = std::make_shared<const Nfa>(compile_regex(pattern));  // outside the lock: it may take a while
   std::lock_guard<std::mutex> lk(mu);
+  for (const auto& k : kept)
+    if (k.first == pattern) return k.second;  // another thread compiled it meanwhile
   kept.emplace_back(pattern, nfa);
   size_t states = 0;
   for (const auto& k : kept) states += k.second->states.size();
