@@ -124,10 +124,15 @@ std::string uint_range(uint64_t lo, std::optional<uint64_t> hi) {
   return join(alts);
 }
 
+// What r matches whose digits make a multiple of k (regex.h's (?%k:...)); r itself, grouped, when k is 1.
+std::string multiples_of(int64_t k, const std::string& r) {
+  return k > 1 ? fmt::format("(?%{}:{})", k, r) : group(r);
+}
+
 // The integers from lo to hi (none: unbounded), as JSON writes them; "" when there are none. k > 1: only its
 // multiples (each magnitude's digits in (?%k:...); the regex may then match nothing).
 std::string int_range(std::optional<int64_t> lo, std::optional<int64_t> hi, int64_t k = 1) {
-  auto multiples = [&](const std::string& r) { return k > 1 ? fmt::format("(?%{}:{})", k, r) : r; };
+  auto multiples = [&](const std::string& r) { return k > 1 ? multiples_of(k, r) : r; };
   std::vector<std::string> alts;
   if (!lo || *lo < 0) {  // negative values: their magnitudes
     const int64_t top = hi ? std::min<int64_t>(*hi, -1) : -1;
@@ -163,7 +168,7 @@ std::string number_multiples(const MultipleOf& mo) {
   for (int j = 0; j <= mo.places; ++j) {
     const int64_t k = mo.p / std::gcd(mo.p, pow10(mo.places - j));
     const std::string digits = j == 0 ? "0|[1-9][0-9]*" : fmt::format("(0|[1-9][0-9]*)\\.[0-9]{{{}}}", j);
-    alts.push_back(k > 1 ? fmt::format("(?%{}:{})", k, digits) : group(digits));
+    alts.push_back(multiples_of(k, digits));
   }
   return "-?" + group(join(alts));
 }
@@ -359,6 +364,15 @@ class Converter {
          "with at most as many digits)", path, v, kMaxMultipleOf);
   }
 
+  // The values the schema at key allows (an array's rest items, a map's values): absent or true any value, false
+  // none.
+  Rx element_schema(const nlohmann::ordered_json& s, const char* key, const std::string& path) {
+    auto it = s.find(key);
+    if (it == s.end() || (it->is_boolean() && it->get<bool>())) return any_value(ws, kAnyDepth - 1);
+    if (it->is_boolean()) return Rx();
+    return value(*it, fmt::format("{}/{}", path, key));
+  }
+
   // A tuple array: element i of the schemas at prefix_key (prefixItems, or drafts 4-7's items array), the elements
   // after them of the schema at rest_key (items / additionalItems: absent or true any value, false none), lo to hi
   // elements in all (hi < 0: unbounded). An element schema with no value within the recursion bound ends the array
@@ -378,14 +392,7 @@ class Converter {
       elems.push_back(group(*e));
     }
     const int64_t P = static_cast<int64_t>(elems.size());
-    Rx rest = any_value(ws, kAnyDepth - 1);
-    if (auto r = s.find(rest_key); r != s.end()) {
-      if (r->is_boolean()) {
-        if (!r->get<bool>()) rest.reset();
-      } else {
-        rest = value(*r, fmt::format("{}/{}", path, rest_key));
-      }
-    }
+    const Rx rest = element_schema(s, rest_key, path);
     if (!rest) limit(P);
     if (cap >= 0 && lo > cap) return Rx();  // no array of minItems elements
     if (cap == 0) return "\\[" + ws + "\\]";
@@ -464,14 +471,7 @@ class Converter {
         // minProperties to maxProperties of them
         const int64_t lo = count(s, "minProperties", 0, path), hi = count(s, "maxProperties", -1, path);
         if (hi >= 0 && hi < lo) fail("json_schema at {}: maxProperties is below minProperties", path);
-        Rx val = any_value(ws, kAnyDepth - 1);
-        if (auto ap = s.find("additionalProperties"); ap != s.end()) {
-          if (ap->is_boolean()) {
-            if (!ap->get<bool>()) val.reset();
-          } else {
-            val = value(*ap, path + "/additionalProperties");
-          }
-        }
+        const Rx val = element_schema(s, "additionalProperties", path);
         if (!val) return lo == 0 ? Rx("\\{" + ws + "\\}") : Rx();
         return list(ws, "\\{", kString + ws + ":" + ws + group(*val), "\\}", lo, hi);
       }
