@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <stdexcept>
@@ -26,6 +27,7 @@ struct HttpResponse {
 class HttpConnection {
  public:
   explicit HttpConnection(int port, double timeout_s = 60.0) : timeout_s_(timeout_s) {
+    deadline_ = std::chrono::steady_clock::time_point::max();
     fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     if (fd_ < 0) throw std::runtime_error("socket");
     sockaddr_in a{};
@@ -116,6 +118,12 @@ class HttpConnection {
     return r;
   }
 
+  // Reads fail ("read timed out") once `seconds` from now have passed, however steadily data arrives.
+  void set_deadline(double seconds) {
+    deadline_ = std::chrono::steady_clock::now() +
+                std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
+  }
+
   bool peer_closed(double wait_s) {
     pollfd p{fd_, POLLIN, 0};
     if (::poll(&p, 1, static_cast<int>(wait_s * 1000)) <= 0) return false;
@@ -143,7 +151,13 @@ class HttpConnection {
 
   void fill() {
     pollfd p{fd_, POLLIN, 0};
-    if (::poll(&p, 1, static_cast<int>(timeout_s_ * 1000)) <= 0) throw std::runtime_error("read timed out");
+    auto wait_ms = static_cast<int64_t>(timeout_s_ * 1000);
+    if (deadline_ != std::chrono::steady_clock::time_point::max()) {
+      using std::chrono::milliseconds;
+      const auto left = std::chrono::duration_cast<milliseconds>(deadline_ - std::chrono::steady_clock::now()).count();
+      wait_ms = std::min<int64_t>(wait_ms, std::max<int64_t>(0, left));
+    }
+    if (wait_ms <= 0 || ::poll(&p, 1, static_cast<int>(wait_ms)) <= 0) throw std::runtime_error("read timed out");
     char buf[65536];
     ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
     if (n <= 0) throw std::runtime_error("connection closed by the server");
@@ -165,6 +179,7 @@ class HttpConnection {
 
   int fd_ = -1;
   double timeout_s_;
+  std::chrono::steady_clock::time_point deadline_;
   std::string in_;
 };
 
