@@ -32,6 +32,12 @@ const char* type_name(const json& v) {
   }
 }
 
+// Whether the object o has the string `want` at `key` (any other type or absence: false, never an exception).
+bool member_is(const json& o, const char* key, std::string_view want) {
+  const auto it = o.find(key);
+  return it != o.end() && it->is_string() && it->get_ref<const std::string&>() == want;
+}
+
 // Typed, validated access to the fields of one JSON object; `prefix` makes error params precise
 // ("sampling_params.top_p").
 class Fields {
@@ -703,7 +709,7 @@ ParsedRequest parse_chat(const json& body, const ParseOptions& opts, std::string
     for (size_t i = 0; i < tools->size(); ++i) {
       const json& t = (*tools)[i];
       const std::string p = fmt::format("tools[{}]", i);
-      if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") || !t["function"].is_object())
+      if (!t.is_object() || !member_is(t, "type", "function") || !t.contains("function") || !t["function"].is_object())
         bad_request(p, "invalid_value", "'{}' must be {{\"type\": \"function\", \"function\": {{...}}}}", p);
       const json& fn = t["function"];
       if (!fn.contains("name") || !fn["name"].is_string() || fn["name"].get<std::string>().empty())
@@ -720,7 +726,7 @@ ParsedRequest parse_chat(const json& body, const ParseOptions& opts, std::string
     } else if (tc->is_string() && *tc == "required") {
       forced = "";
     } else if (tc->is_object()) {
-      if (tc->value("type", "") != "function" || !tc->contains("function") || !(*tc)["function"].is_object() ||
+      if (!member_is(*tc, "type", "function") || !tc->contains("function") || !(*tc)["function"].is_object() ||
           !(*tc)["function"].contains("name") || !(*tc)["function"]["name"].is_string())
         bad_request("tool_choice", "invalid_value",
                     "'tool_choice' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}");

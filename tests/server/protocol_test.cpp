@@ -216,6 +216,10 @@ TEST(Protocol, BadRequestsNameTheField) {
       {"h", R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})", "tools[0]",
        "invalid_value"},
       {"h", R"({"messages": [{"role": "user", "content": "x"}], "tools": {}})", "tools", "invalid_type"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": 5, "function": {"name": "f"}}]})",
+       "tools[0]", "invalid_value"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name":
+       "f"}}], "tool_choice": {"type": ["function"], "function": {"name": "f"}}})", "tool_choice", "invalid_value"},
       {"h", R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})", "tool_choice",
        "invalid_value"},
       {"h", R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name":
