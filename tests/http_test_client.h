@@ -76,9 +76,10 @@ class HttpConnection {
     send_raw(req);
   }
 
-  // Reads one whole response.
-  HttpResponse read_response() {
+  // Reads one whole response (of a HEAD request: the head alone, whatever Content-Length says).
+  HttpResponse read_response(bool head_request = false) {
     HttpResponse r = read_head();
+    if (head_request) return r;
     auto te = r.headers.find("transfer-encoding");
     if (te != r.headers.end() && te->second.find("chunked") != std::string::npos) {
       while (true) {

@@ -47,6 +47,7 @@ struct ServeArgs {
   std::string dist_init_addr;
   double dist_timeout = 120.0;
   std::string api_key;
+  std::string allowed_origins = "*";
   std::string device = "auto";
   uint64_t random_seed = 0;
   int32_t page_size = 16;
@@ -137,12 +138,38 @@ class LoadProgress {
   std::thread thread_;
 };
 
+// --allowed-origins: a JSON list (vLLM's form, '["https://a.example"]') or origins separated by commas.
+std::vector<std::string> parse_origins(const std::string& v) {
+  std::vector<std::string> out;
+  if (!v.empty() && v.front() == '[') {
+    const nlohmann::json j = nlohmann::json::parse(v, nullptr, false);
+    MLA_CHECK(j.is_array(), "--allowed-origins: '{}' is not a JSON list", v);
+    for (const auto& o : j) {
+      MLA_CHECK(o.is_string() && !o.get_ref<const std::string&>().empty(),
+                "--allowed-origins: '{}' must list non-empty strings", v);
+      out.push_back(o.get<std::string>());
+    }
+    return out;
+  }
+  for (size_t start = 0; start <= v.size();) {
+    size_t end = v.find(',', start);
+    if (end == std::string::npos) end = v.size();
+    std::string o = v.substr(start, end - start);
+    o.erase(0, o.find_first_not_of(' '));
+    o.erase(o.find_last_not_of(' ') + 1);
+    if (!o.empty()) out.push_back(std::move(o));
+    start = end + 1;
+  }
+  return out;
+}
+
 nlohmann::json server_args_json(const ServeArgs& a) {
   nlohmann::json j;
   j["model_path"] = a.model_path;
   j["tokenizer_path"] = a.tokenizer_path;
   j["served_model_name"] = a.served_model_name;
   j["host"] = a.host;
+  j["allowed_origins"] = parse_origins(a.allowed_origins);
   j["port"] = a.port;
   j["tp_size"] = a.tp;
   j["dp_size"] = a.dp;
@@ -205,6 +232,10 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
   app.add_option("--dist-init-addr", a->dist_init_addr, "rendezvous address for multi-node (host:port of node 0)");
   app.add_option("--dist-timeout", a->dist_timeout, "multi-node rendezvous timeout (s)")->capture_default_str();
   app.add_option("--api-key", a->api_key, "require 'Authorization: Bearer <key>'");
+  app.add_option("--allowed-origins", a->allowed_origins,
+                 "browser origins given CORS headers: '*' (default), origins separated by commas or a JSON list, "
+                 "or '' for none")
+      ->capture_default_str();
   app.add_option("--device", a->device, "auto|cpu|cuda")->capture_default_str();
   app.add_option("--random-seed,--seed", a->random_seed, "seed (dummy weights, sampling)")->capture_default_str();
   app.add_option("--page-size", a->page_size, "tokens per KV-cache page")->capture_default_str();
@@ -260,6 +291,7 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     MLA_CHECK(s.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024");
     MLA_CHECK(s.max_n >= 1, "--max-n must be at least 1");
     MLA_CHECK(s.stream_interval >= 1, "--stream-interval must be at least 1, got {}", s.stream_interval);
+    const std::vector<std::string> allowed_origins = parse_origins(s.allowed_origins);
     MLA_CHECK(s.reasoning_parser.empty() || server::known_reasoning_parser(s.reasoning_parser),
               "--reasoning-parser '{}' is not known (known: deepseek-r1)", s.reasoning_parser);
     MLA_CHECK(s.tool_call_parser.empty() || server::known_tool_call_parser(s.tool_call_parser),
@@ -326,6 +358,7 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     so.host = s.host;
     so.port = s.port;
     so.api_key = s.api_key;
+    so.allowed_origins = allowed_origins;
     so.served_model_name = s.served_model_name;
     so.model_path = s.model_path;
     so.tokenizer_path = s.skip_tokenizer_init ? "" : s.tokenizer_path;

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
@@ -50,6 +51,9 @@ struct ServerOptions {
   std::string host = "127.0.0.1";
   int port = 30000;
   std::string api_key;                // empty: no auth
+  // Browser origins answered with CORS headers (requests carrying an Origin header, and OPTIONS preflights);
+  // "*" any origin, empty: none.
+  std::vector<std::string> allowed_origins = {"*"};
   std::string served_model_name;      // what /v1/models lists and OpenAI requests name
   std::string model_path;
   std::string tokenizer_path;
@@ -90,6 +94,7 @@ class Api {
   void respond_json(const std::shared_ptr<HttpExchange>& ex, int status, const std::string& body);
   void respond_error(const std::shared_ptr<HttpExchange>& ex, int status, const std::string& body);
   std::string new_id();
+  nlohmann::ordered_json model_card() const;
 
   EngineClient& engine_;
   const TextCodec* codec_;

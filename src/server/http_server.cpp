@@ -54,8 +54,9 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     response_started_ = true;
     std::string out = status_line(status);
     out += fmt::format("Content-Type: {}\r\nContent-Length: {}\r\n", content_type, body.size());
+    out += cors_headers_;
     out += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
-    out += body;
+    if (!head_) out += body;  // HEAD: the headers GET would send, no body
     enqueue(std::move(out), /*last=*/true);
   }
 
@@ -64,6 +65,7 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     response_started_ = true;
     std::string out = status_line(200);
     out += "Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n";
+    out += cors_headers_;
     out += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
     enqueue(std::move(out), false);
   }
@@ -90,7 +92,8 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     parser_.emplace();
     parser_->body_limit(opts_.max_body_bytes);
     parser_->header_limit(64 * 1024);
-    response_started_ = response_ended_ = false;
+    response_started_ = response_ended_ = head_ = false;
+    cors_headers_.clear();
     stream_.expires_after(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
         std::chrono::duration<double>(opts_.idle_timeout_s)));
     http::async_read_header(stream_, buffer_, *parser_,
@@ -152,6 +155,15 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     req.body = std::move(msg.body());
     if (auto it = msg.find(http::field::authorization); it != msg.end()) req.authorization = std::string(it->value());
     MLA_LOG_DEBUG("{} {} ({} bytes)", req.method, req.target, req.body.size());
+    const std::string origin = header(msg, http::field::origin);
+    const char* allow = allowed_origin(origin);
+    if (allow) cors_headers_ = cors_allow(allow);
+    if (msg.method() == http::verb::options && msg.find(http::field::access_control_request_method) != msg.end())
+      return preflight(origin, allow, header(msg, http::field::access_control_request_headers));
+    if (msg.method() == http::verb::head) {  // answered as GET without the body
+      head_ = true;
+      req.method = "GET";
+    }
     handling_ = true;
     start_monitor();
     if (opts_.request_timeout_s > 0) {
@@ -163,6 +175,47 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
       });
     }
     api_.handle(req, shared_from_this());
+  }
+
+  static std::string header(const http::request<http::string_body>& msg, http::field f) {
+    auto it = msg.find(f);
+    return it == msg.end() ? std::string() : std::string(it->value());
+  }
+
+  // What Access-Control-Allow-Origin answers `origin` with ("*" or the origin itself), null when it is not allowed
+  // or the request names none (not a cross-origin browser request: no CORS headers).
+  const char* allowed_origin(const std::string& origin) const {
+    if (origin.empty()) return nullptr;
+    for (const std::string& o : opts_.allowed_origins) {
+      if (o == "*") return "*";
+      if (o == origin) return origin.c_str();
+    }
+    return nullptr;
+  }
+  static std::string cors_allow(const std::string& allow) {
+    std::string h = "Access-Control-Allow-Origin: " + allow + "\r\n";
+    if (allow != "*") h += "Vary: Origin\r\n";
+    return h;
+  }
+
+  // A browser's CORS preflight (OPTIONS with Access-Control-Request-Method): answered here, before the API key is
+  // checked, since browsers send it without credentials.
+  void preflight(const std::string& origin, const char* allow, const std::string& request_headers) {
+    handling_ = true;
+    if (!allow) {
+      ++api_.metrics().client_errors_total;
+      respond(400, "application/json",
+              error_body(400, fmt::format("CORS origin '{}' is not allowed (see --allowed-origins)", origin)));
+      return;
+    }
+    response_started_ = true;
+    std::string out = status_line(200);
+    out += cors_headers_;
+    out += "Access-Control-Allow-Methods: GET, POST, HEAD, OPTIONS\r\n";
+    out += fmt::format("Access-Control-Allow-Headers: {}\r\n", request_headers.empty() ? "*" : request_headers);
+    out += "Access-Control-Max-Age: 600\r\nContent-Length: 0\r\n";
+    out += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
+    enqueue(std::move(out), /*last=*/true);
   }
 
   // While a request is served, keep one read pending: it completes with an error when the client goes away,
@@ -287,6 +340,8 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
   bool response_started_ = false;
   bool response_ended_ = false;
   bool closed_ = false;
+  bool head_ = false;         // the request is a HEAD: responses carry no body
+  std::string cors_headers_;  // the request's CORS response headers (empty: none)
 };
 
 }  // namespace

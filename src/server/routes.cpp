@@ -28,6 +28,25 @@ std::string_view path_of(std::string_view target) {
   return q == std::string_view::npos ? target : target.substr(0, q);
 }
 
+// %XX escapes of a URL path decoded (a malformed escape stays as it is).
+std::string percent_decode(std::string_view s) {
+  auto hex = [](char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+  };
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '%' && i + 2 < s.size() && hex(s[i + 1]) >= 0 && hex(s[i + 2]) >= 0) {
+      out += static_cast<char>(hex(s[i + 1]) * 16 + hex(s[i + 2]));
+      i += 2;
+    } else {
+      out += s[i];
+    }
+  }
+  return out;
+}
+
 bool constant_time_equal(const std::string& a, const std::string& b) {
   if (a.size() != b.size()) return false;
   unsigned char d = 0;
@@ -367,6 +386,18 @@ Api::Api(EngineClient& engine, const TextCodec* codec, ServerOptions opts)
   if (opts_.served_model_name.empty()) opts_.served_model_name = opts_.model_path;
 }
 
+// What /v1/models lists and /v1/models/{id} returns.
+ojson Api::model_card() const {
+  ojson m;
+  m["id"] = opts_.served_model_name;
+  m["object"] = "model";
+  m["created"] = unix_seconds();
+  m["owned_by"] = "mlaserve";
+  m["root"] = opts_.served_model_name;
+  m["max_model_len"] = engine_.max_context_len();
+  return m;
+}
+
 std::string Api::new_id() {
   return fmt::format("{:08x}{:08x}", static_cast<uint32_t>(id_salt_), static_cast<uint32_t>(next_id_.fetch_add(1)));
 }
@@ -415,17 +446,18 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
       abort_request(req, ex);
     } else if (path == "/v1/models") {
       if (!get) method_not_allowed();
-      ojson m;
-      m["id"] = opts_.served_model_name;
-      m["object"] = "model";
-      m["created"] = unix_seconds();
-      m["owned_by"] = "mlaserve";
-      m["root"] = opts_.served_model_name;
-      m["max_model_len"] = engine_.max_context_len();
       ojson body;
       body["object"] = "list";
-      body["data"] = ojson::array({m});
+      body["data"] = ojson::array({model_card()});
       respond_json(ex, 200, dump(body));
+    } else if (path.rfind("/v1/models/", 0) == 0) {  // OpenAI's retrieve: the id may hold '/' (org/name)
+      if (!get) method_not_allowed();
+      const std::string id = percent_decode(path.substr(std::string_view("/v1/models/").size()));
+      if (id != opts_.served_model_name && id != opts_.model_path)
+        throw ApiError(404, fmt::format("the model '{}' does not exist; this server serves '{}'", id,
+                                        opts_.served_model_name),
+                       "model", "model_not_found");
+      respond_json(ex, 200, dump(model_card()));
     } else if (path == "/get_model_info") {
       if (!get) method_not_allowed();
       ojson body;

@@ -125,4 +125,12 @@ try {  // this server has no --tool-call-parser
 // Models list.
 const models = await client.models.list();
 check(models.data.some(m => m.id === model), 'models list', models.data);
+const card = await client.models.retrieve(model);
+check(card.id === model && card.object === 'model', 'models retrieve', card);
+try {
+  await client.models.retrieve('org/no-such-model');
+  check(false, 'retrieving an unknown model must fail');
+} catch (e) {
+  check(e.status === 404, 'unknown model retrieve -> 404', { status: e.status, message: e.message });
+}
 console.log('openai client: all checks passed');

@@ -849,6 +849,12 @@ TEST(ServeFlags, RecognisedButNotImplementedExitNonZero) {
                   " --load-format dummy --port 0 --stream-interval 0");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("--stream-interval must be at least 1"), std::string::npos) << r.output;
+  r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --model-path " + e2e_model_dir() +
+                  " --load-format dummy --port 0 --allowed-origins '[\"https://a.example\", 1]'");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--allowed-origins: '[\"https://a.example\", 1]' must list non-empty strings"),
+            std::string::npos)
+      << r.output;
 }
 
 }  // namespace

@@ -588,6 +588,85 @@ TEST(HttpApi, ApiKey) {
   EXPECT_EQ(s.get("/v1/models").status, 401);
 }
 
+TEST(HttpApi, ModelRetrieveHeadAndCors) {
+  ServerOptions o;
+  o.api_key = "sekret";
+  TestServer s(o);
+  const std::string auth = "Authorization: Bearer sekret\r\n";
+  HttpConnection c(s.port());
+  // OpenAI's models.retrieve; ids may hold '/' and %XX escapes.
+  c.send_request("GET", "/v1/models/fake", "", auth);
+  auto r = c.read_response();
+  EXPECT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["id"], "fake");
+  EXPECT_EQ(json::parse(r.body)["object"], "model");
+  c.send_request("GET", "/v1/models/%66ake", "", auth);
+  EXPECT_EQ(c.read_response().status, 200);
+  c.send_request("GET", "/v1/models//models/fake", "", auth);  // the model path, as the id
+  EXPECT_EQ(c.read_response().status, 200);
+  c.send_request("GET", "/v1/models/org/other", "", auth);
+  r = c.read_response();
+  EXPECT_EQ(r.status, 404);
+  EXPECT_EQ(json::parse(r.body)["error"]["code"], "model_not_found") << r.body;
+  c.send_request("POST", "/v1/models/fake", "{}", auth);
+  EXPECT_EQ(c.read_response().status, 405);
+
+  // HEAD: GET's status and headers, no body; the connection stays usable.
+  c.send_request("HEAD", "/v1/models", "", auth);
+  r = c.read_response(/*head_request=*/true);
+  EXPECT_EQ(r.status, 200);
+  EXPECT_GT(std::stoul(r.headers["content-length"]), 10u);
+  c.send_request("HEAD", "/health");
+  EXPECT_EQ(c.read_response(true).status, 200);
+  c.send_request("GET", "/health");
+  r = c.read_response();
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.headers.count("access-control-allow-origin"), 0u);  // no Origin: not a browser's cross-origin call
+
+  // CORS (every origin by default): a preflight needs no key; answers, errors and streams carry the header.
+  c.send_raw("OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: https://app.example\r\n"
+             "Access-Control-Request-Method: POST\r\n"
+             "Access-Control-Request-Headers: authorization, content-type\r\n\r\n");
+  r = c.read_response();
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.headers["access-control-allow-origin"], "*");
+  EXPECT_NE(r.headers["access-control-allow-methods"].find("POST"), std::string::npos);
+  EXPECT_EQ(r.headers["access-control-allow-headers"], "authorization, content-type");
+  const std::string origin = "Origin: https://app.example\r\n";
+  c.send_request("GET", "/v1/models", "", origin);
+  r = c.read_response();
+  EXPECT_EQ(r.status, 401);
+  EXPECT_EQ(r.headers["access-control-allow-origin"], "*");
+  c.send_request("POST", "/generate", R"({"text": "k", "stream": true, "sampling_params": {"max_new_tokens": 2}})",
+                 auth + origin);
+  r = c.read_response();
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.headers["access-control-allow-origin"], "*");
+  EXPECT_EQ(sse_payloads(r.body).back(), "[DONE]");
+  c.send_request("OPTIONS", "/v1/models", "", auth);  // not a preflight: OPTIONS is no method of the API
+  EXPECT_EQ(c.read_response().status, 405);
+}
+
+TEST(HttpApi, CorsOnlyForTheAllowedOrigins) {
+  ServerOptions o;
+  o.allowed_origins = {"https://a.example"};
+  TestServer s(o);
+  HttpConnection c(s.port());
+  c.send_request("GET", "/v1/models", "", "Origin: https://a.example\r\n");
+  auto r = c.read_response();
+  EXPECT_EQ(r.headers["access-control-allow-origin"], "https://a.example");
+  EXPECT_EQ(r.headers["vary"], "Origin");
+  c.send_request("GET", "/v1/models", "", "Origin: https://b.example\r\n");
+  r = c.read_response();
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.headers.count("access-control-allow-origin"), 0u);
+  c.send_raw("OPTIONS /generate HTTP/1.1\r\nHost: x\r\nOrigin: https://b.example\r\n"
+             "Access-Control-Request-Method: POST\r\n\r\n");
+  r = c.read_response();
+  EXPECT_EQ(r.status, 400);
+  EXPECT_NE(json::parse(r.body)["error"]["message"].get<std::string>().find("https://b.example"), std::string::npos);
+}
+
 TEST(HttpApi, KeepAliveServesSeveralRequestsOnOneConnection) {
   TestServer s;
   HttpConnection c(s.port());
