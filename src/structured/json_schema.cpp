@@ -477,7 +477,9 @@ class Converter {
       }
       // Properties in the schema's order, those not in `required` optional. g: the lists of properties 0..k in order
       // that hold every required one, at least one property: g(k) = g(k - 1) followed by ", P_k" (optionally when
-      // P_k is optional), or P_k alone when no required property comes before it: linear in the properties.
+      // P_k is optional), or P_k alone when no required property comes before it: linear in the properties. Once a
+      // required property has come, g is one alternative and grows flat (no group around it), so only the
+      // properties up to the first required one nest.
       std::set<std::string> required;
       if (auto req = s.find("required"); req != s.end()) {
         if (!req->is_array()) fail("json_schema at {}/required: must be an array of names", path);
@@ -489,7 +491,7 @@ class Converter {
         }
       }
       std::string g;
-      bool any_required = false;
+      bool any_required = false, g_alternatives = false;  // g_alternatives: g is several alternatives (a top-level |)
       for (auto it = props->begin(); it != props->end(); ++it) {
         const Rx v = value(it.value(), path + "/properties/" + it.key());
         const bool optional = !required.count(it.key());
@@ -499,9 +501,11 @@ class Converter {
         }
         const std::string p = regex_escape(nlohmann::ordered_json(it.key()).dump()) + ws + ":" + ws + group(*v);
         std::vector<std::string> alts;
-        if (!g.empty()) alts.push_back(group(g) + group(ws + "," + ws + p) + (optional ? "?" : ""));
+        if (!g.empty())
+          alts.push_back((g_alternatives ? group(g) : g) + group(ws + "," + ws + p) + (optional ? "?" : ""));
         if (!any_required) alts.push_back(p);
-        g = join(alts);
+        g_alternatives = alts.size() > 1;
+        g = g_alternatives ? join(alts) : alts[0];
         any_required |= !optional;
         check_size(g.size(), path);
       }

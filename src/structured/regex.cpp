@@ -49,6 +49,16 @@ Ranges complement(const Ranges& r0) {
   return out;
 }
 
+// A pattern as error messages quote it: whole when short, else its start and its length (a schema's regex can be
+// megabytes long).
+std::string quoted(std::string_view pattern) {
+  constexpr size_t kShown = 160;
+  if (pattern.size() <= kShown) return fmt::format("'{}'", pattern);
+  size_t cut = kShown;
+  while (cut > 0 && (static_cast<unsigned char>(pattern[cut]) & 0xC0) == 0x80) --cut;  // whole UTF-8 characters
+  return fmt::format("'{}...' ({} bytes)", pattern.substr(0, cut), pattern.size());
+}
+
 const Ranges kDigit{{'0', '9'}};
 const Ranges kWord{{'0', '9'}, {'A', 'Z'}, {'_', '_'}, {'a', 'z'}};
 const Ranges kSpace{{'\t', '\r'}, {' ', ' '}};
@@ -57,7 +67,7 @@ class Parser {
  public:
   explicit Parser(std::string_view pattern) : pattern_(pattern) {
     size_t bad = 0;
-    if (!decode_utf8(pattern, cps_, &bad)) fail("regex '{}': not valid UTF-8 at byte {}", pattern, bad);
+    if (!decode_utf8(pattern, cps_, &bad)) fail("regex {}: not valid UTF-8 at byte {}", quoted(pattern), bad);
   }
 
   Node parse() {
@@ -68,9 +78,9 @@ class Parser {
 
  private:
   [[noreturn]] void error(const std::string& what) const {
-    fail("regex '{}': {} at position {}", pattern_, what, pos_);
+    fail("regex {}: {} at position {}", quoted(pattern_), what, pos_);
   }
-  static constexpr int kMaxGroupDepth = 256;  // the parser and the compiler recurse once per level
+  static constexpr int kMaxGroupDepth = 1024;  // the parser and the compiler recurse once per level (~1 KB)
   int depth_ = 0;
   bool eof() const { return pos_ >= cps_.size(); }
   uint32_t peek(size_t k = 0) const { return pos_ + k < cps_.size() ? cps_[pos_ + k] : 0xFFFFFFFFu; }
@@ -98,14 +108,21 @@ class Parser {
     return n.kids.size() == 1 ? std::move(n.kids[0]) : n;
   }
 
+  static constexpr int64_t kMaxCount = 999999;
   // {n}, {n,}, {n,m} at pos_ (on '{'); false (pos_ unchanged) when it is not one: '{' is then a literal.
   bool counted(int& lo, int& hi) {
     size_t p = pos_ + 1;
     auto number = [&](int& v) {
       const size_t s = p;
-      v = 0;
-      while (p < cps_.size() && cps_[p] >= '0' && cps_[p] <= '9' && p - s < 6)
-        v = v * 10 + static_cast<int>(cps_[p++] - '0');
+      int64_t x = 0;
+      while (p < cps_.size() && cps_[p] >= '0' && cps_[p] <= '9') {
+        x = std::min<int64_t>(x * 10 + (cps_[p++] - '0'), kMaxCount + 1);
+      }
+      if (x > kMaxCount) {  // a quantifier no automaton could hold (Python's re and PCRE2 refuse it too)
+        pos_ = s;
+        error(fmt::format("a repeat count is larger than {}", kMaxCount));
+      }
+      v = static_cast<int>(x);
       return p > s;
     };
     const bool has_lo = number(lo);  // {,n}: 0 to n, as Python reads it
@@ -411,7 +428,7 @@ class Builder {
   };
 
   int32_t state() {
-    if (nfa_.states.size() >= max_) fail("regex '{}': its automaton would exceed {} states", pattern_, max_);
+    if (nfa_.states.size() >= max_) fail("regex {}: its automaton would exceed {} states", quoted(pattern_), max_);
     nfa_.states.emplace_back();
     return static_cast<int32_t>(nfa_.states.size() - 1);
   }

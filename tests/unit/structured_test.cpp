@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <numeric>
 #include <random>
 #include <regex>
 #include <string>
@@ -149,7 +150,7 @@ TEST(Regex, AbsentOperatorIsTextWithoutTheLiterals) {
 
 TEST(Regex, UnsupportedOrBadPatternsAreErrors) {
   for (const char* p : {"(a", "a)", "*a", "a\\1", "(?=a)b", "a{3,2}", "[b-a]", "a^", "$a", "[abc", "\\bword",
-                        "(?i)a", "\\xZZ"}) {
+                        "(?i)a", "\\xZZ", "a{0,4294967296}", "a{12345678}"}) {
     try {
       compile_regex(p);
       ADD_FAILURE() << p << " compiled";
@@ -158,6 +159,8 @@ TEST(Regex, UnsupportedOrBadPatternsAreErrors) {
     }
   }
   EXPECT_THROW(compile_regex("(a{1000}){1000}", 100000), Error);  // too many states
+  // A '{' that starts no quantifier is a literal (as Python reads it).
+  for (const char* p : {"a{", "a{,}", "a{x}", "{1}"}) EXPECT_TRUE(Dfa(compile_regex(p)).matches(p)) << p;
 }
 
 // compile_regex_shared: a pattern compiled lately is the same automaton (not compiled again), from several threads
@@ -697,6 +700,53 @@ TEST(JsonSchema, MapsFollowAdditionalProperties) {
   EXPECT_THROW(json_schema_regex(nlohmann::ordered_json::parse(
                    R"({"type": "object", "minProperties": 3, "maxProperties": 2})")),
                Error);
+}
+
+// Objects with many properties: required ones after the first required property add no nesting, optional ones
+// before it nest one group each (up to the regex parser's bound of 1024 groups); regexes that deep compile.
+TEST(JsonSchema, ObjectsWithManyPropertiesCompile) {
+  auto object = [](int n, int first_required, bool all_required_after) {
+    nlohmann::ordered_json s = {{"type", "object"}, {"properties", nlohmann::ordered_json::object()}};
+    nlohmann::ordered_json req = nlohmann::ordered_json::array();
+    for (int i = 0; i < n; ++i) {
+      s["properties"]["p" + std::to_string(i)] = {{"type", "integer"}};
+      if (i == first_required || (all_required_after && i > first_required)) req.push_back("p" + std::to_string(i));
+    }
+    s["required"] = req;
+    return s.dump();
+  };
+  auto doc = [](const std::vector<int>& present) {
+    std::string d = "{";
+    for (int i : present) d += (d.size() > 1 ? ", \"p" : "\"p") + std::to_string(i) + "\": " + std::to_string(i);
+    return d + "}";
+  };
+  std::vector<int> all(1500);
+  std::iota(all.begin(), all.end(), 0);
+  const std::string required = object(1500, 0, true);  // every property required: flat
+  EXPECT_TRUE(schema_match(required, doc(all)));
+  std::vector<int> missing = all;
+  missing.erase(missing.begin() + 700);
+  EXPECT_FALSE(schema_match(required, doc(missing)));
+  const std::string optional = object(600, 500, false);  // 500 optional ones, then one required, then optional
+  EXPECT_TRUE(schema_match(optional, doc({3, 499, 500, 599})));
+  EXPECT_TRUE(schema_match(optional, doc({500})));
+  EXPECT_FALSE(schema_match(optional, doc({3, 499, 599})));
+  EXPECT_FALSE(schema_match(optional, doc({499, 3, 500})));  // out of order
+
+  std::string deep = "a";
+  for (int i = 0; i < 1000; ++i) deep = "(" + deep + "|b)";
+  EXPECT_TRUE(Dfa(compile_regex(deep)).matches("a"));
+  // Too deep: an error whose message quotes the start of the pattern, not all of it.
+  const std::string too_deep = std::string(1100, '(') + "a" + std::string(1100, ')');
+  try {
+    compile_regex(too_deep);
+    ADD_FAILURE() << "a pattern nesting 1100 groups compiled";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("groups nest more than 1024 deep"), std::string::npos) << m;
+    EXPECT_NE(m.find("(2201 bytes)"), std::string::npos) << m;
+    EXPECT_LT(m.size(), 400u) << m;
+  }
 }
 
 TEST(JsonSchema, WhatItCannotExpressIsAnError) {
