@@ -5,10 +5,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include <nlohmann/json.hpp>
 
@@ -108,7 +110,15 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
               en);
     MLA_CHECK(en <= data_size, "{}: truncated file: tensor '{}' needs bytes [{}, {}) but the data section has {}",
               path, name, b, en, data_size);
-    const uint64_t expect = static_cast<uint64_t>(shape_numel(info.shape)) * dtype_size(info.dtype);
+    // The byte count, checked: a shape whose count overflows is corrupt (it would wrap to a small count).
+    uint64_t expect = dtype_size(info.dtype);
+    if (std::find(info.shape.begin(), info.shape.end(), 0) != info.shape.end()) expect = 0;
+    for (int64_t d : info.shape) {
+      if (d != 0 && expect > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d))
+        fail("{}: corrupt header: tensor '{}' has shape {}, more bytes than any file holds", path, name,
+             shape_str(info.shape));
+      expect *= static_cast<uint64_t>(d);
+    }
     MLA_CHECK(en - b == expect, "{}: corrupt header: tensor '{}' of dtype {} and shape {} needs {} bytes, has {}",
               path, name, dt, shape_str(info.shape), expect, en - b);
     info.data = data_start + b;

@@ -79,6 +79,14 @@ TEST(Safetensors, ErrorsNameFileAndTensor) {
   e = error_of([&] { SafetensorsFile f(p); });
   EXPECT_NE(e.find("needs 12 bytes"), std::string::npos) << e;
 
+  // A shape whose byte count wraps around 2^64 (to 0 here) is corrupt, not an empty tensor.
+  write_raw(p, "{\"w\": {\"dtype\": \"F32\", \"shape\": [4294967296, 4294967296], \"data_offsets\": [0, 0]}}", 8);
+  e = error_of([&] { SafetensorsFile f(p); });
+  EXPECT_NE(e.find("more bytes than any file holds"), std::string::npos) << e;
+  write_raw(p, "{\"w\": {\"dtype\": \"F32\", \"shape\": [4294967296, 4294967296, 0], \"data_offsets\": [0, 0]}}",
+            8);
+  EXPECT_EQ(SafetensorsFile(p).get("w").nbytes, 0u);
+
   write_raw(p, "{}", 0, /*claimed_len=*/1000);
   e = error_of([&] { SafetensorsFile f(p); });
   EXPECT_NE(e.find("exceeds the file size"), std::string::npos) << e;
