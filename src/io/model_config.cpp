@@ -26,6 +26,10 @@ struct Reader {
     const json& v = j[k];
     MLA_CHECK(v.is_number_integer() || (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>()),
               "{}: field '{}' must be an integer, got {}", src, k, v.dump());
+    const bool fits = v.is_number_unsigned()  ? v.get<uint64_t>() <= uint64_t{1} << 62
+                      : v.is_number_integer() ? std::llabs(v.get<int64_t>()) <= int64_t{1} << 62
+                                              : std::fabs(v.get<double>()) <= 0x1p62;
+    MLA_CHECK(fits, "{}: field '{}' is {}, out of range", src, k, v.dump());
     return v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(v.get<double>());
   }
   int64_t req_int(const char* k) const {
@@ -230,6 +234,25 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& src) {
   positive(c.qk_nope_head_dim, "qk_nope_head_dim");
   positive(c.v_head_dim, "v_head_dim");
   positive(c.moe_layer_freq, "moe_layer_freq");
+  // Upper bounds far past every released model (DeepSeek-V3: hidden 7168, vocab 129280, 256 experts, 61 layers), so
+  // that no product of sizes below overflows and a corrupt config is refused here, not by an allocator.
+  auto at_most = [&](int64_t v, int64_t max, const char* k) {
+    MLA_CHECK(v <= max, "{}: field '{}' is {}, more than mlaserve supports ({})", src, k, v, max);
+  };
+  at_most(c.vocab_size, int64_t{1} << 24, "vocab_size");
+  at_most(c.hidden_size, int64_t{1} << 20, "hidden_size");
+  at_most(c.intermediate_size, int64_t{1} << 20, "intermediate_size");
+  at_most(c.moe_intermediate_size, int64_t{1} << 20, "moe_intermediate_size");
+  at_most(c.num_hidden_layers, 4096, "num_hidden_layers");
+  at_most(c.num_attention_heads, 4096, "num_attention_heads");
+  at_most(c.q_lora_rank, int64_t{1} << 16, "q_lora_rank");
+  at_most(c.kv_lora_rank, int64_t{1} << 16, "kv_lora_rank");
+  at_most(c.qk_nope_head_dim, 4096, "qk_nope_head_dim");
+  at_most(c.qk_rope_head_dim, 4096, "qk_rope_head_dim");
+  at_most(c.v_head_dim, 4096, "v_head_dim");
+  at_most(c.n_routed_experts, int64_t{1} << 16, "n_routed_experts");
+  at_most(c.n_shared_experts, 1024, "n_shared_experts");
+  at_most(c.max_position_embeddings, int64_t{1} << 40, "max_position_embeddings");
   MLA_CHECK(c.q_lora_rank >= 0, "{}: q_lora_rank must be null or positive", src);
   MLA_CHECK(c.qk_rope_head_dim > 0 && c.qk_rope_head_dim % 2 == 0, "{}: qk_rope_head_dim must be positive and even, got {}",
             src, c.qk_rope_head_dim);

@@ -176,6 +176,20 @@ TEST(ModelConfig, ClearErrors) {
   j = v2_lite();
   j["num_experts_per_tok"] = 65;
   EXPECT_NE(error_of(j).find("num_experts_per_tok"), std::string::npos);
+  // Sizes past any model are refused by name (a vocabulary of 2^62 made byte counts wrap and the server start).
+  j = v2_lite();
+  j["vocab_size"] = int64_t{1} << 62;
+  e = error_of(j);
+  EXPECT_NE(e.find("field 'vocab_size' is 4611686018427387904, more than mlaserve supports"), std::string::npos) << e;
+  j = v2_lite();
+  j["num_hidden_layers"] = 100000000;
+  EXPECT_NE(error_of(j).find("field 'num_hidden_layers' is 100000000, more than"), std::string::npos);
+  j = v2_lite();
+  j["hidden_size"] = 1e30;
+  EXPECT_NE(error_of(j).find("field 'hidden_size' is 1e+30, out of range"), std::string::npos) << error_of(j);
+  j = v2_lite();
+  j["kv_lora_rank"] = uint64_t{18446744073709551615u};
+  EXPECT_NE(error_of(j).find("field 'kv_lora_rank' is 18446744073709551615, out of range"), std::string::npos);
 }
 
 TEST(ModelConfig, FromFileNamesThePath) {
