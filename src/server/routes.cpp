@@ -458,7 +458,20 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
                                         opts_.served_model_name),
                        "model", "model_not_found");
       respond_json(ex, 200, dump(model_card()));
-    } else if (path == "/get_model_info") {
+    } else if (path == "/get_load") {  // SGLang's, read by its router: one object per DP rank
+      if (!get) method_not_allowed();
+      ojson loads = ojson::array();
+      int rank = 0;
+      for (const RankStats& st : engine_.stats()) {
+        ojson l;
+        l["dp_rank"] = rank++;
+        l["num_reqs"] = st.num_running_reqs;
+        l["num_waiting_reqs"] = st.num_queue_reqs;
+        l["num_tokens"] = st.kv_tokens_total - st.kv_tokens_free - st.kv_tokens_cached;  // held by requests
+        loads.push_back(std::move(l));
+      }
+      respond_json(ex, 200, dump(loads));
+    } else if (path == "/get_model_info" || path == "/model_info") {
       if (!get) method_not_allowed();
       ojson body;
       body["model_path"] = opts_.model_path;
@@ -469,7 +482,7 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
       body["eos_token_ids"] = engine_.eos_token_ids();
       body["preferred_sampling_params"] = nullptr;
       respond_json(ex, 200, dump(body));
-    } else if (path == "/get_server_info") {
+    } else if (path == "/get_server_info" || path == "/server_info") {
       if (!get) method_not_allowed();
       ojson body = ojson::parse(opts_.server_args.dump());
       ojson states = ojson::array();

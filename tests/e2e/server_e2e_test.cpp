@@ -803,6 +803,24 @@ TEST(ServerE2EVariants, DataParallelReportsOneStateObjectPerRank) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   ServerProcess s({"--dp", "2"});
   ASSERT_TRUE(s.running()) << s.log();
+  // While a long request runs, /get_load (SGLang's router reads it) shows it on its rank with its tokens.
+  std::thread busy([&] {
+    post_json(s.port(), "/generate",
+              R"({"text": "a long one", "sampling_params": {"max_new_tokens": 400, "ignore_eos": true}})");
+  });
+  json load;
+  for (int k = 0; k < 400; ++k) {
+    load = get_json(s.port(), "/get_load");
+    if (load.size() == 2 && load[0]["num_reqs"].get<int>() + load[1]["num_reqs"].get<int>() == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(load.size(), 2u) << load.dump();
+  EXPECT_EQ(load[0]["dp_rank"], 0);
+  EXPECT_EQ(load[1]["dp_rank"], 1);
+  const json& running = load[0]["num_reqs"] == 1 ? load[0] : load[1];
+  EXPECT_EQ(running["num_reqs"], 1) << load.dump();
+  EXPECT_GT(running["num_tokens"].get<int64_t>(), 0) << load.dump();
+  busy.join();
   std::vector<std::thread> ts;
   for (int i = 0; i < 6; ++i)
     ts.emplace_back([&, i] { EXPECT_EQ(greedy(s.port(), test_prompt(i, 20), 4).size(), 4u); });

@@ -77,6 +77,14 @@ TEST(HttpApi, InfoEndpoints) {
   ASSERT_EQ(si["internal_states"].size(), 1u);
   for (const char* k : {"kv_tokens_total", "kv_tokens_free", "kv_tokens_cached", "num_running_reqs", "num_queue_reqs"})
     EXPECT_TRUE(si["internal_states"][0].contains(k)) << k;
+  EXPECT_EQ(json::parse(s.get("/model_info").body), info);  // SGLang's newer names
+  EXPECT_EQ(json::parse(s.get("/server_info").body)["internal_states"].size(), 1u);
+  auto load = json::parse(s.get("/get_load").body);
+  ASSERT_EQ(load.size(), 1u);
+  EXPECT_EQ(load[0]["dp_rank"], 0);
+  EXPECT_EQ(load[0]["num_reqs"], 0);
+  EXPECT_EQ(load[0]["num_waiting_reqs"], 0);
+  EXPECT_EQ(load[0]["num_tokens"], 0);
   EXPECT_EQ(s.post("/flush_cache", "").status, 200);
   auto m = s.get("/metrics");
   EXPECT_EQ(m.status, 200);
