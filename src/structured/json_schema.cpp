@@ -459,8 +459,7 @@ class Converter {
       if (auto p = s.find("prefixItems"); p != s.end()) return tuple(s, *p, "prefixItems", "items", lo, hi, path);
       if (auto p = s.find("items"); p != s.end() && p->is_array())
         return tuple(s, *p, "items", "additionalItems", lo, hi, path);
-      auto it = s.find("items");
-      const Rx item = it == s.end() ? Rx(any_value(ws, kAnyDepth - 1)) : value(*it, path + "/items");
+      const Rx item = element_schema(s, "items", path);  // absent or true: any value; false: none
       if (!item) return lo == 0 ? Rx("\\[" + ws + "\\]") : Rx();  // no item value: only the empty array
       return list(ws, "\\[", group(*item), "\\]", lo, hi);
     }

@@ -1,14 +1,14 @@
 // JSON Schema to a regular expression (structured/regex.h) of the JSON texts it allows, for constrained decoding
 // (SGLang's `json_schema`, OpenAI's response_format json_schema / json_object). Supported: type (one or a list), enum,
-// const, properties (in the schema's order; those not in `required` may be left out), items, tuples (prefixItems with
-// items for the rest, or drafts 4-7's items array with additionalItems; false: no more elements), minItems / maxItems,
-// minLength / maxLength, pattern (the string's unescaped content), anyOf / oneOf, allOf of one schema, $ref to
-// #/$defs/... or #/definitions/... or # (recursion followed kRefDepth deep), and the empty schema. An object without
-// properties is a map: any keys, the values of additionalProperties, minProperties to maxProperties of them. Values
-// nested under no schema (a map without additionalProperties, an array without items, {}) are any JSON value nested
-// at most kAnyDepth deep. Whitespace between tokens: any run of spaces, tabs and newlines. minimum / maximum /
-// exclusiveMinimum / exclusiveMaximum bound integers (rounded inwards) and numbers (whole, inclusive bounds only; a
-// bounded number is written without an exponent). String formats: date, time, date-time, duration, email, uuid,
+// const, properties (in the schema's order; those not in `required` may be left out), items (false: only []), tuples
+// (prefixItems with items for the rest, or drafts 4-7's items array with additionalItems; false: no more elements),
+// minItems / maxItems, minLength / maxLength, pattern (the string's unescaped content), anyOf / oneOf, allOf of one
+// schema, $ref to #/$defs/... or #/definitions/... or # (recursion followed kRefDepth deep), and the empty schema. An
+// object without properties is a map: any keys, the values of additionalProperties, minProperties to maxProperties of
+// them. Values nested under no schema (a map without additionalProperties, an array without items, {}) are any JSON
+// value nested at most kAnyDepth deep. Whitespace between tokens: any run of spaces, tabs and newlines. minimum /
+// maximum / exclusiveMinimum / exclusiveMaximum bound integers (rounded inwards) and numbers (whole, inclusive bounds
+// only; a bounded number is written without an exponent). String formats: date, time, date-time, duration, email, uuid,
 // ipv4, ipv6, hostname and uri (others are annotations; a pattern wins over a format). multipleOf (whole, up to
 // kMaxMultipleOf, or a decimal of at most 9 places: p / 10^m): an integer's multiples within its bounds; a number's,
 // without bounds, as an integer part and at most m fraction digits (a whole multipleOf: integers only); a number's

@@ -683,6 +683,16 @@ TEST(JsonSchema, TupleArraysFollowTheirElementSchemas) {
 
 // Maps (an object without properties, as Pydantic writes dict[str, int]): any keys, the values of
 // additionalProperties (false: none), minProperties to maxProperties of them.
+TEST(JsonSchema, ItemsFalseAllowsOnlyTheEmptyArray) {
+  const std::string none = R"({"type": "array", "items": false})";
+  EXPECT_TRUE(schema_match(none, "[]"));
+  EXPECT_TRUE(schema_match(none, "[ ]"));
+  EXPECT_FALSE(schema_match(none, "[1]"));
+  EXPECT_TRUE(schema_match(R"({"type": "array", "items": true})", R"([1, "a", null])"));
+  EXPECT_THROW(json_schema_regex(nlohmann::ordered_json::parse(R"({"type": "array", "items": false, "minItems": 1})")),
+               Error);
+}
+
 TEST(JsonSchema, MapsFollowAdditionalProperties) {
   const std::string ints = R"({"type": "object", "additionalProperties": {"type": "integer"}})";
   for (const char* good : {"{}", R"({"a": 1, "b": -2})", R"({ "x y" : 3 })"})
