@@ -31,6 +31,8 @@ namespace {
 
 struct ServeArgs {
   std::string model_path, tokenizer_path, served_model_name;
+  std::string positional_model;      // `serve MODEL` (vLLM's form)
+  std::vector<std::string> ignored;  // performance-only flags of SGLang / vLLM given (no effect here)
   std::string host = "127.0.0.1";
   int port = 30000;
   int32_t tp = 1, dp = 1;
@@ -201,29 +203,33 @@ nlohmann::json server_args_json(const ServeArgs& a) {
 const RegisterCommand reg("serve", "serve a model over HTTP (native /generate and OpenAI-compatible API)",
                           [](CLI::App& app) {
   auto a = std::make_shared<ServeArgs>();
-  app.add_option("--model-path", a->model_path, "checkpoint directory (config.json + safetensors)")->required();
-  app.add_option("--tokenizer-path", a->tokenizer_path, "tokenizer directory (default: --model-path)");
+  app.add_option("--model-path,--model", a->model_path, "checkpoint directory (config.json + safetensors)");
+  app.add_option("model", a->positional_model, "the checkpoint directory, as `vllm serve MODEL` takes it");
+  app.add_option("--tokenizer-path,--tokenizer", a->tokenizer_path, "tokenizer directory (default: --model-path)");
   app.add_option("--served-model-name", a->served_model_name, "model name in the OpenAI API (default: --model-path)");
   app.add_option("--host", a->host, "address to listen on")->capture_default_str();
   app.add_option("--port", a->port, "port to listen on (0: any free port)")->capture_default_str();
   app.add_option("--tp,--tp-size,--tensor-parallel-size", a->tp, "tensor parallel size")->capture_default_str();
   app.add_option("--dp,--dp-size,--data-parallel-size", a->dp, "data parallel size")->capture_default_str();
   app.add_flag("--enable-dp-attention", a->enable_dp_attention, "data-parallel attention, tensor-parallel MoE");
-  app.add_flag("--disable-radix-cache", a->disable_radix_cache, "no prefix cache");
+  app.add_flag("--disable-radix-cache,--no-enable-prefix-caching", a->disable_radix_cache, "no prefix cache");
   app.add_flag("--trust-remote-code", a->trust_remote_code, "accepted for compatibility; no effect");
   app.add_option("--load-format", a->load_format, "auto|safetensors|dummy")->capture_default_str();
   app.add_option("--dtype", a->dtype, "auto|bfloat16")->capture_default_str();
   app.add_option("--quantization", a->quantization,
                  "fp8: quantize a bf16 checkpoint's routed experts to FP8 at load (else only the checkpoint's own)");
   app.add_option("--kv-cache-dtype", a->kv_cache_dtype, "auto")->capture_default_str();
-  app.add_option("--mem-fraction-static", a->mem_fraction_static, "fraction of device memory for weights + KV cache");
-  app.add_option("--max-running-requests", a->max_running_requests, "cap on the running batch (0: from memory)");
+  app.add_option("--mem-fraction-static,--gpu-memory-utilization", a->mem_fraction_static,
+                 "fraction of device memory for weights + KV cache");
+  app.add_option("--max-running-requests,--max-num-seqs", a->max_running_requests,
+                 "cap on the running batch (0: from memory)");
   app.add_option("--max-total-tokens", a->max_total_tokens, "KV-cache size in tokens (0: from memory)");
-  app.add_option("--chunked-prefill-size", a->chunked_prefill_size, "prefill tokens per step")->capture_default_str();
+  app.add_option("--chunked-prefill-size,--max-num-batched-tokens", a->chunked_prefill_size, "prefill tokens per step")
+      ->capture_default_str();
   app.add_option("--cuda-graph-max-bs", a->cuda_graph_max_bs,
                  "largest decode batch (per DP group) recorded as a CUDA graph")
       ->capture_default_str();
-  app.add_flag("--disable-cuda-graph", a->disable_cuda_graph, "no CUDA graphs");
+  app.add_flag("--disable-cuda-graph,--enforce-eager", a->disable_cuda_graph, "no CUDA graphs");
   app.add_flag("--disable-overlap-schedule", a->disable_overlap_schedule, "no CPU/GPU overlap in the scheduler");
   app.add_flag("--enable-metrics", a->enable_metrics, "accepted for compatibility; /metrics is always on");
   app.add_option("--load-balance-method", a->load_balance_method, "DP load balancing")->capture_default_str();
@@ -238,12 +244,12 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
       ->capture_default_str();
   app.add_option("--device", a->device, "auto|cpu|cuda")->capture_default_str();
   app.add_option("--random-seed,--seed", a->random_seed, "seed (dummy weights, sampling)")->capture_default_str();
-  app.add_option("--page-size", a->page_size, "tokens per KV-cache page")->capture_default_str();
-  app.add_option("--context-length", a->context_length, "context length (0: the model's)");
+  app.add_option("--page-size,--block-size", a->page_size, "tokens per KV-cache page")->capture_default_str();
+  app.add_option("--context-length,--max-model-len", a->context_length, "context length (0: the model's)");
   app.add_flag("--skip-tokenizer-init", a->skip_tokenizer_init, "no tokenizer: token ids in and out only");
   app.add_option("--stream-interval", a->stream_interval, "tokens per streamed chunk (>= 1)")->capture_default_str();
   app.add_option("--reasoning-parser", a->reasoning_parser,
-                 "split chat output into reasoning_content and content (deepseek-r1)");
+                 "split chat output into reasoning_content and content (deepseek-r1, or vLLM's deepseek_r1)");
   app.add_option("--tool-call-parser", a->tool_call_parser,
                  "parse tool calls out of chat output (deepseekv3; deepseekv31: V3.1's call form for tool_choice)");
   app.add_option("--chat-template", a->chat_template, "a Jinja chat template file replacing the tokenizer's");
@@ -258,8 +264,34 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
       ->capture_default_str();
   app.add_option("--request-timeout", a->request_timeout, "abort requests running longer (s; 0: never)");
   app.add_option("--max-n", a->max_n, "largest n (parallel samples) accepted")->capture_default_str();
+  // SGLang's and vLLM's flags that choose how they compute, not what (their kernels, compilers, schedulers' tuning,
+  // logging): accepted so that their launch commands run, and logged as having no effect.
+  for (const char* flag : {"--enable-torch-compile", "--disable-custom-all-reduce", "--enable-mixed-chunk",
+                           "--enable-cache-report", "--skip-server-warmup", "--log-requests", "--disable-log-requests",
+                           "--disable-log-stats", "--enable-auto-tool-choice", "--enable-prefix-caching"})
+    app.add_flag_callback(flag, [a, flag] { a->ignored.push_back(flag); }, "accepted for compatibility; no effect");
+  for (const char* opt : {"--torch-compile-max-bs", "--attention-backend", "--grammar-backend", "--sampling-backend",
+                          "--schedule-policy", "--watchdog-timeout", "--max-prefill-tokens", "--decode-log-interval",
+                          "--tokenizer-mode", "--cuda-graph-bs"}) {
+    const bool list = std::string_view(opt) == "--cuda-graph-bs";
+    app.add_option_function<std::vector<std::string>>(
+           opt,
+           [a, opt](const std::vector<std::string>& v) {
+             std::string given = opt;
+             for (const std::string& x : v) given += " " + x;
+             a->ignored.push_back(given);
+           },
+           "accepted for compatibility; no effect")
+        ->expected(1, list ? CLI::detail::expected_max_vector_size : 1);
+  }
   return [a]() -> int {
     ServeArgs& s = *a;
+    MLA_CHECK(s.model_path.empty() || s.positional_model.empty() || s.model_path == s.positional_model,
+              "the model is given twice: '{}' and --model-path '{}'", s.positional_model, s.model_path);
+    if (s.model_path.empty()) s.model_path = s.positional_model;
+    MLA_CHECK(!s.model_path.empty(), "--model-path is required (or the model as the first argument)");
+    if (s.reasoning_parser == "deepseek_r1") s.reasoning_parser = "deepseek-r1";  // vLLM's name
+    for (const std::string& f : s.ignored) MLA_LOG_INFO("{}: accepted for compatibility, no effect here", f);
     // --quantization naming the checkpoint's own method (an FP8 or AWQ checkpoint) is accepted: those load from
     // their quantization_config. fp8 on a checkpoint without one quantizes its routed experts at load; another
     // method, or fp8 on an AWQ checkpoint, is refused (recognised, not implemented: exit non-zero).

@@ -839,6 +839,43 @@ TEST(ServerE2EVariants, DataParallelReportsOneStateObjectPerRank) {
   }
 }
 
+// vLLM's names for the same settings, and SGLang's / vLLM's flags that only choose their own kernels or logging
+// (accepted, logged as having no effect): their launch commands run as they are.
+TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  ServerProcess s({"--max-model-len", "2048", "--enforce-eager", "--max-num-seqs", "8", "--gpu-memory-utilization",
+                   "0.5", "--no-enable-prefix-caching", "--block-size", "32", "--reasoning-parser", "deepseek_r1",
+                   "--enable-auto-tool-choice", "--enable-torch-compile", "--attention-backend", "fa3",
+                   "--cuda-graph-bs", "1", "2", "4", "--disable-log-requests"});
+  ASSERT_TRUE(s.running()) << s.log();
+  const json info = get_json(s.port(), "/get_server_info");
+  EXPECT_EQ(info["context_length"], 2048);
+  EXPECT_EQ(info["max_running_requests"], 8);
+  EXPECT_EQ(info["mem_fraction_static"], 0.5);
+  EXPECT_EQ(info["disable_radix_cache"], true);
+  EXPECT_EQ(info["page_size"], 32);
+  EXPECT_EQ(get_json(s.port(), "/get_model_info")["max_context_length"], 2048);
+  for (const char* logged : {"--enable-torch-compile: accepted for compatibility, no effect here",
+                             "--attention-backend fa3: accepted", "--cuda-graph-bs 1 2 4: accepted"})
+    EXPECT_NE(s.log().find(logged), std::string::npos) << logged << "\n" << s.log();
+  // deepseek_r1 is the reasoning parser: chat answers carry reasoning_content.
+  const json chat = post_json(s.port(), "/v1/chat/completions",
+                              R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})");
+  EXPECT_TRUE(chat["choices"][0]["message"].contains("reasoning_content")) << chat.dump();
+  EXPECT_EQ(s.stop(), 0);
+
+  // `serve MODEL` (vLLM's form); the model named twice differently is an error.
+  auto r = run_command(std::string("timeout 12 ") + MLASERVE_BINARY + " serve " + e2e_model_dir() + " --tokenizer " +
+                       deepseek_tokenizer_dir() + " --load-format dummy --device cpu --port 0 --max-total-tokens 4096");
+  EXPECT_NE(r.output.find("serving '" + e2e_model_dir() + "'"), std::string::npos) << r.output;
+  r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve " + e2e_model_dir() + " --model-path /x");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("the model is given twice"), std::string::npos) << r.output;
+  r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --load-format dummy");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--model-path is required"), std::string::npos) << r.output;
+}
+
 TEST(ServeFlags, RecognisedButNotImplementedExitNonZero) {
   for (const std::string flags :
        {"--quantization gptq", "--kv-cache-dtype fp8_e4m3", "--dtype float16", "--completion-template qwen"}) {
