@@ -438,6 +438,12 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/health") {
       if (!get) method_not_allowed();
       ex->respond(200, "text/plain", "");
+    } else if (path == "/ping") {  // vLLM's (SageMaker's liveness check): GET or POST
+      if (!get && !post) method_not_allowed();
+      ex->respond(200, "text/plain", "");
+    } else if (path == "/version") {  // vLLM's
+      if (!get) method_not_allowed();
+      respond_json(ex, 200, R"({"version":"mlaserve"})");
     } else if (path == "/health_generate") {
       if (!get) method_not_allowed();
       health_generate(ex);

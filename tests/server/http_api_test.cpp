@@ -77,6 +77,9 @@ TEST(HttpApi, InfoEndpoints) {
   ASSERT_EQ(si["internal_states"].size(), 1u);
   for (const char* k : {"kv_tokens_total", "kv_tokens_free", "kv_tokens_cached", "num_running_reqs", "num_queue_reqs"})
     EXPECT_TRUE(si["internal_states"][0].contains(k)) << k;
+  EXPECT_EQ(s.get("/ping").status, 200);  // vLLM's
+  EXPECT_EQ(s.post("/ping", "").status, 200);
+  EXPECT_EQ(json::parse(s.get("/version").body)["version"], "mlaserve");
   EXPECT_EQ(json::parse(s.get("/model_info").body), info);  // SGLang's newer names
   EXPECT_EQ(json::parse(s.get("/server_info").body)["internal_states"].size(), 1u);
   auto load = json::parse(s.get("/get_load").body);
