@@ -417,7 +417,8 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
   const bool get = req.method == "GET";
   const bool post = req.method == "POST";
   try {
-    if (!opts_.api_key.empty() && path != "/health" && path != "/health_generate" && path != "/metrics") {
+    if (!opts_.api_key.empty() && path != "/health" && path != "/health_generate" && path != "/ping" &&
+        path != "/metrics") {
       const std::string expected = "Bearer " + opts_.api_key;
       if (!constant_time_equal(req.authorization, expected))
         throw ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "", "invalid_api_key",

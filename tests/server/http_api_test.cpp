@@ -596,6 +596,7 @@ TEST(HttpApi, ApiKey) {
                 .status,
             200);
   EXPECT_EQ(s.get("/health").status, 200);
+  EXPECT_EQ(s.get("/ping").status, 200);  // liveness checks need no key
   EXPECT_EQ(s.get("/v1/models").status, 401);
 }
 
