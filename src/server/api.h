@@ -41,6 +41,11 @@ class HttpExchange {
   // end_stream finishes the response.
   virtual void start_stream() = 0;
   virtual void send_event(std::string payload) = 0;
+  // `event: <event>` before the data (the Responses API's typed events); by default the data alone.
+  virtual void send_named_event(const std::string& event, std::string payload) {
+    (void)event;
+    send_event(std::move(payload));
+  }
   virtual void end_stream() = 0;
   // `fn` runs (once, on the executor) if the client goes away or the request times out before the response has
   // ended; the response cannot be written after that.
@@ -83,6 +88,8 @@ class Api {
   void detokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   // SGLang's /abort_request ({"rid"} or {"abort_all": true}): the named running jobs end with an abort finish.
   void abort_request(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
+  // POST /v1/responses: OpenAI's Responses API, generated as chat (server/responses.h).
+  void responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   // /health_generate: one token generated (200), or 503 when the engine fails it.
   void health_generate(const std::shared_ptr<HttpExchange>& ex);
   Prepared prepare(ParsedRequest& pr);

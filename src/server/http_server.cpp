@@ -79,6 +79,15 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     enqueue(std::move(out), false);
   }
 
+  void send_named_event(const std::string& event, std::string payload) override {
+    if (closed_ || !response_started_ || response_ended_) return;
+    const size_t n = event.size() + 8 + payload.size() + 8;  // "event: " E "\n" "data: " payload "\n\n"
+    std::string out = fmt::format("{:x}\r\nevent: {}\ndata: ", n, event);
+    out += payload;
+    out += "\n\n\r\n";
+    enqueue(std::move(out), false);
+  }
+
   void end_stream() override {
     if (closed_ || !response_started_ || response_ended_) return;
     enqueue("0\r\n\r\n", true);

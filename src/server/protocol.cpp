@@ -679,6 +679,9 @@ ParsedRequest parse_chat(const json& body, const ParseOptions& opts, std::string
     }
     if (const json* tc = mf.get("tool_calls")) out["tool_calls"] = *tc;
     if (auto rc = mf.string("reasoning_content")) out["reasoning_content"] = *rc;
+    // What chat templates read besides (transformers hands them the whole message).
+    if (auto id = mf.string("tool_call_id")) out["tool_call_id"] = *id;
+    if (auto name = mf.string("name")) out["name"] = *name;
     r.messages.push_back(std::move(out));
   }
   if (const json* kw = f.get("chat_template_kwargs")) {

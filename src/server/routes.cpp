@@ -7,6 +7,7 @@
 #include "core/log.h"
 #include "server/api.h"
 #include "server/api_error.h"
+#include "server/responses.h"
 #include "server/text_stream.h"
 #include "server/tool_calls.h"
 
@@ -436,6 +437,9 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/v1/chat/completions") {
       if (!post) method_not_allowed();
       generate(ApiKind::Chat, req, ex);
+    } else if (path == "/v1/responses") {
+      if (!post) method_not_allowed();
+      responses(req, ex);
     } else if (path == "/health") {
       if (!get) method_not_allowed();
       ex->respond(200, "text/plain", "");
@@ -844,6 +848,14 @@ std::shared_ptr<TokenConstraint> Api::constraint_for(const std::string& regex,
   if (constraints_.size() >= kConstraintCache) constraints_.erase(constraints_.begin());
   constraints_.emplace_back(regex, c);
   return c;
+}
+
+void Api::responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
+  const json body = parse_body(req.body);
+  HttpRequest chat = req;
+  chat.body = responses_to_chat(body).dump();
+  auto rex = std::make_shared<ResponsesExchange>(ex, body, "resp_" + new_id(), unix_seconds(), opts_.served_model_name);
+  generate(ApiKind::Chat, chat, rex);
 }
 
 void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {

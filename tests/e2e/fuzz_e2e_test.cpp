@@ -66,6 +66,13 @@ const Seed kSeeds[] = {
       {"role": "assistant", "content": "Once upon"}], "add_generation_prompt": false, "continue_final_message": true,
       "max_completion_tokens": 4, "n": 2, "seed": 5, "temperature": 1.0, "separate_reasoning": true,
       "stop": "."})"},
+    {"/v1/responses", R"({"model": "tiny-v3", "instructions": "Be brief.", "input": [{"role": "user", "content":
+      [{"type": "input_text", "text": "Weather?"}]}, {"type": "function_call", "call_id": "c1", "name": "get_weather",
+      "arguments": "{\"city\": \"Paris\"}"}, {"type": "function_call_output", "call_id": "c1", "output": "sunny"}],
+      "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {"city":
+      {"type": "string"}}}}], "max_output_tokens": 8, "stream": true, "top_logprobs": 2})"},
+    {"/v1/responses", R"({"input": "Say it", "max_output_tokens": 6, "text": {"format": {"type": "json_schema",
+      "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "boolean"}}}}}, "temperature": 0.5})"},
     {"/tokenize", R"({"prompt": "hello world", "add_special_tokens": false})"},
     {"/tokenize", R"({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": true})"},
     {"/detokenize", R"({"tokens": [100, 200, 300]})"},
@@ -84,7 +91,8 @@ const char* kKeys[] = {
     "chat_template_kwargs", "separate_reasoning", "add_generation_prompt", "continue_final_message",
     "include_stop_str_in_output", "tool_calls", "function", "arguments", "parameters", "reasoning_content",
     "add_special_tokens", "tokens", "abort_all", "data_parallel_rank", "lora_path", "image_data", "functions",
-    "user", "guided_json", "guided_regex", "structured_outputs",
+    "user", "guided_json", "guided_regex", "structured_outputs", "input", "instructions", "max_output_tokens",
+    "text", "format", "call_id", "output", "previous_response_id", "metadata", "store", "reasoning",
 };
 
 class Mutator {

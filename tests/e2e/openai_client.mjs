@@ -122,6 +122,32 @@ try {  // this server has no --tool-call-parser
     { status: e.status, message: e.message });
 }
 
+// The Responses API: the same greedy text as chat, streamed as typed events, and through the SDK's stream helper
+// (which checks the events' order and the items' identities).
+const rq = { model, input: 'The capital of France is', max_output_tokens: 6, temperature: 0 };
+const resp = await client.responses.create(rq);
+check(resp.object === 'response' && resp.status === 'incomplete' &&
+  resp.incomplete_details?.reason === 'max_output_tokens', 'responses create', resp);
+check(resp.usage.output_tokens === 6 && resp.usage.total_tokens === resp.usage.input_tokens + 6, 'responses usage',
+  resp.usage);
+const sameChat = await client.chat.completions.create({ model, messages: [{ role: 'user', content: rq.input }],
+  max_tokens: 6, temperature: 0 });
+check(resp.output_text === sameChat.choices[0].message.content, 'responses text = chat text',
+  { responses: resp.output_text, chat: sameChat.choices[0].message.content });
+let streamedText = '';
+let lastEvent = null;
+for await (const ev of await client.responses.create({ ...rq, stream: true })) {
+  if (ev.type === 'response.output_text.delta') streamedText += ev.delta;
+  lastEvent = ev;
+}
+check(streamedText === resp.output_text && lastEvent.type === 'response.incomplete' &&
+  lastEvent.response.usage.output_tokens === 6, 'responses stream', { streamedText, lastEvent });
+const yesNo = await client.responses.stream({ model, input: 'Yes or no?', temperature: 0, max_output_tokens: 20,
+  text: { format: { type: 'json_schema', name: 'yn', schema: { type: 'string', enum: ['yes', 'no'] } } } })
+  .finalResponse();
+check(yesNo.status === 'completed' && ['"yes"', '"no"'].includes(yesNo.output_text.trim()), 'responses stream helper',
+  yesNo);
+
 // Models list.
 const models = await client.models.list();
 check(models.data.some(m => m.id === model), 'models list', models.data);

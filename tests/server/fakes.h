@@ -55,7 +55,17 @@ class ByteCodec : public server::TextCodec {
       for (const auto& t : extra["tools"]) s += t["function"]["name"].get<std::string>() + ",";
       s += "]";
     }
-    for (const auto& m : messages) s += "[" + m["role"].get<std::string>() + "]" + m["content"].get<std::string>();
+    for (const auto& m : messages) {  // tool calls of the history as [calls:name(arguments)|id,...]
+      s += "[" + m["role"].get<std::string>() + "]" + (m["content"].is_string() ? m["content"].get<std::string>() : "");
+      if (m.contains("tool_call_id")) s += "(" + m["tool_call_id"].get<std::string>() + ")";
+      if (m.contains("tool_calls")) {
+        s += "[calls:";
+        for (const auto& c : m["tool_calls"])
+          s += c["function"]["name"].get<std::string>() + "(" + c["function"]["arguments"].get<std::string>() + ")|" +
+               c["id"].get<std::string>() + ",";
+        s += "]";
+      }
+    }
     if (add_generation_prompt) s += "[assistant]" + extra.value("prefix", std::string());
     return s;
   }

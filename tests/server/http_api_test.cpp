@@ -441,6 +441,107 @@ TEST(HttpApi, ToolCalls) {
   EXPECT_NE(no_parser.body.find("--tool-call-parser"), std::string::npos);
 }
 
+// OpenAI's Responses API over the chat machinery (the fake engine echoes the rendered prompt, so the output shows
+// what the input items became): a response object with message and function_call items, the same as typed stream
+// events, and 400s naming the field for what it cannot express.
+TEST(HttpApi, ResponsesApi) {
+  ServerOptions o;
+  o.tool_call_parser = "deepseekv3";
+  TestServer s(o);
+  const std::string calls =
+      "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜>\n"
+      "<｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+  json req = {{"model", "fake"},
+              {"instructions", "be brief"},
+              {"input", json::array({{{"role", "user"}, {"content", json::array({{{"type", "input_text"}, {"text", "q"}}})}},
+                                     {{"type", "function_call"}, {"call_id", "c1"}, {"name", "f"}, {"arguments", "{}"}},
+                                     {{"type", "function_call"}, {"call_id", "c2"}, {"name", "g"}, {"arguments", "[]"}},
+                                     {{"type", "function_call_output"}, {"call_id", "c1"}, {"output", "r1"}},
+                                     {{"type", "reasoning"}, {"summary", json::array()}},
+                                     {{"role", "user"}, {"content", "hi" + calls + "#"}}})},
+              {"max_output_tokens", 500},
+              {"tools", json::array({{{"type", "function"}, {"name", "f"}, {"parameters", {{"type", "object"}}}},
+                                     {{"type", "function"}, {"name", "g"}}})},
+              {"metadata", {{"k", "v"}}}};
+  auto r = s.post("/v1/responses", req.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json resp = json::parse(r.body);
+  EXPECT_EQ(resp["object"], "response");
+  EXPECT_EQ(resp["id"].get<std::string>().rfind("resp_", 0), 0u);
+  EXPECT_EQ(resp["status"], "completed");
+  EXPECT_EQ(resp["model"], "fake");
+  EXPECT_EQ(resp["instructions"], "be brief");
+  EXPECT_EQ(resp["metadata"], json({{"k", "v"}}));
+  const json& out = resp["output"];
+  ASSERT_EQ(out.size(), 3u) << out.dump();
+  EXPECT_EQ(out[0]["type"], "message");
+  EXPECT_EQ(out[0]["role"], "assistant");
+  EXPECT_EQ(out[0]["content"][0]["type"], "output_text");
+  EXPECT_EQ(out[0]["content"][0]["text"],
+            "<bos>[tools:f,g,][system]be brief[user]q[assistant][calls:f({})|c1,g([])|c2,][tool]r1(c1)[user]hi");
+  EXPECT_EQ(out[1]["type"], "function_call");
+  EXPECT_EQ(out[1]["name"], "f");
+  EXPECT_EQ(out[1]["arguments"], "{\"a\": 1}");
+  EXPECT_EQ(out[1]["call_id"].get<std::string>().rfind("call_", 0), 0u);
+  EXPECT_EQ(out[2]["name"], "g");
+  const int64_t in_tokens = resp["usage"]["input_tokens"], out_tokens = resp["usage"]["output_tokens"];
+  EXPECT_GT(in_tokens, 0);
+  EXPECT_GT(out_tokens, 0);
+  EXPECT_EQ(resp["usage"]["total_tokens"], in_tokens + out_tokens);
+
+  // Streamed: typed events (an `event:` line naming each), numbered from 0; the same output.
+  req["stream"] = true;
+  r = s.post("/v1/responses", req.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_NE(r.body.find("event: response.created\ndata: {\"type\":\"response.created\""), std::string::npos);
+  std::vector<std::string> types;
+  std::string text;
+  json done;
+  int64_t seq = 0;
+  for (const auto& e : sse_payloads(r.body)) {
+    const json ev = json::parse(e);
+    EXPECT_EQ(ev["sequence_number"], seq++);
+    types.push_back(ev["type"]);
+    if (ev["type"] == "response.output_text.delta") text += ev["delta"].get<std::string>();
+    if (ev["type"] == "response.completed") done = ev["response"];
+  }
+  ASSERT_GE(types.size(), 4u);
+  EXPECT_EQ(types[0], "response.created");
+  EXPECT_EQ(types[1], "response.in_progress");
+  EXPECT_EQ(types.back(), "response.completed");
+  EXPECT_EQ(text, out[0]["content"][0]["text"]);
+  ASSERT_EQ(done["output"].size(), 3u) << done.dump();
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(done["output"][i]["type"], out[i]["type"]);
+    if (out[i]["type"] == "function_call") EXPECT_EQ(done["output"][i]["arguments"], out[i]["arguments"]);
+  }
+  EXPECT_EQ(done["usage"], resp["usage"]);
+  EXPECT_EQ(std::count(types.begin(), types.end(), "response.output_item.added"), 3);
+  EXPECT_EQ(std::count(types.begin(), types.end(), "response.output_item.done"), 3);
+
+  // Cut short: incomplete, with the reason.
+  r = s.post("/v1/responses", R"({"input": "a long prompt here", "max_output_tokens": 3})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["status"], "incomplete");
+  EXPECT_EQ(json::parse(r.body)["incomplete_details"]["reason"], "max_output_tokens");
+  EXPECT_EQ(json::parse(r.body)["usage"]["output_tokens"], 3);
+
+  for (const auto& [bad, param] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"input": 5})", "input"},
+           {R"({})", "input"},
+           {R"({"input": [{"type": "input_image", "image_url": "x"}]})", "input[0].type"},
+           {R"({"input": [{"role": "user", "content": [{"type": "input_image"}]}]})", "input[0].content[0].type"},
+           {R"({"input": "x", "previous_response_id": "resp_1"})", "previous_response_id"},
+           {R"({"input": "x", "tools": [{"type": "web_search"}]})", "tools[0].type"},
+           {R"({"input": "x", "stream": "yes"})", "stream"},
+           {R"({"input": [{"type": "function_call", "name": "f"}]})", "input[0].call_id"},
+           {R"({"input": "x", "text": {"format": {"type": "xml"}}})", "text.format.type"}}) {
+    r = s.post("/v1/responses", bad);
+    EXPECT_EQ(r.status, 400) << bad << " -> " << r.body;
+    EXPECT_EQ(json::parse(r.body)["error"]["param"], param) << bad << " -> " << r.body;
+  }
+}
+
 // SGLang's /abort_request ends a running request by its rid (its client gets the abort finish), or every request
 // with abort_all; /health_generate runs a one-token generation.
 TEST(HttpApi, AbortRequestAndHealthGenerate) {

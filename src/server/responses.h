@@ -1,0 +1,59 @@
+// OpenAI's Responses API (POST /v1/responses) over the chat machinery: the request is translated into a chat
+// request (responses_to_chat), generated as chat is, and the chat answer translated back: a response object, or
+// the Responses stream's typed events (ResponsesExchange, an HttpExchange in front of the connection's).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <memory>
+#include <string>
+
+#include "server/api.h"
+
+namespace mlaserve::server {
+
+// The chat request a Responses request asks for: instructions and input items as messages (text, function calls
+// and their outputs), max_output_tokens, tools (function tools), tool_choice, text.format as response_format,
+// logprobs, streaming with usage, and the sampling fields chat takes. Throws ApiError (400 naming the field) for what
+// it cannot express (other input or tool types, previous_response_id, background).
+nlohmann::json responses_to_chat(const nlohmann::json& body);
+
+// Writes the Responses form of the chat answer generated behind it: respond() turns a chat.completion into a
+// response object (errors pass unchanged); a stream's chat chunks become response.created, output items with
+// their deltas (reasoning, message text, function calls) and response.completed / response.incomplete.
+class ResponsesExchange : public HttpExchange, public std::enable_shared_from_this<ResponsesExchange> {
+ public:
+  // request: the Responses request (echoed in the response); model: the served model's name.
+  ResponsesExchange(std::shared_ptr<HttpExchange> inner, nlohmann::json request, std::string id, int64_t created,
+                    std::string model);
+
+  Executor executor() override { return inner_->executor(); }
+  void respond(int status, const std::string& content_type, std::string body) override;
+  void start_stream() override;
+  void send_event(std::string payload) override;
+  void end_stream() override;
+  void on_cancel(std::function<void(const std::string& why)> fn) override;
+  ~ResponsesExchange() override;
+
+ private:
+  struct Item;
+  nlohmann::ordered_json base(const char* status) const;  // the response object without output and usage
+  void emit(const char* type, nlohmann::ordered_json event);
+  void open(const std::string& kind);  // closes the open item if it is of another kind, opens one of `kind`
+  void close();                        // the open item's done events
+  nlohmann::ordered_json finished_response();
+
+  std::shared_ptr<HttpExchange> inner_;
+  nlohmann::json request_;
+  std::string id_;
+  int64_t created_;
+  std::string model_;
+  int64_t sequence_ = 0;
+  nlohmann::ordered_json output_ = nlohmann::ordered_json::array();  // finished items
+  std::unique_ptr<Item> open_;                                        // the item being streamed
+  int items_ = 0;                                                     // output indices given out
+  std::string finish_reason_;
+  nlohmann::ordered_json usage_;
+};
+
+}  // namespace mlaserve::server
