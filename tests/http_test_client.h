@@ -76,6 +76,20 @@ class HttpConnection {
     send_raw(req);
   }
 
+  // After read_events: the rest of a chunked body, to its last chunk.
+  std::string read_rest() {
+    std::string body;
+    while (true) {
+      const size_t n = std::stoul(read_line(), nullptr, 16);
+      if (n == 0) {
+        read_line();
+        return body;
+      }
+      body += read_exact(n);
+      read_line();
+    }
+  }
+
   // Reads one whole response (of a HEAD request: the head alone, whatever Content-Length says).
   HttpResponse read_response(bool head_request = false) {
     HttpResponse r = read_head();

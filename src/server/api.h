@@ -82,7 +82,9 @@ class Api {
 
  private:
   struct Prepared;
-  void generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
+  // id: the request's id when the caller chose it (the Responses API's resp_...), else made here.
+  void generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex,
+                const std::string& id = {});
   // vLLM's /tokenize ({"prompt"} or chat {"messages"}) and /detokenize ({"tokens"}).
   void tokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   void detokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);

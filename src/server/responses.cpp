@@ -292,6 +292,8 @@ void set_status(ojson& r, const std::string& finish_reason) {
   if (finish_reason == "length") {
     r["status"] = "incomplete";
     r["incomplete_details"] = {{"reason", "max_output_tokens"}};
+  } else if (finish_reason == "abort") {  // /abort_request, a timeout or the server stopping
+    r["status"] = "cancelled";
   } else {
     r["status"] = "completed";
   }
@@ -457,7 +459,7 @@ ojson ResponsesExchange::finished_response() {
 
 void ResponsesExchange::end_stream() {
   ojson r = finished_response();
-  const bool incomplete = r["status"] == "incomplete";
+  const bool incomplete = r["status"] != "completed";  // the stream's last event for incomplete or cancelled
   emit(incomplete ? "response.incomplete" : "response.completed", ojson{{"response", std::move(r)}});
   inner_->end_stream();
 }

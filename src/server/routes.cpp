@@ -633,8 +633,9 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
   pr.sampling.return_logprob = pr.logprobs;
   pr.sampling.top_logprobs_num = std::max(pr.logprobs ? pr.top_logprobs : 0, pr.prompt_logprobs);
   const std::string id = new_id();
-  p.spec.id = pr.api == ApiKind::Native ? (pr.rid.empty() ? id : pr.rid)
-                                        : (pr.api == ApiKind::Chat ? "chatcmpl-" : "cmpl-") + id;
+  p.spec.id = !pr.rid.empty()                ? pr.rid
+              : pr.api == ApiKind::Native      ? id
+                                               : (pr.api == ApiKind::Chat ? "chatcmpl-" : "cmpl-") + id;
   p.spec.n = pr.n;
   p.spec.sampling = pr.sampling;
   p.spec.stop = pr.stop;
@@ -854,15 +855,18 @@ void Api::responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>&
   const json body = parse_body(req.body);
   HttpRequest chat = req;
   chat.body = responses_to_chat(body).dump();
-  auto rex = std::make_shared<ResponsesExchange>(ex, body, "resp_" + new_id(), unix_seconds(), opts_.served_model_name);
-  generate(ApiKind::Chat, chat, rex);
+  const std::string id = "resp_" + new_id();  // also the job's: /abort_request takes it
+  generate(ApiKind::Chat, chat,
+           std::make_shared<ResponsesExchange>(ex, body, id, unix_seconds(), opts_.served_model_name), id);
 }
 
-void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
+void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex,
+                   const std::string& id) {
   json body = parse_body(req.body);
   ParsedRequest pr = api == ApiKind::Native      ? parse_native(body, opts_.parse, req.body)
                      : api == ApiKind::Completions ? parse_completions(body, opts_.parse, req.body)
                                                    : parse_chat(body, opts_.parse, req.body);
+  if (!id.empty()) pr.rid = id;
   Prepared p = prepare(pr);
   const bool stream = pr.stream;
   auto job = std::make_shared<GenerationJob>(engine_, codec_, &metrics_, ex->executor(), std::move(p.spec));

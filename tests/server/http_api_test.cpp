@@ -526,6 +526,22 @@ TEST(HttpApi, ResponsesApi) {
   EXPECT_EQ(json::parse(r.body)["incomplete_details"]["reason"], "max_output_tokens");
   EXPECT_EQ(json::parse(r.body)["usage"]["output_tokens"], 3);
 
+  // /abort_request takes the response's id: the stream ends with the response cancelled.
+  {
+    HttpConnection c(s.port());
+    c.send_request("POST", "/v1/responses", R"({"input": "abc", "max_output_tokens": 4000, "ignore_eos": true,
+        "stream": true})");
+    auto head = c.read_events(1);
+    const std::string id = json::parse(sse_payloads(head.body).at(0))["response"]["id"];
+    for (int i = 0; i < 500 && s.engine.num_live() < 1; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    EXPECT_EQ(json::parse(s.post("/abort_request", json({{"rid", id}}).dump()).body)["aborted"], 1);
+    const std::string rest = c.read_rest();
+    const json last = json::parse(sse_payloads(rest).back());
+    EXPECT_EQ(last["type"], "response.incomplete") << rest.substr(rest.size() > 600 ? rest.size() - 600 : 0);
+    EXPECT_EQ(last["response"]["status"], "cancelled");
+    EXPECT_EQ(last["response"]["id"], id);
+  }
+
   for (const auto& [bad, param] : std::vector<std::pair<std::string, std::string>>{
            {R"({"input": 5})", "input"},
            {R"({})", "input"},
