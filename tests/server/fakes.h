@@ -12,6 +12,7 @@
 #include <mutex>
 #include <thread>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -56,13 +57,14 @@ class ByteCodec : public server::TextCodec {
       s += "]";
     }
     for (const auto& m : messages) {  // tool calls of the history as [calls:name(arguments)|id,...]
-      s += "[" + m["role"].get<std::string>() + "]" + (m["content"].is_string() ? m["content"].get<std::string>() : "");
-      if (m.contains("tool_call_id")) s += "(" + m["tool_call_id"].get<std::string>() + ")";
+      s += fmt::format("[{}]{}", m["role"].get<std::string>(),
+                       m["content"].is_string() ? m["content"].get<std::string>() : std::string());
+      if (m.contains("tool_call_id")) s += fmt::format("({})", m["tool_call_id"].get<std::string>());
       if (m.contains("tool_calls")) {
         s += "[calls:";
         for (const auto& c : m["tool_calls"])
-          s += c["function"]["name"].get<std::string>() + "(" + c["function"]["arguments"].get<std::string>() + ")|" +
-               c["id"].get<std::string>() + ",";
+          s += fmt::format("{}({})|{},", c["function"]["name"].get<std::string>(),
+                           c["function"]["arguments"].get<std::string>(), c["id"].get<std::string>());
         s += "]";
       }
     }

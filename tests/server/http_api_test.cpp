@@ -513,7 +513,9 @@ TEST(HttpApi, ResponsesApi) {
   ASSERT_EQ(done["output"].size(), 3u) << done.dump();
   for (size_t i = 0; i < 3; ++i) {
     EXPECT_EQ(done["output"][i]["type"], out[i]["type"]);
-    if (out[i]["type"] == "function_call") EXPECT_EQ(done["output"][i]["arguments"], out[i]["arguments"]);
+    if (out[i]["type"] == "function_call") {
+      EXPECT_EQ(done["output"][i]["arguments"], out[i]["arguments"]);
+    }
   }
   EXPECT_EQ(done["usage"], resp["usage"]);
   EXPECT_EQ(std::count(types.begin(), types.end(), "response.output_item.added"), 3);

@@ -437,7 +437,7 @@ TEST(JsonSchema, RecursionIsFollowedToItsBound) {
   // Many optional references to the root at each level: the regex would grow as their count to the third power,
   // so it is refused once it passes kMaxRegexBytes (quickly, without building it).
   nlohmann::ordered_json wide = {{"type", "object"}, {"properties", nlohmann::ordered_json::object()}};
-  for (int i = 0; i < 60; ++i) wide["properties"]["p" + std::to_string(i)] = {{"$ref", "#"}};
+  for (int i = 0; i < 60; ++i) wide["properties"][fmt::format("p{}", i)] = {{"$ref", "#"}};
   EXPECT_THROW(json_schema_regex(wide), Error);
   for (const char* endless : {R"({"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
                                  "required": ["x"]}}, "$ref": "#/$defs/a"})",
@@ -719,15 +719,16 @@ TEST(JsonSchema, ObjectsWithManyPropertiesCompile) {
     nlohmann::ordered_json s = {{"type", "object"}, {"properties", nlohmann::ordered_json::object()}};
     nlohmann::ordered_json req = nlohmann::ordered_json::array();
     for (int i = 0; i < n; ++i) {
-      s["properties"]["p" + std::to_string(i)] = {{"type", "integer"}};
-      if (i == first_required || (all_required_after && i > first_required)) req.push_back("p" + std::to_string(i));
+      const std::string name = fmt::format("p{}", i);
+      s["properties"][name] = {{"type", "integer"}};
+      if (i == first_required || (all_required_after && i > first_required)) req.push_back(name);
     }
     s["required"] = req;
     return s.dump();
   };
   auto doc = [](const std::vector<int>& present) {
     std::string d = "{";
-    for (int i : present) d += (d.size() > 1 ? ", \"p" : "\"p") + std::to_string(i) + "\": " + std::to_string(i);
+    for (int i : present) d += fmt::format("{}\"p{}\": {}", d.size() > 1 ? ", " : "", i, i);
     return d + "}";
   };
   std::vector<int> all(1500);
