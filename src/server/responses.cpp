@@ -250,13 +250,11 @@ ojson responses_usage(const json& u) {
 }
 
 ojson reasoning_item(const std::string& id, const std::string& text, const char* status) {
-  ojson it;
-  it["id"] = id;
-  it["type"] = "reasoning";
-  it["summary"] = ojson::array();
-  it["content"] = ojson::array({ojson{{"type", "reasoning_text"}, {"text", text}}});
-  it["status"] = status;
-  return it;
+  return ojson{{"id", id},
+               {"type", "reasoning"},
+               {"summary", ojson::array()},
+               {"content", ojson::array({ojson{{"type", "reasoning_text"}, {"text", text}}})},
+               {"status", status}};
 }
 
 ojson text_part(const std::string& text, const ojson& logprobs) {
@@ -264,25 +262,13 @@ ojson text_part(const std::string& text, const ojson& logprobs) {
 }
 
 ojson message_item(const std::string& id, const ojson& content, const char* status) {
-  ojson it;
-  it["id"] = id;
-  it["type"] = "message";
-  it["status"] = status;
-  it["role"] = "assistant";
-  it["content"] = content;
-  return it;
+  return ojson{{"id", id}, {"type", "message"}, {"status", status}, {"role", "assistant"}, {"content", content}};
 }
 
 ojson call_item(const std::string& id, const std::string& call_id, const std::string& name, const std::string& args,
                 const char* status) {
-  ojson it;
-  it["id"] = id;
-  it["type"] = "function_call";
-  it["status"] = status;
-  it["call_id"] = call_id;
-  it["name"] = name;
-  it["arguments"] = args;
-  return it;
+  return ojson{{"id", id},           {"type", "function_call"}, {"status", status},
+               {"call_id", call_id}, {"name", name},            {"arguments", args}};
 }
 
 bool nonempty_string(const json& v) { return v.is_string() && !v.get_ref<const std::string&>().empty(); }

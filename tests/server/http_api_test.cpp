@@ -378,6 +378,11 @@ TEST(HttpApi, ReasoningContentAndTemplateKwargs) {
   EXPECT_NE(bad.body.find("chat_template_kwargs"), std::string::npos);
 }
 
+// Two tool calls (f with {"a": 1}, then g with {}) in DeepSeek's markers, as the model writes them.
+const std::string kCallsFG =
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜>\n"
+    "<｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+
 // --tool-call-parser deepseekv3: the tools reach the template, the calls in the output come back as tool_calls (whole
 // and streamed, finish_reason "tool_calls" when the model stopped after them). The fake engine repeats the prompt
 // "<bos>[tools:f,g,][user]<user content>[assistant]", where the user content holds the calls and a '#' (EOS).
@@ -385,9 +390,7 @@ TEST(HttpApi, ToolCalls) {
   ServerOptions o;
   o.tool_call_parser = "deepseekv3";
   TestServer s(o);
-  const std::string calls =
-      "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜>\n"
-      "<｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+  const std::string calls = kCallsFG;
   const std::string tools = R"([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
       {"type": "function", "function": {"name": "g"}}])";
   const std::string body = R"({"messages": [{"role": "user", "content": )" + json("hi" + calls + "#").dump() +
@@ -448,9 +451,7 @@ TEST(HttpApi, ResponsesApi) {
   ServerOptions o;
   o.tool_call_parser = "deepseekv3";
   TestServer s(o);
-  const std::string calls =
-      "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜>\n"
-      "<｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+  const std::string calls = kCallsFG;
   json req = {{"model", "fake"},
               {"instructions", "be brief"},
               {"input", json::array({{{"role", "user"}, {"content", json::array({{{"type", "input_text"}, {"text", "q"}}})}},
