@@ -491,6 +491,9 @@ void parse_openai_common(const Fields& f, const ParseOptions& opts, ParsedReques
   // Keep a matched stop string in the text: SGLang's no_stop_trim, vLLM's include_stop_str_in_output.
   for (const char* key : {"no_stop_trim", "include_stop_str_in_output"})
     if (auto v = f.boolean(key)) r.no_stop_trim = *v;
+  if (auto v = f.boolean("add_special_tokens")) r.add_special_tokens = *v;
+  if (auto v = f.integer("truncate_prompt_tokens", -1, std::numeric_limits<int32_t>::max()))
+    r.truncate_prompt_tokens = static_cast<int32_t>(*v);
   // vLLM's prompt_logprobs: each prompt token's logprob and rank, with this many alternatives.
   if (auto v = f.integer("prompt_logprobs", 0, opts.max_top_logprobs)) {
     r.prompt_logprobs = static_cast<int32_t>(*v);

@@ -48,6 +48,8 @@ struct ParsedRequest {
   // OpenAI only.
   std::string model;
   bool echo = false;
+  std::optional<bool> add_special_tokens;  // vLLM's: the tokenizer's BOS on text prompts (completions: true, chat: false)
+  int32_t truncate_prompt_tokens = 0;      // vLLM's: keep the prompt's last that many tokens (-1: the context's; 0: all)
   int32_t prompt_logprobs = -1;      // vLLM's prompt_logprobs (>= 0: the prompt's logprobs with that many alternatives)
   bool include_usage = false;
   bool continuous_usage = false;     // stream_options.continuous_usage_stats: usage in every chunk

@@ -589,7 +589,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
       prompt.resize(at + content.size());
     }
     pr.prompts = {{prompt, {}}};
-    pr.prompts[0].input_ids = codec_->encode(prompt, /*add_special_tokens=*/false);
+    pr.prompts[0].input_ids = codec_->encode(prompt, pr.add_special_tokens.value_or(false));  // the template's BOS
   }
   if (pr.suffix) fill_in_the_middle(pr);
   for (size_t i = 0; i < pr.prompts.size(); ++i) {
@@ -600,13 +600,20 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
         if (!codec_)
           throw ApiError(400, "text prompts need a tokenizer; this server runs without one: send token ids", "text",
                          "no_tokenizer");
-        in.input_ids = codec_->encode(*in.text, /*add_special_tokens=*/true);
+        in.input_ids = codec_->encode(*in.text, pr.add_special_tokens.value_or(true));
       }
       jp.text = *in.text;
     } else if (codec_ && pr.echo) {
       jp.text = codec_->decode(in.input_ids, false);
     }
     jp.input_ids = std::move(in.input_ids);
+    if (pr.truncate_prompt_tokens != 0) {  // vLLM's: the prompt's last tokens (-1: as many as the context holds)
+      const int64_t keep = pr.truncate_prompt_tokens > 0 ? pr.truncate_prompt_tokens : ctx - 1;
+      if (static_cast<int64_t>(jp.input_ids.size()) > keep) {
+        jp.input_ids.erase(jp.input_ids.begin(), jp.input_ids.end() - keep);
+        if (codec_ && !jp.text.empty()) jp.text = codec_->decode(jp.input_ids, false);  // what echo shows
+      }
+    }
     const int64_t len = static_cast<int64_t>(jp.input_ids.size());
     const std::string param = pr.api == ApiKind::Chat ? "messages" : pr.api == ApiKind::Native ? "text" : "prompt";
     if (len == 0) throw ApiError(400, "the prompt is empty (no tokens)", param, "invalid_value");

@@ -561,6 +561,33 @@ TEST(HttpApi, ResponsesApi) {
   }
 }
 
+// vLLM's add_special_tokens (the BOS on text prompts: completions by default, chat not, its template writes it) and
+// truncate_prompt_tokens (the prompt's last tokens; the fake engine repeats the prompt it was given).
+TEST(HttpApi, AddSpecialTokensAndTruncatePromptTokens) {
+  TestServer s;
+  auto prompt_tokens = [&](const std::string& path, const std::string& body) {
+    auto r = s.post(path, body);
+    EXPECT_EQ(r.status, 200) << body << " -> " << r.body;
+    return json::parse(r.body)["usage"]["prompt_tokens"].get<int>();
+  };
+  EXPECT_EQ(prompt_tokens("/v1/completions", R"({"prompt": "abcdef", "max_tokens": 1})"), 7);
+  EXPECT_EQ(prompt_tokens("/v1/completions", R"({"prompt": "abcdef", "max_tokens": 1, "add_special_tokens": false})"),
+            6);
+  const std::string chat = R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1)";
+  const int templated = prompt_tokens("/v1/chat/completions", chat + "}");
+  EXPECT_EQ(prompt_tokens("/v1/chat/completions", chat + R"(, "add_special_tokens": true})"), templated + 1);
+  auto r = s.post("/v1/completions", R"({"prompt": "abcdef", "max_tokens": 3, "truncate_prompt_tokens": 3,
+      "echo": true})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json c = json::parse(r.body);
+  EXPECT_EQ(c["usage"]["prompt_tokens"], 3);
+  EXPECT_EQ(c["choices"][0]["text"], "defdef");  // the echoed prompt is what the model got
+  EXPECT_EQ(prompt_tokens("/v1/completions", R"({"prompt": "abcdef", "max_tokens": 1, "truncate_prompt_tokens": -1})"),
+            7);
+  EXPECT_EQ(s.post("/v1/completions", R"({"prompt": "a", "truncate_prompt_tokens": -2})").status, 400);
+  EXPECT_EQ(s.post("/v1/completions", R"({"prompt": "a", "add_special_tokens": "yes"})").status, 400);
+}
+
 // SGLang's /abort_request ends a running request by its rid (its client gets the abort finish), or every request
 // with abort_all; /health_generate runs a one-token generation.
 TEST(HttpApi, AbortRequestAndHealthGenerate) {
