@@ -93,6 +93,7 @@ const char* kKeys[] = {
     "add_special_tokens", "tokens", "abort_all", "data_parallel_rank", "lora_path", "image_data", "functions",
     "user", "guided_json", "guided_regex", "structured_outputs", "input", "instructions", "max_output_tokens",
     "text", "format", "call_id", "output", "previous_response_id", "metadata", "store", "reasoning",
+    "truncate_prompt_tokens", "prompt_logprobs", "continuous_usage_stats",
 };
 
 class Mutator {
