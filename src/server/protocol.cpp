@@ -18,19 +18,7 @@ namespace {
 
 using json = nlohmann::json;
 
-const char* type_name(const json& v) {
-  switch (v.type()) {
-    case json::value_t::null: return "null";
-    case json::value_t::boolean: return "boolean";
-    case json::value_t::string: return "string";
-    case json::value_t::array: return "array";
-    case json::value_t::object: return "object";
-    case json::value_t::number_float: return "number";
-    case json::value_t::number_integer:
-    case json::value_t::number_unsigned: return "integer";
-    default: return "value";
-  }
-}
+const char* type_name(const json& v) { return json_type_name(v.type()); }
 
 // Whether the object o has the string `want` at `key` (any other type or absence: false, never an exception).
 bool member_is(const json& o, const char* key, std::string_view want) {
@@ -503,26 +491,51 @@ void parse_openai_common(const Fields& f, const ParseOptions& opts, ParsedReques
 
 }  // namespace
 
-nlohmann::json parse_body(const std::string& body) {
-  json j;
+const char* json_type_name(nlohmann::json::value_t t) {
+  using json = nlohmann::json;
+  switch (t) {
+    case json::value_t::null: return "null";
+    case json::value_t::boolean: return "boolean";
+    case json::value_t::string: return "string";
+    case json::value_t::array: return "array";
+    case json::value_t::object: return "object";
+    case json::value_t::number_float: return "number";
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned: return "integer";
+    default: return "value";
+  }
+}
+
+namespace {
+
+template <typename J>
+J parse_body_as(const std::string& body) {
+  J j;
   // Nesting is bounded: what reads the body (JSON schemas, tools into the chat template) recurses once per level.
   bool too_deep = false;
-  const json::parser_callback_t depth = [&](int d, json::parse_event_t, json&) {
+  const typename J::parser_callback_t depth = [&](int d, typename J::parse_event_t, J&) {
     if (d > kMaxBodyDepth) too_deep = true;
     return !too_deep;
   };
   try {
-    j = json::parse(body, depth);
-  } catch (const json::parse_error& e) {
+    j = J::parse(body, depth);
+  } catch (const nlohmann::json::parse_error& e) {
     throw ApiError(400, fmt::format("the request body is not valid JSON: {}", e.what()), "", "invalid_json");
   }
   if (too_deep)
     throw ApiError(400, fmt::format("the request body nests more than {} levels", kMaxBodyDepth), "",
                    "invalid_value");
   if (!j.is_object())
-    throw ApiError(400, fmt::format("the request body must be a JSON object, got {}", type_name(j)), "",
+    throw ApiError(400, fmt::format("the request body must be a JSON object, got {}", json_type_name(j.type())), "",
                    "invalid_type");
   return j;
+}
+
+}  // namespace
+
+nlohmann::json parse_body(const std::string& body) { return parse_body_as<nlohmann::json>(body); }
+nlohmann::ordered_json parse_body_ordered(const std::string& body) {
+  return parse_body_as<nlohmann::ordered_json>(body);
 }
 
 ParsedRequest parse_native(const json& body, const ParseOptions& opts, std::string_view raw) {

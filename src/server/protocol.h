@@ -91,6 +91,10 @@ ParsedRequest parse_chat(const nlohmann::json& body, const ParseOptions& opts, s
 // levels.
 constexpr int kMaxBodyDepth = 64;
 nlohmann::json parse_body(const std::string& body);
+// The same with the keys in the request's order (what is translated into another request keeps it).
+nlohmann::ordered_json parse_body_ordered(const std::string& body);
+// "null", "boolean", "string", "array", "object", "number" or "integer", as request errors name JSON types.
+const char* json_type_name(nlohmann::json::value_t t);
 
 // Native `finish_reason` ({"type": "length", "length": N} / {"type": "stop", "matched": ...} / abort) and the
 // OpenAI string ("length" / "stop" / "abort"); null JSON while not finished.

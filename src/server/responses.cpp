@@ -3,29 +3,23 @@
 #include <fmt/format.h>
 
 #include "server/api_error.h"
+#include "server/protocol.h"
 
 namespace mlaserve::server {
 
-using json = nlohmann::json;
+// Ordered throughout: a request's keys keep their order into the chat request (a JSON schema's properties, the
+// order constrained output writes them in) and back into the response.
+using json = nlohmann::ordered_json;
 using ojson = nlohmann::ordered_json;
 
 namespace {
-
-const char* kind_of(const json& v) {
-  if (v.is_string()) return "a string";
-  if (v.is_array()) return "an array";
-  if (v.is_object()) return "an object";
-  if (v.is_null()) return "null";
-  if (v.is_boolean()) return "a boolean";
-  return "a number";
-}
 
 // The text of a message's content: a string, or text parts (input_text / output_text / text).
 std::string content_text(const json& content, const std::string& param) {
   if (content.is_string()) return content.get<std::string>();
   if (!content.is_array())
     bad_request(param, "invalid_type", "'{}' must be a string or an array of text parts, got {}", param,
-                kind_of(content));
+                json_type_name(content.type()));
   std::string text;
   for (size_t i = 0; i < content.size(); ++i) {
     const json& part = content[i];
@@ -76,7 +70,8 @@ json responses_to_chat(const json& body) {
     for (size_t i = 0; i < input->size(); ++i) {
       const json& item = (*input)[i];
       const std::string p = fmt::format("input[{}]", i);
-      if (!item.is_object()) bad_request(p, "invalid_type", "'{}' must be an object, got {}", p, kind_of(item));
+      if (!item.is_object())
+        bad_request(p, "invalid_type", "'{}' must be an object, got {}", p, json_type_name(item.type()));
       const auto type_it = item.find("type");
       if (type_it != item.end() && !type_it->is_string())
         bad_request(p + ".type", "invalid_type", "'{}.type' must be a string", p);
@@ -112,7 +107,8 @@ json responses_to_chat(const json& body) {
       }
     }
   } else {
-    bad_request("input", "invalid_type", "'input' must be a string or an array of items, got {}", kind_of(*input));
+    bad_request("input", "invalid_type", "'input' must be a string or an array of items, got {}",
+                json_type_name(input->type()));
   }
   if (messages.empty()) bad_request("input", "invalid_value", "'input' holds no message");
   chat["messages"] = std::move(messages);
@@ -210,7 +206,7 @@ ojson ResponsesExchange::base(const char* status) const {
   r["incomplete_details"] = nullptr;
   auto echo = [&](const char* key, ojson dflt) {
     const auto it = request_.find(key);
-    r[key] = it == request_.end() || it->is_null() ? std::move(dflt) : ojson::parse(it->dump());
+    r[key] = it == request_.end() || it->is_null() ? std::move(dflt) : *it;
   };
   echo("instructions", nullptr);
   echo("max_output_tokens", nullptr);
@@ -303,7 +299,7 @@ void ResponsesExchange::respond(int status, const std::string& content_type, std
   if (content != msg.end() && content->is_string() && (nonempty_string(*content) || !has_calls)) {
     ojson lps = ojson::array();
     if (const auto lp = choice.find("logprobs"); lp != choice.end() && lp->is_object() && lp->contains("content"))
-      lps = ojson::parse((*lp)["content"].dump());
+      lps = (*lp)["content"];
     r["output"].push_back(
         message_item(next_id("msg"), ojson::array({text_part(content->get<std::string>(), lps)}), "completed"));
   }
@@ -404,7 +400,7 @@ void ResponsesExchange::send_event(std::string payload) {
     open_->text += c->get<std::string>();
     ojson lps = ojson::array();
     if (const auto lp = choice.find("logprobs"); lp != choice.end() && lp->is_object() && lp->contains("content"))
-      lps = ojson::parse((*lp)["content"].dump());
+      lps = (*lp)["content"];
     for (const auto& e : lps) open_->logprobs.push_back(e);
     emit("response.output_text.delta", ojson{{"item_id", open_->id},
                                              {"output_index", open_->index},

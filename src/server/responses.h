@@ -16,7 +16,7 @@ namespace mlaserve::server {
 // and their outputs), max_output_tokens, tools (function tools), tool_choice, text.format as response_format,
 // logprobs, streaming with usage, and the sampling fields chat takes. Throws ApiError (400 naming the field) for what
 // it cannot express (other input or tool types, previous_response_id, background).
-nlohmann::json responses_to_chat(const nlohmann::json& body);
+nlohmann::ordered_json responses_to_chat(const nlohmann::ordered_json& body);
 
 // Writes the Responses form of the chat answer generated behind it: respond() turns a chat.completion into a
 // response object (errors pass unchanged); a stream's chat chunks become response.created, output items with
@@ -24,8 +24,8 @@ nlohmann::json responses_to_chat(const nlohmann::json& body);
 class ResponsesExchange : public HttpExchange, public std::enable_shared_from_this<ResponsesExchange> {
  public:
   // request: the Responses request (echoed in the response); model: the served model's name.
-  ResponsesExchange(std::shared_ptr<HttpExchange> inner, nlohmann::json request, std::string id, int64_t created,
-                    std::string model);
+  ResponsesExchange(std::shared_ptr<HttpExchange> inner, nlohmann::ordered_json request, std::string id,
+                    int64_t created, std::string model);
 
   Executor executor() override { return inner_->executor(); }
   void respond(int status, const std::string& content_type, std::string body) override;
@@ -44,7 +44,7 @@ class ResponsesExchange : public HttpExchange, public std::enable_shared_from_th
   nlohmann::ordered_json finished_response();
 
   std::shared_ptr<HttpExchange> inner_;
-  nlohmann::json request_;
+  nlohmann::ordered_json request_;
   std::string id_;
   int64_t created_;
   std::string model_;

@@ -859,9 +859,9 @@ std::shared_ptr<TokenConstraint> Api::constraint_for(const std::string& regex,
 }
 
 void Api::responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
-  const json body = parse_body(req.body);
+  const ojson body = parse_body_ordered(req.body);
   HttpRequest chat = req;
-  chat.body = responses_to_chat(body).dump();
+  chat.body = responses_to_chat(body).dump();  // in the request's key order: schemas keep their properties' order
   const std::string id = "resp_" + new_id();  // also the job's: /abort_request takes it
   generate(ApiKind::Chat, chat,
            std::make_shared<ResponsesExchange>(ex, body, id, unix_seconds(), opts_.served_model_name), id);

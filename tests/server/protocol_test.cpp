@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "server/api_error.h"
+#include "server/responses.h"
 #include "server/tool_calls.h"
 #include "structured/regex.h"
 
@@ -477,6 +478,20 @@ TEST(Protocol, FinishReasons) {
   f.matched_text = "\n";
   EXPECT_EQ(native_finish_reason(f, 7).dump(), R"({"type":"stop","matched":"\n"})");
   EXPECT_EQ(openai_finish_reason(f).dump(), R"("stop")");
+}
+
+// A Responses request becomes a chat request with its keys in the request's order, so a JSON schema's properties
+// keep the order the constrained output writes them in.
+TEST(Responses, TranslationKeepsTheRequestsKeyOrder) {
+  const auto body = nlohmann::ordered_json::parse(R"({"input": "x", "text": {"format": {"type": "json_schema",
+      "name": "n", "schema": {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type":
+      "integer"}}, "required": ["zeta", "alpha"]}}}})");
+  const std::string chat = responses_to_chat(body).dump();
+  EXPECT_LT(chat.find("\"zeta\""), chat.find("\"alpha\"")) << chat;
+  const ParsedRequest r = parse_chat(json::parse(chat), {}, chat);
+  structured::Dfa dfa(structured::compile_regex(r.constraint_regex));
+  EXPECT_TRUE(dfa.matches(R"({"zeta": 1, "alpha": 2})"));
+  EXPECT_FALSE(dfa.matches(R"({"alpha": 2, "zeta": 1})"));
 }
 
 }  // namespace
