@@ -50,6 +50,7 @@ struct ServeArgs {
   double dist_timeout = 120.0;
   std::string api_key;
   std::string allowed_origins = "*";
+  std::vector<std::string> origins;  // allowed_origins parsed (at validation)
   std::string device = "auto";
   uint64_t random_seed = 0;
   int32_t page_size = 16;
@@ -171,7 +172,7 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["tokenizer_path"] = a.tokenizer_path;
   j["served_model_name"] = a.served_model_name;
   j["host"] = a.host;
-  j["allowed_origins"] = parse_origins(a.allowed_origins);
+  j["allowed_origins"] = a.origins;
   j["port"] = a.port;
   j["tp_size"] = a.tp;
   j["dp_size"] = a.dp;
@@ -290,7 +291,6 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
               "the model is given twice: '{}' and --model-path '{}'", s.positional_model, s.model_path);
     if (s.model_path.empty()) s.model_path = s.positional_model;
     MLA_CHECK(!s.model_path.empty(), "--model-path is required (or the model as the first argument)");
-    if (s.reasoning_parser == "deepseek_r1") s.reasoning_parser = "deepseek-r1";  // vLLM's name
     for (const std::string& f : s.ignored) MLA_LOG_INFO("{}: accepted for compatibility, no effect here", f);
     // --quantization naming the checkpoint's own method (an FP8 or AWQ checkpoint) is accepted: those load from
     // their quantization_config. fp8 on a checkpoint without one quantizes its routed experts at load; another
@@ -323,9 +323,9 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     MLA_CHECK(s.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024");
     MLA_CHECK(s.max_n >= 1, "--max-n must be at least 1");
     MLA_CHECK(s.stream_interval >= 1, "--stream-interval must be at least 1, got {}", s.stream_interval);
-    const std::vector<std::string> allowed_origins = parse_origins(s.allowed_origins);
+    s.origins = parse_origins(s.allowed_origins);
     MLA_CHECK(s.reasoning_parser.empty() || server::known_reasoning_parser(s.reasoning_parser),
-              "--reasoning-parser '{}' is not known (known: deepseek-r1)", s.reasoning_parser);
+              "--reasoning-parser '{}' is not known (known: deepseek-r1, or vLLM's deepseek_r1)", s.reasoning_parser);
     MLA_CHECK(s.tool_call_parser.empty() || server::known_tool_call_parser(s.tool_call_parser),
               "--tool-call-parser '{}' is not known (known: deepseekv3, deepseek_v3, deepseekv31, deepseek_v31)",
               s.tool_call_parser);
@@ -390,7 +390,7 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     so.host = s.host;
     so.port = s.port;
     so.api_key = s.api_key;
-    so.allowed_origins = allowed_origins;
+    so.allowed_origins = s.origins;
     so.served_model_name = s.served_model_name;
     so.model_path = s.model_path;
     so.tokenizer_path = s.skip_tokenizer_init ? "" : s.tokenizer_path;

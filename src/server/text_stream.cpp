@@ -112,7 +112,7 @@ namespace {
 constexpr std::string_view kThinkStart = "<think>", kThinkEnd = "</think>";
 }  // namespace
 
-bool known_reasoning_parser(const std::string& name) { return name == "deepseek-r1"; }
+bool known_reasoning_parser(const std::string& name) { return name == "deepseek-r1" || name == "deepseek_r1"; }
 
 ReasoningSplitter::Parts ReasoningSplitter::push(std::string_view text) {
   Parts out;

@@ -154,6 +154,7 @@ TEST(ReasoningSplitter, SplitsAtTheEndTagWhateverThePieces) {
   EXPECT_EQ(p.content, "y");
   EXPECT_FALSE(sp.in_reasoning());
   EXPECT_TRUE(known_reasoning_parser("deepseek-r1"));
+  EXPECT_TRUE(known_reasoning_parser("deepseek_r1"));  // vLLM's name
   EXPECT_FALSE(known_reasoning_parser("r2"));
 }
 
