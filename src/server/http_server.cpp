@@ -70,19 +70,14 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     enqueue(std::move(out), false);
   }
 
-  void send_event(std::string payload) override {
-    if (closed_ || !response_started_ || response_ended_) return;
-    const size_t n = payload.size() + 8;  // "data: " + payload + "\n\n"
-    std::string out = fmt::format("{:x}\r\ndata: ", n);
-    out += payload;
-    out += "\n\n\r\n";
-    enqueue(std::move(out), false);
-  }
+  void send_event(std::string payload) override { send_named_event({}, std::move(payload)); }
 
+  // One server-sent event as one chunk: `event: <event>` (when named), then `data: <payload>`.
   void send_named_event(const std::string& event, std::string payload) override {
     if (closed_ || !response_started_ || response_ended_) return;
-    const size_t n = event.size() + 8 + payload.size() + 8;  // "event: " E "\n" "data: " payload "\n\n"
-    std::string out = fmt::format("{:x}\r\nevent: {}\ndata: ", n, event);
+    const std::string head = event.empty() ? "data: " : fmt::format("event: {}\ndata: ", event);
+    std::string out = fmt::format("{:x}\r\n", head.size() + payload.size() + 2);
+    out += head;
     out += payload;
     out += "\n\n\r\n";
     enqueue(std::move(out), false);
