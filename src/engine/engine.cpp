@@ -89,6 +89,13 @@ void Engine::submit(GenerateRequest req) {
   std::sort(biased.begin(), biased.end());
   const auto twice = std::adjacent_find(biased.begin(), biased.end());
   MLA_CHECK(twice == biased.end(), "logit_bias: token id {} appears twice", twice == biased.end() ? 0 : *twice);
+  for (int32_t id : sp.allowed_token_ids)
+    MLA_CHECK(id >= 0 && id < V, "allowed_token_ids: token id {} is outside the vocabulary [0, {})", id, V);
+  for (const auto& word : sp.bad_words_ids) {
+    MLA_CHECK(!word.empty(), "bad_words: a bad word has no tokens");
+    for (int32_t id : word)
+      MLA_CHECK(id >= 0 && id < V, "bad_words: token id {} is outside the vocabulary [0, {})", id, V);
+  }
   MLA_CHECK(sp.min_new_tokens >= 0 && sp.min_new_tokens <= sp.max_new_tokens,
             "min_new_tokens ({}) must be between 0 and max_new_tokens ({})", sp.min_new_tokens, sp.max_new_tokens);
   scheds_[0]->validate(req);  // reads only the immutable config
@@ -251,15 +258,7 @@ void Engine::deliver_outputs() {
 std::vector<int32_t> Engine::stop_tokens(const SamplingParams& sp) const { return sp.stop_tokens(opts_.eos_token_ids); }
 
 void Engine::ban_stop_tokens(const SamplingParams& sp, RowSampling& row) const {
-  auto ban = [&](int32_t id) {
-    for (auto& [tok, bias] : row.logit_bias)
-      if (tok == id) {
-        bias = -std::numeric_limits<float>::infinity();
-        return;
-      }
-    row.logit_bias.emplace_back(id, -std::numeric_limits<float>::infinity());
-  };
-  for (int32_t id : stop_tokens(sp)) ban(id);
+  for (int32_t id : stop_tokens(sp)) ban_token(row, id);
 }
 
 // Constrained decoding: the tokens the request's constraint allows in its state (its previous token is back: see
@@ -305,6 +304,13 @@ std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<St
         if (row.step < static_cast<uint64_t>(std::max(s.req->sampling.min_new_tokens, 0)))
           ban_stop_tokens(s.req->sampling, row);
         if (s.req->sampling.constraint) constrain(*s.req, row);
+        restrict_to(row, s.req->allowed_mask);  // allowed_token_ids
+        if (!s.req->sampling.bad_words_ids.empty()) {
+          // Multi-token bad words need the output's end: such a step was planned with no token in flight.
+          MLA_CHECK(s.req->in_flight == 0 || !needs_previous_token(s.req->sampling),
+                    "request {}: bad words with {} tokens in flight", s.req->rid, s.req->in_flight);
+          ban_bad_words(s.req->sampling, s.req->output, row);
+        }
         if (s.req->in_flight > 0 && penalised(s.req->sampling)) {
           // The token still in flight is this row's input (an id read on the device): the sampler counts it there.
           const ForwardBatch& b = plans[g].batch;
@@ -455,11 +461,12 @@ void Engine::overlap_step() {
     any |= !next[g].empty();
   }
   if (phase_stats_) phases_.schedule += ms_since(t0);
-  // A constrained request's draw needs its previous token (its constraint's state): such a step waits for it.
+  // A constrained request's draw needs its previous token (its constraint's state; a bad word's earlier tokens):
+  // such a step waits for it.
   bool needs_tokens = false;
   for (size_t g = 0; g < groups; ++g)
     for (const ScheduledSeq& s : next[g].seqs)
-      needs_tokens |= s.wants_logits && s.req->sampling.constraint && s.req->in_flight > 0;
+      needs_tokens |= s.wants_logits && s.req->in_flight > 0 && needs_previous_token(s.req->sampling);
   if (running && any && !blocked && !needs_tokens) {
     // Launch it behind the running step (its pending tokens are read on the device), then finish the running one:
     // the device never waits for the host between the two.

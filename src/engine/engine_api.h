@@ -51,6 +51,12 @@ struct SamplingParams {
   int32_t min_new_tokens = 0;
   // (token id, bias) added to the token's logit before penalties and temperature (OpenAI logit_bias); ids unique.
   std::vector<std::pair<int32_t, float>> logit_bias;
+  // Only these tokens may be drawn (vLLM's allowed_token_ids; stop tokens too only when listed); empty: every token.
+  std::vector<int32_t> allowed_token_ids;
+  // Token sequences never generated (vLLM's bad_words, tokenized): a sequence's last token is banned wherever the
+  // generated tokens end with the rest of it (a one-token sequence is always banned). Under overlap scheduling a
+  // request with a sequence of two or more tokens plans its next step only after its previous token is back.
+  std::vector<std::vector<int32_t>> bad_words_ids;
   std::optional<uint64_t> seed;  // per-request seed: same seed, same prompt -> same sample
   bool return_logprob = false;   // logprob of every generated token
   int32_t top_logprobs_num = 0;  // and the top-N alternatives at each step

@@ -26,6 +26,50 @@ RowSampling SamplerState::row(const SamplingParams& p) const {
   return r;
 }
 
+bool needs_previous_token(const SamplingParams& p) {
+  return p.constraint != nullptr ||
+         std::any_of(p.bad_words_ids.begin(), p.bad_words_ids.end(), [](const auto& w) { return w.size() > 1; });
+}
+
+void ban_token(RowSampling& row, int32_t id) {
+  for (auto& [tok, bias] : row.logit_bias)
+    if (tok == id) {
+      bias = -std::numeric_limits<float>::infinity();
+      return;
+    }
+  row.logit_bias.emplace_back(id, -std::numeric_limits<float>::infinity());
+}
+
+void ban_bad_words(const SamplingParams& p, std::span<const int32_t> output, RowSampling& row) {
+  for (const std::vector<int32_t>& w : p.bad_words_ids) {
+    if (w.empty() || w.size() - 1 > output.size()) continue;
+    if (std::equal(w.begin(), w.end() - 1, output.end() - static_cast<std::ptrdiff_t>(w.size() - 1)))
+      ban_token(row, w.back());
+  }
+}
+
+std::shared_ptr<const std::vector<uint32_t>> token_mask(std::span<const int32_t> ids) {
+  auto m = std::make_shared<std::vector<uint32_t>>();
+  for (int32_t id : ids) {
+    if (id < 0) continue;
+    const size_t w = static_cast<size_t>(id / 32);
+    if (w >= m->size()) m->resize(w + 1, 0u);
+    (*m)[w] |= 1u << (id % 32);
+  }
+  return m;
+}
+
+void restrict_to(RowSampling& row, const std::shared_ptr<const std::vector<uint32_t>>& mask) {
+  if (!mask) return;
+  if (!row.allowed) {
+    row.allowed = mask;
+    return;
+  }
+  auto both = std::make_shared<std::vector<uint32_t>>(std::min(row.allowed->size(), mask->size()));
+  for (size_t i = 0; i < both->size(); ++i) (*both)[i] = (*row.allowed)[i] & (*mask)[i];
+  row.allowed = std::move(both);
+}
+
 int32_t argmax_row(const float* x, int64_t n) {
   int32_t best = 0;
   for (int64_t i = 1; i < n; ++i)

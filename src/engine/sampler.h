@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <unordered_map>
 #include <vector>
@@ -32,6 +33,21 @@ struct SamplerState {
 inline bool penalised(const SamplingParams& p) {
   return p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f || p.repetition_penalty != 1.0f;
 }
+
+// Whether the request's next draw depends on its previous token's value on the host (its constraint's state, or
+// the end of its output for a bad word of two or more tokens): under overlap scheduling such a step waits for it.
+bool needs_previous_token(const SamplingParams& p);
+// The token's logit becomes -inf in this draw (its logit_bias entry, or a new one).
+void ban_token(RowSampling& row, int32_t id);
+// vLLM's bad words: the last token of every sequence in p.bad_words_ids whose other tokens end `output` is banned.
+void ban_bad_words(const SamplingParams& p, std::span<const int32_t> output, RowSampling& row);
+// The bit mask (bit t % 32 of word t / 32) of these ids (non-negative).
+std::shared_ptr<const std::vector<uint32_t>> token_mask(std::span<const int32_t> ids);
+inline bool mask_has(const std::vector<uint32_t>& mask, int32_t id) {
+  return id >= 0 && static_cast<size_t>(id / 32) < mask.size() && (mask[static_cast<size_t>(id / 32)] >> (id % 32) & 1u);
+}
+// Only the tokens of `mask` stay allowed in this draw (with row.allowed already set: those of both).
+void restrict_to(RowSampling& row, const std::shared_ptr<const std::vector<uint32_t>>& mask);
 
 // Index of the largest value (the lowest index among ties).
 int32_t argmax_row(const float* x, int64_t n);

@@ -57,6 +57,7 @@ void Scheduler::add(GenerateRequest g) {
   r->on_output = std::move(g.on_output);
   r->sampler.seed = r->sampling.seed ? splitmix64(*r->sampling.seed) : splitmix64(++seed_counter_ ^ fnv1a64(r->rid));
   r->prompt_lps_done = r->sampling.logprob_start_len < 0;
+  if (!r->sampling.allowed_token_ids.empty()) r->allowed_mask = token_mask(r->sampling.allowed_token_ids);
   if (const SamplingParams& sp = r->sampling; sp.constraint && sp.max_new_tokens > 0) {
     try {
       const auto& m = *sp.constraint->allowed(r->constraint_state);
@@ -438,18 +439,25 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     const bool stop_token = sp.is_stop_token(cfg_.eos_token_ids, sr.token);
     // Constrained: a stop token ends the text where the constraint accepts; otherwise the token moves the state, and a
     // state with no token allowed ends the request (a stop with no token: its text is complete).
-    bool complete = false;
-    if (sp.constraint && r.constraint_error.empty() &&
+    bool complete = false, dropped = false;
+    auto drop_token = [&] {  // not part of the answer, which ends before it
+      complete = dropped = true;
+      r.output.pop_back();
+      if (r.sampling.return_logprob || r.sampling.top_logprobs_num > 0) r.pending_lps.pop_back();
+      --counters_.generation_tokens_total;
+    };
+    if (r.allowed_mask && !mask_has(*r.allowed_mask, sr.token)) {
+      // A token outside allowed_token_ids: drawn only when every allowed one was banned (stop tokens under
+      // min_new_tokens, bad words, a constraint).
+      drop_token();
+    } else if (sp.constraint && r.constraint_error.empty() &&
         !(stop_token && may_stop && sp.constraint->accepting(r.constraint_state))) {
       try {
         r.constraint_state = sp.constraint->next(r.constraint_state, sr.token);
         if (r.constraint_state == TokenConstraint::kDead) {
           // A token outside the constraint (drawn only when every allowed one was banned, e.g. stop tokens under
-          // min_new_tokens): not part of the answer, which ends before it.
-          complete = true;
-          r.output.pop_back();
-          if (r.sampling.return_logprob || r.sampling.top_logprobs_num > 0) r.pending_lps.pop_back();
-          --counters_.generation_tokens_total;
+          // min_new_tokens).
+          drop_token();
         } else {
           const auto& m = *sp.constraint->allowed(r.constraint_state);
           complete = std::all_of(m.begin(), m.end(), [](uint32_t w) { return w == 0; });
@@ -461,7 +469,7 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     if (!r.constraint_error.empty()) {
       f.kind = FinishKind::Abort;
       f.message = "structured output: " + r.constraint_error;
-    } else if (may_stop && stop_token) {
+    } else if (may_stop && stop_token && !dropped) {
       f.kind = FinishKind::Stop;
       f.matched_token = sr.token;
     } else if (complete) {

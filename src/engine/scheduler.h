@@ -65,6 +65,7 @@ struct Req {
   // reported with the first token (prompt_lps_done from then on).
   std::vector<TokenLogprob> prompt_lps;
   bool prompt_lps_done = true;
+  std::shared_ptr<const std::vector<uint32_t>> allowed_mask;  // sampling.allowed_token_ids as a mask; null: all
   int32_t constraint_state = 0;  // sampling.constraint's state after the resolved output tokens
   std::string constraint_error;  // the constraint failed (its draw ran unconstrained): the request ends with it
   // The constraint allows no first token and no stop token may end its text there (its language only the empty text):

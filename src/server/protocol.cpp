@@ -393,6 +393,27 @@ void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_
       s.stop_token_ids.push_back(static_cast<int32_t>(
           Fields::as_integer((*v)[i], fmt::format("{}[{}]", p, i), 0, std::numeric_limits<int32_t>::max())));
   }
+  // vLLM's allowed_token_ids (only these may be drawn) and bad_words (tokenized by the server: routes.cpp).
+  if (const json* v = f.get("allowed_token_ids")) s.allowed_token_ids = token_ids(*v, f.param("allowed_token_ids"));
+  if (const json* v = f.get("bad_words")) {
+    const std::string p = f.param("bad_words");
+    if (v->is_string()) {
+      r.bad_words = {v->get<std::string>()};
+    } else if (v->is_array()) {
+      if (v->size() > static_cast<size_t>(opts.max_bad_words))
+        bad_request(p, "invalid_value", "'{}' has {} words; at most {} are allowed", p, v->size(), opts.max_bad_words);
+      for (size_t i = 0; i < v->size(); ++i) {
+        if (!(*v)[i].is_string())
+          bad_request(p, "invalid_type", "'{}[{}]' must be a string, got {}", p, i, type_name((*v)[i]));
+        r.bad_words.push_back((*v)[i].get<std::string>());
+      }
+    } else {
+      bad_request(p, "invalid_type", "'{}' must be a string or an array of strings, got {}", p, type_name(*v));
+    }
+    for (size_t i = 0; i < r.bad_words.size(); ++i)
+      if (r.bad_words[i].find_first_not_of(" \t\n\r\f\v") == std::string::npos)
+        bad_request(p, "invalid_value", "'{}' must not contain empty or blank words (word {})", p, i);
+  }
   if (const json* v = f.get("logit_bias")) {
     // {"<token id>": bias in [-100, 100]} (OpenAI; SGLang's sampling_params take the same object).
     const std::string p = f.param("logit_bias");

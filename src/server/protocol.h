@@ -36,6 +36,7 @@ struct ParsedRequest {
   SamplingParams sampling;           // engine-level sampling (max_new_tokens may be filled in later)
   bool max_new_tokens_given = false;
   std::vector<std::string> stop;     // stop strings (text level)
+  std::vector<std::string> bad_words;  // vLLM's: words never generated (tokenized into sampling.bad_words_ids)
   bool skip_special_tokens = true;
   bool no_stop_trim = false;         // keep the matched stop string in the output (native only)
   int32_t n = 1;
@@ -75,6 +76,7 @@ struct ParseOptions {
   int32_t max_n = 64;
   int32_t max_top_logprobs = 20;
   int32_t max_stop_strings = 32;
+  int32_t max_bad_words = 256;
   size_t max_batch = 4096;
   // tool_choice's forced calls in DeepSeek-V3.1's form (NAME<｜tool▁sep｜>ARGS; --tool-call-parser deepseekv31)
   // instead of V3 / R1's (function<｜tool▁sep｜>NAME and a ```json fence).

@@ -637,6 +637,12 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     }
     p.spec.prompts.push_back(std::move(jp));
   }
+  if (!pr.bad_words.empty()) {
+    const std::string param = pr.api == ApiKind::Native ? "sampling_params.bad_words" : "bad_words";
+    if (!codec_)
+      throw ApiError(400, "'bad_words' needs the tokenizer; this server runs without one", param, "no_tokenizer");
+    pr.sampling.bad_words_ids = bad_words_token_ids(*codec_, pr.bad_words);
+  }
   pr.sampling.return_logprob = pr.logprobs;
   pr.sampling.top_logprobs_num = std::max(pr.logprobs ? pr.top_logprobs : 0, pr.prompt_logprobs);
   const std::string id = new_id();

@@ -23,6 +23,22 @@ std::vector<std::string> TextCodec::token_bytes() const {
   return out;
 }
 
+std::vector<std::vector<int32_t>> bad_words_token_ids(const TextCodec& codec, const std::vector<std::string>& words) {
+  std::vector<std::vector<int32_t>> out;
+  for (const std::string& word : words) {
+    const size_t start = word.find_first_not_of(" \t\n\r\f\v");
+    if (start == std::string::npos) continue;
+    const std::string w = word.substr(start);
+    std::vector<int32_t> alone = codec.encode(w, /*add_special_tokens=*/false);
+    if (alone.empty()) continue;
+    std::vector<int32_t> spaced = codec.encode(" " + w, /*add_special_tokens=*/false);
+    const bool differs = !spaced.empty() && spaced.size() == alone.size() && spaced[0] != alone[0];
+    out.push_back(std::move(alone));
+    if (differs) out.push_back(std::move(spaced));
+  }
+  return out;
+}
+
 // The tokenizer library (src/tokenizer) is adapted in tokenizer_codec.cpp when it is part of the build.
 #ifndef MLASERVE_HAS_TOKENIZER
 std::unique_ptr<TextCodec> load_text_codec(const std::string&, const std::string&) { return nullptr; }

@@ -47,6 +47,10 @@ class TextCodec {
   virtual std::unique_ptr<StreamDecoder> stream_decoder(bool skip_special_tokens) const;
 };
 
+// vLLM's bad_words as token sequences: each word without its leading blanks, and once more after a space where that
+// gives a different first token and as many tokens (the word inside a text, as most BPE vocabularies spell it).
+std::vector<std::vector<int32_t>> bad_words_token_ids(const TextCodec& codec, const std::vector<std::string>& words);
+
 // The tokenizer found at `path` (a directory with tokenizer.json / tokenizer_config.json), or nullptr when this
 // build has no tokenizer library. Throws mlaserve::Error when the files are missing or malformed.
 // `chat_template`: a Jinja file that replaces the tokenizer's chat templates (serve --chat-template), or empty.

@@ -48,6 +48,8 @@ const Seed kSeeds[] = {
     {"/v1/completions", R"({"model": "tiny-v3", "prompt": "def f(x):", "suffix": "return y", "max_tokens": 6,
       "stream": true, "stream_options": {"include_usage": true, "continuous_usage_stats": true},
       "temperature": 0.5, "top_k": 5, "min_tokens": 2})"},
+    {"/v1/completions", R"({"model": "tiny-v3", "prompt": "x y", "max_tokens": 4, "allowed_token_ids": [100, 200,
+      300], "bad_words": ["a b", "c"], "temperature": 0.7})"},
     {"/v1/completions", R"({"model": "tiny-v3", "prompt": [[100, 101, 102]], "max_tokens": 3,
       "include_stop_str_in_output": true, "stop_token_ids": [5], "response_format": {"type": "json_object"}})"},
     {"/v1/chat/completions", R"({"model": "tiny-v3", "messages": [{"role": "system", "content": "Be brief."},
@@ -93,7 +95,7 @@ const char* kKeys[] = {
     "add_special_tokens", "tokens", "abort_all", "data_parallel_rank", "lora_path", "image_data", "functions",
     "user", "guided_json", "guided_regex", "structured_outputs", "input", "instructions", "max_output_tokens",
     "text", "format", "call_id", "output", "previous_response_id", "metadata", "store", "reasoning",
-    "truncate_prompt_tokens", "prompt_logprobs", "continuous_usage_stats",
+    "truncate_prompt_tokens", "prompt_logprobs", "continuous_usage_stats", "allowed_token_ids", "bad_words",
 };
 
 class Mutator {

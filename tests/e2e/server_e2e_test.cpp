@@ -349,6 +349,39 @@ TEST_F(ServerE2E, LogitBiasAndMinTokens) {
   wait_idle(port());
 }
 
+// vLLM's allowed_token_ids and bad_words on the real tokenizer: sampled outputs only from the allowed set; with
+// " cat" and " dog" allowed and the word "cat" bad, every token is " dog" (the word is banned in its spaced spelling
+// too); a two-token bad word bans its second token right after its first; bad ids are a 400 naming the field.
+TEST_F(ServerE2E, AllowedTokenIdsAndBadWords) {
+  auto sentence = post_json(port(), "/tokenize", R"({"prompt": "the cat sat on a mat", "add_special_tokens": false})");
+  const std::vector<int32_t> set = sentence["tokens"];
+  for (int seed = 0; seed < 3; ++seed) {
+    auto g = post_json(port(), "/generate", R"({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 8,
+        "temperature": 1.0, "ignore_eos": true, "seed": )" + std::to_string(seed) + R"(, "allowed_token_ids": )" +
+                                                json(set).dump() + "}}");
+    const std::vector<int32_t> out = g["output_ids"];
+    EXPECT_EQ(out.size(), 8u);
+    for (int32_t id : out) EXPECT_NE(std::find(set.begin(), set.end(), id), set.end()) << id;
+  }
+  const std::vector<int32_t> pets = post_json(port(), "/tokenize", R"({"prompt": " cat dog",
+      "add_special_tokens": false})")["tokens"];
+  ASSERT_EQ(pets.size(), 2u);
+  auto c = post_json(port(), "/v1/completions", R"({"prompt": "My pet is a", "max_tokens": 5, "temperature": 0.7,
+      "ignore_eos": true, "allowed_token_ids": )" + json(pets).dump() + R"(, "bad_words": ["cat"]})");
+  EXPECT_EQ(c["choices"][0]["text"], " dog dog dog dog dog");
+
+  // " cat" biased to win, the two-token word "cat cat" bad: " cat" may not follow " cat", so " dog" comes between.
+  auto alt = post_json(port(), "/v1/completions", R"({"prompt": "My pet is a", "max_tokens": 5, "temperature": 0,
+      "ignore_eos": true, "allowed_token_ids": )" + json(pets).dump() + R"(, "logit_bias": {")" +
+                                                    std::to_string(pets[0]) + R"(": 50}, "bad_words": ["cat cat"]})");
+  EXPECT_EQ(alt["choices"][0]["text"], " cat dog cat dog cat");
+  auto bad = http_request(port(), "POST", "/v1/completions", R"({"prompt": "a", "max_tokens": 2,
+      "allowed_token_ids": [1, 999999999]})");
+  EXPECT_EQ(bad.status, 400);
+  EXPECT_NE(bad.body.find("allowed_token_ids"), std::string::npos) << bad.body;
+  wait_idle(port());
+}
+
 // vLLM's /tokenize and /detokenize: the ids the server would feed the model (text: with BOS unless
 // add_special_tokens is false; messages: the chat template), and back.
 TEST_F(ServerE2E, TokenizeAndDetokenize) {

@@ -275,6 +275,73 @@ TEST_P(EngineTest, LogitBiasAndMinNewTokens) {
   expect_no_leak(*e);
 }
 
+// vLLM's allowed_token_ids: every token (greedy or sampled) from the set, the greedy answer unchanged where it stays
+// in the set; when every allowed token is banned (only a stop token allowed, under min_new_tokens) the request stops
+// with no token rather than output one outside the set. bad_words: a two-token word's second token is banned only
+// right after its first (with overlap the step waits for that token), a one-token word everywhere; bad ids refused.
+TEST_P(EngineTest, AllowedTokenIdsAndBadWords) {
+  auto e = make(512);
+  const std::vector<int32_t>& g = greedy_[3];
+  ASSERT_GE(g.size(), 6u);
+  const std::set<int32_t> few{3, 17, 40, 41, 99};
+  SamplingParams only;
+  only.allowed_token_ids.assign(few.begin(), few.end());
+  SamplingParams sampled = only;
+  sampled.temperature = 0.9f;
+  sampled.seed = 5;
+  SamplingParams wide;  // the greedy tokens and others
+  wide.allowed_token_ids = {1, 2, 3};
+  wide.allowed_token_ids.insert(wide.allowed_token_ids.end(), g.begin(), g.begin() + 6);
+  std::sort(wide.allowed_token_ids.begin(), wide.allowed_token_ids.end());
+  wide.allowed_token_ids.erase(std::unique(wide.allowed_token_ids.begin(), wide.allowed_token_ids.end()),
+                               wide.allowed_token_ids.end());
+  SamplingParams stuck;
+  stuck.allowed_token_ids = {g[0]};
+  stuck.stop_token_ids = {g[0]};
+  stuck.min_new_tokens = 2;
+  SamplingParams pair;
+  pair.bad_words_ids = {{g[1], g[2]}};
+  SamplingParams single;
+  single.bad_words_ids = {{g[0]}};
+  auto fo = submit(*e, "only", prompts_[3], 10, only);
+  auto fs = submit(*e, "sampled", prompts_[3], 10, sampled);
+  auto fw = submit(*e, "wide", prompts_[3], 6, wide);
+  auto fk = submit(*e, "stuck", prompts_[3], 4, stuck);
+  auto fp = submit(*e, "pair", prompts_[3], 12, pair);
+  auto f1 = submit(*e, "single", prompts_[3], 12, single);
+  for (auto* f : {&fo, &fs}) {
+    const Result r = wait(*f);
+    EXPECT_EQ(r.tokens.size(), 10u);
+    for (int32_t t : r.tokens) EXPECT_TRUE(few.count(t)) << t;
+  }
+  EXPECT_EQ(wait(fw).tokens, std::vector<int32_t>(g.begin(), g.begin() + 6));
+  const Result rk = wait(fk);
+  EXPECT_TRUE(rk.tokens.empty());
+  EXPECT_EQ(rk.finish.kind, FinishKind::Stop);
+  EXPECT_EQ(rk.finish.matched_token, -1);
+  const Result rp = wait(fp);
+  ASSERT_GE(rp.tokens.size(), 3u);
+  EXPECT_EQ(rp.tokens[0], g[0]);
+  EXPECT_EQ(rp.tokens[1], g[1]);
+  EXPECT_NE(rp.tokens[2], g[2]);
+  for (size_t i = 1; i < rp.tokens.size(); ++i) EXPECT_FALSE(rp.tokens[i - 1] == g[1] && rp.tokens[i] == g[2]) << i;
+  const Result r1 = wait(f1);
+  EXPECT_EQ(r1.tokens.size(), 12u);
+  for (int32_t t : r1.tokens) EXPECT_NE(t, g[0]);
+
+  GenerateRequest bad;
+  bad.rid = "bad";
+  bad.input_ids = {1, 2};
+  bad.sampling.allowed_token_ids = {4, 100000};  // outside the vocabulary
+  EXPECT_THROW(e->submit(bad), Error);
+  bad.sampling.allowed_token_ids.clear();
+  bad.sampling.bad_words_ids = {{4, 100000}};
+  EXPECT_THROW(e->submit(bad), Error);
+  bad.sampling.bad_words_ids = {{}};
+  EXPECT_THROW(e->submit(bad), Error);
+  expect_no_leak(*e);
+}
+
 // Constrained decoding: a vocabulary of runs of one character (token i: 1 + i / 22 copies of the i % 22-th, token
 // 5 special as the EOS) and a regex. Greedy and seeded draws alike give outputs whose bytes match it; a request that
 // ignores EOS ends (a stop without a token) once its text is complete and nothing more is allowed; with EOS allowed

@@ -2,8 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "server/api_error.h"
 #include "server/responses.h"
+#include "server/text_codec.h"
 #include "server/tool_calls.h"
 #include "structured/regex.h"
 
@@ -204,6 +207,16 @@ TEST(Protocol, BadRequestsNameTheField) {
       {"c", R"({"prompt": "a", "model": 7})", "model", "invalid_type"},
       {"c", R"({"prompt": "a", "max_tokens": 2, "min_tokens": 3})", "min_tokens", "invalid_value"},
       {"c", R"({"prompt": "a", "logit_bias": {"5": -100.5}})", "logit_bias", "invalid_value"},
+      {"c", R"({"prompt": "a", "allowed_token_ids": []})", "allowed_token_ids", "invalid_value"},
+      {"c", R"({"prompt": "a", "allowed_token_ids": [1, -2]})", "allowed_token_ids[1]", "invalid_value"},
+      {"c", R"({"prompt": "a", "allowed_token_ids": 5})", "allowed_token_ids", "invalid_type"},
+      {"n", R"({"text": "a", "sampling_params": {"allowed_token_ids": ["x"]}})", "sampling_params.allowed_token_ids[0]",
+       "invalid_type"},
+      {"c", R"({"prompt": "a", "bad_words": 5})", "bad_words", "invalid_type"},
+      {"c", R"({"prompt": "a", "bad_words": ["ok", 5]})", "bad_words", "invalid_type"},
+      {"h", R"({"messages": [{"role": "user", "content": "x"}], "bad_words": ["ok", " \n"]})", "bad_words",
+       "invalid_value"},
+      {"n", R"({"text": "a", "sampling_params": {"bad_words": [""]}})", "sampling_params.bad_words", "invalid_value"},
       {"h", R"({})", "messages", "invalid_value"},
       {"h", R"({"messages": []})", "messages", "invalid_value"},
       {"h", R"({"messages": "hi"})", "messages", "invalid_type"},
@@ -251,6 +264,25 @@ TEST(Protocol, BadRequestsNameTheField) {
       EXPECT_EQ(e.code, c.code) << e.what();
     }
   }
+}
+
+// vLLM's allowed_token_ids and bad_words on every API (the words are tokenized by the server, later).
+TEST(Protocol, AllowedTokenIdsAndBadWords) {
+  ParsedRequest r = parse_completions(json::parse(R"({"prompt": "a", "allowed_token_ids": [5, 3, 5],
+      "bad_words": ["foo", " bar baz"]})"), {});
+  EXPECT_EQ(r.sampling.allowed_token_ids, (std::vector<int32_t>{5, 3, 5}));
+  EXPECT_EQ(r.bad_words, (std::vector<std::string>{"foo", " bar baz"}));
+  r = parse_native(json::parse(R"({"text": "a", "sampling_params": {"bad_words": "x", "allowed_token_ids": [0]}})"),
+                   {});
+  EXPECT_EQ(r.bad_words, std::vector<std::string>{"x"});
+  EXPECT_EQ(r.sampling.allowed_token_ids, std::vector<int32_t>{0});
+  r = parse_chat(json::parse(R"({"messages": [{"role": "user", "content": "x"}], "bad_words": [],
+      "allowed_token_ids": null})"), {});
+  EXPECT_TRUE(r.bad_words.empty());
+  EXPECT_TRUE(r.sampling.allowed_token_ids.empty());
+  ParseOptions few;
+  few.max_bad_words = 2;
+  EXPECT_THROW(parse_completions(json::parse(R"({"prompt": "a", "bad_words": ["a", "b", "c"]})"), few), ApiError);
 }
 
 TEST(Protocol, LogitBiasAndMinTokens) {
@@ -492,6 +524,36 @@ TEST(Responses, TranslationKeepsTheRequestsKeyOrder) {
   structured::Dfa dfa(structured::compile_regex(r.constraint_regex));
   EXPECT_TRUE(dfa.matches(R"({"zeta": 1, "alpha": 2})"));
   EXPECT_FALSE(dfa.matches(R"({"alpha": 2, "zeta": 1})"));
+}
+
+// bad_words as vLLM tokenizes them: the word without its leading blanks, and after a space when that spelling has as
+// many tokens and a different first one.
+TEST(Protocol, BadWordsTokenizeAloneAndAfterASpace) {
+  // Words with an optional leading space are tokens when listed; anything else is one token per byte (100 + byte).
+  struct WordCodec : TextCodec {
+    std::map<std::string, int32_t> words{{"foo", 1}, {" foo", 2}, {" bar", 4}, {"x", 6}};
+    std::vector<int32_t> encode(const std::string& text, bool) const override {
+      std::vector<int32_t> ids;
+      for (size_t i = 0; i < text.size();) {
+        size_t end = text.find(' ', i + 1);
+        if (end == std::string::npos) end = text.size();
+        const std::string piece = text.substr(i, end - i);
+        if (auto it = words.find(piece); it != words.end()) ids.push_back(it->second);
+        else for (unsigned char c : piece) ids.push_back(100 + c);
+        i = end;
+      }
+      return ids;
+    }
+    std::string decode(const std::vector<int32_t>&, bool) const override { return {}; }
+    std::string apply_chat_template(const json&, bool, const json&) const override { return {}; }
+    std::string name_or_path() const override { return "words"; }
+    size_t vocab_size() const override { return 400; }
+  } codec;
+  using Ids = std::vector<std::vector<int32_t>>;
+  EXPECT_EQ(bad_words_token_ids(codec, {"foo"}), (Ids{{1}, {2}}));
+  EXPECT_EQ(bad_words_token_ids(codec, {"  foo bar"}), (Ids{{1, 4}, {2, 4}}));
+  EXPECT_EQ(bad_words_token_ids(codec, {"x"}), (Ids{{6}}));  // " x" is two tokens: only the word alone
+  EXPECT_EQ(bad_words_token_ids(codec, {"x", " foo"}), (Ids{{6}, {1}, {2}}));
 }
 
 }  // namespace
