@@ -89,6 +89,8 @@ void Engine::submit(GenerateRequest req) {
   std::sort(biased.begin(), biased.end());
   const auto twice = std::adjacent_find(biased.begin(), biased.end());
   MLA_CHECK(twice == biased.end(), "logit_bias: token id {} appears twice", twice == biased.end() ? 0 : *twice);
+  for (int32_t id : sp.token_ids_logprob)
+    MLA_CHECK(id >= 0 && id < V, "token_ids_logprob: token id {} is outside the vocabulary [0, {})", id, V);
   for (int32_t id : sp.allowed_token_ids)
     MLA_CHECK(id >= 0 && id < V, "allowed_token_ids: token id {} is outside the vocabulary [0, {})", id, V);
   for (const auto& word : sp.bad_words_ids) {
@@ -320,7 +322,7 @@ std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<St
                     b.input_ids[static_cast<size_t>(pos)]);
           row.pending_input = pos;
         }
-        if (s.req->sampling.top_logprobs_num > 0) logit_rows[g].push_back(static_cast<int32_t>(rows[g].size()));
+        if (s.req->sampling.wants_host_logits()) logit_rows[g].push_back(static_cast<int32_t>(rows[g].size()));
         rows[g].push_back(std::move(row));
       }
     }
@@ -342,14 +344,14 @@ std::vector<std::vector<SampleResult>> Engine::collect(const std::vector<StepPla
       for (int32_t k = 0; k < s.lp_rows; ++k, ++i) {  // the logprob of the prompt token after each row's position
         const int32_t next = s.req->prompt[static_cast<size_t>(s.lp_first_pos + k + 1)];
         SampleResult r;
-        r.logprob = top_logprobs(host_logits(i), V, next, sp.top_logprobs_num);
+        r.logprob = top_logprobs(host_logits(i), V, next, sp.top_logprobs_num, sp.token_ids_logprob);
         sampled[g].push_back(std::move(r));
       }
       if (!s.wants_logits) continue;
       SampleResult r;
       r.token = outs[g].ids[static_cast<size_t>(i)];
-      if (sp.top_logprobs_num > 0) {
-        r.logprob = top_logprobs(host_logits(i), V, r.token, sp.top_logprobs_num);
+      if (sp.wants_host_logits()) {
+        r.logprob = top_logprobs(host_logits(i), V, r.token, sp.top_logprobs_num, sp.token_ids_logprob);
       } else if (sp.return_logprob) {
         r.logprob.token = r.token;
         r.logprob.logprob = outs[g].logprobs[static_cast<size_t>(i)];

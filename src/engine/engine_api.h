@@ -60,6 +60,9 @@ struct SamplingParams {
   std::optional<uint64_t> seed;  // per-request seed: same seed, same prompt -> same sample
   bool return_logprob = false;   // logprob of every generated token
   int32_t top_logprobs_num = 0;  // and the top-N alternatives at each step
+  // SGLang's token_ids_logprob: these tokens' logprobs too wherever logprobs are reported (each generated token's,
+  // and the prompt positions' of logprob_start_len); like the top-N ones, of the model's log-softmax.
+  std::vector<int32_t> token_ids_logprob;
   // >= 0: also the logprob of every prompt token from this position on, given the tokens before it (the raw
   // model's log-softmax), with top_logprobs_num alternatives; position 0 has none (NaN). Prompt tokens served from
   // the prefix cache are computed again from there. -1: none.
@@ -68,6 +71,10 @@ struct SamplingParams {
   // request then ends there; with ignore_eos, or when nothing else is allowed, it ends once its text is complete).
   // Under overlap scheduling such a request's next step is planned only after its previous token is back.
   std::shared_ptr<TokenConstraint> constraint;
+
+  // Whether each generated token's logprob is reported, and whether its logits must reach the host for that.
+  bool wants_logprobs() const { return return_logprob || top_logprobs_num > 0; }
+  bool wants_host_logits() const { return top_logprobs_num > 0 || (return_logprob && !token_ids_logprob.empty()); }
 
   // The tokens that end the text: stop_token_ids, and the model's EOS ids unless ignore_eos.
   std::vector<int32_t> stop_tokens(const std::vector<int32_t>& eos) const {
@@ -95,6 +102,7 @@ struct TokenLogprob {
   int32_t token = -1;
   float logprob = 0.0f;
   std::vector<std::pair<int32_t, float>> top;  // top_logprobs_num alternatives, best first
+  std::vector<std::pair<int32_t, float>> ids;  // token_ids_logprob's, in that order
   int32_t rank = 0;  // 1 + the number of tokens more likely than `token` (0: not computed)
 };
 

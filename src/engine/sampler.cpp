@@ -77,7 +77,7 @@ int32_t argmax_row(const float* x, int64_t n) {
   return best;
 }
 
-TokenLogprob top_logprobs(const float* x, int64_t V, int32_t token, int32_t n) {
+TokenLogprob top_logprobs(const float* x, int64_t V, int32_t token, int32_t n, std::span<const int32_t> ids) {
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < V; ++i) m = std::max(m, x[i]);
   double s = 0.0;
@@ -95,6 +95,8 @@ TokenLogprob top_logprobs(const float* x, int64_t V, int32_t token, int32_t n) {
                       [&](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); });
     for (int64_t i = 0; i < k; ++i) out.top.emplace_back(idx[i], x[idx[i]] - lse);
   }
+  out.ids.reserve(ids.size());
+  for (int32_t id : ids) out.ids.emplace_back(id, x[id] - lse);
   return out;
 }
 

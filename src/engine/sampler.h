@@ -51,7 +51,8 @@ void restrict_to(RowSampling& row, const std::shared_ptr<const std::vector<uint3
 
 // Index of the largest value (the lowest index among ties).
 int32_t argmax_row(const float* x, int64_t n);
-// The n most likely tokens of log_softmax(x), best first (ties: lower id first), and the logprob and rank of `token`.
-TokenLogprob top_logprobs(const float* x, int64_t vocab, int32_t token, int32_t n);
+// The n most likely tokens of log_softmax(x), best first (ties: lower id first), the logprob and rank of `token`, and
+// the logprobs of `ids` (in their order; ids in [0, vocab)).
+TokenLogprob top_logprobs(const float* x, int64_t vocab, int32_t token, int32_t n, std::span<const int32_t> ids = {});
 
 }  // namespace mlaserve

@@ -431,7 +431,7 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     r.output.push_back(sr.token);
     r.sampler.observe_output(sr.token);
     ++r.sampler.step;
-    if (r.sampling.return_logprob || r.sampling.top_logprobs_num > 0) r.pending_lps.push_back(sr.logprob);
+    if (r.sampling.wants_logprobs()) r.pending_lps.push_back(sr.logprob);
     ++counters_.generation_tokens_total;
     const SamplingParams& sp = r.sampling;
     FinishReason f;
@@ -443,7 +443,7 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     auto drop_token = [&] {  // not part of the answer, which ends before it
       complete = dropped = true;
       r.output.pop_back();
-      if (r.sampling.return_logprob || r.sampling.top_logprobs_num > 0) r.pending_lps.pop_back();
+      if (r.sampling.wants_logprobs()) r.pending_lps.pop_back();
       --counters_.generation_tokens_total;
     };
     if (r.allowed_mask && !mask_has(*r.allowed_mask, sr.token)) {

@@ -24,6 +24,7 @@ using Executor = std::function<void(std::function<void()>)>;  // runs a function
 struct JobPrompt {
   std::vector<int32_t> input_ids;
   std::string text;  // the prompt's text when known (echo)
+  std::vector<int32_t> token_ids_logprob;  // this prompt's sampling.token_ids_logprob
 };
 
 struct JobSpec {

@@ -619,6 +619,34 @@ ParsedRequest parse_native(const json& body, const ParseOptions& opts, std::stri
   // Prompt logprobs from this position on (checked against the prompt's length by the engine).
   if (auto v = f.integer("logprob_start_len", -1, std::numeric_limits<int32_t>::max()); v && r.logprobs)
     r.sampling.logprob_start_len = static_cast<int32_t>(*v);
+  // SGLang's token_ids_logprob: one list of ids for every prompt, or (a batch) one list per prompt; read with
+  // return_logprob only, as SGLang does.
+  if (const json* v = f.get("token_ids_logprob")) {
+    const std::string p = "token_ids_logprob";
+    if (!v->is_array()) bad_request(p, "invalid_type", "'{}' must be an array of token ids, got {}", p, type_name(*v));
+    auto ids = [&](const json& list, const std::string& lp) {
+      if (!list.is_array())
+        bad_request(p, "invalid_type", "'{}' must be an array of token ids, got {}", lp, type_name(list));
+      if (list.size() > static_cast<size_t>(opts.max_token_ids_logprob))
+        bad_request(p, "invalid_value", "'{}' has {} ids; at most {} are allowed", lp, list.size(),
+                    opts.max_token_ids_logprob);
+      std::vector<int32_t> out;
+      for (size_t i = 0; i < list.size(); ++i)
+        out.push_back(static_cast<int32_t>(
+            Fields::as_integer(list[i], fmt::format("{}[{}]", lp, i), 0, std::numeric_limits<int32_t>::max())));
+      return out;
+    };
+    if (!v->empty() && (*v)[0].is_array()) {
+      if (!r.batch || v->size() != r.prompts.size())
+        bad_request(p, "invalid_value",
+                    "'{}' as a list of lists needs one list per prompt of a batch ({} prompts, {} lists)", p,
+                    r.prompts.size(), v->size());
+      for (size_t i = 0; i < v->size(); ++i) r.token_ids_logprob.push_back(ids((*v)[i], fmt::format("{}[{}]", p, i)));
+    } else {
+      r.token_ids_logprob.push_back(ids(*v, p));
+    }
+    if (!r.logprobs) r.token_ids_logprob.clear();
+  }
   return r;
 }
 

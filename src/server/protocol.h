@@ -46,6 +46,8 @@ struct ParsedRequest {
   bool logprobs = false;
   int32_t top_logprobs = 0;
   bool return_text_in_logprobs = false;
+  // SGLang's token_ids_logprob (with return_logprob): one list for every prompt, or one per prompt; empty: none.
+  std::vector<std::vector<int32_t>> token_ids_logprob;
   // OpenAI only.
   std::string model;
   bool echo = false;
@@ -77,6 +79,7 @@ struct ParseOptions {
   int32_t max_top_logprobs = 20;
   int32_t max_stop_strings = 32;
   int32_t max_bad_words = 256;
+  int32_t max_token_ids_logprob = 1024;
   size_t max_batch = 4096;
   // tool_choice's forced calls in DeepSeek-V3.1's form (NAME<｜tool▁sep｜>ARGS; --tool-call-parser deepseekv31)
   // instead of V3 / R1's (function<｜tool▁sep｜>NAME and a ```json fence).

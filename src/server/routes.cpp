@@ -74,6 +74,7 @@ struct ResponseContext {
   bool continuous_usage;
   bool list_response;  // native: answer with a list (batch input or n > 1)
   const TextCodec* codec;
+  bool token_ids_logprob = false;  // native: SGLang's token_ids_logprob lists
 };
 
 std::string token_str(const ResponseContext& rc, int32_t id) { return rc.codec ? rc.codec->token_text(id) : ""; }
@@ -103,21 +104,29 @@ ojson native_object(const ResponseContext& rc, const GenerationJob& job, const C
   meta["completion_tokens"] = c.completion_tokens;
   meta["cached_tokens"] = c.cached_tokens;
   if (rc.logprobs) {
-    // [logprob, id, text] per token; the top-N alternatives of each position (null where the logprob is).
-    auto lists = [&](const std::vector<TokenLogprob>& lps, const char* tokens_key, const char* top_key) {
+    // [logprob, id, text] per token; the top-N alternatives of each position and the logprobs of the ids asked for
+    // (null where the logprob is).
+    auto lists = [&](const std::vector<TokenLogprob>& lps, const char* tokens_key, const char* top_key,
+                     const char* ids_key) {
       ojson out = ojson::array();
       ojson top = ojson::array();
+      ojson ids = ojson::array();
       for (const auto& lp : lps) {
         out.push_back(native_logprob_entry(rc, lp.logprob, lp.token));
         ojson alts = std::isnan(lp.logprob) ? ojson(nullptr) : ojson::array();
         for (const auto& [tok, l] : lp.top) alts.push_back(native_logprob_entry(rc, l, tok));
         top.push_back(std::move(alts));
+        ojson asked = std::isnan(lp.logprob) ? ojson(nullptr) : ojson::array();
+        for (const auto& [tok, l] : lp.ids) asked.push_back(native_logprob_entry(rc, l, tok));
+        ids.push_back(std::move(asked));
       }
       meta[tokens_key] = std::move(out);
       if (rc.top_logprobs > 0) meta[top_key] = std::move(top);
+      if (rc.token_ids_logprob) meta[ids_key] = std::move(ids);
     };
-    if (rc.prompt_logprobs) lists(c.prompt_logprobs, "input_token_logprobs", "input_top_logprobs");
-    lists(c.logprobs, "output_token_logprobs", "output_top_logprobs");
+    if (rc.prompt_logprobs)
+      lists(c.prompt_logprobs, "input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs");
+    lists(c.logprobs, "output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs");
   }
   if (c.finished) {
     meta["e2e_latency"] = std::chrono::duration<double>(c.finish_time - job.start_time()).count();
@@ -607,6 +616,8 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
       jp.text = codec_->decode(in.input_ids, false);
     }
     jp.input_ids = std::move(in.input_ids);
+    if (!pr.token_ids_logprob.empty())
+      jp.token_ids_logprob = pr.token_ids_logprob[pr.token_ids_logprob.size() == 1 ? 0 : i];
     if (pr.truncate_prompt_tokens != 0) {  // vLLM's: the prompt's last tokens (-1: as many as the context holds)
       const int64_t keep = pr.truncate_prompt_tokens > 0 ? pr.truncate_prompt_tokens : ctx - 1;
       if (static_cast<int64_t>(jp.input_ids.size()) > keep) {
@@ -689,6 +700,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                          pr.continuous_usage,
                          pr.batch || pr.n > 1,
                          codec_};
+  p.rc.token_ids_logprob = !pr.token_ids_logprob.empty();
   return p;
 }
 

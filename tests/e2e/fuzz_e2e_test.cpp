@@ -35,7 +35,8 @@ const Seed kSeeds[] = {
     {"/generate", R"({"input_ids": [[100, 200, 300], [400, 500]], "sampling_params": {"max_new_tokens": 4, "n": 2,
       "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.01, "seed": 3, "stop": ["a", "the"],
       "stop_token_ids": [7], "frequency_penalty": 0.5, "repetition_penalty": 1.1, "min_new_tokens": 1},
-      "return_logprob": true, "top_logprobs_num": 2, "logprob_start_len": 0, "return_text_in_logprobs": true})"},
+      "return_logprob": true, "top_logprobs_num": 2, "logprob_start_len": 0, "return_text_in_logprobs": true,
+      "token_ids_logprob": [[5, 6], [7]]})"},
     {"/generate", R"({"text": ["one", "two"], "stream": true, "rid": ["r1", "r2"], "sampling_params":
       {"max_new_tokens": 5, "regex": "[a-z ]+", "skip_special_tokens": false, "no_stop_trim": true}})"},
     {"/generate", R"({"text": "Answer:", "sampling_params": {"max_new_tokens": 8, "json_schema":
@@ -96,6 +97,7 @@ const char* kKeys[] = {
     "user", "guided_json", "guided_regex", "structured_outputs", "input", "instructions", "max_output_tokens",
     "text", "format", "call_id", "output", "previous_response_id", "metadata", "store", "reasoning",
     "truncate_prompt_tokens", "prompt_logprobs", "continuous_usage_stats", "allowed_token_ids", "bad_words",
+    "token_ids_logprob",
 };
 
 class Mutator {

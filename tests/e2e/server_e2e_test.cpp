@@ -382,6 +382,57 @@ TEST_F(ServerE2E, AllowedTokenIdsAndBadWords) {
   wait_idle(port());
 }
 
+// SGLang's token_ids_logprob on /generate: per position [logprob, id, text] of each id asked for, the generated
+// token's equal to its own logprob, the prompt positions' too from logprob_start_len (null at position 0); in a batch
+// one list per prompt.
+TEST_F(ServerE2E, TokenIdsLogprob) {
+  auto g = post_json(port(), "/generate", R"({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 4,
+      "temperature": 0, "ignore_eos": true}})");
+  const std::vector<int32_t> out = g["output_ids"];
+  ASSERT_EQ(out.size(), 4u);
+  const std::vector<int32_t> asked{out[0], 11, out[2]};
+  auto r = post_json(port(), "/generate", R"({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 4,
+      "temperature": 0, "ignore_eos": true}, "return_logprob": true, "logprob_start_len": 0,
+      "return_text_in_logprobs": true, "token_ids_logprob": )" + json(asked).dump() + "}");
+  EXPECT_EQ(r["output_ids"], g["output_ids"]);
+  const json& meta = r["meta_info"];
+  ASSERT_EQ(meta["output_token_ids_logprobs"].size(), 4u) << meta.dump();
+  for (size_t t = 0; t < 4; ++t) {
+    const json& at = meta["output_token_ids_logprobs"][t];
+    ASSERT_EQ(at.size(), asked.size());
+    for (size_t k = 0; k < asked.size(); ++k) {
+      EXPECT_EQ(at[k][1], asked[k]);
+      EXPECT_LE(at[k][0].get<double>(), 0.0);
+      EXPECT_TRUE(at[k][2].is_string());
+      if (asked[k] == out[t]) {
+        EXPECT_NEAR(at[k][0].get<double>(), meta["output_token_logprobs"][t][0].get<double>(), 1e-5) << t;
+      }
+    }
+  }
+  const json& in = meta["input_token_ids_logprobs"];
+  ASSERT_EQ(in.size(), meta["input_token_logprobs"].size());
+  EXPECT_TRUE(in[0].is_null());
+  for (size_t i = 1; i < in.size(); ++i) {
+    ASSERT_EQ(in[i].size(), asked.size());
+    const json& tok = meta["input_token_logprobs"][i];
+    for (size_t k = 0; k < asked.size(); ++k) {
+      if (asked[k] == tok[1].get<int32_t>()) {
+        EXPECT_NEAR(in[i][k][0].get<double>(), tok[0].get<double>(), 1e-5);
+      }
+    }
+  }
+  auto batch = post_json(port(), "/generate", R"({"text": ["Once upon a time", "Hello"], "sampling_params":
+      {"max_new_tokens": 2}, "return_logprob": true, "token_ids_logprob": [[5], [6, 7]]})");
+  ASSERT_EQ(batch.size(), 2u);
+  EXPECT_EQ(batch[0]["meta_info"]["output_token_ids_logprobs"][0].size(), 1u);
+  EXPECT_EQ(batch[1]["meta_info"]["output_token_ids_logprobs"][1].size(), 2u);
+  EXPECT_EQ(batch[1]["meta_info"]["output_token_ids_logprobs"][1][1][1], 7);
+  auto none = post_json(port(), "/generate", R"({"text": "Hi", "sampling_params": {"max_new_tokens": 1},
+      "return_logprob": true})");
+  EXPECT_FALSE(none["meta_info"].contains("output_token_ids_logprobs"));
+  wait_idle(port());
+}
+
 // vLLM's /tokenize and /detokenize: the ids the server would feed the model (text: with BOS unless
 // add_special_tokens is false; messages: the chat template), and back.
 TEST_F(ServerE2E, TokenizeAndDetokenize) {

@@ -502,6 +502,64 @@ TEST_P(EngineTest, TopLogprobsOfSomeRowsEqualThoseAlone) {
 // Prompt logprobs (logprob_start_len) against Hugging Face's log-softmax at each prompt position: in chunks, after
 // another request cached the prompt, next to requests that ask for none, with top-N alternatives, with a request
 // that generates nothing; on one rank and on two TP ranks.
+// SGLang's token_ids_logprob: the listed ids' logprobs at every prompt position asked for equal Hugging Face's
+// log-softmax, and at every generated position they agree with the token's own logprob and its top-N alternatives
+// (the same log-softmax); a request with return_logprob alone reports them too; ids outside the vocabulary refused.
+TEST_P(EngineTest, TokenIdsLogprobsAreOfTheModelDistribution) {
+  auto e = make(256);
+  const size_t j = 1;
+  const std::vector<int32_t> asked{greedy_[j][0], 0, 7, greedy_[j][1], 300};
+  SamplingParams sp;
+  sp.logprob_start_len = 0;
+  sp.return_logprob = true;
+  sp.top_logprobs_num = 3;
+  sp.token_ids_logprob = asked;
+  SamplingParams plain;  // no top-N: the rows still reach the host for the ids
+  plain.return_logprob = true;
+  plain.token_ids_logprob = {greedy_[j][1], 5};
+  auto fa = submit(*e, "a", prompts_[j], 4, sp);
+  auto fb = submit(*e, "b", prompts_[j], 2, plain);
+  const Result a = wait(fa), b = wait(fb);
+  const auto& prompt = prompts_[j];
+  ASSERT_EQ(a.prompt_logprobs.size(), prompt.size());
+  EXPECT_TRUE(a.prompt_logprobs[0].ids.empty());  // no logprob at position 0
+  for (size_t pos = 1; pos < prompt.size(); ++pos) {
+    const auto& ids = a.prompt_logprobs[pos].ids;
+    ASSERT_EQ(ids.size(), asked.size()) << pos;
+    for (size_t k = 0; k < asked.size(); ++k) {
+      EXPECT_EQ(ids[k].first, asked[k]);
+      EXPECT_NEAR(ids[k].second, hf_logprobs_[j][pos - 1][static_cast<size_t>(asked[k])], 2e-3) << pos << " " << k;
+    }
+  }
+  ASSERT_EQ(a.logprobs.size(), 4u);
+  for (size_t t = 0; t < a.logprobs.size(); ++t) {
+    const TokenLogprob& lp = a.logprobs[t];
+    ASSERT_EQ(lp.ids.size(), asked.size());
+    for (size_t k = 0; k < asked.size(); ++k) {
+      EXPECT_EQ(lp.ids[k].first, asked[k]);
+      EXPECT_LE(lp.ids[k].second, 0.0f);
+      if (asked[k] == lp.token) {
+        EXPECT_FLOAT_EQ(lp.ids[k].second, lp.logprob) << t;
+      }
+      for (const auto& [id, v] : lp.top) {
+        if (id == asked[k]) {
+          EXPECT_FLOAT_EQ(lp.ids[k].second, v) << t;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(a.logprobs[0].ids[0].second, a.logprobs[0].logprob);  // the greedy token is the first id asked for
+  ASSERT_EQ(b.logprobs.size(), 2u);
+  ASSERT_EQ(b.logprobs[1].ids.size(), 2u);
+  EXPECT_NEAR(b.logprobs[1].ids[0].second, a.logprobs[1].ids[3].second, 1e-6);  // the same token at the same place
+  GenerateRequest bad;
+  bad.rid = "bad";
+  bad.input_ids = {1, 2};
+  bad.sampling.token_ids_logprob = {3, 100000};
+  EXPECT_THROW(e->submit(bad), Error);
+  expect_no_leak(*e);
+}
+
 TEST_P(EngineTest, PromptLogprobsEqualHuggingFace) {
   auto check = [&](const Result& r, size_t j, int32_t start, int32_t top, const std::string& what) {
     const auto& prompt = prompts_[j];

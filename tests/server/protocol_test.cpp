@@ -208,6 +208,13 @@ TEST(Protocol, BadRequestsNameTheField) {
       {"c", R"({"prompt": "a", "max_tokens": 2, "min_tokens": 3})", "min_tokens", "invalid_value"},
       {"c", R"({"prompt": "a", "logit_bias": {"5": -100.5}})", "logit_bias", "invalid_value"},
       {"c", R"({"prompt": "a", "allowed_token_ids": []})", "allowed_token_ids", "invalid_value"},
+      {"n", R"({"text": "a", "return_logprob": true, "token_ids_logprob": 3})", "token_ids_logprob", "invalid_type"},
+      {"n", R"({"text": "a", "return_logprob": true, "token_ids_logprob": [[1], [2]]})", "token_ids_logprob",
+       "invalid_value"},
+      {"n", R"({"text": ["a", "b"], "return_logprob": true, "token_ids_logprob": [[1], [2], [3]]})",
+       "token_ids_logprob", "invalid_value"},
+      {"n", R"({"text": "a", "return_logprob": true, "token_ids_logprob": [1, -1]})", "token_ids_logprob[1]",
+       "invalid_value"},
       {"c", R"({"prompt": "a", "allowed_token_ids": [1, -2]})", "allowed_token_ids[1]", "invalid_value"},
       {"c", R"({"prompt": "a", "allowed_token_ids": 5})", "allowed_token_ids", "invalid_type"},
       {"n", R"({"text": "a", "sampling_params": {"allowed_token_ids": ["x"]}})", "sampling_params.allowed_token_ids[0]",
@@ -283,6 +290,22 @@ TEST(Protocol, AllowedTokenIdsAndBadWords) {
   ParseOptions few;
   few.max_bad_words = 2;
   EXPECT_THROW(parse_completions(json::parse(R"({"prompt": "a", "bad_words": ["a", "b", "c"]})"), few), ApiError);
+}
+
+// SGLang's token_ids_logprob: one list for every prompt or one per prompt of a batch, read with return_logprob only.
+TEST(Protocol, TokenIdsLogprob) {
+  ParsedRequest r = parse_native(json::parse(R"({"text": "a", "return_logprob": true, "token_ids_logprob": [4, 2]})"),
+                                 {});
+  EXPECT_EQ(r.token_ids_logprob, (std::vector<std::vector<int32_t>>{{4, 2}}));
+  r = parse_native(json::parse(R"({"text": ["a", "b"], "return_logprob": true, "token_ids_logprob": [[1], []]})"), {});
+  EXPECT_EQ(r.token_ids_logprob, (std::vector<std::vector<int32_t>>{{1}, {}}));
+  r = parse_native(json::parse(R"({"text": "a", "token_ids_logprob": [4, 2]})"), {});
+  EXPECT_TRUE(r.token_ids_logprob.empty());
+  ParseOptions few;
+  few.max_token_ids_logprob = 2;
+  EXPECT_THROW(parse_native(json::parse(R"({"text": "a", "return_logprob": true, "token_ids_logprob": [1, 2, 3]})"),
+                            few),
+               ApiError);
 }
 
 TEST(Protocol, LogitBiasAndMinTokens) {
