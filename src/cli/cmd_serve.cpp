@@ -44,6 +44,8 @@ struct ServeArgs {
   int32_t chunked_prefill_size = 8192;
   int32_t cuda_graph_max_bs = 256;
   bool disable_cuda_graph = false, disable_overlap_schedule = false, enable_metrics = false;
+  bool enable_priority_scheduling = false, low_priority_values_first = false;  // SGLang's
+  std::string scheduling_policy = "fcfs";                                       // vLLM's
   std::string load_balance_method = "round_robin";
   int32_t nnodes = 1, node_rank = 0;
   std::string dist_init_addr;
@@ -186,6 +188,9 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["max_total_tokens"] = a.max_total_tokens;
   j["chunked_prefill_size"] = a.chunked_prefill_size;
   j["load_balance_method"] = a.load_balance_method;
+  j["enable_priority_scheduling"] = a.enable_priority_scheduling;
+  j["schedule_low_priority_values_first"] = a.low_priority_values_first;
+  j["scheduling_policy"] = a.scheduling_policy;
   j["page_size"] = a.page_size;
   j["context_length"] = a.context_length;
   j["device"] = a.device;
@@ -232,6 +237,13 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
       ->capture_default_str();
   app.add_flag("--disable-cuda-graph,--enforce-eager", a->disable_cuda_graph, "no CUDA graphs");
   app.add_flag("--disable-overlap-schedule", a->disable_overlap_schedule, "no CPU/GPU overlap in the scheduler");
+  app.add_flag("--enable-priority-scheduling", a->enable_priority_scheduling,
+               "admit waiting requests by their `priority` (higher first), retract the lowest first");
+  app.add_flag("--schedule-low-priority-values-first", a->low_priority_values_first,
+               "with --enable-priority-scheduling: lower `priority` values first");
+  app.add_option("--scheduling-policy", a->scheduling_policy,
+                 "fcfs | priority (vLLM's: requests by their `priority`, lower first)")
+      ->capture_default_str();
   app.add_flag("--enable-metrics", a->enable_metrics, "accepted for compatibility; /metrics is always on");
   app.add_option("--load-balance-method", a->load_balance_method, "DP load balancing")->capture_default_str();
   app.add_option("--nnodes", a->nnodes, "number of nodes")->capture_default_str();
@@ -323,6 +335,13 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     MLA_CHECK(s.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024");
     MLA_CHECK(s.max_n >= 1, "--max-n must be at least 1");
     MLA_CHECK(s.stream_interval >= 1, "--stream-interval must be at least 1, got {}", s.stream_interval);
+    MLA_CHECK(s.scheduling_policy == "fcfs" || s.scheduling_policy == "priority",
+              "--scheduling-policy '{}' is not known (fcfs or priority)", s.scheduling_policy);
+    MLA_CHECK(!s.low_priority_values_first || s.enable_priority_scheduling,
+              "--schedule-low-priority-values-first needs --enable-priority-scheduling");
+    MLA_CHECK(!(s.enable_priority_scheduling && s.scheduling_policy == "priority"),
+              "give either --enable-priority-scheduling (higher values first) or --scheduling-policy priority (lower "
+              "values first), not both");
     s.origins = parse_origins(s.allowed_origins);
     MLA_CHECK(s.reasoning_parser.empty() || server::known_reasoning_parser(s.reasoning_parser),
               "--reasoning-parser '{}' is not known (known: deepseek-r1, or vLLM's deepseek_r1)", s.reasoning_parser);
@@ -368,6 +387,7 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     ea.node_rank = s.node_rank;
     ea.dist_init_addr = s.dist_init_addr;
     ea.disable_overlap_schedule = s.disable_overlap_schedule;
+    ea.priority_scheduling = s.enable_priority_scheduling || s.scheduling_policy == "priority";
     ea.cuda_graph_max_bs = s.cuda_graph_max_bs;
     ea.disable_cuda_graph = s.disable_cuda_graph;
     ea.dist_timeout_s = s.dist_timeout;
@@ -402,6 +422,8 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     so.stream_interval = s.stream_interval;
     so.reasoning_parser = s.reasoning_parser;
     so.tool_call_parser = s.tool_call_parser;
+    so.priority_scheduling = ea.priority_scheduling;
+    so.priority_higher_first = s.enable_priority_scheduling && !s.low_priority_values_first;
     so.server_args = server_args_json(s);
     raise_fd_limit();
     server::Api api(*engine, codec.get(), so);

@@ -30,6 +30,7 @@ Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
   sc.max_running_requests = opts_.max_running_requests;
   sc.chunked_prefill_size = opts_.chunked_prefill_size;
   sc.context_len = opts_.context_len;
+  sc.priority_scheduling = opts_.priority_scheduling;
   sc.enable_radix_cache = opts_.enable_radix_cache;
   sc.eos_token_ids = opts_.eos_token_ids;
   for (int32_t g = 0; g < ranks_->dp_groups(); ++g) scheds_.push_back(std::make_unique<Scheduler>(sc));

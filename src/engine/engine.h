@@ -33,6 +33,9 @@ struct EngineOptions {
   // stop checks happen one step late, never with wrong output). Off: plan, run, commit in turn.
   bool overlap = true;
   std::vector<int32_t> eos_token_ids;
+  // Requests wait in order of GenerateRequest::priority (lower first), then arrival; decode retracts the lowest
+  // priority first. Off: a request with a non-zero priority is refused.
+  bool priority_scheduling = false;
 };
 
 class Engine final : public EngineClient {

@@ -124,6 +124,9 @@ struct GenerateRequest {
   std::vector<int32_t> input_ids;
   SamplingParams sampling;
   int32_t data_parallel_rank = -1;  // pin to a DP rank (-1: the controller decides)
+  // With priority scheduling (EngineOptions::priority_scheduling): lower values are admitted first (vLLM's
+  // convention), and retraction takes the lowest priority first; otherwise it must be 0.
+  int32_t priority = 0;
   std::function<void(const GenerateOutput&)> on_output;
 };
 
@@ -180,6 +183,7 @@ struct EngineArgs {
   int32_t chunked_prefill_size = 8192;
   bool disable_radix_cache = false;
   bool disable_overlap_schedule = false;
+  bool priority_scheduling = false;  // EngineOptions::priority_scheduling
   int32_t cuda_graph_max_bs = 256;   // decode steps up to this many tokens per DP group replay CUDA graphs
   bool disable_cuda_graph = false;
   int64_t context_length = 0;        // 0: config's max_position_embeddings

@@ -49,6 +49,7 @@ std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfi
   o.context_len = a.context_length > 0 ? a.context_length : cfg.max_position_embeddings;
   o.load_balance_method = a.load_balance_method;
   o.overlap = !a.disable_overlap_schedule;
+  o.priority_scheduling = a.priority_scheduling;
   for (int64_t e : cfg.eos_token_ids) o.eos_token_ids.push_back(static_cast<int32_t>(e));
   for (int32_t e : a.extra_eos_token_ids)
     if (std::find(o.eos_token_ids.begin(), o.eos_token_ids.end(), e) == o.eos_token_ids.end()) o.eos_token_ids.push_back(e);

@@ -24,6 +24,8 @@ Scheduler::Scheduler(SchedulerConfig cfg)
 Scheduler::~Scheduler() = default;
 
 void Scheduler::validate(const GenerateRequest& r) const {
+  MLA_CHECK(cfg_.priority_scheduling || r.priority == 0,
+            "request {}: priority {} given, but priority scheduling is off", r.rid, r.priority);
   MLA_CHECK(!r.input_ids.empty(), "the prompt is empty");
   for (int32_t id : r.input_ids) MLA_CHECK(id >= 0, "invalid token id {}", id);
   const int64_t n = static_cast<int64_t>(r.input_ids.size());
@@ -55,6 +57,8 @@ void Scheduler::add(GenerateRequest g) {
   r->fill = r->prompt;
   r->sampling = std::move(g.sampling);
   r->on_output = std::move(g.on_output);
+  r->priority = g.priority;
+  r->arrival = ++arrival_counter_;
   r->sampler.seed = r->sampling.seed ? splitmix64(*r->sampling.seed) : splitmix64(++seed_counter_ ^ fnv1a64(r->rid));
   r->prompt_lps_done = r->sampling.logprob_start_len < 0;
   if (!r->sampling.allowed_token_ids.empty()) r->allowed_mask = token_mask(r->sampling.allowed_token_ids);
@@ -81,7 +85,7 @@ void Scheduler::add(GenerateRequest g) {
     emit(*r);
     return;
   }
-  waiting_.push_back(std::move(r));
+  enqueue(std::move(r), /*front=*/false);
 }
 
 void Scheduler::emit(Req& r) {
@@ -167,6 +171,18 @@ void Scheduler::release(Req& r, bool cache_kv) {
   r.prefix_pages = 0;
 }
 
+void Scheduler::enqueue(std::unique_ptr<Req> r, bool front) {
+  if (!cfg_.priority_scheduling) {
+    if (front) waiting_.push_front(std::move(r));
+    else waiting_.push_back(std::move(r));
+    return;
+  }
+  const auto key = [](const Req& q) { return std::make_pair(q.priority, q.arrival); };
+  const auto at = std::upper_bound(waiting_.begin(), waiting_.end(), key(*r),
+                                   [&](const auto& k, const std::unique_ptr<Req>& q) { return k < key(*q); });
+  waiting_.insert(at, std::move(r));
+}
+
 void Scheduler::retract(Req& r) {
   MLA_LOG_DEBUG("retracting request {} ({} tokens of KV)", r.rid, r.kv_len);
   r.prompt_lps.clear();  // a prefill cut short: its rows are computed again (admit stops the prefix before them)
@@ -244,18 +260,30 @@ StepPlan Scheduler::schedule(bool allow_retract) {
       decoding.clear();
       break;
     }
-    // Retract a mid-prefill request first (it has the least sunk work), else the newest decoding one.
+    // Retract a mid-prefill request first (it has the least sunk work), else the newest decoding one; by priority:
+    // the one of the largest (priority, arrival), prefilling or decoding.
     Req* victim = nullptr;
-    for (auto& r : running_)
-      if (r->state == ReqState::Prefilling) victim = r.get();
-    if (!victim) {
-      victim = decoding.back();
-      decoding.pop_back();
+    if (cfg_.priority_scheduling) {
+      auto later = [](const Req* a, const Req* b) {
+        return std::make_pair(a->priority, a->arrival) > std::make_pair(b->priority, b->arrival);
+      };
+      for (auto& r : running_)
+        if (r->state == ReqState::Prefilling && (!victim || later(r.get(), victim))) victim = r.get();
+      for (Req* r : decoding)
+        if (!victim || later(r, victim)) victim = r;
+      decoding.erase(std::remove(decoding.begin(), decoding.end(), victim), decoding.end());
+    } else {
+      for (auto& r : running_)
+        if (r->state == ReqState::Prefilling) victim = r.get();
+      if (!victim) {
+        victim = decoding.back();
+        decoding.pop_back();
+      }
     }
     retract(*victim);
     for (auto it = running_.begin(); it != running_.end(); ++it)
       if (it->get() == victim) {
-        waiting_.push_front(std::move(*it));
+        enqueue(std::move(*it), /*front=*/true);
         running_.erase(it);
         break;
       }

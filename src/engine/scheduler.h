@@ -34,6 +34,9 @@ struct SchedulerConfig {
   // Logit rows of prompt logprobs (SamplingParams::logprob_start_len) per step: their full logits come to the host,
   // so a prompt that asks for them is prefilled in chunks of at most this many such rows.
   int32_t max_prompt_logprob_rows = 512;
+  // Waiting requests in order of (priority, arrival) instead of arrival, and decode retracts the running request
+  // of the largest (priority, arrival) first instead of the newest.
+  bool priority_scheduling = false;
 };
 
 enum class ReqState { Waiting, Prefilling, Decoding, Finished };
@@ -55,6 +58,8 @@ struct Req {
   int32_t cached_tokens = 0;           // prompt tokens served by the prefix cache (first admission)
   int32_t emitted = 0;                 // output tokens already reported
   uint64_t admit_order = 0;
+  int32_t priority = 0;                // GenerateRequest::priority
+  uint64_t arrival = 0;                // order of add()
   bool counted = false;                // prompt counted in the stats (first admission)
   int32_t in_flight = 0;               // tokens of a step that ran (advance) but whose sample is not back (resolve)
   int32_t pending_row = -1;            // logit row of the newest such token in the step that samples it
@@ -155,6 +160,9 @@ class Scheduler {
   void admit(Req& r);
   void release(Req& r, bool cache_kv);
   void retract(Req& r);
+  // Into the waiting queue: by (priority, arrival) with priority scheduling, else at the back (or the front: a
+  // retracted request goes first).
+  void enqueue(std::unique_ptr<Req> r, bool front);
   void finish(Req& r, FinishReason reason);
   void emit(Req& r);
   void build_batch(StepPlan& plan);
@@ -169,6 +177,7 @@ class Scheduler {
   std::deque<std::unique_ptr<Req>> waiting_;
   std::vector<std::unique_ptr<Req>> running_;  // admission order
   uint64_t admit_counter_ = 0;
+  uint64_t arrival_counter_ = 0;
   RankStats counters_;
   uint64_t seed_counter_ = 0x5eed;
 };

@@ -69,6 +69,10 @@ struct ServerOptions {
   int32_t stream_interval = 1;        // tokens per streamed chunk (the last chunk of a choice may have fewer)
   std::string reasoning_parser;       // --reasoning-parser (known_reasoning_parser): chat gives reasoning_content
   std::string tool_call_parser;       // --tool-call-parser (known_tool_call_parser): chat takes tools
+  // Requests' `priority` (else a non-zero one is a 400): lower values first (vLLM's --scheduling-policy priority),
+  // or higher ones first (SGLang's --enable-priority-scheduling without --schedule-low-priority-values-first).
+  bool priority_scheduling = false;
+  bool priority_higher_first = false;
   ParseOptions parse;
   nlohmann::json server_args = nlohmann::json::object();  // echoed by /get_server_info
 };

@@ -37,6 +37,7 @@ void GenerationJob::start() {
     req.rid = choices_[i].rid;
     req.input_ids = spec_.prompts[choices_[i].prompt_index].input_ids;
     req.sampling = spec_.sampling;
+    req.priority = spec_.priority;
     req.sampling.token_ids_logprob = spec_.prompts[choices_[i].prompt_index].token_ids_logprob;
     // n samples of one prompt with a seed: each sample its own stream, reproducible as a set.
     if (req.sampling.seed && spec_.n > 1) *req.sampling.seed += i % static_cast<size_t>(spec_.n);

@@ -501,6 +501,8 @@ void parse_openai_common(const Fields& f, const ParseOptions& opts, ParsedReques
   for (const char* key : {"no_stop_trim", "include_stop_str_in_output"})
     if (auto v = f.boolean(key)) r.no_stop_trim = *v;
   if (auto v = f.boolean("add_special_tokens")) r.add_special_tokens = *v;
+  if (auto v = f.integer("priority", -std::numeric_limits<int32_t>::max(), std::numeric_limits<int32_t>::max()))
+    r.priority = static_cast<int32_t>(*v);
   if (auto v = f.integer("truncate_prompt_tokens", -1, std::numeric_limits<int32_t>::max()))
     r.truncate_prompt_tokens = static_cast<int32_t>(*v);
   // vLLM's prompt_logprobs: each prompt token's logprob and rank, with this many alternatives.
@@ -613,6 +615,8 @@ ParsedRequest parse_native(const json& body, const ParseOptions& opts, std::stri
     if (rid->is_string()) r.rid = rid->get<std::string>();
     else if (!rid->is_array()) bad_request("rid", "invalid_type", "'rid' must be a string, got {}", type_name(*rid));
   }
+  if (auto v = f.integer("priority", -std::numeric_limits<int32_t>::max(), std::numeric_limits<int32_t>::max()))
+    r.priority = static_cast<int32_t>(*v);
   if (auto v = f.boolean("return_logprob")) r.logprobs = *v;
   if (auto v = f.integer("top_logprobs_num", 0, opts.max_top_logprobs)) r.top_logprobs = static_cast<int32_t>(*v);
   if (auto v = f.boolean("return_text_in_logprobs")) r.return_text_in_logprobs = *v;

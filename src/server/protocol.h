@@ -40,6 +40,7 @@ struct ParsedRequest {
   bool skip_special_tokens = true;
   bool no_stop_trim = false;         // keep the matched stop string in the output (native only)
   int32_t n = 1;
+  int32_t priority = 0;              // vLLM's / SGLang's request priority (its meaning per the server's flags)
   bool stream = false;
   std::string rid;                   // client-chosen id (native) or empty
   // logprobs: native return_logprob/top_logprobs_num; completions `logprobs: k`; chat `logprobs` + `top_logprobs`.

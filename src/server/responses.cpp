@@ -117,7 +117,8 @@ json responses_to_chat(const json& body) {
   // Sampling fields chat takes under the same names (vLLM's extensions among them).
   for (const char* key : {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                           "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "logit_bias", "min_tokens",
-                          "allowed_token_ids", "bad_words", "parallel_tool_calls", "chat_template_kwargs"})
+                          "allowed_token_ids", "bad_words", "priority", "parallel_tool_calls",
+                          "chat_template_kwargs"})
     if (const auto it = body.find(key); it != body.end() && !it->is_null()) chat[key] = *it;
   if (const auto it = body.find("top_logprobs"); it != body.end() && !it->is_null()) {
     chat["logprobs"] = true;

@@ -666,6 +666,12 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
   p.spec.skip_special_tokens = pr.skip_special_tokens;
   p.spec.no_stop_trim = pr.no_stop_trim;
   p.spec.stream_interval = opts_.stream_interval;
+  if (pr.priority != 0 && !opts_.priority_scheduling)
+    throw ApiError(400,
+                   "'priority' needs priority scheduling; start the server with --enable-priority-scheduling "
+                   "(SGLang's: higher values first) or --scheduling-policy priority (vLLM's: lower values first)",
+                   "priority", "invalid_value");
+  p.spec.priority = opts_.priority_higher_first ? -pr.priority : pr.priority;
   if (!pr.constraint_regex.empty()) {
     if (!codec_)
       throw ApiError(400, "constrained decoding needs the tokenizer; this server runs without one",

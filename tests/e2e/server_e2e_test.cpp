@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <mutex>
 #include <random>
 #include <regex>
 #include <thread>
@@ -43,6 +44,20 @@ json wait_idle(int port, double seconds = 60) {
   ADD_FAILURE() << "server not idle: " << st.dump();
   return st;
 }
+
+// Polls /get_load (rank 0) until `key` reaches n.
+void wait_load(int port, const char* key, int n, double seconds = 60) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  json st;
+  while (std::chrono::steady_clock::now() < end) {
+    st = get_json(port, "/get_load")[0];
+    if (st[key] == n) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ADD_FAILURE() << key << " never reached " << n << ": " << st.dump();
+}
+void wait_running(int port, int n) { wait_load(port, "num_reqs", n); }
+void wait_waiting(int port, int n) { wait_load(port, "num_waiting_reqs", n); }
 
 std::string ids_json(const std::vector<int32_t>& ids) { return json(ids).dump(); }
 
@@ -958,6 +973,50 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
   r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --load-format dummy");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("--model-path is required"), std::string::npos) << r.output;
+}
+
+// SGLang's --enable-priority-scheduling (higher values first) with one running request at a time: of two requests
+// queued behind a long one, the higher priority runs first though it came later; vLLM's --scheduling-policy priority
+// and bad combinations of the flags.
+TEST(ServeFlags, PrioritySchedulingOrdersTheQueue) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  ServerProcess s({"--enable-priority-scheduling", "--max-running-requests", "1"});
+  ASSERT_TRUE(s.running()) << s.log();
+  EXPECT_EQ(get_json(s.port(), "/get_server_info")["enable_priority_scheduling"], true);
+  std::mutex mu;
+  std::vector<std::string> done;
+  auto run = [&](const std::string& name, int tokens, int priority) {
+    const json r = post_json(s.port(), "/generate", R"({"text": "Once upon a time", "sampling_params":
+        {"max_new_tokens": )" + std::to_string(tokens) + R"(, "ignore_eos": true}, "priority": )" +
+                                                     std::to_string(priority) + "}");
+    std::lock_guard lk(mu);
+    EXPECT_EQ(r["meta_info"]["completion_tokens"], tokens) << r.dump();
+    done.push_back(name);
+  };
+  std::thread longest([&] { run("long", 400, 0); });
+  wait_running(s.port(), 1);  // the long one holds the only running slot
+  std::thread low([&] { run("low", 4, 1); });
+  wait_waiting(s.port(), 1);
+  std::thread high([&] { run("high", 4, 10); });
+  wait_waiting(s.port(), 2);
+  longest.join();
+  low.join();
+  high.join();
+  EXPECT_EQ(done, (std::vector<std::string>{"long", "high", "low"}));
+  EXPECT_EQ(s.stop(), 0);
+
+  ServerProcess v({"--scheduling-policy", "priority"});
+  ASSERT_TRUE(v.running()) << v.log();
+  EXPECT_EQ(post_json(v.port(), "/v1/completions", R"({"prompt": "a", "max_tokens": 1, "priority": -5})")["usage"]
+                ["completion_tokens"],
+            1);
+  EXPECT_EQ(v.stop(), 0);
+  for (const std::string flags : {"--scheduling-policy lottery", "--schedule-low-priority-values-first",
+                                  "--enable-priority-scheduling --scheduling-policy priority"}) {
+    auto r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --model-path " + e2e_model_dir() +
+                         " --load-format dummy --port 0 " + flags);
+    EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;
+  }
 }
 
 TEST(ServeFlags, RecognisedButNotImplementedExitNonZero) {

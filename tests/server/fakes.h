@@ -95,6 +95,7 @@ class FakeEngine : public EngineClient {
     if (l.script.empty()) l.script.push_back('x');
     held_ += static_cast<int64_t>(l.req.input_ids.size());
     submitted_.push_back(l.req.rid);
+    priorities_.push_back(l.req.priority);
     live_.emplace(l.req.rid, std::move(l));
     cv_.notify_all();
   }
@@ -151,6 +152,11 @@ class FakeEngine : public EngineClient {
   std::vector<std::string> submitted() const {
     std::lock_guard lk(mu_);
     return submitted_;
+  }
+  // GenerateRequest::priority of each submitted request, in order.
+  std::vector<int32_t> priorities() const {
+    std::lock_guard lk(mu_);
+    return priorities_;
   }
   std::atomic<int> step_delay_ms{1};
 
@@ -260,6 +266,7 @@ class FakeEngine : public EngineClient {
   std::condition_variable cv_;
   std::map<std::string, Live> live_;
   std::vector<std::string> aborted_, submitted_;
+  std::vector<int32_t> priorities_;
   int64_t held_ = 0, prompt_tokens_total_ = 0, generation_tokens_total_ = 0;
   bool stop_ = false;
   std::thread thread_;

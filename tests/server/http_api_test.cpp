@@ -732,6 +732,38 @@ TEST(HttpApi, ClientErrors) {
   EXPECT_TRUE(s.engine.submitted().empty());  // nothing reached the engine
 }
 
+// Request priorities: a 400 naming the flags when priority scheduling is off (0 and null pass); vLLM's policy hands
+// them to the engine as they are (lower first), SGLang's flips their sign (higher first) on every API.
+TEST(HttpApi, PriorityNeedsPrioritySchedulingAndKeepsItsMeaning) {
+  {
+    TestServer off;
+    auto r = off.post("/v1/completions", R"({"prompt": "a", "max_tokens": 1, "priority": 3})");
+    EXPECT_EQ(r.status, 400);
+    EXPECT_EQ(json::parse(r.body)["error"]["param"], "priority");
+    EXPECT_NE(r.body.find("--enable-priority-scheduling"), std::string::npos);
+    EXPECT_EQ(off.post("/generate", R"({"text": "a", "sampling_params": {"max_new_tokens": 1}, "priority": 0})").status,
+              200);
+    EXPECT_EQ(off.post("/generate", R"({"text": "a", "priority": "high"})").status, 400);
+    EXPECT_TRUE(off.wait_idle());
+  }
+  for (bool higher_first : {false, true}) {
+    ServerOptions o;
+    o.priority_scheduling = true;
+    o.priority_higher_first = higher_first;
+    TestServer s(o);
+    EXPECT_EQ(s.post("/generate", R"({"text": "a", "sampling_params": {"max_new_tokens": 1}, "priority": 7})").status,
+              200);
+    EXPECT_EQ(s.post("/v1/completions", R"({"prompt": "a", "max_tokens": 1, "priority": -2})").status, 200);
+    EXPECT_EQ(s.post("/v1/chat/completions",
+                     R"({"messages": [{"role": "user", "content": "a"}], "max_tokens": 1, "priority": 4})")
+                  .status,
+              200);
+    const int32_t sign = higher_first ? -1 : 1;
+    EXPECT_EQ(s.engine.priorities(), (std::vector<int32_t>{7 * sign, -2 * sign, 4 * sign}));
+    EXPECT_TRUE(s.wait_idle());
+  }
+}
+
 TEST(HttpApi, ApiKey) {
   ServerOptions o;
   o.api_key = "sekret";

@@ -24,8 +24,9 @@ struct Collected {
 
 class SchedulerTest : public ::testing::Test {
  protected:
-  void make(int32_t pages, int32_t chunk = 8, int32_t max_running = 64, bool radix = true) {
+  void make(int32_t pages, int32_t chunk = 8, int32_t max_running = 64, bool radix = true, bool priority = false) {
     SchedulerConfig c;
+    c.priority_scheduling = priority;
     c.page_size = 4;
     c.num_pages = pages;
     c.chunked_prefill_size = chunk;
@@ -35,9 +36,11 @@ class SchedulerTest : public ::testing::Test {
     c.eos_token_ids = {2};
     s = std::make_unique<Scheduler>(c);
   }
-  void add(const std::string& rid, std::vector<int32_t> prompt, int32_t max_new, SamplingParams sp = {}) {
+  void add(const std::string& rid, std::vector<int32_t> prompt, int32_t max_new, SamplingParams sp = {},
+           int32_t priority = 0) {
     GenerateRequest g;
     g.rid = rid;
+    g.priority = priority;
     g.input_ids = std::move(prompt);
     sp.max_new_tokens = max_new;
     g.sampling = sp;
@@ -200,6 +203,60 @@ TEST_F(SchedulerTest, MaxRunningRequestsBoundsTheBatch) {
   }
   for (int i = 0; i < 5; ++i) EXPECT_EQ(out["r" + std::to_string(i)].tokens.size(), 4u);
   expect_all_pages_back();
+}
+
+// Priority scheduling: waiting requests are admitted by (priority, arrival), lower values first; without it a
+// non-zero priority is refused and the queue is first come, first served.
+TEST_F(SchedulerTest, PriorityOrdersTheWaitingQueue) {
+  for (bool priority : {true, false}) {
+    out.clear();
+    make(64, 64, /*max_running=*/1, true, priority);
+    add("first", range(0, 3), 2);
+    step();  // running: the rest wait behind it
+    const std::vector<std::pair<std::string, int32_t>> later{{"low", 5}, {"high", -3}, {"mid", 0}, {"high2", -3}};
+    for (const auto& [rid, prio] : later) {
+      if (priority) {
+        add(rid, range(10, 3), 2, {}, prio);
+      } else {
+        if (prio != 0) EXPECT_THROW(add(rid + "!", range(10, 3), 2, {}, prio), Error);
+        add(rid, range(10, 3), 2);
+      }
+    }
+    std::vector<std::string> order;  // by first token
+    while (s->has_work()) {
+      step();
+      for (auto& [rid, c] : out)
+        if (!c.tokens.empty() && std::find(order.begin(), order.end(), rid) == order.end()) order.push_back(rid);
+    }
+    const std::vector<std::string> want = priority ? std::vector<std::string>{"first", "high", "high2", "mid", "low"}
+                                                   : std::vector<std::string>{"first", "low", "high", "mid", "high2"};
+    EXPECT_EQ(order, want) << (priority ? "priority" : "fcfs");
+    expect_all_pages_back();
+  }
+}
+
+// When decode runs out of pages, priority scheduling retracts the lowest priority (largest value) first, not the
+// newest request: the high-priority request added last then finishes first.
+TEST_F(SchedulerTest, PriorityRetractsTheLowestFirst) {
+  for (bool priority : {true, false}) {
+    out.clear();
+    make(8, /*chunk=*/64, 64, true, priority);  // 32 token slots; two requests of 8 + 12 tokens need 40
+    add("low", range(0, 8), 12, {}, priority ? 9 : 0);
+    add("high", range(20, 8), 12, {}, priority ? 1 : 0);
+    std::vector<std::string> finished;
+    int steps = 0;
+    while (s->has_work() && steps++ < 500) {
+      step();
+      for (auto& [rid, c] : out)
+        if (c.finished && std::find(finished.begin(), finished.end(), rid) == finished.end()) finished.push_back(rid);
+    }
+    EXPECT_GT(s->stats().num_retractions, 0);
+    const std::vector<std::string> want = priority ? std::vector<std::string>{"high", "low"}
+                                                   : std::vector<std::string>{"low", "high"};
+    EXPECT_EQ(finished, want);
+    for (const char* rid : {"low", "high"}) EXPECT_EQ(out[rid].tokens.size(), 12u) << rid;
+    expect_all_pages_back();
+  }
 }
 
 TEST_F(SchedulerTest, AbortFreesPagesAtOnce) {
