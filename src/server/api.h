@@ -28,6 +28,7 @@ struct HttpRequest {
   std::string target;  // path + optional query
   std::string body;
   std::string authorization;  // the Authorization header
+  std::string content_type;   // the Content-Type header
 };
 
 // One request's response channel. Every call happens on executor() (the connection's strand).
@@ -77,9 +78,12 @@ struct ServerOptions {
   nlohmann::json server_args = nlohmann::json::object();  // echoed by /get_server_info
 };
 
+class BatchService;
+
 class Api {
  public:
   Api(EngineClient& engine, const TextCodec* codec, ServerOptions opts);
+  ~Api();
   void handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   ServerMetrics& metrics() { return metrics_; }
   const ServerOptions& options() const { return opts_; }
@@ -128,6 +132,8 @@ class Api {
   std::vector<std::pair<std::string, std::shared_ptr<TokenConstraint>>> constraints_;  // most recent last
   std::mutex jobs_mu_;
   std::unordered_map<std::string, std::weak_ptr<GenerationJob>> jobs_;  // running jobs by id (rid), for aborts
+  // OpenAI's Files and Batch APIs (server/batches.h): its lines run through handle(). Last: destroyed first.
+  std::unique_ptr<BatchService> batches_;
 };
 
 }  // namespace mlaserve::server

@@ -158,6 +158,7 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     req.target = std::string(msg.target());
     req.body = std::move(msg.body());
     if (auto it = msg.find(http::field::authorization); it != msg.end()) req.authorization = std::string(it->value());
+    if (auto it = msg.find(http::field::content_type); it != msg.end()) req.content_type = std::string(it->value());
     MLA_LOG_DEBUG("{} {} ({} bytes)", req.method, req.target, req.body.size());
     const std::string origin = header(msg, http::field::origin);
     const char* allow = allowed_origin(origin);
@@ -215,7 +216,7 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     response_started_ = true;
     std::string out = status_line(200);
     out += cors_headers_;
-    out += "Access-Control-Allow-Methods: GET, POST, HEAD, OPTIONS\r\n";
+    out += "Access-Control-Allow-Methods: GET, POST, DELETE, HEAD, OPTIONS\r\n";
     out += fmt::format("Access-Control-Allow-Headers: {}\r\n", request_headers.empty() ? "*" : request_headers);
     out += "Access-Control-Max-Age: 600\r\nContent-Length: 0\r\n";
     out += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";

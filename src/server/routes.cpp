@@ -7,6 +7,7 @@
 #include "core/log.h"
 #include "server/api.h"
 #include "server/api_error.h"
+#include "server/batches.h"
 #include "server/responses.h"
 #include "server/text_stream.h"
 #include "server/tool_calls.h"
@@ -27,6 +28,11 @@ int64_t unix_seconds() {
 std::string_view path_of(std::string_view target) {
   const size_t q = target.find('?');
   return q == std::string_view::npos ? target : target.substr(0, q);
+}
+
+std::string_view query_of(std::string_view target) {
+  const size_t q = target.find('?');
+  return q == std::string_view::npos ? std::string_view() : target.substr(q + 1);
 }
 
 // %XX escapes of a URL path decoded (a malformed escape stays as it is).
@@ -394,7 +400,14 @@ struct Api::Prepared {
 Api::Api(EngineClient& engine, const TextCodec* codec, ServerOptions opts)
     : engine_(engine), codec_(codec), opts_(std::move(opts)), id_salt_(std::random_device{}()) {
   if (opts_.served_model_name.empty()) opts_.served_model_name = opts_.model_path;
+  batches_ = std::make_unique<BatchService>([this](const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
+    HttpRequest r = req;
+    if (!opts_.api_key.empty()) r.authorization = "Bearer " + opts_.api_key;  // the batch's creator was let in
+    handle(r, ex);
+  });
 }
+
+Api::~Api() = default;
 
 // What /v1/models lists and /v1/models/{id} returns.
 ojson Api::model_card() const {
@@ -449,6 +462,10 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/v1/responses") {
       if (!post) method_not_allowed();
       responses(req, ex);
+    } else if (path == "/v1/files" || path.rfind("/v1/files/", 0) == 0) {
+      batches_->files(req, std::string_view(path).substr(9), query_of(req.target), ex);
+    } else if (path == "/v1/batches" || path.rfind("/v1/batches/", 0) == 0) {
+      batches_->batches(req, std::string_view(path).substr(11), query_of(req.target), ex);
     } else if (path == "/health") {
       if (!get) method_not_allowed();
       ex->respond(200, "text/plain", "");

@@ -13,6 +13,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "e2e/server_process.h"
@@ -320,6 +321,70 @@ TEST(ServerFuzz, MutatedRequestsGetAnAnswerAndLeaveNoTrace) {
   EXPECT_EQ(failures.load(), 0);
   EXPECT_GT(statuses[200], kThreads * kPerThread / 20) << "too few mutated requests were valid to exercise much";
   EXPECT_GT(statuses[400], kThreads * kPerThread / 4);
+
+  // A batch of mutated chat requests (those still JSON objects; not streamed, at most 32 tokens): it completes, and
+  // every line is answered once, a 200 into the output file or a 4xx with an error object into the error file.
+  {
+    Mutator m(seed + 99);
+    std::string jsonl;
+    int lines = 0;
+    for (int i = 0; lines < 60 && i < 1000; ++i) {
+      const Seed& s = kSeeds[static_cast<size_t>(i) % std::size(kSeeds)];
+      if (std::string(s.path) != "/v1/chat/completions") continue;
+      const std::string text = m.mutate(s.body);
+      if (text.size() > 20000) continue;  // the deeply nested ones: this process would recurse through them
+      json body = json::parse(text, nullptr, false);
+      if (!body.is_object()) continue;
+      body.erase("stream");
+      for (const char* k : {"max_tokens", "max_completion_tokens"})
+        if (body.contains(k) && body[k].is_number_integer() && body[k].get<int64_t>() > 32) body[k] = 32;
+      if (!body.contains("max_tokens") && !body.contains("max_completion_tokens")) body["max_tokens"] = 16;
+      jsonl += json({{"custom_id", "c" + std::to_string(lines++)}, {"method", "POST"},
+                     {"url", "/v1/chat/completions"}, {"body", body}})
+                   .dump(-1, ' ', false, json::error_handler_t::replace) +
+               "\n";
+    }
+    const std::string b = "fuzzboundary";
+    const std::string form = "--" + b + "\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--" + b +
+                             "\r\nContent-Disposition: form-data; name=\"file\"; filename=\"f.jsonl\"\r\n\r\n" + jsonl +
+                             "\r\n--" + b + "--\r\n";
+    HttpConnection c(port);
+    c.send_raw("POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; boundary=" + b +
+               "\r\nContent-Length: " + std::to_string(form.size()) + "\r\n\r\n" + form);
+    const HttpResponse up = c.read_response();
+    ASSERT_EQ(up.status, 200) << up.body;
+    const auto created = http_request(port, "POST", "/v1/batches", json({{"input_file_id", json::parse(up.body)["id"]},
+        {"endpoint", "/v1/chat/completions"}, {"completion_window", "24h"}}).dump());
+    ASSERT_EQ(created.status, 200) << created.body;
+    json batch = json::parse(created.body);
+    for (int k = 0; k < 1200 && batch["status"] == "in_progress"; ++k) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      batch = json::parse(http_request(port, "GET", "/v1/batches/" + batch["id"].get<std::string>()).body);
+    }
+    ASSERT_EQ(batch["status"], "completed") << batch.dump();
+    const auto& counts = batch["request_counts"];
+    std::printf("batch of mutated requests: %s\n", counts.dump().c_str());
+    EXPECT_EQ(counts["total"], lines);
+    EXPECT_EQ(counts["completed"].get<int>() + counts["failed"].get<int>(), lines) << batch.dump();
+    std::set<std::string> answered;
+    for (const char* key : {"output_file_id", "error_file_id"}) {
+      if (batch[key].is_null()) continue;
+      const std::string text =
+          http_request(port, "GET", "/v1/files/" + batch[key].get<std::string>() + "/content").body;
+      for (size_t at = 0, nl; (nl = text.find('\n', at)) != std::string::npos; at = nl + 1) {
+        const json line = json::parse(text.substr(at, nl - at));
+        EXPECT_TRUE(answered.insert(line["custom_id"].get<std::string>()).second) << line.dump();
+        const int status = line["response"]["status_code"];
+        if (std::string(key) == "output_file_id") {
+          EXPECT_EQ(status, 200);
+        } else {
+          EXPECT_TRUE(status >= 400 && status < 500) << line.dump();
+          EXPECT_TRUE(line["response"]["body"]["error"]["message"].is_string()) << line.dump();
+        }
+      }
+    }
+    EXPECT_EQ(answered.size(), static_cast<size_t>(lines));
+  }
 
   // Nothing runs or waits, and only the prefix cache holds pages (the last aborts may land a step later).
   json st;

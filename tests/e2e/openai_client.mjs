@@ -159,4 +159,47 @@ try {
 } catch (e) {
   check(e.status === 404, 'unknown model retrieve -> 404', { status: e.status, message: e.message });
 }
+// Files and batches: a JSONL of chat requests (one invalid) uploaded, run as a batch, its output and error files
+// read back; each answer equals the same request sent directly (greedy).
+const { toFile } = require('openai');
+const lines = [
+  { custom_id: 'a', method: 'POST', url: '/v1/chat/completions',
+    body: { model, messages: [{ role: 'user', content: 'Say hi.' }], max_tokens: 5, temperature: 0 } },
+  { custom_id: 'bad', method: 'POST', url: '/v1/chat/completions',
+    body: { model, messages: [{ role: 'user', content: 'x' }], max_tokens: -1 } },
+  { custom_id: 'b', method: 'POST', url: '/v1/chat/completions',
+    body: { model, messages: [{ role: 'user', content: 'Count to three.' }], max_tokens: 7, temperature: 0 } },
+];
+const upload = await client.files.create({
+  file: await toFile(Buffer.from(lines.map(l => JSON.stringify(l)).join('\n') + '\n'), 'requests.jsonl'),
+  purpose: 'batch' });
+check(upload.object === 'file' && upload.purpose === 'batch' && upload.filename === 'requests.jsonl', 'file upload',
+  upload);
+let batch = await client.batches.create({ input_file_id: upload.id, endpoint: '/v1/chat/completions',
+  completion_window: '24h', metadata: { job: 'npm' } });
+check(batch.object === 'batch' && batch.request_counts.total === 3 && batch.metadata.job === 'npm', 'batch create',
+  batch);
+for (let i = 0; i < 600 && !['completed', 'failed', 'cancelled'].includes(batch.status); ++i) {
+  await new Promise(res => setTimeout(res, 100));
+  batch = await client.batches.retrieve(batch.id);
+}
+check(batch.status === 'completed' && batch.request_counts.completed === 2 && batch.request_counts.failed === 1,
+  'batch completed', batch);
+const outText = await (await client.files.content(batch.output_file_id)).text();
+const outs = outText.trim().split('\n').map(l => JSON.parse(l));
+check(outs.map(o => o.custom_id).join(',') === 'a,b' && outs.every(o => o.response.status_code === 200),
+  'batch output lines', outs);
+for (const o of outs) {
+  const direct = await client.chat.completions.create(lines.find(l => l.custom_id === o.custom_id).body);
+  check(o.response.body.choices[0].message.content === direct.choices[0].message.content, 'batch answer = direct',
+    { batch: o.response.body, direct });
+}
+const errs = (await (await client.files.content(batch.error_file_id)).text()).trim().split('\n').map(l => JSON.parse(l));
+check(errs.length === 1 && errs[0].custom_id === 'bad' && errs[0].response.status_code === 400 &&
+  errs[0].response.body.error.param === 'max_tokens', 'batch error file', errs);
+const listed = await client.batches.list();
+check(listed.data.some(b => b.id === batch.id), 'batch list', listed.data);
+const deleted = await client.files.del ? await client.files.del(upload.id) : await client.files.delete(upload.id);
+check(deleted.deleted === true, 'file delete', deleted);
+
 console.log('openai client: all checks passed');

@@ -9,6 +9,8 @@
 #include "fakes.h"
 #include "http_test_client.h"
 #include "server/api.h"
+#include "server/api_error.h"
+#include "server/batches.h"
 #include "server/http_server.h"
 
 namespace mlaserve::server {
@@ -762,6 +764,183 @@ TEST(HttpApi, PriorityNeedsPrioritySchedulingAndKeepsItsMeaning) {
     EXPECT_EQ(s.engine.priorities(), (std::vector<int32_t>{7 * sign, -2 * sign, 4 * sign}));
     EXPECT_TRUE(s.wait_idle());
   }
+}
+
+// A multipart/form-data upload of `data` as `filename` with this purpose (as HTTP clients send files).
+test::HttpResponse upload(int port, const std::string& filename, const std::string& purpose, const std::string& data,
+                          const std::string& headers = "") {
+  const std::string b = "XyZ-boundary";
+  const std::string body = "--" + b + "\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n" + purpose +
+                           "\r\n--" + b + "\r\nContent-Disposition: form-data; name=\"file\"; filename=\"" + filename +
+                           "\"\r\nContent-Type: application/jsonl\r\n\r\n" + data + "\r\n--" + b + "--\r\n";
+  HttpConnection c(port);
+  c.send_raw("POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\n" + headers +
+             "Content-Type: multipart/form-data; boundary=\"" + b + "\"\r\nContent-Length: " +
+             std::to_string(body.size()) + "\r\n\r\n" + body);
+  return c.read_response();
+}
+
+// Polls a batch until it ends.
+json wait_batch(TestServer& s, const std::string& id, const std::string& headers = "") {
+  json b;
+  for (int i = 0; i < 1000; ++i) {
+    b = json::parse(http_request(s.port(), "GET", "/v1/batches/" + id, "", headers).body);
+    if (b["status"] == "completed" || b["status"] == "failed" || b["status"] == "cancelled") return b;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ADD_FAILURE() << "batch did not end: " << b.dump();
+  return b;
+}
+
+// OpenAI's Files and Batch APIs over the fake engine: an upload listed and read back; a batch of completions runs
+// each line as the same request sent directly (answers in input order, a bad line into the error file with its
+// 400); a file that breaks the rules fails the batch with the lines' errors; a cancelled batch aborts its running
+// requests; deletion; 404s and 400s; internal requests pass the API key.
+TEST(HttpApi, FilesAndBatches) {
+  ServerOptions o;
+  o.api_key = "k";
+  TestServer s(o);
+  const std::string auth = "Authorization: Bearer k\r\n";
+  auto line = [](const std::string& id, const std::string& body) {
+    return R"({"custom_id": ")" + id + R"(", "method": "POST", "url": "/v1/completions", "body": )" + body + "}\n";
+  };
+  const std::string input = line("one", R"({"prompt": "ab", "max_tokens": 3})") + "\n" +
+                            line("bad", R"({"prompt": "x", "max_tokens": "many"})") +
+                            line("two", R"({"prompt": "cde", "max_tokens": 4, "n": 2})");
+  EXPECT_EQ(upload(s.port(), "in.jsonl", "batch", input).status, 401);
+  auto up = upload(s.port(), "in.jsonl", "batch", input, auth);
+  ASSERT_EQ(up.status, 200) << up.body;
+  const json file = json::parse(up.body);
+  EXPECT_EQ(file["object"], "file");
+  EXPECT_EQ(file["bytes"], input.size());
+  EXPECT_EQ(file["filename"], "in.jsonl");
+  EXPECT_EQ(http_request(s.port(), "GET", "/v1/files/" + file["id"].get<std::string>() + "/content", "", auth).body,
+            input);
+  const json files = json::parse(http_request(s.port(), "GET", "/v1/files?purpose=batch", "", auth).body);
+  ASSERT_EQ(files["data"].size(), 1u);
+  EXPECT_EQ(files["data"][0]["id"], file["id"]);
+
+  auto created = s.post("/v1/batches", R"({"input_file_id": ")" + file["id"].get<std::string>() +
+                                           R"(", "endpoint": "/v1/completions", "completion_window": "24h"})",
+                        auth);
+  ASSERT_EQ(created.status, 200) << created.body;
+  const json b = wait_batch(s, json::parse(created.body)["id"], auth);
+  EXPECT_EQ(b["status"], "completed") << b.dump();
+  EXPECT_EQ(b["request_counts"], json::parse(R"({"total": 3, "completed": 2, "failed": 1})"));
+  const std::string out =
+      http_request(s.port(), "GET", "/v1/files/" + b["output_file_id"].get<std::string>() + "/content", "", auth).body;
+  std::vector<json> outs;
+  for (size_t at = 0, nl; (nl = out.find('\n', at)) != std::string::npos; at = nl + 1)
+    outs.push_back(json::parse(out.substr(at, nl - at)));
+  ASSERT_EQ(outs.size(), 2u) << out;
+  EXPECT_EQ(outs[0]["custom_id"], "one");
+  EXPECT_EQ(outs[1]["custom_id"], "two");
+  const json direct = json::parse(s.post("/v1/completions", R"({"prompt": "ab", "max_tokens": 3})", auth).body);
+  EXPECT_EQ(outs[0]["response"]["status_code"], 200);
+  EXPECT_EQ(outs[0]["response"]["body"]["choices"], direct["choices"]);
+  EXPECT_EQ(outs[0]["response"]["request_id"], outs[0]["response"]["body"]["id"]);
+  EXPECT_EQ(outs[1]["response"]["body"]["choices"].size(), 2u);
+  const json err = json::parse(
+      http_request(s.port(), "GET", "/v1/files/" + b["error_file_id"].get<std::string>() + "/content", "", auth).body);
+  EXPECT_EQ(err["custom_id"], "bad");
+  EXPECT_EQ(err["response"]["status_code"], 400);
+  EXPECT_EQ(err["response"]["body"]["error"]["param"], "max_tokens");
+
+  // Validation: a duplicate custom_id and a wrong url fail the batch before anything runs.
+  auto bad_file = json::parse(upload(s.port(), "bad.jsonl", "batch",
+                                     line("x", R"({"prompt": "a"})") + line("x", R"({"prompt": "b"})") +
+                                         R"({"custom_id": "y", "method": "POST", "url": "/generate", "body": {}})",
+                                     auth)
+                                  .body);
+  const json failed = json::parse(s.post("/v1/batches", R"({"input_file_id": ")" + bad_file["id"].get<std::string>() +
+                                                            R"(", "endpoint": "/v1/completions", "completion_window":
+                                                            "24h"})",
+                                         auth)
+                                      .body);
+  EXPECT_EQ(failed["status"], "failed");
+  ASSERT_EQ(failed["errors"]["data"].size(), 2u) << failed.dump();
+  EXPECT_EQ(failed["errors"]["data"][0]["line"], 2);
+  EXPECT_EQ(failed["errors"]["data"][0]["code"], "duplicate_custom_id");
+  EXPECT_EQ(failed["errors"]["data"][1]["code"], "mismatched_url");
+
+  // Cancel: long requests are aborted, the batch ends cancelled with nothing held.
+  s.engine.step_delay_ms = 20;
+  auto slow = json::parse(upload(s.port(), "slow.jsonl", "batch",
+                                 line("s1", R"({"prompt": "ab", "max_tokens": 1000})") +
+                                     line("s2", R"({"prompt": "cd", "max_tokens": 1000})"),
+                                 auth)
+                              .body);
+  const json running = json::parse(s.post("/v1/batches", R"({"input_file_id": ")" + slow["id"].get<std::string>() +
+                                                             R"(", "endpoint": "/v1/completions",
+                                                             "completion_window": "24h"})",
+                                          auth)
+                                       .body);
+  for (int i = 0; i < 500 && s.engine.num_live() < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const json cancelling =
+      json::parse(s.post("/v1/batches/" + running["id"].get<std::string>() + "/cancel", "", auth).body);
+  EXPECT_TRUE(cancelling["status"] == "cancelling" || cancelling["status"] == "cancelled") << cancelling.dump();
+  EXPECT_EQ(wait_batch(s, running["id"], auth)["status"], "cancelled");
+  EXPECT_EQ(s.engine.aborted().size(), 2u);
+  EXPECT_EQ(s.post("/v1/batches/" + running["id"].get<std::string>() + "/cancel", "", auth).status, 200);
+  s.engine.step_delay_ms = 1;
+  EXPECT_TRUE(s.wait_idle());
+
+  const json listed = json::parse(http_request(s.port(), "GET", "/v1/batches?limit=2", "", auth).body);
+  ASSERT_EQ(listed["data"].size(), 2u);
+  EXPECT_EQ(listed["data"][0]["id"], running["id"]);  // newest first
+  EXPECT_TRUE(listed["has_more"].get<bool>());
+
+  // Errors: unknown ids, a body that is no upload, a wrong endpoint or window; deletion.
+  EXPECT_EQ(http_request(s.port(), "GET", "/v1/files/file-nope", "", auth).status, 404);
+  EXPECT_EQ(http_request(s.port(), "GET", "/v1/batches/batch_nope", "", auth).status, 404);
+  EXPECT_EQ(s.post("/v1/files", R"({"file": "x"})", auth).status, 400);
+  EXPECT_EQ(s.post("/v1/batches", R"({"input_file_id": "file-nope", "endpoint": "/v1/completions",
+                                      "completion_window": "24h"})",
+                   auth)
+                .status,
+            404);
+  const std::string fid = file["id"];
+  EXPECT_EQ(s.post("/v1/batches", R"({"input_file_id": ")" + fid + R"(", "endpoint": "/generate",
+                                      "completion_window": "24h"})",
+                   auth)
+                .status,
+            400);
+  EXPECT_EQ(s.post("/v1/batches", R"({"input_file_id": ")" + fid + R"(", "endpoint": "/v1/completions",
+                                      "completion_window": "1h"})",
+                   auth)
+                .status,
+            400);
+  auto del = http_request(s.port(), "DELETE", "/v1/files/" + fid, "", auth);
+  EXPECT_EQ(del.status, 200);
+  EXPECT_EQ(json::parse(del.body)["deleted"], true);
+  EXPECT_EQ(http_request(s.port(), "GET", "/v1/files/" + fid, "", auth).status, 404);
+  EXPECT_EQ(http_request(s.port(), "PUT", "/v1/files/" + fid, "", auth).status, 405);
+}
+
+// multipart/form-data bodies as clients write them: a quoted or plain boundary, a preamble, CRLF inside a part's
+// bytes, filenames; malformed bodies are 400s.
+TEST(Multipart, PartsAndErrors) {
+  const std::string body = "preamble\r\n--b1\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+                           "--b1\r\ncontent-disposition: form-data; name=file; filename=\"a \\\"q\\\".jsonl\"\r\n"
+                           "Content-Type: text/plain\r\n\r\nline 1\r\nline 2\r\n\r\n--b1--\r\nepilogue";
+  auto parts = parse_multipart("multipart/form-data; boundary=b1", body);
+  ASSERT_EQ(parts.size(), 2u);
+  EXPECT_EQ(parts[0].name, "purpose");
+  EXPECT_EQ(parts[0].data, "batch");
+  EXPECT_FALSE(parts[0].filename.has_value());
+  EXPECT_EQ(parts[1].name, "file");
+  EXPECT_EQ(parts[1].filename, "a \"q\".jsonl");
+  EXPECT_EQ(parts[1].content_type, "text/plain");
+  EXPECT_EQ(parts[1].data, "line 1\r\nline 2\r\n");
+  EXPECT_EQ(parse_multipart("Multipart/Form-Data; charset=utf-8; boundary=\"b1\"", body).size(), 2u);
+  for (const auto& [type, b] : std::vector<std::pair<std::string, std::string>>{
+           {"application/json", body},
+           {"multipart/form-data", body},
+           {"multipart/form-data; boundary=zz", body},
+           {"multipart/form-data; boundary=b1", "--b1\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\nno end"},
+           {"multipart/form-data; boundary=b1", "--b1\r\nContent-Type: x\r\n\r\ndata\r\n--b1--"},
+       })
+    EXPECT_THROW(parse_multipart(type, b), ApiError) << type << " " << b;
 }
 
 TEST(HttpApi, ApiKey) {
