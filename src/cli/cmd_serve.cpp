@@ -11,6 +11,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
+#include <sstream>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -21,6 +23,7 @@
 #include "engine/engine_api.h"
 #include "io/model_config.h"
 #include "server/api.h"
+#include "server/batches.h"
 #include "server/http_server.h"
 #include "server/text_codec.h"
 #include "server/text_stream.h"
@@ -69,6 +72,7 @@ struct ServeArgs {
   int num_http_threads = 0;  // 0: from the machine's cores (auto_http_threads)
   double request_timeout = 0.0;
   int32_t max_n = 64;
+  std::string batch_input, batch_output;  // run-batch
 };
 
 // eos_token_id of generation_config.json (int or list), if the file exists.
@@ -206,9 +210,66 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   return j;
 }
 
-const RegisterCommand reg("serve", "serve a model over HTTP (native /generate and OpenAI-compatible API)",
-                          [](CLI::App& app) {
+// vLLM's run-batch: the requests of an OpenAI batch file (JSONL of {custom_id, method, url, body}) run through the
+// server's routes without HTTP (one batch per url: server/batches.h), every answer written to `output` in the input's
+// order. Returns the exit code: 1 when the file breaks the batch rules (the errors printed).
+int run_batch_file(server::Api& api, const std::string& input, const std::string& output) {
+  std::ifstream in(input, std::ios::binary);
+  MLA_CHECK(in, "--input-file: cannot read '{}'", input);
+  std::vector<std::string> urls;                   // distinct, in order of appearance
+  std::map<std::string, std::string> by_url;       // url -> its lines
+  std::vector<std::string> order;                  // custom ids in input order
+  std::string line;
+  for (size_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    MLA_CHECK(j.is_object() && j.contains("url") && j["url"].is_string() && j.contains("custom_id") &&
+                  j["custom_id"].is_string(),
+              "{} line {}: expected a JSON object with string 'custom_id' and 'url'", input, n);
+    const std::string url = j["url"];
+    if (!by_url.count(url)) urls.push_back(url);
+    by_url[url] += line + "\n";
+    order.push_back(j["custom_id"]);
+  }
+  MLA_CHECK(!order.empty(), "{}: no requests", input);
+  server::BatchService& svc = api.batches();
+  std::map<std::string, std::string> answers;  // custom id -> output line
+  bool failed = false;
+  for (const std::string& url : urls) {
+    const auto file = svc.store_file(input, "batch", std::move(by_url[url]));
+    const auto created =
+        svc.create_batch({{"input_file_id", file["id"]}, {"endpoint", url}, {"completion_window", "24h"}});
+    const auto done = svc.wait(created["id"]);
+    if (done["status"] != "completed") {
+      failed = true;
+      std::cerr << fmt::format("{}: the requests for {} were refused: {}\n", input, url, done["errors"].dump());
+      continue;
+    }
+    for (const char* key : {"output_file_id", "error_file_id"}) {
+      if (done[key].is_null()) continue;
+      std::istringstream lines(*svc.file_content(done[key]));
+      for (std::string l; std::getline(lines, l);)
+        answers[nlohmann::json::parse(l)["custom_id"].get<std::string>()] = l;
+    }
+  }
+  if (failed) return 1;
+  std::ofstream out(output, std::ios::binary | std::ios::trunc);
+  MLA_CHECK(out, "--output-file: cannot write '{}'", output);
+  for (const std::string& id : order) out << answers.at(id) << "\n";
+  out.close();
+  MLA_CHECK(out, "--output-file: writing '{}' failed", output);
+  std::cout << fmt::format("mlaserve: {} requests of {} answered into {}", order.size(), input, output) << std::endl;
+  return 0;
+}
+
+// `serve`, and `run-batch` (the same flags, and an input and output file instead of listening).
+Runner serve_setup(CLI::App& app, bool run_batch) {
   auto a = std::make_shared<ServeArgs>();
+  if (run_batch) {
+    app.add_option("-i,--input-file", a->batch_input, "OpenAI batch file (JSONL requests)")->required();
+    app.add_option("-o,--output-file", a->batch_output, "where the answers go (JSONL, in the input's order)")
+        ->required();
+  }
   app.add_option("--model-path,--model", a->model_path, "checkpoint directory (config.json + safetensors)");
   app.add_option("model", a->positional_model, "the checkpoint directory, as `vllm serve MODEL` takes it");
   app.add_option("--tokenizer-path,--tokenizer", a->tokenizer_path, "tokenizer directory (default: --model-path)");
@@ -297,7 +358,7 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
            "accepted for compatibility; no effect")
         ->expected(1, list ? CLI::detail::expected_max_vector_size : 1);
   }
-  return [a]() -> int {
+  return [a, run_batch]() -> int {
     ServeArgs& s = *a;
     MLA_CHECK(s.model_path.empty() || s.positional_model.empty() || s.model_path == s.positional_model,
               "the model is given twice: '{}' and --model-path '{}'", s.positional_model, s.model_path);
@@ -427,6 +488,17 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     so.server_args = server_args_json(s);
     raise_fd_limit();
     server::Api api(*engine, codec.get(), so);
+    if (run_batch) {
+      int rc = 1;
+      try {
+        rc = run_batch_file(api, s.batch_input, s.batch_output);
+      } catch (...) {
+        engine->shutdown();
+        throw;
+      }
+      engine->shutdown();
+      return rc;
+    }
     server::HttpServer http(api, so);
     try {
       http.start();
@@ -443,7 +515,13 @@ const RegisterCommand reg("serve", "serve a model over HTTP (native /generate an
     MLA_LOG_INFO("stopped");
     return 0;
   };
-});
+}
+
+const RegisterCommand reg("serve", "serve a model over HTTP (native /generate and OpenAI-compatible API)",
+                          [](CLI::App& app) { return serve_setup(app, false); });
+const RegisterCommand reg_batch("run-batch",
+                                "answer an OpenAI batch file offline (vLLM's run-batch): -i requests.jsonl -o out.jsonl",
+                                [](CLI::App& app) { return serve_setup(app, true); });
 
 }  // namespace
 }  // namespace mlaserve::cli

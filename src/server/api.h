@@ -86,6 +86,7 @@ class Api {
   ~Api();
   void handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   ServerMetrics& metrics() { return metrics_; }
+  BatchService& batches() { return *batches_; }
   const ServerOptions& options() const { return opts_; }
 
  private:

@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fstream>
 #include <mutex>
 #include <random>
 #include <regex>
@@ -445,6 +446,52 @@ TEST_F(ServerE2E, TokenIdsLogprob) {
   auto none = post_json(port(), "/generate", R"({"text": "Hi", "sampling_params": {"max_new_tokens": 1},
       "return_logprob": true})");
   EXPECT_FALSE(none["meta_info"].contains("output_token_ids_logprobs"));
+  wait_idle(port());
+}
+
+// `mlaserve run-batch` (vLLM's offline batch): a file mixing chat and completions requests (and a bad one) answered
+// into one file in the input's order, each answer what the server gives the same request (greedy, same dummy
+// weights); a file with a line that is not a request exits non-zero naming the line.
+TEST_F(ServerE2E, RunBatchAnswersAsTheServer) {
+  const std::string dir = ::testing::TempDir();
+  const std::string in = dir + "/mlaserve_batch_in.jsonl", out = dir + "/mlaserve_batch_out.jsonl";
+  const std::string chat = R"({"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 5, "temperature": 0})";
+  const std::string completion = R"({"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0})";
+  {
+    std::ofstream f(in);
+    f << R"({"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions", "body": )" << chat << "}\n"
+      << R"({"custom_id": "p1", "method": "POST", "url": "/v1/completions", "body": )" << completion << "}\n"
+      << R"({"custom_id": "bad", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 0}})" << "\n"
+      << R"({"custom_id": "c2", "method": "POST", "url": "/v1/chat/completions", "body": )" << chat << "}\n";
+  }
+  const std::string cmd = std::string("timeout 300 ") + MLASERVE_BINARY + " run-batch -i " + in + " -o " + out +
+                          " --model-path " + e2e_model_dir() + " --tokenizer-path " + deepseek_tokenizer_dir() +
+                          " --load-format dummy --device cpu --max-total-tokens 4096";
+  auto r = run_command(cmd);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream f(out);
+  std::vector<json> lines;
+  for (std::string l; std::getline(f, l);) lines.push_back(json::parse(l));
+  ASSERT_EQ(lines.size(), 4u);
+  const std::vector<std::string> ids{"c1", "p1", "bad", "c2"};
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(lines[i]["custom_id"], ids[i]);
+  const json direct_chat = post_json(port(), "/v1/chat/completions", chat);
+  const json direct_completion = post_json(port(), "/v1/completions", completion);
+  EXPECT_EQ(lines[0]["response"]["body"]["choices"][0]["message"]["content"],
+            direct_chat["choices"][0]["message"]["content"]);
+  EXPECT_EQ(lines[3]["response"]["body"]["choices"][0]["message"]["content"],
+            direct_chat["choices"][0]["message"]["content"]);
+  EXPECT_EQ(lines[1]["response"]["body"]["choices"][0]["text"], direct_completion["choices"][0]["text"]);
+  EXPECT_EQ(lines[2]["response"]["status_code"], 400);
+  EXPECT_EQ(lines[2]["response"]["body"]["error"]["param"], "n");
+  {
+    std::ofstream bad(in);
+    bad << R"({"custom_id": "c1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a"}})" << "\n"
+        << "not json\n";
+  }
+  r = run_command(cmd);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("line 2"), std::string::npos) << r.output;
   wait_idle(port());
 }
 
