@@ -464,9 +464,10 @@ TEST_F(ServerE2E, RunBatchAnswersAsTheServer) {
       << R"({"custom_id": "bad", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 0}})" << "\n"
       << R"({"custom_id": "c2", "method": "POST", "url": "/v1/chat/completions", "body": )" << chat << "}\n";
   }
-  const std::string cmd = std::string("timeout 300 ") + MLASERVE_BINARY + " run-batch -i " + in + " -o " + out +
-                          " --model-path " + e2e_model_dir() + " --tokenizer-path " + deepseek_tokenizer_dir() +
-                          " --load-format dummy --device cpu --max-total-tokens 4096";
+  const std::string cmd = "timeout 300 " + e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY) + " run-batch -i " + in +
+                          " -o " + out + " --model-path " + e2e_model_dir() + " --tokenizer-path " +
+                          deepseek_tokenizer_dir() + " --load-format dummy --device " +
+                          e2e_env("MLASERVE_E2E_DEVICE", "cpu") + " --max-total-tokens 4096";
   auto r = run_command(cmd);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::ifstream f(out);
