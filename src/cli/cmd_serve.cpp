@@ -520,7 +520,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
 const RegisterCommand reg("serve", "serve a model over HTTP (native /generate and OpenAI-compatible API)",
                           [](CLI::App& app) { return serve_setup(app, false); });
 const RegisterCommand reg_batch("run-batch",
-                                "answer an OpenAI batch file offline (vLLM's run-batch): -i requests.jsonl -o out.jsonl",
+                                "answer an OpenAI batch file offline (vLLM's run-batch): -i in.jsonl -o out.jsonl",
                                 [](CLI::App& app) { return serve_setup(app, true); });
 
 }  // namespace

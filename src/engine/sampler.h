@@ -44,7 +44,8 @@ void ban_bad_words(const SamplingParams& p, std::span<const int32_t> output, Row
 // The bit mask (bit t % 32 of word t / 32) of these ids (non-negative).
 std::shared_ptr<const std::vector<uint32_t>> token_mask(std::span<const int32_t> ids);
 inline bool mask_has(const std::vector<uint32_t>& mask, int32_t id) {
-  return id >= 0 && static_cast<size_t>(id / 32) < mask.size() && (mask[static_cast<size_t>(id / 32)] >> (id % 32) & 1u);
+  const size_t w = static_cast<size_t>(id / 32);
+  return id >= 0 && w < mask.size() && (mask[w] >> (id % 32) & 1u);
 }
 // Only the tokens of `mask` stay allowed in this draw (with row.allowed already set: those of both).
 void restrict_to(RowSampling& row, const std::shared_ptr<const std::vector<uint32_t>>& mask);

@@ -97,8 +97,12 @@ void Scheduler::emit(Req& r) {
   if (r.prompt_lps_done && r.sampling.logprob_start_len >= 0 && r.emitted == 0) {
     // The first output after the prompt's last row resolved (prompt_lps_done): the prompt's logprobs, position 0
     // (which nothing predicts) as NaN.
-    if (r.sampling.logprob_start_len == 0)
-      o.prompt_logprobs.push_back({r.prompt[0], std::numeric_limits<float>::quiet_NaN(), {}});
+    if (r.sampling.logprob_start_len == 0) {
+      TokenLogprob first;
+      first.token = r.prompt[0];
+      first.logprob = std::numeric_limits<float>::quiet_NaN();
+      o.prompt_logprobs.push_back(std::move(first));
+    }
     o.prompt_logprobs.insert(o.prompt_logprobs.end(), std::make_move_iterator(r.prompt_lps.begin()),
                              std::make_move_iterator(r.prompt_lps.end()));
     r.prompt_lps.clear();

@@ -30,7 +30,7 @@ std::string dump(const ojson& j) { return j.dump(-1, ' ', false, json::error_han
 
 std::string lower(std::string_view s) {
   std::string out(s);
-  std::transform(out.begin(), out.end(), out.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return out;
 }
 
@@ -447,7 +447,8 @@ ojson BatchService::create_batch(const json& body) {
   // custom_id; otherwise the batch fails with the lines' errors.
   ojson errors = ojson::array();
   auto error = [&](size_t line, const std::string& code, const std::string& message) {
-    if (errors.size() < 100) errors.push_back({{"code", code}, {"message", message}, {"param", nullptr}, {"line", line}});
+    if (errors.size() < 100)
+      errors.push_back({{"code", code}, {"message", message}, {"param", nullptr}, {"line", line}});
   };
   std::set<std::string> ids;
   size_t pos = 0, line_no = 0;
@@ -653,7 +654,8 @@ void BatchService::batches(const HttpRequest& req, std::string_view rest, std::s
       } catch (const std::exception&) {
         limit = -1;
       }
-      if (limit < 1 || limit > 100) throw ApiError(400, "'limit' must be an integer in [1, 100]", "limit", "invalid_value");
+      if (limit < 1 || limit > 100)
+        throw ApiError(400, "'limit' must be an integer in [1, 100]", "limit", "invalid_value");
     }
     const std::optional<std::string> after = query_param(query, "after");
     ojson data = ojson::array();

@@ -194,7 +194,8 @@ for (const o of outs) {
   check(o.response.body.choices[0].message.content === direct.choices[0].message.content, 'batch answer = direct',
     { batch: o.response.body, direct });
 }
-const errs = (await (await client.files.content(batch.error_file_id)).text()).trim().split('\n').map(l => JSON.parse(l));
+const errText = await (await client.files.content(batch.error_file_id)).text();
+const errs = errText.trim().split('\n').map(l => JSON.parse(l));
 check(errs.length === 1 && errs[0].custom_id === 'bad' && errs[0].response.status_code === 400 &&
   errs[0].response.body.error.param === 'max_tokens', 'batch error file', errs);
 const listed = await client.batches.list();

@@ -455,7 +455,8 @@ TEST_F(ServerE2E, TokenIdsLogprob) {
 TEST_F(ServerE2E, RunBatchAnswersAsTheServer) {
   const std::string dir = ::testing::TempDir();
   const std::string in = dir + "/mlaserve_batch_in.jsonl", out = dir + "/mlaserve_batch_out.jsonl";
-  const std::string chat = R"({"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 5, "temperature": 0})";
+  const std::string chat =
+      R"({"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 5, "temperature": 0})";
   const std::string completion = R"({"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0})";
   {
     std::ofstream f(in);

@@ -218,7 +218,9 @@ TEST_F(SchedulerTest, PriorityOrdersTheWaitingQueue) {
       if (priority) {
         add(rid, range(10, 3), 2, {}, prio);
       } else {
-        if (prio != 0) EXPECT_THROW(add(rid + "!", range(10, 3), 2, {}, prio), Error);
+        if (prio != 0) {
+          EXPECT_THROW(add(rid + "!", range(10, 3), 2, {}, prio), Error);
+        }
         add(rid, range(10, 3), 2);
       }
     }
