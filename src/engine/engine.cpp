@@ -92,6 +92,13 @@ void Engine::submit(GenerateRequest req) {
   MLA_CHECK(twice == biased.end(), "logit_bias: token id {} appears twice", twice == biased.end() ? 0 : *twice);
   for (int32_t id : sp.token_ids_logprob)
     MLA_CHECK(id >= 0 && id < V, "token_ids_logprob: token id {} is outside the vocabulary [0, {})", id, V);
+  if (sp.thinking_budget >= 0) {
+    MLA_CHECK(!sp.think_start_ids.empty() && !sp.think_end_ids.empty(),
+              "thinking_budget: the thinking section's start and end tokens are not given");
+    for (const auto* ids : {&sp.think_start_ids, &sp.think_end_ids})
+      for (int32_t id : *ids)
+        MLA_CHECK(id >= 0 && id < V, "thinking_budget: token id {} is outside the vocabulary [0, {})", id, V);
+  }
   for (int32_t id : sp.allowed_token_ids)
     MLA_CHECK(id >= 0 && id < V, "allowed_token_ids: token id {} is outside the vocabulary [0, {})", id, V);
   for (const auto& word : sp.bad_words_ids) {
@@ -314,6 +321,12 @@ std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<St
                     "request {}: bad words with {} tokens in flight", s.req->rid, s.req->in_flight);
           ban_bad_words(s.req->sampling, s.req->output, row);
         }
+        if (const int32_t forced = forced_think_token(*s.req, s.req->in_flight); forced >= 0) {
+          MLA_CHECK(s.req->in_flight == 0, "request {}: a forced thinking end with {} tokens in flight", s.req->rid,
+                    s.req->in_flight);
+          row.allowed = token_mask(std::vector<int32_t>{forced});  // the thinking budget is spent: only its end
+          std::erase_if(row.logit_bias, [&](const auto& b) { return b.first == forced; });
+        }
         if (s.req->in_flight > 0 && penalised(s.req->sampling)) {
           // The token still in flight is this row's input (an id read on the device): the sampler counts it there.
           const ForwardBatch& b = plans[g].batch;
@@ -469,7 +482,7 @@ void Engine::overlap_step() {
   bool needs_tokens = false;
   for (size_t g = 0; g < groups; ++g)
     for (const ScheduledSeq& s : next[g].seqs)
-      needs_tokens |= s.wants_logits && s.req->in_flight > 0 && needs_previous_token(s.req->sampling);
+      needs_tokens |= s.wants_logits && waits_for_previous_token(*s.req);
   if (running && any && !blocked && !needs_tokens) {
     // Launch it behind the running step (its pending tokens are read on the device), then finish the running one:
     // the device never waits for the host between the two.

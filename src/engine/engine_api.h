@@ -57,6 +57,12 @@ struct SamplingParams {
   // generated tokens end with the rest of it (a one-token sequence is always banned). Under overlap scheduling a
   // request with a sequence of two or more tokens plans its next step only after its previous token is back.
   std::vector<std::vector<int32_t>> bad_words_ids;
+  // A reasoning model's thinking budget (SGLang's thinking_budget, vLLM's thinking_token_budget): >= 0: once that many
+  // tokens follow an open think_start_ids (the prompt's, or one the model wrote) without think_end_ids, the next draws
+  // are think_end_ids, one token each. Under overlap scheduling the draws from the budget on wait for their previous
+  // token. -1: no budget.
+  int32_t thinking_budget = -1;
+  std::vector<int32_t> think_start_ids, think_end_ids;
   std::optional<uint64_t> seed;  // per-request seed: same seed, same prompt -> same sample
   bool return_logprob = false;   // logprob of every generated token
   int32_t top_logprobs_num = 0;  // and the top-N alternatives at each step

@@ -62,6 +62,14 @@ void Scheduler::add(GenerateRequest g) {
   r->sampler.seed = r->sampling.seed ? splitmix64(*r->sampling.seed) : splitmix64(++seed_counter_ ^ fnv1a64(r->rid));
   r->prompt_lps_done = r->sampling.logprob_start_len < 0;
   if (!r->sampling.allowed_token_ids.empty()) r->allowed_mask = token_mask(r->sampling.allowed_token_ids);
+  if (const SamplingParams& sp = r->sampling; sp.thinking_budget >= 0) {  // does the prompt leave thinking open?
+    bool open = false;
+    for (size_t i = 1; i <= r->prompt.size(); ++i) {
+      if (ends_with(r->prompt, i, sp.think_start_ids)) open = true;
+      else if (ends_with(r->prompt, i, sp.think_end_ids)) open = false;
+    }
+    r->think_since = open ? 0 : -1;
+  }
   if (const SamplingParams& sp = r->sampling; sp.constraint && sp.max_new_tokens > 0) {
     try {
       const auto& m = *sp.constraint->allowed(r->constraint_state);
@@ -173,6 +181,26 @@ void Scheduler::release(Req& r, bool cache_kv) {
   r.prefix_node = nullptr;
   r.pages.clear();
   r.prefix_pages = 0;
+}
+
+int32_t forced_think_token(const Req& r, int32_t in_flight) {
+  const SamplingParams& sp = r.sampling;
+  if (sp.thinking_budget < 0 || r.think_since < 0) return -1;
+  const int64_t over = static_cast<int64_t>(r.output.size()) + in_flight - r.think_since - sp.thinking_budget;
+  if (over < 0 || over >= static_cast<int64_t>(sp.think_end_ids.size())) return -1;
+  return sp.think_end_ids[static_cast<size_t>(over)];
+}
+
+bool waits_for_previous_token(const Req& r) {
+  const SamplingParams& sp = r.sampling;
+  if (r.in_flight == 0) return false;
+  if (needs_previous_token(sp)) return true;
+  if (sp.thinking_budget < 0) return false;
+  // Thinking open: from the budget on the draws are forced, each after the one before (its token tells whether the
+  // end came). Closed: the token in flight may open it, which matters only for a budget of 0.
+  if (r.think_since >= 0)
+    return static_cast<int64_t>(r.output.size()) + r.in_flight - r.think_since >= sp.thinking_budget;
+  return sp.thinking_budget == 0;
 }
 
 void Scheduler::enqueue(std::unique_ptr<Req> r, bool front) {
@@ -461,6 +489,12 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     r.fill[at] = sr.token;
     --r.in_flight;
     r.output.push_back(sr.token);
+    if (r.sampling.thinking_budget >= 0) {
+      if (ends_with(r.output, r.output.size(), r.sampling.think_start_ids))
+        r.think_since = static_cast<int32_t>(r.output.size());
+      else if (ends_with(r.output, r.output.size(), r.sampling.think_end_ids))
+        r.think_since = -1;
+    }
     r.sampler.observe_output(sr.token);
     ++r.sampler.step;
     if (r.sampling.wants_logprobs()) r.pending_lps.push_back(sr.logprob);

@@ -8,6 +8,7 @@
 // kv_len tokens; at most one request is mid-prefill (chunked).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -71,6 +72,9 @@ struct Req {
   std::vector<TokenLogprob> prompt_lps;
   bool prompt_lps_done = true;
   std::shared_ptr<const std::vector<uint32_t>> allowed_mask;  // sampling.allowed_token_ids as a mask; null: all
+  // With a thinking budget: the output index where the open thinking section's tokens begin (0: the prompt left it
+  // open), -1 while none is open.
+  int32_t think_since = -1;
   int32_t constraint_state = 0;  // sampling.constraint's state after the resolved output tokens
   std::string constraint_error;  // the constraint failed (its draw ran unconstrained): the request ends with it
   // The constraint allows no first token and no stop token may end its text there (its language only the empty text):
@@ -78,6 +82,17 @@ struct Req {
   bool empty_text = false;
   FinishReason finish;
 };
+
+// Whether `seq` (up to `end` elements) ends with the non-empty `pattern`.
+inline bool ends_with(const std::vector<int32_t>& seq, size_t end, const std::vector<int32_t>& pattern) {
+  return !pattern.empty() && end >= pattern.size() &&
+         std::equal(pattern.begin(), pattern.end(), seq.begin() + static_cast<std::ptrdiff_t>(end - pattern.size()));
+}
+// The thinking budget's forced token for the request's next draw (its resolved tokens plus `in_flight` more), or -1.
+int32_t forced_think_token(const Req& r, int32_t in_flight);
+// Whether the next draw needs the request's previous token on the host (a constraint, a multi-token bad word, or a
+// thinking budget whose forcing may start): under overlap scheduling its step waits for that token.
+bool waits_for_previous_token(const Req& r);
 
 // One scheduled unit of work: `num_tokens` tokens of `req` starting at position req->kv_len.
 struct ScheduledSeq {

@@ -393,6 +393,13 @@ void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_
       s.stop_token_ids.push_back(static_cast<int32_t>(
           Fields::as_integer((*v)[i], fmt::format("{}[{}]", p, i), 0, std::numeric_limits<int32_t>::max())));
   }
+  // A reasoning model's thinking budget: SGLang's thinking_budget, vLLM's thinking_token_budget (the markers are the
+  // tokenizer's, found by the server: routes.cpp).
+  for (const char* key : {"thinking_budget", "thinking_token_budget"})
+    if (auto v = f.integer(key, 0, std::numeric_limits<int32_t>::max())) {
+      s.thinking_budget = static_cast<int32_t>(*v);
+      r.thinking_budget_param = f.param(key);
+    }
   // vLLM's allowed_token_ids (only these may be drawn) and bad_words (tokenized by the server: routes.cpp).
   if (const json* v = f.get("allowed_token_ids")) s.allowed_token_ids = token_ids(*v, f.param("allowed_token_ids"));
   if (const json* v = f.get("bad_words")) {

@@ -37,6 +37,7 @@ struct ParsedRequest {
   bool max_new_tokens_given = false;
   std::vector<std::string> stop;     // stop strings (text level)
   std::vector<std::string> bad_words;  // vLLM's: words never generated (tokenized into sampling.bad_words_ids)
+  std::string thinking_budget_param;   // the field sampling.thinking_budget came from (errors name it)
   bool skip_special_tokens = true;
   bool no_stop_trim = false;         // keep the matched stop string in the output (native only)
   int32_t n = 1;

@@ -665,6 +665,18 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     }
     p.spec.prompts.push_back(std::move(jp));
   }
+  if (pr.sampling.thinking_budget >= 0) {  // DeepSeek-R1's markers, as the tokenizer spells them
+    const std::string& param = pr.thinking_budget_param;
+    if (!codec_)
+      throw ApiError(400, fmt::format("'{}' needs the tokenizer; this server runs without one", param), param,
+                     "no_tokenizer");
+    if (!pr.constraint_regex.empty())
+      throw ApiError(400, fmt::format("'{}' cannot be combined with structured output ('{}')", param,
+                                      pr.constraint_param),
+                     param, "invalid_value");
+    pr.sampling.think_start_ids = codec_->encode("<think>", /*add_special_tokens=*/false);
+    pr.sampling.think_end_ids = codec_->encode("</think>", /*add_special_tokens=*/false);
+  }
   if (!pr.bad_words.empty()) {
     const std::string param = pr.api == ApiKind::Native ? "sampling_params.bad_words" : "bad_words";
     if (!codec_)

@@ -98,7 +98,7 @@ const char* kKeys[] = {
     "user", "guided_json", "guided_regex", "structured_outputs", "input", "instructions", "max_output_tokens",
     "text", "format", "call_id", "output", "previous_response_id", "metadata", "store", "reasoning",
     "truncate_prompt_tokens", "prompt_logprobs", "continuous_usage_stats", "allowed_token_ids", "bad_words",
-    "token_ids_logprob",
+    "token_ids_logprob", "thinking_budget", "thinking_token_budget",
 };
 
 class Mutator {

@@ -498,6 +498,27 @@ TEST_F(ServerE2E, RunBatchAnswersAsTheServer) {
   wait_idle(port());
 }
 
+// A thinking budget on the real tokenizer: a prompt ending in "<think>" gets `budget` tokens of the model, then the
+// tokens of "</think>" as the tokenizer spells them; combined with structured output it is a 400.
+TEST_F(ServerE2E, ThinkingBudgetEndsTheThinking) {
+  const std::vector<int32_t> end = post_json(port(), "/tokenize", R"({"prompt": "</think>",
+      "add_special_tokens": false})")["tokens"];
+  ASSERT_FALSE(end.empty());
+  auto g = post_json(port(), "/generate", R"({"text": "Question: why?<think>", "sampling_params": {"max_new_tokens":
+      12, "temperature": 0.8, "seed": 4, "ignore_eos": true, "thinking_budget": 4}})");
+  const std::vector<int32_t> out = g["output_ids"];
+  ASSERT_EQ(out.size(), 12u);
+  EXPECT_EQ(std::vector<int32_t>(out.begin() + 4, out.begin() + 4 + static_cast<int64_t>(end.size())), end);
+  auto c = post_json(port(), "/v1/completions", R"({"prompt": "Q<think>", "max_tokens": 8, "temperature": 0,
+      "ignore_eos": true, "thinking_token_budget": 0})");
+  EXPECT_EQ(c["choices"][0]["text"].get<std::string>().substr(0, 8), "</think>");
+  auto bad = http_request(port(), "POST", "/generate", R"({"text": "a", "sampling_params": {"thinking_budget": 3,
+      "regex": "[a-z]+"}})");
+  EXPECT_EQ(bad.status, 400);
+  EXPECT_NE(bad.body.find("thinking_budget"), std::string::npos) << bad.body;
+  wait_idle(port());
+}
+
 // vLLM's /tokenize and /detokenize: the ids the server would feed the model (text: with BOS unless
 // add_special_tokens is false; messages: the chat template), and back.
 TEST_F(ServerE2E, TokenizeAndDetokenize) {

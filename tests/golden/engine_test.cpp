@@ -342,6 +342,75 @@ TEST_P(EngineTest, AllowedTokenIdsAndBadWords) {
   expect_no_leak(*e);
 }
 
+// A thinking budget: with the prompt ending in the start marker, the first `budget` tokens are the model's and then
+// the end marker's tokens are forced one by one, after which the model goes on freely; a prompt that closed its
+// thinking is not touched; a budget of 0 forces the end at once; thinking the model opens itself (its greedy token
+// taken as the start marker) is cut `budget` tokens later. With overlap scheduling the forced draws wait for their
+// previous token.
+TEST_P(EngineTest, ThinkingBudgetForcesTheEndMarker) {
+  auto e = make(512);
+  const std::vector<int32_t>& prompt = prompts_[3];
+  auto plain = [&](std::vector<int32_t> p, int32_t n) {
+    auto f = submit(*e, "plain" + std::to_string(p.size()), std::move(p), n);
+    return wait(f).tokens;
+  };
+  const std::vector<int32_t> start{11}, end{12, 13};
+  std::vector<int32_t> open = prompt, closed = prompt;
+  open.insert(open.end(), start.begin(), start.end());
+  closed.insert(closed.end(), start.begin(), start.end());
+  closed.insert(closed.end(), end.begin(), end.end());
+  SamplingParams sp;
+  sp.think_start_ids = start;
+  sp.think_end_ids = end;
+  sp.thinking_budget = 3;
+  const std::vector<int32_t> free_open = plain(open, 3);
+  for (int32_t t : free_open) ASSERT_TRUE(t != start[0] && t != end[0] && t != end[1]) << "a marker id generated";
+  auto fo = submit(*e, "open", open, 10, sp);
+  auto fc = submit(*e, "closed", closed, 8, sp);
+  SamplingParams zero = sp;
+  zero.thinking_budget = 0;
+  auto fz = submit(*e, "zero", open, 4, zero);
+  const Result ro = wait(fo);
+  ASSERT_EQ(ro.tokens.size(), 10u);
+  EXPECT_EQ(std::vector<int32_t>(ro.tokens.begin(), ro.tokens.begin() + 3), free_open);
+  EXPECT_EQ(ro.tokens[3], end[0]);
+  EXPECT_EQ(ro.tokens[4], end[1]);
+  std::vector<int32_t> after = open;  // past the end marker the model goes on as without a budget
+  after.insert(after.end(), ro.tokens.begin(), ro.tokens.begin() + 5);
+  EXPECT_EQ(std::vector<int32_t>(ro.tokens.begin() + 5, ro.tokens.end()), plain(after, 5));
+  EXPECT_EQ(wait(fc).tokens, plain(closed, 8));
+  const Result rz = wait(fz);
+  ASSERT_EQ(rz.tokens.size(), 4u);
+  EXPECT_EQ(rz.tokens[0], end[0]);
+  EXPECT_EQ(rz.tokens[1], end[1]);
+
+  // The model opens thinking: its own second greedy token (not in the prompt) taken as the start marker.
+  const std::vector<int32_t> g = plain(prompt, 8);
+  size_t k = 1;
+  while (k + 3 < g.size() && (std::count(g.begin(), g.begin() + static_cast<int64_t>(k) + 3, g[k]) != 1 ||
+                              std::find(prompt.begin(), prompt.end(), g[k]) != prompt.end() || g[k + 1] == end[0] ||
+                              g[k + 2] == end[0]))
+    ++k;
+  ASSERT_LT(k + 3, g.size()) << "no greedy token usable as a start marker";
+  SamplingParams own = sp;
+  own.think_start_ids = {g[k]};
+  own.think_end_ids = {end[0]};
+  own.thinking_budget = 2;
+  auto fw = submit(*e, "own", prompt, static_cast<int32_t>(k) + 4, own);
+  const Result rw = wait(fw);
+  ASSERT_EQ(rw.tokens.size(), k + 4);
+  EXPECT_EQ(std::vector<int32_t>(rw.tokens.begin(), rw.tokens.begin() + static_cast<int64_t>(k) + 3),
+            std::vector<int32_t>(g.begin(), g.begin() + static_cast<int64_t>(k) + 3));
+  EXPECT_EQ(rw.tokens[k + 3], end[0]);
+
+  GenerateRequest bad;
+  bad.rid = "bad";
+  bad.input_ids = {1, 2};
+  bad.sampling.thinking_budget = 4;  // no markers
+  EXPECT_THROW(e->submit(bad), Error);
+  expect_no_leak(*e);
+}
+
 // Constrained decoding: a vocabulary of runs of one character (token i: 1 + i / 22 copies of the i % 22-th, token
 // 5 special as the EOS) and a regex. Greedy and seeded draws alike give outputs whose bytes match it; a request that
 // ignores EOS ends (a stop without a token) once its text is complete and nothing more is allowed; with EOS allowed

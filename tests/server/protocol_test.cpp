@@ -292,6 +292,18 @@ TEST(Protocol, AllowedTokenIdsAndBadWords) {
   EXPECT_THROW(parse_completions(json::parse(R"({"prompt": "a", "bad_words": ["a", "b", "c"]})"), few), ApiError);
 }
 
+// A thinking budget under SGLang's name (native sampling_params, OpenAI) and vLLM's; a negative one is a 400.
+TEST(Protocol, ThinkingBudget) {
+  ParsedRequest r = parse_native(json::parse(R"({"text": "a", "sampling_params": {"thinking_budget": 64}})"), {});
+  EXPECT_EQ(r.sampling.thinking_budget, 64);
+  EXPECT_EQ(r.thinking_budget_param, "sampling_params.thinking_budget");
+  r = parse_chat(json::parse(R"({"messages": [{"role": "user", "content": "x"}], "thinking_token_budget": 0})"), {});
+  EXPECT_EQ(r.sampling.thinking_budget, 0);
+  r = parse_completions(json::parse(R"({"prompt": "a"})"), {});
+  EXPECT_EQ(r.sampling.thinking_budget, -1);
+  EXPECT_THROW(parse_completions(json::parse(R"({"prompt": "a", "thinking_budget": -1})"), {}), ApiError);
+}
+
 // SGLang's token_ids_logprob: one list for every prompt or one per prompt of a batch, read with return_logprob only.
 TEST(Protocol, TokenIdsLogprob) {
   ParsedRequest r = parse_native(json::parse(R"({"text": "a", "return_logprob": true, "token_ids_logprob": [4, 2]})"),
