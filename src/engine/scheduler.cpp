@@ -146,6 +146,7 @@ int32_t Scheduler::lp_first_row(const Req& r) {
 
 ScheduledSeq Scheduler::prefill_seq(Req& r, int32_t n) const {
   ScheduledSeq q{&r, n, r.kv_len + n == static_cast<int32_t>(r.fill.size())};
+  q.prefill = true;
   if (const int32_t first = lp_first_row(r); first >= 0) {
     q.lp_first_pos = std::max(first, r.kv_len);
     q.lp_rows = std::max(0, std::min(r.kv_len + n, static_cast<int32_t>(r.prompt.size()) - 1) - q.lp_first_pos);
@@ -213,6 +214,25 @@ void Scheduler::enqueue(std::unique_ptr<Req> r, bool front) {
   const auto at = std::upper_bound(waiting_.begin(), waiting_.end(), key(*r),
                                    [&](const auto& k, const std::unique_ptr<Req>& q) { return k < key(*q); });
   waiting_.insert(at, std::move(r));
+}
+
+void Scheduler::cache_prefill(Req& r, int32_t kv_end) {
+  const int32_t full = kv_end / cfg_.page_size;
+  if (!cache_.enabled() || full <= r.prefix_pages) return;
+  const size_t n = static_cast<size_t>(full);
+  MLA_CHECK(r.pages.size() >= n && r.fill.size() >= n * static_cast<size_t>(cfg_.page_size),
+            "scheduler: request {} caches {} pages it does not hold", r.rid, full);
+  cache_.insert(std::span<const int32_t>(r.fill.data(), n * static_cast<size_t>(cfg_.page_size)),
+                std::span<const int32_t>(r.pages.data(), n));
+  // The path now cached: its pages are the tree's (the request's duplicates went back to the pool).
+  RadixCache::Match m = cache_.match_prefix(r.fill, full * cfg_.page_size);
+  MLA_CHECK(m.tokens == full * cfg_.page_size && m.pages.size() == n,
+            "scheduler: request {}: {} tokens cached, {} matched", r.rid, full * cfg_.page_size, m.tokens);
+  cache_.lock(m.node);
+  cache_.unlock(r.prefix_node);
+  r.prefix_node = m.node;
+  std::copy(m.pages.begin(), m.pages.end(), r.pages.begin());
+  r.prefix_pages = full;
 }
 
 void Scheduler::retract(Req& r) {
@@ -441,6 +461,7 @@ void Scheduler::advance(StepPlan& plan) {
     const int32_t my_row = s.wants_logits ? row++ : -1;
     if (r.state == ReqState::Finished) continue;  // aborted or stopped meanwhile
     r.kv_len += s.num_tokens;
+    s.kv_end = r.kv_len;
     if (!s.wants_logits) continue;
     r.state = ReqState::Decoding;
     r.fill.push_back(kPendingToken);
@@ -460,6 +481,7 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     --r.plan_refs;
     MLA_CHECK(i + static_cast<size_t>(s.rows()) <= sampled.size(), "scheduler: {} sampled tokens for more rows",
               sampled.size());
+    if (s.prefill && r.state != ReqState::Finished && r.state != ReqState::Waiting) cache_prefill(r, s.kv_end);
     if (r.state != ReqState::Finished)
       for (int32_t k = 0; k < s.lp_rows; ++k) r.prompt_lps.push_back(sampled[i + static_cast<size_t>(k)].logprob);
     i += static_cast<size_t>(s.lp_rows);

@@ -103,6 +103,8 @@ struct ScheduledSeq {
   // the prompt token after it), before the sampled row. Rows of a step: every seq's lp_rows, then its sampled row.
   int32_t lp_rows = 0;
   int32_t lp_first_pos = 0;
+  bool prefill = false;  // prompt tokens (a chunk of them), not a generated one
+  int32_t kv_end = 0;    // req->kv_len after this step (set when it launches)
   int32_t rows() const { return lp_rows + (wants_logits ? 1 : 0); }
 };
 
@@ -175,6 +177,9 @@ class Scheduler {
   void admit(Req& r);
   void release(Req& r, bool cache_kv);
   void retract(Req& r);
+  // After a prefill chunk ran: its whole pages go into the prefix cache at once (not only when the request ends), so
+  // requests admitted later share them; pages another request cached meanwhile replace the request's own copies.
+  void cache_prefill(Req& r, int32_t kv_end);
   // Into the waiting queue: by (priority, arrival) with priority scheduling, else at the back (or the front: a
   // retracted request goes first).
   void enqueue(std::unique_ptr<Req> r, bool front);

@@ -127,10 +127,14 @@ TEST_F(SchedulerTest, MixedPrefillAndDecodeAndPrefixReuse) {
   make(32, /*chunk=*/16);
   add("a", range(10, 9), 4);
   step();  // a prefills (9 tokens)
-  add("b", range(10, 9), 2);  // same prompt: 8 tokens (two pages) come from the cache once a finishes
-  StepPlan p = step();        // a decodes, b prefills: a mixed batch; a's pages are not cached yet
+  add("b", range(10, 9), 2);  // same prompt: its 8 tokens of whole pages were cached when a's prefill ran
+  StepPlan p = step();        // a decodes, b computes only its last prompt token
+  EXPECT_EQ(p.batch.num_tokens(), 2);
+  EXPECT_EQ(out["b"].cached, 8);
+  add("d", range(50, 9), 1);  // another prompt with a decode: a mixed batch
+  p = step();
   EXPECT_EQ(p.batch.mode, ForwardMode::Mixed);
-  EXPECT_EQ(out["b"].cached, 0);
+  EXPECT_EQ(out["d"].cached, 0);
   while (s->has_work()) step();
   add("c", range(10, 9), 1);
   p = step();
@@ -139,6 +143,34 @@ TEST_F(SchedulerTest, MixedPrefillAndDecodeAndPrefixReuse) {
   EXPECT_EQ(out["c"].cached, 8);
   EXPECT_EQ(out["c"].tokens, (std::vector<int32_t>{109}));
   EXPECT_GT(s->stats().cached_prompt_tokens_total, 0);
+  expect_all_pages_back();
+}
+
+// A prompt's whole pages are cached as its prefill chunks run: a request with the same prompt admitted after a
+// chunk reuses what is done so far; two admitted in the same step both compute it, and the second one's pages give
+// way to the first one's (its duplicates go back to the pool) with the same tokens out.
+TEST_F(SchedulerTest, PrefillChunksAreCachedAsTheyRun) {
+  make(64, /*chunk=*/8);
+  add("a", range(100, 30), 3);
+  step();  // a's first chunk: tokens 0-7 (two pages)
+  add("b", range(100, 30), 3);
+  step();  // a's second chunk; b waits behind the open chunk
+  while (out["b"].cached < 0 && s->has_work()) step();
+  EXPECT_GE(out["b"].cached, 8);  // at least the chunks done when b was admitted
+  while (s->has_work()) step();
+  EXPECT_EQ(out["a"].tokens, out["b"].tokens);
+
+  out.clear();
+  make(64, /*chunk=*/64);
+  add("x", range(300, 13), 2);
+  add("y", range(300, 13), 2);
+  step();  // both prefill all 13 tokens in one step: y's 3 whole pages duplicate x's
+  EXPECT_EQ(out["y"].cached, 0);
+  while (s->has_work()) step();
+  EXPECT_EQ(out["x"].tokens, out["y"].tokens);
+  add("z", range(300, 13), 1);
+  step();
+  EXPECT_EQ(out["z"].cached, 12);
   expect_all_pages_back();
 }
 
