@@ -31,29 +31,53 @@ GenerationJob::GenerationJob(EngineClient& engine, const TextCodec* codec, Serve
 GenerationJob::~GenerationJob() = default;
 
 void GenerationJob::start() {
-  std::weak_ptr<GenerationJob> weak = weak_from_this();
+  const size_t n = static_cast<size_t>(spec_.n);
   for (size_t i = 0; i < choices_.size(); ++i) {
-    GenerateRequest req;
-    req.rid = choices_[i].rid;
-    req.input_ids = spec_.prompts[choices_[i].prompt_index].input_ids;
-    req.sampling = spec_.sampling;
-    req.priority = spec_.priority;
-    req.sampling.token_ids_logprob = spec_.prompts[choices_[i].prompt_index].token_ids_logprob;
-    // n samples of one prompt with a seed: each sample its own stream, reproducible as a set.
-    if (req.sampling.seed && spec_.n > 1) *req.sampling.seed += i % static_cast<size_t>(spec_.n);
-    // The engine thread only posts: the job's state is touched on the executor alone.
-    std::shared_ptr<GenerationJob> self = shared_from_this();
-    req.on_output = [self, i](const GenerateOutput& out) {
-      self->post_([self, i, out] { self->handle_output(i, out); });
-    };
+    // n samples of a long prompt: the first goes alone; the others follow its first output, when its prompt's
+    // pages are in the prefix cache (computed once instead of n times).
+    if (n > 1 && i % n != 0 && spec_.prompts[choices_[i].prompt_index].input_ids.size() >= kShareFrom) continue;
     try {
-      engine_.submit(std::move(req));
+      submit_choice(i);
     } catch (...) {
       cancel("submit of a sibling request failed");
       throw;
     }
-    submitted_[i] = true;
-    if (metrics_) ++metrics_->generate_requests_total;
+  }
+}
+
+void GenerationJob::submit_choice(size_t i) {
+  GenerateRequest req;
+  req.rid = choices_[i].rid;
+  req.input_ids = spec_.prompts[choices_[i].prompt_index].input_ids;
+  req.sampling = spec_.sampling;
+  req.priority = spec_.priority;
+  req.sampling.token_ids_logprob = spec_.prompts[choices_[i].prompt_index].token_ids_logprob;
+  // n samples of one prompt with a seed: each sample its own stream, reproducible as a set.
+  if (req.sampling.seed && spec_.n > 1) *req.sampling.seed += i % static_cast<size_t>(spec_.n);
+  // The engine thread only posts: the job's state is touched on the executor alone.
+  std::shared_ptr<GenerationJob> self = shared_from_this();
+  req.on_output = [self, i](const GenerateOutput& out) {
+    self->post_([self, i, out] { self->handle_output(i, out); });
+  };
+  engine_.submit(std::move(req));
+  submitted_[i] = true;
+  if (metrics_) ++metrics_->generate_requests_total;
+}
+
+void GenerationJob::release_siblings(size_t first) {
+  const size_t n = static_cast<size_t>(spec_.n);
+  for (size_t i = first + 1; i < first + n; ++i) {
+    if (submitted_[i] || choices_[i].finished) continue;
+    try {
+      submit_choice(i);
+    } catch (const std::exception& e) {  // the engine refused them now (e.g. shutting down): they end aborted
+      FinishReason r;
+      r.kind = FinishKind::Abort;
+      r.message = e.what();
+      for (size_t k = first + 1; k < first + n; ++k)
+        if (!choices_[k].finished && !submitted_[k]) finish_choice(k, r);
+      return;
+    }
   }
 }
 
@@ -77,6 +101,7 @@ void GenerationJob::cancel(const std::string& why) {
 void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
   Choice& c = choices_[i];
   if (cancelled_ || c.finished) return;  // outputs racing a stop-string abort or a cancel
+  if (const size_t n = static_cast<size_t>(spec_.n); n > 1 && i % n == 0) release_siblings(i);
   const Clock::time_point now = Clock::now();
   c.prompt_tokens = out.prompt_tokens;
   c.cached_tokens = out.cached_tokens;

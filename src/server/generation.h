@@ -94,6 +94,10 @@ class GenerationJob : public std::enable_shared_from_this<GenerationJob> {
     StopStringMatcher stop;
   };
   void handle_output(size_t i, const GenerateOutput& out);
+  void submit_choice(size_t i);
+  // The held samples after choice `first` (its prompt's first sample) go to the engine.
+  void release_siblings(size_t first);
+  static constexpr size_t kShareFrom = 64;  // prompt tokens from which n samples share one prefill
   void finish_choice(size_t i, FinishReason reason);
 
   EngineClient& engine_;

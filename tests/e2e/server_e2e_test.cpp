@@ -175,6 +175,21 @@ std::vector<int32_t> greedy(int port, const std::vector<int32_t>& prompt, int n,
   return j["output_ids"];
 }
 
+// n samples of a long prompt compute it once: the first sample reads it, the others find its whole pages in the
+// prefix cache.
+TEST_F(ServerE2E, SamplesShareTheirPromptsPrefill) {
+  const std::vector<int32_t> prompt = test_prompt(77, 150);
+  auto r = post_json(port(), "/generate", R"({"input_ids": )" + ids_json(prompt) + R"(, "sampling_params":
+      {"max_new_tokens": 4, "n": 4, "temperature": 0.8, "seed": 1, "ignore_eos": true}})");
+  ASSERT_EQ(r.size(), 4u);
+  EXPECT_EQ(r[0]["meta_info"]["cached_tokens"], 0);
+  for (size_t i = 1; i < 4; ++i) {
+    EXPECT_GE(r[i]["meta_info"]["cached_tokens"].get<int>(), 128) << r[i]["meta_info"].dump();
+    EXPECT_EQ(r[i]["output_ids"].size(), 4u);
+  }
+  wait_idle(port());
+}
+
 TEST_F(ServerE2E, GreedySameAloneInBatchAndWithPrefixHit) {
   const auto prompt = test_prompt(0, 150);
   wait_idle(port());

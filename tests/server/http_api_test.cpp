@@ -943,6 +943,34 @@ TEST(Multipart, PartsAndErrors) {
     EXPECT_THROW(parse_multipart(type, b), ApiError) << type << " " << b;
 }
 
+// n samples of a long prompt: the first sample goes to the engine alone, the others once it answered (its prompt is
+// then in the prefix cache); short prompts go all at once. Every sample completes either way.
+TEST(HttpApi, SamplesOfALongPromptFollowTheFirst) {
+  TestServer s;
+  const std::string long_prompt(80, 'q');
+  auto r = s.post("/v1/completions", R"({"prompt": [")" + long_prompt + R"(", ")" + long_prompt +
+                                         R"(x"], "max_tokens": 3, "n": 2})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json j = json::parse(r.body);
+  ASSERT_EQ(j["choices"].size(), 4u);
+  for (const auto& c : j["choices"]) EXPECT_EQ(c["text"], "qqq");
+  const std::vector<std::string> order = s.engine.submitted();
+  ASSERT_EQ(order.size(), 4u);
+  const std::string id = j["id"];
+  EXPECT_EQ(order[0], id + "-0");  // both prompts' first samples lead
+  EXPECT_EQ(order[1], id + "-2");
+  EXPECT_TRUE(s.wait_idle());
+  auto shorter = s.post("/generate", R"({"text": "abc", "sampling_params": {"max_new_tokens": 2, "n": 3}})");
+  ASSERT_EQ(shorter.status, 200);
+  const std::vector<std::string> all = s.engine.submitted();
+  ASSERT_EQ(all.size(), 7u);
+  const std::string sid = json::parse(shorter.body)[0]["meta_info"]["id"];
+  EXPECT_EQ(std::vector<std::string>(all.begin() + 4, all.end()),
+            (std::vector<std::string>{sid.substr(0, sid.size() - 2) + "-0", sid.substr(0, sid.size() - 2) + "-1",
+                                      sid.substr(0, sid.size() - 2) + "-2"}));
+  EXPECT_TRUE(s.wait_idle());
+}
+
 TEST(HttpApi, ApiKey) {
   ServerOptions o;
   o.api_key = "sekret";
