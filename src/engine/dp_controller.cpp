@@ -15,7 +15,7 @@ void DpController::submit(GenerateRequest req) {
   MLA_CHECK(req.data_parallel_rank < static_cast<int32_t>(replicas_.size()),
             "data_parallel_rank {} is out of range (dp size {})", req.data_parallel_rank, replicas_.size());
   const int64_t cost = static_cast<int64_t>(req.input_ids.size()) + req.sampling.max_new_tokens;
-  const int32_t r = balancer_.assign(req.rid, cost, req.data_parallel_rank);
+  const int32_t r = balancer_.assign(req.rid, cost, req.data_parallel_rank, req.follow_rid);
   req.on_output = balancer_.release_on_finish(req.rid, std::move(req.on_output));
   req.data_parallel_rank = -1;  // inside the replica there is one group
   const std::string rid = req.rid;

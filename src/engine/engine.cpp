@@ -112,7 +112,7 @@ void Engine::submit(GenerateRequest req) {
   MLA_CHECK(req.data_parallel_rank < ranks_->dp_groups(), "data_parallel_rank {} is out of range (dp size {})",
             req.data_parallel_rank, ranks_->dp_groups());
   const int64_t cost = static_cast<int64_t>(req.input_ids.size()) + req.sampling.max_new_tokens;
-  const int32_t group = balancer_.assign(req.rid, cost, req.data_parallel_rank);
+  const int32_t group = balancer_.assign(req.rid, cost, req.data_parallel_rank, req.follow_rid);
   req.on_output = [this, cb = balancer_.release_on_finish(req.rid, std::move(req.on_output))](const GenerateOutput& o) {
     deferred_.emplace_back(cb, o);  // called on the engine thread; delivered after publish_stats()
   };

@@ -130,6 +130,9 @@ struct GenerateRequest {
   std::vector<int32_t> input_ids;
   SamplingParams sampling;
   int32_t data_parallel_rank = -1;  // pin to a DP rank (-1: the controller decides)
+  // Without a pinned rank: the DP rank of this live request (whose prefix cache holds what this one shares), if it
+  // still runs; empty or finished: the controller decides.
+  std::string follow_rid;
   // With priority scheduling (EngineOptions::priority_scheduling): lower values are admitted first (vLLM's
   // convention), and retraction takes the lowest priority first; otherwise it must be 0.
   int32_t priority = 0;

@@ -10,10 +10,12 @@ LoadBalancer::LoadBalancer(int32_t ranks, const std::string& method)
             "--load-balance-method: expected round_robin or shortest_queue, got '{}'", method);
 }
 
-int32_t LoadBalancer::assign(const std::string& rid, int64_t tokens, int32_t pinned) {
+int32_t LoadBalancer::assign(const std::string& rid, int64_t tokens, int32_t pinned, const std::string& follow) {
   std::lock_guard<std::mutex> lk(mu_);
   MLA_CHECK(pinned < ranks_, "data_parallel_rank {} is out of range (dp size {})", pinned, ranks_);
   int32_t r = pinned;
+  if (r < 0 && !follow.empty())
+    if (const auto it = live_.find(follow); it != live_.end()) r = it->second.first;
   if (r < 0) {
     if (shortest_) {
       r = 0;

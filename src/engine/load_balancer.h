@@ -18,8 +18,9 @@ namespace mlaserve {
 class LoadBalancer {
  public:
   LoadBalancer(int32_t ranks, const std::string& method);
-  // Chooses a rank (or takes `pinned` when >= 0) and records the request's cost there.
-  int32_t assign(const std::string& rid, int64_t tokens, int32_t pinned = -1);
+  // Chooses a rank (or takes `pinned` when >= 0, else the rank of the live request `follow` when there is one) and
+  // records the request's cost there.
+  int32_t assign(const std::string& rid, int64_t tokens, int32_t pinned = -1, const std::string& follow = {});
   // The request finished: its tokens leave its rank. Returns its rank (-1 if unknown).
   int32_t release(const std::string& rid);
   // Wraps a request's output callback so the request is released when its final output arrives.

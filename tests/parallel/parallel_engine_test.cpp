@@ -191,6 +191,12 @@ TEST(LoadBalancer, ShortestQueueCountsTokensNotRequests) {
   EXPECT_EQ(rr.assign("c", 1), 2);
   EXPECT_EQ(rr.assign("d", 1), 0);
   EXPECT_THROW(LoadBalancer(2, "random"), Error);
+  // Following a live request: its rank, ahead of the policy; a pin wins; a finished one is not followed.
+  EXPECT_EQ(rr.assign("e", 1, -1, "b"), 1);
+  EXPECT_EQ(rr.assign("f", 1, 2, "b"), 2);
+  EXPECT_EQ(rr.release("b"), 1);
+  EXPECT_EQ(rr.assign("g", 1, -1, "b"), 1);  // round robin's turn: rank 1 (a, b, c, d took 0 1 2 0)
+  EXPECT_EQ(rr.assign("h", 1, -1, "c"), 2);
 }
 
 TEST(EngineArgsErrors, NegativeCudaGraphMaxBsIsClear) {
