@@ -98,6 +98,18 @@ std::optional<std::string> query_param(std::string_view query, std::string_view 
   return std::nullopt;
 }
 
+// After a collection's path ("/v1/files"): "/ID" or "/ID/SUB" -> the id and "/SUB" (empty when none).
+std::pair<std::string, std::string_view> id_and_sub(std::string_view rest) {
+  const std::string_view tail = rest.substr(1);
+  const size_t slash = tail.find('/');
+  return {std::string(tail.substr(0, slash)),
+          slash == std::string_view::npos ? std::string_view() : tail.substr(slash)};
+}
+
+[[noreturn]] void method_not_allowed(const HttpRequest& req) {
+  throw ApiError(405, fmt::format("method {} is not allowed here", req.method), "", "method_not_allowed");
+}
+
 }  // namespace
 
 std::vector<FormPart> parse_multipart(std::string_view content_type, std::string_view body) {
@@ -349,9 +361,6 @@ std::shared_ptr<const std::string> BatchService::file_content(const std::string&
 
 void BatchService::files(const HttpRequest& req, std::string_view rest, std::string_view query,
                          const std::shared_ptr<HttpExchange>& ex) {
-  auto method_not_allowed = [&] {
-    throw ApiError(405, fmt::format("method {} is not allowed here", req.method), "", "method_not_allowed");
-  };
   if (rest.empty()) {
     if (req.method == "POST") {  // upload: multipart/form-data with `purpose` and `file`
       std::optional<std::string> purpose;
@@ -366,7 +375,7 @@ void BatchService::files(const HttpRequest& req, std::string_view rest, std::str
                   dump(store_file(file->filename.value_or("upload"), std::move(*purpose), std::move(file->data))));
       return;
     }
-    if (req.method != "GET") method_not_allowed();
+    if (req.method != "GET") method_not_allowed(req);
     const std::optional<std::string> purpose = query_param(query, "purpose");
     ojson data = ojson::array();
     {
@@ -384,12 +393,9 @@ void BatchService::files(const HttpRequest& req, std::string_view rest, std::str
     ex->respond(200, "application/json", dump(o));
     return;
   }
-  const std::string_view tail = rest.substr(1);
-  const size_t slash = tail.find('/');
-  const std::string id(tail.substr(0, slash));
-  const std::string_view sub = slash == std::string_view::npos ? std::string_view() : tail.substr(slash);
+  const auto [id, sub] = id_and_sub(rest);
   if (sub == "/content") {
-    if (req.method != "GET") method_not_allowed();
+    if (req.method != "GET") method_not_allowed(req);
     std::shared_ptr<const std::string> data = file_content(id);
     ex->respond(200, "application/octet-stream", *data);
     return;
@@ -411,7 +417,7 @@ void BatchService::files(const HttpRequest& req, std::string_view rest, std::str
     o["deleted"] = true;
     ex->respond(200, "application/json", dump(o));
   } else {
-    method_not_allowed();
+    method_not_allowed(req);
   }
 }
 
@@ -632,9 +638,6 @@ void BatchService::cancel_locked(Batch& b) {
 
 void BatchService::batches(const HttpRequest& req, std::string_view rest, std::string_view query,
                            const std::shared_ptr<HttpExchange>& ex) {
-  auto method_not_allowed = [&] {
-    throw ApiError(405, fmt::format("method {} is not allowed here", req.method), "", "method_not_allowed");
-  };
   if (rest.empty()) {
     if (req.method == "POST") {
       json body;
@@ -646,7 +649,7 @@ void BatchService::batches(const HttpRequest& req, std::string_view rest, std::s
       ex->respond(200, "application/json", dump(create_batch(body)));
       return;
     }
-    if (req.method != "GET") method_not_allowed();
+    if (req.method != "GET") method_not_allowed(req);
     int64_t limit = 20;
     if (auto l = query_param(query, "limit")) {
       try {
@@ -685,14 +688,11 @@ void BatchService::batches(const HttpRequest& req, std::string_view rest, std::s
     ex->respond(200, "application/json", dump(o));
     return;
   }
-  const std::string_view tail = rest.substr(1);
-  const size_t slash = tail.find('/');
-  const std::string id(tail.substr(0, slash));
-  const std::string_view sub = slash == std::string_view::npos ? std::string_view() : tail.substr(slash);
+  const auto [id, sub] = id_and_sub(rest);
   std::lock_guard lk(mu_);
   Batch& b = batch_locked(id);
   if (sub == "/cancel") {
-    if (req.method != "POST") method_not_allowed();
+    if (req.method != "POST") method_not_allowed(req);
     if (b.status == "in_progress" || b.status == "validating") cancel_locked(b);
     else if (b.status != "cancelling" && b.status != "cancelled")
       throw ApiError(409, fmt::format("batch {} is {}; only a running batch can be cancelled", id, b.status), "",
@@ -700,7 +700,7 @@ void BatchService::batches(const HttpRequest& req, std::string_view rest, std::s
   } else if (!sub.empty()) {
     throw ApiError(404, fmt::format("no route for {} {}", req.method, rest), "", "not_found");
   } else if (req.method != "GET") {
-    method_not_allowed();
+    method_not_allowed(req);
   }
   ex->respond(200, "application/json", dump(batch_object(b)));
 }

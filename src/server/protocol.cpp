@@ -343,6 +343,22 @@ void parse_response_format(const Fields& f, ParsedRequest& r, std::string_view r
   set_schema_constraint(r, "response_format.json_schema.schema", (*js)["schema"], raw);
 }
 
+// A string or an array of at most `max` strings (`what` names them in the error).
+std::vector<std::string> string_list(const json& v, const std::string& p, int32_t max, const char* what) {
+  if (v.is_string()) return {v.get<std::string>()};
+  if (!v.is_array())
+    bad_request(p, "invalid_type", "'{}' must be a string or an array of strings, got {}", p, type_name(v));
+  if (v.size() > static_cast<size_t>(max))
+    bad_request(p, "invalid_value", "'{}' has {} {}; at most {} are allowed", p, v.size(), what, max);
+  std::vector<std::string> out;
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (!v[i].is_string())
+      bad_request(p, "invalid_type", "'{}[{}]' must be a string, got {}", p, i, type_name(v[i]));
+    out.push_back(v[i].get<std::string>());
+  }
+  return out;
+}
+
 // Sampling fields shared by all three APIs. `max_tokens_keys` are the names max_new_tokens goes by; 0 only where
 // `zero_ok` (a request that only reads its prompt's logprobs).
 void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_keys, const ParseOptions& opts,
@@ -368,20 +384,7 @@ void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_
       s.seed = static_cast<uint64_t>(*v);
   if (const json* v = f.get("stop")) {
     const std::string p = f.param("stop");
-    if (v->is_string()) {
-      r.stop = {v->get<std::string>()};
-    } else if (v->is_array()) {
-      if (v->size() > static_cast<size_t>(opts.max_stop_strings))
-        bad_request(p, "invalid_value", "'{}' has {} stop strings; at most {} are allowed", p, v->size(),
-                    opts.max_stop_strings);
-      for (size_t i = 0; i < v->size(); ++i) {
-        if (!(*v)[i].is_string())
-          bad_request(p, "invalid_type", "'{}[{}]' must be a string, got {}", p, i, type_name((*v)[i]));
-        r.stop.push_back((*v)[i].get<std::string>());
-      }
-    } else {
-      bad_request(p, "invalid_type", "'{}' must be a string or an array of strings, got {}", p, type_name(*v));
-    }
+    r.stop = string_list(*v, p, opts.max_stop_strings, "stop strings");
     for (const auto& s2 : r.stop)
       if (s2.empty()) bad_request(p, "invalid_value", "'{}' must not contain empty strings", p);
   }
@@ -404,19 +407,7 @@ void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_
   if (const json* v = f.get("allowed_token_ids")) s.allowed_token_ids = token_ids(*v, f.param("allowed_token_ids"));
   if (const json* v = f.get("bad_words")) {
     const std::string p = f.param("bad_words");
-    if (v->is_string()) {
-      r.bad_words = {v->get<std::string>()};
-    } else if (v->is_array()) {
-      if (v->size() > static_cast<size_t>(opts.max_bad_words))
-        bad_request(p, "invalid_value", "'{}' has {} words; at most {} are allowed", p, v->size(), opts.max_bad_words);
-      for (size_t i = 0; i < v->size(); ++i) {
-        if (!(*v)[i].is_string())
-          bad_request(p, "invalid_type", "'{}[{}]' must be a string, got {}", p, i, type_name((*v)[i]));
-        r.bad_words.push_back((*v)[i].get<std::string>());
-      }
-    } else {
-      bad_request(p, "invalid_type", "'{}' must be a string or an array of strings, got {}", p, type_name(*v));
-    }
+    r.bad_words = string_list(*v, p, opts.max_bad_words, "words");
     for (size_t i = 0; i < r.bad_words.size(); ++i)
       if (r.bad_words[i].find_first_not_of(" \t\n\r\f\v") == std::string::npos)
         bad_request(p, "invalid_value", "'{}' must not contain empty or blank words (word {})", p, i);
