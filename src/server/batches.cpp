@@ -465,15 +465,13 @@ ojson BatchService::create_batch(const json& body) {
     pos = eol + 1;
     ++line_no;
     if (trim(text).empty()) continue;
-    ojson line;  // ordered: the body keeps the client's key order (a JSON schema's properties follow it)
+    // Ordered (the body keeps the client's key order: a JSON schema's properties follow it), nesting bounded as for
+    // request bodies.
+    ojson line;
     try {
-      line = ojson::parse(text);
-    } catch (const json::exception&) {
-      error(line_no, "invalid_json_line", "the line is not valid JSON");
-      continue;
-    }
-    if (!line.is_object()) {
-      error(line_no, "invalid_request", "the line is not a JSON object");
+      line = parse_body_ordered(std::string(text));
+    } catch (const ApiError& e) {
+      error(line_no, e.code == "invalid_json" ? "invalid_json_line" : "invalid_request", e.what());
       continue;
     }
     const auto cid = line.find("custom_id");
@@ -500,7 +498,7 @@ ojson BatchService::create_batch(const json& body) {
       error(line_no, "invalid_request", "'body' must be an object");
       continue;
     }
-    if (rbody->value("stream", false) == true) {
+    if (const auto st = rbody->find("stream"); st != rbody->end() && st->is_boolean() && st->get<bool>()) {
       error(line_no, "invalid_request", "requests of a batch cannot stream ('stream': true)");
       continue;
     }
@@ -640,13 +638,7 @@ void BatchService::batches(const HttpRequest& req, std::string_view rest, std::s
                            const std::shared_ptr<HttpExchange>& ex) {
   if (rest.empty()) {
     if (req.method == "POST") {
-      json body;
-      try {
-        body = json::parse(req.body);
-      } catch (const json::exception& e) {
-        throw ApiError(400, fmt::format("the request body is not valid JSON: {}", e.what()), "", "invalid_json");
-      }
-      ex->respond(200, "application/json", dump(create_batch(body)));
+      ex->respond(200, "application/json", dump(create_batch(parse_body(req.body))));
       return;
     }
     if (req.method != "GET") method_not_allowed(req);

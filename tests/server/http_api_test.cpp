@@ -863,6 +863,29 @@ TEST(HttpApi, FilesAndBatches) {
   EXPECT_EQ(failed["errors"]["data"][0]["code"], "duplicate_custom_id");
   EXPECT_EQ(failed["errors"]["data"][1]["code"], "mismatched_url");
 
+  // Hostile input: a line nested 100,000 levels deep fails validation (no recursion through it), as does a create
+  // request with such metadata; a non-boolean `stream` is not a validation error (the endpoint would answer it).
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  auto deep_file = json::parse(upload(s.port(), "deep.jsonl", "batch",
+                                      line("d", R"({"prompt": "a", "x": )" + deep + "}") +
+                                          line("t", R"({"prompt": "a", "max_tokens": 1, "stream": "yes"})"),
+                                      auth)
+                                   .body);
+  const json deep_batch = json::parse(s.post("/v1/batches", R"({"input_file_id": ")" +
+                                                                deep_file["id"].get<std::string>() +
+                                                                R"(", "endpoint": "/v1/completions",
+                                                                "completion_window": "24h"})",
+                                             auth)
+                                          .body);
+  EXPECT_EQ(deep_batch["status"], "failed");
+  ASSERT_EQ(deep_batch["errors"]["data"].size(), 1u) << deep_batch.dump();
+  EXPECT_EQ(deep_batch["errors"]["data"][0]["line"], 1);
+  EXPECT_EQ(s.post("/v1/batches", R"({"input_file_id": "x", "endpoint": "/v1/completions", "completion_window":
+                                      "24h", "metadata": {"k": )" + deep + "}}",
+                   auth)
+                .status,
+            400);
+
   // Cancel: long requests are aborted, the batch ends cancelled with nothing held.
   s.engine.step_delay_ms = 20;
   auto slow = json::parse(upload(s.port(), "slow.jsonl", "batch",
