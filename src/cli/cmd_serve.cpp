@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -219,6 +220,7 @@ int run_batch_file(server::Api& api, const std::string& input, const std::string
   std::vector<std::string> urls;                   // distinct, in order of appearance
   std::map<std::string, std::string> by_url;       // url -> its lines
   std::vector<std::string> order;                  // custom ids in input order
+  std::set<std::string> seen;
   std::string line;
   for (size_t n = 1; std::getline(in, line); ++n) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
@@ -227,6 +229,8 @@ int run_batch_file(server::Api& api, const std::string& input, const std::string
                   j["custom_id"].is_string(),
               "{} line {}: expected a JSON object with string 'custom_id' and 'url'", input, n);
     const std::string url = j["url"];
+    MLA_CHECK(seen.insert(j["custom_id"].get<std::string>()).second, "{} line {}: custom_id '{}' appears twice", input,
+              n, j["custom_id"].get<std::string>());
     if (!by_url.count(url)) urls.push_back(url);
     by_url[url] += line + "\n";
     order.push_back(j["custom_id"]);

@@ -510,6 +510,14 @@ TEST_F(ServerE2E, RunBatchAnswersAsTheServer) {
   r = run_command(cmd);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("line 2"), std::string::npos) << r.output;
+  {
+    std::ofstream twice(in);  // one custom_id for two endpoints' requests
+    twice << R"({"custom_id": "c1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a"}})" << "\n"
+          << R"({"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions", "body": )" << chat << "}\n";
+  }
+  r = run_command(cmd);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("custom_id 'c1' appears twice"), std::string::npos) << r.output;
   wait_idle(port());
 }
 
