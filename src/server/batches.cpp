@@ -225,7 +225,8 @@ struct BatchService::Batch {
   };
   std::vector<Line> lines;
   size_t next = 0;  // lines started
-  size_t answered = 0, completed = 0, failed = 0;
+  size_t completed = 0, failed = 0;
+  size_t running = 0;  // lines started and not answered yet
   std::string output_file_id, error_file_id;
   bool ended() const { return status == "completed" || status == "failed" || status == "cancelled"; }
 };
@@ -465,13 +466,23 @@ ojson BatchService::create_batch(const json& body) {
     pos = eol + 1;
     ++line_no;
     if (trim(text).empty()) continue;
-    // Ordered (the body keeps the client's key order: a JSON schema's properties follow it), nesting bounded as for
-    // request bodies.
+    // Ordered (the body keeps the client's key order: a JSON schema's properties follow it). What nests deeper than a
+    // request body may (one level more: the line wraps the body) is dropped while parsing, never recursed through;
+    // such a line is answered as its endpoint answers a body that deep.
+    bool too_deep = false;
+    const ojson::parser_callback_t depth = [&](int d, ojson::parse_event_t, ojson&) {
+      if (d > kMaxBodyDepth + 1) too_deep = true;
+      return d <= kMaxBodyDepth + 1;
+    };
     ojson line;
     try {
-      line = parse_body_ordered(std::string(text));
-    } catch (const ApiError& e) {
-      error(line_no, e.code == "invalid_json" ? "invalid_json_line" : "invalid_request", e.what());
+      line = ojson::parse(text, depth);
+    } catch (const json::exception&) {
+      error(line_no, "invalid_json_line", "the line is not valid JSON");
+      continue;
+    }
+    if (!line.is_object()) {
+      error(line_no, "invalid_request", "the line is not a JSON object");
       continue;
     }
     const auto cid = line.find("custom_id");
@@ -500,6 +511,13 @@ ojson BatchService::create_batch(const json& body) {
     }
     if (const auto st = rbody->find("stream"); st != rbody->end() && st->is_boolean() && st->get<bool>()) {
       error(line_no, "invalid_request", "requests of a batch cannot stream ('stream': true)");
+      continue;
+    }
+    if (too_deep) {  // answered now: its endpoint's 400
+      b->lines.push_back({cid->get<std::string>(), {}, 400,
+                          error_body(400, fmt::format("the request body nests more than {} levels", kMaxBodyDepth)),
+                          {}});
+      ++b->failed;
       continue;
     }
     b->lines.push_back({cid->get<std::string>(), rbody->dump(), -1, {}, {}});
@@ -532,13 +550,17 @@ void BatchService::pump() {
     std::lock_guard lk(mu_);
     while (in_flight_ < kMaxInFlight && !queue_.empty()) {
       Batch& b = *batches_.at(queue_.front());
+      while (b.status == "in_progress" && b.next < b.lines.size() && b.lines[b.next].status >= 0)
+        ++b.next;  // answered when the batch was created
       if (b.status != "in_progress" || b.next == b.lines.size()) {
         queue_.pop_front();
+        if (b.status == "in_progress" && b.running == 0) finalize_locked(b);  // every line answered when created
         continue;
       }
       const size_t i = b.next++;
       auto ex = std::make_shared<LineExchange>(this, worker_, b.id, i);
       b.lines[i].exchange = ex;
+      ++b.running;
       HttpRequest req;
       req.method = "POST";
       req.target = b.endpoint;
@@ -562,11 +584,11 @@ void BatchService::line_done(const std::string& id, size_t i, int status, std::s
     line.exchange.reset();
     line.status = status;
     line.answer = std::move(body);
-    ++b.answered;
+    --b.running;
     if (status >= 200 && status < 300) ++b.completed;
     else if (status != 0) ++b.failed;
     const bool started_all = b.next == b.lines.size() || b.status == "cancelling";
-    if (started_all && b.answered == b.next) finalize_locked(b);
+    if (started_all && b.running == 0) finalize_locked(b);
   }
   pump();
 }
@@ -627,7 +649,7 @@ void BatchService::cancel_locked(Batch& b) {
   std::vector<std::shared_ptr<LineExchange>> running;
   for (size_t i = 0; i < b.next; ++i)
     if (b.lines[i].status < 0 && b.lines[i].exchange) running.push_back(b.lines[i].exchange);
-  if (b.answered == b.next) {
+  if (b.running == 0) {
     finalize_locked(b);
     return;
   }

@@ -863,8 +863,9 @@ TEST(HttpApi, FilesAndBatches) {
   EXPECT_EQ(failed["errors"]["data"][0]["code"], "duplicate_custom_id");
   EXPECT_EQ(failed["errors"]["data"][1]["code"], "mismatched_url");
 
-  // Hostile input: a line nested 100,000 levels deep fails validation (no recursion through it), as does a create
-  // request with such metadata; a non-boolean `stream` is not a validation error (the endpoint would answer it).
+  // Hostile input: a line nested 100,000 levels deep is answered with the endpoint's 400 for a body that deep (no
+  // recursion through it), a non-boolean `stream` by the endpoint itself; a create request with deep metadata is a
+  // 400.
   const std::string deep = std::string(100000, '[') + std::string(100000, ']');
   auto deep_file = json::parse(upload(s.port(), "deep.jsonl", "batch",
                                       line("d", R"({"prompt": "a", "x": )" + deep + "}") +
@@ -877,9 +878,22 @@ TEST(HttpApi, FilesAndBatches) {
                                                                 "completion_window": "24h"})",
                                              auth)
                                           .body);
-  EXPECT_EQ(deep_batch["status"], "failed");
-  ASSERT_EQ(deep_batch["errors"]["data"].size(), 1u) << deep_batch.dump();
-  EXPECT_EQ(deep_batch["errors"]["data"][0]["line"], 1);
+  const json deep_done = wait_batch(s, deep_batch["id"], auth);
+  EXPECT_EQ(deep_done["status"], "completed") << deep_done.dump();
+  EXPECT_EQ(deep_done["request_counts"], json::parse(R"({"total": 2, "completed": 0, "failed": 2})"));
+  const std::string deep_errs = http_request(s.port(), "GET", "/v1/files/" +
+                                                                  deep_done["error_file_id"].get<std::string>() +
+                                                                  "/content", "", auth).body;
+  EXPECT_NE(deep_errs.find("nests more than"), std::string::npos) << deep_errs;
+  EXPECT_NE(deep_errs.find("'stream' must be a boolean"), std::string::npos) << deep_errs;
+  auto only_deep = json::parse(upload(s.port(), "d.jsonl", "batch", line("d", "{\"x\": " + deep + "}"), auth).body);
+  const json none_ran = json::parse(s.post("/v1/batches", R"({"input_file_id": ")" +
+                                                              only_deep["id"].get<std::string>() +
+                                                              R"(", "endpoint": "/v1/completions",
+                                                              "completion_window": "24h"})",
+                                           auth)
+                                        .body);
+  EXPECT_EQ(wait_batch(s, none_ran["id"], auth)["request_counts"]["failed"], 1);  // ends with nothing run
   EXPECT_EQ(s.post("/v1/batches", R"({"input_file_id": "x", "endpoint": "/v1/completions", "completion_window":
                                       "24h", "metadata": {"k": )" + deep + "}}",
                    auth)
