@@ -804,6 +804,11 @@ TEST(HttpApi, FilesAndBatches) {
   auto line = [](const std::string& id, const std::string& body) {
     return R"({"custom_id": ")" + id + R"(", "method": "POST", "url": "/v1/completions", "body": )" + body + "}\n";
   };
+  auto create = [&](const json& file) {  // a completions batch of an uploaded file
+    return s.post("/v1/batches", R"({"input_file_id": ")" + file["id"].get<std::string>() +
+                                     R"(", "endpoint": "/v1/completions", "completion_window": "24h"})",
+                  auth);
+  };
   const std::string input = line("one", R"({"prompt": "ab", "max_tokens": 3})") + "\n" +
                             line("bad", R"({"prompt": "x", "max_tokens": "many"})") +
                             line("two", R"({"prompt": "cde", "max_tokens": 4, "n": 2})");
@@ -820,9 +825,7 @@ TEST(HttpApi, FilesAndBatches) {
   ASSERT_EQ(files["data"].size(), 1u);
   EXPECT_EQ(files["data"][0]["id"], file["id"]);
 
-  auto created = s.post("/v1/batches", R"({"input_file_id": ")" + file["id"].get<std::string>() +
-                                           R"(", "endpoint": "/v1/completions", "completion_window": "24h"})",
-                        auth);
+  auto created = create(file);
   ASSERT_EQ(created.status, 200) << created.body;
   const json b = wait_batch(s, json::parse(created.body)["id"], auth);
   EXPECT_EQ(b["status"], "completed") << b.dump();
@@ -852,11 +855,7 @@ TEST(HttpApi, FilesAndBatches) {
                                          R"({"custom_id": "y", "method": "POST", "url": "/generate", "body": {}})",
                                      auth)
                                   .body);
-  const json failed = json::parse(s.post("/v1/batches", R"({"input_file_id": ")" + bad_file["id"].get<std::string>() +
-                                                            R"(", "endpoint": "/v1/completions", "completion_window":
-                                                            "24h"})",
-                                         auth)
-                                      .body);
+  const json failed = json::parse(create(bad_file).body);
   EXPECT_EQ(failed["status"], "failed");
   ASSERT_EQ(failed["errors"]["data"].size(), 2u) << failed.dump();
   EXPECT_EQ(failed["errors"]["data"][0]["line"], 2);
@@ -872,12 +871,7 @@ TEST(HttpApi, FilesAndBatches) {
                                           line("t", R"({"prompt": "a", "max_tokens": 1, "stream": "yes"})"),
                                       auth)
                                    .body);
-  const json deep_batch = json::parse(s.post("/v1/batches", R"({"input_file_id": ")" +
-                                                                deep_file["id"].get<std::string>() +
-                                                                R"(", "endpoint": "/v1/completions",
-                                                                "completion_window": "24h"})",
-                                             auth)
-                                          .body);
+  const json deep_batch = json::parse(create(deep_file).body);
   const json deep_done = wait_batch(s, deep_batch["id"], auth);
   EXPECT_EQ(deep_done["status"], "completed") << deep_done.dump();
   EXPECT_EQ(deep_done["request_counts"], json::parse(R"({"total": 2, "completed": 0, "failed": 2})"));
@@ -887,12 +881,7 @@ TEST(HttpApi, FilesAndBatches) {
   EXPECT_NE(deep_errs.find("nests more than"), std::string::npos) << deep_errs;
   EXPECT_NE(deep_errs.find("'stream' must be a boolean"), std::string::npos) << deep_errs;
   auto only_deep = json::parse(upload(s.port(), "d.jsonl", "batch", line("d", "{\"x\": " + deep + "}"), auth).body);
-  const json none_ran = json::parse(s.post("/v1/batches", R"({"input_file_id": ")" +
-                                                              only_deep["id"].get<std::string>() +
-                                                              R"(", "endpoint": "/v1/completions",
-                                                              "completion_window": "24h"})",
-                                           auth)
-                                        .body);
+  const json none_ran = json::parse(create(only_deep).body);
   EXPECT_EQ(wait_batch(s, none_ran["id"], auth)["request_counts"]["failed"], 1);  // ends with nothing run
   EXPECT_EQ(s.post("/v1/batches", R"({"input_file_id": "x", "endpoint": "/v1/completions", "completion_window":
                                       "24h", "metadata": {"k": )" + deep + "}}",
@@ -907,11 +896,7 @@ TEST(HttpApi, FilesAndBatches) {
                                      line("s2", R"({"prompt": "cd", "max_tokens": 1000})"),
                                  auth)
                               .body);
-  const json running = json::parse(s.post("/v1/batches", R"({"input_file_id": ")" + slow["id"].get<std::string>() +
-                                                             R"(", "endpoint": "/v1/completions",
-                                                             "completion_window": "24h"})",
-                                          auth)
-                                       .body);
+  const json running = json::parse(create(slow).body);
   for (int i = 0; i < 500 && s.engine.num_live() < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   const json cancelling =
       json::parse(s.post("/v1/batches/" + running["id"].get<std::string>() + "/cancel", "", auth).body);
