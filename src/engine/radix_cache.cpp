@@ -97,6 +97,11 @@ void RadixCache::unlock(Node* node) {
 }
 
 RadixCache::Node* RadixCache::insert(std::span<const int32_t> tokens, std::span<const int32_t> pages) {
+  std::vector<int32_t> copy(pages.begin(), pages.end());
+  return insert_shared(tokens, copy);
+}
+
+RadixCache::Node* RadixCache::insert_shared(std::span<const int32_t> tokens, std::span<int32_t> pages) {
   const size_t P = static_cast<size_t>(page_size_);
   MLA_CHECK(tokens.size() >= pages.size() * P, "radix cache: {} pages but only {} tokens", pages.size(), tokens.size());
   if (!enabled_) {
@@ -129,7 +134,10 @@ RadixCache::Node* RadixCache::insert(std::span<const int32_t> tokens, std::span<
       ++k;
     if (k < child->pages.size()) child = split(child, k);
     for (size_t i = 0; i < k; ++i)
-      if (child->pages[i] != pages[pg + i]) dup.push_back(pages[pg + i]);
+      if (child->pages[i] != pages[pg + i]) {
+        dup.push_back(pages[pg + i]);
+        pages[pg + i] = child->pages[i];
+      }
     pg += k;
     node = child;
   }

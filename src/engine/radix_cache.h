@@ -40,6 +40,9 @@ class RadixCache {
   // a different page are duplicates and go back to the pool. Returns the node ending the inserted path. When the
   // cache is disabled, every page goes back to the pool and null is returned.
   Node* insert(std::span<const int32_t> tokens, std::span<const int32_t> pages);
+  // The same for pages a request goes on using: afterwards `pages` holds the tree's page at every position (each
+  // duplicate replaced by the page the tree already had). The returned node ends exactly at the last page.
+  Node* insert_shared(std::span<const int32_t> tokens, std::span<int32_t> pages);
   // Frees up to `num_pages` pages from unlocked leaves, least recently used first. Returns pages freed.
   int32_t evict(int32_t num_pages);
   int32_t evictable_pages() const { return evictable_pages_; }

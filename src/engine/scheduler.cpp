@@ -222,16 +222,13 @@ void Scheduler::cache_prefill(Req& r, int32_t kv_end) {
   const size_t n = static_cast<size_t>(full);
   MLA_CHECK(r.pages.size() >= n && r.fill.size() >= n * static_cast<size_t>(cfg_.page_size),
             "scheduler: request {} caches {} pages it does not hold", r.rid, full);
-  cache_.insert(std::span<const int32_t>(r.fill.data(), n * static_cast<size_t>(cfg_.page_size)),
-                std::span<const int32_t>(r.pages.data(), n));
-  // The path now cached: its pages are the tree's (the request's duplicates went back to the pool).
-  RadixCache::Match m = cache_.match_prefix(r.fill, full * cfg_.page_size);
-  MLA_CHECK(m.tokens == full * cfg_.page_size && m.pages.size() == n,
-            "scheduler: request {}: {} tokens cached, {} matched", r.rid, full * cfg_.page_size, m.tokens);
-  cache_.lock(m.node);
+  // The request's duplicates of pages the tree had go back to the pool; it goes on with the tree's.
+  RadixCache::Node* node = cache_.insert_shared(
+      std::span<const int32_t>(r.fill.data(), n * static_cast<size_t>(cfg_.page_size)),
+      std::span<int32_t>(r.pages.data(), n));
+  cache_.lock(node);
   cache_.unlock(r.prefix_node);
-  r.prefix_node = m.node;
-  std::copy(m.pages.begin(), m.pages.end(), r.pages.begin());
+  r.prefix_node = node;
   r.prefix_pages = full;
 }
 

@@ -23,6 +23,11 @@
 
 namespace mlaserve::server {
 
+// Seconds since the Unix epoch (OpenAI's `created` fields).
+int64_t unix_seconds();
+// %XX escapes of a URL path or query value decoded (a malformed escape stays as it is).
+std::string percent_decode(std::string_view s);
+
 struct HttpRequest {
   std::string method;  // "GET", "POST", ...
   std::string target;  // path + optional query

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cctype>
-#include <chrono>
 #include <random>
 #include <set>
 
@@ -16,11 +15,6 @@ namespace {
 
 using ojson = nlohmann::ordered_json;
 using json = nlohmann::json;
-
-int64_t now_s() {
-  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 std::string dump(const ojson& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
@@ -77,20 +71,9 @@ std::optional<std::string> query_param(std::string_view query, std::string_view 
     std::string_view kv = query.substr(0, amp);
     const size_t eq = kv.find('=');
     if (kv.substr(0, eq) == key) {
-      std::string out;
-      const std::string_view v = eq == std::string_view::npos ? std::string_view() : kv.substr(eq + 1);
-      for (size_t i = 0; i < v.size(); ++i) {
-        if (v[i] == '+') {
-          out += ' ';
-        } else if (v[i] == '%' && i + 2 < v.size() && std::isxdigit(static_cast<unsigned char>(v[i + 1])) &&
-                   std::isxdigit(static_cast<unsigned char>(v[i + 2]))) {
-          out += static_cast<char>(std::stoi(std::string(v.substr(i + 1, 2)), nullptr, 16));
-          i += 2;
-        } else {
-          out += v[i];
-        }
-      }
-      return out;
+      std::string v(eq == std::string_view::npos ? std::string_view() : kv.substr(eq + 1));
+      std::replace(v.begin(), v.end(), '+', ' ');  // a form-encoded space
+      return percent_decode(v);
     }
     if (amp == std::string_view::npos) break;
     query.remove_prefix(amp + 1);
@@ -340,7 +323,7 @@ ojson BatchService::store_file(std::string filename, std::string purpose, std::s
   auto f = std::make_unique<File>();
   f->filename = std::move(filename);
   f->purpose = std::move(purpose);
-  f->created_at = now_s();
+  f->created_at = unix_seconds();
   f->data = std::make_shared<const std::string>(std::move(data));
   std::lock_guard lk(mu_);
   if (stored_bytes_ + f->data->size() > kMaxStoredBytes)
@@ -446,7 +429,7 @@ ojson BatchService::create_batch(const json& body) {
     if (!it->is_object()) throw ApiError(400, "'metadata' must be an object", "metadata", "invalid_type");
     b->metadata = ojson::parse(it->dump());
   }
-  b->created_at = now_s();
+  b->created_at = unix_seconds();
   b->errors = nullptr;
   std::shared_ptr<const std::string> input = file_content(b->input_file_id);
 
@@ -594,7 +577,7 @@ void BatchService::line_done(const std::string& id, size_t i, int status, std::s
 }
 
 void BatchService::finalize_locked(Batch& b) {
-  b.finalizing_at = now_s();
+  b.finalizing_at = unix_seconds();
   std::string out, err;
   for (size_t i = 0; i < b.lines.size(); ++i) {
     const Batch::Line& line = b.lines[i];
@@ -623,7 +606,7 @@ void BatchService::finalize_locked(Batch& b) {
     f->id = new_id("file-");
     f->filename = b.id + suffix;
     f->purpose = "batch_output";
-    f->created_at = now_s();
+    f->created_at = unix_seconds();
     f->data = std::make_shared<const std::string>(std::move(data));
     stored_bytes_ += f->data->size();
     const std::string fid = f->id;
@@ -634,10 +617,10 @@ void BatchService::finalize_locked(Batch& b) {
   if (!err.empty()) b.error_file_id = store(std::move(err), "_error.jsonl");
   if (b.status == "cancelling") {
     b.status = "cancelled";
-    b.cancelled_at = now_s();
+    b.cancelled_at = unix_seconds();
   } else {
     b.status = "completed";
-    b.completed_at = now_s();
+    b.completed_at = unix_seconds();
   }
   for (auto& line : b.lines) line.body.clear();
   ended_.notify_all();
@@ -645,7 +628,7 @@ void BatchService::finalize_locked(Batch& b) {
 
 void BatchService::cancel_locked(Batch& b) {
   b.status = "cancelling";
-  b.cancelling_at = now_s();
+  b.cancelling_at = unix_seconds();
   std::vector<std::shared_ptr<LineExchange>> running;
   for (size_t i = 0; i < b.next; ++i)
     if (b.lines[i].status < 0 && b.lines[i].exchange) running.push_back(b.lines[i].exchange);

@@ -109,9 +109,9 @@ class Fields {
   std::string prefix_;
 };
 
-std::vector<int32_t> token_ids(const json& v, const std::string& p) {
+std::vector<int32_t> token_ids(const json& v, const std::string& p, bool allow_empty = false) {
   if (!v.is_array()) bad_request(p, "invalid_type", "'{}' must be an array of token ids, got {}", p, type_name(v));
-  if (v.empty()) bad_request(p, "invalid_value", "'{}' must not be empty", p);
+  if (v.empty() && !allow_empty) bad_request(p, "invalid_value", "'{}' must not be empty", p);
   std::vector<int32_t> ids;
   ids.reserve(v.size());
   for (size_t i = 0; i < v.size(); ++i)
@@ -627,16 +627,10 @@ ParsedRequest parse_native(const json& body, const ParseOptions& opts, std::stri
     const std::string p = "token_ids_logprob";
     if (!v->is_array()) bad_request(p, "invalid_type", "'{}' must be an array of token ids, got {}", p, type_name(*v));
     auto ids = [&](const json& list, const std::string& lp) {
-      if (!list.is_array())
-        bad_request(p, "invalid_type", "'{}' must be an array of token ids, got {}", lp, type_name(list));
-      if (list.size() > static_cast<size_t>(opts.max_token_ids_logprob))
-        bad_request(p, "invalid_value", "'{}' has {} ids; at most {} are allowed", lp, list.size(),
+      if (list.is_array() && list.size() > static_cast<size_t>(opts.max_token_ids_logprob))
+        bad_request(lp, "invalid_value", "'{}' has {} ids; at most {} are allowed", lp, list.size(),
                     opts.max_token_ids_logprob);
-      std::vector<int32_t> out;
-      for (size_t i = 0; i < list.size(); ++i)
-        out.push_back(static_cast<int32_t>(
-            Fields::as_integer(list[i], fmt::format("{}[{}]", lp, i), 0, std::numeric_limits<int32_t>::max())));
-      return out;
+      return token_ids(list, lp, /*allow_empty=*/true);
     };
     if (!v->empty() && (*v)[0].is_array()) {
       if (!r.batch || v->size() != r.prompts.size())

@@ -20,11 +20,6 @@ using json = nlohmann::json;
 
 std::string dump(const ojson& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
-int64_t unix_seconds() {
-  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 std::string_view path_of(std::string_view target) {
   const size_t q = target.find('?');
   return q == std::string_view::npos ? target : target.substr(0, q);
@@ -35,7 +30,13 @@ std::string_view query_of(std::string_view target) {
   return q == std::string_view::npos ? std::string_view() : target.substr(q + 1);
 }
 
-// %XX escapes of a URL path decoded (a malformed escape stays as it is).
+}  // namespace
+
+int64_t unix_seconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
 std::string percent_decode(std::string_view s) {
   auto hex = [](char c) {
     if (c >= '0' && c <= '9') return c - '0';
@@ -53,6 +54,8 @@ std::string percent_decode(std::string_view s) {
   }
   return out;
 }
+
+namespace {
 
 bool constant_time_equal(const std::string& a, const std::string& b) {
   if (a.size() != b.size()) return false;

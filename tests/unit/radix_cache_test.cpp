@@ -115,6 +115,18 @@ TEST(RadixCache, DuplicatePagesReturnToThePoolAndDisabledKeepsNothing) {
   EXPECT_EQ(cache.cached_pages(), 2);
   EXPECT_EQ(pool.num_free(), 14);
   cache.check_integrity();
+  // A third one that goes on using its pages: they become the tree's (one more page of its own stays its own).
+  std::vector<int32_t> seq3 = seq;
+  seq3.insert(seq3.end(), {9, 9, 9, 9});
+  std::vector<int32_t> mine = *pool.alloc(3);
+  const int32_t own = mine[2];
+  RadixCache::Node* end = cache.insert_shared(seq3, mine);
+  const RadixCache::Match m = cache.match_prefix(seq3, 12);
+  EXPECT_EQ(mine, m.pages);
+  EXPECT_EQ(mine[2], own);
+  EXPECT_EQ(m.node, end);
+  EXPECT_EQ(pool.num_free(), 13);  // its two duplicates back, its third page cached
+  cache.check_integrity();
 
   PagePool pool2(8);
   RadixCache off(P, pool2, false);
