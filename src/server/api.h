@@ -9,6 +9,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 #include <unordered_map>
 
@@ -27,6 +29,12 @@ namespace mlaserve::server {
 int64_t unix_seconds();
 // %XX escapes of a URL path or query value decoded (a malformed escape stays as it is).
 std::string percent_decode(std::string_view s);
+// `key=value` of a query string (percent escapes and '+' decoded), or nullopt.
+std::optional<std::string> query_param(std::string_view query, std::string_view key);
+// A list route's `limit` query parameter: default 20; ApiError 400 unless an integer in [1, 100].
+int64_t list_limit(std::string_view query);
+// After a collection's path ("/v1/files"): "/ID" or "/ID/SUB" -> the id and "/SUB" (empty when none).
+std::pair<std::string, std::string_view> id_and_sub(std::string_view rest);
 
 struct HttpRequest {
   std::string method;  // "GET", "POST", ...
@@ -84,6 +92,7 @@ struct ServerOptions {
 };
 
 class BatchService;
+class ResponseStore;
 
 class Api {
  public:
@@ -104,8 +113,15 @@ class Api {
   void detokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   // SGLang's /abort_request ({"rid"} or {"abort_all": true}): the named running jobs end with an abort finish.
   void abort_request(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
-  // POST /v1/responses: OpenAI's Responses API, generated as chat (server/responses.h).
+  // POST /v1/responses: OpenAI's Responses API, generated as chat (server/responses.h); stored, continued and run
+  // in the background through responses_store_.
   void responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
+  // /v1/responses/{id}: GET, DELETE, GET .../input_items, POST .../cancel; `rest` the path after /v1/responses.
+  void stored_response(const HttpRequest& req, std::string_view rest, std::string_view query,
+                       const std::shared_ptr<HttpExchange>& ex);
+  // The answer (status, JSON error body) to a request whose handling threw, from inside a catch block: a 4xx for
+  // client errors, else 500 (logged).
+  std::pair<int, std::string> error_answer(const HttpRequest& req);
   // /health_generate: one token generated (200), or 503 when the engine fails it.
   void health_generate(const std::shared_ptr<HttpExchange>& ex);
   Prepared prepare(ParsedRequest& pr);
@@ -138,6 +154,8 @@ class Api {
   std::vector<std::pair<std::string, std::shared_ptr<TokenConstraint>>> constraints_;  // most recent last
   std::mutex jobs_mu_;
   std::unordered_map<std::string, std::weak_ptr<GenerationJob>> jobs_;  // running jobs by id (rid), for aborts
+  // The Responses API's stored and background responses (server/response_store.h): its worker runs generate().
+  std::unique_ptr<ResponseStore> responses_store_;
   // OpenAI's Files and Batch APIs (server/batches.h): its lines run through handle(). Last: destroyed first.
   std::unique_ptr<BatchService> batches_;
 };

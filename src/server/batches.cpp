@@ -64,30 +64,6 @@ std::optional<std::string> header_param(std::string_view value, std::string_view
   return std::nullopt;
 }
 
-// `key=value` of a query string (percent escapes and '+' decoded), or nullopt.
-std::optional<std::string> query_param(std::string_view query, std::string_view key) {
-  while (!query.empty()) {
-    const size_t amp = query.find('&');
-    std::string_view kv = query.substr(0, amp);
-    const size_t eq = kv.find('=');
-    if (kv.substr(0, eq) == key) {
-      std::string v(eq == std::string_view::npos ? std::string_view() : kv.substr(eq + 1));
-      std::replace(v.begin(), v.end(), '+', ' ');  // a form-encoded space
-      return percent_decode(v);
-    }
-    if (amp == std::string_view::npos) break;
-    query.remove_prefix(amp + 1);
-  }
-  return std::nullopt;
-}
-
-// After a collection's path ("/v1/files"): "/ID" or "/ID/SUB" -> the id and "/SUB" (empty when none).
-std::pair<std::string, std::string_view> id_and_sub(std::string_view rest) {
-  const std::string_view tail = rest.substr(1);
-  const size_t slash = tail.find('/');
-  return {std::string(tail.substr(0, slash)),
-          slash == std::string_view::npos ? std::string_view() : tail.substr(slash)};
-}
 
 [[noreturn]] void method_not_allowed(const HttpRequest& req) {
   throw ApiError(405, fmt::format("method {} is not allowed here", req.method), "", "method_not_allowed");
@@ -150,42 +126,6 @@ std::vector<FormPart> parse_multipart(std::string_view content_type, std::string
   }
 }
 
-// ---- the worker: one thread running the service's tasks in order ----
-
-struct BatchService::Worker {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<std::function<void()>> tasks;
-  bool stop = false;
-  std::thread thread;
-
-  void post(std::function<void()> fn) {
-    {
-      std::lock_guard lk(mu);
-      if (stop) return;  // the service is gone: late answers are dropped
-      tasks.push_back(std::move(fn));
-    }
-    cv.notify_one();
-  }
-  void loop() {
-    for (;;) {
-      std::function<void()> fn;
-      {
-        std::unique_lock lk(mu);
-        cv.wait(lk, [&] { return stop || !tasks.empty(); });
-        if (stop) return;
-        fn = std::move(tasks.front());
-        tasks.pop_front();
-      }
-      try {
-        fn();
-      } catch (const std::exception& e) {
-        MLA_LOG_ERROR("batch worker: {}", e.what());
-      }
-    }
-  }
-};
-
 struct BatchService::File {
   std::string id, filename, purpose;
   int64_t created_at = 0;
@@ -217,11 +157,9 @@ struct BatchService::Batch {
 // The channel a batch line answers through: the answer (or a cancellation) reaches the service once, on the worker.
 class BatchService::LineExchange : public HttpExchange, public std::enable_shared_from_this<LineExchange> {
  public:
-  LineExchange(BatchService* svc, std::shared_ptr<Worker> worker, std::string batch, size_t line)
+  LineExchange(BatchService* svc, std::shared_ptr<SerialWorker> worker, std::string batch, size_t line)
       : svc_(svc), worker_(std::move(worker)), batch_(std::move(batch)), line_(line) {}
-  Executor executor() override {
-    return [w = worker_](std::function<void()> fn) { w->post(std::move(fn)); };
-  }
+  Executor executor() override { return worker_->executor(); }
   void respond(int status, const std::string&, std::string body) override { finish(status, std::move(body)); }
   // Batch lines are refused when they ask to stream (create_batch), so no stream starts; answered as an error.
   void start_stream() override { finish(500, R"({"error": {"message": "a batch request streamed"}})"); }
@@ -244,7 +182,7 @@ class BatchService::LineExchange : public HttpExchange, public std::enable_share
     svc_->line_done(batch_, line_, status, std::move(body));
   }
   BatchService* svc_;
-  std::shared_ptr<Worker> worker_;
+  std::shared_ptr<SerialWorker> worker_;
   std::string batch_;
   size_t line_;
   bool done_ = false;
@@ -252,17 +190,10 @@ class BatchService::LineExchange : public HttpExchange, public std::enable_share
 };
 
 BatchService::BatchService(Runner run)
-    : run_(std::move(run)), worker_(std::make_shared<Worker>()), salt_(std::random_device{}()) {
-  worker_->thread = std::thread([w = worker_] { w->loop(); });
-}
+    : run_(std::move(run)), worker_(SerialWorker::start("batch worker")), salt_(std::random_device{}()) {}
 
 BatchService::~BatchService() {
-  {
-    std::lock_guard lk(worker_->mu);
-    worker_->stop = true;
-  }
-  worker_->cv.notify_all();
-  if (worker_->thread.joinable()) worker_->thread.join();
+  worker_->stop();
   // Lines still running answer into the stopped worker: dropped (the engine aborts them as it shuts down).
 }
 
@@ -647,16 +578,7 @@ void BatchService::batches(const HttpRequest& req, std::string_view rest, std::s
       return;
     }
     if (req.method != "GET") method_not_allowed(req);
-    int64_t limit = 20;
-    if (auto l = query_param(query, "limit")) {
-      try {
-        limit = std::stoll(*l);
-      } catch (const std::exception&) {
-        limit = -1;
-      }
-      if (limit < 1 || limit > 100)
-        throw ApiError(400, "'limit' must be an integer in [1, 100]", "limit", "invalid_value");
-    }
+    const int64_t limit = list_limit(query);
     const std::optional<std::string> after = query_param(query, "after");
     ojson data = ojson::array();
     bool more = false;

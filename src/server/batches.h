@@ -14,12 +14,12 @@
 #include <optional>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "server/api.h"
+#include "server/serial_worker.h"
 
 namespace mlaserve::server {
 
@@ -65,7 +65,6 @@ class BatchService {
   struct File;
   struct Batch;
   class LineExchange;
-  struct Worker;
 
   nlohmann::ordered_json file_object(const File& f) const;
   nlohmann::ordered_json batch_object(const Batch& b) const;
@@ -80,7 +79,7 @@ class BatchService {
   std::string new_id(const char* prefix);
 
   Runner run_;
-  std::shared_ptr<Worker> worker_;
+  std::shared_ptr<SerialWorker> worker_;
   mutable std::mutex mu_;
   std::condition_variable ended_;
   std::map<std::string, std::unique_ptr<File>> files_;

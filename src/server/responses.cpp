@@ -47,65 +47,63 @@ std::string string_field(const json& o, const char* key, const std::string& para
 
 }  // namespace
 
-json responses_to_chat(const json& body) {
+json responses_to_chat(const json& body, const json& prior) {
   if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object", "", "invalid_value");
-  for (const char* unsupported : {"previous_response_id", "conversation"})
-    if (body.contains(unsupported) && !body[unsupported].is_null())
-      bad_request(unsupported, "unsupported_parameter",
-                  "'{}' is not supported: this server keeps no responses; send the whole conversation as 'input'",
-                  unsupported);
-  if (body.contains("background") && body["background"] == true)
-    bad_request("background", "unsupported_parameter", "'background' responses are not supported");
+  if (body.contains("conversation") && !body["conversation"].is_null())
+    bad_request("conversation", "unsupported_parameter",
+                "'conversation' is not supported (no Conversations API): continue a stored response with "
+                "'previous_response_id', or send the whole conversation as 'input'");
   json chat = json::object();
   json messages = json::array();
   if (const auto it = body.find("instructions"); it != body.end() && !it->is_null()) {
     if (!it->is_string()) bad_request("instructions", "invalid_type", "'instructions' must be a string");
     messages.push_back({{"role", "system"}, {"content", *it}});
   }
+  // One input item as messages; p names it in errors.
+  auto add_item = [&](const json& item, const std::string& p) {
+    if (!item.is_object())
+      bad_request(p, "invalid_type", "'{}' must be an object, got {}", p, json_type_name(item.type()));
+    const auto type_it = item.find("type");
+    if (type_it != item.end() && !type_it->is_string())
+      bad_request(p + ".type", "invalid_type", "'{}.type' must be a string", p);
+    const std::string type = type_it == item.end() ? "message" : type_it->get<std::string>();
+    if (type == "message") {
+      const std::string role = string_field(item, "role", p);
+      if (role != "user" && role != "system" && role != "developer" && role != "assistant")
+        bad_request(p + ".role", "invalid_value", "'{}.role' must be user, system, developer or assistant", p);
+      const auto content = item.find("content");
+      if (content == item.end()) bad_request(p + ".content", "invalid_value", "'{}.content' is required", p);
+      messages.push_back({{"role", role}, {"content", content_text(*content, p + ".content")}});
+    } else if (type == "function_call") {
+      json call = {{"id", string_field(item, "call_id", p)},
+                   {"type", "function"},
+                   {"function", {{"name", string_field(item, "name", p)},
+                                 {"arguments", string_field(item, "arguments", p)}}}};
+      // Calls in a row are one assistant turn.
+      if (!messages.empty() && messages.back()["role"] == "assistant" && messages.back().contains("tool_calls")) {
+        messages.back()["tool_calls"].push_back(std::move(call));
+      } else {
+        messages.push_back({{"role", "assistant"}, {"content", nullptr}, {"tool_calls", json::array({call})}});
+      }
+    } else if (type == "function_call_output") {
+      const auto out = item.find("output");
+      if (out == item.end()) bad_request(p + ".output", "invalid_value", "'{}.output' is required", p);
+      messages.push_back({{"role", "tool"},
+                          {"tool_call_id", string_field(item, "call_id", p)},
+                          {"content", content_text(*out, p + ".output")}});
+    } else if (type == "reasoning") {
+      // earlier reasoning is not shown to the model again (as chat templates drop it)
+    } else {
+      bad_request(p + ".type", "unsupported_parameter", "input items of type '{}' are not supported", type);
+    }
+  };
+  for (size_t i = 0; i < prior.size(); ++i) add_item(prior[i], fmt::format("previous_response_id item {}", i));
   const auto input = body.find("input");
   if (input == body.end() || input->is_null()) bad_request("input", "invalid_value", "'input' is required");
   if (input->is_string()) {
     messages.push_back({{"role", "user"}, {"content", *input}});
   } else if (input->is_array()) {
-    for (size_t i = 0; i < input->size(); ++i) {
-      const json& item = (*input)[i];
-      const std::string p = fmt::format("input[{}]", i);
-      if (!item.is_object())
-        bad_request(p, "invalid_type", "'{}' must be an object, got {}", p, json_type_name(item.type()));
-      const auto type_it = item.find("type");
-      if (type_it != item.end() && !type_it->is_string())
-        bad_request(p + ".type", "invalid_type", "'{}.type' must be a string", p);
-      const std::string type = type_it == item.end() ? "message" : type_it->get<std::string>();
-      if (type == "message") {
-        const std::string role = string_field(item, "role", p);
-        if (role != "user" && role != "system" && role != "developer" && role != "assistant")
-          bad_request(p + ".role", "invalid_value", "'{}.role' must be user, system, developer or assistant", p);
-        const auto content = item.find("content");
-        if (content == item.end()) bad_request(p + ".content", "invalid_value", "'{}.content' is required", p);
-        messages.push_back({{"role", role}, {"content", content_text(*content, p + ".content")}});
-      } else if (type == "function_call") {
-        json call = {{"id", string_field(item, "call_id", p)},
-                     {"type", "function"},
-                     {"function", {{"name", string_field(item, "name", p)},
-                                   {"arguments", string_field(item, "arguments", p)}}}};
-        // Calls in a row are one assistant turn.
-        if (!messages.empty() && messages.back()["role"] == "assistant" && messages.back().contains("tool_calls")) {
-          messages.back()["tool_calls"].push_back(std::move(call));
-        } else {
-          messages.push_back({{"role", "assistant"}, {"content", nullptr}, {"tool_calls", json::array({call})}});
-        }
-      } else if (type == "function_call_output") {
-        const auto out = item.find("output");
-        if (out == item.end()) bad_request(p + ".output", "invalid_value", "'{}.output' is required", p);
-        messages.push_back({{"role", "tool"},
-                            {"tool_call_id", string_field(item, "call_id", p)},
-                            {"content", content_text(*out, p + ".output")}});
-      } else if (type == "reasoning") {
-        continue;  // earlier reasoning is not shown to the model again (as chat templates drop it)
-      } else {
-        bad_request(p + ".type", "unsupported_parameter", "input items of type '{}' are not supported", type);
-      }
-    }
+    for (size_t i = 0; i < input->size(); ++i) add_item((*input)[i], fmt::format("input[{}]", i));
   } else {
     bad_request("input", "invalid_type", "'input' must be a string or an array of items, got {}",
                 json_type_name(input->type()));
@@ -184,9 +182,10 @@ struct ResponsesExchange::Item {
 };
 
 ResponsesExchange::ResponsesExchange(std::shared_ptr<HttpExchange> inner, json request, std::string id,
-                                     int64_t created, std::string model)
+                                     int64_t created, std::string model,
+                                     std::function<void(const ojson&)> finished)
     : inner_(std::move(inner)), request_(std::move(request)), id_(std::move(id)), created_(created),
-      model_(std::move(model)) {}
+      model_(std::move(model)), finished_(std::move(finished)) {}
 
 ResponsesExchange::~ResponsesExchange() = default;
 
@@ -197,26 +196,28 @@ void ResponsesExchange::on_cancel(std::function<void(const std::string&)> fn) {
   });
 }
 
-ojson ResponsesExchange::base(const char* status) const {
+ojson response_object(const json& request, const std::string& id, int64_t created, const std::string& model,
+                      const char* status) {
   ojson r;
-  r["id"] = id_;
+  r["id"] = id;
   r["object"] = "response";
-  r["created_at"] = created_;
+  r["created_at"] = created;
   r["status"] = status;
   r["error"] = nullptr;
   r["incomplete_details"] = nullptr;
   auto echo = [&](const char* key, ojson dflt) {
-    const auto it = request_.find(key);
-    r[key] = it == request_.end() || it->is_null() ? std::move(dflt) : *it;
+    const auto it = request.find(key);
+    r[key] = it == request.end() || it->is_null() ? std::move(dflt) : *it;
   };
+  echo("background", false);
   echo("instructions", nullptr);
   echo("max_output_tokens", nullptr);
-  r["model"] = model_;
+  r["model"] = model;
   r["output"] = ojson::array();
   echo("parallel_tool_calls", true);
-  r["previous_response_id"] = nullptr;
+  echo("previous_response_id", nullptr);
   echo("reasoning", ojson{{"effort", nullptr}, {"summary", nullptr}});
-  r["store"] = false;
+  echo("store", true);
   echo("temperature", 1.0);
   echo("text", ojson{{"format", {{"type", "text"}}}});
   echo("tool_choice", "auto");
@@ -227,6 +228,45 @@ ojson ResponsesExchange::base(const char* status) const {
   echo("user", nullptr);
   echo("metadata", ojson::object());
   return r;
+}
+
+ojson responses_input_items(const json& body, const std::string& id) {
+  const std::string rid = id.substr(id.find('_') + 1);
+  ojson items = ojson::array();
+  const json& input = body.at("input");
+  auto text_parts = [](const std::string& role, const json& text) {
+    return ojson::array({ojson{{"type", role == "assistant" ? "output_text" : "input_text"}, {"text", text}}});
+  };
+  if (input.is_string()) {
+    items.push_back(ojson{{"id", fmt::format("msg_{}_in0", rid)},
+                          {"type", "message"},
+                          {"role", "user"},
+                          {"content", text_parts("user", input)}});
+    return items;
+  }
+  for (size_t k = 0; k < input.size(); ++k) {
+    ojson item = input[k];
+    if (!item.contains("type")) item["type"] = "message";
+    const std::string type = item["type"].get<std::string>();
+    if (type == "message" && item["content"].is_string())
+      item["content"] = text_parts(item["role"].get<std::string>(), item["content"]);
+    if (!item.contains("id") || !item["id"].is_string()) {
+      const char* prefix = type == "message"         ? "msg"
+                           : type == "function_call" ? "fc"
+                           : type == "reasoning"     ? "rs"
+                                                     : "fco";
+      ojson with_id = {{"id", fmt::format("{}_{}_in{}", prefix, rid, k)}};
+      for (auto it = item.begin(); it != item.end(); ++it)
+        if (it.key() != "id") with_id[it.key()] = it.value();
+      item = std::move(with_id);
+    }
+    items.push_back(std::move(item));
+  }
+  return items;
+}
+
+ojson ResponsesExchange::base(const char* status) const {
+  return response_object(request_, id_, created_, model_, status);
 }
 
 namespace {
@@ -314,6 +354,7 @@ void ResponsesExchange::respond(int status, const std::string& content_type, std
   const auto finish = choice.find("finish_reason");
   set_status(r, finish != choice.end() && finish->is_string() ? finish->get<std::string>() : std::string());
   r["usage"] = responses_usage(chat["usage"]);
+  if (finished_) finished_(r);
   inner_->respond(200, content_type, r.dump());
 }
 
@@ -442,6 +483,7 @@ ojson ResponsesExchange::finished_response() {
 
 void ResponsesExchange::end_stream() {
   ojson r = finished_response();
+  if (finished_) finished_(r);
   const bool incomplete = r["status"] != "completed";  // the stream's last event for incomplete or cancelled
   emit(incomplete ? "response.incomplete" : "response.completed", ojson{{"response", std::move(r)}});
   inner_->end_stream();

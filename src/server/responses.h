@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -12,20 +13,33 @@
 
 namespace mlaserve::server {
 
-// The chat request a Responses request asks for: instructions and input items as messages (text, function calls
-// and their outputs), max_output_tokens, tools (function tools), tool_choice, text.format as response_format,
-// logprobs, streaming with usage, and the sampling fields chat takes. Throws ApiError (400 naming the field) for what
-// it cannot express (other input or tool types, previous_response_id, background).
-nlohmann::ordered_json responses_to_chat(const nlohmann::ordered_json& body);
+// The chat request a Responses request asks for: instructions, the conversation so far (`prior`: the input items
+// and outputs of the stored responses it continues, see ResponseStore) and its input items as messages (text,
+// function calls and their outputs), max_output_tokens, tools (function tools), tool_choice, text.format as
+// response_format, logprobs, streaming with usage, and the sampling fields chat takes. Throws ApiError (400 naming
+// the field) for what it cannot express (other input or tool types, a conversation object).
+nlohmann::ordered_json responses_to_chat(const nlohmann::ordered_json& body,
+                                         const nlohmann::ordered_json& prior = nlohmann::ordered_json::array());
+
+// The request's input as the items GET /v1/responses/{id}/input_items lists: a string input as a user message, text
+// content as parts, each item with an id (`<kind>_<rid>_in<k>` when it has none). Call after responses_to_chat
+// accepted the body.
+nlohmann::ordered_json responses_input_items(const nlohmann::ordered_json& body, const std::string& id);
+
+// The response object of a request, without output or usage: its id, status and settings echoed.
+nlohmann::ordered_json response_object(const nlohmann::ordered_json& request, const std::string& id,
+                                       int64_t created, const std::string& model, const char* status);
 
 // Writes the Responses form of the chat answer generated behind it: respond() turns a chat.completion into a
 // response object (errors pass unchanged); a stream's chat chunks become response.created, output items with
 // their deltas (reasoning, message text, function calls) and response.completed / response.incomplete.
 class ResponsesExchange : public HttpExchange, public std::enable_shared_from_this<ResponsesExchange> {
  public:
-  // request: the Responses request (echoed in the response); model: the served model's name.
+  // request: the Responses request (echoed in the response); model: the served model's name; finished: given the
+  // finished response object (answered or streamed whole; not for errors), e.g. to store it.
   ResponsesExchange(std::shared_ptr<HttpExchange> inner, nlohmann::ordered_json request, std::string id,
-                    int64_t created, std::string model);
+                    int64_t created, std::string model,
+                    std::function<void(const nlohmann::ordered_json&)> finished = nullptr);
 
   Executor executor() override { return inner_->executor(); }
   void respond(int status, const std::string& content_type, std::string body) override;
@@ -48,6 +62,7 @@ class ResponsesExchange : public HttpExchange, public std::enable_shared_from_th
   std::string id_;
   int64_t created_;
   std::string model_;
+  std::function<void(const nlohmann::ordered_json&)> finished_;
   int64_t sequence_ = 0;
   nlohmann::ordered_json output_ = nlohmann::ordered_json::array();  // finished items
   std::unique_ptr<Item> open_;                                        // the item being streamed

@@ -8,6 +8,7 @@
 #include "server/api.h"
 #include "server/api_error.h"
 #include "server/batches.h"
+#include "server/response_store.h"
 #include "server/responses.h"
 #include "server/text_stream.h"
 #include "server/tool_calls.h"
@@ -53,6 +54,43 @@ std::string percent_decode(std::string_view s) {
     }
   }
   return out;
+}
+
+std::optional<std::string> query_param(std::string_view query, std::string_view key) {
+  while (!query.empty()) {
+    const size_t amp = query.find('&');
+    std::string_view kv = query.substr(0, amp);
+    const size_t eq = kv.find('=');
+    if (kv.substr(0, eq) == key) {
+      std::string v(eq == std::string_view::npos ? std::string_view() : kv.substr(eq + 1));
+      std::replace(v.begin(), v.end(), '+', ' ');  // a form-encoded space
+      return percent_decode(v);
+    }
+    if (amp == std::string_view::npos) break;
+    query.remove_prefix(amp + 1);
+  }
+  return std::nullopt;
+}
+
+int64_t list_limit(std::string_view query) {
+  const auto l = query_param(query, "limit");
+  if (!l) return 20;
+  int64_t limit = -1;
+  try {
+    size_t used = 0;
+    limit = std::stoll(*l, &used);
+    if (used != l->size()) limit = -1;
+  } catch (const std::exception&) {
+  }
+  if (limit < 1 || limit > 100) throw ApiError(400, "'limit' must be an integer in [1, 100]", "limit", "invalid_value");
+  return limit;
+}
+
+std::pair<std::string, std::string_view> id_and_sub(std::string_view rest) {
+  const std::string_view tail = rest.substr(1);
+  const size_t slash = tail.find('/');
+  return {std::string(tail.substr(0, slash)),
+          slash == std::string_view::npos ? std::string_view() : tail.substr(slash)};
 }
 
 namespace {
@@ -403,6 +441,7 @@ struct Api::Prepared {
 Api::Api(EngineClient& engine, const TextCodec* codec, ServerOptions opts)
     : engine_(engine), codec_(codec), opts_(std::move(opts)), id_salt_(std::random_device{}()) {
   if (opts_.served_model_name.empty()) opts_.served_model_name = opts_.model_path;
+  responses_store_ = std::make_unique<ResponseStore>();
   batches_ = std::make_unique<BatchService>([this](const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
     HttpRequest r = req;
     if (!opts_.api_key.empty()) r.authorization = "Bearer " + opts_.api_key;  // the batch's creator was let in
@@ -465,6 +504,8 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/v1/responses") {
       if (!post) method_not_allowed();
       responses(req, ex);
+    } else if (path.rfind("/v1/responses/", 0) == 0) {
+      stored_response(req, std::string_view(path).substr(13), query_of(req.target), ex);
     } else if (path == "/v1/files" || path.rfind("/v1/files/", 0) == 0) {
       batches_->files(req, std::string_view(path).substr(9), query_of(req.target), ex);
     } else if (path == "/v1/batches" || path.rfind("/v1/batches/", 0) == 0) {
@@ -566,13 +607,25 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else {
       throw ApiError(404, fmt::format("no route for {} {}", req.method, path), "", "not_found");
     }
+  } catch (...) {
+    const auto [status, body] = error_answer(req);
+    respond_error(ex, status, body);
+  }
+}
+
+std::pair<int, std::string> Api::error_answer(const HttpRequest& req) {
+  try {
+    throw;
   } catch (const ApiError& e) {
-    respond_error(ex, e.status, error_body(e));
+    return {e.status, error_body(e)};
   } catch (const Error& e) {  // the engine refusing a request (client error by the interface's contract)
-    respond_error(ex, 400, error_body(400, e.what()));
+    return {400, error_body(400, e.what())};
   } catch (const std::exception& e) {
-    MLA_LOG_ERROR("{} {}: {}", req.method, path, e.what());
-    ex->respond(500, "application/json", error_body(500, e.what(), "internal_error", "internal_error"));
+    MLA_LOG_ERROR("{} {}: {}", req.method, path_of(req.target), e.what());
+    return {500, error_body(500, e.what(), "internal_error", "internal_error")};
+  } catch (...) {
+    MLA_LOG_ERROR("{} {}: an unknown exception", req.method, path_of(req.target));
+    return {500, error_body(500, "an unknown exception", "internal_error", "internal_error")};
   }
 }
 
@@ -916,11 +969,159 @@ std::shared_ptr<TokenConstraint> Api::constraint_for(const std::string& regex,
 
 void Api::responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
   const ojson body = parse_body_ordered(req.body);
+  if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object", "", "invalid_value");
+  auto flag = [&](const char* key, bool dflt) {
+    const auto it = body.find(key);
+    if (it == body.end() || it->is_null()) return dflt;
+    if (!it->is_boolean()) bad_request(key, "invalid_type", "'{}' must be true or false", key);
+    return it->get<bool>();
+  };
+  const bool store = flag("store", true), background = flag("background", false), stream = flag("stream", false);
+  if (background && !store)
+    bad_request("background", "invalid_value", "'background' responses need 'store' (true by default)");
+  if (background && stream)
+    bad_request("background", "unsupported_parameter",
+                "'background' together with 'stream' is not supported: create it in the background and poll "
+                "GET /v1/responses/{{id}}");
+  // The conversation it continues: the stored response's context and output.
+  ojson prior = ojson::array();
+  if (const auto prev = body.find("previous_response_id"); prev != body.end() && !prev->is_null()) {
+    if (!prev->is_string())
+      bad_request("previous_response_id", "invalid_type", "'previous_response_id' must be a string");
+    const auto rec = responses_store_->get(prev->get<std::string>());
+    if (!rec)
+      throw ApiError(404, fmt::format("no stored response with id '{}' (deleted, created with store false, or "
+                                      "forgotten: this server keeps the last {} GiB of responses in memory)",
+                                      prev->get<std::string>(), ResponseStore::kMaxBytes >> 30),
+                     "previous_response_id", "not_found");
+    const std::string status = rec->response.value("status", "");
+    if (status == "queued" || status == "in_progress")
+      bad_request("previous_response_id", "invalid_value", "the response '{}' is still {}: wait until it ends",
+                  prev->get<std::string>(), status);
+    if (rec->context) prior = *rec->context;
+    for (const auto& item : rec->response.at("output")) prior.push_back(item);
+  }
   HttpRequest chat = req;
-  chat.body = responses_to_chat(body).dump();  // in the request's key order: schemas keep their properties' order
+  chat.body = responses_to_chat(body, prior).dump();  // in the request's key order (a schema's properties' order)
   const std::string id = "resp_" + new_id();  // also the job's: /abort_request takes it
-  generate(ApiKind::Chat, chat,
-           std::make_shared<ResponsesExchange>(ex, body, id, unix_seconds(), opts_.served_model_name), id);
+  const int64_t created = unix_seconds();
+  std::shared_ptr<const ojson> context;
+  ojson input;
+  if (store) {
+    input = responses_input_items(body, id);
+    for (const auto& item : input) prior.push_back(item);
+    context = std::make_shared<const ojson>(std::move(prior));
+  }
+  if (!background) {
+    std::function<void(const ojson&)> finished;
+    if (store)
+      finished = [st = responses_store_.get(), id, input, context](const ojson& r) { st->put(id, r, input, context); };
+    generate(ApiKind::Chat, chat,
+             std::make_shared<ResponsesExchange>(ex, body, id, created, opts_.served_model_name, std::move(finished)),
+             id);
+    return;
+  }
+  // Background: stored as queued, generated on the store's worker; the client gets the response as it is once the
+  // generation was submitted (or the error refusing it).
+  ResponseStore* st = responses_store_.get();
+  auto outer = st->begin_background(
+      id, response_object(body, id, created, opts_.served_model_name, "queued"), std::move(input), std::move(context),
+      [&](std::shared_ptr<HttpExchange> inner) {
+        return std::make_shared<ResponsesExchange>(std::move(inner), body, id, created, opts_.served_model_name,
+                                                   [st, id](const ojson& r) { st->complete(id, r); });
+      });
+  st->executor()([this, st, chat, outer, id, ex] {
+    std::string answer;
+    int status = 200;
+    try {
+      generate(ApiKind::Chat, chat, outer, id);
+      st->started(id);
+      const auto rec = st->get(id);
+      answer = rec ? dump(rec->response) : std::string();
+    } catch (...) {
+      st->abandon(id);
+      std::tie(status, answer) = error_answer(chat);
+    }
+    if (answer.empty()) {  // deleted meanwhile
+      status = 404;
+      answer = error_body(404, fmt::format("the response '{}' was deleted", id), "invalid_request_error", "not_found");
+    }
+    ex->executor()([this, ex, status, answer = std::move(answer)]() mutable {
+      respond_error(ex, status, std::move(answer));
+    });
+  });
+}
+
+void Api::stored_response(const HttpRequest& req, std::string_view rest, std::string_view query,
+                          const std::shared_ptr<HttpExchange>& ex) {
+  const auto [id, sub] = id_and_sub(rest);
+  const auto rec = responses_store_->get(id);
+  auto not_found = [&] {
+    throw ApiError(404, fmt::format("no stored response with id '{}'", id), "response_id", "not_found");
+  };
+  auto method_not_allowed = [&] {
+    throw ApiError(405, fmt::format("method {} is not allowed on {}", req.method, path_of(req.target)), "",
+                   "method_not_allowed");
+  };
+  if (sub.empty()) {
+    if (req.method == "DELETE") {
+      if (!responses_store_->erase(id)) not_found();
+      respond_json(ex, 200, dump(ojson{{"id", id}, {"object", "response"}, {"deleted", true}}));
+      return;
+    }
+    if (req.method != "GET") method_not_allowed();
+    if (const auto s = query_param(query, "stream"); s && *s == "true")
+      throw ApiError(400, "streaming a stored response is not supported: GET it without 'stream'", "stream",
+                     "unsupported_parameter");
+    if (!rec) not_found();
+    respond_json(ex, 200, dump(rec->response));
+  } else if (sub == "/input_items") {
+    if (req.method != "GET") method_not_allowed();
+    if (!rec) not_found();
+    const int64_t limit = list_limit(query);
+    const std::string order = query_param(query, "order").value_or("desc");
+    if (order != "asc" && order != "desc")
+      throw ApiError(400, "'order' must be asc or desc", "order", "invalid_value");
+    std::vector<const ojson*> items;
+    for (const auto& item : rec->input) items.push_back(&item);
+    if (order == "desc") std::reverse(items.begin(), items.end());
+    size_t i = 0;
+    if (const auto after = query_param(query, "after")) {
+      while (i < items.size() && (*items[i])["id"] != *after) ++i;
+      if (i == items.size())
+        throw ApiError(400, fmt::format("'after': no input item '{}' in this response", *after), "after",
+                       "invalid_value");
+      ++i;
+    }
+    ojson data = ojson::array();
+    for (; i < items.size() && static_cast<int64_t>(data.size()) < limit; ++i) data.push_back(*items[i]);
+    ojson o;
+    o["object"] = "list";
+    o["first_id"] = data.empty() ? ojson(nullptr) : data.front()["id"];
+    o["last_id"] = data.empty() ? ojson(nullptr) : data.back()["id"];
+    o["has_more"] = i < items.size();
+    o["data"] = std::move(data);
+    respond_json(ex, 200, dump(o));
+  } else if (sub == "/cancel") {
+    if (req.method != "POST") method_not_allowed();
+    if (!rec) not_found();
+    if (rec->response.value("background", false) != true)
+      throw ApiError(400, "only responses created with 'background': true can be cancelled", "response_id",
+                     "invalid_value");
+    responses_store_->cancel(id, [this, ex, id](std::shared_ptr<const ResponseStore::Record> r) {
+      std::string body = r ? dump(r->response) : std::string();
+      ex->executor()([this, ex, id, body = std::move(body)]() mutable {
+        if (body.empty()) {
+          respond_error(ex, 404, error_body(404, fmt::format("no stored response with id '{}'", id),
+                                            "invalid_request_error", "not_found"));
+        } else {
+          respond_json(ex, 200, body);
+        }
+      });
+    });
+  } else {
+    throw ApiError(404, fmt::format("no route for {} {}", req.method, path_of(req.target)), "", "not_found");
+  }
 }
 
 void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex,

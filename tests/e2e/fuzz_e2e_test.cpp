@@ -77,6 +77,8 @@ const Seed kSeeds[] = {
       {"type": "string"}}}}], "max_output_tokens": 8, "stream": true, "top_logprobs": 2})"},
     {"/v1/responses", R"({"input": "Say it", "max_output_tokens": 6, "text": {"format": {"type": "json_schema",
       "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "boolean"}}}}}, "temperature": 0.5})"},
+    {"/v1/responses", R"({"input": [{"role": "user", "content": "Hi"}], "background": true, "store": true,
+      "max_output_tokens": 4, "metadata": {"a": "b"}})"},
     {"/tokenize", R"({"prompt": "hello world", "add_special_tokens": false})"},
     {"/tokenize", R"({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": true})"},
     {"/detokenize", R"({"tokens": [100, 200, 300]})"},
@@ -98,7 +100,7 @@ const char* kKeys[] = {
     "user", "guided_json", "guided_regex", "structured_outputs", "input", "instructions", "max_output_tokens",
     "text", "format", "call_id", "output", "previous_response_id", "metadata", "store", "reasoning",
     "truncate_prompt_tokens", "prompt_logprobs", "continuous_usage_stats", "allowed_token_ids", "bad_words",
-    "token_ids_logprob", "thinking_budget", "thinking_token_budget",
+    "token_ids_logprob", "thinking_budget", "thinking_token_budget", "background", "conversation",
 };
 
 class Mutator {

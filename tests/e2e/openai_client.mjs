@@ -148,6 +148,43 @@ const yesNo = await client.responses.stream({ model, input: 'Yes or no?', temper
 check(yesNo.status === 'completed' && ['"yes"', '"no"'].includes(yesNo.output_text.trim()), 'responses stream helper',
   yesNo);
 
+// Stored responses: retrieve, a continuation through previous_response_id (greedy: the same text as chat given the
+// whole conversation), its input items, delete; a background response polled to its end, and one cancelled.
+const stored = await client.responses.retrieve(resp.id);
+check(stored.id === resp.id && stored.status === resp.status && stored.output_text === resp.output_text,
+  'responses retrieve', stored);
+const followUp = 'And of Italy?';
+const next = await client.responses.create({ model, input: followUp, previous_response_id: resp.id,
+  max_output_tokens: 6, temperature: 0 });
+const nextChat = await client.chat.completions.create({ model, max_tokens: 6, temperature: 0, messages: [
+  { role: 'user', content: rq.input }, { role: 'assistant', content: resp.output_text },
+  { role: 'user', content: followUp }] });
+check(next.previous_response_id === resp.id && next.output_text === nextChat.choices[0].message.content &&
+  next.usage.input_tokens === nextChat.usage.prompt_tokens, 'previous_response_id continues the conversation',
+  { next, chat: nextChat });
+const inputItems = [];
+for await (const item of client.responses.inputItems.list(next.id, { limit: 1 })) inputItems.push(item);
+check(inputItems.length === 1 && inputItems[0].type === 'message' && inputItems[0].content[0].text === followUp,
+  'responses input items', inputItems);
+await client.responses.delete(next.id);
+try {
+  await client.responses.retrieve(next.id);
+  check(false, 'a deleted response must be gone');
+} catch (e) {
+  check(e.status === 404, 'deleted response -> 404', { status: e.status, message: e.message });
+}
+let bg = await client.responses.create({ ...rq, background: true });
+check(bg.background === true && ['queued', 'in_progress', 'incomplete'].includes(bg.status), 'background create', bg);
+for (let i = 0; i < 3000 && (bg.status === 'queued' || bg.status === 'in_progress'); ++i) {
+  await new Promise(r => setTimeout(r, 10));
+  bg = await client.responses.retrieve(bg.id);
+}
+check(bg.status === 'incomplete' && bg.output_text === resp.output_text, 'background response polled', bg);
+const longBg = await client.responses.create({ model, input: 'Count', max_output_tokens: 1000, ignore_eos: true,
+  background: true });
+const cancelled = await client.responses.cancel(longBg.id);
+check(cancelled.id === longBg.id && cancelled.status === 'cancelled', 'background response cancelled', cancelled);
+
 // Models list.
 const models = await client.models.list();
 check(models.data.some(m => m.id === model), 'models list', models.data);

@@ -3,6 +3,7 @@
 
 #include <sys/resource.h>
 
+#include <future>
 #include <regex>
 #include <thread>
 
@@ -12,6 +13,7 @@
 #include "server/api_error.h"
 #include "server/batches.h"
 #include "server/http_server.h"
+#include "server/response_store.h"
 
 namespace mlaserve::server {
 namespace {
@@ -552,7 +554,11 @@ TEST(HttpApi, ResponsesApi) {
            {R"({})", "input"},
            {R"({"input": [{"type": "input_image", "image_url": "x"}]})", "input[0].type"},
            {R"({"input": [{"role": "user", "content": [{"type": "input_image"}]}]})", "input[0].content[0].type"},
-           {R"({"input": "x", "previous_response_id": "resp_1"})", "previous_response_id"},
+           {R"({"input": "x", "conversation": "conv_1"})", "conversation"},
+           {R"({"input": "x", "previous_response_id": 7})", "previous_response_id"},
+           {R"({"input": "x", "store": "yes"})", "store"},
+           {R"({"input": "x", "background": true, "store": false})", "background"},
+           {R"({"input": "x", "background": true, "stream": true})", "background"},
            {R"({"input": "x", "tools": [{"type": "web_search"}]})", "tools[0].type"},
            {R"({"input": "x", "stream": "yes"})", "stream"},
            {R"({"input": [{"type": "function_call", "name": "f"}]})", "input[0].call_id"},
@@ -561,6 +567,221 @@ TEST(HttpApi, ResponsesApi) {
     EXPECT_EQ(r.status, 400) << bad << " -> " << r.body;
     EXPECT_EQ(json::parse(r.body)["error"]["param"], param) << bad << " -> " << r.body;
   }
+}
+
+// Stored responses: GET / DELETE /v1/responses/{id}, input_items, previous_response_id continuing the stored
+// conversation (the fake engine echoes the rendered prompt, so the continuation's output shows the conversation it
+// was given: equal to chat with the same messages), store false, streamed responses stored whole.
+TEST(HttpApi, StoredResponses) {
+  TestServer s;
+  auto post = [&](const json& body) {
+    auto r = s.post("/v1/responses", body.dump());
+    EXPECT_EQ(r.status, 200) << body.dump() << " -> " << r.body;
+    return json::parse(r.body);
+  };
+  auto text_of = [](const json& resp) { return resp["output"][0]["content"][0]["text"].get<std::string>(); };
+  const json first = post({{"input", "hello"}, {"instructions", "old rules"}, {"max_output_tokens", 200}});
+  const std::string id = first["id"];
+  EXPECT_EQ(first["store"], true);
+  EXPECT_EQ(first["background"], false);
+  auto got = s.get("/v1/responses/" + id);
+  ASSERT_EQ(got.status, 200) << got.body;
+  EXPECT_EQ(json::parse(got.body), first);
+
+  // The continuation: the earlier input and output, then its own input; the earlier instructions are not carried.
+  const json second = post({{"input", json::array({{{"role", "user"}, {"content", "next"}},
+                                                   {{"type", "message"}, {"role", "user"},
+                                                    {"content", json::array({{{"type", "input_text"},
+                                                                              {"text", "and more"}}})}}})},
+                            {"instructions", "be brief"},
+                            {"previous_response_id", id},
+                            {"max_output_tokens", 400}});
+  EXPECT_EQ(second["previous_response_id"], id);
+  const json chat = {{"messages", json::array({{{"role", "system"}, {"content", "be brief"}},
+                                               {{"role", "user"}, {"content", "hello"}},
+                                               {{"role", "assistant"}, {"content", text_of(first)}},
+                                               {{"role", "user"}, {"content", "next"}},
+                                               {{"role", "user"}, {"content", "and more"}}})},
+                     {"max_tokens", 400}};
+  auto c = s.post("/v1/chat/completions", chat.dump());
+  ASSERT_EQ(c.status, 200) << c.body;
+  EXPECT_EQ(text_of(second), json::parse(c.body)["choices"][0]["message"]["content"]);
+  EXPECT_EQ(text_of(second).rfind("<bos>[system]be brief[user]hello[assistant]<bos>[system]old rules", 0), 0u)
+      << text_of(second);
+  // A third turn continues the whole chain.
+  const json third = post({{"input", "last"}, {"previous_response_id", second["id"]}, {"max_output_tokens", 900}});
+  EXPECT_NE(text_of(third).find("[user]hello[assistant]"), std::string::npos);
+  EXPECT_NE(text_of(third).find("[user]next[user]and more[assistant]"), std::string::npos) << text_of(third);
+  EXPECT_NE(text_of(third).find("[user]last"), std::string::npos);
+
+  // input_items: the request's own items (newest first by default), with ids.
+  const std::string second_id = second["id"];
+  auto items = json::parse(s.get("/v1/responses/" + second_id + "/input_items").body);
+  EXPECT_EQ(items["object"], "list");
+  ASSERT_EQ(items["data"].size(), 2u) << items.dump();
+  EXPECT_EQ(items["data"][0]["content"][0], json({{"type", "input_text"}, {"text", "and more"}}));
+  EXPECT_EQ(items["data"][1]["content"][0], json({{"type", "input_text"}, {"text", "next"}}));
+  EXPECT_EQ(items["data"][1]["type"], "message");
+  EXPECT_EQ(items["has_more"], false);
+  EXPECT_EQ(items["first_id"], items["data"][0]["id"]);
+  EXPECT_NE(items["data"][0]["id"], items["data"][1]["id"]);
+  auto page = json::parse(s.get("/v1/responses/" + second_id + "/input_items?order=asc&limit=1").body);
+  ASSERT_EQ(page["data"].size(), 1u);
+  EXPECT_EQ(page["data"][0]["content"][0]["text"], "next");
+  EXPECT_EQ(page["has_more"], true);
+  page = json::parse(s.get("/v1/responses/" + second_id + "/input_items?order=asc&after=" +
+                           page["last_id"].get<std::string>()).body);
+  ASSERT_EQ(page["data"].size(), 1u);
+  EXPECT_EQ(page["data"][0]["content"][0]["text"], "and more");
+  EXPECT_EQ(page["has_more"], false);
+  EXPECT_EQ(s.get("/v1/responses/" + second_id + "/input_items?limit=0").status, 400);
+  EXPECT_EQ(s.get("/v1/responses/" + second_id + "/input_items?order=up").status, 400);
+  EXPECT_EQ(s.get("/v1/responses/" + second_id + "/input_items?after=nope").status, 400);
+  items = json::parse(s.get("/v1/responses/" + id + "/input_items").body);
+  ASSERT_EQ(items["data"].size(), 1u);
+  EXPECT_EQ(items["data"][0]["role"], "user");
+  EXPECT_EQ(items["data"][0]["content"][0]["text"], "hello");
+
+  // store false: answered, not kept.
+  const json unstored = post({{"input", "x"}, {"store", false}, {"max_output_tokens", 2}});
+  EXPECT_EQ(unstored["store"], false);
+  EXPECT_EQ(s.get("/v1/responses/" + unstored["id"].get<std::string>()).status, 404);
+  auto r = s.post("/v1/responses", json({{"input", "y"}, {"previous_response_id", unstored["id"]}}).dump());
+  EXPECT_EQ(r.status, 404);
+  EXPECT_EQ(json::parse(r.body)["error"]["param"], "previous_response_id");
+
+  // Streamed: stored as the last event's response.
+  r = s.post("/v1/responses", json({{"input", "streamed"}, {"stream", true}, {"max_output_tokens", 5}}).dump());
+  ASSERT_EQ(r.status, 200);
+  const json last = json::parse(sse_payloads(r.body).back());
+  ASSERT_EQ(last["type"], "response.incomplete") << last.dump();
+  got = s.get("/v1/responses/" + last["response"]["id"].get<std::string>());
+  ASSERT_EQ(got.status, 200);
+  EXPECT_EQ(json::parse(got.body), last["response"]);
+
+  // DELETE: gone, then unknown.
+  auto del = http_request(s.port(), "DELETE", "/v1/responses/" + id);
+  ASSERT_EQ(del.status, 200) << del.body;
+  EXPECT_EQ(json::parse(del.body), json({{"id", id}, {"object", "response"}, {"deleted", true}}));
+  EXPECT_EQ(s.get("/v1/responses/" + id).status, 404);
+  EXPECT_EQ(http_request(s.port(), "DELETE", "/v1/responses/" + id).status, 404);
+  EXPECT_EQ(s.get("/v1/responses/" + id + "/input_items").status, 404);
+  // Its continuation keeps what it was given.
+  EXPECT_EQ(s.get("/v1/responses/" + second_id).status, 200);
+  EXPECT_EQ(post({{"input", "z"}, {"previous_response_id", second_id}, {"max_output_tokens", 1}})["status"],
+            "incomplete");
+  // Not a background response: no cancel; other methods and routes refused.
+  r = s.post("/v1/responses/" + second_id + "/cancel", "");
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_EQ(s.post("/v1/responses/" + second_id, "{}").status, 405);
+  EXPECT_EQ(s.get("/v1/responses/" + second_id + "/other").status, 404);
+  EXPECT_EQ(s.get("/v1/responses/" + second_id + "?stream=true").status, 400);
+}
+
+// The store keeps the newest responses within its bytes: the oldest finished ones go first, a running background
+// response stays until it ends.
+TEST(ResponseStoreTest, ForgetsTheOldestPastItsBytes) {
+  using ojson = nlohmann::ordered_json;
+  auto response = [](const std::string& id, const char* status) {
+    return ojson{{"id", id}, {"status", status}, {"output", ojson::array()}, {"pad", std::string(1000, 'x')}};
+  };
+  auto context = std::make_shared<const ojson>(ojson::array());
+  ResponseStore store(3500);  // three responses of ~1,040 bytes
+  for (const char* id : {"a", "b", "c"}) store.put(id, response(id, "completed"), ojson::array(), context);
+  EXPECT_EQ(store.size(), 3u);
+  store.put("d", response("d", "completed"), ojson::array(), context);
+  EXPECT_EQ(store.size(), 3u);
+  EXPECT_EQ(store.get("a"), nullptr);
+  ASSERT_NE(store.get("b"), nullptr);
+  EXPECT_EQ(store.get("d")->response["id"], "d");
+  // A running background response is not forgotten; once it ends it is the oldest.
+  auto ex = store.begin_background("bg", response("bg", "queued"), ojson::array(), context,
+                                   [](std::shared_ptr<HttpExchange> inner) { return inner; });
+  for (const char* id : {"e", "f", "g"}) store.put(id, response(id, "completed"), ojson::array(), context);
+  ASSERT_NE(store.get("bg"), nullptr);
+  EXPECT_EQ(store.get("b"), nullptr);
+  EXPECT_EQ(store.get("e"), nullptr);
+  store.started("bg");
+  EXPECT_EQ(store.get("bg")->response["status"], "in_progress");
+  store.complete("bg", response("bg", "completed"));
+  std::promise<void> answered;
+  ex->executor()([&] {
+    ex->respond(200, "application/json", "{}");
+    answered.set_value();
+  });
+  answered.get_future().wait();
+  EXPECT_EQ(store.get("bg")->response["status"], "completed");
+  store.put("h", response("h", "completed"), ojson::array(), context);
+  EXPECT_EQ(store.get("bg"), nullptr);
+  EXPECT_TRUE(store.erase("h"));
+  EXPECT_FALSE(store.erase("h"));
+}
+
+// Background responses: created at once (queued or in progress), polled until they end, cancellable; a request
+// the server refuses is answered with its error and not kept.
+TEST(HttpApi, BackgroundResponses) {
+  TestServer s;
+  auto poll = [&](const std::string& id) {
+    json r;
+    for (int i = 0; i < 2000; ++i) {
+      r = json::parse(s.get("/v1/responses/" + id).body);
+      if (r["status"] != "queued" && r["status"] != "in_progress") break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return r;
+  };
+  auto r = s.post("/v1/responses", R"({"input": "short", "background": true, "max_output_tokens": 4})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  json created = json::parse(r.body);
+  EXPECT_EQ(created["background"], true);
+  EXPECT_TRUE(created["status"] == "queued" || created["status"] == "in_progress" ||
+              created["status"] == "incomplete")
+      << created.dump();
+  json done = poll(created["id"]);
+  EXPECT_EQ(done["status"], "incomplete") << done.dump();
+  EXPECT_EQ(done["usage"]["output_tokens"], 4);
+  EXPECT_EQ(done["output"][0]["content"][0]["text"].get<std::string>().size(), 4u);
+  // Cancelling an ended background response answers it as it is.
+  r = s.post("/v1/responses/" + created["id"].get<std::string>() + "/cancel", "");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["status"], "incomplete");
+
+  // A long one: in progress until cancelled; a continuation must wait for it.
+  r = s.post("/v1/responses", R"({"input": "abc", "background": true, "max_output_tokens": 4000,
+      "ignore_eos": true})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  const std::string id = json::parse(r.body)["id"];
+  for (int i = 0; i < 500 && s.engine.num_live() < 1; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  EXPECT_EQ(json::parse(s.get("/v1/responses/" + id).body)["status"], "in_progress");
+  r = s.post("/v1/responses", json({{"input", "then"}, {"previous_response_id", id}}).dump());
+  EXPECT_EQ(r.status, 400) << r.body;
+  r = s.post("/v1/responses/" + id + "/cancel", "");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["status"], "cancelled");
+  EXPECT_TRUE(s.wait_idle());
+  EXPECT_EQ(json::parse(s.get("/v1/responses/" + id).body)["status"], "cancelled");
+  // /abort_request takes a background response's id too; deleting a running one cancels it.
+  for (const bool abort : {true, false}) {
+    r = s.post("/v1/responses", R"({"input": "abc", "background": true, "max_output_tokens": 4000,
+        "ignore_eos": true})");
+    const std::string id2 = json::parse(r.body)["id"];
+    for (int i = 0; i < 500 && s.engine.num_live() < 1; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    if (abort) {
+      EXPECT_EQ(json::parse(s.post("/abort_request", json({{"rid", id2}}).dump()).body)["aborted"], 1);
+      EXPECT_EQ(poll(id2)["status"], "cancelled");
+    } else {
+      EXPECT_EQ(http_request(s.port(), "DELETE", "/v1/responses/" + id2).status, 200);
+      EXPECT_EQ(s.get("/v1/responses/" + id2).status, 404);
+    }
+    EXPECT_TRUE(s.wait_idle());
+  }
+
+  // Refused requests: the error at once, nothing kept.
+  r = s.post("/v1/responses", R"({"input": "x", "background": true, "model": "nope"})");
+  EXPECT_EQ(r.status, 404) << r.body;
+  r = s.post("/v1/responses", R"({"input": "x", "background": true, "max_output_tokens": 100000})");
+  EXPECT_EQ(r.status, 400) << r.body;
 }
 
 // vLLM's add_special_tokens (the BOS on text prompts: completions by default, chat not, its template writes it) and
