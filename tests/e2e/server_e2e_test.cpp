@@ -468,8 +468,10 @@ TEST_F(ServerE2E, TokenIdsLogprob) {
 // into one file in the input's order, each answer what the server gives the same request (greedy, same dummy
 // weights); a file with a line that is not a request exits non-zero naming the line.
 TEST_F(ServerE2E, RunBatchAnswersAsTheServer) {
-  const std::string dir = ::testing::TempDir();
-  const std::string in = dir + "/mlaserve_batch_in.jsonl", out = dir + "/mlaserve_batch_out.jsonl";
+  // Per process: the test's layout variants run at once under ctest -j.
+  const std::string dir = ::testing::TempDir(), pid = std::to_string(::getpid());
+  const std::string in = dir + "/mlaserve_batch_in_" + pid + ".jsonl";
+  const std::string out = dir + "/mlaserve_batch_out_" + pid + ".jsonl";
   const std::string chat =
       R"({"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 5, "temperature": 0})";
   const std::string completion = R"({"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0})";
@@ -518,6 +520,8 @@ TEST_F(ServerE2E, RunBatchAnswersAsTheServer) {
   r = run_command(cmd);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("custom_id 'c1' appears twice"), std::string::npos) << r.output;
+  std::filesystem::remove(in);
+  std::filesystem::remove(out);
   wait_idle(port());
 }
 
