@@ -68,6 +68,11 @@ struct ServeArgs {
   std::string chat_template;
   std::string completion_template;
   std::string fp8_experts = "auto";
+  // Speculative decoding: SGLang's --speculative-algorithm NGRAM and its sizes, or vLLM's --speculative-config JSON.
+  std::string speculative_algorithm, speculative_config;
+  int32_t speculative_num_draft_tokens = 0;  // 0: the default (4) with an algorithm
+  int32_t ngram_min = 1, ngram_max = 3;
+  int32_t spec_draft_tokens = 0;  // resolved at validation
   // mlaserve's own.
   size_t max_body_bytes = 256u << 20;
   int num_http_threads = 0;  // 0: from the machine's cores (auto_http_threads)
@@ -148,6 +153,55 @@ class LoadProgress {
   std::thread thread_;
 };
 
+// Speculative decoding from SGLang's flags or vLLM's --speculative-config: the draft tokens per step and the n-gram
+// sizes (spec_draft_tokens stays 0 without either).
+void resolve_speculative(ServeArgs& s) {
+  std::string algo = s.speculative_algorithm;
+  std::transform(algo.begin(), algo.end(), algo.begin(), [](unsigned char c) { return std::toupper(c); });
+  int32_t k = s.speculative_num_draft_tokens;
+  if (!s.speculative_config.empty()) {
+    MLA_CHECK(algo.empty(), "give either --speculative-algorithm or --speculative-config, not both");
+    const nlohmann::json j = nlohmann::json::parse(s.speculative_config, nullptr, false);
+    MLA_CHECK(j.is_object(), "--speculative-config: '{}' is not a JSON object", s.speculative_config);
+    for (const auto& [key, v] : j.items()) {
+      auto int_of = [&, key = key, v = v] {
+        MLA_CHECK(v.is_number_integer(), "--speculative-config: '{}' must be an integer", key);
+        return v.get<int32_t>();
+      };
+      if (key == "method") {
+        MLA_CHECK(v.is_string(), "--speculative-config: 'method' must be a string");
+        algo = v.get<std::string>();
+        std::transform(algo.begin(), algo.end(), algo.begin(), [](unsigned char c) { return std::toupper(c); });
+      } else if (key == "num_speculative_tokens") {
+        k = int_of();
+        MLA_CHECK(k >= 1, "--speculative-config: 'num_speculative_tokens' must be at least 1, got {}", k);
+      } else if (key == "prompt_lookup_min") {
+        s.ngram_min = int_of();
+      } else if (key == "prompt_lookup_max") {
+        s.ngram_max = int_of();
+      } else {
+        MLA_CHECK(false, "--speculative-config: '{}' is not supported (method, num_speculative_tokens, "
+                  "prompt_lookup_min, prompt_lookup_max)", key);
+      }
+    }
+    MLA_CHECK(!algo.empty(), "--speculative-config: 'method' is required");
+  }
+  if (algo.empty()) {
+    MLA_CHECK(k == 0, "--speculative-num-draft-tokens needs --speculative-algorithm NGRAM");
+    return;
+  }
+  MLA_CHECK(algo == "NGRAM",
+            "speculative decoding '{}' is not supported: only NGRAM (vLLM's \"ngram\") is; EAGLE / NEXTN / MTP "
+            "drafts from a checkpoint's own layers are not implemented",
+            s.speculative_config.empty() ? s.speculative_algorithm : algo);
+  if (k == 0) k = 4;
+  MLA_CHECK(k >= 1 && k <= 64, "speculative decoding: the draft tokens per step must be in [1, 64], got {}", k);
+  MLA_CHECK(s.ngram_min >= 1 && s.ngram_max >= s.ngram_min && s.ngram_max <= 64,
+            "speculative decoding: the n-gram sizes must satisfy 1 <= min ({}) <= max ({}) <= 64", s.ngram_min,
+            s.ngram_max);
+  s.spec_draft_tokens = k;
+}
+
 // --allowed-origins: a JSON list (vLLM's form, '["https://a.example"]') or origins separated by commas.
 std::vector<std::string> parse_origins(const std::string& v) {
   std::vector<std::string> out;
@@ -196,6 +250,10 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["enable_priority_scheduling"] = a.enable_priority_scheduling;
   j["schedule_low_priority_values_first"] = a.low_priority_values_first;
   j["scheduling_policy"] = a.scheduling_policy;
+  j["speculative_algorithm"] = a.spec_draft_tokens > 0 ? nlohmann::json("NGRAM") : nlohmann::json(nullptr);
+  j["speculative_num_draft_tokens"] = a.spec_draft_tokens;
+  j["speculative_ngram_min_match_window_size"] = a.ngram_min;
+  j["speculative_ngram_max_match_window_size"] = a.ngram_max;
   j["page_size"] = a.page_size;
   j["context_length"] = a.context_length;
   j["device"] = a.device;
@@ -310,6 +368,19 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                  "fcfs | priority (vLLM's: requests by their `priority`, lower first)")
       ->capture_default_str();
   app.add_flag("--enable-metrics", a->enable_metrics, "accepted for compatibility; /metrics is always on");
+  app.add_option("--speculative-algorithm", a->speculative_algorithm,
+                 "speculative decoding: NGRAM (drafts from earlier occurrences of the last tokens)");
+  app.add_option("--speculative-num-draft-tokens", a->speculative_num_draft_tokens,
+                 "draft tokens checked per step (default 4)");
+  app.add_option("--speculative-ngram-min-match-window-size", a->ngram_min,
+                 "NGRAM: shortest run of last tokens looked up")
+      ->capture_default_str();
+  app.add_option("--speculative-ngram-max-match-window-size", a->ngram_max,
+                 "NGRAM: longest run of last tokens looked up (tried first)")
+      ->capture_default_str();
+  app.add_option("--speculative-config", a->speculative_config,
+                 "vLLM's: JSON {\"method\": \"ngram\", \"num_speculative_tokens\": k, \"prompt_lookup_min\": n, "
+                 "\"prompt_lookup_max\": m}");
   app.add_option("--load-balance-method", a->load_balance_method, "DP load balancing")->capture_default_str();
   app.add_option("--nnodes", a->nnodes, "number of nodes")->capture_default_str();
   app.add_option("--node-rank", a->node_rank, "this node's rank")->capture_default_str();
@@ -407,6 +478,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     MLA_CHECK(!(s.enable_priority_scheduling && s.scheduling_policy == "priority"),
               "give either --enable-priority-scheduling (higher values first) or --scheduling-policy priority (lower "
               "values first), not both");
+    resolve_speculative(s);
     s.origins = parse_origins(s.allowed_origins);
     MLA_CHECK(s.reasoning_parser.empty() || server::known_reasoning_parser(s.reasoning_parser),
               "--reasoning-parser '{}' is not known (known: deepseek-r1, or vLLM's deepseek_r1)", s.reasoning_parser);
@@ -453,6 +525,9 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     ea.dist_init_addr = s.dist_init_addr;
     ea.disable_overlap_schedule = s.disable_overlap_schedule;
     ea.priority_scheduling = s.enable_priority_scheduling || s.scheduling_policy == "priority";
+    ea.spec_draft_tokens = s.spec_draft_tokens;
+    ea.spec_ngram_min = s.ngram_min;
+    ea.spec_ngram_max = s.ngram_max;
     ea.cuda_graph_max_bs = s.cuda_graph_max_bs;
     ea.disable_cuda_graph = s.disable_cuda_graph;
     ea.dist_timeout_s = s.dist_timeout;

@@ -31,6 +31,16 @@ Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
   sc.chunked_prefill_size = opts_.chunked_prefill_size;
   sc.context_len = opts_.context_len;
   sc.priority_scheduling = opts_.priority_scheduling;
+  sc.spec_draft_tokens = opts_.spec_draft_tokens;
+  sc.spec_ngram_min = opts_.spec_ngram_min;
+  sc.spec_ngram_max = opts_.spec_ngram_max;
+  MLA_CHECK(opts_.spec_draft_tokens >= 0 && opts_.spec_ngram_min >= 1 && opts_.spec_ngram_max >= opts_.spec_ngram_min,
+            "speculative decoding: draft tokens {} must be >= 0 and the n-gram sizes 1 <= {} <= {}",
+            opts_.spec_draft_tokens, opts_.spec_ngram_min, opts_.spec_ngram_max);
+  if (opts_.spec_draft_tokens > 0 && opts_.overlap) {
+    MLA_LOG_INFO("speculative decoding: overlap scheduling is off (a step's inputs depend on the drafts kept)");
+    opts_.overlap = false;
+  }
   sc.enable_radix_cache = opts_.enable_radix_cache;
   sc.eos_token_ids = opts_.eos_token_ids;
   for (int32_t g = 0; g < ranks_->dp_groups(); ++g) scheds_.push_back(std::make_unique<Scheduler>(sc));
@@ -308,9 +318,21 @@ std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<St
         logit_rows[g].push_back(static_cast<int32_t>(rows[g].size()));
         rows[g].emplace_back();  // greedy
       }
+      // Drafts: a row for each (the draw after the decode token and after each draft), drawn as those positions'
+      // draws would be without drafts (a seed's draw k is draw k); their sampling depends on no earlier token (see
+      // Scheduler::may_draft).
+      for (size_t d = 0; d < s.drafts.size(); ++d) {
+        RowSampling row = s.req->sampler.row(s.req->sampling);
+        row.step += d;
+        if (row.step < static_cast<uint64_t>(std::max(s.req->sampling.min_new_tokens, 0)))
+          ban_stop_tokens(s.req->sampling, row);
+        restrict_to(row, s.req->allowed_mask);
+        if (s.req->sampling.wants_host_logits()) logit_rows[g].push_back(static_cast<int32_t>(rows[g].size()));
+        rows[g].push_back(std::move(row));
+      }
       if (s.wants_logits) {
         RowSampling row = s.req->sampler.row(s.req->sampling);
-        row.step += static_cast<uint64_t>(s.req->in_flight);  // draws of tokens still in flight
+        row.step += static_cast<uint64_t>(s.req->in_flight) + s.drafts.size();  // draws of tokens in flight, drafts
         if (row.step < static_cast<uint64_t>(std::max(s.req->sampling.min_new_tokens, 0)))
           ban_stop_tokens(s.req->sampling, row);
         if (s.req->sampling.constraint) constrain(*s.req, row);
@@ -361,17 +383,17 @@ std::vector<std::vector<SampleResult>> Engine::collect(const std::vector<StepPla
         r.logprob = top_logprobs(host_logits(i), V, next, sp.top_logprobs_num, sp.token_ids_logprob);
         sampled[g].push_back(std::move(r));
       }
-      if (!s.wants_logits) continue;
-      SampleResult r;
-      r.token = outs[g].ids[static_cast<size_t>(i)];
-      if (sp.wants_host_logits()) {
-        r.logprob = top_logprobs(host_logits(i), V, r.token, sp.top_logprobs_num, sp.token_ids_logprob);
-      } else if (sp.return_logprob) {
-        r.logprob.token = r.token;
-        r.logprob.logprob = outs[g].logprobs[static_cast<size_t>(i)];
+      for (int32_t k = 0; k < s.sampled_rows(); ++k, ++i) {
+        SampleResult r;
+        r.token = outs[g].ids[static_cast<size_t>(i)];
+        if (sp.wants_host_logits()) {
+          r.logprob = top_logprobs(host_logits(i), V, r.token, sp.top_logprobs_num, sp.token_ids_logprob);
+        } else if (sp.return_logprob) {
+          r.logprob.token = r.token;
+          r.logprob.logprob = outs[g].logprobs[static_cast<size_t>(i)];
+        }
+        sampled[g].push_back(std::move(r));
       }
-      sampled[g].push_back(std::move(r));
-      ++i;
     }
   }
   return sampled;

@@ -36,6 +36,11 @@ struct EngineOptions {
   // Requests wait in order of GenerateRequest::priority (lower first), then arrival; decode retracts the lowest
   // priority first. Off: a request with a non-zero priority is refused.
   bool priority_scheduling = false;
+  // Speculative decoding with n-gram drafts (SchedulerConfig::spec_draft_tokens; 0: off). Turns overlap scheduling
+  // off: a step's inputs depend on how many drafts the step before it kept.
+  int32_t spec_draft_tokens = 0;
+  int32_t spec_ngram_min = 1;
+  int32_t spec_ngram_max = 3;
 };
 
 class Engine final : public EngineClient {

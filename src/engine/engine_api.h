@@ -153,6 +153,9 @@ struct RankStats {
   int64_t num_retractions = 0;
   int64_t forward_steps = 0;
   int64_t overlapped_steps = 0;  // launched before the previous step finished (its ids fed on the device)
+  int64_t spec_draft_tokens = 0;     // speculative decoding: draft tokens checked
+  int64_t spec_accepted_tokens = 0;  // of those, the ones kept
+  int64_t spec_checks = 0;           // request steps that checked drafts
 };
 
 class EngineClient {
@@ -193,6 +196,9 @@ struct EngineArgs {
   bool disable_radix_cache = false;
   bool disable_overlap_schedule = false;
   bool priority_scheduling = false;  // EngineOptions::priority_scheduling
+  int32_t spec_draft_tokens = 0;     // EngineOptions::spec_draft_tokens (n-gram speculative decoding; 0: off)
+  int32_t spec_ngram_min = 1;
+  int32_t spec_ngram_max = 3;
   int32_t cuda_graph_max_bs = 256;   // decode steps up to this many tokens per DP group replay CUDA graphs
   bool disable_cuda_graph = false;
   int64_t context_length = 0;        // 0: config's max_position_embeddings

@@ -16,6 +16,24 @@ int32_t div_up(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) /
 int32_t lp_first_row_of(const SamplingParams& sp) { return std::max(sp.logprob_start_len - 1, 0); }
 }  // namespace
 
+std::vector<int32_t> ngram_draft(std::span<const int32_t> seq, int32_t min_n, int32_t max_n, int32_t k) {
+  const size_t len = seq.size();
+  if (k <= 0 || min_n <= 0) return {};
+  const size_t lo = len > kNgramWindow ? len - kNgramWindow : 0;
+  for (int32_t n = std::min<int64_t>(max_n, static_cast<int64_t>(len) - 1); n >= min_n; --n) {
+    const auto pattern = seq.subspan(len - static_cast<size_t>(n));
+    // Occurrences ending before the sequence's end, the most recent first.
+    for (size_t i = len - static_cast<size_t>(n); i-- > lo;) {
+      if (seq[i] != pattern[0] || !std::equal(pattern.begin(), pattern.end(), seq.begin() + static_cast<int64_t>(i)))
+        continue;
+      const size_t from = i + static_cast<size_t>(n);
+      const size_t to = std::min(len, from + static_cast<size_t>(k));
+      return std::vector<int32_t>(seq.begin() + static_cast<int64_t>(from), seq.begin() + static_cast<int64_t>(to));
+    }
+  }
+  return {};
+}
+
 Scheduler::Scheduler(SchedulerConfig cfg)
     : cfg_(std::move(cfg)), pool_(cfg_.num_pages), cache_(cfg_.page_size, pool_, cfg_.enable_radix_cache) {
   MLA_CHECK(cfg_.max_running_requests > 0, "max running requests must be positive");
@@ -124,6 +142,12 @@ void Scheduler::emit(Req& r) {
   r.on_output(o);
 }
 
+bool Scheduler::may_draft(const Req& r) const {
+  const SamplingParams& sp = r.sampling;
+  return cfg_.spec_draft_tokens > 0 && r.in_flight == 0 && !penalised(sp) && !sp.constraint &&
+         sp.bad_words_ids.empty() && sp.thinking_budget < 0;
+}
+
 bool Scheduler::ensure_pages(int32_t n, const Req*) {
   if (pool_.num_free() >= n) return true;
   cache_.evict(n - pool_.num_free());
@@ -145,7 +169,10 @@ int32_t Scheduler::lp_first_row(const Req& r) {
 }
 
 ScheduledSeq Scheduler::prefill_seq(Req& r, int32_t n) const {
-  ScheduledSeq q{&r, n, r.kv_len + n == static_cast<int32_t>(r.fill.size())};
+  ScheduledSeq q;
+  q.req = &r;
+  q.num_tokens = n;
+  q.wants_logits = r.kv_len + n == static_cast<int32_t>(r.fill.size());
   q.prefill = true;
   if (const int32_t first = lp_first_row(r); first >= 0) {
     q.lp_first_pos = std::max(first, r.kv_len);
@@ -286,14 +313,40 @@ StepPlan Scheduler::schedule(bool allow_retract) {
     if (r->in_flight > 0 && (static_cast<int32_t>(r->output.size()) + r->in_flight >= r->sampling.max_new_tokens ||
                              static_cast<int64_t>(r->fill.size()) >= cfg_.context_len))
       continue;
+    // A step checking its drafts is in flight: how many tokens it keeps is known only when it resolves.
+    if (r->drafting) continue;
     decoding.push_back(r.get());
   }
+  // Speculative decoding: each request's drafts, at most as many as its length limits leave room for.
+  std::unordered_map<const Req*, std::vector<int32_t>> drafts;
+  for (Req* r : decoding) {
+    if (!may_draft(*r)) continue;
+    if (r->draft_skip > 0) {  // its last drafts were not kept
+      --r->draft_skip;
+      continue;
+    }
+    const int64_t room = std::min<int64_t>(r->sampling.max_new_tokens - static_cast<int64_t>(r->output.size()),
+                                           cfg_.context_len - static_cast<int64_t>(r->fill.size())) - 1;
+    const int32_t k = static_cast<int32_t>(std::min<int64_t>(cfg_.spec_draft_tokens, room));
+    if (k <= 0) continue;
+    auto d = ngram_draft(r->fill, cfg_.spec_ngram_min, cfg_.spec_ngram_max, k);
+    if (!d.empty()) drafts.emplace(r, std::move(d));
+  }
+  auto draft_of = [&](const Req* r) -> int32_t {
+    const auto it = drafts.find(r);
+    return it == drafts.end() ? 0 : static_cast<int32_t>(it->second.size());
+  };
   auto pages_needed = [&]() {
     int32_t n = 0;
-    for (Req* r : decoding) n += std::max(0, div_up(r->kv_len + 1, P) - static_cast<int32_t>(r->pages.size()));
+    for (Req* r : decoding)
+      n += std::max(0, div_up(r->kv_len + 1 + draft_of(r), P) - static_cast<int32_t>(r->pages.size()));
     return n;
   };
   while (!decoding.empty() && !ensure_pages(pages_needed(), nullptr)) {
+    if (!drafts.empty()) {  // drafts are the first to go when pages run short
+      drafts.clear();
+      continue;
+    }
     if (!allow_retract) {
       plan.blocked = true;
       return plan;
@@ -338,8 +391,13 @@ StepPlan Scheduler::schedule(bool allow_retract) {
       }
   }
   for (Req* r : decoding) {
-    MLA_CHECK(take_pages(*r, r->kv_len + 1, r), "scheduler: decode pages vanished");
-    plan.seqs.push_back({r, 1, true});
+    const int32_t k = draft_of(r);
+    MLA_CHECK(take_pages(*r, r->kv_len + 1 + k, r), "scheduler: decode pages vanished");
+    ScheduledSeq& q = plan.seqs.emplace_back();
+    q.req = r;
+    q.num_tokens = 1 + k;
+    q.wants_logits = true;
+    if (k > 0) q.drafts = std::move(drafts.at(r));
   }
 
   // 2. Prefill: continue the chunked request, then admit waiting requests in order, within the token budget.
@@ -414,9 +472,17 @@ void Scheduler::build_batch(StepPlan& plan) {
   ForwardBatchBuilder bb(cfg_.page_size);
   std::vector<std::pair<size_t, int32_t>> from_device;  // (token index in the batch, previous step's logit row)
   size_t at = 0;
+  std::vector<int32_t> with_drafts;
   for (const ScheduledSeq& s : plan.seqs) {
     Req& r = *s.req;
-    std::span<const int32_t> toks(r.fill.data() + r.kv_len, static_cast<size_t>(s.num_tokens));
+    std::span<const int32_t> toks(r.fill.data() + r.kv_len, static_cast<size_t>(s.num_tokens) - s.drafts.size());
+    if (!s.drafts.empty()) {  // the decode token, then the drafts
+      MLA_CHECK(toks.size() == 1 && toks[0] != kPendingToken, "scheduler: request {} drafts after {} tokens", r.rid,
+                toks.size());
+      with_drafts.assign(toks.begin(), toks.end());
+      with_drafts.insert(with_drafts.end(), s.drafts.begin(), s.drafts.end());
+      toks = with_drafts;
+    }
     for (size_t i = 0; i < toks.size(); ++i)
       if (toks[i] == kPendingToken) {
         // Only a decode token can be pending, and only the newest one (one step in flight when planning).
@@ -426,6 +492,7 @@ void Scheduler::build_batch(StepPlan& plan) {
       }
     at += toks.size();
     bb.add_logits_from(toks, r.kv_len, r.pages, s.num_tokens - s.rows());
+    if (!s.drafts.empty()) bb.absorb_last();  // a few tokens after a long context: no expansion of the context
   }
   plan.batch = bb.finish();
   plan.uses_prev_ids = !from_device.empty();
@@ -437,7 +504,7 @@ void Scheduler::refresh(StepPlan& plan) {
                                  [](const ScheduledSeq& s) { return s.req->state == ReqState::Finished; }),
                   plan.seqs.end());
   for (const ScheduledSeq& s : plan.seqs)
-    for (int32_t i = 0; i < s.num_tokens; ++i)
+    for (int32_t i = 0; i < s.num_tokens - static_cast<int32_t>(s.drafts.size()); ++i)
       MLA_CHECK(s.req->fill[static_cast<size_t>(s.req->kv_len + i)] != kPendingToken,
                 "scheduler: request {} still has a pending token at refresh", s.req->rid);
   build_batch(plan);
@@ -455,7 +522,8 @@ void Scheduler::advance(StepPlan& plan) {
     Req& r = *s.req;
     ++r.plan_refs;
     row += s.lp_rows;
-    const int32_t my_row = s.wants_logits ? row++ : -1;
+    const int32_t my_row = s.wants_logits ? row : -1;
+    row += s.sampled_rows();
     if (r.state == ReqState::Finished) continue;  // aborted or stopped meanwhile
     r.kv_len += s.num_tokens;
     s.kv_end = r.kv_len;
@@ -464,6 +532,7 @@ void Scheduler::advance(StepPlan& plan) {
     r.fill.push_back(kPendingToken);
     ++r.in_flight;
     r.pending_row = my_row;
+    r.drafting = !s.drafts.empty();
   }
 }
 
@@ -483,8 +552,10 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
       for (int32_t k = 0; k < s.lp_rows; ++k) r.prompt_lps.push_back(sampled[i + static_cast<size_t>(k)].logprob);
     i += static_cast<size_t>(s.lp_rows);
     if (!s.wants_logits) continue;
-    const SampleResult& sr = sampled[i++];
+    const size_t first = i;
+    i += static_cast<size_t>(s.sampled_rows());
     if (r.state == ReqState::Finished) continue;  // aborted while the step ran, or stopped by an earlier token
+    r.drafting = false;
     if (!r.prompt_lps_done) {
       r.prompt_lps_done = true;  // the prompt's last row: its logprobs go out with this output
       MLA_CHECK(r.prompt_lps.size() + 1 == r.prompt.size() - static_cast<size_t>(lp_first_row_of(r.sampling)),
@@ -502,71 +573,102 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
       finish(r, f);
       continue;
     }
-    // The oldest token still in flight is this step's.
+    // Drafts: the draws agree with the first `kept` of them; those and the draw after them are the new tokens. The
+    // cache holds the decode token and the kept drafts; the rejected drafts' rows are overwritten later.
+    size_t kept = 0;
+    while (kept < s.drafts.size() && sampled[first + kept].token == s.drafts[kept]) ++kept;
+    if (!s.drafts.empty()) {
+      r.kv_len -= static_cast<int32_t>(s.drafts.size() - kept);
+      counters_.spec_draft_tokens += static_cast<int64_t>(s.drafts.size());
+      counters_.spec_accepted_tokens += static_cast<int64_t>(kept);
+      ++counters_.spec_checks;
+      r.draft_backoff = kept > 0 ? 0 : std::min(std::max(1, 2 * r.draft_backoff), kMaxDraftBackoff);
+      r.draft_skip = r.draft_backoff;
+    }
+    for (size_t t = 0; t <= kept && r.state != ReqState::Finished; ++t) take_token(r, sampled[first + t], t == 0);
+    if (r.state == ReqState::Finished) continue;
+    emit(r);
+    // Pages past the next token's position go back (drafts that were not kept).
+    const size_t need = static_cast<size_t>(div_up(r.kv_len + 1, cfg_.page_size));
+    if (!s.drafts.empty() && r.pages.size() > need && need >= static_cast<size_t>(r.prefix_pages)) {
+      pool_.free(std::vector<int32_t>(r.pages.begin() + static_cast<int64_t>(need), r.pages.end()));
+      r.pages.resize(need);
+    }
+  }
+  MLA_CHECK(i == sampled.size(), "scheduler: {} sampled tokens for {} rows", sampled.size(), i);
+}
+
+void Scheduler::take_token(Req& r, const SampleResult& sr, bool pending) {
+  if (pending) {  // the oldest token still in flight is this step's
     const size_t at = r.fill.size() - static_cast<size_t>(r.in_flight);
     MLA_CHECK(r.in_flight >= 1 && r.fill[at] == kPendingToken, "scheduler: request {} has no pending token", r.rid);
     r.fill[at] = sr.token;
     --r.in_flight;
-    r.output.push_back(sr.token);
-    if (r.sampling.thinking_budget >= 0) {
-      if (ends_with(r.output, r.output.size(), r.sampling.think_start_ids))
-        r.think_since = static_cast<int32_t>(r.output.size());
-      else if (ends_with(r.output, r.output.size(), r.sampling.think_end_ids))
-        r.think_since = -1;
-    }
-    r.sampler.observe_output(sr.token);
-    ++r.sampler.step;
-    if (r.sampling.wants_logprobs()) r.pending_lps.push_back(sr.logprob);
-    ++counters_.generation_tokens_total;
-    const SamplingParams& sp = r.sampling;
-    FinishReason f;
-    const bool may_stop = r.output.size() > static_cast<size_t>(std::max(sp.min_new_tokens, 0));
-    const bool stop_token = sp.is_stop_token(cfg_.eos_token_ids, sr.token);
-    // Constrained: a stop token ends the text where the constraint accepts; otherwise the token moves the state, and a
-    // state with no token allowed ends the request (a stop with no token: its text is complete).
-    bool complete = false, dropped = false;
-    auto drop_token = [&] {  // not part of the answer, which ends before it
-      complete = dropped = true;
-      r.output.pop_back();
-      if (r.sampling.wants_logprobs()) r.pending_lps.pop_back();
-      --counters_.generation_tokens_total;
-    };
-    if (r.allowed_mask && !mask_has(*r.allowed_mask, sr.token)) {
-      // A token outside allowed_token_ids: drawn only when every allowed one was banned (stop tokens under
-      // min_new_tokens, bad words, a constraint).
-      drop_token();
-    } else if (sp.constraint && r.constraint_error.empty() &&
-        !(stop_token && may_stop && sp.constraint->accepting(r.constraint_state))) {
-      try {
-        r.constraint_state = sp.constraint->next(r.constraint_state, sr.token);
-        if (r.constraint_state == TokenConstraint::kDead) {
-          // A token outside the constraint (drawn only when every allowed one was banned, e.g. stop tokens under
-          // min_new_tokens).
-          drop_token();
-        } else {
-          const auto& m = *sp.constraint->allowed(r.constraint_state);
-          complete = std::all_of(m.begin(), m.end(), [](uint32_t w) { return w == 0; });
-        }
-      } catch (const std::exception& e) {
-        r.constraint_error = e.what();
-      }
-    }
-    if (!r.constraint_error.empty()) {
-      f.kind = FinishKind::Abort;
-      f.message = "structured output: " + r.constraint_error;
-    } else if (may_stop && stop_token && !dropped) {
-      f.kind = FinishKind::Stop;
-      f.matched_token = sr.token;
-    } else if (complete) {
-      f.kind = FinishKind::Stop;
-    } else if (static_cast<int32_t>(r.output.size()) >= sp.max_new_tokens ||
-               static_cast<int64_t>(r.fill.size()) - r.in_flight >= cfg_.context_len) {
-      f.kind = FinishKind::Length;
-    }
-    if (f.kind != FinishKind::None) finish(r, f);
-    else emit(r);
+  } else {  // a draw after kept drafts (no other token in flight: drafting needs none)
+    MLA_CHECK(r.in_flight == 0, "scheduler: request {} keeps drafts with {} tokens in flight", r.rid, r.in_flight);
+    r.fill.push_back(sr.token);
   }
-  MLA_CHECK(i == sampled.size(), "scheduler: {} sampled tokens for {} rows", sampled.size(), i);
+  r.output.push_back(sr.token);
+  if (r.sampling.thinking_budget >= 0) {
+    if (ends_with(r.output, r.output.size(), r.sampling.think_start_ids))
+      r.think_since = static_cast<int32_t>(r.output.size());
+    else if (ends_with(r.output, r.output.size(), r.sampling.think_end_ids))
+      r.think_since = -1;
+  }
+  r.sampler.observe_output(sr.token);
+  ++r.sampler.step;
+  if (r.sampling.wants_logprobs()) r.pending_lps.push_back(sr.logprob);
+  ++counters_.generation_tokens_total;
+  const SamplingParams& sp = r.sampling;
+  FinishReason f;
+  const bool may_stop = r.output.size() > static_cast<size_t>(std::max(sp.min_new_tokens, 0));
+  const bool stop_token = sp.is_stop_token(cfg_.eos_token_ids, sr.token);
+  // Constrained: a stop token ends the text where the constraint accepts; otherwise the token moves the state, and a
+  // state with no token allowed ends the request (a stop with no token: its text is complete).
+  bool complete = false, dropped = false;
+  auto drop_token = [&] {  // not part of the answer, which ends before it
+    complete = dropped = true;
+    r.output.pop_back();
+    if (r.sampling.wants_logprobs()) r.pending_lps.pop_back();
+    --counters_.generation_tokens_total;
+  };
+  if (r.allowed_mask && !mask_has(*r.allowed_mask, sr.token)) {
+    // A token outside allowed_token_ids: drawn only when every allowed one was banned (stop tokens under
+    // min_new_tokens, bad words, a constraint).
+    drop_token();
+  } else if (sp.constraint && r.constraint_error.empty() &&
+      !(stop_token && may_stop && sp.constraint->accepting(r.constraint_state))) {
+    try {
+      r.constraint_state = sp.constraint->next(r.constraint_state, sr.token);
+      if (r.constraint_state == TokenConstraint::kDead) {
+        // A token outside the constraint (drawn only when every allowed one was banned, e.g. stop tokens under
+        // min_new_tokens).
+        drop_token();
+      } else {
+        const auto& m = *sp.constraint->allowed(r.constraint_state);
+        complete = std::all_of(m.begin(), m.end(), [](uint32_t w) { return w == 0; });
+      }
+    } catch (const std::exception& e) {
+      r.constraint_error = e.what();
+    }
+  }
+  if (!r.constraint_error.empty()) {
+    f.kind = FinishKind::Abort;
+    f.message = "structured output: " + r.constraint_error;
+  } else if (may_stop && stop_token && !dropped) {
+    f.kind = FinishKind::Stop;
+    f.matched_token = sr.token;
+  } else if (complete) {
+    f.kind = FinishKind::Stop;
+  } else if (static_cast<int32_t>(r.output.size()) >= sp.max_new_tokens ||
+             static_cast<int64_t>(r.fill.size()) - r.in_flight >= cfg_.context_len) {
+    f.kind = FinishKind::Length;
+  }
+  if (f.kind != FinishKind::None) {
+    // Ended before the last of a run of kept drafts: the cache holds the tokens before this one (else a no-op).
+    r.kv_len = std::min(r.kv_len, static_cast<int32_t>(r.fill.size()) - 1);
+    finish(r, f);
+  }
 }
 
 void Scheduler::abort_all(const FinishReason& reason) {

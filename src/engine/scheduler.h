@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -38,7 +39,20 @@ struct SchedulerConfig {
   // Waiting requests in order of (priority, arrival) instead of arrival, and decode retracts the running request
   // of the largest (priority, arrival) first instead of the newest.
   bool priority_scheduling = false;
+  // Speculative decoding with n-gram drafts (prompt lookup; SGLang's NGRAM, vLLM's "ngram"): a decoding request
+  // whose last tokens (spec_ngram_max down to spec_ngram_min of them) occurred earlier in its prompt or output
+  // proposes up to spec_draft_tokens tokens that followed them; one step checks them all (1 + drafts rows) and keeps
+  // the drafts its own draws agree with, plus the first draw that disagrees. 0: off.
+  int32_t spec_draft_tokens = 0;
+  int32_t spec_ngram_min = 1;
+  int32_t spec_ngram_max = 3;
 };
+
+// The tokens that followed the most recent earlier occurrence of `seq`'s last n tokens (n from max_n down to min_n:
+// the longest match first), at most k of them; empty when none occurred. Looks back at most kNgramWindow tokens.
+inline constexpr size_t kNgramWindow = size_t{1} << 15;
+inline constexpr int32_t kMaxDraftBackoff = 16;
+std::vector<int32_t> ngram_draft(std::span<const int32_t> seq, int32_t min_n, int32_t max_n, int32_t k);
 
 enum class ReqState { Waiting, Prefilling, Decoding, Finished };
 
@@ -65,6 +79,11 @@ struct Req {
   int32_t in_flight = 0;               // tokens of a step that ran (advance) but whose sample is not back (resolve)
   int32_t pending_row = -1;            // logit row of the newest such token in the step that samples it
   int32_t plan_refs = 0;               // launched plans (advance) not yet resolved that name this request
+  bool drafting = false;               // its step in flight checks drafts: the next token is not known before it
+  // Drafting backs off while its drafts are not kept: after a check that kept none, the next draft_backoff decode
+  // steps propose none (doubling up to kMaxDraftBackoff with every such check; a kept draft resets it).
+  int32_t draft_backoff = 0;
+  int32_t draft_skip = 0;
   std::vector<TokenLogprob> pending_lps;  // logprobs not yet reported
   // Prompt logprobs (sampling.logprob_start_len >= 0): those of prompt positions lp_first_row + 1 on, one per logit
   // row from prompt position lp_first_row up to the prompt's second last, collected as the chunks resolve and
@@ -105,7 +124,10 @@ struct ScheduledSeq {
   int32_t lp_first_pos = 0;
   bool prefill = false;  // prompt tokens (a chunk of them), not a generated one
   int32_t kv_end = 0;    // req->kv_len after this step (set when it launches)
-  int32_t rows() const { return lp_rows + (wants_logits ? 1 : 0); }
+  // Speculative decoding: draft tokens after the decode token (num_tokens = 1 + drafts), each with a sampled row.
+  std::vector<int32_t> drafts;
+  int32_t sampled_rows() const { return wants_logits ? 1 + static_cast<int32_t>(drafts.size()) : 0; }
+  int32_t rows() const { return lp_rows + sampled_rows(); }
 };
 
 struct StepPlan {
@@ -154,6 +176,9 @@ class Scheduler {
   // Frees finished requests that no launched, unresolved plan names.
   void erase_finished();
   bool flush_cache();
+  // Whether a decoding request may propose drafts this step (speculative decoding on; no token in flight; its draws
+  // depend on nothing the drafts would change: no penalties, constraint, bad words or thinking budget).
+  bool may_draft(const Req& r) const;
   // Finishes every waiting and running request with `reason` (shutdown).
   void abort_all(const FinishReason& reason);
 
@@ -185,6 +210,9 @@ class Scheduler {
   void enqueue(std::unique_ptr<Req> r, bool front);
   void finish(Req& r, FinishReason reason);
   void emit(Req& r);
+  // A sampled token into the request's output (pending: it replaces the oldest token in flight, else it follows the
+  // kept drafts), with its stop / length checks: finishes the request when it ends there.
+  void take_token(Req& r, const SampleResult& sr, bool pending);
   void build_batch(StepPlan& plan);
   // First prompt position whose logit row the request still needs for its prompt logprobs (-1: none).
   static int32_t lp_first_row(const Req& r);

@@ -45,7 +45,7 @@ void serialize(const ForwardBatch& b, std::string& o) {
   put_i32(o, b.page_size);
   put_i32(o, b.max_pages);
   for (const auto* v : {&b.input_ids, &b.positions, &b.token_seq, &b.out_slots, &b.seq_q_start, &b.seq_prefix_lens,
-                        &b.seq_lens, &b.page_table, &b.logit_rows})
+                        &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed})
     put_vec(o, *v);
 }
 
@@ -55,7 +55,7 @@ ForwardBatch deserialize_forward_batch(const char*& p, const char* end) {
   b.page_size = get_i32(p, end);
   b.max_pages = get_i32(p, end);
   for (auto* v : {&b.input_ids, &b.positions, &b.token_seq, &b.out_slots, &b.seq_q_start, &b.seq_prefix_lens,
-                  &b.seq_lens, &b.page_table, &b.logit_rows})
+                  &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed})
     *v = get_vec(p, end);
   return b;
 }
@@ -102,7 +102,14 @@ void ForwardBatchBuilder::add_logits_from(std::span<const int32_t> new_tokens, i
   else any_prefill_ = true;
 }
 
+void ForwardBatchBuilder::absorb_last() {
+  MLA_CHECK(b_.num_seqs() > 0, "absorb_last: no sequence added");
+  b_.seq_absorbed.resize(static_cast<size_t>(b_.num_seqs()), 0);
+  b_.seq_absorbed.back() = 1;
+}
+
 ForwardBatch ForwardBatchBuilder::finish() {
+  if (!b_.seq_absorbed.empty()) b_.seq_absorbed.resize(static_cast<size_t>(b_.num_seqs()), 0);
   int32_t max_pages = 0;
   for (const auto& p : pages_) max_pages = std::max<int32_t>(max_pages, static_cast<int32_t>(p.size()));
   b_.max_pages = max_pages;

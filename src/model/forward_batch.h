@@ -37,10 +37,17 @@ struct ForwardBatch {
 
   // Token rows whose logits are returned, in output order.
   std::vector<int32_t> logit_rows;
+  // Per sequence (empty: none): 1 when its new tokens attend in the absorbed MLA form however many they are (a decode
+  // token and its drafts: a few tokens after a long cached context), as one new token always does under Auto.
+  std::vector<int32_t> seq_absorbed;
 
   int32_t num_tokens() const { return static_cast<int32_t>(input_ids.size()); }
   int32_t num_seqs() const { return static_cast<int32_t>(seq_lens.size()); }
   bool has_prefill() const { return mode == ForwardMode::Extend || mode == ForwardMode::Mixed; }
+  // Whether sequence s attends in the absorbed form under MlaForm::Auto.
+  bool absorbed_under_auto(int32_t s) const {
+    return seq_q_start[s + 1] - seq_q_start[s] == 1 || (!seq_absorbed.empty() && seq_absorbed[s] != 0);
+  }
 };
 
 // True when every sequence brings one new token and asks for its logits (a decode step; CUDA graphs replay these).
@@ -74,6 +81,8 @@ class ForwardBatchBuilder {
   void add(std::span<const int32_t> new_tokens, int32_t prefix_len, std::span<const int32_t> pages, bool all_logits) {
     add(new_tokens, prefix_len, pages, all_logits ? Logits::All : Logits::Last);
   }
+  // The sequence added last attends in the absorbed form (ForwardBatch::seq_absorbed).
+  void absorb_last();
   ForwardBatch finish();
 
  private:

@@ -56,6 +56,8 @@ std::string ServerMetrics::render(const std::vector<RankStats>& ranks) const {
     sum.num_retractions += r.num_retractions;
     sum.forward_steps += r.forward_steps;
     sum.overlapped_steps += r.overlapped_steps;
+    sum.spec_draft_tokens += r.spec_draft_tokens;
+    sum.spec_accepted_tokens += r.spec_accepted_tokens;
   }
   std::string out;
   auto gauge = [&](const char* name, const char* help, auto value) {
@@ -86,6 +88,9 @@ std::string ServerMetrics::render(const std::vector<RankStats>& ranks) const {
   counter("num_retractions_total", "Requests retracted (preempted) for lack of KV-cache memory.", sum.num_retractions);
   counter("forward_steps_total", "Model forward steps.", sum.forward_steps);
   counter("overlapped_steps_total", "Forward steps launched before the previous one finished.", sum.overlapped_steps);
+  counter("spec_decode_num_draft_tokens_total", "Speculative decoding: draft tokens checked.", sum.spec_draft_tokens);
+  counter("spec_decode_num_accepted_tokens_total", "Speculative decoding: draft tokens kept.",
+          sum.spec_accepted_tokens);
   counter("http_requests_total", "HTTP requests received.", http_requests_total.load());
   counter("generate_requests_total", "Generation requests submitted to the engine (n > 1 counts n).",
           generate_requests_total.load());

@@ -583,6 +583,12 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
         st["num_retractions"] = s.num_retractions;
         st["forward_steps"] = s.forward_steps;
         st["overlapped_steps"] = s.overlapped_steps;
+        st["spec_draft_tokens"] = s.spec_draft_tokens;
+        st["spec_accepted_tokens"] = s.spec_accepted_tokens;
+        // SGLang's: tokens a request gets per step that checks drafts (the drafts kept and the draw after them)
+        if (s.spec_checks > 0)
+          st["avg_spec_accept_length"] =
+              1.0 + static_cast<double>(s.spec_accepted_tokens) / static_cast<double>(s.spec_checks);
         states.push_back(std::move(st));
       }
       body["internal_states"] = std::move(states);

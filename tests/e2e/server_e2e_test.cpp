@@ -1076,6 +1076,50 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
 // SGLang's --enable-priority-scheduling (higher values first) with one running request at a time: of two requests
 // queued behind a long one, the higher priority runs first though it came later; vLLM's --scheduling-policy priority
 // and bad combinations of the flags.
+// N-gram speculative decoding through the real binary: SGLang's flags and vLLM's --speculative-config give the same
+// greedy answers as a server without drafts (three allowed tokens make the dummy model loop, so drafts are kept),
+// counted in /metrics and /get_server_info; unknown algorithms and keys are refused at startup.
+TEST(ServeFlags, NgramSpeculativeDecodingKeepsTheAnswers) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  const std::string req = R"({"prompt": "one two three one two three one two", "max_tokens": 48, "temperature": 0,
+      "ignore_eos": true, "allowed_token_ids": [1000, 1001, 1002], "logprobs": 1})";
+  ServerProcess plain;
+  ASSERT_TRUE(plain.running()) << plain.log();
+  const json want = post_json(plain.port(), "/v1/completions", req);
+  EXPECT_EQ(plain.stop(), 0);
+  for (const std::vector<std::string>& flags :
+       {std::vector<std::string>{"--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5"},
+        std::vector<std::string>{"--speculative-config",
+                                 R"({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})"}}) {
+    ServerProcess spec(flags);
+    ASSERT_TRUE(spec.running()) << spec.log();
+    const json info = get_json(spec.port(), "/get_server_info");
+    EXPECT_EQ(info["speculative_algorithm"], "NGRAM");
+    const json got = post_json(spec.port(), "/v1/completions", req);
+    EXPECT_EQ(got["choices"][0]["text"], want["choices"][0]["text"]) << flags[0];
+    EXPECT_EQ(got["choices"][0]["logprobs"]["tokens"], want["choices"][0]["logprobs"]["tokens"]);
+    EXPECT_EQ(got["usage"]["completion_tokens"], 48);
+    const json states = get_json(spec.port(), "/get_server_info")["internal_states"];
+    EXPECT_GT(states[0]["spec_accepted_tokens"].get<int64_t>(), 10) << states.dump();
+    EXPECT_GT(states[0]["avg_spec_accept_length"].get<double>(), 1.2) << states.dump();
+    const std::string metrics = http_request(spec.port(), "GET", "/metrics").body;
+    EXPECT_NE(metrics.find("mlaserve:spec_decode_num_accepted_tokens_total "), std::string::npos);
+    EXPECT_EQ(spec.stop(), 0);
+  }
+  for (const std::string flags : {"--speculative-algorithm EAGLE", "--speculative-num-draft-tokens 3",
+                                  "--speculative-algorithm NGRAM --speculative-num-draft-tokens -1",
+                                  "--speculative-algorithm NGRAM --speculative-num-draft-tokens 65",
+                                  "--speculative-config '{\"method\": \"ngram\", \"bogus\": 1}'",
+                                  "--speculative-config '{\"method\": \"eagle\", \"num_speculative_tokens\": 2}'",
+                                  "--speculative-algorithm NGRAM --speculative-ngram-min-match-window-size 4 "
+                                  "--speculative-ngram-max-match-window-size 2"}) {
+    auto r = run_command("timeout 60 " + e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY) + " serve --model-path " +
+                         e2e_model_dir() + " --load-format dummy --port 0 " + flags);
+    EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find("specul"), std::string::npos) << flags << "\n" << r.output;
+  }
+}
+
 TEST(ServeFlags, PrioritySchedulingOrdersTheQueue) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   ServerProcess s({"--enable-priority-scheduling", "--max-running-requests", "1"});
@@ -1111,9 +1155,10 @@ TEST(ServeFlags, PrioritySchedulingOrdersTheQueue) {
   EXPECT_EQ(v.stop(), 0);
   for (const std::string flags : {"--scheduling-policy lottery", "--schedule-low-priority-values-first",
                                   "--enable-priority-scheduling --scheduling-policy priority"}) {
-    auto r = run_command(std::string("timeout 60 ") + MLASERVE_BINARY + " serve --model-path " + e2e_model_dir() +
-                         " --load-format dummy --port 0 " + flags);
+    auto r = run_command("timeout 60 " + e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY) + " serve --model-path " +
+                         e2e_model_dir() + " --load-format dummy --port 0 " + flags);
     EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find("priority"), std::string::npos) << flags << "\n" << r.output;
   }
 }
 

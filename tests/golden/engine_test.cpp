@@ -59,9 +59,10 @@ class EngineTest : public ::testing::TestWithParam<bool> {
   }
 
   std::unique_ptr<Engine> make(int32_t pages, int32_t page_size = 8, int32_t chunk = 8192, bool radix = true,
-                               int32_t tp = 1, int32_t dp = 1, std::vector<int32_t> eos = {}) {
+                               int32_t tp = 1, int32_t dp = 1, std::vector<int32_t> eos = {}, int32_t drafts = 0) {
     auto ranks = test::cpu_ranks("v2", tp, dp);
     EngineOptions o;
+    o.spec_draft_tokens = drafts;
     o.page_size = page_size;
     o.num_pages = pages;
     o.chunked_prefill_size = chunk;
@@ -527,6 +528,89 @@ TEST_P(EngineTest, SeededSamplingIsReproducible) {
   auto b = submit(*e, "s2", prompts_[2], 10, sp);
   EXPECT_EQ(wait(a).tokens, wait(b).tokens);
   expect_no_leak(*e);
+}
+
+// N-gram speculative decoding: drafts from earlier occurrences of a request's last tokens, checked in one step, keep
+// the outputs of plain decoding: greedy equal to Hugging Face's up to its first near tie (prompts repeated so that
+// drafts exist; the model's own loops give more), seeded sampling and logprobs equal to decoding without drafts (the
+// draft rows are drawn as their positions' draws), a stop token or the length limit inside a run of kept drafts ends
+// the request exactly there; some drafts are kept; nothing leaks (pages of rejected drafts go back).
+TEST_P(EngineTest, NgramSpeculativeDecodingKeepsTheOutputs) {
+  auto plain = make(1024, 8);
+  auto spec = make(1024, 8, 8192, true, 1, 1, {}, /*drafts=*/4);
+  for (int j = 0; j < 5; ++j) {
+    auto f = submit(*spec, "g" + std::to_string(j), prompts_[j], 24);
+    expect_prefix(wait(f).tokens, static_cast<size_t>(j));
+  }
+  auto doubled = [&](int j) {
+    std::vector<int32_t> p = prompts_[j];
+    p.insert(p.end(), prompts_[j].begin(), prompts_[j].begin() + std::min<int64_t>(40, std::ssize(prompts_[j])));
+    return p;
+  };
+  SamplingParams lp;
+  lp.return_logprob = true;
+  SamplingParams seeded;
+  seeded.temperature = 0.7f;
+  seeded.top_k = 20;
+  seeded.seed = 77;
+  seeded.return_logprob = true;
+  for (int j : {1, 3}) {
+    for (const SamplingParams& sp : {lp, seeded}) {
+      auto a = submit(*plain, "p", doubled(j), 48, sp);
+      auto b = submit(*spec, "s", doubled(j), 48, sp);
+      const Result ra = wait(a), rb = wait(b);
+      ASSERT_EQ(rb.tokens.size(), 48u);
+      size_t same = 0;  // greedy: up to a near tie of the two computations (a prefill-shaped step vs decode)
+      while (same < ra.tokens.size() && ra.tokens[same] == rb.tokens[same]) ++same;
+      EXPECT_GE(same, sp.seed ? 48u : 24u) << "prompt " << j;
+      ASSERT_EQ(rb.logprobs.size(), 48u);
+      for (size_t i = 0; i < same; ++i) EXPECT_NEAR(ra.logprobs[i].logprob, rb.logprobs[i].logprob, 2e-3) << i;
+    }
+  }
+  // A stop token met inside a run of kept drafts, and the length limit: the output ends exactly there. Three allowed
+  // tokens make the greedy output loop, so most drafts are kept.
+  SamplingParams few;
+  few.allowed_token_ids = {prompts_[3][0], prompts_[3][1], prompts_[3][2]};
+  const int64_t kept_before = spec->stats()[0].spec_accepted_tokens;
+  auto base = submit(*plain, "base", doubled(3), 40, few);
+  const Result br = wait(base);
+  auto loop = submit(*spec, "loop", doubled(3), 40, few);
+  EXPECT_EQ(wait(loop).tokens, br.tokens);
+  EXPECT_GE(spec->stats()[0].spec_accepted_tokens - kept_before, 10) << "the loop's drafts are kept";
+  for (size_t at : {size_t{9}, size_t{14}, size_t{22}, size_t{31}}) {
+    SamplingParams st = few;
+    st.stop_token_ids = {br.tokens[at]};
+    auto f = submit(*spec, "stop", doubled(3), 40, st);
+    const Result r = wait(f);
+    size_t first = 0;
+    while (br.tokens[first] != br.tokens[at]) ++first;
+    EXPECT_EQ(r.finish.kind, FinishKind::Stop);
+    EXPECT_EQ(r.tokens, std::vector<int32_t>(br.tokens.begin(), br.tokens.begin() + static_cast<int64_t>(first) + 1));
+  }
+  for (int32_t n : {1, 2, 7, 13, 22}) {
+    auto f = submit(*spec, "len", doubled(3), n, few);
+    const Result r = wait(f);
+    EXPECT_EQ(r.finish.kind, FinishKind::Length);
+    EXPECT_EQ(r.tokens, std::vector<int32_t>(br.tokens.begin(), br.tokens.begin() + n));
+  }
+  // Tensor parallel and DP attention: the same tokens (two requests at once, each on a DP group of its own).
+  for (const auto& [tp, dp] : {std::pair{2, 1}, std::pair{2, 2}}) {
+    auto e = make(1024, 8, 8192, true, tp, dp, {}, /*drafts=*/4);
+    auto a = submit(*e, "a", doubled(3), 40, few);
+    auto b = submit(*e, "b", doubled(3), 40, few);
+    EXPECT_EQ(wait(a).tokens, br.tokens) << "tp " << tp << " dp " << dp;
+    EXPECT_EQ(wait(b).tokens, br.tokens) << "tp " << tp << " dp " << dp;
+    int64_t kept = 0;
+    for (const RankStats& st : e->stats()) kept += st.spec_accepted_tokens;
+    EXPECT_GE(kept, 20) << "tp " << tp << " dp " << dp;
+  }
+  const RankStats st = spec->stats()[0];
+  EXPECT_GT(st.spec_draft_tokens, 0);
+  EXPECT_GT(st.spec_accepted_tokens, 0);
+  EXPECT_LE(st.spec_accepted_tokens, st.spec_draft_tokens);
+  EXPECT_LT(st.forward_steps, st.generation_tokens_total) << "drafts kept: fewer steps than tokens";
+  EXPECT_EQ(plain->stats()[0].spec_draft_tokens, 0);
+  expect_no_leak(*spec);
 }
 
 // Compares overlap on and off itself (not a parameter), so no EngineTest::make here.

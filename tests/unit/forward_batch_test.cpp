@@ -26,6 +26,32 @@ TEST(ForwardBatch, SingleTokenBatches) {
   EXPECT_FALSE(is_single_token_batch(bb.finish()));  // empty
 }
 
+// A decode token with its drafts is marked to attend in the absorbed form; the mark travels with the batch to other
+// nodes; batches without marks carry none.
+TEST(ForwardBatch, AbsorbedSequencesAreMarkedAndSerialized) {
+  ForwardBatchBuilder bb(4);
+  bb.add(std::vector<int32_t>{1, 2, 3}, 0, std::vector<int32_t>{0}, false);      // a prompt: expanded
+  bb.add(std::vector<int32_t>{5, 6, 7}, 9, std::vector<int32_t>{1, 2, 4}, true);  // a decode token and two drafts
+  bb.absorb_last();
+  bb.add(std::vector<int32_t>{8}, 4, std::vector<int32_t>{3, 5}, false);         // a decode token
+  const ForwardBatch b = bb.finish();
+  EXPECT_EQ(b.seq_absorbed, (std::vector<int32_t>{0, 1, 0}));
+  EXPECT_FALSE(b.absorbed_under_auto(0));
+  EXPECT_TRUE(b.absorbed_under_auto(1));
+  EXPECT_TRUE(b.absorbed_under_auto(2));  // one new token
+  std::string wire;
+  serialize(b, wire);
+  const char* p = wire.data();
+  const ForwardBatch back = deserialize_forward_batch(p, wire.data() + wire.size());
+  EXPECT_EQ(p, wire.data() + wire.size());
+  EXPECT_EQ(back.seq_absorbed, b.seq_absorbed);
+  EXPECT_EQ(back.input_ids, b.input_ids);
+  EXPECT_EQ(back.logit_rows, b.logit_rows);
+  EXPECT_TRUE(decode_batch().seq_absorbed.empty());
+  bb.add(std::vector<int32_t>{1, 2}, 0, std::vector<int32_t>{0}, false);
+  EXPECT_FALSE(bb.finish().absorbed_under_auto(0));  // the builder starts afresh
+}
+
 TEST(ForwardBatch, PadDecodeBatchKeepsRealRowsFirst) {
   const ForwardBatch b = decode_batch();
   const ForwardBatch p = pad_decode_batch(b, 8, 20, 4);

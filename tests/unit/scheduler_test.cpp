@@ -24,8 +24,10 @@ struct Collected {
 
 class SchedulerTest : public ::testing::Test {
  protected:
-  void make(int32_t pages, int32_t chunk = 8, int32_t max_running = 64, bool radix = true, bool priority = false) {
+  void make(int32_t pages, int32_t chunk = 8, int32_t max_running = 64, bool radix = true, bool priority = false,
+            int32_t drafts = 0) {
     SchedulerConfig c;
+    c.spec_draft_tokens = drafts;
     c.priority_scheduling = priority;
     c.page_size = 4;
     c.num_pages = pages;
@@ -95,6 +97,67 @@ class SchedulerTest : public ::testing::Test {
   std::unique_ptr<Scheduler> s;
   std::map<std::string, Collected> out;
 };
+
+// Drafts checked in one step: each row's sample is the model's next token after that row's input; the drafts the
+// samples agree with are kept with the sample after them, the rest roll back (kv length, pages). A request whose drafts
+// are never kept backs off (1, 2, 4, ... decode steps without drafts, up to kMaxDraftBackoff).
+TEST_F(SchedulerTest, DraftsAreKeptOrRolledBackAndBackOff) {
+  for (const bool agree : {true, false}) {
+    make(64, /*chunk=*/64, 64, /*radix=*/true, false, /*drafts=*/3);
+    out.clear();
+    // agree: the model continues the prompt's cycle 5 -> 6 -> 7 -> 5, as the drafts do. Else after every 5 it says a
+    // token never seen (100 + the position), after anything else 5: each draft after a 5 (what followed the last 5)
+    // is wrong.
+    auto model = [&](int32_t t, int32_t pos) { return agree ? (t == 7 ? 5 : t + 1) : (t == 5 ? 100 + pos : 5); };
+    add("a", {5, 6, 7, 5, 6, 7, 5, 6}, 40);
+    std::vector<int> draft_steps;
+    int steps = 0;
+    for (; steps < 100 && !out["a"].finished; ++steps) {
+      StepPlan p = s->schedule();
+      std::vector<SampleResult> sampled;
+      for (auto& q : p.seqs) {
+        ASSERT_TRUE(q.wants_logits);
+        const auto& b = p.batch;
+        const int32_t first = b.seq_q_start[0], n = b.seq_q_start[1] - first;
+        EXPECT_EQ(q.sampled_rows(), q.prefill ? 1 : n);
+        if (!q.drafts.empty()) draft_steps.push_back(steps);
+        EXPECT_EQ(b.seq_absorbed.empty(), q.drafts.empty());
+        for (int32_t row = n - q.sampled_rows(); row < n; ++row) {
+          SampleResult r;
+          r.token = model(b.input_ids[static_cast<size_t>(first + row)], b.positions[static_cast<size_t>(first + row)]);
+          sampled.push_back(r);
+        }
+      }
+      ASSERT_EQ(p.batch.logit_rows.size(), sampled.size());
+      s->commit(p, sampled);
+      s->check_integrity();
+    }
+    const Collected& c = out["a"];
+    ASSERT_TRUE(c.finished);
+    ASSERT_EQ(c.tokens.size(), 40u);
+    int32_t t = 6;
+    for (size_t i = 0; i < c.tokens.size(); ++i) {
+      t = model(t, 7 + static_cast<int32_t>(i));
+      ASSERT_EQ(c.tokens[i], t) << i;
+    }
+    const RankStats st = s->stats();
+    if (agree) {
+      // Every check keeps its 3 drafts: 4 tokens a step after the prompt's (the length limit cuts the last).
+      EXPECT_EQ(st.spec_accepted_tokens, st.spec_draft_tokens);
+      EXPECT_EQ(steps, 1 + 10);
+      EXPECT_EQ(draft_steps.size(), 10u);
+    } else {
+      EXPECT_EQ(st.spec_accepted_tokens, 0);
+      EXPECT_EQ(steps, 1 + 39);
+      // Each check that keeps nothing doubles the wait before the next one.
+      ASSERT_GE(draft_steps.size(), 3u);
+      for (size_t i = 1; i < draft_steps.size(); ++i)
+        EXPECT_GT(draft_steps[i] - draft_steps[i - 1], std::min(1 << (i - 1), kMaxDraftBackoff)) << i;
+      EXPECT_LE(draft_steps.size(), 6u);
+    }
+    expect_all_pages_back();
+  }
+}
 
 TEST_F(SchedulerTest, ChunkedPrefillThenDecodeToLength) {
   make(16, /*chunk=*/8);
@@ -464,3 +527,37 @@ TEST_F(SchedulerTest, PromptLogprobsSurviveRetractionMidPrefill) {
 }
 
 }  // namespace
+
+namespace mlaserve {
+namespace {
+
+// N-gram drafts: the tokens after the most recent earlier occurrence of the longest matching suffix.
+TEST(NgramDraft, LongestRecentMatchFirst) {
+  using V = std::vector<int32_t>;
+  // Suffix [1 2 3]: occurs at 0 (followed by 9 9) and, as [2 3] only, at 5 (followed by 7).
+  const V seq = {1, 2, 3, 9, 9, 2, 3, 7, 1, 2, 3};
+  EXPECT_EQ(ngram_draft(seq, 1, 3, 4), (V{9, 9, 2, 3}));
+  EXPECT_EQ(ngram_draft(seq, 1, 3, 2), (V{9, 9}));
+  EXPECT_EQ(ngram_draft(seq, 1, 2, 4), (V{7, 1, 2, 3}));  // [2 3]: the most recent earlier one, at 5
+  EXPECT_EQ(ngram_draft(seq, 1, 1, 3), (V{7, 1, 2}));     // [3] at 6
+  // The continuation stops at the sequence's end.
+  EXPECT_EQ(ngram_draft(V{5, 6, 5}, 1, 3, 4), (V{6, 5}));
+  EXPECT_EQ(ngram_draft(V{4, 4, 4, 4}, 2, 2, 3), (V{4}));  // [4 4] at 1: one token after it
+  // No earlier occurrence, too short, or nothing asked.
+  EXPECT_TRUE(ngram_draft(V{1, 2, 3, 4}, 1, 3, 4).empty());
+  EXPECT_TRUE(ngram_draft(V{1, 2, 3, 1, 2}, 3, 3, 4).empty());
+  EXPECT_TRUE(ngram_draft(V{7}, 1, 3, 4).empty());
+  EXPECT_TRUE(ngram_draft(V{1, 1}, 1, 3, 0).empty());
+  // Only the last kNgramWindow tokens are searched.
+  V far(kNgramWindow + 10, 0);
+  for (size_t i = 0; i < far.size(); ++i) far[i] = static_cast<int32_t>(i + 100);
+  far[0] = 42;
+  far[1] = 43;
+  far.push_back(42);
+  EXPECT_TRUE(ngram_draft(far, 1, 1, 2).empty());
+  far[far.size() - 20] = 42;
+  EXPECT_EQ(ngram_draft(far, 1, 1, 2).size(), 2u);
+}
+
+}  // namespace
+}  // namespace mlaserve

@@ -228,8 +228,7 @@ void mla_attention(const MlaArgs& a) {
   // Which sequences take which form.
   std::vector<int32_t> absorbed_seqs, expanded_seqs;
   for (int32_t s = 0; s < b.num_seqs(); ++s) {
-    const int32_t qlen = b.seq_q_start[s + 1] - b.seq_q_start[s];
-    bool absorbed = p.form == MlaForm::Absorbed || (p.form == MlaForm::Auto && qlen == 1);
+    const bool absorbed = p.form == MlaForm::Absorbed || (p.form == MlaForm::Auto && b.absorbed_under_auto(s));
     (absorbed ? absorbed_seqs : expanded_seqs).push_back(s);
   }
 

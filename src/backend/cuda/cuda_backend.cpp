@@ -1056,8 +1056,7 @@ CudaBackend::MlaPlan CudaBackend::build_plan(const PlanKey& key, MetaUpload& up,
   std::vector<int32_t> absorbed_seqs, expanded_seqs;
   int64_t total_keys = 0, absorbed_tokens = 0, max_ctx = 1;
   for (int32_t s = 0; s < b.num_seqs(); ++s) {
-    const int32_t qlen = b.seq_q_start[s + 1] - b.seq_q_start[s];
-    const bool absorbed = form == MlaForm::Absorbed || (form == MlaForm::Auto && qlen == 1);
+    const bool absorbed = form == MlaForm::Absorbed || (form == MlaForm::Auto && b.absorbed_under_auto(s));
     (absorbed ? absorbed_seqs : expanded_seqs).push_back(s);
     if (absorbed)
       for (int32_t t = b.seq_q_start[s]; t < b.seq_q_start[s + 1]; ++t) {
