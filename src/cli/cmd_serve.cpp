@@ -72,6 +72,7 @@ struct ServeArgs {
   std::string speculative_algorithm, speculative_config;
   int32_t speculative_num_draft_tokens = 0;  // 0: the default (4) with an algorithm
   int32_t ngram_min = 1, ngram_max = 3;
+  int32_t spec_max_batch = 0;     // --speculative-disable-by-batch-size / vLLM's disable_by_batch_size
   int32_t spec_draft_tokens = 0;  // resolved at validation
   // mlaserve's own.
   size_t max_body_bytes = 256u << 20;
@@ -179,15 +180,18 @@ void resolve_speculative(ServeArgs& s) {
         s.ngram_min = int_of();
       } else if (key == "prompt_lookup_max") {
         s.ngram_max = int_of();
+      } else if (key == "disable_by_batch_size") {
+        s.spec_max_batch = int_of();
       } else {
         MLA_CHECK(false, "--speculative-config: '{}' is not supported (method, num_speculative_tokens, "
-                  "prompt_lookup_min, prompt_lookup_max)", key);
+                  "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size)", key);
       }
     }
     MLA_CHECK(!algo.empty(), "--speculative-config: 'method' is required");
   }
   if (algo.empty()) {
-    MLA_CHECK(k == 0, "--speculative-num-draft-tokens needs --speculative-algorithm NGRAM");
+    MLA_CHECK(k == 0 && s.spec_max_batch == 0,
+              "--speculative-num-draft-tokens and --speculative-disable-by-batch-size need --speculative-algorithm NGRAM");
     return;
   }
   MLA_CHECK(algo == "NGRAM",
@@ -196,6 +200,8 @@ void resolve_speculative(ServeArgs& s) {
             s.speculative_config.empty() ? s.speculative_algorithm : algo);
   if (k == 0) k = 4;
   MLA_CHECK(k >= 1 && k <= 64, "speculative decoding: the draft tokens per step must be in [1, 64], got {}", k);
+  MLA_CHECK(s.spec_max_batch >= 0, "speculative decoding: the batch size that disables it must be >= 0, got {}",
+            s.spec_max_batch);
   MLA_CHECK(s.ngram_min >= 1 && s.ngram_max >= s.ngram_min && s.ngram_max <= 64,
             "speculative decoding: the n-gram sizes must satisfy 1 <= min ({}) <= max ({}) <= 64", s.ngram_min,
             s.ngram_max);
@@ -254,6 +260,7 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["speculative_num_draft_tokens"] = a.spec_draft_tokens;
   j["speculative_ngram_min_match_window_size"] = a.ngram_min;
   j["speculative_ngram_max_match_window_size"] = a.ngram_max;
+  j["speculative_disable_by_batch_size"] = a.spec_max_batch;
   j["page_size"] = a.page_size;
   j["context_length"] = a.context_length;
   j["device"] = a.device;
@@ -377,6 +384,9 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
       ->capture_default_str();
   app.add_option("--speculative-ngram-max-match-window-size", a->ngram_max,
                  "NGRAM: longest run of last tokens looked up (tried first)")
+      ->capture_default_str();
+  app.add_option("--speculative-disable-by-batch-size", a->spec_max_batch,
+                 "no drafts in steps with more decoding requests than this (0: no limit)")
       ->capture_default_str();
   app.add_option("--speculative-config", a->speculative_config,
                  "vLLM's: JSON {\"method\": \"ngram\", \"num_speculative_tokens\": k, \"prompt_lookup_min\": n, "
@@ -528,6 +538,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     ea.spec_draft_tokens = s.spec_draft_tokens;
     ea.spec_ngram_min = s.ngram_min;
     ea.spec_ngram_max = s.ngram_max;
+    ea.spec_max_batch = s.spec_max_batch;
     ea.cuda_graph_max_bs = s.cuda_graph_max_bs;
     ea.disable_cuda_graph = s.disable_cuda_graph;
     ea.dist_timeout_s = s.dist_timeout;

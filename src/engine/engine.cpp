@@ -34,6 +34,7 @@ Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
   sc.spec_draft_tokens = opts_.spec_draft_tokens;
   sc.spec_ngram_min = opts_.spec_ngram_min;
   sc.spec_ngram_max = opts_.spec_ngram_max;
+  sc.spec_max_batch = opts_.spec_max_batch;
   MLA_CHECK(opts_.spec_draft_tokens >= 0 && opts_.spec_ngram_min >= 1 && opts_.spec_ngram_max >= opts_.spec_ngram_min,
             "speculative decoding: draft tokens {} must be >= 0 and the n-gram sizes 1 <= {} <= {}",
             opts_.spec_draft_tokens, opts_.spec_ngram_min, opts_.spec_ngram_max);

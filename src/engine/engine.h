@@ -41,6 +41,7 @@ struct EngineOptions {
   int32_t spec_draft_tokens = 0;
   int32_t spec_ngram_min = 1;
   int32_t spec_ngram_max = 3;
+  int32_t spec_max_batch = 0;  // SchedulerConfig::spec_max_batch
 };
 
 class Engine final : public EngineClient {

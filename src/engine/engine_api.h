@@ -199,6 +199,7 @@ struct EngineArgs {
   int32_t spec_draft_tokens = 0;     // EngineOptions::spec_draft_tokens (n-gram speculative decoding; 0: off)
   int32_t spec_ngram_min = 1;
   int32_t spec_ngram_max = 3;
+  int32_t spec_max_batch = 0;
   int32_t cuda_graph_max_bs = 256;   // decode steps up to this many tokens per DP group replay CUDA graphs
   bool disable_cuda_graph = false;
   int64_t context_length = 0;        // 0: config's max_position_embeddings

@@ -53,6 +53,7 @@ std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfi
   o.spec_draft_tokens = a.spec_draft_tokens;
   o.spec_ngram_min = a.spec_ngram_min;
   o.spec_ngram_max = a.spec_ngram_max;
+  o.spec_max_batch = a.spec_max_batch;
   for (int64_t e : cfg.eos_token_ids) o.eos_token_ids.push_back(static_cast<int32_t>(e));
   for (int32_t e : a.extra_eos_token_ids)
     if (std::find(o.eos_token_ids.begin(), o.eos_token_ids.end(), e) == o.eos_token_ids.end()) o.eos_token_ids.push_back(e);

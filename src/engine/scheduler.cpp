@@ -319,8 +319,9 @@ StepPlan Scheduler::schedule(bool allow_retract) {
   }
   // Speculative decoding: each request's drafts, at most as many as its length limits leave room for.
   std::unordered_map<const Req*, std::vector<int32_t>> drafts;
+  const bool draft_step = cfg_.spec_max_batch <= 0 || static_cast<int32_t>(decoding.size()) <= cfg_.spec_max_batch;
   for (Req* r : decoding) {
-    if (!may_draft(*r)) continue;
+    if (!draft_step || !may_draft(*r)) continue;
     if (r->draft_skip > 0) {  // its last drafts were not kept
       --r->draft_skip;
       continue;

@@ -46,6 +46,9 @@ struct SchedulerConfig {
   int32_t spec_draft_tokens = 0;
   int32_t spec_ngram_min = 1;
   int32_t spec_ngram_max = 3;
+  // No drafts in a step with more decoding requests than this (vLLM's disable_by_batch_size; 0: no limit): a step
+  // that checks drafts runs without CUDA graphs for every request in it.
+  int32_t spec_max_batch = 0;
 };
 
 // The tokens that followed the most recent earlier occurrence of `seq`'s last n tokens (n from max_n down to min_n:

@@ -1089,8 +1089,8 @@ TEST(ServeFlags, NgramSpeculativeDecodingKeepsTheAnswers) {
   EXPECT_EQ(plain.stop(), 0);
   for (const std::vector<std::string>& flags :
        {std::vector<std::string>{"--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5"},
-        std::vector<std::string>{"--speculative-config",
-                                 R"({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})"}}) {
+        std::vector<std::string>{"--speculative-config", R"({"method": "ngram", "num_speculative_tokens": 3,
+                                 "prompt_lookup_max": 2, "disable_by_batch_size": 8})"}}) {
     ServerProcess spec(flags);
     ASSERT_TRUE(spec.running()) << spec.log();
     const json info = get_json(spec.port(), "/get_server_info");
@@ -1111,6 +1111,8 @@ TEST(ServeFlags, NgramSpeculativeDecodingKeepsTheAnswers) {
                                   "--speculative-algorithm NGRAM --speculative-num-draft-tokens 65",
                                   "--speculative-config '{\"method\": \"ngram\", \"bogus\": 1}'",
                                   "--speculative-config '{\"method\": \"eagle\", \"num_speculative_tokens\": 2}'",
+                                  "--speculative-config '{\"method\": \"ngram\", \"disable_by_batch_size\": -1}'",
+                                  "--speculative-disable-by-batch-size 4",
                                   "--speculative-algorithm NGRAM --speculative-ngram-min-match-window-size 4 "
                                   "--speculative-ngram-max-match-window-size 2"}) {
     auto r = run_command("timeout 60 " + e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY) + " serve --model-path " +

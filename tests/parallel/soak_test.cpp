@@ -19,8 +19,9 @@
 using namespace mlaserve;
 
 // tp 4 / dp 4: attention groups of one rank; tp 4 / dp 2: groups of two, whose leading rank's samples reach the
-// other rank on the device (overlap launches steps that read them there).
-void soak(int32_t tp, int32_t groups) {
+// other rank on the device (overlap launches steps that read them there). drafts > 0: n-gram speculative decoding
+// (overlap off), some requests with three allowed tokens so that their drafts are kept.
+void soak(int32_t tp, int32_t groups, int32_t drafts = 0) {
   double seconds = 15.0;
   if (const char* e = std::getenv("MLASERVE_SOAK_SECONDS")) seconds = std::atof(e);
   // The penalised probe's reference: alone, with overlap off (every step sees its previous token on the host).
@@ -44,6 +45,7 @@ void soak(int32_t tp, int32_t groups) {
   o.max_running_requests = 6;
   o.check_integrity = true;
   o.overlap = true;
+  o.spec_draft_tokens = drafts;
   Engine e(std::move(ranks), o);
 
   // The reference: one greedy request alone.
@@ -91,6 +93,9 @@ void soak(int32_t tp, int32_t groups) {
         } else if (kind == 4) {
           sp.return_logprob = true;
           sp.top_logprobs_num = 4;
+        } else if (kind == 5) {
+          sp.allowed_token_ids = {ids[0], 7, 8};
+          sp.return_logprob = true;
         }
         others.push_back(run_one(rid, ids, 1 + static_cast<int32_t>(rng() % 24), rng() % 3 ? busy : -1, 0.7f, &sp));
         if (rng() % 4 == 0) {
@@ -114,8 +119,14 @@ void soak(int32_t tp, int32_t groups) {
   }
   EXPECT_GT(n, 20);
   EXPECT_FALSE(pen_probes.empty());
+  if (drafts > 0) {
+    int64_t kept = 0;
+    for (const RankStats& st : e.stats()) kept += st.spec_accepted_tokens;
+    EXPECT_GT(kept, 0);
+  }
   test::expect_engine_idle_and_clean(e);
 }
 
 TEST(Soak, DpAttentionMixedTrafficWithAbortsNeverHangsOrLeaks) { soak(4, 4); }
 TEST(Soak, DpAttentionGroupsOfTwoRanksNeverHangOrLeak) { soak(4, 2); }
+TEST(Soak, NgramDraftsWithDpAttentionNeverHangOrLeak) { soak(4, 2, /*drafts=*/4); }

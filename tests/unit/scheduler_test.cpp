@@ -25,9 +25,10 @@ struct Collected {
 class SchedulerTest : public ::testing::Test {
  protected:
   void make(int32_t pages, int32_t chunk = 8, int32_t max_running = 64, bool radix = true, bool priority = false,
-            int32_t drafts = 0) {
+            int32_t drafts = 0, int32_t draft_max_batch = 0) {
     SchedulerConfig c;
     c.spec_draft_tokens = drafts;
+    c.spec_max_batch = draft_max_batch;
     c.priority_scheduling = priority;
     c.page_size = 4;
     c.num_pages = pages;
@@ -157,6 +158,44 @@ TEST_F(SchedulerTest, DraftsAreKeptOrRolledBackAndBackOff) {
     }
     expect_all_pages_back();
   }
+}
+
+// spec_max_batch (vLLM's disable_by_batch_size): no drafts while more requests than that decode.
+TEST_F(SchedulerTest, NoDraftsPastTheBatchLimit) {
+  make(64, /*chunk=*/64, 64, true, false, /*drafts=*/3, /*draft_max_batch=*/1);
+  add("a", {5, 6, 7, 5, 6, 7, 5, 6}, 6);
+  add("b", {5, 6, 7, 5, 6, 7, 5, 6}, 30);
+  auto model = [](int32_t t) { return t == 7 ? 5 : t + 1; };  // continues the prompt's cycle: drafts are kept
+  int drafting_steps = 0, steps = 0;
+  for (; steps < 100 && !out["b"].finished; ++steps) {
+    StepPlan p = s->schedule();
+    std::vector<SampleResult> sampled;
+    int decoding = 0;
+    bool drafted = false;
+    for (auto& q : p.seqs) {
+      decoding += !q.prefill;
+      drafted |= !q.drafts.empty();
+      const int32_t at = static_cast<int32_t>(&q - p.seqs.data());
+      const int32_t first = p.batch.seq_q_start[at], n = p.batch.seq_q_start[at + 1] - first;
+      for (int32_t row = n - q.sampled_rows(); row < n; ++row) {
+        SampleResult r;
+        r.token = model(p.batch.input_ids[static_cast<size_t>(first + row)]);
+        sampled.push_back(r);
+      }
+    }
+    if (drafted) {
+      ++drafting_steps;
+      EXPECT_LE(decoding, 1) << "step " << steps;
+    }
+    s->commit(p, sampled);
+    s->check_integrity();
+  }
+  ASSERT_TRUE(out["a"].finished && out["b"].finished);
+  EXPECT_EQ(out["a"].tokens.size(), 6u);
+  EXPECT_EQ(out["b"].tokens.size(), 30u);
+  EXPECT_GT(drafting_steps, 3);  // b alone after a ended
+  EXPECT_EQ(s->stats().spec_accepted_tokens, s->stats().spec_draft_tokens);
+  expect_all_pages_back();
 }
 
 TEST_F(SchedulerTest, ChunkedPrefillThenDecodeToLength) {
