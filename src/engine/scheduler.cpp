@@ -18,20 +18,26 @@ int32_t lp_first_row_of(const SamplingParams& sp) { return std::max(sp.logprob_s
 
 std::vector<int32_t> ngram_draft(std::span<const int32_t> seq, int32_t min_n, int32_t max_n, int32_t k) {
   const size_t len = seq.size();
-  if (k <= 0 || min_n <= 0) return {};
+  if (k <= 0 || min_n <= 0 || len < 2) return {};
+  const size_t most = std::min(static_cast<size_t>(std::max(max_n, 0)), len - 1);
+  if (most < static_cast<size_t>(min_n)) return {};
   const size_t lo = len > kNgramWindow ? len - kNgramWindow : 0;
-  for (int32_t n = std::min<int64_t>(max_n, static_cast<int64_t>(len) - 1); n >= min_n; --n) {
-    const auto pattern = seq.subspan(len - static_cast<size_t>(n));
-    // Occurrences ending before the sequence's end, the most recent first.
-    for (size_t i = len - static_cast<size_t>(n); i-- > lo;) {
-      if (seq[i] != pattern[0] || !std::equal(pattern.begin(), pattern.end(), seq.begin() + static_cast<int64_t>(i)))
-        continue;
-      const size_t from = i + static_cast<size_t>(n);
-      const size_t to = std::min(len, from + static_cast<size_t>(k));
-      return std::vector<int32_t>(seq.begin() + static_cast<int64_t>(from), seq.begin() + static_cast<int64_t>(to));
+  // One pass back from the end: each earlier position j holding the last token ends a match of m tokens; the longest
+  // (at most `most`) wins, the most recent among equals (the first seen).
+  size_t best = 0, best_end = 0;
+  for (size_t j = len - 1; j-- > lo;) {
+    if (seq[j] != seq[len - 1]) continue;
+    size_t m = 1;
+    while (m < most && j >= lo + m && seq[j - m] == seq[len - 1 - m]) ++m;
+    if (m > best) {
+      best = m;
+      best_end = j + 1;
+      if (m == most) break;
     }
   }
-  return {};
+  if (best < static_cast<size_t>(min_n)) return {};
+  const size_t to = std::min(len, best_end + static_cast<size_t>(k));
+  return std::vector<int32_t>(seq.begin() + static_cast<int64_t>(best_end), seq.begin() + static_cast<int64_t>(to));
 }
 
 Scheduler::Scheduler(SchedulerConfig cfg)

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <map>
+#include <random>
 
 #include "core/error.h"
 #include "engine/scheduler.h"
@@ -596,6 +597,29 @@ TEST(NgramDraft, LongestRecentMatchFirst) {
   EXPECT_TRUE(ngram_draft(far, 1, 1, 2).empty());
   far[far.size() - 20] = 42;
   EXPECT_EQ(ngram_draft(far, 1, 1, 2).size(), 2u);
+}
+
+// Against the definition, on random sequences of a small alphabet: for n from the longest down, the most recent earlier
+// occurrence of the last n tokens, and the up to k tokens after it.
+TEST(NgramDraft, EqualsTheDefinition) {
+  auto reference = [](const std::vector<int32_t>& seq, int32_t min_n, int32_t max_n, int32_t k) {
+    const int64_t len = std::ssize(seq);
+    for (int64_t n = std::min<int64_t>(max_n, len - 1); n >= min_n && k > 0; --n)
+      for (int64_t i = len - n - 1; i >= 0; --i)
+        if (std::equal(seq.end() - n, seq.end(), seq.begin() + i))
+          return std::vector<int32_t>(seq.begin() + i + n, seq.begin() + std::min(len, i + n + k));
+    return std::vector<int32_t>{};
+  };
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 3000; ++trial) {
+    std::vector<int32_t> seq(1 + rng() % 40);
+    const uint32_t alphabet = 2 + rng() % 5;
+    for (auto& t : seq) t = static_cast<int32_t>(rng() % alphabet);
+    const int32_t min_n = 1 + static_cast<int32_t>(rng() % 3), max_n = min_n + static_cast<int32_t>(rng() % 4);
+    const int32_t k = static_cast<int32_t>(rng() % 6);
+    ASSERT_EQ(ngram_draft(seq, min_n, max_n, k), reference(seq, min_n, max_n, k))
+        << "trial " << trial << " n " << min_n << ".." << max_n << " k " << k;
+  }
 }
 
 }  // namespace
