@@ -137,7 +137,8 @@ struct BatchService::Batch {
   ojson metadata;  // null or the client's object
   ojson errors;    // null, or {"object": "list", "data": [...]}: why validation failed
   int64_t created_at = 0, in_progress_at = 0, finalizing_at = 0, completed_at = 0, failed_at = 0, cancelling_at = 0,
-          cancelled_at = 0;
+          cancelled_at = 0, expired_at = 0;
+  bool expiring = false;  // past its window: no more lines start; it ends expired
   struct Line {
     std::string custom_id;
     std::string body;  // the request's JSON
@@ -151,7 +152,9 @@ struct BatchService::Batch {
   size_t completed = 0, failed = 0;
   size_t running = 0;  // lines started and not answered yet
   std::string output_file_id, error_file_id;
-  bool ended() const { return status == "completed" || status == "failed" || status == "cancelled"; }
+  bool ended() const {
+    return status == "completed" || status == "failed" || status == "cancelled" || status == "expired";
+  }
 };
 
 // The channel a batch line answers through: the answer (or a cancellation) reaches the service once, on the worker.
@@ -189,8 +192,9 @@ class BatchService::LineExchange : public HttpExchange, public std::enable_share
   std::function<void(const std::string&)> cancel_;
 };
 
-BatchService::BatchService(Runner run)
-    : run_(std::move(run)), worker_(SerialWorker::start("batch worker")), salt_(std::random_device{}()) {}
+BatchService::BatchService(Runner run, Clock clock)
+    : run_(std::move(run)), clock_(std::move(clock)), worker_(SerialWorker::start("batch worker")),
+      salt_(std::random_device{}()) {}
 
 BatchService::~BatchService() {
   worker_->stop();
@@ -226,11 +230,11 @@ ojson BatchService::batch_object(const Batch& b) const {
   o["error_file_id"] = b.error_file_id.empty() ? ojson(nullptr) : ojson(b.error_file_id);
   o["created_at"] = b.created_at;
   o["in_progress_at"] = at(b.in_progress_at);
-  o["expires_at"] = b.created_at + 24 * 3600;
+  o["expires_at"] = b.created_at + kWindowSeconds;
   o["finalizing_at"] = at(b.finalizing_at);
   o["completed_at"] = at(b.completed_at);
   o["failed_at"] = at(b.failed_at);
-  o["expired_at"] = nullptr;
+  o["expired_at"] = at(b.expired_at);
   o["cancelling_at"] = at(b.cancelling_at);
   o["cancelled_at"] = at(b.cancelled_at);
   o["request_counts"] = {{"total", b.lines.size()}, {"completed", b.completed}, {"failed", b.failed}};
@@ -254,7 +258,7 @@ ojson BatchService::store_file(std::string filename, std::string purpose, std::s
   auto f = std::make_unique<File>();
   f->filename = std::move(filename);
   f->purpose = std::move(purpose);
-  f->created_at = unix_seconds();
+  f->created_at = clock_();
   f->data = std::make_shared<const std::string>(std::move(data));
   std::lock_guard lk(mu_);
   if (stored_bytes_ + f->data->size() > kMaxStoredBytes)
@@ -360,7 +364,7 @@ ojson BatchService::create_batch(const json& body) {
     if (!it->is_object()) throw ApiError(400, "'metadata' must be an object", "metadata", "invalid_type");
     b->metadata = ojson::parse(it->dump());
   }
-  b->created_at = unix_seconds();
+  b->created_at = clock_();
   b->errors = nullptr;
   std::shared_ptr<const std::string> input = file_content(b->input_file_id);
 
@@ -464,11 +468,12 @@ void BatchService::pump() {
     std::lock_guard lk(mu_);
     while (in_flight_ < kMaxInFlight && !queue_.empty()) {
       Batch& b = *batches_.at(queue_.front());
+      expire_if_due_locked(b);
       while (b.status == "in_progress" && b.next < b.lines.size() && b.lines[b.next].status >= 0)
         ++b.next;  // answered when the batch was created
-      if (b.status != "in_progress" || b.next == b.lines.size()) {
+      if (b.status != "in_progress" || b.expiring || b.next == b.lines.size()) {
         queue_.pop_front();
-        if (b.status == "in_progress" && b.running == 0) finalize_locked(b);  // every line answered when created
+        if (b.status == "in_progress" && !b.expiring && b.running == 0) finalize_locked(b);  // all answered at creation
         continue;
       }
       const size_t i = b.next++;
@@ -501,17 +506,29 @@ void BatchService::line_done(const std::string& id, size_t i, int status, std::s
     --b.running;
     if (status >= 200 && status < 300) ++b.completed;
     else if (status != 0) ++b.failed;
-    const bool started_all = b.next == b.lines.size() || b.status == "cancelling";
-    if (started_all && b.running == 0) finalize_locked(b);
+    expire_if_due_locked(b);
+    const bool started_all = b.next == b.lines.size() || b.status == "cancelling" || b.expiring;
+    if (started_all && b.running == 0 && !b.ended()) finalize_locked(b);
   }
   pump();
 }
 
 void BatchService::finalize_locked(Batch& b) {
-  b.finalizing_at = unix_seconds();
+  b.finalizing_at = clock_();
   std::string out, err;
   for (size_t i = 0; i < b.lines.size(); ++i) {
     const Batch::Line& line = b.lines[i];
+    if (line.status <= 0 && b.expiring) {  // OpenAI's error line for a request the window left unanswered
+      ojson o;
+      o["id"] = fmt::format("batch_req_{}_{}", b.id.substr(6), i);
+      o["custom_id"] = line.custom_id;
+      o["response"] = nullptr;
+      o["error"] = {{"code", "batch_expired"},
+                    {"message", "This request could not be executed before the completion window expired."}};
+      err += dump(o) + "\n";
+      ++b.failed;
+      continue;
+    }
     if (line.status <= 0) continue;  // cancelled or never started
     ojson answer;
     try {
@@ -537,7 +554,7 @@ void BatchService::finalize_locked(Batch& b) {
     f->id = new_id("file-");
     f->filename = b.id + suffix;
     f->purpose = "batch_output";
-    f->created_at = unix_seconds();
+    f->created_at = clock_();
     f->data = std::make_shared<const std::string>(std::move(data));
     stored_bytes_ += f->data->size();
     const std::string fid = f->id;
@@ -548,18 +565,32 @@ void BatchService::finalize_locked(Batch& b) {
   if (!err.empty()) b.error_file_id = store(std::move(err), "_error.jsonl");
   if (b.status == "cancelling") {
     b.status = "cancelled";
-    b.cancelled_at = unix_seconds();
+    b.cancelled_at = clock_();
+  } else if (b.expiring) {
+    b.status = "expired";
+    b.expired_at = clock_();
   } else {
     b.status = "completed";
-    b.completed_at = unix_seconds();
+    b.completed_at = clock_();
   }
   for (auto& line : b.lines) line.body.clear();
   ended_.notify_all();
 }
 
+void BatchService::expire_if_due_locked(Batch& b) {
+  if (b.status != "in_progress" || b.expiring || clock_() < b.created_at + kWindowSeconds) return;
+  b.expiring = true;
+  if (b.running == 0) {
+    finalize_locked(b);
+    return;
+  }
+  for (size_t i = 0; i < b.next; ++i)
+    if (b.lines[i].status < 0 && b.lines[i].exchange) worker_->post([ex = b.lines[i].exchange] { ex->cancel(); });
+}
+
 void BatchService::cancel_locked(Batch& b) {
   b.status = "cancelling";
-  b.cancelling_at = unix_seconds();
+  b.cancelling_at = clock_();
   std::vector<std::shared_ptr<LineExchange>> running;
   for (size_t i = 0; i < b.next; ++i)
     if (b.lines[i].status < 0 && b.lines[i].exchange) running.push_back(b.lines[i].exchange);
@@ -585,7 +616,10 @@ void BatchService::batches(const HttpRequest& req, std::string_view rest, std::s
     {
       std::lock_guard lk(mu_);
       std::vector<const Batch*> all;
-      for (const auto& [id, b] : batches_) all.push_back(b.get());
+      for (const auto& [id, b] : batches_) {
+        expire_if_due_locked(*b);
+        all.push_back(b.get());
+      }
       std::sort(all.begin(), all.end(), [](const Batch* a, const Batch* b) { return a->id > b->id; });  // newest first
       size_t i = 0;
       if (after)
@@ -610,6 +644,7 @@ void BatchService::batches(const HttpRequest& req, std::string_view rest, std::s
   const auto [id, sub] = id_and_sub(rest);
   std::lock_guard lk(mu_);
   Batch& b = batch_locked(id);
+  expire_if_due_locked(b);
   if (sub == "/cancel") {
     if (req.method != "POST") method_not_allowed(req);
     if (b.status == "in_progress" || b.status == "validating") cancel_locked(b);

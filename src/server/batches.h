@@ -42,7 +42,11 @@ class BatchService {
   static constexpr size_t kMaxLines = 50000;         // per batch (OpenAI's limit)
   static constexpr size_t kMaxStoredBytes = size_t{4} << 30;  // all files together
 
-  explicit BatchService(Runner run);
+  // The clock of the batches' and files' timestamps and of their completion window (seconds since the epoch).
+  using Clock = std::function<int64_t()>;
+  static constexpr int64_t kWindowSeconds = 24 * 3600;  // completion_window "24h": then the batch expires
+
+  explicit BatchService(Runner run, Clock clock = unix_seconds);
   ~BatchService();  // batches still running are cancelled; their answers are dropped
   BatchService(const BatchService&) = delete;
   BatchService& operator=(const BatchService&) = delete;
@@ -76,9 +80,13 @@ class BatchService {
   void line_done(const std::string& id, size_t i, int status, std::string body);
   void finalize_locked(Batch& b);
   void cancel_locked(Batch& b);
+  // A running batch past its completion window expires: no more lines start, running ones are cancelled, and it
+  // ends `expired` with the answers it has (checked whenever the batch is looked at or a line answers).
+  void expire_if_due_locked(Batch& b);
   std::string new_id(const char* prefix);
 
   Runner run_;
+  Clock clock_;
   std::shared_ptr<SerialWorker> worker_;
   mutable std::mutex mu_;
   std::condition_variable ended_;

@@ -1017,6 +1017,78 @@ json wait_batch(TestServer& s, const std::string& id, const std::string& headers
 // each line as the same request sent directly (answers in input order, a bad line into the error file with its
 // 400); a file that breaks the rules fails the batch with the lines' errors; a cancelled batch aborts its running
 // requests; deletion; 404s and 400s; internal requests pass the API key.
+// A batch past its 24 h completion window expires (an injected clock): lines not started never start, running ones
+// are cancelled, the answers it has go to the output file and each unanswered request gets a batch_expired line in
+// the error file.
+TEST(BatchServiceTest, ExpiresPastItsWindow) {
+  using ojson = nlohmann::ordered_json;
+  std::atomic<int64_t> now{1'000'000};
+  std::atomic<int> started{0}, cancelled{0};
+  std::mutex mu;
+  std::vector<std::shared_ptr<HttpExchange>> held;
+  BatchService svc(
+      [&](const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
+        ++started;
+        if (req.body.find("first") != std::string::npos) {
+          ex->respond(200, "application/json", R"({"id": "chatcmpl-1", "ok": true})");
+          return;
+        }
+        ex->on_cancel([&](const std::string&) { ++cancelled; });  // the others never answer
+        std::lock_guard lk(mu);
+        held.push_back(ex);
+      },
+      [&] { return now.load(); });
+  std::string lines;
+  for (const char* tag : {"first", "second", "third"})
+    lines += fmt::format(R"({{"custom_id": "{}", "method": "POST", "url": "/v1/chat/completions", "body": )"
+                         R"({{"messages": [{{"role": "user", "content": "{}"}}]}}}})",
+                         tag, tag) + "\n";
+  const ojson file = svc.store_file("in.jsonl", "batch", lines);
+  const ojson created = svc.create_batch(
+      {{"input_file_id", file["id"]}, {"endpoint", "/v1/chat/completions"}, {"completion_window", "24h"}});
+  const std::string id = created["id"];
+  EXPECT_EQ(created["expires_at"], 1'000'000 + BatchService::kWindowSeconds);
+  struct Capture : HttpExchange {
+    std::string body;
+    Executor executor() override {
+      return [](std::function<void()> fn) { fn(); };
+    }
+    void respond(int, const std::string&, std::string b) override { body = std::move(b); }
+    void start_stream() override {}
+    void send_event(std::string) override {}
+    void end_stream() override {}
+    void on_cancel(std::function<void(const std::string&)>) override {}
+  };
+  auto get = [&] {
+    auto ex = std::make_shared<Capture>();
+    HttpRequest req;
+    req.method = "GET";
+    svc.batches(req, "/" + id, "", ex);
+    return ojson::parse(ex->body);
+  };
+  for (int i = 0; i < 1000 && (started < 3 || get()["request_counts"]["completed"] != 1); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ojson b = get();
+  EXPECT_EQ(b["status"], "in_progress");
+  EXPECT_EQ(b["request_counts"]["completed"], 1);
+  now += BatchService::kWindowSeconds - 1;
+  EXPECT_EQ(get()["status"], "in_progress");  // not yet
+  now += 1;
+  get();  // looked at past its window
+  b = svc.wait(id);
+  EXPECT_EQ(b["status"], "expired");
+  EXPECT_EQ(b["expired_at"], now.load());
+  EXPECT_EQ(cancelled, 2);
+  EXPECT_EQ(b["request_counts"], ojson({{"total", 3}, {"completed", 1}, {"failed", 2}}));
+  const std::string out = *svc.file_content(b["output_file_id"]);
+  EXPECT_NE(out.find("\"custom_id\":\"first\""), std::string::npos) << out;
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1);
+  const std::string err = *svc.file_content(b["error_file_id"]);
+  EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 2);
+  EXPECT_NE(err.find("\"custom_id\":\"third\""), std::string::npos) << err;
+  EXPECT_NE(err.find("batch_expired"), std::string::npos) << err;
+}
+
 TEST(HttpApi, FilesAndBatches) {
   ServerOptions o;
   o.api_key = "k";
