@@ -22,17 +22,37 @@ uint64_t Histogram::count() const {
   return total_;
 }
 
-void Histogram::render(std::string& out, const std::string& name, const std::string& help) const {
+void Histogram::render(std::string& out, const std::string& name, const std::string& help,
+                       const std::string& labels) const {
   std::lock_guard lk(mu_);
   out += fmt::format("# HELP {} {}\n# TYPE {} histogram\n", name, help, name);
+  const std::string pre = labels.empty() ? "" : labels + ",";
+  const std::string own = labels.empty() ? "" : "{" + labels + "}";
   uint64_t cum = 0;
   for (size_t i = 0; i < bounds_.size(); ++i) {
     cum += counts_[i];
-    out += fmt::format("{}_bucket{{le=\"{}\"}} {}\n", name, bounds_[i], cum);
+    out += fmt::format("{}_bucket{{{}le=\"{}\"}} {}\n", name, pre, bounds_[i], cum);
   }
   cum += counts_.back();
-  out += fmt::format("{}_bucket{{le=\"+Inf\"}} {}\n{}_sum {}\n{}_count {}\n", name, cum, name, sum_, name, total_);
+  out += fmt::format("{}_bucket{{{}le=\"+Inf\"}} {}\n{}_sum{} {}\n{}_count{} {}\n", name, pre, cum, name, own, sum_,
+                     name, own, total_);
 }
+
+namespace {
+// A Prometheus label value: backslash, double quote and newline escaped.
+std::string label_value(const std::string& v) {
+  std::string o;
+  for (char c : v) {
+    if (c == '\\' || c == '"') o += '\\';
+    if (c == '\n') {
+      o += "\\n";
+      continue;
+    }
+    o += c;
+  }
+  return o;
+}
+}  // namespace
 
 ServerMetrics::ServerMetrics()
     : ttft_seconds({0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 15.0,
@@ -41,7 +61,7 @@ ServerMetrics::ServerMetrics()
                                    0.08, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0}),
       e2e_latency_seconds({0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0}) {}
 
-std::string ServerMetrics::render(const std::vector<RankStats>& ranks) const {
+std::string ServerMetrics::render(const std::vector<RankStats>& ranks, const std::string& model_name) const {
   RankStats sum;
   for (const auto& r : ranks) {
     sum.kv_tokens_total += r.kv_tokens_total;
@@ -100,6 +120,56 @@ std::string ServerMetrics::render(const std::vector<RankStats>& ranks) const {
   inter_token_latency_seconds.render(out, "mlaserve:inter_token_latency_seconds",
                                      "Time between consecutive output tokens, seconds.");
   e2e_latency_seconds.render(out, "mlaserve:e2e_request_latency_seconds", "End-to-end request latency, seconds.");
+
+  // The same quantities under SGLang's and vLLM's names.
+  const std::string labels = fmt::format("model_name=\"{}\"", label_value(model_name));
+  auto named = [&](const char* type, const std::string& name, const char* help, auto value) {
+    out += fmt::format("# HELP {} {}\n# TYPE {} {}\n{}{{{}}} {}\n", name, help, name, type, name, labels, value);
+  };
+  const double usage =
+      sum.kv_tokens_total > 0 ? static_cast<double>(used) / static_cast<double>(sum.kv_tokens_total) : 0.0;
+  named("gauge", "sglang:num_running_reqs", "The number of running requests.", sum.num_running_reqs);
+  named("gauge", "sglang:num_queue_reqs", "The number of requests in the waiting queue.", sum.num_queue_reqs);
+  named("gauge", "sglang:num_used_tokens", "The number of used tokens.", used);
+  named("gauge", "sglang:token_usage", "The token usage.", usage);
+  named("gauge", "sglang:cache_hit_rate", "The prefix cache hit rate.",
+        sum.prompt_tokens_total > 0
+            ? static_cast<double>(sum.cached_prompt_tokens_total) / static_cast<double>(sum.prompt_tokens_total)
+            : 0.0);
+  named("counter", "sglang:prompt_tokens_total", "Number of prefill tokens processed.", sum.prompt_tokens_total);
+  named("counter", "sglang:generation_tokens_total", "Number of generation tokens processed.",
+        sum.generation_tokens_total);
+  named("counter", "sglang:cached_tokens_total", "Number of cached prompt tokens.", sum.cached_prompt_tokens_total);
+  named("counter", "sglang:num_requests_total", "Number of requests processed.", sum.num_requests_finished);
+  ttft_seconds.render(out, "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                      labels);
+  inter_token_latency_seconds.render(out, "sglang:inter_token_latency_seconds",
+                                     "Histogram of inter-token latency in seconds.", labels);
+  e2e_latency_seconds.render(out, "sglang:e2e_request_latency_seconds",
+                             "Histogram of End-to-end request latency in seconds", labels);
+  named("gauge", "vllm:num_requests_running", "Number of requests in model execution batches.",
+        sum.num_running_reqs);
+  named("gauge", "vllm:num_requests_waiting", "Number of requests waiting to be processed.", sum.num_queue_reqs);
+  named("gauge", "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage);
+  named("gauge", "vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage);
+  named("counter", "vllm:prompt_tokens_total", "Number of prefill tokens processed.", sum.prompt_tokens_total);
+  named("counter", "vllm:generation_tokens_total", "Number of generation tokens processed.",
+        sum.generation_tokens_total);
+  named("counter", "vllm:num_preemptions_total", "Cumulative number of preemption from the engine.",
+        sum.num_retractions);
+  named("counter", "vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.",
+        sum.prompt_tokens_total);
+  named("counter", "vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.",
+        sum.cached_prompt_tokens_total);
+  named("counter", "vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.", sum.spec_draft_tokens);
+  named("counter", "vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.",
+        sum.spec_accepted_tokens);
+  ttft_seconds.render(out, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                      labels);
+  inter_token_latency_seconds.render(out, "vllm:inter_token_latency_seconds",
+                                     "Histogram of inter-token latency in seconds.", labels);
+  e2e_latency_seconds.render(out, "vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", labels);
   return out;
 }
 

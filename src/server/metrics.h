@@ -16,8 +16,10 @@ class Histogram {
  public:
   explicit Histogram(std::vector<double> upper_bounds);
   void observe(double v);
-  // `name`_bucket{le=...}, `name`_sum, `name`_count lines (cumulative buckets, +Inf last).
-  void render(std::string& out, const std::string& name, const std::string& help) const;
+  // `name`_bucket{le=...}, `name`_sum, `name`_count lines (cumulative buckets, +Inf last). labels: more label pairs
+  // before `le` (`model_name="x"`), or empty.
+  void render(std::string& out, const std::string& name, const std::string& help,
+              const std::string& labels = "") const;
   uint64_t count() const;
 
  private:
@@ -40,7 +42,9 @@ class ServerMetrics {
   std::atomic<int64_t> client_errors_total{0};      // 4xx answers
   std::atomic<int64_t> open_connections{0};
 
-  std::string render(const std::vector<RankStats>& ranks) const;
+  // mlaserve's names, then SGLang's (`sglang:`) and vLLM's (`vllm:`) for what they also report, labelled with the
+  // served model's name as theirs are, so their dashboards, autoscalers and routers read the server unchanged.
+  std::string render(const std::vector<RankStats>& ranks, const std::string& model_name = "") const;
 };
 
 }  // namespace mlaserve::server

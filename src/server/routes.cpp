@@ -609,7 +609,7 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
                        "server_busy");
     } else if (path == "/metrics") {
       if (!get) method_not_allowed();
-      ex->respond(200, "text/plain; version=0.0.4", metrics_.render(engine_.stats()));
+      ex->respond(200, "text/plain; version=0.0.4", metrics_.render(engine_.stats(), opts_.served_model_name));
     } else {
       throw ApiError(404, fmt::format("no route for {} {}", req.method, path), "", "not_found");
     }
