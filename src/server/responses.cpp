@@ -47,7 +47,7 @@ std::string string_field(const json& o, const char* key, const std::string& para
 
 }  // namespace
 
-json responses_to_chat(const json& body, const json& prior) {
+json responses_to_chat(const json& body, const json& prior, bool allow_empty) {
   if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object", "", "invalid_value");
   if (body.contains("conversation") && !body["conversation"].is_null())
     bad_request("conversation", "unsupported_parameter",
@@ -108,7 +108,7 @@ json responses_to_chat(const json& body, const json& prior) {
     bad_request("input", "invalid_type", "'input' must be a string or an array of items, got {}",
                 json_type_name(input->type()));
   }
-  if (messages.empty()) bad_request("input", "invalid_value", "'input' holds no message");
+  if (messages.empty() && !allow_empty) bad_request("input", "invalid_value", "'input' holds no message");
   chat["messages"] = std::move(messages);
   if (const auto it = body.find("model"); it != body.end()) chat["model"] = *it;
   if (const auto it = body.find("max_output_tokens"); it != body.end() && !it->is_null()) chat["max_tokens"] = *it;

@@ -18,8 +18,10 @@ namespace mlaserve::server {
 // function calls and their outputs), max_output_tokens, tools (function tools), tool_choice, text.format as
 // response_format, logprobs, streaming with usage, and the sampling fields chat takes. Throws ApiError (400 naming
 // the field) for what it cannot express (other input or tool types, a conversation object).
+// allow_empty: no message at all is not an error (counting input tokens of instructions alone).
 nlohmann::ordered_json responses_to_chat(const nlohmann::ordered_json& body,
-                                         const nlohmann::ordered_json& prior = nlohmann::ordered_json::array());
+                                         const nlohmann::ordered_json& prior = nlohmann::ordered_json::array(),
+                                         bool allow_empty = false);
 
 // The request's input as the items GET /v1/responses/{id}/input_items lists: a string input as a user message, text
 // content as parts, each item with an id (`<kind>_<rid>_in<k>` when it has none). Call after responses_to_chat

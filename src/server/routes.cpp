@@ -848,21 +848,7 @@ void Api::tokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& 
   const json body = parse_body(req.body);
   std::vector<int32_t> ids;
   if (body.contains("messages")) {
-    ParsedRequest pr = parse_chat(body, opts_.parse);  // validates the messages
-    bool gen = true;
-    if (const auto it = body.find("add_generation_prompt"); it != body.end() && !it->is_null()) {
-      if (!it->is_boolean())
-        throw ApiError(400, "'add_generation_prompt' must be a boolean", "add_generation_prompt", "invalid_type");
-      gen = it->get<bool>();
-    }
-    try {
-      json vars = pr.chat_template_kwargs;
-      if (!pr.tools.is_null() && !pr.tool_choice_none) vars["tools"] = pr.tools;
-      ids = codec_->encode(codec_->apply_chat_template(pr.messages, gen, vars), /*add_special_tokens=*/false);
-    } catch (const std::exception& e) {
-      throw ApiError(400, fmt::format("the chat template failed on these messages: {}", e.what()), "messages",
-                     "invalid_value");
-    }
+    ids = chat_prompt_ids(body);
   } else {
     const auto it = body.find("prompt");
     if (it == body.end() || !it->is_string())
@@ -880,6 +866,24 @@ void Api::tokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& 
   out["max_model_len"] = engine_.max_context_len();
   out["tokens"] = ids;
   respond_json(ex, 200, dump(out));
+}
+
+std::vector<int32_t> Api::chat_prompt_ids(const json& body) {
+  ParsedRequest pr = parse_chat(body, opts_.parse);  // validates the messages
+  bool gen = true;
+  if (const auto it = body.find("add_generation_prompt"); it != body.end() && !it->is_null()) {
+    if (!it->is_boolean())
+      throw ApiError(400, "'add_generation_prompt' must be a boolean", "add_generation_prompt", "invalid_type");
+    gen = it->get<bool>();
+  }
+  try {
+    json vars = pr.chat_template_kwargs;
+    if (!pr.tools.is_null() && !pr.tool_choice_none) vars["tools"] = pr.tools;
+    return codec_->encode(codec_->apply_chat_template(pr.messages, gen, vars), /*add_special_tokens=*/false);
+  } catch (const std::exception& e) {
+    throw ApiError(400, fmt::format("the chat template failed on these messages: {}", e.what()), "messages",
+                   "invalid_value");
+  }
 }
 
 void Api::detokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
@@ -973,23 +977,8 @@ std::shared_ptr<TokenConstraint> Api::constraint_for(const std::string& regex,
   return c;
 }
 
-void Api::responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
-  const ojson body = parse_body_ordered(req.body);
-  if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object", "", "invalid_value");
-  auto flag = [&](const char* key, bool dflt) {
-    const auto it = body.find(key);
-    if (it == body.end() || it->is_null()) return dflt;
-    if (!it->is_boolean()) bad_request(key, "invalid_type", "'{}' must be true or false", key);
-    return it->get<bool>();
-  };
-  const bool store = flag("store", true), background = flag("background", false), stream = flag("stream", false);
-  if (background && !store)
-    bad_request("background", "invalid_value", "'background' responses need 'store' (true by default)");
-  if (background && stream)
-    bad_request("background", "unsupported_parameter",
-                "'background' together with 'stream' is not supported: create it in the background and poll "
-                "GET /v1/responses/{{id}}");
-  // The conversation it continues: the stored response's context and output.
+ojson Api::previous_conversation(const ojson& body) {
+  // The conversation a request continues: the stored response's context and output.
   ojson prior = ojson::array();
   if (const auto prev = body.find("previous_response_id"); prev != body.end() && !prev->is_null()) {
     if (!prev->is_string())
@@ -1007,6 +996,26 @@ void Api::responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>&
     if (rec->context) prior = *rec->context;
     for (const auto& item : rec->response.at("output")) prior.push_back(item);
   }
+  return prior;
+}
+
+void Api::responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
+  const ojson body = parse_body_ordered(req.body);
+  if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object", "", "invalid_value");
+  auto flag = [&](const char* key, bool dflt) {
+    const auto it = body.find(key);
+    if (it == body.end() || it->is_null()) return dflt;
+    if (!it->is_boolean()) bad_request(key, "invalid_type", "'{}' must be true or false", key);
+    return it->get<bool>();
+  };
+  const bool store = flag("store", true), background = flag("background", false), stream = flag("stream", false);
+  if (background && !store)
+    bad_request("background", "invalid_value", "'background' responses need 'store' (true by default)");
+  if (background && stream)
+    bad_request("background", "unsupported_parameter",
+                "'background' together with 'stream' is not supported: create it in the background and poll "
+                "GET /v1/responses/{{id}}");
+  ojson prior = previous_conversation(body);
   HttpRequest chat = req;
   chat.body = responses_to_chat(body, prior).dump();  // in the request's key order (a schema's properties' order)
   const std::string id = "resp_" + new_id();  // also the job's: /abort_request takes it
@@ -1061,6 +1070,23 @@ void Api::responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>&
 void Api::stored_response(const HttpRequest& req, std::string_view rest, std::string_view query,
                           const std::shared_ptr<HttpExchange>& ex) {
   const auto [id, sub] = id_and_sub(rest);
+  if (id == "input_tokens" && sub.empty()) {  // OpenAI's count of a request's input tokens
+    if (req.method != "POST")
+      throw ApiError(405, fmt::format("method {} is not allowed on {}", req.method, path_of(req.target)), "",
+                     "method_not_allowed");
+    if (!codec_)
+      throw ApiError(400, "counting tokens needs a tokenizer; this server runs without one", "", "no_tokenizer");
+    ojson body = parse_body_ordered(req.body);
+    if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object", "", "invalid_value");
+    if (!body.contains("input")) body["input"] = ojson::array();  // instructions alone (or the previous response's)
+    json chat = json::parse(responses_to_chat(body, previous_conversation(body), /*allow_empty=*/true).dump());
+    chat["add_generation_prompt"] = true;
+    ojson out;
+    out["object"] = "response.input_tokens";
+    out["input_tokens"] = chat_prompt_ids(chat).size();
+    respond_json(ex, 200, dump(out));
+    return;
+  }
   const auto rec = responses_store_->get(id);
   auto not_found = [&] {
     throw ApiError(404, fmt::format("no stored response with id '{}'", id), "response_id", "not_found");

@@ -150,6 +150,9 @@ check(yesNo.status === 'completed' && ['"yes"', '"no"'].includes(yesNo.output_te
 
 // Stored responses: retrieve, a continuation through previous_response_id (greedy: the same text as chat given the
 // whole conversation), its input items, delete; a background response polled to its end, and one cancelled.
+const counted = await client.responses.inputTokens.count({ model, input: rq.input });
+check(counted.object === 'response.input_tokens' && counted.input_tokens === resp.usage.input_tokens,
+  'responses input token count = the response\'s input tokens', { counted, usage: resp.usage });
 const stored = await client.responses.retrieve(resp.id);
 check(stored.id === resp.id && stored.status === resp.status && stored.output_text === resp.output_text,
   'responses retrieve', stored);

@@ -670,6 +670,23 @@ TEST(HttpApi, StoredResponses) {
   EXPECT_EQ(s.get("/v1/responses/" + second_id).status, 200);
   EXPECT_EQ(post({{"input", "z"}, {"previous_response_id", second_id}, {"max_output_tokens", 1}})["status"],
             "incomplete");
+  // OpenAI's input token count: what the request's prompt takes (instructions, the stored conversation, its input).
+  auto count = [&](const json& body) {
+    auto r = s.post("/v1/responses/input_tokens", body.dump());
+    EXPECT_EQ(r.status, 200) << r.body;
+    const json j = json::parse(r.body);
+    EXPECT_EQ(j["object"], "response.input_tokens");
+    return j["input_tokens"].get<int64_t>();
+  };
+  const json counted = post({{"input", "count me"}, {"instructions", "be brief"}, {"max_output_tokens", 1}});
+  EXPECT_EQ(count({{"input", "count me"}, {"instructions", "be brief"}}),
+            counted["usage"]["input_tokens"].get<int64_t>());
+  const int64_t alone = count({{"input", "more"}});
+  const int64_t continued = count({{"input", "more"}, {"previous_response_id", second_id}});
+  EXPECT_GT(continued, alone + 20);
+  EXPECT_GT(count({{"instructions", "only these"}}), 0);
+  EXPECT_EQ(s.get("/v1/responses/input_tokens").status, 405);
+  EXPECT_EQ(s.post("/v1/responses/input_tokens", json({{"input", 5}}).dump()).status, 400);
   // Not a background response: no cancel; other methods and routes refused.
   r = s.post("/v1/responses/" + second_id + "/cancel", "");
   EXPECT_EQ(r.status, 400) << r.body;
