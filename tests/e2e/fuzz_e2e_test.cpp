@@ -79,6 +79,8 @@ const Seed kSeeds[] = {
       "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "boolean"}}}}}, "temperature": 0.5})"},
     {"/v1/responses", R"({"input": [{"role": "user", "content": "Hi"}], "background": true, "store": true,
       "max_output_tokens": 4, "metadata": {"a": "b"}})"},
+    {"/v1/responses/input_tokens", R"({"input": [{"role": "user", "content": "Weather?"}], "instructions": "Be brief.",
+      "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]})"},
     {"/tokenize", R"({"prompt": "hello world", "add_special_tokens": false})"},
     {"/tokenize", R"({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": true})"},
     {"/detokenize", R"({"tokens": [100, 200, 300]})"},
@@ -388,6 +390,8 @@ TEST(ServerFuzz, MutatedRequestsGetAnAnswerAndLeaveNoTrace) {
     EXPECT_EQ(answered.size(), static_cast<size_t>(lines));
   }
 
+  // Background responses (no client holds them) may still generate: aborted, as an operator would.
+  EXPECT_EQ(http_request(port, "POST", "/abort_request", R"({"abort_all": true})").status, 200);
   // Nothing runs or waits, and only the prefix cache holds pages (the last aborts may land a step later).
   json st;
   for (int k = 0; k < 600; ++k) {
