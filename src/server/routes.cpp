@@ -585,6 +585,7 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
         st["overlapped_steps"] = s.overlapped_steps;
         st["spec_draft_tokens"] = s.spec_draft_tokens;
         st["spec_accepted_tokens"] = s.spec_accepted_tokens;
+        st["spec_checks"] = s.spec_checks;
         // SGLang's: tokens a request gets per step that checks drafts (the drafts kept and the draw after them)
         if (s.spec_checks > 0)
           st["avg_spec_accept_length"] =

@@ -1102,6 +1102,8 @@ TEST(ServeFlags, NgramSpeculativeDecodingKeepsTheAnswers) {
     const json states = get_json(spec.port(), "/get_server_info")["internal_states"];
     EXPECT_GT(states[0]["spec_accepted_tokens"].get<int64_t>(), 10) << states.dump();
     EXPECT_GT(states[0]["avg_spec_accept_length"].get<double>(), 1.2) << states.dump();
+    EXPECT_NEAR(states[0]["avg_spec_accept_length"].get<double>(),
+                1.0 + states[0]["spec_accepted_tokens"].get<double>() / states[0]["spec_checks"].get<double>(), 1e-9);
     const std::string metrics = http_request(spec.port(), "GET", "/metrics").body;
     EXPECT_NE(metrics.find("mlaserve:spec_decode_num_accepted_tokens_total "), std::string::npos);
     EXPECT_EQ(spec.stop(), 0);
