@@ -75,7 +75,7 @@ ResponseStore::~ResponseStore() {
 }
 
 void ResponseStore::set_locked(Slot& s, Record r) {
-  r.bytes = record_bytes(r);
+  if (r.bytes == 0) r.bytes = record_bytes(r);
   if (s.record) bytes_ -= s.record->bytes;
   bytes_ += r.bytes;
   s.record = std::make_shared<const Record>(std::move(r));
@@ -103,8 +103,10 @@ void ResponseStore::put_locked(const std::string& id, Record r) {
 }
 
 void ResponseStore::put(const std::string& id, ojson response, ojson input, std::shared_ptr<const ojson> context) {
+  Record r{std::move(response), std::move(input), std::move(context), 0};
+  r.bytes = record_bytes(r);  // measured before the lock: a long conversation takes a while
   std::lock_guard lk(mu_);
-  put_locked(id, Record{std::move(response), std::move(input), std::move(context), 0});
+  put_locked(id, std::move(r));
 }
 
 std::shared_ptr<const ResponseStore::Record> ResponseStore::get(const std::string& id) const {
@@ -151,6 +153,7 @@ void ResponseStore::started(const std::string& id) {
   if (it == slots_.end() || it->second.record->response.value("status", "") != "queued") return;
   Record r = *it->second.record;
   r.response["status"] = "in_progress";
+  r.bytes = 0;
   set_locked(it->second, std::move(r));
 }
 
@@ -174,6 +177,7 @@ void ResponseStore::complete(const std::string& id, ojson response) {
   if (it == slots_.end() || !it->second.running) return;  // deleted or cancelled meanwhile
   Record r = *it->second.record;
   r.response = std::move(response);
+  r.bytes = 0;
   set_locked(it->second, std::move(r));
 }
 
@@ -193,6 +197,7 @@ void ResponseStore::failed(const std::string& id, int status, const std::string&
   }
   r.response["status"] = "failed";
   r.response["error"] = std::move(error);
+  r.bytes = 0;
   set_locked(it->second, std::move(r));
   MLA_LOG_WARN("background response {} failed ({}): {}", id, status, body);
 }
@@ -216,6 +221,7 @@ void ResponseStore::cancel(const std::string& id, std::function<void(std::shared
         it->second.running.reset();
         Record r = *it->second.record;
         r.response["status"] = "cancelled";
+        r.bytes = 0;
         set_locked(it->second, std::move(r));
       }
     }
