@@ -2,6 +2,8 @@
 // tokenizer; checked over raw HTTP, with the official `openai` npm client and with `mlaserve bench-serving`.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <nlohmann/json.hpp>
 
 #include <fstream>
@@ -664,7 +666,9 @@ TEST_F(ServerE2E, StructuredOutputsFollowTheirConstraints) {
       if (r["choices"][0]["finish_reason"] == "stop") {
         EXPECT_TRUE(d.matches(content)) << content;
         const json doc = json::parse(content);
-        if (with_schema) EXPECT_TRUE(doc["colour"] == "red" || doc["colour"] == "green") << content;
+        if (with_schema) {
+          EXPECT_TRUE(doc["colour"] == "red" || doc["colour"] == "green") << content;
+        }
       }
     }
   }
@@ -681,7 +685,9 @@ TEST_F(ServerE2E, StructuredOutputsFollowTheirConstraints) {
     auto r = post_json(port(), "/v1/chat/completions", req.dump());
     const std::string content = r["choices"][0]["message"]["content"].get<std::string>();
     EXPECT_GE(td.walk(0, content), 0) << content;
-    if (r["choices"][0]["finish_reason"] == "stop") EXPECT_TRUE(td.matches(content)) << content;
+    if (r["choices"][0]["finish_reason"] == "stop") {
+      EXPECT_TRUE(td.matches(content)) << content;
+    }
     tagged += content.find("e<n>") != std::string::npos;
   }
   EXPECT_GT(tagged, 0);
@@ -759,7 +765,7 @@ TEST_F(ServerE2E, BadRequestsGet4xx) {
   };
   const std::string long_prompt = "[" + [] {
     std::string s;
-    for (int i = 0; i < 6000; ++i) s += (i ? "," : "") + std::to_string(1000 + i);
+    for (int i = 0; i < 6000; ++i) s += fmt::format("{}{}", i ? "," : "", 1000 + i);
     return s;
   }() + "]";
   const std::vector<Case> cases = {
@@ -896,18 +902,26 @@ TEST_P(ForcedToolCalls, FollowTheTools) {
     const bool one = choice.find("parallel_tool_calls") != std::string::npos ||
                      choice.find("get_weather") != std::string::npos;
     // One call: the text is complete after it. Several allowed: a dummy model keeps calling until max_tokens.
-    if (one) EXPECT_EQ(ch["finish_reason"], "tool_calls") << r.dump();
+    if (one) {
+      EXPECT_EQ(ch["finish_reason"], "tool_calls") << r.dump();
+    }
     ASSERT_TRUE(ch["message"].contains("tool_calls")) << r.dump();
     const json& calls = ch["message"]["tool_calls"];
     ASSERT_GE(calls.size(), 1u);
-    if (one) EXPECT_EQ(calls.size(), 1u);
+    if (one) {
+      EXPECT_EQ(calls.size(), 1u);
+    }
     for (const json& c : calls) {
       const std::string name = c["function"]["name"];
       const json args = json::parse(c["function"]["arguments"].get<std::string>());
-      if (choice.find("get_weather") != std::string::npos) EXPECT_EQ(name, "get_weather");
+      if (choice.find("get_weather") != std::string::npos) {
+        EXPECT_EQ(name, "get_weather");
+      }
       if (name == "get_weather") {
         EXPECT_TRUE(args["city"] == "Paris" || args["city"] == "Rome") << args;
-        if (args.contains("unit")) EXPECT_TRUE(args["unit"] == "C" || args["unit"] == "F") << args;  // optional
+        if (args.contains("unit")) {  // optional
+          EXPECT_TRUE(args["unit"] == "C" || args["unit"] == "F") << args;
+        }
         EXPECT_LE(args.size(), 2u) << args;
       } else {
         EXPECT_EQ(name, "get_time");

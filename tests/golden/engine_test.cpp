@@ -3,6 +3,8 @@
 // aborts free pages; nothing leaks.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -146,7 +148,7 @@ TEST_P(EngineTest, GreedyEqualsReferenceAloneAndInAFullBatch) {
   expect_prefix(alone.tokens, 3);
   // All five prompts (and the same one twice) at once.
   std::vector<std::future<Result>> fs;
-  for (int j = 0; j < 5; ++j) fs.push_back(submit(*e, "b" + std::to_string(j), prompts_[j], 12));
+  for (int j = 0; j < 5; ++j) fs.push_back(submit(*e, fmt::format("b{}", j), prompts_[j], 12));
   fs.push_back(submit(*e, "again", prompts_[3], 12));
   for (int j = 0; j < 5; ++j) expect_prefix(wait(fs[j]).tokens, j);
   Result again = wait(fs[5]);
@@ -158,7 +160,7 @@ TEST_P(EngineTest, GreedyEqualsReferenceAloneAndInAFullBatch) {
 TEST_P(EngineTest, SmallChunksAndNoCacheGiveTheSameTokens) {
   auto e = make(512, /*page_size=*/4, /*chunk=*/16, /*radix=*/false);
   std::vector<std::future<Result>> fs;
-  for (int j : {4, 2, 3}) fs.push_back(submit(*e, "c" + std::to_string(j), prompts_[j], 10));
+  for (int j : {4, 2, 3}) fs.push_back(submit(*e, fmt::format("c{}", j), prompts_[j], 10));
   int k = 0;
   for (int j : {4, 2, 3}) {
     Result r = wait(fs[k++]);
@@ -178,7 +180,7 @@ TEST_P(EngineTest, RetractionUnderMemoryPressureKeepsOutputsExact) {
   for (int attempt = 0; attempt < 3 && retractions == 0; ++attempt) {
     auto e = make(50, 8, 64);
     std::vector<std::future<Result>> fs;
-    for (int j = 0; j < 5; ++j) fs.push_back(submit(*e, "m" + std::to_string(j), prompts_[j], 64));
+    for (int j = 0; j < 5; ++j) fs.push_back(submit(*e, fmt::format("m{}", j), prompts_[j], 64));
     for (int j = 0; j < 5; ++j) {
       Result r = wait(fs[j]);
       EXPECT_EQ(r.tokens.size(), 64u);

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <map>
 
 #include "server/api_error.h"
@@ -456,7 +458,7 @@ TEST(Protocol, ForcedToolCallsAreAConstraint) {
   auto matches = [](const ParsedRequest& r, const std::string& text) {
     return structured::Dfa(structured::compile_regex(r.constraint_regex)).matches(text);
   };
-  auto sp = [](std::string_view m) { return "\xFF" + std::string(m); };
+  auto sp = [](std::string_view m) { return fmt::format("\xFF{}", m); };
   auto call = [&](const std::string& name, const std::string& args) {
     return sp(kToolCallBegin) + "function" + sp(kToolSep) + name + "\n```json\n" + args + "\n```" + sp(kToolCallEnd);
   };

@@ -2,6 +2,8 @@
 // scheduled and the state after it, and run the integrity checks.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <map>
 #include <random>
@@ -328,7 +330,7 @@ TEST_F(SchedulerTest, AdmissionWaitsAndDecodeRetractsWhenPagesRunOut) {
 
 TEST_F(SchedulerTest, MaxRunningRequestsBoundsTheBatch) {
   make(64, 64, /*max_running=*/2);
-  for (int i = 0; i < 5; ++i) add("r" + std::to_string(i), range(i, 3), 4);
+  for (int i = 0; i < 5; ++i) add(fmt::format("r{}", i), range(i, 3), 4);
   step();
   EXPECT_EQ(s->num_running(), 2);
   EXPECT_EQ(s->num_waiting(), 3);
@@ -336,7 +338,7 @@ TEST_F(SchedulerTest, MaxRunningRequestsBoundsTheBatch) {
     step();
     EXPECT_LE(s->num_running(), 2);
   }
-  for (int i = 0; i < 5; ++i) EXPECT_EQ(out["r" + std::to_string(i)].tokens.size(), 4u);
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(out[fmt::format("r{}", i)].tokens.size(), 4u);
   expect_all_pages_back();
 }
 

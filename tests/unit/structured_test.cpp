@@ -68,8 +68,9 @@ TEST(Regex, AsciiPatternsMatchLikeStdRegex) {
       ASSERT_EQ(d.matches(s), want) << "'" << s << "'";
     }
     if (p != "[a\\-c]+" && p != "\\.\\*\\+" && p != "(a|ab)(c|bcd)" && p != "(?:ab){2}c{1,}" &&
-        p != "[0-9a-fA-F]{2}x" && p != "a{x}b")
+        p != "[0-9a-fA-F]{2}x" && p != "a{x}b") {
       EXPECT_GT(hits, 0);
+    }
   }
   EXPECT_TRUE(full_match("\\.\\*\\+", ".*+"));
   EXPECT_TRUE(full_match("(a|ab)(c|bcd)", "abcd"));
@@ -121,7 +122,9 @@ TEST(Regex, Utf8ClassesMatchWholeCharacters) {
     }
     for (uint32_t cp : {lo - 1, hi + 1, lo + 0x40000})
       if (cp < lo || cp > hi)
-        if (cp <= 0x10FFFF && (cp < 0xD800 || cp > 0xDFFF)) EXPECT_FALSE(d.matches(utf8(cp))) << std::hex << cp;
+        if (cp <= 0x10FFFF && (cp < 0xD800 || cp > 0xDFFF)) {
+          EXPECT_FALSE(d.matches(utf8(cp))) << std::hex << cp;
+        }
   }
 }
 
