@@ -116,10 +116,15 @@ std::string ServerMetrics::render(const std::vector<RankStats>& ranks, const std
           generate_requests_total.load());
   counter("aborted_requests_total", "Generation requests aborted (client gone, timeout).", aborted_requests_total.load());
   counter("client_errors_total", "Requests answered with a 4xx status.", client_errors_total.load());
-  ttft_seconds.render(out, "mlaserve:time_to_first_token_seconds", "Time to first token, seconds.");
-  inter_token_latency_seconds.render(out, "mlaserve:inter_token_latency_seconds",
-                                     "Time between consecutive output tokens, seconds.");
-  e2e_latency_seconds.render(out, "mlaserve:e2e_request_latency_seconds", "End-to-end request latency, seconds.");
+  // The three latency histograms under a family's prefix.
+  auto histograms = [&](const std::string& prefix, const std::string& lab) {
+    ttft_seconds.render(out, prefix + "time_to_first_token_seconds", "Time to first token, seconds.", lab);
+    inter_token_latency_seconds.render(out, prefix + "inter_token_latency_seconds",
+                                       "Time between consecutive output tokens, seconds.", lab);
+    e2e_latency_seconds.render(out, prefix + "e2e_request_latency_seconds", "End-to-end request latency, seconds.",
+                               lab);
+  };
+  histograms("mlaserve:", "");
 
   // The same quantities under SGLang's and vLLM's names.
   const std::string labels = fmt::format("model_name=\"{}\"", label_value(model_name));
@@ -141,12 +146,7 @@ std::string ServerMetrics::render(const std::vector<RankStats>& ranks, const std
         sum.generation_tokens_total);
   named("counter", "sglang:cached_tokens_total", "Number of cached prompt tokens.", sum.cached_prompt_tokens_total);
   named("counter", "sglang:num_requests_total", "Number of requests processed.", sum.num_requests_finished);
-  ttft_seconds.render(out, "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                      labels);
-  inter_token_latency_seconds.render(out, "sglang:inter_token_latency_seconds",
-                                     "Histogram of inter-token latency in seconds.", labels);
-  e2e_latency_seconds.render(out, "sglang:e2e_request_latency_seconds",
-                             "Histogram of End-to-end request latency in seconds", labels);
+  histograms("sglang:", labels);
   named("gauge", "vllm:num_requests_running", "Number of requests in model execution batches.",
         sum.num_running_reqs);
   named("gauge", "vllm:num_requests_waiting", "Number of requests waiting to be processed.", sum.num_queue_reqs);
@@ -164,12 +164,7 @@ std::string ServerMetrics::render(const std::vector<RankStats>& ranks, const std
   named("counter", "vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.", sum.spec_draft_tokens);
   named("counter", "vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.",
         sum.spec_accepted_tokens);
-  ttft_seconds.render(out, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                      labels);
-  inter_token_latency_seconds.render(out, "vllm:inter_token_latency_seconds",
-                                     "Histogram of inter-token latency in seconds.", labels);
-  e2e_latency_seconds.render(out, "vllm:e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.", labels);
+  histograms("vllm:", labels);
   return out;
 }
 
