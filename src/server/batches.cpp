@@ -431,6 +431,10 @@ ojson BatchService::create_batch(const json& body) {
       error(line_no, "invalid_request", "requests of a batch cannot stream ('stream': true)");
       continue;
     }
+    if (const auto bg = rbody->find("background"); bg != rbody->end() && bg->is_boolean() && bg->get<bool>()) {
+      error(line_no, "invalid_request", "requests of a batch cannot run in the background ('background': true)");
+      continue;
+    }
     if (too_deep) {  // answered now: its endpoint's 400
       b->lines.push_back({cid->get<std::string>(), {}, 400,
                           error_body(400, fmt::format("the request body nests more than {} levels", kMaxBodyDepth)),

@@ -1171,6 +1171,21 @@ TEST(HttpApi, FilesAndBatches) {
   EXPECT_EQ(failed["errors"]["data"][0]["line"], 2);
   EXPECT_EQ(failed["errors"]["data"][0]["code"], "duplicate_custom_id");
   EXPECT_EQ(failed["errors"]["data"][1]["code"], "mismatched_url");
+  // A Responses line asking for a background response (its answer would not be the response).
+  auto bg_file = json::parse(upload(s.port(), "bg.jsonl", "batch",
+                                    R"({"custom_id": "r", "method": "POST", "url": "/v1/responses", "body":)"
+                                    R"( {"input": "a", "background": true}})",
+                                    auth)
+                                 .body);
+  auto bg_create = s.post("/v1/batches",
+                          json({{"input_file_id", bg_file["id"]}, {"endpoint", "/v1/responses"},
+                                {"completion_window", "24h"}}).dump(),
+                          auth);
+  ASSERT_EQ(bg_create.status, 200) << bg_create.body;
+  const json bg_failed = json::parse(bg_create.body);
+  EXPECT_EQ(bg_failed["status"], "failed");
+  ASSERT_EQ(bg_failed["errors"]["data"].size(), 1u) << bg_failed.dump();
+  EXPECT_NE(bg_failed["errors"]["data"][0]["message"].get<std::string>().find("background"), std::string::npos);
 
   // Hostile input: a line nested 100,000 levels deep is answered with the endpoint's 400 for a body that deep (no
   // recursion through it), a non-boolean `stream` by the endpoint itself; a create request with deep metadata is a
