@@ -20,6 +20,11 @@
 namespace mlaserve::test {
 namespace {
 
+// `timeout <seconds> <the mlaserve binary under test>` (MLASERVE_E2E_BINARY, else the one built here).
+std::string mlaserve_cmd(int seconds) {
+  return fmt::format("timeout {} {}", seconds, e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY));
+}
+
 using json = nlohmann::json;
 using ojson = nlohmann::ordered_json;
 
@@ -484,7 +489,7 @@ TEST_F(ServerE2E, RunBatchAnswersAsTheServer) {
       << R"({"custom_id": "bad", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 0}})" << "\n"
       << R"({"custom_id": "c2", "method": "POST", "url": "/v1/chat/completions", "body": )" << chat << "}\n";
   }
-  const std::string cmd = "timeout 300 " + e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY) + " run-batch -i " + in +
+  const std::string cmd = mlaserve_cmd(300) + " run-batch -i " + in +
                           " -o " + out + " --model-path " + e2e_model_dir() + " --tokenizer-path " +
                           deepseek_tokenizer_dir() + " --load-format dummy --device " +
                           e2e_env("MLASERVE_E2E_DEVICE", "cpu") +
@@ -1076,13 +1081,13 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
   EXPECT_EQ(s.stop(), 0);
 
   // `serve MODEL` (vLLM's form); the model named twice differently is an error.
-  auto r = run_command("timeout 12 " + e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY) + " serve " + e2e_model_dir() + " --tokenizer " +
+  auto r = run_command(mlaserve_cmd(12) + " serve " + e2e_model_dir() + " --tokenizer " +
                        deepseek_tokenizer_dir() + " --load-format dummy --device cpu --port 0 --max-total-tokens 4096");
   EXPECT_NE(r.output.find("serving '" + e2e_model_dir() + "'"), std::string::npos) << r.output;
-  r = run_command("timeout 60 " + e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY) + " serve " + e2e_model_dir() + " --model-path /x");
+  r = run_command(mlaserve_cmd(60) + " serve " + e2e_model_dir() + " --model-path /x");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("the model is given twice"), std::string::npos) << r.output;
-  r = run_command("timeout 60 " + e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY) + " serve --load-format dummy");
+  r = run_command(mlaserve_cmd(60) + " serve --load-format dummy");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("--model-path is required"), std::string::npos) << r.output;
 }
@@ -1131,7 +1136,7 @@ TEST(ServeFlags, NgramSpeculativeDecodingKeepsTheAnswers) {
                                   "--speculative-disable-by-batch-size 4",
                                   "--speculative-algorithm NGRAM --speculative-ngram-min-match-window-size 4 "
                                   "--speculative-ngram-max-match-window-size 2"}) {
-    auto r = run_command("timeout 60 " + e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY) + " serve --model-path " +
+    auto r = run_command(mlaserve_cmd(60) + " serve --model-path " +
                          e2e_model_dir() + " --load-format dummy --port 0 " + flags);
     EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;
     EXPECT_NE(r.output.find("specul"), std::string::npos) << flags << "\n" << r.output;
@@ -1173,7 +1178,7 @@ TEST(ServeFlags, PrioritySchedulingOrdersTheQueue) {
   EXPECT_EQ(v.stop(), 0);
   for (const std::string flags : {"--scheduling-policy lottery", "--schedule-low-priority-values-first",
                                   "--enable-priority-scheduling --scheduling-policy priority"}) {
-    auto r = run_command("timeout 60 " + e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY) + " serve --model-path " +
+    auto r = run_command(mlaserve_cmd(60) + " serve --model-path " +
                          e2e_model_dir() + " --load-format dummy --port 0 " + flags);
     EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;
     EXPECT_NE(r.output.find("priority"), std::string::npos) << flags << "\n" << r.output;
@@ -1183,32 +1188,32 @@ TEST(ServeFlags, PrioritySchedulingOrdersTheQueue) {
 TEST(ServeFlags, RecognisedButNotImplementedExitNonZero) {
   for (const std::string flags :
        {"--quantization gptq", "--kv-cache-dtype fp8_e4m3", "--dtype float16", "--completion-template qwen"}) {
-    auto r = run_command("timeout 60 " + e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY) + " serve --model-path " + e2e_model_dir() +
+    auto r = run_command(mlaserve_cmd(60) + " serve --model-path " + e2e_model_dir() +
                          " --tokenizer-path " + deepseek_tokenizer_dir() + " --load-format dummy --port 0 " + flags);
     EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;
     EXPECT_NE(r.output.find("not implemented"), std::string::npos) << flags << "\n" << r.output;
   }
-  auto r = run_command("timeout 60 " + e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY) + " serve --model-path " + e2e_model_dir() +
+  auto r = run_command(mlaserve_cmd(60) + " serve --model-path " + e2e_model_dir() +
                        " --no-such-flag 1");
   EXPECT_NE(r.exit_code, 0);
   // --quantization naming the checkpoint's own method is accepted (serving starts; the timeout ends it), fp8 on a
   // bf16 checkpoint quantizes at load, another method is refused. A small KV cache: startup within the timeout on a
   // busy machine (a 2 GiB cache took more than 8 s to set up while other builds ran).
-  r = run_command("timeout 12 " + e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY) + " serve --model-path " + golden_dir("v3-fp8") +
+  r = run_command(mlaserve_cmd(12) + " serve --model-path " + golden_dir("v3-fp8") +
                   " --skip-tokenizer-init --device cpu --port 0 --max-total-tokens 4096 --quantization fp8");
   EXPECT_NE(r.output.find("serving"), std::string::npos) << r.output;
-  r = run_command("timeout 12 " + e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY) + " serve --model-path " + golden_dir("v3") +
+  r = run_command(mlaserve_cmd(12) + " serve --model-path " + golden_dir("v3") +
                   " --skip-tokenizer-init --device cpu --port 0 --max-total-tokens 4096 --quantization fp8");
   EXPECT_NE(r.output.find("serving"), std::string::npos) << r.output;
-  r = run_command("timeout 60 " + e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY) + " serve --model-path " + golden_dir("v3-fp8") +
+  r = run_command(mlaserve_cmd(60) + " serve --model-path " + golden_dir("v3-fp8") +
                   " --skip-tokenizer-init --device cpu --port 0 --quantization awq");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("--quantization awq (quantizing at load"), std::string::npos) << r.output;
-  r = run_command("timeout 60 " + e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY) + " serve --model-path " + e2e_model_dir() +
+  r = run_command(mlaserve_cmd(60) + " serve --model-path " + e2e_model_dir() +
                   " --load-format dummy --port 0 --stream-interval 0");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("--stream-interval must be at least 1"), std::string::npos) << r.output;
-  r = run_command("timeout 60 " + e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY) + " serve --model-path " + e2e_model_dir() +
+  r = run_command(mlaserve_cmd(60) + " serve --model-path " + e2e_model_dir() +
                   " --load-format dummy --port 0 --allowed-origins '[\"https://a.example\", 1]'");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("--allowed-origins: '[\"https://a.example\", 1]' must list non-empty strings"),
