@@ -319,21 +319,12 @@ std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<St
         logit_rows[g].push_back(static_cast<int32_t>(rows[g].size()));
         rows[g].emplace_back();  // greedy
       }
-      // Drafts: a row for each (the draw after the decode token and after each draft), drawn as those positions'
-      // draws would be without drafts (a seed's draw k is draw k); their sampling depends on no earlier token (see
-      // Scheduler::may_draft).
-      for (size_t d = 0; d < s.drafts.size(); ++d) {
+      // One row per draw: the decode token's, then one after each draft, drawn as those positions' draws would be
+      // without drafts (a seed's draw k is draw k). A request with drafts has none of the treatments below that
+      // depend on earlier tokens (Scheduler::may_draft).
+      for (int32_t d = 0; d < s.sampled_rows(); ++d) {
         RowSampling row = s.req->sampler.row(s.req->sampling);
-        row.step += d;
-        if (row.step < static_cast<uint64_t>(std::max(s.req->sampling.min_new_tokens, 0)))
-          ban_stop_tokens(s.req->sampling, row);
-        restrict_to(row, s.req->allowed_mask);
-        if (s.req->sampling.wants_host_logits()) logit_rows[g].push_back(static_cast<int32_t>(rows[g].size()));
-        rows[g].push_back(std::move(row));
-      }
-      if (s.wants_logits) {
-        RowSampling row = s.req->sampler.row(s.req->sampling);
-        row.step += static_cast<uint64_t>(s.req->in_flight) + s.drafts.size();  // draws of tokens in flight, drafts
+        row.step += static_cast<uint64_t>(s.req->in_flight + d);  // draws of tokens in flight, drafts before it
         if (row.step < static_cast<uint64_t>(std::max(s.req->sampling.min_new_tokens, 0)))
           ban_stop_tokens(s.req->sampling, row);
         if (s.req->sampling.constraint) constrain(*s.req, row);

@@ -35,6 +35,8 @@ std::optional<std::string> query_param(std::string_view query, std::string_view 
 int64_t list_limit(std::string_view query);
 // After a collection's path ("/v1/files"): "/ID" or "/ID/SUB" -> the id and "/SUB" (empty when none).
 std::pair<std::string, std::string_view> id_and_sub(std::string_view rest);
+// OpenAI's page of a list: {"object": "list", "first_id", "last_id", "has_more", "data"} (ids of data's items).
+nlohmann::ordered_json page_object(nlohmann::ordered_json data, bool has_more);
 
 struct HttpRequest {
   std::string method;  // "GET", "POST", ...
@@ -43,6 +45,9 @@ struct HttpRequest {
   std::string authorization;  // the Authorization header
   std::string content_type;   // the Content-Type header
 };
+
+// ApiError 405 naming the request's method and path.
+[[noreturn]] void method_not_allowed(const HttpRequest& req);
 
 // One request's response channel. Every call happens on executor() (the connection's strand).
 class HttpExchange {

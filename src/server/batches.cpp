@@ -65,9 +65,6 @@ std::optional<std::string> header_param(std::string_view value, std::string_view
 }
 
 
-[[noreturn]] void method_not_allowed(const HttpRequest& req) {
-  throw ApiError(405, fmt::format("method {} is not allowed here", req.method), "", "method_not_allowed");
-}
 
 }  // namespace
 
@@ -636,13 +633,7 @@ void BatchService::batches(const HttpRequest& req, std::string_view rest, std::s
         data.push_back(batch_object(*all[i]));
       }
     }
-    ojson o;
-    o["object"] = "list";
-    o["first_id"] = data.empty() ? ojson(nullptr) : data.front()["id"];
-    o["last_id"] = data.empty() ? ojson(nullptr) : data.back()["id"];
-    o["has_more"] = more;
-    o["data"] = std::move(data);
-    ex->respond(200, "application/json", dump(o));
+    ex->respond(200, "application/json", dump(page_object(std::move(data), more)));
     return;
   }
   const auto [id, sub] = id_and_sub(rest);

@@ -86,6 +86,21 @@ int64_t list_limit(std::string_view query) {
   return limit;
 }
 
+void method_not_allowed(const HttpRequest& req) {
+  throw ApiError(405, fmt::format("method {} is not allowed on {}", req.method, path_of(req.target)), "",
+                 "method_not_allowed");
+}
+
+ojson page_object(ojson data, bool has_more) {
+  ojson o;
+  o["object"] = "list";
+  o["first_id"] = data.empty() ? ojson(nullptr) : data.front()["id"];
+  o["last_id"] = data.empty() ? ojson(nullptr) : data.back()["id"];
+  o["has_more"] = has_more;
+  o["data"] = std::move(data);
+  return o;
+}
+
 std::pair<std::string, std::string_view> id_and_sub(std::string_view rest) {
   const std::string_view tail = rest.substr(1);
   const size_t slash = tail.find('/');
@@ -489,20 +504,17 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
         throw ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "", "invalid_api_key",
                        "authentication_error");
     }
-    auto method_not_allowed = [&] {
-      throw ApiError(405, fmt::format("method {} is not allowed on {}", req.method, path), "", "method_not_allowed");
-    };
     if (path == "/generate") {
-      if (!post) method_not_allowed();
+      if (!post) method_not_allowed(req);
       generate(ApiKind::Native, req, ex);
     } else if (path == "/v1/completions") {
-      if (!post) method_not_allowed();
+      if (!post) method_not_allowed(req);
       generate(ApiKind::Completions, req, ex);
     } else if (path == "/v1/chat/completions") {
-      if (!post) method_not_allowed();
+      if (!post) method_not_allowed(req);
       generate(ApiKind::Chat, req, ex);
     } else if (path == "/v1/responses") {
-      if (!post) method_not_allowed();
+      if (!post) method_not_allowed(req);
       responses(req, ex);
     } else if (path.rfind("/v1/responses/", 0) == 0) {
       stored_response(req, std::string_view(path).substr(13), query_of(req.target), ex);
@@ -511,28 +523,28 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/v1/batches" || path.rfind("/v1/batches/", 0) == 0) {
       batches_->batches(req, std::string_view(path).substr(11), query_of(req.target), ex);
     } else if (path == "/health") {
-      if (!get) method_not_allowed();
+      if (!get) method_not_allowed(req);
       ex->respond(200, "text/plain", "");
     } else if (path == "/ping") {  // vLLM's (SageMaker's liveness check): GET or POST
-      if (!get && !post) method_not_allowed();
+      if (!get && !post) method_not_allowed(req);
       ex->respond(200, "text/plain", "");
     } else if (path == "/version") {  // vLLM's
-      if (!get) method_not_allowed();
+      if (!get) method_not_allowed(req);
       respond_json(ex, 200, R"({"version":"mlaserve"})");
     } else if (path == "/health_generate") {
-      if (!get) method_not_allowed();
+      if (!get) method_not_allowed(req);
       health_generate(ex);
     } else if (path == "/abort_request") {
-      if (!post) method_not_allowed();
+      if (!post) method_not_allowed(req);
       abort_request(req, ex);
     } else if (path == "/v1/models") {
-      if (!get) method_not_allowed();
+      if (!get) method_not_allowed(req);
       ojson body;
       body["object"] = "list";
       body["data"] = ojson::array({model_card()});
       respond_json(ex, 200, dump(body));
     } else if (path.rfind("/v1/models/", 0) == 0) {  // OpenAI's retrieve: the id may hold '/' (org/name)
-      if (!get) method_not_allowed();
+      if (!get) method_not_allowed(req);
       const std::string id = percent_decode(path.substr(std::string_view("/v1/models/").size()));
       if (id != opts_.served_model_name && id != opts_.model_path)
         throw ApiError(404, fmt::format("the model '{}' does not exist; this server serves '{}'", id,
@@ -540,7 +552,7 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
                        "model", "model_not_found");
       respond_json(ex, 200, dump(model_card()));
     } else if (path == "/get_load") {  // SGLang's, read by its router: one object per DP rank
-      if (!get) method_not_allowed();
+      if (!get) method_not_allowed(req);
       ojson loads = ojson::array();
       int rank = 0;
       for (const RankStats& st : engine_.stats()) {
@@ -553,7 +565,7 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
       }
       respond_json(ex, 200, dump(loads));
     } else if (path == "/get_model_info" || path == "/model_info") {
-      if (!get) method_not_allowed();
+      if (!get) method_not_allowed(req);
       ojson body;
       body["model_path"] = opts_.model_path;
       body["tokenizer_path"] = opts_.tokenizer_path.empty() ? ojson(nullptr) : ojson(opts_.tokenizer_path);
@@ -564,7 +576,7 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
       body["preferred_sampling_params"] = nullptr;
       respond_json(ex, 200, dump(body));
     } else if (path == "/get_server_info" || path == "/server_info") {
-      if (!get) method_not_allowed();
+      if (!get) method_not_allowed(req);
       ojson body = ojson::parse(opts_.server_args.dump());
       ojson states = ojson::array();
       int rank = 0;
@@ -596,20 +608,20 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
       body["version"] = "mlaserve";
       respond_json(ex, 200, dump(body));
     } else if (path == "/tokenize" || path == "/v1/tokenize") {
-      if (!post) method_not_allowed();
+      if (!post) method_not_allowed(req);
       tokenize(req, ex);
     } else if (path == "/detokenize" || path == "/v1/detokenize") {
-      if (!post) method_not_allowed();
+      if (!post) method_not_allowed(req);
       detokenize(req, ex);
     } else if (path == "/flush_cache") {
-      if (!get && !post) method_not_allowed();
+      if (!get && !post) method_not_allowed(req);
       if (engine_.flush_cache())
         ex->respond(200, "text/plain", "Cache flushed.\n");
       else
         throw ApiError(400, "cache not flushed: requests are running or waiting; retry when the server is idle", "",
                        "server_busy");
     } else if (path == "/metrics") {
-      if (!get) method_not_allowed();
+      if (!get) method_not_allowed(req);
       ex->respond(200, "text/plain; version=0.0.4", metrics_.render(engine_.stats(), opts_.served_model_name));
     } else {
       throw ApiError(404, fmt::format("no route for {} {}", req.method, path), "", "not_found");
@@ -1031,7 +1043,9 @@ void Api::responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>&
   if (!background) {
     std::function<void(const ojson&)> finished;
     if (store)
-      finished = [st = responses_store_.get(), id, input, context](const ojson& r) { st->put(id, r, input, context); };
+      finished = [st = responses_store_.get(), id, input = std::move(input), context](const ojson& r) mutable {
+        st->put(id, r, std::move(input), context);  // once: the answer or the stream's end
+      };
     generate(ApiKind::Chat, chat,
              std::make_shared<ResponsesExchange>(ex, body, id, created, opts_.served_model_name, std::move(finished)),
              id);
@@ -1072,9 +1086,7 @@ void Api::stored_response(const HttpRequest& req, std::string_view rest, std::st
                           const std::shared_ptr<HttpExchange>& ex) {
   const auto [id, sub] = id_and_sub(rest);
   if (id == "input_tokens" && sub.empty()) {  // OpenAI's count of a request's input tokens
-    if (req.method != "POST")
-      throw ApiError(405, fmt::format("method {} is not allowed on {}", req.method, path_of(req.target)), "",
-                     "method_not_allowed");
+    if (req.method != "POST") method_not_allowed(req);
     if (!codec_)
       throw ApiError(400, "counting tokens needs a tokenizer; this server runs without one", "", "no_tokenizer");
     ojson body = parse_body_ordered(req.body);
@@ -1092,24 +1104,20 @@ void Api::stored_response(const HttpRequest& req, std::string_view rest, std::st
   auto not_found = [&] {
     throw ApiError(404, fmt::format("no stored response with id '{}'", id), "response_id", "not_found");
   };
-  auto method_not_allowed = [&] {
-    throw ApiError(405, fmt::format("method {} is not allowed on {}", req.method, path_of(req.target)), "",
-                   "method_not_allowed");
-  };
   if (sub.empty()) {
     if (req.method == "DELETE") {
       if (!responses_store_->erase(id)) not_found();
       respond_json(ex, 200, dump(ojson{{"id", id}, {"object", "response"}, {"deleted", true}}));
       return;
     }
-    if (req.method != "GET") method_not_allowed();
+    if (req.method != "GET") method_not_allowed(req);
     if (const auto s = query_param(query, "stream"); s && *s == "true")
       throw ApiError(400, "streaming a stored response is not supported: GET it without 'stream'", "stream",
                      "unsupported_parameter");
     if (!rec) not_found();
     respond_json(ex, 200, dump(rec->response));
   } else if (sub == "/input_items") {
-    if (req.method != "GET") method_not_allowed();
+    if (req.method != "GET") method_not_allowed(req);
     if (!rec) not_found();
     const int64_t limit = list_limit(query);
     const std::string order = query_param(query, "order").value_or("desc");
@@ -1128,15 +1136,9 @@ void Api::stored_response(const HttpRequest& req, std::string_view rest, std::st
     }
     ojson data = ojson::array();
     for (; i < items.size() && static_cast<int64_t>(data.size()) < limit; ++i) data.push_back(*items[i]);
-    ojson o;
-    o["object"] = "list";
-    o["first_id"] = data.empty() ? ojson(nullptr) : data.front()["id"];
-    o["last_id"] = data.empty() ? ojson(nullptr) : data.back()["id"];
-    o["has_more"] = i < items.size();
-    o["data"] = std::move(data);
-    respond_json(ex, 200, dump(o));
+    respond_json(ex, 200, dump(page_object(std::move(data), i < items.size())));
   } else if (sub == "/cancel") {
-    if (req.method != "POST") method_not_allowed();
+    if (req.method != "POST") method_not_allowed(req);
     if (!rec) not_found();
     if (rec->response.value("background", false) != true)
       throw ApiError(400, "only responses created with 'background': true can be cancelled", "response_id",
