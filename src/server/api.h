@@ -127,8 +127,9 @@ class Api {
   // A chat request's prompt (messages, tools, chat_template_kwargs, add_generation_prompt) as the template renders
   // and the tokenizer encodes it; ApiError for bad messages or a failing template.
   std::vector<int32_t> chat_prompt_ids(const nlohmann::json& body);
-  // /v1/responses/{id}: GET, DELETE, GET .../input_items, POST .../cancel; POST /v1/responses/input_tokens (the
-  // count); `rest` the path after /v1/responses.
+  // POST /v1/responses/input_tokens: OpenAI's count of a Responses request's input tokens.
+  void responses_input_tokens(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
+  // /v1/responses/{id}: GET, DELETE, GET .../input_items, POST .../cancel; `rest` the path after /v1/responses.
   void stored_response(const HttpRequest& req, std::string_view rest, std::string_view query,
                        const std::shared_ptr<HttpExchange>& ex);
   // The answer (status, JSON error body) to a request whose handling threw, from inside a catch block: a 4xx for

@@ -516,6 +516,9 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/v1/responses") {
       if (!post) method_not_allowed(req);
       responses(req, ex);
+    } else if (path == "/v1/responses/input_tokens") {
+      if (!post) method_not_allowed(req);
+      responses_input_tokens(req, ex);
     } else if (path.rfind("/v1/responses/", 0) == 0) {
       stored_response(req, std::string_view(path).substr(13), query_of(req.target), ex);
     } else if (path == "/v1/files" || path.rfind("/v1/files/", 0) == 0) {
@@ -1082,24 +1085,23 @@ void Api::responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>&
   });
 }
 
+void Api::responses_input_tokens(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
+  if (!codec_)
+    throw ApiError(400, "counting tokens needs a tokenizer; this server runs without one", "", "no_tokenizer");
+  ojson body = parse_body_ordered(req.body);
+  if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object", "", "invalid_value");
+  if (!body.contains("input")) body["input"] = ojson::array();  // instructions alone (or the previous response's)
+  json chat = json::parse(responses_to_chat(body, previous_conversation(body), /*allow_empty=*/true).dump());
+  chat["add_generation_prompt"] = true;
+  ojson out;
+  out["object"] = "response.input_tokens";
+  out["input_tokens"] = chat_prompt_ids(chat).size();
+  respond_json(ex, 200, dump(out));
+}
+
 void Api::stored_response(const HttpRequest& req, std::string_view rest, std::string_view query,
                           const std::shared_ptr<HttpExchange>& ex) {
   const auto [id, sub] = id_and_sub(rest);
-  if (id == "input_tokens" && sub.empty()) {  // OpenAI's count of a request's input tokens
-    if (req.method != "POST") method_not_allowed(req);
-    if (!codec_)
-      throw ApiError(400, "counting tokens needs a tokenizer; this server runs without one", "", "no_tokenizer");
-    ojson body = parse_body_ordered(req.body);
-    if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object", "", "invalid_value");
-    if (!body.contains("input")) body["input"] = ojson::array();  // instructions alone (or the previous response's)
-    json chat = json::parse(responses_to_chat(body, previous_conversation(body), /*allow_empty=*/true).dump());
-    chat["add_generation_prompt"] = true;
-    ojson out;
-    out["object"] = "response.input_tokens";
-    out["input_tokens"] = chat_prompt_ids(chat).size();
-    respond_json(ex, 200, dump(out));
-    return;
-  }
   const auto rec = responses_store_->get(id);
   auto not_found = [&] {
     throw ApiError(404, fmt::format("no stored response with id '{}'", id), "response_id", "not_found");
