@@ -84,7 +84,8 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
   virtual Device device() const = 0;
-  // Element type of activations and of the latent KV cache on this backend.
+  // Element type of activations and of the latent KV cache on this backend (or the cache in FP8 E4M3, which every
+  // mla_* op below takes: model/kv_cache.h).
   virtual DType act_dtype() const = 0;
 
   // ---- memory ----
@@ -202,7 +203,8 @@ class Backend {
   virtual void interleave_blocks(const Tensor& parts, int64_t n, Tensor& out) = 0;
 
   // MLA, part 1. latent[T, kvr + rope] = kv_a_proj_with_mqa(x): normalise c_kv with `kv_norm`, rotate k_pe
-  // (adjacent pairs, YaRN-scaled cos/sin), write both into cache rows out_slots. cache: [slots, kvr + rope].
+  // (adjacent pairs, YaRN-scaled cos/sin), write both into cache rows out_slots. cache: [slots, kvr + rope]. With an
+  // FP8 cache the row is written as E4M3 codes and latent keeps the values the codes stand for.
   virtual void mla_write_latent(Tensor& latent, const Tensor& kv_norm, float eps, Tensor& cache) = 0;
   // MLA, part 2. q[T, nh * (nope + rope)]: rotate the rope part of every head in place.
   virtual void mla_rope_q(Tensor& q, int32_t num_heads, int32_t qk_nope, int32_t qk_rope) = 0;

@@ -23,6 +23,7 @@
 #include "core/log.h"
 #include "engine/engine_api.h"
 #include "io/model_config.h"
+#include "model/kv_cache.h"
 #include "server/api.h"
 #include "server/batches.h"
 #include "server/http_server.h"
@@ -354,7 +355,9 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--dtype", a->dtype, "auto|bfloat16")->capture_default_str();
   app.add_option("--quantization", a->quantization,
                  "fp8: quantize a bf16 checkpoint's routed experts to FP8 at load (else only the checkpoint's own)");
-  app.add_option("--kv-cache-dtype", a->kv_cache_dtype, "auto")->capture_default_str();
+  app.add_option("--kv-cache-dtype", a->kv_cache_dtype,
+                 "latent KV cache: auto (the activation type) | bf16 | fp8_e4m3 (fp8: half the bytes per token)")
+      ->capture_default_str();
   app.add_option("--mem-fraction-static,--gpu-memory-utilization", a->mem_fraction_static,
                  "fraction of device memory for weights + KV cache");
   app.add_option("--max-running-requests,--max-num-seqs", a->max_running_requests,
@@ -469,8 +472,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     not_implemented(!s.completion_template.empty() && s.completion_template != "deepseek_coder",
                     fmt::format("--completion-template {} (deepseek_coder's fill in the middle is built in)",
                                 s.completion_template));
-    not_implemented(s.kv_cache_dtype != "auto" && s.kv_cache_dtype != "bfloat16" && s.kv_cache_dtype != "bf16",
-                    fmt::format("--kv-cache-dtype {}", s.kv_cache_dtype));
+    (void)parse_kv_cache_dtype(s.kv_cache_dtype);  // a clear error before any loading
     MLA_CHECK(s.nnodes >= 1 && s.node_rank >= 0 && s.node_rank < s.nnodes, "--node-rank {} must be in [0, --nnodes {})",
               s.node_rank, s.nnodes);
     MLA_CHECK(s.nnodes == 1 || !s.dist_init_addr.empty(), "--nnodes {} needs --dist-init-addr host:port", s.nnodes);
@@ -540,6 +542,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     ea.spec_ngram_max = s.ngram_max;
     ea.spec_max_batch = s.spec_max_batch;
     ea.cuda_graph_max_bs = s.cuda_graph_max_bs;
+    ea.kv_cache_dtype = s.kv_cache_dtype;
     ea.disable_cuda_graph = s.disable_cuda_graph;
     ea.dist_timeout_s = s.dist_timeout;
     if (s.node_rank > 0) {

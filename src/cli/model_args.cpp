@@ -38,6 +38,9 @@ void ModelArgs::add_to(CLI::App& app) {
                  "cuda: largest decode batch (per DP group) recorded as a CUDA graph")
       ->capture_default_str();
   app.add_flag("--disable-cuda-graph", disable_cuda_graph, "cuda: run every step eagerly");
+  app.add_option("--kv-cache-dtype", kv_cache_dtype,
+                 "latent KV cache: auto (the activation type) | bf16 | fp8_e4m3 (fp8: half the bytes per token)")
+      ->capture_default_str();
 }
 
 ParallelConfig ModelArgs::parallel_config() const {
@@ -51,6 +54,7 @@ ParallelConfig ModelArgs::parallel_config() const {
   pc.dist_init_addr = dist_init_addr;
   pc.dist_timeout = std::chrono::milliseconds(static_cast<int64_t>(dist_timeout * 1000));
   pc.cuda_graph_max_bs = disable_cuda_graph ? 0 : cuda_graph_max_bs;
+  pc.kv_cache_fp8 = parse_kv_cache_dtype(kv_cache_dtype);
   return pc;
 }
 
@@ -73,6 +77,7 @@ LoadOptions ModelArgs::load_options() const {
 void ModelArgs::validate() const {
   MLA_CHECK(load_format == "auto" || load_format == "safetensors" || load_format == "dummy",
             "--load-format: expected auto, safetensors or dummy, got '{}'", load_format);
+  (void)parse_kv_cache_dtype(kv_cache_dtype);
   MLA_CHECK(page_size > 0, "--page-size must be positive, got {}", page_size);
   MLA_CHECK(cuda_graph_max_bs >= 0, "--cuda-graph-max-bs must be >= 0, got {}", cuda_graph_max_bs);
   MLA_CHECK(tp >= 1, "--tp must be >= 1, got {}", tp);
@@ -144,7 +149,8 @@ LoadedModel load_model(const ModelArgs& args) {
   lm.model->load(args.model_path, args.load_options());
   const int64_t free_bytes = lm.backend->persistent_bytes_free();
   if (free_bytes >= 0) {
-    const int64_t per_token = KvCache::bytes_per_token(cfg, lm.backend->act_dtype());
+    const DType kv = KvCache::dtype_on(*lm.backend, parse_kv_cache_dtype(args.kv_cache_dtype));
+    const int64_t per_token = KvCache::bytes_per_token(cfg, kv);
     MLA_LOG_INFO("KV cache: {} tokens fit in the {:.2f} GiB left for it ({} bytes per token)", free_bytes / per_token,
                  static_cast<double>(free_bytes) / (1 << 30), per_token);
   }

@@ -32,6 +32,7 @@ struct ModelArgs {
   double scratch_gb = 0.0;
   int32_t cuda_graph_max_bs = 256;
   bool disable_cuda_graph = false;
+  std::string kv_cache_dtype = "auto";
 
   void add_to(CLI::App& app);
   MlaForm form() const;

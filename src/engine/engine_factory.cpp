@@ -22,6 +22,7 @@ ParallelConfig parallel_config(const EngineArgs& a, int32_t dp_groups) {
   pc.dist_init_addr = a.dist_init_addr;
   pc.dist_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.dist_timeout_s * 1000));
   pc.cuda_graph_max_bs = a.disable_cuda_graph ? 0 : a.cuda_graph_max_bs;
+  pc.kv_cache_fp8 = parse_kv_cache_dtype(a.kv_cache_dtype);
   return pc;
 }
 
@@ -60,7 +61,7 @@ std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfi
 
   // KV pool per rank: --max-total-tokens, else a share of memory (--mem-fraction-static of RAM minus the weights
   // on CPU; by default 2 GiB of cache per CPU replica, split over its ranks).
-  const int64_t bpt = KvCache::bytes_per_token(cfg, ranks->act_dtype());
+  const int64_t bpt = KvCache::bytes_per_token(cfg, ranks->kv_dtype());
   int64_t tokens = a.max_total_tokens;
   if (tokens <= 0 && ranks->kv_bytes_free() >= 0) {
     // A device with a fixed memory budget (the backend took --mem-fraction-static of it up front).

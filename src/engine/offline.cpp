@@ -136,7 +136,7 @@ OfflineResult run_offline(DeepseekModel& model, const std::vector<std::vector<in
                           const OfflineOptions& opts) {
   int32_t total = 0;
   for (const auto& p : prompts) total += pages_for(p, opts);
-  KvCache cache(model.backend(), model.config(), std::max(total, 1), opts.page_size);
+  KvCache cache(model.backend(), model.config(), std::max(total, 1), opts.page_size, opts.kv_cache_fp8);
   return drive(model.config().vocab_size, 1, prompts, opts, [&](const std::vector<const ForwardBatch*>& b) {
     return std::vector<Tensor>{model.backend().to_host_f32(model.forward(*b[0], cache, opts.form))};
   });

@@ -20,6 +20,7 @@ struct OfflineOptions {
   int32_t prefill_chunk = 0;    // > 0: prefill each prompt in chunks of this many tokens (one step per chunk)
   MlaForm form = MlaForm::Auto;
   int32_t page_size = 16;
+  bool kv_cache_fp8 = false;      // one model on one backend: an FP8 latent cache (the RankSet path: ParallelConfig)
   std::vector<int64_t> stop_ids;  // greedy generation of a sequence stops after one of these (empty: never)
 };
 

@@ -372,7 +372,7 @@ void RankSet::allocate_kv_local(int32_t num_pages, int32_t page_size) {
     if (!r.sampled.defined() || r.sampled.numel() < 2 * sampled_rows_)
       r.sampled = r.backend->alloc({2 * sampled_rows_}, DType::I32);
     r.model->set_prev_ids(r.sampled.rows(0, sampled_rows_));
-    r.kv = std::make_unique<KvCache>(*r.backend, config_, num_pages + (graphs ? 1 : 0), page_size);
+    r.kv = std::make_unique<KvCache>(*r.backend, config_, num_pages + (graphs ? 1 : 0), page_size, pc_.kv_cache_fp8);
   });
   page_size_ = page_size;
   if (graphs) {

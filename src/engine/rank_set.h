@@ -42,6 +42,8 @@ struct ParallelConfig {
   // Decode steps of up to this many tokens per DP group replay graphs recorded after allocate_kv (CUDA graphs;
   // backends without graphs ignore it). 0: off (--disable-cuda-graph).
   int32_t cuda_graph_max_bs = 0;
+  // The latent KV cache in FP8 E4M3 (--kv-cache-dtype fp8_e4m3), else in the backend's activation type.
+  bool kv_cache_fp8 = false;
   // Tests only: communicators for CPU ranks of simulated nodes in one process (so the multi-node control path runs
   // without GPUs): (global rank, attention-DP group or -1 for the world) -> that rank's communicator.
   std::function<std::unique_ptr<Communicator>(int32_t global_rank, int32_t dp_group)> comm_factory;
@@ -75,6 +77,8 @@ class RankSet {
   Backend& backend(int local_rank) { return *ranks_[static_cast<size_t>(local_rank)]->backend; }
   int64_t weight_bytes_per_rank() const;
   DType act_dtype() const { return ranks_[0]->backend->act_dtype(); }
+  // The latent KV cache's element type (ParallelConfig::kv_cache_fp8).
+  DType kv_dtype() const { return KvCache::dtype_on(*ranks_[0]->backend, pc_.kv_cache_fp8); }
   // Bytes a rank may still give to its KV cache (-1: no fixed budget, e.g. the CPU).
   int64_t kv_bytes_free() const;
 

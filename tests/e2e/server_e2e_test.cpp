@@ -1143,6 +1143,37 @@ TEST(ServeFlags, NgramSpeculativeDecodingKeepsTheAnswers) {
   }
 }
 
+// --kv-cache-dtype fp8_e4m3 (SGLang's and vLLM's value; "fp8" too, here under DP attention): served, the same greedy
+// answer again from the prefix cache's FP8 rows; E5M2 and unknown types refused with the flag named.
+TEST(ServeFlags, Fp8KvCacheServes) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  std::string prompt;
+  for (int i = 0; i < 12; ++i) prompt += "The capital of France is a city that the river divides in two. ";
+  const std::string req = R"({"prompt": ")" + prompt + R"(", "max_tokens": 24, "temperature": 0, "ignore_eos": true})";
+  for (const std::vector<std::string>& flags :
+       {std::vector<std::string>{"--kv-cache-dtype", "fp8_e4m3"},
+        std::vector<std::string>{"--kv-cache-dtype", "fp8", "--tp", "2", "--dp", "2", "--enable-dp-attention"}}) {
+    ServerProcess s(flags);
+    ASSERT_TRUE(s.running()) << s.log();
+    EXPECT_EQ(get_json(s.port(), "/get_server_info")["kv_cache_dtype"], flags[1]);
+    const json first = post_json(s.port(), "/v1/completions", req);
+    const json second = post_json(s.port(), "/v1/completions", req);  // under DP attention the other group's cache
+    const json again = post_json(s.port(), "/v1/completions", req);   // and the first group's again (round robin)
+    EXPECT_EQ(first["usage"]["completion_tokens"], 24) << first.dump();
+    EXPECT_EQ(second["choices"][0]["text"], first["choices"][0]["text"]);
+    EXPECT_EQ(again["choices"][0]["text"], first["choices"][0]["text"]);
+    ASSERT_TRUE(again["usage"].contains("prompt_tokens_details")) << again.dump();
+    EXPECT_GT(again["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>(), 100) << again.dump();
+    EXPECT_EQ(s.stop(), 0);
+  }
+  for (const std::string flags : {"--kv-cache-dtype fp8_e5m2", "--kv-cache-dtype int8"}) {
+    auto r = run_command(mlaserve_cmd(60) + " serve --model-path " + e2e_model_dir() +
+                         " --load-format dummy --port 0 " + flags);
+    EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find("--kv-cache-dtype"), std::string::npos) << flags << "\n" << r.output;
+  }
+}
+
 TEST(ServeFlags, PrioritySchedulingOrdersTheQueue) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   ServerProcess s({"--enable-priority-scheduling", "--max-running-requests", "1"});
@@ -1187,7 +1218,7 @@ TEST(ServeFlags, PrioritySchedulingOrdersTheQueue) {
 
 TEST(ServeFlags, RecognisedButNotImplementedExitNonZero) {
   for (const std::string flags :
-       {"--quantization gptq", "--kv-cache-dtype fp8_e4m3", "--dtype float16", "--completion-template qwen"}) {
+       {"--quantization gptq", "--dtype float16", "--completion-template qwen"}) {
     auto r = run_command(mlaserve_cmd(60) + " serve --model-path " + e2e_model_dir() +
                          " --tokenizer-path " + deepseek_tokenizer_dir() + " --load-format dummy --port 0 " + flags);
     EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;

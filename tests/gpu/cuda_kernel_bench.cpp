@@ -2,7 +2,7 @@
 // second; FLOP/s with 128 heads) and the grouped MoE GEMMs (bytes of expert weights read per second at decode
 // batch sizes, FLOP/s at prefill sizes), and what one dependency between phases of GPU work costs (sync_bench.cu).
 // Random data (fill_random), CUDA events, median of 20 runs after warm-up.
-// usage: cuda_kernel_bench [mla [variant]|mla128|moe|moefp8|sync|layer [ctx]|all]
+// usage: cuda_kernel_bench [mla [variant]|mla128|moe|moefp8|sync|layer [ctx]|all] (mla 9: the FP8-cache kernel)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -46,8 +46,21 @@ double bench_mla(int batch, int ctx, int nh, int page_size, int variant) {
   const int kvr = 512, rope = 64, nope = 128, W = kvr + rope;
   const int64_t slots = static_cast<int64_t>(batch) * ctx;
   const int pages_per_seq = ctx / page_size;
-  bf16* cache = dev<bf16>(slots * W);
-  CK(fill_random(cache, true, slots, W, 1, 0.0f, 1.0f, W, 0, 0, nullptr));
+  // kMlaDecodeFp8Variant: an FP8 cache (random codes of magnitude below 2^8, no NaN)
+  const bool fp8 = variant == kMlaDecodeFp8Variant;
+  bf16* cache = fp8 ? nullptr : dev<bf16>(slots * W);
+  uint8_t* cache_f8 = fp8 ? dev<uint8_t>(slots * W) : nullptr;
+  if (fp8) {
+    std::vector<uint8_t> codes(static_cast<size_t>(slots) * W);
+    uint64_t x = 88172645463325252ull;
+    for (auto& c : codes) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      c = static_cast<uint8_t>(x & 0xf7);
+    }
+    CK(cudaMemcpy(cache_f8, codes.data(), codes.size(), cudaMemcpyHostToDevice));
+  } else {
+    CK(fill_random(cache, true, slots, W, 1, 0.0f, 1.0f, W, 0, 0, nullptr));
+  }
   bf16* q_lat = dev<bf16>(static_cast<size_t>(batch) * nh * kvr);
   bf16* q = dev<bf16>(static_cast<size_t>(batch) * nh * (nope + rope));
   CK(fill_random(q_lat, true, static_cast<int64_t>(batch) * nh, kvr, 2, 0.0f, 0.05f, kvr, 0, 0, nullptr));
@@ -65,6 +78,7 @@ double bench_mla(int batch, int ctx, int nh, int page_size, int variant) {
   p.q_lat = q_lat;
   p.q = q;
   p.cache = cache;
+  p.cache_f8 = cache_f8;
   p.page_table = upload(table);
   p.items = upload(items);
   p.num_items = static_cast<int32_t>(items.size());
@@ -85,13 +99,13 @@ double bench_mla(int batch, int ctx, int nh, int page_size, int variant) {
     CK(mla_decode_combine(d_comb, static_cast<int32_t>(comb.size()), p.partial_o, p.partial_lse, nh, kvr, p.out_lat,
                           nullptr));
   });
-  const double bytes = static_cast<double>(slots) * W * 2;
+  const double bytes = static_cast<double>(slots) * W * (fp8 ? 1 : 2);
   const double flops = static_cast<double>(slots) * nh * (W + kvr) * 2;
   std::printf("mla_decode v%d batch %4d ctx %5d heads %3d page %2d: split %5d keys (%4zu blocks x %d groups)  kernel %7.3f ms"
               "  %5.2f TB/s  %6.1f TFLOP/s | +combine %6.3f ms -> %5.2f TB/s\n",
               variant, batch, ctx, nh, page_size, chunk, items.size(), nh % 64 == 0 ? nh / 64 : (nh + 15) / 16, t_kernel,
               bytes / t_kernel / 1e9, flops / t_kernel / 1e9, t_comb, bytes / (t_kernel + t_comb) / 1e9);
-  CK(cudaFree(cache));
+  CK(cudaFree(fp8 ? static_cast<void*>(cache_f8) : static_cast<void*>(cache)));
   CK(cudaFree(q_lat));
   CK(cudaFree(q));
   CK(cudaFree(p.out_lat));

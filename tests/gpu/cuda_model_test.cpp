@@ -343,12 +343,12 @@ TEST(CudaModel, ChunkedPrefillAndIdleStep) {
 // CUDA graphs: decode steps replayed from a graph recorded once (padded to 8 rows, fixed attention splits, the page
 // table at the end of the metadata) give the logits of the eager forward, step after step, while contexts grow
 // across page boundaries (max_pages changes). Golden v2 (simple attention kernels) and a real-dims dummy model
-// (kv_lora 512 / rope 64: the tensor-core decode kernel, split into parts).
-void graph_case(const std::string& dir, bool dummy) {
+// (kv_lora 512 / rope 64: the tensor-core decode kernel, split into parts). fp8: an FP8 cache (its decode kernel).
+void graph_case(const std::string& dir, bool dummy, bool fp8 = false) {
   GpuModel gm(dir, dummy);
   DeepseekModel& m = *gm.model;
   const int32_t ps = 16, pages = 40, dummy_page = pages, graph_rows = 8;
-  KvCache cache(*gm.backend, m.config(), pages + 1, ps);
+  KvCache cache(*gm.backend, m.config(), pages + 1, ps, fp8);
   const std::vector<int32_t> lens = {5, 16, 47};
   std::vector<std::vector<int32_t>> page_of(lens.size());
   int32_t next_page = 0;
@@ -374,7 +374,8 @@ void graph_case(const std::string& dir, bool dummy) {
     ASSERT_EQ(eager.numel(), graph.numel());
     const double sd = stddev(eager);
     const Diff d = diff(eager, graph);
-    std::printf("  %s decode step %d: graph vs eager max|dlogit|/std %.2e\n", dir.c_str(), step, d.max_abs / sd);
+    std::printf("  %s%s decode step %d: graph vs eager max|dlogit|/std %.2e\n", dir.c_str(), fp8 ? " (fp8 cache)" : "",
+                step, d.max_abs / sd);
     EXPECT_LE(d.max_abs / sd, 0.03) << dir << " step " << step;
     const int64_t V = eager.size(-1);
     for (int64_t r = 0; r < 3; ++r) {
@@ -407,6 +408,12 @@ TEST(CudaModel, GraphReplayMatchesEager) {
   REQUIRE_GPU();
   graph_case(golden_dir() + "/v2", false);
   graph_case(real_dims_dir(), true);
+}
+
+TEST(CudaModel, GraphReplayMatchesEagerFp8Cache) {
+  REQUIRE_GPU();
+  graph_case(golden_dir() + "/v2", false, true);
+  graph_case(real_dims_dir(), true, true);
 }
 
 // One sequence decoding past cuda::kOneTokenMaxCtx keys with the one-launch attention of one token: up to the bound

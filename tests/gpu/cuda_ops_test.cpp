@@ -371,8 +371,9 @@ TEST(CudaOps, RopeAndLatentWrite) {
 // decode_only: one new token per sequence, planned in fixed parts per token (as CUDA graph steps are), many of them
 // empty for the short contexts.
 // few_tokens > 0 (with decode_only): only that many decode tokens, every one long enough to be split.
+// fp8: the cache in FP8 E4M3 on both backends (the same codes).
 void mla_case(int64_t nh, int64_t kvr, int64_t rope, int64_t nope, int64_t vh, int32_t page_size, bool long_ctx,
-              int kind, bool decode_only = false, int few_tokens = 0) {
+              int kind, bool decode_only = false, int few_tokens = 0, bool fp8 = false) {
   std::vector<std::pair<int32_t, int32_t>> seqs = {{0, 1},  {15, 1}, {16, 1}, {299, 1},
                                                    {0, 100}, {40, 30}, {63, 65}};
   if (decode_only) seqs = {{0, 1}, {15, 1}, {16, 1}, {299, 1}, {63, 1}, {1000, 1}};
@@ -388,14 +389,17 @@ void mla_case(int64_t nh, int64_t kvr, int64_t rope, int64_t nope, int64_t vh, i
   for (int32_t q = 0; q < s.batch.num_seqs(); ++q)
     for (int32_t pos = 0; pos < s.batch.seq_lens[q]; ++pos) {
       const int64_t slot = static_cast<int64_t>(s.pages[q][pos / page_size]) * page_size + pos % page_size;
-      for (int64_t d = 0; d < W; ++d) cache.data_as<float>()[slot * W + d] = bf16_to_f32(f32_to_bf16(nd(rng)));
+      for (int64_t d = 0; d < W; ++d)
+        cache.data_as<float>()[slot * W + d] =
+            fp8 ? f8e4m3_to_f32(f32_to_e4m3(nd(rng))) : bf16_to_f32(f32_to_bf16(nd(rng)));
     }
   Tensor q = rand_host({T, nh * (nope + rope)}, 21);
   Tensor kvb = rand_host({nh * (nope + vh), kvr}, 22, 1.0f / std::sqrt(static_cast<float>(kvr)));
   Backend& g = gpu(kind);
   cpu().begin_step(s.batch);
   g.begin_step(s.batch);
-  Tensor cc = cpu().upload(cache, DType::F32), cg = g.upload(cache, DType::BF16);
+  Tensor cc = cpu().upload(cache, fp8 ? DType::F8_E4M3 : DType::F32);
+  Tensor cg = g.upload(cache, fp8 ? DType::F8_E4M3 : DType::BF16);
   Tensor qc = cpu().upload(q, DType::F32), qg = g.upload(q, DType::BF16);
   Tensor bc = cpu().upload(kvb, DType::BF16), bg = g.upload(kvb, DType::BF16);
   MlaParams p;
@@ -413,8 +417,23 @@ void mla_case(int64_t nh, int64_t kvr, int64_t rope, int64_t nope, int64_t vh, i
     const char* fn = form == MlaForm::Auto ? "auto" : form == MlaForm::Absorbed ? "absorbed" : "expanded";
     expect_close(cpu().to_host_f32(oc), g.to_host_f32(og), 2e-2, 5e-2,
                  "mla " + std::string(fn) + " nh" + std::to_string(nh) + " kvr" + std::to_string(kvr) + " ps" +
-                     std::to_string(page_size) + (kind == 1 ? " simple" : ""));
+                     std::to_string(page_size) + (kind == 1 ? " simple" : "") + (fp8 ? " fp8 cache" : ""));
   }
+}
+
+// An FP8 cache: the FP8 decode kernel (16-head groups, also for 128 heads), the simple kernel (other dims, or no
+// fast paths), the prefill's gather; eager splits and fixed ones (graph steps), one or two split tokens.
+TEST(CudaOps, MlaAttentionFp8Cache) {
+  REQUIRE_GPU();
+  mla_case(16, 512, 64, 128, 128, 16, true, 0, false, 0, true);
+  mla_case(16, 512, 64, 128, 128, 64, true, 0, false, 0, true);
+  mla_case(128, 512, 64, 128, 128, 16, false, 0, false, 0, true);
+  mla_case(24, 512, 64, 128, 128, 16, false, 0, false, 0, true);
+  mla_case(16, 512, 64, 128, 128, 16, true, 1, false, 0, true);
+  mla_case(4, 64, 16, 32, 32, 16, true, 0, false, 0, true);
+  mla_case(16, 512, 64, 128, 128, 16, true, 0, true, 0, true);
+  mla_case(4, 64, 16, 32, 32, 16, true, 0, true, 0, true);
+  for (int few : {1, 2}) mla_case(16, 512, 64, 128, 128, 16, true, 0, true, few, true);
 }
 
 TEST(CudaOps, MlaAttention16Heads) {
@@ -463,8 +482,11 @@ TEST(CudaOps, MlaEmptyBatch) {
 // what mla_prepare then mla_attention give: q, latent, cache and output. Also for a step with prefill tokens, where
 // the preparation runs on its own.
 // kind: the gpu() backend (4: without the one-launch attention of one decode token).
+// fp8: an FP8 cache (the new rows written as codes, the latent keeping their values; never the one-launch kernel).
 void prepare_attention_case(const std::vector<std::pair<int32_t, int32_t>>& seqs, int64_t nh, int64_t kvr,
-                            int64_t rope, int64_t nope, int64_t vh, bool graph_plan, uint64_t seed, int kind) {
+                            int64_t rope, int64_t nope, int64_t vh, bool graph_plan, uint64_t seed, int kind,
+                            bool fp8 = false) {
+  const DType cdt = fp8 ? DType::F8_E4M3 : DType::BF16;
   Backend& g = gpu(kind);
   Scenario s = make_scenario(seqs, 16, seed);
   const int64_t T = s.batch.num_tokens(), W = kvr + rope, slots = s.num_pages * 16;
@@ -487,8 +509,8 @@ void prepare_attention_case(const std::vector<std::pair<int32_t, int32_t>>& seqs
   MlaParams p{static_cast<int32_t>(nh), static_cast<int32_t>(nope), static_cast<int32_t>(rope),
               static_cast<int32_t>(vh), static_cast<int32_t>(kvr), 0.1f, MlaForm::Auto};
   Tensor bg = g.upload(kvb, DType::BF16), wg = g.upload(nw, DType::F32);
-  Tensor q1 = g.upload(q, DType::BF16), l1 = g.upload(lat, DType::BF16), c1 = g.upload(cache, DType::BF16);
-  Tensor q2 = g.upload(q, DType::BF16), l2 = g.upload(lat, DType::BF16), c2 = g.upload(cache, DType::BF16);
+  Tensor q1 = g.upload(q, DType::BF16), l1 = g.upload(lat, DType::BF16), c1 = g.upload(cache, cdt);
+  Tensor q2 = g.upload(q, DType::BF16), l2 = g.upload(lat, DType::BF16), c2 = g.upload(cache, cdt);
   Tensor o1 = g.alloc({T, nh * vh}, DType::BF16), o2 = g.alloc({T, nh * vh}, DType::BF16);
   g.mla_prepare(q1, p.num_heads, p.qk_nope, p.qk_rope, l1, wg, 1e-6f, c1);
   g.mla_attention(q1, c1, bg, p, o1);
@@ -497,12 +519,13 @@ void prepare_attention_case(const std::vector<std::pair<int32_t, int32_t>>& seqs
   // and latent are left as they were, the sums run in another order; everything else runs the two ops' kernels.
   int32_t clusters = 0;
   ASSERT_EQ(cuda::mla_one_token_max_clusters(&clusters), cudaSuccess);
-  const bool one_token = kind != 4 && T == 1 && seqs.size() == 1 && seqs[0].second == 1 &&
+  const bool one_token = !fp8 && kind != 4 && T == 1 && seqs.size() == 1 && seqs[0].second == 1 &&
                          seqs[0].first + 1 <= cuda::kOneTokenMaxCtx &&
                          cuda::mla_one_token_fits(p.num_heads, p.qk_nope, p.qk_rope, p.v_head, p.kv_lora, clusters);
   const std::string what = "prepare+attention T" + std::to_string(T) + " nh" + std::to_string(nh) + " kvr" +
                            std::to_string(kvr) + " ctx" + std::to_string(seqs[0].first + seqs[0].second) +
-                           (graph_plan ? " graph plan" : "") + (one_token ? " (one launch)" : "");
+                           (graph_plan ? " graph plan" : "") + (one_token ? " (one launch)" : "") +
+                           (fp8 ? " fp8 cache" : "");
   EXPECT_EQ(count_diff(c1, c2), 0) << what << ": cache";
   if (one_token) {
     expect_close(g.to_host_f32(o1), g.to_host_f32(o2), 1e-2, 3e-2, what + " vs the ops");
@@ -514,11 +537,25 @@ void prepare_attention_case(const std::vector<std::pair<int32_t, int32_t>>& seqs
   // And both against the CPU's two ops.
   cpu().begin_step(s.batch);
   cpu().set_rope(yarn_freqs(rope), 1.2f);
-  Tensor qc = cpu().upload(q, DType::F32), lc = cpu().upload(lat, DType::F32), cc = cpu().upload(cache, DType::F32);
+  Tensor qc = cpu().upload(q, DType::F32), lc = cpu().upload(lat, DType::F32);
+  Tensor cc = cpu().upload(cache, fp8 ? DType::F8_E4M3 : DType::F32);
   Tensor bc = cpu().upload(kvb, DType::BF16), wc = cpu().upload(nw, DType::F32);
   Tensor oc = cpu().alloc({T, nh * vh}, DType::F32);
   cpu().mla_prepare_attention(qc, lc, wc, 1e-6f, cc, bc, p, oc);
-  expect_close(cpu().to_host_f32(oc), g.to_host_f32(o2), 2e-2, 5e-2, what + " vs CPU");
+  if (!fp8) {
+    expect_close(cpu().to_host_f32(oc), g.to_host_f32(o2), 2e-2, 5e-2, what + " vs CPU");
+    return;
+  }
+  // The rows as codes: the GPU's latent rows are exactly their cache rows' values; against the CPU's a code may
+  // round the other way where the two sums of squares differ (one E4M3 step, 1/16 to 1/8 of a value).
+  const Tensor lg = g.to_host_f32(l2), cg = g.to_host_f32(c2);
+  int64_t not_codes = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t d = 0; d < W; ++d)
+      not_codes += lg.data_as<float>()[t * W + d] != cg.data_as<float>()[s.batch.out_slots[t] * W + d];
+  EXPECT_EQ(not_codes, 0) << what << ": the latent is not its cache rows' values";
+  expect_close(cpu().to_host_f32(lc), lg, 3e-2, 0.15, what + " latent vs CPU");
+  expect_close(cpu().to_host_f32(oc), g.to_host_f32(o2), 3e-2, 8e-2, what + " vs CPU");
 }
 
 // Without the one-launch attention (kind 4): the q_lat launch with the preparation, bit for bit against the ops.
@@ -533,6 +570,19 @@ TEST(CudaOps, MlaPrepareAttentionIsPrepareThenAttention) {
     prepare_attention_case({{5, 1}, {0, 1}, {30, 1}}, 16, 512, 64, 128, 128, graph_plan, 83, 4);  // 3 tokens
   }
   prepare_attention_case({{12, 1}, {0, 20}}, 16, 512, 64, 128, 128, false, 84, 4);  // prefill in the step: apart
+}
+
+// An FP8 cache: the preparation folded into the q_lat launch (1-2 tokens) or apart, never the one-launch kernel
+// (kind 0 has it), bit for bit against the two ops; against the CPU's FP8 cache within E4M3's steps.
+TEST(CudaOps, MlaPrepareAttentionFp8Cache) {
+  REQUIRE_GPU();
+  for (bool graph_plan : {false, true}) {
+    prepare_attention_case({{100, 1}}, 16, 512, 64, 128, 128, graph_plan, 84, 0, true);
+    prepare_attention_case({{700, 1}, {16, 1}}, 16, 512, 64, 128, 128, graph_plan, 81, 0, true);
+    prepare_attention_case({{40, 1}}, 4, 64, 16, 32, 32, graph_plan, 82, 0, true);
+    prepare_attention_case({{5, 1}, {0, 1}, {30, 1}}, 16, 512, 64, 128, 128, graph_plan, 83, 0, true);
+  }
+  prepare_attention_case({{12, 1}, {0, 20}}, 16, 512, 64, 128, 128, false, 84, 0, true);
 }
 
 // The one-launch attention of one decode token (cuda::mla_one_token) against the ops' kernels and the CPU: blocks of

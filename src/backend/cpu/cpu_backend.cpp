@@ -214,7 +214,10 @@ class CpuBackend final : public Backend {
     MLA_CHECK(rope == static_cast<int64_t>(inv_freq_.size()) * 2, "mla_write_latent: rope width {} vs {} frequencies",
               rope, inv_freq_.size());
     float* lp = f32m(latent);
-    float* cp = f32m(cache);
+    // An FP8 cache holds each value's E4M3 code; the latent row keeps the value the cache holds (as the GPU's does).
+    const bool fp8 = cache.dtype() == DType::F8_E4M3;
+    float* cp = fp8 ? nullptr : f32m(cache);
+    uint8_t* c8 = fp8 ? cache.data_as<uint8_t>() : nullptr;
     const float* wp = f32(kv_norm);
     const int64_t slots = cache.size(0);
     parallel_for(T, 8, [&](int64_t b, int64_t e) {
@@ -224,7 +227,12 @@ class CpuBackend final : public Backend {
         cpu::rope_pairs(row + kvr, rope, step_.positions[static_cast<size_t>(t)], inv_freq_.data(), rope_factor_);
         const int64_t slot = step_.out_slots[static_cast<size_t>(t)];
         MLA_CHECK(slot >= 0 && slot < slots, "mla_write_latent: slot {} outside the cache of {} slots", slot, slots);
-        std::memcpy(cp + slot * W, row, W * sizeof(float));
+        if (!fp8) {
+          std::memcpy(cp + slot * W, row, W * sizeof(float));
+          continue;
+        }
+        cpu::convert(row, DType::F32, c8 + slot * W, DType::F8_E4M3, W);
+        cpu::convert(c8 + slot * W, DType::F8_E4M3, row, DType::F32, W);
       }
     });
   }
@@ -245,7 +253,8 @@ class CpuBackend final : public Backend {
     cpu::MlaArgs a;
     a.batch = &step_;
     a.q = f32(q);
-    a.cache = f32(cache);
+    if (cache.dtype() == DType::F8_E4M3) a.cache_f8 = cache.data_as<const uint8_t>();
+    else a.cache = f32(cache);
     a.cache_width = cache.size(-1);
     a.kv_b = kv_b.data();
     a.kv_b_dtype = kv_b.dtype();

@@ -74,6 +74,9 @@ void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) {
   } else if (dd == DType::BF16) {
     uint16_t* d = static_cast<uint16_t*>(dst);
     for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(load(i));
+  } else if (dd == DType::F8_E4M3) {
+    uint8_t* d = static_cast<uint8_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_e4m3(load(i));
   } else {
     fail("convert: unsupported destination dtype {}", dtype_name(dd));
   }
@@ -183,6 +186,14 @@ inline int64_t slot_of(const ForwardBatch& b, int32_t seq, int64_t pos) {
   return static_cast<int64_t>(page) * b.page_size + pos % b.page_size;
 }
 
+// Cache row `slot` as F32: in place, or (an FP8 cache) its codes' values written to buf [cache_width].
+const float* cache_row(const MlaArgs& a, int64_t slot, float* buf) {
+  if (!a.cache_f8) return a.cache + slot * a.cache_width;
+  const uint8_t* codes = a.cache_f8 + slot * a.cache_width;
+  for (int64_t i = 0; i < a.cache_width; ++i) buf[i] = kF8E4M3[codes[i]];
+  return buf;
+}
+
 // Absorbed form for one token and one head: attention over the 576-wide latent with one KV head.
 void absorbed_token_head(const MlaArgs& a, int64_t t, int64_t h, const std::vector<float>& w_uk,
                          const std::vector<float>& w_uv, std::vector<float>& scratch) {
@@ -193,22 +204,23 @@ void absorbed_token_head(const MlaArgs& a, int64_t t, int64_t h, const std::vect
   const int64_t ctx = b.positions[static_cast<size_t>(t)] + 1;  // causal: positions 0..pos
   const float* q = a.q + (t * p.num_heads + h) * hd;
   // q_lat[c] = sum_n q_nope[n] * W_UK[n, c]
-  scratch.assign(static_cast<size_t>(kvr + ctx + kvr), 0.0f);
+  scratch.assign(static_cast<size_t>(kvr + ctx + kvr + a.cache_width), 0.0f);
   float* q_lat = scratch.data();
   float* scores = q_lat + kvr;
   float* o_lat = scores + ctx;
+  float* row_buf = o_lat + kvr;
   for (int64_t n = 0; n < p.qk_nope; ++n) {
     const float qn = q[n];
     const float* wr = w_uk.data() + n * kvr;
     for (int64_t c = 0; c < kvr; ++c) q_lat[c] += qn * wr[c];
   }
   for (int64_t j = 0; j < ctx; ++j) {
-    const float* row = a.cache + slot_of(b, seq, j) * a.cache_width;
+    const float* row = cache_row(a, slot_of(b, seq, j), row_buf);
     scores[j] = (dot(q_lat, row, kvr) + dot(q + p.qk_nope, row + kvr, p.qk_rope)) * p.softmax_scale;
   }
   softmax_inplace(scores, ctx);
   for (int64_t j = 0; j < ctx; ++j) {
-    const float* row = a.cache + slot_of(b, seq, j) * a.cache_width;
+    const float* row = cache_row(a, slot_of(b, seq, j), row_buf);
     const float pj = scores[j];
     for (int64_t c = 0; c < kvr; ++c) o_lat[c] += pj * row[c];
   }
@@ -254,9 +266,12 @@ void mla_attention(const MlaArgs& a) {
   for (int32_t s : expanded_seqs) {
     // Expanded form: k_nope and v for every context position from kv_b_proj(c_kv); MHA with a shared k_pe.
     const int64_t L = b.seq_lens[s];
-    std::vector<float> ckv(static_cast<size_t>(L * kvr));
-    for (int64_t j = 0; j < L; ++j)
-      std::memcpy(ckv.data() + j * kvr, a.cache + slot_of(b, s, j) * a.cache_width, kvr * sizeof(float));
+    std::vector<float> ckv(static_cast<size_t>(L * kvr)), k_pe(static_cast<size_t>(L * rope)), row_buf(a.cache_width);
+    for (int64_t j = 0; j < L; ++j) {
+      const float* row = cache_row(a, slot_of(b, s, j), row_buf.data());
+      std::memcpy(ckv.data() + j * kvr, row, kvr * sizeof(float));
+      std::memcpy(k_pe.data() + j * rope, row + kvr, rope * sizeof(float));
+    }
     const int64_t kvw = nh * (nope + vh);
     std::vector<float> kv(static_cast<size_t>(L * kvw));  // [L, nh, nope + v]
     linear(ckv.data(), L, kvr, a.kv_b, a.kv_b_dtype, kvw, kv.data(), true);
@@ -270,8 +285,7 @@ void mla_attention(const MlaArgs& a) {
         scores.resize(static_cast<size_t>(ctx));
         for (int64_t j = 0; j < ctx; ++j) {
           const float* k_nope = kv.data() + j * kvw + h * (nope + vh);
-          const float* k_pe = a.cache + slot_of(b, s, j) * a.cache_width + kvr;
-          scores[j] = (dot(q, k_nope, nope) + dot(q + nope, k_pe, rope)) * p.softmax_scale;
+          scores[j] = (dot(q, k_nope, nope) + dot(q + nope, k_pe.data() + j * rope, rope)) * p.softmax_scale;
         }
         softmax_inplace(scores.data(), ctx);
         float* out = a.out + (t * nh + h) * vh;

@@ -78,6 +78,11 @@ struct Arena {
 };
 
 cuda::bf16* bf(const Tensor& t) { return static_cast<cuda::bf16*>(t.data()); }
+// A latent cache's rows: bf16, or (an FP8 cache: model/kv_cache.h) E4M3 codes; the other pointer is null.
+cuda::bf16* cache_bf16(const Tensor& c) { return c.dtype() == DType::F8_E4M3 ? nullptr : bf(c); }
+uint8_t* cache_fp8(const Tensor& c) {
+  return c.dtype() == DType::F8_E4M3 ? static_cast<uint8_t*>(c.data()) : nullptr;
+}
 
 class CudaBackend final : public Backend {
  public:
@@ -512,7 +517,8 @@ class CudaBackend final : public Backend {
     const int64_t kvr = check_latent("mla_write_latent", latent, kv_norm, cache);
     CUDA_OK(cuda::write_latent(bf(latent), step_.num_tokens(), static_cast<int32_t>(kvr),
                                static_cast<int32_t>(rope_dim_), kv_norm.data_as<const float>(), eps, d_positions_,
-                               d_out_slots_, inv_freq_.data_as<const float>(), rope_factor_, bf(cache), stream_),
+                               d_out_slots_, inv_freq_.data_as<const float>(), rope_factor_, cache_bf16(cache),
+                               cache_fp8(cache), stream_),
             "mla_write_latent");
   }
 
@@ -721,7 +727,8 @@ class CudaBackend final : public Backend {
     const int64_t W = latent.size(-1), kvr = kv_norm.numel(), rope = W - kvr, T = step_.num_tokens();
     MLA_CHECK(cache.size(-1) == W, "{}: cache row width {} != latent width {}", op, cache.size(-1), W);
     MLA_CHECK(rope == rope_dim_, "{}: rope width {} vs {} frequencies", op, rope, rope_dim_ / 2);
-    MLA_CHECK(latent.dtype() == DType::BF16 && cache.dtype() == DType::BF16 && kv_norm.dtype() == DType::F32 &&
+    MLA_CHECK(latent.dtype() == DType::BF16 && (cache.dtype() == DType::BF16 || cache.dtype() == DType::F8_E4M3) &&
+                  kv_norm.dtype() == DType::F32 &&
                   latent.numel() == T * W,
               "{}: dtype or shape mismatch", op);
     // The step's slots against the cache's size once per step (every layer's cache has the same size).
@@ -758,7 +765,8 @@ class CudaBackend final : public Backend {
     a.slots = d_out_slots_;
     a.inv_freq = inv_freq_.data_as<const float>();
     a.factor = rope_factor_;
-    a.cache = bf(cache);
+    a.cache = cache_bf16(cache);
+    a.cache_f8 = cache_fp8(cache);
     return a;
   }
 
@@ -842,7 +850,7 @@ class CudaBackend final : public Backend {
     return g;
   }
 
-  using PlanKey = std::tuple<int, int32_t, int32_t, int32_t>;  // form, heads, kv_lora, rope
+  using PlanKey = std::tuple<int, int32_t, int32_t, int32_t, int32_t>;  // form, heads, kv_lora, rope, decode variant
   // The attention work of one step for one form: built on the host from the step, uploaded once.
   struct MlaPlan {
     int32_t num_decode_items = 0, num_partials = 0, num_combine = 0;
@@ -855,7 +863,7 @@ class CudaBackend final : public Backend {
     int32_t* d_row_pos = nullptr;
     bool row_offsets = false;  // decode items carry page-table row offsets (seq * max_pages), not rows
   };
-  const MlaPlan& plan_for(MlaForm form, int32_t nh, int32_t kvr, int32_t rope);
+  const MlaPlan& plan_for(MlaForm form, int32_t nh, int32_t kvr, int32_t rope, int32_t variant);
   // Whether this step's attention takes cuda::mla_one_token: one token in the absorbed form, the newest of its
   // sequence (every earlier row cached), at most kOneTokenMaxCtx keys (graph_variant keys graphs by the same bound),
   // dims and clusters that fit.
@@ -1027,8 +1035,9 @@ class CudaBackend final : public Backend {
   std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int>, GemmPlan> gemms_;
 };
 
-const CudaBackend::MlaPlan& CudaBackend::plan_for(MlaForm form, int32_t nh, int32_t kvr, int32_t rope) {
-  const PlanKey key = std::make_tuple(static_cast<int>(form), nh, kvr, rope);
+const CudaBackend::MlaPlan& CudaBackend::plan_for(MlaForm form, int32_t nh, int32_t kvr, int32_t rope,
+                                                  int32_t variant) {
+  const PlanKey key = std::make_tuple(static_cast<int>(form), nh, kvr, rope, variant);
   auto found = plans_.find(key);
   if (found != plans_.end()) return found->second;
   MLA_CHECK(!graph_step_, "graph step: no attention plan for {} heads (form {}) was made up front", nh,
@@ -1046,7 +1055,7 @@ const CudaBackend::MlaPlan& CudaBackend::plan_for(MlaForm form, int32_t nh, int3
 
 CudaBackend::MlaPlan CudaBackend::build_plan(const PlanKey& key, MetaUpload& up, bool fixed_splits) {
   const MlaForm form = static_cast<MlaForm>(std::get<0>(key));
-  const int32_t nh = std::get<1>(key), kvr = std::get<2>(key), rope = std::get<3>(key);
+  const int32_t nh = std::get<1>(key), kvr = std::get<2>(key), rope = std::get<3>(key), variant = std::get<4>(key);
   const ForwardBatch& b = step_;
   MlaPlan plan;
   std::vector<cuda::MlaDecodeItem> decode;
@@ -1071,7 +1080,7 @@ CudaBackend::MlaPlan CudaBackend::build_plan(const PlanKey& key, MetaUpload& up,
     MLA_CHECK(expanded_seqs.empty(), "graph step with prefill tokens");
     int64_t basis = 1;
     while (basis < absorbed_tokens) basis *= 2;
-    const int32_t S = cuda::mla_decode_fixed_splits(basis, nh, kvr, rope, num_sms_, mla_variant_);
+    const int32_t S = cuda::mla_decode_fixed_splits(basis, nh, kvr, rope, num_sms_, variant);
     int32_t partial = 0;
     for (int32_t s : absorbed_seqs)
       for (int32_t t = b.seq_q_start[s]; t < b.seq_q_start[s + 1]; ++t) {
@@ -1090,7 +1099,7 @@ CudaBackend::MlaPlan CudaBackend::build_plan(const PlanKey& key, MetaUpload& up,
     plan.row_offsets = true;
   } else if (!absorbed_seqs.empty()) {
     const int32_t chunk = cuda::mla_decode_split_keys(total_keys, absorbed_tokens, max_ctx, nh, kvr, rope, num_sms_,
-                                                        mla_variant_);
+                                                        variant);
     int32_t partial = 0;
     for (int32_t s : absorbed_seqs)
       for (int32_t t = b.seq_q_start[s]; t < b.seq_q_start[s + 1]; ++t)
@@ -1136,15 +1145,19 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
   MLA_CHECK(out.numel() == T * nh * vh && out.dtype() == DType::BF16, "mla_attention: out shape mismatch");
   MLA_CHECK(kv_b.size(0) == nh * (nope + vh) && kv_b.size(1) == kvr && kv_b.dtype() == DType::BF16,
             "mla_attention: kv_b_proj shape {} mismatch", shape_str(kv_b.shape()));
-  MLA_CHECK(cache.size(-1) == W && cache.dtype() == DType::BF16, "mla_attention: cache width {} != kv_lora + rope {}",
-            cache.size(-1), W);
+  MLA_CHECK(cache.size(-1) == W, "mla_attention: cache width {} != kv_lora + rope {}", cache.size(-1), W);
+  MLA_CHECK(cache.dtype() == DType::BF16 || cache.dtype() == DType::F8_E4M3, "mla_attention: a {} cache",
+            dtype_name(cache.dtype()));
   if (T == 0) return;
-  const MlaPlan& plan = plan_for(p.form, static_cast<int32_t>(nh), static_cast<int32_t>(kvr), static_cast<int32_t>(rope));
+  const bool fp8 = cache.dtype() == DType::F8_E4M3;
+  const int32_t variant = fp8 ? cuda::kMlaDecodeFp8Variant : mla_variant_;
+  const MlaPlan& plan =
+      plan_for(p.form, static_cast<int32_t>(nh), static_cast<int32_t>(kvr), static_cast<int32_t>(rope), variant);
   const char* kvb = static_cast<const char*>(kv_b.data());
   const int64_t head_rows = nope + vh;  // rows of kv_b per head: W_UK (nope) then W_UV (v)
   const bool small = small_batch_ && T <= cuda::kGemvMaxRows && kvr % 8 == 0 && nope % 8 == 0 && hd % 8 == 0 &&
                      alignment_of(kvb) >= 16 && alignment_of(q.data()) >= 16;
-  if (prep && small && one_token_step(p, plan)) {
+  if (prep && small && !fp8 && one_token_step(p, plan)) {  // (its kernel reads a bf16 cache)
     const cuda::MlaOneTokenArgs a{*prep, d_page_table_, step_.page_size, bf(kv_b), p.softmax_scale, bf(out)};
     CUDA_OK(cuda::mla_one_token(a, static_cast<int32_t>(nh), stream_), "mla_one_token");
     return;
@@ -1171,7 +1184,8 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
     cuda::MlaDecodeParams dp{};
     dp.q_lat = bf(q_lat);
     dp.q = bf(q);
-    dp.cache = bf(cache);
+    dp.cache = cache_bf16(cache);
+    dp.cache_f8 = cache_fp8(cache);
     dp.page_table = d_page_table_;
     dp.items = plan.d_decode;
     dp.num_items = plan.num_decode_items;
@@ -1185,7 +1199,7 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
     dp.out_lat = bf(o_lat);
     dp.partial_o = part_o.data_as<float>();
     dp.partial_lse = part_lse.data_as<float>();
-    dp.variant = mla_variant_;
+    dp.variant = variant;
     CUDA_OK(cuda::mla_decode(dp, allow_fast_, stream_), "mla_decode");
     // out[t, h, :] = o_lat[t, h, :] @ W_UV[h]^T   (W_UV[h]: [v, kvr] rows of kv_b)
     const cuda::GemvArgs uv = gemv_args(o_lat.data(), nh * kvr, kvr, kvb + nope * kvr * 2, kvr, head_rows * kvr,
@@ -1208,7 +1222,8 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
   if (plan.num_prefill_items > 0) {
     const int64_t L = plan.ctx_rows;
     Tensor ctx = scratch({L, W}, DType::BF16);
-    CUDA_OK(cuda::mla_gather_context(bf(cache), static_cast<int32_t>(W), d_page_table_, step_.page_size,
+    CUDA_OK(cuda::mla_gather_context(cache_bf16(cache), cache_fp8(cache), static_cast<int32_t>(W), d_page_table_,
+                                     step_.page_size,
                                      step_.max_pages, plan.d_row_seq, plan.d_row_pos, L, bf(ctx), stream_),
             "mla_gather_context");
     Tensor kv = scratch({L, nh * head_rows}, DType::BF16);

@@ -14,11 +14,18 @@
 //    (batch 128 x 4096, 16 heads, page 64), against 2.68-2.83 for variant 4 (docs/perf.md).
 //  - mla_decode_fast_kernel (variants 0..4, and 64-head groups): every warp loads tiles with cp.async, S and P go
 //    through shared memory, three block barriers per tile.
+//  - An FP8 cache (kMlaDecodeFp8Variant; cache_f8): the warp-specialised kernel in variant 7's shape whose producer
+//    streams the 576-byte code rows into a ring of FP8 stages; the consumers make each tile into one bf16 tile in
+//    shared memory (the codes' exact values), hand the stage back, and go on as above (two more named barriers per
+//    tile: the bf16 tile is free, it is made). Other dims: the simple kernel, reading codes.
 #include <algorithm>
 #include <cmath>
 
+#include <cuda_fp8.h>
+
 #include "backend/cuda/combine.cuh"
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/fp8.cuh"
 #include "backend/cuda/kernels.h"
 
 namespace mlaserve::cuda {
@@ -293,11 +300,11 @@ __global__ void __launch_bounds__(NW * 32) mla_decode_fast_kernel(const MlaDecod
 // itself, straight into its P @ V A-fragments: no P tile in shared memory, no second barrier. Row max / sum / rescale
 // are the same arithmetic in every warp, so the warps agree bit for bit. Rows past the split are zero-filled by the
 // producer (generic stores + a proxy fence): unused pages are never read.
-template <int NW, int STAGES, int BN, int KSPLIT, int MINB>
+template <int NW, int STAGES, int BN, int KSPLIT, int MINB, bool FP8 = false>
 struct WsCfg {
-  static constexpr int HB = 16, D = 576, KVR = 512, ROPE = 64;
+  static constexpr int HB = 16, D = 576, KVR = 512, ROPE = 64, KEYS = BN;
   static constexpr int LDS = D + 8;                  // smem row stride (elements): 1168 B, conflict-free ldmatrix
-  static constexpr int ROW_BYTES = D * 2;            // one cache row in global memory
+  static constexpr int ROW_BYTES = FP8 ? D : D * 2;  // one cache row in global memory
   static constexpr int NT = BN / 8;                  // 8-key n-tiles of S
   static constexpr int NPW = NT * KSPLIT / NW;       // n-tiles per consumer warp (all in one dim slice)
   static constexpr int KSTEPS = D / 16 / KSPLIT;     // 16-deep k steps per dim slice
@@ -307,9 +314,12 @@ struct WsCfg {
   static constexpr int NLOAD = NPW == 1 ? (KSTEPS + 1) / 2 : KSTEPS * NPW / 2;  // ldmatrix.x4 per tile for QK^T
   // K fragments in flight: all of them when registers allow (ptxas: no spills in 5 and 6, 4 and 12 bytes in 7 and 8)
   static constexpr int PF = MINB > 1 || NLOAD > 9 ? 4 : NLOAD;
-  static constexpr size_t k_bytes = sizeof(bf16) * static_cast<size_t>(STAGES) * BN * LDS;
+  // bf16 tiles: the ring's stages, or (FP8) the one tile the consumers make from an FP8 stage of the ring after it
+  static constexpr size_t k_bytes = sizeof(bf16) * static_cast<size_t>(FP8 ? 1 : STAGES) * BN * LDS;
+  static constexpr size_t f8_bytes = FP8 ? static_cast<size_t>(STAGES) * BN * D : 0;
   static constexpr size_t s_bytes = sizeof(float) * 2 * KSPLIT * HB * LDSS;
-  static constexpr size_t smem_bytes = k_bytes + s_bytes + 2 * STAGES * sizeof(uint64_t);
+  static constexpr size_t smem_bytes = k_bytes + f8_bytes + s_bytes + 2 * STAGES * sizeof(uint64_t);
+  static_assert(k_bytes % 16 == 0 && f8_bytes % 16 == 0, "bulk copies land on 16-byte boundaries");
   static_assert(NW % KSPLIT == 0 && (NT * KSPLIT) % NW == 0 && NPW >= 1, "S units must split evenly over warps");
   static_assert(NPW == 1 || NPW % 2 == 0, "n-tiles per warp: one or pairs");
   static_assert(BN % 32 == 0 && BN <= 64, "the producer moves one row per lane per 32 keys");
@@ -320,14 +330,33 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-template <int NW, int STAGES, int BN, int KSPLIT, int MINB>
+// FP8 stage -> bf16 tile (BN rows of D codes -> rows of LDS elements), by the NW consumer warps (thread i of them).
+template <class C>
+__device__ __forceinline__ void fp8_tile_to_bf16(const uint8_t* src, bf16* dst, int i, int threads) {
+  constexpr int CPR = C::D / 16;  // 16-byte chunks of codes per row
+  for (int c = i; c < C::KEYS * CPR; c += threads) {
+    const int r = c / CPR, cc = c % CPR;
+    const uint4 q = *reinterpret_cast<const uint4*>(src + r * C::D + cc * 16);
+    uint32_t w[8];
+    fp8x4_bf16(q.x, w[0], w[1]);
+    fp8x4_bf16(q.y, w[2], w[3]);
+    fp8x4_bf16(q.z, w[4], w[5]);
+    fp8x4_bf16(q.w, w[6], w[7]);
+    uint4* d = reinterpret_cast<uint4*>(dst + r * C::LDS + cc * 16);
+    d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  }
+}
+
+template <int NW, int STAGES, int BN, int KSPLIT, int MINB, bool FP8>
 __global__ void __launch_bounds__((NW + 1) * 32, MINB) mla_decode_ws_kernel(const MlaDecodeParams p) {
-  using C = WsCfg<NW, STAGES, BN, KSPLIT, MINB>;
+  using C = WsCfg<NW, STAGES, BN, KSPLIT, MINB, FP8>;
   constexpr int HB = C::HB, KVR = C::KVR, LDS = C::LDS, LDSS = C::LDSS, KSTEPS = C::KSTEPS, NPW = C::NPW;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   bf16* sK = reinterpret_cast<bf16*>(smem_raw);
-  float* sS = reinterpret_cast<float*>(smem_raw + C::k_bytes);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw + C::k_bytes + C::s_bytes);
+  uint8_t* sF8 = smem_raw + C::k_bytes;
+  float* sS = reinterpret_cast<float*>(smem_raw + C::k_bytes + C::f8_bytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw + C::k_bytes + C::f8_bytes + C::s_bytes);
   uint64_t* empty = full + STAGES;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -363,15 +392,18 @@ __global__ void __launch_bounds__((NW + 1) * 32, MINB) mla_decode_ws_kernel(cons
     if (kt >= STAGES) mbar_wait(empty + s, ((kt / STAGES) - 1) & 1);
     if (lane == 0) mbar_expect_tx(full + s, static_cast<uint32_t>(min(BN, it.key_end - key0) * C::ROW_BYTES));
     __syncwarp();
-    bf16* dst = sK + s * BN * LDS;
 #pragma unroll
     for (int i = 0; i < BN / 32; ++i) {
       const int r = lane + 32 * i;
+      // Row r of the stage: LDS bf16 elements apart, or (FP8) D codes.
+      uint8_t* row = FP8 ? sF8 + (s * BN + r) * C::D : reinterpret_cast<uint8_t*>(sK + (s * BN + r) * LDS);
       if (key0 + r < it.key_end) {
-        bulk_copy_g2s(dst + r * LDS, p.cache + slot[i] * C::D, C::ROW_BYTES, full + s);
+        const void* src = FP8 ? static_cast<const void*>(p.cache_f8 + slot[i] * C::D)
+                              : static_cast<const void*>(p.cache + slot[i] * C::D);
+        bulk_copy_g2s(row, src, C::ROW_BYTES, full + s);
       } else {
-        uint4* z = reinterpret_cast<uint4*>(dst + r * LDS);
-        for (int c = 0; c < C::D / 8; ++c) z[c] = make_uint4(0, 0, 0, 0);
+        uint4* z = reinterpret_cast<uint4*>(row);
+        for (int c = 0; c < C::ROW_BYTES / 16; ++c) z[c] = make_uint4(0, 0, 0, 0);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // before later bulk writes to this row
       }
     }
@@ -420,7 +452,14 @@ __global__ void __launch_bounds__((NW + 1) * 32, MINB) mla_decode_ws_kernel(cons
   for (int kt = 0; kt < n_tiles; ++kt) {
     const int s = kt % STAGES;
     mbar_wait(full + s, (kt / STAGES) & 1);
-    const bf16* K = sK + s * BN * LDS;
+    const bf16* K = sK + (FP8 ? 0 : s * BN * LDS);
+    if constexpr (FP8) {
+      named_bar_sync(2, NW * 32);  // every consumer is done with the previous tile's bf16 copy
+      fp8_tile_to_bf16<C>(sF8 + s * BN * C::D, sK, tid, NW * 32);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + s);  // this warp has read its part of the FP8 stage
+      named_bar_sync(3, NW * 32);  // the bf16 tile is whole
+    }
     const int key0 = it.key_begin + kt * BN;
     float* sSb = sS + (kt & 1) * KSPLIT * HB * LDSS;
 
@@ -572,8 +611,10 @@ __global__ void __launch_bounds__((NW + 1) * 32, MINB) mla_decode_ws_kernel(cons
         }
       }
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty + s);
+    if constexpr (!FP8) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + s);
+    }
   }
 
 #pragma unroll
@@ -593,6 +634,12 @@ __global__ void __launch_bounds__((NW + 1) * 32, MINB) mla_decode_ws_kernel(cons
 // Simple path for any kvr / rope: one block per (item, head); keys in chunks of blockDim, fp32 throughout.
 constexpr int kSimpleThreads = 128;
 constexpr int kSimpleMaxCols = 8;  // kvr <= 1024
+
+// Element i of the cache (bf16, or the value of an FP8 code).
+__device__ __forceinline__ float cache_at(const MlaDecodeParams& p, int64_t i) {
+  if (p.cache_f8) return static_cast<float>(*reinterpret_cast<const __nv_fp8_e4m3*>(p.cache_f8 + i));
+  return __bfloat162float(p.cache[i]);
+}
 
 __global__ void __launch_bounds__(kSimpleThreads) mla_decode_simple_kernel(const MlaDecodeParams p) {
   extern __shared__ float sq[];  // [kvr + rope] query, then [kSimpleThreads] probabilities
@@ -620,9 +667,8 @@ __global__ void __launch_bounds__(kSimpleThreads) mla_decode_simple_kernel(const
     float s = -INFINITY;
     if (key < it.key_end) {
       const int64_t slot = static_cast<int64_t>(ptab[key / p.page_size]) * p.page_size + key % p.page_size;
-      const bf16* row = p.cache + slot * W;
       float acc = 0.0f;
-      for (int d = 0; d < W; ++d) acc += sq[d] * __bfloat162float(row[d]);
+      for (int d = 0; d < W; ++d) acc += sq[d] * cache_at(p, slot * W + d);
       s = acc * scale;
     }
     const float m_new = fmaxf(m, block_max(s, red));
@@ -639,12 +685,11 @@ __global__ void __launch_bounds__(kSimpleThreads) mla_decode_simple_kernel(const
     for (int j = 0; j < n; ++j) {
       const int kj = k0 + j;
       const int64_t slot = static_cast<int64_t>(ptab[kj / p.page_size]) * p.page_size + kj % p.page_size;
-      const bf16* row = p.cache + slot * W;
       const float pj = sp[j];
 #pragma unroll
       for (int i = 0; i < kSimpleMaxCols; ++i) {
         const int c = threadIdx.x + i * kSimpleThreads;
-        if (c < kvr) o[i] += pj * __bfloat162float(row[c]);
+        if (c < kvr) o[i] += pj * cache_at(p, slot * W + c);
       }
     }
     __syncthreads();
@@ -701,31 +746,39 @@ cudaError_t launch_fast(const MlaDecodeParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <int NW, int STAGES, int BN, int KSPLIT, int MINB>
+template <int NW, int STAGES, int BN, int KSPLIT, int MINB, bool FP8 = false>
 cudaError_t configure_ws() {
-  using C = WsCfg<NW, STAGES, BN, KSPLIT, MINB>;
+  using C = WsCfg<NW, STAGES, BN, KSPLIT, MINB, FP8>;
   static std::atomic<uint64_t> configured{0};
-  return set_max_dynamic_smem_once(mla_decode_ws_kernel<NW, STAGES, BN, KSPLIT, MINB>, static_cast<int>(C::smem_bytes),
-                                   configured);
+  return set_max_dynamic_smem_once(mla_decode_ws_kernel<NW, STAGES, BN, KSPLIT, MINB, FP8>,
+                                   static_cast<int>(C::smem_bytes), configured);
 }
 
-template <int NW, int STAGES, int BN, int KSPLIT, int MINB>
+template <int NW, int STAGES, int BN, int KSPLIT, int MINB, bool FP8 = false>
 cudaError_t launch_ws(const MlaDecodeParams& p, cudaStream_t stream) {
-  using C = WsCfg<NW, STAGES, BN, KSPLIT, MINB>;
-  if (cudaError_t e = configure_ws<NW, STAGES, BN, KSPLIT, MINB>(); e != cudaSuccess) return e;
+  using C = WsCfg<NW, STAGES, BN, KSPLIT, MINB, FP8>;
+  if (cudaError_t e = configure_ws<NW, STAGES, BN, KSPLIT, MINB, FP8>(); e != cudaSuccess) return e;
   dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>((p.num_heads + C::HB - 1) / C::HB));
-  return launch(mla_decode_ws_kernel<NW, STAGES, BN, KSPLIT, MINB>, grid, C::THREADS, C::smem_bytes, stream, p);
+  return launch(mla_decode_ws_kernel<NW, STAGES, BN, KSPLIT, MINB, FP8>, grid, C::THREADS, C::smem_bytes, stream, p);
+}
+
+// The FP8-cache kernel: variant 7's shape (4 consumer warps, 32-key tiles, dims over 4 warps, 2 blocks per SM) with
+// a ring of 3 FP8 stages (their 54 KB and the one bf16 tile fit two blocks on an SM).
+// (2 FP8 stages measured 1.75x slower in isolation, 2% slower per step: docs/perf.md.)
+cudaError_t configure_fp8() { return configure_ws<4, 3, 32, 4, 2, true>(); }
+cudaError_t launch_fp8(const MlaDecodeParams& p, cudaStream_t stream) {
+  return launch_ws<4, 3, 32, 4, 2, true>(p, stream);
 }
 
 bool fast_dims(int32_t kvr, int32_t rope) { return kvr == 512 && rope == 64; }
 
 // Resident blocks per SM of a 16-head-group variant (the planner sizes splits for one wave of them).
-int64_t blocks_per_sm_16(int32_t variant) { return variant == 5 || variant == 6 || variant == 8 ? 1 : 2; }
+int64_t blocks_per_sm_16(int32_t variant) { return variant == 5 || variant == 6 || variant == 8 ? 1 : 2; }  // FP8: 2
 
 // Blocks of the decode kernel resident at once, and blocks per item (head groups), for these dims.
 void decode_occupancy(int32_t num_heads, int32_t kvr, int32_t rope, int32_t num_sms, int32_t variant, int64_t& slots,
                       int64_t& groups) {
-  if (fast_dims(kvr, rope) && num_heads % 64 == 0) {
+  if (fast_dims(kvr, rope) && num_heads % 64 == 0 && variant != kMlaDecodeFp8Variant) {
     slots = num_sms;
     groups = num_heads / 64;
   } else if (fast_dims(kvr, rope)) {
@@ -766,14 +819,15 @@ cudaError_t mla_decode_prepare() {
   for (cudaError_t e : {configure_fast<64, 8, 3, 32>(), configure_fast<64, 8, 2, 32>(), configure_fast<16, 4, 3, 32>(),
                         configure_fast<16, 4, 4, 32>(), configure_fast<16, 8, 2, 64>(), configure_fast<16, 8, 2, 32, 2>(),
                         configure_fast<16, 4, 2, 32>(), configure_ws<8, 5, 32, 2, 1>(), configure_ws<8, 5, 32, 4, 1>(),
-                        configure_ws<4, 2, 32, 4, 2>(), configure_ws<8, 2, 64, 2, 1>()})
+                        configure_ws<4, 2, 32, 4, 2>(), configure_ws<8, 2, 64, 2, 1>(), configure_fp8()})
     if (e != cudaSuccess) return e;
   return cudaSuccess;
 }
 
 cudaError_t mla_decode(const MlaDecodeParams& p, bool allow_fast, cudaStream_t stream) {
   if (p.num_items == 0 || p.num_heads == 0) return cudaSuccess;
-  if (allow_fast && fast_dims(p.kvr, p.rope)) {
+  if (p.cache_f8 && allow_fast && fast_dims(p.kvr, p.rope)) return launch_fp8(p, stream);
+  if (allow_fast && fast_dims(p.kvr, p.rope) && !p.cache_f8) {
     if (p.num_heads % 64 == 0) {
       if (p.variant == 1) return launch_fast<64, 8, 3, 32>(p, stream);
       return launch_fast<64, 8, 2, 32>(p, stream);

@@ -8,7 +8,10 @@
 // P kept in registers as the A operand of P @ V.
 #include <cmath>
 
+#include <cuda_fp8.h>
+
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/fp8.cuh"
 #include "backend/cuda/kernels.h"
 
 namespace mlaserve::cuda {
@@ -17,15 +20,29 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-__global__ void gather_context_kernel(const bf16* cache, int32_t width, const int32_t* page_table, int32_t page_size,
-                                      int32_t max_pages, const int32_t* row_seq, const int32_t* row_pos,
-                                      bf16* ctx) {
+__global__ void gather_context_kernel(const bf16* cache, const uint8_t* cache_f8, int32_t width,
+                                      const int32_t* page_table, int32_t page_size, int32_t max_pages,
+                                      const int32_t* row_seq, const int32_t* row_pos, bf16* ctx) {
   const int64_t r = blockIdx.x;
   const int32_t seq = row_seq[r], pos = row_pos[r];
   const int64_t slot = static_cast<int64_t>(page_table[static_cast<int64_t>(seq) * max_pages + pos / page_size]) *
                            page_size + pos % page_size;
-  const bf16* src = cache + slot * width;
   bf16* dst = ctx + r * width;
+  if (cache_f8) {  // an FP8 cache: its codes' values (exact in bf16)
+    const uint8_t* src = cache_f8 + slot * width;
+    if ((width & 3) == 0) {
+      for (int i = threadIdx.x; i < width / 4; i += blockDim.x) {
+        uint32_t lo, hi;
+        fp8x4_bf16(reinterpret_cast<const uint32_t*>(src)[i], lo, hi);
+        reinterpret_cast<uint2*>(dst)[i] = make_uint2(lo, hi);
+      }
+    } else {
+      for (int i = threadIdx.x; i < width; i += blockDim.x)
+        dst[i] = __float2bfloat16_rn(static_cast<float>(*reinterpret_cast<const __nv_fp8_e4m3*>(src + i)));
+    }
+    return;
+  }
+  const bf16* src = cache + slot * width;
   if ((width & 7) == 0) {
     for (int i = threadIdx.x; i < width / 8; i += blockDim.x)
       reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
@@ -263,12 +280,12 @@ __global__ void __launch_bounds__(kSimpleThreads) mla_prefill_simple_kernel(cons
 
 }  // namespace
 
-cudaError_t mla_gather_context(const bf16* cache, int32_t width, const int32_t* page_table, int32_t page_size,
-                               int32_t max_pages, const int32_t* row_seq, const int32_t* row_pos, int64_t L,
-                               bf16* ctx_latent, cudaStream_t stream) {
+cudaError_t mla_gather_context(const bf16* cache, const uint8_t* cache_f8, int32_t width, const int32_t* page_table,
+                               int32_t page_size, int32_t max_pages, const int32_t* row_seq, const int32_t* row_pos,
+                               int64_t L, bf16* ctx_latent, cudaStream_t stream) {
   if (L == 0) return cudaSuccess;
-  gather_context_kernel<<<static_cast<unsigned>(L), 64, 0, stream>>>(cache, width, page_table, page_size, max_pages,
-                                                                      row_seq, row_pos, ctx_latent);
+  gather_context_kernel<<<static_cast<unsigned>(L), 64, 0, stream>>>(cache, cache_f8, width, page_table, page_size,
+                                                                      max_pages, row_seq, row_pos, ctx_latent);
   return cudaGetLastError();
 }
 

@@ -1,0 +1,131 @@
+// The FP8 (E4M3) latent cache on the CPU reference backend: rows written as the codes nearest to their values,
+// every form of attention reading exactly those codes' values, and the --kv-cache-dtype values.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "backend/backend.h"
+#include "core/dtype.h"
+#include "model/forward_batch.h"
+#include "model/kv_cache.h"
+
+namespace mlaserve {
+namespace {
+
+TEST(KvCacheFp8, FlagValues) {
+  for (const char* s : {"auto", "bf16", "bfloat16"}) EXPECT_FALSE(parse_kv_cache_dtype(s)) << s;
+  for (const char* s : {"fp8", "fp8_e4m3"}) EXPECT_TRUE(parse_kv_cache_dtype(s)) << s;
+  try {
+    parse_kv_cache_dtype("fp8_e5m2");
+    ADD_FAILURE() << "fp8_e5m2 accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("fp8_e4m3"), std::string::npos) << e.what();
+  }
+  try {
+    parse_kv_cache_dtype("int8");
+    ADD_FAILURE() << "int8 accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("--kv-cache-dtype"), std::string::npos) << e.what();
+  }
+}
+
+TEST(KvCacheFp8, HoldsOneByteCodesPerValue) {
+  auto cpu = make_cpu_backend();
+  ModelConfig c;
+  c.num_hidden_layers = 3;
+  c.kv_lora_rank = 64;
+  c.qk_rope_head_dim = 16;
+  KvCache f32(*cpu, c, 5, 16), f8(*cpu, c, 5, 16, true);
+  EXPECT_EQ(f32.dtype(), DType::F32);
+  EXPECT_EQ(f8.dtype(), DType::F8_E4M3);
+  for (int64_t l = 0; l < 3; ++l) {
+    EXPECT_EQ(f8.layer(l).dtype(), DType::F8_E4M3);
+    EXPECT_EQ(f8.layer(l).nbytes() * 4, f32.layer(l).nbytes());
+  }
+  EXPECT_EQ(KvCache::bytes_per_token(c, f8.dtype()), 3 * 80);
+}
+
+// Sequences (cached prefix, new tokens) over shuffled pages; the prefixes' rows hold random codes (the F32 cache
+// their values), the new tokens' rows are written by mla_write_latent into both caches.
+TEST(KvCacheFp8, CpuWritesCodesAndAttendsOverTheirValues) {
+  const int64_t nh = 4, kvr = 64, rope = 16, nope = 32, vh = 32, W = kvr + rope;
+  const int32_t ps = 8;
+  const std::vector<std::pair<int32_t, int32_t>> seqs = {{0, 5}, {13, 1}, {8, 9}, {40, 1}};
+  int32_t need = 0;
+  for (auto [prefix, q] : seqs) need += (prefix + q + ps - 1) / ps;
+  std::vector<int32_t> pool(static_cast<size_t>(need + 3));
+  std::iota(pool.begin(), pool.end(), 0);
+  std::mt19937_64 rng(5);
+  std::shuffle(pool.begin(), pool.end(), rng);
+  ForwardBatchBuilder bb(ps);
+  std::vector<std::vector<int32_t>> pages;
+  size_t next = 0;
+  for (auto [prefix, q] : seqs) {
+    const int32_t n = (prefix + q + ps - 1) / ps;
+    pages.emplace_back(pool.begin() + static_cast<int64_t>(next), pool.begin() + static_cast<int64_t>(next + n));
+    next += static_cast<size_t>(n);
+    bb.add(std::vector<int32_t>(static_cast<size_t>(q), 1), prefix, pages.back(), true);
+  }
+  const ForwardBatch b = bb.finish();
+  const int64_t T = b.num_tokens(), slots = static_cast<int64_t>(pool.size()) * ps;
+
+  auto cpu = make_cpu_backend();
+  cpu->begin_step(b);
+  std::vector<float> freqs(static_cast<size_t>(rope / 2));
+  for (size_t i = 0; i < freqs.size(); ++i) freqs[i] = std::pow(10000.0f, -2.0f * i / static_cast<float>(rope));
+  cpu->set_rope(freqs, 1.0f);
+
+  Tensor c8 = Tensor::empty_host({slots, W}, DType::F8_E4M3), c32 = Tensor::empty_host({slots, W}, DType::F32);
+  std::uniform_int_distribution<int> code(0, 255);
+  for (int64_t i = 0; i < slots * W; ++i) {
+    uint8_t v = static_cast<uint8_t>(code(rng));
+    if ((v & 0x7f) == 0x7f) v = 0x3c;  // no NaN codes in the rows
+    c8.data_as<uint8_t>()[i] = v;
+    c32.data_as<float>()[i] = f8e4m3_to_f32(v);
+  }
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  Tensor lat = Tensor::empty_host({T, W}, DType::F32), norm = Tensor::empty_host({kvr}, DType::F32);
+  for (int64_t i = 0; i < T * W; ++i) lat.data_as<float>()[i] = nd(rng);
+  for (int64_t i = 0; i < kvr; ++i) norm.data_as<float>()[i] = 1.0f + 0.1f * nd(rng);
+  Tensor lat8 = Tensor::empty_host({T, W}, DType::F32);
+  std::copy_n(lat.data_as<float>(), T * W, lat8.data_as<float>());
+  cpu->mla_write_latent(lat, norm, 1e-6f, c32);
+  cpu->mla_write_latent(lat8, norm, 1e-6f, c8);
+  int64_t wrong_codes = 0, wrong_latent = 0, rounded = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = b.out_slots[static_cast<size_t>(t)];
+    for (int64_t d = 0; d < W; ++d) {
+      const float v = c32.data_as<float>()[slot * W + d];  // the F32 cache's row: the value before rounding
+      const uint8_t got = c8.data_as<uint8_t>()[slot * W + d];
+      wrong_codes += got != f32_to_e4m3(v);
+      wrong_latent += lat8.data_as<float>()[t * W + d] != f8e4m3_to_f32(got);
+      rounded += f8e4m3_to_f32(got) != v;
+      c32.data_as<float>()[slot * W + d] = f8e4m3_to_f32(got);  // from here on the F32 cache holds the codes' values
+    }
+  }
+  EXPECT_EQ(wrong_codes, 0);
+  EXPECT_EQ(wrong_latent, 0) << "the latent keeps the values its cache row holds";
+  EXPECT_GT(rounded, T * W / 2) << "values were not rounded to E4M3";
+
+  Tensor q = Tensor::empty_host({T, nh * (nope + rope)}, DType::F32);
+  Tensor kvb = Tensor::empty_host({nh * (nope + vh), kvr}, DType::F32);
+  for (int64_t i = 0; i < q.numel(); ++i) q.data_as<float>()[i] = nd(rng) * 0.2f;
+  for (int64_t i = 0; i < kvb.numel(); ++i) kvb.data_as<float>()[i] = nd(rng) * 0.05f;
+  MlaParams p{static_cast<int32_t>(nh), static_cast<int32_t>(nope), static_cast<int32_t>(rope),
+              static_cast<int32_t>(vh), static_cast<int32_t>(kvr), 0.1f, MlaForm::Auto};
+  for (MlaForm form : {MlaForm::Auto, MlaForm::Absorbed, MlaForm::Expanded}) {
+    p.form = form;
+    Tensor o8 = Tensor::empty_host({T, nh * vh}, DType::F32), o32 = Tensor::empty_host({T, nh * vh}, DType::F32);
+    cpu->mla_attention(q, c8, kvb, p, o8);
+    cpu->mla_attention(q, c32, kvb, p, o32);
+    int64_t diff = 0;
+    for (int64_t i = 0; i < o8.numel(); ++i) diff += o8.data_as<float>()[i] != o32.data_as<float>()[i];
+    EXPECT_EQ(diff, 0) << "form " << static_cast<int>(form);
+  }
+}
+
+}  // namespace
+}  // namespace mlaserve

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Device check of the FP8 latent cache (--kv-cache-dtype fp8_e4m3): the GPU op tests (writes and every attention
+# path against the CPU reference on the same codes), graphs vs eager with an FP8 cache, the decode kernel's stream
+# rate (cuda_kernel_bench mla 7: bf16, mla 9: FP8), V2-Lite (dummy weights) served with graphs + overlap on and off
+# over an FP8 cache (the same greedy ids expected), and bench-one-batch decode at long context, bf16 vs FP8 cache.
+# usage: tools/device/fp8_cache_run.sh PKG_DIR [quick]
+set -uo pipefail
+PKG=$1
+source tools/device/bench_env.sh
+export MLASERVE_GOLDEN_DIR=$PWD/tests/golden/data
+timeout -s KILL 240 $PKG/bin/cuda_ops_test --gtest_filter='*Mla*:*RopeAndLatent*' > /tmp/ops.log 2>&1
+echo "== ops rc=$? $(grep -cE '^\[       OK' /tmp/ops.log) ok; $(grep -E 'FAILED  \]|Failure' /tmp/ops.log | head -5 | tr '\n' ' ')"
+grep -E "fp8 cache" /tmp/ops.log | sort | uniq | head -40
+timeout -s KILL 200 $PKG/bin/cuda_model_test --gtest_filter='*Graph*' > /tmp/model.log 2>&1
+echo "== model rc=$? $(grep -cE '^\[       OK' /tmp/model.log) ok; $(grep -E 'FAILED  \]' /tmp/model.log | tr '\n' ' ')"
+grep -E "fp8 cache" /tmp/model.log | head -10
+for v in 7 9; do timeout -s KILL 60 $PKG/bin/cuda_kernel_bench mla $v 2>&1 | head -3; done
+[ "${2:-}" = quick ] && exit 0
+cat > /tmp/ids.py <<'PY'
+import json, random, sys, urllib.request
+port = int(sys.argv[1]); rng = random.Random(5); out = []
+for n in (1, 7, 40, 130, 700):
+    ids = [rng.randrange(3, 600) for _ in range(n)]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    out.append(json.loads(urllib.request.urlopen(req, timeout=60).read())["output_ids"])
+print(json.dumps(out))
+PY
+for mode in graphs eager; do
+  PORT=30$((RANDOM % 400 + 100))
+  extra=""; [ $mode = eager ] && extra="--disable-cuda-graph --disable-overlap-schedule"
+  $PKG/bin/mlaserve serve --model-path tools/bench/deepseek-v2-lite --load-format dummy --skip-tokenizer-init \
+    --port $PORT --kv-cache-dtype fp8_e4m3 $extra > /tmp/serve-$mode.log 2>&1 &
+  SPID=$! UP=0
+  until python3 -c "import urllib.request;urllib.request.urlopen('http://127.0.0.1:$PORT/health',timeout=2)" 2>/dev/null; do
+    sleep 1; UP=$((UP + 1)); if [ $UP -gt 120 ] || ! kill -0 $SPID 2>/dev/null; then echo "== $mode: no server: $(tail -2 /tmp/serve-$mode.log)"; break; fi
+  done
+  timeout 120 python3 /tmp/ids.py $PORT > /tmp/ids-$mode.json 2>&1
+  echo "== served fp8 cache, $mode: $(grep -o 'KV cache per rank: [0-9]* tokens' /tmp/serve-$mode.log | head -1) $(head -c 100 /tmp/ids-$mode.json)"
+  kill -TERM $SPID; sleep 2; kill -9 $SPID 2>/dev/null
+done
+echo "== served greedy ids graphs+overlap vs eager: $(cmp -s /tmp/ids-graphs.json /tmp/ids-eager.json && echo IDENTICAL || echo DIFFERENT)"
+for kv in auto fp8_e4m3; do
+  timeout -s KILL 200 $PKG/bin/mlaserve bench-one-batch --device cuda --model-path tools/bench/deepseek-v2-lite \
+    --load-format dummy --input-len 4096 --output-len 32 --batch-size 128 --kv-cache-dtype $kv --log-level info \
+    > /tmp/bob-$kv.log 2>&1
+  echo "== bench-one-batch 128 x 4096, kv $kv: $(grep -iE 'KV cache|decode' /tmp/bob-$kv.log | tail -3 | tr '\n' ' ')"
+done
