@@ -6,3 +6,12 @@ LIB=${LIB:-.devcarry/lib}
 [ -f $LIB/libicudata.so.72.xz ] && xz -d -k -f $LIB/libicudata.so.72.xz
 export LD_LIBRARY_PATH=$PWD/$LIB:${LD_LIBRARY_PATH:-}
 BOB="bench-one-batch --device cuda --model-path ${BOB_MODEL:-tools/bench/deepseek-v2-lite} ${BOB_ARGS:-} --load-format dummy --input-len 128 --log-level info"
+# serve_up PORT PID LOG: waits up to 120 s for the server's /health; 1 (and the log's tail printed) if it died first.
+serve_up() {
+  local up=0
+  until python3 -c "import urllib.request;urllib.request.urlopen('http://127.0.0.1:$1/health',timeout=2)" 2>/dev/null; do
+    sleep 1
+    up=$((up + 1))
+    if [ $up -gt 120 ] || ! kill -0 "$2" 2>/dev/null; then echo "== no server: $(tail -2 "$3")"; return 1; fi
+  done
+}

@@ -1,5 +1,10 @@
+#!/usr/bin/env bash
+# FP8 latent cache on the device, the full GPU suites and the A/B of docs/perf.md: cuda_ops_test, cuda_model_test,
+# the FP8 serve flags test, then bench-one-batch decode (V2-Lite shape, dummy weights) with a bf16 and an FP8 cache:
+# 128 x 4096 tokens (two prompt seeds), and batch 1 / 256 of 128-token prompts.
+# usage: tools/device/fp8_cache_ab.sh [PKG_DIR]   (default .devcarry/kv; binaries in PKG_DIR/bin)
 source tools/device/bench_env.sh
-P=.devcarry/kv/bin
+P=${1:-.devcarry/kv}/bin
 export MLASERVE_GOLDEN_DIR=$PWD/tests/golden/data MLASERVE_E2E_BINARY=$PWD/$P/mlaserve MLASERVE_E2E_ROOT=$PWD MLASERVE_E2E_TOKENIZER=$PWD/.devcarry/tok MLASERVE_E2E_DEVICE=cuda
 timeout -s KILL 200 $P/cuda_ops_test > /tmp/ops.log 2>&1; echo "== ops rc=$? $(grep -cE '^\[       OK' /tmp/ops.log) ok $(grep -E 'FAILED  \]' /tmp/ops.log | tr '\n' ' ')"
 timeout -s KILL 200 $P/cuda_model_test > /tmp/model.log 2>&1; echo "== model rc=$? $(grep -cE '^\[       OK' /tmp/model.log) ok $(grep -E 'FAILED  \]' /tmp/model.log | tr '\n' ' ')"

@@ -31,10 +31,8 @@ for mode in graphs eager; do
   extra=""; [ $mode = eager ] && extra="--disable-cuda-graph --disable-overlap-schedule"
   $PKG/bin/mlaserve serve --model-path tools/bench/deepseek-v2-lite --load-format dummy --skip-tokenizer-init \
     --port $PORT --kv-cache-dtype fp8_e4m3 $extra > /tmp/serve-$mode.log 2>&1 &
-  SPID=$! UP=0
-  until python3 -c "import urllib.request;urllib.request.urlopen('http://127.0.0.1:$PORT/health',timeout=2)" 2>/dev/null; do
-    sleep 1; UP=$((UP + 1)); if [ $UP -gt 120 ] || ! kill -0 $SPID 2>/dev/null; then echo "== $mode: no server: $(tail -2 /tmp/serve-$mode.log)"; break; fi
-  done
+  SPID=$!
+  serve_up $PORT $SPID /tmp/serve-$mode.log
   timeout 120 python3 /tmp/ids.py $PORT > /tmp/ids-$mode.json 2>&1
   echo "== served fp8 cache, $mode: $(grep -o 'KV cache per rank: [0-9]* tokens' /tmp/serve-$mode.log | head -1) $(head -c 100 /tmp/ids-$mode.json)"
   kill -TERM $SPID; sleep 2; kill -9 $SPID 2>/dev/null

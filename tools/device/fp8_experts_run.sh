@@ -27,10 +27,8 @@ for mode in kept dequantized; do
   PORT=30$((RANDOM % 400 + 100))
   f8=on; [ $mode = dequantized ] && f8=off
   $PKG/bin/mlaserve serve --model-path tests/golden/data/v3-fp8 --skip-tokenizer-init --port $PORT --cuda-graph-max-bs 8 --fp8-experts $f8 > /tmp/serve-$mode.log 2>&1 &
-  SPID=$! UP=0
-  until python3 -c "import urllib.request;urllib.request.urlopen('http://127.0.0.1:$PORT/health',timeout=2)" 2>/dev/null; do
-    sleep 1; UP=$((UP + 1)); if [ $UP -gt 60 ] || ! kill -0 $SPID 2>/dev/null; then echo "== $mode: no server: $(tail -2 /tmp/serve-$mode.log)"; break; fi
-  done
+  SPID=$!
+  serve_up $PORT $SPID /tmp/serve-$mode.log
   timeout 120 python3 /tmp/ids.py $PORT > /tmp/ids-$mode.json 2>&1
   echo "== served $mode: $(grep -o 'loaded checkpoint weights: [0-9.]* GiB' /tmp/serve-$mode.log) $(head -c 120 /tmp/ids-$mode.json)"
   kill -TERM $SPID; sleep 2; kill -9 $SPID 2>/dev/null
