@@ -103,7 +103,7 @@ double bench_mla(int batch, int ctx, int nh, int page_size, int variant) {
   const double flops = static_cast<double>(slots) * nh * (W + kvr) * 2;
   std::printf("mla_decode v%d batch %4d ctx %5d heads %3d page %2d: split %5d keys (%4zu blocks x %d groups)  kernel %7.3f ms"
               "  %5.2f TB/s  %6.1f TFLOP/s | +combine %6.3f ms -> %5.2f TB/s\n",
-              variant, batch, ctx, nh, page_size, chunk, items.size(), nh % 64 == 0 ? nh / 64 : (nh + 15) / 16, t_kernel,
+              variant, batch, ctx, nh, page_size, chunk, items.size(), nh % 64 == 0 && !fp8 ? nh / 64 : (nh + 15) / 16, t_kernel,
               bytes / t_kernel / 1e9, flops / t_kernel / 1e9, t_comb, bytes / (t_kernel + t_comb) / 1e9);
   CK(cudaFree(fp8 ? static_cast<void*>(cache_f8) : static_cast<void*>(cache)));
   CK(cudaFree(q_lat));
@@ -279,9 +279,12 @@ int main(int argc, char** argv) {
     bench_mla(128, 4096, 16, 16, v);
     return 0;
   }
-  if (what == "mla128") {
+  if (what == "mla128") {  // 128 heads (V2 / V3 unsplit: one rank's heads under DP attention); 9: an FP8 cache
     bench_mla(128, 4096, 128, 64, 0);
     bench_mla(128, 4096, 128, 64, 1);
+    bench_mla(128, 4096, 128, 64, kMlaDecodeFp8Variant);
+    bench_mla(32, 4096, 128, 64, 1);
+    bench_mla(32, 4096, 128, 64, kMlaDecodeFp8Variant);
     return 0;
   }
   if (what == "all" || what == "mla") {
