@@ -16,16 +16,6 @@ echo "== model rc=$? $(grep -cE '^\[       OK' /tmp/model.log) ok; $(grep -E 'FA
 grep -E "fp8 cache" /tmp/model.log | head -10
 for v in 7 9; do timeout -s KILL 60 $PKG/bin/cuda_kernel_bench mla $v 2>&1 | head -3; done
 [ "${2:-}" = quick ] && exit 0
-cat > /tmp/ids.py <<'PY'
-import json, random, sys, urllib.request
-port = int(sys.argv[1]); rng = random.Random(5); out = []
-for n in (1, 7, 40, 130, 700):
-    ids = [rng.randrange(3, 600) for _ in range(n)]
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    out.append(json.loads(urllib.request.urlopen(req, timeout=60).read())["output_ids"])
-print(json.dumps(out))
-PY
 for mode in graphs eager; do
   PORT=30$((RANDOM % 400 + 100))
   extra=""; [ $mode = eager ] && extra="--disable-cuda-graph --disable-overlap-schedule"
@@ -33,7 +23,7 @@ for mode in graphs eager; do
     --port $PORT --kv-cache-dtype fp8_e4m3 $extra > /tmp/serve-$mode.log 2>&1 &
   SPID=$!
   serve_up $PORT $SPID /tmp/serve-$mode.log
-  timeout 120 python3 /tmp/ids.py $PORT > /tmp/ids-$mode.json 2>&1
+  timeout 120 python3 tools/device/served_ids.py $PORT 32 1 7 40 130 700 > /tmp/ids-$mode.json 2>&1
   echo "== served fp8 cache, $mode: $(grep -o 'KV cache per rank: [0-9]* tokens' /tmp/serve-$mode.log | head -1) $(head -c 100 /tmp/ids-$mode.json)"
   kill -TERM $SPID; sleep 2; kill -9 $SPID 2>/dev/null
 done

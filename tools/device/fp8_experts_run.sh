@@ -13,23 +13,13 @@ echo "== ops rc=$? $(grep -cE '^\[       OK' /tmp/ops.log) ok; $(grep -E 'FAILED
 timeout -s KILL 200 $PKG/bin/cuda_model_test --gtest_filter='*Fp8*:*GoldenV2:*GoldenV3' > /tmp/model.log 2>&1
 echo "== model rc=$? $(grep -cE '^\[       OK' /tmp/model.log) ok; $(grep -E 'FAILED  \]' /tmp/model.log | tr '\n' ' ')"
 grep -E "v3-fp8|weights:" /tmp/model.log | head -12
-cat > /tmp/ids.py <<'PY'
-import json, random, sys, urllib.request
-port = int(sys.argv[1]); rng = random.Random(5); out = []
-for n in (1, 7, 40, 130):
-    ids = [rng.randrange(3, 600) for _ in range(n)]
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    out.append(json.loads(urllib.request.urlopen(req, timeout=60).read())["output_ids"])
-print(json.dumps(out))
-PY
 for mode in kept dequantized; do
   PORT=30$((RANDOM % 400 + 100))
   f8=on; [ $mode = dequantized ] && f8=off
   $PKG/bin/mlaserve serve --model-path tests/golden/data/v3-fp8 --skip-tokenizer-init --port $PORT --cuda-graph-max-bs 8 --fp8-experts $f8 > /tmp/serve-$mode.log 2>&1 &
   SPID=$!
   serve_up $PORT $SPID /tmp/serve-$mode.log
-  timeout 120 python3 /tmp/ids.py $PORT > /tmp/ids-$mode.json 2>&1
+  timeout 120 python3 tools/device/served_ids.py $PORT 24 1 7 40 130 > /tmp/ids-$mode.json 2>&1
   echo "== served $mode: $(grep -o 'loaded checkpoint weights: [0-9.]* GiB' /tmp/serve-$mode.log) $(head -c 120 /tmp/ids-$mode.json)"
   kill -TERM $SPID; sleep 2; kill -9 $SPID 2>/dev/null
 done
