@@ -1057,6 +1057,16 @@ TEST(ServerE2EVariants, DataParallelReportsOneStateObjectPerRank) {
 
 // vLLM's names for the same settings, and SGLang's / vLLM's flags that only choose their own kernels or logging
 // (accepted, logged as having no effect): their launch commands run as they are.
+// `serve` with each of flag_sets (on the tiny model) exits non-zero, its output naming `needle`.
+void expect_serve_refuses(std::initializer_list<std::string> flag_sets, const std::string& needle) {
+  for (const std::string& flags : flag_sets) {
+    auto r = run_command(mlaserve_cmd(60) + " serve --model-path " + e2e_model_dir() +
+                         " --load-format dummy --port 0 " + flags);
+    EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(needle), std::string::npos) << flags << "\n" << r.output;
+  }
+}
+
 TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   ServerProcess s({"--max-model-len", "2048", "--enforce-eager", "--max-num-seqs", "8", "--gpu-memory-utilization",
@@ -1127,20 +1137,16 @@ TEST(ServeFlags, NgramSpeculativeDecodingKeepsTheAnswers) {
     EXPECT_NE(metrics.find("mlaserve:spec_decode_num_accepted_tokens_total "), std::string::npos);
     EXPECT_EQ(spec.stop(), 0);
   }
-  for (const std::string flags : {"--speculative-algorithm EAGLE", "--speculative-num-draft-tokens 3",
-                                  "--speculative-algorithm NGRAM --speculative-num-draft-tokens -1",
-                                  "--speculative-algorithm NGRAM --speculative-num-draft-tokens 65",
-                                  "--speculative-config '{\"method\": \"ngram\", \"bogus\": 1}'",
-                                  "--speculative-config '{\"method\": \"eagle\", \"num_speculative_tokens\": 2}'",
-                                  "--speculative-config '{\"method\": \"ngram\", \"disable_by_batch_size\": -1}'",
-                                  "--speculative-disable-by-batch-size 4",
-                                  "--speculative-algorithm NGRAM --speculative-ngram-min-match-window-size 4 "
-                                  "--speculative-ngram-max-match-window-size 2"}) {
-    auto r = run_command(mlaserve_cmd(60) + " serve --model-path " +
-                         e2e_model_dir() + " --load-format dummy --port 0 " + flags);
-    EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;
-    EXPECT_NE(r.output.find("specul"), std::string::npos) << flags << "\n" << r.output;
-  }
+  expect_serve_refuses({"--speculative-algorithm EAGLE", "--speculative-num-draft-tokens 3",
+                        "--speculative-algorithm NGRAM --speculative-num-draft-tokens -1",
+                        "--speculative-algorithm NGRAM --speculative-num-draft-tokens 65",
+                        "--speculative-config '{\"method\": \"ngram\", \"bogus\": 1}'",
+                        "--speculative-config '{\"method\": \"eagle\", \"num_speculative_tokens\": 2}'",
+                        "--speculative-config '{\"method\": \"ngram\", \"disable_by_batch_size\": -1}'",
+                        "--speculative-disable-by-batch-size 4",
+                        "--speculative-algorithm NGRAM --speculative-ngram-min-match-window-size 4 "
+                        "--speculative-ngram-max-match-window-size 2"},
+                       "specul");
 }
 
 // --kv-cache-dtype fp8_e4m3 (SGLang's and vLLM's value; "fp8" too, here under DP attention): served, the same greedy
@@ -1167,12 +1173,7 @@ TEST(ServeFlags, Fp8KvCacheServes) {
     EXPECT_GT(again["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>(), 100) << again.dump();
     EXPECT_EQ(s.stop(), 0);
   }
-  for (const std::string flags : {"--kv-cache-dtype fp8_e5m2", "--kv-cache-dtype int8"}) {
-    auto r = run_command(mlaserve_cmd(60) + " serve --model-path " + e2e_model_dir() +
-                         " --load-format dummy --port 0 " + flags);
-    EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;
-    EXPECT_NE(r.output.find("--kv-cache-dtype"), std::string::npos) << flags << "\n" << r.output;
-  }
+  expect_serve_refuses({"--kv-cache-dtype fp8_e5m2", "--kv-cache-dtype int8"}, "--kv-cache-dtype");
 }
 
 TEST(ServeFlags, PrioritySchedulingOrdersTheQueue) {
@@ -1208,13 +1209,9 @@ TEST(ServeFlags, PrioritySchedulingOrdersTheQueue) {
                 ["completion_tokens"],
             1);
   EXPECT_EQ(v.stop(), 0);
-  for (const std::string flags : {"--scheduling-policy lottery", "--schedule-low-priority-values-first",
-                                  "--enable-priority-scheduling --scheduling-policy priority"}) {
-    auto r = run_command(mlaserve_cmd(60) + " serve --model-path " +
-                         e2e_model_dir() + " --load-format dummy --port 0 " + flags);
-    EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;
-    EXPECT_NE(r.output.find("priority"), std::string::npos) << flags << "\n" << r.output;
-  }
+  expect_serve_refuses({"--scheduling-policy lottery", "--schedule-low-priority-values-first",
+                        "--enable-priority-scheduling --scheduling-policy priority"},
+                       "priority");
 }
 
 TEST(ServeFlags, RecognisedButNotImplementedExitNonZero) {
