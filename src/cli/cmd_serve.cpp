@@ -355,9 +355,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--dtype", a->dtype, "auto|bfloat16")->capture_default_str();
   app.add_option("--quantization", a->quantization,
                  "fp8: quantize a bf16 checkpoint's routed experts to FP8 at load (else only the checkpoint's own)");
-  app.add_option("--kv-cache-dtype", a->kv_cache_dtype,
-                 "latent KV cache: auto (the activation type) | bf16 | fp8_e4m3 (fp8: half the bytes per token)")
-      ->capture_default_str();
+  app.add_option("--kv-cache-dtype", a->kv_cache_dtype, kKvCacheDtypeHelp)->capture_default_str();
   app.add_option("--mem-fraction-static,--gpu-memory-utilization", a->mem_fraction_static,
                  "fraction of device memory for weights + KV cache");
   app.add_option("--max-running-requests,--max-num-seqs", a->max_running_requests,

@@ -38,9 +38,7 @@ void ModelArgs::add_to(CLI::App& app) {
                  "cuda: largest decode batch (per DP group) recorded as a CUDA graph")
       ->capture_default_str();
   app.add_flag("--disable-cuda-graph", disable_cuda_graph, "cuda: run every step eagerly");
-  app.add_option("--kv-cache-dtype", kv_cache_dtype,
-                 "latent KV cache: auto (the activation type) | bf16 | fp8_e4m3 (fp8: half the bytes per token)")
-      ->capture_default_str();
+  app.add_option("--kv-cache-dtype", kv_cache_dtype, kKvCacheDtypeHelp)->capture_default_str();
 }
 
 ParallelConfig ModelArgs::parallel_config() const {

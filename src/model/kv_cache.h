@@ -38,5 +38,8 @@ class KvCache {
 // --kv-cache-dtype (SGLang's and vLLM's values): true for an FP8 E4M3 cache ("fp8", "fp8_e4m3"), false for the
 // activation type ("auto", "bf16", "bfloat16"); anything else fails with a message naming the flag.
 bool parse_kv_cache_dtype(const std::string& s);
+// The flag's help text (every command that takes it).
+inline constexpr const char* kKvCacheDtypeHelp =
+    "latent KV cache: auto (the activation type) | bf16 | fp8_e4m3 (fp8: half the bytes per token)";
 
 }  // namespace mlaserve
