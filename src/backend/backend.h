@@ -139,7 +139,8 @@ class Backend {
   virtual void end_step() {}
 
   // ---- graphs (CUDA graphs for decode steps; backends without them keep these defaults) ----
-  // A graph step is a pure decode batch (one token per sequence). begin_graph_step lays its metadata out at offsets
+  // A graph step is a decode batch (is_graph_batch: one token per sequence, or decode tokens with their drafts, all
+  // in the absorbed form, every token a logit row). begin_graph_step lays its metadata out at offsets
   // that depend only on the token count (so a graph recorded for that count reads each later step's metadata) and
   // splits attention work into a fixed number of parts per token. It needs an earlier begin_step + mla_attention of
   // the same model (the attention shapes are learnt there).

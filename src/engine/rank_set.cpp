@@ -447,7 +447,7 @@ int32_t RankSet::graph_size_for(const std::vector<const ForwardBatch*>& batches,
   int32_t most = 0;
   for (const ForwardBatch* b : batches) {
     if (!b || b->num_tokens() == 0) continue;  // an idle group replays with padding only
-    if (!is_single_token_batch(*b)) return 0;  // prefill anywhere: every group runs eagerly
+    if (!is_graph_batch(*b)) return 0;  // prefill anywhere: every group runs eagerly
     most = std::max(most, b->num_tokens());
   }
   // The largest group decides (never the sum): every group pads to that size.

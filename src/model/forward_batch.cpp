@@ -129,38 +129,51 @@ ForwardBatch ForwardBatchBuilder::finish() {
   return out;
 }
 
-bool is_single_token_batch(const ForwardBatch& b) {
+bool all_absorbed_under_auto(const ForwardBatch& b) {
+  for (int32_t s = 0; s < b.num_seqs(); ++s)
+    if (!b.absorbed_under_auto(s)) return false;
+  return true;
+}
+
+bool is_graph_batch(const ForwardBatch& b) {
   const int32_t n = b.num_tokens();
-  if (n == 0 || b.num_seqs() != n || static_cast<int32_t>(b.logit_rows.size()) != n) return false;
+  if (n == 0 || static_cast<int32_t>(b.logit_rows.size()) != n || !all_absorbed_under_auto(b)) return false;
   for (int32_t i = 0; i < n; ++i)
     if (b.logit_rows[static_cast<size_t>(i)] != i) return false;
   return true;
 }
 
 ForwardBatch pad_decode_batch(const ForwardBatch& b, int32_t tokens, int32_t dummy_page, int32_t page_size) {
-  const int32_t n = b.num_tokens();
-  MLA_CHECK(n == 0 || is_single_token_batch(b), "pad_decode_batch: not a decode batch ({} tokens, {} sequences)", n,
+  const int32_t n = b.num_tokens(), ns = n == 0 ? 0 : b.num_seqs();
+  MLA_CHECK(n == 0 || is_graph_batch(b), "pad_decode_batch: not a decode batch ({} tokens, {} sequences)", n,
             b.num_seqs());
   MLA_CHECK(tokens >= n && dummy_page >= 0 && page_size > 0, "pad_decode_batch: {} tokens into {}", n, tokens);
   ForwardBatch p = b;
   p.mode = ForwardMode::Decode;
   p.page_size = page_size;
   p.max_pages = std::max(b.max_pages, 1);
-  if (n == 0) p.seq_q_start = {0};
-  p.page_table.assign(static_cast<size_t>(tokens) * p.max_pages, -1);
-  for (int32_t s = 0; s < n; ++s)
+  if (n == 0) {
+    p.seq_q_start = {0};
+    p.seq_absorbed.clear();
+  }
+  // The real sequences keep their rows (a decode token and its drafts: several tokens); one sequence of one token
+  // per padding token follows them.
+  const int32_t seqs = ns + (tokens - n);
+  p.page_table.assign(static_cast<size_t>(seqs) * p.max_pages, -1);
+  for (int32_t s = 0; s < ns; ++s)
     std::copy_n(b.page_table.begin() + static_cast<int64_t>(s) * b.max_pages, b.max_pages,
                 p.page_table.begin() + static_cast<int64_t>(s) * p.max_pages);
-  for (int32_t s = n; s < tokens; ++s) {
+  if (!p.seq_absorbed.empty()) p.seq_absorbed.resize(static_cast<size_t>(seqs), 0);
+  for (int32_t s = ns, t = n; t < tokens; ++s, ++t) {
     p.page_table[static_cast<size_t>(s) * p.max_pages] = dummy_page;
     p.input_ids.push_back(0);
     p.positions.push_back(0);
     p.token_seq.push_back(s);
     p.out_slots.push_back(dummy_page * page_size);
-    p.seq_q_start.push_back(s + 1);
+    p.seq_q_start.push_back(t + 1);
     p.seq_prefix_lens.push_back(0);
     p.seq_lens.push_back(1);
-    p.logit_rows.push_back(s);
+    p.logit_rows.push_back(t);
   }
   return p;
 }

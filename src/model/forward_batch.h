@@ -50,11 +50,14 @@ struct ForwardBatch {
   }
 };
 
-// True when every sequence brings one new token and asks for its logits (a decode step; CUDA graphs replay these).
-bool is_single_token_batch(const ForwardBatch& b);
-// Pads a single-token batch (or an empty one: an idle DP group) to `tokens` sequences of one token. The added
-// sequences are token 0 at position 0 reading and writing only page `dummy_page` (a page no request owns); their
-// logit rows follow the real ones, so rows [0, real) of the logits are the real ones.
+// True when every sequence's new tokens attend in the absorbed form under MlaForm::Auto (one new token, or a decode
+// token and its drafts) and every token is a logit row, in order: the steps CUDA graphs replay.
+bool is_graph_batch(const ForwardBatch& b);
+// Whether every sequence of `b` attends in the absorbed form under MlaForm::Auto.
+bool all_absorbed_under_auto(const ForwardBatch& b);
+// Pads a graph batch (or an empty one: an idle DP group) to `tokens` tokens with sequences of one token each. The
+// added sequences are token 0 at position 0 reading and writing only page `dummy_page` (a page no request owns);
+// their logit rows follow the real ones, so rows [0, real) of the logits are the real ones.
 ForwardBatch pad_decode_batch(const ForwardBatch& b, int32_t tokens, int32_t dummy_page, int32_t page_size);
 
 // One decode token at position context - 1 whose every page is `dummy_page` (the page no request owns): a step of

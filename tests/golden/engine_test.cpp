@@ -615,6 +615,55 @@ TEST_P(EngineTest, NgramSpeculativeDecodingKeepsTheOutputs) {
   expect_no_leak(*spec);
 }
 
+// Steps checking drafts replay the decode graphs (a decode token and its drafts are several tokens of one sequence,
+// padded with one-token sequences to the graph's size): tokens and logprobs equal those of eager steps, and every step
+// after the prompts' replays a graph; on one rank and under DP attention 2/2 (each group padded to the larger one).
+TEST_P(EngineTest, DraftCheckingStepsReplayGraphs) {
+  SamplingParams few;  // three allowed tokens: the greedy output loops, so most steps check kept drafts
+  few.allowed_token_ids = {prompts_[3][0], prompts_[3][1], prompts_[3][2]};
+  few.return_logprob = true;
+  for (const auto& [tp, dp] : {std::pair{1, 1}, std::pair{2, 2}}) {
+    std::vector<std::vector<Result>> runs;
+    int64_t graph_steps = 0, steps = 0, drafts = 0, kept = 0;
+    for (int32_t graph_max_bs : {0, 8}) {
+      auto ranks = test::cpu_ranks("v2", tp, dp, graph_max_bs);
+      const RankSet* rs = ranks.get();
+      EngineOptions o = test::small_engine_options(GetParam(), 1024);
+      o.spec_draft_tokens = 4;
+      Engine e(std::move(ranks), o);
+      std::vector<std::future<Result>> fs;
+      for (int r = 0; r < dp; ++r) {
+        std::vector<int32_t> p = prompts_[static_cast<size_t>(3 - r)];  // the prompt twice: drafts from the start
+        p.insert(p.end(), p.begin(), p.end());
+        fs.push_back(submit(e, "r" + std::to_string(r), p, 40, few));
+      }
+      runs.emplace_back();
+      for (auto& f : fs) runs.back().push_back(wait(f));
+      if (graph_max_bs > 0) {
+        graph_steps = rs->graph_steps();
+        for (const RankStats& st : e.stats()) {
+          steps = std::max(steps, st.forward_steps);
+          drafts += st.spec_draft_tokens;
+          kept += st.spec_accepted_tokens;
+        }
+      }
+      expect_no_leak(e);
+    }
+    for (size_t r = 0; r < runs[0].size(); ++r) {
+      const Result &eager = runs[0][r], &graph = runs[1][r];
+      ASSERT_EQ(graph.tokens, eager.tokens) << "tp " << tp << " dp " << dp << " request " << r;
+      ASSERT_EQ(graph.logprobs.size(), eager.logprobs.size());
+      for (size_t i = 0; i < eager.logprobs.size(); ++i) {
+        EXPECT_NEAR(graph.logprobs[i].logprob, eager.logprobs[i].logprob, 1e-5) << "request " << r << " token " << i;
+      }
+    }
+    EXPECT_GE(kept, 10 * dp) << "tp " << tp << " dp " << dp;
+    // The prompts' steps run eagerly (one each, or one for both groups), every other step replays a graph.
+    EXPECT_GE(graph_steps, steps - dp) << "tp " << tp << " dp " << dp;
+    EXPECT_LT(steps, 40) << "drafts kept: fewer steps than tokens";
+  }
+}
+
 // Compares overlap on and off itself (not a parameter), so no EngineTest::make here.
 // Only the rows that ask for top-N logprobs bring their logits to the host, packed in row order: each request's
 // lists equal those it gets alone, with other requests (asking or not) before, between and after it in the batch.

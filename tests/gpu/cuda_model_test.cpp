@@ -344,7 +344,9 @@ TEST(CudaModel, ChunkedPrefillAndIdleStep) {
 // table at the end of the metadata) give the logits of the eager forward, step after step, while contexts grow
 // across page boundaries (max_pages changes). Golden v2 (simple attention kernels) and a real-dims dummy model
 // (kv_lora 512 / rope 64: the tensor-core decode kernel, split into parts). fp8: an FP8 cache (its decode kernel).
-void graph_case(const std::string& dir, bool dummy, bool fp8 = false) {
+// drafts: per sequence, how many draft tokens follow its decode token (a step checking n-gram drafts: several tokens
+// of one sequence in the absorbed form, every token a logit row).
+void graph_case(const std::string& dir, bool dummy, bool fp8 = false, const std::vector<int32_t>& drafts = {}) {
   GpuModel gm(dir, dummy);
   DeepseekModel& m = *gm.model;
   const int32_t ps = 16, pages = 40, dummy_page = pages, graph_rows = 8;
@@ -364,21 +366,26 @@ void graph_case(const std::string& dir, bool dummy, bool fp8 = false) {
   for (int step = 0; step < 4; ++step) {
     ForwardBatchBuilder bb(ps);
     for (size_t j = 0; j < lens.size(); ++j) {
-      const int32_t tok = (step * 13 + static_cast<int32_t>(j) * 5) % 400 + 2;
-      bb.add(std::vector<int32_t>{tok}, lens[j] + step, page_of[j], false);
+      const int32_t k = drafts.empty() ? 0 : drafts[j];
+      std::vector<int32_t> toks;
+      for (int32_t i = 0; i <= k; ++i) toks.push_back((step * 13 + static_cast<int32_t>(j) * 5 + i * 17) % 400 + 2);
+      bb.add(toks, lens[j] + step, page_of[j], k > 0);
+      if (k > 0) bb.absorb_last();
     }
     const ForwardBatch b = bb.finish();
+    const int64_t rows = b.num_tokens();
+    ASSERT_TRUE(is_graph_batch(b));
     const Tensor eager = gm.backend->to_host_f32(m.forward(b, cache));
     const Tensor graph =
-        gm.backend->to_host_f32(m.forward_graph(pad_decode_batch(b, graph_rows, dummy_page, ps), cache).rows(0, 3));
+        gm.backend->to_host_f32(m.forward_graph(pad_decode_batch(b, graph_rows, dummy_page, ps), cache).rows(0, rows));
     ASSERT_EQ(eager.numel(), graph.numel());
     const double sd = stddev(eager);
     const Diff d = diff(eager, graph);
-    std::printf("  %s%s decode step %d: graph vs eager max|dlogit|/std %.2e\n", dir.c_str(), fp8 ? " (fp8 cache)" : "",
-                step, d.max_abs / sd);
+    std::printf("  %s%s%s step %d: graph vs eager max|dlogit|/std %.2e\n", dir.c_str(), fp8 ? " (fp8 cache)" : "",
+                drafts.empty() ? " decode" : " drafts", step, d.max_abs / sd);
     EXPECT_LE(d.max_abs / sd, 0.03) << dir << " step " << step;
     const int64_t V = eager.size(-1);
-    for (int64_t r = 0; r < 3; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
       const float* e = eager.data_as<const float>() + r * V;
       const float* g = graph.data_as<const float>() + r * V;
       const int64_t ae = std::max_element(e, e + V) - e, ag = std::max_element(g, g + V) - g;
@@ -408,6 +415,13 @@ TEST(CudaModel, GraphReplayMatchesEager) {
   REQUIRE_GPU();
   graph_case(golden_dir() + "/v2", false);
   graph_case(real_dims_dir(), true);
+}
+
+// Steps checking drafts (2, 0 and 1 drafts after the decode tokens: 6 tokens padded to 8) replay the decode graph.
+TEST(CudaModel, GraphReplayMatchesEagerWithDrafts) {
+  REQUIRE_GPU();
+  graph_case(golden_dir() + "/v2", false, false, {2, 0, 1});
+  graph_case(real_dims_dir(), true, false, {2, 0, 1});
 }
 
 TEST(CudaModel, GraphReplayMatchesEagerFp8Cache) {

@@ -16,14 +16,27 @@ ForwardBatch decode_batch() {
   return bb.finish();
 }
 
-TEST(ForwardBatch, SingleTokenBatches) {
-  EXPECT_TRUE(is_single_token_batch(decode_batch()));
+TEST(ForwardBatch, GraphBatches) {
+  EXPECT_TRUE(is_graph_batch(decode_batch()));
   ForwardBatchBuilder bb(4);
   bb.add(std::vector<int32_t>{1, 2}, 0, std::vector<int32_t>{0}, false);
-  EXPECT_FALSE(is_single_token_batch(bb.finish()));  // a two-token prefill
+  EXPECT_FALSE(is_graph_batch(bb.finish()));  // a two-token prefill
   bb.add(std::vector<int32_t>{1}, 0, std::vector<int32_t>{0}, ForwardBatchBuilder::Logits::None);
-  EXPECT_FALSE(is_single_token_batch(bb.finish()));  // no logits asked
-  EXPECT_FALSE(is_single_token_batch(bb.finish()));  // empty
+  EXPECT_FALSE(is_graph_batch(bb.finish()));  // no logits asked
+  EXPECT_FALSE(is_graph_batch(bb.finish()));  // empty
+  // A decode token with its drafts (absorbed, every token's logits) next to a decode token: a graph batch.
+  bb.add(std::vector<int32_t>{5, 6, 7}, 9, std::vector<int32_t>{1, 2, 4}, true);
+  bb.absorb_last();
+  bb.add(std::vector<int32_t>{8}, 4, std::vector<int32_t>{3, 5}, false);
+  EXPECT_TRUE(is_graph_batch(bb.finish()));
+  bb.add(std::vector<int32_t>{5, 6, 7}, 9, std::vector<int32_t>{1, 2, 4}, true);
+  EXPECT_FALSE(is_graph_batch(bb.finish()));  // the same tokens as a prefill chunk (expanded form)
+  bb.add(std::vector<int32_t>{5, 6, 7}, 9, std::vector<int32_t>{1, 2, 4}, false);
+  bb.absorb_last();
+  EXPECT_FALSE(is_graph_batch(bb.finish()));  // only the last token's logits
+  bb.add(std::vector<int32_t>{8}, 4, std::vector<int32_t>{3, 5}, false);
+  bb.add(std::vector<int32_t>{1, 2}, 0, std::vector<int32_t>{0}, false);
+  EXPECT_FALSE(is_graph_batch(bb.finish()));  // a prompt next to a decode token
 }
 
 // A decode token with its drafts is marked to attend in the absorbed form; the mark travels with the batch to other
@@ -77,7 +90,32 @@ TEST(ForwardBatch, PadDecodeBatchKeepsRealRowsFirst) {
     EXPECT_EQ(p.seq_q_start[t + 1], t + 1);
   }
   for (int32_t t = 0; t < 8; ++t) EXPECT_EQ(p.logit_rows[t], t);
-  EXPECT_TRUE(is_single_token_batch(p));
+  EXPECT_TRUE(is_graph_batch(p));
+}
+
+// A decode token with two drafts, then a decode token, padded to 7 tokens: the real sequences keep their tokens,
+// pages and absorbed marks; three one-token sequences on the dummy page follow.
+TEST(ForwardBatch, PadKeepsDraftSequences) {
+  ForwardBatchBuilder bb(4);
+  bb.add(std::vector<int32_t>{5, 6, 7}, 9, std::vector<int32_t>{1, 2, 4}, true);
+  bb.absorb_last();
+  bb.add(std::vector<int32_t>{8}, 4, std::vector<int32_t>{3, 5}, false);
+  const ForwardBatch b = bb.finish();
+  const ForwardBatch p = pad_decode_batch(b, 7, 20, 4);
+  ASSERT_EQ(p.num_tokens(), 7);
+  ASSERT_EQ(p.num_seqs(), 5);
+  EXPECT_EQ(p.seq_q_start, (std::vector<int32_t>{0, 3, 4, 5, 6, 7}));
+  EXPECT_EQ(p.token_seq, (std::vector<int32_t>{0, 0, 0, 1, 2, 3, 4}));
+  EXPECT_EQ(p.positions, (std::vector<int32_t>{9, 10, 11, 4, 0, 0, 0}));
+  EXPECT_EQ(p.seq_prefix_lens, (std::vector<int32_t>{9, 4, 0, 0, 0}));
+  EXPECT_EQ(p.seq_lens, (std::vector<int32_t>{12, 5, 1, 1, 1}));
+  EXPECT_EQ(p.seq_absorbed, (std::vector<int32_t>{1, 0, 0, 0, 0}));
+  EXPECT_EQ(p.logit_rows, (std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6}));
+  ASSERT_EQ(p.max_pages, 3);
+  EXPECT_EQ(p.page_table, (std::vector<int32_t>{1, 2, 4, 3, 5, -1, 20, -1, -1, 20, -1, -1, 20, -1, -1}));
+  for (int32_t t = 4; t < 7; ++t) EXPECT_EQ(p.out_slots[t], 80);
+  for (int32_t t = 0; t < 4; ++t) EXPECT_EQ(p.out_slots[t], b.out_slots[t]);
+  EXPECT_TRUE(is_graph_batch(p));
 }
 
 TEST(ForwardBatch, PadIdleGroup) {

@@ -343,9 +343,9 @@ class CudaBackend final : public Backend {
   static bool one_token_context(const ForwardBatch& batch) { return batch.positions[0] + 1 <= cuda::kOneTokenMaxCtx; }
 
   void begin_graph_step(const ForwardBatch& batch) override {
-    MLA_CHECK(batch.num_tokens() == batch.num_seqs() && batch.num_tokens() > 0,
-              "a graph step is a decode batch of one token per sequence ({} tokens, {} sequences)", batch.num_tokens(),
-              batch.num_seqs());
+    MLA_CHECK(is_graph_batch(batch),
+              "a graph step is a decode batch: every sequence in the absorbed form, every token a logit row ({} tokens, "
+              "{} sequences)", batch.num_tokens(), batch.num_seqs());
     MLA_CHECK(!plan_keys_.empty(), "a graph step needs an eager step of the model first (attention shapes unknown)");
     start_step(batch, true);
   }
@@ -1043,10 +1043,12 @@ const CudaBackend::MlaPlan& CudaBackend::plan_for(MlaForm form, int32_t nh, int3
   MLA_CHECK(!graph_step_, "graph step: no attention plan for {} heads (form {}) was made up front", nh,
             static_cast<int>(form));
   if (std::find(plan_keys_.begin(), plan_keys_.end(), key) == plan_keys_.end()) plan_keys_.push_back(key);
-  // Steps of one new token per sequence plan like graph steps (fixed parts per token, chosen from the token count
-  // rounded up to a power of two, which a graph's padded size shares): a replayed decode step computes exactly
-  // what the eager one does.
-  const bool single = form != MlaForm::Expanded && step_.num_tokens() > 0 && step_.num_tokens() == step_.num_seqs();
+  // Steps of one new token per sequence, or of decode tokens with their drafts, plan like graph steps (fixed parts per
+  // token, chosen from the token count rounded up to a power of two, which a graph's padded size shares): a replayed
+  // step computes exactly what the eager one does.
+  const bool drafts = form == MlaForm::Auto && all_absorbed_under_auto(step_);
+  const bool single =
+      form != MlaForm::Expanded && step_.num_tokens() > 0 && (step_.num_tokens() == step_.num_seqs() || drafts);
   MetaUpload up(*this);
   MlaPlan plan = build_plan(key, up, single);
   up.flush();
