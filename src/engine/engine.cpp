@@ -38,10 +38,6 @@ Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
   MLA_CHECK(opts_.spec_draft_tokens >= 0 && opts_.spec_ngram_min >= 1 && opts_.spec_ngram_max >= opts_.spec_ngram_min,
             "speculative decoding: draft tokens {} must be >= 0 and the n-gram sizes 1 <= {} <= {}",
             opts_.spec_draft_tokens, opts_.spec_ngram_min, opts_.spec_ngram_max);
-  if (opts_.spec_draft_tokens > 0 && opts_.overlap) {
-    MLA_LOG_INFO("speculative decoding: overlap scheduling is off (a step's inputs depend on the drafts kept)");
-    opts_.overlap = false;
-  }
   sc.enable_radix_cache = opts_.enable_radix_cache;
   sc.eos_token_ids = opts_.eos_token_ids;
   for (int32_t g = 0; g < ranks_->dp_groups(); ++g) scheds_.push_back(std::make_unique<Scheduler>(sc));

@@ -36,8 +36,8 @@ struct EngineOptions {
   // Requests wait in order of GenerateRequest::priority (lower first), then arrival; decode retracts the lowest
   // priority first. Off: a request with a non-zero priority is refused.
   bool priority_scheduling = false;
-  // Speculative decoding with n-gram drafts (SchedulerConfig::spec_draft_tokens; 0: off). Turns overlap scheduling
-  // off: a step's inputs depend on how many drafts the step before it kept.
+  // Speculative decoding with n-gram drafts (SchedulerConfig::spec_draft_tokens; 0: off). With overlap scheduling a
+  // request's step after one checking its drafts waits for it (its inputs depend on how many drafts were kept).
   int32_t spec_draft_tokens = 0;
   int32_t spec_ngram_min = 1;
   int32_t spec_ngram_max = 3;

@@ -36,8 +36,12 @@ std::vector<int32_t> ngram_draft(std::span<const int32_t> seq, int32_t min_n, in
     }
   }
   if (best < static_cast<size_t>(min_n)) return {};
-  const size_t to = std::min(len, best_end + static_cast<size_t>(k));
-  return std::vector<int32_t>(seq.begin() + static_cast<int64_t>(best_end), seq.begin() + static_cast<int64_t>(to));
+  // Past the sequence's end the continuation repeats with the match's period (len - best_end): a loop of p tokens
+  // drafts k tokens of the loop, not only what followed the earlier occurrence before the end.
+  std::vector<int32_t> out;
+  out.reserve(static_cast<size_t>(k));
+  for (size_t i = best_end; out.size() < static_cast<size_t>(k); ++i) out.push_back(i < len ? seq[i] : out[i - len]);
+  return out;
 }
 
 Scheduler::Scheduler(SchedulerConfig cfg)
@@ -150,7 +154,7 @@ void Scheduler::emit(Req& r) {
 
 bool Scheduler::may_draft(const Req& r) const {
   const SamplingParams& sp = r.sampling;
-  return cfg_.spec_draft_tokens > 0 && r.in_flight == 0 && !penalised(sp) && !sp.constraint &&
+  return cfg_.spec_draft_tokens > 0 && r.in_flight <= 1 && !penalised(sp) && !sp.constraint &&
          sp.bad_words_ids.empty() && sp.thinking_budget < 0;
 }
 
@@ -332,12 +336,25 @@ StepPlan Scheduler::schedule(bool allow_retract) {
       --r->draft_skip;
       continue;
     }
-    const int64_t room = std::min<int64_t>(r->sampling.max_new_tokens - static_cast<int64_t>(r->output.size()),
-                                           cfg_.context_len - static_cast<int64_t>(r->fill.size())) - 1;
+    const int64_t room =
+        std::min<int64_t>(r->sampling.max_new_tokens - static_cast<int64_t>(r->output.size()) - r->in_flight,
+                          cfg_.context_len - static_cast<int64_t>(r->fill.size())) - 1;
     const int32_t k = static_cast<int32_t>(std::min<int64_t>(cfg_.spec_draft_tokens, room));
     if (k <= 0) continue;
-    auto d = ngram_draft(r->fill, cfg_.spec_ngram_min, cfg_.spec_ngram_max, k);
-    if (!d.empty()) drafts.emplace(r, std::move(d));
+    if (r->in_flight == 0) {
+      auto d = ngram_draft(r->fill, cfg_.spec_ngram_min, cfg_.spec_ngram_max, k);
+      if (!d.empty()) drafts.emplace(r, std::move(d));
+      continue;
+    }
+    // Its decode token is in flight (overlap scheduling): the match ends at the token before it, its next token is a
+    // guess of the one in flight, and the drafts are the tokens after the guess. The step's input is the token in
+    // flight itself (read on the device), so its draws check the drafts as usual; a wrong guess only makes them
+    // unlikely to be kept.
+    auto d = ngram_draft(std::span<const int32_t>(r->fill).first(r->fill.size() - 1), cfg_.spec_ngram_min,
+                         cfg_.spec_ngram_max, k + 1);
+    if (d.size() < 2) continue;
+    d.erase(d.begin());
+    drafts.emplace(r, std::move(d));
   }
   auto draft_of = [&](const Req* r) -> int32_t {
     const auto it = drafts.find(r);
@@ -484,8 +501,7 @@ void Scheduler::build_batch(StepPlan& plan) {
     Req& r = *s.req;
     std::span<const int32_t> toks(r.fill.data() + r.kv_len, static_cast<size_t>(s.num_tokens) - s.drafts.size());
     if (!s.drafts.empty()) {  // the decode token, then the drafts
-      MLA_CHECK(toks.size() == 1 && toks[0] != kPendingToken, "scheduler: request {} drafts after {} tokens", r.rid,
-                toks.size());
+      MLA_CHECK(toks.size() == 1, "scheduler: request {} drafts after {} tokens", r.rid, toks.size());
       with_drafts.assign(toks.begin(), toks.end());
       with_drafts.insert(with_drafts.end(), s.drafts.begin(), s.drafts.end());
       toks = with_drafts;
@@ -562,7 +578,7 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     const size_t first = i;
     i += static_cast<size_t>(s.sampled_rows());
     if (r.state == ReqState::Finished) continue;  // aborted while the step ran, or stopped by an earlier token
-    r.drafting = false;
+    if (!s.drafts.empty()) r.drafting = false;  // (a step before it resolving leaves a check in flight)
     if (!r.prompt_lps_done) {
       r.prompt_lps_done = true;  // the prompt's last row: its logprobs go out with this output
       MLA_CHECK(r.prompt_lps.size() + 1 == r.prompt.size() - static_cast<size_t>(lp_first_row_of(r.sampling)),
@@ -582,6 +598,8 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     }
     // Drafts: the draws agree with the first `kept` of them; those and the draw after them are the new tokens. The
     // cache holds the decode token and the kept drafts; the rejected drafts' rows are overwritten later.
+    // (Drafts made while the decode token was in flight followed a guess of it, but the step's input was the token
+    // itself, read on the device: the draws check the drafts against it, right guess or not.)
     size_t kept = 0;
     while (kept < s.drafts.size() && sampled[first + kept].token == s.drafts[kept]) ++kept;
     if (!s.drafts.empty()) {

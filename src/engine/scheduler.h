@@ -42,17 +42,21 @@ struct SchedulerConfig {
   // Speculative decoding with n-gram drafts (prompt lookup; SGLang's NGRAM, vLLM's "ngram"): a decoding request
   // whose last tokens (spec_ngram_max down to spec_ngram_min of them) occurred earlier in its prompt or output
   // proposes up to spec_draft_tokens tokens that followed them; one step checks them all (1 + drafts rows) and keeps
-  // the drafts its own draws agree with, plus the first draw that disagrees. 0: off.
+  // the drafts its own draws agree with, plus the first draw that disagrees. Under overlap scheduling a request whose
+  // decode token is still in flight drafts too: the match ends at the token before it, the token after the match
+  // guesses the one in flight and the drafts follow the guess (the step's draws check them against the real token).
+  // 0: off.
   int32_t spec_draft_tokens = 0;
   int32_t spec_ngram_min = 1;
   int32_t spec_ngram_max = 3;
   // No drafts in a step with more decoding requests than this (vLLM's disable_by_batch_size; 0: no limit): a step
-  // that checks drafts runs without CUDA graphs for every request in it.
+  // that checks drafts is several tokens for every drafting request in it.
   int32_t spec_max_batch = 0;
 };
 
 // The tokens that followed the most recent earlier occurrence of `seq`'s last n tokens (n from max_n down to min_n:
-// the longest match first), at most k of them; empty when none occurred. Looks back at most kNgramWindow tokens.
+// the longest match first), k of them, repeating with the match's period where they reach the end of `seq`; empty
+// when none occurred. Looks back at most kNgramWindow tokens.
 inline constexpr size_t kNgramWindow = size_t{1} << 15;
 inline constexpr int32_t kMaxDraftBackoff = 16;
 std::vector<int32_t> ngram_draft(std::span<const int32_t> seq, int32_t min_n, int32_t max_n, int32_t k);

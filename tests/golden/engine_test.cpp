@@ -624,7 +624,7 @@ TEST_P(EngineTest, DraftCheckingStepsReplayGraphs) {
   few.return_logprob = true;
   for (const auto& [tp, dp] : {std::pair{1, 1}, std::pair{2, 2}}) {
     std::vector<std::vector<Result>> runs;
-    int64_t graph_steps = 0, steps = 0, drafts = 0, kept = 0;
+    int64_t graph_steps = 0, steps = 0, drafts = 0, kept = 0, overlapped = 0;
     for (int32_t graph_max_bs : {0, 8}) {
       auto ranks = test::cpu_ranks("v2", tp, dp, graph_max_bs);
       const RankSet* rs = ranks.get();
@@ -635,7 +635,7 @@ TEST_P(EngineTest, DraftCheckingStepsReplayGraphs) {
       for (int r = 0; r < dp; ++r) {
         std::vector<int32_t> p = prompts_[static_cast<size_t>(3 - r)];  // the prompt twice: drafts from the start
         p.insert(p.end(), p.begin(), p.end());
-        fs.push_back(submit(e, "r" + std::to_string(r), p, 40, few));
+        fs.push_back(submit(e, fmt::format("r{}", r), p, 40, few));
       }
       runs.emplace_back();
       for (auto& f : fs) runs.back().push_back(wait(f));
@@ -645,6 +645,7 @@ TEST_P(EngineTest, DraftCheckingStepsReplayGraphs) {
           steps = std::max(steps, st.forward_steps);
           drafts += st.spec_draft_tokens;
           kept += st.spec_accepted_tokens;
+          overlapped = std::max(overlapped, st.overlapped_steps);
         }
       }
       expect_no_leak(e);
@@ -661,6 +662,7 @@ TEST_P(EngineTest, DraftCheckingStepsReplayGraphs) {
     // The prompts' steps run eagerly (one each, or one for both groups), every other step replays a graph.
     EXPECT_GE(graph_steps, steps - dp) << "tp " << tp << " dp " << dp;
     EXPECT_LT(steps, 40) << "drafts kept: fewer steps than tokens";
+    EXPECT_EQ(overlapped > 0, GetParam()) << "drafts and overlap scheduling together";
   }
 }
 

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <map>
+#include <optional>
 #include <random>
 
 #include "core/error.h"
@@ -158,6 +159,94 @@ TEST_F(SchedulerTest, DraftsAreKeptOrRolledBackAndBackOff) {
       for (size_t i = 1; i < draft_steps.size(); ++i)
         EXPECT_GT(draft_steps[i] - draft_steps[i - 1], std::min(1 << (i - 1), kMaxDraftBackoff)) << i;
       EXPECT_LE(draft_steps.size(), 6u);
+    }
+    expect_all_pages_back();
+  }
+}
+
+// Overlap scheduling with drafts: each step is planned while the one before it runs (as Engine::overlap_step does),
+// so a request's decode token is usually in flight when its next step is planned. It drafts anyway: the match ends at
+// the token before the one in flight, its next token guesses that one, and the drafts follow the guess; the step's
+// input is the real token (read on the device), so its draws check the drafts as usual. When the model continues the
+// prompt's cycle the guesses are right and most drafts are kept; when it says a token never seen after every 5, the
+// guesses after a 5 are wrong. Either way the output is the model's, and a step after one checking drafts waits.
+TEST_F(SchedulerTest, DraftsFollowAGuessOfTheTokenInFlight) {
+  for (const bool agree : {true, false}) {
+    make(64, /*chunk=*/64, 64, /*radix=*/true, false, /*drafts=*/3);
+    out.clear();
+    auto model = [&](int32_t t, int32_t pos) { return agree ? (t == 7 ? 5 : t + 1) : (t == 5 ? 100 + pos : 5); };
+    add("a", {5, 6, 7, 5, 6, 7, 5, 6}, 40);
+    // A launched step: its plan and its samples (known on the "device" at once; the scheduler sees them at resolve).
+    struct Launched {
+      StepPlan plan;
+      std::vector<SampleResult> sampled;
+    };
+    std::optional<Launched> running;
+    auto sample = [&](StepPlan& p, const std::vector<SampleResult>* prev) {
+      std::vector<SampleResult> sampled;
+      for (size_t i = 0; i < p.seqs.size(); ++i) {
+        const ScheduledSeq& q = p.seqs[i];
+        const int32_t first = p.batch.seq_q_start[i], n = p.batch.seq_q_start[i + 1] - first;
+        for (int32_t row = n - q.sampled_rows(); row < n; ++row) {
+          int32_t in = p.batch.input_ids[static_cast<size_t>(first + row)];
+          if (in < 0) {  // the sample of row -(in + 1) of the step before, read on the device
+            EXPECT_TRUE(prev != nullptr);
+            if (!prev) return sampled;
+            in = (*prev)[static_cast<size_t>(-(in + 1))].token;
+          }
+          SampleResult r;
+          r.token = model(in, p.batch.positions[static_cast<size_t>(first + row)]);
+          sampled.push_back(r);
+        }
+      }
+      return sampled;
+    };
+    int steps = 0, guessed = 0, overlapped = 0, after_check = 0;
+    for (; steps < 100 && !out["a"].finished; ++steps) {
+      StepPlan next = s->schedule(/*allow_retract=*/!running);
+      for (const ScheduledSeq& q : next.seqs) guessed += !q.drafts.empty() && next.batch.input_ids[0] < 0;
+      if (running && !next.empty()) {  // launched behind the running step, which then resolves
+        ++overlapped;
+        s->advance(next);
+        Launched l{std::move(next), {}};
+        l.sampled = sample(l.plan, &running->sampled);
+        s->resolve(running->plan, running->sampled);
+        running = std::move(l);
+      } else {
+        if (running) {
+          after_check += !running->plan.seqs.empty() && !running->plan.seqs[0].drafts.empty();
+          s->resolve(running->plan, running->sampled);
+          s->refresh(next);
+          running.reset();
+        }
+        if (next.empty()) next = s->schedule();
+        if (next.empty()) continue;
+        s->advance(next);
+        Launched l{std::move(next), {}};
+        l.sampled = sample(l.plan, nullptr);
+        running = std::move(l);
+      }
+      s->erase_finished();
+      s->check_integrity();
+    }
+    if (running) {
+      s->resolve(running->plan, running->sampled);
+      s->erase_finished();
+    }
+    const Collected& c = out["a"];
+    ASSERT_TRUE(c.finished);
+    ASSERT_EQ(c.tokens.size(), 40u);
+    int32_t t = 6;
+    for (size_t i = 0; i < c.tokens.size(); ++i) {
+      t = model(t, 7 + static_cast<int32_t>(i));
+      ASSERT_EQ(c.tokens[i], t) << i;
+    }
+    const RankStats st = s->stats();
+    EXPECT_GT(guessed, 0);
+    EXPECT_GT(overlapped, 0);
+    EXPECT_GT(after_check, 0) << "a step after a check waited for it";
+    if (agree) {
+      EXPECT_GE(st.spec_accepted_tokens, 25) << "right guesses: drafts kept";
     }
     expect_all_pages_back();
   }
@@ -582,9 +671,10 @@ TEST(NgramDraft, LongestRecentMatchFirst) {
   EXPECT_EQ(ngram_draft(seq, 1, 3, 2), (V{9, 9}));
   EXPECT_EQ(ngram_draft(seq, 1, 2, 4), (V{7, 1, 2, 3}));  // [2 3]: the most recent earlier one, at 5
   EXPECT_EQ(ngram_draft(seq, 1, 1, 3), (V{7, 1, 2}));     // [3] at 6
-  // The continuation stops at the sequence's end.
-  EXPECT_EQ(ngram_draft(V{5, 6, 5}, 1, 3, 4), (V{6, 5}));
-  EXPECT_EQ(ngram_draft(V{4, 4, 4, 4}, 2, 2, 3), (V{4}));  // [4 4] at 1: one token after it
+  // Past the sequence's end the continuation repeats with the match's period.
+  EXPECT_EQ(ngram_draft(V{5, 6, 5}, 1, 3, 4), (V{6, 5, 6, 5}));  // [5] at 0: period 2
+  EXPECT_EQ(ngram_draft(V{4, 4, 4, 4}, 2, 2, 3), (V{4, 4, 4}));  // [4 4] at 1: period 1
+  EXPECT_EQ(ngram_draft(V{1, 2, 3, 9, 1, 2}, 1, 3, 5), (V{3, 9, 1, 2, 3}));  // [1 2] at 0: period 4
   // No earlier occurrence, too short, or nothing asked.
   EXPECT_TRUE(ngram_draft(V{1, 2, 3, 4}, 1, 3, 4).empty());
   EXPECT_TRUE(ngram_draft(V{1, 2, 3, 1, 2}, 3, 3, 4).empty());
@@ -602,14 +692,18 @@ TEST(NgramDraft, LongestRecentMatchFirst) {
 }
 
 // Against the definition, on random sequences of a small alphabet: for n from the longest down, the most recent earlier
-// occurrence of the last n tokens, and the up to k tokens after it.
+// occurrence of the last n tokens, and the k tokens after it (where they pass the end, the tokens one period back:
+// a sequence extended by its own continuation).
 TEST(NgramDraft, EqualsTheDefinition) {
   auto reference = [](const std::vector<int32_t>& seq, int32_t min_n, int32_t max_n, int32_t k) {
     const int64_t len = std::ssize(seq);
     for (int64_t n = std::min<int64_t>(max_n, len - 1); n >= min_n && k > 0; --n)
       for (int64_t i = len - n - 1; i >= 0; --i)
-        if (std::equal(seq.end() - n, seq.end(), seq.begin() + i))
-          return std::vector<int32_t>(seq.begin() + i + n, seq.begin() + std::min(len, i + n + k));
+        if (std::equal(seq.end() - n, seq.end(), seq.begin() + i)) {
+          std::vector<int32_t> ext = seq;
+          for (int64_t t = 0; t < k; ++t) ext.push_back(ext[static_cast<size_t>(i + n + t)]);
+          return std::vector<int32_t>(ext.begin() + len, ext.end());
+        }
     return std::vector<int32_t>{};
   };
   std::mt19937 rng(3);
