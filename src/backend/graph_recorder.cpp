@@ -18,8 +18,8 @@ void GraphRecorder::begin_step(const ForwardBatch& b) {
 void GraphRecorder::begin_graph_step(const ForwardBatch& b) {
   MLA_CHECK(!recording_, "begin_graph_step while a graph is being recorded");
   MLA_CHECK(is_graph_batch(b),
-            "a graph step is a decode batch: every sequence in the absorbed form, every token a logit row ({} tokens, "
-            "{} sequences)", b.num_tokens(), b.num_seqs());
+            "a graph step is a decode batch: every sequence in the absorbed form, every token a logit row "
+            "({} tokens, {} sequences)", b.num_tokens(), b.num_seqs());
   graph_step_ = true;
   b_.begin_step(b);
 }

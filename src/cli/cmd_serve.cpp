@@ -50,6 +50,8 @@ struct ServeArgs {
   int32_t cuda_graph_max_bs = 256;
   bool disable_cuda_graph = false, disable_overlap_schedule = false, enable_metrics = false;
   bool enable_priority_scheduling = false, low_priority_values_first = false;  // SGLang's
+  bool disable_priority_preemption = false;                                      // SGLang's
+  int32_t priority_preemption_threshold = 10;                                    // SGLang's
   std::string scheduling_policy = "fcfs";                                       // vLLM's
   std::string load_balance_method = "round_robin";
   int32_t nnodes = 1, node_rank = 0;
@@ -256,6 +258,8 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["load_balance_method"] = a.load_balance_method;
   j["enable_priority_scheduling"] = a.enable_priority_scheduling;
   j["schedule_low_priority_values_first"] = a.low_priority_values_first;
+  j["disable_priority_preemption"] = a.disable_priority_preemption;
+  j["priority_scheduling_preemption_threshold"] = a.priority_preemption_threshold;
   j["scheduling_policy"] = a.scheduling_policy;
   j["speculative_algorithm"] = a.spec_draft_tokens > 0 ? nlohmann::json("NGRAM") : nlohmann::json(nullptr);
   j["speculative_num_draft_tokens"] = a.spec_draft_tokens;
@@ -372,6 +376,12 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                "admit waiting requests by their `priority` (higher first), retract the lowest first");
   app.add_flag("--schedule-low-priority-values-first", a->low_priority_values_first,
                "with --enable-priority-scheduling: lower `priority` values first");
+  app.add_option("--priority-scheduling-preemption-threshold", a->priority_preemption_threshold,
+                 "with --enable-priority-scheduling: a waiting request that does not fit retracts running ones whose "
+                 "priority is lower than its own by more than this")
+      ->capture_default_str();
+  app.add_flag("--disable-priority-preemption", a->disable_priority_preemption,
+               "with --enable-priority-scheduling: never retract running requests for waiting ones");
   app.add_option("--scheduling-policy", a->scheduling_policy,
                  "fcfs | priority (vLLM's: requests by their `priority`, lower first)")
       ->capture_default_str();
@@ -485,6 +495,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
               "--scheduling-policy '{}' is not known (fcfs or priority)", s.scheduling_policy);
     MLA_CHECK(!s.low_priority_values_first || s.enable_priority_scheduling,
               "--schedule-low-priority-values-first needs --enable-priority-scheduling");
+    MLA_CHECK(s.priority_preemption_threshold >= 0, "--priority-scheduling-preemption-threshold must be >= 0, got {}",
+              s.priority_preemption_threshold);
     MLA_CHECK(!(s.enable_priority_scheduling && s.scheduling_policy == "priority"),
               "give either --enable-priority-scheduling (higher values first) or --scheduling-policy priority (lower "
               "values first), not both");
@@ -535,6 +547,9 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     ea.dist_init_addr = s.dist_init_addr;
     ea.disable_overlap_schedule = s.disable_overlap_schedule;
     ea.priority_scheduling = s.enable_priority_scheduling || s.scheduling_policy == "priority";
+    // SGLang preempts for higher priorities; vLLM's priority policy retracts by priority only when decode runs short.
+    ea.priority_preemption = s.enable_priority_scheduling && !s.disable_priority_preemption;
+    ea.priority_preemption_threshold = s.priority_preemption_threshold;
     ea.spec_draft_tokens = s.spec_draft_tokens;
     ea.spec_ngram_min = s.ngram_min;
     ea.spec_ngram_max = s.ngram_max;

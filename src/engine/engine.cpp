@@ -31,6 +31,8 @@ Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
   sc.chunked_prefill_size = opts_.chunked_prefill_size;
   sc.context_len = opts_.context_len;
   sc.priority_scheduling = opts_.priority_scheduling;
+  sc.priority_preemption = opts_.priority_preemption;
+  sc.priority_preemption_threshold = opts_.priority_preemption_threshold;
   sc.spec_draft_tokens = opts_.spec_draft_tokens;
   sc.spec_ngram_min = opts_.spec_ngram_min;
   sc.spec_ngram_max = opts_.spec_ngram_max;

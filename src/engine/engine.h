@@ -36,6 +36,9 @@ struct EngineOptions {
   // Requests wait in order of GenerateRequest::priority (lower first), then arrival; decode retracts the lowest
   // priority first. Off: a request with a non-zero priority is refused.
   bool priority_scheduling = false;
+  // SchedulerConfig::priority_preemption / priority_preemption_threshold (SGLang's priority preemption).
+  bool priority_preemption = false;
+  int32_t priority_preemption_threshold = 10;
   // Speculative decoding with n-gram drafts (SchedulerConfig::spec_draft_tokens; 0: off). With overlap scheduling a
   // request's step after one checking its drafts waits for it (its inputs depend on how many drafts were kept).
   int32_t spec_draft_tokens = 0;

@@ -197,6 +197,8 @@ struct EngineArgs {
   bool disable_radix_cache = false;
   bool disable_overlap_schedule = false;
   bool priority_scheduling = false;  // EngineOptions::priority_scheduling
+  bool priority_preemption = false;  // EngineOptions::priority_preemption
+  int32_t priority_preemption_threshold = 10;
   int32_t spec_draft_tokens = 0;     // EngineOptions::spec_draft_tokens (n-gram speculative decoding; 0: off)
   int32_t spec_ngram_min = 1;
   int32_t spec_ngram_max = 3;

@@ -311,9 +311,71 @@ bool Scheduler::abort(const std::string& rid, const FinishReason& reason) {
   return false;
 }
 
+void Scheduler::retract_to_waiting(Req& victim) {
+  MLA_CHECK(victim.in_flight == 0 && victim.plan_refs == 0, "scheduler: retracting request {} with a step in flight",
+            victim.rid);
+  retract(victim);
+  for (auto it = running_.begin(); it != running_.end(); ++it)
+    if (it->get() == &victim) {
+      enqueue(std::move(*it), /*front=*/true);
+      running_.erase(it);
+      return;
+    }
+}
+
+int64_t Scheduler::admission_shortfall(Req& w, int32_t headroom) {
+  if (num_running() >= cfg_.max_running_requests) return -1;
+  admit(w);  // (the cached prefix it would reuse counts; undone below)
+  const int64_t P = cfg_.page_size;
+  const int64_t budget =
+      cfg_.chunked_prefill_size > 0 ? cfg_.chunked_prefill_size : std::numeric_limits<int64_t>::max();
+  const int64_t remaining = static_cast<int64_t>(w.fill.size()) - w.kv_len;
+  const int64_t available = static_cast<int64_t>(pool_.num_free() + cache_.evictable_pages() - headroom) * P +
+                            (static_cast<int64_t>(w.pages.size()) * P - w.kv_len);
+  cache_.unlock(w.prefix_node);
+  w.prefix_node = nullptr;
+  w.pages.clear();
+  w.prefix_pages = 0;
+  w.kv_len = 0;
+  return std::max<int64_t>(0, std::min(remaining, budget) - available);
+}
+
+bool Scheduler::preempt_for_waiting(bool allow_retract) {
+  if (!cfg_.priority_scheduling || !cfg_.priority_preemption) return false;
+  while (!waiting_.empty()) {
+    Req& w = *waiting_.front();
+    // Running requests far enough below it (a larger priority value by more than the threshold): the pages they hold.
+    Req* victim = nullptr;
+    int64_t victim_tokens = 0;
+    int32_t decoding = 0;
+    for (auto& r : running_) {
+      decoding += r->state == ReqState::Decoding;
+      if (r->state != ReqState::Prefilling && r->state != ReqState::Decoding) continue;
+      if (static_cast<int64_t>(r->priority) - w.priority <= cfg_.priority_preemption_threshold) continue;
+      victim_tokens += static_cast<int64_t>(r->pages.size()) * cfg_.page_size;
+      if (!victim || std::make_pair(r->priority, r->arrival) > std::make_pair(victim->priority, victim->arrival))
+        victim = r.get();
+    }
+    if (!victim) return false;
+    const int64_t short_by = admission_shortfall(w, decoding);
+    // It fits, or retracting them all would not make it fit (then it waits as usual).
+    if (short_by == 0 || short_by > victim_tokens) return false;
+    if (!allow_retract) return true;
+    MLA_LOG_DEBUG("request {} (priority {}) preempts request {} (priority {})", w.rid, w.priority, victim->rid,
+                  victim->priority);
+    retract_to_waiting(*victim);
+  }
+  return false;
+}
+
 StepPlan Scheduler::schedule(bool allow_retract) {
   StepPlan plan;
   const int32_t P = cfg_.page_size;
+  // 0. Priority preemption: running requests far below the waiting queue's head make room for it.
+  if (preempt_for_waiting(allow_retract)) {
+    plan.blocked = true;  // retract once the step in flight is back
+    return plan;
+  }
 
   // 1. Decode: one token for every decoding request; retract the newest ones if pages run out.
   std::vector<Req*> decoding;
@@ -406,13 +468,7 @@ StepPlan Scheduler::schedule(bool allow_retract) {
         decoding.pop_back();
       }
     }
-    retract(*victim);
-    for (auto it = running_.begin(); it != running_.end(); ++it)
-      if (it->get() == victim) {
-        enqueue(std::move(*it), /*front=*/true);
-        running_.erase(it);
-        break;
-      }
+    retract_to_waiting(*victim);
   }
   for (Req* r : decoding) {
     const int32_t k = draft_of(r);

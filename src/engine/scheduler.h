@@ -39,6 +39,11 @@ struct SchedulerConfig {
   // Waiting requests in order of (priority, arrival) instead of arrival, and decode retracts the running request
   // of the largest (priority, arrival) first instead of the newest.
   bool priority_scheduling = false;
+  // With priority scheduling (SGLang's priority preemption): a waiting request that cannot be admitted (no pages for
+  // its prompt, or max_running_requests reached) retracts running requests whose priority value exceeds its own by
+  // more than priority_preemption_threshold, the largest (priority, arrival) first, until it fits.
+  bool priority_preemption = false;
+  int32_t priority_preemption_threshold = 10;
   // Speculative decoding with n-gram drafts (prompt lookup; SGLang's NGRAM, vLLM's "ngram"): a decoding request
   // whose last tokens (spec_ngram_max down to spec_ngram_min of them) occurred earlier in its prompt or output
   // proposes up to spec_draft_tokens tokens that followed them; one step checks them all (1 + drafts rows) and keeps
@@ -186,6 +191,15 @@ class Scheduler {
   // Whether a decoding request may propose drafts this step (speculative decoding on; no token in flight; its draws
   // depend on nothing the drafts would change: no penalties, constraint, bad words or thinking budget).
   bool may_draft(const Req& r) const;
+  // Priority preemption (SchedulerConfig::priority_preemption) for the head of the waiting queue: retracts running
+  // requests for it while it does not fit and one is far enough below it. Without allow_retract (a step is in flight)
+  // nothing is retracted: true when a retraction is wanted (the plan is then blocked until nothing runs).
+  bool preempt_for_waiting(bool allow_retract);
+  // Tokens of the waiting request w's first chunk that do not fit now (0: it fits), or -1 when the running requests
+  // are at max_running_requests. Leaves w waiting, as it was.
+  int64_t admission_shortfall(Req& w, int32_t headroom);
+  // Retracts a running request and puts it back into the waiting queue.
+  void retract_to_waiting(Req& victim);
   // Finishes every waiting and running request with `reason` (shutdown).
   void abort_all(const FinishReason& reason);
 

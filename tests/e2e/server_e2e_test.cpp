@@ -1214,6 +1214,46 @@ TEST(ServeFlags, PrioritySchedulingOrdersTheQueue) {
                        "priority");
 }
 
+// SGLang's priority preemption (on with --enable-priority-scheduling): with one running slot, a request whose
+// priority exceeds the running one's by more than --priority-scheduling-preemption-threshold (default 10) retracts it
+// and finishes first; the retracted request still gets all its tokens. --disable-priority-preemption (or a difference
+// within the threshold, as in PrioritySchedulingOrdersTheQueue) leaves it waiting; a negative threshold is refused.
+TEST(ServeFlags, PriorityPreemptionRetractsFarLowerRequests) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  for (const bool preempt : {true, false}) {
+    std::vector<std::string> flags{"--enable-priority-scheduling", "--max-running-requests", "1"};
+    if (!preempt) flags.push_back("--disable-priority-preemption");
+    ServerProcess s(flags);
+    ASSERT_TRUE(s.running()) << s.log();
+    const json info = get_json(s.port(), "/get_server_info");
+    EXPECT_EQ(info["priority_scheduling_preemption_threshold"], 10);
+    EXPECT_EQ(info["disable_priority_preemption"], !preempt);
+    std::mutex mu;
+    std::vector<std::string> done;
+    auto run = [&](const std::string& name, int tokens, int priority) {
+      const json r = post_json(s.port(), "/generate", R"({"text": "Once upon a time", "sampling_params":
+          {"max_new_tokens": )" + std::to_string(tokens) + R"(, "ignore_eos": true}, "priority": )" +
+                                                       std::to_string(priority) + "}");
+      std::lock_guard lk(mu);
+      EXPECT_EQ(r["meta_info"]["completion_tokens"], tokens) << r.dump();
+      done.push_back(name);
+    };
+    std::thread longest([&] { run("long", 400, 0); });
+    wait_running(s.port(), 1);
+    std::thread urgent([&] { run("urgent", 4, 50); });
+    longest.join();
+    urgent.join();
+    const std::vector<std::string> want =
+        preempt ? std::vector<std::string>{"urgent", "long"} : std::vector<std::string>{"long", "urgent"};
+    EXPECT_EQ(done, want);
+    EXPECT_EQ(get_json(s.port(), "/get_server_info")["internal_states"][0]["num_retractions"].get<int64_t>() > 0,
+              preempt);
+    EXPECT_EQ(s.stop(), 0);
+  }
+  expect_serve_refuses({"--enable-priority-scheduling --priority-scheduling-preemption-threshold -1"},
+                       "--priority-scheduling-preemption-threshold");
+}
+
 TEST(ServeFlags, RecognisedButNotImplementedExitNonZero) {
   for (const std::string flags :
        {"--quantization gptq", "--dtype float16", "--completion-template qwen"}) {

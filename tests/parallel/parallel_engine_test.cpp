@@ -126,7 +126,8 @@ void penalised_overlap(int32_t tp, int32_t dp, bool graphs) {
     seeded.frequency_penalty = 0.5f;
     std::vector<std::future<std::vector<int32_t>>> fs;
     for (int j = 0; j < 5; ++j)
-      fs.push_back(submit_ids(e, "r" + std::to_string(j), g.prompts[j], 10 + j, j % dp, j % 2 ? &favour : &seeded));
+      fs.push_back(submit_ids(e, std::string("r").append(std::to_string(j)), g.prompts[j], 10 + j, j % dp,
+                              j % 2 ? &favour : &seeded));
     std::vector<std::vector<int32_t>> out;
     for (auto& f : fs) out.push_back(wait_ids(f));
     expect_idle_and_clean(e);

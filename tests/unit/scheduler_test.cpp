@@ -29,8 +29,10 @@ struct Collected {
 class SchedulerTest : public ::testing::Test {
  protected:
   void make(int32_t pages, int32_t chunk = 8, int32_t max_running = 64, bool radix = true, bool priority = false,
-            int32_t drafts = 0, int32_t draft_max_batch = 0) {
+            int32_t drafts = 0, int32_t draft_max_batch = 0, int32_t preemption_threshold = -1) {
     SchedulerConfig c;
+    c.priority_preemption = preemption_threshold >= 0;
+    c.priority_preemption_threshold = std::max(preemption_threshold, 0);
     c.spec_draft_tokens = drafts;
     c.spec_max_batch = draft_max_batch;
     c.priority_scheduling = priority;
@@ -485,6 +487,70 @@ TEST_F(SchedulerTest, PriorityRetractsTheLowestFirst) {
     for (const char* rid : {"low", "high"}) EXPECT_EQ(out[rid].tokens.size(), 12u) << rid;
     expect_all_pages_back();
   }
+}
+
+// Priority preemption (SGLang's): a waiting request that does not fit retracts running requests whose priority value
+// exceeds its own by more than the threshold, the lowest first (the same priority: the later one), and runs at once;
+// the retracted ones resume later (their prompts and outputs computed again) and end with the outputs they would have
+// had. A smaller difference, or preemption off, leaves it waiting. Two limits: pages (44 token slots: the two running
+// requests grow to 40, so the third's 12-token prompt fits only once they end) and max_running_requests (1).
+TEST_F(SchedulerTest, PriorityPreemptionRetractsFarLowerRequests) {
+  struct Case {
+    int32_t pages, max_running, low_priority, threshold;
+    bool preempts;
+  };
+  for (const Case c : {Case{11, 64, 20, 10, true}, Case{11, 64, 10, 10, false}, Case{11, 64, 20, -1, false},
+                       Case{64, 1, 20, 10, true}, Case{64, 1, 5, 10, false}}) {
+    out.clear();
+    make(c.pages, /*chunk=*/64, c.max_running, true, /*priority=*/true, 0, 0, c.threshold);
+    add("low", range(0, 12), 8, {}, c.low_priority);
+    add("mid", range(40, 12), 8, {}, c.low_priority);
+    for (int i = 0; i < 3; ++i) step();  // both running (or "low" alone with max_running 1), a few tokens out
+    add("high", range(20, 12), 4, {}, 0);
+    std::vector<std::string> finished;
+    int steps = 0;
+    while (s->has_work() && steps++ < 500) {
+      step();
+      for (auto& [rid, r] : out)
+        if (r.finished && std::find(finished.begin(), finished.end(), rid) == finished.end()) finished.push_back(rid);
+    }
+    const std::string what = fmt::format("pages {} max_running {} low {} threshold {}", c.pages, c.max_running,
+                                         c.low_priority, c.threshold);
+    ASSERT_EQ(finished.size(), 3u) << what;
+    if (c.preempts) {
+      EXPECT_EQ(finished[0], "high") << what;
+      EXPECT_GT(s->stats().num_retractions, 0) << what;
+    } else {
+      EXPECT_NE(finished[0], "high") << what;
+      EXPECT_EQ(s->stats().num_retractions, 0) << what;
+    }
+    // Each output is what the fake model says for its positions, retracted or not.
+    for (const auto& [rid, n] : {std::pair{"low", 8}, std::pair{"mid", 8}, std::pair{"high", 4}}) {
+      ASSERT_EQ(out[rid].tokens.size(), static_cast<size_t>(n)) << rid << " " << what;
+      for (int i = 0; i < n; ++i) EXPECT_EQ(out[rid].tokens[static_cast<size_t>(i)], 100 + 12 + i) << rid << " " << i;
+    }
+    expect_all_pages_back();
+  }
+}
+
+// With a step in flight (overlap scheduling plans without retracting) a wanted preemption blocks the plan; planned
+// again with retraction allowed it retracts, and nothing is retracted while the head fits.
+TEST_F(SchedulerTest, PriorityPreemptionWaitsForTheStepInFlight) {
+  make(11, /*chunk=*/64, 64, true, /*priority=*/true, 0, 0, /*preemption_threshold=*/10);
+  add("low", range(0, 12), 8, {}, 50);
+  add("mid", range(40, 12), 8, {}, 50);
+  for (int i = 0; i < 3; ++i) step();
+  add("high", range(20, 12), 4, {}, 0);
+  StepPlan p = s->schedule(/*allow_retract=*/false);
+  EXPECT_TRUE(p.blocked);
+  EXPECT_TRUE(p.empty());
+  EXPECT_EQ(s->stats().num_retractions, 0);
+  p = s->schedule(/*allow_retract=*/true);
+  EXPECT_FALSE(p.blocked);
+  EXPECT_GT(s->stats().num_retractions, 0);
+  bool high = false;
+  for (const ScheduledSeq& q : p.seqs) high |= q.req->rid == "high";
+  EXPECT_TRUE(high) << "the high-priority request runs in the very step that made room for it";
 }
 
 TEST_F(SchedulerTest, AbortFreesPagesAtOnce) {

@@ -344,8 +344,8 @@ class CudaBackend final : public Backend {
 
   void begin_graph_step(const ForwardBatch& batch) override {
     MLA_CHECK(is_graph_batch(batch),
-              "a graph step is a decode batch: every sequence in the absorbed form, every token a logit row ({} tokens, "
-              "{} sequences)", batch.num_tokens(), batch.num_seqs());
+              "a graph step is a decode batch: every sequence in the absorbed form, every token a logit "
+              "row ({} tokens, {} sequences)", batch.num_tokens(), batch.num_seqs());
     MLA_CHECK(!plan_keys_.empty(), "a graph step needs an eager step of the model first (attention shapes unknown)");
     start_step(batch, true);
   }
