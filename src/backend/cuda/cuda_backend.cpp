@@ -1159,7 +1159,7 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
   const int64_t head_rows = nope + vh;  // rows of kv_b per head: W_UK (nope) then W_UV (v)
   const bool small = small_batch_ && T <= cuda::kGemvMaxRows && kvr % 8 == 0 && nope % 8 == 0 && hd % 8 == 0 &&
                      alignment_of(kvb) >= 16 && alignment_of(q.data()) >= 16;
-  if (prep && small && !fp8 && one_token_step(p, plan)) {  // (its kernel reads a bf16 cache)
+  if (prep && small && one_token_step(p, plan)) {
     const cuda::MlaOneTokenArgs a{*prep, d_page_table_, step_.page_size, bf(kv_b), p.softmax_scale, bf(out)};
     CUDA_OK(cuda::mla_one_token(a, static_cast<int32_t>(nh), stream_), "mla_one_token");
     return;

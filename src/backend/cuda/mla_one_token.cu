@@ -14,6 +14,8 @@
 //   - reads every block's partials (max, sum, 512 sums) from the cluster (barrier) and combines them into
 //     o_lat (rounded to bf16, as the usual path stores it);
 //   - its 16 rows of the head's out.
+// An FP8 cache (MlaPrepArgs::cache_f8): the keys' codes become the bf16 of their values as they are loaded, and the
+// newest row is made and written as E4M3 values / codes, as the usual preparation does.
 // Every cluster re-reads the context from L2, and each block holds its keys in shared memory: the kernel takes at
 // most kOneTokenMaxCtx keys (longer contexts run the usual kernels, in CUDA graphs of their own:
 // Backend::graph_variant).
@@ -59,9 +61,31 @@ static_assert(sizeof(Smem<kTileKeys>) + 32 * sizeof(float) <= 227 * 1024, "the s
 
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-// Cache rows of keys [t0, t1) into s.keys, except the newest (ctx - 1: this step's, made from the latent).
+// Cache rows of keys [t0, t1) into s.keys, except the newest (ctx - 1: this step's, made from the latent). An FP8
+// cache: 16 codes a thread, loaded at once and stored as the bf16 of their values (exact).
 template <int KT>
 __device__ __forceinline__ void load_keys(Smem<KT>& s, const MlaOneTokenArgs& a, int t0, int t1, int ctx) {
+  if (a.prep.cache_f8) {
+    static_assert(W % 16 == 0, "rows of whole 16-code chunks");
+    constexpr int kChunks8 = W / 16;
+    for (int u = threadIdx.x; u < (t1 - t0) * kChunks8; u += kThreads) {
+      const int k = t0 + u / kChunks8, c = u % kChunks8;
+      if (k == ctx - 1) continue;
+      const int64_t slot = static_cast<int64_t>(a.page_table[k / a.page_size]) * a.page_size + k % a.page_size;
+      const uint4 v = *reinterpret_cast<const uint4*>(a.prep.cache_f8 + slot * W + c * 16);
+      const uint8_t* b = reinterpret_cast<const uint8_t*>(&v);
+      alignas(16) bf16 vals[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        __nv_fp8_e4m3 f;
+        f.__x = b[i];
+        vals[i] = __float2bfloat16_rn(static_cast<float>(f));
+      }
+      *reinterpret_cast<uint4*>(&s.keys[k - t0][c * 16]) = *reinterpret_cast<const uint4*>(vals);
+      *reinterpret_cast<uint4*>(&s.keys[k - t0][c * 16 + 8]) = *reinterpret_cast<const uint4*>(vals + 8);
+    }
+    return;
+  }
   constexpr int kChunks = W / 8;
   for (int u = threadIdx.x; u < (t1 - t0) * kChunks; u += kThreads) {
     const int k = t0 + u / kChunks, c = u % kChunks;
@@ -115,9 +139,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
   const int n = k1 - k0;
   if (n > 0 && k1 == ctx) {  // the newest key: this step's latent row as the cache holds it (its read beside q's)
     bf16* row = s.keys[ctx - 1 - k0];
-    latent_row(p.latent, row, KVR, ROPE, p.norm_w, p.eps, pos, p.inv_freq, p.factor);
+    latent_row(p.latent, row, KVR, ROPE, p.norm_w, p.eps, pos, p.inv_freq, p.factor, p.cache_f8 != nullptr);
     __syncthreads();
-    if (h == 0) {
+    if (h == 0 && p.cache_f8) {  // as codes (exact: the row holds their values)
+      uint8_t* dst = p.cache_f8 + static_cast<int64_t>(p.slots[0]) * W;
+      for (int i = tid; i < W; i += kThreads) dst[i] = __nv_fp8_e4m3(__bfloat162float(row[i])).__x;
+    } else if (h == 0) {
       bf16* dst = p.cache + static_cast<int64_t>(p.slots[0]) * W;
       for (int i = tid; i < W; i += kThreads) dst[i] = row[i];
     }
