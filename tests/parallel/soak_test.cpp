@@ -5,6 +5,7 @@
 // MLASERVE_SOAK_SECONDS sets the duration (default 15).
 #include <gtest/gtest.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -20,8 +21,10 @@ using namespace mlaserve;
 
 // tp 4 / dp 4: attention groups of one rank; tp 4 / dp 2: groups of two, whose leading rank's samples reach the
 // other rank on the device (overlap launches steps that read them there). drafts > 0: n-gram speculative decoding
-// (overlap off), some requests with three allowed tokens so that their drafts are kept.
-void soak(int32_t tp, int32_t groups, int32_t drafts = 0) {
+// (drafted under overlap too), some requests with three allowed tokens so that their drafts are kept. preempt: priority
+// scheduling with priority preemption, the other requests of random priorities (some far below others, so running
+// ones are retracted for waiting ones); the probes above them all (never preempted).
+void soak(int32_t tp, int32_t groups, int32_t drafts = 0, bool preempt = false) {
   double seconds = 15.0;
   if (const char* e = std::getenv("MLASERVE_SOAK_SECONDS")) seconds = std::atof(e);
   // The penalised probe's reference: alone, with overlap off (every step sees its previous token on the host).
@@ -46,14 +49,16 @@ void soak(int32_t tp, int32_t groups, int32_t drafts = 0) {
   o.check_integrity = true;
   o.overlap = true;
   o.spec_draft_tokens = drafts;
+  o.priority_scheduling = o.priority_preemption = preempt;
   Engine e(std::move(ranks), o);
 
   // The reference: one greedy request alone.
   auto run_one = [&](const std::string& rid, std::vector<int32_t> ids, int32_t n, int32_t dp, float temp,
-                     const SamplingParams* sp = nullptr) {
+                     const SamplingParams* sp = nullptr, int32_t priority = 0) {
     auto prom = std::make_shared<std::promise<std::pair<std::vector<int32_t>, FinishKind>>>();
     auto acc = std::make_shared<std::vector<int32_t>>();
     GenerateRequest g = test::ids_request(rid, std::move(ids), n, dp, sp);
+    g.priority = preempt ? priority : 0;
     if (!sp) g.sampling.temperature = temp;
     g.on_output = [prom, acc](const GenerateOutput& out) {
       acc->insert(acc->end(), out.new_tokens.begin(), out.new_tokens.end());
@@ -75,12 +80,12 @@ void soak(int32_t tp, int32_t groups, int32_t drafts = 0) {
     // Bursts pinned to one or two groups, so the others idle, then move on.
     const int busy = static_cast<int>(rng() % static_cast<uint64_t>(groups));
     for (int k = 0; k < 3; ++k) {
-      const std::string rid = "r" + std::to_string(n++);
+      const std::string rid = std::string("r").append(std::to_string(n++));
       const uint32_t kind = rng() % 10;
       if (kind < 2) {
-        probes.push_back(run_one(rid, probe, 12, busy, 0.0f));
+        probes.push_back(run_one(rid, probe, 12, busy, 0.0f, nullptr, -50));
       } else if (kind == 2) {
-        pen_probes.push_back(run_one(rid, probe, 12, busy, 0.0f, &favour));
+        pen_probes.push_back(run_one(rid, probe, 12, busy, 0.0f, &favour, -50));
       } else {
         std::vector<int32_t> ids(1 + rng() % 120);
         for (auto& t : ids) t = 2 + static_cast<int32_t>(rng() % 600);
@@ -97,7 +102,9 @@ void soak(int32_t tp, int32_t groups, int32_t drafts = 0) {
           sp.allowed_token_ids = {ids[0], 7, 8};
           sp.return_logprob = true;
         }
-        others.push_back(run_one(rid, ids, 1 + static_cast<int32_t>(rng() % 24), rng() % 3 ? busy : -1, 0.7f, &sp));
+        const int32_t priority = std::array<int32_t, 3>{-20, 0, 20}[rng() % 3];
+        others.push_back(
+            run_one(rid, ids, 1 + static_cast<int32_t>(rng() % 24), rng() % 3 ? busy : -1, 0.7f, &sp, priority));
         if (rng() % 4 == 0) {
           std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 20));
           FinishReason f;
@@ -124,9 +131,15 @@ void soak(int32_t tp, int32_t groups, int32_t drafts = 0) {
     for (const RankStats& st : e.stats()) kept += st.spec_accepted_tokens;
     EXPECT_GT(kept, 0);
   }
+  if (preempt) {
+    int64_t retractions = 0;
+    for (const RankStats& st : e.stats()) retractions += st.num_retractions;
+    EXPECT_GT(retractions, 0);
+  }
   test::expect_engine_idle_and_clean(e);
 }
 
 TEST(Soak, DpAttentionMixedTrafficWithAbortsNeverHangsOrLeaks) { soak(4, 4); }
 TEST(Soak, DpAttentionGroupsOfTwoRanksNeverHangOrLeak) { soak(4, 2); }
 TEST(Soak, NgramDraftsWithDpAttentionNeverHangOrLeak) { soak(4, 2, /*drafts=*/4); }
+TEST(Soak, PriorityPreemptionWithDpAttentionNeverHangsOrLeaks) { soak(4, 2, 0, /*preempt=*/true); }
