@@ -1176,31 +1176,39 @@ TEST(ServeFlags, Fp8KvCacheServes) {
   expect_serve_refuses({"--kv-cache-dtype fp8_e5m2", "--kv-cache-dtype int8"}, "--kv-cache-dtype");
 }
 
+// /generate requests of a priority (EOS ignored) on one server, each name recorded once its request has all its
+// tokens: `done` in finishing order.
+struct PriorityRuns {
+  explicit PriorityRuns(int p) : port(p) {}
+  int port;
+  std::mutex mu;
+  std::vector<std::string> done;
+  void run(const std::string& name, int tokens, int priority) {
+    const json r = post_json(port, "/generate", R"({"text": "Once upon a time", "sampling_params":
+        {"max_new_tokens": )" + std::to_string(tokens) + R"(, "ignore_eos": true}, "priority": )" +
+                                                  std::to_string(priority) + "}");
+    std::lock_guard lk(mu);
+    EXPECT_EQ(r["meta_info"]["completion_tokens"], tokens) << r.dump();
+    done.push_back(name);
+  }
+};
+
 TEST(ServeFlags, PrioritySchedulingOrdersTheQueue) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   ServerProcess s({"--enable-priority-scheduling", "--max-running-requests", "1"});
   ASSERT_TRUE(s.running()) << s.log();
   EXPECT_EQ(get_json(s.port(), "/get_server_info")["enable_priority_scheduling"], true);
-  std::mutex mu;
-  std::vector<std::string> done;
-  auto run = [&](const std::string& name, int tokens, int priority) {
-    const json r = post_json(s.port(), "/generate", R"({"text": "Once upon a time", "sampling_params":
-        {"max_new_tokens": )" + std::to_string(tokens) + R"(, "ignore_eos": true}, "priority": )" +
-                                                     std::to_string(priority) + "}");
-    std::lock_guard lk(mu);
-    EXPECT_EQ(r["meta_info"]["completion_tokens"], tokens) << r.dump();
-    done.push_back(name);
-  };
-  std::thread longest([&] { run("long", 400, 0); });
+  PriorityRuns runs(s.port());
+  std::thread longest([&] { runs.run("long", 400, 0); });
   wait_running(s.port(), 1);  // the long one holds the only running slot
-  std::thread low([&] { run("low", 4, 1); });
+  std::thread low([&] { runs.run("low", 4, 1); });
   wait_waiting(s.port(), 1);
-  std::thread high([&] { run("high", 4, 10); });
+  std::thread high([&] { runs.run("high", 4, 10); });
   wait_waiting(s.port(), 2);
   longest.join();
   low.join();
   high.join();
-  EXPECT_EQ(done, (std::vector<std::string>{"long", "high", "low"}));
+  EXPECT_EQ(runs.done, (std::vector<std::string>{"long", "high", "low"}));
   EXPECT_EQ(s.stop(), 0);
 
   ServerProcess v({"--scheduling-policy", "priority"});
@@ -1228,24 +1236,15 @@ TEST(ServeFlags, PriorityPreemptionRetractsFarLowerRequests) {
     const json info = get_json(s.port(), "/get_server_info");
     EXPECT_EQ(info["priority_scheduling_preemption_threshold"], 10);
     EXPECT_EQ(info["disable_priority_preemption"], !preempt);
-    std::mutex mu;
-    std::vector<std::string> done;
-    auto run = [&](const std::string& name, int tokens, int priority) {
-      const json r = post_json(s.port(), "/generate", R"({"text": "Once upon a time", "sampling_params":
-          {"max_new_tokens": )" + std::to_string(tokens) + R"(, "ignore_eos": true}, "priority": )" +
-                                                       std::to_string(priority) + "}");
-      std::lock_guard lk(mu);
-      EXPECT_EQ(r["meta_info"]["completion_tokens"], tokens) << r.dump();
-      done.push_back(name);
-    };
-    std::thread longest([&] { run("long", 400, 0); });
+    PriorityRuns runs(s.port());
+    std::thread longest([&] { runs.run("long", 400, 0); });
     wait_running(s.port(), 1);
-    std::thread urgent([&] { run("urgent", 4, 50); });
+    std::thread urgent([&] { runs.run("urgent", 4, 50); });
     longest.join();
     urgent.join();
     const std::vector<std::string> want =
         preempt ? std::vector<std::string>{"urgent", "long"} : std::vector<std::string>{"long", "urgent"};
-    EXPECT_EQ(done, want);
+    EXPECT_EQ(runs.done, want);
     EXPECT_EQ(get_json(s.port(), "/get_server_info")["internal_states"][0]["num_retractions"].get<int64_t>() > 0,
               preempt);
     EXPECT_EQ(s.stop(), 0);

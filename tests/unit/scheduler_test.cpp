@@ -94,6 +94,18 @@ class SchedulerTest : public ::testing::Test {
     for (int32_t i = 0; i < n; ++i) v.push_back(a + i);
     return v;
   }
+  // The cycle prompt's request "a" (its last prompt token 6, at position 7) finished with 40 tokens, each the model's
+  // next token after the one before it.
+  void expect_model_output(const std::function<int32_t(int32_t, int32_t)>& model) {
+    const Collected& c = out["a"];
+    ASSERT_TRUE(c.finished);
+    ASSERT_EQ(c.tokens.size(), 40u);
+    int32_t t = 6;
+    for (size_t i = 0; i < c.tokens.size(); ++i) {
+      t = model(t, 7 + static_cast<int32_t>(i));
+      ASSERT_EQ(c.tokens[i], t) << i;
+    }
+  }
   void expect_all_pages_back() {
     auto st = s->stats();
     EXPECT_EQ(st.kv_tokens_free + st.kv_tokens_cached, st.kv_tokens_total);
@@ -139,14 +151,7 @@ TEST_F(SchedulerTest, DraftsAreKeptOrRolledBackAndBackOff) {
       s->commit(p, sampled);
       s->check_integrity();
     }
-    const Collected& c = out["a"];
-    ASSERT_TRUE(c.finished);
-    ASSERT_EQ(c.tokens.size(), 40u);
-    int32_t t = 6;
-    for (size_t i = 0; i < c.tokens.size(); ++i) {
-      t = model(t, 7 + static_cast<int32_t>(i));
-      ASSERT_EQ(c.tokens[i], t) << i;
-    }
+    expect_model_output(model);
     const RankStats st = s->stats();
     if (agree) {
       // Every check keeps its 3 drafts: 4 tokens a step after the prompt's (the length limit cuts the last).
@@ -235,14 +240,7 @@ TEST_F(SchedulerTest, DraftsFollowAGuessOfTheTokenInFlight) {
       s->resolve(running->plan, running->sampled);
       s->erase_finished();
     }
-    const Collected& c = out["a"];
-    ASSERT_TRUE(c.finished);
-    ASSERT_EQ(c.tokens.size(), 40u);
-    int32_t t = 6;
-    for (size_t i = 0; i < c.tokens.size(); ++i) {
-      t = model(t, 7 + static_cast<int32_t>(i));
-      ASSERT_EQ(c.tokens[i], t) << i;
-    }
+    expect_model_output(model);
     const RankStats st = s->stats();
     EXPECT_GT(guessed, 0);
     EXPECT_GT(overlapped, 0);
