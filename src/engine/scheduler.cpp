@@ -352,6 +352,7 @@ bool Scheduler::preempt_for_waiting(bool allow_retract) {
       decoding += r->state == ReqState::Decoding;
       if (r->state != ReqState::Prefilling && r->state != ReqState::Decoding) continue;
       if (static_cast<int64_t>(r->priority) - w.priority <= cfg_.priority_preemption_threshold) continue;
+      if (allow_retract && (r->in_flight > 0 || r->plan_refs > 0)) continue;  // (none when nothing runs)
       victim_tokens += static_cast<int64_t>(r->pages.size()) * cfg_.page_size;
       if (!victim || std::make_pair(r->priority, r->arrival) > std::make_pair(victim->priority, victim->arrival))
         victim = r.get();
