@@ -205,6 +205,20 @@ void Scheduler::admit(Req& r) {
   r.admit_order = ++admit_counter_;
 }
 
+void Scheduler::unadmit(Req& r) {
+  cache_.unlock(r.prefix_node);
+  r.prefix_node = nullptr;
+  r.pages.clear();
+  r.prefix_pages = 0;
+  r.kv_len = 0;
+}
+
+int64_t Scheduler::available_tokens(const Req& r, int32_t headroom) const {
+  const int64_t P = cfg_.page_size;
+  return static_cast<int64_t>(pool_.num_free() + cache_.evictable_pages() - headroom) * P +
+         (static_cast<int64_t>(r.pages.size()) * P - r.kv_len);
+}
+
 void Scheduler::release(Req& r, bool cache_kv) {
   const size_t P = static_cast<size_t>(cfg_.page_size);
   const size_t full = static_cast<size_t>(r.kv_len) / P;
@@ -326,17 +340,11 @@ void Scheduler::retract_to_waiting(Req& victim) {
 int64_t Scheduler::admission_shortfall(Req& w, int32_t headroom) {
   if (num_running() >= cfg_.max_running_requests) return -1;
   admit(w);  // (the cached prefix it would reuse counts; undone below)
-  const int64_t P = cfg_.page_size;
   const int64_t budget =
       cfg_.chunked_prefill_size > 0 ? cfg_.chunked_prefill_size : std::numeric_limits<int64_t>::max();
   const int64_t remaining = static_cast<int64_t>(w.fill.size()) - w.kv_len;
-  const int64_t available = static_cast<int64_t>(pool_.num_free() + cache_.evictable_pages() - headroom) * P +
-                            (static_cast<int64_t>(w.pages.size()) * P - w.kv_len);
-  cache_.unlock(w.prefix_node);
-  w.prefix_node = nullptr;
-  w.pages.clear();
-  w.prefix_pages = 0;
-  w.kv_len = 0;
+  const int64_t available = available_tokens(w, headroom);
+  unadmit(w);
   return std::max<int64_t>(0, std::min(remaining, budget) - available);
 }
 
@@ -484,10 +492,6 @@ StepPlan Scheduler::schedule(bool allow_retract) {
   // 2. Prefill: continue the chunked request, then admit waiting requests in order, within the token budget.
   int64_t budget = cfg_.chunked_prefill_size > 0 ? cfg_.chunked_prefill_size : std::numeric_limits<int64_t>::max();
   const int32_t headroom = static_cast<int32_t>(decoding.size());  // next step's decode pages, roughly
-  auto available_tokens = [&](const Req& r) {
-    return static_cast<int64_t>(pool_.num_free() + cache_.evictable_pages() - headroom) * P +
-           (static_cast<int64_t>(r.pages.size()) * P - r.kv_len);
-  };
   // Prompt-logprob rows left this step: a chunk needing more ends where they run out.
   int64_t lp_budget = std::max(cfg_.max_prompt_logprob_rows, 1);
   auto lp_limit = [&](const Req& r) {  // rows are those of positions [max(first, kv_len), prompt length - 1)
@@ -501,7 +505,7 @@ StepPlan Scheduler::schedule(bool allow_retract) {
     Req& r = *rp;
     if (r.state != ReqState::Prefilling) continue;
     const int64_t remaining = static_cast<int64_t>(r.fill.size()) - r.kv_len;
-    const int64_t n = std::min({remaining, budget, available_tokens(r), lp_limit(r)});
+    const int64_t n = std::min({remaining, budget, available_tokens(r, headroom), lp_limit(r)});
     if (n <= 0) {
       chunk_open = true;
       continue;
@@ -517,16 +521,12 @@ StepPlan Scheduler::schedule(bool allow_retract) {
     Req& r = *waiting_.front();
     admit(r);
     const int64_t remaining = static_cast<int64_t>(r.fill.size()) - r.kv_len;
-    const int64_t n = std::min({remaining, budget, available_tokens(r), lp_limit(r)});
+    const int64_t n = std::min({remaining, budget, available_tokens(r, headroom), lp_limit(r)});
     // Admission control: wait (do not fail) until the whole prompt fits in free + evictable pages,
     // unless it is chunked anyway because of the budget.
-    const bool fits = available_tokens(r) >= std::min(remaining, budget);
+    const bool fits = available_tokens(r, headroom) >= std::min(remaining, budget);
     if (n <= 0 || !fits) {
-      cache_.unlock(r.prefix_node);
-      r.prefix_node = nullptr;
-      r.pages.clear();
-      r.prefix_pages = 0;
-      r.kv_len = 0;
+      unadmit(r);
       break;
     }
     MLA_CHECK(take_pages(r, r.kv_len + static_cast<int32_t>(n), &r), "scheduler: admission pages vanished");

@@ -221,6 +221,11 @@ class Scheduler {
   bool ensure_pages(int32_t n, const Req* protect);
   bool take_pages(Req& r, int32_t upto_tokens, const Req* protect);
   void admit(Req& r);
+  // Undoes admit() for a request that stays waiting (its cached prefix unlocked, no pages).
+  void unadmit(Req& r);
+  // KV tokens r may still take: free and evictable pages less `headroom` (the next step's decode pages, roughly),
+  // and the room left in its own pages.
+  int64_t available_tokens(const Req& r, int32_t headroom) const;
   void release(Req& r, bool cache_kv);
   void retract(Req& r);
   // After a prefill chunk ran: its whole pages go into the prefix cache at once (not only when the request ends), so
