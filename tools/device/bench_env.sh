@@ -15,3 +15,15 @@ serve_up() {
     if [ $up -gt 120 ] || ! kill -0 "$2" 2>/dev/null; then echo "== no server: $(tail -2 "$3")"; return 1; fi
   done
 }
+# gtest_run NAME SECONDS BINARY FILTER: one test binary (killed after SECONDS) into /tmp/NAME.log; prints
+# "== NAME rc=R N ok" and its first failures.
+gtest_run() {
+  timeout -s KILL "$2" "$3" --gtest_filter="$4" > "/tmp/$1.log" 2>&1
+  local rc=$?
+  echo "== $1 rc=$rc $(grep -cE '^\[       OK' "/tmp/$1.log") ok $(grep -E 'FAILED  \]|Failure' "/tmp/$1.log" | head -5 | tr '\n' ' ')"
+}
+# e2e_env BIN_DIR: the environment of the e2e tests (and the golden data) for the mlaserve in BIN_DIR.
+e2e_env() {
+  export MLASERVE_GOLDEN_DIR=$PWD/tests/golden/data MLASERVE_E2E_BINARY=$PWD/$1/mlaserve MLASERVE_E2E_ROOT=$PWD \
+    MLASERVE_E2E_TOKENIZER=$PWD/.devcarry/tok MLASERVE_E2E_DEVICE=cuda
+}

@@ -8,14 +8,11 @@
 set -uo pipefail
 P=$1/bin; OLD=${2:-}
 source tools/device/bench_env.sh
-export MLASERVE_GOLDEN_DIR=$PWD/tests/golden/data MLASERVE_E2E_BINARY=$PWD/$P/mlaserve MLASERVE_E2E_ROOT=$PWD \
-  MLASERVE_E2E_TOKENIZER=$PWD/.devcarry/tok MLASERVE_E2E_DEVICE=cuda
+e2e_env $P
 if [ "${TESTS:-1}" = 1 ]; then
-timeout -s KILL 300 $P/cuda_model_test --gtest_filter='*Graph*' > /tmp/model.log 2>&1
-echo "== model rc=$? $(grep -cE '^\[       OK' /tmp/model.log) ok $(grep -E 'FAILED  \]' /tmp/model.log | tr '\n' ' ')"
-grep -E "drafts step" /tmp/model.log
-timeout -s KILL 300 $P/server_e2e_test --gtest_filter='ServeFlags.Ngram*:ServeFlags.Fp8*' > /tmp/e2e.log 2>&1
-echo "== e2e rc=$? $(grep -cE '^\[       OK' /tmp/e2e.log) ok $(grep -E 'FAILED  \]|Failure' /tmp/e2e.log | head -3 | tr '\n' ' ')"
+  gtest_run model 300 $P/cuda_model_test '*Graph*'
+  grep -E "drafts step" /tmp/model.log
+  gtest_run e2e 300 $P/server_e2e_test 'ServeFlags.Ngram*:ServeFlags.Fp8*'
 fi
 export MLASERVE_GPU_IDLE_STATS=1  # the servers log their graph and eager steps at exit (the last: 8 drafts)
 for b in $OLD $P; do  # (no OLD: this build alone)

@@ -5,10 +5,10 @@
 # usage: tools/device/fp8_cache_ab.sh [PKG_DIR]   (default .devcarry/kv; binaries in PKG_DIR/bin)
 source tools/device/bench_env.sh
 P=${1:-.devcarry/kv}/bin
-export MLASERVE_GOLDEN_DIR=$PWD/tests/golden/data MLASERVE_E2E_BINARY=$PWD/$P/mlaserve MLASERVE_E2E_ROOT=$PWD MLASERVE_E2E_TOKENIZER=$PWD/.devcarry/tok MLASERVE_E2E_DEVICE=cuda
-timeout -s KILL 200 $P/cuda_ops_test > /tmp/ops.log 2>&1; echo "== ops rc=$? $(grep -cE '^\[       OK' /tmp/ops.log) ok $(grep -E 'FAILED  \]' /tmp/ops.log | tr '\n' ' ')"
-timeout -s KILL 200 $P/cuda_model_test > /tmp/model.log 2>&1; echo "== model rc=$? $(grep -cE '^\[       OK' /tmp/model.log) ok $(grep -E 'FAILED  \]' /tmp/model.log | tr '\n' ' ')"
-timeout -s KILL 120 $P/server_e2e_test --gtest_filter='ServeFlags.Fp8*' > /tmp/e2e.log 2>&1; echo "== e2e rc=$? $(grep -cE '^\[       OK' /tmp/e2e.log) ok $(grep -E 'FAILED  \]|Failure' /tmp/e2e.log | head -3 | tr '\n' ' ')"
+e2e_env $P
+gtest_run ops 200 $P/cuda_ops_test '*'
+gtest_run model 200 $P/cuda_model_test '*'
+gtest_run e2e 120 $P/server_e2e_test 'ServeFlags.Fp8*'
 for kv in auto fp8_e4m3; do for seed in 1 2; do
   timeout -s KILL 100 $P/mlaserve bench-one-batch --device cuda --model-path tools/bench/deepseek-v2-lite --load-format dummy --input-len 4096 --output-len 32 --batch-size 128 --kv-cache-dtype $kv --input-seed $seed > /tmp/b.log 2>&1
   echo "== 128x4096 kv $kv seed $seed: $(grep -E '^  decode' /tmp/b.log)"

@@ -8,11 +8,9 @@ set -uo pipefail
 PKG=$1
 source tools/device/bench_env.sh
 export MLASERVE_GOLDEN_DIR=$PWD/tests/golden/data
-timeout -s KILL 240 $PKG/bin/cuda_ops_test --gtest_filter='*Mla*:*RopeAndLatent*' > /tmp/ops.log 2>&1
-echo "== ops rc=$? $(grep -cE '^\[       OK' /tmp/ops.log) ok; $(grep -E 'FAILED  \]|Failure' /tmp/ops.log | head -5 | tr '\n' ' ')"
+gtest_run ops 240 $PKG/bin/cuda_ops_test '*Mla*:*RopeAndLatent*'
 grep -E "fp8 cache" /tmp/ops.log | sort | uniq | head -40
-timeout -s KILL 200 $PKG/bin/cuda_model_test --gtest_filter='*Graph*' > /tmp/model.log 2>&1
-echo "== model rc=$? $(grep -cE '^\[       OK' /tmp/model.log) ok; $(grep -E 'FAILED  \]' /tmp/model.log | tr '\n' ' ')"
+gtest_run model 200 $PKG/bin/cuda_model_test '*Graph*'
 grep -E "fp8 cache" /tmp/model.log | head -10
 for v in 7 9; do timeout -s KILL 60 $PKG/bin/cuda_kernel_bench mla $v 2>&1 | head -3; done
 [ "${2:-}" = quick ] && exit 0

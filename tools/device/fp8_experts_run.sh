@@ -8,10 +8,8 @@ set -uo pipefail
 PKG=$1
 source tools/device/bench_env.sh
 export MLASERVE_GOLDEN_DIR=$PWD/tests/golden/data
-timeout -s KILL 200 $PKG/bin/cuda_ops_test --gtest_filter='*Fp8*:CudaOps.MoeExpertsSmall' > /tmp/ops.log 2>&1
-echo "== ops rc=$? $(grep -cE '^\[       OK' /tmp/ops.log) ok; $(grep -E 'FAILED  \]|Failure' /tmp/ops.log | head -5 | tr '\n' ' ')"
-timeout -s KILL 200 $PKG/bin/cuda_model_test --gtest_filter='*Fp8*:*GoldenV2:*GoldenV3' > /tmp/model.log 2>&1
-echo "== model rc=$? $(grep -cE '^\[       OK' /tmp/model.log) ok; $(grep -E 'FAILED  \]' /tmp/model.log | tr '\n' ' ')"
+gtest_run ops 200 $PKG/bin/cuda_ops_test '*Fp8*:CudaOps.MoeExpertsSmall'
+gtest_run model 200 $PKG/bin/cuda_model_test '*Fp8*:*GoldenV2:*GoldenV3'
 grep -E "v3-fp8|weights:" /tmp/model.log | head -12
 for mode in kept dequantized; do
   PORT=30$((RANDOM % 400 + 100))
