@@ -19,8 +19,10 @@ serve_up() {
 # "== NAME rc=R N ok" and its first failures.
 gtest_run() {
   timeout -s KILL "$2" "$3" --gtest_filter="$4" > "/tmp/$1.log" 2>&1
-  local rc=$?
-  echo "== $1 rc=$rc $(grep -cE '^\[       OK' "/tmp/$1.log") ok $(grep -E 'FAILED  \]|Failure' "/tmp/$1.log" | head -5 | tr '\n' ' ')"
+  local rc=$? ok failed
+  ok=$(grep -cE '^\[       OK' "/tmp/$1.log")
+  failed=$(grep -E 'FAILED  \]|Failure' "/tmp/$1.log" | head -5 | tr '\n' ' ')
+  echo "== $1 rc=$rc $ok ok $failed"
 }
 # e2e_env BIN_DIR: the environment of the e2e tests (and the golden data) for the mlaserve in BIN_DIR.
 e2e_env() {
