@@ -58,13 +58,13 @@ inline CommandResult run_command(const std::string& cmd) {
   return r;
 }
 
-// The E4M3 code of least |value - x| over the finite codes of x's sign, ties to the even code (x within +-448): a
-// brute-force reference of f32_to_e4m3, and the tests' own FP8 quantizer.
-inline uint8_t nearest_e4m3(float x) {
+// The FP8 code of least |value - x| over the codes [0, max_code] of x's sign (value: the format's decoding), ties to
+// the even code: a brute-force reference of the encoders within their finite range.
+inline uint8_t nearest_fp8(float x, float (*value)(uint8_t), int max_code) {
   uint8_t best = 0;
   double bd = 1e30;
-  for (int c = 0; c < 0x7f; ++c) {
-    const double d = std::fabs(static_cast<double>(f8e4m3_to_f32(static_cast<uint8_t>(c))) - std::fabs(x));
+  for (int c = 0; c <= max_code; ++c) {
+    const double d = std::fabs(static_cast<double>(value(static_cast<uint8_t>(c))) - std::fabs(x));
     if (d < bd || (d == bd && c % 2 == 0)) {
       bd = d;
       best = static_cast<uint8_t>(c);
@@ -72,6 +72,10 @@ inline uint8_t nearest_e4m3(float x) {
   }
   return static_cast<uint8_t>(best | (std::signbit(x) ? 0x80 : 0));
 }
+// f32_to_e4m3's reference (x within +-448), and the tests' own FP8 quantizer.
+inline uint8_t nearest_e4m3(float x) { return nearest_fp8(x, f8e4m3_to_f32, 0x7e); }
+// f32_to_e5m2's reference (x within +-57344).
+inline uint8_t nearest_e5m2(float x) { return nearest_fp8(x, f8e5m2_to_f32, 0x7b); }
 
 inline std::string golden_dir(const std::string& family) { return std::string(MLASERVE_GOLDEN_DIR) + "/" + family; }
 

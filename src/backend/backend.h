@@ -108,7 +108,7 @@ class Backend {
   virtual void* native_stream() { return nullptr; }
   // The element type weights of source dtype `src` are kept in on this backend.
   virtual DType weight_dtype(DType src) const = 0;
-  // Uploads a host tensor, converting its elements to `dtype` (F32/F16/BF16/F8_E4M3 sources).
+  // Uploads a host tensor, converting its elements to `dtype` (F32/F16/BF16/F8_E4M3/F8_E5M2 sources).
   virtual Tensor upload(const Tensor& host, DType dtype) = 0;
   // Copies a host tensor into an existing backend tensor of the same element count, converting elements.
   virtual void upload_into(const Tensor& host, Tensor& dst) = 0;

@@ -1,4 +1,4 @@
-// Element types and the scalar conversions every backend shares (bf16 / f16 / fp8-e4m3 <-> f32).
+// Element types and the scalar conversions every backend shares (bf16 / f16 / fp8-e4m3 / fp8-e5m2 <-> f32).
 #pragma once
 
 #include <cmath>
@@ -9,7 +9,7 @@
 
 namespace mlaserve {
 
-enum class DType : uint8_t { F32, F16, BF16, F8_E4M3, I64, I32, I16, I8, U8, BOOL };
+enum class DType : uint8_t { F32, F16, BF16, F8_E4M3, F8_E5M2, I64, I32, I16, I8, U8, BOOL };
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);  // safetensors spelling: "F32", "BF16", "F8_E4M3", ...
@@ -79,6 +79,23 @@ inline uint8_t f32_to_e4m3(float x) {
   if (u >= 0x43e00000u) return sign | 0x7e;  // |x| >= 448 (infinities included)
   if (u < 0x3c800000u) return sign | static_cast<uint8_t>(std::nearbyint(std::fabs(x) * 512.0f));  // |x| < 2^-6
   return sign | static_cast<uint8_t>(((u + 0x7ffffu + ((u >> 20) & 1u)) >> 20) - (120u << 3));
+}
+
+// OCP FP8 E5M2: the top byte of an f16 (5 exponent bits, 2 mantissa bits; infinities 0x7c / 0xfc, NaN above them).
+inline float f8e5m2_to_f32(uint8_t v) { return f16_to_f32(static_cast<uint16_t>(v << 8)); }
+
+// The E5M2 code nearest to x, ties to the even code, saturated to the largest finite +-57344 (infinities included,
+// as the GPU's satfinite conversion does); NaN gives 0x7f. Normal codes keep f32's exponent and top 2 mantissa bits,
+// rounded on the 21 dropped bits; below 2^-14 the subnormal codes are steps of 2^-16.
+inline uint8_t f32_to_e5m2(float x) {
+  if (std::isnan(x)) return 0x7f;
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const auto sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  u &= 0x7fffffffu;
+  if (u >= 0x47600000u) return sign | 0x7b;  // |x| >= 57344
+  if (u < 0x38800000u) return sign | static_cast<uint8_t>(std::nearbyint(std::fabs(x) * 65536.0f));  // |x| < 2^-14
+  return sign | static_cast<uint8_t>(((u + 0xfffffu + ((u >> 21) & 1u)) >> 21) - (112u << 2));
 }
 
 }  // namespace mlaserve

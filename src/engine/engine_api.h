@@ -183,7 +183,7 @@ struct EngineArgs {
   std::string load_format = "auto";
   std::string fp8_experts = "auto";  // FP8 checkpoints' routed experts: auto | on (kept FP8) | off (bf16 at load)
   std::string quantization;          // "fp8": a bf16 checkpoint's routed experts quantized to FP8 at load
-  std::string kv_cache_dtype = "auto";  // auto | bf16 | fp8_e4m3 (fp8): the latent cache's element type
+  std::string kv_cache_dtype = "auto";  // auto | bf16 | fp8_e4m3 (fp8) | fp8_e5m2: the latent cache's element type
   uint64_t seed = 0;
   int32_t tp_size = 1;
   int32_t dp_size = 1;

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "engine/page_pool.h"
@@ -20,7 +21,7 @@ struct OfflineOptions {
   int32_t prefill_chunk = 0;    // > 0: prefill each prompt in chunks of this many tokens (one step per chunk)
   MlaForm form = MlaForm::Auto;
   int32_t page_size = 16;
-  bool kv_cache_fp8 = false;      // one model on one backend: an FP8 latent cache (the RankSet path: ParallelConfig)
+  std::optional<DType> kv_cache_fp8;  // one model on one backend: an FP8 latent cache's type (RankSet: ParallelConfig)
   std::vector<int64_t> stop_ids;  // greedy generation of a sequence stops after one of these (empty: never)
 };
 

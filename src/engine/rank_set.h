@@ -13,6 +13,7 @@
 #include <condition_variable>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -42,8 +43,8 @@ struct ParallelConfig {
   // Decode steps of up to this many tokens per DP group replay graphs recorded after allocate_kv (CUDA graphs;
   // backends without graphs ignore it). 0: off (--disable-cuda-graph).
   int32_t cuda_graph_max_bs = 0;
-  // The latent KV cache in FP8 E4M3 (--kv-cache-dtype fp8_e4m3), else in the backend's activation type.
-  bool kv_cache_fp8 = false;
+  // The latent KV cache's FP8 type (--kv-cache-dtype fp8_e4m3 / fp8_e5m2), none for the backend's activation type.
+  std::optional<DType> kv_cache_fp8;
   // Tests only: communicators for CPU ranks of simulated nodes in one process (so the multi-node control path runs
   // without GPUs): (global rank, attention-DP group or -1 for the world) -> that rank's communicator.
   std::function<std::unique_ptr<Communicator>(int32_t global_rank, int32_t dp_group)> comm_factory;

@@ -1,13 +1,15 @@
 // The paged latent KV cache: per layer one device tensor [num_pages * page_size, kv_lora_rank + qk_rope_head_dim]
 // holding, for every token slot, the normalised c_kv followed by the rotated shared k_pe. Which slots belong to
 // which sequence is the page table's business (engine/page_pool.h hands out pages).
-// Its element type is the backend's activation type, or FP8 E4M3 (--kv-cache-dtype fp8_e4m3: half of bf16's bytes,
-// so twice the tokens): each value the E4M3 code nearest to it (ties to even, saturated to +-448, no scale, as
-// SGLang's and vLLM's MLA caches hold it without a checkpoint scale); every backend op that writes a row writes its
-// codes and every read of the cache reads their values.
+// Its element type is the backend's activation type, or FP8 (--kv-cache-dtype fp8_e4m3 / fp8_e5m2: half of bf16's
+// bytes, so twice the tokens): each value the E4M3 / E5M2 code nearest to it (ties to even, saturated to +-448 /
+// +-57344, no scale, as SGLang's and vLLM's MLA caches hold it without a checkpoint scale); every backend op that
+// writes a row writes its codes and every read of the cache reads their values. E4M3 keeps one more mantissa bit,
+// E5M2 a wider range.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,7 +19,9 @@ namespace mlaserve {
 
 class KvCache {
  public:
-  KvCache(Backend& backend, const ModelConfig& config, int64_t num_pages, int32_t page_size, bool fp8 = false);
+  // fp8: the FP8 code type (F8_E4M3 or F8_E5M2), none for the backend's activation type.
+  KvCache(Backend& backend, const ModelConfig& config, int64_t num_pages, int32_t page_size,
+          std::optional<DType> fp8 = std::nullopt);
   int64_t num_pages() const { return num_pages_; }
   int32_t page_size() const { return page_size_; }
   int64_t num_slots() const { return num_pages_ * page_size_; }
@@ -25,8 +29,8 @@ class KvCache {
   Tensor& layer(int64_t i) { return layers_[static_cast<size_t>(i)]; }
   // Bytes of cache per token (all layers).
   static int64_t bytes_per_token(const ModelConfig& c, DType dtype);
-  // The cache's element type on a backend: FP8 E4M3 when fp8, else the backend's activation type.
-  static DType dtype_on(const Backend& backend, bool fp8) { return fp8 ? DType::F8_E4M3 : backend.act_dtype(); }
+  // The cache's element type on a backend: the FP8 type when given, else the backend's activation type.
+  static DType dtype_on(const Backend& backend, std::optional<DType> fp8) { return fp8.value_or(backend.act_dtype()); }
 
  private:
   int64_t num_pages_;
@@ -35,11 +39,11 @@ class KvCache {
   std::vector<Tensor> layers_;
 };
 
-// --kv-cache-dtype (SGLang's and vLLM's values): true for an FP8 E4M3 cache ("fp8", "fp8_e4m3"), false for the
-// activation type ("auto", "bf16", "bfloat16"); anything else fails with a message naming the flag.
-bool parse_kv_cache_dtype(const std::string& s);
+// --kv-cache-dtype (SGLang's and vLLM's values): F8_E4M3 for "fp8" / "fp8_e4m3", F8_E5M2 for "fp8_e5m2", none for
+// the activation type ("auto", "bf16", "bfloat16"); anything else fails with a message naming the flag.
+std::optional<DType> parse_kv_cache_dtype(const std::string& s);
 // The flag's help text (every command that takes it).
 inline constexpr const char* kKvCacheDtypeHelp =
-    "latent KV cache: auto (the activation type) | bf16 | fp8_e4m3 (fp8: half the bytes per token)";
+    "latent KV cache: auto (the activation type) | bf16 | fp8_e4m3 (fp8) | fp8_e5m2 (FP8: half the bytes per token)";
 
 }  // namespace mlaserve

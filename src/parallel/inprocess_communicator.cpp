@@ -34,7 +34,7 @@ void InProcessGroup::arrive_and_wait(int rank, const char* what) {
   if (!cv_.wait_for(lk, timeout_, [&] { return generation_ != gen || aborted_ || mine; })) {
     std::string missing;
     for (int r = 0; r < size_; ++r)
-      if (!present_[static_cast<size_t>(r)]) missing += (missing.empty() ? "" : ",") + std::to_string(r);
+      if (!present_[static_cast<size_t>(r)]) missing.append(missing.empty() ? "" : ",").append(std::to_string(r));
     aborted_ = true;
     abort_reason_ = fmt::format("{} timed out after {} ms waiting for ranks {}", what, timeout_.count(), missing);
     cv_.notify_all();

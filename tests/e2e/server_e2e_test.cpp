@@ -1149,14 +1149,14 @@ TEST(ServeFlags, NgramSpeculativeDecodingKeepsTheAnswers) {
                        "specul");
 }
 
-// --kv-cache-dtype fp8_e4m3 (SGLang's and vLLM's value; "fp8" too, here under DP attention): served, the same greedy
-// answer again from the prefix cache's FP8 rows; E5M2 and unknown types refused with the flag named.
+// --kv-cache-dtype fp8_e4m3 and fp8_e5m2 (SGLang's and vLLM's values; "fp8" too, here under DP attention): served,
+// the same greedy answer again from the prefix cache's FP8 rows; unknown types refused with the flag named.
 TEST(ServeFlags, Fp8KvCacheServes) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   std::string prompt;
   for (int i = 0; i < 12; ++i) prompt += "The capital of France is a city that the river divides in two. ";
   const std::string req = R"({"prompt": ")" + prompt + R"(", "max_tokens": 24, "temperature": 0, "ignore_eos": true})";
-  std::vector<std::vector<std::string>> layouts = {{"--kv-cache-dtype", "fp8_e4m3"}};
+  std::vector<std::vector<std::string>> layouts = {{"--kv-cache-dtype", "fp8_e4m3"}, {"--kv-cache-dtype", "fp8_e5m2"}};
   if (e2e_env("MLASERVE_E2E_DEVICE", "cpu") == "cpu")  // (two GPUs otherwise)
     layouts.push_back({"--kv-cache-dtype", "fp8", "--tp", "2", "--dp", "2", "--enable-dp-attention"});
   for (const std::vector<std::string>& flags : layouts) {
@@ -1173,7 +1173,7 @@ TEST(ServeFlags, Fp8KvCacheServes) {
     EXPECT_GT(again["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>(), 100) << again.dump();
     EXPECT_EQ(s.stop(), 0);
   }
-  expect_serve_refuses({"--kv-cache-dtype fp8_e5m2", "--kv-cache-dtype int8"}, "--kv-cache-dtype");
+  expect_serve_refuses({"--kv-cache-dtype int8", "--kv-cache-dtype fp8_e3m4"}, "--kv-cache-dtype");
 }
 
 // /generate requests of a priority (EOS ignored) on one server, each name recorded once its request has all its

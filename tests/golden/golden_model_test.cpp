@@ -128,14 +128,15 @@ TEST_P(GoldenModel, ChunkedPrefillEqualsPrefillAtOnce) {
   }
 }
 
-// An FP8 latent cache (--kv-cache-dtype fp8_e4m3) is the model whose cached latent values are rounded to E4M3: the
-// same logits and tokens, bit for bit, as the exact cache under a backend that rounds every row it writes to the
-// nearest E4M3 value (in the test, not through the FP8 code). Against Hugging Face no bound is asserted: these tiny
-// random models amplify the cache's rounding (bf16 rounding alone moves their logits 6e-3 to 1e-2 of their scale,
-// E4M3's 16 times coarser steps 0.1 to 4), so the printout only reports the distance.
+// An FP8 latent cache (--kv-cache-dtype fp8_e4m3 / fp8_e5m2) is the model whose cached latent values are rounded to
+// E4M3 / E5M2: the same logits and tokens, bit for bit, as the exact cache under a backend that rounds every row it
+// writes to the nearest E4M3 / E5M2 value (in the test, not through the FP8 code). Against Hugging Face no bound is
+// asserted: these tiny random models amplify the cache's rounding (bf16 rounding alone moves their logits 6e-3 to
+// 1e-2 of their scale, E4M3's 16 times coarser steps 0.1 to 4), so the printout only reports the distance.
 class RoundingCacheBackend final : public ForwardingBackend {
  public:
   explicit RoundingCacheBackend(Backend& inner) : ForwardingBackend(inner) {}
+  void set_codes(DType codes) { e5m2_ = codes == DType::F8_E5M2; }
   void begin_step(const ForwardBatch& b) override {
     slots_ = b.out_slots;
     ForwardingBackend::begin_step(b);
@@ -143,8 +144,8 @@ class RoundingCacheBackend final : public ForwardingBackend {
   void mla_write_latent(Tensor& latent, const Tensor& w, float eps, Tensor& cache) override {
     ForwardingBackend::mla_write_latent(latent, w, eps, cache);
     const int64_t W = cache.size(-1);
-    auto round = [](float* x, int64_t n) {
-      for (int64_t i = 0; i < n; ++i) x[i] = f8e4m3_to_f32(f32_to_e4m3(x[i]));
+    auto round = [this](float* x, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) x[i] = e5m2_ ? f8e5m2_to_f32(f32_to_e5m2(x[i])) : f8e4m3_to_f32(f32_to_e4m3(x[i]));
     };
     for (size_t t = 0; t < slots_.size(); ++t) {
       round(latent.data_as<float>() + static_cast<int64_t>(t) * W, W);
@@ -154,6 +155,7 @@ class RoundingCacheBackend final : public ForwardingBackend {
 
  private:
   std::vector<int32_t> slots_;
+  bool e5m2_ = false;
 };
 
 TEST_P(GoldenModel, Fp8KvCacheIsTheRoundedCacheModel) {
@@ -162,14 +164,17 @@ TEST_P(GoldenModel, Fp8KvCacheIsTheRoundedCacheModel) {
   RoundingCacheBackend rounding(*l.backend);
   DeepseekModel rounded(ModelConfig::from_file(test::golden_dir(GetParam())), rounding);
   rounded.load(test::golden_dir(GetParam()), {});
-  for (int32_t chunk : {0, 7}) {  // whole prompts, and chunks reading the earlier chunks' FP8 rows
-    SCOPED_TRACE("prefill chunk " + std::to_string(chunk));
+  for (auto [codes, chunk] : {std::pair{DType::F8_E4M3, 0}, std::pair{DType::F8_E4M3, 7},
+                              std::pair{DType::F8_E5M2, 0}, std::pair{DType::F8_E5M2, 7}}) {
+    // whole prompts, and chunks reading the earlier chunks' FP8 rows
+    SCOPED_TRACE(std::string(dtype_name(codes)) + " cache, prefill chunk " + std::to_string(chunk));
+    rounding.set_codes(codes);
     OfflineOptions o;
     o.max_new_tokens = 6;
     o.prefill_chunk = chunk;
     OfflineResult want = run_offline(rounded, g.prompts, o);
     OfflineResult exact = run_offline(*l.model, g.prompts, o);
-    o.kv_cache_fp8 = true;
+    o.kv_cache_fp8 = codes;
     OfflineResult got = run_offline(*l.model, g.prompts, o);
     double worst = 0.0;
     for (size_t j = 0; j < g.prompts.size(); ++j) {
@@ -181,8 +186,8 @@ TEST_P(GoldenModel, Fp8KvCacheIsTheRoundedCacheModel) {
       worst = std::max(worst, test::rel_err(got.prompt_logits[j], g.logits[j]));
     }
     if (chunk == 0)
-      std::printf("  %s: FP8 cache, prompt logits within %.3g of Hugging Face's scale (exact cache: 1e-3)\n",
-                  GetParam().c_str(), worst);
+      std::printf("  %s: %s cache, prompt logits within %.3g of Hugging Face's scale (exact cache: 1e-3)\n",
+                  GetParam().c_str(), dtype_name(codes), worst);
   }
 }
 

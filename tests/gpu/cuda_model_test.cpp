@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -346,7 +347,8 @@ TEST(CudaModel, ChunkedPrefillAndIdleStep) {
 // (kv_lora 512 / rope 64: the tensor-core decode kernel, split into parts). fp8: an FP8 cache (its decode kernel).
 // drafts: per sequence, how many draft tokens follow its decode token (a step checking n-gram drafts: several tokens
 // of one sequence in the absorbed form, every token a logit row).
-void graph_case(const std::string& dir, bool dummy, bool fp8 = false, const std::vector<int32_t>& drafts = {}) {
+void graph_case(const std::string& dir, bool dummy, std::optional<DType> fp8 = std::nullopt,
+                const std::vector<int32_t>& drafts = {}) {
   GpuModel gm(dir, dummy);
   DeepseekModel& m = *gm.model;
   const int32_t ps = 16, pages = 40, dummy_page = pages, graph_rows = 8;
@@ -381,7 +383,8 @@ void graph_case(const std::string& dir, bool dummy, bool fp8 = false, const std:
     ASSERT_EQ(eager.numel(), graph.numel());
     const double sd = stddev(eager);
     const Diff d = diff(eager, graph);
-    std::printf("  %s%s%s step %d: graph vs eager max|dlogit|/std %.2e\n", dir.c_str(), fp8 ? " (fp8 cache)" : "",
+    std::printf("  %s%s%s step %d: graph vs eager max|dlogit|/std %.2e\n", dir.c_str(),
+                fp8 ? (*fp8 == DType::F8_E5M2 ? " (e5m2 cache)" : " (e4m3 cache)") : "",
                 drafts.empty() ? " decode" : " drafts", step, d.max_abs / sd);
     EXPECT_LE(d.max_abs / sd, 0.03) << dir << " step " << step;
     const int64_t V = eager.size(-1);
@@ -420,14 +423,16 @@ TEST(CudaModel, GraphReplayMatchesEager) {
 // Steps checking drafts (2, 0 and 1 drafts after the decode tokens: 6 tokens padded to 8) replay the decode graph.
 TEST(CudaModel, GraphReplayMatchesEagerWithDrafts) {
   REQUIRE_GPU();
-  graph_case(golden_dir() + "/v2", false, false, {2, 0, 1});
-  graph_case(real_dims_dir(), true, false, {2, 0, 1});
+  graph_case(golden_dir() + "/v2", false, std::nullopt, {2, 0, 1});
+  graph_case(real_dims_dir(), true, std::nullopt, {2, 0, 1});
 }
 
 TEST(CudaModel, GraphReplayMatchesEagerFp8Cache) {
   REQUIRE_GPU();
-  graph_case(golden_dir() + "/v2", false, true);
-  graph_case(real_dims_dir(), true, true);
+  for (DType t : {DType::F8_E4M3, DType::F8_E5M2}) {
+    graph_case(golden_dir() + "/v2", false, t);
+    graph_case(real_dims_dir(), true, t);
+  }
 }
 
 // One sequence decoding past cuda::kOneTokenMaxCtx keys with the one-launch attention of one token: up to the bound

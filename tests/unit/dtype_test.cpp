@@ -57,8 +57,46 @@ TEST(DType, Fp8E4m3EncodeRoundsToNearestEven) {
   }
 }
 
+TEST(DType, Fp8E5m2Decode) {
+  EXPECT_EQ(f8e5m2_to_f32(0x3c), 1.0f);      // exp 15, mant 0
+  EXPECT_EQ(f8e5m2_to_f32(0x3e), 1.5f);
+  EXPECT_EQ(f8e5m2_to_f32(0x7b), 57344.0f);  // max finite
+  EXPECT_EQ(f8e5m2_to_f32(0xfb), -57344.0f);
+  EXPECT_EQ(f8e5m2_to_f32(0x01), std::ldexp(1.0f, -16));  // smallest subnormal
+  EXPECT_EQ(f8e5m2_to_f32(0x04), std::ldexp(1.0f, -14));  // smallest normal
+  EXPECT_TRUE(std::isinf(f8e5m2_to_f32(0x7c)));
+  EXPECT_TRUE(std::isnan(f8e5m2_to_f32(0x7d)));
+}
+
+TEST(DType, Fp8E5m2EncodeRoundsToNearestEven) {
+  for (int c = 0; c < 256; ++c) {  // every finite code's value is its own code (the sign of zero kept)
+    if ((c & 0x7c) == 0x7c) continue;
+    EXPECT_EQ(f32_to_e5m2(f8e5m2_to_f32(static_cast<uint8_t>(c))), c) << c;
+  }
+  for (int c = 0; c < 0x7b; ++c) {  // halfway between neighbours: the even code; either side of it: the nearer
+    const float lo = f8e5m2_to_f32(static_cast<uint8_t>(c)), hi = f8e5m2_to_f32(static_cast<uint8_t>(c + 1));
+    const float mid = (lo + hi) / 2;
+    EXPECT_EQ(f32_to_e5m2(mid), c % 2 == 0 ? c : c + 1) << c;
+    EXPECT_EQ(f32_to_e5m2(std::nextafter(mid, 0.0f)), c) << c;
+    EXPECT_EQ(f32_to_e5m2(std::nextafter(mid, 1e9f)), c + 1) << c;
+    EXPECT_EQ(f32_to_e5m2(-mid), (c % 2 == 0 ? c : c + 1) | 0x80) << c;
+  }
+  EXPECT_EQ(f32_to_e5m2(60000.0f), 0x7b);  // saturated to the largest finite code, not infinity
+  EXPECT_EQ(f32_to_e5m2(-1e9f), 0xfb);
+  EXPECT_EQ(f32_to_e5m2(INFINITY), 0x7b);
+  EXPECT_EQ(f32_to_e5m2(std::ldexp(1.0f, -18)), 0x00);  // a quarter of the smallest subnormal
+  EXPECT_EQ(f32_to_e5m2(std::ldexp(3.0f, -18)), 0x01);
+  EXPECT_TRUE(std::isnan(f8e5m2_to_f32(f32_to_e5m2(std::nanf("")))));
+  uint64_t st = 11;
+  for (int i = 0; i < 20000; ++i) {  // random magnitudes over the whole range, subnormals included
+    st = splitmix64(st);
+    const float x = std::ldexp(static_cast<float>(st >> 40) / 16777216.0f - 0.5f, static_cast<int>(st % 32) - 16);
+    ASSERT_EQ(f32_to_e5m2(x), test::nearest_e5m2(x)) << x;
+  }
+}
+
 TEST(DType, NamesRoundTrip) {
-  for (DType t : {DType::F32, DType::F16, DType::BF16, DType::F8_E4M3, DType::I64, DType::I32})
+  for (DType t : {DType::F32, DType::F16, DType::BF16, DType::F8_E4M3, DType::F8_E5M2, DType::I64, DType::I32})
     EXPECT_EQ(dtype_from_name(dtype_name(t)), t);
   EXPECT_FALSE(dtype_from_name("F4").has_value());
 }

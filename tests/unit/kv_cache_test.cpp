@@ -1,5 +1,5 @@
-// The FP8 (E4M3) latent cache on the CPU reference backend: rows written as the codes nearest to their values,
-// every form of attention reading exactly those codes' values, and the --kv-cache-dtype values.
+// The FP8 (E4M3 and E5M2) latent cache on the CPU reference backend: rows written as the codes nearest to their
+// values, every form of attention reading exactly those codes' values, and the --kv-cache-dtype values.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,19 +16,15 @@ namespace mlaserve {
 namespace {
 
 TEST(KvCacheFp8, FlagValues) {
-  for (const char* s : {"auto", "bf16", "bfloat16"}) EXPECT_FALSE(parse_kv_cache_dtype(s)) << s;
-  for (const char* s : {"fp8", "fp8_e4m3"}) EXPECT_TRUE(parse_kv_cache_dtype(s)) << s;
-  try {
-    parse_kv_cache_dtype("fp8_e5m2");
-    ADD_FAILURE() << "fp8_e5m2 accepted";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("fp8_e4m3"), std::string::npos) << e.what();
-  }
+  for (const char* s : {"auto", "bf16", "bfloat16"}) EXPECT_FALSE(parse_kv_cache_dtype(s).has_value()) << s;
+  for (const char* s : {"fp8", "fp8_e4m3"}) EXPECT_EQ(parse_kv_cache_dtype(s), DType::F8_E4M3) << s;
+  EXPECT_EQ(parse_kv_cache_dtype("fp8_e5m2"), DType::F8_E5M2);
   try {
     parse_kv_cache_dtype("int8");
     ADD_FAILURE() << "int8 accepted";
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("--kv-cache-dtype"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("fp8_e5m2"), std::string::npos) << e.what();
   }
 }
 
@@ -38,19 +34,37 @@ TEST(KvCacheFp8, HoldsOneByteCodesPerValue) {
   c.num_hidden_layers = 3;
   c.kv_lora_rank = 64;
   c.qk_rope_head_dim = 16;
-  KvCache f32(*cpu, c, 5, 16), f8(*cpu, c, 5, 16, true);
+  KvCache f32(*cpu, c, 5, 16);
   EXPECT_EQ(f32.dtype(), DType::F32);
-  EXPECT_EQ(f8.dtype(), DType::F8_E4M3);
-  for (int64_t l = 0; l < 3; ++l) {
-    EXPECT_EQ(f8.layer(l).dtype(), DType::F8_E4M3);
-    EXPECT_EQ(f8.layer(l).nbytes() * 4, f32.layer(l).nbytes());
+  for (DType t : {DType::F8_E4M3, DType::F8_E5M2}) {
+    KvCache f8(*cpu, c, 5, 16, t);
+    EXPECT_EQ(f8.dtype(), t);
+    for (int64_t l = 0; l < 3; ++l) {
+      EXPECT_EQ(f8.layer(l).dtype(), t);
+      EXPECT_EQ(f8.layer(l).nbytes() * 4, f32.layer(l).nbytes());
+    }
+    EXPECT_EQ(KvCache::bytes_per_token(c, f8.dtype()), 3 * 80);
   }
-  EXPECT_EQ(KvCache::bytes_per_token(c, f8.dtype()), 3 * 80);
+  EXPECT_THROW(KvCache(*cpu, c, 5, 16, DType::BF16), std::exception) << "not an FP8 type";
 }
+
+// An FP8 code type's conversions (core/dtype.h).
+struct Codes {
+  DType dtype;
+  float (*value)(uint8_t);
+  uint8_t (*code)(float);
+  bool (*special)(uint8_t);  // NaN (and E5M2's infinities)
+};
+const Codes kE4M3{DType::F8_E4M3, f8e4m3_to_f32, f32_to_e4m3, [](uint8_t v) { return (v & 0x7f) == 0x7f; }};
+const Codes kE5M2{DType::F8_E5M2, f8e5m2_to_f32, f32_to_e5m2, [](uint8_t v) { return (v & 0x7c) == 0x7c; }};
+void writes_codes_and_attends_over_their_values(const Codes& k);
 
 // Sequences (cached prefix, new tokens) over shuffled pages; the prefixes' rows hold random codes (the F32 cache
 // their values), the new tokens' rows are written by mla_write_latent into both caches.
-TEST(KvCacheFp8, CpuWritesCodesAndAttendsOverTheirValues) {
+TEST(KvCacheFp8, CpuWritesCodesAndAttendsOverTheirValues) { writes_codes_and_attends_over_their_values(kE4M3); }
+TEST(KvCacheFp8, CpuWritesE5M2CodesAndAttendsOverTheirValues) { writes_codes_and_attends_over_their_values(kE5M2); }
+
+void writes_codes_and_attends_over_their_values(const Codes& k) {
   const int64_t nh = 4, kvr = 64, rope = 16, nope = 32, vh = 32, W = kvr + rope;
   const int32_t ps = 8;
   const std::vector<std::pair<int32_t, int32_t>> seqs = {{0, 5}, {13, 1}, {8, 9}, {40, 1}};
@@ -78,13 +92,13 @@ TEST(KvCacheFp8, CpuWritesCodesAndAttendsOverTheirValues) {
   for (size_t i = 0; i < freqs.size(); ++i) freqs[i] = std::pow(10000.0f, -2.0f * i / static_cast<float>(rope));
   cpu->set_rope(freqs, 1.0f);
 
-  Tensor c8 = Tensor::empty_host({slots, W}, DType::F8_E4M3), c32 = Tensor::empty_host({slots, W}, DType::F32);
+  Tensor c8 = Tensor::empty_host({slots, W}, k.dtype), c32 = Tensor::empty_host({slots, W}, DType::F32);
   std::uniform_int_distribution<int> code(0, 255);
   for (int64_t i = 0; i < slots * W; ++i) {
     uint8_t v = static_cast<uint8_t>(code(rng));
-    if ((v & 0x7f) == 0x7f) v = 0x3c;  // no NaN codes in the rows
+    if (k.special(v)) v = 0x3c;  // no NaN (or infinite) codes in the rows
     c8.data_as<uint8_t>()[i] = v;
-    c32.data_as<float>()[i] = f8e4m3_to_f32(v);
+    c32.data_as<float>()[i] = k.value(v);
   }
   std::normal_distribution<float> nd(0.0f, 2.0f);
   Tensor lat = Tensor::empty_host({T, W}, DType::F32), norm = Tensor::empty_host({kvr}, DType::F32);
@@ -100,15 +114,15 @@ TEST(KvCacheFp8, CpuWritesCodesAndAttendsOverTheirValues) {
     for (int64_t d = 0; d < W; ++d) {
       const float v = c32.data_as<float>()[slot * W + d];  // the F32 cache's row: the value before rounding
       const uint8_t got = c8.data_as<uint8_t>()[slot * W + d];
-      wrong_codes += got != f32_to_e4m3(v);
-      wrong_latent += lat8.data_as<float>()[t * W + d] != f8e4m3_to_f32(got);
-      rounded += f8e4m3_to_f32(got) != v;
-      c32.data_as<float>()[slot * W + d] = f8e4m3_to_f32(got);  // from here on the F32 cache holds the codes' values
+      wrong_codes += got != k.code(v);
+      wrong_latent += lat8.data_as<float>()[t * W + d] != k.value(got);
+      rounded += k.value(got) != v;
+      c32.data_as<float>()[slot * W + d] = k.value(got);  // from here on the F32 cache holds the codes' values
     }
   }
   EXPECT_EQ(wrong_codes, 0);
   EXPECT_EQ(wrong_latent, 0) << "the latent keeps the values its cache row holds";
-  EXPECT_GT(rounded, T * W / 2) << "values were not rounded to E4M3";
+  EXPECT_GT(rounded, T * W / 2) << "values were not rounded to " << dtype_name(k.dtype);
 
   Tensor q = Tensor::empty_host({T, nh * (nope + rope)}, DType::F32);
   Tensor kvb = Tensor::empty_host({nh * (nope + vh), kvr}, DType::F32);

@@ -214,8 +214,10 @@ class CpuBackend final : public Backend {
     MLA_CHECK(rope == static_cast<int64_t>(inv_freq_.size()) * 2, "mla_write_latent: rope width {} vs {} frequencies",
               rope, inv_freq_.size());
     float* lp = f32m(latent);
-    // An FP8 cache holds each value's E4M3 code; the latent row keeps the value the cache holds (as the GPU's does).
-    const bool fp8 = cache.dtype() == DType::F8_E4M3;
+    // An FP8 cache holds each value's E4M3 / E5M2 code; the latent row keeps the value the cache holds (as the
+    // GPU's does).
+    const DType cd = cache.dtype();
+    const bool fp8 = cd == DType::F8_E4M3 || cd == DType::F8_E5M2;
     float* cp = fp8 ? nullptr : f32m(cache);
     uint8_t* c8 = fp8 ? cache.data_as<uint8_t>() : nullptr;
     const float* wp = f32(kv_norm);
@@ -231,8 +233,8 @@ class CpuBackend final : public Backend {
           std::memcpy(cp + slot * W, row, W * sizeof(float));
           continue;
         }
-        cpu::convert(row, DType::F32, c8 + slot * W, DType::F8_E4M3, W);
-        cpu::convert(c8 + slot * W, DType::F8_E4M3, row, DType::F32, W);
+        cpu::convert(row, DType::F32, c8 + slot * W, cd, W);
+        cpu::convert(c8 + slot * W, cd, row, DType::F32, W);
       }
     });
   }
@@ -253,8 +255,12 @@ class CpuBackend final : public Backend {
     cpu::MlaArgs a;
     a.batch = &step_;
     a.q = f32(q);
-    if (cache.dtype() == DType::F8_E4M3) a.cache_f8 = cache.data_as<const uint8_t>();
-    else a.cache = f32(cache);
+    if (cache.dtype() == DType::F8_E4M3 || cache.dtype() == DType::F8_E5M2) {
+      a.cache_f8 = cache.data_as<const uint8_t>();
+      a.cache_e5m2 = cache.dtype() == DType::F8_E5M2;
+    } else {
+      a.cache = f32(cache);
+    }
     a.cache_width = cache.size(-1);
     a.kv_b = kv_b.data();
     a.kv_b_dtype = kv_b.dtype();

@@ -22,6 +22,12 @@ const std::array<float, 256> kF8E4M3 = [] {
   for (int v = 0; v < 256; ++v) t[static_cast<size_t>(v)] = f8e4m3_to_f32(static_cast<uint8_t>(v));
   return t;
 }();
+// Every E5M2 code's value (an E5M2 latent cache).
+const std::array<float, 256> kF8E5M2 = [] {
+  std::array<float, 256> t{};
+  for (int v = 0; v < 256; ++v) t[static_cast<size_t>(v)] = f8e5m2_to_f32(static_cast<uint8_t>(v));
+  return t;
+}();
 }  // namespace
 
 void dequant_fp8(const uint8_t* w, const float* scale, int64_t B, int64_t R, int64_t C, int64_t block_rows,
@@ -64,6 +70,7 @@ void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) {
       case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(src)[i]);
       case DType::F16: return f16_to_f32(static_cast<const uint16_t*>(src)[i]);
       case DType::F8_E4M3: return kF8E4M3[static_cast<const uint8_t*>(src)[i]];
+      case DType::F8_E5M2: return kF8E5M2[static_cast<const uint8_t*>(src)[i]];
       case DType::I32: return static_cast<float>(static_cast<const int32_t*>(src)[i]);
       default: fail("convert: unsupported source dtype {}", dtype_name(sd));
     }
@@ -77,6 +84,9 @@ void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) {
   } else if (dd == DType::F8_E4M3) {
     uint8_t* d = static_cast<uint8_t*>(dst);
     for (int64_t i = 0; i < n; ++i) d[i] = f32_to_e4m3(load(i));
+  } else if (dd == DType::F8_E5M2) {
+    uint8_t* d = static_cast<uint8_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_e5m2(load(i));
   } else {
     fail("convert: unsupported destination dtype {}", dtype_name(dd));
   }
@@ -190,7 +200,8 @@ inline int64_t slot_of(const ForwardBatch& b, int32_t seq, int64_t pos) {
 const float* cache_row(const MlaArgs& a, int64_t slot, float* buf) {
   if (!a.cache_f8) return a.cache + slot * a.cache_width;
   const uint8_t* codes = a.cache_f8 + slot * a.cache_width;
-  for (int64_t i = 0; i < a.cache_width; ++i) buf[i] = kF8E4M3[codes[i]];
+  const std::array<float, 256>& value = a.cache_e5m2 ? kF8E5M2 : kF8E4M3;
+  for (int64_t i = 0; i < a.cache_width; ++i) buf[i] = value[codes[i]];
   return buf;
 }
 

@@ -7,7 +7,8 @@
 
 namespace mlaserve::cpu {
 
-// Element conversion between F32 / F16 / BF16 / F8_E4M3 (to F32, BF16 or F8_E4M3: f32_to_e4m3 of the value).
+// Element conversion between F32 / F16 / BF16 / F8_E4M3 / F8_E5M2 (to F32, BF16 or an FP8 type: f32_to_e4m3 /
+// f32_to_e5m2 of the value).
 void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n);
 // FP8 weights kept quantized, as F32: out[b][r][c] = f8[b][r][c] * scale[b][r / block_rows][c / block_cols] (w: B
 // matrices of R x C codes; scale: [B, ceil(R / block_rows), ceil(C / block_cols)]). The reference of cuda::dequant_fp8
@@ -33,7 +34,8 @@ struct MlaArgs {
   const ForwardBatch* batch = nullptr;
   const float* q = nullptr;      // [T, nh, nope + rope], rope part already rotated
   const float* cache = nullptr;  // [slots, cache_width] = [c_kv (kvr) | k_pe (rope)]
-  const uint8_t* cache_f8 = nullptr;  // instead of cache: the same rows as FP8 E4M3 codes (read as their values)
+  const uint8_t* cache_f8 = nullptr;  // instead of cache: the same rows as FP8 codes (read as their values)
+  bool cache_e5m2 = false;            // cache_f8's codes are E5M2 (else E4M3)
   int64_t cache_width = 0;
   const void* kv_b = nullptr;    // [nh * (nope + v), kvr]: per head W_UK rows then W_UV rows
   DType kv_b_dtype = DType::F32;

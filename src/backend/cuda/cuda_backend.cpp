@@ -78,11 +78,11 @@ struct Arena {
 };
 
 cuda::bf16* bf(const Tensor& t) { return static_cast<cuda::bf16*>(t.data()); }
-// A latent cache's rows: bf16, or (an FP8 cache: model/kv_cache.h) E4M3 codes; the other pointer is null.
-cuda::bf16* cache_bf16(const Tensor& c) { return c.dtype() == DType::F8_E4M3 ? nullptr : bf(c); }
-uint8_t* cache_fp8(const Tensor& c) {
-  return c.dtype() == DType::F8_E4M3 ? static_cast<uint8_t*>(c.data()) : nullptr;
-}
+// A latent cache's rows: bf16, or (an FP8 cache: model/kv_cache.h) E4M3 or E5M2 codes; the other pointer is null.
+bool is_fp8_cache(const Tensor& c) { return c.dtype() == DType::F8_E4M3 || c.dtype() == DType::F8_E5M2; }
+cuda::bf16* cache_bf16(const Tensor& c) { return is_fp8_cache(c) ? nullptr : bf(c); }
+uint8_t* cache_fp8(const Tensor& c) { return is_fp8_cache(c) ? static_cast<uint8_t*>(c.data()) : nullptr; }
+bool cache_e5m2(const Tensor& c) { return c.dtype() == DType::F8_E5M2; }
 
 class CudaBackend final : public Backend {
  public:
@@ -518,7 +518,7 @@ class CudaBackend final : public Backend {
     CUDA_OK(cuda::write_latent(bf(latent), step_.num_tokens(), static_cast<int32_t>(kvr),
                                static_cast<int32_t>(rope_dim_), kv_norm.data_as<const float>(), eps, d_positions_,
                                d_out_slots_, inv_freq_.data_as<const float>(), rope_factor_, cache_bf16(cache),
-                               cache_fp8(cache), stream_),
+                               cache_fp8(cache), cache_e5m2(cache), stream_),
             "mla_write_latent");
   }
 
@@ -727,7 +727,7 @@ class CudaBackend final : public Backend {
     const int64_t W = latent.size(-1), kvr = kv_norm.numel(), rope = W - kvr, T = step_.num_tokens();
     MLA_CHECK(cache.size(-1) == W, "{}: cache row width {} != latent width {}", op, cache.size(-1), W);
     MLA_CHECK(rope == rope_dim_, "{}: rope width {} vs {} frequencies", op, rope, rope_dim_ / 2);
-    MLA_CHECK(latent.dtype() == DType::BF16 && (cache.dtype() == DType::BF16 || cache.dtype() == DType::F8_E4M3) &&
+    MLA_CHECK(latent.dtype() == DType::BF16 && (cache.dtype() == DType::BF16 || is_fp8_cache(cache)) &&
                   kv_norm.dtype() == DType::F32 &&
                   latent.numel() == T * W,
               "{}: dtype or shape mismatch", op);
@@ -767,6 +767,7 @@ class CudaBackend final : public Backend {
     a.factor = rope_factor_;
     a.cache = cache_bf16(cache);
     a.cache_f8 = cache_fp8(cache);
+    a.cache_e5m2 = cache_e5m2(cache);
     return a;
   }
 
@@ -1148,10 +1149,10 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
   MLA_CHECK(kv_b.size(0) == nh * (nope + vh) && kv_b.size(1) == kvr && kv_b.dtype() == DType::BF16,
             "mla_attention: kv_b_proj shape {} mismatch", shape_str(kv_b.shape()));
   MLA_CHECK(cache.size(-1) == W, "mla_attention: cache width {} != kv_lora + rope {}", cache.size(-1), W);
-  MLA_CHECK(cache.dtype() == DType::BF16 || cache.dtype() == DType::F8_E4M3, "mla_attention: a {} cache",
+  MLA_CHECK(cache.dtype() == DType::BF16 || is_fp8_cache(cache), "mla_attention: a {} cache",
             dtype_name(cache.dtype()));
   if (T == 0) return;
-  const bool fp8 = cache.dtype() == DType::F8_E4M3;
+  const bool fp8 = is_fp8_cache(cache);
   const int32_t variant = fp8 ? cuda::kMlaDecodeFp8Variant : mla_variant_;
   const MlaPlan& plan =
       plan_for(p.form, static_cast<int32_t>(nh), static_cast<int32_t>(kvr), static_cast<int32_t>(rope), variant);
@@ -1188,6 +1189,7 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
     dp.q = bf(q);
     dp.cache = cache_bf16(cache);
     dp.cache_f8 = cache_fp8(cache);
+    dp.cache_e5m2 = cache_e5m2(cache);
     dp.page_table = d_page_table_;
     dp.items = plan.d_decode;
     dp.num_items = plan.num_decode_items;
@@ -1224,9 +1226,9 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
   if (plan.num_prefill_items > 0) {
     const int64_t L = plan.ctx_rows;
     Tensor ctx = scratch({L, W}, DType::BF16);
-    CUDA_OK(cuda::mla_gather_context(cache_bf16(cache), cache_fp8(cache), static_cast<int32_t>(W), d_page_table_,
-                                     step_.page_size,
-                                     step_.max_pages, plan.d_row_seq, plan.d_row_pos, L, bf(ctx), stream_),
+    CUDA_OK(cuda::mla_gather_context(cache_bf16(cache), cache_fp8(cache), cache_e5m2(cache), static_cast<int32_t>(W),
+                                     d_page_table_, step_.page_size, step_.max_pages, plan.d_row_seq, plan.d_row_pos,
+                                     L, bf(ctx), stream_),
             "mla_gather_context");
     Tensor kv = scratch({L, nh * head_rows}, DType::BF16);
     gemm(kv_b.data(), kvr, ctx.data(), W, kv.data(), nh * head_rows, DType::BF16, nh * head_rows, L, kvr);

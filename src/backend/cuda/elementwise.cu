@@ -167,10 +167,10 @@ __global__ void rope_q_kernel(bf16* q, int64_t T, int32_t nh, int32_t nope, int3
 
 __global__ void write_latent_kernel(bf16* latent, int32_t kvr, int32_t rope, const float* w, float eps,
                                     const int32_t* positions, const int32_t* slots, const float* inv_freq,
-                                    float factor, bf16* cache, uint8_t* cache_f8) {
+                                    float factor, bf16* cache, uint8_t* cache_f8, bool e5m2) {
   pdl_wait();
   pdl_trigger();
-  write_latent_row(blockIdx.x, latent, kvr, rope, w, eps, positions, slots, inv_freq, factor, cache, cache_f8);
+  write_latent_row(blockIdx.x, latent, kvr, rope, w, eps, positions, slots, inv_freq, factor, cache, cache_f8, e5m2);
 }
 
 // Both in one launch: blocks [0, T) write the latent rows, the rest rotate q.
@@ -292,10 +292,10 @@ cudaError_t rope_q(bf16* q, int64_t T, int32_t nh, int32_t nope, int32_t rope, c
 
 cudaError_t write_latent(bf16* latent, int64_t T, int32_t kvr, int32_t rope, const float* norm_w, float eps,
                          const int32_t* positions, const int32_t* slots, const float* inv_freq, float factor,
-                         bf16* cache, uint8_t* cache_f8, cudaStream_t stream) {
+                         bf16* cache, uint8_t* cache_f8, bool e5m2, cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
   return launch(write_latent_kernel, static_cast<unsigned>(T), 128, 0, stream, latent, kvr, rope, norm_w, eps, positions,
-                slots, inv_freq, factor, cache, cache_f8);
+                slots, inv_freq, factor, cache, cache_f8, e5m2);
 }
 
 cudaError_t rope_q_write_latent(const MlaPrepArgs& a, cudaStream_t stream) {

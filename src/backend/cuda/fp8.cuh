@@ -1,9 +1,11 @@
 // FP8 (E4M3) weights on the device: codes made into bf16 the way the host's dequantization makes them, or into bf16
-// of exactly their values (the tensor-core path scales the products instead).
+// of exactly their values (the tensor-core path scales the products instead); an FP8 latent cache's E4M3 or E5M2
+// codes.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include "backend/cuda/common.cuh"
 
@@ -49,6 +51,35 @@ __device__ __forceinline__ void fp8x4_bf16(uint32_t q, uint32_t& lo, uint32_t& h
   uint32_t a, b;
   fp8x4_f16x2(q, a, b);
   const float2 fa = f16x2_to_float2(a), fb = f16x2_to_float2(b);
+  lo = pack_bf16x2(fa.x, fa.y);
+  hi = pack_bf16x2(fb.x, fb.y);
+}
+
+// What a latent cache row holds (model/kv_cache.h): bf16 values (None), or E4M3 / E5M2 codes.
+enum class CacheCodes : uint8_t { None, E4M3, E5M2 };
+__host__ __device__ inline CacheCodes cache_codes(const void* cache_f8, bool e5m2) {
+  return !cache_f8 ? CacheCodes::None : e5m2 ? CacheCodes::E5M2 : CacheCodes::E4M3;
+}
+
+// x's code in an FP8 cache: nearest, ties to even, saturated to the largest finite value (cpu f32_to_e4m3 /
+// f32_to_e5m2).
+__device__ __forceinline__ uint8_t cache_code(float x, CacheCodes c) {
+  return c == CacheCodes::E5M2 ? __nv_fp8_e5m2(x).__x : __nv_fp8_e4m3(x).__x;
+}
+
+// The value of an FP8 cache code (exact in f32 and in bf16).
+__device__ __forceinline__ float cache_code_value(uint8_t v, CacheCodes c) {
+  if (c == CacheCodes::E5M2) return __half2float(__ushort_as_half(static_cast<unsigned short>(v << 8)));
+  __nv_fp8_e4m3 f;
+  f.__x = v;
+  return static_cast<float>(f);
+}
+
+// 4 FP8 cache codes (low byte first) as 4 bf16 of exactly their values (lo: codes 0-1, hi: codes 2-3). An E5M2 code
+// is the top byte of its f16, so a byte permutation makes the pairs.
+__device__ __forceinline__ void cache_codes4_bf16(uint32_t q, uint32_t& lo, uint32_t& hi, CacheCodes c) {
+  if (c != CacheCodes::E5M2) return fp8x4_bf16(q, lo, hi);
+  const float2 fa = f16x2_to_float2(__byte_perm(q, 0u, 0x1404)), fb = f16x2_to_float2(__byte_perm(q, 0u, 0x3424));
   lo = pack_bf16x2(fa.x, fa.y);
   hi = pack_bf16x2(fb.x, fb.y);
 }

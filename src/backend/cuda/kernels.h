@@ -67,10 +67,11 @@ cudaError_t rope_q(bf16* q, int64_t T, int32_t nh, int32_t nope, int32_t rope, c
                    const float* inv_freq, float factor, cudaStream_t stream);
 
 // latent[T, kvr + rope]: c_kv = rmsnorm(c_kv) * norm_w, k_pe rotated; the row is written back in place and
-// into cache[slots[t], :] (cache: [num_slots, kvr + rope]; cache_f8 instead: an FP8 E4M3 cache, MlaPrepArgs).
+// into cache[slots[t], :] (cache: [num_slots, kvr + rope]; cache_f8 instead: an FP8 cache of E4M3 codes, E5M2 when
+// e5m2; MlaPrepArgs).
 cudaError_t write_latent(bf16* latent, int64_t T, int32_t kvr, int32_t rope, const float* norm_w, float eps,
                          const int32_t* positions, const int32_t* slots, const float* inv_freq, float factor,
-                         bf16* cache, uint8_t* cache_f8, cudaStream_t stream);
+                         bf16* cache, uint8_t* cache_f8, bool e5m2, cudaStream_t stream);
 // write_latent and rope_q (q: [T, nh, nope + rope]) in one launch, with the same results.
 struct MlaPrepArgs {
   bf16* q;
@@ -85,7 +86,8 @@ struct MlaPrepArgs {
   const float* inv_freq;
   float factor;
   bf16* cache;
-  uint8_t* cache_f8;    // instead of cache: an FP8 E4M3 cache (rows written as codes; the latent keeps their values)
+  uint8_t* cache_f8;    // instead of cache: an FP8 cache (rows written as codes; the latent keeps their values)
+  bool cache_e5m2;      // cache_f8's codes are E5M2 (else E4M3)
 };
 cudaError_t rope_q_write_latent(const MlaPrepArgs& a, cudaStream_t stream);
 
@@ -136,7 +138,8 @@ struct MlaDecodeParams {
   const bf16* q_lat;       // [T, nh, kvr]    q_nope @ W_UK per head
   const bf16* q;           // [T, nh, nope + rope]: the rotated q_pe is read from here
   const bf16* cache;       // [num_slots, kvr + rope] = [num_pages * page_size, 576]
-  const uint8_t* cache_f8; // instead of cache: the rows as FP8 E4M3 codes (kFp8DecodeVariant, or the simple path)
+  const uint8_t* cache_f8; // instead of cache: the rows as FP8 codes (kFp8DecodeVariant, or the simple path)
+  bool cache_e5m2;         // cache_f8's codes are E5M2 (else E4M3)
   const int32_t* page_table;  // [num_seqs, max_pages]
   const MlaDecodeItem* items; // [num_items]
   int32_t num_items;
@@ -217,10 +220,11 @@ struct MlaPrefillParams {
 cudaError_t mla_prefill(const MlaPrefillParams& p, bool allow_fast, cudaStream_t stream);
 
 // ctx_latent[row, :] = cache[slot of (seq, pos)] for every context row; row_seq / row_pos: [L].
-// cache_f8 instead of cache: an FP8 E4M3 cache (its codes' values in bf16).
-cudaError_t mla_gather_context(const bf16* cache, const uint8_t* cache_f8, int32_t width, const int32_t* page_table,
-                               int32_t page_size, int32_t max_pages, const int32_t* row_seq, const int32_t* row_pos,
-                               int64_t L, bf16* ctx_latent, cudaStream_t stream);
+// cache_f8 instead of cache: an FP8 cache of E4M3 codes, E5M2 when e5m2 (their values in bf16).
+cudaError_t mla_gather_context(const bf16* cache, const uint8_t* cache_f8, bool e5m2, int32_t width,
+                               const int32_t* page_table, int32_t page_size, int32_t max_pages,
+                               const int32_t* row_seq, const int32_t* row_pos, int64_t L, bf16* ctx_latent,
+                               cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
 // MoE (moe.cu, moe_gemm*.cu)

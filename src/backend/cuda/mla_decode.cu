@@ -15,9 +15,9 @@
 //  - mla_decode_fast_kernel (variants 0..4, and 64-head groups): every warp loads tiles with cp.async, S and P go
 //    through shared memory, three block barriers per tile.
 //  - An FP8 cache (kMlaDecodeFp8Variant; cache_f8): the warp-specialised kernel in variant 7's shape whose producer
-//    streams the 576-byte code rows into a ring of FP8 stages; the consumers make each tile into one bf16 tile in
-//    shared memory (the codes' exact values), hand the stage back, and go on as above (two more named barriers per
-//    tile: the bf16 tile is free, it is made). Other dims: the simple kernel, reading codes.
+//    streams the 576-byte code rows (E4M3 or E5M2) into a ring of FP8 stages; the consumers make each tile into one
+//    bf16 tile in shared memory (the codes' exact values), hand the stage back, and go on as above (two more named
+//    barriers per tile: the bf16 tile is free, it is made). Other dims: the simple kernel, reading codes.
 #include <algorithm>
 #include <cmath>
 
@@ -332,16 +332,16 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
 
 // FP8 stage -> bf16 tile (BN rows of D codes -> rows of LDS elements), by the NW consumer warps (thread i of them).
 template <class C>
-__device__ __forceinline__ void fp8_tile_to_bf16(const uint8_t* src, bf16* dst, int i, int threads) {
+__device__ __forceinline__ void fp8_tile_to_bf16(const uint8_t* src, bf16* dst, int i, int threads, CacheCodes codes) {
   constexpr int CPR = C::D / 16;  // 16-byte chunks of codes per row
   for (int c = i; c < C::KEYS * CPR; c += threads) {
     const int r = c / CPR, cc = c % CPR;
     const uint4 q = *reinterpret_cast<const uint4*>(src + r * C::D + cc * 16);
     uint32_t w[8];
-    fp8x4_bf16(q.x, w[0], w[1]);
-    fp8x4_bf16(q.y, w[2], w[3]);
-    fp8x4_bf16(q.z, w[4], w[5]);
-    fp8x4_bf16(q.w, w[6], w[7]);
+    cache_codes4_bf16(q.x, w[0], w[1], codes);
+    cache_codes4_bf16(q.y, w[2], w[3], codes);
+    cache_codes4_bf16(q.z, w[4], w[5], codes);
+    cache_codes4_bf16(q.w, w[6], w[7], codes);
     uint4* d = reinterpret_cast<uint4*>(dst + r * C::LDS + cc * 16);
     d[0] = make_uint4(w[0], w[1], w[2], w[3]);
     d[1] = make_uint4(w[4], w[5], w[6], w[7]);
@@ -455,7 +455,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, MINB) mla_decode_ws_kernel(cons
     const bf16* K = sK + (FP8 ? 0 : s * BN * LDS);
     if constexpr (FP8) {
       named_bar_sync(2, NW * 32);  // every consumer is done with the previous tile's bf16 copy
-      fp8_tile_to_bf16<C>(sF8 + s * BN * C::D, sK, tid, NW * 32);
+      fp8_tile_to_bf16<C>(sF8 + s * BN * C::D, sK, tid, NW * 32, cache_codes(p.cache_f8, p.cache_e5m2));
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + s);  // this warp has read its part of the FP8 stage
       named_bar_sync(3, NW * 32);  // the bf16 tile is whole
@@ -637,7 +637,7 @@ constexpr int kSimpleMaxCols = 8;  // kvr <= 1024
 
 // Element i of the cache (bf16, or the value of an FP8 code).
 __device__ __forceinline__ float cache_at(const MlaDecodeParams& p, int64_t i) {
-  if (p.cache_f8) return static_cast<float>(*reinterpret_cast<const __nv_fp8_e4m3*>(p.cache_f8 + i));
+  if (p.cache_f8) return cache_code_value(p.cache_f8[i], cache_codes(p.cache_f8, p.cache_e5m2));
   return __bfloat162float(p.cache[i]);
 }
 

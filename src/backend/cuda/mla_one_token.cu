@@ -15,7 +15,8 @@
 //     o_lat (rounded to bf16, as the usual path stores it);
 //   - its 16 rows of the head's out.
 // An FP8 cache (MlaPrepArgs::cache_f8): the keys' codes become the bf16 of their values as they are loaded, and the
-// newest row is made and written as E4M3 values / codes, as the usual preparation does.
+// newest row is made and written as the codes' values / codes (E4M3, or E5M2 with cache_e5m2), as the usual
+// preparation does.
 // Every cluster re-reads the context from L2, and each block holds its keys in shared memory: the kernel takes at
 // most kOneTokenMaxCtx keys (longer contexts run the usual kernels, in CUDA graphs of their own:
 // Backend::graph_variant).
@@ -68,21 +69,19 @@ __device__ __forceinline__ void load_keys(Smem<KT>& s, const MlaOneTokenArgs& a,
   if (a.prep.cache_f8) {
     static_assert(W % 16 == 0, "rows of whole 16-code chunks");
     constexpr int kChunks8 = W / 16;
+    const CacheCodes codes = cache_codes(a.prep.cache_f8, a.prep.cache_e5m2);
     for (int u = threadIdx.x; u < (t1 - t0) * kChunks8; u += kThreads) {
       const int k = t0 + u / kChunks8, c = u % kChunks8;
       if (k == ctx - 1) continue;
       const int64_t slot = static_cast<int64_t>(a.page_table[k / a.page_size]) * a.page_size + k % a.page_size;
       const uint4 v = *reinterpret_cast<const uint4*>(a.prep.cache_f8 + slot * W + c * 16);
-      const uint8_t* b = reinterpret_cast<const uint8_t*>(&v);
-      alignas(16) bf16 vals[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        __nv_fp8_e4m3 f;
-        f.__x = b[i];
-        vals[i] = __float2bfloat16_rn(static_cast<float>(f));
-      }
-      *reinterpret_cast<uint4*>(&s.keys[k - t0][c * 16]) = *reinterpret_cast<const uint4*>(vals);
-      *reinterpret_cast<uint4*>(&s.keys[k - t0][c * 16 + 8]) = *reinterpret_cast<const uint4*>(vals + 8);
+      uint32_t w[8];
+      cache_codes4_bf16(v.x, w[0], w[1], codes);
+      cache_codes4_bf16(v.y, w[2], w[3], codes);
+      cache_codes4_bf16(v.z, w[4], w[5], codes);
+      cache_codes4_bf16(v.w, w[6], w[7], codes);
+      *reinterpret_cast<uint4*>(&s.keys[k - t0][c * 16]) = make_uint4(w[0], w[1], w[2], w[3]);
+      *reinterpret_cast<uint4*>(&s.keys[k - t0][c * 16 + 8]) = make_uint4(w[4], w[5], w[6], w[7]);
     }
     return;
   }
@@ -139,11 +138,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_one_token_kernel(const MlaOne
   const int n = k1 - k0;
   if (n > 0 && k1 == ctx) {  // the newest key: this step's latent row as the cache holds it (its read beside q's)
     bf16* row = s.keys[ctx - 1 - k0];
-    latent_row(p.latent, row, KVR, ROPE, p.norm_w, p.eps, pos, p.inv_freq, p.factor, p.cache_f8 != nullptr);
+    const CacheCodes codes = cache_codes(p.cache_f8, p.cache_e5m2);
+    latent_row(p.latent, row, KVR, ROPE, p.norm_w, p.eps, pos, p.inv_freq, p.factor, codes);
     __syncthreads();
     if (h == 0 && p.cache_f8) {  // as codes (exact: the row holds their values)
       uint8_t* dst = p.cache_f8 + static_cast<int64_t>(p.slots[0]) * W;
-      for (int i = tid; i < W; i += kThreads) dst[i] = __nv_fp8_e4m3(__bfloat162float(row[i])).__x;
+      for (int i = tid; i < W; i += kThreads) dst[i] = cache_code(__bfloat162float(row[i]), codes);
     } else if (h == 0) {
       bf16* dst = p.cache + static_cast<int64_t>(p.slots[0]) * W;
       for (int i = tid; i < W; i += kThreads) dst[i] = row[i];

@@ -20,7 +20,7 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-__global__ void gather_context_kernel(const bf16* cache, const uint8_t* cache_f8, int32_t width,
+__global__ void gather_context_kernel(const bf16* cache, const uint8_t* cache_f8, bool e5m2, int32_t width,
                                       const int32_t* page_table, int32_t page_size, int32_t max_pages,
                                       const int32_t* row_seq, const int32_t* row_pos, bf16* ctx) {
   const int64_t r = blockIdx.x;
@@ -30,15 +30,16 @@ __global__ void gather_context_kernel(const bf16* cache, const uint8_t* cache_f8
   bf16* dst = ctx + r * width;
   if (cache_f8) {  // an FP8 cache: its codes' values (exact in bf16)
     const uint8_t* src = cache_f8 + slot * width;
+    const CacheCodes codes = cache_codes(cache_f8, e5m2);
     if ((width & 3) == 0) {
       for (int i = threadIdx.x; i < width / 4; i += blockDim.x) {
         uint32_t lo, hi;
-        fp8x4_bf16(reinterpret_cast<const uint32_t*>(src)[i], lo, hi);
+        cache_codes4_bf16(reinterpret_cast<const uint32_t*>(src)[i], lo, hi, codes);
         reinterpret_cast<uint2*>(dst)[i] = make_uint2(lo, hi);
       }
     } else {
       for (int i = threadIdx.x; i < width; i += blockDim.x)
-        dst[i] = __float2bfloat16_rn(static_cast<float>(*reinterpret_cast<const __nv_fp8_e4m3*>(src + i)));
+        dst[i] = __float2bfloat16_rn(cache_code_value(src[i], codes));
     }
     return;
   }
@@ -280,12 +281,14 @@ __global__ void __launch_bounds__(kSimpleThreads) mla_prefill_simple_kernel(cons
 
 }  // namespace
 
-cudaError_t mla_gather_context(const bf16* cache, const uint8_t* cache_f8, int32_t width, const int32_t* page_table,
-                               int32_t page_size, int32_t max_pages, const int32_t* row_seq, const int32_t* row_pos,
-                               int64_t L, bf16* ctx_latent, cudaStream_t stream) {
+cudaError_t mla_gather_context(const bf16* cache, const uint8_t* cache_f8, bool e5m2, int32_t width,
+                               const int32_t* page_table, int32_t page_size, int32_t max_pages,
+                               const int32_t* row_seq, const int32_t* row_pos, int64_t L, bf16* ctx_latent,
+                               cudaStream_t stream) {
   if (L == 0) return cudaSuccess;
-  gather_context_kernel<<<static_cast<unsigned>(L), 64, 0, stream>>>(cache, cache_f8, width, page_table, page_size,
-                                                                      max_pages, row_seq, row_pos, ctx_latent);
+  gather_context_kernel<<<static_cast<unsigned>(L), 64, 0, stream>>>(cache, cache_f8, e5m2, width, page_table,
+                                                                      page_size, max_pages, row_seq, row_pos,
+                                                                      ctx_latent);
   return cudaGetLastError();
 }
 
