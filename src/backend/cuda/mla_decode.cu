@@ -348,7 +348,8 @@ __device__ __forceinline__ void fp8_tile_to_bf16(const uint8_t* src, bf16* dst, 
   }
 }
 
-template <int NW, int STAGES, int BN, int KSPLIT, int MINB, bool FP8>
+// CODES: an FP8 cache's code type (FP8), fixed per instantiation so the tile conversion has no branch.
+template <int NW, int STAGES, int BN, int KSPLIT, int MINB, bool FP8, CacheCodes CODES>
 __global__ void __launch_bounds__((NW + 1) * 32, MINB) mla_decode_ws_kernel(const MlaDecodeParams p) {
   using C = WsCfg<NW, STAGES, BN, KSPLIT, MINB, FP8>;
   constexpr int HB = C::HB, KVR = C::KVR, LDS = C::LDS, LDSS = C::LDSS, KSTEPS = C::KSTEPS, NPW = C::NPW;
@@ -455,7 +456,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, MINB) mla_decode_ws_kernel(cons
     const bf16* K = sK + (FP8 ? 0 : s * BN * LDS);
     if constexpr (FP8) {
       named_bar_sync(2, NW * 32);  // every consumer is done with the previous tile's bf16 copy
-      fp8_tile_to_bf16<C>(sF8 + s * BN * C::D, sK, tid, NW * 32, cache_codes(p.cache_f8, p.cache_e5m2));
+      fp8_tile_to_bf16<C>(sF8 + s * BN * C::D, sK, tid, NW * 32, CODES);
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + s);  // this warp has read its part of the FP8 stage
       named_bar_sync(3, NW * 32);  // the bf16 tile is whole
@@ -746,28 +747,33 @@ cudaError_t launch_fast(const MlaDecodeParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <int NW, int STAGES, int BN, int KSPLIT, int MINB, bool FP8 = false>
+template <int NW, int STAGES, int BN, int KSPLIT, int MINB, bool FP8 = false, CacheCodes CODES = CacheCodes::None>
 cudaError_t configure_ws() {
   using C = WsCfg<NW, STAGES, BN, KSPLIT, MINB, FP8>;
   static std::atomic<uint64_t> configured{0};
-  return set_max_dynamic_smem_once(mla_decode_ws_kernel<NW, STAGES, BN, KSPLIT, MINB, FP8>,
+  return set_max_dynamic_smem_once(mla_decode_ws_kernel<NW, STAGES, BN, KSPLIT, MINB, FP8, CODES>,
                                    static_cast<int>(C::smem_bytes), configured);
 }
 
-template <int NW, int STAGES, int BN, int KSPLIT, int MINB, bool FP8 = false>
+template <int NW, int STAGES, int BN, int KSPLIT, int MINB, bool FP8 = false, CacheCodes CODES = CacheCodes::None>
 cudaError_t launch_ws(const MlaDecodeParams& p, cudaStream_t stream) {
   using C = WsCfg<NW, STAGES, BN, KSPLIT, MINB, FP8>;
-  if (cudaError_t e = configure_ws<NW, STAGES, BN, KSPLIT, MINB, FP8>(); e != cudaSuccess) return e;
+  if (cudaError_t e = configure_ws<NW, STAGES, BN, KSPLIT, MINB, FP8, CODES>(); e != cudaSuccess) return e;
   dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>((p.num_heads + C::HB - 1) / C::HB));
-  return launch(mla_decode_ws_kernel<NW, STAGES, BN, KSPLIT, MINB, FP8>, grid, C::THREADS, C::smem_bytes, stream, p);
+  return launch(mla_decode_ws_kernel<NW, STAGES, BN, KSPLIT, MINB, FP8, CODES>, grid, C::THREADS, C::smem_bytes,
+                stream, p);
 }
 
 // The FP8-cache kernel: variant 7's shape (4 consumer warps, 32-key tiles, dims over 4 warps, 2 blocks per SM) with
-// a ring of 3 FP8 stages (their 54 KB and the one bf16 tile fit two blocks on an SM).
+// a ring of 3 FP8 stages (their 54 KB and the one bf16 tile fit two blocks on an SM); one instantiation per code type.
 // (2 FP8 stages measured 1.75x slower in isolation, 2% slower per step: docs/perf.md.)
-cudaError_t configure_fp8() { return configure_ws<4, 3, 32, 4, 2, true>(); }
+cudaError_t configure_fp8() {
+  if (cudaError_t e = configure_ws<4, 3, 32, 4, 2, true, CacheCodes::E4M3>(); e != cudaSuccess) return e;
+  return configure_ws<4, 3, 32, 4, 2, true, CacheCodes::E5M2>();
+}
 cudaError_t launch_fp8(const MlaDecodeParams& p, cudaStream_t stream) {
-  return launch_ws<4, 3, 32, 4, 2, true>(p, stream);
+  if (p.cache_e5m2) return launch_ws<4, 3, 32, 4, 2, true, CacheCodes::E5M2>(p, stream);
+  return launch_ws<4, 3, 32, 4, 2, true, CacheCodes::E4M3>(p, stream);
 }
 
 bool fast_dims(int32_t kvr, int32_t rope) { return kvr == 512 && rope == 64; }
