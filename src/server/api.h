@@ -145,6 +145,8 @@ class Api {
   std::optional<int32_t> single_token(const std::string& text) const;
   void respond_json(const std::shared_ptr<HttpExchange>& ex, int status, const std::string& body);
   void respond_error(const std::shared_ptr<HttpExchange>& ex, int status, const std::string& body);
+  // A 404: the background response `id` was deleted before its client got it (from any thread).
+  void respond_deleted(const std::shared_ptr<HttpExchange>& ex, const std::string& id);
   std::string new_id();
   nlohmann::ordered_json model_card() const;
 

@@ -1,4 +1,5 @@
 // Route handlers: /generate, /v1/completions, /v1/chat/completions and the informational endpoints.
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <random>
@@ -1027,10 +1028,6 @@ void Api::responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>&
   const bool store = flag("store", true), background = flag("background", false), stream = flag("stream", false);
   if (background && !store)
     bad_request("background", "invalid_value", "'background' responses need 'store' (true by default)");
-  if (background && stream)
-    bad_request("background", "unsupported_parameter",
-                "'background' together with 'stream' is not supported: create it in the background and poll "
-                "GET /v1/responses/{{id}}");
   ojson prior = previous_conversation(body);
   HttpRequest chat = req;
   chat.body = responses_to_chat(body, prior).dump();  // in the request's key order (a schema's properties' order)
@@ -1055,33 +1052,47 @@ void Api::responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>&
     return;
   }
   // Background: stored as queued, generated on the store's worker; the client gets the response as it is once the
-  // generation was submitted (or the error refusing it).
+  // generation was submitted (or the error refusing it). With `stream` the client gets its events instead, as
+  // GET ?stream=true does; going away does not stop the generation.
   ResponseStore* st = responses_store_.get();
   auto outer = st->begin_background(
       id, response_object(body, id, created, opts_.served_model_name, "queued"), std::move(input), std::move(context),
       [&](std::shared_ptr<HttpExchange> inner) {
         return std::make_shared<ResponsesExchange>(std::move(inner), body, id, created, opts_.served_model_name,
                                                    [st, id](const ojson& r) { st->complete(id, r); });
-      });
-  st->executor()([this, st, chat, outer, id, ex] {
+      },
+      stream);
+  if (stream) st->unsubscribe_on_cancel(id, ex);
+  st->executor()([this, st, chat, outer, id, ex, stream] {
     std::string answer;
     int status = 200;
     try {
       generate(ApiKind::Chat, chat, outer, id);
       st->started(id);
+      if (stream) {
+        st->subscribe(id, -1, ex, [this, ex, id](bool streamed) {
+          if (!streamed) respond_deleted(ex, id);
+        });
+        return;
+      }
       const auto rec = st->get(id);
       answer = rec ? dump(rec->response) : std::string();
     } catch (...) {
       st->abandon(id);
       std::tie(status, answer) = error_answer(chat);
     }
-    if (answer.empty()) {  // deleted meanwhile
-      status = 404;
-      answer = error_body(404, fmt::format("the response '{}' was deleted", id), "invalid_request_error", "not_found");
-    }
+    if (answer.empty()) return respond_deleted(ex, id);
     ex->executor()([this, ex, status, answer = std::move(answer)]() mutable {
       respond_error(ex, status, std::move(answer));
     });
+  });
+}
+
+void Api::respond_deleted(const std::shared_ptr<HttpExchange>& ex, const std::string& id) {
+  ex->executor()([this, ex, id] {
+    respond_error(ex, 404,
+                  error_body(404, fmt::format("the response '{}' was deleted", id), "invalid_request_error",
+                             "not_found"));
   });
 }
 
@@ -1113,10 +1124,29 @@ void Api::stored_response(const HttpRequest& req, std::string_view rest, std::st
       return;
     }
     if (req.method != "GET") method_not_allowed(req);
-    if (const auto s = query_param(query, "stream"); s && *s == "true")
-      throw ApiError(400, "streaming a stored response is not supported: GET it without 'stream'", "stream",
-                     "unsupported_parameter");
     if (!rec) not_found();
+    if (const auto s = query_param(query, "stream"); s && *s == "true") {
+      // A background response created with `stream`: its events after starting_after, then the rest as they come.
+      int64_t after = -1;
+      if (const auto a = query_param(query, "starting_after")) {
+        const auto [end, ec] = std::from_chars(a->data(), a->data() + a->size(), after);
+        if (ec != std::errc() || end != a->data() + a->size() || after < -1)
+          throw ApiError(400, fmt::format("'starting_after' must be an event's sequence number, got '{}'", *a),
+                         "starting_after", "invalid_value");
+      }
+      responses_store_->unsubscribe_on_cancel(id, ex);
+      responses_store_->subscribe(id, after, ex, [this, ex](bool streamed) {
+        if (streamed) return;
+        ex->executor()([this, ex] {
+          respond_error(ex, 400,
+                        error_body(400,
+                                   "only background responses created with 'stream': true can be streamed: GET it "
+                                   "without 'stream'",
+                                   "invalid_request_error", "unsupported_parameter"));
+        });
+      });
+      return;
+    }
     respond_json(ex, 200, dump(rec->response));
   } else if (sub == "/input_items") {
     if (req.method != "GET") method_not_allowed(req);

@@ -187,6 +187,26 @@ const longBg = await client.responses.create({ model, input: 'Count', max_output
   background: true });
 const cancelled = await client.responses.cancel(longBg.id);
 check(cancelled.id === longBg.id && cancelled.status === 'cancelled', 'background response cancelled', cancelled);
+// A background response streamed: its creator leaves after a few events, then resumes from its cursor with
+// retrieve(id, { stream: true, starting_after }) to the end; the text is the foreground response's.
+const bgStream = await client.responses.create({ ...rq, background: true, stream: true });
+let cursor = -1, bgId = null, bgText = '';
+for await (const ev of bgStream) {
+  bgId = bgId ?? ev.response?.id;
+  cursor = ev.sequence_number;
+  if (ev.type === 'response.output_text.delta') bgText += ev.delta;
+  if (cursor >= 2) break;  // leaves the stream (the generation goes on)
+}
+const resumed = [];
+for await (const ev of await client.responses.retrieve(bgId, { stream: true, starting_after: cursor })) {
+  resumed.push(ev);
+  if (ev.type === 'response.output_text.delta') bgText += ev.delta;
+}
+const lastEv = resumed[resumed.length - 1];
+check(cursor === 2 && resumed.length > 0 && resumed[0].sequence_number === 3 &&
+  resumed.every((e, i) => e.sequence_number === 3 + i) && lastEv?.type === 'response.incomplete' &&
+  lastEv.response.id === bgId && lastEv.response.background === true && bgText === resp.output_text,
+  'background stream resumed from its cursor', { cursor, bgText, resumed });
 
 // Models list.
 const models = await client.models.list();

@@ -558,7 +558,6 @@ TEST(HttpApi, ResponsesApi) {
            {R"({"input": "x", "previous_response_id": 7})", "previous_response_id"},
            {R"({"input": "x", "store": "yes"})", "store"},
            {R"({"input": "x", "background": true, "store": false})", "background"},
-           {R"({"input": "x", "background": true, "stream": true})", "background"},
            {R"({"input": "x", "tools": [{"type": "web_search"}]})", "tools[0].type"},
            {R"({"input": "x", "stream": "yes"})", "stream"},
            {R"({"input": [{"type": "function_call", "name": "f"}]})", "input[0].call_id"},
@@ -798,6 +797,113 @@ TEST(HttpApi, BackgroundResponses) {
   r = s.post("/v1/responses", R"({"input": "x", "background": true, "model": "nope"})");
   EXPECT_EQ(r.status, 404) << r.body;
   r = s.post("/v1/responses", R"({"input": "x", "background": true, "max_output_tokens": 100000})");
+  EXPECT_EQ(r.status, 400) << r.body;
+}
+
+// Background responses created with `stream`: the creator gets the events as a foreground stream would, going away
+// does not stop the generation, GET ?stream=true (after `starting_after`) replays the events so far and follows the
+// rest, or replays them all once it ended; cancelling or deleting ends the streams.
+TEST(HttpApi, BackgroundStreamedResponses) {
+  TestServer s;
+  auto seqs = [](const std::vector<std::string>& events) {
+    std::vector<int64_t> out;
+    for (const auto& e : events) out.push_back(json::parse(e)["sequence_number"].get<int64_t>());
+    return out;
+  };
+  auto range = [](int64_t from, int64_t to) {
+    std::vector<int64_t> v;
+    for (int64_t i = from; i < to; ++i) v.push_back(i);
+    return v;
+  };
+  // A short one, streamed whole to its creator, then replayed: all of it, and after an event.
+  auto r = s.post("/v1/responses", R"({"input": "short", "background": true, "stream": true, "max_output_tokens": 4})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.headers["content-type"], "text/event-stream");
+  const std::vector<std::string> events = sse_payloads(r.body);
+  ASSERT_GE(events.size(), 4u) << r.body;
+  EXPECT_EQ(seqs(events), range(0, static_cast<int64_t>(events.size())));
+  EXPECT_EQ(json::parse(events.front())["type"], "response.created");
+  const json last = json::parse(events.back());
+  EXPECT_EQ(last["type"], "response.incomplete") << events.back();
+  EXPECT_EQ(last["response"]["background"], true);
+  const std::string id = last["response"]["id"];
+  EXPECT_NE(r.body.find("event: response.created\ndata: "), std::string::npos) << r.body;
+  const json stored = json::parse(s.get("/v1/responses/" + id).body);
+  EXPECT_EQ(stored["status"], "incomplete");
+  EXPECT_EQ(stored["output"], last["response"]["output"]);
+  EXPECT_EQ(s.get("/v1/responses/" + id + "?stream=true").body, r.body);
+  EXPECT_EQ(sse_payloads(s.get("/v1/responses/" + id + "?stream=true&starting_after=2").body),
+            std::vector<std::string>(events.begin() + 3, events.end()));
+  EXPECT_TRUE(sse_payloads(s.get("/v1/responses/" + id + "?stream=true&starting_after=999").body).empty());
+
+  // A long one: its creator goes away after 3 events, the generation goes on; a GET follows from event 3 until
+  // the response is cancelled, and a GET afterwards replays the whole stream to its end.
+  std::string long_id;
+  {
+    HttpConnection c(s.port());
+    c.send_request("POST", "/v1/responses", R"({"input": "abc", "background": true, "stream": true,
+        "max_output_tokens": 4000, "ignore_eos": true})");
+    auto head = c.read_events(3);
+    ASSERT_EQ(head.status, 200) << head.body;
+    long_id = json::parse(sse_payloads(head.body).at(0))["response"]["id"];
+    c.reset();
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(s.engine.num_live(), 1) << "the creator going away stopped the generation";
+  EXPECT_EQ(json::parse(s.get("/v1/responses/" + long_id).body)["status"], "in_progress");
+  {
+    HttpConnection c(s.port());
+    c.send_request("GET", "/v1/responses/" + long_id + "?stream=true&starting_after=2");
+    auto head = c.read_events(5);
+    ASSERT_EQ(head.status, 200) << head.body;
+    const std::vector<std::string> got = sse_payloads(head.body);
+    ASSERT_FALSE(got.empty());
+    EXPECT_EQ(seqs(got).front(), 3);
+    r = s.post("/v1/responses/" + long_id + "/cancel", "");
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(json::parse(r.body)["status"], "cancelled");
+    std::vector<std::string> all = got;
+    for (const auto& e : sse_payloads(c.read_rest())) all.push_back(e);  // the stream ends
+    EXPECT_EQ(seqs(all), range(3, 3 + static_cast<int64_t>(all.size())));
+  }
+  EXPECT_TRUE(s.wait_idle());
+  const std::vector<std::string> replayed = sse_payloads(s.get("/v1/responses/" + long_id + "?stream=true").body);
+  ASSERT_GT(replayed.size(), 5u);
+  EXPECT_EQ(seqs(replayed), range(0, static_cast<int64_t>(replayed.size())));
+
+  // Deleting a running one ends its stream.
+  {
+    HttpConnection c(s.port());
+    c.send_request("POST", "/v1/responses", R"({"input": "abc", "background": true, "stream": true,
+        "max_output_tokens": 4000, "ignore_eos": true})");
+    auto head = c.read_events(2);
+    const std::string id2 = json::parse(sse_payloads(head.body).at(0))["response"]["id"];
+    EXPECT_EQ(http_request(s.port(), "DELETE", "/v1/responses/" + id2).status, 200);
+    c.set_deadline(10);
+    (void)c.read_rest();
+    EXPECT_EQ(s.get("/v1/responses/" + id2).status, 404);
+  }
+  EXPECT_TRUE(s.wait_idle());
+
+  // Only background responses created with `stream` stream; a bad cursor or id is refused.
+  r = s.post("/v1/responses", R"({"input": "x", "background": true, "max_output_tokens": 2})");
+  const std::string plain = json::parse(r.body)["id"];
+  for (int i = 0; i < 500 && json::parse(s.get("/v1/responses/" + plain).body)["status"] != "incomplete"; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  r = s.get("/v1/responses/" + plain + "?stream=true");
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_NE(r.body.find("stream"), std::string::npos) << r.body;
+  r = s.post("/v1/responses", R"({"input": "x", "max_output_tokens": 2})");
+  EXPECT_EQ(s.get("/v1/responses/" + json::parse(r.body)["id"].get<std::string>() + "?stream=true").status, 400);
+  for (const char* q : {"?stream=true&starting_after=x", "?stream=true&starting_after=-2",
+                        "?stream=true&starting_after=1.5"}) {
+    r = s.get("/v1/responses/" + id + q);
+    EXPECT_EQ(r.status, 400) << q;
+    EXPECT_NE(r.body.find("starting_after"), std::string::npos) << r.body;
+  }
+  EXPECT_EQ(s.get("/v1/responses/resp_nope?stream=true").status, 404);
+  // A refused request gets its error, nothing kept.
+  r = s.post("/v1/responses", R"({"input": "x", "background": true, "stream": true, "max_output_tokens": 100000})");
   EXPECT_EQ(r.status, 400) << r.body;
 }
 
