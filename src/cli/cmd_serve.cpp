@@ -461,14 +461,12 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     if (s.model_path.empty()) s.model_path = s.positional_model;
     MLA_CHECK(!s.model_path.empty(), "--model-path is required (or the model as the first argument)");
     for (const std::string& f : s.ignored) MLA_LOG_INFO("{}: accepted for compatibility, no effect here", f);
-    // --quantization naming the checkpoint's own method (an FP8 or AWQ checkpoint) is accepted: those load from
-    // their quantization_config. fp8 on a checkpoint without one quantizes its routed experts at load; another
-    // method, or fp8 on an AWQ checkpoint, is refused (recognised, not implemented: exit non-zero).
+    // --quantization naming the checkpoint's own method (an FP8 or AWQ checkpoint: quantization_names) is accepted:
+    // those load from their quantization_config. fp8 on a checkpoint without one quantizes its routed experts at
+    // load; another method, or fp8 on an AWQ checkpoint, is refused (recognised, not implemented: exit non-zero).
     if (!s.quantization.empty() && s.load_format != "dummy" && std::filesystem::exists(s.model_path + "/config.json")) {
       const QuantMethod q = ModelConfig::from_file(s.model_path).quant;
-      if ((s.quantization == "fp8" && (q == QuantMethod::Fp8Block || q == QuantMethod::Fp8Tensor)) ||
-          (s.quantization == "awq" && q == QuantMethod::Awq))
-        s.quantization.clear();
+      if (quantization_names(s.quantization, q)) s.quantization.clear();
       MLA_CHECK(s.quantization != "fp8" || q == QuantMethod::None,
                 "--quantization fp8: {} is an AWQ checkpoint (quantizing it again is not supported)", s.model_path);
     }

@@ -339,4 +339,10 @@ std::string ModelConfig::summary() const {
           : std::string());
 }
 
+bool quantization_names(const std::string& flag, QuantMethod checkpoint) {
+  if (checkpoint == QuantMethod::Fp8Block || checkpoint == QuantMethod::Fp8Tensor) return flag == "fp8";
+  if (checkpoint == QuantMethod::Awq) return flag == "awq" || flag == "awq_marlin" || flag == "moe_wna16";
+  return false;
+}
+
 }  // namespace mlaserve

@@ -18,6 +18,10 @@ enum class ScoringFunc { Softmax, Sigmoid };
 // quant_block rows x cols (DeepSeek-V3's format); Fp8Tensor: F8_E4M3 weights with one `weight_scale` each (AutoFP8);
 // Awq: AutoAWQ's 4-bit "gemm" layout (`qweight` / `qzeros` / `scales` in groups of quant_group input channels).
 enum class QuantMethod { None, Fp8Block, Fp8Tensor, Awq };
+// Whether --quantization `flag` names a checkpoint's own method (it then loads from its quantization_config): fp8 for
+// an FP8 checkpoint; awq, or the names SGLang and vLLM give their kernels for AWQ MoE checkpoints (awq_marlin,
+// moe_wna16), for an AWQ one.
+bool quantization_names(const std::string& flag, QuantMethod checkpoint);
 
 struct RopeConfig {
   bool yarn = false;  // false: plain RoPE

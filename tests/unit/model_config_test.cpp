@@ -141,6 +141,23 @@ TEST(ModelConfig, QuantizationConfigs) {
   EXPECT_EQ(c.quant_group, 64);
 }
 
+// --quantization values that name a checkpoint's own method (serve accepts them and loads the checkpoint as it is).
+TEST(ModelConfig, QuantizationFlagNamesTheCheckpointsMethod) {
+  for (QuantMethod q : {QuantMethod::Fp8Block, QuantMethod::Fp8Tensor}) {
+    EXPECT_TRUE(quantization_names("fp8", q));
+    EXPECT_FALSE(quantization_names("awq", q));
+  }
+  for (const char* f : {"awq", "awq_marlin", "moe_wna16"}) {
+    EXPECT_TRUE(quantization_names(f, QuantMethod::Awq)) << f;
+    EXPECT_FALSE(quantization_names(f, QuantMethod::None)) << f;
+    EXPECT_FALSE(quantization_names(f, QuantMethod::Fp8Block)) << f;
+  }
+  for (const char* f : {"fp8", "gptq", "gptq_marlin", "w8a8_int8", ""}) {
+    EXPECT_FALSE(quantization_names(f, QuantMethod::Awq)) << f;
+    EXPECT_FALSE(quantization_names(f, QuantMethod::None)) << f;
+  }
+}
+
 TEST(ModelConfig, ClearErrors) {
   json j = v2_lite();
   j["architectures"] = {"LlamaForCausalLM"};
