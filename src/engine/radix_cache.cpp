@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <queue>
 #include <set>
+#include <unordered_map>
 
 #include "core/error.h"
 
@@ -144,6 +145,16 @@ RadixCache::Node* RadixCache::insert_shared(std::span<const int32_t> tokens, std
   if (!dup.empty()) pool_.free(dup);
   touch(node);
   return node;
+}
+
+int32_t RadixCache::pages_unlocked_by(std::span<Node* const> nodes) const {
+  std::unordered_map<const Node*, int32_t> paths;  // node -> how many of the paths run through it
+  for (const Node* n : nodes)
+    for (; n && n != root_.get(); n = n->parent) ++paths[n];
+  int32_t pages = 0;
+  for (const auto& [n, k] : paths)
+    if (n->lock_ref == k) pages += static_cast<int32_t>(n->pages.size());
+  return pages;
 }
 
 int32_t RadixCache::evict(int32_t num_pages) {

@@ -46,6 +46,9 @@ class RadixCache {
   // Frees up to `num_pages` pages from unlocked leaves, least recently used first. Returns pages freed.
   int32_t evict(int32_t num_pages);
   int32_t evictable_pages() const { return evictable_pages_; }
+  // Pages that would become evictable if every node in `nodes` (each a request's locked path; null: none) were
+  // unlocked once: those of the nodes on these paths that no other lock holds.
+  int32_t pages_unlocked_by(std::span<Node* const> nodes) const;
   int32_t cached_pages() const { return cached_pages_; }
   // Drops everything; requires that nothing is locked (returns false otherwise).
   bool reset();

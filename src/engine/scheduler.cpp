@@ -337,13 +337,22 @@ void Scheduler::retract_to_waiting(Req& victim) {
     }
 }
 
-int64_t Scheduler::admission_shortfall(Req& w, int32_t headroom) {
+int64_t Scheduler::admission_shortfall(Req& w, int32_t headroom, std::span<Req* const> victims, int64_t& freed) {
+  freed = 0;
   if (num_running() >= cfg_.max_running_requests) return -1;
-  admit(w);  // (the cached prefix it would reuse counts; undone below)
+  admit(w);  // (the cached prefix it would reuse counts, and its lock keeps those pages from `freed`; undone below)
   const int64_t budget =
       cfg_.chunked_prefill_size > 0 ? cfg_.chunked_prefill_size : std::numeric_limits<int64_t>::max();
   const int64_t remaining = static_cast<int64_t>(w.fill.size()) - w.kv_len;
   const int64_t available = available_tokens(w, headroom);
+  std::vector<RadixCache::Node*> paths;
+  for (const Req* v : victims) {
+    // Its own pages, and the page of headroom its next decode token would have needed.
+    const size_t own = v->pages.size() - static_cast<size_t>(v->prefix_pages);
+    freed += static_cast<int64_t>(own + (v->state == ReqState::Decoding ? 1 : 0)) * cfg_.page_size;
+    paths.push_back(v->prefix_node);
+  }
+  freed += static_cast<int64_t>(cache_.pages_unlocked_by(paths)) * cfg_.page_size;
   unadmit(w);
   return std::max<int64_t>(0, std::min(remaining, budget) - available);
 }
@@ -352,21 +361,24 @@ bool Scheduler::preempt_for_waiting(bool allow_retract) {
   if (!cfg_.priority_scheduling || !cfg_.priority_preemption) return false;
   while (!waiting_.empty()) {
     Req& w = *waiting_.front();
-    // Running requests far enough below it (a larger priority value by more than the threshold): the pages they hold.
+    // Running requests far enough below it (a larger priority value by more than the threshold).
+    std::vector<Req*> victims;
     Req* victim = nullptr;
-    int64_t victim_tokens = 0;
     int32_t decoding = 0;
     for (auto& r : running_) {
       decoding += r->state == ReqState::Decoding;
       if (r->state != ReqState::Prefilling && r->state != ReqState::Decoding) continue;
       if (static_cast<int64_t>(r->priority) - w.priority <= cfg_.priority_preemption_threshold) continue;
       if (allow_retract && (r->in_flight > 0 || r->plan_refs > 0)) continue;  // (none when nothing runs)
-      victim_tokens += static_cast<int64_t>(r->pages.size()) * cfg_.page_size;
+      victims.push_back(r.get());
       if (!victim || std::make_pair(r->priority, r->arrival) > std::make_pair(victim->priority, victim->arrival))
         victim = r.get();
     }
     if (!victim) return false;
-    const int64_t short_by = admission_shortfall(w, decoding);
+    // The tokens retracting them all would free: their own pages, and their cached prefixes' pages that no other
+    // running request (nor w's own prefix) holds: a prefix shared with a request that stays is not freed.
+    int64_t victim_tokens = 0;
+    const int64_t short_by = admission_shortfall(w, decoding, victims, victim_tokens);
     // It fits, or retracting them all would not make it fit (then it waits as usual).
     if (short_by == 0 || short_by > victim_tokens) return false;
     if (!allow_retract) return true;

@@ -196,8 +196,10 @@ class Scheduler {
   // nothing is retracted: true when a retraction is wanted (the plan is then blocked until nothing runs).
   bool preempt_for_waiting(bool allow_retract);
   // Tokens of the waiting request w's first chunk that do not fit now (0: it fits), or -1 when the running requests
-  // are at max_running_requests. Leaves w waiting, as it was.
-  int64_t admission_shortfall(Req& w, int32_t headroom);
+  // are at max_running_requests. Leaves w waiting, as it was. freed: the tokens retracting all of `victims` would
+  // make available to w (their own pages, a decoding one's page of headroom, and their cached prefixes' pages that
+  // no other request, w included, holds).
+  int64_t admission_shortfall(Req& w, int32_t headroom, std::span<Req* const> victims, int64_t& freed);
   // Retracts a running request and puts it back into the waiting queue.
   void retract_to_waiting(Req& victim);
   // Finishes every waiting and running request with `reason` (shutdown).

@@ -134,3 +134,41 @@ TEST(RadixCache, DuplicatePagesReturnToThePoolAndDisabledKeepsNothing) {
   EXPECT_EQ(pool2.num_free(), 8);
   EXPECT_EQ(off.match_prefix(seq, 8).tokens, 0);
 }
+
+// pages_unlocked_by: the pages of the given locked paths that no other lock holds, counted once however many of the
+// paths share them; the check is the evictable pages after unlocking them.
+TEST(RadixCache, PagesUnlockedByCountsOnlyPagesNoOtherLockHolds) {
+  PagePool pool(64);
+  RadixCache cache(P, pool, true);
+  auto seq = [](int32_t shared_pages, int32_t own_pages, int32_t tag) {
+    std::vector<int32_t> s(static_cast<size_t>((shared_pages + own_pages) * P), 7);
+    for (size_t i = static_cast<size_t>(shared_pages * P); i < s.size(); ++i) s[i] = tag;
+    return s;
+  };
+  auto insert = [&](const std::vector<int32_t>& s) {
+    auto m = cache.match_prefix(s, static_cast<int32_t>(s.size()));
+    std::vector<int32_t> pages = m.pages;
+    auto fresh = pool.alloc(static_cast<int32_t>(s.size()) / P - static_cast<int32_t>(pages.size()));
+    pages.insert(pages.end(), fresh->begin(), fresh->end());
+    RadixCache::Node* n = cache.insert(s, pages);
+    cache.lock(n);
+    return n;
+  };
+  // a, b, c share 3 pages; a and b own 2 each, c owns 1.
+  RadixCache::Node* a = insert(seq(3, 2, 1));
+  RadixCache::Node* b = insert(seq(3, 2, 2));
+  RadixCache::Node* c = insert(seq(3, 1, 3));
+  EXPECT_EQ(cache.evictable_pages(), 0);
+  EXPECT_EQ(cache.pages_unlocked_by(std::vector<RadixCache::Node*>{a}), 2);
+  EXPECT_EQ(cache.pages_unlocked_by(std::vector<RadixCache::Node*>{a, b}), 4);
+  EXPECT_EQ(cache.pages_unlocked_by(std::vector<RadixCache::Node*>{a, b, c}), 8);
+  EXPECT_EQ(cache.pages_unlocked_by(std::vector<RadixCache::Node*>{a, nullptr}), 2);
+  EXPECT_EQ(cache.pages_unlocked_by(std::vector<RadixCache::Node*>{}), 0);
+  for (const auto& [nodes, want] : std::vector<std::pair<std::vector<RadixCache::Node*>, int32_t>>{
+           {{a}, 2}, {{a, b}, 4}, {{a, b, c}, 8}}) {
+    for (RadixCache::Node* n : nodes) cache.unlock(n);
+    EXPECT_EQ(cache.evictable_pages(), want) << nodes.size();
+    for (RadixCache::Node* n : nodes) cache.lock(n);
+  }
+  cache.check_integrity();
+}

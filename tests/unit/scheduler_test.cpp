@@ -531,6 +531,46 @@ TEST_F(SchedulerTest, PriorityPreemptionRetractsFarLowerRequests) {
   }
 }
 
+// Priority preemption counts only the pages a retraction would free: a far-lower request whose prompt shares its
+// cached prefix with a request that stays frees only its own pages (and its page of decode headroom), so it is
+// retracted only when that makes room: the head then runs in the same step; otherwise nothing is retracted for it
+// (with 10-12 pages the old count, every page the victim held, retracted it and the head still did not fit).
+TEST_F(SchedulerTest, PriorityPreemptionCountsOnlyThePagesARetractionFrees) {
+  for (int32_t pages = 10; pages <= 16; ++pages) {
+    out.clear();
+    make(pages, /*chunk=*/64, 64, true, /*priority=*/true, 0, 0, /*preemption_threshold=*/10);
+    std::vector<int32_t> shared = range(0, 24);  // 6 whole pages
+    auto with = [&](int32_t tail) {
+      std::vector<int32_t> p = shared;
+      for (int32_t i = 0; i < 4; ++i) p.push_back(tail + i);
+      return p;
+    };
+    add("keep", with(50), 8, {}, 0);
+    step();  // its prompt's whole pages enter the cache
+    add("low", with(60), 8, {}, 50);  // reuses them
+    for (int i = 0; i < 3; ++i) step();
+    add("high", range(200, 16), 4, {}, 0);
+    const int64_t before = s->stats().num_retractions;
+    const StepPlan p = step();
+    bool ran = false;
+    for (const ScheduledSeq& q : p.seqs) ran |= q.req->rid == "high";
+    const int64_t retracted = s->stats().num_retractions - before;
+    EXPECT_TRUE(retracted == 0 || ran) << pages << " pages: retracted without making room";
+    if (pages == 12) {
+      EXPECT_EQ(retracted, 0) << "the shared prefix counted as freed";
+    }
+    if (pages == 14) {
+      EXPECT_TRUE(ran && retracted == 1) << "preempted";
+    }
+    for (int steps = 0; s->has_work() && steps < 500; ++steps) step();
+    for (const auto& [rid, n] : {std::pair{"keep", 8}, std::pair{"low", 8}, std::pair{"high", 4}}) {
+      EXPECT_TRUE(out[rid].finished) << rid << " " << pages;
+      EXPECT_EQ(out[rid].tokens.size(), static_cast<size_t>(n)) << rid << " " << pages;
+    }
+    expect_all_pages_back();
+  }
+}
+
 // With a step in flight (overlap scheduling plans without retracting) a wanted preemption blocks the plan; planned
 // again with retraction allowed it retracts, and nothing is retracted while the head fits.
 TEST_F(SchedulerTest, PriorityPreemptionWaitsForTheStepInFlight) {
