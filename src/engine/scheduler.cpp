@@ -375,6 +375,12 @@ bool Scheduler::preempt_for_waiting(bool allow_retract) {
         victim = r.get();
     }
     if (!victim) return false;
+    // It fits even without its cached prefix (no need to match it: admission will).
+    const int64_t budget =
+        cfg_.chunked_prefill_size > 0 ? cfg_.chunked_prefill_size : std::numeric_limits<int64_t>::max();
+    if (num_running() < cfg_.max_running_requests &&
+        available_tokens(w, decoding) >= std::min<int64_t>(static_cast<int64_t>(w.fill.size()) - w.kv_len, budget))
+      return false;
     // The tokens retracting them all would free: their own pages, and their cached prefixes' pages that no other
     // running request (nor w's own prefix) holds: a prefix shared with a request that stays is not freed.
     int64_t victim_tokens = 0;
