@@ -43,7 +43,8 @@ class ResponseStore::BackgroundExchange : public HttpExchange,
   }
   // Without `stream` background responses are refused when they ask to stream: a stream here is an internal error.
   void start_stream() override {
-    if (!stream_) respond(500, "", R"({"error": {"message": "a background response streamed", "code": "server_error"}})");
+    if (stream_) return;
+    respond(500, "", R"({"error": {"message": "a background response streamed", "code": "server_error"}})");
   }
   void send_event(std::string payload) override { send_named_event({}, std::move(payload)); }
   void send_named_event(const std::string& event, std::string payload) override {

@@ -79,6 +79,7 @@ const Seed kSeeds[] = {
       "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "boolean"}}}}}, "temperature": 0.5})"},
     {"/v1/responses", R"({"input": [{"role": "user", "content": "Hi"}], "background": true, "store": true,
       "max_output_tokens": 4, "metadata": {"a": "b"}})"},
+    {"/v1/responses", R"({"input": "Count", "background": true, "stream": true, "max_output_tokens": 5})"},
     {"/v1/responses/input_tokens", R"({"input": [{"role": "user", "content": "Weather?"}], "instructions": "Be brief.",
       "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]})"},
     {"/tokenize", R"({"prompt": "hello world", "add_special_tokens": false})"},

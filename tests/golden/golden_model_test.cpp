@@ -145,7 +145,8 @@ class RoundingCacheBackend final : public ForwardingBackend {
     ForwardingBackend::mla_write_latent(latent, w, eps, cache);
     const int64_t W = cache.size(-1);
     auto round = [this](float* x, int64_t n) {
-      for (int64_t i = 0; i < n; ++i) x[i] = e5m2_ ? f8e5m2_to_f32(f32_to_e5m2(x[i])) : f8e4m3_to_f32(f32_to_e4m3(x[i]));
+      for (int64_t i = 0; i < n; ++i)
+        x[i] = e5m2_ ? f8e5m2_to_f32(f32_to_e5m2(x[i])) : f8e4m3_to_f32(f32_to_e4m3(x[i]));
     };
     for (size_t t = 0; t < slots_.size(); ++t) {
       round(latent.data_as<float>() + static_cast<int64_t>(t) * W, W);
