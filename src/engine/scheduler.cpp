@@ -341,9 +341,7 @@ int64_t Scheduler::admission_shortfall(Req& w, int32_t headroom, std::span<Req* 
   freed = 0;
   if (num_running() >= cfg_.max_running_requests) return -1;
   admit(w);  // (the cached prefix it would reuse counts, and its lock keeps those pages from `freed`; undone below)
-  const int64_t budget =
-      cfg_.chunked_prefill_size > 0 ? cfg_.chunked_prefill_size : std::numeric_limits<int64_t>::max();
-  const int64_t remaining = static_cast<int64_t>(w.fill.size()) - w.kv_len;
+  const int64_t chunk = first_chunk(w);
   const int64_t available = available_tokens(w, headroom);
   std::vector<RadixCache::Node*> paths;
   for (const Req* v : victims) {
@@ -354,7 +352,13 @@ int64_t Scheduler::admission_shortfall(Req& w, int32_t headroom, std::span<Req* 
   }
   freed += static_cast<int64_t>(cache_.pages_unlocked_by(paths)) * cfg_.page_size;
   unadmit(w);
-  return std::max<int64_t>(0, std::min(remaining, budget) - available);
+  return std::max<int64_t>(0, chunk - available);
+}
+
+int64_t Scheduler::first_chunk(const Req& w) const {
+  const int64_t budget =
+      cfg_.chunked_prefill_size > 0 ? cfg_.chunked_prefill_size : std::numeric_limits<int64_t>::max();
+  return std::min(static_cast<int64_t>(w.fill.size()) - w.kv_len, budget);
 }
 
 bool Scheduler::preempt_for_waiting(bool allow_retract) {
@@ -376,11 +380,7 @@ bool Scheduler::preempt_for_waiting(bool allow_retract) {
     }
     if (!victim) return false;
     // It fits even without its cached prefix (no need to match it: admission will).
-    const int64_t budget =
-        cfg_.chunked_prefill_size > 0 ? cfg_.chunked_prefill_size : std::numeric_limits<int64_t>::max();
-    if (num_running() < cfg_.max_running_requests &&
-        available_tokens(w, decoding) >= std::min<int64_t>(static_cast<int64_t>(w.fill.size()) - w.kv_len, budget))
-      return false;
+    if (num_running() < cfg_.max_running_requests && available_tokens(w, decoding) >= first_chunk(w)) return false;
     // The tokens retracting them all would free: their own pages, and their cached prefixes' pages that no other
     // running request (nor w's own prefix) holds: a prefix shared with a request that stays is not freed.
     int64_t victim_tokens = 0;

@@ -200,6 +200,8 @@ class Scheduler {
   // make available to w (their own pages, a decoding one's page of headroom, and their cached prefixes' pages that
   // no other request, w included, holds).
   int64_t admission_shortfall(Req& w, int32_t headroom, std::span<Req* const> victims, int64_t& freed);
+  // The tokens of a waiting request's first prefill chunk (its remaining tokens within the chunked-prefill budget).
+  int64_t first_chunk(const Req& w) const;
   // Retracts a running request and puts it back into the waiting queue.
   void retract_to_waiting(Req& victim);
   // Finishes every waiting and running request with `reason` (shutdown).
