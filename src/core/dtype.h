@@ -67,35 +67,34 @@ inline float f8e4m3_to_f32(uint8_t v) {
   return sign * std::ldexp(1.0f + static_cast<float>(mant) / 8.0f, exp - 7);
 }
 
-// The E4M3 code nearest to x, ties to the even code (round to nearest even), saturated to +-448; NaN gives 0x7f.
-// Normal codes keep f32's exponent and top 3 mantissa bits, rounded on the 20 dropped bits (a carry moves into the
-// exponent); below 2^-6 the subnormal codes are steps of 2^-9.
-inline uint8_t f32_to_e4m3(float x) {
+// The code nearest to x in an FP8 format of kExp exponent and kMant mantissa bits (bias 2^(kExp-1) - 1), ties to
+// the even code, saturated to its largest finite value (max_finite, code max_code); NaN gives 0x7f. Normal codes keep
+// f32's exponent (rebiased) and top kMant mantissa bits, rounded on the dropped bits (a carry moves into the
+// exponent); below the smallest normal value the subnormal codes are steps of 2^(1 - bias - kMant).
+template <int kExp, int kMant>
+inline uint8_t f32_to_fp8(float x, float max_finite, uint8_t max_code) {
+  constexpr uint32_t kBias = (1u << (kExp - 1)) - 1, kShift = 23 - kMant;
+  constexpr float kSubnormalSteps = static_cast<float>(1u << (kBias - 1 + kMant));  // per unit, exact
   if (std::isnan(x)) return 0x7f;
-  uint32_t u;
+  uint32_t u, max_bits;
   std::memcpy(&u, &x, 4);
+  std::memcpy(&max_bits, &max_finite, 4);
   const auto sign = static_cast<uint8_t>((u >> 24) & 0x80u);
   u &= 0x7fffffffu;
-  if (u >= 0x43e00000u) return sign | 0x7e;  // |x| >= 448 (infinities included)
-  if (u < 0x3c800000u) return sign | static_cast<uint8_t>(std::nearbyint(std::fabs(x) * 512.0f));  // |x| < 2^-6
-  return sign | static_cast<uint8_t>(((u + 0x7ffffu + ((u >> 20) & 1u)) >> 20) - (120u << 3));
+  if (u >= max_bits) return sign | max_code;  // infinities included
+  if (u < (127u - kBias + 1) << 23)
+    return sign | static_cast<uint8_t>(std::nearbyint(std::fabs(x) * kSubnormalSteps));
+  return sign | static_cast<uint8_t>(((u + ((1u << (kShift - 1)) - 1) + ((u >> kShift) & 1u)) >> kShift) -
+                                     ((127u - kBias) << kMant));
 }
+
+// The E4M3 code nearest to x (saturated to +-448).
+inline uint8_t f32_to_e4m3(float x) { return f32_to_fp8<4, 3>(x, 448.0f, 0x7e); }
 
 // OCP FP8 E5M2: the top byte of an f16 (5 exponent bits, 2 mantissa bits; infinities 0x7c / 0xfc, NaN above them).
 inline float f8e5m2_to_f32(uint8_t v) { return f16_to_f32(static_cast<uint16_t>(v << 8)); }
 
-// The E5M2 code nearest to x, ties to the even code, saturated to the largest finite +-57344 (infinities included,
-// as the GPU's satfinite conversion does); NaN gives 0x7f. Normal codes keep f32's exponent and top 2 mantissa bits,
-// rounded on the 21 dropped bits; below 2^-14 the subnormal codes are steps of 2^-16.
-inline uint8_t f32_to_e5m2(float x) {
-  if (std::isnan(x)) return 0x7f;
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  const auto sign = static_cast<uint8_t>((u >> 24) & 0x80u);
-  u &= 0x7fffffffu;
-  if (u >= 0x47600000u) return sign | 0x7b;  // |x| >= 57344
-  if (u < 0x38800000u) return sign | static_cast<uint8_t>(std::nearbyint(std::fabs(x) * 65536.0f));  // |x| < 2^-14
-  return sign | static_cast<uint8_t>(((u + 0xfffffu + ((u >> 21) & 1u)) >> 21) - (112u << 2));
-}
+// The E5M2 code nearest to x (saturated to +-57344, infinities included, as the GPU's satfinite conversion does).
+inline uint8_t f32_to_e5m2(float x) { return f32_to_fp8<5, 2>(x, 57344.0f, 0x7b); }
 
 }  // namespace mlaserve

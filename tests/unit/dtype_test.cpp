@@ -32,29 +32,39 @@ TEST(DType, Fp8E4m3Decode) {
   EXPECT_TRUE(std::isnan(f8e4m3_to_f32(0x7f)));
 }
 
-TEST(DType, Fp8E4m3EncodeRoundsToNearestEven) {
-  for (int c = 0; c < 256; ++c) {  // every finite code's value is its own code (the sign of zero kept)
-    if ((c & 0x7f) == 0x7f) continue;
-    EXPECT_EQ(f32_to_e4m3(f8e4m3_to_f32(static_cast<uint8_t>(c))), c) << c;
+// An FP8 encoder against its decoder: every finite code's value is its own code (the sign of zero kept); halfway
+// between neighbours the even code, either side of it the nearer; random magnitudes over the whole range (subnormals
+// included, `exps` binary orders from 2^`exp0`) as the brute-force nearest code.
+void expect_nearest_even(float (*value)(uint8_t), uint8_t (*code)(float), uint8_t (*nearest)(float), int max_code,
+                         bool (*special)(int), int exps, int exp0, uint64_t seed) {
+  for (int c = 0; c < 256; ++c) {
+    if (special(c)) continue;
+    EXPECT_EQ(code(value(static_cast<uint8_t>(c))), c) << c;
   }
-  for (int c = 0; c < 0x7e; ++c) {  // halfway between neighbours: the even code; either side of it: the nearer
-    const float lo = f8e4m3_to_f32(static_cast<uint8_t>(c)), hi = f8e4m3_to_f32(static_cast<uint8_t>(c + 1));
+  for (int c = 0; c < max_code; ++c) {
+    const float lo = value(static_cast<uint8_t>(c)), hi = value(static_cast<uint8_t>(c + 1));
     const float mid = (lo + hi) / 2;
-    EXPECT_EQ(f32_to_e4m3(mid), c % 2 == 0 ? c : c + 1) << c;
-    EXPECT_EQ(f32_to_e4m3(std::nextafter(mid, 0.0f)), c) << c;
-    EXPECT_EQ(f32_to_e4m3(std::nextafter(mid, 1e9f)), c + 1) << c;
-    EXPECT_EQ(f32_to_e4m3(-mid), (c % 2 == 0 ? c : c + 1) | 0x80) << c;
+    EXPECT_EQ(code(mid), c % 2 == 0 ? c : c + 1) << c;
+    EXPECT_EQ(code(std::nextafter(mid, 0.0f)), c) << c;
+    EXPECT_EQ(code(std::nextafter(mid, 1e9f)), c + 1) << c;
+    EXPECT_EQ(code(-mid), (c % 2 == 0 ? c : c + 1) | 0x80) << c;
   }
+  uint64_t st = seed;
+  for (int i = 0; i < 20000; ++i) {
+    st = splitmix64(st);
+    const float x =
+        std::ldexp(static_cast<float>(st >> 40) / 16777216.0f - 0.5f, static_cast<int>(st % exps) + exp0);
+    ASSERT_EQ(code(x), nearest(x)) << x;
+  }
+}
+
+TEST(DType, Fp8E4m3EncodeRoundsToNearestEven) {
+  expect_nearest_even(f8e4m3_to_f32, f32_to_e4m3, test::nearest_e4m3, 0x7e, [](int c) { return (c & 0x7f) == 0x7f; },
+                      22, -12, 7);
   EXPECT_EQ(f32_to_e4m3(460.0f), 0x7e);  // saturated, not NaN
   EXPECT_EQ(f32_to_e4m3(-1e9f), 0xfe);
   EXPECT_EQ(f32_to_e4m3(INFINITY), 0x7e);
   EXPECT_EQ(f32_to_e4m3(std::nanf("")), 0x7f);
-  uint64_t st = 7;
-  for (int i = 0; i < 20000; ++i) {  // random magnitudes over the whole range, subnormals included
-    st = splitmix64(st);
-    const float x = std::ldexp(static_cast<float>(st >> 40) / 16777216.0f - 0.5f, static_cast<int>(st % 22) - 12);
-    ASSERT_EQ(f32_to_e4m3(x), test::nearest_e4m3(x)) << x;
-  }
 }
 
 TEST(DType, Fp8E5m2Decode) {
@@ -69,30 +79,14 @@ TEST(DType, Fp8E5m2Decode) {
 }
 
 TEST(DType, Fp8E5m2EncodeRoundsToNearestEven) {
-  for (int c = 0; c < 256; ++c) {  // every finite code's value is its own code (the sign of zero kept)
-    if ((c & 0x7c) == 0x7c) continue;
-    EXPECT_EQ(f32_to_e5m2(f8e5m2_to_f32(static_cast<uint8_t>(c))), c) << c;
-  }
-  for (int c = 0; c < 0x7b; ++c) {  // halfway between neighbours: the even code; either side of it: the nearer
-    const float lo = f8e5m2_to_f32(static_cast<uint8_t>(c)), hi = f8e5m2_to_f32(static_cast<uint8_t>(c + 1));
-    const float mid = (lo + hi) / 2;
-    EXPECT_EQ(f32_to_e5m2(mid), c % 2 == 0 ? c : c + 1) << c;
-    EXPECT_EQ(f32_to_e5m2(std::nextafter(mid, 0.0f)), c) << c;
-    EXPECT_EQ(f32_to_e5m2(std::nextafter(mid, 1e9f)), c + 1) << c;
-    EXPECT_EQ(f32_to_e5m2(-mid), (c % 2 == 0 ? c : c + 1) | 0x80) << c;
-  }
+  expect_nearest_even(f8e5m2_to_f32, f32_to_e5m2, test::nearest_e5m2, 0x7b, [](int c) { return (c & 0x7c) == 0x7c; },
+                      32, -16, 11);
   EXPECT_EQ(f32_to_e5m2(60000.0f), 0x7b);  // saturated to the largest finite code, not infinity
   EXPECT_EQ(f32_to_e5m2(-1e9f), 0xfb);
   EXPECT_EQ(f32_to_e5m2(INFINITY), 0x7b);
   EXPECT_EQ(f32_to_e5m2(std::ldexp(1.0f, -18)), 0x00);  // a quarter of the smallest subnormal
   EXPECT_EQ(f32_to_e5m2(std::ldexp(3.0f, -18)), 0x01);
   EXPECT_TRUE(std::isnan(f8e5m2_to_f32(f32_to_e5m2(std::nanf("")))));
-  uint64_t st = 11;
-  for (int i = 0; i < 20000; ++i) {  // random magnitudes over the whole range, subnormals included
-    st = splitmix64(st);
-    const float x = std::ldexp(static_cast<float>(st >> 40) / 16777216.0f - 0.5f, static_cast<int>(st % 32) - 16);
-    ASSERT_EQ(f32_to_e5m2(x), test::nearest_e5m2(x)) << x;
-  }
 }
 
 TEST(DType, NamesRoundTrip) {
