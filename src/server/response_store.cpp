@@ -327,25 +327,25 @@ void ResponseStore::unsubscribe_on_cancel(const std::string& id, const std::shar
 }
 
 void ResponseStore::subscribe(const std::string& id, int64_t after, std::shared_ptr<HttpExchange> client,
-                              std::function<void(bool)> done) {
+                              std::function<void(int)> done) {
   worker_->post([this, id, after, client = std::move(client), done = std::move(done)] {
     std::shared_ptr<BackgroundExchange> running;
     std::shared_ptr<const std::vector<Event>> events;
     {
       std::lock_guard lk(mu_);
-      if (const auto it = slots_.find(id); it != slots_.end()) {
-        running = it->second.running;
-        events = it->second.record->events;
-      }
+      const auto it = slots_.find(id);
+      if (it == slots_.end()) return done(404);
+      running = it->second.running;
+      events = it->second.record->events;
     }
     if (running && running->streams()) {  // events come until its end (the worker runs the generation's answers)
       running->subscribe(after, client);
     } else if (!running && events) {
       BackgroundExchange::replay(client, *events, after, /*last=*/true);
     } else {
-      return done(false);
+      return done(400);
     }
-    done(true);
+    done(0);
   });
 }
 

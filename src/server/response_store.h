@@ -64,10 +64,11 @@ class ResponseStore {
       std::shared_ptr<const nlohmann::ordered_json> context,
       const std::function<std::shared_ptr<HttpExchange>(std::shared_ptr<HttpExchange>)>& wrap, bool stream = false);
   // Streams a background response created with `stream` into `client` (an SSE stream: its events after sequence
-  // number `after`, -1 for all, then the ones still to come, then its end), on the store's worker. `done` gets
-  // false (nothing sent: the caller answers) when the response is unknown or has no events to stream.
+  // number `after`, -1 for all, then the ones still to come, then its end), on the store's worker. `done` gets 0
+  // when it streams, else the status the caller answers with (nothing sent): 404 for an unknown response (deleted
+  // meanwhile), 400 for one without events to stream.
   void subscribe(const std::string& id, int64_t after, std::shared_ptr<HttpExchange> client,
-                 std::function<void(bool streamed)> done);
+                 std::function<void(int status)> done);
   // On the client's executor, before subscribe: a client that goes away stops receiving (the generation goes on).
   void unsubscribe_on_cancel(const std::string& id, const std::shared_ptr<HttpExchange>& client);
   // The queued response's generation was submitted: in_progress (unless it already ended).

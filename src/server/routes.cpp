@@ -1070,8 +1070,8 @@ void Api::responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>&
       generate(ApiKind::Chat, chat, outer, id);
       st->started(id);
       if (stream) {
-        st->subscribe(id, -1, ex, [this, ex, id](bool streamed) {
-          if (!streamed) respond_deleted(ex, id);
+        st->subscribe(id, -1, ex, [this, ex, id](int status) {
+          if (status != 0) respond_deleted(ex, id);
         });
         return;
       }
@@ -1135,8 +1135,9 @@ void Api::stored_response(const HttpRequest& req, std::string_view rest, std::st
                          "starting_after", "invalid_value");
       }
       responses_store_->unsubscribe_on_cancel(id, ex);
-      responses_store_->subscribe(id, after, ex, [this, ex](bool streamed) {
-        if (streamed) return;
+      responses_store_->subscribe(id, after, ex, [this, ex, id](int status) {
+        if (status == 404) return respond_deleted(ex, id);
+        if (status == 0) return;
         ex->executor()([this, ex] {
           respond_error(ex, 400,
                         error_body(400,
