@@ -57,6 +57,7 @@ struct ServeArgs {
   int32_t nnodes = 1, node_rank = 0;
   std::string dist_init_addr;
   double dist_timeout = 120.0;
+  int32_t base_gpu_id = 0, gpu_id_step = 1;
   std::string api_key;
   std::string allowed_origins = "*";
   std::vector<std::string> origins;  // allowed_origins parsed (at validation)
@@ -251,6 +252,8 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["load_format"] = a.load_format;
   j["dtype"] = a.dtype;
   j["kv_cache_dtype"] = a.kv_cache_dtype;
+  j["base_gpu_id"] = a.base_gpu_id;
+  j["gpu_id_step"] = a.gpu_id_step;
   j["mem_fraction_static"] = a.mem_fraction_static;
   j["max_running_requests"] = a.max_running_requests;
   j["max_total_tokens"] = a.max_total_tokens;
@@ -407,6 +410,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--node-rank", a->node_rank, "this node's rank")->capture_default_str();
   app.add_option("--dist-init-addr", a->dist_init_addr, "rendezvous address for multi-node (host:port of node 0)");
   app.add_option("--dist-timeout", a->dist_timeout, "multi-node rendezvous timeout (s)")->capture_default_str();
+  app.add_option("--base-gpu-id", a->base_gpu_id, "the first GPU this server uses (SGLang's)")->capture_default_str();
+  app.add_option("--gpu-id-step", a->gpu_id_step, "GPUs between the ranks' devices (SGLang's)")->capture_default_str();
   app.add_option("--api-key", a->api_key, "require 'Authorization: Bearer <key>'");
   app.add_option("--allowed-origins", a->allowed_origins,
                  "browser origins given CORS headers: '*' (default), origins separated by commas or a JSON list, "
@@ -435,14 +440,24 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--request-timeout", a->request_timeout, "abort requests running longer (s; 0: never)");
   app.add_option("--max-n", a->max_n, "largest n (parallel samples) accepted")->capture_default_str();
   // SGLang's and vLLM's flags that choose how they compute, not what (their kernels, compilers, schedulers' tuning,
-  // logging): accepted so that their launch commands run, and logged as having no effect.
-  for (const char* flag : {"--enable-torch-compile", "--disable-custom-all-reduce", "--enable-mixed-chunk",
-                           "--enable-cache-report", "--skip-server-warmup", "--log-requests", "--disable-log-requests",
-                           "--disable-log-stats", "--enable-auto-tool-choice", "--enable-prefix-caching"})
+  // expert-parallel MoE and its all-to-all (experts run tensor-parallel here, with the same results), host-memory cache
+  // tiers, model downloads, logging and debugging): accepted so that their launch commands (DeepSeek's recipes
+  // included) run, and logged as having no effect. EAGLE's step and top-k flags pass too: EAGLE itself is refused.
+  for (const char* flag :
+       {"--enable-torch-compile", "--disable-custom-all-reduce", "--enable-mixed-chunk", "--enable-cache-report",
+        "--skip-server-warmup", "--log-requests", "--disable-log-requests", "--disable-log-stats",
+        "--enable-auto-tool-choice", "--enable-prefix-caching", "--enable-dp-lm-head", "--enable-two-batch-overlap",
+        "--disable-shared-experts-fusion", "--enable-flashinfer-mla", "--disable-cuda-graph-padding",
+        "--show-time-cost", "--enable-nan-detection", "--enable-nccl-nvls", "--enable-hierarchical-cache",
+        "--enable-ep-moe", "--enable-deepep-moe"})
     app.add_flag_callback(flag, [a, flag] { a->ignored.push_back(flag); }, "accepted for compatibility; no effect");
-  for (const char* opt : {"--torch-compile-max-bs", "--attention-backend", "--grammar-backend", "--sampling-backend",
-                          "--schedule-policy", "--watchdog-timeout", "--max-prefill-tokens", "--decode-log-interval",
-                          "--tokenizer-mode", "--cuda-graph-bs"}) {
+  for (const char* opt :
+       {"--torch-compile-max-bs", "--attention-backend", "--grammar-backend", "--sampling-backend", "--schedule-policy",
+        "--watchdog-timeout", "--max-prefill-tokens", "--decode-log-interval", "--tokenizer-mode", "--cuda-graph-bs",
+        "--moe-dense-tp-size", "--schedule-conservativeness", "--num-continuous-decode-steps",
+        "--triton-attention-num-kv-splits", "--download-dir", "--revision", "--mm-attention-backend",
+        "--file-storage-path", "--ep-size", "--moe-a2a-backend", "--deepep-mode", "--speculative-num-steps",
+        "--speculative-eagle-topk", "--nccl-port"}) {
     const bool list = std::string_view(opt) == "--cuda-graph-bs";
     app.add_option_function<std::vector<std::string>>(
            opt,
@@ -483,6 +498,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
               s.node_rank, s.nnodes);
     MLA_CHECK(s.nnodes == 1 || !s.dist_init_addr.empty(), "--nnodes {} needs --dist-init-addr host:port", s.nnodes);
     MLA_CHECK(s.port >= 0 && s.port <= 65535, "--port must be in [0, 65535], got {}", s.port);
+    MLA_CHECK(s.base_gpu_id >= 0, "--base-gpu-id must be >= 0, got {}", s.base_gpu_id);
+    MLA_CHECK(s.gpu_id_step >= 1, "--gpu-id-step must be >= 1, got {}", s.gpu_id_step);
     MLA_CHECK(s.num_http_threads >= 0 && s.num_http_threads <= 256, "--num-http-threads must be in [0, 256]");
     if (s.num_http_threads == 0)
       s.num_http_threads = static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency() / 2, 4, 16));
@@ -556,6 +573,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     ea.kv_cache_dtype = s.kv_cache_dtype;
     ea.disable_cuda_graph = s.disable_cuda_graph;
     ea.dist_timeout_s = s.dist_timeout;
+    ea.base_gpu_id = s.base_gpu_id;
+    ea.gpu_id_step = s.gpu_id_step;
     if (s.node_rank > 0) {
       // Nodes other than 0 run their ranks for node 0's engine; only node 0 serves HTTP.
       MLA_LOG_INFO("node {} of {}: following node 0 at {}", s.node_rank, s.nnodes, s.dist_init_addr);

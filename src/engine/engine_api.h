@@ -212,6 +212,10 @@ struct EngineArgs {
   int32_t node_rank = 0;
   std::string dist_init_addr;
   double dist_timeout_s = 120.0;
+  // GPUs: local rank i of DP replica r runs on device base_gpu_id + (r * tp_size + i) * gpu_id_step (SGLang's
+  // --base-gpu-id / --gpu-id-step).
+  int32_t base_gpu_id = 0;
+  int32_t gpu_id_step = 1;
 };
 
 std::unique_ptr<EngineClient> make_engine(const EngineArgs& args);

@@ -40,7 +40,8 @@ LoadOptions load_options(const EngineArgs& a) {
 std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfig& cfg, int32_t dp_groups,
                                            int32_t replica = 0) {
   ParallelConfig pc = parallel_config(a, dp_groups);
-  pc.device_offset = replica * a.tp_size;  // on GPUs, replica r uses its own devices
+  pc.device_offset = a.base_gpu_id + replica * a.tp_size * a.gpu_id_step;  // on GPUs, replica r uses its own devices
+  pc.device_step = a.gpu_id_step;
   auto ranks = std::make_unique<RankSet>(cfg, pc, a.model_path, load_options(a));
 
   EngineOptions o;

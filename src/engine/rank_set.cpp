@@ -113,7 +113,7 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
   for (int32_t i = 0; i < rpn; ++i) {
     auto rk = std::make_unique<Rank>();
     rk->global = pc_.node_rank * rpn + i;
-    rk->backend = make_backend(pc_.device, pc_.device_offset + i, pc_.backend);
+    rk->backend = make_backend(pc_.device, pc_.device_of(i), pc_.backend);
     if (pc_.wrap_backend) rk->backend = pc_.wrap_backend(std::move(rk->backend), rk->global);
     ranks_.push_back(std::move(rk));
   }
@@ -159,7 +159,7 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
       ParallelPlan plan = ParallelPlan::make(n, d, rk.global);
 #ifdef MLASERVE_HAS_CUDA
       if (gpu && n > 1) {
-        auto world = std::make_unique<NcclCommunicator>(nccl_id, n, rk.global, pc_.device_offset + i,
+        auto world = std::make_unique<NcclCommunicator>(nccl_id, n, rk.global, pc_.device_of(i),
                                                         rk.backend->native_stream());
         if (at > 1 && d > 1) {
           auto attn = world->split(plan.dp_rank, rk.global);

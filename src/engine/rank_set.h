@@ -33,6 +33,9 @@ struct ParallelConfig {
   std::string device = "auto";
   BackendOptions backend;
   int32_t device_offset = 0;  // first local GPU of this replica (--dp replicas in one process use disjoint GPUs)
+  int32_t device_step = 1;    // GPUs between local ranks (--gpu-id-step)
+  // The GPU of local rank i.
+  int32_t device_of(int32_t local_rank) const { return device_offset + local_rank * device_step; }
   int32_t nnodes = 1;
   int32_t node_rank = 0;
   std::string dist_init_addr;

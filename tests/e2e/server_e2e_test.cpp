@@ -1072,7 +1072,9 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
   ServerProcess s({"--max-model-len", "2048", "--enforce-eager", "--max-num-seqs", "8", "--gpu-memory-utilization",
                    "0.5", "--no-enable-prefix-caching", "--block-size", "32", "--reasoning-parser", "deepseek_r1",
                    "--enable-auto-tool-choice", "--enable-torch-compile", "--attention-backend", "fa3",
-                   "--cuda-graph-bs", "1", "2", "4", "--disable-log-requests"});
+                   "--cuda-graph-bs", "1", "2", "4", "--disable-log-requests", "--enable-dp-lm-head",
+                   "--moe-dense-tp-size", "1", "--ep-size", "1", "--enable-two-batch-overlap", "--revision", "main",
+                   "--base-gpu-id", "0", "--gpu-id-step", "1"});
   ASSERT_TRUE(s.running()) << s.log();
   const json info = get_json(s.port(), "/get_server_info");
   EXPECT_EQ(info["context_length"], 2048);
@@ -1080,9 +1082,13 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
   EXPECT_EQ(info["mem_fraction_static"], 0.5);
   EXPECT_EQ(info["disable_radix_cache"], true);
   EXPECT_EQ(info["page_size"], 32);
+  EXPECT_EQ(info["base_gpu_id"], 0);
+  EXPECT_EQ(info["gpu_id_step"], 1);
   EXPECT_EQ(get_json(s.port(), "/get_model_info")["max_context_length"], 2048);
   for (const char* logged : {"--enable-torch-compile: accepted for compatibility, no effect here",
-                             "--attention-backend fa3: accepted", "--cuda-graph-bs 1 2 4: accepted"})
+                             "--attention-backend fa3: accepted", "--cuda-graph-bs 1 2 4: accepted",
+                             "--enable-dp-lm-head: accepted", "--moe-dense-tp-size 1: accepted", "--ep-size 1: accepted",
+                             "--enable-two-batch-overlap: accepted", "--revision main: accepted"})
     EXPECT_NE(s.log().find(logged), std::string::npos) << logged << "\n" << s.log();
   // deepseek_r1 is the reasoning parser: chat answers carry reasoning_content.
   const json chat = post_json(s.port(), "/v1/chat/completions",
@@ -1100,6 +1106,11 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
   r = run_command(mlaserve_cmd(60) + " serve --load-format dummy");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("--model-path is required"), std::string::npos) << r.output;
+  expect_serve_refuses({"--base-gpu-id -1"}, "--base-gpu-id must be >= 0");
+  expect_serve_refuses({"--gpu-id-step 0"}, "--gpu-id-step must be >= 1");
+  // On GPUs (SGLang's --base-gpu-id): a first GPU past the visible ones is refused, naming it.
+  if (e2e_env("MLASERVE_E2E_DEVICE", "cpu") == "cuda")
+    expect_serve_refuses({"--device cuda --base-gpu-id 64"}, "GPU 64 requested");
 }
 
 // SGLang's --enable-priority-scheduling (higher values first) with one running request at a time: of two requests
