@@ -1110,7 +1110,7 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
   expect_serve_refuses({"--gpu-id-step 0"}, "--gpu-id-step must be >= 1");
   // On GPUs (SGLang's --base-gpu-id): a first GPU past the visible ones is refused, naming it.
   if (e2e_env("MLASERVE_E2E_DEVICE", "cpu") == "cuda")
-    expect_serve_refuses({"--device cuda --base-gpu-id 64"}, "GPU 64 requested");
+    expect_serve_refuses({"--device cuda --skip-tokenizer-init --base-gpu-id 64"}, "GPU 64 requested");
 }
 
 // SGLang's --enable-priority-scheduling (higher values first) with one running request at a time: of two requests
