@@ -8,6 +8,23 @@ namespace mlaserve::server {
 
 using ojson = nlohmann::ordered_json;
 
+namespace {
+
+// A failed generation's error as a response's `error` (and a stream's `error` event) gives it: {"code", "message"},
+// from the server's error shape {"error": {"message", "type", "param", "code"}} when the body has it.
+ojson response_error(int status, const std::string& body) {
+  ojson error = {{"code", status >= 500 ? "server_error" : "invalid_request"}, {"message", body}};
+  try {
+    const ojson e = ojson::parse(body).at("error");
+    error["message"] = e.at("message");
+    if (e.contains("code") && e["code"].is_string()) error["code"] = e["code"];
+  } catch (const std::exception&) {
+  }
+  return error;
+}
+
+}  // namespace
+
 // The channel a background response's generation answers through, on the store's worker. A 200 answer has
 // already reached the store through the ResponsesExchange in front (complete()); an error answer fails the response.
 // Created with `stream`, it keeps the stream's events and forwards each to its subscribers (SSE clients, each on its
@@ -26,14 +43,9 @@ class ResponseStore::BackgroundExchange : public HttpExchange,
       return;
     }
     if (stream_) {  // as OpenAI's streams report a failure: an `error` event, then the end
-      ojson e = {{"type", "error"}, {"code", status >= 500 ? "server_error" : "invalid_request"}, {"message", body},
-                 {"param", nullptr}, {"sequence_number", log_.size()}};
-      try {
-        const ojson err = ojson::parse(body).at("error");
-        e["message"] = err.at("message");
-        if (err.contains("code") && err["code"].is_string()) e["code"] = err["code"];
-      } catch (const std::exception&) {
-      }
+      const ojson error = response_error(status, body);
+      const ojson e = {{"type", "error"}, {"code", error["code"]}, {"message", error["message"]}, {"param", nullptr},
+                       {"sequence_number", log_.size()}};
       send_named_event("error", e.dump(-1, ' ', false, ojson::error_handler_t::replace));
       close_subscribers();
     }
@@ -262,15 +274,8 @@ void ResponseStore::failed(const std::string& id, int status, const std::string&
   if (it == slots_.end()) return;
   running = std::move(it->second.running);
   Record r = *it->second.record;
-  ojson error = {{"code", status >= 500 ? "server_error" : "invalid_request"}, {"message", body}};
-  try {  // the server's error shape: {"error": {"message", "type", "param", "code"}}
-    const ojson e = ojson::parse(body).at("error");
-    error["message"] = e.at("message");
-    if (e.contains("code") && e["code"].is_string()) error["code"] = e["code"];
-  } catch (const std::exception&) {
-  }
   r.response["status"] = "failed";
-  r.response["error"] = std::move(error);
+  r.response["error"] = response_error(status, body);
   if (running && running->streams()) r.events = std::make_shared<const std::vector<Event>>(std::move(events));
   r.bytes = 0;
   set_locked(it->second, std::move(r));

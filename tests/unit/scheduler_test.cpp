@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <functional>
 #include <map>
 #include <optional>
 #include <random>
@@ -89,6 +90,46 @@ class SchedulerTest : public ::testing::Test {
     s->check_integrity();
     return p;
   }
+  // The draws of a plan's sampled rows under `model` (token, position) -> next token; an input read on the device
+  // (-(k + 1): the sample of row k of the step before) takes its token from `prev`.
+  std::vector<SampleResult> model_samples(const StepPlan& p, const std::function<int32_t(int32_t, int32_t)>& model,
+                                          const std::vector<SampleResult>* prev = nullptr) {
+    std::vector<SampleResult> sampled;
+    for (size_t i = 0; i < p.seqs.size(); ++i) {
+      const int32_t first = p.batch.seq_q_start[i], n = p.batch.seq_q_start[i + 1] - first;
+      for (int32_t row = n - p.seqs[i].sampled_rows(); row < n; ++row) {
+        int32_t in = p.batch.input_ids[static_cast<size_t>(first + row)];
+        if (in < 0) {
+          EXPECT_TRUE(prev != nullptr);
+          if (!prev) return sampled;
+          in = (*prev)[static_cast<size_t>(-(in + 1))].token;
+        }
+        SampleResult r;
+        r.token = model(in, p.batch.positions[static_cast<size_t>(first + row)]);
+        sampled.push_back(r);
+      }
+    }
+    return sampled;
+  }
+  // Drafts of 3, and request "a" of the cycle prompt 5 6 7 5 6 7 5 6 (40 tokens). The model it returns: agree, it
+  // continues the cycle 5 -> 6 -> 7 -> 5, as the drafts do; else after every 5 it says a token never seen (100 + the
+  // position), after anything else 5: each draft after a 5 (what followed the last 5) is wrong.
+  std::function<int32_t(int32_t, int32_t)> start_cycle(bool agree) {
+    make(64, /*chunk=*/64, 64, /*radix=*/true, false, /*drafts=*/3);
+    out.clear();
+    add("a", {5, 6, 7, 5, 6, 7, 5, 6}, 40);
+    return [agree](int32_t t, int32_t pos) { return agree ? (t == 7 ? 5 : t + 1) : (t == 5 ? 100 + pos : 5); };
+  }
+  // Steps until no work is left (at most 500): the requests' ids in the order they finished.
+  std::vector<std::string> run_to_end() {
+    std::vector<std::string> finished;
+    for (int steps = 0; s->has_work() && steps < 500; ++steps) {
+      step();
+      for (auto& [rid, c] : out)
+        if (c.finished && std::find(finished.begin(), finished.end(), rid) == finished.end()) finished.push_back(rid);
+    }
+    return finished;
+  }
   std::vector<int32_t> range(int32_t a, int32_t n) {
     std::vector<int32_t> v;
     for (int32_t i = 0; i < n; ++i) v.push_back(a + i);
@@ -122,31 +163,20 @@ class SchedulerTest : public ::testing::Test {
 // are never kept backs off (1, 2, 4, ... decode steps without drafts, up to kMaxDraftBackoff).
 TEST_F(SchedulerTest, DraftsAreKeptOrRolledBackAndBackOff) {
   for (const bool agree : {true, false}) {
-    make(64, /*chunk=*/64, 64, /*radix=*/true, false, /*drafts=*/3);
-    out.clear();
-    // agree: the model continues the prompt's cycle 5 -> 6 -> 7 -> 5, as the drafts do. Else after every 5 it says a
-    // token never seen (100 + the position), after anything else 5: each draft after a 5 (what followed the last 5)
-    // is wrong.
-    auto model = [&](int32_t t, int32_t pos) { return agree ? (t == 7 ? 5 : t + 1) : (t == 5 ? 100 + pos : 5); };
-    add("a", {5, 6, 7, 5, 6, 7, 5, 6}, 40);
+    const auto model = start_cycle(agree);
     std::vector<int> draft_steps;
     int steps = 0;
     for (; steps < 100 && !out["a"].finished; ++steps) {
       StepPlan p = s->schedule();
-      std::vector<SampleResult> sampled;
       for (auto& q : p.seqs) {
         ASSERT_TRUE(q.wants_logits);
         const auto& b = p.batch;
-        const int32_t first = b.seq_q_start[0], n = b.seq_q_start[1] - first;
+        const int32_t n = b.seq_q_start[1] - b.seq_q_start[0];
         EXPECT_EQ(q.sampled_rows(), q.prefill ? 1 : n);
         if (!q.drafts.empty()) draft_steps.push_back(steps);
         EXPECT_EQ(b.seq_absorbed.empty(), q.drafts.empty());
-        for (int32_t row = n - q.sampled_rows(); row < n; ++row) {
-          SampleResult r;
-          r.token = model(b.input_ids[static_cast<size_t>(first + row)], b.positions[static_cast<size_t>(first + row)]);
-          sampled.push_back(r);
-        }
       }
+      const std::vector<SampleResult> sampled = model_samples(p, model);
       ASSERT_EQ(p.batch.logit_rows.size(), sampled.size());
       s->commit(p, sampled);
       s->check_integrity();
@@ -179,35 +209,13 @@ TEST_F(SchedulerTest, DraftsAreKeptOrRolledBackAndBackOff) {
 // guesses after a 5 are wrong. Either way the output is the model's, and a step after one checking drafts waits.
 TEST_F(SchedulerTest, DraftsFollowAGuessOfTheTokenInFlight) {
   for (const bool agree : {true, false}) {
-    make(64, /*chunk=*/64, 64, /*radix=*/true, false, /*drafts=*/3);
-    out.clear();
-    auto model = [&](int32_t t, int32_t pos) { return agree ? (t == 7 ? 5 : t + 1) : (t == 5 ? 100 + pos : 5); };
-    add("a", {5, 6, 7, 5, 6, 7, 5, 6}, 40);
+    const auto model = start_cycle(agree);
     // A launched step: its plan and its samples (known on the "device" at once; the scheduler sees them at resolve).
     struct Launched {
       StepPlan plan;
       std::vector<SampleResult> sampled;
     };
     std::optional<Launched> running;
-    auto sample = [&](StepPlan& p, const std::vector<SampleResult>* prev) {
-      std::vector<SampleResult> sampled;
-      for (size_t i = 0; i < p.seqs.size(); ++i) {
-        const ScheduledSeq& q = p.seqs[i];
-        const int32_t first = p.batch.seq_q_start[i], n = p.batch.seq_q_start[i + 1] - first;
-        for (int32_t row = n - q.sampled_rows(); row < n; ++row) {
-          int32_t in = p.batch.input_ids[static_cast<size_t>(first + row)];
-          if (in < 0) {  // the sample of row -(in + 1) of the step before, read on the device
-            EXPECT_TRUE(prev != nullptr);
-            if (!prev) return sampled;
-            in = (*prev)[static_cast<size_t>(-(in + 1))].token;
-          }
-          SampleResult r;
-          r.token = model(in, p.batch.positions[static_cast<size_t>(first + row)]);
-          sampled.push_back(r);
-        }
-      }
-      return sampled;
-    };
     int steps = 0, guessed = 0, overlapped = 0, after_check = 0;
     for (; steps < 100 && !out["a"].finished; ++steps) {
       StepPlan next = s->schedule(/*allow_retract=*/!running);
@@ -216,7 +224,7 @@ TEST_F(SchedulerTest, DraftsFollowAGuessOfTheTokenInFlight) {
         ++overlapped;
         s->advance(next);
         Launched l{std::move(next), {}};
-        l.sampled = sample(l.plan, &running->sampled);
+        l.sampled = model_samples(l.plan, model, &running->sampled);
         s->resolve(running->plan, running->sampled);
         running = std::move(l);
       } else {
@@ -230,7 +238,7 @@ TEST_F(SchedulerTest, DraftsFollowAGuessOfTheTokenInFlight) {
         if (next.empty()) continue;
         s->advance(next);
         Launched l{std::move(next), {}};
-        l.sampled = sample(l.plan, nullptr);
+        l.sampled = model_samples(l.plan, model);
         running = std::move(l);
       }
       s->erase_finished();
@@ -471,13 +479,7 @@ TEST_F(SchedulerTest, PriorityRetractsTheLowestFirst) {
     make(8, /*chunk=*/64, 64, true, priority);  // 32 token slots; two requests of 8 + 12 tokens need 40
     add("low", range(0, 8), 12, {}, priority ? 9 : 0);
     add("high", range(20, 8), 12, {}, priority ? 1 : 0);
-    std::vector<std::string> finished;
-    int steps = 0;
-    while (s->has_work() && steps++ < 500) {
-      step();
-      for (auto& [rid, c] : out)
-        if (c.finished && std::find(finished.begin(), finished.end(), rid) == finished.end()) finished.push_back(rid);
-    }
+    const std::vector<std::string> finished = run_to_end();
     EXPECT_GT(s->stats().num_retractions, 0);
     const std::vector<std::string> want = priority ? std::vector<std::string>{"high", "low"}
                                                    : std::vector<std::string>{"low", "high"};
@@ -505,13 +507,7 @@ TEST_F(SchedulerTest, PriorityPreemptionRetractsFarLowerRequests) {
     add("mid", range(40, 12), 8, {}, c.low_priority);
     for (int i = 0; i < 3; ++i) step();  // both running (or "low" alone with max_running 1), a few tokens out
     add("high", range(20, 12), 4, {}, 0);
-    std::vector<std::string> finished;
-    int steps = 0;
-    while (s->has_work() && steps++ < 500) {
-      step();
-      for (auto& [rid, r] : out)
-        if (r.finished && std::find(finished.begin(), finished.end(), rid) == finished.end()) finished.push_back(rid);
-    }
+    const std::vector<std::string> finished = run_to_end();
     const std::string what = fmt::format("pages {} max_running {} low {} threshold {}", c.pages, c.max_running,
                                          c.low_priority, c.threshold);
     ASSERT_EQ(finished.size(), 3u) << what;
