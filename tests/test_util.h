@@ -6,9 +6,12 @@
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -78,6 +81,29 @@ inline uint8_t nearest_e4m3(float x) { return nearest_fp8(x, f8e4m3_to_f32, 0x7e
 inline uint8_t nearest_e5m2(float x) { return nearest_fp8(x, f8e5m2_to_f32, 0x7b); }
 
 inline std::string golden_dir(const std::string& family) { return std::string(MLASERVE_GOLDEN_DIR) + "/" + family; }
+
+// Every tensor of the checkpoint in `dir`, copied to host memory.
+inline std::map<std::string, Tensor> read_checkpoint(const std::string& dir) {
+  Checkpoint src(dir);
+  std::map<std::string, Tensor> ts;
+  for (const auto& n : src.names()) {
+    const TensorInfo& i = src.get(n);
+    Tensor t = Tensor::empty_host(i.shape, i.dtype);
+    std::memcpy(t.data(), i.data, i.nbytes);
+    ts[n] = t;
+  }
+  return ts;
+}
+
+// Copies a golden checkpoint into `dir` as one model.safetensors after applying `edit` to the tensor map.
+inline void rewrite_checkpoint(const std::string& family, const std::filesystem::path& dir,
+                               const std::function<void(std::map<std::string, Tensor>&)>& edit) {
+  std::filesystem::copy_file(golden_dir(family) + "/config.json", dir / "config.json",
+                             std::filesystem::copy_options::overwrite_existing);
+  std::map<std::string, Tensor> ts = read_checkpoint(golden_dir(family));
+  edit(ts);
+  write_safetensors((dir / "model.safetensors").string(), ts);
+}
 
 inline void write_text(const std::filesystem::path& p, const std::string& s) {
   std::ofstream o(p, std::ios::binary);

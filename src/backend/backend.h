@@ -135,6 +135,10 @@ class Backend {
   // which stayed on the device (overlap scheduling launches a step before the previous one's ids reach the host).
   // prev: I32 [n] backend tensor; k >= n gives id 0 (the host checks the range). Recorded in graphs.
   virtual void resolve_prev_ids(const Tensor& prev) = 0;
+  // The step's input ids become `ids` (as many as before); its other metadata and the scratch handed out so far
+  // stay. Negative ids are resolved as begin_step's are (resolve_prev_ids). A second forward over the same tokens
+  // with other ids: the draft layer (MTP) reads the token after each position where the model read the token itself.
+  virtual void set_input_ids(std::span<const int32_t> ids) = 0;
   // The step's last op has been issued (idle statistics mark the end of its device work here).
   virtual void end_step() {}
 

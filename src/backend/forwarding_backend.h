@@ -37,6 +37,7 @@ class ForwardingBackend : public Backend {
   }
   void begin_step(const ForwardBatch& b) override { b_.begin_step(b); }
   void resolve_prev_ids(const Tensor& p) override { b_.resolve_prev_ids(p); }
+  void set_input_ids(std::span<const int32_t> ids) override { b_.set_input_ids(ids); }
   void end_step() override { b_.end_step(); }
   bool supports_graphs() const override { return b_.supports_graphs(); }
   bool takes_fp8_experts() const override { return b_.takes_fp8_experts(); }
@@ -97,6 +98,9 @@ class GraphRecorder final : public ForwardingBackend {
   void collective(std::function<void()> fn) override { run(std::move(fn)); }
 
   void resolve_prev_ids(const Tensor& p) override { run([this, p] { b_.resolve_prev_ids(p); }); }
+  void set_input_ids(std::span<const int32_t> ids) override {
+    run([this, v = std::vector<int32_t>(ids.begin(), ids.end())] { b_.set_input_ids(v); });
+  }
   void embedding(const Tensor& t, int64_t vb, Tensor& o) override {
     run([this, t, vb, o]() mutable { b_.embedding(t, vb, o); });
   }

@@ -78,6 +78,8 @@ struct ServeArgs {
   int32_t ngram_min = 1, ngram_max = 3;
   int32_t spec_max_batch = 0;     // --speculative-disable-by-batch-size / vLLM's disable_by_batch_size
   int32_t spec_draft_tokens = 0;  // resolved at validation
+  int32_t speculative_num_steps = 0, speculative_eagle_topk = 0;  // SGLang's EAGLE sizes (0: not given)
+  bool spec_mtp = false;  // resolved: drafts from the checkpoint's MTP layer
   // mlaserve's own.
   size_t max_body_bytes = 256u << 20;
   int num_http_threads = 0;  // 0: from the machine's cores (auto_http_threads)
@@ -194,14 +196,37 @@ void resolve_speculative(ServeArgs& s) {
     MLA_CHECK(!algo.empty(), "--speculative-config: 'method' is required");
   }
   if (algo.empty()) {
+    MLA_CHECK(s.speculative_num_steps == 0 && s.speculative_eagle_topk == 0,
+              "--speculative-num-steps and --speculative-eagle-topk need --speculative-algorithm EAGLE");
     MLA_CHECK(k == 0 && s.spec_max_batch == 0,
               "--speculative-num-draft-tokens and --speculative-disable-by-batch-size need --speculative-algorithm NGRAM");
     return;
   }
+  const std::string given = s.speculative_config.empty() ? s.speculative_algorithm : algo;
+  if (algo == "EAGLE" || algo == "NEXTN" || algo == "MTP" || algo == "DEEPSEEK_MTP") {
+    // The checkpoint's own MTP layer drafts one token per step (SGLang's DeepSeek recipe: --speculative-num-steps 1
+    // --speculative-eagle-topk 1 --speculative-num-draft-tokens 2; vLLM's num_speculative_tokens 1). Its draft model is
+    // the checkpoint itself; deeper chains and draft trees are not implemented.
+    MLA_CHECK(s.speculative_num_steps <= 1 && s.speculative_eagle_topk <= 1,
+              "speculative decoding {}: only --speculative-num-steps 1 and --speculative-eagle-topk 1 are supported "
+              "(one MTP draft per step, no draft tree), got {} and {}", given, s.speculative_num_steps,
+              s.speculative_eagle_topk);
+    const bool vllm = !s.speculative_config.empty();
+    MLA_CHECK(k == 0 || (vllm ? k == 1 : k == 2),
+              "speculative decoding {}: {} must be {} (one MTP draft per step), got {}", given,
+              vllm ? "num_speculative_tokens" : "--speculative-num-draft-tokens", vllm ? 1 : 2, k);
+    MLA_CHECK(s.spec_max_batch >= 0, "speculative decoding: the batch size that disables it must be >= 0, got {}",
+              s.spec_max_batch);
+    s.spec_mtp = true;
+    s.spec_draft_tokens = 1;
+    return;
+  }
+  MLA_CHECK(s.speculative_num_steps == 0 && s.speculative_eagle_topk == 0,
+            "--speculative-num-steps and --speculative-eagle-topk are EAGLE's (MTP drafts), not {}'s", given);
   MLA_CHECK(algo == "NGRAM",
-            "speculative decoding '{}' is not supported: only NGRAM (vLLM's \"ngram\") is; EAGLE / NEXTN / MTP "
-            "drafts from a checkpoint's own layers are not implemented",
-            s.speculative_config.empty() ? s.speculative_algorithm : algo);
+            "speculative decoding '{}' is not supported: NGRAM (vLLM's \"ngram\") and the checkpoint's MTP layer "
+            "(EAGLE / NEXTN, vLLM's \"deepseek_mtp\" / \"mtp\") are",
+            given);
   if (k == 0) k = 4;
   MLA_CHECK(k >= 1 && k <= 64, "speculative decoding: the draft tokens per step must be in [1, 64], got {}", k);
   MLA_CHECK(s.spec_max_batch >= 0, "speculative decoding: the batch size that disables it must be >= 0, got {}",
@@ -264,8 +289,15 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["disable_priority_preemption"] = a.disable_priority_preemption;
   j["priority_scheduling_preemption_threshold"] = a.priority_preemption_threshold;
   j["scheduling_policy"] = a.scheduling_policy;
-  j["speculative_algorithm"] = a.spec_draft_tokens > 0 ? nlohmann::json("NGRAM") : nlohmann::json(nullptr);
-  j["speculative_num_draft_tokens"] = a.spec_draft_tokens;
+  j["speculative_algorithm"] = a.spec_mtp ? nlohmann::json("EAGLE")
+                              : a.spec_draft_tokens > 0 ? nlohmann::json("NGRAM")
+                                                        : nlohmann::json(nullptr);
+  // SGLang counts the token a draft follows (EAGLE's draft tokens: steps + 1).
+  j["speculative_num_draft_tokens"] = a.spec_mtp ? a.spec_draft_tokens + 1 : a.spec_draft_tokens;
+  if (a.spec_mtp) {
+    j["speculative_num_steps"] = 1;
+    j["speculative_eagle_topk"] = 1;
+  }
   j["speculative_ngram_min_match_window_size"] = a.ngram_min;
   j["speculative_ngram_max_match_window_size"] = a.ngram_max;
   j["speculative_disable_by_batch_size"] = a.spec_max_batch;
@@ -390,7 +422,10 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
       ->capture_default_str();
   app.add_flag("--enable-metrics", a->enable_metrics, "accepted for compatibility; /metrics is always on");
   app.add_option("--speculative-algorithm", a->speculative_algorithm,
-                 "speculative decoding: NGRAM (drafts from earlier occurrences of the last tokens)");
+                 "speculative decoding: NGRAM (drafts from earlier occurrences of the last tokens), or EAGLE / NEXTN "
+                 "(drafts from the checkpoint's MTP layer)");
+  app.add_option("--speculative-num-steps", a->speculative_num_steps, "EAGLE: MTP draft steps per step (1)");
+  app.add_option("--speculative-eagle-topk", a->speculative_eagle_topk, "EAGLE: drafts per step (1: no tree)");
   app.add_option("--speculative-num-draft-tokens", a->speculative_num_draft_tokens,
                  "draft tokens checked per step (default 4)");
   app.add_option("--speculative-ngram-min-match-window-size", a->ngram_min,
@@ -442,7 +477,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   // SGLang's and vLLM's flags that choose how they compute, not what (their kernels, compilers, schedulers' tuning,
   // expert-parallel MoE and its all-to-all (experts run tensor-parallel here, with the same results), host-memory cache
   // tiers, model downloads, logging and debugging): accepted so that their launch commands (DeepSeek's recipes
-  // included) run, and logged as having no effect. EAGLE's step and top-k flags pass too: EAGLE itself is refused.
+  // included) run, and logged as having no effect.
   for (const char* flag :
        {"--enable-torch-compile", "--disable-custom-all-reduce", "--enable-mixed-chunk", "--enable-cache-report",
         "--skip-server-warmup", "--log-requests", "--disable-log-requests", "--disable-log-stats",
@@ -456,8 +491,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
         "--watchdog-timeout", "--max-prefill-tokens", "--decode-log-interval", "--tokenizer-mode", "--cuda-graph-bs",
         "--moe-dense-tp-size", "--schedule-conservativeness", "--num-continuous-decode-steps",
         "--triton-attention-num-kv-splits", "--download-dir", "--revision", "--mm-attention-backend",
-        "--file-storage-path", "--ep-size", "--moe-a2a-backend", "--deepep-mode", "--speculative-num-steps",
-        "--speculative-eagle-topk", "--nccl-port"}) {
+        "--file-storage-path", "--ep-size", "--moe-a2a-backend", "--deepep-mode", "--nccl-port"}) {
     const bool list = std::string_view(opt) == "--cuda-graph-bs";
     app.add_option_function<std::vector<std::string>>(
            opt,
@@ -566,6 +600,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     ea.priority_preemption = s.enable_priority_scheduling && !s.disable_priority_preemption;
     ea.priority_preemption_threshold = s.priority_preemption_threshold;
     ea.spec_draft_tokens = s.spec_draft_tokens;
+    ea.spec_mtp = s.spec_mtp;
     ea.spec_ngram_min = s.ngram_min;
     ea.spec_ngram_max = s.ngram_max;
     ea.spec_max_batch = s.spec_max_batch;

@@ -200,6 +200,7 @@ struct EngineArgs {
   bool priority_preemption = false;  // EngineOptions::priority_preemption
   int32_t priority_preemption_threshold = 10;
   int32_t spec_draft_tokens = 0;     // EngineOptions::spec_draft_tokens (n-gram speculative decoding; 0: off)
+  bool spec_mtp = false;             // the drafts (spec_draft_tokens 1) come from the checkpoint's MTP layer
   int32_t spec_ngram_min = 1;
   int32_t spec_ngram_max = 3;
   int32_t spec_max_batch = 0;

@@ -37,6 +37,17 @@ LoadOptions load_options(const EngineArgs& a) {
   return lo;
 }
 
+// The model as this run uses it: with MTP drafts, the checkpoint's MTP layer too.
+ModelConfig run_config(const EngineArgs& a, ModelConfig cfg) {
+  if (!a.spec_mtp) return cfg;
+  MLA_CHECK(cfg.num_nextn_predict_layers >= 1,
+            "speculative decoding with MTP drafts (--speculative-algorithm EAGLE / NEXTN, vLLM's deepseek_mtp): '{}' has "
+            "no MTP layer (num_nextn_predict_layers is 0 in its config.json)", a.model_path);
+  MLA_CHECK(a.spec_draft_tokens == 1, "MTP drafts: 1 draft token per step, got {}", a.spec_draft_tokens);
+  cfg.mtp_layers = 1;
+  return cfg;
+}
+
 std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfig& cfg, int32_t dp_groups,
                                            int32_t replica = 0) {
   ParallelConfig pc = parallel_config(a, dp_groups);
@@ -94,7 +105,7 @@ std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfi
 
 void run_follower_node(const EngineArgs& a) {
   MLA_CHECK(a.node_rank > 0, "run_follower_node is for --node-rank > 0");
-  ModelConfig cfg = ModelConfig::from_file(a.model_path);
+  ModelConfig cfg = run_config(a, ModelConfig::from_file(a.model_path));
   RankSet ranks(cfg, parallel_config(a, a.enable_dp_attention ? a.dp_size : 1), a.model_path, load_options(a));
   MLA_LOG_INFO("node {}: ranks loaded; serving node 0's steps", a.node_rank);
   ranks.follow();
@@ -116,7 +127,7 @@ std::unique_ptr<EngineClient> make_engine(const EngineArgs& a) {
   MLA_CHECK(a.node_rank == 0, "make_engine runs on node 0; other nodes use run_follower_node");
   MLA_CHECK(a.nnodes == 1 || a.enable_dp_attention || a.dp_size == 1,
             "--dp replicas across nodes are not supported; use --enable-dp-attention or one replica");
-  ModelConfig cfg = ModelConfig::from_file(a.model_path);
+  ModelConfig cfg = run_config(a, ModelConfig::from_file(a.model_path));
   MLA_LOG_INFO("{}", cfg.summary());
   if (a.enable_dp_attention || a.dp_size == 1) return make_replica(a, cfg, a.enable_dp_attention ? a.dp_size : 1);
   std::vector<std::unique_ptr<EngineClient>> replicas;

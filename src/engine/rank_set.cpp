@@ -246,7 +246,7 @@ int64_t RankSet::kv_bytes_free() const {
   }
   // Graphs add one page per layer that no request owns (allocate_kv): keep room for it and the layers' alignment.
   if (m >= 0 && pc_.cuda_graph_max_bs > 0 && ranks_[0]->backend->supports_graphs()) m = std::max<int64_t>(0, m - (64LL << 20));
-  // The samples kept on the device (Rank::sampled, at most kMaxSampledRows rows of 8 bytes).
+  // The samples kept on the device (Rank::sampled, at most kMaxSampledRows rows of 12 bytes).
   if (m >= 0) m = std::max<int64_t>(0, m - (1LL << 20));
   return m;
 }
@@ -369,8 +369,10 @@ void RankSet::allocate_kv_local(int32_t num_pages, int32_t page_size) {
     // Graphs recorded over a previous cache would replay on its memory: drop them first.
     r.model->clear_graphs();
     r.backend->release_graphs();
-    if (!r.sampled.defined() || r.sampled.numel() < 2 * sampled_rows_)
-      r.sampled = r.backend->alloc({2 * sampled_rows_}, DType::I32);
+    // Ids, logprobs and, with the MTP layer, its drafts.
+    const int64_t per_row = config_.mtp_layers > 0 ? 3 : 2;
+    if (!r.sampled.defined() || r.sampled.numel() < per_row * sampled_rows_)
+      r.sampled = r.backend->alloc({per_row * sampled_rows_}, DType::I32);
     r.model->set_prev_ids(r.sampled.rows(0, sampled_rows_));
     r.kv = std::make_unique<KvCache>(*r.backend, config_, num_pages + (graphs ? 1 : 0), page_size, pc_.kv_cache_fp8);
   });
@@ -426,7 +428,7 @@ void RankSet::capture_graphs() {
     run_on_all(
         [&](int i) {
           Rank& rk = *ranks_[static_cast<size_t>(i)];
-          for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
+          for (int64_t l = 0; l < rk.kv->num_layers(); ++l) {
             Tensor page = rk.kv->layer(l).rows(static_cast<int64_t>(dummy_page_) * page_size_,
                                                 static_cast<int64_t>(dummy_page_ + 1) * page_size_);
             rk.backend->zero(page);
@@ -481,6 +483,18 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
       const ForwardBatch* b = batches[static_cast<size_t>(g)];
       padded.push_back(pad_decode_batch(b ? *b : idle, graph_size, dummy_page_, page_size_));
     }
+  // Speculative decoding with the MTP layer: every step runs it after the model (ForwardBatch::next_ids).
+  const bool mtp = config_.mtp_layers > 0;
+  if (mtp) {
+    for (size_t g = 0; g < padded.size(); ++g)
+      MLA_CHECK(padded[g].next_ids.size() == static_cast<size_t>(padded[g].num_tokens()),
+                "step: group {}'s batch has {} next ids for {} tokens (the MTP layer needs one per token)", g,
+                padded[g].next_ids.size(), padded[g].num_tokens());
+    for (size_t g = 0; g < batches.size(); ++g)
+      MLA_CHECK(!batches[g] || batches[g]->next_ids.size() == static_cast<size_t>(batches[g]->num_tokens()),
+                "step: group {}'s batch has {} next ids for {} tokens (the MTP layer needs one per token)", g,
+                batches[g]->next_ids.size(), batches[g]->num_tokens());
+  }
   h.rows.assign(ranks_.size(), -1);
   h.tickets.assign(ranks_.size(), 0);
   h.logit_tickets.assign(ranks_.size(), 0);
@@ -500,9 +514,9 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
         MLA_LOG_TRACE("rank {}: forward enqueued", rk.global);
         const int64_t R = static_cast<int64_t>(b.logit_rows.size());
         const bool leader = rk.global % at == 0;
+        MLA_CHECK(R <= sampled_rows_, "step: {} logit rows in group {}, more than the {} kept on the device "
+                  "(allocate_kv first)", R, g, sampled_rows_);
         if (R > 0) {
-          MLA_CHECK(R <= sampled_rows_, "step: {} logit rows in group {}, more than the {} kept on the device "
-                    "(allocate_kv first)", R, g, sampled_rows_);
           Tensor ids = rk.sampled.rows(0, R);
           if (leader) {
             // The group's leading rank samples its rows on the device; only ids and logprobs go to the host.
@@ -513,30 +527,42 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
                                       rk.sampled.device());
             rk.backend->sample(logits, params, ids, &lps);
           }
-          // The other ranks of the group need the ids too (the next step may read them on the device).
+          // The other ranks of the group need the ids too (the next step, and the MTP layer, read them on the device).
           Communicator* group = d > 1 ? rk.attn.get() : rk.world.get();
           if (at > 1) rk.backend->collective([group, ids]() mutable { group->broadcast(ids, 0); });
-          if (leader) {
-            h.rows[static_cast<size_t>(i)] = R;
-            h.tickets[static_cast<size_t>(i)] = rk.backend->download_start(rk.sampled.rows(0, 2 * R));
-            const std::vector<int32_t>* keep = rows_of_group(logit_rows, g);
-            if (keep) {  // top-N logprobs: those rows' logits too, without waiting for them here
-              MLA_CHECK(logits.dtype() == DType::F32, "step: logits must be F32");
-              // Moved to the front in ascending order (row j from row keep[j] >= j: no row is overwritten before it
-              // is read; the sampler, earlier on the stream, has read them all), then one download.
-              const int64_t n = static_cast<int64_t>(keep->size());
-              for (int64_t j = 0; j < n; ++j) {
-                const int32_t r = (*keep)[static_cast<size_t>(j)];
-                MLA_CHECK(r >= j && r < R && (j == 0 || r > (*keep)[static_cast<size_t>(j - 1)]),
-                          "step: logit rows of group {} must be ascending rows below {}", g, R);
-                if (r != j) {
-                  Tensor dst = logits.rows(j, j + 1);
-                  rk.backend->copy(logits.rows(r, r + 1), dst);
-                }
+        }
+        if (mtp) {
+          // The MTP layer over the same tokens (every rank, idle groups too: its MoE joins the collectives); its
+          // greedy token per logit row is the draft after that row's sample, kept after the logprobs.
+          const ForwardBatch& fb = graph_size > 0 ? padded[static_cast<size_t>(g)] : b;
+          const DpStepInfo* di = d > 1 ? (graph_size > 0 ? &graph_info : &info) : nullptr;
+          Tensor draft_logits = rk.model->forward_draft(fb, fb.next_ids, *rk.kv, di);
+          if (leader && R > 0) {
+            Tensor drafts = rk.sampled.rows(2 * R, 3 * R);
+            const std::vector<RowSampling> greedy(static_cast<size_t>(R));
+            rk.backend->sample(draft_logits.rows(0, R), greedy, drafts, nullptr);
+          }
+        }
+        if (leader && R > 0) {
+          h.rows[static_cast<size_t>(i)] = R;
+          h.tickets[static_cast<size_t>(i)] = rk.backend->download_start(rk.sampled.rows(0, (mtp ? 3 : 2) * R));
+          const std::vector<int32_t>* keep = rows_of_group(logit_rows, g);
+          if (keep) {  // top-N logprobs: those rows' logits too, without waiting for them here
+            MLA_CHECK(logits.dtype() == DType::F32, "step: logits must be F32");
+            // Moved to the front in ascending order (row j from row keep[j] >= j: no row is overwritten before it
+            // is read; the sampler, earlier on the stream, has read them all), then one download.
+            const int64_t n = static_cast<int64_t>(keep->size());
+            for (int64_t j = 0; j < n; ++j) {
+              const int32_t r = (*keep)[static_cast<size_t>(j)];
+              MLA_CHECK(r >= j && r < R && (j == 0 || r > (*keep)[static_cast<size_t>(j - 1)]),
+                        "step: logit rows of group {} must be ascending rows below {}", g, R);
+              if (r != j) {
+                Tensor dst = logits.rows(j, j + 1);
+                rk.backend->copy(logits.rows(r, r + 1), dst);
               }
-              h.logit_cols[static_cast<size_t>(i)] = logits.size(-1);
-              h.logit_tickets[static_cast<size_t>(i)] = rk.backend->download_start(logits.rows(0, n));
             }
+            h.logit_cols[static_cast<size_t>(i)] = logits.size(-1);
+            h.logit_tickets[static_cast<size_t>(i)] = rk.backend->download_start(logits.rows(0, n));
           }
         }
         rk.backend->end_step();
@@ -553,12 +579,14 @@ void RankSet::finish_local(Launched& h) {
         const int64_t R = h.rows[static_cast<size_t>(i)];
         if (R < 0) return;
         GroupOutput& o = h.out[static_cast<size_t>(rk.global / at)];
-        std::vector<int32_t> host(static_cast<size_t>(2 * R));
+        const bool mtp = config_.mtp_layers > 0;
+        std::vector<int32_t> host(static_cast<size_t>((mtp ? 3 : 2) * R));
         MLA_LOG_TRACE("rank {}: waiting for the ids", rk.global);
         rk.backend->download_finish(h.tickets[static_cast<size_t>(i)], host.data());
         o.ids.assign(host.begin(), host.begin() + R);
         o.logprobs.resize(static_cast<size_t>(R));
         std::memcpy(o.logprobs.data(), host.data() + R, static_cast<size_t>(R) * sizeof(float));
+        if (mtp) o.drafts.assign(host.begin() + 2 * R, host.end());
         if (const std::vector<int32_t>* keep = rows_of_group(h.logit_rows, rk.global / at)) {
           o.logits = Tensor::empty_host({static_cast<int64_t>(keep->size()), h.logit_cols[static_cast<size_t>(i)]},
                                         DType::F32);
@@ -689,6 +717,7 @@ std::vector<GroupOutput> RankSet::finish_remote(Launched& h) {
       GroupOutput& o = out[static_cast<size_t>(g)];
       o.ids = get_vec<int32_t>(p, end);
       o.logprobs = get_vec<float>(p, end);
+      o.drafts = get_vec<int32_t>(p, end);
       if (const std::vector<int32_t>* keep = rows_of_group(h.logit_rows, g)) {
         std::vector<float> l = get_vec<float>(p, end);
         const int64_t rows = static_cast<int64_t>(keep->size());
@@ -756,6 +785,7 @@ void RankSet::follow_steps() {
         const GroupOutput& o = h.out[static_cast<size_t>(g)];
         put_vec(reply, o.ids);
         put_vec(reply, o.logprobs);
+        put_vec(reply, o.drafts);
         if (rows_of_group(h.logit_rows, g)) {
           std::vector<float> l;
           if (o.logits.defined() && o.logits.numel() > 0)

@@ -60,6 +60,7 @@ struct GroupOutput {
   std::vector<int32_t> ids;       // sampled on the device, one per logit row
   std::vector<float> logprobs;    // of the sampled ids
   Tensor logits;                  // host F32 [n, vocab]: the n rows its LogitRows entry named, in that order
+  std::vector<int32_t> drafts;    // with the MTP layer: its greedy token after each row's sample (else empty)
 };
 
 // Per DP group, the logit rows (indices into its batch's logit_rows) whose full logits come back to the host (top-N
@@ -136,7 +137,8 @@ class RankSet {
     std::unique_ptr<Communicator> world, attn;
     std::unique_ptr<DeepseekModel> model;
     std::unique_ptr<KvCache> kv;
-    // The group's last samples, on the device: ids [0, R) then their logprobs [R, 2R) (one download); the ids
+    // The group's last samples, on the device: ids [0, R) then their logprobs [R, 2R) and, with the MTP layer, its
+    // drafts [2R, 3R) (one download); the ids
     // reach every rank of the group (broadcast from its leading rank) and feed the next step.
     Tensor sampled;
     std::thread thread;

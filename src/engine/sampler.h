@@ -18,6 +18,7 @@ namespace mlaserve {
 struct SampleResult {
   int32_t token = -1;
   TokenLogprob logprob;  // filled when the request asks for logprobs
+  int32_t draft = -1;    // with the MTP layer: its greedy token after `token` (the next step's draft)
 };
 
 struct SamplerState {

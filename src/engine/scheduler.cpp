@@ -289,6 +289,7 @@ void Scheduler::retract(Req& r) {
   release(r, /*cache_kv=*/true);
   r.kv_len = 0;
   r.state = ReqState::Waiting;
+  r.model_draft = -1;  // its prefill again makes a new one
   ++counters_.num_retractions;
 }
 
@@ -414,6 +415,8 @@ StepPlan Scheduler::schedule(bool allow_retract) {
       continue;
     // A step checking its drafts is in flight: how many tokens it keeps is known only when it resolves.
     if (r->drafting) continue;
+    // MTP drafts: its draft comes from the step in flight.
+    if (cfg_.spec_model_drafts && r->in_flight > 0 && may_draft(*r)) continue;
     decoding.push_back(r.get());
   }
   // Speculative decoding: each request's drafts, at most as many as its length limits leave room for.
@@ -421,13 +424,17 @@ StepPlan Scheduler::schedule(bool allow_retract) {
   const bool draft_step = cfg_.spec_max_batch <= 0 || static_cast<int32_t>(decoding.size()) <= cfg_.spec_max_batch;
   for (Req* r : decoding) {
     if (!draft_step || !may_draft(*r)) continue;
+    const int64_t room =
+        std::min<int64_t>(r->sampling.max_new_tokens - static_cast<int64_t>(r->output.size()) - r->in_flight,
+                          cfg_.context_len - static_cast<int64_t>(r->fill.size())) - 1;
+    if (cfg_.spec_model_drafts) {
+      if (r->in_flight == 0 && r->model_draft >= 0 && room >= 1) drafts.emplace(r, std::vector<int32_t>{r->model_draft});
+      continue;
+    }
     if (r->draft_skip > 0) {  // its last drafts were not kept
       --r->draft_skip;
       continue;
     }
-    const int64_t room =
-        std::min<int64_t>(r->sampling.max_new_tokens - static_cast<int64_t>(r->output.size()) - r->in_flight,
-                          cfg_.context_len - static_cast<int64_t>(r->fill.size())) - 1;
     const int32_t k = static_cast<int32_t>(std::min<int64_t>(cfg_.spec_draft_tokens, room));
     if (k <= 0) continue;
     if (r->in_flight == 0) {
@@ -595,6 +602,29 @@ void Scheduler::build_batch(StepPlan& plan) {
   plan.batch = bb.finish();
   plan.uses_prev_ids = !from_device.empty();
   for (const auto& [t, row] : from_device) plan.batch.input_ids[t] = -(row + 1);
+  if (cfg_.spec_model_drafts) set_next_ids(plan);
+}
+
+void Scheduler::set_next_ids(StepPlan& plan) const {
+  ForwardBatch& b = plan.batch;
+  std::vector<int32_t> row_of(static_cast<size_t>(b.num_tokens()), -1);  // token -> its logit row
+  for (size_t k = 0; k < b.logit_rows.size(); ++k) row_of[static_cast<size_t>(b.logit_rows[k])] = static_cast<int32_t>(k);
+  b.next_ids.assign(static_cast<size_t>(b.num_tokens()), 0);
+  size_t t = 0;
+  for (const ScheduledSeq& s : plan.seqs) {
+    const Req& r = *s.req;
+    for (int32_t i = 0; i < s.num_tokens; ++i, ++t) {
+      // A decode token and its drafts: each one's next token is its own draw. Otherwise the next token of the prompt
+      // (or of the output, after a retraction), or this step's draw at the end of what is known.
+      const size_t next = static_cast<size_t>(r.kv_len) + static_cast<size_t>(i) + 1;
+      if (s.drafts.empty() && next < r.fill.size() && r.fill[next] != kPendingToken) {
+        b.next_ids[t] = r.fill[next];
+      } else {
+        MLA_CHECK(row_of[t] >= 0, "scheduler: request {}'s token {} has no next token and no draw", r.rid, i);
+        b.next_ids[t] = -(row_of[t] + 1);
+      }
+    }
+  }
 }
 
 void Scheduler::refresh(StepPlan& plan) {
@@ -682,11 +712,14 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
       counters_.spec_draft_tokens += static_cast<int64_t>(s.drafts.size());
       counters_.spec_accepted_tokens += static_cast<int64_t>(kept);
       ++counters_.spec_checks;
-      r.draft_backoff = kept > 0 ? 0 : std::min(std::max(1, 2 * r.draft_backoff), kMaxDraftBackoff);
-      r.draft_skip = r.draft_backoff;
+      if (!cfg_.spec_model_drafts) {
+        r.draft_backoff = kept > 0 ? 0 : std::min(std::max(1, 2 * r.draft_backoff), kMaxDraftBackoff);
+        r.draft_skip = r.draft_backoff;
+      }
     }
     for (size_t t = 0; t <= kept && r.state != ReqState::Finished; ++t) take_token(r, sampled[first + t], t == 0);
     if (r.state == ReqState::Finished) continue;
+    r.model_draft = sampled[first + kept].draft;  // the MTP layer's token after the last one taken
     emit(r);
     // Pages past the next token's position go back (drafts that were not kept).
     const size_t need = static_cast<size_t>(div_up(r.kv_len + 1, cfg_.page_size));

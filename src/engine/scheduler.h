@@ -54,6 +54,11 @@ struct SchedulerConfig {
   int32_t spec_draft_tokens = 0;
   int32_t spec_ngram_min = 1;
   int32_t spec_ngram_max = 3;
+  // Drafts from the model's MTP layer instead (SGLang's EAGLE / NEXTN, vLLM's deepseek_mtp; spec_draft_tokens 1):
+  // every step runs the MTP layer after the model (ForwardBatch::next_ids), whose greedy token after a request's
+  // last sample is its draft for the next step. A request that may draft waits for its step in flight (its draft
+  // comes from that step), and does not back off (the MTP layer runs anyway).
+  bool spec_model_drafts = false;
   // No drafts in a step with more decoding requests than this (vLLM's disable_by_batch_size; 0: no limit): a step
   // that checks drafts is several tokens for every drafting request in it.
   int32_t spec_max_batch = 0;
@@ -96,6 +101,7 @@ struct Req {
   // steps propose none (doubling up to kMaxDraftBackoff with every such check; a kept draft resets it).
   int32_t draft_backoff = 0;
   int32_t draft_skip = 0;
+  int32_t model_draft = -1;  // SchedulerConfig::spec_model_drafts: the MTP layer's token after the last one (-1: none)
   std::vector<TokenLogprob> pending_lps;  // logprobs not yet reported
   // Prompt logprobs (sampling.logprob_start_len >= 0): those of prompt positions lp_first_row + 1 on, one per logit
   // row from prompt position lp_first_row up to the prompt's second last, collected as the chunks resolve and
@@ -244,6 +250,8 @@ class Scheduler {
   // kept drafts), with its stop / length checks: finishes the request when it ends there.
   void take_token(Req& r, const SampleResult& sr, bool pending);
   void build_batch(StepPlan& plan);
+  // ForwardBatch::next_ids of the plan's batch (MTP drafts).
+  void set_next_ids(StepPlan& plan) const;
   // First prompt position whose logit row the request still needs for its prompt logprobs (-1: none).
   static int32_t lp_first_row(const Req& r);
   // Plans `n` new tokens of a prefilling request (its prompt-logprob rows set from its position).

@@ -67,6 +67,12 @@ struct ModelConfig {
   std::vector<int64_t> eos_token_ids;
   int64_t bos_token_id = -1;
   int64_t num_nextn_predict_layers = 0;
+  // Not from config.json: how many of the checkpoint's MTP (next-n prediction) layers this run loads and caches (0,
+  // or 1 for speculative decoding with MTP drafts). The MTP layer is model.layers.{num_hidden_layers}: a decoder
+  // layer behind enorm / hnorm / eh_proj, with its own latent cache layer after the model's.
+  int64_t mtp_layers = 0;
+  // Layers of the latent cache: the model's and the MTP layers used.
+  int64_t num_cache_layers() const { return num_hidden_layers + mtp_layers; }
   QuantMethod quant = QuantMethod::None;
   int64_t quant_block_rows = 0, quant_block_cols = 0;  // Fp8Block
   int64_t quant_group = 0;                             // Awq

@@ -406,10 +406,23 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
     ld.load_into(dst, prefix + "down_proj.weight", {H, full_inter}, 0, tr * local, Kind::Matrix);
   };
 
+  MLA_CHECK(c.mtp_layers >= 0 && c.mtp_layers <= std::min<int64_t>(c.num_nextn_predict_layers, 1),
+            "the model has {} MTP layers (num_nextn_predict_layers in config.json); {} asked for", c.num_nextn_predict_layers,
+            c.mtp_layers);
+  if (c.mtp_layers > 0) {
+    // The MTP layer (model.layers.{num_hidden_layers}): its norms and eh_proj, replicated on every rank; it shares
+    // the model's embedding and lm_head (its own copies, embed_tokens and shared_head.head, are not loaded).
+    const int64_t L = c.num_hidden_layers;
+    mtp_enorm_ = ld.make(layer_name(L, "enorm.weight"), {H}, {H}, 0, 0, Kind::Norm);
+    mtp_hnorm_ = ld.make(layer_name(L, "hnorm.weight"), {H}, {H}, 0, 0, Kind::Norm);
+    mtp_eh_embed_ = ld.make(layer_name(L, "eh_proj.weight"), {H, 2 * H}, {H, H}, 0, 0, Kind::Matrix);
+    mtp_eh_hidden_ = ld.make(layer_name(L, "eh_proj.weight"), {H, 2 * H}, {H, H}, 0, H, Kind::Matrix);
+    mtp_norm_ = ld.make(layer_name(L, "shared_head.norm.weight"), {H}, {H}, 0, 0, Kind::Norm);
+  }
   layers_.clear();
-  layers_.resize(static_cast<size_t>(c.num_hidden_layers));
+  layers_.resize(static_cast<size_t>(c.num_cache_layers()));
   bool logged_quantization = false;
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+  for (int64_t l = 0; l < c.num_cache_layers(); ++l) {
     LayerWeights& w = layers_[static_cast<size_t>(l)];
     w.input_norm = ld.make(layer_name(l, "input_layernorm.weight"), {H}, {H}, 0, 0, Kind::Norm);
     w.post_norm = ld.make(layer_name(l, "post_attention_layernorm.weight"), {H}, {H}, 0, 0, Kind::Norm);
@@ -506,8 +519,9 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
       w.shared_down = backend_.alloc({H, Is}, ld.matrix_dtype());
       load_down(w.shared_down, layer_name(l, "mlp.shared_experts."), full, Is);
     }
-    if (l % 8 == 7 || l + 1 == c.num_hidden_layers)
-      MLA_LOG_INFO("loading weights: layer {}/{}", l + 1, c.num_hidden_layers);
+    if (l % 8 == 7 || l + 1 == c.num_cache_layers())
+      MLA_LOG_INFO("loading weights: layer {}/{}{}", l + 1, c.num_hidden_layers,
+                   l >= c.num_hidden_layers ? " (the MTP layer)" : "");
   }
   weight_bytes_ = ld.bytes();
   if (ckpt) {
@@ -645,6 +659,7 @@ Tensor DeepseekModel::forward_graph(const ForwardBatch& batch, KvCache& cache, c
     backend_.graph_capture_begin();
     try {
       g.logits = forward_body(batch, cache, MlaForm::Auto, dp, /*prev_ids=*/true);
+      g.hidden = last_hidden_;
     } catch (...) {
       try {
         backend_.graph_capture_end();  // leave the stream usable; the recording is dropped
@@ -656,74 +671,74 @@ Tensor DeepseekModel::forward_graph(const ForwardBatch& batch, KvCache& cache, c
     it = graphs_.emplace(key, g).first;
   }
   backend_.graph_replay(it->second.id);
+  last_hidden_ = it->second.hidden;
   return it->second.logits;
 }
 
-Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, MlaForm form, const DpStepInfo* dp,
-                                   bool prev_ids) {
-  const auto& c = config_;
-  const int64_t T = batch.num_tokens(), H = c.hidden_size;
-  // DP attention: this group's rows [dp_offset, dp_offset + T) of the world's dp_total tokens.
-  const bool dp_attention = plan_.dp_size > 1;
-  int64_t dp_offset = 0, dp_total = T;
-  if (dp_attention) {
-    MLA_CHECK(dp && static_cast<int32_t>(dp->num_tokens.size()) == plan_.dp_size,
-              "DP attention step without the token counts of all {} groups", plan_.dp_size);
-    MLA_CHECK(dp->num_tokens[static_cast<size_t>(plan_.dp_rank)] == T, "DP group {} runs {} tokens but the step says {}",
-              plan_.dp_rank, T, dp->num_tokens[static_cast<size_t>(plan_.dp_rank)]);
-    dp_total = 0;
-    for (int32_t g = 0; g < plan_.dp_size; ++g) {
-      if (g == plan_.dp_rank) dp_offset = dp_total;
-      dp_total += dp->num_tokens[static_cast<size_t>(g)];
-    }
+DeepseekModel::DpRows DeepseekModel::dp_rows(int64_t T, const DpStepInfo* dp) {
+  DpRows d;
+  d.total = T;
+  if (plan_.dp_size <= 1) return d;
+  // DP attention: this group's rows [offset, offset + T) of the world's total tokens.
+  MLA_CHECK(dp && static_cast<int32_t>(dp->num_tokens.size()) == plan_.dp_size,
+            "DP attention step without the token counts of all {} groups", plan_.dp_size);
+  MLA_CHECK(dp->num_tokens[static_cast<size_t>(plan_.dp_rank)] == T, "DP group {} runs {} tokens but the step says {}",
+            plan_.dp_rank, T, dp->num_tokens[static_cast<size_t>(plan_.dp_rank)]);
+  d.on = true;
+  d.total = 0;
+  for (int32_t g = 0; g < plan_.dp_size; ++g) {
+    if (g == plan_.dp_rank) d.offset = d.total;
+    d.total += dp->num_tokens[static_cast<size_t>(g)];
   }
-  const DType ad = backend_.act_dtype();
-  const float eps = static_cast<float>(c.rms_norm_eps);
-  Tensor hidden = backend_.scratch({T, H}, ad);
-  // The residual stream alternates between two buffers: the input norm and a MoE layer's post-attention norm write
-  // the sums to the other one (their fused kernels read the old sums in every block).
-  Tensor residual = backend_.scratch({T, H}, ad), residual_next = backend_.scratch({T, H}, ad);
-  Tensor normed = backend_.scratch({T, H}, ad);
-  if (prev_ids && prev_ids_.defined()) backend_.resolve_prev_ids(prev_ids_);
+  const int64_t H = config_.hidden_size;
+  d.gathered = backend_.scratch({d.total, H}, backend_.act_dtype());
+  d.gathered_out = backend_.scratch({d.total, H}, backend_.act_dtype());
+  return d;
+}
+
+void DeepseekModel::decoder_layer(int64_t l, Tensor& hidden, Tensor& residual, Tensor& residual_next, Tensor& normed,
+                                  KvCache& cache, MlaForm form, DpRows& d) {
+  const LayerWeights& w = layers_[static_cast<size_t>(l)];
+  const int64_t T = hidden.size(0);
+  const size_t mark = backend_.scratch_mark();  // this layer's temporaries are released at its end
+  attention(l, hidden, residual, residual_next, normed, cache, form, hidden);
+  std::swap(residual, residual_next);
+  if (!d.on) {
+    norm_mlp(l, hidden, residual, residual_next, normed, hidden);
+  } else {
+    backend_.add_rmsnorm(hidden, residual, w.post_norm, static_cast<float>(config_.rms_norm_eps), normed);
+    // Gather every group's rows (one copy per group: its attention-TP rank 0 writes, the others add zeros),
+    // run the world-parallel MLP on all of them, keep this group's rows.
+    backend_.zero(d.gathered);
+    if (plan_.attn_tp_rank == 0 && T > 0) {
+      Tensor mine = d.gathered.rows(d.offset, d.offset + T);
+      backend_.copy(normed, mine);
+    }
+    MLA_LOG_TRACE("rank {}: layer {} DP gather ({} of {} rows)", plan_.tp_rank, l, T, d.total);
+    backend_.collective([c = world_comm_, g = d.gathered]() mutable { c->all_reduce_sum(g); });
+    mlp(l, d.gathered, d.gathered_out);
+    backend_.copy(d.gathered_out.rows(d.offset, d.offset + T), hidden);
+  }
+  backend_.scratch_release(mark);
+}
+
+Tensor DeepseekModel::embed_tokens(int64_t T) {
+  Tensor hidden = backend_.scratch({T, config_.hidden_size}, backend_.act_dtype());
   backend_.embedding(embed_, plan_.attn_tp_rank * local_vocab_, hidden);
   if (plan_.attn_tp_size > 1) backend_.collective([c = attn_comm_, hidden]() mutable { c->all_reduce_sum(hidden); });
-  Tensor gathered, gathered_out;
-  if (dp_attention) {
-    gathered = backend_.scratch({dp_total, H}, ad);
-    gathered_out = backend_.scratch({dp_total, H}, ad);
-  }
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const LayerWeights& w = layers_[static_cast<size_t>(l)];
-    const size_t mark = backend_.scratch_mark();  // this layer's temporaries are released at its end
-    if (l == 0) backend_.zero(residual);  // the first sum is the embedding itself
-    attention(l, hidden, residual, residual_next, normed, cache, form, hidden);
-    std::swap(residual, residual_next);
-    if (!dp_attention) {
-      norm_mlp(l, hidden, residual, residual_next, normed, hidden);
-    } else {
-      backend_.add_rmsnorm(hidden, residual, w.post_norm, eps, normed);
-      // Gather every group's rows (one copy per group: its attention-TP rank 0 writes, the others add zeros),
-      // run the world-parallel MLP on all of them, keep this group's rows.
-      backend_.zero(gathered);
-      if (plan_.attn_tp_rank == 0 && T > 0) {
-        Tensor mine = gathered.rows(dp_offset, dp_offset + T);
-        backend_.copy(normed, mine);
-      }
-      MLA_LOG_TRACE("rank {}: layer {} DP gather ({} of {} rows)", plan_.tp_rank, l, T, dp_total);
-      backend_.collective([c = world_comm_, gathered]() mutable { c->all_reduce_sum(gathered); });
-      mlp(l, gathered, gathered_out);
-      backend_.copy(gathered_out.rows(dp_offset, dp_offset + T), hidden);
-    }
-    backend_.scratch_release(mark);
-  }
-  backend_.add_rmsnorm(hidden, residual, final_norm_, eps, normed);
+  return hidden;
+}
+
+Tensor DeepseekModel::logits_of(const ForwardBatch& batch, const Tensor& normed) {
+  const auto& c = config_;
+  const int64_t T = batch.num_tokens(), H = c.hidden_size;
   const int64_t R = static_cast<int64_t>(batch.logit_rows.size());
   // Every token a logit row, in order (decode steps, graph steps, whole-prompt logits): lm_head reads them in place.
   bool in_order = R == T;
   for (int64_t i = 0; in_order && i < R; ++i) in_order = batch.logit_rows[static_cast<size_t>(i)] == i;
   Tensor rows = normed;
   if (!in_order) {
-    rows = backend_.scratch({R, H}, ad);
+    rows = backend_.scratch({R, H}, backend_.act_dtype());
     backend_.gather_logit_rows(normed, rows);
   }
   Tensor logits_local = backend_.scratch({R, local_vocab_}, DType::F32);
@@ -738,6 +753,68 @@ Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, Ml
   Tensor out = backend_.scratch({R, c.vocab_size}, DType::F32);
   backend_.interleave_blocks(gathered_logits, n, out);
   return out;
+}
+
+Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, MlaForm form, const DpStepInfo* dp,
+                                   bool prev_ids) {
+  const auto& c = config_;
+  const int64_t T = batch.num_tokens(), H = c.hidden_size;
+  const DType ad = backend_.act_dtype();
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  // The residual stream alternates between two buffers: the input norm and a MoE layer's post-attention norm write
+  // the sums to the other one (their fused kernels read the old sums in every block).
+  Tensor residual = backend_.scratch({T, H}, ad), residual_next = backend_.scratch({T, H}, ad);
+  Tensor normed = backend_.scratch({T, H}, ad);
+  if (prev_ids && prev_ids_.defined()) backend_.resolve_prev_ids(prev_ids_);
+  Tensor hidden = embed_tokens(T);
+  DpRows d = dp_rows(T, dp);
+  backend_.zero(residual);  // the first sum is the embedding itself
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) decoder_layer(l, hidden, residual, residual_next, normed, cache, form, d);
+  backend_.add_rmsnorm(hidden, residual, final_norm_, eps, normed);
+  last_hidden_ = normed;  // the MTP layer's input (forward_draft), valid until the next step
+  return logits_of(batch, normed);
+}
+
+Tensor DeepseekModel::forward_draft(const ForwardBatch& batch, std::span<const int32_t> next_ids, KvCache& cache,
+                                    const DpStepInfo* dp) {
+  const auto& c = config_;
+  MLA_CHECK(c.mtp_layers > 0 && !layers_.empty(), "forward_draft: the model was loaded without its MTP layer");
+  const int64_t T = batch.num_tokens(), H = c.hidden_size, L = c.num_hidden_layers;
+  MLA_CHECK(static_cast<int64_t>(next_ids.size()) == T, "forward_draft: {} next ids for {} tokens", next_ids.size(), T);
+  MLA_CHECK(last_hidden_.defined() && last_hidden_.size(0) == T,
+            "forward_draft: the step's forward over the same {} tokens must come first", T);
+  MLA_CHECK(cache.num_layers() > L, "forward_draft: the latent cache has no layer for the MTP layer");
+  const int64_t prev = prev_ids_.defined() ? prev_ids_.numel() : 0;
+  bool any_prev = false;
+  for (int32_t id : next_ids) {
+    MLA_CHECK(id < c.vocab_size && -static_cast<int64_t>(id) <= prev, "forward_draft: next id {} is out of range", id);
+    any_prev |= id < 0;
+  }
+  MLA_LOG_TRACE("rank {}: MTP forward of {} tokens", plan_.tp_rank, T);
+  const DType ad = backend_.act_dtype();
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  // hidden = eh_proj([enorm(embed(next token)); hnorm(the model's last hidden state)]), the two halves of eh_proj as
+  // two products summed; then one decoder layer and the shared head (the model's lm_head behind the MTP's own norm).
+  backend_.set_input_ids(next_ids);
+  if (any_prev) backend_.resolve_prev_ids(prev_ids_);
+  Tensor residual = backend_.scratch({T, H}, ad), residual_next = backend_.scratch({T, H}, ad);
+  Tensor normed = backend_.scratch({T, H}, ad), hidden = backend_.scratch({T, H}, ad);
+  {
+    const size_t mark = backend_.scratch_mark();
+    Tensor e = embed_tokens(T);
+    backend_.rmsnorm(e, mtp_enorm_, eps, normed);
+    backend_.linear(normed, mtp_eh_embed_, hidden);
+    backend_.rmsnorm(last_hidden_, mtp_hnorm_, eps, normed);
+    Tensor h2 = backend_.scratch({T, H}, ad);
+    backend_.linear(normed, mtp_eh_hidden_, h2);
+    backend_.add(hidden, h2);
+    backend_.scratch_release(mark);
+  }
+  DpRows d = dp_rows(T, dp);
+  backend_.zero(residual);
+  decoder_layer(L, hidden, residual, residual_next, normed, cache, MlaForm::Auto, d);
+  backend_.add_rmsnorm(hidden, residual, mtp_norm_, eps, normed);
+  return logits_of(batch, normed);
 }
 
 }  // namespace mlaserve

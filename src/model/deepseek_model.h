@@ -15,6 +15,7 @@
 
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -82,6 +83,16 @@ class DeepseekModel {
   // token count by the caller (pad_decode_batch); with DP attention every group has that count. Needs an eager
   // forward of this model before the first call.
   Tensor forward_graph(const ForwardBatch& batch, KvCache& cache, const DpStepInfo* dp = nullptr);
+  // Speculative decoding with the checkpoint's MTP layer (config().mtp_layers == 1; SGLang's EAGLE / NEXTN, vLLM's
+  // deepseek_mtp): after forward / forward_graph of a step, the MTP layer over the same tokens (the same batch, or
+  // the padded one a graph ran), still in that step: row t reads next_ids[t], the token after token t (a negative id
+  // -(k + 1): the id this step sampled for logit row k, on the device), and the model's final hidden state of row t
+  // (after its norm), and writes the MTP layer's latent cache at row t's slot:
+  //   h = eh_proj([enorm(embed(next_ids[t])); hnorm(final hidden[t])]) -> decoder layer num_hidden_layers
+  //   logits[R, V] = lm_head(shared_head.norm(h)[logit_rows])    (the model's embedding and lm_head, as SGLang shares)
+  // Row r's greedy token is the draft of the token after next_ids[logit_rows[r]].
+  Tensor forward_draft(const ForwardBatch& batch, std::span<const int32_t> next_ids, KvCache& cache,
+                       const DpStepInfo* dp = nullptr);
   int32_t num_graphs() const { return static_cast<int32_t>(graphs_.size()); }
   // Forgets the recorded graphs (they hold the KV cache and scratch they were recorded with); the backend's own
   // graphs go with Backend::release_graphs.
@@ -109,6 +120,20 @@ class DeepseekModel {
   // The post-attention norm and the MLP: residual += x, out = mlp(rmsnorm(residual)) (normed: the normalised rows).
   // A MoE layer writes the sums to `spare` (inside the router's launch where the backend fuses them) and swaps the two.
   void norm_mlp(int64_t layer, const Tensor& x, Tensor& residual, Tensor& spare, Tensor& normed, Tensor& out);
+  // DP attention: this group's rows in the world's gathered rows, and the gather buffers (scratch).
+  struct DpRows {
+    bool on = false;
+    int64_t offset = 0, total = 0;
+    Tensor gathered, gathered_out;
+  };
+  DpRows dp_rows(int64_t T, const DpStepInfo* dp);
+  // Layer l over hidden [T, H] in place (attention, then the MLP; with DP attention over every group's rows).
+  void decoder_layer(int64_t l, Tensor& hidden, Tensor& residual, Tensor& residual_next, Tensor& normed, KvCache& cache,
+                     MlaForm form, DpRows& d);
+  // The embeddings of the step's input ids [T, H] (scratch; vocab-parallel: all-reduced over attention TP).
+  Tensor embed_tokens(int64_t T);
+  // lm_head over the logit rows of the normalised rows [T, H]: F32 [R, vocab] (vocab-parallel: gathered).
+  Tensor logits_of(const ForwardBatch& batch, const Tensor& normed);
   // The experts of the routed rows x, then the tensor-parallel all-reduce.
   void experts(int64_t layer, const Tensor& x, const Tensor& ids, const Tensor& weights, Tensor& out);
   void reduce_mlp(int64_t layer, Tensor& out);
@@ -122,6 +147,7 @@ class DeepseekModel {
   struct Graph {
     int32_t id = -1;
     Tensor logits;  // where the replay leaves them
+    Tensor hidden;  // and the final hidden state (forward_draft's input)
   };
   std::map<std::pair<int64_t, int32_t>, Graph> graphs_;  // by token count and Backend::graph_variant
 
@@ -132,6 +158,10 @@ class DeepseekModel {
   Communicator* attn_comm_;
   int64_t local_heads_ = 0, local_inter_ = 0, local_moe_inter_ = 0, local_shared_inter_ = 0, local_vocab_ = 0;
   Tensor embed_, final_norm_, lm_head_;
+  // The MTP layer's own weights (config_.mtp_layers == 1): enorm, hnorm, eh_proj's two column halves (the embedding's,
+  // the hidden state's), shared_head.norm. Its decoder layer is layers_[num_hidden_layers].
+  Tensor mtp_enorm_, mtp_hnorm_, mtp_eh_embed_, mtp_eh_hidden_, mtp_norm_;
+  Tensor last_hidden_;  // the last forward's final hidden state [T, H] (after the norm; scratch of that step)
   std::vector<LayerWeights> layers_;
   int64_t weight_bytes_ = 0;
   Tensor prev_ids_;

@@ -45,7 +45,7 @@ void serialize(const ForwardBatch& b, std::string& o) {
   put_i32(o, b.page_size);
   put_i32(o, b.max_pages);
   for (const auto* v : {&b.input_ids, &b.positions, &b.token_seq, &b.out_slots, &b.seq_q_start, &b.seq_prefix_lens,
-                        &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed})
+                        &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed, &b.next_ids})
     put_vec(o, *v);
 }
 
@@ -55,7 +55,7 @@ ForwardBatch deserialize_forward_batch(const char*& p, const char* end) {
   b.page_size = get_i32(p, end);
   b.max_pages = get_i32(p, end);
   for (auto* v : {&b.input_ids, &b.positions, &b.token_seq, &b.out_slots, &b.seq_q_start, &b.seq_prefix_lens,
-                  &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed})
+                  &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed, &b.next_ids})
     *v = get_vec(p, end);
   return b;
 }
@@ -155,6 +155,7 @@ ForwardBatch pad_decode_batch(const ForwardBatch& b, int32_t tokens, int32_t dum
   if (n == 0) {
     p.seq_q_start = {0};
     p.seq_absorbed.clear();
+    p.next_ids.clear();
   }
   // The real sequences keep their rows (a decode token and its drafts: several tokens); one sequence of one token
   // per padding token follows them.
@@ -167,6 +168,7 @@ ForwardBatch pad_decode_batch(const ForwardBatch& b, int32_t tokens, int32_t dum
   for (int32_t s = ns, t = n; t < tokens; ++s, ++t) {
     p.page_table[static_cast<size_t>(s) * p.max_pages] = dummy_page;
     p.input_ids.push_back(0);
+    if (!b.next_ids.empty() || n == 0) p.next_ids.push_back(0);
     p.positions.push_back(0);
     p.token_seq.push_back(s);
     p.out_slots.push_back(dummy_page * page_size);

@@ -40,6 +40,10 @@ struct ForwardBatch {
   // Per sequence (empty: none): 1 when its new tokens attend in the absorbed MLA form however many they are (a decode
   // token and its drafts: a few tokens after a long cached context), as one new token always does under Auto.
   std::vector<int32_t> seq_absorbed;
+  // Per token (empty: none), for the MTP layer (DeepseekModel::forward_draft): the token after it in its sequence,
+  // -(k + 1) for the id this step samples for logit row k (negative here names this step's samples, not the previous
+  // step's). Padding tokens have 0.
+  std::vector<int32_t> next_ids;
 
   int32_t num_tokens() const { return static_cast<int32_t>(input_ids.size()); }
   int32_t num_seqs() const { return static_cast<int32_t>(seq_lens.size()); }

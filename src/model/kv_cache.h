@@ -1,4 +1,4 @@
-// The paged latent KV cache: per layer one device tensor [num_pages * page_size, kv_lora_rank + qk_rope_head_dim]
+// The paged latent KV cache: per layer (ModelConfig::num_cache_layers) one device tensor [num_pages * page_size, kv_lora_rank + qk_rope_head_dim]
 // holding, for every token slot, the normalised c_kv followed by the rotated shared k_pe. Which slots belong to
 // which sequence is the page table's business (engine/page_pool.h hands out pages).
 // Its element type is the backend's activation type, or FP8 (--kv-cache-dtype fp8_e4m3 / fp8_e5m2: half of bf16's
@@ -27,6 +27,8 @@ class KvCache {
   int64_t num_slots() const { return num_pages_ * page_size_; }
   DType dtype() const { return dtype_; }
   Tensor& layer(int64_t i) { return layers_[static_cast<size_t>(i)]; }
+  // The model's layers, then the MTP layer's when the run uses it (ModelConfig::num_cache_layers).
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // Bytes of cache per token (all layers).
   static int64_t bytes_per_token(const ModelConfig& c, DType dtype);
   // The cache's element type on a backend: the FP8 type when given, else the backend's activation type.

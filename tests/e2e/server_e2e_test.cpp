@@ -1148,15 +1148,57 @@ TEST(ServeFlags, NgramSpeculativeDecodingKeepsTheAnswers) {
     EXPECT_NE(metrics.find("mlaserve:spec_decode_num_accepted_tokens_total "), std::string::npos);
     EXPECT_EQ(spec.stop(), 0);
   }
-  expect_serve_refuses({"--speculative-algorithm EAGLE", "--speculative-num-draft-tokens 3",
+  expect_serve_refuses({"--speculative-algorithm EAGLE3", "--speculative-num-draft-tokens 3",
                         "--speculative-algorithm NGRAM --speculative-num-draft-tokens -1",
                         "--speculative-algorithm NGRAM --speculative-num-draft-tokens 65",
                         "--speculative-config '{\"method\": \"ngram\", \"bogus\": 1}'",
-                        "--speculative-config '{\"method\": \"eagle\", \"num_speculative_tokens\": 2}'",
+                        "--speculative-config '{\"method\": \"eagle3\", \"num_speculative_tokens\": 2}'",
                         "--speculative-config '{\"method\": \"ngram\", \"disable_by_batch_size\": -1}'",
                         "--speculative-disable-by-batch-size 4",
                         "--speculative-algorithm NGRAM --speculative-ngram-min-match-window-size 4 "
                         "--speculative-ngram-max-match-window-size 2"},
+                       "specul");
+}
+
+// Drafts from the checkpoint's MTP layer through the real binary (the tiny model's config has one, as DeepSeek-V3's):
+// SGLang's DeepSeek recipe (EAGLE, 1 step, top-k 1, 2 draft tokens), NEXTN and vLLM's deepseek_mtp give the answers
+// of a server without drafts (greedy tokens and logprobs; seeded sampling too), every decode step checks a draft;
+// deeper chains, trees and other draft counts are refused at startup.
+TEST(ServeFlags, MtpSpeculativeDecodingKeepsTheAnswers) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  const std::string greedy = R"({"prompt": "The quick brown fox jumps over", "max_tokens": 40, "temperature": 0,
+      "ignore_eos": true, "logprobs": 1})";
+  const std::string seeded = R"({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0.9, "seed": 5,
+      "ignore_eos": true})";
+  ServerProcess plain;
+  ASSERT_TRUE(plain.running()) << plain.log();
+  const json want = post_json(plain.port(), "/v1/completions", greedy);
+  const json want_seeded = post_json(plain.port(), "/v1/completions", seeded);
+  EXPECT_EQ(plain.stop(), 0);
+  for (const std::vector<std::string>& flags :
+       {std::vector<std::string>{"--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1",
+                                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"},
+        std::vector<std::string>{"--speculative-algorithm", "NEXTN"},
+        std::vector<std::string>{"--speculative-config", R"({"method": "deepseek_mtp", "num_speculative_tokens": 1})"}}) {
+    ServerProcess spec(flags);
+    ASSERT_TRUE(spec.running()) << spec.log();
+    const json info = get_json(spec.port(), "/get_server_info");
+    EXPECT_EQ(info["speculative_algorithm"], "EAGLE");
+    EXPECT_EQ(info["speculative_num_draft_tokens"], 2);
+    const json got = post_json(spec.port(), "/v1/completions", greedy);
+    EXPECT_EQ(got["choices"][0]["text"], want["choices"][0]["text"]) << flags[1];
+    EXPECT_EQ(got["choices"][0]["logprobs"]["tokens"], want["choices"][0]["logprobs"]["tokens"]);
+    EXPECT_EQ(post_json(spec.port(), "/v1/completions", seeded)["choices"][0]["text"],
+              want_seeded["choices"][0]["text"]);
+    const json states = get_json(spec.port(), "/get_server_info")["internal_states"];
+    EXPECT_GE(states[0]["spec_checks"].get<int64_t>(), 30) << states.dump();
+    EXPECT_EQ(spec.stop(), 0);
+  }
+  expect_serve_refuses({"--speculative-algorithm EAGLE --speculative-num-steps 3",
+                        "--speculative-algorithm EAGLE --speculative-eagle-topk 4",
+                        "--speculative-algorithm EAGLE --speculative-num-draft-tokens 4",
+                        "--speculative-config '{\"method\": \"deepseek_mtp\", \"num_speculative_tokens\": 2}'",
+                        "--speculative-algorithm NGRAM --speculative-num-steps 1"},
                        "specul");
 }
 

@@ -24,28 +24,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Every tensor of the checkpoint in `dir`, copied to host memory.
-std::map<std::string, Tensor> read_checkpoint(const std::string& dir) {
-  Checkpoint src(dir);
-  std::map<std::string, Tensor> ts;
-  for (const auto& n : src.names()) {
-    const TensorInfo& i = src.get(n);
-    Tensor t = Tensor::empty_host(i.shape, i.dtype);
-    std::memcpy(t.data(), i.data, i.nbytes);
-    ts[n] = t;
-  }
-  return ts;
-}
-
-// Copies a golden checkpoint into `dir` as one model.safetensors after applying `edit` to the tensor map.
-void rewrite_checkpoint(const std::string& family, const fs::path& dir,
-                        const std::function<void(std::map<std::string, Tensor>&)>& edit) {
-  fs::copy_file(test::golden_dir(family) + "/config.json", dir / "config.json", fs::copy_options::overwrite_existing);
-  std::map<std::string, Tensor> ts = read_checkpoint(test::golden_dir(family));
-  edit(ts);
-  write_safetensors((dir / "model.safetensors").string(), ts);
-}
-
 std::string load_error(const fs::path& dir) {
   auto be = make_cpu_backend();
   try {
@@ -74,14 +52,14 @@ const std::vector<int32_t> kPrompt{5, 17, 300, 2, 99, 41, 7};
 
 TEST(Loader, MissingTensorIsNamed) {
   auto dir = test::temp_dir("ld");
-  rewrite_checkpoint("v2lite", dir, [](std::map<std::string, Tensor>& ts) { ts.erase("model.layers.1.mlp.experts.3.up_proj.weight"); });
+  test::rewrite_checkpoint("v2lite", dir, [](std::map<std::string, Tensor>& ts) { ts.erase("model.layers.1.mlp.experts.3.up_proj.weight"); });
   auto e = load_error(dir);
   EXPECT_NE(e.find("missing tensor 'model.layers.1.mlp.experts.3.up_proj.weight'"), std::string::npos) << e;
 }
 
 TEST(Loader, UnexpectedShapeNamesTensorAndFile) {
   auto dir = test::temp_dir("ld");
-  rewrite_checkpoint("v2lite", dir, [](std::map<std::string, Tensor>& ts) {
+  test::rewrite_checkpoint("v2lite", dir, [](std::map<std::string, Tensor>& ts) {
     ts["model.layers.0.self_attn.o_proj.weight"] = Tensor::empty_host({128, 120}, DType::BF16);
   });
   auto e = load_error(dir);
@@ -93,7 +71,7 @@ TEST(Loader, UnexpectedShapeNamesTensorAndFile) {
 
 TEST(Loader, QuantizedDtypeWithoutConfigIsRefused) {
   auto dir = test::temp_dir("ld");
-  rewrite_checkpoint("v2", dir, [](std::map<std::string, Tensor>& ts) {
+  test::rewrite_checkpoint("v2", dir, [](std::map<std::string, Tensor>& ts) {
     ts["model.layers.2.self_attn.kv_b_proj.weight"] = Tensor::empty_host({8 * 56, 64}, DType::F8_E4M3);
   });
   auto e = load_error(dir);
@@ -123,7 +101,7 @@ float value_of(const Tensor& t, int64_t i) {
 void write_fp8_pair(const std::string& family, const fs::path& fp8, const fs::path& ref, int64_t br, int64_t bc,
                     bool experts_only = false) {
   std::map<std::string, Tensor> q_ts, r_ts;
-  rewrite_checkpoint(family, ref, [&](std::map<std::string, Tensor>& ts) {
+  test::rewrite_checkpoint(family, ref, [&](std::map<std::string, Tensor>& ts) {
     for (auto& [n, t] : ts) {
       if (!quantizable(n, t) || (experts_only && n.find("mlp.experts.") == std::string::npos)) {
         q_ts[n] = t;
@@ -339,7 +317,7 @@ uint16_t to_f16(float f) {  // round to nearest even; finite normal or zero resu
 void write_awq_pair(const std::string& family, const fs::path& awq, const fs::path& ref, int64_t g) {
   static constexpr int kPackOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // nibble k holds output channel 8 j + order[k]
   std::map<std::string, Tensor> q_ts;
-  rewrite_checkpoint(family, ref, [&](std::map<std::string, Tensor>& ts) {
+  test::rewrite_checkpoint(family, ref, [&](std::map<std::string, Tensor>& ts) {
     for (auto& [n, t] : ts) {
       if (!quantizable(n, t) || n.find("kv_a_proj") != std::string::npos) {
         q_ts[n] = t;
@@ -410,7 +388,7 @@ TEST(Loader, AwqCheckpointIsItsDequantizedModel) {
   }
   auto awq = test::temp_dir("awq"), ref = test::temp_dir("awqref");
   write_awq_pair("v2", awq, ref, 16);
-  std::map<std::string, Tensor> ts = read_checkpoint(awq.string());
+  std::map<std::string, Tensor> ts = test::read_checkpoint(awq.string());
   ts["model.layers.1.self_attn.o_proj.qzeros"] = Tensor::empty_host({3, 16}, DType::I32);
   write_safetensors((awq / "model.safetensors").string(), ts);
   const auto e = load_error(awq);
@@ -422,7 +400,7 @@ TEST(Loader, Fp8ScaleErrorsNameTheTensor) {
   write_fp8_pair("v3", fp8, ref, 32, 48);
   const std::string w = "model.layers.1.self_attn.o_proj.weight";
   auto edit_fp8 = [&](const std::function<void(std::map<std::string, Tensor>&)>& f) {
-    std::map<std::string, Tensor> ts = read_checkpoint(fp8.string());
+    std::map<std::string, Tensor> ts = test::read_checkpoint(fp8.string());
     f(ts);
     auto dir = test::temp_dir("fp8bad");
     fs::copy_file(fp8 / "config.json", dir / "config.json");
@@ -445,7 +423,7 @@ TEST(Loader, Fp8ScaleErrorsNameTheTensor) {
 
 TEST(Loader, ExtraTensorsAreIgnoredAndF32LoadsTheSameModel) {
   auto dir = test::temp_dir("ld");
-  rewrite_checkpoint("v3", dir, [](std::map<std::string, Tensor>& ts) {
+  test::rewrite_checkpoint("v3", dir, [](std::map<std::string, Tensor>& ts) {
     // V3's MTP layer lives past num_hidden_layers; it must be ignored.
     ts["model.layers.4.self_attn.kv_b_proj.weight"] = Tensor::empty_host({256, 64}, DType::BF16);
     ts["model.layers.4.eh_proj.weight"] = Tensor::empty_host({128, 256}, DType::BF16);

@@ -34,6 +34,10 @@ class CheckingBackend final : public ForwardingBackend {
     g_.begin_step(b);
     c_->begin_step(b);
   }
+  void set_input_ids(std::span<const int32_t> ids) override {
+    g_.set_input_ids(ids);
+    c_->set_input_ids(ids);
+  }
 
   void embedding(const Tensor& table, int64_t vb, Tensor& out) override {
     Tensor t = cpu_copy(table), o = cpu_like(out);

@@ -142,6 +142,95 @@ void golden_family(const std::string& fam) {
   }
 }
 
+// The MTP layer (speculative decoding's drafts) on the GPU against Hugging Face parts (tools/golden/
+// make_mtp_golden.py), with the CPU's routing forced as above: each prompt as one step (the model, then
+// forward_draft over the same tokens), then one decode step, eager against the CPU and through a graph replay
+// (padded to 2 tokens) against the GPU's eager step. The MTP logits are five layers and eh_proj deep in bf16 (the
+// model's four, then the MTP's on the model's final hidden state): measured 2.9e-2 to 0.112 of their std on the
+// four prompts (2026-12-03; the CPU 1.6e-6 to 6.2e-6), so their bound is 0.15 where the model's is 0.10.
+constexpr double kMtpLogitTol = 0.15;
+TEST(CudaModel, MtpDraftLayerGolden) {
+  REQUIRE_GPU();
+  const std::string dir = golden_dir() + "/v3mtp";
+  SafetensorsFile f(dir + "/reference.safetensors");
+  ModelConfig cfg = ModelConfig::from_file(dir);
+  cfg.mtp_layers = 1;
+  constexpr int32_t P = 16;
+  struct Out {
+    std::vector<Tensor> prompt_rows;
+    Tensor decode_row;
+  };
+  auto run = [&](Backend& be, bool graph) {
+    Out o;
+    DeepseekModel m(cfg, be);
+    m.load(dir, LoadOptions{});
+    KvCache cache(be, cfg, 64, P);
+    int32_t page = 0;
+    std::vector<int32_t> last_pages;
+    int32_t last_len = 0, last_next = 0;
+    for (int j = 0; f.has("prompt_" + std::to_string(j)); ++j) {
+      Tensor p = f.tensor("prompt_" + std::to_string(j)), nx = f.tensor("mtp_next_" + std::to_string(j));
+      const std::vector<int32_t> ids(p.data_as<int32_t>(), p.data_as<int32_t>() + p.numel());
+      const std::vector<int32_t> next(nx.data_as<int32_t>(), nx.data_as<int32_t>() + nx.numel());
+      std::vector<int32_t> pages;
+      for (int32_t i = 0; i < (static_cast<int32_t>(ids.size()) + 1 + P - 1) / P; ++i) pages.push_back(page++);
+      ForwardBatchBuilder bb(P);
+      bb.add(ids, 0, pages, ForwardBatchBuilder::Logits::All);
+      const ForwardBatch fb = bb.finish();
+      m.forward(fb, cache);
+      o.prompt_rows.push_back(be.to_host_f32(m.forward_draft(fb, next, cache)));
+      last_pages = pages;
+      last_len = static_cast<int32_t>(ids.size());
+      last_next = next.back();
+    }
+    // The last prompt's next token as a decode step (graph: padded to two tokens), its MTP row after it.
+    ForwardBatchBuilder bb(P);
+    bb.add(std::vector<int32_t>{last_next}, last_len, last_pages, ForwardBatchBuilder::Logits::Last);
+    ForwardBatch fb = bb.finish();
+    const std::vector<int32_t> draft_next{7};
+    if (graph) {
+      m.forward(fb, cache);  // an eager decode step first: the attention shapes graphs need
+      fb.next_ids = draft_next;
+      const ForwardBatch padded = pad_decode_batch(fb, 2, 63, P);
+      m.forward_graph(padded, cache);  // records (the eager steps above came first)
+      m.forward_graph(padded, cache);  // replays
+      o.decode_row = be.to_host_f32(m.forward_draft(padded, padded.next_ids, cache)).rows(0, 1);
+    } else {
+      m.forward(fb, cache);
+      o.decode_row = be.to_host_f32(m.forward_draft(fb, draft_next, cache));
+    }
+    return o;
+  };
+  RouteLog log;
+  auto cpu_be = make_cpu_backend();
+  RouteRecorder rec(*cpu_be, log);
+  const Out c = run(rec, false);
+  auto gpu_be = model_backend();
+  RouteReplayer forced(*gpu_be, log, true);
+  const Out g = run(forced, false);
+  for (size_t j = 0; j < c.prompt_rows.size(); ++j) {
+    const Tensor ref = f.tensor("mtp_logits_" + std::to_string(j));
+    const double sd = stddev(ref);
+    const Diff dc = diff(ref, c.prompt_rows[j]), dg = diff(ref, g.prompt_rows[j]);
+    std::printf("  v3mtp prompt %zu: MTP max|dlogit|/std CPU %.2e, GPU (routing forced) %.2e\n", j, dc.max_abs / sd,
+                dg.max_abs / sd);
+    EXPECT_LE(dc.max_abs / sd, 1e-3) << "prompt " << j;
+    EXPECT_EQ(dg.nan, 0);
+    EXPECT_LE(dg.max_abs / sd, kMtpLogitTol) << "prompt " << j;
+  }
+  const double sd = stddev(c.decode_row);
+  EXPECT_LE(diff(c.decode_row, g.decode_row).max_abs / sd, kLogitTol) << "decode step, eager";
+  // Through a graph: the decode row recorded and replayed, the MTP layer eager after it on the padded batch, against
+  // the same GPU computation without a graph (no routing forced in either).
+  auto eager_be = model_backend(), graph_be = model_backend();
+  const Out ge = run(*eager_be, false), gg = run(*graph_be, true);
+  const Diff dgg = diff(ge.decode_row, gg.decode_row);
+  std::printf("  v3mtp decode step: MTP max|dlogit|/std GPU eager vs CPU %.2e, graph vs eager %.2e\n",
+              diff(c.decode_row, g.decode_row).max_abs / sd, dgg.max_abs / sd);
+  EXPECT_EQ(dgg.nan, 0);
+  EXPECT_LE(dgg.max_abs / sd, kLogitTol) << "decode step, graph";
+}
+
 TEST(CudaModel, GoldenV2Lite) { REQUIRE_GPU(); golden_family("v2lite"); }
 TEST(CudaModel, GoldenV2) { REQUIRE_GPU(); golden_family("v2"); }
 TEST(CudaModel, GoldenV3) { REQUIRE_GPU(); golden_family("v3"); }

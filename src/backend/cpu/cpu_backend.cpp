@@ -105,6 +105,11 @@ class CpuBackend final : public Backend {
   }
 
   void begin_step(const ForwardBatch& batch) override { step_ = batch; }
+  void set_input_ids(std::span<const int32_t> ids) override {
+    MLA_CHECK(ids.size() == step_.input_ids.size(), "set_input_ids: {} ids for a step of {} tokens", ids.size(),
+              step_.input_ids.size());
+    step_.input_ids.assign(ids.begin(), ids.end());
+  }
 
   void resolve_prev_ids(const Tensor& prev) override {
     MLA_CHECK(prev.dtype() == DType::I32, "resolve_prev_ids: prev must be I32");

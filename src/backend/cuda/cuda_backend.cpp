@@ -394,6 +394,16 @@ class CudaBackend final : public Backend {
             "resolve_prev_ids");
   }
 
+  void set_input_ids(std::span<const int32_t> ids) override {
+    MLA_CHECK(!capturing_, "set_input_ids while a graph is being recorded");
+    MLA_CHECK(ids.size() == step_.input_ids.size(), "set_input_ids: {} ids for a step of {} tokens", ids.size(),
+              step_.input_ids.size());
+    step_.input_ids.assign(ids.begin(), ids.end());
+    MetaUpload up(*this);  // after the step's metadata: what earlier ops of the step read stays as it was
+    d_input_ids_ = up.add(step_.input_ids);
+    up.flush();
+  }
+
   void end_step() override {
     if (idle_stats_ && !step_events_.empty()) cudaEventRecord(step_events_.back().second, stream_);
   }

@@ -1,0 +1,247 @@
+// Speculative decoding with the checkpoint's MTP layer (SGLang's EAGLE / NEXTN, vLLM's deepseek_mtp).
+//
+// The v3mtp family (tools/golden/make_mtp_golden.py) is a tiny V3-like checkpoint with one MTP layer laid out as
+// DeepSeek-V3's; its reference MTP logits come from Hugging Face parts (the MTP's decoder layer run as a one-layer
+// DeepseekV3 model on eh_proj's output, Hugging Face having no MTP module). The engine tests check that drafts never
+// change what is generated, and, on a checkpoint made so that the MTP layer predicts the model exactly, that its
+// drafts are kept.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "core/dtype.h"
+#include "engine/engine.h"
+#include "io/safetensors.h"
+#include "model/deepseek_model.h"
+#include "model/forward_batch.h"
+#include "test_util.h"
+
+using namespace mlaserve;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr double kRelTol = 1e-3;  // as the golden model tests: fp32 on the same bf16 weights
+
+std::string family_dir() { return test::golden_dir("v3mtp"); }
+
+ModelConfig mtp_config(const std::string& dir) {
+  ModelConfig c = ModelConfig::from_file(dir);
+  c.mtp_layers = 1;
+  return c;
+}
+
+struct Reference {
+  std::vector<std::vector<int32_t>> prompts, next;
+  std::vector<Tensor> logits, mtp_logits;
+  std::vector<std::vector<int32_t>> greedy;  // up to the first near tie
+};
+
+Reference read_reference() {
+  SafetensorsFile f(family_dir() + "/reference.safetensors");
+  Reference r;
+  auto ids = [&](const std::string& name) {
+    Tensor t = f.tensor(name);
+    return std::vector<int32_t>(t.data_as<int32_t>(), t.data_as<int32_t>() + t.numel());
+  };
+  for (int j = 0; f.has("prompt_" + std::to_string(j)); ++j) {
+    const std::string s = std::to_string(j);
+    r.prompts.push_back(ids("prompt_" + s));
+    r.next.push_back(ids("mtp_next_" + s));
+    r.logits.push_back(f.tensor("logits_" + s));
+    r.mtp_logits.push_back(f.tensor("mtp_logits_" + s));
+    const std::vector<int32_t> g = ids("greedy_" + s);
+    Tensor m = f.tensor("margin_" + s);
+    std::vector<int32_t> kept;
+    for (size_t i = 0; i < g.size() && m.data_as<float>()[i] >= 0.02f; ++i) kept.push_back(g[i]);
+    r.greedy.push_back(kept);
+  }
+  return r;
+}
+
+std::vector<int32_t> page_run(int32_t first, int32_t tokens, int32_t page_size) {
+  std::vector<int32_t> p;
+  for (int32_t i = 0; i < (tokens + page_size - 1) / page_size; ++i) p.push_back(first + i);
+  return p;
+}
+
+// The model's logits and the MTP layer's over prompt j as one batch of its chunks [cuts[k], cuts[k + 1]), each
+// chunk a step of its own after the ones before it in the cache: both match Hugging Face row by row.
+TEST(Mtp, DraftLogitsMatchHuggingFaceParts) {
+  const Reference ref = read_reference();
+  auto be = make_cpu_backend();
+  DeepseekModel m(mtp_config(family_dir()), *be);
+  m.load(family_dir(), {});
+  constexpr int32_t P = 8;
+  KvCache cache(*be, m.config(), 64, P);
+  ASSERT_EQ(cache.num_layers(), m.config().num_hidden_layers + 1);
+  for (size_t j = 0; j < ref.prompts.size(); ++j) {
+    const auto& prompt = ref.prompts[j];
+    const int32_t n = static_cast<int32_t>(prompt.size());
+    std::vector<std::vector<int32_t>> splits{{0, n}};
+    if (n >= 7) splits.push_back({0, n / 3, n / 2 + 1, n});
+    for (const auto& cuts : splits) {
+      SCOPED_TRACE("prompt " + std::to_string(j) + " in " + std::to_string(cuts.size() - 1) + " chunks");
+      for (size_t k = 0; k + 1 < cuts.size(); ++k) {
+        const int32_t a = cuts[k], b = cuts[k + 1];
+        ForwardBatchBuilder bb(P);
+        bb.add(std::span<const int32_t>(prompt).subspan(a, b - a), a, page_run(0, b, P), ForwardBatchBuilder::Logits::All);
+        const ForwardBatch fb = bb.finish();
+        const Tensor logits = be->to_host_f32(m.forward(fb, cache));
+        EXPECT_LT(test::rel_err(logits, ref.logits[j].rows(a, b)), kRelTol) << "the model, chunk " << k;
+        const Tensor draft = be->to_host_f32(
+            m.forward_draft(fb, std::span<const int32_t>(ref.next[j]).subspan(a, b - a), cache));
+        EXPECT_LT(test::rel_err(draft, ref.mtp_logits[j].rows(a, b)), kRelTol) << "the MTP layer, chunk " << k;
+      }
+    }
+  }
+  // All prompts in one ragged batch: each one's MTP rows as alone.
+  ForwardBatchBuilder bb(P);
+  std::vector<int32_t> next;
+  int32_t page = 0;
+  for (size_t j = 0; j < ref.prompts.size(); ++j) {
+    const int32_t n = static_cast<int32_t>(ref.prompts[j].size());
+    bb.add(ref.prompts[j], 0, page_run(page, n, P), ForwardBatchBuilder::Logits::All);
+    page += (n + P - 1) / P;
+    next.insert(next.end(), ref.next[j].begin(), ref.next[j].end());
+  }
+  const ForwardBatch fb = bb.finish();
+  m.forward(fb, cache);
+  const Tensor draft = be->to_host_f32(m.forward_draft(fb, next, cache));
+  int64_t row = 0;
+  for (size_t j = 0; j < ref.prompts.size(); ++j) {
+    const int64_t n = static_cast<int64_t>(ref.prompts[j].size());
+    EXPECT_LT(test::rel_err(draft.rows(row, row + n), ref.mtp_logits[j]), kRelTol) << "prompt " << j << " batched";
+    row += n;
+  }
+}
+
+TEST(Mtp, BadUseGivesClearErrors) {
+  auto be = make_cpu_backend();
+  {  // a checkpoint without an MTP layer
+    DeepseekModel m(mtp_config(test::golden_dir("v3")), *be);
+    try {
+      m.load(test::golden_dir("v3"), {});
+      ADD_FAILURE() << "loaded an MTP layer that v3 does not have";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("num_nextn_predict_layers"), std::string::npos) << e.what();
+    }
+  }
+  DeepseekModel plain(ModelConfig::from_file(family_dir()), *be);
+  plain.load(family_dir(), {});
+  KvCache cache(*be, plain.config(), 4, 8);
+  ForwardBatchBuilder bb(8);
+  const std::vector<int32_t> ids{5, 6, 7};
+  bb.add(ids, 0, std::vector<int32_t>{0}, ForwardBatchBuilder::Logits::Last);
+  const ForwardBatch fb = bb.finish();
+  plain.forward(fb, cache);
+  EXPECT_THROW(plain.forward_draft(fb, ids, cache), std::exception) << "loaded without its MTP layer";
+  DeepseekModel m(mtp_config(family_dir()), *be);
+  m.load(family_dir(), {});
+  KvCache mcache(*be, m.config(), 4, 8);
+  EXPECT_THROW(m.forward_draft(fb, ids, mcache), std::exception) << "no forward of the step first";
+  m.forward(fb, mcache);
+  EXPECT_THROW(m.forward_draft(fb, std::vector<int32_t>{5, 6}, mcache), std::exception) << "one next id per token";
+  EXPECT_THROW(m.forward_draft(fb, std::vector<int32_t>{5, 6, 100000}, mcache), std::exception) << "out of range";
+  EXPECT_THROW(m.forward_draft(fb, ids, cache), std::exception) << "a cache without the MTP layer's";
+}
+
+// Engines over the MTP checkpoint, with and without its drafts, overlap scheduling on and off.
+class MtpEngine : public ::testing::TestWithParam<bool> {
+ protected:
+  std::unique_ptr<Engine> make(const std::string& dir, bool mtp, int32_t tp = 1, int32_t dp = 1) {
+    ParallelConfig pc;
+    pc.tp_size = tp;
+    pc.dp_size = dp;
+    pc.device = "cpu";
+    ModelConfig c = mtp ? mtp_config(dir) : ModelConfig::from_file(dir);
+    EngineOptions o = test::small_engine_options(GetParam(), 400);
+    o.spec_draft_tokens = mtp ? 1 : 0;
+    return std::make_unique<Engine>(std::make_unique<RankSet>(c, pc, dir, LoadOptions{}), o);
+  }
+  static int64_t total(EngineClient& e, int64_t RankStats::*field) {
+    int64_t n = 0;
+    for (const RankStats& s : e.stats()) n += s.*field;
+    return n;
+  }
+};
+
+TEST_P(MtpEngine, DraftsKeepTheOutputs) {
+  const Reference ref = read_reference();
+  auto e = make(family_dir(), true);
+  std::vector<std::future<std::vector<int32_t>>> fs;
+  for (size_t j = 0; j < ref.prompts.size(); ++j) fs.push_back(test::submit_ids(*e, "g" + std::to_string(j), ref.prompts[j], 24));
+  for (size_t j = 0; j < ref.prompts.size(); ++j) {
+    const std::vector<int32_t> got = test::wait_ids(fs[j]);
+    ASSERT_EQ(got.size(), 24u);
+    for (size_t i = 0; i < ref.greedy[j].size(); ++i) EXPECT_EQ(got[i], ref.greedy[j][i]) << "prompt " << j << " step " << i;
+  }
+  const int64_t checks = total(*e, &RankStats::spec_checks);
+  EXPECT_GT(checks, 40) << "decode steps check the MTP layer's draft";
+  EXPECT_EQ(total(*e, &RankStats::spec_draft_tokens), checks) << "one draft per check";
+  EXPECT_LE(total(*e, &RankStats::spec_accepted_tokens), checks);
+  // Seeded sampling draws what it draws without drafts (draw k of a seed is draw k).
+  SamplingParams seeded;
+  seeded.temperature = 0.8f;
+  seeded.top_k = 30;
+  seeded.seed = 11;
+  auto plain = make(family_dir(), false);
+  for (size_t j : {size_t{1}, size_t{3}}) {
+    auto a = test::submit_ids(*plain, "p", ref.prompts[j], 32, -1, &seeded);
+    auto b = test::submit_ids(*e, "s", ref.prompts[j], 32, -1, &seeded);
+    EXPECT_EQ(test::wait_ids(b), test::wait_ids(a)) << "prompt " << j;
+  }
+  test::expect_engine_idle_and_clean(*e);
+  // Tensor parallel with DP attention: the same tokens.
+  auto par = make(family_dir(), true, 2, 2);
+  auto a = test::submit_ids(*par, "a", ref.prompts[2], 24);
+  auto b = test::submit_ids(*par, "b", ref.prompts[3], 24);
+  const std::vector<int32_t> ra = test::wait_ids(a), rb = test::wait_ids(b);
+  for (size_t i = 0; i < ref.greedy[2].size(); ++i) EXPECT_EQ(ra[i], ref.greedy[2][i]) << "tp 2 dp 2, step " << i;
+  for (size_t i = 0; i < ref.greedy[3].size(); ++i) EXPECT_EQ(rb[i], ref.greedy[3][i]) << "tp 2 dp 2, step " << i;
+  EXPECT_GT(total(*par, &RankStats::spec_checks), 20);
+}
+
+// A checkpoint whose layers add nothing (o_proj and every down projection zero, norms one): the model's next token
+// is a function f of the current one, and an MTP layer that passes the next token's embedding through (eh_proj
+// [I | 0]) predicts f(next), the model's token after next. Its drafts are kept (but for near ties), every step
+// takes two tokens, and the output is the model's without drafts.
+TEST_P(MtpEngine, AnExactDraftLayerIsKept) {
+  const fs::path dir = test::temp_dir("mtp_exact");
+  fs::create_directories(dir);
+  test::rewrite_checkpoint("v3mtp", dir, [](std::map<std::string, Tensor>& ts) {
+    auto fill = [](Tensor& t, float v) {
+      for (int64_t i = 0; i < t.numel(); ++i) t.data_as<uint16_t>()[i] = f32_to_bf16(v);
+    };
+    for (auto& [name, t] : ts) {
+      ASSERT_EQ(t.dtype(), DType::BF16) << name;
+      if (name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight")) fill(t, 0.0f);
+      if (name == "model.norm.weight" || name.ends_with(".enorm.weight") || name.ends_with("shared_head.norm.weight"))
+        fill(t, 1.0f);
+    }
+    Tensor& eh = ts.at("model.layers.4.eh_proj.weight");
+    const int64_t H = eh.size(0);
+    fill(eh, 0.0f);
+    for (int64_t i = 0; i < H; ++i) eh.data_as<uint16_t>()[i * 2 * H + i] = f32_to_bf16(1.0f);
+  });
+  const Reference ref = read_reference();
+  auto plain = make(dir.string(), false);
+  auto e = make(dir.string(), true);
+  for (size_t j = 0; j < ref.prompts.size(); ++j) {
+    auto a = test::submit_ids(*plain, "p", ref.prompts[j], 30);
+    auto b = test::submit_ids(*e, "s", ref.prompts[j], 30);
+    EXPECT_EQ(test::wait_ids(b), test::wait_ids(a)) << "prompt " << j;
+  }
+  const int64_t drafts = total(*e, &RankStats::spec_draft_tokens), kept = total(*e, &RankStats::spec_accepted_tokens);
+  EXPECT_GT(drafts, 40);
+  EXPECT_GE(kept, drafts * 9 / 10) << kept << " of " << drafts << " drafts kept";
+  EXPECT_LT(total(*e, &RankStats::forward_steps), total(*plain, &RankStats::forward_steps) * 6 / 10)
+      << "two tokens a step";
+  test::expect_engine_idle_and_clean(*e);
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Overlap, MtpEngine, ::testing::Bool(),
+                         [](const auto& i) { return i.param ? std::string("On") : std::string("Off"); });
+
+}  // namespace

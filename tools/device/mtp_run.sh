@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# MTP drafts (speculative decoding with the checkpoint's MTP layer) on the device: the GPU model tests (the MTP layer
+# against Hugging Face parts, eager and after a graph replay), the speculative-decoding and server e2e tests against a
+# CUDA server, then what the MTP layer costs a step: one request at a time through the server (V2-Lite shape plus an
+# MTP layer and the DeepSeek-V3 tokenizer's vocabulary, dummy weights, so drafts are almost never kept), without
+# drafts and with EAGLE, median TPOT and the accepted drafts.
+# usage: tools/device/mtp_run.sh PKG_DIR [tests|bench]   (binaries in PKG_DIR/bin; default both)
+set -uo pipefail
+source tools/device/bench_env.sh
+P=$1/bin
+e2e_env $P
+if [ "${2:-tests}" = tests ]; then
+  gtest_run model 300 $P/cuda_model_test '*'
+  grep -E "v3mtp" /tmp/model.log
+  gtest_run e2e 420 $P/server_e2e_test 'ServeFlags.Mtp*:ServeFlags.Ngram*:ServerE2E.*'
+  [ -z "${2:-}" ] || exit 0
+fi
+M=/tmp/v2lite-mtp
+mkdir -p $M
+python3 -c "import json; c = json.load(open('tools/bench/deepseek-v2-lite/config.json')); \
+c['num_nextn_predict_layers'] = 1; c['vocab_size'] = 129280; json.dump(c, open('$M/config.json', 'w'))"
+for spec in "" "--speculative-algorithm EAGLE"; do
+  PORT=31$((RANDOM % 400 + 100))
+  $P/mlaserve serve --model-path $M --load-format dummy --skip-tokenizer-init --port $PORT --disable-radix-cache \
+    $spec > /tmp/s.log 2>&1 &
+  SPID=$!
+  serve_up $PORT $SPID /tmp/s.log || continue
+  timeout 150 $P/mlaserve bench-serving --backend sglang --host 127.0.0.1 --port $PORT --dataset-name random-ids \
+    --tokenizer .devcarry/tok --random-input 128 --random-output 512 --random-range-ratio 1 --num-prompts 4 --max-concurrency 1 \
+    --warmup-requests 1 > /tmp/b.log 2>&1
+  echo "== [${spec:-no drafts}] rc=$? $(grep -iE 'median tpot|output token throughput' /tmp/b.log | tr -s ' ' | tr '\n' '|')"
+  python3 -c "import json, urllib.request; s = json.load(urllib.request.urlopen('http://127.0.0.1:$PORT/get_server_info'))\
+['internal_states'][0]; print('   spec', {k: v for k, v in s.items() if 'spec' in k})"
+  kill $SPID; wait $SPID 2>/dev/null
+done
