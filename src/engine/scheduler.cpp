@@ -428,7 +428,8 @@ StepPlan Scheduler::schedule(bool allow_retract) {
         std::min<int64_t>(r->sampling.max_new_tokens - static_cast<int64_t>(r->output.size()) - r->in_flight,
                           cfg_.context_len - static_cast<int64_t>(r->fill.size())) - 1;
     if (cfg_.spec_model_drafts) {
-      if (r->in_flight == 0 && r->model_draft >= 0 && room >= 1) drafts.emplace(r, std::vector<int32_t>{r->model_draft});
+      if (r->in_flight == 0 && r->model_draft >= 0 && room >= 1)
+        drafts.emplace(r, std::vector<int32_t>{r->model_draft});
       continue;
     }
     if (r->draft_skip > 0) {  // its last drafts were not kept
@@ -608,7 +609,8 @@ void Scheduler::build_batch(StepPlan& plan) {
 void Scheduler::set_next_ids(StepPlan& plan) const {
   ForwardBatch& b = plan.batch;
   std::vector<int32_t> row_of(static_cast<size_t>(b.num_tokens()), -1);  // token -> its logit row
-  for (size_t k = 0; k < b.logit_rows.size(); ++k) row_of[static_cast<size_t>(b.logit_rows[k])] = static_cast<int32_t>(k);
+  for (size_t k = 0; k < b.logit_rows.size(); ++k)
+    row_of[static_cast<size_t>(b.logit_rows[k])] = static_cast<int32_t>(k);
   b.next_ids.assign(static_cast<size_t>(b.num_tokens()), 0);
   size_t t = 0;
   for (const ScheduledSeq& s : plan.seqs) {

@@ -407,8 +407,8 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
   };
 
   MLA_CHECK(c.mtp_layers >= 0 && c.mtp_layers <= std::min<int64_t>(c.num_nextn_predict_layers, 1),
-            "the model has {} MTP layers (num_nextn_predict_layers in config.json); {} asked for", c.num_nextn_predict_layers,
-            c.mtp_layers);
+            "the model has {} MTP layers (num_nextn_predict_layers in config.json); {} asked for",
+            c.num_nextn_predict_layers, c.mtp_layers);
   if (c.mtp_layers > 0) {
     // The MTP layer (model.layers.{num_hidden_layers}): its norms and eh_proj, replicated on every rank; it shares
     // the model's embedding and lm_head (its own copies, embed_tokens and shared_head.head, are not loaded).
@@ -769,7 +769,8 @@ Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, Ml
   Tensor hidden = embed_tokens(T);
   DpRows d = dp_rows(T, dp);
   backend_.zero(residual);  // the first sum is the embedding itself
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) decoder_layer(l, hidden, residual, residual_next, normed, cache, form, d);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    decoder_layer(l, hidden, residual, residual_next, normed, cache, form, d);
   backend_.add_rmsnorm(hidden, residual, final_norm_, eps, normed);
   last_hidden_ = normed;  // the MTP layer's input (forward_draft), valid until the next step
   return logits_of(batch, normed);

@@ -1,4 +1,5 @@
-// The paged latent KV cache: per layer (ModelConfig::num_cache_layers) one device tensor [num_pages * page_size, kv_lora_rank + qk_rope_head_dim]
+// The paged latent KV cache: per layer (ModelConfig::num_cache_layers) one device tensor
+// [num_pages * page_size, kv_lora_rank + qk_rope_head_dim]
 // holding, for every token slot, the normalised c_kv followed by the rotated shared k_pe. Which slots belong to
 // which sequence is the page table's business (engine/page_pool.h hands out pages).
 // Its element type is the backend's activation type, or FP8 (--kv-cache-dtype fp8_e4m3 / fp8_e5m2: half of bf16's

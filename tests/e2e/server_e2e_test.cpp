@@ -1179,7 +1179,8 @@ TEST(ServeFlags, MtpSpeculativeDecodingKeepsTheAnswers) {
        {std::vector<std::string>{"--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1",
                                  "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"},
         std::vector<std::string>{"--speculative-algorithm", "NEXTN"},
-        std::vector<std::string>{"--speculative-config", R"({"method": "deepseek_mtp", "num_speculative_tokens": 1})"}}) {
+        std::vector<std::string>{"--speculative-config",
+                                 R"({"method": "deepseek_mtp", "num_speculative_tokens": 1})"}}) {
     ServerProcess spec(flags);
     ASSERT_TRUE(spec.running()) << spec.log();
     const json info = get_json(spec.port(), "/get_server_info");

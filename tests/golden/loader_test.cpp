@@ -52,7 +52,9 @@ const std::vector<int32_t> kPrompt{5, 17, 300, 2, 99, 41, 7};
 
 TEST(Loader, MissingTensorIsNamed) {
   auto dir = test::temp_dir("ld");
-  test::rewrite_checkpoint("v2lite", dir, [](std::map<std::string, Tensor>& ts) { ts.erase("model.layers.1.mlp.experts.3.up_proj.weight"); });
+  test::rewrite_checkpoint("v2lite", dir, [](std::map<std::string, Tensor>& ts) {
+    ts.erase("model.layers.1.mlp.experts.3.up_proj.weight");
+  });
   auto e = load_error(dir);
   EXPECT_NE(e.find("missing tensor 'model.layers.1.mlp.experts.3.up_proj.weight'"), std::string::npos) << e;
 }

@@ -85,7 +85,8 @@ TEST(Mtp, DraftLogitsMatchHuggingFaceParts) {
       for (size_t k = 0; k + 1 < cuts.size(); ++k) {
         const int32_t a = cuts[k], b = cuts[k + 1];
         ForwardBatchBuilder bb(P);
-        bb.add(std::span<const int32_t>(prompt).subspan(a, b - a), a, page_run(0, b, P), ForwardBatchBuilder::Logits::All);
+        bb.add(std::span<const int32_t>(prompt).subspan(a, b - a), a, page_run(0, b, P),
+               ForwardBatchBuilder::Logits::All);
         const ForwardBatch fb = bb.finish();
         const Tensor logits = be->to_host_f32(m.forward(fb, cache));
         EXPECT_LT(test::rel_err(logits, ref.logits[j].rows(a, b)), kRelTol) << "the model, chunk " << k;
@@ -170,11 +171,13 @@ TEST_P(MtpEngine, DraftsKeepTheOutputs) {
   const Reference ref = read_reference();
   auto e = make(family_dir(), true);
   std::vector<std::future<std::vector<int32_t>>> fs;
-  for (size_t j = 0; j < ref.prompts.size(); ++j) fs.push_back(test::submit_ids(*e, "g" + std::to_string(j), ref.prompts[j], 24));
+  for (size_t j = 0; j < ref.prompts.size(); ++j)
+    fs.push_back(test::submit_ids(*e, "g" + std::to_string(j), ref.prompts[j], 24));
   for (size_t j = 0; j < ref.prompts.size(); ++j) {
     const std::vector<int32_t> got = test::wait_ids(fs[j]);
     ASSERT_EQ(got.size(), 24u);
-    for (size_t i = 0; i < ref.greedy[j].size(); ++i) EXPECT_EQ(got[i], ref.greedy[j][i]) << "prompt " << j << " step " << i;
+    for (size_t i = 0; i < ref.greedy[j].size(); ++i)
+      EXPECT_EQ(got[i], ref.greedy[j][i]) << "prompt " << j << " step " << i;
   }
   const int64_t checks = total(*e, &RankStats::spec_checks);
   EXPECT_GT(checks, 40) << "decode steps check the MTP layer's draft";

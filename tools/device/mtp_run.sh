@@ -26,10 +26,13 @@ for spec in "" "--speculative-algorithm EAGLE"; do
   SPID=$!
   serve_up $PORT $SPID /tmp/s.log || continue
   timeout 150 $P/mlaserve bench-serving --backend sglang --host 127.0.0.1 --port $PORT --dataset-name random-ids \
-    --tokenizer .devcarry/tok --random-input 128 --random-output 512 --random-range-ratio 1 --num-prompts 4 --max-concurrency 1 \
-    --warmup-requests 1 > /tmp/b.log 2>&1
-  echo "== [${spec:-no drafts}] rc=$? $(grep -iE 'median tpot|output token throughput' /tmp/b.log | tr -s ' ' | tr '\n' '|')"
-  python3 -c "import json, urllib.request; s = json.load(urllib.request.urlopen('http://127.0.0.1:$PORT/get_server_info'))\
-['internal_states'][0]; print('   spec', {k: v for k, v in s.items() if 'spec' in k})"
+    --tokenizer .devcarry/tok --random-input 128 --random-output 512 --random-range-ratio 1 --num-prompts 4 \
+    --max-concurrency 1 --warmup-requests 1 > /tmp/b.log 2>&1
+  rc=$?
+  got=$(grep -iE 'median tpot|output token throughput' /tmp/b.log | tr -s ' ' | tr '\n' '|')
+  echo "== [${spec:-no drafts}] rc=$rc $got"
+  python3 -c "import json, urllib.request; \
+s = json.load(urllib.request.urlopen('http://127.0.0.1:$PORT/get_server_info'))['internal_states'][0]; \
+print('   spec', {k: v for k, v in s.items() if 'spec' in k})"
   kill $SPID; wait $SPID 2>/dev/null
 done
