@@ -67,6 +67,7 @@ struct ServeArgs {
   int64_t context_length = 0;
   bool skip_tokenizer_init = false;
   int32_t stream_interval = 1;
+  bool stream_output = false;
   std::string reasoning_parser;
   std::string tool_call_parser;
   std::string chat_template;
@@ -283,6 +284,8 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["max_running_requests"] = a.max_running_requests;
   j["max_total_tokens"] = a.max_total_tokens;
   j["chunked_prefill_size"] = a.chunked_prefill_size;
+  j["stream_interval"] = a.stream_interval;
+  j["stream_output"] = a.stream_output;
   j["load_balance_method"] = a.load_balance_method;
   j["enable_priority_scheduling"] = a.enable_priority_scheduling;
   j["schedule_low_priority_values_first"] = a.low_priority_values_first;
@@ -458,6 +461,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--context-length,--max-model-len", a->context_length, "context length (0: the model's)");
   app.add_flag("--skip-tokenizer-init", a->skip_tokenizer_init, "no tokenizer: token ids in and out only");
   app.add_option("--stream-interval", a->stream_interval, "tokens per streamed chunk (>= 1)")->capture_default_str();
+  app.add_flag("--stream-output", a->stream_output,
+               "streamed /generate chunks carry only what is new (text, output_ids, logprobs), as SGLang's");
   app.add_option("--reasoning-parser", a->reasoning_parser,
                  "split chat output into reasoning_content and content (deepseek-r1, or vLLM's deepseek_r1)");
   app.add_option("--tool-call-parser", a->tool_call_parser,
@@ -639,6 +644,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.parse.max_n = s.max_n;
     so.parse.tool_calls_v31 = server::tool_calls_v31(s.tool_call_parser);
     so.stream_interval = s.stream_interval;
+    so.stream_output = s.stream_output;
     so.reasoning_parser = s.reasoning_parser;
     so.tool_call_parser = s.tool_call_parser;
     so.priority_scheduling = ea.priority_scheduling;

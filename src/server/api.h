@@ -86,6 +86,9 @@ struct ServerOptions {
   double request_timeout_s = 0.0;     // 0: none; else a generation running longer is aborted
   double idle_timeout_s = 300.0;      // keep-alive connection without a request
   int32_t stream_interval = 1;        // tokens per streamed chunk (the last chunk of a choice may have fewer)
+  // SGLang's --stream-output: a streamed /generate chunk carries only what is new since the choice's previous chunk
+  // (text, output_ids, output logprobs; the prompt's logprobs in the first), not everything so far.
+  bool stream_output = false;
   std::string reasoning_parser;       // --reasoning-parser (known_reasoning_parser): chat gives reasoning_content
   std::string tool_call_parser;       // --tool-call-parser (known_tool_call_parser): chat takes tools
   // Requests' `priority` (else a non-zero one is a 400): lower values first (vLLM's --scheduling-policy priority),

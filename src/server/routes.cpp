@@ -138,6 +138,7 @@ struct ResponseContext {
   bool list_response;  // native: answer with a list (batch input or n > 1)
   const TextCodec* codec;
   bool token_ids_logprob = false;  // native: SGLang's token_ids_logprob lists
+  bool incremental = false;        // native, streamed under ServerOptions::stream_output: chunks carry what is new
 };
 
 std::string token_str(const ResponseContext& rc, int32_t id) { return rc.codec ? rc.codec->token_text(id) : ""; }
@@ -156,10 +157,16 @@ ojson native_logprob_entry(const ResponseContext& rc, float lp, int32_t id) {
   return e;
 }
 
-ojson native_object(const ResponseContext& rc, const GenerationJob& job, const Choice& c) {
+// The choice so far, or with rc.incremental and a streamed update `u` what `u` brought.
+ojson native_object(const ResponseContext& rc, const GenerationJob& job, const Choice& c,
+                    const ChoiceUpdate* u = nullptr) {
+  const bool part = rc.incremental && u;
   ojson o;
-  o["text"] = c.text;
-  o["output_ids"] = c.output_ids;
+  o["text"] = part ? c.text.substr(std::min(u->text_begin, c.text.size())) : c.text;
+  o["output_ids"] = part ? std::vector<int32_t>(c.output_ids.begin() + static_cast<int64_t>(std::min(
+                                                    u->ids_begin, c.output_ids.size())),
+                                                c.output_ids.end())
+                         : c.output_ids;
   ojson meta;
   meta["id"] = c.rid;
   meta["finish_reason"] = native_finish_reason(c.finish, c.completion_tokens);
@@ -169,12 +176,13 @@ ojson native_object(const ResponseContext& rc, const GenerationJob& job, const C
   if (rc.logprobs) {
     // [logprob, id, text] per token; the top-N alternatives of each position and the logprobs of the ids asked for
     // (null where the logprob is).
-    auto lists = [&](const std::vector<TokenLogprob>& lps, const char* tokens_key, const char* top_key,
+    auto lists = [&](const std::vector<TokenLogprob>& lps, size_t begin, const char* tokens_key, const char* top_key,
                      const char* ids_key) {
       ojson out = ojson::array();
       ojson top = ojson::array();
       ojson ids = ojson::array();
-      for (const auto& lp : lps) {
+      for (size_t i = std::min(begin, lps.size()); i < lps.size(); ++i) {
+        const TokenLogprob& lp = lps[i];
         out.push_back(native_logprob_entry(rc, lp.logprob, lp.token));
         ojson alts = std::isnan(lp.logprob) ? ojson(nullptr) : ojson::array();
         for (const auto& [tok, l] : lp.top) alts.push_back(native_logprob_entry(rc, l, tok));
@@ -187,9 +195,11 @@ ojson native_object(const ResponseContext& rc, const GenerationJob& job, const C
       if (rc.top_logprobs > 0) meta[top_key] = std::move(top);
       if (rc.token_ids_logprob) meta[ids_key] = std::move(ids);
     };
-    if (rc.prompt_logprobs)
-      lists(c.prompt_logprobs, "input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs");
-    lists(c.logprobs, "output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs");
+    // Incremental chunks: the prompt's logprobs go with the first (they come with the first token).
+    if (rc.prompt_logprobs && (!part || u->ids_begin == 0))
+      lists(c.prompt_logprobs, 0, "input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs");
+    lists(c.logprobs, part ? u->logprobs_begin : 0, "output_token_logprobs", "output_top_logprobs",
+          "output_token_ids_logprobs");
   }
   if (c.finished) {
     meta["e2e_latency"] = std::chrono::duration<double>(c.finish_time - job.start_time()).count();
@@ -815,6 +825,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                          pr.batch || pr.n > 1,
                          codec_};
   p.rc.token_ids_logprob = !pr.token_ids_logprob.empty();
+  p.rc.incremental = pr.api == ApiKind::Native && pr.stream && opts_.stream_output;
   return p;
 }
 
@@ -1238,7 +1249,7 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
       if (!ex2 || !job2) return;
       const Choice& c = job2->choices()[u.choice];
       if (rc.api == ApiKind::Native) {
-        ex2->send_event(dump(native_object(rc, *job2, c)));
+        ex2->send_event(dump(native_object(rc, *job2, c, &u)));
         return;
       }
       if (state->echo_pending[u.choice]) {  // the prompt and its logprobs, before the first tokens

@@ -1160,6 +1160,50 @@ TEST(ServeFlags, NgramSpeculativeDecodingKeepsTheAnswers) {
                        "specul");
 }
 
+// SGLang's --stream-output: a streamed /generate's chunks carry only what is new (text, output_ids, output logprobs;
+// the prompt's logprobs in the first); joined they are the whole answer. Without the flag they are cumulative (the
+// byte-for-byte test above); OpenAI streams are deltas either way.
+TEST(ServeFlags, StreamOutputSendsDisjointSegments) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  ServerProcess s({"--stream-output", "--stream-interval", "3"});
+  ASSERT_TRUE(s.running()) << s.log();
+  EXPECT_EQ(get_json(s.port(), "/get_server_info")["stream_output"], true);
+  const std::string body = R"({"text": "Once upon a time, in a land far away,", "sampling_params": {"max_new_tokens": 20,
+      "temperature": 0, "ignore_eos": true}, "return_logprob": true, "logprob_start_len": 0})";
+  const json whole = post_json(s.port(), "/generate", body);
+  const auto r = http_request(s.port(), "POST", "/generate", std::string(body).insert(1, R"("stream": true, )"));
+  ASSERT_EQ(r.status, 200);
+  std::string text;
+  std::vector<int32_t> ids;
+  size_t chunks = 0, pos = 0, lps = 0, input_lps = 0;
+  for (size_t at; (at = r.body.find("data: ", pos)) != std::string::npos;) {
+    const size_t end = r.body.find("\n\n", at);
+    ASSERT_NE(end, std::string::npos);
+    pos = end + 2;
+    const std::string data = r.body.substr(at + 6, end - at - 6);
+    if (data == "[DONE]") break;
+    const json c = json::parse(data);
+    ++chunks;
+    text += c["text"].get<std::string>();
+    const std::vector<int32_t> part = c["output_ids"];
+    EXPECT_LE(part.size(), 3u);
+    EXPECT_EQ(c["meta_info"]["output_token_logprobs"].size(), part.size()) << "the chunk's tokens' logprobs";
+    lps += part.size();
+    ids.insert(ids.end(), part.begin(), part.end());
+    if (c["meta_info"].contains("input_token_logprobs")) {
+      EXPECT_EQ(chunks, 1u) << "the prompt's logprobs go with the first chunk";
+      input_lps = c["meta_info"]["input_token_logprobs"].size();
+    }
+    EXPECT_EQ(c["meta_info"]["completion_tokens"], ids.size());
+  }
+  EXPECT_GE(chunks, 7u);
+  EXPECT_EQ(text, whole["text"]);
+  EXPECT_EQ(ids, whole["output_ids"].get<std::vector<int32_t>>());
+  EXPECT_EQ(lps, 20u);
+  EXPECT_EQ(input_lps, whole["meta_info"]["input_token_logprobs"].size());
+  EXPECT_EQ(s.stop(), 0);
+}
+
 // Drafts from the checkpoint's MTP layer through the real binary (the tiny model's config has one, as DeepSeek-V3's):
 // SGLang's DeepSeek recipe (EAGLE, 1 step, top-k 1, 2 draft tokens), NEXTN and vLLM's deepseek_mtp give the answers
 // of a server without drafts (greedy tokens and logprobs; seeded sampling too), every decode step checks a draft;
