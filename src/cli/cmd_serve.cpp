@@ -81,6 +81,7 @@ struct ServeArgs {
   int32_t spec_draft_tokens = 0;  // resolved at validation
   int32_t speculative_num_steps = 0, speculative_eagle_topk = 0;  // SGLang's EAGLE sizes (0: not given)
   bool spec_mtp = false;  // resolved: drafts from the checkpoint's MTP layer
+  std::string speculative_draft_model_path;  // SGLang's (vLLM's speculative-config "model"): the model's own, if given
   // mlaserve's own.
   size_t max_body_bytes = 256u << 20;
   int num_http_threads = 0;  // 0: from the machine's cores (auto_http_threads)
@@ -189,14 +190,18 @@ void resolve_speculative(ServeArgs& s) {
         s.ngram_max = int_of();
       } else if (key == "disable_by_batch_size") {
         s.spec_max_batch = int_of();
+      } else if (key == "model") {
+        MLA_CHECK(v.is_string() || v.is_null(), "--speculative-config: 'model' must be a string");
+        if (v.is_string()) s.speculative_draft_model_path = v.get<std::string>();
       } else {
-        MLA_CHECK(false, "--speculative-config: '{}' is not supported (method, num_speculative_tokens, "
+        MLA_CHECK(false, "--speculative-config: '{}' is not supported (method, model, num_speculative_tokens, "
                   "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size)", key);
       }
     }
     MLA_CHECK(!algo.empty(), "--speculative-config: 'method' is required");
   }
   if (algo.empty()) {
+    MLA_CHECK(s.speculative_draft_model_path.empty(), "--speculative-draft-model-path needs --speculative-algorithm EAGLE");
     MLA_CHECK(s.speculative_num_steps == 0 && s.speculative_eagle_topk == 0,
               "--speculative-num-steps and --speculative-eagle-topk need --speculative-algorithm EAGLE");
     MLA_CHECK(k == 0 && s.spec_max_batch == 0,
@@ -218,10 +223,20 @@ void resolve_speculative(ServeArgs& s) {
               vllm ? "num_speculative_tokens" : "--speculative-num-draft-tokens", vllm ? 1 : 2, k);
     MLA_CHECK(s.spec_max_batch >= 0, "speculative decoding: the batch size that disables it must be >= 0, got {}",
               s.spec_max_batch);
+    if (!s.speculative_draft_model_path.empty()) {  // the checkpoint's own MTP layer: the model itself
+      std::error_code ec1, ec2;
+      const auto draft = std::filesystem::weakly_canonical(s.speculative_draft_model_path, ec1);
+      const auto model = std::filesystem::weakly_canonical(s.model_path, ec2);
+      MLA_CHECK(!ec1 && !ec2 && draft == model,
+                "speculative decoding {}: the draft model '{}' is not the model '{}': MTP drafts come from the model's "
+                "own MTP layer, a separate draft checkpoint is not supported",
+                given, s.speculative_draft_model_path, s.model_path);
+    }
     s.spec_mtp = true;
     s.spec_draft_tokens = 1;
     return;
   }
+  MLA_CHECK(s.speculative_draft_model_path.empty(), "speculative decoding {} takes no draft model", given);
   MLA_CHECK(s.speculative_num_steps == 0 && s.speculative_eagle_topk == 0,
             "--speculative-num-steps and --speculative-eagle-topk are EAGLE's (MTP drafts), not {}'s", given);
   MLA_CHECK(algo == "NGRAM",
@@ -429,6 +444,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                  "(drafts from the checkpoint's MTP layer)");
   app.add_option("--speculative-num-steps", a->speculative_num_steps, "EAGLE: MTP draft steps per step (1)");
   app.add_option("--speculative-eagle-topk", a->speculative_eagle_topk, "EAGLE: drafts per step (1: no tree)");
+  app.add_option("--speculative-draft-model-path", a->speculative_draft_model_path,
+                 "EAGLE: the draft model, the model itself (its MTP layer)");
   app.add_option("--speculative-num-draft-tokens", a->speculative_num_draft_tokens,
                  "draft tokens checked per step (default 4)");
   app.add_option("--speculative-ngram-min-match-window-size", a->ngram_min,

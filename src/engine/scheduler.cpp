@@ -407,6 +407,11 @@ StepPlan Scheduler::schedule(bool allow_retract) {
 
   // 1. Decode: one token for every decoding request; retract the newest ones if pages run out.
   std::vector<Req*> decoding;
+  // MTP drafts: a request that may draft waits for its step in flight (its draft comes from that step), unless this
+  // step would check no drafts anyway (more decoding requests than spec_max_batch).
+  const int64_t decoding_now = std::count_if(running_.begin(), running_.end(),
+                                             [](const auto& r) { return r->state == ReqState::Decoding; });
+  const bool mtp_waits = cfg_.spec_model_drafts && (cfg_.spec_max_batch <= 0 || decoding_now <= cfg_.spec_max_batch);
   for (auto& r : running_) {
     if (r->state != ReqState::Decoding) continue;
     // A request whose in-flight token will reach its length limit finishes when that token resolves.
@@ -415,8 +420,7 @@ StepPlan Scheduler::schedule(bool allow_retract) {
       continue;
     // A step checking its drafts is in flight: how many tokens it keeps is known only when it resolves.
     if (r->drafting) continue;
-    // MTP drafts: its draft comes from the step in flight.
-    if (cfg_.spec_model_drafts && r->in_flight > 0 && may_draft(*r)) continue;
+    if (mtp_waits && r->in_flight > 0 && may_draft(*r)) continue;
     decoding.push_back(r.get());
   }
   // Speculative decoding: each request's drafts, at most as many as its length limits leave room for.

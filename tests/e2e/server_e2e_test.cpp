@@ -1225,7 +1225,8 @@ TEST(ServeFlags, MtpSpeculativeDecodingKeepsTheAnswers) {
   for (const std::vector<std::string>& flags :
        {std::vector<std::string>{"--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1",
                                  "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"},
-        std::vector<std::string>{"--speculative-algorithm", "NEXTN"},
+        std::vector<std::string>{"--speculative-algorithm", "NEXTN", "--speculative-draft-model-path",
+                                 e2e_model_dir() + "/"},
         std::vector<std::string>{"--speculative-config",
                                  R"({"method": "deepseek_mtp", "num_speculative_tokens": 1})"}}) {
     ServerProcess spec(flags);
@@ -1247,7 +1248,10 @@ TEST(ServeFlags, MtpSpeculativeDecodingKeepsTheAnswers) {
                         "--speculative-algorithm EAGLE --speculative-eagle-topk 4",
                         "--speculative-algorithm EAGLE --speculative-num-draft-tokens 4",
                         "--speculative-config '{\"method\": \"deepseek_mtp\", \"num_speculative_tokens\": 2}'",
-                        "--speculative-algorithm NGRAM --speculative-num-steps 1"},
+                        "--speculative-algorithm NGRAM --speculative-num-steps 1",
+                        "--speculative-algorithm EAGLE --speculative-draft-model-path /tmp",
+                        "--speculative-algorithm NGRAM --speculative-draft-model-path /tmp",
+                        "--speculative-draft-model-path /tmp"},
                        "specul");
 }
 

@@ -150,7 +150,8 @@ TEST(Mtp, BadUseGivesClearErrors) {
 // Engines over the MTP checkpoint, with and without its drafts, overlap scheduling on and off.
 class MtpEngine : public ::testing::TestWithParam<bool> {
  protected:
-  std::unique_ptr<Engine> make(const std::string& dir, bool mtp, int32_t tp = 1, int32_t dp = 1) {
+  std::unique_ptr<Engine> make(const std::string& dir, bool mtp, int32_t tp = 1, int32_t dp = 1,
+                               int32_t spec_max_batch = 0) {
     ParallelConfig pc;
     pc.tp_size = tp;
     pc.dp_size = dp;
@@ -158,6 +159,7 @@ class MtpEngine : public ::testing::TestWithParam<bool> {
     ModelConfig c = mtp ? mtp_config(dir) : ModelConfig::from_file(dir);
     EngineOptions o = test::small_engine_options(GetParam(), 400);
     o.spec_draft_tokens = mtp ? 1 : 0;
+    o.spec_max_batch = spec_max_batch;
     return std::make_unique<Engine>(std::make_unique<RankSet>(c, pc, dir, LoadOptions{}), o);
   }
   static int64_t total(EngineClient& e, int64_t RankStats::*field) {
@@ -242,6 +244,28 @@ TEST_P(MtpEngine, AnExactDraftLayerIsKept) {
       << "two tokens a step";
   test::expect_engine_idle_and_clean(*e);
   fs::remove_all(dir);
+}
+
+// Under overlap scheduling a request that drafts waits for its step in flight (its draft comes from it), so steps are
+// not overlapped; with --speculative-disable-by-batch-size below the batch no step checks drafts, and none waits.
+TEST_P(MtpEngine, StepsThatCheckNoDraftsOverlap) {
+  if (!GetParam()) GTEST_SKIP() << "overlap scheduling only";
+  const Reference ref = read_reference();
+  int64_t overlapped[2] = {0, 0}, checks[2] = {0, 0};
+  for (int32_t limit : {0, 1}) {
+    auto e = make(family_dir(), true, 1, 1, limit);
+    auto a = test::submit_ids(*e, "a", ref.prompts[2], 24);
+    auto b = test::submit_ids(*e, "b", ref.prompts[3], 24);
+    const std::vector<int32_t> ra = test::wait_ids(a), rb = test::wait_ids(b);
+    for (size_t i = 0; i < ref.greedy[2].size(); ++i) EXPECT_EQ(ra[i], ref.greedy[2][i]) << "limit " << limit;
+    for (size_t i = 0; i < ref.greedy[3].size(); ++i) EXPECT_EQ(rb[i], ref.greedy[3][i]) << "limit " << limit;
+    overlapped[limit] = total(*e, &RankStats::overlapped_steps);
+    checks[limit] = total(*e, &RankStats::spec_checks);
+  }
+  EXPECT_GE(checks[0], 40) << "both requests check a draft every decode step";
+  EXPECT_LE(overlapped[0], 2) << "drafting requests wait for their steps";
+  EXPECT_LE(checks[1], 4) << "two decoding requests, a limit of one: no drafts";
+  EXPECT_GE(overlapped[1], 15) << "and no waiting";
 }
 
 INSTANTIATE_TEST_SUITE_P(Overlap, MtpEngine, ::testing::Bool(),
