@@ -156,16 +156,18 @@ inline std::string free_loopback_addr() {
 }
 
 // CPU ranks of a golden family in a layout (tp ranks, dp attention-DP groups); graph_max_bs > 0 records decode
-// graphs up to that many tokens (GraphRecorder).
+// graphs up to that many tokens (GraphRecorder); mtp: with the checkpoint's MTP layer (speculative decoding's drafts).
 inline std::unique_ptr<RankSet> cpu_ranks(const std::string& family, int32_t tp = 1, int32_t dp = 1,
-                                          int32_t graph_max_bs = 0) {
+                                          int32_t graph_max_bs = 0, bool mtp = false) {
   ParallelConfig pc;
   pc.tp_size = tp;
   pc.dp_size = dp;
   pc.device = "cpu";
   pc.backend.cpu_graphs = graph_max_bs > 0;
   pc.cuda_graph_max_bs = graph_max_bs;
-  return std::make_unique<RankSet>(ModelConfig::from_file(golden_dir(family)), pc, golden_dir(family), LoadOptions{});
+  ModelConfig c = ModelConfig::from_file(golden_dir(family));
+  if (mtp) c.mtp_layers = 1;
+  return std::make_unique<RankSet>(c, pc, golden_dir(family), LoadOptions{});
 }
 
 // Engine options of the engine tests: pages of 8 tokens, integrity checks after every step.
