@@ -368,7 +368,15 @@ void ResponsesExchange::emit(const char* type, ojson event) {
 
 void ResponsesExchange::start_stream() {
   inner_->start_stream();
-  emit("response.created", ojson{{"response", base("in_progress")}});
+  // A background response is created queued (as OpenAI's: response.created and response.queued with status "queued"),
+  // then in progress.
+  const auto bg = request_.find("background");
+  if (bg != request_.end() && bg->is_boolean() && bg->get<bool>()) {
+    emit("response.created", ojson{{"response", base("queued")}});
+    emit("response.queued", ojson{{"response", base("queued")}});
+  } else {
+    emit("response.created", ojson{{"response", base("in_progress")}});
+  }
   emit("response.in_progress", ojson{{"response", base("in_progress")}});
 }
 
