@@ -67,6 +67,7 @@ struct ServeArgs {
   int64_t context_length = 0;
   bool skip_tokenizer_init = false;
   int32_t stream_interval = 1;
+  int32_t pipeline_parallel_size = 1;  // vLLM's / SGLang's: only 1 (no pipeline stages)
   bool stream_output = false;
   std::string reasoning_parser;
   std::string tool_call_parser;
@@ -477,6 +478,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--page-size,--block-size", a->page_size, "tokens per KV-cache page")->capture_default_str();
   app.add_option("--context-length,--max-model-len", a->context_length, "context length (0: the model's)");
   app.add_flag("--skip-tokenizer-init", a->skip_tokenizer_init, "no tokenizer: token ids in and out only");
+  app.add_option("--pipeline-parallel-size,--pp-size", a->pipeline_parallel_size, "pipeline stages (1)")
+      ->capture_default_str();
   app.add_option("--stream-interval", a->stream_interval, "tokens per streamed chunk (>= 1)")->capture_default_str();
   app.add_flag("--stream-output", a->stream_output,
                "streamed /generate chunks carry only what is new (text, output_ids, logprobs), as SGLang's");
@@ -506,14 +509,23 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
         "--enable-auto-tool-choice", "--enable-prefix-caching", "--enable-dp-lm-head", "--enable-two-batch-overlap",
         "--disable-shared-experts-fusion", "--enable-flashinfer-mla", "--disable-cuda-graph-padding",
         "--show-time-cost", "--enable-nan-detection", "--enable-nccl-nvls", "--enable-hierarchical-cache",
-        "--enable-ep-moe", "--enable-deepep-moe"})
+        "--enable-ep-moe", "--enable-deepep-moe", "--enable-expert-parallel", "--enable-eplb", "--enable-chunked-prefill",
+        "--no-enable-chunked-prefill", "--async-scheduling", "--enable-memory-saver", "--sleep-on-idle", "--enable-symm-mem", "--disable-fastapi-docs",
+        "--weight-loader-disable-mmap", "--disable-async-output-proc", "--multi-step-stream-outputs",
+        "--enable-log-requests", "--triton-attention-reduce-in-fp32", "--disable-outlines-disk-cache",
+        "--enable-prompt-tokens-details"})
     app.add_flag_callback(flag, [a, flag] { a->ignored.push_back(flag); }, "accepted for compatibility; no effect");
   for (const char* opt :
        {"--torch-compile-max-bs", "--attention-backend", "--grammar-backend", "--sampling-backend", "--schedule-policy",
         "--watchdog-timeout", "--max-prefill-tokens", "--decode-log-interval", "--tokenizer-mode", "--cuda-graph-bs",
         "--moe-dense-tp-size", "--schedule-conservativeness", "--num-continuous-decode-steps",
         "--triton-attention-num-kv-splits", "--download-dir", "--revision", "--mm-attention-backend",
-        "--file-storage-path", "--ep-size", "--moe-a2a-backend", "--deepep-mode", "--nccl-port"}) {
+        "--file-storage-path", "--ep-size", "--moe-a2a-backend", "--deepep-mode", "--nccl-port", "--swap-space",
+        "--uvicorn-log-level", "--distributed-executor-backend", "--compilation-config", "--max-seq-len-to-capture",
+        "--ep-num-redundant-experts", "--init-expert-location", "--crash-dump-folder", "--num-scheduler-steps",
+        "--scheduler-delay-factor", "--preemption-mode", "--num-reserved-decode-tokens", "--hicache-ratio",
+        "--hicache-size", "--hicache-write-policy", "--otlp-traces-endpoint", "--collect-detailed-traces",
+        "--tokenizer-revision", "--code-revision", "--max-num-partial-prefills", "--long-prefill-token-threshold"}) {
     const bool list = std::string_view(opt) == "--cuda-graph-bs";
     app.add_option_function<std::vector<std::string>>(
            opt,
@@ -546,6 +558,11 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                                 "without the flag)",
                                 s.quantization));
     not_implemented(s.dtype != "auto" && s.dtype != "bfloat16" && s.dtype != "bf16", fmt::format("--dtype {}", s.dtype));
+    MLA_CHECK(s.pipeline_parallel_size >= 1, "--pipeline-parallel-size must be >= 1, got {}", s.pipeline_parallel_size);
+    not_implemented(s.pipeline_parallel_size > 1,
+                    fmt::format("--pipeline-parallel-size {} (layers in pipeline stages; --tp, --dp and "
+                                "--enable-dp-attention spread a model over GPUs)",
+                                s.pipeline_parallel_size));
     not_implemented(!s.completion_template.empty() && s.completion_template != "deepseek_coder",
                     fmt::format("--completion-template {} (deepseek_coder's fill in the middle is built in)",
                                 s.completion_template));

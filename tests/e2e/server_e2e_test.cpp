@@ -1074,7 +1074,10 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
                    "--enable-auto-tool-choice", "--enable-torch-compile", "--attention-backend", "fa3",
                    "--cuda-graph-bs", "1", "2", "4", "--disable-log-requests", "--enable-dp-lm-head",
                    "--moe-dense-tp-size", "1", "--ep-size", "1", "--enable-two-batch-overlap", "--revision", "main",
-                   "--base-gpu-id", "0", "--gpu-id-step", "1"});
+                   "--base-gpu-id", "0", "--gpu-id-step", "1", "--enable-expert-parallel", "--enable-chunked-prefill",
+                   "--swap-space", "16", "--uvicorn-log-level", "warning", "--compilation-config", R"({"level": 3})",
+                   "--async-scheduling", "--enable-eplb", "--ep-num-redundant-experts", "32", "--pipeline-parallel-size",
+                   "1"});
   ASSERT_TRUE(s.running()) << s.log();
   const json info = get_json(s.port(), "/get_server_info");
   EXPECT_EQ(info["context_length"], 2048);
@@ -1088,7 +1091,9 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
   for (const char* logged : {"--enable-torch-compile: accepted for compatibility, no effect here",
                              "--attention-backend fa3: accepted", "--cuda-graph-bs 1 2 4: accepted",
                              "--enable-dp-lm-head: accepted", "--moe-dense-tp-size 1: accepted", "--ep-size 1: accepted",
-                             "--enable-two-batch-overlap: accepted", "--revision main: accepted"})
+                             "--enable-two-batch-overlap: accepted", "--revision main: accepted",
+                             "--enable-expert-parallel: accepted", "--swap-space 16: accepted",
+                             "--compilation-config {\"level\": 3}: accepted", "--ep-num-redundant-experts 32: accepted"})
     EXPECT_NE(s.log().find(logged), std::string::npos) << logged << "\n" << s.log();
   // deepseek_r1 is the reasoning parser: chat answers carry reasoning_content.
   const json chat = post_json(s.port(), "/v1/chat/completions",
@@ -1107,6 +1112,8 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("--model-path is required"), std::string::npos) << r.output;
   expect_serve_refuses({"--base-gpu-id -1"}, "--base-gpu-id must be >= 0");
+  expect_serve_refuses({"--pipeline-parallel-size 2"}, "--pipeline-parallel-size 2");
+  expect_serve_refuses({"--pipeline-parallel-size 0"}, "--pipeline-parallel-size must be >= 1");
   expect_serve_refuses({"--gpu-id-step 0"}, "--gpu-id-step must be >= 1");
   // On GPUs (SGLang's --base-gpu-id): a first GPU past the visible ones is refused, naming it.
   if (e2e_env("MLASERVE_E2E_DEVICE", "cpu") == "cuda")
