@@ -68,6 +68,10 @@ struct ServeArgs {
   bool skip_tokenizer_init = false;
   int32_t stream_interval = 1;
   int32_t pipeline_parallel_size = 1;  // vLLM's / SGLang's: only 1 (no pipeline stages)
+  // Requests' sampling defaults: vLLM's --generation-config (auto: the model's generation_config.json, vllm: none, or
+  // a folder holding one) and SGLang's --sampling-defaults (model | openai).
+  std::string generation_config = "auto", sampling_defaults = "model";
+  server::SamplingDefaults defaults;  // resolved
   bool stream_output = false;
   std::string reasoning_parser;
   std::string tool_call_parser;
@@ -105,6 +109,30 @@ std::vector<int32_t> generation_config_eos(const std::string& model_path) {
     for (const auto& v : e)
       if (v.is_number_integer()) ids.push_back(v.get<int32_t>());
   return ids;
+}
+
+// The sampling defaults of DIR/generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; what vLLM
+// takes from it), none when it has none; a field of the wrong type or range names the file.
+server::SamplingDefaults generation_config_sampling(const std::string& dir) {
+  server::SamplingDefaults d;
+  const auto p = std::filesystem::path(dir) / "generation_config.json";
+  if (!std::filesystem::exists(p)) return d;
+  std::ifstream in(p);
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  MLA_CHECK(j.is_object(), "{}: not a JSON object", p.string());
+  auto number = [&](const char* key, double lo, double hi) -> std::optional<double> {
+    const auto it = j.find(key);
+    if (it == j.end() || it->is_null()) return std::nullopt;
+    MLA_CHECK(it->is_number() && it->get<double>() >= lo && it->get<double>() <= hi,
+              "{}: '{}' must be a number in [{}, {}], got {}", p.string(), key, lo, hi, it->dump());
+    return it->get<double>();
+  };
+  if (auto v = number("temperature", 0.0, 100.0)) d.temperature = static_cast<float>(*v);
+  if (auto v = number("top_p", 0.0, 1.0)) d.top_p = static_cast<float>(*v);
+  if (auto v = number("min_p", 0.0, 1.0)) d.min_p = static_cast<float>(*v);
+  if (auto v = number("repetition_penalty", 1e-6, 2.0)) d.repetition_penalty = static_cast<float>(*v);
+  if (auto v = number("top_k", -1.0, 1e9)) d.top_k = *v <= 0 ? -1 : static_cast<int32_t>(*v);
+  return d;
 }
 
 void not_implemented(bool cond, const std::string& what) {
@@ -302,6 +330,16 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["chunked_prefill_size"] = a.chunked_prefill_size;
   j["stream_interval"] = a.stream_interval;
   j["stream_output"] = a.stream_output;
+  j["sampling_defaults"] = a.sampling_defaults;
+  j["generation_config"] = a.generation_config;
+  nlohmann::json defaults = nlohmann::json::object();  // what requests that leave them out get
+  auto shortest = [](float f) { return std::stod(fmt::format("{}", f)); };  // 0.9, not 0.8999999761581421
+  if (a.defaults.temperature) defaults["temperature"] = shortest(*a.defaults.temperature);
+  if (a.defaults.top_p) defaults["top_p"] = shortest(*a.defaults.top_p);
+  if (a.defaults.top_k) defaults["top_k"] = *a.defaults.top_k;
+  if (a.defaults.min_p) defaults["min_p"] = shortest(*a.defaults.min_p);
+  if (a.defaults.repetition_penalty) defaults["repetition_penalty"] = shortest(*a.defaults.repetition_penalty);
+  j["default_sampling_params"] = std::move(defaults);
   j["load_balance_method"] = a.load_balance_method;
   j["enable_priority_scheduling"] = a.enable_priority_scheduling;
   j["schedule_low_priority_values_first"] = a.low_priority_values_first;
@@ -478,6 +516,13 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--page-size,--block-size", a->page_size, "tokens per KV-cache page")->capture_default_str();
   app.add_option("--context-length,--max-model-len", a->context_length, "context length (0: the model's)");
   app.add_flag("--skip-tokenizer-init", a->skip_tokenizer_init, "no tokenizer: token ids in and out only");
+  app.add_option("--generation-config", a->generation_config,
+                 "requests' default temperature / top_p / top_k / min_p / repetition_penalty: auto (the model's "
+                 "generation_config.json), vllm (none), or a folder holding a generation_config.json")
+      ->capture_default_str();
+  app.add_option("--sampling-defaults", a->sampling_defaults,
+                 "model (the model's generation_config.json, as --generation-config auto) | openai (none)")
+      ->capture_default_str();
   app.add_option("--pipeline-parallel-size,--pp-size", a->pipeline_parallel_size, "pipeline stages (1)")
       ->capture_default_str();
   app.add_option("--stream-interval", a->stream_interval, "tokens per streamed chunk (>= 1)")->capture_default_str();
@@ -589,6 +634,25 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
               "give either --enable-priority-scheduling (higher values first) or --scheduling-policy priority (lower "
               "values first), not both");
     resolve_speculative(s);
+    MLA_CHECK(s.sampling_defaults == "model" || s.sampling_defaults == "openai",
+              "--sampling-defaults: expected model or openai, got '{}'", s.sampling_defaults);
+    if (s.generation_config != "vllm" && s.sampling_defaults == "model") {
+      const std::string dir = s.generation_config == "auto" ? s.model_path : s.generation_config;
+      MLA_CHECK(s.generation_config == "auto" || std::filesystem::is_directory(dir),
+                "--generation-config: expected auto, vllm or a folder, got '{}'", s.generation_config);
+      s.defaults = generation_config_sampling(dir);
+    }
+    if (!s.defaults.empty()) {
+      std::string what;
+      auto add = [&](const char* k, auto v) { what += fmt::format("{}{} {}", what.empty() ? "" : ", ", k, v); };
+      if (s.defaults.temperature) add("temperature", *s.defaults.temperature);
+      if (s.defaults.top_p) add("top_p", *s.defaults.top_p);
+      if (s.defaults.top_k) add("top_k", *s.defaults.top_k);
+      if (s.defaults.min_p) add("min_p", *s.defaults.min_p);
+      if (s.defaults.repetition_penalty) add("repetition_penalty", *s.defaults.repetition_penalty);
+      MLA_LOG_INFO("requests' sampling defaults from generation_config.json (--generation-config vllm or "
+                   "--sampling-defaults openai: none): {}", what);
+    }
     s.origins = parse_origins(s.allowed_origins);
     MLA_CHECK(s.reasoning_parser.empty() || server::known_reasoning_parser(s.reasoning_parser),
               "--reasoning-parser '{}' is not known (known: deepseek-r1, or vLLM's deepseek_r1)", s.reasoning_parser);
@@ -676,6 +740,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.num_threads = s.num_http_threads;
     so.request_timeout_s = s.request_timeout;
     so.parse.max_n = s.max_n;
+    so.parse.defaults = s.defaults;
     so.parse.tool_calls_v31 = server::tool_calls_v31(s.tool_call_parser);
     so.stream_interval = s.stream_interval;
     so.stream_output = s.stream_output;

@@ -361,6 +361,15 @@ std::vector<std::string> string_list(const json& v, const std::string& p, int32_
 
 // Sampling fields shared by all three APIs. `max_tokens_keys` are the names max_new_tokens goes by; 0 only where
 // `zero_ok` (a request that only reads its prompt's logprobs).
+// The server's sampling defaults, before a request's own fields (every API, with or without sampling fields).
+void apply_defaults(const SamplingDefaults& d, SamplingParams& s) {
+  if (d.temperature) s.temperature = *d.temperature;
+  if (d.top_p) s.top_p = *d.top_p;
+  if (d.top_k) s.top_k = *d.top_k;
+  if (d.min_p) s.min_p = *d.min_p;
+  if (d.repetition_penalty) s.repetition_penalty = *d.repetition_penalty;
+}
+
 void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_keys, const ParseOptions& opts,
                     ParsedRequest& r, std::string_view raw, bool zero_ok = false) {
   SamplingParams& s = r.sampling;
@@ -601,6 +610,7 @@ ParsedRequest parse_native(const json& body, const ParseOptions& opts, std::stri
       r.prompts.push_back({std::nullopt, token_ids(*ids, "input_ids")});
     }
   }
+  apply_defaults(opts.defaults, r.sampling);
   if (const json* sp = f.get("sampling_params")) {
     if (!sp->is_object())
       bad_request("sampling_params", "invalid_type", "'sampling_params' must be an object, got {}", type_name(*sp));
@@ -681,6 +691,7 @@ ParsedRequest parse_completions(const json& body, const ParseOptions& opts, std:
     if (!sfx->get<std::string>().empty()) r.suffix = sfx->get<std::string>();  // "": no hole, a plain completion
   }
   // max_tokens 0 with echo: the prompt alone (and its logprobs), as vLLM allows.
+  apply_defaults(opts.defaults, r.sampling);
   parse_sampling(f, {"max_tokens"}, opts, r, raw, /*zero_ok=*/r.echo);
   if (!r.max_new_tokens_given) r.sampling.max_new_tokens = 16;  // OpenAI's default for completions
   if (const json* lp = f.get("logprobs")) {
@@ -760,6 +771,7 @@ ParsedRequest parse_chat(const json& body, const ParseOptions& opts, std::string
                 "new turn is opened)");
   if (r.continue_final_message && r.messages.back()["role"] != "assistant")
     bad_request("continue_final_message", "invalid_value", "'continue_final_message' needs a final assistant message");
+  apply_defaults(opts.defaults, r.sampling);
   parse_sampling(f, {"max_tokens", "max_completion_tokens"}, opts, r, raw);
   if (auto v = f.boolean("logprobs")) r.logprobs = *v;
   if (auto v = f.integer("top_logprobs", 0, opts.max_top_logprobs)) {

@@ -76,8 +76,17 @@ struct ParsedRequest {
   bool forced_tool_calls = false;    // tool_choice required or named: the constraint is DeepSeek's tool calls
 };
 
+// Sampling defaults of a request that leaves them out (the model's generation_config.json, as vLLM's
+// --generation-config auto and SGLang's --sampling-defaults model apply them); unset: the API's own.
+struct SamplingDefaults {
+  std::optional<float> temperature, top_p, min_p, repetition_penalty;
+  std::optional<int32_t> top_k;
+  bool empty() const { return !temperature && !top_p && !min_p && !repetition_penalty && !top_k; }
+};
+
 struct ParseOptions {
   int32_t max_n = 64;
+  SamplingDefaults defaults;
   int32_t max_top_logprobs = 20;
   int32_t max_stop_strings = 32;
   int32_t max_bad_words = 256;

@@ -1167,6 +1167,44 @@ TEST(ServeFlags, NgramSpeculativeDecodingKeepsTheAnswers) {
                        "specul");
 }
 
+// Requests' sampling defaults from a generation_config.json (vLLM's --generation-config auto / a folder, SGLang's
+// --sampling-defaults model): a request without a temperature gets the file's (0 here: greedy, so two such requests
+// answer as an explicit temperature 0 does); `vllm` / `openai` take none; a bad file or value exits naming it.
+TEST(ServeFlags, GenerationConfigSamplingDefaults) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  const auto dir = std::filesystem::temp_directory_path() / ("mlaserve_gencfg_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir / "bad");
+  std::ofstream(dir / "generation_config.json") << R"({"do_sample": true, "temperature": 0.0, "top_p": 0.9,
+      "eos_token_id": 1})";
+  std::ofstream(dir / "bad" / "generation_config.json") << R"({"temperature": "hot"})";
+  const std::string free = R"({"prompt": "Tell me a story about", "max_tokens": 24, "ignore_eos": true})";
+  const std::string greedy = R"({"prompt": "Tell me a story about", "max_tokens": 24, "ignore_eos": true,
+      "temperature": 0})";
+  {
+    ServerProcess s({"--generation-config", dir.string()});
+    ASSERT_TRUE(s.running()) << s.log();
+    const json info = get_json(s.port(), "/get_server_info");
+    EXPECT_EQ(info["default_sampling_params"], json::parse(R"({"temperature": 0.0, "top_p": 0.9})")) << info.dump();
+    const std::string want = post_json(s.port(), "/v1/completions", greedy)["choices"][0]["text"];
+    for (int k = 0; k < 2; ++k)
+      EXPECT_EQ(post_json(s.port(), "/v1/completions", free)["choices"][0]["text"], want) << "run " << k;
+    EXPECT_NE(s.log().find("sampling defaults from generation_config.json"), std::string::npos) << s.log();
+    EXPECT_EQ(s.stop(), 0);
+  }
+  for (const std::vector<std::string>& none : {std::vector<std::string>{"--generation-config", "vllm"},
+                                               std::vector<std::string>{"--generation-config", dir.string(),
+                                                                        "--sampling-defaults", "openai"}}) {
+    ServerProcess s(none);
+    ASSERT_TRUE(s.running()) << s.log();
+    EXPECT_EQ(get_json(s.port(), "/get_server_info")["default_sampling_params"], json::object()) << none[1];
+    EXPECT_EQ(s.stop(), 0);
+  }
+  expect_serve_refuses({"--generation-config " + (dir / "missing").string()}, "--generation-config");
+  expect_serve_refuses({"--sampling-defaults bogus"}, "--sampling-defaults");
+  expect_serve_refuses({"--generation-config " + (dir / "bad").string()}, "'temperature' must be a number");
+  std::filesystem::remove_all(dir);
+}
+
 // SGLang's --stream-output: a streamed /generate's chunks carry only what is new (text, output_ids, output logprobs;
 // the prompt's logprobs in the first); joined they are the whole answer. Without the flag they are cumulative (the
 // byte-for-byte test above); OpenAI streams are deltas either way.

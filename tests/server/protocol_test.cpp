@@ -46,6 +46,36 @@ TEST(Protocol, NativeDefaultsAndFields) {
   EXPECT_EQ(r.sampling.max_new_tokens, 128);
 }
 
+// The server's sampling defaults (a model's generation_config.json) fill what a request leaves out, in every API; the
+// request's own values win.
+TEST(Protocol, SamplingDefaultsFillWhatTheRequestLeavesOut) {
+  ParseOptions o;
+  o.defaults.temperature = 0.6f;
+  o.defaults.top_p = 0.95f;
+  o.defaults.top_k = 20;
+  o.defaults.min_p = 0.05f;
+  o.defaults.repetition_penalty = 1.05f;
+  for (const ParsedRequest& r : {parse_native(json::parse(R"({"text": "hi"})"), o),
+                                 parse_completions(json::parse(R"({"prompt": "hi"})"), o),
+                                 parse_chat(json::parse(R"({"messages": [{"role": "user", "content": "hi"}]})"), o)}) {
+    EXPECT_FLOAT_EQ(r.sampling.temperature, 0.6f);
+    EXPECT_FLOAT_EQ(r.sampling.top_p, 0.95f);
+    EXPECT_EQ(r.sampling.top_k, 20);
+    EXPECT_FLOAT_EQ(r.sampling.min_p, 0.05f);
+    EXPECT_FLOAT_EQ(r.sampling.repetition_penalty, 1.05f);
+  }
+  const ParsedRequest own = parse_completions(
+      json::parse(R"({"prompt": "hi", "temperature": 0, "top_p": 1, "top_k": -1, "min_p": 0, "repetition_penalty": 1})"),
+      o);
+  EXPECT_EQ(own.sampling.temperature, 0.0f);
+  EXPECT_EQ(own.sampling.top_p, 1.0f);
+  EXPECT_EQ(own.sampling.top_k, -1);
+  EXPECT_EQ(own.sampling.min_p, 0.0f);
+  EXPECT_EQ(own.sampling.repetition_penalty, 1.0f);
+  const ParsedRequest plain = parse_completions(json::parse(R"({"prompt": "hi"})"), {});
+  EXPECT_EQ(plain.sampling.temperature, SamplingParams{}.temperature) << "no defaults: the API's own";
+}
+
 TEST(Protocol, CompletionsPromptShapes) {
   EXPECT_EQ(parse_completions(json::parse(R"({"prompt": [1, 2, 3]})"), {}).prompts.size(), 1u);
   EXPECT_FALSE(parse_completions(json::parse(R"({"prompt": [1, 2, 3]})"), {}).batch);
