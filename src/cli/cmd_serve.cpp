@@ -68,6 +68,7 @@ struct ServeArgs {
   bool skip_tokenizer_init = false;
   int32_t stream_interval = 1;
   int32_t pipeline_parallel_size = 1;  // vLLM's / SGLang's: only 1 (no pipeline stages)
+  int32_t max_logprobs = 20;           // vLLM's --max-logprobs: the most top logprobs a request may ask for (-1: any)
   // Requests' sampling defaults: vLLM's --generation-config (auto: the model's generation_config.json, vllm: none, or
   // a folder holding one) and SGLang's --sampling-defaults (model | openai).
   std::string generation_config = "auto", sampling_defaults = "model";
@@ -330,6 +331,7 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["chunked_prefill_size"] = a.chunked_prefill_size;
   j["stream_interval"] = a.stream_interval;
   j["stream_output"] = a.stream_output;
+  j["max_logprobs"] = a.max_logprobs;
   j["sampling_defaults"] = a.sampling_defaults;
   j["generation_config"] = a.generation_config;
   nlohmann::json defaults = nlohmann::json::object();  // what requests that leave them out get
@@ -523,6 +525,9 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--sampling-defaults", a->sampling_defaults,
                  "model (the model's generation_config.json, as --generation-config auto) | openai (none)")
       ->capture_default_str();
+  app.add_option("--max-logprobs", a->max_logprobs,
+                 "the most top logprobs (or prompt logprobs' alternatives) a request may ask for (-1: no limit)")
+      ->capture_default_str();
   app.add_option("--pipeline-parallel-size,--pp-size", a->pipeline_parallel_size, "pipeline stages (1)")
       ->capture_default_str();
   app.add_option("--stream-interval", a->stream_interval, "tokens per streamed chunk (>= 1)")->capture_default_str();
@@ -603,6 +608,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                                 "without the flag)",
                                 s.quantization));
     not_implemented(s.dtype != "auto" && s.dtype != "bfloat16" && s.dtype != "bf16", fmt::format("--dtype {}", s.dtype));
+    MLA_CHECK(s.max_logprobs >= -1, "--max-logprobs must be >= -1, got {}", s.max_logprobs);
     MLA_CHECK(s.pipeline_parallel_size >= 1, "--pipeline-parallel-size must be >= 1, got {}", s.pipeline_parallel_size);
     not_implemented(s.pipeline_parallel_size > 1,
                     fmt::format("--pipeline-parallel-size {} (layers in pipeline stages; --tp, --dp and "
@@ -741,6 +747,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.request_timeout_s = s.request_timeout;
     so.parse.max_n = s.max_n;
     so.parse.defaults = s.defaults;
+    so.parse.max_top_logprobs = s.max_logprobs < 0 ? (1 << 30) : s.max_logprobs;
     so.parse.tool_calls_v31 = server::tool_calls_v31(s.tool_call_parser);
     so.stream_interval = s.stream_interval;
     so.stream_output = s.stream_output;

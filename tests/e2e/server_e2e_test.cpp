@@ -1077,7 +1077,7 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
                    "--base-gpu-id", "0", "--gpu-id-step", "1", "--enable-expert-parallel", "--enable-chunked-prefill",
                    "--swap-space", "16", "--uvicorn-log-level", "warning", "--compilation-config", R"({"level": 3})",
                    "--async-scheduling", "--enable-eplb", "--ep-num-redundant-experts", "32", "--pipeline-parallel-size",
-                   "1"});
+                   "1", "--max-logprobs", "2"});
   ASSERT_TRUE(s.running()) << s.log();
   const json info = get_json(s.port(), "/get_server_info");
   EXPECT_EQ(info["context_length"], 2048);
@@ -1099,6 +1099,14 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
   const json chat = post_json(s.port(), "/v1/chat/completions",
                               R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})");
   EXPECT_TRUE(chat["choices"][0]["message"].contains("reasoning_content")) << chat.dump();
+  // --max-logprobs 2: two top logprobs pass, three are a 400 naming the field.
+  const std::string lp = R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": true,
+      "top_logprobs": N})";
+  EXPECT_EQ(http_request(s.port(), "POST", "/v1/chat/completions", std::regex_replace(lp, std::regex("N"), "2")).status,
+            200);
+  const auto over = http_request(s.port(), "POST", "/v1/chat/completions", std::regex_replace(lp, std::regex("N"), "3"));
+  EXPECT_EQ(over.status, 400);
+  EXPECT_NE(over.body.find("top_logprobs"), std::string::npos) << over.body;
   EXPECT_EQ(s.stop(), 0);
 
   // `serve MODEL` (vLLM's form); the model named twice differently is an error.
