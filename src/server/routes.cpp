@@ -162,11 +162,10 @@ ojson native_object(const ResponseContext& rc, const GenerationJob& job, const C
                     const ChoiceUpdate* u = nullptr) {
   const bool part = rc.incremental && u;
   ojson o;
-  o["text"] = part ? c.text.substr(std::min(u->text_begin, c.text.size())) : c.text;
-  o["output_ids"] = part ? std::vector<int32_t>(c.output_ids.begin() + static_cast<int64_t>(std::min(
-                                                    u->ids_begin, c.output_ids.size())),
-                                                c.output_ids.end())
-                         : c.output_ids;
+  const size_t text_from = part ? std::min(u->text_begin, c.text.size()) : 0;
+  const size_t ids_from = part ? std::min(u->ids_begin, c.output_ids.size()) : 0;
+  o["text"] = c.text.substr(text_from);
+  o["output_ids"] = std::vector<int32_t>(c.output_ids.begin() + static_cast<int64_t>(ids_from), c.output_ids.end());
   ojson meta;
   meta["id"] = c.rid;
   meta["finish_reason"] = native_finish_reason(c.finish, c.completion_tokens);
