@@ -155,19 +155,25 @@ inline std::string free_loopback_addr() {
   return "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
 }
 
-// CPU ranks of a golden family in a layout (tp ranks, dp attention-DP groups); graph_max_bs > 0 records decode
-// graphs up to that many tokens (GraphRecorder); mtp: with the checkpoint's MTP layer (speculative decoding's drafts).
-inline std::unique_ptr<RankSet> cpu_ranks(const std::string& family, int32_t tp = 1, int32_t dp = 1,
-                                          int32_t graph_max_bs = 0, bool mtp = false) {
+// CPU ranks of the checkpoint in `dir` in a layout (tp ranks, dp attention-DP groups); graph_max_bs > 0 records
+// decode graphs up to that many tokens (GraphRecorder); mtp: with the checkpoint's MTP layer (speculative decoding's
+// drafts).
+inline std::unique_ptr<RankSet> cpu_ranks_at(const std::string& dir, int32_t tp = 1, int32_t dp = 1,
+                                             int32_t graph_max_bs = 0, bool mtp = false) {
   ParallelConfig pc;
   pc.tp_size = tp;
   pc.dp_size = dp;
   pc.device = "cpu";
   pc.backend.cpu_graphs = graph_max_bs > 0;
   pc.cuda_graph_max_bs = graph_max_bs;
-  ModelConfig c = ModelConfig::from_file(golden_dir(family));
+  ModelConfig c = ModelConfig::from_file(dir);
   if (mtp) c.mtp_layers = 1;
-  return std::make_unique<RankSet>(c, pc, golden_dir(family), LoadOptions{});
+  return std::make_unique<RankSet>(c, pc, dir, LoadOptions{});
+}
+// The same for a golden family.
+inline std::unique_ptr<RankSet> cpu_ranks(const std::string& family, int32_t tp = 1, int32_t dp = 1,
+                                          int32_t graph_max_bs = 0, bool mtp = false) {
+  return cpu_ranks_at(golden_dir(family), tp, dp, graph_max_bs, mtp);
 }
 
 // Engine options of the engine tests: pages of 8 tokens, integrity checks after every step.

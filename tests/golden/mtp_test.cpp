@@ -156,17 +156,10 @@ class MtpEngine : public ::testing::TestWithParam<bool> {
   // graph_max_bs > 0: decode steps replay graphs (GraphRecorder), the MTP layer eager after them.
   std::unique_ptr<Engine> make(const std::string& dir, bool mtp, int32_t tp = 1, int32_t dp = 1,
                                int32_t spec_max_batch = 0, int32_t graph_max_bs = 0) {
-    ParallelConfig pc;
-    pc.tp_size = tp;
-    pc.dp_size = dp;
-    pc.device = "cpu";
-    pc.backend.cpu_graphs = graph_max_bs > 0;
-    pc.cuda_graph_max_bs = graph_max_bs;
-    ModelConfig c = mtp ? mtp_config(dir) : ModelConfig::from_file(dir);
     EngineOptions o = test::small_engine_options(GetParam(), 400);
     o.spec_draft_tokens = mtp ? 1 : 0;
     o.spec_max_batch = spec_max_batch;
-    return std::make_unique<Engine>(std::make_unique<RankSet>(c, pc, dir, LoadOptions{}), o);
+    return std::make_unique<Engine>(test::cpu_ranks_at(dir, tp, dp, graph_max_bs, mtp), o);
   }
   static int64_t total(EngineClient& e, int64_t RankStats::*field) {
     int64_t n = 0;
