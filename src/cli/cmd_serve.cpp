@@ -74,6 +74,7 @@ struct ServeArgs {
   std::string generation_config = "auto", sampling_defaults = "model";
   server::SamplingDefaults defaults;  // resolved
   bool stream_output = false;
+  bool allow_auto_truncate = false;
   std::string reasoning_parser;
   std::string tool_call_parser;
   std::string chat_template;
@@ -332,6 +333,7 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["stream_interval"] = a.stream_interval;
   j["stream_output"] = a.stream_output;
   j["max_logprobs"] = a.max_logprobs;
+  j["allow_auto_truncate"] = a.allow_auto_truncate;
   j["sampling_defaults"] = a.sampling_defaults;
   j["generation_config"] = a.generation_config;
   nlohmann::json defaults = nlohmann::json::object();  // what requests that leave them out get
@@ -531,6 +533,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--pipeline-parallel-size,--pp-size", a->pipeline_parallel_size, "pipeline stages (1)")
       ->capture_default_str();
   app.add_option("--stream-interval", a->stream_interval, "tokens per streamed chunk (>= 1)")->capture_default_str();
+  app.add_flag("--allow-auto-truncate", a->allow_auto_truncate,
+               "a prompt too long for the context keeps its first tokens instead of a 400 (SGLang's)");
   app.add_flag("--stream-output", a->stream_output,
                "streamed /generate chunks carry only what is new (text, output_ids, logprobs), as SGLang's");
   app.add_option("--reasoning-parser", a->reasoning_parser,
@@ -751,6 +755,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.parse.tool_calls_v31 = server::tool_calls_v31(s.tool_call_parser);
     so.stream_interval = s.stream_interval;
     so.stream_output = s.stream_output;
+    so.allow_auto_truncate = s.allow_auto_truncate;
     so.reasoning_parser = s.reasoning_parser;
     so.tool_call_parser = s.tool_call_parser;
     so.priority_scheduling = ea.priority_scheduling;

@@ -89,6 +89,9 @@ struct ServerOptions {
   // SGLang's --stream-output: a streamed /generate chunk carries only what is new since the choice's previous chunk
   // (text, output_ids, output logprobs; the prompt's logprobs in the first), not everything so far.
   bool stream_output = false;
+  // SGLang's --allow-auto-truncate: a prompt too long for the context keeps its first tokens (room left for the
+  // tokens asked for, at least one) instead of a 400.
+  bool allow_auto_truncate = false;
   std::string reasoning_parser;       // --reasoning-parser (known_reasoning_parser): chat gives reasoning_content
   std::string tool_call_parser;       // --tool-call-parser (known_tool_call_parser): chat takes tools
   // Requests' `priority` (else a non-zero one is a 400): lower values first (vLLM's --scheduling-policy priority),

@@ -730,9 +730,18 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
         if (codec_ && !jp.text.empty()) jp.text = codec_->decode(jp.input_ids, false);  // what echo shows
       }
     }
-    const int64_t len = static_cast<int64_t>(jp.input_ids.size());
+    int64_t len = static_cast<int64_t>(jp.input_ids.size());
     const std::string param = pr.api == ApiKind::Chat ? "messages" : pr.api == ApiKind::Native ? "text" : "prompt";
     if (len == 0) throw ApiError(400, "the prompt is empty (no tokens)", param, "invalid_value");
+    // --allow-auto-truncate: the prompt's first tokens, room left for those asked for (at least one).
+    const int64_t wanted = pr.max_new_tokens_given ? std::max<int64_t>(pr.sampling.max_new_tokens, 1) : 1;
+    if (const int64_t keep = std::max<int64_t>(ctx - wanted, 1); opts_.allow_auto_truncate && keep < len) {
+      MLA_LOG_WARN("request {}: a prompt of {} tokens cut to its first {} (--allow-auto-truncate)", p.spec.id, len,
+                   keep);
+      jp.input_ids.resize(static_cast<size_t>(keep));
+      if (codec_ && !jp.text.empty()) jp.text = codec_->decode(jp.input_ids, false);
+      len = keep;
+    }
     if (len >= ctx)
       throw ApiError(400,
                      fmt::format("the prompt has {} tokens; this model's context length is {} tokens (room is needed "
@@ -742,7 +751,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     if (!pr.max_new_tokens_given && pr.api == ApiKind::Chat) {
       pr.sampling.max_new_tokens = static_cast<int32_t>(ctx - len);
     } else if (len + pr.sampling.max_new_tokens > ctx) {
-      if (pr.max_new_tokens_given)
+      if (pr.max_new_tokens_given && !opts_.allow_auto_truncate)
         throw ApiError(400,
                        fmt::format("this model's context length is {} tokens, but {} were requested ({} in the "
                                    "prompt, {} to generate); reduce the prompt or the number of new tokens",

@@ -1213,6 +1213,36 @@ TEST(ServeFlags, GenerationConfigSamplingDefaults) {
   std::filesystem::remove_all(dir);
 }
 
+// SGLang's --allow-auto-truncate: a prompt too long for the context keeps its first tokens, room left for the tokens
+// asked for, instead of a 400 (which a server without the flag answers).
+TEST(ServeFlags, AllowAutoTruncateKeepsThePromptsFirstTokens) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  std::vector<int32_t> ids;
+  for (int i = 0; i < 100; ++i) ids.push_back(1000 + i);
+  const std::string body = R"({"input_ids": )" + json(ids).dump() +
+                           R"(, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": true}})";
+  const std::string plain = R"({"input_ids": )" + json(std::vector<int32_t>(ids.begin(), ids.begin() + 56)).dump() +
+                            R"(, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": true}})";
+  {
+    ServerProcess s({"--context-length", "64"});
+    ASSERT_TRUE(s.running()) << s.log();
+    EXPECT_EQ(http_request(s.port(), "POST", "/generate", body).status, 400);
+    EXPECT_EQ(s.stop(), 0);
+  }
+  ServerProcess s({"--context-length", "64", "--allow-auto-truncate"});
+  ASSERT_TRUE(s.running()) << s.log();
+  const json got = post_json(s.port(), "/generate", body);
+  EXPECT_EQ(got["meta_info"]["prompt_tokens"], 56) << got.dump();  // 64 - 8
+  EXPECT_EQ(got["output_ids"], post_json(s.port(), "/generate", plain)["output_ids"]) << "the first 56 tokens'";
+  // Asking for more than the context: the prompt keeps one token, the answer what fits.
+  const json most = post_json(s.port(), "/v1/completions", R"({"prompt": )" + json(ids).dump() +
+                                                              R"(, "max_tokens": 500, "ignore_eos": true})");
+  EXPECT_EQ(most["usage"]["prompt_tokens"], 1) << most.dump();
+  EXPECT_EQ(most["usage"]["completion_tokens"], 63);
+  EXPECT_NE(s.log().find("--allow-auto-truncate"), std::string::npos);
+  EXPECT_EQ(s.stop(), 0);
+}
+
 // SGLang's --stream-output: a streamed /generate's chunks carry only what is new (text, output_ids, output logprobs;
 // the prompt's logprobs in the first); joined they are the whole answer. Without the flag they are cumulative (the
 // byte-for-byte test above); OpenAI streams are deltas either way.
