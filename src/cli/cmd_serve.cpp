@@ -75,6 +75,7 @@ struct ServeArgs {
   server::SamplingDefaults defaults;  // resolved
   bool stream_output = false;
   bool allow_auto_truncate = false;
+  bool request_id_headers = false;
   std::string reasoning_parser;
   std::string tool_call_parser;
   std::string chat_template;
@@ -533,6 +534,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--pipeline-parallel-size,--pp-size", a->pipeline_parallel_size, "pipeline stages (1)")
       ->capture_default_str();
   app.add_option("--stream-interval", a->stream_interval, "tokens per streamed chunk (>= 1)")->capture_default_str();
+  app.add_flag("--enable-request-id-headers", a->request_id_headers,
+               "responses carry X-Request-Id (the request's own, else a new one), as vLLM's");
   app.add_flag("--allow-auto-truncate", a->allow_auto_truncate,
                "a prompt too long for the context keeps its first tokens instead of a 400 (SGLang's)");
   app.add_flag("--stream-output", a->stream_output,
@@ -756,6 +759,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.stream_interval = s.stream_interval;
     so.stream_output = s.stream_output;
     so.allow_auto_truncate = s.allow_auto_truncate;
+    so.request_id_headers = s.request_id_headers;
     so.reasoning_parser = s.reasoning_parser;
     so.tool_call_parser = s.tool_call_parser;
     so.priority_scheduling = ea.priority_scheduling;

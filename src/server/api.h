@@ -92,6 +92,8 @@ struct ServerOptions {
   // SGLang's --allow-auto-truncate: a prompt too long for the context keeps its first tokens (room left for the
   // tokens asked for, at least one) instead of a 400.
   bool allow_auto_truncate = false;
+  // vLLM's --enable-request-id-headers: every response carries X-Request-Id (the request's own, else a new one).
+  bool request_id_headers = false;
   std::string reasoning_parser;       // --reasoning-parser (known_reasoning_parser): chat gives reasoning_content
   std::string tool_call_parser;       // --tool-call-parser (known_tool_call_parser): chat takes tools
   // Requests' `priority` (else a non-zero one is a 400): lower values first (vLLM's --scheduling-policy priority),

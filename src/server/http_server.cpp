@@ -7,8 +7,10 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
+#include <random>
 #include <thread>
 
 #include "core/error.h"
@@ -163,6 +165,7 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     const std::string origin = header(msg, http::field::origin);
     const char* allow = allowed_origin(origin);
     if (allow) cors_headers_ = cors_allow(allow);
+    if (opts_.request_id_headers) cors_headers_ += "X-Request-Id: " + request_id(header(msg, "X-Request-Id")) + "\r\n";
     if (msg.method() == http::verb::options && msg.find(http::field::access_control_request_method) != msg.end())
       return preflight(origin, allow, header(msg, http::field::access_control_request_headers));
     if (msg.method() == http::verb::head) {  // answered as GET without the body
@@ -185,6 +188,19 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
   static std::string header(const http::request<http::string_body>& msg, http::field f) {
     auto it = msg.find(f);
     return it == msg.end() ? std::string() : std::string(it->value());
+  }
+  static std::string header(const http::request<http::string_body>& msg, std::string_view name) {
+    auto it = msg.find(name);
+    return it == msg.end() ? std::string() : std::string(it->value());
+  }
+  // The X-Request-Id a response carries: the request's own when it is 1-128 visible ASCII characters, else 32 new
+  // hex digits.
+  static std::string request_id(const std::string& given) {
+    const bool ok = !given.empty() && given.size() <= 128 &&
+                    std::all_of(given.begin(), given.end(), [](char c) { return c > ' ' && c < 127; });
+    if (ok) return given;
+    thread_local std::mt19937_64 rng(std::random_device{}());
+    return fmt::format("{:016x}{:016x}", rng(), rng());
   }
 
   // What Access-Control-Allow-Origin answers `origin` with ("*" or the origin itself), null when it is not allowed

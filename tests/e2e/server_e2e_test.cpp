@@ -1213,6 +1213,26 @@ TEST(ServeFlags, GenerationConfigSamplingDefaults) {
   std::filesystem::remove_all(dir);
 }
 
+// vLLM's --enable-request-id-headers: responses carry X-Request-Id, the request's own or a new one (none without it).
+TEST(ServeFlags, RequestIdHeaders) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  {
+    ServerProcess s;
+    ASSERT_TRUE(s.running()) << s.log();
+    EXPECT_EQ(http_request(s.port(), "GET", "/health", "", "X-Request-Id: abc-1\r\n").headers.count("x-request-id"), 0u);
+    EXPECT_EQ(s.stop(), 0);
+  }
+  ServerProcess s({"--enable-request-id-headers"});
+  ASSERT_TRUE(s.running()) << s.log();
+  EXPECT_EQ(http_request(s.port(), "GET", "/health", "", "X-Request-Id: abc-1\r\n").headers["x-request-id"], "abc-1");
+  auto r = http_request(s.port(), "POST", "/v1/completions", R"({"prompt": "hi", "max_tokens": 2})");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_TRUE(std::regex_match(r.headers["x-request-id"], std::regex("[0-9a-f]{32}"))) << r.headers["x-request-id"];
+  auto bad = http_request(s.port(), "GET", "/health", "", "X-Request-Id: " + std::string(200, 'x') + "\r\n");
+  EXPECT_EQ(bad.headers["x-request-id"].size(), 32u) << "a given id over 128 characters is replaced";
+  EXPECT_EQ(s.stop(), 0);
+}
+
 // SGLang's --allow-auto-truncate: a prompt too long for the context keeps its first tokens, room left for the tokens
 // asked for, instead of a 400 (which a server without the flag answers).
 TEST(ServeFlags, AllowAutoTruncateKeepsThePromptsFirstTokens) {
