@@ -3,26 +3,35 @@
 # against Hugging Face parts, eager and after a graph replay), the speculative-decoding and server e2e tests against a
 # CUDA server, then what the MTP layer costs a step: one request at a time through the server (V2-Lite shape plus an
 # MTP layer and the DeepSeek-V3 tokenizer's vocabulary, dummy weights, so drafts are almost never kept), without
-# drafts and with EAGLE, median TPOT and the accepted drafts.
-# usage: tools/device/mtp_run.sh PKG_DIR [tests|bench]   (binaries in PKG_DIR/bin; default both)
+# drafts and with EAGLE, median TPOT and the accepted drafts. `probe` runs the bench with the engine thread's phases and
+# the GPU's idle time between steps logged at shutdown (MLASERVE_ENGINE_STATS=1, MLASERVE_GPU_IDLE_STATS=1), and EAGLE
+# without overlap scheduling too.
+# usage: tools/device/mtp_run.sh PKG_DIR [tests|bench|probe]   (binaries in PKG_DIR/bin; default tests and bench)
 set -uo pipefail
 source tools/device/bench_env.sh
 P=$1/bin
 e2e_env $P
-if [ "${2:-tests}" = tests ]; then
+mode=${2:-}
+if [ -z "$mode" ] || [ "$mode" = tests ]; then
   gtest_run model 300 $P/cuda_model_test '*'
   grep -E "v3mtp" /tmp/model.log
   gtest_run e2e 420 $P/server_e2e_test 'ServeFlags.Mtp*:ServeFlags.Ngram*:ServerE2E.*'
-  [ -z "${2:-}" ] || exit 0
+  [ -z "$mode" ] || exit 0
 fi
 M=/tmp/v2lite-mtp
 mkdir -p $M
 python3 -c "import json; c = json.load(open('tools/bench/deepseek-v2-lite/config.json')); \
 c['num_nextn_predict_layers'] = 1; c['vocab_size'] = 129280; json.dump(c, open('$M/config.json', 'w'))"
-for spec in "" "--speculative-algorithm EAGLE"; do
+specs=("" "--speculative-algorithm EAGLE")
+vars=()
+if [ "$mode" = probe ]; then
+  specs+=("--speculative-algorithm EAGLE --disable-overlap-schedule")
+  vars=(MLASERVE_ENGINE_STATS=1 MLASERVE_GPU_IDLE_STATS=1)
+fi
+for spec in "${specs[@]}"; do
   PORT=31$((RANDOM % 400 + 100))
-  $P/mlaserve serve --model-path $M --load-format dummy --skip-tokenizer-init --port $PORT --disable-radix-cache \
-    $spec > /tmp/s.log 2>&1 &
+  env "${vars[@]}" $P/mlaserve serve --model-path $M --load-format dummy --skip-tokenizer-init --port $PORT \
+    --disable-radix-cache $spec > /tmp/s.log 2>&1 &
   SPID=$!
   serve_up $PORT $SPID /tmp/s.log || continue
   timeout 150 $P/mlaserve bench-serving --backend sglang --host 127.0.0.1 --port $PORT --dataset-name random-ids \
@@ -34,5 +43,7 @@ for spec in "" "--speculative-algorithm EAGLE"; do
   python3 -c "import json, urllib.request; \
 s = json.load(urllib.request.urlopen('http://127.0.0.1:$PORT/get_server_info'))['internal_states'][0]; \
 print('   spec', {k: v for k, v in s.items() if 'spec' in k})"
-  kill $SPID; wait $SPID 2>/dev/null
+  kill -INT $SPID; wait $SPID 2>/dev/null
+  [ "$mode" = probe ] && grep -iE "idle|engine thread" /tmp/s.log | tail -4
 done
+exit 0
