@@ -98,13 +98,18 @@ struct ServeArgs {
   std::string batch_input, batch_output;  // run-batch
 };
 
+// DIR/generation_config.json parsed (null when there is none; discarded when it is not JSON).
+nlohmann::json read_generation_config(const std::string& dir) {
+  const auto p = std::filesystem::path(dir) / "generation_config.json";
+  if (!std::filesystem::exists(p)) return nullptr;
+  std::ifstream in(p);
+  return nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+}
+
 // eos_token_id of generation_config.json (int or list), if the file exists.
 std::vector<int32_t> generation_config_eos(const std::string& model_path) {
   std::vector<int32_t> ids;
-  const auto p = std::filesystem::path(model_path) / "generation_config.json";
-  if (!std::filesystem::exists(p)) return ids;
-  std::ifstream in(p);
-  nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json j = read_generation_config(model_path);
   if (!j.is_object() || !j.contains("eos_token_id")) return ids;
   const auto& e = j["eos_token_id"];
   if (e.is_number_integer()) ids.push_back(e.get<int32_t>());
@@ -118,16 +123,15 @@ std::vector<int32_t> generation_config_eos(const std::string& model_path) {
 // takes from it), none when it has none; a field of the wrong type or range names the file.
 server::SamplingDefaults generation_config_sampling(const std::string& dir) {
   server::SamplingDefaults d;
-  const auto p = std::filesystem::path(dir) / "generation_config.json";
-  if (!std::filesystem::exists(p)) return d;
-  std::ifstream in(p);
-  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  MLA_CHECK(j.is_object(), "{}: not a JSON object", p.string());
+  const nlohmann::json j = read_generation_config(dir);
+  if (j.is_null()) return d;
+  const std::string p = (std::filesystem::path(dir) / "generation_config.json").string();
+  MLA_CHECK(j.is_object(), "{}: not a JSON object", p);
   auto number = [&](const char* key, double lo, double hi) -> std::optional<double> {
     const auto it = j.find(key);
     if (it == j.end() || it->is_null()) return std::nullopt;
     MLA_CHECK(it->is_number() && it->get<double>() >= lo && it->get<double>() <= hi,
-              "{}: '{}' must be a number in [{}, {}], got {}", p.string(), key, lo, hi, it->dump());
+              "{}: '{}' must be a number in [{}, {}], got {}", p, key, lo, hi, it->dump());
     return it->get<double>();
   };
   if (auto v = number("temperature", 0.0, 100.0)) d.temperature = static_cast<float>(*v);

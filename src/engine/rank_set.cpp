@@ -485,11 +485,7 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
     }
   // Speculative decoding with the MTP layer: every step runs it after the model (ForwardBatch::next_ids).
   const bool mtp = config_.mtp_layers > 0;
-  if (mtp) {
-    for (size_t g = 0; g < padded.size(); ++g)
-      MLA_CHECK(padded[g].next_ids.size() == static_cast<size_t>(padded[g].num_tokens()),
-                "step: group {}'s batch has {} next ids for {} tokens (the MTP layer needs one per token)", g,
-                padded[g].next_ids.size(), padded[g].num_tokens());
+  if (mtp) {  // (pad_decode_batch pads them: a padded batch has them too)
     for (size_t g = 0; g < batches.size(); ++g)
       MLA_CHECK(!batches[g] || batches[g]->next_ids.size() == static_cast<size_t>(batches[g]->num_tokens()),
                 "step: group {}'s batch has {} next ids for {} tokens (the MTP layer needs one per token)", g,

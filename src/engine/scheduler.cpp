@@ -409,9 +409,11 @@ StepPlan Scheduler::schedule(bool allow_retract) {
   std::vector<Req*> decoding;
   // MTP drafts: a request that may draft waits for its step in flight (its draft comes from that step), unless this
   // step would check no drafts anyway (more decoding requests than spec_max_batch).
-  const int64_t decoding_now = std::count_if(running_.begin(), running_.end(),
-                                             [](const auto& r) { return r->state == ReqState::Decoding; });
-  const bool mtp_waits = cfg_.spec_model_drafts && (cfg_.spec_max_batch <= 0 || decoding_now <= cfg_.spec_max_batch);
+  const bool mtp_waits =
+      cfg_.spec_model_drafts &&
+      (cfg_.spec_max_batch <= 0 || std::count_if(running_.begin(), running_.end(), [](const auto& r) {
+                                     return r->state == ReqState::Decoding;
+                                   }) <= cfg_.spec_max_batch);
   for (auto& r : running_) {
     if (r->state != ReqState::Decoding) continue;
     // A request whose in-flight token will reach its length limit finishes when that token resolves.
