@@ -142,6 +142,18 @@ server::SamplingDefaults generation_config_sampling(const std::string& dir) {
   return d;
 }
 
+// The defaults as /get_server_info shows them (and the startup log): {"temperature": 0.6, ...}, the set ones only.
+nlohmann::json defaults_json(const server::SamplingDefaults& d) {
+  nlohmann::json j = nlohmann::json::object();
+  auto shortest = [](float f) { return std::stod(fmt::format("{}", f)); };  // 0.9, not 0.8999999761581421
+  if (d.temperature) j["temperature"] = shortest(*d.temperature);
+  if (d.top_p) j["top_p"] = shortest(*d.top_p);
+  if (d.top_k) j["top_k"] = *d.top_k;
+  if (d.min_p) j["min_p"] = shortest(*d.min_p);
+  if (d.repetition_penalty) j["repetition_penalty"] = shortest(*d.repetition_penalty);
+  return j;
+}
+
 void not_implemented(bool cond, const std::string& what) {
   MLA_CHECK(!cond, "{}: recognised but not implemented yet", what);
 }
@@ -341,14 +353,7 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["allow_auto_truncate"] = a.allow_auto_truncate;
   j["sampling_defaults"] = a.sampling_defaults;
   j["generation_config"] = a.generation_config;
-  nlohmann::json defaults = nlohmann::json::object();  // what requests that leave them out get
-  auto shortest = [](float f) { return std::stod(fmt::format("{}", f)); };  // 0.9, not 0.8999999761581421
-  if (a.defaults.temperature) defaults["temperature"] = shortest(*a.defaults.temperature);
-  if (a.defaults.top_p) defaults["top_p"] = shortest(*a.defaults.top_p);
-  if (a.defaults.top_k) defaults["top_k"] = *a.defaults.top_k;
-  if (a.defaults.min_p) defaults["min_p"] = shortest(*a.defaults.min_p);
-  if (a.defaults.repetition_penalty) defaults["repetition_penalty"] = shortest(*a.defaults.repetition_penalty);
-  j["default_sampling_params"] = std::move(defaults);
+  j["default_sampling_params"] = defaults_json(a.defaults);
   j["load_balance_method"] = a.load_balance_method;
   j["enable_priority_scheduling"] = a.enable_priority_scheduling;
   j["schedule_low_priority_values_first"] = a.low_priority_values_first;
@@ -660,15 +665,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
       s.defaults = generation_config_sampling(dir);
     }
     if (!s.defaults.empty()) {
-      std::string what;
-      auto add = [&](const char* k, auto v) { what += fmt::format("{}{} {}", what.empty() ? "" : ", ", k, v); };
-      if (s.defaults.temperature) add("temperature", *s.defaults.temperature);
-      if (s.defaults.top_p) add("top_p", *s.defaults.top_p);
-      if (s.defaults.top_k) add("top_k", *s.defaults.top_k);
-      if (s.defaults.min_p) add("min_p", *s.defaults.min_p);
-      if (s.defaults.repetition_penalty) add("repetition_penalty", *s.defaults.repetition_penalty);
       MLA_LOG_INFO("requests' sampling defaults from generation_config.json (--generation-config vllm or "
-                   "--sampling-defaults openai: none): {}", what);
+                   "--sampling-defaults openai: none): {}", defaults_json(s.defaults).dump());
     }
     s.origins = parse_origins(s.allowed_origins);
     MLA_CHECK(s.reasoning_parser.empty() || server::known_reasoning_parser(s.reasoning_parser),
