@@ -139,6 +139,9 @@ class Backend {
   // stay. Negative ids are resolved as begin_step's are (resolve_prev_ids). A second forward over the same tokens
   // with other ids: the draft layer (MTP) reads the token after each position where the model read the token itself.
   virtual void set_input_ids(std::span<const int32_t> ids) = 0;
+  // A further forward within the step (the MTP layer's chained drafts): `batch`'s metadata replaces the step's as
+  // begin_step's would, but the scratch handed out so far stays valid (earlier forwards' outputs are its inputs).
+  virtual void begin_substep(const ForwardBatch& batch) = 0;
   // The step's last op has been issued (idle statistics mark the end of its device work here).
   virtual void end_step() {}
 
@@ -203,6 +206,8 @@ class Backend {
   virtual void add(Tensor& a, const Tensor& b) = 0;
   // out[R, C] = x[logit_rows of the step, C]
   virtual void gather_logit_rows(const Tensor& x, Tensor& out) = 0;
+  // out[n, C] = x[rows[i], C] for the n rows given on the host.
+  virtual void gather_rows(const Tensor& x, std::span<const int32_t> rows, Tensor& out) = 0;
   // parts[n * R, C] (n blocks of R rows, e.g. each rank's slice of the vocabulary) -> out[R, n * C] with
   // out[i, r * C + c] = parts[r * R + i, c].
   virtual void interleave_blocks(const Tensor& parts, int64_t n, Tensor& out) = 0;

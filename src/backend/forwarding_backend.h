@@ -38,6 +38,7 @@ class ForwardingBackend : public Backend {
   void begin_step(const ForwardBatch& b) override { b_.begin_step(b); }
   void resolve_prev_ids(const Tensor& p) override { b_.resolve_prev_ids(p); }
   void set_input_ids(std::span<const int32_t> ids) override { b_.set_input_ids(ids); }
+  void begin_substep(const ForwardBatch& b) override { b_.begin_substep(b); }
   void end_step() override { b_.end_step(); }
   bool supports_graphs() const override { return b_.supports_graphs(); }
   bool takes_fp8_experts() const override { return b_.takes_fp8_experts(); }
@@ -60,6 +61,7 @@ class ForwardingBackend : public Backend {
   void copy(const Tensor& s, Tensor& d) override { b_.copy(s, d); }
   void add(Tensor& a, const Tensor& b) override { b_.add(a, b); }
   void gather_logit_rows(const Tensor& x, Tensor& o) override { b_.gather_logit_rows(x, o); }
+  void gather_rows(const Tensor& x, std::span<const int32_t> r, Tensor& o) override { b_.gather_rows(x, r, o); }
   void interleave_blocks(const Tensor& p, int64_t n, Tensor& o) override { b_.interleave_blocks(p, n, o); }
   void mla_write_latent(Tensor& l, const Tensor& w, float e, Tensor& c) override { b_.mla_write_latent(l, w, e, c); }
   void mla_rope_q(Tensor& q, int32_t a, int32_t b, int32_t c) override { b_.mla_rope_q(q, a, b, c); }
@@ -90,6 +92,7 @@ class GraphRecorder final : public ForwardingBackend {
   std::string name() const override { return b_.name() + "+graphs"; }
   bool supports_graphs() const override { return true; }
   void begin_step(const ForwardBatch& b) override;
+  void begin_substep(const ForwardBatch& b) override;
   void begin_graph_step(const ForwardBatch& b) override;
   void graph_capture_begin() override;
   int32_t graph_capture_end() override;
@@ -119,6 +122,9 @@ class GraphRecorder final : public ForwardingBackend {
   void add(Tensor& a, const Tensor& x) override { run([this, a, x]() mutable { b_.add(a, x); }); }
   void gather_logit_rows(const Tensor& x, Tensor& o) override {
     run([this, x, o]() mutable { b_.gather_logit_rows(x, o); });
+  }
+  void gather_rows(const Tensor& x, std::span<const int32_t> r, Tensor& o) override {
+    run([this, x, v = std::vector<int32_t>(r.begin(), r.end()), o]() mutable { b_.gather_rows(x, v, o); });
   }
   void interleave_blocks(const Tensor& p, int64_t n, Tensor& o) override {
     run([this, p, n, o]() mutable { b_.interleave_blocks(p, n, o); });

@@ -15,6 +15,12 @@ void GraphRecorder::begin_step(const ForwardBatch& b) {
   b_.begin_step(b);
 }
 
+void GraphRecorder::begin_substep(const ForwardBatch& b) {
+  MLA_CHECK(!recording_, "begin_substep while a graph is being recorded");
+  graph_step_ = false;
+  b_.begin_substep(b);
+}
+
 void GraphRecorder::begin_graph_step(const ForwardBatch& b) {
   MLA_CHECK(!recording_, "begin_graph_step while a graph is being recorded");
   MLA_CHECK(is_graph_batch(b),

@@ -23,6 +23,7 @@
 #include "core/log.h"
 #include "engine/engine_api.h"
 #include "io/model_config.h"
+#include "model/forward_batch.h"
 #include "model/kv_cache.h"
 #include "server/api.h"
 #include "server/batches.h"
@@ -258,17 +259,29 @@ void resolve_speculative(ServeArgs& s) {
   }
   const std::string given = s.speculative_config.empty() ? s.speculative_algorithm : algo;
   if (algo == "EAGLE" || algo == "NEXTN" || algo == "MTP" || algo == "DEEPSEEK_MTP") {
-    // The checkpoint's own MTP layer drafts one token per step (SGLang's DeepSeek recipe: --speculative-num-steps 1
-    // --speculative-eagle-topk 1 --speculative-num-draft-tokens 2; vLLM's num_speculative_tokens 1). Its draft model is
-    // the checkpoint itself; deeper chains and draft trees are not implemented.
-    MLA_CHECK(s.speculative_num_steps <= 1 && s.speculative_eagle_topk <= 1,
-              "speculative decoding {}: only --speculative-num-steps 1 and --speculative-eagle-topk 1 are supported "
-              "(one MTP draft per step, no draft tree), got {} and {}", given, s.speculative_num_steps,
-              s.speculative_eagle_topk);
+    // The checkpoint's own MTP layer drafts a chain of tokens per step, each from the one before (SGLang's
+    // --speculative-num-steps N --speculative-eagle-topk 1 --speculative-num-draft-tokens N + 1, its default for
+    // DeepSeek 3 / 1 / 4; vLLM's num_speculative_tokens N, default 1). Its draft model is the checkpoint itself;
+    // draft trees (top-k above 1) are not implemented.
+    MLA_CHECK(s.speculative_eagle_topk <= 1,
+              "speculative decoding {}: --speculative-eagle-topk {} (a draft tree) is not supported; use 1 (a chain of "
+              "MTP drafts)", given, s.speculative_eagle_topk);
     const bool vllm = !s.speculative_config.empty();
-    MLA_CHECK(k == 0 || (vllm ? k == 1 : k == 2),
-              "speculative decoding {}: {} must be {} (one MTP draft per step), got {}", given,
-              vllm ? "num_speculative_tokens" : "--speculative-num-draft-tokens", vllm ? 1 : 2, k);
+    int32_t steps = 0;
+    if (vllm) {
+      steps = k == 0 ? 1 : k;
+    } else if (s.speculative_num_steps > 0) {
+      steps = s.speculative_num_steps;
+      if (k != 0 && k != steps + 1)  // as SGLang does with a top-k of 1
+        MLA_LOG_WARN("--speculative-num-draft-tokens {} becomes {} (--speculative-num-steps + 1 with top-k 1)", k,
+                     steps + 1);
+    } else {
+      MLA_CHECK(k == 0 || k >= 2, "speculative decoding {}: --speculative-num-draft-tokens counts the token the drafts "
+                "follow, so it must be at least 2, got {}", given, k);
+      steps = k == 0 ? 3 : k - 1;
+    }
+    MLA_CHECK(steps >= 1 && steps <= kMaxMtpChain, "speculative decoding {}: {} MTP drafts per step; 1 to {} are "
+              "supported", given, steps, kMaxMtpChain);
     MLA_CHECK(s.spec_max_batch >= 0, "speculative decoding: the batch size that disables it must be >= 0, got {}",
               s.spec_max_batch);
     if (!s.speculative_draft_model_path.empty()) {  // the checkpoint's own MTP layer: the model itself
@@ -281,7 +294,7 @@ void resolve_speculative(ServeArgs& s) {
                 given, s.speculative_draft_model_path, s.model_path);
     }
     s.spec_mtp = true;
-    s.spec_draft_tokens = 1;
+    s.spec_draft_tokens = steps;
     return;
   }
   MLA_CHECK(s.speculative_draft_model_path.empty(), "speculative decoding {} takes no draft model", given);
@@ -366,7 +379,7 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   // SGLang counts the token a draft follows (EAGLE's draft tokens: steps + 1).
   j["speculative_num_draft_tokens"] = a.spec_mtp ? a.spec_draft_tokens + 1 : a.spec_draft_tokens;
   if (a.spec_mtp) {
-    j["speculative_num_steps"] = 1;
+    j["speculative_num_steps"] = a.spec_draft_tokens;
     j["speculative_eagle_topk"] = 1;
   }
   j["speculative_ngram_min_match_window_size"] = a.ngram_min;
@@ -495,12 +508,13 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--speculative-algorithm", a->speculative_algorithm,
                  "speculative decoding: NGRAM (drafts from earlier occurrences of the last tokens), or EAGLE / NEXTN "
                  "(drafts from the checkpoint's MTP layer)");
-  app.add_option("--speculative-num-steps", a->speculative_num_steps, "EAGLE: MTP draft steps per step (1)");
+  app.add_option("--speculative-num-steps", a->speculative_num_steps,
+                 "EAGLE: chained MTP drafts per step (default 3, or --speculative-num-draft-tokens - 1)");
   app.add_option("--speculative-eagle-topk", a->speculative_eagle_topk, "EAGLE: drafts per step (1: no tree)");
   app.add_option("--speculative-draft-model-path", a->speculative_draft_model_path,
                  "EAGLE: the draft model, the model itself (its MTP layer)");
   app.add_option("--speculative-num-draft-tokens", a->speculative_num_draft_tokens,
-                 "draft tokens checked per step (default 4)");
+                 "draft tokens checked per step (NGRAM: default 4; EAGLE: with the token they follow)");
   app.add_option("--speculative-ngram-min-match-window-size", a->ngram_min,
                  "NGRAM: shortest run of last tokens looked up")
       ->capture_default_str();

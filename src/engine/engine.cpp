@@ -38,8 +38,9 @@ Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
   sc.spec_ngram_max = opts_.spec_ngram_max;
   sc.spec_max_batch = opts_.spec_max_batch;
   sc.spec_model_drafts = ranks_->config().mtp_layers > 0;
-  MLA_CHECK(!sc.spec_model_drafts || opts_.spec_draft_tokens == 1,
-            "speculative decoding with the MTP layer drafts 1 token per step, not {}", opts_.spec_draft_tokens);
+  MLA_CHECK(!sc.spec_model_drafts || (opts_.spec_draft_tokens >= 1 && opts_.spec_draft_tokens <= kMaxMtpChain),
+            "speculative decoding with the MTP layer drafts 1 to {} tokens per step, not {}", kMaxMtpChain,
+            opts_.spec_draft_tokens);
   MLA_CHECK(opts_.spec_draft_tokens >= 0 && opts_.spec_ngram_min >= 1 && opts_.spec_ngram_max >= opts_.spec_ngram_min,
             "speculative decoding: draft tokens {} must be >= 0 and the n-gram sizes 1 <= {} <= {}",
             opts_.spec_draft_tokens, opts_.spec_ngram_min, opts_.spec_ngram_max);
@@ -379,7 +380,11 @@ std::vector<std::vector<SampleResult>> Engine::collect(const std::vector<StepPla
       for (int32_t k = 0; k < s.sampled_rows(); ++k, ++i) {
         SampleResult r;
         r.token = outs[g].ids[static_cast<size_t>(i)];
-        if (!outs[g].drafts.empty()) r.draft = outs[g].drafts[static_cast<size_t>(i)];
+        if (!outs[g].drafts.empty()) {  // [rows, width]: the row's drafts until the first missing one
+          const size_t w = outs[g].drafts.size() / outs[g].ids.size();
+          for (size_t c = 0; c < w && outs[g].drafts[static_cast<size_t>(i) * w + c] >= 0; ++c)
+            r.drafts.push_back(outs[g].drafts[static_cast<size_t>(i) * w + c]);
+        }
         if (sp.wants_host_logits()) {
           r.logprob = top_logprobs(host_logits(i), V, r.token, sp.top_logprobs_num, sp.token_ids_logprob);
         } else if (sp.return_logprob) {

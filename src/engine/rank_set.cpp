@@ -53,6 +53,113 @@ std::vector<T> get_vec(const char*& p, const char* end) {
   p += n * static_cast<int64_t>(sizeof(T));
   return v;
 }
+// Chained MTP drafts (ForwardBatch::mtp_chain >= 2): each sequence of a group's batch whose last new token is a logit
+// row chains from the row its sequence keeps last. Known on every rank from the batches alone (the collectives of
+// every chained forward need every group's token count): its last new token, its drafts, its logit rows' first,
+// and how many drafts it makes (its page table's room after its last new token, at most the chain).
+struct ChainSeq {
+  int32_t last = 0, drafts = 0, first_row = 0, len = 0;
+};
+std::vector<ChainSeq> chain_seqs(const ForwardBatch& b, int32_t chain) {
+  std::vector<int32_t> row_of(static_cast<size_t>(b.num_tokens()), -1);
+  for (size_t r = 0; r < b.logit_rows.size(); ++r)
+    row_of[static_cast<size_t>(b.logit_rows[r])] = static_cast<int32_t>(r);
+  std::vector<ChainSeq> out;
+  for (int32_t s = 0; s < b.num_seqs(); ++s) {
+    ChainSeq c;
+    const auto at = static_cast<size_t>(s);
+    c.last = b.seq_q_start[at + 1] - 1;
+    if (row_of[static_cast<size_t>(c.last)] < 0) continue;  // a prompt chunk before the last samples nothing
+    c.drafts = b.seq_drafts.empty() ? 0 : b.seq_drafts[at];
+    MLA_CHECK(c.drafts >= 0 && c.drafts < b.seq_q_start[at + 1] - b.seq_q_start[at], "step: sequence {} has {} drafts",
+              s, c.drafts);
+    c.first_row = row_of[static_cast<size_t>(c.last - c.drafts)];
+    MLA_CHECK(c.first_row >= 0 && c.first_row + c.drafts == row_of[static_cast<size_t>(c.last)],
+              "step: sequence {}'s drafts are not logit rows", s);
+    int32_t pages = 0;
+    while (pages < b.max_pages && b.page_table[at * static_cast<size_t>(b.max_pages) + pages] >= 0) ++pages;
+    c.len = std::clamp(pages * b.page_size - b.positions[static_cast<size_t>(c.last)], 1, chain);
+    out.push_back(c);
+  }
+  return out;
+}
+
+// Runs the chained drafts of group g on one rank after forward_draft (its drafts, one per logit row, in
+// sampled[2R, 3R) on every rank of the group): the ids sampled for the group's rows come to the host, which decides
+// the row each sequence keeps last (its drafts that its draws confirm), then chain step j = 2.. makes draft j of every
+// sequence with room for it from draft j - 1 and the MTP layer's output at that row (forward_draft_chain). The drafts
+// of step j land after those of step j - 1 in sampled[3R, ...); slots (the group's leader) gets each one's place
+// row * chain + (j - 1). Returns how many were written.
+int64_t chain_drafts(DeepseekModel& model, Backend& be, KvCache& kv, Tensor& sampled, const ForwardBatch& b,
+                     int64_t R, int32_t chain, const std::vector<std::vector<ChainSeq>>& groups, int32_t g, int32_t d,
+                     std::vector<int32_t>* slots) {
+  const std::vector<ChainSeq>& seqs = groups[static_cast<size_t>(g)];
+  std::vector<int32_t> ids(static_cast<size_t>(R));
+  if (R > 0) be.download(sampled.rows(0, R), ids.data());
+  // Per sequence: its token the chain starts from, that token's logit row, and its input to the next chained step
+  // (the row of the previous drafts and of the previous MTP output).
+  std::vector<int32_t> from_token(seqs.size()), from_row(seqs.size()), prev_at(seqs.size()), hidden_at(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const ChainSeq& c = seqs[i];
+    int32_t kept = 0;  // the drafts that the draws before them confirm
+    while (kept < c.drafts && ids[static_cast<size_t>(c.first_row + kept)] ==
+                                  b.input_ids[static_cast<size_t>(c.last - c.drafts + kept + 1)])
+      ++kept;
+    from_token[i] = c.last - c.drafts + kept;
+    from_row[i] = c.first_row + kept;
+    prev_at[i] = from_row[i];     // its first draft: sampled[2R + row]
+    hidden_at[i] = from_token[i];  // forward_draft's output row: its token
+  }
+  Tensor prev = sampled.rows(2 * R, 3 * R);
+  int64_t written = 0;
+  const std::vector<RowSampling> greedy(seqs.size());
+  for (int32_t j = 2; j <= chain; ++j) {
+    DpStepInfo info;
+    for (const auto& gs : groups)
+      info.num_tokens.push_back(static_cast<int32_t>(std::count_if(gs.begin(), gs.end(), [j](const ChainSeq& c) {
+        return c.len >= j;
+      })));
+    if (std::all_of(info.num_tokens.begin(), info.num_tokens.end(), [](int32_t n) { return n == 0; })) break;
+    ForwardBatch cb;
+    cb.page_size = b.page_size;
+    cb.max_pages = b.max_pages;
+    cb.seq_q_start = {0};
+    std::vector<int32_t> hidden_rows, members;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      if (seqs[i].len < j) continue;
+      const int32_t n = cb.num_tokens(), pos = b.positions[static_cast<size_t>(from_token[i])] + j - 1;
+      const auto row = b.page_table.begin() + static_cast<int64_t>(b.token_seq[static_cast<size_t>(seqs[i].last)]) *
+                                                   b.max_pages;
+      cb.input_ids.push_back(-(prev_at[i] + 1));
+      cb.positions.push_back(pos);
+      cb.token_seq.push_back(n);
+      cb.out_slots.push_back(row[pos / b.page_size] * b.page_size + pos % b.page_size);
+      cb.seq_q_start.push_back(n + 1);
+      cb.seq_prefix_lens.push_back(pos);
+      cb.seq_lens.push_back(pos + 1);
+      cb.page_table.insert(cb.page_table.end(), row, row + b.max_pages);
+      cb.logit_rows.push_back(n);
+      hidden_rows.push_back(hidden_at[i]);
+      members.push_back(static_cast<int32_t>(i));
+    }
+    cb.mode = cb.num_tokens() > 0 ? ForwardMode::Decode : ForwardMode::Idle;
+    const int64_t n = cb.num_tokens();
+    Tensor logits = model.forward_draft_chain(cb, hidden_rows, prev, kv, d > 1 ? &info : nullptr);
+    Tensor out = sampled.rows(3 * R + written, 3 * R + written + n);
+    // Every rank of the group samples them (greedy over the same gathered logits): the next chained step reads them.
+    if (n > 0) be.sample(logits, std::span<const RowSampling>(greedy).first(static_cast<size_t>(n)), out, nullptr);
+    for (int64_t k = 0; k < n; ++k) {
+      const auto i = static_cast<size_t>(members[static_cast<size_t>(k)]);
+      if (slots) slots->push_back(from_row[i] * chain + (j - 1));
+      prev_at[i] = static_cast<int32_t>(k);
+      hidden_at[i] = static_cast<int32_t>(k);
+    }
+    prev = out;
+    written += n;
+  }
+  return written;
+}
+
 // Group g's rows whose logits come back, or null for none.
 const std::vector<int32_t>* rows_of_group(const LogitRows& rows, int32_t g) {
   if (g < 0 || static_cast<size_t>(g) >= rows.size() || rows[static_cast<size_t>(g)].empty()) return nullptr;
@@ -370,7 +477,7 @@ void RankSet::allocate_kv_local(int32_t num_pages, int32_t page_size) {
     r.model->clear_graphs();
     r.backend->release_graphs();
     // Ids, logprobs and, with the MTP layer, its drafts.
-    const int64_t per_row = config_.mtp_layers > 0 ? 3 : 2;
+    const int64_t per_row = config_.mtp_layers > 0 ? 2 + kMaxMtpChain : 2;  // (the chained drafts after the first)
     if (!r.sampled.defined() || r.sampled.numel() < per_row * sampled_rows_)
       r.sampled = r.backend->alloc({per_row * sampled_rows_}, DType::I32);
     r.model->set_prev_ids(r.sampled.rows(0, sampled_rows_));
@@ -483,14 +590,31 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
       const ForwardBatch* b = batches[static_cast<size_t>(g)];
       padded.push_back(pad_decode_batch(b ? *b : idle, graph_size, dummy_page_, page_size_));
     }
-  // Speculative decoding with the MTP layer: every step runs it after the model (ForwardBatch::next_ids).
+  // Speculative decoding with the MTP layer: every step runs it after the model (ForwardBatch::next_ids), then its
+  // chained drafts where the batches ask for them (every group the same chain).
   const bool mtp = config_.mtp_layers > 0;
+  int32_t chain = 0;
+  std::vector<std::vector<ChainSeq>> chains;
   if (mtp) {  // (pad_decode_batch pads them: a padded batch has them too)
-    for (size_t g = 0; g < batches.size(); ++g)
-      MLA_CHECK(!batches[g] || batches[g]->next_ids.size() == static_cast<size_t>(batches[g]->num_tokens()),
+    for (size_t g = 0; g < batches.size(); ++g) {
+      if (!batches[g]) continue;
+      MLA_CHECK(batches[g]->next_ids.size() == static_cast<size_t>(batches[g]->num_tokens()),
                 "step: group {}'s batch has {} next ids for {} tokens (the MTP layer needs one per token)", g,
                 batches[g]->next_ids.size(), batches[g]->num_tokens());
+      MLA_CHECK(batches[g]->mtp_chain >= 0 && batches[g]->mtp_chain <= kMaxMtpChain,
+                "step: group {}'s batch asks for a chain of {} MTP drafts (at most {})", g, batches[g]->mtp_chain,
+                kMaxMtpChain);
+      MLA_CHECK(batches[g]->seq_drafts.empty() || batches[g]->seq_drafts.size() ==
+                                                      static_cast<size_t>(batches[g]->num_seqs()),
+                "step: group {}'s batch has {} draft counts for {} sequences", g, batches[g]->seq_drafts.size(),
+                batches[g]->num_seqs());
+      chain = std::max(chain, batches[g]->mtp_chain);
+    }
+    if (chain >= 2)
+      for (const ForwardBatch* b : batches) chains.push_back(b ? chain_seqs(*b, chain) : std::vector<ChainSeq>{});
   }
+  h.chain_width = chain >= 2 ? chain : 0;
+  h.chain_slots.assign(ranks_.size(), {});
   h.rows.assign(ranks_.size(), -1);
   h.tickets.assign(ranks_.size(), 0);
   h.logit_tickets.assign(ranks_.size(), 0);
@@ -533,15 +657,20 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
           const ForwardBatch& fb = graph_size > 0 ? padded[static_cast<size_t>(g)] : b;
           const DpStepInfo* di = d > 1 ? (graph_size > 0 ? &graph_info : &info) : nullptr;
           Tensor draft_logits = rk.model->forward_draft(fb, fb.next_ids, *rk.kv, di);
-          if (leader && R > 0) {
+          if (R > 0 && (leader || !chains.empty())) {  // (a chain reads them on every rank of the group)
             Tensor drafts = rk.sampled.rows(2 * R, 3 * R);
             const std::vector<RowSampling> greedy(static_cast<size_t>(R));
             rk.backend->sample(draft_logits.rows(0, R), greedy, drafts, nullptr);
           }
         }
+        int64_t chained = 0;
+        if (!chains.empty())
+          chained = chain_drafts(*rk.model, *rk.backend, *rk.kv, rk.sampled, b, R, chain, chains, g, d,
+                                 leader ? &h.chain_slots[static_cast<size_t>(i)] : nullptr);
         if (leader && R > 0) {
           h.rows[static_cast<size_t>(i)] = R;
-          h.tickets[static_cast<size_t>(i)] = rk.backend->download_start(rk.sampled.rows(0, (mtp ? 3 : 2) * R));
+          h.tickets[static_cast<size_t>(i)] =
+              rk.backend->download_start(rk.sampled.rows(0, (mtp ? 3 : 2) * R + chained));
           const std::vector<int32_t>* keep = rows_of_group(logit_rows, g);
           if (keep) {  // top-N logprobs: those rows' logits too, without waiting for them here
             MLA_CHECK(logits.dtype() == DType::F32, "step: logits must be F32");
@@ -576,13 +705,21 @@ void RankSet::finish_local(Launched& h) {
         if (R < 0) return;
         GroupOutput& o = h.out[static_cast<size_t>(rk.global / at)];
         const bool mtp = config_.mtp_layers > 0;
-        std::vector<int32_t> host(static_cast<size_t>((mtp ? 3 : 2) * R));
+        const std::vector<int32_t>& slots = h.chain_slots[static_cast<size_t>(i)];
+        std::vector<int32_t> host(static_cast<size_t>((mtp ? 3 : 2) * R) + slots.size());
         MLA_LOG_TRACE("rank {}: waiting for the ids", rk.global);
         rk.backend->download_finish(h.tickets[static_cast<size_t>(i)], host.data());
         o.ids.assign(host.begin(), host.begin() + R);
         o.logprobs.resize(static_cast<size_t>(R));
         std::memcpy(o.logprobs.data(), host.data() + R, static_cast<size_t>(R) * sizeof(float));
-        if (mtp) o.drafts.assign(host.begin() + 2 * R, host.end());
+        if (mtp && h.chain_width == 0) {
+          o.drafts.assign(host.begin() + 2 * R, host.begin() + 3 * R);
+        } else if (mtp) {  // [R, chain]: the first drafts of every row, the chained ones where their chain starts
+          const int64_t w = h.chain_width;
+          o.drafts.assign(static_cast<size_t>(R * w), -1);
+          for (int64_t r = 0; r < R; ++r) o.drafts[static_cast<size_t>(r * w)] = host[static_cast<size_t>(2 * R + r)];
+          for (size_t k = 0; k < slots.size(); ++k) o.drafts[static_cast<size_t>(slots[k])] = host[3 * R + k];
+        }
         if (const std::vector<int32_t>* keep = rows_of_group(h.logit_rows, rk.global / at)) {
           o.logits = Tensor::empty_host({static_cast<int64_t>(keep->size()), h.logit_cols[static_cast<size_t>(i)]},
                                         DType::F32);

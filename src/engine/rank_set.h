@@ -60,7 +60,9 @@ struct GroupOutput {
   std::vector<int32_t> ids;       // sampled on the device, one per logit row
   std::vector<float> logprobs;    // of the sampled ids
   Tensor logits;                  // host F32 [n, vocab]: the n rows its LogitRows entry named, in that order
-  std::vector<int32_t> drafts;    // with the MTP layer: its greedy token after each row's sample (else empty)
+  // With the MTP layer: its greedy token after each row's sample (else empty); with chained drafts (mtp_chain k >= 2)
+  // [rows, k] row-major: the chain after the row whose sample is the last one its sequence keeps, -1 elsewhere.
+  std::vector<int32_t> drafts;
 };
 
 // Per DP group, the logit rows (indices into its batch's logit_rows) whose full logits come back to the host (top-N
@@ -107,6 +109,10 @@ class RankSet {
     std::vector<uint64_t> logit_tickets;  // per local rank, with logit rows: their download (after tickets')
     std::vector<int64_t> logit_cols;      // and their columns
     LogitRows logit_rows;
+    // Chained MTP drafts: the drafts per logit row (GroupOutput::drafts' width; 0 without chains) and per local rank
+    // the place (row * width + column) of each chained draft it downloads after the first drafts, in order.
+    int32_t chain_width = 0;
+    std::vector<std::vector<int32_t>> chain_slots;
     bool ran = false, remote = false;
     uint64_t seq = 0;  // with other nodes: this step's number in node 0's messages
   };

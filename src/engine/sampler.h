@@ -18,7 +18,9 @@ namespace mlaserve {
 struct SampleResult {
   int32_t token = -1;
   TokenLogprob logprob;  // filled when the request asks for logprobs
-  int32_t draft = -1;    // with the MTP layer: its greedy token after `token` (the next step's draft)
+  // With the MTP layer: its greedy tokens after `token` (the next step's drafts; one, or a chain where the step
+  // chains from this row).
+  std::vector<int32_t> drafts;
 };
 
 struct SamplerState {

@@ -289,7 +289,7 @@ void Scheduler::retract(Req& r) {
   release(r, /*cache_kv=*/true);
   r.kv_len = 0;
   r.state = ReqState::Waiting;
-  r.model_draft = -1;  // its prefill again makes a new one
+  r.model_drafts.clear();  // its prefill again makes new ones
   ++counters_.num_retractions;
 }
 
@@ -434,8 +434,10 @@ StepPlan Scheduler::schedule(bool allow_retract) {
         std::min<int64_t>(r->sampling.max_new_tokens - static_cast<int64_t>(r->output.size()) - r->in_flight,
                           cfg_.context_len - static_cast<int64_t>(r->fill.size())) - 1;
     if (cfg_.spec_model_drafts) {
-      if (r->in_flight == 0 && r->model_draft >= 0 && room >= 1)
-        drafts.emplace(r, std::vector<int32_t>{r->model_draft});
+      const int64_t k =
+          std::min<int64_t>({room, cfg_.spec_draft_tokens, static_cast<int64_t>(r->model_drafts.size())});
+      if (r->in_flight == 0 && k >= 1)
+        drafts.emplace(r, std::vector<int32_t>(r->model_drafts.begin(), r->model_drafts.begin() + k));
       continue;
     }
     if (r->draft_skip > 0) {  // its last drafts were not kept
@@ -463,15 +465,19 @@ StepPlan Scheduler::schedule(bool allow_retract) {
     const auto it = drafts.find(r);
     return it == drafts.end() ? 0 : static_cast<int32_t>(it->second.size());
   };
+  // Chained MTP drafts write the MTP layer's cache up to chain_room positions past a request's last new token.
+  plan.mtp_chain = cfg_.spec_model_drafts ? (draft_step ? cfg_.spec_draft_tokens : 1) : 0;
+  int32_t chain_room = std::max(0, plan.mtp_chain - 1);
   auto pages_needed = [&]() {
     int32_t n = 0;
     for (Req* r : decoding)
-      n += std::max(0, div_up(r->kv_len + 1 + draft_of(r), P) - static_cast<int32_t>(r->pages.size()));
+      n += std::max(0, div_up(r->kv_len + 1 + draft_of(r) + chain_room, P) - static_cast<int32_t>(r->pages.size()));
     return n;
   };
   while (!decoding.empty() && !ensure_pages(pages_needed(), nullptr)) {
-    if (!drafts.empty()) {  // drafts are the first to go when pages run short
+    if (!drafts.empty() || chain_room > 0) {  // drafts are the first to go when pages run short
       drafts.clear();
+      chain_room = 0;
       continue;
     }
     if (!allow_retract) {
@@ -513,7 +519,7 @@ StepPlan Scheduler::schedule(bool allow_retract) {
   }
   for (Req* r : decoding) {
     const int32_t k = draft_of(r);
-    MLA_CHECK(take_pages(*r, r->kv_len + 1 + k, r), "scheduler: decode pages vanished");
+    MLA_CHECK(take_pages(*r, r->kv_len + 1 + k + chain_room, r), "scheduler: decode pages vanished");
     ScheduledSeq& q = plan.seqs.emplace_back();
     q.req = r;
     q.num_tokens = 1 + k;
@@ -603,10 +609,13 @@ void Scheduler::build_batch(StepPlan& plan) {
         from_device.emplace_back(at + i, r.pending_row);
       }
     at += toks.size();
-    bb.add_logits_from(toks, r.kv_len, r.pages, s.num_tokens - s.rows());
-    if (!s.drafts.empty()) bb.absorb_last();  // a few tokens after a long context: no expansion of the context
+    // (chained MTP drafts: the pages after the new tokens that the request has, for the chain's positions)
+    bb.add_logits_from(toks, r.kv_len, r.pages, s.num_tokens - s.rows(), std::max(0, plan.mtp_chain - 1));
+    // A few tokens after a long context: no expansion of the context.
+    if (!s.drafts.empty()) bb.absorb_last(static_cast<int32_t>(s.drafts.size()));
   }
   plan.batch = bb.finish();
+  plan.batch.mtp_chain = plan.mtp_chain;
   plan.uses_prev_ids = !from_device.empty();
   for (const auto& [t, row] : from_device) plan.batch.input_ids[t] = -(row + 1);
   if (cfg_.spec_model_drafts) set_next_ids(plan);
@@ -727,7 +736,7 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     }
     for (size_t t = 0; t <= kept && r.state != ReqState::Finished; ++t) take_token(r, sampled[first + t], t == 0);
     if (r.state == ReqState::Finished) continue;
-    r.model_draft = sampled[first + kept].draft;  // the MTP layer's token after the last one taken
+    r.model_drafts = sampled[first + kept].drafts;  // the MTP layer's tokens after the last one taken
     emit(r);
     // Pages past the next token's position go back (drafts that were not kept).
     const size_t need = static_cast<size_t>(div_up(r.kv_len + 1, cfg_.page_size));

@@ -54,10 +54,12 @@ struct SchedulerConfig {
   int32_t spec_draft_tokens = 0;
   int32_t spec_ngram_min = 1;
   int32_t spec_ngram_max = 3;
-  // Drafts from the model's MTP layer instead (SGLang's EAGLE / NEXTN, vLLM's deepseek_mtp; spec_draft_tokens 1):
-  // every step runs the MTP layer after the model (ForwardBatch::next_ids), whose greedy token after a request's
-  // last sample is its draft for the next step. A request that may draft waits for its step in flight (its draft
-  // comes from that step), and does not back off (the MTP layer runs anyway).
+  // Drafts from the model's MTP layer instead (SGLang's EAGLE / NEXTN, vLLM's deepseek_mtp): every step runs the
+  // MTP layer after the model (ForwardBatch::next_ids), whose greedy token after a request's last sample is its first
+  // draft for the next step; with spec_draft_tokens 2 or more the layer chains on its own drafts
+  // (ForwardBatch::mtp_chain; a decoding request's pages keep room for the chain's positions). A request that may
+  // draft waits for its step in flight (its drafts come from that step), and does not back off (the MTP layer runs
+  // anyway).
   bool spec_model_drafts = false;
   // No drafts in a step with more decoding requests than this (vLLM's disable_by_batch_size; 0: no limit): a step
   // that checks drafts is several tokens for every drafting request in it.
@@ -101,7 +103,7 @@ struct Req {
   // steps propose none (doubling up to kMaxDraftBackoff with every such check; a kept draft resets it).
   int32_t draft_backoff = 0;
   int32_t draft_skip = 0;
-  int32_t model_draft = -1;  // SchedulerConfig::spec_model_drafts: the MTP layer's token after the last one (-1: none)
+  std::vector<int32_t> model_drafts;  // SchedulerConfig::spec_model_drafts: the MTP layer's tokens after the last one
   std::vector<TokenLogprob> pending_lps;  // logprobs not yet reported
   // Prompt logprobs (sampling.logprob_start_len >= 0): those of prompt positions lp_first_row + 1 on, one per logit
   // row from prompt position lp_first_row up to the prompt's second last, collected as the chunks resolve and
@@ -155,6 +157,7 @@ struct StepPlan {
   // Some input ids are the samples of the step still running (ForwardBatch: -(row + 1)): the batch is valid only
   // as the very next step on the same ranks (the sampled ids stay on the device), else refresh() it first.
   bool uses_prev_ids = false;
+  int32_t mtp_chain = 0;  // ForwardBatch::mtp_chain: the MTP drafts this step makes (1 where it checks none)
   bool empty() const { return seqs.empty(); }
 };
 

@@ -780,7 +780,7 @@ Tensor DeepseekModel::forward_draft(const ForwardBatch& batch, std::span<const i
                                     const DpStepInfo* dp) {
   const auto& c = config_;
   MLA_CHECK(c.mtp_layers > 0 && !layers_.empty(), "forward_draft: the model was loaded without its MTP layer");
-  const int64_t T = batch.num_tokens(), H = c.hidden_size, L = c.num_hidden_layers;
+  const int64_t T = batch.num_tokens(), L = c.num_hidden_layers;
   MLA_CHECK(static_cast<int64_t>(next_ids.size()) == T, "forward_draft: {} next ids for {} tokens", next_ids.size(), T);
   MLA_CHECK(last_hidden_.defined() && last_hidden_.size(0) == T,
             "forward_draft: the step's forward over the same {} tokens must come first", T);
@@ -792,12 +792,43 @@ Tensor DeepseekModel::forward_draft(const ForwardBatch& batch, std::span<const i
     any_prev |= id < 0;
   }
   MLA_LOG_TRACE("rank {}: MTP forward of {} tokens", plan_.tp_rank, T);
-  const DType ad = backend_.act_dtype();
-  const float eps = static_cast<float>(c.rms_norm_eps);
-  // hidden = eh_proj([enorm(embed(next token)); hnorm(the model's last hidden state)]), the two halves of eh_proj as
-  // two products summed; then one decoder layer and the shared head (the model's lm_head behind the MTP's own norm).
   backend_.set_input_ids(next_ids);
   if (any_prev) backend_.resolve_prev_ids(prev_ids_);
+  return draft_layer(batch, last_hidden_, cache, dp);
+}
+
+Tensor DeepseekModel::forward_draft_chain(const ForwardBatch& batch, std::span<const int32_t> hidden_rows,
+                                          const Tensor& drafts, KvCache& cache, const DpStepInfo* dp) {
+  const auto& c = config_;
+  const int64_t T = batch.num_tokens(), H = c.hidden_size;
+  MLA_CHECK(c.mtp_layers > 0 && !layers_.empty(), "forward_draft_chain: the model was loaded without its MTP layer");
+  MLA_CHECK(T == 0 || draft_hidden_.defined(), "forward_draft_chain: forward_draft must come first in the step");
+  MLA_CHECK(static_cast<int64_t>(hidden_rows.size()) == T && batch.num_seqs() == T &&
+                static_cast<int64_t>(batch.logit_rows.size()) == T,
+            "forward_draft_chain: {} tokens, {} sequences, {} logit rows and {} hidden rows (one of each per token)", T,
+            batch.num_seqs(), batch.logit_rows.size(), hidden_rows.size());
+  for (int32_t id : batch.input_ids)
+    MLA_CHECK(id < 0 && -static_cast<int64_t>(id) <= drafts.numel(), "forward_draft_chain: input id {} names no draft",
+              id);
+  MLA_LOG_TRACE("rank {}: chained MTP forward of {} tokens", plan_.tp_rank, T);
+  const Tensor previous = draft_hidden_;
+  backend_.begin_substep(batch);
+  Tensor hidden_in = backend_.scratch({T, H}, backend_.act_dtype());
+  if (T > 0) {
+    backend_.gather_rows(previous, hidden_rows, hidden_in);
+    backend_.resolve_prev_ids(drafts);
+  }
+  return draft_layer(batch, hidden_in, cache, dp);
+}
+
+Tensor DeepseekModel::draft_layer(const ForwardBatch& batch, const Tensor& hidden_in, KvCache& cache,
+                                  const DpStepInfo* dp) {
+  const auto& c = config_;
+  const int64_t T = batch.num_tokens(), H = c.hidden_size, L = c.num_hidden_layers;
+  const DType ad = backend_.act_dtype();
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  // hidden = eh_proj([enorm(embed(next token)); hnorm(the input hidden state)]), the two halves of eh_proj as two
+  // products summed; then one decoder layer and the shared head (the model's lm_head behind the MTP's own norm).
   Tensor residual = backend_.scratch({T, H}, ad), residual_next = backend_.scratch({T, H}, ad);
   Tensor normed = backend_.scratch({T, H}, ad), hidden = backend_.scratch({T, H}, ad);
   {
@@ -805,7 +836,7 @@ Tensor DeepseekModel::forward_draft(const ForwardBatch& batch, std::span<const i
     Tensor e = embed_tokens(T);
     backend_.rmsnorm(e, mtp_enorm_, eps, normed);
     backend_.linear(normed, mtp_eh_embed_, hidden);
-    backend_.rmsnorm(last_hidden_, mtp_hnorm_, eps, normed);
+    backend_.rmsnorm(hidden_in, mtp_hnorm_, eps, normed);
     Tensor h2 = backend_.scratch({T, H}, ad);
     backend_.linear(normed, mtp_eh_hidden_, h2);
     backend_.add(hidden, h2);
@@ -815,6 +846,7 @@ Tensor DeepseekModel::forward_draft(const ForwardBatch& batch, std::span<const i
   backend_.zero(residual);
   decoder_layer(L, hidden, residual, residual_next, normed, cache, MlaForm::Auto, d);
   backend_.add_rmsnorm(hidden, residual, mtp_norm_, eps, normed);
+  draft_hidden_ = normed;  // a chained draft's input (forward_draft_chain), valid until the next step
   return logits_of(batch, normed);
 }
 

@@ -93,6 +93,14 @@ class DeepseekModel {
   // Row r's greedy token is the draft of the token after next_ids[logit_rows[r]].
   Tensor forward_draft(const ForwardBatch& batch, std::span<const int32_t> next_ids, KvCache& cache,
                        const DpStepInfo* dp = nullptr);
+  // A chained draft (SGLang's --speculative-num-steps, vLLM's num_speculative_tokens above 1), still in that step,
+  // after forward_draft or an earlier forward_draft_chain: the MTP layer again over `batch` (Backend::begin_substep),
+  // one token per sequence whose input id -(k + 1) is drafts[k] (the previous draft, on the device) and whose hidden
+  // state is row hidden_rows[i] of the previous MTP forward's output (after shared_head.norm, as SGLang chains it).
+  // Its token sits one position after the previous one and writes the MTP layer's cache there. Logits as
+  // forward_draft's.
+  Tensor forward_draft_chain(const ForwardBatch& batch, std::span<const int32_t> hidden_rows, const Tensor& drafts,
+                             KvCache& cache, const DpStepInfo* dp = nullptr);
   int32_t num_graphs() const { return static_cast<int32_t>(graphs_.size()); }
   // Forgets the recorded graphs (they hold the KV cache and scratch they were recorded with); the backend's own
   // graphs go with Backend::release_graphs.
@@ -162,6 +170,9 @@ class DeepseekModel {
   // the hidden state's), shared_head.norm. Its decoder layer is layers_[num_hidden_layers].
   Tensor mtp_enorm_, mtp_hnorm_, mtp_eh_embed_, mtp_eh_hidden_, mtp_norm_;
   Tensor last_hidden_;  // the last forward's final hidden state [T, H] (after the norm; scratch of that step)
+  Tensor draft_hidden_;  // the last MTP forward's output (after shared_head.norm; scratch of that step)
+  // The MTP layer over the step's input ids (set) and its input hidden state [T, H].
+  Tensor draft_layer(const ForwardBatch& batch, const Tensor& hidden_in, KvCache& cache, const DpStepInfo* dp);
   std::vector<LayerWeights> layers_;
   int64_t weight_bytes_ = 0;
   Tensor prev_ids_;

@@ -44,8 +44,9 @@ void serialize(const ForwardBatch& b, std::string& o) {
   put_i32(o, static_cast<int32_t>(b.mode));
   put_i32(o, b.page_size);
   put_i32(o, b.max_pages);
+  put_i32(o, b.mtp_chain);
   for (const auto* v : {&b.input_ids, &b.positions, &b.token_seq, &b.out_slots, &b.seq_q_start, &b.seq_prefix_lens,
-                        &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed, &b.next_ids})
+                        &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed, &b.next_ids, &b.seq_drafts})
     put_vec(o, *v);
 }
 
@@ -54,8 +55,9 @@ ForwardBatch deserialize_forward_batch(const char*& p, const char* end) {
   b.mode = static_cast<ForwardMode>(get_i32(p, end));
   b.page_size = get_i32(p, end);
   b.max_pages = get_i32(p, end);
+  b.mtp_chain = get_i32(p, end);
   for (auto* v : {&b.input_ids, &b.positions, &b.token_seq, &b.out_slots, &b.seq_q_start, &b.seq_prefix_lens,
-                  &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed, &b.next_ids})
+                  &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed, &b.next_ids, &b.seq_drafts})
     *v = get_vec(p, end);
   return b;
 }
@@ -73,7 +75,7 @@ void ForwardBatchBuilder::add(std::span<const int32_t> new_tokens, int32_t prefi
 }
 
 void ForwardBatchBuilder::add_logits_from(std::span<const int32_t> new_tokens, int32_t prefix_len,
-                                          std::span<const int32_t> pages, int32_t first_logit) {
+                                          std::span<const int32_t> pages, int32_t first_logit, int32_t room) {
   MLA_CHECK(!new_tokens.empty(), "a sequence in a batch needs at least one new token");
   MLA_CHECK(first_logit >= 0 && first_logit <= static_cast<int32_t>(new_tokens.size()),
             "first logit row {} of a sequence of {} new tokens", first_logit, new_tokens.size());
@@ -96,20 +98,30 @@ void ForwardBatchBuilder::add_logits_from(std::span<const int32_t> new_tokens, i
   b_.seq_q_start.push_back(b_.num_tokens());
   b_.seq_prefix_lens.push_back(prefix_len);
   b_.seq_lens.push_back(total);
-  const int32_t needed = (total + ps - 1) / ps;
+  MLA_CHECK(room >= 0, "negative room {}", room);
+  int32_t needed = (total + ps - 1) / ps;
+  for (; needed < static_cast<int32_t>(pages.size()) && needed * ps < total + room; ++needed)
+    if (pages[static_cast<size_t>(needed)] < 0) break;
   pages_.emplace_back(pages.begin(), pages.begin() + needed);
   if (new_tokens.size() == 1 && prefix_len > 0) any_decode_ = true;
   else any_prefill_ = true;
 }
 
-void ForwardBatchBuilder::absorb_last() {
+void ForwardBatchBuilder::absorb_last(int32_t drafts) {
   MLA_CHECK(b_.num_seqs() > 0, "absorb_last: no sequence added");
+  const auto last = static_cast<size_t>(b_.num_seqs() - 1);
+  const int32_t n = b_.seq_q_start[last + 1] - b_.seq_q_start[last];
+  MLA_CHECK(drafts >= 0 && drafts < n, "absorb_last: {} drafts among {} new tokens", drafts, n);
   b_.seq_absorbed.resize(static_cast<size_t>(b_.num_seqs()), 0);
   b_.seq_absorbed.back() = 1;
+  if (drafts == 0) return;
+  b_.seq_drafts.resize(static_cast<size_t>(b_.num_seqs()), 0);
+  b_.seq_drafts.back() = drafts;
 }
 
 ForwardBatch ForwardBatchBuilder::finish() {
   if (!b_.seq_absorbed.empty()) b_.seq_absorbed.resize(static_cast<size_t>(b_.num_seqs()), 0);
+  if (!b_.seq_drafts.empty()) b_.seq_drafts.resize(static_cast<size_t>(b_.num_seqs()), 0);
   int32_t max_pages = 0;
   for (const auto& p : pages_) max_pages = std::max<int32_t>(max_pages, static_cast<int32_t>(p.size()));
   b_.max_pages = max_pages;
@@ -165,6 +177,8 @@ ForwardBatch pad_decode_batch(const ForwardBatch& b, int32_t tokens, int32_t dum
     std::copy_n(b.page_table.begin() + static_cast<int64_t>(s) * b.max_pages, b.max_pages,
                 p.page_table.begin() + static_cast<int64_t>(s) * p.max_pages);
   if (!p.seq_absorbed.empty()) p.seq_absorbed.resize(static_cast<size_t>(seqs), 0);
+  if (n == 0) p.seq_drafts.clear();
+  if (!p.seq_drafts.empty()) p.seq_drafts.resize(static_cast<size_t>(seqs), 0);
   for (int32_t s = ns, t = n; t < tokens; ++s, ++t) {
     p.page_table[static_cast<size_t>(s) * p.max_pages] = dummy_page;
     p.input_ids.push_back(0);

@@ -17,6 +17,9 @@ const char* forward_mode_name(ForwardMode m);
 // Which MLA form the attention uses. Auto: expanded for steps that carry prefill, absorbed for pure decode.
 enum class MlaForm : uint8_t { Auto, Expanded, Absorbed };
 
+// The longest chain of MTP drafts a step may ask for (ForwardBatch::mtp_chain).
+inline constexpr int32_t kMaxMtpChain = 8;
+
 struct ForwardBatch {
   ForwardMode mode = ForwardMode::Idle;
   int32_t page_size = 0;
@@ -44,6 +47,13 @@ struct ForwardBatch {
   // -(k + 1) for the id this step samples for logit row k (negative here names this step's samples, not the previous
   // step's). Padding tokens have 0.
   std::vector<int32_t> next_ids;
+  // MTP drafts chained after each sequence's last kept token (DeepseekModel::forward_draft_chain): 2 or more makes
+  // the rank set run the MTP layer again mtp_chain - 1 times after forward_draft (0 or 1: forward_draft's one draft
+  // per logit row). A sequence chains as far as its page table has room: up to its last new token's position +
+  // mtp_chain - 1.
+  int32_t mtp_chain = 0;
+  // Per sequence (empty: none): how many of its new tokens, at the end, are drafts this step checks.
+  std::vector<int32_t> seq_drafts;
 
   int32_t num_tokens() const { return static_cast<int32_t>(input_ids.size()); }
   int32_t num_seqs() const { return static_cast<int32_t>(seq_lens.size()); }
@@ -83,13 +93,15 @@ class ForwardBatchBuilder {
   void add(std::span<const int32_t> new_tokens, int32_t prefix_len, std::span<const int32_t> pages, Logits logits);
   // The same, returning the logits of new tokens [first_logit, new_tokens.size()) (a prompt chunk whose prompt
   // logprobs are asked for; first_logit == new_tokens.size(): none).
+  // `room`: positions after the new tokens whose pages the page table keeps too (where `pages` has them).
   void add_logits_from(std::span<const int32_t> new_tokens, int32_t prefix_len, std::span<const int32_t> pages,
-                       int32_t first_logit);
+                       int32_t first_logit, int32_t room = 0);
   void add(std::span<const int32_t> new_tokens, int32_t prefix_len, std::span<const int32_t> pages, bool all_logits) {
     add(new_tokens, prefix_len, pages, all_logits ? Logits::All : Logits::Last);
   }
-  // The sequence added last attends in the absorbed form (ForwardBatch::seq_absorbed).
-  void absorb_last();
+  // The sequence added last attends in the absorbed form (ForwardBatch::seq_absorbed); its last `drafts` new tokens
+  // are drafts (ForwardBatch::seq_drafts).
+  void absorb_last(int32_t drafts = 0);
   ForwardBatch finish();
 
  private:

@@ -1308,9 +1308,10 @@ TEST(ServeFlags, StreamOutputSendsDisjointSegments) {
 }
 
 // Drafts from the checkpoint's MTP layer through the real binary (the tiny model's config has one, as DeepSeek-V3's):
-// SGLang's DeepSeek recipe (EAGLE, 1 step, top-k 1, 2 draft tokens), NEXTN and vLLM's deepseek_mtp give the answers
-// of a server without drafts (greedy tokens and logprobs; seeded sampling too on the CPU), every decode step checks a
-// draft; deeper chains, trees and other draft counts are refused at startup. Three allowed tokens keep the greedy
+// SGLang's DeepSeek recipes (EAGLE, 1 step, top-k 1, 2 draft tokens; 3 steps and 4 draft tokens, also its default
+// with NEXTN), vLLM's deepseek_mtp with 1 and 3 tokens give the answers of a server without drafts (greedy tokens and
+// logprobs; seeded sampling too on the CPU), every decode step checks drafts; trees and draft counts out of range
+// are refused at startup. Three allowed tokens keep the greedy
 // choices far from ties: on the GPU a step checking a draft computes its rows in another shape than a plain decode
 // step (a rounding that can flip the near ties of random weights, as batch composition can; docs/perf.md).
 TEST(ServeFlags, MtpSpeculativeDecodingKeepsTheAnswers) {
@@ -1325,32 +1326,39 @@ TEST(ServeFlags, MtpSpeculativeDecodingKeepsTheAnswers) {
   const json want = post_json(plain.port(), "/v1/completions", greedy);
   const json want_seeded = post_json(plain.port(), "/v1/completions", seeded);
   EXPECT_EQ(plain.stop(), 0);
-  for (const std::vector<std::string>& flags :
-       {std::vector<std::string>{"--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1",
-                                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"},
-        std::vector<std::string>{"--speculative-algorithm", "NEXTN", "--speculative-draft-model-path",
-                                 e2e_model_dir() + "/"},
-        std::vector<std::string>{"--speculative-config",
-                                 R"({"method": "deepseek_mtp", "num_speculative_tokens": 1})"}}) {
+  using Flags = std::vector<std::string>;
+  for (const auto& [flags, steps] :
+       {std::pair{Flags{"--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1", "--speculative-eagle-topk",
+                        "1", "--speculative-num-draft-tokens", "2"}, 1},
+        std::pair{Flags{"--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk",
+                        "1", "--speculative-num-draft-tokens", "4"}, 3},
+        std::pair{Flags{"--speculative-algorithm", "NEXTN", "--speculative-draft-model-path", e2e_model_dir() + "/"},
+                  3},
+        std::pair{Flags{"--speculative-config", R"({"method": "deepseek_mtp", "num_speculative_tokens": 1})"}, 1},
+        std::pair{Flags{"--speculative-config", R"({"method": "mtp", "num_speculative_tokens": 3})"}, 3}}) {
     ServerProcess spec(flags);
     ASSERT_TRUE(spec.running()) << spec.log();
     const json info = get_json(spec.port(), "/get_server_info");
     EXPECT_EQ(info["speculative_algorithm"], "EAGLE");
-    EXPECT_EQ(info["speculative_num_draft_tokens"], 2);
+    EXPECT_EQ(info["speculative_num_steps"], steps) << flags[1];
+    EXPECT_EQ(info["speculative_num_draft_tokens"], steps + 1) << flags[1];
     const json got = post_json(spec.port(), "/v1/completions", greedy);
     EXPECT_EQ(got["choices"][0]["text"], want["choices"][0]["text"]) << flags[1];
     EXPECT_EQ(got["choices"][0]["logprobs"]["tokens"], want["choices"][0]["logprobs"]["tokens"]);
-    if (cpu)
+    if (cpu) {
       EXPECT_EQ(post_json(spec.port(), "/v1/completions", seeded)["choices"][0]["text"],
                 want_seeded["choices"][0]["text"]);
+    }
     const json states = get_json(spec.port(), "/get_server_info")["internal_states"];
-    EXPECT_GE(states[0]["spec_checks"].get<int64_t>(), 30) << states.dump();
+    EXPECT_GE(states[0]["spec_checks"].get<int64_t>(), 30 / steps) << states.dump();
+    EXPECT_GT(states[0]["spec_draft_tokens"].get<int64_t>(), states[0]["spec_checks"].get<int64_t>() * (steps - 1))
+        << states.dump();
     EXPECT_EQ(spec.stop(), 0);
   }
-  expect_serve_refuses({"--speculative-algorithm EAGLE --speculative-num-steps 3",
+  expect_serve_refuses({"--speculative-algorithm EAGLE --speculative-num-steps 9",
                         "--speculative-algorithm EAGLE --speculative-eagle-topk 4",
-                        "--speculative-algorithm EAGLE --speculative-num-draft-tokens 4",
-                        "--speculative-config '{\"method\": \"deepseek_mtp\", \"num_speculative_tokens\": 2}'",
+                        "--speculative-algorithm EAGLE --speculative-num-draft-tokens 1",
+                        "--speculative-config '{\"method\": \"deepseek_mtp\", \"num_speculative_tokens\": 9}'",
                         "--speculative-algorithm NGRAM --speculative-num-steps 1",
                         "--speculative-algorithm EAGLE --speculative-draft-model-path /tmp",
                         "--speculative-algorithm NGRAM --speculative-draft-model-path /tmp",

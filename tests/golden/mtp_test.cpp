@@ -38,6 +38,9 @@ struct Reference {
   std::vector<std::vector<int32_t>> prompts, next;
   std::vector<Tensor> logits, mtp_logits;
   std::vector<std::vector<int32_t>> greedy;  // up to the first near tie
+  // Chained drafts after the prompt's last position: the drafts fed and the MTP logits of each chained step.
+  std::vector<std::vector<int32_t>> chain_ids;
+  std::vector<Tensor> chain_logits;
 };
 
 Reference read_reference() {
@@ -58,6 +61,8 @@ Reference read_reference() {
     std::vector<int32_t> kept;
     for (size_t i = 0; i < g.size() && m.data_as<float>()[i] >= 0.02f; ++i) kept.push_back(g[i]);
     r.greedy.push_back(kept);
+    r.chain_ids.push_back(ids("mtp_chain_ids_" + s));
+    r.chain_logits.push_back(f.tensor("mtp_chain_logits_" + s));
   }
   return r;
 }
@@ -120,6 +125,57 @@ TEST(Mtp, DraftLogitsMatchHuggingFaceParts) {
   }
 }
 
+// Chained drafts (forward_draft_chain): after the MTP rows of every prompt (one ragged batch), three chained steps,
+// each one position on, fed the reference's draft and the MTP layer's previous output at that row: each step's logits
+// match Hugging Face's for every prompt.
+TEST(Mtp, ChainedDraftLogitsMatchHuggingFaceParts) {
+  const Reference ref = read_reference();
+  auto be = make_cpu_backend();
+  DeepseekModel m(mtp_config(family_dir()), *be);
+  m.load(family_dir(), {});
+  constexpr int32_t P = 8;
+  KvCache cache(*be, m.config(), 64, P);
+  const int32_t steps = static_cast<int32_t>(ref.chain_ids[0].size());
+  ASSERT_EQ(steps, 3);
+  ForwardBatchBuilder bb(P);
+  std::vector<int32_t> next, hidden_rows;
+  std::vector<std::vector<int32_t>> pages;
+  int32_t page = 0, token = 0;
+  for (size_t j = 0; j < ref.prompts.size(); ++j) {
+    const int32_t n = static_cast<int32_t>(ref.prompts[j].size());
+    pages.push_back(page_run(page, n + steps, P));
+    page += static_cast<int32_t>(pages.back().size());
+    bb.add(ref.prompts[j], 0, pages.back(), ForwardBatchBuilder::Logits::Last);
+    next.insert(next.end(), ref.next[j].begin(), ref.next[j].end());
+    token += n;
+    hidden_rows.push_back(token - 1);
+  }
+  const ForwardBatch fb = bb.finish();
+  m.forward(fb, cache);
+  const Tensor first = be->to_host_f32(m.forward_draft(fb, next, cache));
+  for (size_t j = 0; j < ref.prompts.size(); ++j) {
+    const int64_t n = static_cast<int64_t>(ref.prompts[j].size());
+    EXPECT_LT(test::rel_err(first.rows(static_cast<int64_t>(j), static_cast<int64_t>(j) + 1),
+                            ref.mtp_logits[j].rows(n - 1, n)), kRelTol) << "prompt " << j;
+  }
+  for (int32_t c = 0; c < steps; ++c) {
+    ForwardBatchBuilder cb(P);
+    Tensor drafts = Tensor::empty_host({static_cast<int64_t>(ref.prompts.size())}, DType::I32);
+    for (size_t j = 0; j < ref.prompts.size(); ++j) {
+      const int32_t n = static_cast<int32_t>(ref.prompts[j].size());
+      const std::vector<int32_t> id{-static_cast<int32_t>(j) - 1};
+      cb.add(id, n + c, pages[j], ForwardBatchBuilder::Logits::Last);
+      drafts.data_as<int32_t>()[j] = ref.chain_ids[j][static_cast<size_t>(c)];
+    }
+    const Tensor got = be->to_host_f32(
+        m.forward_draft_chain(cb.finish(), hidden_rows, be->upload(drafts, DType::I32), cache));
+    for (size_t j = 0; j < ref.prompts.size(); ++j)
+      EXPECT_LT(test::rel_err(got.rows(static_cast<int64_t>(j), static_cast<int64_t>(j) + 1),
+                              ref.chain_logits[j].rows(c, c + 1)), kRelTol) << "prompt " << j << ", chained step " << c;
+    for (size_t j = 0; j < ref.prompts.size(); ++j) hidden_rows[j] = static_cast<int32_t>(j);
+  }
+}
+
 TEST(Mtp, BadUseGivesClearErrors) {
   auto be = make_cpu_backend();
   {  // a checkpoint without an MTP layer
@@ -148,18 +204,55 @@ TEST(Mtp, BadUseGivesClearErrors) {
   EXPECT_THROW(m.forward_draft(fb, std::vector<int32_t>{5, 6}, mcache), std::exception) << "one next id per token";
   EXPECT_THROW(m.forward_draft(fb, std::vector<int32_t>{5, 6, 100000}, mcache), std::exception) << "out of range";
   EXPECT_THROW(m.forward_draft(fb, ids, cache), std::exception) << "a cache without the MTP layer's";
+  // Chained drafts: one hidden row per token, input ids naming drafts.
+  m.forward_draft(fb, ids, mcache);
+  ForwardBatchBuilder cb(8);
+  cb.add(std::vector<int32_t>{-1}, 3, std::vector<int32_t>{0}, ForwardBatchBuilder::Logits::Last);
+  const ForwardBatch chain = cb.finish();
+  Tensor draft = Tensor::empty_host({1}, DType::I32);
+  draft.data_as<int32_t>()[0] = 9;
+  EXPECT_THROW(m.forward_draft_chain(chain, std::vector<int32_t>{}, draft, mcache), std::exception) << "no hidden row";
+  EXPECT_THROW(m.forward_draft_chain(chain, std::vector<int32_t>{7}, draft, mcache), std::exception)
+      << "a hidden row past the previous output";
+  ForwardBatchBuilder cb2(8);
+  cb2.add(std::vector<int32_t>{-2}, 3, std::vector<int32_t>{0}, ForwardBatchBuilder::Logits::Last);
+  EXPECT_THROW(m.forward_draft_chain(cb2.finish(), std::vector<int32_t>{2}, draft, mcache), std::exception)
+      << "an id past the drafts";
+  EXPECT_EQ(m.forward_draft_chain(chain, std::vector<int32_t>{2}, draft, mcache).size(0), 1);
 }
 
 // Engines over the MTP checkpoint, with and without its drafts, overlap scheduling on and off.
 class MtpEngine : public ::testing::TestWithParam<bool> {
  protected:
-  // graph_max_bs > 0: decode steps replay graphs (GraphRecorder), the MTP layer eager after them.
-  std::unique_ptr<Engine> make(const std::string& dir, bool mtp, int32_t tp = 1, int32_t dp = 1,
+  // drafts: the MTP drafts per step (0: none; 2 or more chain them). graph_max_bs > 0: decode steps replay graphs
+  // (GraphRecorder), the MTP layer eager after them.
+  std::unique_ptr<Engine> make(const std::string& dir, int32_t drafts, int32_t tp = 1, int32_t dp = 1,
                                int32_t spec_max_batch = 0, int32_t graph_max_bs = 0) {
     EngineOptions o = test::small_engine_options(GetParam(), 400);
-    o.spec_draft_tokens = mtp ? 1 : 0;
+    o.spec_draft_tokens = drafts;
     o.spec_max_batch = spec_max_batch;
-    return std::make_unique<Engine>(test::cpu_ranks_at(dir, tp, dp, graph_max_bs, mtp), o);
+    return std::make_unique<Engine>(test::cpu_ranks_at(dir, tp, dp, graph_max_bs, drafts > 0), o);
+  }
+  // A checkpoint whose layers add nothing (o_proj and every down projection zero, norms one): the model's next token
+  // is a function f of the current one, and an MTP layer that passes the next token's embedding through (eh_proj
+  // [I | 0]) predicts f(next), the model's token after next; chained on its own draft, f(f(next)) and so on.
+  static void write_exact_checkpoint(const fs::path& dir) {
+    fs::create_directories(dir);
+    test::rewrite_checkpoint("v3mtp", dir, [](std::map<std::string, Tensor>& ts) {
+      auto fill = [](Tensor& t, float v) {
+        for (int64_t i = 0; i < t.numel(); ++i) t.data_as<uint16_t>()[i] = f32_to_bf16(v);
+      };
+      for (auto& [name, t] : ts) {
+        ASSERT_EQ(t.dtype(), DType::BF16) << name;
+        if (name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight")) fill(t, 0.0f);
+        if (name == "model.norm.weight" || name.ends_with(".enorm.weight") || name.ends_with("shared_head.norm.weight"))
+          fill(t, 1.0f);
+      }
+      Tensor& eh = ts.at("model.layers.4.eh_proj.weight");
+      const int64_t H = eh.size(0);
+      fill(eh, 0.0f);
+      for (int64_t i = 0; i < H; ++i) eh.data_as<uint16_t>()[i * 2 * H + i] = f32_to_bf16(1.0f);
+    });
   }
   static int64_t total(EngineClient& e, int64_t RankStats::*field) {
     int64_t n = 0;
@@ -170,7 +263,7 @@ class MtpEngine : public ::testing::TestWithParam<bool> {
 
 TEST_P(MtpEngine, DraftsKeepTheOutputs) {
   const Reference ref = read_reference();
-  auto e = make(family_dir(), true);
+  auto e = make(family_dir(), 1);
   std::vector<std::future<std::vector<int32_t>>> fs;
   for (size_t j = 0; j < ref.prompts.size(); ++j)
     fs.push_back(test::submit_ids(*e, "g" + std::to_string(j), ref.prompts[j], 24));
@@ -189,7 +282,7 @@ TEST_P(MtpEngine, DraftsKeepTheOutputs) {
   seeded.temperature = 0.8f;
   seeded.top_k = 30;
   seeded.seed = 11;
-  auto plain = make(family_dir(), false);
+  auto plain = make(family_dir(), 0);
   for (size_t j : {size_t{1}, size_t{3}}) {
     auto a = test::submit_ids(*plain, "p", ref.prompts[j], 32, -1, &seeded);
     auto b = test::submit_ids(*e, "s", ref.prompts[j], 32, -1, &seeded);
@@ -198,7 +291,7 @@ TEST_P(MtpEngine, DraftsKeepTheOutputs) {
   test::expect_engine_idle_and_clean(*e);
   // Tensor parallel with DP attention, and decode steps through graphs (under DP attention too): the same tokens.
   for (const auto& [tp, dp, graphs] : {std::tuple{2, 2, 0}, std::tuple{1, 1, 8}, std::tuple{2, 2, 8}}) {
-    auto par = make(family_dir(), true, tp, dp, 0, graphs);
+    auto par = make(family_dir(), 1, tp, dp, 0, graphs);
     auto a = test::submit_ids(*par, "a", ref.prompts[2], 24);
     auto b = test::submit_ids(*par, "b", ref.prompts[3], 24);
     const std::vector<int32_t> ra = test::wait_ids(a), rb = test::wait_ids(b);
@@ -209,32 +302,15 @@ TEST_P(MtpEngine, DraftsKeepTheOutputs) {
   }
 }
 
-// A checkpoint whose layers add nothing (o_proj and every down projection zero, norms one): the model's next token
-// is a function f of the current one, and an MTP layer that passes the next token's embedding through (eh_proj
-// [I | 0]) predicts f(next), the model's token after next. Its drafts are kept (but for near ties), every step
-// takes two tokens, and the output is the model's without drafts.
+// On the exact checkpoint (write_exact_checkpoint) the drafts are kept (but for near ties), every step takes two
+// tokens, and the output is the model's without drafts.
 TEST_P(MtpEngine, AnExactDraftLayerIsKept) {
   const fs::path dir = test::temp_dir("mtp_exact");
-  fs::create_directories(dir);
-  test::rewrite_checkpoint("v3mtp", dir, [](std::map<std::string, Tensor>& ts) {
-    auto fill = [](Tensor& t, float v) {
-      for (int64_t i = 0; i < t.numel(); ++i) t.data_as<uint16_t>()[i] = f32_to_bf16(v);
-    };
-    for (auto& [name, t] : ts) {
-      ASSERT_EQ(t.dtype(), DType::BF16) << name;
-      if (name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight")) fill(t, 0.0f);
-      if (name == "model.norm.weight" || name.ends_with(".enorm.weight") || name.ends_with("shared_head.norm.weight"))
-        fill(t, 1.0f);
-    }
-    Tensor& eh = ts.at("model.layers.4.eh_proj.weight");
-    const int64_t H = eh.size(0);
-    fill(eh, 0.0f);
-    for (int64_t i = 0; i < H; ++i) eh.data_as<uint16_t>()[i * 2 * H + i] = f32_to_bf16(1.0f);
-  });
+  write_exact_checkpoint(dir);
   const Reference ref = read_reference();
-  auto plain = make(dir.string(), false);
+  auto plain = make(dir.string(), 0);
   for (int32_t graphs : {0, 8}) {  // eager, and decode steps through graphs
-    auto e = make(dir.string(), true, 1, 1, 0, graphs);
+    auto e = make(dir.string(), 1, 1, 1, 0, graphs);
     const int64_t plain_before = total(*plain, &RankStats::forward_steps);
     for (size_t j = 0; j < ref.prompts.size(); ++j) {
       auto a = test::submit_ids(*plain, "p", ref.prompts[j], 30);
@@ -253,6 +329,97 @@ TEST_P(MtpEngine, AnExactDraftLayerIsKept) {
   fs::remove_all(dir);
 }
 
+// Chains of MTP drafts (SGLang's --speculative-num-steps 3, vLLM's num_speculative_tokens 3): every check has up to
+// three drafts, and the outputs stay the model's: alone, with tensor parallelism and DP attention, through graphs.
+TEST_P(MtpEngine, ChainedDraftsKeepTheOutputs) {
+  const Reference ref = read_reference();
+  auto e = make(family_dir(), 3);
+  std::vector<std::future<std::vector<int32_t>>> fs;
+  for (size_t j = 0; j < ref.prompts.size(); ++j)
+    fs.push_back(test::submit_ids(*e, "g" + std::to_string(j), ref.prompts[j], 24));
+  for (size_t j = 0; j < ref.prompts.size(); ++j) {
+    const std::vector<int32_t> got = test::wait_ids(fs[j]);
+    ASSERT_EQ(got.size(), 24u);
+    for (size_t i = 0; i < ref.greedy[j].size(); ++i)
+      EXPECT_EQ(got[i], ref.greedy[j][i]) << "prompt " << j << " step " << i;
+  }
+  const int64_t checks = total(*e, &RankStats::spec_checks), drafts = total(*e, &RankStats::spec_draft_tokens);
+  EXPECT_GT(checks, 20);
+  EXPECT_GT(drafts, checks * 2) << "chains of up to three drafts";
+  EXPECT_LE(drafts, checks * 3);
+  SamplingParams seeded;  // seeded sampling draws what it draws without drafts
+  seeded.temperature = 0.8f;
+  seeded.top_k = 30;
+  seeded.seed = 11;
+  auto plain = make(family_dir(), 0);
+  for (size_t j : {size_t{1}, size_t{3}}) {
+    auto a = test::submit_ids(*plain, "p", ref.prompts[j], 32, -1, &seeded);
+    auto b = test::submit_ids(*e, "s", ref.prompts[j], 32, -1, &seeded);
+    EXPECT_EQ(test::wait_ids(b), test::wait_ids(a)) << "prompt " << j;
+  }
+  test::expect_engine_idle_and_clean(*e);
+  for (const auto& [tp, dp, graphs] : {std::tuple{2, 2, 0}, std::tuple{1, 1, 8}, std::tuple{2, 2, 8}}) {
+    auto par = make(family_dir(), 3, tp, dp, 0, graphs);
+    auto a = test::submit_ids(*par, "a", ref.prompts[2], 24);
+    auto b = test::submit_ids(*par, "b", ref.prompts[3], 24);
+    const std::vector<int32_t> ra = test::wait_ids(a), rb = test::wait_ids(b);
+    const std::string where = fmt::format("tp {} dp {} graphs {}", tp, dp, graphs);
+    for (size_t i = 0; i < ref.greedy[2].size(); ++i) EXPECT_EQ(ra[i], ref.greedy[2][i]) << where << ", step " << i;
+    for (size_t i = 0; i < ref.greedy[3].size(); ++i) EXPECT_EQ(rb[i], ref.greedy[3][i]) << where << ", step " << i;
+    const int64_t c = total(*par, &RankStats::spec_checks);
+    EXPECT_GT(c, 8) << where;
+    EXPECT_GT(total(*par, &RankStats::spec_draft_tokens), c * 2) << where;
+    test::expect_engine_idle_and_clean(*par);
+  }
+}
+
+// On the exact checkpoint a chain of three drafts is the model's next three tokens: greedy steps take four tokens
+// each. Sampled (seeded) steps reject drafts where the draw is not the greedy token; the chain then starts from the
+// row whose draw the step keeps last, so the next check has three drafts again (the first after a prompt and the
+// last ones before the length limit may have fewer), and the outputs are the model's without drafts.
+TEST_P(MtpEngine, AnExactDraftLayerChainsFromTheLastKeptRow) {
+  const fs::path dir = test::temp_dir("mtp_exact_chain");
+  write_exact_checkpoint(dir);
+  const Reference ref = read_reference();
+  auto plain = make(dir.string(), 0);
+  for (int32_t graphs : {0, 8}) {
+    auto e = make(dir.string(), 3, 1, 1, 0, graphs);
+    const int64_t plain_before = total(*plain, &RankStats::forward_steps);
+    for (size_t j = 0; j < ref.prompts.size(); ++j) {
+      auto a = test::submit_ids(*plain, "p", ref.prompts[j], 30);
+      auto b = test::submit_ids(*e, "s", ref.prompts[j], 30);
+      EXPECT_EQ(test::wait_ids(b), test::wait_ids(a)) << "prompt " << j << " graphs " << graphs;
+    }
+    const int64_t drafts = total(*e, &RankStats::spec_draft_tokens);
+    EXPECT_GT(drafts, 60);
+    EXPECT_GE(total(*e, &RankStats::spec_accepted_tokens), drafts * 9 / 10) << "graphs " << graphs;
+    EXPECT_LT(total(*e, &RankStats::forward_steps),
+              (total(*plain, &RankStats::forward_steps) - plain_before) * 4 / 10)
+        << "four tokens a step, graphs " << graphs;
+    test::expect_engine_idle_and_clean(*e);
+  }
+  auto e = make(dir.string(), 3);
+  SamplingParams seeded;
+  seeded.temperature = 1.0f;
+  seeded.top_k = 2;
+  int64_t requests = 0;
+  for (uint64_t seed : {3u, 5u}) {
+    seeded.seed = seed;
+    for (size_t j = 0; j < ref.prompts.size(); ++j, ++requests) {
+      auto a = test::submit_ids(*plain, "p", ref.prompts[j], 40, -1, &seeded);
+      auto b = test::submit_ids(*e, "s", ref.prompts[j], 40, -1, &seeded);
+      EXPECT_EQ(test::wait_ids(b), test::wait_ids(a)) << "prompt " << j << " seed " << seed;
+    }
+  }
+  const int64_t checks = total(*e, &RankStats::spec_checks), drafts = total(*e, &RankStats::spec_draft_tokens);
+  const int64_t kept = total(*e, &RankStats::spec_accepted_tokens);
+  EXPECT_LT(kept, drafts * 8 / 10) << "sampling rejects drafts";
+  EXPECT_GT(kept, drafts / 10);
+  EXPECT_GE(drafts, checks * 3 - requests * 6) << drafts << " drafts in " << checks << " checks";
+  test::expect_engine_idle_and_clean(*e);
+  fs::remove_all(dir);
+}
+
 // Under overlap scheduling a request that drafts waits for its step in flight (its draft comes from it): one request
 // alone never has a step launched behind its own. With --speculative-disable-by-batch-size 1 and two decoding requests
 // no step checks drafts, and none waits: their steps overlap. (Two drafting requests may still overlap each other's
@@ -261,14 +428,14 @@ TEST_P(MtpEngine, StepsThatCheckNoDraftsOverlap) {
   if (!GetParam()) GTEST_SKIP() << "overlap scheduling only";
   const Reference ref = read_reference();
   {
-    auto e = make(family_dir(), true);
+    auto e = make(family_dir(), 1);
     auto a = test::submit_ids(*e, "a", ref.prompts[2], 24);
     const std::vector<int32_t> ra = test::wait_ids(a);
     for (size_t i = 0; i < ref.greedy[2].size(); ++i) EXPECT_EQ(ra[i], ref.greedy[2][i]) << "alone, step " << i;
     EXPECT_GE(total(*e, &RankStats::spec_checks), 15) << "a draft checked every decode step";
     EXPECT_EQ(total(*e, &RankStats::overlapped_steps), 0) << "it waits for its own steps";
   }
-  auto e = make(family_dir(), true, 1, 1, /*spec_max_batch=*/1);
+  auto e = make(family_dir(), 1, 1, 1, /*spec_max_batch=*/1);
   auto a = test::submit_ids(*e, "a", ref.prompts[2], 24);
   auto b = test::submit_ids(*e, "b", ref.prompts[3], 24);
   const std::vector<int32_t> ra = test::wait_ids(a), rb = test::wait_ids(b);

@@ -38,6 +38,10 @@ class CheckingBackend final : public ForwardingBackend {
     g_.set_input_ids(ids);
     c_->set_input_ids(ids);
   }
+  void begin_substep(const ForwardBatch& b) override {
+    g_.begin_substep(b);
+    c_->begin_substep(b);
+  }
 
   void embedding(const Tensor& table, int64_t vb, Tensor& out) override {
     Tensor t = cpu_copy(table), o = cpu_like(out);
@@ -93,6 +97,12 @@ class CheckingBackend final : public ForwardingBackend {
     c_->gather_logit_rows(xc, oc);
     g_.gather_logit_rows(x, out);
     check("gather_logit_rows", oc, out);
+  }
+  void gather_rows(const Tensor& x, std::span<const int32_t> rows, Tensor& out) override {
+    Tensor xc = cpu_copy(x), oc = cpu_like(out);
+    c_->gather_rows(xc, rows, oc);
+    g_.gather_rows(x, rows, out);
+    check("gather_rows", oc, out);
   }
   void interleave_blocks(const Tensor& parts, int64_t n, Tensor& out) override {
     Tensor pc = cpu_copy(parts), oc = cpu_like(out);

@@ -158,6 +158,7 @@ TEST(CudaModel, MtpDraftLayerGolden) {
   constexpr int32_t P = 16;
   struct Out {
     std::vector<Tensor> prompt_rows;
+    std::vector<std::vector<Tensor>> chain_rows;  // per prompt, the chained drafts' logits after its last row
     Tensor decode_row;
   };
   auto run = [&](Backend& be, bool graph) {
@@ -173,12 +174,24 @@ TEST(CudaModel, MtpDraftLayerGolden) {
       const std::vector<int32_t> ids(p.data_as<int32_t>(), p.data_as<int32_t>() + p.numel());
       const std::vector<int32_t> next(nx.data_as<int32_t>(), nx.data_as<int32_t>() + nx.numel());
       std::vector<int32_t> pages;
-      for (int32_t i = 0; i < (static_cast<int32_t>(ids.size()) + 1 + P - 1) / P; ++i) pages.push_back(page++);
+      Tensor chain = f.tensor("mtp_chain_ids_" + std::to_string(j));
+      const int32_t steps = static_cast<int32_t>(chain.numel()), n = static_cast<int32_t>(ids.size());
+      for (int32_t i = 0; i < (n + 1 + steps + P - 1) / P; ++i) pages.push_back(page++);
       ForwardBatchBuilder bb(P);
       bb.add(ids, 0, pages, ForwardBatchBuilder::Logits::All);
       const ForwardBatch fb = bb.finish();
       m.forward(fb, cache);
       o.prompt_rows.push_back(be.to_host_f32(m.forward_draft(fb, next, cache)));
+      // Chained drafts from the last row, fed the reference's drafts (forward_draft_chain, still in the step).
+      o.chain_rows.emplace_back();
+      std::vector<int32_t> hidden{n - 1};
+      for (int32_t c = 0; c < steps; ++c) {
+        ForwardBatchBuilder cb(P);
+        cb.add(std::vector<int32_t>{-1}, n + c, pages, ForwardBatchBuilder::Logits::Last);
+        const Tensor draft = be.upload(chain.rows(c, c + 1), DType::I32);
+        o.chain_rows.back().push_back(be.to_host_f32(m.forward_draft_chain(cb.finish(), hidden, draft, cache)));
+        hidden = {0};
+      }
       last_pages = pages;
       last_len = static_cast<int32_t>(ids.size());
       last_next = next.back();
@@ -217,6 +230,17 @@ TEST(CudaModel, MtpDraftLayerGolden) {
     EXPECT_LE(dc.max_abs / sd, 1e-3) << "prompt " << j;
     EXPECT_EQ(dg.nan, 0);
     EXPECT_LE(dg.max_abs / sd, kMtpLogitTol) << "prompt " << j;
+    const Tensor chain_ref = f.tensor("mtp_chain_logits_" + std::to_string(j));
+    for (size_t k = 0; k < c.chain_rows[j].size(); ++k) {
+      const Tensor r = chain_ref.rows(static_cast<int64_t>(k), static_cast<int64_t>(k) + 1);
+      const double csd = stddev(r);
+      const Diff cc = diff(r, c.chain_rows[j][k]), cg = diff(r, g.chain_rows[j][k]);
+      std::printf("  v3mtp prompt %zu chained draft %zu: max|dlogit|/std CPU %.2e, GPU (routing forced) %.2e\n", j,
+                  k + 1, cc.max_abs / csd, cg.max_abs / csd);
+      EXPECT_LE(cc.max_abs / csd, 1e-3) << "prompt " << j << ", chained draft " << k + 1;
+      EXPECT_EQ(cg.nan, 0);
+      EXPECT_LE(cg.max_abs / csd, kMtpLogitTol) << "prompt " << j << ", chained draft " << k + 1;
+    }
   }
   const double sd = stddev(c.decode_row);
   EXPECT_LE(diff(c.decode_row, g.decode_row).max_abs / sd, kLogitTol) << "decode step, eager";

@@ -249,6 +249,16 @@ TEST(CudaOps, ElementwiseOps) {
   cpu().gather_logit_rows(cc, rc);
   gpu().gather_logit_rows(cg, rg);
   expect_close(cpu().to_host_f32(rc), gpu().to_host_f32(rg), 5e-3, 1e-2, "gather_logit_rows");
+  // Rows named on the host, repeated and out of order (the chained MTP drafts' hidden rows), after a substep whose
+  // metadata replaced the step's: the earlier copy's rows stay.
+  const std::vector<int32_t> some{static_cast<int32_t>(T) - 1, 0, static_cast<int32_t>(T) - 1};
+  cpu().begin_substep(s.batch);
+  gpu().begin_substep(s.batch);
+  Tensor sc = cpu().alloc({3, I}, DType::F32), sg = gpu().alloc({3, I}, DType::BF16);
+  cpu().gather_rows(cc, some, sc);
+  gpu().gather_rows(cg, some, sg);
+  expect_close(cpu().to_host_f32(sc), gpu().to_host_f32(sg), 5e-3, 1e-2, "gather_rows");
+  EXPECT_EQ(gpu().to_host_f32(sg).rows(1, 2).data_as<float>()[0], gpu().to_host_f32(cg).data_as<float>()[0]);
   // Vocabulary slices of 3 ranks, R rows each, interleaved into full rows (exact: a copy).
   Tensor parts = rand_host({3 * R, 40}, 12);
   Tensor pc = cpu().upload(parts, DType::F32), pg = gpu().upload(parts, DType::F32);

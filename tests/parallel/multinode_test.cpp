@@ -51,14 +51,16 @@ class NodeLocalAbort final : public Communicator {
 // RankSet (and destroys it, which tells node 1 to stop). Returns node 1's counts of steps served and of steps it
 // launched while an earlier one still ran.
 // follower_error: where node 1's error goes (null: there must be none); node0 / node1: changes to that node's
-// configuration; node_local_aborts: a rank's abort wakes that rank only (NodeLocalAbort), else its whole group.
+// configuration; node_local_aborts: a rank's abort wakes that rank only (NodeLocalAbort), else its whole group;
+// mtp: the ranks load the checkpoint's MTP layer.
 std::pair<int64_t, int64_t> two_nodes(const std::string& fam, int tp, int dp,
                                       const std::function<void(std::unique_ptr<RankSet>)>& drive,
                                       std::string* follower_error_out = nullptr,
                                       const std::function<void(ParallelConfig&)>& node0 = {},
                                       const std::function<void(ParallelConfig&)>& node1 = {},
-                                      bool node_local_aborts = false) {
-  const ModelConfig cfg = ModelConfig::from_file(test::golden_dir(fam));
+                                      bool node_local_aborts = false, bool mtp = false) {
+  ModelConfig cfg = ModelConfig::from_file(test::golden_dir(fam));
+  if (mtp) cfg.mtp_layers = 1;  // (the checkpoint's MTP layer loaded: speculative decoding with it)
   // Communicators shared by the simulated nodes: the world, and one group per DP group.
   auto world = make_inprocess_communicators(tp);
   const int at = tp / dp;
@@ -182,6 +184,40 @@ TEST(MultiNode, EngineOverlapsOnEveryNode) {
     EXPECT_GT(served, 10);
     EXPECT_GT(served_overlapped, 5) << "node 1 launched each step only after finishing the one before";
   }
+}
+
+// Chained MTP drafts on two nodes with DP attention (a group of one rank on each): node 1 runs each step's chained
+// MTP passes as node 0 does (the chain and the draft counts travel with the step's batches, each group's chained
+// token counts come from them), and the greedy tokens are those of one node without drafts.
+TEST(MultiNode, ChainedMtpDraftsOnTwoNodes) {
+  auto ps = test::golden_prompts("v3mtp");
+  auto run = [&](std::unique_ptr<RankSet> ranks, int32_t drafts) {
+    EngineOptions o = test::small_engine_options(true);
+    o.spec_draft_tokens = drafts;
+    Engine e(std::move(ranks), o);
+    std::vector<std::future<std::vector<int32_t>>> fs;
+    for (size_t j = 0; j < ps.size(); ++j) fs.push_back(test::submit_ids(e, "r" + std::to_string(j), ps[j], 16));
+    std::vector<std::vector<int32_t>> out;
+    for (auto& f : fs) out.push_back(test::wait_ids(f));
+    int64_t checks = 0, checked = 0;
+    for (const RankStats& st : e.stats()) {
+      checks += st.spec_checks;
+      checked += st.spec_draft_tokens;
+    }
+    if (drafts > 0) {
+      EXPECT_GT(checks, 10);
+      EXPECT_GT(checked, checks * 2) << "chains of up to three drafts";
+    }
+    test::expect_engine_idle_and_clean(e);
+    return out;
+  };
+  const auto ref = run(test::cpu_ranks("v3mtp"), 0);
+  std::vector<std::vector<int32_t>> got;
+  const auto [served, served_overlapped] = two_nodes(
+      "v3mtp", 2, 2, [&](std::unique_ptr<RankSet> r0) { got = run(std::move(r0), 3); }, nullptr, {}, {}, false,
+      /*mtp=*/true);
+  EXPECT_EQ(got, ref);
+  EXPECT_GT(served, 10);
 }
 
 // Throws `what` from the embedding while `armed` (once): a failure inside a step every node runs.

@@ -23,8 +23,8 @@ using namespace mlaserve;
 // other rank on the device (overlap launches steps that read them there). drafts > 0: n-gram speculative decoding
 // (drafted under overlap too), some requests with three allowed tokens so that their drafts are kept. preempt: priority
 // scheduling with priority preemption, the other requests of random priorities (some far below others, so running
-// ones are retracted for waiting ones); the probes above them all (never preempted). mtp: the drafts (one a step) come
-// from the v3mtp checkpoint's MTP layer instead.
+// ones are retracted for waiting ones); the probes above them all (never preempted). mtp: the drafts (`drafts` a
+// step, chained from the last kept row when more than one) come from the v3mtp checkpoint's MTP layer instead.
 void soak(int32_t tp, int32_t groups, int32_t drafts = 0, bool preempt = false, bool mtp = false) {
   double seconds = 15.0;
   if (const char* e = std::getenv("MLASERVE_SOAK_SECONDS")) seconds = std::atof(e);
@@ -149,3 +149,4 @@ TEST(Soak, DpAttentionGroupsOfTwoRanksNeverHangOrLeak) { soak(4, 2); }
 TEST(Soak, NgramDraftsWithDpAttentionNeverHangOrLeak) { soak(4, 2, /*drafts=*/4); }
 TEST(Soak, PriorityPreemptionWithDpAttentionNeverHangsOrLeaks) { soak(4, 2, 0, /*preempt=*/true); }
 TEST(Soak, MtpDraftsWithPreemptionAndDpAttentionNeverHangOrLeak) { soak(4, 2, 1, /*preempt=*/true, /*mtp=*/true); }
+TEST(Soak, MtpDraftChainsWithDpAttentionNeverHangOrLeak) { soak(4, 4, 3, /*preempt=*/false, /*mtp=*/true); }

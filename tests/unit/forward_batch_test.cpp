@@ -65,6 +65,36 @@ TEST(ForwardBatch, AbsorbedSequencesAreMarkedAndSerialized) {
   EXPECT_FALSE(bb.finish().absorbed_under_auto(0));  // the builder starts afresh
 }
 
+// Chained MTP drafts: a sequence's page table keeps the pages it has for `room` positions after its new tokens (not
+// past an unset one), its drafts are counted, and both travel to other nodes and through padding.
+TEST(ForwardBatch, ChainRoomAndDraftCounts) {
+  ForwardBatchBuilder bb(4);
+  bb.add_logits_from(std::vector<int32_t>{5, 6, 7}, 9, std::vector<int32_t>{1, 2, 4, 6}, 0, 2);  // 12 + 2 > 12
+  bb.absorb_last(2);
+  bb.add_logits_from(std::vector<int32_t>{8}, 4, std::vector<int32_t>{3, 5, -1}, 0, 5);  // no page 3 to keep
+  bb.add_logits_from(std::vector<int32_t>{9}, 1, std::vector<int32_t>{7, 8, 9}, 0, 2);    // 2 + 2 fit in page 0
+  ForwardBatch b = bb.finish();
+  b.mtp_chain = 3;
+  ASSERT_EQ(b.max_pages, 4);
+  EXPECT_EQ(b.page_table, (std::vector<int32_t>{1, 2, 4, 6, 3, 5, -1, -1, 7, -1, -1, -1}));
+  EXPECT_EQ(b.seq_drafts, (std::vector<int32_t>{2, 0, 0}));
+  EXPECT_EQ(b.seq_lens, (std::vector<int32_t>{12, 5, 2}));
+  std::string wire;
+  serialize(b, wire);
+  const char* p = wire.data();
+  const ForwardBatch back = deserialize_forward_batch(p, wire.data() + wire.size());
+  EXPECT_EQ(p, wire.data() + wire.size());
+  EXPECT_EQ(back.mtp_chain, 3);
+  EXPECT_EQ(back.seq_drafts, b.seq_drafts);
+  EXPECT_EQ(back.page_table, b.page_table);
+  const ForwardBatch padded = pad_decode_batch(b, 7, 20, 4);
+  EXPECT_EQ(padded.mtp_chain, 3);
+  EXPECT_EQ(padded.seq_drafts, (std::vector<int32_t>{2, 0, 0, 0, 0}));
+  EXPECT_THROW(bb.absorb_last(1), std::exception);  // no sequence
+  bb.add(std::vector<int32_t>{1, 2}, 0, std::vector<int32_t>{0}, true);
+  EXPECT_THROW(bb.absorb_last(2), std::exception);  // drafts are after a decode token
+}
+
 TEST(ForwardBatch, PadDecodeBatchKeepsRealRowsFirst) {
   const ForwardBatch b = decode_batch();
   const ForwardBatch p = pad_decode_batch(b, 8, 20, 4);

@@ -10,8 +10,13 @@ reference is composed from Hugging Face parts:
   logits_t = a one-layer DeepseekV3ForCausalLM whose layer is the MTP's decoder layer, whose final norm is
              shared_head.norm and whose lm_head is the model's, run on inputs_embeds x at positions 0..n-1
 next_t is the prompt's token t + 1, and after the last position the model's greedy token.
+Chained drafts (SGLang's --speculative-num-steps above 1) go on from the last position: draft c (the greedy token of
+the previous MTP logits) and the previous MTP output at the last position (after shared_head.norm, as SGLang chains
+it) make one more position of the one-layer model's input:
+  x_{n-1+c} = eh_proj([rmsnorm(embed(draft_c)) * enorm; rmsnorm(shared_head.norm(out_{n-2+c})) * hnorm])
 Output DIR/v3mtp: config.json, the shards + index, reference.safetensors with the model's prompt_j, logits_j,
-greedy_j, margin_j (as make_golden.py) and mtp_next_j (int32 [len]), mtp_logits_j (f32 [len, vocab]).
+greedy_j, margin_j (as make_golden.py) and mtp_next_j (int32 [len]), mtp_logits_j (f32 [len, vocab]), and for
+CHAIN chained steps mtp_chain_ids_j (int32 [CHAIN]: the drafts fed) and mtp_chain_logits_j (f32 [CHAIN, vocab]).
 
 usage: make_mtp_golden.py OUT_DIR
 """
@@ -25,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_golden as mg  # noqa: E402
 
 PROMPT_LENS = [1, 7, 33, 100]
+CHAIN = 3
 
 
 def rmsnorm(x, w, eps):
@@ -106,6 +112,12 @@ def main():
     tensors = mg.reference_tensors(ref, prompts, "cpu", fam)
     embed = sd["model.embed_tokens.weight"].float()
     eh = extra[prefix + "eh_proj.weight"].float()
+
+    def run_mtp(inputs):  # the one-layer model's logits and hidden state (after shared_head.norm) at the last position
+        hs = mtp.model(inputs_embeds=inputs[None], position_ids=torch.arange(inputs.shape[0])[None],
+                       use_cache=False).last_hidden_state[0, -1]
+        return mtp.lm_head(hs).float(), hs.float()
+
     with torch.no_grad():
         for j, prompt in enumerate(prompts):
             n = len(prompt)
@@ -118,6 +130,18 @@ def main():
             logits = out.logits[0].float()
             tensors[f"mtp_next_{j}"] = nxt.to(torch.int32).contiguous()
             tensors[f"mtp_logits_{j}"] = logits.contiguous()
+            chain_ids, chain_logits = [], []
+            last_logits, last_hidden = run_mtp(x)
+            for c in range(CHAIN):
+                draft = int(last_logits.argmax())
+                xc = torch.cat([rmsnorm(embed[draft], extra[prefix + "enorm.weight"], eps),
+                                rmsnorm(last_hidden, extra[prefix + "hnorm.weight"], eps)], dim=-1) @ eh.t()
+                x = torch.cat([x, xc[None]])
+                last_logits, last_hidden = run_mtp(x)
+                chain_ids.append(draft)
+                chain_logits.append(last_logits)
+            tensors[f"mtp_chain_ids_{j}"] = torch.tensor(chain_ids, dtype=torch.int32)
+            tensors[f"mtp_chain_logits_{j}"] = torch.stack(chain_logits).contiguous()
             print(f"{fam} prompt {j}: len {n} MTP logits std {logits.std():.3f}", flush=True)
     save_file(tensors, os.path.join(d, "reference.safetensors"))
 

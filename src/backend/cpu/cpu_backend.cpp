@@ -105,6 +105,7 @@ class CpuBackend final : public Backend {
   }
 
   void begin_step(const ForwardBatch& batch) override { step_ = batch; }
+  void begin_substep(const ForwardBatch& batch) override { step_ = batch; }  // scratch is never reused here
   void set_input_ids(std::span<const int32_t> ids) override {
     MLA_CHECK(ids.size() == step_.input_ids.size(), "set_input_ids: {} ids for a step of {} tokens", ids.size(),
               step_.input_ids.size());
@@ -193,6 +194,18 @@ class CpuBackend final : public Backend {
     const float* xp = f32(x);
     float* op = f32m(out);
     for (size_t r = 0; r < rows.size(); ++r) std::memcpy(op + r * C, xp + rows[r] * C, C * sizeof(float));
+  }
+
+  void gather_rows(const Tensor& x, std::span<const int32_t> rows, Tensor& out) override {
+    const int64_t C = x.size(-1), n = x.numel() / std::max<int64_t>(C, 1);
+    const size_t row_bytes = static_cast<size_t>(C) * dtype_size(x.dtype());
+    MLA_CHECK(out.numel() == static_cast<int64_t>(rows.size()) * C && out.dtype() == x.dtype(),
+              "gather_rows: shape mismatch");
+    for (size_t r = 0; r < rows.size(); ++r) {
+      MLA_CHECK(rows[r] >= 0 && rows[r] < n, "gather_rows: row {} of {}", rows[r], n);
+      std::memcpy(static_cast<char*>(out.data()) + r * row_bytes,
+                  static_cast<const char*>(x.data()) + static_cast<size_t>(rows[r]) * row_bytes, row_bytes);
+    }
   }
 
   void interleave_blocks(const Tensor& parts, int64_t n, Tensor& out) override {

@@ -404,6 +404,21 @@ class CudaBackend final : public Backend {
     up.flush();
   }
 
+  void begin_substep(const ForwardBatch& batch) override {
+    MLA_CHECK(!capturing_, "begin_substep while a graph is being recorded");
+    step_ = batch;
+    graph_step_ = false;
+    slots_checked_ = -1;
+    plans_.clear();  // (the plans' metadata stays where earlier ops of the step read it)
+    MetaUpload up(*this);  // after the step's metadata, as set_input_ids; the scratch stays
+    d_input_ids_ = up.add(step_.input_ids);
+    d_positions_ = up.add(step_.positions);
+    d_out_slots_ = up.add(step_.out_slots);
+    d_logit_rows_ = up.add(step_.logit_rows);
+    d_page_table_ = up.add(step_.page_table);
+    up.flush();
+  }
+
   void end_step() override {
     if (idle_stats_ && !step_events_.empty()) cudaEventRecord(step_events_.back().second, stream_);
   }
@@ -500,6 +515,19 @@ class CudaBackend final : public Backend {
     CUDA_OK(cuda::gather_rows(x.data(), C * static_cast<int64_t>(dtype_size(x.dtype())), d_logit_rows_, R, out.data(),
                               stream_),
             "gather_logit_rows");
+  }
+
+  void gather_rows(const Tensor& x, std::span<const int32_t> rows, Tensor& out) override {
+    const int64_t C = x.size(-1), n = static_cast<int64_t>(rows.size());
+    MLA_CHECK(out.numel() == n * C && out.dtype() == x.dtype(), "gather_rows: shape mismatch");
+    const int64_t have = x.numel() / std::max<int64_t>(C, 1);
+    for (int32_t r : rows) MLA_CHECK(r >= 0 && r < have, "gather_rows: row {} of {}", r, have);
+    MetaUpload up(*this);
+    const int32_t* d_rows = up.add(rows.data(), rows.size());
+    up.flush();
+    CUDA_OK(cuda::gather_rows(x.data(), C * static_cast<int64_t>(dtype_size(x.dtype())), d_rows, n, out.data(),
+                              stream_),
+            "gather_rows");
   }
 
   void interleave_blocks(const Tensor& parts, int64_t n, Tensor& out) override {
