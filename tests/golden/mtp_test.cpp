@@ -259,48 +259,61 @@ class MtpEngine : public ::testing::TestWithParam<bool> {
     for (const RankStats& s : e.stats()) n += s.*field;
     return n;
   }
+  // With `drafts` MTP drafts a step the outputs are the model's: greedy = Hugging Face for every prompt, seeded
+  // sampling draws what it draws without drafts (draw k of a seed is draw k), and with tensor parallelism and DP
+  // attention, decode steps through graphs (under DP attention too), the same tokens. Every check has one draft, or
+  // with chains more than drafts - 1 on average.
+  void expect_outputs_kept(int32_t drafts) {
+    const Reference ref = read_reference();
+    auto e = make(family_dir(), drafts);
+    std::vector<std::future<std::vector<int32_t>>> fs;
+    for (size_t j = 0; j < ref.prompts.size(); ++j)
+      fs.push_back(test::submit_ids(*e, "g" + std::to_string(j), ref.prompts[j], 24));
+    for (size_t j = 0; j < ref.prompts.size(); ++j) {
+      const std::vector<int32_t> got = test::wait_ids(fs[j]);
+      ASSERT_EQ(got.size(), 24u);
+      for (size_t i = 0; i < ref.greedy[j].size(); ++i)
+        EXPECT_EQ(got[i], ref.greedy[j][i]) << "prompt " << j << " step " << i;
+    }
+    auto drafts_per_check = [drafts](EngineClient& engine, int64_t min_checks, const std::string& where) {
+      const int64_t checks = total(engine, &RankStats::spec_checks);
+      const int64_t checked = total(engine, &RankStats::spec_draft_tokens);
+      EXPECT_GT(checks, min_checks) << "decode steps check the MTP layer's drafts, " << where;
+      if (drafts == 1) {
+        EXPECT_EQ(checked, checks) << "one draft per check, " << where;
+      } else {
+        EXPECT_GT(checked, checks * (drafts - 1)) << "chains of up to " << drafts << " drafts, " << where;
+      }
+      EXPECT_LE(checked, checks * drafts) << where;
+      EXPECT_LE(total(engine, &RankStats::spec_accepted_tokens), checked) << where;
+    };
+    drafts_per_check(*e, drafts == 1 ? 40 : 20, "alone");
+    SamplingParams seeded;
+    seeded.temperature = 0.8f;
+    seeded.top_k = 30;
+    seeded.seed = 11;
+    auto plain = make(family_dir(), 0);
+    for (size_t j : {size_t{1}, size_t{3}}) {
+      auto a = test::submit_ids(*plain, "p", ref.prompts[j], 32, -1, &seeded);
+      auto b = test::submit_ids(*e, "s", ref.prompts[j], 32, -1, &seeded);
+      EXPECT_EQ(test::wait_ids(b), test::wait_ids(a)) << "prompt " << j;
+    }
+    test::expect_engine_idle_and_clean(*e);
+    for (const auto& [tp, dp, graphs] : {std::tuple{2, 2, 0}, std::tuple{1, 1, 8}, std::tuple{2, 2, 8}}) {
+      auto par = make(family_dir(), drafts, tp, dp, 0, graphs);
+      auto a = test::submit_ids(*par, "a", ref.prompts[2], 24);
+      auto b = test::submit_ids(*par, "b", ref.prompts[3], 24);
+      const std::vector<int32_t> ra = test::wait_ids(a), rb = test::wait_ids(b);
+      const std::string where = fmt::format("tp {} dp {} graphs {}", tp, dp, graphs);
+      for (size_t i = 0; i < ref.greedy[2].size(); ++i) EXPECT_EQ(ra[i], ref.greedy[2][i]) << where << ", step " << i;
+      for (size_t i = 0; i < ref.greedy[3].size(); ++i) EXPECT_EQ(rb[i], ref.greedy[3][i]) << where << ", step " << i;
+      drafts_per_check(*par, drafts == 1 ? 20 : 8, where);
+      test::expect_engine_idle_and_clean(*par);
+    }
+  }
 };
 
-TEST_P(MtpEngine, DraftsKeepTheOutputs) {
-  const Reference ref = read_reference();
-  auto e = make(family_dir(), 1);
-  std::vector<std::future<std::vector<int32_t>>> fs;
-  for (size_t j = 0; j < ref.prompts.size(); ++j)
-    fs.push_back(test::submit_ids(*e, "g" + std::to_string(j), ref.prompts[j], 24));
-  for (size_t j = 0; j < ref.prompts.size(); ++j) {
-    const std::vector<int32_t> got = test::wait_ids(fs[j]);
-    ASSERT_EQ(got.size(), 24u);
-    for (size_t i = 0; i < ref.greedy[j].size(); ++i)
-      EXPECT_EQ(got[i], ref.greedy[j][i]) << "prompt " << j << " step " << i;
-  }
-  const int64_t checks = total(*e, &RankStats::spec_checks);
-  EXPECT_GT(checks, 40) << "decode steps check the MTP layer's draft";
-  EXPECT_EQ(total(*e, &RankStats::spec_draft_tokens), checks) << "one draft per check";
-  EXPECT_LE(total(*e, &RankStats::spec_accepted_tokens), checks);
-  // Seeded sampling draws what it draws without drafts (draw k of a seed is draw k).
-  SamplingParams seeded;
-  seeded.temperature = 0.8f;
-  seeded.top_k = 30;
-  seeded.seed = 11;
-  auto plain = make(family_dir(), 0);
-  for (size_t j : {size_t{1}, size_t{3}}) {
-    auto a = test::submit_ids(*plain, "p", ref.prompts[j], 32, -1, &seeded);
-    auto b = test::submit_ids(*e, "s", ref.prompts[j], 32, -1, &seeded);
-    EXPECT_EQ(test::wait_ids(b), test::wait_ids(a)) << "prompt " << j;
-  }
-  test::expect_engine_idle_and_clean(*e);
-  // Tensor parallel with DP attention, and decode steps through graphs (under DP attention too): the same tokens.
-  for (const auto& [tp, dp, graphs] : {std::tuple{2, 2, 0}, std::tuple{1, 1, 8}, std::tuple{2, 2, 8}}) {
-    auto par = make(family_dir(), 1, tp, dp, 0, graphs);
-    auto a = test::submit_ids(*par, "a", ref.prompts[2], 24);
-    auto b = test::submit_ids(*par, "b", ref.prompts[3], 24);
-    const std::vector<int32_t> ra = test::wait_ids(a), rb = test::wait_ids(b);
-    const std::string where = fmt::format("tp {} dp {} graphs {}", tp, dp, graphs);
-    for (size_t i = 0; i < ref.greedy[2].size(); ++i) EXPECT_EQ(ra[i], ref.greedy[2][i]) << where << ", step " << i;
-    for (size_t i = 0; i < ref.greedy[3].size(); ++i) EXPECT_EQ(rb[i], ref.greedy[3][i]) << where << ", step " << i;
-    EXPECT_GT(total(*par, &RankStats::spec_checks), 20) << where;
-  }
-}
+TEST_P(MtpEngine, DraftsKeepTheOutputs) { expect_outputs_kept(1); }
 
 // On the exact checkpoint (write_exact_checkpoint) the drafts are kept (but for near ties), every step takes two
 // tokens, and the output is the model's without drafts.
@@ -330,48 +343,8 @@ TEST_P(MtpEngine, AnExactDraftLayerIsKept) {
 }
 
 // Chains of MTP drafts (SGLang's --speculative-num-steps 3, vLLM's num_speculative_tokens 3): every check has up to
-// three drafts, and the outputs stay the model's: alone, with tensor parallelism and DP attention, through graphs.
-TEST_P(MtpEngine, ChainedDraftsKeepTheOutputs) {
-  const Reference ref = read_reference();
-  auto e = make(family_dir(), 3);
-  std::vector<std::future<std::vector<int32_t>>> fs;
-  for (size_t j = 0; j < ref.prompts.size(); ++j)
-    fs.push_back(test::submit_ids(*e, "g" + std::to_string(j), ref.prompts[j], 24));
-  for (size_t j = 0; j < ref.prompts.size(); ++j) {
-    const std::vector<int32_t> got = test::wait_ids(fs[j]);
-    ASSERT_EQ(got.size(), 24u);
-    for (size_t i = 0; i < ref.greedy[j].size(); ++i)
-      EXPECT_EQ(got[i], ref.greedy[j][i]) << "prompt " << j << " step " << i;
-  }
-  const int64_t checks = total(*e, &RankStats::spec_checks), drafts = total(*e, &RankStats::spec_draft_tokens);
-  EXPECT_GT(checks, 20);
-  EXPECT_GT(drafts, checks * 2) << "chains of up to three drafts";
-  EXPECT_LE(drafts, checks * 3);
-  SamplingParams seeded;  // seeded sampling draws what it draws without drafts
-  seeded.temperature = 0.8f;
-  seeded.top_k = 30;
-  seeded.seed = 11;
-  auto plain = make(family_dir(), 0);
-  for (size_t j : {size_t{1}, size_t{3}}) {
-    auto a = test::submit_ids(*plain, "p", ref.prompts[j], 32, -1, &seeded);
-    auto b = test::submit_ids(*e, "s", ref.prompts[j], 32, -1, &seeded);
-    EXPECT_EQ(test::wait_ids(b), test::wait_ids(a)) << "prompt " << j;
-  }
-  test::expect_engine_idle_and_clean(*e);
-  for (const auto& [tp, dp, graphs] : {std::tuple{2, 2, 0}, std::tuple{1, 1, 8}, std::tuple{2, 2, 8}}) {
-    auto par = make(family_dir(), 3, tp, dp, 0, graphs);
-    auto a = test::submit_ids(*par, "a", ref.prompts[2], 24);
-    auto b = test::submit_ids(*par, "b", ref.prompts[3], 24);
-    const std::vector<int32_t> ra = test::wait_ids(a), rb = test::wait_ids(b);
-    const std::string where = fmt::format("tp {} dp {} graphs {}", tp, dp, graphs);
-    for (size_t i = 0; i < ref.greedy[2].size(); ++i) EXPECT_EQ(ra[i], ref.greedy[2][i]) << where << ", step " << i;
-    for (size_t i = 0; i < ref.greedy[3].size(); ++i) EXPECT_EQ(rb[i], ref.greedy[3][i]) << where << ", step " << i;
-    const int64_t c = total(*par, &RankStats::spec_checks);
-    EXPECT_GT(c, 8) << where;
-    EXPECT_GT(total(*par, &RankStats::spec_draft_tokens), c * 2) << where;
-    test::expect_engine_idle_and_clean(*par);
-  }
-}
+// three drafts, and the outputs stay the model's.
+TEST_P(MtpEngine, ChainedDraftsKeepTheOutputs) { expect_outputs_kept(3); }
 
 // On the exact checkpoint a chain of three drafts is the model's next three tokens: greedy steps take four tokens
 // each. Sampled (seeded) steps reject drafts where the draw is not the greedy token; the chain then starts from the
