@@ -73,15 +73,22 @@ std::vector<int32_t> page_run(int32_t first, int32_t tokens, int32_t page_size) 
   return p;
 }
 
+// The v3mtp model with its MTP layer on the CPU, and a latent cache of 64 pages of P tokens.
+struct CpuMtpModel {
+  static constexpr int32_t P = 8;
+  std::unique_ptr<Backend> be = make_cpu_backend();
+  DeepseekModel m{mtp_config(family_dir()), *be};
+  KvCache cache{*be, m.config(), 64, P};
+  CpuMtpModel() { m.load(family_dir(), {}); }
+};
+
 // The model's logits and the MTP layer's over prompt j as one batch of its chunks [cuts[k], cuts[k + 1]), each
 // chunk a step of its own after the ones before it in the cache: both match Hugging Face row by row.
 TEST(Mtp, DraftLogitsMatchHuggingFaceParts) {
   const Reference ref = read_reference();
-  auto be = make_cpu_backend();
-  DeepseekModel m(mtp_config(family_dir()), *be);
-  m.load(family_dir(), {});
-  constexpr int32_t P = 8;
-  KvCache cache(*be, m.config(), 64, P);
+  CpuMtpModel cm;
+  auto& [be, m, cache] = cm;
+  constexpr int32_t P = CpuMtpModel::P;
   ASSERT_EQ(cache.num_layers(), m.config().num_hidden_layers + 1);
   for (size_t j = 0; j < ref.prompts.size(); ++j) {
     const auto& prompt = ref.prompts[j];
@@ -130,11 +137,9 @@ TEST(Mtp, DraftLogitsMatchHuggingFaceParts) {
 // match Hugging Face's for every prompt.
 TEST(Mtp, ChainedDraftLogitsMatchHuggingFaceParts) {
   const Reference ref = read_reference();
-  auto be = make_cpu_backend();
-  DeepseekModel m(mtp_config(family_dir()), *be);
-  m.load(family_dir(), {});
-  constexpr int32_t P = 8;
-  KvCache cache(*be, m.config(), 64, P);
+  CpuMtpModel cm;
+  auto& [be, m, cache] = cm;
+  constexpr int32_t P = CpuMtpModel::P;
   const int32_t steps = static_cast<int32_t>(ref.chain_ids[0].size());
   ASSERT_EQ(steps, 3);
   ForwardBatchBuilder bb(P);
@@ -311,34 +316,41 @@ class MtpEngine : public ::testing::TestWithParam<bool> {
       test::expect_engine_idle_and_clean(*par);
     }
   }
+  // On the exact checkpoint in `dir` (write_exact_checkpoint), greedy, eagerly and through graphs, with `drafts` MTP
+  // drafts a step: the outputs are `plain`'s (no drafts), more than min_drafts drafts are checked and >= 90% of them
+  // kept (but for near ties), and the steps are fewer than max_tenths tenths of plain's.
+  void expect_exact_drafts_kept(const fs::path& dir, int32_t drafts, EngineClient& plain, int64_t min_drafts,
+                                int64_t max_tenths) {
+    const Reference ref = read_reference();
+    for (int32_t graphs : {0, 8}) {
+      auto e = make(dir.string(), drafts, 1, 1, 0, graphs);
+      const int64_t plain_before = total(plain, &RankStats::forward_steps);
+      for (size_t j = 0; j < ref.prompts.size(); ++j) {
+        auto a = test::submit_ids(plain, "p", ref.prompts[j], 30);
+        auto b = test::submit_ids(*e, "s", ref.prompts[j], 30);
+        EXPECT_EQ(test::wait_ids(b), test::wait_ids(a)) << "prompt " << j << " graphs " << graphs;
+      }
+      const int64_t checked = total(*e, &RankStats::spec_draft_tokens);
+      const int64_t kept = total(*e, &RankStats::spec_accepted_tokens);
+      EXPECT_GT(checked, min_drafts);
+      EXPECT_GE(kept, checked * 9 / 10) << kept << " of " << checked << " drafts kept, graphs " << graphs;
+      EXPECT_LT(total(*e, &RankStats::forward_steps), (total(plain, &RankStats::forward_steps) - plain_before) *
+                                                           max_tenths / 10)
+          << drafts + 1 << " tokens a step, graphs " << graphs;
+      test::expect_engine_idle_and_clean(*e);
+    }
+  }
 };
 
 TEST_P(MtpEngine, DraftsKeepTheOutputs) { expect_outputs_kept(1); }
 
 // On the exact checkpoint (write_exact_checkpoint) the drafts are kept (but for near ties), every step takes two
-// tokens, and the output is the model's without drafts.
+// tokens, and the output is the model's without drafts (expect_exact_drafts_kept).
 TEST_P(MtpEngine, AnExactDraftLayerIsKept) {
   const fs::path dir = test::temp_dir("mtp_exact");
   write_exact_checkpoint(dir);
-  const Reference ref = read_reference();
   auto plain = make(dir.string(), 0);
-  for (int32_t graphs : {0, 8}) {  // eager, and decode steps through graphs
-    auto e = make(dir.string(), 1, 1, 1, 0, graphs);
-    const int64_t plain_before = total(*plain, &RankStats::forward_steps);
-    for (size_t j = 0; j < ref.prompts.size(); ++j) {
-      auto a = test::submit_ids(*plain, "p", ref.prompts[j], 30);
-      auto b = test::submit_ids(*e, "s", ref.prompts[j], 30);
-      EXPECT_EQ(test::wait_ids(b), test::wait_ids(a)) << "prompt " << j << " graphs " << graphs;
-    }
-    const int64_t drafts = total(*e, &RankStats::spec_draft_tokens);
-    const int64_t kept = total(*e, &RankStats::spec_accepted_tokens);
-    EXPECT_GT(drafts, 40);
-    EXPECT_GE(kept, drafts * 9 / 10) << kept << " of " << drafts << " drafts kept, graphs " << graphs;
-    EXPECT_LT(total(*e, &RankStats::forward_steps),
-              (total(*plain, &RankStats::forward_steps) - plain_before) * 6 / 10)
-        << "two tokens a step";
-    test::expect_engine_idle_and_clean(*e);
-  }
+  expect_exact_drafts_kept(dir, 1, *plain, 40, 6);
   fs::remove_all(dir);
 }
 
@@ -355,22 +367,7 @@ TEST_P(MtpEngine, AnExactDraftLayerChainsFromTheLastKeptRow) {
   write_exact_checkpoint(dir);
   const Reference ref = read_reference();
   auto plain = make(dir.string(), 0);
-  for (int32_t graphs : {0, 8}) {
-    auto e = make(dir.string(), 3, 1, 1, 0, graphs);
-    const int64_t plain_before = total(*plain, &RankStats::forward_steps);
-    for (size_t j = 0; j < ref.prompts.size(); ++j) {
-      auto a = test::submit_ids(*plain, "p", ref.prompts[j], 30);
-      auto b = test::submit_ids(*e, "s", ref.prompts[j], 30);
-      EXPECT_EQ(test::wait_ids(b), test::wait_ids(a)) << "prompt " << j << " graphs " << graphs;
-    }
-    const int64_t drafts = total(*e, &RankStats::spec_draft_tokens);
-    EXPECT_GT(drafts, 60);
-    EXPECT_GE(total(*e, &RankStats::spec_accepted_tokens), drafts * 9 / 10) << "graphs " << graphs;
-    EXPECT_LT(total(*e, &RankStats::forward_steps),
-              (total(*plain, &RankStats::forward_steps) - plain_before) * 4 / 10)
-        << "four tokens a step, graphs " << graphs;
-    test::expect_engine_idle_and_clean(*e);
-  }
+  expect_exact_drafts_kept(dir, 3, *plain, 60, 4);
   auto e = make(dir.string(), 3);
   SamplingParams seeded;
   seeded.temperature = 1.0f;
