@@ -159,10 +159,11 @@ inline std::string free_loopback_addr() {
 // decode graphs up to that many tokens (GraphRecorder); mtp: with the checkpoint's MTP layer (speculative decoding's
 // drafts).
 inline std::unique_ptr<RankSet> cpu_ranks_at(const std::string& dir, int32_t tp = 1, int32_t dp = 1,
-                                             int32_t graph_max_bs = 0, bool mtp = false) {
+                                             int32_t graph_max_bs = 0, bool mtp = false, bool expert_parallel = false) {
   ParallelConfig pc;
   pc.tp_size = tp;
   pc.dp_size = dp;
+  pc.expert_parallel = expert_parallel;
   pc.device = "cpu";
   pc.backend.cpu_graphs = graph_max_bs > 0;
   pc.cuda_graph_max_bs = graph_max_bs;
@@ -172,8 +173,8 @@ inline std::unique_ptr<RankSet> cpu_ranks_at(const std::string& dir, int32_t tp 
 }
 // The same for a golden family.
 inline std::unique_ptr<RankSet> cpu_ranks(const std::string& family, int32_t tp = 1, int32_t dp = 1,
-                                          int32_t graph_max_bs = 0, bool mtp = false) {
-  return cpu_ranks_at(golden_dir(family), tp, dp, graph_max_bs, mtp);
+                                          int32_t graph_max_bs = 0, bool mtp = false, bool expert_parallel = false) {
+  return cpu_ranks_at(golden_dir(family), tp, dp, graph_max_bs, mtp, expert_parallel);
 }
 
 // Engine options of the engine tests: pages of 8 tokens, integrity checks after every step.

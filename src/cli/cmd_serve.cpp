@@ -38,11 +38,14 @@ namespace {
 struct ServeArgs {
   std::string model_path, tokenizer_path, served_model_name;
   std::string positional_model;      // `serve MODEL` (vLLM's form)
+  std::string hf_overrides, json_model_override_args;  // vLLM's / SGLang's config.json overrides (a JSON object)
   std::vector<std::string> ignored;  // performance-only flags of SGLang / vLLM given (no effect here)
   std::string host = "127.0.0.1";
   int port = 30000;
   int32_t tp = 1, dp = 1;
   bool enable_dp_attention = false, disable_radix_cache = false, trust_remote_code = false;
+  bool expert_parallel = false;  // vLLM's --enable-expert-parallel, SGLang's --enable-ep-moe / --ep-size = --tp
+  int32_t ep_size = 0;           // SGLang's --ep-size (0: not given)
   std::string load_format = "auto", dtype = "auto", quantization, kv_cache_dtype = "auto";
   double mem_fraction_static = 0.0;
   int32_t max_running_requests = 0;
@@ -77,6 +80,7 @@ struct ServeArgs {
   bool stream_output = false;
   bool allow_auto_truncate = false;
   bool request_id_headers = false;
+  bool return_tokens_as_token_ids = false;  // vLLM's: OpenAI logprobs' tokens as "token_id:ID"
   std::string reasoning_parser;
   std::string tool_call_parser;
   std::string chat_template;
@@ -350,6 +354,7 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["tp_size"] = a.tp;
   j["dp_size"] = a.dp;
   j["enable_dp_attention"] = a.enable_dp_attention;
+  j["ep_size"] = a.expert_parallel ? a.tp : 1;
   j["disable_radix_cache"] = a.disable_radix_cache;
   j["load_format"] = a.load_format;
   j["dtype"] = a.dtype;
@@ -465,6 +470,10 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   }
   app.add_option("--model-path,--model", a->model_path, "checkpoint directory (config.json + safetensors)");
   app.add_option("model", a->positional_model, "the checkpoint directory, as `vllm serve MODEL` takes it");
+  app.add_option("--hf-overrides", a->hf_overrides,
+                 "a JSON object whose keys replace config.json's (vLLM's; e.g. '{\"max_position_embeddings\": 8192}')");
+  app.add_option("--json-model-override-args", a->json_model_override_args,
+                 "the same, SGLang's name");
   app.add_option("--tokenizer-path,--tokenizer", a->tokenizer_path, "tokenizer directory (default: --model-path)");
   app.add_option("--served-model-name", a->served_model_name, "model name in the OpenAI API (default: --model-path)");
   app.add_option("--host", a->host, "address to listen on")->capture_default_str();
@@ -472,6 +481,10 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--tp,--tp-size,--tensor-parallel-size", a->tp, "tensor parallel size")->capture_default_str();
   app.add_option("--dp,--dp-size,--data-parallel-size", a->dp, "data parallel size")->capture_default_str();
   app.add_flag("--enable-dp-attention", a->enable_dp_attention, "data-parallel attention, tensor-parallel MoE");
+  app.add_flag("--enable-expert-parallel,--enable-ep-moe", a->expert_parallel,
+               "routed experts split by expert over the --tp ranks instead of by their width (vLLM's, SGLang's)");
+  app.add_option("--ep-size,--expert-parallel-size", a->ep_size,
+                 "SGLang's: --tp (routed experts split by expert) or 1 (by width)");
   app.add_flag("--disable-radix-cache,--no-enable-prefix-caching", a->disable_radix_cache, "no prefix cache");
   app.add_flag("--trust-remote-code", a->trust_remote_code, "accepted for compatibility; no effect");
   app.add_option("--load-format", a->load_format, "auto|safetensors|dummy")->capture_default_str();
@@ -557,6 +570,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--pipeline-parallel-size,--pp-size", a->pipeline_parallel_size, "pipeline stages (1)")
       ->capture_default_str();
   app.add_option("--stream-interval", a->stream_interval, "tokens per streamed chunk (>= 1)")->capture_default_str();
+  app.add_flag("--return-tokens-as-token-ids", a->return_tokens_as_token_ids,
+               "OpenAI logprobs name tokens \"token_id:ID\" (a request's return_tokens_as_token_ids wins), as vLLM's");
   app.add_flag("--enable-request-id-headers", a->request_id_headers,
                "responses carry X-Request-Id (the request's own, else a new one), as vLLM's");
   app.add_flag("--allow-auto-truncate", a->allow_auto_truncate,
@@ -589,7 +604,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
         "--enable-auto-tool-choice", "--enable-prefix-caching", "--enable-dp-lm-head", "--enable-two-batch-overlap",
         "--disable-shared-experts-fusion", "--enable-flashinfer-mla", "--disable-cuda-graph-padding",
         "--show-time-cost", "--enable-nan-detection", "--enable-nccl-nvls", "--enable-hierarchical-cache",
-        "--enable-ep-moe", "--enable-deepep-moe", "--enable-expert-parallel", "--enable-eplb", "--enable-chunked-prefill",
+        "--enable-deepep-moe", "--enable-eplb", "--enable-chunked-prefill",
         "--no-enable-chunked-prefill", "--async-scheduling", "--enable-memory-saver", "--sleep-on-idle", "--enable-symm-mem", "--disable-fastapi-docs",
         "--weight-loader-disable-mmap", "--disable-async-output-proc", "--multi-step-stream-outputs",
         "--enable-log-requests", "--triton-attention-reduce-in-fp32", "--disable-outlines-disk-cache",
@@ -600,7 +615,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
         "--watchdog-timeout", "--max-prefill-tokens", "--decode-log-interval", "--tokenizer-mode", "--cuda-graph-bs",
         "--moe-dense-tp-size", "--schedule-conservativeness", "--num-continuous-decode-steps",
         "--triton-attention-num-kv-splits", "--download-dir", "--revision", "--mm-attention-backend",
-        "--file-storage-path", "--ep-size", "--moe-a2a-backend", "--deepep-mode", "--nccl-port", "--swap-space",
+        "--file-storage-path", "--moe-a2a-backend", "--deepep-mode", "--nccl-port", "--swap-space",
         "--uvicorn-log-level", "--distributed-executor-backend", "--compilation-config", "--max-seq-len-to-capture",
         "--ep-num-redundant-experts", "--init-expert-location", "--crash-dump-folder", "--num-scheduler-steps",
         "--scheduler-delay-factor", "--preemption-mode", "--num-reserved-decode-tokens", "--hicache-ratio",
@@ -623,12 +638,26 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
               "the model is given twice: '{}' and --model-path '{}'", s.positional_model, s.model_path);
     if (s.model_path.empty()) s.model_path = s.positional_model;
     MLA_CHECK(!s.model_path.empty(), "--model-path is required (or the model as the first argument)");
+    // SGLang's --ep-size: expert parallelism over the --tp ranks (its only other value, 1, is none).
+    MLA_CHECK(s.ep_size == 0 || s.ep_size == 1 || s.ep_size == s.tp,
+              "--ep-size {}: expert parallelism spans the --tp ranks, so it is 1 or --tp ({})", s.ep_size, s.tp);
+    if (s.ep_size > 1) s.expert_parallel = true;
+    MLA_CHECK(s.hf_overrides.empty() || s.json_model_override_args.empty(),
+              "give either --hf-overrides or --json-model-override-args, not both");
+    const std::string overrides_flag = s.hf_overrides.empty() ? "--json-model-override-args" : "--hf-overrides";
+    const std::string overrides_text = s.hf_overrides.empty() ? s.json_model_override_args : s.hf_overrides;
+    nlohmann::json overrides = nlohmann::json::object();
+    if (!overrides_text.empty()) {
+      overrides = nlohmann::json::parse(overrides_text, nullptr, false);
+      MLA_CHECK(overrides.is_object(), "{}: '{}' is not a JSON object", overrides_flag, overrides_text);
+      MLA_LOG_INFO("{}: config.json's keys replaced by {}", overrides_flag, overrides.dump());
+    }
     for (const std::string& f : s.ignored) MLA_LOG_INFO("{}: accepted for compatibility, no effect here", f);
     // --quantization naming the checkpoint's own method (an FP8 or AWQ checkpoint: quantization_names) is accepted:
     // those load from their quantization_config. fp8 on a checkpoint without one quantizes its routed experts at
     // load; another method, or fp8 on an AWQ checkpoint, is refused (recognised, not implemented: exit non-zero).
     if (!s.quantization.empty() && s.load_format != "dummy" && std::filesystem::exists(s.model_path + "/config.json")) {
-      const QuantMethod q = ModelConfig::from_file(s.model_path).quant;
+      const QuantMethod q = ModelConfig::from_file(s.model_path, overrides).quant;
       if (quantization_names(s.quantization, q)) s.quantization.clear();
       MLA_CHECK(s.quantization != "fp8" || q == QuantMethod::None,
                 "--quantization fp8: {} is an AWQ checkpoint (quantizing it again is not supported)", s.model_path);
@@ -714,11 +743,13 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     ea.tp_size = s.tp;
     ea.dp_size = s.dp;
     ea.enable_dp_attention = s.enable_dp_attention;
+    ea.expert_parallel = s.expert_parallel;
     ea.load_balance_method = s.load_balance_method;
     ea.page_size = s.page_size;
     ea.max_running_requests = s.max_running_requests;
     ea.max_total_tokens = s.max_total_tokens;
     ea.mem_fraction_static = s.mem_fraction_static;
+    ea.model_overrides = s.hf_overrides.empty() ? s.json_model_override_args : s.hf_overrides;
     ea.chunked_prefill_size = s.chunked_prefill_size;
     ea.disable_radix_cache = s.disable_radix_cache;
     ea.context_length = s.context_length;
@@ -772,6 +803,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.parse.defaults = s.defaults;
     so.parse.max_top_logprobs = s.max_logprobs < 0 ? (1 << 30) : s.max_logprobs;
     so.parse.tool_calls_v31 = server::tool_calls_v31(s.tool_call_parser);
+    so.parse.return_tokens_as_token_ids = s.return_tokens_as_token_ids;
     so.stream_interval = s.stream_interval;
     so.stream_output = s.stream_output;
     so.allow_auto_truncate = s.allow_auto_truncate;

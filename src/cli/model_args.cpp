@@ -25,6 +25,8 @@ void ModelArgs::add_to(CLI::App& app) {
   app.add_option("--dp,--dp-size", dp, "data parallel size")->capture_default_str();
   app.add_flag("--enable-dp-attention", enable_dp_attention,
                "attention data-parallel over --dp groups inside the --tp ranks (MoE stays tensor-parallel)");
+  app.add_flag("--enable-expert-parallel,--enable-ep-moe", expert_parallel,
+               "routed experts split by expert over the --tp ranks instead of by their width");
   app.add_option("--nnodes", nnodes, "number of nodes (one process per node)")->capture_default_str();
   app.add_option("--node-rank", node_rank, "this node's rank in [0, --nnodes)")->capture_default_str();
   app.add_option("--dist-init-addr", dist_init_addr, "host:port where node 0 serves the rendezvous");
@@ -45,6 +47,7 @@ ParallelConfig ModelArgs::parallel_config() const {
   ParallelConfig pc;
   pc.tp_size = tp;
   pc.dp_size = enable_dp_attention ? dp : 1;
+  pc.expert_parallel = expert_parallel;
   pc.device = device;
   pc.backend = backend_options();
   pc.nnodes = nnodes;

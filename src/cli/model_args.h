@@ -24,6 +24,7 @@ struct ModelArgs {
   int32_t tp = 1;
   int32_t dp = 1;
   bool enable_dp_attention = false;
+  bool expert_parallel = false;
   int32_t nnodes = 1;
   int32_t node_rank = 0;
   std::string dist_init_addr;

@@ -179,6 +179,8 @@ class EngineClient {
 // What it takes to build an engine (the server maps SGLang's flags onto this).
 struct EngineArgs {
   std::string model_path;
+  // vLLM's --hf-overrides / SGLang's --json-model-override-args: a JSON object whose keys replace config.json's.
+  std::string model_overrides;
   std::string device = "auto";
   std::string load_format = "auto";
   std::string fp8_experts = "auto";  // FP8 checkpoints' routed experts: auto | on (kept FP8) | off (bf16 at load)
@@ -188,6 +190,7 @@ struct EngineArgs {
   int32_t tp_size = 1;
   int32_t dp_size = 1;
   bool enable_dp_attention = false;
+  bool expert_parallel = false;  // vLLM's --enable-expert-parallel / SGLang's --ep-size: routed experts split by expert
   std::string load_balance_method = "round_robin";
   int32_t page_size = 16;
   int32_t max_running_requests = 0;  // 0: derived from memory

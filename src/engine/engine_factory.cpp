@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include <nlohmann/json.hpp>
+
 #include "core/log.h"
 #include "engine/dp_controller.h"
 #include "engine/engine.h"
@@ -15,6 +17,7 @@ ParallelConfig parallel_config(const EngineArgs& a, int32_t dp_groups) {
   ParallelConfig pc;
   pc.tp_size = a.tp_size;
   pc.dp_size = dp_groups;
+  pc.expert_parallel = a.expert_parallel;
   pc.device = a.device;
   if (a.mem_fraction_static > 0.0) pc.backend.mem_fraction_static = a.mem_fraction_static;
   pc.nnodes = a.nnodes;
@@ -37,8 +40,10 @@ LoadOptions load_options(const EngineArgs& a) {
   return lo;
 }
 
-// The model as this run uses it: with MTP drafts, the checkpoint's MTP layer too.
-ModelConfig run_config(const EngineArgs& a, ModelConfig cfg) {
+// The model as this run uses it: config.json with the overrides, and with MTP drafts the checkpoint's MTP layer too.
+ModelConfig run_config(const EngineArgs& a) {
+  ModelConfig cfg = ModelConfig::from_file(
+      a.model_path, a.model_overrides.empty() ? nlohmann::json::object() : nlohmann::json::parse(a.model_overrides));
   if (!a.spec_mtp) return cfg;
   MLA_CHECK(cfg.num_nextn_predict_layers >= 1,
             "speculative decoding with MTP drafts (--speculative-algorithm EAGLE / NEXTN, vLLM's deepseek_mtp): '{}' "
@@ -104,7 +109,7 @@ std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfi
 
 void run_follower_node(const EngineArgs& a) {
   MLA_CHECK(a.node_rank > 0, "run_follower_node is for --node-rank > 0");
-  ModelConfig cfg = run_config(a, ModelConfig::from_file(a.model_path));
+  ModelConfig cfg = run_config(a);
   RankSet ranks(cfg, parallel_config(a, a.enable_dp_attention ? a.dp_size : 1), a.model_path, load_options(a));
   MLA_LOG_INFO("node {}: ranks loaded; serving node 0's steps", a.node_rank);
   ranks.follow();
@@ -126,7 +131,7 @@ std::unique_ptr<EngineClient> make_engine(const EngineArgs& a) {
   MLA_CHECK(a.node_rank == 0, "make_engine runs on node 0; other nodes use run_follower_node");
   MLA_CHECK(a.nnodes == 1 || a.enable_dp_attention || a.dp_size == 1,
             "--dp replicas across nodes are not supported; use --enable-dp-attention or one replica");
-  ModelConfig cfg = run_config(a, ModelConfig::from_file(a.model_path));
+  ModelConfig cfg = run_config(a);
   MLA_LOG_INFO("{}", cfg.summary());
   if (a.enable_dp_attention || a.dp_size == 1) return make_replica(a, cfg, a.enable_dp_attention ? a.dp_size : 1);
   std::vector<std::unique_ptr<EngineClient>> replicas;

@@ -264,6 +264,7 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
     run_on_all([&](int i) {
       Rank& rk = *ranks_[static_cast<size_t>(i)];
       ParallelPlan plan = ParallelPlan::make(n, d, rk.global);
+      plan.expert_parallel = pc_.expert_parallel;
 #ifdef MLASERVE_HAS_CUDA
       if (gpu && n > 1) {
         auto world = std::make_unique<NcclCommunicator>(nccl_id, n, rk.global, pc_.device_of(i),

@@ -30,6 +30,7 @@ namespace mlaserve {
 struct ParallelConfig {
   int32_t tp_size = 1;
   int32_t dp_size = 1;  // attention-DP groups (DP attention); 1 = plain TP
+  bool expert_parallel = false;  // routed experts split by expert over the tp_size ranks (ParallelPlan)
   std::string device = "auto";
   BackendOptions backend;
   int32_t device_offset = 0;  // first local GPU of this replica (--dp replicas in one process use disjoint GPUs)

@@ -57,7 +57,10 @@ double yarn_mscale(double scale, double m) { return scale <= 1.0 ? 1.0 : 0.1 * m
 
 }  // namespace
 
-ModelConfig ModelConfig::from_file(const std::string& path_in) {
+ModelConfig ModelConfig::from_file(const std::string& path_in) { return from_file(path_in, json::object()); }
+
+ModelConfig ModelConfig::from_file(const std::string& path_in, const json& overrides) {
+  MLA_CHECK(overrides.is_object(), "model config overrides must be a JSON object, got {}", overrides.dump());
   std::filesystem::path p(path_in);
   if (std::filesystem::is_directory(p)) p /= "config.json";
   MLA_CHECK(std::filesystem::exists(p), "{}: config.json not found", p.string());
@@ -68,7 +71,10 @@ ModelConfig ModelConfig::from_file(const std::string& path_in) {
   } catch (const json::exception& e) {
     fail("{}: not valid JSON ({})", p.string(), e.what());
   }
-  return from_json(j, p.string());
+  if (overrides.empty()) return from_json(j, p.string());
+  MLA_CHECK(j.is_object(), "{}: expected a JSON object", p.string());
+  for (const auto& [key, value] : overrides.items()) j[key] = value;
+  return from_json(j, p.string() + " with the overrides " + overrides.dump());
 }
 
 ModelConfig ModelConfig::from_json(const json& j, const std::string& src) {

@@ -79,6 +79,9 @@ struct ModelConfig {
 
   // Parses DIR/config.json (or a file path). Throws naming the file and the field.
   static ModelConfig from_file(const std::string& path);
+  // The same with config.json's top-level keys replaced by `overrides`' (an object; vLLM's --hf-overrides, SGLang's
+  // --json-model-override-args: a shallow update, as both apply them).
+  static ModelConfig from_file(const std::string& path, const nlohmann::json& overrides);
   static ModelConfig from_json(const nlohmann::json& j, const std::string& source);
 
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }

@@ -347,8 +347,18 @@ DeepseekModel::DeepseekModel(ModelConfig config, Backend& backend, ParallelPlan 
             "invalid parallel plan");
   local_heads_ = divisible(c.num_attention_heads, plan_.attn_tp_size, "num_attention_heads", "attention tensor-parallel");
   local_inter_ = divisible(c.intermediate_size, plan_.tp_size, "intermediate_size", "tensor-parallel");
-  local_moe_inter_ = c.n_routed_experts ? divisible(c.moe_intermediate_size, plan_.tp_size, "moe_intermediate_size", "tensor-parallel") : 0;
-  local_shared_inter_ = local_moe_inter_ * c.n_shared_experts;
+  const int64_t moe_slice =
+      c.n_routed_experts ? divisible(c.moe_intermediate_size, plan_.tp_size, "moe_intermediate_size", "tensor-parallel")
+                         : 0;
+  local_shared_inter_ = moe_slice * c.n_shared_experts;  // shared experts: split by width in either case
+  if (plan_.expert_parallel && c.n_routed_experts > 0) {
+    local_experts_ = divisible(c.n_routed_experts, plan_.tp_size, "n_routed_experts", "expert-parallel");
+    expert_begin_ = plan_.tp_rank * local_experts_;
+    local_moe_inter_ = c.moe_intermediate_size;
+  } else {
+    local_experts_ = c.n_routed_experts;
+    local_moe_inter_ = moe_slice;
+  }
   local_vocab_ = divisible(c.vocab_size, plan_.attn_tp_size, "vocab_size", "attention tensor-parallel");
   MLA_CHECK(plan_.dp_size >= 1 && plan_.tp_size % plan_.dp_size == 0 && plan_.attn_tp_size * plan_.dp_size == plan_.tp_size,
             "inconsistent parallel plan: tp {} dp {} attention tp {}", plan_.tp_size, plan_.dp_size, plan_.attn_tp_size);
@@ -370,7 +380,7 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
   {  // FP8 experts kept? (Auto: when their bf16 form would take more than half of the free weight memory)
     int64_t moe_layers = 0;
     for (int64_t l = 0; l < config_.num_hidden_layers; ++l) moe_layers += config_.is_moe_layer(l);
-    const int64_t bf16_bytes = moe_layers * config_.n_routed_experts * 3 * local_moe_inter_ * config_.hidden_size * 2;
+    const int64_t bf16_bytes = moe_layers * local_experts_ * 3 * local_moe_inter_ * config_.hidden_size * 2;
     const int64_t free = backend_.persistent_bytes_free();
     using F = LoadOptions::Fp8Experts;
     ld.set_keep_fp8(opts.fp8_experts == F::On || (opts.fp8_experts == F::Auto && free >= 0 && bf16_bytes > free / 2));
@@ -396,15 +406,17 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
     lm_head_ = ld.make("lm_head.weight", {c.vocab_size, H}, {local_vocab_, H}, v0, 0, Kind::LmHead);
   }
 
-  // Loads gate rows then up rows of an MLP into one [2 * local, H] block (dst may be an expert's slice).
-  auto load_gate_up = [&](Tensor dst, const std::string& prefix, int64_t full_inter, int64_t local) {
+  // Loads gate rows then up rows of an MLP into one [2 * local, H] block (dst may be an expert's slice): slice `part`
+  // of the intermediate dimension (this rank's; 0 for a whole expert under expert parallelism).
+  auto load_gate_up = [&](Tensor dst, const std::string& prefix, int64_t full_inter, int64_t local, int64_t part) {
     Tensor g = dst.rows(0, local), u = dst.rows(local, 2 * local);
-    ld.load_into(g, prefix + "gate_proj.weight", {full_inter, H}, tr * local, 0, Kind::Matrix);
-    ld.load_into(u, prefix + "up_proj.weight", {full_inter, H}, tr * local, 0, Kind::Matrix);
+    ld.load_into(g, prefix + "gate_proj.weight", {full_inter, H}, part * local, 0, Kind::Matrix);
+    ld.load_into(u, prefix + "up_proj.weight", {full_inter, H}, part * local, 0, Kind::Matrix);
   };
-  auto load_down = [&](Tensor dst, const std::string& prefix, int64_t full_inter, int64_t local) {
-    ld.load_into(dst, prefix + "down_proj.weight", {H, full_inter}, 0, tr * local, Kind::Matrix);
+  auto load_down = [&](Tensor dst, const std::string& prefix, int64_t full_inter, int64_t local, int64_t part) {
+    ld.load_into(dst, prefix + "down_proj.weight", {H, full_inter}, 0, part * local, Kind::Matrix);
   };
+  const int64_t er = plan_.expert_parallel ? 0 : tr;  // the routed experts' slice
 
   MLA_CHECK(c.mtp_layers >= 0 && c.mtp_layers <= std::min<int64_t>(c.num_nextn_predict_layers, 1),
             "the model has {} MTP layers (num_nextn_predict_layers in config.json); {} asked for",
@@ -445,19 +457,21 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
     if (!w.is_moe) {
       const int64_t I = local_inter_;
       w.mlp_gate_up = backend_.alloc({2 * I, H}, ld.matrix_dtype());
-      load_gate_up(w.mlp_gate_up, layer_name(l, "mlp."), c.intermediate_size, I);
+      load_gate_up(w.mlp_gate_up, layer_name(l, "mlp."), c.intermediate_size, I, tr);
       w.mlp_down = backend_.alloc({H, I}, ld.matrix_dtype());
-      load_down(w.mlp_down, layer_name(l, "mlp."), c.intermediate_size, I);
+      load_down(w.mlp_down, layer_name(l, "mlp."), c.intermediate_size, I, tr);
       continue;
     }
-    const int64_t E = c.n_routed_experts, Im = local_moe_inter_;
-    w.router = ld.make(layer_name(l, "mlp.gate.weight"), {E, H}, {E, H}, 0, 0, Kind::Router);
+    const int64_t E = local_experts_, Im = local_moe_inter_, Eall = c.n_routed_experts;
+    w.router = ld.make(layer_name(l, "mlp.gate.weight"), {Eall, H}, {Eall, H}, 0, 0, Kind::Router);
     const std::string bias_name = layer_name(l, "mlp.gate.e_score_correction_bias");
     if (c.topk_method == TopkMethod::NoauxTc || (ckpt && ckpt->has(bias_name)))
-      w.router_bias = ld.make(bias_name, {E}, {E}, 0, 0, Kind::Bias);
+      w.router_bias = ld.make(bias_name, {Eall}, {Eall}, 0, 0, Kind::Bias);
+    // Local expert e is the checkpoint's expert expert_begin_ + e.
     const std::string experts = layer_name(l, "mlp.experts.");
+    auto expert_prefix = [&](int64_t e) { return experts + std::to_string(expert_begin_ + e) + "."; };
     const int64_t qb = ld.quantize_block(Im);  // --quantization fp8
-    const bool keep_ckpt = ld.keep_fp8_experts(experts + "0.gate_proj.weight", Im, tr * Im, H);
+    const bool keep_ckpt = ld.keep_fp8_experts(expert_prefix(0) + "gate_proj.weight", Im, er * Im, H);
     const bool keep_quantized =
         qb && backend_.takes_fp8_experts() && opts.fp8_experts != LoadOptions::Fp8Experts::Off && H % 8 == 0;
     if (qb && !logged_quantization) {
@@ -484,12 +498,12 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
       Tensor gs = backend_.alloc({E, 2 * Im / br, (H + bc - 1) / bc}, DType::F32);
       Tensor ds = backend_.alloc({E, (H + br - 1) / br, Im / bc}, DType::F32);
       for (int64_t e = 0; e < E; ++e) {
-        const std::string prefix = experts + std::to_string(e) + ".";
+        const std::string prefix = expert_prefix(e);
         Tensor gu = w.experts_gate_up.rows(e, e + 1).reshape({2 * Im, H});
         Tensor gus = gs.rows(e, e + 1).reshape({2 * Im / br, gs.size(2)});
-        fill(prefix + "gate_proj.weight", {full, H}, tr * Im, 0, gu.rows(0, Im), gus.rows(0, Im / br));
-        fill(prefix + "up_proj.weight", {full, H}, tr * Im, 0, gu.rows(Im, 2 * Im), gus.rows(Im / br, 2 * Im / br));
-        fill(prefix + "down_proj.weight", {H, full}, 0, tr * Im, w.experts_down.rows(e, e + 1).reshape({H, Im}),
+        fill(prefix + "gate_proj.weight", {full, H}, er * Im, 0, gu.rows(0, Im), gus.rows(0, Im / br));
+        fill(prefix + "up_proj.weight", {full, H}, er * Im, 0, gu.rows(Im, 2 * Im), gus.rows(Im / br, 2 * Im / br));
+        fill(prefix + "down_proj.weight", {H, full}, 0, er * Im, w.experts_down.rows(e, e + 1).reshape({H, Im}),
              ds.rows(e, e + 1).reshape({ds.size(1), Im / bc}));
       }
       w.experts_gate_up.set_block_scales(std::make_shared<const BlockScales>(BlockScales{gs, br, bc}));
@@ -498,26 +512,26 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
       w.experts_gate_up = backend_.alloc({E, 2 * Im, H}, ld.matrix_dtype());
       w.experts_down = backend_.alloc({E, H, Im}, ld.matrix_dtype());
       for (int64_t e = 0; e < E; ++e) {
-        const std::string prefix = experts + std::to_string(e) + ".";
+        const std::string prefix = expert_prefix(e);
         Tensor gu = w.experts_gate_up.rows(e, e + 1).reshape({2 * Im, H});
         Tensor dn = w.experts_down.rows(e, e + 1).reshape({H, Im});
         if (qb) {  // quantized, then dequantized again
           const int64_t full = c.moe_intermediate_size;
-          ld.load_quantized(gu.rows(0, Im), prefix + "gate_proj.weight", {full, H}, tr * Im, 0, qb);
-          ld.load_quantized(gu.rows(Im, 2 * Im), prefix + "up_proj.weight", {full, H}, tr * Im, 0, qb);
-          ld.load_quantized(dn, prefix + "down_proj.weight", {H, full}, 0, tr * Im, qb);
+          ld.load_quantized(gu.rows(0, Im), prefix + "gate_proj.weight", {full, H}, er * Im, 0, qb);
+          ld.load_quantized(gu.rows(Im, 2 * Im), prefix + "up_proj.weight", {full, H}, er * Im, 0, qb);
+          ld.load_quantized(dn, prefix + "down_proj.weight", {H, full}, 0, er * Im, qb);
         } else {
-          load_gate_up(gu, prefix, c.moe_intermediate_size, Im);
-          load_down(dn, prefix, c.moe_intermediate_size, Im);
+          load_gate_up(gu, prefix, c.moe_intermediate_size, Im, er);
+          load_down(dn, prefix, c.moe_intermediate_size, Im, er);
         }
       }
     }
     if (c.n_shared_experts > 0) {
       const int64_t Is = local_shared_inter_, full = c.moe_intermediate_size * c.n_shared_experts;
       w.shared_gate_up = backend_.alloc({2 * Is, H}, ld.matrix_dtype());
-      load_gate_up(w.shared_gate_up, layer_name(l, "mlp.shared_experts."), full, Is);
+      load_gate_up(w.shared_gate_up, layer_name(l, "mlp.shared_experts."), full, Is, tr);
       w.shared_down = backend_.alloc({H, Is}, ld.matrix_dtype());
-      load_down(w.shared_down, layer_name(l, "mlp.shared_experts."), full, Is);
+      load_down(w.shared_down, layer_name(l, "mlp.shared_experts."), full, Is, tr);
     }
     if (l % 8 == 7 || l + 1 == c.num_cache_layers())
       MLA_LOG_INFO("loading weights: layer {}/{}{}", l + 1, c.num_hidden_layers,
@@ -525,9 +539,16 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
   }
   weight_bytes_ = ld.bytes();
   if (ckpt) {
+    // (Under expert parallelism the other ranks' experts are theirs, not extra.)
+    auto others_expert = [&](const std::string& n) {
+      const size_t at = n.find(".mlp.experts.");
+      if (!plan_.expert_parallel || at == std::string::npos) return false;
+      const int64_t e = std::atoll(n.c_str() + at + std::strlen(".mlp.experts."));
+      return e < expert_begin_ || e >= expert_begin_ + local_experts_;
+    };
     std::vector<std::string> extra;
     for (const auto& n : ckpt->names())
-      if (!ld.used().count(n)) extra.push_back(n);
+      if (!ld.used().count(n) && !others_expert(n)) extra.push_back(n);
     if (!extra.empty())
       MLA_LOG_INFO("ignoring {} checkpoint tensors the model does not use (e.g. '{}'{})", extra.size(), extra.front(),
                    extra.size() > 1 ? fmt::format(", '{}'", extra.back()) : std::string());
@@ -614,7 +635,8 @@ void DeepseekModel::norm_mlp(int64_t l, const Tensor& x, Tensor& residual, Tenso
 void DeepseekModel::experts(int64_t l, const Tensor& x, const Tensor& ids, const Tensor& weights, Tensor& out) {
   const LayerWeights& w = layers_[static_cast<size_t>(l)];
   const bool shared = config_.n_shared_experts > 0;
-  backend_.moe_experts(x, ids, weights, w.experts_gate_up, w.experts_down, 0, shared ? &w.shared_gate_up : nullptr,
+  backend_.moe_experts(x, ids, weights, w.experts_gate_up, w.experts_down, static_cast<int32_t>(expert_begin_),
+                       shared ? &w.shared_gate_up : nullptr,
                        shared ? &w.shared_down : nullptr, out);
   reduce_mlp(l, out);
 }

@@ -165,6 +165,9 @@ class DeepseekModel {
   Communicator* world_comm_;
   Communicator* attn_comm_;
   int64_t local_heads_ = 0, local_inter_ = 0, local_moe_inter_ = 0, local_shared_inter_ = 0, local_vocab_ = 0;
+  // The routed experts this rank holds: [expert_begin_, expert_begin_ + local_experts_) (all but with expert
+  // parallelism), each local_moe_inter_ wide.
+  int64_t local_experts_ = 0, expert_begin_ = 0;
   Tensor embed_, final_norm_, lm_head_;
   // The MTP layer's own weights (config_.mtp_layers == 1): enorm, hnorm, eh_proj's two column halves (the embedding's,
   // the hidden state's), shared_head.norm. Its decoder layer is layers_[num_hidden_layers].

@@ -512,6 +512,8 @@ void parse_openai_common(const Fields& f, const ParseOptions& opts, ParsedReques
     r.priority = static_cast<int32_t>(*v);
   if (auto v = f.integer("truncate_prompt_tokens", -1, std::numeric_limits<int32_t>::max()))
     r.truncate_prompt_tokens = static_cast<int32_t>(*v);
+  r.tokens_as_ids = opts.return_tokens_as_token_ids;
+  if (auto v = f.boolean("return_tokens_as_token_ids")) r.tokens_as_ids = *v;
   // vLLM's prompt_logprobs: each prompt token's logprob and rank, with this many alternatives.
   if (auto v = f.integer("prompt_logprobs", 0, opts.max_top_logprobs)) {
     r.prompt_logprobs = static_cast<int32_t>(*v);

@@ -56,6 +56,7 @@ struct ParsedRequest {
   std::optional<bool> add_special_tokens;  // vLLM's: the tokenizer's BOS on text prompts (completions: true, chat: false)
   int32_t truncate_prompt_tokens = 0;      // vLLM's: keep the prompt's last that many tokens (-1: the context's; 0: all)
   int32_t prompt_logprobs = -1;      // vLLM's prompt_logprobs (>= 0: the prompt's logprobs with that many alternatives)
+  bool tokens_as_ids = false;        // vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:ID"
   bool include_usage = false;
   bool continuous_usage = false;     // stream_options.continuous_usage_stats: usage in every chunk
   nlohmann::json messages;           // chat
@@ -88,6 +89,8 @@ struct ParseOptions {
   int32_t max_n = 64;
   SamplingDefaults defaults;
   int32_t max_top_logprobs = 20;
+  // vLLM's --return-tokens-as-token-ids: OpenAI logprobs name tokens "token_id:ID" unless a request says otherwise.
+  bool return_tokens_as_token_ids = false;
   int32_t max_stop_strings = 32;
   int32_t max_bad_words = 256;
   int32_t max_token_ids_logprob = 1024;

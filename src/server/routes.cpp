@@ -139,9 +139,14 @@ struct ResponseContext {
   const TextCodec* codec;
   bool token_ids_logprob = false;  // native: SGLang's token_ids_logprob lists
   bool incremental = false;        // native, streamed under ServerOptions::stream_output: chunks carry what is new
+  bool tokens_as_ids = false;      // OpenAI: logprobs' tokens as "token_id:ID" (vLLM's return_tokens_as_token_ids)
 };
 
-std::string token_str(const ResponseContext& rc, int32_t id) { return rc.codec ? rc.codec->token_text(id) : ""; }
+std::string token_text(const ResponseContext& rc, int32_t id) { return rc.codec ? rc.codec->token_text(id) : ""; }
+// A token as logprobs name it: its text, or "token_id:ID" (whose text offsets count that string, as vLLM's do).
+std::string token_str(const ResponseContext& rc, int32_t id) {
+  return rc.tokens_as_ids ? fmt::format("token_id:{}", id) : token_text(rc, id);
+}
 
 // ---- native /generate ----
 
@@ -152,7 +157,7 @@ ojson native_logprob_entry(const ResponseContext& rc, float lp, int32_t id) {
   ojson e = ojson::array();
   e.push_back(logprob_value(lp));
   e.push_back(id);
-  if (rc.return_text_in_logprobs) e.push_back(token_str(rc, id));
+  if (rc.return_text_in_logprobs) e.push_back(token_text(rc, id));
   else e.push_back(nullptr);
   return e;
 }
@@ -263,12 +268,12 @@ ojson vllm_prompt_logprobs(const ResponseContext& rc, const Choice& c) {
     }
     ojson d = ojson::object();
     d[std::to_string(lp.token)] =
-        ojson{{"logprob", lp.logprob}, {"rank", lp.rank}, {"decoded_token", token_str(rc, lp.token)}};
+        ojson{{"logprob", lp.logprob}, {"rank", lp.rank}, {"decoded_token", token_text(rc, lp.token)}};
     for (size_t k = 0; k < lp.top.size() && static_cast<int32_t>(k) < rc.vllm_prompt_logprobs; ++k) {
       const auto& [id, v] = lp.top[k];
       const std::string key = std::to_string(id);
       if (!d.contains(key))
-        d[key] = ojson{{"logprob", v}, {"rank", static_cast<int64_t>(k) + 1}, {"decoded_token", token_str(rc, id)}};
+        d[key] = ojson{{"logprob", v}, {"rank", static_cast<int64_t>(k) + 1}, {"decoded_token", token_text(rc, id)}};
     }
     out.push_back(std::move(d));
   }
@@ -833,6 +838,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                          pr.batch || pr.n > 1,
                          codec_};
   p.rc.token_ids_logprob = !pr.token_ids_logprob.empty();
+  p.rc.tokens_as_ids = pr.tokens_as_ids && pr.api != ApiKind::Native;
   p.rc.incremental = pr.api == ApiKind::Native && pr.stream && opts_.stream_output;
   return p;
 }

@@ -1067,6 +1067,68 @@ void expect_serve_refuses(std::initializer_list<std::string> flag_sets, const st
   }
 }
 
+// Expert parallelism (vLLM's --enable-expert-parallel, SGLang's --enable-ep-moe / --ep-size = --tp), with tp 2 and
+// with DP attention: the answers of one rank (three allowed tokens keep the greedy choices far from ties, as the
+// experts' partial sums add up in another order); an --ep-size other than 1 or --tp exits naming it.
+TEST(ServeFlags, ExpertParallelKeepsTheAnswers) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  const std::string greedy = R"({"prompt": "The quick brown fox jumps over", "max_tokens": 24, "temperature": 0,
+      "ignore_eos": true, "logprobs": 1, "allowed_token_ids": [1000, 1001, 1002]})";
+  json want;
+  {
+    ServerProcess plain;
+    ASSERT_TRUE(plain.running()) << plain.log();
+    want = post_json(plain.port(), "/v1/completions", greedy);
+    EXPECT_EQ(plain.stop(), 0);
+  }
+  using Flags = std::vector<std::string>;
+  for (const Flags& flags : {Flags{"--tp", "2", "--enable-expert-parallel"},
+                             Flags{"--tp", "2", "--dp", "2", "--enable-dp-attention", "--ep-size", "2"}}) {
+    ServerProcess ep(flags);
+    ASSERT_TRUE(ep.running()) << ep.log();
+    EXPECT_EQ(get_json(ep.port(), "/get_server_info")["ep_size"], 2);
+    const json got = post_json(ep.port(), "/v1/completions", greedy);
+    EXPECT_EQ(got["choices"][0]["text"], want["choices"][0]["text"]) << flags.back();
+    EXPECT_EQ(got["choices"][0]["logprobs"]["tokens"], want["choices"][0]["logprobs"]["tokens"]);
+    EXPECT_EQ(ep.stop(), 0);
+  }
+  expect_serve_refuses({"--tp 2 --ep-size 3", "--ep-size 2"}, "--ep-size");
+}
+
+// vLLM's --hf-overrides and SGLang's --json-model-override-args replace config.json's keys: the context the server
+// reports and enforces, the layers it loads (one of four: another answer); not an object, both flags, or a value the
+// config refuses exit naming them.
+TEST(ServeFlags, ModelConfigOverrides) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  const std::string req = R"({"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0,
+      "ignore_eos": true})";
+  std::string plain_text;
+  {
+    ServerProcess plain;
+    ASSERT_TRUE(plain.running()) << plain.log();
+    plain_text = post_json(plain.port(), "/v1/completions", req)["choices"][0]["text"];
+    EXPECT_EQ(plain.stop(), 0);
+  }
+  ServerProcess ctx({"--hf-overrides", R"({"max_position_embeddings": 1000})"});
+  ASSERT_TRUE(ctx.running()) << ctx.log();
+  EXPECT_EQ(get_json(ctx.port(), "/get_model_info")["max_context_length"], 1000);
+  std::string long_prompt;
+  for (int i = 0; i < 600; ++i) long_prompt += "fox jumps ";
+  const auto too_long = http_request(ctx.port(), "POST", "/v1/completions",
+                                     R"({"prompt": ")" + long_prompt + R"(", "max_tokens": 4})");
+  EXPECT_EQ(too_long.status, 400) << too_long.body;
+  EXPECT_EQ(post_json(ctx.port(), "/v1/completions", req)["choices"][0]["text"], plain_text) << "the same model";
+  EXPECT_EQ(ctx.stop(), 0);
+  ServerProcess one({"--json-model-override-args", R"({"num_hidden_layers": 1})"});
+  ASSERT_TRUE(one.running()) << one.log();
+  EXPECT_NE(one.log().find(": 1 layers,"), std::string::npos) << one.log();
+  EXPECT_NE(post_json(one.port(), "/v1/completions", req)["choices"][0]["text"], plain_text);
+  EXPECT_EQ(one.stop(), 0);
+  expect_serve_refuses({"--hf-overrides '[1]'", "--hf-overrides '{\"x\": 1}' --json-model-override-args '{}'",
+                        "--hf-overrides '{\"num_hidden_layers\": \"four\"}'", "--json-model-override-args '{'"},
+                       "override");
+}
+
 TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   ServerProcess s({"--max-model-len", "2048", "--enforce-eager", "--max-num-seqs", "8", "--gpu-memory-utilization",
@@ -1077,7 +1139,7 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
                    "--base-gpu-id", "0", "--gpu-id-step", "1", "--enable-expert-parallel", "--enable-chunked-prefill",
                    "--swap-space", "16", "--uvicorn-log-level", "warning", "--compilation-config", R"({"level": 3})",
                    "--async-scheduling", "--enable-eplb", "--ep-num-redundant-experts", "32", "--pipeline-parallel-size",
-                   "1", "--max-logprobs", "2"});
+                   "1", "--max-logprobs", "2", "--return-tokens-as-token-ids"});
   ASSERT_TRUE(s.running()) << s.log();
   const json info = get_json(s.port(), "/get_server_info");
   EXPECT_EQ(info["context_length"], 2048);
@@ -1087,12 +1149,13 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
   EXPECT_EQ(info["page_size"], 32);
   EXPECT_EQ(info["base_gpu_id"], 0);
   EXPECT_EQ(info["gpu_id_step"], 1);
+  EXPECT_EQ(info["ep_size"], 1);  // (--enable-expert-parallel over one rank, --ep-size 1)
   EXPECT_EQ(get_json(s.port(), "/get_model_info")["max_context_length"], 2048);
   for (const char* logged : {"--enable-torch-compile: accepted for compatibility, no effect here",
                              "--attention-backend fa3: accepted", "--cuda-graph-bs 1 2 4: accepted",
-                             "--enable-dp-lm-head: accepted", "--moe-dense-tp-size 1: accepted", "--ep-size 1: accepted",
+                             "--enable-dp-lm-head: accepted", "--moe-dense-tp-size 1: accepted",
                              "--enable-two-batch-overlap: accepted", "--revision main: accepted",
-                             "--enable-expert-parallel: accepted", "--swap-space 16: accepted",
+                             "--swap-space 16: accepted",
                              "--compilation-config {\"level\": 3}: accepted", "--ep-num-redundant-experts 32: accepted"})
     EXPECT_NE(s.log().find(logged), std::string::npos) << logged << "\n" << s.log();
   // deepseek_r1 is the reasoning parser: chat answers carry reasoning_content.
@@ -1102,8 +1165,11 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
   // --max-logprobs 2: two top logprobs pass, three are a 400 naming the field.
   const std::string lp = R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": true,
       "top_logprobs": N})";
-  EXPECT_EQ(http_request(s.port(), "POST", "/v1/chat/completions", std::regex_replace(lp, std::regex("N"), "2")).status,
-            200);
+  const auto two = http_request(s.port(), "POST", "/v1/chat/completions", std::regex_replace(lp, std::regex("N"), "2"));
+  ASSERT_EQ(two.status, 200) << two.body;
+  // --return-tokens-as-token-ids: the tokens as "token_id:ID".
+  const std::string token = json::parse(two.body)["choices"][0]["logprobs"]["content"][0]["token"];
+  EXPECT_TRUE(std::regex_match(token, std::regex("token_id:[0-9]+"))) << token;
   const auto over = http_request(s.port(), "POST", "/v1/chat/completions", std::regex_replace(lp, std::regex("N"), "3"));
   EXPECT_EQ(over.status, 400);
   EXPECT_NE(over.body.find("top_logprobs"), std::string::npos) << over.body;

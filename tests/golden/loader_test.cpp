@@ -165,9 +165,11 @@ class TakesFp8Experts : public ForwardingBackend {
 // The prompt's logits on `tp` CPU ranks (taking FP8 experts when `fp8_experts`; quantizing the routed experts to FP8
 // at load with `quantize_fp8`); `weight_bytes` gets a rank's.
 std::vector<float> ranks_logits(const fs::path& dir, int32_t tp, bool fp8_experts = false,
-                                int64_t* weight_bytes = nullptr, bool quantize_fp8 = false) {
+                                int64_t* weight_bytes = nullptr, bool quantize_fp8 = false,
+                                bool expert_parallel = false) {
   ParallelConfig pc;
   pc.tp_size = tp;
+  pc.expert_parallel = expert_parallel;
   pc.device = "cpu";
   if (fp8_experts)
     pc.wrap_backend = [](std::unique_ptr<Backend> b, int32_t) -> std::unique_ptr<Backend> {
@@ -212,7 +214,8 @@ TEST(Loader, Fp8CheckpointsAreTheirDequantizedModels) {
 
 // Routed experts kept in FP8 (a backend that takes them: F8 codes and block scales in memory, dequantized by
 // moe_experts) give the model of the dequantized weights bit for bit, in less memory; where a rank's slices are not
-// whole blocks (v3's 24 expert rows per rank at tp 2 in 16-row blocks) the loader dequantizes them as before.
+// whole blocks (v3's 24 expert rows per rank at tp 2 in 16-row blocks) the loader dequantizes them as before. Under
+// expert parallelism (tp 2) every rank holds whole experts, kept FP8 in every case, the model of one rank's.
 TEST(Loader, Fp8ExpertsKeptQuantizedAreTheSameModel) {
   struct Case {
     std::string family;
@@ -232,6 +235,19 @@ TEST(Loader, Fp8ExpertsKeptQuantizedAreTheSameModel) {
       if (tp == 1 || c.tp2_kept) EXPECT_LT(kept_bytes, plain_bytes) << "tp " << tp;
       else EXPECT_EQ(kept_bytes, plain_bytes) << "tp " << tp;
     }
+    int64_t kept_bytes = 0, plain_bytes = 0;
+    const auto a = ranks_logits(fp8, 2, true, &kept_bytes, false, /*expert_parallel=*/true);
+    const auto b = ranks_logits(fp8, 2, false, &plain_bytes, false, /*expert_parallel=*/true);
+    const auto one = ranks_logits(fp8, 1);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << "logit " << i << " expert parallel";
+    EXPECT_LT(kept_bytes, plain_bytes) << "expert parallel";
+    double diff = 0.0, scale = 0.0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      diff = std::max(diff, static_cast<double>(std::fabs(a[i] - one[i])));
+      scale = std::max(scale, static_cast<double>(std::fabs(one[i])));
+    }
+    EXPECT_LT(diff, 1e-4 * scale) << "expert parallel against one rank";
   }
 }
 

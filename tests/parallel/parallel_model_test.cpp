@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include <nlohmann/json.hpp>
+
 #include "engine/offline.h"
 #include "io/safetensors.h"
 #include "test_util.h"
@@ -14,8 +16,8 @@ namespace {
 
 
 OfflineResult run(const std::string& fam, int tp, int dp, const std::vector<std::vector<int32_t>>& prompts,
-                  int32_t chunk = 0) {
-  auto rs = test::cpu_ranks(fam, tp, dp);
+                  int32_t chunk = 0, bool expert_parallel = false) {
+  auto rs = test::cpu_ranks(fam, tp, dp, 0, false, expert_parallel);
   RankSet& ranks = *rs;
   OfflineOptions o;
   o.max_new_tokens = 8;
@@ -35,6 +37,7 @@ void expect_same(const OfflineResult& a, const OfflineResult& b) {
 
 struct Layout {
   int tp, dp;
+  bool ep = false;  // routed experts split by expert (ParallelPlan::expert_parallel)
 };
 
 class ParallelLayouts : public ::testing::TestWithParam<std::string> {};
@@ -42,9 +45,11 @@ class ParallelLayouts : public ::testing::TestWithParam<std::string> {};
 TEST_P(ParallelLayouts, EqualToSingleRank) {
   auto prompts = test::golden_prompts(GetParam());
   OfflineResult ref = run(GetParam(), 1, 1, prompts);
-  for (Layout l : {Layout{2, 1}, Layout{4, 1}, Layout{2, 2}, Layout{4, 4}, Layout{4, 2}}) {
-    SCOPED_TRACE("tp " + std::to_string(l.tp) + " dp-attention " + std::to_string(l.dp));
-    expect_same(run(GetParam(), l.tp, l.dp, prompts), ref);
+  for (Layout l : {Layout{2, 1}, Layout{4, 1}, Layout{2, 2}, Layout{4, 4}, Layout{4, 2}, Layout{2, 1, true},
+                   Layout{4, 4, true}, Layout{4, 2, true}}) {
+    SCOPED_TRACE("tp " + std::to_string(l.tp) + " dp-attention " + std::to_string(l.dp) +
+                 (l.ep ? " expert-parallel" : ""));
+    expect_same(run(GetParam(), l.tp, l.dp, prompts, 0, l.ep), ref);
   }
 }
 
@@ -77,6 +82,20 @@ TEST(ParallelLayoutErrors, IndivisibleShapesAreClear) {
   pc.tp_size = 4;
   pc.dp_size = 3;
   EXPECT_THROW(RankSet(ModelConfig::from_file(test::golden_dir("v3")), pc, test::golden_dir("v3"), {}), Error);
+  // Expert parallelism over 3 ranks (DP attention 3: attention whole on each) of a model of 16 routed experts (its
+  // dense width made divisible by 3).
+  ModelConfig c = ModelConfig::from_file(test::golden_dir("v3"), nlohmann::json{{"intermediate_size", 255}});
+  pc.tp_size = 3;
+  pc.dp_size = 3;
+  pc.expert_parallel = true;
+  try {
+    RankSet r(c, pc, test::golden_dir("v3"), LoadOptions{.dummy = true});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("n_routed_experts (16) is not divisible by the expert-parallel size 3"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(ParallelCli, EvalLogitsAcrossLayoutsThroughTheBinary) {

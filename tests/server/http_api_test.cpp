@@ -216,6 +216,39 @@ TEST(HttpApi, Logprobs) {
   EXPECT_EQ(c["top_logprobs"].size(), 2u);
 }
 
+// vLLM's --return-tokens-as-token-ids and its request field return_tokens_as_token_ids: OpenAI logprobs name tokens
+// "token_id:ID" (completions' top_logprobs keys too, text offsets over those strings, chat's bytes of them); a
+// request's field wins over the server's flag; prompt logprobs' decoded_token and the native API keep the text.
+TEST(HttpApi, TokensAsTokenIds) {
+  ServerOptions o;
+  o.parse.return_tokens_as_token_ids = true;
+  TestServer s(o);
+  auto j = json::parse(s.post("/v1/completions", R"({"prompt": "ab", "max_tokens": 2, "logprobs": 1,
+      "prompt_logprobs": 0})").body);
+  auto lp = j["choices"][0]["logprobs"];
+  EXPECT_EQ(lp["tokens"], json::parse(R"(["token_id:97", "token_id:98"])"));
+  EXPECT_EQ(lp["text_offset"], json::parse("[0, 11]"));
+  EXPECT_EQ(lp["top_logprobs"][0], json::parse(R"({"token_id:97": -0.0})"));
+  EXPECT_EQ(j["choices"][0]["prompt_logprobs"][1]["97"]["decoded_token"], "a") << j.dump();  // (after <bos>)
+  j = json::parse(s.post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "q"}], "max_tokens": 1,
+      "logprobs": true, "top_logprobs": 1})").body);
+  auto c = j["choices"][0]["logprobs"]["content"][0];
+  EXPECT_EQ(c["token"], "token_id:60");
+  EXPECT_EQ(c["bytes"].size(), std::string("token_id:60").size());
+  EXPECT_EQ(c["top_logprobs"][0]["token"], "token_id:60");
+  j = json::parse(s.post("/v1/completions", R"({"prompt": "ab", "max_tokens": 1, "logprobs": 0,
+      "return_tokens_as_token_ids": false})").body);
+  EXPECT_EQ(j["choices"][0]["logprobs"]["tokens"], json::parse(R"(["a"])"));
+  j = json::parse(s.post("/generate", R"({"text": "ab", "return_logprob": true, "return_text_in_logprobs": true,
+      "sampling_params": {"max_new_tokens": 1}})").body);
+  EXPECT_EQ(j["meta_info"]["output_token_logprobs"][0], json::parse(R"([-0.25, 97, "a"])"));
+  TestServer plain;
+  j = json::parse(plain.post("/v1/completions", R"({"prompt": "ab", "max_tokens": 1, "logprobs": 0,
+      "return_tokens_as_token_ids": true})").body);
+  EXPECT_EQ(j["choices"][0]["logprobs"]["tokens"], json::parse(R"(["token_id:97"])"));
+  EXPECT_EQ(plain.post("/v1/completions", R"({"prompt": "ab", "return_tokens_as_token_ids": 1})").status, 400);
+}
+
 TEST(HttpApi, CompletionsNonStreamAndStream) {
   TestServer s;
   auto r = s.post("/v1/completions", R"({"model": "fake", "prompt": "hey", "max_tokens": 4, "echo": true})");
