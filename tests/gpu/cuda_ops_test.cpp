@@ -897,7 +897,8 @@ TEST(CudaOps, DequantFp8IsTheCpuReference) {
 // beside the FP8 routed ones), V2-Lite widths in 128 x 128 blocks; `subnormal`: codes with exponent 0 only (their
 // values are below E4M3's normal range; a path that flushed them would give zeros).
 void moe_fp8_case(int64_t E, int64_t k, int64_t H, int64_t I, int64_t Is, int64_t br, int64_t bc,
-                  std::initializer_list<int64_t> Ts, uint64_t seed, bool subnormal = false) {
+                  std::initializer_list<int64_t> Ts, uint64_t seed, bool subnormal = false,
+                  int32_t expert_begin = 0) {
   Fp8Weights gu = fp8_weights(E, 2 * I, H, br, bc, seed, subnormal);
   Fp8Weights dn = fp8_weights(E, H, I, br, bc, seed + 1, subnormal);
   const bool whole_chunks =
@@ -917,16 +918,16 @@ void moe_fp8_case(int64_t E, int64_t k, int64_t H, int64_t I, int64_t Is, int64_
       Tensor x = g.upload(rand_host({T, H}, seed + 4 + static_cast<uint64_t>(T)), DType::BF16);
       Tensor ids_h = Tensor::empty_host({T, k}, DType::I32), w_h = rand_host({T, k}, seed + 5, 0.5f);
       std::mt19937_64 rng(seed + static_cast<uint64_t>(T));
-      for (int64_t t = 0; t < T; ++t) {  // distinct experts per token
-        std::vector<int32_t> all(static_cast<size_t>(E));
+      for (int64_t t = 0; t < T; ++t) {  // distinct experts per token (of all E + expert_begin: some not local)
+        std::vector<int32_t> all(static_cast<size_t>(E + expert_begin));
         std::iota(all.begin(), all.end(), 0);
         std::shuffle(all.begin(), all.end(), rng);
         for (int64_t j = 0; j < k; ++j) ids_h.data_as<int32_t>()[t * k + j] = all[static_cast<size_t>(j)];
       }
       Tensor ids = g.upload(ids_h, DType::I32), wts = g.upload(w_h, DType::F32);
       Tensor o8 = g.alloc({T, H}, DType::BF16), ob = g.alloc({T, H}, DType::BF16);
-      g.moe_experts(x, ids, wts, gu8, dn8, 0, Is ? &sg : nullptr, Is ? &sd : nullptr, o8);
-      g.moe_experts(x, ids, wts, gub, dnb, 0, Is ? &sg : nullptr, Is ? &sd : nullptr, ob);
+      g.moe_experts(x, ids, wts, gu8, dn8, expert_begin, Is ? &sg : nullptr, Is ? &sd : nullptr, o8);
+      g.moe_experts(x, ids, wts, gub, dnb, expert_begin, Is ? &sg : nullptr, Is ? &sd : nullptr, ob);
       // kind 0: tensor cores with exact codes (small batches, scaled products: within the bf16 rounding of the
       // dequantized weights), moe_fp8_decode (the dequantized weights, another summation order: an act rounded to
       // the other neighbouring bf16 at most), else the exact grouped kernels.
@@ -937,7 +938,8 @@ void moe_fp8_case(int64_t E, int64_t k, int64_t H, int64_t I, int64_t Is, int64_
       const double tol = tensor_cores ? 1e-2 : decode ? 2e-3 : 0.0;
       expect_close(g.to_host_f32(ob), g.to_host_f32(o8), tol, 5 * tol,
                    "fp8 experts T" + std::to_string(T) + " I" + std::to_string(I) + " shared " + std::to_string(Is) +
-                       " kind " + std::to_string(kind) + (subnormal ? " subnormal" : ""));
+                       " kind " + std::to_string(kind) + (subnormal ? " subnormal" : "") + " experts from " +
+                   std::to_string(expert_begin));
     }
   }
 }
@@ -955,6 +957,9 @@ TEST(CudaOps, MoeExpertsFp8IsItsDequantizedModel) {
   moe_fp8_case(8, 2, 512, 192, 64, 64, 256, {1, 2, 3, 7, 10, 24, 50}, 100);         // 4 chunks a scale block
   moe_fp8_case(8, 2, 256, 128, 96, 64, 64, {1, 4, 8, 16}, 110);                     // shared not in 64-col chunks
   moe_fp8_case(64, 2, 256, 128, 0, 128, 128, {17, 33}, 120);                        // most experts without rows
+  // Expert parallelism: this rank's experts are the second half of the routed ones (the other ids are skipped).
+  moe_fp8_case(8, 2, 256, 128, 0, 64, 64, {1, 2, 4, 8, 20, 60, 300}, 130, false, 8);
+  moe_fp8_case(16, 6, 2048, 1408, 2816, 128, 128, {1, 4, 9, 40, 80}, 140, false, 16);
 }
 
 TEST(CudaOps, MoeExpertsV2LiteShape) {
