@@ -39,6 +39,7 @@ struct ServeArgs {
   std::string model_path, tokenizer_path, served_model_name;
   std::string positional_model;      // `serve MODEL` (vLLM's form)
   std::string hf_overrides, json_model_override_args;  // vLLM's / SGLang's config.json overrides (a JSON object)
+  std::string model_overrides;                         // resolved: the one of them given
   std::vector<std::string> ignored;  // performance-only flags of SGLang / vLLM given (no effect here)
   std::string host = "127.0.0.1";
   int port = 30000;
@@ -645,11 +646,11 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     MLA_CHECK(s.hf_overrides.empty() || s.json_model_override_args.empty(),
               "give either --hf-overrides or --json-model-override-args, not both");
     const std::string overrides_flag = s.hf_overrides.empty() ? "--json-model-override-args" : "--hf-overrides";
-    const std::string overrides_text = s.hf_overrides.empty() ? s.json_model_override_args : s.hf_overrides;
+    s.model_overrides = s.hf_overrides.empty() ? s.json_model_override_args : s.hf_overrides;
     nlohmann::json overrides = nlohmann::json::object();
-    if (!overrides_text.empty()) {
-      overrides = nlohmann::json::parse(overrides_text, nullptr, false);
-      MLA_CHECK(overrides.is_object(), "{}: '{}' is not a JSON object", overrides_flag, overrides_text);
+    if (!s.model_overrides.empty()) {
+      overrides = nlohmann::json::parse(s.model_overrides, nullptr, false);
+      MLA_CHECK(overrides.is_object(), "{}: '{}' is not a JSON object", overrides_flag, s.model_overrides);
       MLA_LOG_INFO("{}: config.json's keys replaced by {}", overrides_flag, overrides.dump());
     }
     for (const std::string& f : s.ignored) MLA_LOG_INFO("{}: accepted for compatibility, no effect here", f);
@@ -749,7 +750,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     ea.max_running_requests = s.max_running_requests;
     ea.max_total_tokens = s.max_total_tokens;
     ea.mem_fraction_static = s.mem_fraction_static;
-    ea.model_overrides = s.hf_overrides.empty() ? s.json_model_override_args : s.hf_overrides;
+    ea.model_overrides = s.model_overrides;
     ea.chunked_prefill_size = s.chunked_prefill_size;
     ea.disable_radix_cache = s.disable_radix_cache;
     ea.context_length = s.context_length;

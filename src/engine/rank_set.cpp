@@ -713,10 +713,8 @@ void RankSet::finish_local(Launched& h) {
         o.ids.assign(host.begin(), host.begin() + R);
         o.logprobs.resize(static_cast<size_t>(R));
         std::memcpy(o.logprobs.data(), host.data() + R, static_cast<size_t>(R) * sizeof(float));
-        if (mtp && h.chain_width == 0) {
-          o.drafts.assign(host.begin() + 2 * R, host.begin() + 3 * R);
-        } else if (mtp) {  // [R, chain]: the first drafts of every row, the chained ones where their chain starts
-          const int64_t w = h.chain_width;
+        if (mtp) {  // [R, width]: the first draft of every row, the chained ones where their chain starts
+          const int64_t w = std::max(1, h.chain_width);
           o.drafts.assign(static_cast<size_t>(R * w), -1);
           for (int64_t r = 0; r < R; ++r) o.drafts[static_cast<size_t>(r * w)] = host[static_cast<size_t>(2 * R + r)];
           for (size_t k = 0; k < slots.size(); ++k) o.drafts[static_cast<size_t>(slots[k])] = host[3 * R + k];

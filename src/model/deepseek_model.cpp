@@ -801,12 +801,11 @@ Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, Ml
 Tensor DeepseekModel::forward_draft(const ForwardBatch& batch, std::span<const int32_t> next_ids, KvCache& cache,
                                     const DpStepInfo* dp) {
   const auto& c = config_;
-  MLA_CHECK(c.mtp_layers > 0 && !layers_.empty(), "forward_draft: the model was loaded without its MTP layer");
-  const int64_t T = batch.num_tokens(), L = c.num_hidden_layers;
+  check_draft_layer("forward_draft", cache);
+  const int64_t T = batch.num_tokens();
   MLA_CHECK(static_cast<int64_t>(next_ids.size()) == T, "forward_draft: {} next ids for {} tokens", next_ids.size(), T);
   MLA_CHECK(last_hidden_.defined() && last_hidden_.size(0) == T,
             "forward_draft: the step's forward over the same {} tokens must come first", T);
-  MLA_CHECK(cache.num_layers() > L, "forward_draft: the latent cache has no layer for the MTP layer");
   const int64_t prev = prev_ids_.defined() ? prev_ids_.numel() : 0;
   bool any_prev = false;
   for (int32_t id : next_ids) {
@@ -821,9 +820,8 @@ Tensor DeepseekModel::forward_draft(const ForwardBatch& batch, std::span<const i
 
 Tensor DeepseekModel::forward_draft_chain(const ForwardBatch& batch, std::span<const int32_t> hidden_rows,
                                           const Tensor& drafts, KvCache& cache, const DpStepInfo* dp) {
-  const auto& c = config_;
-  const int64_t T = batch.num_tokens(), H = c.hidden_size;
-  MLA_CHECK(c.mtp_layers > 0 && !layers_.empty(), "forward_draft_chain: the model was loaded without its MTP layer");
+  check_draft_layer("forward_draft_chain", cache);
+  const int64_t T = batch.num_tokens(), H = config_.hidden_size;
   MLA_CHECK(T == 0 || draft_hidden_.defined(), "forward_draft_chain: forward_draft must come first in the step");
   MLA_CHECK(static_cast<int64_t>(hidden_rows.size()) == T && batch.num_seqs() == T &&
                 static_cast<int64_t>(batch.logit_rows.size()) == T,
@@ -841,6 +839,12 @@ Tensor DeepseekModel::forward_draft_chain(const ForwardBatch& batch, std::span<c
     backend_.resolve_prev_ids(drafts);
   }
   return draft_layer(batch, hidden_in, cache, dp);
+}
+
+void DeepseekModel::check_draft_layer(const char* what, const KvCache& cache) const {
+  MLA_CHECK(config_.mtp_layers > 0 && !layers_.empty(), "{}: the model was loaded without its MTP layer", what);
+  MLA_CHECK(cache.num_layers() > config_.num_hidden_layers, "{}: the latent cache has no layer for the MTP layer",
+            what);
 }
 
 Tensor DeepseekModel::draft_layer(const ForwardBatch& batch, const Tensor& hidden_in, KvCache& cache,

@@ -174,6 +174,8 @@ class DeepseekModel {
   Tensor mtp_enorm_, mtp_hnorm_, mtp_eh_embed_, mtp_eh_hidden_, mtp_norm_;
   Tensor last_hidden_;  // the last forward's final hidden state [T, H] (after the norm; scratch of that step)
   Tensor draft_hidden_;  // the last MTP forward's output (after shared_head.norm; scratch of that step)
+  // Both MTP forwards need the layer loaded and its latent cache layer (what: the caller, for the message).
+  void check_draft_layer(const char* what, const KvCache& cache) const;
   // The MTP layer over the step's input ids (set) and its input hidden state [T, H].
   Tensor draft_layer(const ForwardBatch& batch, const Tensor& hidden_in, KvCache& cache, const DpStepInfo* dp);
   std::vector<LayerWeights> layers_;
