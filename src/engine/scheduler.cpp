@@ -465,9 +465,8 @@ StepPlan Scheduler::schedule(bool allow_retract) {
     const auto it = drafts.find(r);
     return it == drafts.end() ? 0 : static_cast<int32_t>(it->second.size());
   };
-  // Chained MTP drafts write the MTP layer's cache up to chain_room positions past a request's last new token.
   plan.mtp_chain = cfg_.spec_model_drafts ? (draft_step ? cfg_.spec_draft_tokens : 1) : 0;
-  int32_t chain_room = std::max(0, plan.mtp_chain - 1);
+  int32_t chain_room = plan.chain_room();  // (0 once pages run short)
   auto pages_needed = [&]() {
     int32_t n = 0;
     for (Req* r : decoding)
@@ -610,7 +609,7 @@ void Scheduler::build_batch(StepPlan& plan) {
       }
     at += toks.size();
     // (chained MTP drafts: the pages after the new tokens that the request has, for the chain's positions)
-    bb.add_logits_from(toks, r.kv_len, r.pages, s.num_tokens - s.rows(), std::max(0, plan.mtp_chain - 1));
+    bb.add_logits_from(toks, r.kv_len, r.pages, s.num_tokens - s.rows(), plan.chain_room());
     // A few tokens after a long context: no expansion of the context.
     if (!s.drafts.empty()) bb.absorb_last(static_cast<int32_t>(s.drafts.size()));
   }

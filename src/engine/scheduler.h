@@ -158,6 +158,8 @@ struct StepPlan {
   // as the very next step on the same ranks (the sampled ids stay on the device), else refresh() it first.
   bool uses_prev_ids = false;
   int32_t mtp_chain = 0;  // ForwardBatch::mtp_chain: the MTP drafts this step makes (1 where it checks none)
+  // Positions past a request's last new token that its chained drafts write (the MTP layer's cache).
+  int32_t chain_room() const { return mtp_chain > 1 ? mtp_chain - 1 : 0; }
   bool empty() const { return seqs.empty(); }
 };
 
