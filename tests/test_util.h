@@ -24,6 +24,7 @@
 #include <cmath>
 #include <thread>
 
+#include "backend/cpu/cpu_kernels.h"
 #include "core/dtype.h"
 #include "engine/engine.h"
 #include "engine/engine_api.h"
@@ -80,7 +81,12 @@ inline uint8_t nearest_e4m3(float x) { return nearest_fp8(x, f8e4m3_to_f32, 0x7e
 // f32_to_e5m2's reference (x within +-57344).
 inline uint8_t nearest_e5m2(float x) { return nearest_fp8(x, f8e5m2_to_f32, 0x7b); }
 
-inline std::string golden_dir(const std::string& family) { return std::string(MLASERVE_GOLDEN_DIR) + "/" + family; }
+// A golden family's folder (MLASERVE_GOLDEN_DIR in the environment overrides the path baked in at build time, as on
+// the device).
+inline std::string golden_dir(const std::string& family) {
+  const char* e = std::getenv("MLASERVE_GOLDEN_DIR");
+  return std::string(e ? e : MLASERVE_GOLDEN_DIR) + "/" + family;
+}
 
 // Every tensor of the checkpoint in `dir`, copied to host memory.
 inline std::map<std::string, Tensor> read_checkpoint(const std::string& dir) {
@@ -103,6 +109,22 @@ inline void rewrite_checkpoint(const std::string& family, const std::filesystem:
   std::map<std::string, Tensor> ts = read_checkpoint(golden_dir(family));
   edit(ts);
   write_safetensors((dir / "model.safetensors").string(), ts);
+}
+
+// Multiplies every projection matrix (names ending in "_proj.weight") of the tensor map by `factor`, each in its own
+// dtype: the same model's shapes with other weights (another training step's, as an RL trainer writes them).
+inline void scale_projections(std::map<std::string, Tensor>& ts, float factor) {
+  for (auto& [name, t] : ts) {
+    if (!name.ends_with("_proj.weight")) continue;
+    std::vector<float> f(static_cast<size_t>(t.numel()));
+    cpu::convert(t.data(), t.dtype(), f.data(), DType::F32, t.numel());
+    for (float& x : f) x *= factor;
+    cpu::convert(f.data(), DType::F32, t.data(), t.dtype(), t.numel());
+  }
+}
+// A golden family's checkpoint with its projections scaled (scale_projections), written into `dir`.
+inline void write_scaled_checkpoint(const std::string& family, const std::filesystem::path& dir, float factor) {
+  rewrite_checkpoint(family, dir, [factor](std::map<std::string, Tensor>& ts) { scale_projections(ts, factor); });
 }
 
 inline void write_text(const std::filesystem::path& p, const std::string& s) {

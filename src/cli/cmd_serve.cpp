@@ -37,6 +37,7 @@ namespace {
 
 struct ServeArgs {
   std::string model_path, tokenizer_path, served_model_name;
+  std::string weight_version = "default";  // SGLang's --weight-version
   std::string positional_model;      // `serve MODEL` (vLLM's form)
   std::string hf_overrides, json_model_override_args;  // vLLM's / SGLang's config.json overrides (a JSON object)
   std::string model_overrides;                         // resolved: the one of them given
@@ -471,6 +472,9 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   }
   app.add_option("--model-path,--model", a->model_path, "checkpoint directory (config.json + safetensors)");
   app.add_option("model", a->positional_model, "the checkpoint directory, as `vllm serve MODEL` takes it");
+  app.add_option("--weight-version", a->weight_version,
+                 "the weights' version (SGLang's; /get_weight_version, set again by weight updates)")
+      ->capture_default_str();
   app.add_option("--hf-overrides", a->hf_overrides,
                  "a JSON object whose keys replace config.json's (vLLM's; e.g. '{\"max_position_embeddings\": 8192}')");
   app.add_option("--json-model-override-args", a->json_model_override_args,
@@ -796,6 +800,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.allowed_origins = s.origins;
     so.served_model_name = s.served_model_name;
     so.model_path = s.model_path;
+    so.weight_version = s.weight_version;
     so.tokenizer_path = s.skip_tokenizer_init ? "" : s.tokenizer_path;
     so.max_body_bytes = s.max_body_bytes;
     so.num_threads = s.num_http_threads;

@@ -1,5 +1,7 @@
 #include "engine/dp_controller.h"
 
+#include <fmt/format.h>
+
 #include "core/error.h"
 
 namespace mlaserve {
@@ -45,6 +47,44 @@ bool DpController::flush_cache() {
   bool ok = true;
   for (auto& e : replicas_) ok &= e->flush_cache();
   return ok;
+}
+
+void DpController::update_weights(WeightUpdate u, std::function<void(const WeightUpdateResult&)> done) {
+  update_next(std::make_shared<UpdateChain>(UpdateChain{std::move(u), std::move(done), {}}));
+}
+
+void DpController::update_next(std::shared_ptr<UpdateChain> c) {
+  const size_t r = c->previous.size();
+  if (r == replicas_.size()) {
+    c->done(WeightUpdateResult{true, fmt::format("weights updated from {}", c->u.model_path), c->previous[0]});
+    return;
+  }
+  replicas_[r]->update_weights(c->u, [this, c, r](const WeightUpdateResult& res) {
+    if (!res.ok) return roll_back(c, fmt::format("replica {}: {}", r, res.message));
+    c->previous.push_back(res.previous_model_path);
+    update_next(c);
+  });
+}
+
+void DpController::roll_back(std::shared_ptr<UpdateChain> c, std::string why) {
+  if (c->previous.empty()) {
+    c->done(WeightUpdateResult{false, why, {}});
+    return;
+  }
+  const size_t r = c->previous.size() - 1;
+  WeightUpdate back = c->u;
+  back.model_path = c->previous.back();
+  back.abort_all_requests = false;
+  c->previous.pop_back();
+  replicas_[r]->update_weights(back, [this, c, r, why, path = back.model_path](const WeightUpdateResult& res) {
+    if (!res.ok) {
+      c->done(WeightUpdateResult{
+          false, fmt::format("{}; replica {} could not load the weights of {} again: {}", why, r, path, res.message),
+          {}});
+      return;
+    }
+    roll_back(c, why);
+  });
 }
 
 void DpController::shutdown() {

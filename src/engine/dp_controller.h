@@ -19,11 +19,22 @@ class DpController final : public EngineClient {
   void abort(const std::string& rid, FinishReason reason) override;
   std::vector<RankStats> stats() const override;
   bool flush_cache() override;
+  // Replica after replica; if one fails, those updated before it load their previous weights again.
+  void update_weights(WeightUpdate u, std::function<void(const WeightUpdateResult&)> done) override;
   int64_t max_context_len() const override { return replicas_[0]->max_context_len(); }
   std::vector<int32_t> eos_token_ids() const override { return replicas_[0]->eos_token_ids(); }
   void shutdown() override;
 
  private:
+  struct UpdateChain {
+    WeightUpdate u;
+    std::function<void(const WeightUpdateResult&)> done;
+    std::vector<std::string> previous;  // of the replicas updated so far
+  };
+  void update_next(std::shared_ptr<UpdateChain> c);
+  // Replicas [0, c->previous.size()) load their previous weights again (the last first), then c->done(why).
+  void roll_back(std::shared_ptr<UpdateChain> c, std::string why);
+
   std::vector<std::unique_ptr<EngineClient>> replicas_;
   LoadBalancer balancer_;
 };

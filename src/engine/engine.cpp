@@ -153,6 +153,55 @@ std::vector<RankStats> Engine::stats() const {
   return published_;
 }
 
+void Engine::update_weights(WeightUpdate u, std::function<void(const WeightUpdateResult&)> done) {
+  MLA_CHECK(!u.model_path.empty(), "a weight update needs the checkpoint's folder");
+  bool queued = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!stop_) {
+      updates_.push_back(PendingUpdate{std::move(u), std::move(done), inbox_.size()});
+      queued = true;
+    }
+  }
+  if (!queued) return done(WeightUpdateResult{false, "the server is shutting down", {}});
+  cv_.notify_one();
+}
+
+bool Engine::run_update(bool abort_first) {
+  if (abort_first) {
+    finish_inflight();
+    FinishReason f;
+    f.kind = FinishKind::Abort;
+    f.message = "aborted for a weight update";
+    for (auto& s : scheds_) s->abort_all(f);
+  }
+  if (inflight_) return false;
+  for (auto& s : scheds_)
+    if (s->has_work()) return false;
+  PendingUpdate job;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (updates_.front().ahead > 0) return false;  // requests submitted before it came in meanwhile
+    job = std::move(updates_.front());
+    updates_.pop_front();
+  }
+  const WeightUpdate& u = job.u;
+  WeightUpdateResult res;
+  res.previous_model_path = ranks_->model_dir();
+  try {
+    ranks_->reload_weights(u.model_path);
+    res.ok = true;
+    res.message = fmt::format("weights updated from {}", u.model_path);
+    if (u.flush_cache)
+      for (auto& s : scheds_) s->flush_cache();
+  } catch (const std::exception& e) {
+    res.message = e.what();
+  }
+  publish_stats();
+  job.done(res);
+  return true;
+}
+
 bool Engine::flush_cache() {
   std::unique_lock<std::mutex> lk(mu_);
   const int ticket = ++flush_requests_;
@@ -182,14 +231,26 @@ void Engine::loop() {
     std::deque<std::pair<int32_t, GenerateRequest>> in;
     std::deque<std::pair<std::string, FinishReason>> ab;
     int flushes = 0;
+    std::optional<bool> update;  // a weight update waits (its abort_all_requests)
     {
       std::unique_lock<std::mutex> lk(mu_);
       const bool busy = has_work() || inflight_.has_value();
       cv_.wait_for(lk, std::chrono::milliseconds(busy ? 0 : 50), [&] {
-        return stop_ || !inbox_.empty() || !aborts_.empty() || flush_requests_ > flush_done_ || busy;
+        return stop_ || !inbox_.empty() || !aborts_.empty() || flush_requests_ > flush_done_ || !updates_.empty() ||
+               busy;
       });
       if (stop_) break;
-      in.swap(inbox_);
+      if (updates_.empty()) {
+        in.swap(inbox_);
+      } else {  // requests submitted after the update wait for it
+        update = updates_.front().u.abort_all_requests;
+        const size_t n = std::min(updates_.front().ahead, inbox_.size());
+        for (size_t i = 0; i < n; ++i) {
+          in.push_back(std::move(inbox_.front()));
+          inbox_.pop_front();
+        }
+        for (PendingUpdate& p : updates_) p.ahead -= std::min(p.ahead, n);
+      }
       ab.swap(aborts_);
       flushes = flush_requests_ - flush_done_;
     }
@@ -221,6 +282,7 @@ void Engine::loop() {
       }
       flush_cv_.notify_all();
     }
+    if (update) run_update(*update);
     const auto t0 = PhaseClock::now();
     const bool stepped = opts_.overlap ? (has_work() || inflight_) : has_work();
     if (opts_.overlap) {
@@ -250,10 +312,13 @@ void Engine::loop() {
   f.kind = FinishKind::Abort;
   f.message = "server shutting down";
   std::deque<std::pair<int32_t, GenerateRequest>> in;
+  std::deque<PendingUpdate> updates;
   {
     std::lock_guard<std::mutex> lk(mu_);
     in.swap(inbox_);
+    updates.swap(updates_);
   }
+  for (auto& u : updates) u.done(WeightUpdateResult{false, "the server is shutting down", {}});
   for (auto& [g, r] : in)
     if (r.on_output) {
       GenerateOutput o;

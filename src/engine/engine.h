@@ -56,6 +56,7 @@ class Engine final : public EngineClient {
   void abort(const std::string& rid, FinishReason reason) override;
   std::vector<RankStats> stats() const override;
   bool flush_cache() override;
+  void update_weights(WeightUpdate u, std::function<void(const WeightUpdateResult&)> done) override;
   int64_t max_context_len() const override { return opts_.context_len; }
   std::vector<int32_t> eos_token_ids() const override { return opts_.eos_token_ids; }
   void shutdown() override;
@@ -91,6 +92,16 @@ class Engine final : public EngineClient {
   int flush_done_ = 0;
   bool flush_ok_ = false;
   std::condition_variable flush_cv_;
+  // Weight updates asked for (mu_), oldest first: the first runs once no request runs or is in flight. Requests
+  // submitted before it (`ahead`: the inbox's requests in front of it) run first; those after it wait.
+  struct PendingUpdate {
+    WeightUpdate u;
+    std::function<void(const WeightUpdateResult&)> done;
+    size_t ahead = 0;
+  };
+  std::deque<PendingUpdate> updates_;
+  // The first pending update, when nothing runs (engine thread; false: not yet). Aborts first if it asks.
+  bool run_update(bool abort_first);
   bool stop_ = false;
   std::vector<RankStats> published_;
   uint64_t steps_ = 0;

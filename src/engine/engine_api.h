@@ -158,6 +158,20 @@ struct RankStats {
   int64_t spec_checks = 0;           // request steps that checked drafts
 };
 
+// SGLang's /update_weights_from_disk: another checkpoint of the same model loaded into the running weights.
+struct WeightUpdate {
+  std::string model_path;
+  // Abort the running and waiting requests first (else they finish on the old weights before the update).
+  bool abort_all_requests = false;
+  // Drop the prefix cache afterwards (its KV came from the old weights); SGLang's default.
+  bool flush_cache = true;
+};
+struct WeightUpdateResult {
+  bool ok = false;
+  std::string message;
+  std::string previous_model_path;  // where the weights came from before (when ok)
+};
+
 class EngineClient {
  public:
   virtual ~EngineClient() = default;
@@ -170,6 +184,13 @@ class EngineClient {
   virtual std::vector<RankStats> stats() const = 0;
   // Drops every prefix-cache entry not in use. Returns false if requests are running (nothing done).
   virtual bool flush_cache() = 0;
+  // Loads u.model_path's weights in place of the running ones once no request runs (those running finish first,
+  // unless u.abort_all_requests; requests submitted meanwhile wait for the update). `done` gets the result (on an
+  // engine thread; a failed update leaves the previous weights). Default: refused.
+  virtual void update_weights(WeightUpdate u, std::function<void(const WeightUpdateResult&)> done) {
+    (void)u;
+    done(WeightUpdateResult{false, "this engine cannot update its weights", {}});
+  }
   virtual int64_t max_context_len() const = 0;
   virtual std::vector<int32_t> eos_token_ids() const = 0;
   // Stops the engine threads; pending requests are aborted.

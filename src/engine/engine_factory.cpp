@@ -37,6 +37,7 @@ LoadOptions load_options(const EngineArgs& a) {
             a.quantization);
   lo.quantize_fp8 = a.quantization == "fp8";
   lo.seed = a.seed;
+  lo.config_overrides = a.model_overrides;
   return lo;
 }
 

@@ -18,12 +18,13 @@ namespace {
 // finish that step and reply, so under overlap scheduling they too launch step N + 1 before waiting for step N. Steps,
 // finishes and replies carry the step's number: a reply for the wrong step is an error, not wrong tokens. kAbort
 // (with the error): a step or cache change node 0 had sent failed there; the other nodes abort their communicators
-// and stop with that error (RankSet::stop_nodes).
-enum Op : char { kStep = 'S', kFinish = 'F', kKv = 'K', kQuit = 'Q', kAbort = 'A' };
+// and stop with that error (RankSet::stop_nodes). kReload (with a checkpoint folder): load it into the weights in
+// place (RankSet::reload_weights); each node answers kReloaded with its first error (empty: done).
+enum Op : char { kStep = 'S', kFinish = 'F', kKv = 'K', kQuit = 'Q', kAbort = 'A', kReload = 'W' };
 // Other nodes -> node 0: kReply (a finished step's outputs), or kFailed (with the error) when a node stops on an error
 // of its own; node 0 watches for it (and for a closed connection) while its ranks wait, and aborts its communicators
 // (RankSet::run_on_all): its ranks may wait in collectives that node will never join.
-enum ReplyOp : char { kReply = 'R', kFailed = 'E' };
+enum ReplyOp : char { kReply = 'R', kFailed = 'E', kReloaded = 'L' };
 constexpr int64_t kMaxSampledRows = 1 << 16;
 
 void put(std::string& o, const void* p, size_t n) { o.append(static_cast<const char*>(p), n); }
@@ -211,7 +212,7 @@ std::vector<RowSampling> get_sampling(const char*& p, const char* end) {
 }  // namespace
 
 RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std::string& model_dir, const LoadOptions& lo)
-    : config_(config), pc_(pc) {
+    : config_(config), pc_(pc), model_dir_(model_dir) {
   const int32_t n = pc_.tp_size, d = pc_.dp_size;
   MLA_CHECK(n >= 1, "--tp must be >= 1, got {}", n);
   MLA_CHECK(d >= 1 && n % d == 0, "--dp {} must divide --tp {} with --enable-dp-attention", d, n);
@@ -749,6 +750,7 @@ RankSet::Launched RankSet::launch(const std::vector<const ForwardBatch*>& batche
   MLA_CHECK(static_cast<int32_t>(logit_rows.size()) <= d, "step: logit rows for {} groups of {}", logit_rows.size(), d);
   h.logit_rows = logit_rows;
   if (!any) return h;  // every group idle: no forward at all
+  MLA_CHECK(weights_lost_.empty(), "the model has no weights: {}", weights_lost_);
   const bool remote = link_ && pc_.nnodes > 1;
   if (remote) check_not_stopped();
   h.ran = true;
@@ -784,6 +786,68 @@ void RankSet::abort_communicators() {
     comms = comms_;
   }
   for (Communicator* c : comms) c->abort();
+}
+
+std::string RankSet::reload_local(const std::string& dir) {
+  std::vector<std::string> errors(ranks_.size());
+  run_on_all([&](int i) {
+    Rank& rk = *ranks_[static_cast<size_t>(i)];
+    try {  // caught here: a rank's exception would abort the communicators (a reload runs no collective)
+      rk.model->reload(dir);
+      rk.backend->synchronize();
+    } catch (const std::exception& e) {
+      errors[static_cast<size_t>(i)] = fmt::format("rank {}: {}", rk.global, e.what());
+    }
+  });
+  for (const std::string& e : errors)
+    if (!e.empty()) return e;
+  return {};
+}
+
+void RankSet::reload_weights(const std::string& dir) {
+  MLA_CHECK(pc_.node_rank == 0, "RankSet::reload_weights runs on node 0 only");
+  MLA_CHECK(weights_lost_.empty(), "the model has no weights: {}", weights_lost_);
+  const bool remote = link_ && pc_.nnodes > 1;
+  if (remote) check_not_stopped();
+  // Every node loads `d`; the first error of any (empty: none).
+  auto everywhere = [&](const std::string& d) {
+    if (remote) {
+      std::string m(1, kReload);
+      put_vec(m, std::vector<char>(d.begin(), d.end()));
+      link_->broadcast(m);
+    }
+    std::string err = reload_local(d);
+    for (int32_t node = 1; remote && node < pc_.nnodes; ++node) {
+      const std::string r = link_->recv_from(node);
+      MLA_CHECK(!r.empty() && (r[0] == kReloaded || r[0] == kFailed), "node {} answered a weight update with '{}'",
+                node, r.empty() ? ' ' : r[0]);
+      if (r[0] == kFailed) throw Error(fmt::format("node {} stopped: {}", node, r.substr(1)));
+      if (err.empty() && r.size() > 1) err = fmt::format("node {}: {}", node, r.substr(1));
+    }
+    return err;
+  };
+  std::string err, back;
+  try {
+    err = everywhere(dir);
+    if (!err.empty()) {
+      MLA_LOG_WARN("updating the weights from {} failed ({}); loading {} again", dir, err, model_dir_);
+      back = everywhere(model_dir_);
+    }
+  } catch (const std::exception& e) {  // the channel to the other nodes failed: their weights are unknown
+    weights_lost_ = fmt::format("updating the weights from {} failed: {}; restart the server", dir, e.what());
+    if (remote) stop_nodes(weights_lost_);
+    throw;
+  }
+  if (err.empty()) {
+    MLA_LOG_INFO("weights updated from {}", dir);
+    model_dir_ = dir;
+    return;
+  }
+  if (back.empty()) fail("{} (the weights of {} are loaded again)", err, model_dir_);
+  weights_lost_ = fmt::format("updating the weights from {} failed ({}), and loading {} again failed too ({}); "
+                              "restart the server", dir, err, model_dir_, back);
+  if (remote) stop_nodes(weights_lost_);
+  fail("{}", weights_lost_);
 }
 
 void RankSet::check_not_stopped() const {
@@ -893,6 +957,14 @@ void RankSet::follow_steps() {
       const std::vector<char> why = get_vec<char>(p, end);
       abort_communicators();  // steps running here wait in collectives node 0 never joined
       fail("node 0 stopped the layout after a failed step: {}", std::string(why.begin(), why.end()));
+    }
+    if (msg[0] == kReload) {
+      MLA_CHECK(running.empty(), "node 0 updated the weights while {} steps run", running.size());
+      const std::vector<char> dir = get_vec<char>(p, end);
+      const std::string err = reload_local(std::string(dir.begin(), dir.end()));
+      if (err.empty()) model_dir_ = std::string(dir.begin(), dir.end());
+      link_->send(std::string(1, kReloaded) + err);
+      continue;
     }
     if (msg[0] == kKv) {
       MLA_CHECK(running.empty(), "node 0 resized the KV cache while {} steps run", running.size());

@@ -90,6 +90,14 @@ class RankSet {
   // Bytes a rank may still give to its KV cache (-1: no fixed budget, e.g. the CPU).
   int64_t kv_bytes_free() const;
 
+  // Loads the checkpoint in DIR into every rank's weights in place (DeepseekModel::reload; recorded graphs stay
+  // valid), on every node; no step may be running. If any rank fails, every rank loads the checkpoint it had again
+  // and this throws the failure (the model is as before); if that fails too, every later step and update fails
+  // naming it (and other nodes stop).
+  void reload_weights(const std::string& dir);
+  // The checkpoint the weights came from (the last update's).
+  const std::string& model_dir() const { return model_dir_; }
+
   // Gives every rank a latent cache of `num_pages` pages (ranks of one DP group hold the same sequences).
   void allocate_kv(int32_t num_pages, int32_t page_size);
   // One forward on every rank; batches[g] for DP group g, sampling[g] one RowSampling per logit row of it. Each
@@ -164,6 +172,8 @@ class RankSet {
   // Node 0, with other nodes: finish() of a step they run too (they finish it alongside and send their outputs).
   std::vector<GroupOutput> finish_remote(Launched& h);
   void allocate_kv_local(int32_t num_pages, int32_t page_size);
+  // DeepseekModel::reload on every local rank: the first rank's error, empty when all loaded DIR.
+  std::string reload_local(const std::string& dir);
   // Node 0, after a step it sent to the other nodes failed here: their ranks ran (or wait in) collectives this node
   // never joined, so the layout cannot go on. Aborts the local communicators, tells the other nodes to stop with
   // `why`, and makes every later call fail with it.
@@ -188,6 +198,8 @@ class RankSet {
   int64_t graph_steps_ = 0, prev_id_steps_ = 0, followed_steps_ = 0, followed_overlapped_ = 0;
   uint64_t remote_seq_ = 0;  // steps sent to (node 0) or received from (others) the other nodes
   std::string stopped_;      // node 0: why the layout of several nodes stopped (empty: it runs)
+  std::string model_dir_;
+  std::string weights_lost_;  // why the weights are neither the old nor the new checkpoint's (empty: they are)
   bool told_to_stop_ = false;  // other nodes: node 0 stopped the layout (kAbort), so this node's error is no news
   int64_t sampled_rows_ = 0;  // capacity of Rank::sampled (rows)
   int32_t dummy_page_ = -1, page_size_ = 0;  // graphs: padded rows read and write only this page

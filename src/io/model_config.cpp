@@ -345,6 +345,54 @@ std::string ModelConfig::summary() const {
           : std::string());
 }
 
+std::string ModelConfig::forward_difference(const ModelConfig& o) const {
+  auto name_of = [](Architecture a) { return a == Architecture::DeepseekV3 ? "DeepseekV3" : "DeepseekV2"; };
+  if (arch != o.arch) return fmt::format("architectures: {} vs {}", name_of(arch), name_of(o.arch));
+  const std::pair<const char*, std::pair<double, double>> fields[] = {
+      {"vocab_size", {vocab_size, o.vocab_size}},
+      {"hidden_size", {hidden_size, o.hidden_size}},
+      {"intermediate_size", {intermediate_size, o.intermediate_size}},
+      {"moe_intermediate_size", {moe_intermediate_size, o.moe_intermediate_size}},
+      {"num_hidden_layers", {num_hidden_layers, o.num_hidden_layers}},
+      {"num_attention_heads", {num_attention_heads, o.num_attention_heads}},
+      {"q_lora_rank", {q_lora_rank, o.q_lora_rank}},
+      {"kv_lora_rank", {kv_lora_rank, o.kv_lora_rank}},
+      {"qk_nope_head_dim", {qk_nope_head_dim, o.qk_nope_head_dim}},
+      {"qk_rope_head_dim", {qk_rope_head_dim, o.qk_rope_head_dim}},
+      {"v_head_dim", {v_head_dim, o.v_head_dim}},
+      {"n_routed_experts", {n_routed_experts, o.n_routed_experts}},
+      {"n_shared_experts", {n_shared_experts, o.n_shared_experts}},
+      {"num_experts_per_tok", {num_experts_per_tok, o.num_experts_per_tok}},
+      {"first_k_dense_replace", {first_k_dense_replace, o.first_k_dense_replace}},
+      {"moe_layer_freq", {moe_layer_freq, o.moe_layer_freq}},
+      {"norm_topk_prob", {norm_topk_prob, o.norm_topk_prob}},
+      {"routed_scaling_factor", {routed_scaling_factor, o.routed_scaling_factor}},
+      {"n_group", {n_group, o.n_group}},
+      {"topk_group", {topk_group, o.topk_group}},
+      {"topk_method", {static_cast<int>(topk_method), static_cast<int>(o.topk_method)}},
+      {"scoring_func", {static_cast<int>(scoring_func), static_cast<int>(o.scoring_func)}},
+      {"rms_norm_eps", {rms_norm_eps, o.rms_norm_eps}},
+      {"tie_word_embeddings", {tie_word_embeddings, o.tie_word_embeddings}},
+      {"rope_theta", {rope.theta, o.rope.theta}},
+      {"rope_scaling (YaRN or none)", {rope.yarn, o.rope.yarn}},
+      {"rope_scaling.factor", {rope.factor, o.rope.factor}},
+      {"rope_scaling.original_max_position_embeddings",
+       {rope.original_max_position_embeddings, o.rope.original_max_position_embeddings}},
+      {"rope_scaling.beta_fast", {rope.beta_fast, o.rope.beta_fast}},
+      {"rope_scaling.beta_slow", {rope.beta_slow, o.rope.beta_slow}},
+      {"rope_scaling.mscale", {rope.mscale, o.rope.mscale}},
+      {"rope_scaling.mscale_all_dim", {rope.mscale_all_dim, o.rope.mscale_all_dim}},
+      {"rope_scaling.attention_factor", {rope.attention_factor, o.rope.attention_factor}},
+  };
+  for (const auto& [name, v] : fields)
+    if (v.first != v.second) return fmt::format("{}: {} vs {}", name, v.first, v.second);
+  // Only the MTP layers this run loads need to be there.
+  if (mtp_layers > o.num_nextn_predict_layers)
+    return fmt::format("num_nextn_predict_layers: {} vs {} (the MTP layer is in use)", num_nextn_predict_layers,
+                       o.num_nextn_predict_layers);
+  return {};
+}
+
 bool quantization_names(const std::string& flag, QuantMethod checkpoint) {
   if (checkpoint == QuantMethod::Fp8Block || checkpoint == QuantMethod::Fp8Tensor) return flag == "fp8";
   if (checkpoint == QuantMethod::Awq) return flag == "awq" || flag == "awq_marlin" || flag == "moe_wna16";

@@ -97,6 +97,10 @@ struct ModelConfig {
   // Attention softmax scale: qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN.
   double softmax_scale() const;
   std::string summary() const;
+  // The first field (config.json's name and both values) in which `other` describes a different forward pass than
+  // this config: what a checkpoint loaded into this model's weights in place must agree on. Empty when none does.
+  // The context length, the special tokens and how the weights are stored (quantization) may differ.
+  std::string forward_difference(const ModelConfig& other) const;
 };
 
 }  // namespace mlaserve

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "backend/cpu/cpu_kernels.h"
 #include "core/log.h"
@@ -34,7 +35,30 @@ class DeepseekModel::Loader {
  public:
   enum class Kind { Matrix, Norm, Embedding, Router, Bias, LmHead };
 
-  Loader(Backend& backend, const Checkpoint* ckpt, const LoadOptions& opts) : be_(backend), ckpt_(ckpt), opts_(opts) {}
+  // held: every persistent tensor of the model, in the order load() takes them; with `reload` they exist already
+  // and the new checkpoint is written into them (alloc hands them out in that order, checked).
+  Loader(Backend& backend, const Checkpoint* ckpt, const LoadOptions& opts, std::vector<Tensor>& held, bool reload)
+      : be_(backend), ckpt_(ckpt), opts_(opts), held_(held), reload_(reload) {}
+
+  // A persistent tensor for the weight `what`: allocated (and held), or on a reload the held tensor in its place.
+  Tensor alloc(const Shape& shape, DType dtype, const std::string& what) {
+    if (!reload_) {
+      held_.push_back(be_.alloc(shape, dtype));
+      return held_.back();
+    }
+    MLA_CHECK(next_ < held_.size(), "the new checkpoint has '{}' ({} {}), which the running model does not hold", what,
+              dtype_name(dtype), shape_str(shape));
+    Tensor t = held_[next_++];
+    MLA_CHECK(t.shape() == shape && t.dtype() == dtype,
+              "the new checkpoint gives '{}' as {} {} on this rank, but the running model holds {} {} in its place",
+              what, dtype_name(dtype), shape_str(shape), dtype_name(t.dtype()), shape_str(t.shape()));
+    return t;
+  }
+  // Every held tensor was written again (a reload).
+  void check_all_reloaded() const {
+    MLA_CHECK(next_ == held_.size(), "the new checkpoint fills {} of the running model's {} weight tensors", next_,
+              held_.size());
+  }
 
   DType matrix_dtype() const { return matrix_dtype_; }
   void set_matrix_dtype(DType d) { matrix_dtype_ = d; }
@@ -44,7 +68,7 @@ class DeepseekModel::Loader {
   // Allocates a tensor of shape `local` and fills it with the block of `name` starting at (r0, c0).
   Tensor make(const std::string& name, const Shape& full, const Shape& local, int64_t r0, int64_t c0, Kind kind) {
     const bool vec = kind == Kind::Norm || kind == Kind::Bias;
-    Tensor t = be_.alloc(local, vec ? DType::F32 : matrix_dtype_);
+    Tensor t = alloc(local, vec ? DType::F32 : matrix_dtype_, name);
     load_into(t, name, full, r0, c0, kind);
     return t;
   }
@@ -332,6 +356,9 @@ class DeepseekModel::Loader {
   bool keep_fp8_ = false;  // routed experts of an FP8 block checkpoint stay FP8 (where keep_fp8_experts allows)
   std::set<std::string> used_;
   int64_t bytes_ = 0;
+  std::vector<Tensor>& held_;
+  bool reload_ = false;
+  size_t next_ = 0;  // reload: the held tensor alloc hands out next
 };
 
 DeepseekModel::DeepseekModel(ModelConfig config, Backend& backend, ParallelPlan plan, Communicator* world_comm,
@@ -371,20 +398,43 @@ DeepseekModel::DeepseekModel(ModelConfig config, Backend& backend, ParallelPlan 
 DeepseekModel::~DeepseekModel() = default;
 
 void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) {
-  using Kind = Loader::Kind;
-  const auto t_start = std::chrono::steady_clock::now();
-  std::unique_ptr<Checkpoint> ckpt;
-  if (!opts.dummy) ckpt = std::make_unique<Checkpoint>(model_dir);
-  Loader ld(backend_, ckpt.get(), opts);
-  ld.set_quant(config_.quant, config_.quant_block_rows, config_.quant_block_cols, config_.quant_group);
+  MLA_CHECK(held_.empty(), "the model's weights are loaded already (DeepseekModel::reload replaces them)");
   {  // FP8 experts kept? (Auto: when their bf16 form would take more than half of the free weight memory)
     int64_t moe_layers = 0;
     for (int64_t l = 0; l < config_.num_hidden_layers; ++l) moe_layers += config_.is_moe_layer(l);
     const int64_t bf16_bytes = moe_layers * local_experts_ * 3 * local_moe_inter_ * config_.hidden_size * 2;
     const int64_t free = backend_.persistent_bytes_free();
     using F = LoadOptions::Fp8Experts;
-    ld.set_keep_fp8(opts.fp8_experts == F::On || (opts.fp8_experts == F::Auto && free >= 0 && bf16_bytes > free / 2));
+    keep_fp8_ = opts.fp8_experts == F::On || (opts.fp8_experts == F::Auto && free >= 0 && bf16_bytes > free / 2);
   }
+  load_opts_ = opts;
+  load_weights(model_dir, config_, opts, false);
+}
+
+void DeepseekModel::reload(const std::string& model_dir) {
+  MLA_CHECK(!held_.empty(), "DeepseekModel::reload: no weights loaded yet");
+  nlohmann::json overrides = nlohmann::json::object();
+  if (!load_opts_.config_overrides.empty()) overrides = nlohmann::json::parse(load_opts_.config_overrides);
+  ModelConfig next = ModelConfig::from_file(model_dir, overrides);
+  const std::string diff = config_.forward_difference(next);
+  MLA_CHECK(diff.empty(), "{}/config.json describes another model than the one running ({})", model_dir, diff);
+  next.mtp_layers = config_.mtp_layers;
+  LoadOptions opts = load_opts_;
+  opts.dummy = false;
+  load_weights(model_dir, next, opts, true);
+}
+
+void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig& from, const LoadOptions& opts,
+                                 bool reload) {
+  using Kind = Loader::Kind;
+  const auto t_start = std::chrono::steady_clock::now();
+  std::unique_ptr<Checkpoint> ckpt;
+  if (!opts.dummy) ckpt = std::make_unique<Checkpoint>(model_dir);
+  Loader ld(backend_, ckpt.get(), opts, held_, reload);
+  // How the weights are stored is the checkpoint's own (a reload may bring another quantization); what they are
+  // is config_'s.
+  ld.set_quant(from.quant, from.quant_block_rows, from.quant_block_cols, from.quant_group);
+  ld.set_keep_fp8(keep_fp8_);
   if (ckpt) {
     const TensorInfo& e = ckpt->get("model.embed_tokens.weight");
     ld.set_matrix_dtype(backend_.weight_dtype(e.dtype));
@@ -456,9 +506,9 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
     w.is_moe = c.is_moe_layer(l);
     if (!w.is_moe) {
       const int64_t I = local_inter_;
-      w.mlp_gate_up = backend_.alloc({2 * I, H}, ld.matrix_dtype());
+      w.mlp_gate_up = ld.alloc({2 * I, H}, ld.matrix_dtype(), layer_name(l, "mlp.gate_proj / up_proj"));
       load_gate_up(w.mlp_gate_up, layer_name(l, "mlp."), c.intermediate_size, I, tr);
-      w.mlp_down = backend_.alloc({H, I}, ld.matrix_dtype());
+      w.mlp_down = ld.alloc({H, I}, ld.matrix_dtype(), layer_name(l, "mlp.down_proj.weight"));
       load_down(w.mlp_down, layer_name(l, "mlp."), c.intermediate_size, I, tr);
       continue;
     }
@@ -479,7 +529,7 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
                    keep_quantized ? "kept FP8" : "dequantized again: this backend keeps no FP8 experts");
       logged_quantization = true;
     } else if (opts.quantize_fp8 && !qb && !logged_quantization) {
-      MLA_LOG_INFO("--quantization fp8: {}", config_.quant != QuantMethod::None
+      MLA_LOG_INFO("--quantization fp8: {}", from.quant != QuantMethod::None
                                                   ? "the checkpoint is quantized already; loading its own weights"
                                                   : "no block size divides the experts' width; they stay bf16");
       logged_quantization = true;
@@ -493,10 +543,10 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
         if (keep_ckpt) ld.load_fp8_blocks(name, shape, r0, c0, codes, sc);
         else ld.quantize_fp8_blocks(name, shape, r0, c0, qb, codes, sc);
       };
-      w.experts_gate_up = backend_.alloc({E, 2 * Im, H}, DType::F8_E4M3);
-      w.experts_down = backend_.alloc({E, H, Im}, DType::F8_E4M3);
-      Tensor gs = backend_.alloc({E, 2 * Im / br, (H + bc - 1) / bc}, DType::F32);
-      Tensor ds = backend_.alloc({E, (H + br - 1) / br, Im / bc}, DType::F32);
+      w.experts_gate_up = ld.alloc({E, 2 * Im, H}, DType::F8_E4M3, experts + "*.gate_proj / up_proj (FP8)");
+      w.experts_down = ld.alloc({E, H, Im}, DType::F8_E4M3, experts + "*.down_proj (FP8)");
+      Tensor gs = ld.alloc({E, 2 * Im / br, (H + bc - 1) / bc}, DType::F32, experts + "*.gate_proj / up_proj scales");
+      Tensor ds = ld.alloc({E, (H + br - 1) / br, Im / bc}, DType::F32, experts + "*.down_proj scales");
       for (int64_t e = 0; e < E; ++e) {
         const std::string prefix = expert_prefix(e);
         Tensor gu = w.experts_gate_up.rows(e, e + 1).reshape({2 * Im, H});
@@ -509,8 +559,8 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
       w.experts_gate_up.set_block_scales(std::make_shared<const BlockScales>(BlockScales{gs, br, bc}));
       w.experts_down.set_block_scales(std::make_shared<const BlockScales>(BlockScales{ds, br, bc}));
     } else {
-      w.experts_gate_up = backend_.alloc({E, 2 * Im, H}, ld.matrix_dtype());
-      w.experts_down = backend_.alloc({E, H, Im}, ld.matrix_dtype());
+      w.experts_gate_up = ld.alloc({E, 2 * Im, H}, ld.matrix_dtype(), experts + "*.gate_proj / up_proj");
+      w.experts_down = ld.alloc({E, H, Im}, ld.matrix_dtype(), experts + "*.down_proj");
       for (int64_t e = 0; e < E; ++e) {
         const std::string prefix = expert_prefix(e);
         Tensor gu = w.experts_gate_up.rows(e, e + 1).reshape({2 * Im, H});
@@ -528,14 +578,22 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
     }
     if (c.n_shared_experts > 0) {
       const int64_t Is = local_shared_inter_, full = c.moe_intermediate_size * c.n_shared_experts;
-      w.shared_gate_up = backend_.alloc({2 * Is, H}, ld.matrix_dtype());
+      w.shared_gate_up =
+          ld.alloc({2 * Is, H}, ld.matrix_dtype(), layer_name(l, "mlp.shared_experts.gate_proj / up_proj"));
       load_gate_up(w.shared_gate_up, layer_name(l, "mlp.shared_experts."), full, Is, tr);
-      w.shared_down = backend_.alloc({H, Is}, ld.matrix_dtype());
+      w.shared_down = ld.alloc({H, Is}, ld.matrix_dtype(), layer_name(l, "mlp.shared_experts.down_proj.weight"));
       load_down(w.shared_down, layer_name(l, "mlp.shared_experts."), full, Is, tr);
     }
     if (l % 8 == 7 || l + 1 == c.num_cache_layers())
       MLA_LOG_INFO("loading weights: layer {}/{}{}", l + 1, c.num_hidden_layers,
                    l >= c.num_hidden_layers ? " (the MTP layer)" : "");
+  }
+  if (reload) {
+    ld.check_all_reloaded();
+    config_.quant = from.quant;
+    config_.quant_block_rows = from.quant_block_rows;
+    config_.quant_block_cols = from.quant_block_cols;
+    config_.quant_group = from.quant_group;
   }
   weight_bytes_ = ld.bytes();
   if (ckpt) {
@@ -554,7 +612,8 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
                    extra.size() > 1 ? fmt::format(", '{}'", extra.back()) : std::string());
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-  MLA_LOG_INFO("loaded {} weights: {:.2f} GiB on {} in {:.1f} s", opts.dummy ? "dummy" : "checkpoint",
+  MLA_LOG_INFO("{} {} weights: {:.2f} GiB on {} in {:.1f} s", reload ? "reloaded" : "loaded",
+               opts.dummy ? "dummy" : "checkpoint",
                static_cast<double>(weight_bytes_) / (1 << 30), backend_.name(), secs);
 }
 

@@ -58,6 +58,9 @@ struct LoadOptions {
   // (cpu::quantize_fp8, blocks of 128, or the largest power of two down to 8 dividing a rank's expert width), kept FP8
   // on a backend that takes them unless fp8_experts is Off, else dequantized again (the same model in bf16).
   bool quantize_fp8 = false;
+  // vLLM's --hf-overrides / SGLang's --json-model-override-args (a JSON object, empty: none): applied to the
+  // config.json of a checkpoint reload() brings, as to the first one.
+  std::string config_overrides = {};
 };
 // --fp8-experts auto|on|off.
 LoadOptions::Fp8Experts parse_fp8_experts(const std::string& s);
@@ -72,6 +75,13 @@ class DeepseekModel {
 
   // Loads from DIR (config already parsed) or makes dummy weights.
   void load(const std::string& model_dir, const LoadOptions& opts);
+  // Loads the checkpoint in DIR into the loaded weights in place (SGLang's /update_weights_from_disk): the same
+  // tensors, so graphs recorded over them replay the new weights. DIR's config.json (with the load's
+  // config_overrides) must describe the same forward pass (ModelConfig::forward_difference) and its weights must take
+  // the same shapes and element types on this rank (FP8 experts kept or not as at load); else this throws naming
+  // the difference. Mismatches of the config are found before any weight is written; a failure part way (a missing
+  // or misshapen tensor, an unreadable file) leaves the weights mixed: the caller loads the previous checkpoint again.
+  void reload(const std::string& model_dir);
 
   // Runs one step; returns F32 logits [batch.logit_rows.size(), vocab] in backend scratch memory (valid until
   // the next step; backend().to_host_f32 copies them out).
@@ -119,6 +129,8 @@ class DeepseekModel {
 
  private:
   class Loader;
+  // load() and reload(): `from` is DIR's config (how its weights are stored may differ from config_'s on a reload).
+  void load_weights(const std::string& model_dir, const ModelConfig& from, const LoadOptions& opts, bool reload);
   // The input norm and the attention: residual_out = residual + x, out = attention(rmsnorm(residual_out)) (normed:
   // scratch for the normalised rows). out may be x.
   void attention(int64_t layer, const Tensor& x, const Tensor& residual, Tensor& residual_out, Tensor& normed,
@@ -179,6 +191,10 @@ class DeepseekModel {
   // The MTP layer over the step's input ids (set) and its input hidden state [T, H].
   Tensor draft_layer(const ForwardBatch& batch, const Tensor& hidden_in, KvCache& cache, const DpStepInfo* dp);
   std::vector<LayerWeights> layers_;
+  // Every persistent tensor load() allocated, in its order: reload() writes into them again.
+  std::vector<Tensor> held_;
+  LoadOptions load_opts_;  // the first load's
+  bool keep_fp8_ = false;  // FP8 block checkpoints' routed experts kept FP8 (decided at the first load)
   int64_t weight_bytes_ = 0;
   Tensor prev_ids_;
 };

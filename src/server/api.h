@@ -102,6 +102,9 @@ struct ServerOptions {
   bool priority_higher_first = false;
   ParseOptions parse;
   nlohmann::json server_args = nlohmann::json::object();  // echoed by /get_server_info
+  // SGLang's --weight-version: the weights' version, shown by /get_weight_version and /get_model_info, set by
+  // /update_weights_from_disk's weight_version and /update_weight_version.
+  std::string weight_version = "default";
 };
 
 class BatchService;
@@ -145,6 +148,11 @@ class Api {
   std::pair<int, std::string> error_answer(const HttpRequest& req);
   // /health_generate: one token generated (200), or 503 when the engine fails it.
   void health_generate(const std::shared_ptr<HttpExchange>& ex);
+  // SGLang's POST /update_weights_from_disk ({"model_path", "load_format", "abort_all_requests", "flush_cache",
+  // "weight_version"}): EngineClient::update_weights; 200 {"success": true, ...} or 400 {"success": false, "message"}.
+  void update_weights_from_disk(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
+  // The checkpoint the weights came from and their version (both change with updates).
+  std::pair<std::string, std::string> weights_info() const;
   Prepared prepare(ParsedRequest& pr);
   // Completions `suffix`: the prompts' ids made into DeepSeek's fill-in-the-middle prompt.
   void fill_in_the_middle(ParsedRequest& pr) const;
@@ -161,6 +169,12 @@ class Api {
   EngineClient& engine_;
   const TextCodec* codec_;
   ServerOptions opts_;
+  // weights_info(); shared with the callbacks of updates in progress (they may finish after this Api is gone).
+  struct WeightsState {
+    std::mutex mu;
+    std::string path, version;
+  };
+  std::shared_ptr<WeightsState> weights_ = std::make_shared<WeightsState>();
   ServerMetrics metrics_;
   std::atomic<uint64_t> next_id_{0};
   uint64_t id_salt_;

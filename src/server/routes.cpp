@@ -471,6 +471,8 @@ struct Api::Prepared {
 Api::Api(EngineClient& engine, const TextCodec* codec, ServerOptions opts)
     : engine_(engine), codec_(codec), opts_(std::move(opts)), id_salt_(std::random_device{}()) {
   if (opts_.served_model_name.empty()) opts_.served_model_name = opts_.model_path;
+  weights_->path = opts_.model_path;
+  weights_->version = opts_.weight_version;
   responses_store_ = std::make_unique<ResponseStore>();
   batches_ = std::make_unique<BatchService>([this](const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
     HttpRequest r = req;
@@ -585,7 +587,9 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/get_model_info" || path == "/model_info") {
       if (!get) method_not_allowed(req);
       ojson body;
-      body["model_path"] = opts_.model_path;
+      const auto [weights_path, weight_version] = weights_info();
+      body["model_path"] = weights_path;
+      body["weight_version"] = weight_version;
       body["tokenizer_path"] = opts_.tokenizer_path.empty() ? ojson(nullptr) : ojson(opts_.tokenizer_path);
       body["served_model_name"] = opts_.served_model_name;
       body["is_generation"] = true;
@@ -596,6 +600,9 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/get_server_info" || path == "/server_info") {
       if (!get) method_not_allowed(req);
       ojson body = ojson::parse(opts_.server_args.dump());
+      const auto [weights_path, weight_version] = weights_info();
+      body["model_path"] = weights_path;
+      body["weight_version"] = weight_version;
       ojson states = ojson::array();
       int rank = 0;
       for (const RankStats& s : engine_.stats()) {
@@ -638,6 +645,24 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
       else
         throw ApiError(400, "cache not flushed: requests are running or waiting; retry when the server is idle", "",
                        "server_busy");
+    } else if (path == "/update_weights_from_disk") {
+      if (!post) method_not_allowed(req);
+      update_weights_from_disk(req, ex);
+    } else if (path == "/get_weight_version") {  // SGLang's
+      if (!get) method_not_allowed(req);
+      respond_json(ex, 200, dump(ojson{{"weight_version", weights_info().second}}));
+    } else if (path == "/update_weight_version") {  // SGLang's: {"new_version", "abort_all_requests"}
+      if (!post) method_not_allowed(req);
+      const json body = parse_body(req.body);
+      const auto v = body.find("new_version");
+      if (v == body.end() || !v->is_string())
+        throw ApiError(400, "'new_version' (a string) is required", "new_version", "invalid_value");
+      {
+        std::lock_guard lk(weights_->mu);
+        weights_->version = v->get<std::string>();
+      }
+      respond_json(ex, 200,
+                   dump(ojson{{"success", true}, {"message", "weight version updated to " + v->get<std::string>()}}));
     } else if (path == "/metrics") {
       if (!get) method_not_allowed(req);
       ex->respond(200, "text/plain; version=0.0.4", metrics_.render(engine_.stats(), opts_.served_model_name));
@@ -968,6 +993,57 @@ void Api::abort_request(const HttpRequest& req, const std::shared_ptr<HttpExchan
   for (const auto& j : hit)
     for (const auto& c : j->choices()) engine_.abort(c.rid, f);  // each choice ends as aborted, its client answered
   respond_json(ex, 200, dump(ojson{{"aborted", hit.size()}}));
+}
+
+std::pair<std::string, std::string> Api::weights_info() const {
+  std::lock_guard lk(weights_->mu);
+  return {weights_->path, weights_->version};
+}
+
+void Api::update_weights_from_disk(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
+  const json body = parse_body(req.body);
+  if (!body.is_object()) throw ApiError(400, "the body must be a JSON object", "", "invalid_value");
+  auto field = [&](const char* name, json::value_t type, const char* what) -> const json* {
+    const auto it = body.find(name);
+    if (it == body.end() || it->is_null()) return nullptr;
+    if (it->type() != type && !(type == json::value_t::number_integer && it->is_number_integer()))
+      throw ApiError(400, fmt::format("'{}' must be {}, got {}", name, what, it->dump()), name, "invalid_value");
+    return &*it;
+  };
+  WeightUpdate u;
+  const json* path = field("model_path", json::value_t::string, "a string (the checkpoint's folder)");
+  if (!path || path->get<std::string>().empty())
+    throw ApiError(400, "'model_path' (the folder of the checkpoint to load) is required", "model_path",
+                   "invalid_value");
+  u.model_path = path->get<std::string>();
+  if (const json* f = field("load_format", json::value_t::string, "a string"))
+    if (f->get<std::string>() != "auto" && f->get<std::string>() != "safetensors")
+      throw ApiError(400, fmt::format("'load_format' {}: weights load from safetensors (auto or safetensors)",
+                                      f->dump()),
+                     "load_format", "invalid_value");
+  if (const json* f = field("abort_all_requests", json::value_t::boolean, "a boolean")) u.abort_all_requests = *f;
+  if (const json* f = field("flush_cache", json::value_t::boolean, "a boolean")) u.flush_cache = *f;
+  std::optional<std::string> version;
+  if (const json* f = field("weight_version", json::value_t::string, "a string")) version = f->get<std::string>();
+  std::weak_ptr<HttpExchange> wex = ex;
+  Executor post = ex->executor();
+  MLA_LOG_INFO("updating the weights from {}", u.model_path);
+  engine_.update_weights(u, [state = weights_, wex, post, version, path = u.model_path](const WeightUpdateResult& r) {
+    if (r.ok) {
+      std::lock_guard lk(state->mu);
+      state->path = path;
+      if (version) state->version = *version;
+    } else {
+      MLA_LOG_WARN("weight update from {} failed: {}", path, r.message);
+    }
+    ojson out;
+    out["success"] = r.ok;
+    out["message"] = r.ok ? "Succeeded to update model weights." : r.message;
+    out["num_paused_requests"] = 0;
+    post([wex, ok = r.ok, text = dump(out)] {
+      if (auto ex2 = wex.lock()) ex2->respond(ok ? 200 : 400, "application/json", text);
+    });
+  });
 }
 
 void Api::health_generate(const std::shared_ptr<HttpExchange>& ex) {

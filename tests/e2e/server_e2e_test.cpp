@@ -1098,6 +1098,56 @@ TEST(ServeFlags, ExpertParallelKeepsTheAnswers) {
 // vLLM's --hf-overrides and SGLang's --json-model-override-args replace config.json's keys: the context the server
 // reports and enforces, the layers it loads (one of four: another answer); not an object, both flags, or a value the
 // config refuses exit naming them.
+// SGLang's /update_weights_from_disk on a running server (an RL trainer's loop), in one layout and (CPU) DP attention:
+// the next generation is the new checkpoint's (what a server started on it answers), a bad folder is a 400 that keeps
+// the weights, the model path and weight version follow, and loading the first checkpoint again gives its answers.
+TEST(ServeFlags, UpdateWeightsFromDisk) {
+  const auto b = temp_dir("e2e-wu");
+  write_scaled_checkpoint("v3", b, 1.25f);
+  const std::string req = R"({"input_ids": [5, 17, 300, 2, 99], "sampling_params": {"max_new_tokens": 8,
+      "temperature": 0, "ignore_eos": true}})";
+  std::vector<int32_t> want_new;
+  {
+    ServerProcess fresh({"--model-path", b.string()});
+    ASSERT_TRUE(fresh.running()) << fresh.log();
+    want_new = post_json(fresh.port(), "/generate", req)["output_ids"].get<std::vector<int32_t>>();
+    EXPECT_EQ(fresh.stop(), 0);
+  }
+  using Flags = std::vector<std::string>;
+  std::vector<Flags> layouts{Flags{}};
+  if (e2e_env("MLASERVE_E2E_DEVICE", "cpu") == "cpu")
+    layouts.push_back({"--tp", "2", "--dp", "2", "--enable-dp-attention"});
+  for (const Flags& layout : layouts) {
+    Flags flags{"--model-path", golden_dir("v3"), "--weight-version", "step1"};
+    flags.insert(flags.end(), layout.begin(), layout.end());
+    ServerProcess s(flags);
+    ASSERT_TRUE(s.running()) << s.log();
+    const std::vector<int32_t> want_old = post_json(s.port(), "/generate", req)["output_ids"];
+    ASSERT_NE(want_old, want_new);
+    EXPECT_EQ(get_json(s.port(), "/get_weight_version")["weight_version"], "step1");
+    json r = post_json(s.port(), "/update_weights_from_disk",
+                       json{{"model_path", b.string()}, {"weight_version", "step2"}}.dump());
+    EXPECT_EQ(r["success"], true) << r.dump();
+    EXPECT_EQ(post_json(s.port(), "/generate", req)["output_ids"], want_new);
+    json info = get_json(s.port(), "/get_model_info");
+    EXPECT_EQ(info["model_path"], b.string());
+    EXPECT_EQ(info["weight_version"], "step2");
+
+    r = post_json(s.port(), "/update_weights_from_disk", R"({"model_path": "/nonexistent/ckpt"})", 400);
+    EXPECT_EQ(r["success"], false);
+    EXPECT_NE(r["message"].get<std::string>().find("/nonexistent/ckpt"), std::string::npos) << r.dump();
+    EXPECT_EQ(post_json(s.port(), "/generate", req)["output_ids"], want_new);
+    EXPECT_EQ(get_json(s.port(), "/get_model_info")["model_path"], b.string());
+
+    r = post_json(s.port(), "/update_weights_from_disk",
+                  json{{"model_path", golden_dir("v3")}, {"abort_all_requests", true}}.dump());
+    EXPECT_EQ(r["success"], true) << r.dump();
+    EXPECT_EQ(post_json(s.port(), "/generate", req)["output_ids"], want_old);
+    EXPECT_EQ(get_json(s.port(), "/get_weight_version")["weight_version"], "step2");
+    EXPECT_EQ(s.stop(), 0);
+  }
+}
+
 TEST(ServeFlags, ModelConfigOverrides) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   const std::string req = R"({"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0,

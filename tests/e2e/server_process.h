@@ -61,6 +61,12 @@ class ServerProcess {
                                      "65536",
                                      "--served-model-name",
                                      "tiny-v3"};
+    // A test naming its own checkpoint (--model-path in `extra`) loads it, not the tiny model's dummy weights.
+    if (std::find(extra.begin(), extra.end(), "--model-path") != extra.end())
+      for (const char* flag : {"--model-path", "--load-format"}) {
+        const auto at = std::find(args.begin(), args.end(), flag);
+        args.erase(at, at + 2);
+      }
     args.insert(args.end(), extra.begin(), extra.end());
     // MLASERVE_E2E_LAYOUT (e.g. "--tp 4 --dp 4 --enable-dp-attention") reruns the suite in a parallel layout;
     // tests that choose their own layout keep it.

@@ -29,6 +29,7 @@
 #include "io/model_config.h"
 #include "io/safetensors.h"
 #include "model/deepseek_model.h"
+#include "test_util.h"
 
 namespace mlaserve::test {
 namespace {
@@ -546,6 +547,48 @@ TEST(CudaModel, GraphReplayMatchesEagerFp8Cache) {
     graph_case(golden_dir() + "/v2", false, t);
     graph_case(real_dims_dir(), true, t);
   }
+}
+
+// Weights updated in place (DeepseekModel::reload, SGLang's /update_weights_from_disk) while a decode graph exists: the
+// graph recorded over the first weights replays the new ones (within the graph tolerance of the eager step, which is
+// the step of a model loaded from the new checkpoint, bit for bit).
+TEST(CudaModel, ReloadedWeightsReplayInTheRecordedGraph) {
+  REQUIRE_GPU();
+  const std::string a = golden_dir() + "/v2";
+  const auto b = test::temp_dir("gpu-reload");
+  test::write_scaled_checkpoint("v2", b, 1.25f);
+  const int32_t ps = 16, pages = 8, dummy_page = pages, graph_rows = 4;
+  const std::vector<int32_t> prompt{5, 17, 300, 2, 99, 41, 7, 12, 250, 31, 8};
+  const std::vector<int32_t> page_of{0, 1};
+  const int32_t len = static_cast<int32_t>(prompt.size());
+  // The prompt, then a decode step (eager, or through the graph); the step's logits on the host.
+  auto step = [&](DeepseekModel& m, Backend& be, KvCache& cache, bool graph) {
+    ForwardBatchBuilder pre(ps);
+    pre.add(prompt, 0, page_of, false);
+    m.forward(pre.finish(), cache);
+    ForwardBatchBuilder bb(ps);
+    bb.add(std::vector<int32_t>{42}, len, page_of, false);
+    const ForwardBatch d = bb.finish();
+    return be.to_host_f32(graph ? m.forward_graph(pad_decode_batch(d, graph_rows, dummy_page, ps), cache).rows(0, 1)
+                                : m.forward(d, cache));
+  };
+  GpuModel gm(a, false);
+  KvCache cache(*gm.backend, gm.model->config(), pages + 1, ps);
+  const Tensor old_eager = step(*gm.model, *gm.backend, cache, false);
+  step(*gm.model, *gm.backend, cache, true);  // records
+  gm.model->reload(b.string());
+  const Tensor eager = step(*gm.model, *gm.backend, cache, false);
+  const Tensor graph = step(*gm.model, *gm.backend, cache, true);  // replays
+  EXPECT_EQ(gm.model->num_graphs(), 1);
+  GpuModel fresh(b.string(), false);
+  KvCache fresh_cache(*fresh.backend, fresh.model->config(), pages + 1, ps);
+  const Tensor want = step(*fresh.model, *fresh.backend, fresh_cache, false);
+  const double sd = stddev(want);
+  EXPECT_EQ(diff(want, eager).max_abs, 0.0) << "the reloaded model is the new checkpoint's";
+  EXPECT_LE(diff(want, graph).max_abs / sd, 0.03) << "the graph replays the new weights";
+  EXPECT_GT(diff(old_eager, want).max_abs / sd, 0.1) << "the new weights change the logits";
+  std::printf("  reload: graph vs new eager %.2e, old vs new %.2e of std\n", diff(want, graph).max_abs / sd,
+              diff(old_eager, want).max_abs / sd);
 }
 
 // One sequence decoding past cuda::kOneTokenMaxCtx keys with the one-launch attention of one token: up to the bound

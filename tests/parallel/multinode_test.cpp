@@ -271,6 +271,46 @@ static void works_then_fails(RankSet& r0, std::atomic<bool>& armed, const std::s
 // A step node 0 sent to node 1 fails on node 0: node 1's ranks ran (or wait in) collectives node 0 never joins.
 // Node 0 reports the failure, node 1 stops with an error instead of waiting forever, and node 0 refuses every later
 // step and cache change at once, naming the failure.
+// A weight update on two nodes (RankSet::reload_weights sends it to node 1): the logits are the new checkpoint's on one
+// node; an update that fails on the nodes' ranks loads the previous weights again everywhere.
+TEST(MultiNode, WeightUpdateReachesEveryNode) {
+  const auto b = test::temp_dir("mn-wu"), bad = test::temp_dir("mn-wu-bad");
+  test::write_scaled_checkpoint("v2lite", b, 1.25f);
+  test::rewrite_checkpoint("v2lite", bad, [](std::map<std::string, Tensor>& ts) {
+    test::scale_projections(ts, 0.5f);
+    ts.erase("model.layers.1.self_attn.o_proj.weight");
+  });
+  const std::vector<std::vector<int32_t>> ps{{5, 17, 300, 2, 99, 41, 7}};
+  OfflineOptions o;
+  o.max_new_tokens = 4;
+  o.page_size = 8;
+  for (const auto& [tp, dp] : {std::pair{2, 1}, std::pair{4, 2}}) {
+    SCOPED_TRACE(fmt::format("tp {} dp {}", tp, dp));
+    const OfflineResult want_old = run_offline(*test::cpu_ranks("v2lite", tp, dp), ps, o);
+    const OfflineResult want_new = run_offline(*test::cpu_ranks_at(b.string(), tp, dp), ps, o);
+    two_nodes("v2lite", tp, dp, [&](std::unique_ptr<RankSet> r0) {
+      r0->reload_weights(b.string());
+      const OfflineResult got = run_offline(*r0, ps, o);
+      EXPECT_EQ(got.greedy, want_new.greedy);
+      EXPECT_EQ(test::rel_err(got.prompt_logits[0], want_new.prompt_logits[0]), 0.0);
+      std::string err;
+      try {
+        r0->reload_weights(bad.string());
+      } catch (const Error& e) {
+        err = e.what();
+      }
+      EXPECT_NE(err.find("missing tensor 'model.layers.1.self_attn.o_proj.weight'"), std::string::npos) << err;
+      EXPECT_NE(err.find("loaded again"), std::string::npos) << err;
+      const OfflineResult kept = run_offline(*r0, ps, o);
+      EXPECT_EQ(test::rel_err(kept.prompt_logits[0], want_new.prompt_logits[0]), 0.0);
+      r0->reload_weights(test::golden_dir("v2lite"));
+      const OfflineResult back = run_offline(*r0, ps, o);
+      EXPECT_EQ(back.greedy, want_old.greedy);
+      EXPECT_EQ(test::rel_err(back.prompt_logits[0], want_old.prompt_logits[0]), 0.0);
+    });
+  }
+}
+
 TEST(MultiNode, FailedStepStopsEveryNode) {
   for (auto [tp, dp] : {std::pair{2, 1}, std::pair{2, 2}}) {
     SCOPED_TRACE("tp " + std::to_string(tp) + " dp " + std::to_string(dp));

@@ -129,6 +129,22 @@ class FakeEngine : public EngineClient {
     std::lock_guard lk(mu_);
     return live_.empty();
   }
+  // Weight updates are recorded; one from a path holding "broken" fails.
+  void update_weights(WeightUpdate u, std::function<void(const WeightUpdateResult&)> done) override {
+    const bool ok = u.model_path.find("broken") == std::string::npos;
+    std::string previous;
+    {
+      std::lock_guard lk(mu_);
+      previous = weights_;
+      if (ok) weights_ = u.model_path;
+      updates_.push_back(std::move(u));
+    }
+    done(WeightUpdateResult{ok, ok ? "" : "cannot read the checkpoint", previous});
+  }
+  std::vector<WeightUpdate> updates() const {
+    std::lock_guard lk(mu_);
+    return updates_;
+  }
   int64_t max_context_len() const override { return context_len_; }
   std::vector<int32_t> eos_token_ids() const override { return {kEos}; }
   void shutdown() override {
@@ -267,6 +283,8 @@ class FakeEngine : public EngineClient {
   std::map<std::string, Live> live_;
   std::vector<std::string> aborted_, submitted_;
   std::vector<int32_t> priorities_;
+  std::vector<WeightUpdate> updates_;
+  std::string weights_ = "/models/fake";
   int64_t held_ = 0, prompt_tokens_total_ = 0, generation_tokens_total_ = 0;
   bool stop_ = false;
   std::thread thread_;

@@ -100,6 +100,55 @@ TEST(HttpApi, InfoEndpoints) {
   EXPECT_EQ(s.get("/generate").status, 405);
 }
 
+// SGLang's /update_weights_from_disk: the engine's answer as {"success", "message", "num_paused_requests"} (200, or
+// 400 when the update failed); the model path and weight version follow successful updates; bad bodies are a 400.
+TEST(HttpApi, UpdateWeightsFromDisk) {
+  TestServer s;
+  EXPECT_EQ(json::parse(s.get("/get_weight_version").body)["weight_version"], "default");
+  auto r = s.post("/update_weights_from_disk",
+                  R"({"model_path": "/ckpt/step2", "weight_version": "step2", "abort_all_requests": true,
+                      "flush_cache": false, "load_format": null})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body),
+            json::parse(R"({"success": true, "message": "Succeeded to update model weights.", "num_paused_requests": 0})"));
+  auto ups = s.engine.updates();
+  ASSERT_EQ(ups.size(), 1u);
+  EXPECT_EQ(ups[0].model_path, "/ckpt/step2");
+  EXPECT_TRUE(ups[0].abort_all_requests);
+  EXPECT_FALSE(ups[0].flush_cache);
+  auto info = json::parse(s.get("/get_model_info").body);
+  EXPECT_EQ(info["model_path"], "/ckpt/step2");
+  EXPECT_EQ(info["weight_version"], "step2");
+  EXPECT_EQ(json::parse(s.get("/get_server_info").body)["weight_version"], "step2");
+  EXPECT_EQ(json::parse(s.get("/get_weight_version").body)["weight_version"], "step2");
+
+  r = s.post("/update_weights_from_disk", R"({"model_path": "/ckpt/broken", "weight_version": "x"})");
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_EQ(json::parse(r.body)["success"], false);
+  EXPECT_EQ(json::parse(r.body)["message"], "cannot read the checkpoint");
+  info = json::parse(s.get("/get_model_info").body);
+  EXPECT_EQ(info["model_path"], "/ckpt/step2");
+  EXPECT_EQ(info["weight_version"], "step2");
+  ups = s.engine.updates();
+  ASSERT_EQ(ups.size(), 2u);
+  EXPECT_FALSE(ups[1].abort_all_requests);
+  EXPECT_TRUE(ups[1].flush_cache);  // SGLang's defaults
+
+  for (const char* bad : {R"({})", R"({"model_path": 7})", R"({"model_path": ""})", R"([1])", "not json",
+                          R"({"model_path": "/ckpt/a", "load_format": "dummy"})",
+                          R"({"model_path": "/ckpt/a", "flush_cache": "yes"})"}) {
+    r = s.post("/update_weights_from_disk", bad);
+    EXPECT_EQ(r.status, 400) << bad << " " << r.body;
+    EXPECT_TRUE(json::parse(r.body).contains("error")) << r.body;
+  }
+  EXPECT_EQ(s.engine.updates().size(), 2u);
+  EXPECT_EQ(s.get("/update_weights_from_disk").status, 405);
+
+  EXPECT_EQ(s.post("/update_weight_version", R"({"new_version": "step3"})").status, 200);
+  EXPECT_EQ(json::parse(s.get("/get_weight_version").body)["weight_version"], "step3");
+  EXPECT_EQ(s.post("/update_weight_version", R"({"version": "x"})").status, 400);
+}
+
 TEST(HttpApi, GenerateNonStream) {
   TestServer s;
   auto r = s.post("/generate", R"({"text": "hello", "sampling_params": {"max_new_tokens": 7, "temperature": 0}})");

@@ -1,0 +1,328 @@
+// Weights updated in place (SGLang's /update_weights_from_disk): DeepseekModel::reload writes another checkpoint of
+// the same model into the tensors it holds, RankSet::reload_weights does it on every rank and loads the previous
+// checkpoint again when any rank fails, and the engine runs an update once no request runs (requests submitted
+// meanwhile wait for it; abort_all_requests ends the running ones first), with and without overlap scheduling,
+// graphs, tensor and DP-attention layouts, and DP replicas.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <future>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "engine/dp_controller.h"
+#include "engine/engine.h"
+#include "engine/offline.h"
+#include "engine/rank_set.h"
+#include "io/safetensors.h"
+#include "model/deepseek_model.h"
+#include "test_util.h"
+
+using namespace mlaserve;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::vector<int32_t> kPrompt{5, 17, 300, 2, 99, 41, 7, 12, 250};
+
+// The prompt's logits (every position) on the ranks.
+std::vector<float> ranks_logits(RankSet& ranks) {
+  OfflineOptions o;
+  o.prompt_logits = true;
+  const Tensor t = run_offline(ranks, {kPrompt}, o).prompt_logits[0];
+  return std::vector<float>(t.data_as<float>(), t.data_as<float>() + t.numel());
+}
+
+std::vector<float> model_logits(DeepseekModel& m) {
+  OfflineOptions o;
+  o.prompt_logits = true;
+  const Tensor t = run_offline(m, {kPrompt}, o).prompt_logits[0];
+  return std::vector<float>(t.data_as<float>(), t.data_as<float>() + t.numel());
+}
+
+std::string reload_error(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A copy of a golden family's folder (config.json and shards), to edit or delete.
+fs::path copy_family(const std::string& family, const std::string& tag) {
+  const fs::path dir = test::temp_dir(tag);
+  for (const auto& e : fs::directory_iterator(test::golden_dir(family)))
+    if (e.path().filename() != "reference.safetensors")
+      fs::copy_file(e.path(), dir / e.path().filename(), fs::copy_options::overwrite_existing);
+  return dir;
+}
+
+void edit_config(const fs::path& dir, const std::function<void(nlohmann::json&)>& edit) {
+  nlohmann::json j = nlohmann::json::parse(test::read_text(dir / "config.json"));
+  edit(j);
+  test::write_text(dir / "config.json", j.dump(2));
+}
+
+}  // namespace
+
+// A reload writes the new checkpoint into the tensors the model holds (the same memory, so recorded graphs see the
+// new weights): its logits are those of a model loaded from that checkpoint, bit for bit, and loading the first
+// checkpoint again gives the first logits back.
+TEST(WeightUpdate, ModelReloadIsTheNewCheckpointInTheSameMemory) {
+  for (const std::string family : {"v2lite", "v3"}) {
+    SCOPED_TRACE(family);
+    const fs::path b = test::temp_dir("wu-b");
+    test::write_scaled_checkpoint(family, b, 1.25f);
+    const std::string a = test::golden_dir(family);
+    auto be = make_cpu_backend();
+    DeepseekModel m(ModelConfig::from_file(a), *be);
+    m.load(a, {});
+    const std::vector<float> la = model_logits(m);
+    const void* q = m.layer_weights(1).kv_b_proj.data();
+    const void* experts = m.layer_weights(1).experts_gate_up.data();
+    const int64_t bytes = m.weight_bytes();
+
+    m.reload(b.string());
+    auto be2 = make_cpu_backend();
+    DeepseekModel fresh(ModelConfig::from_file(b.string()), *be2);
+    fresh.load(b.string(), {});
+    const std::vector<float> lb = model_logits(m), want = model_logits(fresh);
+    ASSERT_EQ(lb.size(), want.size());
+    for (size_t i = 0; i < lb.size(); ++i) ASSERT_EQ(lb[i], want[i]) << "logit " << i;
+    double moved = 0.0;
+    for (size_t i = 0; i < lb.size(); ++i) moved = std::max(moved, static_cast<double>(std::fabs(lb[i] - la[i])));
+    EXPECT_GT(moved, 1e-3) << "the new weights changed nothing";
+    EXPECT_EQ(m.layer_weights(1).kv_b_proj.data(), q);
+    EXPECT_EQ(m.layer_weights(1).experts_gate_up.data(), experts);
+    EXPECT_EQ(m.weight_bytes(), bytes);
+
+    m.reload(a);
+    const std::vector<float> back = model_logits(m);
+    for (size_t i = 0; i < back.size(); ++i) ASSERT_EQ(back[i], la[i]) << "logit " << i;
+  }
+}
+
+// A checkpoint of another model (config.json differs in what the forward pass computes) is refused before any weight
+// is written, naming the field; one whose tensors take other shapes names the tensor.
+TEST(WeightUpdate, AnotherModelIsRefusedNamingTheDifference) {
+  const std::string a = test::golden_dir("v2lite");
+  auto be = make_cpu_backend();
+  DeepseekModel m(ModelConfig::from_file(a), *be);
+  m.load(a, {});
+  const std::vector<float> la = model_logits(m);
+
+  const fs::path scaled = copy_family("v2lite", "wu-cfg");
+  edit_config(scaled, [](nlohmann::json& j) { j["routed_scaling_factor"] = 2.5; });
+  std::string e = reload_error([&] { m.reload(scaled.string()); });
+  EXPECT_NE(e.find("describes another model"), std::string::npos) << e;
+  EXPECT_NE(e.find("routed_scaling_factor: 1 vs 2.5"), std::string::npos) << e;
+
+  e = reload_error([&] { m.reload(test::golden_dir("v2")); });  // another family altogether
+  EXPECT_NE(e.find("describes another model"), std::string::npos) << e;
+
+  e = reload_error([&] { m.reload((scaled / "nowhere").string()); });
+  EXPECT_NE(e.find("nowhere"), std::string::npos) << e;
+
+  const std::vector<float> after = model_logits(m);
+  for (size_t i = 0; i < after.size(); ++i) ASSERT_EQ(after[i], la[i]) << "logit " << i;
+
+  // The context length, the special tokens and the storage may differ.
+  const fs::path longer = copy_family("v2lite", "wu-ctx");
+  edit_config(longer, [](nlohmann::json& j) {
+    j["max_position_embeddings"] = 12345;
+    j["eos_token_id"] = 3;
+  });
+  m.reload(longer.string());
+  const std::vector<float> same = model_logits(m);
+  for (size_t i = 0; i < same.size(); ++i) ASSERT_EQ(same[i], la[i]) << "logit " << i;
+}
+
+// A failure part way (a tensor missing from a late layer, so earlier layers were written) makes every rank load the
+// previous checkpoint again: the error names the tensor, the logits are the old ones, and a good update still works.
+// If the previous checkpoint is gone too, every later step fails, saying why.
+TEST(WeightUpdate, AFailurePartWayLoadsThePreviousWeightsAgain) {
+  const fs::path a = copy_family("v2lite", "wu-a"), bad = test::temp_dir("wu-bad"), b = test::temp_dir("wu-good");
+  test::rewrite_checkpoint("v2lite", bad, [](std::map<std::string, Tensor>& ts) {
+    test::scale_projections(ts, 0.5f);  // new weights up to the last layer, then one missing
+    ts.erase("model.layers.1.mlp.experts.5.down_proj.weight");
+  });
+  test::write_scaled_checkpoint("v2lite", b, 1.25f);
+  auto ranks = test::cpu_ranks_at(a.string(), /*tp=*/2);
+  const std::vector<float> la = ranks_logits(*ranks);
+
+  const std::string e = reload_error([&] { ranks->reload_weights(bad.string()); });
+  EXPECT_NE(e.find("missing tensor 'model.layers.1.mlp.experts.5.down_proj.weight'"), std::string::npos) << e;
+  EXPECT_NE(e.find("loaded again"), std::string::npos) << e;
+  EXPECT_EQ(ranks->model_dir(), a.string());
+  const std::vector<float> after = ranks_logits(*ranks);
+  for (size_t i = 0; i < after.size(); ++i) ASSERT_EQ(after[i], la[i]) << "logit " << i;
+
+  ranks->reload_weights(b.string());
+  EXPECT_EQ(ranks->model_dir(), b.string());
+  auto fresh = test::cpu_ranks_at(b.string(), 2);
+  const std::vector<float> lb = ranks_logits(*ranks), want = ranks_logits(*fresh);
+  for (size_t i = 0; i < lb.size(); ++i) ASSERT_EQ(lb[i], want[i]) << "logit " << i;
+
+  // Neither the new checkpoint nor the previous one loads: the ranks hold no model any more.
+  fs::remove_all(b);
+  const std::string lost = reload_error([&] { ranks->reload_weights(bad.string()); });
+  EXPECT_NE(lost.find("loading " + b.string() + " again failed too"), std::string::npos) << lost;
+  const std::string step = reload_error([&] { ranks_logits(*ranks); });
+  EXPECT_NE(step.find("the model has no weights"), std::string::npos) << step;
+}
+
+namespace {
+
+// The greedy tokens of `prompt` on an engine over `dir` (tp ranks, dp attention-DP groups).
+std::vector<int32_t> reference_tokens(const std::string& dir, const std::vector<int32_t>& prompt, int32_t max_new,
+                                      int32_t tp = 1, int32_t dp = 1) {
+  Engine e(test::cpu_ranks_at(dir, tp, dp), test::small_engine_options(false));
+  auto f = test::submit_ids(e, "ref", prompt, max_new);
+  return test::wait_ids(f);
+}
+
+WeightUpdateResult update(EngineClient& e, const WeightUpdate& u) {
+  auto done = std::make_shared<std::promise<WeightUpdateResult>>();
+  auto fut = done->get_future();
+  e.update_weights(u, [done](const WeightUpdateResult& r) { done->set_value(r); });
+  EXPECT_EQ(fut.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "hang?";
+  return fut.get();
+}
+
+}  // namespace
+
+// Through the engine: a request running when the update is asked finishes on the old weights, one submitted after it
+// waits and runs on the new ones (the same prompt: the prefix cache was flushed, so none of the old KV is reused), in
+// every layout, with overlap scheduling on and off and decode graphs.
+TEST(WeightUpdate, EngineFinishesRunningRequestsThenServesTheNewWeights) {
+  const std::string a = test::golden_dir("v2lite");
+  const fs::path b = test::temp_dir("wu-eng");
+  test::write_scaled_checkpoint("v2lite", b, 1.25f);
+  const std::vector<int32_t> prompt{3, 14, 15, 92, 65, 35, 89, 79};
+  struct Layout {
+    int32_t tp, dp, graphs;
+  };
+  for (const Layout l : {Layout{1, 1, 0}, Layout{1, 1, 8}, Layout{2, 1, 0}, Layout{2, 2, 8}}) {
+    const auto old_tokens = reference_tokens(a, prompt, 12, l.tp, l.dp);
+    const auto new_tokens = reference_tokens(b.string(), prompt, 12, l.tp, l.dp);
+    ASSERT_NE(old_tokens, new_tokens) << "the new weights must change the output";
+    for (bool overlap : {false, true}) {
+      SCOPED_TRACE(fmt::format("tp {} dp {} graphs {} overlap {}", l.tp, l.dp, l.graphs, overlap));
+      Engine e(test::cpu_ranks_at(a, l.tp, l.dp, l.graphs), test::small_engine_options(overlap));
+      auto running = test::submit_ids(e, "old", prompt, 12);
+      auto done = std::make_shared<std::promise<WeightUpdateResult>>();
+      auto fut = done->get_future();
+      WeightUpdate u;
+      u.model_path = b.string();
+      e.update_weights(u, [done](const WeightUpdateResult& r) { done->set_value(r); });
+      auto after = test::submit_ids(e, "new", prompt, 12);
+      EXPECT_EQ(test::wait_ids(running), old_tokens);
+      EXPECT_EQ(test::wait_ids(after), new_tokens);
+      ASSERT_EQ(fut.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+      const WeightUpdateResult r = fut.get();
+      EXPECT_TRUE(r.ok) << r.message;
+      EXPECT_EQ(r.previous_model_path, a);
+      // A failing update keeps serving the weights it had.
+      WeightUpdate bad;
+      bad.model_path = (b / "missing").string();
+      const WeightUpdateResult rb = update(e, bad);
+      EXPECT_FALSE(rb.ok);
+      EXPECT_NE(rb.message.find("missing"), std::string::npos) << rb.message;
+      auto again = test::submit_ids(e, "again", prompt, 12);
+      EXPECT_EQ(test::wait_ids(again), new_tokens);
+      test::expect_engine_idle_and_clean(e);
+    }
+  }
+}
+
+// abort_all_requests: the running request ends at once (aborted, saying why) instead of finishing first.
+TEST(WeightUpdate, AbortAllRequestsEndsTheRunningOnesFirst) {
+  const std::string a = test::golden_dir("v2lite");
+  const fs::path b = test::temp_dir("wu-abort");
+  test::write_scaled_checkpoint("v2lite", b, 1.25f);
+  for (bool overlap : {false, true}) {
+    SCOPED_TRACE(overlap);
+    Engine e(test::cpu_ranks_at(a), test::small_engine_options(overlap));
+    auto finish = std::make_shared<std::promise<GenerateOutput>>();
+    auto fut = finish->get_future();
+    GenerateRequest g = test::ids_request("long", {1, 2, 3, 4}, 100000);
+    g.on_output = [finish](const GenerateOutput& o) {
+      if (o.finished) finish->set_value(o);
+    };
+    e.submit(std::move(g));
+    while (e.stats()[0].num_running_reqs == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    WeightUpdate u;
+    u.model_path = b.string();
+    u.abort_all_requests = true;
+    const WeightUpdateResult r = update(e, u);
+    EXPECT_TRUE(r.ok) << r.message;
+    ASSERT_EQ(fut.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+    const GenerateOutput o = fut.get();
+    EXPECT_EQ(o.finish.kind, FinishKind::Abort);
+    EXPECT_NE(o.finish.message.find("weight update"), std::string::npos) << o.finish.message;
+    test::expect_engine_idle_and_clean(e);
+  }
+}
+
+namespace {
+
+// A replica that refuses every weight update (and serves nothing).
+class RefusingReplica final : public EngineClient {
+ public:
+  void submit(GenerateRequest) override { throw Error("this replica serves nothing"); }
+  void abort(const std::string&, FinishReason) override {}
+  std::vector<RankStats> stats() const override { return {RankStats{}}; }
+  bool flush_cache() override { return true; }
+  void update_weights(WeightUpdate, std::function<void(const WeightUpdateResult&)> done) override {
+    done(WeightUpdateResult{false, "this replica refuses", {}});
+  }
+  int64_t max_context_len() const override { return 4096; }
+  std::vector<int32_t> eos_token_ids() const override { return {}; }
+  void shutdown() override {}
+};
+
+}  // namespace
+
+// --dp replicas: every replica takes the new weights; when one cannot, those updated before it load their previous
+// weights again, so the replicas keep serving one model.
+TEST(WeightUpdate, DpReplicasUpdateTogetherOrNotAtAll) {
+  const std::string a = test::golden_dir("v2lite");
+  const fs::path b = test::temp_dir("wu-dpb");
+  test::write_scaled_checkpoint("v2lite", b, 1.25f);
+  const std::vector<int32_t> prompt{3, 14, 15, 92, 65, 35};
+  const auto old_tokens = reference_tokens(a, prompt, 8);
+  const auto new_tokens = reference_tokens(b.string(), prompt, 8);
+  ASSERT_NE(old_tokens, new_tokens);
+  EngineArgs args;
+  args.model_path = a;
+  args.device = "cpu";
+  args.dp_size = 2;
+  args.page_size = 8;
+  args.max_total_tokens = 2048;
+  auto e = make_engine(args);
+  auto tokens_on = [](EngineClient& c, int32_t replica) {
+    auto f = test::submit_ids(c, fmt::format("r{}", replica), {3, 14, 15, 92, 65, 35}, 8, replica);
+    return test::wait_ids(f);
+  };
+  WeightUpdate u;
+  u.model_path = b.string();
+  WeightUpdateResult r = update(*e, u);
+  ASSERT_TRUE(r.ok) << r.message;
+  EXPECT_EQ(r.previous_model_path, a);
+  EXPECT_EQ(tokens_on(*e, 0), new_tokens);
+  EXPECT_EQ(tokens_on(*e, 1), new_tokens);
+  e->shutdown();
+
+  // Replica 1 refuses: replica 0, updated first, loads its previous weights again.
+  std::vector<std::unique_ptr<EngineClient>> replicas;
+  replicas.push_back(std::make_unique<Engine>(test::cpu_ranks_at(a), test::small_engine_options(true)));
+  replicas.push_back(std::make_unique<RefusingReplica>());
+  DpController dp(std::move(replicas), "round_robin");
+  r = update(dp, u);
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.message.find("replica 1: this replica refuses"), std::string::npos) << r.message;
+  EXPECT_EQ(tokens_on(dp, 0), old_tokens);
+  dp.shutdown();
+}
