@@ -1,5 +1,7 @@
 #include "engine/dp_controller.h"
 
+#include <mutex>
+
 #include <fmt/format.h>
 
 #include "core/error.h"
@@ -85,6 +87,40 @@ void DpController::roll_back(std::shared_ptr<UpdateChain> c, std::string why) {
     }
     roll_back(c, why);
   });
+}
+
+void DpController::pause_generation(PauseMode mode, std::function<void(bool)> done) {
+  struct Count {
+    std::mutex mu;
+    size_t left;
+    bool ok = true;
+    std::function<void(bool)> done;
+  };
+  auto c = std::make_shared<Count>();
+  c->left = replicas_.size();
+  c->done = std::move(done);
+  for (auto& e : replicas_)
+    e->pause_generation(mode, [c](bool ok) {
+      bool last = false;
+      {
+        std::lock_guard<std::mutex> lk(c->mu);
+        c->ok &= ok;
+        last = --c->left == 0;
+      }
+      if (last) c->done(c->ok);
+    });
+}
+
+bool DpController::continue_generation() {
+  bool ok = true;
+  for (auto& e : replicas_) ok &= e->continue_generation();
+  return ok;
+}
+
+bool DpController::is_paused() const {
+  for (const auto& e : replicas_)
+    if (e->is_paused()) return true;
+  return false;
 }
 
 void DpController::shutdown() {

@@ -21,6 +21,10 @@ class DpController final : public EngineClient {
   bool flush_cache() override;
   // Replica after replica; if one fails, those updated before it load their previous weights again.
   void update_weights(WeightUpdate u, std::function<void(const WeightUpdateResult&)> done) override;
+  // Every replica; `done` once all have paused (true when each did).
+  void pause_generation(PauseMode mode, std::function<void(bool)> done) override;
+  bool continue_generation() override;
+  bool is_paused() const override;
   int64_t max_context_len() const override { return replicas_[0]->max_context_len(); }
   std::vector<int32_t> eos_token_ids() const override { return replicas_[0]->eos_token_ids(); }
   void shutdown() override;

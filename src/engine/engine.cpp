@@ -176,8 +176,13 @@ bool Engine::run_update(bool abort_first) {
     for (auto& s : scheds_) s->abort_all(f);
   }
   if (inflight_) return false;
+  bool paused = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    paused = paused_;
+  }
   for (auto& s : scheds_)
-    if (s->has_work()) return false;
+    if (s->has_work() && !paused) return false;
   PendingUpdate job;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -200,6 +205,66 @@ bool Engine::run_update(bool abort_first) {
   publish_stats();
   job.done(res);
   return true;
+}
+
+void Engine::pause_generation(PauseMode mode, std::function<void(bool)> done) {
+  bool queued = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!stop_) {
+      pauses_.push_back(PendingPause{mode, std::move(done), inbox_.size()});
+      queued = true;
+    }
+  }
+  if (!queued) return done(false);
+  cv_.notify_one();
+}
+
+bool Engine::continue_generation() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    paused_ = false;
+  }
+  cv_.notify_one();
+  return true;
+}
+
+bool Engine::is_paused() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return paused_;
+}
+
+void Engine::run_pause() {
+  PauseMode mode;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (pauses_.front().ahead > 0) return;  // requests submitted before it are still on their way in
+    mode = pauses_.front().mode;
+  }
+  if (mode == PauseMode::Drain) {
+    if (inflight_) return;
+    for (auto& s : scheds_)
+      if (s->has_work()) return;
+  } else {
+    finish_inflight();
+    if (mode == PauseMode::Abort) {
+      FinishReason f;
+      f.kind = FinishKind::Abort;
+      f.message = "aborted by a pause of the generation";
+      for (auto& s : scheds_) s->abort_all(f);
+    } else if (mode == PauseMode::Retract) {
+      for (auto& s : scheds_) s->retract_all();
+    }
+  }
+  PendingPause job;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    job = std::move(pauses_.front());
+    pauses_.pop_front();
+    paused_ = true;
+  }
+  publish_stats();
+  job.done(true);
 }
 
 bool Engine::flush_cache() {
@@ -232,25 +297,29 @@ void Engine::loop() {
     std::deque<std::pair<std::string, FinishReason>> ab;
     int flushes = 0;
     std::optional<bool> update;  // a weight update waits (its abort_all_requests)
+    bool pausing = false, paused = false;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      const bool busy = has_work() || inflight_.has_value();
+      const bool busy = (has_work() || inflight_.has_value()) && !paused_;
       cv_.wait_for(lk, std::chrono::milliseconds(busy ? 0 : 50), [&] {
-        return stop_ || !inbox_.empty() || !aborts_.empty() || flush_requests_ > flush_done_ || !updates_.empty() ||
-               busy;
+        return stop_ || (!inbox_.empty() && !paused_) || !aborts_.empty() || flush_requests_ > flush_done_ ||
+               !updates_.empty() || !pauses_.empty() || busy;
       });
       if (stop_) break;
-      if (updates_.empty()) {
-        in.swap(inbox_);
-      } else {  // requests submitted after the update wait for it
-        update = updates_.front().u.abort_all_requests;
-        const size_t n = std::min(updates_.front().ahead, inbox_.size());
-        for (size_t i = 0; i < n; ++i) {
-          in.push_back(std::move(inbox_.front()));
-          inbox_.pop_front();
-        }
-        for (PendingUpdate& p : updates_) p.ahead -= std::min(p.ahead, n);
+      pausing = !pauses_.empty();
+      paused = paused_;
+      // Requests submitted after a pending update or pause wait for it; while paused, all do.
+      size_t hold = paused ? 0 : inbox_.size();
+      if (pausing) hold = std::min(hold, pauses_.front().ahead);
+      if (!updates_.empty()) hold = std::min(hold, updates_.front().ahead);
+      if (!updates_.empty()) update = updates_.front().u.abort_all_requests;
+      const size_t n = std::min(hold, inbox_.size());
+      for (size_t i = 0; i < n; ++i) {
+        in.push_back(std::move(inbox_.front()));
+        inbox_.pop_front();
       }
+      for (PendingUpdate& p : updates_) p.ahead -= std::min(p.ahead, n);
+      for (PendingPause& p : pauses_) p.ahead -= std::min(p.ahead, n);
       ab.swap(aborts_);
       flushes = flush_requests_ - flush_done_;
     }
@@ -282,9 +351,14 @@ void Engine::loop() {
       }
       flush_cv_.notify_all();
     }
+    if (pausing) run_pause();
     if (update) run_update(*update);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      paused = paused_;
+    }
     const auto t0 = PhaseClock::now();
-    const bool stepped = opts_.overlap ? (has_work() || inflight_) : has_work();
+    const bool stepped = !paused && (opts_.overlap ? (has_work() || inflight_) : has_work());
     if (opts_.overlap) {
       if (stepped) overlap_step();
     } else if (stepped) {
@@ -319,6 +393,12 @@ void Engine::loop() {
     updates.swap(updates_);
   }
   for (auto& u : updates) u.done(WeightUpdateResult{false, "the server is shutting down", {}});
+  std::deque<PendingPause> pauses;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    pauses.swap(pauses_);
+  }
+  for (auto& p : pauses) p.done(false);
   for (auto& [g, r] : in)
     if (r.on_output) {
       GenerateOutput o;

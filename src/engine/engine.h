@@ -57,6 +57,9 @@ class Engine final : public EngineClient {
   std::vector<RankStats> stats() const override;
   bool flush_cache() override;
   void update_weights(WeightUpdate u, std::function<void(const WeightUpdateResult&)> done) override;
+  void pause_generation(PauseMode mode, std::function<void(bool)> done) override;
+  bool continue_generation() override;
+  bool is_paused() const override;
   int64_t max_context_len() const override { return opts_.context_len; }
   std::vector<int32_t> eos_token_ids() const override { return opts_.eos_token_ids; }
   void shutdown() override;
@@ -100,8 +103,20 @@ class Engine final : public EngineClient {
     size_t ahead = 0;
   };
   std::deque<PendingUpdate> updates_;
-  // The first pending update, when nothing runs (engine thread; false: not yet). Aborts first if it asks.
+  // The first pending update, when nothing runs or the engine is paused (engine thread; false: not yet). Aborts
+  // first if it asks.
   bool run_update(bool abort_first);
+  // Pauses asked for (mu_), oldest first; `ahead` as for updates (the inbox's requests submitted before, which a
+  // drain runs and an abort ends).
+  struct PendingPause {
+    PauseMode mode;
+    std::function<void(bool)> done;
+    size_t ahead = 0;
+  };
+  std::deque<PendingPause> pauses_;
+  // The first pending pause once it can take effect (a drain: nothing left to run); engine thread.
+  void run_pause();
+  bool paused_ = false;  // mu_ (set and cleared by the engine thread and continue_generation)
   bool stop_ = false;
   std::vector<RankStats> published_;
   uint64_t steps_ = 0;

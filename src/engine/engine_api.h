@@ -172,6 +172,14 @@ struct WeightUpdateResult {
   std::string previous_model_path;  // where the weights came from before (when ok)
 };
 
+// SGLang's /pause_generation modes, and vLLM's /pause waiting for the requests in flight.
+enum class PauseMode {
+  Abort,    // the running and waiting requests end (aborted)
+  Retract,  // running requests go back to waiting (their KV to the prefix cache); computed again after continuing
+  InPlace,  // requests stay as they are and go on after continuing (with the KV they have)
+  Drain,    // the requests submitted so far run to their end first
+};
+
 class EngineClient {
  public:
   virtual ~EngineClient() = default;
@@ -191,6 +199,16 @@ class EngineClient {
     (void)u;
     done(WeightUpdateResult{false, "this engine cannot update its weights", {}});
   }
+  // Stops running steps until continue_generation (requests submitted meanwhile wait; a weight update runs at once,
+  // requests paused in place keeping their KV); `done` gets whether it paused, once it has (on an engine thread).
+  // Default: refused.
+  virtual void pause_generation(PauseMode mode, std::function<void(bool)> done) {
+    (void)mode;
+    done(false);
+  }
+  // Ends a pause (a no-op when not paused); false when not supported.
+  virtual bool continue_generation() { return false; }
+  virtual bool is_paused() const { return false; }
   virtual int64_t max_context_len() const = 0;
   virtual std::vector<int32_t> eos_token_ids() const = 0;
   // Stops the engine threads; pending requests are aborted.

@@ -827,6 +827,15 @@ void Scheduler::abort_all(const FinishReason& reason) {
   erase_finished();
 }
 
+void Scheduler::retract_all() {
+  std::vector<Req*> victims;
+  for (auto& r : running_)
+    if (r->state != ReqState::Finished) victims.push_back(r.get());
+  // The last first: each goes to the front of the queue, so the first ends up first.
+  for (auto it = victims.rbegin(); it != victims.rend(); ++it) retract_to_waiting(**it);
+  erase_finished();
+}
+
 bool Scheduler::flush_cache() {
   if (num_running() > 0) return false;
   return cache_.reset();

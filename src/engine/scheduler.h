@@ -217,6 +217,9 @@ class Scheduler {
   void retract_to_waiting(Req& victim);
   // Finishes every waiting and running request with `reason` (shutdown).
   void abort_all(const FinishReason& reason);
+  // Puts every running request back into the waiting queue, in its order, ahead of those waiting (their KV goes
+  // to the prefix cache; a pause's retract mode). No step may be in flight.
+  void retract_all();
 
   bool has_work() const { return !waiting_.empty() || num_running() > 0; }
   int32_t num_running() const {

@@ -151,6 +151,9 @@ class Api {
   // SGLang's POST /update_weights_from_disk ({"model_path", "load_format", "abort_all_requests", "flush_cache",
   // "weight_version"}): EngineClient::update_weights; 200 {"success": true, ...} or 400 {"success": false, "message"}.
   void update_weights_from_disk(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
+  // SGLang's POST /pause_generation ({"mode": "abort" | "retract" | "in_place"}) and vLLM's POST /pause
+  // (?wait_for_inflight_requests=&clear_cache=): EngineClient::pause_generation, answered once paused.
+  void pause(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool vllm);
   // The checkpoint the weights came from and their version (both change with updates).
   std::pair<std::string, std::string> weights_info() const;
   Prepared prepare(ParsedRequest& pr);

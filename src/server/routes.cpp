@@ -648,6 +648,18 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/update_weights_from_disk") {
       if (!post) method_not_allowed(req);
       update_weights_from_disk(req, ex);
+    } else if (path == "/pause_generation" || path == "/pause") {  // SGLang's, vLLM's
+      if (!post) method_not_allowed(req);
+      pause(req, ex, path == "/pause");
+    } else if (path == "/continue_generation" || path == "/resume") {  // SGLang's, vLLM's
+      if (!post) method_not_allowed(req);
+      if (!engine_.continue_generation())
+        throw ApiError(503, "this engine cannot pause or continue", "", "service_unavailable");
+      respond_json(ex, 200, path == "/resume" ? R"({"status":"resumed"})"
+                                              : R"({"message":"Generation continued successfully.","status":"ok"})");
+    } else if (path == "/is_paused") {  // vLLM's
+      if (!get) method_not_allowed(req);
+      respond_json(ex, 200, dump(ojson{{"is_paused", engine_.is_paused()}}));
     } else if (path == "/get_weight_version") {  // SGLang's
       if (!get) method_not_allowed(req);
       respond_json(ex, 200, dump(ojson{{"weight_version", weights_info().second}}));
@@ -1042,6 +1054,54 @@ void Api::update_weights_from_disk(const HttpRequest& req, const std::shared_ptr
     out["num_paused_requests"] = 0;
     post([wex, ok = r.ok, text = dump(out)] {
       if (auto ex2 = wex.lock()) ex2->respond(ok ? 200 : 400, "application/json", text);
+    });
+  });
+}
+
+void Api::pause(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool vllm) {
+  PauseMode mode = PauseMode::Abort;
+  bool clear_cache = false;
+  if (vllm) {  // query flags: wait_for_inflight_requests (false: abort them), clear_cache (true)
+    const std::string_view q = query_of(req.target);
+    auto flag = [&](const char* name, bool dflt) {
+      const auto v = query_param(q, name);
+      if (!v) return dflt;
+      if (*v == "true" || *v == "True" || *v == "1") return true;
+      if (*v == "false" || *v == "False" || *v == "0") return false;
+      throw ApiError(400, fmt::format("'{}' must be true or false, got '{}'", name, *v), name, "invalid_value");
+    };
+    if (flag("wait_for_inflight_requests", false)) mode = PauseMode::Drain;
+    clear_cache = flag("clear_cache", true);
+  } else {
+    const json body = req.body.empty() ? json::object() : parse_body(req.body);
+    const auto m = body.is_object() ? body.find("mode") : body.end();
+    if (!body.is_object()) throw ApiError(400, "the body must be a JSON object", "", "invalid_value");
+    if (m != body.end() && !m->is_null()) {
+      const std::string v = m->is_string() ? m->get<std::string>() : m->dump();
+      if (v == "retract") mode = PauseMode::Retract;
+      else if (v == "in_place") mode = PauseMode::InPlace;
+      else if (v != "abort")
+        throw ApiError(400, fmt::format("'mode' must be abort, retract or in_place, got {}", m->dump()), "mode",
+                       "invalid_value");
+    }
+  }
+  std::weak_ptr<HttpExchange> wex = ex;
+  Executor post = ex->executor();
+  EngineClient* engine = &engine_;
+  engine_.pause_generation(mode, [wex, post, engine, vllm, clear_cache](bool ok) {
+    post([wex, engine, ok, vllm, clear_cache] {
+      auto ex2 = wex.lock();
+      if (!ok) {
+        if (ex2)
+          ex2->respond(503, "application/json",
+                       error_body(503, "the engine did not pause", "engine_error", "service_unavailable"));
+        return;
+      }
+      if (clear_cache) engine->flush_cache();  // (nothing runs: a drain or abort left no request)
+      if (ex2)
+        ex2->respond(200, "application/json",
+                     vllm ? R"({"status":"paused"})"
+                          : R"({"message":"Generation paused successfully.","status":"ok"})");
     });
   });
 }

@@ -1100,7 +1100,8 @@ TEST(ServeFlags, ExpertParallelKeepsTheAnswers) {
 // config refuses exit naming them.
 // SGLang's /update_weights_from_disk on a running server (an RL trainer's loop), in one layout and (CPU) DP attention:
 // the next generation is the new checkpoint's (what a server started on it answers), a bad folder is a 400 that keeps
-// the weights, the model path and weight version follow, and loading the first checkpoint again gives its answers.
+// the weights, the model path and weight version follow, and loading the first checkpoint again (while generation is
+// paused, a request waiting for it) gives its answers.
 TEST(ServeFlags, UpdateWeightsFromDisk) {
   const auto b = temp_dir("e2e-wu");
   write_scaled_checkpoint("v3", b, 1.25f);
@@ -1139,9 +1140,18 @@ TEST(ServeFlags, UpdateWeightsFromDisk) {
     EXPECT_EQ(post_json(s.port(), "/generate", req)["output_ids"], want_new);
     EXPECT_EQ(get_json(s.port(), "/get_model_info")["model_path"], b.string());
 
+    // The RL loop through HTTP: pause, a request sent while paused waits, the update runs at once, continue.
+    EXPECT_EQ(post_json(s.port(), "/pause_generation", R"({"mode": "retract"})")["status"], "ok");
+    EXPECT_EQ(get_json(s.port(), "/is_paused")["is_paused"], true);
+    std::vector<int32_t> waited;
+    std::thread waiting(
+        [&] { waited = post_json(s.port(), "/generate", req)["output_ids"].get<std::vector<int32_t>>(); });
     r = post_json(s.port(), "/update_weights_from_disk",
                   json{{"model_path", golden_dir("v3")}, {"abort_all_requests", true}}.dump());
     EXPECT_EQ(r["success"], true) << r.dump();
+    EXPECT_EQ(post_json(s.port(), "/continue_generation", "{}")["status"], "ok");
+    waiting.join();
+    EXPECT_EQ(waited, want_old);
     EXPECT_EQ(post_json(s.port(), "/generate", req)["output_ids"], want_old);
     EXPECT_EQ(get_json(s.port(), "/get_weight_version")["weight_version"], "step2");
     EXPECT_EQ(s.stop(), 0);

@@ -326,3 +326,157 @@ TEST(WeightUpdate, DpReplicasUpdateTogetherOrNotAtAll) {
   EXPECT_EQ(tokens_on(dp, 0), old_tokens);
   dp.shutdown();
 }
+
+namespace {
+
+// Pauses the engine (SGLang's /pause_generation) and waits until it has; returns the tokens generated so far.
+int64_t pause(EngineClient& e, PauseMode mode) {
+  auto done = std::make_shared<std::promise<int64_t>>();
+  auto fut = done->get_future();
+  e.pause_generation(mode, [done, &e](bool ok) {
+    EXPECT_TRUE(ok);
+    int64_t n = 0;
+    for (const RankStats& s : e.stats()) n += s.generation_tokens_total;
+    done->set_value(n);
+  });
+  EXPECT_EQ(fut.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "hang?";
+  return fut.get();
+}
+
+int64_t total_steps(EngineClient& e) {
+  int64_t n = 0;
+  for (const RankStats& s : e.stats()) n = std::max(n, s.forward_steps);
+  return n;
+}
+
+// A request's output, collected.
+struct Collected {
+  std::mutex mu;
+  std::vector<int32_t> tokens;
+  std::promise<GenerateOutput> finished;
+};
+std::shared_ptr<Collected> submit_collected(EngineClient& e, const std::string& rid, const std::vector<int32_t>& ids,
+                                            int32_t max_new) {
+  auto c = std::make_shared<Collected>();
+  GenerateRequest g = test::ids_request(rid, ids, max_new);
+  g.on_output = [c](const GenerateOutput& o) {
+    std::lock_guard<std::mutex> lk(c->mu);
+    c->tokens.insert(c->tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
+    if (o.finished) c->finished.set_value(o);
+  };
+  e.submit(std::move(g));
+  return c;
+}
+GenerateOutput wait_finished(Collected& c) {
+  auto f = c.finished.get_future();
+  EXPECT_EQ(f.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "hang?";
+  return f.get();
+}
+
+void wait_generating(EngineClient& e, int64_t tokens) {
+  for (int i = 0; i < 20000; ++i) {
+    int64_t n = 0;
+    for (const RankStats& s : e.stats()) n += s.generation_tokens_total;
+    if (n >= tokens) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ADD_FAILURE() << "never generated " << tokens << " tokens";
+}
+
+}  // namespace
+
+// SGLang's /pause_generation: in place, no step runs (a request submitted meanwhile waits) and the requests go on
+// after /continue_generation with the outputs they would have had; retracted, they are computed again (the same
+// outputs); aborted, they end; vLLM's drain waits for them to finish. With and without overlap scheduling.
+TEST(PauseGeneration, ModesKeepOrEndTheRequests) {
+  const std::string a = test::golden_dir("v2lite");
+  const std::vector<int32_t> prompt{3, 14, 15, 92, 65, 35, 89, 79};
+  const auto want = reference_tokens(a, prompt, 40);
+  const auto want_other = reference_tokens(a, {7, 7, 8}, 6);
+  for (bool overlap : {false, true})
+    for (PauseMode mode : {PauseMode::InPlace, PauseMode::Retract, PauseMode::Abort, PauseMode::Drain}) {
+      SCOPED_TRACE(fmt::format("overlap {} mode {}", overlap, static_cast<int>(mode)));
+      Engine e(test::cpu_ranks_at(a, 1, 1, 8), test::small_engine_options(overlap));
+      auto running = submit_collected(e, "running", prompt, 40);
+      wait_generating(e, 5);
+      EXPECT_FALSE(e.is_paused());
+      const int64_t at_pause = pause(e, mode);
+      EXPECT_TRUE(e.is_paused());
+      if (mode == PauseMode::Drain) {
+        EXPECT_EQ(at_pause, 40);
+      } else {
+        EXPECT_LT(at_pause, 40) << "paused before the request's end";
+      }
+      const int64_t steps = total_steps(e);
+      auto later = submit_collected(e, "later", {7, 7, 8}, 6);
+      std::this_thread::sleep_for(std::chrono::milliseconds(30));
+      EXPECT_EQ(total_steps(e), steps) << "a step ran while paused";
+      EXPECT_EQ(e.stats()[0].num_queue_reqs + e.stats()[0].num_running_reqs,
+                mode == PauseMode::InPlace || mode == PauseMode::Retract ? 1 : 0);
+      EXPECT_TRUE(e.continue_generation());
+      EXPECT_FALSE(e.is_paused());
+      const GenerateOutput last = wait_finished(*running);
+      if (mode == PauseMode::Abort) {
+        EXPECT_EQ(last.finish.kind, FinishKind::Abort);
+        EXPECT_NE(last.finish.message.find("pause"), std::string::npos) << last.finish.message;
+        std::lock_guard<std::mutex> lk(running->mu);
+        EXPECT_EQ(running->tokens, std::vector<int32_t>(want.begin(), want.begin() + static_cast<long>(at_pause)));
+      } else {
+        std::lock_guard<std::mutex> lk(running->mu);
+        EXPECT_EQ(running->tokens, want);
+      }
+      wait_finished(*later);
+      {
+        std::lock_guard<std::mutex> lk(later->mu);
+        EXPECT_EQ(later->tokens, want_other);
+      }
+      if (mode == PauseMode::Retract) {
+        EXPECT_GE(e.stats()[0].num_retractions, 1);
+      }
+      test::expect_engine_idle_and_clean(e);
+    }
+}
+
+// The RL trainer's loop: pause (retract, or in place), update the weights (at once: the paused requests do not have to
+// finish), continue. A retracted request is computed again on the new weights: its tokens up to the pause are the
+// old model's, the rest the new model's continuation of them.
+TEST(PauseGeneration, WeightsUpdatedWhilePaused) {
+  const std::string a = test::golden_dir("v2lite");
+  const fs::path b = test::temp_dir("wu-pause");
+  test::write_scaled_checkpoint("v2lite", b, 1.25f);
+  const std::vector<int32_t> prompt{3, 14, 15, 92, 65, 35, 89, 79};
+  const auto old_tokens = reference_tokens(a, prompt, 30);
+  for (PauseMode mode : {PauseMode::Retract, PauseMode::InPlace})
+    for (bool overlap : {false, true}) {
+      SCOPED_TRACE(fmt::format("overlap {} mode {}", overlap, static_cast<int>(mode)));
+      Engine e(test::cpu_ranks_at(a, 1, 1, 8), test::small_engine_options(overlap));
+      auto running = submit_collected(e, "running", prompt, 30);
+      wait_generating(e, 4);
+      const int64_t k = pause(e, mode);
+      ASSERT_LT(k, 30);
+      WeightUpdate u;
+      u.model_path = b.string();
+      const WeightUpdateResult r = update(e, u);
+      EXPECT_TRUE(r.ok) << r.message;
+      EXPECT_TRUE(e.is_paused()) << "an update leaves the pause";
+      e.continue_generation();
+      wait_finished(*running);
+      std::vector<int32_t> got;
+      {
+        std::lock_guard<std::mutex> lk(running->mu);
+        got = running->tokens;
+      }
+      ASSERT_EQ(got.size(), 30u);
+      EXPECT_EQ(std::vector<int32_t>(got.begin(), got.begin() + k),
+                std::vector<int32_t>(old_tokens.begin(), old_tokens.begin() + k));
+      if (mode == PauseMode::Retract) {
+        std::vector<int32_t> resumed = prompt;
+        resumed.insert(resumed.end(), old_tokens.begin(), old_tokens.begin() + k);
+        EXPECT_EQ(std::vector<int32_t>(got.begin() + k, got.end()),
+                  reference_tokens(b.string(), resumed, static_cast<int32_t>(30 - k)));
+      } else {
+        EXPECT_NE(got, old_tokens) << "the paused request went on with the new weights";
+      }
+      test::expect_engine_idle_and_clean(e);
+    }
+}

@@ -141,6 +141,27 @@ class FakeEngine : public EngineClient {
     }
     done(WeightUpdateResult{ok, ok ? "" : "cannot read the checkpoint", previous});
   }
+  void pause_generation(PauseMode mode, std::function<void(bool)> done) override {
+    {
+      std::lock_guard lk(mu_);
+      pauses_.push_back(mode);
+      paused_ = true;
+    }
+    done(true);
+  }
+  bool continue_generation() override {
+    std::lock_guard lk(mu_);
+    paused_ = false;
+    return true;
+  }
+  bool is_paused() const override {
+    std::lock_guard lk(mu_);
+    return paused_;
+  }
+  std::vector<PauseMode> pauses() const {
+    std::lock_guard lk(mu_);
+    return pauses_;
+  }
   std::vector<WeightUpdate> updates() const {
     std::lock_guard lk(mu_);
     return updates_;
@@ -284,6 +305,8 @@ class FakeEngine : public EngineClient {
   std::vector<std::string> aborted_, submitted_;
   std::vector<int32_t> priorities_;
   std::vector<WeightUpdate> updates_;
+  std::vector<PauseMode> pauses_;
+  bool paused_ = false;  // (pause_generation records the mode; the fake keeps generating)
   std::string weights_ = "/models/fake";
   int64_t held_ = 0, prompt_tokens_total_ = 0, generation_tokens_total_ = 0;
   bool stop_ = false;

@@ -149,6 +149,38 @@ TEST(HttpApi, UpdateWeightsFromDisk) {
   EXPECT_EQ(s.post("/update_weight_version", R"({"version": "x"})").status, 400);
 }
 
+// SGLang's /pause_generation (mode abort by default, retract, in_place) and /continue_generation; vLLM's /pause
+// (?wait_for_inflight_requests: drain, else abort), /resume and /is_paused.
+TEST(HttpApi, PauseAndContinueGeneration) {
+  TestServer s;
+  EXPECT_EQ(json::parse(s.get("/is_paused").body)["is_paused"], false);
+  auto r = s.post("/pause_generation", "");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body), json::parse(R"({"message": "Generation paused successfully.", "status": "ok"})"));
+  EXPECT_EQ(json::parse(s.get("/is_paused").body)["is_paused"], true);
+  r = s.post("/continue_generation", "{}");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["status"], "ok");
+  EXPECT_EQ(json::parse(s.get("/is_paused").body)["is_paused"], false);
+  EXPECT_EQ(s.post("/pause_generation", R"({"mode": "retract"})").status, 200);
+  EXPECT_EQ(s.post("/pause_generation", R"({"mode": "in_place"})").status, 200);
+  EXPECT_EQ(s.post("/pause_generation", R"({"mode": "abort"})").status, 200);
+  EXPECT_EQ(s.post("/pause?wait_for_inflight_requests=true&clear_cache=false", "").status, 200);
+  r = s.post("/pause", "");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(json::parse(r.body)["status"], "paused");
+  EXPECT_EQ(json::parse(s.post("/resume", "").body)["status"], "resumed");
+  using M = PauseMode;
+  EXPECT_EQ(s.engine.pauses(), (std::vector<M>{M::Abort, M::Retract, M::InPlace, M::Abort, M::Drain, M::Abort}));
+  for (const auto& [path, body] : {std::pair{"/pause_generation", R"({"mode": "later"})"},
+                                   std::pair{"/pause_generation", R"({"mode": 3})"},
+                                   std::pair{"/pause_generation", "[1]"},
+                                   std::pair{"/pause?clear_cache=maybe", ""}})
+    EXPECT_EQ(s.post(path, body).status, 400) << path << " " << body;
+  EXPECT_EQ(s.engine.pauses().size(), 6u);
+  EXPECT_EQ(s.get("/pause_generation").status, 405);
+}
+
 TEST(HttpApi, GenerateNonStream) {
   TestServer s;
   auto r = s.post("/generate", R"({"text": "hello", "sampling_params": {"max_new_tokens": 7, "temperature": 0}})");
