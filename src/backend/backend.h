@@ -98,6 +98,13 @@ class Backend {
   // layer's temporaries at the layer's end, so the arena holds one layer's worth). Tensors from before the mark stay.
   virtual size_t scratch_mark() { return 0; }
   virtual void scratch_release(size_t mark) { (void)mark; }
+  // SGLang's /release_memory_occupation (--enable-memory-saver): gives the persistent memory (weights, KV cache) back
+  // to the device, keeping its addresses, so that another process (an RL trainer beside the server) can use it;
+  // resume_persistent takes it again at the same addresses (recorded graphs stay valid) with every byte zero but what
+  // the backend keeps there itself (restored): the weights must be loaded again, the KV cache is empty. The CPU keeps
+  // its memory and zeroes it (the same contract to test against).
+  virtual void release_persistent() { fail("the {} backend cannot release its memory", name()); }
+  virtual void resume_persistent() { fail("the {} backend cannot release its memory", name()); }
   // Bytes of persistent memory still free for alloc() (the latent KV pool is sized from it); -1: no fixed budget.
   virtual int64_t persistent_bytes_free() const { return -1; }
   // Waits for every op issued so far.

@@ -49,6 +49,8 @@ class ForwardingBackend : public Backend {
   int32_t graph_capture_end() override { return b_.graph_capture_end(); }
   void graph_replay(int32_t g) override { b_.graph_replay(g); }
   void release_graphs() override { b_.release_graphs(); }
+  void release_persistent() override { b_.release_persistent(); }
+  void resume_persistent() override { b_.resume_persistent(); }
   void collective(std::function<void()> fn) override { b_.collective(std::move(fn)); }
   void embedding(const Tensor& t, int64_t vb, Tensor& o) override { b_.embedding(t, vb, o); }
   void rmsnorm(const Tensor& x, const Tensor& w, float e, Tensor& o) override { b_.rmsnorm(x, w, e, o); }

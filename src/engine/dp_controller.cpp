@@ -111,6 +111,41 @@ void DpController::pause_generation(PauseMode mode, std::function<void(bool)> do
     });
 }
 
+void DpController::on_all(
+    const std::function<void(EngineClient&, std::function<void(const WeightUpdateResult&)>)>& op,
+    std::function<void(const WeightUpdateResult&)> done) {
+  struct Count {
+    std::mutex mu;
+    size_t left = 0;
+    WeightUpdateResult result{true, {}, {}};
+    std::function<void(const WeightUpdateResult&)> done;
+  };
+  auto c = std::make_shared<Count>();
+  c->left = replicas_.size();
+  c->done = std::move(done);
+  for (size_t r = 0; r < replicas_.size(); ++r)
+    op(*replicas_[r], [c, r](const WeightUpdateResult& res) {
+      bool last = false;
+      {
+        std::lock_guard<std::mutex> lk(c->mu);
+        if (c->result.ok && !res.ok)
+          c->result = WeightUpdateResult{false, fmt::format("replica {}: {}", r, res.message), {}};
+        else if (c->result.ok)
+          c->result.message = res.message;
+        last = --c->left == 0;
+      }
+      if (last) c->done(c->result);
+    });
+}
+
+void DpController::release_memory(std::function<void(const WeightUpdateResult&)> done) {
+  on_all([](EngineClient& e, auto cb) { e.release_memory(std::move(cb)); }, std::move(done));
+}
+
+void DpController::resume_memory(std::function<void(const WeightUpdateResult&)> done) {
+  on_all([](EngineClient& e, auto cb) { e.resume_memory(std::move(cb)); }, std::move(done));
+}
+
 bool DpController::continue_generation() {
   bool ok = true;
   for (auto& e : replicas_) ok &= e->continue_generation();

@@ -25,6 +25,9 @@ class DpController final : public EngineClient {
   void pause_generation(PauseMode mode, std::function<void(bool)> done) override;
   bool continue_generation() override;
   bool is_paused() const override;
+  // Every replica (at once); `done` with the first failure, once all answered.
+  void release_memory(std::function<void(const WeightUpdateResult&)> done) override;
+  void resume_memory(std::function<void(const WeightUpdateResult&)> done) override;
   int64_t max_context_len() const override { return replicas_[0]->max_context_len(); }
   std::vector<int32_t> eos_token_ids() const override { return replicas_[0]->eos_token_ids(); }
   void shutdown() override;
@@ -36,6 +39,9 @@ class DpController final : public EngineClient {
     std::vector<std::string> previous;  // of the replicas updated so far
   };
   void update_next(std::shared_ptr<UpdateChain> c);
+  // Calls `op` on every replica with one callback that calls `done` once all answered (the first failure's result).
+  void on_all(const std::function<void(EngineClient&, std::function<void(const WeightUpdateResult&)>)>& op,
+              std::function<void(const WeightUpdateResult&)> done);
   // Replicas [0, c->previous.size()) load their previous weights again (the last first), then c->done(why).
   void roll_back(std::shared_ptr<UpdateChain> c, std::string why);
 

@@ -153,18 +153,37 @@ std::vector<RankStats> Engine::stats() const {
   return published_;
 }
 
-void Engine::update_weights(WeightUpdate u, std::function<void(const WeightUpdateResult&)> done) {
-  MLA_CHECK(!u.model_path.empty(), "a weight update needs the checkpoint's folder");
-  bool queued = false;
+bool Engine::queue_update(PendingUpdate p) {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (!stop_) {
-      updates_.push_back(PendingUpdate{std::move(u), std::move(done), inbox_.size()});
-      queued = true;
-    }
+    if (stop_) return false;
+    p.ahead = inbox_.size();
+    updates_.push_back(std::move(p));
   }
-  if (!queued) return done(WeightUpdateResult{false, "the server is shutting down", {}});
   cv_.notify_one();
+  return true;
+}
+
+void Engine::update_weights(WeightUpdate u, std::function<void(const WeightUpdateResult&)> done) {
+  MLA_CHECK(!u.model_path.empty(), "a weight update needs the checkpoint's folder");
+  PendingUpdate p;
+  p.u = std::move(u);
+  p.done = done;
+  if (!queue_update(std::move(p))) done(WeightUpdateResult{false, "the server is shutting down", {}});
+}
+
+void Engine::release_memory(std::function<void(const WeightUpdateResult&)> done) {
+  PendingUpdate p;
+  p.done = done;
+  p.job = Job::Release;
+  if (!queue_update(std::move(p))) done(WeightUpdateResult{false, "the server is shutting down", {}});
+}
+
+void Engine::resume_memory(std::function<void(const WeightUpdateResult&)> done) {
+  PendingUpdate p;
+  p.done = done;
+  p.job = Job::Resume;
+  if (!queue_update(std::move(p))) done(WeightUpdateResult{false, "the server is shutting down", {}});
 }
 
 bool Engine::run_update(bool abort_first) {
@@ -176,35 +195,69 @@ bool Engine::run_update(bool abort_first) {
     for (auto& s : scheds_) s->abort_all(f);
   }
   if (inflight_) return false;
-  bool paused = false;
+  bool stopped = false;  // no step runs: requests left wait
   {
     std::lock_guard<std::mutex> lk(mu_);
-    paused = paused_;
+    stopped = paused_ || released_;
   }
   for (auto& s : scheds_)
-    if (s->has_work() && !paused) return false;
+    if (s->has_work() && !stopped) return false;
   PendingUpdate job;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (updates_.front().ahead > 0) return false;  // requests submitted before it came in meanwhile
+    // Requests submitted before it are admitted first (while no step runs they wait in the inbox behind it).
+    if (updates_.front().ahead > 0 && !stopped) return false;
     job = std::move(updates_.front());
     updates_.pop_front();
   }
-  const WeightUpdate& u = job.u;
   WeightUpdateResult res;
-  res.previous_model_path = ranks_->model_dir();
   try {
-    ranks_->reload_weights(u.model_path);
-    res.ok = true;
-    res.message = fmt::format("weights updated from {}", u.model_path);
-    if (u.flush_cache)
-      for (auto& s : scheds_) s->flush_cache();
+    res = run_job(job);
   } catch (const std::exception& e) {
+    res.ok = false;
     res.message = e.what();
   }
   publish_stats();
   job.done(res);
   return true;
+}
+
+WeightUpdateResult Engine::run_job(const PendingUpdate& job) {
+  WeightUpdateResult res;
+  res.previous_model_path = ranks_->model_dir();
+  switch (job.job) {
+    case Job::Weights:
+      ranks_->reload_weights(job.u.model_path);
+      if (job.u.flush_cache)
+        for (auto& s : scheds_) s->flush_cache();
+      res.message = fmt::format("weights updated from {}", job.u.model_path);
+      break;
+    case Job::Release: {
+      int32_t held = 0;
+      for (auto& s : scheds_) held += s->num_running();
+      MLA_CHECK(held == 0, "{} requests are paused in place with their KV cache: pause with mode retract or abort "
+                "before releasing the memory", held);
+      ranks_->release_memory();
+      for (auto& s : scheds_) s->flush_cache();  // (its pages' contents go with the memory)
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        released_ = true;
+      }
+      res.message = "released the weights' and the KV cache's memory";
+      break;
+    }
+    case Job::Resume: {
+      ranks_->resume_memory();
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        released_ = false;
+      }
+      res.message = fmt::format("took the memory again; weights of {} loaded again", ranks_->model_dir());
+      break;
+    }
+  }
+  res.ok = true;
+  return res;
 }
 
 void Engine::pause_generation(PauseMode mode, std::function<void(bool)> done) {
@@ -238,7 +291,8 @@ void Engine::run_pause() {
   PauseMode mode;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (pauses_.front().ahead > 0) return;  // requests submitted before it are still on their way in
+    // Requests submitted before it are still on their way in (unless no step runs: they wait in the inbox).
+    if (pauses_.front().ahead > 0 && !paused_ && !released_) return;
     mode = pauses_.front().mode;
   }
   if (mode == PauseMode::Drain) {
@@ -300,14 +354,14 @@ void Engine::loop() {
     bool pausing = false, paused = false;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      const bool busy = (has_work() || inflight_.has_value()) && !paused_;
+      const bool busy = (has_work() || inflight_.has_value()) && !paused_ && !released_;
       cv_.wait_for(lk, std::chrono::milliseconds(busy ? 0 : 50), [&] {
-        return stop_ || (!inbox_.empty() && !paused_) || !aborts_.empty() || flush_requests_ > flush_done_ ||
-               !updates_.empty() || !pauses_.empty() || busy;
+        return stop_ || (!inbox_.empty() && !paused_ && !released_) || !aborts_.empty() ||
+               flush_requests_ > flush_done_ || !updates_.empty() || !pauses_.empty() || busy;
       });
       if (stop_) break;
       pausing = !pauses_.empty();
-      paused = paused_;
+      paused = paused_ || released_;
       // Requests submitted after a pending update or pause wait for it; while paused, all do.
       size_t hold = paused ? 0 : inbox_.size();
       if (pausing) hold = std::min(hold, pauses_.front().ahead);
@@ -355,7 +409,7 @@ void Engine::loop() {
     if (update) run_update(*update);
     {
       std::lock_guard<std::mutex> lk(mu_);
-      paused = paused_;
+      paused = paused_ || released_;
     }
     const auto t0 = PhaseClock::now();
     const bool stepped = !paused && (opts_.overlap ? (has_work() || inflight_) : has_work());

@@ -58,6 +58,8 @@ class Engine final : public EngineClient {
   bool flush_cache() override;
   void update_weights(WeightUpdate u, std::function<void(const WeightUpdateResult&)> done) override;
   void pause_generation(PauseMode mode, std::function<void(bool)> done) override;
+  void release_memory(std::function<void(const WeightUpdateResult&)> done) override;
+  void resume_memory(std::function<void(const WeightUpdateResult&)> done) override;
   bool continue_generation() override;
   bool is_paused() const override;
   int64_t max_context_len() const override { return opts_.context_len; }
@@ -97,11 +99,18 @@ class Engine final : public EngineClient {
   std::condition_variable flush_cv_;
   // Weight updates asked for (mu_), oldest first: the first runs once no request runs or is in flight. Requests
   // submitted before it (`ahead`: the inbox's requests in front of it) run first; those after it wait.
+  // (Also the memory's release and resumption: they wait as an update does.)
+  enum class Job { Weights, Release, Resume };
   struct PendingUpdate {
     WeightUpdate u;
     std::function<void(const WeightUpdateResult&)> done;
     size_t ahead = 0;
+    Job job = Job::Weights;
   };
+  // Queues a job (false: shutting down).
+  bool queue_update(PendingUpdate p);
+  // The first pending job run now (engine thread): its outcome.
+  WeightUpdateResult run_job(const PendingUpdate& job);
   std::deque<PendingUpdate> updates_;
   // The first pending update, when nothing runs or the engine is paused (engine thread; false: not yet). Aborts
   // first if it asks.
@@ -117,6 +126,7 @@ class Engine final : public EngineClient {
   // The first pending pause once it can take effect (a drain: nothing left to run); engine thread.
   void run_pause();
   bool paused_ = false;  // mu_ (set and cleared by the engine thread and continue_generation)
+  bool released_ = false;  // mu_: the memory is released (no step runs); engine thread writes
   bool stop_ = false;
   std::vector<RankStats> published_;
   uint64_t steps_ = 0;

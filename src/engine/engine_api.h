@@ -206,6 +206,16 @@ class EngineClient {
     (void)mode;
     done(false);
   }
+  // SGLang's /release_memory_occupation: once no request holds KV (running ones finish first; while paused, requests
+  // kept in place are an error), the weights' and KV cache's device memory is given back (RankSet::release_memory)
+  // and no step runs (requests wait) until resume_memory, which takes it again and loads the weights again. `done`
+  // gets the outcome (on an engine thread). Default: refused.
+  virtual void release_memory(std::function<void(const WeightUpdateResult&)> done) {
+    done(WeightUpdateResult{false, "this engine cannot release its memory", {}});
+  }
+  virtual void resume_memory(std::function<void(const WeightUpdateResult&)> done) {
+    done(WeightUpdateResult{false, "this engine cannot release its memory", {}});
+  }
   // Ends a pause (a no-op when not paused); false when not supported.
   virtual bool continue_generation() { return false; }
   virtual bool is_paused() const { return false; }

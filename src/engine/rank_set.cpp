@@ -19,8 +19,9 @@ namespace {
 // finishes and replies carry the step's number: a reply for the wrong step is an error, not wrong tokens. kAbort
 // (with the error): a step or cache change node 0 had sent failed there; the other nodes abort their communicators
 // and stop with that error (RankSet::stop_nodes). kReload (with a checkpoint folder): load it into the weights in
-// place (RankSet::reload_weights); each node answers kReloaded with its first error (empty: done).
-enum Op : char { kStep = 'S', kFinish = 'F', kKv = 'K', kQuit = 'Q', kAbort = 'A', kReload = 'W' };
+// place (RankSet::reload_weights); kMemory ('R' release or 'U' resume): RankSet::release_memory / resume_memory; each
+// node answers both with kReloaded and its first error (empty: done).
+enum Op : char { kStep = 'S', kFinish = 'F', kKv = 'K', kQuit = 'Q', kAbort = 'A', kReload = 'W', kMemory = 'M' };
 // Other nodes -> node 0: kReply (a finished step's outputs), or kFailed (with the error) when a node stops on an error
 // of its own; node 0 watches for it (and for a closed connection) while its ranks wait, and aborts its communicators
 // (RankSet::run_on_all): its ranks may wait in collectives that node will never join.
@@ -751,6 +752,7 @@ RankSet::Launched RankSet::launch(const std::vector<const ForwardBatch*>& batche
   h.logit_rows = logit_rows;
   if (!any) return h;  // every group idle: no forward at all
   MLA_CHECK(weights_lost_.empty(), "the model has no weights: {}", weights_lost_);
+  MLA_CHECK(!released_, "the GPU memory is released (/release_memory_occupation): no step runs until it is resumed");
   const bool remote = link_ && pc_.nnodes > 1;
   if (remote) check_not_stopped();
   h.ran = true;
@@ -804,27 +806,31 @@ std::string RankSet::reload_local(const std::string& dir) {
   return {};
 }
 
+std::string RankSet::on_every_node(const std::string& msg, const std::function<std::string()>& local) {
+  const bool remote = link_ && pc_.nnodes > 1;
+  if (remote) link_->broadcast(msg);
+  std::string err = local();
+  for (int32_t node = 1; remote && node < pc_.nnodes; ++node) {
+    const std::string r = link_->recv_from(node);
+    MLA_CHECK(!r.empty() && (r[0] == kReloaded || r[0] == kFailed), "node {} answered '{}' to '{}'", node,
+              r.empty() ? ' ' : r[0], msg[0]);
+    if (r[0] == kFailed) throw Error(fmt::format("node {} stopped: {}", node, r.substr(1)));
+    if (err.empty() && r.size() > 1) err = fmt::format("node {}: {}", node, r.substr(1));
+  }
+  return err;
+}
+
 void RankSet::reload_weights(const std::string& dir) {
   MLA_CHECK(pc_.node_rank == 0, "RankSet::reload_weights runs on node 0 only");
   MLA_CHECK(weights_lost_.empty(), "the model has no weights: {}", weights_lost_);
+  MLA_CHECK(!released_, "the GPU memory is released (/release_memory_occupation): resume it before updating weights");
   const bool remote = link_ && pc_.nnodes > 1;
   if (remote) check_not_stopped();
   // Every node loads `d`; the first error of any (empty: none).
   auto everywhere = [&](const std::string& d) {
-    if (remote) {
-      std::string m(1, kReload);
-      put_vec(m, std::vector<char>(d.begin(), d.end()));
-      link_->broadcast(m);
-    }
-    std::string err = reload_local(d);
-    for (int32_t node = 1; remote && node < pc_.nnodes; ++node) {
-      const std::string r = link_->recv_from(node);
-      MLA_CHECK(!r.empty() && (r[0] == kReloaded || r[0] == kFailed), "node {} answered a weight update with '{}'",
-                node, r.empty() ? ' ' : r[0]);
-      if (r[0] == kFailed) throw Error(fmt::format("node {} stopped: {}", node, r.substr(1)));
-      if (err.empty() && r.size() > 1) err = fmt::format("node {}: {}", node, r.substr(1));
-    }
-    return err;
+    std::string m(1, kReload);
+    put_vec(m, std::vector<char>(d.begin(), d.end()));
+    return on_every_node(m, [&] { return reload_local(d); });
   };
   std::string err, back;
   try {
@@ -846,6 +852,67 @@ void RankSet::reload_weights(const std::string& dir) {
   if (back.empty()) fail("{} (the weights of {} are loaded again)", err, model_dir_);
   weights_lost_ = fmt::format("updating the weights from {} failed ({}), and loading {} again failed too ({}); "
                               "restart the server", dir, err, model_dir_, back);
+  if (remote) stop_nodes(weights_lost_);
+  fail("{}", weights_lost_);
+}
+
+std::string RankSet::memory_local(bool release) {
+  std::vector<std::string> errors(ranks_.size());
+  run_on_all([&](int i) {
+    Rank& rk = *ranks_[static_cast<size_t>(i)];
+    try {  // (caught here, as in reload_local)
+      if (release) {
+        rk.backend->synchronize();
+        rk.backend->release_persistent();
+      } else {
+        rk.backend->resume_persistent();
+        rk.model->refill();
+        rk.backend->synchronize();
+      }
+    } catch (const std::exception& e) {
+      errors[static_cast<size_t>(i)] = fmt::format("rank {}: {}", rk.global, e.what());
+    }
+  });
+  for (const std::string& e : errors)
+    if (!e.empty()) return e;
+  return {};
+}
+
+void RankSet::release_memory() {
+  MLA_CHECK(pc_.node_rank == 0, "RankSet::release_memory runs on node 0 only");
+  MLA_CHECK(weights_lost_.empty(), "the model has no weights: {}", weights_lost_);
+  MLA_CHECK(!released_, "the GPU memory is released already");
+  const bool remote = link_ && pc_.nnodes > 1;
+  if (remote) check_not_stopped();
+  std::string err;
+  try {
+    err = on_every_node(std::string{kMemory, 'R'}, [&] { return memory_local(true); });
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  released_ = true;  // (on every rank that could: a failed one keeps its memory; resume_memory takes the rest again)
+  if (err.empty()) return;
+  weights_lost_ = fmt::format("releasing the GPU memory failed: {}; restart the server", err);
+  if (remote) stop_nodes(weights_lost_);
+  fail("{}", weights_lost_);
+}
+
+void RankSet::resume_memory() {
+  MLA_CHECK(pc_.node_rank == 0, "RankSet::resume_memory runs on node 0 only");
+  MLA_CHECK(weights_lost_.empty(), "the model has no weights: {}", weights_lost_);
+  MLA_CHECK(released_, "the GPU memory is not released");
+  const bool remote = link_ && pc_.nnodes > 1;
+  std::string err;
+  try {
+    err = on_every_node(std::string{kMemory, 'U'}, [&] { return memory_local(false); });
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  if (err.empty()) {
+    released_ = false;
+    return;
+  }
+  weights_lost_ = fmt::format("taking the GPU memory again failed: {}; restart the server", err);
   if (remote) stop_nodes(weights_lost_);
   fail("{}", weights_lost_);
 }
@@ -957,6 +1024,12 @@ void RankSet::follow_steps() {
       const std::vector<char> why = get_vec<char>(p, end);
       abort_communicators();  // steps running here wait in collectives node 0 never joined
       fail("node 0 stopped the layout after a failed step: {}", std::string(why.begin(), why.end()));
+    }
+    if (msg[0] == kMemory) {
+      MLA_CHECK(running.empty(), "node 0 released or took the GPU memory while {} steps run", running.size());
+      const bool release = get<char>(p, end) == 'R';
+      link_->send(std::string(1, kReloaded) + memory_local(release));
+      continue;
     }
     if (msg[0] == kReload) {
       MLA_CHECK(running.empty(), "node 0 updated the weights while {} steps run", running.size());

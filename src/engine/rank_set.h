@@ -97,6 +97,14 @@ class RankSet {
   void reload_weights(const std::string& dir);
   // The checkpoint the weights came from (the last update's).
   const std::string& model_dir() const { return model_dir_; }
+  // SGLang's /release_memory_occupation: every rank gives its persistent memory (weights, KV cache) back to the device
+  // (Backend::release_persistent), on every node; steps and updates are refused until resume_memory. No step may
+  // be running. resume_memory takes the memory again (zeroed) and loads the weights again (DeepseekModel::refill):
+  // the KV cache's contents are gone (the caller forgets its prefix cache). A failure of either leaves no model
+  // (every later step fails naming it).
+  void release_memory();
+  void resume_memory();
+  bool memory_released() const { return released_; }
 
   // Gives every rank a latent cache of `num_pages` pages (ranks of one DP group hold the same sequences).
   void allocate_kv(int32_t num_pages, int32_t page_size);
@@ -174,6 +182,12 @@ class RankSet {
   void allocate_kv_local(int32_t num_pages, int32_t page_size);
   // DeepseekModel::reload on every local rank: the first rank's error, empty when all loaded DIR.
   std::string reload_local(const std::string& dir);
+  // Backend::release_persistent (release) or resume_persistent + DeepseekModel::refill on every local rank: the first
+  // rank's error, empty when all did.
+  std::string memory_local(bool release);
+  // Node 0: sends `msg` to the other nodes (when there are), runs `local`, and gathers their answers (kReloaded with
+  // an error or none); the first error of any node, empty when none.
+  std::string on_every_node(const std::string& msg, const std::function<std::string()>& local);
   // Node 0, after a step it sent to the other nodes failed here: their ranks ran (or wait in) collectives this node
   // never joined, so the layout cannot go on. Aborts the local communicators, tells the other nodes to stop with
   // `why`, and makes every later call fail with it.
@@ -200,6 +214,7 @@ class RankSet {
   std::string stopped_;      // node 0: why the layout of several nodes stopped (empty: it runs)
   std::string model_dir_;
   std::string weights_lost_;  // why the weights are neither the old nor the new checkpoint's (empty: they are)
+  bool released_ = false;     // release_memory ran (resume_memory not yet)
   bool told_to_stop_ = false;  // other nodes: node 0 stopped the layout (kAbort), so this node's error is no news
   int64_t sampled_rows_ = 0;  // capacity of Rank::sampled (rows)
   int32_t dummy_page_ = -1, page_size_ = 0;  // graphs: padded rows read and write only this page

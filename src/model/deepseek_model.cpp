@@ -409,6 +409,8 @@ void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) 
   }
   load_opts_ = opts;
   load_weights(model_dir, config_, opts, false);
+  weights_dir_ = model_dir;
+  weights_dummy_ = opts.dummy;
 }
 
 void DeepseekModel::reload(const std::string& model_dir) {
@@ -422,6 +424,16 @@ void DeepseekModel::reload(const std::string& model_dir) {
   LoadOptions opts = load_opts_;
   opts.dummy = false;
   load_weights(model_dir, next, opts, true);
+  weights_dir_ = model_dir;
+  weights_dummy_ = false;
+}
+
+void DeepseekModel::refill() {
+  MLA_CHECK(!held_.empty(), "DeepseekModel::refill: no weights loaded yet");
+  if (!weights_dummy_) return reload(weights_dir_);
+  LoadOptions opts = load_opts_;
+  opts.dummy = true;
+  load_weights(weights_dir_, config_, opts, true);
 }
 
 void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig& from, const LoadOptions& opts,

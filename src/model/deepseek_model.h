@@ -82,6 +82,9 @@ class DeepseekModel {
   // the difference. Mismatches of the config are found before any weight is written; a failure part way (a missing
   // or misshapen tensor, an unreadable file) leaves the weights mixed: the caller loads the previous checkpoint again.
   void reload(const std::string& model_dir);
+  // Loads the weights the model holds again (from the last checkpoint loaded, or the same dummy weights) into the same
+  // tensors: after Backend::resume_persistent, which gives their memory back zeroed.
+  void refill();
 
   // Runs one step; returns F32 logits [batch.logit_rows.size(), vocab] in backend scratch memory (valid until
   // the next step; backend().to_host_f32 copies them out).
@@ -194,6 +197,8 @@ class DeepseekModel {
   // Every persistent tensor load() allocated, in its order: reload() writes into them again.
   std::vector<Tensor> held_;
   LoadOptions load_opts_;  // the first load's
+  std::string weights_dir_;     // where the weights came from (the last load or reload)
+  bool weights_dummy_ = false;  // and whether they are load_opts_'s dummy weights
   bool keep_fp8_ = false;  // FP8 block checkpoints' routed experts kept FP8 (decided at the first load)
   int64_t weight_bytes_ = 0;
   Tensor prev_ids_;

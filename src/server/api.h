@@ -154,6 +154,9 @@ class Api {
   // SGLang's POST /pause_generation ({"mode": "abort" | "retract" | "in_place"}) and vLLM's POST /pause
   // (?wait_for_inflight_requests=&clear_cache=): EngineClient::pause_generation, answered once paused.
   void pause(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool vllm);
+  // SGLang's /release_memory_occupation and /resume_memory_occupation ({"tags": [...]} optional): EngineClient's
+  // release_memory / resume_memory; 200 {"success": true, "message"}, or 400 with success false.
+  void memory_occupation(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool release);
   // The checkpoint the weights came from and their version (both change with updates).
   std::pair<std::string, std::string> weights_info() const;
   Prepared prepare(ParsedRequest& pr);

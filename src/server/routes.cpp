@@ -657,6 +657,9 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
         throw ApiError(503, "this engine cannot pause or continue", "", "service_unavailable");
       respond_json(ex, 200, path == "/resume" ? R"({"status":"resumed"})"
                                               : R"({"message":"Generation continued successfully.","status":"ok"})");
+    } else if (path == "/release_memory_occupation" || path == "/resume_memory_occupation") {  // SGLang's
+      if (!get && !post) method_not_allowed(req);
+      memory_occupation(req, ex, path == "/release_memory_occupation");
     } else if (path == "/is_paused") {  // vLLM's
       if (!get) method_not_allowed(req);
       respond_json(ex, 200, dump(ojson{{"is_paused", engine_.is_paused()}}));
@@ -1104,6 +1107,31 @@ void Api::pause(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex,
                           : R"({"message":"Generation paused successfully.","status":"ok"})");
     });
   });
+}
+
+void Api::memory_occupation(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool release) {
+  const json body = req.body.empty() ? json::object() : parse_body(req.body);
+  if (!body.is_object()) throw ApiError(400, "the body must be a JSON object", "", "invalid_value");
+  // SGLang's tags name parts of the memory; here the weights and the KV cache share one allocation, released and
+  // taken again together (the CUDA graphs' memory stays): any of them means all.
+  if (const auto t = body.find("tags"); t != body.end() && !t->is_null()) {
+    if (!t->is_array()) throw ApiError(400, "'tags' must be a list", "tags", "invalid_value");
+    for (const json& tag : *t)
+      if (!tag.is_string() || (tag != "weights" && tag != "kv_cache" && tag != "cuda_graph"))
+        throw ApiError(400, fmt::format("'tags' holds {}: expected weights, kv_cache or cuda_graph", tag.dump()),
+                       "tags", "invalid_value");
+  }
+  std::weak_ptr<HttpExchange> wex = ex;
+  Executor post = ex->executor();
+  auto answer = [wex, post](const WeightUpdateResult& r) {
+    if (!r.ok) MLA_LOG_WARN("{}", r.message);
+    const std::string text = dump(ojson{{"success", r.ok}, {"message", r.message}});
+    post([wex, ok = r.ok, text] {
+      if (auto ex2 = wex.lock()) ex2->respond(ok ? 200 : 400, "application/json", text);
+    });
+  };
+  if (release) engine_.release_memory(answer);
+  else engine_.resume_memory(answer);
 }
 
 void Api::health_generate(const std::shared_ptr<HttpExchange>& ex) {

@@ -1154,6 +1154,10 @@ TEST(ServeFlags, UpdateWeightsFromDisk) {
     EXPECT_EQ(waited, want_old);
     EXPECT_EQ(post_json(s.port(), "/generate", req)["output_ids"], want_old);
     EXPECT_EQ(get_json(s.port(), "/get_weight_version")["weight_version"], "step2");
+    // The memory given back and taken again (the weights loaded again, the graphs kept): the same answers.
+    EXPECT_EQ(post_json(s.port(), "/release_memory_occupation", "{}")["success"], true);
+    EXPECT_EQ(post_json(s.port(), "/resume_memory_occupation", R"({"tags": ["weights"]})")["success"], true);
+    EXPECT_EQ(post_json(s.port(), "/generate", req)["output_ids"], want_old);
     EXPECT_EQ(s.stop(), 0);
   }
 }

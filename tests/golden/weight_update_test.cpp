@@ -454,6 +454,10 @@ TEST(PauseGeneration, WeightsUpdatedWhilePaused) {
       wait_generating(e, 4);
       const int64_t k = pause(e, mode);
       ASSERT_LT(k, 30);
+      // Waits in the inbox, behind the update (another prompt: requests paused in place keep their old KV, and their
+      // prefix in the cache, as SGLang's in_place mode does).
+      const std::vector<int32_t> other{9, 8, 7, 6, 5, 4, 3, 2, 1};
+      auto later = submit_collected(e, "later", other, 6);
       WeightUpdate u;
       u.model_path = b.string();
       const WeightUpdateResult r = update(e, u);
@@ -461,6 +465,11 @@ TEST(PauseGeneration, WeightsUpdatedWhilePaused) {
       EXPECT_TRUE(e.is_paused()) << "an update leaves the pause";
       e.continue_generation();
       wait_finished(*running);
+      wait_finished(*later);
+      {
+        std::lock_guard<std::mutex> lk(later->mu);
+        EXPECT_EQ(later->tokens, reference_tokens(b.string(), other, 6));
+      }
       std::vector<int32_t> got;
       {
         std::lock_guard<std::mutex> lk(running->mu);
@@ -479,4 +488,88 @@ TEST(PauseGeneration, WeightsUpdatedWhilePaused) {
       }
       test::expect_engine_idle_and_clean(e);
     }
+}
+
+namespace {
+
+WeightUpdateResult memory_op(EngineClient& e, bool release) {
+  auto done = std::make_shared<std::promise<WeightUpdateResult>>();
+  auto fut = done->get_future();
+  auto cb = [done](const WeightUpdateResult& r) { done->set_value(r); };
+  if (release) e.release_memory(cb);
+  else e.resume_memory(cb);
+  EXPECT_EQ(fut.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "hang?";
+  return fut.get();
+}
+
+}  // namespace
+
+// SGLang's /release_memory_occupation and /resume_memory_occupation (an RL trainer taking the GPU between rollouts):
+// released, the weights' and KV cache's memory is gone (the CPU backend zeroes it), no step runs and requests wait,
+// a weight update is refused; resumed, the weights are loaded again (the last checkpoint's) and the waiting request
+// gets the answers of before, through graphs and with overlap scheduling too. Requests paused in place hold KV:
+// releasing then is refused.
+TEST(MemoryOccupation, ReleasedMemoryIsTakenAgainWithTheWeights) {
+  const std::string a = test::golden_dir("v2lite");
+  const fs::path b = test::temp_dir("wu-mem");
+  test::write_scaled_checkpoint("v2lite", b, 1.25f);
+  const std::vector<int32_t> prompt{3, 14, 15, 92, 65, 35, 89, 79};
+  const auto want_b = reference_tokens(b.string(), prompt, 10);
+  for (bool overlap : {false, true}) {
+    SCOPED_TRACE(overlap);
+    Engine e(test::cpu_ranks_at(a, 2, 2, 8), test::small_engine_options(overlap));
+    WeightUpdate u;
+    u.model_path = b.string();
+    ASSERT_TRUE(update(e, u).ok);
+    auto first = test::submit_ids(e, "first", prompt, 10);
+    EXPECT_EQ(test::wait_ids(first), want_b);
+
+    WeightUpdateResult r = memory_op(e, true);
+    ASSERT_TRUE(r.ok) << r.message;
+    const int64_t steps = total_steps(e);
+    auto waiting = submit_collected(e, "waiting", prompt, 10);
+    r = update(e, u);
+    EXPECT_FALSE(r.ok);
+    EXPECT_NE(r.message.find("released"), std::string::npos) << r.message;
+    EXPECT_EQ(total_steps(e), steps) << "a step ran on released memory";
+    r = memory_op(e, false);
+    ASSERT_TRUE(r.ok) << r.message;
+    wait_finished(*waiting);
+    {
+      std::lock_guard<std::mutex> lk(waiting->mu);
+      EXPECT_EQ(waiting->tokens, want_b);
+    }
+    EXPECT_FALSE(memory_op(e, false).ok) << "resumed twice";
+
+    auto held = submit_collected(e, "held", prompt, 200);
+    wait_generating(e, 30);
+    pause(e, PauseMode::InPlace);
+    r = memory_op(e, true);
+    EXPECT_FALSE(r.ok);
+    EXPECT_NE(r.message.find("paused in place"), std::string::npos) << r.message;
+    e.continue_generation();
+    EXPECT_EQ(wait_finished(*held).finish.kind, FinishKind::Length);
+    test::expect_engine_idle_and_clean(e);
+  }
+}
+
+// Dummy weights come back as they were (the same seed), and on two ranks.
+TEST(MemoryOccupation, DummyWeightsComeBackTheSame) {
+  const std::string a = test::golden_dir("v3");
+  ParallelConfig pc;
+  pc.tp_size = 2;
+  pc.device = "cpu";
+  LoadOptions lo;
+  lo.dummy = true;
+  lo.seed = 7;
+  RankSet ranks(ModelConfig::from_file(a), pc, a, lo);
+  const std::vector<float> before = ranks_logits(ranks);
+  ranks.release_memory();
+  EXPECT_TRUE(ranks.memory_released());
+  const std::string step = reload_error([&] { ranks_logits(ranks); });
+  EXPECT_NE(step.find("released"), std::string::npos) << step;
+  ranks.resume_memory();
+  const std::vector<float> after = ranks_logits(ranks);
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t i = 0; i < after.size(); ++i) ASSERT_EQ(after[i], before[i]) << "logit " << i;
 }

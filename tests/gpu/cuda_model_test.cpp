@@ -589,6 +589,14 @@ TEST(CudaModel, ReloadedWeightsReplayInTheRecordedGraph) {
   EXPECT_GT(diff(old_eager, want).max_abs / sd, 0.1) << "the new weights change the logits";
   std::printf("  reload: graph vs new eager %.2e, old vs new %.2e of std\n", diff(want, graph).max_abs / sd,
               diff(old_eager, want).max_abs / sd);
+  // The persistent memory given back and taken again at the same addresses (zeroed), the weights loaded again: the
+  // recorded graph replays them (/release_memory_occupation, /resume_memory_occupation).
+  gm.backend->release_persistent();
+  gm.backend->resume_persistent();
+  gm.model->refill();
+  const Tensor graph2 = step(*gm.model, *gm.backend, cache, true);
+  EXPECT_EQ(diff(graph, graph2).max_abs, 0.0) << "the graph after the memory came back";
+  EXPECT_EQ(gm.model->num_graphs(), 1);
 }
 
 // One sequence decoding past cuda::kOneTokenMaxCtx keys with the one-launch attention of one token: up to the bound

@@ -272,7 +272,8 @@ static void works_then_fails(RankSet& r0, std::atomic<bool>& armed, const std::s
 // Node 0 reports the failure, node 1 stops with an error instead of waiting forever, and node 0 refuses every later
 // step and cache change at once, naming the failure.
 // A weight update on two nodes (RankSet::reload_weights sends it to node 1): the logits are the new checkpoint's on one
-// node; an update that fails on the nodes' ranks loads the previous weights again everywhere.
+// node; an update that fails on the nodes' ranks loads the previous weights again everywhere; the memory released and
+// resumed on both nodes comes back with the weights.
 TEST(MultiNode, WeightUpdateReachesEveryNode) {
   const auto b = test::temp_dir("mn-wu"), bad = test::temp_dir("mn-wu-bad");
   test::write_scaled_checkpoint("v2lite", b, 1.25f);
@@ -307,6 +308,12 @@ TEST(MultiNode, WeightUpdateReachesEveryNode) {
       const OfflineResult back = run_offline(*r0, ps, o);
       EXPECT_EQ(back.greedy, want_old.greedy);
       EXPECT_EQ(test::rel_err(back.prompt_logits[0], want_old.prompt_logits[0]), 0.0);
+      // The memory released and taken again on both nodes: the weights are loaded again everywhere.
+      r0->release_memory();
+      r0->resume_memory();
+      const OfflineResult resumed = run_offline(*r0, ps, o);
+      EXPECT_EQ(resumed.greedy, want_old.greedy);
+      EXPECT_EQ(test::rel_err(resumed.prompt_logits[0], want_old.prompt_logits[0]), 0.0);
     });
   }
 }

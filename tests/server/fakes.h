@@ -158,6 +158,25 @@ class FakeEngine : public EngineClient {
     std::lock_guard lk(mu_);
     return paused_;
   }
+  // Memory released and taken again: recorded (true: release), always done.
+  void release_memory(std::function<void(const WeightUpdateResult&)> done) override {
+    {
+      std::lock_guard lk(mu_);
+      memory_ops_.push_back(true);
+    }
+    done(WeightUpdateResult{true, "released", {}});
+  }
+  void resume_memory(std::function<void(const WeightUpdateResult&)> done) override {
+    {
+      std::lock_guard lk(mu_);
+      memory_ops_.push_back(false);
+    }
+    done(WeightUpdateResult{true, "resumed", {}});
+  }
+  std::vector<bool> memory_ops() const {
+    std::lock_guard lk(mu_);
+    return memory_ops_;
+  }
   std::vector<PauseMode> pauses() const {
     std::lock_guard lk(mu_);
     return pauses_;
@@ -306,6 +325,7 @@ class FakeEngine : public EngineClient {
   std::vector<int32_t> priorities_;
   std::vector<WeightUpdate> updates_;
   std::vector<PauseMode> pauses_;
+  std::vector<bool> memory_ops_;
   bool paused_ = false;  // (pause_generation records the mode; the fake keeps generating)
   std::string weights_ = "/models/fake";
   int64_t held_ = 0, prompt_tokens_total_ = 0, generation_tokens_total_ = 0;

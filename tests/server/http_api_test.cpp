@@ -179,6 +179,16 @@ TEST(HttpApi, PauseAndContinueGeneration) {
     EXPECT_EQ(s.post(path, body).status, 400) << path << " " << body;
   EXPECT_EQ(s.engine.pauses().size(), 6u);
   EXPECT_EQ(s.get("/pause_generation").status, 405);
+
+  // SGLang's /release_memory_occupation and /resume_memory_occupation (tags optional; any tag means all).
+  auto m = s.post("/release_memory_occupation", R"({"tags": ["weights", "kv_cache"]})");
+  EXPECT_EQ(m.status, 200) << m.body;
+  EXPECT_EQ(json::parse(m.body), json::parse(R"({"success": true, "message": "released"})"));
+  EXPECT_EQ(s.post("/resume_memory_occupation", "").status, 200);
+  EXPECT_EQ(s.get("/resume_memory_occupation").status, 200);
+  EXPECT_EQ(s.post("/release_memory_occupation", R"({"tags": ["gpu"]})").status, 400);
+  EXPECT_EQ(s.post("/release_memory_occupation", R"({"tags": "weights"})").status, 400);
+  EXPECT_EQ(s.engine.memory_ops(), (std::vector<bool>{true, false, false}));
 }
 
 TEST(HttpApi, GenerateNonStream) {

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <numeric>
 #include <vector>
 
@@ -35,7 +37,21 @@ class CpuBackend final : public Backend {
   DType act_dtype() const override { return DType::F32; }
   DType weight_dtype(DType src) const override { return src == DType::BF16 ? DType::BF16 : DType::F32; }
 
-  Tensor alloc(const Shape& shape, DType dtype) override { return Tensor::empty_host(shape, dtype); }
+  Tensor alloc(const Shape& shape, DType dtype) override {
+    Tensor t = Tensor::empty_host(shape, dtype);
+    std::lock_guard<std::mutex> lk(held_mu_);
+    std::erase_if(held_, [](const Held& h) { return h.storage.expired(); });
+    held_.push_back(Held{t.storage(), t.data(), t.nbytes()});
+    return t;
+  }
+  // The memory stays (the host's); released, every persistent byte still in use becomes zero, as a device's would be
+  // lost, and writing it before resume_persistent is an error the callers must not make (not checked).
+  void release_persistent() override {
+    std::lock_guard<std::mutex> lk(held_mu_);
+    for (const Held& h : held_)
+      if (auto keep = h.storage.lock()) std::memset(h.data, 0, h.bytes);
+  }
+  void resume_persistent() override {}
   Tensor scratch(const Shape& shape, DType dtype) override { return Tensor::empty_host(shape, dtype); }
 
   void zero(Tensor& t) override { std::memset(t.data(), 0, t.nbytes()); }
@@ -350,6 +366,14 @@ class CpuBackend final : public Backend {
   ForwardBatch step_;
   std::vector<float> inv_freq_;
   float rope_factor_ = 1.0f;
+  // The persistent tensors (weak: a tensor no longer used is gone), for release_persistent.
+  struct Held {
+    std::weak_ptr<void> storage;
+    void* data;
+    size_t bytes;
+  };
+  std::mutex held_mu_;
+  std::vector<Held> held_;
 };
 
 }  // namespace

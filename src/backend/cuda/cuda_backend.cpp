@@ -9,6 +9,7 @@
 //   meta arena        the step's metadata and attention work lists, uploaded from a pinned mirror of the same layout
 #include "backend/cuda/cuda_backend.h"
 
+#include <cuda.h>
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -18,6 +19,7 @@
 #include <cstring>
 #include <map>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "backend/cpu/cpu_kernels.h"
@@ -44,6 +46,105 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
       ::mlaserve::fail("cublas: {}: status {} ({})", what, static_cast<int>(st_),           \
                        cublasGetStatusString(st_));                                         \
   } while (0)
+
+// The driver's virtual memory calls, looked up through the runtime (cudaGetDriverEntryPointByVersion), so the
+// binaries need no libcuda at link time (they build, and list their tests, on machines without a driver).
+struct DriverVmm {
+  decltype(&::cuMemGetAllocationGranularity) granularity = nullptr;
+  decltype(&::cuMemAddressReserve) reserve = nullptr;
+  decltype(&::cuMemAddressFree) address_free = nullptr;
+  decltype(&::cuMemCreate) create = nullptr;
+  decltype(&::cuMemRelease) release = nullptr;
+  decltype(&::cuMemMap) map = nullptr;
+  decltype(&::cuMemUnmap) unmap = nullptr;
+  decltype(&::cuMemSetAccess) set_access = nullptr;
+  decltype(&::cuGetErrorString) error_string = nullptr;
+  static const DriverVmm& get() {
+    static const DriverVmm api = [] {
+      DriverVmm d;
+      auto find = [](const char* name, auto& fn) {
+        void* p = nullptr;
+        cudaDriverEntryPointQueryResult q{};
+        const cudaError_t e = cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &q);
+        MLA_CHECK(e == cudaSuccess && q == cudaDriverEntryPointSuccess && p != nullptr,
+                  "cuda: the driver has no '{}' ({})", name, cudaGetErrorString(e));
+        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
+      };
+      find("cuMemGetAllocationGranularity", d.granularity);
+      find("cuMemAddressReserve", d.reserve);
+      find("cuMemAddressFree", d.address_free);
+      find("cuMemCreate", d.create);
+      find("cuMemRelease", d.release);
+      find("cuMemMap", d.map);
+      find("cuMemUnmap", d.unmap);
+      find("cuMemSetAccess", d.set_access);
+      find("cuGetErrorString", d.error_string);
+      return d;
+    }();
+    return api;
+  }
+};
+
+#define CU_OK(expr, what)                                                                          \
+  do {                                                                                             \
+    const CUresult r_ = (expr);                                                                    \
+    if (r_ != CUDA_SUCCESS) {                                                                      \
+      const char* s_ = nullptr;                                                                    \
+      DriverVmm::get().error_string(r_, &s_);                                                      \
+      ::mlaserve::fail("cuda driver: {}: {} ({})", what, s_ ? s_ : "?", static_cast<int>(r_));     \
+    }                                                                                              \
+  } while (0)
+
+// Device memory whose physical pages can be given back and taken again at the same virtual addresses (CUDA's
+// virtual memory management: an address range reserved once, a physical allocation mapped into it and unmapped).
+class RemappableMemory {
+ public:
+  RemappableMemory() = default;
+  RemappableMemory(const RemappableMemory&) = delete;
+  RemappableMemory& operator=(const RemappableMemory&) = delete;
+  ~RemappableMemory() {
+    if (mapped_) {
+      DriverVmm::get().unmap(ptr_, size_);
+      DriverVmm::get().release(handle_);
+    }
+    if (ptr_) DriverVmm::get().address_free(ptr_, size_);
+  }
+  // Reserves `bytes` (rounded up to the granularity) on `device` and maps them.
+  void create(int device, size_t bytes) {
+    prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop_.location.id = device;
+    size_t gran = 0;
+    CU_OK(DriverVmm::get().granularity(&gran, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM), "allocation granularity");
+    size_ = (bytes + gran - 1) / gran * gran;
+    CU_OK(DriverVmm::get().reserve(&ptr_, size_, 0, 0, 0), "reserving the persistent arena's addresses");
+    map();
+  }
+  void map() {
+    CU_OK(DriverVmm::get().create(&handle_, size_, &prop_, 0), "allocating the persistent arena");
+    CU_OK(DriverVmm::get().map(ptr_, size_, 0, handle_, 0), "mapping the persistent arena");
+    mapped_ = true;
+    CUmemAccessDesc access{};
+    access.location = prop_.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CU_OK(DriverVmm::get().set_access(ptr_, size_, &access, 1), "making the persistent arena accessible");
+  }
+  void unmap() {
+    CU_OK(DriverVmm::get().unmap(ptr_, size_), "unmapping the persistent arena");
+    CU_OK(DriverVmm::get().release(handle_), "releasing the persistent arena");
+    mapped_ = false;
+  }
+  bool mapped() const { return mapped_; }
+  char* base() const { return reinterpret_cast<char*>(ptr_); }
+  size_t size() const { return size_; }
+
+ private:
+  CUmemAllocationProp prop_{};
+  CUdeviceptr ptr_ = 0;
+  size_t size_ = 0;
+  CUmemGenericAllocationHandle handle_{};
+  bool mapped_ = false;
+};
 
 int64_t rows_of(const Tensor& t) { return t.dim() == 0 ? 1 : (t.size(-1) == 0 ? 0 : t.numel() / t.size(-1)); }
 
@@ -126,7 +227,9 @@ class CudaBackend final : public Backend {
     persistent_.size = persistent;
     scratch_.size = scratch;
     meta_.size = meta_bytes;
-    CUDA_OK(cudaMalloc(&persistent_.base, persistent), "allocating the persistent arena");
+    persistent_memory_.create(device, persistent);
+    persistent_.base = persistent_memory_.base();
+    CUDA_OK(cudaMemset(persistent_.base, 0, persistent), "clearing the persistent arena");
     CUDA_OK(cudaMalloc(&scratch_.base, scratch), "allocating the scratch arena");
     CUDA_OK(cudaMalloc(&meta_.base, meta_bytes), "allocating the metadata arena");
     CUDA_OK(cudaMalloc(&lt_ws_, ws_bytes), "allocating the cuBLASLt workspace");
@@ -179,7 +282,6 @@ class CudaBackend final : public Backend {
     }
     cublasDestroy(blas_);
     cublasLtDestroy(lt_);
-    cudaFree(persistent_.base);
     cudaFree(scratch_.base);
     cudaFree(meta_.base);
     cudaFree(lt_ws_);
@@ -225,6 +327,20 @@ class CudaBackend final : public Backend {
   void scratch_release(size_t mark) override {
     MLA_CHECK(mark <= scratch_.used, "scratch_release: mark {} is past the top {}", mark, scratch_.used);
     scratch_.used = mark;
+  }
+  void release_persistent() override {
+    MLA_CHECK(persistent_memory_.mapped(), "the persistent GPU memory is released already");
+    CUDA_OK(cudaDeviceSynchronize(), "synchronize before releasing memory");
+    persistent_memory_.unmap();
+    MLA_LOG_INFO("cuda: released {:.2f} GiB of weights and KV cache", persistent_memory_.size() / kGiB);
+  }
+  void resume_persistent() override {
+    MLA_CHECK(!persistent_memory_.mapped(), "the persistent GPU memory is not released");
+    persistent_memory_.map();
+    CUDA_OK(cudaMemset(persistent_.base, 0, persistent_.size), "clearing the persistent arena");
+    // What this backend keeps there itself (the model's tensors are the model's to load again).
+    if (inv_freq_.defined()) upload_into(inv_freq_host_, inv_freq_);
+    MLA_LOG_INFO("cuda: took {:.2f} GiB for weights and KV cache again", persistent_memory_.size() / kGiB);
   }
   int64_t persistent_bytes_free() const override {
     return static_cast<int64_t>(persistent_.size - std::min(persistent_.size, (persistent_.used + 255) / 256 * 256));
@@ -547,6 +663,7 @@ class CudaBackend final : public Backend {
     Tensor h = Tensor::empty_host({static_cast<int64_t>(inv_freq.size())}, DType::F32);
     std::copy(inv_freq.begin(), inv_freq.end(), h.data_as<float>());
     inv_freq_ = upload(h, DType::F32);
+    inv_freq_host_ = h;  // (uploaded again when the persistent memory comes back: resume_persistent)
     rope_dim_ = static_cast<int64_t>(inv_freq.size()) * 2;
     rope_factor_ = attention_factor;
   }
@@ -1019,6 +1136,8 @@ class CudaBackend final : public Backend {
   void* lt_ws_ = nullptr;
   size_t lt_ws_size_ = 0;
   void* blas_ws_ = nullptr;
+  RemappableMemory persistent_memory_;  // persistent_'s memory (released and taken again: release_persistent)
+  Tensor inv_freq_host_;                 // set_rope's table, kept to upload again after resume_persistent
   Arena persistent_, scratch_, meta_;
   char* pinned_ = nullptr;  // two halves of meta_.size bytes, one per step in turn
   int staging_half_ = 0;
