@@ -349,6 +349,7 @@ void Engine::loop() {
   for (;;) {
     std::deque<std::pair<int32_t, GenerateRequest>> in;
     std::deque<std::pair<std::string, FinishReason>> ab;
+    std::vector<std::pair<GenerateRequest, FinishReason>> dropped;  // aborted while waiting in the inbox
     int flushes = 0;
     std::optional<bool> update;  // a weight update waits (its abort_all_requests)
     bool pausing = false, paused = false;
@@ -375,8 +376,30 @@ void Engine::loop() {
       for (PendingUpdate& p : updates_) p.ahead -= std::min(p.ahead, n);
       for (PendingPause& p : pauses_) p.ahead -= std::min(p.ahead, n);
       ab.swap(aborts_);
+      // An abort of a request still waiting in the inbox (behind a pause or an update) takes it out there.
+      for (auto a = ab.begin(); a != ab.end();) {
+        const auto it =
+            std::find_if(inbox_.begin(), inbox_.end(), [&](const auto& q) { return q.second.rid == a->first; });
+        if (it == inbox_.end()) {
+          ++a;
+          continue;
+        }
+        const auto pos = static_cast<size_t>(it - inbox_.begin());
+        for (PendingUpdate& p : updates_) p.ahead -= p.ahead > pos ? 1 : 0;
+        for (PendingPause& p : pauses_) p.ahead -= p.ahead > pos ? 1 : 0;
+        dropped.emplace_back(std::move(it->second), std::move(a->second));
+        inbox_.erase(it);
+        a = ab.erase(a);
+      }
       flushes = flush_requests_ - flush_done_;
     }
+    for (auto& [r, reason] : dropped)
+      if (r.on_output) {
+        GenerateOutput o;
+        o.finished = true;
+        o.finish = reason;
+        r.on_output(o);
+      }
     for (auto& [g, r] : in) {
       auto cb = r.on_output;
       try {

@@ -790,13 +790,12 @@ void RankSet::abort_communicators() {
   for (Communicator* c : comms) c->abort();
 }
 
-std::string RankSet::reload_local(const std::string& dir) {
+std::string RankSet::on_local_ranks(const std::function<void(Rank&)>& fn) {
   std::vector<std::string> errors(ranks_.size());
   run_on_all([&](int i) {
     Rank& rk = *ranks_[static_cast<size_t>(i)];
-    try {  // caught here: a rank's exception would abort the communicators (a reload runs no collective)
-      rk.model->reload(dir);
-      rk.backend->synchronize();
+    try {  // caught here: a rank's exception would abort the communicators (these jobs run no collective)
+      fn(rk);
     } catch (const std::exception& e) {
       errors[static_cast<size_t>(i)] = fmt::format("rank {}: {}", rk.global, e.what());
     }
@@ -804,6 +803,13 @@ std::string RankSet::reload_local(const std::string& dir) {
   for (const std::string& e : errors)
     if (!e.empty()) return e;
   return {};
+}
+
+std::string RankSet::reload_local(const std::string& dir) {
+  return on_local_ranks([&](Rank& rk) {
+    rk.model->reload(dir);
+    rk.backend->synchronize();
+  });
 }
 
 std::string RankSet::on_every_node(const std::string& msg, const std::function<std::string()>& local) {
@@ -857,25 +863,16 @@ void RankSet::reload_weights(const std::string& dir) {
 }
 
 std::string RankSet::memory_local(bool release) {
-  std::vector<std::string> errors(ranks_.size());
-  run_on_all([&](int i) {
-    Rank& rk = *ranks_[static_cast<size_t>(i)];
-    try {  // (caught here, as in reload_local)
-      if (release) {
-        rk.backend->synchronize();
-        rk.backend->release_persistent();
-      } else {
-        rk.backend->resume_persistent();
-        rk.model->refill();
-        rk.backend->synchronize();
-      }
-    } catch (const std::exception& e) {
-      errors[static_cast<size_t>(i)] = fmt::format("rank {}: {}", rk.global, e.what());
+  return on_local_ranks([&](Rank& rk) {
+    if (release) {
+      rk.backend->synchronize();
+      rk.backend->release_persistent();
+    } else {
+      rk.backend->resume_persistent();
+      rk.model->refill();
+      rk.backend->synchronize();
     }
   });
-  for (const std::string& e : errors)
-    if (!e.empty()) return e;
-  return {};
 }
 
 void RankSet::release_memory() {

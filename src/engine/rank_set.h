@@ -180,6 +180,8 @@ class RankSet {
   // Node 0, with other nodes: finish() of a step they run too (they finish it alongside and send their outputs).
   std::vector<GroupOutput> finish_remote(Launched& h);
   void allocate_kv_local(int32_t num_pages, int32_t page_size);
+  // fn on every local rank (its exceptions caught there): the first rank's error, empty when none failed.
+  std::string on_local_ranks(const std::function<void(Rank&)>& fn);
   // DeepseekModel::reload on every local rank: the first rank's error, empty when all loaded DIR.
   std::string reload_local(const std::string& dir);
   // Backend::release_persistent (release) or resume_persistent + DeepseekModel::refill on every local rank: the first

@@ -183,12 +183,17 @@ std::vector<int32_t> reference_tokens(const std::string& dir, const std::vector<
   return test::wait_ids(f);
 }
 
-WeightUpdateResult update(EngineClient& e, const WeightUpdate& u) {
+// The result an engine call (update_weights, release_memory, resume_memory) hands its callback.
+WeightUpdateResult result_of(const std::function<void(std::function<void(const WeightUpdateResult&)>)>& call) {
   auto done = std::make_shared<std::promise<WeightUpdateResult>>();
   auto fut = done->get_future();
-  e.update_weights(u, [done](const WeightUpdateResult& r) { done->set_value(r); });
+  call([done](const WeightUpdateResult& r) { done->set_value(r); });
   EXPECT_EQ(fut.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "hang?";
   return fut.get();
+}
+
+WeightUpdateResult update(EngineClient& e, const WeightUpdate& u) {
+  return result_of([&](auto cb) { e.update_weights(u, std::move(cb)); });
 }
 
 }  // namespace
@@ -409,6 +414,12 @@ TEST(PauseGeneration, ModesKeepOrEndTheRequests) {
       }
       const int64_t steps = total_steps(e);
       auto later = submit_collected(e, "later", {7, 7, 8}, 6);
+      auto gone = submit_collected(e, "gone", {7, 7, 9}, 6);  // aborted while it waits: ends at once
+      FinishReason bye;
+      bye.kind = FinishKind::Abort;
+      bye.message = "client left";
+      e.abort("gone", bye);
+      EXPECT_EQ(wait_finished(*gone).finish.message, "client left");
       std::this_thread::sleep_for(std::chrono::milliseconds(30));
       EXPECT_EQ(total_steps(e), steps) << "a step ran while paused";
       EXPECT_EQ(e.stats()[0].num_queue_reqs + e.stats()[0].num_running_reqs,
@@ -493,13 +504,7 @@ TEST(PauseGeneration, WeightsUpdatedWhilePaused) {
 namespace {
 
 WeightUpdateResult memory_op(EngineClient& e, bool release) {
-  auto done = std::make_shared<std::promise<WeightUpdateResult>>();
-  auto fut = done->get_future();
-  auto cb = [done](const WeightUpdateResult& r) { done->set_value(r); };
-  if (release) e.release_memory(cb);
-  else e.resume_memory(cb);
-  EXPECT_EQ(fut.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "hang?";
-  return fut.get();
+  return result_of([&](auto cb) { release ? e.release_memory(std::move(cb)) : e.resume_memory(std::move(cb)); });
 }
 
 }  // namespace
