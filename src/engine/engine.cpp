@@ -16,6 +16,14 @@ using PhaseClock = std::chrono::steady_clock;
 double ms_since(PhaseClock::time_point t) {
   return std::chrono::duration<double, std::milli>(PhaseClock::now() - t).count();
 }
+// Tells the client of a request that never reached a scheduler that it ended (aborted, refused, shut down).
+void end_unscheduled(const std::function<void(const GenerateOutput&)>& on_output, const FinishReason& f) {
+  if (!on_output) return;
+  GenerateOutput o;
+  o.finished = true;
+  o.finish = f;
+  on_output(o);
+}
 }  // namespace
 
 Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
@@ -369,9 +377,13 @@ void Engine::loop() {
       if (!updates_.empty()) hold = std::min(hold, updates_.front().ahead);
       if (!updates_.empty()) update = updates_.front().u.abort_all_requests;
       const size_t n = std::min(hold, inbox_.size());
-      for (size_t i = 0; i < n; ++i) {
-        in.push_back(std::move(inbox_.front()));
-        inbox_.pop_front();
+      if (n == inbox_.size()) {
+        in.swap(inbox_);  // (the usual case: nothing holds requests back)
+      } else {
+        for (size_t i = 0; i < n; ++i) {
+          in.push_back(std::move(inbox_.front()));
+          inbox_.pop_front();
+        }
       }
       for (PendingUpdate& p : updates_) p.ahead -= std::min(p.ahead, n);
       for (PendingPause& p : pauses_) p.ahead -= std::min(p.ahead, n);
@@ -393,25 +405,16 @@ void Engine::loop() {
       }
       flushes = flush_requests_ - flush_done_;
     }
-    for (auto& [r, reason] : dropped)
-      if (r.on_output) {
-        GenerateOutput o;
-        o.finished = true;
-        o.finish = reason;
-        r.on_output(o);
-      }
+    for (auto& [r, reason] : dropped) end_unscheduled(r.on_output, reason);
     for (auto& [g, r] : in) {
       auto cb = r.on_output;
       try {
         scheds_[static_cast<size_t>(g)]->add(std::move(r));
       } catch (const Error& e) {
-        if (cb) {
-          GenerateOutput o;
-          o.finished = true;
-          o.finish.kind = FinishKind::Abort;
-          o.finish.message = e.what();
-          cb(o);
-        }
+        FinishReason f;
+        f.kind = FinishKind::Abort;
+        f.message = e.what();
+        end_unscheduled(cb, f);
       }
     }
     for (auto& [rid, reason] : ab)
@@ -476,13 +479,7 @@ void Engine::loop() {
     pauses.swap(pauses_);
   }
   for (auto& p : pauses) p.done(false);
-  for (auto& [g, r] : in)
-    if (r.on_output) {
-      GenerateOutput o;
-      o.finished = true;
-      o.finish = f;
-      r.on_output(o);
-    }
+  for (auto& [g, r] : in) end_unscheduled(r.on_output, f);
   for (auto& s : scheds_) s->abort_all(f);
   publish_stats();
   deliver_outputs();

@@ -875,41 +875,26 @@ std::string RankSet::memory_local(bool release) {
   });
 }
 
-void RankSet::release_memory() {
-  MLA_CHECK(pc_.node_rank == 0, "RankSet::release_memory runs on node 0 only");
+void RankSet::release_memory() { set_memory_released(true); }
+void RankSet::resume_memory() { set_memory_released(false); }
+
+void RankSet::set_memory_released(bool release) {
+  MLA_CHECK(pc_.node_rank == 0, "RankSet::release_memory / resume_memory run on node 0 only");
   MLA_CHECK(weights_lost_.empty(), "the model has no weights: {}", weights_lost_);
-  MLA_CHECK(!released_, "the GPU memory is released already");
+  MLA_CHECK(released_ != release, "the GPU memory is {}", release ? "released already" : "not released");
   const bool remote = link_ && pc_.nnodes > 1;
   if (remote) check_not_stopped();
   std::string err;
   try {
-    err = on_every_node(std::string{kMemory, 'R'}, [&] { return memory_local(true); });
+    err = on_every_node(std::string{kMemory, release ? 'R' : 'U'}, [&] { return memory_local(release); });
   } catch (const std::exception& e) {
     err = e.what();
   }
-  released_ = true;  // (on every rank that could: a failed one keeps its memory; resume_memory takes the rest again)
+  // (A failed release leaves the ranks that could released: resume_memory takes theirs again.)
+  if (release || err.empty()) released_ = release;
   if (err.empty()) return;
-  weights_lost_ = fmt::format("releasing the GPU memory failed: {}; restart the server", err);
-  if (remote) stop_nodes(weights_lost_);
-  fail("{}", weights_lost_);
-}
-
-void RankSet::resume_memory() {
-  MLA_CHECK(pc_.node_rank == 0, "RankSet::resume_memory runs on node 0 only");
-  MLA_CHECK(weights_lost_.empty(), "the model has no weights: {}", weights_lost_);
-  MLA_CHECK(released_, "the GPU memory is not released");
-  const bool remote = link_ && pc_.nnodes > 1;
-  std::string err;
-  try {
-    err = on_every_node(std::string{kMemory, 'U'}, [&] { return memory_local(false); });
-  } catch (const std::exception& e) {
-    err = e.what();
-  }
-  if (err.empty()) {
-    released_ = false;
-    return;
-  }
-  weights_lost_ = fmt::format("taking the GPU memory again failed: {}; restart the server", err);
+  weights_lost_ = fmt::format("{} the GPU memory failed: {}; restart the server",
+                              release ? "releasing" : "taking again", err);
   if (remote) stop_nodes(weights_lost_);
   fail("{}", weights_lost_);
 }

@@ -187,6 +187,8 @@ class RankSet {
   // Backend::release_persistent (release) or resume_persistent + DeepseekModel::refill on every local rank: the first
   // rank's error, empty when all did.
   std::string memory_local(bool release);
+  // release_memory (true) and resume_memory (false).
+  void set_memory_released(bool release);
   // Node 0: sends `msg` to the other nodes (when there are), runs `local`, and gathers their answers (kReloaded with
   // an error or none); the first error of any node, empty when none.
   std::string on_every_node(const std::string& msg, const std::function<std::string()>& local);

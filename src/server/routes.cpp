@@ -666,7 +666,7 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/get_weight_version") {  // SGLang's
       if (!get) method_not_allowed(req);
       respond_json(ex, 200, dump(ojson{{"weight_version", weights_info().second}}));
-    } else if (path == "/update_weight_version") {  // SGLang's: {"new_version", "abort_all_requests"}
+    } else if (path == "/update_weight_version") {  // SGLang's: {"new_version"} (its abort_all_requests not taken)
       if (!post) method_not_allowed(req);
       const json body = parse_body(req.body);
       const auto v = body.find("new_version");
@@ -1021,7 +1021,7 @@ void Api::update_weights_from_disk(const HttpRequest& req, const std::shared_ptr
   auto field = [&](const char* name, json::value_t type, const char* what) -> const json* {
     const auto it = body.find(name);
     if (it == body.end() || it->is_null()) return nullptr;
-    if (it->type() != type && !(type == json::value_t::number_integer && it->is_number_integer()))
+    if (it->type() != type)
       throw ApiError(400, fmt::format("'{}' must be {}, got {}", name, what, it->dump()), name, "invalid_value");
     return &*it;
   };

@@ -26,6 +26,13 @@ namespace {
 
 const std::vector<int32_t> kPrompt{5, 17, 300, 2, 99, 41, 7, 12, 250};
 
+// Another training step's weights of the v2lite golden model (its projections scaled), in a new folder.
+fs::path new_v2lite_weights(const std::string& tag) {
+  const fs::path dir = test::temp_dir(tag);
+  test::write_scaled_checkpoint("v2lite", dir, 1.25f);
+  return dir;
+}
+
 // The prompt's logits (every position) on the ranks.
 std::vector<float> ranks_logits(RankSet& ranks) {
   OfflineOptions o;
@@ -143,12 +150,11 @@ TEST(WeightUpdate, AnotherModelIsRefusedNamingTheDifference) {
 // previous checkpoint again: the error names the tensor, the logits are the old ones, and a good update still works.
 // If the previous checkpoint is gone too, every later step fails, saying why.
 TEST(WeightUpdate, AFailurePartWayLoadsThePreviousWeightsAgain) {
-  const fs::path a = copy_family("v2lite", "wu-a"), bad = test::temp_dir("wu-bad"), b = test::temp_dir("wu-good");
+  const fs::path a = copy_family("v2lite", "wu-a"), bad = test::temp_dir("wu-bad"), b = new_v2lite_weights("wu-good");
   test::rewrite_checkpoint("v2lite", bad, [](std::map<std::string, Tensor>& ts) {
     test::scale_projections(ts, 0.5f);  // new weights up to the last layer, then one missing
     ts.erase("model.layers.1.mlp.experts.5.down_proj.weight");
   });
-  test::write_scaled_checkpoint("v2lite", b, 1.25f);
   auto ranks = test::cpu_ranks_at(a.string(), /*tp=*/2);
   const std::vector<float> la = ranks_logits(*ranks);
 
@@ -203,8 +209,7 @@ WeightUpdateResult update(EngineClient& e, const WeightUpdate& u) {
 // every layout, with overlap scheduling on and off and decode graphs.
 TEST(WeightUpdate, EngineFinishesRunningRequestsThenServesTheNewWeights) {
   const std::string a = test::golden_dir("v2lite");
-  const fs::path b = test::temp_dir("wu-eng");
-  test::write_scaled_checkpoint("v2lite", b, 1.25f);
+  const fs::path b = new_v2lite_weights("wu-eng");
   const std::vector<int32_t> prompt{3, 14, 15, 92, 65, 35, 89, 79};
   struct Layout {
     int32_t tp, dp, graphs;
@@ -245,8 +250,7 @@ TEST(WeightUpdate, EngineFinishesRunningRequestsThenServesTheNewWeights) {
 // abort_all_requests: the running request ends at once (aborted, saying why) instead of finishing first.
 TEST(WeightUpdate, AbortAllRequestsEndsTheRunningOnesFirst) {
   const std::string a = test::golden_dir("v2lite");
-  const fs::path b = test::temp_dir("wu-abort");
-  test::write_scaled_checkpoint("v2lite", b, 1.25f);
+  const fs::path b = new_v2lite_weights("wu-abort");
   for (bool overlap : {false, true}) {
     SCOPED_TRACE(overlap);
     Engine e(test::cpu_ranks_at(a), test::small_engine_options(overlap));
@@ -294,8 +298,7 @@ class RefusingReplica final : public EngineClient {
 // weights again, so the replicas keep serving one model.
 TEST(WeightUpdate, DpReplicasUpdateTogetherOrNotAtAll) {
   const std::string a = test::golden_dir("v2lite");
-  const fs::path b = test::temp_dir("wu-dpb");
-  test::write_scaled_checkpoint("v2lite", b, 1.25f);
+  const fs::path b = new_v2lite_weights("wu-dpb");
   const std::vector<int32_t> prompt{3, 14, 15, 92, 65, 35};
   const auto old_tokens = reference_tokens(a, prompt, 8);
   const auto new_tokens = reference_tokens(b.string(), prompt, 8);
@@ -453,8 +456,7 @@ TEST(PauseGeneration, ModesKeepOrEndTheRequests) {
 // old model's, the rest the new model's continuation of them.
 TEST(PauseGeneration, WeightsUpdatedWhilePaused) {
   const std::string a = test::golden_dir("v2lite");
-  const fs::path b = test::temp_dir("wu-pause");
-  test::write_scaled_checkpoint("v2lite", b, 1.25f);
+  const fs::path b = new_v2lite_weights("wu-pause");
   const std::vector<int32_t> prompt{3, 14, 15, 92, 65, 35, 89, 79};
   const auto old_tokens = reference_tokens(a, prompt, 30);
   for (PauseMode mode : {PauseMode::Retract, PauseMode::InPlace})
@@ -516,8 +518,7 @@ WeightUpdateResult memory_op(EngineClient& e, bool release) {
 // releasing then is refused.
 TEST(MemoryOccupation, ReleasedMemoryIsTakenAgainWithTheWeights) {
   const std::string a = test::golden_dir("v2lite");
-  const fs::path b = test::temp_dir("wu-mem");
-  test::write_scaled_checkpoint("v2lite", b, 1.25f);
+  const fs::path b = new_v2lite_weights("wu-mem");
   const std::vector<int32_t> prompt{3, 14, 15, 92, 65, 35, 89, 79};
   const auto want_b = reference_tokens(b.string(), prompt, 10);
   for (bool overlap : {false, true}) {
