@@ -264,6 +264,14 @@ class Backend {
     add_rmsnorm(x, residual_out, norm_w, eps, normed);
     moe_gate(normed, router, bias, p, topk_ids, topk_weights);
   }
+  // Expert distribution recording: counts[e] (I64 [E_total]) += the (row, k) pairs of topk_ids [R, k] (I32) that chose
+  // expert e, over the rows the step's ForwardBatch::moe_rows names (all R when it has none); ids outside [0, E_total)
+  // are skipped. A recorded graph reads moe_rows when it replays. CPU reference: CpuBackend.
+  virtual void count_experts(const Tensor& topk_ids, Tensor& counts) {
+    (void)topk_ids;
+    (void)counts;
+    fail("the {} backend cannot count routed experts", name());
+  }
   // Whether moe_experts takes routed experts kept in FP8 (F8_E4M3 gate_up / down with their BlockScales): the loader
   // then keeps an FP8 checkpoint's experts quantized (half the memory of bf16) instead of dequantizing them.
   virtual bool takes_fp8_experts() const { return false; }

@@ -77,6 +77,7 @@ class ForwardingBackend : public Backend {
                    const Tensor* sg, const Tensor* sd, Tensor& o) override {
     b_.moe_experts(x, i, w, g, d, eb, sg, sd, o);
   }
+  void count_experts(const Tensor& i, Tensor& c) override { b_.count_experts(i, c); }
   void sample(const Tensor& l, std::span<const RowSampling> p, Tensor& i, Tensor* lp) override { b_.sample(l, p, i, lp); }
   void set_rope(const std::vector<float>& f, float a) override { b_.set_rope(f, a); }
 
@@ -143,6 +144,7 @@ class GraphRecorder final : public ForwardingBackend {
   void moe_route(const Tensor& l, const Tensor* bias, const RouterParams& p, Tensor& i, Tensor& w) override {
     run([this, l, bias, p, i, w]() mutable { b_.moe_route(l, bias, p, i, w); });
   }
+  void count_experts(const Tensor& i, Tensor& c) override { run([this, i, c]() mutable { b_.count_experts(i, c); }); }
   void moe_experts(const Tensor& x, const Tensor& i, const Tensor& w, const Tensor& g, const Tensor& d, int32_t eb,
                    const Tensor* sg, const Tensor* sd, Tensor& o) override {
     const Tensor sgv = sg ? *sg : Tensor(), sdv = sd ? *sd : Tensor();

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <iostream>
+#include <numeric>
 #include <random>
 
 #include <fmt/format.h>
@@ -127,7 +128,10 @@ const RegisterCommand reg("bench-one-batch", "prefill and decode latency / throu
   auto max_prefill = std::make_shared<int32_t>(16384);
   auto warmup = std::make_shared<bool>(true);
   auto input_seed = std::make_shared<uint64_t>(1);
+  auto recorder = std::make_shared<std::string>();
   args->add_to(app);
+  app.add_option("--expert-distribution-recorder-mode", *recorder,
+                 "stat: count the routed experts during the run (as serve records them), and print their sums");
   app.add_option("--batch-size", *batch, "sequences in the batch")->capture_default_str();
   app.add_option("--input-len", *in_len, "prompt tokens per sequence")->capture_default_str();
   app.add_option("--output-len", *out_len, "generated tokens per sequence (the first comes from the prefill)")
@@ -143,7 +147,10 @@ const RegisterCommand reg("bench-one-batch", "prefill and decode latency / throu
     const ModelConfig cfg = ModelConfig::from_file(args->model_path);
     MLA_CHECK(args->enable_dp_attention || args->dp == 1, "bench-one-batch runs one replica: --dp needs --enable-dp-attention");
     MLA_CHECK(args->nnodes == 1, "bench-one-batch runs on one node");
-    const ParallelConfig pc = args->parallel_config();
+    MLA_CHECK(recorder->empty() || *recorder == "stat" || *recorder == "stat_approx",
+              "--expert-distribution-recorder-mode: '{}' (stat or stat_approx)", *recorder);
+    ParallelConfig pc = args->parallel_config();
+    pc.count_experts = !recorder->empty();
     RankSet ranks(cfg, pc, args->model_path, args->load_options());
     const int32_t ps = args->page_size;
     const int32_t pages_per_seq = (*in_len + *out_len + ps - 1) / ps;
@@ -163,7 +170,19 @@ const RegisterCommand reg("bench-one-batch", "prefill and decode latency / throu
     }
     BatchRunner runner(ranks, ps, prompts, pages, *max_prefill);
     if (*warmup) runner.run(std::min(*out_len, 3), args->form());
+    if (pc.count_experts) ranks.reset_expert_counts();
     const RunResult r = runner.run(*out_len, args->form());
+    if (pc.count_experts) {
+      // Every MoE layer routed each forwarded token (the prompts and every new token but the last) to k experts.
+      const std::vector<int64_t> counts = ranks.expert_counts();
+      const int64_t E = cfg.n_routed_experts;
+      std::vector<int64_t> sums;
+      for (int64_t l = 0; l < cfg.num_hidden_layers; ++l)
+        if (cfg.is_moe_layer(l))
+          sums.push_back(std::accumulate(counts.begin() + l * E, counts.begin() + (l + 1) * E, int64_t{0}));
+      fmt::print("  experts: routed pairs per MoE layer {} (expected {} each)\n", fmt::join(sums, " "),
+                 static_cast<int64_t>(*batch) * (*in_len + *out_len - 1) * cfg.num_experts_per_tok);
+    }
 
     const double prefill_tokens = static_cast<double>(*batch) * *in_len;
     const double dec_med = median(r.decode_s);

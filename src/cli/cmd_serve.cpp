@@ -49,6 +49,9 @@ struct ServeArgs {
   bool expert_parallel = false;  // vLLM's --enable-expert-parallel, SGLang's --enable-ep-moe / --ep-size = --tp
   int32_t ep_size = 0;           // SGLang's --ep-size (0: not given)
   std::string load_format = "auto", dtype = "auto", quantization, kv_cache_dtype = "auto";
+  std::string expert_recorder_mode;          // SGLang's --expert-distribution-recorder-mode (empty: off)
+  bool expert_distribution_metrics = false;  // SGLang's --enable-expert-distribution-metrics: recording from the start
+  int64_t expert_recorder_buffer_size = -1;  // SGLang's --expert-distribution-recorder-buffer-size (counts kept whole)
   double mem_fraction_static = 0.0;
   int32_t max_running_requests = 0;
   int64_t max_total_tokens = 0;
@@ -361,6 +364,10 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["load_format"] = a.load_format;
   j["dtype"] = a.dtype;
   j["kv_cache_dtype"] = a.kv_cache_dtype;
+  j["expert_distribution_recorder_mode"] =
+      a.expert_recorder_mode.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.expert_recorder_mode);
+  j["enable_expert_distribution_metrics"] = a.expert_distribution_metrics;
+  j["expert_distribution_recorder_buffer_size"] = a.expert_recorder_buffer_size;
   j["base_gpu_id"] = a.base_gpu_id;
   j["gpu_id_step"] = a.gpu_id_step;
   j["mem_fraction_static"] = a.mem_fraction_static;
@@ -497,6 +504,15 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--quantization", a->quantization,
                  "fp8: quantize a bf16 checkpoint's routed experts to FP8 at load (else only the checkpoint's own)");
   app.add_option("--kv-cache-dtype", a->kv_cache_dtype, kKvCacheDtypeHelp)->capture_default_str();
+  app.add_option("--expert-distribution-recorder-mode", a->expert_recorder_mode,
+                 "stat (or stat_approx, the same): count the routed experts per layer for "
+                 "/start_expert_distribution_record, /stop_... and /dump_... (written to "
+                 "$SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, default /tmp)");
+  app.add_flag("--enable-expert-distribution-metrics", a->expert_distribution_metrics,
+               "record the expert distribution from the start (with --expert-distribution-recorder-mode; SGLang's "
+               "defaults to stat)");
+  app.add_option("--expert-distribution-recorder-buffer-size", a->expert_recorder_buffer_size,
+                 "accepted for compatibility: the counts are kept whole (summed over the recording), not per step");
   app.add_option("--mem-fraction-static,--gpu-memory-utilization", a->mem_fraction_static,
                  "fraction of device memory for weights + KV cache");
   app.add_option("--max-running-requests,--max-num-seqs", a->max_running_requests,
@@ -774,6 +790,10 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     ea.spec_max_batch = s.spec_max_batch;
     ea.cuda_graph_max_bs = s.cuda_graph_max_bs;
     ea.kv_cache_dtype = s.kv_cache_dtype;
+    // SGLang: the metrics flag alone records with the stat mode.
+    ea.expert_distribution_recorder_mode =
+        s.expert_recorder_mode.empty() && s.expert_distribution_metrics ? "stat" : s.expert_recorder_mode;
+    ea.expert_distribution_record_at_start = s.expert_distribution_metrics;
     ea.disable_cuda_graph = s.disable_cuda_graph;
     ea.dist_timeout_s = s.dist_timeout;
     ea.base_gpu_id = s.base_gpu_id;
@@ -801,6 +821,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.served_model_name = s.served_model_name;
     so.model_path = s.model_path;
     so.weight_version = s.weight_version;
+    if (const char* d = std::getenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR"); d && *d)
+      so.expert_distribution_dir = d;
     so.tokenizer_path = s.skip_tokenizer_init ? "" : s.tokenizer_path;
     so.max_body_bytes = s.max_body_bytes;
     so.num_threads = s.num_http_threads;

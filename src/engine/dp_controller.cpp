@@ -146,6 +146,41 @@ void DpController::resume_memory(std::function<void(const WeightUpdateResult&)> 
   on_all([](EngineClient& e, auto cb) { e.resume_memory(std::move(cb)); }, std::move(done));
 }
 
+void DpController::expert_record(ExpertRecordOp op, std::function<void(const ExpertRecord&)> done) {
+  struct Sum {
+    std::mutex mu;
+    size_t left = 0;
+    bool failed = false;
+    ExpertRecord result;
+    std::function<void(const ExpertRecord&)> done;
+  };
+  auto c = std::make_shared<Sum>();
+  c->left = replicas_.size();
+  c->result.ok = true;
+  c->done = std::move(done);
+  for (size_t r = 0; r < replicas_.size(); ++r)
+    replicas_[r]->expert_record(op, [c, r](const ExpertRecord& res) {
+      bool last = false;
+      {
+        std::lock_guard<std::mutex> lk(c->mu);
+        if (!res.ok && !c->failed) {
+          c->failed = true;
+          c->result.ok = false;
+          c->result.message = fmt::format("replica {}: {}", r, res.message);
+          c->result.counts.clear();
+        } else if (res.ok && !c->failed) {
+          c->result.num_layers = res.num_layers;
+          c->result.num_experts = res.num_experts;
+          c->result.recording = res.recording;
+          if (c->result.counts.size() < res.counts.size()) c->result.counts.resize(res.counts.size(), 0);
+          for (size_t i = 0; i < res.counts.size(); ++i) c->result.counts[i] += res.counts[i];
+        }
+        last = --c->left == 0;
+      }
+      if (last) c->done(c->result);
+    });
+}
+
 bool DpController::continue_generation() {
   bool ok = true;
   for (auto& e : replicas_) ok &= e->continue_generation();

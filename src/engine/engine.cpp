@@ -59,6 +59,7 @@ Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
   if (const char* e = std::getenv("MLASERVE_ENGINE_STATS"); e && *e && *e != '0') phase_stats_ = true;
   published_.resize(scheds_.size());
   publish_stats();
+  recording_ = opts_.record_experts && ranks_->counts_experts();
   out_thread_ = std::thread([this] { output_loop(); });
   thread_ = std::thread([this] { loop(); });
 }
@@ -245,6 +246,7 @@ WeightUpdateResult Engine::run_job(const PendingUpdate& job) {
       for (auto& s : scheds_) held += s->num_running();
       MLA_CHECK(held == 0, "{} requests are paused in place with their KV cache: pause with mode retract or abort "
                 "before releasing the memory", held);
+      if (recording_) recorded_ = recorded_counts();  // (the device's counts go with the memory)
       ranks_->release_memory();
       for (auto& s : scheds_) s->flush_cache();  // (its pages' contents go with the memory)
       {
@@ -260,12 +262,93 @@ WeightUpdateResult Engine::run_job(const PendingUpdate& job) {
         std::lock_guard<std::mutex> lk(mu_);
         released_ = false;
       }
+      if (ranks_->counts_experts()) ranks_->reset_expert_counts();  // (recorded_ holds what came before)
       res.message = fmt::format("took the memory again; weights of {} loaded again", ranks_->model_dir());
       break;
     }
   }
   res.ok = true;
   return res;
+}
+
+void Engine::expert_record(ExpertRecordOp op, std::function<void(const ExpertRecord&)> done) {
+  bool queued = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!stop_) {
+      records_.emplace_back(op, done);
+      queued = true;
+    }
+  }
+  if (queued) {
+    cv_.notify_one();
+    return;
+  }
+  ExpertRecord r;
+  r.message = "the server is shutting down";
+  done(r);
+}
+
+std::vector<int64_t> Engine::recorded_counts() {
+  std::vector<int64_t> c = recorded_;
+  bool released = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    released = released_;
+  }
+  if (released) return c;
+  const std::vector<int64_t> dev = ranks_->expert_counts();
+  if (c.empty()) return dev;
+  for (size_t i = 0; i < c.size() && i < dev.size(); ++i) c[i] += dev[i];
+  return c;
+}
+
+void Engine::run_records(RecordJobs& jobs) {
+  const ModelConfig& cfg = ranks_->config();
+  for (auto& [op, done] : jobs) {
+    ExpertRecord r;
+    try {
+      MLA_CHECK(ranks_->counts_experts(), "expert distribution recording is off: start the server with "
+                "--expert-distribution-recorder-mode stat");
+      bool released = false;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        released = released_;
+      }
+      // Zeroes the device's counts (they start again from zero after resume_memory when released).
+      auto zero_device = [&] {
+        if (!released) ranks_->reset_expert_counts();
+      };
+      switch (op) {
+        case ExpertRecordOp::Start:
+          if (recording_) MLA_LOG_WARN("expert distribution: already recording; starting again from zero");
+          zero_device();
+          recorded_.clear();
+          recording_ = true;
+          break;
+        case ExpertRecordOp::Stop:
+          if (!recording_) MLA_LOG_WARN("expert distribution: stop without a recording");
+          else recorded_ = recorded_counts();
+          recording_ = false;
+          break;
+        case ExpertRecordOp::Dump:
+          r.counts = recording_ ? recorded_counts() : recorded_;
+          r.counts.resize(static_cast<size_t>(cfg.num_hidden_layers * cfg.n_routed_experts), 0);
+          zero_device();
+          recorded_.clear();
+          break;
+      }
+      r.ok = true;
+      r.num_layers = cfg.num_hidden_layers;
+      r.num_experts = cfg.n_routed_experts;
+    } catch (const std::exception& e) {
+      r.ok = false;
+      r.message = e.what();
+      r.counts.clear();
+    }
+    r.recording = recording_;
+    done(r);
+  }
 }
 
 void Engine::pause_generation(PauseMode mode, std::function<void(bool)> done) {
@@ -359,6 +442,7 @@ void Engine::loop() {
     std::deque<std::pair<std::string, FinishReason>> ab;
     std::vector<std::pair<GenerateRequest, FinishReason>> dropped;  // aborted while waiting in the inbox
     int flushes = 0;
+    RecordJobs records;
     std::optional<bool> update;  // a weight update waits (its abort_all_requests)
     bool pausing = false, paused = false;
     {
@@ -366,7 +450,7 @@ void Engine::loop() {
       const bool busy = (has_work() || inflight_.has_value()) && !paused_ && !released_;
       cv_.wait_for(lk, std::chrono::milliseconds(busy ? 0 : 50), [&] {
         return stop_ || (!inbox_.empty() && !paused_ && !released_) || !aborts_.empty() ||
-               flush_requests_ > flush_done_ || !updates_.empty() || !pauses_.empty() || busy;
+               flush_requests_ > flush_done_ || !updates_.empty() || !pauses_.empty() || !records_.empty() || busy;
       });
       if (stop_) break;
       pausing = !pauses_.empty();
@@ -388,6 +472,7 @@ void Engine::loop() {
       for (PendingUpdate& p : updates_) p.ahead -= std::min(p.ahead, n);
       for (PendingPause& p : pauses_) p.ahead -= std::min(p.ahead, n);
       ab.swap(aborts_);
+      records.swap(records_);
       // An abort of a request still waiting in the inbox (behind a pause or an update) takes it out there.
       for (auto a = ab.begin(); a != ab.end();) {
         const auto it =
@@ -433,6 +518,7 @@ void Engine::loop() {
     }
     if (pausing) run_pause();
     if (update) run_update(*update);
+    if (!records.empty()) run_records(records);
     {
       std::lock_guard<std::mutex> lk(mu_);
       paused = paused_ || released_;
@@ -479,6 +565,16 @@ void Engine::loop() {
     pauses.swap(pauses_);
   }
   for (auto& p : pauses) p.done(false);
+  RecordJobs records;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    records.swap(records_);
+  }
+  for (auto& [op, done] : records) {
+    ExpertRecord r;
+    r.message = "the server is shutting down";
+    done(r);
+  }
   for (auto& [g, r] : in) end_unscheduled(r.on_output, f);
   for (auto& s : scheds_) s->abort_all(f);
   publish_stats();

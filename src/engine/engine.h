@@ -45,6 +45,8 @@ struct EngineOptions {
   int32_t spec_ngram_min = 1;
   int32_t spec_ngram_max = 3;
   int32_t spec_max_batch = 0;  // SchedulerConfig::spec_max_batch
+  // With RankSet::counts_experts: the expert distribution is recorded from the start (as after ExpertRecordOp::Start).
+  bool record_experts = false;
 };
 
 class Engine final : public EngineClient {
@@ -60,6 +62,7 @@ class Engine final : public EngineClient {
   void pause_generation(PauseMode mode, std::function<void(bool)> done) override;
   void release_memory(std::function<void(const WeightUpdateResult&)> done) override;
   void resume_memory(std::function<void(const WeightUpdateResult&)> done) override;
+  void expert_record(ExpertRecordOp op, std::function<void(const ExpertRecord&)> done) override;
   bool continue_generation() override;
   bool is_paused() const override;
   int64_t max_context_len() const override { return opts_.context_len; }
@@ -125,6 +128,16 @@ class Engine final : public EngineClient {
   std::deque<PendingPause> pauses_;
   // The first pending pause once it can take effect (a drain: nothing left to run); engine thread.
   void run_pause();
+  // Expert distribution recording asked for (mu_), in order; run by the engine thread between steps.
+  using RecordJobs = std::deque<std::pair<ExpertRecordOp, std::function<void(const ExpertRecord&)>>>;
+  RecordJobs records_;
+  void run_records(RecordJobs& jobs);
+  // Engine thread: whether recording, and the counts of the recording not on the device (before a stop, or before the
+  // memory was released: the device's start from zero again after resume_memory).
+  bool recording_ = false;
+  std::vector<int64_t> recorded_;
+  // recorded_ plus the device's counts (when they are there); the total of the recording so far.
+  std::vector<int64_t> recorded_counts();
   bool paused_ = false;  // mu_ (set and cleared by the engine thread and continue_generation)
   bool released_ = false;  // mu_: the memory is released (no step runs); engine thread writes
   bool stop_ = false;

@@ -180,6 +180,21 @@ enum class PauseMode {
   Drain,    // the requests submitted so far run to their end first
 };
 
+// SGLang's expert distribution recorder (/start_expert_distribution_record, /stop_..., /dump_...).
+enum class ExpertRecordOp {
+  Start,  // counting from zero
+  Stop,   // the counts so far kept for the dump; later steps are not counted
+  Dump,   // the counts (so far, or until the stop), then zero again (recording goes on if it was on)
+};
+struct ExpertRecord {
+  bool ok = false;
+  std::string message;  // why not (ok false)
+  // Dump: the routed (token, expert) pairs per layer, [num_layers * num_experts] row-major (dense layers' rows 0).
+  int64_t num_layers = 0, num_experts = 0;
+  std::vector<int64_t> counts;
+  bool recording = false;  // after the operation
+};
+
 class EngineClient {
  public:
   virtual ~EngineClient() = default;
@@ -215,6 +230,14 @@ class EngineClient {
   }
   virtual void resume_memory(std::function<void(const WeightUpdateResult&)> done) {
     done(WeightUpdateResult{false, "this engine cannot release its memory", {}});
+  }
+  // Expert distribution recording (EngineArgs::expert_distribution_recorder_mode): `done` gets the outcome (on an
+  // engine thread), in order with the steps (a step issued before counts, one after does not). Default: refused.
+  virtual void expert_record(ExpertRecordOp op, std::function<void(const ExpertRecord&)> done) {
+    (void)op;
+    ExpertRecord r;
+    r.message = "this engine does not record the experts' distribution";
+    done(r);
   }
   // Ends a pause (a no-op when not paused); false when not supported.
   virtual bool continue_generation() { return false; }
@@ -256,6 +279,10 @@ struct EngineArgs {
   int32_t spec_ngram_min = 1;
   int32_t spec_ngram_max = 3;
   int32_t spec_max_batch = 0;
+  // SGLang's --expert-distribution-recorder-mode: "stat" (or "stat_approx", the same here) counts the routed experts
+  // per layer for /dump_expert_distribution_record; empty: off.
+  std::string expert_distribution_recorder_mode;
+  bool expert_distribution_record_at_start = false;  // --enable-expert-distribution-metrics: recording from the start
   int32_t cuda_graph_max_bs = 256;   // decode steps up to this many tokens per DP group replay CUDA graphs
   bool disable_cuda_graph = false;
   int64_t context_length = 0;        // 0: config's max_position_embeddings

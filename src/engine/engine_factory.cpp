@@ -26,6 +26,7 @@ ParallelConfig parallel_config(const EngineArgs& a, int32_t dp_groups) {
   pc.dist_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.dist_timeout_s * 1000));
   pc.cuda_graph_max_bs = a.disable_cuda_graph ? 0 : a.cuda_graph_max_bs;
   pc.kv_cache_fp8 = parse_kv_cache_dtype(a.kv_cache_dtype);
+  pc.count_experts = !a.expert_distribution_recorder_mode.empty();
   return pc;
 }
 
@@ -74,6 +75,7 @@ std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfi
   o.spec_ngram_min = a.spec_ngram_min;
   o.spec_ngram_max = a.spec_ngram_max;
   o.spec_max_batch = a.spec_max_batch;
+  o.record_experts = a.expert_distribution_record_at_start;
   for (int64_t e : cfg.eos_token_ids) o.eos_token_ids.push_back(static_cast<int32_t>(e));
   for (int32_t e : a.extra_eos_token_ids)
     if (std::find(o.eos_token_ids.begin(), o.eos_token_ids.end(), e) == o.eos_token_ids.end()) o.eos_token_ids.push_back(e);
@@ -130,6 +132,12 @@ std::unique_ptr<EngineClient> make_engine(const EngineArgs& a) {
   MLA_CHECK(a.max_running_requests >= 0, "--max-running-requests must be >= 0");
   MLA_CHECK(a.cuda_graph_max_bs >= 0, "--cuda-graph-max-bs must be >= 0, got {}", a.cuda_graph_max_bs);
   MLA_CHECK(a.node_rank == 0, "make_engine runs on node 0; other nodes use run_follower_node");
+  const std::string& rec = a.expert_distribution_recorder_mode;
+  MLA_CHECK(rec.empty() || rec == "stat" || rec == "stat_approx",
+            "--expert-distribution-recorder-mode: '{}' is not supported here; stat (or stat_approx: the same, exact "
+            "counts) records the routed experts per layer", rec);
+  MLA_CHECK(!a.expert_distribution_record_at_start || !rec.empty(),
+            "--enable-expert-distribution-metrics needs --expert-distribution-recorder-mode stat");
   MLA_CHECK(a.nnodes == 1 || a.enable_dp_attention || a.dp_size == 1,
             "--dp replicas across nodes are not supported; use --enable-dp-attention or one replica");
   ModelConfig cfg = run_config(a);

@@ -289,6 +289,7 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
       Communicator* attn_comm = d > 1 ? rk.attn.get() : rk.world.get();
       rk.model = std::make_unique<DeepseekModel>(config_, *rk.backend, plan, rk.world.get(), attn_comm);
       rk.model->load(model_dir, lo);
+      if (pc_.count_experts && rk.global == 0) rk.model->enable_expert_counts();
     });
   } catch (...) {
     stop_workers();
@@ -503,6 +504,20 @@ std::vector<int32_t> cuda_graph_batch_sizes(int32_t max_bs) {
   return v;
 }
 
+namespace {
+
+// The padded batches of a graph step with DP attention: every group's real rows within the gathered rows (blocks of
+// `block` rows, real[g] real ones at the start of block g), the same pairs in every group's batch.
+void set_group_moe_rows(ForwardBatch& b, const std::vector<int32_t>& real, int32_t block) {
+  b.moe_rows.clear();
+  for (size_t g = 0; g < real.size(); ++g) {
+    b.moe_rows.push_back(static_cast<int32_t>(g) * block);
+    b.moe_rows.push_back(real[g]);
+  }
+}
+
+}  // namespace
+
 void RankSet::capture_graphs() {
   const auto t0 = std::chrono::steady_clock::now();
   const std::vector<int32_t> sizes = cuda_graph_batch_sizes(pc_.cuda_graph_max_bs);
@@ -514,7 +529,8 @@ void RankSet::capture_graphs() {
   // shapes that graph steps plan for up front.
   for (size_t k = 0; k <= sizes.size(); ++k) {
     const int32_t n = k == 0 ? 1 : sizes[k - 1];
-    const ForwardBatch padded = pad_decode_batch(empty, n, dummy_page_, page_size_);
+    ForwardBatch padded = pad_decode_batch(empty, n, dummy_page_, page_size_);
+    if (d > 1) set_group_moe_rows(padded, std::vector<int32_t>(static_cast<size_t>(d), 0), n);
     DpStepInfo info;
     info.num_tokens.assign(static_cast<size_t>(d), n);
     run_on_all(
@@ -532,7 +548,8 @@ void RankSet::capture_graphs() {
   std::erase_if(contexts, [&](int32_t c) { return config_.max_position_embeddings > 0 &&
                                                   c > config_.max_position_embeddings; });
   for (int32_t c : contexts) {
-    const ForwardBatch row = dummy_decode_row(c, dummy_page_, page_size_);
+    ForwardBatch row = dummy_decode_row(c, dummy_page_, page_size_);
+    set_group_moe_rows(row, std::vector<int32_t>(static_cast<size_t>(d), 0), 1);  // (as a padded batch has)
     DpStepInfo info;
     info.num_tokens.assign(static_cast<size_t>(d), 1);
     run_on_all(
@@ -588,11 +605,14 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
   graph_info.num_tokens.assign(static_cast<size_t>(d), graph_size);
   // Each group's batch padded to the graph's size, once per group (its ranks share it).
   std::vector<ForwardBatch> padded;
-  if (graph_size > 0)
+  if (graph_size > 0) {
     for (int32_t g = 0; g < d; ++g) {
       const ForwardBatch* b = batches[static_cast<size_t>(g)];
       padded.push_back(pad_decode_batch(b ? *b : idle, graph_size, dummy_page_, page_size_));
     }
+    if (d > 1)
+      for (ForwardBatch& p : padded) set_group_moe_rows(p, info.num_tokens, graph_size);
+  }
   // Speculative decoding with the MTP layer: every step runs it after the model (ForwardBatch::next_ids), then its
   // chained drafts where the batches ask for them (every group the same chain).
   const bool mtp = config_.mtp_layers > 0;
@@ -788,6 +808,31 @@ void RankSet::abort_communicators() {
     comms = comms_;
   }
   for (Communicator* c : comms) c->abort();
+}
+
+void RankSet::on_counting_rank(const std::function<void(Rank&)>& fn) {
+  MLA_CHECK(pc_.count_experts, "expert distribution recording is off (--expert-distribution-recorder-mode)");
+  MLA_CHECK(pc_.node_rank == 0, "the routed experts are counted on node 0");
+  MLA_CHECK(!released_, "the GPU memory is released (/release_memory_occupation): resume it first");
+  MLA_CHECK(weights_lost_.empty(), "the model has no weights: {}", weights_lost_);
+  const std::string err = on_local_ranks([&](Rank& rk) {
+    if (rk.global == 0) fn(rk);
+  });
+  MLA_CHECK(err.empty(), "{}", err);
+}
+
+std::vector<int64_t> RankSet::expert_counts() {
+  std::vector<int64_t> counts;
+  on_counting_rank([&](Rank& rk) {
+    const Tensor& c = rk.model->expert_counts();
+    counts.resize(static_cast<size_t>(c.numel()));
+    rk.backend->download(c, counts.data());
+  });
+  return counts;
+}
+
+void RankSet::reset_expert_counts() {
+  on_counting_rank([&](Rank& rk) { rk.backend->zero(rk.model->expert_counts()); });
 }
 
 std::string RankSet::on_local_ranks(const std::function<void(Rank&)>& fn) {

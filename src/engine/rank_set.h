@@ -47,6 +47,9 @@ struct ParallelConfig {
   // Decode steps of up to this many tokens per DP group replay graphs recorded after allocate_kv (CUDA graphs;
   // backends without graphs ignore it). 0: off (--disable-cuda-graph).
   int32_t cuda_graph_max_bs = 0;
+  // Expert distribution recording (--expert-distribution-recorder-mode): global rank 0 counts the routed experts of
+  // every step (DeepseekModel::enable_expert_counts; it routes every real token, DP attention's gathered rows too).
+  bool count_experts = false;
   // The latent KV cache's FP8 type (--kv-cache-dtype fp8_e4m3 / fp8_e5m2), none for the backend's activation type.
   std::optional<DType> kv_cache_fp8;
   // Tests only: communicators for CPU ranks of simulated nodes in one process (so the multi-node control path runs
@@ -105,6 +108,13 @@ class RankSet {
   void release_memory();
   void resume_memory();
   bool memory_released() const { return released_; }
+
+  // ParallelConfig::count_experts: the routed (token, expert) pairs per layer counted since the last reset
+  // ([num_hidden_layers * n_routed_experts], row-major), after every step issued so far; reset zeroes them. Both
+  // wait for the device; not while the memory is released.
+  bool counts_experts() const { return pc_.count_experts; }
+  std::vector<int64_t> expert_counts();
+  void reset_expert_counts();
 
   // Gives every rank a latent cache of `num_pages` pages (ranks of one DP group hold the same sequences).
   void allocate_kv(int32_t num_pages, int32_t page_size);
@@ -180,6 +190,8 @@ class RankSet {
   // Node 0, with other nodes: finish() of a step they run too (they finish it alongside and send their outputs).
   std::vector<GroupOutput> finish_remote(Launched& h);
   void allocate_kv_local(int32_t num_pages, int32_t page_size);
+  // fn on the rank that counts experts (global rank 0, on this node's first worker); its error thrown here.
+  void on_counting_rank(const std::function<void(Rank&)>& fn);
   // fn on every local rank (its exceptions caught there): the first rank's error, empty when none failed.
   std::string on_local_ranks(const std::function<void(Rank&)>& fn);
   // DeepseekModel::reload on every local rank: the first rank's error, empty when all loaded DIR.

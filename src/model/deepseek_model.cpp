@@ -703,8 +703,19 @@ void DeepseekModel::norm_mlp(int64_t l, const Tensor& x, Tensor& residual, Tenso
   experts(l, normed, ids, weights, out);
 }
 
+void DeepseekModel::enable_expert_counts() {
+  MLA_CHECK(config_.n_routed_experts > 0, "expert distribution recording: the model has no routed experts");
+  if (!expert_counts_.defined())
+    expert_counts_ = backend_.alloc({config_.num_hidden_layers, config_.n_routed_experts}, DType::I64);
+  backend_.zero(expert_counts_);
+}
+
 void DeepseekModel::experts(int64_t l, const Tensor& x, const Tensor& ids, const Tensor& weights, Tensor& out) {
   const LayerWeights& w = layers_[static_cast<size_t>(l)];
+  if (expert_counts_.defined() && l < config_.num_hidden_layers) {
+    Tensor row = expert_counts_.rows(l, l + 1);
+    backend_.count_experts(ids, row);
+  }
   const bool shared = config_.n_shared_experts > 0;
   backend_.moe_experts(x, ids, weights, w.experts_gate_up, w.experts_down, static_cast<int32_t>(expert_begin_),
                        shared ? &w.shared_gate_up : nullptr,

@@ -114,6 +114,13 @@ class DeepseekModel {
   // forward_draft's.
   Tensor forward_draft_chain(const ForwardBatch& batch, std::span<const int32_t> hidden_rows, const Tensor& drafts,
                              KvCache& cache, const DpStepInfo* dp = nullptr);
+  // Expert distribution recording (SGLang's --expert-distribution-recorder-mode): from now on every forward adds its
+  // routed (token, expert) pairs per layer to counts (I64 [num_hidden_layers, n_routed_experts], persistent, zeroed
+  // here; dense layers' rows stay 0; the MTP layer is not counted). Only real tokens count (ForwardBatch::moe_rows);
+  // with DP attention every group's, as this rank routes all of them. Graphs recorded afterwards count too.
+  void enable_expert_counts();
+  // The counts (undefined until enable_expert_counts); zeroing or reading them is the caller's (on its stream).
+  Tensor& expert_counts() { return expert_counts_; }
   int32_t num_graphs() const { return static_cast<int32_t>(graphs_.size()); }
   // Forgets the recorded graphs (they hold the KV cache and scratch they were recorded with); the backend's own
   // graphs go with Backend::release_graphs.
@@ -202,6 +209,7 @@ class DeepseekModel {
   bool keep_fp8_ = false;  // FP8 block checkpoints' routed experts kept FP8 (decided at the first load)
   int64_t weight_bytes_ = 0;
   Tensor prev_ids_;
+  Tensor expert_counts_;  // enable_expert_counts
 };
 
 }  // namespace mlaserve

@@ -191,6 +191,7 @@ ForwardBatch pad_decode_batch(const ForwardBatch& b, int32_t tokens, int32_t dum
     p.seq_lens.push_back(1);
     p.logit_rows.push_back(t);
   }
+  p.moe_rows = {0, n};
   return p;
 }
 

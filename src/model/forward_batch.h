@@ -54,6 +54,11 @@ struct ForwardBatch {
   int32_t mtp_chain = 0;
   // Per sequence (empty: none): how many of its new tokens, at the end, are drafts this step checks.
   std::vector<int32_t> seq_drafts;
+  // Pairs (first row, rows) naming the rows of the step's MoE input that are real tokens (empty: every row): a batch
+  // padded for a graph has its real rows only, and with DP attention each group's within the gathered rows (blocks of
+  // DpStepInfo::num_tokens[g] rows in group order). Only the counting of routed experts reads them
+  // (Backend::count_experts); a graph reads them on the device, so their number stays with the graph's size.
+  std::vector<int32_t> moe_rows;
 
   int32_t num_tokens() const { return static_cast<int32_t>(input_ids.size()); }
   int32_t num_seqs() const { return static_cast<int32_t>(seq_lens.size()); }
@@ -71,7 +76,8 @@ bool is_graph_batch(const ForwardBatch& b);
 bool all_absorbed_under_auto(const ForwardBatch& b);
 // Pads a graph batch (or an empty one: an idle DP group) to `tokens` tokens with sequences of one token each. The
 // added sequences are token 0 at position 0 reading and writing only page `dummy_page` (a page no request owns);
-// their logit rows follow the real ones, so rows [0, real) of the logits are the real ones.
+// their logit rows follow the real ones, so rows [0, real) of the logits are the real ones. Its moe_rows are
+// {0, real}.
 ForwardBatch pad_decode_batch(const ForwardBatch& b, int32_t tokens, int32_t dummy_page, int32_t page_size);
 
 // One decode token at position context - 1 whose every page is `dummy_page` (the page no request owns): a step of

@@ -105,6 +105,8 @@ struct ServerOptions {
   // SGLang's --weight-version: the weights' version, shown by /get_weight_version and /get_model_info, set by
   // /update_weights_from_disk's weight_version and /update_weight_version.
   std::string weight_version = "default";
+  // Where /dump_expert_distribution_record writes (SGLang's $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR; made if absent).
+  std::string expert_distribution_dir = "/tmp";
 };
 
 class BatchService;
@@ -157,6 +159,12 @@ class Api {
   // SGLang's /release_memory_occupation and /resume_memory_occupation ({"tags": [...]} optional): EngineClient's
   // release_memory / resume_memory; 200 {"success": true, "message"}, or 400 with success false.
   void memory_occupation(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool release);
+  // SGLang's /start_expert_distribution_record, /stop_... and /dump_... (GET or POST): EngineClient::expert_record;
+  // SGLang's text answers (200), a 400 JSON error when recording is off. A dump writes
+  // expert_distribution_recorder_<unix time>.json into ServerOptions::expert_distribution_dir: {"rank": 0,
+  // "num_layers", "num_experts", "logical_count": [layer][expert]} (routed (token, expert) pairs summed over the
+  // recording; SGLang's stat mode keeps one such table per step in a torch file).
+  void expert_record(const std::shared_ptr<HttpExchange>& ex, ExpertRecordOp op);
   // The checkpoint the weights came from and their version (both change with updates).
   std::pair<std::string, std::string> weights_info() const;
   Prepared prepare(ParsedRequest& pr);

@@ -2,6 +2,8 @@
 #include <charconv>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <random>
 
 #include "core/error.h"
@@ -660,6 +662,12 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/release_memory_occupation" || path == "/resume_memory_occupation") {  // SGLang's
       if (!get && !post) method_not_allowed(req);
       memory_occupation(req, ex, path == "/release_memory_occupation");
+    } else if (path == "/start_expert_distribution_record" || path == "/stop_expert_distribution_record" ||
+               path == "/dump_expert_distribution_record") {  // SGLang's
+      if (!get && !post) method_not_allowed(req);
+      expert_record(ex, path[1] == 's' ? (path[2] == 't' && path[3] == 'a' ? ExpertRecordOp::Start
+                                                                            : ExpertRecordOp::Stop)
+                                       : ExpertRecordOp::Dump);
     } else if (path == "/is_paused") {  // vLLM's
       if (!get) method_not_allowed(req);
       respond_json(ex, 200, dump(ojson{{"is_paused", engine_.is_paused()}}));
@@ -1132,6 +1140,74 @@ void Api::memory_occupation(const HttpRequest& req, const std::shared_ptr<HttpEx
   };
   if (release) engine_.release_memory(answer);
   else engine_.resume_memory(answer);
+}
+
+namespace {
+
+// /dump_expert_distribution_record's file (Api::expert_record); its path, or throws naming what failed.
+std::string write_expert_record(const std::string& dir, const ExpertRecord& r) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  MLA_CHECK(!ec, "cannot make the expert distribution folder '{}': {}", dir, ec.message());
+  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  const std::string path = (std::filesystem::path(dir) / fmt::format("expert_distribution_recorder_{:.6f}.json", now))
+                               .string();
+  json table = json::array();
+  for (int64_t l = 0; l < r.num_layers; ++l) {
+    const auto first = r.counts.begin() + l * r.num_experts;
+    table.push_back(std::vector<int64_t>(first, first + r.num_experts));
+  }
+  const std::string text = dump(ojson{{"rank", 0},
+                                      {"num_layers", r.num_layers},
+                                      {"num_experts", r.num_experts},
+                                      {"logical_count", std::move(table)}});
+  const std::string tmp = path + ".part";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << text << '\n';
+    out.close();
+    MLA_CHECK(out.good(), "cannot write the expert distribution to '{}'", tmp);
+  }
+  std::filesystem::rename(tmp, path, ec);
+  MLA_CHECK(!ec, "cannot write the expert distribution to '{}': {}", path, ec.message());
+  return path;
+}
+
+}  // namespace
+
+void Api::expert_record(const std::shared_ptr<HttpExchange>& ex, ExpertRecordOp op) {
+  std::weak_ptr<HttpExchange> wex = ex;
+  Executor post = ex->executor();
+  engine_.expert_record(op, [wex, post, op, dir = opts_.expert_distribution_dir](const ExpertRecord& r) {
+    int status = 200;
+    std::string type = "text/plain", text;
+    try {
+      if (!r.ok) throw ApiError(400, r.message);
+      switch (op) {
+        case ExpertRecordOp::Start:
+          text = "Start recording the expert distribution.\n";
+          break;
+        case ExpertRecordOp::Stop:
+          text = "Stop recording the expert distribution.\n";
+          break;
+        case ExpertRecordOp::Dump:
+          MLA_LOG_INFO("expert distribution written to {}", write_expert_record(dir, r));
+          text = "Dump expert distribution record.\n";
+          break;
+      }
+    } catch (const ApiError& e) {
+      status = e.status;
+      type = "application/json";
+      text = error_body(e);
+    } catch (const std::exception& e) {
+      status = 500;
+      type = "application/json";
+      text = error_body(500, e.what(), "internal_error");
+    }
+    post([wex, status, type, text] {
+      if (auto ex2 = wex.lock()) ex2->respond(status, type, text);
+    });
+  });
 }
 
 void Api::health_generate(const std::shared_ptr<HttpExchange>& ex) {

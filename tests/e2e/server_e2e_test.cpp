@@ -1162,6 +1162,74 @@ TEST(ServeFlags, UpdateWeightsFromDisk) {
   }
 }
 
+// SGLang's expert distribution recorder on a running server: only the generations between start and stop count, each
+// forwarded token once per MoE layer (k experts), none in dense layers; the dump is a JSON file in
+// $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR. Without the flag the endpoints are 400s.
+TEST(ServeFlags, ExpertDistributionRecord) {
+  const auto dir = temp_dir("e2e-experts");
+  ::setenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR", dir.string().c_str(), 1);
+  ServerProcess s({"--model-path", golden_dir("v3"), "--expert-distribution-recorder-mode", "stat",
+                   "--disable-radix-cache", "--disable-overlap-schedule"});
+  ::unsetenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR");
+  ASSERT_TRUE(s.running()) << s.log();
+  auto generate = [&](int n) {  // the tokens it forwarded: the prompt and every new token but the last
+    const json r = post_json(s.port(), "/generate", json{{"input_ids", {5, 17, 300, 2, 99, 41, 7}},
+                                                          {"sampling_params", {{"max_new_tokens", n},
+                                                                               {"temperature", 0},
+                                                                               {"ignore_eos", true}}}}.dump());
+    return r["meta_info"]["prompt_tokens"].get<int64_t>() + r["meta_info"]["completion_tokens"].get<int64_t>() - 1;
+  };
+  generate(5);  // before the recording
+  auto text = [&](const std::string& path) {
+    const test::HttpResponse r = test::http_request(s.port(), "POST", path, "");
+    EXPECT_EQ(r.status, 200) << path << ": " << r.body;
+    return r.body;
+  };
+  EXPECT_EQ(text("/start_expert_distribution_record"), "Start recording the expert distribution.\n");
+  // Three at once: their decode steps batch (a graph of 4 rows replays with a padding row on CUDA).
+  std::vector<int64_t> forwarded(3, 0);
+  {
+    std::vector<std::thread> ts;
+    for (int i = 0; i < 3; ++i) ts.emplace_back([&, i] { forwarded[static_cast<size_t>(i)] = generate(6 + 3 * i); });
+    for (auto& t : ts) t.join();
+  }
+  const int64_t tokens = forwarded[0] + forwarded[1] + forwarded[2];
+  EXPECT_EQ(text("/stop_expert_distribution_record"), "Stop recording the expert distribution.\n");
+  generate(4);  // after it
+  EXPECT_EQ(text("/dump_expert_distribution_record"), "Dump expert distribution record.\n");
+  std::vector<std::filesystem::path> files;
+  for (const auto& f : std::filesystem::directory_iterator(dir)) files.push_back(f.path());
+  ASSERT_EQ(files.size(), 1u);
+  std::ifstream in(files[0]);
+  const json d = json::parse(in);
+  const ModelConfig c = ModelConfig::from_file(golden_dir("v3"));
+  ASSERT_EQ(d["num_layers"], c.num_hidden_layers);
+  ASSERT_EQ(d["num_experts"], c.n_routed_experts);
+  ASSERT_EQ(d["logical_count"].size(), static_cast<size_t>(c.num_hidden_layers));
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const std::vector<int64_t> row = d["logical_count"][static_cast<size_t>(l)];
+    ASSERT_EQ(row.size(), static_cast<size_t>(c.n_routed_experts));
+    int64_t sum = 0, used = 0;
+    for (int64_t v : row) {
+      sum += v;
+      used += v > 0;
+    }
+    EXPECT_EQ(sum, c.is_moe_layer(l) ? tokens * c.num_experts_per_tok : 0) << "layer " << l;
+    if (c.is_moe_layer(l)) {
+      EXPECT_GT(used, c.num_experts_per_tok) << "layer " << l;
+    }
+  }
+  EXPECT_EQ(s.stop(), 0);
+  std::filesystem::remove_all(dir);
+
+  ServerProcess off({"--model-path", golden_dir("v3")});
+  ASSERT_TRUE(off.running()) << off.log();
+  const test::HttpResponse r = test::http_request(off.port(), "POST", "/start_expert_distribution_record", "");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_NE(r.body.find("--expert-distribution-recorder-mode"), std::string::npos) << r.body;
+  EXPECT_EQ(off.stop(), 0);
+}
+
 TEST(ServeFlags, ModelConfigOverrides) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   const std::string req = R"({"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0,

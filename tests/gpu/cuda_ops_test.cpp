@@ -663,6 +663,37 @@ TEST(CudaOps, MoeRouteAllMethods) {
   }
 }
 
+// count_experts against the CPU reference: ids in and outside [0, E) over every row, then over the rows a batch's
+// moe_rows pairs name (a padded graph batch's real rows, DP attention's groups); the counts accumulate.
+TEST(CudaOps, CountExperts) {
+  REQUIRE_GPU();
+  const int64_t E = 64;
+  for (int64_t R : {0, 1, 7, 700}) {
+    for (int32_t k : {1, 6, 8}) {
+      std::mt19937_64 rng(static_cast<uint64_t>(R * 31 + k));
+      Tensor ids = Tensor::empty_host({R, k}, DType::I32);
+      for (int64_t i = 0; i < ids.numel(); ++i) ids.data_as<int32_t>()[i] = static_cast<int32_t>(rng() % (E + 6)) - 3;
+      Tensor ic = cpu().upload(ids, DType::I32), ig = gpu().upload(ids, DType::I32);
+      Tensor cc = cpu().alloc({E}, DType::I64), cg = gpu().alloc({E}, DType::I64);
+      cpu().zero(cc);
+      gpu().zero(cg);
+      const int32_t r = static_cast<int32_t>(R);
+      for (const std::vector<int32_t>& pairs :
+           {std::vector<int32_t>{}, std::vector<int32_t>{0, r / 2}, std::vector<int32_t>{1, r / 3, r / 2, r, r, 4}}) {
+        ForwardBatch b;
+        b.moe_rows = pairs;
+        begin(b);
+        cpu().count_experts(ic, cc);
+        gpu().count_experts(ig, cg);
+        std::vector<int64_t> want(static_cast<size_t>(E)), got(static_cast<size_t>(E));
+        cpu().download(cc, want.data());
+        gpu().download(cg, got.data());
+        ASSERT_EQ(got, want) << "R " << R << " k " << k << " pairs " << pairs.size();
+      }
+    }
+  }
+}
+
 // moe_gate (router product + routing) against the CPU's linear + moe_route. Integer-valued inputs (x in [-2, 2],
 // router weights in 256ths of [-4, 4]) make every logit exact in fp32 whatever the summation order, so the ids
 // must match exactly (ties included: both rank them by index). Each case runs twice on the GPU: the fused kernel's

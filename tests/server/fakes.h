@@ -173,6 +173,32 @@ class FakeEngine : public EngineClient {
     }
     done(WeightUpdateResult{true, "resumed", {}});
   }
+  // Expert distribution recording: each operation recorded; refused until set_expert_counts gives the counts a dump
+  // returns ([layers * experts]).
+  void expert_record(ExpertRecordOp op, std::function<void(const ExpertRecord&)> done) override {
+    ExpertRecord r;
+    {
+      std::lock_guard lk(mu_);
+      expert_ops_.push_back(op);
+      r.ok = expert_layers_ > 0;
+      if (!r.ok) r.message = "expert distribution recording is off";
+      if (r.ok && op == ExpertRecordOp::Dump) {
+        r.num_layers = expert_layers_;
+        r.num_experts = static_cast<int64_t>(expert_counts_.size()) / expert_layers_;
+        r.counts = expert_counts_;
+      }
+    }
+    done(r);
+  }
+  void set_expert_counts(int64_t layers, std::vector<int64_t> counts) {
+    std::lock_guard lk(mu_);
+    expert_layers_ = layers;
+    expert_counts_ = std::move(counts);
+  }
+  std::vector<ExpertRecordOp> expert_ops() const {
+    std::lock_guard lk(mu_);
+    return expert_ops_;
+  }
   std::vector<bool> memory_ops() const {
     std::lock_guard lk(mu_);
     return memory_ops_;
@@ -326,6 +352,9 @@ class FakeEngine : public EngineClient {
   std::vector<WeightUpdate> updates_;
   std::vector<PauseMode> pauses_;
   std::vector<bool> memory_ops_;
+  std::vector<ExpertRecordOp> expert_ops_;
+  int64_t expert_layers_ = 0;
+  std::vector<int64_t> expert_counts_;
   bool paused_ = false;  // (pause_generation records the mode; the fake keeps generating)
   std::string weights_ = "/models/fake";
   int64_t held_ = 0, prompt_tokens_total_ = 0, generation_tokens_total_ = 0;

@@ -3,6 +3,8 @@
 
 #include <sys/resource.h>
 
+#include <filesystem>
+#include <fstream>
 #include <future>
 #include <regex>
 #include <thread>
@@ -189,6 +191,44 @@ TEST(HttpApi, PauseAndContinueGeneration) {
   EXPECT_EQ(s.post("/release_memory_occupation", R"({"tags": ["gpu"]})").status, 400);
   EXPECT_EQ(s.post("/release_memory_occupation", R"({"tags": "weights"})").status, 400);
   EXPECT_EQ(s.engine.memory_ops(), (std::vector<bool>{true, false, false}));
+}
+
+TEST(HttpApi, ExpertDistributionRecord) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "mlaserve_expert_record" / "out";
+  std::filesystem::remove_all(dir.parent_path());
+  ServerOptions o;
+  o.expert_distribution_dir = dir.string();  // made by the dump
+  TestServer s(o);
+  // Off (the server started without --expert-distribution-recorder-mode): a 400 naming why, no file.
+  auto r = s.post("/start_expert_distribution_record", "");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_NE(json::parse(r.body)["error"]["message"].get<std::string>().find("recording is off"), std::string::npos)
+      << r.body;
+  EXPECT_EQ(s.get("/dump_expert_distribution_record").status, 400);
+  EXPECT_FALSE(std::filesystem::exists(dir));
+  // On: SGLang's text answers; the dump is a file of [layer][expert] counts.
+  s.engine.set_expert_counts(2, {0, 0, 0, 5, 1, 2});
+  r = s.post("/start_expert_distribution_record", "");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.body, "Start recording the expert distribution.\n");
+  EXPECT_EQ(s.get("/stop_expert_distribution_record").body, "Stop recording the expert distribution.\n");
+  r = s.post("/dump_expert_distribution_record", "");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.body, "Dump expert distribution record.\n");
+  std::vector<std::filesystem::path> files;
+  for (const auto& f : std::filesystem::directory_iterator(dir)) files.push_back(f.path());
+  ASSERT_EQ(files.size(), 1u);
+  EXPECT_EQ(files[0].filename().string().rfind("expert_distribution_recorder_", 0), 0u) << files[0];
+  EXPECT_EQ(files[0].extension(), ".json");
+  std::ifstream in(files[0]);
+  const json d = json::parse(in);
+  EXPECT_EQ(d["num_layers"], 2);
+  EXPECT_EQ(d["num_experts"], 3);
+  EXPECT_EQ(d["logical_count"], json::parse("[[0, 0, 0], [5, 1, 2]]"));
+  EXPECT_EQ(http_request(s.port(), "DELETE", "/dump_expert_distribution_record").status, 405);
+  using Op = ExpertRecordOp;
+  EXPECT_EQ(s.engine.expert_ops(), (std::vector<Op>{Op::Start, Op::Dump, Op::Start, Op::Stop, Op::Dump}));
+  std::filesystem::remove_all(dir.parent_path());
 }
 
 TEST(HttpApi, GenerateNonStream) {

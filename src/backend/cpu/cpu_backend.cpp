@@ -322,6 +322,17 @@ class CpuBackend final : public Backend {
     });
   }
 
+  void count_experts(const Tensor& topk_ids, Tensor& counts) override {
+    MLA_CHECK(topk_ids.dtype() == DType::I32 && topk_ids.dim() == 2 && counts.dtype() == DType::I64,
+              "count_experts: ids {} {} (I32 [rows, k]), counts {} (I64)", dtype_name(topk_ids.dtype()),
+              shape_str(topk_ids.shape()), dtype_name(counts.dtype()));
+    const std::vector<int32_t>& pairs = step_.moe_rows;
+    MLA_CHECK(pairs.size() % 2 == 0, "count_experts: the step's moe_rows has {} entries (pairs)", pairs.size());
+    cpu::count_experts(topk_ids.data_as<int32_t>(), topk_ids.size(0), static_cast<int32_t>(topk_ids.size(1)),
+                       pairs.empty() ? nullptr : pairs.data(), static_cast<int32_t>(pairs.size() / 2),
+                       static_cast<int32_t>(counts.numel()), counts.data_as<int64_t>());
+  }
+
   void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
                    const Tensor& down, int32_t expert_begin, const Tensor* shared_gate_up, const Tensor* shared_down,
                    Tensor& out) override {

@@ -92,6 +92,23 @@ void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) {
   }
 }
 
+void count_experts(const int32_t* ids, int64_t rows, int32_t k, const int32_t* pairs, int32_t npairs, int32_t E,
+                   int64_t* counts) {
+  auto count_rows = [&](int64_t first, int64_t n) {
+    const int64_t end = std::min(rows, first + std::max<int64_t>(n, 0));
+    for (int64_t r = std::max<int64_t>(first, 0); r < end; ++r)
+      for (int32_t j = 0; j < k; ++j) {
+        const int32_t e = ids[r * k + j];
+        if (e >= 0 && e < E) ++counts[e];
+      }
+  };
+  if (!pairs) {
+    count_rows(0, rows);
+    return;
+  }
+  for (int32_t p = 0; p < npairs; ++p) count_rows(pairs[2 * p], pairs[2 * p + 1]);
+}
+
 void resolve_prev_ids(int32_t* ids, int64_t n, const int32_t* prev, int64_t n_prev) {
   for (int64_t t = 0; t < n; ++t)
     if (ids[t] < 0) {

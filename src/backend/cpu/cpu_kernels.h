@@ -21,6 +21,10 @@ void dequant_fp8(const uint8_t* w, const float* scale, int64_t B, int64_t R, int
 void quantize_fp8(const float* w, int64_t R, int64_t C, int64_t block_rows, int64_t block_cols, uint8_t* codes,
                   float* scales);
 
+// counts[e] += the entries of ids [rows, k] equal to e, over the rows the `pairs` (first row, rows) name (null: all
+// rows); entries outside [0, E) and rows past `rows` are skipped (Backend::count_experts).
+void count_experts(const int32_t* ids, int64_t rows, int32_t k, const int32_t* pairs, int32_t npairs, int32_t E,
+                   int64_t* counts);
 // ids[t] < 0, -(k + 1), becomes prev[k] (0 when k >= n_prev); others stay (Backend::resolve_prev_ids).
 void resolve_prev_ids(int32_t* ids, int64_t n, const int32_t* prev, int64_t n_prev);
 void rmsnorm_row(const float* x, const float* w, int64_t D, float eps, float* out);

@@ -482,7 +482,7 @@ class CudaBackend final : public Backend {
     const cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
     cudaGraphDestroy(g);
     CUDA_OK(e, "instantiating a graph");
-    graphs_.push_back({exec, scratch_.used});
+    graphs_.push_back({exec, scratch_.used, step_.moe_rows.size()});
     // The idle statistics cover serving, not the recording phase (its gaps are graph instantiation on the host).
     clear_step_events();
     return static_cast<int32_t>(graphs_.size()) - 1;
@@ -493,6 +493,8 @@ class CudaBackend final : public Backend {
     MLA_CHECK(id >= 0 && id < static_cast<int32_t>(graphs_.size()) && graphs_[static_cast<size_t>(id)].exec,
               "graph {} does not exist", id);
     const Graph& g = graphs_[static_cast<size_t>(id)];
+    MLA_CHECK(g.moe_rows == step_.moe_rows.size(), "graph {} was recorded with {} moe_rows entries, replayed with {}",
+              id, g.moe_rows, step_.moe_rows.size());
     CUDA_OK(cudaGraphLaunch(g.exec, stream_), "graph launch");
     scratch_.used = g.scratch_end;  // the graph's tensors stay valid until the next begin_step
   }
@@ -531,6 +533,7 @@ class CudaBackend final : public Backend {
     d_positions_ = up.add(step_.positions);
     d_out_slots_ = up.add(step_.out_slots);
     d_logit_rows_ = up.add(step_.logit_rows);
+    d_moe_rows_ = up.add(step_.moe_rows);
     d_page_table_ = up.add(step_.page_table);
     up.flush();
   }
@@ -710,6 +713,19 @@ class CudaBackend final : public Backend {
                             static_cast<int32_t>(E), a, topk_ids.data_as<int32_t>(), topk_weights.data_as<float>(),
                             stream_),
             "moe_route");
+  }
+
+  void count_experts(const Tensor& topk_ids, Tensor& counts) override {
+    MLA_CHECK(topk_ids.dtype() == DType::I32 && topk_ids.dim() == 2 && counts.dtype() == DType::I64,
+              "count_experts: ids {} {} (I32 [rows, k]), counts {} (I64)", dtype_name(topk_ids.dtype()),
+              shape_str(topk_ids.shape()), dtype_name(counts.dtype()));
+    const size_t n = step_.moe_rows.size();
+    MLA_CHECK(n % 2 == 0, "count_experts: the step's moe_rows has {} entries (pairs)", n);
+    CUDA_OK(cuda::count_experts(topk_ids.data_as<const int32_t>(), topk_ids.size(0),
+                                static_cast<int32_t>(topk_ids.size(1)), n == 0 ? nullptr : d_moe_rows_,
+                                static_cast<int32_t>(n / 2), static_cast<int32_t>(counts.numel()),
+                                counts.data_as<long long>(), stream_),
+            "count_experts");
   }
 
   // Whether moe_gate takes cuda::moe_gate for x.
@@ -1050,6 +1066,7 @@ class CudaBackend final : public Backend {
     d_positions_ = up.add(step_.positions);
     d_out_slots_ = up.add(step_.out_slots);
     d_logit_rows_ = up.add(step_.logit_rows);
+    d_moe_rows_ = up.add(step_.moe_rows);  // (before the plans: a graph's batches keep their size)
     if (graph)
       for (const auto& key : plan_keys_)
         if (std::get<0>(key) != static_cast<int>(MlaForm::Expanded)) plans_.emplace(key, build_plan(key, up, true));
@@ -1176,6 +1193,7 @@ class CudaBackend final : public Backend {
   int32_t* d_out_slots_ = nullptr;
   int32_t* d_page_table_ = nullptr;
   int32_t* d_logit_rows_ = nullptr;
+  int32_t* d_moe_rows_ = nullptr;  // the step's ForwardBatch::moe_rows (count_experts)
   std::map<PlanKey, MlaPlan> plans_;
   std::vector<PlanKey> plan_keys_;  // every attention shape seen, planned up front in graph steps
   bool graph_step_ = false, capturing_ = false;
@@ -1183,6 +1201,7 @@ class CudaBackend final : public Backend {
   struct Graph {
     cudaGraphExec_t exec = nullptr;
     size_t scratch_end = 0;
+    size_t moe_rows = 0;  // the recorded step's moe_rows entries (a replay's must match: it reads them in place)
   };
   std::vector<Graph> graphs_;
 

@@ -60,6 +60,20 @@ __global__ void resolve_prev_ids_kernel(int32_t* ids, int64_t n, const int32_t* 
   }
 }
 
+__global__ void count_experts_kernel(const int32_t* ids, int64_t rows, int32_t k, const int32_t* pairs,
+                                     int32_t npairs, int32_t E, unsigned long long* counts) {
+  pdl_wait();
+  pdl_trigger();
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows * k;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / k;
+    bool real = pairs == nullptr;
+    for (int32_t p = 0; p < npairs && !real; ++p) real = r >= pairs[2 * p] && r < pairs[2 * p] + pairs[2 * p + 1];
+    const int32_t e = ids[i];
+    if (real && e >= 0 && e < E) atomicAdd(counts + e, 1ull);
+  }
+}
+
 __global__ void embedding_kernel(const bf16* table, int64_t vocab_rows, int64_t H, int64_t vocab_begin,
                                  const int32_t* ids, bf16* out) {
   pdl_wait();
@@ -243,6 +257,13 @@ cudaError_t convert_f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStrea
 cudaError_t resolve_prev_ids(int32_t* ids, int64_t n, const int32_t* prev, int64_t n_prev, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   return launch(resolve_prev_ids_kernel, grid_for(n, 256), 256, 0, stream, ids, n, prev, n_prev);
+}
+
+cudaError_t count_experts(const int32_t* ids, int64_t rows, int32_t k, const int32_t* pairs, int32_t npairs,
+                          int32_t E, long long* counts, cudaStream_t stream) {
+  if (rows * k == 0) return cudaSuccess;
+  return launch(count_experts_kernel, grid_for(rows * k, 256, 1024), 256, 0, stream, ids, rows, k, pairs, npairs, E,
+                reinterpret_cast<unsigned long long*>(counts));
 }
 
 cudaError_t embedding(const bf16* table, int64_t vocab_rows, int64_t H, int64_t vocab_begin, const int32_t* ids,

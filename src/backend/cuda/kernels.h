@@ -39,6 +39,10 @@ cudaError_t convert_f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStrea
 // out[T, H] = table[ids[t] - vocab_begin] when inside [0, vocab_rows), else 0.
 // ids[t] < 0, -(k + 1), becomes prev[k] (0 when k >= n_prev). CPU reference: cpu::resolve_prev_ids.
 cudaError_t resolve_prev_ids(int32_t* ids, int64_t n, const int32_t* prev, int64_t n_prev, cudaStream_t stream);
+// counts[e] += the entries of ids [rows, k] equal to e over the rows that the device pairs (first row, rows) name
+// (null: all rows); entries outside [0, E) skipped. CPU reference: cpu::count_experts.
+cudaError_t count_experts(const int32_t* ids, int64_t rows, int32_t k, const int32_t* pairs, int32_t npairs,
+                          int32_t E, long long* counts, cudaStream_t stream);
 
 cudaError_t embedding(const bf16* table, int64_t vocab_rows, int64_t H, int64_t vocab_begin, const int32_t* ids,
                       int64_t T, bf16* out, cudaStream_t stream);
