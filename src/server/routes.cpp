@@ -665,9 +665,9 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/start_expert_distribution_record" || path == "/stop_expert_distribution_record" ||
                path == "/dump_expert_distribution_record") {  // SGLang's
       if (!get && !post) method_not_allowed(req);
-      expert_record(ex, path[1] == 's' ? (path[2] == 't' && path[3] == 'a' ? ExpertRecordOp::Start
-                                                                            : ExpertRecordOp::Stop)
-                                       : ExpertRecordOp::Dump);
+      expert_record(ex, path.starts_with("/start_")  ? ExpertRecordOp::Start
+                        : path.starts_with("/stop_") ? ExpertRecordOp::Stop
+                                                     : ExpertRecordOp::Dump);
     } else if (path == "/is_paused") {  // vLLM's
       if (!get) method_not_allowed(req);
       respond_json(ex, 200, dump(ojson{{"is_paused", engine_.is_paused()}}));
@@ -1178,33 +1178,34 @@ std::string write_expert_record(const std::string& dir, const ExpertRecord& r) {
 void Api::expert_record(const std::shared_ptr<HttpExchange>& ex, ExpertRecordOp op) {
   std::weak_ptr<HttpExchange> wex = ex;
   Executor post = ex->executor();
+  // The answer (and a dump's file) is made on the connection's executor, not on the engine thread that calls back.
   engine_.expert_record(op, [wex, post, op, dir = opts_.expert_distribution_dir](const ExpertRecord& r) {
-    int status = 200;
-    std::string type = "text/plain", text;
-    try {
-      if (!r.ok) throw ApiError(400, r.message);
-      switch (op) {
-        case ExpertRecordOp::Start:
-          text = "Start recording the expert distribution.\n";
-          break;
-        case ExpertRecordOp::Stop:
-          text = "Stop recording the expert distribution.\n";
-          break;
-        case ExpertRecordOp::Dump:
-          MLA_LOG_INFO("expert distribution written to {}", write_expert_record(dir, r));
-          text = "Dump expert distribution record.\n";
-          break;
+    post([wex, op, dir, r] {
+      int status = 200;
+      std::string type = "text/plain", text;
+      try {
+        if (!r.ok) throw ApiError(400, r.message);
+        switch (op) {
+          case ExpertRecordOp::Start:
+            text = "Start recording the expert distribution.\n";
+            break;
+          case ExpertRecordOp::Stop:
+            text = "Stop recording the expert distribution.\n";
+            break;
+          case ExpertRecordOp::Dump:
+            MLA_LOG_INFO("expert distribution written to {}", write_expert_record(dir, r));
+            text = "Dump expert distribution record.\n";
+            break;
+        }
+      } catch (const ApiError& e) {
+        status = e.status;
+        type = "application/json";
+        text = error_body(e);
+      } catch (const std::exception& e) {
+        status = 500;
+        type = "application/json";
+        text = error_body(500, e.what(), "internal_error");
       }
-    } catch (const ApiError& e) {
-      status = e.status;
-      type = "application/json";
-      text = error_body(e);
-    } catch (const std::exception& e) {
-      status = 500;
-      type = "application/json";
-      text = error_body(500, e.what(), "internal_error");
-    }
-    post([wex, status, type, text] {
       if (auto ex2 = wex.lock()) ex2->respond(status, type, text);
     });
   });
