@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 DEB_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
-  libboost1.81-dev nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev libpcre2-dev libicu-dev
+  libboost1.81-dev libssl-dev nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev libpcre2-dev libicu-dev
   libgtest-dev libgmock-dev
   python3
 )

@@ -68,6 +68,8 @@ struct ServeArgs {
   double dist_timeout = 120.0;
   int32_t base_gpu_id = 0, gpu_id_step = 1;
   std::string api_key;
+  std::string ssl_certfile, ssl_keyfile, ssl_keyfile_password, ssl_ca_certs;  // TLS (vLLM's and SGLang's flags)
+  int ssl_cert_reqs = 0;
   std::string allowed_origins = "*";
   std::vector<std::string> origins;  // allowed_origins parsed (at validation)
   std::string device = "auto";
@@ -408,6 +410,10 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["dist_init_addr"] = a.dist_init_addr;
   j["skip_tokenizer_init"] = a.skip_tokenizer_init;
   j["api_key_set"] = !a.api_key.empty();
+  j["ssl_certfile"] = a.ssl_certfile.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.ssl_certfile);
+  j["ssl_keyfile"] = a.ssl_keyfile.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.ssl_keyfile);
+  j["ssl_ca_certs"] = a.ssl_ca_certs.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.ssl_ca_certs);
+  j["ssl_cert_reqs"] = a.ssl_cert_reqs;
   j["max_body_bytes"] = a.max_body_bytes;
   j["num_http_threads"] = a.num_http_threads;
   j["request_timeout"] = a.request_timeout;
@@ -569,6 +575,13 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--base-gpu-id", a->base_gpu_id, "the first GPU this server uses (SGLang's)")->capture_default_str();
   app.add_option("--gpu-id-step", a->gpu_id_step, "GPUs between the ranks' devices (SGLang's)")->capture_default_str();
   app.add_option("--api-key", a->api_key, "require 'Authorization: Bearer <key>'");
+  app.add_option("--ssl-certfile", a->ssl_certfile, "serve HTTPS: the server's PEM certificate (chain)");
+  app.add_option("--ssl-keyfile", a->ssl_keyfile, "serve HTTPS: the certificate's PEM private key");
+  app.add_option("--ssl-keyfile-password", a->ssl_keyfile_password, "the password of an encrypted --ssl-keyfile");
+  app.add_option("--ssl-ca-certs", a->ssl_ca_certs, "PEM CA certificates that client certificates are checked against");
+  app.add_option("--ssl-cert-reqs", a->ssl_cert_reqs,
+                 "client certificates: 0 not asked (default), 1 checked when given, 2 required (Python's ssl.CERT_*)")
+      ->capture_default_str();
   app.add_option("--allowed-origins", a->allowed_origins,
                  "browser origins given CORS headers: '*' (default), origins separated by commas or a JSON list, "
                  "or '' for none")
@@ -629,7 +642,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
         "--no-enable-chunked-prefill", "--async-scheduling", "--enable-memory-saver", "--sleep-on-idle", "--enable-symm-mem", "--disable-fastapi-docs",
         "--weight-loader-disable-mmap", "--disable-async-output-proc", "--multi-step-stream-outputs",
         "--enable-log-requests", "--triton-attention-reduce-in-fp32", "--disable-outlines-disk-cache",
-        "--enable-prompt-tokens-details"})
+        "--enable-prompt-tokens-details", "--enable-ssl-refresh"})
     app.add_flag_callback(flag, [a, flag] { a->ignored.push_back(flag); }, "accepted for compatibility; no effect");
   for (const char* opt :
        {"--torch-compile-max-bs", "--attention-backend", "--grammar-backend", "--sampling-backend", "--schedule-policy",
@@ -702,6 +715,15 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
               s.node_rank, s.nnodes);
     MLA_CHECK(s.nnodes == 1 || !s.dist_init_addr.empty(), "--nnodes {} needs --dist-init-addr host:port", s.nnodes);
     MLA_CHECK(s.port >= 0 && s.port <= 65535, "--port must be in [0, 65535], got {}", s.port);
+    {  // the TLS files, before any loading
+      server::ServerOptions tls;
+      tls.ssl_certfile = s.ssl_certfile;
+      tls.ssl_keyfile = s.ssl_keyfile;
+      tls.ssl_keyfile_password = s.ssl_keyfile_password;
+      tls.ssl_ca_certs = s.ssl_ca_certs;
+      tls.ssl_cert_reqs = s.ssl_cert_reqs;
+      server::HttpServer::check_tls(tls);
+    }
     MLA_CHECK(s.base_gpu_id >= 0, "--base-gpu-id must be >= 0, got {}", s.base_gpu_id);
     MLA_CHECK(s.gpu_id_step >= 1, "--gpu-id-step must be >= 1, got {}", s.gpu_id_step);
     MLA_CHECK(s.num_http_threads >= 0 && s.num_http_threads <= 256, "--num-http-threads must be in [0, 256]");
@@ -825,6 +847,11 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
       so.expert_distribution_dir = d;
     so.tokenizer_path = s.skip_tokenizer_init ? "" : s.tokenizer_path;
     so.max_body_bytes = s.max_body_bytes;
+    so.ssl_certfile = s.ssl_certfile;
+    so.ssl_keyfile = s.ssl_keyfile;
+    so.ssl_keyfile_password = s.ssl_keyfile_password;
+    so.ssl_ca_certs = s.ssl_ca_certs;
+    so.ssl_cert_reqs = s.ssl_cert_reqs;
     so.num_threads = s.num_http_threads;
     so.request_timeout_s = s.request_timeout;
     so.parse.max_n = s.max_n;
@@ -861,9 +888,11 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
       engine->shutdown();
       throw;
     }
-    std::cout << fmt::format("mlaserve: serving '{}' on http://{}:{}", so.served_model_name, s.host, http.port())
+    const char* scheme = so.ssl_certfile.empty() ? "http" : "https";
+    std::cout << fmt::format("mlaserve: serving '{}' on {}://{}:{}", so.served_model_name, scheme, s.host,
+                             http.port())
               << std::endl;
-    MLA_LOG_INFO("ready: http://{}:{} ({} http threads)", s.host, http.port(), so.num_threads);
+    MLA_LOG_INFO("ready: {}://{}:{} ({} http threads)", scheme, s.host, http.port(), so.num_threads);
     http.wait_for_signal();
     engine->shutdown();  // aborts what is left; outputs still post to the live io threads
     http.stop();

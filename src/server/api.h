@@ -105,6 +105,10 @@ struct ServerOptions {
   // SGLang's --weight-version: the weights' version, shown by /get_weight_version and /get_model_info, set by
   // /update_weights_from_disk's weight_version and /update_weight_version.
   std::string weight_version = "default";
+  // TLS (vLLM's and SGLang's flags): a PEM certificate (chain) and its private key make every connection HTTPS;
+  // ssl_ca_certs and ssl_cert_reqs (Python's ssl.CERT_NONE 0 / OPTIONAL 1 / REQUIRED 2) check client certificates.
+  std::string ssl_certfile, ssl_keyfile, ssl_keyfile_password, ssl_ca_certs;
+  int ssl_cert_reqs = 0;
   // Where /dump_expert_distribution_record writes (SGLang's $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR; made if absent).
   std::string expert_distribution_dir = "/tmp";
 };

@@ -6,12 +6,15 @@
 #include <boost/asio/strand.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <boost/beast/ssl.hpp>
 
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
+#include <optional>
 #include <random>
 #include <thread>
+#include <type_traits>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -33,17 +36,25 @@ std::string status_line(int status) {
                      std::string(http::obsolete_reason(static_cast<http::status>(status))));
 }
 
-// One connection. It is its own HttpExchange: HTTP/1.1 serves one request at a time per connection.
-class Session : public HttpExchange, public std::enable_shared_from_this<Session> {
+using TlsStream = beast::ssl_stream<beast::tcp_stream>;
+
+// One connection, over plain TCP (Stream = beast::tcp_stream) or TLS (TlsStream: --ssl-certfile). It is its own
+// HttpExchange: HTTP/1.1 serves one request at a time per connection.
+template <class Stream>
+class Session : public HttpExchange, public std::enable_shared_from_this<Session<Stream>> {
+  static constexpr bool kTls = std::is_same_v<Stream, TlsStream>;
+
  public:
-  Session(tcp::socket&& socket, Api& api, const ServerOptions& opts)
-      : stream_(std::move(socket)), timer_(stream_.get_executor()), api_(api), opts_(opts) {
+  // stream_args: after the socket, what the stream takes (TLS: the server's ssl::context).
+  template <class... StreamArgs>
+  Session(tcp::socket&& socket, Api& api, const ServerOptions& opts, StreamArgs&... stream_args)
+      : stream_(std::move(socket), stream_args...), timer_(stream_.get_executor()), api_(api), opts_(opts) {
     ++api_.metrics().open_connections;
   }
   ~Session() override { --api_.metrics().open_connections; }
 
   void run() {
-    net::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->do_read(); });
+    net::dispatch(stream_.get_executor(), [self = this->shared_from_this()] { self->start(); });
   }
 
   // ---- HttpExchange ----
@@ -93,6 +104,25 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
   void on_cancel(std::function<void(const std::string&)> fn) override { cancel_fn_ = std::move(fn); }
 
  private:
+  beast::tcp_stream& tcp() { return beast::get_lowest_layer(stream_); }
+
+  // TLS: the handshake first (a client that does not complete it within the idle timeout is dropped).
+  void start() {
+    if constexpr (kTls) {
+      tcp().expires_after(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+          std::chrono::duration<double>(opts_.idle_timeout_s)));
+      stream_.async_handshake(net::ssl::stream_base::server, [self = this->shared_from_this()](beast::error_code ec) {
+        if (ec) {
+          MLA_LOG_DEBUG("TLS handshake failed: {}", ec.message());
+          return self->close();
+        }
+        self->do_read();
+      });
+    } else {
+      do_read();
+    }
+  }
+
   void do_read() {
     if (closed_) return;
     parser_.emplace();
@@ -100,10 +130,10 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     parser_->header_limit(64 * 1024);
     response_started_ = response_ended_ = head_ = false;
     cors_headers_.clear();
-    stream_.expires_after(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+    tcp().expires_after(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
         std::chrono::duration<double>(opts_.idle_timeout_s)));
     http::async_read_header(stream_, buffer_, *parser_,
-                            [self = shared_from_this()](beast::error_code ec, size_t) { self->on_header(ec); });
+                            [self = this->shared_from_this()](beast::error_code ec, size_t) { self->on_header(ec); });
   }
 
   // Errors while reading a request: answer what can be answered (size limits), close on the rest.
@@ -126,7 +156,7 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
 
   void reject(int status, const std::string& message) {
     ++api_.metrics().client_errors_total;
-    stream_.expires_after(std::chrono::seconds(30));
+    tcp().expires_after(std::chrono::seconds(30));
     respond(status, "application/json", error_body(status, message));
   }
 
@@ -137,7 +167,7 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     if (expect != parser_->get().end() && beast::iequals(expect->value(), "100-continue")) {
       auto msg = std::make_shared<std::string>("HTTP/1.1 100 Continue\r\n\r\n");
       net::async_write(stream_, net::buffer(*msg),
-                       [self = shared_from_this(), msg](beast::error_code ec2, size_t) {
+                       [self = this->shared_from_this(), msg](beast::error_code ec2, size_t) {
                          if (ec2) return self->close();
                          self->read_body();
                        });
@@ -148,12 +178,12 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
 
   void read_body() {
     http::async_read(stream_, buffer_, *parser_,
-                     [self = shared_from_this()](beast::error_code ec, size_t) { self->on_request(ec); });
+                     [self = this->shared_from_this()](beast::error_code ec, size_t) { self->on_request(ec); });
   }
 
   void on_request(beast::error_code ec) {
     if (read_failed(ec)) return;
-    stream_.expires_never();
+    tcp().expires_never();
     auto& msg = parser_->get();
     HttpRequest req;
     req.method = std::string(msg.method_string());
@@ -177,12 +207,12 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     if (opts_.request_timeout_s > 0) {
       timer_.expires_after(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
           std::chrono::duration<double>(opts_.request_timeout_s)));
-      timer_.async_wait([self = shared_from_this(), serial = serial_](beast::error_code tec) {
+      timer_.async_wait([self = this->shared_from_this(), serial = serial_](beast::error_code tec) {
         if (tec || self->serial_ != serial || !self->handling_) return;
         self->timed_out();
       });
     }
-    api_.handle(req, shared_from_this());
+    api_.handle(req, this->shared_from_this());
   }
 
   static std::string header(const http::request<http::string_body>& msg, http::field f) {
@@ -244,7 +274,7 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
   void start_monitor() {
     if (monitoring_ || closed_ || buffer_.size() > kMaxPipelinedBytes) return;
     monitoring_ = true;
-    stream_.async_read_some(buffer_.prepare(4096), [self = shared_from_this()](beast::error_code ec, size_t n) {
+    stream_.async_read_some(buffer_.prepare(4096), [self = this->shared_from_this()](beast::error_code ec, size_t n) {
       self->monitoring_ = false;
       if (!ec) {
         self->buffer_.commit(n);
@@ -303,7 +333,7 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     writing_ = true;
     const bool ends_response = response_ended_;
     net::async_write(stream_, net::buffer(write_buf_),
-                     [self = shared_from_this(), ends_response](beast::error_code ec, size_t) {
+                     [self = this->shared_from_this(), ends_response](beast::error_code ec, size_t) {
                        self->writing_ = false;
                        if (ec) {
                          if (self->handling_) self->client_gone("client disconnected");
@@ -323,12 +353,12 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     if (closed_) return;
     if (!keep_alive_) {
       beast::error_code ec;
-      stream_.socket().shutdown(tcp::socket::shutdown_send, ec);
+      tcp().socket().shutdown(tcp::socket::shutdown_send, ec);
       return close();
     }
     if (monitoring_) {
       beast::error_code ec;
-      stream_.socket().cancel(ec);  // its handler starts the next read
+      tcp().socket().cancel(ec);  // its handler starts the next read
     } else {
       do_read();
     }
@@ -340,10 +370,10 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     cancel_fn_ = nullptr;
     timer_.cancel();
     beast::error_code ec;
-    stream_.socket().close(ec);
+    tcp().socket().close(ec);
   }
 
-  beast::tcp_stream stream_;
+  Stream stream_;
   net::steady_timer timer_;
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
@@ -378,7 +408,8 @@ struct HttpServer::Impl {
       } else {
         beast::error_code ignored;
         socket.set_option(tcp::no_delay(true), ignored);
-        std::make_shared<Session>(std::move(socket), api, opts)->run();
+        if (tls) std::make_shared<Session<TlsStream>>(std::move(socket), api, opts, *tls)->run();
+        else std::make_shared<Session<beast::tcp_stream>>(std::move(socket), api, opts)->run();
       }
       do_accept();
     });
@@ -386,6 +417,7 @@ struct HttpServer::Impl {
 
   Api& api;
   ServerOptions opts;
+  std::optional<net::ssl::context> tls;  // --ssl-certfile: every connection speaks TLS
   net::io_context ioc;
   tcp::acceptor acceptor;
   std::vector<std::thread> threads;
@@ -396,12 +428,56 @@ struct HttpServer::Impl {
   bool signalled = false;
 };
 
+namespace {
+
+// The TLS context of ServerOptions' ssl_* (none without a certificate); throws naming the flag and file that cannot
+// be used.
+std::optional<net::ssl::context> tls_context(const ServerOptions& opts) {
+  const bool cert = !opts.ssl_certfile.empty(), key = !opts.ssl_keyfile.empty();
+  MLA_CHECK(cert == key, "--ssl-certfile and --ssl-keyfile come together (a certificate and its private key)");
+  MLA_CHECK(cert || opts.ssl_ca_certs.empty(), "--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile");
+  MLA_CHECK(opts.ssl_cert_reqs >= 0 && opts.ssl_cert_reqs <= 2,
+            "--ssl-cert-reqs: {} (0: no client certificate, 1: optional, 2: required)", opts.ssl_cert_reqs);
+  MLA_CHECK(opts.ssl_cert_reqs == 0 || !opts.ssl_ca_certs.empty(),
+            "--ssl-cert-reqs {} checks client certificates against --ssl-ca-certs, which is not given",
+            opts.ssl_cert_reqs);
+  if (!cert) return std::nullopt;
+  std::optional<net::ssl::context> tls(std::in_place, net::ssl::context::tls_server);
+  net::ssl::context& c = *tls;
+  c.set_options(net::ssl::context::default_workarounds | net::ssl::context::no_sslv2 |
+                net::ssl::context::no_sslv3 | net::ssl::context::no_tlsv1 | net::ssl::context::no_tlsv1_1 |
+                net::ssl::context::single_dh_use);
+  // Always a callback: without one OpenSSL asks for an encrypted key's password on the terminal (and waits).
+  c.set_password_callback([pw = opts.ssl_keyfile_password](size_t, net::ssl::context::password_purpose) {
+    return pw;
+  });
+  beast::error_code ec;
+  c.use_certificate_chain_file(opts.ssl_certfile, ec);
+  MLA_CHECK(!ec, "--ssl-certfile '{}': {}", opts.ssl_certfile, ec.message());
+  c.use_private_key_file(opts.ssl_keyfile, net::ssl::context::pem, ec);
+  MLA_CHECK(!ec, "--ssl-keyfile '{}': {}{}", opts.ssl_keyfile, ec.message(),
+            opts.ssl_keyfile_password.empty() ? " (an encrypted key needs --ssl-keyfile-password)" : "");
+  if (!opts.ssl_ca_certs.empty()) {
+    c.load_verify_file(opts.ssl_ca_certs, ec);
+    MLA_CHECK(!ec, "--ssl-ca-certs '{}': {}", opts.ssl_ca_certs, ec.message());
+  }
+  c.set_verify_mode(opts.ssl_cert_reqs == 2   ? net::ssl::verify_peer | net::ssl::verify_fail_if_no_peer_cert
+                    : opts.ssl_cert_reqs == 1 ? net::ssl::verify_peer
+                                              : net::ssl::verify_none);
+  return tls;
+}
+
+}  // namespace
+
+void HttpServer::check_tls(const ServerOptions& opts) { (void)tls_context(opts); }
+
 HttpServer::HttpServer(Api& api, const ServerOptions& opts) : impl_(std::make_unique<Impl>(api, opts)) {}
 
 HttpServer::~HttpServer() { stop(); }
 
 void HttpServer::start() {
   Impl& s = *impl_;
+  s.tls = tls_context(s.opts);
   beast::error_code ec;
   const auto addr = net::ip::make_address(s.opts.host, ec);
   MLA_CHECK(!ec, "--host: '{}' is not an IP address ({})", s.opts.host, ec.message());

@@ -14,7 +14,11 @@ class HttpServer {
  public:
   HttpServer(Api& api, const ServerOptions& opts);
   ~HttpServer();
-  // Binds and starts the io threads; throws mlaserve::Error if the address cannot be bound.
+  // Whether ServerOptions' TLS files make a TLS context (throws naming the flag and file otherwise): a check before
+  // the model loads.
+  static void check_tls(const ServerOptions& opts);
+  // Binds and starts the io threads (HTTPS with ServerOptions::ssl_certfile); throws mlaserve::Error if the address
+  // cannot be bound or the TLS files cannot be used.
   void start();
   int port() const;  // the bound port (useful with port 0)
   // Stops accepting and stops the io threads (open connections are dropped). Idempotent.

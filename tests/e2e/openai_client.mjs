@@ -1,5 +1,6 @@
 // Drives the server with the official `openai` npm client: completions and chat, streaming and not, usage.
-// Usage: node openai_client.mjs <port> <model>. Exits non-zero (with the reason) on the first failed check.
+// Usage: node openai_client.mjs <port> <model> [http|https] (https: NODE_EXTRA_CA_CERTS names the server's CA).
+// Exits non-zero (with the reason) on the first failed check.
 import { createRequire } from 'node:module';
 import { fileURLToPath } from 'node:url';
 import path from 'node:path';
@@ -8,8 +9,8 @@ const here = path.dirname(fileURLToPath(import.meta.url));
 const require = createRequire(path.join(here, '..', 'npm', 'package.json'));
 const OpenAI = require('openai');
 
-const [port, model] = process.argv.slice(2);
-const client = new OpenAI({ baseURL: `http://127.0.0.1:${port}/v1`, apiKey: 'unused', timeout: 60000, maxRetries: 0 });
+const [port, model, scheme = 'http'] = process.argv.slice(2);
+const client = new OpenAI({ baseURL: `${scheme}://127.0.0.1:${port}/v1`, apiKey: 'unused', timeout: 60000, maxRetries: 0 });
 
 function check(cond, what, detail) {
   if (!cond) {

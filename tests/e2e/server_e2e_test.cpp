@@ -14,6 +14,7 @@
 
 #include "e2e/server_process.h"
 #include "http_test_client.h"
+#include "tls_test_util.h"
 #include "structured/json_schema.h"
 #include "structured/regex.h"
 
@@ -1228,6 +1229,71 @@ TEST(ServeFlags, ExpertDistributionRecord) {
   EXPECT_EQ(r.status, 400);
   EXPECT_NE(r.body.find("--expert-distribution-recorder-mode"), std::string::npos) << r.body;
   EXPECT_EQ(off.stop(), 0);
+}
+
+// HTTPS with vLLM's and SGLang's flags (--ssl-certfile, --ssl-keyfile): Python's stdlib client (ssl checking the
+// server's certificate against the test CA) completes, chats and streams; unusable TLS files stop the server before it
+// loads, naming the flag.
+TEST(ServeFlags, Https) {
+  const auto dir = temp_dir("e2e-tls");
+  const TlsFiles t = write_tls_files(dir);
+  ServerProcess s({"--ssl-certfile", t.cert, "--ssl-keyfile", t.key});
+  ASSERT_TRUE(s.running()) << s.log();
+  EXPECT_NE(s.log().find("on https://127.0.0.1:"), std::string::npos) << s.log();
+  const std::string script = (dir / "client.py").string();
+  {
+    std::ofstream py(script);
+    py << R"(import json, ssl, sys, urllib.request as u
+port, ca = sys.argv[1], sys.argv[2]
+ctx = ssl.create_default_context(cafile=ca)
+def post(path, body):
+    req = u.Request("https://127.0.0.1:%s%s" % (port, path), data=json.dumps(body).encode(),
+                    headers={"Content-Type": "application/json"})
+    return u.urlopen(req, context=ctx, timeout=60)
+c = json.load(post("/v1/completions", {"model": "tiny-v3", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}))
+assert c["usage"]["completion_tokens"] == 3, c
+m = json.load(post("/v1/chat/completions", {"model": "tiny-v3", "max_tokens": 2,
+                                             "messages": [{"role": "user", "content": "hello"}]}))
+assert m["choices"][0]["message"]["role"] == "assistant", m
+events = [l for l in post("/generate", {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 4,
+          "ignore_eos": True}}).read().decode().split("\n") if l.startswith("data: ")]
+assert events[-1] == "data: [DONE]" and len(events) >= 3, events
+try:
+    u.urlopen("https://127.0.0.1:%s/health" % port, context=ssl.create_default_context(), timeout=60)
+    sys.exit("a client without the test CA trusted the server")
+except (ssl.SSLError, u.URLError):
+    pass
+print("https checks passed")
+)";
+  }
+  const auto r = run_command(fmt::format("timeout 120 python3 {} {} {}", script, s.port(), t.ca_cert));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("https checks passed"), std::string::npos) << r.output;
+  EXPECT_EQ(s.stop(), 0);
+
+  ServerProcess bad({"--ssl-certfile", t.cert, "--ssl-keyfile", (dir / "missing.pem").string()});
+  EXPECT_FALSE(bad.running());
+  EXPECT_NE(bad.log().find("--ssl-keyfile"), std::string::npos) << bad.log();
+  EXPECT_EQ(bad.log().find("loading weights"), std::string::npos) << bad.log();
+  std::filesystem::remove_all(dir);
+}
+
+// The official openai npm client over HTTPS (trusting the test CA through NODE_EXTRA_CA_CERTS).
+TEST(ServeFlags, HttpsOpenAINpmClient) {
+  const std::string node = MLASERVE_NODE;
+  ASSERT_FALSE(node.empty() || node.find("NOTFOUND") != std::string::npos) << "node is needed for this test";
+  ASSERT_TRUE(std::filesystem::exists(std::string(MLASERVE_SOURCE_DIR) + "/tests/npm/node_modules/openai"))
+      << "run scripts/setup.sh (npm packages)";
+  const auto dir = temp_dir("e2e-tls-npm");
+  const TlsFiles t = write_tls_files(dir);
+  ServerProcess s({"--ssl-certfile", t.cert, "--ssl-keyfile", t.key});
+  ASSERT_TRUE(s.running()) << s.log();
+  auto r = run_command("NODE_EXTRA_CA_CERTS=" + t.ca_cert + " timeout 120 " + node + " " + MLASERVE_SOURCE_DIR +
+                       "/tests/e2e/openai_client.mjs " + std::to_string(s.port()) + " tiny-v3 https");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("all checks passed"), std::string::npos) << r.output;
+  EXPECT_EQ(s.stop(), 0);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(ServeFlags, ModelConfigOverrides) {

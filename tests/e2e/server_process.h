@@ -88,7 +88,7 @@ class ServerProcess {
       ::_exit(127);
     }
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(startup_timeout_s);
-    const std::regex listening(R"(on http://127\.0\.0\.1:(\d+))");
+    const std::regex listening(R"(on https?://127\.0\.0\.1:(\d+))");
     while (std::chrono::steady_clock::now() < deadline) {
       std::smatch m;
       const std::string log = read_text(log_path_);

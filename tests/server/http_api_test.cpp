@@ -9,8 +9,15 @@
 #include <regex>
 #include <thread>
 
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/ssl/host_name_verification.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <boost/beast/ssl.hpp>
+
 #include "fakes.h"
 #include "http_test_client.h"
+#include "tls_test_util.h"
 #include "server/api.h"
 #include "server/api_error.h"
 #include "server/batches.h"
@@ -229,6 +236,115 @@ TEST(HttpApi, ExpertDistributionRecord) {
   using Op = ExpertRecordOp;
   EXPECT_EQ(s.engine.expert_ops(), (std::vector<Op>{Op::Start, Op::Dump, Op::Start, Op::Stop, Op::Dump}));
   std::filesystem::remove_all(dir.parent_path());
+}
+
+namespace {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+
+// One HTTPS request through Beast, the server's certificate checked against `ca` for 127.0.0.1 (and a client
+// certificate presented when given): the status and body. Throws when TLS fails (an untrusted server, a client
+// certificate refused) or the connection ends without an answer.
+test::HttpResponse https_request(int port, const std::string& method, const std::string& target,
+                                 const std::string& body, const std::string& ca, const std::string& client_cert = "",
+                                 const std::string& client_key = "") {
+  net::io_context ioc;
+  net::ssl::context ctx(net::ssl::context::tls_client);
+  ctx.load_verify_file(ca);
+  ctx.set_verify_mode(net::ssl::verify_peer);
+  if (!client_cert.empty()) {
+    ctx.use_certificate_chain_file(client_cert);
+    ctx.use_private_key_file(client_key, net::ssl::context::pem);
+  }
+  beast::ssl_stream<beast::tcp_stream> s(ioc, ctx);
+  s.set_verify_callback(net::ssl::host_name_verification("127.0.0.1"));
+  beast::get_lowest_layer(s).expires_after(std::chrono::seconds(30));
+  beast::get_lowest_layer(s).connect(net::ip::tcp::endpoint(net::ip::address_v4::loopback(),
+                                                            static_cast<unsigned short>(port)));
+  s.handshake(net::ssl::stream_base::client);
+  beast::http::request<beast::http::string_body> req{beast::http::string_to_verb(method), target, 11};
+  req.set(beast::http::field::host, "127.0.0.1");
+  req.set(beast::http::field::content_type, "application/json");
+  req.body() = body;
+  req.prepare_payload();
+  beast::http::write(s, req);
+  beast::flat_buffer buf;
+  beast::http::response<beast::http::string_body> res;
+  beast::http::read(s, buf, res);
+  test::HttpResponse out;
+  out.status = static_cast<int>(res.result_int());
+  out.body = res.body();
+  return out;
+}
+
+std::string check_tls_error(const ServerOptions& o) {
+  try {
+    HttpServer::check_tls(o);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+// HTTPS (--ssl-certfile / --ssl-keyfile): requests through TLS answer as over plain HTTP; a plain-HTTP request to the
+// TLS port gets no HTTP answer; an encrypted key with its password; client certificates required
+// (--ssl-ca-certs, --ssl-cert-reqs 2) refuse a client without one; unusable files are errors naming the flag.
+TEST(HttpApi, Tls) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "mlaserve_tls_api";
+  const test::TlsFiles t = test::write_tls_files(dir);
+  {
+    ServerOptions o;
+    o.ssl_certfile = t.cert;
+    o.ssl_keyfile = t.key;
+    TestServer s(o);
+    auto r = https_request(s.port(), "GET", "/health", "", t.ca_cert);
+    EXPECT_EQ(r.status, 200);
+    r = https_request(s.port(), "POST", "/generate",
+                      R"({"text": "hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})", t.ca_cert);
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(json::parse(r.body)["text"], "hel");
+    r = https_request(s.port(), "POST", "/v1/completions", R"({"model": "fake", "prompt": "hi", "max_tokens": 2,
+        "stream": true})", t.ca_cert);
+    EXPECT_EQ(r.status, 200);
+    EXPECT_NE(r.body.find("data: [DONE]"), std::string::npos) << r.body;
+    // Plain HTTP to the TLS port: the handshake fails, no HTTP answer comes back.
+    bool answered = false;
+    try {
+      answered = s.get("/health").status == 200;
+    } catch (const std::exception&) {
+    }
+    EXPECT_FALSE(answered);
+    // A client that does not trust the server's CA (its own certificate as the only CA) refuses it.
+    EXPECT_THROW(https_request(s.port(), "GET", "/health", "", t.cert), std::exception);
+    EXPECT_EQ(https_request(s.port(), "GET", "/health", "", t.ca_cert).status, 200);  // (the server goes on)
+  }
+  {
+    ServerOptions o;
+    o.ssl_certfile = t.cert;
+    o.ssl_keyfile = t.key_encrypted;
+    o.ssl_keyfile_password = test::kTlsKeyPassword;
+    o.ssl_ca_certs = t.ca_cert;
+    o.ssl_cert_reqs = 2;
+    TestServer s(o);
+    EXPECT_THROW(https_request(s.port(), "GET", "/health", "", t.ca_cert), std::exception);
+    EXPECT_EQ(https_request(s.port(), "GET", "/health", "", t.ca_cert, t.cert, t.key).status, 200);
+  }
+  ServerOptions o;
+  o.ssl_certfile = t.cert;
+  EXPECT_NE(check_tls_error(o).find("--ssl-keyfile"), std::string::npos) << check_tls_error(o);
+  o.ssl_keyfile = (dir / "missing.pem").string();
+  EXPECT_NE(check_tls_error(o).find("missing.pem"), std::string::npos) << check_tls_error(o);
+  o.ssl_keyfile = t.key_encrypted;  // no password
+  EXPECT_NE(check_tls_error(o).find("--ssl-keyfile-password"), std::string::npos) << check_tls_error(o);
+  o.ssl_keyfile = t.key;
+  o.ssl_cert_reqs = 2;
+  EXPECT_NE(check_tls_error(o).find("--ssl-ca-certs"), std::string::npos) << check_tls_error(o);
+  o.ssl_ca_certs = t.ca_cert;
+  EXPECT_EQ(check_tls_error(o), "");
+  std::filesystem::remove_all(dir);
 }
 
 TEST(HttpApi, GenerateNonStream) {
