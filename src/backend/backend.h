@@ -109,6 +109,9 @@ class Backend {
   virtual int64_t persistent_bytes_free() const { return -1; }
   // Waits for every op issued so far.
   virtual void synchronize() {}
+  // Profiling (/start_profile, /stop_profile): the device profiler's capture range (CUDA: cudaProfilerStart / Stop,
+  // what `nsys profile --capture-range=cudaProfilerApi` records); nothing elsewhere.
+  virtual void profiler(bool on) { (void)on; }
   // Makes the calling thread use this backend's device (cudaSetDevice); every rank thread calls it first.
   virtual void bind_thread() {}
   // The device stream (cudaStream_t) collectives must be ordered on; null on the CPU.

@@ -78,6 +78,7 @@ class ForwardingBackend : public Backend {
     b_.moe_experts(x, i, w, g, d, eb, sg, sd, o);
   }
   void count_experts(const Tensor& i, Tensor& c) override { b_.count_experts(i, c); }
+  void profiler(bool on) override { b_.profiler(on); }
   void sample(const Tensor& l, std::span<const RowSampling> p, Tensor& i, Tensor* lp) override { b_.sample(l, p, i, lp); }
   void set_rope(const std::vector<float>& f, float a) override { b_.set_rope(f, a); }
 

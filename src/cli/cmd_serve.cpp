@@ -845,6 +845,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.weight_version = s.weight_version;
     if (const char* d = std::getenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR"); d && *d)
       so.expert_distribution_dir = d;
+    for (const char* env : {"VLLM_TORCH_PROFILER_DIR", "SGLANG_TORCH_PROFILER_DIR"})  // (SGLang's wins)
+      if (const char* d = std::getenv(env); d && *d) so.profile_dir = d;
     so.tokenizer_path = s.skip_tokenizer_init ? "" : s.tokenizer_path;
     so.max_body_bytes = s.max_body_bytes;
     so.ssl_certfile = s.ssl_certfile;

@@ -181,6 +181,38 @@ void DpController::expert_record(ExpertRecordOp op, std::function<void(const Exp
     });
 }
 
+void DpController::profile(const ProfileRequest& req, std::function<void(const ProfileResult&)> done) {
+  struct Gather {
+    std::mutex mu;
+    size_t left = 0;
+    ProfileResult result;
+    std::function<void(const ProfileResult&)> done;
+  };
+  auto c = std::make_shared<Gather>();
+  c->left = replicas_.size();
+  c->result.ok = true;
+  c->done = std::move(done);
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    ProfileRequest one = req;
+    one.tag = (req.tag.empty() ? "" : req.tag + "-") + "replica" + std::to_string(r);
+    replicas_[r]->profile(one, [c, r](const ProfileResult& res) {
+      bool last = false;
+      {
+        std::lock_guard<std::mutex> lk(c->mu);
+        if (!res.ok && c->result.ok) {
+          c->result.ok = false;
+          c->result.message = fmt::format("replica {}: {}", r, res.message);
+        } else if (c->result.ok) {
+          c->result.message = res.message;
+        }
+        c->result.paths.insert(c->result.paths.end(), res.paths.begin(), res.paths.end());
+        last = --c->left == 0;
+      }
+      if (last) c->done(c->result);
+    });
+  }
+}
+
 bool DpController::continue_generation() {
   bool ok = true;
   for (auto& e : replicas_) ok &= e->continue_generation();

@@ -30,6 +30,8 @@ class DpController final : public EngineClient {
   void resume_memory(std::function<void(const WeightUpdateResult&)> done) override;
   // Every replica (at once); a dump sums their counts. `done` once all answered (the first failure's message).
   void expert_record(ExpertRecordOp op, std::function<void(const ExpertRecord&)> done) override;
+  // Every replica (at once), each its own trace ("replica<r>" in its name); `done` once all answered.
+  void profile(const ProfileRequest& r, std::function<void(const ProfileResult&)> done) override;
   int64_t max_context_len() const override { return replicas_[0]->max_context_len(); }
   std::vector<int32_t> eos_token_ids() const override { return replicas_[0]->eos_token_ids(); }
   void shutdown() override;

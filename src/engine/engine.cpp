@@ -12,7 +12,6 @@
 namespace mlaserve {
 
 namespace {
-using PhaseClock = std::chrono::steady_clock;
 double ms_since(PhaseClock::time_point t) {
   return std::chrono::duration<double, std::milli>(PhaseClock::now() - t).count();
 }
@@ -271,22 +270,78 @@ WeightUpdateResult Engine::run_job(const PendingUpdate& job) {
   return res;
 }
 
-void Engine::expert_record(ExpertRecordOp op, std::function<void(const ExpertRecord&)> done) {
-  bool queued = false;
+bool Engine::queue_control(std::function<void()> job) {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (!stop_) {
-      records_.emplace_back(op, done);
-      queued = true;
-    }
+    if (stop_) return false;
+    controls_.push_back(std::move(job));
   }
-  if (queued) {
-    cv_.notify_one();
-    return;
-  }
+  cv_.notify_one();
+  return true;
+}
+
+void Engine::expert_record(ExpertRecordOp op, std::function<void(const ExpertRecord&)> done) {
+  if (queue_control([this, op, done] { done(run_record(op)); })) return;
   ExpertRecord r;
   r.message = "the server is shutting down";
   done(r);
+}
+
+void Engine::profile(const ProfileRequest& req, std::function<void(const ProfileResult&)> done) {
+  if (queue_control([this, req, done] { done(run_profile(req)); })) return;
+  ProfileResult r;
+  r.message = "the server is shutting down";
+  done(r);
+}
+
+ProfileResult Engine::run_profile(const ProfileRequest& req) {
+  ProfileResult r;
+  try {
+    if (req.start) {
+      MLA_CHECK(!trace_.active(), "a profile is already being recorded: /stop_profile first");
+      MLA_CHECK(req.num_steps >= 0, "num_steps must be >= 0, got {}", req.num_steps);
+      MLA_CHECK(!req.output_dir.empty(), "profiling needs an output folder");
+      ranks_->set_profiler(true);
+      trace_.start(req.output_dir, req.num_steps, req.tag);
+      r.message = "profiling started";
+    } else {
+      MLA_CHECK(trace_.active(), "no profile is being recorded: /start_profile first");
+      ranks_->set_profiler(false);
+      r.paths.push_back(trace_.stop());
+      r.message = fmt::format("profile of {} steps written", trace_.steps());
+    }
+    r.ok = true;
+  } catch (const std::exception& e) {
+    r.ok = false;
+    r.message = e.what();
+  }
+  return r;
+}
+
+nlohmann::json Engine::step_args(const std::vector<StepPlan>& plans) const {
+  nlohmann::json tokens = nlohmann::json::array(), seqs = nlohmann::json::array();
+  bool prefill = false;
+  std::vector<const ForwardBatch*> batches;
+  for (const StepPlan& p : plans) {
+    tokens.push_back(p.empty() ? 0 : p.batch.num_tokens());
+    seqs.push_back(p.empty() ? 0 : p.batch.num_seqs());
+    prefill |= !p.empty() && p.batch.has_prefill();
+    batches.push_back(p.empty() ? nullptr : &p.batch);
+  }
+  return {{"step", steps_}, {"tokens", std::move(tokens)}, {"sequences", std::move(seqs)}, {"prefill", prefill},
+          {"graph_size", ranks_->graph_size_for(batches, MlaForm::Auto)}};
+}
+
+void Engine::traced_step(PhaseClock::time_point launched, const nlohmann::json& args) {
+  if (!trace_.active()) return;
+  trace_.span("step", /*step_track=*/true, launched, PhaseClock::now(), args);
+  if (!trace_.step_done()) return;
+  try {  // num_steps ran out: the trace is written now (a later /stop_profile finds none running)
+    ranks_->set_profiler(false);
+    MLA_LOG_INFO("profile of {} steps written to {}", trace_.steps(), trace_.stop());
+  } catch (const std::exception& e) {
+    MLA_LOG_WARN("profile: {}", e.what());
+  }
 }
 
 std::vector<int64_t> Engine::recorded_counts() {
@@ -303,52 +358,50 @@ std::vector<int64_t> Engine::recorded_counts() {
   return c;
 }
 
-void Engine::run_records(RecordJobs& jobs) {
+ExpertRecord Engine::run_record(ExpertRecordOp op) {
   const ModelConfig& cfg = ranks_->config();
-  for (auto& [op, done] : jobs) {
-    ExpertRecord r;
-    try {
-      MLA_CHECK(ranks_->counts_experts(), "expert distribution recording is off: start the server with "
-                "--expert-distribution-recorder-mode stat");
-      bool released = false;
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        released = released_;
-      }
-      // Zeroes the device's counts (they start again from zero after resume_memory when released).
-      auto zero_device = [&] {
-        if (!released) ranks_->reset_expert_counts();
-      };
-      switch (op) {
-        case ExpertRecordOp::Start:
-          if (recording_) MLA_LOG_WARN("expert distribution: already recording; starting again from zero");
-          zero_device();
-          recorded_.clear();
-          recording_ = true;
-          break;
-        case ExpertRecordOp::Stop:
-          if (!recording_) MLA_LOG_WARN("expert distribution: stop without a recording");
-          else recorded_ = recorded_counts();
-          recording_ = false;
-          break;
-        case ExpertRecordOp::Dump:
-          r.counts = recording_ ? recorded_counts() : recorded_;
-          r.counts.resize(static_cast<size_t>(cfg.num_hidden_layers * cfg.n_routed_experts), 0);
-          zero_device();
-          recorded_.clear();
-          break;
-      }
-      r.ok = true;
-      r.num_layers = cfg.num_hidden_layers;
-      r.num_experts = cfg.n_routed_experts;
-    } catch (const std::exception& e) {
-      r.ok = false;
-      r.message = e.what();
-      r.counts.clear();
+  ExpertRecord r;
+  try {
+    MLA_CHECK(ranks_->counts_experts(), "expert distribution recording is off: start the server with "
+              "--expert-distribution-recorder-mode stat");
+    bool released = false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      released = released_;
     }
-    r.recording = recording_;
-    done(r);
+    // Zeroes the device's counts (they start again from zero after resume_memory when released).
+    auto zero_device = [&] {
+      if (!released) ranks_->reset_expert_counts();
+    };
+    switch (op) {
+      case ExpertRecordOp::Start:
+        if (recording_) MLA_LOG_WARN("expert distribution: already recording; starting again from zero");
+        zero_device();
+        recorded_.clear();
+        recording_ = true;
+        break;
+      case ExpertRecordOp::Stop:
+        if (!recording_) MLA_LOG_WARN("expert distribution: stop without a recording");
+        else recorded_ = recorded_counts();
+        recording_ = false;
+        break;
+      case ExpertRecordOp::Dump:
+        r.counts = recording_ ? recorded_counts() : recorded_;
+        r.counts.resize(static_cast<size_t>(cfg.num_hidden_layers * cfg.n_routed_experts), 0);
+        zero_device();
+        recorded_.clear();
+        break;
+    }
+    r.ok = true;
+    r.num_layers = cfg.num_hidden_layers;
+    r.num_experts = cfg.n_routed_experts;
+  } catch (const std::exception& e) {
+    r.ok = false;
+    r.message = e.what();
+    r.counts.clear();
   }
+  r.recording = recording_;
+  return r;
 }
 
 void Engine::pause_generation(PauseMode mode, std::function<void(bool)> done) {
@@ -442,7 +495,7 @@ void Engine::loop() {
     std::deque<std::pair<std::string, FinishReason>> ab;
     std::vector<std::pair<GenerateRequest, FinishReason>> dropped;  // aborted while waiting in the inbox
     int flushes = 0;
-    RecordJobs records;
+    std::deque<std::function<void()>> controls;
     std::optional<bool> update;  // a weight update waits (its abort_all_requests)
     bool pausing = false, paused = false;
     {
@@ -450,7 +503,7 @@ void Engine::loop() {
       const bool busy = (has_work() || inflight_.has_value()) && !paused_ && !released_;
       cv_.wait_for(lk, std::chrono::milliseconds(busy ? 0 : 50), [&] {
         return stop_ || (!inbox_.empty() && !paused_ && !released_) || !aborts_.empty() ||
-               flush_requests_ > flush_done_ || !updates_.empty() || !pauses_.empty() || !records_.empty() || busy;
+               flush_requests_ > flush_done_ || !updates_.empty() || !pauses_.empty() || !controls_.empty() || busy;
       });
       if (stop_) break;
       pausing = !pauses_.empty();
@@ -472,7 +525,7 @@ void Engine::loop() {
       for (PendingUpdate& p : updates_) p.ahead -= std::min(p.ahead, n);
       for (PendingPause& p : pauses_) p.ahead -= std::min(p.ahead, n);
       ab.swap(aborts_);
-      records.swap(records_);
+      controls.swap(controls_);
       // An abort of a request still waiting in the inbox (behind a pause or an update) takes it out there.
       for (auto a = ab.begin(); a != ab.end();) {
         const auto it =
@@ -518,7 +571,7 @@ void Engine::loop() {
     }
     if (pausing) run_pause();
     if (update) run_update(*update);
-    if (!records.empty()) run_records(records);
+    for (auto& job : controls) job();
     {
       std::lock_guard<std::mutex> lk(mu_);
       paused = paused_ || released_;
@@ -565,15 +618,18 @@ void Engine::loop() {
     pauses.swap(pauses_);
   }
   for (auto& p : pauses) p.done(false);
-  RecordJobs records;
+  std::deque<std::function<void()>> controls;  // asked for before the stop: run (the ranks are still there)
   {
     std::lock_guard<std::mutex> lk(mu_);
-    records.swap(records_);
+    controls.swap(controls_);
   }
-  for (auto& [op, done] : records) {
-    ExpertRecord r;
-    r.message = "the server is shutting down";
-    done(r);
+  for (auto& job : controls) job();
+  if (trace_.active()) {
+    try {
+      MLA_LOG_INFO("profile of {} steps written to {}", trace_.steps(), trace_.stop());
+    } catch (const std::exception& e) {
+      MLA_LOG_WARN("profile: {}", e.what());
+    }
   }
   for (auto& [g, r] : in) end_unscheduled(r.on_output, f);
   for (auto& s : scheds_) s->abort_all(f);
@@ -730,6 +786,7 @@ void Engine::step() {
   std::vector<StepPlan> plans(groups);
   std::vector<const ForwardBatch*> batches(groups, nullptr);
   bool any = false;
+  const auto t0 = PhaseClock::now();
   for (size_t g = 0; g < groups; ++g) {
     plans[g] = scheds_[g]->schedule();
     if (!plans[g].empty()) {
@@ -738,11 +795,15 @@ void Engine::step() {
     }
   }
   if (!any) return;
+  const auto t1 = PhaseClock::now();
+  const nlohmann::json args = trace_.active() ? step_args(plans) : nlohmann::json();
+  trace_.span("schedule", false, t0, t1);
   LogitRows logit_rows;
   std::vector<std::vector<SampleResult>> sampled;
   try {
     const auto rows = sampling_rows(plans, logit_rows);  // as in launch(): a failure here ends the step's requests
     std::vector<GroupOutput> outs = ranks_->step(batches, rows, logit_rows);
+    trace_.span("run on the device", false, t1, PhaseClock::now(), args);
     sampled = collect(plans, outs);
   } catch (const std::exception& e) {
     abort_plans(plans, e.what());
@@ -751,6 +812,7 @@ void Engine::step() {
   for (size_t g = 0; g < groups; ++g)
     if (!plans[g].empty()) scheds_[g]->commit(plans[g], sampled[g]);
   ++steps_;
+  traced_step(t1, args);
   if (opts_.check_integrity)
     for (auto& s : scheds_) s->check_integrity();
 }
@@ -770,6 +832,11 @@ void Engine::finish_inflight() {
       phases_.wait += std::chrono::duration<double, std::milli>(t1 - t0).count();
       phases_.resolve += ms_since(t1);
     }
+    if (trace_.active()) {
+      trace_.span("wait for the device", false, t0, t1);
+      trace_.span("resolve", false, t1, PhaseClock::now());
+      traced_step(cur.launched_at, cur.trace_args);
+    }
   } catch (const std::exception& e) {
     abort_plans(cur.plans, e.what());
     for (size_t g = 0; g < scheds_.size(); ++g) scheds_[g]->drop(cur.plans[g]);
@@ -788,6 +855,11 @@ bool Engine::launch(std::vector<StepPlan> plans) {
     const auto t0 = PhaseClock::now();
     f.launched = ranks_->launch(batches, rows, logit_rows);
     if (phase_stats_) phases_.launch += ms_since(t0);
+    if (trace_.active()) {
+      f.launched_at = t0;
+      f.trace_args = step_args(plans);
+      trace_.span("launch", false, t0, PhaseClock::now(), f.trace_args);
+    }
   } catch (const std::exception& e) {
     abort_plans(plans, e.what());
     return false;
@@ -813,6 +885,7 @@ void Engine::overlap_step() {
     any |= !next[g].empty();
   }
   if (phase_stats_) phases_.schedule += ms_since(t0);
+  if (any) trace_.span("schedule", false, t0, PhaseClock::now());
   // A constrained request's draw needs its previous token (its constraint's state; a bad word's earlier tokens):
   // such a step waits for it.
   bool needs_tokens = false;

@@ -17,6 +17,7 @@
 #include "engine/load_balancer.h"
 #include "engine/rank_set.h"
 #include "engine/scheduler.h"
+#include "engine/step_trace.h"
 
 namespace mlaserve {
 
@@ -49,6 +50,8 @@ struct EngineOptions {
   bool record_experts = false;
 };
 
+using PhaseClock = std::chrono::steady_clock;
+
 class Engine final : public EngineClient {
  public:
   Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts);
@@ -63,6 +66,7 @@ class Engine final : public EngineClient {
   void release_memory(std::function<void(const WeightUpdateResult&)> done) override;
   void resume_memory(std::function<void(const WeightUpdateResult&)> done) override;
   void expert_record(ExpertRecordOp op, std::function<void(const ExpertRecord&)> done) override;
+  void profile(const ProfileRequest& r, std::function<void(const ProfileResult&)> done) override;
   bool continue_generation() override;
   bool is_paused() const override;
   int64_t max_context_len() const override { return opts_.context_len; }
@@ -128,10 +132,18 @@ class Engine final : public EngineClient {
   std::deque<PendingPause> pauses_;
   // The first pending pause once it can take effect (a drain: nothing left to run); engine thread.
   void run_pause();
-  // Expert distribution recording asked for (mu_), in order; run by the engine thread between steps.
-  using RecordJobs = std::deque<std::pair<ExpertRecordOp, std::function<void(const ExpertRecord&)>>>;
-  RecordJobs records_;
-  void run_records(RecordJobs& jobs);
+  // Control jobs (expert distribution recording, profiling) asked for (mu_), in order; run by the engine thread
+  // between steps (and at shutdown). False: shutting down, not queued.
+  bool queue_control(std::function<void()> job);
+  std::deque<std::function<void()>> controls_;
+  ExpertRecord run_record(ExpertRecordOp op);
+  ProfileResult run_profile(const ProfileRequest& r);
+  // Profiling: the spans of the engine thread and of each step (StepTrace), while active.
+  StepTrace trace_;
+  // The arguments of a step's spans: per DP group its tokens and sequences, whether any prefills, the graph size.
+  nlohmann::json step_args(const std::vector<StepPlan>& plans) const;
+  // A step's results are in: its span, and the end of a profile of num_steps.
+  void traced_step(PhaseClock::time_point launched, const nlohmann::json& args);
   // Engine thread: whether recording, and the counts of the recording not on the device (before a stop, or before the
   // memory was released: the device's start from zero again after resume_memory).
   bool recording_ = false;
@@ -149,6 +161,8 @@ class Engine final : public EngineClient {
   struct InFlight {
     std::vector<StepPlan> plans;
     RankSet::Launched launched;
+    PhaseClock::time_point launched_at;  // (profiling)
+    nlohmann::json trace_args;
   };
   std::optional<InFlight> inflight_;
   // Outputs reach their callbacks on a thread of their own, step by step in order, so what the callbacks cost

@@ -195,6 +195,19 @@ struct ExpertRecord {
   bool recording = false;  // after the operation
 };
 
+// SGLang's and vLLM's /start_profile and /stop_profile.
+struct ProfileRequest {
+  bool start = true;      // false: stop
+  std::string output_dir;  // where the trace goes (start)
+  int64_t num_steps = 0;   // start: > 0 stops by itself after that many steps
+  std::string tag;         // in the trace file's name
+};
+struct ProfileResult {
+  bool ok = false;
+  std::string message;
+  std::vector<std::string> paths;  // the traces written (a stop, or a start whose num_steps ran out before)
+};
+
 class EngineClient {
  public:
   virtual ~EngineClient() = default;
@@ -238,6 +251,15 @@ class EngineClient {
     ExpertRecord r;
     r.message = "this engine does not record the experts' distribution";
     done(r);
+  }
+  // A trace of the engine's steps (StepTrace) from a start to a stop (or num_steps), and on CUDA the profiler API's
+  // capture range (cudaProfilerStart / Stop: nsys --capture-range=cudaProfilerApi). `done` gets the outcome (on an
+  // engine thread); a start while recording, or a stop without one, is refused. Default: refused.
+  virtual void profile(const ProfileRequest& r, std::function<void(const ProfileResult&)> done) {
+    (void)r;
+    ProfileResult res;
+    res.message = "this engine cannot profile";
+    done(res);
   }
   // Ends a pause (a no-op when not paused); false when not supported.
   virtual bool continue_generation() { return false; }

@@ -831,6 +831,11 @@ std::vector<int64_t> RankSet::expert_counts() {
   return counts;
 }
 
+void RankSet::set_profiler(bool on) {
+  const std::string err = on_local_ranks([&](Rank& rk) { rk.backend->profiler(on); });
+  MLA_CHECK(err.empty(), "{}", err);
+}
+
 void RankSet::reset_expert_counts() {
   on_counting_rank([&](Rank& rk) { rk.backend->zero(rk.model->expert_counts()); });
 }

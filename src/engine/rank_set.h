@@ -113,6 +113,8 @@ class RankSet {
   // ([num_hidden_layers * n_routed_experts], row-major), after every step issued so far; reset zeroes them. Both
   // wait for the device; not while the memory is released.
   bool counts_experts() const { return pc_.count_experts; }
+  // Backend::profiler on every rank of this node (other nodes' ranks are not profiled).
+  void set_profiler(bool on);
   std::vector<int64_t> expert_counts();
   void reset_expert_counts();
 

@@ -109,6 +109,9 @@ struct ServerOptions {
   // ssl_ca_certs and ssl_cert_reqs (Python's ssl.CERT_NONE 0 / OPTIONAL 1 / REQUIRED 2) check client certificates.
   std::string ssl_certfile, ssl_keyfile, ssl_keyfile_password, ssl_ca_certs;
   int ssl_cert_reqs = 0;
+  // Where /start_profile's traces go unless the request names a folder (SGLang's $SGLANG_TORCH_PROFILER_DIR, vLLM's
+  // $VLLM_TORCH_PROFILER_DIR).
+  std::string profile_dir = "/tmp";
   // Where /dump_expert_distribution_record writes (SGLang's $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR; made if absent).
   std::string expert_distribution_dir = "/tmp";
 };
@@ -169,6 +172,9 @@ class Api {
   // "num_layers", "num_experts", "logical_count": [layer][expert]} (routed (token, expert) pairs summed over the
   // recording; SGLang's stat mode keeps one such table per step in a torch file).
   void expert_record(const std::shared_ptr<HttpExchange>& ex, ExpertRecordOp op);
+  // SGLang's and vLLM's /start_profile ({"output_dir", "num_steps"} optional; SGLang's other fields accepted) and
+  // /stop_profile (GET or POST): EngineClient::profile; SGLang's text answers, a 400 JSON error when refused.
+  void profile(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool start);
   // The checkpoint the weights came from and their version (both change with updates).
   std::pair<std::string, std::string> weights_info() const;
   Prepared prepare(ParsedRequest& pr);

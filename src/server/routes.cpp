@@ -668,6 +668,9 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
       expert_record(ex, path.starts_with("/start_")  ? ExpertRecordOp::Start
                         : path.starts_with("/stop_") ? ExpertRecordOp::Stop
                                                      : ExpertRecordOp::Dump);
+    } else if (path == "/start_profile" || path == "/stop_profile") {  // SGLang's, vLLM's
+      if (!get && !post) method_not_allowed(req);
+      profile(req, ex, path == "/start_profile");
     } else if (path == "/is_paused") {  // vLLM's
       if (!get) method_not_allowed(req);
       respond_json(ex, 200, dump(ojson{{"is_paused", engine_.is_paused()}}));
@@ -1207,6 +1210,38 @@ void Api::expert_record(const std::shared_ptr<HttpExchange>& ex, ExpertRecordOp 
         text = error_body(500, e.what(), "internal_error");
       }
       if (auto ex2 = wex.lock()) ex2->respond(status, type, text);
+    });
+  });
+}
+
+void Api::profile(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool start) {
+  ProfileRequest p;
+  p.start = start;
+  p.output_dir = opts_.profile_dir;
+  if (start && !req.body.empty()) {
+    const json body = parse_body(req.body);
+    if (!body.is_object()) throw ApiError(400, "the body must be a JSON object", "", "invalid_value");
+    if (const auto d = body.find("output_dir"); d != body.end() && !d->is_null()) {
+      if (!d->is_string() || d->get<std::string>().empty())
+        throw ApiError(400, "'output_dir' must be a folder's path", "output_dir", "invalid_value");
+      p.output_dir = d->get<std::string>();
+    }
+    if (const auto n = body.find("num_steps"); n != body.end() && !n->is_null()) {
+      if (!n->is_number_integer() || n->get<int64_t>() < 1)
+        throw ApiError(400, "'num_steps' must be a positive integer", "num_steps", "invalid_value");
+      p.num_steps = n->get<int64_t>();
+    }
+  }
+  std::weak_ptr<HttpExchange> wex = ex;
+  Executor post = ex->executor();
+  engine_.profile(p, [wex, post, start](const ProfileResult& r) {
+    post([wex, start, r] {
+      auto ex2 = wex.lock();
+      if (!ex2) return;
+      if (!r.ok) return ex2->respond(400, "application/json", error_body(400, r.message));
+      for (const std::string& path : r.paths) MLA_LOG_INFO("profile written to {}", path);
+      ex2->respond(200, "text/plain",
+                   start ? "Start profiling.\n" : "Stop profiling. This will take some time.\n");
     });
   });
 }

@@ -1231,6 +1231,35 @@ TEST(ServeFlags, ExpertDistributionRecord) {
   EXPECT_EQ(off.stop(), 0);
 }
 
+// /start_profile and /stop_profile on a running server: a Chrome trace in $SGLANG_TORCH_PROFILER_DIR with one "step"
+// span per step of the generations in between.
+TEST(ServeFlags, Profile) {
+  const auto dir = temp_dir("e2e-profile");
+  ::setenv("SGLANG_TORCH_PROFILER_DIR", dir.string().c_str(), 1);
+  ServerProcess s(std::vector<std::string>{});
+  ::unsetenv("SGLANG_TORCH_PROFILER_DIR");
+  ASSERT_TRUE(s.running()) << s.log();
+  auto text = [&](const std::string& path, const std::string& body) {
+    const test::HttpResponse r = test::http_request(s.port(), "POST", path, body);
+    EXPECT_EQ(r.status, 200) << path << ": " << r.body;
+    return r.body;
+  };
+  EXPECT_EQ(text("/start_profile", "{}"), "Start profiling.\n");
+  post_json(s.port(), "/generate", R"({"input_ids": [5, 17, 300], "sampling_params": {"max_new_tokens": 6,
+      "ignore_eos": true}})");
+  EXPECT_EQ(text("/stop_profile", ""), "Stop profiling. This will take some time.\n");
+  std::vector<std::filesystem::path> files;
+  for (const auto& f : std::filesystem::directory_iterator(dir)) files.push_back(f.path());
+  ASSERT_EQ(files.size(), 1u);
+  std::ifstream in(files[0]);
+  const json t = json::parse(in);
+  int steps = 0;
+  for (const json& e : t["traceEvents"]) steps += e["ph"] == "X" && e["name"] == "step";
+  EXPECT_GE(steps, 6);  // the prompt and five decode steps (the health check's step may precede)
+  EXPECT_EQ(s.stop(), 0);
+  std::filesystem::remove_all(dir);
+}
+
 // HTTPS with vLLM's and SGLang's flags (--ssl-certfile, --ssl-keyfile): Python's stdlib client (ssl checking the
 // server's certificate against the test CA) completes, chats and streams; unusable TLS files stop the server before it
 // loads, naming the flag.

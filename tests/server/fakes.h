@@ -190,6 +190,23 @@ class FakeEngine : public EngineClient {
     }
     done(r);
   }
+  // Profiling: each request recorded; a stop without a start refused, else a trace path in the folder.
+  void profile(const ProfileRequest& r, std::function<void(const ProfileResult&)> done) override {
+    ProfileResult res;
+    {
+      std::lock_guard lk(mu_);
+      profiles_.push_back(r);
+      res.ok = r.start != profiling_;
+      if (res.ok) profiling_ = r.start;
+      else res.message = r.start ? "a profile is already being recorded" : "no profile is being recorded";
+      if (res.ok && !r.start) res.paths.push_back(profiles_.front().output_dir + "/trace.json");
+    }
+    done(res);
+  }
+  std::vector<ProfileRequest> profiles() const {
+    std::lock_guard lk(mu_);
+    return profiles_;
+  }
   void set_expert_counts(int64_t layers, std::vector<int64_t> counts) {
     std::lock_guard lk(mu_);
     expert_layers_ = layers;
@@ -353,6 +370,8 @@ class FakeEngine : public EngineClient {
   std::vector<PauseMode> pauses_;
   std::vector<bool> memory_ops_;
   std::vector<ExpertRecordOp> expert_ops_;
+  std::vector<ProfileRequest> profiles_;
+  bool profiling_ = false;
   int64_t expert_layers_ = 0;
   std::vector<int64_t> expert_counts_;
   bool paused_ = false;  // (pause_generation records the mode; the fake keeps generating)

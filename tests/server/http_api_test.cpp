@@ -238,6 +238,37 @@ TEST(HttpApi, ExpertDistributionRecord) {
   std::filesystem::remove_all(dir.parent_path());
 }
 
+// SGLang's /start_profile and /stop_profile: the folder (the request's, else the server's), num_steps; SGLang's other
+// fields accepted; bad values and a refused start are 400s; SGLang's text answers.
+TEST(HttpApi, StartAndStopProfile) {
+  ServerOptions o;
+  o.profile_dir = "/srv/traces";
+  TestServer s(o);
+  auto r = s.post("/start_profile", "");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.body, "Start profiling.\n");
+  r = s.post("/start_profile", "");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_NE(json::parse(r.body)["error"]["message"].get<std::string>().find("already"), std::string::npos) << r.body;
+  r = s.get("/stop_profile");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.body, "Stop profiling. This will take some time.\n");
+  EXPECT_EQ(s.post("/stop_profile", "").status, 400);
+  r = s.post("/start_profile", R"({"output_dir": "/data/prof", "num_steps": 5, "activities": ["CPU", "GPU"],
+      "record_shapes": false})");
+  EXPECT_EQ(r.status, 200) << r.body;
+  for (const char* bad : {R"({"num_steps": 0})", R"({"num_steps": "5"})", R"({"output_dir": ""})", "[1]"})
+    EXPECT_EQ(s.post("/start_profile", bad).status, 400) << bad;
+  const std::vector<ProfileRequest> p = s.engine.profiles();
+  ASSERT_EQ(p.size(), 5u);
+  EXPECT_TRUE(p[0].start);
+  EXPECT_EQ(p[0].output_dir, "/srv/traces");
+  EXPECT_EQ(p[0].num_steps, 0);
+  EXPECT_FALSE(p[2].start);
+  EXPECT_EQ(p[4].output_dir, "/data/prof");
+  EXPECT_EQ(p[4].num_steps, 5);
+}
+
 namespace {
 
 namespace net = boost::asio;

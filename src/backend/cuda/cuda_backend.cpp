@@ -12,6 +12,7 @@
 #include <cuda.h>
 #include <cublasLt.h>
 #include <cublas_v2.h>
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -438,6 +439,10 @@ class CudaBackend final : public Backend {
     CUDA_OK(cuda::fill_random(t.data(), t.dtype() == DType::BF16, rows, cols, seed, mean, stddev, full_cols,
                               row_offset, col_offset, stream_),
             "fill_random");
+  }
+
+  void profiler(bool on) override {
+    CUDA_OK(on ? cudaProfilerStart() : cudaProfilerStop(), on ? "cudaProfilerStart" : "cudaProfilerStop");
   }
 
   // ---- per step ----
