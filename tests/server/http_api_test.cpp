@@ -274,12 +274,12 @@ namespace {
 namespace net = boost::asio;
 namespace beast = boost::beast;
 
-// One HTTPS request through Beast, the server's certificate checked against `ca` for 127.0.0.1 (and a client
-// certificate presented when given): the status and body. Throws when TLS fails (an untrusted server, a client
-// certificate refused) or the connection ends without an answer.
+// HTTPS requests through Beast on one kept-alive connection (`times` the same request), the server's certificate
+// checked against `ca` for 127.0.0.1 (and a client certificate presented when given): the last status and body.
+// Throws when TLS fails (an untrusted server, a client certificate refused) or the connection ends without an answer.
 test::HttpResponse https_request(int port, const std::string& method, const std::string& target,
                                  const std::string& body, const std::string& ca, const std::string& client_cert = "",
-                                 const std::string& client_key = "") {
+                                 const std::string& client_key = "", int times = 1) {
   net::io_context ioc;
   net::ssl::context ctx(net::ssl::context::tls_client);
   ctx.load_verify_file(ca);
@@ -294,18 +294,22 @@ test::HttpResponse https_request(int port, const std::string& method, const std:
   beast::get_lowest_layer(s).connect(net::ip::tcp::endpoint(net::ip::address_v4::loopback(),
                                                             static_cast<unsigned short>(port)));
   s.handshake(net::ssl::stream_base::client);
-  beast::http::request<beast::http::string_body> req{beast::http::string_to_verb(method), target, 11};
-  req.set(beast::http::field::host, "127.0.0.1");
-  req.set(beast::http::field::content_type, "application/json");
-  req.body() = body;
-  req.prepare_payload();
-  beast::http::write(s, req);
   beast::flat_buffer buf;
-  beast::http::response<beast::http::string_body> res;
-  beast::http::read(s, buf, res);
   test::HttpResponse out;
-  out.status = static_cast<int>(res.result_int());
-  out.body = res.body();
+  for (int i = 0; i < times; ++i) {
+    beast::http::request<beast::http::string_body> req{beast::http::string_to_verb(method), target, 11};
+    req.set(beast::http::field::host, "127.0.0.1");
+    req.set(beast::http::field::content_type, "application/json");
+    req.keep_alive(true);
+    req.body() = body;
+    req.prepare_payload();
+    beast::http::write(s, req);
+    beast::http::response<beast::http::string_body> res;
+    beast::http::read(s, buf, res);
+    out.status = static_cast<int>(res.result_int());
+    out.body = res.body();
+    if (out.status != 200) break;
+  }
   return out;
 }
 
@@ -337,6 +341,12 @@ TEST(HttpApi, Tls) {
                       R"({"text": "hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})", t.ca_cert);
     ASSERT_EQ(r.status, 200) << r.body;
     EXPECT_EQ(json::parse(r.body)["text"], "hel");
+    // Keep-alive: five generations on one connection (each read ends the disconnect watch of the one before).
+    r = https_request(s.port(), "POST", "/generate",
+                      R"({"text": "abc", "sampling_params": {"max_new_tokens": 2, "temperature": 0}})", t.ca_cert,
+                      "", "", 5);
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(json::parse(r.body)["text"], "ab");
     r = https_request(s.port(), "POST", "/v1/completions", R"({"model": "fake", "prompt": "hi", "max_tokens": 2,
         "stream": true})", t.ca_cert);
     EXPECT_EQ(r.status, 200);
