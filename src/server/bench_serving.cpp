@@ -5,10 +5,12 @@
 
 #include <boost/asio/connect.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/ssl/host_name_verification.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <boost/beast/ssl.hpp>
 
 #include <nlohmann/json.hpp>
 
@@ -22,6 +24,7 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <type_traits>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -43,15 +46,24 @@ struct Endpoint {
   std::string host;
   std::string port;
   std::string prefix;  // path prefix from --base-url
+  // https:// (TLS: the server's certificate checked against the system's CAs, or $SSL_CERT_FILE / $SSL_CERT_DIR)
+  std::shared_ptr<net::ssl::context> tls;
 };
 
+using TlsStream = beast::ssl_stream<beast::tcp_stream>;
+
 Endpoint endpoint_of(const BenchArgs& a) {
-  Endpoint e{a.host, std::to_string(a.port), ""};
+  Endpoint e{a.host, std::to_string(a.port), "", nullptr};
   if (a.base_url.empty()) return e;
   std::string u = a.base_url;
-  const std::string scheme = "http://";
-  MLA_CHECK(u.rfind(scheme, 0) == 0, "--base-url: only http:// URLs are supported, got '{}'", u);
-  u = u.substr(scheme.size());
+  const bool https = u.rfind("https://", 0) == 0;
+  MLA_CHECK(https || u.rfind("http://", 0) == 0, "--base-url: expected an http:// or https:// URL, got '{}'", u);
+  u = u.substr(https ? 8 : 7);
+  if (https) {
+    e.tls = std::make_shared<net::ssl::context>(net::ssl::context::tls_client);
+    e.tls->set_default_verify_paths();  // (OpenSSL reads $SSL_CERT_FILE and $SSL_CERT_DIR here)
+    e.tls->set_verify_mode(net::ssl::verify_peer);
+  }
   const size_t slash = u.find('/');
   std::string hostport = u.substr(0, slash);
   e.prefix = slash == std::string::npos ? "" : u.substr(slash);
@@ -59,7 +71,7 @@ Endpoint endpoint_of(const BenchArgs& a) {
   const size_t colon = hostport.rfind(':');
   if (colon == std::string::npos) {
     e.host = hostport;
-    e.port = "80";
+    e.port = https ? "443" : "80";
   } else {
     e.host = hostport.substr(0, colon);
     e.port = hostport.substr(colon + 1);
@@ -72,14 +84,25 @@ std::string auth_header() {
   return key && *key ? std::string("Bearer ") + key : "";
 }
 
+// TLS: the server's name for SNI and for checking its certificate (an IP address checks the certificate's IP
+// entries).
+void tls_client_setup(TlsStream& stream, const std::string& host) {
+  MLA_CHECK(SSL_set_tlsext_host_name(stream.native_handle(), host.c_str()) == 1, "TLS: bad server name '{}'", host);
+  stream.set_verify_callback(net::ssl::host_name_verification(host));
+}
+
 // A blocking request for the few control calls (model info, warm-up is async like the rest).
-std::pair<int, std::string> simple_request(const Endpoint& ep, http::verb verb, const std::string& path,
-                                           const std::string& body = "") {
-  net::io_context ioc;
-  tcp::resolver resolver(ioc);
-  beast::tcp_stream stream(ioc);
-  stream.expires_after(std::chrono::seconds(30));
-  stream.connect(resolver.resolve(ep.host, ep.port));
+template <class Stream>
+std::pair<int, std::string> simple_request_on(Stream& stream, const Endpoint& ep, http::verb verb,
+                                              const std::string& path, const std::string& body) {
+  tcp::resolver resolver(stream.get_executor());
+  beast::tcp_stream& lowest = beast::get_lowest_layer(stream);
+  lowest.expires_after(std::chrono::seconds(30));
+  lowest.connect(resolver.resolve(ep.host, ep.port));
+  if constexpr (std::is_same_v<Stream, TlsStream>) {
+    tls_client_setup(stream, ep.host);
+    stream.handshake(net::ssl::stream_base::client);
+  }
   http::request<http::string_body> req{verb, ep.prefix + path, 11};
   req.set(http::field::host, ep.host);
   if (auto a = auth_header(); !a.empty()) req.set(http::field::authorization, a);
@@ -94,8 +117,19 @@ std::pair<int, std::string> simple_request(const Endpoint& ep, http::verb verb, 
   parser.body_limit(1u << 30);
   http::read(stream, buf, parser);
   beast::error_code ec;
-  stream.socket().shutdown(tcp::socket::shutdown_both, ec);
+  lowest.socket().shutdown(tcp::socket::shutdown_both, ec);
   return {static_cast<int>(parser.get().result_int()), parser.get().body()};
+}
+
+std::pair<int, std::string> simple_request(const Endpoint& ep, http::verb verb, const std::string& path,
+                                           const std::string& body = "") {
+  net::io_context ioc;
+  if (ep.tls) {
+    TlsStream stream(ioc, *ep.tls);
+    return simple_request_on(stream, ep, verb, path, body);
+  }
+  beast::tcp_stream stream(ioc);
+  return simple_request_on(stream, ep, verb, path, body);
 }
 
 // ---- datasets ----
@@ -260,10 +294,15 @@ std::string request_path(const BenchArgs& a) {
   return "/v1/chat/completions";
 }
 
-class StreamedRequest : public std::enable_shared_from_this<StreamedRequest> {
+// One request on a connection of its own, over plain TCP (Stream = beast::tcp_stream) or TLS (TlsStream).
+template <class Stream>
+class StreamedRequest : public std::enable_shared_from_this<StreamedRequest<Stream>> {
  public:
-  StreamedRequest(net::any_io_executor ex, const Shared& s, const Prompt& p, std::function<void(RequestResult)> done)
-      : stream_(ex), shared_(s), prompt_(p), done_(std::move(done)) {
+  // stream_args: after the executor, what the stream takes (TLS: the client's ssl::context).
+  template <class... StreamArgs>
+  StreamedRequest(net::any_io_executor ex, const Shared& s, const Prompt& p, std::function<void(RequestResult)> done,
+                  StreamArgs&... stream_args)
+      : stream_(ex, stream_args...), shared_(s), prompt_(p), done_(std::move(done)) {
     result_.prompt_len = p.prompt_len;
   }
 
@@ -276,21 +315,39 @@ class StreamedRequest : public std::enable_shared_from_this<StreamedRequest> {
     req_.prepare_payload();
     parser_.body_limit(std::numeric_limits<uint64_t>::max());
     start_ = Clock::now();
-    stream_.expires_after(std::chrono::hours(6));
-    stream_.async_connect(shared_.endpoints, [self = shared_from_this()](beast::error_code ec, auto) {
+    transport().expires_after(std::chrono::hours(6));
+    transport().async_connect(shared_.endpoints, [self = this->shared_from_this()](beast::error_code ec, auto) {
       if (ec) return self->fail("connect: " + ec.message());
       beast::error_code ignored;
-      self->stream_.socket().set_option(tcp::no_delay(true), ignored);
-      http::async_write(self->stream_, self->req_, [self](beast::error_code ec2, size_t) {
-        if (ec2) return self->fail("write: " + ec2.message());
-        self->read_some();
-      });
+      self->transport().socket().set_option(tcp::no_delay(true), ignored);
+      if constexpr (std::is_same_v<Stream, TlsStream>) {
+        try {
+          tls_client_setup(self->stream_, self->shared_.ep.host);
+        } catch (const std::exception& e) {
+          return self->fail(e.what());
+        }
+        self->stream_.async_handshake(net::ssl::stream_base::client, [self](beast::error_code ec2) {
+          if (ec2) return self->fail("TLS handshake: " + ec2.message());
+          self->write();
+        });
+      } else {
+        self->write();
+      }
     });
   }
 
  private:
+  beast::tcp_stream& transport() { return beast::get_lowest_layer(stream_); }
+
+  void write() {
+    http::async_write(stream_, req_, [self = this->shared_from_this()](beast::error_code ec, size_t) {
+      if (ec) return self->fail("write: " + ec.message());
+      self->read_some();
+    });
+  }
+
   void read_some() {
-    http::async_read_some(stream_, buffer_, parser_, [self = shared_from_this()](beast::error_code ec, size_t) {
+    http::async_read_some(stream_, buffer_, parser_, [self = this->shared_from_this()](beast::error_code ec, size_t) {
       const Clock::time_point now = Clock::now();
       if (ec && ec != http::error::end_of_stream) return self->fail("read: " + ec.message());
       if (self->parser_.is_header_done() && self->parser_.get().result_int() != 200) {
@@ -425,11 +482,11 @@ class StreamedRequest : public std::enable_shared_from_this<StreamedRequest> {
 
   void close() {
     beast::error_code ec;
-    stream_.socket().shutdown(tcp::socket::shutdown_both, ec);
-    stream_.socket().close(ec);
+    transport().socket().shutdown(tcp::socket::shutdown_both, ec);
+    transport().socket().close(ec);
   }
 
-  beast::tcp_stream stream_;
+  Stream stream_;
   const Shared& shared_;
   const Prompt& prompt_;
   std::function<void(RequestResult)> done_;
@@ -520,10 +577,13 @@ std::vector<RequestResult> run_requests(const Shared& s, const std::vector<Promp
         ++in_flight;
       }
     }
-    for (size_t i : to_start)
-      std::make_shared<StreamedRequest>(net::make_strand(ioc), s, prompts[i],
-                                        [&, i](RequestResult r) { on_done(i, std::move(r)); })
-          ->start();
+    for (size_t i : to_start) {
+      auto done = [&, i](RequestResult r) { on_done(i, std::move(r)); };
+      if (s.ep.tls)
+        std::make_shared<StreamedRequest<TlsStream>>(net::make_strand(ioc), s, prompts[i], done, *s.ep.tls)->start();
+      else
+        std::make_shared<StreamedRequest<beast::tcp_stream>>(net::make_strand(ioc), s, prompts[i], done)->start();
+    }
   };
   schedule_next = [&] {
     {

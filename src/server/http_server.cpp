@@ -104,12 +104,12 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
   void on_cancel(std::function<void(const std::string&)> fn) override { cancel_fn_ = std::move(fn); }
 
  private:
-  beast::tcp_stream& tcp() { return beast::get_lowest_layer(stream_); }
+  beast::tcp_stream& transport() { return beast::get_lowest_layer(stream_); }
 
   // TLS: the handshake first (a client that does not complete it within the idle timeout is dropped).
   void start() {
     if constexpr (kTls) {
-      tcp().expires_after(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      transport().expires_after(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
           std::chrono::duration<double>(opts_.idle_timeout_s)));
       stream_.async_handshake(net::ssl::stream_base::server, [self = this->shared_from_this()](beast::error_code ec) {
         if (ec) {
@@ -130,7 +130,7 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     parser_->header_limit(64 * 1024);
     response_started_ = response_ended_ = head_ = false;
     cors_headers_.clear();
-    tcp().expires_after(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+    transport().expires_after(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
         std::chrono::duration<double>(opts_.idle_timeout_s)));
     http::async_read_header(stream_, buffer_, *parser_,
                             [self = this->shared_from_this()](beast::error_code ec, size_t) { self->on_header(ec); });
@@ -156,7 +156,7 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
 
   void reject(int status, const std::string& message) {
     ++api_.metrics().client_errors_total;
-    tcp().expires_after(std::chrono::seconds(30));
+    transport().expires_after(std::chrono::seconds(30));
     respond(status, "application/json", error_body(status, message));
   }
 
@@ -183,7 +183,7 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
 
   void on_request(beast::error_code ec) {
     if (read_failed(ec)) return;
-    tcp().expires_never();
+    transport().expires_never();
     auto& msg = parser_->get();
     HttpRequest req;
     req.method = std::string(msg.method_string());
@@ -353,12 +353,12 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     if (closed_) return;
     if (!keep_alive_) {
       beast::error_code ec;
-      tcp().socket().shutdown(tcp::socket::shutdown_send, ec);
+      transport().socket().shutdown(tcp::socket::shutdown_send, ec);
       return close();
     }
     if (monitoring_) {
       beast::error_code ec;
-      tcp().socket().cancel(ec);  // its handler starts the next read
+      transport().socket().cancel(ec);  // its handler starts the next read
     } else {
       do_read();
     }
@@ -370,7 +370,7 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     cancel_fn_ = nullptr;
     timer_.cancel();
     beast::error_code ec;
-    tcp().socket().close(ec);
+    transport().socket().close(ec);
   }
 
   Stream stream_;

@@ -1261,8 +1261,8 @@ TEST(ServeFlags, Profile) {
 }
 
 // HTTPS with vLLM's and SGLang's flags (--ssl-certfile, --ssl-keyfile): Python's stdlib client (ssl checking the
-// server's certificate against the test CA) completes, chats and streams; unusable TLS files stop the server before it
-// loads, naming the flag.
+// server's certificate against the test CA) completes, chats and streams, and bench-serving runs against an https://
+// --base-url; unusable TLS files stop the server before it loads, naming the flag.
 TEST(ServeFlags, Https) {
   const auto dir = temp_dir("e2e-tls");
   const TlsFiles t = write_tls_files(dir);
@@ -1298,6 +1298,17 @@ print("https checks passed")
   const auto r = run_command(fmt::format("timeout 120 python3 {} {} {}", script, s.port(), t.ca_cert));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("https checks passed"), std::string::npos) << r.output;
+  // bench-serving against the HTTPS server (OpenSSL's $SSL_CERT_FILE: the test CA), and refused without it.
+  const std::string bench = fmt::format(" bench-serving --backend sglang-oai --base-url https://127.0.0.1:{}/ "
+                                        "--dataset-name random --random-input 16 --random-output 4 "
+                                        "--random-range-ratio 1 --num-prompts 6 --max-concurrency 3 --seed 3",
+                                        s.port());
+  const auto b = run_command("SSL_CERT_FILE=" + t.ca_cert + " " + mlaserve_cmd(300) + bench);
+  EXPECT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_NE(b.output.find("Successful requests:                     6"), std::string::npos) << b.output;
+  const auto untrusted = run_command("SSL_CERT_FILE=" + t.cert + " " + mlaserve_cmd(120) + bench);
+  EXPECT_NE(untrusted.exit_code, 0) << untrusted.output;
+  EXPECT_NE(untrusted.output.find("certificate verify failed"), std::string::npos) << untrusted.output;
   EXPECT_EQ(s.stop(), 0);
 
   ServerProcess bad({"--ssl-certfile", t.cert, "--ssl-keyfile", (dir / "missing.pem").string()});
