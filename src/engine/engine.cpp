@@ -306,8 +306,8 @@ ProfileResult Engine::run_profile(const ProfileRequest& req) {
       r.message = "profiling started";
     } else {
       MLA_CHECK(trace_.active(), "no profile is being recorded: /start_profile first");
+      r.paths.push_back(trace_.stop());  // (first: a failing profiler call below keeps the trace)
       ranks_->set_profiler(false);
-      r.paths.push_back(trace_.stop());
       r.message = fmt::format("profile of {} steps written", trace_.steps());
     }
     r.ok = true;
@@ -337,8 +337,8 @@ void Engine::traced_step(PhaseClock::time_point launched, const nlohmann::json& 
   trace_.span("step", /*step_track=*/true, launched, PhaseClock::now(), args);
   if (!trace_.step_done()) return;
   try {  // num_steps ran out: the trace is written now (a later /stop_profile finds none running)
-    ranks_->set_profiler(false);
     MLA_LOG_INFO("profile of {} steps written to {}", trace_.steps(), trace_.stop());
+    ranks_->set_profiler(false);
   } catch (const std::exception& e) {
     MLA_LOG_WARN("profile: {}", e.what());
   }

@@ -46,7 +46,8 @@ std::string StepTrace::stop() {
   std::filesystem::create_directories(dir_, ec);
   MLA_CHECK(!ec, "cannot make the profile folder '{}': {}", dir_, ec.message());
   const double t = std::chrono::duration<double>(wall_origin_.time_since_epoch()).count();
-  const std::string path = (std::filesystem::path(dir_) / fmt::format("{:.6f}-mlaserve{}{}.trace.json", t, tag_.empty() ? "" : "-", tag_)).string();
+  const std::string name = fmt::format("{:.6f}-mlaserve{}{}.trace.json", t, tag_.empty() ? "" : "-", tag_);
+  const std::string path = (std::filesystem::path(dir_) / name).string();
   nlohmann::json doc = {{"traceEvents", std::move(events_)},
                         {"displayTimeUnit", "ms"},
                         {"otherData", {{"steps", steps_}, {"start_unix_time", t}}}};

@@ -24,8 +24,8 @@ class StepTrace {
             nlohmann::json args = nlohmann::json::object());
   // A step finished; true when num_steps steps have (the caller then calls stop()).
   bool step_done();
-  // Writes the trace (<dir>/<unix time>-mlaserve[-tag].trace.json) and ends the recording: the file's path; throws naming
-  // the file when it cannot be written.
+  // Writes the trace (<dir>/<unix time>-mlaserve[-tag].trace.json) and ends the recording: the file's path; throws
+  // naming the file when it cannot be written.
   std::string stop();
   int64_t steps() const { return steps_; }
 

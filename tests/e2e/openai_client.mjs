@@ -10,7 +10,9 @@ const require = createRequire(path.join(here, '..', 'npm', 'package.json'));
 const OpenAI = require('openai');
 
 const [port, model, scheme = 'http'] = process.argv.slice(2);
-const client = new OpenAI({ baseURL: `${scheme}://127.0.0.1:${port}/v1`, apiKey: 'unused', timeout: 60000, maxRetries: 0 });
+const client = new OpenAI({
+  baseURL: `${scheme}://127.0.0.1:${port}/v1`, apiKey: 'unused', timeout: 60000, maxRetries: 0,
+});
 
 function check(cond, what, detail) {
   if (!cond) {

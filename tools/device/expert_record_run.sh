@@ -12,7 +12,8 @@ e2e_env $B
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 gtest_run ops 180 $B/cuda_ops_test 'CudaOps.CountExperts:CudaOps.MoeRoute*:CudaOps.MoeGate*'
 gtest_run e2e 400 $B/server_e2e_test 'ServeFlags.ExpertDistributionRecord:ServeFlags.UpdateWeightsFromDisk'
-gtest_run model 400 $B/cuda_model_test 'CudaModel.Graph*:CudaModel.ReloadedWeights*:CudaModel.OneTokenGraph*:CudaModel.GoldenV3'
+gtest_run model 400 $B/cuda_model_test \
+  'CudaModel.Graph*:CudaModel.ReloadedWeights*:CudaModel.OneTokenGraph*:CudaModel.GoldenV3'
 for bs in 1 64; do
   for rec in "" "--expert-distribution-recorder-mode stat"; do
     echo "== batch $bs recorder '$rec'"
@@ -20,5 +21,6 @@ for bs in 1 64; do
   done
 done
 echo "== batch 3 (graphs of 4: a padding row) with the recorder"
-$B/mlaserve $BOB --batch-size 3 --output-len 64 --expert-distribution-recorder-mode stat 2>&1 | grep -E "decode:|experts:"
+$B/mlaserve $BOB --batch-size 3 --output-len 64 --expert-distribution-recorder-mode stat 2>&1 |
+  grep -E "decode:|experts:"
 grep -E "Failure|Expected|Which is|actual" /tmp/e2e.log /tmp/ops.log /tmp/model.log | head -20
