@@ -350,6 +350,15 @@ std::vector<std::string> parse_origins(const std::string& v) {
   return out;
 }
 
+// The TLS flags into the server's options.
+void set_tls(const ServeArgs& a, server::ServerOptions& o) {
+  o.ssl_certfile = a.ssl_certfile;
+  o.ssl_keyfile = a.ssl_keyfile;
+  o.ssl_keyfile_password = a.ssl_keyfile_password;
+  o.ssl_ca_certs = a.ssl_ca_certs;
+  o.ssl_cert_reqs = a.ssl_cert_reqs;
+}
+
 nlohmann::json server_args_json(const ServeArgs& a) {
   nlohmann::json j;
   j["model_path"] = a.model_path;
@@ -717,11 +726,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     MLA_CHECK(s.port >= 0 && s.port <= 65535, "--port must be in [0, 65535], got {}", s.port);
     {  // the TLS files, before any loading
       server::ServerOptions tls;
-      tls.ssl_certfile = s.ssl_certfile;
-      tls.ssl_keyfile = s.ssl_keyfile;
-      tls.ssl_keyfile_password = s.ssl_keyfile_password;
-      tls.ssl_ca_certs = s.ssl_ca_certs;
-      tls.ssl_cert_reqs = s.ssl_cert_reqs;
+      set_tls(s, tls);
       server::HttpServer::check_tls(tls);
     }
     MLA_CHECK(s.base_gpu_id >= 0, "--base-gpu-id must be >= 0, got {}", s.base_gpu_id);
@@ -849,11 +854,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
       if (const char* d = std::getenv(env); d && *d) so.profile_dir = d;
     so.tokenizer_path = s.skip_tokenizer_init ? "" : s.tokenizer_path;
     so.max_body_bytes = s.max_body_bytes;
-    so.ssl_certfile = s.ssl_certfile;
-    so.ssl_keyfile = s.ssl_keyfile;
-    so.ssl_keyfile_password = s.ssl_keyfile_password;
-    so.ssl_ca_certs = s.ssl_ca_certs;
-    so.ssl_cert_reqs = s.ssl_cert_reqs;
+    set_tls(s, so);
     so.num_threads = s.num_http_threads;
     so.request_timeout_s = s.request_timeout;
     so.parse.max_n = s.max_n;

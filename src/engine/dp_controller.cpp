@@ -89,53 +89,60 @@ void DpController::roll_back(std::shared_ptr<UpdateChain> c, std::string why) {
   });
 }
 
-void DpController::pause_generation(PauseMode mode, std::function<void(bool)> done) {
-  struct Count {
+namespace {
+
+// Calls every replica at once (call(r, replica, callback)); merge folds replica r's answer into the result (under a
+// lock, in the order they come); done gets the result once all answered.
+template <class R>
+void gather(std::vector<std::unique_ptr<EngineClient>>& replicas, R init,
+            const std::function<void(size_t, EngineClient&, std::function<void(const R&)>)>& call,
+            std::function<void(R&, size_t, const R&)> merge, std::function<void(const R&)> done) {
+  struct State {
     std::mutex mu;
-    size_t left;
-    bool ok = true;
-    std::function<void(bool)> done;
+    size_t left = 0;
+    R result;
+    std::function<void(R&, size_t, const R&)> merge;
+    std::function<void(const R&)> done;
   };
-  auto c = std::make_shared<Count>();
-  c->left = replicas_.size();
-  c->done = std::move(done);
-  for (auto& e : replicas_)
-    e->pause_generation(mode, [c](bool ok) {
+  auto st = std::make_shared<State>();
+  st->left = replicas.size();
+  st->result = std::move(init);
+  st->merge = std::move(merge);
+  st->done = std::move(done);
+  for (size_t r = 0; r < replicas.size(); ++r)
+    call(r, *replicas[r], [st, r](const R& res) {
       bool last = false;
       {
-        std::lock_guard<std::mutex> lk(c->mu);
-        c->ok &= ok;
-        last = --c->left == 0;
+        std::lock_guard<std::mutex> lk(st->mu);
+        st->merge(st->result, r, res);
+        last = --st->left == 0;
       }
-      if (last) c->done(c->ok);
+      if (last) st->done(st->result);
     });
+}
+
+}  // namespace
+
+void DpController::pause_generation(PauseMode mode, std::function<void(bool)> done) {
+  gather<bool>(
+      replicas_, true, [mode](size_t, EngineClient& e, std::function<void(const bool&)> cb) {
+        e.pause_generation(mode, [cb](bool ok) { cb(ok); });
+      },
+      [](bool& acc, size_t, const bool& ok) { acc = acc && ok; },
+      [done = std::move(done)](const bool& ok) { done(ok); });
 }
 
 void DpController::on_all(
     const std::function<void(EngineClient&, std::function<void(const WeightUpdateResult&)>)>& op,
     std::function<void(const WeightUpdateResult&)> done) {
-  struct Count {
-    std::mutex mu;
-    size_t left = 0;
-    WeightUpdateResult result{true, {}, {}};
-    std::function<void(const WeightUpdateResult&)> done;
-  };
-  auto c = std::make_shared<Count>();
-  c->left = replicas_.size();
-  c->done = std::move(done);
-  for (size_t r = 0; r < replicas_.size(); ++r)
-    op(*replicas_[r], [c, r](const WeightUpdateResult& res) {
-      bool last = false;
-      {
-        std::lock_guard<std::mutex> lk(c->mu);
-        if (c->result.ok && !res.ok)
-          c->result = WeightUpdateResult{false, fmt::format("replica {}: {}", r, res.message), {}};
-        else if (c->result.ok)
-          c->result.message = res.message;
-        last = --c->left == 0;
-      }
-      if (last) c->done(c->result);
-    });
+  using R = WeightUpdateResult;
+  gather<R>(
+      replicas_, R{true, {}, {}}, [&](size_t, EngineClient& e, std::function<void(const R&)> cb) { op(e, cb); },
+      [](R& acc, size_t r, const R& res) {
+        if (acc.ok && !res.ok) acc = R{false, fmt::format("replica {}: {}", r, res.message), {}};
+        else if (acc.ok) acc.message = res.message;
+      },
+      std::move(done));
 }
 
 void DpController::release_memory(std::function<void(const WeightUpdateResult&)> done) {
@@ -147,70 +154,48 @@ void DpController::resume_memory(std::function<void(const WeightUpdateResult&)> 
 }
 
 void DpController::expert_record(ExpertRecordOp op, std::function<void(const ExpertRecord&)> done) {
-  struct Sum {
-    std::mutex mu;
-    size_t left = 0;
-    bool failed = false;
-    ExpertRecord result;
-    std::function<void(const ExpertRecord&)> done;
-  };
-  auto c = std::make_shared<Sum>();
-  c->left = replicas_.size();
-  c->result.ok = true;
-  c->done = std::move(done);
-  for (size_t r = 0; r < replicas_.size(); ++r)
-    replicas_[r]->expert_record(op, [c, r](const ExpertRecord& res) {
-      bool last = false;
-      {
-        std::lock_guard<std::mutex> lk(c->mu);
-        if (!res.ok && !c->failed) {
-          c->failed = true;
-          c->result.ok = false;
-          c->result.message = fmt::format("replica {}: {}", r, res.message);
-          c->result.counts.clear();
-        } else if (res.ok && !c->failed) {
-          c->result.num_layers = res.num_layers;
-          c->result.num_experts = res.num_experts;
-          c->result.recording = res.recording;
-          if (c->result.counts.size() < res.counts.size()) c->result.counts.resize(res.counts.size(), 0);
-          for (size_t i = 0; i < res.counts.size(); ++i) c->result.counts[i] += res.counts[i];
+  ExpertRecord init;
+  init.ok = true;
+  gather<ExpertRecord>(
+      replicas_, std::move(init),
+      [op](size_t, EngineClient& e, std::function<void(const ExpertRecord&)> cb) { e.expert_record(op, cb); },
+      [](ExpertRecord& acc, size_t r, const ExpertRecord& res) {
+        if (!acc.ok) return;  // (the first failure stays)
+        if (!res.ok) {
+          acc.ok = false;
+          acc.message = fmt::format("replica {}: {}", r, res.message);
+          acc.counts.clear();
+          return;
         }
-        last = --c->left == 0;
-      }
-      if (last) c->done(c->result);
-    });
+        acc.num_layers = res.num_layers;
+        acc.num_experts = res.num_experts;
+        acc.recording = res.recording;
+        if (acc.counts.size() < res.counts.size()) acc.counts.resize(res.counts.size(), 0);
+        for (size_t i = 0; i < res.counts.size(); ++i) acc.counts[i] += res.counts[i];
+      },
+      std::move(done));
 }
 
 void DpController::profile(const ProfileRequest& req, std::function<void(const ProfileResult&)> done) {
-  struct Gather {
-    std::mutex mu;
-    size_t left = 0;
-    ProfileResult result;
-    std::function<void(const ProfileResult&)> done;
-  };
-  auto c = std::make_shared<Gather>();
-  c->left = replicas_.size();
-  c->result.ok = true;
-  c->done = std::move(done);
-  for (size_t r = 0; r < replicas_.size(); ++r) {
-    ProfileRequest one = req;
-    one.tag = (req.tag.empty() ? "" : req.tag + "-") + "replica" + std::to_string(r);
-    replicas_[r]->profile(one, [c, r](const ProfileResult& res) {
-      bool last = false;
-      {
-        std::lock_guard<std::mutex> lk(c->mu);
-        if (!res.ok && c->result.ok) {
-          c->result.ok = false;
-          c->result.message = fmt::format("replica {}: {}", r, res.message);
-        } else if (c->result.ok) {
-          c->result.message = res.message;
+  ProfileResult init;
+  init.ok = true;
+  gather<ProfileResult>(
+      replicas_, std::move(init),
+      [&req](size_t r, EngineClient& e, std::function<void(const ProfileResult&)> cb) {
+        ProfileRequest one = req;
+        one.tag = (req.tag.empty() ? "" : req.tag + "-") + "replica" + std::to_string(r);
+        e.profile(one, cb);
+      },
+      [](ProfileResult& acc, size_t r, const ProfileResult& res) {
+        if (!res.ok && acc.ok) {
+          acc.ok = false;
+          acc.message = fmt::format("replica {}: {}", r, res.message);
+        } else if (acc.ok) {
+          acc.message = res.message;
         }
-        c->result.paths.insert(c->result.paths.end(), res.paths.begin(), res.paths.end());
-        last = --c->left == 0;
-      }
-      if (last) c->done(c->result);
-    });
-  }
+        acc.paths.insert(acc.paths.end(), res.paths.begin(), res.paths.end());
+      },
+      std::move(done));
 }
 
 bool DpController::continue_generation() {
