@@ -204,6 +204,12 @@ bool DpController::continue_generation() {
   return ok;
 }
 
+bool DpController::memory_released() const {
+  for (const auto& e : replicas_)
+    if (e->memory_released()) return true;
+  return false;
+}
+
 bool DpController::is_paused() const {
   for (const auto& e : replicas_)
     if (e->is_paused()) return true;

@@ -25,6 +25,7 @@ class DpController final : public EngineClient {
   void pause_generation(PauseMode mode, std::function<void(bool)> done) override;
   bool continue_generation() override;
   bool is_paused() const override;
+  bool memory_released() const override;  // any replica's
   // Every replica (at once); `done` with the first failure, once all answered.
   void release_memory(std::function<void(const WeightUpdateResult&)> done) override;
   void resume_memory(std::function<void(const WeightUpdateResult&)> done) override;

@@ -431,6 +431,11 @@ bool Engine::is_paused() const {
   return paused_;
 }
 
+bool Engine::memory_released() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return released_;
+}
+
 void Engine::run_pause() {
   PauseMode mode;
   {

@@ -69,6 +69,7 @@ class Engine final : public EngineClient {
   void profile(const ProfileRequest& r, std::function<void(const ProfileResult&)> done) override;
   bool continue_generation() override;
   bool is_paused() const override;
+  bool memory_released() const override;
   int64_t max_context_len() const override { return opts_.context_len; }
   std::vector<int32_t> eos_token_ids() const override { return opts_.eos_token_ids; }
   void shutdown() override;

@@ -261,6 +261,8 @@ class EngineClient {
     res.message = "this engine cannot profile";
     done(res);
   }
+  // Whether the memory is released (release_memory; vLLM's /is_sleeping).
+  virtual bool memory_released() const { return false; }
   // Ends a pause (a no-op when not paused); false when not supported.
   virtual bool continue_generation() { return false; }
   virtual bool is_paused() const { return false; }

@@ -166,6 +166,10 @@ class Api {
   // SGLang's /release_memory_occupation and /resume_memory_occupation ({"tags": [...]} optional): EngineClient's
   // release_memory / resume_memory; 200 {"success": true, "message"}, or 400 with success false.
   void memory_occupation(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool release);
+  // vLLM's sleep mode, on the same release / resume: POST /sleep (?level=1 or 2: the weights are loaded again from
+  // their checkpoint on waking either way) and POST /wake_up (?tags=weights / kv_cache: any means all); a no-op 200
+  // when already asleep / awake; 200 with an empty body, or 400 JSON.
+  void sleep_or_wake(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool sleep);
   // SGLang's /start_expert_distribution_record, /stop_... and /dump_... (GET or POST): EngineClient::expert_record;
   // SGLang's text answers (200), a 400 JSON error when recording is off. A dump writes
   // expert_distribution_recorder_<unix time>.json into ServerOptions::expert_distribution_dir: {"rank": 0,

@@ -671,6 +671,18 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/start_profile" || path == "/stop_profile") {  // SGLang's, vLLM's
       if (!get && !post) method_not_allowed(req);
       profile(req, ex, path == "/start_profile");
+    } else if (path == "/sleep" || path == "/wake_up") {  // vLLM's
+      if (!post) method_not_allowed(req);
+      sleep_or_wake(req, ex, path == "/sleep");
+    } else if (path == "/is_sleeping") {  // vLLM's
+      if (!get) method_not_allowed(req);
+      respond_json(ex, 200, dump(ojson{{"is_sleeping", engine_.memory_released()}}));
+    } else if (path == "/reset_prefix_cache") {  // vLLM's /flush_cache
+      if (!post) method_not_allowed(req);
+      if (!engine_.flush_cache())
+        throw ApiError(400, "prefix cache not reset: requests are running or waiting; retry when the server is idle",
+                       "", "server_busy");
+      ex->respond(200, "text/plain", "");
     } else if (path == "/is_paused") {  // vLLM's
       if (!get) method_not_allowed(req);
       respond_json(ex, 200, dump(ojson{{"is_paused", engine_.is_paused()}}));
@@ -1244,6 +1256,40 @@ void Api::profile(const HttpRequest& req, const std::shared_ptr<HttpExchange>& e
                    start ? "Start profiling.\n" : "Stop profiling. This will take some time.\n");
     });
   });
+}
+
+void Api::sleep_or_wake(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool sleep) {
+  const std::string_view q = query_of(req.target);
+  if (sleep) {
+    const std::string level = query_param(q, "level").value_or("1");
+    if (level != "1" && level != "2")
+      throw ApiError(400, fmt::format("'level' must be 1 or 2, got '{}'", level), "level", "invalid_value");
+  } else {
+    for (std::string_view rest = q; !rest.empty();) {  // every tags=... (repeated)
+      const size_t amp = rest.find('&');
+      const std::string_view kv = rest.substr(0, amp);
+      if (kv.substr(0, kv.find('=')) == "tags") {
+        const auto t = query_param(kv, "tags");
+        if (*t != "weights" && *t != "kv_cache")
+          throw ApiError(400, fmt::format("'tags' must be weights or kv_cache, got '{}'", *t), "tags", "invalid_value");
+      }
+      rest = amp == std::string_view::npos ? std::string_view() : rest.substr(amp + 1);
+    }
+  }
+  if (engine_.memory_released() == sleep) return ex->respond(200, "text/plain", "");  // asleep / awake already
+  std::weak_ptr<HttpExchange> wex = ex;
+  Executor post = ex->executor();
+  auto answer = [wex, post](const WeightUpdateResult& r) {
+    if (!r.ok) MLA_LOG_WARN("{}", r.message);
+    post([wex, r] {
+      if (auto ex2 = wex.lock()) {
+        if (r.ok) ex2->respond(200, "text/plain", "");
+        else ex2->respond(400, "application/json", error_body(400, r.message));
+      }
+    });
+  };
+  if (sleep) engine_.release_memory(answer);
+  else engine_.resume_memory(answer);
 }
 
 void Api::health_generate(const std::shared_ptr<HttpExchange>& ex) {

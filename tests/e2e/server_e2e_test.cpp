@@ -1159,6 +1159,13 @@ TEST(ServeFlags, UpdateWeightsFromDisk) {
     EXPECT_EQ(post_json(s.port(), "/release_memory_occupation", "{}")["success"], true);
     EXPECT_EQ(post_json(s.port(), "/resume_memory_occupation", R"({"tags": ["weights"]})")["success"], true);
     EXPECT_EQ(post_json(s.port(), "/generate", req)["output_ids"], want_old);
+    // vLLM's sleep mode on the same path, and its prefix-cache reset.
+    EXPECT_EQ(test::http_request(s.port(), "POST", "/sleep?level=2", "").status, 200);
+    EXPECT_EQ(get_json(s.port(), "/is_sleeping")["is_sleeping"], true);
+    EXPECT_EQ(test::http_request(s.port(), "POST", "/wake_up?tags=weights", "").status, 200);
+    EXPECT_EQ(get_json(s.port(), "/is_sleeping")["is_sleeping"], false);
+    EXPECT_EQ(post_json(s.port(), "/generate", req)["output_ids"], want_old);
+    EXPECT_EQ(test::http_request(s.port(), "POST", "/reset_prefix_cache", "").status, 200);
     EXPECT_EQ(s.stop(), 0);
   }
 }

@@ -163,6 +163,7 @@ class FakeEngine : public EngineClient {
     {
       std::lock_guard lk(mu_);
       memory_ops_.push_back(true);
+      released_ = true;
     }
     done(WeightUpdateResult{true, "released", {}});
   }
@@ -170,6 +171,7 @@ class FakeEngine : public EngineClient {
     {
       std::lock_guard lk(mu_);
       memory_ops_.push_back(false);
+      released_ = false;
     }
     done(WeightUpdateResult{true, "resumed", {}});
   }
@@ -215,6 +217,10 @@ class FakeEngine : public EngineClient {
   std::vector<ExpertRecordOp> expert_ops() const {
     std::lock_guard lk(mu_);
     return expert_ops_;
+  }
+  bool memory_released() const override {
+    std::lock_guard lk(mu_);
+    return released_;
   }
   std::vector<bool> memory_ops() const {
     std::lock_guard lk(mu_);
@@ -370,6 +376,7 @@ class FakeEngine : public EngineClient {
   std::vector<PauseMode> pauses_;
   std::vector<bool> memory_ops_;
   std::vector<ExpertRecordOp> expert_ops_;
+  bool released_ = false;
   std::vector<ProfileRequest> profiles_;
   bool profiling_ = false;
   int64_t expert_layers_ = 0;

@@ -388,6 +388,28 @@ TEST(HttpApi, Tls) {
   std::filesystem::remove_all(dir);
 }
 
+// vLLM's sleep mode on the memory's release and resumption: /sleep (level 1 or 2), /wake_up (tags), /is_sleeping;
+// sleeping twice or waking an awake server is a no-op 200; /reset_prefix_cache is /flush_cache.
+TEST(HttpApi, VllmSleepMode) {
+  TestServer s;
+  EXPECT_EQ(json::parse(s.get("/is_sleeping").body)["is_sleeping"], false);
+  auto r = s.post("/sleep?level=1", "");
+  EXPECT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.body, "");
+  EXPECT_EQ(json::parse(s.get("/is_sleeping").body)["is_sleeping"], true);
+  EXPECT_EQ(s.post("/sleep?level=2", "").status, 200);  // asleep already: nothing asked of the engine
+  EXPECT_EQ(s.post("/wake_up?tags=weights&tags=kv_cache", "").status, 200);
+  EXPECT_EQ(json::parse(s.get("/is_sleeping").body)["is_sleeping"], false);
+  EXPECT_EQ(s.post("/wake_up?tags=kv_cache", "").status, 200);  // awake already
+  EXPECT_EQ(s.post("/sleep", "").status, 200);
+  EXPECT_EQ(s.post("/wake_up", "").status, 200);
+  for (const char* bad : {"/sleep?level=3", "/wake_up?tags=gpu"}) EXPECT_EQ(s.post(bad, "").status, 400) << bad;
+  EXPECT_EQ(s.get("/sleep").status, 405);
+  EXPECT_EQ(s.engine.memory_ops(), (std::vector<bool>{true, false, true, false}));
+  r = s.post("/reset_prefix_cache", "");
+  EXPECT_EQ(r.status, 200) << r.body;
+}
+
 TEST(HttpApi, GenerateNonStream) {
   TestServer s;
   auto r = s.post("/generate", R"({"text": "hello", "sampling_params": {"max_new_tokens": 7, "temperature": 0}})");
