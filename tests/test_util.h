@@ -240,6 +240,23 @@ inline std::future<std::vector<int32_t>> submit_ids(EngineClient& e, const std::
   return prom->get_future();
 }
 
+// What an engine call hands its callback (update_weights, release_memory, expert_record, profile, ...), waited for
+// (a hang fails the test instead of blocking it).
+template <class R>
+R callback_result(const std::function<void(std::function<void(const R&)>)>& call) {
+  auto done = std::make_shared<std::promise<R>>();
+  auto fut = done->get_future();
+  call([done](const R& r) { done->set_value(r); });
+  EXPECT_EQ(fut.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "hang?";
+  return fut.get();
+}
+
+// The memory released (release) or taken again through the engine.
+inline WeightUpdateResult memory_op(EngineClient& e, bool release) {
+  return callback_result<WeightUpdateResult>(
+      [&](auto cb) { release ? e.release_memory(std::move(cb)) : e.resume_memory(std::move(cb)); });
+}
+
 // The tokens of submit_ids' future (a hang fails the test instead of blocking it).
 inline std::vector<int32_t> wait_ids(std::future<std::vector<int32_t>>& f) {
   EXPECT_EQ(f.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "hang?";

@@ -245,7 +245,7 @@ WeightUpdateResult Engine::run_job(const PendingUpdate& job) {
       for (auto& s : scheds_) held += s->num_running();
       MLA_CHECK(held == 0, "{} requests are paused in place with their KV cache: pause with mode retract or abort "
                 "before releasing the memory", held);
-      if (recording_) recorded_ = recorded_counts();  // (the device's counts go with the memory)
+      if (recording_) recorded_ = recorded_counts(false);  // (the device's counts go with the memory)
       ranks_->release_memory();
       for (auto& s : scheds_) s->flush_cache();  // (its pages' contents go with the memory)
       {
@@ -344,13 +344,8 @@ void Engine::traced_step(PhaseClock::time_point launched, const nlohmann::json& 
   }
 }
 
-std::vector<int64_t> Engine::recorded_counts() {
+std::vector<int64_t> Engine::recorded_counts(bool released) {
   std::vector<int64_t> c = recorded_;
-  bool released = false;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    released = released_;
-  }
   if (released) return c;
   const std::vector<int64_t> dev = ranks_->expert_counts();
   if (c.empty()) return dev;
@@ -382,11 +377,11 @@ ExpertRecord Engine::run_record(ExpertRecordOp op) {
         break;
       case ExpertRecordOp::Stop:
         if (!recording_) MLA_LOG_WARN("expert distribution: stop without a recording");
-        else recorded_ = recorded_counts();
+        else recorded_ = recorded_counts(released);
         recording_ = false;
         break;
       case ExpertRecordOp::Dump:
-        r.counts = recording_ ? recorded_counts() : recorded_;
+        r.counts = recording_ ? recorded_counts(released) : recorded_;
         r.counts.resize(static_cast<size_t>(cfg.num_hidden_layers * cfg.n_routed_experts), 0);
         zero_device();
         recorded_.clear();
@@ -801,14 +796,15 @@ void Engine::step() {
   }
   if (!any) return;
   const auto t1 = PhaseClock::now();
-  const nlohmann::json args = trace_.active() ? step_args(plans) : nlohmann::json();
-  trace_.span("schedule", false, t0, t1);
+  const bool traced = trace_.active();
+  const nlohmann::json args = traced ? step_args(plans) : nlohmann::json();
+  if (traced) trace_.span("schedule", false, t0, t1);
   LogitRows logit_rows;
   std::vector<std::vector<SampleResult>> sampled;
   try {
     const auto rows = sampling_rows(plans, logit_rows);  // as in launch(): a failure here ends the step's requests
     std::vector<GroupOutput> outs = ranks_->step(batches, rows, logit_rows);
-    trace_.span("run on the device", false, t1, PhaseClock::now(), args);
+    if (traced) trace_.span("run on the device", false, t1, PhaseClock::now(), args);
     sampled = collect(plans, outs);
   } catch (const std::exception& e) {
     abort_plans(plans, e.what());
@@ -890,7 +886,7 @@ void Engine::overlap_step() {
     any |= !next[g].empty();
   }
   if (phase_stats_) phases_.schedule += ms_since(t0);
-  if (any) trace_.span("schedule", false, t0, PhaseClock::now());
+  if (any && trace_.active()) trace_.span("schedule", false, t0, PhaseClock::now());
   // A constrained request's draw needs its previous token (its constraint's state; a bad word's earlier tokens):
   // such a step waits for it.
   bool needs_tokens = false;

@@ -149,8 +149,8 @@ class Engine final : public EngineClient {
   // memory was released: the device's start from zero again after resume_memory).
   bool recording_ = false;
   std::vector<int64_t> recorded_;
-  // recorded_ plus the device's counts (when they are there); the total of the recording so far.
-  std::vector<int64_t> recorded_counts();
+  // recorded_ plus the device's counts (unless the memory is released); the total of the recording so far.
+  std::vector<int64_t> recorded_counts(bool released);
   bool paused_ = false;  // mu_ (set and cleared by the engine thread and continue_generation)
   bool released_ = false;  // mu_: the memory is released (no step runs); engine thread writes
   bool stop_ = false;

@@ -1,11 +1,11 @@
 #include "engine/step_trace.h"
 
 #include <filesystem>
-#include <fstream>
 
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/files.h"
 
 namespace mlaserve {
 
@@ -42,9 +42,6 @@ bool StepTrace::step_done() {
 std::string StepTrace::stop() {
   MLA_CHECK(active_, "no profile is being recorded");
   active_ = false;
-  std::error_code ec;
-  std::filesystem::create_directories(dir_, ec);
-  MLA_CHECK(!ec, "cannot make the profile folder '{}': {}", dir_, ec.message());
   const double t = std::chrono::duration<double>(wall_origin_.time_since_epoch()).count();
   const std::string name = fmt::format("{:.6f}-mlaserve{}{}.trace.json", t, tag_.empty() ? "" : "-", tag_);
   const std::string path = (std::filesystem::path(dir_) / name).string();
@@ -52,10 +49,7 @@ std::string StepTrace::stop() {
                         {"displayTimeUnit", "ms"},
                         {"otherData", {{"steps", steps_}, {"start_unix_time", t}}}};
   events_ = nlohmann::json::array();
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << doc.dump() << '\n';
-  out.close();
-  MLA_CHECK(out.good(), "cannot write the profile to '{}'", path);
+  write_file(path, doc.dump() + "\n");
   return path;
 }
 

@@ -3,10 +3,10 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <random>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "core/log.h"
 #include "server/api.h"
 #include "server/api_error.h"
@@ -57,6 +57,15 @@ std::string percent_decode(std::string_view s) {
     }
   }
   return out;
+}
+
+// For an engine thread's callback: runs fn later on the connection's executor, with the exchange, or null when the
+// client has gone.
+using Later = std::function<void(std::function<void(HttpExchange*)>)>;
+Later on_connection(const std::shared_ptr<HttpExchange>& ex) {
+  return [wex = std::weak_ptr<HttpExchange>(ex), post = ex->executor()](std::function<void(HttpExchange*)> fn) {
+    post([wex, fn = std::move(fn)] { fn(wex.lock().get()); });
+  };
 }
 
 std::optional<std::string> query_param(std::string_view query, std::string_view key) {
@@ -1144,13 +1153,11 @@ void Api::memory_occupation(const HttpRequest& req, const std::shared_ptr<HttpEx
         throw ApiError(400, fmt::format("'tags' holds {}: expected weights, kv_cache or cuda_graph", tag.dump()),
                        "tags", "invalid_value");
   }
-  std::weak_ptr<HttpExchange> wex = ex;
-  Executor post = ex->executor();
-  auto answer = [wex, post](const WeightUpdateResult& r) {
+  auto answer = [later = on_connection(ex)](const WeightUpdateResult& r) {
     if (!r.ok) MLA_LOG_WARN("{}", r.message);
     const std::string text = dump(ojson{{"success", r.ok}, {"message", r.message}});
-    post([wex, ok = r.ok, text] {
-      if (auto ex2 = wex.lock()) ex2->respond(ok ? 200 : 400, "application/json", text);
+    later([ok = r.ok, text](HttpExchange* e) {
+      if (e) e->respond(ok ? 200 : 400, "application/json", text);
     });
   };
   if (release) engine_.release_memory(answer);
@@ -1161,41 +1168,29 @@ namespace {
 
 // /dump_expert_distribution_record's file (Api::expert_record); its path, or throws naming what failed.
 std::string write_expert_record(const std::string& dir, const ExpertRecord& r) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  MLA_CHECK(!ec, "cannot make the expert distribution folder '{}': {}", dir, ec.message());
   const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-  const std::string path = (std::filesystem::path(dir) / fmt::format("expert_distribution_recorder_{:.6f}.json", now))
-                               .string();
+  const std::filesystem::path path =
+      std::filesystem::path(dir) / fmt::format("expert_distribution_recorder_{:.6f}.json", now);
   json table = json::array();
   for (int64_t l = 0; l < r.num_layers; ++l) {
     const auto first = r.counts.begin() + l * r.num_experts;
     table.push_back(std::vector<int64_t>(first, first + r.num_experts));
   }
-  const std::string text = dump(ojson{{"rank", 0},
-                                      {"num_layers", r.num_layers},
-                                      {"num_experts", r.num_experts},
-                                      {"logical_count", std::move(table)}});
-  const std::string tmp = path + ".part";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text << '\n';
-    out.close();
-    MLA_CHECK(out.good(), "cannot write the expert distribution to '{}'", tmp);
-  }
-  std::filesystem::rename(tmp, path, ec);
-  MLA_CHECK(!ec, "cannot write the expert distribution to '{}': {}", path, ec.message());
-  return path;
+  write_file(path, dump(ojson{{"rank", 0},
+                              {"num_layers", r.num_layers},
+                              {"num_experts", r.num_experts},
+                              {"logical_count", std::move(table)}}) +
+                       "\n");
+  return path.string();
 }
 
 }  // namespace
 
 void Api::expert_record(const std::shared_ptr<HttpExchange>& ex, ExpertRecordOp op) {
-  std::weak_ptr<HttpExchange> wex = ex;
-  Executor post = ex->executor();
   // The answer (and a dump's file) is made on the connection's executor, not on the engine thread that calls back.
-  engine_.expert_record(op, [wex, post, op, dir = opts_.expert_distribution_dir](const ExpertRecord& r) {
-    post([wex, op, dir, r] {
+  const std::string dir = opts_.expert_distribution_dir;
+  engine_.expert_record(op, [later = on_connection(ex), op, dir](const ExpertRecord& r) {
+    later([op, dir, r](HttpExchange* e) {
       int status = 200;
       std::string type = "text/plain", text;
       try {
@@ -1221,7 +1216,7 @@ void Api::expert_record(const std::shared_ptr<HttpExchange>& ex, ExpertRecordOp 
         type = "application/json";
         text = error_body(500, e.what(), "internal_error");
       }
-      if (auto ex2 = wex.lock()) ex2->respond(status, type, text);
+      if (e) e->respond(status, type, text);
     });
   });
 }
@@ -1244,16 +1239,12 @@ void Api::profile(const HttpRequest& req, const std::shared_ptr<HttpExchange>& e
       p.num_steps = n->get<int64_t>();
     }
   }
-  std::weak_ptr<HttpExchange> wex = ex;
-  Executor post = ex->executor();
-  engine_.profile(p, [wex, post, start](const ProfileResult& r) {
-    post([wex, start, r] {
-      auto ex2 = wex.lock();
-      if (!ex2) return;
-      if (!r.ok) return ex2->respond(400, "application/json", error_body(400, r.message));
-      for (const std::string& path : r.paths) MLA_LOG_INFO("profile written to {}", path);
-      ex2->respond(200, "text/plain",
-                   start ? "Start profiling.\n" : "Stop profiling. This will take some time.\n");
+  engine_.profile(p, [later = on_connection(ex), start](const ProfileResult& r) {
+    for (const std::string& path : r.paths) MLA_LOG_INFO("profile written to {}", path);
+    later([start, r](HttpExchange* e) {
+      if (!e) return;
+      if (!r.ok) return e->respond(400, "application/json", error_body(400, r.message));
+      e->respond(200, "text/plain", start ? "Start profiling.\n" : "Stop profiling. This will take some time.\n");
     });
   });
 }
@@ -1277,15 +1268,12 @@ void Api::sleep_or_wake(const HttpRequest& req, const std::shared_ptr<HttpExchan
     }
   }
   if (engine_.memory_released() == sleep) return ex->respond(200, "text/plain", "");  // asleep / awake already
-  std::weak_ptr<HttpExchange> wex = ex;
-  Executor post = ex->executor();
-  auto answer = [wex, post](const WeightUpdateResult& r) {
+  auto answer = [later = on_connection(ex)](const WeightUpdateResult& r) {
     if (!r.ok) MLA_LOG_WARN("{}", r.message);
-    post([wex, r] {
-      if (auto ex2 = wex.lock()) {
-        if (r.ok) ex2->respond(200, "text/plain", "");
-        else ex2->respond(400, "application/json", error_body(400, r.message));
-      }
+    later([r](HttpExchange* e) {
+      if (!e) return;
+      if (r.ok) e->respond(200, "text/plain", "");
+      else e->respond(400, "application/json", error_body(400, r.message));
     });
   };
   if (sleep) engine_.release_memory(answer);

@@ -47,21 +47,10 @@ int64_t layer_sum(const std::vector<int64_t>& counts, int64_t layer, int64_t exp
 }
 
 ExpertRecord record(EngineClient& e, ExpertRecordOp op) {
-  auto done = std::make_shared<std::promise<ExpertRecord>>();
-  auto fut = done->get_future();
-  e.expert_record(op, [done](const ExpertRecord& r) { done->set_value(r); });
-  EXPECT_EQ(fut.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "hang?";
-  return fut.get();
+  return test::callback_result<ExpertRecord>([&](auto cb) { e.expert_record(op, std::move(cb)); });
 }
 
-WeightUpdateResult memory_op(EngineClient& e, bool release) {
-  auto done = std::make_shared<std::promise<WeightUpdateResult>>();
-  auto fut = done->get_future();
-  auto cb = [done](const WeightUpdateResult& r) { done->set_value(r); };
-  release ? e.release_memory(cb) : e.resume_memory(cb);
-  EXPECT_EQ(fut.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "hang?";
-  return fut.get();
-}
+using test::memory_op;
 
 // CPU ranks of a golden family that count the routed experts.
 std::unique_ptr<RankSet> counting_ranks(const std::string& family, int32_t tp, int32_t dp, int32_t graph_max_bs,

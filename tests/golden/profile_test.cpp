@@ -22,11 +22,7 @@ ProfileResult profile(EngineClient& e, bool start, const std::string& dir = "", 
   r.start = start;
   r.output_dir = dir;
   r.num_steps = num_steps;
-  auto done = std::make_shared<std::promise<ProfileResult>>();
-  auto fut = done->get_future();
-  e.profile(r, [done](const ProfileResult& res) { done->set_value(res); });
-  EXPECT_EQ(fut.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "hang?";
-  return fut.get();
+  return test::callback_result<ProfileResult>([&](auto cb) { e.profile(r, std::move(cb)); });
 }
 
 // The complete events named `name` of a trace file.

@@ -191,11 +191,7 @@ std::vector<int32_t> reference_tokens(const std::string& dir, const std::vector<
 
 // The result an engine call (update_weights, release_memory, resume_memory) hands its callback.
 WeightUpdateResult result_of(const std::function<void(std::function<void(const WeightUpdateResult&)>)>& call) {
-  auto done = std::make_shared<std::promise<WeightUpdateResult>>();
-  auto fut = done->get_future();
-  call([done](const WeightUpdateResult& r) { done->set_value(r); });
-  EXPECT_EQ(fut.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "hang?";
-  return fut.get();
+  return test::callback_result<WeightUpdateResult>(call);
 }
 
 WeightUpdateResult update(EngineClient& e, const WeightUpdate& u) {
@@ -505,9 +501,7 @@ TEST(PauseGeneration, WeightsUpdatedWhilePaused) {
 
 namespace {
 
-WeightUpdateResult memory_op(EngineClient& e, bool release) {
-  return result_of([&](auto cb) { release ? e.release_memory(std::move(cb)) : e.resume_memory(std::move(cb)); });
-}
+using test::memory_op;
 
 }  // namespace
 
