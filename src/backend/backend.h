@@ -129,7 +129,7 @@ class Backend {
   // Starts copying t's raw bytes to the host and returns at once (the device keeps working on what was issued);
   // download_finish(ticket, dst) waits for that copy and writes its bytes to dst. Up to kMaxDownloads may be in
   // flight; they finish in the order they started. Default: a synchronous copy kept until finished.
-  static constexpr int kMaxDownloads = 4;
+  static constexpr int kMaxDownloads = 8;
   virtual uint64_t download_start(const Tensor& t);
   virtual void download_finish(uint64_t ticket, void* dst);
   // Deterministic pseudo-random fill for dummy weights: value = mean + stddev * u, u uniform with unit variance,

@@ -85,6 +85,7 @@ struct ServeArgs {
   std::string generation_config = "auto", sampling_defaults = "model";
   server::SamplingDefaults defaults;  // resolved
   bool stream_output = false;
+  bool enable_return_hidden_states = false;
   bool allow_auto_truncate = false;
   bool request_id_headers = false;
   bool return_tokens_as_token_ids = false;  // vLLM's: OpenAI logprobs' tokens as "token_id:ID"
@@ -387,6 +388,7 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["chunked_prefill_size"] = a.chunked_prefill_size;
   j["stream_interval"] = a.stream_interval;
   j["stream_output"] = a.stream_output;
+  j["enable_return_hidden_states"] = a.enable_return_hidden_states;
   j["max_logprobs"] = a.max_logprobs;
   j["allow_auto_truncate"] = a.allow_auto_truncate;
   j["sampling_defaults"] = a.sampling_defaults;
@@ -621,6 +623,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                "a prompt too long for the context keeps its first tokens instead of a 400 (SGLang's)");
   app.add_flag("--stream-output", a->stream_output,
                "streamed /generate chunks carry only what is new (text, output_ids, logprobs), as SGLang's");
+  app.add_flag("--enable-return-hidden-states", a->enable_return_hidden_states,
+               "requests may ask for return_hidden_states: the final hidden state of every position, as SGLang's");
   app.add_option("--reasoning-parser", a->reasoning_parser,
                  "split chat output into reasoning_content and content (deepseek-r1, or vLLM's deepseek_r1)");
   app.add_option("--tool-call-parser", a->tool_call_parser,
@@ -864,6 +868,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.parse.return_tokens_as_token_ids = s.return_tokens_as_token_ids;
     so.stream_interval = s.stream_interval;
     so.stream_output = s.stream_output;
+    so.enable_return_hidden_states = s.enable_return_hidden_states;
     so.allow_auto_truncate = s.allow_auto_truncate;
     so.request_id_headers = s.request_id_headers;
     so.reasoning_parser = s.reasoning_parser;

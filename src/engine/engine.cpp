@@ -730,10 +730,12 @@ std::vector<std::vector<RowSampling>> Engine::sampling_rows(const std::vector<St
   return rows;
 }
 
-std::vector<std::vector<SampleResult>> Engine::collect(const std::vector<StepPlan>& plans, std::vector<GroupOutput>& outs) {
+std::vector<std::vector<SampleResult>> Engine::collect(std::vector<StepPlan>& plans, std::vector<GroupOutput>& outs) {
   const int64_t V = ranks_->config().vocab_size;
   std::vector<std::vector<SampleResult>> sampled(plans.size());
   for (size_t g = 0; g < plans.size(); ++g) {
+    plans[g].hidden = std::move(outs[g].hidden);  // (return_hidden_states: the scheduler hands them out)
+    plans[g].hidden_width = static_cast<int32_t>(ranks_->config().hidden_size);
     int64_t i = 0, kept = 0;  // row i; kept: the rows with logits before it (their order in outs[g].logits)
     auto host_logits = [&](int64_t row) {
       MLA_CHECK(kept < (outs[g].logits.defined() ? outs[g].logits.size(0) : 0), "group {}: logits of row {} missing",

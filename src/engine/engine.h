@@ -83,7 +83,7 @@ class Engine final : public EngineClient {
   void constrain(Req& r, RowSampling& row) const;
   std::vector<int32_t> stop_tokens(const SamplingParams& sp) const;
   void ban_stop_tokens(const SamplingParams& sp, RowSampling& row) const;
-  std::vector<std::vector<SampleResult>> collect(const std::vector<StepPlan>& plans, std::vector<GroupOutput>& outs);
+  std::vector<std::vector<SampleResult>> collect(std::vector<StepPlan>& plans, std::vector<GroupOutput>& outs);
   // Waits for the running step and resolves its samples (or aborts its requests if it failed).
   void finish_inflight();
   // Launches the planned step (its requests advance) as the one in flight; false if it failed (aborted).

@@ -77,6 +77,10 @@ struct SamplingParams {
   // request then ends there; with ignore_eos, or when nothing else is allowed, it ends once its text is complete).
   // Under overlap scheduling such a request's next step is planned only after its previous token is back.
   std::shared_ptr<TokenConstraint> constraint;
+  // SGLang's return_hidden_states: the model's last hidden state (after its final norm: what lm_head reads) at every
+  // prompt position and at every generated token's position but the last, i.e. of each row whose logits drew the
+  // next token (GenerateOutput::hidden_states). Prompt tokens served from the prefix cache are computed again.
+  bool return_hidden_states = false;
 
   // Whether each generated token's logprob is reported, and whether its logits must reach the host for that.
   bool wants_logprobs() const { return return_logprob || top_logprobs_num > 0; }
@@ -118,6 +122,10 @@ struct GenerateOutput {
   // With logprob_start_len >= 0: prompt positions [logprob_start_len, prompt length), all in one output (the one
   // that brings the first token, or the last output of a request that generates none).
   std::vector<TokenLogprob> prompt_logprobs;
+  // With return_hidden_states: rows of hidden_size floats, row-major, of the positions reported since the previous
+  // output (a request's rows in all: its prompt's, then one per generated token but the last).
+  std::vector<float> hidden_states;
+  int32_t hidden_size = 0;
   bool finished = false;
   FinishReason finish;
   int32_t prompt_tokens = 0;

@@ -162,6 +162,20 @@ int64_t chain_drafts(DeepseekModel& model, Backend& be, KvCache& kv, Tensor& sam
   return written;
 }
 
+// A host tensor's elements as floats (F32, BF16 or F16: the activation types).
+std::vector<float> host_floats(const Tensor& t) {
+  std::vector<float> out(static_cast<size_t>(t.numel()));
+  for (size_t k = 0; k < out.size(); ++k) {
+    switch (t.dtype()) {
+      case DType::F32: out[k] = t.data_as<float>()[k]; break;
+      case DType::BF16: out[k] = bf16_to_f32(t.data_as<uint16_t>()[k]); break;
+      case DType::F16: out[k] = f16_to_f32(t.data_as<uint16_t>()[k]); break;
+      default: fail("hidden states of type {} cannot be read", dtype_name(t.dtype()));
+    }
+  }
+  return out;
+}
+
 // Group g's rows whose logits come back, or null for none.
 const std::vector<int32_t>* rows_of_group(const LogitRows& rows, int32_t g) {
   if (g < 0 || static_cast<size_t>(g) >= rows.size() || rows[static_cast<size_t>(g)].empty()) return nullptr;
@@ -642,6 +656,9 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
   h.tickets.assign(ranks_.size(), 0);
   h.logit_tickets.assign(ranks_.size(), 0);
   h.logit_cols.assign(ranks_.size(), 0);
+  h.hidden_tickets.assign(ranks_.size(), 0);
+  h.hidden_shape.assign(ranks_.size(), {0, 0});
+  h.hidden_dtype.assign(ranks_.size(), DType::F32);
   run_on_all(
       [&](int i) {
         Rank& rk = *ranks_[static_cast<size_t>(i)];
@@ -713,6 +730,18 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
             h.logit_tickets[static_cast<size_t>(i)] = rk.backend->download_start(logits.rows(0, n));
           }
         }
+        if (leader && !b.hidden_rows.empty()) {  // return_hidden_states: those rows of the final hidden state
+          const Tensor& last = rk.model->last_hidden();
+          const int64_t n = static_cast<int64_t>(b.hidden_rows.size());
+          for (int32_t r : b.hidden_rows)
+            MLA_CHECK(r >= 0 && r < b.num_tokens(), "step: hidden row {} of group {} is not one of its {} tokens", r, g,
+                      b.num_tokens());
+          Tensor rows = rk.backend->scratch({n, last.size(1)}, last.dtype());
+          rk.backend->gather_rows(last, b.hidden_rows, rows);
+          h.hidden_shape[static_cast<size_t>(i)] = {n, last.size(1)};
+          h.hidden_dtype[static_cast<size_t>(i)] = last.dtype();
+          h.hidden_tickets[static_cast<size_t>(i)] = rk.backend->download_start(rows);
+        }
         rk.backend->end_step();
         MLA_LOG_TRACE("rank {}: step issued", rk.global);
       },
@@ -725,29 +754,38 @@ void RankSet::finish_local(Launched& h) {
       [&](int i) {
         Rank& rk = *ranks_[static_cast<size_t>(i)];
         const int64_t R = h.rows[static_cast<size_t>(i)];
-        if (R < 0) return;
         GroupOutput& o = h.out[static_cast<size_t>(rk.global / at)];
-        const bool mtp = config_.mtp_layers > 0;
-        const std::vector<int32_t>& slots = h.chain_slots[static_cast<size_t>(i)];
-        std::vector<int32_t> host(static_cast<size_t>((mtp ? 3 : 2) * R) + slots.size());
-        MLA_LOG_TRACE("rank {}: waiting for the ids", rk.global);
-        rk.backend->download_finish(h.tickets[static_cast<size_t>(i)], host.data());
-        o.ids.assign(host.begin(), host.begin() + R);
-        o.logprobs.resize(static_cast<size_t>(R));
-        std::memcpy(o.logprobs.data(), host.data() + R, static_cast<size_t>(R) * sizeof(float));
-        if (mtp) {  // [R, width]: the first draft of every row, the chained ones where their chain starts
-          const int64_t w = std::max(1, h.chain_width);
-          o.drafts.assign(static_cast<size_t>(R * w), -1);
-          for (int64_t r = 0; r < R; ++r) o.drafts[static_cast<size_t>(r * w)] = host[static_cast<size_t>(2 * R + r)];
-          for (size_t k = 0; k < slots.size(); ++k) o.drafts[static_cast<size_t>(slots[k])] = host[3 * R + k];
-        }
-        if (const std::vector<int32_t>* keep = rows_of_group(h.logit_rows, rk.global / at)) {
-          o.logits = Tensor::empty_host({static_cast<int64_t>(keep->size()), h.logit_cols[static_cast<size_t>(i)]},
-                                        DType::F32);
-          rk.backend->download_finish(h.logit_tickets[static_cast<size_t>(i)], o.logits.data());
+        const auto [hidden_rows, hidden_cols] = h.hidden_shape[static_cast<size_t>(i)];
+        if (R >= 0) finish_rows(rk, h, i, R, o);
+        if (hidden_rows > 0) {  // (downloaded after the ids and the logits)
+          Tensor host = Tensor::empty_host({hidden_rows, hidden_cols}, h.hidden_dtype[static_cast<size_t>(i)]);
+          rk.backend->download_finish(h.hidden_tickets[static_cast<size_t>(i)], host.data());
+          o.hidden = host_floats(host);
         }
       },
       pc_.step_timeout);
+}
+
+void RankSet::finish_rows(Rank& rk, Launched& h, int i, int64_t R, GroupOutput& o) {
+  const bool mtp = config_.mtp_layers > 0;
+  const std::vector<int32_t>& slots = h.chain_slots[static_cast<size_t>(i)];
+  std::vector<int32_t> host(static_cast<size_t>((mtp ? 3 : 2) * R) + slots.size());
+  MLA_LOG_TRACE("rank {}: waiting for the ids", rk.global);
+  rk.backend->download_finish(h.tickets[static_cast<size_t>(i)], host.data());
+  o.ids.assign(host.begin(), host.begin() + R);
+  o.logprobs.resize(static_cast<size_t>(R));
+  std::memcpy(o.logprobs.data(), host.data() + R, static_cast<size_t>(R) * sizeof(float));
+  if (mtp) {  // [R, width]: the first draft of every row, the chained ones where their chain starts
+    const int64_t w = std::max(1, h.chain_width);
+    o.drafts.assign(static_cast<size_t>(R * w), -1);
+    for (int64_t r = 0; r < R; ++r) o.drafts[static_cast<size_t>(r * w)] = host[static_cast<size_t>(2 * R + r)];
+    for (size_t k = 0; k < slots.size(); ++k) o.drafts[static_cast<size_t>(slots[k])] = host[3 * R + k];
+  }
+  if (const std::vector<int32_t>* keep = rows_of_group(h.logit_rows, rk.global / attn_tp())) {
+    o.logits = Tensor::empty_host({static_cast<int64_t>(keep->size()), h.logit_cols[static_cast<size_t>(i)]},
+                                  DType::F32);
+    rk.backend->download_finish(h.logit_tickets[static_cast<size_t>(i)], o.logits.data());
+  }
 }
 
 std::vector<GroupOutput> RankSet::step(const std::vector<const ForwardBatch*>& batches,
@@ -1013,6 +1051,7 @@ std::vector<GroupOutput> RankSet::finish_remote(Launched& h) {
       o.ids = get_vec<int32_t>(p, end);
       o.logprobs = get_vec<float>(p, end);
       o.drafts = get_vec<int32_t>(p, end);
+      o.hidden = get_vec<float>(p, end);
       if (const std::vector<int32_t>* keep = rows_of_group(h.logit_rows, g)) {
         std::vector<float> l = get_vec<float>(p, end);
         const int64_t rows = static_cast<int64_t>(keep->size());
@@ -1095,6 +1134,7 @@ void RankSet::follow_steps() {
         put_vec(reply, o.ids);
         put_vec(reply, o.logprobs);
         put_vec(reply, o.drafts);
+        put_vec(reply, o.hidden);
         if (rows_of_group(h.logit_rows, g)) {
           std::vector<float> l;
           if (o.logits.defined() && o.logits.numel() > 0)

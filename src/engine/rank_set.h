@@ -67,6 +67,8 @@ struct GroupOutput {
   // With the MTP layer: its greedy token after each row's sample (else empty); with chained drafts (mtp_chain k >= 2)
   // [rows, k] row-major: the chain after the row whose sample is the last one its sequence keeps, -1 elsewhere.
   std::vector<int32_t> drafts;
+  // The final hidden states of its batch's hidden_rows, in that order: [rows, hidden] row-major (else empty).
+  std::vector<float> hidden;
 };
 
 // Per DP group, the logit rows (indices into its batch's logit_rows) whose full logits come back to the host (top-N
@@ -137,6 +139,11 @@ class RankSet {
     std::vector<uint64_t> tickets;    // per local rank: its download
     std::vector<uint64_t> logit_tickets;  // per local rank, with logit rows: their download (after tickets')
     std::vector<int64_t> logit_cols;      // and their columns
+    // Per local rank, with hidden rows (ForwardBatch::hidden_rows, its group's leading rank): their download (after
+    // the others), its shape and element type.
+    std::vector<uint64_t> hidden_tickets;
+    std::vector<std::pair<int64_t, int64_t>> hidden_shape;
+    std::vector<DType> hidden_dtype;
     LogitRows logit_rows;
     // Chained MTP drafts: the drafts per logit row (GroupOutput::drafts' width; 0 without chains) and per local rank
     // the place (row * width + column) of each chained draft it downloads after the first drafts, in order.
@@ -188,6 +195,8 @@ class RankSet {
                     const std::vector<std::vector<RowSampling>>& sampling, const LogitRows& logit_rows, MlaForm form,
                     Launched& h);
   void finish_local(Launched& h);
+  // A leading rank's sampled ids, drafts and logits (R logit rows) into o.
+  void finish_rows(Rank& rk, Launched& h, int i, int64_t R, GroupOutput& o);
   void follow_steps();  // follow()'s loop
   // Node 0, with other nodes: finish() of a step they run too (they finish it alongside and send their outputs).
   std::vector<GroupOutput> finish_remote(Launched& h);

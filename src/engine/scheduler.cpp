@@ -144,6 +144,9 @@ void Scheduler::emit(Req& r) {
     r.prompt_lps.clear();
   }
   r.emitted = static_cast<int32_t>(r.output.size());
+  o.hidden_states = std::move(r.hidden);
+  r.hidden.clear();
+  o.hidden_size = r.hidden_width;
   o.finished = r.state == ReqState::Finished;
   o.finish = r.finish;
   o.prompt_tokens = static_cast<int32_t>(r.prompt.size());
@@ -196,6 +199,7 @@ void Scheduler::admit(Req& r) {
   // every token whose logit row the prompt logprobs need.
   int32_t limit = static_cast<int32_t>(r.fill.size()) - 1;
   if (const int32_t first = lp_first_row(r); first >= 0) limit = std::min(limit, first);
+  if (r.sampling.return_hidden_states) limit = std::min(limit, r.hidden_have);
   auto m = cache_.match_prefix(r.fill, limit);
   cache_.lock(m.node);
   r.prefix_node = m.node;
@@ -612,6 +616,7 @@ void Scheduler::build_batch(StepPlan& plan) {
     bb.add_logits_from(toks, r.kv_len, r.pages, s.num_tokens - s.rows(), plan.chain_room());
     // A few tokens after a long context: no expansion of the context.
     if (!s.drafts.empty()) bb.absorb_last(static_cast<int32_t>(s.drafts.size()));
+    if (r.sampling.return_hidden_states) bb.hidden_of_last();
   }
   plan.batch = bb.finish();
   plan.batch.mtp_chain = plan.mtp_chain;
@@ -686,12 +691,33 @@ void Scheduler::drop(StepPlan& plan) {
 
 void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled) {
   size_t i = 0;
+  int32_t hidden_rows = 0;  // the step's hidden rows: every new token of the requests returning them
+  const size_t width = static_cast<size_t>(plan.hidden_width);
+  // Row k of the step's hidden states for request r, if the position it is of was not collected before (else empty).
+  auto hidden_row = [&](Req& r, int32_t k, int32_t pos) -> std::span<const float> {
+    MLA_CHECK(static_cast<size_t>(k + 1) * width <= plan.hidden.size() && width > 0,
+              "scheduler: request {} misses hidden row {} of the step ({} floats of rows of {})", r.rid, k,
+              plan.hidden.size(), width);
+    if (pos < r.hidden_have) return {};
+    r.hidden_width = plan.hidden_width;
+    r.hidden_have = pos + 1;
+    return {plan.hidden.data() + static_cast<size_t>(k) * width, width};
+  };
   for (ScheduledSeq& s : plan.seqs) {
     Req& r = *s.req;
     --r.plan_refs;
     MLA_CHECK(i + static_cast<size_t>(s.rows()) <= sampled.size(), "scheduler: {} sampled tokens for more rows",
               sampled.size());
-    if (s.prefill && r.state != ReqState::Finished && r.state != ReqState::Waiting) cache_prefill(r, s.kv_end);
+    const int32_t first_hidden = hidden_rows;
+    if (r.sampling.return_hidden_states) hidden_rows += s.num_tokens;
+    if (s.prefill && r.state != ReqState::Finished && r.state != ReqState::Waiting) {
+      cache_prefill(r, s.kv_end);
+      if (r.sampling.return_hidden_states)  // every position of the chunk
+        for (int32_t k = 0; k < s.num_tokens; ++k) {
+          const std::span<const float> row = hidden_row(r, first_hidden + k, s.kv_end - s.num_tokens + k);
+          r.hidden.insert(r.hidden.end(), row.begin(), row.end());
+        }
+    }
     if (r.state != ReqState::Finished)
       for (int32_t k = 0; k < s.lp_rows; ++k) r.prompt_lps.push_back(sampled[i + static_cast<size_t>(k)].logprob);
     i += static_cast<size_t>(s.lp_rows);
@@ -733,7 +759,13 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
         r.draft_skip = r.draft_backoff;
       }
     }
-    for (size_t t = 0; t <= kept && r.state != ReqState::Finished; ++t) take_token(r, sampled[first + t], t == 0);
+    // A decode step's hidden rows go with the tokens they drew (the decode token's row, then each kept draft's).
+    const bool decode_rows = r.sampling.return_hidden_states && !s.prefill;
+    for (size_t t = 0; t <= kept && r.state != ReqState::Finished; ++t)
+      take_token(r, sampled[first + t], t == 0,
+                 decode_rows ? hidden_row(r, first_hidden + static_cast<int32_t>(t),
+                                          s.kv_end - s.num_tokens + static_cast<int32_t>(t))
+                             : std::span<const float>{});
     if (r.state == ReqState::Finished) continue;
     r.model_drafts = sampled[first + kept].drafts;  // the MTP layer's tokens after the last one taken
     emit(r);
@@ -745,9 +777,11 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     }
   }
   MLA_CHECK(i == sampled.size(), "scheduler: {} sampled tokens for {} rows", sampled.size(), i);
+  MLA_CHECK(static_cast<size_t>(hidden_rows) * width == plan.hidden.size(),
+            "scheduler: {} floats of hidden states for {} rows of {}", plan.hidden.size(), hidden_rows, width);
 }
 
-void Scheduler::take_token(Req& r, const SampleResult& sr, bool pending) {
+void Scheduler::take_token(Req& r, const SampleResult& sr, bool pending, std::span<const float> hidden) {
   if (pending) {  // the oldest token still in flight is this step's
     const size_t at = r.fill.size() - static_cast<size_t>(r.in_flight);
     MLA_CHECK(r.in_flight >= 1 && r.fill[at] == kPendingToken, "scheduler: request {} has no pending token", r.rid);
@@ -758,6 +792,8 @@ void Scheduler::take_token(Req& r, const SampleResult& sr, bool pending) {
     r.fill.push_back(sr.token);
   }
   r.output.push_back(sr.token);
+  const size_t hidden_before = r.hidden.size();
+  r.hidden.insert(r.hidden.end(), hidden.begin(), hidden.end());
   if (r.sampling.thinking_budget >= 0) {
     if (ends_with(r.output, r.output.size(), r.sampling.think_start_ids))
       r.think_since = static_cast<int32_t>(r.output.size());
@@ -778,6 +814,7 @@ void Scheduler::take_token(Req& r, const SampleResult& sr, bool pending) {
   auto drop_token = [&] {  // not part of the answer, which ends before it
     complete = dropped = true;
     r.output.pop_back();
+    r.hidden.resize(hidden_before);
     if (r.sampling.wants_logprobs()) r.pending_lps.pop_back();
     --counters_.generation_tokens_total;
   };

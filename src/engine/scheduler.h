@@ -110,6 +110,12 @@ struct Req {
   // reported with the first token (prompt_lps_done from then on).
   std::vector<TokenLogprob> prompt_lps;
   bool prompt_lps_done = true;
+  // sampling.return_hidden_states: rows of final hidden states not yet reported ([n, hidden_width] row-major), and
+  // the positions [0, hidden_have) whose rows were collected (a prefix match never reaches past it: the positions
+  // after it are computed, once each even across a retraction).
+  std::vector<float> hidden;
+  int32_t hidden_width = 0;
+  int32_t hidden_have = 0;
   std::shared_ptr<const std::vector<uint32_t>> allowed_mask;  // sampling.allowed_token_ids as a mask; null: all
   // With a thinking budget: the output index where the open thinking section's tokens begin (0: the prompt left it
   // open), -1 while none is open.
@@ -158,6 +164,10 @@ struct StepPlan {
   // as the very next step on the same ranks (the sampled ids stay on the device), else refresh() it first.
   bool uses_prev_ids = false;
   int32_t mtp_chain = 0;  // ForwardBatch::mtp_chain: the MTP drafts this step makes (1 where it checks none)
+  // The step's hidden states (GroupOutput::hidden, [batch.hidden_rows, hidden_width]), set before resolve: every new
+  // token of each sequence whose request returns them, in sequence order.
+  std::vector<float> hidden;
+  int32_t hidden_width = 0;
   // Positions past a request's last new token that its chained drafts write (the MTP layer's cache).
   int32_t chain_room() const { return mtp_chain > 1 ? mtp_chain - 1 : 0; }
   bool empty() const { return seqs.empty(); }
@@ -256,7 +266,8 @@ class Scheduler {
   void emit(Req& r);
   // A sampled token into the request's output (pending: it replaces the oldest token in flight, else it follows the
   // kept drafts), with its stop / length checks: finishes the request when it ends there.
-  void take_token(Req& r, const SampleResult& sr, bool pending);
+  // `hidden`: the final hidden state of the row that drew the token (return_hidden_states), kept with it.
+  void take_token(Req& r, const SampleResult& sr, bool pending, std::span<const float> hidden = {});
   void build_batch(StepPlan& plan);
   // ForwardBatch::next_ids of the plan's batch (MTP drafts).
   void set_next_ids(StepPlan& plan) const;

@@ -129,6 +129,8 @@ class DeepseekModel {
   // The ids this rank's group sampled in its previous step, on the device (I32 [n]): input ids -(k + 1) of a
   // later batch read prev[k] (ForwardBatch::input_ids). Set once (after allocate_kv); undefined: no such ids.
   void set_prev_ids(Tensor prev) { prev_ids_ = std::move(prev); }
+  // The last forward's final hidden state [T, H] (after the final norm), valid until the next step begins.
+  const Tensor& last_hidden() const { return last_hidden_; }
 
   const ModelConfig& config() const { return config_; }
   Backend& backend() { return backend_; }

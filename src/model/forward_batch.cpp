@@ -46,7 +46,8 @@ void serialize(const ForwardBatch& b, std::string& o) {
   put_i32(o, b.max_pages);
   put_i32(o, b.mtp_chain);
   for (const auto* v : {&b.input_ids, &b.positions, &b.token_seq, &b.out_slots, &b.seq_q_start, &b.seq_prefix_lens,
-                        &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed, &b.next_ids, &b.seq_drafts})
+                        &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed, &b.next_ids, &b.seq_drafts,
+                        &b.hidden_rows})
     put_vec(o, *v);
 }
 
@@ -57,7 +58,8 @@ ForwardBatch deserialize_forward_batch(const char*& p, const char* end) {
   b.max_pages = get_i32(p, end);
   b.mtp_chain = get_i32(p, end);
   for (auto* v : {&b.input_ids, &b.positions, &b.token_seq, &b.out_slots, &b.seq_q_start, &b.seq_prefix_lens,
-                  &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed, &b.next_ids, &b.seq_drafts})
+                  &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed, &b.next_ids, &b.seq_drafts,
+                  &b.hidden_rows})
     *v = get_vec(p, end);
   return b;
 }
@@ -117,6 +119,12 @@ void ForwardBatchBuilder::absorb_last(int32_t drafts) {
   if (drafts == 0) return;
   b_.seq_drafts.resize(static_cast<size_t>(b_.num_seqs()), 0);
   b_.seq_drafts.back() = drafts;
+}
+
+void ForwardBatchBuilder::hidden_of_last() {
+  MLA_CHECK(b_.num_seqs() > 0, "hidden_of_last: no sequence added");
+  const auto last = static_cast<size_t>(b_.num_seqs() - 1);
+  for (int32_t t = b_.seq_q_start[last]; t < b_.seq_q_start[last + 1]; ++t) b_.hidden_rows.push_back(t);
 }
 
 ForwardBatch ForwardBatchBuilder::finish() {

@@ -40,6 +40,9 @@ struct ForwardBatch {
 
   // Token rows whose logits are returned, in output order.
   std::vector<int32_t> logit_rows;
+  // Token rows whose final hidden state (DeepseekModel::last_hidden) the step brings to the host, in that order
+  // (SamplingParams::return_hidden_states); empty: none.
+  std::vector<int32_t> hidden_rows;
   // Per sequence (empty: none): 1 when its new tokens attend in the absorbed MLA form however many they are (a decode
   // token and its drafts: a few tokens after a long cached context), as one new token always does under Auto.
   std::vector<int32_t> seq_absorbed;
@@ -108,6 +111,8 @@ class ForwardBatchBuilder {
   // The sequence added last attends in the absorbed form (ForwardBatch::seq_absorbed); its last `drafts` new tokens
   // are drafts (ForwardBatch::seq_drafts).
   void absorb_last(int32_t drafts = 0);
+  // Every new token of the sequence added last is a hidden row (ForwardBatch::hidden_rows).
+  void hidden_of_last();
   ForwardBatch finish();
 
  private:

@@ -89,6 +89,8 @@ struct ServerOptions {
   // SGLang's --stream-output: a streamed /generate chunk carries only what is new since the choice's previous chunk
   // (text, output_ids, output logprobs; the prompt's logprobs in the first), not everything so far.
   bool stream_output = false;
+  // SGLang's --enable-return-hidden-states: requests may ask for return_hidden_states (else 400).
+  bool enable_return_hidden_states = false;
   // SGLang's --allow-auto-truncate: a prompt too long for the context keeps its first tokens (room left for the
   // tokens asked for, at least one) instead of a 400.
   bool allow_auto_truncate = false;

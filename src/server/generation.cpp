@@ -52,6 +52,7 @@ void GenerationJob::submit_choice(size_t i) {
   req.sampling = spec_.sampling;
   req.priority = spec_.priority;
   req.sampling.token_ids_logprob = spec_.prompts[choices_[i].prompt_index].token_ids_logprob;
+  req.sampling.return_hidden_states = spec_.prompts[choices_[i].prompt_index].return_hidden_states;
   // n samples of one prompt with a seed: each sample its own stream, reproducible as a set.
   if (req.sampling.seed && spec_.n > 1) *req.sampling.seed += i % static_cast<size_t>(spec_.n);
   // A later sample goes to the DP rank of its prompt's first one, whose prefix cache holds the prompt.
@@ -123,6 +124,8 @@ void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
   c.output_ids.insert(c.output_ids.end(), out.new_tokens.begin(), out.new_tokens.end());
   c.logprobs.insert(c.logprobs.end(), out.new_logprobs.begin(), out.new_logprobs.end());
   c.prompt_logprobs.insert(c.prompt_logprobs.end(), out.prompt_logprobs.begin(), out.prompt_logprobs.end());
+  c.hidden_states.insert(c.hidden_states.end(), out.hidden_states.begin(), out.hidden_states.end());
+  if (out.hidden_size > 0) c.hidden_size = out.hidden_size;
   c.completion_tokens = std::max<int32_t>(out.completion_tokens, static_cast<int32_t>(c.output_ids.size()));
 
   // Text: a matched stop token (EOS or stop_token_ids) is never part of the text.
@@ -164,6 +167,7 @@ void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
     u.ids_begin = c.output_ids.size();
     u.logprobs_begin = c.logprobs.size();
     u.text_begin = c.text.size();
+    u.hidden_begin = c.hidden_size > 0 ? c.hidden_states.size() / static_cast<size_t>(c.hidden_size) : 0;
   }
   if (c.finished && num_finished_ == choices_.size() && !done_) {
     done_ = true;

@@ -25,6 +25,7 @@ struct JobPrompt {
   std::vector<int32_t> input_ids;
   std::string text;  // the prompt's text when known (echo)
   std::vector<int32_t> token_ids_logprob;  // this prompt's sampling.token_ids_logprob
+  bool return_hidden_states = false;       // this prompt's sampling.return_hidden_states
 };
 
 struct JobSpec {
@@ -49,6 +50,10 @@ struct Choice {
   std::vector<int32_t> output_ids;
   std::vector<TokenLogprob> logprobs;
   std::vector<TokenLogprob> prompt_logprobs;  // SamplingParams::logprob_start_len >= 0: once the prompt is read
+  // SamplingParams::return_hidden_states: the rows so far ([n, hidden_size] row-major: the prompt's, then one per
+  // generated token but the last).
+  std::vector<float> hidden_states;
+  int32_t hidden_size = 0;
   std::string text;         // the text shown so far (stop strings never appear in it)
   bool finished = false;
   FinishReason finish;
@@ -63,6 +68,7 @@ struct ChoiceUpdate {
   size_t ids_begin = 0;
   size_t logprobs_begin = 0;
   size_t text_begin = 0;
+  size_t hidden_begin = 0;  // rows of hidden_states
   bool finished = false;
 };
 

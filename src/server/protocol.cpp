@@ -514,6 +514,7 @@ void parse_openai_common(const Fields& f, const ParseOptions& opts, ParsedReques
     r.truncate_prompt_tokens = static_cast<int32_t>(*v);
   r.tokens_as_ids = opts.return_tokens_as_token_ids;
   if (auto v = f.boolean("return_tokens_as_token_ids")) r.tokens_as_ids = *v;
+  if (auto v = f.boolean("return_hidden_states")) r.return_hidden_states = {*v};  // SGLang's
   // vLLM's prompt_logprobs: each prompt token's logprob and rank, with this many alternatives.
   if (auto v = f.integer("prompt_logprobs", 0, opts.max_top_logprobs)) {
     r.prompt_logprobs = static_cast<int32_t>(*v);
@@ -619,6 +620,7 @@ ParsedRequest parse_native(const json& body, const ParseOptions& opts, std::stri
     Fields sf(*sp, "sampling_params.");
     parse_sampling(sf, {"max_new_tokens"}, opts, r, raw, /*zero_ok=*/true);
     if (auto v = sf.boolean("no_stop_trim")) r.no_stop_trim = *v;
+    if (auto v = sf.boolean("return_hidden_states")) r.return_hidden_states = {*v};  // (SGLang's earlier place)
   }
   if (auto v = f.boolean("stream")) r.stream = *v;
   if (const json* rid = f.get("rid")) {
@@ -654,6 +656,23 @@ ParsedRequest parse_native(const json& body, const ParseOptions& opts, std::stri
       r.token_ids_logprob.push_back(ids(*v, p));
     }
     if (!r.logprobs) r.token_ids_logprob.clear();
+  }
+  // SGLang's return_hidden_states: a boolean, or (a batch) one per prompt.
+  if (const json* v = f.get("return_hidden_states")) {
+    const std::string p = "return_hidden_states";
+    if (v->is_boolean()) {
+      r.return_hidden_states = {v->get<bool>()};
+    } else if (v->is_array() && r.batch && v->size() == r.prompts.size()) {
+      r.return_hidden_states.clear();
+      for (size_t i = 0; i < v->size(); ++i) {
+        if (!(*v)[i].is_boolean())
+          bad_request(p, "invalid_type", "'{}[{}]' must be a boolean, got {}", p, i, type_name((*v)[i]));
+        r.return_hidden_states.push_back((*v)[i].get<bool>());
+      }
+    } else {
+      bad_request(p, v->is_array() ? "invalid_value" : "invalid_type",
+                  "'{}' must be a boolean, or one boolean per prompt of a batch ({} prompts)", p, r.prompts.size());
+    }
   }
   return r;
 }

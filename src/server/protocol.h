@@ -50,6 +50,8 @@ struct ParsedRequest {
   bool return_text_in_logprobs = false;
   // SGLang's token_ids_logprob (with return_logprob): one list for every prompt, or one per prompt; empty: none.
   std::vector<std::vector<int32_t>> token_ids_logprob;
+  // SGLang's return_hidden_states: one value for every prompt, or one per prompt of a batch; empty: none.
+  std::vector<bool> return_hidden_states;
   // OpenAI only.
   std::string model;
   bool echo = false;

@@ -2,6 +2,7 @@
 #include <charconv>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <random>
 
@@ -173,6 +174,46 @@ ojson native_logprob_entry(const ResponseContext& rc, float lp, int32_t id) {
   return e;
 }
 
+// ---- return_hidden_states (SGLang's) ----
+
+bool returns_hidden(const GenerationJob& job, const Choice& c) {
+  return job.spec().prompts[c.prompt_index].return_hidden_states;
+}
+
+size_t hidden_rows(const Choice& c) {
+  return c.hidden_size > 0 ? c.hidden_states.size() / static_cast<size_t>(c.hidden_size) : 0;
+}
+
+// Row r of the choice's hidden states; each value as the shortest decimal that reads back as the same float.
+ojson hidden_row(const Choice& c, size_t r) {
+  const size_t h = static_cast<size_t>(c.hidden_size);
+  ojson row = ojson::array();
+  row.get_ref<ojson::array_t&>().reserve(h);
+  for (size_t k = r * h; k < (r + 1) * h; ++k)
+    row.push_back(std::strtod(fmt::format("{}", c.hidden_states[k]).c_str(), nullptr));
+  return row;
+}
+
+// meta_info.hidden_states from row `from` on, as SGLang lays them out: the prompt's rows as one list of rows (its
+// first element), then one row per generated token but the last.
+ojson native_hidden_states(const Choice& c, size_t from) {
+  const size_t n = hidden_rows(c), prompt = static_cast<size_t>(c.prompt_tokens);
+  ojson out = ojson::array();
+  if (from < std::min(n, prompt)) {
+    ojson block = ojson::array();
+    for (size_t r = from; r < std::min(n, prompt); ++r) block.push_back(hidden_row(c, r));
+    out.push_back(std::move(block));
+  }
+  for (size_t r = std::max(from, prompt); r < n; ++r) out.push_back(hidden_row(c, r));
+  return out;
+}
+
+// The OpenAI choices' hidden_states (SGLang's): the row of the last generated token that has one, [] when none does.
+ojson last_hidden_state(const Choice& c) {
+  const size_t n = hidden_rows(c);
+  return n > static_cast<size_t>(c.prompt_tokens) ? hidden_row(c, n - 1) : ojson::array();
+}
+
 // The choice so far, or with rc.incremental and a streamed update `u` what `u` brought.
 ojson native_object(const ResponseContext& rc, const GenerationJob& job, const Choice& c,
                     const ChoiceUpdate* u = nullptr) {
@@ -216,6 +257,8 @@ ojson native_object(const ResponseContext& rc, const GenerationJob& job, const C
     lists(c.logprobs, part ? u->logprobs_begin : 0, "output_token_logprobs", "output_top_logprobs",
           "output_token_ids_logprobs");
   }
+  // Streamed chunks carry them all so far (as the text), or with rc.incremental the rows new since the last chunk.
+  if (returns_hidden(job, c)) meta["hidden_states"] = native_hidden_states(c, part ? u->hidden_begin : 0);
   if (c.finished) {
     meta["e2e_latency"] = std::chrono::duration<double>(c.finish_time - job.start_time()).count();
   }
@@ -445,6 +488,7 @@ ojson openai_response(const ResponseContext& rc, const GenerationJob& job) {
     ch["finish_reason"] = chat ? chat_finish_reason(c, called_tools) : openai_finish_reason(c.finish);
     ch["matched_stop"] = matched_stop(c.finish);
     if (rc.vllm_prompt_logprobs >= 0) ch["prompt_logprobs"] = vllm_prompt_logprobs(rc, c);
+    if (returns_hidden(job, c)) ch["hidden_states"] = last_hidden_state(c);
     choices.push_back(std::move(ch));
   }
   o["choices"] = std::move(choices);
@@ -800,6 +844,12 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     jp.input_ids = std::move(in.input_ids);
     if (!pr.token_ids_logprob.empty())
       jp.token_ids_logprob = pr.token_ids_logprob[pr.token_ids_logprob.size() == 1 ? 0 : i];
+    if (!pr.return_hidden_states.empty()) {
+      jp.return_hidden_states = pr.return_hidden_states[pr.return_hidden_states.size() == 1 ? 0 : i];
+      if (jp.return_hidden_states && !opts_.enable_return_hidden_states)
+        throw ApiError(400, "'return_hidden_states' needs the server started with --enable-return-hidden-states",
+                       "return_hidden_states", "invalid_value");
+    }
     if (pr.truncate_prompt_tokens != 0) {  // vLLM's: the prompt's last tokens (-1: as many as the context holds)
       const int64_t keep = pr.truncate_prompt_tokens > 0 ? pr.truncate_prompt_tokens : ctx - 1;
       if (static_cast<int64_t>(jp.input_ids.size()) > keep) {
@@ -1649,6 +1699,21 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
       auto ex2 = wex.lock();
       auto job2 = wjob.lock();
       if (!ex2 || !job2) return;
+      // SGLang's return_hidden_states: each choice's last row in a chunk of its own after the text.
+      for (const Choice& c : job2->choices()) {
+        if (rc.api == ApiKind::Native || !returns_hidden(*job2, c)) continue;
+        ojson ch;
+        ch["index"] = c.index;
+        if (rc.api == ApiKind::Chat) {
+          ch["delta"] = ojson{{"hidden_states", last_hidden_state(c)}};
+        } else {
+          ch["text"] = "";
+          ch["hidden_states"] = last_hidden_state(c);
+        }
+        ch["logprobs"] = nullptr;
+        ch["finish_reason"] = nullptr;
+        ex2->send_event(dump(openai_chunk(rc, std::move(ch), *job2)));
+      }
       if (rc.api != ApiKind::Native && rc.include_usage) {
         ojson o = openai_envelope(rc, rc.api == ApiKind::Chat ? "chat.completion.chunk" : "text_completion");
         o["choices"] = ojson::array();

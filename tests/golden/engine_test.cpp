@@ -26,6 +26,8 @@ struct Result {
   std::vector<int32_t> tokens;
   std::vector<TokenLogprob> logprobs;  // with return_logprob
   std::vector<TokenLogprob> prompt_logprobs;  // with logprob_start_len >= 0
+  std::vector<float> hidden;                  // with return_hidden_states
+  int32_t hidden_size = 0;
   FinishReason finish;
   int32_t cached = 0;
   int32_t prompt_tokens = 0, completion_tokens = 0;
@@ -57,6 +59,14 @@ class EngineTest : public ::testing::TestWithParam<bool> {
       std::vector<int32_t> ref;
       for (int64_t i = 0; i < g.numel() && m.data_as<float>()[i] >= 0.02f; ++i) ref.push_back(g.data_as<int32_t>()[i]);
       greedy_.push_back(ref);
+    }
+    // Hugging Face's final hidden states over each prompt and its greedy tokens but the last
+    // (tools/golden/make_hidden_golden.py).
+    SafetensorsFile h(test::golden_dir("v2") + "/hidden.safetensors");
+    for (int j = 0; j < 5; ++j) {
+      Tensor t = h.tensor("hidden_" + std::to_string(j));
+      hf_hidden_.emplace_back(t.data_as<float>(), t.data_as<float>() + t.numel());
+      hidden_size_ = t.size(1);
     }
   }
 
@@ -95,6 +105,8 @@ class EngineTest : public ::testing::TestWithParam<bool> {
       acc->tokens.insert(acc->tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
       acc->logprobs.insert(acc->logprobs.end(), o.new_logprobs.begin(), o.new_logprobs.end());
       acc->prompt_logprobs.insert(acc->prompt_logprobs.end(), o.prompt_logprobs.begin(), o.prompt_logprobs.end());
+      acc->hidden.insert(acc->hidden.end(), o.hidden_states.begin(), o.hidden_states.end());
+      if (o.hidden_size > 0) acc->hidden_size = o.hidden_size;
       acc->cached = o.cached_tokens;
       acc->prompt_tokens = o.prompt_tokens;
       acc->completion_tokens = o.completion_tokens;
@@ -136,6 +148,8 @@ class EngineTest : public ::testing::TestWithParam<bool> {
 
   static inline std::vector<std::vector<int32_t>> prompts_, greedy_;
   static inline std::vector<std::vector<std::vector<float>>> hf_logprobs_;  // [prompt][position][token]
+  static inline std::vector<std::vector<float>> hf_hidden_;  // [prompt][position * hidden_size_ + i]
+  static inline int64_t hidden_size_ = 0;
 };
 
 TEST_P(EngineTest, GreedyEqualsReferenceAloneAndInAFullBatch) {
@@ -795,9 +809,9 @@ TEST_P(EngineTest, PromptLogprobsEqualHuggingFace) {
   from0.logprob_start_len = 0;
   from0.top_logprobs_num = 2;
   from40.logprob_start_len = 40;
-  for (int32_t tp : {1, 2}) {
-    auto e = make(256, /*page_size=*/8, /*chunk=*/48, /*radix=*/true, tp);
-    const std::string t = " tp " + std::to_string(tp);
+  for (const auto& [tp, dp] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}}) {  // (DP attention: two groups)
+    auto e = make(256, /*page_size=*/8, /*chunk=*/48, /*radix=*/true, tp, dp);
+    const std::string t = fmt::format(" tp {} dp {}", tp, dp);
     auto warm = submit(*e, "warm", prompts_[4], 2);
     wait(warm);
     auto a = submit(*e, "a", prompts_[4], 3, from0);  // chunks of 48 over the cached prompt
@@ -816,6 +830,116 @@ TEST_P(EngineTest, PromptLogprobsEqualHuggingFace) {
     check(rd, 1, 0, 2, "d" + t);
     expect_no_leak(*e);
   }
+}
+
+// SGLang's return_hidden_states: a row per prompt position and per generated token but the last, equal to Hugging
+// Face's final hidden states, with prompt logprobs' care for the prefix cache (the prompt is computed again), in
+// prefill chunks, beside other requests, at tp 2 and with DP attention, in graph steps, under retraction (no row
+// twice) and with n-gram drafts (the rows of the drafts kept).
+TEST_P(EngineTest, HiddenStatesEqualHuggingFace) {
+  SamplingParams hs;
+  hs.return_hidden_states = true;
+  const size_t H = static_cast<size_t>(hidden_size_);
+  // r's rows against Hugging Face's for prompt j (its greedy tokens checked first).
+  auto check = [&](const Result& r, size_t j, const std::string& what) {
+    expect_prefix(r.tokens, j);
+    ASSERT_EQ(r.hidden_size, hidden_size_) << what;
+    const size_t rows = prompts_[j].size() + r.tokens.size() - 1;
+    ASSERT_EQ(r.hidden.size(), rows * H) << what;
+    ASSERT_LE(rows * H, hf_hidden_[j].size()) << what;
+    float worst = 0.0f;
+    for (size_t k = 0; k < rows * H; ++k) worst = std::max(worst, std::abs(r.hidden[k] - hf_hidden_[j][k]));
+    EXPECT_LT(worst, 2e-4f) << what << ": the largest difference from Hugging Face over " << rows << " rows";
+  };
+  for (int32_t tp : {1, 2}) {
+    auto e = make(256, /*page_size=*/8, /*chunk=*/48, /*radix=*/true, tp);
+    const std::string t = " tp " + std::to_string(tp);
+    auto warm = submit(*e, "warm", prompts_[4], 2);
+    wait(warm);
+    auto a = submit(*e, "a", prompts_[4], 6, hs);  // cached, computed again in chunks of 48
+    auto b = submit(*e, "b", prompts_[3], 5);
+    auto c = submit(*e, "c", prompts_[1], 1, hs);  // the prompt's rows only
+    auto d = submit(*e, "d", prompts_[2], static_cast<int32_t>(greedy_[2].size()), hs);
+    const Result ra = wait(a), rb = wait(b), rc = wait(c), rd = wait(d);
+    check(ra, 4, "a" + t);
+    EXPECT_EQ(ra.cached, 0) << t;
+    EXPECT_TRUE(rb.hidden.empty()) << t;
+    expect_prefix(rb.tokens, 3);
+    check(rc, 1, "c" + t);
+    check(rd, 2, "d" + t);
+    expect_no_leak(*e);
+  }
+  // Decode steps replaying graphs (CPU graphs; each DP group pads to the graph's size): the rows of their real tokens.
+  for (const auto& [tp, dp] : {std::pair{1, 1}, std::pair{2, 2}}) {
+    auto ranks = test::cpu_ranks("v2", tp, dp, /*graph_max_bs=*/8);
+    const RankSet* rs = ranks.get();
+    Engine e(std::move(ranks), test::small_engine_options(GetParam(), 1024));
+    std::vector<std::future<Result>> fs;
+    for (size_t j : {1, 2, 3}) fs.push_back(submit(e, fmt::format("g{}", j), prompts_[j], 12, hs));
+    for (size_t j : {1, 2, 3}) check(wait(fs[j - 1]), j, fmt::format("graphs tp {} dp {} prompt {}", tp, dp, j));
+    EXPECT_GT(rs->graph_steps(), 0);
+    expect_no_leak(e);
+  }
+  // `n` tokens for each request of `which` (the prompt `prompt` for all when given).
+  auto run = [&](int32_t pages, int32_t chunk, int32_t drafts, const std::vector<int>& which,
+                 const std::vector<int32_t>& prompt = {}, SamplingParams sp = {}, int32_t n = 64) {
+    sp.return_hidden_states = true;
+    auto e = make(pages, 8, chunk, true, 1, 1, {}, drafts);
+    std::vector<std::future<Result>> fs;
+    for (int j : which)
+      fs.push_back(submit(*e, fmt::format("m{}", j), prompt.empty() ? prompts_[static_cast<size_t>(j)] : prompt, n,
+                          sp));
+    std::vector<Result> out;
+    for (auto& f : fs) out.push_back(wait(f));
+    const RankStats st = e->stats()[0];
+    expect_no_leak(*e);
+    return std::make_pair(out, st);
+  };
+  const auto roomy = run(1024, 8192, 0, {0, 1, 2, 3, 4}).first;
+  for (size_t j = 0; j < 5; ++j) {
+    ASSERT_EQ(roomy[j].tokens.size(), 64u);
+    ASSERT_EQ(roomy[j].hidden.size(), (prompts_[j].size() + 63) * H) << j;
+    Result first = roomy[j];  // as far as Hugging Face's rows go
+    first.tokens.resize(std::min<size_t>(greedy_[j].size(), 24));
+    first.hidden.resize((prompts_[j].size() + first.tokens.size() - 1) * H);
+    check(first, j, fmt::format("64 tokens, prompt {}", j));
+  }
+  // Retraction (as RetractionUnderMemoryPressureKeepsOutputsExact): every row once, as without it.
+  int64_t retractions = 0;
+  for (int attempt = 0; attempt < 3 && retractions == 0; ++attempt) {
+    const auto [tight, tight_stats] = run(50, 64, 0, {0, 1, 2, 3, 4});
+    for (size_t j = 0; j < 5; ++j) {
+      EXPECT_EQ(tight[j].tokens, roomy[j].tokens) << j;
+      ASSERT_EQ(tight[j].hidden.size(), roomy[j].hidden.size()) << j;
+      for (size_t k = 0; k < tight[j].hidden.size(); ++k)
+        ASSERT_NEAR(tight[j].hidden[k], roomy[j].hidden[k], 1e-4f) << "request " << j << " row " << k / H;
+    }
+    retractions = tight_stats.num_retractions;
+  }
+  EXPECT_GT(retractions, 0);
+  // N-gram drafts (as NgramSpeculativeDecodingKeepsTheOutputs: three allowed tokens make the output loop, so drafts
+  // are kept): the kept drafts' rows come as one token a step gives them, also where a stop token ends a run of them.
+  std::vector<int32_t> doubled = prompts_[3];
+  doubled.insert(doubled.end(), prompts_[3].begin(), prompts_[3].begin() + 40);
+  SamplingParams few;
+  few.allowed_token_ids = {prompts_[3][0], prompts_[3][1], prompts_[3][2]};
+  const Result one = run(1024, 8192, 0, {3}, doubled, few, 40).first[0];
+  auto expect_rows = [&](const Result& got, size_t tokens, const std::string& what) {
+    ASSERT_EQ(got.tokens, std::vector<int32_t>(one.tokens.begin(), one.tokens.begin() + static_cast<int64_t>(tokens)))
+        << what;
+    const size_t rows = doubled.size() + tokens - 1;
+    ASSERT_EQ(got.hidden.size(), rows * H) << what;
+    for (size_t k = 0; k < rows * H; ++k)  // (a draft-checking step against a decode step: within rounding)
+      ASSERT_NEAR(got.hidden[k], one.hidden[k], 2e-3f) << what << " row " << k / H;
+  };
+  const auto [drafted, drafted_stats] = run(1024, 8192, 4, {3}, doubled, few, 40);
+  EXPECT_GE(drafted_stats.spec_accepted_tokens, 10);
+  expect_rows(drafted[0], 40, "drafts");
+  SamplingParams stop = few;
+  stop.stop_token_ids = {one.tokens[22]};
+  size_t first_stop = 0;
+  while (one.tokens[first_stop] != one.tokens[22]) ++first_stop;
+  expect_rows(run(1024, 8192, 4, {3}, doubled, stop, 40).first[0], first_stop + 1, "a stop among drafts");
 }
 
 class OverlapIds : public EngineTest {};

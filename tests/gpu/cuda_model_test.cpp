@@ -256,6 +256,57 @@ TEST(CudaModel, MtpDraftLayerGolden) {
   EXPECT_LE(dgg.max_abs / sd, kLogitTol) << "decode step, graph";
 }
 
+// The final hidden state (DeepseekModel::last_hidden: what return_hidden_states reports) over each prompt and its
+// greedy tokens but the last, against Hugging Face's (tools/golden/make_hidden_golden.py), the CPU's routing forced
+// as above; the same bound as the logits': max |dh| <= 10% of the reference's standard deviation.
+void golden_hidden(const std::string& fam) {
+  const std::string dir = golden_dir() + "/" + fam;
+  if (!std::filesystem::exists(dir + "/hidden.safetensors")) GTEST_SKIP() << "no hidden states at " << dir;
+  const Prompts ref = read_reference(dir + "/reference.safetensors");
+  SafetensorsFile hf(dir + "/hidden.safetensors");
+  std::vector<std::vector<int32_t>> seqs;
+  for (size_t j = 0; j < ref.prompts.size(); ++j) {
+    seqs.push_back(ref.prompts[j]);
+    seqs.back().insert(seqs.back().end(), ref.greedy[j].begin(), ref.greedy[j].end() - 1);
+  }
+  const ModelConfig cfg = ModelConfig::from_file(dir);
+  OfflineOptions one_step;  // every sequence in one prefill step: the last hidden state holds them all, in order
+  one_step.prompt_logits = false;
+  RouteLog log;
+  {
+    auto cpu_be = make_cpu_backend();
+    RouteRecorder rec(*cpu_be, log);
+    DeepseekModel cm(cfg, rec);
+    cm.load(dir, LoadOptions{});
+    run_offline(cm, seqs, one_step);
+  }
+  auto gpu_be = model_backend();
+  RouteReplayer forced(*gpu_be, log, true);
+  DeepseekModel fm(cfg, forced);
+  fm.load(dir, LoadOptions{});
+  run_offline(fm, seqs, one_step);
+  const Tensor got = gpu_be->to_host_f32(fm.last_hidden());
+  int64_t row = 0;
+  for (size_t j = 0; j < seqs.size(); ++j) {
+    const Tensor want = hf.tensor("hidden_" + std::to_string(j));
+    ASSERT_EQ(want.size(0), std::ssize(seqs[j]));
+    const Tensor mine = got.rows(row, row + want.size(0));
+    row += want.size(0);
+    const double sd = stddev(want);
+    const Diff d = diff(want, mine);
+    std::printf("  %-8s sequence %zu len %4zu: final hidden max|dh|/std %.2e (std %.2f)\n", fam.c_str(), j,
+                seqs[j].size(), d.max_abs / sd, sd);
+    EXPECT_EQ(d.nan, 0);
+    EXPECT_LE(d.max_abs / sd, kLogitTol) << fam << " sequence " << j;
+  }
+  EXPECT_EQ(row, got.size(0));
+}
+
+TEST(CudaModel, FinalHiddenStatesGolden) {
+  REQUIRE_GPU();
+  for (const char* fam : {"v2lite", "v2", "v3"}) golden_hidden(fam);
+}
+
 TEST(CudaModel, GoldenV2Lite) { REQUIRE_GPU(); golden_family("v2lite"); }
 TEST(CudaModel, GoldenV2) { REQUIRE_GPU(); golden_family("v2"); }
 TEST(CudaModel, GoldenV3) { REQUIRE_GPU(); golden_family("v3"); }

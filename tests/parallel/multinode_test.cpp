@@ -186,6 +186,50 @@ TEST(MultiNode, EngineOverlapsOnEveryNode) {
   }
 }
 
+// return_hidden_states on two nodes: the rows of a DP group led by node 1 come back with its outputs (and those of
+// node 0's group), equal to one node's.
+TEST(MultiNode, HiddenStatesFromEveryNode) {
+  auto ps = test::golden_prompts("v2");
+  using Rows = std::vector<float>;
+  auto run = [&](std::unique_ptr<RankSet> ranks) {
+    Engine e(std::move(ranks), test::small_engine_options(true));
+    SamplingParams hs;
+    hs.temperature = 0.0f;
+    hs.return_hidden_states = true;
+    const int32_t groups = static_cast<int32_t>(e.stats().size());
+    std::vector<std::future<Rows>> fs;
+    for (size_t j = 1; j < 4; ++j) {
+      auto prom = std::make_shared<std::promise<Rows>>();
+      auto acc = std::make_shared<Rows>();
+      GenerateRequest g = test::ids_request("h" + std::to_string(j), ps[j], 5,
+                                            groups > 1 ? static_cast<int32_t>(j) % groups : -1, &hs);
+      g.on_output = [prom, acc](const GenerateOutput& o) {
+        acc->insert(acc->end(), o.hidden_states.begin(), o.hidden_states.end());
+        if (o.finished) prom->set_value(*acc);
+      };
+      fs.push_back(prom->get_future());
+      e.submit(std::move(g));
+    }
+    std::vector<Rows> out;
+    for (auto& f : fs) {
+      EXPECT_EQ(f.wait_for(std::chrono::seconds(120)), std::future_status::ready);
+      out.push_back(f.get());
+    }
+    test::expect_engine_idle_and_clean(e);
+    return out;
+  };
+  const std::vector<Rows> ref = run(test::cpu_ranks("v2"));
+  const int64_t H = ModelConfig::from_file(test::golden_dir("v2")).hidden_size;
+  for (size_t j = 1; j < 4; ++j) ASSERT_EQ(static_cast<int64_t>(ref[j - 1].size()), (std::ssize(ps[j]) + 4) * H);
+  std::vector<Rows> got;
+  two_nodes("v2", 2, 2, [&](std::unique_ptr<RankSet> r0) { got = run(std::move(r0)); });
+  ASSERT_EQ(got.size(), ref.size());
+  for (size_t k = 0; k < ref.size(); ++k) {
+    ASSERT_EQ(got[k].size(), ref[k].size()) << "request " << k;
+    for (size_t i = 0; i < ref[k].size(); ++i) ASSERT_NEAR(got[k][i], ref[k][i], 1e-4f) << "request " << k << " at " << i;
+  }
+}
+
 // Chained MTP drafts on two nodes with DP attention (a group of one rank on each): node 1 runs each step's chained
 // MTP passes as node 0 does (the chain and the draft counts travel with the step's batches, each group's chained
 // token counts come from them), and the greedy tokens are those of one node without drafts.

@@ -264,8 +264,17 @@ class FakeEngine : public EngineClient {
     return priorities_;
   }
   std::atomic<int> step_delay_ms{1};
+  // The fake hidden state at position p.
+  static constexpr int32_t kHiddenSize = 3;
+  static std::vector<float> fake_hidden_row(int32_t p) {
+    return {static_cast<float>(p), static_cast<float>(p) + 0.5f, -0.1f * static_cast<float>(p)};
+  }
 
  private:
+  static void append_hidden_row(std::vector<float>& out, int32_t p) {
+    const std::vector<float> row = fake_hidden_row(p);
+    out.insert(out.end(), row.begin(), row.end());
+  }
   struct Live {
     GenerateRequest req;
     std::vector<int32_t> script;
@@ -319,6 +328,13 @@ class FakeEngine : public EngineClient {
               out.prompt_logprobs.push_back(lp);
             }
           }
+          // return_hidden_states: rows of kHiddenSize (fake_hidden_row) at every prompt position with the first output,
+          // then one per token after the first (the row at the previous token's position, which drew it).
+          const bool hidden = l.req.sampling.return_hidden_states;
+          const int32_t P = static_cast<int32_t>(l.req.input_ids.size());
+          if (hidden) out.hidden_size = kHiddenSize;
+          if (hidden && l.generated == 0)
+            for (int32_t p = 0; p < P; ++p) append_hidden_row(out.hidden_states, p);
           if (l.req.sampling.max_new_tokens == 0) {
             out.finished = true;
             out.finish.kind = FinishKind::Length;
@@ -330,6 +346,7 @@ class FakeEngine : public EngineClient {
             ++held_;
             ++generation_tokens_total_;
             out.new_tokens.push_back(tok);
+            if (hidden && l.generated >= 2) append_hidden_row(out.hidden_states, P + l.generated - 2);
             if (l.req.sampling.return_logprob) {
               TokenLogprob lp;
               lp.token = tok;

@@ -559,6 +559,101 @@ TEST(HttpApi, TokensAsTokenIds) {
   EXPECT_EQ(plain.post("/v1/completions", R"({"prompt": "ab", "return_tokens_as_token_ids": 1})").status, 400);
 }
 
+// SGLang's return_hidden_states (with --enable-return-hidden-states, else a 400): /generate's meta_info.hidden_states
+// is the prompt's rows as one list, then one row per generated token but the last (all so far in every streamed
+// chunk, or with --stream-output the new ones); OpenAI choices carry the last row ([] with one token), streams a
+// chunk of it after the text. Per prompt of a batch; a bad value is a 400.
+TEST(HttpApi, ReturnHiddenStates) {
+  auto expect_row = [](const json& row, int32_t p, const std::string& what) {
+    const std::vector<float> want = test::FakeEngine::fake_hidden_row(p);
+    ASSERT_TRUE(row.is_array()) << what << ": " << row.dump();
+    ASSERT_EQ(row.size(), want.size()) << what;
+    for (size_t k = 0; k < want.size(); ++k)
+      EXPECT_EQ(static_cast<float>(row[k].get<double>()), want[k]) << what << " position " << p << " value " << k;
+  };
+  // The native layout for a prompt of P tokens and n generated tokens.
+  auto expect_native = [&](const json& hs, int32_t P, int32_t n, const std::string& what) {
+    ASSERT_EQ(hs.size(), static_cast<size_t>(n)) << what << ": " << hs.dump();
+    ASSERT_EQ(hs[0].size(), static_cast<size_t>(P)) << what;
+    for (int32_t p = 0; p < P; ++p) expect_row(hs[0][static_cast<size_t>(p)], p, what + " prompt");
+    for (int32_t k = 1; k < n; ++k) expect_row(hs[static_cast<size_t>(k)], P + k - 1, what + " token");
+  };
+  {
+    TestServer plain;
+    auto r = plain.post("/generate", R"({"input_ids": [5, 6, 7], "return_hidden_states": true})");
+    EXPECT_EQ(r.status, 400);
+    EXPECT_NE(r.body.find("--enable-return-hidden-states"), std::string::npos) << r.body;
+    r = plain.post("/generate", R"({"input_ids": [5, 6, 7], "return_hidden_states": false,
+        "sampling_params": {"max_new_tokens": 2}})");
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_FALSE(json::parse(r.body)["meta_info"].contains("hidden_states"));
+  }
+  ServerOptions o;
+  o.enable_return_hidden_states = true;
+  TestServer s(o);
+  auto r = s.post("/generate", R"({"input_ids": [5, 6, 7], "return_hidden_states": true,
+      "sampling_params": {"max_new_tokens": 3}})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  expect_native(json::parse(r.body)["meta_info"]["hidden_states"], 3, 3, "generate");
+  // SGLang's earlier place for it; a batch with one value per prompt.
+  r = s.post("/generate", R"({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2,
+      "return_hidden_states": true}})");
+  expect_native(json::parse(r.body)["meta_info"]["hidden_states"], 2, 2, "sampling_params");
+  r = s.post("/generate", R"({"input_ids": [[5, 6], [7, 8, 9]], "return_hidden_states": [false, true],
+      "sampling_params": {"max_new_tokens": 4}})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto batch = json::parse(r.body);
+  EXPECT_FALSE(batch[0]["meta_info"].contains("hidden_states"));
+  expect_native(batch[1]["meta_info"]["hidden_states"], 3, 4, "batch");
+  for (const char* bad : {R"({"input_ids": [5], "return_hidden_states": 1})",
+                          R"({"input_ids": [5], "return_hidden_states": [true]})",
+                          R"({"input_ids": [[5], [6]], "return_hidden_states": [true, 0]})"})
+    EXPECT_EQ(s.post("/generate", bad).status, 400) << bad;
+  // Streamed: every chunk all rows so far, the last one all of them.
+  r = s.post("/generate", R"({"input_ids": [5, 6, 7], "return_hidden_states": true, "stream": true,
+      "sampling_params": {"max_new_tokens": 4}})");
+  auto events = sse_payloads(r.body);
+  ASSERT_GE(events.size(), 2u);
+  expect_native(json::parse(events[events.size() - 2])["meta_info"]["hidden_states"], 3, 4, "stream");
+  // OpenAI: the last row, [] when only the prompt's rows exist.
+  auto j = json::parse(s.post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "q"}],
+      "max_tokens": 3, "return_hidden_states": true})").body);
+  const int32_t chat_prompt = j["usage"]["prompt_tokens"].get<int32_t>();
+  expect_row(j["choices"][0]["hidden_states"], chat_prompt + 1, "chat");
+  j = json::parse(s.post("/v1/completions", R"({"prompt": "ab", "max_tokens": 1, "return_hidden_states": true})").body);
+  EXPECT_EQ(j["choices"][0]["hidden_states"], json::array());
+  j = json::parse(s.post("/v1/completions", R"({"prompt": "ab", "max_tokens": 2})").body);
+  EXPECT_FALSE(j["choices"][0].contains("hidden_states"));
+  for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
+    const bool chat = std::string(path) == "/v1/chat/completions";
+    r = s.post(path, chat ? R"({"messages": [{"role": "user", "content": "q"}], "max_tokens": 2, "stream": true,
+                             "return_hidden_states": true, "stream_options": {"include_usage": true}})"
+                          : R"({"prompt": "ab", "max_tokens": 2, "stream": true, "return_hidden_states": true,
+                             "stream_options": {"include_usage": true}})");
+    events = sse_payloads(r.body);
+    ASSERT_GE(events.size(), 4u) << r.body;
+    EXPECT_EQ(events.back(), "[DONE]");
+    const json usage = json::parse(events[events.size() - 2]);
+    const json hidden = json::parse(events[events.size() - 3])["choices"][0];  // after the finish, before the usage
+    const int32_t prompt = usage["usage"]["prompt_tokens"].get<int32_t>();
+    expect_row(chat ? hidden["delta"]["hidden_states"] : hidden["hidden_states"], prompt, path);
+    EXPECT_TRUE(hidden["finish_reason"].is_null()) << path;
+    EXPECT_FALSE(json::parse(events[events.size() - 4])["choices"][0]["finish_reason"].is_null()) << path;
+  }
+  // --stream-output: each chunk the rows new since the previous one.
+  o.stream_output = true;
+  TestServer inc(o);
+  r = inc.post("/generate", R"({"input_ids": [5, 6, 7], "return_hidden_states": true, "stream": true,
+      "sampling_params": {"max_new_tokens": 4}})");
+  events = sse_payloads(r.body);
+  json rows = json::array();
+  for (size_t e = 0; e + 1 < events.size(); ++e) {
+    const json chunk = json::parse(events[e]);
+    for (const json& x : chunk["meta_info"]["hidden_states"]) rows.push_back(x);
+  }
+  expect_native(rows, 3, 4, "incremental stream");
+}
+
 TEST(HttpApi, CompletionsNonStreamAndStream) {
   TestServer s;
   auto r = s.post("/v1/completions", R"({"model": "fake", "prompt": "hey", "max_tokens": 4, "echo": true})");

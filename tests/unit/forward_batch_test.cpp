@@ -46,8 +46,11 @@ TEST(ForwardBatch, AbsorbedSequencesAreMarkedAndSerialized) {
   bb.add(std::vector<int32_t>{1, 2, 3}, 0, std::vector<int32_t>{0}, false);      // a prompt: expanded
   bb.add(std::vector<int32_t>{5, 6, 7}, 9, std::vector<int32_t>{1, 2, 4}, true);  // a decode token and two drafts
   bb.absorb_last();
+  bb.hidden_of_last();
   bb.add(std::vector<int32_t>{8}, 4, std::vector<int32_t>{3, 5}, false);         // a decode token
+  bb.hidden_of_last();
   const ForwardBatch b = bb.finish();
+  EXPECT_EQ(b.hidden_rows, (std::vector<int32_t>{3, 4, 5, 6}));  // the second and third sequences' tokens
   EXPECT_EQ(b.seq_absorbed, (std::vector<int32_t>{0, 1, 0}));
   EXPECT_FALSE(b.absorbed_under_auto(0));
   EXPECT_TRUE(b.absorbed_under_auto(1));
@@ -60,6 +63,7 @@ TEST(ForwardBatch, AbsorbedSequencesAreMarkedAndSerialized) {
   EXPECT_EQ(back.seq_absorbed, b.seq_absorbed);
   EXPECT_EQ(back.input_ids, b.input_ids);
   EXPECT_EQ(back.logit_rows, b.logit_rows);
+  EXPECT_EQ(back.hidden_rows, b.hidden_rows);
   EXPECT_TRUE(decode_batch().seq_absorbed.empty());
   bb.add(std::vector<int32_t>{1, 2}, 0, std::vector<int32_t>{0}, false);
   EXPECT_FALSE(bb.finish().absorbed_under_auto(0));  // the builder starts afresh
