@@ -58,6 +58,27 @@ FAMILIES = {
         scoring_func="sigmoid", max_position_embeddings=5120,
         rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 128,
                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # Odd dims (the GoldenModel suite's generality check): V3 form with widths no kernel is tuned to, every layer
+    # MoE, two groups of three experts (one kept), two shared experts, plain RoPE of base 50000.
+    "odd-v3": dict(BASE, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", shard="300KB",
+        vocab_size=500, hidden_size=96, intermediate_size=160, moe_intermediate_size=40,
+        num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3,
+        n_shared_experts=2, n_routed_experts=6, num_experts_per_tok=3, kv_lora_rank=40, q_lora_rank=24,
+        qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=20, first_k_dense_replace=0, moe_layer_freq=1,
+        norm_topk_prob=True, routed_scaling_factor=1.5, n_group=2, topk_group=1, topk_method="noaux_tc",
+        scoring_func="sigmoid", max_position_embeddings=4096, rope_theta=50000.0, rope_scaling=None),
+    # ... and V2 form: five heads, plain q_proj of odd widths, YaRN factor 4 with mscale 0.707. (moe_layer_freq stays
+    # 1: transformers 5 builds a MoE in every layer from first_k_dense_replace on whatever it says, while DeepSeek's
+    # own code, SGLang, vLLM and mlaserve keep layers off the frequency dense.)
+    "odd-v2": dict(BASE, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", shard="300KB",
+        vocab_size=500, hidden_size=80, intermediate_size=144, moe_intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=5, num_key_value_heads=5,
+        n_shared_experts=1, n_routed_experts=10, num_experts_per_tok=3, kv_lora_rank=48, q_lora_rank=None,
+        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, first_k_dense_replace=1, moe_layer_freq=1,
+        norm_topk_prob=False, routed_scaling_factor=1.0, n_group=1, topk_group=1, topk_method="greedy",
+        scoring_func="softmax", max_position_embeddings=4096,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}),
     # Real MLA dims, V2-Lite-like: 16 heads, plain q_proj, greedy softmax top-6 of 64, YaRN as in V2-Lite.
     "real16": dict(BASE, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", shard="16MB",
         vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=128,
