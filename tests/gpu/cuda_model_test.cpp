@@ -310,6 +310,9 @@ TEST(CudaModel, FinalHiddenStatesGolden) {
 TEST(CudaModel, GoldenV2Lite) { REQUIRE_GPU(); golden_family("v2lite"); }
 TEST(CudaModel, GoldenV2) { REQUIRE_GPU(); golden_family("v2"); }
 TEST(CudaModel, GoldenV3) { REQUIRE_GPU(); golden_family("v3"); }
+// Widths no kernel is tuned to (hidden 96 / 80, three / five heads, latent 40 / 48, RoPE 8 / 16 wide).
+TEST(CudaModel, GoldenOddV3) { REQUIRE_GPU(); golden_family("odd-v3"); }
+TEST(CudaModel, GoldenOddV2) { REQUIRE_GPU(); golden_family("odd-v2"); }
 // An FP8 checkpoint (weights dequantized to bf16 at load), against Hugging Face (tools/golden/make_fp8_golden.py).
 // v2-fp8-tensor is checked on the CPU only: on the GPU its longest prompt is 0.143 of the logits' std off with the
 // routing forced (2026-12-01), past the bf16 families' 0.10, though it loads the same bf16 weights as the CPU, which
