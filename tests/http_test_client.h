@@ -9,6 +9,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <chrono>
 #include <map>
@@ -218,6 +220,35 @@ inline std::vector<std::string> sse_payloads(const std::string& body) {
     pos = e + 2;
   }
   return out;
+}
+
+// Little-endian int32s from base64 (standard alphabet, padded), as a client decodes SGLang's routed_experts.
+inline std::vector<int32_t> int32s_of_base64(const std::string& s) {
+  const std::string alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string bytes;
+  EXPECT_EQ(s.size() % 4, 0u) << s.substr(0, 80);
+  for (size_t i = 0; i + 3 < s.size(); i += 4) {
+    uint32_t n = 0;
+    int pad = 0;
+    for (size_t k = 0; k < 4; ++k) {
+      const char c = s[i + k];
+      pad += c == '=' ? 1 : 0;
+      const size_t d = c == '=' ? 0 : alphabet.find(c);
+      EXPECT_NE(d, std::string::npos) << "not base64: " << c;
+      n = (n << 6) | static_cast<uint32_t>(d == std::string::npos ? 0 : d);
+    }
+    bytes.push_back(static_cast<char>(n >> 16));
+    if (pad < 2) bytes.push_back(static_cast<char>((n >> 8) & 0xff));
+    if (pad < 1) bytes.push_back(static_cast<char>(n & 0xff));
+  }
+  EXPECT_EQ(bytes.size() % 4, 0u);
+  std::vector<int32_t> ids(bytes.size() / 4);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    uint32_t v = 0;
+    for (int b = 3; b >= 0; --b) v = (v << 8) | static_cast<unsigned char>(bytes[i * 4 + static_cast<size_t>(b)]);
+    ids[i] = static_cast<int32_t>(v);
+  }
+  return ids;
 }
 
 }  // namespace mlaserve::test

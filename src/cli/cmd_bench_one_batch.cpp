@@ -129,7 +129,10 @@ const RegisterCommand reg("bench-one-batch", "prefill and decode latency / throu
   auto warmup = std::make_shared<bool>(true);
   auto input_seed = std::make_shared<uint64_t>(1);
   auto recorder = std::make_shared<std::string>();
+  auto routes = std::make_shared<bool>(false);
   args->add_to(app);
+  app.add_flag("--enable-return-routed-experts", *routes,
+               "every step keeps its routed experts, as serve does for return_routed_experts (their cost)");
   app.add_option("--expert-distribution-recorder-mode", *recorder,
                  "stat: count the routed experts during the run (as serve records them), and print their sums");
   app.add_option("--batch-size", *batch, "sequences in the batch")->capture_default_str();
@@ -151,6 +154,7 @@ const RegisterCommand reg("bench-one-batch", "prefill and decode latency / throu
               "--expert-distribution-recorder-mode: '{}' (stat or stat_approx)", *recorder);
     ParallelConfig pc = args->parallel_config();
     pc.count_experts = !recorder->empty();
+    pc.capture_routes = *routes;
     RankSet ranks(cfg, pc, args->model_path, args->load_options());
     const int32_t ps = args->page_size;
     const int32_t pages_per_seq = (*in_len + *out_len + ps - 1) / ps;

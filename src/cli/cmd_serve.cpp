@@ -86,6 +86,7 @@ struct ServeArgs {
   server::SamplingDefaults defaults;  // resolved
   bool stream_output = false;
   bool enable_return_hidden_states = false;
+  bool enable_return_routed_experts = false;
   bool allow_auto_truncate = false;
   bool request_id_headers = false;
   bool return_tokens_as_token_ids = false;  // vLLM's: OpenAI logprobs' tokens as "token_id:ID"
@@ -389,6 +390,7 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["stream_interval"] = a.stream_interval;
   j["stream_output"] = a.stream_output;
   j["enable_return_hidden_states"] = a.enable_return_hidden_states;
+  j["enable_return_routed_experts"] = a.enable_return_routed_experts;
   j["max_logprobs"] = a.max_logprobs;
   j["allow_auto_truncate"] = a.allow_auto_truncate;
   j["sampling_defaults"] = a.sampling_defaults;
@@ -625,6 +627,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                "streamed /generate chunks carry only what is new (text, output_ids, logprobs), as SGLang's");
   app.add_flag("--enable-return-hidden-states", a->enable_return_hidden_states,
                "requests may ask for return_hidden_states: the final hidden state of every position, as SGLang's");
+  app.add_flag("--enable-return-routed-experts", a->enable_return_routed_experts,
+               "requests may ask for return_routed_experts: every position's routed experts per layer, as SGLang's");
   app.add_option("--reasoning-parser", a->reasoning_parser,
                  "split chat output into reasoning_content and content (deepseek-r1, or vLLM's deepseek_r1)");
   app.add_option("--tool-call-parser", a->tool_call_parser,
@@ -825,6 +829,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     ea.expert_distribution_recorder_mode =
         s.expert_recorder_mode.empty() && s.expert_distribution_metrics ? "stat" : s.expert_recorder_mode;
     ea.expert_distribution_record_at_start = s.expert_distribution_metrics;
+    ea.return_routed_experts = s.enable_return_routed_experts;
     ea.disable_cuda_graph = s.disable_cuda_graph;
     ea.dist_timeout_s = s.dist_timeout;
     ea.base_gpu_id = s.base_gpu_id;
@@ -869,6 +874,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.stream_interval = s.stream_interval;
     so.stream_output = s.stream_output;
     so.enable_return_hidden_states = s.enable_return_hidden_states;
+    so.enable_return_routed_experts = s.enable_return_routed_experts;
     so.allow_auto_truncate = s.allow_auto_truncate;
     so.request_id_headers = s.request_id_headers;
     so.reasoning_parser = s.reasoning_parser;

@@ -129,6 +129,8 @@ void Engine::submit(GenerateRequest req) {
   }
   MLA_CHECK(sp.min_new_tokens >= 0 && sp.min_new_tokens <= sp.max_new_tokens,
             "min_new_tokens ({}) must be between 0 and max_new_tokens ({})", sp.min_new_tokens, sp.max_new_tokens);
+  MLA_CHECK(!sp.return_routed_experts || ranks_->captures_routes(),
+            "return_routed_experts needs the server started with --enable-return-routed-experts");
   scheds_[0]->validate(req);  // reads only the immutable config
   MLA_CHECK(req.data_parallel_rank < ranks_->dp_groups(), "data_parallel_rank {} is out of range (dp size {})",
             req.data_parallel_rank, ranks_->dp_groups());
@@ -734,8 +736,12 @@ std::vector<std::vector<SampleResult>> Engine::collect(std::vector<StepPlan>& pl
   const int64_t V = ranks_->config().vocab_size;
   std::vector<std::vector<SampleResult>> sampled(plans.size());
   for (size_t g = 0; g < plans.size(); ++g) {
-    plans[g].hidden = std::move(outs[g].hidden);  // (return_hidden_states: the scheduler hands them out)
-    plans[g].hidden_width = static_cast<int32_t>(ranks_->config().hidden_size);
+    // (return_hidden_states / return_routed_experts: the scheduler hands them out)
+    const ModelConfig& mc = ranks_->config();
+    plans[g].hidden = std::move(outs[g].hidden);
+    plans[g].hidden_width = static_cast<int32_t>(mc.hidden_size);
+    plans[g].routes = std::move(outs[g].routes);
+    plans[g].routes_width = static_cast<int32_t>(mc.num_hidden_layers * mc.num_experts_per_tok);
     int64_t i = 0, kept = 0;  // row i; kept: the rows with logits before it (their order in outs[g].logits)
     auto host_logits = [&](int64_t row) {
       MLA_CHECK(kept < (outs[g].logits.defined() ? outs[g].logits.size(0) : 0), "group {}: logits of row {} missing",

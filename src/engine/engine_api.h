@@ -81,6 +81,11 @@ struct SamplingParams {
   // prompt position and at every generated token's position but the last, i.e. of each row whose logits drew the
   // next token (GenerateOutput::hidden_states). Prompt tokens served from the prefix cache are computed again.
   bool return_hidden_states = false;
+  // SGLang's return_routed_experts (the engine must capture them: EngineClient::captures_routes): the routed expert
+  // ids of the same positions, every layer's (GenerateOutput::routed_experts).
+  bool return_routed_experts = false;
+  // Whether the request's positions' rows come back (hidden states or routed experts).
+  bool wants_rows() const { return return_hidden_states || return_routed_experts; }
 
   // Whether each generated token's logprob is reported, and whether its logits must reach the host for that.
   bool wants_logprobs() const { return return_logprob || top_logprobs_num > 0; }
@@ -126,6 +131,9 @@ struct GenerateOutput {
   // output (a request's rows in all: its prompt's, then one per generated token but the last).
   std::vector<float> hidden_states;
   int32_t hidden_size = 0;
+  // With return_routed_experts: the same positions' routed experts, [rows, num_hidden_layers, num_experts_per_tok]
+  // row-major (dense layers 0, as SGLang's).
+  std::vector<int32_t> routed_experts;
   bool finished = false;
   FinishReason finish;
   int32_t prompt_tokens = 0;
@@ -315,6 +323,7 @@ struct EngineArgs {
   // per layer for /dump_expert_distribution_record; empty: off.
   std::string expert_distribution_recorder_mode;
   bool expert_distribution_record_at_start = false;  // --enable-expert-distribution-metrics: recording from the start
+  bool return_routed_experts = false;  // --enable-return-routed-experts: requests may ask for their routed experts
   int32_t cuda_graph_max_bs = 256;   // decode steps up to this many tokens per DP group replay CUDA graphs
   bool disable_cuda_graph = false;
   int64_t context_length = 0;        // 0: config's max_position_embeddings

@@ -27,6 +27,7 @@ ParallelConfig parallel_config(const EngineArgs& a, int32_t dp_groups) {
   pc.cuda_graph_max_bs = a.disable_cuda_graph ? 0 : a.cuda_graph_max_bs;
   pc.kv_cache_fp8 = parse_kv_cache_dtype(a.kv_cache_dtype);
   pc.count_experts = !a.expert_distribution_recorder_mode.empty();
+  pc.capture_routes = a.return_routed_experts;
   return pc;
 }
 

@@ -304,6 +304,7 @@ RankSet::RankSet(const ModelConfig& config, const ParallelConfig& pc, const std:
       rk.model = std::make_unique<DeepseekModel>(config_, *rk.backend, plan, rk.world.get(), attn_comm);
       rk.model->load(model_dir, lo);
       if (pc_.count_experts && rk.global == 0) rk.model->enable_expert_counts();
+      if (pc_.capture_routes) rk.model->enable_route_capture();
     });
   } catch (...) {
     stop_workers();
@@ -659,6 +660,8 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
   h.hidden_tickets.assign(ranks_.size(), 0);
   h.hidden_shape.assign(ranks_.size(), {0, 0});
   h.hidden_dtype.assign(ranks_.size(), DType::F32);
+  h.routes_tickets.assign(ranks_.size(), 0);
+  h.routes_layers.assign(ranks_.size(), 0);
   run_on_all(
       [&](int i) {
         Rank& rk = *ranks_[static_cast<size_t>(i)];
@@ -741,6 +744,17 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
           h.hidden_shape[static_cast<size_t>(i)] = {n, last.size(1)};
           h.hidden_dtype[static_cast<size_t>(i)] = last.dtype();
           h.hidden_tickets[static_cast<size_t>(i)] = rk.backend->download_start(rows);
+          if (rk.model->captures_routes()) {  // [MoE layers, T of the forward, k]: each row's ids of every layer
+            const Tensor& routes = rk.model->last_routes();
+            const int64_t M = routes.size(0), Tf = routes.size(1), k = routes.size(2);
+            std::vector<int32_t> at;
+            for (int32_t r : b.hidden_rows)
+              for (int64_t m = 0; m < M; ++m) at.push_back(static_cast<int32_t>(m * Tf + r));
+            Tensor picked = rk.backend->scratch({n * M, k}, DType::I32);
+            if (M > 0) rk.backend->gather_rows(routes.reshape({M * Tf, k}), at, picked);
+            h.routes_layers[static_cast<size_t>(i)] = M;
+            h.routes_tickets[static_cast<size_t>(i)] = rk.backend->download_start(picked);
+          }
         }
         rk.backend->end_step();
         MLA_LOG_TRACE("rank {}: step issued", rk.global);
@@ -761,9 +775,23 @@ void RankSet::finish_local(Launched& h) {
           Tensor host = Tensor::empty_host({hidden_rows, hidden_cols}, h.hidden_dtype[static_cast<size_t>(i)]);
           rk.backend->download_finish(h.hidden_tickets[static_cast<size_t>(i)], host.data());
           o.hidden = host_floats(host);
+          if (rk.model->captures_routes()) o.routes = all_layers_routes(rk, h, i, hidden_rows);
         }
       },
       pc_.step_timeout);
+}
+
+std::vector<int32_t> RankSet::all_layers_routes(Rank& rk, Launched& h, int i, int64_t rows) {
+  const int64_t M = h.routes_layers[static_cast<size_t>(i)], L = config_.num_hidden_layers,
+                k = config_.num_experts_per_tok;
+  std::vector<int32_t> moe(static_cast<size_t>(rows * M * k));
+  rk.backend->download_finish(h.routes_tickets[static_cast<size_t>(i)], moe.data());
+  std::vector<int32_t> out(static_cast<size_t>(rows * L * k), 0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t l = 0; l < L; ++l)
+      if (const int64_t m = config_.moe_index(l); m >= 0)
+        std::copy_n(moe.begin() + (r * M + m) * k, k, out.begin() + (r * L + l) * k);
+  return out;
 }
 
 void RankSet::finish_rows(Rank& rk, Launched& h, int i, int64_t R, GroupOutput& o) {
@@ -1052,6 +1080,7 @@ std::vector<GroupOutput> RankSet::finish_remote(Launched& h) {
       o.logprobs = get_vec<float>(p, end);
       o.drafts = get_vec<int32_t>(p, end);
       o.hidden = get_vec<float>(p, end);
+      o.routes = get_vec<int32_t>(p, end);
       if (const std::vector<int32_t>* keep = rows_of_group(h.logit_rows, g)) {
         std::vector<float> l = get_vec<float>(p, end);
         const int64_t rows = static_cast<int64_t>(keep->size());
@@ -1135,6 +1164,7 @@ void RankSet::follow_steps() {
         put_vec(reply, o.logprobs);
         put_vec(reply, o.drafts);
         put_vec(reply, o.hidden);
+        put_vec(reply, o.routes);
         if (rows_of_group(h.logit_rows, g)) {
           std::vector<float> l;
           if (o.logits.defined() && o.logits.numel() > 0)

@@ -50,6 +50,9 @@ struct ParallelConfig {
   // Expert distribution recording (--expert-distribution-recorder-mode): global rank 0 counts the routed experts of
   // every step (DeepseekModel::enable_expert_counts; it routes every real token, DP attention's gathered rows too).
   bool count_experts = false;
+  // SGLang's --enable-return-routed-experts: every rank keeps each step's routed experts (DeepseekModel::
+  // enable_route_capture) and the leading ranks bring those of the batch's hidden_rows back with them.
+  bool capture_routes = false;
   // The latent KV cache's FP8 type (--kv-cache-dtype fp8_e4m3 / fp8_e5m2), none for the backend's activation type.
   std::optional<DType> kv_cache_fp8;
   // Tests only: communicators for CPU ranks of simulated nodes in one process (so the multi-node control path runs
@@ -69,6 +72,9 @@ struct GroupOutput {
   std::vector<int32_t> drafts;
   // The final hidden states of its batch's hidden_rows, in that order: [rows, hidden] row-major (else empty).
   std::vector<float> hidden;
+  // With ParallelConfig::capture_routes, the routed experts of the same rows: [rows, num_hidden_layers,
+  // num_experts_per_tok] (dense layers' entries 0, as SGLang's).
+  std::vector<int32_t> routes;
 };
 
 // Per DP group, the logit rows (indices into its batch's logit_rows) whose full logits come back to the host (top-N
@@ -85,6 +91,7 @@ class RankSet {
 
   int32_t num_ranks() const { return pc_.tp_size; }
   int32_t dp_groups() const { return pc_.dp_size; }
+  bool captures_routes() const { return pc_.capture_routes; }
   bool is_leader_node() const { return pc_.node_rank == 0; }
   const ModelConfig& config() const { return config_; }
   Backend& backend(int local_rank) { return *ranks_[static_cast<size_t>(local_rank)]->backend; }
@@ -144,6 +151,8 @@ class RankSet {
     std::vector<uint64_t> hidden_tickets;
     std::vector<std::pair<int64_t, int64_t>> hidden_shape;
     std::vector<DType> hidden_dtype;
+    std::vector<uint64_t> routes_tickets;  // and, capturing routes, those rows' [MoE layers, k] ids
+    std::vector<int64_t> routes_layers;
     LogitRows logit_rows;
     // Chained MTP drafts: the drafts per logit row (GroupOutput::drafts' width; 0 without chains) and per local rank
     // the place (row * width + column) of each chained draft it downloads after the first drafts, in order.
@@ -197,6 +206,8 @@ class RankSet {
   void finish_local(Launched& h);
   // A leading rank's sampled ids, drafts and logits (R logit rows) into o.
   void finish_rows(Rank& rk, Launched& h, int i, int64_t R, GroupOutput& o);
+  // A leading rank's routed experts of `rows` hidden rows, every layer's (dense layers 0).
+  std::vector<int32_t> all_layers_routes(Rank& rk, Launched& h, int i, int64_t rows);
   void follow_steps();  // follow()'s loop
   // Node 0, with other nodes: finish() of a step they run too (they finish it alongside and send their outputs).
   std::vector<GroupOutput> finish_remote(Launched& h);

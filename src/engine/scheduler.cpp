@@ -147,6 +147,8 @@ void Scheduler::emit(Req& r) {
   o.hidden_states = std::move(r.hidden);
   r.hidden.clear();
   o.hidden_size = r.hidden_width;
+  o.routed_experts = std::move(r.routes);
+  r.routes.clear();
   o.finished = r.state == ReqState::Finished;
   o.finish = r.finish;
   o.prompt_tokens = static_cast<int32_t>(r.prompt.size());
@@ -199,7 +201,7 @@ void Scheduler::admit(Req& r) {
   // every token whose logit row the prompt logprobs need.
   int32_t limit = static_cast<int32_t>(r.fill.size()) - 1;
   if (const int32_t first = lp_first_row(r); first >= 0) limit = std::min(limit, first);
-  if (r.sampling.return_hidden_states) limit = std::min(limit, r.hidden_have);
+  if (r.sampling.wants_rows()) limit = std::min(limit, r.hidden_have);
   auto m = cache_.match_prefix(r.fill, limit);
   cache_.lock(m.node);
   r.prefix_node = m.node;
@@ -616,7 +618,7 @@ void Scheduler::build_batch(StepPlan& plan) {
     bb.add_logits_from(toks, r.kv_len, r.pages, s.num_tokens - s.rows(), plan.chain_room());
     // A few tokens after a long context: no expansion of the context.
     if (!s.drafts.empty()) bb.absorb_last(static_cast<int32_t>(s.drafts.size()));
-    if (r.sampling.return_hidden_states) bb.hidden_of_last();
+    if (r.sampling.wants_rows()) bb.hidden_of_last();
   }
   plan.batch = bb.finish();
   plan.batch.mtp_chain = plan.mtp_chain;
@@ -691,17 +693,26 @@ void Scheduler::drop(StepPlan& plan) {
 
 void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled) {
   size_t i = 0;
-  int32_t hidden_rows = 0;  // the step's hidden rows: every new token of the requests returning them
-  const size_t width = static_cast<size_t>(plan.hidden_width);
-  // Row k of the step's hidden states for request r, if the position it is of was not collected before (else empty).
-  auto hidden_row = [&](Req& r, int32_t k, int32_t pos) -> std::span<const float> {
+  int32_t hidden_rows = 0;  // the step's hidden rows: every new token of the requests wanting their rows
+  const size_t width = static_cast<size_t>(plan.hidden_width), rwidth = static_cast<size_t>(plan.routes_width);
+  // Row k of the step for request r (what it asks for), if the position it is of was not collected before.
+  auto hidden_row = [&](Req& r, int32_t k, int32_t pos) -> RowOutputs {
     MLA_CHECK(static_cast<size_t>(k + 1) * width <= plan.hidden.size() && width > 0,
               "scheduler: request {} misses hidden row {} of the step ({} floats of rows of {})", r.rid, k,
               plan.hidden.size(), width);
+    MLA_CHECK(!r.sampling.return_routed_experts || static_cast<size_t>(k + 1) * rwidth <= plan.routes.size(),
+              "scheduler: request {} misses the routed experts of row {} of the step", r.rid, k);
     if (pos < r.hidden_have) return {};
     r.hidden_width = plan.hidden_width;
     r.hidden_have = pos + 1;
-    return {plan.hidden.data() + static_cast<size_t>(k) * width, width};
+    RowOutputs row;
+    if (r.sampling.return_hidden_states) row.hidden = {plan.hidden.data() + static_cast<size_t>(k) * width, width};
+    if (r.sampling.return_routed_experts) row.routes = {plan.routes.data() + static_cast<size_t>(k) * rwidth, rwidth};
+    return row;
+  };
+  auto keep_row = [](Req& r, const RowOutputs& row) {
+    r.hidden.insert(r.hidden.end(), row.hidden.begin(), row.hidden.end());
+    r.routes.insert(r.routes.end(), row.routes.begin(), row.routes.end());
   };
   for (ScheduledSeq& s : plan.seqs) {
     Req& r = *s.req;
@@ -709,14 +720,12 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     MLA_CHECK(i + static_cast<size_t>(s.rows()) <= sampled.size(), "scheduler: {} sampled tokens for more rows",
               sampled.size());
     const int32_t first_hidden = hidden_rows;
-    if (r.sampling.return_hidden_states) hidden_rows += s.num_tokens;
+    if (r.sampling.wants_rows()) hidden_rows += s.num_tokens;
     if (s.prefill && r.state != ReqState::Finished && r.state != ReqState::Waiting) {
       cache_prefill(r, s.kv_end);
-      if (r.sampling.return_hidden_states)  // every position of the chunk
-        for (int32_t k = 0; k < s.num_tokens; ++k) {
-          const std::span<const float> row = hidden_row(r, first_hidden + k, s.kv_end - s.num_tokens + k);
-          r.hidden.insert(r.hidden.end(), row.begin(), row.end());
-        }
+      if (r.sampling.wants_rows())  // every position of the chunk
+        for (int32_t k = 0; k < s.num_tokens; ++k)
+          keep_row(r, hidden_row(r, first_hidden + k, s.kv_end - s.num_tokens + k));
     }
     if (r.state != ReqState::Finished)
       for (int32_t k = 0; k < s.lp_rows; ++k) r.prompt_lps.push_back(sampled[i + static_cast<size_t>(k)].logprob);
@@ -760,12 +769,12 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
       }
     }
     // A decode step's hidden rows go with the tokens they drew (the decode token's row, then each kept draft's).
-    const bool decode_rows = r.sampling.return_hidden_states && !s.prefill;
+    const bool decode_rows = r.sampling.wants_rows() && !s.prefill;
     for (size_t t = 0; t <= kept && r.state != ReqState::Finished; ++t)
       take_token(r, sampled[first + t], t == 0,
                  decode_rows ? hidden_row(r, first_hidden + static_cast<int32_t>(t),
                                           s.kv_end - s.num_tokens + static_cast<int32_t>(t))
-                             : std::span<const float>{});
+                             : RowOutputs{});
     if (r.state == ReqState::Finished) continue;
     r.model_drafts = sampled[first + kept].drafts;  // the MTP layer's tokens after the last one taken
     emit(r);
@@ -777,11 +786,13 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     }
   }
   MLA_CHECK(i == sampled.size(), "scheduler: {} sampled tokens for {} rows", sampled.size(), i);
-  MLA_CHECK(static_cast<size_t>(hidden_rows) * width == plan.hidden.size(),
-            "scheduler: {} floats of hidden states for {} rows of {}", plan.hidden.size(), hidden_rows, width);
+  MLA_CHECK(static_cast<size_t>(hidden_rows) * width == plan.hidden.size() &&
+                (plan.routes.empty() || static_cast<size_t>(hidden_rows) * rwidth == plan.routes.size()),
+            "scheduler: {} floats of hidden states and {} routed experts for {} rows of {} / {}", plan.hidden.size(),
+            plan.routes.size(), hidden_rows, width, rwidth);
 }
 
-void Scheduler::take_token(Req& r, const SampleResult& sr, bool pending, std::span<const float> hidden) {
+void Scheduler::take_token(Req& r, const SampleResult& sr, bool pending, const RowOutputs& row) {
   if (pending) {  // the oldest token still in flight is this step's
     const size_t at = r.fill.size() - static_cast<size_t>(r.in_flight);
     MLA_CHECK(r.in_flight >= 1 && r.fill[at] == kPendingToken, "scheduler: request {} has no pending token", r.rid);
@@ -792,8 +803,9 @@ void Scheduler::take_token(Req& r, const SampleResult& sr, bool pending, std::sp
     r.fill.push_back(sr.token);
   }
   r.output.push_back(sr.token);
-  const size_t hidden_before = r.hidden.size();
-  r.hidden.insert(r.hidden.end(), hidden.begin(), hidden.end());
+  const size_t hidden_before = r.hidden.size(), routes_before = r.routes.size();
+  r.hidden.insert(r.hidden.end(), row.hidden.begin(), row.hidden.end());
+  r.routes.insert(r.routes.end(), row.routes.begin(), row.routes.end());
   if (r.sampling.thinking_budget >= 0) {
     if (ends_with(r.output, r.output.size(), r.sampling.think_start_ids))
       r.think_since = static_cast<int32_t>(r.output.size());
@@ -815,6 +827,7 @@ void Scheduler::take_token(Req& r, const SampleResult& sr, bool pending, std::sp
     complete = dropped = true;
     r.output.pop_back();
     r.hidden.resize(hidden_before);
+    r.routes.resize(routes_before);
     if (r.sampling.wants_logprobs()) r.pending_lps.pop_back();
     --counters_.generation_tokens_total;
   };

@@ -116,6 +116,7 @@ struct Req {
   std::vector<float> hidden;
   int32_t hidden_width = 0;
   int32_t hidden_have = 0;
+  std::vector<int32_t> routes;  // sampling.return_routed_experts: the same positions' routed experts, not yet reported
   std::shared_ptr<const std::vector<uint32_t>> allowed_mask;  // sampling.allowed_token_ids as a mask; null: all
   // With a thinking budget: the output index where the open thinking section's tokens begin (0: the prompt left it
   // open), -1 while none is open.
@@ -168,9 +169,17 @@ struct StepPlan {
   // token of each sequence whose request returns them, in sequence order.
   std::vector<float> hidden;
   int32_t hidden_width = 0;
+  std::vector<int32_t> routes;  // (GroupOutput::routes: [rows, routes_width])
+  int32_t routes_width = 0;
   // Positions past a request's last new token that its chained drafts write (the MTP layer's cache).
   int32_t chain_room() const { return mtp_chain > 1 ? mtp_chain - 1 : 0; }
   bool empty() const { return seqs.empty(); }
+};
+
+// What a step brought back for one position of a request that wants its rows (SamplingParams::wants_rows).
+struct RowOutputs {
+  std::span<const float> hidden;
+  std::span<const int32_t> routes;
 };
 
 // A token whose sample has not come back yet (overlap scheduling); never sent to the model.
@@ -266,8 +275,8 @@ class Scheduler {
   void emit(Req& r);
   // A sampled token into the request's output (pending: it replaces the oldest token in flight, else it follows the
   // kept drafts), with its stop / length checks: finishes the request when it ends there.
-  // `hidden`: the final hidden state of the row that drew the token (return_hidden_states), kept with it.
-  void take_token(Req& r, const SampleResult& sr, bool pending, std::span<const float> hidden = {});
+  // `row`: the row that drew the token (its hidden state and routed experts, as the request asks), kept with it.
+  void take_token(Req& r, const SampleResult& sr, bool pending, const RowOutputs& row = {});
   void build_batch(StepPlan& plan);
   // ForwardBatch::next_ids of the plan's batch (MTP drafts).
   void set_next_ids(StepPlan& plan) const;

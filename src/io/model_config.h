@@ -87,6 +87,14 @@ struct ModelConfig {
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   // Values per token per layer in the latent KV cache: c_kv and the shared rotated k_pe.
   int64_t kv_cache_dim() const { return kv_lora_rank + qk_rope_head_dim; }
+  // The MoE layers among the main model's, and layer `layer`'s place among them (-1: a dense layer).
+  int64_t num_moe_layers() const { return moe_index(num_hidden_layers); }
+  int64_t moe_index(int64_t layer) const {
+    if (layer < num_hidden_layers && !is_moe_layer(layer)) return -1;
+    int64_t m = 0;
+    for (int64_t l = 0; l < layer && l < num_hidden_layers; ++l) m += is_moe_layer(l) ? 1 : 0;
+    return m;
+  }
   bool is_moe_layer(int64_t layer) const {
     return n_routed_experts > 0 && layer >= first_k_dense_replace && layer % moe_layer_freq == 0;
   }

@@ -710,8 +710,19 @@ void DeepseekModel::enable_expert_counts() {
   backend_.zero(expert_counts_);
 }
 
+void DeepseekModel::enable_route_capture() {
+  MLA_CHECK(config_.n_routed_experts > 0, "return_routed_experts: the model has no routed experts");
+  MLA_CHECK(graphs_.empty(), "enable_route_capture: graphs were recorded without it");
+  capture_routes_ = true;
+}
+
 void DeepseekModel::experts(int64_t l, const Tensor& x, const Tensor& ids, const Tensor& weights, Tensor& out) {
   const LayerWeights& w = layers_[static_cast<size_t>(l)];
+  if (routes_.defined() && routes_.size(1) > 0 && l < config_.num_hidden_layers) {  // the group's own rows' ids
+    const int64_t m = config_.moe_index(l), T = routes_.size(1);
+    Tensor dst = routes_.rows(m, m + 1);
+    backend_.copy(ids.rows(routes_offset_, routes_offset_ + T), dst);
+  }
   if (expert_counts_.defined() && l < config_.num_hidden_layers) {
     Tensor row = expert_counts_.rows(l, l + 1);
     backend_.count_experts(ids, row);
@@ -764,6 +775,7 @@ Tensor DeepseekModel::forward_graph(const ForwardBatch& batch, KvCache& cache, c
     try {
       g.logits = forward_body(batch, cache, MlaForm::Auto, dp, /*prev_ids=*/true);
       g.hidden = last_hidden_;
+      g.routes = last_routes_;
     } catch (...) {
       try {
         backend_.graph_capture_end();  // leave the stream usable; the recording is dropped
@@ -776,6 +788,7 @@ Tensor DeepseekModel::forward_graph(const ForwardBatch& batch, KvCache& cache, c
   }
   backend_.graph_replay(it->second.id);
   last_hidden_ = it->second.hidden;
+  last_routes_ = it->second.routes;
   return it->second.logits;
 }
 
@@ -872,9 +885,15 @@ Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, Ml
   if (prev_ids && prev_ids_.defined()) backend_.resolve_prev_ids(prev_ids_);
   Tensor hidden = embed_tokens(T);
   DpRows d = dp_rows(T, dp);
+  if (capture_routes_) {  // (each MoE layer copies its rows' expert ids here: experts())
+    routes_ = backend_.scratch({c.num_moe_layers(), T, c.num_experts_per_tok}, DType::I32);
+    routes_offset_ = d.on ? d.offset : 0;
+  }
   backend_.zero(residual);  // the first sum is the embedding itself
   for (int64_t l = 0; l < c.num_hidden_layers; ++l)
     decoder_layer(l, hidden, residual, residual_next, normed, cache, form, d);
+  last_routes_ = routes_;
+  routes_ = Tensor();  // (the MTP layer's routing is not kept)
   backend_.add_rmsnorm(hidden, residual, final_norm_, eps, normed);
   last_hidden_ = normed;  // the MTP layer's input (forward_draft), valid until the next step
   return logits_of(batch, normed);

@@ -131,6 +131,12 @@ class DeepseekModel {
   void set_prev_ids(Tensor prev) { prev_ids_ = std::move(prev); }
   // The last forward's final hidden state [T, H] (after the final norm), valid until the next step begins.
   const Tensor& last_hidden() const { return last_hidden_; }
+  // SGLang's return_routed_experts: every forward of the main model keeps each MoE layer's routed expert ids of its
+  // own rows ([MoE layers, T, num_experts_per_tok] I32 in last_routes(), valid until the next step begins; with DP
+  // attention this group's rows). Call before graphs are recorded (they record the copies).
+  void enable_route_capture();
+  bool captures_routes() const { return capture_routes_; }
+  const Tensor& last_routes() const { return last_routes_; }
 
   const ModelConfig& config() const { return config_; }
   Backend& backend() { return backend_; }
@@ -180,6 +186,7 @@ class DeepseekModel {
     int32_t id = -1;
     Tensor logits;  // where the replay leaves them
     Tensor hidden;  // and the final hidden state (forward_draft's input)
+    Tensor routes;  // and the routed experts (enable_route_capture)
   };
   std::map<std::pair<int64_t, int32_t>, Graph> graphs_;  // by token count and Backend::graph_variant
 
@@ -197,6 +204,10 @@ class DeepseekModel {
   // the hidden state's), shared_head.norm. Its decoder layer is layers_[num_hidden_layers].
   Tensor mtp_enorm_, mtp_hnorm_, mtp_eh_embed_, mtp_eh_hidden_, mtp_norm_;
   Tensor last_hidden_;  // the last forward's final hidden state [T, H] (after the norm; scratch of that step)
+  bool capture_routes_ = false;
+  Tensor routes_;        // during a forward of the main model with capture_routes_: [MoE layers, T, k]
+  Tensor last_routes_;   // the last such forward's
+  int64_t routes_offset_ = 0;  // this group's first row among the MoE's rows (DP attention)
   Tensor draft_hidden_;  // the last MTP forward's output (after shared_head.norm; scratch of that step)
   // Both MTP forwards need the layer loaded and its latent cache layer (what: the caller, for the message).
   void check_draft_layer(const char* what, const KvCache& cache) const;

@@ -91,6 +91,8 @@ struct ServerOptions {
   bool stream_output = false;
   // SGLang's --enable-return-hidden-states: requests may ask for return_hidden_states (else 400).
   bool enable_return_hidden_states = false;
+  // SGLang's --enable-return-routed-experts: requests may ask for return_routed_experts (else 400).
+  bool enable_return_routed_experts = false;
   // SGLang's --allow-auto-truncate: a prompt too long for the context keeps its first tokens (room left for the
   // tokens asked for, at least one) instead of a 400.
   bool allow_auto_truncate = false;

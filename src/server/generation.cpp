@@ -53,6 +53,7 @@ void GenerationJob::submit_choice(size_t i) {
   req.priority = spec_.priority;
   req.sampling.token_ids_logprob = spec_.prompts[choices_[i].prompt_index].token_ids_logprob;
   req.sampling.return_hidden_states = spec_.prompts[choices_[i].prompt_index].return_hidden_states;
+  req.sampling.return_routed_experts = spec_.prompts[choices_[i].prompt_index].return_routed_experts;
   // n samples of one prompt with a seed: each sample its own stream, reproducible as a set.
   if (req.sampling.seed && spec_.n > 1) *req.sampling.seed += i % static_cast<size_t>(spec_.n);
   // A later sample goes to the DP rank of its prompt's first one, whose prefix cache holds the prompt.
@@ -126,6 +127,7 @@ void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
   c.prompt_logprobs.insert(c.prompt_logprobs.end(), out.prompt_logprobs.begin(), out.prompt_logprobs.end());
   c.hidden_states.insert(c.hidden_states.end(), out.hidden_states.begin(), out.hidden_states.end());
   if (out.hidden_size > 0) c.hidden_size = out.hidden_size;
+  c.routed_experts.insert(c.routed_experts.end(), out.routed_experts.begin(), out.routed_experts.end());
   c.completion_tokens = std::max<int32_t>(out.completion_tokens, static_cast<int32_t>(c.output_ids.size()));
 
   // Text: a matched stop token (EOS or stop_token_ids) is never part of the text.
@@ -168,6 +170,7 @@ void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
     u.logprobs_begin = c.logprobs.size();
     u.text_begin = c.text.size();
     u.hidden_begin = c.hidden_size > 0 ? c.hidden_states.size() / static_cast<size_t>(c.hidden_size) : 0;
+    u.routes_begin = c.routed_experts.size();
   }
   if (c.finished && num_finished_ == choices_.size() && !done_) {
     done_ = true;

@@ -26,6 +26,7 @@ struct JobPrompt {
   std::string text;  // the prompt's text when known (echo)
   std::vector<int32_t> token_ids_logprob;  // this prompt's sampling.token_ids_logprob
   bool return_hidden_states = false;       // this prompt's sampling.return_hidden_states
+  bool return_routed_experts = false;      // and return_routed_experts
 };
 
 struct JobSpec {
@@ -54,6 +55,7 @@ struct Choice {
   // generated token but the last).
   std::vector<float> hidden_states;
   int32_t hidden_size = 0;
+  std::vector<int32_t> routed_experts;  // SamplingParams::return_routed_experts: the same rows' [layers, top-k] ids
   std::string text;         // the text shown so far (stop strings never appear in it)
   bool finished = false;
   FinishReason finish;
@@ -69,6 +71,7 @@ struct ChoiceUpdate {
   size_t logprobs_begin = 0;
   size_t text_begin = 0;
   size_t hidden_begin = 0;  // rows of hidden_states
+  size_t routes_begin = 0;  // entries of routed_experts
   bool finished = false;
 };
 

@@ -515,6 +515,7 @@ void parse_openai_common(const Fields& f, const ParseOptions& opts, ParsedReques
   r.tokens_as_ids = opts.return_tokens_as_token_ids;
   if (auto v = f.boolean("return_tokens_as_token_ids")) r.tokens_as_ids = *v;
   if (auto v = f.boolean("return_hidden_states")) r.return_hidden_states = {*v};  // SGLang's
+  if (auto v = f.boolean("return_routed_experts")) r.return_routed_experts = {*v};
   // vLLM's prompt_logprobs: each prompt token's logprob and rank, with this many alternatives.
   if (auto v = f.integer("prompt_logprobs", 0, opts.max_top_logprobs)) {
     r.prompt_logprobs = static_cast<int32_t>(*v);
@@ -657,17 +658,20 @@ ParsedRequest parse_native(const json& body, const ParseOptions& opts, std::stri
     }
     if (!r.logprobs) r.token_ids_logprob.clear();
   }
-  // SGLang's return_hidden_states: a boolean, or (a batch) one per prompt.
-  if (const json* v = f.get("return_hidden_states")) {
-    const std::string p = "return_hidden_states";
+  // SGLang's return_hidden_states and return_routed_experts: a boolean, or (a batch) one per prompt.
+  for (const char* key : {"return_hidden_states", "return_routed_experts"}) {
+    const json* v = f.get(key);
+    if (!v) continue;
+    const std::string p = key;
+    std::vector<bool>& out = p == "return_hidden_states" ? r.return_hidden_states : r.return_routed_experts;
     if (v->is_boolean()) {
-      r.return_hidden_states = {v->get<bool>()};
+      out = {v->get<bool>()};
     } else if (v->is_array() && r.batch && v->size() == r.prompts.size()) {
-      r.return_hidden_states.clear();
+      out.clear();
       for (size_t i = 0; i < v->size(); ++i) {
         if (!(*v)[i].is_boolean())
           bad_request(p, "invalid_type", "'{}[{}]' must be a boolean, got {}", p, i, type_name((*v)[i]));
-        r.return_hidden_states.push_back((*v)[i].get<bool>());
+        out.push_back((*v)[i].get<bool>());
       }
     } else {
       bad_request(p, v->is_array() ? "invalid_value" : "invalid_type",

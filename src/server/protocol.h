@@ -52,6 +52,7 @@ struct ParsedRequest {
   std::vector<std::vector<int32_t>> token_ids_logprob;
   // SGLang's return_hidden_states: one value for every prompt, or one per prompt of a batch; empty: none.
   std::vector<bool> return_hidden_states;
+  std::vector<bool> return_routed_experts;  // SGLang's return_routed_experts, the same way
   // OpenAI only.
   std::string model;
   bool echo = false;

@@ -208,6 +208,32 @@ ojson native_hidden_states(const Choice& c, size_t from) {
   return out;
 }
 
+bool returns_routes(const GenerationJob& job, const Choice& c) {
+  return job.spec().prompts[c.prompt_index].return_routed_experts;
+}
+
+// SGLang's routed_experts: the int32 ids from entry `from` on, their little-endian bytes in base64.
+std::string routed_experts_base64(const Choice& c, size_t from) {
+  static constexpr char kDigits[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string bytes;
+  for (size_t i = std::min(from, c.routed_experts.size()); i < c.routed_experts.size(); ++i) {
+    const auto v = static_cast<uint32_t>(c.routed_experts[i]);
+    for (int b = 0; b < 4; ++b) bytes.push_back(static_cast<char>((v >> (8 * b)) & 0xff));
+  }
+  std::string out;
+  out.reserve((bytes.size() + 2) / 3 * 4);
+  for (size_t i = 0; i < bytes.size(); i += 3) {
+    uint32_t n = static_cast<uint32_t>(static_cast<unsigned char>(bytes[i])) << 16;
+    if (i + 1 < bytes.size()) n |= static_cast<uint32_t>(static_cast<unsigned char>(bytes[i + 1])) << 8;
+    if (i + 2 < bytes.size()) n |= static_cast<uint32_t>(static_cast<unsigned char>(bytes[i + 2]));
+    out.push_back(kDigits[(n >> 18) & 63]);
+    out.push_back(kDigits[(n >> 12) & 63]);
+    out.push_back(i + 1 < bytes.size() ? kDigits[(n >> 6) & 63] : '=');
+    out.push_back(i + 2 < bytes.size() ? kDigits[n & 63] : '=');
+  }
+  return out;
+}
+
 // The OpenAI choices' hidden_states (SGLang's): the row of the last generated token that has one, [] when none does.
 ojson last_hidden_state(const Choice& c) {
   const size_t n = hidden_rows(c);
@@ -259,6 +285,7 @@ ojson native_object(const ResponseContext& rc, const GenerationJob& job, const C
   }
   // Streamed chunks carry them all so far (as the text), or with rc.incremental the rows new since the last chunk.
   if (returns_hidden(job, c)) meta["hidden_states"] = native_hidden_states(c, part ? u->hidden_begin : 0);
+  if (returns_routes(job, c)) meta["routed_experts"] = routed_experts_base64(c, part ? u->routes_begin : 0);
   if (c.finished) {
     meta["e2e_latency"] = std::chrono::duration<double>(c.finish_time - job.start_time()).count();
   }
@@ -489,6 +516,7 @@ ojson openai_response(const ResponseContext& rc, const GenerationJob& job) {
     ch["matched_stop"] = matched_stop(c.finish);
     if (rc.vllm_prompt_logprobs >= 0) ch["prompt_logprobs"] = vllm_prompt_logprobs(rc, c);
     if (returns_hidden(job, c)) ch["hidden_states"] = last_hidden_state(c);
+    if (returns_routes(job, c)) ch["routed_experts"] = routed_experts_base64(c, 0);
     choices.push_back(std::move(ch));
   }
   o["choices"] = std::move(choices);
@@ -844,12 +872,17 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     jp.input_ids = std::move(in.input_ids);
     if (!pr.token_ids_logprob.empty())
       jp.token_ids_logprob = pr.token_ids_logprob[pr.token_ids_logprob.size() == 1 ? 0 : i];
-    if (!pr.return_hidden_states.empty()) {
-      jp.return_hidden_states = pr.return_hidden_states[pr.return_hidden_states.size() == 1 ? 0 : i];
-      if (jp.return_hidden_states && !opts_.enable_return_hidden_states)
-        throw ApiError(400, "'return_hidden_states' needs the server started with --enable-return-hidden-states",
-                       "return_hidden_states", "invalid_value");
-    }
+    // SGLang's per-prompt flags (one for every prompt, or one per prompt), each allowed by its server flag.
+    auto per_prompt = [&](const std::vector<bool>& asked, bool allowed, const char* field, const char* flag) {
+      const bool on = !asked.empty() && asked[asked.size() == 1 ? 0 : i];
+      if (on && !allowed)
+        throw ApiError(400, fmt::format("'{}' needs the server started with {}", field, flag), field, "invalid_value");
+      return on;
+    };
+    jp.return_hidden_states = per_prompt(pr.return_hidden_states, opts_.enable_return_hidden_states,
+                                         "return_hidden_states", "--enable-return-hidden-states");
+    jp.return_routed_experts = per_prompt(pr.return_routed_experts, opts_.enable_return_routed_experts,
+                                          "return_routed_experts", "--enable-return-routed-experts");
     if (pr.truncate_prompt_tokens != 0) {  // vLLM's: the prompt's last tokens (-1: as many as the context holds)
       const int64_t keep = pr.truncate_prompt_tokens > 0 ? pr.truncate_prompt_tokens : ctx - 1;
       if (static_cast<int64_t>(jp.input_ids.size()) > keep) {

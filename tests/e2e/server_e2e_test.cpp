@@ -1426,6 +1426,45 @@ TEST(ServeFlags, ReturnHiddenStatesEqualHuggingFace) {
   EXPECT_EQ(s.stop(), 0);
 }
 
+// SGLang's --enable-return-routed-experts: /generate's meta_info.routed_experts decodes to [rows, layers, top-k]
+// int32 ids, rows as return_hidden_states' (prompt + generated - 1); the dense layer's 0, each MoE layer's distinct
+// experts of the model's; the same for the same prompt again (cached or not), and for the OpenAI completion.
+TEST(ServeFlags, ReturnRoutedExperts) {
+  const std::string dir = golden_dir("v2");
+  const ModelConfig c = ModelConfig::from_file(dir);
+  const size_t L = static_cast<size_t>(c.num_hidden_layers), k = static_cast<size_t>(c.num_experts_per_tok);
+  ServerProcess s({"--model-path", dir, "--enable-return-routed-experts", "--chunked-prefill-size", "64"});
+  ASSERT_TRUE(s.running()) << s.log();
+  SafetensorsFile ref(dir + "/reference.safetensors");
+  const Tensor p = ref.tensor("prompt_3");
+  const std::vector<int32_t> prompt(p.data_as<int32_t>(), p.data_as<int32_t>() + p.numel());
+  const std::string body = json{{"input_ids", prompt}, {"return_routed_experts", true},
+                                {"sampling_params", {{"max_new_tokens", 6}, {"temperature", 0}, {"ignore_eos", true}}}}
+                               .dump();
+  const json a = post_json(s.port(), "/generate", body), b = post_json(s.port(), "/generate", body);
+  const std::vector<int32_t> ids = int32s_of_base64(a["meta_info"]["routed_experts"].get<std::string>());
+  ASSERT_EQ(ids.size(), (prompt.size() + 5) * L * k);
+  for (size_t r = 0; r < prompt.size() + 5; ++r)
+    for (size_t l = 0; l < L; ++l) {
+      std::vector<int32_t> row(ids.begin() + static_cast<int64_t>((r * L + l) * k),
+                               ids.begin() + static_cast<int64_t>((r * L + l + 1) * k));
+      if (!c.is_moe_layer(static_cast<int64_t>(l))) {
+        EXPECT_EQ(row, std::vector<int32_t>(k, 0)) << "dense layer " << l;
+        continue;
+      }
+      for (int32_t e : row) ASSERT_TRUE(e >= 0 && e < c.n_routed_experts) << "row " << r << " layer " << l << ": " << e;
+      std::sort(row.begin(), row.end());
+      EXPECT_EQ(std::adjacent_find(row.begin(), row.end()), row.end()) << "row " << r << " layer " << l;
+    }
+  EXPECT_EQ(b["meta_info"]["routed_experts"], a["meta_info"]["routed_experts"]);
+  const json cmp = post_json(s.port(), "/v1/completions",
+                             json{{"prompt", prompt}, {"max_tokens", 6}, {"temperature", 0}, {"ignore_eos", true},
+                                  {"return_routed_experts", true}}
+                                 .dump());
+  EXPECT_EQ(cmp["choices"][0]["routed_experts"], a["meta_info"]["routed_experts"]);
+  EXPECT_EQ(s.stop(), 0);
+}
+
 TEST(ServeFlags, ModelConfigOverrides) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   const std::string req = R"({"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0,

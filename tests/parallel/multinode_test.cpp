@@ -186,16 +186,20 @@ TEST(MultiNode, EngineOverlapsOnEveryNode) {
   }
 }
 
-// return_hidden_states on two nodes: the rows of a DP group led by node 1 come back with its outputs (and those of
-// node 0's group), equal to one node's.
-TEST(MultiNode, HiddenStatesFromEveryNode) {
+// return_hidden_states and return_routed_experts on two nodes: the rows of a DP group led by node 1 come back with
+// its outputs (and those of node 0's group), equal to one node's.
+TEST(MultiNode, HiddenStatesAndRoutedExpertsFromEveryNode) {
   auto ps = test::golden_prompts("v2");
-  using Rows = std::vector<float>;
+  struct Rows {
+    std::vector<float> hidden;
+    std::vector<int32_t> routes;
+  };
   auto run = [&](std::unique_ptr<RankSet> ranks) {
     Engine e(std::move(ranks), test::small_engine_options(true));
     SamplingParams hs;
     hs.temperature = 0.0f;
     hs.return_hidden_states = true;
+    hs.return_routed_experts = true;
     const int32_t groups = static_cast<int32_t>(e.stats().size());
     std::vector<std::future<Rows>> fs;
     for (size_t j = 1; j < 4; ++j) {
@@ -204,7 +208,8 @@ TEST(MultiNode, HiddenStatesFromEveryNode) {
       GenerateRequest g = test::ids_request("h" + std::to_string(j), ps[j], 5,
                                             groups > 1 ? static_cast<int32_t>(j) % groups : -1, &hs);
       g.on_output = [prom, acc](const GenerateOutput& o) {
-        acc->insert(acc->end(), o.hidden_states.begin(), o.hidden_states.end());
+        acc->hidden.insert(acc->hidden.end(), o.hidden_states.begin(), o.hidden_states.end());
+        acc->routes.insert(acc->routes.end(), o.routed_experts.begin(), o.routed_experts.end());
         if (o.finished) prom->set_value(*acc);
       };
       fs.push_back(prom->get_future());
@@ -218,15 +223,24 @@ TEST(MultiNode, HiddenStatesFromEveryNode) {
     test::expect_engine_idle_and_clean(e);
     return out;
   };
-  const std::vector<Rows> ref = run(test::cpu_ranks("v2"));
-  const int64_t H = ModelConfig::from_file(test::golden_dir("v2")).hidden_size;
-  for (size_t j = 1; j < 4; ++j) ASSERT_EQ(static_cast<int64_t>(ref[j - 1].size()), (std::ssize(ps[j]) + 4) * H);
+  ParallelConfig single;
+  single.device = "cpu";
+  single.capture_routes = true;
+  const ModelConfig cfg = ModelConfig::from_file(test::golden_dir("v2"));
+  const std::vector<Rows> ref = run(std::make_unique<RankSet>(cfg, single, test::golden_dir("v2"), LoadOptions{}));
+  for (size_t j = 1; j < 4; ++j) {
+    ASSERT_EQ(std::ssize(ref[j - 1].hidden), (std::ssize(ps[j]) + 4) * cfg.hidden_size);
+    ASSERT_EQ(std::ssize(ref[j - 1].routes), (std::ssize(ps[j]) + 4) * cfg.num_hidden_layers * cfg.num_experts_per_tok);
+  }
   std::vector<Rows> got;
-  two_nodes("v2", 2, 2, [&](std::unique_ptr<RankSet> r0) { got = run(std::move(r0)); });
+  auto capture = [](ParallelConfig& pc) { pc.capture_routes = true; };
+  two_nodes("v2", 2, 2, [&](std::unique_ptr<RankSet> r0) { got = run(std::move(r0)); }, nullptr, capture, capture);
   ASSERT_EQ(got.size(), ref.size());
   for (size_t k = 0; k < ref.size(); ++k) {
-    ASSERT_EQ(got[k].size(), ref[k].size()) << "request " << k;
-    for (size_t i = 0; i < ref[k].size(); ++i) ASSERT_NEAR(got[k][i], ref[k][i], 1e-4f) << "request " << k << " at " << i;
+    EXPECT_EQ(got[k].routes, ref[k].routes) << "request " << k;
+    ASSERT_EQ(got[k].hidden.size(), ref[k].hidden.size()) << "request " << k;
+    for (size_t i = 0; i < ref[k].hidden.size(); ++i)
+      ASSERT_NEAR(got[k].hidden[i], ref[k].hidden[i], 1e-4f) << "request " << k << " at " << i;
   }
 }
 

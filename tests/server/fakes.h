@@ -269,8 +269,14 @@ class FakeEngine : public EngineClient {
   static std::vector<float> fake_hidden_row(int32_t p) {
     return {static_cast<float>(p), static_cast<float>(p) + 0.5f, -0.1f * static_cast<float>(p)};
   }
+  // The fake routed experts at position p (two layers of two, the first dense).
+  static std::vector<int32_t> fake_route_row(int32_t p) { return {0, 0, p % 7, 1000 + p}; }
 
  private:
+  static void append_route_row(std::vector<int32_t>& out, int32_t p) {
+    const std::vector<int32_t> row = fake_route_row(p);
+    out.insert(out.end(), row.begin(), row.end());
+  }
   static void append_hidden_row(std::vector<float>& out, int32_t p) {
     const std::vector<float> row = fake_hidden_row(p);
     out.insert(out.end(), row.begin(), row.end());
@@ -330,11 +336,14 @@ class FakeEngine : public EngineClient {
           }
           // return_hidden_states: rows of kHiddenSize (fake_hidden_row) at every prompt position with the first output,
           // then one per token after the first (the row at the previous token's position, which drew it).
-          const bool hidden = l.req.sampling.return_hidden_states;
+          // return_routed_experts: the same positions' fake_route_row.
+          const bool hidden = l.req.sampling.return_hidden_states, routes = l.req.sampling.return_routed_experts;
           const int32_t P = static_cast<int32_t>(l.req.input_ids.size());
           if (hidden) out.hidden_size = kHiddenSize;
-          if (hidden && l.generated == 0)
-            for (int32_t p = 0; p < P; ++p) append_hidden_row(out.hidden_states, p);
+          for (int32_t p = 0; l.generated == 0 && p < P; ++p) {
+            if (hidden) append_hidden_row(out.hidden_states, p);
+            if (routes) append_route_row(out.routed_experts, p);
+          }
           if (l.req.sampling.max_new_tokens == 0) {
             out.finished = true;
             out.finish.kind = FinishKind::Length;
@@ -347,6 +356,7 @@ class FakeEngine : public EngineClient {
             ++generation_tokens_total_;
             out.new_tokens.push_back(tok);
             if (hidden && l.generated >= 2) append_hidden_row(out.hidden_states, P + l.generated - 2);
+            if (routes && l.generated >= 2) append_route_row(out.routed_experts, P + l.generated - 2);
             if (l.req.sampling.return_logprob) {
               TokenLogprob lp;
               lp.token = tok;

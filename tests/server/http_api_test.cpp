@@ -654,6 +654,58 @@ TEST(HttpApi, ReturnHiddenStates) {
   expect_native(rows, 3, 4, "incremental stream");
 }
 
+// SGLang's return_routed_experts (with --enable-return-routed-experts, else 400): meta_info.routed_experts is the
+// base64 of the little-endian int32 ids of every position's rows (those of return_hidden_states); OpenAI choices
+// carry the same string; per prompt of a batch; --stream-output chunks carry the new rows.
+TEST(HttpApi, ReturnRoutedExperts) {
+  auto decode = [&](const json& v) {
+    return test::int32s_of_base64(v.get<std::string>());
+  };
+  auto want = [](int32_t P, int32_t n) {
+    std::vector<int32_t> ids;
+    for (int32_t p = 0; p < P + n - 1; ++p)
+      for (int32_t v : test::FakeEngine::fake_route_row(p)) ids.push_back(v);
+    return ids;
+  };
+  {
+    TestServer plain;
+    auto r = plain.post("/generate", R"({"input_ids": [5, 6, 7], "return_routed_experts": true})");
+    EXPECT_EQ(r.status, 400);
+    EXPECT_NE(r.body.find("--enable-return-routed-experts"), std::string::npos) << r.body;
+  }
+  ServerOptions o;
+  o.enable_return_routed_experts = true;
+  TestServer s(o);
+  auto r = s.post("/generate", R"({"input_ids": [5, 6, 7], "return_routed_experts": true,
+      "sampling_params": {"max_new_tokens": 3}})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto j = json::parse(r.body);
+  EXPECT_EQ(decode(j["meta_info"]["routed_experts"]), want(3, 3));
+  EXPECT_FALSE(j["meta_info"].contains("hidden_states"));
+  EXPECT_EQ(s.post("/generate", R"({"input_ids": [5], "return_hidden_states": true})").status, 400)
+      << "hidden states need their own flag";
+  r = s.post("/generate", R"({"input_ids": [[5, 6], [7, 8, 9, 10]], "return_routed_experts": [false, true],
+      "sampling_params": {"max_new_tokens": 2}})");
+  j = json::parse(r.body);
+  EXPECT_FALSE(j[0]["meta_info"].contains("routed_experts"));
+  EXPECT_EQ(decode(j[1]["meta_info"]["routed_experts"]), want(4, 2));
+  EXPECT_EQ(s.post("/generate", R"({"input_ids": [5], "return_routed_experts": "yes"})").status, 400);
+  j = json::parse(s.post("/v1/completions", R"({"prompt": "ab", "max_tokens": 3, "return_routed_experts": true})").body);
+  EXPECT_EQ(decode(j["choices"][0]["routed_experts"]), want(j["usage"]["prompt_tokens"].get<int32_t>(), 3));
+  o.stream_output = true;
+  TestServer inc(o);
+  r = inc.post("/generate", R"({"input_ids": [5, 6, 7], "return_routed_experts": true, "stream": true,
+      "sampling_params": {"max_new_tokens": 4}})");
+  auto events = sse_payloads(r.body);
+  std::vector<int32_t> joined;
+  for (size_t e = 0; e + 1 < events.size(); ++e) {
+    const json chunk = json::parse(events[e]);
+    const std::vector<int32_t> part = decode(chunk["meta_info"]["routed_experts"]);
+    joined.insert(joined.end(), part.begin(), part.end());
+  }
+  EXPECT_EQ(joined, want(3, 4));
+}
+
 TEST(HttpApi, CompletionsNonStreamAndStream) {
   TestServer s;
   auto r = s.post("/v1/completions", R"({"model": "fake", "prompt": "hey", "max_tokens": 4, "echo": true})");
