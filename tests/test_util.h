@@ -180,8 +180,10 @@ inline std::string free_loopback_addr() {
 // CPU ranks of the checkpoint in `dir` in a layout (tp ranks, dp attention-DP groups); graph_max_bs > 0 records
 // decode graphs up to that many tokens (GraphRecorder); mtp: with the checkpoint's MTP layer (speculative decoding's
 // drafts).
+// `tune` (may be empty) changes the configuration last.
 inline std::unique_ptr<RankSet> cpu_ranks_at(const std::string& dir, int32_t tp = 1, int32_t dp = 1,
-                                             int32_t graph_max_bs = 0, bool mtp = false, bool expert_parallel = false) {
+                                             int32_t graph_max_bs = 0, bool mtp = false, bool expert_parallel = false,
+                                             const std::function<void(ParallelConfig&)>& tune = {}) {
   ParallelConfig pc;
   pc.tp_size = tp;
   pc.dp_size = dp;
@@ -189,6 +191,7 @@ inline std::unique_ptr<RankSet> cpu_ranks_at(const std::string& dir, int32_t tp 
   pc.device = "cpu";
   pc.backend.cpu_graphs = graph_max_bs > 0;
   pc.cuda_graph_max_bs = graph_max_bs;
+  if (tune) tune(pc);
   ModelConfig c = ModelConfig::from_file(dir);
   if (mtp) c.mtp_layers = 1;
   return std::make_unique<RankSet>(c, pc, dir, LoadOptions{});

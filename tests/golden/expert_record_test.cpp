@@ -55,15 +55,8 @@ using test::memory_op;
 // CPU ranks of a golden family that count the routed experts.
 std::unique_ptr<RankSet> counting_ranks(const std::string& family, int32_t tp, int32_t dp, int32_t graph_max_bs,
                                         bool count = true) {
-  ParallelConfig pc;
-  pc.tp_size = tp;
-  pc.dp_size = dp;
-  pc.device = "cpu";
-  pc.backend.cpu_graphs = graph_max_bs > 0;
-  pc.cuda_graph_max_bs = graph_max_bs;
-  pc.count_experts = count;
-  const std::string dir = test::golden_dir(family);
-  return std::make_unique<RankSet>(ModelConfig::from_file(dir), pc, dir, LoadOptions{});
+  return test::cpu_ranks_at(test::golden_dir(family), tp, dp, graph_max_bs, false, false,
+                            [count](ParallelConfig& pc) { pc.count_experts = count; });
 }
 
 // Runs the prompts (max_new tokens each, greedy, EOS ignored) to the end; the tokens they forwarded (a prompt and

@@ -23,15 +23,8 @@ struct Out {
 };
 
 std::unique_ptr<RankSet> route_ranks(int32_t tp, int32_t dp, int32_t graph_max_bs, bool capture = true) {
-  ParallelConfig pc;
-  pc.tp_size = tp;
-  pc.dp_size = dp;
-  pc.device = "cpu";
-  pc.backend.cpu_graphs = graph_max_bs > 0;
-  pc.cuda_graph_max_bs = graph_max_bs;
-  pc.capture_routes = capture;
-  const std::string dir = test::golden_dir("v2");
-  return std::make_unique<RankSet>(ModelConfig::from_file(dir), pc, dir, LoadOptions{});
+  return test::cpu_ranks_at(test::golden_dir("v2"), tp, dp, graph_max_bs, false, false,
+                            [capture](ParallelConfig& pc) { pc.capture_routes = capture; });
 }
 
 std::future<Out> submit(Engine& e, const std::string& rid, const std::vector<int32_t>& ids, int32_t n,
