@@ -14,6 +14,12 @@ namespace {
 int32_t div_up(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 // The first prompt position whose logit row gives a prompt logprob (that of the token after it).
 int32_t lp_first_row_of(const SamplingParams& sp) { return std::max(sp.logprob_start_len - 1, 0); }
+
+// A row of the request's positions (RowOutputs) kept until its next output.
+void keep_row(Req& r, const RowOutputs& row) {
+  r.hidden.insert(r.hidden.end(), row.hidden.begin(), row.hidden.end());
+  r.routes.insert(r.routes.end(), row.routes.begin(), row.routes.end());
+}
 }  // namespace
 
 std::vector<int32_t> ngram_draft(std::span<const int32_t> seq, int32_t min_n, int32_t max_n, int32_t k) {
@@ -693,10 +699,10 @@ void Scheduler::drop(StepPlan& plan) {
 
 void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled) {
   size_t i = 0;
-  int32_t hidden_rows = 0;  // the step's hidden rows: every new token of the requests wanting their rows
+  int32_t step_rows = 0;  // the step's rows (ForwardBatch::hidden_rows): every new token of the requests wanting them
   const size_t width = static_cast<size_t>(plan.hidden_width), rwidth = static_cast<size_t>(plan.routes_width);
   // Row k of the step for request r (what it asks for), if the position it is of was not collected before.
-  auto hidden_row = [&](Req& r, int32_t k, int32_t pos) -> RowOutputs {
+  auto step_row = [&](Req& r, int32_t k, int32_t pos) -> RowOutputs {
     MLA_CHECK(static_cast<size_t>(k + 1) * width <= plan.hidden.size() && width > 0,
               "scheduler: request {} misses hidden row {} of the step ({} floats of rows of {})", r.rid, k,
               plan.hidden.size(), width);
@@ -710,22 +716,18 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     if (r.sampling.return_routed_experts) row.routes = {plan.routes.data() + static_cast<size_t>(k) * rwidth, rwidth};
     return row;
   };
-  auto keep_row = [](Req& r, const RowOutputs& row) {
-    r.hidden.insert(r.hidden.end(), row.hidden.begin(), row.hidden.end());
-    r.routes.insert(r.routes.end(), row.routes.begin(), row.routes.end());
-  };
   for (ScheduledSeq& s : plan.seqs) {
     Req& r = *s.req;
     --r.plan_refs;
     MLA_CHECK(i + static_cast<size_t>(s.rows()) <= sampled.size(), "scheduler: {} sampled tokens for more rows",
               sampled.size());
-    const int32_t first_hidden = hidden_rows;
-    if (r.sampling.wants_rows()) hidden_rows += s.num_tokens;
+    const int32_t first_row = step_rows;
+    if (r.sampling.wants_rows()) step_rows += s.num_tokens;
     if (s.prefill && r.state != ReqState::Finished && r.state != ReqState::Waiting) {
       cache_prefill(r, s.kv_end);
       if (r.sampling.wants_rows())  // every position of the chunk
         for (int32_t k = 0; k < s.num_tokens; ++k)
-          keep_row(r, hidden_row(r, first_hidden + k, s.kv_end - s.num_tokens + k));
+          keep_row(r, step_row(r, first_row + k, s.kv_end - s.num_tokens + k));
     }
     if (r.state != ReqState::Finished)
       for (int32_t k = 0; k < s.lp_rows; ++k) r.prompt_lps.push_back(sampled[i + static_cast<size_t>(k)].logprob);
@@ -768,12 +770,12 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
         r.draft_skip = r.draft_backoff;
       }
     }
-    // A decode step's hidden rows go with the tokens they drew (the decode token's row, then each kept draft's).
+    // A decode step's rows go with the tokens they drew (the decode token's row, then each kept draft's).
     const bool decode_rows = r.sampling.wants_rows() && !s.prefill;
     for (size_t t = 0; t <= kept && r.state != ReqState::Finished; ++t)
       take_token(r, sampled[first + t], t == 0,
-                 decode_rows ? hidden_row(r, first_hidden + static_cast<int32_t>(t),
-                                          s.kv_end - s.num_tokens + static_cast<int32_t>(t))
+                 decode_rows ? step_row(r, first_row + static_cast<int32_t>(t),
+                                        s.kv_end - s.num_tokens + static_cast<int32_t>(t))
                              : RowOutputs{});
     if (r.state == ReqState::Finished) continue;
     r.model_drafts = sampled[first + kept].drafts;  // the MTP layer's tokens after the last one taken
@@ -786,10 +788,10 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     }
   }
   MLA_CHECK(i == sampled.size(), "scheduler: {} sampled tokens for {} rows", sampled.size(), i);
-  MLA_CHECK(static_cast<size_t>(hidden_rows) * width == plan.hidden.size() &&
-                (plan.routes.empty() || static_cast<size_t>(hidden_rows) * rwidth == plan.routes.size()),
+  MLA_CHECK(static_cast<size_t>(step_rows) * width == plan.hidden.size() &&
+                (plan.routes.empty() || static_cast<size_t>(step_rows) * rwidth == plan.routes.size()),
             "scheduler: {} floats of hidden states and {} routed experts for {} rows of {} / {}", plan.hidden.size(),
-            plan.routes.size(), hidden_rows, width, rwidth);
+            plan.routes.size(), step_rows, width, rwidth);
 }
 
 void Scheduler::take_token(Req& r, const SampleResult& sr, bool pending, const RowOutputs& row) {
@@ -804,8 +806,7 @@ void Scheduler::take_token(Req& r, const SampleResult& sr, bool pending, const R
   }
   r.output.push_back(sr.token);
   const size_t hidden_before = r.hidden.size(), routes_before = r.routes.size();
-  r.hidden.insert(r.hidden.end(), row.hidden.begin(), row.hidden.end());
-  r.routes.insert(r.routes.end(), row.routes.begin(), row.routes.end());
+  keep_row(r, row);
   if (r.sampling.thinking_budget >= 0) {
     if (ends_with(r.output, r.output.size(), r.sampling.think_start_ids))
       r.think_since = static_cast<int32_t>(r.output.size());
