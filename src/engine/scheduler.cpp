@@ -119,7 +119,8 @@ void Scheduler::add(GenerateRequest g) {
     }
     if (r->empty_text) r->sampling.max_new_tokens = 0;
   }
-  if (r->sampling.max_new_tokens == 0 && r->prompt_lps_done) {  // nothing to compute
+  // Nothing to compute (the prompt's rows or logprobs asked for: its prefill runs, its draw is dropped).
+  if (r->sampling.max_new_tokens == 0 && r->prompt_lps_done && !r->sampling.wants_rows()) {
     FinishReason f;
     f.kind = r->empty_text ? FinishKind::Stop : FinishKind::Length;
     r->finish = f;

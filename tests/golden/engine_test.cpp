@@ -859,8 +859,12 @@ TEST_P(EngineTest, HiddenStatesEqualHuggingFace) {
     auto a = submit(*e, "a", prompts_[4], 6, hs);  // cached, computed again in chunks of 48
     auto b = submit(*e, "b", prompts_[3], 5);
     auto c = submit(*e, "c", prompts_[1], 1, hs);  // the prompt's rows only
+    auto z = submit(*e, "z", prompts_[3], 0, hs);  // nothing generated: the prompt's rows still (an embedding)
     auto d = submit(*e, "d", prompts_[2], static_cast<int32_t>(greedy_[2].size()), hs);
-    const Result ra = wait(a), rb = wait(b), rc = wait(c), rd = wait(d);
+    const Result ra = wait(a), rb = wait(b), rc = wait(c), rd = wait(d), rz = wait(z);
+    ASSERT_TRUE(rz.tokens.empty()) << t;
+    ASSERT_EQ(rz.hidden.size(), prompts_[3].size() * static_cast<size_t>(hidden_size_)) << t;
+    for (size_t k = 0; k < rz.hidden.size(); ++k) ASSERT_NEAR(rz.hidden[k], hf_hidden_[3][k], 2e-4f) << t << " " << k;
     check(ra, 4, "a" + t);
     EXPECT_EQ(ra.cached, 0) << t;
     EXPECT_TRUE(rb.hidden.empty()) << t;

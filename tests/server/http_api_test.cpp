@@ -595,6 +595,10 @@ TEST(HttpApi, ReturnHiddenStates) {
       "sampling_params": {"max_new_tokens": 3}})");
   ASSERT_EQ(r.status, 200) << r.body;
   expect_native(json::parse(r.body)["meta_info"]["hidden_states"], 3, 3, "generate");
+  r = s.post("/generate", R"({"input_ids": [5, 6, 7], "return_hidden_states": true,
+      "sampling_params": {"max_new_tokens": 0}})");  // nothing generated: the prompt's rows (an embedding)
+  ASSERT_EQ(r.status, 200) << r.body;
+  expect_native(json::parse(r.body)["meta_info"]["hidden_states"], 3, 1, "no new tokens");
   // SGLang's earlier place for it; a batch with one value per prompt.
   r = s.post("/generate", R"({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2,
       "return_hidden_states": true}})");
