@@ -37,7 +37,7 @@ const Seed kSeeds[] = {
       "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.01, "seed": 3, "stop": ["a", "the"],
       "stop_token_ids": [7], "frequency_penalty": 0.5, "repetition_penalty": 1.1, "min_new_tokens": 1},
       "return_logprob": true, "top_logprobs_num": 2, "logprob_start_len": 0, "return_text_in_logprobs": true,
-      "token_ids_logprob": [[5, 6], [7]]})"},
+      "token_ids_logprob": [[5, 6], [7]], "return_hidden_states": [true, false], "return_routed_experts": true})"},
     {"/generate", R"({"text": ["one", "two"], "stream": true, "rid": ["r1", "r2"], "sampling_params":
       {"max_new_tokens": 5, "regex": "[a-z ]+", "skip_special_tokens": false, "no_stop_trim": true}})"},
     {"/generate", R"({"text": "Answer:", "sampling_params": {"max_new_tokens": 8, "json_schema":
@@ -94,6 +94,7 @@ const char* kKeys[] = {
     "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos",
     "skip_special_tokens", "no_stop_trim", "n", "seed", "min_new_tokens", "logit_bias", "stream", "rid",
     "return_logprob", "top_logprobs_num", "return_text_in_logprobs", "logprob_start_len", "regex", "json_schema",
+    "return_hidden_states", "return_routed_experts",
     "ebnf", "structural_tag", "model", "prompt", "max_tokens", "max_completion_tokens", "min_tokens", "echo",
     "logprobs", "top_logprobs", "suffix", "best_of", "stream_options", "include_usage", "continuous_usage_stats",
     "messages", "role", "content", "tools", "tool_choice", "response_format", "type", "schema", "name", "strict",
@@ -250,7 +251,8 @@ TEST(ServerFuzz, MutatedRequestsGetAnAnswerAndLeaveNoTrace) {
   ASSERT_TRUE(have_deepseek_tokenizer())
       << "the DeepSeek-V3 tokenizer is missing at " << deepseek_tokenizer_dir() << ": run scripts/setup.sh";
   ServerProcess server({"--tool-call-parser", "deepseekv3", "--reasoning-parser", "deepseek-r1",
-                        "--chunked-prefill-size", "64", "--max-body-bytes", "2000000"});
+                        "--chunked-prefill-size", "64", "--max-body-bytes", "2000000", "--enable-return-hidden-states",
+                        "--enable-return-routed-experts"});
   ASSERT_TRUE(server.running()) << server.log();
   const int port = server.port();
 
