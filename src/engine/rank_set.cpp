@@ -5,6 +5,7 @@
 #include <deque>
 
 #include "backend/backend_factory.h"
+#include "backend/cpu/cpu_kernels.h"
 #include "core/log.h"
 #include "parallel/inprocess_communicator.h"
 #ifdef MLASERVE_HAS_CUDA
@@ -160,20 +161,6 @@ int64_t chain_drafts(DeepseekModel& model, Backend& be, KvCache& kv, Tensor& sam
     written += n;
   }
   return written;
-}
-
-// A host tensor's elements as floats (F32, BF16 or F16: the activation types).
-std::vector<float> host_floats(const Tensor& t) {
-  std::vector<float> out(static_cast<size_t>(t.numel()));
-  for (size_t k = 0; k < out.size(); ++k) {
-    switch (t.dtype()) {
-      case DType::F32: out[k] = t.data_as<float>()[k]; break;
-      case DType::BF16: out[k] = bf16_to_f32(t.data_as<uint16_t>()[k]); break;
-      case DType::F16: out[k] = f16_to_f32(t.data_as<uint16_t>()[k]); break;
-      default: fail("hidden states of type {} cannot be read", dtype_name(t.dtype()));
-    }
-  }
-  return out;
 }
 
 // Group g's rows whose logits come back, or null for none.
@@ -657,11 +644,7 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
   h.tickets.assign(ranks_.size(), 0);
   h.logit_tickets.assign(ranks_.size(), 0);
   h.logit_cols.assign(ranks_.size(), 0);
-  h.hidden_tickets.assign(ranks_.size(), 0);
-  h.hidden_shape.assign(ranks_.size(), {0, 0});
-  h.hidden_dtype.assign(ranks_.size(), DType::F32);
-  h.routes_tickets.assign(ranks_.size(), 0);
-  h.routes_layers.assign(ranks_.size(), 0);
+  h.row_downloads.assign(ranks_.size(), {});
   run_on_all(
       [&](int i) {
         Rank& rk = *ranks_[static_cast<size_t>(i)];
@@ -736,14 +719,13 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
         if (leader && !b.hidden_rows.empty()) {  // return_hidden_states: those rows of the final hidden state
           const Tensor& last = rk.model->last_hidden();
           const int64_t n = static_cast<int64_t>(b.hidden_rows.size());
-          for (int32_t r : b.hidden_rows)
-            MLA_CHECK(r >= 0 && r < b.num_tokens(), "step: hidden row {} of group {} is not one of its {} tokens", r, g,
-                      b.num_tokens());
-          Tensor rows = rk.backend->scratch({n, last.size(1)}, last.dtype());
-          rk.backend->gather_rows(last, b.hidden_rows, rows);
-          h.hidden_shape[static_cast<size_t>(i)] = {n, last.size(1)};
-          h.hidden_dtype[static_cast<size_t>(i)] = last.dtype();
-          h.hidden_tickets[static_cast<size_t>(i)] = rk.backend->download_start(rows);
+          Launched::RowDownloads& d = h.row_downloads[static_cast<size_t>(i)];
+          d.rows = n;
+          d.cols = last.size(1);
+          d.dtype = last.dtype();
+          Tensor rows = rk.backend->scratch({n, d.cols}, d.dtype);
+          rk.backend->gather_rows(last, b.hidden_rows, rows);  // (it checks the rows)
+          d.hidden = rk.backend->download_start(rows);
           if (rk.model->captures_routes()) {  // [MoE layers, T of the forward, k]: each row's ids of every layer
             const Tensor& routes = rk.model->last_routes();
             const int64_t M = routes.size(0), Tf = routes.size(1), k = routes.size(2);
@@ -752,8 +734,8 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
               for (int64_t m = 0; m < M; ++m) at.push_back(static_cast<int32_t>(m * Tf + r));
             Tensor picked = rk.backend->scratch({n * M, k}, DType::I32);
             if (M > 0) rk.backend->gather_rows(routes.reshape({M * Tf, k}), at, picked);
-            h.routes_layers[static_cast<size_t>(i)] = M;
-            h.routes_tickets[static_cast<size_t>(i)] = rk.backend->download_start(picked);
+            d.moe_layers = M;
+            d.routes = rk.backend->download_start(picked);
           }
         }
         rk.backend->end_step();
@@ -769,23 +751,22 @@ void RankSet::finish_local(Launched& h) {
         Rank& rk = *ranks_[static_cast<size_t>(i)];
         const int64_t R = h.rows[static_cast<size_t>(i)];
         GroupOutput& o = h.out[static_cast<size_t>(rk.global / at)];
-        const auto [hidden_rows, hidden_cols] = h.hidden_shape[static_cast<size_t>(i)];
         if (R >= 0) finish_rows(rk, h, i, R, o);
-        if (hidden_rows > 0) {  // (downloaded after the ids and the logits)
-          Tensor host = Tensor::empty_host({hidden_rows, hidden_cols}, h.hidden_dtype[static_cast<size_t>(i)]);
-          rk.backend->download_finish(h.hidden_tickets[static_cast<size_t>(i)], host.data());
-          o.hidden = host_floats(host);
-          if (rk.model->captures_routes()) o.routes = all_layers_routes(rk, h, i, hidden_rows);
+        if (const Launched::RowDownloads& d = h.row_downloads[static_cast<size_t>(i)]; d.rows > 0) {
+          Tensor host = Tensor::empty_host({d.rows, d.cols}, d.dtype);  // (downloaded after the ids and the logits)
+          rk.backend->download_finish(d.hidden, host.data());
+          o.hidden.resize(static_cast<size_t>(host.numel()));
+          cpu::convert(host.data(), d.dtype, o.hidden.data(), DType::F32, host.numel());
+          if (rk.model->captures_routes()) o.routes = all_layers_routes(rk, d);
         }
       },
       pc_.step_timeout);
 }
 
-std::vector<int32_t> RankSet::all_layers_routes(Rank& rk, Launched& h, int i, int64_t rows) {
-  const int64_t M = h.routes_layers[static_cast<size_t>(i)], L = config_.num_hidden_layers,
-                k = config_.num_experts_per_tok;
+std::vector<int32_t> RankSet::all_layers_routes(Rank& rk, const Launched::RowDownloads& d) {
+  const int64_t M = d.moe_layers, L = config_.num_hidden_layers, k = config_.num_experts_per_tok, rows = d.rows;
   std::vector<int32_t> moe(static_cast<size_t>(rows * M * k));
-  rk.backend->download_finish(h.routes_tickets[static_cast<size_t>(i)], moe.data());
+  rk.backend->download_finish(d.routes, moe.data());
   std::vector<int32_t> out(static_cast<size_t>(rows * L * k), 0);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t l = 0; l < L; ++l)

@@ -146,13 +146,16 @@ class RankSet {
     std::vector<uint64_t> tickets;    // per local rank: its download
     std::vector<uint64_t> logit_tickets;  // per local rank, with logit rows: their download (after tickets')
     std::vector<int64_t> logit_cols;      // and their columns
-    // Per local rank, with hidden rows (ForwardBatch::hidden_rows, its group's leading rank): their download (after
-    // the others), its shape and element type.
-    std::vector<uint64_t> hidden_tickets;
-    std::vector<std::pair<int64_t, int64_t>> hidden_shape;
-    std::vector<DType> hidden_dtype;
-    std::vector<uint64_t> routes_tickets;  // and, capturing routes, those rows' [MoE layers, k] ids
-    std::vector<int64_t> routes_layers;
+    // Per local rank, with hidden rows (ForwardBatch::hidden_rows, its group's leading rank): their downloads, after
+    // the others (rows 0: none).
+    struct RowDownloads {
+      int64_t rows = 0, cols = 0;
+      DType dtype = DType::F32;
+      uint64_t hidden = 0;
+      uint64_t routes = 0;  // capturing routes: the rows' [MoE layers, k] ids
+      int64_t moe_layers = 0;
+    };
+    std::vector<RowDownloads> row_downloads;
     LogitRows logit_rows;
     // Chained MTP drafts: the drafts per logit row (GroupOutput::drafts' width; 0 without chains) and per local rank
     // the place (row * width + column) of each chained draft it downloads after the first drafts, in order.
@@ -206,8 +209,8 @@ class RankSet {
   void finish_local(Launched& h);
   // A leading rank's sampled ids, drafts and logits (R logit rows) into o.
   void finish_rows(Rank& rk, Launched& h, int i, int64_t R, GroupOutput& o);
-  // A leading rank's routed experts of `rows` hidden rows, every layer's (dense layers 0).
-  std::vector<int32_t> all_layers_routes(Rank& rk, Launched& h, int i, int64_t rows);
+  // A leading rank's routed experts of its hidden rows, every layer's (dense layers 0).
+  std::vector<int32_t> all_layers_routes(Rank& rk, const Launched::RowDownloads& d);
   void follow_steps();  // follow()'s loop
   // Node 0, with other nodes: finish() of a step they run too (they finish it alongside and send their outputs).
   std::vector<GroupOutput> finish_remote(Launched& h);
