@@ -630,7 +630,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_flag("--enable-return-routed-experts", a->enable_return_routed_experts,
                "requests may ask for return_routed_experts: every position's routed experts per layer, as SGLang's");
   app.add_option("--reasoning-parser", a->reasoning_parser,
-                 "split chat output into reasoning_content and content (deepseek-r1, or vLLM's deepseek_r1)");
+                 "split chat output into reasoning_content and content (deepseek-r1; deepseek-v3: V3.1's, when "
+                 "chat_template_kwargs turn thinking on; or vLLM's deepseek_r1 / deepseek_v3)");
   app.add_option("--tool-call-parser", a->tool_call_parser,
                  "parse tool calls out of chat output (deepseekv3; deepseekv31: V3.1's call form for tool_choice)");
   app.add_option("--chat-template", a->chat_template, "a Jinja chat template file replacing the tokenizer's");
@@ -769,7 +770,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     }
     s.origins = parse_origins(s.allowed_origins);
     MLA_CHECK(s.reasoning_parser.empty() || server::known_reasoning_parser(s.reasoning_parser),
-              "--reasoning-parser '{}' is not known (known: deepseek-r1, or vLLM's deepseek_r1)", s.reasoning_parser);
+              "--reasoning-parser '{}' is not known (known: deepseek-r1, deepseek-v3, or vLLM's deepseek_r1, "
+              "deepseek_v3)", s.reasoning_parser);
     MLA_CHECK(s.tool_call_parser.empty() || server::known_tool_call_parser(s.tool_call_parser),
               "--tool-call-parser '{}' is not known (known: deepseekv3, deepseek_v3, deepseekv31, deepseek_v31)",
               s.tool_call_parser);

@@ -984,7 +984,8 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                          pr.return_text_in_logprobs,
                          pr.sampling.logprob_start_len >= 0,
                          pr.prompt_logprobs,
-                         pr.api == ApiKind::Chat && !opts_.reasoning_parser.empty() && pr.separate_reasoning,
+                         pr.api == ApiKind::Chat && pr.separate_reasoning &&
+                             reasoning_split(opts_.reasoning_parser, pr.chat_template_kwargs),
                          parse_tools,
                          pr.parallel_tool_calls,
                          pr.echo,

@@ -1,6 +1,7 @@
 #include "server/text_stream.h"
 
 #include <algorithm>
+#include <nlohmann/json.hpp>
 
 namespace mlaserve::server {
 namespace {
@@ -112,7 +113,22 @@ namespace {
 constexpr std::string_view kThinkStart = "<think>", kThinkEnd = "</think>";
 }  // namespace
 
-bool known_reasoning_parser(const std::string& name) { return name == "deepseek-r1" || name == "deepseek_r1"; }
+namespace {
+bool r1_parser(const std::string& name) { return name == "deepseek-r1" || name == "deepseek_r1"; }
+bool v3_parser(const std::string& name) { return name == "deepseek-v3" || name == "deepseek_v3"; }
+bool truthy(const nlohmann::json& kwargs, const char* key) {
+  const auto it = kwargs.find(key);
+  return it != kwargs.end() && (it->is_boolean() ? it->get<bool>() : it->is_number() ? *it != 0 : false);
+}
+}  // namespace
+
+bool known_reasoning_parser(const std::string& name) { return r1_parser(name) || v3_parser(name); }
+
+bool reasoning_split(const std::string& parser, const nlohmann::json& chat_template_kwargs) {
+  if (r1_parser(parser)) return true;
+  return v3_parser(parser) && chat_template_kwargs.is_object() &&
+         (truthy(chat_template_kwargs, "thinking") || truthy(chat_template_kwargs, "enable_thinking"));
+}
 
 ReasoningSplitter::Parts ReasoningSplitter::push(std::string_view text) {
   Parts out;

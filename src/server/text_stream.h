@@ -8,6 +8,8 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "server/text_codec.h"
 
 namespace mlaserve::server {
@@ -83,5 +85,9 @@ size_t leading_space(std::string_view s);
 
 // The reasoning parsers `--reasoning-parser` takes (the model families whose output ReasoningSplitter splits).
 bool known_reasoning_parser(const std::string& name);
+// Whether the reasoning parser `parser` splits a chat request's output, given its chat_template_kwargs (an object or
+// null): deepseek-r1 always; deepseek-v3 (SGLang's; vLLM's deepseek_v3), for the hybrid DeepSeek-V3.1 whose template
+// opens the thinking only when asked, when the kwargs turn "thinking" (or "enable_thinking") on.
+bool reasoning_split(const std::string& parser, const nlohmann::json& chat_template_kwargs);
 
 }  // namespace mlaserve::server

@@ -876,6 +876,44 @@ TEST(HttpApi, ReasoningContentAndTemplateKwargs) {
   EXPECT_NE(bad.body.find("chat_template_kwargs"), std::string::npos);
 }
 
+// --reasoning-parser deepseek-v3 (the hybrid DeepSeek-V3.1, SGLang's name; vLLM's deepseek_v3): the output is split
+// only when chat_template_kwargs turn thinking on; otherwise all of it is content, "</think>" included.
+TEST(HttpApi, ReasoningParserV3FollowsThinking) {
+  ServerOptions o;
+  o.reasoning_parser = "deepseek-v3";
+  TestServer s(o);
+  const std::string script = "<bos>[user]why</think>so[assistant]";
+  const auto body = [&](const std::string& kwargs, bool stream) {
+    return R"({"messages": [{"role": "user", "content": "why</think>so"}], "max_tokens": )" +
+           std::to_string(script.size()) + (kwargs.empty() ? "" : R"(, "chat_template_kwargs": )" + kwargs) +
+           (stream ? R"(, "stream": true})" : "}");
+  };
+  for (const std::string kwargs : {"", "{}", R"({"thinking": false})"}) {
+    auto r = s.post("/v1/chat/completions", body(kwargs, false));
+    ASSERT_EQ(r.status, 200) << r.body;
+    const auto msg = json::parse(r.body)["choices"][0]["message"];
+    EXPECT_EQ(msg["content"], script) << kwargs;
+    EXPECT_TRUE(!msg.contains("reasoning_content") || msg["reasoning_content"].is_null()) << kwargs;
+  }
+  for (const std::string kwargs : {R"({"thinking": true})", R"({"enable_thinking": true})"}) {
+    auto r = s.post("/v1/chat/completions", body(kwargs, false));
+    ASSERT_EQ(r.status, 200) << r.body;
+    const auto msg = json::parse(r.body)["choices"][0]["message"];
+    EXPECT_EQ(msg["reasoning_content"], "<bos>[user]why") << kwargs;
+    EXPECT_EQ(msg["content"], "so[assistant]") << kwargs;
+    std::string reasoning, content;
+    for (const auto& e : sse_payloads(s.post("/v1/chat/completions", body(kwargs, true)).body)) {
+      if (e == "[DONE]") continue;
+      const auto d = json::parse(e)["choices"][0]["delta"];
+      if (d.contains("reasoning_content") && d["reasoning_content"].is_string())
+        reasoning += d["reasoning_content"].get<std::string>();
+      if (d.contains("content") && d["content"].is_string()) content += d["content"].get<std::string>();
+    }
+    EXPECT_EQ(reasoning, "<bos>[user]why") << kwargs;
+    EXPECT_EQ(content, "so[assistant]") << kwargs;
+  }
+}
+
 // Two tool calls (f with {"a": 1}, then g with {}) in DeepSeek's markers, as the model writes them.
 const std::string kCallsFG =
     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜>\n"

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include "fakes.h"
 
 namespace mlaserve::server {
@@ -156,6 +158,20 @@ TEST(ReasoningSplitter, SplitsAtTheEndTagWhateverThePieces) {
   EXPECT_TRUE(known_reasoning_parser("deepseek-r1"));
   EXPECT_TRUE(known_reasoning_parser("deepseek_r1"));  // vLLM's name
   EXPECT_FALSE(known_reasoning_parser("r2"));
+  EXPECT_TRUE(known_reasoning_parser("deepseek-v3"));
+  EXPECT_TRUE(known_reasoning_parser("deepseek_v3"));
+  // deepseek-r1 splits every request; deepseek-v3 (the hybrid V3.1) only those that turn thinking on
+  const auto kw = [](const char* s) { return nlohmann::json::parse(s); };
+  EXPECT_TRUE(reasoning_split("deepseek-r1", kw("{}")));
+  EXPECT_TRUE(reasoning_split("deepseek_r1", kw("null")));
+  EXPECT_FALSE(reasoning_split("deepseek-v3", kw("{}")));
+  EXPECT_FALSE(reasoning_split("deepseek-v3", kw("null")));
+  EXPECT_FALSE(reasoning_split("deepseek-v3", kw(R"({"thinking": false})")));
+  EXPECT_FALSE(reasoning_split("deepseek-v3", kw(R"({"thinking": "yes"})")));
+  EXPECT_TRUE(reasoning_split("deepseek-v3", kw(R"({"thinking": true})")));
+  EXPECT_TRUE(reasoning_split("deepseek_v3", kw(R"({"enable_thinking": true})")));
+  EXPECT_TRUE(reasoning_split("deepseek-v3", kw(R"({"thinking": 1})")));
+  EXPECT_FALSE(reasoning_split("", kw(R"({"thinking": true})")));
 }
 
 }  // namespace
