@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 
 namespace mlaserve {
 
@@ -43,6 +44,34 @@ void Backend::download_finish(uint64_t ticket, void* dst) {
   const std::vector<char>& b = done_downloads_.front().second;
   if (!b.empty()) std::memcpy(dst, b.data(), b.size());
   done_downloads_.pop_front();
+}
+
+void* Backend::alloc_host(size_t bytes) {
+  void* p = ::operator new(std::max<size_t>(bytes, 1), std::align_val_t{64});
+  std::memset(p, 0, bytes);
+  return p;
+}
+
+void Backend::free_host(void* p) { ::operator delete(p, std::align_val_t{64}); }
+
+void Backend::copy_kv_pages(std::span<Tensor* const> layers, int32_t page_size, char* host,
+                            std::span<const int32_t> saves, std::span<const int32_t> loads) {
+  size_t block = 0;
+  for (const Tensor* t : layers) block += static_cast<size_t>(page_size) * (t->nbytes() / static_cast<size_t>(t->size(0)));
+  for (const bool to_host : {true, false}) {
+    const std::span<const int32_t> pairs = to_host ? saves : loads;
+    for (size_t i = 0; i + 1 < pairs.size(); i += 2) {
+      const int32_t page = to_host ? pairs[i] : pairs[i + 1], slot = to_host ? pairs[i + 1] : pairs[i];
+      char* h = host + static_cast<size_t>(slot) * block;
+      for (Tensor* t : layers) {
+        const size_t bytes = static_cast<size_t>(page_size) * (t->nbytes() / static_cast<size_t>(t->size(0)));
+        char* d = static_cast<char*>(t->data()) + static_cast<size_t>(page) * bytes;
+        if (to_host) std::memcpy(h, d, bytes);
+        else std::memcpy(d, h, bytes);
+        h += bytes;
+      }
+    }
+  }
 }
 
 int64_t shared_experts_width(const Tensor& x, const Tensor* gate_up, const Tensor* down, const Tensor& out) {

@@ -35,6 +35,12 @@ class ForwardingBackend : public Backend {
   void fill_random(Tensor& t, uint64_t s, float m, float sd, int64_t fc, int64_t ro, int64_t co) override {
     b_.fill_random(t, s, m, sd, fc, ro, co);
   }
+  void* alloc_host(size_t n) override { return b_.alloc_host(n); }
+  void free_host(void* p) override { b_.free_host(p); }
+  void copy_kv_pages(std::span<Tensor* const> l, int32_t ps, char* h, std::span<const int32_t> s,
+                     std::span<const int32_t> ld) override {
+    b_.copy_kv_pages(l, ps, h, s, ld);
+  }
   void begin_step(const ForwardBatch& b) override { b_.begin_step(b); }
   void resolve_prev_ids(const Tensor& p) override { b_.resolve_prev_ids(p); }
   void set_input_ids(std::span<const int32_t> ids) override { b_.set_input_ids(ids); }

@@ -46,6 +46,9 @@ struct ServeArgs {
   int port = 30000;
   int32_t tp = 1, dp = 1;
   bool enable_dp_attention = false, disable_radix_cache = false, trust_remote_code = false;
+  bool hierarchical_cache = false;  // SGLang's --enable-hierarchical-cache (vLLM's --kv-offloading-size)
+  double hicache_ratio = 2.0, hicache_size = 0.0, kv_offloading_size = 0.0;
+  std::string hicache_write_policy = "write_through_selective";
   bool expert_parallel = false;  // vLLM's --enable-expert-parallel, SGLang's --enable-ep-moe / --ep-size = --tp
   int32_t ep_size = 0;           // SGLang's --ep-size (0: not given)
   std::string load_format = "auto", dtype = "auto", quantization, kv_cache_dtype = "auto";
@@ -374,6 +377,10 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["enable_dp_attention"] = a.enable_dp_attention;
   j["ep_size"] = a.expert_parallel ? a.tp : 1;
   j["disable_radix_cache"] = a.disable_radix_cache;
+  j["enable_hierarchical_cache"] = a.hierarchical_cache || a.kv_offloading_size > 0.0;
+  j["hicache_ratio"] = a.hicache_ratio;
+  j["hicache_size"] = a.hicache_size;
+  j["hicache_write_policy"] = a.hicache_write_policy;
   j["load_format"] = a.load_format;
   j["dtype"] = a.dtype;
   j["kv_cache_dtype"] = a.kv_cache_dtype;
@@ -517,6 +524,16 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--ep-size,--expert-parallel-size", a->ep_size,
                  "SGLang's: --tp (routed experts split by expert) or 1 (by width)");
   app.add_flag("--disable-radix-cache,--no-enable-prefix-caching", a->disable_radix_cache, "no prefix cache");
+  app.add_flag("--enable-hierarchical-cache", a->hierarchical_cache,
+               "the prefix cache keeps pages it evicts from the device in host memory and copies them back on a hit");
+  app.add_option("--hicache-ratio", a->hicache_ratio, "host tier size: this many times the device's KV pool")
+      ->capture_default_str();
+  app.add_option("--hicache-size", a->hicache_size, "host tier size per rank in GiB (overrides --hicache-ratio)");
+  app.add_option("--hicache-write-policy", a->hicache_write_policy,
+                 "write_back | write_through | write_through_selective (pages are written when they leave the "
+                 "device, whichever is given)");
+  app.add_option("--kv-offloading-size", a->kv_offloading_size,
+                 "vLLM's: a host tier of this many GiB over all ranks (the hierarchical cache)");
   app.add_flag("--trust-remote-code", a->trust_remote_code, "accepted for compatibility; no effect");
   app.add_option("--load-format", a->load_format, "auto|safetensors|dummy")->capture_default_str();
   app.add_option("--dtype", a->dtype, "auto|bfloat16")->capture_default_str();
@@ -655,7 +672,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
         "--skip-server-warmup", "--log-requests", "--disable-log-requests", "--disable-log-stats",
         "--enable-auto-tool-choice", "--enable-prefix-caching", "--enable-dp-lm-head", "--enable-two-batch-overlap",
         "--disable-shared-experts-fusion", "--enable-flashinfer-mla", "--disable-cuda-graph-padding",
-        "--show-time-cost", "--enable-nan-detection", "--enable-nccl-nvls", "--enable-hierarchical-cache",
+        "--show-time-cost", "--enable-nan-detection", "--enable-nccl-nvls",
         "--enable-deepep-moe", "--enable-eplb", "--enable-chunked-prefill",
         "--no-enable-chunked-prefill", "--async-scheduling", "--enable-memory-saver", "--sleep-on-idle", "--enable-symm-mem", "--disable-fastapi-docs",
         "--weight-loader-disable-mmap", "--disable-async-output-proc", "--multi-step-stream-outputs",
@@ -670,8 +687,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
         "--file-storage-path", "--moe-a2a-backend", "--deepep-mode", "--nccl-port", "--swap-space",
         "--uvicorn-log-level", "--distributed-executor-backend", "--compilation-config", "--max-seq-len-to-capture",
         "--ep-num-redundant-experts", "--init-expert-location", "--crash-dump-folder", "--num-scheduler-steps",
-        "--scheduler-delay-factor", "--preemption-mode", "--num-reserved-decode-tokens", "--hicache-ratio",
-        "--hicache-size", "--hicache-write-policy", "--otlp-traces-endpoint", "--collect-detailed-traces",
+        "--scheduler-delay-factor", "--preemption-mode", "--num-reserved-decode-tokens", "--hicache-io-backend",
+        "--hicache-mem-layout", "--kv-offloading-backend", "--otlp-traces-endpoint", "--collect-detailed-traces",
         "--tokenizer-revision", "--code-revision", "--max-num-partial-prefills", "--long-prefill-token-threshold"}) {
     const bool list = std::string_view(opt) == "--cuda-graph-bs";
     app.add_option_function<std::vector<std::string>>(
@@ -810,6 +827,14 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     ea.model_overrides = s.model_overrides;
     ea.chunked_prefill_size = s.chunked_prefill_size;
     ea.disable_radix_cache = s.disable_radix_cache;
+    MLA_CHECK(s.hicache_write_policy == "write_back" || s.hicache_write_policy == "write_through" ||
+                  s.hicache_write_policy == "write_through_selective",
+              "--hicache-write-policy: expected write_back, write_through or write_through_selective, got '{}'",
+              s.hicache_write_policy);
+    MLA_CHECK(s.kv_offloading_size >= 0.0, "--kv-offloading-size must be >= 0, got {}", s.kv_offloading_size);
+    ea.enable_hierarchical_cache = s.hierarchical_cache || s.kv_offloading_size > 0.0;
+    ea.hicache_ratio = s.hicache_ratio;
+    ea.hicache_size = s.kv_offloading_size > 0.0 && s.hicache_size <= 0.0 ? s.kv_offloading_size / s.tp : s.hicache_size;
     ea.context_length = s.context_length;
     ea.extra_eos_token_ids = generation_config_eos(s.model_path);
     ea.nnodes = s.nnodes;

@@ -30,7 +30,9 @@ Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
   const ModelConfig& cfg = ranks_->config();
   if (opts_.context_len <= 0) opts_.context_len = cfg.max_position_embeddings;
   MLA_CHECK(opts_.num_pages > 0, "engine: the KV pool has no pages");
-  ranks_->allocate_kv(opts_.num_pages, opts_.page_size);
+  MLA_CHECK(opts_.host_pages == 0 || opts_.enable_radix_cache,
+            "the hierarchical cache keeps the prefix cache's pages: it needs the radix cache (no --disable-radix-cache)");
+  ranks_->allocate_kv(opts_.num_pages, opts_.page_size, opts_.host_pages);
   SchedulerConfig sc;
   sc.page_size = opts_.page_size;
   sc.num_pages = opts_.num_pages;
@@ -52,6 +54,7 @@ Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
             "speculative decoding: draft tokens {} must be >= 0 and the n-gram sizes 1 <= {} <= {}",
             opts_.spec_draft_tokens, opts_.spec_ngram_min, opts_.spec_ngram_max);
   sc.enable_radix_cache = opts_.enable_radix_cache;
+  sc.host_pages = opts_.host_pages;
   sc.eos_token_ids = opts_.eos_token_ids;
   for (int32_t g = 0; g < ranks_->dp_groups(); ++g) scheds_.push_back(std::make_unique<Scheduler>(sc));
   if (const char* e = std::getenv("MLASERVE_CHECK_INTEGRITY"); e && *e && *e != '0') opts_.check_integrity = true;
@@ -807,6 +810,8 @@ void Engine::step() {
   const bool traced = trace_.active();
   const nlohmann::json args = traced ? step_args(plans) : nlohmann::json();
   if (traced) trace_.span("schedule", false, t0, t1);
+  for (size_t g = 0; g < groups; ++g)
+    if (!plans[g].empty()) scheds_[g]->take_copies(plans[g]);
   LogitRows logit_rows;
   std::vector<std::vector<SampleResult>> sampled;
   try {
@@ -856,7 +861,10 @@ bool Engine::launch(std::vector<StepPlan> plans) {
   const size_t groups = scheds_.size();
   std::vector<const ForwardBatch*> batches(groups, nullptr);
   for (size_t g = 0; g < groups; ++g)
-    if (!plans[g].empty()) batches[g] = &plans[g].batch;
+    if (!plans[g].empty()) {
+      scheds_[g]->take_copies(plans[g]);
+      batches[g] = &plans[g].batch;
+    }
   LogitRows logit_rows;
   InFlight f;
   try {

@@ -28,6 +28,7 @@ struct EngineOptions {
   int32_t chunked_prefill_size = 8192;  // per DP group
   int64_t context_len = 0;
   bool enable_radix_cache = true;
+  int32_t host_pages = 0;  // per DP group: the hierarchical cache's host tier (SchedulerConfig::host_pages); 0: none
   bool check_integrity = false;  // after every step (tests)
   std::string load_balance_method = "round_robin";
   // Overlap scheduling: plan and launch step N+1 while step N runs (tokens sampled in N reach N+1 on the device;

@@ -160,11 +160,14 @@ struct RankStats {
   int64_t kv_tokens_total = 0;
   int64_t kv_tokens_free = 0;    // free pages * page size
   int64_t kv_tokens_cached = 0;  // held only by the prefix cache (evictable)
+  int64_t kv_host_tokens_total = 0;   // the hierarchical cache's host tier (0: none)
+  int64_t kv_host_tokens_cached = 0;  // of those, holding the prefix cache's evicted pages
   int32_t num_running_reqs = 0;
   int32_t num_queue_reqs = 0;
   int64_t prompt_tokens_total = 0;      // counters since start
   int64_t generation_tokens_total = 0;
   int64_t cached_prompt_tokens_total = 0;
+  int64_t host_loaded_tokens_total = 0;  // of those, copied back from the host tier
   int64_t num_requests_finished = 0;
   int64_t num_retractions = 0;
   int64_t forward_steps = 0;
@@ -310,6 +313,11 @@ struct EngineArgs {
   double mem_fraction_static = 0.0;  // 0: backend default
   int32_t chunked_prefill_size = 8192;
   bool disable_radix_cache = false;
+  // SGLang's hierarchical cache: the prefix cache keeps pages it evicts from the device in host memory (per rank:
+  // hicache_size GiB when > 0, else hicache_ratio times the device's KV pool) and copies them back on a hit.
+  bool enable_hierarchical_cache = false;
+  double hicache_ratio = 2.0;
+  double hicache_size = 0.0;
   bool disable_overlap_schedule = false;
   bool priority_scheduling = false;  // EngineOptions::priority_scheduling
   bool priority_preemption = false;  // EngineOptions::priority_preemption

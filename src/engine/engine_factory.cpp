@@ -2,6 +2,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <fstream>
+#include <string>
 
 #include <nlohmann/json.hpp>
 
@@ -55,6 +57,41 @@ ModelConfig run_config(const EngineArgs& a) {
   return cfg;
 }
 
+// Host memory this machine has available (MemAvailable), in bytes.
+int64_t host_bytes_available() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  int64_t kb = 0;
+  std::string unit;
+  while (f >> key >> kb >> unit)
+    if (key == "MemAvailable:") return kb * 1024;
+  return static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+}
+
+// The hierarchical cache's host slots per DP group (every rank of the group keeps that many pages in host memory):
+// --hicache-size GiB per rank when > 0, else --hicache-ratio times the device's pool. Refused when the host memory of
+// every rank of this process is more than the machine has available.
+int32_t host_pages(const EngineArgs& a, int32_t num_pages, int64_t bytes_per_token) {
+  MLA_CHECK(!a.disable_radix_cache, "--enable-hierarchical-cache keeps the prefix cache's evicted pages in host memory: "
+            "it needs the prefix cache (drop --disable-radix-cache)");
+  MLA_CHECK(a.hicache_ratio >= 0.0 && a.hicache_size >= 0.0, "--hicache-ratio ({}) and --hicache-size ({}) must be >= 0",
+            a.hicache_ratio, a.hicache_size);
+  const int64_t page_bytes = bytes_per_token * a.page_size;
+  const double pages = a.hicache_size > 0.0 ? a.hicache_size * static_cast<double>(int64_t{1} << 30) / page_bytes
+                                            : a.hicache_ratio * num_pages;
+  MLA_CHECK(pages >= 1.0, "--enable-hierarchical-cache: --hicache-size {} / --hicache-ratio {} give the host tier no "
+            "page of {} bytes", a.hicache_size, a.hicache_ratio, page_bytes);
+  const int64_t n = static_cast<int64_t>(std::min(pages, 2.0e9));
+  const int64_t ranks_here = std::max(1, a.tp_size / std::max(1, a.nnodes)) * (a.enable_dp_attention ? 1 : a.dp_size);
+  const int64_t want = n * page_bytes * ranks_here, have = host_bytes_available();
+  MLA_CHECK(want <= have, "--enable-hierarchical-cache: the host tier needs {:.2f} GiB of host memory ({} rank(s) x {} "
+            "pages of {} bytes) but {:.2f} GiB is available; lower --hicache-ratio or --hicache-size",
+            static_cast<double>(want) / (1 << 30), ranks_here, n, page_bytes, static_cast<double>(have) / (1 << 30));
+  MLA_LOG_INFO("hierarchical cache: a host tier of {} tokens ({} pages, {:.2f} GiB) per rank", n * a.page_size, n,
+               static_cast<double>(n * page_bytes) / (1 << 30));
+  return static_cast<int32_t>(n);
+}
+
 std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfig& cfg, int32_t dp_groups,
                                            int32_t replica = 0) {
   ParallelConfig pc = parallel_config(a, dp_groups);
@@ -101,6 +138,7 @@ std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfi
   }
   o.num_pages = static_cast<int32_t>(tokens / a.page_size);
   MLA_CHECK(o.num_pages > 0, "the KV cache would hold no page of {} tokens", a.page_size);
+  if (a.enable_hierarchical_cache) o.host_pages = host_pages(a, o.num_pages, bpt);
   o.max_running_requests = a.max_running_requests > 0 ? a.max_running_requests : 256;
   MLA_LOG_INFO("KV cache per rank: {} tokens ({} pages of {}), {:.2f} GiB; max running requests {} per DP group",
                static_cast<int64_t>(o.num_pages) * a.page_size, o.num_pages, a.page_size,

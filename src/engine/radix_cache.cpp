@@ -11,12 +11,18 @@ namespace mlaserve {
 
 struct RadixCache::Node {
   Node* parent = nullptr;
-  std::vector<int32_t> key;    // tokens of this edge: pages.size() * page_size
-  std::vector<int32_t> pages;
+  std::vector<int32_t> key;    // tokens of this edge: num_pages() * page_size
+  std::vector<int32_t> pages;  // on the device: its pages; else empty and
+  std::vector<int32_t> host;   // on the host tier: its slots
   // Children keyed by the tokens of their first page.
   std::map<std::vector<int32_t>, std::unique_ptr<Node>> children;
   int32_t lock_ref = 0;
   uint64_t last_access = 0;
+  bool on_device() const { return !pages.empty(); }
+  size_t num_pages() const { return pages.empty() ? host.size() : pages.size(); }
+  bool has_device_child() const {
+    return std::any_of(children.begin(), children.end(), [](const auto& c) { return c.second->on_device(); });
+  }
 };
 
 RadixCache::RadixCache(int32_t page_size, PagePool& pool, bool enabled)
@@ -39,25 +45,114 @@ RadixCache::Match RadixCache::match_prefix(std::span<const int32_t> tokens, int3
   const size_t limit = std::min(tokens.size(), static_cast<size_t>(std::max(0, max_tokens))) / P * P;
   Node* node = root_.get();
   size_t pos = 0;
+  std::vector<Node*> on_host;  // the matched edges past the device part, top down
   while (pos < limit) {
     std::vector<int32_t> first(tokens.begin() + pos, tokens.begin() + pos + P);
     auto it = node->children.find(first);
     if (it == node->children.end()) break;
     Node* child = it->second.get();
     size_t pages = 0;  // pages of this edge that match
-    while (pages < child->pages.size() && pos + (pages + 1) * P <= limit &&
+    while (pages < child->num_pages() && pos + (pages + 1) * P <= limit &&
            std::equal(child->key.begin() + pages * P, child->key.begin() + (pages + 1) * P, tokens.begin() + pos + pages * P))
       ++pages;
     if (pages == 0) break;
-    if (pages < child->pages.size()) child = split(child, pages);
-    m.pages.insert(m.pages.end(), child->pages.begin(), child->pages.end());
+    if (pages < child->num_pages()) child = split(child, pages);
+    if (child->on_device() && on_host.empty()) {
+      m.pages.insert(m.pages.end(), child->pages.begin(), child->pages.end());
+      m.tokens = static_cast<int32_t>(pos + pages * P);
+      m.node = child;
+    } else {
+      on_host.push_back(child);
+    }
     pos += pages * P;
     node = child;
   }
-  m.tokens = static_cast<int32_t>(pos);
-  m.node = node;
-  touch(node);
+  if (!on_host.empty() && load(on_host)) {
+    for (Node* n : on_host) m.pages.insert(m.pages.end(), n->pages.begin(), n->pages.end());
+    m.loaded_tokens = static_cast<int32_t>(pos) - m.tokens;
+    m.tokens = static_cast<int32_t>(pos);
+    m.node = on_host.back();
+  }
+  touch(m.node);
   return m;
+}
+
+bool RadixCache::load(const std::vector<Node*>& path) {
+  int32_t need = 0;
+  for (Node* n : path) need += static_cast<int32_t>(n->num_pages());
+  // The path's lock keeps it (and the device part above it) from being evicted for its own pages.
+  lock(path.back());
+  if (pool_.num_free() < need) evict(need - pool_.num_free());
+  auto got = pool_.num_free() >= need ? pool_.alloc(need) : std::nullopt;
+  if (!got) {
+    unlock(path.back());
+    return false;
+  }
+  size_t at = 0;
+  for (Node* n : path) {
+    MLA_CHECK(!n->on_device(), "radix cache: loading an edge that is on the device");
+    const size_t np = n->host.size();
+    n->pages.assign(got->begin() + static_cast<int64_t>(at), got->begin() + static_cast<int64_t>(at + np));
+    for (size_t i = 0; i < np; ++i) {
+      pending_.loads.push_back(n->host[i]);
+      pending_.loads.push_back(n->pages[i]);
+    }
+    slots_after_step_.insert(slots_after_step_.end(), n->host.begin(), n->host.end());
+    n->host.clear();
+    cached_pages_ += static_cast<int32_t>(np);  // locked: not evictable yet
+    at += np;
+  }
+  pins_.push_back(path.back());  // the step that loads them unpins them
+  return true;
+}
+
+void RadixCache::enable_host_tier(int32_t host_slots) {
+  MLA_CHECK(cached_pages_ == 0 && root_->children.empty(), "radix cache: the host tier is enabled before caching");
+  if (!enabled_ || host_slots <= 0) return;
+  host_pool_ = std::make_unique<PagePool>(host_slots);
+}
+
+int32_t RadixCache::host_slots() const { return host_pool_ ? host_pool_->num_pages() : 0; }
+
+int32_t RadixCache::host_cached_slots() const {
+  return host_pool_ ? host_pool_->num_pages() - host_pool_->num_free() : 0;
+}
+
+RadixCache::Copies RadixCache::take_copies() {
+  Copies out = std::move(pending_);
+  pending_ = Copies{};
+  for (Node* n : pins_) unlock(n);
+  pins_.clear();
+  if (host_pool_ && !slots_after_step_.empty()) host_pool_->free(slots_after_step_);
+  slots_after_step_.clear();
+  return out;
+}
+
+bool RadixCache::free_host_slots(int32_t n) {
+  if (!host_pool_) return false;
+  if (host_pool_->num_free() >= n) return true;
+  auto cmp = [](Node* a, Node* b) { return a->last_access > b->last_access; };
+  std::priority_queue<Node*, std::vector<Node*>, decltype(cmp)> heap(cmp);
+  const auto droppable = [&](const Node* x) {
+    return x != root_.get() && !x->on_device() && x->children.empty() && x->lock_ref == 0;
+  };
+  std::vector<Node*> stack{root_.get()};
+  while (!stack.empty()) {
+    Node* x = stack.back();
+    stack.pop_back();
+    for (auto& [_, c] : x->children) stack.push_back(c.get());
+    if (droppable(x)) heap.push(x);
+  }
+  while (host_pool_->num_free() < n && !heap.empty()) {
+    Node* x = heap.top();
+    heap.pop();
+    Node* parent = x->parent;
+    host_pool_->free(x->host);
+    std::vector<int32_t> first(x->key.begin(), x->key.begin() + page_size_);
+    parent->children.erase(first);  // destroys x
+    if (droppable(parent)) heap.push(parent);
+  }
+  return host_pool_->num_free() >= n;
 }
 
 // Splits `node`'s edge after `pages_kept` pages; returns the new upper node (which keeps the node's parent link).
@@ -68,12 +163,13 @@ RadixCache::Node* RadixCache::split(Node* node, size_t pages_kept) {
   auto upper = std::make_unique<Node>();
   upper->parent = parent;
   upper->key.assign(node->key.begin(), node->key.begin() + pages_kept * P);
-  upper->pages.assign(node->pages.begin(), node->pages.begin() + pages_kept);
+  std::vector<int32_t>& held = node->on_device() ? node->pages : node->host;
+  (node->on_device() ? upper->pages : upper->host).assign(held.begin(), held.begin() + pages_kept);
   upper->lock_ref = node->lock_ref;
   upper->last_access = node->last_access;
   std::unique_ptr<Node> lower = std::move(parent->children[first]);
   lower->key.erase(lower->key.begin(), lower->key.begin() + pages_kept * P);
-  lower->pages.erase(lower->pages.begin(), lower->pages.begin() + pages_kept);
+  held.erase(held.begin(), held.begin() + pages_kept);
   lower->parent = upper.get();
   std::vector<int32_t> lower_first(lower->key.begin(), lower->key.begin() + P);
   Node* up = upper.get();
@@ -130,10 +226,17 @@ RadixCache::Node* RadixCache::insert_shared(std::span<const int32_t> tokens, std
     }
     Node* child = it->second.get();
     size_t k = 0;
-    while (k < child->pages.size() && pg + k < pages.size() &&
+    while (k < child->num_pages() && pg + k < pages.size() &&
            std::equal(child->key.begin() + k * P, child->key.begin() + (k + 1) * P, tokens.begin() + (pg + k) * P))
       ++k;
-    if (k < child->pages.size()) child = split(child, k);
+    if (k < child->num_pages()) child = split(child, k);
+    if (!child->on_device()) {  // on the host tier: the request's pages (computed anew) take its place
+      child->pages.assign(pages.begin() + static_cast<int64_t>(pg), pages.begin() + static_cast<int64_t>(pg + k));
+      slots_after_step_.insert(slots_after_step_.end(), child->host.begin(), child->host.end());
+      child->host.clear();
+      cached_pages_ += static_cast<int32_t>(k);
+      if (child->lock_ref == 0) evictable_pages_ += static_cast<int32_t>(k);
+    }
     for (size_t i = 0; i < k; ++i)
       if (child->pages[i] != pages[pg + i]) {
         dup.push_back(pages[pg + i]);
@@ -162,33 +265,50 @@ int32_t RadixCache::evict(int32_t num_pages) {
   // Min-heap of unlocked leaves by last access.
   auto cmp = [](Node* a, Node* b) { return a->last_access > b->last_access; };
   std::priority_queue<Node*, std::vector<Node*>, decltype(cmp)> heap(cmp);
+  // Leaves of the device part: unlocked, no child on the device (children on the host tier stay below them).
+  const auto evictable = [&](const Node* x) {
+    return x != root_.get() && x->on_device() && x->lock_ref == 0 && !x->has_device_child();
+  };
   std::vector<Node*> stack{root_.get()};
   while (!stack.empty()) {
     Node* n = stack.back();
     stack.pop_back();
     for (auto& [_, c] : n->children) stack.push_back(c.get());
-    if (n != root_.get() && n->children.empty() && n->lock_ref == 0) heap.push(n);
+    if (evictable(n)) heap.push(n);
   }
   int32_t freed = 0;
   while (freed < num_pages && !heap.empty()) {
     Node* n = heap.top();
     heap.pop();
+    if (!evictable(n)) continue;  // (a host slot search dropped nothing on the device; kept for safety)
     Node* parent = n->parent;
     const int32_t np = static_cast<int32_t>(n->pages.size());
-    pool_.free(n->pages);
+    if (free_host_slots(np)) {  // to the host tier: saved, its pages free
+      n->host = *host_pool_->alloc(np);
+      for (int32_t i = 0; i < np; ++i) {
+        pending_.saves.push_back(n->pages[static_cast<size_t>(i)]);
+        pending_.saves.push_back(n->host[static_cast<size_t>(i)]);
+      }
+      pool_.free(n->pages);
+      n->pages.clear();
+    } else {  // dropped, with what it leads to on the host tier
+      free_subtree(n);
+      std::vector<int32_t> first(n->key.begin(), n->key.begin() + page_size_);
+      parent->children.erase(first);  // destroys n
+    }
     freed += np;
     evictable_pages_ -= np;
     cached_pages_ -= np;
-    std::vector<int32_t> first(n->key.begin(), n->key.begin() + page_size_);
-    parent->children.erase(first);  // destroys n
-    if (parent != root_.get() && parent->children.empty() && parent->lock_ref == 0) heap.push(parent);
+    if (evictable(parent)) heap.push(parent);
   }
   return freed;
 }
 
 void RadixCache::free_subtree(Node* node) {
   for (auto& [_, c] : node->children) free_subtree(c.get());
-  if (node != root_.get()) pool_.free(node->pages);
+  if (node == root_.get()) return;
+  if (node->on_device()) pool_.free(node->pages);
+  else if (host_pool_) host_pool_->free(node->host);
 }
 
 bool RadixCache::reset() {
@@ -196,12 +316,13 @@ bool RadixCache::reset() {
   free_subtree(root_.get());
   root_ = std::make_unique<Node>();
   evictable_pages_ = cached_pages_ = 0;
+  pending_.saves.clear();  // (what they would write belongs to nothing now)
   return true;
 }
 
 void RadixCache::check_integrity() const {
   const size_t P = static_cast<size_t>(page_size_);
-  std::set<int32_t> seen;
+  std::set<int32_t> seen, seen_host;
   int32_t evictable = 0, total = 0;
   std::vector<const Node*> stack{root_.get()};
   while (!stack.empty()) {
@@ -210,8 +331,11 @@ void RadixCache::check_integrity() const {
     int32_t child_locks = 0;
     for (const auto& [first, c] : n->children) {
       MLA_CHECK(c->parent == n, "radix cache: broken parent link");
-      MLA_CHECK(!c->pages.empty() && c->key.size() == c->pages.size() * P, "radix cache: edge of {} tokens holds {} pages",
-                c->key.size(), c->pages.size());
+      MLA_CHECK(c->num_pages() > 0 && c->key.size() == c->num_pages() * P, "radix cache: edge of {} tokens holds {} pages",
+                c->key.size(), c->num_pages());
+      MLA_CHECK(c->pages.empty() || c->host.empty(), "radix cache: an edge both on the device and on the host");
+      MLA_CHECK(!c->on_device() || n == root_.get() || n->on_device(),
+                "radix cache: an edge on the device below one on the host");
       MLA_CHECK(std::equal(first.begin(), first.end(), c->key.begin()), "radix cache: child key mismatch");
       child_locks = std::max(child_locks, c->lock_ref);
       stack.push_back(c.get());
@@ -222,11 +346,23 @@ void RadixCache::check_integrity() const {
       MLA_CHECK(seen.insert(p).second, "radix cache: page {} cached twice", p);
       MLA_CHECK(p >= 0 && p < pool_.num_pages(), "radix cache: page {} out of range", p);
     }
+    for (int32_t h : n->host) {
+      MLA_CHECK(host_pool_ && h >= 0 && h < host_pool_->num_pages(), "radix cache: host slot {} out of range", h);
+      MLA_CHECK(seen_host.insert(h).second, "radix cache: host slot {} cached twice", h);
+    }
     total += static_cast<int32_t>(n->pages.size());
     if (n->lock_ref == 0) evictable += static_cast<int32_t>(n->pages.size());
   }
   MLA_CHECK(total == cached_pages_, "radix cache: {} pages cached, counter says {}", total, cached_pages_);
   MLA_CHECK(evictable == evictable_pages_, "radix cache: {} pages evictable, counter says {}", evictable, evictable_pages_);
+  if (host_pool_) {
+    host_pool_->check_integrity();
+    for (int32_t h : slots_after_step_)
+      MLA_CHECK(seen_host.insert(h).second, "radix cache: host slot {} held by an edge and by a load", h);
+    MLA_CHECK(static_cast<int32_t>(seen_host.size()) + host_pool_->num_free() == host_pool_->num_pages(),
+              "radix cache: {} host slots held + {} free != {}", seen_host.size(), host_pool_->num_free(),
+              host_pool_->num_pages());
+  }
 }
 
 }  // namespace mlaserve

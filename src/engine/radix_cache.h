@@ -2,9 +2,18 @@
 // pages (page_size tokens); each edge holds the pages that cache its tokens. Requests lock the path they use
 // (reference counts up to the root); unlocked leaves are evicted least-recently-used when pages are needed.
 //
-// Invariants (check_integrity): every edge's key length = pages * page_size; a node's lock_ref >= the sum of
-// its children's... (locks propagate to the root); pages in the tree are never on the pool's free list and
-// appear once; evictable_pages = pages of nodes with lock_ref == 0.
+// With a host tier (enable_host_tier: SGLang's hierarchical cache, --enable-hierarchical-cache) an edge evicted from
+// the device keeps its tokens in host slots instead of being dropped: its pages are copied to the host (a save) and
+// go back to the pool. A later match that runs into such an edge takes device pages for it (evicting others) and
+// copies it back (a load). An edge lives in one tier at a time: device pages or host slots. The copies are recorded
+// here and carried out by the next step that runs (take_copies: its saves first, then its loads, then its forward);
+// until then an edge being loaded stays pinned (not evictable) and the slots it left stay taken, so no copy of the
+// same step reads what another writes.
+//
+// Invariants (check_integrity): every edge's key length = its pages (device or host) * page_size; a node's lock_ref >=
+// its children's (locks propagate to the root); a node on the device has its parent on the device (or the root);
+// pages in the tree are never on the pool's free list and appear once, host slots likewise; evictable_pages = device
+// pages of nodes with lock_ref == 0.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +34,13 @@ class RadixCache {
     std::vector<int32_t> pages;  // pages caching tokens [0, tokens)
     int32_t tokens = 0;
     Node* node = nullptr;        // deepest node of the match (lock it while the pages are in use)
+    int32_t loaded_tokens = 0;   // of `tokens`, those copied back from the host tier for this match
+  };
+  // Copies between device pages and host slots that the next step must carry out, before its forward.
+  struct Copies {
+    std::vector<int32_t> saves;  // pairs (device page, host slot): device to host
+    std::vector<int32_t> loads;  // pairs (host slot, device page): host to device, after the saves
+    bool empty() const { return saves.empty() && loads.empty(); }
   };
 
   // enabled = false: a cache that never matches and never keeps anything (--disable-radix-cache).
@@ -32,8 +48,15 @@ class RadixCache {
   ~RadixCache();
 
   bool enabled() const { return enabled_; }
-  // Longest cached prefix of `tokens` in whole pages, at most `max_tokens` long. Touches the path (LRU).
+  // A host tier of `host_slots` slots (page-sized), before anything is cached.
+  void enable_host_tier(int32_t host_slots);
+  bool has_host_tier() const { return host_pool_ != nullptr; }
+  // Longest cached prefix of `tokens` in whole pages, at most `max_tokens` long. Touches the path (LRU). With a host
+  // tier, the part of it on the host is loaded when device pages can be had for it (else the match ends before it).
   Match match_prefix(std::span<const int32_t> tokens, int32_t max_tokens);
+  // The copies recorded since the last call, for the step about to run (releases the pins of the loaded edges).
+  Copies take_copies();
+  bool copies_pending() const { return !pending_.empty(); }
   void lock(Node* node);    // null: no-op
   void unlock(Node* node);  // null: no-op
   // Caches tokens[0, pages.size() * page_size) held in `pages`. Pages of positions the tree already caches with
@@ -50,6 +73,8 @@ class RadixCache {
   // unlocked once: those of the nodes on these paths that no other lock holds.
   int32_t pages_unlocked_by(std::span<Node* const> nodes) const;
   int32_t cached_pages() const { return cached_pages_; }
+  int32_t host_slots() const;         // 0 without a host tier
+  int32_t host_cached_slots() const;  // slots holding edges (or freed by this step's loads)
   // Drops everything; requires that nothing is locked (returns false otherwise).
   bool reset();
   void check_integrity() const;
@@ -58,6 +83,11 @@ class RadixCache {
   Node* split(Node* node, size_t pages_kept);
   void free_subtree(Node* node);
   void touch(Node* node);
+  // Makes `n` host slots free, dropping unlocked host-only leaves least recently used first; false if it cannot.
+  bool free_host_slots(int32_t n);
+  // Copies the host-only edges of `path` (top down, on the device from its first node's parent) back to new device
+  // pages, when the pool (after evictions) has them; true if it did.
+  bool load(const std::vector<Node*>& path);
 
   int32_t page_size_;
   PagePool& pool_;
@@ -66,6 +96,10 @@ class RadixCache {
   uint64_t clock_ = 0;
   int32_t evictable_pages_ = 0;
   int32_t cached_pages_ = 0;
+  std::unique_ptr<PagePool> host_pool_;  // the host tier's slots; null without one
+  Copies pending_;                       // for the next step
+  std::vector<Node*> pins_;              // edges loaded for the next step: locked until take_copies
+  std::vector<int32_t> slots_after_step_;  // host slots the pending loads read: free again after take_copies
 };
 
 }  // namespace mlaserve

@@ -454,24 +454,25 @@ void RankSet::run_on_all(const std::function<void(int)>& fn, std::chrono::millis
   }
 }
 
-void RankSet::allocate_kv(int32_t num_pages, int32_t page_size) {
+void RankSet::allocate_kv(int32_t num_pages, int32_t page_size, int32_t host_slots) {
   const bool remote = link_ && pc_.node_rank == 0 && pc_.nnodes > 1;
   if (remote) {
     check_not_stopped();
     std::string m(1, kKv);
     put(m, &num_pages, 4);
     put(m, &page_size, 4);
+    put(m, &host_slots, 4);
     link_->broadcast(m);
   }
   try {
-    allocate_kv_local(num_pages, page_size);
+    allocate_kv_local(num_pages, page_size, host_slots);
   } catch (const std::exception& e) {
     if (remote) stop_nodes(e.what());
     throw;
   }
 }
 
-void RankSet::allocate_kv_local(int32_t num_pages, int32_t page_size) {
+void RankSet::allocate_kv_local(int32_t num_pages, int32_t page_size, int32_t host_slots) {
   // Graphs: one more page that no request owns, for the rows that pad a batch to its graph's size.
   const bool graphs = pc_.cuda_graph_max_bs > 0 && ranks_[0]->backend->supports_graphs();
   graph_sizes_.clear();
@@ -488,6 +489,7 @@ void RankSet::allocate_kv_local(int32_t num_pages, int32_t page_size) {
       r.sampled = r.backend->alloc({per_row * sampled_rows_}, DType::I32);
     r.model->set_prev_ids(r.sampled.rows(0, sampled_rows_));
     r.kv = std::make_unique<KvCache>(*r.backend, config_, num_pages + (graphs ? 1 : 0), page_size, pc_.kv_cache_fp8);
+    if (host_slots > 0) r.kv->enable_host(host_slots);
   });
   page_size_ = page_size;
   if (graphs) {
@@ -1122,8 +1124,8 @@ void RankSet::follow_steps() {
     }
     if (msg[0] == kKv) {
       MLA_CHECK(running.empty(), "node 0 resized the KV cache while {} steps run", running.size());
-      const int32_t pages = get<int32_t>(p, end), ps = get<int32_t>(p, end);
-      allocate_kv(pages, ps);
+      const int32_t pages = get<int32_t>(p, end), ps = get<int32_t>(p, end), host = get<int32_t>(p, end);
+      allocate_kv(pages, ps, host);
       continue;
     }
     if (msg[0] == kFinish) {

@@ -128,7 +128,8 @@ class RankSet {
   void reset_expert_counts();
 
   // Gives every rank a latent cache of `num_pages` pages (ranks of one DP group hold the same sequences).
-  void allocate_kv(int32_t num_pages, int32_t page_size);
+  // host_slots > 0: every rank's cache gets a host tier of that many page blocks (KvCache::enable_host).
+  void allocate_kv(int32_t num_pages, int32_t page_size, int32_t host_slots = 0);
   // One forward on every rank; batches[g] for DP group g, sampling[g] one RowSampling per logit row of it. Each
   // group's leading rank samples on its device and only the ids (and their logprobs) come back, and the full logits
   // of the rows logit_rows[g] names (moved to the front of the logits on the device, so only those cross to the
@@ -214,7 +215,7 @@ class RankSet {
   void follow_steps();  // follow()'s loop
   // Node 0, with other nodes: finish() of a step they run too (they finish it alongside and send their outputs).
   std::vector<GroupOutput> finish_remote(Launched& h);
-  void allocate_kv_local(int32_t num_pages, int32_t page_size);
+  void allocate_kv_local(int32_t num_pages, int32_t page_size, int32_t host_slots);
   // fn on the rank that counts experts (global rank 0, on this node's first worker); its error thrown here.
   void on_counting_rank(const std::function<void(Rank&)>& fn);
   // fn on every local rank (its exceptions caught there): the first rank's error, empty when none failed.

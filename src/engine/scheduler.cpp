@@ -53,6 +53,15 @@ std::vector<int32_t> ngram_draft(std::span<const int32_t> seq, int32_t min_n, in
 Scheduler::Scheduler(SchedulerConfig cfg)
     : cfg_(std::move(cfg)), pool_(cfg_.num_pages), cache_(cfg_.page_size, pool_, cfg_.enable_radix_cache) {
   MLA_CHECK(cfg_.max_running_requests > 0, "max running requests must be positive");
+  MLA_CHECK(cfg_.host_pages >= 0, "scheduler: {} host pages", cfg_.host_pages);
+  if (cfg_.host_pages > 0) cache_.enable_host_tier(cfg_.host_pages);
+}
+
+void Scheduler::take_copies(StepPlan& plan) {
+  if (!cache_.copies_pending()) return;
+  RadixCache::Copies c = cache_.take_copies();
+  plan.batch.kv_saves = std::move(c.saves);
+  plan.batch.kv_loads = std::move(c.loads);
 }
 
 Scheduler::~Scheduler() = default;
@@ -215,6 +224,7 @@ void Scheduler::admit(Req& r) {
   r.pages = std::move(m.pages);
   r.prefix_pages = static_cast<int32_t>(r.pages.size());
   r.kv_len = m.tokens;
+  r.loaded_tokens = m.loaded_tokens;
   r.admit_order = ++admit_counter_;
 }
 
@@ -586,6 +596,7 @@ StepPlan Scheduler::schedule(bool allow_retract) {
       r.counted = true;
       counters_.prompt_tokens_total += static_cast<int64_t>(r.prompt.size());
       counters_.cached_prompt_tokens_total += r.kv_len;
+      counters_.host_loaded_tokens_total += r.loaded_tokens;
     }
     plan.seqs.push_back(prefill_seq(r, static_cast<int32_t>(n)));
     lp_budget -= plan.seqs.back().lp_rows;
@@ -898,6 +909,8 @@ RankStats Scheduler::stats() const {
   s.kv_tokens_total = static_cast<int64_t>(pool_.num_pages()) * cfg_.page_size;
   s.kv_tokens_free = static_cast<int64_t>(pool_.num_free()) * cfg_.page_size;
   s.kv_tokens_cached = static_cast<int64_t>(cache_.evictable_pages()) * cfg_.page_size;
+  s.kv_host_tokens_total = static_cast<int64_t>(cache_.host_slots()) * cfg_.page_size;
+  s.kv_host_tokens_cached = static_cast<int64_t>(cache_.host_cached_slots()) * cfg_.page_size;
   s.num_running_reqs = num_running();
   s.num_queue_reqs = num_waiting();
   return s;

@@ -32,6 +32,9 @@ struct SchedulerConfig {
   int32_t chunked_prefill_size = 8192;  // prefill tokens per step (<= 0: unlimited)
   int64_t context_len = 4096;
   bool enable_radix_cache = true;
+  // The hierarchical cache (SGLang's --enable-hierarchical-cache): host slots of a host tier the prefix cache keeps
+  // evicted pages in (RadixCache::enable_host_tier); 0: none. The steps carry the copies (take_copies).
+  int32_t host_pages = 0;
   std::vector<int32_t> eos_token_ids;
   // Logit rows of prompt logprobs (SamplingParams::logprob_start_len) per step: their full logits come to the host,
   // so a prompt that asks for them is prefilled in chunks of at most this many such rows.
@@ -90,6 +93,7 @@ struct Req {
   int32_t prefix_pages = 0;            // how many of `pages` belong to the cache
   int32_t kv_len = 0;                  // tokens whose latent is in the cache
   int32_t cached_tokens = 0;           // prompt tokens served by the prefix cache (first admission)
+  int32_t loaded_tokens = 0;           // of the last admission's prefix, those copied back from the host tier
   int32_t emitted = 0;                 // output tokens already reported
   uint64_t admit_order = 0;
   int32_t priority = 0;                // GenerateRequest::priority
@@ -218,6 +222,9 @@ class Scheduler {
   // Frees finished requests that no launched, unresolved plan names.
   void erase_finished();
   bool flush_cache();
+  // Moves the prefix cache's copies between device pages and host slots (hierarchical cache) into the plan's batch,
+  // which must be launched: right before a plan is launched (after any refresh), never for a plan that is dropped.
+  void take_copies(StepPlan& plan);
   // Whether a decoding request may propose drafts this step (speculative decoding on; no token in flight; its draws
   // depend on nothing the drafts would change: no penalties, constraint, bad words or thinking budget).
   bool may_draft(const Req& r) const;

@@ -760,6 +760,7 @@ Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm
   const bool prev_ids = check_ids(batch);
   MLA_LOG_TRACE("rank {}: forward of {} tokens", plan_.tp_rank, batch.num_tokens());
   backend_.begin_step(batch);
+  cache.copy_pages(batch.kv_saves, batch.kv_loads);  // the hierarchical cache's, before the step reads the pages
   return forward_body(batch, cache, form, dp, prev_ids);
 }
 
@@ -768,6 +769,7 @@ Tensor DeepseekModel::forward_graph(const ForwardBatch& batch, KvCache& cache, c
   MLA_LOG_TRACE("rank {}: graph forward of {} tokens", plan_.tp_rank, batch.num_tokens());
   const std::pair<int64_t, int32_t> key{batch.num_tokens(), backend_.graph_variant(batch)};
   backend_.begin_graph_step(batch);
+  cache.copy_pages(batch.kv_saves, batch.kv_loads);  // eagerly, before the graph
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
     Graph g;

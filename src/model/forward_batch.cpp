@@ -47,7 +47,7 @@ void serialize(const ForwardBatch& b, std::string& o) {
   put_i32(o, b.mtp_chain);
   for (const auto* v : {&b.input_ids, &b.positions, &b.token_seq, &b.out_slots, &b.seq_q_start, &b.seq_prefix_lens,
                         &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed, &b.next_ids, &b.seq_drafts,
-                        &b.hidden_rows})
+                        &b.hidden_rows, &b.kv_saves, &b.kv_loads})
     put_vec(o, *v);
 }
 
@@ -59,7 +59,7 @@ ForwardBatch deserialize_forward_batch(const char*& p, const char* end) {
   b.mtp_chain = get_i32(p, end);
   for (auto* v : {&b.input_ids, &b.positions, &b.token_seq, &b.out_slots, &b.seq_q_start, &b.seq_prefix_lens,
                   &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed, &b.next_ids, &b.seq_drafts,
-                  &b.hidden_rows})
+                  &b.hidden_rows, &b.kv_saves, &b.kv_loads})
     *v = get_vec(p, end);
   return b;
 }

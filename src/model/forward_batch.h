@@ -62,6 +62,9 @@ struct ForwardBatch {
   // DpStepInfo::num_tokens[g] rows in group order). Only the counting of routed experts reads them
   // (Backend::count_experts); a graph reads them on the device, so their number stays with the graph's size.
   std::vector<int32_t> moe_rows;
+  // The hierarchical cache's copies (RadixCache::Copies), carried out before the forward on every rank of the group:
+  // pairs (device page, host slot) to the host, then pairs (host slot, device page) back to the device.
+  std::vector<int32_t> kv_saves, kv_loads;
 
   int32_t num_tokens() const { return static_cast<int32_t>(input_ids.size()); }
   int32_t num_seqs() const { return static_cast<int32_t>(seq_lens.size()); }

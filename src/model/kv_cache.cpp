@@ -4,12 +4,44 @@ namespace mlaserve {
 
 KvCache::KvCache(Backend& backend, const ModelConfig& config, int64_t num_pages, int32_t page_size,
                  std::optional<DType> fp8)
-    : num_pages_(num_pages), page_size_(page_size), dtype_(dtype_on(backend, fp8)) {
+    : num_pages_(num_pages), page_size_(page_size), dtype_(dtype_on(backend, fp8)), backend_(&backend) {
   MLA_CHECK(!fp8 || *fp8 == DType::F8_E4M3 || *fp8 == DType::F8_E5M2, "kv cache: {} is not an FP8 type",
             dtype_name(*fp8));
   MLA_CHECK(num_pages > 0 && page_size > 0, "kv cache needs pages (got {} pages of {})", num_pages, page_size);
   for (int64_t l = 0; l < config.num_cache_layers(); ++l)
     layers_.push_back(backend.alloc({num_pages * page_size, config.kv_cache_dim()}, dtype_));
+}
+
+int64_t KvCache::page_bytes() const {
+  int64_t b = 0;
+  for (const Tensor& t : layers_) b += static_cast<int64_t>(t.nbytes()) / num_pages_;
+  return b;
+}
+
+void KvCache::enable_host(int64_t slots) {
+  MLA_CHECK(slots > 0, "kv cache: a host tier needs slots, got {}", slots);
+  const size_t bytes = static_cast<size_t>(slots) * static_cast<size_t>(page_bytes());
+  Backend* be = backend_;
+  host_ = std::unique_ptr<char, std::function<void(char*)>>(static_cast<char*>(be->alloc_host(bytes)),
+                                                            [be](char* p) { be->free_host(p); });
+  host_slots_ = slots;
+}
+
+void KvCache::copy_pages(std::span<const int32_t> saves, std::span<const int32_t> loads) {
+  if (saves.empty() && loads.empty()) return;
+  MLA_CHECK(host_, "kv cache: a step copies pages to the host, but this cache has no host tier");
+  MLA_CHECK(saves.size() % 2 == 0 && loads.size() % 2 == 0, "kv cache: page copies come in pairs");
+  for (const bool save : {true, false}) {
+    const std::span<const int32_t> pairs = save ? saves : loads;
+    for (size_t i = 0; i < pairs.size(); i += 2) {
+      const int32_t page = save ? pairs[i] : pairs[i + 1], slot = save ? pairs[i + 1] : pairs[i];
+      MLA_CHECK(page >= 0 && page < num_pages_ && slot >= 0 && slot < host_slots_,
+                "kv cache: copy between page {} (of {}) and host slot {} (of {})", page, num_pages_, slot, host_slots_);
+    }
+  }
+  std::vector<Tensor*> layers;
+  for (Tensor& t : layers_) layers.push_back(&t);
+  backend_->copy_kv_pages(layers, page_size_, host_.get(), saves, loads);
 }
 
 int64_t KvCache::bytes_per_token(const ModelConfig& c, DType dtype) {

@@ -10,7 +10,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -32,6 +35,13 @@ class KvCache {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // Bytes of cache per token (all layers).
   static int64_t bytes_per_token(const ModelConfig& c, DType dtype);
+  // The hierarchical cache's host tier: `slots` host blocks, each one page of every layer (page_bytes()).
+  void enable_host(int64_t slots);
+  int64_t host_slots() const { return host_slots_; }
+  int64_t page_bytes() const;  // bytes of one page over all layers
+  // A step's copies (ForwardBatch::kv_saves, kv_loads: RadixCache::Copies) between pages and host slots, before its
+  // forward; each page and slot checked against the cache's.
+  void copy_pages(std::span<const int32_t> saves, std::span<const int32_t> loads);
   // The cache's element type on a backend: the FP8 type when given, else the backend's activation type.
   static DType dtype_on(const Backend& backend, std::optional<DType> fp8) { return fp8.value_or(backend.act_dtype()); }
 
@@ -40,6 +50,9 @@ class KvCache {
   int32_t page_size_;
   DType dtype_;
   std::vector<Tensor> layers_;
+  Backend* backend_;
+  std::unique_ptr<char, std::function<void(char*)>> host_;  // host_slots_ * page_bytes()
+  int64_t host_slots_ = 0;
 };
 
 // --kv-cache-dtype (SGLang's and vLLM's values): F8_E4M3 for "fp8" / "fp8_e4m3", F8_E5M2 for "fp8_e5m2", none for

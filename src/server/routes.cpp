@@ -699,6 +699,11 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
         st["prompt_tokens_total"] = s.prompt_tokens_total;
         st["generation_tokens_total"] = s.generation_tokens_total;
         st["cached_prompt_tokens_total"] = s.cached_prompt_tokens_total;
+        if (s.kv_host_tokens_total > 0) {  // the hierarchical cache's host tier
+          st["kv_host_tokens_total"] = s.kv_host_tokens_total;
+          st["kv_host_tokens_cached"] = s.kv_host_tokens_cached;
+          st["host_loaded_tokens_total"] = s.host_loaded_tokens_total;
+        }
         st["num_requests_finished"] = s.num_requests_finished;
         st["num_retractions"] = s.num_retractions;
         st["forward_steps"] = s.forward_steps;

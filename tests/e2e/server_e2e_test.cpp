@@ -1826,6 +1826,55 @@ TEST(ServeFlags, Fp8KvCacheServes) {
   expect_serve_refuses({"--kv-cache-dtype int8", "--kv-cache-dtype fp8_e3m4"}, "--kv-cache-dtype");
 }
 
+// --enable-hierarchical-cache (SGLang's; vLLM's --kv-offloading-size): with a device pool that holds one of these prompts
+// at a time, a prompt run again after five others still finds its prefix (copied back from the host tier) and answers
+// the same; without the tier nothing of it is left. (Under DP attention the requests alternate between the groups:
+// the prompt's group has run three others in between.) Bad sizes and policies are refused naming the flag.
+TEST(ServeFlags, HierarchicalCacheKeepsEvictedPrefixes) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  const auto req = [](const std::string& lead) {
+    std::string prompt = lead;
+    for (int i = 0; i < 20; ++i) prompt += " The capital of France is a city that the river divides in two.";
+    return R"({"prompt": ")" + prompt + R"(", "max_tokens": 16, "temperature": 0, "ignore_eos": true})";
+  };
+  for (const std::vector<std::string>& flags :
+       {std::vector<std::string>{"--enable-hierarchical-cache", "--hicache-ratio", "8", "--max-total-tokens", "448"},
+        std::vector<std::string>{"--kv-offloading-size", "0.01", "--max-total-tokens", "448"},
+        std::vector<std::string>{"--max-total-tokens", "448"}}) {
+    const bool tier = flags.size() > 2;
+    ServerProcess s(flags);
+    ASSERT_TRUE(s.running()) << s.log();
+    const json info = get_json(s.port(), "/get_server_info");
+    EXPECT_EQ(info["enable_hierarchical_cache"], tier);
+    const json first = post_json(s.port(), "/v1/completions", req("Alpha."));
+    for (const char* lead : {"Xray.", "Beta.", "Yankee.", "Gamma.", "Zulu."}) post_json(s.port(), "/v1/completions", req(lead));
+    const json again = post_json(s.port(), "/v1/completions", req("Alpha."));
+    ASSERT_EQ(first["usage"]["completion_tokens"], 16) << first.dump();
+    EXPECT_EQ(again["choices"][0]["text"], first["choices"][0]["text"]) << flags[0];
+    const int64_t prompt_tokens = first["usage"]["prompt_tokens"].get<int64_t>();
+    ASSERT_GT(prompt_tokens, 250);
+    const int64_t cached = again["usage"].contains("prompt_tokens_details")
+                               ? again["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>()
+                               : 0;
+    const json st = get_json(s.port(), "/get_server_info")["internal_states"][0];
+    if (tier) {
+      EXPECT_GE(cached, prompt_tokens - 32) << again.dump();
+      EXPECT_GT(st["kv_host_tokens_total"].get<int64_t>(), 0) << st.dump();
+      EXPECT_GE(st["host_loaded_tokens_total"].get<int64_t>(), cached - 16) << st.dump();
+    } else {
+      EXPECT_LT(cached, 64) << again.dump();
+      EXPECT_FALSE(st.contains("kv_host_tokens_total")) << st.dump();
+    }
+    EXPECT_EQ(s.stop(), 0);
+  }
+  const std::string no_tok = " --skip-tokenizer-init";
+  expect_serve_refuses({"--enable-hierarchical-cache --hicache-write-policy sometimes" + no_tok},
+                       "--hicache-write-policy");
+  expect_serve_refuses({"--enable-hierarchical-cache --hicache-size 1000000" + no_tok}, "--hicache-size");
+  expect_serve_refuses({"--enable-hierarchical-cache --disable-radix-cache" + no_tok}, "--disable-radix-cache");
+  expect_serve_refuses({"--kv-offloading-size -1" + no_tok}, "--kv-offloading-size");
+}
+
 // /generate requests of a priority (EOS ignored) on one server, each name recorded once its request has all its
 // tokens: `done` in finishing order.
 struct PriorityRuns {

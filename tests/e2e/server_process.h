@@ -67,6 +67,12 @@ class ServerProcess {
         const auto at = std::find(args.begin(), args.end(), flag);
         args.erase(at, at + 2);
       }
+    // A test's own value of one of the standard valued flags replaces the standard one.
+    for (const char* flag : {"--max-total-tokens", "--served-model-name", "--tokenizer-path"})
+      if (std::find(extra.begin(), extra.end(), flag) != extra.end()) {
+        const auto at = std::find(args.begin(), args.end(), flag);
+        args.erase(at, at + 2);
+      }
     args.insert(args.end(), extra.begin(), extra.end());
     // MLASERVE_E2E_LAYOUT (e.g. "--tp 4 --dp 4 --enable-dp-attention") reruns the suite in a parallel layout;
     // tests that choose their own layout keep it.

@@ -79,6 +79,7 @@ class EngineTest : public ::testing::TestWithParam<bool> {
     o.num_pages = pages;
     o.chunked_prefill_size = chunk;
     o.enable_radix_cache = radix;
+    o.host_pages = host_pages_;
     o.check_integrity = true;
     o.overlap = GetParam();
     o.eos_token_ids = std::move(eos);
@@ -146,6 +147,7 @@ class EngineTest : public ::testing::TestWithParam<bool> {
     EXPECT_EQ(s.kv_tokens_free, s.kv_tokens_total);
   }
 
+  int32_t host_pages_ = 0;  // make(): the hierarchical cache's host tier
   static inline std::vector<std::vector<int32_t>> prompts_, greedy_;
   static inline std::vector<std::vector<std::vector<float>>> hf_logprobs_;  // [prompt][position][token]
   static inline std::vector<std::vector<float>> hf_hidden_;  // [prompt][position * hidden_size_ + i]
@@ -204,6 +206,52 @@ TEST_P(EngineTest, RetractionUnderMemoryPressureKeepsOutputsExact) {
     expect_no_leak(*e);
   }
   EXPECT_GT(retractions, 0);
+}
+
+// The hierarchical cache: a device pool that holds one long prompt's pages at a time. The prompt, then three other
+// long prompts (each evicting what the group holds), then the prompt again: with a host tier its pages come back
+// from the host (cached tokens, the host tier's counter) and the greedy tokens are Hugging Face's again; without one
+// nothing of it is left. In tp 2 (each rank copies its own pages) and with DP attention (the requests alternate
+// between the two groups, so each group evicts its own).
+TEST_P(EngineTest, HierarchicalCacheBringsEvictedPrefixesBack) {
+  const auto& a = prompts_[4];  // the longest prompt
+  std::vector<std::vector<int32_t>> others;
+  for (int32_t k = 1; k <= 3; ++k) {
+    others.push_back(a);
+    others.back()[0] = (a[0] + 7 * k) % 700;  // nothing in common with a or each other
+  }
+  for (const auto& [tp, dp] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}}) {
+    for (const int32_t host : {0, 128}) {
+      host_pages_ = host;
+      auto e = make(/*pages=*/40, /*page_size=*/8, 8192, true, tp, dp);
+      auto f = submit(*e, "a", a, 8);
+      const Result first = wait(f);
+      expect_prefix(first.tokens, 4);
+      for (size_t k = 0; k < others.size(); ++k) {
+        auto o = submit(*e, "o" + std::to_string(k), others[k], 4);
+        wait(o);
+      }
+      f = submit(*e, "a2", a, 8);
+      const Result again = wait(f);
+      EXPECT_EQ(again.tokens, first.tokens) << tp << "/" << dp << " host " << host;
+      expect_prefix(again.tokens, 4);
+      int64_t loaded = 0, host_total = 0;
+      for (const RankStats& st : e->stats()) {
+        loaded += st.host_loaded_tokens_total;
+        host_total += st.kv_host_tokens_total;
+      }
+      if (host > 0) {
+        EXPECT_EQ(again.cached, static_cast<int32_t>(a.size() - 1) / 8 * 8) << tp << "/" << dp;  // the whole pages
+        EXPECT_EQ(loaded, again.cached) << tp << "/" << dp;
+        EXPECT_EQ(host_total, int64_t{host} * 8 * dp);
+      } else {
+        EXPECT_EQ(again.cached, 0) << tp << "/" << dp;
+        EXPECT_EQ(loaded, 0);
+      }
+      expect_no_leak(*e);
+    }
+  }
+  host_pages_ = 0;
 }
 
 TEST_P(EngineTest, AbortAndBadRequests) {

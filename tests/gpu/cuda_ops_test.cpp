@@ -3,6 +3,7 @@
 // long contexts, experts that receive no tokens, batches of zero tokens.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -131,6 +132,58 @@ TEST(CudaOps, AsyncDownloadsFinishInOrder) {
   gpu().download_finish(tb, rb.data());
   for (int i = 0; i < 3000; ++i) ASSERT_EQ(ra[static_cast<size_t>(i)], h.data_as<float>()[i]) << i;
   for (int i = 0; i < 1000; ++i) ASSERT_EQ(rb[static_cast<size_t>(i)], h.data_as<float>()[i + 7]) << i;
+}
+
+// The hierarchical cache's page copies (saves, then loads: one load reads a slot a save of the same call writes) on
+// the GPU's mapped host memory against the reference (Backend::copy_kv_pages' memcpy) on copies of the same bytes: a
+// bf16 cache (16-byte copies) and an FP8 one of odd rows (byte copies).
+TEST(CudaOps, KvPagesToTheHostAndBack) {
+  REQUIRE_GPU();
+  struct Case {
+    int64_t dim;
+    DType dtype;
+    int32_t ps;
+  };
+  for (const Case c : {Case{576, DType::BF16, 16}, Case{40, DType::F8_E4M3, 3}}) {
+    const int64_t pages = 9, slots = 6, rows = pages * c.ps;
+    std::vector<Tensor> g;
+    std::vector<std::vector<char>> h;
+    for (int l = 0; l < 3; ++l) {
+      g.push_back(gpu().alloc({rows, c.dim}, c.dtype));
+      gpu().upload_into(rand_host({rows, c.dim}, 40 + l), g.back());
+      h.emplace_back(g.back().nbytes());
+      gpu().download(g.back(), h.back().data());
+    }
+    std::vector<Tensor> hc;
+    std::vector<Tensor*> gp, cp;
+    for (int l = 0; l < 3; ++l) hc.push_back(Tensor::view(h[static_cast<size_t>(l)].data(), {rows, c.dim}, c.dtype));
+    for (int l = 0; l < 3; ++l) {
+      gp.push_back(&g[static_cast<size_t>(l)]);
+      cp.push_back(&hc[static_cast<size_t>(l)]);
+    }
+    const size_t block = 3 * g[0].nbytes() / static_cast<size_t>(pages);
+    char* host_g = static_cast<char*>(gpu().alloc_host(slots * block));
+    std::vector<char> host_c(slots * block, 0);
+    std::memset(host_g, 0, slots * block);
+    const std::vector<int32_t> saves{2, 0, 5, 3, 0, 5}, loads{0, 8, 3, 1, 5, 2};  // slot 0 / 3 / 5 saved, then loaded
+    const std::vector<std::vector<char>> before = h;
+    Scenario sc = make_scenario({{0, 3}}, 4, 1);
+    gpu().begin_step(sc.batch);
+    gpu().copy_kv_pages(gp, c.ps, host_g, saves, loads);
+    cpu().copy_kv_pages(cp, c.ps, host_c.data(), saves, loads);
+    gpu().synchronize();
+    EXPECT_EQ(std::memcmp(host_g, host_c.data(), slots * block), 0) << dtype_name(c.dtype);
+    for (int l = 0; l < 3; ++l) {
+      std::vector<char> got(g[static_cast<size_t>(l)].nbytes());
+      gpu().download(g[static_cast<size_t>(l)], got.data());
+      EXPECT_EQ(got, h[static_cast<size_t>(l)]) << dtype_name(c.dtype) << " layer " << l;
+    }
+    // The reference itself: page 8 of layer 1 now holds what page 2 held (saved to slot 0, loaded from it).
+    const size_t pb = g[0].nbytes() / static_cast<size_t>(pages);
+    EXPECT_EQ(std::memcmp(h[1].data() + 8 * pb, before[1].data() + 2 * pb, pb), 0);
+    EXPECT_NE(std::memcmp(h[1].data() + 8 * pb, before[1].data() + 8 * pb, pb), 0);
+    gpu().free_host(host_g);
+  }
 }
 
 TEST(CudaOps, RmsNormAndResidual) {

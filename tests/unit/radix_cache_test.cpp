@@ -172,3 +172,115 @@ TEST(RadixCache, PagesUnlockedByCountsOnlyPagesNoOtherLockHolds) {
   }
   cache.check_integrity();
 }
+
+// The host tier (hierarchical cache) with the KV data simulated: a page's content is the id of the token prefix it
+// ends (what the model would have written there). Every iteration is a step: a request matches (loading what is on
+// the host), takes fresh pages for the rest (evicting: saves), then the step's copies run (saves, then loads) and its
+// forward reads its prefix pages (each must hold its prefix's content) and writes the new ones; afterwards its pages
+// go to the tree. With a device pool far too small for everything, most hits come back from the host.
+TEST(RadixCache, HostTierKeepsEvictedPrefixesWithTheirContent) {
+  std::mt19937 rng(7);
+  constexpr int32_t kPages = 24, kSlots = 40;
+  PagePool pool(kPages);
+  RadixCache cache(P, pool, true);
+  cache.enable_host_tier(kSlots);
+  std::map<std::vector<int32_t>, int64_t> ids;  // token prefix -> content id
+  auto content = [&](const std::vector<int32_t>& seq, int32_t k) {  // of page k (0-based)
+    return ids.emplace(std::vector<int32_t>(seq.begin(), seq.begin() + (k + 1) * P), static_cast<int64_t>(ids.size()))
+        .first->second;
+  };
+  std::vector<int64_t> device(kPages, -1), host(kSlots, -1);
+  int64_t loaded = 0, hits = 0, saves = 0;
+  for (int iter = 0; iter < 4000; ++iter) {
+    auto seq = random_seq(rng, 5);
+    const int32_t full = static_cast<int32_t>(seq.size()) / P;
+    auto m = cache.match_prefix(seq, static_cast<int32_t>(seq.size()) - 1);
+    cache.lock(m.node);
+    loaded += m.loaded_tokens;
+    hits += m.tokens;
+    std::vector<int32_t> pages = m.pages;
+    const int32_t need = full - static_cast<int32_t>(pages.size());
+    if (pool.num_free() < need) cache.evict(need - pool.num_free());
+    auto fresh = pool.alloc(need);
+    ASSERT_TRUE(fresh.has_value()) << iter;  // nothing else holds pages: evicting always frees enough
+    pages.insert(pages.end(), fresh->begin(), fresh->end());
+    // The step: its copies, then its forward.
+    const RadixCache::Copies c = cache.take_copies();
+    ASSERT_FALSE(cache.copies_pending());
+    for (size_t i = 0; i < c.saves.size(); i += 2) host[static_cast<size_t>(c.saves[i + 1])] = device[static_cast<size_t>(c.saves[i])];
+    for (size_t i = 0; i < c.loads.size(); i += 2) device[static_cast<size_t>(c.loads[i + 1])] = host[static_cast<size_t>(c.loads[i])];
+    saves += static_cast<int64_t>(c.saves.size() / 2);
+    for (int32_t k = 0; k < static_cast<int32_t>(m.pages.size()); ++k)
+      ASSERT_EQ(device[static_cast<size_t>(pages[static_cast<size_t>(k)])], content(seq, k)) << iter << " page " << k;
+    for (int32_t k = static_cast<int32_t>(m.pages.size()); k < full; ++k)
+      device[static_cast<size_t>(pages[static_cast<size_t>(k)])] = content(seq, k);
+    cache.insert(seq, pages);
+    cache.unlock(m.node);
+    if (iter % 50 == 0) cache.check_integrity();
+    ASSERT_EQ(pool.num_free() + cache.cached_pages(), pool.num_pages());
+  }
+  cache.check_integrity();
+  EXPECT_GT(saves, 100);
+  EXPECT_GT(loaded, 100 * P);  // hits served from the host tier
+  EXPECT_GT(hits, loaded);
+  EXPECT_GT(cache.host_cached_slots(), 0);
+  EXPECT_TRUE(cache.reset());
+  EXPECT_EQ(cache.host_cached_slots(), 0);
+  EXPECT_EQ(pool.num_free(), kPages);
+}
+
+// Without room on the host, or with a host tier too small, eviction drops edges (and what hangs below them on the
+// host); an edge being loaded is pinned until its step takes the copies; a hit on the host that cannot get device
+// pages ends the match at the device part.
+TEST(RadixCache, HostTierPinsLoadsAndFallsBackToDropping) {
+  PagePool pool(4);
+  RadixCache cache(P, pool, true);
+  cache.enable_host_tier(2);
+  auto put = [&](const std::vector<int32_t>& seq) {
+    auto m = cache.match_prefix(seq, static_cast<int32_t>(seq.size()));
+    std::vector<int32_t> pages = m.pages;
+    const int32_t need = static_cast<int32_t>(seq.size()) / P - static_cast<int32_t>(pages.size());
+    if (pool.num_free() < need) cache.evict(need - pool.num_free());
+    auto fresh = pool.alloc(need);
+    pages.insert(pages.end(), fresh->begin(), fresh->end());
+    cache.insert(seq, pages);
+    (void)cache.take_copies();
+  };
+  const std::vector<int32_t> a{1, 1, 1, 1, 2, 2, 2, 2}, b{3, 3, 3, 3, 4, 4, 4, 4};
+  put(a);
+  put(b);  // the pool is full: a and b on the device
+  EXPECT_EQ(cache.cached_pages(), 4);
+  EXPECT_EQ(cache.evict(2), 2);  // a (older) to the host
+  RadixCache::Copies cp = cache.take_copies();
+  EXPECT_EQ(cp.saves.size(), 4u);
+  EXPECT_EQ(cache.host_cached_slots(), 2);
+  EXPECT_EQ(cache.evict(2), 2);  // b: the host is full of a, which is older: a is dropped, b saved
+  cp = cache.take_copies();
+  EXPECT_EQ(cp.saves.size(), 4u);
+  EXPECT_EQ(cache.match_prefix(a, 8).tokens, 0);
+  cache.check_integrity();
+  // b comes back (a load into two fresh pages), pinned until the copies are taken.
+  RadixCache::Match m = cache.match_prefix(b, 8);
+  EXPECT_EQ(m.tokens, 8);
+  EXPECT_EQ(m.loaded_tokens, 8);
+  EXPECT_EQ(cache.evict(4), 0);  // pinned
+  cp = cache.take_copies();
+  EXPECT_EQ(cp.loads.size(), 4u);
+  EXPECT_EQ(cp.loads[1], m.pages[0]);
+  EXPECT_EQ(cache.host_cached_slots(), 0);  // the slots b left are free once its step has them
+  EXPECT_EQ(cache.evict(4), 2);
+  (void)cache.take_copies();
+  // With the whole device pool held by a locked path, a hit on the host stays on the host.
+  std::vector<int32_t> d{8, 8, 8, 8, 9, 9, 9, 9, 8, 8, 8, 8, 9, 9, 9, 9};
+  auto held = *pool.alloc(4);
+  RadixCache::Node* dn = cache.insert(d, held);
+  cache.lock(dn);
+  m = cache.match_prefix(b, 8);
+  EXPECT_EQ(m.tokens, 0);
+  EXPECT_EQ(m.loaded_tokens, 0);
+  EXPECT_FALSE(cache.copies_pending());
+  cache.check_integrity();
+  cache.unlock(dn);
+  EXPECT_TRUE(cache.reset());
+  EXPECT_EQ(pool.num_free(), 4);
+}

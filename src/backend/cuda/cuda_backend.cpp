@@ -733,6 +733,45 @@ class CudaBackend final : public Backend {
             "count_experts");
   }
 
+  void* alloc_host(size_t bytes) override {
+    bind_thread();
+    void* p = nullptr;
+    CUDA_OK(cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocMapped | cudaHostAllocPortable),
+            fmt::format("allocating {:.2f} GiB of pinned host memory (the hierarchical cache's host tier)",
+                        static_cast<double>(bytes) / (1 << 30)));
+    void* dev = nullptr;
+    CUDA_OK(cudaHostGetDevicePointer(&dev, p, 0), "mapping the host tier");
+    MLA_CHECK(dev == p, "the host tier maps at another device address (no unified addressing)");
+    return p;
+  }
+  void free_host(void* p) override { cudaFreeHost(p); }
+
+  void copy_kv_pages(std::span<Tensor* const> layers, int32_t page_size, char* host, std::span<const int32_t> saves,
+                     std::span<const int32_t> loads) override {
+    MLA_CHECK(!capturing_, "copy_kv_pages while a graph is being recorded");
+    if (layers.empty() || (saves.empty() && loads.empty())) return;
+    const int64_t page_bytes = static_cast<int64_t>(layers[0]->nbytes() / static_cast<size_t>(layers[0]->size(0))) *
+                               page_size;
+    std::vector<char*> bases;
+    for (Tensor* t : layers) {
+      MLA_CHECK(static_cast<int64_t>(t->nbytes() / static_cast<size_t>(t->size(0))) * page_size == page_bytes,
+                "copy_kv_pages: the layers' rows differ in size");
+      bases.push_back(static_cast<char*>(t->data()));
+    }
+    MetaUpload up(*this);  // after the step's metadata
+    char* const* d_bases = up.add(bases);
+    const int32_t* d_saves = up.add(saves.data(), saves.size());
+    const int32_t* d_loads = up.add(loads.data(), loads.size());
+    up.flush();
+    const auto n = static_cast<int32_t>(bases.size());
+    CUDA_OK(cuda::copy_kv_pages(d_bases, n, page_bytes, host, d_saves, static_cast<int32_t>(saves.size() / 2), true,
+                                stream_),
+            "copy_kv_pages (to the host)");
+    CUDA_OK(cuda::copy_kv_pages(d_bases, n, page_bytes, host, d_loads, static_cast<int32_t>(loads.size() / 2), false,
+                                stream_),
+            "copy_kv_pages (to the device)");
+  }
+
   // Whether moe_gate takes cuda::moe_gate for x.
   bool gate_fused(const Tensor& x, const Tensor& router) const {
     const int64_t T = rows_of(x), H = x.size(-1), E = router.size(0);

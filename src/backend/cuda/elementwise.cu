@@ -74,6 +74,23 @@ __global__ void count_experts_kernel(const int32_t* ids, int64_t rows, int32_t k
   }
 }
 
+__global__ void copy_kv_pages_kernel(char* const* layers, int32_t nlayers, int64_t page_bytes, char* host,
+                                     const int32_t* pairs, bool to_host) {
+  pdl_wait();
+  const int32_t a = pairs[2 * blockIdx.x], b = pairs[2 * blockIdx.x + 1];
+  const int64_t page = to_host ? a : b, slot = to_host ? b : a;
+  char* d = layers[blockIdx.y] + page * page_bytes;
+  char* h = host + (slot * nlayers + blockIdx.y) * page_bytes;
+  char* dst = to_host ? h : d;
+  const char* src = to_host ? d : h;
+  if (page_bytes % 16 == 0 && (reinterpret_cast<uintptr_t>(d) | reinterpret_cast<uintptr_t>(h)) % 16 == 0) {
+    for (int64_t i = threadIdx.x; i < page_bytes / 16; i += blockDim.x)
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+  } else {
+    for (int64_t i = threadIdx.x; i < page_bytes; i += blockDim.x) dst[i] = src[i];
+  }
+}
+
 __global__ void embedding_kernel(const bf16* table, int64_t vocab_rows, int64_t H, int64_t vocab_begin,
                                  const int32_t* ids, bf16* out) {
   pdl_wait();
@@ -264,6 +281,13 @@ cudaError_t count_experts(const int32_t* ids, int64_t rows, int32_t k, const int
   if (rows * k == 0) return cudaSuccess;
   return launch(count_experts_kernel, grid_for(rows * k, 256, 1024), 256, 0, stream, ids, rows, k, pairs, npairs, E,
                 reinterpret_cast<unsigned long long*>(counts));
+}
+
+cudaError_t copy_kv_pages(char* const* layers, int32_t nlayers, int64_t page_bytes, char* host, const int32_t* pairs,
+                          int32_t npairs, bool to_host, cudaStream_t stream) {
+  if (npairs == 0 || nlayers == 0) return cudaSuccess;
+  return launch(copy_kv_pages_kernel, dim3(static_cast<unsigned>(npairs), static_cast<unsigned>(nlayers)), 256, 0,
+                stream, layers, nlayers, page_bytes, host, pairs, to_host);
 }
 
 cudaError_t embedding(const bf16* table, int64_t vocab_rows, int64_t H, int64_t vocab_begin, const int32_t* ids,

@@ -44,6 +44,13 @@ cudaError_t resolve_prev_ids(int32_t* ids, int64_t n, const int32_t* prev, int64
 cudaError_t count_experts(const int32_t* ids, int64_t rows, int32_t k, const int32_t* pairs, int32_t npairs,
                           int32_t E, long long* counts, cudaStream_t stream);
 
+// The hierarchical cache's copies: for each of the npairs device pairs, (page, slot) when to_host else (slot, page),
+// bytes [page * page_bytes, + page_bytes) of every layer l (device arrays layers[nlayers]) to / from host memory the
+// device maps, at host + (slot * nlayers + l) * page_bytes. Waits for the kernels before it (PDL). CPU reference:
+// Backend::copy_kv_pages.
+cudaError_t copy_kv_pages(char* const* layers, int32_t nlayers, int64_t page_bytes, char* host, const int32_t* pairs,
+                          int32_t npairs, bool to_host, cudaStream_t stream);
+
 cudaError_t embedding(const bf16* table, int64_t vocab_rows, int64_t H, int64_t vocab_begin, const int32_t* ids,
                       int64_t T, bf16* out, cudaStream_t stream);
 
