@@ -244,6 +244,43 @@ TEST(MultiNode, HiddenStatesAndRoutedExpertsFromEveryNode) {
   }
 }
 
+// The hierarchical cache on two nodes: the copies travel with the steps, so the ranks of node 1 (the second DP group,
+// or the second half of tp 2) save and load their own pages; a prompt evicted to the host by three others and run
+// again comes back from the host with one node's greedy tokens.
+TEST(MultiNode, HierarchicalCacheOnEveryNode) {
+  auto ps = test::golden_prompts("v2");
+  const std::vector<int32_t> a = ps.back();
+  auto run = [&](std::unique_ptr<RankSet> ranks, int32_t host_pages) {
+    EngineOptions o = test::small_engine_options(true, /*num_pages=*/40);
+    o.host_pages = host_pages;
+    Engine e(std::move(ranks), o);
+    const int32_t group = static_cast<int32_t>(e.stats().size()) - 1;  // on node 1 with DP attention 2/2
+    auto f = test::submit_ids(e, "a", a, 6, group);
+    std::vector<std::vector<int32_t>> out{test::wait_ids(f)};
+    for (int32_t k = 1; k <= 3; ++k) {
+      std::vector<int32_t> other = a;
+      other[0] = (a[0] + 7 * k) % 700;
+      auto g = test::submit_ids(e, "o" + std::to_string(k), other, 2, group);
+      test::wait_ids(g);
+    }
+    auto f2 = test::submit_ids(e, "a2", a, 6, group);
+    out.push_back(test::wait_ids(f2));
+    const int64_t loaded = e.stats()[static_cast<size_t>(group)].host_loaded_tokens_total;
+    test::expect_engine_idle_and_clean(e);
+    return std::make_pair(out, loaded);
+  };
+  const auto [ref, ref_loaded] = run(test::cpu_ranks("v2"), 0);
+  EXPECT_EQ(ref_loaded, 0);
+  EXPECT_EQ(ref[1], ref[0]);
+  for (auto [tp, dp] : {std::pair{2, 1}, std::pair{2, 2}}) {
+    SCOPED_TRACE("tp " + std::to_string(tp) + " dp " + std::to_string(dp));
+    std::pair<std::vector<std::vector<int32_t>>, int64_t> got;
+    two_nodes("v2", tp, dp, [&](std::unique_ptr<RankSet> r0) { got = run(std::move(r0), 128); });
+    EXPECT_EQ(got.first, ref);
+    EXPECT_EQ(got.second, static_cast<int64_t>(a.size() - 1) / 8 * 8);
+  }
+}
+
 // Chained MTP drafts on two nodes with DP attention (a group of one rank on each): node 1 runs each step's chained
 // MTP passes as node 0 does (the chain and the draft counts travel with the step's batches, each group's chained
 // token counts come from them), and the greedy tokens are those of one node without drafts.

@@ -49,7 +49,9 @@ TEST(ForwardBatch, AbsorbedSequencesAreMarkedAndSerialized) {
   bb.hidden_of_last();
   bb.add(std::vector<int32_t>{8}, 4, std::vector<int32_t>{3, 5}, false);         // a decode token
   bb.hidden_of_last();
-  const ForwardBatch b = bb.finish();
+  ForwardBatch b = bb.finish();
+  b.kv_saves = {7, 0, 9, 1};  // the hierarchical cache's copies travel too
+  b.kv_loads = {1, 11};
   EXPECT_EQ(b.hidden_rows, (std::vector<int32_t>{3, 4, 5, 6}));  // the second and third sequences' tokens
   EXPECT_EQ(b.seq_absorbed, (std::vector<int32_t>{0, 1, 0}));
   EXPECT_FALSE(b.absorbed_under_auto(0));
@@ -64,6 +66,8 @@ TEST(ForwardBatch, AbsorbedSequencesAreMarkedAndSerialized) {
   EXPECT_EQ(back.input_ids, b.input_ids);
   EXPECT_EQ(back.logit_rows, b.logit_rows);
   EXPECT_EQ(back.hidden_rows, b.hidden_rows);
+  EXPECT_EQ(back.kv_saves, b.kv_saves);
+  EXPECT_EQ(back.kv_loads, b.kv_loads);
   EXPECT_TRUE(decode_batch().seq_absorbed.empty());
   bb.add(std::vector<int32_t>{1, 2}, 0, std::vector<int32_t>{0}, false);
   EXPECT_FALSE(bb.finish().absorbed_under_auto(0));  // the builder starts afresh
