@@ -131,6 +131,9 @@ RadixCache::Copies RadixCache::take_copies() {
 bool RadixCache::free_host_slots(int32_t n) {
   if (!host_pool_) return false;
   if (host_pool_->num_free() >= n) return true;
+  // Every edge on the host can be dropped (none is locked, and all below one are on the host too); the slots the
+  // pending loads read cannot. Too few: keep what is there.
+  if (n > host_pool_->num_pages() - static_cast<int32_t>(slots_after_step_.size())) return false;
   auto cmp = [](Node* a, Node* b) { return a->last_access > b->last_access; };
   std::priority_queue<Node*, std::vector<Node*>, decltype(cmp)> heap(cmp);
   const auto droppable = [&](const Node* x) {
@@ -280,7 +283,6 @@ int32_t RadixCache::evict(int32_t num_pages) {
   while (freed < num_pages && !heap.empty()) {
     Node* n = heap.top();
     heap.pop();
-    if (!evictable(n)) continue;  // (a host slot search dropped nothing on the device; kept for safety)
     Node* parent = n->parent;
     const int32_t np = static_cast<int32_t>(n->pages.size());
     if (free_host_slots(np)) {  // to the host tier: saved, its pages free

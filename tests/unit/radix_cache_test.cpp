@@ -283,4 +283,17 @@ TEST(RadixCache, HostTierPinsLoadsAndFallsBackToDropping) {
   cache.unlock(dn);
   EXPECT_TRUE(cache.reset());
   EXPECT_EQ(pool.num_free(), 4);
+
+  // An edge longer than the whole host tier is dropped without emptying the tier first.
+  cache.enable_host_tier(2);
+  put(b);
+  EXPECT_EQ(cache.evict(2), 2);
+  (void)cache.take_copies();
+  put(d);  // four pages: b is on the host; d takes the pool
+  EXPECT_EQ(cache.host_cached_slots(), 2);
+  EXPECT_EQ(cache.evict(4), 4);  // d (4 pages > 2 slots) is dropped; b stays on the host
+  EXPECT_FALSE(cache.copies_pending());
+  EXPECT_EQ(cache.host_cached_slots(), 2);
+  EXPECT_EQ(cache.match_prefix(b, 8).loaded_tokens, 8);
+  cache.check_integrity();
 }
