@@ -834,7 +834,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     MLA_CHECK(s.kv_offloading_size >= 0.0, "--kv-offloading-size must be >= 0, got {}", s.kv_offloading_size);
     ea.enable_hierarchical_cache = s.hierarchical_cache || s.kv_offloading_size > 0.0;
     ea.hicache_ratio = s.hicache_ratio;
-    ea.hicache_size = s.kv_offloading_size > 0.0 && s.hicache_size <= 0.0 ? s.kv_offloading_size / s.tp : s.hicache_size;
+    ea.hicache_size =
+        s.kv_offloading_size > 0.0 && s.hicache_size <= 0.0 ? s.kv_offloading_size / s.tp : s.hicache_size;
     ea.context_length = s.context_length;
     ea.extra_eos_token_ids = generation_config_eos(s.model_path);
     ea.nnodes = s.nnodes;

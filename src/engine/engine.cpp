@@ -31,7 +31,8 @@ Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
   if (opts_.context_len <= 0) opts_.context_len = cfg.max_position_embeddings;
   MLA_CHECK(opts_.num_pages > 0, "engine: the KV pool has no pages");
   MLA_CHECK(opts_.host_pages == 0 || opts_.enable_radix_cache,
-            "the hierarchical cache keeps the prefix cache's pages: it needs the radix cache (no --disable-radix-cache)");
+            "the hierarchical cache keeps the prefix cache's pages: it needs the prefix cache "
+            "(no --disable-radix-cache)");
   ranks_->allocate_kv(opts_.num_pages, opts_.page_size, opts_.host_pages);
   SchedulerConfig sc;
   sc.page_size = opts_.page_size;

@@ -72,10 +72,11 @@ int64_t host_bytes_available() {
 // --hicache-size GiB per rank when > 0, else --hicache-ratio times the device's pool. Refused when the host memory of
 // every rank of this process is more than the machine has available.
 int32_t host_pages(const EngineArgs& a, int32_t num_pages, int64_t bytes_per_token) {
-  MLA_CHECK(!a.disable_radix_cache, "--enable-hierarchical-cache keeps the prefix cache's evicted pages in host memory: "
-            "it needs the prefix cache (drop --disable-radix-cache)");
-  MLA_CHECK(a.hicache_ratio >= 0.0 && a.hicache_size >= 0.0, "--hicache-ratio ({}) and --hicache-size ({}) must be >= 0",
-            a.hicache_ratio, a.hicache_size);
+  MLA_CHECK(!a.disable_radix_cache,
+            "--enable-hierarchical-cache keeps the prefix cache's evicted pages in host memory: it needs the prefix "
+            "cache (drop --disable-radix-cache)");
+  MLA_CHECK(a.hicache_ratio >= 0.0 && a.hicache_size >= 0.0,
+            "--hicache-ratio ({}) and --hicache-size ({}) must be >= 0", a.hicache_ratio, a.hicache_size);
   const int64_t page_bytes = bytes_per_token * a.page_size;
   const double pages = a.hicache_size > 0.0 ? a.hicache_size * static_cast<double>(int64_t{1} << 30) / page_bytes
                                             : a.hicache_ratio * num_pages;

@@ -333,8 +333,8 @@ void RadixCache::check_integrity() const {
     int32_t child_locks = 0;
     for (const auto& [first, c] : n->children) {
       MLA_CHECK(c->parent == n, "radix cache: broken parent link");
-      MLA_CHECK(c->num_pages() > 0 && c->key.size() == c->num_pages() * P, "radix cache: edge of {} tokens holds {} pages",
-                c->key.size(), c->num_pages());
+      MLA_CHECK(c->num_pages() > 0 && c->key.size() == c->num_pages() * P,
+                "radix cache: edge of {} tokens holds {} pages", c->key.size(), c->num_pages());
       MLA_CHECK(c->pages.empty() || c->host.empty(), "radix cache: an edge both on the device and on the host");
       MLA_CHECK(!c->on_device() || n == root_.get() || n->on_device(),
                 "radix cache: an edge on the device below one on the host");

@@ -1826,10 +1826,10 @@ TEST(ServeFlags, Fp8KvCacheServes) {
   expect_serve_refuses({"--kv-cache-dtype int8", "--kv-cache-dtype fp8_e3m4"}, "--kv-cache-dtype");
 }
 
-// --enable-hierarchical-cache (SGLang's; vLLM's --kv-offloading-size): with a device pool that holds one of these prompts
-// at a time, a prompt run again after five others still finds its prefix (copied back from the host tier) and answers
-// the same; without the tier nothing of it is left. (Under DP attention the requests alternate between the groups:
-// the prompt's group has run three others in between.) Bad sizes and policies are refused naming the flag.
+// --enable-hierarchical-cache (SGLang's; vLLM's --kv-offloading-size): with a device pool that holds one of these
+// prompts at a time, a prompt run again after five others still finds its prefix (copied back from the host tier) and
+// answers the same; without the tier nothing of it is left. (Under DP attention the requests alternate between the
+// groups: the prompt's group has run three others in between.) Bad sizes and policies are refused naming the flag.
 TEST(ServeFlags, HierarchicalCacheKeepsEvictedPrefixes) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   const auto req = [](const std::string& lead) {
@@ -1847,7 +1847,8 @@ TEST(ServeFlags, HierarchicalCacheKeepsEvictedPrefixes) {
     const json info = get_json(s.port(), "/get_server_info");
     EXPECT_EQ(info["enable_hierarchical_cache"], tier);
     const json first = post_json(s.port(), "/v1/completions", req("Alpha."));
-    for (const char* lead : {"Xray.", "Beta.", "Yankee.", "Gamma.", "Zulu."}) post_json(s.port(), "/v1/completions", req(lead));
+    for (const char* lead : {"Xray.", "Beta.", "Yankee.", "Gamma.", "Zulu."})
+      post_json(s.port(), "/v1/completions", req(lead));
     const json again = post_json(s.port(), "/v1/completions", req("Alpha."));
     ASSERT_EQ(first["usage"]["completion_tokens"], 16) << first.dump();
     EXPECT_EQ(again["choices"][0]["text"], first["choices"][0]["text"]) << flags[0];

@@ -207,8 +207,9 @@ TEST(RadixCache, HostTierKeepsEvictedPrefixesWithTheirContent) {
     // The step: its copies, then its forward.
     const RadixCache::Copies c = cache.take_copies();
     ASSERT_FALSE(cache.copies_pending());
-    for (size_t i = 0; i < c.saves.size(); i += 2) host[static_cast<size_t>(c.saves[i + 1])] = device[static_cast<size_t>(c.saves[i])];
-    for (size_t i = 0; i < c.loads.size(); i += 2) device[static_cast<size_t>(c.loads[i + 1])] = host[static_cast<size_t>(c.loads[i])];
+    const auto at = [](const std::vector<int32_t>& v, size_t i) { return static_cast<size_t>(v[i]); };
+    for (size_t i = 0; i < c.saves.size(); i += 2) host[at(c.saves, i + 1)] = device[at(c.saves, i)];
+    for (size_t i = 0; i < c.loads.size(); i += 2) device[at(c.loads, i + 1)] = host[at(c.loads, i)];
     saves += static_cast<int64_t>(c.saves.size() / 2);
     for (int32_t k = 0; k < static_cast<int32_t>(m.pages.size()); ++k)
       ASSERT_EQ(device[static_cast<size_t>(pages[static_cast<size_t>(k)])], content(seq, k)) << iter << " page " << k;

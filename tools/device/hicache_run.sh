@@ -13,6 +13,8 @@ for flags in "--enable-hierarchical-cache" ""; do
   serve_up $PORT $SPID /tmp/hs.log || continue
   echo "== [${flags:-no host tier}] $(grep -E 'host tier' /tmp/hs.log | sed 's/.*info\] //')"
   timeout 300 python3 tools/device/hicache_bench.py $PORT $N 2 3
-  python3 -c "import json,urllib.request;s=json.load(urllib.request.urlopen('http://127.0.0.1:$PORT/get_server_info'))['internal_states'][0];print({k:v for k,v in s.items() if 'host' in k or 'cached' in k})"
+  python3 -c "import json,urllib.request;u='http://127.0.0.1:$PORT/get_server_info'
+s=json.load(urllib.request.urlopen(u))['internal_states'][0]
+print({k: v for k, v in s.items() if 'host' in k or 'cached' in k})"
   kill $SPID; wait $SPID 2>/dev/null
 done
