@@ -67,6 +67,9 @@ std::string ServerMetrics::render(const std::vector<RankStats>& ranks, const std
     sum.kv_tokens_total += r.kv_tokens_total;
     sum.kv_tokens_free += r.kv_tokens_free;
     sum.kv_tokens_cached += r.kv_tokens_cached;
+    sum.kv_host_tokens_total += r.kv_host_tokens_total;
+    sum.kv_host_tokens_cached += r.kv_host_tokens_cached;
+    sum.host_loaded_tokens_total += r.host_loaded_tokens_total;
     sum.num_running_reqs += r.num_running_reqs;
     sum.num_queue_reqs += r.num_queue_reqs;
     sum.prompt_tokens_total += r.prompt_tokens_total;
@@ -100,6 +103,13 @@ std::string ServerMetrics::render(const std::vector<RankStats>& ranks, const std
         sum.prompt_tokens_total > 0
             ? static_cast<double>(sum.cached_prompt_tokens_total) / static_cast<double>(sum.prompt_tokens_total)
             : 0.0);
+  if (sum.kv_host_tokens_total > 0) {  // --enable-hierarchical-cache
+    gauge("host_max_total_num_tokens", "Token slots of the hierarchical cache's host tier.", sum.kv_host_tokens_total);
+    gauge("host_cached_tokens", "Host-tier token slots holding pages the prefix cache evicted from the device.",
+          sum.kv_host_tokens_cached);
+    counter("host_loaded_prompt_tokens_total", "Prompt tokens copied back from the host tier instead of computed.",
+            sum.host_loaded_tokens_total);
+  }
   gauge("open_connections", "Open HTTP connections.", open_connections.load());
   counter("prompt_tokens_total", "Prompt tokens processed.", sum.prompt_tokens_total);
   counter("generation_tokens_total", "Tokens generated.", sum.generation_tokens_total);

@@ -1858,6 +1858,8 @@ TEST(ServeFlags, HierarchicalCacheKeepsEvictedPrefixes) {
                                ? again["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>()
                                : 0;
     const json st = get_json(s.port(), "/get_server_info")["internal_states"][0];
+    const std::string metrics = http_request(s.port(), "GET", "/metrics").body;
+    EXPECT_EQ(metrics.find("mlaserve:host_loaded_prompt_tokens_total ") != std::string::npos, tier) << metrics;
     if (tier) {
       EXPECT_GE(cached, prompt_tokens - 32) << again.dump();
       EXPECT_GT(st["kv_host_tokens_total"].get<int64_t>(), 0) << st.dump();
