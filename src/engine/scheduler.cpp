@@ -901,6 +901,9 @@ void Scheduler::retract_all() {
 
 bool Scheduler::flush_cache() {
   if (num_running() > 0) return false;
+  // Copies no step has taken yet (a waiting request's loads, evictions' saves) concern only what the flush drops;
+  // taking them here also unpins the edges being loaded.
+  (void)cache_.take_copies();
   return cache_.reset();
 }
 

@@ -297,4 +297,7 @@ TEST(RadixCache, HostTierPinsLoadsAndFallsBackToDropping) {
   EXPECT_EQ(cache.host_cached_slots(), 2);
   EXPECT_EQ(cache.match_prefix(b, 8).loaded_tokens, 8);
   cache.check_integrity();
+  EXPECT_FALSE(cache.reset());  // the load pins b
+  (void)cache.take_copies();
+  EXPECT_TRUE(cache.reset());
 }
