@@ -25,6 +25,29 @@ struct RadixCache::Node {
   }
 };
 
+namespace {
+
+struct OlderFirst {
+  bool operator()(const RadixCache::Node* a, const RadixCache::Node* b) const { return a->last_access > b->last_access; }
+};
+using LruHeap = std::priority_queue<RadixCache::Node*, std::vector<RadixCache::Node*>, OlderFirst>;
+
+// The nodes under `root` (itself included) that `pick` chooses, least recently used on top.
+template <typename Pick>
+LruHeap lru_heap(RadixCache::Node* root, const Pick& pick) {
+  LruHeap heap;
+  std::vector<RadixCache::Node*> stack{root};
+  while (!stack.empty()) {
+    RadixCache::Node* n = stack.back();
+    stack.pop_back();
+    for (auto& [_, c] : n->children) stack.push_back(c.get());
+    if (pick(n)) heap.push(n);
+  }
+  return heap;
+}
+
+}  // namespace
+
 RadixCache::RadixCache(int32_t page_size, PagePool& pool, bool enabled)
     : page_size_(page_size), pool_(pool), enabled_(enabled), root_(std::make_unique<Node>()) {
   MLA_CHECK(page_size > 0, "radix cache: page size must be positive");
@@ -134,18 +157,10 @@ bool RadixCache::free_host_slots(int32_t n) {
   // Every edge on the host can be dropped (none is locked, and all below one are on the host too); the slots the
   // pending loads read cannot. Too few: keep what is there.
   if (n > host_pool_->num_pages() - static_cast<int32_t>(slots_after_step_.size())) return false;
-  auto cmp = [](Node* a, Node* b) { return a->last_access > b->last_access; };
-  std::priority_queue<Node*, std::vector<Node*>, decltype(cmp)> heap(cmp);
   const auto droppable = [&](const Node* x) {
     return x != root_.get() && !x->on_device() && x->children.empty() && x->lock_ref == 0;
   };
-  std::vector<Node*> stack{root_.get()};
-  while (!stack.empty()) {
-    Node* x = stack.back();
-    stack.pop_back();
-    for (auto& [_, c] : x->children) stack.push_back(c.get());
-    if (droppable(x)) heap.push(x);
-  }
+  LruHeap heap = lru_heap(root_.get(), droppable);
   while (host_pool_->num_free() < n && !heap.empty()) {
     Node* x = heap.top();
     heap.pop();
@@ -265,20 +280,11 @@ int32_t RadixCache::pages_unlocked_by(std::span<Node* const> nodes) const {
 
 int32_t RadixCache::evict(int32_t num_pages) {
   if (!enabled_ || num_pages <= 0) return 0;
-  // Min-heap of unlocked leaves by last access.
-  auto cmp = [](Node* a, Node* b) { return a->last_access > b->last_access; };
-  std::priority_queue<Node*, std::vector<Node*>, decltype(cmp)> heap(cmp);
   // Leaves of the device part: unlocked, no child on the device (children on the host tier stay below them).
   const auto evictable = [&](const Node* x) {
     return x != root_.get() && x->on_device() && x->lock_ref == 0 && !x->has_device_child();
   };
-  std::vector<Node*> stack{root_.get()};
-  while (!stack.empty()) {
-    Node* n = stack.back();
-    stack.pop_back();
-    for (auto& [_, c] : n->children) stack.push_back(c.get());
-    if (evictable(n)) heap.push(n);
-  }
+  LruHeap heap = lru_heap(root_.get(), evictable);
   int32_t freed = 0;
   while (freed < num_pages && !heap.empty()) {
     Node* n = heap.top();
