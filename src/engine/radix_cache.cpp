@@ -28,7 +28,9 @@ struct RadixCache::Node {
 namespace {
 
 struct OlderFirst {
-  bool operator()(const RadixCache::Node* a, const RadixCache::Node* b) const { return a->last_access > b->last_access; }
+  bool operator()(const RadixCache::Node* a, const RadixCache::Node* b) const {
+    return a->last_access > b->last_access;
+  }
 };
 using LruHeap = std::priority_queue<RadixCache::Node*, std::vector<RadixCache::Node*>, OlderFirst>;
 
