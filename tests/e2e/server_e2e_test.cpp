@@ -814,7 +814,7 @@ TEST_F(ServerE2E, BenchServingPrintsTheMetricBlock) {
                                   ("mlaserve_bench_" + std::to_string(::getpid()) + "_" + backend + ".jsonl"))
                                      .string();
     std::filesystem::remove(out_file);
-    auto r = run_command(std::string("timeout 300 ") + MLASERVE_BINARY + " bench-serving --backend " + backend +
+    auto r = run_command(mlaserve_cmd(300) + " bench-serving --backend " + backend +
                          " --host 127.0.0.1 --port " + std::to_string(port()) +
                          " --dataset-name random --random-input 48 --random-output 8 --random-range-ratio 1"
                          " --num-prompts 24 --max-concurrency 12 --seed 3 --output-file " + out_file);
