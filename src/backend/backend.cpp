@@ -54,20 +54,15 @@ void* Backend::alloc_host(size_t bytes) {
 
 void Backend::free_host(void* p) { ::operator delete(p, std::align_val_t{64}); }
 
-void Backend::copy_kv_pages(std::span<Tensor* const> layers, int32_t page_size, char* host,
+void Backend::copy_kv_pages(std::span<Tensor* const> layers, int64_t page_bytes, char* host,
                             std::span<const int32_t> saves, std::span<const int32_t> loads) {
-  const auto page_bytes = [&](const Tensor* t) {
-    return static_cast<size_t>(page_size) * (t->nbytes() / static_cast<size_t>(t->size(0)));
-  };
-  size_t block = 0;
-  for (const Tensor* t : layers) block += page_bytes(t);
+  const auto bytes = static_cast<size_t>(page_bytes);
   for (const bool to_host : {true, false}) {
     const std::span<const int32_t> pairs = to_host ? saves : loads;
     for (size_t i = 0; i + 1 < pairs.size(); i += 2) {
       const int32_t page = to_host ? pairs[i] : pairs[i + 1], slot = to_host ? pairs[i + 1] : pairs[i];
-      char* h = host + static_cast<size_t>(slot) * block;
+      char* h = host + static_cast<size_t>(slot) * layers.size() * bytes;
       for (Tensor* t : layers) {
-        const size_t bytes = page_bytes(t);
         char* d = static_cast<char*>(t->data()) + static_cast<size_t>(page) * bytes;
         if (to_host) std::memcpy(h, d, bytes);
         else std::memcpy(d, h, bytes);

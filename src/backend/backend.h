@@ -136,11 +136,11 @@ class Backend {
   // (pinned and mapped into the device's address space on CUDA; plain memory on the CPU), given back by free_host.
   virtual void* alloc_host(size_t bytes);
   virtual void free_host(void* p);
-  // For each pair (page, slot) of `saves`, then each pair (slot, page) of `loads`: rows [page * page_size, + page_size)
-  // of every tensor of `layers` copied to (saves) or from (loads) host block `slot` of `host` (a block holds those rows
-  // of each layer in turn: sum of the layers' page bytes), in stream order with the ops around it. Default: memcpy
-  // (tensors in host memory).
-  virtual void copy_kv_pages(std::span<Tensor* const> layers, int32_t page_size, char* host,
+  // For each pair (page, slot) of `saves`, then each pair (slot, page) of `loads`: bytes [page * page_bytes, +
+  // page_bytes) of every tensor of `layers` (a page of each layer's cache) copied to (saves) or from (loads) host block
+  // `slot` of `host` (a block holds that page of each layer in turn: layers.size() * page_bytes), in stream order with
+  // the ops around it. Default: memcpy (tensors in host memory).
+  virtual void copy_kv_pages(std::span<Tensor* const> layers, int64_t page_bytes, char* host,
                              std::span<const int32_t> saves, std::span<const int32_t> loads);
   // Deterministic pseudo-random fill for dummy weights: value = mean + stddev * u, u uniform with unit variance,
   // a function of (seed, index in the FULL tensor) only, so every backend and shard layout agrees. t is viewed

@@ -37,9 +37,9 @@ class ForwardingBackend : public Backend {
   }
   void* alloc_host(size_t n) override { return b_.alloc_host(n); }
   void free_host(void* p) override { b_.free_host(p); }
-  void copy_kv_pages(std::span<Tensor* const> l, int32_t ps, char* h, std::span<const int32_t> s,
+  void copy_kv_pages(std::span<Tensor* const> l, int64_t pb, char* h, std::span<const int32_t> s,
                      std::span<const int32_t> ld) override {
-    b_.copy_kv_pages(l, ps, h, s, ld);
+    b_.copy_kv_pages(l, pb, h, s, ld);
   }
   void begin_step(const ForwardBatch& b) override { b_.begin_step(b); }
   void resolve_prev_ids(const Tensor& p) override { b_.resolve_prev_ids(p); }

@@ -12,15 +12,9 @@ KvCache::KvCache(Backend& backend, const ModelConfig& config, int64_t num_pages,
     layers_.push_back(backend.alloc({num_pages * page_size, config.kv_cache_dim()}, dtype_));
 }
 
-int64_t KvCache::page_bytes() const {
-  int64_t b = 0;
-  for (const Tensor& t : layers_) b += static_cast<int64_t>(t.nbytes()) / num_pages_;
-  return b;
-}
-
 void KvCache::enable_host(int64_t slots) {
   MLA_CHECK(slots > 0, "kv cache: a host tier needs slots, got {}", slots);
-  const size_t bytes = static_cast<size_t>(slots) * static_cast<size_t>(page_bytes());
+  const size_t bytes = static_cast<size_t>(slots * num_layers() * page_bytes());
   Backend* be = backend_;
   host_ = std::unique_ptr<char, std::function<void(char*)>>(static_cast<char*>(be->alloc_host(bytes)),
                                                             [be](char* p) { be->free_host(p); });
@@ -41,7 +35,7 @@ void KvCache::copy_pages(std::span<const int32_t> saves, std::span<const int32_t
   }
   std::vector<Tensor*> layers;
   for (Tensor& t : layers_) layers.push_back(&t);
-  backend_->copy_kv_pages(layers, page_size_, host_.get(), saves, loads);
+  backend_->copy_kv_pages(layers, page_bytes(), host_.get(), saves, loads);
 }
 
 int64_t KvCache::bytes_per_token(const ModelConfig& c, DType dtype) {

@@ -35,10 +35,11 @@ class KvCache {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // Bytes of cache per token (all layers).
   static int64_t bytes_per_token(const ModelConfig& c, DType dtype);
-  // The hierarchical cache's host tier: `slots` host blocks, each one page of every layer (page_bytes()).
+  // The hierarchical cache's host tier: `slots` host blocks, each one page of every layer (num_layers() * page_bytes()).
   void enable_host(int64_t slots);
   int64_t host_slots() const { return host_slots_; }
-  int64_t page_bytes() const;  // bytes of one page over all layers
+  // Bytes of one page of one layer (every layer's rows are alike).
+  int64_t page_bytes() const { return num_layers() > 0 ? static_cast<int64_t>(layers_[0].nbytes()) / num_pages_ : 0; }
   // A step's copies (ForwardBatch::kv_saves, kv_loads: RadixCache::Copies) between pages and host slots, before its
   // forward; each page and slot checked against the cache's.
   void copy_pages(std::span<const int32_t> saves, std::span<const int32_t> loads);

@@ -161,7 +161,7 @@ TEST(CudaOps, KvPagesToTheHostAndBack) {
       gp.push_back(&g[static_cast<size_t>(l)]);
       cp.push_back(&hc[static_cast<size_t>(l)]);
     }
-    const size_t block = 3 * g[0].nbytes() / static_cast<size_t>(pages);
+    const size_t pb = g[0].nbytes() / static_cast<size_t>(pages), block = 3 * pb;  // a page of a layer; of all
     char* host_g = static_cast<char*>(gpu().alloc_host(slots * block));
     std::vector<char> host_c(slots * block, 0);
     std::memset(host_g, 0, slots * block);
@@ -169,8 +169,8 @@ TEST(CudaOps, KvPagesToTheHostAndBack) {
     const std::vector<std::vector<char>> before = h;
     Scenario sc = make_scenario({{0, 3}}, 4, 1);
     gpu().begin_step(sc.batch);
-    gpu().copy_kv_pages(gp, c.ps, host_g, saves, loads);
-    cpu().copy_kv_pages(cp, c.ps, host_c.data(), saves, loads);
+    gpu().copy_kv_pages(gp, static_cast<int64_t>(pb), host_g, saves, loads);
+    cpu().copy_kv_pages(cp, static_cast<int64_t>(pb), host_c.data(), saves, loads);
     gpu().synchronize();
     EXPECT_EQ(std::memcmp(host_g, host_c.data(), slots * block), 0) << dtype_name(c.dtype);
     for (int l = 0; l < 3; ++l) {
@@ -179,7 +179,6 @@ TEST(CudaOps, KvPagesToTheHostAndBack) {
       EXPECT_EQ(got, h[static_cast<size_t>(l)]) << dtype_name(c.dtype) << " layer " << l;
     }
     // The reference itself: page 8 of layer 1 now holds what page 2 held (saved to slot 0, loaded from it).
-    const size_t pb = g[0].nbytes() / static_cast<size_t>(pages);
     EXPECT_EQ(std::memcmp(h[1].data() + 8 * pb, before[1].data() + 2 * pb, pb), 0);
     EXPECT_NE(std::memcmp(h[1].data() + 8 * pb, before[1].data() + 8 * pb, pb), 0);
     gpu().free_host(host_g);

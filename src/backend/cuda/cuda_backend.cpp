@@ -746,18 +746,12 @@ class CudaBackend final : public Backend {
   }
   void free_host(void* p) override { cudaFreeHost(p); }
 
-  void copy_kv_pages(std::span<Tensor* const> layers, int32_t page_size, char* host, std::span<const int32_t> saves,
+  void copy_kv_pages(std::span<Tensor* const> layers, int64_t page_bytes, char* host, std::span<const int32_t> saves,
                      std::span<const int32_t> loads) override {
     MLA_CHECK(!capturing_, "copy_kv_pages while a graph is being recorded");
     if (layers.empty() || (saves.empty() && loads.empty())) return;
-    const int64_t page_bytes = static_cast<int64_t>(layers[0]->nbytes() / static_cast<size_t>(layers[0]->size(0))) *
-                               page_size;
     std::vector<char*> bases;
-    for (Tensor* t : layers) {
-      MLA_CHECK(static_cast<int64_t>(t->nbytes() / static_cast<size_t>(t->size(0))) * page_size == page_bytes,
-                "copy_kv_pages: the layers' rows differ in size");
-      bases.push_back(static_cast<char*>(t->data()));
-    }
+    for (Tensor* t : layers) bases.push_back(static_cast<char*>(t->data()));
     MetaUpload up(*this);  // after the step's metadata
     char* const* d_bases = up.add(bases);
     const int32_t* d_saves = up.add(saves.data(), saves.size());
