@@ -35,7 +35,8 @@ class KvCache {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // Bytes of cache per token (all layers).
   static int64_t bytes_per_token(const ModelConfig& c, DType dtype);
-  // The hierarchical cache's host tier: `slots` host blocks, each one page of every layer (num_layers() * page_bytes()).
+  // The hierarchical cache's host tier: `slots` host blocks, each one page of every layer
+  // (num_layers() * page_bytes() bytes).
   void enable_host(int64_t slots);
   int64_t host_slots() const { return host_slots_; }
   // Bytes of one page of one layer (every layer's rows are alike).
