@@ -694,7 +694,8 @@ TEST(HttpApi, ReturnRoutedExperts) {
   EXPECT_FALSE(j[0]["meta_info"].contains("routed_experts"));
   EXPECT_EQ(decode(j[1]["meta_info"]["routed_experts"]), want(4, 2));
   EXPECT_EQ(s.post("/generate", R"({"input_ids": [5], "return_routed_experts": "yes"})").status, 400);
-  j = json::parse(s.post("/v1/completions", R"({"prompt": "ab", "max_tokens": 3, "return_routed_experts": true})").body);
+  j = json::parse(
+      s.post("/v1/completions", R"({"prompt": "ab", "max_tokens": 3, "return_routed_experts": true})").body);
   EXPECT_EQ(decode(j["choices"][0]["routed_experts"]), want(j["usage"]["prompt_tokens"].get<int32_t>(), 3));
   o.stream_output = true;
   TestServer inc(o);
