@@ -786,11 +786,7 @@ void Engine::abort_plans(const std::vector<StepPlan>& plans, const std::string& 
   FinishReason f;
   f.kind = FinishKind::Abort;
   f.message = "internal error: " + why;
-  for (size_t g = 0; g < plans.size(); ++g) {
-    std::vector<std::string> rids;
-    for (const ScheduledSeq& s : plans[g].seqs) rids.push_back(s.req->rid);
-    for (const auto& rid : rids) scheds_[g]->abort(rid, f);
-  }
+  for (size_t g = 0; g < plans.size(); ++g) scheds_[g]->fail(plans[g], f);
 }
 
 void Engine::step() {

@@ -723,11 +723,13 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
           const int64_t n = static_cast<int64_t>(b.hidden_rows.size());
           Launched::RowDownloads& d = h.row_downloads[static_cast<size_t>(i)];
           d.rows = n;
-          d.cols = last.size(1);
-          d.dtype = last.dtype();
-          Tensor rows = rk.backend->scratch({n, d.cols}, d.dtype);
-          rk.backend->gather_rows(last, b.hidden_rows, rows);  // (it checks the rows)
-          d.hidden = rk.backend->download_start(rows);
+          if (b.hidden_states) {  // (else only their routed experts)
+            d.cols = last.size(1);
+            d.dtype = last.dtype();
+            Tensor rows = rk.backend->scratch({n, d.cols}, d.dtype);
+            rk.backend->gather_rows(last, b.hidden_rows, rows);  // (it checks the rows)
+            d.hidden = rk.backend->download_start(rows);
+          }
           if (rk.model->captures_routes()) {  // [MoE layers, T of the forward, k]: each row's ids of every layer
             const Tensor& routes = rk.model->last_routes();
             const int64_t M = routes.size(0), Tf = routes.size(1), k = routes.size(2);
@@ -755,10 +757,12 @@ void RankSet::finish_local(Launched& h) {
         GroupOutput& o = h.out[static_cast<size_t>(rk.global / at)];
         if (R >= 0) finish_rows(rk, h, i, R, o);
         if (const Launched::RowDownloads& d = h.row_downloads[static_cast<size_t>(i)]; d.rows > 0) {
-          Tensor host = Tensor::empty_host({d.rows, d.cols}, d.dtype);  // (downloaded after the ids and the logits)
-          rk.backend->download_finish(d.hidden, host.data());
-          o.hidden.resize(static_cast<size_t>(host.numel()));
-          cpu::convert(host.data(), d.dtype, o.hidden.data(), DType::F32, host.numel());
+          if (d.cols > 0) {
+            Tensor host = Tensor::empty_host({d.rows, d.cols}, d.dtype);  // (downloaded after the ids and the logits)
+            rk.backend->download_finish(d.hidden, host.data());
+            o.hidden.resize(static_cast<size_t>(host.numel()));
+            cpu::convert(host.data(), d.dtype, o.hidden.data(), DType::F32, host.numel());
+          }
           if (rk.model->captures_routes()) o.routes = all_layers_routes(rk, d);
         }
       },

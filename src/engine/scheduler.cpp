@@ -218,7 +218,7 @@ void Scheduler::admit(Req& r) {
   int32_t limit = static_cast<int32_t>(r.fill.size()) - 1;
   if (const int32_t first = lp_first_row(r); first >= 0) limit = std::min(limit, first);
   if (r.sampling.wants_rows()) limit = std::min(limit, r.hidden_have);
-  auto m = cache_.match_prefix(r.fill, limit);
+  auto m = cache_suspect_ ? RadixCache::Match{} : cache_.match_prefix(r.fill, limit);
   cache_.lock(m.node);
   r.prefix_node = m.node;
   r.pages = std::move(m.pages);
@@ -245,7 +245,7 @@ int64_t Scheduler::available_tokens(const Req& r, int32_t headroom) const {
 void Scheduler::release(Req& r, bool cache_kv) {
   const size_t P = static_cast<size_t>(cfg_.page_size);
   const size_t full = static_cast<size_t>(r.kv_len) / P;
-  if (cache_kv && cache_.enabled() && full > 0) {
+  if (cache_kv && cache_.enabled() && !cache_suspect_ && full > 0) {
     const size_t n = std::min(full, r.pages.size());
     cache_.insert(std::span<const int32_t>(r.fill.data(), n * P), std::span<const int32_t>(r.pages.data(), n));
     pool_.free(std::vector<int32_t>(r.pages.begin() + static_cast<int64_t>(n), r.pages.end()));
@@ -292,7 +292,7 @@ void Scheduler::enqueue(std::unique_ptr<Req> r, bool front) {
 
 void Scheduler::cache_prefill(Req& r, int32_t kv_end) {
   const int32_t full = kv_end / cfg_.page_size;
-  if (!cache_.enabled() || full <= r.prefix_pages) return;
+  if (!cache_.enabled() || cache_suspect_ || full <= r.prefix_pages) return;
   const size_t n = static_cast<size_t>(full);
   MLA_CHECK(r.pages.size() >= n && r.fill.size() >= n * static_cast<size_t>(cfg_.page_size),
             "scheduler: request {} caches {} pages it does not hold", r.rid, full);
@@ -316,11 +316,11 @@ void Scheduler::retract(Req& r) {
   ++counters_.num_retractions;
 }
 
-void Scheduler::finish(Req& r, FinishReason reason) {
+void Scheduler::finish(Req& r, FinishReason reason, bool cache_kv) {
   r.finish = std::move(reason);
   const bool held = r.state == ReqState::Prefilling || r.state == ReqState::Decoding;
   r.state = ReqState::Finished;
-  if (held) release(r, /*cache_kv=*/true);
+  if (held) release(r, cache_kv);
   ++counters_.num_requests_finished;
   emit(r);
 }
@@ -333,20 +333,30 @@ void Scheduler::erase_finished() {
                  running_.end());
 }
 
-bool Scheduler::abort(const std::string& rid, const FinishReason& reason) {
+bool Scheduler::abort(const std::string& rid, const FinishReason& reason, bool cache_kv) {
   for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
     if ((*it)->rid != rid) continue;
     std::unique_ptr<Req> r = std::move(*it);
     waiting_.erase(it);
-    finish(*r, reason);
+    finish(*r, reason, cache_kv);
     return true;
   }
   for (auto& r : running_) {
     if (r->rid != rid || r->state == ReqState::Finished) continue;
-    finish(*r, reason);  // freed by erase_finished(), once no plan refers to it
+    finish(*r, reason, cache_kv);  // freed by erase_finished(), once no plan refers to it
     return true;
   }
   return false;
+}
+
+void Scheduler::fail(const StepPlan& plan, const FinishReason& reason) {
+  std::vector<std::string> rids;
+  for (const ScheduledSeq& s : plan.seqs) rids.push_back(s.req->rid);
+  for (const auto& rid : rids) abort(rid, reason, /*cache_kv=*/false);
+  if (!plan.batch.kv_saves.empty() || !plan.batch.kv_loads.empty()) {
+    MLA_LOG_WARN("a failed step carried the prefix cache's copies: the cache is set aside until it can be emptied");
+    cache_suspect_ = true;
+  }
 }
 
 void Scheduler::retract_to_waiting(Req& victim) {
@@ -422,6 +432,14 @@ bool Scheduler::preempt_for_waiting(bool allow_retract) {
 StepPlan Scheduler::schedule(bool allow_retract) {
   StepPlan plan;
   const int32_t P = cfg_.page_size;
+  if (cache_suspect_) {
+    // The cache's pending copies concern only what it holds; once nothing holds a lock it is emptied and used again.
+    (void)cache_.take_copies();
+    if (cache_.reset()) {
+      cache_suspect_ = false;
+      MLA_LOG_INFO("the prefix cache was emptied after a failed step; it is used again");
+    }
+  }
   // 0. Priority preemption: running requests far below the waiting queue's head make room for it.
   if (preempt_for_waiting(allow_retract)) {
     plan.blocked = true;  // retract once the step in flight is back
@@ -640,6 +658,9 @@ void Scheduler::build_batch(StepPlan& plan) {
   }
   plan.batch = bb.finish();
   plan.batch.mtp_chain = plan.mtp_chain;
+  plan.batch.hidden_states = std::any_of(plan.seqs.begin(), plan.seqs.end(), [](const ScheduledSeq& s) {
+    return s.req->sampling.return_hidden_states;
+  });
   plan.uses_prev_ids = !from_device.empty();
   for (const auto& [t, row] : from_device) plan.batch.input_ids[t] = -(row + 1);
   if (cfg_.spec_model_drafts) set_next_ids(plan);
@@ -715,7 +736,8 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
   const size_t width = static_cast<size_t>(plan.hidden_width), rwidth = static_cast<size_t>(plan.routes_width);
   // Row k of the step for request r (what it asks for), if the position it is of was not collected before.
   auto step_row = [&](Req& r, int32_t k, int32_t pos) -> RowOutputs {
-    MLA_CHECK(static_cast<size_t>(k + 1) * width <= plan.hidden.size() && width > 0,
+    MLA_CHECK(!r.sampling.return_hidden_states ||
+                  (static_cast<size_t>(k + 1) * width <= plan.hidden.size() && width > 0),
               "scheduler: request {} misses hidden row {} of the step ({} floats of rows of {})", r.rid, k,
               plan.hidden.size(), width);
     MLA_CHECK(!r.sampling.return_routed_experts || static_cast<size_t>(k + 1) * rwidth <= plan.routes.size(),
@@ -800,7 +822,9 @@ void Scheduler::resolve(StepPlan& plan, const std::vector<SampleResult>& sampled
     }
   }
   MLA_CHECK(i == sampled.size(), "scheduler: {} sampled tokens for {} rows", sampled.size(), i);
-  MLA_CHECK(static_cast<size_t>(step_rows) * width == plan.hidden.size() &&
+  // (hidden states only when a request of the step returns them)
+  const size_t hidden_floats = plan.batch.hidden_states ? static_cast<size_t>(step_rows) * width : 0;
+  MLA_CHECK(hidden_floats == plan.hidden.size() &&
                 (plan.routes.empty() || static_cast<size_t>(step_rows) * rwidth == plan.routes.size()),
             "scheduler: {} floats of hidden states and {} routed experts for {} rows of {} / {}", plan.hidden.size(),
             plan.routes.size(), step_rows, width, rwidth);

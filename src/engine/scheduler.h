@@ -199,7 +199,7 @@ class Scheduler {
   void validate(const GenerateRequest& r) const;
   void add(GenerateRequest r);
   // Removes the request wherever it is and reports `reason` to it. Returns false if unknown.
-  bool abort(const std::string& rid, const FinishReason& reason);
+  bool abort(const std::string& rid, const FinishReason& reason, bool cache_kv = true);
   // Plans the next step (possibly empty). With allow_retract = false (a step is still running, so its requests'
   // pages are in use), a plan that would need to retract comes back `blocked` and empty instead.
   StepPlan schedule(bool allow_retract = true);
@@ -219,6 +219,10 @@ class Scheduler {
   void refresh(StepPlan& plan);
   // A launched plan (advance) that will never resolve (its step failed): its requests stop waiting for it.
   void drop(StepPlan& plan);
+  // A step that failed (before or after it was launched): its requests end with `reason` and their KV is not cached
+  // (the step may have written part of it). If it carried the prefix cache's copies, the loaded edges and the saved
+  // host slots may hold anything: the cache matches and keeps nothing until it can be emptied (nothing locked).
+  void fail(const StepPlan& plan, const FinishReason& reason);
   // Frees finished requests that no launched, unresolved plan names.
   void erase_finished();
   bool flush_cache();
@@ -278,7 +282,7 @@ class Scheduler {
   // Into the waiting queue: by (priority, arrival) with priority scheduling, else at the back (or the front: a
   // retracted request goes first).
   void enqueue(std::unique_ptr<Req> r, bool front);
-  void finish(Req& r, FinishReason reason);
+  void finish(Req& r, FinishReason reason, bool cache_kv = true);
   void emit(Req& r);
   // A sampled token into the request's output (pending: it replaces the oldest token in flight, else it follows the
   // kept drafts), with its stop / length checks: finishes the request when it ends there.
@@ -298,6 +302,7 @@ class Scheduler {
   std::deque<std::unique_ptr<Req>> waiting_;
   std::vector<std::unique_ptr<Req>> running_;  // admission order
   uint64_t admit_counter_ = 0;
+  bool cache_suspect_ = false;  // a failed step carried the cache's copies (fail): no matches, nothing cached
   uint64_t arrival_counter_ = 0;
   RankStats counters_;
   uint64_t seed_counter_ = 0x5eed;

@@ -45,6 +45,7 @@ void serialize(const ForwardBatch& b, std::string& o) {
   put_i32(o, b.page_size);
   put_i32(o, b.max_pages);
   put_i32(o, b.mtp_chain);
+  put_i32(o, b.hidden_states ? 1 : 0);
   for (const auto* v : {&b.input_ids, &b.positions, &b.token_seq, &b.out_slots, &b.seq_q_start, &b.seq_prefix_lens,
                         &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed, &b.next_ids, &b.seq_drafts,
                         &b.hidden_rows, &b.kv_saves, &b.kv_loads})
@@ -57,6 +58,7 @@ ForwardBatch deserialize_forward_batch(const char*& p, const char* end) {
   b.page_size = get_i32(p, end);
   b.max_pages = get_i32(p, end);
   b.mtp_chain = get_i32(p, end);
+  b.hidden_states = get_i32(p, end) != 0;
   for (auto* v : {&b.input_ids, &b.positions, &b.token_seq, &b.out_slots, &b.seq_q_start, &b.seq_prefix_lens,
                   &b.seq_lens, &b.page_table, &b.logit_rows, &b.seq_absorbed, &b.next_ids, &b.seq_drafts,
                   &b.hidden_rows, &b.kv_saves, &b.kv_loads})

@@ -43,6 +43,9 @@ struct ForwardBatch {
   // Token rows whose final hidden state (DeepseekModel::last_hidden) the step brings to the host, in that order
   // (SamplingParams::return_hidden_states); empty: none.
   std::vector<int32_t> hidden_rows;
+  // Whether the hidden_rows' final hidden states come back (false: only what else is captured for them, their routed
+  // experts: no request of the step returns hidden states).
+  bool hidden_states = true;
   // Per sequence (empty: none): 1 when its new tokens attend in the absorbed MLA form however many they are (a decode
   // token and its drafts: a few tokens after a long cached context), as one new token always does under Auto.
   std::vector<int32_t> seq_absorbed;

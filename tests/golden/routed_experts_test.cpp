@@ -118,6 +118,32 @@ TEST(RoutedExperts, AreTheModelsRoutingInEveryLayout) {
   }
 }
 
+// A step none of whose requests returns hidden states (ForwardBatch::hidden_states false) brings back only its rows'
+// routed experts: the same as with the hidden states, which stay on the device.
+TEST(RoutedExperts, RoutesOnlyStepsLeaveTheHiddenStates) {
+  const ModelConfig cfg = ModelConfig::from_file(test::golden_dir("v2"));
+  auto ranks = route_ranks(1, 1, 0);
+  ranks->allocate_kv(16, 8);
+  const auto prompt = test::golden_prompts("v2")[1];
+  const size_t n = prompt.size();
+  std::vector<int32_t> pages;
+  for (int32_t p = 0; p * 8 < static_cast<int32_t>(n); ++p) pages.push_back(p);
+  std::vector<int32_t> routes_with;
+  for (const bool hidden : {true, false}) {
+    ForwardBatchBuilder bb(8);
+    bb.add(prompt, 0, pages, false);
+    bb.hidden_of_last();
+    ForwardBatch b = bb.finish();
+    b.hidden_states = hidden;
+    const std::vector<GroupOutput> out = ranks->step({&b}, {std::vector<RowSampling>(1)}, LogitRows{});
+    ASSERT_EQ(out.size(), 1u);
+    EXPECT_EQ(out[0].hidden.size(), hidden ? n * static_cast<size_t>(cfg.hidden_size) : 0u);
+    ASSERT_EQ(out[0].routes.size(), n * static_cast<size_t>(cfg.num_hidden_layers * cfg.num_experts_per_tok));
+    if (hidden) routes_with = out[0].routes;
+    else EXPECT_EQ(out[0].routes, routes_with);
+  }
+}
+
 // Without --enable-return-routed-experts the engine refuses such a request (the server answers 400 before it).
 TEST(RoutedExperts, RefusedWhenNotCaptured) {
   Engine e(route_ranks(1, 1, 0, /*capture=*/false), test::small_engine_options(false));

@@ -52,6 +52,7 @@ TEST(ForwardBatch, AbsorbedSequencesAreMarkedAndSerialized) {
   ForwardBatch b = bb.finish();
   b.kv_saves = {7, 0, 9, 1};  // the hierarchical cache's copies travel too
   b.kv_loads = {1, 11};
+  b.hidden_states = false;  // (the rows' routed experts only)
   EXPECT_EQ(b.hidden_rows, (std::vector<int32_t>{3, 4, 5, 6}));  // the second and third sequences' tokens
   EXPECT_EQ(b.seq_absorbed, (std::vector<int32_t>{0, 1, 0}));
   EXPECT_FALSE(b.absorbed_under_auto(0));
@@ -66,6 +67,7 @@ TEST(ForwardBatch, AbsorbedSequencesAreMarkedAndSerialized) {
   EXPECT_EQ(back.input_ids, b.input_ids);
   EXPECT_EQ(back.logit_rows, b.logit_rows);
   EXPECT_EQ(back.hidden_rows, b.hidden_rows);
+  EXPECT_FALSE(back.hidden_states);
   EXPECT_EQ(back.kv_saves, b.kv_saves);
   EXPECT_EQ(back.kv_loads, b.kv_loads);
   EXPECT_TRUE(decode_batch().seq_absorbed.empty());

@@ -44,6 +44,7 @@ class SchedulerTest : public ::testing::Test {
     c.context_len = 1000;
     c.enable_radix_cache = radix;
     c.eos_token_ids = {2};
+    c.host_pages = host_pages_;
     s = std::make_unique<Scheduler>(c);
   }
   void add(const std::string& rid, std::vector<int32_t> prompt, int32_t max_new, SamplingParams sp = {},
@@ -156,6 +157,7 @@ class SchedulerTest : public ::testing::Test {
 
   std::unique_ptr<Scheduler> s;
   std::map<std::string, Collected> out;
+  int32_t host_pages_ = 0;  // make(): the prefix cache's host tier
 };
 
 // Drafts checked in one step: each row's sample is the model's next token after that row's input; the drafts the
@@ -820,3 +822,86 @@ TEST(NgramDraft, EqualsTheDefinition) {
 
 }  // namespace
 }  // namespace mlaserve
+
+// A failed step (Engine: an exception before or after its launch) ends its requests with the reason and caches none
+// of their KV, even when the step had already advanced them (overlap scheduling: the step wrote what it could). A
+// failed step that carried the prefix cache's copies (hierarchical cache) sets the cache aside: its loaded edge and
+// saved slots may hold anything, so nothing matches or is cached until no request holds a lock; then the cache is
+// emptied and used again.
+TEST_F(SchedulerTest, FailedStepsCacheNothingTheyMayHaveWritten) {
+  FinishReason why;
+  why.kind = FinishKind::Abort;
+  why.message = "internal error: test";
+  const auto samples = [](const StepPlan& p) {
+    std::vector<SampleResult> v(p.batch.logit_rows.size());
+    for (auto& r : v) r.token = 100;
+    return v;
+  };
+  // Without copies: the launched prefill of 13 tokens (three whole pages) fails.
+  make(16, /*chunk=*/64);
+  add("a", range(10, 13), 4);
+  StepPlan p = s->schedule();
+  s->advance(p);
+  s->fail(p, why);
+  s->drop(p);
+  s->erase_finished();
+  s->check_integrity();
+  EXPECT_TRUE(out["a"].finished);
+  EXPECT_EQ(out["a"].finish.kind, FinishKind::Abort);
+  EXPECT_EQ(out["a"].finish.message, why.message);
+  EXPECT_EQ(s->stats().kv_tokens_cached, 0);
+  add("b", range(10, 13), 1);
+  run_to_end();
+  EXPECT_EQ(out["b"].cached, 0);
+  add("c", range(10, 13), 1);
+  run_to_end();
+  EXPECT_EQ(out["c"].cached, 12) << "the cache works as before";
+  expect_all_pages_back();
+
+  // With copies: a's pages go to the host when o needs the device; a again loads them in step p1, which is launched;
+  // n is admitted behind it (p2, overlap), matching o's prefix; then p1 fails.
+  host_pages_ = 32;
+  make(16, /*chunk=*/64);
+  out.clear();
+  add("a", range(10, 13), 1);
+  run_to_end();
+  add("o", range(200, 53), 1);  // 14 pages: a's 3 must leave the device
+  run_to_end();
+  add("a2", range(10, 13), 1);
+  StepPlan p1 = s->schedule();
+  s->take_copies(p1);
+  ASSERT_FALSE(p1.batch.kv_loads.empty()) << "a's edge comes back from the host";
+  s->advance(p1);
+  std::vector<int32_t> n_prompt = range(200, 20);
+  n_prompt.push_back(900);
+  add("n", n_prompt, 8);
+  StepPlan p2 = s->schedule(/*allow_retract=*/false);
+  ASSERT_FALSE(p2.empty());
+  s->take_copies(p2);
+  s->advance(p2);
+  s->fail(p1, why);
+  s->drop(p1);
+  s->resolve(p2, samples(p2));
+  s->erase_finished();
+  s->check_integrity();
+  EXPECT_EQ(out["a2"].finish.kind, FinishKind::Abort);
+  ASSERT_FALSE(out["n"].finished);
+  EXPECT_EQ(out["n"].cached, 20) << "n matched o's prefix before the failure";
+  // n holds its lock: a's edge (loaded, maybe with other data) is not matched; nothing new is cached.
+  add("a3", range(10, 13), 1);
+  for (int k = 0; k < 3 && !out["a3"].finished; ++k) step();
+  ASSERT_TRUE(out["a3"].finished);
+  EXPECT_EQ(out["a3"].cached, 0);
+  EXPECT_FALSE(out["n"].finished);
+  run_to_end();
+  EXPECT_TRUE(out["n"].finished);
+  // Nothing locked: emptied at the next step, then used again.
+  add("a4", range(10, 13), 1);
+  run_to_end();
+  EXPECT_EQ(out["a4"].cached, 0);
+  add("a5", range(10, 13), 1);
+  run_to_end();
+  EXPECT_EQ(out["a5"].cached, 12);
+  expect_all_pages_back();
+  host_pages_ = 0;
+}
