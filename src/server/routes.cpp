@@ -591,6 +591,20 @@ void Api::respond_error(const std::shared_ptr<HttpExchange>& ex, int status, con
   ex->respond(status, "application/json", body);
 }
 
+namespace {
+
+// /invocations: a chat request when the body has 'messages', a completions request when it has 'prompt' (as vLLM
+// tries its request types in that order); a body that is not JSON gets the chat API's parse error.
+ApiKind invocation_kind(const std::string& body) {
+  const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object() || j.contains("messages")) return ApiKind::Chat;
+  if (j.contains("prompt")) return ApiKind::Completions;
+  throw ApiError(400, "'/invocations' takes a chat request ('messages') or a completions request ('prompt')",
+                 "messages");
+}
+
+}  // namespace
+
 void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
   ++metrics_.http_requests_total;
   const std::string path(path_of(req.target));
@@ -613,6 +627,9 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/v1/chat/completions") {
       if (!post) method_not_allowed(req);
       generate(ApiKind::Chat, req, ex);
+    } else if (path == "/invocations") {  // vLLM's (SageMaker's inference route): the request's kind picks the API
+      if (!post) method_not_allowed(req);
+      generate(invocation_kind(req.body), req, ex);
     } else if (path == "/v1/responses") {
       if (!post) method_not_allowed(req);
       responses(req, ex);

@@ -109,6 +109,28 @@ TEST(HttpApi, InfoEndpoints) {
   EXPECT_EQ(s.get("/generate").status, 405);
 }
 
+// vLLM's /invocations (SageMaker's inference route): a body with 'messages' is a chat request, one with 'prompt' a
+// completions request, answered as those APIs answer them; anything else is a 400 naming what it takes.
+TEST(HttpApi, InvocationsPickTheApiByTheBody) {
+  TestServer s;
+  const std::string chat = R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0})";
+  const std::string completion = R"({"prompt": "hello", "max_tokens": 3, "temperature": 0})";
+  for (const auto& [body, path, object] : {std::tuple{chat, "/v1/chat/completions", "chat.completion"},
+                                           std::tuple{completion, "/v1/completions", "text_completion"}}) {
+    auto r = s.post("/invocations", body);
+    ASSERT_EQ(r.status, 200) << r.body;
+    const json j = json::parse(r.body), direct = json::parse(s.post(path, body).body);
+    EXPECT_EQ(j["object"], object);
+    EXPECT_EQ(j["choices"], direct["choices"]);
+    EXPECT_EQ(j["usage"], direct["usage"]);
+  }
+  auto bad = s.post("/invocations", R"({"input": "hi"})");
+  EXPECT_EQ(bad.status, 400);
+  EXPECT_NE(json::parse(bad.body)["error"]["message"].get<std::string>().find("'prompt'"), std::string::npos);
+  EXPECT_EQ(s.post("/invocations", "{not json").status, 400);
+  EXPECT_EQ(s.get("/invocations").status, 405);
+}
+
 // SGLang's /update_weights_from_disk: the engine's answer as {"success", "message", "num_paused_requests"} (200, or
 // 400 when the update failed); the model path and weight version follow successful updates; bad bodies are a 400.
 TEST(HttpApi, UpdateWeightsFromDisk) {
