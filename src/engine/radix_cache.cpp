@@ -34,18 +34,22 @@ struct OlderFirst {
 };
 using LruHeap = std::priority_queue<RadixCache::Node*, std::vector<RadixCache::Node*>, OlderFirst>;
 
-// The nodes under `root` (itself included) that `pick` chooses, least recently used on top.
+// The nodes under `root` (itself included) that `pick` chooses, as a heap: least recently used on top.
 template <typename Pick>
-LruHeap lru_heap(RadixCache::Node* root, const Pick& pick) {
-  LruHeap heap;
-  std::vector<RadixCache::Node*> stack{root};
+std::vector<RadixCache::Node*> lru_nodes(RadixCache::Node* root, const Pick& pick) {
+  std::vector<RadixCache::Node*> picked, stack{root};
   while (!stack.empty()) {
     RadixCache::Node* n = stack.back();
     stack.pop_back();
     for (auto& [_, c] : n->children) stack.push_back(c.get());
-    if (pick(n)) heap.push(n);
+    if (pick(n)) picked.push_back(n);
   }
-  return heap;
+  std::make_heap(picked.begin(), picked.end(), OlderFirst{});
+  return picked;
+}
+template <typename Pick>
+LruHeap lru_heap(RadixCache::Node* root, const Pick& pick) {
+  return LruHeap(OlderFirst{}, lru_nodes(root, pick));
 }
 
 }  // namespace
@@ -153,24 +157,32 @@ RadixCache::Copies RadixCache::take_copies() {
   return out;
 }
 
+bool RadixCache::host_droppable(const Node* x) const {
+  return x != root_.get() && !x->on_device() && x->children.empty() && x->lock_ref == 0;
+}
+
 bool RadixCache::free_host_slots(int32_t n) {
   if (!host_pool_) return false;
   if (host_pool_->num_free() >= n) return true;
   // Every edge on the host can be dropped (none is locked, and all below one are on the host too); the slots the
   // pending loads read cannot. Too few: keep what is there.
   if (n > host_pool_->num_pages() - static_cast<int32_t>(slots_after_step_.size())) return false;
-  const auto droppable = [&](const Node* x) {
-    return x != root_.get() && !x->on_device() && x->children.empty() && x->lock_ref == 0;
-  };
-  LruHeap heap = lru_heap(root_.get(), droppable);
-  while (host_pool_->num_free() < n && !heap.empty()) {
-    Node* x = heap.top();
-    heap.pop();
+  if (!host_drops_found_) {
+    host_drops_ = lru_nodes(root_.get(), [&](const Node* x) { return host_droppable(x); });
+    host_drops_found_ = true;
+  }
+  while (host_pool_->num_free() < n && !host_drops_.empty()) {
+    std::pop_heap(host_drops_.begin(), host_drops_.end(), OlderFirst{});
+    Node* x = host_drops_.back();
+    host_drops_.pop_back();
     Node* parent = x->parent;
     host_pool_->free(x->host);
     std::vector<int32_t> first(x->key.begin(), x->key.begin() + page_size_);
     parent->children.erase(first);  // destroys x
-    if (droppable(parent)) heap.push(parent);
+    if (host_droppable(parent)) {
+      host_drops_.push_back(parent);
+      std::push_heap(host_drops_.begin(), host_drops_.end(), OlderFirst{});
+    }
   }
   return host_pool_->num_free() >= n;
 }
@@ -288,6 +300,7 @@ int32_t RadixCache::evict(int32_t num_pages) {
   };
   LruHeap heap = lru_heap(root_.get(), evictable);
   int32_t freed = 0;
+  host_drops_found_ = false;
   while (freed < num_pages && !heap.empty()) {
     Node* n = heap.top();
     heap.pop();
@@ -301,16 +314,23 @@ int32_t RadixCache::evict(int32_t num_pages) {
       }
       pool_.free(n->pages);
       n->pages.clear();
-    } else {  // dropped, with what it leads to on the host tier
+      if (host_drops_found_ && host_droppable(n)) {  // (a leaf now on the host: droppable by later evictions)
+        host_drops_.push_back(n);
+        std::push_heap(host_drops_.begin(), host_drops_.end(), OlderFirst{});
+      }
+    } else {  // dropped, with what it leads to on the host tier (host_drops_ may name some of it: found again)
       free_subtree(n);
       std::vector<int32_t> first(n->key.begin(), n->key.begin() + page_size_);
       parent->children.erase(first);  // destroys n
+      host_drops_found_ = false;
     }
     freed += np;
     evictable_pages_ -= np;
     cached_pages_ -= np;
     if (evictable(parent)) heap.push(parent);
   }
+  host_drops_.clear();
+  host_drops_found_ = false;
   return freed;
 }
 

@@ -84,7 +84,9 @@ class RadixCache {
   void free_subtree(Node* node);
   void touch(Node* node);
   // Makes `n` host slots free, dropping unlocked host-only leaves least recently used first; false if it cannot.
+  // Within one evict() the leaves are found once (host_drops_), not by a walk of the tree per evicted edge.
   bool free_host_slots(int32_t n);
+  bool host_droppable(const Node* x) const;
   // Copies the host-only edges of `path` (top down, on the device from its first node's parent) back to new device
   // pages, when the pool (after evictions) has them; true if it did.
   bool load(const std::vector<Node*>& path);
@@ -100,6 +102,8 @@ class RadixCache {
   Copies pending_;                       // for the next step
   std::vector<Node*> pins_;              // edges loaded for the next step: locked until take_copies
   std::vector<int32_t> slots_after_step_;  // host slots the pending loads read: free again after take_copies
+  std::vector<Node*> host_drops_;  // during evict(): droppable host-only leaves, a heap, least recently used on top
+  bool host_drops_found_ = false;  // host_drops_ holds every droppable leaf (found on first need in an evict())
 };
 
 }  // namespace mlaserve
