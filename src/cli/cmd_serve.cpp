@@ -86,7 +86,8 @@ struct ServeArgs {
   // Requests' sampling defaults: vLLM's --generation-config (auto: the model's generation_config.json, vllm: none, or
   // a folder holding one) and SGLang's --sampling-defaults (model | openai).
   std::string generation_config = "auto", sampling_defaults = "model";
-  server::SamplingDefaults defaults;  // resolved
+  std::string override_generation_config;  // vLLM's: JSON merged over the generation config's values
+  server::SamplingDefaults defaults;       // resolved
   bool stream_output = false;
   bool enable_return_hidden_states = false;
   bool enable_return_routed_experts = false;
@@ -136,19 +137,15 @@ std::vector<int32_t> generation_config_eos(const std::string& model_path) {
   return ids;
 }
 
-// The sampling defaults of DIR/generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; what vLLM
-// takes from it), none when it has none; a field of the wrong type or range names the file.
-server::SamplingDefaults generation_config_sampling(const std::string& dir) {
-  server::SamplingDefaults d;
-  const nlohmann::json j = read_generation_config(dir);
-  if (j.is_null()) return d;
-  const std::string p = (std::filesystem::path(dir) / "generation_config.json").string();
-  MLA_CHECK(j.is_object(), "{}: not a JSON object", p);
+// The sampling defaults in a generation config `j` (temperature, top_p, top_k, min_p, repetition_penalty and
+// max_new_tokens: what vLLM takes from it) over `d`; a field of the wrong type or range names `where`.
+void read_sampling_defaults(const nlohmann::json& j, const std::string& where, server::SamplingDefaults& d) {
+  MLA_CHECK(j.is_object(), "{}: not a JSON object", where);
   auto number = [&](const char* key, double lo, double hi) -> std::optional<double> {
     const auto it = j.find(key);
     if (it == j.end() || it->is_null()) return std::nullopt;
     MLA_CHECK(it->is_number() && it->get<double>() >= lo && it->get<double>() <= hi,
-              "{}: '{}' must be a number in [{}, {}], got {}", p, key, lo, hi, it->dump());
+              "{}: '{}' must be a number in [{}, {}], got {}", where, key, lo, hi, it->dump());
     return it->get<double>();
   };
   if (auto v = number("temperature", 0.0, 100.0)) d.temperature = static_cast<float>(*v);
@@ -156,6 +153,14 @@ server::SamplingDefaults generation_config_sampling(const std::string& dir) {
   if (auto v = number("min_p", 0.0, 1.0)) d.min_p = static_cast<float>(*v);
   if (auto v = number("repetition_penalty", 1e-6, 2.0)) d.repetition_penalty = static_cast<float>(*v);
   if (auto v = number("top_k", -1.0, 1e9)) d.top_k = *v <= 0 ? -1 : static_cast<int32_t>(*v);
+  if (auto v = number("max_new_tokens", 1.0, 2147483647.0)) d.max_tokens = static_cast<int32_t>(*v);
+}
+
+// The sampling defaults of DIR/generation_config.json, none when it has none.
+server::SamplingDefaults generation_config_sampling(const std::string& dir) {
+  server::SamplingDefaults d;
+  const nlohmann::json j = read_generation_config(dir);
+  if (!j.is_null()) read_sampling_defaults(j, (std::filesystem::path(dir) / "generation_config.json").string(), d);
   return d;
 }
 
@@ -168,6 +173,7 @@ nlohmann::json defaults_json(const server::SamplingDefaults& d) {
   if (d.top_k) j["top_k"] = *d.top_k;
   if (d.min_p) j["min_p"] = shortest(*d.min_p);
   if (d.repetition_penalty) j["repetition_penalty"] = shortest(*d.repetition_penalty);
+  if (d.max_tokens) j["max_tokens"] = *d.max_tokens;
   return j;
 }
 
@@ -625,6 +631,9 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                  "requests' default temperature / top_p / top_k / min_p / repetition_penalty: auto (the model's "
                  "generation_config.json), vllm (none), or a folder holding a generation_config.json")
       ->capture_default_str();
+  app.add_option("--override-generation-config", a->override_generation_config,
+                 "JSON over the generation config's values, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 512}' (with "
+                 "--generation-config vllm: the only ones)");
   app.add_option("--sampling-defaults", a->sampling_defaults,
                  "model (the model's generation_config.json, as --generation-config auto) | openai (none)")
       ->capture_default_str();
@@ -781,9 +790,15 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                 "--generation-config: expected auto, vllm or a folder, got '{}'", s.generation_config);
       s.defaults = generation_config_sampling(dir);
     }
+    if (!s.override_generation_config.empty()) {
+      const auto j = nlohmann::json::parse(s.override_generation_config, nullptr, /*allow_exceptions=*/false);
+      MLA_CHECK(!j.is_discarded(), "--override-generation-config: not JSON: '{}'", s.override_generation_config);
+      read_sampling_defaults(j, "--override-generation-config", s.defaults);
+    }
     if (!s.defaults.empty()) {
-      MLA_LOG_INFO("requests' sampling defaults from generation_config.json (--generation-config vllm or "
-                   "--sampling-defaults openai: none): {}", defaults_json(s.defaults).dump());
+      MLA_LOG_INFO("requests' sampling defaults from generation_config.json and --override-generation-config "
+                   "(--generation-config vllm or --sampling-defaults openai: the override only): {}",
+                   defaults_json(s.defaults).dump());
     }
     s.origins = parse_origins(s.allowed_origins);
     MLA_CHECK(s.reasoning_parser.empty() || server::known_reasoning_parser(s.reasoning_parser),

@@ -85,7 +85,10 @@ struct ParsedRequest {
 struct SamplingDefaults {
   std::optional<float> temperature, top_p, min_p, repetition_penalty;
   std::optional<int32_t> top_k;
-  bool empty() const { return !temperature && !top_p && !min_p && !repetition_penalty && !top_k; }
+  // generation_config.json's max_new_tokens: as vLLM reads it, the most tokens an OpenAI request generates (a
+  // request's own max_tokens above it, or none, is lowered to it).
+  std::optional<int32_t> max_tokens;
+  bool empty() const { return !temperature && !top_p && !min_p && !repetition_penalty && !top_k && !max_tokens; }
 };
 
 struct ParseOptions {

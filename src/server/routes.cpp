@@ -942,6 +942,8 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                        "context_length_exceeded");
       pr.sampling.max_new_tokens = static_cast<int32_t>(ctx - len);  // a default that does not fit: shortened
     }
+    if (const auto& cap = opts_.parse.defaults.max_tokens; cap && pr.api != ApiKind::Native)
+      pr.sampling.max_new_tokens = std::min(pr.sampling.max_new_tokens, *cap);  // (vLLM's generation-config limit)
     p.spec.prompts.push_back(std::move(jp));
   }
   if (pr.sampling.thinking_budget >= 0) {  // DeepSeek-R1's markers, as the tokenizer spells them

@@ -1618,13 +1618,15 @@ TEST(ServeFlags, NgramSpeculativeDecodingKeepsTheAnswers) {
 
 // Requests' sampling defaults from a generation_config.json (vLLM's --generation-config auto / a folder, SGLang's
 // --sampling-defaults model): a request without a temperature gets the file's (0 here: greedy, so two such requests
-// answer as an explicit temperature 0 does); `vllm` / `openai` take none; a bad file or value exits naming it.
+// answer as an explicit temperature 0 does); its max_new_tokens limits OpenAI requests' tokens, as vLLM reads it
+// (not SGLang's /generate); vLLM's --override-generation-config goes over the file's values (alone with `vllm`);
+// `vllm` / `openai` take none; a bad file or value exits naming it.
 TEST(ServeFlags, GenerationConfigSamplingDefaults) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   const auto dir = std::filesystem::temp_directory_path() / ("mlaserve_gencfg_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir / "bad");
   std::ofstream(dir / "generation_config.json") << R"({"do_sample": true, "temperature": 0.0, "top_p": 0.9,
-      "eos_token_id": 1})";
+      "eos_token_id": 1, "max_new_tokens": 20})";
   std::ofstream(dir / "bad" / "generation_config.json") << R"({"temperature": "hot"})";
   const std::string free = R"({"prompt": "Tell me a story about", "max_tokens": 24, "ignore_eos": true})";
   const std::string greedy = R"({"prompt": "Tell me a story about", "max_tokens": 24, "ignore_eos": true,
@@ -1633,11 +1635,34 @@ TEST(ServeFlags, GenerationConfigSamplingDefaults) {
     ServerProcess s({"--generation-config", dir.string()});
     ASSERT_TRUE(s.running()) << s.log();
     const json info = get_json(s.port(), "/get_server_info");
-    EXPECT_EQ(info["default_sampling_params"], json::parse(R"({"temperature": 0.0, "top_p": 0.9})")) << info.dump();
-    const std::string want = post_json(s.port(), "/v1/completions", greedy)["choices"][0]["text"];
+    EXPECT_EQ(info["default_sampling_params"], json::parse(R"({"temperature": 0.0, "top_p": 0.9, "max_tokens": 20})"))
+        << info.dump();
+    const json g = post_json(s.port(), "/v1/completions", greedy);
+    EXPECT_EQ(g["usage"]["completion_tokens"], 20);
+    EXPECT_EQ(g["choices"][0]["finish_reason"], "length");
+    const std::string want = g["choices"][0]["text"];
     for (int k = 0; k < 2; ++k)
       EXPECT_EQ(post_json(s.port(), "/v1/completions", free)["choices"][0]["text"], want) << "run " << k;
+    const json chat = post_json(s.port(), "/v1/chat/completions",
+                                R"({"messages": [{"role": "user", "content": "Hi"}], "ignore_eos": true})");
+    EXPECT_EQ(chat["usage"]["completion_tokens"], 20);
+    const json native = post_json(s.port(), "/generate", R"({"text": "Tell me a story about", "sampling_params":
+        {"max_new_tokens": 24, "ignore_eos": true}})");
+    EXPECT_EQ(native["meta_info"]["completion_tokens"], 24);
     EXPECT_NE(s.log().find("sampling defaults from generation_config.json"), std::string::npos) << s.log();
+    EXPECT_EQ(s.stop(), 0);
+  }
+  for (const auto& [flags, want] :
+       {std::pair{std::vector<std::string>{"--generation-config", dir.string(), "--override-generation-config",
+                                           R"({"top_p": 0.5, "max_new_tokens": 6})"},
+                  json::parse(R"({"temperature": 0.0, "top_p": 0.5, "max_tokens": 6})")},
+        std::pair{std::vector<std::string>{"--generation-config", "vllm", "--override-generation-config",
+                                           R"({"max_new_tokens": 6})"},
+                  json::parse(R"({"max_tokens": 6})")}}) {
+    ServerProcess s(flags);
+    ASSERT_TRUE(s.running()) << s.log();
+    EXPECT_EQ(get_json(s.port(), "/get_server_info")["default_sampling_params"], want) << flags[1];
+    EXPECT_EQ(post_json(s.port(), "/v1/completions", greedy)["usage"]["completion_tokens"], 6) << flags[1];
     EXPECT_EQ(s.stop(), 0);
   }
   for (const std::vector<std::string>& none : {std::vector<std::string>{"--generation-config", "vllm"},
@@ -1651,6 +1676,9 @@ TEST(ServeFlags, GenerationConfigSamplingDefaults) {
   expect_serve_refuses({"--generation-config " + (dir / "missing").string()}, "--generation-config");
   expect_serve_refuses({"--sampling-defaults bogus"}, "--sampling-defaults");
   expect_serve_refuses({"--generation-config " + (dir / "bad").string()}, "'temperature' must be a number");
+  expect_serve_refuses({"--override-generation-config '{bad'"}, "--override-generation-config: not JSON");
+  expect_serve_refuses({"--override-generation-config '{\"top_p\": 7}'"},
+                       "--override-generation-config: 'top_p' must be a number in [0, 1]");
   std::filesystem::remove_all(dir);
 }
 
