@@ -95,8 +95,9 @@ struct GpuModel {
 //  3. the GPU on its own, with greedy decoding: reports the routing flips (tokens whose expert set differs from the
 //     fp32 run because bf16 rounding reordered near-tied experts) and the resulting logit error, and requires the
 //     greedy tokens of prompts whose prefill had no flip to match the reference up to the first near tie.
+// `fam`: a golden family, or a checkpoint folder (a path) with a reference.safetensors of the same form.
 void golden_family(const std::string& fam) {
-  const std::string dir = golden_dir() + "/" + fam;
+  const std::string dir = fam.find('/') != std::string::npos ? fam : golden_dir() + "/" + fam;
   if (!std::filesystem::exists(dir + "/reference.safetensors")) GTEST_SKIP() << "no golden data at " << dir;
   Prompts ref = read_reference(dir + "/reference.safetensors");
   const ModelConfig cfg = ModelConfig::from_file(dir);
@@ -313,6 +314,18 @@ TEST(CudaModel, GoldenV3) { REQUIRE_GPU(); golden_family("v3"); }
 // Widths no kernel is tuned to (hidden 96 / 80, three / five heads, latent 40 / 48, RoPE 8 / 16 wide).
 TEST(CudaModel, GoldenOddV3) { REQUIRE_GPU(); golden_family("odd-v3"); }
 TEST(CudaModel, GoldenOddV2) { REQUIRE_GPU(); golden_family("odd-v2"); }
+// The same for the checkpoints MLASERVE_CHECK_MODELS names (folders separated by commas, each with a reference of
+// make_golden.py's form: e.g. tools/device/config_fuzz.py's random configs); skipped without it.
+TEST(CudaModel, GoldenCheckModels) {
+  REQUIRE_GPU();
+  const char* more = std::getenv("MLASERVE_CHECK_MODELS");
+  if (!more) GTEST_SKIP() << "MLASERVE_CHECK_MODELS names no checkpoints";
+  for (std::string_view rest = more; !rest.empty();) {
+    const size_t comma = rest.find(',');
+    golden_family(std::string(rest.substr(0, comma)));
+    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+  }
+}
 // An FP8 checkpoint (weights dequantized to bf16 at load), against Hugging Face (tools/golden/make_fp8_golden.py).
 // v2-fp8-tensor is checked on the CPU only: on the GPU its longest prompt is 0.143 of the logits' std off with the
 // routing forced (2026-12-01), past the bf16 families' 0.10, though it loads the same bf16 weights as the CPU, which
@@ -406,20 +419,33 @@ TEST(CudaModel, OneTokenAttentionGoldenReal16) {
   }
 }
 
-// Every op of real model runs, on the GPU and on the CPU with the GPU's inputs: localises any disagreement.
+// Every op of real model runs, on the GPU and on the CPU with the GPU's inputs: localises any disagreement. The golden
+// families, and the checkpoints MLASERVE_CHECK_MODELS names (folders separated by commas; e.g. the random configs of
+// tools/device/config_fuzz.py).
 TEST(CudaModel, EveryOpMatchesCpuInModel) {
   REQUIRE_GPU();
-  for (const char* fam : {"v2lite", "v3", "v2"}) {
-    const std::string dir = golden_dir() + "/" + fam;
+  std::vector<std::string> dirs;
+  for (const char* fam : {"v2lite", "v3", "v2"}) dirs.push_back(golden_dir() + "/" + fam);
+  if (const char* more = std::getenv("MLASERVE_CHECK_MODELS"))
+    for (std::string_view rest = more; !rest.empty();) {
+      const size_t comma = rest.find(',');
+      dirs.emplace_back(rest.substr(0, comma));
+      rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+    }
+  for (const std::string& dir : dirs) {
+    const char* fam = dir.c_str();
     CudaBackendOptions o;
     o.persistent_bytes = 1LL << 30;
     o.scratch_bytes = 1LL << 30;
     auto gb = make_cuda_backend(0, o);
     CheckingBackend cb(*gb);
-    DeepseekModel m(ModelConfig::from_file(dir), cb);
+    const ModelConfig cfg = ModelConfig::from_file(dir);
+    DeepseekModel m(cfg, cb);
     m.load(dir, LoadOptions{});
-    std::vector<std::vector<int32_t>> prompts = {{5, 9, 100, 7, 3, 3, 200}, {1}, std::vector<int32_t>(100, 0)};
-    for (int i = 0; i < 100; ++i) prompts[2][static_cast<size_t>(i)] = (i * 53) % 600 + 2;
+    const int32_t vocab = static_cast<int32_t>(cfg.vocab_size);
+    std::vector<std::vector<int32_t>> prompts = {{5, 9, 100 % vocab, 7, 3, 3, 200 % vocab}, {1},
+                                                 std::vector<int32_t>(100, 0)};
+    for (int i = 0; i < 100; ++i) prompts[2][static_cast<size_t>(i)] = (i * 53) % (vocab - 2) + 2;
     OfflineOptions oo;
     oo.max_new_tokens = 3;
     std::printf("%s:\n", fam);
