@@ -632,8 +632,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                  "generation_config.json), vllm (none), or a folder holding a generation_config.json")
       ->capture_default_str();
   app.add_option("--override-generation-config", a->override_generation_config,
-                 "JSON over the generation config's values, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 512}' (with "
-                 "--generation-config vllm: the only ones)");
+                 "JSON over the generation config's values, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 512}' "
+                 "(with --generation-config vllm: the only ones)");
   app.add_option("--sampling-defaults", a->sampling_defaults,
                  "model (the model's generation_config.json, as --generation-config auto) | openai (none)")
       ->capture_default_str();
