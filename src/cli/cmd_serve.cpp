@@ -73,6 +73,7 @@ struct ServeArgs {
   std::string api_key;
   std::string ssl_certfile, ssl_keyfile, ssl_keyfile_password, ssl_ca_certs;  // TLS (vLLM's and SGLang's flags)
   int ssl_cert_reqs = 0;
+  bool ssl_refresh = false;  // vLLM's --enable-ssl-refresh
   std::string allowed_origins = "*";
   std::vector<std::string> origins;  // allowed_origins parsed (at validation)
   std::string device = "auto";
@@ -368,6 +369,7 @@ void set_tls(const ServeArgs& a, server::ServerOptions& o) {
   o.ssl_keyfile_password = a.ssl_keyfile_password;
   o.ssl_ca_certs = a.ssl_ca_certs;
   o.ssl_cert_reqs = a.ssl_cert_reqs;
+  o.ssl_refresh = a.ssl_refresh;
 }
 
 nlohmann::json server_args_json(const ServeArgs& a) {
@@ -440,6 +442,7 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["ssl_keyfile"] = a.ssl_keyfile.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.ssl_keyfile);
   j["ssl_ca_certs"] = a.ssl_ca_certs.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.ssl_ca_certs);
   j["ssl_cert_reqs"] = a.ssl_cert_reqs;
+  j["enable_ssl_refresh"] = a.ssl_refresh;
   j["max_body_bytes"] = a.max_body_bytes;
   j["num_http_threads"] = a.num_http_threads;
   j["request_timeout"] = a.request_timeout;
@@ -615,6 +618,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--ssl-keyfile", a->ssl_keyfile, "serve HTTPS: the certificate's PEM private key");
   app.add_option("--ssl-keyfile-password", a->ssl_keyfile_password, "the password of an encrypted --ssl-keyfile");
   app.add_option("--ssl-ca-certs", a->ssl_ca_certs, "PEM CA certificates that client certificates are checked against");
+  app.add_flag("--enable-ssl-refresh", a->ssl_refresh,
+               "new connections use the certificate files as they are now when they changed (vLLM's)");
   app.add_option("--ssl-cert-reqs", a->ssl_cert_reqs,
                  "client certificates: 0 not asked (default), 1 checked when given, 2 required (Python's ssl.CERT_*)")
       ->capture_default_str();
@@ -686,7 +691,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
         "--no-enable-chunked-prefill", "--async-scheduling", "--enable-memory-saver", "--sleep-on-idle", "--enable-symm-mem", "--disable-fastapi-docs",
         "--weight-loader-disable-mmap", "--disable-async-output-proc", "--multi-step-stream-outputs",
         "--enable-log-requests", "--triton-attention-reduce-in-fp32", "--disable-outlines-disk-cache",
-        "--enable-prompt-tokens-details", "--enable-ssl-refresh"})
+        "--enable-prompt-tokens-details"})
     app.add_flag_callback(flag, [a, flag] { a->ignored.push_back(flag); }, "accepted for compatibility; no effect");
   for (const char* opt :
        {"--torch-compile-max-bs", "--attention-backend", "--grammar-backend", "--sampling-backend", "--schedule-policy",

@@ -113,6 +113,9 @@ struct ServerOptions {
   // ssl_ca_certs and ssl_cert_reqs (Python's ssl.CERT_NONE 0 / OPTIONAL 1 / REQUIRED 2) check client certificates.
   std::string ssl_certfile, ssl_keyfile, ssl_keyfile_password, ssl_ca_certs;
   int ssl_cert_reqs = 0;
+  // vLLM's --enable-ssl-refresh: a new connection after the certificate files changed (modification times) gets a
+  // context made from them as they are now (the previous one while they do not make a usable one).
+  bool ssl_refresh = false;
   // Where /start_profile's traces go unless the request names a folder (SGLang's $SGLANG_TORCH_PROFILER_DIR, vLLM's
   // $VLLM_TORCH_PROFILER_DIR).
   std::string profile_dir = "/tmp";

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
+#include <filesystem>
 #include <optional>
 #include <random>
 #include <thread>
@@ -45,10 +46,13 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
   static constexpr bool kTls = std::is_same_v<Stream, TlsStream>;
 
  public:
-  // stream_args: after the socket, what the stream takes (TLS: the server's ssl::context).
+  // stream_args: after the socket, what the stream takes (TLS: the server's ssl::context, which `keep` holds for as
+  // long as the connection lives: --enable-ssl-refresh may replace the server's).
   template <class... StreamArgs>
-  Session(tcp::socket&& socket, Api& api, const ServerOptions& opts, StreamArgs&... stream_args)
-      : stream_(std::move(socket), stream_args...), timer_(stream_.get_executor()), api_(api), opts_(opts) {
+  Session(tcp::socket&& socket, Api& api, const ServerOptions& opts, std::shared_ptr<void> keep,
+          StreamArgs&... stream_args)
+      : keep_(std::move(keep)), stream_(std::move(socket), stream_args...), timer_(stream_.get_executor()), api_(api),
+        opts_(opts) {
     ++api_.metrics().open_connections;
   }
   ~Session() override { --api_.metrics().open_connections; }
@@ -373,6 +377,7 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     transport().socket().close(ec);
   }
 
+  std::shared_ptr<void> keep_;  // (destroyed after the stream)
   Stream stream_;
   net::steady_timer timer_;
   beast::flat_buffer buffer_;
@@ -408,16 +413,22 @@ struct HttpServer::Impl {
       } else {
         beast::error_code ignored;
         socket.set_option(tcp::no_delay(true), ignored);
-        if (tls) std::make_shared<Session<TlsStream>>(std::move(socket), api, opts, *tls)->run();
-        else std::make_shared<Session<beast::tcp_stream>>(std::move(socket), api, opts)->run();
+        if (tls && opts.ssl_refresh) refresh_tls();
+        if (tls) std::make_shared<Session<TlsStream>>(std::move(socket), api, opts, tls, *tls)->run();
+        else std::make_shared<Session<beast::tcp_stream>>(std::move(socket), api, opts, nullptr)->run();
       }
       do_accept();
     });
   }
 
+  // --enable-ssl-refresh: when a certificate file's modification time changed, new connections get a context made
+  // from the files as they are now (kept as they were while the files do not make a usable one, e.g. mid-rotation).
+  void refresh_tls();
+
   Api& api;
   ServerOptions opts;
-  std::optional<net::ssl::context> tls;  // --ssl-certfile: every connection speaks TLS
+  std::shared_ptr<net::ssl::context> tls;  // --ssl-certfile: every connection speaks TLS
+  std::vector<std::filesystem::file_time_type> tls_times;  // of the files `tls` was made from
   net::io_context ioc;
   tcp::acceptor acceptor;
   std::vector<std::thread> threads;
@@ -430,9 +441,20 @@ struct HttpServer::Impl {
 
 namespace {
 
+// The modification times of the TLS files (the minimum for one that cannot be read).
+std::vector<std::filesystem::file_time_type> tls_file_times(const ServerOptions& opts) {
+  std::vector<std::filesystem::file_time_type> times;
+  for (const std::string* f : {&opts.ssl_certfile, &opts.ssl_keyfile, &opts.ssl_ca_certs}) {
+    std::error_code ec;
+    const auto t = f->empty() ? std::filesystem::file_time_type::min() : std::filesystem::last_write_time(*f, ec);
+    times.push_back(ec ? std::filesystem::file_time_type::min() : t);
+  }
+  return times;
+}
+
 // The TLS context of ServerOptions' ssl_* (none without a certificate); throws naming the flag and file that cannot
 // be used.
-std::optional<net::ssl::context> tls_context(const ServerOptions& opts) {
+std::shared_ptr<net::ssl::context> tls_context(const ServerOptions& opts) {
   const bool cert = !opts.ssl_certfile.empty(), key = !opts.ssl_keyfile.empty();
   MLA_CHECK(cert == key, "--ssl-certfile and --ssl-keyfile come together (a certificate and its private key)");
   MLA_CHECK(cert || opts.ssl_ca_certs.empty(), "--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile");
@@ -441,8 +463,8 @@ std::optional<net::ssl::context> tls_context(const ServerOptions& opts) {
   MLA_CHECK(opts.ssl_cert_reqs == 0 || !opts.ssl_ca_certs.empty(),
             "--ssl-cert-reqs {} checks client certificates against --ssl-ca-certs, which is not given",
             opts.ssl_cert_reqs);
-  if (!cert) return std::nullopt;
-  std::optional<net::ssl::context> tls(std::in_place, net::ssl::context::tls_server);
+  if (!cert) return nullptr;
+  auto tls = std::make_shared<net::ssl::context>(net::ssl::context::tls_server);
   net::ssl::context& c = *tls;
   c.set_options(net::ssl::context::default_workarounds | net::ssl::context::no_sslv2 |
                 net::ssl::context::no_sslv3 | net::ssl::context::no_tlsv1 | net::ssl::context::no_tlsv1_1 |
@@ -456,7 +478,9 @@ std::optional<net::ssl::context> tls_context(const ServerOptions& opts) {
   MLA_CHECK(!ec, "--ssl-certfile '{}': {}", opts.ssl_certfile, ec.message());
   c.use_private_key_file(opts.ssl_keyfile, net::ssl::context::pem, ec);
   MLA_CHECK(!ec, "--ssl-keyfile '{}': {}{}", opts.ssl_keyfile, ec.message(),
-            opts.ssl_keyfile_password.empty() ? " (an encrypted key needs --ssl-keyfile-password)" : "");
+            opts.ssl_keyfile_password.empty() && ec.message().find("mismatch") == std::string::npos
+                ? " (an encrypted key needs --ssl-keyfile-password)"
+                : "");
   if (!opts.ssl_ca_certs.empty()) {
     c.load_verify_file(opts.ssl_ca_certs, ec);
     MLA_CHECK(!ec, "--ssl-ca-certs '{}': {}", opts.ssl_ca_certs, ec.message());
@@ -471,12 +495,25 @@ std::optional<net::ssl::context> tls_context(const ServerOptions& opts) {
 
 void HttpServer::check_tls(const ServerOptions& opts) { (void)tls_context(opts); }
 
+void HttpServer::Impl::refresh_tls() {
+  std::vector<std::filesystem::file_time_type> now = tls_file_times(opts);
+  if (now == tls_times) return;
+  try {
+    tls = tls_context(opts);
+    tls_times = std::move(now);
+    MLA_LOG_INFO("TLS: the certificate files changed; new connections use them (--enable-ssl-refresh)");
+  } catch (const Error& e) {
+    MLA_LOG_WARN("TLS: the certificate files changed but cannot be used yet ({}); keeping the previous ones", e.what());
+  }
+}
+
 HttpServer::HttpServer(Api& api, const ServerOptions& opts) : impl_(std::make_unique<Impl>(api, opts)) {}
 
 HttpServer::~HttpServer() { stop(); }
 
 void HttpServer::start() {
   Impl& s = *impl_;
+  s.tls_times = tls_file_times(s.opts);
   s.tls = tls_context(s.opts);
   beast::error_code ec;
   const auto addr = net::ip::make_address(s.opts.host, ec);

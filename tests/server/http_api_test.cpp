@@ -410,6 +410,44 @@ TEST(HttpApi, Tls) {
   std::filesystem::remove_all(dir);
 }
 
+// vLLM's --enable-ssl-refresh: after the certificate files change, new connections get the new certificate (a client
+// trusting only the new CA connects, one trusting only the old one does not); files that do not make a usable context
+// yet (the new certificate beside the old key) keep the previous one; without the flag the first files stay in use.
+TEST(HttpApi, TlsRefresh) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(::testing::TempDir()) / "mlaserve_tls_refresh";
+  const test::TlsFiles a = test::write_tls_files(dir / "a"), b = test::write_tls_files(dir / "b");
+  const fs::path live = dir / "live";
+  fs::create_directories(live);
+  int bumps = 0;
+  auto install = [&](const std::string& from, const char* name) {  // a later modification time each time
+    fs::copy_file(from, live / name, fs::copy_options::overwrite_existing);
+    fs::last_write_time(live / name, fs::last_write_time(live / name) + std::chrono::seconds(10 * ++bumps));
+  };
+  for (const bool refresh : {true, false}) {
+    SCOPED_TRACE(refresh);
+    install(a.cert, "cert.pem");
+    install(a.key, "key.pem");
+    ServerOptions o;
+    o.ssl_certfile = (live / "cert.pem").string();
+    o.ssl_keyfile = (live / "key.pem").string();
+    o.ssl_refresh = refresh;
+    TestServer s(o);
+    EXPECT_EQ(https_request(s.port(), "GET", "/health", "", a.ca_cert).status, 200);
+    install(b.cert, "cert.pem");  // mid-rotation: b's certificate, a's key
+    EXPECT_EQ(https_request(s.port(), "GET", "/health", "", a.ca_cert).status, 200);
+    install(b.key, "key.pem");
+    if (refresh) {
+      EXPECT_EQ(https_request(s.port(), "GET", "/health", "", b.ca_cert).status, 200);
+      EXPECT_THROW(https_request(s.port(), "GET", "/health", "", a.ca_cert), std::exception);
+    } else {
+      EXPECT_EQ(https_request(s.port(), "GET", "/health", "", a.ca_cert).status, 200);
+      EXPECT_THROW(https_request(s.port(), "GET", "/health", "", b.ca_cert), std::exception);
+    }
+  }
+  fs::remove_all(dir);
+}
+
 // vLLM's sleep mode on the memory's release and resumption: /sleep (level 1 or 2), /wake_up (tags), /is_sleeping;
 // sleeping twice or waking an awake server is a no-op 200; /reset_prefix_cache is /flush_cache.
 TEST(HttpApi, VllmSleepMode) {
