@@ -34,6 +34,7 @@ class DpController final : public EngineClient {
   // Every replica (at once), each its own trace ("replica<r>" in its name); `done` once all answered.
   void profile(const ProfileRequest& r, std::function<void(const ProfileResult&)> done) override;
   int64_t max_context_len() const override { return replicas_[0]->max_context_len(); }
+  int64_t hidden_size() const override { return replicas_[0]->hidden_size(); }
   std::vector<int32_t> eos_token_ids() const override { return replicas_[0]->eos_token_ids(); }
   void shutdown() override;
 

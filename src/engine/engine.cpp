@@ -789,6 +789,8 @@ void Engine::abort_plans(const std::vector<StepPlan>& plans, const std::string& 
   for (size_t g = 0; g < plans.size(); ++g) scheds_[g]->fail(plans[g], f);
 }
 
+int64_t Engine::hidden_size() const { return ranks_->config().hidden_size; }
+
 void Engine::step() {
   const size_t groups = scheds_.size();
   std::vector<StepPlan> plans(groups);

@@ -72,6 +72,7 @@ class Engine final : public EngineClient {
   bool is_paused() const override;
   bool memory_released() const override;
   int64_t max_context_len() const override { return opts_.context_len; }
+  int64_t hidden_size() const override;
   std::vector<int32_t> eos_token_ids() const override { return opts_.eos_token_ids; }
   void shutdown() override;
 

@@ -286,6 +286,8 @@ class EngineClient {
   virtual bool continue_generation() { return false; }
   virtual bool is_paused() const { return false; }
   virtual int64_t max_context_len() const = 0;
+  // The width of return_hidden_states' rows (the model's hidden size); 0: unknown.
+  virtual int64_t hidden_size() const { return 0; }
   virtual std::vector<int32_t> eos_token_ids() const = 0;
   // Stops the engine threads; pending requests are aborted.
   virtual void shutdown() = 0;

@@ -91,6 +91,9 @@ struct ServerOptions {
   bool stream_output = false;
   // SGLang's --enable-return-hidden-states: requests may ask for return_hidden_states (else 400).
   bool enable_return_hidden_states = false;
+  // The most hidden-state values one request may ask for (positions x hidden size x n, over its prompts): more is a
+  // 400 rather than an answer of gigabytes.
+  int64_t max_hidden_state_floats = int64_t{1} << 27;
   // SGLang's --enable-return-routed-experts: requests may ask for return_routed_experts (else 400).
   bool enable_return_routed_experts = false;
   // SGLang's --allow-auto-truncate: a prompt too long for the context keeps its first tokens (room left for the

@@ -877,6 +877,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     pr.prompts[0].input_ids = codec_->encode(prompt, pr.add_special_tokens.value_or(false));  // the template's BOS
   }
   if (pr.suffix) fill_in_the_middle(pr);
+  int64_t hidden_positions = 0;  // rows of hidden states the request may bring back
   for (size_t i = 0; i < pr.prompts.size(); ++i) {
     PromptInput& in = pr.prompts[i];
     JobPrompt jp;
@@ -944,8 +945,15 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     }
     if (const auto& cap = opts_.parse.defaults.max_tokens; cap && pr.api != ApiKind::Native)
       pr.sampling.max_new_tokens = std::min(pr.sampling.max_new_tokens, *cap);  // (vLLM's generation-config limit)
+    if (jp.return_hidden_states) hidden_positions += (len + pr.sampling.max_new_tokens) * std::max(pr.n, 1);
     p.spec.prompts.push_back(std::move(jp));
   }
+  if (const int64_t floats = hidden_positions * engine_.hidden_size(); floats > opts_.max_hidden_state_floats)
+    throw ApiError(400,
+                   fmt::format("return_hidden_states for up to {} positions of {} values ({} in all) is more than one "
+                               "request may ask for ({}); ask for fewer tokens or prompts",
+                               hidden_positions, engine_.hidden_size(), floats, opts_.max_hidden_state_floats),
+                   "return_hidden_states", "invalid_value");
   if (pr.sampling.thinking_budget >= 0) {  // DeepSeek-R1's markers, as the tokenizer spells them
     const std::string& param = pr.thinking_budget_param;
     if (!codec_)

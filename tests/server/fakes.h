@@ -235,6 +235,7 @@ class FakeEngine : public EngineClient {
     return updates_;
   }
   int64_t max_context_len() const override { return context_len_; }
+  int64_t hidden_size() const override { return kHiddenSize; }
   std::vector<int32_t> eos_token_ids() const override { return {kEos}; }
   void shutdown() override {
     {

@@ -648,6 +648,23 @@ TEST(HttpApi, ReturnHiddenStates) {
     ASSERT_EQ(r.status, 200) << r.body;
     EXPECT_FALSE(json::parse(r.body)["meta_info"].contains("hidden_states"));
   }
+  {  // A request that could bring back more values than a request may (positions x hidden size x n) is a 400.
+    ServerOptions small;
+    small.enable_return_hidden_states = true;
+    small.max_hidden_state_floats = 10 * test::FakeEngine::kHiddenSize;  // ten positions' rows
+    TestServer t(small);
+    const std::string gen = R"({"input_ids": [5, 6, 7], "return_hidden_states": true, "sampling_params":
+        {"max_new_tokens": )";
+    EXPECT_EQ(t.post("/generate", gen + "7}}").status, 200);
+    auto big = t.post("/generate", gen + "8}}");
+    EXPECT_EQ(big.status, 400);
+    EXPECT_EQ(json::parse(big.body)["error"]["param"], "return_hidden_states") << big.body;
+    EXPECT_EQ(t.post("/generate", R"({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8}})").status,
+              200);  // (no hidden states: no such bound)
+    const std::string cmpl = R"({"prompt": [5, 6, 7], "max_tokens": 3, "return_hidden_states": true, "n": )";
+    EXPECT_EQ(t.post("/v1/completions", cmpl + "1}").status, 200);
+    EXPECT_EQ(t.post("/v1/completions", cmpl + "2}").status, 400);  // twice six positions
+  }
   ServerOptions o;
   o.enable_return_hidden_states = true;
   TestServer s(o);
