@@ -945,7 +945,10 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     }
     if (const auto& cap = opts_.parse.defaults.max_tokens; cap && pr.api != ApiKind::Native)
       pr.sampling.max_new_tokens = std::min(pr.sampling.max_new_tokens, *cap);  // (vLLM's generation-config limit)
-    if (jp.return_hidden_states) hidden_positions += (len + pr.sampling.max_new_tokens) * std::max(pr.n, 1);
+    // (a chat request's default of the whole context counts none: most stop far before it)
+    const bool counted = pr.max_new_tokens_given || pr.api != ApiKind::Chat;
+    if (jp.return_hidden_states)
+      hidden_positions += (len + (counted ? pr.sampling.max_new_tokens : 0)) * std::max(pr.n, 1);
     p.spec.prompts.push_back(std::move(jp));
   }
   if (const int64_t floats = hidden_positions * engine_.hidden_size(); floats > opts_.max_hidden_state_floats)

@@ -651,19 +651,29 @@ TEST(HttpApi, ReturnHiddenStates) {
   {  // A request that could bring back more values than a request may (positions x hidden size x n) is a 400.
     ServerOptions small;
     small.enable_return_hidden_states = true;
-    small.max_hidden_state_floats = 10 * test::FakeEngine::kHiddenSize;  // ten positions' rows
+    small.max_hidden_state_floats = 40 * test::FakeEngine::kHiddenSize;  // forty positions' rows
     TestServer t(small);
     const std::string gen = R"({"input_ids": [5, 6, 7], "return_hidden_states": true, "sampling_params":
         {"max_new_tokens": )";
-    EXPECT_EQ(t.post("/generate", gen + "7}}").status, 200);
-    auto big = t.post("/generate", gen + "8}}");
+    EXPECT_EQ(t.post("/generate", gen + "37}}").status, 200);
+    auto big = t.post("/generate", gen + "38}}");
     EXPECT_EQ(big.status, 400);
     EXPECT_EQ(json::parse(big.body)["error"]["param"], "return_hidden_states") << big.body;
-    EXPECT_EQ(t.post("/generate", R"({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8}})").status,
+    EXPECT_EQ(t.post("/generate", R"({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 38}})").status,
               200);  // (no hidden states: no such bound)
-    const std::string cmpl = R"({"prompt": [5, 6, 7], "max_tokens": 3, "return_hidden_states": true, "n": )";
-    EXPECT_EQ(t.post("/v1/completions", cmpl + "1}").status, 200);
-    EXPECT_EQ(t.post("/v1/completions", cmpl + "2}").status, 400);  // twice six positions
+    const std::string cmpl = R"({"prompt": [5, 6, 7], "max_tokens": 17, "return_hidden_states": true, "n": )";
+    EXPECT_EQ(t.post("/v1/completions", cmpl + "2}").status, 200);  // twice twenty positions
+    EXPECT_EQ(t.post("/v1/completions", cmpl + "3}").status, 400);
+    // Chat without max_tokens (the whole context by default): its prompt counts, not the context.
+    const std::string chat = R"({"messages": [{"role": "user", "content": "q"}], "return_hidden_states": true)";
+    auto r = t.post("/v1/chat/completions", chat + "}");
+    ASSERT_EQ(r.status, 200) << r.body;
+    const int64_t prompt = json::parse(r.body)["usage"]["prompt_tokens"].get<int64_t>();
+    ASSERT_LT(prompt, 40);
+    EXPECT_EQ(t.post("/v1/chat/completions", chat + ", \"max_tokens\": " + std::to_string(40 - prompt) + "}").status,
+              200);
+    EXPECT_EQ(t.post("/v1/chat/completions", chat + ", \"max_tokens\": " + std::to_string(41 - prompt) + "}").status,
+              400);
   }
   ServerOptions o;
   o.enable_return_hidden_states = true;
