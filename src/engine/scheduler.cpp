@@ -432,10 +432,8 @@ bool Scheduler::preempt_for_waiting(bool allow_retract) {
 StepPlan Scheduler::schedule(bool allow_retract) {
   StepPlan plan;
   const int32_t P = cfg_.page_size;
-  if (cache_suspect_) {
-    // The cache's pending copies concern only what it holds; once nothing holds a lock it is emptied and used again.
-    (void)cache_.take_copies();
-    if (cache_.reset()) {
+  if (cache_suspect_) {  // once nothing holds a lock, the cache is emptied and used again
+    if (empty_cache()) {
       cache_suspect_ = false;
       MLA_LOG_INFO("the prefix cache was emptied after a failed step; it is used again");
     }
@@ -923,10 +921,11 @@ void Scheduler::retract_all() {
   erase_finished();
 }
 
-bool Scheduler::flush_cache() {
-  if (num_running() > 0) return false;
-  // Copies no step has taken yet (a waiting request's loads, evictions' saves) concern only what the flush drops;
-  // taking them here also unpins the edges being loaded.
+bool Scheduler::flush_cache() { return num_running() == 0 && empty_cache(); }
+
+bool Scheduler::empty_cache() {
+  // Copies no step has taken yet (a waiting request's loads, evictions' saves) concern only what is dropped; taking
+  // them here also unpins the edges being loaded.
   (void)cache_.take_copies();
   return cache_.reset();
 }

@@ -283,6 +283,8 @@ class Scheduler {
   // retracted request goes first).
   void enqueue(std::unique_ptr<Req> r, bool front);
   void finish(Req& r, FinishReason reason, bool cache_kv = true);
+  // Drops the prefix cache's contents and its untaken copies; false (nothing dropped) while a request holds a lock.
+  bool empty_cache();
   void emit(Req& r);
   // A sampled token into the request's output (pending: it replaces the oldest token in flight, else it follows the
   // kept drafts), with its stop / length checks: finishes the request when it ends there.
