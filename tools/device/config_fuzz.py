@@ -19,6 +19,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "golden"))
@@ -73,6 +74,8 @@ def main():
     # FUZZ_PATCHES: JSON objects separated by ';', each a variant of every config run (its keys replaced): what
     # changes a failure into a pass.
     patches = [json.loads(p) if p.strip() else {} for p in os.environ.get("FUZZ_PATCHES", "").split(";")]
+    fp8 = os.environ.get("FUZZ_FP8", "").split()
+    deadline = time.time() + float(os.environ.get("FUZZ_SECONDS", "1e9"))
     failed = 0
     todo = []
     for k in range(n):
@@ -82,6 +85,9 @@ def main():
         for j, patch in enumerate(patches):
             todo.append((f"fuzz{k}" + (f"p{j}" if patch else ""), dict(cfg, **patch), k))
     for name, cfg, k in todo:
+        if time.time() > deadline:
+            print(f"{name}: not started, FUZZ_SECONDS passed", flush=True)
+            break
         mg.FAMILIES[name] = cfg
         if os.environ.get("FUZZ_VERBOSE"):
             print(name, {key: v for key, v in cfg.items() if key not in mg.BASE})
@@ -97,9 +103,23 @@ def main():
                 finally:
                     sys.stdout = saved
         except Exception as e:  # noqa: BLE001 (a config transformers cannot build is skipped)
-            print(f"{name}: skipped, transformers: {type(e).__name__}: {str(e)[:160]}")
+            print(f"{name}: skipped, transformers: {type(e).__name__}: {str(e)[:160]}", flush=True)
             continue
         d = os.path.join(root, name)
+        if fp8:
+            layout = fp8[0]
+            blocks = fp8[1:] if layout != "block" or len(fp8) == 3 else \
+                [str(random.Random(k).choice([16, 32, 64, 128])) for _ in range(2)]
+            brief["fp8"] = " ".join([layout] + blocks)
+            q = subprocess.run([sys.executable, os.path.join(HERE, "..", "golden", "make_fp8_golden.py"), d, d + "-fp8",
+                                layout] + blocks + (["--dequantized-reference"] if os.environ.get("FUZZ_FP8_REF") ==
+                                                    "dequantized" else []), capture_output=True, text=True)
+            if q.returncode != 0:
+                print(f"{name}: skipped, FP8 reference: {(q.stderr or q.stdout)[-300:]} {brief}", flush=True)
+                continue
+            d += "-fp8"
+            print(f"{name}: " + " ".join(line for line in q.stdout.splitlines() if "max |d|" in line or "reference:"
+                                         in line), flush=True)
         for dev, extra in [(dev, v) for dev in devices for v in variants]:
             out = os.path.join(d, f"ours_{dev}.safetensors")
             dev = " ".join([dev] + extra)
@@ -109,7 +129,8 @@ def main():
                                 "--max-new-tokens", str(mg.NUM_GREEDY)], capture_output=True, text=True)
             if r.returncode != 0:
                 failed += 1
-                print(f"{name} {dev}: FAIL eval-logits rc {r.returncode}: {(r.stderr or r.stdout)[-300:]} {brief}")
+                print(f"{name} {dev}: FAIL eval-logits rc {r.returncode}: {(r.stderr or r.stdout)[-300:]} {brief}",
+                      flush=True)
                 continue
             c = subprocess.run([sys.executable, compare, os.path.join(d, "reference.safetensors"), out, "--tol",
                                 "0.06", "--near-tie", "0.1"], capture_output=True, text=True)
@@ -123,7 +144,8 @@ def main():
                     err = (rl - ol).abs().amax(dim=-1) / rl.std()
                     counts.append(f"{int((err > 0.06).sum())}/{err.numel()}")
                 lines += " | positions off: " + " ".join(counts)
-            print(f"{name} {dev}: {'ok' if c.returncode == 0 else 'FAIL'} {lines} {brief if c.returncode else ''}")
+            print(f"{name} {dev}: {'ok' if c.returncode == 0 else 'FAIL'} {lines} {brief if c.returncode else ''}",
+                  flush=True)
     print(f"configs: {n}, failures: {failed}")
     sys.exit(1 if failed else 0)
 

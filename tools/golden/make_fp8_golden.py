@@ -11,7 +11,11 @@ and writes reference.safetensors for the golden family's prompts, in make_golden
 (tests/golden/data/v3-fp8, v2-fp8-tensor) and `mlaserve eval-logits` + tools/compare_logits.py use it.
 The tensor layout has no Hugging Face loader here; its reference is the same model dequantized in torch.
 
-usage: make_fp8_golden.py SRC_FAMILY_DIR OUT_DIR block BR BC | tensor
+With --dequantized-reference the block layout's reference is made as the tensor layout's (Hugging Face on the
+torch-dequantized weights): DeepSeek's block reading without Hugging Face's FP8 loader, which fuses the experts'
+gate and up weights and their scales (so a block that does not divide the expert width is read by its own rules).
+
+usage: make_fp8_golden.py SRC_FAMILY_DIR OUT_DIR block BR BC | tensor [--dequantized-reference]
 """
 import json, os, sys
 
@@ -20,6 +24,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import make_golden  # noqa: E402
 from make_golden import reference_tensors  # noqa: E402
 
 FP8_MAX = 448.0
@@ -48,6 +53,8 @@ def quantize(w, br, bc):
 
 
 def main():
+    deq_ref = "--dequantized-reference" in sys.argv
+    sys.argv = [a for a in sys.argv if a != "--dequantized-reference"]
     src, out, layout = sys.argv[1], sys.argv[2], sys.argv[3]
     br, bc = (int(sys.argv[4]), int(sys.argv[5])) if layout == "block" else (None, None)
     os.makedirs(out, exist_ok=True)
@@ -81,8 +88,9 @@ def main():
 
     srcref = load_file(os.path.join(src, "reference.safetensors"))
     prompts = [srcref[f"prompt_{j}"].long() for j in range(len([k for k in srcref if k.startswith("prompt_")]))]
+    make_golden.NUM_GREEDY = srcref["greedy_0"].numel()  # (as many greedy tokens as the source family's reference)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if layout == "block":
+    if layout == "block" and not deq_ref:
         ref = transformers.AutoModelForCausalLM.from_pretrained(
             out, dtype=torch.float32, attn_implementation="eager",
             quantization_config=transformers.FineGrainedFP8Config(weight_block_size=(br, bc), dequantize=True))
