@@ -1,4 +1,5 @@
 // Route handlers: /generate, /v1/completions, /v1/chat/completions and the informational endpoints.
+#include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -33,6 +34,93 @@ std::string_view path_of(std::string_view target) {
 std::string_view query_of(std::string_view target) {
   const size_t q = target.find('?');
   return q == std::string_view::npos ? std::string_view() : target.substr(q + 1);
+}
+
+// A string field of a small request's body: its value, `fallback` when absent or null, a 400 naming it otherwise.
+std::string string_field(const json& body, const char* name, const std::string& fallback) {
+  const auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return fallback;
+  if (!it->is_string()) bad_request(name, "invalid_type", "'{}' must be a string", name);
+  return it->get<std::string>();
+}
+
+// SGLang's /separate_reasoning: {"text", "reasoning_parser"} (default: the server's --reasoning-parser) ->
+// {"reasoning_text", "text"}, split as chat splits a reply: deepseek-r1 reads everything before "</think>" as
+// reasoning (R1 may leave out the opening "<think>"), deepseek-v3 (the hybrid V3.1) only a text that opens one.
+ojson separate_reasoning(const json& body, const std::string& server_parser) {
+  if (!body.is_object()) bad_request("", "invalid_type", "the body must be a JSON object");
+  if (!body.contains("text")) bad_request("text", "invalid_value", "'text' (the text to split) is required");
+  const std::string text = string_field(body, "text", "");
+  const std::string parser = string_field(body, "reasoning_parser", server_parser);
+  if (parser.empty())
+    bad_request("reasoning_parser", "invalid_value",
+                "'reasoning_parser' is required: this server runs without --reasoning-parser");
+  if (!known_reasoning_parser(parser))
+    bad_request("reasoning_parser", "invalid_value",
+                "'reasoning_parser' '{}' is not known (known: deepseek-r1, deepseek-v3, deepseek_r1, deepseek_v3)",
+                parser);
+  ojson out;
+  if (reasoning_split(parser, nullptr) || text.find("<think>") != std::string::npos) {
+    ReasoningSplitter split;
+    ReasoningSplitter::Parts a = split.push(text), b = split.flush();
+    out["reasoning_text"] = a.reasoning + b.reasoning;
+    out["text"] = a.content + b.content;
+  } else {
+    out["reasoning_text"] = "";
+    out["text"] = text;
+  }
+  return out;
+}
+
+// SGLang's /parse_function_call: {"text", "tools", "tool_call_parser"} (default: the server's --tool-call-parser,
+// else deepseekv3) -> {"normal_text", "calls": [{"tool_index", "name", "parameters"}]}. As in SGLang, a call naming
+// no tool of `tools` is dropped and the normal text is the text before the calls, trimmed; with no tools at all
+// every call is listed (tool_index -1). "parameters" is the arguments' text as generated (chat's "arguments").
+ojson parse_function_call(const json& body, const std::string& server_parser) {
+  if (!body.is_object()) bad_request("", "invalid_type", "the body must be a JSON object");
+  if (!body.contains("text")) bad_request("text", "invalid_value", "'text' (the text to parse) is required");
+  const std::string text = string_field(body, "text", "");
+  const std::string parser =
+      string_field(body, "tool_call_parser", server_parser.empty() ? std::string("deepseekv3") : server_parser);
+  if (!known_tool_call_parser(parser))
+    bad_request("tool_call_parser", "invalid_value",
+                "'tool_call_parser' '{}' is not known (known: deepseekv3, deepseek_v3, deepseekv31, deepseek_v31)",
+                parser);
+  std::vector<std::string> names;
+  if (const auto tools = body.find("tools"); tools != body.end() && !tools->is_null()) {
+    if (!tools->is_array()) bad_request("tools", "invalid_type", "'tools' must be an array of tools");
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const json& t = (*tools)[i];
+      const json* fn = t.is_object() && t.contains("function") ? &t["function"] : nullptr;
+      if (!fn || !fn->is_object() || !fn->contains("name") || !(*fn)["name"].is_string())
+        bad_request(fmt::format("tools[{}].function.name", i), "invalid_value",
+                    "tools[{}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", i);
+      names.push_back((*fn)["name"].get<std::string>());
+    }
+  }
+  ToolCallParser tool_calls;
+  const ToolCallParser::Out parsed = tool_calls.push(text);  // (whole calls only: one without its end is none)
+  ojson out;
+  const size_t begin = text.find(kToolCallsBegin);
+  if (begin == std::string::npos) {
+    out["normal_text"] = text;
+  } else {
+    const std::string_view before = std::string_view(text).substr(0, begin);
+    const size_t lead = leading_space(before);
+    size_t end = before.size();
+    while (end > lead && leading_space(before.substr(end - 1, 1)) == 1) --end;
+    out["normal_text"] = std::string(before.substr(lead, end - lead));
+  }
+  ojson calls = ojson::array();
+  for (const ToolCall& call : parsed.calls) {
+    const auto at = std::find(names.begin(), names.end(), call.name);
+    if (!names.empty() && at == names.end()) continue;  // SGLang drops calls of undefined functions
+    calls.push_back(ojson{{"tool_index", names.empty() ? -1 : at - names.begin()},
+                          {"name", call.name},
+                          {"parameters", call.arguments}});
+  }
+  out["calls"] = std::move(calls);
+  return out;
 }
 
 }  // namespace
@@ -737,6 +825,12 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
       body["internal_states"] = std::move(states);
       body["version"] = "mlaserve";
       respond_json(ex, 200, dump(body));
+    } else if (path == "/separate_reasoning") {  // SGLang's
+      if (!post) method_not_allowed(req);
+      respond_json(ex, 200, dump(separate_reasoning(parse_body(req.body), opts_.reasoning_parser)));
+    } else if (path == "/parse_function_call") {  // SGLang's
+      if (!post) method_not_allowed(req);
+      respond_json(ex, 200, dump(parse_function_call(parse_body(req.body), opts_.tool_call_parser)));
     } else if (path == "/tokenize" || path == "/v1/tokenize") {
       if (!post) method_not_allowed(req);
       tokenize(req, ex);

@@ -1068,6 +1068,85 @@ TEST(HttpApi, ToolCalls) {
   EXPECT_NE(no_parser.body.find("--tool-call-parser"), std::string::npos);
 }
 
+// SGLang's /parse_function_call: the calls of a text (the server's parser unless the request names one), calls of
+// functions not among `tools` dropped, each with its tool's index; the text before the calls trimmed.
+TEST(HttpApi, ParseFunctionCall) {
+  TestServer s;  // no --tool-call-parser: deepseekv3 unless the request names one
+  const std::string tools = R"([{"type": "function", "function": {"name": "g"}},
+      {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])";
+  auto r = s.post("/parse_function_call", R"({"text": )" + json("  Let me look.\n" + kCallsFG).dump() +
+                                              R"(, "tools": )" + tools + "}");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body), json::parse(R"({"normal_text": "Let me look.", "calls": [
+      {"tool_index": 1, "name": "f", "parameters": "{\"a\": 1}"},
+      {"tool_index": 0, "name": "g", "parameters": "{}"}]})"));
+  // Only f defined: g's call dropped; V3.1's form (NAME<｜tool▁sep｜>ARGS) read too.
+  const std::string v31 = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"city\": \"東京\"}<｜tool▁call▁end｜>"
+                          "<｜tool▁call▁begin｜>g<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+  r = s.post("/parse_function_call", R"({"tool_call_parser": "deepseekv31", "text": )" + json(v31).dump() +
+                                         R"(, "tools": [{"type": "function", "function": {"name": "f"}}]})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body), json::parse(R"({"normal_text": "", "calls": [
+      {"tool_index": 0, "name": "f", "parameters": "{\"city\": \"東京\"}"}]})"));
+  // No tools: every call listed, tool_index -1; no calls: the text as it is; a call cut short is none.
+  r = s.post("/parse_function_call", R"({"text": )" + json(kCallsFG).dump() + "}");
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json all = json::parse(r.body);
+  ASSERT_EQ(all["calls"].size(), 2u);
+  EXPECT_EQ(all["calls"][1], json::parse(R"({"tool_index": -1, "name": "g", "parameters": "{}"})"));
+  r = s.post("/parse_function_call", R"({"text": " plain text ", "tools": )" + tools + "}");
+  EXPECT_EQ(json::parse(r.body), json::parse(R"({"normal_text": " plain text ", "calls": []})"));
+  const std::string cut = kCallsFG.substr(0, kCallsFG.find("<｜tool▁call▁end｜>"));
+  r = s.post("/parse_function_call", R"({"text": )" + json("x " + cut).dump() + "}");
+  EXPECT_EQ(json::parse(r.body), json::parse(R"({"normal_text": "x", "calls": []})"));
+
+  for (const auto& [body, param] :
+       {std::pair{R"({"tools": []})", "text"}, std::pair{R"({"text": 5})", "text"},
+        std::pair{R"({"text": "a", "tool_call_parser": "llama3"})", "tool_call_parser"},
+        std::pair{R"({"text": "a", "tools": {"name": "f"}})", "tools"},
+        std::pair{R"({"text": "a", "tools": [{"type": "function", "function": {}}]})", "tools[0].function.name"}}) {
+    r = s.post("/parse_function_call", body);
+    EXPECT_EQ(r.status, 400) << body;
+    EXPECT_EQ(json::parse(r.body)["error"]["param"], param) << r.body;
+  }
+  EXPECT_EQ(s.post("/parse_function_call", "[1]").status, 400);
+  EXPECT_EQ(s.get("/parse_function_call").status, 405);
+}
+
+// SGLang's /separate_reasoning: deepseek-r1 reads a text as reasoning until "</think>" (the opening tag optional),
+// deepseek-v3 only a text that opens its thinking; the request's parser or else the server's.
+TEST(HttpApi, SeparateReasoning) {
+  ServerOptions o;
+  o.reasoning_parser = "deepseek-r1";
+  TestServer s(o);
+  auto split = [&](const std::string& text, const std::string& parser = "") {
+    auto r = s.post("/separate_reasoning", R"({"text": )" + json(text).dump() +
+                                               (parser.empty() ? "" : R"(, "reasoning_parser": ")" + parser + "\"") +
+                                               "}");
+    EXPECT_EQ(r.status, 200) << r.body;
+    const json j = json::parse(r.body);
+    return std::pair{j["reasoning_text"].get<std::string>(), j["text"].get<std::string>()};
+  };
+  using P = std::pair<std::string, std::string>;
+  EXPECT_EQ(split("<think>\nWhy? Because.</think>\n\nThe answer."), (P{"Why? Because.", "The answer."}));
+  EXPECT_EQ(split("No opening tag.</think>Answer"), (P{"No opening tag.", "Answer"}));
+  EXPECT_EQ(split("Cut short while thinking"), (P{"Cut short while thinking", ""}));
+  EXPECT_EQ(split("Plain answer", "deepseek-v3"), (P{"", "Plain answer"}));
+  EXPECT_EQ(split("<think>hm</think>yes", "deepseek_v3"), (P{"hm", "yes"}));
+
+  auto bad = s.post("/separate_reasoning", R"({"text": "a", "reasoning_parser": "qwen3"})");
+  EXPECT_EQ(bad.status, 400);
+  EXPECT_NE(bad.body.find("deepseek-r1"), std::string::npos);
+  EXPECT_EQ(s.post("/separate_reasoning", R"({"reasoning_parser": "deepseek-r1"})").status, 400);
+  EXPECT_EQ(s.get("/separate_reasoning").status, 405);
+  TestServer plain;  // no --reasoning-parser: the request must name one
+  bad = plain.post("/separate_reasoning", R"({"text": "a"})");
+  EXPECT_EQ(bad.status, 400);
+  EXPECT_EQ(json::parse(bad.body)["error"]["param"], "reasoning_parser");
+  EXPECT_EQ(json::parse(plain.post("/separate_reasoning", R"({"text": "x</think>y", "reasoning_parser":
+      "deepseek-r1"})").body)["text"], "y");
+}
+
 // OpenAI's Responses API over the chat machinery (the fake engine echoes the rendered prompt, so the output shows
 // what the input items became): a response object with message and function_call items, the same as typed stream
 // events, and 400s naming the field for what it cannot express.
