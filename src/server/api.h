@@ -146,6 +146,9 @@ class Api {
   // vLLM's /tokenize ({"prompt"} or chat {"messages"}) and /detokenize ({"tokens"}).
   void tokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   void detokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
+  // SGLang's POST /v1/score and vLLM's POST /generative_scoring (server/scoring.h): the items' prompts generated as
+  // one native /generate batch of one token each, answered through a ScoreExchange.
+  void score(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool vllm);
   // SGLang's /abort_request ({"rid"} or {"abort_all": true}): the named running jobs end with an abort finish.
   void abort_request(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   // POST /v1/responses: OpenAI's Responses API, generated as chat (server/responses.h); stored, continued and run

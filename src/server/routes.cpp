@@ -15,6 +15,7 @@
 #include "server/batches.h"
 #include "server/response_store.h"
 #include "server/responses.h"
+#include "server/scoring.h"
 #include "server/text_stream.h"
 #include "server/tool_calls.h"
 
@@ -825,6 +826,9 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
       body["internal_states"] = std::move(states);
       body["version"] = "mlaserve";
       respond_json(ex, 200, dump(body));
+    } else if (path == "/v1/score" || path == "/generative_scoring") {  // SGLang's, vLLM's generative scoring
+      if (!post) method_not_allowed(req);
+      score(req, ex, path == "/generative_scoring");
     } else if (path == "/separate_reasoning") {  // SGLang's
       if (!post) method_not_allowed(req);
       respond_json(ex, 200, dump(separate_reasoning(parse_body(req.body), opts_.reasoning_parser)));
@@ -1738,6 +1742,26 @@ void Api::stored_response(const HttpRequest& req, std::string_view rest, std::st
   } else {
     throw ApiError(404, fmt::format("no route for {} {}", req.method, path_of(req.target)), "", "not_found");
   }
+}
+
+void Api::score(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool vllm) {
+  const json body = parse_body(req.body);
+  if (const auto m = body.find("model"); m != body.end() && !m->is_null()) {
+    if (!m->is_string()) bad_request("model", "invalid_type", "'model' must be a string");
+    const std::string model = m->get<std::string>();
+    if (model != opts_.served_model_name && model != opts_.model_path && model != "default")
+      throw ApiError(404, fmt::format("the model '{}' does not exist; this server serves '{}'", model,
+                                      opts_.served_model_name),
+                     "model", "model_not_found");
+  }
+  ScorePlan plan = plan_score(body, vllm ? ScoreApi::Vllm : ScoreApi::Sglang, codec_, engine_.max_context_len(),
+                              static_cast<size_t>(opts_.parse.max_token_ids_logprob));
+  HttpRequest inner = req;
+  inner.target = "/generate";
+  inner.body = plan.generate.dump();
+  const std::string id = (vllm ? "generative-scoring-" : "score-") + new_id();
+  generate(ApiKind::Native, inner,
+           std::make_shared<ScoreExchange>(ex, std::move(plan), id, unix_seconds(), opts_.served_model_name));
 }
 
 void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex,

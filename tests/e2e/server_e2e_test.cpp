@@ -1434,6 +1434,68 @@ TEST(ServeFlags, ReturnHiddenStatesEqualHuggingFace) {
   EXPECT_EQ(s.stop(), 0);
 }
 
+// Generative scoring against Hugging Face (the golden v2 checkpoint, token ids): each item's prompt is a prefix of a
+// reference prompt, so its label probabilities are the softmax of the reference logits at the prefix's last position
+// (over the vocabulary; over the labels with apply_softmax; vLLM's score the first label's), with the query before the
+// items or after them.
+TEST(ServeFlags, GenerativeScoringIsTheNextTokenProbability) {
+  const std::string dir = golden_dir("v2");
+  SafetensorsFile ref(dir + "/reference.safetensors");
+  const bool cpu = e2e_env("MLASERVE_E2E_DEVICE", "cpu") == "cpu";
+  const double tol = cpu ? 2e-3 : 0.1;  // on log-probabilities (bf16 on the GPU)
+  ServerProcess s({"--model-path", dir});
+  ASSERT_TRUE(s.running()) << s.log();
+  const Tensor pt = ref.tensor("prompt_3"), lt = ref.tensor("logits_3");
+  const std::vector<int32_t> prompt(pt.data_as<int32_t>(), pt.data_as<int32_t>() + pt.numel());
+  const size_t V = static_cast<size_t>(lt.size(1));
+  ASSERT_GE(prompt.size(), 60u);
+  // Hugging Face's log-probability of `id` after the prompt's first m tokens.
+  auto hf = [&](size_t m, int32_t id) {
+    const float* row = lt.data_as<float>() + (m - 1) * V;
+    const double top = *std::max_element(row, row + V);
+    double sum = 0.0;
+    for (size_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(row[v]) - top);
+    return static_cast<double>(row[static_cast<size_t>(id)]) - top - std::log(sum);
+  };
+  auto span = [&](size_t a, size_t b) { return std::vector<int32_t>(prompt.begin() + a, prompt.begin() + b); };
+  const size_t k = 20;
+  const std::vector<size_t> ends = {k + 1, 41, 60};
+  std::vector<int32_t> labels = {5, 17};
+  {  // and the most likely token after the longest prefix
+    const float* row = lt.data_as<float>() + (ends.back() - 1) * V;
+    labels.push_back(static_cast<int32_t>(std::max_element(row, row + V) - row));
+  }
+  json items = json::array();
+  for (size_t m : ends) items.push_back(span(k, m));
+  json body{{"query", span(0, k)}, {"items", items}, {"label_token_ids", labels}};
+  const json a = post_json(s.port(), "/v1/score", body.dump());
+  ASSERT_EQ(a["scores"].size(), ends.size()) << a.dump();
+  for (size_t i = 0; i < ends.size(); ++i)
+    for (size_t l = 0; l < labels.size(); ++l)
+      EXPECT_NEAR(std::log(a["scores"][i][l].get<double>()), hf(ends[i], labels[l]), tol) << i << " " << l;
+  body["apply_softmax"] = true;
+  const json b = post_json(s.port(), "/v1/score", body.dump());
+  for (size_t i = 0; i < ends.size(); ++i) {
+    double z = 0.0;
+    for (int32_t id : labels) z += std::exp(hf(ends[i], id));
+    for (size_t l = 0; l < labels.size(); ++l)
+      EXPECT_NEAR(std::log(b["scores"][i][l].get<double>()), hf(ends[i], labels[l]) - std::log(z), tol);
+  }
+  body.erase("apply_softmax");
+  const json c = post_json(s.port(), "/generative_scoring", body.dump());  // vLLM's: over the labels by default
+  ASSERT_EQ(c["data"].size(), ends.size()) << c.dump();
+  for (size_t i = 0; i < ends.size(); ++i)
+    EXPECT_NEAR(c["data"][i]["score"].get<double>(), b["scores"][i][0].get<double>(), 1e-9);
+  // The item first: the prompt's first k tokens as the item, the rest as the query.
+  const json d = post_json(s.port(), "/v1/score",
+                           json{{"query", span(k, 60)}, {"items", json::array({span(0, k)})},
+                                {"label_token_ids", labels}, {"item_first", true}}
+                               .dump());
+  for (size_t l = 0; l < labels.size(); ++l)
+    EXPECT_NEAR(d["scores"][0][l].get<double>(), a["scores"][2][l].get<double>(), cpu ? 1e-9 : 5e-2);
+  EXPECT_EQ(s.stop(), 0);
+}
+
 // SGLang's --enable-return-routed-experts: /generate's meta_info.routed_experts decodes to [rows, layers, top-k]
 // int32 ids, rows as return_hidden_states' (prompt + generated - 1); the dense layer's 0, each MoE layer's distinct
 // experts of the model's; the same for the same prompt again (cached or not), and for the OpenAI completion.

@@ -364,6 +364,9 @@ class FakeEngine : public EngineClient {
               lp.logprob = -0.25f * static_cast<float>(l.generated % 4);
               for (int k = 0; k < l.req.sampling.top_logprobs_num; ++k)
                 lp.top.emplace_back((tok + k) % 256, -0.5f * static_cast<float>(k));
+              // token_ids_logprob: id's logprob -(id % 8) / 8 - P / 16 (P: the prompt's length).
+              for (int32_t id : l.req.sampling.token_ids_logprob)
+                lp.ids.emplace_back(id, -0.125f * static_cast<float>(id % 8) - 0.0625f * static_cast<float>(P));
               out.new_logprobs.push_back(lp);
             }
             const auto& stops = l.req.sampling.stop_token_ids;

@@ -23,6 +23,7 @@
 #include "server/batches.h"
 #include "server/http_server.h"
 #include "server/response_store.h"
+#include "server/scoring.h"
 
 namespace mlaserve::server {
 namespace {
@@ -1066,6 +1067,102 @@ TEST(HttpApi, ToolCalls) {
   auto no_parser = plain.post("/v1/chat/completions", body + "}");
   EXPECT_EQ(no_parser.status, 400);
   EXPECT_NE(no_parser.body.find("--tool-call-parser"), std::string::npos);
+}
+
+// Generative scoring (SGLang's /v1/score, vLLM's /generative_scoring): each item's prompt generated for one token
+// with the labels' logprobs; the fake engine gives label id the logprob -(id % 8) / 8 - P / 16 at a prompt of P
+// tokens, so the answers show each prompt's length and each API's normalisation.
+TEST(HttpApi, GenerativeScoring) {
+  TestServer s;
+  auto lp = [](int id, int P) { return -0.125 * (id % 8) - 0.0625 * P; };
+  // SGLang, texts: "ab" + "c" and "ab" + "de" with the BOS (4 and 5 tokens); probabilities over the vocabulary.
+  auto r = s.post("/v1/score", R"({"query": "ab", "items": ["c", "de"], "label_token_ids": [9, 10]})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  json j = json::parse(r.body);
+  EXPECT_EQ(j["object"], "scoring");
+  EXPECT_EQ(j["model"], "fake");
+  ASSERT_EQ(j["scores"].size(), 2u);
+  for (int i = 0; i < 2; ++i)
+    for (int k = 0; k < 2; ++k) EXPECT_NEAR(j["scores"][i][k].get<double>(), std::exp(lp(9 + k, 4 + i)), 1e-6);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 9);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 2);
+  // apply_softmax: over the labels alone (the prompt's length cancels); one text item; token ids, item first.
+  r = s.post("/v1/score", R"({"query": "ab", "items": "c", "label_token_ids": [9, 10, 17], "apply_softmax": true})");
+  j = json::parse(r.body);
+  const double z = std::exp(lp(9, 0)) + std::exp(lp(10, 0)) + std::exp(lp(17, 0));
+  ASSERT_EQ(j["scores"].size(), 1u);
+  for (int k = 0; k < 3; ++k)
+    EXPECT_NEAR(j["scores"][0][k].get<double>(), std::exp(lp(k == 2 ? 17 : 9 + k, 0)) / z, 1e-6);
+  r = s.post("/v1/score", R"({"query": [1, 2], "items": [[3], [4, 5, 6]], "label_token_ids": [8],
+      "item_first": true, "model": "default"})");
+  j = json::parse(r.body);
+  EXPECT_NEAR(j["scores"][0][0].get<double>(), std::exp(lp(8, 3)), 1e-6);
+  EXPECT_NEAR(j["scores"][1][0].get<double>(), std::exp(lp(8, 5)), 1e-6);
+
+  // vLLM: the query tokenized with its BOS, items without; the first label's probability, over the labels by default.
+  r = s.post("/generative_scoring", R"({"model": "fake", "query": "ab", "items": ["c", [99, 100]],
+      "label_token_ids": [9, 10]})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  j = json::parse(r.body);
+  EXPECT_EQ(j["object"], "list");
+  EXPECT_EQ(j["id"].get<std::string>().rfind("generative-scoring-", 0), 0u);
+  ASSERT_EQ(j["data"].size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(j["data"][i]["index"], i);
+    EXPECT_EQ(j["data"][i]["object"], "score");
+    EXPECT_NEAR(j["data"][i]["score"].get<double>(), 1.0 / (1.0 + std::exp(lp(10, 0) - lp(9, 0))), 1e-6);
+  }
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 9);  // 3 + 1 and 3 + 2
+  r = s.post("/generative_scoring", R"({"query": "ab", "items": ["c"], "label_token_ids": [9, 10],
+      "apply_softmax": false, "add_special_tokens": false})");
+  EXPECT_NEAR(json::parse(r.body)["data"][0]["score"].get<double>(), std::exp(lp(9, 3)), 1e-6);
+
+  for (const auto& [path, body, param] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"/v1/score", R"({"query": "a", "items": ["b"]})", "label_token_ids"},
+           {"/v1/score", R"({"query": "a", "items": ["b"], "label_token_ids": []})", "label_token_ids"},
+           {"/v1/score", R"({"query": "a", "items": ["b"], "label_token_ids": [258]})", "label_token_ids"},
+           {"/v1/score", R"({"query": "a", "items": [], "label_token_ids": [1]})", "items"},
+           {"/v1/score", R"({"query": "a", "items": [[1]], "label_token_ids": [1]})", "items[0]"},
+           {"/v1/score", R"({"items": ["b"], "label_token_ids": [1]})", "query"},
+           {"/v1/score", R"({"query": [1, "x"], "items": [[1]], "label_token_ids": [1]})", "query"},
+           {"/v1/score", R"({"query": "a", "items": ["b"], "label_token_ids": [1], "apply_softmax": 1})",
+            "apply_softmax"},
+           {"/generative_scoring", R"({"query": "a", "items": "b", "label_token_ids": [1]})", "items"}}) {
+    r = s.post(path, body);
+    EXPECT_EQ(r.status, 400) << body;
+    EXPECT_EQ(json::parse(r.body)["error"]["param"], param) << r.body;
+  }
+  EXPECT_EQ(s.post("/v1/score", R"({"model": "other", "query": "a", "items": ["b"], "label_token_ids": [1]})").status,
+            404);
+  EXPECT_EQ(s.get("/v1/score").status, 405);
+  EXPECT_TRUE(s.wait_idle());
+}
+
+// The prompts each API builds (vLLM's cut to the context less one token).
+TEST(Scoring, PromptsAsEachApiMakes) {
+  test::ByteCodec codec;
+  ScorePlan p = plan_score(json::parse(R"({"query": [1, 2], "items": [[3], [4, 5]], "item_first": true,
+      "label_token_ids": [7]})"), ScoreApi::Sglang, &codec, 100, 1024);
+  EXPECT_EQ(p.generate["input_ids"], json::parse("[[3, 1, 2], [4, 5, 1, 2]]"));
+  EXPECT_EQ(p.generate["token_ids_logprob"], json::parse("[7]"));
+  EXPECT_EQ(p.generate["sampling_params"]["max_new_tokens"], 1);
+  EXPECT_FALSE(p.apply_softmax);
+  p = plan_score(json::parse(R"({"query": "ab", "items": ["c"], "item_first": true, "label_token_ids": [7]})"),
+                 ScoreApi::Sglang, &codec, 100, 1024);
+  EXPECT_EQ(p.generate["text"], json::parse(R"(["cab"])"));
+  p = plan_score(json::parse(R"({"query": "ab", "items": ["cdefgh", [9]], "label_token_ids": [7]})"), ScoreApi::Vllm,
+                 &codec, 6, 1024);
+  EXPECT_EQ(p.generate["input_ids"], json::parse(R"([[256, 97, 98, 99, 100], [256, 97, 98, 9]])"));
+  EXPECT_TRUE(p.apply_softmax);
+  p = plan_score(json::parse(R"({"query": "ab", "items": ["c"], "item_first": true, "label_token_ids": [7]})"),
+                 ScoreApi::Vllm, &codec, 100, 1024);
+  EXPECT_EQ(p.generate["input_ids"], json::parse(R"([[99, 256, 97, 98]])"));
+  EXPECT_THROW(plan_score(json::parse(R"({"query": "a", "items": ["b"], "label_token_ids": [1, 2, 3]})"),
+                          ScoreApi::Sglang, &codec, 100, 2),
+               ApiError);
+  EXPECT_THROW(plan_score(json::parse(R"({"query": "a", "items": ["b"], "label_token_ids": [1]})"), ScoreApi::Vllm,
+                          nullptr, 100, 2),
+               ApiError);  // text without a tokenizer
 }
 
 // SGLang's /parse_function_call: the calls of a text (the server's parser unless the request names one), calls of
