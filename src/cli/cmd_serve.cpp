@@ -740,8 +740,9 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     // those load from their quantization_config. fp8 on a checkpoint without one quantizes its routed experts at
     // load; another method, or fp8 on an AWQ checkpoint, is refused (recognised, not implemented: exit non-zero).
     if (!s.quantization.empty() && s.load_format != "dummy" && std::filesystem::exists(s.model_path + "/config.json")) {
-      const QuantMethod q = ModelConfig::from_file(s.model_path, overrides).quant;
-      if (quantization_names(s.quantization, q)) s.quantization.clear();
+      const ModelConfig checkpoint = ModelConfig::from_file(s.model_path, overrides);
+      const QuantMethod q = checkpoint.quant;
+      if (quantization_names(s.quantization, checkpoint)) s.quantization.clear();
       MLA_CHECK(s.quantization != "fp8" || q == QuantMethod::None,
                 "--quantization fp8: {} is an AWQ checkpoint (quantizing it again is not supported)", s.model_path);
     }

@@ -121,6 +121,59 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& src) {
       } else {
         c.quant = QuantMethod::Fp8Tensor;
       }
+    } else if (method == "compressed-tensors") {
+      // llm-compressor's checkpoints (vLLM's usual FP8 format): F8_E4M3 weights times their `weight_scale` per
+      // tensor, per output channel or per block; activations stay bf16 here whatever input_activations says.
+      auto str_of = [&](const json& o, const char* key) {
+        return o.is_object() && o.contains(key) && o[key].is_string() ? o[key].get<std::string>() : std::string();
+      };
+      const std::string format = str_of(q, "format");
+      MLA_CHECK(format == "float-quantized" || format == "naive-quantized",
+                "{}: quantization_config.format '{}' is not supported (compressed-tensors: FP8 weights, "
+                "float-quantized)", src, format);
+      MLA_CHECK(q.contains("config_groups") && q["config_groups"].is_object() && !q["config_groups"].empty(),
+                "{}: quantization_config.config_groups must name the weights' scheme", src);
+      std::string strategy;
+      std::vector<int64_t> block;
+      for (const auto& [group, g] : q["config_groups"].items()) {
+        const std::string at = "quantization_config.config_groups." + group + ".weights";
+        MLA_CHECK(g.is_object() && g.contains("weights") && g["weights"].is_object(), "{}: {} must be an object", src,
+                  at);
+        const json& w = g["weights"];
+        const int64_t bits = w.contains("num_bits") && w["num_bits"].is_number_integer() ? w["num_bits"].get<int64_t>()
+                                                                                        : 0;
+        MLA_CHECK(str_of(w, "type") == "float" && bits == 8,
+                  "{}: {}: {}-bit {} weights are not supported (compressed-tensors: 8-bit float weights)", src, at, bits,
+                  str_of(w, "type").empty() ? std::string("(no type)") : str_of(w, "type"));
+        MLA_CHECK(!w.contains("symmetric") || !w["symmetric"].is_boolean() || w["symmetric"].get<bool>(),
+                  "{}: {}.symmetric false (zero points) is not supported", src, at);
+        MLA_CHECK(!w.contains("dynamic") || !w["dynamic"].is_boolean() || !w["dynamic"].get<bool>(),
+                  "{}: {}.dynamic true is not supported (the weights' scales are stored)", src, at);
+        const std::string st = str_of(w, "strategy");
+        MLA_CHECK(st == "tensor" || st == "channel" || st == "block",
+                  "{}: {}.strategy '{}' is not supported (tensor, channel or block)", src, at, st);
+        std::vector<int64_t> b;
+        if (st == "block") {
+          const json& bs = w.contains("block_structure") ? w["block_structure"] : json();
+          MLA_CHECK(bs.is_array() && bs.size() == 2 && bs[0].is_number_integer() && bs[1].is_number_integer() &&
+                        bs[0].get<int64_t>() > 0 && bs[1].get<int64_t>() > 0,
+                    "{}: {}.block_structure must be two positive integers, got {}", src, at, bs.dump());
+          b = {bs[0].get<int64_t>(), bs[1].get<int64_t>()};
+        }
+        MLA_CHECK(strategy.empty() || ((st == "block") == (strategy == "block") && b == block),
+                  "{}: quantization_config.config_groups: groups with different weight scales ({} and {}) are not "
+                  "supported", src, strategy, st);
+        if (strategy.empty() || st == "channel") strategy = st;  // tensor and channel scales are read alike
+        block = b;
+      }
+      if (strategy == "block") {
+        c.quant = QuantMethod::Fp8Block;
+        c.quant_block_rows = block[0];
+        c.quant_block_cols = block[1];
+      } else {
+        c.quant = QuantMethod::Fp8Tensor;
+      }
+      c.quant_compressed_tensors = true;
     } else if (method == "awq") {
       auto int_of = [&](const char* key, int64_t dflt) {
         if (!q.contains(key) || q[key].is_null()) return dflt;
@@ -339,7 +392,7 @@ std::string ModelConfig::summary() const {
           ? fmt::format(", FP8 weights in {}x{} blocks (dequantized to bf16 at load)", quant_block_rows,
                         quant_block_cols)
       : quant == QuantMethod::Fp8Tensor
-          ? std::string(", FP8 weights with per-tensor scales (dequantized to bf16 at load)")
+          ? std::string(", FP8 weights with per-tensor or per-channel scales (dequantized to bf16 at load)")
       : quant == QuantMethod::Awq
           ? fmt::format(", AWQ 4-bit weights in groups of {} (dequantized to bf16 at load)", quant_group)
           : std::string());
@@ -393,9 +446,10 @@ std::string ModelConfig::forward_difference(const ModelConfig& o) const {
   return {};
 }
 
-bool quantization_names(const std::string& flag, QuantMethod checkpoint) {
-  if (checkpoint == QuantMethod::Fp8Block || checkpoint == QuantMethod::Fp8Tensor) return flag == "fp8";
-  if (checkpoint == QuantMethod::Awq) return flag == "awq" || flag == "awq_marlin" || flag == "moe_wna16";
+bool quantization_names(const std::string& flag, const ModelConfig& checkpoint) {
+  if (checkpoint.quant_compressed_tensors) return flag == "compressed-tensors" || flag == "fp8";
+  if (checkpoint.quant == QuantMethod::Fp8Block || checkpoint.quant == QuantMethod::Fp8Tensor) return flag == "fp8";
+  if (checkpoint.quant == QuantMethod::Awq) return flag == "awq" || flag == "awq_marlin" || flag == "moe_wna16";
   return false;
 }
 

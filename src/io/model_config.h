@@ -15,13 +15,16 @@ enum class TopkMethod { Greedy, GroupLimitedGreedy, NoauxTc };
 enum class ScoringFunc { Softmax, Sigmoid };
 // Weights stored quantized in the checkpoint (config.json's quantization_config); they are dequantized to bf16 when
 // loaded (the model computes in bf16 either way). Fp8Block: F8_E4M3 weights with `weight_scale_inv` per block of
-// quant_block rows x cols (DeepSeek-V3's format); Fp8Tensor: F8_E4M3 weights with one `weight_scale` each (AutoFP8);
-// Awq: AutoAWQ's 4-bit "gemm" layout (`qweight` / `qzeros` / `scales` in groups of quant_group input channels).
+// quant_block rows x cols (DeepSeek-V3's format); Fp8Tensor: F8_E4M3 weights with one `weight_scale` each (AutoFP8),
+// or one per output channel; Awq: AutoAWQ's 4-bit "gemm" layout (`qweight` / `qzeros` / `scales` in groups of
+// quant_group input channels). llm-compressor's compressed-tensors FP8 checkpoints are Fp8Tensor (tensor or channel
+// strategy) or Fp8Block (block strategy, its scales named `weight_scale`), with quant_compressed_tensors set.
 enum class QuantMethod { None, Fp8Block, Fp8Tensor, Awq };
+struct ModelConfig;
 // Whether --quantization `flag` names a checkpoint's own method (it then loads from its quantization_config): fp8 for
-// an FP8 checkpoint; awq, or the names SGLang and vLLM give their kernels for AWQ MoE checkpoints (awq_marlin,
-// moe_wna16), for an AWQ one.
-bool quantization_names(const std::string& flag, QuantMethod checkpoint);
+// an FP8 checkpoint (compressed-tensors too for one of llm-compressor's); awq, or the names SGLang and vLLM give their
+// kernels for AWQ MoE checkpoints (awq_marlin, moe_wna16), for an AWQ one.
+bool quantization_names(const std::string& flag, const ModelConfig& checkpoint);
 
 struct RopeConfig {
   bool yarn = false;  // false: plain RoPE
@@ -75,6 +78,7 @@ struct ModelConfig {
   int64_t num_cache_layers() const { return num_hidden_layers + mtp_layers; }
   QuantMethod quant = QuantMethod::None;
   int64_t quant_block_rows = 0, quant_block_cols = 0;  // Fp8Block
+  bool quant_compressed_tensors = false;               // quant_method compressed-tensors (FP8 scales `weight_scale`)
   int64_t quant_group = 0;                             // Awq
 
   // Parses DIR/config.json (or a file path). Throws naming the file and the field.

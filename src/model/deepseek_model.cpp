@@ -161,7 +161,7 @@ class DeepseekModel::Loader {
     MLA_CHECK(w.shape == full && w.dtype == DType::F8_E4M3, "{}: tensor '{}' is {} {}, expected F8_E4M3 {}", w.file,
               name, dtype_name(w.dtype), shape_str(w.shape), shape_str(full));
     const int64_t C = full[1], nr = codes.size(0), nc = codes.size(1);
-    const std::vector<float> all = fp8_scales(w);
+    const std::vector<float> all = fp8_scales(w).v;
     const int64_t scols = (C + block_cols_ - 1) / block_cols_, sr = scales.size(0), sc = scales.size(1);
     Tensor host = Tensor::empty_host({nr, nc}, DType::F8_E4M3), hs = Tensor::empty_host({sr, sc}, DType::F32);
     for (int64_t r = 0; r < nr; ++r)
@@ -228,12 +228,13 @@ class DeepseekModel::Loader {
   int64_t block_cols() const { return block_cols_; }
   void set_keep_fp8(bool keep) { keep_fp8_ = keep; }
 
-  void set_quant(QuantMethod m, int64_t block_rows, int64_t block_cols, int64_t group) {
-    quant_ = m;
+  void set_quant(const ModelConfig& c) {
+    quant_ = c.quant;
     keep_fp8_ = false;
-    block_rows_ = block_rows;
-    block_cols_ = block_cols;
-    group_ = group;
+    block_rows_ = c.quant_block_rows;
+    block_cols_ = c.quant_block_cols;
+    group_ = c.quant_group;
+    block_scale_name_ = c.quant_compressed_tensors ? ".weight_scale" : ".weight_scale_inv";
   }
 
  private:
@@ -246,46 +247,53 @@ class DeepseekModel::Loader {
     return v;
   }
 
-  // The scales of the F8_E4M3 matrix `w` as floats, checked: `weight_scale_inv` of each block (Fp8Block, [ceil(R /
-  // block_rows), ceil(C / block_cols)]) or the tensor's `weight_scale` (Fp8Tensor: one number).
-  std::vector<float> fp8_scales(const TensorInfo& w) {
+  // The scales of the F8_E4M3 matrix `w` as floats, checked, and the rows x columns each covers: Fp8Block's of each
+  // block (`weight_scale_inv`, or compressed-tensors' `weight_scale`; [ceil(R / block_rows), ceil(C / block_cols)]),
+  // else `weight_scale` of the tensor (one number: R x C) or of each output channel ([R, 1] or [R]: 1 x C).
+  struct Fp8Scales {
+    std::vector<float> v;
+    int64_t rows = 0, cols = 0;
+  };
+  Fp8Scales fp8_scales(const TensorInfo& w) {
     const std::string& name = w.name;
     const std::string stem = name.size() > 7 && name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
     const int64_t R = w.shape[0], C = w.shape[1];
     const bool block = quant_ == QuantMethod::Fp8Block;
-    const int64_t br = block ? block_rows_ : R, bc = block ? block_cols_ : C;
-    const std::string sname = stem + (block ? ".weight_scale_inv" : ".weight_scale");
+    const std::string sname = stem + (block ? block_scale_name_ : std::string(".weight_scale"));
     MLA_CHECK(ckpt_->has(sname), "{}: FP8 tensor '{}' has no '{}' ({})", w.file, name, sname,
               block ? "block scales" : "its scale");
     const TensorInfo& s = ckpt_->get(sname);
     used_.insert(sname);
+    if (ckpt_->has(stem + ".input_scale")) used_.insert(stem + ".input_scale");  // activations stay bf16
+    Fp8Scales out{scales_of(s), R, C};
     if (block) {
-      const Shape want{(R + br - 1) / br, (C + bc - 1) / bc};
+      out.rows = block_rows_;
+      out.cols = block_cols_;
+      const Shape want{(R + out.rows - 1) / out.rows, (C + out.cols - 1) / out.cols};
       MLA_CHECK(s.shape == want, "{}: '{}' has shape {}, expected {} for '{}' {} in {}x{} blocks", s.file, sname,
-                shape_str(s.shape), shape_str(want), name, shape_str(w.shape), br, bc);
-    } else {
-      int64_t n = 1;
-      for (int64_t d : s.shape) n *= d;
-      MLA_CHECK(n == 1, "{}: '{}' has shape {}; a per-tensor scale is one number", s.file, sname, shape_str(s.shape));
-      if (ckpt_->has(stem + ".input_scale")) used_.insert(stem + ".input_scale");  // activations stay bf16
+                shape_str(s.shape), shape_str(want), name, shape_str(w.shape), out.rows, out.cols);
+    } else if (out.v.size() != 1) {
+      MLA_CHECK(static_cast<int64_t>(out.v.size()) == R && (s.shape == Shape{R, 1} || s.shape == Shape{R}),
+                "{}: '{}' has shape {}; '{}' {} takes one scale, or one per output channel ([{}, 1])", s.file, sname,
+                shape_str(s.shape), name, shape_str(w.shape), R);
+      out.rows = 1;
     }
-    return scales_of(s);
+    return out;
   }
 
-  // Rows [r0, r0 + nr) x columns [c0, c0 + nc) of the F8_E4M3 matrix `w`, times its scale: `weight_scale_inv` of
-  // the element's block (Fp8Block) or the tensor's `weight_scale` (Fp8Tensor: one block of the whole matrix), as an
-  // F32 host tensor.
+  // Rows [r0, r0 + nr) x columns [c0, c0 + nc) of the F8_E4M3 matrix `w`, times the scale of the element's block,
+  // channel or tensor (fp8_scales), as an F32 host tensor.
   Tensor dequantize_fp8(const TensorInfo& w, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
     const std::string& name = w.name;
     MLA_CHECK(quant_ == QuantMethod::Fp8Block || quant_ == QuantMethod::Fp8Tensor,
               "{}: tensor '{}' is F8_E4M3 but config.json has no FP8 quantization_config", w.file, name);
     MLA_CHECK(w.shape.size() == 2, "{}: F8_E4M3 tensor '{}' has shape {}; only matrices can be FP8", w.file, name,
               shape_str(w.shape));
-    const int64_t R = w.shape[0], C = w.shape[1];
-    const bool block = quant_ == QuantMethod::Fp8Block;
-    const int64_t br = block ? block_rows_ : R, bc = block ? block_cols_ : C;
-    const Shape want{(R + br - 1) / br, (C + bc - 1) / bc};
-    const std::vector<float> scales = fp8_scales(w);
+    const int64_t C = w.shape[1];
+    const Fp8Scales fs = fp8_scales(w);
+    const std::vector<float>& scales = fs.v;
+    const int64_t br = fs.rows, bc = fs.cols;
+    const Shape want{(w.shape[0] + br - 1) / br, (C + bc - 1) / bc};
     Tensor out = Tensor::empty_host({nr, nc}, DType::F32);
     float* o = out.data_as<float>();
     parallel_for(nr, 16, [&](int64_t rb, int64_t re) {
@@ -353,6 +361,7 @@ class DeepseekModel::Loader {
   DType matrix_dtype_ = DType::BF16;
   QuantMethod quant_ = QuantMethod::None;
   int64_t block_rows_ = 0, block_cols_ = 0, group_ = 0;
+  std::string block_scale_name_ = ".weight_scale_inv";  // Fp8Block's scales (compressed-tensors: .weight_scale)
   bool keep_fp8_ = false;  // routed experts of an FP8 block checkpoint stay FP8 (where keep_fp8_experts allows)
   std::set<std::string> used_;
   int64_t bytes_ = 0;
@@ -445,7 +454,7 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
   Loader ld(backend_, ckpt.get(), opts, held_, reload);
   // How the weights are stored is the checkpoint's own (a reload may bring another quantization); what they are
   // is config_'s.
-  ld.set_quant(from.quant, from.quant_block_rows, from.quant_block_cols, from.quant_group);
+  ld.set_quant(from);
   ld.set_keep_fp8(keep_fp8_);
   if (ckpt) {
     const TensorInfo& e = ckpt->get("model.embed_tokens.weight");
@@ -605,6 +614,7 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
     config_.quant = from.quant;
     config_.quant_block_rows = from.quant_block_rows;
     config_.quant_block_cols = from.quant_block_cols;
+    config_.quant_compressed_tensors = from.quant_compressed_tensors;
     config_.quant_group = from.quant_group;
   }
   weight_bytes_ = ld.bytes();

@@ -97,11 +97,17 @@ float value_of(const Tensor& t, int64_t i) {
   return t.dtype() == DType::BF16 ? bf16_to_f32(t.data_as<uint16_t>()[i]) : t.data_as<float>()[i];
 }
 
-// Writes the golden family's FP8 checkpoint (block scales of br x bc, or one scale per tensor when br == 0; only the
-// routed experts with `experts_only`) to `fp8` and its dequantized model (those weights as F32, the rest unchanged) to
-// `ref`.
+// The FP8 checkpoint formats: quant_method fp8 (DeepSeek-V3's blocks with `weight_scale_inv`, AutoFP8's tensor
+// scales with a static `input_scale`) or llm-compressor's compressed-tensors (`weight_scale` of each block, tensor or
+// output channel).
+enum class Fp8Format { Fp8, CompressedTensors };
+
+// Writes the golden family's FP8 checkpoint (block scales of br x bc; one scale per tensor when br == 0; one per
+// output channel when br < 0, compressed-tensors only; only the routed experts with `experts_only`) to `fp8` and its
+// dequantized model (those weights as F32, the rest unchanged) to `ref`.
 void write_fp8_pair(const std::string& family, const fs::path& fp8, const fs::path& ref, int64_t br, int64_t bc,
-                    bool experts_only = false) {
+                    bool experts_only = false, Fp8Format format = Fp8Format::Fp8) {
+  const bool ct = format == Fp8Format::CompressedTensors;
   std::map<std::string, Tensor> q_ts, r_ts;
   test::rewrite_checkpoint(family, ref, [&](std::map<std::string, Tensor>& ts) {
     for (auto& [n, t] : ts) {
@@ -110,7 +116,7 @@ void write_fp8_pair(const std::string& family, const fs::path& fp8, const fs::pa
         continue;
       }
       const int64_t R = t.size(0), C = t.size(1);
-      const int64_t bR = br ? br : R, bC = br ? bc : C;  // a single block: the per-tensor scale
+      const int64_t bR = br > 0 ? br : br == 0 ? R : 1, bC = br > 0 ? bc : C;  // (a tensor: one block; a row each)
       const int64_t sr = (R + bR - 1) / bR, sc = (C + bC - 1) / bC;
       Tensor q = Tensor::empty_host({R, C}, DType::F8_E4M3), s = Tensor::empty_host({sr, sc}, DType::F32);
       Tensor d = Tensor::empty_host({R, C}, DType::F32);
@@ -120,7 +126,8 @@ void write_fp8_pair(const std::string& family, const fs::path& fp8, const fs::pa
           for (int64_t r = i * bR; r < std::min(R, (i + 1) * bR); ++r)
             for (int64_t c = j * bC; c < std::min(C, (j + 1) * bC); ++c)
               amax = std::max(amax, std::fabs(value_of(t, r * C + c)));
-          const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+          float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+          if (ct && br < 0) scale = bf16_to_f32(f32_to_bf16(scale));  // (stored in BF16 below)
           s.data_as<float>()[i * sc + j] = scale;
           for (int64_t r = i * bR; r < std::min(R, (i + 1) * bR); ++r)
             for (int64_t c = j * bC; c < std::min(C, (j + 1) * bC); ++c) {
@@ -131,7 +138,17 @@ void write_fp8_pair(const std::string& family, const fs::path& fp8, const fs::pa
         }
       const std::string stem = n.substr(0, n.size() - 7);
       q_ts[n] = q;
-      if (br) {
+      if (ct) {  // [sr, sc] blocks, [1] a tensor, [R, 1] channels (F32 or, for channels, BF16 of the same values)
+        Tensor w = s;
+        if (br == 0) {
+          w = Tensor::empty_host({1}, DType::F32);
+          w.data_as<float>()[0] = s.data_as<float>()[0];
+        } else if (br < 0) {
+          w = Tensor::empty_host({R, 1}, DType::BF16);
+          for (int64_t r = 0; r < R; ++r) w.data_as<uint16_t>()[r] = f32_to_bf16(s.data_as<float>()[r]);
+        }
+        q_ts[stem + ".weight_scale"] = w;
+      } else if (br) {
         q_ts[stem + ".weight_scale_inv"] = s;
       } else {
         Tensor scalar = Tensor::empty_host({}, DType::F32);
@@ -148,6 +165,18 @@ void write_fp8_pair(const std::string& family, const fs::path& fp8, const fs::pa
   cfg["quantization_config"] = br ? nlohmann::json{{"quant_method", "fp8"}, {"fmt", "e4m3"},
                                                    {"activation_scheme", "dynamic"}, {"weight_block_size", {br, bc}}}
                                   : nlohmann::json{{"quant_method", "fp8"}, {"activation_scheme", "static"}};
+  if (ct) {
+    nlohmann::json weights{{"num_bits", 8}, {"type", "float"}, {"symmetric", true}, {"dynamic", false},
+                           {"strategy", br > 0 ? "block" : br == 0 ? "tensor" : "channel"}};
+    if (br > 0) weights["block_structure"] = {br, bc};
+    cfg["quantization_config"] = {
+        {"quant_method", "compressed-tensors"}, {"format", "float-quantized"}, {"quantization_status", "compressed"},
+        {"ignore", {"lm_head"}},
+        {"config_groups",
+         {{"group_0", {{"targets", {"Linear"}}, {"weights", weights},
+                       {"input_activations", {{"num_bits", 8}, {"type", "float"}, {"strategy", "token"},
+                                              {"dynamic", true}, {"symmetric", true}}}}}}}};
+  }
   test::write_text(fp8 / "config.json", cfg.dump(2));
   write_safetensors((fp8 / "model.safetensors").string(), q_ts);
 }
@@ -209,6 +238,37 @@ TEST(Loader, Fp8CheckpointsAreTheirDequantizedModels) {
     double diff = 0.0;
     for (size_t i = 0; i < a.size(); ++i) diff = std::max(diff, static_cast<double>(std::fabs(a[i] - orig[i])));
     EXPECT_GT(diff, 1e-4);
+  }
+}
+
+// llm-compressor's compressed-tensors FP8 checkpoints (vLLM's usual format): `weight_scale` per output channel (BF16),
+// per tensor or per block (edge blocks cut short) load as the model of their dequantized weights, on one rank and as
+// tp 2; block-scaled experts stay FP8 on a backend that takes them, the same model in less memory.
+TEST(Loader, CompressedTensorsFp8AreTheirDequantizedModels) {
+  struct Case {
+    std::string family;
+    int64_t br, bc;
+  };
+  for (const Case& c : {Case{"v3", -1, 0}, Case{"v2", 0, 0}, Case{"v3", 32, 48}, Case{"v2lite", 16, 16}}) {
+    SCOPED_TRACE(c.family + " blocks " + std::to_string(c.br) + "x" + std::to_string(c.bc));
+    auto fp8 = test::temp_dir("ct"), ref = test::temp_dir("ctref");
+    write_fp8_pair(c.family, fp8, ref, c.br, c.bc, false, Fp8Format::CompressedTensors);
+    for (int32_t tp : {1, 2}) {
+      const auto a = ranks_logits(fp8, tp), b = ranks_logits(ref, tp);
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << "logit " << i << " tp " << tp;
+    }
+    const auto orig = logits_of(test::golden_dir(c.family), {}, kPrompt), a = ranks_logits(fp8, 1);
+    double diff = 0.0;
+    for (size_t i = 0; i < a.size(); ++i) diff = std::max(diff, static_cast<double>(std::fabs(a[i] - orig[i])));
+    EXPECT_GT(diff, 1e-4);  // (not the bf16 model)
+    if (c.br == 16) {
+      int64_t kept_bytes = 0, plain_bytes = 0;
+      const auto k = ranks_logits(fp8, 1, /*fp8_experts=*/true, &kept_bytes);
+      ranks_logits(fp8, 1, false, &plain_bytes);
+      for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(k[i], a[i]) << "logit " << i << " experts kept FP8";
+      EXPECT_LT(kept_bytes, plain_bytes);
+    }
   }
 }
 

@@ -143,19 +143,81 @@ TEST(ModelConfig, QuantizationConfigs) {
 
 // --quantization values that name a checkpoint's own method (serve accepts them and loads the checkpoint as it is).
 TEST(ModelConfig, QuantizationFlagNamesTheCheckpointsMethod) {
+  auto ckpt = [](QuantMethod q, bool compressed_tensors = false) {
+    ModelConfig c;
+    c.quant = q;
+    c.quant_compressed_tensors = compressed_tensors;
+    return c;
+  };
   for (QuantMethod q : {QuantMethod::Fp8Block, QuantMethod::Fp8Tensor}) {
-    EXPECT_TRUE(quantization_names("fp8", q));
-    EXPECT_FALSE(quantization_names("awq", q));
+    EXPECT_TRUE(quantization_names("fp8", ckpt(q)));
+    EXPECT_FALSE(quantization_names("awq", ckpt(q)));
+    EXPECT_FALSE(quantization_names("compressed-tensors", ckpt(q)));
+    EXPECT_TRUE(quantization_names("compressed-tensors", ckpt(q, true)));  // vLLM's name for llm-compressor's
+    EXPECT_TRUE(quantization_names("fp8", ckpt(q, true)));
   }
   for (const char* f : {"awq", "awq_marlin", "moe_wna16"}) {
-    EXPECT_TRUE(quantization_names(f, QuantMethod::Awq)) << f;
-    EXPECT_FALSE(quantization_names(f, QuantMethod::None)) << f;
-    EXPECT_FALSE(quantization_names(f, QuantMethod::Fp8Block)) << f;
+    EXPECT_TRUE(quantization_names(f, ckpt(QuantMethod::Awq))) << f;
+    EXPECT_FALSE(quantization_names(f, ckpt(QuantMethod::None))) << f;
+    EXPECT_FALSE(quantization_names(f, ckpt(QuantMethod::Fp8Block))) << f;
   }
-  for (const char* f : {"fp8", "gptq", "gptq_marlin", "w8a8_int8", ""}) {
-    EXPECT_FALSE(quantization_names(f, QuantMethod::Awq)) << f;
-    EXPECT_FALSE(quantization_names(f, QuantMethod::None)) << f;
+  for (const char* f : {"fp8", "gptq", "gptq_marlin", "w8a8_int8", "compressed-tensors", ""}) {
+    EXPECT_FALSE(quantization_names(f, ckpt(QuantMethod::Awq))) << f;
+    EXPECT_FALSE(quantization_names(f, ckpt(QuantMethod::None))) << f;
   }
+}
+
+// llm-compressor's compressed-tensors FP8 checkpoints: the weights' strategy picks the scales' reading; other schemes
+// (integer or group-wise weights, zero points, packed formats, groups that disagree) are refused naming the field.
+TEST(ModelConfig, CompressedTensorsFp8) {
+  json j = v3();
+  auto with = [](json base, const json& more) {  // base's keys replaced by more's
+    base.update(more);
+    return base;
+  };
+  auto ct = [](json weights) {
+    return json{{"quant_method", "compressed-tensors"}, {"format", "float-quantized"}, {"ignore", {"lm_head"}},
+                {"config_groups", {{"group_0", {{"targets", {"Linear"}}, {"weights", weights},
+                                                {"input_activations", {{"num_bits", 8}, {"type", "float"},
+                                                                       {"strategy", "tensor"}, {"dynamic", false}}}}}}}};
+  };
+  const json fp8 = {{"num_bits", 8}, {"type", "float"}, {"symmetric", true}, {"dynamic", false}};
+  for (const char* strategy : {"tensor", "channel"}) {
+    j["quantization_config"] = ct(with(fp8, {{"strategy", strategy}}));
+    const ModelConfig c = ModelConfig::from_json(j, "config.json");
+    EXPECT_EQ(c.quant, QuantMethod::Fp8Tensor) << strategy;
+    EXPECT_TRUE(c.quant_compressed_tensors);
+  }
+  j["quantization_config"] = ct(with(fp8, {{"strategy", "block"}, {"block_structure", {128, 64}}}));
+  ModelConfig c = ModelConfig::from_json(j, "config.json");
+  EXPECT_EQ(c.quant, QuantMethod::Fp8Block);
+  EXPECT_EQ(c.quant_block_rows, 128);
+  EXPECT_EQ(c.quant_block_cols, 64);
+  EXPECT_TRUE(c.quant_compressed_tensors);
+  // Errors, each naming what is not supported.
+  const std::pair<json, const char*> bad[] = {
+      {ct(with(fp8, {{"strategy", "group"}, {"group_size", 128}})), "strategy 'group' is not supported"},
+      {ct(with(fp8, {{"strategy", "channel"}, {"type", "int"}, {"num_bits", 4}})),
+       "4-bit int weights are not supported"},
+      {ct(with(fp8, {{"strategy", "channel"}, {"symmetric", false}})), "symmetric false"},
+      {ct(with(fp8, {{"strategy", "channel"}, {"dynamic", true}})), "dynamic true"},
+      {ct(with(fp8, {{"strategy", "block"}, {"block_structure", {128}}})), "block_structure must be"},
+      {with(ct(with(fp8, {{"strategy", "channel"}})), {{"format", "pack-quantized"}}),
+       "format 'pack-quantized' is not supported"},
+      {json{{"quant_method", "compressed-tensors"}, {"format", "float-quantized"}}, "config_groups must name"},
+  };
+  for (const auto& [q, want] : bad) {
+    j["quantization_config"] = q;
+    EXPECT_NE(error_of(j).find(want), std::string::npos) << error_of(j);
+  }
+  json two = ct(with(fp8, {{"strategy", "channel"}}));
+  two["config_groups"]["group_1"] = two["config_groups"]["group_0"];
+  two["config_groups"]["group_1"]["weights"].update({{"strategy", "block"}, {"block_structure", {128, 128}}});
+  j["quantization_config"] = two;
+  EXPECT_NE(error_of(j).find("groups with different weight scales"), std::string::npos) << error_of(j);
+  two["config_groups"]["group_1"]["weights"] = with(fp8, {{"strategy", "tensor"}});  // tensor + channel: fine
+  j["quantization_config"] = two;
+  EXPECT_EQ(ModelConfig::from_json(j, "config.json").quant, QuantMethod::Fp8Tensor);
 }
 
 TEST(ModelConfig, ClearErrors) {
