@@ -142,9 +142,10 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& src) {
         const json& w = g["weights"];
         const int64_t bits = w.contains("num_bits") && w["num_bits"].is_number_integer() ? w["num_bits"].get<int64_t>()
                                                                                         : 0;
-        MLA_CHECK(str_of(w, "type") == "float" && bits == 8,
-                  "{}: {}: {}-bit {} weights are not supported (compressed-tensors: 8-bit float weights)", src, at, bits,
-                  str_of(w, "type").empty() ? std::string("(no type)") : str_of(w, "type"));
+        const std::string type = str_of(w, "type").empty() ? std::string("(no type)") : str_of(w, "type");
+        MLA_CHECK(type == "float" && bits == 8,
+                  "{}: {}: {}-bit {} weights are not supported (compressed-tensors: 8-bit float weights)", src, at,
+                  bits, type);
         MLA_CHECK(!w.contains("symmetric") || !w["symmetric"].is_boolean() || w["symmetric"].get<bool>(),
                   "{}: {}.symmetric false (zero points) is not supported", src, at);
         MLA_CHECK(!w.contains("dynamic") || !w["dynamic"].is_boolean() || !w["dynamic"].get<bool>(),

@@ -176,10 +176,10 @@ TEST(ModelConfig, CompressedTensorsFp8) {
     return base;
   };
   auto ct = [](json weights) {
+    const json input{{"num_bits", 8}, {"type", "float"}, {"strategy", "tensor"}, {"dynamic", false}};
     return json{{"quant_method", "compressed-tensors"}, {"format", "float-quantized"}, {"ignore", {"lm_head"}},
-                {"config_groups", {{"group_0", {{"targets", {"Linear"}}, {"weights", weights},
-                                                {"input_activations", {{"num_bits", 8}, {"type", "float"},
-                                                                       {"strategy", "tensor"}, {"dynamic", false}}}}}}}};
+                {"config_groups",
+                 {{"group_0", {{"targets", {"Linear"}}, {"weights", weights}, {"input_activations", input}}}}}};
   };
   const json fp8 = {{"num_bits", 8}, {"type", "float"}, {"symmetric", true}, {"dynamic", false}};
   for (const char* strategy : {"tensor", "channel"}) {
