@@ -86,6 +86,14 @@ const Seed kSeeds[] = {
     {"/tokenize", R"({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": true})"},
     {"/detokenize", R"({"tokens": [100, 200, 300]})"},
     {"/abort_request", R"({"rid": "no-such-request"})"},
+    {"/v1/score", R"({"query": "Is it true?", "items": [" yes", " no"], "label_token_ids": [100, 200],
+      "apply_softmax": true, "item_first": false, "model": "tiny-v3"})"},
+    {"/generative_scoring", R"({"query": [100, 101], "items": ["a", [300, 301]], "label_token_ids": [5, 6, 7],
+      "apply_softmax": false, "add_special_tokens": true})"},
+    {"/separate_reasoning", R"({"text": "<think>why</think>because", "reasoning_parser": "deepseek-r1"})"},
+    {"/parse_function_call", R"({"text": "hi<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f)"
+                             R"(\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "tools": [{"type": )"
+                             R"("function", "function": {"name": "f"}}], "tool_call_parser": "deepseekv3"})"},
 };
 
 // Every parameter name the APIs read (added at random, with random values).
