@@ -98,6 +98,7 @@ struct ServeArgs {
   std::string reasoning_parser;
   std::string tool_call_parser;
   std::string chat_template;
+  bool trust_request_chat_template = false;  // vLLM's: requests' own chat_template taken
   std::string completion_template;
   std::string fp8_experts = "auto";
   // Speculative decoding: SGLang's --speculative-algorithm NGRAM and its sizes, or vLLM's --speculative-config JSON.
@@ -666,6 +667,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--tool-call-parser", a->tool_call_parser,
                  "parse tool calls out of chat output (deepseekv3; deepseekv31: V3.1's call form for tool_choice)");
   app.add_option("--chat-template", a->chat_template, "a Jinja chat template file replacing the tokenizer's");
+  app.add_flag("--trust-request-chat-template", a->trust_request_chat_template,
+               "chat requests may bring their own Jinja template (chat_template), as vLLM's; refused otherwise");
   app.add_option("--completion-template", a->completion_template,
                  "deepseek_coder: completions' suffix as DeepSeek's fill in the middle (always on with its tokens)");
   app.add_option("--fp8-experts", a->fp8_experts,
@@ -928,6 +931,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.request_id_headers = s.request_id_headers;
     so.reasoning_parser = s.reasoning_parser;
     so.tool_call_parser = s.tool_call_parser;
+    so.trust_request_chat_template = s.trust_request_chat_template;
     so.priority_scheduling = ea.priority_scheduling;
     so.priority_higher_first = s.enable_priority_scheduling && !s.low_priority_values_first;
     so.server_args = server_args_json(s);

@@ -102,6 +102,7 @@ struct ServerOptions {
   // vLLM's --enable-request-id-headers: every response carries X-Request-Id (the request's own, else a new one).
   bool request_id_headers = false;
   std::string reasoning_parser;       // --reasoning-parser (known_reasoning_parser): chat gives reasoning_content
+  bool trust_request_chat_template = false;  // vLLM's --trust-request-chat-template: requests' chat_template taken
   std::string tool_call_parser;       // --tool-call-parser (known_tool_call_parser): chat takes tools
   // Requests' `priority` (else a non-zero one is a 400): lower values first (vLLM's --scheduling-policy priority),
   // or higher ones first (SGLang's --enable-priority-scheduling without --schedule-low-priority-values-first).
@@ -195,6 +196,9 @@ class Api {
   // The checkpoint the weights came from and their version (both change with updates).
   std::pair<std::string, std::string> weights_info() const;
   Prepared prepare(ParsedRequest& pr);
+  // A chat request's prompt text: the model's chat template, or the request's own (vLLM's chat_template: a 400
+  // without --trust-request-chat-template); ApiError 400 when the template fails on the messages.
+  std::string render_chat(const ParsedRequest& pr, bool add_generation_prompt, const nlohmann::json& vars) const;
   // Completions `suffix`: the prompts' ids made into DeepSeek's fill-in-the-middle prompt.
   void fill_in_the_middle(ParsedRequest& pr) const;
   // The id of the tokenizer's one token whose text is `text` (a special token such as DeepSeek's FIM and tool-call

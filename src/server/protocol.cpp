@@ -786,7 +786,14 @@ ParsedRequest parse_chat(const json& body, const ParseOptions& opts, std::string
       bad_request("chat_template_kwargs", "invalid_type", "'chat_template_kwargs' must be an object, got {}",
                   type_name(*kw));
     r.chat_template_kwargs = *kw;
+    if (const auto t = r.chat_template_kwargs.find("chat_template"); t != r.chat_template_kwargs.end()) {
+      if (!t->is_string() && !t->is_null())
+        bad_request("chat_template_kwargs.chat_template", "invalid_type", "'chat_template' must be a string");
+      if (t->is_string()) r.chat_template = t->get<std::string>();
+      r.chat_template_kwargs.erase(t);
+    }
   }
+  if (auto t = f.string("chat_template")) r.chat_template = *t;
   if (auto v = f.boolean("separate_reasoning")) r.separate_reasoning = *v;
   if (auto v = f.boolean("add_generation_prompt")) r.add_generation_prompt = *v;
   if (auto v = f.boolean("continue_final_message")) r.continue_final_message = *v;

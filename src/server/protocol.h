@@ -64,6 +64,9 @@ struct ParsedRequest {
   bool continuous_usage = false;     // stream_options.continuous_usage_stats: usage in every chunk
   nlohmann::json messages;           // chat
   nlohmann::json chat_template_kwargs = nlohmann::json::object();  // chat: more variables for the template
+  // chat: vLLM's chat_template (or chat_template_kwargs.chat_template), a Jinja template to render this request with
+  // in place of the model's; taken with --trust-request-chat-template only.
+  std::optional<std::string> chat_template;
   bool add_generation_prompt = true;    // chat: the template's opening of the assistant's turn
   bool continue_final_message = false;  // chat: the final (assistant) message left open, continued by the model
   bool separate_reasoning = true;    // chat with --reasoning-parser: reasoning_content apart from content

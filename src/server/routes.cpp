@@ -955,13 +955,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
   }
   if (pr.api == ApiKind::Chat) {
     if (!codec_) throw ApiError(400, "chat needs a tokenizer; this server runs without one", "messages", "no_tokenizer");
-    std::string prompt;
-    try {
-      prompt = codec_->apply_chat_template(pr.messages, pr.add_generation_prompt, template_vars);
-    } catch (const std::exception& e) {
-      throw ApiError(400, fmt::format("the chat template failed on these messages: {}", e.what()), "messages",
-                     "invalid_value");
-    }
+    std::string prompt = render_chat(pr, pr.add_generation_prompt, template_vars);
     if (pr.continue_final_message) {  // cut after the final message's content (its end-of-turn tokens go)
       const json& last = pr.messages.back()["content"];
       const std::string content = last.is_string() ? last.get<std::string>() : std::string();
@@ -1207,13 +1201,23 @@ std::vector<int32_t> Api::chat_prompt_ids(const json& body) {
       throw ApiError(400, "'add_generation_prompt' must be a boolean", "add_generation_prompt", "invalid_type");
     gen = it->get<bool>();
   }
+  json vars = pr.chat_template_kwargs;
+  if (!pr.tools.is_null() && !pr.tool_choice_none) vars["tools"] = pr.tools;
+  return codec_->encode(render_chat(pr, gen, vars), /*add_special_tokens=*/false);
+}
+
+std::string Api::render_chat(const ParsedRequest& pr, bool add_generation_prompt, const json& vars) const {
+  if (pr.chat_template && !opts_.trust_request_chat_template)
+    throw ApiError(400, "a chat_template was passed with the request, but the server was not started with "
+                        "--trust-request-chat-template: the request's template was refused",
+                   "chat_template");
   try {
-    json vars = pr.chat_template_kwargs;
-    if (!pr.tools.is_null() && !pr.tool_choice_none) vars["tools"] = pr.tools;
-    return codec_->encode(codec_->apply_chat_template(pr.messages, gen, vars), /*add_special_tokens=*/false);
+    return pr.chat_template ? codec_->apply_chat_template_source(*pr.chat_template, pr.messages,
+                                                                 add_generation_prompt, vars)
+                            : codec_->apply_chat_template(pr.messages, add_generation_prompt, vars);
   } catch (const std::exception& e) {
-    throw ApiError(400, fmt::format("the chat template failed on these messages: {}", e.what()), "messages",
-                   "invalid_value");
+    throw ApiError(400, fmt::format("the chat template failed on these messages: {}", e.what()),
+                   pr.chat_template ? "chat_template" : "messages", "invalid_value");
   }
 }
 
@@ -1754,8 +1758,8 @@ void Api::score(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex,
                                       opts_.served_model_name),
                      "model", "model_not_found");
   }
-  ScorePlan plan = plan_score(body, vllm ? ScoreApi::Vllm : ScoreApi::Sglang, codec_, engine_.max_context_len(),
-                              static_cast<size_t>(opts_.parse.max_token_ids_logprob));
+  ScorePlan plan =
+      plan_score(body, vllm ? ScoreApi::Vllm : ScoreApi::Sglang, codec_, engine_.max_context_len(), opts_.parse);
   HttpRequest inner = req;
   inner.target = "/generate";
   inner.body = plan.generate.dump();

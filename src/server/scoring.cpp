@@ -44,7 +44,8 @@ const json& required(const json& body, const char* name, const char* what) {
 }  // namespace
 
 ScorePlan plan_score(const json& body, ScoreApi api, const TextCodec* codec, int64_t max_context,
-                     size_t max_labels) {
+                     const ParseOptions& limits) {
+  const size_t max_labels = static_cast<size_t>(limits.max_token_ids_logprob);
   if (!body.is_object()) bad_request("", "invalid_type", "the body must be a JSON object");
   ScorePlan p;
   p.api = api;
@@ -66,6 +67,9 @@ ScorePlan plan_score(const json& body, ScoreApi api, const TextCodec* codec, int
   if (!items.is_array() || items.empty())
     bad_request("items", items.is_array() ? "invalid_value" : "invalid_type",
                 "'items' must be a non-empty list of texts or of token id lists");
+  if (items.size() > limits.max_batch)
+    bad_request("items", "invalid_value", "'items' has {} items; at most {} are allowed", items.size(),
+                limits.max_batch);
   if (!query.is_string()) ids_of(query, "query");
   for (size_t i = 0; i < items.size(); ++i)
     if (!items[i].is_string()) ids_of(items[i], fmt::format("items[{}]", i));

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "server/api.h"
+#include "server/protocol.h"
 #include "server/text_codec.h"
 
 namespace mlaserve::server {
@@ -31,9 +32,9 @@ struct ScorePlan {
 // and text items as text (tokenized by /generate, with the BOS) or id lists as ids, items a string or a list;
 // vLLM tokenizes the query (its special tokens per add_special_tokens, default true) and each text item (without),
 // joins the ids and cuts them to max_context - 1. apply_softmax defaults to false (SGLang) or true (vLLM).
-// max_labels: the most label ids a request may name (token_ids_logprob's bound).
+// limits: the most label ids (max_token_ids_logprob) and items (max_batch) a request may name.
 ScorePlan plan_score(const nlohmann::json& body, ScoreApi api, const TextCodec* codec, int64_t max_context,
-                     size_t max_labels);
+                     const ParseOptions& limits);
 
 // The API's answer from the /generate answer (one native object per item, or one object for a single item):
 // SGLang {"scores": [[p per label] per item], "model", "usage", "object": "scoring"}; vLLM {"id", "object": "list",

@@ -8,6 +8,11 @@ std::unique_ptr<StreamDecoder> TextCodec::stream_decoder(bool skip_special_token
   return std::make_unique<IncrementalDetokenizer>(this, skip_special_tokens);
 }
 
+std::string TextCodec::apply_chat_template_source(const std::string&, const nlohmann::json&, bool,
+                                                  const nlohmann::json&) const {
+  throw std::runtime_error("this tokenizer renders its own chat template only");
+}
+
 std::vector<std::string> TextCodec::token_bytes() const {
   std::vector<std::string> out(vocab_size());
   for (size_t id = 0; id < out.size(); ++id) {

@@ -33,6 +33,10 @@ class TextCodec {
   // variables (chat_template_kwargs).
   virtual std::string apply_chat_template(const nlohmann::json& messages, bool add_generation_prompt,
                                           const nlohmann::json& extra) const = 0;
+  // The same with the Jinja template `source` in place of the model's (a request's own: vLLM's chat_template, taken
+  // with --trust-request-chat-template); throws when it does not parse or fails. By default a codec takes none.
+  virtual std::string apply_chat_template_source(const std::string& source, const nlohmann::json& messages,
+                                                 bool add_generation_prompt, const nlohmann::json& extra) const;
   // The text of one token for logprob listings (special tokens included).
   virtual std::string token_text(int32_t id) const { return decode({id}, false); }
   virtual std::string name_or_path() const = 0;

@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "server/text_codec.h"
 #include "tokenizer/detokenizer.h"
+#include "tokenizer/jinja.h"
 #include "tokenizer/tokenizer_config.h"
 
 namespace mlaserve::server {
@@ -53,6 +54,12 @@ class TokenizerCodec : public TextCodec {
                                   const nlohmann::json& extra) const override {
     return tok_->apply_chat_template(nlohmann::ordered_json::parse(messages.dump()), add_generation_prompt,
                                      nlohmann::ordered_json::parse(extra.dump()));
+  }
+  std::string apply_chat_template_source(const std::string& source, const nlohmann::json& messages,
+                                         bool add_generation_prompt, const nlohmann::json& extra) const override {
+    const jinja::Template t(source, "the request's chat_template");
+    return tok_->render_chat_template(t, nlohmann::ordered_json::parse(messages.dump()), add_generation_prompt,
+                                      nlohmann::ordered_json::parse(extra.dump()));
   }
   std::string name_or_path() const override { return path_; }
   size_t vocab_size() const override { return tok_->tokenizer().vocab_size(); }

@@ -1744,6 +1744,29 @@ TEST(ServeFlags, GenerationConfigSamplingDefaults) {
   std::filesystem::remove_all(dir);
 }
 
+// vLLM's --trust-request-chat-template: a chat request's own Jinja template renders its prompt (the real tokenizer's
+// special tokens and add_generation_prompt reach it); one that does not parse is a 400 naming chat_template.
+TEST(ServeFlags, TrustRequestChatTemplate) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  ServerProcess s({"--trust-request-chat-template"});
+  ASSERT_TRUE(s.running()) << s.log();
+  const std::string tmpl =
+      "{{ bos_token }}{% for m in messages %}<<{{ m['role'] }}:{{ m['content'] }}>>{% endfor %}"
+      "{% if add_generation_prompt %}A:{% endif %}";
+  const json messages = json::array({json{{"role", "user"}, {"content", "hi"}}});
+  const json t = post_json(s.port(), "/tokenize", json{{"messages", messages}, {"chat_template", tmpl}}.dump());
+  const json text = post_json(s.port(), "/detokenize", json{{"tokens", t["tokens"]}}.dump());
+  EXPECT_EQ(text["prompt"], "<｜begin▁of▁sentence｜><<user:hi>>A:");
+  const json c = post_json(s.port(), "/v1/chat/completions",
+                           json{{"messages", messages}, {"max_tokens", 2}, {"chat_template_kwargs",
+                                {{"chat_template", tmpl}}}}.dump());
+  EXPECT_EQ(c["usage"]["prompt_tokens"], t["count"]);
+  const json bad = post_json(s.port(), "/v1/chat/completions",
+                             json{{"messages", messages}, {"chat_template", "{% for %}"}}.dump(), 400);
+  EXPECT_EQ(bad["error"]["param"], "chat_template");
+  EXPECT_EQ(s.stop(), 0);
+}
+
 // vLLM's --enable-request-id-headers: responses carry X-Request-Id, the request's own or a new one (none without it).
 TEST(ServeFlags, RequestIdHeaders) {
   ASSERT_TRUE(have_deepseek_tokenizer());

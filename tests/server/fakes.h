@@ -71,6 +71,15 @@ class ByteCodec : public server::TextCodec {
     if (add_generation_prompt) s += "[assistant]" + extra.value("prefix", std::string());
     return s;
   }
+  // A request's own template: "<bos>{SOURCE}" and the messages' text ("{% bad" fails as a template that does not
+  // parse).
+  std::string apply_chat_template_source(const std::string& source, const nlohmann::json& messages, bool,
+                                         const nlohmann::json&) const override {
+    if (source == "{% bad") throw std::runtime_error("unexpected end of template");
+    std::string s = "<bos>{" + source + "}";
+    for (const auto& m : messages) s += m["content"].is_string() ? m["content"].get<std::string>() : std::string();
+    return s;
+  }
   std::string name_or_path() const override { return "bytes"; }
   size_t vocab_size() const override { return 258; }
 };

@@ -1142,27 +1142,70 @@ TEST(HttpApi, GenerativeScoring) {
 TEST(Scoring, PromptsAsEachApiMakes) {
   test::ByteCodec codec;
   ScorePlan p = plan_score(json::parse(R"({"query": [1, 2], "items": [[3], [4, 5]], "item_first": true,
-      "label_token_ids": [7]})"), ScoreApi::Sglang, &codec, 100, 1024);
+      "label_token_ids": [7]})"), ScoreApi::Sglang, &codec, 100, ParseOptions{});
   EXPECT_EQ(p.generate["input_ids"], json::parse("[[3, 1, 2], [4, 5, 1, 2]]"));
   EXPECT_EQ(p.generate["token_ids_logprob"], json::parse("[7]"));
   EXPECT_EQ(p.generate["sampling_params"]["max_new_tokens"], 1);
   EXPECT_FALSE(p.apply_softmax);
   p = plan_score(json::parse(R"({"query": "ab", "items": ["c"], "item_first": true, "label_token_ids": [7]})"),
-                 ScoreApi::Sglang, &codec, 100, 1024);
+                 ScoreApi::Sglang, &codec, 100, ParseOptions{});
   EXPECT_EQ(p.generate["text"], json::parse(R"(["cab"])"));
   p = plan_score(json::parse(R"({"query": "ab", "items": ["cdefgh", [9]], "label_token_ids": [7]})"), ScoreApi::Vllm,
-                 &codec, 6, 1024);
+                 &codec, 6, ParseOptions{});
   EXPECT_EQ(p.generate["input_ids"], json::parse(R"([[256, 97, 98, 99, 100], [256, 97, 98, 9]])"));
   EXPECT_TRUE(p.apply_softmax);
   p = plan_score(json::parse(R"({"query": "ab", "items": ["c"], "item_first": true, "label_token_ids": [7]})"),
-                 ScoreApi::Vllm, &codec, 100, 1024);
+                 ScoreApi::Vllm, &codec, 100, ParseOptions{});
   EXPECT_EQ(p.generate["input_ids"], json::parse(R"([[99, 256, 97, 98]])"));
+  ParseOptions small;
+  small.max_token_ids_logprob = 2;
+  small.max_batch = 2;
   EXPECT_THROW(plan_score(json::parse(R"({"query": "a", "items": ["b"], "label_token_ids": [1, 2, 3]})"),
-                          ScoreApi::Sglang, &codec, 100, 2),
+                          ScoreApi::Sglang, &codec, 100, small),
+               ApiError);
+  EXPECT_THROW(plan_score(json::parse(R"({"query": "a", "items": ["b", "c", "d"], "label_token_ids": [1]})"),
+                          ScoreApi::Sglang, &codec, 100, small),
                ApiError);
   EXPECT_THROW(plan_score(json::parse(R"({"query": "a", "items": ["b"], "label_token_ids": [1]})"), ScoreApi::Vllm,
-                          nullptr, 100, 2),
+                          nullptr, 100, small),
                ApiError);  // text without a tokenizer
+}
+
+// vLLM's per-request chat_template (or chat_template_kwargs.chat_template): refused (400 naming the flag) unless the
+// server trusts request templates, then the request renders with it (the fake engine echoes the prompt); a template
+// that fails is a 400 naming chat_template.
+TEST(HttpApi, RequestChatTemplate) {
+  // (The fake engine echoes the prompt until the '#', its EOS.)
+  const std::string hi = R"({"messages": [{"role": "user", "content": "hi#"}], "max_tokens": 100, )";
+  TestServer plain;
+  auto r = plain.post("/v1/chat/completions", hi + R"("chat_template": "T"})");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(json::parse(r.body)["error"]["param"], "chat_template");
+  EXPECT_NE(r.body.find("--trust-request-chat-template"), std::string::npos) << r.body;
+  EXPECT_EQ(plain.post("/v1/chat/completions", hi + R"("chat_template_kwargs": {"chat_template": "T"}})").status, 400);
+  ServerOptions o;
+  o.trust_request_chat_template = true;
+  TestServer s(o);
+  auto content = [&](const std::string& body) {
+    auto res = s.post("/v1/chat/completions", body);
+    EXPECT_EQ(res.status, 200) << res.body;
+    return json::parse(res.body)["choices"][0]["message"]["content"].get<std::string>();
+  };
+  EXPECT_EQ(content(hi + R"("chat_template": "T"})"), "<bos>{T}hi");
+  EXPECT_EQ(content(hi + R"("chat_template_kwargs": {"chat_template": "K", "x": 1}})"), "<bos>{K}hi");
+  EXPECT_EQ(content(hi + R"("chat_template": null})"), "<bos>[user]hi");  // the model's
+  for (const auto& [body, param] : {std::pair{hi + R"("chat_template": 5})", "chat_template"},
+                                    std::pair{hi + R"("chat_template": "{% bad"})", "chat_template"},
+                                    std::pair{hi + R"("chat_template_kwargs": {"chat_template": []}})",
+                                              "chat_template_kwargs.chat_template"}}) {
+    r = s.post("/v1/chat/completions", body);
+    EXPECT_EQ(r.status, 400) << body;
+    EXPECT_EQ(json::parse(r.body)["error"]["param"], param) << r.body;
+  }
+  // vLLM's /tokenize of messages renders them the same way.
+  r = s.post("/tokenize", R"({"messages": [{"role": "user", "content": "hi#"}], "chat_template": "T"})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["count"], std::string("<bos>{T}hi#").size());
 }
 
 // SGLang's /parse_function_call: the calls of a text (the server's parser unless the request names one), calls of
