@@ -580,6 +580,10 @@ ParsedRequest parse_native(const json& body, const ParseOptions& opts, std::stri
   const json* ids = f.get("input_ids");
   for (const char* unsupported : {"input_embeds", "image_data", "audio_data", "lora_path"})
     f.reject_unsupported(unsupported, "text-only model");
+  // SGLang's: a session's earlier turns (opened by /open_session, which this server does not serve) and a Python
+  // logit processor (pickled; SGLang too refuses it unless started with --enable-custom-logit-processor).
+  f.reject_unsupported("session_params", "sessions are not served; send the whole conversation");
+  f.reject_unsupported("custom_logit_processor", "a Python logit processor cannot run here");
   if (text && ids) bad_request("text", "invalid_value", "give either 'text' or 'input_ids', not both");
   if (!text && !ids) bad_request("text", "invalid_value", "one of 'text' or 'input_ids' is required");
   if (text) {
