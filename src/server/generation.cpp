@@ -139,8 +139,17 @@ void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
   // Stop strings count from the min_new_tokens-th token on (SGLang looks for them once that many were generated).
   const bool search = c.output_ids.size() >= static_cast<size_t>(std::max(spec_.sampling.min_new_tokens, 0));
   const std::string piece = ts.detok ? ts.detok->push(to_decode) : std::string();
-  c.text += search ? ts.stop.push(piece) : ts.stop.pass(piece);
-  if (ts.stop.matched()) {
+  const std::string shown = search ? ts.stop.push(piece) : ts.stop.pass(piece);
+  c.text += shown;
+  std::optional<std::string> regex_hit;
+  if (!ts.stop.matched()) regex_hit = stop_regex_hit(i, shown, search);
+  if (regex_hit) {  // SGLang's stop_regex: the text is kept; matched names the pattern
+    FinishReason r;
+    r.kind = FinishKind::Stop;
+    r.matched_text = *regex_hit;
+    if (!out.finished) engine_.abort(c.rid, r);
+    finish_choice(i, r);
+  } else if (ts.stop.matched()) {
     FinishReason r;
     r.kind = FinishKind::Stop;
     r.matched_text = *ts.stop.matched();
@@ -156,8 +165,16 @@ void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
       if (spec_.no_stop_trim) c.text += r.matched_text;
       finish_choice(i, r);
     } else {
-      c.text += ts.stop.flush();
-      finish_choice(i, out.finish);
+      const std::string rest = ts.stop.flush();
+      c.text += rest;
+      if (auto hit = stop_regex_hit(i, rest, search)) {
+        FinishReason r;
+        r.kind = FinishKind::Stop;
+        r.matched_text = *hit;
+        finish_choice(i, r);
+      } else {
+        finish_choice(i, out.finish);
+      }
     }
   }
   ChoiceUpdate& u = unsent_[i];
@@ -179,6 +196,19 @@ void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
     on_done = nullptr;
     if (done_cb) done_cb();
   }
+}
+
+std::optional<std::string> GenerationJob::stop_regex_hit(size_t i, const std::string& shown, bool search) {
+  if (!spec_.stop_regex || (shown.empty() && !search)) return std::nullopt;
+  std::string& tail = text_[i].regex_tail;
+  tail += shown;
+  if (tail.size() > StopRegexes::kWindow) {  // keep the last kWindow bytes, from a character's first byte
+    size_t cut = tail.size() - StopRegexes::kWindow;
+    while (cut < tail.size() && (static_cast<unsigned char>(tail[cut]) & 0xC0) == 0x80) ++cut;
+    tail.erase(0, cut);
+  }
+  if (!search) return std::nullopt;  // (before min_new_tokens; SGLang then searches the earlier text too)
+  return spec_.stop_regex->search(tail);
 }
 
 void GenerationJob::finish_choice(size_t i, FinishReason reason) {

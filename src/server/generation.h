@@ -35,6 +35,7 @@ struct JobSpec {
   int32_t n = 1;
   SamplingParams sampling;
   std::vector<std::string> stop;  // stop strings
+  std::shared_ptr<const StopRegexes> stop_regex;  // SGLang's stop_regex, or null
   bool skip_special_tokens = true;
   bool no_stop_trim = false;      // keep the matched stop string in the text
   int32_t stream_interval = 1;    // on_update once a choice has this many tokens since its last one (or finished)
@@ -101,7 +102,10 @@ class GenerationJob : public std::enable_shared_from_this<GenerationJob> {
   struct TextState {
     std::unique_ptr<StreamDecoder> detok;  // null without a codec: no text
     StopStringMatcher stop;
+    std::string regex_tail;  // stop_regex: the shown text's last StopRegexes::kWindow bytes (and the new text)
   };
+  // stop_regex: `shown` appended to choice i's tail; with `search` (min_new_tokens reached) the pattern found there.
+  std::optional<std::string> stop_regex_hit(size_t i, const std::string& shown, bool search);
   void handle_output(size_t i, const GenerateOutput& out);
   void submit_choice(size_t i);
   // The held samples after choice `first` (its prompt's first sample) go to the engine.

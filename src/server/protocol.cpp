@@ -397,6 +397,13 @@ void parse_sampling(const Fields& f, const std::vector<std::string>& max_tokens_
     for (const auto& s2 : r.stop)
       if (s2.empty()) bad_request(p, "invalid_value", "'{}' must not contain empty strings", p);
   }
+  if (const json* v = f.get("stop_regex")) {  // SGLang's: patterns searched in the output text
+    r.stop_regex_param = f.param("stop_regex");
+    r.stop_regex = string_list(*v, r.stop_regex_param, opts.max_stop_strings, "stop patterns");
+    for (const auto& s2 : r.stop_regex)
+      if (s2.empty()) bad_request(r.stop_regex_param, "invalid_value", "'{}' must not contain empty patterns",
+                                  r.stop_regex_param);
+  }
   if (const json* v = f.get("stop_token_ids")) {
     const std::string p = f.param("stop_token_ids");
     if (!v->is_array())

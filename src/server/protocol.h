@@ -36,6 +36,8 @@ struct ParsedRequest {
   SamplingParams sampling;           // engine-level sampling (max_new_tokens may be filled in later)
   bool max_new_tokens_given = false;
   std::vector<std::string> stop;     // stop strings (text level)
+  std::vector<std::string> stop_regex;  // SGLang's stop_regex (compiled by the server; stop_regex_param names it)
+  std::string stop_regex_param;
   std::vector<std::string> bad_words;  // vLLM's: words never generated (tokenized into sampling.bad_words_ids)
   std::string thinking_budget_param;   // the field sampling.thinking_budget came from (errors name it)
   bool skip_special_tokens = true;

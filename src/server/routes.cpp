@@ -1076,6 +1076,13 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
   p.spec.n = pr.n;
   p.spec.sampling = pr.sampling;
   p.spec.stop = pr.stop;
+  if (!pr.stop_regex.empty()) {
+    try {
+      p.spec.stop_regex = std::make_shared<const StopRegexes>(pr.stop_regex);
+    } catch (const std::exception& e) {
+      throw ApiError(400, e.what(), pr.stop_regex_param);
+    }
+  }
   p.spec.skip_special_tokens = pr.skip_special_tokens;
   p.spec.no_stop_trim = pr.no_stop_trim;
   p.spec.stream_interval = opts_.stream_interval;

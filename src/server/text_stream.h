@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -51,6 +52,24 @@ class StopStringMatcher {
   std::vector<std::string> stops_;
   std::string held_;
   std::optional<std::string> matched_;
+};
+
+// SGLang's stop_regex: patterns searched in the output text's tail (its last kWindow bytes) as the text grows; the
+// first pattern that matches ends the request, its text kept as SGLang keeps it (finish reason matched: the pattern).
+// PCRE2 (UTF, Unicode classes), compiled once per request.
+class StopRegexes {
+ public:
+  static constexpr size_t kWindow = 4096;
+  // Throws std::exception naming the pattern when one does not compile (or the build has no regex library).
+  explicit StopRegexes(const std::vector<std::string>& patterns);
+  ~StopRegexes();
+  // The first pattern found in `text` (valid UTF-8), if any; a pattern whose search fails (a backtracking limit)
+  // counts as not found.
+  std::optional<std::string> search(std::string_view text) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 // Reasoning models' output (DeepSeek-R1: "<think>" optional at the start, the reasoning, "</think>", the answer) split

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cctype>
 #include <fstream>
 #include <mutex>
 #include <random>
@@ -354,6 +355,21 @@ TEST_F(ServerE2E, StopStringsOnRealTokens) {
       "ignore_eos": true, "include_stop_str_in_output": true, "stop": )" + json(stop).dump() + "}");
   EXPECT_EQ(c["choices"][0]["text"], full.substr(0, first) + stop);
   EXPECT_EQ(c["choices"][0]["finish_reason"], "stop");
+  // SGLang's stop_regex (the same string, escaped): the output runs to the end of the first token whose text holds a
+  // match, kept whole.
+  std::string pattern;
+  for (char ch : stop) {
+    if (static_cast<unsigned char>(ch) < 0x80 && !std::isalnum(static_cast<unsigned char>(ch))) pattern += '\\';
+    pattern += ch;
+  }
+  std::string until;  // the text of the fewest greedy tokens that holds the string
+  for (int k = 1; k <= 12 && until.find(stop) == std::string::npos; ++k)
+    until = post_json(port(), "/generate", R"({"text": "Once upon a time", "sampling_params": {"max_new_tokens": )" +
+                                               std::to_string(k) + R"(, "temperature": 0, "ignore_eos": true}})")["text"];
+  auto rx = post_json(port(), "/generate", R"({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 12,
+      "temperature": 0, "ignore_eos": true, "stop_regex": )" + json(pattern).dump() + "}}");
+  EXPECT_EQ(rx["text"], until) << "stop_regex=" << json(pattern).dump();
+  EXPECT_EQ(rx["meta_info"]["finish_reason"]["matched"], pattern);
   wait_idle(port());
 }
 

@@ -530,6 +530,55 @@ TEST(HttpApi, StopStringAcrossTokensNeverShownAndAborts) {
   EXPECT_EQ(json::parse(r.body)["text"], "abcSTOP");
 }
 
+// SGLang's stop_regex: the output ends at the token that brings a match into view, its text kept (SGLang does not trim
+// it), finish_reason matched: the pattern; the engine's request aborted; patterns across tokens; the other APIs take
+// it too; a pattern that does not compile is a 400 naming the field.
+TEST(HttpApi, StopRegex) {
+  TestServer s;
+  auto r = s.post("/generate", R"({"text": "take 12 or 345 now#", "rid": "x1", "sampling_params": {"max_new_tokens": 50,
+      "stop_regex": ["zz+", "[0-9]{2} "]}})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto j = json::parse(r.body);
+  EXPECT_EQ(j["text"], "take 12 ");
+  EXPECT_EQ(j["meta_info"]["finish_reason"], json::parse(R"({"type": "stop", "matched": "[0-9]{2} "})"));
+  EXPECT_EQ(j["meta_info"]["completion_tokens"], 8);
+  EXPECT_EQ(s.engine.aborted(), std::vector<std::string>{"x1"});
+  EXPECT_TRUE(s.wait_idle());
+  // Not before min_new_tokens, then over the earlier text too (as SGLang searches its tail); one string as the
+  // pattern; no match: the request ends as it would.
+  r = s.post("/generate", R"({"text": "take 12 or 345 now#", "sampling_params": {"max_new_tokens": 50,
+      "stop_regex": "[0-9]+ ", "min_new_tokens": 10}})");
+  EXPECT_EQ(json::parse(r.body)["text"], "take 12 or");
+  r = s.post("/generate", R"({"text": "take 12#", "sampling_params": {"max_new_tokens": 50, "stop_regex": "x{3}"}})");
+  EXPECT_EQ(json::parse(r.body)["text"], "take 12");
+  EXPECT_EQ(json::parse(r.body)["meta_info"]["finish_reason"]["matched"], test::kEos);
+  // Streamed: the chunks add up to the same text.
+  r = s.post("/generate", R"({"text": "take 12 or 345 now#", "stream": true, "stream_output": true,
+      "sampling_params": {"max_new_tokens": 50, "stop_regex": "or [0-9]"}})");
+  const auto events = sse_payloads(r.body);
+  ASSERT_GE(events.size(), 2u);
+  const json last = json::parse(events[events.size() - 2]);
+  EXPECT_EQ(last["text"], "take 12 or 3");
+  EXPECT_EQ(last["meta_info"]["finish_reason"]["matched"], "or [0-9]");
+  // OpenAI completions and chat.
+  r = s.post("/v1/completions", R"({"prompt": "take 12 or 345 now#", "max_tokens": 50, "stop_regex": "1."})");
+  j = json::parse(r.body);
+  EXPECT_EQ(j["choices"][0]["text"], "take 12");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  r = s.post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "a1b2#"}], "max_tokens": 50,
+      "stop_regex": ["b[0-9]"]})");
+  EXPECT_EQ(json::parse(r.body)["choices"][0]["message"]["content"], "<bos>[user]a1b2");
+  for (const auto& [path, body, param] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"/generate", R"({"text": "a", "sampling_params": {"stop_regex": "(unclosed"}})", "sampling_params.stop_regex"},
+           {"/generate", R"({"text": "a", "sampling_params": {"stop_regex": [""]}})", "sampling_params.stop_regex"},
+           {"/v1/completions", R"({"prompt": "a", "stop_regex": 5})", "stop_regex"}}) {
+    r = s.post(path, body);
+    EXPECT_EQ(r.status, 400) << body;
+    EXPECT_EQ(json::parse(r.body)["error"]["param"], param) << r.body;
+  }
+  EXPECT_TRUE(s.wait_idle());
+}
+
 TEST(HttpApi, EosAndStopTokenIdsNotInText) {
   TestServer s;
   auto j = json::parse(s.post("/generate", R"({"text": "ab#", "sampling_params": {"max_new_tokens": 50}})").body);
