@@ -44,6 +44,8 @@ const Seed kSeeds[] = {
       "{\"type\": \"object\", \"properties\": {\"a\": {\"type\": \"integer\", \"minimum\": 0}}, \"required\": [\"a\"]}"}})"},
     {"/generate", R"({"text": "Pick:", "sampling_params": {"max_new_tokens": 4, "ebnf":
       "root ::= \"yes\" | \"no\"", "logit_bias": {"100": -2.5}, "ignore_eos": true}})"},
+    {"/generate", R"({"text": "Count: 1 2 3", "sampling_params": {"max_new_tokens": 6, "stop_regex": ["[0-9]{3}",
+      "\\s{2}"], "min_new_tokens": 1}})"},
     {"/v1/completions", R"({"model": "tiny-v3", "prompt": ["a b", "c"], "max_tokens": 5, "logprobs": 2,
       "echo": true, "n": 2, "stop": ["\n"], "seed": 1, "logit_bias": {"100": -5}, "presence_penalty": 0.2,
       "user": "fuzz"})"},
@@ -113,6 +115,8 @@ const char* kKeys[] = {
     "text", "format", "call_id", "output", "previous_response_id", "metadata", "store", "reasoning",
     "truncate_prompt_tokens", "prompt_logprobs", "continuous_usage_stats", "allowed_token_ids", "bad_words",
     "token_ids_logprob", "thinking_budget", "thinking_token_budget", "background", "conversation",
+    "stop_regex", "chat_template", "session_params", "custom_logit_processor", "query", "items", "label_token_ids",
+    "apply_softmax", "item_first", "reasoning_parser", "tool_call_parser",
 };
 
 class Mutator {
