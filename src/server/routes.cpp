@@ -1193,10 +1193,24 @@ void Api::tokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& 
     }
     ids = codec_->encode(it->get<std::string>(), special);
   }
+  bool strs = false;  // vLLM's return_token_strs: the vocabulary's strings of the ids too
+  if (const auto a = body.find("return_token_strs"); a != body.end() && !a->is_null()) {
+    if (!a->is_boolean())
+      throw ApiError(400, "'return_token_strs' must be a boolean", "return_token_strs", "invalid_type");
+    strs = a->get<bool>();
+  }
   ojson out;
   out["count"] = ids.size();
   out["max_model_len"] = engine_.max_context_len();
   out["tokens"] = ids;
+  if (strs) {
+    ojson pieces = ojson::array();
+    for (int32_t id : ids) {
+      const std::optional<std::string> p = codec_->token_piece(id);
+      pieces.push_back(p ? ojson(*p) : ojson(nullptr));
+    }
+    out["token_strs"] = std::move(pieces);
+  }
   respond_json(ex, 200, dump(out));
 }
 

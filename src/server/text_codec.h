@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,9 @@ class TextCodec {
                                                  bool add_generation_prompt, const nlohmann::json& extra) const;
   // The text of one token for logprob listings (special tokens included).
   virtual std::string token_text(int32_t id) const { return decode({id}, false); }
+  // The vocabulary's string for an id (Hugging Face's convert_ids_to_tokens: byte-level symbols such as "Ġworld"),
+  // or nullopt for an id it lacks; by default the token's text.
+  virtual std::optional<std::string> token_piece(int32_t id) const { return token_text(id); }
   virtual std::string name_or_path() const = 0;
   // One more than the largest token id (the bench client draws random ids below it).
   virtual size_t vocab_size() const = 0;

@@ -61,6 +61,7 @@ class TokenizerCodec : public TextCodec {
     return tok_->render_chat_template(t, nlohmann::ordered_json::parse(messages.dump()), add_generation_prompt,
                                       nlohmann::ordered_json::parse(extra.dump()));
   }
+  std::optional<std::string> token_piece(int32_t id) const override { return tok_->tokenizer().id_to_token(id); }
   std::string name_or_path() const override { return path_; }
   size_t vocab_size() const override { return tok_->tokenizer().vocab_size(); }
   std::vector<std::string> token_bytes() const override {

@@ -586,6 +586,14 @@ TEST_F(ServerE2E, TokenizeAndDetokenize) {
   EXPECT_EQ(plain["count"].get<size_t>() + 1, t["count"].get<size_t>());
   auto d = post_json(port(), "/detokenize", R"({"tokens": )" + plain["tokens"].dump() + "}");
   EXPECT_EQ(d["prompt"], text);
+  // vLLM's return_token_strs: the vocabulary's strings (byte-level: a space is "Ġ"), the BOS's name first.
+  auto strs = post_json(port(), "/tokenize", R"({"prompt": ")" + text + R"(", "return_token_strs": true})");
+  ASSERT_EQ(strs["token_strs"].size(), t["count"].get<size_t>());
+  EXPECT_EQ(strs["token_strs"][0], "<｜begin▁of▁sentence｜>");
+  std::string joined;
+  for (size_t i = 1; i < strs["token_strs"].size(); ++i) joined += strs["token_strs"][i].get<std::string>();
+  EXPECT_EQ(std::regex_replace(joined, std::regex("Ġ"), " "), text);
+  EXPECT_FALSE(t.contains("token_strs"));
   const std::string msgs = R"({"messages": [{"role": "user", "content": "Hi there"}])";
   auto c = post_json(port(), "/v1/chat/completions", msgs + R"(, "max_tokens": 1})");
   auto tc = post_json(port(), "/tokenize", msgs + "}");

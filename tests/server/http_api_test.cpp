@@ -1252,9 +1252,12 @@ TEST(HttpApi, RequestChatTemplate) {
     EXPECT_EQ(json::parse(r.body)["error"]["param"], param) << r.body;
   }
   // vLLM's /tokenize of messages renders them the same way.
-  r = s.post("/tokenize", R"({"messages": [{"role": "user", "content": "hi#"}], "chat_template": "T"})");
+  r = s.post("/tokenize", R"({"messages": [{"role": "user", "content": "hi#"}], "chat_template": "T",
+      "return_token_strs": true})");
   ASSERT_EQ(r.status, 200) << r.body;
   EXPECT_EQ(json::parse(r.body)["count"], std::string("<bos>{T}hi#").size());
+  EXPECT_EQ(json::parse(r.body)["token_strs"].back(), "#");  // (vLLM's return_token_strs)
+  EXPECT_EQ(s.post("/tokenize", R"({"prompt": "a", "return_token_strs": "yes"})").status, 400);
 }
 
 // SGLang's /parse_function_call: the calls of a text (the server's parser unless the request names one), calls of
