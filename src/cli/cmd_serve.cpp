@@ -747,11 +747,12 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
       const QuantMethod q = checkpoint.quant;
       if (quantization_names(s.quantization, checkpoint)) s.quantization.clear();
       MLA_CHECK(s.quantization != "fp8" || q == QuantMethod::None,
-                "--quantization fp8: {} is an AWQ checkpoint (quantizing it again is not supported)", s.model_path);
+                "--quantization fp8: {} is an {} checkpoint (quantizing it again is not supported)", s.model_path,
+                q == QuantMethod::Gptq ? "GPTQ" : "AWQ");
     }
     not_implemented(!s.quantization.empty() && s.quantization != "fp8",
-                    fmt::format("--quantization {} (quantizing at load is fp8 only; FP8 and AWQ checkpoints load "
-                                "without the flag)",
+                    fmt::format("--quantization {} (quantizing at load is fp8 only; FP8, AWQ and GPTQ checkpoints "
+                                "load without the flag)",
                                 s.quantization));
     not_implemented(s.dtype != "auto" && s.dtype != "bfloat16" && s.dtype != "bf16", fmt::format("--dtype {}", s.dtype));
     MLA_CHECK(s.max_logprobs >= -1, "--max-logprobs must be >= -1, got {}", s.max_logprobs);

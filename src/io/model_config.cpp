@@ -175,6 +175,27 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& src) {
         c.quant = QuantMethod::Fp8Tensor;
       }
       c.quant_compressed_tensors = true;
+    } else if (method == "gptq") {
+      // AutoGPTQ / GPTQModel: `bits` (2, 4, 8) in groups of `group_size` input channels (-1: one group), act order
+      // through g_idx; checkpoint_format "gptq" stores the zeros less one, GPTQModel's "gptq_v2" as they are.
+      auto int_of = [&](const char* key, int64_t dflt) {
+        if (!q.contains(key) || q[key].is_null()) return dflt;
+        MLA_CHECK(q[key].is_number_integer(), "{}: quantization_config.{} must be an integer", src, key);
+        return q[key].get<int64_t>();
+      };
+      const int64_t bits = int_of("bits", 4), group = int_of("group_size", 128);
+      MLA_CHECK(bits == 2 || bits == 4 || bits == 8, "{}: GPTQ with {} bits is not supported (2, 4 or 8)", src, bits);
+      MLA_CHECK(group > 0 || group == -1, "{}: quantization_config.group_size must be positive or -1, got {}", src,
+                group);
+      const std::string format = q.contains("checkpoint_format") && q["checkpoint_format"].is_string()
+                                     ? q["checkpoint_format"].get<std::string>()
+                                     : "gptq";
+      MLA_CHECK(format == "gptq" || format == "gptq_v2",
+                "{}: GPTQ checkpoint_format '{}' is not supported (gptq or gptq_v2)", src, format);
+      c.quant = QuantMethod::Gptq;
+      c.quant_group = group == -1 ? 0 : group;
+      c.quant_bits = bits;
+      c.quant_zero_offset = format == "gptq" ? 1 : 0;
     } else if (method == "awq") {
       auto int_of = [&](const char* key, int64_t dflt) {
         if (!q.contains(key) || q[key].is_null()) return dflt;
@@ -396,6 +417,9 @@ std::string ModelConfig::summary() const {
           ? std::string(", FP8 weights with per-tensor or per-channel scales (dequantized to bf16 at load)")
       : quant == QuantMethod::Awq
           ? fmt::format(", AWQ 4-bit weights in groups of {} (dequantized to bf16 at load)", quant_group)
+      : quant == QuantMethod::Gptq
+          ? fmt::format(", GPTQ {}-bit weights in groups of {} (dequantized to bf16 at load)", quant_bits,
+                        quant_group > 0 ? std::to_string(quant_group) : std::string("all input channels"))
           : std::string());
 }
 
@@ -450,6 +474,7 @@ std::string ModelConfig::forward_difference(const ModelConfig& o) const {
 bool quantization_names(const std::string& flag, const ModelConfig& checkpoint) {
   if (checkpoint.quant_compressed_tensors) return flag == "compressed-tensors" || flag == "fp8";
   if (checkpoint.quant == QuantMethod::Fp8Block || checkpoint.quant == QuantMethod::Fp8Tensor) return flag == "fp8";
+  if (checkpoint.quant == QuantMethod::Gptq) return flag == "gptq" || flag == "gptq_marlin" || flag == "moe_wna16";
   if (checkpoint.quant == QuantMethod::Awq) return flag == "awq" || flag == "awq_marlin" || flag == "moe_wna16";
   return false;
 }

@@ -19,11 +19,14 @@ enum class ScoringFunc { Softmax, Sigmoid };
 // or one per output channel; Awq: AutoAWQ's 4-bit "gemm" layout (`qweight` / `qzeros` / `scales` in groups of
 // quant_group input channels). llm-compressor's compressed-tensors FP8 checkpoints are Fp8Tensor (tensor or channel
 // strategy) or Fp8Block (block strategy, its scales named `weight_scale`), with quant_compressed_tensors set.
-enum class QuantMethod { None, Fp8Block, Fp8Tensor, Awq };
+// Gptq: AutoGPTQ / GPTQModel's layout (`qweight` packed along the input channels, `qzeros`, `scales`, `g_idx`) of
+// quant_bits-bit weights in groups of quant_group input channels (0: one group).
+enum class QuantMethod { None, Fp8Block, Fp8Tensor, Awq, Gptq };
 struct ModelConfig;
 // Whether --quantization `flag` names a checkpoint's own method (it then loads from its quantization_config): fp8 for
 // an FP8 checkpoint (compressed-tensors too for one of llm-compressor's); awq, or the names SGLang and vLLM give their
-// kernels for AWQ MoE checkpoints (awq_marlin, moe_wna16), for an AWQ one.
+// kernels for AWQ MoE checkpoints (awq_marlin, moe_wna16), for an AWQ one; gptq, gptq_marlin or moe_wna16 for a GPTQ
+// one.
 bool quantization_names(const std::string& flag, const ModelConfig& checkpoint);
 
 struct RopeConfig {
@@ -79,7 +82,9 @@ struct ModelConfig {
   QuantMethod quant = QuantMethod::None;
   int64_t quant_block_rows = 0, quant_block_cols = 0;  // Fp8Block
   bool quant_compressed_tensors = false;               // quant_method compressed-tensors (FP8 scales `weight_scale`)
-  int64_t quant_group = 0;                             // Awq
+  int64_t quant_group = 0;                             // Awq, Gptq
+  int64_t quant_bits = 4;                              // Gptq: 2, 4 or 8
+  int64_t quant_zero_offset = 1;                       // Gptq: 1 for "gptq" checkpoints (zeros stored - 1), 0 for v2
 
   // Parses DIR/config.json (or a file path). Throws naming the file and the field.
   static ModelConfig from_file(const std::string& path);

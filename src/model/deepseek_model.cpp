@@ -93,9 +93,12 @@ class DeepseekModel::Loader {
       be_.fill_random(view, fnv1a64(name) ^ splitmix64(opts_.seed), mean, stddev, full_cols, r0, c0);
       return;
     }
-    if (quant_ == QuantMethod::Awq && !ckpt_->has(name) && name.ends_with(".weight") &&
-        ckpt_->has(name.substr(0, name.size() - 7) + ".qweight")) {
-      be_.upload_into(dequantize_awq(name.substr(0, name.size() - 7), full, r0, c0, nr, nc), dst);
+    if ((quant_ == QuantMethod::Awq || quant_ == QuantMethod::Gptq) && !ckpt_->has(name) &&
+        name.ends_with(".weight") && ckpt_->has(name.substr(0, name.size() - 7) + ".qweight")) {
+      const std::string stem = name.substr(0, name.size() - 7);
+      be_.upload_into(quant_ == QuantMethod::Awq ? dequantize_awq(stem, full, r0, c0, nr, nc)
+                                                 : dequantize_gptq(stem, full, r0, c0, nr, nc),
+                      dst);
       return;
     }
     const TensorInfo& info = ckpt_->get(name);
@@ -234,6 +237,8 @@ class DeepseekModel::Loader {
     block_rows_ = c.quant_block_rows;
     block_cols_ = c.quant_block_cols;
     group_ = c.quant_group;
+    bits_ = c.quant_bits;
+    zero_offset_ = c.quant_zero_offset;
     block_scale_name_ = c.quant_compressed_tensors ? ".weight_scale" : ".weight_scale_inv";
   }
 
@@ -355,12 +360,73 @@ class DeepseekModel::Loader {
     return out;
   }
 
+  // Rows (output channels) [r0, r0 + nr) x columns (input channels) [c0, c0 + nc) of the GPTQ linear `stem` (full:
+  // [out, in]) as an F32 host tensor: w[o][i] = (q[i][o] - z[g][o] - zero_offset) * s[g][o], g = g_idx[i] (act
+  // order) or i / group; `qweight` [in / p, out] and `qzeros` [groups, out / p] (int32) hold p = 32 / bits values
+  // each, value k at bits k * bits (qweight along the input channels, qzeros along the output ones), `scales`
+  // [groups, out] (F16, BF16 or F32), `g_idx` [in] (int32, optional).
+  Tensor dequantize_gptq(const std::string& stem, const Shape& full, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
+    const std::string qn = stem + ".qweight", zn = stem + ".qzeros", sn = stem + ".scales", gn = stem + ".g_idx";
+    const TensorInfo& qw = ckpt_->get(qn);
+    const int64_t p = 32 / bits_;
+    MLA_CHECK(full.size() == 2 && full[0] % p == 0 && full[1] % p == 0,
+              "{}: GPTQ tensor '{}' for a {} weight: the channels must be multiples of {}", qw.file, qn,
+              shape_str(full), p);
+    const int64_t O = full[0], I = full[1], G = group_ > 0 ? (I + group_ - 1) / group_ : 1;
+    MLA_CHECK(ckpt_->has(zn) && ckpt_->has(sn), "{}: GPTQ tensor '{}' needs '{}' and '{}'", qw.file, qn, zn, sn);
+    const TensorInfo& qz = ckpt_->get(zn);
+    const TensorInfo& sc = ckpt_->get(sn);
+    for (const auto& [t, want, dt] : {std::tuple{&qw, Shape{I / p, O}, true}, std::tuple{&qz, Shape{G, O / p}, true},
+                                      std::tuple{&sc, Shape{G, O}, false}}) {
+      MLA_CHECK(t->shape == want, "{}: tensor '{}' has shape {}, expected {} for a [{}, {}] weight of {} bits in {}",
+                t->file, t->name, shape_str(t->shape), shape_str(want), O, I, bits_,
+                group_ > 0 ? fmt::format("groups of {}", group_) : std::string("one group"));
+      MLA_CHECK(!dt || t->dtype == DType::I32, "{}: tensor '{}' has dtype {}, expected I32", t->file, t->name,
+                dtype_name(t->dtype));
+    }
+    std::vector<int32_t> g_idx(static_cast<size_t>(I));
+    for (int64_t i = 0; i < I; ++i) g_idx[static_cast<size_t>(i)] = static_cast<int32_t>(group_ > 0 ? i / group_ : 0);
+    if (ckpt_->has(gn)) {  // act order: each input channel's group
+      const TensorInfo& gi = ckpt_->get(gn);
+      MLA_CHECK(gi.shape == Shape{I} && gi.dtype == DType::I32, "{}: tensor '{}' is {} {}, expected I32 [{}]",
+                gi.file, gn, dtype_name(gi.dtype), shape_str(gi.shape), I);
+      std::memcpy(g_idx.data(), gi.data, static_cast<size_t>(I) * sizeof(int32_t));
+      for (int64_t i = 0; i < I; ++i)
+        MLA_CHECK(g_idx[static_cast<size_t>(i)] >= 0 && g_idx[static_cast<size_t>(i)] < G,
+                  "{}: '{}' gives input channel {} the group {}, outside [0, {})", gi.file, gn, i,
+                  g_idx[static_cast<size_t>(i)], G);
+      used_.insert(gn);
+    }
+    used_.insert(qn);
+    used_.insert(zn);
+    used_.insert(sn);
+    const auto* q = reinterpret_cast<const uint32_t*>(qw.data);
+    const auto* z = reinterpret_cast<const uint32_t*>(qz.data);
+    const std::vector<float> scales = scales_of(sc);
+    const uint32_t mask = (1u << bits_) - 1u;
+    Tensor out = Tensor::empty_host({nr, nc}, DType::F32);
+    float* o = out.data_as<float>();
+    parallel_for(nr, 8, [&](int64_t rb, int64_t re) {
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t i = c0 + c, g = g_idx[static_cast<size_t>(i)];
+        const int64_t qshift = bits_ * (i % p);
+        for (int64_t r = rb; r < re; ++r) {
+          const int64_t oc = r0 + r;
+          const int64_t qv = (q[(i / p) * O + oc] >> qshift) & mask;
+          const int64_t zv = (z[g * (O / p) + oc / p] >> (bits_ * (oc % p))) & mask;
+          o[r * nc + c] = static_cast<float>(qv - zv - zero_offset_) * scales[static_cast<size_t>(g * O + oc)];
+        }
+      }
+    });
+    return out;
+  }
+
   Backend& be_;
   const Checkpoint* ckpt_;
   LoadOptions opts_;
   DType matrix_dtype_ = DType::BF16;
   QuantMethod quant_ = QuantMethod::None;
-  int64_t block_rows_ = 0, block_cols_ = 0, group_ = 0;
+  int64_t block_rows_ = 0, block_cols_ = 0, group_ = 0, bits_ = 4, zero_offset_ = 1;
   std::string block_scale_name_ = ".weight_scale_inv";  // Fp8Block's scales (compressed-tensors: .weight_scale)
   bool keep_fp8_ = false;  // routed experts of an FP8 block checkpoint stay FP8 (where keep_fp8_experts allows)
   std::set<std::string> used_;
@@ -616,6 +682,8 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
     config_.quant_block_cols = from.quant_block_cols;
     config_.quant_compressed_tensors = from.quant_compressed_tensors;
     config_.quant_group = from.quant_group;
+    config_.quant_bits = from.quant_bits;
+    config_.quant_zero_offset = from.quant_zero_offset;
   }
   weight_bytes_ = ld.bytes();
   if (ckpt) {

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "backend/cpu/cpu_kernels.h"
@@ -449,7 +450,113 @@ void write_awq_pair(const std::string& family, const fs::path& awq, const fs::pa
   write_safetensors((awq / "model.safetensors").string(), q_ts);
 }
 
+// Writes the golden family's GPTQ checkpoint (AutoGPTQ's packing: `bits`-bit values along the input channels of
+// qweight and the output channels of qzeros; groups of `g` input channels, 0: one group; with `act_order` a g_idx
+// that assigns the input channels to groups out of order; `v2`: zeros stored as they are, else less one) to `gptq` and
+// its dequantized model to `ref`; the kv_a projection stays as it was.
+void write_gptq_pair(const std::string& family, const fs::path& gptq, const fs::path& ref, int bits, int64_t g,
+                     bool act_order, bool v2) {
+  const int64_t p = 32 / bits;
+  const int maxq = (1 << bits) - 1;
+  std::map<std::string, Tensor> q_ts;
+  test::rewrite_checkpoint(family, ref, [&](std::map<std::string, Tensor>& ts) {
+    for (auto& [n, t] : ts) {
+      if (!quantizable(n, t) || n.find("kv_a_proj") != std::string::npos) {
+        q_ts[n] = t;
+        continue;
+      }
+      const int64_t O = t.size(0), I = t.size(1), gs = g > 0 ? g : I, G = (I + gs - 1) / gs;
+      std::vector<int32_t> gidx(static_cast<size_t>(I));
+      for (int64_t i = 0; i < I; ++i)  // act order: channel i in group (i * 7 + 3) mod I / gs (a permutation)
+        gidx[static_cast<size_t>(i)] = static_cast<int32_t>((act_order ? (i * 7 + 3) % I : i) / gs);
+      std::vector<uint32_t> qv(static_cast<size_t>(O * I)), zv(static_cast<size_t>(O * G));
+      Tensor sc = Tensor::empty_host({G, O}, DType::F16), d = Tensor::empty_host({O, I}, DType::F32);
+      for (int64_t o = 0; o < O; ++o)
+        for (int64_t k = 0; k < G; ++k) {
+          float lo = 0.0f, hi = 0.0f;
+          for (int64_t i = 0; i < I; ++i)
+            if (gidx[static_cast<size_t>(i)] == k) {
+              lo = std::min(lo, value_of(t, o * I + i));
+              hi = std::max(hi, value_of(t, o * I + i));
+            }
+          const uint16_t s16 = to_f16(hi > lo ? (hi - lo) / static_cast<float>(maxq) : 1.0f);
+          const float s = f16_to_f32(s16);
+          const int zero = std::clamp(static_cast<int>(std::lround(-lo / s)), v2 ? 0 : 1, maxq);
+          sc.data_as<uint16_t>()[k * O + o] = s16;
+          zv[static_cast<size_t>(k * O + o)] = static_cast<uint32_t>(v2 ? zero : zero - 1);  // as stored
+          for (int64_t i = 0; i < I; ++i)
+            if (gidx[static_cast<size_t>(i)] == k) {
+              const int qi = std::clamp(static_cast<int>(std::lround(value_of(t, o * I + i) / s)) + zero, 0, maxq);
+              qv[static_cast<size_t>(i * O + o)] = static_cast<uint32_t>(qi);
+              d.data_as<float>()[o * I + i] = static_cast<float>(qi - zero) * s;
+            }
+        }
+      Tensor qw = Tensor::empty_host({I / p, O}, DType::I32), qz = Tensor::empty_host({G, O / p}, DType::I32);
+      for (int64_t r = 0; r < I / p; ++r)
+        for (int64_t o = 0; o < O; ++o) {
+          uint32_t word = 0;
+          for (int64_t k = 0; k < p; ++k) word |= qv[static_cast<size_t>((r * p + k) * O + o)] << (bits * k);
+          qw.data_as<uint32_t>()[r * O + o] = word;
+        }
+      for (int64_t k = 0; k < G; ++k)
+        for (int64_t c = 0; c < O / p; ++c) {
+          uint32_t word = 0;
+          for (int64_t j = 0; j < p; ++j) word |= zv[static_cast<size_t>(k * O + c * p + j)] << (bits * j);
+          qz.data_as<uint32_t>()[k * (O / p) + c] = word;
+        }
+      const std::string stem = n.substr(0, n.size() - 7);
+      q_ts[stem + ".qweight"] = qw;
+      q_ts[stem + ".qzeros"] = qz;
+      q_ts[stem + ".scales"] = sc;
+      if (act_order) {
+        Tensor gi = Tensor::empty_host({I}, DType::I32);
+        std::copy(gidx.begin(), gidx.end(), gi.data_as<int32_t>());
+        q_ts[stem + ".g_idx"] = gi;
+      }
+      t = d;
+    }
+  });
+  auto cfg = nlohmann::json::parse(test::read_text(ref / "config.json"));
+  cfg["quantization_config"] = {{"quant_method", "gptq"}, {"bits", bits}, {"group_size", g > 0 ? g : -1},
+                                {"desc_act", act_order}, {"sym", false},
+                                {"checkpoint_format", v2 ? "gptq_v2" : "gptq"}};
+  test::write_text(gptq / "config.json", cfg.dump(2));
+  write_safetensors((gptq / "model.safetensors").string(), q_ts);
+}
+
 }  // namespace
+
+// A GPTQ checkpoint (AutoGPTQ's packing, f16 scales, zeros stored less one or as they are, act order through g_idx,
+// 2, 4 or 8 bits, groups or one group) loads as the model of its dequantized weights, on one rank and as tp 2.
+TEST(Loader, GptqCheckpointIsItsDequantizedModel) {
+  struct Case {
+    std::string family;
+    int bits;
+    int64_t g;
+    bool act_order, v2;
+  };
+  for (const Case& c : {Case{"v2", 4, 16, false, false}, Case{"v3", 4, 32, true, false}, Case{"v3", 8, 0, false, true},
+                        Case{"v2", 2, 16, true, true}}) {
+    SCOPED_TRACE(fmt::format("{} {} bits, groups of {}, act order {}, v2 {}", c.family, c.bits, c.g, c.act_order,
+                             c.v2));
+    auto gptq = test::temp_dir("gptq"), ref = test::temp_dir("gptqref");
+    write_gptq_pair(c.family, gptq, ref, c.bits, c.g, c.act_order, c.v2);
+    for (int32_t tp : {1, 2}) {
+      const auto a = ranks_logits(gptq, tp), b = ranks_logits(ref, tp);
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << "logit " << i << " tp " << tp;
+    }
+  }
+  auto gptq = test::temp_dir("gptq"), ref = test::temp_dir("gptqref");
+  write_gptq_pair("v2", gptq, ref, 4, 16, true, false);
+  std::map<std::string, Tensor> ts = test::read_checkpoint(gptq.string());
+  Tensor& gi = ts.at("model.layers.1.self_attn.o_proj.g_idx");
+  gi.data_as<int32_t>()[3] = 1000;
+  write_safetensors((gptq / "model.safetensors").string(), ts);
+  const auto e = load_error(gptq);
+  EXPECT_NE(e.find("'model.layers.1.self_attn.o_proj.g_idx' gives input channel 3 the group 1000"), std::string::npos)
+      << e;
+}
 
 // An AWQ checkpoint (AutoAWQ's packing order, f16 scales, zero points) loads as the model of its dequantized weights,
 // on one rank and as tp 2; the unquantized kv_a projection loads as usual beside it.

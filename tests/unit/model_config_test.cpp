@@ -139,6 +139,20 @@ TEST(ModelConfig, QuantizationConfigs) {
   c = ModelConfig::from_json(j, "config.json");
   EXPECT_EQ(c.quant, QuantMethod::Awq);
   EXPECT_EQ(c.quant_group, 64);
+  j["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 4}, {"group_size", 128}, {"desc_act", true},
+                              {"sym", true}};
+  c = ModelConfig::from_json(j, "config.json");
+  EXPECT_EQ(c.quant, QuantMethod::Gptq);
+  EXPECT_EQ(c.quant_group, 128);
+  EXPECT_EQ(c.quant_bits, 4);
+  EXPECT_EQ(c.quant_zero_offset, 1);
+  EXPECT_NE(c.summary().find("GPTQ 4-bit weights in groups of 128"), std::string::npos) << c.summary();
+  j["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 8}, {"group_size", -1},
+                              {"checkpoint_format", "gptq_v2"}};
+  c = ModelConfig::from_json(j, "config.json");
+  EXPECT_EQ(c.quant_group, 0);
+  EXPECT_EQ(c.quant_bits, 8);
+  EXPECT_EQ(c.quant_zero_offset, 0);
 }
 
 // --quantization values that name a checkpoint's own method (serve accepts them and loads the checkpoint as it is).
@@ -161,6 +175,11 @@ TEST(ModelConfig, QuantizationFlagNamesTheCheckpointsMethod) {
     EXPECT_FALSE(quantization_names(f, ckpt(QuantMethod::None))) << f;
     EXPECT_FALSE(quantization_names(f, ckpt(QuantMethod::Fp8Block))) << f;
   }
+  for (const char* f : {"gptq", "gptq_marlin", "moe_wna16"}) {
+    EXPECT_TRUE(quantization_names(f, ckpt(QuantMethod::Gptq))) << f;
+    EXPECT_FALSE(quantization_names(f, ckpt(QuantMethod::Fp8Tensor))) << f;
+  }
+  EXPECT_FALSE(quantization_names("awq", ckpt(QuantMethod::Gptq)));
   for (const char* f : {"fp8", "gptq", "gptq_marlin", "w8a8_int8", "compressed-tensors", ""}) {
     EXPECT_FALSE(quantization_names(f, ckpt(QuantMethod::Awq))) << f;
     EXPECT_FALSE(quantization_names(f, ckpt(QuantMethod::None))) << f;
@@ -226,9 +245,15 @@ TEST(ModelConfig, ClearErrors) {
   EXPECT_NE(error_of(j).find("unsupported architecture 'LlamaForCausalLM'"), std::string::npos);
 
   j = v2_lite();
-  j["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 4}};
+  j["quantization_config"] = {{"quant_method", "gptq-marlin"}, {"bits", 4}};
   auto e = error_of(j);
-  EXPECT_NE(e.find("quant_method 'gptq' is not supported"), std::string::npos) << e;
+  EXPECT_NE(e.find("quant_method 'gptq-marlin' is not supported"), std::string::npos) << e;
+  j["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 3}};
+  EXPECT_NE(error_of(j).find("GPTQ with 3 bits is not supported"), std::string::npos);
+  j["quantization_config"] = {{"quant_method", "gptq"}, {"group_size", 0}};
+  EXPECT_NE(error_of(j).find("group_size must be positive or -1"), std::string::npos);
+  j["quantization_config"] = {{"quant_method", "gptq"}, {"checkpoint_format", "marlin"}};
+  EXPECT_NE(error_of(j).find("checkpoint_format 'marlin' is not supported"), std::string::npos);
   j["quantization_config"] = {{"quant_method", "awq"}, {"bits", 8}};
   EXPECT_NE(error_of(j).find("AWQ with 8 bits is not supported"), std::string::npos);
   j["quantization_config"] = {{"quant_method", "awq"}, {"version", "gemv"}};
