@@ -316,35 +316,50 @@ class DeepseekModel::Loader {
     return out;
   }
 
-  // Rows (output channels) [r0, r0 + nr) x columns (input channels) [c0, c0 + nc) of the AWQ linear `stem` (full:
-  // [out, in]) as an F32 host tensor: w[o][i] = (q[i][o] - z[i / g][o]) * s[i / g][o], where `qweight` [in, out / 8]
-  // and `qzeros` [in / g, out / 8] (int32) hold 8 four-bit values each, output channel 8 k + j in the nibble at bits
-  // 4 kAwqNibble[j] (AutoAWQ's packing order), and `scales` [in / g, out] (F16, BF16 or F32).
-  Tensor dequantize_awq(const std::string& stem, const Shape& full, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
-    static constexpr int kAwqNibble[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  // A packed integer linear's parts (AWQ, GPTQ): `stem`.qweight and .qzeros (int32 words) and .scales (as floats),
+  // checked against the shapes its layout gives (`layout` describes it in errors), and marked used.
+  struct Packed {
+    const uint32_t* q;
+    const uint32_t* z;
+    std::vector<float> scales;
+  };
+  Packed packed_parts(const std::string& stem, const char* method, const Shape& q_shape, const Shape& z_shape,
+                      const Shape& s_shape, const std::string& layout) {
     const std::string qn = stem + ".qweight", zn = stem + ".qzeros", sn = stem + ".scales";
     const TensorInfo& qw = ckpt_->get(qn);
-    MLA_CHECK(full.size() == 2 && full[0] % 8 == 0 && full[1] % group_ == 0,
-              "{}: AWQ tensor '{}' for a {} weight: the output channels must be a multiple of 8 and the input "
-              "channels of the group size {}",
-              qw.file, qn, shape_str(full), group_);
-    const int64_t O = full[0], I = full[1], G = I / group_;
-    MLA_CHECK(ckpt_->has(zn) && ckpt_->has(sn), "{}: AWQ tensor '{}' needs '{}' and '{}'", qw.file, qn, zn, sn);
+    MLA_CHECK(ckpt_->has(zn) && ckpt_->has(sn), "{}: {} tensor '{}' needs '{}' and '{}'", qw.file, method, qn, zn,
+              sn);
     const TensorInfo& qz = ckpt_->get(zn);
     const TensorInfo& sc = ckpt_->get(sn);
-    for (const auto& [t, want, dt] : {std::tuple{&qw, Shape{I, O / 8}, true}, std::tuple{&qz, Shape{G, O / 8}, true},
-                                      std::tuple{&sc, Shape{G, O}, false}}) {
-      MLA_CHECK(t->shape == want, "{}: tensor '{}' has shape {}, expected {} for a [{}, {}] weight in groups of {}",
-                t->file, t->name, shape_str(t->shape), shape_str(want), O, I, group_);
+    for (const auto& [t, want, dt] : {std::tuple{&qw, q_shape, true}, std::tuple{&qz, z_shape, true},
+                                      std::tuple{&sc, s_shape, false}}) {
+      MLA_CHECK(t->shape == want, "{}: tensor '{}' has shape {}, expected {} for {}", t->file, t->name,
+                shape_str(t->shape), shape_str(want), layout);
       MLA_CHECK(!dt || t->dtype == DType::I32, "{}: tensor '{}' has dtype {}, expected I32", t->file, t->name,
                 dtype_name(t->dtype));
     }
     used_.insert(qn);
     used_.insert(zn);
     used_.insert(sn);
-    const auto* q = reinterpret_cast<const uint32_t*>(qw.data);
-    const auto* z = reinterpret_cast<const uint32_t*>(qz.data);
-    const std::vector<float> scales = scales_of(sc);
+    return {reinterpret_cast<const uint32_t*>(qw.data), reinterpret_cast<const uint32_t*>(qz.data), scales_of(sc)};
+  }
+
+  // Rows (output channels) [r0, r0 + nr) x columns (input channels) [c0, c0 + nc) of the AWQ linear `stem` (full:
+  // [out, in]) as an F32 host tensor: w[o][i] = (q[i][o] - z[i / g][o]) * s[i / g][o], where `qweight` [in, out / 8]
+  // and `qzeros` [in / g, out / 8] (int32) hold 8 four-bit values each, output channel 8 k + j in the nibble at bits
+  // 4 kAwqNibble[j] (AutoAWQ's packing order), and `scales` [in / g, out] (F16, BF16 or F32).
+  Tensor dequantize_awq(const std::string& stem, const Shape& full, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
+    static constexpr int kAwqNibble[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+    const TensorInfo& qw = ckpt_->get(stem + ".qweight");
+    MLA_CHECK(full.size() == 2 && full[0] % 8 == 0 && full[1] % group_ == 0,
+              "{}: AWQ tensor '{}' for a {} weight: the output channels must be a multiple of 8 and the input "
+              "channels of the group size {}",
+              qw.file, qw.name, shape_str(full), group_);
+    const int64_t O = full[0], I = full[1], G = I / group_;
+    const Packed pk = packed_parts(stem, "AWQ", {I, O / 8}, {G, O / 8}, {G, O},
+                                   fmt::format("a [{}, {}] weight in groups of {}", O, I, group_));
+    const uint32_t *q = pk.q, *z = pk.z;
+    const std::vector<float>& scales = pk.scales;
     Tensor out = Tensor::empty_host({nr, nc}, DType::F32);
     float* o = out.data_as<float>();
     parallel_for(nr, 8, [&](int64_t rb, int64_t re) {
@@ -366,24 +381,16 @@ class DeepseekModel::Loader {
   // each, value k at bits k * bits (qweight along the input channels, qzeros along the output ones), `scales`
   // [groups, out] (F16, BF16 or F32), `g_idx` [in] (int32, optional).
   Tensor dequantize_gptq(const std::string& stem, const Shape& full, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
-    const std::string qn = stem + ".qweight", zn = stem + ".qzeros", sn = stem + ".scales", gn = stem + ".g_idx";
-    const TensorInfo& qw = ckpt_->get(qn);
+    const std::string gn = stem + ".g_idx";
+    const TensorInfo& qw = ckpt_->get(stem + ".qweight");
     const int64_t p = 32 / bits_;
     MLA_CHECK(full.size() == 2 && full[0] % p == 0 && full[1] % p == 0,
-              "{}: GPTQ tensor '{}' for a {} weight: the channels must be multiples of {}", qw.file, qn,
+              "{}: GPTQ tensor '{}' for a {} weight: the channels must be multiples of {}", qw.file, qw.name,
               shape_str(full), p);
     const int64_t O = full[0], I = full[1], G = group_ > 0 ? (I + group_ - 1) / group_ : 1;
-    MLA_CHECK(ckpt_->has(zn) && ckpt_->has(sn), "{}: GPTQ tensor '{}' needs '{}' and '{}'", qw.file, qn, zn, sn);
-    const TensorInfo& qz = ckpt_->get(zn);
-    const TensorInfo& sc = ckpt_->get(sn);
-    for (const auto& [t, want, dt] : {std::tuple{&qw, Shape{I / p, O}, true}, std::tuple{&qz, Shape{G, O / p}, true},
-                                      std::tuple{&sc, Shape{G, O}, false}}) {
-      MLA_CHECK(t->shape == want, "{}: tensor '{}' has shape {}, expected {} for a [{}, {}] weight of {} bits in {}",
-                t->file, t->name, shape_str(t->shape), shape_str(want), O, I, bits_,
-                group_ > 0 ? fmt::format("groups of {}", group_) : std::string("one group"));
-      MLA_CHECK(!dt || t->dtype == DType::I32, "{}: tensor '{}' has dtype {}, expected I32", t->file, t->name,
-                dtype_name(t->dtype));
-    }
+    const Packed pk = packed_parts(stem, "GPTQ", {I / p, O}, {G, O / p}, {G, O},
+                                   fmt::format("a [{}, {}] weight of {} bits in {}", O, I, bits_,
+                                               group_ > 0 ? fmt::format("groups of {}", group_) : "one group"));
     std::vector<int32_t> g_idx(static_cast<size_t>(I));
     for (int64_t i = 0; i < I; ++i) g_idx[static_cast<size_t>(i)] = static_cast<int32_t>(group_ > 0 ? i / group_ : 0);
     if (ckpt_->has(gn)) {  // act order: each input channel's group
@@ -397,12 +404,8 @@ class DeepseekModel::Loader {
                   g_idx[static_cast<size_t>(i)], G);
       used_.insert(gn);
     }
-    used_.insert(qn);
-    used_.insert(zn);
-    used_.insert(sn);
-    const auto* q = reinterpret_cast<const uint32_t*>(qw.data);
-    const auto* z = reinterpret_cast<const uint32_t*>(qz.data);
-    const std::vector<float> scales = scales_of(sc);
+    const uint32_t *q = pk.q, *z = pk.z;
+    const std::vector<float>& scales = pk.scales;
     const uint32_t mask = (1u << bits_) - 1u;
     Tensor out = Tensor::empty_host({nr, nc}, DType::F32);
     float* o = out.data_as<float>();
