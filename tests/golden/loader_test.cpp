@@ -228,29 +228,27 @@ TEST(Loader, Fp8CheckpointsAreTheirDequantizedModels) {
     int64_t br, bc;
     Fp8Format format;
   };
-  for (const Case& c : {Case{"v3", 32, 48, Fp8Format::Fp8}, Case{"v2", 0, 0, Fp8Format::Fp8},
-                        Case{"v2lite", 128, 128, Fp8Format::Fp8}, Case{"v3", -1, 0, Fp8Format::CompressedTensors},
-                        Case{"v2", 0, 0, Fp8Format::CompressedTensors}, Case{"v3", 32, 48, Fp8Format::CompressedTensors},
-                        Case{"v2lite", 16, 16, Fp8Format::CompressedTensors}}) {
-    const bool ct = c.format == Fp8Format::CompressedTensors;
+  const Fp8Format fp8 = Fp8Format::Fp8, ct = Fp8Format::CompressedTensors;
+  for (const Case& c : {Case{"v3", 32, 48, fp8}, Case{"v2", 0, 0, fp8}, Case{"v2lite", 128, 128, fp8},
+                        Case{"v3", -1, 0, ct}, Case{"v2", 0, 0, ct}, Case{"v3", 32, 48, ct}, Case{"v2lite", 16, 16, ct}}) {
     SCOPED_TRACE(c.family + " blocks " + std::to_string(c.br) + "x" + std::to_string(c.bc) +
-                 (ct ? " compressed-tensors" : ""));
-    auto fp8 = test::temp_dir("fp8"), ref = test::temp_dir("fp8ref");
-    write_fp8_pair(c.family, fp8, ref, c.br, c.bc, false, c.format);
+                 (c.format == ct ? " compressed-tensors" : ""));
+    auto dir = test::temp_dir("fp8"), ref = test::temp_dir("fp8ref");
+    write_fp8_pair(c.family, dir, ref, c.br, c.bc, false, c.format);
     for (int32_t tp : {1, 2}) {
-      const auto a = ranks_logits(fp8, tp), b = ranks_logits(ref, tp);
+      const auto a = ranks_logits(dir, tp), b = ranks_logits(ref, tp);
       ASSERT_EQ(a.size(), b.size());
       for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << "logit " << i << " tp " << tp;
     }
     // And it is not the bf16 model: quantization moved the logits.
-    const auto orig = logits_of(test::golden_dir(c.family), {}, kPrompt), a = ranks_logits(fp8, 1);
+    const auto orig = logits_of(test::golden_dir(c.family), {}, kPrompt), a = ranks_logits(dir, 1);
     double diff = 0.0;
     for (size_t i = 0; i < a.size(); ++i) diff = std::max(diff, static_cast<double>(std::fabs(a[i] - orig[i])));
     EXPECT_GT(diff, 1e-4);
-    if (ct && c.br == 16) {
+    if (c.format == ct && c.br == 16) {
       int64_t kept_bytes = 0, plain_bytes = 0;
-      const auto k = ranks_logits(fp8, 1, /*fp8_experts=*/true, &kept_bytes);
-      ranks_logits(fp8, 1, false, &plain_bytes);
+      const auto k = ranks_logits(dir, 1, /*fp8_experts=*/true, &kept_bytes);
+      ranks_logits(dir, 1, false, &plain_bytes);
       for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(k[i], a[i]) << "logit " << i << " experts kept FP8";
       EXPECT_LT(kept_bytes, plain_bytes);
     }
@@ -375,57 +373,65 @@ uint16_t to_f16(float f) {  // round to nearest even; finite normal or zero resu
   return static_cast<uint16_t>(sign | h);
 }
 
+// Rewrites the golden family into `ref` through `quantize` (each quantizable linear but the kv_a projection: its
+// packed tensors into `q_ts`, the tensor replaced by its dequantized form); the other tensors are copied to `q_ts`.
+void rewrite_packed(const std::string& family, const fs::path& ref, std::map<std::string, Tensor>& q_ts,
+                    const std::function<void(const std::string&, Tensor&)>& quantize) {
+  test::rewrite_checkpoint(family, ref, [&](std::map<std::string, Tensor>& ts) {
+    for (auto& [n, t] : ts) {
+      if (!quantizable(n, t) || n.find("kv_a_proj") != std::string::npos)
+        q_ts[n] = t;
+      else
+        quantize(n, t);
+    }
+  });
+}
+
 // Writes the golden family's AutoAWQ "gemm" checkpoint (4-bit, groups of `g` input channels, zero points; every
 // quantizable linear except the kv_a projection, which stays as it was) to `awq` and its dequantized model to `ref`.
 void write_awq_pair(const std::string& family, const fs::path& awq, const fs::path& ref, int64_t g) {
   static constexpr int kPackOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // nibble k holds output channel 8 j + order[k]
   std::map<std::string, Tensor> q_ts;
-  test::rewrite_checkpoint(family, ref, [&](std::map<std::string, Tensor>& ts) {
-    for (auto& [n, t] : ts) {
-      if (!quantizable(n, t) || n.find("kv_a_proj") != std::string::npos) {
-        q_ts[n] = t;
-        continue;
-      }
-      const int64_t O = t.size(0), I = t.size(1), G = I / g;
-      std::vector<uint8_t> qv(static_cast<size_t>(O * I)), zv(static_cast<size_t>(O * G));
-      Tensor sc = Tensor::empty_host({G, O}, DType::F16), d = Tensor::empty_host({O, I}, DType::F32);
-      for (int64_t o = 0; o < O; ++o)
-        for (int64_t k = 0; k < G; ++k) {
-          float lo = 0.0f, hi = 0.0f;
-          for (int64_t i = k * g; i < (k + 1) * g; ++i) {
-            lo = std::min(lo, value_of(t, o * I + i));
-            hi = std::max(hi, value_of(t, o * I + i));
-          }
-          const uint16_t s16 = to_f16(hi > lo ? (hi - lo) / 15.0f : 1.0f);
-          const float s = f16_to_f32(s16);
-          const int zero = std::clamp(static_cast<int>(std::lround(-lo / s)), 0, 15);
-          sc.data_as<uint16_t>()[k * O + o] = s16;
-          zv[static_cast<size_t>(o * G + k)] = static_cast<uint8_t>(zero);
-          for (int64_t i = k * g; i < (k + 1) * g; ++i) {
-            const int qi = std::clamp(static_cast<int>(std::lround(value_of(t, o * I + i) / s)) + zero, 0, 15);
-            qv[static_cast<size_t>(o * I + i)] = static_cast<uint8_t>(qi);
-            d.data_as<float>()[o * I + i] = static_cast<float>(qi - zero) * s;
-          }
+  rewrite_packed(family, ref, q_ts, [&](const std::string& n, Tensor& t) {
+    const int64_t O = t.size(0), I = t.size(1), G = I / g;
+    std::vector<uint8_t> qv(static_cast<size_t>(O * I)), zv(static_cast<size_t>(O * G));
+    Tensor sc = Tensor::empty_host({G, O}, DType::F16), d = Tensor::empty_host({O, I}, DType::F32);
+    for (int64_t o = 0; o < O; ++o)
+      for (int64_t k = 0; k < G; ++k) {
+        float lo = 0.0f, hi = 0.0f;
+        for (int64_t i = k * g; i < (k + 1) * g; ++i) {
+          lo = std::min(lo, value_of(t, o * I + i));
+          hi = std::max(hi, value_of(t, o * I + i));
         }
-      // v [O, N] (4-bit values) -> [N, O / 8] int32 words in AutoAWQ's order.
-      auto pack = [&](const std::vector<uint8_t>& v, int64_t N) {
-        Tensor p = Tensor::empty_host({N, O / 8}, DType::I32);
-        for (int64_t n = 0; n < N; ++n)
-          for (int64_t j = 0; j < O / 8; ++j) {
-            uint32_t word = 0;
-            for (int k = 0; k < 8; ++k)
-              word |= uint32_t{v[static_cast<size_t>((8 * j + kPackOrder[k]) * N + n)]} << (4 * k);
-            p.data_as<uint32_t>()[n * (O / 8) + j] = word;
-          }
-        return p;
-      };
-      Tensor qw = pack(qv, I), qz = pack(zv, G);
-      const std::string stem = n.substr(0, n.size() - 7);
-      q_ts[stem + ".qweight"] = qw;
-      q_ts[stem + ".qzeros"] = qz;
-      q_ts[stem + ".scales"] = sc;
-      t = d;
-    }
+        const uint16_t s16 = to_f16(hi > lo ? (hi - lo) / 15.0f : 1.0f);
+        const float s = f16_to_f32(s16);
+        const int zero = std::clamp(static_cast<int>(std::lround(-lo / s)), 0, 15);
+        sc.data_as<uint16_t>()[k * O + o] = s16;
+        zv[static_cast<size_t>(o * G + k)] = static_cast<uint8_t>(zero);
+        for (int64_t i = k * g; i < (k + 1) * g; ++i) {
+          const int qi = std::clamp(static_cast<int>(std::lround(value_of(t, o * I + i) / s)) + zero, 0, 15);
+          qv[static_cast<size_t>(o * I + i)] = static_cast<uint8_t>(qi);
+          d.data_as<float>()[o * I + i] = static_cast<float>(qi - zero) * s;
+        }
+      }
+    // v [O, N] (4-bit values) -> [N, O / 8] int32 words in AutoAWQ's order.
+    auto pack = [&](const std::vector<uint8_t>& v, int64_t N) {
+      Tensor p = Tensor::empty_host({N, O / 8}, DType::I32);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t j = 0; j < O / 8; ++j) {
+          uint32_t word = 0;
+          for (int k = 0; k < 8; ++k)
+            word |= uint32_t{v[static_cast<size_t>((8 * j + kPackOrder[k]) * N + n)]} << (4 * k);
+          p.data_as<uint32_t>()[n * (O / 8) + j] = word;
+        }
+      return p;
+    };
+    Tensor qw = pack(qv, I), qz = pack(zv, G);
+    const std::string stem = n.substr(0, n.size() - 7);
+    q_ts[stem + ".qweight"] = qw;
+    q_ts[stem + ".qzeros"] = qz;
+    q_ts[stem + ".scales"] = sc;
+    t = d;
   });
   auto cfg = nlohmann::json::parse(test::read_text(ref / "config.json"));
   cfg["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}, {"group_size", g}, {"zero_point", true},
@@ -443,62 +449,56 @@ void write_gptq_pair(const std::string& family, const fs::path& gptq, const fs::
   const int64_t p = 32 / bits;
   const int maxq = (1 << bits) - 1;
   std::map<std::string, Tensor> q_ts;
-  test::rewrite_checkpoint(family, ref, [&](std::map<std::string, Tensor>& ts) {
-    for (auto& [n, t] : ts) {
-      if (!quantizable(n, t) || n.find("kv_a_proj") != std::string::npos) {
-        q_ts[n] = t;
-        continue;
+  rewrite_packed(family, ref, q_ts, [&](const std::string& n, Tensor& t) {
+    const int64_t O = t.size(0), I = t.size(1), gs = g > 0 ? g : I, G = (I + gs - 1) / gs;
+    std::vector<int32_t> gidx(static_cast<size_t>(I));
+    for (int64_t i = 0; i < I; ++i)  // act order: channel i in group (i * 7 + 3) mod I / gs (a permutation)
+      gidx[static_cast<size_t>(i)] = static_cast<int32_t>((act_order ? (i * 7 + 3) % I : i) / gs);
+    std::vector<uint32_t> qv(static_cast<size_t>(O * I)), zv(static_cast<size_t>(O * G));
+    Tensor sc = Tensor::empty_host({G, O}, DType::F16), d = Tensor::empty_host({O, I}, DType::F32);
+    for (int64_t o = 0; o < O; ++o)
+      for (int64_t k = 0; k < G; ++k) {
+        float lo = 0.0f, hi = 0.0f;
+        for (int64_t i = 0; i < I; ++i)
+          if (gidx[static_cast<size_t>(i)] == k) {
+            lo = std::min(lo, value_of(t, o * I + i));
+            hi = std::max(hi, value_of(t, o * I + i));
+          }
+        const uint16_t s16 = to_f16(hi > lo ? (hi - lo) / static_cast<float>(maxq) : 1.0f);
+        const float s = f16_to_f32(s16);
+        const int zero = std::clamp(static_cast<int>(std::lround(-lo / s)), v2 ? 0 : 1, maxq);
+        sc.data_as<uint16_t>()[k * O + o] = s16;
+        zv[static_cast<size_t>(k * O + o)] = static_cast<uint32_t>(v2 ? zero : zero - 1);  // as stored
+        for (int64_t i = 0; i < I; ++i)
+          if (gidx[static_cast<size_t>(i)] == k) {
+            const int qi = std::clamp(static_cast<int>(std::lround(value_of(t, o * I + i) / s)) + zero, 0, maxq);
+            qv[static_cast<size_t>(i * O + o)] = static_cast<uint32_t>(qi);
+            d.data_as<float>()[o * I + i] = static_cast<float>(qi - zero) * s;
+          }
       }
-      const int64_t O = t.size(0), I = t.size(1), gs = g > 0 ? g : I, G = (I + gs - 1) / gs;
-      std::vector<int32_t> gidx(static_cast<size_t>(I));
-      for (int64_t i = 0; i < I; ++i)  // act order: channel i in group (i * 7 + 3) mod I / gs (a permutation)
-        gidx[static_cast<size_t>(i)] = static_cast<int32_t>((act_order ? (i * 7 + 3) % I : i) / gs);
-      std::vector<uint32_t> qv(static_cast<size_t>(O * I)), zv(static_cast<size_t>(O * G));
-      Tensor sc = Tensor::empty_host({G, O}, DType::F16), d = Tensor::empty_host({O, I}, DType::F32);
-      for (int64_t o = 0; o < O; ++o)
-        for (int64_t k = 0; k < G; ++k) {
-          float lo = 0.0f, hi = 0.0f;
-          for (int64_t i = 0; i < I; ++i)
-            if (gidx[static_cast<size_t>(i)] == k) {
-              lo = std::min(lo, value_of(t, o * I + i));
-              hi = std::max(hi, value_of(t, o * I + i));
-            }
-          const uint16_t s16 = to_f16(hi > lo ? (hi - lo) / static_cast<float>(maxq) : 1.0f);
-          const float s = f16_to_f32(s16);
-          const int zero = std::clamp(static_cast<int>(std::lround(-lo / s)), v2 ? 0 : 1, maxq);
-          sc.data_as<uint16_t>()[k * O + o] = s16;
-          zv[static_cast<size_t>(k * O + o)] = static_cast<uint32_t>(v2 ? zero : zero - 1);  // as stored
-          for (int64_t i = 0; i < I; ++i)
-            if (gidx[static_cast<size_t>(i)] == k) {
-              const int qi = std::clamp(static_cast<int>(std::lround(value_of(t, o * I + i) / s)) + zero, 0, maxq);
-              qv[static_cast<size_t>(i * O + o)] = static_cast<uint32_t>(qi);
-              d.data_as<float>()[o * I + i] = static_cast<float>(qi - zero) * s;
-            }
-        }
-      Tensor qw = Tensor::empty_host({I / p, O}, DType::I32), qz = Tensor::empty_host({G, O / p}, DType::I32);
-      for (int64_t r = 0; r < I / p; ++r)
-        for (int64_t o = 0; o < O; ++o) {
-          uint32_t word = 0;
-          for (int64_t k = 0; k < p; ++k) word |= qv[static_cast<size_t>((r * p + k) * O + o)] << (bits * k);
-          qw.data_as<uint32_t>()[r * O + o] = word;
-        }
-      for (int64_t k = 0; k < G; ++k)
-        for (int64_t c = 0; c < O / p; ++c) {
-          uint32_t word = 0;
-          for (int64_t j = 0; j < p; ++j) word |= zv[static_cast<size_t>(k * O + c * p + j)] << (bits * j);
-          qz.data_as<uint32_t>()[k * (O / p) + c] = word;
-        }
-      const std::string stem = n.substr(0, n.size() - 7);
-      q_ts[stem + ".qweight"] = qw;
-      q_ts[stem + ".qzeros"] = qz;
-      q_ts[stem + ".scales"] = sc;
-      if (act_order) {
-        Tensor gi = Tensor::empty_host({I}, DType::I32);
-        std::copy(gidx.begin(), gidx.end(), gi.data_as<int32_t>());
-        q_ts[stem + ".g_idx"] = gi;
+    Tensor qw = Tensor::empty_host({I / p, O}, DType::I32), qz = Tensor::empty_host({G, O / p}, DType::I32);
+    for (int64_t r = 0; r < I / p; ++r)
+      for (int64_t o = 0; o < O; ++o) {
+        uint32_t word = 0;
+        for (int64_t k = 0; k < p; ++k) word |= qv[static_cast<size_t>((r * p + k) * O + o)] << (bits * k);
+        qw.data_as<uint32_t>()[r * O + o] = word;
       }
-      t = d;
+    for (int64_t k = 0; k < G; ++k)
+      for (int64_t c = 0; c < O / p; ++c) {
+        uint32_t word = 0;
+        for (int64_t j = 0; j < p; ++j) word |= zv[static_cast<size_t>(k * O + c * p + j)] << (bits * j);
+        qz.data_as<uint32_t>()[k * (O / p) + c] = word;
+      }
+    const std::string stem = n.substr(0, n.size() - 7);
+    q_ts[stem + ".qweight"] = qw;
+    q_ts[stem + ".qzeros"] = qz;
+    q_ts[stem + ".scales"] = sc;
+    if (act_order) {
+      Tensor gi = Tensor::empty_host({I}, DType::I32);
+      std::copy(gidx.begin(), gidx.end(), gi.data_as<int32_t>());
+      q_ts[stem + ".g_idx"] = gi;
     }
+    t = d;
   });
   auto cfg = nlohmann::json::parse(test::read_text(ref / "config.json"));
   cfg["quantization_config"] = {{"quant_method", "gptq"}, {"bits", bits}, {"group_size", g > 0 ? g : -1},
