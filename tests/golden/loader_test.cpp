@@ -230,7 +230,8 @@ TEST(Loader, Fp8CheckpointsAreTheirDequantizedModels) {
   };
   const Fp8Format fp8 = Fp8Format::Fp8, ct = Fp8Format::CompressedTensors;
   for (const Case& c : {Case{"v3", 32, 48, fp8}, Case{"v2", 0, 0, fp8}, Case{"v2lite", 128, 128, fp8},
-                        Case{"v3", -1, 0, ct}, Case{"v2", 0, 0, ct}, Case{"v3", 32, 48, ct}, Case{"v2lite", 16, 16, ct}}) {
+                        Case{"v3", -1, 0, ct}, Case{"v2", 0, 0, ct}, Case{"v3", 32, 48, ct},
+                        Case{"v2lite", 16, 16, ct}}) {
     SCOPED_TRACE(c.family + " blocks " + std::to_string(c.br) + "x" + std::to_string(c.bc) +
                  (c.format == ct ? " compressed-tensors" : ""));
     auto dir = test::temp_dir("fp8"), ref = test::temp_dir("fp8ref");
