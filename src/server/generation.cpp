@@ -217,7 +217,10 @@ void GenerationJob::finish_choice(size_t i, FinishReason reason) {
   c.finish = std::move(reason);
   c.finish_time = Clock::now();
   ++num_finished_;
-  if (metrics_) metrics_->e2e_latency_seconds.observe(std::chrono::duration<double>(c.finish_time - start_time_).count());
+  if (metrics_) {
+    metrics_->e2e_latency_seconds.observe(std::chrono::duration<double>(c.finish_time - start_time_).count());
+    metrics_->request_finished(c.finish.kind, c.prompt_tokens, static_cast<int64_t>(c.output_ids.size()));
+  }
 }
 
 }  // namespace mlaserve::server

@@ -59,7 +59,16 @@ ServerMetrics::ServerMetrics()
                     20.0, 30.0, 60.0}),
       inter_token_latency_seconds({0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06,
                                    0.08, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0}),
-      e2e_latency_seconds({0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0}) {}
+      e2e_latency_seconds({0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0}),
+      request_prompt_tokens({1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000}),
+      request_generation_tokens({1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000}) {}
+
+void ServerMetrics::request_finished(FinishKind kind, int64_t prompt_tokens, int64_t generation_tokens) {
+  request_prompt_tokens.observe(static_cast<double>(prompt_tokens));
+  request_generation_tokens.observe(static_cast<double>(generation_tokens));
+  (kind == FinishKind::Stop ? finished_stop_total : kind == FinishKind::Length ? finished_length_total
+                                                                               : finished_abort_total)++;
+}
 
 std::string ServerMetrics::render(const std::vector<RankStats>& ranks, const std::string& model_name) const {
   RankStats sum;
@@ -175,6 +184,19 @@ std::string ServerMetrics::render(const std::vector<RankStats>& ranks, const std
   named("counter", "vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.",
         sum.spec_accepted_tokens);
   histograms("vllm:", labels);
+  // vLLM's older name for the inter-token histogram (its dashboards still read it), its per-request token histograms
+  // and finished requests by reason.
+  inter_token_latency_seconds.render(out, "vllm:time_per_output_token_seconds", "Time per output token, seconds.",
+                                     labels);
+  request_prompt_tokens.render(out, "vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels);
+  request_generation_tokens.render(out, "vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                   labels);
+  out += "# HELP vllm:request_success_total Count of successfully processed requests.\n"
+         "# TYPE vllm:request_success_total counter\n";
+  for (const auto& [reason, n] : {std::pair{"stop", finished_stop_total.load()},
+                                  std::pair{"length", finished_length_total.load()},
+                                  std::pair{"abort", finished_abort_total.load()}})
+    out += fmt::format("vllm:request_success_total{{{},finished_reason=\"{}\"}} {}\n", labels, reason, n);
   return out;
 }
 

@@ -36,6 +36,11 @@ class ServerMetrics {
   Histogram ttft_seconds;
   Histogram inter_token_latency_seconds;
   Histogram e2e_latency_seconds;
+  // Per finished request (each of n samples): its prompt and generated tokens, and how it finished.
+  Histogram request_prompt_tokens;
+  Histogram request_generation_tokens;
+  std::atomic<int64_t> finished_stop_total{0}, finished_length_total{0}, finished_abort_total{0};
+  void request_finished(FinishKind kind, int64_t prompt_tokens, int64_t generation_tokens);
   std::atomic<int64_t> http_requests_total{0};
   std::atomic<int64_t> generate_requests_total{0};  // engine requests submitted (n > 1 counts n)
   std::atomic<int64_t> aborted_requests_total{0};   // client gone, timeout, server-side abort

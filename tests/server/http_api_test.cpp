@@ -2541,6 +2541,14 @@ TEST(HttpApi, MultiTokenOutputsAndMetrics) {
   EXPECT_NE(m.find("mlaserve:time_to_first_token_seconds_count 1\n"), std::string::npos) << m;
   EXPECT_NE(m.find("mlaserve:inter_token_latency_seconds_count 4\n"), std::string::npos) << m;
   EXPECT_NE(m.find("mlaserve:e2e_request_latency_seconds_count 1\n"), std::string::npos) << m;
+  // vLLM's per-request histograms and finished requests by reason (a length finish: 7 tokens of 7).
+  EXPECT_NE(m.find("vllm:request_generation_tokens_sum{model_name=\"fake\"} 7\n"), std::string::npos) << m;
+  EXPECT_NE(m.find("vllm:request_success_total{model_name=\"fake\",finished_reason=\"length\"} 1\n"),
+            std::string::npos)
+      << m;
+  EXPECT_NE(m.find("vllm:request_success_total{model_name=\"fake\",finished_reason=\"stop\"} 0\n"),
+            std::string::npos)
+      << m;
 }
 
 }  // namespace

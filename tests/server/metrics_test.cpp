@@ -51,6 +51,10 @@ TEST(Metrics, RenderSumsRanks) {
 TEST(Metrics, SglangAndVllmNames) {
   ServerMetrics m;
   m.ttft_seconds.observe(0.02);
+  m.inter_token_latency_seconds.observe(0.01);
+  m.request_finished(FinishKind::Stop, 7, 3);
+  m.request_finished(FinishKind::Length, 30, 16);
+  m.request_finished(FinishKind::Stop, 5, 1);
   RankStats a;
   a.kv_tokens_total = 200;
   a.kv_tokens_free = 100;
@@ -70,6 +74,10 @@ TEST(Metrics, SglangAndVllmNames) {
         "vllm:num_preemptions_total" + l + " 2\n", "vllm:prefix_cache_hits_total" + l + " 10\n",
         "vllm:spec_decode_num_accepted_tokens_total" + l + " 6\n",
         "vllm:time_to_first_token_seconds_count" + l + " 1\n",
+        "vllm:time_per_output_token_seconds_count" + l + " 1\n", "vllm:request_prompt_tokens_sum" + l + " 42\n",
+        "vllm:request_generation_tokens_count" + l + " 3\n",
+        "vllm:request_success_total{model_name=\"org/model \\\"x\\\"\",finished_reason=\"stop\"} 2\n",
+        "vllm:request_success_total{model_name=\"org/model \\\"x\\\"\",finished_reason=\"length\"} 1\n",
         std::string("sglang:time_to_first_token_seconds_bucket{model_name=\"org/model \\\"x\\\"\",le=\"0.02\"} 1\n")})
     EXPECT_NE(out.find(line), std::string::npos) << line << "\n" << out;
   const std::regex sample(R"(^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_]+="([^"\\]|\\.)*",?)*\})? [-+0-9.eE]+$)");
