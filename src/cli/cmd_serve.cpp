@@ -94,6 +94,7 @@ struct ServeArgs {
   bool enable_return_routed_experts = false;
   bool allow_auto_truncate = false;
   bool request_id_headers = false;
+  bool log_requests = false;  // SGLang's --log-requests, vLLM's --enable-log-requests
   bool return_tokens_as_token_ids = false;  // vLLM's: OpenAI logprobs' tokens as "token_id:ID"
   std::string reasoning_parser;
   std::string tool_call_parser;
@@ -651,6 +652,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--stream-interval", a->stream_interval, "tokens per streamed chunk (>= 1)")->capture_default_str();
   app.add_flag("--return-tokens-as-token-ids", a->return_tokens_as_token_ids,
                "OpenAI logprobs name tokens \"token_id:ID\" (a request's return_tokens_as_token_ids wins), as vLLM's");
+  app.add_flag("--log-requests,--enable-log-requests", a->log_requests,
+               "log each generation request as it arrives and as it finishes (SGLang's / vLLM's names)");
   app.add_flag("--enable-request-id-headers", a->request_id_headers,
                "responses carry X-Request-Id (the request's own, else a new one), as vLLM's");
   app.add_flag("--allow-auto-truncate", a->allow_auto_truncate,
@@ -686,14 +689,14 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   // included) run, and logged as having no effect.
   for (const char* flag :
        {"--enable-torch-compile", "--disable-custom-all-reduce", "--enable-mixed-chunk", "--enable-cache-report",
-        "--skip-server-warmup", "--log-requests", "--disable-log-requests", "--disable-log-stats",
+        "--skip-server-warmup", "--disable-log-requests", "--disable-log-stats",
         "--enable-auto-tool-choice", "--enable-prefix-caching", "--enable-dp-lm-head", "--enable-two-batch-overlap",
         "--disable-shared-experts-fusion", "--enable-flashinfer-mla", "--disable-cuda-graph-padding",
         "--show-time-cost", "--enable-nan-detection", "--enable-nccl-nvls",
         "--enable-deepep-moe", "--enable-eplb", "--enable-chunked-prefill",
         "--no-enable-chunked-prefill", "--async-scheduling", "--enable-memory-saver", "--sleep-on-idle", "--enable-symm-mem", "--disable-fastapi-docs",
         "--weight-loader-disable-mmap", "--disable-async-output-proc", "--multi-step-stream-outputs",
-        "--enable-log-requests", "--triton-attention-reduce-in-fp32", "--disable-outlines-disk-cache",
+        "--triton-attention-reduce-in-fp32", "--disable-outlines-disk-cache",
         "--enable-prompt-tokens-details"})
     app.add_flag_callback(flag, [a, flag] { a->ignored.push_back(flag); }, "accepted for compatibility; no effect");
   for (const char* opt :
@@ -930,6 +933,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.enable_return_routed_experts = s.enable_return_routed_experts;
     so.allow_auto_truncate = s.allow_auto_truncate;
     so.request_id_headers = s.request_id_headers;
+    so.log_requests = s.log_requests;
     so.reasoning_parser = s.reasoning_parser;
     so.tool_call_parser = s.tool_call_parser;
     so.trust_request_chat_template = s.trust_request_chat_template;

@@ -101,6 +101,7 @@ struct ServerOptions {
   bool allow_auto_truncate = false;
   // vLLM's --enable-request-id-headers: every response carries X-Request-Id (the request's own, else a new one).
   bool request_id_headers = false;
+  bool log_requests = false;  // --log-requests: a log line per generation request as it arrives and as it finishes
   std::string reasoning_parser;       // --reasoning-parser (known_reasoning_parser): chat gives reasoning_content
   bool trust_request_chat_template = false;  // vLLM's --trust-request-chat-template: requests' chat_template taken
   std::string tool_call_parser;       // --tool-call-parser (known_tool_call_parser): chat takes tools

@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "server/protocol.h"
 
 namespace mlaserve::server {
 
@@ -216,6 +217,11 @@ void GenerationJob::finish_choice(size_t i, FinishReason reason) {
   c.finished = true;
   c.finish = std::move(reason);
   c.finish_time = Clock::now();
+  if (spec_.log)
+    MLA_LOG_INFO("request {} finished: {}, {} prompt tokens ({} cached), {} generated, {:.3f} s", c.rid,
+                 native_finish_reason(c.finish, static_cast<int32_t>(c.output_ids.size())).dump(), c.prompt_tokens,
+                 c.cached_tokens, c.output_ids.size(),
+                 std::chrono::duration<double>(c.finish_time - start_time_).count());
   ++num_finished_;
   if (metrics_) {
     metrics_->e2e_latency_seconds.observe(std::chrono::duration<double>(c.finish_time - start_time_).count());

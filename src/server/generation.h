@@ -40,6 +40,7 @@ struct JobSpec {
   bool no_stop_trim = false;      // keep the matched stop string in the text
   int32_t stream_interval = 1;    // on_update once a choice has this many tokens since its last one (or finished)
   int32_t priority = 0;           // GenerateRequest::priority (the engine's convention: lower first)
+  bool log = false;               // --log-requests: a log line as each choice finishes
 };
 
 struct Choice {

@@ -1797,6 +1797,15 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
                                                    : parse_chat(body, opts_.parse, req.body);
   if (!id.empty()) pr.rid = id;
   Prepared p = prepare(pr);
+  p.spec.log = opts_.log_requests;
+  if (opts_.log_requests) {
+    size_t tokens = 0;
+    for (const JobPrompt& jp : p.spec.prompts) tokens += jp.input_ids.size();
+    MLA_LOG_INFO("request {} received: {} {}, {} prompt(s) x n {}, {} prompt tokens, max_new_tokens {}, temperature "
+                 "{}{}",
+                 p.spec.id, req.method, path_of(req.target), p.spec.prompts.size(), p.spec.n, tokens,
+                 p.spec.sampling.max_new_tokens, p.spec.sampling.temperature, pr.stream ? ", streamed" : "");
+  }
   const bool stream = pr.stream;
   auto job = std::make_shared<GenerationJob>(engine_, codec_, &metrics_, ex->executor(), std::move(p.spec));
   const ResponseContext rc = p.rc;

@@ -1791,6 +1791,28 @@ TEST(ServeFlags, TrustRequestChatTemplate) {
   EXPECT_EQ(s.stop(), 0);
 }
 
+// SGLang's --log-requests (vLLM's --enable-log-requests): a log line as each generation request arrives and one as it
+// finishes, naming its id; none without the flag.
+TEST(ServeFlags, LogRequests) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  for (const char* flag : {"--log-requests", "--enable-log-requests", ""}) {
+    SCOPED_TRACE(flag);
+    ServerProcess s(*flag ? std::vector<std::string>{flag} : std::vector<std::string>{});
+    ASSERT_TRUE(s.running()) << s.log();
+    const json r = post_json(s.port(), "/generate", R"({"text": "Hello", "sampling_params": {"max_new_tokens": 3,
+        "ignore_eos": true}})");
+    const std::string id = r["meta_info"]["id"];
+    EXPECT_EQ(s.stop(), 0);
+    const std::string log = s.log();
+    const bool received = log.find("request " + id + " received: POST /generate, 1 prompt(s)") != std::string::npos;
+    const bool finished =
+        log.find("request " + id + " finished: {\"length\":3,\"type\":\"length\"}") != std::string::npos ||
+        log.find("request " + id + " finished: {\"type\":\"length\",\"length\":3}") != std::string::npos;
+    EXPECT_EQ(received, *flag != '\0') << log;
+    EXPECT_EQ(finished, *flag != '\0') << log;
+  }
+}
+
 // vLLM's --enable-request-id-headers: responses carry X-Request-Id, the request's own or a new one (none without it).
 TEST(ServeFlags, RequestIdHeaders) {
   ASSERT_TRUE(have_deepseek_tokenizer());
