@@ -197,6 +197,8 @@ class Api {
   // The checkpoint the weights came from and their version (both change with updates).
   std::pair<std::string, std::string> weights_info() const;
   Prepared prepare(ParsedRequest& pr);
+  // ApiError 404 unless `model` names the served model (its name, its path, or "default").
+  void check_model(const std::string& model) const;
   // A chat request's prompt text: the model's chat template, or the request's own (vLLM's chat_template: a 400
   // without --trust-request-chat-template); ApiError 400 when the template fails on the messages.
   std::string render_chat(const ParsedRequest& pr, bool add_generation_prompt, const nlohmann::json& vars) const;

@@ -498,9 +498,9 @@ void HttpServer::check_tls(const ServerOptions& opts) { (void)tls_context(opts);
 void HttpServer::Impl::refresh_tls() {
   std::vector<std::filesystem::file_time_type> now = tls_file_times(opts);
   if (now == tls_times) return;
+  tls_times = std::move(now);  // (files that do not make a context are tried again when they change again)
   try {
     tls = tls_context(opts);
-    tls_times = std::move(now);
     MLA_LOG_INFO("TLS: the certificate files changed; new connections use them (--enable-ssl-refresh)");
   } catch (const Error& e) {
     MLA_LOG_WARN("TLS: the certificate files changed but cannot be used yet ({}); keeping the previous ones", e.what());

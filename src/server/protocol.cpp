@@ -532,6 +532,10 @@ void parse_openai_common(const Fields& f, const ParseOptions& opts, ParsedReques
 
 }  // namespace
 
+std::vector<int32_t> token_id_list(const json& v, const std::string& param, bool allow_empty) {
+  return token_ids(v, param, allow_empty);
+}
+
 const char* json_type_name(nlohmann::json::value_t t) {
   using json = nlohmann::json;
   switch (t) {

@@ -117,6 +117,10 @@ ParsedRequest parse_native(const nlohmann::json& body, const ParseOptions& opts,
 ParsedRequest parse_completions(const nlohmann::json& body, const ParseOptions& opts, std::string_view raw = {});
 ParsedRequest parse_chat(const nlohmann::json& body, const ParseOptions& opts, std::string_view raw = {});
 
+// A list of token ids in [0, 2^31) (ApiError 400 naming `param`, or `param`[i] for a bad element); empty allowed
+// with allow_empty.
+std::vector<int32_t> token_id_list(const nlohmann::json& v, const std::string& param, bool allow_empty);
+
 // The body as JSON, or ApiError 400 (invalid_json) / 400 when it is not an object or nests more than kMaxBodyDepth
 // levels.
 constexpr int kMaxBodyDepth = 64;

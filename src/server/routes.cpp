@@ -933,11 +933,7 @@ std::pair<int, std::string> Api::error_answer(const HttpRequest& req) {
 Api::Prepared Api::prepare(ParsedRequest& pr) {
   Prepared p;
   const bool openai = pr.api != ApiKind::Native;
-  if (openai && !pr.model.empty() && pr.model != opts_.served_model_name && pr.model != opts_.model_path &&
-      pr.model != "default")
-    throw ApiError(404, fmt::format("the model '{}' does not exist; this server serves '{}'", pr.model,
-                                    opts_.served_model_name),
-                   "model", "model_not_found");
+  if (openai && !pr.model.empty()) check_model(pr.model);
   const int64_t ctx = engine_.max_context_len();
   // Tools: shown to the model through the chat template's `tools` variable and parsed out of its output; their
   // markers are special tokens, so the text keeps special tokens.
@@ -1769,15 +1765,18 @@ void Api::stored_response(const HttpRequest& req, std::string_view rest, std::st
   }
 }
 
+void Api::check_model(const std::string& model) const {
+  if (model != opts_.served_model_name && model != opts_.model_path && model != "default")
+    throw ApiError(404, fmt::format("the model '{}' does not exist; this server serves '{}'", model,
+                                    opts_.served_model_name),
+                   "model", "model_not_found");
+}
+
 void Api::score(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool vllm) {
   const json body = parse_body(req.body);
   if (const auto m = body.find("model"); m != body.end() && !m->is_null()) {
     if (!m->is_string()) bad_request("model", "invalid_type", "'model' must be a string");
-    const std::string model = m->get<std::string>();
-    if (model != opts_.served_model_name && model != opts_.model_path && model != "default")
-      throw ApiError(404, fmt::format("the model '{}' does not exist; this server serves '{}'", model,
-                                      opts_.served_model_name),
-                     "model", "model_not_found");
+    check_model(m->get<std::string>());
   }
   ScorePlan plan =
       plan_score(body, vllm ? ScoreApi::Vllm : ScoreApi::Sglang, codec_, engine_.max_context_len(), opts_.parse);

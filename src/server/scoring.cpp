@@ -18,14 +18,7 @@ bool is_id_list(const json& v) {
 
 std::vector<int32_t> ids_of(const json& v, const std::string& field) {
   if (!is_id_list(v)) bad_request(field, "invalid_type", "'{}' must be a list of token ids", field);
-  std::vector<int32_t> out;
-  for (const json& x : v) {
-    const int64_t id = x.get<int64_t>();
-    if (id < 0 || id > std::numeric_limits<int32_t>::max())
-      bad_request(field, "invalid_value", "'{}' holds the token id {}, outside [0, 2^31)", field, id);
-    out.push_back(static_cast<int32_t>(id));
-  }
-  return out;
+  return token_id_list(v, field, /*allow_empty=*/true);
 }
 
 bool bool_field(const json& body, const char* name, bool fallback) {
