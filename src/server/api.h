@@ -153,6 +153,12 @@ class Api {
   void score(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool vllm);
   // SGLang's /abort_request ({"rid"} or {"abort_all": true}): the named running jobs end with an abort finish.
   void abort_request(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
+  // The running jobs whose id `match` accepts end with an abort finish carrying `message`; returns how many.
+  size_t abort_jobs(const std::function<bool(const std::string&)>& match, const std::string& message);
+  // SGLang's /open_session ({"capacity_of_str_len", "session_id"}: the id as a JSON string) and /close_session
+  // ({"session_id"}: 200, empty): sessions_.
+  void open_session(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
+  void close_session(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   // POST /v1/responses: OpenAI's Responses API, generated as chat (server/responses.h); stored, continued and run
   // in the background through responses_store_.
   void responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
@@ -241,6 +247,8 @@ class Api {
   std::unordered_map<std::string, std::weak_ptr<GenerationJob>> jobs_;  // running jobs by id (rid), for aborts
   // The Responses API's stored and background responses (server/response_store.h): its worker runs generate().
   std::unique_ptr<ResponseStore> responses_store_;
+  // SGLang's sessions (server/sessions.h); shared with the jobs that record their outputs there as they end.
+  std::shared_ptr<SessionStore> sessions_ = std::make_shared<SessionStore>();
   // OpenAI's Files and Batch APIs (server/batches.h): its lines run through handle(). Last: destroyed first.
   std::unique_ptr<BatchService> batches_;
 };

@@ -101,6 +101,10 @@ void GenerationJob::cancel(const std::string& why) {
     engine_.abort(choices_[i].rid, r);
     if (metrics_) ++metrics_->aborted_requests_total;
   }
+  if (auto end = std::move(on_end)) {
+    on_end = nullptr;
+    end(*this);
+  }
 }
 
 void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
@@ -193,9 +197,12 @@ void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
   if (c.finished && num_finished_ == choices_.size() && !done_) {
     done_ = true;
     auto done_cb = std::move(on_done);
+    auto end = std::move(on_end);
     on_update = nullptr;
     on_done = nullptr;
+    on_end = nullptr;
     if (done_cb) done_cb();
+    if (end) end(*this);
   }
 }
 

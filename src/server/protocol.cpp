@@ -530,6 +530,28 @@ void parse_openai_common(const Fields& f, const ParseOptions& opts, ParsedReques
   }
 }
 
+// SGLang's session_params ({"id", "rid", "offset", "replace", "drop_previous_output"}); nullopt without an id (a
+// request outside any session, as SGLang runs it).
+std::optional<SessionParams> session_params(const json& v) {
+  const std::string p = "session_params";
+  if (!v.is_object()) bad_request(p, "invalid_type", "'{}' must be an object, got {}", p, type_name(v));
+  for (const auto& [key, value] : v.items())
+    if (key != "id" && key != "rid" && key != "offset" && key != "replace" && key != "drop_previous_output")
+      bad_request(p + "." + key, "invalid_value",
+                  "'{}.{}' is not a session parameter (id, rid, offset, replace, drop_previous_output)", p, key);
+  Fields f(v, p + ".");
+  auto id = f.string("id");
+  if (!id) return std::nullopt;
+  SessionParams s;
+  s.id = std::move(*id);
+  s.rid = f.string("rid");
+  if (auto o = f.integer("offset", std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max()))
+    s.offset = *o;
+  if (auto b = f.boolean("replace")) s.replace = *b;
+  if (auto b = f.boolean("drop_previous_output")) s.drop_previous_output = *b;
+  return s;
+}
+
 }  // namespace
 
 std::vector<int32_t> token_id_list(const json& v, const std::string& param, bool allow_empty) {
@@ -591,10 +613,10 @@ ParsedRequest parse_native(const json& body, const ParseOptions& opts, std::stri
   const json* ids = f.get("input_ids");
   for (const char* unsupported : {"input_embeds", "image_data", "audio_data", "lora_path"})
     f.reject_unsupported(unsupported, "text-only model");
-  // SGLang's: a session's earlier turns (opened by /open_session, which this server does not serve) and a Python
-  // logit processor (pickled; SGLang too refuses it unless started with --enable-custom-logit-processor).
-  f.reject_unsupported("session_params", "sessions are not served; send the whole conversation");
+  // SGLang's Python logit processor (pickled; SGLang too refuses it unless started with
+  // --enable-custom-logit-processor).
   f.reject_unsupported("custom_logit_processor", "a Python logit processor cannot run here");
+  if (const json* sp = f.get("session_params")) r.session = session_params(*sp);
   if (text && ids) bad_request("text", "invalid_value", "give either 'text' or 'input_ids', not both");
   if (!text && !ids) bad_request("text", "invalid_value", "one of 'text' or 'input_ids' is required");
   if (text) {

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/engine_api.h"
+#include "server/sessions.h"
 
 namespace mlaserve::structured {
 struct Nfa;
@@ -46,6 +47,7 @@ struct ParsedRequest {
   int32_t priority = 0;              // vLLM's / SGLang's request priority (its meaning per the server's flags)
   bool stream = false;
   std::string rid;                   // client-chosen id (native) or empty
+  std::optional<SessionParams> session;  // SGLang's session_params (native; with a session id)
   // logprobs: native return_logprob/top_logprobs_num; completions `logprobs: k`; chat `logprobs` + `top_logprobs`.
   bool logprobs = false;
   int32_t top_logprobs = 0;

@@ -746,6 +746,10 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/abort_request") {
       if (!post) method_not_allowed(req);
       abort_request(req, ex);
+    } else if (path == "/open_session" || path == "/close_session") {
+      if (!get && !post) method_not_allowed(req);
+      if (path == "/open_session") open_session(req, ex);
+      else close_session(req, ex);
     } else if (path == "/v1/models") {
       if (!get) method_not_allowed(req);
       ojson body;
@@ -981,6 +985,15 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
       jp.text = codec_->decode(in.input_ids, false);
     }
     jp.input_ids = std::move(in.input_ids);
+    if (pr.session) {  // SGLang's session: the request continues an earlier one of the session
+      if (pr.prompts.size() != 1 || pr.n != 1)
+        throw ApiError(400, "a session request ('session_params') takes one prompt and n 1", "session_params",
+                       "invalid_value");
+      std::optional<int32_t> bos;
+      if (codec_)
+        if (const auto with = codec_->encode("", true); !with.empty()) bos = with.front();
+      jp.input_ids = sessions_->prompt(*pr.session, jp.input_ids, bos);
+    }
     if (!pr.token_ids_logprob.empty())
       jp.token_ids_logprob = pr.token_ids_logprob[pr.token_ids_logprob.size() == 1 ? 0 : i];
     // SGLang's per-prompt flags (one for every prompt, or one per prompt), each allowed by its server flag.
@@ -1265,19 +1278,56 @@ void Api::abort_request(const HttpRequest& req, const std::shared_ptr<HttpExchan
   const bool abort_all = all != body.end() && all->is_boolean() && all->get<bool>();
   if (!abort_all && (rid == body.end() || !rid->is_string()))
     throw ApiError(400, "'rid' (a string) or 'abort_all': true is required", "rid", "invalid_value");
+  const size_t n = abort_jobs([&](const std::string& id) { return abort_all || id == rid->get<std::string>(); },
+                              "aborted by /abort_request");
+  respond_json(ex, 200, dump(ojson{{"aborted", n}}));
+}
+
+size_t Api::abort_jobs(const std::function<bool(const std::string&)>& match, const std::string& message) {
   std::vector<std::shared_ptr<GenerationJob>> hit;
   {
     std::lock_guard lk(jobs_mu_);
     for (const auto& [id, w] : jobs_)
-      if (abort_all || id == rid->get<std::string>())
+      if (match(id))
         if (auto j = w.lock(); j && !j->done()) hit.push_back(std::move(j));
   }
   FinishReason f;
   f.kind = FinishKind::Abort;
-  f.message = "aborted by /abort_request";
+  f.message = message;
   for (const auto& j : hit)
     for (const auto& c : j->choices()) engine_.abort(c.rid, f);  // each choice ends as aborted, its client answered
-  respond_json(ex, 200, dump(ojson{{"aborted", hit.size()}}));
+  return hit.size();
+}
+
+void Api::open_session(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
+  const json body = parse_body(req.body.empty() ? "{}" : req.body);
+  const auto cap = body.find("capacity_of_str_len");
+  if (cap == body.end() || cap->is_null())
+    throw ApiError(400, "'capacity_of_str_len' (an integer) is required", "capacity_of_str_len", "invalid_value");
+  if (!cap->is_number_integer())
+    throw ApiError(400, fmt::format("'capacity_of_str_len' must be an integer, got {}", cap->dump()),
+                   "capacity_of_str_len", "invalid_type");
+  std::string id;
+  if (const auto sid = body.find("session_id"); sid != body.end() && !sid->is_null()) {
+    if (!sid->is_string() || sid->get<std::string>().empty())
+      throw ApiError(400, fmt::format("'session_id' must be a non-empty string, got {}", sid->dump()), "session_id",
+                     "invalid_type");
+    id = sid->get<std::string>();
+  }
+  const int64_t capacity = cap->is_number_unsigned() && cap->get<uint64_t>() > INT64_MAX ? INT64_MAX
+                                                                                          : cap->get<int64_t>();
+  respond_json(ex, 200, json(sessions_->open(std::move(id), capacity)).dump());
+}
+
+void Api::close_session(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
+  const json body = parse_body(req.body.empty() ? "{}" : req.body);
+  const auto sid = body.find("session_id");
+  if (sid == body.end() || !sid->is_string())
+    throw ApiError(400, "'session_id' (a string) is required", "session_id", "invalid_value");
+  if (!sessions_->close(sid->get<std::string>()))
+    throw ApiError(400, fmt::format("session '{}' is not open", sid->get<std::string>()), "session_id",
+                   "invalid_value");
+  ex->respond(200, "text/plain", "");  // SGLang's empty answer
 }
 
 std::pair<std::string, std::string> Api::weights_info() const {
@@ -1947,12 +1997,27 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
   ex->on_cancel([wjob, this](const std::string& why) {
     if (auto j = wjob.lock()) j->cancel(why);
   });
+  if (pr.session) {  // recorded in the session as it runs (replace: the requests it drops abort)
+    const std::vector<std::string> dropped = sessions_->add(*pr.session, job->spec().id,
+                                                            job->spec().prompts[0].input_ids);
+    if (!dropped.empty())
+      abort_jobs([&](const std::string& id) { return std::find(dropped.begin(), dropped.end(), id) != dropped.end(); },
+                 fmt::format("replaced in session '{}'", pr.session->id));
+    job->on_end = [store = std::weak_ptr<SessionStore>(sessions_), sid = pr.session->id](const GenerationJob& j) {
+      if (auto s = store.lock()) s->finish(sid, j.spec().id, j.choices()[0].output_ids);
+    };
+  }
   {  // known to /abort_request before its first choice reaches the engine
     std::lock_guard lk(jobs_mu_);
     std::erase_if(jobs_, [](const auto& kv) { return kv.second.expired(); });  // jobs that ended
     jobs_[job->spec().id] = job;
   }
-  job->start();  // throws (400) before anything was sent if the engine refuses the request
+  try {
+    job->start();  // throws (400) before anything was sent if the engine refuses the request
+  } catch (...) {
+    if (pr.session) sessions_->forget(pr.session->id, job->spec().id);  // it never ran
+    throw;
+  }
   if (stream) {
     ex->start_stream();
     // The first chunks: chat opens every choice with the assistant role; completions echo the prompt.

@@ -187,6 +187,37 @@ std::vector<int32_t> greedy(int port, const std::vector<int32_t>& prompt, int n,
   return j["output_ids"];
 }
 
+// SGLang's sessions on the real model: each turn sends its new tokens only and is answered as the whole conversation
+// sent at once (greedy), its earlier turns found in the prefix cache.
+TEST_F(ServerE2E, SessionTurnsAnswerAsTheWholeConversation) {
+  wait_idle(port());
+  const auto sid = http_request(port(), "POST", "/open_session", R"({"capacity_of_str_len": 4096})");
+  ASSERT_EQ(sid.status, 200) << sid.body;
+  const std::string session = json::parse(sid.body).get<std::string>();
+  auto turn = [&](const std::vector<int32_t>& ids, const std::string& parent, int* cached) {
+    auto j = post_json(port(), "/generate",
+                       R"({"input_ids": )" + ids_json(ids) + R"(, "session_params": {"id": ")" + session + "\"" +
+                           (parent.empty() ? "" : R"(, "rid": ")" + parent + "\"") +
+                           R"(}, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": true}})");
+    *cached = j["meta_info"]["cached_tokens"];
+    return std::make_pair(j["meta_info"]["id"].get<std::string>(), j["output_ids"].get<std::vector<int32_t>>());
+  };
+  std::vector<int32_t> whole = test_prompt(31, 70);
+  int cached = 0;
+  auto [rid, out] = turn(whole, "", &cached);
+  ASSERT_EQ(out.size(), 8u);
+  EXPECT_EQ(out, greedy(port(), whole, 8));
+  for (int k = 0; k < 2; ++k) {
+    whole.insert(whole.end(), out.begin(), out.end());
+    const std::vector<int32_t> next = test_prompt(32 + k, 20);
+    whole.insert(whole.end(), next.begin(), next.end());
+    std::tie(rid, out) = turn(next, rid, &cached);
+    EXPECT_GE(cached, 64) << "turn " << k + 1 << ": the earlier turns' pages from the prefix cache";
+    EXPECT_EQ(out, greedy(port(), whole, 8)) << "turn " << k + 1;
+  }
+  EXPECT_EQ(http_request(port(), "POST", "/close_session", R"({"session_id": ")" + session + "\"}").status, 200);
+}
+
 // n samples of a long prompt compute it once: the first sample reads it, the others find its whole pages in the
 // prefix cache.
 TEST_F(ServerE2E, SamplesShareTheirPromptsPrefill) {

@@ -104,6 +104,7 @@ class FakeEngine : public EngineClient {
     if (l.script.empty()) l.script.push_back('x');
     held_ += static_cast<int64_t>(l.req.input_ids.size());
     submitted_.push_back(l.req.rid);
+    inputs_[l.req.rid] = l.req.input_ids;
     priorities_.push_back(l.req.priority);
     live_.emplace(l.req.rid, std::move(l));
     cv_.notify_all();
@@ -268,6 +269,12 @@ class FakeEngine : public EngineClient {
     std::lock_guard lk(mu_);
     return submitted_;
   }
+  // The prompt request `rid` was submitted with (empty if none was).
+  std::vector<int32_t> input_ids(const std::string& rid) const {
+    std::lock_guard lk(mu_);
+    const auto it = inputs_.find(rid);
+    return it == inputs_.end() ? std::vector<int32_t>{} : it->second;
+  }
   // GenerateRequest::priority of each submitted request, in order.
   std::vector<int32_t> priorities() const {
     std::lock_guard lk(mu_);
@@ -412,6 +419,7 @@ class FakeEngine : public EngineClient {
   std::map<std::string, Live> live_;
   std::vector<std::string> aborted_, submitted_;
   std::vector<int32_t> priorities_;
+  std::map<std::string, std::vector<int32_t>> inputs_;
   std::vector<WeightUpdate> updates_;
   std::vector<PauseMode> pauses_;
   std::vector<bool> memory_ops_;

@@ -2551,5 +2551,142 @@ TEST(HttpApi, MultiTokenOutputsAndMetrics) {
       << m;
 }
 
+// SGLang's sessions: /open_session, then requests continuing earlier ones of the session (session_params: rid,
+// offset, drop_previous_output, replace), /close_session.
+TEST(HttpApi, SessionsContinueEarlierRequests) {
+  using Ids = std::vector<int32_t>;
+  using test::kBos;
+  TestServer s;
+  auto opened = s.post("/open_session", R"({"capacity_of_str_len": 1000})");
+  ASSERT_EQ(opened.status, 200) << opened.body;
+  const std::string sid = json::parse(opened.body).get<std::string>();
+  EXPECT_EQ(sid.size(), 32u);
+  EXPECT_NE(json::parse(s.post("/open_session", R"({"capacity_of_str_len": 1})").body), sid);
+  EXPECT_EQ(json::parse(s.post("/open_session", R"({"capacity_of_str_len": 5, "session_id": "mine"})").body), "mine");
+  auto again = s.post("/open_session", R"({"capacity_of_str_len": 5, "session_id": "mine"})");
+  EXPECT_EQ(again.status, 400);
+  EXPECT_NE(again.body.find("already open"), std::string::npos) << again.body;
+  EXPECT_EQ(s.post("/open_session", "{}").status, 400);
+  EXPECT_EQ(s.post("/open_session", R"({"capacity_of_str_len": "x"})").status, 400);
+
+  // rid "" : none given (the response's meta_info.id names the request).
+  auto gen = [&](const std::string& rid, const std::string& input, const std::string& params) {
+    return s.post("/generate",
+                  fmt::format(R"({{{}{}, "sampling_params": {{"max_new_tokens": 3}}, "session_params": {}}})",
+                              rid.empty() ? "" : fmt::format(R"("rid": "{}", )", rid), input, params));
+  };
+  auto in = [&](const std::string& parent, const std::string& more = "") {
+    return fmt::format(R"({{"id": "{}"{}{}}})", sid, parent.empty() ? "" : fmt::format(R"(, "rid": "{}")", parent),
+                       more);
+  };
+  auto root = gen("r1", R"("text": "ab")", in(""));
+  ASSERT_EQ(root.status, 200) << root.body;
+  EXPECT_EQ(json::parse(root.body)["text"], "aba");  // (the fake engine repeats its prompt)
+  EXPECT_EQ(s.engine.input_ids("r1"), (Ids{kBos, 'a', 'b'}));
+  // r1's prompt and output, then the new turn (its BOS dropped).
+  auto r2 = gen("r2", R"("text": "c")", in("r1"));
+  ASSERT_EQ(r2.status, 200) << r2.body;
+  EXPECT_EQ(s.engine.input_ids("r2"), (Ids{kBos, 'a', 'b', 'a', 'b', 'a', 'c'}));
+  EXPECT_EQ(json::parse(r2.body)["meta_info"]["prompt_tokens"], 7);
+  EXPECT_EQ(json::parse(r2.body)["text"], "aba");
+  // offset: Python's slice [:offset] of the parent's tokens; drop_previous_output: its prompt alone.
+  ASSERT_EQ(gen("r3", R"("text": "c")", in("r1", R"(, "offset": -2)")).status, 200);
+  EXPECT_EQ(s.engine.input_ids("r3"), (Ids{kBos, 'a', 'b', 'a', 'c'}));
+  ASSERT_EQ(gen("r4", R"("text": "c")", in("r1", R"(, "offset": 2)")).status, 200);
+  EXPECT_EQ(s.engine.input_ids("r4"), (Ids{kBos, 'a', 'c'}));
+  ASSERT_EQ(gen("r5", R"("text": "c")", in("r1", R"(, "offset": -100)")).status, 200);
+  EXPECT_EQ(s.engine.input_ids("r5"), (Ids{'c'}));
+  ASSERT_EQ(gen("r6", R"("text": "c")", in("r1", R"(, "drop_previous_output": true)")).status, 200);
+  EXPECT_EQ(s.engine.input_ids("r6"), (Ids{kBos, 'a', 'b', 'c'}));
+  // Token ids, continuing a continuation; no rid given: the answer's id continues it.
+  auto r7 = gen("", R"("input_ids": [256, 100])", in("r2"));
+  ASSERT_EQ(r7.status, 200) << r7.body;
+  const std::string r7_id = json::parse(r7.body)["meta_info"]["id"].get<std::string>();
+  const Ids r7_in{kBos, 'a', 'b', 'a', 'b', 'a', 'c', 'a', 'b', 'a', 100};
+  EXPECT_EQ(s.engine.input_ids(r7_id), r7_in);
+  ASSERT_EQ(gen("r8", R"("input_ids": [101])", in(r7_id)).status, 200);
+  Ids r8_in = r7_in;
+  r8_in.insert(r8_in.end(), {'a', 'b', 'a', 101});
+  EXPECT_EQ(s.engine.input_ids("r8"), r8_in);
+
+  // Bad session requests: 400s naming the field.
+  auto bad = [&](const test::HttpResponse& r, const std::string& param, const std::string& words) {
+    EXPECT_EQ(r.status, 400) << r.body;
+    EXPECT_EQ(json::parse(r.body)["error"]["param"], param) << r.body;
+    EXPECT_NE(r.body.find(words), std::string::npos) << r.body;
+  };
+  bad(gen("x1", R"("text": "c")", in("nobody")), "session_params.rid", "has no request 'nobody'");
+  bad(gen("x2", R"("text": "c")", R"({"id": "closed?"})"), "session_params.id", "not open");
+  bad(gen("r2", R"("text": "c")", in("r1")), "rid", "already has a request 'r2'");
+  bad(gen("x3", R"("text": ["a", "b"])", in("r1")), "session_params", "one prompt");
+  bad(gen("x4", R"("text": "c")", in("r1", R"(, "extra": 1)")), "session_params.extra", "not a session parameter");
+  bad(gen("x5", R"("text": "c")", in("r1", R"(, "offset": "2")")), "session_params.offset", "integer");
+  bad(s.post("/generate", fmt::format(R"({{"text": "c", "sampling_params": {{"n": 2}}, "session_params": {}}})",
+                                      in("r1"))),
+      "session_params", "n 1");
+  for (const char* rid : {"x1", "x2", "x3", "x4", "x5"}) EXPECT_TRUE(s.engine.input_ids(rid).empty()) << rid;
+  // Without a session id: an ordinary request (SGLang's).
+  ASSERT_EQ(gen("plain", R"("text": "ab")", R"({"rid": "r1"})").status, 200);
+  EXPECT_EQ(s.engine.input_ids("plain"), (Ids{kBos, 'a', 'b'}));
+
+  // replace with a parent: what continued it before is dropped (r2 and its continuations too).
+  ASSERT_EQ(gen("r9", R"("text": "d")", in("r1", R"(, "replace": true)")).status, 200);
+  EXPECT_EQ(s.engine.input_ids("r9"), (Ids{kBos, 'a', 'b', 'a', 'b', 'a', 'd'}));
+  bad(gen("x6", R"("text": "c")", in("r2")), "session_params.rid", "has no request 'r2'");
+  bad(gen("x7", R"("text": "c")", in("r8")), "session_params.rid", "has no request 'r8'");
+  ASSERT_EQ(gen("r10", R"("text": "e")", in("r9")).status, 200);
+
+  // A running request cannot be continued; replace without a parent drops (and aborts) every request of the session.
+  test::HttpResponse running;
+  std::thread t([&] {
+    running = s.post("/generate", fmt::format(R"({{"rid": "long", "text": "zz", "sampling_params": {{"max_new_tokens":
+        4000}}, "session_params": {}}})", in("r1")));
+  });
+  for (int i = 0; i < 2000 && s.engine.input_ids("long").empty(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  bad(gen("x8", R"("text": "c")", in("long")), "session_params.rid", "has not finished");
+  ASSERT_EQ(gen("r11", R"("text": "f")", in("", R"(, "replace": true)")).status, 200);
+  t.join();
+  ASSERT_EQ(running.status, 200) << running.body;
+  EXPECT_EQ(json::parse(running.body)["meta_info"]["finish_reason"]["type"], "abort");
+  EXPECT_EQ(s.engine.input_ids("r11"), (Ids{kBos, 'f'}));
+  bad(gen("x9", R"("text": "c")", in("r9")), "session_params.rid", "has no request 'r9'");
+  ASSERT_EQ(gen("r12", R"("text": "g")", in("r11")).status, 200);
+  EXPECT_EQ(s.engine.input_ids("r12"), (Ids{kBos, 'f', 'f', 'f', 'f', 'g'}));
+
+  // Closing: 200 with an empty body; the session is gone.
+  auto closed = s.post("/close_session", fmt::format(R"({{"session_id": "{}"}})", sid));
+  EXPECT_EQ(closed.status, 200) << closed.body;
+  EXPECT_TRUE(closed.body.empty());
+  bad(gen("x10", R"("text": "c")", in("r11")), "session_params.id", "not open");
+  bad(s.post("/close_session", fmt::format(R"({{"session_id": "{}"}})", sid)), "session_id", "not open");
+  bad(s.post("/close_session", "{}"), "session_id", "required");
+  EXPECT_EQ(s.get("/close_session?x").status, 400);
+  EXPECT_EQ(s.post("/close_session", R"({"session_id": "mine"})").status, 200);
+  EXPECT_TRUE(s.wait_idle());
+}
+
+// A session request that ends early (its client's time ran out) is recorded with the tokens it had: continuing it
+// runs them.
+TEST(HttpApi, SessionRequestCutShortCanBeContinued) {
+  using Ids = std::vector<int32_t>;
+  ServerOptions o;
+  o.request_timeout_s = 0.2;
+  TestServer s(o);
+  ASSERT_EQ(s.post("/open_session", R"({"capacity_of_str_len": 0, "session_id": "s"})").status, 200);
+  auto slow = s.post("/generate", R"({"rid": "slow", "text": "slow", "sampling_params": {"max_new_tokens": 4000},
+      "session_params": {"id": "s"}})");
+  EXPECT_EQ(slow.status, 408) << slow.body;
+  EXPECT_TRUE(s.wait_idle());
+  auto next = s.post("/generate", R"({"rid": "next", "text": "!", "sampling_params": {"max_new_tokens": 1},
+      "session_params": {"id": "s", "rid": "slow"}})");
+  ASSERT_EQ(next.status, 200) << next.body;
+  const Ids in = s.engine.input_ids("next");
+  ASSERT_GE(in.size(), 6u);
+  EXPECT_EQ(Ids(in.begin(), in.begin() + 5), (Ids{test::kBos, 's', 'l', 'o', 'w'}));
+  EXPECT_EQ(in.back(), '!');
+  for (size_t i = 5; i + 1 < in.size(); ++i) EXPECT_EQ(in[i], "slow"[(i - 5) % 4]) << i;  // what it had generated
+}
+
 }  // namespace
 }  // namespace mlaserve::server

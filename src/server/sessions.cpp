@@ -1,0 +1,144 @@
+#include "server/sessions.h"
+
+#include <algorithm>
+#include <random>
+
+#include <fmt/format.h>
+
+#include "server/api_error.h"
+
+namespace mlaserve::server {
+
+std::string SessionStore::open(std::string id, int64_t capacity_of_str_len) {
+  if (capacity_of_str_len < 0)
+    bad_request("capacity_of_str_len", "invalid_value", "'capacity_of_str_len' must not be negative, got {}",
+                capacity_of_str_len);
+  std::lock_guard lk(mu_);
+  if (sessions_.size() >= kMaxSessions)
+    throw ApiError(400, fmt::format("{} sessions are open, the most this server keeps; close some first",
+                                    sessions_.size()),
+                   "session_id", "too_many_sessions");
+  if (id.empty()) {
+    thread_local std::mt19937_64 rng{std::random_device{}()};
+    do id = fmt::format("{:016x}{:016x}", rng(), rng());
+    while (sessions_.count(id));
+  } else if (sessions_.count(id)) {
+    bad_request("session_id", "invalid_value", "session '{}' is already open", id);
+  }
+  sessions_[id].capacity_of_str_len = capacity_of_str_len;
+  return id;
+}
+
+bool SessionStore::close(const std::string& id) {
+  std::lock_guard lk(mu_);
+  return sessions_.erase(id) > 0;
+}
+
+template <typename Map>
+auto& SessionStore::session(Map& sessions, const SessionParams& p) {
+  const auto it = sessions.find(p.id);
+  if (it == sessions.end())
+    bad_request("session_params.id", "invalid_value", "session '{}' is not open (open it with /open_session)", p.id);
+  return it->second;
+}
+
+const SessionStore::Node& SessionStore::parent(const Session& s, const SessionParams& p) {
+  const auto it = s.nodes.find(*p.rid);
+  if (it == s.nodes.end())
+    bad_request("session_params.rid", "invalid_value", "session '{}' has no request '{}'", p.id, *p.rid);
+  if (!it->second.finished)
+    bad_request("session_params.rid", "invalid_value",
+                "request '{}' of session '{}' has not finished; a request continues a finished one", *p.rid, p.id);
+  return it->second;
+}
+
+std::vector<int32_t> SessionStore::prompt(const SessionParams& p, const std::vector<int32_t>& ids,
+                                          std::optional<int32_t> bos) const {
+  std::lock_guard lk(mu_);
+  const Session& s = session(sessions_, p);
+  if (!p.rid) return ids;
+  const Node& last = parent(s, p);
+  std::vector<int32_t> out = last.prompt;
+  if (!p.drop_previous_output) out.insert(out.end(), last.output.begin(), last.output.end());
+  if (p.offset != 0) {  // Python's out[:offset]
+    const auto n = static_cast<int64_t>(out.size());
+    out.resize(static_cast<size_t>(p.offset > 0 ? std::min(p.offset, n) : std::max<int64_t>(n + p.offset, 0)));
+  }
+  const bool skip = bos && !ids.empty() && ids.front() == *bos;  // the new turn's BOS: not in mid-prompt
+  out.insert(out.end(), ids.begin() + (skip ? 1 : 0), ids.end());
+  return out;
+}
+
+void SessionStore::drop(Session& s, const std::string& rid, std::vector<std::string>& running) {
+  const auto it = s.nodes.find(rid);
+  if (it == s.nodes.end()) return;
+  Node node = std::move(it->second);
+  s.nodes.erase(it);
+  if (!node.finished) running.push_back(rid);
+  for (const std::string& c : node.children) drop(s, c, running);
+}
+
+std::vector<std::string> SessionStore::add(const SessionParams& p, const std::string& rid,
+                                           std::vector<int32_t> prompt) {
+  std::lock_guard lk(mu_);
+  Session& s = session(sessions_, p);
+  if (p.rid) parent(s, p);  // still there and finished
+  if (s.nodes.count(rid))
+    bad_request("rid", "invalid_value", "session '{}' already has a request '{}'; give each request its own rid",
+                p.id, rid);
+  std::vector<std::string> running;
+  if (p.replace) {
+    if (p.rid) {
+      Node& last = s.nodes.at(*p.rid);
+      const std::vector<std::string> children = std::move(last.children);
+      last.children.clear();
+      for (const std::string& c : children) drop(s, c, running);
+    } else {
+      for (const auto& [id, node] : s.nodes)  // every request of the session dropped
+        if (!node.finished) running.push_back(id);
+      s.nodes.clear();
+    }
+  }
+  Node node;
+  node.parent = p.rid;
+  node.prompt = std::move(prompt);
+  if (p.rid) s.nodes.at(*p.rid).children.push_back(rid);
+  s.nodes.emplace(rid, std::move(node));
+  return running;
+}
+
+void SessionStore::finish(const std::string& id, const std::string& rid, std::vector<int32_t> output_ids) {
+  std::lock_guard lk(mu_);
+  const auto s = sessions_.find(id);
+  if (s == sessions_.end()) return;
+  const auto n = s->second.nodes.find(rid);
+  if (n == s->second.nodes.end()) return;
+  n->second.output = std::move(output_ids);
+  n->second.finished = true;
+}
+
+void SessionStore::forget(const std::string& id, const std::string& rid) {
+  std::lock_guard lk(mu_);
+  const auto s = sessions_.find(id);
+  if (s == sessions_.end()) return;
+  const auto n = s->second.nodes.find(rid);
+  if (n == s->second.nodes.end()) return;
+  if (n->second.parent)
+    if (const auto p = s->second.nodes.find(*n->second.parent); p != s->second.nodes.end())
+      std::erase(p->second.children, rid);
+  std::vector<std::string> running;
+  drop(s->second, rid, running);
+}
+
+size_t SessionStore::num_sessions() const {
+  std::lock_guard lk(mu_);
+  return sessions_.size();
+}
+
+size_t SessionStore::num_requests(const std::string& id) const {
+  std::lock_guard lk(mu_);
+  const auto s = sessions_.find(id);
+  return s == sessions_.end() ? 0 : s->second.nodes.size();
+}
+
+}  // namespace mlaserve::server

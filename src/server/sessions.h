@@ -1,0 +1,74 @@
+// SGLang's sessions: /open_session makes a session, and a native /generate request naming it in `session_params`
+// continues an earlier request of it (its prompt and output, cut at `offset`) with the request's own tokens, so a
+// multi-turn client sends each turn's new tokens only (the radix cache keeps the earlier ones computed). A session is
+// a tree of requests: a request continues its parent (`session_params.rid`) or starts a new root; `replace` drops
+// what continued from that parent before (or, without a parent, the whole tree). Pure bookkeeping, thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace mlaserve::server {
+
+// A native request's `session_params` (SGLang's SessionParams).
+struct SessionParams {
+  std::string id;                  // the session (from /open_session)
+  std::optional<std::string> rid;  // the request continued; none: a new root
+  int64_t offset = 0;              // non-zero: the parent's tokens cut as Python's ids[:offset] before the new ones
+  bool replace = false;            // drop the parent's earlier continuations (none named: the whole session)
+  bool drop_previous_output = false;  // continue from the parent's prompt alone, not its output
+};
+
+class SessionStore {
+ public:
+  static constexpr size_t kMaxSessions = 65536;
+
+  // Opens a session: `id` (ApiError 400 if already open), or a new random one when empty; returns its id.
+  // capacity_of_str_len is SGLang's field, kept for the session but not enforced.
+  std::string open(std::string id, int64_t capacity_of_str_len);
+  // Closes a session (its running requests run on, unrecorded); false if none is open by that id.
+  bool close(const std::string& id);
+  // The prompt a session request runs: its parent's prompt and output (or prompt alone with drop_previous_output),
+  // cut at offset, then `ids` without a leading `bos`; `ids` alone for a new root. ApiError 400 naming
+  // session_params.* for an unknown session or request, or a parent that has not finished.
+  std::vector<int32_t> prompt(const SessionParams& p, const std::vector<int32_t>& ids,
+                              std::optional<int32_t> bos) const;
+  // Records request `rid` (running, prompt `prompt`) under its parent. With replace, the nodes it drops go first;
+  // returns the rids among them still running (for the caller to abort). ApiError 400 as prompt() (the tree may have
+  // changed since), or for a rid the session already has.
+  std::vector<std::string> add(const SessionParams& p, const std::string& rid, std::vector<int32_t> prompt);
+  // Request `rid` of session `id` ended with these output tokens (nothing if the session or node is gone).
+  void finish(const std::string& id, const std::string& rid, std::vector<int32_t> output_ids);
+  // Removes request `rid` (and what continued it) from session `id`: its request never ran.
+  void forget(const std::string& id, const std::string& rid);
+  size_t num_sessions() const;
+  // The requests session `id` holds (0 if none).
+  size_t num_requests(const std::string& id) const;
+
+ private:
+  struct Node {
+    std::optional<std::string> parent;
+    std::vector<std::string> children;
+    std::vector<int32_t> prompt, output;
+    bool finished = false;
+  };
+  struct Session {
+    int64_t capacity_of_str_len = 0;
+    std::unordered_map<std::string, Node> nodes;
+  };
+  // The session p names, and p's parent in it (finished); ApiError 400 otherwise. (Map: sessions_, const or not.)
+  template <typename Map>
+  static auto& session(Map& sessions, const SessionParams& p);
+  static const Node& parent(const Session& s, const SessionParams& p);
+  // Drops `rid` and its descendants, collecting those still running.
+  static void drop(Session& s, const std::string& rid, std::vector<std::string>& running);
+
+  mutable std::mutex mu_;
+  std::unordered_map<std::string, Session> sessions_;
+};
+
+}  // namespace mlaserve::server

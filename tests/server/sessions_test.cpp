@@ -1,0 +1,100 @@
+// SessionStore (server/sessions.h): the prompts session requests run and the tree they make.
+#include <gtest/gtest.h>
+
+#include "server/api_error.h"
+#include "server/sessions.h"
+
+namespace mlaserve::server {
+namespace {
+
+using Ids = std::vector<int32_t>;
+
+SessionParams params(const std::string& id, std::optional<std::string> rid = std::nullopt) {
+  SessionParams p;
+  p.id = id;
+  p.rid = std::move(rid);
+  return p;
+}
+
+// The ApiError's param (empty if `fn` did not throw one).
+template <typename Fn>
+std::string error_param(Fn&& fn) {
+  try {
+    fn();
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status, 400);
+    return e.param;
+  }
+  return {};
+}
+
+TEST(Sessions, PromptsFollowTheTree) {
+  SessionStore st;
+  const std::string s = st.open("", 100);
+  EXPECT_EQ(s.size(), 32u);
+  EXPECT_EQ(st.open("named", 0), "named");
+  EXPECT_EQ(error_param([&] { st.open("named", 0); }), "session_id");
+  EXPECT_EQ(error_param([&] { st.open("neg", -1); }), "capacity_of_str_len");
+  EXPECT_EQ(st.num_sessions(), 2u);
+
+  // A root runs its own ids, BOS and all.
+  EXPECT_EQ(st.prompt(params(s), {7, 1, 2}, 7), (Ids{7, 1, 2}));
+  EXPECT_TRUE(st.add(params(s), "a", {7, 1, 2}).empty());
+  // A running parent cannot be continued.
+  EXPECT_EQ(error_param([&] { st.prompt(params(s, "a"), {3}, 7); }), "session_params.rid");
+  EXPECT_EQ(error_param([&] { st.add(params(s, "a"), "b", {3}); }), "session_params.rid");
+  st.finish(s, "a", {4, 5});
+  EXPECT_EQ(st.prompt(params(s, "a"), {7, 3}, 7), (Ids{7, 1, 2, 4, 5, 3}));  // the new turn's BOS dropped
+  EXPECT_EQ(st.prompt(params(s, "a"), {3, 7}, 7), (Ids{7, 1, 2, 4, 5, 3, 7}));  // only a leading one
+  EXPECT_EQ(st.prompt(params(s, "a"), {7, 3}, std::nullopt), (Ids{7, 1, 2, 4, 5, 7, 3}));  // no BOS known
+  SessionParams p = params(s, "a");
+  for (auto [offset, want] : std::vector<std::pair<int64_t, Ids>>{
+           {1, {7, 3}}, {4, {7, 1, 2, 4, 3}}, {9, {7, 1, 2, 4, 5, 3}}, {-1, {7, 1, 2, 4, 3}}, {-5, {3}}, {-9, {3}}}) {
+    p.offset = offset;
+    EXPECT_EQ(st.prompt(p, {3}, 7), want) << offset;
+  }
+  p.offset = -1;
+  p.drop_previous_output = true;
+  EXPECT_EQ(st.prompt(p, {3}, 7), (Ids{7, 1, 3}));
+  EXPECT_EQ(error_param([&] { st.prompt(params(s, "zz"), {3}, 7); }), "session_params.rid");
+  EXPECT_EQ(error_param([&] { st.prompt(params("nope"), {3}, 7); }), "session_params.id");
+  EXPECT_EQ(error_param([&] { st.add(params(s), "a", {1}); }), "rid");  // a rid the session has
+
+  // b and c continue a; d continues b (running); replace under a drops b, c, d and names d.
+  EXPECT_TRUE(st.add(params(s, "a"), "b", {1}).empty());
+  EXPECT_TRUE(st.add(params(s, "a"), "c", {1}).empty());
+  st.finish(s, "b", {});
+  st.finish(s, "c", {});
+  EXPECT_TRUE(st.add(params(s, "b"), "d", {1}).empty());
+  EXPECT_EQ(st.num_requests(s), 4u);
+  SessionParams rep = params(s, "a");
+  rep.replace = true;
+  EXPECT_EQ(st.add(rep, "e", {1}), (std::vector<std::string>{"d"}));
+  EXPECT_EQ(st.num_requests(s), 2u);  // a and e
+  EXPECT_EQ(error_param([&] { st.prompt(params(s, "b"), {3}, 7); }), "session_params.rid");
+  st.finish(s, "d", {9});  // a dropped request's end: nothing to record
+  EXPECT_EQ(st.num_requests(s), 2u);
+
+  // forget: a request that never ran goes, with what continued it, and leaves its parent's children.
+  st.finish(s, "e", {});
+  EXPECT_TRUE(st.add(params(s, "e"), "f", {1}).empty());
+  st.forget(s, "e");
+  EXPECT_EQ(st.num_requests(s), 1u);
+  EXPECT_TRUE(st.add(rep, "g", {1}).empty());  // a's children list no longer names e or f
+  EXPECT_EQ(st.num_requests(s), 2u);
+
+  // replace without a parent: the whole session, running requests named.
+  SessionParams all = params(s);
+  all.replace = true;
+  EXPECT_EQ(st.add(all, "h", {1}), (std::vector<std::string>{"g"}));
+  EXPECT_EQ(st.num_requests(s), 1u);
+
+  EXPECT_TRUE(st.close(s));
+  EXPECT_FALSE(st.close(s));
+  st.finish(s, "h", {1});  // its session closed: nothing
+  EXPECT_EQ(st.num_requests(s), 0u);
+  EXPECT_EQ(st.num_sessions(), 1u);
+}
+
+}  // namespace
+}  // namespace mlaserve::server
