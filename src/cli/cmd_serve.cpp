@@ -95,6 +95,8 @@ struct ServeArgs {
   bool allow_auto_truncate = false;
   bool request_id_headers = false;
   bool log_requests = false;  // SGLang's --log-requests, vLLM's --enable-log-requests
+  int log_requests_level = 2;  // SGLang's --log-requests-level
+  int64_t max_log_len = -1;    // vLLM's --max-log-len (-1: by the level)
   bool return_tokens_as_token_ids = false;  // vLLM's: OpenAI logprobs' tokens as "token_id:ID"
   std::string reasoning_parser;
   std::string tool_call_parser;
@@ -654,6 +656,14 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                "OpenAI logprobs name tokens \"token_id:ID\" (a request's return_tokens_as_token_ids wins), as vLLM's");
   app.add_flag("--log-requests,--enable-log-requests", a->log_requests,
                "log each generation request as it arrives and as it finishes (SGLang's / vLLM's names)");
+  app.add_option("--log-requests-level", a->log_requests_level,
+                 "what --log-requests shows: 0 shape and counts, 1 and sampling parameters, 2 and prompt / output "
+                 "text (first 2048 bytes), 3 all of it (SGLang's)")
+      ->check(CLI::Range(0, 3))
+      ->capture_default_str();
+  app.add_option("--max-log-len", a->max_log_len,
+                 "the most bytes of prompt / output text (or token ids) a request log line shows (vLLM's)")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--enable-request-id-headers", a->request_id_headers,
                "responses carry X-Request-Id (the request's own, else a new one), as vLLM's");
   app.add_flag("--allow-auto-truncate", a->allow_auto_truncate,
@@ -934,6 +944,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.allow_auto_truncate = s.allow_auto_truncate;
     so.request_id_headers = s.request_id_headers;
     so.log_requests = s.log_requests;
+    so.log_requests_level = s.log_requests_level;
+    so.max_log_len = s.max_log_len;
     so.reasoning_parser = s.reasoning_parser;
     so.tool_call_parser = s.tool_call_parser;
     so.trust_request_chat_template = s.trust_request_chat_template;

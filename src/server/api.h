@@ -3,6 +3,7 @@
 // implement it in memory.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -102,6 +103,11 @@ struct ServerOptions {
   // vLLM's --enable-request-id-headers: every response carries X-Request-Id (the request's own, else a new one).
   bool request_id_headers = false;
   bool log_requests = false;  // --log-requests: a log line per generation request as it arrives and as it finishes
+  // SGLang's --log-requests-level: 0 the request's shape and counts, 1 and its sampling parameters, 2 and its prompt
+  // and output text (their first 2048 bytes), 3 all of them. vLLM's --max-log-len (>= 0): the most bytes (or ids)
+  // shown instead.
+  int log_requests_level = 2;
+  int64_t max_log_len = -1;
   std::string reasoning_parser;       // --reasoning-parser (known_reasoning_parser): chat gives reasoning_content
   bool trust_request_chat_template = false;  // vLLM's --trust-request-chat-template: requests' chat_template taken
   std::string tool_call_parser;       // --tool-call-parser (known_tool_call_parser): chat takes tools
@@ -159,6 +165,9 @@ class Api {
   // ({"session_id"}: 200, empty): sessions_.
   void open_session(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   void close_session(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
+  // SGLang's /configure_logging ({"log_requests", "log_requests_level", ...}): request logging changed while running;
+  // 200 with an empty body.
+  void configure_logging(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   // POST /v1/responses: OpenAI's Responses API, generated as chat (server/responses.h); stored, continued and run
   // in the background through responses_store_.
   void responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
@@ -249,6 +258,9 @@ class Api {
   std::unique_ptr<ResponseStore> responses_store_;
   // SGLang's sessions (server/sessions.h); shared with the jobs that record their outputs there as they end.
   std::shared_ptr<SessionStore> sessions_ = std::make_shared<SessionStore>();
+  // Request logging as configured now (ServerOptions' log_requests / log_requests_level, /configure_logging).
+  std::atomic<bool> log_requests_{false};
+  std::atomic<int> log_level_{2};
   // OpenAI's Files and Batch APIs (server/batches.h): its lines run through handle(). Last: destroyed first.
   std::unique_ptr<BatchService> batches_;
 };

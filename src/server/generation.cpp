@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include <fmt/format.h>
+
 #include "core/error.h"
 #include "core/log.h"
 #include "server/protocol.h"
@@ -219,16 +221,35 @@ std::optional<std::string> GenerationJob::stop_regex_hit(size_t i, const std::st
   return spec_.stop_regex->search(tail);
 }
 
+std::string log_excerpt(std::string_view s, size_t max_len) {
+  size_t keep = std::min(s.size(), max_len);
+  while (keep > 0 && keep < s.size() && (static_cast<unsigned char>(s[keep]) & 0xC0) == 0x80) --keep;
+  std::string out = nlohmann::json(std::string(s.substr(0, keep))).dump(-1, ' ', false,
+                                                                        nlohmann::json::error_handler_t::replace);
+  if (keep < s.size()) out += fmt::format("...({} more bytes)", s.size() - keep);
+  return out;
+}
+
+std::string log_excerpt(const std::vector<int32_t>& ids, size_t max_len) {
+  const size_t keep = std::min(ids.size(), max_len);
+  std::string out = fmt::format("[{}]", fmt::join(ids.begin(), ids.begin() + static_cast<ptrdiff_t>(keep), ", "));
+  if (keep < ids.size()) out += fmt::format("...({} more ids)", ids.size() - keep);
+  return out;
+}
+
 void GenerationJob::finish_choice(size_t i, FinishReason reason) {
   Choice& c = choices_[i];
   c.finished = true;
   c.finish = std::move(reason);
   c.finish_time = Clock::now();
-  if (spec_.log)
-    MLA_LOG_INFO("request {} finished: {}, {} prompt tokens ({} cached), {} generated, {:.3f} s", c.rid,
+  if (spec_.log_level >= 0)
+    MLA_LOG_INFO("request {} finished: {}, {} prompt tokens ({} cached), {} generated, {:.3f} s{}", c.rid,
                  native_finish_reason(c.finish, static_cast<int32_t>(c.output_ids.size())).dump(), c.prompt_tokens,
                  c.cached_tokens, c.output_ids.size(),
-                 std::chrono::duration<double>(c.finish_time - start_time_).count());
+                 std::chrono::duration<double>(c.finish_time - start_time_).count(),
+                 spec_.log_level < 2 ? std::string()
+                 : codec_            ? ", text " + log_excerpt(c.text, spec_.log_max_len)
+                                     : ", output_ids " + log_excerpt(c.output_ids, spec_.log_max_len));
   ++num_finished_;
   if (metrics_) {
     metrics_->e2e_latency_seconds.observe(std::chrono::duration<double>(c.finish_time - start_time_).count());

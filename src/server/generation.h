@@ -40,7 +40,8 @@ struct JobSpec {
   bool no_stop_trim = false;      // keep the matched stop string in the text
   int32_t stream_interval = 1;    // on_update once a choice has this many tokens since its last one (or finished)
   int32_t priority = 0;           // GenerateRequest::priority (the engine's convention: lower first)
-  bool log = false;               // --log-requests: a log line as each choice finishes
+  int32_t log_level = -1;         // --log-requests: a log line as each choice finishes (-1: none; 2+: its text)
+  size_t log_max_len = 0;         // the most bytes of text (or ids) a log line shows (log_excerpt)
 };
 
 struct Choice {
@@ -76,6 +77,12 @@ struct ChoiceUpdate {
   size_t routes_begin = 0;  // entries of routed_experts
   bool finished = false;
 };
+
+// For request logs: `s` as a JSON string, cut after max_len bytes (at a character's start) with the bytes left out
+// counted.
+std::string log_excerpt(std::string_view s, size_t max_len);
+// The same for token ids (the first max_len).
+std::string log_excerpt(const std::vector<int32_t>& ids, size_t max_len);
 
 class GenerationJob : public std::enable_shared_from_this<GenerationJob> {
  public:

@@ -633,6 +633,36 @@ ojson openai_chunk(const ResponseContext& rc, ojson choice, const GenerationJob&
   return o;
 }
 
+// A generation request's log line as it arrives (--log-requests): its shape and counts, with spec.log_level 1 its
+// sampling parameters, with 2 its prompts (log_excerpt: their text, else their ids).
+std::string received_log_line(const HttpRequest& req, const JobSpec& spec, bool stream) {
+  size_t tokens = 0;
+  for (const JobPrompt& jp : spec.prompts) tokens += jp.input_ids.size();
+  std::string line = fmt::format("request {} received: {} {}, {} prompt(s) x n {}, {} prompt tokens{}", spec.id,
+                                 req.method, path_of(req.target), spec.prompts.size(), spec.n, tokens,
+                                 stream ? ", streamed" : "");
+  if (spec.log_level >= 1) {
+    const SamplingParams& s = spec.sampling;
+    line += fmt::format(", sampling: max_new_tokens {}, temperature {}, top_p {}, top_k {}, min_p {}, "
+                        "frequency_penalty {}, presence_penalty {}, repetition_penalty {}, min_new_tokens {}, "
+                        "ignore_eos {}",
+                        s.max_new_tokens, s.temperature, s.top_p, s.top_k, s.min_p, s.frequency_penalty,
+                        s.presence_penalty, s.repetition_penalty, s.min_new_tokens, s.ignore_eos);
+    if (s.seed) line += fmt::format(", seed {}", *s.seed);
+    for (const std::string& stop : spec.stop) line += ", stop " + log_excerpt(stop, spec.log_max_len);
+    if (!s.stop_token_ids.empty()) line += ", stop_token_ids " + log_excerpt(s.stop_token_ids, spec.log_max_len);
+    if (s.constraint) line += ", constrained";
+  }
+  if (spec.log_level >= 2)
+    for (size_t i = 0; i < spec.prompts.size(); ++i) {
+      const JobPrompt& jp = spec.prompts[i];
+      line += fmt::format(", prompt{} {}", spec.prompts.size() > 1 ? fmt::format("[{}]", i) : std::string(),
+                          jp.text.empty() ? log_excerpt(jp.input_ids, spec.log_max_len)
+                                          : log_excerpt(jp.text, spec.log_max_len));
+    }
+  return line;
+}
+
 }  // namespace
 
 struct Api::Prepared {
@@ -645,6 +675,8 @@ Api::Api(EngineClient& engine, const TextCodec* codec, ServerOptions opts)
   if (opts_.served_model_name.empty()) opts_.served_model_name = opts_.model_path;
   weights_->path = opts_.model_path;
   weights_->version = opts_.weight_version;
+  log_requests_ = opts_.log_requests;
+  log_level_ = opts_.log_requests_level;
   responses_store_ = std::make_unique<ResponseStore>();
   batches_ = std::make_unique<BatchService>([this](const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
     HttpRequest r = req;
@@ -746,6 +778,9 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/abort_request") {
       if (!post) method_not_allowed(req);
       abort_request(req, ex);
+    } else if (path == "/configure_logging") {
+      if (!get && !post) method_not_allowed(req);
+      configure_logging(req, ex);
     } else if (path == "/open_session" || path == "/close_session") {
       if (!get && !post) method_not_allowed(req);
       if (path == "/open_session") open_session(req, ex);
@@ -1319,6 +1354,44 @@ void Api::open_session(const HttpRequest& req, const std::shared_ptr<HttpExchang
   respond_json(ex, 200, json(sessions_->open(std::move(id), capacity)).dump());
 }
 
+void Api::configure_logging(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
+  const json body = parse_body(req.body.empty() ? "{}" : req.body);
+  std::optional<bool> on;
+  std::optional<int> level;
+  for (const auto& [key, v] : body.items()) {
+    if (v.is_null()) continue;  // (SGLang's: unchanged)
+    if (key == "log_requests") {
+      if (!v.is_boolean())
+        throw ApiError(400, fmt::format("'log_requests' must be a boolean, got {}", v.dump()), key, "invalid_type");
+      on = v.get<bool>();
+    } else if (key == "log_requests_level") {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > 3)
+        throw ApiError(400, fmt::format("'log_requests_level' must be 0, 1, 2 or 3, got {}", v.dump()), key,
+                       "invalid_value");
+      level = v.get<int>();
+    } else if (key == "dump_requests_folder" || key == "crash_dump_folder") {
+      if (!v.is_string())
+        throw ApiError(400, fmt::format("'{}' must be a string, got {}", key, v.dump()), key, "invalid_type");
+      if (!v.get<std::string>().empty())
+        throw ApiError(400, fmt::format("'{}': this server writes no request dumps (SGLang's pickle files)", key), key,
+                       "unsupported_parameter");
+    } else if (key == "dump_requests_threshold") {
+      if (!v.is_number_integer())
+        throw ApiError(400, fmt::format("'{}' must be an integer, got {}", key, v.dump()), key, "invalid_type");
+    } else {
+      throw ApiError(400,
+                     fmt::format("'{}' is not a logging setting (log_requests, log_requests_level, "
+                                 "dump_requests_folder, dump_requests_threshold, crash_dump_folder)",
+                                 key),
+                     key, "invalid_value");
+    }
+  }
+  if (on) log_requests_ = *on;
+  if (level) log_level_ = *level;
+  MLA_LOG_INFO("request logging {} (level {}), by /configure_logging", log_requests_ ? "on" : "off", log_level_.load());
+  ex->respond(200, "text/plain", "");  // SGLang's empty answer
+}
+
 void Api::close_session(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
   const json body = parse_body(req.body.empty() ? "{}" : req.body);
   const auto sid = body.find("session_id");
@@ -1846,15 +1919,12 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
                                                    : parse_chat(body, opts_.parse, req.body);
   if (!id.empty()) pr.rid = id;
   Prepared p = prepare(pr);
-  p.spec.log = opts_.log_requests;
-  if (opts_.log_requests) {
-    size_t tokens = 0;
-    for (const JobPrompt& jp : p.spec.prompts) tokens += jp.input_ids.size();
-    MLA_LOG_INFO("request {} received: {} {}, {} prompt(s) x n {}, {} prompt tokens, max_new_tokens {}, temperature "
-                 "{}{}",
-                 p.spec.id, req.method, path_of(req.target), p.spec.prompts.size(), p.spec.n, tokens,
-                 p.spec.sampling.max_new_tokens, p.spec.sampling.temperature, pr.stream ? ", streamed" : "");
-  }
+  const int level = log_requests_.load() ? log_level_.load() : -1;
+  p.spec.log_level = level;
+  p.spec.log_max_len = opts_.max_log_len >= 0 ? static_cast<size_t>(opts_.max_log_len)
+                       : level >= 3            ? std::numeric_limits<size_t>::max()
+                                               : size_t{2048};
+  if (level >= 0) MLA_LOG_INFO("{}", received_log_line(req, p.spec, pr.stream));
   const bool stream = pr.stream;
   auto job = std::make_shared<GenerationJob>(engine_, codec_, &metrics_, ex->executor(), std::move(p.spec));
   const ResponseContext rc = p.rc;

@@ -1826,22 +1826,82 @@ TEST(ServeFlags, TrustRequestChatTemplate) {
 // finishes, naming its id; none without the flag.
 TEST(ServeFlags, LogRequests) {
   ASSERT_TRUE(have_deepseek_tokenizer());
-  for (const char* flag : {"--log-requests", "--enable-log-requests", ""}) {
-    SCOPED_TRACE(flag);
-    ServerProcess s(*flag ? std::vector<std::string>{flag} : std::vector<std::string>{});
+  // (flags, level: -1 none; max_log_len)
+  const std::vector<std::tuple<std::vector<std::string>, int, int>> cases = {
+      {{"--log-requests"}, 2, 2048},
+      {{"--enable-log-requests", "--log-requests-level", "0"}, 0, 0},
+      {{"--log-requests", "--log-requests-level", "3", "--max-log-len", "2"}, 3, 2},
+      {{}, -1, 0}};
+  for (const auto& [flags, level, max_len] : cases) {
+    SCOPED_TRACE(::testing::PrintToString(flags));
+    ServerProcess s(flags);
     ASSERT_TRUE(s.running()) << s.log();
     const json r = post_json(s.port(), "/generate", R"({"text": "Hello", "sampling_params": {"max_new_tokens": 3,
-        "ignore_eos": true}})");
+        "ignore_eos": true, "temperature": 0}})");
     const std::string id = r["meta_info"]["id"];
     EXPECT_EQ(s.stop(), 0);
     const std::string log = s.log();
-    const bool received = log.find("request " + id + " received: POST /generate, 1 prompt(s)") != std::string::npos;
-    const bool finished =
-        log.find("request " + id + " finished: {\"length\":3,\"type\":\"length\"}") != std::string::npos ||
-        log.find("request " + id + " finished: {\"type\":\"length\",\"length\":3}") != std::string::npos;
-    EXPECT_EQ(received, *flag != '\0') << log;
-    EXPECT_EQ(finished, *flag != '\0') << log;
+    auto line = [&](const std::string& what) {  // the log line of request `id` that starts so ("" if none)
+      const size_t at = log.find("request " + id + " " + what);
+      return at == std::string::npos ? std::string() : log.substr(at, log.find('\n', at) - at);
+    };
+    const std::string received = line("received: POST /generate, 1 prompt(s) x n 1, ");
+    const std::string finished = line("finished: ");
+    EXPECT_EQ(!received.empty(), level >= 0) << log;
+    EXPECT_EQ(!finished.empty(), level >= 0) << log;
+    if (level < 0) continue;
+    EXPECT_TRUE(finished.find(R"({"length":3,"type":"length"})") != std::string::npos ||
+                finished.find(R"({"type":"length","length":3})") != std::string::npos)
+        << finished;
+    EXPECT_EQ(received.find("sampling: max_new_tokens 3, temperature 0, ") != std::string::npos, level >= 1)
+        << received;
+    const std::string text = r["text"];
+    if (level < 2) {
+      EXPECT_EQ(received.find(", prompt "), std::string::npos) << received;
+      EXPECT_EQ(finished.find(", text "), std::string::npos) << finished;
+    } else if (max_len >= 5) {
+      EXPECT_NE(received.find(R"(, prompt "Hello")"), std::string::npos) << received;
+      EXPECT_NE(finished.find(", text " + json(text).dump()), std::string::npos) << finished;
+    } else {
+      EXPECT_NE(received.find(R"(, prompt "He"...(3 more bytes))"), std::string::npos) << received;
+      EXPECT_NE(finished.find(", text "), std::string::npos) << finished;
+    }
   }
+}
+
+// SGLang's /configure_logging turns request logging on and off (and sets its level) while the server runs.
+TEST(ServeFlags, ConfigureLogging) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  ServerProcess s(std::vector<std::string>{});
+  ASSERT_TRUE(s.running()) << s.log();
+  auto generate = [&] {
+    return post_json(s.port(), "/generate", R"({"text": "Hi", "sampling_params": {"max_new_tokens": 2}})")["meta_info"]
+                    ["id"]
+        .get<std::string>();
+  };
+  const std::string quiet = generate();
+  auto r = http_request(s.port(), "POST", "/configure_logging", R"({"log_requests": true, "log_requests_level": 1})");
+  EXPECT_EQ(r.status, 200) << r.body;
+  EXPECT_TRUE(r.body.empty());
+  const std::string logged = generate();
+  EXPECT_EQ(http_request(s.port(), "POST", "/configure_logging", R"({"log_requests": false})").status, 200);
+  const std::string quiet_again = generate();
+  for (const char* bad : {R"({"log_requests_level": 4})", R"({"log_requests": "yes"})",
+                          R"({"dump_requests_folder": "/tmp/dumps"})", R"({"verbose": true})", "[1]"}) {
+    r = http_request(s.port(), "POST", "/configure_logging", bad);
+    EXPECT_EQ(r.status, 400) << bad << " -> " << r.body;
+    EXPECT_TRUE(json::parse(r.body)["error"]["message"].is_string()) << r.body;
+  }
+  EXPECT_EQ(s.stop(), 0);
+  const std::string log = s.log();
+  EXPECT_EQ(log.find("request " + quiet + " received"), std::string::npos) << log;
+  const size_t at = log.find("request " + logged + " received");
+  ASSERT_NE(at, std::string::npos) << log;
+  const std::string line = log.substr(at, log.find('\n', at) - at);
+  EXPECT_NE(line.find("sampling: max_new_tokens 2"), std::string::npos) << line;
+  EXPECT_EQ(line.find(", prompt "), std::string::npos) << line;  // (level 1)
+  EXPECT_NE(log.find("request " + logged + " finished"), std::string::npos) << log;
+  EXPECT_EQ(log.find("request " + quiet_again + " received"), std::string::npos) << log;
 }
 
 // vLLM's --enable-request-id-headers: responses carry X-Request-Id, the request's own or a new one (none without it).
