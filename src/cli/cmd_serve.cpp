@@ -37,6 +37,7 @@ namespace {
 
 struct ServeArgs {
   std::string model_path, tokenizer_path, served_model_name;
+  std::vector<std::string> served_model_names;  // --served-model-name's (vLLM's: several; the first is the model's)
   std::string weight_version = "default";  // SGLang's --weight-version
   std::string positional_model;      // `serve MODEL` (vLLM's form)
   std::string hf_overrides, json_model_override_args;  // vLLM's / SGLang's config.json overrides (a JSON object)
@@ -526,7 +527,9 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--json-model-override-args", a->json_model_override_args,
                  "the same, SGLang's name");
   app.add_option("--tokenizer-path,--tokenizer", a->tokenizer_path, "tokenizer directory (default: --model-path)");
-  app.add_option("--served-model-name", a->served_model_name, "model name in the OpenAI API (default: --model-path)");
+  app.add_option("--served-model-name", a->served_model_names,
+                 "the model's name in the OpenAI API (default: --model-path); with several (vLLM's), requests may use "
+                 "any and /v1/models lists each");
   app.add_option("--host", a->host, "address to listen on")->capture_default_str();
   app.add_option("--port", a->port, "port to listen on (0: any free port)")->capture_default_str();
   app.add_option("--tp,--tp-size,--tensor-parallel-size", a->tp, "tensor parallel size")->capture_default_str();
@@ -835,7 +838,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     MLA_CHECK(s.request_timeout >= 0, "--request-timeout must be >= 0");
     MLA_CHECK(std::filesystem::is_directory(s.model_path), "--model-path: '{}' is not a directory", s.model_path);
     if (s.tokenizer_path.empty()) s.tokenizer_path = s.model_path;
-    if (s.served_model_name.empty()) s.served_model_name = s.model_path;
+    for (const std::string& n : s.served_model_names) MLA_CHECK(!n.empty(), "--served-model-name: an empty name");
+    s.served_model_name = s.served_model_names.empty() ? s.model_path : s.served_model_names[0];
     if (s.trust_remote_code) MLA_LOG_DEBUG("--trust-remote-code: no effect (no remote code is ever run)");
 
     std::unique_ptr<server::TextCodec> codec;
@@ -921,6 +925,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.api_key = s.api_key;
     so.allowed_origins = s.origins;
     so.served_model_name = s.served_model_name;
+    if (s.served_model_names.size() > 1)
+      so.served_model_aliases.assign(s.served_model_names.begin() + 1, s.served_model_names.end());
     so.model_path = s.model_path;
     so.weight_version = s.weight_version;
     if (const char* d = std::getenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR"); d && *d)

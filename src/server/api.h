@@ -80,6 +80,9 @@ struct ServerOptions {
   // "*" any origin, empty: none.
   std::vector<std::string> allowed_origins = {"*"};
   std::string served_model_name;      // what /v1/models lists and OpenAI requests name
+  // vLLM's --served-model-name with several names: the others, which requests may name too (answered under the name
+  // they used) and /v1/models lists after the first.
+  std::vector<std::string> served_model_aliases;
   std::string model_path;
   std::string tokenizer_path;
   size_t max_body_bytes = 256u << 20;
@@ -212,8 +215,12 @@ class Api {
   // The checkpoint the weights came from and their version (both change with updates).
   std::pair<std::string, std::string> weights_info() const;
   Prepared prepare(ParsedRequest& pr);
-  // ApiError 404 unless `model` names the served model (its name, its path, or "default").
+  // ApiError 404 unless `model` names the served model (one of its names, its path, or "default").
   void check_model(const std::string& model) const;
+  // `model` is one of the served model's names (served_model_name or an alias) or its path.
+  bool serves(const std::string& model) const;
+  // The name OpenAI responses give: the request's `model` when it is one of the served names, else the first.
+  const std::string& answered_name(const std::string& model) const;
   // A chat request's prompt text: the model's chat template, or the request's own (vLLM's chat_template: a 400
   // without --trust-request-chat-template); ApiError 400 when the template fails on the messages.
   std::string render_chat(const ParsedRequest& pr, bool add_generation_prompt, const nlohmann::json& vars) const;
@@ -227,7 +234,7 @@ class Api {
   // A 404: the background response `id` was deleted before its client got it (from any thread).
   void respond_deleted(const std::shared_ptr<HttpExchange>& ex, const std::string& id);
   std::string new_id();
-  nlohmann::ordered_json model_card() const;
+  nlohmann::ordered_json model_card(const std::string& name) const;
 
   EngineClient& engine_;
   const TextCodec* codec_;

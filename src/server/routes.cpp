@@ -688,9 +688,9 @@ Api::Api(EngineClient& engine, const TextCodec* codec, ServerOptions opts)
 Api::~Api() = default;
 
 // What /v1/models lists and /v1/models/{id} returns.
-ojson Api::model_card() const {
+ojson Api::model_card(const std::string& name) const {
   ojson m;
-  m["id"] = opts_.served_model_name;
+  m["id"] = name;
   m["object"] = "model";
   m["created"] = unix_seconds();
   m["owned_by"] = "mlaserve";
@@ -789,16 +789,17 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
       if (!get) method_not_allowed(req);
       ojson body;
       body["object"] = "list";
-      body["data"] = ojson::array({model_card()});
+      body["data"] = ojson::array({model_card(opts_.served_model_name)});
+      for (const std::string& alias : opts_.served_model_aliases) body["data"].push_back(model_card(alias));
       respond_json(ex, 200, dump(body));
     } else if (path.rfind("/v1/models/", 0) == 0) {  // OpenAI's retrieve: the id may hold '/' (org/name)
       if (!get) method_not_allowed(req);
       const std::string id = percent_decode(path.substr(std::string_view("/v1/models/").size()));
-      if (id != opts_.served_model_name && id != opts_.model_path)
+      if (!serves(id))
         throw ApiError(404, fmt::format("the model '{}' does not exist; this server serves '{}'", id,
                                         opts_.served_model_name),
                        "model", "model_not_found");
-      respond_json(ex, 200, dump(model_card()));
+      respond_json(ex, 200, dump(model_card(answered_name(id))));
     } else if (path == "/get_load") {  // SGLang's, read by its router: one object per DP rank
       if (!get) method_not_allowed(req);
       ojson loads = ojson::array();
@@ -1155,7 +1156,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
   }
   p.rc = ResponseContext{pr.api,
                          p.spec.id,
-                         opts_.served_model_name,
+                         answered_name(pr.model),
                          unix_seconds(),
                          pr.logprobs,
                          pr.top_logprobs,
@@ -1729,6 +1730,8 @@ void Api::responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>&
   chat.body = responses_to_chat(body, prior).dump();  // in the request's key order (a schema's properties' order)
   const std::string id = "resp_" + new_id();  // also the job's: /abort_request takes it
   const int64_t created = unix_seconds();
+  const auto model = body.find("model");  // (checked as the chat request's)
+  const std::string name = answered_name(model != body.end() && model->is_string() ? model->get<std::string>() : "");
   std::shared_ptr<const ojson> context;
   ojson input;
   if (store) {
@@ -1743,7 +1746,7 @@ void Api::responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>&
         st->put(id, r, std::move(input), context);  // once: the answer or the stream's end
       };
     generate(ApiKind::Chat, chat,
-             std::make_shared<ResponsesExchange>(ex, body, id, created, opts_.served_model_name, std::move(finished)),
+             std::make_shared<ResponsesExchange>(ex, body, id, created, name, std::move(finished)),
              id);
     return;
   }
@@ -1752,9 +1755,9 @@ void Api::responses(const HttpRequest& req, const std::shared_ptr<HttpExchange>&
   // GET ?stream=true does; going away does not stop the generation.
   ResponseStore* st = responses_store_.get();
   auto outer = st->begin_background(
-      id, response_object(body, id, created, opts_.served_model_name, "queued"), std::move(input), std::move(context),
+      id, response_object(body, id, created, name, "queued"), std::move(input), std::move(context),
       [&](std::shared_ptr<HttpExchange> inner) {
-        return std::make_shared<ResponsesExchange>(std::move(inner), body, id, created, opts_.served_model_name,
+        return std::make_shared<ResponsesExchange>(std::move(inner), body, id, created, name,
                                                    [st, id](const ojson& r) { st->complete(id, r); });
       },
       stream);
@@ -1888,8 +1891,20 @@ void Api::stored_response(const HttpRequest& req, std::string_view rest, std::st
   }
 }
 
+bool Api::serves(const std::string& model) const {
+  return model == opts_.served_model_name || model == opts_.model_path ||
+         std::find(opts_.served_model_aliases.begin(), opts_.served_model_aliases.end(), model) !=
+             opts_.served_model_aliases.end();
+}
+
+const std::string& Api::answered_name(const std::string& model) const {
+  const auto& aliases = opts_.served_model_aliases;
+  const auto it = std::find(aliases.begin(), aliases.end(), model);
+  return it != aliases.end() ? *it : opts_.served_model_name;
+}
+
 void Api::check_model(const std::string& model) const {
-  if (model != opts_.served_model_name && model != opts_.model_path && model != "default")
+  if (!serves(model) && model != "default")
     throw ApiError(404, fmt::format("the model '{}' does not exist; this server serves '{}'", model,
                                     opts_.served_model_name),
                    "model", "model_not_found");
@@ -1897,9 +1912,11 @@ void Api::check_model(const std::string& model) const {
 
 void Api::score(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool vllm) {
   const json body = parse_body(req.body);
+  std::string model;
   if (const auto m = body.find("model"); m != body.end() && !m->is_null()) {
     if (!m->is_string()) bad_request("model", "invalid_type", "'model' must be a string");
-    check_model(m->get<std::string>());
+    model = m->get<std::string>();
+    check_model(model);
   }
   ScorePlan plan =
       plan_score(body, vllm ? ScoreApi::Vllm : ScoreApi::Sglang, codec_, engine_.max_context_len(), opts_.parse);
@@ -1908,7 +1925,7 @@ void Api::score(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex,
   inner.body = plan.generate.dump();
   const std::string id = (vllm ? "generative-scoring-" : "score-") + new_id();
   generate(ApiKind::Native, inner,
-           std::make_shared<ScoreExchange>(ex, std::move(plan), id, unix_seconds(), opts_.served_model_name));
+           std::make_shared<ScoreExchange>(ex, std::move(plan), id, unix_seconds(), answered_name(model)));
 }
 
 void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex,

@@ -1631,8 +1631,15 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
                    "--base-gpu-id", "0", "--gpu-id-step", "1", "--enable-expert-parallel", "--enable-chunked-prefill",
                    "--swap-space", "16", "--uvicorn-log-level", "warning", "--compilation-config", R"({"level": 3})",
                    "--async-scheduling", "--enable-eplb", "--ep-num-redundant-experts", "32", "--pipeline-parallel-size",
-                   "1", "--max-logprobs", "2", "--return-tokens-as-token-ids"});
+                   "1", "--max-logprobs", "2", "--return-tokens-as-token-ids", "--served-model-name", "tiny-v3",
+                   "org/tiny"});
   ASSERT_TRUE(s.running()) << s.log();
+  // Two served names: both listed, either answered under its own name.
+  const json models = get_json(s.port(), "/v1/models");
+  ASSERT_EQ(models["data"].size(), 2u) << models.dump();
+  EXPECT_EQ(models["data"][1]["id"], "org/tiny");
+  EXPECT_EQ(post_json(s.port(), "/v1/completions", R"({"model": "org/tiny", "prompt": "a", "max_tokens": 1})")["model"],
+            "org/tiny");
   const json info = get_json(s.port(), "/get_server_info");
   EXPECT_EQ(info["context_length"], 2048);
   EXPECT_EQ(info["max_running_requests"], 8);

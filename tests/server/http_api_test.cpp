@@ -2688,5 +2688,40 @@ TEST(HttpApi, SessionRequestCutShortCanBeContinued) {
   for (size_t i = 5; i + 1 < in.size(); ++i) EXPECT_EQ(in[i], "slow"[(i - 5) % 4]) << i;  // what it had generated
 }
 
+// vLLM's --served-model-name with several names: requests may name any (and are answered under it), /v1/models lists
+// each, other names stay a 404.
+TEST(HttpApi, SeveralServedModelNames) {
+  ServerOptions o;
+  o.served_model_aliases = {"alias", "org/other-name"};
+  TestServer s(o);
+  const json models = json::parse(s.get("/v1/models").body);
+  ASSERT_EQ(models["data"].size(), 3u) << models.dump();
+  EXPECT_EQ(models["data"][0]["id"], "fake");
+  EXPECT_EQ(models["data"][1]["id"], "alias");
+  EXPECT_EQ(models["data"][2]["id"], "org/other-name");
+  EXPECT_EQ(json::parse(s.get("/v1/models/org/other-name").body)["id"], "org/other-name");
+  EXPECT_EQ(json::parse(s.get("/v1/models/alias").body)["id"], "alias");
+  EXPECT_EQ(s.get("/v1/models/other-name").status, 404);
+  for (const std::string name : {"fake", "alias", "org/other-name", "/models/fake", "default"}) {
+    SCOPED_TRACE(name);
+    const std::string answered = name == "alias" || name == "org/other-name" ? name : "fake";
+    auto r = s.post("/v1/completions", R"({"prompt": "ab", "max_tokens": 2, "model": ")" + name + "\"}");
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(json::parse(r.body)["model"], answered);
+    r = s.post("/v1/chat/completions",
+               R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "model": ")" + name + "\"}");
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(json::parse(r.body)["model"], answered);
+    r = s.post("/v1/responses", R"({"input": "x", "max_output_tokens": 2, "model": ")" + name + "\"}");
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(json::parse(r.body)["model"], answered);
+    r = s.post("/v1/score", R"({"query": "q", "items": ["a"], "label_token_ids": [97], "model": ")" + name + "\"}");
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(json::parse(r.body)["model"], answered);
+  }
+  auto r = s.post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "model": "other-name"})");
+  EXPECT_EQ(r.status, 404) << r.body;
+}
+
 }  // namespace
 }  // namespace mlaserve::server
