@@ -26,88 +26,94 @@ bool member_is(const json& o, const char* key, std::string_view want) {
   return it != o.end() && it->is_string() && it->get_ref<const std::string&>() == want;
 }
 
-// Typed, validated access to the fields of one JSON object; `prefix` makes error params precise
-// ("sampling_params.top_p").
-class Fields {
- public:
-  Fields(const json& obj, std::string prefix) : obj_(obj), prefix_(std::move(prefix)) {}
+}  // namespace
 
-  std::string param(const std::string& key) const { return prefix_ + key; }
-  // nullptr when absent or null (JSON null means "default" in these APIs).
-  const json* get(const std::string& key) const {
-    auto it = obj_.find(key);
-    if (it == obj_.end() || it->is_null()) return nullptr;
-    return &*it;
+const json* Fields::get(const std::string& key) const {
+  auto it = obj_.find(key);
+  if (it == obj_.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+const json& Fields::required(const std::string& key, std::string_view what) const {
+  const json* v = get(key);
+  if (!v) bad_request(param(key), "invalid_value", "'{}' ({}) is required", param(key), what);
+  return *v;
+}
+
+std::string Fields::required_string(const std::string& key, std::string_view what) const {
+  required(key, what);
+  return *string(key);
+}
+
+std::optional<double> Fields::number(const std::string& key, double lo, double hi, bool lo_open) const {
+  const json* v = get(key);
+  if (!v) return std::nullopt;
+  if (!v->is_number())
+    bad_request(param(key), "invalid_type", "'{}' must be a number, got {}", param(key), type_name(*v));
+  double d = v->get<double>();
+  if (!std::isfinite(d) || d < lo || d > hi || (lo_open && d == lo))
+    bad_request(param(key), "invalid_value", "'{}' must be in {}{}, {}], got {}", param(key), lo_open ? "(" : "[", lo,
+                hi, v->dump());
+  return d;
+}
+
+std::optional<int64_t> Fields::integer(const std::string& key, int64_t lo, int64_t hi) const {
+  const json* v = get(key);
+  if (!v) return std::nullopt;
+  return as_integer(*v, param(key), lo, hi);
+}
+
+int64_t Fields::as_integer(const json& v, const std::string& p, int64_t lo, int64_t hi) {
+  int64_t i = 0;
+  if (v.is_number_unsigned()) {
+    uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      bad_request(p, "invalid_value", "'{}' must be in [{}, {}], got {}", p, lo, hi, v.dump());
+    i = static_cast<int64_t>(u);
+  } else if (v.is_number_integer()) {
+    i = v.get<int64_t>();
+  } else if (v.is_number_float() && std::isfinite(v.get<double>()) && std::floor(v.get<double>()) == v.get<double>() &&
+             std::fabs(v.get<double>()) < 9e15) {
+    i = static_cast<int64_t>(v.get<double>());
+  } else {
+    bad_request(p, "invalid_type", "'{}' must be an integer, got {}", p,
+                v.is_number_float() ? "a fractional number" : type_name(v));
   }
-  bool has(const std::string& key) const { return get(key) != nullptr; }
+  if (i < lo || i > hi) bad_request(p, "invalid_value", "'{}' must be in [{}, {}], got {}", p, lo, hi, i);
+  return i;
+}
 
-  std::optional<double> number(const std::string& key, double lo, double hi, bool lo_open = false) const {
-    const json* v = get(key);
-    if (!v) return std::nullopt;
-    if (!v->is_number())
-      bad_request(param(key), "invalid_type", "'{}' must be a number, got {}", param(key), type_name(*v));
-    double d = v->get<double>();
-    if (!std::isfinite(d) || d < lo || d > hi || (lo_open && d == lo))
-      bad_request(param(key), "invalid_value", "'{}' must be in {}{}, {}], got {}", param(key), lo_open ? "(" : "[",
-                  lo, hi, v->dump());
-    return d;
-  }
+std::optional<bool> Fields::boolean(const std::string& key) const {
+  const json* v = get(key);
+  if (!v) return std::nullopt;
+  if (!v->is_boolean())
+    bad_request(param(key), "invalid_type", "'{}' must be a boolean, got {}", param(key), type_name(*v));
+  return v->get<bool>();
+}
 
-  std::optional<int64_t> integer(const std::string& key, int64_t lo, int64_t hi) const {
-    const json* v = get(key);
-    if (!v) return std::nullopt;
-    return as_integer(*v, param(key), lo, hi);
-  }
+std::optional<std::string> Fields::string(const std::string& key) const {
+  const json* v = get(key);
+  if (!v) return std::nullopt;
+  if (!v->is_string())
+    bad_request(param(key), "invalid_type", "'{}' must be a string, got {}", param(key), type_name(*v));
+  return v->get<std::string>();
+}
 
-  static int64_t as_integer(const json& v, const std::string& p, int64_t lo, int64_t hi) {
-    int64_t i = 0;
-    if (v.is_number_unsigned()) {
-      uint64_t u = v.get<uint64_t>();
-      if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-        bad_request(p, "invalid_value", "'{}' must be in [{}, {}], got {}", p, lo, hi, v.dump());
-      i = static_cast<int64_t>(u);
-    } else if (v.is_number_integer()) {
-      i = v.get<int64_t>();
-    } else if (v.is_number_float() && std::isfinite(v.get<double>()) && std::floor(v.get<double>()) == v.get<double>() &&
-               std::fabs(v.get<double>()) < 9e15) {
-      i = static_cast<int64_t>(v.get<double>());
-    } else {
-      bad_request(p, "invalid_type", "'{}' must be an integer, got {}", p,
-                  v.is_number_float() ? "a fractional number" : type_name(v));
-    }
-    if (i < lo || i > hi) bad_request(p, "invalid_value", "'{}' must be in [{}, {}], got {}", p, lo, hi, i);
-    return i;
-  }
+void Fields::reject_unsupported(const std::string& key, const char* why) const {
+  const json* v = get(key);
+  if (!v) return;
+  if ((v->is_array() || v->is_object() || v->is_string()) && v->empty()) return;
+  if (v->is_boolean() && !v->get<bool>()) return;
+  bad_request(param(key), "unsupported_parameter", "'{}' is not supported by this server ({})", param(key), why);
+}
 
-  std::optional<bool> boolean(const std::string& key) const {
-    const json* v = get(key);
-    if (!v) return std::nullopt;
-    if (!v->is_boolean())
-      bad_request(param(key), "invalid_type", "'{}' must be a boolean, got {}", param(key), type_name(*v));
-    return v->get<bool>();
-  }
+void Fields::allow_only(std::initializer_list<std::string_view> known, std::string_view what) const {
+  for (const auto& [key, value] : obj_.items())
+    if (std::find(known.begin(), known.end(), key) == known.end())
+      bad_request(param(key), "invalid_value", "'{}' is not {} ({})", param(key), what, fmt::join(known, ", "));
+}
 
-  std::optional<std::string> string(const std::string& key) const {
-    const json* v = get(key);
-    if (!v) return std::nullopt;
-    if (!v->is_string())
-      bad_request(param(key), "invalid_type", "'{}' must be a string, got {}", param(key), type_name(*v));
-    return v->get<std::string>();
-  }
-
-  // Fields this server does not implement: present and not the neutral value -> 400 saying so.
-  void reject_unsupported(const std::string& key, const char* why) const {
-    const json* v = get(key);
-    if (!v) return;
-    if ((v->is_array() || v->is_object() || v->is_string()) && v->empty()) return;
-    if (v->is_boolean() && !v->get<bool>()) return;
-    bad_request(param(key), "unsupported_parameter", "'{}' is not supported by this server ({})", param(key), why);
-  }
-
- private:
-  const json& obj_;
-  std::string prefix_;
-};
+namespace {
 
 std::vector<int32_t> token_ids(const json& v, const std::string& p, bool allow_empty = false) {
   if (!v.is_array()) bad_request(p, "invalid_type", "'{}' must be an array of token ids, got {}", p, type_name(v));
@@ -535,11 +541,8 @@ void parse_openai_common(const Fields& f, const ParseOptions& opts, ParsedReques
 std::optional<SessionParams> session_params(const json& v) {
   const std::string p = "session_params";
   if (!v.is_object()) bad_request(p, "invalid_type", "'{}' must be an object, got {}", p, type_name(v));
-  for (const auto& [key, value] : v.items())
-    if (key != "id" && key != "rid" && key != "offset" && key != "replace" && key != "drop_previous_output")
-      bad_request(p + "." + key, "invalid_value",
-                  "'{}.{}' is not a session parameter (id, rid, offset, replace, drop_previous_output)", p, key);
   Fields f(v, p + ".");
+  f.allow_only({"id", "rid", "offset", "replace", "drop_previous_output"}, "a session parameter");
   auto id = f.string("id");
   if (!id) return std::nullopt;
   SessionParams s;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -26,6 +27,36 @@ enum class ApiKind { Native, Completions, Chat };
 struct PromptInput {
   std::optional<std::string> text;
   std::vector<int32_t> input_ids;
+};
+
+// Typed, validated access to the fields of one JSON object: each reader gives nullopt when the field is absent or
+// null (JSON null means "default" in these APIs) and an ApiError 400 naming it ("sampling_params.top_p": `prefix`
+// and the key) when it has the wrong type or range.
+class Fields {
+ public:
+  Fields(const nlohmann::json& obj, std::string prefix = {}) : obj_(obj), prefix_(std::move(prefix)) {}
+  Fields(nlohmann::json&&, std::string = {}) = delete;  // (it keeps a reference)
+
+  std::string param(const std::string& key) const { return prefix_ + key; }
+  const nlohmann::json* get(const std::string& key) const;  // nullptr when absent or null
+  bool has(const std::string& key) const { return get(key) != nullptr; }
+  // The field (400 "'key' (what) is required" when absent or null).
+  const nlohmann::json& required(const std::string& key, std::string_view what) const;
+  std::string required_string(const std::string& key, std::string_view what) const;  // required and a string
+  std::optional<double> number(const std::string& key, double lo, double hi, bool lo_open = false) const;
+  std::optional<int64_t> integer(const std::string& key, int64_t lo, int64_t hi) const;
+  // An integer value (a float with an integral value too) in [lo, hi]; `p` names it in errors.
+  static int64_t as_integer(const nlohmann::json& v, const std::string& p, int64_t lo, int64_t hi);
+  std::optional<bool> boolean(const std::string& key) const;
+  std::optional<std::string> string(const std::string& key) const;
+  // Fields this server does not implement: present and not the neutral value -> 400 saying so.
+  void reject_unsupported(const std::string& key, const char* why) const;
+  // A 400 naming the first key not among `known` (`what`: what the object is, for the message).
+  void allow_only(std::initializer_list<std::string_view> known, std::string_view what) const;
+
+ private:
+  const nlohmann::json& obj_;
+  std::string prefix_;
 };
 
 struct ParsedRequest {

@@ -37,22 +37,16 @@ std::string_view query_of(std::string_view target) {
   return q == std::string_view::npos ? std::string_view() : target.substr(q + 1);
 }
 
-// A string field of a small request's body: its value, `fallback` when absent or null, a 400 naming it otherwise.
-std::string string_field(const json& body, const char* name, const std::string& fallback) {
-  const auto it = body.find(name);
-  if (it == body.end() || it->is_null()) return fallback;
-  if (!it->is_string()) bad_request(name, "invalid_type", "'{}' must be a string", name);
-  return it->get<std::string>();
-}
+// A small route's body: parse_body's object, or {} when the body is empty (SGLang's routes take either).
+json body_or_empty(const HttpRequest& req) { return req.body.empty() ? json::object() : parse_body(req.body); }
 
 // SGLang's /separate_reasoning: {"text", "reasoning_parser"} (default: the server's --reasoning-parser) ->
 // {"reasoning_text", "text"}, split as chat splits a reply: deepseek-r1 reads everything before "</think>" as
 // reasoning (R1 may leave out the opening "<think>"), deepseek-v3 (the hybrid V3.1) only a text that opens one.
 ojson separate_reasoning(const json& body, const std::string& server_parser) {
-  if (!body.is_object()) bad_request("", "invalid_type", "the body must be a JSON object");
-  if (!body.contains("text")) bad_request("text", "invalid_value", "'text' (the text to split) is required");
-  const std::string text = string_field(body, "text", "");
-  const std::string parser = string_field(body, "reasoning_parser", server_parser);
+  const Fields f(body);
+  const std::string text = f.required_string("text", "the text to split");
+  const std::string parser = f.string("reasoning_parser").value_or(server_parser);
   if (parser.empty())
     bad_request("reasoning_parser", "invalid_value",
                 "'reasoning_parser' is required: this server runs without --reasoning-parser");
@@ -78,11 +72,10 @@ ojson separate_reasoning(const json& body, const std::string& server_parser) {
 // no tool of `tools` is dropped and the normal text is the text before the calls, trimmed; with no tools at all
 // every call is listed (tool_index -1). "parameters" is the arguments' text as generated (chat's "arguments").
 ojson parse_function_call(const json& body, const std::string& server_parser) {
-  if (!body.is_object()) bad_request("", "invalid_type", "the body must be a JSON object");
-  if (!body.contains("text")) bad_request("text", "invalid_value", "'text' (the text to parse) is required");
-  const std::string text = string_field(body, "text", "");
+  const Fields f(body);
+  const std::string text = f.required_string("text", "the text to parse");
   const std::string parser =
-      string_field(body, "tool_call_parser", server_parser.empty() ? std::string("deepseekv3") : server_parser);
+      f.string("tool_call_parser").value_or(server_parser.empty() ? std::string("deepseekv3") : server_parser);
   if (!known_tool_call_parser(parser))
     bad_request("tool_call_parser", "invalid_value",
                 "'tool_call_parser' '{}' is not known (known: deepseekv3, deepseek_v3, deepseekv31, deepseek_v31)",
@@ -933,15 +926,12 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/update_weight_version") {  // SGLang's: {"new_version"} (its abort_all_requests not taken)
       if (!post) method_not_allowed(req);
       const json body = parse_body(req.body);
-      const auto v = body.find("new_version");
-      if (v == body.end() || !v->is_string())
-        throw ApiError(400, "'new_version' (a string) is required", "new_version", "invalid_value");
+      const std::string v = Fields(body).required_string("new_version", "the weights' version");
       {
         std::lock_guard lk(weights_->mu);
-        weights_->version = v->get<std::string>();
+        weights_->version = v;
       }
-      respond_json(ex, 200,
-                   dump(ojson{{"success", true}, {"message", "weight version updated to " + v->get<std::string>()}}));
+      respond_json(ex, 200, dump(ojson{{"success", true}, {"message", "weight version updated to " + v}}));
     } else if (path == "/metrics") {
       if (!get) method_not_allowed(req);
       ex->respond(200, "text/plain; version=0.0.4", metrics_.render(engine_.stats(), opts_.served_model_name));
@@ -1227,23 +1217,12 @@ void Api::tokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& 
   if (body.contains("messages")) {
     ids = chat_prompt_ids(body);
   } else {
-    const auto it = body.find("prompt");
-    if (it == body.end() || !it->is_string())
-      throw ApiError(400, "'prompt' (a string) or 'messages' is required", "prompt", "invalid_value");
-    bool special = true;
-    if (const auto a = body.find("add_special_tokens"); a != body.end() && !a->is_null()) {
-      if (!a->is_boolean())
-        throw ApiError(400, "'add_special_tokens' must be a boolean", "add_special_tokens", "invalid_type");
-      special = a->get<bool>();
-    }
-    ids = codec_->encode(it->get<std::string>(), special);
+    const Fields f(body);
+    const std::string prompt = f.required_string("prompt", "a string; or 'messages'");
+    ids = codec_->encode(prompt, f.boolean("add_special_tokens").value_or(true));
   }
-  bool strs = false;  // vLLM's return_token_strs: the vocabulary's strings of the ids too
-  if (const auto a = body.find("return_token_strs"); a != body.end() && !a->is_null()) {
-    if (!a->is_boolean())
-      throw ApiError(400, "'return_token_strs' must be a boolean", "return_token_strs", "invalid_type");
-    strs = a->get<bool>();
-  }
+  // vLLM's return_token_strs: the vocabulary's strings of the ids too
+  const bool strs = Fields(body).boolean("return_token_strs").value_or(false);
   ojson out;
   out["count"] = ids.size();
   out["max_model_len"] = engine_.max_context_len();
@@ -1261,12 +1240,7 @@ void Api::tokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& 
 
 std::vector<int32_t> Api::chat_prompt_ids(const json& body) {
   ParsedRequest pr = parse_chat(body, opts_.parse);  // validates the messages
-  bool gen = true;
-  if (const auto it = body.find("add_generation_prompt"); it != body.end() && !it->is_null()) {
-    if (!it->is_boolean())
-      throw ApiError(400, "'add_generation_prompt' must be a boolean", "add_generation_prompt", "invalid_type");
-    gen = it->get<bool>();
-  }
+  const bool gen = Fields(body).boolean("add_generation_prompt").value_or(true);
   json vars = pr.chat_template_kwargs;
   if (!pr.tools.is_null() && !pr.tool_choice_none) vars["tools"] = pr.tools;
   return codec_->encode(render_chat(pr, gen, vars), /*add_special_tokens=*/false);
@@ -1295,13 +1269,8 @@ void Api::detokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>
     throw ApiError(400, "'tokens' (an array of token ids) is required", "tokens", "invalid_value");
   std::vector<int32_t> ids;
   const int64_t vocab = static_cast<int64_t>(codec_->vocab_size());
-  for (size_t i = 0; i < it->size(); ++i) {
-    const json& v = (*it)[i];
-    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= vocab)
-      throw ApiError(400, fmt::format("'tokens[{}]' must be a token id in [0, {}), got {}", i, vocab, v.dump()),
-                     fmt::format("tokens[{}]", i), "invalid_value");
-    ids.push_back(static_cast<int32_t>(v.get<int64_t>()));
-  }
+  for (size_t i = 0; i < it->size(); ++i)
+    ids.push_back(static_cast<int32_t>(Fields::as_integer((*it)[i], fmt::format("tokens[{}]", i), 0, vocab - 1)));
   ojson out;
   out["prompt"] = codec_->decode(ids, /*skip_special_tokens=*/false);
   respond_json(ex, 200, dump(out));
@@ -1309,13 +1278,12 @@ void Api::detokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>
 
 void Api::abort_request(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
   const json body = parse_body(req.body);
-  const auto rid = body.find("rid");
-  const auto all = body.find("abort_all");
-  const bool abort_all = all != body.end() && all->is_boolean() && all->get<bool>();
-  if (!abort_all && (rid == body.end() || !rid->is_string()))
-    throw ApiError(400, "'rid' (a string) or 'abort_all': true is required", "rid", "invalid_value");
-  const size_t n = abort_jobs([&](const std::string& id) { return abort_all || id == rid->get<std::string>(); },
-                              "aborted by /abort_request");
+  const Fields f(body);
+  const bool abort_all = f.boolean("abort_all").value_or(false);
+  const std::optional<std::string> rid = f.string("rid");
+  if (!abort_all && !rid) bad_request("rid", "invalid_value", "'rid' (a string) or 'abort_all': true is required");
+  const size_t n =
+      abort_jobs([&](const std::string& id) { return abort_all || id == *rid; }, "aborted by /abort_request");
   respond_json(ex, 200, dump(ojson{{"aborted", n}}));
 }
 
@@ -1336,71 +1304,38 @@ size_t Api::abort_jobs(const std::function<bool(const std::string&)>& match, con
 }
 
 void Api::open_session(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
-  const json body = parse_body(req.body.empty() ? "{}" : req.body);
-  const auto cap = body.find("capacity_of_str_len");
-  if (cap == body.end() || cap->is_null())
-    throw ApiError(400, "'capacity_of_str_len' (an integer) is required", "capacity_of_str_len", "invalid_value");
-  if (!cap->is_number_integer())
-    throw ApiError(400, fmt::format("'capacity_of_str_len' must be an integer, got {}", cap->dump()),
-                   "capacity_of_str_len", "invalid_type");
-  std::string id;
-  if (const auto sid = body.find("session_id"); sid != body.end() && !sid->is_null()) {
-    if (!sid->is_string() || sid->get<std::string>().empty())
-      throw ApiError(400, fmt::format("'session_id' must be a non-empty string, got {}", sid->dump()), "session_id",
-                     "invalid_type");
-    id = sid->get<std::string>();
-  }
-  const int64_t capacity = cap->is_number_unsigned() && cap->get<uint64_t>() > INT64_MAX ? INT64_MAX
-                                                                                          : cap->get<int64_t>();
-  respond_json(ex, 200, json(sessions_->open(std::move(id), capacity)).dump());
+  const json body = body_or_empty(req);
+  const Fields f(body);
+  f.required("capacity_of_str_len", "an integer");
+  const int64_t capacity = *f.integer("capacity_of_str_len", 0, std::numeric_limits<int64_t>::max());
+  const std::optional<std::string> id = f.string("session_id");
+  if (id && id->empty()) bad_request("session_id", "invalid_value", "'session_id' must not be empty");
+  respond_json(ex, 200, json(sessions_->open(id.value_or(""), capacity)).dump());
 }
 
 void Api::configure_logging(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
-  const json body = parse_body(req.body.empty() ? "{}" : req.body);
-  std::optional<bool> on;
-  std::optional<int> level;
-  for (const auto& [key, v] : body.items()) {
-    if (v.is_null()) continue;  // (SGLang's: unchanged)
-    if (key == "log_requests") {
-      if (!v.is_boolean())
-        throw ApiError(400, fmt::format("'log_requests' must be a boolean, got {}", v.dump()), key, "invalid_type");
-      on = v.get<bool>();
-    } else if (key == "log_requests_level") {
-      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > 3)
-        throw ApiError(400, fmt::format("'log_requests_level' must be 0, 1, 2 or 3, got {}", v.dump()), key,
-                       "invalid_value");
-      level = v.get<int>();
-    } else if (key == "dump_requests_folder" || key == "crash_dump_folder") {
-      if (!v.is_string())
-        throw ApiError(400, fmt::format("'{}' must be a string, got {}", key, v.dump()), key, "invalid_type");
-      if (!v.get<std::string>().empty())
-        throw ApiError(400, fmt::format("'{}': this server writes no request dumps (SGLang's pickle files)", key), key,
-                       "unsupported_parameter");
-    } else if (key == "dump_requests_threshold") {
-      if (!v.is_number_integer())
-        throw ApiError(400, fmt::format("'{}' must be an integer, got {}", key, v.dump()), key, "invalid_type");
-    } else {
-      throw ApiError(400,
-                     fmt::format("'{}' is not a logging setting (log_requests, log_requests_level, "
-                                 "dump_requests_folder, dump_requests_threshold, crash_dump_folder)",
-                                 key),
-                     key, "invalid_value");
-    }
-  }
+  const json body = body_or_empty(req);
+  const Fields f(body);
+  f.allow_only({"log_requests", "log_requests_level", "dump_requests_folder", "dump_requests_threshold",
+                "crash_dump_folder"},
+               "a logging setting");
+  const std::optional<bool> on = f.boolean("log_requests");  // (absent or null: unchanged, as SGLang's)
+  const std::optional<int64_t> level = f.integer("log_requests_level", 0, 3);
+  for (const char* key : {"dump_requests_folder", "crash_dump_folder"})
+    if (!f.string(key).value_or("").empty())
+      bad_request(key, "unsupported_parameter", "'{}': this server writes no request dumps (SGLang's pickle files)",
+                  key);
+  f.integer("dump_requests_threshold", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max());
   if (on) log_requests_ = *on;
-  if (level) log_level_ = *level;
+  if (level) log_level_ = static_cast<int>(*level);
   MLA_LOG_INFO("request logging {} (level {}), by /configure_logging", log_requests_ ? "on" : "off", log_level_.load());
   ex->respond(200, "text/plain", "");  // SGLang's empty answer
 }
 
 void Api::close_session(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
-  const json body = parse_body(req.body.empty() ? "{}" : req.body);
-  const auto sid = body.find("session_id");
-  if (sid == body.end() || !sid->is_string())
-    throw ApiError(400, "'session_id' (a string) is required", "session_id", "invalid_value");
-  if (!sessions_->close(sid->get<std::string>()))
-    throw ApiError(400, fmt::format("session '{}' is not open", sid->get<std::string>()), "session_id",
-                   "invalid_value");
+  const json body = body_or_empty(req);
+  const std::string id = Fields(body).required_string("session_id", "the session to close");
+  if (!sessions_->close(id)) bad_request("session_id", "invalid_value", "session '{}' is not open", id);
   ex->respond(200, "text/plain", "");  // SGLang's empty answer
 }
 
@@ -1411,29 +1346,16 @@ std::pair<std::string, std::string> Api::weights_info() const {
 
 void Api::update_weights_from_disk(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
   const json body = parse_body(req.body);
-  if (!body.is_object()) throw ApiError(400, "the body must be a JSON object", "", "invalid_value");
-  auto field = [&](const char* name, json::value_t type, const char* what) -> const json* {
-    const auto it = body.find(name);
-    if (it == body.end() || it->is_null()) return nullptr;
-    if (it->type() != type)
-      throw ApiError(400, fmt::format("'{}' must be {}, got {}", name, what, it->dump()), name, "invalid_value");
-    return &*it;
-  };
+  const Fields f(body);
   WeightUpdate u;
-  const json* path = field("model_path", json::value_t::string, "a string (the checkpoint's folder)");
-  if (!path || path->get<std::string>().empty())
-    throw ApiError(400, "'model_path' (the folder of the checkpoint to load) is required", "model_path",
-                   "invalid_value");
-  u.model_path = path->get<std::string>();
-  if (const json* f = field("load_format", json::value_t::string, "a string"))
-    if (f->get<std::string>() != "auto" && f->get<std::string>() != "safetensors")
-      throw ApiError(400, fmt::format("'load_format' {}: weights load from safetensors (auto or safetensors)",
-                                      f->dump()),
-                     "load_format", "invalid_value");
-  if (const json* f = field("abort_all_requests", json::value_t::boolean, "a boolean")) u.abort_all_requests = *f;
-  if (const json* f = field("flush_cache", json::value_t::boolean, "a boolean")) u.flush_cache = *f;
-  std::optional<std::string> version;
-  if (const json* f = field("weight_version", json::value_t::string, "a string")) version = f->get<std::string>();
+  u.model_path = f.required_string("model_path", "the folder of the checkpoint to load");
+  if (u.model_path.empty()) bad_request("model_path", "invalid_value", "'model_path' must be a checkpoint's folder");
+  if (const std::optional<std::string> lf = f.string("load_format"); lf && *lf != "auto" && *lf != "safetensors")
+    bad_request("load_format", "invalid_value",
+                "'load_format' '{}': weights load from safetensors (auto or safetensors)", *lf);
+  u.abort_all_requests = f.boolean("abort_all_requests").value_or(u.abort_all_requests);
+  u.flush_cache = f.boolean("flush_cache").value_or(u.flush_cache);
+  const std::optional<std::string> version = f.string("weight_version");
   std::weak_ptr<HttpExchange> wex = ex;
   Executor post = ex->executor();
   MLA_LOG_INFO("updating the weights from {}", u.model_path);
@@ -1470,16 +1392,12 @@ void Api::pause(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex,
     if (flag("wait_for_inflight_requests", false)) mode = PauseMode::Drain;
     clear_cache = flag("clear_cache", true);
   } else {
-    const json body = req.body.empty() ? json::object() : parse_body(req.body);
-    const auto m = body.is_object() ? body.find("mode") : body.end();
-    if (!body.is_object()) throw ApiError(400, "the body must be a JSON object", "", "invalid_value");
-    if (m != body.end() && !m->is_null()) {
-      const std::string v = m->is_string() ? m->get<std::string>() : m->dump();
-      if (v == "retract") mode = PauseMode::Retract;
-      else if (v == "in_place") mode = PauseMode::InPlace;
-      else if (v != "abort")
-        throw ApiError(400, fmt::format("'mode' must be abort, retract or in_place, got {}", m->dump()), "mode",
-                       "invalid_value");
+    const json body = body_or_empty(req);
+    if (const std::optional<std::string> m = Fields(body).string("mode")) {
+      if (*m == "retract") mode = PauseMode::Retract;
+      else if (*m == "in_place") mode = PauseMode::InPlace;
+      else if (*m != "abort")
+        bad_request("mode", "invalid_value", "'mode' must be abort, retract or in_place, got '{}'", *m);
     }
   }
   std::weak_ptr<HttpExchange> wex = ex;
@@ -1504,8 +1422,7 @@ void Api::pause(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex,
 }
 
 void Api::memory_occupation(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool release) {
-  const json body = req.body.empty() ? json::object() : parse_body(req.body);
-  if (!body.is_object()) throw ApiError(400, "the body must be a JSON object", "", "invalid_value");
+  const json body = body_or_empty(req);
   // SGLang's tags name parts of the memory; here the weights and the KV cache share one allocation, released and
   // taken again together (the CUDA graphs' memory stays): any of them means all.
   if (const auto t = body.find("tags"); t != body.end() && !t->is_null()) {
@@ -1589,17 +1506,12 @@ void Api::profile(const HttpRequest& req, const std::shared_ptr<HttpExchange>& e
   p.output_dir = opts_.profile_dir;
   if (start && !req.body.empty()) {
     const json body = parse_body(req.body);
-    if (!body.is_object()) throw ApiError(400, "the body must be a JSON object", "", "invalid_value");
-    if (const auto d = body.find("output_dir"); d != body.end() && !d->is_null()) {
-      if (!d->is_string() || d->get<std::string>().empty())
-        throw ApiError(400, "'output_dir' must be a folder's path", "output_dir", "invalid_value");
-      p.output_dir = d->get<std::string>();
+    const Fields f(body);
+    if (const std::optional<std::string> d = f.string("output_dir")) {
+      if (d->empty()) bad_request("output_dir", "invalid_value", "'output_dir' must be a folder's path");
+      p.output_dir = *d;
     }
-    if (const auto n = body.find("num_steps"); n != body.end() && !n->is_null()) {
-      if (!n->is_number_integer() || n->get<int64_t>() < 1)
-        throw ApiError(400, "'num_steps' must be a positive integer", "num_steps", "invalid_value");
-      p.num_steps = n->get<int64_t>();
-    }
+    if (auto n = f.integer("num_steps", 1, std::numeric_limits<int64_t>::max())) p.num_steps = *n;
   }
   engine_.profile(p, [later = on_connection(ex), start](const ProfileResult& r) {
     for (const std::string& path : r.paths) MLA_LOG_INFO("profile written to {}", path);

@@ -21,28 +21,16 @@ std::vector<int32_t> ids_of(const json& v, const std::string& field) {
   return token_id_list(v, field, /*allow_empty=*/true);
 }
 
-bool bool_field(const json& body, const char* name, bool fallback) {
-  const auto it = body.find(name);
-  if (it == body.end() || it->is_null()) return fallback;
-  if (!it->is_boolean()) bad_request(name, "invalid_type", "'{}' must be a boolean", name);
-  return it->get<bool>();
-}
-
-const json& required(const json& body, const char* name, const char* what) {
-  const auto it = body.find(name);
-  if (it == body.end() || it->is_null()) bad_request(name, "invalid_value", "'{}' ({}) is required", name, what);
-  return *it;
-}
-
 }  // namespace
 
 ScorePlan plan_score(const json& body, ScoreApi api, const TextCodec* codec, int64_t max_context,
                      const ParseOptions& limits) {
   const size_t max_labels = static_cast<size_t>(limits.max_token_ids_logprob);
   if (!body.is_object()) bad_request("", "invalid_type", "the body must be a JSON object");
+  const Fields f(body);
   ScorePlan p;
   p.api = api;
-  p.labels = ids_of(required(body, "label_token_ids", "the token ids to score"), "label_token_ids");
+  p.labels = ids_of(f.required("label_token_ids", "the token ids to score"), "label_token_ids");
   if (p.labels.empty()) bad_request("label_token_ids", "invalid_value", "'label_token_ids' must hold a token id");
   if (p.labels.size() > max_labels)
     bad_request("label_token_ids", "invalid_value", "'label_token_ids' has {} ids; at most {} are allowed",
@@ -52,10 +40,10 @@ ScorePlan plan_score(const json& body, ScoreApi api, const TextCodec* codec, int
       if (static_cast<size_t>(id) >= codec->vocab_size())
         bad_request("label_token_ids", "invalid_value", "label token id {} is outside the vocabulary [0, {})", id,
                     codec->vocab_size());
-  p.apply_softmax = bool_field(body, "apply_softmax", api == ScoreApi::Vllm);
-  const bool item_first = bool_field(body, "item_first", false);
-  const json& query = required(body, "query", "a text or a list of token ids");
-  json items = required(body, "items", "a list of texts or of token id lists");
+  p.apply_softmax = f.boolean("apply_softmax").value_or(api == ScoreApi::Vllm);
+  const bool item_first = f.boolean("item_first").value_or(false);
+  const json& query = f.required("query", "a text or a list of token ids");
+  json items = f.required("items", "a list of texts or of token id lists");
   if (api == ScoreApi::Sglang && items.is_string()) items = json::array({items});  // SGLang takes one text
   if (!items.is_array() || items.empty())
     bad_request("items", items.is_array() ? "invalid_value" : "invalid_type",
@@ -88,7 +76,7 @@ ScorePlan plan_score(const json& body, ScoreApi api, const TextCodec* codec, int
     }
     p.generate[text ? "text" : "input_ids"] = std::move(prompts);
   } else {  // vLLM: ids joined after tokenizing each part
-    const bool add_special = bool_field(body, "add_special_tokens", true);
+    const bool add_special = f.boolean("add_special_tokens").value_or(true);
     auto encode = [&](const json& v, bool special, const std::string& field) {
       if (!v.is_string()) return ids_of(v, field);
       if (!codec) bad_request(field, "no_tokenizer", "text needs a tokenizer; this server runs without one: send ids");
