@@ -52,18 +52,37 @@ const SessionStore::Node& SessionStore::parent(const Session& s, const SessionPa
   return it->second;
 }
 
+void SessionStore::append(const Session& s, const Node& node, size_t n, std::vector<int32_t>& out) {
+  // The chain up to the root, each node with the tokens of it wanted (a loop: a conversation may be long).
+  std::vector<std::pair<const Node*, size_t>> chain{{&node, n}};
+  while (chain.back().first->parent) {
+    const auto [at, want] = chain.back();
+    chain.emplace_back(&s.nodes.at(*at->parent), std::min(want, at->keep));
+  }
+  for (auto it = chain.rbegin(); it != chain.rend(); ++it) {  // root first: its tokens, then each child's own ones
+    size_t rest = it->second - (it->first->parent ? std::min(it->second, it->first->keep) : 0);
+    for (const std::vector<int32_t>* part : {&it->first->own, &it->first->output}) {
+      const size_t k = std::min(rest, part->size());
+      out.insert(out.end(), part->begin(), part->begin() + static_cast<ptrdiff_t>(k));
+      rest -= k;
+    }
+  }
+}
+
+size_t SessionStore::kept(const Node& parent, const SessionParams& p) {
+  const auto n = static_cast<int64_t>(prompt_len(parent) + (p.drop_previous_output ? 0 : parent.output.size()));
+  if (p.offset == 0) return static_cast<size_t>(n);
+  return static_cast<size_t>(p.offset > 0 ? std::min(p.offset, n) : std::max<int64_t>(n + p.offset, 0));  // [:offset]
+}
+
 std::vector<int32_t> SessionStore::prompt(const SessionParams& p, const std::vector<int32_t>& ids,
                                           std::optional<int32_t> bos) const {
   std::lock_guard lk(mu_);
   const Session& s = session(sessions_, p);
   if (!p.rid) return ids;
   const Node& last = parent(s, p);
-  std::vector<int32_t> out = last.prompt;
-  if (!p.drop_previous_output) out.insert(out.end(), last.output.begin(), last.output.end());
-  if (p.offset != 0) {  // Python's out[:offset]
-    const auto n = static_cast<int64_t>(out.size());
-    out.resize(static_cast<size_t>(p.offset > 0 ? std::min(p.offset, n) : std::max<int64_t>(n + p.offset, 0)));
-  }
+  std::vector<int32_t> out;
+  append(s, last, kept(last, p), out);
   const bool skip = bos && !ids.empty() && ids.front() == *bos;  // the new turn's BOS: not in mid-prompt
   out.insert(out.end(), ids.begin() + (skip ? 1 : 0), ids.end());
   return out;
@@ -79,7 +98,7 @@ void SessionStore::drop(Session& s, const std::string& rid, std::vector<std::str
 }
 
 std::vector<std::string> SessionStore::add(const SessionParams& p, const std::string& rid,
-                                           std::vector<int32_t> prompt) {
+                                           const std::vector<int32_t>& prompt) {
   std::lock_guard lk(mu_);
   Session& s = session(sessions_, p);
   if (p.rid) parent(s, p);  // still there and finished
@@ -101,8 +120,12 @@ std::vector<std::string> SessionStore::add(const SessionParams& p, const std::st
   }
   Node node;
   node.parent = p.rid;
-  node.prompt = std::move(prompt);
-  if (p.rid) s.nodes.at(*p.rid).children.push_back(rid);
+  if (p.rid) {
+    Node& last = s.nodes.at(*p.rid);
+    node.keep = std::min(kept(last, p), prompt.size());
+    last.children.push_back(rid);
+  }
+  node.own.assign(prompt.begin() + static_cast<ptrdiff_t>(node.keep), prompt.end());
   s.nodes.emplace(rid, std::move(node));
   return running;
 }
@@ -139,6 +162,15 @@ size_t SessionStore::num_requests(const std::string& id) const {
   std::lock_guard lk(mu_);
   const auto s = sessions_.find(id);
   return s == sessions_.end() ? 0 : s->second.nodes.size();
+}
+
+size_t SessionStore::num_tokens(const std::string& id) const {
+  std::lock_guard lk(mu_);
+  const auto s = sessions_.find(id);
+  size_t n = 0;
+  if (s != sessions_.end())
+    for (const auto& [rid, node] : s->second.nodes) n += node.own.size() + node.output.size();
+  return n;
 }
 
 }  // namespace mlaserve::server

@@ -37,23 +37,27 @@ class SessionStore {
   // session_params.* for an unknown session or request, or a parent that has not finished.
   std::vector<int32_t> prompt(const SessionParams& p, const std::vector<int32_t>& ids,
                               std::optional<int32_t> bos) const;
-  // Records request `rid` (running, prompt `prompt`) under its parent. With replace, the nodes it drops go first;
-  // returns the rids among them still running (for the caller to abort). ApiError 400 as prompt() (the tree may have
-  // changed since), or for a rid the session already has.
-  std::vector<std::string> add(const SessionParams& p, const std::string& rid, std::vector<int32_t> prompt);
+  // Records request `rid` (running; `prompt` what prompt() gave, or its first tokens) under its parent. With replace,
+  // the nodes it drops go first; returns the rids among them still running (for the caller to abort). ApiError 400 as
+  // prompt() (the tree may have changed since), or for a rid the session already has.
+  std::vector<std::string> add(const SessionParams& p, const std::string& rid, const std::vector<int32_t>& prompt);
   // Request `rid` of session `id` ended with these output tokens (nothing if the session or node is gone).
   void finish(const std::string& id, const std::string& rid, std::vector<int32_t> output_ids);
   // Removes request `rid` (and what continued it) from session `id`: its request never ran.
   void forget(const std::string& id, const std::string& rid);
   size_t num_sessions() const;
-  // The requests session `id` holds (0 if none).
+  // The requests session `id` holds (0 if none), and the tokens they hold.
   size_t num_requests(const std::string& id) const;
+  size_t num_tokens(const std::string& id) const;
 
  private:
+  // A request's prompt is the first `keep` tokens of its parent's prompt and output, then `own` (a root: own alone):
+  // each node holds only its new tokens, so a long conversation's turns do not each hold a copy of the earlier ones.
   struct Node {
     std::optional<std::string> parent;
     std::vector<std::string> children;
-    std::vector<int32_t> prompt, output;
+    size_t keep = 0;
+    std::vector<int32_t> own, output;
     bool finished = false;
   };
   struct Session {
@@ -64,6 +68,11 @@ class SessionStore {
   template <typename Map>
   static auto& session(Map& sessions, const SessionParams& p);
   static const Node& parent(const Session& s, const SessionParams& p);
+  // How many tokens of the parent's prompt and output a request continuing it keeps (drop_previous_output, offset).
+  static size_t kept(const Node& parent, const SessionParams& p);
+  // Appends the first `n` tokens of `node`'s prompt and output to `out`.
+  static void append(const Session& s, const Node& node, size_t n, std::vector<int32_t>& out);
+  static size_t prompt_len(const Node& node) { return node.keep + node.own.size(); }
   // Drops `rid` and its descendants, collecting those still running.
   static void drop(Session& s, const std::string& rid, std::vector<std::string>& running);
 

@@ -96,5 +96,39 @@ TEST(Sessions, PromptsFollowTheTree) {
   EXPECT_EQ(st.num_sessions(), 1u);
 }
 
+// A long conversation: each turn holds its own tokens only, and the prompts are whole.
+TEST(Sessions, LongConversationsHoldEachTokenOnce) {
+  SessionStore st;
+  const std::string s = st.open("", 0);
+  Ids whole{1, 2};
+  ASSERT_TRUE(st.add(params(s), "t0", whole).empty());
+  st.finish(s, "t0", {3});
+  whole.push_back(3);
+  const int kTurns = 3000;
+  for (int t = 1; t <= kTurns; ++t) {
+    const std::string parent = "t" + std::to_string(t - 1), rid = "t" + std::to_string(t);
+    const Ids turn{100 + t % 50, 7};
+    Ids want = whole;
+    want.push_back(100 + t % 50);  // (7: a BOS only at the start)
+    want.push_back(7);
+    const Ids got = st.prompt(params(s, parent), turn, 7);
+    ASSERT_EQ(got, want) << t;
+    ASSERT_TRUE(st.add(params(s, parent), rid, got).empty());
+    st.finish(s, rid, {t});
+    whole = want;
+    whole.push_back(t);
+  }
+  EXPECT_EQ(st.num_requests(s), static_cast<size_t>(kTurns) + 1);
+  EXPECT_EQ(st.num_tokens(s), whole.size());
+  // Cut deep in the conversation (offset), and a prompt given shorter than prompt() made it (its first tokens).
+  SessionParams cut = params(s, "t" + std::to_string(kTurns));
+  cut.offset = 5;
+  EXPECT_EQ(st.prompt(cut, {9}, 7), (Ids{1, 2, 3, 101, 7, 9}));
+  ASSERT_TRUE(st.add(cut, "short", {1, 2, 3}).empty());
+  st.finish(s, "short", {8});
+  EXPECT_EQ(st.prompt(params(s, "short"), {9}, 7), (Ids{1, 2, 3, 8, 9}));
+  EXPECT_EQ(st.num_tokens(s), whole.size() + 1);
+}
+
 }  // namespace
 }  // namespace mlaserve::server
