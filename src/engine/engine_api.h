@@ -152,6 +152,9 @@ struct GenerateRequest {
   // With priority scheduling (EngineOptions::priority_scheduling): lower values are admitted first (vLLM's
   // convention), and retraction takes the lowest priority first; otherwise it must be 0.
   int32_t priority = 0;
+  // vLLM's cache_salt / SGLang's extra_key: the request shares cached prefixes only with requests of the same salt
+  // ("": none).
+  std::string cache_salt;
   std::function<void(const GenerateOutput&)> on_output;
 };
 

@@ -18,6 +18,7 @@ struct RadixCache::Node {
   std::map<std::vector<int32_t>, std::unique_ptr<Node>> children;
   int32_t lock_ref = 0;
   uint64_t last_access = 0;
+  std::string salt;  // a salted tree's root: its salt
   bool on_device() const { return !pages.empty(); }
   size_t num_pages() const { return pages.empty() ? host.size() : pages.size(); }
   bool has_device_child() const {
@@ -34,10 +35,10 @@ struct OlderFirst {
 };
 using LruHeap = std::priority_queue<RadixCache::Node*, std::vector<RadixCache::Node*>, OlderFirst>;
 
-// The nodes under `root` (itself included) that `pick` chooses, as a heap: least recently used on top.
+// The nodes under `roots` (themselves included) that `pick` chooses, as a heap: least recently used on top.
 template <typename Pick>
-std::vector<RadixCache::Node*> lru_nodes(RadixCache::Node* root, const Pick& pick) {
-  std::vector<RadixCache::Node*> picked, stack{root};
+std::vector<RadixCache::Node*> lru_nodes(std::vector<RadixCache::Node*> roots, const Pick& pick) {
+  std::vector<RadixCache::Node*> picked, stack = std::move(roots);
   while (!stack.empty()) {
     RadixCache::Node* n = stack.back();
     stack.pop_back();
@@ -48,8 +49,8 @@ std::vector<RadixCache::Node*> lru_nodes(RadixCache::Node* root, const Pick& pic
   return picked;
 }
 template <typename Pick>
-LruHeap lru_heap(RadixCache::Node* root, const Pick& pick) {
-  return LruHeap(OlderFirst{}, lru_nodes(root, pick));
+LruHeap lru_heap(std::vector<RadixCache::Node*> roots, const Pick& pick) {
+  return LruHeap(OlderFirst{}, lru_nodes(std::move(roots), pick));
 }
 
 }  // namespace
@@ -61,18 +62,35 @@ RadixCache::RadixCache(int32_t page_size, PagePool& pool, bool enabled)
 
 RadixCache::~RadixCache() = default;
 
+std::vector<RadixCache::Node*> RadixCache::roots() const {
+  std::vector<Node*> out{root_.get()};
+  for (const auto& [_, r] : salted_) out.push_back(r.get());
+  return out;
+}
+
+void RadixCache::drop_if_empty_root(Node* node) {
+  if (node->parent || node == root_.get() || !node->children.empty()) return;
+  const std::string salt = node->salt;  // (erasing destroys the node)
+  salted_.erase(salt);
+}
+
 void RadixCache::touch(Node* n) {
   ++clock_;
   for (; n; n = n->parent) n->last_access = clock_;
 }
 
-RadixCache::Match RadixCache::match_prefix(std::span<const int32_t> tokens, int32_t max_tokens) {
+RadixCache::Match RadixCache::match_prefix(std::span<const int32_t> tokens, int32_t max_tokens,
+                                            std::string_view salt) {
   Match m;
-  m.node = root_.get();
   if (!enabled_) return m;
+  Node* node = root_.get();
+  if (!salt.empty()) {
+    const auto it = salted_.find(salt);
+    if (it == salted_.end()) return m;  // nothing cached under this salt
+    node = it->second.get();
+  }
   const size_t P = static_cast<size_t>(page_size_);
   const size_t limit = std::min(tokens.size(), static_cast<size_t>(std::max(0, max_tokens))) / P * P;
-  Node* node = root_.get();
   size_t pos = 0;
   std::vector<Node*> on_host;  // the matched edges past the device part, top down
   while (pos < limit) {
@@ -136,7 +154,8 @@ bool RadixCache::load(const std::vector<Node*>& path) {
 }
 
 void RadixCache::enable_host_tier(int32_t host_slots) {
-  MLA_CHECK(cached_pages_ == 0 && root_->children.empty(), "radix cache: the host tier is enabled before caching");
+  MLA_CHECK(cached_pages_ == 0 && root_->children.empty() && salted_.empty(),
+            "radix cache: the host tier is enabled before caching");
   if (!enabled_ || host_slots <= 0) return;
   host_pool_ = std::make_unique<PagePool>(host_slots);
 }
@@ -158,7 +177,7 @@ RadixCache::Copies RadixCache::take_copies() {
 }
 
 bool RadixCache::host_droppable(const Node* x) const {
-  return x != root_.get() && !x->on_device() && x->children.empty() && x->lock_ref == 0;
+  return x->parent && !x->on_device() && x->children.empty() && x->lock_ref == 0;
 }
 
 bool RadixCache::free_host_slots(int32_t n) {
@@ -168,7 +187,7 @@ bool RadixCache::free_host_slots(int32_t n) {
   // pending loads read cannot. Too few: keep what is there.
   if (n > host_pool_->num_pages() - static_cast<int32_t>(slots_after_step_.size())) return false;
   if (!host_drops_found_) {
-    host_drops_ = lru_nodes(root_.get(), [&](const Node* x) { return host_droppable(x); });
+    host_drops_ = lru_nodes(roots(), [&](const Node* x) { return host_droppable(x); });
     host_drops_found_ = true;
   }
   while (host_pool_->num_free() < n && !host_drops_.empty()) {
@@ -183,6 +202,7 @@ bool RadixCache::free_host_slots(int32_t n) {
       host_drops_.push_back(parent);
       std::push_heap(host_drops_.begin(), host_drops_.end(), OlderFirst{});
     }
+    drop_if_empty_root(parent);
   }
   return host_pool_->num_free() >= n;
 }
@@ -211,33 +231,44 @@ RadixCache::Node* RadixCache::split(Node* node, size_t pages_kept) {
 }
 
 void RadixCache::lock(Node* node) {
-  for (Node* n = node; n && n != root_.get(); n = n->parent) {
+  for (Node* n = node; n && n->parent; n = n->parent) {
     if (n->lock_ref == 0) evictable_pages_ -= static_cast<int32_t>(n->pages.size());
     ++n->lock_ref;
   }
 }
 
 void RadixCache::unlock(Node* node) {
-  for (Node* n = node; n && n != root_.get(); n = n->parent) {
+  for (Node* n = node; n && n->parent; n = n->parent) {
     MLA_CHECK(n->lock_ref > 0, "radix cache: unlock of an unlocked node");
     --n->lock_ref;
     if (n->lock_ref == 0) evictable_pages_ += static_cast<int32_t>(n->pages.size());
   }
 }
 
-RadixCache::Node* RadixCache::insert(std::span<const int32_t> tokens, std::span<const int32_t> pages) {
+RadixCache::Node* RadixCache::insert(std::span<const int32_t> tokens, std::span<const int32_t> pages,
+                                     std::string_view salt) {
   std::vector<int32_t> copy(pages.begin(), pages.end());
-  return insert_shared(tokens, copy);
+  return insert_shared(tokens, copy, salt);
 }
 
-RadixCache::Node* RadixCache::insert_shared(std::span<const int32_t> tokens, std::span<int32_t> pages) {
+RadixCache::Node* RadixCache::insert_shared(std::span<const int32_t> tokens, std::span<int32_t> pages,
+                                            std::string_view salt) {
   const size_t P = static_cast<size_t>(page_size_);
   MLA_CHECK(tokens.size() >= pages.size() * P, "radix cache: {} pages but only {} tokens", pages.size(), tokens.size());
   if (!enabled_) {
     pool_.free(std::vector<int32_t>(pages.begin(), pages.end()));
     return nullptr;
   }
+  if (pages.empty()) return nullptr;
   Node* node = root_.get();
+  if (!salt.empty()) {
+    auto it = salted_.find(salt);
+    if (it == salted_.end()) {
+      it = salted_.emplace(std::string(salt), std::make_unique<Node>()).first;
+      it->second->salt = it->first;
+    }
+    node = it->second.get();
+  }
   size_t pg = 0;  // pages consumed
   std::vector<int32_t> dup;
   while (pg < pages.size()) {
@@ -285,7 +316,7 @@ RadixCache::Node* RadixCache::insert_shared(std::span<const int32_t> tokens, std
 int32_t RadixCache::pages_unlocked_by(std::span<Node* const> nodes) const {
   std::unordered_map<const Node*, int32_t> paths;  // node -> how many of the paths run through it
   for (const Node* n : nodes)
-    for (; n && n != root_.get(); n = n->parent) ++paths[n];
+    for (; n && n->parent; n = n->parent) ++paths[n];
   int32_t pages = 0;
   for (const auto& [n, k] : paths)
     if (n->lock_ref == k) pages += static_cast<int32_t>(n->pages.size());
@@ -296,9 +327,9 @@ int32_t RadixCache::evict(int32_t num_pages) {
   if (!enabled_ || num_pages <= 0) return 0;
   // Leaves of the device part: unlocked, no child on the device (children on the host tier stay below them).
   const auto evictable = [&](const Node* x) {
-    return x != root_.get() && x->on_device() && x->lock_ref == 0 && !x->has_device_child();
+    return x->parent && x->on_device() && x->lock_ref == 0 && !x->has_device_child();
   };
-  LruHeap heap = lru_heap(root_.get(), evictable);
+  LruHeap heap = lru_heap(roots(), evictable);
   int32_t freed = 0;
   host_drops_found_ = false;
   while (freed < num_pages && !heap.empty()) {
@@ -328,6 +359,7 @@ int32_t RadixCache::evict(int32_t num_pages) {
     evictable_pages_ -= np;
     cached_pages_ -= np;
     if (evictable(parent)) heap.push(parent);
+    drop_if_empty_root(parent);
   }
   host_drops_.clear();
   host_drops_found_ = false;
@@ -336,15 +368,16 @@ int32_t RadixCache::evict(int32_t num_pages) {
 
 void RadixCache::free_subtree(Node* node) {
   for (auto& [_, c] : node->children) free_subtree(c.get());
-  if (node == root_.get()) return;
+  if (!node->parent) return;
   if (node->on_device()) pool_.free(node->pages);
   else if (host_pool_) host_pool_->free(node->host);
 }
 
 bool RadixCache::reset() {
   if (evictable_pages_ != cached_pages_) return false;  // something is locked
-  free_subtree(root_.get());
+  for (Node* r : roots()) free_subtree(r);
   root_ = std::make_unique<Node>();
+  salted_.clear();
   evictable_pages_ = cached_pages_ = 0;
   pending_.saves.clear();  // (what they would write belongs to nothing now)
   return true;
@@ -354,7 +387,12 @@ void RadixCache::check_integrity() const {
   const size_t P = static_cast<size_t>(page_size_);
   std::set<int32_t> seen, seen_host;
   int32_t evictable = 0, total = 0;
-  std::vector<const Node*> stack{root_.get()};
+  std::vector<const Node*> stack;
+  for (const Node* r : roots()) {
+    MLA_CHECK(r == root_.get() || (!r->children.empty() && salted_.count(r->salt)),
+              "radix cache: the root of salt '{}' holds nothing", r->salt);
+    stack.push_back(r);
+  }
   while (!stack.empty()) {
     const Node* n = stack.back();
     stack.pop_back();
@@ -364,13 +402,13 @@ void RadixCache::check_integrity() const {
       MLA_CHECK(c->num_pages() > 0 && c->key.size() == c->num_pages() * P,
                 "radix cache: edge of {} tokens holds {} pages", c->key.size(), c->num_pages());
       MLA_CHECK(c->pages.empty() || c->host.empty(), "radix cache: an edge both on the device and on the host");
-      MLA_CHECK(!c->on_device() || n == root_.get() || n->on_device(),
+      MLA_CHECK(!c->on_device() || !n->parent || n->on_device(),
                 "radix cache: an edge on the device below one on the host");
       MLA_CHECK(std::equal(first.begin(), first.end(), c->key.begin()), "radix cache: child key mismatch");
       child_locks = std::max(child_locks, c->lock_ref);
       stack.push_back(c.get());
     }
-    if (n == root_.get()) continue;
+    if (!n->parent) continue;
     MLA_CHECK(n->lock_ref >= child_locks, "radix cache: a node is locked less than its child");
     for (int32_t p : n->pages) {
       MLA_CHECK(seen.insert(p).second, "radix cache: page {} cached twice", p);

@@ -10,6 +10,10 @@
 // until then an edge being loaded stays pinned (not evictable) and the slots it left stay taken, so no copy of the
 // same step reads what another writes.
 //
+// Cache salts (vLLM's cache_salt, SGLang's extra_key): each salt has a tree of its own (a root per salt, made by its
+// first insert and gone once its last edge is), so requests share cached prefixes only with requests of the same salt;
+// eviction ranks the edges of all trees together.
+//
 // Invariants (check_integrity): every edge's key length = its pages (device or host) * page_size; a node's lock_ref >=
 // its children's (locks propagate to the root); a node on the device has its parent on the device (or the root);
 // pages in the tree are never on the pool's free list and appear once, host slots likewise; evictable_pages = device
@@ -20,6 +24,8 @@
 #include <map>
 #include <memory>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "engine/page_pool.h"
@@ -33,7 +39,7 @@ class RadixCache {
   struct Match {
     std::vector<int32_t> pages;  // pages caching tokens [0, tokens)
     int32_t tokens = 0;
-    Node* node = nullptr;        // deepest node of the match (lock it while the pages are in use)
+    Node* node = nullptr;        // deepest node of the match (lock it while the pages are in use); null: none
     int32_t loaded_tokens = 0;   // of `tokens`, those copied back from the host tier for this match
   };
   // Copies between device pages and host slots that the next step must carry out, before its forward.
@@ -53,19 +59,20 @@ class RadixCache {
   bool has_host_tier() const { return host_pool_ != nullptr; }
   // Longest cached prefix of `tokens` in whole pages, at most `max_tokens` long. Touches the path (LRU). With a host
   // tier, the part of it on the host is loaded when device pages can be had for it (else the match ends before it).
-  Match match_prefix(std::span<const int32_t> tokens, int32_t max_tokens);
+  // `salt`: the tree of that cache salt ("" none).
+  Match match_prefix(std::span<const int32_t> tokens, int32_t max_tokens, std::string_view salt = {});
   // The copies recorded since the last call, for the step about to run (releases the pins of the loaded edges).
   Copies take_copies();
   bool copies_pending() const { return !pending_.empty(); }
   void lock(Node* node);    // null: no-op
   void unlock(Node* node);  // null: no-op
   // Caches tokens[0, pages.size() * page_size) held in `pages`. Pages of positions the tree already caches with
-  // a different page are duplicates and go back to the pool. Returns the node ending the inserted path. When the
-  // cache is disabled, every page goes back to the pool and null is returned.
-  Node* insert(std::span<const int32_t> tokens, std::span<const int32_t> pages);
+  // a different page are duplicates and go back to the pool. Returns the node ending the inserted path (null for no
+  // pages). When the cache is disabled, every page goes back to the pool and null is returned.
+  Node* insert(std::span<const int32_t> tokens, std::span<const int32_t> pages, std::string_view salt = {});
   // The same for pages a request goes on using: afterwards `pages` holds the tree's page at every position (each
   // duplicate replaced by the page the tree already had). The returned node ends exactly at the last page.
-  Node* insert_shared(std::span<const int32_t> tokens, std::span<int32_t> pages);
+  Node* insert_shared(std::span<const int32_t> tokens, std::span<int32_t> pages, std::string_view salt = {});
   // Frees up to `num_pages` pages from unlocked leaves, least recently used first. Returns pages freed.
   int32_t evict(int32_t num_pages);
   int32_t evictable_pages() const { return evictable_pages_; }
@@ -81,6 +88,10 @@ class RadixCache {
 
  private:
   Node* split(Node* node, size_t pages_kept);
+  // Every tree's root (the unsalted one first).
+  std::vector<Node*> roots() const;
+  // A salted tree's root goes once its last edge has (the unsalted one stays).
+  void drop_if_empty_root(Node* node);
   void free_subtree(Node* node);
   void touch(Node* node);
   // Makes `n` host slots free, dropping unlocked host-only leaves least recently used first; false if it cannot.
@@ -94,7 +105,8 @@ class RadixCache {
   int32_t page_size_;
   PagePool& pool_;
   bool enabled_;
-  std::unique_ptr<Node> root_;
+  std::unique_ptr<Node> root_;                                   // the unsalted tree's
+  std::map<std::string, std::unique_ptr<Node>, std::less<>> salted_;  // the salted trees' roots
   uint64_t clock_ = 0;
   int32_t evictable_pages_ = 0;
   int32_t cached_pages_ = 0;

@@ -101,6 +101,7 @@ void Scheduler::add(GenerateRequest g) {
   r->sampling = std::move(g.sampling);
   r->on_output = std::move(g.on_output);
   r->priority = g.priority;
+  r->cache_salt = std::move(g.cache_salt);
   r->arrival = ++arrival_counter_;
   r->sampler.seed = r->sampling.seed ? splitmix64(*r->sampling.seed) : splitmix64(++seed_counter_ ^ fnv1a64(r->rid));
   r->prompt_lps_done = r->sampling.logprob_start_len < 0;
@@ -218,7 +219,7 @@ void Scheduler::admit(Req& r) {
   int32_t limit = static_cast<int32_t>(r.fill.size()) - 1;
   if (const int32_t first = lp_first_row(r); first >= 0) limit = std::min(limit, first);
   if (r.sampling.wants_rows()) limit = std::min(limit, r.hidden_have);
-  auto m = cache_suspect_ ? RadixCache::Match{} : cache_.match_prefix(r.fill, limit);
+  auto m = cache_suspect_ ? RadixCache::Match{} : cache_.match_prefix(r.fill, limit, r.cache_salt);
   cache_.lock(m.node);
   r.prefix_node = m.node;
   r.pages = std::move(m.pages);
@@ -247,7 +248,8 @@ void Scheduler::release(Req& r, bool cache_kv) {
   const size_t full = static_cast<size_t>(r.kv_len) / P;
   if (cache_kv && cache_.enabled() && !cache_suspect_ && full > 0) {
     const size_t n = std::min(full, r.pages.size());
-    cache_.insert(std::span<const int32_t>(r.fill.data(), n * P), std::span<const int32_t>(r.pages.data(), n));
+    cache_.insert(std::span<const int32_t>(r.fill.data(), n * P), std::span<const int32_t>(r.pages.data(), n),
+                  r.cache_salt);
     pool_.free(std::vector<int32_t>(r.pages.begin() + static_cast<int64_t>(n), r.pages.end()));
   } else {
     pool_.free(std::vector<int32_t>(r.pages.begin() + r.prefix_pages, r.pages.end()));
@@ -299,7 +301,7 @@ void Scheduler::cache_prefill(Req& r, int32_t kv_end) {
   // The request's duplicates of pages the tree had go back to the pool; it goes on with the tree's.
   RadixCache::Node* node = cache_.insert_shared(
       std::span<const int32_t>(r.fill.data(), n * static_cast<size_t>(cfg_.page_size)),
-      std::span<int32_t>(r.pages.data(), n));
+      std::span<int32_t>(r.pages.data(), n), r.cache_salt);
   cache_.lock(node);
   cache_.unlock(r.prefix_node);
   r.prefix_node = node;

@@ -83,6 +83,7 @@ struct Req {
   std::vector<int32_t> prompt;   // the original input ids
   std::vector<int32_t> output;   // generated ids
   std::vector<int32_t> fill;     // prompt + output: the tokens whose KV the request needs
+  std::string cache_salt;        // GenerateRequest::cache_salt: its tree of the prefix cache
   SamplingParams sampling;
   std::function<void(const GenerateOutput&)> on_output;
   SamplerState sampler;

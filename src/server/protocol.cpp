@@ -510,8 +510,20 @@ void parse_stream_options(const Fields& f, ParsedRequest& r) {
   }
 }
 
+// vLLM's cache_salt and SGLang's extra_key (either API takes both): the request's tree of the prefix cache, "" none.
+std::string cache_salt(const Fields& f) {
+  std::string salt;
+  for (const char* key : {"cache_salt", "extra_key"})
+    if (const std::optional<std::string> v = f.string(key)) {
+      if (v->empty()) bad_request(key, "invalid_value", "'{}' must be a non-empty string", key);
+      salt += fmt::format("{}:{}:{};", key, v->size(), *v);  // (unambiguous: lengths given)
+    }
+  return salt;
+}
+
 void parse_openai_common(const Fields& f, const ParseOptions& opts, ParsedRequest& r) {
   if (auto v = f.string("model")) r.model = *v;
+  r.cache_salt = cache_salt(f);
   if (const json* b = f.get("best_of")) {
     int64_t best_of = Fields::as_integer(*b, "best_of", 1, opts.max_n);
     if (best_of != r.n) bad_request("best_of", "unsupported_parameter", "'best_of' different from 'n' is not supported");
@@ -620,6 +632,7 @@ ParsedRequest parse_native(const json& body, const ParseOptions& opts, std::stri
   // --enable-custom-logit-processor).
   f.reject_unsupported("custom_logit_processor", "a Python logit processor cannot run here");
   if (const json* sp = f.get("session_params")) r.session = session_params(*sp);
+  r.cache_salt = cache_salt(f);
   if (text && ids) bad_request("text", "invalid_value", "give either 'text' or 'input_ids', not both");
   if (!text && !ids) bad_request("text", "invalid_value", "one of 'text' or 'input_ids' is required");
   if (text) {

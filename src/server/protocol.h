@@ -79,6 +79,7 @@ struct ParsedRequest {
   bool stream = false;
   std::string rid;                   // client-chosen id (native) or empty
   std::optional<SessionParams> session;  // SGLang's session_params (native; with a session id)
+  std::string cache_salt;  // vLLM's cache_salt / SGLang's extra_key, combined (GenerateRequest::cache_salt)
   // logprobs: native return_logprob/top_logprobs_num; completions `logprobs: k`; chat `logprobs` + `top_logprobs`.
   bool logprobs = false;
   int32_t top_logprobs = 0;

@@ -116,7 +116,7 @@ json responses_to_chat(const json& body, const json& prior, bool allow_empty) {
   for (const char* key : {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                           "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "logit_bias", "min_tokens",
                           "allowed_token_ids", "bad_words", "priority", "parallel_tool_calls",
-                          "chat_template_kwargs"})
+                          "chat_template_kwargs", "cache_salt"})
     if (const auto it = body.find(key); it != body.end() && !it->is_null()) chat[key] = *it;
   if (const auto it = body.find("top_logprobs"); it != body.end() && !it->is_null()) {
     chat["logprobs"] = true;

@@ -1127,6 +1127,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                    "(SGLang's: higher values first) or --scheduling-policy priority (vLLM's: lower values first)",
                    "priority", "invalid_value");
   p.spec.priority = opts_.priority_higher_first ? -pr.priority : pr.priority;
+  p.spec.cache_salt = pr.cache_salt;
   if (!pr.constraint_regex.empty()) {
     if (!codec_)
       throw ApiError(400, "constrained decoding needs the tokenizer; this server runs without one",

@@ -218,6 +218,41 @@ TEST_F(ServerE2E, SessionTurnsAnswerAsTheWholeConversation) {
   EXPECT_EQ(http_request(port(), "POST", "/close_session", R"({"session_id": ")" + session + "\"}").status, 200);
 }
 
+// vLLM's cache_salt and SGLang's extra_key: a request finds cached prefixes only from requests of the same salt,
+// with the same answers.
+TEST_F(ServerE2E, CacheSaltsKeepPrefixesApart) {
+  const auto prompt = test_prompt(55, 150);
+  wait_idle(port());
+  ASSERT_EQ(http_request(port(), "POST", "/flush_cache").status, 200);
+  auto run = [&](const std::string& salt_field) {
+    const json j = post_json(port(), "/generate",
+                             R"({"input_ids": )" + ids_json(prompt) + salt_field +
+                                 R"(, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": true}})");
+    return std::make_pair(j["meta_info"]["cached_tokens"].get<int>(), j["output_ids"].get<std::vector<int32_t>>());
+  };
+  const auto [c1, first] = run(R"(, "cache_salt": "tenant-1")");
+  EXPECT_EQ(c1, 0);
+  const auto [c2, same] = run(R"(, "cache_salt": "tenant-1")");
+  EXPECT_GT(c2, 0) << "the same salt shares its prefix";
+  EXPECT_EQ(same, first);
+  for (const char* other : {R"(, "cache_salt": "tenant-2")", "", R"(, "extra_key": "tenant-1")",
+                            R"(, "cache_salt": "tenant-1", "extra_key": "x")"}) {
+    const auto [c, out] = run(other);
+    EXPECT_EQ(c, 0) << "another salt (or none) finds nothing: " << other;
+    EXPECT_EQ(out, first) << other;
+  }
+  EXPECT_GT(run("").first, 0);  // the unsalted tree has it now
+  // OpenAI completions take cache_salt too; a bad one is a 400 naming it.
+  const auto r = http_request(port(), "POST", "/v1/completions",
+                              R"({"prompt": )" + ids_json(prompt) + R"(, "max_tokens": 1, "cache_salt": "tenant-2"})");
+  EXPECT_EQ(r.status, 200) << r.body;
+  for (const char* bad : {R"({"prompt": "a", "cache_salt": ""})", R"({"prompt": "a", "cache_salt": 7})"}) {
+    const auto b = http_request(port(), "POST", "/v1/completions", bad);
+    EXPECT_EQ(b.status, 400) << b.body;
+    EXPECT_EQ(json::parse(b.body)["error"]["param"], "cache_salt") << b.body;
+  }
+}
+
 // n samples of a long prompt compute it once: the first sample reads it, the others find its whole pages in the
 // prefix cache.
 TEST_F(ServerE2E, SamplesShareTheirPromptsPrefill) {

@@ -21,28 +21,39 @@ std::vector<int32_t> random_seq(std::mt19937& rng, int max_pages) {
   return s;
 }
 
+// Salted: each sequence under one of a few cache salts ("" among them), whose trees share nothing.
+class RadixCacheRandom : public ::testing::TestWithParam<bool> {
+ protected:
+  std::string salt(std::mt19937& rng) const {
+    static const char* const kSalts[] = {"", "tenant-a", "tenant-b"};
+    return GetParam() ? kSalts[rng() % 3] : "";
+  }
+};
+
 }  // namespace
 
-TEST(RadixCache, MatchesNaiveModelUnderRandomInsertsAndLocks) {
+TEST_P(RadixCacheRandom, MatchesNaiveModelUnderRandomInsertsAndLocks) {
   std::mt19937 rng(123);
   PagePool pool(4096);
   RadixCache cache(P, pool, true);
-  std::map<std::vector<int32_t>, int32_t> naive;  // page-aligned prefix -> page caching its last page
+  // (salt, page-aligned prefix) -> page caching its last page
+  std::map<std::pair<std::string, std::vector<int32_t>>, int32_t> naive;
   std::vector<RadixCache::Node*> locked;
   for (int iter = 0; iter < 3000; ++iter) {
     auto seq = random_seq(rng, 6);
+    const std::string sa = salt(rng);
     if (rng() % 2) {
       // Insert as a finishing request would: reuse the matched prefix pages, allocate the rest.
-      auto m = cache.match_prefix(seq, static_cast<int32_t>(seq.size()));
+      auto m = cache.match_prefix(seq, static_cast<int32_t>(seq.size()), sa);
       const int32_t full = static_cast<int32_t>(seq.size()) / P;
       std::vector<int32_t> pages = m.pages;
       auto fresh = pool.alloc(full - static_cast<int32_t>(pages.size()));
       ASSERT_TRUE(fresh.has_value());
       pages.insert(pages.end(), fresh->begin(), fresh->end());
-      RadixCache::Node* n = cache.insert(seq, pages);
+      RadixCache::Node* n = cache.insert(seq, pages, sa);
       for (int32_t k = 1; k <= full; ++k) {
         std::vector<int32_t> pre(seq.begin(), seq.begin() + k * P);
-        naive.emplace(pre, pages[k - 1]);  // existing entries keep their page
+        naive.emplace(std::make_pair(sa, pre), pages[k - 1]);  // existing entries keep their page
       }
       if (rng() % 4 == 0) {
         cache.lock(n);
@@ -50,17 +61,17 @@ TEST(RadixCache, MatchesNaiveModelUnderRandomInsertsAndLocks) {
       }
     } else {
       const int32_t limit = static_cast<int32_t>(seq.size()) - 1;
-      auto m = cache.match_prefix(seq, limit);
+      auto m = cache.match_prefix(seq, limit, sa);
       int32_t expect = 0;
       for (int32_t k = 1; k * P <= limit; ++k) {
         std::vector<int32_t> pre(seq.begin(), seq.begin() + k * P);
-        if (!naive.count(pre)) break;
+        if (!naive.count({sa, pre})) break;
         expect = k * P;
       }
       ASSERT_EQ(m.tokens, expect);
       ASSERT_EQ(static_cast<int32_t>(m.pages.size()), expect / P);
       for (int32_t k = 1; k * P <= expect; ++k)
-        ASSERT_EQ(m.pages[k - 1], naive.at(std::vector<int32_t>(seq.begin(), seq.begin() + k * P)));
+        ASSERT_EQ(m.pages[k - 1], naive.at({sa, std::vector<int32_t>(seq.begin(), seq.begin() + k * P)}));
     }
     if (iter % 100 == 0) cache.check_integrity();
     ASSERT_EQ(pool.num_free() + cache.cached_pages(), pool.num_pages());
@@ -80,6 +91,42 @@ TEST(RadixCache, MatchesNaiveModelUnderRandomInsertsAndLocks) {
   EXPECT_TRUE(cache.reset());
   EXPECT_EQ(pool.num_free(), pool.num_pages());
   pool.check_integrity();
+}
+
+INSTANTIATE_TEST_SUITE_P(Salts, RadixCacheRandom, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Salted" : "Unsalted"; });
+
+// The same tokens under different salts: separate pages, no match across; eviction ranks every tree's leaves together
+// and a salted tree's root goes with its last edge.
+TEST(RadixCache, SaltsShareNothingAndEvictTogether) {
+  PagePool pool(64);
+  RadixCache cache(P, pool, true);
+  const std::vector<int32_t> seq{1, 1, 1, 1, 2, 2, 2, 2, 9};
+  auto put = [&](const std::string& salt) {
+    auto pages = *pool.alloc(2);
+    cache.insert(std::span<const int32_t>(seq.data(), 8), pages, salt);
+    return pages;
+  };
+  const auto plain = put(""), a = put("a");
+  EXPECT_EQ(cache.cached_pages(), 4);  // no page shared
+  EXPECT_EQ(cache.match_prefix(seq, 8).pages, plain);
+  EXPECT_EQ(cache.match_prefix(seq, 8, "a").pages, a);
+  const auto none = cache.match_prefix(seq, 8, "b");
+  EXPECT_EQ(none.tokens, 0);
+  EXPECT_EQ(none.node, nullptr);
+  cache.check_integrity();
+  // "" is the most recently used now: "a"'s edge goes first, and its tree with it.
+  EXPECT_EQ(cache.match_prefix(seq, 8).tokens, 8);
+  EXPECT_EQ(cache.evict(1), 2);
+  cache.check_integrity();
+  EXPECT_EQ(cache.match_prefix(seq, 8, "a").tokens, 0);
+  EXPECT_EQ(cache.match_prefix(seq, 8).tokens, 8);
+  const auto again = put("a");  // a new tree for "a"
+  EXPECT_EQ(cache.match_prefix(seq, 8, "a").pages, again);
+  cache.check_integrity();
+  EXPECT_TRUE(cache.reset());
+  EXPECT_EQ(pool.num_free(), 64);
+  cache.check_integrity();
 }
 
 TEST(RadixCache, EvictsLeastRecentlyUsedLeavesFirst) {
@@ -178,23 +225,27 @@ TEST(RadixCache, PagesUnlockedByCountsOnlyPagesNoOtherLockHolds) {
 // the host), takes fresh pages for the rest (evicting: saves), then the step's copies run (saves, then loads) and its
 // forward reads its prefix pages (each must hold its prefix's content) and writes the new ones; afterwards its pages
 // go to the tree. With a device pool far too small for everything, most hits come back from the host.
-TEST(RadixCache, HostTierKeepsEvictedPrefixesWithTheirContent) {
+TEST_P(RadixCacheRandom, HostTierKeepsEvictedPrefixesWithTheirContent) {
   std::mt19937 rng(7);
   constexpr int32_t kPages = 24, kSlots = 40;
   PagePool pool(kPages);
   RadixCache cache(P, pool, true);
   cache.enable_host_tier(kSlots);
-  std::map<std::vector<int32_t>, int64_t> ids;  // token prefix -> content id
+  std::map<std::pair<std::string, std::vector<int32_t>>, int64_t> ids;  // (salt, token prefix) -> content id
+  std::string sa;  // this iteration's salt
   auto content = [&](const std::vector<int32_t>& seq, int32_t k) {  // of page k (0-based)
-    return ids.emplace(std::vector<int32_t>(seq.begin(), seq.begin() + (k + 1) * P), static_cast<int64_t>(ids.size()))
+    return ids
+        .emplace(std::make_pair(sa, std::vector<int32_t>(seq.begin(), seq.begin() + (k + 1) * P)),
+                 static_cast<int64_t>(ids.size()))
         .first->second;
   };
   std::vector<int64_t> device(kPages, -1), host(kSlots, -1);
   int64_t loaded = 0, hits = 0, saves = 0;
   for (int iter = 0; iter < 4000; ++iter) {
     auto seq = random_seq(rng, 5);
+    sa = salt(rng);
     const int32_t full = static_cast<int32_t>(seq.size()) / P;
-    auto m = cache.match_prefix(seq, static_cast<int32_t>(seq.size()) - 1);
+    auto m = cache.match_prefix(seq, static_cast<int32_t>(seq.size()) - 1, sa);
     cache.lock(m.node);
     loaded += m.loaded_tokens;
     hits += m.tokens;
@@ -215,7 +266,7 @@ TEST(RadixCache, HostTierKeepsEvictedPrefixesWithTheirContent) {
       ASSERT_EQ(device[static_cast<size_t>(pages[static_cast<size_t>(k)])], content(seq, k)) << iter << " page " << k;
     for (int32_t k = static_cast<int32_t>(m.pages.size()); k < full; ++k)
       device[static_cast<size_t>(pages[static_cast<size_t>(k)])] = content(seq, k);
-    cache.insert(seq, pages);
+    cache.insert(seq, pages, sa);
     cache.unlock(m.node);
     if (iter % 50 == 0) cache.check_integrity();
     ASSERT_EQ(pool.num_free() + cache.cached_pages(), pool.num_pages());
