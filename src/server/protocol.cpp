@@ -539,6 +539,7 @@ void parse_openai_common(const Fields& f, const ParseOptions& opts, ParsedReques
     r.truncate_prompt_tokens = static_cast<int32_t>(*v);
   r.tokens_as_ids = opts.return_tokens_as_token_ids;
   if (auto v = f.boolean("return_tokens_as_token_ids")) r.tokens_as_ids = *v;
+  if (auto v = f.boolean("return_token_ids")) r.return_token_ids = *v;
   if (auto v = f.boolean("return_hidden_states")) r.return_hidden_states = {*v};  // SGLang's
   if (auto v = f.boolean("return_routed_experts")) r.return_routed_experts = {*v};
   // vLLM's prompt_logprobs: each prompt token's logprob and rank, with this many alternatives.
@@ -848,6 +849,7 @@ ParsedRequest parse_chat(const json& body, const ParseOptions& opts, std::string
   }
   if (auto t = f.string("chat_template")) r.chat_template = *t;
   if (auto v = f.boolean("separate_reasoning")) r.separate_reasoning = *v;
+  if (auto v = f.boolean("include_reasoning")) r.include_reasoning = *v;
   if (auto v = f.boolean("add_generation_prompt")) r.add_generation_prompt = *v;
   if (auto v = f.boolean("continue_final_message")) r.continue_final_message = *v;
   if (r.continue_final_message && r.add_generation_prompt)

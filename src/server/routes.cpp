@@ -234,6 +234,10 @@ struct ResponseContext {
   bool token_ids_logprob = false;  // native: SGLang's token_ids_logprob lists
   bool incremental = false;        // native, streamed under ServerOptions::stream_output: chunks carry what is new
   bool tokens_as_ids = false;      // OpenAI: logprobs' tokens as "token_id:ID" (vLLM's return_tokens_as_token_ids)
+  // OpenAI: vLLM's return_token_ids (the prompt's ids: chat's at the top level, completions' per choice; each
+  // choice's generated ids, streamed as each chunk's new ones)
+  bool return_token_ids = false;
+  bool include_reasoning = true;  // chat: vLLM's include_reasoning (false: split_reasoning's reasoning dropped)
 };
 
 std::string token_text(const ResponseContext& rc, int32_t id) { return rc.codec ? rc.codec->token_text(id) : ""; }
@@ -580,7 +584,8 @@ ojson openai_response(const ResponseContext& rc, const GenerationJob& job) {
       ojson msg{{"role", "assistant"},
                 {"content", called_tools && parts.content.empty() ? ojson(nullptr) : ojson(parts.content)}};
       if (rc.split_reasoning)
-        msg["reasoning_content"] = parts.reasoning.empty() ? ojson(nullptr) : ojson(parts.reasoning);
+        msg["reasoning_content"] =
+            parts.reasoning.empty() || !rc.include_reasoning ? ojson(nullptr) : ojson(parts.reasoning);
       if (called_tools) {
         ojson calls = ojson::array();
         for (size_t k = 0; k < parts.calls.size(); ++k)
@@ -599,10 +604,15 @@ ojson openai_response(const ResponseContext& rc, const GenerationJob& job) {
     if (rc.vllm_prompt_logprobs >= 0) ch["prompt_logprobs"] = vllm_prompt_logprobs(rc, c);
     if (returns_hidden(job, c)) ch["hidden_states"] = last_hidden_state(c);
     if (returns_routes(job, c)) ch["routed_experts"] = routed_experts_base64(c, 0);
+    if (rc.return_token_ids) {
+      if (!chat) ch["prompt_token_ids"] = job.spec().prompts[c.prompt_index].input_ids;
+      ch["token_ids"] = c.output_ids;
+    }
     choices.push_back(std::move(ch));
   }
   o["choices"] = std::move(choices);
   o["usage"] = usage(job);
+  if (chat && rc.return_token_ids) o["prompt_token_ids"] = job.spec().prompts[0].input_ids;
   return o;
 }
 
@@ -614,6 +624,7 @@ struct OpenAIStream {
   std::vector<ChatSplitter> chat;  // per chat choice: reasoning / content / tool calls
   std::vector<size_t> calls_sent;  // per chat choice: tool calls streamed (their indices)
   std::vector<bool> prompt_lps_sent;  // per choice: vLLM's prompt_logprobs went out (with the first chunk after them)
+  std::vector<size_t> ids_sent;       // per choice, return_token_ids: output ids sent in token_ids
 };
 
 // With include_usage every chunk has "usage": null, or (continuous_usage_stats) the job's usage so far.
@@ -1165,6 +1176,8 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                          codec_};
   p.rc.token_ids_logprob = !pr.token_ids_logprob.empty();
   p.rc.tokens_as_ids = pr.tokens_as_ids && pr.api != ApiKind::Native;
+  p.rc.return_token_ids = pr.return_token_ids && pr.api != ApiKind::Native;
+  p.rc.include_reasoning = pr.include_reasoning;
   p.rc.incremental = pr.api == ApiKind::Native && pr.stream && opts_.stream_output;
   return p;
 }
@@ -1886,6 +1899,7 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
       state->chat.emplace_back();
       state->calls_sent.push_back(0);
       state->prompt_lps_sent.push_back(false);
+      state->ids_sent.push_back(0);
     }
     job->on_update = [wex, wjob, rc, state](const ChoiceUpdate& u) {
       auto ex2 = wex.lock();
@@ -1914,10 +1928,20 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
         ch["prompt_logprobs"] = vllm_prompt_logprobs(rc, c);
         state->prompt_lps_sent[u.choice] = true;
       };
+      // vLLM's return_token_ids: the ids not sent yet (completions: the prompt's with the choice's first chunk).
+      auto attach_token_ids = [&](ojson& ch) {
+        if (!rc.return_token_ids) return;
+        size_t& sent = state->ids_sent[u.choice];
+        if (rc.api == ApiKind::Completions && sent == 0 && !ch.contains("prompt_token_ids"))
+          ch["prompt_token_ids"] = job2->spec().prompts[c.prompt_index].input_ids;
+        ch["token_ids"] = std::vector<int32_t>(c.output_ids.begin() + static_cast<ptrdiff_t>(sent), c.output_ids.end());
+        sent = c.output_ids.size();
+      };
       // Chat with a reasoning or tool-call parser: the new text split (held back while a marker is undecided).
       const bool split = rc.api == ApiKind::Chat && (rc.split_reasoning || rc.parse_tools);
       ChatSplitter::Parts parts;
       if (split) parts = state->chat[u.choice].push(rc, delta, u.finished);
+      if (!rc.include_reasoning) parts.reasoning.clear();
       const bool new_text =
           split ? !parts.reasoning.empty() || !parts.content.empty() || !parts.calls.empty() : !delta.empty();
       if (new_text || new_logprobs) {
@@ -1950,6 +1974,7 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
         }
         ch["finish_reason"] = nullptr;
         attach_prompt_logprobs(ch);
+        attach_token_ids(ch);
         ex2->send_event(dump(openai_chunk(rc, std::move(ch), *job2)));
       }
       if (u.finished) {
@@ -1962,6 +1987,7 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
                                                       : openai_finish_reason(c.finish);
         ch["matched_stop"] = matched_stop(c.finish);
         attach_prompt_logprobs(ch);
+        attach_token_ids(ch);
         ex2->send_event(dump(openai_chunk(rc, std::move(ch), *job2)));
       }
     };
@@ -2027,6 +2053,13 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
       if (rc.api == ApiKind::Chat) {
         ch["delta"] = ojson{{"role", "assistant"}, {"content", ""}};
         ch["logprobs"] = nullptr;
+        if (rc.return_token_ids) {  // (vLLM's: the prompt's ids at the top of the choice's first chunk)
+          ch["finish_reason"] = nullptr;
+          ojson chunk = openai_chunk(rc, std::move(ch), *job);
+          chunk["prompt_token_ids"] = job->spec().prompts[0].input_ids;
+          ex->send_event(dump(chunk));
+          continue;
+        }
       } else if (rc.api == ApiKind::Completions && rc.echo && !rc.logprobs) {  // else with its logprobs, later
         ch["text"] = job->spec().prompts[c.prompt_index].text;
         ch["logprobs"] = nullptr;

@@ -1008,6 +1008,20 @@ TEST(HttpApi, ReasoningContentAndTemplateKwargs) {
   EXPECT_EQ(reasoning, "<bos>[user]why");
   EXPECT_EQ(content, "so[assistant]P");
   EXPECT_FALSE(reasoning_after_content);
+  // vLLM's include_reasoning false: the reasoning is split off and dropped, whole or streamed.
+  msg = json::parse(s.post("/v1/chat/completions", body + R"(, "include_reasoning": false})").body)["choices"][0]
+                                                                                                     ["message"];
+  EXPECT_EQ(msg["content"], "so[assistant]P");
+  EXPECT_TRUE(msg["reasoning_content"].is_null()) << msg.dump();
+  content.clear();
+  for (const auto& e : sse_payloads(
+           s.post("/v1/chat/completions", body + R"(, "include_reasoning": false, "stream": true})").body)) {
+    if (e == "[DONE]") continue;
+    const auto d = json::parse(e)["choices"][0]["delta"];
+    EXPECT_FALSE(d.contains("reasoning_content")) << e;
+    if (d.contains("content") && d["content"].is_string()) content += d["content"].get<std::string>();
+  }
+  EXPECT_EQ(content, "so[assistant]P");
   auto bad = s.post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "a"}],
       "chat_template_kwargs": [1]})");
   EXPECT_EQ(bad.status, 400);
@@ -2721,6 +2735,68 @@ TEST(HttpApi, SeveralServedModelNames) {
   }
   auto r = s.post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "model": "other-name"})");
   EXPECT_EQ(r.status, 404) << r.body;
+}
+
+// vLLM's return_token_ids: completions give each choice's prompt ids and generated ids, chat the prompt's ids at the
+// top; streamed, the generated ids come as each chunk's new ones (all of them by the last chunk).
+TEST(HttpApi, ReturnTokenIds) {
+  using Ids = std::vector<int32_t>;
+  TestServer s;
+  auto r = json::parse(
+      s.post("/v1/completions", R"({"prompt": ["ab", "c"], "max_tokens": 3, "return_token_ids": true})").body);
+  ASSERT_EQ(r["choices"].size(), 2u) << r.dump();
+  EXPECT_EQ(r["choices"][0]["prompt_token_ids"].get<Ids>(), (Ids{test::kBos, 'a', 'b'}));
+  EXPECT_EQ(r["choices"][0]["token_ids"].get<Ids>(), (Ids{'a', 'b', 'a'}));
+  EXPECT_EQ(r["choices"][1]["prompt_token_ids"].get<Ids>(), (Ids{test::kBos, 'c'}));
+  EXPECT_EQ(r["choices"][1]["token_ids"].get<Ids>(), (Ids{'c', 'c', 'c'}));
+  EXPECT_FALSE(json::parse(s.post("/v1/completions", R"({"prompt": "ab", "max_tokens": 3})").body)["choices"][0]
+                   .contains("token_ids"));
+  // A finish on EOS: its id is among the generated ones, not in the text.
+  r = json::parse(s.post("/v1/completions", R"({"prompt": "x#", "max_tokens": 5, "return_token_ids": true})").body);
+  EXPECT_EQ(r["choices"][0]["token_ids"].get<Ids>(), (Ids{'x', test::kEos}));
+  EXPECT_EQ(r["choices"][0]["text"], "x");
+
+  const std::string chat = R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
+      "return_token_ids": true)";
+  r = json::parse(s.post("/v1/chat/completions", chat + "}").body);
+  Ids prompt;
+  for (unsigned char ch : std::string("<bos>[user]hi[assistant]")) prompt.push_back(ch);
+  EXPECT_EQ(r["prompt_token_ids"].get<Ids>(), prompt);
+  ASSERT_EQ(r["choices"].size(), 2u);
+  const Ids out(prompt.begin(), prompt.begin() + 4);
+  for (const auto& c : r["choices"]) EXPECT_EQ(c["token_ids"].get<Ids>(), out);
+
+  std::map<int, Ids> streamed;
+  int prompt_ids_seen = 0;
+  for (const auto& e : sse_payloads(s.post("/v1/chat/completions", chat + R"(, "stream": true})").body)) {
+    if (e == "[DONE]") continue;
+    const json j = json::parse(e);
+    if (j.contains("prompt_token_ids")) {
+      EXPECT_EQ(j["prompt_token_ids"].get<Ids>(), prompt);
+      ++prompt_ids_seen;
+    }
+    for (const auto& c : j["choices"])
+      if (c.contains("token_ids"))
+        for (int32_t id : c["token_ids"].get<Ids>()) streamed[c["index"].get<int>()].push_back(id);
+  }
+  EXPECT_EQ(prompt_ids_seen, 2);  // one per choice, with its first chunk
+  EXPECT_EQ(streamed[0], out);
+  EXPECT_EQ(streamed[1], out);
+  int completions_prompts = 0;
+  Ids got;
+  for (const auto& e : sse_payloads(
+           s.post("/v1/completions", R"({"prompt": "ab", "max_tokens": 5, "stream": true, "return_token_ids": true})")
+               .body)) {
+    if (e == "[DONE]") continue;
+    const json c = json::parse(e)["choices"][0];
+    if (c.contains("prompt_token_ids")) {
+      EXPECT_EQ(c["prompt_token_ids"].get<Ids>(), (Ids{test::kBos, 'a', 'b'}));
+      ++completions_prompts;
+    }
+    for (int32_t id : c["token_ids"].get<Ids>()) got.push_back(id);
+  }
+  EXPECT_EQ(completions_prompts, 1);
+  EXPECT_EQ(got, (Ids{'a', 'b', 'a', 'b', 'a'}));
 }
 
 }  // namespace
