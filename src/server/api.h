@@ -45,7 +45,11 @@ struct HttpRequest {
   std::string body;
   std::string authorization;  // the Authorization header
   std::string content_type;   // the Content-Type header
+  std::string request_id;     // the X-Request-Id header when it is 1-128 visible ASCII characters, else empty
 };
+
+// Whether `id` may be a request id from a header: 1-128 visible ASCII characters.
+bool valid_request_id(std::string_view id);
 
 // ApiError 405 naming the request's method and path.
 [[noreturn]] void method_not_allowed(const HttpRequest& req);

@@ -195,11 +195,12 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     req.body = std::move(msg.body());
     if (auto it = msg.find(http::field::authorization); it != msg.end()) req.authorization = std::string(it->value());
     if (auto it = msg.find(http::field::content_type); it != msg.end()) req.content_type = std::string(it->value());
+    if (std::string id = header(msg, "X-Request-Id"); valid_request_id(id)) req.request_id = std::move(id);
     MLA_LOG_DEBUG("{} {} ({} bytes)", req.method, req.target, req.body.size());
     const std::string origin = header(msg, http::field::origin);
     const char* allow = allowed_origin(origin);
     if (allow) cors_headers_ = cors_allow(allow);
-    if (opts_.request_id_headers) cors_headers_ += "X-Request-Id: " + request_id(header(msg, "X-Request-Id")) + "\r\n";
+    if (opts_.request_id_headers) cors_headers_ += "X-Request-Id: " + request_id(req.request_id) + "\r\n";
     if (msg.method() == http::verb::options && msg.find(http::field::access_control_request_method) != msg.end())
       return preflight(origin, allow, header(msg, http::field::access_control_request_headers));
     if (msg.method() == http::verb::head) {  // answered as GET without the body
@@ -230,9 +231,7 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
   // The X-Request-Id a response carries: the request's own when it is 1-128 visible ASCII characters, else 32 new
   // hex digits.
   static std::string request_id(const std::string& given) {
-    const bool ok = !given.empty() && given.size() <= 128 &&
-                    std::all_of(given.begin(), given.end(), [](char c) { return c > ' ' && c < 127; });
-    if (ok) return given;
+    if (valid_request_id(given)) return given;
     thread_local std::mt19937_64 rng(std::random_device{}());
     return fmt::format("{:016x}{:016x}", rng(), rng());
   }

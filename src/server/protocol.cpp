@@ -524,6 +524,15 @@ std::string cache_salt(const Fields& f) {
 void parse_openai_common(const Fields& f, const ParseOptions& opts, ParsedRequest& r) {
   if (auto v = f.string("model")) r.model = *v;
   r.cache_salt = cache_salt(f);
+  if (auto v = f.string("request_id")) {  // vLLM's: the response id's base
+    if (v->empty()) bad_request("request_id", "invalid_value", "'request_id' must not be empty");
+    r.request_id = *v;
+  }
+  // vLLM's fields for what this server does not run: embeddings as the prompt, Python logits processors, KV transfer
+  // between prefill and decode servers.
+  f.reject_unsupported("prompt_embeds", "prompts are text or token ids");
+  f.reject_unsupported("logits_processors", "no Python logits processor runs here");
+  f.reject_unsupported("kv_transfer_params", "no prefill / decode disaggregation");
   if (const json* b = f.get("best_of")) {
     int64_t best_of = Fields::as_integer(*b, "best_of", 1, opts.max_n);
     if (best_of != r.n) bad_request("best_of", "unsupported_parameter", "'best_of' different from 'n' is not supported");
@@ -848,6 +857,15 @@ ParsedRequest parse_chat(const json& body, const ParseOptions& opts, std::string
     }
   }
   if (auto t = f.string("chat_template")) r.chat_template = *t;
+  if (const json* docs = f.get("documents")) {  // vLLM's: documents the chat template may show (RAG templates)
+    if (!docs->is_array())
+      bad_request("documents", "invalid_type", "'documents' must be a list of objects, got {}", type_name(*docs));
+    for (size_t i = 0; i < docs->size(); ++i)
+      if (!(*docs)[i].is_object())
+        bad_request(fmt::format("documents[{}]", i), "invalid_type", "'documents[{}]' must be an object", i);
+    if (!r.chat_template_kwargs.is_object()) r.chat_template_kwargs = json::object();
+    r.chat_template_kwargs["documents"] = *docs;
+  }
   if (auto v = f.boolean("separate_reasoning")) r.separate_reasoning = *v;
   if (auto v = f.boolean("include_reasoning")) r.include_reasoning = *v;
   if (auto v = f.boolean("add_generation_prompt")) r.add_generation_prompt = *v;

@@ -97,6 +97,7 @@ struct ParsedRequest {
   int32_t prompt_logprobs = -1;      // vLLM's prompt_logprobs (>= 0: the prompt's logprobs with that many alternatives)
   bool tokens_as_ids = false;        // vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:ID"
   bool return_token_ids = false;     // vLLM's: OpenAI answers carry prompt_token_ids and token_ids
+  std::string request_id;            // vLLM's request_id (OpenAI): the response id is "chatcmpl-" / "cmpl-" and it
   bool include_reasoning = true;     // vLLM's (chat): false drops the reasoning a reasoning parser split off
   bool include_usage = false;
   bool continuous_usage = false;     // stream_options.continuous_usage_stats: usage in every chunk

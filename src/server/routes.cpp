@@ -37,6 +37,15 @@ std::string_view query_of(std::string_view target) {
   return q == std::string_view::npos ? std::string_view() : target.substr(q + 1);
 }
 
+}  // namespace
+
+bool valid_request_id(std::string_view id) {
+  return !id.empty() && id.size() <= 128 &&
+         std::all_of(id.begin(), id.end(), [](char c) { return c > ' ' && c < 127; });
+}
+
+namespace {
+
 // A small route's body: parse_body's object, or {} when the body is empty (SGLang's routes take either).
 json body_or_empty(const HttpRequest& req) { return req.body.empty() ? json::object() : parse_body(req.body); }
 
@@ -1861,6 +1870,10 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
                      : api == ApiKind::Completions ? parse_completions(body, opts_.parse, req.body)
                                                    : parse_chat(body, opts_.parse, req.body);
   if (!id.empty()) pr.rid = id;
+  // vLLM's response ids: "chatcmpl-" / "cmpl-" and the X-Request-Id header, else the body's request_id, else new.
+  if (const std::string& base = !req.request_id.empty() ? req.request_id : pr.request_id;
+      api != ApiKind::Native && pr.rid.empty() && !base.empty())
+    pr.rid = (api == ApiKind::Chat ? "chatcmpl-" : "cmpl-") + base;
   Prepared p = prepare(pr);
   const int level = log_requests_.load() ? log_level_.load() : -1;
   p.spec.log_level = level;
@@ -2023,6 +2036,15 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
   ex->on_cancel([wjob, this](const std::string& why) {
     if (auto j = wjob.lock()) j->cancel(why);
   });
+  {  // known to /abort_request before its first choice reaches the engine; the id of a running request is refused
+    std::lock_guard lk(jobs_mu_);
+    std::erase_if(jobs_, [](const auto& kv) { return kv.second.expired(); });  // jobs that ended
+    if (const auto it = jobs_.find(job->spec().id); it != jobs_.end())
+      if (const auto other = it->second.lock(); other && !other->done())
+        throw ApiError(400, fmt::format("the request id '{}' is in use by a running request", job->spec().id),
+                       api == ApiKind::Native ? "rid" : "request_id", "invalid_value");
+    jobs_[job->spec().id] = job;
+  }
   if (pr.session) {  // recorded in the session as it runs (replace: the requests it drops abort)
     const std::vector<std::string> dropped = sessions_->add(*pr.session, job->spec().id,
                                                             job->spec().prompts[0].input_ids);
@@ -2032,11 +2054,6 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
     job->on_end = [store = std::weak_ptr<SessionStore>(sessions_), sid = pr.session->id](const GenerationJob& j) {
       if (auto s = store.lock()) s->finish(sid, j.spec().id, j.choices()[0].output_ids);
     };
-  }
-  {  // known to /abort_request before its first choice reaches the engine
-    std::lock_guard lk(jobs_mu_);
-    std::erase_if(jobs_, [](const auto& kv) { return kv.second.expired(); });  // jobs that ended
-    jobs_[job->spec().id] = job;
   }
   try {
     job->start();  // throws (400) before anything was sent if the engine refuses the request

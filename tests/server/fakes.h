@@ -47,10 +47,12 @@ class ByteCodec : public server::TextCodec {
     }
     return bytes;
   }
-  // chat_template_kwargs: {"prefix": "..."} starts the assistant's turn with it; tools: "[tools:a,b]" first.
+  // chat_template_kwargs: {"prefix": "..."} starts the assistant's turn with it; tools: "[tools:a,b]" first;
+  // documents: "[docs:N]" first.
   std::string apply_chat_template(const nlohmann::json& messages, bool add_generation_prompt,
                                   const nlohmann::json& extra) const override {
     std::string s = "<bos>";
+    if (extra.contains("documents")) s += fmt::format("[docs:{}]", extra["documents"].size());
     if (extra.contains("tools")) {
       s += "[tools:";
       for (const auto& t : extra["tools"]) s += t["function"]["name"].get<std::string>() + ",";

@@ -2799,5 +2799,53 @@ TEST(HttpApi, ReturnTokenIds) {
   EXPECT_EQ(got, (Ids{'a', 'b', 'a', 'b', 'a'}));
 }
 
+// vLLM's request ids: the X-Request-Id header, else the body's request_id, make the response id; an id of a running
+// request is refused. vLLM's documents reach the chat template; its fields for what does not run here are 400s.
+TEST(HttpApi, RequestIdsDocumentsAndUnsupportedVllmFields) {
+  TestServer s;
+  const std::string chat = R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2)";
+  EXPECT_EQ(json::parse(s.post("/v1/chat/completions", chat + R"(, "request_id": "abc"})").body)["id"],
+            "chatcmpl-abc");
+  EXPECT_EQ(json::parse(s.post("/v1/completions", R"({"prompt": "a", "max_tokens": 1, "request_id": "abc"})").body)
+                ["id"],
+            "cmpl-abc");
+  EXPECT_EQ(json::parse(s.post("/v1/chat/completions", chat + R"(, "request_id": "abc"})", "X-Request-Id: hdr-1\r\n")
+                            .body)["id"],
+            "chatcmpl-hdr-1");
+  const std::string plain = json::parse(s.post("/v1/chat/completions", chat + "}").body)["id"];
+  EXPECT_EQ(plain.rfind("chatcmpl-", 0), 0u);
+  EXPECT_NE(plain, "chatcmpl-abc");
+  EXPECT_EQ(s.post("/v1/chat/completions", chat + R"(, "request_id": ""})").status, 400);
+
+  // A running request's id is refused; once it ended, it may be used again.
+  test::HttpResponse first;
+  std::thread t([&] {
+    first = s.post("/generate", R"({"rid": "dup", "text": "slow", "sampling_params": {"max_new_tokens": 4000}})");
+  });
+  for (int i = 0; i < 2000 && s.engine.num_live() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  auto again = s.post("/generate", R"({"rid": "dup", "text": "x", "sampling_params": {"max_new_tokens": 1}})");
+  EXPECT_EQ(again.status, 400) << again.body;
+  EXPECT_NE(again.body.find("in use by a running request"), std::string::npos) << again.body;
+  EXPECT_EQ(json::parse(s.post("/abort_request", R"({"rid": "dup"})").body)["aborted"], 1);
+  t.join();
+  EXPECT_EQ(json::parse(first.body)["meta_info"]["finish_reason"]["type"], "abort");
+  EXPECT_EQ(s.post("/generate", R"({"rid": "dup", "text": "x", "sampling_params": {"max_new_tokens": 1}})").status,
+            200);
+
+  // documents: the fake template writes how many.
+  auto r = json::parse(s.post("/v1/chat/completions",
+                              chat + R"(, "documents": [{"title": "a", "text": "b"}, {"text": "c"}]})")
+                           .body);
+  EXPECT_EQ(r["usage"]["prompt_tokens"], std::string("<bos>[docs:2][user]hi[assistant]").size()) << r.dump();
+  EXPECT_EQ(s.post("/v1/chat/completions", chat + R"(, "documents": "text"})").status, 400);
+  EXPECT_EQ(s.post("/v1/chat/completions", chat + R"(, "documents": ["text"]})").status, 400);
+  for (const char* field : {"prompt_embeds", "logits_processors", "kv_transfer_params"}) {
+    auto bad = s.post("/v1/completions", fmt::format(R"({{"prompt": "a", "{}": ["x"]}})", field));
+    EXPECT_EQ(bad.status, 400) << field;
+    EXPECT_EQ(json::parse(bad.body)["error"]["param"], field) << bad.body;
+  }
+  EXPECT_TRUE(s.wait_idle());
+}
+
 }  // namespace
 }  // namespace mlaserve::server
