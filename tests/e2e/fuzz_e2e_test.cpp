@@ -88,6 +88,11 @@ const Seed kSeeds[] = {
     {"/tokenize", R"({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": true})"},
     {"/detokenize", R"({"tokens": [100, 200, 300]})"},
     {"/abort_request", R"({"rid": "no-such-request"})"},
+    {"/v1/chat/completions", R"({"model": "tiny-v3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+      "return_token_ids": true, "cache_salt": "fuzz", "include_reasoning": false, "documents": [{"text": "d"}],
+      "request_id": "fuzz-chat", "stream": true})"},
+    {"/generate", R"({"text": "Salted", "extra_key": "fuzz", "sampling_params": {"max_new_tokens": 3}})"},
+    {"/configure_logging", R"({"log_requests": false, "log_requests_level": 1})"},
     {"/open_session", R"({"capacity_of_str_len": 100, "session_id": "fuzz"})"},
     {"/generate", R"({"text": "Hello", "rid": "fuzz-root", "session_params": {"id": "fuzz"},
       "sampling_params": {"max_new_tokens": 4}})"},
@@ -124,7 +129,8 @@ const char* kKeys[] = {
     "token_ids_logprob", "thinking_budget", "thinking_token_budget", "background", "conversation",
     "stop_regex", "chat_template", "session_params", "custom_logit_processor", "query", "items", "label_token_ids",
     "apply_softmax", "item_first", "reasoning_parser", "tool_call_parser", "capacity_of_str_len", "session_id", "offset",
-    "replace", "drop_previous_output",
+    "replace", "drop_previous_output", "return_token_ids", "cache_salt", "extra_key", "include_reasoning", "documents",
+    "request_id", "prompt_embeds", "log_requests", "log_requests_level",
 };
 
 class Mutator {
