@@ -76,6 +76,19 @@ class HttpExchange {
   virtual void on_cancel(std::function<void(const std::string& why)> fn) = 0;
 };
 
+// An HttpExchange in front of another (the connection's) that rewrites what is written through it (the Responses,
+// Messages and scoring APIs over chat or /generate). The inner exchange keeps it alive until the response ends: no
+// one else holds it.
+class ForwardingExchange : public HttpExchange, public std::enable_shared_from_this<ForwardingExchange> {
+ public:
+  explicit ForwardingExchange(std::shared_ptr<HttpExchange> inner) : inner_(std::move(inner)) {}
+  Executor executor() override { return inner_->executor(); }
+  void on_cancel(std::function<void(const std::string& why)> fn) override;
+
+ protected:
+  std::shared_ptr<HttpExchange> inner_;
+};
+
 struct ServerOptions {
   std::string host = "127.0.0.1";
   int port = 30000;
@@ -184,6 +197,9 @@ class Api {
   // A chat request's prompt (messages, tools, chat_template_kwargs, add_generation_prompt) as the template renders
   // and the tokenizer encodes it; ApiError for bad messages or a failing template.
   std::vector<int32_t> chat_prompt_ids(const nlohmann::json& body);
+  // Anthropic's POST /v1/messages (server/anthropic.h; generated as chat) and, with `count`, POST
+  // /v1/messages/count_tokens ({"input_tokens"}).
+  void messages(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool count);
   // POST /v1/responses/input_tokens: OpenAI's count of a Responses request's input tokens.
   void responses_input_tokens(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   // /v1/responses/{id}: GET, DELETE, GET .../input_items, POST .../cancel; `rest` the path after /v1/responses.

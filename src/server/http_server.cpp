@@ -194,6 +194,8 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     req.target = std::string(msg.target());
     req.body = std::move(msg.body());
     if (auto it = msg.find(http::field::authorization); it != msg.end()) req.authorization = std::string(it->value());
+    else if (auto key = msg.find("x-api-key"); key != msg.end())  // Anthropic's clients' header for the key
+      req.authorization = "Bearer " + std::string(key->value());
     if (auto it = msg.find(http::field::content_type); it != msg.end()) req.content_type = std::string(it->value());
     if (std::string id = header(msg, "X-Request-Id"); valid_request_id(id)) req.request_id = std::move(id);
     MLA_LOG_DEBUG("{} {} ({} bytes)", req.method, req.target, req.body.size());

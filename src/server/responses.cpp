@@ -184,17 +184,10 @@ struct ResponsesExchange::Item {
 ResponsesExchange::ResponsesExchange(std::shared_ptr<HttpExchange> inner, json request, std::string id,
                                      int64_t created, std::string model,
                                      std::function<void(const ojson&)> finished)
-    : inner_(std::move(inner)), request_(std::move(request)), id_(std::move(id)), created_(created),
+    : ForwardingExchange(std::move(inner)), request_(std::move(request)), id_(std::move(id)), created_(created),
       model_(std::move(model)), finished_(std::move(finished)) {}
 
 ResponsesExchange::~ResponsesExchange() = default;
-
-void ResponsesExchange::on_cancel(std::function<void(const std::string&)> fn) {
-  // The connection's exchange keeps this one alive until the response ends.
-  inner_->on_cancel([self = shared_from_this(), fn = std::move(fn)](const std::string& why) {
-    if (fn) fn(why);
-  });
-}
 
 ojson response_object(const json& request, const std::string& id, int64_t created, const std::string& model,
                       const char* status) {

@@ -35,7 +35,7 @@ nlohmann::ordered_json response_object(const nlohmann::ordered_json& request, co
 // Writes the Responses form of the chat answer generated behind it: respond() turns a chat.completion into a
 // response object (errors pass unchanged); a stream's chat chunks become response.created, output items with
 // their deltas (reasoning, message text, function calls) and response.completed / response.incomplete.
-class ResponsesExchange : public HttpExchange, public std::enable_shared_from_this<ResponsesExchange> {
+class ResponsesExchange : public ForwardingExchange {
  public:
   // request: the Responses request (echoed in the response); model: the served model's name; finished: given the
   // finished response object (answered or streamed whole; not for errors), e.g. to store it.
@@ -43,12 +43,10 @@ class ResponsesExchange : public HttpExchange, public std::enable_shared_from_th
                     int64_t created, std::string model,
                     std::function<void(const nlohmann::ordered_json&)> finished = nullptr);
 
-  Executor executor() override { return inner_->executor(); }
   void respond(int status, const std::string& content_type, std::string body) override;
   void start_stream() override;
   void send_event(std::string payload) override;
   void end_stream() override;
-  void on_cancel(std::function<void(const std::string& why)> fn) override;
   ~ResponsesExchange() override;
 
  private:
@@ -59,7 +57,6 @@ class ResponsesExchange : public HttpExchange, public std::enable_shared_from_th
   void close();                        // the open item's done events
   nlohmann::ordered_json finished_response();
 
-  std::shared_ptr<HttpExchange> inner_;
   nlohmann::ordered_json request_;
   std::string id_;
   int64_t created_;

@@ -11,6 +11,7 @@
 #include "core/files.h"
 #include "core/log.h"
 #include "server/api.h"
+#include "server/anthropic.h"
 #include "server/api_error.h"
 #include "server/batches.h"
 #include "server/response_store.h"
@@ -38,6 +39,12 @@ std::string_view query_of(std::string_view target) {
 }
 
 }  // namespace
+
+void ForwardingExchange::on_cancel(std::function<void(const std::string&)> fn) {
+  inner_->on_cancel([self = shared_from_this(), fn = std::move(fn)](const std::string& why) {
+    if (fn) fn(why);
+  });
+}
 
 bool valid_request_id(std::string_view id) {
   return !id.empty() && id.size() <= 128 &&
@@ -770,6 +777,14 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/v1/responses/input_tokens") {
       if (!post) method_not_allowed(req);
       responses_input_tokens(req, ex);
+    } else if (path == "/v1/messages" || path == "/v1/messages/count_tokens") {  // Anthropic's, as vLLM serves it
+      if (!post) method_not_allowed(req);
+      try {
+        messages(req, ex, path == "/v1/messages/count_tokens");
+      } catch (...) {  // in Anthropic's error form
+        const auto [status, body] = error_answer(req);
+        respond_error(ex, status, anthropic_error_body(status, body));
+      }
     } else if (path.rfind("/v1/responses/", 0) == 0) {
       stored_response(req, std::string_view(path).substr(13), query_of(req.target), ex);
     } else if (path == "/v1/files" || path.rfind("/v1/files/", 0) == 0) {
@@ -1742,6 +1757,25 @@ void Api::responses_input_tokens(const HttpRequest& req, const std::shared_ptr<H
   out["object"] = "response.input_tokens";
   out["input_tokens"] = chat_prompt_ids(chat).size();
   respond_json(ex, 200, dump(out));
+}
+
+void Api::messages(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool count) {
+  const ojson body = parse_body_ordered(req.body);
+  const ojson chat = anthropic_to_chat(body, count);
+  if (count) {  // count_tokens: {"input_tokens"}, the prompt as the chat template renders it
+    if (!codec_)
+      throw ApiError(400, "counting tokens needs a tokenizer; this server runs without one", "", "no_tokenizer");
+    json parsed = json::parse(chat.dump());
+    parsed["add_generation_prompt"] = true;
+    respond_json(ex, 200, dump(ojson{{"input_tokens", chat_prompt_ids(parsed).size()}}));
+    return;
+  }
+  HttpRequest inner = req;
+  inner.body = chat.dump();  // in the request's key order (a tool schema's properties' order)
+  const auto model = body.find("model");
+  const std::string name = answered_name(model != body.end() && model->is_string() ? model->get<std::string>() : "");
+  const std::string id = "msg_" + new_id();  // also the job's: /abort_request takes it
+  generate(ApiKind::Chat, inner, std::make_shared<AnthropicExchange>(ex, id, name), id);
 }
 
 void Api::stored_response(const HttpRequest& req, std::string_view rest, std::string_view query,

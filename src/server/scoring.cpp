@@ -164,7 +164,7 @@ ojson score_answer(const ScorePlan& plan, const json& generated, const std::stri
 
 ScoreExchange::ScoreExchange(std::shared_ptr<HttpExchange> inner, ScorePlan plan, std::string id, int64_t created,
                              std::string model)
-    : inner_(std::move(inner)), plan_(std::move(plan)), id_(std::move(id)), created_(created),
+    : ForwardingExchange(std::move(inner)), plan_(std::move(plan)), id_(std::move(id)), created_(created),
       model_(std::move(model)) {}
 
 void ScoreExchange::respond(int status, const std::string& content_type, std::string body) {
@@ -185,13 +185,6 @@ void ScoreExchange::respond(int status, const std::string& content_type, std::st
 
 void ScoreExchange::start_stream() {
   inner_->respond(500, "application/json", error_body(500, "a scoring request streamed", "internal_error"));
-}
-
-void ScoreExchange::on_cancel(std::function<void(const std::string&)> fn) {
-  // The client's exchange keeps this one alive until the response ends.
-  inner_->on_cancel([self = shared_from_this(), fn = std::move(fn)](const std::string& why) {
-    if (fn) fn(why);
-  });
 }
 
 }  // namespace mlaserve::server

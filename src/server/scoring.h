@@ -43,20 +43,17 @@ nlohmann::ordered_json score_answer(const ScorePlan& plan, const nlohmann::json&
                                     int64_t created, const std::string& model);
 
 // In front of the client's exchange: a 200 /generate answer becomes score_answer's; other answers pass unchanged.
-class ScoreExchange : public HttpExchange, public std::enable_shared_from_this<ScoreExchange> {
+class ScoreExchange : public ForwardingExchange {
  public:
   ScoreExchange(std::shared_ptr<HttpExchange> inner, ScorePlan plan, std::string id, int64_t created,
                 std::string model);
-  Executor executor() override { return inner_->executor(); }
   void respond(int status, const std::string& content_type, std::string body) override;
   // A scoring request never streams (its /generate request asks for none).
   void start_stream() override;
   void send_event(std::string) override {}
   void end_stream() override {}
-  void on_cancel(std::function<void(const std::string&)> fn) override;
 
  private:
-  std::shared_ptr<HttpExchange> inner_;
   ScorePlan plan_;
   std::string id_;
   int64_t created_;

@@ -93,6 +93,11 @@ const Seed kSeeds[] = {
       "request_id": "fuzz-chat", "stream": true})"},
     {"/generate", R"({"text": "Salted", "extra_key": "fuzz", "sampling_params": {"max_new_tokens": 3}})"},
     {"/configure_logging", R"({"log_requests": false, "log_requests_level": 1})"},
+    {"/v1/messages", R"({"model": "tiny-v3", "max_tokens": 6, "system": "Be brief.", "stop_sequences": ["."],
+      "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}, {"role": "assistant", "content":
+      [{"type": "thinking", "thinking": "t", "signature": ""}, {"type": "text", "text": "Hello"}]},
+      {"role": "user", "content": "Go on"}], "temperature": 0.5, "top_k": 5, "stream": true})"},
+    {"/v1/messages/count_tokens", R"({"model": "tiny-v3", "messages": [{"role": "user", "content": "Hi"}]})"},
     {"/open_session", R"({"capacity_of_str_len": 100, "session_id": "fuzz"})"},
     {"/generate", R"({"text": "Hello", "rid": "fuzz-root", "session_params": {"id": "fuzz"},
       "sampling_params": {"max_new_tokens": 4}})"},
@@ -130,7 +135,8 @@ const char* kKeys[] = {
     "stop_regex", "chat_template", "session_params", "custom_logit_processor", "query", "items", "label_token_ids",
     "apply_softmax", "item_first", "reasoning_parser", "tool_call_parser", "capacity_of_str_len", "session_id", "offset",
     "replace", "drop_previous_output", "return_token_ids", "cache_salt", "extra_key", "include_reasoning", "documents",
-    "request_id", "prompt_embeds", "log_requests", "log_requests_level",
+    "request_id", "prompt_embeds", "log_requests", "log_requests_level", "system", "stop_sequences", "thinking",
+    "budget_tokens", "tool_use", "tool_result", "tool_use_id", "input_schema", "signature",
 };
 
 class Mutator {

@@ -170,6 +170,25 @@ TEST_F(ServerE2E, OpenAINpmClient) {
   EXPECT_NE(r.output.find("all checks passed"), std::string::npos) << r.output;
 }
 
+// Anthropic's Messages API through the official `@anthropic-ai/sdk` client (tests/e2e/anthropic_client.mjs): a message,
+// streamed, counted, a forced tool call and its result, a 400; the key sent as x-api-key.
+TEST(ServerE2EVariants, AnthropicNpmClient) {
+  const std::string node = MLASERVE_NODE;
+  if (!e2e_env("MLASERVE_E2E_ROOT", "").empty() && !std::filesystem::exists(node))
+    GTEST_SKIP() << "the build machine's node is not on this machine";
+  ASSERT_FALSE(node.empty() || node.find("NOTFOUND") != std::string::npos) << "node is needed for this test";
+  ASSERT_TRUE(std::filesystem::exists(std::string(MLASERVE_SOURCE_DIR) + "/tests/npm/node_modules/@anthropic-ai/sdk"))
+      << "run scripts/setup.sh (npm packages)";
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  const std::string tmpl = std::string(MLASERVE_SOURCE_DIR) + "/examples/chat_templates/deepseek_v3_tools.jinja";
+  ServerProcess s({"--chat-template", tmpl, "--tool-call-parser", "deepseekv3", "--api-key", "anthropic-key"});
+  ASSERT_TRUE(s.running()) << s.log();
+  auto r = run_command("timeout 120 " + node + " " + MLASERVE_SOURCE_DIR + "/tests/e2e/anthropic_client.mjs " +
+                       std::to_string(s.port()) + " tiny-v3 anthropic-key");
+  EXPECT_EQ(r.exit_code, 0) << r.output << "\n" << s.log();
+  EXPECT_NE(r.output.find("all checks passed"), std::string::npos) << r.output;
+}
+
 // Greedy output is a function of the prompt alone: alone, inside a full batch, after a prefix-cache hit, and
 // (ServerE2EChunked) with a small chunked-prefill size must all give the same tokens.
 std::vector<int32_t> test_prompt(int salt, size_t len) {

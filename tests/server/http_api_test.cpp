@@ -2847,5 +2847,105 @@ TEST(HttpApi, RequestIdsDocumentsAndUnsupportedVllmFields) {
   EXPECT_TRUE(s.wait_idle());
 }
 
+// Anthropic's Messages API: a message object (text, stop reasons, usage), the conversation's blocks (thinking,
+// tool_use, tool_result) rendered as chat renders them, count_tokens, the stream's events, errors in Anthropic's form,
+// and the x-api-key header.
+TEST(HttpApi, AnthropicMessages) {
+  ServerOptions o;
+  o.api_key = "k";
+  TestServer s(o);
+  const std::string key = "x-api-key: k\r\n";
+  auto post = [&](const std::string& path, const std::string& body) { return s.post(path, body, key); };
+  auto r = post("/v1/messages", R"({"model": "fake", "max_tokens": 5, "system": "S",
+      "messages": [{"role": "user", "content": "hi"}]})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  json m = json::parse(r.body);
+  EXPECT_EQ(m["type"], "message");
+  EXPECT_EQ(m["role"], "assistant");
+  EXPECT_EQ(m["model"], "fake");
+  EXPECT_EQ(m["id"].get<std::string>().rfind("msg_", 0), 0u);
+  ASSERT_EQ(m["content"].size(), 1u) << m.dump();
+  EXPECT_EQ(m["content"][0]["type"], "text");
+  EXPECT_EQ(m["content"][0]["text"], "<bos>");  // (the fake engine repeats the prompt)
+  EXPECT_EQ(m["stop_reason"], "max_tokens");
+  EXPECT_TRUE(m["stop_sequence"].is_null());
+  EXPECT_EQ(m["usage"]["input_tokens"], std::string("<bos>[system]S[user]hi[assistant]").size());
+  EXPECT_EQ(m["usage"]["output_tokens"], 5);
+  // A stop sequence, and the end of a turn (the fake's '#' is its EOS).
+  m = json::parse(post("/v1/messages", R"({"max_tokens": 50, "stop_sequences": ["sys"], "system": "S",
+      "messages": [{"role": "user", "content": "hi"}]})").body);
+  EXPECT_EQ(m["content"][0]["text"], "<bos>[");
+  EXPECT_EQ(m["stop_reason"], "stop_sequence");
+  EXPECT_EQ(m["stop_sequence"], "sys");
+  m = json::parse(post("/v1/messages", R"({"max_tokens": 50, "messages": [{"role": "user", "content": "#"}]})").body);
+  EXPECT_EQ(m["content"][0]["text"], "<bos>[user]");
+  EXPECT_EQ(m["stop_reason"], "end_turn");
+
+  // Blocks: the assistant's thinking is not shown again; its tool_use becomes a call, the tool_result a tool message.
+  const std::string convo = R"("messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]},
+      {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
+        {"type": "text", "text": "a"}, {"type": "tool_use", "id": "c1", "name": "f", "input": {"x": 1}}]},
+      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "r"},
+        {"type": "text", "text": "more"}]}])";
+  const std::string rendered = R"(<bos>[user]q[assistant]a[calls:f({"x":1})|c1,][tool]r(c1)[user]more[assistant])";
+  m = json::parse(post("/v1/messages", R"({"max_tokens": 1, )" + convo + "}").body);
+  EXPECT_EQ(m["usage"]["input_tokens"], rendered.size()) << m.dump();
+  m = json::parse(post("/v1/messages/count_tokens", "{" + convo + "}").body);
+  EXPECT_EQ(m["input_tokens"], rendered.size()) << m.dump();
+
+  // Streamed: message_start, a text block with its deltas, message_delta, message_stop; each event named by its type.
+  r = post("/v1/messages", R"({"max_tokens": 5, "stream": true, "system": "S",
+      "messages": [{"role": "user", "content": "hi"}]})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  std::vector<std::string> types;
+  std::string text;
+  for (size_t at = 0; (at = r.body.find("event: ", at)) != std::string::npos;) {
+    const size_t nl = r.body.find('\n', at);
+    const std::string name = r.body.substr(at + 7, nl - at - 7);
+    ASSERT_EQ(r.body.compare(nl + 1, 6, "data: "), 0) << r.body;
+    const size_t end = r.body.find("\n\n", nl);
+    const json e = json::parse(r.body.substr(nl + 7, end - nl - 7));
+    EXPECT_EQ(e["type"], name);
+    if (types.empty() || types.back() != name) types.push_back(name);
+    if (name == "content_block_delta") text += e["delta"]["text"].get<std::string>();
+    if (name == "message_delta") {
+      EXPECT_EQ(e["delta"]["stop_reason"], "max_tokens");
+      EXPECT_EQ(e["usage"]["output_tokens"], 5);
+    }
+    at = end;
+  }
+  EXPECT_EQ(types, (std::vector<std::string>{"message_start", "content_block_start", "content_block_delta",
+                                             "content_block_stop", "message_delta", "message_stop"}));
+  EXPECT_EQ(text, "<bos>");
+
+  // Errors in Anthropic's form; the key by x-api-key (or Authorization) only.
+  auto error_type = [](const test::HttpResponse& e) {
+    const json j = json::parse(e.body);
+    EXPECT_EQ(j["type"], "error") << e.body;
+    EXPECT_TRUE(j["error"]["message"].is_string()) << e.body;
+    return j["error"]["type"].get<std::string>();
+  };
+  r = post("/v1/messages", R"({"messages": [{"role": "user", "content": "hi"}]})");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(error_type(r), "invalid_request_error");
+  EXPECT_NE(r.body.find("max_tokens"), std::string::npos);
+  r = post("/v1/messages", R"({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image",
+      "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}]})");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(error_type(r), "invalid_request_error");
+  r = post("/v1/messages", R"({"model": "other", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})");
+  EXPECT_EQ(r.status, 404);
+  EXPECT_EQ(error_type(r), "not_found_error");
+  r = post("/v1/messages", R"({"max_tokens": 5, "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+      "messages": [{"role": "user", "content": "hi"}]})");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(s.post("/v1/messages", R"({"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})").status,
+            401);
+  EXPECT_EQ(s.post("/v1/messages", R"({"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})",
+                   "Authorization: Bearer k\r\n")
+                .status,
+            200);
+}
+
 }  // namespace
 }  // namespace mlaserve::server
