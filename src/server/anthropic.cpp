@@ -4,6 +4,7 @@
 
 #include "server/api_error.h"
 #include "server/protocol.h"
+#include "server/responses.h"
 
 namespace mlaserve::server {
 
@@ -22,22 +23,6 @@ std::string string_at(const json& o, const char* key, const std::string& p) {
   const json* v = member(o, key);
   if (!v || !v->is_string()) bad_request(p + "." + key, "invalid_value", "'{}.{}' must be a string", p, key);
   return v->get<std::string>();
-}
-
-// The text of a content that is a string or a list of text blocks (a tool result's, the system prompt).
-std::string text_of(const json& content, const std::string& p) {
-  if (content.is_string()) return content.get<std::string>();
-  if (!content.is_array())
-    bad_request(p, "invalid_type", "'{}' must be a string or a list of text blocks, got {}", p,
-                json_type_name(content.type()));
-  std::string text;
-  for (size_t i = 0; i < content.size(); ++i) {
-    const std::string bp = fmt::format("{}[{}]", p, i);
-    if (!content[i].is_object() || string_at(content[i], "type", bp) != "text")
-      bad_request(bp, "unsupported_parameter", "'{}' must be a text block (text-only model)", bp);
-    text += string_at(content[i], "text", bp);
-  }
-  return text;
 }
 
 // One message's content blocks appended to chat messages.
@@ -67,7 +52,7 @@ void add_message(const json& m, const std::string& p, json& messages) {
       const json* c = member(b, "content");
       messages.push_back({{"role", "tool"},
                           {"tool_call_id", string_at(b, "tool_use_id", bp)},
-                          {"content", c ? text_of(*c, bp + ".content") : std::string()}});
+                          {"content", c ? text_content(*c, bp + ".content", {"text"}) : std::string()}});
     } else if (role == "assistant" && type == "thinking") {
       thinking += string_at(b, "thinking", bp);
     } else if (role == "assistant" && type == "redacted_thinking") {
@@ -127,7 +112,8 @@ json anthropic_to_chat(const json& body, bool counting) {
   json chat = json::object();
   if (const json* m = member(body, "model")) chat["model"] = *m;
   json messages = json::array();
-  if (const json* s = member(body, "system")) messages.push_back({{"role", "system"}, {"content", text_of(*s, "system")}});
+  if (const json* s = member(body, "system"))
+    messages.push_back({{"role", "system"}, {"content", text_content(*s, "system", {"text"})}});
   const json* msgs = member(body, "messages");
   if (!msgs || !msgs->is_array() || msgs->empty())
     bad_request("messages", "invalid_value", "'messages' must be a non-empty list of messages");

@@ -1,5 +1,7 @@
 #include "server/responses.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "server/api_error.h"
@@ -14,8 +16,17 @@ using ojson = nlohmann::ordered_json;
 
 namespace {
 
-// The text of a message's content: a string, or text parts (input_text / output_text / text).
-std::string content_text(const json& content, const std::string& param) {
+std::string string_field(const json& o, const char* key, const std::string& param) {
+  const auto it = o.find(key);
+  if (it == o.end() || !it->is_string())
+    bad_request(param + "." + key, "invalid_value", "'{}.{}' must be a string", param, key);
+  return it->get<std::string>();
+}
+
+}  // namespace
+
+std::string text_content(const json& content, const std::string& param,
+                         std::initializer_list<std::string_view> types) {
   if (content.is_string()) return content.get<std::string>();
   if (!content.is_array())
     bad_request(param, "invalid_type", "'{}' must be a string or an array of text parts, got {}", param,
@@ -26,9 +37,9 @@ std::string content_text(const json& content, const std::string& param) {
     const std::string p = fmt::format("{}[{}]", param, i);
     const auto type = part.is_object() ? part.find("type") : part.end();
     if (!part.is_object() || type == part.end() || !type->is_string())
-      bad_request(p, "invalid_value", "'{}' must be a part {{\"type\": \"input_text\", \"text\": ...}}", p);
+      bad_request(p, "invalid_value", "'{}' must be a part {{\"type\": \"{}\", \"text\": ...}}", p, *types.begin());
     const std::string& t = type->get_ref<const std::string&>();
-    if (t != "input_text" && t != "output_text" && t != "text")
+    if (std::find(types.begin(), types.end(), t) == types.end())
       bad_request(p + ".type", "unsupported_parameter", "'{}.type' {} is not supported (text-only model)", p, t);
     const auto txt = part.find("text");
     if (txt == part.end() || !txt->is_string())
@@ -37,15 +48,6 @@ std::string content_text(const json& content, const std::string& param) {
   }
   return text;
 }
-
-std::string string_field(const json& o, const char* key, const std::string& param) {
-  const auto it = o.find(key);
-  if (it == o.end() || !it->is_string())
-    bad_request(param + "." + key, "invalid_value", "'{}.{}' must be a string", param, key);
-  return it->get<std::string>();
-}
-
-}  // namespace
 
 json responses_to_chat(const json& body, const json& prior, bool allow_empty) {
   if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object", "", "invalid_value");
@@ -73,7 +75,8 @@ json responses_to_chat(const json& body, const json& prior, bool allow_empty) {
         bad_request(p + ".role", "invalid_value", "'{}.role' must be user, system, developer or assistant", p);
       const auto content = item.find("content");
       if (content == item.end()) bad_request(p + ".content", "invalid_value", "'{}.content' is required", p);
-      messages.push_back({{"role", role}, {"content", content_text(*content, p + ".content")}});
+      messages.push_back(
+          {{"role", role}, {"content", text_content(*content, p + ".content", {"input_text", "output_text", "text"})}});
     } else if (type == "function_call") {
       json call = {{"id", string_field(item, "call_id", p)},
                    {"type", "function"},
@@ -90,7 +93,7 @@ json responses_to_chat(const json& body, const json& prior, bool allow_empty) {
       if (out == item.end()) bad_request(p + ".output", "invalid_value", "'{}.output' is required", p);
       messages.push_back({{"role", "tool"},
                           {"tool_call_id", string_field(item, "call_id", p)},
-                          {"content", content_text(*out, p + ".output")}});
+                          {"content", text_content(*out, p + ".output", {"input_text", "output_text", "text"})}});
     } else if (type == "reasoning") {
       // earlier reasoning is not shown to the model again (as chat templates drop it)
     } else {

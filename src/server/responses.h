@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <string>
 
@@ -22,6 +23,11 @@ namespace mlaserve::server {
 nlohmann::ordered_json responses_to_chat(const nlohmann::ordered_json& body,
                                          const nlohmann::ordered_json& prior = nlohmann::ordered_json::array(),
                                          bool allow_empty = false);
+
+// The text of `content`: a string, or a list of text parts ({"type", "text"}) whose type is one of `types` (else a
+// 400 naming `param`: other parts are not for this text-only model).
+std::string text_content(const nlohmann::ordered_json& content, const std::string& param,
+                         std::initializer_list<std::string_view> types);
 
 // The request's input as the items GET /v1/responses/{id}/input_items lists: a string input as a user message, text
 // content as parts, each item with an id (`<kind>_<rid>_in<k>` when it has none). Call after responses_to_chat

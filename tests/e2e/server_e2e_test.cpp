@@ -157,13 +157,19 @@ TEST_F(ServerE2E, NativeStreamFormatByteForByte) {
   EXPECT_EQ(r.body, expected);
 }
 
+// The preconditions of a test driving a real npm client (`package` under tests/npm/node_modules): defines `node`;
+// skips where the build machine's node is absent (a test tree copied to another machine); fails without node or the
+// package.
+#define REQUIRE_NODE_CLIENT(package)                                                                             \
+  const std::string node = MLASERVE_NODE;                                                                        \
+  if (!e2e_env("MLASERVE_E2E_ROOT", "").empty() && !std::filesystem::exists(node))                               \
+    GTEST_SKIP() << "the build machine's node is not on this machine";                                           \
+  ASSERT_FALSE(node.empty() || node.find("NOTFOUND") != std::string::npos) << "node is needed for this test";   \
+  ASSERT_TRUE(std::filesystem::exists(std::string(MLASERVE_SOURCE_DIR) + "/tests/npm/node_modules/" package))    \
+      << "run scripts/setup.sh (npm packages)"
+
 TEST_F(ServerE2E, OpenAINpmClient) {
-  const std::string node = MLASERVE_NODE;
-  if (!e2e_env("MLASERVE_E2E_ROOT", "").empty() && !std::filesystem::exists(node))
-    GTEST_SKIP() << "the build machine's node is not on this machine";
-  ASSERT_FALSE(node.empty() || node.find("NOTFOUND") != std::string::npos) << "node is needed for this test";
-  ASSERT_TRUE(std::filesystem::exists(std::string(MLASERVE_SOURCE_DIR) + "/tests/npm/node_modules/openai"))
-      << "run scripts/setup.sh (npm packages)";
+  REQUIRE_NODE_CLIENT("openai");
   auto r = run_command("timeout 120 " + node + " " + MLASERVE_SOURCE_DIR + "/tests/e2e/openai_client.mjs " +
                        std::to_string(port()) + " tiny-v3");
   EXPECT_EQ(r.exit_code, 0) << r.output;
@@ -173,12 +179,7 @@ TEST_F(ServerE2E, OpenAINpmClient) {
 // Anthropic's Messages API through the official `@anthropic-ai/sdk` client (tests/e2e/anthropic_client.mjs): a message,
 // streamed, counted, a forced tool call and its result, a 400; the key sent as x-api-key.
 TEST(ServerE2EVariants, AnthropicNpmClient) {
-  const std::string node = MLASERVE_NODE;
-  if (!e2e_env("MLASERVE_E2E_ROOT", "").empty() && !std::filesystem::exists(node))
-    GTEST_SKIP() << "the build machine's node is not on this machine";
-  ASSERT_FALSE(node.empty() || node.find("NOTFOUND") != std::string::npos) << "node is needed for this test";
-  ASSERT_TRUE(std::filesystem::exists(std::string(MLASERVE_SOURCE_DIR) + "/tests/npm/node_modules/@anthropic-ai/sdk"))
-      << "run scripts/setup.sh (npm packages)";
+  REQUIRE_NODE_CLIENT("@anthropic-ai/sdk");
   ASSERT_TRUE(have_deepseek_tokenizer());
   const std::string tmpl = std::string(MLASERVE_SOURCE_DIR) + "/examples/chat_templates/deepseek_v3_tools.jinja";
   ServerProcess s({"--chat-template", tmpl, "--tool-call-parser", "deepseekv3", "--api-key", "anthropic-key"});
@@ -1443,12 +1444,7 @@ print("https checks passed")
 
 // The official openai npm client over HTTPS (trusting the test CA through NODE_EXTRA_CA_CERTS).
 TEST(ServeFlags, HttpsOpenAINpmClient) {
-  const std::string node = MLASERVE_NODE;
-  if (!e2e_env("MLASERVE_E2E_ROOT", "").empty() && !std::filesystem::exists(node))
-    GTEST_SKIP() << "the build machine's node is not on this machine";
-  ASSERT_FALSE(node.empty() || node.find("NOTFOUND") != std::string::npos) << "node is needed for this test";
-  ASSERT_TRUE(std::filesystem::exists(std::string(MLASERVE_SOURCE_DIR) + "/tests/npm/node_modules/openai"))
-      << "run scripts/setup.sh (npm packages)";
+  REQUIRE_NODE_CLIENT("openai");
   const auto dir = temp_dir("e2e-tls-npm");
   const TlsFiles t = write_tls_files(dir);
   ServerProcess s({"--ssl-certfile", t.cert, "--ssl-keyfile", t.key});
