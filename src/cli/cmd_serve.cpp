@@ -102,6 +102,9 @@ struct ServeArgs {
   std::string reasoning_parser;
   std::string tool_call_parser;
   std::string chat_template;
+  std::string default_chat_template_kwargs;  // vLLM's: a JSON object of chat template variables
+  nlohmann::json default_kwargs = nlohmann::json::object();  // (parsed)
+  std::string response_role = "assistant";   // vLLM's --response-role
   bool trust_request_chat_template = false;  // vLLM's: requests' own chat_template taken
   std::string completion_template;
   std::string fp8_experts = "auto";
@@ -683,6 +686,11 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--tool-call-parser", a->tool_call_parser,
                  "parse tool calls out of chat output (deepseekv3; deepseekv31: V3.1's call form for tool_choice)");
   app.add_option("--chat-template", a->chat_template, "a Jinja chat template file replacing the tokenizer's");
+  app.add_option("--default-chat-template-kwargs", a->default_chat_template_kwargs,
+                 "a JSON object of chat template variables every chat request has unless it sets them, e.g. "
+                 "'{\"thinking\": true}' (vLLM's)");
+  app.add_option("--response-role", a->response_role, "the role chat answers are given (vLLM's)")
+      ->capture_default_str();
   app.add_flag("--trust-request-chat-template", a->trust_request_chat_template,
                "chat requests may bring their own Jinja template (chat_template), as vLLM's; refused otherwise");
   app.add_option("--completion-template", a->completion_template,
@@ -722,7 +730,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
         "--ep-num-redundant-experts", "--init-expert-location", "--crash-dump-folder", "--num-scheduler-steps",
         "--scheduler-delay-factor", "--preemption-mode", "--num-reserved-decode-tokens", "--hicache-io-backend",
         "--hicache-mem-layout", "--kv-offloading-backend", "--otlp-traces-endpoint", "--collect-detailed-traces",
-        "--tokenizer-revision", "--code-revision", "--max-num-partial-prefills", "--long-prefill-token-threshold"}) {
+        "--tokenizer-revision", "--code-revision", "--max-num-partial-prefills", "--long-prefill-token-threshold",
+        "--chat-template-content-format"}) {
     const bool list = std::string_view(opt) == "--cuda-graph-bs";
     app.add_option_function<std::vector<std::string>>(
            opt,
@@ -816,6 +825,12 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                 "--generation-config: expected auto, vllm or a folder, got '{}'", s.generation_config);
       s.defaults = generation_config_sampling(dir);
     }
+    if (!s.default_chat_template_kwargs.empty()) {
+      s.default_kwargs = nlohmann::json::parse(s.default_chat_template_kwargs, nullptr, /*allow_exceptions=*/false);
+      MLA_CHECK(s.default_kwargs.is_object(), "--default-chat-template-kwargs: not a JSON object: '{}'",
+                s.default_chat_template_kwargs);
+    }
+    MLA_CHECK(!s.response_role.empty(), "--response-role: an empty role");
     if (!s.override_generation_config.empty()) {
       const auto j = nlohmann::json::parse(s.override_generation_config, nullptr, /*allow_exceptions=*/false);
       MLA_CHECK(!j.is_discarded(), "--override-generation-config: not JSON: '{}'", s.override_generation_config);
@@ -953,6 +968,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.log_requests_level = s.log_requests_level;
     so.max_log_len = s.max_log_len;
     so.reasoning_parser = s.reasoning_parser;
+    so.parse.default_chat_template_kwargs = s.default_kwargs;
+    so.response_role = s.response_role;
     so.tool_call_parser = s.tool_call_parser;
     so.trust_request_chat_template = s.trust_request_chat_template;
     so.priority_scheduling = ea.priority_scheduling;

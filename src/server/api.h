@@ -129,6 +129,7 @@ struct ServerOptions {
   int log_requests_level = 2;
   int64_t max_log_len = -1;
   std::string reasoning_parser;       // --reasoning-parser (known_reasoning_parser): chat gives reasoning_content
+  std::string response_role = "assistant";  // vLLM's --response-role: the role chat answers are given
   bool trust_request_chat_template = false;  // vLLM's --trust-request-chat-template: requests' chat_template taken
   std::string tool_call_parser;       // --tool-call-parser (known_tool_call_parser): chat takes tools
   // Requests' `priority` (else a non-zero one is a 400): lower values first (vLLM's --scheduling-policy priority),

@@ -857,6 +857,9 @@ ParsedRequest parse_chat(const json& body, const ParseOptions& opts, std::string
     }
   }
   if (auto t = f.string("chat_template")) r.chat_template = *t;
+  for (const auto& [key, value] : opts.default_chat_template_kwargs.items())  // the server's, under the request's
+    if (!r.chat_template_kwargs.is_object() || !r.chat_template_kwargs.contains(key))
+      r.chat_template_kwargs[key] = value;
   if (const json* docs = f.get("documents")) {  // vLLM's: documents the chat template may show (RAG templates)
     if (!docs->is_array())
       bad_request("documents", "invalid_type", "'documents' must be a list of objects, got {}", type_name(*docs));

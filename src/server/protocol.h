@@ -146,6 +146,8 @@ struct ParseOptions {
   // tool_choice's forced calls in DeepSeek-V3.1's form (NAME<｜tool▁sep｜>ARGS; --tool-call-parser deepseekv31)
   // instead of V3 / R1's (function<｜tool▁sep｜>NAME and a ```json fence).
   bool tool_calls_v31 = false;
+  // vLLM's --default-chat-template-kwargs: chat template variables every chat request has unless it sets them itself.
+  nlohmann::json default_chat_template_kwargs = nlohmann::json::object();
 };
 
 // Throws ApiError (400) naming the offending field.

@@ -254,6 +254,7 @@ struct ResponseContext {
   // choice's generated ids, streamed as each chunk's new ones)
   bool return_token_ids = false;
   bool include_reasoning = true;  // chat: vLLM's include_reasoning (false: split_reasoning's reasoning dropped)
+  std::string role = "assistant";  // chat: the answers' role (vLLM's --response-role)
 };
 
 std::string token_text(const ResponseContext& rc, int32_t id) { return rc.codec ? rc.codec->token_text(id) : ""; }
@@ -597,7 +598,7 @@ ojson openai_response(const ResponseContext& rc, const GenerationJob& job) {
       ChatSplitter split;
       ChatSplitter::Parts parts = split.push(rc, c.text, /*last=*/true);
       called_tools = !parts.calls.empty();
-      ojson msg{{"role", "assistant"},
+      ojson msg{{"role", rc.role},
                 {"content", called_tools && parts.content.empty() ? ojson(nullptr) : ojson(parts.content)}};
       if (rc.split_reasoning)
         msg["reasoning_content"] =
@@ -967,6 +968,15 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
         weights_->version = v;
       }
       respond_json(ex, 200, dump(ojson{{"success", true}, {"message", "weight version updated to " + v}}));
+    } else if (path == "/load") {  // vLLM's: the generation requests being served now
+      if (!get) method_not_allowed(req);
+      size_t running = 0;
+      {
+        std::lock_guard lk(jobs_mu_);
+        for (const auto& [id, w] : jobs_)
+          if (const auto j = w.lock(); j && !j->done()) ++running;
+      }
+      respond_json(ex, 200, dump(ojson{{"server_load", running}}));
     } else if (path == "/metrics") {
       if (!get) method_not_allowed(req);
       ex->respond(200, "text/plain; version=0.0.4", metrics_.render(engine_.stats(), opts_.served_model_name));
@@ -1202,6 +1212,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
   p.rc.tokens_as_ids = pr.tokens_as_ids && pr.api != ApiKind::Native;
   p.rc.return_token_ids = pr.return_token_ids && pr.api != ApiKind::Native;
   p.rc.include_reasoning = pr.include_reasoning;
+  p.rc.role = opts_.response_role;
   p.rc.incremental = pr.api == ApiKind::Native && pr.stream && opts_.stream_output;
   return p;
 }
@@ -2102,7 +2113,7 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
       ojson ch;
       ch["index"] = c.index;
       if (rc.api == ApiKind::Chat) {
-        ch["delta"] = ojson{{"role", "assistant"}, {"content", ""}};
+        ch["delta"] = ojson{{"role", rc.role}, {"content", ""}};
         ch["logprobs"] = nullptr;
         if (rc.return_token_ids) {  // (vLLM's: the prompt's ids at the top of the choice's first chunk)
           ch["finish_reason"] = nullptr;

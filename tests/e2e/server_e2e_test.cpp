@@ -1682,7 +1682,8 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
                    "--swap-space", "16", "--uvicorn-log-level", "warning", "--compilation-config", R"({"level": 3})",
                    "--async-scheduling", "--enable-eplb", "--ep-num-redundant-experts", "32", "--pipeline-parallel-size",
                    "1", "--max-logprobs", "2", "--return-tokens-as-token-ids", "--served-model-name", "tiny-v3",
-                   "org/tiny"});
+                   "org/tiny", "--default-chat-template-kwargs", R"({"thinking": false})", "--response-role",
+                   "assistant", "--chat-template-content-format", "string"});
   ASSERT_TRUE(s.running()) << s.log();
   // Two served names: both listed, either answered under its own name.
   const json models = get_json(s.port(), "/v1/models");
@@ -1705,7 +1706,8 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
                              "--enable-dp-lm-head: accepted", "--moe-dense-tp-size 1: accepted",
                              "--enable-two-batch-overlap: accepted", "--revision main: accepted",
                              "--swap-space 16: accepted",
-                             "--compilation-config {\"level\": 3}: accepted", "--ep-num-redundant-experts 32: accepted"})
+                             "--compilation-config {\"level\": 3}: accepted", "--ep-num-redundant-experts 32: accepted",
+                             "--chat-template-content-format string: accepted"})
     EXPECT_NE(s.log().find(logged), std::string::npos) << logged << "\n" << s.log();
   // deepseek_r1 is the reasoning parser: chat answers carry reasoning_content.
   const json chat = post_json(s.port(), "/v1/chat/completions",

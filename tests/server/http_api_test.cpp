@@ -2947,5 +2947,37 @@ TEST(HttpApi, AnthropicMessages) {
             200);
 }
 
+// vLLM's --default-chat-template-kwargs (under each request's own), --response-role, and GET /load (the generation
+// requests being served).
+TEST(HttpApi, DefaultTemplateKwargsResponseRoleAndLoad) {
+  ServerOptions o;
+  o.parse.default_chat_template_kwargs = {{"prefix", "D"}};
+  o.response_role = "bot";
+  TestServer s(o);
+  const std::string chat = R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2)";
+  auto r = json::parse(s.post("/v1/chat/completions", chat + "}").body);
+  EXPECT_EQ(r["usage"]["prompt_tokens"], std::string("<bos>[user]hi[assistant]D").size()) << r.dump();
+  EXPECT_EQ(r["choices"][0]["message"]["role"], "bot");
+  r = json::parse(s.post("/v1/chat/completions", chat + R"(, "chat_template_kwargs": {"prefix": "RR"}})").body);
+  EXPECT_EQ(r["usage"]["prompt_tokens"], std::string("<bos>[user]hi[assistant]RR").size()) << r.dump();
+  const auto events = sse_payloads(s.post("/v1/chat/completions", chat + R"(, "stream": true})").body);
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(json::parse(events[0])["choices"][0]["delta"]["role"], "bot") << events[0];
+  EXPECT_EQ(json::parse(s.post("/tokenize", R"({"messages": [{"role": "user", "content": "hi"}]})").body)["count"],
+            std::string("<bos>[user]hi[assistant]D").size());
+
+  EXPECT_EQ(json::parse(s.get("/load").body)["server_load"], 0);
+  test::HttpResponse slow;
+  std::thread t([&] {
+    slow = s.post("/generate", R"({"rid": "busy", "text": "slow", "sampling_params": {"max_new_tokens": 4000}})");
+  });
+  for (int i = 0; i < 2000 && s.engine.num_live() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  EXPECT_EQ(json::parse(s.get("/load").body)["server_load"], 1);
+  EXPECT_EQ(json::parse(s.post("/abort_request", R"({"rid": "busy"})").body)["aborted"], 1);
+  t.join();
+  EXPECT_TRUE(s.wait_idle());
+  EXPECT_EQ(json::parse(s.get("/load").body)["server_load"], 0);
+}
+
 }  // namespace
 }  // namespace mlaserve::server
