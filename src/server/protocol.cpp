@@ -871,6 +871,7 @@ ParsedRequest parse_chat(const json& body, const ParseOptions& opts, std::string
   }
   if (auto v = f.boolean("separate_reasoning")) r.separate_reasoning = *v;
   if (auto v = f.boolean("include_reasoning")) r.include_reasoning = *v;
+  if (auto v = f.boolean("stream_reasoning")) r.stream_reasoning = *v;
   if (auto v = f.boolean("add_generation_prompt")) r.add_generation_prompt = *v;
   if (auto v = f.boolean("continue_final_message")) r.continue_final_message = *v;
   if (r.continue_final_message && r.add_generation_prompt)

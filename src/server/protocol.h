@@ -99,6 +99,7 @@ struct ParsedRequest {
   bool return_token_ids = false;     // vLLM's: OpenAI answers carry prompt_token_ids and token_ids
   std::string request_id;            // vLLM's request_id (OpenAI): the response id is "chatcmpl-" / "cmpl-" and it
   bool include_reasoning = true;     // vLLM's (chat): false drops the reasoning a reasoning parser split off
+  bool stream_reasoning = true;      // SGLang's (chat): false streams the reasoning in one piece as it ends
   bool include_usage = false;
   bool continuous_usage = false;     // stream_options.continuous_usage_stats: usage in every chunk
   nlohmann::json messages;           // chat

@@ -255,6 +255,7 @@ struct ResponseContext {
   bool return_token_ids = false;
   bool include_reasoning = true;  // chat: vLLM's include_reasoning (false: split_reasoning's reasoning dropped)
   std::string role = "assistant";  // chat: the answers' role (vLLM's --response-role)
+  bool stream_reasoning = true;    // chat, streamed: SGLang's stream_reasoning (false: the reasoning in one delta)
 };
 
 std::string token_text(const ResponseContext& rc, int32_t id) { return rc.codec ? rc.codec->token_text(id) : ""; }
@@ -642,6 +643,7 @@ struct OpenAIStream {
   std::vector<size_t> calls_sent;  // per chat choice: tool calls streamed (their indices)
   std::vector<bool> prompt_lps_sent;  // per choice: vLLM's prompt_logprobs went out (with the first chunk after them)
   std::vector<size_t> ids_sent;       // per choice, return_token_ids: output ids sent in token_ids
+  std::vector<std::string> held_reasoning;  // per chat choice, stream_reasoning false: the reasoning not sent yet
 };
 
 // With include_usage every chunk has "usage": null, or (continuous_usage_stats) the job's usage so far.
@@ -1213,6 +1215,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
   p.rc.return_token_ids = pr.return_token_ids && pr.api != ApiKind::Native;
   p.rc.include_reasoning = pr.include_reasoning;
   p.rc.role = opts_.response_role;
+  p.rc.stream_reasoning = pr.stream_reasoning;
   p.rc.incremental = pr.api == ApiKind::Native && pr.stream && opts_.stream_output;
   return p;
 }
@@ -1958,6 +1961,7 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
       state->calls_sent.push_back(0);
       state->prompt_lps_sent.push_back(false);
       state->ids_sent.push_back(0);
+      state->held_reasoning.emplace_back();
     }
     job->on_update = [wex, wjob, rc, state](const ChoiceUpdate& u) {
       auto ex2 = wex.lock();
@@ -2000,6 +2004,12 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
       ChatSplitter::Parts parts;
       if (split) parts = state->chat[u.choice].push(rc, delta, u.finished);
       if (!rc.include_reasoning) parts.reasoning.clear();
+      if (!rc.stream_reasoning) {  // held until the reasoning has ended (the answer starts, or the choice ends)
+        std::string& held = state->held_reasoning[u.choice];
+        held += parts.reasoning;
+        parts.reasoning.clear();
+        if (!held.empty() && (!parts.content.empty() || !parts.calls.empty() || u.finished)) parts.reasoning.swap(held);
+      }
       const bool new_text =
           split ? !parts.reasoning.empty() || !parts.content.empty() || !parts.calls.empty() : !delta.empty();
       if (new_text || new_logprobs) {

@@ -1022,6 +1022,21 @@ TEST(HttpApi, ReasoningContentAndTemplateKwargs) {
     if (d.contains("content") && d["content"].is_string()) content += d["content"].get<std::string>();
   }
   EXPECT_EQ(content, "so[assistant]P");
+  // SGLang's stream_reasoning false: the reasoning in one delta once it has ended, then the answer.
+  std::vector<std::string> reasoning_deltas;
+  content.clear();
+  for (const auto& e : sse_payloads(
+           s.post("/v1/chat/completions", body + R"(, "stream_reasoning": false, "stream": true})").body)) {
+    if (e == "[DONE]") continue;
+    const auto d = json::parse(e)["choices"][0]["delta"];
+    if (d.contains("reasoning_content")) {
+      EXPECT_TRUE(content.empty()) << "the reasoning before the answer";
+      reasoning_deltas.push_back(d["reasoning_content"].get<std::string>());
+    }
+    if (d.contains("content") && d["content"].is_string()) content += d["content"].get<std::string>();
+  }
+  EXPECT_EQ(reasoning_deltas, (std::vector<std::string>{"<bos>[user]why"}));
+  EXPECT_EQ(content, "so[assistant]P");
   auto bad = s.post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "a"}],
       "chat_template_kwargs": [1]})");
   EXPECT_EQ(bad.status, 400);
