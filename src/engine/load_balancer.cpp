@@ -14,8 +14,10 @@ int32_t LoadBalancer::assign(const std::string& rid, int64_t tokens, int32_t pin
   std::lock_guard<std::mutex> lk(mu_);
   MLA_CHECK(pinned < ranks_, "data_parallel_rank {} is out of range (dp size {})", pinned, ranks_);
   int32_t r = pinned;
-  if (r < 0 && !follow.empty())
+  if (r < 0 && !follow.empty()) {
     if (const auto it = live_.find(follow); it != live_.end()) r = it->second.first;
+    else if (const auto f = recent_.find(follow); f != recent_.end()) r = f->second;
+  }
   if (r < 0) {
     if (shortest_) {
       r = 0;
@@ -37,6 +39,13 @@ int32_t LoadBalancer::release(const std::string& rid) {
   if (it == live_.end()) return -1;
   const int32_t r = it->second.first;
   load_[static_cast<size_t>(r)] -= it->second.second;
+  if (recent_.insert_or_assign(rid, r).second) {
+    recent_order_.push_back(rid);
+    if (recent_order_.size() > kRecent) {
+      recent_.erase(recent_order_.front());
+      recent_order_.pop_front();
+    }
+  }
   live_.erase(it);
   return r;
 }

@@ -1175,6 +1175,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                    "priority", "invalid_value");
   p.spec.priority = opts_.priority_higher_first ? -pr.priority : pr.priority;
   p.spec.cache_salt = pr.cache_salt;
+  if (pr.session && pr.session->rid) p.spec.follow_rid = *pr.session->rid;  // to the DP rank caching its parent
   if (!pr.constraint_regex.empty()) {
     if (!codec_)
       throw ApiError(400, "constrained decoding needs the tokenizer; this server runs without one",

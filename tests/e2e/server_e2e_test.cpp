@@ -1132,6 +1132,27 @@ TEST(ServerE2EVariants, LongPromptWithinTheBodyLimitWorks) {
   EXPECT_EQ(j["meta_info"]["completion_tokens"], 2);
 }
 
+// Under --dp a session's turns follow their parent to its DP rank, whose prefix cache holds the earlier turns (round
+// robin alone would send every other turn to the other rank, which caches none of them).
+TEST(ServerE2EVariants, DataParallelSessionTurnsStayOnTheirRank) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  MLASERVE_NEEDS_DEVICES(2);
+  ServerProcess s({"--dp", "2"});
+  ASSERT_TRUE(s.running()) << s.log();
+  ASSERT_EQ(http_request(s.port(), "POST", "/open_session", R"({"capacity_of_str_len": 0, "session_id": "dp"})").status,
+            200);
+  std::string parent;
+  for (int turn = 0; turn < 4; ++turn) {
+    const json j = post_json(s.port(), "/generate",
+                             R"({"input_ids": )" + ids_json(test_prompt(90 + turn, turn == 0 ? 70 : 10)) +
+                                 R"(, "session_params": {"id": "dp")" +
+                                 (parent.empty() ? "" : R"(, "rid": ")" + parent + "\"") +
+                                 R"(}, "sampling_params": {"max_new_tokens": 4, "ignore_eos": true}})");
+    if (turn > 0) EXPECT_GE(j["meta_info"]["cached_tokens"].get<int>(), 64) << "turn " << turn << ": " << j.dump();
+    parent = j["meta_info"]["id"].get<std::string>();
+  }
+}
+
 TEST(ServerE2EVariants, DataParallelReportsOneStateObjectPerRank) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   MLASERVE_NEEDS_DEVICES(2);

@@ -192,12 +192,26 @@ TEST(LoadBalancer, ShortestQueueCountsTokensNotRequests) {
   EXPECT_EQ(rr.assign("c", 1), 2);
   EXPECT_EQ(rr.assign("d", 1), 0);
   EXPECT_THROW(LoadBalancer(2, "random"), Error);
-  // Following a live request: its rank, ahead of the policy; a pin wins; a finished one is not followed.
+  // Following a request: its rank, ahead of the policy (live or lately finished: its prefix is cached there); a pin
+  // wins; an unknown one is not followed.
   EXPECT_EQ(rr.assign("e", 1, -1, "b"), 1);
   EXPECT_EQ(rr.assign("f", 1, 2, "b"), 2);
   EXPECT_EQ(rr.release("b"), 1);
-  EXPECT_EQ(rr.assign("g", 1, -1, "b"), 1);  // round robin's turn: rank 1 (a, b, c, d took 0 1 2 0)
-  EXPECT_EQ(rr.assign("h", 1, -1, "c"), 2);
+  EXPECT_EQ(rr.assign("g", 1, -1, "nobody"), 1);  // round robin's turn: rank 1 (a, b, c, d took 0 1 2 0)
+  EXPECT_EQ(rr.assign("h", 1, -1, "b"), 1);       // (its turn was 2)
+  EXPECT_EQ(rr.assign("i", 1, -1, "c"), 2);
+  // Only the last kRecent finished requests are remembered.
+  LoadBalancer two(2, "round_robin");
+  EXPECT_EQ(two.assign("first", 1), 0);
+  EXPECT_EQ(two.release("first"), 0);
+  for (size_t k = 0; k < LoadBalancer::kRecent; ++k) {
+    two.assign("r" + std::to_string(k), 1);
+    two.release("r" + std::to_string(k));
+  }
+  // "first" (rank 0) is forgotten: round robin's turn, rank 1 (rk took rank (1 + k) % 2); r4094 (rank 1) is not,
+  // though round robin's turn is rank 0 now.
+  EXPECT_EQ(two.assign("late", 1, -1, "first"), 1);
+  EXPECT_EQ(two.assign("late2", 1, -1, "r" + std::to_string(LoadBalancer::kRecent - 2)), 1);
 }
 
 TEST(EngineArgsErrors, NegativeCudaGraphMaxBsIsClear) {
