@@ -41,7 +41,7 @@ struct JobSpec {
   int32_t stream_interval = 1;    // on_update once a choice has this many tokens since its last one (or finished)
   int32_t priority = 0;           // GenerateRequest::priority (the engine's convention: lower first)
   std::string cache_salt;         // GenerateRequest::cache_salt
-  std::string follow_rid;         // GenerateRequest::follow_rid of its choices (a session's parent; samples: their first)
+  std::string follow_rid;         // GenerateRequest::follow_rid of its choices (a session request: its parent)
   int32_t log_level = -1;         // --log-requests: a log line as each choice finishes (-1: none; 2+: its text)
   size_t log_max_len = 0;         // the most bytes of text (or ids) a log line shows (log_excerpt)
 };
