@@ -89,12 +89,16 @@ std::vector<int32_t> SessionStore::prompt(const SessionParams& p, const std::vec
 }
 
 void SessionStore::drop(Session& s, const std::string& rid, std::vector<std::string>& running) {
-  const auto it = s.nodes.find(rid);
-  if (it == s.nodes.end()) return;
-  Node node = std::move(it->second);
-  s.nodes.erase(it);
-  if (!node.finished) running.push_back(rid);
-  for (const std::string& c : node.children) drop(s, c, running);
+  std::vector<std::string> pending{rid};  // (a loop: a conversation may be long)
+  while (!pending.empty()) {
+    const std::string at = std::move(pending.back());
+    pending.pop_back();
+    const auto it = s.nodes.find(at);
+    if (it == s.nodes.end()) continue;
+    if (!it->second.finished) running.push_back(at);
+    for (std::string& c : it->second.children) pending.push_back(std::move(c));
+    s.nodes.erase(it);
+  }
 }
 
 std::vector<std::string> SessionStore::add(const SessionParams& p, const std::string& rid,

@@ -128,6 +128,12 @@ TEST(Sessions, LongConversationsHoldEachTokenOnce) {
   st.finish(s, "short", {8});
   EXPECT_EQ(st.prompt(params(s, "short"), {9}, 7), (Ids{1, 2, 3, 8, 9}));
   EXPECT_EQ(st.num_tokens(s), whole.size() + 1);
+  // Replacing what continued the first turn drops the whole long chain.
+  SessionParams rep = params(s, "t0");
+  rep.replace = true;
+  EXPECT_TRUE(st.add(rep, "branch", st.prompt(rep, {5}, 7)).empty());
+  EXPECT_EQ(st.num_requests(s), 2u);
+  EXPECT_EQ(st.num_tokens(s), 4u);  // t0's 1, 2, 3 and the branch's 5
 }
 
 }  // namespace
