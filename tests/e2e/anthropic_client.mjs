@@ -1,7 +1,8 @@
 // Drives the server's Messages API with the official `@anthropic-ai/sdk` npm client: a message, the same streamed,
 // token counting, a forced tool call and its result sent back, an error. The server runs with --tool-call-parser
 // deepseekv3 and --api-key (the client sends it as x-api-key).
-// Usage: node anthropic_client.mjs <port> <model> <api key>. Exits non-zero (with the reason) on the first failed check.
+// Usage: node anthropic_client.mjs <port> <model> <api key>. Exits non-zero (with the reason) on the first failed
+// check.
 import { createRequire } from 'node:module';
 import { fileURLToPath } from 'node:url';
 import path from 'node:path';

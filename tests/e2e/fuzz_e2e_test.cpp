@@ -133,10 +133,10 @@ const char* kKeys[] = {
     "truncate_prompt_tokens", "prompt_logprobs", "continuous_usage_stats", "allowed_token_ids", "bad_words",
     "token_ids_logprob", "thinking_budget", "thinking_token_budget", "background", "conversation",
     "stop_regex", "chat_template", "session_params", "custom_logit_processor", "query", "items", "label_token_ids",
-    "apply_softmax", "item_first", "reasoning_parser", "tool_call_parser", "capacity_of_str_len", "session_id", "offset",
-    "replace", "drop_previous_output", "return_token_ids", "cache_salt", "extra_key", "include_reasoning", "documents",
-    "request_id", "prompt_embeds", "log_requests", "log_requests_level", "system", "stop_sequences", "thinking",
-    "budget_tokens", "tool_use", "tool_result", "tool_use_id", "input_schema", "signature",
+    "apply_softmax", "item_first", "reasoning_parser", "tool_call_parser", "capacity_of_str_len", "session_id",
+    "offset", "replace", "drop_previous_output", "return_token_ids", "cache_salt", "extra_key", "include_reasoning",
+    "documents", "request_id", "prompt_embeds", "log_requests", "log_requests_level", "system", "stop_sequences",
+    "thinking", "budget_tokens", "tool_use", "tool_result", "tool_use_id", "input_schema", "signature",
 };
 
 class Mutator {

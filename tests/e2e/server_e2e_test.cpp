@@ -247,7 +247,8 @@ TEST_F(ServerE2E, CacheSaltsKeepPrefixesApart) {
   auto run = [&](const std::string& salt_field) {
     const json j = post_json(port(), "/generate",
                              R"({"input_ids": )" + ids_json(prompt) + salt_field +
-                                 R"(, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": true}})");
+                                 R"(, "sampling_params": {"max_new_tokens": 4, "temperature": 0,)"
+                                 R"( "ignore_eos": true}})");
     return std::make_pair(j["meta_info"]["cached_tokens"].get<int>(), j["output_ids"].get<std::vector<int32_t>>());
   };
   const auto [c1, first] = run(R"(, "cache_salt": "tenant-1")");
