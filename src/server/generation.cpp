@@ -186,6 +186,14 @@ void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
       }
     }
   }
+  // The job's end is recorded before its last update and on_done answer the client (who may act on the answer at once:
+  // a session's next turn needs its parent recorded as finished).
+  const bool job_done = c.finished && num_finished_ == choices_.size() && !done_;
+  if (job_done)
+    if (auto end = std::move(on_end)) {
+      on_end = nullptr;
+      end(*this);
+    }
   ChoiceUpdate& u = unsent_[i];
   u.choice = i;
   u.finished = c.finished;
@@ -198,15 +206,12 @@ void GenerationJob::handle_output(size_t i, const GenerateOutput& out) {
     u.hidden_begin = c.hidden_size > 0 ? c.hidden_states.size() / static_cast<size_t>(c.hidden_size) : 0;
     u.routes_begin = c.routed_experts.size();
   }
-  if (c.finished && num_finished_ == choices_.size() && !done_) {
+  if (job_done) {
     done_ = true;
     auto done_cb = std::move(on_done);
-    auto end = std::move(on_end);
     on_update = nullptr;
     on_done = nullptr;
-    on_end = nullptr;
     if (done_cb) done_cb();
-    if (end) end(*this);
   }
 }
 

@@ -96,7 +96,8 @@ class GenerationJob : public std::enable_shared_from_this<GenerationJob> {
   // update covers everything since that last one. on_done follows the last choice's finish (once).
   std::function<void(const ChoiceUpdate&)> on_update;
   std::function<void()> on_done;
-  // Runs once as the job ends, whichever way: after on_done, or from cancel() (the choices then as they stood).
+  // Runs once as the job ends, whichever way: before the last on_update and on_done (so what it records is there when
+  // the client has its answer), or from cancel() (the choices then as they stood).
   std::function<void(const GenerationJob&)> on_end;
 
   // Submits every choice to the engine (call on the executor). A client error from the engine (e.g. a prompt

@@ -3,6 +3,7 @@
 
 #include <sys/resource.h>
 
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -2992,6 +2993,48 @@ TEST(HttpApi, DefaultTemplateKwargsResponseRoleAndLoad) {
   t.join();
   EXPECT_TRUE(s.wait_idle());
   EXPECT_EQ(json::parse(s.get("/load").body)["server_load"], 0);
+}
+
+// A job's on_end runs before its last update and its on_done, which answer the client: what on_end records (a
+// session's finished request) is there by the time the client can send its next request.
+TEST(GenerationJob, EndComesBeforeTheAnswer) {
+  test::FakeEngine engine;
+  std::mutex mu;
+  std::deque<std::function<void()>> queue;
+  const Executor post = [&](std::function<void()> f) {
+    std::lock_guard lk(mu);
+    queue.push_back(std::move(f));
+  };
+  for (const bool stream : {false, true}) {
+    JobSpec spec;
+    spec.id = stream ? "streamed" : "whole";
+    spec.prompts.push_back(JobPrompt{{'a', 'b'}});
+    spec.sampling.max_new_tokens = 3;
+    auto job = std::make_shared<GenerationJob>(engine, nullptr, nullptr, post, spec);
+    std::vector<std::string> events;
+    job->on_end = [&](const GenerationJob& j) {
+      events.push_back("end");
+      EXPECT_EQ(j.choices()[0].output_ids.size(), 3u);
+    };
+    if (stream)
+      job->on_update = [&](const ChoiceUpdate& u) {
+        if (u.finished) events.push_back("last update");
+      };
+    job->on_done = [&] { events.push_back("done"); };
+    job->start();
+    for (int i = 0; i < 5000 && !job->done(); ++i) {
+      std::deque<std::function<void()>> ready;
+      {
+        std::lock_guard lk(mu);
+        ready.swap(queue);
+      }
+      for (auto& f : ready) f();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_TRUE(job->done());
+    EXPECT_EQ(events, stream ? (std::vector<std::string>{"end", "last update", "done"})
+                             : (std::vector<std::string>{"end", "done"}));
+  }
 }
 
 }  // namespace
