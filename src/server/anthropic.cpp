@@ -19,16 +19,10 @@ const json* member(const json& o, const char* key) {
   return it == o.end() || it->is_null() ? nullptr : &*it;
 }
 
-std::string string_at(const json& o, const char* key, const std::string& p) {
-  const json* v = member(o, key);
-  if (!v || !v->is_string()) bad_request(p + "." + key, "invalid_value", "'{}.{}' must be a string", p, key);
-  return v->get<std::string>();
-}
-
 // One message's content blocks appended to chat messages.
 void add_message(const json& m, const std::string& p, json& messages) {
   if (!m.is_object()) bad_request(p, "invalid_type", "'{}' must be an object", p);
-  const std::string role = string_at(m, "role", p);
+  const std::string role = string_member(m, "role", p);
   if (role != "user" && role != "assistant")
     bad_request(p + ".role", "invalid_value", "'{}.role' must be user or assistant, got '{}'", p, role);
   const json* content = member(m, "content");
@@ -45,24 +39,24 @@ void add_message(const json& m, const std::string& p, json& messages) {
     const json& b = (*content)[i];
     const std::string bp = fmt::format("{}.content[{}]", p, i);
     if (!b.is_object()) bad_request(bp, "invalid_type", "'{}' must be a content block", bp);
-    const std::string type = string_at(b, "type", bp);
+    const std::string type = string_member(b, "type", bp);
     if (type == "text") {
-      text += string_at(b, "text", bp);
+      text += string_member(b, "text", bp);
     } else if (role == "user" && type == "tool_result") {  // a tool message each, in order, before the user's text
       const json* c = member(b, "content");
       messages.push_back({{"role", "tool"},
-                          {"tool_call_id", string_at(b, "tool_use_id", bp)},
+                          {"tool_call_id", string_member(b, "tool_use_id", bp)},
                           {"content", c ? text_content(*c, bp + ".content", {"text"}) : std::string()}});
     } else if (role == "assistant" && type == "thinking") {
-      thinking += string_at(b, "thinking", bp);
+      thinking += string_member(b, "thinking", bp);
     } else if (role == "assistant" && type == "redacted_thinking") {
       // (encrypted elsewhere: nothing to show the model)
     } else if (role == "assistant" && type == "tool_use") {
       const json* input = member(b, "input");
       if (input && !input->is_object()) bad_request(bp + ".input", "invalid_type", "'{}.input' must be an object", bp);
-      calls.push_back({{"id", string_at(b, "id", bp)},
+      calls.push_back({{"id", string_member(b, "id", bp)},
                        {"type", "function"},
-                       {"function", {{"name", string_at(b, "name", bp)},
+                       {"function", {{"name", string_member(b, "name", bp)},
                                      {"arguments", input ? input->dump() : std::string("{}")}}}});
     } else {
       bad_request(bp + ".type", "unsupported_parameter", "'{}' blocks are not supported in {} messages here", type,
@@ -137,7 +131,7 @@ json anthropic_to_chat(const json& body, bool counting) {
       if (const json* type = member(t, "type"); type && *type != "custom")
         bad_request(tp + ".type", "unsupported_parameter", "'{}.type' {}: only custom tools (input_schema) run here",
                     tp, type->dump());
-      json fn = {{"name", string_at(t, "name", tp)}};
+      json fn = {{"name", string_member(t, "name", tp)}};
       if (const json* d = member(t, "description")) fn["description"] = *d;
       const json* schema = member(t, "input_schema");
       if (!schema || !schema->is_object())
@@ -149,12 +143,12 @@ json anthropic_to_chat(const json& body, bool counting) {
   }
   if (const json* tc = member(body, "tool_choice")) {
     if (!tc->is_object()) bad_request("tool_choice", "invalid_type", "'tool_choice' must be an object");
-    const std::string type = string_at(*tc, "type", "tool_choice");
+    const std::string type = string_member(*tc, "type", "tool_choice");
     if (type == "auto") chat["tool_choice"] = "auto";
     else if (type == "any") chat["tool_choice"] = "required";
     else if (type == "none") chat["tool_choice"] = "none";
     else if (type == "tool")
-      chat["tool_choice"] = {{"type", "function"}, {"function", {{"name", string_at(*tc, "name", "tool_choice")}}}};
+      chat["tool_choice"] = {{"type", "function"}, {"function", {{"name", string_member(*tc, "name", "tool_choice")}}}};
     else bad_request("tool_choice.type", "invalid_value", "'tool_choice.type' must be auto, any, tool or none");
     if (const json* d = member(*tc, "disable_parallel_tool_use")) {
       if (!d->is_boolean()) bad_request("tool_choice.disable_parallel_tool_use", "invalid_type", "must be a boolean");
@@ -163,7 +157,7 @@ json anthropic_to_chat(const json& body, bool counting) {
   }
   if (const json* th = member(body, "thinking")) {
     if (!th->is_object()) bad_request("thinking", "invalid_type", "'thinking' must be an object");
-    const std::string type = string_at(*th, "type", "thinking");
+    const std::string type = string_member(*th, "type", "thinking");
     if (type != "enabled" && type != "disabled")
       bad_request("thinking.type", "invalid_value", "'thinking.type' must be enabled or disabled");
     chat["chat_template_kwargs"] = {{"thinking", type == "enabled"}};  // (the hybrid DeepSeek-V3.1's switch)

@@ -14,16 +14,12 @@ namespace mlaserve::server {
 using json = nlohmann::ordered_json;
 using ojson = nlohmann::ordered_json;
 
-namespace {
-
-std::string string_field(const json& o, const char* key, const std::string& param) {
+std::string string_member(const json& o, const char* key, const std::string& param) {
   const auto it = o.find(key);
   if (it == o.end() || !it->is_string())
     bad_request(param + "." + key, "invalid_value", "'{}.{}' must be a string", param, key);
   return it->get<std::string>();
 }
-
-}  // namespace
 
 std::string text_content(const json& content, const std::string& param,
                          std::initializer_list<std::string_view> types) {
@@ -70,7 +66,7 @@ json responses_to_chat(const json& body, const json& prior, bool allow_empty) {
       bad_request(p + ".type", "invalid_type", "'{}.type' must be a string", p);
     const std::string type = type_it == item.end() ? "message" : type_it->get<std::string>();
     if (type == "message") {
-      const std::string role = string_field(item, "role", p);
+      const std::string role = string_member(item, "role", p);
       if (role != "user" && role != "system" && role != "developer" && role != "assistant")
         bad_request(p + ".role", "invalid_value", "'{}.role' must be user, system, developer or assistant", p);
       const auto content = item.find("content");
@@ -78,10 +74,10 @@ json responses_to_chat(const json& body, const json& prior, bool allow_empty) {
       messages.push_back(
           {{"role", role}, {"content", text_content(*content, p + ".content", {"input_text", "output_text", "text"})}});
     } else if (type == "function_call") {
-      json call = {{"id", string_field(item, "call_id", p)},
+      json call = {{"id", string_member(item, "call_id", p)},
                    {"type", "function"},
-                   {"function", {{"name", string_field(item, "name", p)},
-                                 {"arguments", string_field(item, "arguments", p)}}}};
+                   {"function", {{"name", string_member(item, "name", p)},
+                                 {"arguments", string_member(item, "arguments", p)}}}};
       // Calls in a row are one assistant turn.
       if (!messages.empty() && messages.back()["role"] == "assistant" && messages.back().contains("tool_calls")) {
         messages.back()["tool_calls"].push_back(std::move(call));
@@ -92,7 +88,7 @@ json responses_to_chat(const json& body, const json& prior, bool allow_empty) {
       const auto out = item.find("output");
       if (out == item.end()) bad_request(p + ".output", "invalid_value", "'{}.output' is required", p);
       messages.push_back({{"role", "tool"},
-                          {"tool_call_id", string_field(item, "call_id", p)},
+                          {"tool_call_id", string_member(item, "call_id", p)},
                           {"content", text_content(*out, p + ".output", {"input_text", "output_text", "text"})}});
     } else if (type == "reasoning") {
       // earlier reasoning is not shown to the model again (as chat templates drop it)
@@ -133,7 +129,7 @@ json responses_to_chat(const json& body, const json& prior, bool allow_empty) {
       const std::string p = fmt::format("tools[{}]", i);
       if (!t.is_object() || !t.contains("type") || t["type"] != "function")
         bad_request(p + ".type", "unsupported_parameter", "'{}': only function tools are supported", p);
-      json fn = {{"name", string_field(t, "name", p)}};
+      json fn = {{"name", string_member(t, "name", p)}};
       for (const char* key : {"description", "parameters", "strict"})
         if (const auto f = t.find(key); f != t.end() && !f->is_null()) fn[key] = *f;
       tools.push_back({{"type", "function"}, {"function", std::move(fn)}});
@@ -149,7 +145,7 @@ json responses_to_chat(const json& body, const json& prior, bool allow_empty) {
   }
   if (const auto text = body.find("text"); text != body.end() && text->is_object()) {
     if (const auto f = text->find("format"); f != text->end() && f->is_object()) {
-      const std::string type = string_field(*f, "type", "text.format");
+      const std::string type = string_member(*f, "type", "text.format");
       if (type == "json_object") {
         chat["response_format"] = {{"type", "json_object"}};
       } else if (type == "json_schema") {

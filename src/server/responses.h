@@ -24,6 +24,9 @@ nlohmann::ordered_json responses_to_chat(const nlohmann::ordered_json& body,
                                          const nlohmann::ordered_json& prior = nlohmann::ordered_json::array(),
                                          bool allow_empty = false);
 
+// o[key] when it is a string, else a 400 naming `param`.key (the request objects' required string members).
+std::string string_member(const nlohmann::ordered_json& o, const char* key, const std::string& param);
+
 // The text of `content`: a string, or a list of text parts ({"type", "text"}) whose type is one of `types` (else a
 // 400 naming `param`: other parts are not for this text-only model).
 std::string text_content(const nlohmann::ordered_json& content, const std::string& param,
