@@ -198,6 +198,32 @@ void DpController::profile(const ProfileRequest& req, std::function<void(const P
       std::move(done));
 }
 
+void DpController::export_kv(std::vector<int32_t> tokens, std::string salt, int32_t begin, int32_t max_tokens,
+                             std::function<void(KvRows)> done) {
+  struct Best {
+    int32_t cached = -1;
+    size_t replica = 0;
+    std::string error;
+  };
+  gather<Best>(
+      replicas_, Best{}, [&](size_t, EngineClient& e, std::function<void(const Best&)> cb) {
+        e.export_kv(tokens, salt, 0, 0, [cb](KvRows r) { cb(Best{r.error.empty() ? r.cached : -1, 0, r.error}); });
+      },
+      [](Best& acc, size_t r, const Best& res) {
+        if (res.cached > acc.cached) acc = Best{res.cached, r, {}};
+        else if (acc.cached < 0 && acc.error.empty()) acc.error = res.error;
+      },
+      [this, tokens, salt, begin, max_tokens, done = std::move(done)](const Best& best) {
+        if (best.cached < 0) {
+          KvRows r;
+          r.error = best.error;
+          done(std::move(r));
+          return;
+        }
+        replicas_[best.replica]->export_kv(tokens, salt, begin, max_tokens, done);
+      });
+}
+
 bool DpController::continue_generation() {
   bool ok = true;
   for (auto& e : replicas_) ok &= e->continue_generation();

@@ -33,6 +33,9 @@ class DpController final : public EngineClient {
   void expert_record(ExpertRecordOp op, std::function<void(const ExpertRecord&)> done) override;
   // Every replica (at once), each its own trace ("replica<r>" in its name); `done` once all answered.
   void profile(const ProfileRequest& r, std::function<void(const ProfileResult&)> done) override;
+  // From the replica that caches the longest prefix (each asked for its length first).
+  void export_kv(std::vector<int32_t> tokens, std::string salt, int32_t begin, int32_t max_tokens,
+                 std::function<void(KvRows)> done) override;
   int64_t max_context_len() const override { return replicas_[0]->max_context_len(); }
   int64_t hidden_size() const override { return replicas_[0]->hidden_size(); }
   std::vector<int32_t> eos_token_ids() const override { return replicas_[0]->eos_token_ids(); }

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <utility>
 
@@ -293,6 +294,92 @@ void Engine::expert_record(ExpertRecordOp op, std::function<void(const ExpertRec
   done(r);
 }
 
+void Engine::export_kv(std::vector<int32_t> tokens, std::string salt, int32_t begin, int32_t max_tokens,
+                       std::function<void(KvRows)> done) {
+  auto job = [this, tokens = std::move(tokens), salt = std::move(salt), begin, max_tokens, done] {
+    KvRows r;
+    try {
+      r = run_export(tokens, salt, begin, max_tokens);
+    } catch (const std::exception& e) {
+      r = KvRows{};
+      r.error = e.what();
+    }
+    done(std::move(r));
+  };
+  if (queue_control(std::move(job))) return;
+  KvRows r;
+  r.error = "the server is shutting down";
+  done(std::move(r));
+}
+
+KvRows Engine::run_export(const std::vector<int32_t>& tokens, const std::string& salt, int32_t begin,
+                          int32_t max_tokens) {
+  MLA_CHECK(begin >= 0 && max_tokens >= 0, "KV export: begin ({}) and max_tokens ({}) must be >= 0", begin,
+            max_tokens);
+  finish_inflight();
+  KvRows r;
+  r.layers = ranks_->kv_layers();
+  r.row_bytes = ranks_->kv_row_bytes();
+  r.dtype = dtype_name(ranks_->kv_dtype());
+  std::vector<int32_t> pages;
+  int32_t group = 0;
+  for (size_t g = 0; g < scheds_.size(); ++g) {
+    std::vector<int32_t> p = scheds_[g]->device_prefix(tokens, salt);
+    if (p.size() > pages.size()) {
+      pages = std::move(p);
+      group = static_cast<int32_t>(g);
+    }
+  }
+  const int32_t P = opts_.page_size;
+  r.cached = static_cast<int32_t>(pages.size()) * P;
+  r.begin = std::min(begin, r.cached);
+  r.end = static_cast<int32_t>(std::min<int64_t>(r.cached, int64_t{r.begin} + max_tokens));
+  if (r.end == r.begin) return r;
+  const int32_t first = r.begin / P, last = (r.end + P - 1) / P;
+  const std::vector<char> rows =
+      ranks_->read_kv_rows(group, std::span<const int32_t>(pages).subspan(static_cast<size_t>(first),
+                                                                         static_cast<size_t>(last - first)));
+  const auto row = static_cast<size_t>(r.row_bytes), n = static_cast<size_t>(r.end - r.begin);
+  const auto span_tokens = static_cast<size_t>(last - first) * static_cast<size_t>(P);
+  const auto off = static_cast<size_t>(r.begin - first * P);
+  r.data.resize(static_cast<size_t>(r.layers) * n * row);
+  for (size_t l = 0; l < static_cast<size_t>(r.layers); ++l)
+    std::memcpy(r.data.data() + l * n * row, rows.data() + (l * span_tokens + off) * row, n * row);
+  return r;
+}
+
+void Engine::import_prefix(int32_t g, GenerateRequest& r) {
+  const std::shared_ptr<const KvRows> kv = std::move(r.kv_prefix);
+  KvRows here;
+  here.layers = ranks_->kv_layers();
+  here.row_bytes = ranks_->kv_row_bytes();
+  here.dtype = dtype_name(ranks_->kv_dtype());
+  const auto rows = static_cast<size_t>(std::max(0, kv->end - kv->begin)), row = static_cast<size_t>(here.row_bytes);
+  if (!kv->same_layout(here) || kv->begin != 0 || kv->data.size() != static_cast<size_t>(here.layers) * rows * row) {
+    MLA_LOG_WARN("request {}: the KV rows handed over ({} layers x {} bytes of {}, tokens [{}, {}), {} bytes) do not "
+                 "fit this cache ({} layers x {} bytes of {}): the whole prompt is computed here",
+                 r.rid, kv->layers, kv->row_bytes, kv->dtype, kv->begin, kv->end, kv->data.size(), here.layers,
+                 here.row_bytes, here.dtype);
+    return;
+  }
+  const size_t n = std::min(rows, r.input_ids.size());
+  try {
+    scheds_[static_cast<size_t>(g)]->import_prefix(
+        std::span<const int32_t>(r.input_ids).first(n), r.cache_salt,
+        [&](std::span<const int32_t> pages, int32_t first) {
+          const size_t tokens = pages.size() * static_cast<size_t>(opts_.page_size);
+          std::vector<char> buf(static_cast<size_t>(here.layers) * tokens * row);
+          for (size_t l = 0; l < static_cast<size_t>(here.layers); ++l)
+            std::memcpy(buf.data() + l * tokens * row, kv->data.data() + (l * rows + static_cast<size_t>(first)) * row,
+                        tokens * row);
+          ranks_->write_kv_rows(g, pages, buf);
+        });
+  } catch (const std::exception& e) {
+    MLA_LOG_WARN("request {}: the KV rows handed over could not be cached ({}): the prompt is computed here", r.rid,
+                 e.what());
+  }
+}
+
 void Engine::profile(const ProfileRequest& req, std::function<void(const ProfileResult&)> done) {
   if (queue_control([this, req, done] { done(run_profile(req)); })) return;
   ProfileResult r;
@@ -550,7 +637,13 @@ void Engine::loop() {
       flushes = flush_requests_ - flush_done_;
     }
     for (auto& [r, reason] : dropped) end_unscheduled(r.on_output, reason);
+    bool drained = false;  // KV rows go into the caches with no step in flight
     for (auto& [g, r] : in) {
+      if (r.kv_prefix) {
+        if (!drained) finish_inflight();
+        drained = true;
+        import_prefix(g, r);
+      }
       auto cb = r.on_output;
       try {
         scheds_[static_cast<size_t>(g)]->add(std::move(r));

@@ -141,6 +141,20 @@ struct GenerateOutput {
   int32_t cached_tokens = 0;      // prompt tokens served from the prefix cache
 };
 
+// Prefill / decode disaggregation (vLLM's kv_transfer_params): latent KV rows of a prompt's first tokens, read out of
+// one server's prefix cache (EngineClient::export_kv) and handed to another with the request (GenerateRequest::
+// kv_prefix), which caches them and computes only the rest of the prompt.
+struct KvRows {
+  int32_t begin = 0, end = 0;  // the tokens [begin, end) these rows hold
+  int32_t cached = 0;          // export_kv: the length of the prefix cached there (end <= cached)
+  int64_t layers = 0;          // the cache's layers (the model's, then the MTP layer's)
+  int64_t row_bytes = 0;       // one token's row in one layer
+  std::string dtype;           // the cache's element type (dtype_name)
+  std::vector<char> data;      // [layers][end - begin][row_bytes]
+  std::string error;           // export_kv: why nothing could be read (empty: fine)
+  bool same_layout(const KvRows& o) const { return layers == o.layers && row_bytes == o.row_bytes && dtype == o.dtype; }
+};
+
 struct GenerateRequest {
   std::string rid;  // unique among live requests
   std::vector<int32_t> input_ids;
@@ -155,6 +169,9 @@ struct GenerateRequest {
   // vLLM's cache_salt / SGLang's extra_key: the request shares cached prefixes only with requests of the same salt
   // ("": none).
   std::string cache_salt;
+  // Rows [0, end) of input_ids' latent KV computed elsewhere (begin 0): cached before the request is scheduled, so only
+  // the rest is computed. Rows of another layout (layers, row bytes, element type) are not used (logged); null: none.
+  std::shared_ptr<const KvRows> kv_prefix;
   std::function<void(const GenerateOutput&)> on_output;
 };
 
@@ -282,6 +299,15 @@ class EngineClient {
     ProfileResult res;
     res.message = "this engine cannot profile";
     done(res);
+  }
+  // The latent KV rows of tokens[begin, min(cached, begin + max_tokens)) of the longest prefix of `tokens` cached on
+  // the device under `salt` (any DP rank's); `done` gets them, or an error (on an engine thread). Default: refused.
+  virtual void export_kv(std::vector<int32_t> tokens, std::string salt, int32_t begin, int32_t max_tokens,
+                         std::function<void(KvRows)> done) {
+    (void)tokens, (void)salt, (void)begin, (void)max_tokens;
+    KvRows r;
+    r.error = "this engine cannot export its KV cache";
+    done(std::move(r));
   }
   // Whether the memory is released (release_memory; vLLM's /is_sleeping).
   virtual bool memory_released() const { return false; }

@@ -124,6 +124,32 @@ RadixCache::Match RadixCache::match_prefix(std::span<const int32_t> tokens, int3
   return m;
 }
 
+std::vector<int32_t> RadixCache::device_prefix(std::span<const int32_t> tokens, std::string_view salt) const {
+  std::vector<int32_t> pages;
+  if (!enabled_) return pages;
+  const Node* node = root_.get();
+  if (!salt.empty()) {
+    const auto it = salted_.find(salt);
+    if (it == salted_.end()) return pages;
+    node = it->second.get();
+  }
+  const size_t P = static_cast<size_t>(page_size_), limit = tokens.size() / P * P;
+  for (size_t pos = 0; pos < limit;) {
+    const auto it = node->children.find(std::vector<int32_t>(tokens.begin() + pos, tokens.begin() + pos + P));
+    if (it == node->children.end() || !it->second->on_device()) break;
+    const Node* child = it->second.get();
+    size_t k = 1;  // (its first page matched: the key)
+    while (k < child->num_pages() && pos + (k + 1) * P <= limit &&
+           std::equal(child->key.begin() + k * P, child->key.begin() + (k + 1) * P, tokens.begin() + pos + k * P))
+      ++k;
+    pages.insert(pages.end(), child->pages.begin(), child->pages.begin() + static_cast<int64_t>(k));
+    pos += k * P;
+    if (k < child->num_pages()) break;
+    node = child;
+  }
+  return pages;
+}
+
 bool RadixCache::load(const std::vector<Node*>& path) {
   int32_t need = 0;
   for (Node* n : path) need += static_cast<int32_t>(n->num_pages());

@@ -61,6 +61,9 @@ class RadixCache {
   // tier, the part of it on the host is loaded when device pages can be had for it (else the match ends before it).
   // `salt`: the tree of that cache salt ("" none).
   Match match_prefix(std::span<const int32_t> tokens, int32_t max_tokens, std::string_view salt = {});
+  // The device pages of the longest cached prefix of `tokens` whose pages are all on the device, in whole pages; reads
+  // only (no touch, no split, no load). Prefill / decode disaggregation reads them out.
+  std::vector<int32_t> device_prefix(std::span<const int32_t> tokens, std::string_view salt = {}) const;
   // The copies recorded since the last call, for the step about to run (releases the pins of the loaded edges).
   Copies take_copies();
   bool copies_pending() const { return !pending_.empty(); }

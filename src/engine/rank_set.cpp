@@ -893,6 +893,30 @@ void RankSet::reset_expert_counts() {
   on_counting_rank([&](Rank& rk) { rk.backend->zero(rk.model->expert_counts()); });
 }
 
+std::vector<char> RankSet::read_kv_rows(int32_t group, std::span<const int32_t> pages) {
+  MLA_CHECK(pc_.nnodes == 1, "KV transfer between servers needs the layout on one node (--nnodes {})", pc_.nnodes);
+  MLA_CHECK(group >= 0 && group < pc_.dp_size, "KV transfer: DP group {} of {}", group, pc_.dp_size);
+  check_not_stopped();
+  MLA_CHECK(!released_, "KV transfer while the memory is released");
+  std::vector<char> rows;
+  const std::string err = on_local_ranks([&](Rank& rk) {
+    if (rk.global == group * attn_tp()) rows = rk.kv->read_rows(pages);
+  });
+  MLA_CHECK(err.empty(), "{}", err);
+  return rows;
+}
+
+void RankSet::write_kv_rows(int32_t group, std::span<const int32_t> pages, std::span<const char> rows) {
+  MLA_CHECK(pc_.nnodes == 1, "KV transfer between servers needs the layout on one node (--nnodes {})", pc_.nnodes);
+  MLA_CHECK(group >= 0 && group < pc_.dp_size, "KV transfer: DP group {} of {}", group, pc_.dp_size);
+  check_not_stopped();
+  MLA_CHECK(!released_, "KV transfer while the memory is released");
+  const std::string err = on_local_ranks([&](Rank& rk) {
+    if (rk.global / attn_tp() == group) rk.kv->write_rows(pages, rows);
+  });
+  MLA_CHECK(err.empty(), "{}", err);
+}
+
 std::string RankSet::on_local_ranks(const std::function<void(Rank&)>& fn) {
   std::vector<std::string> errors(ranks_.size());
   run_on_all([&](int i) {

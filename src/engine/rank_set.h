@@ -130,6 +130,14 @@ class RankSet {
   // Gives every rank a latent cache of `num_pages` pages (ranks of one DP group hold the same sequences).
   // host_slots > 0: every rank's cache gets a host tier of that many page blocks (KvCache::enable_host).
   void allocate_kv(int32_t num_pages, int32_t page_size, int32_t host_slots = 0);
+  // Prefill / decode disaggregation: the latent rows of `pages` (whole pages in order) of DP group g's cache,
+  // [layers][pages * page_size][row] bytes (KvCache::read_rows, from the group's first rank), and the same written
+  // into every rank of the group. No step may be in flight. One node only (other nodes' memory is out of reach).
+  std::vector<char> read_kv_rows(int32_t group, std::span<const int32_t> pages);
+  void write_kv_rows(int32_t group, std::span<const int32_t> pages, std::span<const char> rows);
+  // The cache's layers and bytes per token and layer (after allocate_kv).
+  int64_t kv_layers() const { return ranks_[0]->kv ? ranks_[0]->kv->num_layers() : 0; }
+  int64_t kv_row_bytes() const { return ranks_[0]->kv ? ranks_[0]->kv->row_bytes() : 0; }
   // One forward on every rank; batches[g] for DP group g, sampling[g] one RowSampling per logit row of it. Each
   // group's leading rank samples on its device and only the ids (and their logprobs) come back, and the full logits
   // of the rows logit_rows[g] names (moved to the front of the logits on the device, so only those cross to the

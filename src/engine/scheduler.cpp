@@ -186,6 +186,37 @@ bool Scheduler::ensure_pages(int32_t n, const Req*) {
   return pool_.num_free() >= n;
 }
 
+std::vector<int32_t> Scheduler::device_prefix(std::span<const int32_t> tokens, std::string_view salt) const {
+  return cache_suspect_ ? std::vector<int32_t>{} : cache_.device_prefix(tokens, salt);
+}
+
+int32_t Scheduler::import_prefix(std::span<const int32_t> tokens, std::string_view salt,
+                                 const std::function<void(std::span<const int32_t>, int32_t)>& write) {
+  const int32_t P = cfg_.page_size;
+  const int32_t n = static_cast<int32_t>(tokens.size()) / P * P;
+  if (!cache_.enabled() || cache_suspect_ || n == 0) return 0;
+  const RadixCache::Match m = cache_.match_prefix(tokens, n, salt);
+  cache_.lock(m.node);  // (kept while pages are evicted for the rest)
+  int32_t cached = m.tokens;
+  const int32_t need = (n - m.tokens) / P;
+  if (need > 0 && ensure_pages(need, nullptr)) {
+    const std::vector<int32_t> got = *pool_.alloc(need);
+    try {
+      write(got, m.tokens);
+    } catch (...) {
+      pool_.free(got);
+      cache_.unlock(m.node);
+      throw;
+    }
+    std::vector<int32_t> pages = m.pages;
+    pages.insert(pages.end(), got.begin(), got.end());
+    cache_.insert(tokens.first(static_cast<size_t>(n)), pages, salt);
+    cached = n;
+  }
+  cache_.unlock(m.node);
+  return cached;
+}
+
 bool Scheduler::take_pages(Req& r, int32_t upto_tokens, const Req* protect) {
   const int32_t need = div_up(upto_tokens, cfg_.page_size) - static_cast<int32_t>(r.pages.size());
   if (need <= 0) return true;

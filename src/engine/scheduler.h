@@ -252,6 +252,16 @@ class Scheduler {
   // to the prefix cache; a pause's retract mode). No step may be in flight.
   void retract_all();
 
+  // Prefill / decode disaggregation. The device pages of the longest prefix of `tokens` cached here
+  // (RadixCache::device_prefix; none while the cache is set aside after a failed step).
+  std::vector<int32_t> device_prefix(std::span<const int32_t> tokens, std::string_view salt) const;
+  // Caches tokens[0, n) (n: their length in whole pages) whose rows come from elsewhere: pages for the part not cached
+  // yet are taken (evicting unlocked ones) and `write(pages, first_token)` fills them before they enter the tree.
+  // Returns the tokens cached from the start afterwards (0 with the cache off; what was cached before when pages
+  // could not be had).
+  int32_t import_prefix(std::span<const int32_t> tokens, std::string_view salt,
+                        const std::function<void(std::span<const int32_t>, int32_t)>& write);
+
   bool has_work() const { return !waiting_.empty() || num_running() > 0; }
   int32_t num_running() const {
     int32_t n = 0;

@@ -1,5 +1,7 @@
 #include "model/kv_cache.h"
 
+#include <cstring>
+
 namespace mlaserve {
 
 KvCache::KvCache(Backend& backend, const ModelConfig& config, int64_t num_pages, int32_t page_size,
@@ -36,6 +38,56 @@ void KvCache::copy_pages(std::span<const int32_t> saves, std::span<const int32_t
   std::vector<Tensor*> layers;
   for (Tensor& t : layers_) layers.push_back(&t);
   backend_->copy_kv_pages(layers, page_bytes(), host_.get(), saves, loads);
+}
+
+namespace {
+
+// A staging buffer of `blocks` host-tier-shaped blocks (each page of every layer in turn).
+std::unique_ptr<char, std::function<void(char*)>> staging(Backend& be, size_t bytes) {
+  return std::unique_ptr<char, std::function<void(char*)>>(static_cast<char*>(be.alloc_host(bytes)),
+                                                           [&be](char* p) { be.free_host(p); });
+}
+
+}  // namespace
+
+std::vector<char> KvCache::read_rows(std::span<const int32_t> pages) {
+  const auto n = pages.size(), L = static_cast<size_t>(num_layers()), pb = static_cast<size_t>(page_bytes());
+  std::vector<int32_t> pairs;
+  for (size_t i = 0; i < n; ++i) {
+    MLA_CHECK(pages[i] >= 0 && pages[i] < num_pages_, "kv cache: reading page {} of {}", pages[i], num_pages_);
+    pairs.push_back(pages[i]);
+    pairs.push_back(static_cast<int32_t>(i));
+  }
+  std::vector<char> rows(n * L * pb);
+  if (n == 0) return rows;
+  auto host = staging(*backend_, rows.size());
+  std::vector<Tensor*> layers;
+  for (Tensor& t : layers_) layers.push_back(&t);
+  backend_->copy_kv_pages(layers, page_bytes(), host.get(), pairs, {});
+  backend_->synchronize();
+  for (size_t i = 0; i < n; ++i)  // block i = page i of every layer -> each layer's rows of page i
+    for (size_t l = 0; l < L; ++l) std::memcpy(rows.data() + (l * n + i) * pb, host.get() + (i * L + l) * pb, pb);
+  return rows;
+}
+
+void KvCache::write_rows(std::span<const int32_t> pages, std::span<const char> rows) {
+  const auto n = pages.size(), L = static_cast<size_t>(num_layers()), pb = static_cast<size_t>(page_bytes());
+  MLA_CHECK(rows.size() == n * L * pb, "kv cache: {} bytes of rows for {} pages of {} layers of {} bytes", rows.size(),
+            n, L, pb);
+  if (n == 0) return;
+  std::vector<int32_t> pairs;
+  for (size_t i = 0; i < n; ++i) {
+    MLA_CHECK(pages[i] >= 0 && pages[i] < num_pages_, "kv cache: writing page {} of {}", pages[i], num_pages_);
+    pairs.push_back(static_cast<int32_t>(i));
+    pairs.push_back(pages[i]);
+  }
+  auto host = staging(*backend_, rows.size());
+  for (size_t i = 0; i < n; ++i)
+    for (size_t l = 0; l < L; ++l) std::memcpy(host.get() + (i * L + l) * pb, rows.data() + (l * n + i) * pb, pb);
+  std::vector<Tensor*> layers;
+  for (Tensor& t : layers_) layers.push_back(&t);
+  backend_->copy_kv_pages(layers, page_bytes(), host.get(), {}, pairs);
+  backend_->synchronize();  // (the staging buffer goes when this returns)
 }
 
 int64_t KvCache::bytes_per_token(const ModelConfig& c, DType dtype) {

@@ -44,6 +44,12 @@ class KvCache {
   // A step's copies (ForwardBatch::kv_saves, kv_loads: RadixCache::Copies) between pages and host slots, before its
   // forward; each page and slot checked against the cache's.
   void copy_pages(std::span<const int32_t> saves, std::span<const int32_t> loads);
+  // Prefill / decode disaggregation: the rows of `pages` (whole pages, in order) as [layers][pages * page_size][row]
+  // bytes, and the same written into them; through a staging buffer of Backend::alloc_host, waiting for the device.
+  std::vector<char> read_rows(std::span<const int32_t> pages);
+  void write_rows(std::span<const int32_t> pages, std::span<const char> rows);
+  // Bytes of one token's row in one layer.
+  int64_t row_bytes() const { return page_bytes() / page_size_; }
   // The cache's element type on a backend: the FP8 type when given, else the backend's activation type.
   static DType dtype_on(const Backend& backend, std::optional<DType> fp8) { return fp8.value_or(backend.act_dtype()); }
 

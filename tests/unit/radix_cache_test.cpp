@@ -352,3 +352,34 @@ TEST(RadixCache, HostTierPinsLoadsAndFallsBackToDropping) {
   (void)cache.take_copies();
   EXPECT_TRUE(cache.reset());
 }
+
+// device_prefix (what prefill / decode disaggregation reads out): the pages of the longest prefix held on the device,
+// whole pages, inside an edge too, per salt; it stops where an edge is on the host tier, and changes nothing (no
+// split, no load, no LRU touch).
+TEST(RadixCache, DevicePrefixReadsOnlyTheDevicePart) {
+  PagePool pool(8);
+  RadixCache cache(P, pool, true);
+  cache.enable_host_tier(4);
+  const std::vector<int32_t> a{1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}, b{7, 7, 7, 7, 6, 6, 6, 6};
+  const std::vector<int32_t> pa = *pool.alloc(3), pb = *pool.alloc(2);
+  cache.insert(a, pa);
+  cache.insert(b, pb, "salt");
+  EXPECT_EQ(cache.device_prefix(a), pa);
+  EXPECT_EQ(cache.device_prefix(std::vector<int32_t>(a.begin(), a.begin() + 11)),
+            std::vector<int32_t>(pa.begin(), pa.begin() + 2));  // whole pages only, inside the edge
+  std::vector<int32_t> diverging = a;
+  diverging[9] = 5;
+  EXPECT_EQ(cache.device_prefix(diverging), std::vector<int32_t>(pa.begin(), pa.begin() + 2));
+  EXPECT_TRUE(cache.device_prefix(b).empty());  // (under another salt)
+  EXPECT_EQ(cache.device_prefix(b, "salt"), pb);
+  EXPECT_TRUE(cache.device_prefix(a, "salt").empty());
+  // Nothing was split or touched: a (older than b) is still the one evicted first, as one edge.
+  EXPECT_EQ(cache.evict(1), 3);
+  (void)cache.take_copies();
+  EXPECT_TRUE(cache.device_prefix(a).empty());  // on the host now
+  EXPECT_EQ(cache.host_cached_slots(), 3);
+  EXPECT_EQ(cache.match_prefix(a, 12).loaded_tokens, 12);  // (still there)
+  cache.check_integrity();
+  RadixCache disabled(P, pool, false);
+  EXPECT_TRUE(disabled.device_prefix(a).empty());
+}
