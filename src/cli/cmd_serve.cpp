@@ -121,6 +121,8 @@ struct ServeArgs {
   size_t max_body_bytes = 256u << 20;
   int num_http_threads = 0;  // 0: from the machine's cores (auto_http_threads)
   double request_timeout = 0.0;
+  std::string kv_transfer_addr;       // prefill / decode disaggregation (ServerOptions::kv_transfer_addr)
+  double kv_transfer_timeout = 60.0;
   int32_t max_n = 64;
   std::string batch_input, batch_output;  // run-batch
 };
@@ -454,6 +456,8 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["max_body_bytes"] = a.max_body_bytes;
   j["num_http_threads"] = a.num_http_threads;
   j["request_timeout"] = a.request_timeout;
+  j["kv_transfer_addr"] = a.kv_transfer_addr;
+  j["kv_transfer_timeout"] = a.kv_transfer_timeout;
   return j;
 }
 
@@ -703,6 +707,14 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                  "HTTP io threads (0: half the cores, 4 to 16; streaming many requests needs several)")
       ->capture_default_str();
   app.add_option("--request-timeout", a->request_timeout, "abort requests running longer (s; 0: never)");
+  app.add_option("--kv-transfer-addr", a->kv_transfer_addr,
+                 "prefill / decode disaggregation (vLLM's kv_transfer_params): the address, HOST or HOST:PORT, that "
+                 "this server's prefill answers tell decode servers to read its KV at (default: the Host header the "
+                 "prefill request came with)");
+  app.add_option("--kv-transfer-timeout", a->kv_transfer_timeout,
+                 "seconds a decode request's read of a prefill server's KV may take (each read of at most 64 MiB); "
+                 "past it the prompt is computed here")
+      ->capture_default_str();
   app.add_option("--max-n", a->max_n, "largest n (parallel samples) accepted")->capture_default_str();
   // SGLang's and vLLM's flags that choose how they compute, not what (their kernels, compilers, schedulers' tuning,
   // expert-parallel MoE and its all-to-all (experts run tensor-parallel here, with the same results), host-memory cache
@@ -851,6 +863,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     MLA_CHECK(s.chat_template.empty() || std::filesystem::is_regular_file(s.chat_template),
               "--chat-template: '{}' is not a file", s.chat_template);
     MLA_CHECK(s.request_timeout >= 0, "--request-timeout must be >= 0");
+    MLA_CHECK(s.kv_transfer_timeout > 0, "--kv-transfer-timeout must be > 0, got {}", s.kv_transfer_timeout);
     MLA_CHECK(std::filesystem::is_directory(s.model_path), "--model-path: '{}' is not a directory", s.model_path);
     if (s.tokenizer_path.empty()) s.tokenizer_path = s.model_path;
     for (const std::string& n : s.served_model_names) MLA_CHECK(!n.empty(), "--served-model-name: an empty name");
@@ -953,6 +966,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     set_tls(s, so);
     so.num_threads = s.num_http_threads;
     so.request_timeout_s = s.request_timeout;
+    so.kv_transfer_addr = s.kv_transfer_addr;
+    so.kv_transfer_timeout_s = s.kv_transfer_timeout;
     so.parse.max_n = s.max_n;
     so.parse.defaults = s.defaults;
     so.parse.max_top_logprobs = s.max_logprobs < 0 ? (1 << 30) : s.max_logprobs;

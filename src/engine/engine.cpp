@@ -333,7 +333,9 @@ KvRows Engine::run_export(const std::vector<int32_t>& tokens, const std::string&
   const int32_t P = opts_.page_size;
   r.cached = static_cast<int32_t>(pages.size()) * P;
   r.begin = std::min(begin, r.cached);
-  r.end = static_cast<int32_t>(std::min<int64_t>(r.cached, int64_t{r.begin} + max_tokens));
+  const int64_t token_bytes = std::max<int64_t>(1, r.layers * r.row_bytes);
+  const int64_t most = std::max<int64_t>(1, static_cast<int64_t>(kMaxKvExportBytes) / token_bytes);
+  r.end = static_cast<int32_t>(std::min({int64_t{r.cached}, int64_t{r.begin} + max_tokens, int64_t{r.begin} + most}));
   if (r.end == r.begin) return r;
   const int32_t first = r.begin / P, last = (r.end + P - 1) / P;
   const std::vector<char> rows =

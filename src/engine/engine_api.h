@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -144,6 +145,8 @@ struct GenerateOutput {
 // Prefill / decode disaggregation (vLLM's kv_transfer_params): latent KV rows of a prompt's first tokens, read out of
 // one server's prefix cache (EngineClient::export_kv) and handed to another with the request (GenerateRequest::
 // kv_prefix), which caches them and computes only the rest of the prompt.
+// The most bytes of rows one EngineClient::export_kv call reads (a longer prefix is read on from its `end`).
+inline constexpr size_t kMaxKvExportBytes = size_t{64} << 20;
 struct KvRows {
   int32_t begin = 0, end = 0;  // the tokens [begin, end) these rows hold
   int32_t cached = 0;          // export_kv: the length of the prefix cached there (end <= cached)
@@ -301,7 +304,8 @@ class EngineClient {
     done(res);
   }
   // The latent KV rows of tokens[begin, min(cached, begin + max_tokens)) of the longest prefix of `tokens` cached on
-  // the device under `salt` (any DP rank's); `done` gets them, or an error (on an engine thread). Default: refused.
+  // the device under `salt` (any DP rank's), at most kMaxKvExportBytes of them (at least one token's); `done` gets
+  // them, or an error (on an engine thread). Default: refused.
   virtual void export_kv(std::vector<int32_t> tokens, std::string salt, int32_t begin, int32_t max_tokens,
                          std::function<void(KvRows)> done) {
     (void)tokens, (void)salt, (void)begin, (void)max_tokens;

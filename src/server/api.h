@@ -46,6 +46,8 @@ struct HttpRequest {
   std::string authorization;  // the Authorization header
   std::string content_type;   // the Content-Type header
   std::string request_id;     // the X-Request-Id header when it is 1-128 visible ASCII characters, else empty
+  std::string host;           // the Host header
+  int local_port = 0;         // the port the connection came in on (0: unknown, e.g. in-memory exchanges)
 };
 
 // Whether `id` may be a request id from a header: 1-128 visible ASCII characters.
@@ -153,6 +155,11 @@ struct ServerOptions {
   std::string profile_dir = "/tmp";
   // Where /dump_expert_distribution_record writes (SGLang's $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR; made if absent).
   std::string expert_distribution_dir = "/tmp";
+  // Prefill / decode disaggregation (server/kv_transfer.h): the address ("host" or "host:port") a prefill answer's
+  // kv_transfer_params name for this server (empty: the prefill request's Host header), and how long a decode
+  // request's read of a prefill server's rows may take (each of its reads).
+  std::string kv_transfer_addr;
+  double kv_transfer_timeout_s = 60.0;
 };
 
 class BatchService;
@@ -172,6 +179,15 @@ class Api {
   // id: the request's id when the caller chose it (the Responses API's resp_...), else made here.
   void generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex,
                 const std::string& id = {});
+  // generate() once the request is prepared (and its prompts' rows read from a prefill server, when it names one).
+  void run_generation(const ParsedRequest& pr, Prepared p, const std::shared_ptr<HttpExchange>& ex);
+  // A decode request of prefill / decode disaggregation (kv_transfer_params do_remote_prefill): its prompts' rows read
+  // from the prefill server on kv_fetch_, then run_generation on the connection's executor.
+  void generate_after_transfer(const HttpRequest& req, ParsedRequest pr, Prepared p,
+                               const std::shared_ptr<HttpExchange>& ex);
+  // POST /kv_transfer/export ({"token_ids", "cache_salt", "begin", "max_tokens"}): the cached rows of the tokens'
+  // prefix (EngineClient::export_kv) as server/kv_transfer.h encodes them.
+  void kv_export(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   // vLLM's /tokenize ({"prompt"} or chat {"messages"}) and /detokenize ({"tokens"}).
   void tokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   void detokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
@@ -289,6 +305,8 @@ class Api {
   // Request logging as configured now (ServerOptions' log_requests / log_requests_level, /configure_logging).
   std::atomic<bool> log_requests_{false};
   std::atomic<int> log_level_{2};
+  // The decode side's reads of prefill servers' rows (generate_after_transfer).
+  std::unique_ptr<KvFetchPool> kv_fetch_ = std::make_unique<KvFetchPool>(4);
   // OpenAI's Files and Batch APIs (server/batches.h): its lines run through handle(). Last: destroyed first.
   std::unique_ptr<BatchService> batches_;
 };

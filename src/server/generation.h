@@ -27,6 +27,8 @@ struct JobPrompt {
   std::vector<int32_t> token_ids_logprob;  // this prompt's sampling.token_ids_logprob
   bool return_hidden_states = false;       // this prompt's sampling.return_hidden_states
   bool return_routed_experts = false;      // and return_routed_experts
+  // Its prefix's latent rows from a prefill server (GenerateRequest::kv_prefix, with its first sample); null: none.
+  std::shared_ptr<const KvRows> kv_prefix;
 };
 
 struct JobSpec {

@@ -197,6 +197,10 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     else if (auto key = msg.find("x-api-key"); key != msg.end())  // Anthropic's clients' header for the key
       req.authorization = "Bearer " + std::string(key->value());
     if (auto it = msg.find(http::field::content_type); it != msg.end()) req.content_type = std::string(it->value());
+    if (auto it = msg.find(http::field::host); it != msg.end()) req.host = std::string(it->value());
+    beast::error_code local_ec;
+    const auto local = transport().socket().local_endpoint(local_ec);
+    if (!local_ec) req.local_port = local.port();
     if (std::string id = header(msg, "X-Request-Id"); valid_request_id(id)) req.request_id = std::move(id);
     MLA_LOG_DEBUG("{} {} ({} bytes)", req.method, req.target, req.body.size());
     const std::string origin = header(msg, http::field::origin);

@@ -528,11 +528,10 @@ void parse_openai_common(const Fields& f, const ParseOptions& opts, ParsedReques
     if (v->empty()) bad_request("request_id", "invalid_value", "'request_id' must not be empty");
     r.request_id = *v;
   }
-  // vLLM's fields for what this server does not run: embeddings as the prompt, Python logits processors, KV transfer
-  // between prefill and decode servers.
+  // vLLM's fields for what this server does not run: embeddings as the prompt, Python logits processors.
   f.reject_unsupported("prompt_embeds", "prompts are text or token ids");
   f.reject_unsupported("logits_processors", "no Python logits processor runs here");
-  f.reject_unsupported("kv_transfer_params", "no prefill / decode disaggregation");
+  if (const json* kv = f.get("kv_transfer_params")) r.kv_transfer = parse_kv_transfer_params(*kv);
   if (const json* b = f.get("best_of")) {
     int64_t best_of = Fields::as_integer(*b, "best_of", 1, opts.max_n);
     if (best_of != r.n) bad_request("best_of", "unsupported_parameter", "'best_of' different from 'n' is not supported");

@@ -256,6 +256,8 @@ struct ResponseContext {
   bool include_reasoning = true;  // chat: vLLM's include_reasoning (false: split_reasoning's reasoning dropped)
   std::string role = "assistant";  // chat: the answers' role (vLLM's --response-role)
   bool stream_reasoning = true;    // chat, streamed: SGLang's stream_reasoning (false: the reasoning in one delta)
+  // OpenAI, not streamed: a prefill answer's kv_transfer_params (prefill / decode disaggregation); null: none.
+  nlohmann::json kv_transfer_params;
 };
 
 std::string token_text(const ResponseContext& rc, int32_t id) { return rc.codec ? rc.codec->token_text(id) : ""; }
@@ -631,6 +633,7 @@ ojson openai_response(const ResponseContext& rc, const GenerationJob& job) {
   o["choices"] = std::move(choices);
   o["usage"] = usage(job);
   if (chat && rc.return_token_ids) o["prompt_token_ids"] = job.spec().prompts[0].input_ids;
+  if (!rc.kv_transfer_params.is_null()) o["kv_transfer_params"] = rc.kv_transfer_params;
   return o;
 }
 
@@ -919,6 +922,9 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
       else
         throw ApiError(400, "cache not flushed: requests are running or waiting; retry when the server is idle", "",
                        "server_busy");
+    } else if (path == "/kv_transfer/export") {  // prefill / decode disaggregation: read by decode servers
+      if (!post) method_not_allowed(req);
+      kv_export(req, ex);
     } else if (path == "/update_weights_from_disk") {
       if (!post) method_not_allowed(req);
       update_weights_from_disk(req, ex);
@@ -1383,6 +1389,34 @@ void Api::configure_logging(const HttpRequest& req, const std::shared_ptr<HttpEx
   if (level) log_level_ = static_cast<int>(*level);
   MLA_LOG_INFO("request logging {} (level {}), by /configure_logging", log_requests_ ? "on" : "off", log_level_.load());
   ex->respond(200, "text/plain", "");  // SGLang's empty answer
+}
+
+void Api::kv_export(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
+  const json body = parse_body(req.body);
+  const Fields f(body);
+  f.allow_only({"token_ids", "cache_salt", "begin", "max_tokens"}, "a KV export field");
+  const json& ids = f.required("token_ids", "the tokens whose cached prefix is read");
+  if (!ids.is_array()) bad_request("token_ids", "invalid_type", "'token_ids' must be an array of token ids");
+  std::vector<int32_t> tokens;
+  tokens.reserve(ids.size());
+  for (const json& t : ids) {
+    if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > std::numeric_limits<int32_t>::max())
+      bad_request("token_ids", "invalid_value", "'token_ids' must hold token ids (non-negative integers)");
+    tokens.push_back(t.get<int32_t>());
+  }
+  std::string salt = f.string("cache_salt").value_or("");
+  const auto begin = static_cast<int32_t>(f.integer("begin", 0, std::numeric_limits<int32_t>::max()).value_or(0));
+  const auto max_tokens = static_cast<int32_t>(
+      f.integer("max_tokens", 0, std::numeric_limits<int32_t>::max()).value_or(std::numeric_limits<int32_t>::max()));
+  engine_.export_kv(std::move(tokens), std::move(salt), begin, max_tokens, [this, ex](KvRows rows) {
+    auto shared = std::make_shared<KvRows>(std::move(rows));
+    ex->executor()([this, ex, shared] {
+      if (!shared->error.empty())
+        respond_error(ex, 400, error_body(400, "KV export: " + shared->error, "invalid_request_error", "kv_export"));
+      else
+        ex->respond(200, "application/octet-stream", encode_kv_rows(*shared));
+    });
+  });
 }
 
 void Api::close_session(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
@@ -1930,6 +1964,52 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
                        : level >= 3            ? std::numeric_limits<size_t>::max()
                                                : size_t{2048};
   if (level >= 0) MLA_LOG_INFO("{}", received_log_line(req, p.spec, pr.stream));
+  if (pr.kv_transfer && pr.kv_transfer->remote_decode) {  // this server prefills: its answer names it
+    auto [host, port] = split_host_port(opts_.kv_transfer_addr.empty() ? req.host : opts_.kv_transfer_addr);
+    if (host.empty()) host = opts_.host;
+    if (port == 0) port = req.local_port > 0 ? req.local_port : opts_.port;
+    p.rc.kv_transfer_params = kv_transfer_answer(host, port, p.spec.id);
+  }
+  if (pr.kv_transfer && pr.kv_transfer->remote_prefill) {
+    generate_after_transfer(req, std::move(pr), std::move(p), ex);
+    return;
+  }
+  run_generation(pr, std::move(p), ex);
+}
+
+void Api::generate_after_transfer(const HttpRequest& req, ParsedRequest pr, Prepared p,
+                                  const std::shared_ptr<HttpExchange>& ex) {
+  struct Pending {
+    HttpRequest head;  // (for error_answer's log line)
+    ParsedRequest pr;
+    Prepared p;
+  };
+  auto pending = std::make_shared<Pending>(Pending{HttpRequest{req.method, req.target, {}, {}, {}, {}, {}, 0},
+                                                   std::move(pr), std::move(p)});
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(opts_.kv_transfer_timeout_s * 1000.0));
+  kv_fetch_->post([this, pending, ex, timeout, auth = req.authorization] {
+    const KvTransferParams& kt = *pending->pr.kv_transfer;
+    JobSpec& spec = pending->p.spec;
+    for (JobPrompt& prompt : spec.prompts) {
+      std::string why;
+      prompt.kv_prefix =
+          fetch_kv_rows(kt.remote_host, kt.remote_port, auth, prompt.input_ids, spec.cache_salt, timeout, why);
+      if (!prompt.kv_prefix)
+        MLA_LOG_WARN("request {}: no KV read from the prefill server ({}): the prompt is computed here", spec.id, why);
+    }
+    ex->executor()([this, pending, ex] {
+      try {
+        run_generation(pending->pr, std::move(pending->p), ex);
+      } catch (...) {
+        const auto [status, body] = error_answer(pending->head);
+        respond_error(ex, status, body);
+      }
+    });
+  });
+}
+
+void Api::run_generation(const ParsedRequest& pr, Prepared p, const std::shared_ptr<HttpExchange>& ex) {
+  const ApiKind api = pr.api;
   const bool stream = pr.stream;
   auto job = std::make_shared<GenerationJob>(engine_, codec_, &metrics_, ex->executor(), std::move(p.spec));
   const ResponseContext rc = p.rc;

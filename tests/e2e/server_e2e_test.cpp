@@ -2217,6 +2217,114 @@ TEST(ServeFlags, HierarchicalCacheKeepsEvictedPrefixes) {
   expect_serve_refuses({"--kv-offloading-size -1" + no_tok}, "--kv-offloading-size");
 }
 
+// Prefill / decode disaggregation as vLLM's proxies drive it (kv_transfer_params): the prefill server answers with
+// parameters naming itself, the decode server reads the prompt's KV from it and computes only the rest: the same
+// greedy text as computing it all, for completions and chat (streamed too), the decode side in DP attention as well;
+// a prefill server that cannot be reached costs only the computation; bad parameters are 400s.
+TEST(ServeFlags, PrefillDecodeDisaggregation) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  // (Two servers share a GPU: each takes at most 0.4 of its memory.)
+  ServerProcess prefill({"--kv-transfer-addr", "127.0.0.1", "--mem-fraction-static", "0.4"});
+  ServerProcess decode({"--mem-fraction-static", "0.4"});
+  ASSERT_TRUE(prefill.running()) << prefill.log();
+  ASSERT_TRUE(decode.running()) << decode.log();
+  std::vector<ServerProcess*> decoders{&decode};
+  std::unique_ptr<ServerProcess> decode_dpa;  // (on GPUs: when there are two)
+  if (e2e_devices() >= 2) {
+    decode_dpa = std::make_unique<ServerProcess>(std::vector<std::string>{
+        "--tp", "2", "--dp", "2", "--enable-dp-attention", "--mem-fraction-static", "0.4"});
+    ASSERT_TRUE(decode_dpa->running()) << decode_dpa->log();
+    decoders.push_back(decode_dpa.get());
+  }
+  const auto text = [](const std::string& lead) {
+    std::string t = lead;
+    for (int i = 0; i < 12; ++i) t += " The quick brown fox jumps over the lazy dog near the river bank.";
+    return t;
+  };
+  const json to_prefill{{"do_remote_decode", true}, {"do_remote_prefill", false}, {"remote_engine_id", nullptr},
+                        {"remote_block_ids", nullptr}, {"remote_host", nullptr}, {"remote_port", nullptr}};
+  const auto cached_of = [](const json& j) {
+    return j["usage"].contains("prompt_tokens_details") ? j["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>()
+                                                        : 0;
+  };
+  for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
+    SCOPED_TRACE(path);
+    const bool chat = std::string(path) == "/v1/chat/completions";
+    json req{{"temperature", 0}, {"ignore_eos", true}};
+    if (chat) req["messages"] = json::array({json{{"role", "user"}, {"content", text(path)}}});
+    else req["prompt"] = text(path);
+    const auto content = [&](const json& j) {
+      return chat ? j["choices"][0]["message"]["content"].get<std::string>() : j["choices"][0]["text"].get<std::string>();
+    };
+    // The proxy's first request: one token, on the prefill server.
+    json first = req;
+    first["max_tokens"] = 1;
+    first["kv_transfer_params"] = to_prefill;
+    const json pre = post_json(prefill.port(), path, first.dump());
+    ASSERT_TRUE(pre.contains("kv_transfer_params")) << pre.dump();
+    const json params = pre["kv_transfer_params"];
+    EXPECT_EQ(params["do_remote_prefill"], true);
+    EXPECT_EQ(params["remote_host"], "127.0.0.1");
+    EXPECT_EQ(params["remote_port"], prefill.port());
+    // The reference: the whole request computed on one server.
+    json whole = req;
+    whole["max_tokens"] = 12;
+    const json want = post_json(prefill.port(), path, whole.dump());
+    const int prompt_tokens = want["usage"]["prompt_tokens"];
+    ASSERT_GT(prompt_tokens, 100);
+    // The proxy's second request, on the decode servers, with the prefill's parameters.
+    json second = whole;
+    second["kv_transfer_params"] = params;
+    for (ServerProcess* d : decoders) {
+      const json got = post_json(d->port(), path, second.dump());
+      EXPECT_EQ(content(got), content(want));
+      EXPECT_FALSE(got.contains("kv_transfer_params"));
+      EXPECT_GE(cached_of(got), prompt_tokens - 16) << got.dump();  // all whole pages but the last token's
+    }
+    // Streamed on the decode side.
+    json streamed = second;
+    streamed["stream"] = true;
+    req["max_tokens"] = 12;
+    const auto r = http_request(decode.port(), "POST", path, streamed.dump());
+    EXPECT_EQ(r.status, 200);
+    EXPECT_NE(r.body.find("data: [DONE]"), std::string::npos);
+    // A prefill server that is gone: the prompt is computed here, with the same answer.
+    json gone = whole;
+    if (chat) gone["messages"][0]["content"] = text("gone");
+    else gone["prompt"] = text("gone");
+    const json gone_want = post_json(prefill.port(), path, gone.dump());
+    gone["kv_transfer_params"] = json{{"do_remote_prefill", true}, {"remote_host", "127.0.0.1"}, {"remote_port", 1}};
+    const json gone_got = post_json(decode.port(), path, gone.dump());
+    EXPECT_EQ(content(gone_got), content(gone_want));
+    EXPECT_EQ(cached_of(gone_got), 0) << gone_got.dump();
+  }
+  EXPECT_NE(decode.log().find("no KV read from the prefill server"), std::string::npos) << decode.log();
+  // Bad parameters.
+  const std::string base = R"({"prompt": "hi", "max_tokens": 2, "kv_transfer_params": )";
+  for (const char* bad : {R"("yes")", R"({"do_remote_prefill": true, "remote_port": 5})",
+                          R"({"do_remote_prefill": true, "remote_host": "h", "remote_port": 0})",
+                          R"({"do_remote_prefill": true, "do_remote_decode": true, "remote_host": "h", "remote_port": 5})",
+                          R"({"do_remote_decode": "true"})"}) {
+    const json e = post_json(decode.port(), "/v1/completions", base + bad + "}", 400);
+    EXPECT_EQ(e["error"]["param"], "kv_transfer_params") << bad;
+  }
+  // The export route itself: bad bodies are 400s; a prompt never seen has no rows.
+  post_json(prefill.port(), "/kv_transfer/export", R"({"token_ids": "x"})", 400);
+  post_json(prefill.port(), "/kv_transfer/export", R"({"token_ids": [1, -2]})", 400);
+  post_json(prefill.port(), "/kv_transfer/export", R"({"token_ids": [1], "begin": -1})", 400);
+  post_json(prefill.port(), "/kv_transfer/export", R"({"tokens": [1]})", 400);
+  const auto none = http_request(prefill.port(), "POST", "/kv_transfer/export", R"({"token_ids": [5, 6, 7]})");
+  EXPECT_EQ(none.status, 200);
+  const json header = json::parse(none.body.substr(0, none.body.find('\n')));
+  EXPECT_EQ(header["cached"], 0);
+  EXPECT_EQ(header["end"], 0);
+  EXPECT_EQ(none.body.find('\n') + 1, none.body.size());
+  EXPECT_EQ(prefill.stop(), 0);
+  EXPECT_EQ(decode.stop(), 0);
+  if (decode_dpa) EXPECT_EQ(decode_dpa->stop(), 0);
+  expect_serve_refuses({"--kv-transfer-timeout 0 --skip-tokenizer-init"}, "--kv-transfer-timeout");
+}
+
 // /generate requests of a priority (EOS ignored) on one server, each name recorded once its request has all its
 // tokens: `done` in finishing order.
 struct PriorityRuns {

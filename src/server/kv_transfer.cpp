@@ -1,0 +1,254 @@
+#include "server/kv_transfer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include <boost/asio/connect.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "server/api_error.h"
+
+namespace mlaserve::server {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = net::ip::tcp;
+using json = nlohmann::json;
+
+std::optional<KvTransferParams> parse_kv_transfer_params(const json& v) {
+  if (v.is_null()) return std::nullopt;
+  if (!v.is_object()) bad_request("kv_transfer_params", "invalid_type", "'kv_transfer_params' must be an object");
+  KvTransferParams p;
+  auto flag = [&](const char* key) {
+    const auto it = v.find(key);
+    if (it == v.end() || it->is_null()) return false;
+    if (!it->is_boolean())
+      bad_request("kv_transfer_params", "invalid_type", "'kv_transfer_params.{}' must be a boolean", key);
+    return it->get<bool>();
+  };
+  p.remote_decode = flag("do_remote_decode");
+  p.remote_prefill = flag("do_remote_prefill");
+  if (p.remote_decode && p.remote_prefill)
+    bad_request("kv_transfer_params", "invalid_value",
+                "'kv_transfer_params' cannot ask for both do_remote_decode and do_remote_prefill");
+  if (p.remote_prefill) {
+    const auto host = v.find("remote_host"), port = v.find("remote_port");
+    if (host == v.end() || !host->is_string() || host->get<std::string>().empty())
+      bad_request("kv_transfer_params", "invalid_value",
+                  "'kv_transfer_params.remote_host' must name the prefill server (do_remote_prefill)");
+    if (port == v.end() || !port->is_number_integer() || port->get<int64_t>() < 1 || port->get<int64_t>() > 65535)
+      bad_request("kv_transfer_params", "invalid_value",
+                  "'kv_transfer_params.remote_port' must be the prefill server's port, 1-65535 (do_remote_prefill)");
+    p.remote_host = host->get<std::string>();
+    p.remote_port = static_cast<int32_t>(port->get<int64_t>());
+  }
+  return p;
+}
+
+json kv_transfer_answer(const std::string& host, int32_t port, const std::string& request_id) {
+  return json{{"do_remote_prefill", true},      {"do_remote_decode", false}, {"remote_host", host},
+              {"remote_port", port},            {"remote_engine_id", "mlaserve"},
+              {"remote_block_ids", json::array()}, {"remote_request_id", request_id}};
+}
+
+std::pair<std::string, int32_t> split_host_port(std::string_view s) {
+  auto port_of = [](std::string_view p) -> int32_t {
+    if (p.empty() || p.size() > 5 || !std::all_of(p.begin(), p.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      return 0;
+    const int v = std::stoi(std::string(p));
+    return v <= 65535 ? v : 0;
+  };
+  if (s.starts_with('[')) {  // [v6] or [v6]:port
+    const size_t close = s.find(']');
+    if (close == std::string_view::npos) return {std::string(s), 0};
+    const std::string_view rest = s.substr(close + 1);
+    return {std::string(s.substr(1, close - 1)), rest.starts_with(':') ? port_of(rest.substr(1)) : 0};
+  }
+  const size_t colon = s.rfind(':');
+  if (colon == std::string_view::npos || s.find(':') != colon) return {std::string(s), 0};  // (a bare v6 address)
+  return {std::string(s.substr(0, colon)), port_of(s.substr(colon + 1))};
+}
+
+std::string encode_kv_rows(const KvRows& r) {
+  std::string out = json{{"begin", r.begin},         {"end", r.end},           {"cached", r.cached},
+                         {"layers", r.layers},       {"row_bytes", r.row_bytes}, {"dtype", r.dtype}}
+                        .dump();
+  out += '\n';
+  out.append(r.data.data(), r.data.size());
+  return out;
+}
+
+KvRows decode_kv_rows(std::string_view body) {
+  const size_t nl = body.find('\n');
+  MLA_CHECK(nl != std::string_view::npos, "KV rows: no header line in an answer of {} bytes", body.size());
+  const json h = json::parse(body.substr(0, nl), nullptr, /*allow_exceptions=*/false);
+  MLA_CHECK(h.is_object(), "KV rows: the header line is not a JSON object");
+  KvRows r;
+  try {
+    r.begin = h.at("begin").get<int32_t>();
+    r.end = h.at("end").get<int32_t>();
+    r.cached = h.at("cached").get<int32_t>();
+    r.layers = h.at("layers").get<int64_t>();
+    r.row_bytes = h.at("row_bytes").get<int64_t>();
+    r.dtype = h.at("dtype").get<std::string>();
+  } catch (const json::exception& e) {
+    fail("KV rows: bad header {}: {}", std::string(body.substr(0, std::min<size_t>(nl, 200))), e.what());
+  }
+  MLA_CHECK(r.begin >= 0 && r.end >= r.begin && r.cached >= r.end && r.layers >= 0 && r.row_bytes >= 0,
+            "KV rows: bad header (tokens [{}, {}) of {} cached, {} layers x {} bytes)", r.begin, r.end, r.cached,
+            r.layers, r.row_bytes);
+  const std::string_view data = body.substr(nl + 1);
+  const auto want = static_cast<uint64_t>(r.layers) * static_cast<uint64_t>(r.end - r.begin) *
+                    static_cast<uint64_t>(r.row_bytes);
+  MLA_CHECK(data.size() == want, "KV rows: {} bytes of rows where the header says {}", data.size(), want);
+  r.data.assign(data.begin(), data.end());
+  return r;
+}
+
+namespace {
+
+// One POST with a JSON body, bounded by `timeout` as a whole; the status and body of the answer.
+std::pair<int, std::string> post(const std::string& host, int32_t port, const std::string& target, std::string body,
+                                 const std::string& authorization, std::chrono::milliseconds timeout) {
+  net::io_context ioc;
+  tcp::resolver resolver(ioc);
+  beast::tcp_stream stream(ioc);
+  http::request<http::string_body> req{http::verb::post, target, 11};
+  req.set(http::field::host, host.find(':') != std::string::npos ? "[" + host + "]:" + std::to_string(port)
+                                                                  : host + ":" + std::to_string(port));
+  req.set(http::field::content_type, "application/json");
+  if (!authorization.empty()) req.set(http::field::authorization, authorization);
+  req.body() = std::move(body);
+  req.prepare_payload();
+  beast::flat_buffer buf;
+  http::response_parser<http::string_body> parser;
+  parser.body_limit(kMaxKvExportBytes + (1 << 20));
+  beast::error_code failed;
+  std::string step = "resolving";
+  auto check = [&](beast::error_code ec, const char* next) {  // (step: the one that failed, or "done")
+    if (ec) failed = ec;
+    else step = next;
+    return !ec;
+  };
+  stream.expires_after(timeout);
+  resolver.async_resolve(host, std::to_string(port), [&](beast::error_code ec, tcp::resolver::results_type eps) {
+    if (!check(ec, "connecting")) return;
+    stream.async_connect(eps, [&](beast::error_code ec2, const tcp::endpoint&) {
+      if (!check(ec2, "sending")) return;
+      http::async_write(stream, req, [&](beast::error_code ec3, size_t) {
+        if (!check(ec3, "reading the answer")) return;
+        http::async_read(stream, buf, parser, [&](beast::error_code ec4, size_t) { check(ec4, "done"); });
+      });
+    });
+  });
+  ioc.run();
+  if (failed) fail("{} {}:{}: {}", step, host, port, failed.message());
+  beast::error_code ignored;
+  stream.socket().shutdown(tcp::socket::shutdown_both, ignored);
+  return {parser.get().result_int(), std::move(parser.get().body())};
+}
+
+}  // namespace
+
+std::shared_ptr<const KvRows> fetch_kv_rows(const std::string& host, int32_t port, const std::string& authorization,
+                                            const std::vector<int32_t>& tokens, const std::string& salt,
+                                            std::chrono::milliseconds timeout, std::string& why,
+                                            int32_t tokens_per_read) {
+  std::vector<KvRows> parts;
+  int32_t begin = 0;
+  try {
+    for (;;) {
+      const json q{{"token_ids", tokens},
+                   {"cache_salt", salt},
+                   {"begin", begin},
+                   {"max_tokens", tokens_per_read}};
+      auto [status, body] = post(host, port, "/kv_transfer/export", q.dump(), authorization, timeout);
+      if (status != 200) {
+        why = fmt::format("{}:{} answered {}: {}", host, port, status, body.substr(0, 300));
+        break;
+      }
+      KvRows r = decode_kv_rows(body);
+      if (!parts.empty() && !r.same_layout(parts[0])) {
+        why = fmt::format("{}:{} changed its rows' layout between reads", host, port);
+        break;
+      }
+      if (r.begin != begin || r.end == r.begin) {  // (read out, or evicted there meanwhile)
+        if (parts.empty()) why = fmt::format("{}:{} holds none of the prompt's KV", host, port);
+        break;
+      }
+      begin = r.end;
+      const bool last = r.end >= r.cached;
+      parts.push_back(std::move(r));
+      if (last) break;
+    }
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  if (parts.empty()) return nullptr;
+  auto out = std::make_shared<KvRows>();
+  out->begin = 0;
+  out->end = begin;
+  out->cached = parts.back().cached;
+  out->layers = parts[0].layers;
+  out->row_bytes = parts[0].row_bytes;
+  out->dtype = parts[0].dtype;
+  const auto row = static_cast<size_t>(out->row_bytes), total = static_cast<size_t>(out->end);
+  out->data.resize(static_cast<size_t>(out->layers) * total * row);
+  for (size_t l = 0; l < static_cast<size_t>(out->layers); ++l)
+    for (const KvRows& p : parts) {
+      const auto n = static_cast<size_t>(p.end - p.begin);
+      std::memcpy(out->data.data() + (l * total + static_cast<size_t>(p.begin)) * row, p.data.data() + l * n * row,
+                  n * row);
+    }
+  return out;
+}
+
+KvFetchPool::KvFetchPool(int threads) {
+  for (int i = 0; i < std::max(1, threads); ++i) threads_.emplace_back([this] { loop(); });
+}
+
+KvFetchPool::~KvFetchPool() {
+  {
+    std::lock_guard lk(mu_);
+    stop_ = true;
+    tasks_.clear();
+  }
+  cv_.notify_all();
+  for (std::thread& t : threads_) t.join();
+}
+
+void KvFetchPool::post(std::function<void()> task) {
+  {
+    std::lock_guard lk(mu_);
+    if (stop_) return;
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
+void KvFetchPool::loop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || !tasks_.empty(); });
+      if (stop_) return;
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    try {
+      task();
+    } catch (const std::exception& e) {
+      MLA_LOG_WARN("KV transfer: {}", e.what());
+    }
+  }
+}
+
+}  // namespace mlaserve::server

@@ -1,0 +1,80 @@
+// Prefill / decode disaggregation between mlaserve servers, driven by vLLM's kv_transfer_params (what vLLM's
+// disaggregated-serving proxies send): the proxy sends a request to a prefill server with
+// {"do_remote_decode": true} (and max_tokens 1); that server runs it and answers with kv_transfer_params naming
+// itself ({"do_remote_prefill": true, "remote_host", "remote_port", ...}); the proxy sends the request to a decode
+// server with those params, which reads the prompt's cached latent rows from the prefill server
+// (POST /kv_transfer/export, in chunks), caches them (GenerateRequest::kv_prefix) and computes only the rest.
+// The rows travel over HTTP (no RDMA); a prefill server that no longer holds them, cannot be reached or has another
+// cache layout costs the decode server the prompt's computation, never a wrong or failed answer.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/engine_api.h"
+
+namespace mlaserve::server {
+
+// What a request's kv_transfer_params asks (vLLM's fields; the others, e.g. remote_engine_id or remote_block_ids,
+// are not needed here and ignored).
+struct KvTransferParams {
+  bool remote_decode = false;   // do_remote_decode: this server prefills; its answer says where the KV is
+  bool remote_prefill = false;  // do_remote_prefill: the prompt's KV is read from remote_host:remote_port first
+  std::string remote_host;
+  int32_t remote_port = 0;
+};
+// The field's value: an object, or null for none (nullopt). Bad values are 400s naming the field.
+std::optional<KvTransferParams> parse_kv_transfer_params(const nlohmann::json& v);
+
+// The kv_transfer_params of a prefill (do_remote_decode) answer from the server at host:port.
+nlohmann::json kv_transfer_answer(const std::string& host, int32_t port, const std::string& request_id);
+
+// An HTTP Host header ("host", "host:port", "[v6]", "[v6]:port") as host and port (0 when none).
+std::pair<std::string, int32_t> split_host_port(std::string_view s);
+
+// POST /kv_transfer/export's answer: one JSON line ({"begin", "end", "cached", "layers", "row_bytes", "dtype"}), then
+// the rows' bytes. decode_kv_rows throws mlaserve::Error naming what is wrong with a body.
+std::string encode_kv_rows(const KvRows& r);
+KvRows decode_kv_rows(std::string_view body);
+
+// The rows of the longest prefix of `tokens` that the server at host:port caches under `salt`, read in as many
+// export answers as it takes (each at most kMaxKvExportBytes). Null when there are none, or when the server cannot be
+// reached or answers with an error; `why` then says what happened. A read that fails after others keeps what they
+// brought (a prefix). tokens_per_read: the most tokens each read asks for (tests).
+std::shared_ptr<const KvRows> fetch_kv_rows(const std::string& host, int32_t port, const std::string& authorization,
+                                            const std::vector<int32_t>& tokens, const std::string& salt,
+                                            std::chrono::milliseconds timeout, std::string& why,
+                                            int32_t tokens_per_read = std::numeric_limits<int32_t>::max());
+
+// A few threads that run the decode side's reads (blocking network I/O) off the connections' executors. Tasks still
+// queued when it is destroyed are dropped; running ones finish first.
+class KvFetchPool {
+ public:
+  explicit KvFetchPool(int threads);
+  ~KvFetchPool();
+  void post(std::function<void()> task);
+
+ private:
+  void loop();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace mlaserve::server

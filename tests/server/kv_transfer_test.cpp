@@ -1,0 +1,220 @@
+// Prefill / decode disaggregation's pieces (server/kv_transfer.h): kv_transfer_params, Host headers, the export
+// answer's encoding, and fetch_kv_rows against a small export server of known rows (read in chunks, rows evicted
+// between reads, errors, unreachable servers).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+
+#include "core/error.h"
+#include "server/api_error.h"
+#include "server/kv_transfer.h"
+
+namespace mlaserve::server {
+namespace {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = net::ip::tcp;
+using json = nlohmann::json;
+
+// The param of the ApiError `fn` throws (empty when it throws none).
+template <typename Fn>
+std::string api_error_param(Fn&& fn) {
+  try {
+    fn();
+  } catch (const ApiError& e) {
+    return e.param.empty() ? "(none)" : e.param;
+  }
+  return {};
+}
+
+TEST(KvTransferParams, ParsedAsVllmSendsThem) {
+  EXPECT_FALSE(parse_kv_transfer_params(json(nullptr)).has_value());
+  const auto pre = parse_kv_transfer_params(json{{"do_remote_decode", true}, {"do_remote_prefill", false},
+                                                 {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
+                                                 {"remote_host", nullptr}, {"remote_port", nullptr}});
+  ASSERT_TRUE(pre);
+  EXPECT_TRUE(pre->remote_decode);
+  EXPECT_FALSE(pre->remote_prefill);
+  const json answer = kv_transfer_answer("10.0.0.7", 8100, "cmpl-1");
+  const auto dec = parse_kv_transfer_params(answer);  // the prefill's answer, sent on to the decode server as it is
+  ASSERT_TRUE(dec);
+  EXPECT_TRUE(dec->remote_prefill);
+  EXPECT_FALSE(dec->remote_decode);
+  EXPECT_EQ(dec->remote_host, "10.0.0.7");
+  EXPECT_EQ(dec->remote_port, 8100);
+  for (const json& bad : {json("x"), json::array(), json{{"do_remote_decode", 1}},
+                          json{{"do_remote_prefill", true}, {"remote_port", 80}},
+                          json{{"do_remote_prefill", true}, {"remote_host", ""}, {"remote_port", 80}},
+                          json{{"do_remote_prefill", true}, {"remote_host", "h"}, {"remote_port", 70000}},
+                          json{{"do_remote_prefill", true}, {"remote_host", "h"}, {"remote_port", "80"}},
+                          json{{"do_remote_prefill", true}, {"do_remote_decode", true}, {"remote_host", "h"},
+                               {"remote_port", 80}}})
+    EXPECT_EQ(api_error_param([&] { parse_kv_transfer_params(bad); }), "kv_transfer_params") << bad.dump();
+}
+
+TEST(KvTransferParams, HostHeaders) {
+  using HP = std::pair<std::string, int32_t>;
+  EXPECT_EQ(split_host_port("example.com"), HP("example.com", 0));
+  EXPECT_EQ(split_host_port("example.com:8080"), HP("example.com", 8080));
+  EXPECT_EQ(split_host_port("10.1.2.3:30000"), HP("10.1.2.3", 30000));
+  EXPECT_EQ(split_host_port("[::1]:9000"), HP("::1", 9000));
+  EXPECT_EQ(split_host_port("[fe80::1]"), HP("fe80::1", 0));
+  EXPECT_EQ(split_host_port("fe80::1"), HP("fe80::1", 0));  // a bare v6 address has no port
+  EXPECT_EQ(split_host_port("h:99999"), HP("h", 0));
+  EXPECT_EQ(split_host_port("h:x1"), HP("h", 0));
+  EXPECT_EQ(split_host_port(""), HP("", 0));
+}
+
+KvRows rows_of(int32_t begin, int32_t end, int32_t cached, int64_t layers, int64_t row_bytes) {
+  KvRows r;
+  r.begin = begin;
+  r.end = end;
+  r.cached = cached;
+  r.layers = layers;
+  r.row_bytes = row_bytes;
+  r.dtype = "bf16";
+  for (int64_t l = 0; l < layers; ++l)
+    for (int32_t t = begin; t < end; ++t)
+      for (int64_t b = 0; b < row_bytes; ++b) r.data.push_back(static_cast<char>(l * 31 + t * 7 + b));
+  return r;
+}
+
+TEST(KvTransferRows, EncodedAndDecoded) {
+  const KvRows r = rows_of(3, 10, 16, 2, 5);
+  const KvRows back = decode_kv_rows(encode_kv_rows(r));
+  EXPECT_EQ(back.begin, 3);
+  EXPECT_EQ(back.end, 10);
+  EXPECT_EQ(back.cached, 16);
+  EXPECT_TRUE(back.same_layout(r));
+  EXPECT_EQ(back.data, r.data);
+  const std::string enc = encode_kv_rows(r);
+  EXPECT_THROW(decode_kv_rows(enc.substr(0, enc.size() - 1)), Error);  // a byte short
+  EXPECT_THROW(decode_kv_rows(enc + "x"), Error);
+  EXPECT_THROW(decode_kv_rows("no header"), Error);
+  EXPECT_THROW(decode_kv_rows("[1]\n"), Error);
+  EXPECT_THROW(decode_kv_rows(R"({"begin": 0})" "\n"), Error);
+  EXPECT_THROW(decode_kv_rows(R"({"begin": 5, "end": 2, "cached": 9, "layers": 1, "row_bytes": 1, "dtype": "x"})" "\n"),
+               Error);
+}
+
+// An export server on the loopback: answers POST /kv_transfer/export from the rows of `cached` tokens (layers x
+// row_bytes), as the engine does (tokens [begin, min(cached, begin + max_tokens))); after `evict_after` answers it
+// holds only `cached_after` tokens; `status` != 200 answers that with a JSON error.
+class ExportServer {
+ public:
+  ExportServer(int32_t cached, int status = 200, int evict_after = 1 << 30, int32_t cached_after = 0)
+      : acceptor_(ioc_, tcp::endpoint(net::ip::make_address("127.0.0.1"), 0)), cached_(cached), status_(status),
+        evict_after_(evict_after), cached_after_(cached_after) {
+    thread_ = std::thread([this] { serve(); });
+  }
+  ~ExportServer() {
+    stop_ = true;
+    beast::error_code ec;
+    tcp::socket poke(ioc_);
+    poke.connect(acceptor_.local_endpoint(), ec);  // (wakes the accept)
+    thread_.join();
+  }
+  int port() const { return acceptor_.local_endpoint().port(); }
+  int reads() const { return reads_; }
+  static constexpr int64_t kLayers = 3, kRowBytes = 4;
+
+ private:
+  void serve() {
+    while (!stop_) {
+      beast::error_code ec;
+      tcp::socket s(ioc_);
+      acceptor_.accept(s, ec);
+      if (ec || stop_) return;
+      beast::flat_buffer buf;
+      http::request<http::string_body> req;
+      http::read(s, buf, req, ec);
+      if (ec) continue;
+      http::response<http::string_body> res{http::status::ok, 11};
+      if (status_ != 200) {
+        res.result(static_cast<unsigned>(status_));
+        res.body() = R"({"error": {"message": "no"}})";
+      } else {
+        const json q = json::parse(req.body());
+        const int32_t cached = reads_ >= evict_after_ ? cached_after_ : cached_;
+        const int32_t begin = std::min(q.at("begin").get<int32_t>(), cached);
+        const int32_t end = static_cast<int32_t>(std::min<int64_t>(cached, int64_t{begin} + q.at("max_tokens").get<int32_t>()));
+        res.body() = encode_kv_rows(rows_of(begin, end, cached, kLayers, kRowBytes));
+      }
+      ++reads_;
+      res.prepare_payload();
+      http::write(s, res, ec);
+    }
+  }
+  net::io_context ioc_;
+  tcp::acceptor acceptor_;
+  int32_t cached_;
+  int status_;
+  int evict_after_;
+  int32_t cached_after_;
+  std::atomic<int> reads_{0};
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+constexpr auto kTimeout = std::chrono::seconds(10);
+
+TEST(KvTransferRows, FetchedInChunksAsOneRead) {
+  ExportServer srv(40);
+  const std::vector<int32_t> tokens(45, 7);
+  std::string why;
+  const auto whole = fetch_kv_rows("127.0.0.1", srv.port(), "", tokens, "", kTimeout, why);
+  ASSERT_TRUE(whole) << why;
+  EXPECT_EQ(srv.reads(), 1);
+  const KvRows want = rows_of(0, 40, 40, ExportServer::kLayers, ExportServer::kRowBytes);
+  EXPECT_EQ(whole->begin, 0);
+  EXPECT_EQ(whole->end, 40);
+  EXPECT_EQ(whole->data, want.data);
+  const auto chunked = fetch_kv_rows("127.0.0.1", srv.port(), "", tokens, "", kTimeout, why, 7);
+  ASSERT_TRUE(chunked) << why;
+  EXPECT_EQ(srv.reads(), 1 + 6);  // 7, 14, ..., 40
+  EXPECT_EQ(chunked->end, 40);
+  EXPECT_EQ(chunked->data, want.data);
+}
+
+TEST(KvTransferRows, RowsEvictedBetweenReadsKeepTheFirstOnes) {
+  ExportServer srv(40, 200, /*evict_after=*/2, /*cached_after=*/10);
+  std::string why;
+  const auto got = fetch_kv_rows("127.0.0.1", srv.port(), "", std::vector<int32_t>(45, 1), "", kTimeout, why, 8);
+  ASSERT_TRUE(got) << why;
+  EXPECT_EQ(got->end, 16);  // two reads of 8; the third finds only 10 cached
+  EXPECT_EQ(got->data, rows_of(0, 16, 16, ExportServer::kLayers, ExportServer::kRowBytes).data);
+}
+
+TEST(KvTransferRows, NothingFromServersWithoutRowsOrFailing) {
+  std::string why;
+  {
+    ExportServer none(0);
+    EXPECT_FALSE(fetch_kv_rows("127.0.0.1", none.port(), "", {1, 2, 3}, "", kTimeout, why));
+    EXPECT_NE(why.find("holds none"), std::string::npos) << why;
+  }
+  {
+    ExportServer failing(40, 503);
+    EXPECT_FALSE(fetch_kv_rows("127.0.0.1", failing.port(), "", {1, 2, 3}, "", kTimeout, why));
+    EXPECT_NE(why.find("503"), std::string::npos) << why;
+  }
+  int closed = 0;
+  {
+    ExportServer gone(0);
+    closed = gone.port();
+  }
+  EXPECT_FALSE(fetch_kv_rows("127.0.0.1", closed, "", {1, 2, 3}, "", kTimeout, why));
+  EXPECT_NE(why.find("connecting"), std::string::npos) << why;
+  EXPECT_FALSE(fetch_kv_rows("no-such-host.invalid", 80, "", {1}, "", kTimeout, why));
+  EXPECT_FALSE(why.empty());
+}
+
+}  // namespace
+}  // namespace mlaserve::server
