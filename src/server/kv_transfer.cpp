@@ -211,44 +211,13 @@ std::shared_ptr<const KvRows> fetch_kv_rows(const std::string& host, int32_t por
 }
 
 KvFetchPool::KvFetchPool(int threads) {
-  for (int i = 0; i < std::max(1, threads); ++i) threads_.emplace_back([this] { loop(); });
+  for (int i = 0; i < std::max(1, threads); ++i) workers_.push_back(SerialWorker::start("KV transfer"));
 }
 
 KvFetchPool::~KvFetchPool() {
-  {
-    std::lock_guard lk(mu_);
-    stop_ = true;
-    tasks_.clear();
-  }
-  cv_.notify_all();
-  for (std::thread& t : threads_) t.join();
+  for (auto& w : workers_) w->stop();
 }
 
-void KvFetchPool::post(std::function<void()> task) {
-  {
-    std::lock_guard lk(mu_);
-    if (stop_) return;
-    tasks_.push_back(std::move(task));
-  }
-  cv_.notify_one();
-}
-
-void KvFetchPool::loop() {
-  for (;;) {
-    std::function<void()> task;
-    {
-      std::unique_lock lk(mu_);
-      cv_.wait(lk, [&] { return stop_ || !tasks_.empty(); });
-      if (stop_) return;
-      task = std::move(tasks_.front());
-      tasks_.pop_front();
-    }
-    try {
-      task();
-    } catch (const std::exception& e) {
-      MLA_LOG_WARN("KV transfer: {}", e.what());
-    }
-  }
-}
+void KvFetchPool::post(std::function<void()> task) { workers_[next_++ % workers_.size()]->post(std::move(task)); }
 
 }  // namespace mlaserve::server

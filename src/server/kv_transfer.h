@@ -9,23 +9,21 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
+#include <atomic>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "engine/engine_api.h"
+#include "server/serial_worker.h"
 
 namespace mlaserve::server {
 
@@ -60,8 +58,8 @@ std::shared_ptr<const KvRows> fetch_kv_rows(const std::string& host, int32_t por
                                             std::chrono::milliseconds timeout, std::string& why,
                                             int32_t tokens_per_read = std::numeric_limits<int32_t>::max());
 
-// A few threads that run the decode side's reads (blocking network I/O) off the connections' executors. Tasks still
-// queued when it is destroyed are dropped; running ones finish first.
+// A few threads (SerialWorkers, taken in turn) that run the decode side's reads (blocking network I/O) off the
+// connections' executors. Tasks still queued when it is destroyed are dropped; running ones finish first.
 class KvFetchPool {
  public:
   explicit KvFetchPool(int threads);
@@ -69,12 +67,8 @@ class KvFetchPool {
   void post(std::function<void()> task);
 
  private:
-  void loop();
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;
-  bool stop_ = false;
-  std::vector<std::thread> threads_;
+  std::vector<std::shared_ptr<SerialWorker>> workers_;
+  std::atomic<size_t> next_{0};
 };
 
 }  // namespace mlaserve::server
