@@ -123,6 +123,8 @@ struct ServeArgs {
   double request_timeout = 0.0;
   std::string kv_transfer_addr;       // prefill / decode disaggregation (ServerOptions::kv_transfer_addr)
   double kv_transfer_timeout = 60.0;
+  std::string disaggregation_mode = "null";  // SGLang's (ServerOptions::disaggregation_mode)
+  int disaggregation_bootstrap_port = 8998;
   int32_t max_n = 64;
   std::string batch_input, batch_output;  // run-batch
 };
@@ -458,6 +460,8 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["request_timeout"] = a.request_timeout;
   j["kv_transfer_addr"] = a.kv_transfer_addr;
   j["kv_transfer_timeout"] = a.kv_transfer_timeout;
+  j["disaggregation_mode"] = a.disaggregation_mode;
+  j["disaggregation_bootstrap_port"] = a.disaggregation_bootstrap_port;
   return j;
 }
 
@@ -715,6 +719,14 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                  "seconds a decode request's read of a prefill server's KV may take (each read of at most 64 MiB); "
                  "past it the prompt is computed here")
       ->capture_default_str();
+  app.add_option("--disaggregation-mode", a->disaggregation_mode,
+                 "SGLang's prefill / decode disaggregation through its router's bootstrap fields: null (off) | "
+                 "prefill (also serves --disaggregation-bootstrap-port) | decode; the KV moves over HTTP")
+      ->capture_default_str();
+  app.add_option("--disaggregation-bootstrap-port", a->disaggregation_bootstrap_port,
+                 "prefill mode: the port decode servers read the KV at (SGLang's router reads it from "
+                 "/get_server_info); decode mode: a request's bootstrap_port default")
+      ->capture_default_str();
   app.add_option("--max-n", a->max_n, "largest n (parallel samples) accepted")->capture_default_str();
   // SGLang's and vLLM's flags that choose how they compute, not what (their kernels, compilers, schedulers' tuning,
   // expert-parallel MoE and its all-to-all (experts run tensor-parallel here, with the same results), host-memory cache
@@ -743,7 +755,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
         "--scheduler-delay-factor", "--preemption-mode", "--num-reserved-decode-tokens", "--hicache-io-backend",
         "--hicache-mem-layout", "--kv-offloading-backend", "--otlp-traces-endpoint", "--collect-detailed-traces",
         "--tokenizer-revision", "--code-revision", "--max-num-partial-prefills", "--long-prefill-token-threshold",
-        "--chat-template-content-format"}) {
+        "--chat-template-content-format", "--disaggregation-transfer-backend", "--disaggregation-ib-device"}) {
     const bool list = std::string_view(opt) == "--cuda-graph-bs";
     app.add_option_function<std::vector<std::string>>(
            opt,
@@ -864,6 +876,13 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
               "--chat-template: '{}' is not a file", s.chat_template);
     MLA_CHECK(s.request_timeout >= 0, "--request-timeout must be >= 0");
     MLA_CHECK(s.kv_transfer_timeout > 0, "--kv-transfer-timeout must be > 0, got {}", s.kv_transfer_timeout);
+    MLA_CHECK(s.disaggregation_mode == "null" || s.disaggregation_mode == "prefill" || s.disaggregation_mode == "decode",
+              "--disaggregation-mode: expected null, prefill or decode, got '{}'", s.disaggregation_mode);
+    MLA_CHECK(s.disaggregation_bootstrap_port >= 0 && s.disaggregation_bootstrap_port <= 65535,
+              "--disaggregation-bootstrap-port: {} is not a port", s.disaggregation_bootstrap_port);
+    MLA_CHECK(s.disaggregation_mode == "null" || s.nnodes == 1,
+              "--disaggregation-mode {}: the KV transfer needs the server on one node (--nnodes {})",
+              s.disaggregation_mode, s.nnodes);
     MLA_CHECK(std::filesystem::is_directory(s.model_path), "--model-path: '{}' is not a directory", s.model_path);
     if (s.tokenizer_path.empty()) s.tokenizer_path = s.model_path;
     for (const std::string& n : s.served_model_names) MLA_CHECK(!n.empty(), "--served-model-name: an empty name");
@@ -968,6 +987,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.request_timeout_s = s.request_timeout;
     so.kv_transfer_addr = s.kv_transfer_addr;
     so.kv_transfer_timeout_s = s.kv_transfer_timeout;
+    so.disaggregation_mode = s.disaggregation_mode;
+    so.disaggregation_bootstrap_port = s.disaggregation_bootstrap_port;
     so.parse.max_n = s.max_n;
     so.parse.defaults = s.defaults;
     so.parse.max_top_logprobs = s.max_logprobs < 0 ? (1 << 30) : s.max_logprobs;
@@ -1010,6 +1031,24 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
       engine->shutdown();
       throw;
     }
+    // Prefill mode: the bootstrap port, where decode servers read the KV (plain HTTP, the same routes).
+    std::optional<server::HttpServer> bootstrap;
+    if (s.disaggregation_mode == "prefill") {
+      server::ServerOptions bo = so;
+      bo.port = s.disaggregation_bootstrap_port;
+      bo.ssl_certfile.clear();
+      bo.ssl_keyfile.clear();
+      bo.num_threads = 2;
+      bootstrap.emplace(api, bo);
+      try {
+        bootstrap->start();
+      } catch (...) {
+        http.stop();
+        engine->shutdown();
+        throw;
+      }
+      MLA_LOG_INFO("prefill mode: decode servers read the KV at {}:{}", s.host, bootstrap->port());
+    }
     const char* scheme = so.ssl_certfile.empty() ? "http" : "https";
     std::cout << fmt::format("mlaserve: serving '{}' on {}://{}:{}", so.served_model_name, scheme, s.host,
                              http.port())
@@ -1017,6 +1056,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     MLA_LOG_INFO("ready: {}://{}:{} ({} http threads)", scheme, s.host, http.port(), so.num_threads);
     http.wait_for_signal();
     engine->shutdown();  // aborts what is left; outputs still post to the live io threads
+    if (bootstrap) bootstrap->stop();
     http.stop();
     MLA_LOG_INFO("stopped");
     return 0;

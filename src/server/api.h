@@ -160,6 +160,12 @@ struct ServerOptions {
   // request's read of a prefill server's rows may take (each of its reads).
   std::string kv_transfer_addr;
   double kv_transfer_timeout_s = 60.0;
+  // SGLang's --disaggregation-mode: "null" (bootstrap fields ignored), "prefill" (a request with a bootstrap_room runs
+  // one token and ends its room; exports may wait for a room) or "decode" (a request with bootstrap fields reads its
+  // prompt's rows from the prefill server's bootstrap port first); the bootstrap port (served by a second listener in
+  // prefill mode; a decode request's bootstrap_port default).
+  std::string disaggregation_mode = "null";
+  int disaggregation_bootstrap_port = 8998;
 };
 
 class BatchService;
@@ -181,12 +187,14 @@ class Api {
                 const std::string& id = {});
   // generate() once the request is prepared (and its prompts' rows read from a prefill server, when it names one).
   void run_generation(const ParsedRequest& pr, Prepared p, const std::shared_ptr<HttpExchange>& ex);
-  // A decode request of prefill / decode disaggregation (kv_transfer_params do_remote_prefill): its prompts' rows read
-  // from the prefill server on kv_fetch_, then run_generation on the connection's executor.
-  void generate_after_transfer(const HttpRequest& req, ParsedRequest pr, Prepared p,
+  // A decode request of prefill / decode disaggregation (kv_transfer_params do_remote_prefill, or SGLang's bootstrap
+  // fields in decode mode): each prompt's rows read from its source (one per prompt) on kv_fetch_, then
+  // run_generation on the connection's executor.
+  void generate_after_transfer(const HttpRequest& req, ParsedRequest pr, Prepared p, std::vector<KvSource> sources,
                                const std::shared_ptr<HttpExchange>& ex);
-  // POST /kv_transfer/export ({"token_ids", "cache_salt", "begin", "max_tokens"}): the cached rows of the tokens'
-  // prefix (EngineClient::export_kv) as server/kv_transfer.h encodes them.
+  // POST /kv_transfer/export ({"token_ids", "cache_salt", "begin", "max_tokens", "bootstrap_room", "wait_ms"}): the
+  // cached rows of the tokens' prefix (EngineClient::export_kv) as server/kv_transfer.h encodes them; in prefill mode
+  // with a bootstrap_room, once that room's request has ended (or wait_ms / the transfer timeout has passed).
   void kv_export(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   // vLLM's /tokenize ({"prompt"} or chat {"messages"}) and /detokenize ({"tokens"}).
   void tokenize(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
@@ -307,6 +315,8 @@ class Api {
   std::atomic<int> log_level_{2};
   // The decode side's reads of prefill servers' rows (generate_after_transfer).
   std::unique_ptr<KvFetchPool> kv_fetch_ = std::make_unique<KvFetchPool>(4);
+  // Prefill mode: the bootstrap rooms whose requests ended (shared with the jobs that end them); else null.
+  std::shared_ptr<BootstrapRooms> rooms_;
   // OpenAI's Files and Batch APIs (server/batches.h): its lines run through handle(). Last: destroyed first.
   std::unique_ptr<BatchService> batches_;
 };

@@ -52,6 +52,119 @@ std::optional<KvTransferParams> parse_kv_transfer_params(const json& v) {
   return p;
 }
 
+std::vector<Bootstrap> parse_bootstrap(const json& body, size_t prompts, int32_t default_port) {
+  const auto room = body.find("bootstrap_room");
+  if (room == body.end() || room->is_null()) return {};
+  // One value for every prompt, or a list of one per prompt.
+  auto values = [&](const char* key) -> std::vector<const json*> {
+    const auto it = body.find(key);
+    std::vector<const json*> out(prompts, nullptr);
+    if (it == body.end() || it->is_null()) return out;
+    if (!it->is_array()) {
+      std::fill(out.begin(), out.end(), &*it);
+      return out;
+    }
+    if (it->size() != prompts)
+      bad_request(key, "invalid_value", "'{}' lists {} values for {} prompts", key, it->size(), prompts);
+    for (size_t i = 0; i < prompts; ++i) out[i] = &(*it)[i];
+    return out;
+  };
+  const std::vector<const json*> hosts = values("bootstrap_host"), ports = values("bootstrap_port"),
+                                 rooms = values("bootstrap_room");
+  std::vector<Bootstrap> out(prompts);
+  for (size_t i = 0; i < prompts; ++i) {
+    if (!rooms[i] || !rooms[i]->is_number_integer() ||
+        (!rooms[i]->is_number_unsigned() && rooms[i]->get<int64_t>() < 0))
+      bad_request("bootstrap_room", "invalid_value", "'bootstrap_room' must be a non-negative integer");
+    out[i].room = rooms[i]->get<uint64_t>();
+    if (!hosts[i] || !hosts[i]->is_string() || hosts[i]->get<std::string>().empty())
+      bad_request("bootstrap_host", "invalid_value", "'bootstrap_host' must name the prefill server");
+    out[i].host = hosts[i]->get<std::string>();
+    out[i].port = default_port;
+    if (ports[i] && !ports[i]->is_null()) {
+      if (!ports[i]->is_number_integer() || ports[i]->get<int64_t>() < 1 || ports[i]->get<int64_t>() > 65535)
+        bad_request("bootstrap_port", "invalid_value", "'bootstrap_port' must be a port, 1-65535");
+      out[i].port = static_cast<int32_t>(ports[i]->get<int64_t>());
+    }
+  }
+  return out;
+}
+
+BootstrapRooms::BootstrapRooms() : timer_([this] { sweep(); }) {}
+
+BootstrapRooms::~BootstrapRooms() {
+  std::vector<Waiter> left;
+  {
+    std::lock_guard lk(mu_);
+    stop_ = true;
+    left.swap(waiters_);
+  }
+  cv_.notify_all();
+  timer_.join();
+  for (Waiter& w : left) w.fn(false);
+}
+
+void BootstrapRooms::end(uint64_t room) {
+  std::vector<Waiter> ready;
+  {
+    std::lock_guard lk(mu_);
+    if (ended_.insert(room).second) {
+      order_.push_back(room);
+      if (order_.size() > kKept) {
+        ended_.erase(order_.front());
+        order_.pop_front();
+      }
+    }
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (it->room == room) {
+        ready.push_back(std::move(*it));
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (Waiter& w : ready) w.fn(true);
+}
+
+void BootstrapRooms::when_ended(uint64_t room, std::chrono::milliseconds timeout, std::function<void(bool)> fn) {
+  bool ended = false;
+  {
+    std::lock_guard lk(mu_);
+    ended = ended_.contains(room);
+    if (!ended && !stop_) {
+      waiters_.push_back(Waiter{room, std::chrono::steady_clock::now() + timeout, std::move(fn)});
+      cv_.notify_all();
+      return;
+    }
+  }
+  fn(ended);
+}
+
+void BootstrapRooms::sweep() {
+  std::unique_lock lk(mu_);
+  while (!stop_) {
+    auto next = std::chrono::steady_clock::time_point::max();
+    for (const Waiter& w : waiters_) next = std::min(next, w.deadline);
+    if (next == std::chrono::steady_clock::time_point::max()) cv_.wait(lk);
+    else cv_.wait_until(lk, next);
+    const auto now = std::chrono::steady_clock::now();
+    std::vector<Waiter> late;
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (it->deadline <= now) {
+        late.push_back(std::move(*it));
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (late.empty()) continue;
+    lk.unlock();
+    for (Waiter& w : late) w.fn(false);
+    lk.lock();
+  }
+}
+
 json kv_transfer_answer(const std::string& host, int32_t port, const std::string& request_id) {
   return json{{"do_remote_prefill", true},      {"do_remote_decode", false}, {"remote_host", host},
               {"remote_port", port},            {"remote_engine_id", "mlaserve"},
@@ -160,15 +273,16 @@ std::pair<int, std::string> post(const std::string& host, int32_t port, const st
 std::shared_ptr<const KvRows> fetch_kv_rows(const std::string& host, int32_t port, const std::string& authorization,
                                             const std::vector<int32_t>& tokens, const std::string& salt,
                                             std::chrono::milliseconds timeout, std::string& why,
-                                            int32_t tokens_per_read) {
+                                            std::optional<uint64_t> room, int32_t tokens_per_read) {
   std::vector<KvRows> parts;
   int32_t begin = 0;
   try {
     for (;;) {
-      const json q{{"token_ids", tokens},
-                   {"cache_salt", salt},
-                   {"begin", begin},
-                   {"max_tokens", tokens_per_read}};
+      json q{{"token_ids", tokens}, {"cache_salt", salt}, {"begin", begin}, {"max_tokens", tokens_per_read}};
+      if (room && parts.empty()) {  // (the prefill server waits for the room within 3/4 of this read's time)
+        q["bootstrap_room"] = *room;
+        q["wait_ms"] = timeout.count() * 3 / 4;
+      }
       auto [status, body] = post(host, port, "/kv_transfer/export", q.dump(), authorization, timeout);
       if (status != 200) {
         why = fmt::format("{}:{} answered {}: {}", host, port, status, body.substr(0, 300));

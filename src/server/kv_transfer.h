@@ -10,6 +10,11 @@
 
 #include <chrono>
 #include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <unordered_set>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -38,6 +43,52 @@ struct KvTransferParams {
 // The field's value: an object, or null for none (nullopt). Bad values are 400s naming the field.
 std::optional<KvTransferParams> parse_kv_transfer_params(const nlohmann::json& v);
 
+// SGLang's prefill / decode disaggregation fields, as its router adds them to a request it sends to both servers:
+// bootstrap_host, bootstrap_port and bootstrap_room (one value each, or lists with one per prompt). Per prompt; empty
+// when the request has none. Bad values are 400s naming the field; a missing or null port is `default_port`.
+struct Bootstrap {
+  std::string host;
+  int32_t port = 0;
+  uint64_t room = 0;
+};
+std::vector<Bootstrap> parse_bootstrap(const nlohmann::json& body, size_t prompts, int32_t default_port);
+
+// Where a decode request reads a prompt's rows: a server's host and port (vLLM's remote_host / remote_port, SGLang's
+// bootstrap server) and, for SGLang's protocol, the bootstrap room to wait for there.
+struct KvSource {
+  std::string host;
+  int32_t port = 0;
+  std::optional<uint64_t> room;
+};
+
+// The prefill side's bootstrap rooms: which rooms' prefill requests have ended (the last kKept of them), and the
+// export reads waiting for one (a decode server may ask before the prefill server has the request).
+class BootstrapRooms {
+ public:
+  static constexpr size_t kKept = 1 << 16;
+  BootstrapRooms();
+  ~BootstrapRooms();
+  void end(uint64_t room);
+  // fn(true) once `room` has ended (at once when it has), else fn(false) after `timeout`; called on the thread that
+  // ends the room or on the rooms' own timer thread (never under its lock); fn(false) for waits left at destruction.
+  void when_ended(uint64_t room, std::chrono::milliseconds timeout, std::function<void(bool)> fn);
+
+ private:
+  struct Waiter {
+    uint64_t room;
+    std::chrono::steady_clock::time_point deadline;
+    std::function<void(bool)> fn;
+  };
+  void sweep();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::unordered_set<uint64_t> ended_;
+  std::deque<uint64_t> order_;  // ended_, oldest first
+  std::vector<Waiter> waiters_;
+  bool stop_ = false;
+  std::thread timer_;
+};
+
 // The kv_transfer_params of a prefill (do_remote_decode) answer from the server at host:port.
 nlohmann::json kv_transfer_answer(const std::string& host, int32_t port, const std::string& request_id);
 
@@ -52,10 +103,12 @@ KvRows decode_kv_rows(std::string_view body);
 // The rows of the longest prefix of `tokens` that the server at host:port caches under `salt`, read in as many
 // export answers as it takes (each at most kMaxKvExportBytes). Null when there are none, or when the server cannot be
 // reached or answers with an error; `why` then says what happened. A read that fails after others keeps what they
-// brought (a prefix). tokens_per_read: the most tokens each read asks for (tests).
+// brought (a prefix). room: SGLang's bootstrap room (the first read waits there for that room's prefill request to
+// end). tokens_per_read: the most tokens each read asks for (tests).
 std::shared_ptr<const KvRows> fetch_kv_rows(const std::string& host, int32_t port, const std::string& authorization,
                                             const std::vector<int32_t>& tokens, const std::string& salt,
                                             std::chrono::milliseconds timeout, std::string& why,
+                                            std::optional<uint64_t> room = std::nullopt,
                                             int32_t tokens_per_read = std::numeric_limits<int32_t>::max());
 
 // A few threads (SerialWorkers, taken in turn) that run the decode side's reads (blocking network I/O) off the

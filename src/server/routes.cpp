@@ -694,11 +694,13 @@ std::string received_log_line(const HttpRequest& req, const JobSpec& spec, bool 
 struct Api::Prepared {
   JobSpec spec;
   ResponseContext rc;
+  std::vector<uint64_t> rooms;  // prefill mode: the bootstrap rooms the job ends
 };
 
 Api::Api(EngineClient& engine, const TextCodec* codec, ServerOptions opts)
     : engine_(engine), codec_(codec), opts_(std::move(opts)), id_salt_(std::random_device{}()) {
   if (opts_.served_model_name.empty()) opts_.served_model_name = opts_.model_path;
+  if (opts_.disaggregation_mode == "prefill") rooms_ = std::make_shared<BootstrapRooms>();
   weights_->path = opts_.model_path;
   weights_->version = opts_.weight_version;
   log_requests_ = opts_.log_requests;
@@ -1394,7 +1396,7 @@ void Api::configure_logging(const HttpRequest& req, const std::shared_ptr<HttpEx
 void Api::kv_export(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
   const json body = parse_body(req.body);
   const Fields f(body);
-  f.allow_only({"token_ids", "cache_salt", "begin", "max_tokens"}, "a KV export field");
+  f.allow_only({"token_ids", "cache_salt", "begin", "max_tokens", "bootstrap_room", "wait_ms"}, "a KV export field");
   const json& ids = f.required("token_ids", "the tokens whose cached prefix is read");
   if (!ids.is_array()) bad_request("token_ids", "invalid_type", "'token_ids' must be an array of token ids");
   std::vector<int32_t> tokens;
@@ -1408,15 +1410,28 @@ void Api::kv_export(const HttpRequest& req, const std::shared_ptr<HttpExchange>&
   const auto begin = static_cast<int32_t>(f.integer("begin", 0, std::numeric_limits<int32_t>::max()).value_or(0));
   const auto max_tokens = static_cast<int32_t>(
       f.integer("max_tokens", 0, std::numeric_limits<int32_t>::max()).value_or(std::numeric_limits<int32_t>::max()));
-  engine_.export_kv(std::move(tokens), std::move(salt), begin, max_tokens, [this, ex](KvRows rows) {
-    auto shared = std::make_shared<KvRows>(std::move(rows));
-    ex->executor()([this, ex, shared] {
-      if (!shared->error.empty())
-        respond_error(ex, 400, error_body(400, "KV export: " + shared->error, "invalid_request_error", "kv_export"));
-      else
-        ex->respond(200, "application/octet-stream", encode_kv_rows(*shared));
+  std::optional<uint64_t> room;
+  if (const json* r = f.get("bootstrap_room"); r && !r->is_null()) {
+    if (!r->is_number_integer() || (!r->is_number_unsigned() && r->get<int64_t>() < 0))
+      bad_request("bootstrap_room", "invalid_value", "'bootstrap_room' must be a non-negative integer");
+    room = r->get<uint64_t>();
+  }
+  const int64_t own_ms = static_cast<int64_t>(opts_.kv_transfer_timeout_s * 1000.0);
+  const auto wait = std::chrono::milliseconds(f.integer("wait_ms", 0, own_ms).value_or(own_ms));
+  auto read = [this, ex, tokens = std::move(tokens), salt = std::move(salt), begin, max_tokens](bool) mutable {
+    engine_.export_kv(std::move(tokens), std::move(salt), begin, max_tokens, [this, ex](KvRows rows) {
+      auto shared = std::make_shared<KvRows>(std::move(rows));
+      ex->executor()([this, ex, shared] {
+        if (!shared->error.empty())
+          respond_error(ex, 400, error_body(400, "KV export: " + shared->error, "invalid_request_error", "kv_export"));
+        else
+          ex->respond(200, "application/octet-stream", encode_kv_rows(*shared));
+      });
     });
-  });
+  };
+  // Prefill mode: the room's request may not have ended (or arrived) yet; what is cached then is read either way.
+  if (room && rooms_) rooms_->when_ended(*room, wait, std::move(read));
+  else read(true);
 }
 
 void Api::close_session(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
@@ -1970,14 +1985,28 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
     if (port == 0) port = req.local_port > 0 ? req.local_port : opts_.port;
     p.rc.kv_transfer_params = kv_transfer_answer(host, port, p.spec.id);
   }
-  if (pr.kv_transfer && pr.kv_transfer->remote_prefill) {
-    generate_after_transfer(req, std::move(pr), std::move(p), ex);
+  std::vector<KvSource> sources;  // per prompt: where its rows are read first (empty: nowhere)
+  if (opts_.disaggregation_mode != "null") {  // SGLang's router's bootstrap fields
+    const std::vector<Bootstrap> bs =
+        parse_bootstrap(body, p.spec.prompts.size(), opts_.disaggregation_bootstrap_port);
+    if (!bs.empty() && rooms_) {  // prefill: the first token only; its rooms end with the job
+      p.spec.sampling.max_new_tokens = 1;
+      p.spec.sampling.min_new_tokens = std::min(p.spec.sampling.min_new_tokens, 1);
+      for (const Bootstrap& b : bs) p.rooms.push_back(b.room);
+    } else {
+      for (const Bootstrap& b : bs) sources.push_back(KvSource{b.host, b.port, b.room});
+    }
+  }
+  if (pr.kv_transfer && pr.kv_transfer->remote_prefill)
+    sources.assign(p.spec.prompts.size(), KvSource{pr.kv_transfer->remote_host, pr.kv_transfer->remote_port, {}});
+  if (!sources.empty()) {
+    generate_after_transfer(req, std::move(pr), std::move(p), std::move(sources), ex);
     return;
   }
   run_generation(pr, std::move(p), ex);
 }
 
-void Api::generate_after_transfer(const HttpRequest& req, ParsedRequest pr, Prepared p,
+void Api::generate_after_transfer(const HttpRequest& req, ParsedRequest pr, Prepared p, std::vector<KvSource> sources,
                                   const std::shared_ptr<HttpExchange>& ex) {
   struct Pending {
     HttpRequest head;  // (for error_answer's log line)
@@ -1987,13 +2016,14 @@ void Api::generate_after_transfer(const HttpRequest& req, ParsedRequest pr, Prep
   auto pending = std::make_shared<Pending>(Pending{HttpRequest{req.method, req.target, {}, {}, {}, {}, {}, 0},
                                                    std::move(pr), std::move(p)});
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(opts_.kv_transfer_timeout_s * 1000.0));
-  kv_fetch_->post([this, pending, ex, timeout, auth = req.authorization] {
-    const KvTransferParams& kt = *pending->pr.kv_transfer;
+  kv_fetch_->post([this, pending, ex, timeout, auth = req.authorization, sources = std::move(sources)] {
     JobSpec& spec = pending->p.spec;
-    for (JobPrompt& prompt : spec.prompts) {
+    for (size_t i = 0; i < spec.prompts.size(); ++i) {
+      JobPrompt& prompt = spec.prompts[i];
+      const KvSource& src = sources[i];
       std::string why;
       prompt.kv_prefix =
-          fetch_kv_rows(kt.remote_host, kt.remote_port, auth, prompt.input_ids, spec.cache_salt, timeout, why);
+          fetch_kv_rows(src.host, src.port, auth, prompt.input_ids, spec.cache_salt, timeout, why, src.room);
       if (!prompt.kv_prefix)
         MLA_LOG_WARN("request {}: no KV read from the prefill server ({}): the prompt is computed here", spec.id, why);
     }
@@ -2011,6 +2041,16 @@ void Api::generate_after_transfer(const HttpRequest& req, ParsedRequest pr, Prep
 void Api::run_generation(const ParsedRequest& pr, Prepared p, const std::shared_ptr<HttpExchange>& ex) {
   const ApiKind api = pr.api;
   const bool stream = pr.stream;
+  // Prefill mode: the job's bootstrap rooms end with it (whichever way), or now if it never starts.
+  struct EndRooms {
+    std::weak_ptr<BootstrapRooms> rooms;
+    std::vector<uint64_t> ids;
+    void operator()() const {
+      if (auto r = rooms.lock())
+        for (uint64_t id : ids) r->end(id);
+    }
+  };
+  const EndRooms end_rooms{rooms_, std::move(p.rooms)};
   auto job = std::make_shared<GenerationJob>(engine_, codec_, &metrics_, ex->executor(), std::move(p.spec));
   const ResponseContext rc = p.rc;
   std::weak_ptr<HttpExchange> wex = ex;
@@ -2191,10 +2231,16 @@ void Api::run_generation(const ParsedRequest& pr, Prepared p, const std::shared_
       if (auto s = store.lock()) s->finish(sid, j.spec().id, j.choices()[0].output_ids);
     };
   }
+  if (!end_rooms.ids.empty())
+    job->on_end = [prev = std::move(job->on_end), end_rooms](const GenerationJob& j) {
+      if (prev) prev(j);
+      end_rooms();
+    };
   try {
     job->start();  // throws (400) before anything was sent if the engine refuses the request
   } catch (...) {
     if (pr.session) sessions_->forget(pr.session->id, job->spec().id);  // it never ran
+    end_rooms();
     throw;
   }
   if (stream) {

@@ -6,6 +6,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <cctype>
 #include <fstream>
 #include <mutex>
@@ -2323,6 +2327,82 @@ TEST(ServeFlags, PrefillDecodeDisaggregation) {
   EXPECT_EQ(decode.stop(), 0);
   if (decode_dpa) EXPECT_EQ(decode_dpa->stop(), 0);
   expect_serve_refuses({"--kv-transfer-timeout 0 --skip-tokenizer-init"}, "--kv-transfer-timeout");
+}
+
+// A port nothing listens on now (bound and let go).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), len), 0);
+  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// SGLang's prefill / decode disaggregation as its router drives it: the same request, with bootstrap_host /
+// bootstrap_port / bootstrap_room, to a prefill server (--disaggregation-mode prefill: it runs one token and ends the
+// room) and a decode server (--disaggregation-mode decode: it reads the prompt's rows from the prefill server's
+// bootstrap port once the room has ended, then generates). The decode request may come first. Native batches carry a
+// room per prompt; OpenAI requests the same fields.
+TEST(ServeFlags, SglangPrefillDecodeDisaggregation) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  const int boot = free_port();
+  ServerProcess prefill({"--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", std::to_string(boot),
+                         "--disaggregation-transfer-backend", "mooncake", "--mem-fraction-static", "0.4"});
+  ServerProcess decode({"--disaggregation-mode", "decode", "--mem-fraction-static", "0.4"});
+  ASSERT_TRUE(prefill.running()) << prefill.log();
+  ASSERT_TRUE(decode.running()) << decode.log();
+  const json info = get_json(prefill.port(), "/get_server_info");
+  EXPECT_EQ(info["disaggregation_mode"], "prefill");
+  EXPECT_EQ(info["disaggregation_bootstrap_port"], boot);
+  const auto prompt = [](int salt) { return test_prompt(300 + salt, 150); };
+  const auto body = [&](const json& input, const json& room) {
+    return json{{"input_ids", input},       {"bootstrap_host", "127.0.0.1"}, {"bootstrap_port", boot},
+                {"bootstrap_room", room},   {"sampling_params", {{"max_new_tokens", 10}, {"temperature", 0},
+                                                                 {"ignore_eos", true}}}}
+        .dump();
+  };
+  // One prompt, the decode request first (it waits for the room).
+  const std::vector<int32_t> want = greedy(prefill.port(), prompt(0), 10);
+  EXPECT_EQ(prefill.stop(), 0);
+  ServerProcess prefill2({"--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", std::to_string(boot),
+                          "--mem-fraction-static", "0.4"});  // (a fresh cache: the rows come from the room's request)
+  ASSERT_TRUE(prefill2.running()) << prefill2.log();
+  json got;
+  std::thread d([&] { got = post_json(decode.port(), "/generate", body(prompt(0), 12345)); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // (either order works; this one makes the wait run)
+  const json pre = post_json(prefill2.port(), "/generate", body(prompt(0), 12345));
+  d.join();
+  EXPECT_EQ(pre["output_ids"].size(), 1u) << pre.dump();  // the prefill server runs the first token only
+  EXPECT_EQ(got["output_ids"].get<std::vector<int32_t>>(), want);
+  EXPECT_GE(got["meta_info"]["cached_tokens"].get<int>(), 150 - 16) << got.dump();
+  // A batch: a room per prompt, the prefill first this time.
+  const json rooms = json::array({7, 8});
+  const json batch_ids = json::array({prompt(1), prompt(2)});
+  const json pre2 = post_json(prefill2.port(), "/generate", body(batch_ids, rooms));
+  ASSERT_EQ(pre2.size(), 2u);
+  const json got2 = post_json(decode.port(), "/generate", body(batch_ids, rooms));
+  ASSERT_EQ(got2.size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(got2[i]["output_ids"].get<std::vector<int32_t>>(), greedy(prefill2.port(), prompt(1 + i), 10)) << i;
+    EXPECT_GE(got2[i]["meta_info"]["cached_tokens"].get<int>(), 150 - 16) << i;
+  }
+  // OpenAI completions with the same fields.
+  const json oa{{"prompt", prompt(3)}, {"max_tokens", 10}, {"temperature", 0}, {"ignore_eos", true},
+                {"bootstrap_host", "127.0.0.1"}, {"bootstrap_port", boot}, {"bootstrap_room", 99}};
+  post_json(prefill2.port(), "/v1/completions", oa.dump());
+  const json got3 = post_json(decode.port(), "/v1/completions", oa.dump());
+  EXPECT_EQ(got3["usage"]["completion_tokens"], 10);
+  EXPECT_GE(got3["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 150 - 16) << got3.dump();
+  // Bad fields.
+  post_json(decode.port(), "/generate", body(prompt(4), -1), 400);
+  post_json(decode.port(), "/generate", body(batch_ids, json::array({1})), 400);
+  EXPECT_EQ(prefill2.stop(), 0);
+  EXPECT_EQ(decode.stop(), 0);
+  expect_serve_refuses({"--disaggregation-mode both --skip-tokenizer-init"}, "--disaggregation-mode");
 }
 
 // /generate requests of a priority (EOS ignored) on one server, each name recorded once its request has all its

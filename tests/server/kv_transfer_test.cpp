@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <future>
 #include <thread>
 
 #include <boost/asio/io_context.hpp>
@@ -71,6 +72,68 @@ TEST(KvTransferParams, HostHeaders) {
   EXPECT_EQ(split_host_port("h:99999"), HP("h", 0));
   EXPECT_EQ(split_host_port("h:x1"), HP("h", 0));
   EXPECT_EQ(split_host_port(""), HP("", 0));
+}
+
+TEST(KvTransferParams, SglangBootstrapFields) {
+  EXPECT_TRUE(parse_bootstrap(json{{"bootstrap_host", "h"}}, 1, 8998).empty());  // no room: none
+  auto one = parse_bootstrap(json{{"bootstrap_host", "p1"}, {"bootstrap_room", 5}}, 2, 8998);
+  ASSERT_EQ(one.size(), 2u);  // one value for every prompt; the port's default
+  EXPECT_EQ(one[1].host, "p1");
+  EXPECT_EQ(one[1].port, 8998);
+  EXPECT_EQ(one[1].room, 5u);
+  const uint64_t big = (uint64_t{1} << 63) - 1;
+  auto lists = parse_bootstrap(json{{"bootstrap_host", {"a", "b"}}, {"bootstrap_port", {9000, nullptr}},
+                                    {"bootstrap_room", {big, 0}}},
+                               2, 8998);
+  EXPECT_EQ(lists[0].host, "a");
+  EXPECT_EQ(lists[0].port, 9000);
+  EXPECT_EQ(lists[0].room, big);
+  EXPECT_EQ(lists[1].host, "b");
+  EXPECT_EQ(lists[1].port, 8998);
+  EXPECT_EQ(lists[1].room, 0u);
+  EXPECT_EQ(api_error_param([] { parse_bootstrap(json{{"bootstrap_host", "h"}, {"bootstrap_room", -1}}, 1, 1); }),
+            "bootstrap_room");
+  EXPECT_EQ(api_error_param([] { parse_bootstrap(json{{"bootstrap_host", "h"}, {"bootstrap_room", "1"}}, 1, 1); }),
+            "bootstrap_room");
+  EXPECT_EQ(api_error_param([] { parse_bootstrap(json{{"bootstrap_room", 1}}, 1, 1); }), "bootstrap_host");
+  EXPECT_EQ(api_error_param([] {
+              parse_bootstrap(json{{"bootstrap_host", "h"}, {"bootstrap_room", {1, 2, 3}}}, 2, 1);
+            }),
+            "bootstrap_room");
+  EXPECT_EQ(api_error_param([] {
+              parse_bootstrap(json{{"bootstrap_host", "h"}, {"bootstrap_port", 0}, {"bootstrap_room", 1}}, 1, 1);
+            }),
+            "bootstrap_port");
+}
+
+// The prefill side's rooms: a wait for an ended room answers at once, a wait ends with its room's end (true) or its
+// timeout (false); only the last kKept ended rooms are remembered.
+TEST(KvTransferParams, BootstrapRoomsWaitForTheirEnd) {
+  BootstrapRooms rooms;
+  auto waited = [&](uint64_t room, std::chrono::milliseconds t) {
+    auto p = std::make_shared<std::promise<bool>>();
+    rooms.when_ended(room, t, [p](bool ended) { p->set_value(ended); });
+    return p->get_future();
+  };
+  rooms.end(1);
+  auto at_once = waited(1, std::chrono::hours(1));
+  ASSERT_EQ(at_once.wait_for(std::chrono::seconds(0)), std::future_status::ready);
+  EXPECT_TRUE(at_once.get());
+  auto later = waited(2, std::chrono::hours(1)), other = waited(3, std::chrono::hours(1));
+  EXPECT_EQ(later.wait_for(std::chrono::milliseconds(0)), std::future_status::timeout);
+  rooms.end(2);
+  ASSERT_EQ(later.wait_for(std::chrono::seconds(0)), std::future_status::ready);  // (ended on this thread)
+  EXPECT_TRUE(later.get());
+  EXPECT_EQ(other.wait_for(std::chrono::milliseconds(0)), std::future_status::timeout);
+  auto late = waited(4, std::chrono::milliseconds(1));
+  ASSERT_EQ(late.wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  EXPECT_FALSE(late.get());
+  for (uint64_t r = 100; r < 100 + BootstrapRooms::kKept; ++r) rooms.end(r);  // room 1 forgotten
+  auto forgotten = waited(1, std::chrono::milliseconds(1));
+  ASSERT_EQ(forgotten.wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  EXPECT_FALSE(forgotten.get());
+  rooms.end(3);
+  EXPECT_TRUE(other.get());
 }
 
 KvRows rows_of(int32_t begin, int32_t end, int32_t cached, int64_t layers, int64_t row_bytes) {
@@ -177,7 +240,7 @@ TEST(KvTransferRows, FetchedInChunksAsOneRead) {
   EXPECT_EQ(whole->begin, 0);
   EXPECT_EQ(whole->end, 40);
   EXPECT_EQ(whole->data, want.data);
-  const auto chunked = fetch_kv_rows("127.0.0.1", srv.port(), "", tokens, "", kTimeout, why, 7);
+  const auto chunked = fetch_kv_rows("127.0.0.1", srv.port(), "", tokens, "", kTimeout, why, std::nullopt, 7);
   ASSERT_TRUE(chunked) << why;
   EXPECT_EQ(srv.reads(), 1 + 6);  // 7, 14, ..., 40
   EXPECT_EQ(chunked->end, 40);
@@ -187,7 +250,7 @@ TEST(KvTransferRows, FetchedInChunksAsOneRead) {
 TEST(KvTransferRows, RowsEvictedBetweenReadsKeepTheFirstOnes) {
   ExportServer srv(40, 200, /*evict_after=*/2, /*cached_after=*/10);
   std::string why;
-  const auto got = fetch_kv_rows("127.0.0.1", srv.port(), "", std::vector<int32_t>(45, 1), "", kTimeout, why, 8);
+  const auto got = fetch_kv_rows("127.0.0.1", srv.port(), "", std::vector<int32_t>(45, 1), "", kTimeout, why, std::nullopt, 8);
   ASSERT_TRUE(got) << why;
   EXPECT_EQ(got->end, 16);  // two reads of 8; the third finds only 10 cached
   EXPECT_EQ(got->data, rows_of(0, 16, 16, ExportServer::kLayers, ExportServer::kRowBytes).data);
