@@ -2051,6 +2051,13 @@ void Api::run_generation(const ParsedRequest& pr, Prepared p, const std::shared_
     }
   };
   const EndRooms end_rooms{rooms_, std::move(p.rooms)};
+  struct EndRoomsUnlessStarted {  // (a refusal before the job starts, e.g. its id in use, ends them too)
+    const EndRooms& end;
+    bool started = false;
+    ~EndRoomsUnlessStarted() {
+      if (!started) end();
+    }
+  } rooms_guard{end_rooms};
   auto job = std::make_shared<GenerationJob>(engine_, codec_, &metrics_, ex->executor(), std::move(p.spec));
   const ResponseContext rc = p.rc;
   std::weak_ptr<HttpExchange> wex = ex;
@@ -2240,9 +2247,9 @@ void Api::run_generation(const ParsedRequest& pr, Prepared p, const std::shared_
     job->start();  // throws (400) before anything was sent if the engine refuses the request
   } catch (...) {
     if (pr.session) sessions_->forget(pr.session->id, job->spec().id);  // it never ran
-    end_rooms();
     throw;
   }
+  rooms_guard.started = true;
   if (stream) {
     ex->start_stream();
     // The first chunks: chat opens every choice with the assistant role; completions echo the prompt.
