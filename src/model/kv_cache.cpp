@@ -1,5 +1,6 @@
 #include "model/kv_cache.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace mlaserve {
@@ -40,33 +41,36 @@ void KvCache::copy_pages(std::span<const int32_t> saves, std::span<const int32_t
   backend_->copy_kv_pages(layers, page_bytes(), host_.get(), saves, loads);
 }
 
-namespace {
-
-// A staging buffer of `blocks` host-tier-shaped blocks (each page of every layer in turn).
-std::unique_ptr<char, std::function<void(char*)>> staging(Backend& be, size_t bytes) {
-  return std::unique_ptr<char, std::function<void(char*)>>(static_cast<char*>(be.alloc_host(bytes)),
-                                                           [&be](char* p) { be.free_host(p); });
+char* KvCache::staging(size_t bytes) {
+  if (staging_bytes_ < bytes) {
+    Backend* be = backend_;
+    staging_ = std::unique_ptr<char, std::function<void(char*)>>(static_cast<char*>(be->alloc_host(bytes)),
+                                                                 [be](char* p) { be->free_host(p); });
+    staging_bytes_ = bytes;
+  }
+  return staging_.get();
 }
-
-}  // namespace
 
 std::vector<char> KvCache::read_rows(std::span<const int32_t> pages) {
   const auto n = pages.size(), L = static_cast<size_t>(num_layers()), pb = static_cast<size_t>(page_bytes());
-  std::vector<int32_t> pairs;
-  for (size_t i = 0; i < n; ++i) {
-    MLA_CHECK(pages[i] >= 0 && pages[i] < num_pages_, "kv cache: reading page {} of {}", pages[i], num_pages_);
-    pairs.push_back(pages[i]);
-    pairs.push_back(static_cast<int32_t>(i));
-  }
+  for (int32_t p : pages) MLA_CHECK(p >= 0 && p < num_pages_, "kv cache: reading page {} of {}", p, num_pages_);
   std::vector<char> rows(n * L * pb);
-  if (n == 0) return rows;
-  auto host = staging(*backend_, rows.size());
   std::vector<Tensor*> layers;
   for (Tensor& t : layers_) layers.push_back(&t);
-  backend_->copy_kv_pages(layers, page_bytes(), host.get(), pairs, {});
-  backend_->synchronize();
-  for (size_t i = 0; i < n; ++i)  // block i = page i of every layer -> each layer's rows of page i
-    for (size_t l = 0; l < L; ++l) std::memcpy(rows.data() + (l * n + i) * pb, host.get() + (i * L + l) * pb, pb);
+  const size_t group = std::max<size_t>(1, staging_limit_ / (L * pb));  // pages per trip through the staging buffer
+  for (size_t a = 0; a < n; a += group) {
+    const size_t b = std::min(n, a + group);
+    char* host = staging((b - a) * L * pb);
+    std::vector<int32_t> pairs;
+    for (size_t i = a; i < b; ++i) {
+      pairs.push_back(pages[i]);
+      pairs.push_back(static_cast<int32_t>(i - a));
+    }
+    backend_->copy_kv_pages(layers, page_bytes(), host, pairs, {});
+    backend_->synchronize();
+    for (size_t i = a; i < b; ++i)  // block i - a = page i of every layer -> each layer's rows of page i
+      for (size_t l = 0; l < L; ++l) std::memcpy(rows.data() + (l * n + i) * pb, host + ((i - a) * L + l) * pb, pb);
+  }
   return rows;
 }
 
@@ -74,20 +78,22 @@ void KvCache::write_rows(std::span<const int32_t> pages, std::span<const char> r
   const auto n = pages.size(), L = static_cast<size_t>(num_layers()), pb = static_cast<size_t>(page_bytes());
   MLA_CHECK(rows.size() == n * L * pb, "kv cache: {} bytes of rows for {} pages of {} layers of {} bytes", rows.size(),
             n, L, pb);
-  if (n == 0) return;
-  std::vector<int32_t> pairs;
-  for (size_t i = 0; i < n; ++i) {
-    MLA_CHECK(pages[i] >= 0 && pages[i] < num_pages_, "kv cache: writing page {} of {}", pages[i], num_pages_);
-    pairs.push_back(static_cast<int32_t>(i));
-    pairs.push_back(pages[i]);
-  }
-  auto host = staging(*backend_, rows.size());
-  for (size_t i = 0; i < n; ++i)
-    for (size_t l = 0; l < L; ++l) std::memcpy(host.get() + (i * L + l) * pb, rows.data() + (l * n + i) * pb, pb);
+  for (int32_t p : pages) MLA_CHECK(p >= 0 && p < num_pages_, "kv cache: writing page {} of {}", p, num_pages_);
   std::vector<Tensor*> layers;
   for (Tensor& t : layers_) layers.push_back(&t);
-  backend_->copy_kv_pages(layers, page_bytes(), host.get(), {}, pairs);
-  backend_->synchronize();  // (the staging buffer goes when this returns)
+  const size_t group = std::max<size_t>(1, staging_limit_ / (L * pb));
+  for (size_t a = 0; a < n; a += group) {
+    const size_t b = std::min(n, a + group);
+    char* host = staging((b - a) * L * pb);
+    std::vector<int32_t> pairs;
+    for (size_t i = a; i < b; ++i) {
+      pairs.push_back(static_cast<int32_t>(i - a));
+      pairs.push_back(pages[i]);
+      for (size_t l = 0; l < L; ++l) std::memcpy(host + ((i - a) * L + l) * pb, rows.data() + (l * n + i) * pb, pb);
+    }
+    backend_->copy_kv_pages(layers, page_bytes(), host, {}, pairs);
+    backend_->synchronize();  // (the staging buffer is filled again by the next trip)
+  }
 }
 
 int64_t KvCache::bytes_per_token(const ModelConfig& c, DType dtype) {

@@ -45,11 +45,14 @@ class KvCache {
   // forward; each page and slot checked against the cache's.
   void copy_pages(std::span<const int32_t> saves, std::span<const int32_t> loads);
   // Prefill / decode disaggregation: the rows of `pages` (whole pages, in order) as [layers][pages * page_size][row]
-  // bytes, and the same written into them; through a staging buffer of Backend::alloc_host, waiting for the device.
+  // bytes, and the same written into them; through a staging buffer of Backend::alloc_host (made on first use, kept,
+  // at most 64 MiB: longer reads and writes take several trips), waiting for the device.
   std::vector<char> read_rows(std::span<const int32_t> pages);
   void write_rows(std::span<const int32_t> pages, std::span<const char> rows);
   // Bytes of one token's row in one layer.
   int64_t row_bytes() const { return page_bytes() / page_size_; }
+  // The staging buffer's largest size (tests: small, so that reads and writes take several trips).
+  void set_staging_limit(size_t bytes) { staging_limit_ = bytes; }
   // The cache's element type on a backend: the FP8 type when given, else the backend's activation type.
   static DType dtype_on(const Backend& backend, std::optional<DType> fp8) { return fp8.value_or(backend.act_dtype()); }
 
@@ -60,6 +63,10 @@ class KvCache {
   std::vector<Tensor> layers_;
   Backend* backend_;
   std::unique_ptr<char, std::function<void(char*)>> host_;  // host_slots_ * page_bytes()
+  size_t staging_limit_ = size_t{64} << 20;
+  char* staging(size_t bytes);  // the staging buffer, grown to `bytes` (<= staging_limit_, or one page of all layers)
+  std::unique_ptr<char, std::function<void(char*)>> staging_;
+  size_t staging_bytes_ = 0;
   int64_t host_slots_ = 0;
 };
 

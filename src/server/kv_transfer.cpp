@@ -241,6 +241,7 @@ std::pair<int, std::string> post(const std::string& host, int32_t port, const st
   req.body() = std::move(body);
   req.prepare_payload();
   beast::flat_buffer buf;
+  buf.reserve(1 << 20);  // (reads as large as the room here: an empty buffer reads the body 512 bytes at a time)
   http::response_parser<http::string_body> parser;
   parser.body_limit(kMaxKvExportBytes + (1 << 20));
   beast::error_code failed;
@@ -255,6 +256,8 @@ std::pair<int, std::string> post(const std::string& host, int32_t port, const st
     if (!check(ec, "connecting")) return;
     stream.async_connect(eps, [&](beast::error_code ec2, const tcp::endpoint&) {
       if (!check(ec2, "sending")) return;
+      beast::error_code ignored;  // (header and body go out as they are written: no Nagle wait for the server's ACK)
+      stream.socket().set_option(tcp::no_delay(true), ignored);
       http::async_write(stream, req, [&](beast::error_code ec3, size_t) {
         if (!check(ec3, "reading the answer")) return;
         http::async_read(stream, buf, parser, [&](beast::error_code ec4, size_t) { check(ec4, "done"); });

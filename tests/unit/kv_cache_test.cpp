@@ -5,15 +5,54 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <cstring>
 #include <random>
 
 #include "backend/backend.h"
 #include "core/dtype.h"
+#include "core/error.h"
 #include "model/forward_batch.h"
 #include "model/kv_cache.h"
 
 namespace mlaserve {
 namespace {
+
+// Rows out of pages and into others (prefill / decode disaggregation): [layers][tokens][row] in page order, the same
+// bytes back, whatever the staging buffer's size (several trips through it when small).
+TEST(KvCacheRows, ReadAndWrittenInPageOrder) {
+  auto cpu = make_cpu_backend();
+  ModelConfig c;
+  c.num_hidden_layers = 3;
+  c.kv_lora_rank = 8;
+  c.qk_rope_head_dim = 4;
+  for (size_t limit : {size_t{64} << 20, size_t{1}, size_t{3} * 4 * 48 * 2}) {  // (one trip; a page a trip; two pages)
+    SCOPED_TRACE(limit);
+    KvCache a(*cpu, c, 9, 4), b(*cpu, c, 9, 4);
+    a.set_staging_limit(limit);
+    b.set_staging_limit(limit);
+    const int64_t row = a.row_bytes();
+    ASSERT_EQ(row, 12 * 4);
+    std::mt19937 rng(5);
+    for (int64_t l = 0; l < a.num_layers(); ++l) {
+      auto* p = static_cast<uint8_t*>(a.layer(l).data());
+      for (size_t i = 0; i < a.layer(l).nbytes(); ++i) p[i] = static_cast<uint8_t>(rng());
+    }
+    const std::vector<int32_t> from{7, 2, 5}, to{0, 8, 3};
+    const std::vector<char> rows = a.read_rows(from);
+    ASSERT_EQ(rows.size(), static_cast<size_t>(3 * 3 * 4 * row));
+    for (int64_t l = 0; l < 3; ++l)
+      for (size_t k = 0; k < from.size(); ++k)  // layer l's tokens of page from[k]
+        EXPECT_EQ(0, std::memcmp(rows.data() + (static_cast<size_t>(l) * 12 + k * 4) * row,
+                                 static_cast<const char*>(a.layer(l).data()) + from[k] * 4 * row, 4 * row));
+    b.write_rows(to, rows);
+    EXPECT_EQ(b.read_rows(to), rows);
+    for (int64_t l = 0; l < 3; ++l)
+      EXPECT_EQ(0, std::memcmp(static_cast<const char*>(b.layer(l).data()) + 8 * 4 * row,
+                               static_cast<const char*>(a.layer(l).data()) + 2 * 4 * row, 4 * row));
+    EXPECT_THROW(a.read_rows(std::vector<int32_t>{9}), Error);
+    EXPECT_THROW(b.write_rows(to, std::span<const char>(rows).first(rows.size() - 1)), Error);
+  }
+}
 
 TEST(KvCacheFp8, FlagValues) {
   for (const char* s : {"auto", "bf16", "bfloat16"}) EXPECT_FALSE(parse_kv_cache_dtype(s).has_value()) << s;
