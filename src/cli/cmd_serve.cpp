@@ -876,7 +876,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
               "--chat-template: '{}' is not a file", s.chat_template);
     MLA_CHECK(s.request_timeout >= 0, "--request-timeout must be >= 0");
     MLA_CHECK(s.kv_transfer_timeout > 0, "--kv-transfer-timeout must be > 0, got {}", s.kv_transfer_timeout);
-    MLA_CHECK(s.disaggregation_mode == "null" || s.disaggregation_mode == "prefill" || s.disaggregation_mode == "decode",
+    const std::string& mode = s.disaggregation_mode;
+    MLA_CHECK(mode == "null" || mode == "prefill" || mode == "decode",
               "--disaggregation-mode: expected null, prefill or decode, got '{}'", s.disaggregation_mode);
     MLA_CHECK(s.disaggregation_bootstrap_port >= 0 && s.disaggregation_bootstrap_port <= 65535,
               "--disaggregation-bootstrap-port: {} is not a port", s.disaggregation_bootstrap_port);

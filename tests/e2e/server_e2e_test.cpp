@@ -2248,8 +2248,8 @@ TEST(ServeFlags, PrefillDecodeDisaggregation) {
   const json to_prefill{{"do_remote_decode", true}, {"do_remote_prefill", false}, {"remote_engine_id", nullptr},
                         {"remote_block_ids", nullptr}, {"remote_host", nullptr}, {"remote_port", nullptr}};
   const auto cached_of = [](const json& j) {
-    return j["usage"].contains("prompt_tokens_details") ? j["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>()
-                                                        : 0;
+    const json& u = j["usage"];
+    return u.contains("prompt_tokens_details") ? u["prompt_tokens_details"]["cached_tokens"].get<int>() : 0;
   };
   for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
     SCOPED_TRACE(path);
@@ -2258,7 +2258,8 @@ TEST(ServeFlags, PrefillDecodeDisaggregation) {
     if (chat) req["messages"] = json::array({json{{"role", "user"}, {"content", text(path)}}});
     else req["prompt"] = text(path);
     const auto content = [&](const json& j) {
-      return chat ? j["choices"][0]["message"]["content"].get<std::string>() : j["choices"][0]["text"].get<std::string>();
+      const json& c = j["choices"][0];
+      return chat ? c["message"]["content"].get<std::string>() : c["text"].get<std::string>();
     };
     // The proxy's first request: one token, on the prefill server.
     json first = req;
@@ -2307,7 +2308,8 @@ TEST(ServeFlags, PrefillDecodeDisaggregation) {
   const std::string base = R"({"prompt": "hi", "max_tokens": 2, "kv_transfer_params": )";
   for (const char* bad : {R"("yes")", R"({"do_remote_prefill": true, "remote_port": 5})",
                           R"({"do_remote_prefill": true, "remote_host": "h", "remote_port": 0})",
-                          R"({"do_remote_prefill": true, "do_remote_decode": true, "remote_host": "h", "remote_port": 5})",
+                          R"({"do_remote_prefill": true, "do_remote_decode": true, "remote_host": "h",)"
+                          R"( "remote_port": 5})",
                           R"({"do_remote_decode": "true"})"}) {
     const json e = post_json(decode.port(), "/v1/completions", base + bad + "}", 400);
     EXPECT_EQ(e["error"]["param"], "kv_transfer_params") << bad;

@@ -208,7 +208,8 @@ class ExportServer {
         const json q = json::parse(req.body());
         const int32_t cached = reads_ >= evict_after_ ? cached_after_ : cached_;
         const int32_t begin = std::min(q.at("begin").get<int32_t>(), cached);
-        const int32_t end = static_cast<int32_t>(std::min<int64_t>(cached, int64_t{begin} + q.at("max_tokens").get<int32_t>()));
+        const int64_t most = q.at("max_tokens").get<int32_t>();
+        const int32_t end = static_cast<int32_t>(std::min<int64_t>(cached, begin + most));
         res.body() = encode_kv_rows(rows_of(begin, end, cached, kLayers, kRowBytes));
       }
       ++reads_;
@@ -250,7 +251,8 @@ TEST(KvTransferRows, FetchedInChunksAsOneRead) {
 TEST(KvTransferRows, RowsEvictedBetweenReadsKeepTheFirstOnes) {
   ExportServer srv(40, 200, /*evict_after=*/2, /*cached_after=*/10);
   std::string why;
-  const auto got = fetch_kv_rows("127.0.0.1", srv.port(), "", std::vector<int32_t>(45, 1), "", kTimeout, why, std::nullopt, 8);
+  const auto got =
+      fetch_kv_rows("127.0.0.1", srv.port(), "", std::vector<int32_t>(45, 1), "", kTimeout, why, std::nullopt, 8);
   ASSERT_TRUE(got) << why;
   EXPECT_EQ(got->end, 16);  // two reads of 8; the third finds only 10 cached
   EXPECT_EQ(got->data, rows_of(0, 16, 16, ExportServer::kLayers, ExportServer::kRowBytes).data);

@@ -18,6 +18,8 @@ gtest_run e2e 240 $B/server_e2e_test '*:-*Npm*'
 grep -E '^\[  SKIPPED|^\[  FAILED' /tmp/e2e.log | head -12
 MLASERVE_FUZZ_REQUESTS=300 gtest_run fuzz 120 $B/fuzz_e2e_test '*'
 date -u
-for bs in 1 256; do timeout 90 $B/mlaserve $BOB --batch-size $bs --output-len 128 2>&1 | grep -iE "decode|tok/s" | tail -2; done
+for bs in 1 256; do
+  timeout 90 $B/mlaserve $BOB --batch-size $bs --output-len 128 2>&1 | grep -iE "decode|tok/s" | tail -2
+done
 date -u
 cp /tmp/*.log $OUT/ 2>/dev/null
