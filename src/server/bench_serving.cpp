@@ -28,10 +28,14 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "server/http_client.h"
 #include "server/text_codec.h"
 
 namespace mlaserve::bench {
 namespace {
+
+using server::TlsStream;
+using server::tls_client_setup;
 
 namespace net = boost::asio;
 namespace beast = boost::beast;
@@ -49,8 +53,6 @@ struct Endpoint {
   // https:// (TLS: the server's certificate checked against the system's CAs, or $SSL_CERT_FILE / $SSL_CERT_DIR)
   std::shared_ptr<net::ssl::context> tls;
 };
-
-using TlsStream = beast::ssl_stream<beast::tcp_stream>;
 
 Endpoint endpoint_of(const BenchArgs& a) {
   Endpoint e{a.host, std::to_string(a.port), "", nullptr};
@@ -84,52 +86,17 @@ std::string auth_header() {
   return key && *key ? std::string("Bearer ") + key : "";
 }
 
-// TLS: the server's name for SNI and for checking its certificate (an IP address checks the certificate's IP
-// entries).
-void tls_client_setup(TlsStream& stream, const std::string& host) {
-  MLA_CHECK(SSL_set_tlsext_host_name(stream.native_handle(), host.c_str()) == 1, "TLS: bad server name '{}'", host);
-  stream.set_verify_callback(net::ssl::host_name_verification(host));
-}
-
-// A blocking request for the few control calls (model info, warm-up is async like the rest).
-template <class Stream>
-std::pair<int, std::string> simple_request_on(Stream& stream, const Endpoint& ep, http::verb verb,
-                                              const std::string& path, const std::string& body) {
-  tcp::resolver resolver(stream.get_executor());
-  beast::tcp_stream& lowest = beast::get_lowest_layer(stream);
-  lowest.expires_after(std::chrono::seconds(30));
-  lowest.connect(resolver.resolve(ep.host, ep.port));
-  if constexpr (std::is_same_v<Stream, TlsStream>) {
-    tls_client_setup(stream, ep.host);
-    stream.handshake(net::ssl::stream_base::client);
-  }
-  http::request<http::string_body> req{verb, ep.prefix + path, 11};
-  req.set(http::field::host, ep.host);
-  if (auto a = auth_header(); !a.empty()) req.set(http::field::authorization, a);
-  if (!body.empty()) {
-    req.set(http::field::content_type, "application/json");
-    req.body() = body;
-  }
-  req.prepare_payload();
-  http::write(stream, req);
-  beast::flat_buffer buf;
-  http::response_parser<http::string_body> parser;
-  parser.body_limit(1u << 30);
-  http::read(stream, buf, parser);
-  beast::error_code ec;
-  lowest.socket().shutdown(tcp::socket::shutdown_both, ec);
-  return {static_cast<int>(parser.get().result_int()), parser.get().body()};
-}
-
-std::pair<int, std::string> simple_request(const Endpoint& ep, http::verb verb, const std::string& path,
-                                           const std::string& body = "") {
-  net::io_context ioc;
-  if (ep.tls) {
-    TlsStream stream(ioc, *ep.tls);
-    return simple_request_on(stream, ep, verb, path, body);
-  }
-  beast::tcp_stream stream(ioc);
-  return simple_request_on(stream, ep, verb, path, body);
+// A request of one answer for the few control calls (model info, flush; warm-up is asynchronous like the rest).
+std::pair<int, std::string> simple_request(const Endpoint& ep, const char* method, const std::string& path) {
+  server::HttpCall call;
+  call.host = ep.host;
+  call.port = ep.port;
+  call.method = method;
+  call.target = ep.prefix + path;
+  call.authorization = auth_header();
+  call.tls = ep.tls.get();
+  server::HttpAnswer a = server::http_call(call);
+  return {a.status, std::move(a.body)};
 }
 
 // ---- datasets ----
@@ -651,14 +618,14 @@ int run_bench_serving(const BenchArgs& args) {
   // Model name and tokenizer: flags, else what the server says.
   json model_info;
   try {
-    auto [status, body] = simple_request(s.ep, http::verb::get, "/get_model_info");
+    auto [status, body] = simple_request(s.ep, "GET", "/get_model_info");
     if (status == 200) model_info = json::parse(body, nullptr, false);
   } catch (const std::exception& e) {
     fail("cannot reach the server at {}:{}{}: {}", s.ep.host, s.ep.port, s.ep.prefix, e.what());
   }
   s.model = args.model;
   if (s.model.empty()) {
-    auto [status, body] = simple_request(s.ep, http::verb::get, "/v1/models");
+    auto [status, body] = simple_request(s.ep, "GET", "/v1/models");
     json m = json::parse(body, nullptr, false);
     if (status == 200 && m.contains("data") && !m["data"].empty()) s.model = m["data"][0].value("id", "");
   }
@@ -700,7 +667,7 @@ int run_bench_serving(const BenchArgs& args) {
   }
   if (native) {
     try {
-      simple_request(s.ep, http::verb::post, "/flush_cache");
+      simple_request(s.ep, "POST", "/flush_cache");
     } catch (const std::exception&) {
     }
   }

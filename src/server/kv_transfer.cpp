@@ -4,22 +4,14 @@
 #include <cstring>
 #include <limits>
 
-#include <boost/asio/connect.hpp>
-#include <boost/asio/io_context.hpp>
-#include <boost/asio/ip/tcp.hpp>
-#include <boost/beast/core.hpp>
-#include <boost/beast/http.hpp>
 
 #include "core/error.h"
 #include "core/log.h"
 #include "server/api_error.h"
+#include "server/http_client.h"
 
 namespace mlaserve::server {
 
-namespace net = boost::asio;
-namespace beast = boost::beast;
-namespace http = beast::http;
-using tcp = net::ip::tcp;
 using json = nlohmann::json;
 
 std::optional<KvTransferParams> parse_kv_transfer_params(const json& v) {
@@ -225,54 +217,6 @@ KvRows decode_kv_rows(std::string_view body) {
   return r;
 }
 
-namespace {
-
-// One POST with a JSON body, bounded by `timeout` as a whole; the status and body of the answer.
-std::pair<int, std::string> post(const std::string& host, int32_t port, const std::string& target, std::string body,
-                                 const std::string& authorization, std::chrono::milliseconds timeout) {
-  net::io_context ioc;
-  tcp::resolver resolver(ioc);
-  beast::tcp_stream stream(ioc);
-  http::request<http::string_body> req{http::verb::post, target, 11};
-  req.set(http::field::host, host.find(':') != std::string::npos ? "[" + host + "]:" + std::to_string(port)
-                                                                  : host + ":" + std::to_string(port));
-  req.set(http::field::content_type, "application/json");
-  if (!authorization.empty()) req.set(http::field::authorization, authorization);
-  req.body() = std::move(body);
-  req.prepare_payload();
-  beast::flat_buffer buf;
-  buf.reserve(1 << 20);  // (reads as large as the room here: an empty buffer reads the body 512 bytes at a time)
-  http::response_parser<http::string_body> parser;
-  parser.body_limit(kMaxKvExportBytes + (1 << 20));
-  beast::error_code failed;
-  std::string step = "resolving";
-  auto check = [&](beast::error_code ec, const char* next) {  // (step: the one that failed, or "done")
-    if (ec) failed = ec;
-    else step = next;
-    return !ec;
-  };
-  stream.expires_after(timeout);
-  resolver.async_resolve(host, std::to_string(port), [&](beast::error_code ec, tcp::resolver::results_type eps) {
-    if (!check(ec, "connecting")) return;
-    stream.async_connect(eps, [&](beast::error_code ec2, const tcp::endpoint&) {
-      if (!check(ec2, "sending")) return;
-      beast::error_code ignored;  // (header and body go out as they are written: no Nagle wait for the server's ACK)
-      stream.socket().set_option(tcp::no_delay(true), ignored);
-      http::async_write(stream, req, [&](beast::error_code ec3, size_t) {
-        if (!check(ec3, "reading the answer")) return;
-        http::async_read(stream, buf, parser, [&](beast::error_code ec4, size_t) { check(ec4, "done"); });
-      });
-    });
-  });
-  ioc.run();
-  if (failed) fail("{} {}:{}: {}", step, host, port, failed.message());
-  beast::error_code ignored;
-  stream.socket().shutdown(tcp::socket::shutdown_both, ignored);
-  return {parser.get().result_int(), std::move(parser.get().body())};
-}
-
-}  // namespace
-
 std::shared_ptr<const KvRows> fetch_kv_rows(const std::string& host, int32_t port, const std::string& authorization,
                                             const std::vector<int32_t>& tokens, const std::string& salt,
                                             std::chrono::milliseconds timeout, std::string& why,
@@ -286,7 +230,9 @@ std::shared_ptr<const KvRows> fetch_kv_rows(const std::string& host, int32_t por
         q["bootstrap_room"] = *room;
         q["wait_ms"] = timeout.count() * 3 / 4;
       }
-      auto [status, body] = post(host, port, "/kv_transfer/export", q.dump(), authorization, timeout);
+      HttpCall call{host, std::to_string(port), "POST", "/kv_transfer/export", q.dump(), authorization, timeout,
+                    kMaxKvExportBytes + (1 << 20), nullptr};
+      auto [status, body] = http_call(call);
       if (status != 200) {
         why = fmt::format("{}:{} answered {}: {}", host, port, status, body.substr(0, 300));
         break;
