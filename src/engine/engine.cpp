@@ -8,6 +8,7 @@
 #include <limits>
 #include <utility>
 
+#include "core/buffer_pool.h"
 #include "core/log.h"
 
 namespace mlaserve {
@@ -337,44 +338,52 @@ KvRows Engine::run_export(const std::vector<int32_t>& tokens, const std::string&
   const int64_t most = std::max<int64_t>(1, static_cast<int64_t>(kMaxKvExportBytes) / token_bytes);
   r.end = static_cast<int32_t>(std::min({int64_t{r.cached}, int64_t{r.begin} + max_tokens, int64_t{r.begin} + most}));
   if (r.end == r.begin) return r;
-  const int32_t first = r.begin / P, last = (r.end + P - 1) / P;
-  const std::vector<char> rows =
-      ranks_->read_kv_rows(group, std::span<const int32_t>(pages).subspan(static_cast<size_t>(first),
-                                                                         static_cast<size_t>(last - first)));
-  const auto row = static_cast<size_t>(r.row_bytes), n = static_cast<size_t>(r.end - r.begin);
-  const auto span_tokens = static_cast<size_t>(last - first) * static_cast<size_t>(P);
-  const auto off = static_cast<size_t>(r.begin - first * P);
-  r.data.resize(static_cast<size_t>(r.layers) * n * row);
-  for (size_t l = 0; l < static_cast<size_t>(r.layers); ++l)
-    std::memcpy(r.data.data() + l * n * row, rows.data() + (l * span_tokens + off) * row, n * row);
+  r.offset = kKvExportHeaderRoom;
+  const size_t size = r.offset + static_cast<size_t>(r.end - r.begin) * static_cast<size_t>(r.token_bytes());
+  r.bytes = BufferPool::global().take(size);  // (an earlier answer's, once sent: see server/http_server.cpp)
+  r.bytes.resize(size);
+  ranks_->read_kv_rows(group, pages, r.begin, r.end - r.begin, r.bytes.data() + r.offset);
   return r;
 }
 
 void Engine::import_prefix(int32_t g, GenerateRequest& r) {
-  const std::shared_ptr<const KvRows> kv = std::move(r.kv_prefix);
+  const std::shared_ptr<const KvPrefix> kv = std::move(r.kv_prefix);
   KvRows here;
   here.layers = ranks_->kv_layers();
   here.row_bytes = ranks_->kv_row_bytes();
   here.dtype = dtype_name(ranks_->kv_dtype());
-  const auto rows = static_cast<size_t>(std::max(0, kv->end - kv->begin)), row = static_cast<size_t>(here.row_bytes);
-  if (!kv->same_layout(here) || kv->begin != 0 || kv->data.size() != static_cast<size_t>(here.layers) * rows * row) {
-    MLA_LOG_WARN("request {}: the KV rows handed over ({} layers x {} bytes of {}, tokens [{}, {}), {} bytes) do not "
-                 "fit this cache ({} layers x {} bytes of {}): the whole prompt is computed here",
-                 r.rid, kv->layers, kv->row_bytes, kv->dtype, kv->begin, kv->end, kv->data.size(), here.layers,
-                 here.row_bytes, here.dtype);
+  const auto token_bytes = static_cast<size_t>(here.token_bytes());
+  int32_t rows = 0;  // the parts' tokens [0, rows), each part where the one before ended
+  std::string bad;
+  for (const KvRows& p : *kv) {
+    if (!p.same_layout(here))
+      bad = fmt::format("{} layers x {} bytes of {}", p.layers, p.row_bytes, p.dtype);
+    else if (p.begin != rows || p.end < p.begin)
+      bad = fmt::format("tokens [{}, {}) after [0, {})", p.begin, p.end, rows);
+    else if (p.offset > p.bytes.size() || p.rows_size() != static_cast<size_t>(p.end - p.begin) * token_bytes)
+      bad = fmt::format("{} bytes for tokens [{}, {})", p.bytes.size() - std::min(p.offset, p.bytes.size()), p.begin,
+                        p.end);
+    if (!bad.empty()) break;
+    rows = p.end;
+  }
+  if (!bad.empty()) {
+    MLA_LOG_WARN("request {}: the KV rows handed over ({}) do not fit this cache ({} layers x {} bytes of {}): the "
+                 "whole prompt is computed here",
+                 r.rid, bad, here.layers, here.row_bytes, here.dtype);
     return;
   }
-  const size_t n = std::min(rows, r.input_ids.size());
+  const size_t n = std::min(static_cast<size_t>(rows), r.input_ids.size());
   try {
     scheds_[static_cast<size_t>(g)]->import_prefix(
         std::span<const int32_t>(r.input_ids).first(n), r.cache_salt,
         [&](std::span<const int32_t> pages, int32_t first) {
-          const size_t tokens = pages.size() * static_cast<size_t>(opts_.page_size);
-          std::vector<char> buf(static_cast<size_t>(here.layers) * tokens * row);
-          for (size_t l = 0; l < static_cast<size_t>(here.layers); ++l)
-            std::memcpy(buf.data() + l * tokens * row, kv->data.data() + (l * rows + static_cast<size_t>(first)) * row,
-                        tokens * row);
-          ranks_->write_kv_rows(g, pages, buf);
+          // Token first + i: its rows in the part holding it.
+          ranks_->write_kv_rows(g, pages, [&](int64_t i) {
+            const int64_t t = first + i;
+            const auto part = std::upper_bound(kv->begin(), kv->end(), t,
+                                               [](int64_t x, const KvRows& p) { return x < p.end; });
+            return part->rows() + static_cast<size_t>(t - part->begin) * token_bytes;
+          });
         });
   } catch (const std::exception& e) {
     MLA_LOG_WARN("request {}: the KV rows handed over could not be cached ({}): the prompt is computed here", r.rid,

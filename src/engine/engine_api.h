@@ -147,16 +147,28 @@ struct GenerateOutput {
 // kv_prefix), which caches them and computes only the rest of the prompt.
 // The most bytes of rows one EngineClient::export_kv call reads (a longer prefix is read on from its `end`).
 inline constexpr size_t kMaxKvExportBytes = size_t{64} << 20;
+// The bytes an export leaves before its rows (KvRows::offset): room for the answer's header line, which
+// server/kv_transfer.h writes there so that the rows go out without a copy.
+inline constexpr size_t kKvExportHeaderRoom = 512;
 struct KvRows {
   int32_t begin = 0, end = 0;  // the tokens [begin, end) these rows hold
   int32_t cached = 0;          // export_kv: the length of the prefix cached there (end <= cached)
   int64_t layers = 0;          // the cache's layers (the model's, then the MTP layer's)
   int64_t row_bytes = 0;       // one token's row in one layer
   std::string dtype;           // the cache's element type (dtype_name)
-  std::vector<char> data;      // [layers][end - begin][row_bytes]
-  std::string error;           // export_kv: why nothing could be read (empty: fine)
+  // The rows in token order, [end - begin][layers][row_bytes] (each token's rows of every layer together, whatever
+  // the page size), at bytes[offset, size): the bytes before them are an export's header room, or the header line
+  // an answer came with.
+  std::string bytes;
+  size_t offset = 0;
+  std::string error;  // export_kv: why nothing could be read (empty: fine)
+  int64_t token_bytes() const { return layers * row_bytes; }
+  const char* rows() const { return bytes.data() + offset; }
+  size_t rows_size() const { return bytes.size() - offset; }
   bool same_layout(const KvRows& o) const { return layers == o.layers && row_bytes == o.row_bytes && dtype == o.dtype; }
 };
+// A prompt's first tokens' rows handed to a server with its request: consecutive parts from token 0 (one per read).
+using KvPrefix = std::vector<KvRows>;
 
 struct GenerateRequest {
   std::string rid;  // unique among live requests
@@ -174,7 +186,7 @@ struct GenerateRequest {
   std::string cache_salt;
   // Rows [0, end) of input_ids' latent KV computed elsewhere (begin 0): cached before the request is scheduled, so only
   // the rest is computed. Rows of another layout (layers, row bytes, element type) are not used (logged); null: none.
-  std::shared_ptr<const KvRows> kv_prefix;
+  std::shared_ptr<const KvPrefix> kv_prefix;
   std::function<void(const GenerateOutput&)> on_output;
 };
 

@@ -893,26 +893,25 @@ void RankSet::reset_expert_counts() {
   on_counting_rank([&](Rank& rk) { rk.backend->zero(rk.model->expert_counts()); });
 }
 
-std::vector<char> RankSet::read_kv_rows(int32_t group, std::span<const int32_t> pages) {
+void RankSet::read_kv_rows(int32_t group, std::span<const int32_t> pages, int64_t skip, int64_t n, char* out) {
   MLA_CHECK(pc_.nnodes == 1, "KV transfer between servers needs the layout on one node (--nnodes {})", pc_.nnodes);
   MLA_CHECK(group >= 0 && group < pc_.dp_size, "KV transfer: DP group {} of {}", group, pc_.dp_size);
   check_not_stopped();
   MLA_CHECK(!released_, "KV transfer while the memory is released");
-  std::vector<char> rows;
   const std::string err = on_local_ranks([&](Rank& rk) {
-    if (rk.global == group * attn_tp()) rows = rk.kv->read_rows(pages);
+    if (rk.global == group * attn_tp()) rk.kv->read_rows(pages, skip, n, out);
   });
   MLA_CHECK(err.empty(), "{}", err);
-  return rows;
 }
 
-void RankSet::write_kv_rows(int32_t group, std::span<const int32_t> pages, std::span<const char> rows) {
+void RankSet::write_kv_rows(int32_t group, std::span<const int32_t> pages,
+                            const std::function<const char*(int64_t)>& token) {
   MLA_CHECK(pc_.nnodes == 1, "KV transfer between servers needs the layout on one node (--nnodes {})", pc_.nnodes);
   MLA_CHECK(group >= 0 && group < pc_.dp_size, "KV transfer: DP group {} of {}", group, pc_.dp_size);
   check_not_stopped();
   MLA_CHECK(!released_, "KV transfer while the memory is released");
   const std::string err = on_local_ranks([&](Rank& rk) {
-    if (rk.global / attn_tp() == group) rk.kv->write_rows(pages, rows);
+    if (rk.global / attn_tp() == group) rk.kv->write_rows(pages, token);
   });
   MLA_CHECK(err.empty(), "{}", err);
 }

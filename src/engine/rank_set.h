@@ -130,11 +130,13 @@ class RankSet {
   // Gives every rank a latent cache of `num_pages` pages (ranks of one DP group hold the same sequences).
   // host_slots > 0: every rank's cache gets a host tier of that many page blocks (KvCache::enable_host).
   void allocate_kv(int32_t num_pages, int32_t page_size, int32_t host_slots = 0);
-  // Prefill / decode disaggregation: the latent rows of `pages` (whole pages in order) of DP group g's cache,
-  // [layers][pages * page_size][row] bytes (KvCache::read_rows, from the group's first rank), and the same written
-  // into every rank of the group. No step may be in flight. One node only (other nodes' memory is out of reach).
-  std::vector<char> read_kv_rows(int32_t group, std::span<const int32_t> pages);
-  void write_kv_rows(int32_t group, std::span<const int32_t> pages, std::span<const char> rows);
+  // Prefill / decode disaggregation: DP group g's latent rows in token order (KvCache::read_rows: tokens
+  // [skip, skip + n) of the pages' slots, from the group's first rank), and every slot of `pages` written from
+  // token(i) on every rank of the group (KvCache::write_rows; `token` is called from the ranks' threads at once).
+  // No step may be in flight. One node only (other nodes' memory is out of reach).
+  void read_kv_rows(int32_t group, std::span<const int32_t> pages, int64_t skip, int64_t n, char* out);
+  void write_kv_rows(int32_t group, std::span<const int32_t> pages,
+                     const std::function<const char*(int64_t)>& token);
   // The cache's layers and bytes per token and layer (after allocate_kv).
   int64_t kv_layers() const { return ranks_[0]->kv ? ranks_[0]->kv->num_layers() : 0; }
   int64_t kv_row_bytes() const { return ranks_[0]->kv ? ranks_[0]->kv->row_bytes() : 0; }

@@ -51,15 +51,20 @@ char* KvCache::staging(size_t bytes) {
   return staging_.get();
 }
 
-std::vector<char> KvCache::read_rows(std::span<const int32_t> pages) {
-  const auto n = pages.size(), L = static_cast<size_t>(num_layers()), pb = static_cast<size_t>(page_bytes());
+void KvCache::read_rows(std::span<const int32_t> pages, int64_t skip, int64_t n, char* out) {
+  const auto L = static_cast<size_t>(num_layers()), pb = static_cast<size_t>(page_bytes()),
+             row = static_cast<size_t>(row_bytes()), P = static_cast<size_t>(page_size_);
+  MLA_CHECK(skip >= 0 && n >= 0 && static_cast<size_t>(skip + n) <= pages.size() * P,
+            "kv cache: reading tokens [{}, {}) of {} pages of {}", skip, skip + n, pages.size(), P);
   for (int32_t p : pages) MLA_CHECK(p >= 0 && p < num_pages_, "kv cache: reading page {} of {}", p, num_pages_);
-  std::vector<char> rows(n * L * pb);
+  if (n == 0) return;
+  // Only the pages holding [skip, skip + n), a group of them per trip through the staging buffer.
+  const auto first = static_cast<size_t>(skip) / P, last = (static_cast<size_t>(skip + n) + P - 1) / P;
   std::vector<Tensor*> layers;
   for (Tensor& t : layers_) layers.push_back(&t);
-  const size_t group = std::max<size_t>(1, staging_limit_ / (L * pb));  // pages per trip through the staging buffer
-  for (size_t a = 0; a < n; a += group) {
-    const size_t b = std::min(n, a + group);
+  const size_t group = std::max<size_t>(1, staging_limit_ / (L * pb));
+  for (size_t a = first; a < last; a += group) {
+    const size_t b = std::min(last, a + group);
     char* host = staging((b - a) * L * pb);
     std::vector<int32_t> pairs;
     for (size_t i = a; i < b; ++i) {
@@ -68,16 +73,19 @@ std::vector<char> KvCache::read_rows(std::span<const int32_t> pages) {
     }
     backend_->copy_kv_pages(layers, page_bytes(), host, pairs, {});
     backend_->synchronize();
-    for (size_t i = a; i < b; ++i)  // block i - a = page i of every layer -> each layer's rows of page i
-      for (size_t l = 0; l < L; ++l) std::memcpy(rows.data() + (l * n + i) * pb, host + ((i - a) * L + l) * pb, pb);
+    // Block i - a holds page i of every layer ([layers][page_size][row]); slot i * P + k is token i * P + k - skip.
+    const size_t t0 = std::max(a * P, static_cast<size_t>(skip)), t1 = std::min(b * P, static_cast<size_t>(skip + n));
+    for (size_t t = t0; t < t1; ++t) {
+      const char* src = host + ((t / P - a) * L) * pb + (t % P) * row;
+      char* dst = out + (t - static_cast<size_t>(skip)) * L * row;
+      for (size_t l = 0; l < L; ++l) std::memcpy(dst + l * row, src + l * pb, row);
+    }
   }
-  return rows;
 }
 
-void KvCache::write_rows(std::span<const int32_t> pages, std::span<const char> rows) {
-  const auto n = pages.size(), L = static_cast<size_t>(num_layers()), pb = static_cast<size_t>(page_bytes());
-  MLA_CHECK(rows.size() == n * L * pb, "kv cache: {} bytes of rows for {} pages of {} layers of {} bytes", rows.size(),
-            n, L, pb);
+void KvCache::write_rows(std::span<const int32_t> pages, const std::function<const char*(int64_t)>& token) {
+  const auto n = pages.size(), L = static_cast<size_t>(num_layers()), pb = static_cast<size_t>(page_bytes()),
+             row = static_cast<size_t>(row_bytes()), P = static_cast<size_t>(page_size_);
   for (int32_t p : pages) MLA_CHECK(p >= 0 && p < num_pages_, "kv cache: writing page {} of {}", p, num_pages_);
   std::vector<Tensor*> layers;
   for (Tensor& t : layers_) layers.push_back(&t);
@@ -89,7 +97,11 @@ void KvCache::write_rows(std::span<const int32_t> pages, std::span<const char> r
     for (size_t i = a; i < b; ++i) {
       pairs.push_back(static_cast<int32_t>(i - a));
       pairs.push_back(pages[i]);
-      for (size_t l = 0; l < L; ++l) std::memcpy(host + ((i - a) * L + l) * pb, rows.data() + (l * n + i) * pb, pb);
+    }
+    for (size_t t = a * P; t < b * P; ++t) {
+      const char* src = token(static_cast<int64_t>(t));
+      char* dst = host + ((t / P - a) * L) * pb + (t % P) * row;
+      for (size_t l = 0; l < L; ++l) std::memcpy(dst + l * pb, src + l * row, row);
     }
     backend_->copy_kv_pages(layers, page_bytes(), host, {}, pairs);
     backend_->synchronize();  // (the staging buffer is filled again by the next trip)

@@ -44,11 +44,13 @@ class KvCache {
   // A step's copies (ForwardBatch::kv_saves, kv_loads: RadixCache::Copies) between pages and host slots, before its
   // forward; each page and slot checked against the cache's.
   void copy_pages(std::span<const int32_t> saves, std::span<const int32_t> loads);
-  // Prefill / decode disaggregation: the rows of `pages` (whole pages, in order) as [layers][pages * page_size][row]
-  // bytes, and the same written into them; through a staging buffer of Backend::alloc_host (made on first use, kept,
-  // at most 64 MiB: longer reads and writes take several trips), waiting for the device.
-  std::vector<char> read_rows(std::span<const int32_t> pages);
-  void write_rows(std::span<const int32_t> pages, std::span<const char> rows);
+  // Prefill / decode disaggregation: rows in token order, each token's rows of every layer together
+  // ([tokens][layers][row] bytes, whatever the page size), through a staging buffer of Backend::alloc_host (made on
+  // first use, kept, at most 64 MiB: longer reads and writes take several trips), waiting for the device.
+  // read_rows: tokens [skip, skip + n) of the pages' slots (in order, page_size each) into `out`.
+  void read_rows(std::span<const int32_t> pages, int64_t skip, int64_t n, char* out);
+  // write_rows: every slot of the pages; token(i) is the [layers][row] bytes of the pages' i-th slot (from 0).
+  void write_rows(std::span<const int32_t> pages, const std::function<const char*(int64_t)>& token);
   // Bytes of one token's row in one layer.
   int64_t row_bytes() const { return page_bytes() / page_size_; }
   // The staging buffer's largest size (tests: small, so that reads and writes take several trips).

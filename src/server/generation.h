@@ -28,7 +28,7 @@ struct JobPrompt {
   bool return_hidden_states = false;       // this prompt's sampling.return_hidden_states
   bool return_routed_experts = false;      // and return_routed_experts
   // Its prefix's latent rows from a prefill server (GenerateRequest::kv_prefix, with its first sample); null: none.
-  std::shared_ptr<const KvRows> kv_prefix;
+  std::shared_ptr<const KvPrefix> kv_prefix;
 };
 
 struct JobSpec {

@@ -30,7 +30,7 @@ namespace {
 
 // The exchange on `stream` (asynchronous, so the timeout holds for every step), run to its end on `ioc`.
 template <class Stream>
-HttpAnswer exchange(net::io_context& ioc, Stream& stream, const HttpCall& c) {
+HttpAnswer exchange(net::io_context& ioc, Stream& stream, const HttpCall& c, std::string storage) {
   beast::tcp_stream& lowest = beast::get_lowest_layer(stream);
   http::request<http::string_body> req{http::string_to_verb(c.method), c.target, 11};
   MLA_CHECK(req.method() != http::verb::unknown, "HTTP client: unknown method '{}'", c.method);
@@ -46,6 +46,8 @@ HttpAnswer exchange(net::io_context& ioc, Stream& stream, const HttpCall& c) {
   buf.reserve(1 << 20);  // (reads as large as the room here: an empty buffer reads a body 512 bytes at a time)
   http::response_parser<http::string_body> parser;
   parser.body_limit(c.body_limit);
+  storage.clear();
+  parser.get().body() = std::move(storage);  // (the body is appended to it: its capacity is used first)
   beast::error_code failed;
   std::string step = "resolving";
   auto ok = [&](beast::error_code ec, const char* next) {  // (step: the one that failed, or "done")
@@ -86,14 +88,14 @@ HttpAnswer exchange(net::io_context& ioc, Stream& stream, const HttpCall& c) {
 
 }  // namespace
 
-HttpAnswer http_call(const HttpCall& call) {
+HttpAnswer http_call(const HttpCall& call, std::string answer_storage) {
   net::io_context ioc;
   if (call.tls) {
     TlsStream stream(ioc, *call.tls);
-    return exchange(ioc, stream, call);
+    return exchange(ioc, stream, call, std::move(answer_storage));
   }
   beast::tcp_stream stream(ioc);
-  return exchange(ioc, stream, call);
+  return exchange(ioc, stream, call, std::move(answer_storage));
 }
 
 }  // namespace mlaserve::server

@@ -34,6 +34,8 @@ struct HttpAnswer {
   std::string body;
 };
 // The request and its answer; throws mlaserve::Error naming the step that failed ("connecting host:port: ...").
-HttpAnswer http_call(const HttpCall& call);
+// The answer's body is read into `answer_storage`'s memory (an empty string whose capacity is reused: no fresh pages
+// for a large answer) while it fits.
+HttpAnswer http_call(const HttpCall& call, std::string answer_storage = {});
 
 }  // namespace mlaserve::server

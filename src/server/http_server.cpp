@@ -11,12 +11,14 @@
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
+#include <vector>
 #include <filesystem>
 #include <optional>
 #include <random>
 #include <thread>
 #include <type_traits>
 
+#include "core/buffer_pool.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "server/api_error.h"
@@ -73,8 +75,8 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     out += fmt::format("Content-Type: {}\r\nContent-Length: {}\r\n", content_type, body.size());
     out += cors_headers_;
     out += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
-    if (!head_) out += body;  // HEAD: the headers GET would send, no body
-    enqueue(std::move(out), /*last=*/true);
+    if (head_) body.clear();  // HEAD: the headers GET would send, no body
+    enqueue(std::move(out), /*last=*/true, std::move(body));
   }
 
   void start_stream() override {
@@ -324,26 +326,34 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
     }
   }
 
-  void enqueue(std::string bytes, bool last) {
-    pending_bytes_ += bytes.size();
+  // Queues `bytes`, then `more` (a response's body, not copied onto its head), and writes unless a write is running.
+  void enqueue(std::string bytes, bool last, std::string more = {}) {
+    pending_bytes_ += bytes.size() + more.size();
     queue_.push_back(std::move(bytes));
+    if (!more.empty()) queue_.push_back(std::move(more));
     if (last) response_ended_ = true;
     if (pending_bytes_ > kMaxPendingWriteBytes) return client_gone("client not reading its response");
     if (!writing_) do_write();
   }
 
   void do_write() {
-    write_buf_.clear();
-    while (!queue_.empty()) {  // coalesce: one write for everything queued
-      write_buf_ += queue_.front();
+    in_flight_.clear();  // one write for everything queued (a gathering write: the strings are not copied)
+    while (!queue_.empty()) {
+      in_flight_.push_back(std::move(queue_.front()));
       queue_.pop_front();
     }
+    std::vector<net::const_buffer> buffers;
+    buffers.reserve(in_flight_.size());
+    for (const std::string& b : in_flight_) buffers.push_back(net::buffer(b));
     pending_bytes_ = 0;
     writing_ = true;
     const bool ends_response = response_ended_;
-    net::async_write(stream_, net::buffer(write_buf_),
+    net::async_write(stream_, buffers,
                      [self = this->shared_from_this(), ends_response](beast::error_code ec, size_t) {
                        self->writing_ = false;
+                       for (std::string& b : self->in_flight_)  // (large bodies' memory, e.g. KV exports', reused)
+                         BufferPool::global().give(std::move(b));
+                       self->in_flight_.clear();
                        if (ec) {
                          if (self->handling_) self->client_gone("client disconnected");
                          else self->close();
@@ -391,7 +401,7 @@ class Session : public HttpExchange, public std::enable_shared_from_this<Session
   const ServerOptions& opts_;
   std::function<void(const std::string&)> cancel_fn_;
   std::deque<std::string> queue_;
-  std::string write_buf_;
+  std::vector<std::string> in_flight_;  // what the running write sends
   size_t pending_bytes_ = 0;
   uint64_t serial_ = 0;
   bool keep_alive_ = true;

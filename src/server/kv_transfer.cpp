@@ -5,6 +5,7 @@
 #include <limits>
 
 
+#include "core/buffer_pool.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "server/api_error.h"
@@ -181,21 +182,34 @@ std::pair<std::string, int32_t> split_host_port(std::string_view s) {
   return {std::string(s.substr(0, colon)), port_of(s.substr(colon + 1))};
 }
 
-std::string encode_kv_rows(const KvRows& r) {
-  std::string out = json{{"begin", r.begin},         {"end", r.end},           {"cached", r.cached},
-                         {"layers", r.layers},       {"row_bytes", r.row_bytes}, {"dtype", r.dtype}}
-                        .dump();
+namespace {
+constexpr const char* kRowsLayout = "token,layer,row";  // KvRows::bytes' order
+}  // namespace
+
+std::string encode_kv_rows(KvRows r) {
+  const std::string head = json{{"begin", r.begin},         {"end", r.end},   {"cached", r.cached},
+                                {"layers", r.layers},       {"row_bytes", r.row_bytes},
+                                {"dtype", r.dtype},         {"layout", kRowsLayout}}
+                               .dump();
+  if (head.size() < r.offset) {  // the line (padded with spaces, JSON's whitespace) in the room before the rows
+    std::memcpy(r.bytes.data(), head.data(), head.size());
+    std::memset(r.bytes.data() + head.size(), ' ', r.offset - head.size() - 1);
+    r.bytes[r.offset - 1] = '\n';
+    return std::move(r.bytes);
+  }
+  std::string out = head;
   out += '\n';
-  out.append(r.data.data(), r.data.size());
+  out.append(r.rows(), r.rows_size());
   return out;
 }
 
-KvRows decode_kv_rows(std::string_view body) {
+KvRows decode_kv_rows(std::string body) {
   const size_t nl = body.find('\n');
-  MLA_CHECK(nl != std::string_view::npos, "KV rows: no header line in an answer of {} bytes", body.size());
-  const json h = json::parse(body.substr(0, nl), nullptr, /*allow_exceptions=*/false);
+  MLA_CHECK(nl != std::string::npos, "KV rows: no header line in an answer of {} bytes", body.size());
+  const json h = json::parse(std::string_view(body).substr(0, nl), nullptr, /*allow_exceptions=*/false);
   MLA_CHECK(h.is_object(), "KV rows: the header line is not a JSON object");
   KvRows r;
+  std::string layout;
   try {
     r.begin = h.at("begin").get<int32_t>();
     r.end = h.at("end").get<int32_t>();
@@ -203,74 +217,68 @@ KvRows decode_kv_rows(std::string_view body) {
     r.layers = h.at("layers").get<int64_t>();
     r.row_bytes = h.at("row_bytes").get<int64_t>();
     r.dtype = h.at("dtype").get<std::string>();
+    layout = h.at("layout").get<std::string>();
   } catch (const json::exception& e) {
-    fail("KV rows: bad header {}: {}", std::string(body.substr(0, std::min<size_t>(nl, 200))), e.what());
+    fail("KV rows: bad header {}: {}", body.substr(0, std::min<size_t>(nl, 200)), e.what());
   }
+  MLA_CHECK(layout == kRowsLayout, "KV rows: the rows come in order '{}', this server reads '{}'", layout,
+            kRowsLayout);
   MLA_CHECK(r.begin >= 0 && r.end >= r.begin && r.cached >= r.end && r.layers >= 0 && r.row_bytes >= 0,
             "KV rows: bad header (tokens [{}, {}) of {} cached, {} layers x {} bytes)", r.begin, r.end, r.cached,
             r.layers, r.row_bytes);
-  const std::string_view data = body.substr(nl + 1);
   const auto want = static_cast<uint64_t>(r.layers) * static_cast<uint64_t>(r.end - r.begin) *
                     static_cast<uint64_t>(r.row_bytes);
-  MLA_CHECK(data.size() == want, "KV rows: {} bytes of rows where the header says {}", data.size(), want);
-  r.data.assign(data.begin(), data.end());
+  MLA_CHECK(body.size() - nl - 1 == want, "KV rows: {} bytes of rows where the header says {}", body.size() - nl - 1,
+            want);
+  r.bytes = std::move(body);
+  r.offset = nl + 1;
   return r;
 }
 
-std::shared_ptr<const KvRows> fetch_kv_rows(const std::string& host, int32_t port, const std::string& authorization,
-                                            const std::vector<int32_t>& tokens, const std::string& salt,
-                                            std::chrono::milliseconds timeout, std::string& why,
-                                            std::optional<uint64_t> room, int32_t tokens_per_read) {
-  std::vector<KvRows> parts;
+std::shared_ptr<const KvPrefix> fetch_kv_rows(const std::string& host, int32_t port,
+                                              const std::string& authorization, const std::vector<int32_t>& tokens,
+                                              const std::string& salt, std::chrono::milliseconds timeout,
+                                              std::string& why, std::optional<uint64_t> room,
+                                              int32_t tokens_per_read) {
+  // The parts' buffers go back to the pool when the prefix is dropped (after its import).
+  std::shared_ptr<KvPrefix> parts(new KvPrefix, [](KvPrefix* p) {
+    for (KvRows& r : *p) BufferPool::global().give(std::move(r.bytes));
+    delete p;
+  });
   int32_t begin = 0;
   try {
     for (;;) {
       json q{{"token_ids", tokens}, {"cache_salt", salt}, {"begin", begin}, {"max_tokens", tokens_per_read}};
-      if (room && parts.empty()) {  // (the prefill server waits for the room within 3/4 of this read's time)
+      if (room && parts->empty()) {  // (the prefill server waits for the room within 3/4 of this read's time)
         q["bootstrap_room"] = *room;
         q["wait_ms"] = timeout.count() * 3 / 4;
       }
       HttpCall call{host, std::to_string(port), "POST", "/kv_transfer/export", q.dump(), authorization, timeout,
                     kMaxKvExportBytes + (1 << 20), nullptr};
-      auto [status, body] = http_call(call);
+      auto [status, body] = http_call(call, BufferPool::global().take(kMaxKvExportBytes + kKvExportHeaderRoom));
       if (status != 200) {
         why = fmt::format("{}:{} answered {}: {}", host, port, status, body.substr(0, 300));
         break;
       }
-      KvRows r = decode_kv_rows(body);
-      if (!parts.empty() && !r.same_layout(parts[0])) {
+      KvRows r = decode_kv_rows(std::move(body));
+      if (!parts->empty() && !r.same_layout(parts->front())) {
         why = fmt::format("{}:{} changed its rows' layout between reads", host, port);
         break;
       }
       if (r.begin != begin || r.end == r.begin) {  // (read out, or evicted there meanwhile)
-        if (parts.empty()) why = fmt::format("{}:{} holds none of the prompt's KV", host, port);
+        if (parts->empty()) why = fmt::format("{}:{} holds none of the prompt's KV", host, port);
         break;
       }
       begin = r.end;
       const bool last = r.end >= r.cached;
-      parts.push_back(std::move(r));
+      parts->push_back(std::move(r));
       if (last) break;
     }
   } catch (const std::exception& e) {
     why = e.what();
   }
-  if (parts.empty()) return nullptr;
-  auto out = std::make_shared<KvRows>();
-  out->begin = 0;
-  out->end = begin;
-  out->cached = parts.back().cached;
-  out->layers = parts[0].layers;
-  out->row_bytes = parts[0].row_bytes;
-  out->dtype = parts[0].dtype;
-  const auto row = static_cast<size_t>(out->row_bytes), total = static_cast<size_t>(out->end);
-  out->data.resize(static_cast<size_t>(out->layers) * total * row);
-  for (size_t l = 0; l < static_cast<size_t>(out->layers); ++l)
-    for (const KvRows& p : parts) {
-      const auto n = static_cast<size_t>(p.end - p.begin);
-      std::memcpy(out->data.data() + (l * total + static_cast<size_t>(p.begin)) * row, p.data.data() + l * n * row,
-                  n * row);
-    }
-  return out;
+  if (parts->empty()) return nullptr;
+  return parts;
 }
 
 KvFetchPool::KvFetchPool(int threads) {

@@ -95,21 +95,24 @@ nlohmann::json kv_transfer_answer(const std::string& host, int32_t port, const s
 // An HTTP Host header ("host", "host:port", "[v6]", "[v6]:port") as host and port (0 when none).
 std::pair<std::string, int32_t> split_host_port(std::string_view s);
 
-// POST /kv_transfer/export's answer: one JSON line ({"begin", "end", "cached", "layers", "row_bytes", "dtype"}), then
-// the rows' bytes. decode_kv_rows throws mlaserve::Error naming what is wrong with a body.
-std::string encode_kv_rows(const KvRows& r);
-KvRows decode_kv_rows(std::string_view body);
+// POST /kv_transfer/export's answer: one JSON line ({"begin", "end", "cached", "layers", "row_bytes", "dtype",
+// "layout": "token,layer,row"}), then the rows' bytes (KvRows::bytes' order). encode_kv_rows writes the line into
+// the rows' header room when it fits (an export's: no copy of the rows); decode_kv_rows keeps the body, the rows at
+// its offset, and throws mlaserve::Error naming what is wrong with a body.
+std::string encode_kv_rows(KvRows r);
+KvRows decode_kv_rows(std::string body);
 
 // The rows of the longest prefix of `tokens` that the server at host:port caches under `salt`, read in as many
 // export answers as it takes (each at most kMaxKvExportBytes). Null when there are none, or when the server cannot be
 // reached or answers with an error; `why` then says what happened. A read that fails after others keeps what they
-// brought (a prefix). room: SGLang's bootstrap room (the first read waits there for that room's prefill request to
-// end). tokens_per_read: the most tokens each read asks for (tests).
-std::shared_ptr<const KvRows> fetch_kv_rows(const std::string& host, int32_t port, const std::string& authorization,
-                                            const std::vector<int32_t>& tokens, const std::string& salt,
-                                            std::chrono::milliseconds timeout, std::string& why,
-                                            std::optional<uint64_t> room = std::nullopt,
-                                            int32_t tokens_per_read = std::numeric_limits<int32_t>::max());
+// brought (a prefix); the answers are kept as they came (one part each). room: SGLang's bootstrap room (the first
+// read waits there for that room's prefill request to end). tokens_per_read: the most tokens each read asks for.
+std::shared_ptr<const KvPrefix> fetch_kv_rows(const std::string& host, int32_t port,
+                                              const std::string& authorization, const std::vector<int32_t>& tokens,
+                                              const std::string& salt,
+                                              std::chrono::milliseconds timeout, std::string& why,
+                                              std::optional<uint64_t> room = std::nullopt,
+                                              int32_t tokens_per_read = std::numeric_limits<int32_t>::max());
 
 // A few threads (SerialWorkers, taken in turn) that run the decode side's reads (blocking network I/O) off the
 // connections' executors. Tasks still queued when it is destroyed are dropped; running ones finish first.

@@ -1425,7 +1425,7 @@ void Api::kv_export(const HttpRequest& req, const std::shared_ptr<HttpExchange>&
         if (!shared->error.empty())
           respond_error(ex, 400, error_body(400, "KV export: " + shared->error, "invalid_request_error", "kv_export"));
         else
-          ex->respond(200, "application/octet-stream", encode_kv_rows(*shared));
+          ex->respond(200, "application/octet-stream", encode_kv_rows(std::move(*shared)));
       });
     });
   };

@@ -20,6 +20,10 @@ KvRows export_rows(EngineClient& e, const std::vector<int32_t>& tokens, int32_t 
       [&](auto cb) { e.export_kv(tokens, salt, begin, max_tokens, [cb](KvRows r) { cb(r); }); });
 }
 
+std::shared_ptr<const KvPrefix> parts(std::initializer_list<KvRows> rows) {
+  return std::make_shared<const KvPrefix>(rows);
+}
+
 struct Result {
   std::vector<int32_t> ids;
   int32_t cached = 0;
@@ -27,7 +31,7 @@ struct Result {
 
 // Greedy tokens of `ids` (max_new of them), with rows handed over when given; and the prompt tokens served cached.
 Result generate(EngineClient& e, const std::string& rid, const std::vector<int32_t>& ids, int32_t max_new,
-                std::shared_ptr<const KvRows> rows = nullptr, const std::string& salt = "") {
+                std::shared_ptr<const KvPrefix> rows = nullptr, const std::string& salt = "") {
   auto prom = std::make_shared<std::promise<Result>>();
   auto acc = std::make_shared<Result>();
   GenerateRequest g = test::ids_request(rid, ids, max_new);
@@ -54,7 +58,7 @@ std::vector<int32_t> prompt_of(int32_t n, int32_t salt) {
 
 // The prefill side (tp 1, or DP attention with the prompt on its second group) hands its rows to a decode side of
 // every layout: the decode side serves the prompt's whole pages from them and draws the same tokens as an engine
-// that computed everything; chunked reads (begin, max_tokens) give the same bytes as one read.
+// that computed everything; chunked reads (begin, max_tokens) give the same bytes as one read, and serve as parts.
 TEST(KvTransfer, HandedOverRowsGiveTheSameTokens) {
   const std::vector<int32_t> prompt = prompt_of(45, 1);  // pages of 8: 40 tokens of whole pages (the 45th computed)
   Engine ref(test::cpu_ranks("v2lite"), test::small_engine_options(true));
@@ -78,31 +82,30 @@ TEST(KvTransfer, HandedOverRowsGiveTheSameTokens) {
     EXPECT_EQ(all.end, 40);
     ASSERT_GT(all.layers, 0);
     ASSERT_GT(all.row_bytes, 0);
-    ASSERT_EQ(all.data.size(), static_cast<size_t>(all.layers * 40 * all.row_bytes));
+    ASSERT_EQ(all.rows_size(), static_cast<size_t>(all.layers * 40 * all.row_bytes));
     // The same rows in two reads.
     const KvRows a = export_rows(prefill, prompt, 0, 13), b = export_rows(prefill, prompt, 13, 100);
     ASSERT_EQ(a.end, 13);
     ASSERT_EQ(b.begin, 13);
     ASSERT_EQ(b.end, 40);
-    const auto row = static_cast<size_t>(all.row_bytes);
-    for (int64_t l = 0; l < all.layers; ++l) {
-      const char* whole = all.data.data() + static_cast<size_t>(l) * 40 * row;
-      EXPECT_EQ(0, std::memcmp(whole, a.data.data() + static_cast<size_t>(l) * 13 * row, 13 * row)) << l;
-      EXPECT_EQ(0, std::memcmp(whole + 13 * row, b.data.data() + static_cast<size_t>(l) * 27 * row, 27 * row)) << l;
-    }
+    const auto tb = static_cast<size_t>(all.token_bytes());  // (token order: each token's rows of every layer)
+    ASSERT_EQ(a.rows_size(), 13 * tb);
+    ASSERT_EQ(b.rows_size(), 27 * tb);
+    EXPECT_EQ(0, std::memcmp(all.rows(), a.rows(), 13 * tb));
+    EXPECT_EQ(0, std::memcmp(all.rows() + 13 * tb, b.rows(), 27 * tb));
     // A prompt the cache does not hold, and a begin past what it holds: no rows.
     EXPECT_EQ(export_rows(prefill, prompt_of(30, 4)).cached, 0);
     const KvRows past = export_rows(prefill, prompt, 60, 10);
     EXPECT_EQ(past.cached, 40);
     EXPECT_EQ(past.end - past.begin, 0);
-    EXPECT_TRUE(past.data.empty());
+    EXPECT_EQ(past.rows_size(), 0u);
 
-    auto rows = std::make_shared<const KvRows>(all);
     for (const Side& dec : {Side{"tp1", 1, 1, true}, Side{"tp1 no overlap", 1, 1, false}, Side{"tp2", 2, 1, true},
                             Side{"dpa 2/2", 2, 2, true}}) {
       SCOPED_TRACE(dec.name);
       Engine decode(test::cpu_ranks("v2lite", dec.tp, dec.dp), test::small_engine_options(dec.overlap));
-      const Result got = generate(decode, "d", prompt, 6, rows);
+      const bool two = dec.tp == 2;  // (the two reads as two parts; a page spans both)
+      const Result got = generate(decode, "d", prompt, 6, two ? parts({a, b}) : parts({all}));
       EXPECT_EQ(got.ids, want);
       EXPECT_EQ(got.cached, 40);  // served from the rows handed over
       test::expect_engine_idle_and_clean(decode);
@@ -121,8 +124,8 @@ TEST(KvTransfer, RowsAreUsedAndForeignOnesAreNot) {
 
   Engine decode(test::cpu_ranks("v2lite"), test::small_engine_options(true));
   KvRows zero = all;
-  std::fill(zero.data.begin(), zero.data.end(), char{0});
-  const Result z = generate(decode, "zero", prompt, 6, std::make_shared<const KvRows>(zero));
+  std::fill(zero.bytes.begin() + static_cast<std::ptrdiff_t>(zero.offset), zero.bytes.end(), char{0});
+  const Result z = generate(decode, "zero", prompt, 6, parts({zero}));
   EXPECT_EQ(z.cached, 40);
   EXPECT_NE(z.ids, want);
   ASSERT_TRUE(decode.flush_cache());
@@ -130,25 +133,34 @@ TEST(KvTransfer, RowsAreUsedAndForeignOnesAreNot) {
   KvRows other = all;
   other.row_bytes /= 2;
   other.layers *= 2;  // (the same bytes, another layout)
-  Result r = generate(decode, "other", prompt, 6, std::make_shared<const KvRows>(other));
+  Result r = generate(decode, "other", prompt, 6, parts({other}));
   EXPECT_EQ(r.cached, 0);
   EXPECT_EQ(r.ids, want);
   ASSERT_TRUE(decode.flush_cache());
   KvRows dtype = all;
   dtype.dtype = "bf16_other";
-  r = generate(decode, "dtype", prompt, 6, std::make_shared<const KvRows>(dtype));
+  r = generate(decode, "dtype", prompt, 6, parts({dtype}));
   EXPECT_EQ(r.cached, 0);
   EXPECT_EQ(r.ids, want);
   ASSERT_TRUE(decode.flush_cache());
   KvRows cut = all;
-  cut.data.resize(cut.data.size() - 1);
-  r = generate(decode, "cut", prompt, 6, std::make_shared<const KvRows>(cut));
+  cut.bytes.resize(cut.bytes.size() - 1);
+  r = generate(decode, "cut", prompt, 6, parts({cut}));
   EXPECT_EQ(r.cached, 0);
   EXPECT_EQ(r.ids, want);
+  // Parts that do not follow each other from token 0 (out of order; a gap) are not used.
+  const KvRows a = export_rows(prefill, prompt, 0, 16), b = export_rows(prefill, prompt, 16, 100);
+  const KvRows c = export_rows(prefill, prompt, 24, 100);
+  for (const auto& [name, bad] : {std::pair{"order", parts({b, a})}, std::pair{"gap", parts({a, c})}}) {
+    ASSERT_TRUE(decode.flush_cache());
+    r = generate(decode, name, prompt, 6, bad);
+    EXPECT_EQ(r.cached, 0) << name;
+    EXPECT_EQ(r.ids, want) << name;
+  }
   // A part of the rows (the first 20 tokens: two whole pages) serves those pages.
   ASSERT_TRUE(decode.flush_cache());
   const KvRows part = export_rows(prefill, prompt, 0, 20);
-  r = generate(decode, "part", prompt, 6, std::make_shared<const KvRows>(part));
+  r = generate(decode, "part", prompt, 6, parts({part}));
   EXPECT_EQ(r.cached, 16);
   EXPECT_EQ(r.ids, want);
   test::expect_engine_idle_and_clean(decode);
@@ -166,7 +178,7 @@ TEST(KvTransfer, SaltsKeepTheirRows) {
   ASSERT_EQ(rows.cached, 40);
 
   Engine decode(test::cpu_ranks("v2lite"), test::small_engine_options(false));
-  const Result got = generate(decode, "d", prompt, 4, std::make_shared<const KvRows>(rows), "s1");
+  const Result got = generate(decode, "d", prompt, 4, parts({rows}), "s1");
   EXPECT_EQ(got.ids, want);
   EXPECT_EQ(got.cached, 40);
   EXPECT_EQ(generate(decode, "unsalted", prompt, 4).cached, 0);
@@ -189,7 +201,7 @@ TEST(KvTransfer, DataParallelReplicasReadTheOneHoldingThePrompt) {
   EXPECT_EQ(rows.cached, 40);
   EXPECT_EQ(rows.end, 40);
   Engine decode(test::cpu_ranks("v2lite"), test::small_engine_options(true));
-  const Result got = generate(decode, "d", prompt, 4, std::make_shared<const KvRows>(rows));
+  const Result got = generate(decode, "d", prompt, 4, parts({rows}));
   EXPECT_EQ(got.ids, want);
   EXPECT_EQ(got.cached, 40);
 }

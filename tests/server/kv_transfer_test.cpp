@@ -136,7 +136,9 @@ TEST(KvTransferParams, BootstrapRoomsWaitForTheirEnd) {
   EXPECT_TRUE(other.get());
 }
 
-KvRows rows_of(int32_t begin, int32_t end, int32_t cached, int64_t layers, int64_t row_bytes) {
+// Rows of tokens [begin, end) with known bytes (token t's layer l, byte b: l * 31 + t * 7 + b), in token order, after
+// `room` bytes of header room (an export's).
+KvRows rows_of(int32_t begin, int32_t end, int32_t cached, int64_t layers, int64_t row_bytes, size_t room = 0) {
   KvRows r;
   r.begin = begin;
   r.end = end;
@@ -144,28 +146,59 @@ KvRows rows_of(int32_t begin, int32_t end, int32_t cached, int64_t layers, int64
   r.layers = layers;
   r.row_bytes = row_bytes;
   r.dtype = "bf16";
-  for (int64_t l = 0; l < layers; ++l)
-    for (int32_t t = begin; t < end; ++t)
-      for (int64_t b = 0; b < row_bytes; ++b) r.data.push_back(static_cast<char>(l * 31 + t * 7 + b));
+  r.bytes.assign(room, 'x');
+  r.offset = room;
+  for (int32_t t = begin; t < end; ++t)
+    for (int64_t l = 0; l < layers; ++l)
+      for (int64_t b = 0; b < row_bytes; ++b) r.bytes.push_back(static_cast<char>(l * 31 + t * 7 + b));
   return r;
 }
 
+std::string rows_text(const KvRows& r) { return std::string(r.rows(), r.rows_size()); }
+
+// A fetched prefix's parts, checked consecutive from token 0, as one run of rows.
+std::string joined(const KvPrefix& parts) {
+  std::string out;
+  int32_t at = 0;
+  for (const KvRows& p : parts) {
+    EXPECT_EQ(p.begin, at);
+    at = p.end;
+    out += rows_text(p);
+  }
+  return out;
+}
+
 TEST(KvTransferRows, EncodedAndDecoded) {
-  const KvRows r = rows_of(3, 10, 16, 2, 5);
-  const KvRows back = decode_kv_rows(encode_kv_rows(r));
-  EXPECT_EQ(back.begin, 3);
-  EXPECT_EQ(back.end, 10);
-  EXPECT_EQ(back.cached, 16);
-  EXPECT_TRUE(back.same_layout(r));
-  EXPECT_EQ(back.data, r.data);
-  const std::string enc = encode_kv_rows(r);
-  EXPECT_THROW(decode_kv_rows(enc.substr(0, enc.size() - 1)), Error);  // a byte short
-  EXPECT_THROW(decode_kv_rows(enc + "x"), Error);
+  // With the export's header room the line goes there (the rows not copied); a room too small, or none: copied.
+  for (size_t room : {kKvExportHeaderRoom, size_t{0}, size_t{20}}) {
+    SCOPED_TRACE(room);
+    const KvRows r = rows_of(3, 10, 16, 2, 5, room);
+    const std::string enc = encode_kv_rows(r);
+    EXPECT_EQ(enc.size() - enc.find('\n') - 1, r.rows_size());
+    if (room == kKvExportHeaderRoom) EXPECT_EQ(enc.size(), r.bytes.size());
+    const KvRows back = decode_kv_rows(enc);
+    EXPECT_EQ(back.begin, 3);
+    EXPECT_EQ(back.end, 10);
+    EXPECT_EQ(back.cached, 16);
+    EXPECT_TRUE(back.same_layout(r));
+    EXPECT_EQ(rows_text(back), rows_text(r));
+    EXPECT_THROW(decode_kv_rows(enc.substr(0, enc.size() - 1)), Error);  // a byte short
+    EXPECT_THROW(decode_kv_rows(enc + "x"), Error);
+  }
   EXPECT_THROW(decode_kv_rows("no header"), Error);
   EXPECT_THROW(decode_kv_rows("[1]\n"), Error);
   EXPECT_THROW(decode_kv_rows(R"({"begin": 0})" "\n"), Error);
-  EXPECT_THROW(decode_kv_rows(R"({"begin": 5, "end": 2, "cached": 9, "layers": 1, "row_bytes": 1, "dtype": "x"})" "\n"),
+  EXPECT_THROW(decode_kv_rows(R"({"begin": 5, "end": 2, "cached": 9, "layers": 1, "row_bytes": 1, "dtype": "x",)"
+                              R"( "layout": "token,layer,row"})" "\n"),
                Error);
+  // Rows in another order (an older server's layer-major answer) are refused, not misread.
+  try {
+    decode_kv_rows(R"({"begin": 0, "end": 1, "cached": 1, "layers": 1, "row_bytes": 1, "dtype": "x",)"
+                   R"( "layout": "layer,token,row"})" "\nz");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("layer,token,row"), std::string::npos) << e.what();
+  }
 }
 
 // An export server on the loopback: answers POST /kv_transfer/export from the rows of `cached` tokens (layers x
@@ -210,7 +243,7 @@ class ExportServer {
         const int32_t begin = std::min(q.at("begin").get<int32_t>(), cached);
         const int64_t most = q.at("max_tokens").get<int32_t>();
         const int32_t end = static_cast<int32_t>(std::min<int64_t>(cached, begin + most));
-        res.body() = encode_kv_rows(rows_of(begin, end, cached, kLayers, kRowBytes));
+        res.body() = encode_kv_rows(rows_of(begin, end, cached, kLayers, kRowBytes, kKvExportHeaderRoom));
       }
       ++reads_;
       res.prepare_payload();
@@ -238,14 +271,15 @@ TEST(KvTransferRows, FetchedInChunksAsOneRead) {
   ASSERT_TRUE(whole) << why;
   EXPECT_EQ(srv.reads(), 1);
   const KvRows want = rows_of(0, 40, 40, ExportServer::kLayers, ExportServer::kRowBytes);
-  EXPECT_EQ(whole->begin, 0);
-  EXPECT_EQ(whole->end, 40);
-  EXPECT_EQ(whole->data, want.data);
+  ASSERT_EQ(whole->size(), 1u);
+  EXPECT_EQ(whole->back().end, 40);
+  EXPECT_EQ(joined(*whole), rows_text(want));
   const auto chunked = fetch_kv_rows("127.0.0.1", srv.port(), "", tokens, "", kTimeout, why, std::nullopt, 7);
   ASSERT_TRUE(chunked) << why;
   EXPECT_EQ(srv.reads(), 1 + 6);  // 7, 14, ..., 40
-  EXPECT_EQ(chunked->end, 40);
-  EXPECT_EQ(chunked->data, want.data);
+  ASSERT_EQ(chunked->size(), 6u);
+  EXPECT_EQ(chunked->back().end, 40);
+  EXPECT_EQ(joined(*chunked), rows_text(want));
 }
 
 TEST(KvTransferRows, RowsEvictedBetweenReadsKeepTheFirstOnes) {
@@ -254,8 +288,8 @@ TEST(KvTransferRows, RowsEvictedBetweenReadsKeepTheFirstOnes) {
   const auto got =
       fetch_kv_rows("127.0.0.1", srv.port(), "", std::vector<int32_t>(45, 1), "", kTimeout, why, std::nullopt, 8);
   ASSERT_TRUE(got) << why;
-  EXPECT_EQ(got->end, 16);  // two reads of 8; the third finds only 10 cached
-  EXPECT_EQ(got->data, rows_of(0, 16, 16, ExportServer::kLayers, ExportServer::kRowBytes).data);
+  EXPECT_EQ(got->back().end, 16);  // two reads of 8; the third finds only 10 cached
+  EXPECT_EQ(joined(*got), rows_text(rows_of(0, 16, 16, ExportServer::kLayers, ExportServer::kRowBytes)));
 }
 
 TEST(KvTransferRows, NothingFromServersWithoutRowsOrFailing) {

@@ -17,9 +17,10 @@
 namespace mlaserve {
 namespace {
 
-// Rows out of pages and into others (prefill / decode disaggregation): [layers][tokens][row] in page order, the same
-// bytes back, whatever the staging buffer's size (several trips through it when small).
-TEST(KvCacheRows, ReadAndWrittenInPageOrder) {
+// Rows out of pages and into others (prefill / decode disaggregation): in token order ([tokens][layers][row], each
+// token's rows of every layer together), any token range of the pages, the same bytes back, whatever the staging
+// buffer's size (several trips through it when small).
+TEST(KvCacheRows, ReadAndWrittenInTokenOrder) {
   auto cpu = make_cpu_backend();
   ModelConfig c;
   c.num_hidden_layers = 3;
@@ -30,27 +31,36 @@ TEST(KvCacheRows, ReadAndWrittenInPageOrder) {
     KvCache a(*cpu, c, 9, 4), b(*cpu, c, 9, 4);
     a.set_staging_limit(limit);
     b.set_staging_limit(limit);
-    const int64_t row = a.row_bytes();
-    ASSERT_EQ(row, 12 * 4);
+    const auto row = static_cast<size_t>(a.row_bytes()), L = size_t{3};
+    ASSERT_EQ(row, 12u * 4);
     std::mt19937 rng(5);
     for (int64_t l = 0; l < a.num_layers(); ++l) {
       auto* p = static_cast<uint8_t*>(a.layer(l).data());
       for (size_t i = 0; i < a.layer(l).nbytes(); ++i) p[i] = static_cast<uint8_t>(rng());
     }
+    auto slot = [&](KvCache& k, int64_t l, int32_t page, size_t t) {  // token t of a page in layer l
+      return static_cast<const char*>(k.layer(l).data()) + (static_cast<size_t>(page) * 4 + t) * row;
+    };
     const std::vector<int32_t> from{7, 2, 5}, to{0, 8, 3};
-    const std::vector<char> rows = a.read_rows(from);
-    ASSERT_EQ(rows.size(), static_cast<size_t>(3 * 3 * 4 * row));
+    std::vector<char> rows(12 * L * row);
+    a.read_rows(from, 0, 12, rows.data());
+    for (size_t t = 0; t < 12; ++t)
+      for (int64_t l = 0; l < 3; ++l)  // token t (page from[t / 4]), layer l
+        EXPECT_EQ(0, std::memcmp(rows.data() + (t * L + static_cast<size_t>(l)) * row, slot(a, l, from[t / 4], t % 4),
+                                 row))
+            << t << " " << l;
+    // A range starting and ending inside pages: the same rows.
+    std::vector<char> mid(7 * L * row);
+    a.read_rows(from, 3, 7, mid.data());
+    EXPECT_EQ(0, std::memcmp(mid.data(), rows.data() + 3 * L * row, mid.size()));
+    b.write_rows(to, [&](int64_t t) { return rows.data() + static_cast<size_t>(t) * L * row; });
+    std::vector<char> back(rows.size());
+    b.read_rows(to, 0, 12, back.data());
+    EXPECT_EQ(back, rows);
     for (int64_t l = 0; l < 3; ++l)
-      for (size_t k = 0; k < from.size(); ++k)  // layer l's tokens of page from[k]
-        EXPECT_EQ(0, std::memcmp(rows.data() + (static_cast<size_t>(l) * 12 + k * 4) * row,
-                                 static_cast<const char*>(a.layer(l).data()) + from[k] * 4 * row, 4 * row));
-    b.write_rows(to, rows);
-    EXPECT_EQ(b.read_rows(to), rows);
-    for (int64_t l = 0; l < 3; ++l)
-      EXPECT_EQ(0, std::memcmp(static_cast<const char*>(b.layer(l).data()) + 8 * 4 * row,
-                               static_cast<const char*>(a.layer(l).data()) + 2 * 4 * row, 4 * row));
-    EXPECT_THROW(a.read_rows(std::vector<int32_t>{9}), Error);
-    EXPECT_THROW(b.write_rows(to, std::span<const char>(rows).first(rows.size() - 1)), Error);
+      EXPECT_EQ(0, std::memcmp(slot(b, l, 8, 0), slot(a, l, 2, 0), 4 * row));
+    EXPECT_THROW(a.read_rows(std::vector<int32_t>{9}, 0, 1, back.data()), Error);
+    EXPECT_THROW(a.read_rows(from, 5, 8, back.data()), Error);  // past the pages' 12 slots
   }
 }
 
