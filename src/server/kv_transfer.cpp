@@ -158,6 +158,20 @@ void BootstrapRooms::sweep() {
   }
 }
 
+std::vector<uint64_t> bootstrap_rooms_named(const json& body) {
+  std::vector<uint64_t> out;
+  if (!body.is_object() || !body.contains("bootstrap_room")) return out;
+  const json& v = body["bootstrap_room"];
+  auto add = [&](const json& r) {
+    if (r.is_number_unsigned() || (r.is_number_integer() && r.get<int64_t>() >= 0)) out.push_back(r.get<uint64_t>());
+  };
+  if (v.is_array())
+    for (const json& r : v) add(r);
+  else
+    add(v);
+  return out;
+}
+
 json kv_transfer_answer(const std::string& host, int32_t port, const std::string& request_id) {
   return json{{"do_remote_prefill", true},      {"do_remote_decode", false}, {"remote_host", host},
               {"remote_port", port},            {"remote_engine_id", "mlaserve"},

@@ -89,6 +89,10 @@ class BootstrapRooms {
   std::thread timer_;
 };
 
+// The rooms a request body names in "bootstrap_room" (a non-negative integer or a list of them; anything else:
+// none), for ending them when the request is refused before it is checked.
+std::vector<uint64_t> bootstrap_rooms_named(const nlohmann::json& body);
+
 // The kv_transfer_params of a prefill (do_remote_decode) answer from the server at host:port.
 nlohmann::json kv_transfer_answer(const std::string& host, int32_t port, const std::string& request_id);
 

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <exception>
 #include <filesystem>
 #include <random>
 
@@ -1964,6 +1965,17 @@ void Api::score(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex,
 void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex,
                    const std::string& id) {
   json body = parse_body(req.body);
+  // Prefill mode: a request refused before its job owns its rooms (a bad field, a prompt too long) ends the rooms
+  // it names, so that a decode server waiting on one reads nothing at once instead of waiting out its timeout.
+  struct EndNamedRoomsIfRefused {
+    BootstrapRooms* rooms;
+    const json& body;
+    const int uncaught = std::uncaught_exceptions();
+    ~EndNamedRoomsIfRefused() {
+      if (rooms && std::uncaught_exceptions() > uncaught)
+        for (uint64_t r : bootstrap_rooms_named(body)) rooms->end(r);
+    }
+  } refused{rooms_.get(), body};
   ParsedRequest pr = api == ApiKind::Native      ? parse_native(body, opts_.parse, req.body)
                      : api == ApiKind::Completions ? parse_completions(body, opts_.parse, req.body)
                                                    : parse_chat(body, opts_.parse, req.body);

@@ -2371,7 +2371,7 @@ TEST(ServeFlags, SglangPrefillDecodeDisaggregation) {
   const std::vector<int32_t> want = greedy(prefill.port(), prompt(0), 10);
   EXPECT_EQ(prefill.stop(), 0);
   ServerProcess prefill2({"--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", std::to_string(boot),
-                          "--mem-fraction-static", "0.4"});  // (a fresh cache: the rows come from the room's request)
+                          "--mem-fraction-static", "0.4", "--kv-transfer-timeout", "900"});  // (a fresh cache)
   ASSERT_TRUE(prefill2.running()) << prefill2.log();
   json got;
   std::thread d([&] { got = post_json(decode.port(), "/generate", body(prompt(0), 12345)); });
@@ -2402,6 +2402,17 @@ TEST(ServeFlags, SglangPrefillDecodeDisaggregation) {
   // Bad fields.
   post_json(decode.port(), "/generate", body(prompt(4), -1), 400);
   post_json(decode.port(), "/generate", body(batch_ids, json::array({1})), 400);
+  // A prefill request refused before it runs (a bad field) ends its rooms: a read waiting on one (here for up to 900 s,
+  // longer than this client waits) answers at once, with no rows.
+  json refused = json::parse(body(json::array({prompt(5), prompt(6)}), json::array({555, 556})));
+  refused["sampling_params"]["temperature"] = -1;
+  post_json(prefill2.port(), "/generate", refused.dump(), 400);
+  for (int room : {555, 556}) {
+    const auto r = http_request(prefill2.port(), "POST", "/kv_transfer/export",
+                                json{{"token_ids", prompt(5)}, {"bootstrap_room", room}, {"wait_ms", 900000}}.dump());
+    EXPECT_EQ(r.status, 200) << r.body;
+    EXPECT_NE(r.body.find(R"("cached":0)"), std::string::npos) << r.body.substr(0, 300);
+  }
   EXPECT_EQ(prefill2.stop(), 0);
   EXPECT_EQ(decode.stop(), 0);
   expect_serve_refuses({"--disaggregation-mode both --skip-tokenizer-init"}, "--disaggregation-mode");

@@ -136,6 +136,15 @@ TEST(KvTransferParams, BootstrapRoomsWaitForTheirEnd) {
   EXPECT_TRUE(other.get());
 }
 
+TEST(KvTransferParams, RoomsNamedByABody) {
+  EXPECT_EQ(bootstrap_rooms_named(json{{"bootstrap_room", 5}}), std::vector<uint64_t>{5});
+  EXPECT_EQ(bootstrap_rooms_named(json{{"bootstrap_room", {1, -2, "x", 18446744073709551615ull}}}),
+            (std::vector<uint64_t>{1, 18446744073709551615ull}));
+  for (const json& b : {json{{"bootstrap_room", -1}}, json{{"bootstrap_room", nullptr}}, json{{"text", "hi"}},
+                        json::array({1})})
+    EXPECT_TRUE(bootstrap_rooms_named(b).empty()) << b.dump();
+}
+
 // Rows of tokens [begin, end) with known bytes (token t's layer l, byte b: l * 31 + t * 7 + b), in token order, after
 // `room` bytes of header room (an export's).
 KvRows rows_of(int32_t begin, int32_t end, int32_t cached, int64_t layers, int64_t row_bytes, size_t room = 0) {
