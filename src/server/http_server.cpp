@@ -11,12 +11,12 @@
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
-#include <vector>
 #include <filesystem>
 #include <optional>
 #include <random>
 #include <thread>
 #include <type_traits>
+#include <vector>
 
 #include "core/buffer_pool.h"
 #include "core/error.h"

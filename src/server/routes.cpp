@@ -1972,8 +1972,11 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
     const json& body;
     const int uncaught = std::uncaught_exceptions();
     ~EndNamedRoomsIfRefused() {
-      if (rooms && std::uncaught_exceptions() > uncaught)
+      if (!rooms || std::uncaught_exceptions() <= uncaught) return;
+      try {
         for (uint64_t r : bootstrap_rooms_named(body)) rooms->end(r);
+      } catch (...) {  // (unwinding already: the refusal's own error is the one answered)
+      }
     }
   } refused{rooms_.get(), body};
   ParsedRequest pr = api == ApiKind::Native      ? parse_native(body, opts_.parse, req.body)
