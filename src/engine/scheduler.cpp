@@ -198,8 +198,9 @@ int32_t Scheduler::import_prefix(std::span<const int32_t> tokens, std::string_vi
   const RadixCache::Match m = cache_.match_prefix(tokens, n, salt);
   cache_.lock(m.node);  // (kept while pages are evicted for the rest)
   int32_t cached = m.tokens;
-  const int32_t need = (n - m.tokens) / P;
-  if (need > 0 && ensure_pages(need, nullptr)) {
+  int32_t need = (n - m.tokens) / P;
+  if (need > 0 && !ensure_pages(need, nullptr)) need = pool_.num_free();  // (the rows' first pages: what fits)
+  if (need > 0) {
     const std::vector<int32_t> got = *pool_.alloc(need);
     try {
       write(got, m.tokens);
@@ -210,8 +211,8 @@ int32_t Scheduler::import_prefix(std::span<const int32_t> tokens, std::string_vi
     }
     std::vector<int32_t> pages = m.pages;
     pages.insert(pages.end(), got.begin(), got.end());
-    cache_.insert(tokens.first(static_cast<size_t>(n)), pages, salt);
-    cached = n;
+    cached = m.tokens + need * P;
+    cache_.insert(tokens.first(static_cast<size_t>(cached)), pages, salt);
   }
   cache_.unlock(m.node);
   return cached;

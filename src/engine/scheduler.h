@@ -256,9 +256,9 @@ class Scheduler {
   // (RadixCache::device_prefix; none while the cache is set aside after a failed step).
   std::vector<int32_t> device_prefix(std::span<const int32_t> tokens, std::string_view salt) const;
   // Caches tokens[0, n) (n: their length in whole pages) whose rows come from elsewhere: pages for the part not cached
-  // yet are taken (evicting unlocked ones) and `write(pages, first_token)` fills them before they enter the tree.
-  // Returns the tokens cached from the start afterwards (0 with the cache off; what was cached before when pages
-  // could not be had).
+  // yet are taken (evicting unlocked ones; as many as there are when not all can be had: the rows' first pages) and
+  // `write(pages, first_token)` fills them before they enter the tree. Returns the tokens cached from the start
+  // afterwards (0 with the cache off).
   int32_t import_prefix(std::span<const int32_t> tokens, std::string_view salt,
                         const std::function<void(std::span<const int32_t>, int32_t)>& write);
 

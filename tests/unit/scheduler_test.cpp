@@ -327,6 +327,36 @@ TEST_F(SchedulerTest, ChunkedPrefillThenDecodeToLength) {
   expect_all_pages_back();
 }
 
+// Rows from elsewhere (prefill / decode disaggregation): the prompt's whole pages not cached yet are taken and
+// written, then served from the cache; when the pool cannot give them all, the rows' first pages (what it has).
+TEST_F(SchedulerTest, ImportedPrefixesAreCachedAsFarAsPagesGo) {
+  make(12, /*chunk=*/16);
+  std::vector<std::pair<size_t, int32_t>> writes;  // (pages, first token) of each write
+  auto write = [&](std::span<const int32_t> pages, int32_t first) { writes.emplace_back(pages.size(), first); };
+  EXPECT_EQ(s->import_prefix(range(10, 11), "", write), 8);  // two whole pages of 11 tokens
+  ASSERT_EQ(writes.size(), 1u);
+  EXPECT_EQ(writes[0], (std::pair<size_t, int32_t>{2, 0}));
+  EXPECT_EQ(s->import_prefix(range(10, 16), "", write), 16);  // the first two cached: the other two written
+  ASSERT_EQ(writes.size(), 2u);
+  EXPECT_EQ(writes[1], (std::pair<size_t, int32_t>{2, 8}));
+  add("a", range(10, 17), 1);
+  step();
+  EXPECT_EQ(out["a"].cached, 16);  // only the 17th token computed
+  // A running request holds four pages (13 tokens): of 40 tokens' ten pages, the pool has the other eight (the cached
+  // ones evicted).
+  add("b", range(200, 13), 2);
+  step();
+  writes.clear();
+  EXPECT_EQ(s->import_prefix(range(500, 40), "", write), 32);
+  ASSERT_EQ(writes.size(), 1u);
+  EXPECT_EQ(writes[0], (std::pair<size_t, int32_t>{8, 0}));
+  while (s->has_work()) step();
+  add("c", range(500, 40), 1);
+  while (s->has_work()) step();
+  EXPECT_EQ(out["c"].cached, 32);
+  expect_all_pages_back();
+}
+
 TEST_F(SchedulerTest, MixedPrefillAndDecodeAndPrefixReuse) {
   make(32, /*chunk=*/16);
   add("a", range(10, 9), 4);
