@@ -54,7 +54,7 @@ void GenerationJob::submit_choice(size_t i) {
   req.input_ids = spec_.prompts[choices_[i].prompt_index].input_ids;
   req.sampling = spec_.sampling;
   req.priority = spec_.priority;
-  req.cache_salt = spec_.cache_salt;
+  req.cache_salt = spec_.prompts[choices_[i].prompt_index].cache_salt;
   req.sampling.token_ids_logprob = spec_.prompts[choices_[i].prompt_index].token_ids_logprob;
   req.sampling.return_hidden_states = spec_.prompts[choices_[i].prompt_index].return_hidden_states;
   req.sampling.return_routed_experts = spec_.prompts[choices_[i].prompt_index].return_routed_experts;

@@ -27,6 +27,7 @@ struct JobPrompt {
   std::vector<int32_t> token_ids_logprob;  // this prompt's sampling.token_ids_logprob
   bool return_hidden_states = false;       // this prompt's sampling.return_hidden_states
   bool return_routed_experts = false;      // and return_routed_experts
+  std::string cache_salt;  // GenerateRequest::cache_salt (the request's, or in a batch SGLang's extra_key's own)
   // Its prefix's latent rows from a prefill server (GenerateRequest::kv_prefix, with its first sample); null: none.
   std::shared_ptr<const KvPrefix> kv_prefix;
 };
@@ -42,7 +43,6 @@ struct JobSpec {
   bool no_stop_trim = false;      // keep the matched stop string in the text
   int32_t stream_interval = 1;    // on_update once a choice has this many tokens since its last one (or finished)
   int32_t priority = 0;           // GenerateRequest::priority (the engine's convention: lower first)
-  std::string cache_salt;         // GenerateRequest::cache_salt
   std::string follow_rid;         // GenerateRequest::follow_rid of its choices (a session request: its parent)
   int32_t log_level = -1;         // --log-requests: a log line as each choice finishes (-1: none; 2+: its text)
   size_t log_max_len = 0;         // the most bytes of text (or ids) a log line shows (log_excerpt)

@@ -510,14 +510,20 @@ void parse_stream_options(const Fields& f, ParsedRequest& r) {
   }
 }
 
+// One field's part of a cache salt (unambiguous: lengths given).
+std::string salt_part(const char* key, const std::string& v) {
+  if (v.empty()) bad_request(key, "invalid_value", "'{}' must be a non-empty string", key);
+  return fmt::format("{}:{}:{};", key, v.size(), v);
+}
+
 // vLLM's cache_salt and SGLang's extra_key (either API takes both): the request's tree of the prefix cache, "" none.
-std::string cache_salt(const Fields& f) {
+// lists: SGLang's extra_key may be a list (a native batch's, one per prompt), left to the caller.
+std::string cache_salt(const Fields& f, bool lists = false) {
   std::string salt;
-  for (const char* key : {"cache_salt", "extra_key"})
-    if (const std::optional<std::string> v = f.string(key)) {
-      if (v->empty()) bad_request(key, "invalid_value", "'{}' must be a non-empty string", key);
-      salt += fmt::format("{}:{}:{};", key, v->size(), *v);  // (unambiguous: lengths given)
-    }
+  for (const char* key : {"cache_salt", "extra_key"}) {
+    if (lists && std::string_view(key) == "extra_key" && f.get(key) && f.get(key)->is_array()) continue;
+    if (const std::optional<std::string> v = f.string(key)) salt += salt_part(key, *v);
+  }
   return salt;
 }
 
@@ -641,7 +647,7 @@ ParsedRequest parse_native(const json& body, const ParseOptions& opts, std::stri
   // --enable-custom-logit-processor).
   f.reject_unsupported("custom_logit_processor", "a Python logit processor cannot run here");
   if (const json* sp = f.get("session_params")) r.session = session_params(*sp);
-  r.cache_salt = cache_salt(f);
+  r.cache_salt = cache_salt(f, /*lists=*/true);
   if (text && ids) bad_request("text", "invalid_value", "give either 'text' or 'input_ids', not both");
   if (!text && !ids) bad_request("text", "invalid_value", "one of 'text' or 'input_ids' is required");
   if (text) {
@@ -719,6 +725,17 @@ ParsedRequest parse_native(const json& body, const ParseOptions& opts, std::stri
       r.token_ids_logprob.push_back(ids(*v, p));
     }
     if (!r.logprobs) r.token_ids_logprob.clear();
+  }
+  // SGLang's extra_key as a list: one per prompt of a batch (each prompt's cache tree: cache_salt's, then its own).
+  if (const json* v = f.get("extra_key"); v && v->is_array()) {
+    if (!r.batch || v->size() != r.prompts.size())
+      bad_request("extra_key", "invalid_value", "'extra_key' as a list needs one string per prompt of a batch ({} "
+                  "prompts, {} strings)", r.prompts.size(), v->size());
+    for (size_t i = 0; i < v->size(); ++i) {
+      if (!(*v)[i].is_string())
+        bad_request("extra_key", "invalid_type", "'extra_key[{}]' must be a string, got {}", i, type_name((*v)[i]));
+      r.prompt_salts.push_back(r.cache_salt + salt_part("extra_key", (*v)[i].get<std::string>()));
+    }
   }
   // SGLang's return_hidden_states and return_routed_experts: a boolean, or (a batch) one per prompt.
   for (const char* key : {"return_hidden_states", "return_routed_experts"}) {

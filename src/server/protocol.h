@@ -81,6 +81,7 @@ struct ParsedRequest {
   std::string rid;                   // client-chosen id (native) or empty
   std::optional<SessionParams> session;  // SGLang's session_params (native; with a session id)
   std::string cache_salt;  // vLLM's cache_salt / SGLang's extra_key, combined (GenerateRequest::cache_salt)
+  std::vector<std::string> prompt_salts;  // SGLang's extra_key as a list: each prompt's salt (empty: cache_salt's)
   std::optional<KvTransferParams> kv_transfer;  // vLLM's kv_transfer_params (OpenAI): prefill / decode disaggregation
   // logprobs: native return_logprob/top_logprobs_num; completions `logprobs: k`; chat `logprobs` + `top_logprobs`.
   bool logprobs = false;

@@ -1078,6 +1078,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     }
     if (!pr.token_ids_logprob.empty())
       jp.token_ids_logprob = pr.token_ids_logprob[pr.token_ids_logprob.size() == 1 ? 0 : i];
+    jp.cache_salt = pr.prompt_salts.empty() ? pr.cache_salt : pr.prompt_salts[i];
     // SGLang's per-prompt flags (one for every prompt, or one per prompt), each allowed by its server flag.
     auto per_prompt = [&](const std::vector<bool>& asked, bool allowed, const char* field, const char* flag) {
       const bool on = !asked.empty() && asked[asked.size() == 1 ? 0 : i];
@@ -1183,7 +1184,6 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                    "(SGLang's: higher values first) or --scheduling-policy priority (vLLM's: lower values first)",
                    "priority", "invalid_value");
   p.spec.priority = opts_.priority_higher_first ? -pr.priority : pr.priority;
-  p.spec.cache_salt = pr.cache_salt;
   if (pr.session && pr.session->rid) p.spec.follow_rid = *pr.session->rid;  // to the DP rank caching its parent
   if (!pr.constraint_regex.empty()) {
     if (!codec_)
@@ -2038,7 +2038,7 @@ void Api::generate_after_transfer(const HttpRequest& req, ParsedRequest pr, Prep
       const KvSource& src = sources[i];
       std::string why;
       prompt.kv_prefix =
-          fetch_kv_rows(src.host, src.port, auth, prompt.input_ids, spec.cache_salt, timeout, why, src.room);
+          fetch_kv_rows(src.host, src.port, auth, prompt.input_ids, prompt.cache_salt, timeout, why, src.room);
       if (!prompt.kv_prefix)
         MLA_LOG_WARN("request {}: no KV read from the prefill server ({}): the prompt is computed here", spec.id, why);
     }

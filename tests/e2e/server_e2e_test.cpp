@@ -267,6 +267,15 @@ TEST_F(ServerE2E, CacheSaltsKeepPrefixesApart) {
     EXPECT_EQ(out, first) << other;
   }
   EXPECT_GT(run("").first, 0);  // the unsalted tree has it now
+  // SGLang's extra_key as a list (a native batch): each prompt in its own tree.
+  const json both = post_json(port(), "/generate",
+                              R"({"input_ids": [)" + ids_json(prompt) + "," + ids_json(prompt) +
+                                  R"(], "extra_key": ["tenant-1", "tenant-3"], "sampling_params": {"max_new_tokens": 4,)"
+                                  R"( "temperature": 0, "ignore_eos": true}})");
+  ASSERT_EQ(both.size(), 2u) << both.dump();
+  EXPECT_GT(both[0]["meta_info"]["cached_tokens"].get<int>(), 0) << "extra_key tenant-1 cached it above";
+  EXPECT_EQ(both[1]["meta_info"]["cached_tokens"], 0) << "tenant-3 has nothing yet";
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(both[i]["output_ids"].get<std::vector<int32_t>>(), first) << i;
   // OpenAI completions take cache_salt too; a bad one is a 400 naming it.
   const auto r = http_request(port(), "POST", "/v1/completions",
                               R"({"prompt": )" + ids_json(prompt) + R"(, "max_tokens": 1, "cache_salt": "tenant-2"})");

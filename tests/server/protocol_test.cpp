@@ -358,6 +358,38 @@ TEST(Protocol, TokenIdsLogprob) {
                ApiError);
 }
 
+// vLLM's cache_salt and SGLang's extra_key: one salt for the request, or (SGLang's extra_key as a list, a native
+// batch) one per prompt after cache_salt's part; a list elsewhere, of another length or with a non-string is a 400.
+TEST(Protocol, CacheSaltsAndPerPromptExtraKeys) {
+  ParsedRequest r = parse_native(json::parse(R"({"text": "a", "extra_key": "k"})"), {});
+  const std::string k = r.cache_salt;
+  EXPECT_FALSE(k.empty());
+  EXPECT_TRUE(r.prompt_salts.empty());
+  EXPECT_NE(parse_native(json::parse(R"({"text": "a", "cache_salt": "k"})"), {}).cache_salt, k);
+  r = parse_native(json::parse(R"({"text": ["a", "b"], "extra_key": ["k", "j"]})"), {});
+  EXPECT_TRUE(r.cache_salt.empty());
+  ASSERT_EQ(r.prompt_salts.size(), 2u);
+  EXPECT_EQ(r.prompt_salts[0], k);  // the same tree as the string form's
+  EXPECT_NE(r.prompt_salts[1], k);
+  EXPECT_FALSE(r.prompt_salts[1].empty());
+  r = parse_native(json::parse(R"({"input_ids": [[1], [2]], "cache_salt": "c", "extra_key": ["k", "k"]})"), {});
+  ASSERT_EQ(r.prompt_salts.size(), 2u);
+  EXPECT_EQ(r.prompt_salts[0], r.prompt_salts[1]);
+  EXPECT_NE(r.prompt_salts[0], k);  // cache_salt's part first
+  for (const char* bad :
+       {R"({"text": "a", "extra_key": ["k"]})", R"({"text": ["a", "b"], "extra_key": ["k"]})",
+        R"({"text": ["a", "b"], "extra_key": ["k", 3]})", R"({"text": ["a", "b"], "extra_key": ["k", ""]})",
+        R"({"text": "a", "extra_key": ""})"}) {
+    try {
+      parse_native(json::parse(bad), {});
+      ADD_FAILURE() << bad;
+    } catch (const ApiError& e) {
+      EXPECT_EQ(e.param, "extra_key") << bad;
+    }
+  }
+  EXPECT_THROW(parse_completions(json::parse(R"({"prompt": ["a", "b"], "extra_key": ["k", "j"]})"), {}), ApiError);
+}
+
 TEST(Protocol, LogitBiasAndMinTokens) {
   ParsedRequest r = parse_completions(
       json::parse(R"({"prompt": "a", "logit_bias": {"50256": -100, "7": 2.5, "0": 100}, "min_tokens": 3})"), {});
