@@ -61,7 +61,8 @@ ServerMetrics::ServerMetrics()
                                    0.08, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0}),
       e2e_latency_seconds({0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0}),
       request_prompt_tokens({1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000}),
-      request_generation_tokens({1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000}) {}
+      request_generation_tokens({1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000}),
+      kv_transfer_seconds({0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0}) {}
 
 void ServerMetrics::request_finished(FinishKind kind, int64_t prompt_tokens, int64_t generation_tokens) {
   request_prompt_tokens.observe(static_cast<double>(prompt_tokens));
@@ -135,6 +136,19 @@ std::string ServerMetrics::render(const std::vector<RankStats>& ranks, const std
           generate_requests_total.load());
   counter("aborted_requests_total", "Generation requests aborted (client gone, timeout).", aborted_requests_total.load());
   counter("client_errors_total", "Requests answered with a 4xx status.", client_errors_total.load());
+  if (kv_transfer_seconds.count() > 0 || kv_transfer_failed_total.load() > 0 ||
+      kv_transfer_sent_bytes_total.load() > 0) {  // (a server of the disaggregation only)
+    counter("kv_transfer_received_tokens_total", "Prompt tokens whose KV was read from a prefill server.",
+            kv_transfer_received_tokens_total.load());
+    counter("kv_transfer_received_bytes_total", "Bytes of KV read from prefill servers.",
+            kv_transfer_received_bytes_total.load());
+    counter("kv_transfer_failed_total", "Prompts whose KV read brought nothing (computed here instead).",
+            kv_transfer_failed_total.load());
+    counter("kv_transfer_sent_bytes_total", "Bytes of KV exported to decode servers.",
+            kv_transfer_sent_bytes_total.load());
+    kv_transfer_seconds.render(out, "mlaserve:kv_transfer_seconds",
+                               "A prompt's KV read from a prefill server, seconds.");
+  }
   // The three latency histograms under a family's prefix.
   auto histograms = [&](const std::string& prefix, const std::string& lab) {
     ttft_seconds.render(out, prefix + "time_to_first_token_seconds", "Time to first token, seconds.", lab);

@@ -46,6 +46,12 @@ class ServerMetrics {
   std::atomic<int64_t> aborted_requests_total{0};   // client gone, timeout, server-side abort
   std::atomic<int64_t> client_errors_total{0};      // 4xx answers
   std::atomic<int64_t> open_connections{0};
+  // Prefill / decode disaggregation: a decode server's reads of its prompts' KV (each prompt's reads together, the
+  // ones that brought rows), the rows received, the reads that brought none (the prompt computed); a prefill
+  // server's exported rows.
+  Histogram kv_transfer_seconds;
+  std::atomic<int64_t> kv_transfer_received_tokens_total{0}, kv_transfer_received_bytes_total{0};
+  std::atomic<int64_t> kv_transfer_failed_total{0}, kv_transfer_sent_bytes_total{0};
 
   // mlaserve's names, then SGLang's (`sglang:`) and vLLM's (`vllm:`) for what they also report, labelled with the
   // served model's name as theirs are, so their dashboards, autoscalers and routers read the server unchanged.

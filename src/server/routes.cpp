@@ -1423,10 +1423,12 @@ void Api::kv_export(const HttpRequest& req, const std::shared_ptr<HttpExchange>&
     engine_.export_kv(std::move(tokens), std::move(salt), begin, max_tokens, [this, ex](KvRows rows) {
       auto shared = std::make_shared<KvRows>(std::move(rows));
       ex->executor()([this, ex, shared] {
-        if (!shared->error.empty())
+        if (!shared->error.empty()) {
           respond_error(ex, 400, error_body(400, "KV export: " + shared->error, "invalid_request_error", "kv_export"));
-        else
-          ex->respond(200, "application/octet-stream", encode_kv_rows(std::move(*shared)));
+          return;
+        }
+        metrics_.kv_transfer_sent_bytes_total += static_cast<int64_t>(shared->rows_size());
+        ex->respond(200, "application/octet-stream", encode_kv_rows(std::move(*shared)));
       });
     });
   };
@@ -2037,10 +2039,25 @@ void Api::generate_after_transfer(const HttpRequest& req, ParsedRequest pr, Prep
       JobPrompt& prompt = spec.prompts[i];
       const KvSource& src = sources[i];
       std::string why;
+      const auto t0 = std::chrono::steady_clock::now();
       prompt.kv_prefix =
           fetch_kv_rows(src.host, src.port, auth, prompt.input_ids, prompt.cache_salt, timeout, why, src.room);
-      if (!prompt.kv_prefix)
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (!prompt.kv_prefix) {
+        ++metrics_.kv_transfer_failed_total;
         MLA_LOG_WARN("request {}: no KV read from the prefill server ({}): the prompt is computed here", spec.id, why);
+        continue;
+      }
+      size_t bytes = 0;
+      for (const KvRows& r : *prompt.kv_prefix) bytes += r.rows_size();
+      const int32_t tokens = prompt.kv_prefix->back().end;
+      metrics_.kv_transfer_seconds.observe(s);
+      metrics_.kv_transfer_received_tokens_total += tokens;
+      metrics_.kv_transfer_received_bytes_total += static_cast<int64_t>(bytes);
+      MLA_LOG_INFO("request {}: KV of {} prompt tokens ({:.1f} MB) read from {}:{} in {:.1f} ms ({} reads, {:.0f} "
+                   "MB/s)",
+                   spec.id, tokens, static_cast<double>(bytes) / 1e6, src.host, src.port, s * 1e3,
+                   prompt.kv_prefix->size(), s > 0 ? static_cast<double>(bytes) / 1e6 / s : 0.0);
     }
     ex->executor()([this, pending, ex] {
       try {

@@ -2401,6 +2401,19 @@ TEST(ServeFlags, SglangPrefillDecodeDisaggregation) {
     EXPECT_EQ(got2[i]["output_ids"].get<std::vector<int32_t>>(), greedy(prefill2.port(), prompt(1 + i), 10)) << i;
     EXPECT_GE(got2[i]["meta_info"]["cached_tokens"].get<int>(), 150 - 16) << i;
   }
+  // The three prompts' transfers in the metrics: read on the decode side, exported on the prefill side.
+  const auto metric = [](int port, const std::string& name) {
+    const std::string m = http_request(port, "GET", "/metrics").body;
+    const size_t at = m.find("\nmlaserve:" + name + " ");
+    return at == std::string::npos ? -1.0 : std::stod(m.substr(at + name.size() + 11));
+  };
+  EXPECT_GE(metric(decode.port(), "kv_transfer_received_tokens_total"), 3 * (150 - 16));
+  EXPECT_GT(metric(decode.port(), "kv_transfer_received_bytes_total"), 0);
+  EXPECT_EQ(metric(decode.port(), "kv_transfer_seconds_count"), 3);
+  EXPECT_EQ(metric(decode.port(), "kv_transfer_failed_total"), 0);
+  EXPECT_EQ(metric(decode.port(), "kv_transfer_sent_bytes_total"), 0);
+  EXPECT_GE(metric(prefill2.port(), "kv_transfer_sent_bytes_total"),
+            metric(decode.port(), "kv_transfer_received_bytes_total"));
   // OpenAI completions with the same fields.
   const json oa{{"prompt", prompt(3)}, {"max_tokens", 10}, {"temperature", 0}, {"ignore_eos", true},
                 {"bootstrap_host", "127.0.0.1"}, {"bootstrap_port", boot}, {"bootstrap_room", 99}};
