@@ -6,7 +6,8 @@ Starts a prefill server (--disaggregation-mode prefill) and a decode server (--d
 same model (dummy weights, token ids only), 0.4 of the GPU's memory each. For each prompt length: a fresh random
 prompt to the prefill server (one token), then to the decode server with the same room (the read + the last page +
 one token), and another fresh prompt to the decode server alone (the whole prefill there). Prints one line per
-length: the times (median of REPEATS), the KV bytes moved and the first tokens (which must agree).
+length: the times (median of REPEATS), the KV bytes moved (the decode server's metrics) and whether the first tokens
+agree.
 
 usage: pd_bench.py MLASERVE_BINARY MODEL_DIR [LENGTHS (comma-separated, default 1024,4096,16384)] [REPEATS (3)]
 """
@@ -33,6 +34,15 @@ def post(port, path, body, timeout=600):
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def metric(port, name):
+    """A counter of the server's /metrics (mlaserve's name), 0 when absent."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    for line in text.splitlines():
+        if line.startswith(f"mlaserve:{name} "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def wait_up(port, proc, log):
@@ -66,12 +76,11 @@ def main():
             wait_up(port, p, log)
         info = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{pport}/get_server_info").read())
         cfg = json.load(open(f"{model}/config.json"))
-        row = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2 * cfg["num_hidden_layers"]
         rng = random.Random(7)
         vocab = cfg["vocab_size"]
         room = 1
         for n in lengths:
-            t_pre, t_dec, t_alone, same = [], [], [], []
+            t_pre, t_dec, t_alone, same, moved = [], [], [], [], []
             for _ in range(repeats):
                 ids = [rng.randrange(100, vocab - 100) for _ in range(n)]
                 body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
@@ -79,9 +88,11 @@ def main():
                 room += 1
                 t0 = time.perf_counter()
                 pre = post(pport, "/generate", body)
+                before = metric(dport, "kv_transfer_received_bytes_total")
                 t1 = time.perf_counter()
                 dec = post(dport, "/generate", body)
                 t2 = time.perf_counter()
+                moved.append(metric(dport, "kv_transfer_received_bytes_total") - before)
                 alone = {"input_ids": [rng.randrange(100, vocab - 100) for _ in range(n)],
                          "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
                 t3 = time.perf_counter()
@@ -93,7 +104,8 @@ def main():
                 same.append(pre["output_ids"] == dec["output_ids"][:1] and
                             dec["meta_info"]["cached_tokens"] >= n - 64)
             print(f"prompt {n}: prefill server {statistics.median(t_pre) * 1e3:.1f} ms, decode server with the KV "
-                  f"read {statistics.median(t_dec) * 1e3:.1f} ms ({n * row / 1e6:.1f} MB), decode server computing "
+                  f"read {statistics.median(t_dec) * 1e3:.1f} ms ({statistics.median(moved) / 1e6:.1f} MB moved, "
+                  f"the decode server's kv_transfer_received_bytes_total), decode server computing "
                   f"it {statistics.median(t_alone) * 1e3:.1f} ms; first tokens equal and rows cached: {same}",
                   flush=True)
         print("server_info disaggregation:", info.get("disaggregation_mode"), info.get("disaggregation_bootstrap_port"))
