@@ -317,7 +317,7 @@ KvRows Engine::run_export(const std::vector<int32_t>& tokens, const std::string&
                           int32_t max_tokens) {
   MLA_CHECK(begin >= 0 && max_tokens >= 0, "KV export: begin ({}) and max_tokens ({}) must be >= 0", begin,
             max_tokens);
-  finish_inflight();
+  if (max_tokens > 0) finish_inflight();  // (the rows are read; a length alone is read from the tree as it stands)
   KvRows r;
   r.layers = ranks_->kv_layers();
   r.row_bytes = ranks_->kv_row_bytes();
@@ -353,13 +353,17 @@ void Engine::import_prefix(int32_t g, GenerateRequest& r) {
   here.row_bytes = ranks_->kv_row_bytes();
   here.dtype = dtype_name(ranks_->kv_dtype());
   const auto token_bytes = static_cast<size_t>(here.token_bytes());
-  int32_t rows = 0;  // the parts' tokens [0, rows), each part where the one before ended
+  if (kv->empty()) return;
+  // The parts' tokens [from, rows), each part where the one before ended (from > 0: the tokens before it were
+  // cached here when they were read, so only the rest came).
+  const int32_t from = kv->front().begin;
+  int32_t rows = from;
   std::string bad;
   for (const KvRows& p : *kv) {
     if (!p.same_layout(here))
       bad = fmt::format("{} layers x {} bytes of {}", p.layers, p.row_bytes, p.dtype);
-    else if (p.begin != rows || p.end < p.begin)
-      bad = fmt::format("tokens [{}, {}) after [0, {})", p.begin, p.end, rows);
+    else if (p.begin != rows || p.end < p.begin || p.begin < 0)
+      bad = fmt::format("tokens [{}, {}) after [{}, {})", p.begin, p.end, from, rows);
     else if (p.offset > p.bytes.size() || p.rows_size() != static_cast<size_t>(p.end - p.begin) * token_bytes)
       bad = fmt::format("{} bytes for tokens [{}, {})", p.bytes.size() - std::min(p.offset, p.bytes.size()), p.begin,
                         p.end);
@@ -374,7 +378,7 @@ void Engine::import_prefix(int32_t g, GenerateRequest& r) {
   }
   const size_t n = std::min(static_cast<size_t>(rows), r.input_ids.size());
   try {
-    scheds_[static_cast<size_t>(g)]->import_prefix(
+    const int32_t cached = scheds_[static_cast<size_t>(g)]->import_prefix(
         std::span<const int32_t>(r.input_ids).first(n), r.cache_salt,
         [&](std::span<const int32_t> pages, int32_t first) {
           // Token first + i: its rows in the part holding it.
@@ -384,7 +388,12 @@ void Engine::import_prefix(int32_t g, GenerateRequest& r) {
                                                [](int64_t x, const KvRows& p) { return x < p.end; });
             return part->rows() + static_cast<size_t>(t - part->begin) * token_bytes;
           });
-        });
+        },
+        from);
+    if (cached < from)
+      MLA_LOG_WARN("request {}: the KV rows handed over start at token {}, but only {} are cached here: the prompt is "
+                   "computed here",
+                   r.rid, from, cached);
   } catch (const std::exception& e) {
     MLA_LOG_WARN("request {}: the KV rows handed over could not be cached ({}): the prompt is computed here", r.rid,
                  e.what());

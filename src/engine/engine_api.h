@@ -167,7 +167,8 @@ struct KvRows {
   size_t rows_size() const { return bytes.size() - offset; }
   bool same_layout(const KvRows& o) const { return layers == o.layers && row_bytes == o.row_bytes && dtype == o.dtype; }
 };
-// A prompt's first tokens' rows handed to a server with its request: consecutive parts from token 0 (one per read).
+// A prompt's rows handed to a server with its request: consecutive parts (one per read), from token 0 or from what
+// that server had cached itself.
 using KvPrefix = std::vector<KvRows>;
 
 struct GenerateRequest {
@@ -184,8 +185,9 @@ struct GenerateRequest {
   // vLLM's cache_salt / SGLang's extra_key: the request shares cached prefixes only with requests of the same salt
   // ("": none).
   std::string cache_salt;
-  // Rows [0, end) of input_ids' latent KV computed elsewhere (begin 0): cached before the request is scheduled, so only
-  // the rest is computed. Rows of another layout (layers, row bytes, element type) are not used (logged); null: none.
+  // Rows [begin, end) of input_ids' latent KV computed elsewhere (begin > 0: the tokens before were cached here when
+  // they were read; not used if they no longer are): cached before the request is scheduled, so only the rest is
+  // computed. Rows of another layout (layers, row bytes, element type) are not used (logged); null: none.
   std::shared_ptr<const KvPrefix> kv_prefix;
   std::function<void(const GenerateOutput&)> on_output;
 };
@@ -317,7 +319,8 @@ class EngineClient {
   }
   // The latent KV rows of tokens[begin, min(cached, begin + max_tokens)) of the longest prefix of `tokens` cached on
   // the device under `salt` (any DP rank's), at most kMaxKvExportBytes of them (at least one token's); `done` gets
-  // them, or an error (on an engine thread). Default: refused.
+  // them, or an error (on an engine thread). max_tokens 0: only `cached` (the step in flight not waited for).
+  // Default: refused.
   virtual void export_kv(std::vector<int32_t> tokens, std::string salt, int32_t begin, int32_t max_tokens,
                          std::function<void(KvRows)> done) {
     (void)tokens, (void)salt, (void)begin, (void)max_tokens;

@@ -191,11 +191,12 @@ std::vector<int32_t> Scheduler::device_prefix(std::span<const int32_t> tokens, s
 }
 
 int32_t Scheduler::import_prefix(std::span<const int32_t> tokens, std::string_view salt,
-                                 const std::function<void(std::span<const int32_t>, int32_t)>& write) {
+                                 const std::function<void(std::span<const int32_t>, int32_t)>& write, int32_t from) {
   const int32_t P = cfg_.page_size;
   const int32_t n = static_cast<int32_t>(tokens.size()) / P * P;
   if (!cache_.enabled() || cache_suspect_ || n == 0) return 0;
   const RadixCache::Match m = cache_.match_prefix(tokens, n, salt);
+  if (m.tokens < from) return m.tokens;  // (the rows start past what is cached: a gap)
   cache_.lock(m.node);  // (kept while pages are evicted for the rest)
   int32_t cached = m.tokens;
   int32_t need = (n - m.tokens) / P;

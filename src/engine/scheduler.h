@@ -257,10 +257,11 @@ class Scheduler {
   std::vector<int32_t> device_prefix(std::span<const int32_t> tokens, std::string_view salt) const;
   // Caches tokens[0, n) (n: their length in whole pages) whose rows come from elsewhere: pages for the part not cached
   // yet are taken (evicting unlocked ones; as many as there are when not all can be had: the rows' first pages) and
-  // `write(pages, first_token)` fills them before they enter the tree. Returns the tokens cached from the start
-  // afterwards (0 with the cache off).
+  // `write(pages, first_token)` fills them before they enter the tree. The rows are there from token `from` on: when
+  // less than that is cached here, nothing is written. Returns the tokens cached from the start afterwards (0 with
+  // the cache off).
   int32_t import_prefix(std::span<const int32_t> tokens, std::string_view salt,
-                        const std::function<void(std::span<const int32_t>, int32_t)>& write);
+                        const std::function<void(std::span<const int32_t>, int32_t)>& write, int32_t from = 0);
 
   bool has_work() const { return !waiting_.empty() || num_running() > 0; }
   int32_t num_running() const {

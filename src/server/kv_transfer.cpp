@@ -253,13 +253,13 @@ std::shared_ptr<const KvPrefix> fetch_kv_rows(const std::string& host, int32_t p
                                               const std::string& authorization, const std::vector<int32_t>& tokens,
                                               const std::string& salt, std::chrono::milliseconds timeout,
                                               std::string& why, std::optional<uint64_t> room,
-                                              int32_t tokens_per_read) {
+                                              int32_t tokens_per_read, int32_t from) {
   // The parts' buffers go back to the pool when the prefix is dropped (after its import).
   std::shared_ptr<KvPrefix> parts(new KvPrefix, [](KvPrefix* p) {
     for (KvRows& r : *p) BufferPool::global().give(std::move(r.bytes));
     delete p;
   });
-  int32_t begin = 0;
+  int32_t begin = std::max(0, from);
   try {
     for (;;) {
       json q{{"token_ids", tokens}, {"cache_salt", salt}, {"begin", begin}, {"max_tokens", tokens_per_read}};

@@ -111,12 +111,14 @@ KvRows decode_kv_rows(std::string body);
 // reached or answers with an error; `why` then says what happened. A read that fails after others keeps what they
 // brought (a prefix); the answers are kept as they came (one part each). room: SGLang's bootstrap room (the first
 // read waits there for that room's prefill request to end). tokens_per_read: the most tokens each read asks for.
+// from: the first token read (those before it are cached by the reader).
 std::shared_ptr<const KvPrefix> fetch_kv_rows(const std::string& host, int32_t port,
                                               const std::string& authorization, const std::vector<int32_t>& tokens,
                                               const std::string& salt,
                                               std::chrono::milliseconds timeout, std::string& why,
                                               std::optional<uint64_t> room = std::nullopt,
-                                              int32_t tokens_per_read = std::numeric_limits<int32_t>::max());
+                                              int32_t tokens_per_read = std::numeric_limits<int32_t>::max(),
+                                              int32_t from = 0);
 
 // A few threads (SerialWorkers, taken in turn) that run the decode side's reads (blocking network I/O) off the
 // connections' executors. Tasks still queued when it is destroyed are dropped; running ones finish first.

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <future>
 #include <random>
 
 #include "core/error.h"
@@ -2023,6 +2024,13 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
   run_generation(pr, std::move(p), ex);
 }
 
+int32_t Api::local_prefix(const std::vector<int32_t>& tokens, const std::string& salt) {
+  auto got = std::make_shared<std::promise<int32_t>>();
+  std::future<int32_t> f = got->get_future();
+  engine_.export_kv(tokens, salt, 0, 0, [got](KvRows r) { got->set_value(r.error.empty() ? r.cached : 0); });
+  return f.get();
+}
+
 void Api::generate_after_transfer(const HttpRequest& req, ParsedRequest pr, Prepared p, std::vector<KvSource> sources,
                                   const std::shared_ptr<HttpExchange>& ex) {
   struct Pending {
@@ -2038,10 +2046,14 @@ void Api::generate_after_transfer(const HttpRequest& req, ParsedRequest pr, Prep
     for (size_t i = 0; i < spec.prompts.size(); ++i) {
       JobPrompt& prompt = spec.prompts[i];
       const KvSource& src = sources[i];
+      // With one DP group (whose cache the request will use) only what it does not cache yet is read: a later turn
+      // of a conversation finds its earlier turns here (this server generated them).
+      const int32_t have = engine_.stats().size() == 1 ? local_prefix(prompt.input_ids, prompt.cache_salt) : 0;
+      if (have > 0 && static_cast<size_t>(have) + 1 >= prompt.input_ids.size()) continue;  // (nothing to read)
       std::string why;
       const auto t0 = std::chrono::steady_clock::now();
-      prompt.kv_prefix =
-          fetch_kv_rows(src.host, src.port, auth, prompt.input_ids, prompt.cache_salt, timeout, why, src.room);
+      prompt.kv_prefix = fetch_kv_rows(src.host, src.port, auth, prompt.input_ids, prompt.cache_salt, timeout, why,
+                                       src.room, std::numeric_limits<int32_t>::max(), have);
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (!prompt.kv_prefix) {
         ++metrics_.kv_transfer_failed_total;
@@ -2050,13 +2062,13 @@ void Api::generate_after_transfer(const HttpRequest& req, ParsedRequest pr, Prep
       }
       size_t bytes = 0;
       for (const KvRows& r : *prompt.kv_prefix) bytes += r.rows_size();
-      const int32_t tokens = prompt.kv_prefix->back().end;
+      const int32_t tokens = prompt.kv_prefix->back().end - prompt.kv_prefix->front().begin;
       metrics_.kv_transfer_seconds.observe(s);
       metrics_.kv_transfer_received_tokens_total += tokens;
       metrics_.kv_transfer_received_bytes_total += static_cast<int64_t>(bytes);
-      MLA_LOG_INFO("request {}: KV of {} prompt tokens ({:.1f} MB) read from {}:{} in {:.1f} ms ({} reads, {:.0f} "
-                   "MB/s)",
-                   spec.id, tokens, static_cast<double>(bytes) / 1e6, src.host, src.port, s * 1e3,
+      MLA_LOG_INFO("request {}: KV of {} prompt tokens ({:.1f} MB; {} cached here) read from {}:{} in {:.1f} ms ({} "
+                   "reads, {:.0f} MB/s)",
+                   spec.id, tokens, static_cast<double>(bytes) / 1e6, have, src.host, src.port, s * 1e3,
                    prompt.kv_prefix->size(), s > 0 ? static_cast<double>(bytes) / 1e6 / s : 0.0);
     }
     ex->executor()([this, pending, ex] {

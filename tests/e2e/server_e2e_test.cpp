@@ -2414,6 +2414,19 @@ TEST(ServeFlags, SglangPrefillDecodeDisaggregation) {
   EXPECT_EQ(metric(decode.port(), "kv_transfer_sent_bytes_total"), 0);
   EXPECT_GE(metric(prefill2.port(), "kv_transfer_sent_bytes_total"),
             metric(decode.port(), "kv_transfer_received_bytes_total"));
+  // A later turn of the first prompt's conversation: the decode server caches that turn (it generated it), so only the
+  // rest of the rows is read.
+  std::vector<int32_t> turn2 = prompt(0);
+  turn2.insert(turn2.end(), want.begin(), want.end());
+  for (int32_t t : test_prompt(900, 20)) turn2.push_back(t);
+  const double read_before = metric(decode.port(), "kv_transfer_received_tokens_total");
+  post_json(prefill2.port(), "/generate", body(turn2, 4242));
+  const json got4 = post_json(decode.port(), "/generate", body(turn2, 4242));
+  const double read = metric(decode.port(), "kv_transfer_received_tokens_total") - read_before;
+  EXPECT_GT(read, 0);
+  EXPECT_LE(read, 180 - 128) << "tokens read: the first turn's whole pages were cached here";
+  EXPECT_GE(got4["meta_info"]["cached_tokens"].get<int>(), 180 - 16) << got4.dump();
+  EXPECT_EQ(got4["output_ids"].get<std::vector<int32_t>>(), greedy(prefill2.port(), turn2, 10));
   // OpenAI completions with the same fields.
   const json oa{{"prompt", prompt(3)}, {"max_tokens", 10}, {"temperature", 0}, {"ignore_eos", true},
                 {"bootstrap_host", "127.0.0.1"}, {"bootstrap_port", boot}, {"bootstrap_room", 99}};

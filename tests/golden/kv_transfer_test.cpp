@@ -166,6 +166,31 @@ TEST(KvTransfer, RowsAreUsedAndForeignOnesAreNot) {
   test::expect_engine_idle_and_clean(decode);
 }
 
+// Rows from a token past the start (the reader had the tokens before cached, e.g. an earlier turn it generated): used
+// while those are cached here, not once they are not; a length-only export (max_tokens 0) says what is cached.
+TEST(KvTransfer, RowsPastTheStartNeedTheStartCachedHere) {
+  const std::vector<int32_t> prompt = prompt_of(45, 5);
+  Engine prefill(test::cpu_ranks("v2lite"), test::small_engine_options(true));
+  const std::vector<int32_t> want = generate(prefill, "p", prompt, 6).ids;
+  const KvRows rest = export_rows(prefill, prompt, 16, 100);
+  ASSERT_EQ(rest.begin, 16);
+  ASSERT_EQ(rest.end, 40);
+
+  Engine decode(test::cpu_ranks("v2lite"), test::small_engine_options(true));
+  Result r = generate(decode, "cold", prompt, 6, parts({rest}));
+  EXPECT_EQ(r.cached, 0);  // nothing of [0, 16) here: the rows are not used
+  EXPECT_EQ(r.ids, want);
+  ASSERT_TRUE(decode.flush_cache());
+  generate(decode, "start", std::vector<int32_t>(prompt.begin(), prompt.begin() + 20), 1);  // caches [0, 16)
+  const KvRows len = export_rows(decode, prompt, 0, 0);
+  EXPECT_EQ(len.cached, 16);
+  EXPECT_EQ(len.rows_size(), 0u);
+  r = generate(decode, "warm", prompt, 6, parts({rest}));
+  EXPECT_EQ(r.cached, 40);
+  EXPECT_EQ(r.ids, want);
+  test::expect_engine_idle_and_clean(decode);
+}
+
 // Cache salts: rows are read under the request's salt only, and cached under the salt of the request they come with
 // (a request without it does not share them).
 TEST(KvTransfer, SaltsKeepTheirRows) {

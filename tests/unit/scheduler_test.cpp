@@ -339,6 +339,9 @@ TEST_F(SchedulerTest, ImportedPrefixesAreCachedAsFarAsPagesGo) {
   EXPECT_EQ(s->import_prefix(range(10, 16), "", write), 16);  // the first two cached: the other two written
   ASSERT_EQ(writes.size(), 2u);
   EXPECT_EQ(writes[1], (std::pair<size_t, int32_t>{2, 8}));
+  // Rows from token 20 on need [0, 20) cached: 16 are, so nothing is written.
+  EXPECT_EQ(s->import_prefix(range(10, 32), "", write, /*from=*/20), 16);
+  EXPECT_EQ(writes.size(), 2u);
   add("a", range(10, 17), 1);
   step();
   EXPECT_EQ(out["a"].cached, 16);  // only the 17th token computed
