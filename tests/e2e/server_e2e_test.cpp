@@ -270,8 +270,8 @@ TEST_F(ServerE2E, CacheSaltsKeepPrefixesApart) {
   // SGLang's extra_key as a list (a native batch): each prompt in its own tree.
   const json both = post_json(port(), "/generate",
                               R"({"input_ids": [)" + ids_json(prompt) + "," + ids_json(prompt) +
-                                  R"(], "extra_key": ["tenant-1", "tenant-3"], "sampling_params": {"max_new_tokens": 4,)"
-                                  R"( "temperature": 0, "ignore_eos": true}})");
+                                  R"(], "extra_key": ["tenant-1", "tenant-3"], "sampling_params":)"
+                                  R"( {"max_new_tokens": 4, "temperature": 0, "ignore_eos": true}})");
   ASSERT_EQ(both.size(), 2u) << both.dump();
   EXPECT_GT(both[0]["meta_info"]["cached_tokens"].get<int>(), 0) << "extra_key tenant-1 cached it above";
   EXPECT_EQ(both[1]["meta_info"]["cached_tokens"], 0) << "tenant-3 has nothing yet";
