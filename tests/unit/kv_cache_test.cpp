@@ -17,15 +17,21 @@
 namespace mlaserve {
 namespace {
 
+// A model of three layers whose cache rows are kv_lora + rope wide (all a KvCache reads of it).
+ModelConfig cache_config(int64_t kv_lora, int64_t rope) {
+  ModelConfig c;
+  c.num_hidden_layers = 3;
+  c.kv_lora_rank = kv_lora;
+  c.qk_rope_head_dim = rope;
+  return c;
+}
+
 // Rows out of pages and into others (prefill / decode disaggregation): in token order ([tokens][layers][row], each
 // token's rows of every layer together), any token range of the pages, the same bytes back, whatever the staging
 // buffer's size (several trips through it when small).
 TEST(KvCacheRows, ReadAndWrittenInTokenOrder) {
   auto cpu = make_cpu_backend();
-  ModelConfig c;
-  c.num_hidden_layers = 3;
-  c.kv_lora_rank = 8;
-  c.qk_rope_head_dim = 4;
+  const ModelConfig c = cache_config(8, 4);
   for (size_t limit : {size_t{64} << 20, size_t{1}, size_t{3} * 4 * 48 * 2}) {  // (one trip; a page a trip; two pages)
     SCOPED_TRACE(limit);
     KvCache a(*cpu, c, 9, 4), b(*cpu, c, 9, 4);
@@ -79,10 +85,7 @@ TEST(KvCacheFp8, FlagValues) {
 
 TEST(KvCacheFp8, HoldsOneByteCodesPerValue) {
   auto cpu = make_cpu_backend();
-  ModelConfig c;
-  c.num_hidden_layers = 3;
-  c.kv_lora_rank = 64;
-  c.qk_rope_head_dim = 16;
+  const ModelConfig c = cache_config(64, 16);
   KvCache f32(*cpu, c, 5, 16);
   EXPECT_EQ(f32.dtype(), DType::F32);
   for (DType t : {DType::F8_E4M3, DType::F8_E5M2}) {
