@@ -4,7 +4,6 @@
 #include <cstring>
 #include <limits>
 
-
 #include "core/buffer_pool.h"
 #include "core/error.h"
 #include "core/log.h"

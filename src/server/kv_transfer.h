@@ -8,20 +8,20 @@
 // cache layout costs the decode server the prompt's computation, never a wrong or failed answer.
 #pragma once
 
-#include <chrono>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
-#include <deque>
-#include <mutex>
-#include <thread>
-#include <unordered_set>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
