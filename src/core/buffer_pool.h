@@ -17,6 +17,9 @@ class BufferPool {
   BufferPool(size_t min_bytes, size_t max_bytes) : min_bytes_(min_bytes), max_bytes_(max_bytes) {}
   // An empty string whose capacity is at least `bytes`: the smallest kept one that fits, else a new one.
   std::string take(size_t bytes);
+  // The same string resized to `bytes`, its contents unspecified (a kept one's old bytes: only what it grows past
+  // them is filled), for a caller that writes all of it.
+  std::string take_sized(size_t bytes);
   // Keeps `s`'s memory for a later take (nothing when it is small, or the pool is full).
   void give(std::string&& s);
   size_t kept_bytes() const;

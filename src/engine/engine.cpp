@@ -340,8 +340,7 @@ KvRows Engine::run_export(const std::vector<int32_t>& tokens, const std::string&
   if (r.end == r.begin) return r;
   r.offset = kKvExportHeaderRoom;
   const size_t size = r.offset + static_cast<size_t>(r.end - r.begin) * static_cast<size_t>(r.token_bytes());
-  r.bytes = BufferPool::global().take(size);  // (an earlier answer's, once sent: see server/http_server.cpp)
-  r.bytes.resize(size);
+  r.bytes = BufferPool::global().take_sized(size);  // (an earlier answer's once sent, its bytes not filled again)
   ranks_->read_kv_rows(group, pages, r.begin, r.end - r.begin, r.bytes.data() + r.offset);
   return r;
 }

@@ -1,5 +1,5 @@
 // BufferPool: large buffers given back are taken again (the same memory), the smallest that fits first; small ones
-// and those past the pool's size are not kept.
+// and those past the pool's size are not kept; taken at a size, a kept buffer's bytes are not filled again.
 #include <gtest/gtest.h>
 
 #include "core/buffer_pool.h"
@@ -40,6 +40,24 @@ TEST(BufferPool, SmallestFitFirstAndLimits) {
   EXPECT_EQ(pool.take(2500).data(), mid_mem);  // the smallest that fits
   EXPECT_EQ(pool.take(2500).data(), big_mem);
   EXPECT_EQ(pool.kept_bytes(), 0u);
+}
+
+TEST(BufferPool, TakenAtASizeWithoutFillingAgain) {
+  BufferPool pool(1000, 10000);
+  std::string a = pool.take_sized(3000);
+  EXPECT_EQ(a.size(), 3000u);
+  a.assign(3000, 'x');
+  const char* mem = a.data();
+  pool.give(std::move(a));
+  std::string b = pool.take_sized(2000);  // the same memory, its bytes as they were
+  EXPECT_EQ(b.data(), mem);
+  EXPECT_EQ(b, std::string(2000, 'x'));
+  pool.give(std::move(b));
+  std::string c = pool.take_sized(2500);  // grown back within its capacity: only the new bytes are filled
+  EXPECT_EQ(c.data(), mem);
+  EXPECT_EQ(c.size(), 2500u);
+  EXPECT_EQ(c.substr(0, 2000), std::string(2000, 'x'));
+  EXPECT_TRUE(pool.take(10).empty());  // (nothing kept now: a new, empty one)
 }
 
 }  // namespace
