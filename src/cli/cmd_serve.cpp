@@ -624,7 +624,11 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--speculative-config", a->speculative_config,
                  "vLLM's: JSON {\"method\": \"ngram\", \"num_speculative_tokens\": k, \"prompt_lookup_min\": n, "
                  "\"prompt_lookup_max\": m}");
-  app.add_option("--load-balance-method", a->load_balance_method, "DP load balancing")->capture_default_str();
+  app.add_option("--load-balance-method", a->load_balance_method,
+                 "DP load balancing: round_robin, shortest_queue (fewest tokens in flight; minimum_tokens is the "
+                 "same) or cache_aware (shortest_queue counting the prefix a DP rank caches as done)")
+      ->check(CLI::IsMember({"round_robin", "shortest_queue", "minimum_tokens", "cache_aware"}))
+      ->capture_default_str();
   app.add_option("--nnodes", a->nnodes, "number of nodes")->capture_default_str();
   app.add_option("--node-rank", a->node_rank, "this node's rank")->capture_default_str();
   app.add_option("--dist-init-addr", a->dist_init_addr, "rendezvous address for multi-node (host:port of node 0)");

@@ -8,8 +8,9 @@
 
 namespace mlaserve {
 
-DpController::DpController(std::vector<std::unique_ptr<EngineClient>> replicas, const std::string& method)
-    : replicas_(std::move(replicas)), balancer_(static_cast<int32_t>(replicas_.size()), method) {
+DpController::DpController(std::vector<std::unique_ptr<EngineClient>> replicas, const std::string& method,
+                           int64_t cache_tokens)
+    : replicas_(std::move(replicas)), balancer_(static_cast<int32_t>(replicas_.size()), method, cache_tokens) {
   MLA_CHECK(!replicas_.empty(), "DP controller needs at least one replica");
 }
 
@@ -19,7 +20,8 @@ void DpController::submit(GenerateRequest req) {
   MLA_CHECK(req.data_parallel_rank < static_cast<int32_t>(replicas_.size()),
             "data_parallel_rank {} is out of range (dp size {})", req.data_parallel_rank, replicas_.size());
   const int64_t cost = static_cast<int64_t>(req.input_ids.size()) + req.sampling.max_new_tokens;
-  const int32_t r = balancer_.assign(req.rid, cost, req.data_parallel_rank, req.follow_rid);
+  const int32_t r =
+      balancer_.assign(req.rid, cost, req.data_parallel_rank, req.follow_rid, req.input_ids, req.cache_salt);
   req.on_output = balancer_.release_on_finish(req.rid, std::move(req.on_output));
   req.data_parallel_rank = -1;  // inside the replica there is one group
   const std::string rid = req.rid;
@@ -48,10 +50,12 @@ std::vector<RankStats> DpController::stats() const {
 bool DpController::flush_cache() {
   bool ok = true;
   for (auto& e : replicas_) ok &= e->flush_cache();
+  if (ok) balancer_.forget_prefixes();
   return ok;
 }
 
 void DpController::update_weights(WeightUpdate u, std::function<void(const WeightUpdateResult&)> done) {
+  if (u.flush_cache) balancer_.forget_prefixes();  // (the replicas flush theirs one after another)
   update_next(std::make_shared<UpdateChain>(UpdateChain{std::move(u), std::move(done), {}}));
 }
 
@@ -146,6 +150,7 @@ void DpController::on_all(
 }
 
 void DpController::release_memory(std::function<void(const WeightUpdateResult&)> done) {
+  balancer_.forget_prefixes();  // (the replicas drop their caches with the memory)
   on_all([](EngineClient& e, auto cb) { e.release_memory(std::move(cb)); }, std::move(done));
 }
 
@@ -198,8 +203,23 @@ void DpController::profile(const ProfileRequest& req, std::function<void(const P
       std::move(done));
 }
 
+int32_t DpController::choose_rank(std::span<const int32_t> prompt, std::string_view salt) {
+  return balancer_.choose(prompt, salt);
+}
+
 void DpController::export_kv(std::vector<int32_t> tokens, std::string salt, int32_t begin, int32_t max_tokens,
-                             std::function<void(KvRows)> done) {
+                             std::function<void(KvRows)> done, int32_t rank) {
+  if (rank >= static_cast<int32_t>(replicas_.size())) {
+    KvRows r;
+    r.error = fmt::format("KV export: DP rank {} is out of range (dp size {})", rank, replicas_.size());
+    done(std::move(r));
+    return;
+  }
+  if (rank >= 0) {
+    replicas_[static_cast<size_t>(rank)]->export_kv(std::move(tokens), std::move(salt), begin, max_tokens,
+                                                    std::move(done));
+    return;
+  }
   struct Best {
     int32_t cached = -1;
     size_t replica = 0;

@@ -13,7 +13,9 @@ namespace mlaserve {
 
 class DpController final : public EngineClient {
  public:
-  DpController(std::vector<std::unique_ptr<EngineClient>> replicas, const std::string& method);
+  // `cache_tokens`: one replica's prefix cache size in tokens (LoadBalancer's; 0: no prefix cache).
+  DpController(std::vector<std::unique_ptr<EngineClient>> replicas, const std::string& method,
+               int64_t cache_tokens = 0);
   ~DpController() override;
   void submit(GenerateRequest req) override;
   void abort(const std::string& rid, FinishReason reason) override;
@@ -35,7 +37,8 @@ class DpController final : public EngineClient {
   void profile(const ProfileRequest& r, std::function<void(const ProfileResult&)> done) override;
   // From the replica that caches the longest prefix (each asked for its length first).
   void export_kv(std::vector<int32_t> tokens, std::string salt, int32_t begin, int32_t max_tokens,
-                 std::function<void(KvRows)> done) override;
+                 std::function<void(KvRows)> done, int32_t rank = -1) override;
+  int32_t choose_rank(std::span<const int32_t> prompt, std::string_view salt) override;
   int64_t max_context_len() const override { return replicas_[0]->max_context_len(); }
   int64_t hidden_size() const override { return replicas_[0]->hidden_size(); }
   std::vector<int32_t> eos_token_ids() const override { return replicas_[0]->eos_token_ids(); }

@@ -28,7 +28,10 @@ void end_unscheduled(const std::function<void(const GenerateOutput&)>& on_output
 }  // namespace
 
 Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
-    : ranks_(std::move(ranks)), opts_(opts), balancer_(ranks_->dp_groups(), opts.load_balance_method) {
+    : ranks_(std::move(ranks)), opts_(opts), balancer_(ranks_->dp_groups(), opts.load_balance_method,
+                opts.enable_radix_cache && ranks_->dp_groups() > 1
+                    ? (int64_t{opts.num_pages} + opts.host_pages) * opts.page_size
+                    : 0) {  // (one group: nothing to choose between, nothing tracked)
   const ModelConfig& cfg = ranks_->config();
   if (opts_.context_len <= 0) opts_.context_len = cfg.max_position_embeddings;
   MLA_CHECK(opts_.num_pages > 0, "engine: the KV pool has no pages");
@@ -141,7 +144,8 @@ void Engine::submit(GenerateRequest req) {
   MLA_CHECK(req.data_parallel_rank < ranks_->dp_groups(), "data_parallel_rank {} is out of range (dp size {})",
             req.data_parallel_rank, ranks_->dp_groups());
   const int64_t cost = static_cast<int64_t>(req.input_ids.size()) + req.sampling.max_new_tokens;
-  const int32_t group = balancer_.assign(req.rid, cost, req.data_parallel_rank, req.follow_rid);
+  const int32_t group =
+      balancer_.assign(req.rid, cost, req.data_parallel_rank, req.follow_rid, req.input_ids, req.cache_salt);
   req.on_output = [this, cb = balancer_.release_on_finish(req.rid, std::move(req.on_output))](const GenerateOutput& o) {
     deferred_.emplace_back(cb, o);  // called on the engine thread; delivered after publish_stats()
   };
@@ -154,6 +158,10 @@ void Engine::submit(GenerateRequest req) {
     inbox_.emplace_back(group, std::move(req));
   }
   cv_.notify_one();
+}
+
+int32_t Engine::choose_rank(std::span<const int32_t> prompt, std::string_view salt) {
+  return ranks_->dp_groups() > 1 ? balancer_.choose(prompt, salt) : -1;
 }
 
 void Engine::abort(const std::string& rid, FinishReason reason) {
@@ -244,8 +252,10 @@ WeightUpdateResult Engine::run_job(const PendingUpdate& job) {
   switch (job.job) {
     case Job::Weights:
       ranks_->reload_weights(job.u.model_path);
-      if (job.u.flush_cache)
+      if (job.u.flush_cache) {
         for (auto& s : scheds_) s->flush_cache();
+        balancer_.forget_prefixes();
+      }
       res.message = fmt::format("weights updated from {}", job.u.model_path);
       break;
     case Job::Release: {
@@ -256,6 +266,7 @@ WeightUpdateResult Engine::run_job(const PendingUpdate& job) {
       if (recording_) recorded_ = recorded_counts(false);  // (the device's counts go with the memory)
       ranks_->release_memory();
       for (auto& s : scheds_) s->flush_cache();  // (its pages' contents go with the memory)
+      balancer_.forget_prefixes();
       {
         std::lock_guard<std::mutex> lk(mu_);
         released_ = true;
@@ -296,11 +307,11 @@ void Engine::expert_record(ExpertRecordOp op, std::function<void(const ExpertRec
 }
 
 void Engine::export_kv(std::vector<int32_t> tokens, std::string salt, int32_t begin, int32_t max_tokens,
-                       std::function<void(KvRows)> done) {
-  auto job = [this, tokens = std::move(tokens), salt = std::move(salt), begin, max_tokens, done] {
+                       std::function<void(KvRows)> done, int32_t rank) {
+  auto job = [this, tokens = std::move(tokens), salt = std::move(salt), begin, max_tokens, done, rank] {
     KvRows r;
     try {
-      r = run_export(tokens, salt, begin, max_tokens);
+      r = run_export(tokens, salt, begin, max_tokens, rank);
     } catch (const std::exception& e) {
       r = KvRows{};
       r.error = e.what();
@@ -314,9 +325,11 @@ void Engine::export_kv(std::vector<int32_t> tokens, std::string salt, int32_t be
 }
 
 KvRows Engine::run_export(const std::vector<int32_t>& tokens, const std::string& salt, int32_t begin,
-                          int32_t max_tokens) {
+                          int32_t max_tokens, int32_t only_group) {
   MLA_CHECK(begin >= 0 && max_tokens >= 0, "KV export: begin ({}) and max_tokens ({}) must be >= 0", begin,
             max_tokens);
+  MLA_CHECK(only_group < static_cast<int32_t>(scheds_.size()), "KV export: DP rank {} is out of range (dp size {})",
+            only_group, scheds_.size());
   if (max_tokens > 0) finish_inflight();  // (the rows are read; a length alone is read from the tree as it stands)
   KvRows r;
   r.layers = ranks_->kv_layers();
@@ -325,6 +338,7 @@ KvRows Engine::run_export(const std::vector<int32_t>& tokens, const std::string&
   std::vector<int32_t> pages;
   int32_t group = 0;
   for (size_t g = 0; g < scheds_.size(); ++g) {
+    if (only_group >= 0 && g != static_cast<size_t>(only_group)) continue;
     std::vector<int32_t> p = scheds_[g]->device_prefix(tokens, salt);
     if (p.size() > pages.size()) {
       pages = std::move(p);
@@ -679,6 +693,7 @@ void Engine::loop() {
     if (flushes > 0) {
       bool ok = true;
       for (auto& s : scheds_) ok &= s->flush_cache();
+      if (ok) balancer_.forget_prefixes();
       publish_stats();  // a caller that sees the flush done must see its effect in the stats
       {
         std::lock_guard<std::mutex> lk(mu_);

@@ -69,7 +69,8 @@ class Engine final : public EngineClient {
   void expert_record(ExpertRecordOp op, std::function<void(const ExpertRecord&)> done) override;
   void profile(const ProfileRequest& r, std::function<void(const ProfileResult&)> done) override;
   void export_kv(std::vector<int32_t> tokens, std::string salt, int32_t begin, int32_t max_tokens,
-                 std::function<void(KvRows)> done) override;
+                 std::function<void(KvRows)> done, int32_t rank = -1) override;
+  int32_t choose_rank(std::span<const int32_t> prompt, std::string_view salt) override;
   bool continue_generation() override;
   bool is_paused() const override;
   bool memory_released() const override;
@@ -143,7 +144,8 @@ class Engine final : public EngineClient {
   std::deque<std::function<void()>> controls_;
   ExpertRecord run_record(ExpertRecordOp op);
   // export_kv's job (engine thread; the step in flight finished first).
-  KvRows run_export(const std::vector<int32_t>& tokens, const std::string& salt, int32_t begin, int32_t max_tokens);
+  KvRows run_export(const std::vector<int32_t>& tokens, const std::string& salt, int32_t begin, int32_t max_tokens,
+                    int32_t group);
   // A request's kv_prefix into group g's prefix cache (engine thread, no step in flight); then dropped from it.
   void import_prefix(int32_t g, GenerateRequest& r);
   ProfileResult run_profile(const ProfileRequest& r);

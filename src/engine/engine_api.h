@@ -13,7 +13,9 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace mlaserve {
@@ -318,12 +320,12 @@ class EngineClient {
     done(res);
   }
   // The latent KV rows of tokens[begin, min(cached, begin + max_tokens)) of the longest prefix of `tokens` cached on
-  // the device under `salt` (any DP rank's), at most kMaxKvExportBytes of them (at least one token's); `done` gets
-  // them, or an error (on an engine thread). max_tokens 0: only `cached` (the step in flight not waited for).
-  // Default: refused.
+  // the device under `salt` (any DP rank's, or DP rank `rank`'s when >= 0), at most kMaxKvExportBytes of them (at
+  // least one token's); `done` gets them, or an error (on an engine thread). max_tokens 0: only `cached` (the step
+  // in flight not waited for). Default: refused.
   virtual void export_kv(std::vector<int32_t> tokens, std::string salt, int32_t begin, int32_t max_tokens,
-                         std::function<void(KvRows)> done) {
-    (void)tokens, (void)salt, (void)begin, (void)max_tokens;
+                         std::function<void(KvRows)> done, int32_t rank = -1) {
+    (void)tokens, (void)salt, (void)begin, (void)max_tokens, (void)rank;
     KvRows r;
     r.error = "this engine cannot export its KV cache";
     done(std::move(r));
@@ -333,6 +335,12 @@ class EngineClient {
   // Ends a pause (a no-op when not paused); false when not supported.
   virtual bool continue_generation() { return false; }
   virtual bool is_paused() const { return false; }
+  // The DP rank (attention-DP group or replica) the load balancer would send a request with this prompt and salt to
+  // now (a request submitted with that data_parallel_rank goes there); -1: there is one rank.
+  virtual int32_t choose_rank(std::span<const int32_t> prompt, std::string_view salt) {
+    (void)prompt, (void)salt;
+    return -1;
+  }
   virtual int64_t max_context_len() const = 0;
   // The width of return_hidden_states' rows (the model's hidden size); 0: unknown.
   virtual int64_t hidden_size() const { return 0; }

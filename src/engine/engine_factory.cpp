@@ -185,7 +185,10 @@ std::unique_ptr<EngineClient> make_engine(const EngineArgs& a) {
   if (a.enable_dp_attention || a.dp_size == 1) return make_replica(a, cfg, a.enable_dp_attention ? a.dp_size : 1);
   std::vector<std::unique_ptr<EngineClient>> replicas;
   for (int32_t r = 0; r < a.dp_size; ++r) replicas.push_back(make_replica(a, cfg, 1, r));
-  return std::make_unique<DpController>(std::move(replicas), a.load_balance_method);
+  int64_t cache_tokens = 0;  // one replica's prefix cache (device and host tiers)
+  if (!a.disable_radix_cache)
+    for (const RankStats& s : replicas[0]->stats()) cache_tokens += s.kv_tokens_total + s.kv_host_tokens_total;
+  return std::make_unique<DpController>(std::move(replicas), a.load_balance_method, cache_tokens);
 }
 
 }  // namespace mlaserve

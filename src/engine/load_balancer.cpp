@@ -4,32 +4,69 @@
 
 namespace mlaserve {
 
-LoadBalancer::LoadBalancer(int32_t ranks, const std::string& method)
-    : ranks_(ranks), shortest_(method == "shortest_queue"), load_(static_cast<size_t>(ranks), 0) {
-  MLA_CHECK(method == "round_robin" || method == "shortest_queue",
-            "--load-balance-method: expected round_robin or shortest_queue, got '{}'", method);
+LoadBalancer::LoadBalancer(int32_t ranks, const std::string& method, int64_t cache_tokens)
+    : ranks_(ranks), load_(static_cast<size_t>(ranks), 0) {
+  if (method == "round_robin") method_ = Method::RoundRobin;
+  else if (method == "shortest_queue" || method == "minimum_tokens") method_ = Method::Shortest;
+  else if (method == "cache_aware") method_ = Method::CacheAware;
+  else
+    throw Error(fmt::format(
+        "--load-balance-method: expected round_robin, shortest_queue, minimum_tokens or cache_aware, got '{}'",
+        method));
+  if (method_ == Method::CacheAware && cache_tokens > 0)
+    for (int32_t r = 0; r < ranks; ++r) cached_.emplace_back(cache_tokens);
 }
 
-int32_t LoadBalancer::assign(const std::string& rid, int64_t tokens, int32_t pinned, const std::string& follow) {
+int32_t LoadBalancer::assign(const std::string& rid, int64_t tokens, int32_t pinned, const std::string& follow,
+                             std::span<const int32_t> prompt, std::string_view salt) {
   std::lock_guard<std::mutex> lk(mu_);
   MLA_CHECK(pinned < ranks_, "data_parallel_rank {} is out of range (dp size {})", pinned, ranks_);
   int32_t r = pinned;
   if (r < 0 && !follow.empty()) {
-    if (const auto it = live_.find(follow); it != live_.end()) r = it->second.first;
+    if (const auto it = live_.find(follow); it != live_.end()) r = it->second.rank;
     else if (const auto f = recent_.find(follow); f != recent_.end()) r = f->second;
   }
-  if (r < 0) {
-    if (shortest_) {
-      r = 0;
-      for (int32_t i = 1; i < ranks_; ++i)
-        if (load_[static_cast<size_t>(i)] < load_[static_cast<size_t>(r)]) r = i;
-    } else {
-      r = next_;
-      next_ = (next_ + 1) % ranks_;
+  if (r < 0) r = pick(prompt, salt);
+  load_[static_cast<size_t>(r)] += tokens;
+  Live& l = live_[rid];
+  l.rank = r;
+  l.tokens = tokens;
+  if (!cached_.empty()) {
+    cached_[static_cast<size_t>(r)].insert(salt, prompt);  // (requests placed before it runs find it there)
+    l.seq.assign(prompt.begin(), prompt.end());
+    l.salt = salt;
+  }
+  return r;
+}
+
+int32_t LoadBalancer::choose(std::span<const int32_t> prompt, std::string_view salt) {
+  std::lock_guard<std::mutex> lk(mu_);
+  return pick(prompt, salt);
+}
+
+int32_t LoadBalancer::pick(std::span<const int32_t> prompt, std::string_view salt) {
+  int32_t r = -1;
+  if (method_ == Method::RoundRobin) {
+    r = next_;
+    next_ = (next_ + 1) % ranks_;
+  } else {
+    // The fewest tokens in flight, a rank's tracked prefix of the prompt not counted (cache_aware); on a tie the
+    // longer prefix, then the rank tracking fewer tokens (new prefixes spread over the caches), then the lower rank.
+    int64_t best_score = 0, best_size = 0;
+    int32_t best_match = 0;
+    for (int32_t i = 0; i < ranks_; ++i) {
+      const auto& c = cached_.empty() ? nullptr : &cached_[static_cast<size_t>(i)];
+      const int32_t m = c ? c->match(salt, prompt) : 0;
+      const int64_t score = load_[static_cast<size_t>(i)] - m, size = c ? c->size() : 0;
+      if (r < 0 || score < best_score || (score == best_score && (m > best_match || (m == best_match &&
+                                                                                      size < best_size)))) {
+        r = i;
+        best_score = score;
+        best_match = m;
+        best_size = size;
+      }
     }
   }
-  load_[static_cast<size_t>(r)] += tokens;
-  live_[rid] = {r, tokens};
   return r;
 }
 
@@ -37,8 +74,9 @@ int32_t LoadBalancer::release(const std::string& rid) {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = live_.find(rid);
   if (it == live_.end()) return -1;
-  const int32_t r = it->second.first;
-  load_[static_cast<size_t>(r)] -= it->second.second;
+  const int32_t r = it->second.rank;
+  load_[static_cast<size_t>(r)] -= it->second.tokens;
+  if (!cached_.empty()) cached_[static_cast<size_t>(r)].insert(it->second.salt, it->second.seq);
   if (recent_.insert_or_assign(rid, r).second) {
     recent_order_.push_back(rid);
     if (recent_order_.size() > kRecent) {
@@ -53,6 +91,11 @@ int32_t LoadBalancer::release(const std::string& rid) {
 std::function<void(const GenerateOutput&)> LoadBalancer::release_on_finish(
     const std::string& rid, std::function<void(const GenerateOutput&)> user) {
   return [this, rid, user = std::move(user)](const GenerateOutput& o) {
+    if (!cached_.empty() && !o.new_tokens.empty()) {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (const auto it = live_.find(rid); it != live_.end())
+        it->second.seq.insert(it->second.seq.end(), o.new_tokens.begin(), o.new_tokens.end());
+    }
     if (o.finished) release(rid);
     if (user) user(o);
   };
@@ -61,12 +104,23 @@ std::function<void(const GenerateOutput&)> LoadBalancer::release_on_finish(
 int32_t LoadBalancer::rank_of(const std::string& rid) const {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = live_.find(rid);
-  return it == live_.end() ? -1 : it->second.first;
+  return it == live_.end() ? -1 : it->second.rank;
 }
 
 std::vector<int64_t> LoadBalancer::tokens_in_flight() const {
   std::lock_guard<std::mutex> lk(mu_);
   return load_;
+}
+
+int32_t LoadBalancer::tracked_prefix(int32_t rank, std::span<const int32_t> prompt, std::string_view salt) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (cached_.empty() || rank < 0 || rank >= ranks_) return 0;
+  return cached_[static_cast<size_t>(rank)].match(salt, prompt);
+}
+
+void LoadBalancer::forget_prefixes() {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto& c : cached_) c.clear();
 }
 
 }  // namespace mlaserve

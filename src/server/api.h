@@ -188,7 +188,7 @@ class Api {
   // generate() once the request is prepared (and its prompts' rows read from a prefill server, when it names one).
   void run_generation(const ParsedRequest& pr, Prepared p, const std::shared_ptr<HttpExchange>& ex);
   // The longest prefix of `tokens` this server's device cache holds under `salt` (blocks for an engine job).
-  int32_t local_prefix(const std::vector<int32_t>& tokens, const std::string& salt);
+  int32_t local_prefix(const std::vector<int32_t>& tokens, const std::string& salt, int32_t rank);
   // A decode request of prefill / decode disaggregation (kv_transfer_params do_remote_prefill, or SGLang's bootstrap
   // fields in decode mode): each prompt's rows read from its source (one per prompt) on kv_fetch_, then
   // run_generation on the connection's executor.

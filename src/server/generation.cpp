@@ -63,7 +63,10 @@ void GenerationJob::submit_choice(size_t i) {
   // A later sample goes to the DP rank of its prompt's first one, whose prefix cache holds the prompt.
   if (const size_t n = static_cast<size_t>(spec_.n); n > 1 && i % n != 0) req.follow_rid = choices_[i - i % n].rid;
   else req.follow_rid = spec_.follow_rid;
-  if (i % static_cast<size_t>(spec_.n) == 0) req.kv_prefix = spec_.prompts[choices_[i].prompt_index].kv_prefix;
+  if (i % static_cast<size_t>(spec_.n) == 0) {
+    req.kv_prefix = spec_.prompts[choices_[i].prompt_index].kv_prefix;
+    req.data_parallel_rank = spec_.prompts[choices_[i].prompt_index].dp_rank;
+  }
   // The engine thread only posts: the job's state is touched on the executor alone.
   std::shared_ptr<GenerationJob> self = shared_from_this();
   req.on_output = [self, i](const GenerateOutput& out) {

@@ -30,6 +30,9 @@ struct JobPrompt {
   std::string cache_salt;  // GenerateRequest::cache_salt (the request's, or in a batch SGLang's extra_key's own)
   // Its prefix's latent rows from a prefill server (GenerateRequest::kv_prefix, with its first sample); null: none.
   std::shared_ptr<const KvPrefix> kv_prefix;
+  // The DP rank its first sample is sent to (GenerateRequest::data_parallel_rank; the others follow it); -1: the load
+  // balancer's choice at submit.
+  int32_t dp_rank = -1;
 };
 
 struct JobSpec {

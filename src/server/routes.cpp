@@ -2024,10 +2024,11 @@ void Api::generate(ApiKind api, const HttpRequest& req, const std::shared_ptr<Ht
   run_generation(pr, std::move(p), ex);
 }
 
-int32_t Api::local_prefix(const std::vector<int32_t>& tokens, const std::string& salt) {
+int32_t Api::local_prefix(const std::vector<int32_t>& tokens, const std::string& salt, int32_t rank) {
   auto got = std::make_shared<std::promise<int32_t>>();
   std::future<int32_t> f = got->get_future();
-  engine_.export_kv(tokens, salt, 0, 0, [got](KvRows r) { got->set_value(r.error.empty() ? r.cached : 0); });
+  engine_.export_kv(
+      tokens, salt, 0, 0, [got](KvRows r) { got->set_value(r.error.empty() ? r.cached : 0); }, rank);
   return f.get();
 }
 
@@ -2046,9 +2047,14 @@ void Api::generate_after_transfer(const HttpRequest& req, ParsedRequest pr, Prep
     for (size_t i = 0; i < spec.prompts.size(); ++i) {
       JobPrompt& prompt = spec.prompts[i];
       const KvSource& src = sources[i];
-      // With one DP group (whose cache the request will use) only what it does not cache yet is read: a later turn
-      // of a conversation finds its earlier turns here (this server generated them).
-      const int32_t have = engine_.stats().size() == 1 ? local_prefix(prompt.input_ids, prompt.cache_salt) : 0;
+      // Only what the cache of the request's DP rank lacks is read: a later turn of a conversation finds its earlier
+      // turns there (this server generated them). With several ranks the load balancer picks it now (cache_aware:
+      // where the conversation is, unless that rank is busier than its prefix is long) and the request is sent there.
+      int32_t have = 0;
+      if (spec.follow_rid.empty() || engine_.stats().size() == 1) {
+        prompt.dp_rank = engine_.choose_rank(prompt.input_ids, prompt.cache_salt);
+        have = local_prefix(prompt.input_ids, prompt.cache_salt, prompt.dp_rank);
+      }
       if (have > 0 && static_cast<size_t>(have) + 1 >= prompt.input_ids.size()) continue;  // (nothing to read)
       std::string why;
       const auto t0 = std::chrono::steady_clock::now();

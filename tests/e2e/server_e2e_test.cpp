@@ -2448,9 +2448,29 @@ TEST(ServeFlags, SglangPrefillDecodeDisaggregation) {
     EXPECT_EQ(r.status, 200) << r.body;
     EXPECT_NE(r.body.find(R"("cached":0)"), std::string::npos) << r.body.substr(0, 300);
   }
-  EXPECT_EQ(prefill2.stop(), 0);
   EXPECT_EQ(decode.stop(), 0);
+  // The conversation on a decode server of two DP-attention groups (cache_aware): its later turn goes to the group
+  // that generated the first (round_robin would pick the other) and only the rest of the rows is read.
+  if (e2e_devices() >= 2) {
+    ServerProcess dpa({"--disaggregation-mode", "decode", "--tp", "2", "--dp", "2", "--enable-dp-attention",
+                       "--load-balance-method", "cache_aware", "--mem-fraction-static", "0.4"});
+    ASSERT_TRUE(dpa.running()) << dpa.log();
+    post_json(prefill2.port(), "/generate", body(prompt(0), 5001));
+    const json t1 = post_json(dpa.port(), "/generate", body(prompt(0), 5001));
+    EXPECT_EQ(t1["output_ids"].get<std::vector<int32_t>>(), want);
+    const double dpa_before = metric(dpa.port(), "kv_transfer_received_tokens_total");
+    EXPECT_GE(dpa_before, 150 - 16);
+    post_json(prefill2.port(), "/generate", body(turn2, 5002));
+    const json t2 = post_json(dpa.port(), "/generate", body(turn2, 5002));
+    const double dpa_read = metric(dpa.port(), "kv_transfer_received_tokens_total") - dpa_before;
+    EXPECT_GT(dpa_read, 0);
+    EXPECT_LE(dpa_read, 180 - 128) << "tokens read: the first turn's whole pages were cached in its group";
+    EXPECT_EQ(t2["output_ids"].get<std::vector<int32_t>>(), greedy(prefill2.port(), turn2, 10));
+    EXPECT_EQ(dpa.stop(), 0);
+  }
+  EXPECT_EQ(prefill2.stop(), 0);
   expect_serve_refuses({"--disaggregation-mode both --skip-tokenizer-init"}, "--disaggregation-mode");
+  expect_serve_refuses({"--load-balance-method fastest --skip-tokenizer-init"}, "--load-balance-method");
 }
 
 // /generate requests of a priority (EOS ignored) on one server, each name recorded once its request has all its

@@ -15,9 +15,9 @@ using namespace mlaserve;
 namespace {
 
 KvRows export_rows(EngineClient& e, const std::vector<int32_t>& tokens, int32_t begin = 0,
-                   int32_t max_tokens = 1 << 20, const std::string& salt = "") {
+                   int32_t max_tokens = 1 << 20, const std::string& salt = "", int32_t rank = -1) {
   return test::callback_result<KvRows>(
-      [&](auto cb) { e.export_kv(tokens, salt, begin, max_tokens, [cb](KvRows r) { cb(r); }); });
+      [&](auto cb) { e.export_kv(tokens, salt, begin, max_tokens, [cb](KvRows r) { cb(r); }, rank); });
 }
 
 std::shared_ptr<const KvPrefix> parts(std::initializer_list<KvRows> rows) {
@@ -95,6 +95,14 @@ TEST(KvTransfer, HandedOverRowsGiveTheSameTokens) {
     EXPECT_EQ(0, std::memcmp(all.rows() + 13 * tb, b.rows(), 27 * tb));
     // A prompt the cache does not hold, and a begin past what it holds: no rows.
     EXPECT_EQ(export_rows(prefill, prompt_of(30, 4)).cached, 0);
+    // One DP rank's cache alone: the group holding the prompt, another, one out of range.
+    const int32_t holder = pre.dp > 1 ? 1 : 0;
+    EXPECT_EQ(export_rows(prefill, prompt, 0, 0, "", holder).cached, 40);
+    if (pre.dp > 1) {
+      EXPECT_EQ(export_rows(prefill, prompt, 0, 0, "", 0).cached, 0);
+      EXPECT_EQ(export_rows(prefill, prompt, 0, 40, "", 0).end, 0);
+    }
+    EXPECT_NE(export_rows(prefill, prompt, 0, 0, "", pre.dp).error.find("out of range"), std::string::npos);
     const KvRows past = export_rows(prefill, prompt, 60, 10);
     EXPECT_EQ(past.cached, 40);
     EXPECT_EQ(past.end - past.begin, 0);
@@ -225,6 +233,10 @@ TEST(KvTransfer, DataParallelReplicasReadTheOneHoldingThePrompt) {
   ASSERT_TRUE(rows.error.empty()) << rows.error;
   EXPECT_EQ(rows.cached, 40);
   EXPECT_EQ(rows.end, 40);
+  // One replica's cache alone (what a decode server with replicas asks of the one it sends a request to).
+  EXPECT_EQ(export_rows(dp, prompt, 0, 0, "", 1).cached, 40);
+  EXPECT_EQ(export_rows(dp, prompt, 0, 0, "", 0).cached, 0);
+  EXPECT_NE(export_rows(dp, prompt, 0, 0, "", 2).error.find("out of range"), std::string::npos);
   Engine decode(test::cpu_ranks("v2lite"), test::small_engine_options(true));
   const Result got = generate(decode, "d", prompt, 4, parts({rows}));
   EXPECT_EQ(got.ids, want);

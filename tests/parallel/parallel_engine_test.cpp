@@ -176,6 +176,50 @@ TEST(DpReplicas, ControllerDispatchesAndRoutesAborts) {
   expect_idle_and_clean(*e);
 }
 
+std::vector<int32_t> first_turn(const Golden& g) {
+  std::vector<int32_t> p;
+  for (const auto& q : g.prompts) p.insert(p.end(), q.begin(), q.end());
+  return p;
+}
+
+// A conversation's second turn (the first turn's prompt and output, then more) after the first finished, on two DP
+// groups (DP attention) or two replicas: the prompt tokens it found cached.
+int64_t second_turn_cached(const std::string& method, bool dp_attention) {
+  Golden g = golden("v2");
+  EngineArgs a;
+  a.model_path = test::golden_dir("v2");
+  a.device = "cpu";
+  a.tp_size = 2;
+  a.dp_size = 2;
+  a.enable_dp_attention = dp_attention;
+  a.max_total_tokens = 4096;
+  a.page_size = 8;
+  a.load_balance_method = method;
+  auto e = make_engine(a);
+  auto first = submit_ids(*e, "first", first_turn(g), 8);
+  std::vector<int32_t> turn = first_turn(g);
+  for (int32_t t : wait_ids(first)) turn.push_back(t);
+  turn.insert(turn.end(), g.prompts[3].begin(), g.prompts[3].end());
+  auto second = submit_ids(*e, "second", turn, 4);
+  wait_ids(second);
+  int64_t cached = 0;
+  for (const RankStats& s : e->stats()) cached += s.cached_prompt_tokens_total;
+  expect_idle_and_clean(*e);
+  return cached;
+}
+
+// cache_aware sends the second turn where the first is cached; round_robin to the other group / replica, which
+// computes it all again.
+TEST(LoadBalancer, CacheAwareFindsTheFirstTurnsCache) {
+  const int64_t pages = static_cast<int64_t>(first_turn(golden("v2")).size()) / 8 * 8;
+  ASSERT_GE(pages, 16);
+  for (bool dp_attention : {true, false}) {
+    SCOPED_TRACE(dp_attention ? "DP attention" : "DP replicas");
+    EXPECT_EQ(second_turn_cached("round_robin", dp_attention), 0);
+    EXPECT_GE(second_turn_cached("cache_aware", dp_attention), pages);
+  }
+}
+
 TEST(LoadBalancer, ShortestQueueCountsTokensNotRequests) {
   LoadBalancer lb(2, "shortest_queue");
   EXPECT_EQ(lb.assign("big", 1000), 0);

@@ -1,0 +1,147 @@
+// PrefixTracker (what a DP rank's prefix cache probably holds) and LoadBalancer's cache_aware method built on it.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "core/error.h"
+#include "engine/load_balancer.h"
+#include "engine/prefix_tracker.h"
+
+using namespace mlaserve;
+
+namespace {
+std::vector<int32_t> seq(int32_t from, int32_t n) {
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  std::iota(v.begin(), v.end(), from);
+  return v;
+}
+std::vector<int32_t> cat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+}  // namespace
+
+TEST(PrefixTracker, MatchesTheLongestTrackedPrefix) {
+  PrefixTracker t(1000);
+  const auto a = seq(0, 10);
+  EXPECT_EQ(t.match("", a), 0);
+  t.insert("", a);
+  EXPECT_EQ(t.size(), 10);
+  EXPECT_EQ(t.match("", a), 10);
+  EXPECT_EQ(t.match("", seq(0, 4)), 4);
+  EXPECT_EQ(t.match("", cat(seq(0, 6), {99, 7})), 6);   // parts inside an edge
+  EXPECT_EQ(t.match("", cat(a, seq(50, 5))), 10);       // longer than what is tracked
+  EXPECT_EQ(t.match("", seq(1, 10)), 0);
+  // A branch splits the edge; both sequences stay whole.
+  const auto b = cat(seq(0, 6), seq(100, 8));
+  t.insert("", b);
+  EXPECT_EQ(t.size(), 18);
+  EXPECT_EQ(t.match("", a), 10);
+  EXPECT_EQ(t.match("", b), 14);
+  EXPECT_EQ(t.match("", cat(seq(0, 6), {100, 101, 5})), 8);
+  // A leaf extended (a request's output after its prompt) and a sequence inserted again add nothing twice.
+  t.insert("", cat(a, seq(200, 3)));
+  t.insert("", b);
+  EXPECT_EQ(t.size(), 21);
+  EXPECT_EQ(t.match("", cat(a, seq(200, 9))), 13);
+  // Salts keep trees apart.
+  EXPECT_EQ(t.match("s", a), 0);
+  t.insert("s", seq(0, 3));
+  EXPECT_EQ(t.match("s", a), 3);
+  EXPECT_EQ(t.match("", a), 10);
+  t.clear();
+  EXPECT_EQ(t.size(), 0);
+  EXPECT_EQ(t.match("", a), 0);
+}
+
+TEST(PrefixTracker, EvictsTheLeastRecentlyUsedPastItsCapacity) {
+  PrefixTracker t(100);
+  const auto a = seq(0, 40), b = seq(1000, 40), c = seq(2000, 40);
+  t.insert("", a);
+  t.insert("", b);
+  t.insert("", a);  // a used again: b is the older one
+  t.insert("", c);  // 120 > 100: down to 90 at most, the oldest leaf first
+  EXPECT_LE(t.size(), 90);
+  EXPECT_EQ(t.match("", b), 0);
+  EXPECT_EQ(t.match("", a), 40);
+  EXPECT_EQ(t.match("", c), 40);
+  // Eviction takes leaves: a branch's shared part stays while a branch under it does.
+  PrefixTracker u(50);
+  u.insert("", cat(seq(0, 20), seq(100, 10)));
+  u.insert("x", seq(500, 10));
+  u.insert("", cat(seq(0, 20), seq(300, 10)));  // 50 tokens
+  u.insert("", seq(700, 10));                   // 60: the oldest leaves go (the first branch, then salt x's)
+  EXPECT_LE(u.size(), 45);
+  EXPECT_EQ(u.match("", cat(seq(0, 20), seq(300, 10))), 30);
+  EXPECT_EQ(u.match("", cat(seq(0, 20), seq(100, 10))), 20);
+  EXPECT_EQ(u.match("x", seq(500, 10)), 0);
+  // Nothing is tracked without a capacity.
+  PrefixTracker none(0);
+  none.insert("", a);
+  EXPECT_EQ(none.match("", a), 0);
+}
+
+TEST(LoadBalancer, CacheAwareSendsARequestWhereItsPrefixIs) {
+  LoadBalancer lb(2, "cache_aware", 100000);
+  const auto sys = seq(0, 500);  // a long shared start
+  const auto q1 = cat(sys, seq(1000, 20)), q2 = cat(sys, seq(2000, 20)), other = seq(5000, 50);
+  EXPECT_EQ(lb.assign("a", 600, -1, {}, q1), 0);
+  // Unrelated: the less busy rank; the same start goes where it is cached though rank 0 is busier.
+  EXPECT_EQ(lb.assign("b", 150, -1, {}, other), 1);
+  EXPECT_EQ(lb.assign("c", 600, -1, {}, q2), 0);
+  EXPECT_EQ(lb.tracked_prefix(0, q2), 520);
+  EXPECT_EQ(lb.tracked_prefix(1, q2), 0);
+  // Rank 0 busier than the prefix is long: the request goes to rank 1 (which then caches the start too).
+  EXPECT_EQ(lb.assign("d", 600, -1, {}, cat(sys, seq(3000, 20))), 1);
+  EXPECT_EQ(lb.tracked_prefix(1, q1), 500);
+  // A finished request's output counts as cached with its prompt: its next turn follows it.
+  lb.release("d");
+  lb.release("b");
+  auto on = lb.release_on_finish("c", nullptr);
+  GenerateOutput o;
+  o.new_tokens = {7, 8, 9};
+  on(o);
+  o.new_tokens = {10};
+  o.finished = true;
+  on(o);
+  EXPECT_EQ(lb.rank_of("c"), -1);
+  const auto turn2 = cat(cat(q2, {7, 8, 9, 10}), seq(4000, 30));
+  EXPECT_EQ(lb.tracked_prefix(0, turn2), 524);
+  EXPECT_EQ(lb.tracked_prefix(1, turn2), 500);
+  const auto tokens = lb.tokens_in_flight();
+  EXPECT_EQ(tokens[0], 600);  // a
+  EXPECT_EQ(tokens[1], 0);
+  // 600 - 524 > 0 - 500: rank 1 (the start is cached there too, and rank 0 runs a).
+  EXPECT_EQ(lb.assign("e", 600, -1, {}, turn2), 1);
+  lb.release("a");
+  lb.release("e");
+  EXPECT_EQ(lb.assign("f", 600, -1, {}, turn2), 1);  // (e's prompt is tracked on rank 1 now, whole)
+  lb.release("f");
+  // Salts: the same tokens under another salt are not cached anywhere.
+  EXPECT_EQ(lb.tracked_prefix(0, q1, "tenant"), 0);
+  // A flush forgets everything.
+  lb.forget_prefixes();
+  EXPECT_EQ(lb.tracked_prefix(0, q1), 0);
+  EXPECT_EQ(lb.tracked_prefix(1, turn2), 0);
+  // Without a cache, cache_aware is shortest_queue; minimum_tokens is shortest_queue's other name.
+  for (const char* m : {"cache_aware", "minimum_tokens"}) {
+    LoadBalancer plain(2, m, 0);
+    EXPECT_EQ(plain.assign("x", 100, -1, {}, q1), 0);
+    EXPECT_EQ(plain.assign("y", 100, -1, {}, q1), 1);
+    EXPECT_EQ(plain.assign("z", 10, -1, {}, q1), 0);
+    EXPECT_EQ(plain.tracked_prefix(0, q1), 0);
+  }
+  EXPECT_THROW(LoadBalancer(2, "cache-aware"), Error);
+  // choose: the pick without recording it (round_robin's turn moves on); a request pinned to it goes there.
+  LoadBalancer rr(3, "round_robin");
+  EXPECT_EQ(rr.choose(q1), 0);
+  EXPECT_EQ(rr.assign("p", 10, 0), 0);
+  EXPECT_EQ(rr.choose(q1), 1);
+  EXPECT_EQ(rr.assign("q", 10), 2);
+  LoadBalancer ca(2, "cache_aware", 1000);
+  EXPECT_EQ(ca.assign("a", 300, -1, {}, q1), 0);
+  EXPECT_EQ(ca.choose(q2), 0);  // (the start is cached there, and rank 0 is busier by less)
+  EXPECT_EQ(ca.choose(other), 1);
+  EXPECT_EQ(ca.tokens_in_flight()[1], 0);
+  EXPECT_EQ(ca.tracked_prefix(1, other), 0);
+}
