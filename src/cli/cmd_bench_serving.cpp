@@ -17,7 +17,8 @@ const RegisterCommand reg("bench-serving", "benchmark a running server (drop-in 
   app.add_option("--base-url", a->base_url, "server URL (overrides --host/--port)");
   app.add_option("--model", a->model, "model name for OpenAI requests (default: the server's)");
   app.add_option("--tokenizer", a->tokenizer, "tokenizer directory (default: the server's tokenizer_path)");
-  app.add_option("--dataset-name", a->dataset_name, "random | random-ids | sharegpt")->capture_default_str();
+  app.add_option("--dataset-name", a->dataset_name, "random | random-ids | sharegpt | generated-shared-prefix")
+      ->capture_default_str();
   app.add_option("--dataset-path", a->dataset_path, "ShareGPT JSON (sharegpt; optional text source for random)");
   app.add_option("--num-prompts", a->num_prompts, "requests to send")->capture_default_str();
   app.add_option("--random-input,--random-input-len", a->random_input, "random: max input tokens")
@@ -27,6 +28,16 @@ const RegisterCommand reg("bench-serving", "benchmark a running server (drop-in 
   app.add_option("--random-range-ratio", a->random_range_ratio, "random: lengths drawn from [len*ratio, len]")
       ->capture_default_str();
   app.add_option("--sharegpt-output-len", a->sharegpt_output_len, "sharegpt: fixed output length");
+  app.add_option("--gsp-num-groups", a->gsp_num_groups, "generated-shared-prefix: system prompts")
+      ->capture_default_str();
+  app.add_option("--gsp-prompts-per-group", a->gsp_prompts_per_group, "generated-shared-prefix: prompts per system "
+                 "prompt (--num-prompts is not used)")->capture_default_str();
+  app.add_option("--gsp-system-prompt-len", a->gsp_system_prompt_len, "generated-shared-prefix: system prompt tokens")
+      ->capture_default_str();
+  app.add_option("--gsp-question-len", a->gsp_question_len, "generated-shared-prefix: question tokens")
+      ->capture_default_str();
+  app.add_option("--gsp-output-len", a->gsp_output_len, "generated-shared-prefix: output tokens")
+      ->capture_default_str();
   app.add_option("--request-rate", *rate, "requests per second, Poisson arrivals (inf: all at once)")
       ->capture_default_str();
   app.add_option("--max-concurrency", a->max_concurrency, "cap on requests in flight (0: none)");

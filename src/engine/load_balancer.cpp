@@ -1,11 +1,13 @@
 #include "engine/load_balancer.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace mlaserve {
 
 LoadBalancer::LoadBalancer(int32_t ranks, const std::string& method, int64_t cache_tokens)
-    : ranks_(ranks), load_(static_cast<size_t>(ranks), 0) {
+    : ranks_(ranks), load_(static_cast<size_t>(ranks), 0), requests_(static_cast<size_t>(ranks), 0) {
   if (method == "round_robin") method_ = Method::RoundRobin;
   else if (method == "shortest_queue" || method == "minimum_tokens") method_ = Method::Shortest;
   else if (method == "cache_aware") method_ = Method::CacheAware;
@@ -28,6 +30,7 @@ int32_t LoadBalancer::assign(const std::string& rid, int64_t tokens, int32_t pin
   }
   if (r < 0) r = pick(prompt, salt);
   load_[static_cast<size_t>(r)] += tokens;
+  ++requests_[static_cast<size_t>(r)];
   Live& l = live_[rid];
   l.rank = r;
   l.tokens = tokens;
@@ -45,27 +48,30 @@ int32_t LoadBalancer::choose(std::span<const int32_t> prompt, std::string_view s
 }
 
 int32_t LoadBalancer::pick(std::span<const int32_t> prompt, std::string_view salt) {
-  int32_t r = -1;
   if (method_ == Method::RoundRobin) {
-    r = next_;
+    const int32_t r = next_;
     next_ = (next_ + 1) % ranks_;
-  } else {
-    // The fewest tokens in flight, a rank's tracked prefix of the prompt not counted (cache_aware); on a tie the
-    // longer prefix, then the rank tracking fewer tokens (new prefixes spread over the caches), then the lower rank.
-    int64_t best_score = 0, best_size = 0;
-    int32_t best_match = 0;
-    for (int32_t i = 0; i < ranks_; ++i) {
-      const auto& c = cached_.empty() ? nullptr : &cached_[static_cast<size_t>(i)];
-      const int32_t m = c ? c->match(salt, prompt) : 0;
-      const int64_t score = load_[static_cast<size_t>(i)] - m, size = c ? c->size() : 0;
-      if (r < 0 || score < best_score || (score == best_score && (m > best_match || (m == best_match &&
-                                                                                      size < best_size)))) {
-        r = i;
-        best_score = score;
-        best_match = m;
-        best_size = size;
-      }
-    }
+    return r;
+  }
+  const auto n = static_cast<size_t>(ranks_);
+  std::vector<int32_t> match(n, 0);
+  int32_t best_match = 0;
+  if (!cached_.empty())
+    for (size_t i = 0; i < n; ++i) best_match = std::max(best_match, match[i] = cached_[i].match(salt, prompt));
+  const auto [lo, hi] = std::minmax_element(requests_.begin(), requests_.end());
+  const bool balanced = *hi - *lo <= kBalanceAbs || static_cast<double>(*hi) <= kBalanceRel * *lo;
+  const bool by_cache = balanced && best_match > 0 &&
+                        static_cast<double>(best_match) >= kCacheShare * static_cast<double>(prompt.size());
+  // by_cache: of the ranks with the longest tracked prefix, the one with the fewest tokens in flight. Else the fewest
+  // tokens in flight over all; on a tie the rank tracking fewer tokens (new prefixes spread over the caches). Then the
+  // lower rank.
+  int32_t r = -1;
+  for (size_t i = 0; i < n; ++i) {
+    if (by_cache && match[i] < best_match) continue;
+    const auto b = static_cast<size_t>(r);
+    if (r < 0 || load_[i] < load_[b] ||
+        (load_[i] == load_[b] && !cached_.empty() && cached_[i].size() < cached_[b].size()))
+      r = static_cast<int32_t>(i);
   }
   return r;
 }
@@ -76,6 +82,7 @@ int32_t LoadBalancer::release(const std::string& rid) {
   if (it == live_.end()) return -1;
   const int32_t r = it->second.rank;
   load_[static_cast<size_t>(r)] -= it->second.tokens;
+  --requests_[static_cast<size_t>(r)];
   if (!cached_.empty()) cached_[static_cast<size_t>(r)].insert(it->second.salt, it->second.seq);
   if (recent_.insert_or_assign(rid, r).second) {
     recent_order_.push_back(rid);

@@ -1,11 +1,13 @@
 // LoadBalancer: picks the DP rank (an attention-DP group or a replica) for each new request.
 // round_robin cycles; shortest_queue (or minimum_tokens, the same) picks the rank with the fewest tokens in flight
 // (prompt + max_new_tokens of every unfinished request), counting tokens rather than requests so long prompts weigh
-// what they cost. cache_aware is shortest_queue where the part of the prompt a rank probably caches already counts as
-// done: the rank with the fewest tokens in flight plus the prompt's uncached tokens, so a request goes where its prefix
-// is unless that rank is busier by more than the prefix is long (what a rank caches is tracked approximately, a
-// PrefixTracker per rank). A request may follow another (live, or among the last kRecent finished) onto its rank,
-// where the prefix cache holds what they share. Thread-safe.
+// what they cost. cache_aware (the policy of SGLang's router, here inside the server): while the ranks are balanced
+// (their requests in flight differ by at most kBalanceAbs, or the most is at most kBalanceRel times the fewest) and a
+// rank probably caches at least kCacheShare of the prompt, the request goes to the rank caching the longest prefix of
+// it (of several, the one with the fewest tokens in flight); else as shortest_queue, a tie going to the rank that
+// tracks fewer tokens. What a rank caches is tracked approximately, a PrefixTracker per rank. A request may follow
+// another (live, or among the last kRecent finished) onto its rank, where the prefix cache holds what they share.
+// Thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +31,9 @@ class LoadBalancer {
   // ranks cache nothing, and cache_aware is shortest_queue).
   LoadBalancer(int32_t ranks, const std::string& method, int64_t cache_tokens = 0);
   static constexpr size_t kRecent = 4096;
+  static constexpr int64_t kBalanceAbs = 8;
+  static constexpr double kBalanceRel = 1.5;
+  static constexpr double kCacheShare = 0.3;
   // Chooses a rank (or takes `pinned` when >= 0, else the rank of the request `follow` when it is live or finished
   // lately) and records the request's cost (`tokens`) there. `prompt` / `salt`: its prompt's tokens and cache salt,
   // for cache_aware.
@@ -65,6 +70,7 @@ class LoadBalancer {
   mutable std::mutex mu_;
   int32_t next_ = 0;
   std::vector<int64_t> load_;
+  std::vector<int64_t> requests_;  // in flight, per rank
   std::vector<PrefixTracker> cached_;  // cache_aware: per rank
   std::unordered_map<std::string, Live> live_;
   std::unordered_map<std::string, int32_t> recent_;  // finished requests' ranks (the last kRecent)

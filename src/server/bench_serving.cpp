@@ -142,28 +142,41 @@ int32_t uniform_int(std::mt19937_64& rng, int64_t lo, int64_t hi) {  // inclusiv
   return static_cast<int32_t>(std::uniform_int_distribution<int64_t>(lo, hi)(rng));
 }
 
+// The tokens of the text prompts are cut from: the --dataset-path ShareGPT file's text, else builtin_corpus().
+std::vector<int32_t> text_corpus(const BenchArgs& a, const server::TextCodec& codec) {
+  std::vector<int32_t> corpus;
+  if (!a.dataset_path.empty()) {
+    std::ifstream in(a.dataset_path);
+    MLA_CHECK(in.good(), "--dataset-path: cannot read '{}'", a.dataset_path);
+    json d = json::parse(in);
+    std::string text;
+    for (const auto& conv : d)
+      if (conv.contains("conversations"))
+        for (const auto& turn : conv["conversations"])
+          if (turn.contains("value") && turn["value"].is_string()) text += turn["value"].get<std::string>() + "\n";
+    corpus = codec.encode(text, false);
+  } else {
+    corpus = codec.encode(builtin_corpus(), false);
+  }
+  MLA_CHECK(corpus.size() > 16, "the text corpus for the {} dataset is too short", a.dataset_name);
+  return corpus;
+}
+
+// `n` tokens of the corpus from a random start (wrapping around).
+std::vector<int32_t> corpus_cut(std::mt19937_64& rng, const std::vector<int32_t>& corpus, int64_t n) {
+  const auto start = static_cast<size_t>(uniform_int(rng, 0, static_cast<int64_t>(corpus.size()) - 1));
+  std::vector<int32_t> ids;
+  for (int64_t j = 0; j < n; ++j) ids.push_back(corpus[(start + static_cast<size_t>(j)) % corpus.size()]);
+  return ids;
+}
+
 std::vector<Prompt> random_prompts(const BenchArgs& a, const server::TextCodec& codec, bool ids_dataset,
                                    bool send_ids) {
   std::mt19937_64 rng(a.seed);
   const int64_t in_lo = std::max<int64_t>(static_cast<int64_t>(a.random_input * a.random_range_ratio), 1);
   const int64_t out_lo = std::max<int64_t>(static_cast<int64_t>(a.random_output * a.random_range_ratio), 1);
   std::vector<int32_t> corpus;
-  if (!ids_dataset) {
-    if (!a.dataset_path.empty()) {
-      std::ifstream in(a.dataset_path);
-      MLA_CHECK(in.good(), "--dataset-path: cannot read '{}'", a.dataset_path);
-      json d = json::parse(in);
-      std::string text;
-      for (const auto& conv : d)
-        if (conv.contains("conversations"))
-          for (const auto& turn : conv["conversations"])
-            if (turn.contains("value") && turn["value"].is_string()) text += turn["value"].get<std::string>() + "\n";
-      corpus = codec.encode(text, false);
-    } else {
-      corpus = codec.encode(builtin_corpus(), false);
-    }
-    MLA_CHECK(corpus.size() > 16, "the text corpus for the random dataset is too short");
-  }
+  if (!ids_dataset) corpus = text_corpus(a, codec);
   const int64_t vocab = static_cast<int64_t>(codec.vocab_size());
   std::vector<Prompt> out;
   for (int32_t i = 0; i < a.num_prompts; ++i) {
@@ -175,14 +188,32 @@ std::vector<Prompt> random_prompts(const BenchArgs& a, const server::TextCodec& 
       const int64_t offset = uniform_int(rng, 0, vocab - 1);
       for (int64_t j = 0; j < p.prompt_len; ++j) ids.push_back(static_cast<int32_t>((offset + i + j) % vocab));
     } else {
-      // Real text cut (or repeated) to the target token count.
-      size_t start = static_cast<size_t>(uniform_int(rng, 0, static_cast<int64_t>(corpus.size()) - 1));
-      for (int64_t j = 0; j < p.prompt_len; ++j) ids.push_back(corpus[(start + j) % corpus.size()]);
+      ids = corpus_cut(rng, corpus, p.prompt_len);  // real text cut (or repeated) to the target token count
     }
     if (send_ids) p.ids = ids;
     else p.text = codec.decode(ids, false);
     out.push_back(std::move(p));
   }
+  return out;
+}
+
+// SGLang's generated-shared-prefix: groups of prompts sharing a long system prompt (text cut from the corpus), each
+// with a question of its own, in a shuffled order (a group's prompts interleave with the others').
+std::vector<Prompt> shared_prefix_prompts(const BenchArgs& a, const server::TextCodec& codec) {
+  std::mt19937_64 rng(a.seed);
+  const std::vector<int32_t> corpus = text_corpus(a, codec);
+  std::vector<Prompt> out;
+  for (int32_t g = 0; g < a.gsp_num_groups; ++g) {
+    const std::string system = codec.decode(corpus_cut(rng, corpus, a.gsp_system_prompt_len), false);
+    for (int32_t q = 0; q < a.gsp_prompts_per_group; ++q) {
+      Prompt p;
+      p.text = system + "\n\n" + codec.decode(corpus_cut(rng, corpus, a.gsp_question_len), false);
+      p.prompt_len = static_cast<int64_t>(codec.encode(p.text, false).size());
+      p.output_len = a.gsp_output_len;
+      out.push_back(std::move(p));
+    }
+  }
+  std::shuffle(out.begin(), out.end(), rng);
   return out;
 }
 
@@ -587,8 +618,14 @@ void check_args(const BenchArgs& a) {
   MLA_CHECK(a.backend == "sglang" || a.backend == "sglang-native" || a.backend == "sglang-oai" ||
                 a.backend == "sglang-oai-chat",
             "--backend: expected sglang, sglang-native, sglang-oai or sglang-oai-chat, got '{}'", a.backend);
-  MLA_CHECK(a.dataset_name == "random" || a.dataset_name == "random-ids" || a.dataset_name == "sharegpt",
-            "--dataset-name: expected random, random-ids or sharegpt, got '{}'", a.dataset_name);
+  MLA_CHECK(a.dataset_name == "random" || a.dataset_name == "random-ids" || a.dataset_name == "sharegpt" ||
+                a.dataset_name == "generated-shared-prefix",
+            "--dataset-name: expected random, random-ids, sharegpt or generated-shared-prefix, got '{}'",
+            a.dataset_name);
+  MLA_CHECK(a.gsp_num_groups >= 1 && a.gsp_prompts_per_group >= 1 && a.gsp_system_prompt_len >= 1 &&
+                a.gsp_question_len >= 1 && a.gsp_output_len >= 1,
+            "--gsp-num-groups, --gsp-prompts-per-group, --gsp-system-prompt-len, --gsp-question-len and "
+            "--gsp-output-len must be >= 1");
   MLA_CHECK(a.num_prompts >= 1, "--num-prompts must be >= 1");
   MLA_CHECK(a.random_input >= 1 && a.random_output >= 1, "--random-input and --random-output must be >= 1");
   MLA_CHECK(a.random_range_ratio >= 0.0 && a.random_range_ratio <= 1.0, "--random-range-ratio must be in [0, 1]");
@@ -639,9 +676,10 @@ int run_bench_serving(const BenchArgs& args) {
 
   const bool native = args.backend == "sglang" || args.backend == "sglang-native";
   std::vector<Prompt> prompts =
-      args.dataset_name == "sharegpt"
-          ? sharegpt_prompts(args, *codec)
-          : random_prompts(args, *codec, args.dataset_name == "random-ids", native && args.dataset_name == "random-ids");
+      args.dataset_name == "sharegpt"                  ? sharegpt_prompts(args, *codec)
+      : args.dataset_name == "generated-shared-prefix" ? shared_prefix_prompts(args, *codec)
+                                                       : random_prompts(args, *codec, args.dataset_name == "random-ids",
+                                                                        native && args.dataset_name == "random-ids");
   int64_t total_in = 0, total_out = 0;
   for (const auto& p : prompts) {
     total_in += p.prompt_len;

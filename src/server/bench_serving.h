@@ -18,13 +18,20 @@ struct BenchArgs {
   std::string base_url;            // overrides host/port (http://host:port[/prefix])
   std::string model;               // OpenAI "model"; default: the server's /v1/models
   std::string tokenizer;           // default: the server's /get_model_info tokenizer_path
-  std::string dataset_name = "sharegpt";  // random | random-ids | sharegpt
+  std::string dataset_name = "sharegpt";  // random | random-ids | sharegpt | generated-shared-prefix
   std::string dataset_path;
   int32_t num_prompts = 1000;
   int32_t random_input = 1024;
   int32_t random_output = 1024;
   double random_range_ratio = 0.0;
   int32_t sharegpt_output_len = 0;  // > 0: fixed output length for sharegpt
+  // generated-shared-prefix: gsp_num_groups system prompts, each starting gsp_prompts_per_group prompts (its
+  // system prompt, a blank line, a question of its own), shuffled; every request gsp_output_len new tokens.
+  int32_t gsp_num_groups = 64;
+  int32_t gsp_prompts_per_group = 16;
+  int32_t gsp_system_prompt_len = 2048;
+  int32_t gsp_question_len = 128;
+  int32_t gsp_output_len = 256;
   double request_rate = std::numeric_limits<double>::infinity();
   int32_t max_concurrency = 0;      // 0: unlimited
   uint64_t seed = 1;

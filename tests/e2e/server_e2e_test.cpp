@@ -967,6 +967,48 @@ TEST_F(ServerE2E, BenchServingPrintsTheMetricBlock) {
   wait_idle(port());
 }
 
+// bench-serving's generated-shared-prefix dataset (SGLang's) against a server of two DP-attention groups, one request
+// at a time: groups x prompts-per-group requests, each group's prompts starting with its system prompt. With
+// cache_aware each system prompt is computed on one group only (the later prompts of its group find it cached there);
+// round_robin sends them to both groups.
+TEST(ServerE2EVariants, SharedPrefixBenchAndCacheAwareRouting) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  MLASERVE_NEEDS_DEVICES(2);
+  std::map<std::string, double> cached;
+  for (const char* method : {"round_robin", "cache_aware"}) {
+    SCOPED_TRACE(method);
+    ServerProcess s({"--tp", "2", "--dp", "2", "--enable-dp-attention", "--load-balance-method", method,
+                     "--mem-fraction-static", "0.4"});
+    ASSERT_TRUE(s.running()) << s.log();
+    const std::string out_file = (std::filesystem::temp_directory_path() /
+                                  ("mlaserve_gsp_" + std::to_string(::getpid()) + "_" + method + ".jsonl"))
+                                     .string();
+    std::filesystem::remove(out_file);
+    auto r = run_command(mlaserve_cmd(300) + " bench-serving --backend sglang --host 127.0.0.1 --port " +
+                         std::to_string(s.port()) +
+                         " --dataset-name generated-shared-prefix --gsp-num-groups 4 --gsp-prompts-per-group 4"
+                         " --gsp-system-prompt-len 256 --gsp-question-len 16 --gsp-output-len 4 --max-concurrency 1"
+                         " --seed 5 --output-file " + out_file);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("Successful requests:                     16"), std::string::npos) << r.output;
+    const std::string lines = read_text(out_file);
+    const json j = json::parse(lines.substr(0, lines.find('\n')));
+    EXPECT_EQ(j["completed"], 16);
+    EXPECT_EQ(j["total_output_tokens"], 64);
+    EXPECT_GT(j["total_input_tokens"].get<int64_t>(), 16 * 256);
+    std::filesystem::remove(out_file);
+    const std::string m = http_request(s.port(), "GET", "/metrics").body;
+    const std::string name = "\nmlaserve:cached_prompt_tokens_total ";
+    const size_t at = m.find(name);
+    ASSERT_NE(at, std::string::npos) << m;
+    cached[method] = std::stod(m.substr(at + name.size()));
+    EXPECT_EQ(s.stop(), 0);
+  }
+  // cache_aware: 12 of the 16 prompts find their system prompt cached (its whole pages at least); round_robin fewer.
+  EXPECT_GE(cached["cache_aware"], 12 * 192);
+  EXPECT_LT(cached["round_robin"], cached["cache_aware"]);
+}
+
 // --stream-interval 3: a chunk every 3 tokens and one at the end, each covering everything since the one before (the
 // native stream's cumulative ids; the OpenAI deltas add up to the whole text).
 // --chat-template with the repo's DeepSeek-V3 tool template and --tool-call-parser deepseekv3 on the real tokenizer:
@@ -1775,6 +1817,7 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
   expect_serve_refuses({"--pipeline-parallel-size 2"}, "--pipeline-parallel-size 2");
   expect_serve_refuses({"--pipeline-parallel-size 0"}, "--pipeline-parallel-size must be >= 1");
   expect_serve_refuses({"--gpu-id-step 0"}, "--gpu-id-step must be >= 1");
+  expect_serve_refuses({"--load-balance-method fastest"}, "--load-balance-method");
   // On GPUs (SGLang's --base-gpu-id): a first GPU past the visible ones is refused, naming it.
   if (e2e_env("MLASERVE_E2E_DEVICE", "cpu") == "cuda")
     expect_serve_refuses({"--device cuda --skip-tokenizer-init --base-gpu-id 64"}, "GPU 64 requested");
@@ -2470,7 +2513,6 @@ TEST(ServeFlags, SglangPrefillDecodeDisaggregation) {
   }
   EXPECT_EQ(prefill2.stop(), 0);
   expect_serve_refuses({"--disaggregation-mode both --skip-tokenizer-init"}, "--disaggregation-mode");
-  expect_serve_refuses({"--load-balance-method fastest --skip-tokenizer-init"}, "--load-balance-method");
 }
 
 // /generate requests of a priority (EOS ignored) on one server, each name recorded once its request has all its

@@ -85,18 +85,26 @@ TEST(LoadBalancer, CacheAwareSendsARequestWhereItsPrefixIs) {
   LoadBalancer lb(2, "cache_aware", 100000);
   const auto sys = seq(0, 500);  // a long shared start
   const auto q1 = cat(sys, seq(1000, 20)), q2 = cat(sys, seq(2000, 20)), other = seq(5000, 50);
-  EXPECT_EQ(lb.assign("a", 600, -1, {}, q1), 0);
-  // Unrelated: the less busy rank; the same start goes where it is cached though rank 0 is busier.
-  EXPECT_EQ(lb.assign("b", 150, -1, {}, other), 1);
+  EXPECT_EQ(lb.assign("a", 600, -1, {}, q1), 0);     // nothing cached anywhere: the fewest tokens in flight
+  EXPECT_EQ(lb.assign("b", 150, -1, {}, other), 1);  // (rank 1 now)
+  // The same start goes where it is cached, though rank 0 is busier.
   EXPECT_EQ(lb.assign("c", 600, -1, {}, q2), 0);
   EXPECT_EQ(lb.tracked_prefix(0, q2), 520);
   EXPECT_EQ(lb.tracked_prefix(1, q2), 0);
-  // Rank 0 busier than the prefix is long: the request goes to rank 1 (which then caches the start too).
-  EXPECT_EQ(lb.assign("d", 600, -1, {}, cat(sys, seq(3000, 20))), 1);
+  // A cached start under kCacheShare of the prompt does not draw it: the fewest tokens in flight.
+  EXPECT_EQ(lb.assign("s", 400, -1, {}, cat(seq(0, 100), seq(7000, 300))), 1);
+  // While balanced (requests in flight differing by at most kBalanceAbs) the start keeps drawing its prompts to rank 0;
+  // then one goes to the shortest queue, rank 1, which tracks the start from then on.
+  for (int k = 0; k < 9; ++k) {
+    EXPECT_EQ(lb.assign("g" + std::to_string(k), 600, -1, {}, cat(sys, seq(10000 + 100 * k, 20))), 0) << k;
+  }
+  EXPECT_EQ(lb.assign("g9", 600, -1, {}, cat(sys, seq(20000, 20))), 1);  // (11 requests against 2)
   EXPECT_EQ(lb.tracked_prefix(1, q1), 500);
+  // Both ranks cache the start now: of them, the one with the fewest tokens in flight.
+  EXPECT_EQ(lb.assign("h", 600, -1, {}, cat(sys, seq(21000, 20))), 1);
+  for (const char* rid : {"a", "b", "s", "g0", "g1", "g2", "g3", "g4", "g5", "g6", "g7", "g8", "g9", "h"})
+    EXPECT_GE(lb.release(rid), 0) << rid;
   // A finished request's output counts as cached with its prompt: its next turn follows it.
-  lb.release("d");
-  lb.release("b");
   auto on = lb.release_on_finish("c", nullptr);
   GenerateOutput o;
   o.new_tokens = {7, 8, 9};
@@ -105,18 +113,12 @@ TEST(LoadBalancer, CacheAwareSendsARequestWhereItsPrefixIs) {
   o.finished = true;
   on(o);
   EXPECT_EQ(lb.rank_of("c"), -1);
+  EXPECT_EQ(lb.tokens_in_flight(), (std::vector<int64_t>{0, 0}));
   const auto turn2 = cat(cat(q2, {7, 8, 9, 10}), seq(4000, 30));
   EXPECT_EQ(lb.tracked_prefix(0, turn2), 524);
   EXPECT_EQ(lb.tracked_prefix(1, turn2), 500);
-  const auto tokens = lb.tokens_in_flight();
-  EXPECT_EQ(tokens[0], 600);  // a
-  EXPECT_EQ(tokens[1], 0);
-  // 600 - 524 > 0 - 500: rank 1 (the start is cached there too, and rank 0 runs a).
-  EXPECT_EQ(lb.assign("e", 600, -1, {}, turn2), 1);
-  lb.release("a");
+  EXPECT_EQ(lb.assign("e", 600, -1, {}, turn2), 0);
   lb.release("e");
-  EXPECT_EQ(lb.assign("f", 600, -1, {}, turn2), 1);  // (e's prompt is tracked on rank 1 now, whole)
-  lb.release("f");
   // Salts: the same tokens under another salt are not cached anywhere.
   EXPECT_EQ(lb.tracked_prefix(0, q1, "tenant"), 0);
   // A flush forgets everything.
@@ -140,7 +142,7 @@ TEST(LoadBalancer, CacheAwareSendsARequestWhereItsPrefixIs) {
   EXPECT_EQ(rr.assign("q", 10), 2);
   LoadBalancer ca(2, "cache_aware", 1000);
   EXPECT_EQ(ca.assign("a", 300, -1, {}, q1), 0);
-  EXPECT_EQ(ca.choose(q2), 0);  // (the start is cached there, and rank 0 is busier by less)
+  EXPECT_EQ(ca.choose(q2), 0);  // (the start is cached there)
   EXPECT_EQ(ca.choose(other), 1);
   EXPECT_EQ(ca.tokens_in_flight()[1], 0);
   EXPECT_EQ(ca.tracked_prefix(1, other), 0);
