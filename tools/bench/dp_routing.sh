@@ -27,7 +27,8 @@ for m in "${methods[@]}"; do
   # shellcheck disable=SC2086
   "$bin" bench-serving --backend sglang --port "$port" --dataset-name generated-shared-prefix $gsp --seed 1 \
     --disable-tqdm | grep -E "Successful|duration|Total input|Total token|TTFT|TPOT"
-  curl -s "localhost:$port/metrics" | grep -E "^mlaserve:(prompt_tokens_total|cached_prompt_tokens_total|cache_hit_rate)"
+  curl -s "localhost:$port/metrics" |
+    grep -E "^mlaserve:(prompt_tokens_total|cached_prompt_tokens_total|cache_hit_rate)"
   kill $server
   wait $server 2>/dev/null || true
   rm -f "$log"
