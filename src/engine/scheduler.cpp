@@ -627,10 +627,29 @@ StepPlan Scheduler::schedule(bool allow_retract) {
     budget -= n;
     if (n < remaining) chunk_open = true;
   }
-  while (!chunk_open && budget > 0 && !waiting_.empty() &&
-         num_running() < cfg_.max_running_requests) {
-    Req& r = *waiting_.front();
+  // A waiting request sharing at least kShareDefer uncached tokens with one in prefill (admitted this step or before)
+  // waits: once that one's pages are cached, it finds them there instead of computing them again (a burst of prompts
+  // with one system prompt computes it once). The requests after it are admitted meanwhile.
+  auto shares_prefill = [&](const Req& w) {
+    if (!cache_.enabled() || cache_suspect_) return false;
+    for (const auto& o : running_) {
+      if (o->state != ReqState::Prefilling || o->cache_salt != w.cache_salt) continue;
+      const size_t n = std::min(o->fill.size(), w.fill.size());
+      size_t c = 0;
+      while (c < n && o->fill[c] == w.fill[c]) ++c;
+      if (static_cast<int64_t>(c) - w.kv_len >= std::max<int64_t>(kShareDefer, P)) return true;
+    }
+    return false;
+  };
+  size_t next = 0;  // waiting_[next] is the next to try
+  while (!chunk_open && budget > 0 && next < waiting_.size() && num_running() < cfg_.max_running_requests) {
+    Req& r = *waiting_[next];
     admit(r);
+    if (shares_prefill(r)) {
+      unadmit(r);
+      ++next;
+      continue;
+    }
     const int64_t remaining = static_cast<int64_t>(r.fill.size()) - r.kv_len;
     const int64_t n = std::min({remaining, budget, available_tokens(r, headroom), lp_limit(r)});
     // Admission control: wait (do not fail) until the whole prompt fits in free + evictable pages,
@@ -652,8 +671,8 @@ StepPlan Scheduler::schedule(bool allow_retract) {
     plan.seqs.push_back(prefill_seq(r, static_cast<int32_t>(n)));
     lp_budget -= plan.seqs.back().lp_rows;
     budget -= n;
-    running_.push_back(std::move(waiting_.front()));
-    waiting_.pop_front();
+    running_.push_back(std::move(waiting_[next]));
+    waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(next));
     if (n < remaining) chunk_open = true;
   }
 

@@ -194,6 +194,9 @@ class Scheduler {
  public:
   explicit Scheduler(SchedulerConfig cfg);
   ~Scheduler();
+  // A waiting request sharing this many tokens (or a page, if more) beyond its cached prefix with a request in prefill
+  // waits until they are cached (schedule()).
+  static constexpr int64_t kShareDefer = 32;
 
   const SchedulerConfig& config() const { return cfg_; }
   // Throws mlaserve::Error for requests that can never run (empty, too long for the context or the pool).

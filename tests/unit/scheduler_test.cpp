@@ -411,6 +411,42 @@ TEST_F(SchedulerTest, PrefillChunksAreCachedAsTheyRun) {
   expect_all_pages_back();
 }
 
+// A burst of prompts with one long start (a system prompt) computes it once: a waiting request sharing at least
+// kShareDefer uncached tokens with one in prefill waits a step and finds them cached, while the requests after it
+// (another start, another cache salt) are admitted at once.
+TEST_F(SchedulerTest, ABurstWithOneSystemPromptComputesItOnce) {
+  make(256, /*chunk=*/256);
+  const std::vector<int32_t> sys = range(1000, Scheduler::kShareDefer + 32);  // 64 tokens, 16 pages
+  auto with = [&](int32_t from) {
+    std::vector<int32_t> p = sys;
+    for (int32_t t : range(from, 8)) p.push_back(t);
+    return p;
+  };
+  add("x", with(2000), 2);
+  add("y", with(3000), 2);
+  add("z", range(5000, 20), 2);
+  GenerateRequest salted;  // the same start under another cache salt: nothing to share
+  salted.rid = "w";
+  salted.input_ids = with(4000);
+  salted.cache_salt = "tenant";
+  salted.sampling.max_new_tokens = 2;
+  salted.on_output = [this](const GenerateOutput& o) {
+    out["w"].cached = o.cached_tokens;
+    out["w"].finished = o.finished;
+  };
+  s->add(std::move(salted));
+  StepPlan p = step();  // x, z and w; y waits
+  EXPECT_EQ(p.batch.num_tokens(), 72 + 20 + 72);
+  EXPECT_EQ(out["y"].cached, -1);
+  EXPECT_EQ(out["w"].cached, 0);
+  step();
+  EXPECT_EQ(out["y"].cached, 64);  // the start, cached by x's prefill
+  while (s->has_work()) step();
+  EXPECT_EQ(out["x"].tokens, out["y"].tokens);
+  EXPECT_TRUE(out["w"].finished);
+  expect_all_pages_back();
+}
+
 TEST_F(SchedulerTest, StopTokensEosAndIgnoreEos) {
   make(32);
   SamplingParams sp;
