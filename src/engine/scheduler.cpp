@@ -627,17 +627,22 @@ StepPlan Scheduler::schedule(bool allow_retract) {
     budget -= n;
     if (n < remaining) chunk_open = true;
   }
-  // A waiting request sharing at least kShareDefer uncached tokens with one in prefill (admitted this step or before)
-  // waits: once that one's pages are cached, it finds them there instead of computing them again (a burst of prompts
-  // with one system prompt computes it once). The requests after it are admitted meanwhile.
+  // A waiting request sharing at least kShareDefer (or a page) of its uncached tokens with the part of a running
+  // request's prompt that request has computed or is computing but not cached yet waits: once those pages are cached
+  // it finds them there instead of computing them again (a burst of prompts with one system prompt computes it once).
+  // The requests after it are admitted meanwhile.
+  const int64_t least_shared = std::max<int64_t>(kShareDefer, P);
   auto shares_prefill = [&](const Req& w) {
     if (!cache_.enabled() || cache_suspect_) return false;
     for (const auto& o : running_) {
-      if (o->state != ReqState::Prefilling || o->cache_salt != w.cache_salt) continue;
-      const size_t n = std::min(o->fill.size(), w.fill.size());
+      const int64_t cached_end = int64_t{o->prefix_pages} * P;  // o's pages in the tree: [0, cached_end)
+      const size_t end = std::min({o->prompt.size(), o->fill.size(), w.fill.size()});
+      if (o->state == ReqState::Finished || o->cache_salt != w.cache_salt ||
+          static_cast<int64_t>(end) - std::max<int64_t>(cached_end, w.kv_len) < least_shared)
+        continue;
       size_t c = 0;
-      while (c < n && o->fill[c] == w.fill[c]) ++c;
-      if (static_cast<int64_t>(c) - w.kv_len >= std::max<int64_t>(kShareDefer, P)) return true;
+      while (c < end && o->fill[c] == w.fill[c]) ++c;
+      if (static_cast<int64_t>(c) - std::max<int64_t>(cached_end, w.kv_len) >= least_shared) return true;
     }
     return false;
   };

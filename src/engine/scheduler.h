@@ -194,8 +194,9 @@ class Scheduler {
  public:
   explicit Scheduler(SchedulerConfig cfg);
   ~Scheduler();
-  // A waiting request sharing this many tokens (or a page, if more) beyond its cached prefix with a request in prefill
-  // waits until they are cached (schedule()).
+  // A waiting request sharing this many tokens (or a page, if more) beyond its cached prefix with the uncached part of
+  // a running request's prompt (in prefill, or its last chunk's step in flight) waits until they are cached
+  // (schedule()).
   static constexpr int64_t kShareDefer = 32;
 
   const SchedulerConfig& config() const { return cfg_; }

@@ -173,6 +173,30 @@ TEST_P(EngineTest, GreedyEqualsReferenceAloneAndInAFullBatch) {
   expect_no_leak(*e);
 }
 
+// Requests sharing a prompt's start, all waiting at once (sent while paused): the first computes it, the others wait
+// a step and find its pages cached (Scheduler::kShareDefer), with the reference's tokens.
+TEST_P(EngineTest, ABurstSharingAPromptComputesItOnce) {
+  auto e = make(512);
+  std::promise<bool> paused;
+  e->pause_generation(PauseMode::InPlace, [&paused](bool ok) { paused.set_value(ok); });
+  ASSERT_TRUE(paused.get_future().get());
+  std::vector<int32_t> longer = prompts_[3];
+  longer.insert(longer.end(), prompts_[0].begin(), prompts_[0].end());
+  std::vector<std::future<Result>> fs;
+  for (int k = 0; k < 4; ++k) fs.push_back(submit(*e, fmt::format("same{}", k), k < 2 ? prompts_[3] : longer, 8));
+  ASSERT_TRUE(e->continue_generation());
+  int computed = 0;
+  for (int k = 0; k < 4; ++k) {
+    const Result r = wait(fs[static_cast<size_t>(k)]);
+    if (k < 2) expect_prefix(r.tokens, 3);
+    if (r.cached == 0) ++computed;
+    else EXPECT_GE(r.cached, 96) << k;  // the shared 100 tokens' whole pages (99 of them cacheable, 8 a page)
+  }
+  EXPECT_EQ(computed, 1);
+  EXPECT_EQ(e->stats()[0].cached_prompt_tokens_total, 3 * 96);
+  expect_no_leak(*e);
+}
+
 TEST_P(EngineTest, SmallChunksAndNoCacheGiveTheSameTokens) {
   auto e = make(512, /*page_size=*/4, /*chunk=*/16, /*radix=*/false);
   std::vector<std::future<Result>> fs;

@@ -445,6 +445,22 @@ TEST_F(SchedulerTest, ABurstWithOneSystemPromptComputesItOnce) {
   EXPECT_EQ(out["x"].tokens, out["y"].tokens);
   EXPECT_TRUE(out["w"].finished);
   expect_all_pages_back();
+
+  // What a running request has cached already is no reason to wait, even for a request that cannot use it (prompt
+  // logprobs from position 0 compute the whole prompt): it is admitted while the first still decodes.
+  out.clear();
+  add("long", with(6000), 30);
+  step();
+  step();  // long decodes, its prompt cached
+  SamplingParams from0;
+  from0.logprob_start_len = 0;
+  add("lp", with(6000), 2, from0);
+  p = step();
+  EXPECT_EQ(out["lp"].cached, 0);
+  EXPECT_EQ(p.batch.num_tokens(), 1 + 72);
+  EXPECT_FALSE(out["long"].finished);
+  while (s->has_work()) step();
+  expect_all_pages_back();
 }
 
 TEST_F(SchedulerTest, StopTokensEosAndIgnoreEos) {
