@@ -66,6 +66,7 @@ struct ServeArgs {
   bool disable_priority_preemption = false;                                      // SGLang's
   int32_t priority_preemption_threshold = 10;                                    // SGLang's
   std::string scheduling_policy = "fcfs";                                       // vLLM's
+  std::string schedule_policy = "fcfs";                                         // SGLang's
   std::string load_balance_method = "round_robin";
   int32_t nnodes = 1, node_rank = 0;
   std::string dist_init_addr;
@@ -425,6 +426,7 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["default_sampling_params"] = defaults_json(a.defaults);
   j["load_balance_method"] = a.load_balance_method;
   j["enable_priority_scheduling"] = a.enable_priority_scheduling;
+  j["schedule_policy"] = a.schedule_policy;
   j["schedule_low_priority_values_first"] = a.low_priority_values_first;
   j["disable_priority_preemption"] = a.disable_priority_preemption;
   j["priority_scheduling_preemption_threshold"] = a.priority_preemption_threshold;
@@ -598,6 +600,15 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
       ->capture_default_str();
   app.add_flag("--disable-priority-preemption", a->disable_priority_preemption,
                "with --enable-priority-scheduling: never retract running requests for waiting ones");
+  app.add_option_function<std::string>(
+         "--schedule-policy",
+         [a](const std::string& v) {
+           a->schedule_policy = v;
+           if (v != "fcfs" && v != "lpm") a->ignored.push_back("--schedule-policy " + v);
+         },
+         "SGLang's: fcfs (default) or lpm (waiting requests with the longest cached prefix first, while at most 128 "
+         "wait); random, dfs-weight, lof and priority are accepted without effect")
+      ->check(CLI::IsMember({"fcfs", "lpm", "random", "dfs-weight", "lof", "priority"}));
   app.add_option("--scheduling-policy", a->scheduling_policy,
                  "fcfs | priority (vLLM's: requests by their `priority`, lower first)")
       ->capture_default_str();
@@ -749,7 +760,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
         "--enable-prompt-tokens-details"})
     app.add_flag_callback(flag, [a, flag] { a->ignored.push_back(flag); }, "accepted for compatibility; no effect");
   for (const char* opt :
-       {"--torch-compile-max-bs", "--attention-backend", "--grammar-backend", "--sampling-backend", "--schedule-policy",
+       {"--torch-compile-max-bs", "--attention-backend", "--grammar-backend", "--sampling-backend",
         "--watchdog-timeout", "--max-prefill-tokens", "--decode-log-interval", "--tokenizer-mode", "--cuda-graph-bs",
         "--moe-dense-tp-size", "--schedule-conservativeness", "--num-continuous-decode-steps",
         "--triton-attention-num-kv-splits", "--download-dir", "--revision", "--mm-attention-backend",
@@ -937,6 +948,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     ea.dist_init_addr = s.dist_init_addr;
     ea.disable_overlap_schedule = s.disable_overlap_schedule;
     ea.priority_scheduling = s.enable_priority_scheduling || s.scheduling_policy == "priority";
+    ea.longest_prefix_first = s.schedule_policy == "lpm";
     // SGLang preempts for higher priorities; vLLM's priority policy retracts by priority only when decode runs short.
     ea.priority_preemption = s.enable_priority_scheduling && !s.disable_priority_preemption;
     ea.priority_preemption_threshold = s.priority_preemption_threshold;

@@ -46,6 +46,7 @@ Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
   sc.chunked_prefill_size = opts_.chunked_prefill_size;
   sc.context_len = opts_.context_len;
   sc.priority_scheduling = opts_.priority_scheduling;
+  sc.longest_prefix_first = opts_.longest_prefix_first;
   sc.priority_preemption = opts_.priority_preemption;
   sc.priority_preemption_threshold = opts_.priority_preemption_threshold;
   sc.spec_draft_tokens = opts_.spec_draft_tokens;

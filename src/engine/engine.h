@@ -38,6 +38,7 @@ struct EngineOptions {
   // Requests wait in order of GenerateRequest::priority (lower first), then arrival; decode retracts the lowest
   // priority first. Off: a request with a non-zero priority is refused.
   bool priority_scheduling = false;
+  bool longest_prefix_first = false;  // SchedulerConfig::longest_prefix_first
   // SchedulerConfig::priority_preemption / priority_preemption_threshold (SGLang's priority preemption).
   bool priority_preemption = false;
   int32_t priority_preemption_threshold = 10;

@@ -378,6 +378,7 @@ struct EngineArgs {
   double hicache_size = 0.0;
   bool disable_overlap_schedule = false;
   bool priority_scheduling = false;  // EngineOptions::priority_scheduling
+  bool longest_prefix_first = false;  // EngineOptions::longest_prefix_first (SGLang's --schedule-policy lpm)
   bool priority_preemption = false;  // EngineOptions::priority_preemption
   int32_t priority_preemption_threshold = 10;
   int32_t spec_draft_tokens = 0;     // EngineOptions::spec_draft_tokens (n-gram speculative decoding; 0: off)

@@ -108,6 +108,7 @@ std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfi
   o.load_balance_method = a.load_balance_method;
   o.overlap = !a.disable_overlap_schedule;
   o.priority_scheduling = a.priority_scheduling;
+  o.longest_prefix_first = a.longest_prefix_first;
   o.priority_preemption = a.priority_preemption;
   o.priority_preemption_threshold = a.priority_preemption_threshold;
   o.spec_draft_tokens = a.spec_draft_tokens;

@@ -319,7 +319,9 @@ void Scheduler::enqueue(std::unique_ptr<Req> r, bool front) {
     else waiting_.push_back(std::move(r));
     return;
   }
-  const auto key = [](const Req& q) { return std::make_pair(q.priority, q.arrival); };
+  // (With longest_prefix_first the queue is ordered by priority only, arrival order lost within one: see schedule.)
+  const bool lpm = cfg_.longest_prefix_first;
+  const auto key = [lpm](const Req& q) { return std::make_pair(q.priority, lpm ? 0 : q.arrival); };
   const auto at = std::upper_bound(waiting_.begin(), waiting_.end(), key(*r),
                                    [&](const auto& k, const std::unique_ptr<Req>& q) { return k < key(*q); });
   waiting_.insert(at, std::move(r));
@@ -646,6 +648,18 @@ StepPlan Scheduler::schedule(bool allow_retract) {
     }
     return false;
   };
+  if (cfg_.longest_prefix_first && cache_.enabled() && !cache_suspect_ && waiting_.size() > 1 &&
+      waiting_.size() <= kLpmMaxWaiting) {
+    // Longest cached prefix first (by priority first with priority scheduling); a stable sort keeps the queue's order
+    // among equals.
+    std::vector<std::pair<std::pair<int32_t, int64_t>, std::unique_ptr<Req>>> keyed;
+    for (auto& w : waiting_) {
+      const auto cached = static_cast<int64_t>(cache_.device_prefix(w->fill, w->cache_salt).size());
+      keyed.emplace_back(std::make_pair(cfg_.priority_scheduling ? w->priority : 0, -cached), std::move(w));
+    }
+    std::stable_sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (size_t i = 0; i < keyed.size(); ++i) waiting_[i] = std::move(keyed[i].second);
+  }
   size_t next = 0;  // waiting_[next] is the next to try
   while (!chunk_open && budget > 0 && next < waiting_.size() && num_running() < cfg_.max_running_requests) {
     Req& r = *waiting_[next];

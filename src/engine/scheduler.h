@@ -42,6 +42,9 @@ struct SchedulerConfig {
   // Waiting requests in order of (priority, arrival) instead of arrival, and decode retracts the running request
   // of the largest (priority, arrival) first instead of the newest.
   bool priority_scheduling = false;
+  // SGLang's --schedule-policy lpm: while at most kLpmMaxWaiting requests wait, they are tried in order of the longest
+  // prefix the cache holds for them (longest first; after priority with priority scheduling), else in arrival order.
+  bool longest_prefix_first = false;
   // With priority scheduling (SGLang's priority preemption): a waiting request that cannot be admitted (no pages for
   // its prompt, or max_running_requests reached) retracts running requests whose priority value exceeds its own by
   // more than priority_preemption_threshold, the largest (priority, arrival) first, until it fits.
@@ -198,6 +201,7 @@ class Scheduler {
   // a running request's prompt (in prefill, or its last chunk's step in flight) waits until they are cached
   // (schedule()).
   static constexpr int64_t kShareDefer = 32;
+  static constexpr size_t kLpmMaxWaiting = 128;
 
   const SchedulerConfig& config() const { return cfg_; }
   // Throws mlaserve::Error for requests that can never run (empty, too long for the context or the pool).

@@ -970,16 +970,20 @@ TEST_F(ServerE2E, BenchServingPrintsTheMetricBlock) {
 // bench-serving's generated-shared-prefix dataset (SGLang's) against a server of two DP-attention groups, one request
 // at a time: groups x prompts-per-group requests, each group's prompts starting with its system prompt. With
 // cache_aware each system prompt is computed on one group only (the later prompts of its group find it cached there);
-// round_robin sends them to both groups.
+// round_robin sends them to both groups. (The cache_aware server runs SGLang's --schedule-policy lpm too.)
 TEST(ServerE2EVariants, SharedPrefixBenchAndCacheAwareRouting) {
   ASSERT_TRUE(have_deepseek_tokenizer());
   MLASERVE_NEEDS_DEVICES(2);
   std::map<std::string, double> cached;
   for (const char* method : {"round_robin", "cache_aware"}) {
     SCOPED_TRACE(method);
+    const std::string policy = std::string(method) == "cache_aware" ? "lpm" : "fcfs";  // (SGLang's, either way)
     ServerProcess s({"--tp", "2", "--dp", "2", "--enable-dp-attention", "--load-balance-method", method,
-                     "--mem-fraction-static", "0.4"});
+                     "--schedule-policy", policy, "--mem-fraction-static", "0.4"});
     ASSERT_TRUE(s.running()) << s.log();
+    const json info = get_json(s.port(), "/get_server_info");
+    EXPECT_EQ(info["load_balance_method"], method);
+    EXPECT_EQ(info["schedule_policy"], policy);
     const std::string out_file = (std::filesystem::temp_directory_path() /
                                   ("mlaserve_gsp_" + std::to_string(::getpid()) + "_" + method + ".jsonl"))
                                      .string();
@@ -1760,7 +1764,7 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
                    "--async-scheduling", "--enable-eplb", "--ep-num-redundant-experts", "32", "--pipeline-parallel-size",
                    "1", "--max-logprobs", "2", "--return-tokens-as-token-ids", "--served-model-name", "tiny-v3",
                    "org/tiny", "--default-chat-template-kwargs", R"({"thinking": false})", "--response-role",
-                   "assistant", "--chat-template-content-format", "string"});
+                   "assistant", "--chat-template-content-format", "string", "--schedule-policy", "dfs-weight"});
   ASSERT_TRUE(s.running()) << s.log();
   // Two served names: both listed, either answered under its own name.
   const json models = get_json(s.port(), "/v1/models");
@@ -1784,7 +1788,8 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
                              "--enable-two-batch-overlap: accepted", "--revision main: accepted",
                              "--swap-space 16: accepted",
                              "--compilation-config {\"level\": 3}: accepted", "--ep-num-redundant-experts 32: accepted",
-                             "--chat-template-content-format string: accepted"})
+                             "--chat-template-content-format string: accepted",
+                             "--schedule-policy dfs-weight: accepted"})
     EXPECT_NE(s.log().find(logged), std::string::npos) << logged << "\n" << s.log();
   // deepseek_r1 is the reasoning parser: chat answers carry reasoning_content.
   const json chat = post_json(s.port(), "/v1/chat/completions",
@@ -1818,6 +1823,7 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
   expect_serve_refuses({"--pipeline-parallel-size 0"}, "--pipeline-parallel-size must be >= 1");
   expect_serve_refuses({"--gpu-id-step 0"}, "--gpu-id-step must be >= 1");
   expect_serve_refuses({"--load-balance-method fastest"}, "--load-balance-method");
+  expect_serve_refuses({"--schedule-policy fifo"}, "--schedule-policy");
   // On GPUs (SGLang's --base-gpu-id): a first GPU past the visible ones is refused, naming it.
   if (e2e_env("MLASERVE_E2E_DEVICE", "cpu") == "cuda")
     expect_serve_refuses({"--device cuda --skip-tokenizer-init --base-gpu-id 64"}, "GPU 64 requested");

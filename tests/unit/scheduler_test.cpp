@@ -45,6 +45,7 @@ class SchedulerTest : public ::testing::Test {
     c.enable_radix_cache = radix;
     c.eos_token_ids = {2};
     c.host_pages = host_pages_;
+    c.longest_prefix_first = lpm_;
     s = std::make_unique<Scheduler>(c);
   }
   void add(const std::string& rid, std::vector<int32_t> prompt, int32_t max_new, SamplingParams sp = {},
@@ -158,6 +159,7 @@ class SchedulerTest : public ::testing::Test {
   std::unique_ptr<Scheduler> s;
   std::map<std::string, Collected> out;
   int32_t host_pages_ = 0;  // make(): the prefix cache's host tier
+  bool lpm_ = false;        // make(): SchedulerConfig::longest_prefix_first
 };
 
 // Drafts checked in one step: each row's sample is the model's next token after that row's input; the drafts the
@@ -461,6 +463,40 @@ TEST_F(SchedulerTest, ABurstWithOneSystemPromptComputesItOnce) {
   EXPECT_FALSE(out["long"].finished);
   while (s->has_work()) step();
   expect_all_pages_back();
+}
+
+// SGLang's lpm: the waiting request with the longest cached prefix is tried first (fcfs: in arrival order). The step's
+// budget (16 tokens) takes x's whole prompt under fcfs, so y waits; under lpm y (16 of its 24 tokens cached) goes
+// first and x gets what is left.
+TEST_F(SchedulerTest, LongestPrefixFirstOrdersTheWaitingQueue) {
+  for (bool lpm : {false, true}) {
+    SCOPED_TRACE(lpm ? "lpm" : "fcfs");
+    lpm_ = lpm;
+    make(64, /*chunk=*/16);
+    out.clear();
+    add("a", range(100, 20), 1);
+    while (s->has_work()) step();
+    std::vector<int32_t> y = range(100, 20);
+    for (int32_t t : range(700, 4)) y.push_back(t);
+    add("x", range(500, 16), 2);
+    add("y", y, 2);
+    const StepPlan p = step();
+    EXPECT_EQ(p.batch.num_tokens(), 16);
+    if (lpm) {
+      ASSERT_EQ(p.seqs.size(), 2u);
+      EXPECT_EQ(p.seqs[0].req->rid, "y");
+      EXPECT_EQ(out["y"].cached, 20);  // (a's prompt and output: 21 tokens, 5 whole pages)
+      EXPECT_EQ(p.seqs[1].num_tokens, 12);  // x: a chunk of what was left
+    } else {
+      ASSERT_EQ(p.seqs.size(), 1u);
+      EXPECT_EQ(p.seqs[0].req->rid, "x");
+      EXPECT_EQ(out["y"].cached, -1);  // still waiting
+    }
+    while (s->has_work()) step();
+    EXPECT_TRUE(out["x"].finished && out["y"].finished);
+    expect_all_pages_back();
+  }
+  lpm_ = false;
 }
 
 TEST_F(SchedulerTest, StopTokensEosAndIgnoreEos) {
