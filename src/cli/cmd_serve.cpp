@@ -637,7 +637,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                  "\"prompt_lookup_max\": m}");
   app.add_option("--load-balance-method", a->load_balance_method,
                  "DP load balancing: round_robin, shortest_queue (fewest tokens in flight; minimum_tokens is the "
-                 "same) or cache_aware (shortest_queue counting the prefix a DP rank caches as done)")
+                 "same) or cache_aware (while the DP ranks are balanced, the one probably caching the longest prefix "
+                 "of the prompt)")
       ->check(CLI::IsMember({"round_robin", "shortest_queue", "minimum_tokens", "cache_aware"}))
       ->capture_default_str();
   app.add_option("--nnodes", a->nnodes, "number of nodes")->capture_default_str();

@@ -147,17 +147,23 @@ TEST(IdsOnTheDevice, TensorParallel2) { ids_on_the_ranks(2, 1, false, true); }
 TEST(IdsOnTheDevice, TensorParallel2NoOverlap) { ids_on_the_ranks(2, 1, false, false); }
 TEST(IdsOnTheDevice, DpAttention4x2ThroughGraphs) { ids_on_the_ranks(4, 2, true, true); }
 
-TEST(DpReplicas, ControllerDispatchesAndRoutesAborts) {
-  Golden g = golden("v2");
+// The golden v2 model on CPU ranks, --tp 2 --dp 2 (replicas, or DP attention), pages of 8.
+EngineArgs two_ranks(const std::string& method, bool dp_attention = false) {
   EngineArgs a;
   a.model_path = test::golden_dir("v2");
   a.device = "cpu";
   a.tp_size = 2;
   a.dp_size = 2;
+  a.enable_dp_attention = dp_attention;
   a.max_total_tokens = 4096;
   a.page_size = 8;
-  a.load_balance_method = "shortest_queue";
-  auto e = make_engine(a);
+  a.load_balance_method = method;
+  return a;
+}
+
+TEST(DpReplicas, ControllerDispatchesAndRoutesAborts) {
+  Golden g = golden("v2");
+  auto e = make_engine(two_ranks("shortest_queue"));
   ASSERT_EQ(e->stats().size(), 2u);
   std::vector<std::future<std::vector<int32_t>>> fs;
   for (int j = 0; j < 5; ++j) fs.push_back(submit_ids(*e, "r" + std::to_string(j), g.prompts[j], 8));
@@ -186,16 +192,7 @@ std::vector<int32_t> first_turn(const Golden& g) {
 // groups (DP attention) or two replicas: the prompt tokens it found cached.
 int64_t second_turn_cached(const std::string& method, bool dp_attention) {
   Golden g = golden("v2");
-  EngineArgs a;
-  a.model_path = test::golden_dir("v2");
-  a.device = "cpu";
-  a.tp_size = 2;
-  a.dp_size = 2;
-  a.enable_dp_attention = dp_attention;
-  a.max_total_tokens = 4096;
-  a.page_size = 8;
-  a.load_balance_method = method;
-  auto e = make_engine(a);
+  auto e = make_engine(two_ranks(method, dp_attention));
   auto first = submit_ids(*e, "first", first_turn(g), 8);
   std::vector<int32_t> turn = first_turn(g);
   for (int32_t t : wait_ids(first)) turn.push_back(t);
