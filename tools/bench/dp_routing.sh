@@ -19,7 +19,8 @@ for m in "${methods[@]}"; do
     --load-balance-method "$m" --port "$port" --max-total-tokens 65536 ${SERVE_FLAGS:-} >"$log" 2>&1 &
   server=$!
   for _ in $(seq 1 300); do
-    curl -sf "localhost:$port/health" >/dev/null 2>&1 && break
+    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" \
+      2>/dev/null && break
     kill -0 $server 2>/dev/null || { cat "$log"; exit 1; }
     sleep 1
   done
@@ -27,7 +28,7 @@ for m in "${methods[@]}"; do
   # shellcheck disable=SC2086
   "$bin" bench-serving --backend sglang --port "$port" --dataset-name generated-shared-prefix $gsp --seed 1 \
     --disable-tqdm | grep -E "Successful|duration|Total input|Total token|TTFT|TPOT"
-  curl -s "localhost:$port/metrics" |
+  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$port/metrics').read().decode())" |
     grep -E "^mlaserve:(prompt_tokens_total|cached_prompt_tokens_total|cache_hit_rate)"
   kill $server
   wait $server 2>/dev/null || true

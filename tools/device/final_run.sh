@@ -6,7 +6,8 @@
 # Sections (all by default; set the others to 0 to skip): TESTS (GPU tests), EVAL (eval-logits, two nodes), BOB
 # (bench-one-batch), OVERLAP (servers with overlap on vs off give the same greedy ids, per layout), SERVE (bench-serving
 # + idle statistics). ONLY_SERVE=1 is SERVE alone. LAYOUTS: the OVERLAP layouts, space-separated names among tp1 tp2 dpa2
-# (default all three; LAYOUTS=tp1 on one GPU).
+# (default all three; LAYOUTS=tp1 on one GPU). ROUTING (with two GPUs or more): DP attention's load balancing methods
+# on SGLang's generated-shared-prefix workload (tools/bench/dp_routing.sh).
 # usage: tools/device/final_run.sh PKG_DIR MODEL_WITH_TOKENIZER
 #   PKG_DIR: tools/device/pack.sh DIR build-cuda/src/mlaserve build-cuda/tests/gpu/cuda_{ops,model,parallel}_test
 #   (strip the binaries and xz libicudata to stay under the 64 MiB carry limit); MODEL_WITH_TOKENIZER: the V2-Lite
@@ -20,7 +21,7 @@ L=/tmp/final; mkdir -p $L
 CMP="python3 tools/compare_logits.py"
 lim() { local t=$1; shift; timeout -s KILL $t "$@"; }
 echo "== gpus: $(nvidia-smi -L | wc -l)"
-if [ "${ONLY_SERVE:-0}" = 1 ]; then TESTS=0 EVAL=0 BOB=0 OVERLAP=0; fi
+if [ "${ONLY_SERVE:-0}" = 1 ]; then TESTS=0 EVAL=0 BOB=0 OVERLAP=0 ROUTING=0; fi
 if [ "${TESTS:-1}" = 1 ]; then
 lim 150 $PKG/bin/cuda_ops_test --gtest_filter=-*V2LiteShape* > $L/ops.log 2>&1; echo "== ops rc=$? $(grep -cE '^\[       OK' $L/ops.log) ok; $(grep -E 'FAILED  \]' $L/ops.log | tr '\n' ' ')"
 [ -x $PKG/bin/cuda_parallel_test ] && { lim 60 $PKG/bin/cuda_parallel_test > $L/par.log 2>&1; echo "== parallel (forced routing) rc=$? max|dlogit|/std $(grep -o 'std [0-9.e+-]* (routing forced)' $L/par.log | awk '{print $2}' | tr '\n' ' ') $(grep -E 'FAILED  \]' $L/par.log | tr '\n' ' ')"; }
@@ -101,6 +102,12 @@ serve_bench() {  # name, serve flags..., -- bench flags...
   echo "== $name idle: $(grep -o 'GPU idle between steps.*' $L/serve-$name.log | tr '\n' '|')"
   echo "== $name engine: $(grep -o 'engine thread.*' $L/serve-$name.log)"
 }
+if [ "${ROUTING:-1}" = 1 ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  SERVE_FLAGS="--device cuda" GSP_FLAGS="--gsp-num-groups 32 --gsp-prompts-per-group 16 --gsp-system-prompt-len 2048
+    --gsp-question-len 128 --gsp-output-len 128 --max-concurrency 128" lim 420 tools/bench/dp_routing.sh $BIN $TOKM \
+    $TOKM 31$((RANDOM % 400 + 100)) round_robin cache_aware > $L/routing.log 2>&1
+  echo "== routing rc=$?: $(grep -E '==|Total token|Mean TTFT|cache_hit' $L/routing.log | tr -s ' ' | tr '\n' '|')"
+fi
 [ "${SERVE:-1}" = 1 ] || exit 0
 # The same 1024 requests in flight in both layouts (--max-running-requests is per DP group).
 serve_bench tp2 --tp 2 --max-running-requests 1024 --cuda-graph-max-bs 1024 -- --random-input 1 --random-output 512 --num-prompts 1024
