@@ -1,7 +1,10 @@
 // PrefixTracker (what a DP rank's prefix cache probably holds) and LoadBalancer's cache_aware method built on it.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <numeric>
+#include <random>
+#include <set>
 
 #include "core/error.h"
 #include "engine/load_balancer.h"
@@ -79,6 +82,48 @@ TEST(PrefixTracker, EvictsTheLeastRecentlyUsedPastItsCapacity) {
   PrefixTracker none(0);
   none.insert("", a);
   EXPECT_EQ(none.match("", a), 0);
+}
+
+// Random sequences over a small alphabet (many shared starts, splits and extended leaves) under two salts: with room
+// for everything, match is the longest common prefix with any sequence inserted under that salt, and size counts each
+// distinct (salt, prefix) token once; with little room, a match is never longer than that and the size stays bounded.
+TEST(PrefixTracker, EqualsTheDefinitionOnRandomSequences) {
+  std::mt19937 rng(7);
+  auto random_seq = [&] {
+    std::vector<int32_t> v(1 + rng() % 24);
+    for (auto& t : v) t = static_cast<int32_t>(rng() % 3);
+    return v;
+  };
+  const auto lcp = [](const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+    size_t c = 0;
+    while (c < a.size() && c < b.size() && a[c] == b[c]) ++c;
+    return static_cast<int32_t>(c);
+  };
+  PrefixTracker all(1 << 20), small(40);
+  std::map<std::string, std::vector<std::vector<int32_t>>> inserted;
+  for (int i = 0; i < 300; ++i) {
+    const std::string salt = rng() % 4 == 0 ? "s" : "";
+    const auto seq = random_seq();
+    all.insert(salt, seq);
+    small.insert(salt, seq);
+    inserted[salt].push_back(seq);
+    EXPECT_LE(small.size(), 40);
+    for (int k = 0; k < 5; ++k) {
+      const std::string qs = rng() % 4 == 0 ? "s" : "";
+      const auto q = random_seq();
+      int32_t want = 0;
+      for (const auto& x : inserted[qs]) want = std::max(want, lcp(x, q));
+      ASSERT_EQ(all.match(qs, q), want) << i << " " << k;
+      ASSERT_LE(small.match(qs, q), want);
+    }
+  }
+  std::map<std::string, std::set<std::vector<int32_t>>> prefixes;  // every distinct non-empty prefix, per salt
+  for (const auto& [salt, seqs] : inserted)
+    for (const auto& x : seqs)
+      for (size_t n = 1; n <= x.size(); ++n) prefixes[salt].insert(std::vector<int32_t>(x.begin(), x.begin() + n));
+  int64_t distinct = 0;
+  for (const auto& [salt, set] : prefixes) distinct += static_cast<int64_t>(set.size());
+  EXPECT_EQ(all.size(), distinct);
 }
 
 TEST(LoadBalancer, CacheAwareSendsARequestWhereItsPrefixIs) {
