@@ -499,6 +499,41 @@ TEST_F(SchedulerTest, LongestPrefixFirstOrdersTheWaitingQueue) {
   lpm_ = false;
 }
 
+// Random arrivals of prompts with a few shared starts, small pools (retractions), small chunks and batch limits, fcfs
+// or lpm: every request finishes with all its tokens, no request waits for ever on one computing a start they share,
+// the integrity checks hold at every step, and every page comes back.
+TEST_F(SchedulerTest, RandomArrivalsWithSharedStartsAllFinish) {
+  for (uint32_t seed = 0; seed < 24; ++seed) {
+    SCOPED_TRACE(seed);
+    std::mt19937 rng(seed);
+    const auto pick = [&](int32_t lo, int32_t hi) { return lo + static_cast<int32_t>(rng() % (hi - lo + 1)); };
+    lpm_ = seed % 2 == 1;
+    make(pick(32, 96), /*chunk=*/pick(16, 160), /*max_running=*/pick(2, 8));
+    out.clear();
+    std::vector<std::vector<int32_t>> starts;
+    for (int k = 0; k < 3; ++k) starts.push_back(range(1000 * (k + 1), pick(20, 60)));
+    std::map<std::string, int32_t> want;  // rid -> max_new
+    int added = 0, steps = 0;
+    while ((added < 30 || s->has_work()) && steps < 3000) {
+      for (int n = pick(0, 3); n > 0 && added < 30; --n, ++added) {
+        std::vector<int32_t> prompt = starts[static_cast<size_t>(pick(0, 2))];
+        for (int32_t t : range(5000 + 100 * added, pick(0, 10))) prompt.push_back(t);
+        const std::string rid = "r" + std::to_string(added);
+        want[rid] = pick(1, 6);
+        add(rid, prompt, want[rid]);
+      }
+      if (s->has_work()) step();
+      ++steps;
+    }
+    for (const auto& [rid, n] : want) {
+      EXPECT_TRUE(out[rid].finished) << rid;
+      EXPECT_EQ(static_cast<int32_t>(out[rid].tokens.size()), n) << rid;
+    }
+    expect_all_pages_back();
+  }
+  lpm_ = false;
+}
+
 TEST_F(SchedulerTest, StopTokensEosAndIgnoreEos) {
   make(32);
   SamplingParams sp;
