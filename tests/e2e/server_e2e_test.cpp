@@ -82,7 +82,8 @@ class ServerE2E : public ::testing::Test {
   static void SetUpTestSuite() {
     ASSERT_TRUE(have_deepseek_tokenizer())
         << "the DeepSeek-V3 tokenizer is missing at " << deepseek_tokenizer_dir() << ": run scripts/setup.sh";
-    server_ = new ServerProcess({"--chunked-prefill-size", "64"});
+    // (On a GPU 0.8 of its memory, so that the run-batch test's own engine fits beside it on an 80 GB card too.)
+    server_ = new ServerProcess({"--chunked-prefill-size", "64", "--mem-fraction-static", "0.8"});
     ASSERT_TRUE(server_->running()) << server_->log();
   }
   static void TearDownTestSuite() {

@@ -10,8 +10,10 @@ length: the times (median of REPEATS), the KV bytes moved (the decode server's m
 agree.
 
 usage: pd_bench.py MLASERVE_BINARY MODEL_DIR [LENGTHS (comma-separated, default 1024,4096,16384)] [REPEATS (3)]
+(PD_MEM_FRACTION: each server's --mem-fraction-static, default 0.4; 0.47 fits V2-Lite twice on an 80 GB GPU)
 """
 import json
+import os
 import random
 import socket
 import statistics
@@ -63,7 +65,8 @@ def main():
     repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 3
     boot, pport, dport = free_port(), free_port(), free_port()
     common = [binary, "serve", "--model-path", model, "--load-format", "dummy", "--skip-tokenizer-init",
-              "--host", "127.0.0.1", "--mem-fraction-static", "0.4", "--context-length", str(max(lengths) + 64),
+              "--host", "127.0.0.1", "--mem-fraction-static", os.environ.get("PD_MEM_FRACTION", "0.4"),
+              "--context-length", str(max(lengths) + 64),
               "--log-level", "warning"]
     procs = []
     for port, extra, log in ((pport, ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
