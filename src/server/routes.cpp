@@ -2049,7 +2049,7 @@ void Api::generate_after_transfer(const HttpRequest& req, ParsedRequest pr, Prep
       const KvSource& src = sources[i];
       // Only what the cache of the request's DP rank lacks is read: a later turn of a conversation finds its earlier
       // turns there (this server generated them). With several ranks the load balancer picks it now (cache_aware:
-      // where the conversation is, unless that rank is busier than its prefix is long) and the request is sent there.
+      // where the conversation is, while the ranks are balanced) and the request is sent there.
       int32_t have = 0;
       if (spec.follow_rid.empty() || engine_.stats().size() == 1) {
         prompt.dp_rank = engine_.choose_rank(prompt.input_ids, prompt.cache_salt);
