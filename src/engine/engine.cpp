@@ -253,10 +253,7 @@ WeightUpdateResult Engine::run_job(const PendingUpdate& job) {
   switch (job.job) {
     case Job::Weights:
       ranks_->reload_weights(job.u.model_path);
-      if (job.u.flush_cache) {
-        for (auto& s : scheds_) s->flush_cache();
-        balancer_.forget_prefixes();
-      }
+      if (job.u.flush_cache) flush_caches();
       res.message = fmt::format("weights updated from {}", job.u.model_path);
       break;
     case Job::Release: {
@@ -266,8 +263,7 @@ WeightUpdateResult Engine::run_job(const PendingUpdate& job) {
                 "before releasing the memory", held);
       if (recording_) recorded_ = recorded_counts(false);  // (the device's counts go with the memory)
       ranks_->release_memory();
-      for (auto& s : scheds_) s->flush_cache();  // (its pages' contents go with the memory)
-      balancer_.forget_prefixes();
+      flush_caches();  // (its pages' contents go with the memory)
       {
         std::lock_guard<std::mutex> lk(mu_);
         released_ = true;
@@ -592,6 +588,13 @@ void Engine::run_pause() {
   job.done(true);
 }
 
+bool Engine::flush_caches() {
+  bool ok = true;
+  for (auto& s : scheds_) ok &= s->flush_cache();
+  if (ok) balancer_.forget_prefixes();  // (what the load balancer tracks as cached goes with them)
+  return ok;
+}
+
 bool Engine::flush_cache() {
   std::unique_lock<std::mutex> lk(mu_);
   const int ticket = ++flush_requests_;
@@ -692,9 +695,7 @@ void Engine::loop() {
       for (auto& s : scheds_)
         if (s->abort(rid, reason)) break;
     if (flushes > 0) {
-      bool ok = true;
-      for (auto& s : scheds_) ok &= s->flush_cache();
-      if (ok) balancer_.forget_prefixes();
+      const bool ok = flush_caches();
       publish_stats();  // a caller that sees the flush done must see its effect in the stats
       {
         std::lock_guard<std::mutex> lk(mu_);

@@ -145,6 +145,9 @@ class Engine final : public EngineClient {
   std::deque<std::function<void()>> controls_;
   ExpertRecord run_record(ExpertRecordOp op);
   // export_kv's job (engine thread; the step in flight finished first).
+  // Every group's prefix cache flushed (engine thread; false if some still held pages), and the load balancer's
+  // record of them.
+  bool flush_caches();
   KvRows run_export(const std::vector<int32_t>& tokens, const std::string& salt, int32_t begin, int32_t max_tokens,
                     int32_t group);
   // A request's kv_prefix into group g's prefix cache (engine thread, no step in flight); then dropped from it.
