@@ -101,6 +101,17 @@ inline std::map<std::string, Tensor> read_checkpoint(const std::string& dir) {
   return ts;
 }
 
+// The whole checkpoint tensor `name` of the checkpoint in `dir` as F32.
+inline std::vector<float> checkpoint_values(const std::string& dir, const std::string& name) {
+  const Checkpoint ck(dir);
+  const TensorInfo& t = ck.get(name);
+  int64_t n = 1;
+  for (int64_t d : t.shape) n *= d;
+  std::vector<float> v(static_cast<size_t>(n));
+  cpu::convert(t.data, t.dtype, v.data(), DType::F32, n);
+  return v;
+}
+
 // Copies a golden checkpoint into `dir` as one model.safetensors after applying `edit` to the tensor map.
 inline void rewrite_checkpoint(const std::string& family, const std::filesystem::path& dir,
                                const std::function<void(std::map<std::string, Tensor>&)>& edit) {

@@ -181,6 +181,22 @@ void DpController::expert_record(ExpertRecordOp op, std::function<void(const Exp
       std::move(done));
 }
 
+void DpController::get_weights(std::string name, int64_t rows,
+                               std::function<void(const std::vector<WeightValues>&)> done) {
+  using Parts = std::vector<std::vector<WeightValues>>;
+  gather<Parts>(
+      replicas_, Parts(replicas_.size()),
+      [name, rows](size_t, EngineClient& e, std::function<void(const Parts&)> cb) {
+        e.get_weights(name, rows, [cb](const std::vector<WeightValues>& v) { cb(Parts{v}); });
+      },
+      [](Parts& acc, size_t r, const Parts& res) { acc[r] = res.front(); },
+      [done](const Parts& parts) {
+        std::vector<WeightValues> all;
+        for (const auto& p : parts) all.insert(all.end(), p.begin(), p.end());
+        done(all);
+      });
+}
+
 void DpController::profile(const ProfileRequest& req, std::function<void(const ProfileResult&)> done) {
   ProfileResult init;
   init.ok = true;

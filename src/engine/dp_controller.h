@@ -33,6 +33,7 @@ class DpController final : public EngineClient {
   void resume_memory(std::function<void(const WeightUpdateResult&)> done) override;
   // Every replica (at once); a dump sums their counts. `done` once all answered (the first failure's message).
   void expert_record(ExpertRecordOp op, std::function<void(const ExpertRecord&)> done) override;
+  void get_weights(std::string name, int64_t rows, std::function<void(const std::vector<WeightValues>&)> done) override;
   // Every replica (at once), each its own trace ("replica<r>" in its name); `done` once all answered.
   void profile(const ProfileRequest& r, std::function<void(const ProfileResult&)> done) override;
   // From the replica that caches the longest prefix (each asked for its length first).

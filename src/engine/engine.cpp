@@ -303,6 +303,34 @@ void Engine::expert_record(ExpertRecordOp op, std::function<void(const ExpertRec
   done(r);
 }
 
+void Engine::get_weights(std::string name, int64_t rows,
+                         std::function<void(const std::vector<WeightValues>&)> done) {
+  auto job = [this, name = std::move(name), rows, done] {
+    WeightValues v;
+    try {
+      finish_inflight();
+      auto w = ranks_->read_weight(name, rows);
+      if (!w) {
+        v.message = fmt::format("the model holds no weight named '{}' (names are the checkpoint's, e.g. "
+                                "'model.layers.0.self_attn.o_proj.weight')", name);
+      } else {
+        v.ok = true;
+        v.shape.assign(w->full.begin(), w->full.end());
+        v.rows = w->rows;
+        v.cols = w->cols;
+        v.values = std::move(w->values);
+      }
+    } catch (const std::exception& e) {
+      v.message = e.what();
+    }
+    done(std::vector<WeightValues>(scheds_.size(), v));
+  };
+  if (queue_control(std::move(job))) return;
+  WeightValues v;
+  v.message = "the server is shutting down";
+  done({v});
+}
+
 void Engine::export_kv(std::vector<int32_t> tokens, std::string salt, int32_t begin, int32_t max_tokens,
                        std::function<void(KvRows)> done, int32_t rank) {
   auto job = [this, tokens = std::move(tokens), salt = std::move(salt), begin, max_tokens, done, rank] {

@@ -68,6 +68,7 @@ class Engine final : public EngineClient {
   void release_memory(std::function<void(const WeightUpdateResult&)> done) override;
   void resume_memory(std::function<void(const WeightUpdateResult&)> done) override;
   void expert_record(ExpertRecordOp op, std::function<void(const ExpertRecord&)> done) override;
+  void get_weights(std::string name, int64_t rows, std::function<void(const std::vector<WeightValues>&)> done) override;
   void profile(const ProfileRequest& r, std::function<void(const ProfileResult&)> done) override;
   void export_kv(std::vector<int32_t> tokens, std::string salt, int32_t begin, int32_t max_tokens,
                  std::function<void(KvRows)> done, int32_t rank = -1) override;

@@ -253,6 +253,15 @@ struct ExpertRecord {
   bool recording = false;  // after the operation
 };
 
+// SGLang's /get_weights_by_name: the first rows of a checkpoint tensor as the model holds it (one DP rank's).
+struct WeightValues {
+  bool ok = false;
+  std::string message;         // why not (ok false)
+  std::vector<int64_t> shape;  // the checkpoint tensor's
+  int64_t rows = 0, cols = 0;  // of values (a vector: rows 1, cols its elements read)
+  std::vector<float> values;   // [rows, cols] row-major, F32 (the values the model computes with)
+};
+
 // SGLang's and vLLM's /start_profile and /stop_profile.
 struct ProfileRequest {
   bool start = true;      // false: stop
@@ -309,6 +318,16 @@ class EngineClient {
     ExpertRecord r;
     r.message = "this engine does not record the experts' distribution";
     done(r);
+  }
+  // SGLang's /get_weights_by_name: the first `rows` rows (of a vector: elements) of checkpoint tensor `name`, put
+  // together from the tensor-parallel ranks (DeepseekModel::read_weight), one entry per DP rank (attention-DP group
+  // or --dp replica; each the same tensor); `done` gets them (on an engine thread), after the steps issued before.
+  // An entry with ok false says why (no such tensor: its message names it). Default: refused.
+  virtual void get_weights(std::string name, int64_t rows, std::function<void(const std::vector<WeightValues>&)> done) {
+    (void)name, (void)rows;
+    WeightValues v;
+    v.message = "this engine cannot read its weights";
+    done({v});
   }
   // A trace of the engine's steps (StepTrace) from a start to a stop (or num_steps), and on CUDA the profiler API's
   // capture range (cudaProfilerStart / Stop: nsys --capture-range=cudaProfilerApi). `done` gets the outcome (on an

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <mutex>
 
 #include "backend/backend_factory.h"
 #include "backend/cpu/cpu_kernels.h"
@@ -882,6 +883,37 @@ std::vector<int64_t> RankSet::expert_counts() {
     rk.backend->download(c, counts.data());
   });
   return counts;
+}
+
+std::optional<DeepseekModel::WeightRows> RankSet::read_weight(const std::string& name, int64_t rows) {
+  check_not_stopped();
+  MLA_CHECK(!released_, "the GPU memory is released (/release_memory_occupation): resume it before reading weights");
+  std::vector<std::optional<DeepseekModel::WeightRows>> parts;
+  std::mutex mu;
+  const std::string err = on_local_ranks([&](Rank& rk) {
+    auto part = rk.model->read_weight(name, rows);
+    std::lock_guard<std::mutex> lk(mu);
+    parts.push_back(std::move(part));
+  });
+  MLA_CHECK(err.empty(), "{}", err);
+  std::optional<DeepseekModel::WeightRows> out;
+  for (auto& p : parts) {
+    if (!p) continue;
+    if (!out) {
+      out = std::move(p);
+      continue;
+    }
+    for (size_t i = 0; i < out->values.size(); ++i)
+      if (p->held[i] && !out->held[i]) {
+        out->values[i] = p->values[i];
+        out->held[i] = 1;
+      }
+  }
+  if (!out) return out;
+  const auto missing = std::count(out->held.begin(), out->held.end(), uint8_t{0});
+  MLA_CHECK(missing == 0, "'{}': {} of the {} values asked for are held by other nodes' ranks only (this reads node "
+            "{}'s)", name, missing, out->held.size(), pc_.node_rank);
+  return out;
 }
 
 void RankSet::set_profiler(bool on) {

@@ -124,6 +124,11 @@ class RankSet {
   bool counts_experts() const { return pc_.count_experts; }
   // Backend::profiler on every rank of this node (other nodes' ranks are not profiled).
   void set_profiler(bool on);
+  // SGLang's /get_weights_by_name: the first `rows` rows (a vector's first `rows` elements) of the checkpoint tensor
+  // `name`, put together from this node's ranks (DeepseekModel::read_weight); nullopt when the model holds no such
+  // tensor. Throws when part of them is held only by other nodes' ranks, or while the memory is released. No step
+  // may be in flight.
+  std::optional<DeepseekModel::WeightRows> read_weight(const std::string& name, int64_t rows);
   std::vector<int64_t> expert_counts();
   void reset_expert_counts();
 

@@ -37,8 +37,10 @@ class DeepseekModel::Loader {
 
   // held: every persistent tensor of the model, in the order load() takes them; with `reload` they exist already
   // and the new checkpoint is written into them (alloc hands them out in that order, checked).
-  Loader(Backend& backend, const Checkpoint* ckpt, const LoadOptions& opts, std::vector<Tensor>& held, bool reload)
-      : be_(backend), ckpt_(ckpt), opts_(opts), held_(held), reload_(reload) {}
+  // placed: where every block goes is recorded there (null: not recorded, e.g. on a reload into the same tensors).
+  Loader(Backend& backend, const Checkpoint* ckpt, const LoadOptions& opts, std::vector<Tensor>& held, bool reload,
+         std::unordered_map<std::string, std::vector<Placement>>* placed)
+      : be_(backend), ckpt_(ckpt), opts_(opts), held_(held), reload_(reload), placed_(placed) {}
 
   // A persistent tensor for the weight `what`: allocated (and held), or on a reload the held tensor in its place.
   Tensor alloc(const Shape& shape, DType dtype, const std::string& what) {
@@ -79,6 +81,7 @@ class DeepseekModel::Loader {
     const int64_t nc = full.size() == 1 ? full[0] : dst.size(-1);
     const int64_t nr = nc == 0 ? 0 : dst.numel() / nc;
     bytes_ += static_cast<int64_t>(dst.nbytes());
+    place(name, full, r0, c0, dst.reshape({nr, nc}));
     if (opts_.dummy) {
       float mean = 0.0f, stddev = 1.0f;
       switch (kind) {
@@ -141,9 +144,11 @@ class DeepseekModel::Loader {
   // Rows [r0, r0 + codes rows) x columns [c0, c0 + codes cols) of the F8 matrix `name` (whole blocks, or the
   // matrix's last ones) copied as they are into `codes` (F8) and their blocks' scales into `scales` (F32 [rows /
   // block_rows, ceil(cols / block_cols)]).
+  // (b: the blocks' size where they are not the checkpoint's, i.e. dummy weights quantized at load)
   void load_fp8_blocks(const std::string& name, const Shape& full, int64_t r0, int64_t c0, Tensor codes,
-                       Tensor scales) {
+                       Tensor scales, int64_t b = 0) {
     bytes_ += static_cast<int64_t>(codes.nbytes() + scales.nbytes());
+    place(name, full, r0, c0, codes, scales, b ? b : block_rows_, b ? b : block_cols_);
     if (opts_.dummy) {  // random codes (no NaNs), every block scaled to about N(0, 1 / cols) like the bf16 dummies
       Tensor host = Tensor::empty_host(codes.shape(), DType::F8_E4M3);
       const uint64_t seed = fnv1a64(name) ^ splitmix64(opts_.seed) ^ static_cast<uint64_t>(r0 * 131 + c0);
@@ -208,9 +213,10 @@ class DeepseekModel::Loader {
   // dummy weights: random codes as load_fp8_blocks makes them.
   void quantize_fp8_blocks(const std::string& name, const Shape& full, int64_t r0, int64_t c0, int64_t b, Tensor codes,
                            Tensor scales) {
-    if (opts_.dummy) return load_fp8_blocks(name, full, r0, c0, codes, scales);
+    if (opts_.dummy) return load_fp8_blocks(name, full, r0, c0, codes, scales, b);
     auto [q, s] = quantize_slice(name, full, r0, c0, codes.size(0), codes.size(1), b);
     bytes_ += static_cast<int64_t>(codes.nbytes() + scales.nbytes());
+    place(name, full, r0, c0, codes, scales, b, b);
     be_.upload_into(q, codes);
     be_.upload_into(s, scales);
   }
@@ -224,6 +230,7 @@ class DeepseekModel::Loader {
     Tensor f = Tensor::empty_host({nr, nc}, DType::F32);
     cpu::dequant_fp8(q.data_as<uint8_t>(), s.data_as<float>(), 1, nr, nc, b, b, f.data_as<float>());
     bytes_ += static_cast<int64_t>(dst.nbytes());
+    place(name, full, r0, c0, dst);
     be_.upload_into(f, dst);
   }
 
@@ -437,6 +444,12 @@ class DeepseekModel::Loader {
   std::vector<Tensor>& held_;
   bool reload_ = false;
   size_t next_ = 0;  // reload: the held tensor alloc hands out next
+  std::unordered_map<std::string, std::vector<Placement>>* placed_ = nullptr;
+
+  void place(const std::string& name, const Shape& full, int64_t r0, int64_t c0, Tensor dst, Tensor scales = {},
+             int64_t br = 0, int64_t bc = 0) {
+    if (placed_) (*placed_)[name].push_back(Placement{full, r0, c0, std::move(dst), std::move(scales), br, bc});
+  }
 };
 
 DeepseekModel::DeepseekModel(ModelConfig config, Backend& backend, ParallelPlan plan, Communicator* world_comm,
@@ -520,7 +533,8 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
   const auto t_start = std::chrono::steady_clock::now();
   std::unique_ptr<Checkpoint> ckpt;
   if (!opts.dummy) ckpt = std::make_unique<Checkpoint>(model_dir);
-  Loader ld(backend_, ckpt.get(), opts, held_, reload);
+  if (!reload) placements_.clear();
+  Loader ld(backend_, ckpt.get(), opts, held_, reload, reload ? nullptr : &placements_);
   // How the weights are stored is the checkpoint's own (a reload may bring another quantization); what they are
   // is config_'s.
   ld.set_quant(from);
@@ -782,6 +796,53 @@ void DeepseekModel::norm_mlp(int64_t l, const Tensor& x, Tensor& residual, Tenso
                                 RouterParams::from_config(config_), ids, weights);
   std::swap(residual, spare);
   experts(l, normed, ids, weights, out);
+}
+
+std::optional<DeepseekModel::WeightRows> DeepseekModel::read_weight(const std::string& name, int64_t rows) {
+  auto it = placements_.find(name);
+  if (it == placements_.end() && name == "lm_head.weight" && lm_head_.data() == embed_.data())
+    it = placements_.find("model.embed_tokens.weight");  // tied embeddings
+  if (it == placements_.end() || it->second.empty()) return std::nullopt;
+  MLA_CHECK(rows >= 0, "read_weight: {} rows", rows);
+  WeightRows out;
+  out.full = it->second.front().full;
+  const bool vec = out.full.size() == 1;
+  out.rows = vec ? 1 : std::min(rows, out.full[0]);
+  out.cols = vec ? std::min(rows, out.full[0]) : out.full[1];
+  MLA_CHECK(out.rows * out.cols <= kMaxReadValues, "'{}' ({}): {} rows are {} values; at most {} are read at once "
+            "(ask for fewer rows)", name, shape_str(out.full), out.rows, out.rows * out.cols, kMaxReadValues);
+  out.values.assign(static_cast<size_t>(out.rows * out.cols), 0.0f);
+  out.held.assign(out.values.size(), 0);
+  for (const Placement& p : it->second) {
+    const int64_t pr = p.dst.size(0), pc = p.dst.size(1);
+    const int64_t a = p.r0, b = std::min(p.r0 + pr, out.rows);  // the block's rows asked for
+    const int64_t nc = std::min(pc, out.cols - p.c0);            // and columns
+    if (b <= a || nc <= 0) continue;
+    const Tensor part = p.dst.rows(0, b - a);
+    std::vector<float> v(static_cast<size_t>((b - a) * pc));
+    if (p.dst.dtype() == DType::F8_E4M3) {  // bf16(code * its block's scale), as the experts compute with them
+      std::vector<uint8_t> codes(v.size());
+      backend_.download(part, codes.data());
+      const Tensor sc = backend_.to_host_f32(p.scales);
+      const int64_t scols = p.scales.size(1);
+      for (int64_t r = 0; r < b - a; ++r)
+        for (int64_t c = 0; c < pc; ++c) {
+          const size_t i = static_cast<size_t>(r * pc + c);
+          const float scale = sc.data_as<float>()[(r / p.br) * scols + c / p.bc];
+          v[i] = bf16_to_f32(f32_to_bf16(f8e4m3_to_f32(codes[i]) * scale));
+        }
+    } else {
+      const Tensor h = backend_.to_host_f32(part);
+      std::copy_n(h.data_as<float>(), v.size(), v.begin());
+    }
+    for (int64_t r = a; r < b; ++r)
+      for (int64_t c = 0; c < nc; ++c) {
+        const size_t o = static_cast<size_t>(r * out.cols + p.c0 + c);
+        out.values[o] = v[static_cast<size_t>((r - a) * pc + c)];
+        out.held[o] = 1;
+      }
+  }
+  return out;
 }
 
 void DeepseekModel::enable_expert_counts() {

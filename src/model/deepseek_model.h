@@ -15,8 +15,10 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -144,6 +146,19 @@ class DeepseekModel {
   const LayerWeights& layer_weights(int64_t l) const { return layers_.at(static_cast<size_t>(l)); }
   // Bytes of weights held by this rank.
   int64_t weight_bytes() const { return weight_bytes_; }
+  // SGLang's /get_weights_by_name: the first `rows` rows of the checkpoint tensor `name` (of a vector: its first
+  // `rows` elements) as this rank holds them, in F32: the values the model computes with (an FP8 or AWQ / GPTQ
+  // weight dequantized as loaded; FP8 experts kept quantized as bf16(code * block scale)). `held` marks the elements
+  // this rank holds (a tensor-parallel shard holds some; a replicated one all). nullopt: the model holds no tensor of
+  // that name (lm_head.weight of tied embeddings is model.embed_tokens.weight). Waits for the device.
+  struct WeightRows {
+    Shape full;                  // the checkpoint tensor's shape
+    int64_t rows = 0, cols = 0;  // of values: a vector's are 1 x (its elements read)
+    std::vector<float> values;   // [rows, cols]
+    std::vector<uint8_t> held;   // [rows, cols]
+  };
+  std::optional<WeightRows> read_weight(const std::string& name, int64_t rows);
+  static constexpr int64_t kMaxReadValues = int64_t{1} << 23;  // read_weight refuses more
 
  private:
   class Loader;
@@ -216,6 +231,15 @@ class DeepseekModel {
   std::vector<LayerWeights> layers_;
   // Every persistent tensor load() allocated, in its order: reload() writes into them again.
   std::vector<Tensor> held_;
+  // Where each checkpoint tensor's blocks went (read_weight), recorded by the first load: a block of `full` from
+  // (r0, c0) held in `dst` [rows, cols]; FP8 codes with `scales` [ceil(rows / br), ceil(cols / bc)].
+  struct Placement {
+    Shape full;
+    int64_t r0 = 0, c0 = 0;
+    Tensor dst, scales;
+    int64_t br = 0, bc = 0;
+  };
+  std::unordered_map<std::string, std::vector<Placement>> placements_;
   LoadOptions load_opts_;  // the first load's
   std::string weights_dir_;     // where the weights came from (the last load or reload)
   bool weights_dummy_ = false;  // and whether they are load_opts_'s dummy weights

@@ -240,6 +240,10 @@ class Api {
   // SGLang's POST /update_weights_from_disk ({"model_path", "load_format", "abort_all_requests", "flush_cache",
   // "weight_version"}): EngineClient::update_weights; 200 {"success": true, ...} or 400 {"success": false, "message"}.
   void update_weights_from_disk(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
+  // SGLang's GET / POST /get_weights_by_name ({"name", "truncate_size": 100}): EngineClient::get_weights; 200 with the
+  // tensor's first truncate_size rows as nested lists of floats (a vector: its first elements), a list of those per
+  // DP rank when there are several (as SGLang's); 400 naming what is wrong (no such tensor, too many values).
+  void get_weights_by_name(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex);
   // SGLang's POST /pause_generation ({"mode": "abort" | "retract" | "in_place"}) and vLLM's POST /pause
   // (?wait_for_inflight_requests=&clear_cache=): EngineClient::pause_generation, answered once paused.
   void pause(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex, bool vllm);

@@ -932,6 +932,9 @@ void Api::handle(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex
     } else if (path == "/update_weights_from_disk") {
       if (!post) method_not_allowed(req);
       update_weights_from_disk(req, ex);
+    } else if (path == "/get_weights_by_name") {  // SGLang's
+      if (!get && !post) method_not_allowed(req);
+      get_weights_by_name(req, ex);
     } else if (path == "/pause_generation" || path == "/pause") {  // SGLang's, vLLM's
       if (!post) method_not_allowed(req);
       pause(req, ex, path == "/pause");
@@ -1479,6 +1482,44 @@ void Api::update_weights_from_disk(const HttpRequest& req, const std::shared_ptr
     out["num_paused_requests"] = 0;
     post([wex, ok = r.ok, text = dump(out)] {
       if (auto ex2 = wex.lock()) ex2->respond(ok ? 200 : 400, "application/json", text);
+    });
+  });
+}
+
+void Api::get_weights_by_name(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
+  const json body = parse_body(req.body);
+  const Fields f(body);
+  std::string name = f.required_string("name", "the checkpoint tensor's name");
+  const int64_t rows = f.integer("truncate_size", 0, std::numeric_limits<int32_t>::max()).value_or(100);
+  std::weak_ptr<HttpExchange> wex = ex;
+  Executor post = ex->executor();
+  engine_.get_weights(std::move(name), rows, [wex, post](const std::vector<WeightValues>& all) {
+    int status = 200;
+    std::string text;
+    try {
+      ojson out = ojson::array();
+      for (const WeightValues& v : all) {
+        if (!v.ok) throw ApiError(400, v.message, "name", "invalid_value");
+        ojson t = ojson::array();
+        auto row = [&](int64_t r) {
+          ojson a = ojson::array();
+          for (int64_t c = 0; c < v.cols; ++c) a.push_back(v.values[static_cast<size_t>(r * v.cols + c)]);
+          return a;
+        };
+        if (v.shape.size() == 1) {
+          t = row(0);
+        } else {
+          for (int64_t r = 0; r < v.rows; ++r) t.push_back(row(r));
+        }
+        out.push_back(std::move(t));
+      }
+      text = dump(all.size() == 1 ? out.front() : out);
+    } catch (const ApiError& e) {
+      status = e.status;
+      text = error_body(e);
+    }
+    post([wex, status, text = std::move(text)] {
+      if (auto ex2 = wex.lock()) ex2->respond(status, "application/json", text);
     });
   });
 }

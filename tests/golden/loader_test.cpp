@@ -295,6 +295,44 @@ TEST(Loader, Fp8ExpertsKeptQuantizedAreTheSameModel) {
   }
 }
 
+// /get_weights_by_name of routed experts kept FP8: the values the model computes with, bf16(code * block scale), the
+// same as the model dequantized at load reads, on one rank, two by width and two by whole experts.
+TEST(Loader, Fp8ExpertsKeptReadBackAsTheDequantizedModel) {
+  auto fp8 = test::temp_dir("fp8r"), ref = test::temp_dir("fp8rref");
+  write_fp8_pair("v2lite", fp8, ref, 16, 16);
+  struct Layout {
+    int32_t tp;
+    bool ep;
+  };
+  for (const Layout& L : {Layout{1, false}, Layout{2, false}, Layout{2, true}}) {
+    SCOPED_TRACE(fmt::format("tp {}{}", L.tp, L.ep ? " expert parallel" : ""));
+    auto ranks = [&](bool keep) {
+      ParallelConfig pc;
+      pc.tp_size = L.tp;
+      pc.expert_parallel = L.ep;
+      pc.device = "cpu";
+      if (keep)
+        pc.wrap_backend = [](std::unique_ptr<Backend> b, int32_t) -> std::unique_ptr<Backend> {
+          return std::make_unique<TakesFp8Experts>(std::move(b));
+        };
+      LoadOptions lo;
+      lo.fp8_experts = keep ? LoadOptions::Fp8Experts::On : LoadOptions::Fp8Experts::Off;
+      return std::make_unique<RankSet>(ModelConfig::from_file(fp8.string()), pc, fp8.string(), lo);
+    };
+    auto kept = ranks(true), plain = ranks(false);
+    EXPECT_LT(kept->weight_bytes_per_rank(), plain->weight_bytes_per_rank());
+    for (const char* n : {"model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight",
+                          "model.layers.2.mlp.experts.6.down_proj.weight"}) {
+      const auto a = kept->read_weight(n, 1 << 20), b = plain->read_weight(n, 1 << 20);
+      ASSERT_TRUE(a && b) << n;
+      std::vector<float> want = test::checkpoint_values(ref.string(), n);  // code * scale in F32
+      for (float& x : want) x = bf16_to_f32(f32_to_bf16(x));
+      EXPECT_EQ(a->values, want) << n;
+      EXPECT_EQ(b->values, want) << n;
+    }
+  }
+}
+
 // cpu::quantize_fp8: each block's scale is its largest magnitude / 448 (edge blocks cut short; 1 for zeros), its
 // codes the nearest to w / scale; so the largest element comes back as itself (within f32 rounding) and every
 // element within half a code step.

@@ -573,3 +573,104 @@ TEST(MemoryOccupation, DummyWeightsComeBackTheSame) {
   ASSERT_EQ(after.size(), before.size());
   for (size_t i = 0; i < after.size(); ++i) ASSERT_EQ(after[i], before[i]) << "logit " << i;
 }
+
+namespace {
+
+std::vector<WeightValues> weights_of(EngineClient& e, const std::string& name, int64_t rows) {
+  return test::callback_result<std::vector<WeightValues>>([&](auto cb) { e.get_weights(name, rows, std::move(cb)); });
+}
+
+}  // namespace
+
+// SGLang's /get_weights_by_name underneath: every tensor of the checkpoint reads back as the checkpoint holds it, put
+// together from the ranks of every layout (attention shards by rows or by columns, experts by width or whole under
+// expert parallelism, attention-DP groups), and so do its first rows alone; a name the model does not hold is none.
+TEST(GetWeights, EveryLayoutReadsTheCheckpointsTensors) {
+  struct Layout {
+    int32_t tp, dp;
+    bool ep;
+  };
+  for (const std::string family : {"v3", "v2lite"}) {
+    const std::string dir = test::golden_dir(family);
+    const std::vector<std::string> names = Checkpoint(dir).names();
+    for (const Layout& L : {Layout{1, 1, false}, Layout{2, 1, false}, Layout{2, 1, true}, Layout{2, 2, false}}) {
+      SCOPED_TRACE(fmt::format("{} tp {} dp {}{}", family, L.tp, L.dp, L.ep ? " expert parallel" : ""));
+      auto ranks = test::cpu_ranks_at(dir, L.tp, L.dp, 0, false, L.ep);
+      for (const std::string& n : names) {
+        const auto w = ranks->read_weight(n, 1 << 20);
+        ASSERT_TRUE(w) << n;
+        const std::vector<float> want = test::checkpoint_values(dir, n);
+        ASSERT_EQ(w->values.size(), want.size()) << n;
+        for (size_t i = 0; i < want.size(); ++i) ASSERT_EQ(w->values[i], want[i]) << n << ", value " << i;
+      }
+      const std::string o = "model.layers.1.self_attn.o_proj.weight";  // (columns: a shard of each rank)
+      const auto w = ranks->read_weight(o, 3);
+      ASSERT_TRUE(w);
+      EXPECT_EQ(w->rows, 3);
+      EXPECT_EQ(w->cols, w->full[1]);
+      const std::vector<float> all = test::checkpoint_values(dir, o);
+      EXPECT_EQ(w->values, std::vector<float>(all.begin(), all.begin() + 3 * w->cols));
+      const auto norm = ranks->read_weight("model.norm.weight", 5);
+      ASSERT_TRUE(norm);
+      EXPECT_EQ(norm->rows, 1);
+      const std::vector<float> norm_all = test::checkpoint_values(dir, "model.norm.weight");
+      EXPECT_EQ(norm->values, std::vector<float>(norm_all.begin(), norm_all.begin() + 5));
+      EXPECT_FALSE(ranks->read_weight("model.layers.1.self_attn.o_proj.weight_scale_inv", 3));
+      EXPECT_FALSE(ranks->read_weight("lm_head.bias", 3));
+    }
+  }
+}
+
+// A read of more values than read_weight takes at once (a dummy model with a vocabulary that large) is refused naming
+// the limit; fewer rows of the same tensor are read.
+TEST(GetWeights, TooManyValuesAtOnceAreRefused) {
+  const fs::path dir = test::temp_dir("gw-big");
+  nlohmann::json j = nlohmann::json::parse(test::read_text(fs::path(test::golden_dir("v2lite")) / "config.json"));
+  j["vocab_size"] = DeepseekModel::kMaxReadValues / j["hidden_size"].get<int64_t>() + 64;
+  test::write_text(dir / "config.json", j.dump(2));
+  ParallelConfig pc;
+  pc.device = "cpu";
+  LoadOptions lo;
+  lo.dummy = true;
+  RankSet ranks(ModelConfig::from_file(dir.string()), pc, dir.string(), lo);
+  const std::string err = reload_error([&] { ranks.read_weight("model.embed_tokens.weight", 1 << 30); });
+  EXPECT_NE(err.find("at most 8388608"), std::string::npos) << err;
+  const auto w = ranks.read_weight("model.embed_tokens.weight", 10);
+  ASSERT_TRUE(w);
+  EXPECT_EQ(w->rows, 10);
+  EXPECT_EQ(w->values.size(), static_cast<size_t>(10 * j["hidden_size"].get<int64_t>()));
+}
+
+// Through the engine: one entry per DP rank (attention-DP groups, --dp replicas), each the checkpoint's rows; a name
+// the model does not hold is refused naming it.
+TEST(GetWeights, EveryDpRankAnswers) {
+  const std::string a = test::golden_dir("v2lite");
+  const std::string name = "model.layers.1.self_attn.kv_b_proj.weight";
+  const std::vector<float> all = test::checkpoint_values(a, name);
+  for (bool dpa : {true, false}) {
+    SCOPED_TRACE(dpa ? "DP attention" : "DP replicas");
+    EngineArgs args;
+    args.model_path = a;
+    args.device = "cpu";
+    args.tp_size = dpa ? 2 : 1;
+    args.dp_size = 2;
+    args.enable_dp_attention = dpa;
+    args.page_size = 8;
+    args.max_total_tokens = 2048;
+    auto e = make_engine(args);
+    const std::vector<WeightValues> got = weights_of(*e, name, 4);
+    ASSERT_EQ(got.size(), 2u);
+    for (const WeightValues& v : got) {
+      ASSERT_TRUE(v.ok) << v.message;
+      EXPECT_EQ(v.rows, 4);
+      ASSERT_EQ(v.shape.size(), 2u);
+      EXPECT_EQ(v.values, std::vector<float>(all.begin(), all.begin() + 4 * v.shape[1]));
+    }
+    const std::vector<WeightValues> none = weights_of(*e, "model.layers.1.nothing.weight", 4);
+    ASSERT_FALSE(none.empty());
+    EXPECT_FALSE(none[0].ok);
+    EXPECT_NE(none[0].message.find("no weight named 'model.layers.1.nothing.weight'"), std::string::npos)
+        << none[0].message;
+    e->shutdown();
+  }
+}

@@ -221,6 +221,28 @@ class FakeEngine : public EngineClient {
     std::lock_guard lk(mu_);
     return profiles_;
   }
+  // /get_weights_by_name: each read recorded (name, rows); answered with set_weights' entries (none: refused).
+  void get_weights(std::string name, int64_t rows, std::function<void(const std::vector<WeightValues>&)> done) override {
+    std::vector<WeightValues> v;
+    {
+      std::lock_guard lk(mu_);
+      weight_reads_.emplace_back(name, rows);
+      v = weight_values_;
+    }
+    if (v.empty()) {
+      v.emplace_back();
+      v.back().message = "the model holds no weight named '" + name + "'";
+    }
+    done(v);
+  }
+  void set_weights(std::vector<WeightValues> v) {
+    std::lock_guard lk(mu_);
+    weight_values_ = std::move(v);
+  }
+  std::vector<std::pair<std::string, int64_t>> weight_reads() const {
+    std::lock_guard lk(mu_);
+    return weight_reads_;
+  }
   void set_expert_counts(int64_t layers, std::vector<int64_t> counts) {
     std::lock_guard lk(mu_);
     expert_layers_ = layers;
@@ -431,6 +453,8 @@ class FakeEngine : public EngineClient {
   bool profiling_ = false;
   int64_t expert_layers_ = 0;
   std::vector<int64_t> expert_counts_;
+  std::vector<WeightValues> weight_values_;
+  std::vector<std::pair<std::string, int64_t>> weight_reads_;
   bool paused_ = false;  // (pause_generation records the mode; the fake keeps generating)
   std::string weights_ = "/models/fake";
   int64_t held_ = 0, prompt_tokens_total_ = 0, generation_tokens_total_ = 0;

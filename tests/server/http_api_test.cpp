@@ -262,6 +262,53 @@ TEST(HttpApi, ExpertDistributionRecord) {
   std::filesystem::remove_all(dir.parent_path());
 }
 
+// SGLang's /get_weights_by_name: a matrix's first rows as nested lists, a vector's first elements as one list, a list
+// of those per DP rank when there are several; GET with a JSON body as SGLang's clients send it; truncate_size 100
+// when not given; what the engine refuses (no such tensor) and bad fields are 400s naming why.
+TEST(HttpApi, GetWeightsByName) {
+  TestServer s;
+  WeightValues m;
+  m.ok = true;
+  m.shape = {4, 3};
+  m.rows = 2;
+  m.cols = 3;
+  m.values = {1.0f, 2.0f, 3.0f, 4.5f, -5.0f, 0.25f};
+  s.engine.set_weights({m});
+  auto r = s.post("/get_weights_by_name", R"({"name": "model.layers.0.mlp.gate.weight", "truncate_size": 2})");
+  EXPECT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body), json::parse("[[1, 2, 3], [4.5, -5, 0.25]]"));
+  r = http_request(s.port(), "GET", "/get_weights_by_name", R"({"name": "model.norm.weight"})");
+  EXPECT_EQ(r.status, 200) << r.body;
+  WeightValues v = m;
+  v.shape = {5};
+  v.rows = 1;
+  v.cols = 3;
+  v.values = {0.5f, 1.0f, -2.0f};
+  s.engine.set_weights({v});
+  r = s.post("/get_weights_by_name", R"({"name": "model.norm.weight", "truncate_size": 3})");
+  EXPECT_EQ(json::parse(r.body), json::parse("[0.5, 1, -2]")) << r.body;
+  s.engine.set_weights({v, v});  // two DP ranks
+  r = s.post("/get_weights_by_name", R"({"name": "model.norm.weight", "truncate_size": 3})");
+  EXPECT_EQ(json::parse(r.body), json::parse("[[0.5, 1, -2], [0.5, 1, -2]]")) << r.body;
+  using Read = std::pair<std::string, int64_t>;
+  EXPECT_EQ(s.engine.weight_reads(), (std::vector<Read>{{"model.layers.0.mlp.gate.weight", 2},
+                                                         {"model.norm.weight", 100},
+                                                         {"model.norm.weight", 3},
+                                                         {"model.norm.weight", 3}}));
+  s.engine.set_weights({});
+  r = s.post("/get_weights_by_name", R"({"name": "model.nothing.weight"})");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_NE(json::parse(r.body)["error"]["message"].get<std::string>().find("no weight named 'model.nothing.weight'"),
+            std::string::npos) << r.body;
+  for (const char* bad : {"{}", R"({"name": 3})", R"({"name": "w", "truncate_size": -1})",
+                          R"({"name": "w", "truncate_size": "all"})", "not json"}) {
+    r = s.post("/get_weights_by_name", bad);
+    EXPECT_EQ(r.status, 400) << bad << ": " << r.body;
+  }
+  EXPECT_EQ(s.engine.weight_reads().size(), 5u);  // (the bad requests never reached the engine)
+  EXPECT_EQ(http_request(s.port(), "DELETE", "/get_weights_by_name").status, 405);
+}
+
 // SGLang's /start_profile and /stop_profile: the folder (the request's, else the server's), num_steps; SGLang's other
 // fields accepted; bad values and a refused start are 400s; SGLang's text answers.
 TEST(HttpApi, StartAndStopProfile) {
