@@ -321,7 +321,8 @@ TEST(Loader, Fp8ExpertsKeptReadBackAsTheDequantizedModel) {
     };
     auto kept = ranks(true), plain = ranks(false);
     EXPECT_LT(kept->weight_bytes_per_rank(), plain->weight_bytes_per_rank());
-    for (const char* n : {"model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight",
+    for (const char* n : {"model.layers.1.mlp.experts.3.gate_proj.weight",
+                          "model.layers.1.mlp.experts.3.up_proj.weight",
                           "model.layers.2.mlp.experts.6.down_proj.weight"}) {
       const auto a = kept->read_weight(n, 1 << 20), b = plain->read_weight(n, 1 << 20);
       ASSERT_TRUE(a && b) << n;

@@ -437,8 +437,10 @@ TEST(CudaOps, RopeAndLatentWrite) {
 // fp8: the cache in that FP8 type on both backends (the same codes).
 void mla_case(int64_t nh, int64_t kvr, int64_t rope, int64_t nope, int64_t vh, int32_t page_size, bool long_ctx,
               int kind, bool decode_only = false, int few_tokens = 0, std::optional<DType> fp8 = std::nullopt) {
-  std::vector<std::pair<int32_t, int32_t>> seqs = {{0, 1},  {15, 1}, {16, 1}, {299, 1},
-                                                   {0, 100}, {40, 30}, {63, 65}};
+  // (prefill items hold up to 128 new tokens: {5, 300} takes three, the last of 44; {0, 100} and {63, 65} one with
+  // warps past its tokens)
+  std::vector<std::pair<int32_t, int32_t>> seqs = {{0, 1},  {15, 1}, {16, 1},  {299, 1},
+                                                   {0, 100}, {40, 30}, {63, 65}, {5, 300}};
   if (decode_only) seqs = {{0, 1}, {15, 1}, {16, 1}, {299, 1}, {63, 1}, {1000, 1}};
   if (few_tokens > 0) seqs = {{299, 1}, {16, 1}};
   seqs.resize(few_tokens > 0 ? static_cast<size_t>(few_tokens - 1) : seqs.size());

@@ -222,7 +222,8 @@ class FakeEngine : public EngineClient {
     return profiles_;
   }
   // /get_weights_by_name: each read recorded (name, rows); answered with set_weights' entries (none: refused).
-  void get_weights(std::string name, int64_t rows, std::function<void(const std::vector<WeightValues>&)> done) override {
+  void get_weights(std::string name, int64_t rows,
+                   std::function<void(const std::vector<WeightValues>&)> done) override {
     std::vector<WeightValues> v;
     {
       std::lock_guard lk(mu_);

@@ -209,7 +209,7 @@ int32_t mla_decode_fixed_splits(int64_t num_tokens, int32_t num_heads, int32_t k
                                 int32_t variant = kMlaDecodeDefaultVariant);
 
 // Expanded-form (prefill) work: up to kPrefillBlockQ consecutive new tokens of one sequence.
-constexpr int32_t kPrefillBlockQ = 64;
+constexpr int32_t kPrefillBlockQ = 128;
 struct MlaPrefillItem {
   int32_t token_begin;  // first token row (q / out)
   int32_t num_tokens;   // <= kPrefillBlockQ

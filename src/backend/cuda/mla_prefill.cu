@@ -3,9 +3,11 @@
 // batch whose prefix may already be in the paged cache (the context rows are gathered first). CPU reference:
 // cpu::mla_attention (expanded branch).
 //
-// Fast path (nope 128, rope 64, v 128): FlashAttention-2 style, one block of 4 warps per (64 queries, head), Q
-// fragments held in registers, K/V tiles of 64 keys double-buffered with cp.async, online softmax in log2 space,
-// P kept in registers as the A operand of P @ V.
+// Fast path (nope 128, rope 64, v 128): FlashAttention-2 style, one block of 8 warps per (128 queries, head), each
+// warp 16 query rows, Q fragments held in registers, K/V tiles of 64 keys double-buffered with cp.async, online
+// softmax in log2 space, P kept in registers as the A operand of P @ V. Every K/V tile a block loads serves its 128
+// queries: at 64 queries per block (4 warps, two blocks per SM) long prompts were bound by the tiles' L2 traffic
+// (~64 FLOP per byte; docs/perf.md, forty-first session); a third K / V stage measured no faster.
 #include <cmath>
 
 #include <cuda_fp8.h>
@@ -54,13 +56,14 @@ __global__ void gather_context_kernel(const bf16* cache, const uint8_t* cache_f8
 
 namespace fa {
 constexpr int NOPE = 128, ROPE = 64, DQK = 192, DV = 128, KVR = 512;
-constexpr int BM = kPrefillBlockQ, BN = 64, NW = 4, NT = NW * 32;
+constexpr int BN = 64;
 constexpr int LDK = DQK + 8;  // 400 B rows
 constexpr int LDV = DV + 8;   // 272 B rows
+constexpr int BM = kPrefillBlockQ, NW = BM / 16, NT = NW * 32;  // a warp per 16 queries
 constexpr size_t smem_bytes = sizeof(bf16) * (BM * LDK + 2 * BN * LDK + 2 * BN * LDV);
 }  // namespace fa
 
-__global__ void __launch_bounds__(fa::NT, 2) mla_prefill_fast_kernel(const MlaPrefillParams p) {
+__global__ void __launch_bounds__(fa::NT, 1) mla_prefill_fast_kernel(const MlaPrefillParams p) {
   using namespace fa;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
@@ -106,6 +109,7 @@ __global__ void __launch_bounds__(fa::NT, 2) mla_prefill_fast_kernel(const MlaPr
   cp_async_commit();
 
   const int r0 = warp * 16 + g, r1 = r0 + 8;
+  const bool rows = warp * 16 < it.num_tokens;  // (a warp past the item's tokens only loads and waits)
   const int pos0 = it.pos_begin + min(r0, it.num_tokens - 1);
   const int pos1 = it.pos_begin + min(r1, it.num_tokens - 1);
   const float scale = p.softmax_scale * kLog2e;
@@ -121,6 +125,7 @@ __global__ void __launch_bounds__(fa::NT, 2) mla_prefill_fast_kernel(const MlaPr
     __syncthreads();
     if (kt + 1 < n_tiles) load_tile(kt + 1, (kt + 1) & 1);
     cp_async_commit();
+    if (!rows) continue;
     if (kt == 0) {
 #pragma unroll
       for (int ks = 0; ks < DQK / 16; ++ks)
