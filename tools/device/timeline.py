@@ -26,10 +26,11 @@ def short(name):
     return name[:cut][:60]
 
 
-def main():
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # quiet when piped into head
+def read_trace(path):
+    """The kernels of a trace CSV ("Start (ns),Duration (ns),Name"), sorted by start: (start ns, duration ns, short
+    demangled name); copies, sets and dummy weights' fill kernels left out."""
     rows = []
-    with open(sys.argv[1], newline="") as f:
+    with open(path, newline="") as f:
         for r in csv.DictReader(f):
             name = r.get("Name", "")
             if not name or "memcpy" in name.lower() or "memset" in name.lower():
@@ -40,8 +41,12 @@ def main():
         out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout.split("\n")
         plain = dict(zip(names, out))
         rows = [(s, d, plain.get(n, n)) for s, d, n in rows]
-    rows = [(s, d, short(n)) for s, d, n in rows if "fill_random" not in n]
-    rows.sort()
+    return sorted((s, d, short(n)) for s, d, n in rows if "fill_random" not in n)
+
+
+def main():
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # quiet when piped into head
+    rows = read_trace(sys.argv[1])
     marks = [i for i, r in enumerate(rows) if "embedding" in r[2]]
     if len(marks) < 2:
         sys.exit(f"fewer than two steps in {len(rows)} kernels")
