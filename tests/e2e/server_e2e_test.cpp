@@ -103,6 +103,45 @@ class ServerE2E : public ::testing::Test {
 };
 ServerProcess* ServerE2E::server_ = nullptr;
 
+// SGLang's /get_weights_by_name against the running server (dummy weights): a matrix's first truncate_size rows and a
+// vector's first 100 elements (the default), the same on every read and on every DP rank (a list of one answer per
+// rank under a DP layout); an unknown name is a 400 naming it.
+TEST_F(ServerE2E, GetWeightsByName) {
+  const int64_t dp = get_json(port(), "/get_server_info").value("dp_size", 1);
+  std::ifstream cf(e2e_model_dir() + "/config.json");
+  const json config = json::parse(cf);
+  const int64_t H = config["hidden_size"];
+  const int64_t kv_rows = config["kv_lora_rank"].get<int64_t>() + config["qk_rope_head_dim"].get<int64_t>();
+  auto read = [&](const std::string& body) {
+    const auto r = http_request(port(), "POST", "/get_weights_by_name", body);
+    EXPECT_EQ(r.status, 200) << body << ": " << r.body;
+    const json j = json::parse(r.body);
+    std::vector<json> ranks = dp > 1 ? j.get<std::vector<json>>() : std::vector<json>{j};
+    EXPECT_EQ(static_cast<int64_t>(ranks.size()), dp) << r.body.substr(0, 200);
+    for (const json& x : ranks) EXPECT_EQ(x, ranks.front()) << "DP ranks differ";
+    return ranks.front();
+  };
+  const std::string kv_a = R"({"name": "model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "truncate_size": 3})";
+  const json m = read(kv_a);
+  ASSERT_TRUE(m.is_array());
+  ASSERT_EQ(m.size(), 3u);
+  double sum = 0.0;
+  for (const json& row : m) {
+    ASSERT_EQ(static_cast<int64_t>(row.size()), H);
+    for (const json& v : row) sum += std::fabs(v.get<double>());
+  }
+  EXPECT_GT(sum, 0.0) << "dummy weights are not zeros";
+  EXPECT_EQ(read(kv_a), m);
+  EXPECT_EQ(read(R"({"name": "model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "truncate_size": 100000})").size(),
+            static_cast<size_t>(kv_rows));
+  const json norm = read(R"({"name": "model.norm.weight"})");
+  ASSERT_EQ(static_cast<int64_t>(norm.size()), std::min<int64_t>(100, H));
+  EXPECT_TRUE(norm.front().is_number());
+  const auto r = http_request(port(), "POST", "/get_weights_by_name", R"({"name": "model.nothing.weight"})");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_NE(r.body.find("model.nothing.weight"), std::string::npos) << r.body;
+}
+
 TEST_F(ServerE2E, StartupInfoAndHealth) {
   EXPECT_NE(server_->log().find("mlaserve: serving 'tiny-v3' on http://127.0.0.1:"), std::string::npos);
   EXPECT_EQ(http_request(port(), "GET", "/health").status, 200);
