@@ -192,11 +192,10 @@ class TakesFp8Experts : public ForwardingBackend {
   std::unique_ptr<Backend> own_;
 };
 
-// The prompt's logits on `tp` CPU ranks (taking FP8 experts when `fp8_experts`; quantizing the routed experts to FP8
-// at load with `quantize_fp8`); `weight_bytes` gets a rank's.
-std::vector<float> ranks_logits(const fs::path& dir, int32_t tp, bool fp8_experts = false,
-                                int64_t* weight_bytes = nullptr, bool quantize_fp8 = false,
-                                bool expert_parallel = false) {
+// `tp` CPU ranks of the checkpoint in `dir` (taking FP8 experts when `fp8_experts`; quantizing the routed experts to
+// FP8 at load with `quantize_fp8`; experts whole on each rank with `expert_parallel`).
+std::unique_ptr<RankSet> fp8_ranks(const fs::path& dir, int32_t tp, bool fp8_experts, bool quantize_fp8 = false,
+                                   bool expert_parallel = false) {
   ParallelConfig pc;
   pc.tp_size = tp;
   pc.expert_parallel = expert_parallel;
@@ -208,7 +207,15 @@ std::vector<float> ranks_logits(const fs::path& dir, int32_t tp, bool fp8_expert
   LoadOptions lo;
   lo.fp8_experts = fp8_experts ? LoadOptions::Fp8Experts::On : LoadOptions::Fp8Experts::Off;
   lo.quantize_fp8 = quantize_fp8;
-  RankSet ranks(ModelConfig::from_file(dir.string()), pc, dir.string(), lo);
+  return std::make_unique<RankSet>(ModelConfig::from_file(dir.string()), pc, dir.string(), lo);
+}
+
+// The prompt's logits on fp8_ranks; `weight_bytes` gets a rank's.
+std::vector<float> ranks_logits(const fs::path& dir, int32_t tp, bool fp8_experts = false,
+                                int64_t* weight_bytes = nullptr, bool quantize_fp8 = false,
+                                bool expert_parallel = false) {
+  const auto r = fp8_ranks(dir, tp, fp8_experts, quantize_fp8, expert_parallel);
+  RankSet& ranks = *r;
   if (weight_bytes) *weight_bytes = ranks.weight_bytes_per_rank();
   OfflineOptions o;
   o.prompt_logits = true;
@@ -306,20 +313,7 @@ TEST(Loader, Fp8ExpertsKeptReadBackAsTheDequantizedModel) {
   };
   for (const Layout& L : {Layout{1, false}, Layout{2, false}, Layout{2, true}}) {
     SCOPED_TRACE(fmt::format("tp {}{}", L.tp, L.ep ? " expert parallel" : ""));
-    auto ranks = [&](bool keep) {
-      ParallelConfig pc;
-      pc.tp_size = L.tp;
-      pc.expert_parallel = L.ep;
-      pc.device = "cpu";
-      if (keep)
-        pc.wrap_backend = [](std::unique_ptr<Backend> b, int32_t) -> std::unique_ptr<Backend> {
-          return std::make_unique<TakesFp8Experts>(std::move(b));
-        };
-      LoadOptions lo;
-      lo.fp8_experts = keep ? LoadOptions::Fp8Experts::On : LoadOptions::Fp8Experts::Off;
-      return std::make_unique<RankSet>(ModelConfig::from_file(fp8.string()), pc, fp8.string(), lo);
-    };
-    auto kept = ranks(true), plain = ranks(false);
+    auto kept = fp8_ranks(fp8, L.tp, true, false, L.ep), plain = fp8_ranks(fp8, L.tp, false, false, L.ep);
     EXPECT_LT(kept->weight_bytes_per_rank(), plain->weight_bytes_per_rank());
     for (const char* n : {"model.layers.1.mlp.experts.3.gate_proj.weight",
                           "model.layers.1.mlp.experts.3.up_proj.weight",
