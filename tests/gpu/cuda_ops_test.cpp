@@ -321,6 +321,45 @@ TEST(CudaOps, ElementwiseOps) {
   EXPECT_EQ(cpu().to_host_f32(ic).data_as<float>()[40], parts.data_as<float>()[R * 40]);  // row 0, rank 1's slice
 }
 
+// silu_mul and add at widths of the 16-byte path (I % 8 == 0) and not, against the CPU; the 16-byte path gives what
+// the element path gives bit for bit (the same rows one element off 16-byte alignment take the element path).
+TEST(CudaOps, SiluMulAndAddWidths) {
+  REQUIRE_GPU();
+  const auto stream = static_cast<cudaStream_t>(gpu().native_stream());
+  for (int64_t T : {3, 700}) {
+    for (int64_t I : {13, 200, 1408}) {
+      const std::string what = "T " + std::to_string(T) + " I " + std::to_string(I);
+      Tensor gu = rand_host({T, 2 * I}, static_cast<uint64_t>(T + I), 2.0f), b = rand_host({T, I}, 5);
+      Tensor gc = cpu().upload(gu, DType::F32), gg = gpu().upload(gu, DType::BF16);
+      Tensor oc = cpu().alloc({T, I}, DType::F32), og = gpu().alloc({T, I}, DType::BF16);
+      cpu().silu_mul(gc, oc);
+      gpu().silu_mul(gg, og);
+      expect_close(cpu().to_host_f32(oc), gpu().to_host_f32(og), 5e-3, 1e-2, "silu_mul " + what);
+      // The same rows shifted one element: the element path.
+      Tensor gs = gpu().alloc({T * 2 * I + 1}, DType::BF16), os = gpu().alloc({T * I + 1}, DType::BF16);
+      ASSERT_EQ(cudaMemcpyAsync(gs.data_as<cuda::bf16>() + 1, gg.data(), T * 2 * I * 2, cudaMemcpyDeviceToDevice,
+                                stream),
+                cudaSuccess);
+      ASSERT_EQ(cuda::silu_mul(gs.data_as<cuda::bf16>() + 1, T, I, os.data_as<cuda::bf16>() + 1, stream), cudaSuccess);
+      const Tensor shifted = gpu().to_host_f32(os), direct = gpu().to_host_f32(og);
+      EXPECT_EQ(std::memcmp(shifted.data_as<float>() + 1, direct.data(), T * I * sizeof(float)), 0) << what;
+      Tensor bc = cpu().upload(b, DType::F32), bg = gpu().upload(b, DType::BF16);
+      ASSERT_EQ(cudaMemcpyAsync(os.data_as<cuda::bf16>() + 1, og.data(), T * I * 2, cudaMemcpyDeviceToDevice, stream),
+                cudaSuccess);
+      cpu().add(oc, bc);
+      gpu().add(og, bg);
+      expect_close(cpu().to_host_f32(oc), gpu().to_host_f32(og), 5e-3, 1e-2, "add " + what);
+      Tensor bs = gpu().alloc({T * I + 1}, DType::BF16);
+      ASSERT_EQ(cudaMemcpyAsync(bs.data_as<cuda::bf16>() + 1, bg.data(), T * I * 2, cudaMemcpyDeviceToDevice, stream),
+                cudaSuccess);
+      ASSERT_EQ(cuda::add_inplace(os.data_as<cuda::bf16>() + 1, bs.data_as<cuda::bf16>() + 1, T * I, stream),
+                cudaSuccess);
+      const Tensor added = gpu().to_host_f32(os), added_direct = gpu().to_host_f32(og);
+      EXPECT_EQ(std::memcmp(added.data_as<float>() + 1, added_direct.data(), T * I * sizeof(float)), 0) << what;
+    }
+  }
+}
+
 // Exact equality of two device tensors' values (NaN matches NaN).
 int64_t count_diff(const Tensor& a, const Tensor& b) {
   Tensor ha = gpu().to_host_f32(a), hb = gpu().to_host_f32(b);
@@ -898,6 +937,95 @@ TEST(CudaOps, MoeExpertsSmall) {
     moe_case(600, 16, 4, 128, 48, 0, 16, 16, kind, 43);   // > 96 rows per expert: the 128-row tiles
   }
   moe_case(0, 16, 4, 256, 96, 0, 16, 16, 0, 44);
+}
+
+// Prefill-sized MoE steps (>= 8192 assignments: the grouping over many blocks), with shared experts (their output
+// added by the routed combine): the grouped kernels (12,000 rows < 384 per expert) and per-expert cuBLAS (local
+// experts 4..11 of 16); smaller steps with shared experts through forced cuBLAS and the grouped kernels.
+TEST(CudaOps, MoeExpertsManyAssignmentsAndSharedExperts) {
+  REQUIRE_GPU();
+  moe_case(3000, 64, 4, 256, 64, 0, 64, 64, 0, 56, 96);
+  moe_case(2100, 8, 4, 256, 48, 4, 16, 16, 0, 57, 64);
+  moe_case(300, 8, 4, 256, 48, 4, 16, 16, 2, 58, 96);
+  moe_case(5, 16, 4, 256, 96, 0, 16, 6, 3, 59, 64);
+}
+
+// The grouping of many assignments over many blocks (cuda::moe_group with its hist scratch) against one block's:
+// the same expert ranges, counts and tiles; every local assignment at a position of its expert's range holding its
+// token row and weight, each position once; -1 for the others.
+TEST(CudaOps, MoeGroupManyBlocksIsOneBlocks) {
+  REQUIRE_GPU();
+  struct Case {
+    int64_t T;
+    int32_t k, E, expert_begin, e_total, block_m;
+  };
+  for (const Case c : {Case{2048, 4, 64, 0, 64, 128}, Case{3001, 6, 16, 8, 40, 64}, Case{16384, 6, 64, 0, 64, 128},
+                       Case{1500, 8, 256, 0, 256, 128}}) {
+    const int64_t n = c.T * c.k;
+    ASSERT_GT(cuda::moe_group_hist_ints(c.T, c.k, c.E), 0) << n;
+    std::mt19937_64 rng(static_cast<uint64_t>(n));
+    std::vector<int32_t> ids(static_cast<size_t>(n));
+    std::vector<float> w(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      ids[static_cast<size_t>(i)] = static_cast<int32_t>(rng() % static_cast<uint64_t>(c.e_total));
+      w[static_cast<size_t>(i)] = static_cast<float>(i) * 0.5f;
+    }
+    const int32_t max_tiles = cuda::moe_max_tiles(c.T, c.k, c.E, c.block_m);
+    Tensor idg = gpu().upload(Tensor::view(ids.data(), {n}, DType::I32), DType::I32);
+    Tensor wg = gpu().upload(Tensor::view(w.data(), {n}, DType::F32), DType::F32);
+    struct Out {
+      Tensor end, row, weight, assign, tiles, num_tiles, counts, hist;
+    };
+    auto group = [&](bool many) {
+      Out o{gpu().alloc({c.E}, DType::I32), gpu().alloc({n}, DType::I32), gpu().alloc({n}, DType::F32),
+            gpu().alloc({n}, DType::I32), gpu().alloc({max_tiles}, DType::I32), gpu().alloc({1}, DType::I32),
+            gpu().alloc({c.E}, DType::I32), gpu().alloc({cuda::moe_group_hist_ints(c.T, c.k, c.E)}, DType::I32)};
+      cuda::MoeGroupOut g{o.end.data_as<int32_t>(),    o.row.data_as<int32_t>(),   o.weight.data_as<float>(),
+                          o.assign.data_as<int32_t>(), o.tiles.data_as<int32_t>(), o.num_tiles.data_as<int32_t>(),
+                          o.counts.data_as<int32_t>(), many ? o.hist.data_as<int32_t>() : nullptr};
+      EXPECT_EQ(cuda::moe_group(idg.data_as<const int32_t>(), wg.data_as<const float>(), c.T, c.k, c.E,
+                                c.expert_begin, c.block_m, g, static_cast<cudaStream_t>(gpu().native_stream())),
+                cudaSuccess);
+      return o;
+    };
+    auto host = [&](const Tensor& t) {
+      std::vector<int32_t> v(static_cast<size_t>(t.numel()));
+      gpu().download(t, v.data());
+      return v;
+    };
+    const Out one = group(false), many = group(true);
+    const std::string what = "T " + std::to_string(c.T) + " E " + std::to_string(c.E);
+    const std::vector<int32_t> end = host(one.end), num_tiles = host(one.num_tiles);
+    ASSERT_EQ(host(many.end), end) << what;
+    ASSERT_EQ(host(many.counts), host(one.counts)) << what;
+    ASSERT_EQ(host(many.num_tiles), num_tiles) << what;
+    std::vector<int32_t> tiles_one = host(one.tiles), tiles_many = host(many.tiles);
+    tiles_one.resize(static_cast<size_t>(num_tiles[0]));
+    tiles_many.resize(static_cast<size_t>(num_tiles[0]));
+    EXPECT_EQ(tiles_many, tiles_one) << what;
+    const std::vector<int32_t> assign = host(many.assign), row = host(many.row);
+    std::vector<float> weight(static_cast<size_t>(n));
+    gpu().download(many.weight, weight.data());
+    std::vector<int> seen(static_cast<size_t>(n), 0);
+    int64_t bad = 0, local = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t e = ids[static_cast<size_t>(i)] - c.expert_begin, pos = assign[static_cast<size_t>(i)];
+      if (e < 0 || e >= c.E) {
+        bad += pos != -1;
+        continue;
+      }
+      ++local;
+      const int32_t lo = e == 0 ? 0 : end[static_cast<size_t>(e - 1)], hi = end[static_cast<size_t>(e)];
+      if (pos < lo || pos >= hi) {
+        ++bad;
+        continue;
+      }
+      const size_t at = static_cast<size_t>(pos);
+      bad += row[at] != i / c.k || weight[at] != w[static_cast<size_t>(i)] || seen[at]++ != 0;
+    }
+    EXPECT_EQ(bad, 0) << what;
+    EXPECT_EQ(local, end[static_cast<size_t>(c.E - 1)]) << what;
+  }
 }
 
 // FP8 weights kept quantized: random E4M3 codes (every byte but the two NaNs) and block scales; B matrices.

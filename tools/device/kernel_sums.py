@@ -3,8 +3,9 @@
 fill kernels left out) and prints, per kernel (short name, template arguments kept), the launches, the summed time and
 its share of all kernel time, largest first, after the span from the first kernel's start to the last one's end. Used
 for prefill steps, where every kernel is long enough that tracing does not distort the shares (tools/device/
-trace_step.sh is for decode).
-usage: kernel_sums.py TRACE_CSV [TOP]"""
+trace_step.sh is for decode). With STEP=longest only the longest step counts (steps start at the embedding kernel):
+one prefill without the startup's, the warm-up's and decode's kernels.
+usage: [STEP=longest] kernel_sums.py TRACE_CSV [TOP]"""
 import os
 import signal
 import sys
@@ -20,6 +21,12 @@ def main():
     rows = read_trace(sys.argv[1])
     if not rows:
         sys.exit("no kernels in the trace")
+    if os.environ.get("STEP") == "longest":
+        marks = [i for i, r in enumerate(rows) if "embedding" in r[2]] + [len(rows)]
+        steps = [rows[a:b] for a, b in zip(marks, marks[1:])]
+        if not steps:
+            sys.exit("no step (embedding kernel) in the trace")
+        rows = max(steps, key=lambda st: st[-1][0] + st[-1][1] - st[0][0])
     count, total = defaultdict(int), defaultdict(int)
     for _, d, k in rows:
         count[k] += 1

@@ -835,9 +835,12 @@ class CudaBackend final : public Backend {
   }
   // The routed experts of moe_experts through the grouped kernels (or per-expert cuBLASLt GEMMs for many rows); FP8
   // experts (gs, ds: their BlockScales) only through the grouped kernels.
+  // shared_out: the shared experts' output, added to the routed sum by its combine.
   void moe_routed(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
-                  const Tensor& down, int32_t expert_begin, Tensor& out, const BlockScales* gs = nullptr,
-                  const BlockScales* ds = nullptr);
+                  const Tensor& down, int32_t expert_begin, const cuda::bf16* shared_out, Tensor& out,
+                  const BlockScales* gs = nullptr, const BlockScales* ds = nullptr);
+  // The shared experts' output of x (bf16 [T, H] scratch, live until the step's scratch is reset); null without them.
+  const cuda::bf16* shared_experts_out(const Tensor& x, const Tensor* gate_up, const Tensor* down, const Tensor& out);
   // Host arrays staged in the pinned buffer at the same offsets they get in the meta arena; flush() copies the
   // staged range in one transfer and records the event begin_step waits on before reusing the pinned buffer.
   class MetaUpload {
@@ -1492,8 +1495,8 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
               shape_str(down.shape()), shape_str(x.shape()));
     if (T >= 1 && !moe_uses_cublas(T * k, E) && gs->block_cols % 16 == 0 && ds->block_cols % 16 == 0 &&
         H % 16 == 0 && I % 16 == 0) {  // the grouped kernels' FP8 tiles (16 codes per copy, each in one block)
-      moe_routed(x, topk_ids, topk_weights, gate_up, down, expert_begin, out, gs, ds);
-      add_shared_experts(*this, x, shared_gate_up, shared_down, out);
+      const cuda::bf16* shared = shared_experts_out(x, shared_gate_up, shared_down, out);
+      moe_routed(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared, out, gs, ds);
       return;
     }
     Tensor gu = scratch(gate_up.shape(), DType::BF16), dn = scratch(down.shape(), DType::BF16);
@@ -1532,8 +1535,23 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
     moe_small_path(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared_gate_up, shared_down, Is, out);
     return;
   }
-  moe_routed(x, topk_ids, topk_weights, gate_up, down, expert_begin, out);
-  add_shared_experts(*this, x, shared_gate_up, shared_down, out);
+  const cuda::bf16* shared = shared_experts_out(x, shared_gate_up, shared_down, out);
+  moe_routed(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared, out);
+}
+
+const cuda::bf16* CudaBackend::shared_experts_out(const Tensor& x, const Tensor* gate_up, const Tensor* down,
+                                                  const Tensor& out) {
+  const int64_t Is = shared_experts_width(x, gate_up, down, out);
+  if (Is == 0) return nullptr;
+  const int64_t T = rows_of(x);
+  Tensor y = scratch({T, out.size(-1)}, DType::BF16);
+  const size_t mark = scratch_mark();
+  Tensor gu = scratch({T, 2 * Is}, DType::BF16), act = scratch({T, Is}, DType::BF16);
+  linear(x, *gate_up, gu);
+  silu_mul(gu, act);
+  linear(act, *down, y);
+  scratch_release(mark);
+  return bf(y);
 }
 
 void CudaBackend::moe_small_path(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
@@ -1576,8 +1594,9 @@ void CudaBackend::moe_small_path(const Tensor& x, const Tensor& topk_ids, const 
 }
 
 void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
-                             const Tensor& gate_up, const Tensor& down, int32_t expert_begin, Tensor& out,
-                             const BlockScales* gs, const BlockScales* ds) {
+                             const Tensor& gate_up, const Tensor& down, int32_t expert_begin,
+                             const cuda::bf16* shared_out, Tensor& out, const BlockScales* gs,
+                             const BlockScales* ds) {
   const int64_t T = rows_of(x), H = x.size(-1), k = topk_ids.size(-1);
   const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2;
   const int64_t P = T * k;
@@ -1586,9 +1605,12 @@ void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tens
   Tensor expert_end = scratch({E}, DType::I32), counts = scratch({E}, DType::I32);
   Tensor pos_row = scratch({P}, DType::I32), pos_weight = scratch({P}, DType::F32), assign_pos = scratch({P}, DType::I32);
   Tensor tiles = scratch({max_tiles}, DType::I32), num_tiles = scratch({1}, DType::I32);
+  Tensor hist = scratch({std::max<int64_t>(cuda::moe_group_hist_ints(T, static_cast<int32_t>(k),
+                                                                      static_cast<int32_t>(E)), 1)},
+                        DType::I32);
   cuda::MoeGroupOut g{expert_end.data_as<int32_t>(), pos_row.data_as<int32_t>(), pos_weight.data_as<float>(),
                       assign_pos.data_as<int32_t>(), tiles.data_as<int32_t>(), num_tiles.data_as<int32_t>(),
-                      counts.data_as<int32_t>()};
+                      counts.data_as<int32_t>(), hist.data_as<int32_t>()};
   CUDA_OK(cuda::moe_group(topk_ids.data_as<const int32_t>(), topk_weights.data_as<const float>(), T,
                           static_cast<int32_t>(k), static_cast<int32_t>(E), expert_begin, bm, g, stream_),
           "moe_group");
@@ -1628,7 +1650,7 @@ void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tens
       off += c;
     }
     CUDA_OK(cuda::moe_combine_bf16(bf(ybf), pos_weight.data_as<float>(), assign_pos.data_as<int32_t>(), T,
-                                   static_cast<int32_t>(k), H, bf(out), stream_),
+                                   static_cast<int32_t>(k), H, bf(out), stream_, shared_out),
             "moe_combine_bf16");
     return;
   }
@@ -1678,7 +1700,7 @@ void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tens
       CUDA_OK(cuda::moe_gemm_down(gp, bm, stream_), "moe_gemm_down");
   }
   CUDA_OK(cuda::moe_combine(y.data_as<float>(), assign_pos.data_as<int32_t>(), T, static_cast<int32_t>(k), H, bf(out),
-                            stream_),
+                            stream_, shared_out),
           "moe_combine");
 }
 

@@ -267,7 +267,11 @@ struct MoeGroupOut {
   int32_t* tiles;
   int32_t* num_tiles;
   int32_t* expert_counts;  // [E] tokens per expert (for the cuBLAS path and statistics)
+  // [moe_group_hist_ints] scratch of the many-assignment path (two launches over many blocks); null or a size of 0:
+  // one block groups them all.
+  int32_t* hist = nullptr;
 };
+int64_t moe_group_hist_ints(int64_t T, int32_t k, int32_t E);
 cudaError_t moe_group(const int32_t* ids, const float* weights, int64_t T, int32_t k, int32_t E, int32_t expert_begin,
                       int32_t block_m, const MoeGroupOut& out, cudaStream_t stream);
 int32_t moe_max_tiles(int64_t T, int32_t k, int32_t E, int32_t block_m);
@@ -312,18 +316,17 @@ cudaError_t mla_prefill_prepare();
 cudaError_t moe_gemm_gate_up_prepare();
 cudaError_t moe_gemm_down_prepare();
 
-// out[t, :] = bf16(sum_j y[assign_pos[t * k + j], :]) over j in order, skipping -1.
+// out[t, :] = bf16(sum_j y[assign_pos[t * k + j], :]) over j in order, skipping -1; with add (the shared experts'
+// output [T, H]) bf16(that + add[t, :]).
 cudaError_t moe_combine(const float* y, const int32_t* assign_pos, int64_t T, int32_t k, int64_t H, bf16* out,
-                        cudaStream_t stream);
-// out[t, :] = bf16(sum_j pos_weight[p_j] * y[p_j, :]) with p_j = assign_pos[t * k + j] (skipping -1), y bf16.
+                        cudaStream_t stream, const bf16* add = nullptr);
+// out[t, :] = bf16(sum_j pos_weight[p_j] * y[p_j, :]) with p_j = assign_pos[t * k + j] (skipping -1), y bf16; add
+// as in moe_combine.
 cudaError_t moe_combine_bf16(const bf16* y, const float* pos_weight, const int32_t* assign_pos, int64_t T, int32_t k,
-                             int64_t H, bf16* out, cudaStream_t stream);
+                             int64_t H, bf16* out, cudaStream_t stream, const bf16* add = nullptr);
 // xs[p, :] = x[pos_row[p], :] for p < P (P read from expert_end[E - 1]; rows up to max_p)
 cudaError_t moe_gather_x(const bf16* x, int64_t H, const int32_t* pos_row, const int32_t* expert_end, int32_t E,
                          int64_t max_p, bf16* xs, cudaStream_t stream);
-// y[p, :] = pos_weight[p] * y_bf16[p, :]   (the cuBLAS path's epilogue)
-cudaError_t moe_scale_rows(const bf16* in, const float* pos_weight, const int32_t* expert_end, int32_t E, int64_t H,
-                           int64_t max_p, float* y, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Small batches (gemv.cu): at most kGemvMaxRows token rows. Launched with programmatic dependent launch.

@@ -69,12 +69,91 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_kernel(const int32_t*
   }
 }
 
-__global__ void moe_combine_kernel(const float* y, const int32_t* assign_pos, int32_t k, int64_t H, bf16* out) {
+// Many assignments (prefill): the grouping over many blocks in two launches, kGroupChunk assignments per block.
+constexpr int kGroupChunk = 1024, kGroupChunkThreads = 256;
+constexpr int64_t kGroupManyAssignments = 8192;
+
+// Pass 1: each block's count of its chunk's assignments per local expert, into hist[block][E].
+__global__ void __launch_bounds__(kGroupChunkThreads) moe_group_count_kernel(const int32_t* ids, int64_t n_assign,
+                                                                             int32_t E, int32_t expert_begin,
+                                                                             int32_t* hist) {
+  pdl_wait();
+  pdl_trigger();
+  extern __shared__ int32_t grp_smem[];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) grp_smem[e] = 0;
+  __syncthreads();
+  const int64_t i1 = min(n_assign, (blockIdx.x + 1) * static_cast<int64_t>(kGroupChunk));
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kGroupChunk) + threadIdx.x; i < i1; i += blockDim.x) {
+    const int e = ids[i] - expert_begin;
+    if (e >= 0 && e < E) atomicAdd(&grp_smem[e], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) hist[static_cast<int64_t>(blockIdx.x) * E + e] = grp_smem[e];
+}
+
+// Pass 2: a block's positions of expert e follow every earlier expert's and the earlier blocks' of e; block 0 writes
+// the per-expert outputs and the tiles as moe_group_kernel does.
+__global__ void __launch_bounds__(kGroupChunkThreads) moe_group_place_kernel(const int32_t* ids, const float* weights,
+                                                                             int64_t n_assign, int32_t k, int32_t E,
+                                                                             int32_t expert_begin, int32_t block_m,
+                                                                             const int32_t* hist, MoeGroupOut out) {
+  pdl_wait();
+  pdl_trigger();
+  extern __shared__ int32_t grp_smem[];
+  int32_t* total = grp_smem;   // [E]
+  int32_t* cursor = total + E;  // [E]
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t all = 0, before = 0;
+    for (int b = 0; b < static_cast<int>(gridDim.x); ++b) {
+      const int32_t c = hist[static_cast<int64_t>(b) * E + e];
+      before += b < static_cast<int>(blockIdx.x) ? c : 0;
+      all += c;
+    }
+    total[e] = all;
+    cursor[e] = before;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t off = 0, n_tiles = 0;
+    for (int e = 0; e < E; ++e) {
+      cursor[e] += off;
+      if (blockIdx.x == 0) {
+        for (int m = 0; m < total[e]; m += block_m) out.tiles[n_tiles++] = (e << 20) | (off + m);
+        out.expert_end[e] = off + total[e];
+        out.expert_counts[e] = total[e];
+      }
+      off += total[e];
+    }
+    if (blockIdx.x == 0) out.num_tiles[0] = n_tiles;
+  }
+  __syncthreads();
+  const int64_t i1 = min(n_assign, (blockIdx.x + 1) * static_cast<int64_t>(kGroupChunk));
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kGroupChunk) + threadIdx.x; i < i1; i += blockDim.x) {
+    const int e = ids[i] - expert_begin;
+    if (e >= 0 && e < E) {
+      const int pos = atomicAdd(&cursor[e], 1);
+      out.pos_row[pos] = static_cast<int32_t>(i / k);
+      out.pos_weight[pos] = weights[i];
+      out.assign_pos[i] = pos;
+    } else {
+      out.assign_pos[i] = -1;
+    }
+  }
+}
+
+// bf16(bf16(sum) + add): the routed experts' sum rounded, then the shared experts' output added (as two bf16 ops).
+__device__ __forceinline__ float plus_shared(float acc, const bf16* add, int64_t i) {
+  return add ? __bfloat162float(__float2bfloat16_rn(acc)) + __bfloat162float(add[i]) : acc;
+}
+
+__global__ void moe_combine_kernel(const float* y, const int32_t* assign_pos, int32_t k, int64_t H, const bf16* add,
+                                   bf16* out) {
   pdl_wait();
   pdl_trigger();
   const int64_t t = blockIdx.x;
   const int32_t* ap = assign_pos + t * k;
   bf16* o = out + t * H;
+  const bf16* a = add ? add + t * H : nullptr;
   if ((H & 3) == 0) {
     for (int64_t i = threadIdx.x; i < H / 4; i += blockDim.x) {
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -87,33 +166,53 @@ __global__ void moe_combine_kernel(const float* y, const int32_t* assign_pos, in
         acc.z += v.z;
         acc.w += v.w;
       }
-      reinterpret_cast<uint32_t*>(o)[2 * i] = pack_bf16x2(acc.x, acc.y);
-      reinterpret_cast<uint32_t*>(o)[2 * i + 1] = pack_bf16x2(acc.z, acc.w);
+      reinterpret_cast<uint32_t*>(o)[2 * i] =
+          pack_bf16x2(plus_shared(acc.x, a, 4 * i), plus_shared(acc.y, a, 4 * i + 1));
+      reinterpret_cast<uint32_t*>(o)[2 * i + 1] =
+          pack_bf16x2(plus_shared(acc.z, a, 4 * i + 2), plus_shared(acc.w, a, 4 * i + 3));
     }
   } else {
     for (int64_t i = threadIdx.x; i < H; i += blockDim.x) {
       float acc = 0.0f;
       for (int j = 0; j < k; ++j)
         if (ap[j] >= 0) acc += y[static_cast<int64_t>(ap[j]) * H + i];
-      o[i] = __float2bfloat16_rn(acc);
+      o[i] = __float2bfloat16_rn(plus_shared(acc, a, i));
     }
   }
 }
 
+// VEC: eight columns per thread with 16-byte loads (H % 8 == 0, 16-byte aligned rows); the same sums.
+template <bool VEC>
 __global__ void moe_combine_bf16_kernel(const bf16* y, const float* pos_weight, const int32_t* assign_pos, int32_t k,
-                                        int64_t H, bf16* out) {
+                                        int64_t H, const bf16* add, bf16* out) {
   pdl_wait();
   pdl_trigger();
   const int64_t t = blockIdx.x;
   const int32_t* ap = assign_pos + t * k;
   bf16* o = out + t * H;
-  for (int64_t i = threadIdx.x; i < H; i += blockDim.x) {
-    float acc = 0.0f;
-    for (int j = 0; j < k; ++j) {
-      const int32_t pos = ap[j];
-      if (pos >= 0) acc += pos_weight[pos] * __bfloat162float(y[static_cast<int64_t>(pos) * H + i]);
+  const bf16* a = add ? add + t * H : nullptr;
+  for (int64_t i = threadIdx.x; i < (VEC ? H / 8 : H); i += blockDim.x) {
+    if constexpr (VEC) {
+      float acc[8] = {}, v[8];
+      for (int j = 0; j < k; ++j) {
+        const int32_t pos = ap[j];
+        if (pos < 0) continue;
+        const float w = pos_weight[pos];
+        unpack8(reinterpret_cast<const uint4*>(y + static_cast<int64_t>(pos) * H)[i], v);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[c] += w * v[c];
+      }
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[c] = plus_shared(acc[c], a, 8 * i + c);
+      reinterpret_cast<uint4*>(o)[i] = pack8(acc);
+    } else {
+      float acc = 0.0f;
+      for (int j = 0; j < k; ++j) {
+        const int32_t pos = ap[j];
+        if (pos >= 0) acc += pos_weight[pos] * __bfloat162float(y[static_cast<int64_t>(pos) * H + i]);
+      }
+      o[i] = __float2bfloat16_rn(plus_shared(acc, a, i));
     }
-    o[i] = __float2bfloat16_rn(acc);
   }
 }
 
@@ -131,16 +230,6 @@ __global__ void moe_gather_x_kernel(const bf16* x, int64_t H, const int32_t* pos
   } else {
     for (int64_t i = threadIdx.x; i < H; i += blockDim.x) dst[i] = src[i];
   }
-}
-
-__global__ void moe_scale_rows_kernel(const bf16* in, const float* pos_weight, const int32_t* expert_end, int32_t E,
-                                      int64_t H, float* y) {
-  pdl_wait();
-  pdl_trigger();
-  const int64_t p = blockIdx.x;
-  if (p >= expert_end[E - 1]) return;
-  const float w = pos_weight[p];
-  for (int64_t i = threadIdx.x; i < H; i += blockDim.x) y[p * H + i] = w * __bfloat162float(in[p * H + i]);
 }
 
 }  // namespace
@@ -161,35 +250,49 @@ int32_t moe_max_tiles(int64_t T, int32_t k, int32_t E, int32_t block_m) {
 
 int32_t moe_block_m(int64_t assignments, int32_t E) { return assignments > 96LL * E ? 128 : 64; }
 
+int64_t moe_group_hist_ints(int64_t T, int32_t k, int32_t E) {
+  const int64_t n = T * k;
+  return n >= kGroupManyAssignments ? (n + kGroupChunk - 1) / kGroupChunk * E : 0;
+}
+
 cudaError_t moe_group(const int32_t* ids, const float* weights, int64_t T, int32_t k, int32_t E, int32_t expert_begin,
                       int32_t block_m, const MoeGroupOut& out, cudaStream_t stream) {
   if (E > 2047 || T * k >= (1 << 20)) return cudaErrorInvalidValue;
   const size_t smem = sizeof(int32_t) * 2 * E;
-  return launch(moe_group_kernel, 1, kGroupThreads, smem, stream, ids, weights, T * k, k, E, expert_begin, block_m, out);
+  const int64_t n = T * k;
+  if (moe_group_hist_ints(T, k, E) > 0 && out.hist) {
+    const unsigned blocks = static_cast<unsigned>((n + kGroupChunk - 1) / kGroupChunk);
+    if (cudaError_t e = launch(moe_group_count_kernel, blocks, kGroupChunkThreads, smem / 2, stream, ids, n, E,
+                               expert_begin, out.hist);
+        e != cudaSuccess)
+      return e;
+    return launch(moe_group_place_kernel, blocks, kGroupChunkThreads, smem, stream, ids, weights, n, k, E,
+                  expert_begin, block_m, static_cast<const int32_t*>(out.hist), out);
+  }
+  return launch(moe_group_kernel, 1, kGroupThreads, smem, stream, ids, weights, n, k, E, expert_begin, block_m, out);
 }
 
 cudaError_t moe_combine(const float* y, const int32_t* assign_pos, int64_t T, int32_t k, int64_t H, bf16* out,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, const bf16* add) {
   if (T == 0) return cudaSuccess;
-  return launch(moe_combine_kernel, static_cast<unsigned>(T), 256, 0, stream, y, assign_pos, k, H, out);
+  return launch(moe_combine_kernel, static_cast<unsigned>(T), 256, 0, stream, y, assign_pos, k, H, add, out);
 }
 
 cudaError_t moe_combine_bf16(const bf16* y, const float* pos_weight, const int32_t* assign_pos, int64_t T, int32_t k,
-                             int64_t H, bf16* out, cudaStream_t stream) {
+                             int64_t H, bf16* out, cudaStream_t stream, const bf16* add) {
   if (T == 0) return cudaSuccess;
-  return launch(moe_combine_bf16_kernel, static_cast<unsigned>(T), 256, 0, stream, y, pos_weight, assign_pos, k, H, out);
+  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  if (H % 8 == 0 && aligned(y) && aligned(out) && (!add || aligned(add)))
+    return launch(moe_combine_bf16_kernel<true>, static_cast<unsigned>(T), 256, 0, stream, y, pos_weight, assign_pos,
+                  k, H, add, out);
+  return launch(moe_combine_bf16_kernel<false>, static_cast<unsigned>(T), 256, 0, stream, y, pos_weight, assign_pos, k,
+                H, add, out);
 }
 
 cudaError_t moe_gather_x(const bf16* x, int64_t H, const int32_t* pos_row, const int32_t* expert_end, int32_t E,
                          int64_t max_p, bf16* xs, cudaStream_t stream) {
   if (max_p == 0) return cudaSuccess;
   return launch(moe_gather_x_kernel, static_cast<unsigned>(max_p), 128, 0, stream, x, H, pos_row, expert_end, E, xs);
-}
-
-cudaError_t moe_scale_rows(const bf16* in, const float* pos_weight, const int32_t* expert_end, int32_t E, int64_t H,
-                           int64_t max_p, float* y, cudaStream_t stream) {
-  if (max_p == 0) return cudaSuccess;
-  return launch(moe_scale_rows_kernel, static_cast<unsigned>(max_p), 128, 0, stream, in, pos_weight, expert_end, E, H, y);
 }
 
 }  // namespace mlaserve::cuda
