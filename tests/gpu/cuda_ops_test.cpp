@@ -959,8 +959,9 @@ TEST(CudaOps, MoeGroupManyBlocksIsOneBlocks) {
     int64_t T;
     int32_t k, E, expert_begin, e_total, block_m;
   };
+  // (50,000 x 6: more than 256 blocks of 1,024, so blocks of more)
   for (const Case c : {Case{2048, 4, 64, 0, 64, 128}, Case{3001, 6, 16, 8, 40, 64}, Case{16384, 6, 64, 0, 64, 128},
-                       Case{1500, 8, 256, 0, 256, 128}}) {
+                       Case{1500, 8, 256, 0, 256, 128}, Case{50000, 6, 64, 0, 64, 128}}) {
     const int64_t n = c.T * c.k;
     ASSERT_GT(cuda::moe_group_hist_ints(c.T, c.k, c.E), 0) << n;
     std::mt19937_64 rng(static_cast<uint64_t>(n));

@@ -1,5 +1,6 @@
 // MoE routing (greedy, group-limited greedy, noaux_tc), grouping of the assignments by expert, and the weighted
 // combine. CPU references: cpu::route_token and cpu::moe_experts.
+#include <algorithm>
 #include <cmath>
 
 #include "backend/cuda/common.cuh"
@@ -69,21 +70,26 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_kernel(const int32_t*
   }
 }
 
-// Many assignments (prefill): the grouping over many blocks in two launches, kGroupChunk assignments per block.
-constexpr int kGroupChunk = 1024, kGroupChunkThreads = 256;
+// Many assignments (prefill): the grouping over many blocks in two launches, `chunk` assignments per block (at least
+// kGroupChunk, at most kGroupMaxBlocks blocks: each block reads every block's counts).
+constexpr int kGroupChunk = 1024, kGroupChunkThreads = 256, kGroupMaxBlocks = 256;
 constexpr int64_t kGroupManyAssignments = 8192;
+
+int64_t group_blocks(int64_t n_assign) {
+  return std::min<int64_t>((n_assign + kGroupChunk - 1) / kGroupChunk, kGroupMaxBlocks);
+}
 
 // Pass 1: each block's count of its chunk's assignments per local expert, into hist[block][E].
 __global__ void __launch_bounds__(kGroupChunkThreads) moe_group_count_kernel(const int32_t* ids, int64_t n_assign,
-                                                                             int32_t E, int32_t expert_begin,
-                                                                             int32_t* hist) {
+                                                                             int64_t chunk, int32_t E,
+                                                                             int32_t expert_begin, int32_t* hist) {
   pdl_wait();
   pdl_trigger();
   extern __shared__ int32_t grp_smem[];
   for (int e = threadIdx.x; e < E; e += blockDim.x) grp_smem[e] = 0;
   __syncthreads();
-  const int64_t i1 = min(n_assign, (blockIdx.x + 1) * static_cast<int64_t>(kGroupChunk));
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kGroupChunk) + threadIdx.x; i < i1; i += blockDim.x) {
+  const int64_t i1 = min(n_assign, (blockIdx.x + 1) * chunk);
+  for (int64_t i = blockIdx.x * chunk + threadIdx.x; i < i1; i += blockDim.x) {
     const int e = ids[i] - expert_begin;
     if (e >= 0 && e < E) atomicAdd(&grp_smem[e], 1);
   }
@@ -94,7 +100,8 @@ __global__ void __launch_bounds__(kGroupChunkThreads) moe_group_count_kernel(con
 // Pass 2: a block's positions of expert e follow every earlier expert's and the earlier blocks' of e; block 0 writes
 // the per-expert outputs and the tiles as moe_group_kernel does.
 __global__ void __launch_bounds__(kGroupChunkThreads) moe_group_place_kernel(const int32_t* ids, const float* weights,
-                                                                             int64_t n_assign, int32_t k, int32_t E,
+                                                                             int64_t n_assign, int64_t chunk,
+                                                                             int32_t k, int32_t E,
                                                                              int32_t expert_begin, int32_t block_m,
                                                                              const int32_t* hist, MoeGroupOut out) {
   pdl_wait();
@@ -127,8 +134,8 @@ __global__ void __launch_bounds__(kGroupChunkThreads) moe_group_place_kernel(con
     if (blockIdx.x == 0) out.num_tiles[0] = n_tiles;
   }
   __syncthreads();
-  const int64_t i1 = min(n_assign, (blockIdx.x + 1) * static_cast<int64_t>(kGroupChunk));
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kGroupChunk) + threadIdx.x; i < i1; i += blockDim.x) {
+  const int64_t i1 = min(n_assign, (blockIdx.x + 1) * chunk);
+  for (int64_t i = blockIdx.x * chunk + threadIdx.x; i < i1; i += blockDim.x) {
     const int e = ids[i] - expert_begin;
     if (e >= 0 && e < E) {
       const int pos = atomicAdd(&cursor[e], 1);
@@ -252,7 +259,7 @@ int32_t moe_block_m(int64_t assignments, int32_t E) { return assignments > 96LL 
 
 int64_t moe_group_hist_ints(int64_t T, int32_t k, int32_t E) {
   const int64_t n = T * k;
-  return n >= kGroupManyAssignments ? (n + kGroupChunk - 1) / kGroupChunk * E : 0;
+  return n >= kGroupManyAssignments ? group_blocks(n) * E : 0;
 }
 
 cudaError_t moe_group(const int32_t* ids, const float* weights, int64_t T, int32_t k, int32_t E, int32_t expert_begin,
@@ -261,13 +268,13 @@ cudaError_t moe_group(const int32_t* ids, const float* weights, int64_t T, int32
   const size_t smem = sizeof(int32_t) * 2 * E;
   const int64_t n = T * k;
   if (moe_group_hist_ints(T, k, E) > 0 && out.hist) {
-    const unsigned blocks = static_cast<unsigned>((n + kGroupChunk - 1) / kGroupChunk);
-    if (cudaError_t e = launch(moe_group_count_kernel, blocks, kGroupChunkThreads, smem / 2, stream, ids, n, E,
-                               expert_begin, out.hist);
+    const int64_t blocks = group_blocks(n), chunk = (n + blocks - 1) / blocks;
+    if (cudaError_t e = launch(moe_group_count_kernel, static_cast<unsigned>(blocks), kGroupChunkThreads, smem / 2,
+                               stream, ids, n, chunk, E, expert_begin, out.hist);
         e != cudaSuccess)
       return e;
-    return launch(moe_group_place_kernel, blocks, kGroupChunkThreads, smem, stream, ids, weights, n, k, E,
-                  expert_begin, block_m, static_cast<const int32_t*>(out.hist), out);
+    return launch(moe_group_place_kernel, static_cast<unsigned>(blocks), kGroupChunkThreads, smem, stream, ids,
+                  weights, n, chunk, k, E, expert_begin, block_m, static_cast<const int32_t*>(out.hist), out);
   }
   return launch(moe_group_kernel, 1, kGroupThreads, smem, stream, ids, weights, n, k, E, expert_begin, block_m, out);
 }
