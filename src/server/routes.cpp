@@ -30,6 +30,21 @@ using json = nlohmann::json;
 
 std::string dump(const ojson& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
+// Appends "[v0,v1,...]": the numbers as the JSON library writes them (non-finite ones as null), a few thousand at a
+// time.
+void append_numbers(std::string& out, const float* v, int64_t n) {
+  out += '[';
+  constexpr int64_t kChunk = 4096;
+  for (int64_t i = 0; i < n; i += kChunk) {
+    ojson a = ojson::array();
+    for (int64_t j = i; j < std::min(n, i + kChunk); ++j) a.push_back(v[j]);
+    const std::string part = dump(a);
+    if (i) out += ',';
+    out.append(part, 1, part.size() - 2);
+  }
+  out += ']';
+}
+
 std::string_view path_of(std::string_view target) {
   const size_t q = target.find('?');
   return q == std::string_view::npos ? target : target.substr(0, q);
@@ -1497,23 +1512,26 @@ void Api::get_weights_by_name(const HttpRequest& req, const std::shared_ptr<Http
     int status = 200;
     std::string text;
     try {
-      ojson out = ojson::array();
-      for (const WeightValues& v : all) {
+      // Written as text (up to kMaxReadValues numbers: no JSON tree of them all): one list per DP rank (one rank: its
+      // list alone), a list per row, a vector's elements as one list.
+      for (const WeightValues& v : all)
         if (!v.ok) throw ApiError(400, v.message, "name", "invalid_value");
-        ojson t = ojson::array();
-        auto row = [&](int64_t r) {
-          ojson a = ojson::array();
-          for (int64_t c = 0; c < v.cols; ++c) a.push_back(v.values[static_cast<size_t>(r * v.cols + c)]);
-          return a;
-        };
+      if (all.size() != 1) text += '[';
+      for (size_t i = 0; i < all.size(); ++i) {
+        const WeightValues& v = all[i];
+        if (i) text += ',';
         if (v.shape.size() == 1) {
-          t = row(0);
-        } else {
-          for (int64_t r = 0; r < v.rows; ++r) t.push_back(row(r));
+          append_numbers(text, v.values.data(), v.cols);
+          continue;
         }
-        out.push_back(std::move(t));
+        text += '[';
+        for (int64_t r = 0; r < v.rows; ++r) {
+          if (r) text += ',';
+          append_numbers(text, v.values.data() + r * v.cols, v.cols);
+        }
+        text += ']';
       }
-      text = dump(all.size() == 1 ? out.front() : out);
+      if (all.size() != 1) text += ']';
     } catch (const ApiError& e) {
       status = e.status;
       text = error_body(e);

@@ -290,11 +290,31 @@ TEST(HttpApi, GetWeightsByName) {
   s.engine.set_weights({v, v});  // two DP ranks
   r = s.post("/get_weights_by_name", R"({"name": "model.norm.weight", "truncate_size": 3})");
   EXPECT_EQ(json::parse(r.body), json::parse("[[0.5, 1, -2], [0.5, 1, -2]]")) << r.body;
+  // Rows past the writer's chunk of 4,096 numbers; a NaN is written as null.
+  WeightValues wide = m;
+  wide.shape = {3, 9000};
+  wide.rows = 2;
+  wide.cols = 9000;
+  wide.values.resize(18000);
+  for (size_t i = 0; i < wide.values.size(); ++i) wide.values[i] = static_cast<float>(i) * 0.25f - 7.0f;
+  wide.values[4096] = std::numeric_limits<float>::quiet_NaN();
+  s.engine.set_weights({wide});
+  r = s.post("/get_weights_by_name", R"({"name": "model.embed_tokens.weight", "truncate_size": 2})");
+  ASSERT_EQ(r.status, 200) << r.body.substr(0, 200);
+  const json got = json::parse(r.body);
+  ASSERT_TRUE(got.is_array() && got.size() == 2 && got[0].size() == 9000 && got[1].size() == 9000) << r.body.size();
+  int64_t wrong = 0;
+  for (size_t i = 0; i < wide.values.size(); ++i) {
+    const json& x = got[i / 9000][i % 9000];
+    wrong += i == 4096 ? !x.is_null() : !x.is_number() || x.get<float>() != wide.values[i];
+  }
+  EXPECT_EQ(wrong, 0);
   using Read = std::pair<std::string, int64_t>;
   EXPECT_EQ(s.engine.weight_reads(), (std::vector<Read>{{"model.layers.0.mlp.gate.weight", 2},
                                                          {"model.norm.weight", 100},
                                                          {"model.norm.weight", 3},
-                                                         {"model.norm.weight", 3}}));
+                                                         {"model.norm.weight", 3},
+                                                         {"model.embed_tokens.weight", 2}}));
   s.engine.set_weights({});
   r = s.post("/get_weights_by_name", R"({"name": "model.nothing.weight"})");
   EXPECT_EQ(r.status, 400);
@@ -305,7 +325,7 @@ TEST(HttpApi, GetWeightsByName) {
     r = s.post("/get_weights_by_name", bad);
     EXPECT_EQ(r.status, 400) << bad << ": " << r.body;
   }
-  EXPECT_EQ(s.engine.weight_reads().size(), 5u);  // (the bad requests never reached the engine)
+  EXPECT_EQ(s.engine.weight_reads().size(), 6u);  // (the bad requests never reached the engine)
   EXPECT_EQ(http_request(s.port(), "DELETE", "/get_weights_by_name").status, 405);
 }
 
