@@ -27,6 +27,48 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float
                    weights + t * a.top_k);
 }
 
+// Counts the assignments [i0, i1) per local expert into cnt (shared memory, zeroed).
+__device__ void count_assignments(const int32_t* ids, int64_t i0, int64_t i1, int32_t E, int32_t expert_begin,
+                                  int32_t* cnt) {
+  for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+    const int e = ids[i] - expert_begin;
+    if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+  }
+}
+
+// Thread 0 of a grouping block: expert e's positions start after the earlier experts' (added to cursor[e]); with
+// `write` also expert_end, expert_counts and the tiles.
+__device__ void expert_starts(const int32_t* count, int32_t E, int32_t block_m, bool write, int32_t* cursor,
+                              const MoeGroupOut& out) {
+  int32_t off = 0, n_tiles = 0;
+  for (int e = 0; e < E; ++e) {
+    cursor[e] += off;
+    if (write) {
+      for (int m = 0; m < count[e]; m += block_m) out.tiles[n_tiles++] = (e << 20) | (off + m);
+      out.expert_end[e] = off + count[e];
+      out.expert_counts[e] = count[e];
+    }
+    off += count[e];
+  }
+  if (write) out.num_tiles[0] = n_tiles;
+}
+
+// The block's assignments [i0, i1) at the positions its cursors give (in any order within an expert).
+__device__ void place_assignments(const int32_t* ids, const float* weights, int64_t i0, int64_t i1, int32_t k,
+                                  int32_t E, int32_t expert_begin, int32_t* cursor, const MoeGroupOut& out) {
+  for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+    const int e = ids[i] - expert_begin;
+    if (e >= 0 && e < E) {
+      const int pos = atomicAdd(&cursor[e], 1);
+      out.pos_row[pos] = static_cast<int32_t>(i / k);
+      out.pos_weight[pos] = weights[i];
+      out.assign_pos[i] = pos;
+    } else {
+      out.assign_pos[i] = -1;
+    }
+  }
+}
+
 constexpr int kGroupThreads = 1024;
 
 __global__ void __launch_bounds__(kGroupThreads) moe_group_kernel(const int32_t* ids, const float* weights,
@@ -38,36 +80,13 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_kernel(const int32_t*
   extern __shared__ int32_t grp_smem[];
   int32_t* cnt = grp_smem;        // [E]
   int32_t* cursor = cnt + E;      // [E]
-  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = cursor[e] = 0;
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < n_assign; i += blockDim.x) {
-    const int e = ids[i] - expert_begin;
-    if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
-  }
+  count_assignments(ids, 0, n_assign, E, expert_begin, cnt);
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int32_t off = 0, n_tiles = 0;
-    for (int e = 0; e < E; ++e) {
-      cursor[e] = off;
-      for (int m = 0; m < cnt[e]; m += block_m) out.tiles[n_tiles++] = (e << 20) | (off + m);
-      off += cnt[e];
-      out.expert_end[e] = off;
-      out.expert_counts[e] = cnt[e];
-    }
-    out.num_tiles[0] = n_tiles;
-  }
+  if (threadIdx.x == 0) expert_starts(cnt, E, block_m, true, cursor, out);
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < n_assign; i += blockDim.x) {
-    const int e = ids[i] - expert_begin;
-    if (e >= 0 && e < E) {
-      const int pos = atomicAdd(&cursor[e], 1);
-      out.pos_row[pos] = static_cast<int32_t>(i / k);
-      out.pos_weight[pos] = weights[i];
-      out.assign_pos[i] = pos;
-    } else {
-      out.assign_pos[i] = -1;
-    }
-  }
+  place_assignments(ids, weights, 0, n_assign, k, E, expert_begin, cursor, out);
 }
 
 // Many assignments (prefill): the grouping over many blocks in two launches, `chunk` assignments per block (at least
@@ -88,11 +107,7 @@ __global__ void __launch_bounds__(kGroupChunkThreads) moe_group_count_kernel(con
   extern __shared__ int32_t grp_smem[];
   for (int e = threadIdx.x; e < E; e += blockDim.x) grp_smem[e] = 0;
   __syncthreads();
-  const int64_t i1 = min(n_assign, (blockIdx.x + 1) * chunk);
-  for (int64_t i = blockIdx.x * chunk + threadIdx.x; i < i1; i += blockDim.x) {
-    const int e = ids[i] - expert_begin;
-    if (e >= 0 && e < E) atomicAdd(&grp_smem[e], 1);
-  }
+  count_assignments(ids, blockIdx.x * chunk, min(n_assign, (blockIdx.x + 1) * chunk), E, expert_begin, grp_smem);
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) hist[static_cast<int64_t>(blockIdx.x) * E + e] = grp_smem[e];
 }
@@ -120,32 +135,10 @@ __global__ void __launch_bounds__(kGroupChunkThreads) moe_group_place_kernel(con
     cursor[e] = before;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int32_t off = 0, n_tiles = 0;
-    for (int e = 0; e < E; ++e) {
-      cursor[e] += off;
-      if (blockIdx.x == 0) {
-        for (int m = 0; m < total[e]; m += block_m) out.tiles[n_tiles++] = (e << 20) | (off + m);
-        out.expert_end[e] = off + total[e];
-        out.expert_counts[e] = total[e];
-      }
-      off += total[e];
-    }
-    if (blockIdx.x == 0) out.num_tiles[0] = n_tiles;
-  }
+  if (threadIdx.x == 0) expert_starts(total, E, block_m, blockIdx.x == 0, cursor, out);
   __syncthreads();
-  const int64_t i1 = min(n_assign, (blockIdx.x + 1) * chunk);
-  for (int64_t i = blockIdx.x * chunk + threadIdx.x; i < i1; i += blockDim.x) {
-    const int e = ids[i] - expert_begin;
-    if (e >= 0 && e < E) {
-      const int pos = atomicAdd(&cursor[e], 1);
-      out.pos_row[pos] = static_cast<int32_t>(i / k);
-      out.pos_weight[pos] = weights[i];
-      out.assign_pos[i] = pos;
-    } else {
-      out.assign_pos[i] = -1;
-    }
-  }
+  place_assignments(ids, weights, blockIdx.x * chunk, min(n_assign, (blockIdx.x + 1) * chunk), k, E, expert_begin,
+                    cursor, out);
 }
 
 // bf16(bf16(sum) + add): the routed experts' sum rounded, then the shared experts' output added (as two bf16 ops).
