@@ -112,8 +112,6 @@ __global__ void __launch_bounds__(fa::NT, 1) mla_prefill_fast_kernel(const MlaPr
   const bool rows = warp * 16 < it.num_tokens;  // (a warp past the item's tokens only loads and waits)
   const int pos0 = it.pos_begin + min(r0, it.num_tokens - 1);
   const int pos1 = it.pos_begin + min(r1, it.num_tokens - 1);
-  // Tiles past the warp's last query are masked whole for it: skipped (they would add exact zeros).
-  const int warp_last = it.pos_begin + min(warp * 16 + 15, it.num_tokens - 1);
   const float scale = p.softmax_scale * kLog2e;
 
   uint32_t qf[DQK / 16][4];
@@ -127,7 +125,7 @@ __global__ void __launch_bounds__(fa::NT, 1) mla_prefill_fast_kernel(const MlaPr
     __syncthreads();
     if (kt + 1 < n_tiles) load_tile(kt + 1, (kt + 1) & 1);
     cp_async_commit();
-    if (!rows || kt * BN > warp_last) continue;
+    if (!rows) continue;
     if (kt == 0) {
 #pragma unroll
       for (int ks = 0; ks < DQK / 16; ++ks)
