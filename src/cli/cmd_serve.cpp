@@ -68,6 +68,7 @@ struct ServeArgs {
   std::string scheduling_policy = "fcfs";                                       // vLLM's
   std::string schedule_policy = "fcfs";                                         // SGLang's
   std::string load_balance_method = "round_robin";
+  BalanceThresholds balance;  // cache_aware's
   int32_t nnodes = 1, node_rank = 0;
   std::string dist_init_addr;
   double dist_timeout = 120.0;
@@ -425,6 +426,9 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["generation_config"] = a.generation_config;
   j["default_sampling_params"] = defaults_json(a.defaults);
   j["load_balance_method"] = a.load_balance_method;
+  j["cache_threshold"] = a.balance.cache;
+  j["balance_abs_threshold"] = a.balance.abs;
+  j["balance_rel_threshold"] = a.balance.rel;
   j["enable_priority_scheduling"] = a.enable_priority_scheduling;
   j["schedule_policy"] = a.schedule_policy;
   j["schedule_low_priority_values_first"] = a.low_priority_values_first;
@@ -640,6 +644,16 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                  "same) or cache_aware (while the DP ranks are balanced, the one probably caching the longest prefix "
                  "of the prompt)")
       ->check(CLI::IsMember({"round_robin", "shortest_queue", "minimum_tokens", "cache_aware"}))
+      ->capture_default_str();
+  // (ranges checked by make_engine: check_balance_thresholds)
+  app.add_option("--cache-threshold", a->balance.cache,
+                 "cache_aware: the share (0-1) of the prompt a DP rank must probably cache for the prompt to go there")
+      ->capture_default_str();
+  app.add_option("--balance-abs-threshold", a->balance.abs,
+                 "cache_aware: the ranks count as balanced while their requests in flight differ by at most this")
+      ->capture_default_str();
+  app.add_option("--balance-rel-threshold", a->balance.rel,
+                 "cache_aware: ... or while the most requests in flight are at most this (>= 1) times the fewest")
       ->capture_default_str();
   app.add_option("--nnodes", a->nnodes, "number of nodes")->capture_default_str();
   app.add_option("--node-rank", a->node_rank, "this node's rank")->capture_default_str();
@@ -926,6 +940,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     ea.enable_dp_attention = s.enable_dp_attention;
     ea.expert_parallel = s.expert_parallel;
     ea.load_balance_method = s.load_balance_method;
+    ea.balance = s.balance;
     ea.page_size = s.page_size;
     ea.max_running_requests = s.max_running_requests;
     ea.max_total_tokens = s.max_total_tokens;

@@ -9,8 +9,9 @@
 namespace mlaserve {
 
 DpController::DpController(std::vector<std::unique_ptr<EngineClient>> replicas, const std::string& method,
-                           int64_t cache_tokens)
-    : replicas_(std::move(replicas)), balancer_(static_cast<int32_t>(replicas_.size()), method, cache_tokens) {
+                           int64_t cache_tokens, const BalanceThresholds& thresholds)
+    : replicas_(std::move(replicas)),
+      balancer_(static_cast<int32_t>(replicas_.size()), method, cache_tokens, thresholds) {
   MLA_CHECK(!replicas_.empty(), "DP controller needs at least one replica");
 }
 

@@ -15,7 +15,7 @@ class DpController final : public EngineClient {
  public:
   // `cache_tokens`: one replica's prefix cache size in tokens (LoadBalancer's; 0: no prefix cache).
   DpController(std::vector<std::unique_ptr<EngineClient>> replicas, const std::string& method,
-               int64_t cache_tokens = 0);
+               int64_t cache_tokens = 0, const BalanceThresholds& thresholds = {});
   ~DpController() override;
   void submit(GenerateRequest req) override;
   void abort(const std::string& rid, FinishReason reason) override;

@@ -31,7 +31,8 @@ Engine::Engine(std::unique_ptr<RankSet> ranks, const EngineOptions& opts)
     : ranks_(std::move(ranks)), opts_(opts), balancer_(ranks_->dp_groups(), opts.load_balance_method,
                 opts.enable_radix_cache && ranks_->dp_groups() > 1
                     ? (int64_t{opts.num_pages} + opts.host_pages) * opts.page_size
-                    : 0) {  // (one group: nothing to choose between, nothing tracked)
+                    : 0,
+                opts.balance) {  // (one group: nothing to choose between, nothing tracked)
   const ModelConfig& cfg = ranks_->config();
   if (opts_.context_len <= 0) opts_.context_len = cfg.max_position_embeddings;
   MLA_CHECK(opts_.num_pages > 0, "engine: the KV pool has no pages");

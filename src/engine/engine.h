@@ -31,6 +31,7 @@ struct EngineOptions {
   int32_t host_pages = 0;  // per DP group: the hierarchical cache's host tier (SchedulerConfig::host_pages); 0: none
   bool check_integrity = false;  // after every step (tests)
   std::string load_balance_method = "round_robin";
+  BalanceThresholds balance;
   // Overlap scheduling: plan and launch step N+1 while step N runs (tokens sampled in N reach N+1 on the device;
   // stop checks happen one step late, never with wrong output). Off: plan, run, commit in turn.
   bool overlap = true;

@@ -368,6 +368,15 @@ class EngineClient {
   virtual void shutdown() = 0;
 };
 
+// cache_aware load balancing's thresholds (the names of SGLang's router flags): a request goes to the rank probably
+// caching the longest prefix of its prompt while the ranks are balanced (their requests in flight differ by at most
+// `abs`, or the most is at most `rel` times the fewest) and that rank caches at least `cache` of the prompt.
+struct BalanceThresholds {
+  double cache = 0.3;  // --cache-threshold, in [0, 1]
+  int64_t abs = 8;     // --balance-abs-threshold, >= 0
+  double rel = 1.5;    // --balance-rel-threshold, >= 1
+};
+
 // What it takes to build an engine (the server maps SGLang's flags onto this).
 struct EngineArgs {
   std::string model_path;
@@ -384,6 +393,7 @@ struct EngineArgs {
   bool enable_dp_attention = false;
   bool expert_parallel = false;  // vLLM's --enable-expert-parallel / SGLang's --ep-size: routed experts split by expert
   std::string load_balance_method = "round_robin";
+  BalanceThresholds balance;  // cache_aware's
   int32_t page_size = 16;
   int32_t max_running_requests = 0;  // 0: derived from memory
   int64_t max_total_tokens = 0;      // 0: derived from --mem-fraction-static

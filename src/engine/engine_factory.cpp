@@ -106,6 +106,7 @@ std::unique_ptr<EngineClient> make_replica(const EngineArgs& a, const ModelConfi
   o.enable_radix_cache = !a.disable_radix_cache;
   o.context_len = a.context_length > 0 ? a.context_length : cfg.max_position_embeddings;
   o.load_balance_method = a.load_balance_method;
+  o.balance = a.balance;
   o.overlap = !a.disable_overlap_schedule;
   o.priority_scheduling = a.priority_scheduling;
   o.longest_prefix_first = a.longest_prefix_first;
@@ -167,6 +168,7 @@ std::unique_ptr<EngineClient> make_engine(const EngineArgs& a) {
   MLA_CHECK(a.load_format == "auto" || a.load_format == "safetensors" || a.load_format == "dummy",
             "--load-format: expected auto, safetensors or dummy, got '{}'", a.load_format);
   MLA_CHECK(a.page_size > 0, "--page-size must be positive, got {}", a.page_size);
+  check_balance_thresholds(a.balance);
   MLA_CHECK(a.mem_fraction_static >= 0.0 && a.mem_fraction_static < 1.0,
             "--mem-fraction-static must be in (0, 1), got {}", a.mem_fraction_static);
   MLA_CHECK(a.max_total_tokens >= 0, "--max-total-tokens must be >= 0");
@@ -189,7 +191,7 @@ std::unique_ptr<EngineClient> make_engine(const EngineArgs& a) {
   int64_t cache_tokens = 0;  // one replica's prefix cache (device and host tiers)
   if (!a.disable_radix_cache)
     for (const RankStats& s : replicas[0]->stats()) cache_tokens += s.kv_tokens_total + s.kv_host_tokens_total;
-  return std::make_unique<DpController>(std::move(replicas), a.load_balance_method, cache_tokens);
+  return std::make_unique<DpController>(std::move(replicas), a.load_balance_method, cache_tokens, a.balance);
 }
 
 }  // namespace mlaserve

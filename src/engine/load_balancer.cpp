@@ -6,8 +6,16 @@
 
 namespace mlaserve {
 
-LoadBalancer::LoadBalancer(int32_t ranks, const std::string& method, int64_t cache_tokens)
-    : ranks_(ranks), load_(static_cast<size_t>(ranks), 0), requests_(static_cast<size_t>(ranks), 0) {
+void check_balance_thresholds(const BalanceThresholds& t) {
+  MLA_CHECK(t.cache >= 0.0 && t.cache <= 1.0, "--cache-threshold must be in [0, 1], got {}", t.cache);
+  MLA_CHECK(t.abs >= 0, "--balance-abs-threshold must be >= 0, got {}", t.abs);
+  MLA_CHECK(t.rel >= 1.0, "--balance-rel-threshold must be >= 1, got {}", t.rel);
+}
+
+LoadBalancer::LoadBalancer(int32_t ranks, const std::string& method, int64_t cache_tokens,
+                           const BalanceThresholds& thresholds)
+    : ranks_(ranks), t_(thresholds), load_(static_cast<size_t>(ranks), 0), requests_(static_cast<size_t>(ranks), 0) {
+  check_balance_thresholds(t_);
   if (method == "round_robin") method_ = Method::RoundRobin;
   else if (method == "shortest_queue" || method == "minimum_tokens") method_ = Method::Shortest;
   else if (method == "cache_aware") method_ = Method::CacheAware;
@@ -59,9 +67,9 @@ int32_t LoadBalancer::pick(std::span<const int32_t> prompt, std::string_view sal
   if (!cached_.empty())
     for (size_t i = 0; i < n; ++i) best_match = std::max(best_match, match[i] = cached_[i].match(salt, prompt));
   const auto [lo, hi] = std::minmax_element(requests_.begin(), requests_.end());
-  const bool balanced = *hi - *lo <= kBalanceAbs || static_cast<double>(*hi) <= kBalanceRel * *lo;
+  const bool balanced = *hi - *lo <= t_.abs || static_cast<double>(*hi) <= t_.rel * static_cast<double>(*lo);
   const bool by_cache = balanced && best_match > 0 &&
-                        static_cast<double>(best_match) >= kCacheShare * static_cast<double>(prompt.size());
+                        static_cast<double>(best_match) >= t_.cache * static_cast<double>(prompt.size());
   // by_cache: of the ranks with the longest tracked prefix, the one with the fewest tokens in flight. Else the fewest
   // tokens in flight over all; on a tie the rank tracking fewer tokens (new prefixes spread over the caches). Then the
   // lower rank.

@@ -2,9 +2,9 @@
 // round_robin cycles; shortest_queue (or minimum_tokens, the same) picks the rank with the fewest tokens in flight
 // (prompt + max_new_tokens of every unfinished request), counting tokens rather than requests so long prompts weigh
 // what they cost. cache_aware (the policy of SGLang's router, here inside the server): while the ranks are balanced
-// (their requests in flight differ by at most kBalanceAbs, or the most is at most kBalanceRel times the fewest) and a
-// rank probably caches at least kCacheShare of the prompt, the request goes to the rank caching the longest prefix of
-// it (of several, the one with the fewest tokens in flight); else as shortest_queue, a tie going to the rank that
+// (their requests in flight differ by at most BalanceThresholds::abs, or the most is at most `rel` times the fewest)
+// and a rank probably caches at least `cache` of the prompt, the request goes to the rank caching the longest prefix
+// of it (of several, the one with the fewest tokens in flight); else as shortest_queue, a tie going to the rank that
 // tracks fewer tokens. What a rank caches is tracked approximately, a PrefixTracker per rank. A request may follow
 // another (live, or among the last kRecent finished) onto its rank, where the prefix cache holds what they share.
 // Thread-safe.
@@ -25,15 +25,16 @@
 
 namespace mlaserve {
 
+// An error naming the flag unless the thresholds are in range (NaN is not).
+void check_balance_thresholds(const BalanceThresholds& t);
+
 class LoadBalancer {
  public:
   // `cache_tokens`: how many tokens one rank's prefix cache holds (cache_aware tracks that many per rank; 0: the
-  // ranks cache nothing, and cache_aware is shortest_queue).
-  LoadBalancer(int32_t ranks, const std::string& method, int64_t cache_tokens = 0);
+  // ranks cache nothing, and cache_aware is shortest_queue). Bad thresholds: an error naming the flag.
+  LoadBalancer(int32_t ranks, const std::string& method, int64_t cache_tokens = 0,
+               const BalanceThresholds& thresholds = {});
   static constexpr size_t kRecent = 4096;
-  static constexpr int64_t kBalanceAbs = 8;
-  static constexpr double kBalanceRel = 1.5;
-  static constexpr double kCacheShare = 0.3;
   // Chooses a rank (or takes `pinned` when >= 0, else the rank of the request `follow` when it is live or finished
   // lately) and records the request's cost (`tokens`) there. `prompt` / `salt`: its prompt's tokens and cache salt,
   // for cache_aware.
@@ -67,6 +68,7 @@ class LoadBalancer {
   };
   int32_t ranks_;
   Method method_;
+  BalanceThresholds t_;
   mutable std::mutex mu_;
   int32_t next_ = 0;
   std::vector<int64_t> load_;

@@ -1018,11 +1018,16 @@ TEST(ServerE2EVariants, SharedPrefixBenchAndCacheAwareRouting) {
   for (const char* method : {"round_robin", "cache_aware"}) {
     SCOPED_TRACE(method);
     const std::string policy = std::string(method) == "cache_aware" ? "lpm" : "fcfs";  // (SGLang's, either way)
+    // (cache_aware's thresholds given as SGLang's router flags; one request at a time keeps the ranks balanced)
     ServerProcess s({"--tp", "2", "--dp", "2", "--enable-dp-attention", "--load-balance-method", method,
-                     "--schedule-policy", policy, "--mem-fraction-static", "0.4"});
+                     "--schedule-policy", policy, "--mem-fraction-static", "0.4", "--cache-threshold", "0.25",
+                     "--balance-abs-threshold", "4", "--balance-rel-threshold", "1.25"});
     ASSERT_TRUE(s.running()) << s.log();
     const json info = get_json(s.port(), "/get_server_info");
     EXPECT_EQ(info["load_balance_method"], method);
+    EXPECT_EQ(info["cache_threshold"], 0.25);
+    EXPECT_EQ(info["balance_abs_threshold"], 4);
+    EXPECT_EQ(info["balance_rel_threshold"], 1.25);
     EXPECT_EQ(info["schedule_policy"], policy);
     const std::string out_file = (std::filesystem::temp_directory_path() /
                                   ("mlaserve_gsp_" + std::to_string(::getpid()) + "_" + method + ".jsonl"))

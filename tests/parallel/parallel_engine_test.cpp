@@ -161,6 +161,21 @@ EngineArgs two_ranks(const std::string& method, bool dp_attention = false) {
   return a;
 }
 
+// cache_aware's thresholds out of range: an error naming the flag before anything loads, in both DP layouts.
+TEST(DpReplicas, BadBalanceThresholdsNameTheFlag) {
+  for (bool dpa : {false, true}) {
+    EngineArgs a = two_ranks("cache_aware", dpa);
+    a.balance.abs = -3;
+    try {
+      make_engine(a);
+      ADD_FAILURE() << "accepted, dp attention " << dpa;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("--balance-abs-threshold must be >= 0, got -3"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 TEST(DpReplicas, ControllerDispatchesAndRoutesAborts) {
   Golden g = golden("v2");
   auto e = make_engine(two_ranks("shortest_queue"));

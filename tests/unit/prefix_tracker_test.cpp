@@ -126,6 +126,37 @@ TEST(PrefixTracker, EqualsTheDefinitionOnRandomSequences) {
   EXPECT_EQ(all.size(), distinct);
 }
 
+// cache_aware's thresholds (SGLang's router flags): how many prompts sharing a cached start of 500 of their 520
+// tokens follow it to rank 0 (requests in flight 1 + n there, 1 on rank 1) before one goes to the shortest queue.
+TEST(LoadBalancer, CacheAwareThresholdsAreTheFlags) {
+  const auto sys = seq(0, 500);
+  auto follow = [&](const BalanceThresholds& t) {
+    LoadBalancer lb(2, "cache_aware", 100000, t);
+    EXPECT_EQ(lb.assign("first", 600, -1, {}, cat(sys, seq(1000, 20))), 0);
+    EXPECT_EQ(lb.assign("other", 150, -1, {}, seq(5000, 50)), 1);
+    int n = 0;
+    while (n < 100 && lb.assign("g" + std::to_string(n), 600, -1, {}, cat(sys, seq(10000 + 100 * n, 20))) == 0) ++n;
+    return n;
+  };
+  EXPECT_EQ(follow({}), 9);                 // balanced while the counts differ by at most 8
+  EXPECT_EQ(follow({0.3, 2, 1.5}), 3);      // ... by at most 2
+  EXPECT_EQ(follow({0.3, 2, 20.0}), 20);    // ... or the most is at most 20 times the fewest
+  EXPECT_EQ(follow({0.96, 8, 1.5}), 9);     // 500 >= 96% of 520
+  EXPECT_EQ(follow({0.97, 8, 1.5}), 0);     // 500 < 97% of 520: the shortest queue from the start
+  for (const auto& [t, flag] : {std::pair{BalanceThresholds{1.5, 8, 1.5}, "--cache-threshold"},
+                                std::pair{BalanceThresholds{-0.1, 8, 1.5}, "--cache-threshold"},
+                                std::pair{BalanceThresholds{0.3, -1, 1.5}, "--balance-abs-threshold"},
+                                std::pair{BalanceThresholds{0.3, 8, 0.5}, "--balance-rel-threshold"},
+                                std::pair{BalanceThresholds{0.3, 8, std::nan("")}, "--balance-rel-threshold"}}) {
+    try {
+      LoadBalancer bad(2, "cache_aware", 100, t);
+      ADD_FAILURE() << flag << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(flag), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(LoadBalancer, CacheAwareSendsARequestWhereItsPrefixIs) {
   LoadBalancer lb(2, "cache_aware", 100000);
   const auto sys = seq(0, 500);  // a long shared start
@@ -136,9 +167,9 @@ TEST(LoadBalancer, CacheAwareSendsARequestWhereItsPrefixIs) {
   EXPECT_EQ(lb.assign("c", 600, -1, {}, q2), 0);
   EXPECT_EQ(lb.tracked_prefix(0, q2), 520);
   EXPECT_EQ(lb.tracked_prefix(1, q2), 0);
-  // A cached start under kCacheShare of the prompt does not draw it: the fewest tokens in flight.
+  // A cached start under 30% of the prompt (--cache-threshold) does not draw it: the fewest tokens in flight.
   EXPECT_EQ(lb.assign("s", 400, -1, {}, cat(seq(0, 100), seq(7000, 300))), 1);
-  // While balanced (requests in flight differing by at most kBalanceAbs) the start keeps drawing its prompts to rank 0;
+  // While balanced (requests in flight differing by at most 8) the start keeps drawing its prompts to rank 0;
   // then one goes to the shortest queue, rank 1, which tracks the start from then on.
   for (int k = 0; k < 9; ++k) {
     EXPECT_EQ(lb.assign("g" + std::to_string(k), 600, -1, {}, cat(sys, seq(10000 + 100 * k, 20))), 0) << k;
