@@ -197,8 +197,6 @@ __global__ void add_kernel(bf16* a, const bf16* b, int64_t n) {
   }
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
 __global__ void gather_rows_kernel(const char* x, int64_t row_bytes, const int32_t* rows, char* out) {
   pdl_wait();
   pdl_trigger();

@@ -32,8 +32,6 @@ constexpr int kUnroll = 8;  // 16-byte weight loads per lane in flight
 constexpr int kSmallMoeUnroll = 4;  // the small-batch MoE's (fewer registers, more warps per SM: measured faster)
 constexpr int kPairBlocksPerSm = 4;  // the one-row pair's kernel at 64 registers
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
 __device__ __forceinline__ uint4 ld_act(const bf16* p) { return *reinterpret_cast<const uint4*>(p); }
 
 // Dot product of 8 bf16 pairs, fp32.

@@ -281,8 +281,7 @@ cudaError_t moe_combine(const float* y, const int32_t* assign_pos, int64_t T, in
 cudaError_t moe_combine_bf16(const bf16* y, const float* pos_weight, const int32_t* assign_pos, int64_t T, int32_t k,
                              int64_t H, bf16* out, cudaStream_t stream, const bf16* add) {
   if (T == 0) return cudaSuccess;
-  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  if (H % 8 == 0 && aligned(y) && aligned(out) && (!add || aligned(add)))
+  if (H % 8 == 0 && aligned16(y) && aligned16(out) && (!add || aligned16(add)))
     return launch(moe_combine_bf16_kernel<true>, static_cast<unsigned>(T), 256, 0, stream, y, pos_weight, assign_pos,
                   k, H, add, out);
   return launch(moe_combine_bf16_kernel<false>, static_cast<unsigned>(T), 256, 0, stream, y, pos_weight, assign_pos, k,
