@@ -824,13 +824,8 @@ std::optional<DeepseekModel::WeightRows> DeepseekModel::read_weight(const std::s
       std::vector<uint8_t> codes(v.size());
       backend_.download(part, codes.data());
       const Tensor sc = backend_.to_host_f32(p.scales);
-      const int64_t scols = p.scales.size(1);
-      for (int64_t r = 0; r < b - a; ++r)
-        for (int64_t c = 0; c < pc; ++c) {
-          const size_t i = static_cast<size_t>(r * pc + c);
-          const float scale = sc.data_as<float>()[(r / p.br) * scols + c / p.bc];
-          v[i] = bf16_to_f32(f32_to_bf16(f8e4m3_to_f32(codes[i]) * scale));
-        }
+      cpu::dequant_fp8(codes.data(), sc.data_as<float>(), 1, b - a, pc, p.br, p.bc, v.data());
+      for (float& x : v) x = bf16_to_f32(f32_to_bf16(x));
     } else {
       const Tensor h = backend_.to_host_f32(part);
       std::copy_n(h.data_as<float>(), v.size(), v.begin());

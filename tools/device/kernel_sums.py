@@ -12,7 +12,7 @@ import sys
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timeline import read_trace  # noqa: E402
+from timeline import read_trace, step_starts  # noqa: E402
 
 
 def main():
@@ -22,7 +22,7 @@ def main():
     if not rows:
         sys.exit("no kernels in the trace")
     if os.environ.get("STEP") == "longest":
-        marks = [i for i, r in enumerate(rows) if "embedding" in r[2]] + [len(rows)]
+        marks = step_starts(rows) + [len(rows)]
         steps = [rows[a:b] for a, b in zip(marks, marks[1:])]
         if not steps:
             sys.exit("no step (embedding kernel) in the trace")

@@ -44,10 +44,15 @@ def read_trace(path):
     return sorted((s, d, short(n)) for s, d, n in rows if "fill_random" not in n)
 
 
+def step_starts(rows):
+    """Indices of the kernels that start a model step (the embedding)."""
+    return [i for i, r in enumerate(rows) if "embedding" in r[2]]
+
+
 def main():
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # quiet when piped into head
     rows = read_trace(sys.argv[1])
-    marks = [i for i, r in enumerate(rows) if "embedding" in r[2]]
+    marks = step_starts(rows)
     if len(marks) < 2:
         sys.exit(f"fewer than two steps in {len(rows)} kernels")
     step = rows[marks[-2]:marks[-1]]
