@@ -474,13 +474,16 @@ TEST(CudaOps, RopeAndLatentWrite) {
 // empty for the short contexts.
 // few_tokens > 0 (with decode_only): only that many decode tokens, every one long enough to be split.
 // fp8: the cache in that FP8 type on both backends (the same codes).
+// prefill (non-empty): these (cached, new) sequences instead of the default mix.
 void mla_case(int64_t nh, int64_t kvr, int64_t rope, int64_t nope, int64_t vh, int32_t page_size, bool long_ctx,
-              int kind, bool decode_only = false, int few_tokens = 0, std::optional<DType> fp8 = std::nullopt) {
+              int kind, bool decode_only = false, int few_tokens = 0, std::optional<DType> fp8 = std::nullopt,
+              const std::vector<std::pair<int32_t, int32_t>>& prefill = {}) {
   // (prefill items hold up to 128 new tokens: {5, 300} takes three, the last of 44; {0, 100} and {63, 65} one with
   // warps past its tokens)
   std::vector<std::pair<int32_t, int32_t>> seqs = {{0, 1},  {15, 1}, {16, 1},  {299, 1},
                                                    {0, 100}, {40, 30}, {63, 65}, {5, 300}};
   if (decode_only) seqs = {{0, 1}, {15, 1}, {16, 1}, {299, 1}, {63, 1}, {1000, 1}};
+  if (!prefill.empty()) seqs = prefill;
   if (few_tokens > 0) seqs = {{299, 1}, {16, 1}};
   seqs.resize(few_tokens > 0 ? static_cast<size_t>(few_tokens - 1) : seqs.size());
   seqs.push_back({long_ctx ? 2499 : 700, 1});
@@ -550,6 +553,15 @@ TEST(CudaOps, MlaAttention16Heads) {
   mla_case(16, 512, 64, 128, 128, 16, true, 0);
   mla_case(16, 512, 64, 128, 128, 64, true, 0);
   mla_case(16, 512, 64, 128, 128, 16, true, 1);
+}
+
+// Prefills of many 128-key tiles: whole and partial items, prefixes on and off the tile bounds, items whose first
+// warpgroup's queries end before their last tile, items of at most 64 queries (the second warpgroup has none).
+TEST(CudaOps, MlaAttentionLongPrefills) {
+  REQUIRE_GPU();
+  const std::vector<std::pair<int32_t, int32_t>> seqs = {{0, 700}, {300, 400}, {129, 257}, {1000, 30}, {64, 64}};
+  mla_case(16, 512, 64, 128, 128, 16, false, 0, false, 0, std::nullopt, seqs);
+  mla_case(16, 512, 64, 128, 128, 64, false, 0, false, 0, DType::F8_E4M3, seqs);
 }
 
 TEST(CudaOps, MlaAttention128Heads) {

@@ -1462,6 +1462,8 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
     pp.kvr = static_cast<int32_t>(kvr);
     pp.softmax_scale = p.softmax_scale;
     pp.out = bf(out);
+    pp.num_q_rows = T;
+    pp.num_ctx_rows = L;
     CUDA_OK(cuda::mla_prefill(pp, allow_fast_, stream_), "mla_prefill");
   }
 }

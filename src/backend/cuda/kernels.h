@@ -226,6 +226,8 @@ struct MlaPrefillParams {
   int32_t num_heads, nope, rope, v, kvr;
   float softmax_scale;
   bf16* out;                // [T, nh, v]
+  int64_t num_q_rows;       // T
+  int64_t num_ctx_rows;     // L
 };
 // Causal attention, expanded form. Fast tensor-core path for nope 128 / rope 64 / v 128, a simple path otherwise.
 cudaError_t mla_prefill(const MlaPrefillParams& p, bool allow_fast, cudaStream_t stream);

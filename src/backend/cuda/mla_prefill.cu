@@ -3,18 +3,27 @@
 // batch whose prefix may already be in the paged cache (the context rows are gathered first). CPU reference:
 // cpu::mla_attention (expanded branch).
 //
-// Fast path (nope 128, rope 64, v 128): FlashAttention-2 style, one block of 8 warps per (128 queries, head), each
-// warp 16 query rows, Q fragments held in registers, K/V tiles of 64 keys double-buffered with cp.async, online
-// softmax in log2 space, P kept in registers as the A operand of P @ V. Every K/V tile a block loads serves its 128
-// queries: at 64 queries per block (4 warps, two blocks per SM) long prompts were bound by the tiles' L2 traffic
-// (~64 FLOP per byte; docs/perf.md, forty-first session); a third K / V stage measured no faster.
+// Fast path (nope 128, rope 64, v 128), Hopper warpgroup MMAs (wgmma.cuh), FlashAttention-3 style: a block takes 128
+// queries of one head as two consumer warpgroups of 64 query rows, plus a producer warpgroup whose one thread copies Q
+// and K / V tiles of 128 keys with TMA (tensor maps made per call, 128-byte swizzle: the layout wgmma reads) into two
+// K and two V stages, each stage's readiness and release on mbarriers, and gives its registers to the consumers
+// (setmaxnreg). Per tile a warpgroup issues S = Q K^T (12 k-steps of m64n128k16 from shared memory) together with the
+// previous tile's P V (8 k-steps with P, bf16, from registers and V read MN-major), runs the online softmax (log2
+// space) on S while P V is on the tensor cores, then rescales O. K / V tiles are each read once per 128 queries; at
+// 32K tokens the attention is about as fast as the tiles' L2 traffic alone (docs/perf.md, forty-third session).
+// Items come longest first (the backend sorts them). Other dims, no tensor maps, or the fast path off: a simple
+// kernel.
+
 #include <cmath>
 
+#include <cuda.h>
 #include <cuda_fp8.h>
+#include <cudaTypedefs.h>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/fp8.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/wgmma.cuh"
 
 namespace mlaserve::cuda {
 
@@ -54,169 +63,237 @@ __global__ void gather_context_kernel(const bf16* cache, const uint8_t* cache_f8
   }
 }
 
-namespace fa {
+namespace wg {
 constexpr int NOPE = 128, ROPE = 64, DQK = 192, DV = 128, KVR = 512;
-constexpr int BN = 64;
-constexpr int LDK = DQK + 8;  // 400 B rows
-constexpr int LDV = DV + 8;   // 272 B rows
-constexpr int BM = kPrefillBlockQ, NW = BM / 16, NT = NW * 32;  // a warp per 16 queries
-constexpr size_t smem_bytes = sizeof(bf16) * (BM * LDK + 2 * BN * LDK + 2 * BN * LDV);
-}  // namespace fa
+constexpr int BM = kPrefillBlockQ, BN = 128, NC = 256, NT = NC + 128;  // 2 consumer warpgroups + the producer
+constexpr int PART = 128;                                 // bytes of a row in a part (64 bf16)
+constexpr int Q_BYTES = BM * DQK * 2, K_BYTES = BN * DQK * 2, V_BYTES = BN * DV * 2;
+constexpr int BAR_BYTES = 64;                             // 8 mbarriers
+constexpr size_t smem_bytes = 1024 + Q_BYTES + 2 * K_BYTES + 2 * V_BYTES + BAR_BYTES;  // + alignment to 1,024
+static_assert(BM == 128, "two warpgroups of 64 queries");
+}  // namespace wg
 
-__global__ void __launch_bounds__(fa::NT, 1) mla_prefill_fast_kernel(const MlaPrefillParams p) {
-  using namespace fa;
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+struct PrefillMaps {  // TMA descriptors: q [T, nh, 192], kv [L, nh, 256], ctx_latent [L, 576]; boxes of 64 x 128 rows
+  CUtensorMap q, kv, pe;
+};
+
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int c0, int c1, int c2, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
+      : "memory");
+}
+
+__global__ void __launch_bounds__(wg::NT, 1)
+    mla_prefill_wgmma_kernel(const MlaPrefillParams p, const __grid_constant__ PrefillMaps maps) {
+  using namespace wg;
   extern __shared__ __align__(128) uint8_t smem_raw[];
-  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
-  bf16* sK = sQ + BM * LDK;      // [2][BN][LDK]
-  bf16* sV = sK + 2 * BN * LDK;  // [2][BN][LDV]
+  uint8_t* sQ = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* sK = sQ + Q_BYTES;      // [2][3 parts][BN][128 B]
+  uint8_t* sV = sK + 2 * K_BYTES;  // [2][2 parts][BN][128 B]
+  uint64_t* full_k = reinterpret_cast<uint64_t*>(sV + 2 * V_BYTES);  // [2] K (with Q the first) landed
+  uint64_t* full_v = full_k + 2;                                      // [2] V landed
+  uint64_t* empty_k = full_k + 4;                                     // [2] K read (8 consumer warps)
+  uint64_t* empty_v = full_k + 6;                                     // [2] V read
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
   const MlaPrefillItem it = p.items[blockIdx.x];
-  const int h = blockIdx.y, nh = p.num_heads;
-  const int kv_w = NOPE + DV;             // kv row width per head
-  const int lat_w = KVR + ROPE;           // context latent row width
+  const int h = blockIdx.y;
   const int kmax = it.pos_begin + it.num_tokens;  // keys [0, kmax)
   const int n_tiles = (kmax + BN - 1) / BN;
-
-  for (int c = tid; c < BM * (DQK / 8); c += NT) {
-    const int r = c / (DQK / 8), col = (c % (DQK / 8)) * 8;
-    const bool ok = r < it.num_tokens;
-    const bf16* src = p.q + (static_cast<int64_t>(it.token_begin + (ok ? r : 0)) * nh + h) * DQK + col;
-    cp_async16(sQ + r * LDK + col, src, ok);
+  if (tid == 0) {
+    for (int i = 0; i < 4; ++i) mbar_init(&full_k[i], 1);
+    for (int i = 4; i < 8; ++i) mbar_init(&full_k[i], 8);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  auto load_tile = [&](int kt, int stage) {
-    bf16* k = sK + stage * BN * LDK;
-    bf16* v = sV + stage * BN * LDV;
-    constexpr int CK = DQK / 8, CV = DV / 8, CR = CK + CV;  // 24 + 16 chunks per key
-    for (int c = tid; c < BN * CR; c += NT) {
-      const int r = c / CR, cc = c % CR;
-      const int key = kt * BN + r;
-      const bool ok = key < kmax;
-      const int64_t row = it.kv_begin + (ok ? key : 0);
-      if (cc < NOPE / 8) {
-        cp_async16(k + r * LDK + cc * 8, p.kv + (row * nh + h) * kv_w + cc * 8, ok);
-      } else if (cc < CK) {
-        const int col = (cc - NOPE / 8) * 8;
-        cp_async16(k + r * LDK + NOPE + col, p.ctx_latent + row * lat_w + KVR + col, ok);
-      } else {
-        const int col = (cc - CK) * 8;
-        cp_async16(v + r * LDV + col, p.kv + (row * nh + h) * kv_w + NOPE + col, ok);
+  __syncthreads();
+
+  if (warp >= 8) {  // the producer: K kt, then V kt, each once the tile two before it in that stage was read
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");  // (its warpgroup's registers to the others)
+    if (warp == 8 && lane == 0) {
+      for (int kt = 0; kt < n_tiles; ++kt) {
+        const int stage = kt & 1, row = it.kv_begin + kt * BN;
+        if (kt >= 2) mbar_wait(&empty_k[stage], ((kt >> 1) - 1) & 1);
+        mbar_expect_tx(&full_k[stage], K_BYTES + (kt == 0 ? Q_BYTES : 0));
+        if (kt == 0)
+          for (int part = 0; part < 3; ++part)
+            tma_load(sQ + part * (BM * PART), &maps.q, part * 64, h, it.token_begin, &full_k[0]);
+        uint8_t* k = sK + stage * K_BYTES;
+        tma_load(k, &maps.kv, 0, h, row, &full_k[stage]);
+        tma_load(k + BN * PART, &maps.kv, 64, h, row, &full_k[stage]);
+        tma_load(k + 2 * BN * PART, &maps.pe, KVR, row, 0, &full_k[stage]);
+        mbar_arrive(&full_k[stage]);
+        if (kt >= 2) mbar_wait(&empty_v[stage], ((kt >> 1) - 1) & 1);
+        mbar_expect_tx(&full_v[stage], V_BYTES);
+        uint8_t* v = sV + stage * V_BYTES;
+        tma_load(v, &maps.kv, NOPE, h, row, &full_v[stage]);
+        tma_load(v + BN * PART, &maps.kv, NOPE + 64, h, row, &full_v[stage]);
+        mbar_arrive(&full_v[stage]);
       }
     }
-  };
-  load_tile(0, 0);
-  cp_async_commit();
+    return;
+  }
 
-  const int r0 = warp * 16 + g, r1 = r0 + 8;
-  const bool rows = warp * 16 < it.num_tokens;  // (a warp past the item's tokens only loads and waits)
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  const int grp = warp >> 2, g = lane >> 2, t4 = lane & 3;
+  const int r0 = grp * 64 + (warp & 3) * 16 + g, r1 = r0 + 8;
+  const int first_pos = it.pos_begin + grp * 64;
+  const int last_pos = it.pos_begin + min(grp * 64 + 63, it.num_tokens - 1);
   const int pos0 = it.pos_begin + min(r0, it.num_tokens - 1);
   const int pos1 = it.pos_begin + min(r1, it.num_tokens - 1);
   const float scale = p.softmax_scale * kLog2e;
+  const uint32_t q_base = smem_addr(sQ) + grp * 64 * PART;
+  // This warpgroup's tiles: up to its last query's (a group past the item's tokens has none).
+  const int n_my = grp * 64 < it.num_tokens ? min(n_tiles, last_pos / BN + 1) : 0;
+  auto release = [&](uint64_t* bars, int kt) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&bars[kt & 1]);
+  };
 
-  uint32_t qf[DQK / 16][4];
-  float o[DV / 8][4];
+  float o[64], s[64];
+  uint32_t pa[BN / 16][4];
 #pragma unroll
-  for (int i = 0; i < DV / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+  for (int i = 0; i < 64; ++i) o[i] = s[i] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // running maxima of the scaled scores, sums
+  float a0 = 0.0f, a1 = 0.0f;                                   // the last softmax's rescale of o
 
-  for (int kt = 0; kt < n_tiles; ++kt) {
-    cp_async_wait<0>();
-    __syncthreads();
-    if (kt + 1 < n_tiles) load_tile(kt + 1, (kt + 1) & 1);
-    cp_async_commit();
-    if (!rows) continue;
-    if (kt == 0) {
-#pragma unroll
-      for (int ks = 0; ks < DQK / 16; ++ks)
-        ldmatrix_x4(qf[ks], sQ + (warp * 16 + (lane & 15)) * LDK + ks * 16 + (lane >> 4) * 8);
-    }
-    const bf16* K = sK + (kt & 1) * BN * LDK;
-    const bf16* V = sV + (kt & 1) * BN * LDV;
-
-    float s[BN / 8][4];
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+  auto issue_s = [&](int kt) {
+    const uint32_t k_base = smem_addr(sK + (kt & 1) * K_BYTES);
 #pragma unroll
     for (int ks = 0; ks < DQK / 16; ++ks) {
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        uint32_t b[4];
-        ldmatrix_x4(b, K + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDK + ks * 16 + ((lane >> 3) & 1) * 8);
-        mma_bf16(s[2 * np], qf[ks], b[0], b[1]);
-        mma_bf16(s[2 * np + 1], qf[ks], b[2], b[3]);
-      }
+      const uint32_t off = (ks & 3) * 32;
+      wgmma_m64n128k16_ss(s, wgmma_desc(q_base + (ks >> 2) * (BM * PART) + off, 16),
+                          wgmma_desc(k_base + (ks >> 2) * (BN * PART) + off, 16), ks > 0);
     }
+  };
+  auto issue_pv = [&](int kt) {
+    const uint32_t v_base = smem_addr(sV + (kt & 1) * V_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      wgmma_m64n128k16_rs_mn(o, pa[kk], wgmma_desc(v_base + kk * 16 * PART, BN * PART), 1);
+  };
+  auto softmax = [&](int kt) {  // s -> probabilities in place; m, l updated; a0 / a1 the rescale of o
     const int key0 = kt * BN;
-    const bool need_mask = key0 + BN - 1 > it.pos_begin;
+    const bool need_mask = key0 + BN - 1 > first_pos;
     float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
-      const int k = key0 + nt * 8 + 2 * t4;
-      s[nt][0] = (need_mask && k > pos0) ? -INFINITY : s[nt][0] * scale;
-      s[nt][1] = (need_mask && k + 1 > pos0) ? -INFINITY : s[nt][1] * scale;
-      s[nt][2] = (need_mask && k > pos1) ? -INFINITY : s[nt][2] * scale;
-      s[nt][3] = (need_mask && k + 1 > pos1) ? -INFINITY : s[nt][3] * scale;
-      mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
-      mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+      float* e = s + 4 * nt;
+      if (need_mask) {
+        const int k = key0 + nt * 8 + 2 * t4;
+        if (k > pos0) e[0] = -INFINITY;
+        if (k + 1 > pos0) e[1] = -INFINITY;
+        if (k > pos1) e[2] = -INFINITY;
+        if (k + 1 > pos1) e[3] = -INFINITY;
+      }
+      mx0 = fmaxf(mx0, fmaxf(e[0], e[1]));
+      mx1 = fmaxf(mx1, fmaxf(e[2], e[3]));
     }
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float a0 = exp2f(m0 - mn0), a1 = exp2f(m1 - mn1);
+    const float mn0 = fmaxf(m0, mx0 * scale), mn1 = fmaxf(m1, mx1 * scale);
+    a0 = ex2_approx(m0 - mn0);
+    a1 = ex2_approx(m1 - mn1);
     m0 = mn0;
     m1 = mn1;
     float rs0 = 0.0f, rs1 = 0.0f;
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
-      s[nt][0] = exp2f(s[nt][0] - mn0);
-      s[nt][1] = exp2f(s[nt][1] - mn0);
-      s[nt][2] = exp2f(s[nt][2] - mn1);
-      s[nt][3] = exp2f(s[nt][3] - mn1);
-      rs0 += s[nt][0] + s[nt][1];
-      rs1 += s[nt][2] + s[nt][3];
+      float* e = s + 4 * nt;
+      e[0] = ex2_approx(fmaf(e[0], scale, -mn0));
+      e[1] = ex2_approx(fmaf(e[1], scale, -mn0));
+      e[2] = ex2_approx(fmaf(e[2], scale, -mn1));
+      e[3] = ex2_approx(fmaf(e[3], scale, -mn1));
+      rs0 += e[0] + e[1];
+      rs1 += e[2] + e[3];
     }
     l0 = l0 * a0 + rs0;
     l1 = l1 * a1 + rs1;
+  };
+  auto rescale_and_pack = [&]() {
 #pragma unroll
-    for (int i = 0; i < DV / 8; ++i) {
-      o[i][0] *= a0;
-      o[i][1] *= a0;
-      o[i][2] *= a1;
-      o[i][3] *= a1;
+    for (int i = 0; i < 64; i += 4) {
+      o[i] *= a0;
+      o[i + 1] *= a0;
+      o[i + 2] *= a1;
+      o[i + 3] *= a1;
     }
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t a[4];
-      a[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      const bf16* vrow = V + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDV + (lane >> 4) * 8;
-#pragma unroll
-      for (int dp = 0; dp < DV / 16; ++dp) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, vrow + dp * 16);
-        mma_bf16(o[2 * dp], a, b[0], b[1]);
-        mma_bf16(o[2 * dp + 1], a, b[2], b[3]);
-      }
+      pa[kk][0] = pack_bf16x2(s[8 * kk], s[8 * kk + 1]);
+      pa[kk][1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
     }
+  };
+
+  if (n_my > 0) {
+    mbar_wait(&full_k[0], 0);
+    wgmma_pin(s);
+    wgmma_fence();
+    issue_s(0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_pin(s);
+    release(empty_k, 0);
+    softmax(0);
+    rescale_and_pack();
+    for (int kt = 1; kt < n_my; ++kt) {
+      mbar_wait(&full_k[kt & 1], (kt >> 1) & 1);
+      mbar_wait(&full_v[(kt - 1) & 1], ((kt - 1) >> 1) & 1);
+      wgmma_pin(s);
+      wgmma_pin(o);
+      wgmma_fence();
+      issue_s(kt);
+      wgmma_commit();
+      issue_pv(kt - 1);
+      wgmma_commit();
+      wgmma_wait<1>();  // S of tile kt
+      wgmma_pin(s);
+      release(empty_k, kt);
+      softmax(kt);
+      wgmma_wait<0>();  // P V of tile kt - 1
+      wgmma_pin(o);
+      release(empty_v, kt - 1);
+      rescale_and_pack();
+    }
+    mbar_wait(&full_v[(n_my - 1) & 1], ((n_my - 1) >> 1) & 1);
+    wgmma_pin(o);
+    wgmma_fence();
+    issue_pv(n_my - 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_pin(o);
+    release(empty_v, n_my - 1);
   }
-  cp_async_wait<0>();
+  for (int kt = n_my; kt < n_tiles; ++kt) {  // tiles after this group's last query: released unread, in order
+    mbar_wait(&full_k[kt & 1], (kt >> 1) & 1);
+    release(empty_k, kt);
+    mbar_wait(&full_v[kt & 1], (kt >> 1) & 1);
+    release(empty_v, kt);
+  }
 
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
   const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
-  bf16* out0 = p.out + (static_cast<int64_t>(it.token_begin + r0) * nh + h) * DV + 2 * t4;
-  bf16* out1 = p.out + (static_cast<int64_t>(it.token_begin + r1) * nh + h) * DV + 2 * t4;
+  bf16* out0 = p.out + (static_cast<int64_t>(it.token_begin + r0) * p.num_heads + h) * DV + 2 * t4;
+  bf16* out1 = p.out + (static_cast<int64_t>(it.token_begin + r1) * p.num_heads + h) * DV + 2 * t4;
 #pragma unroll
   for (int i = 0; i < DV / 8; ++i) {
-    if (r0 < it.num_tokens) *reinterpret_cast<uint32_t*>(out0 + i * 8) = pack_bf16x2(o[i][0] * inv0, o[i][1] * inv0);
-    if (r1 < it.num_tokens) *reinterpret_cast<uint32_t*>(out1 + i * 8) = pack_bf16x2(o[i][2] * inv1, o[i][3] * inv1);
+    if (r0 < it.num_tokens)
+      *reinterpret_cast<uint32_t*>(out0 + i * 8) = pack_bf16x2(o[4 * i] * inv0, o[4 * i + 1] * inv0);
+    if (r1 < it.num_tokens)
+      *reinterpret_cast<uint32_t*>(out1 + i * 8) = pack_bf16x2(o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
   }
 }
 
@@ -300,7 +377,44 @@ cudaError_t mla_gather_context(const bf16* cache, const uint8_t* cache_f8, bool 
 namespace {
 cudaError_t configure_prefill_fast() {
   static std::atomic<uint64_t> configured{0};  // one bit per device
-  return set_max_dynamic_smem_once(mla_prefill_fast_kernel, static_cast<int>(fa::smem_bytes), configured);
+  return set_max_dynamic_smem_once(mla_prefill_wgmma_kernel, static_cast<int>(wg::smem_bytes), configured);
+}
+
+// The driver's cuTensorMapEncodeTiled (through the runtime: no link to libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A 3-d bf16 map of dims[0] contiguous columns, boxes of box[] elements, 128-byte swizzle (wgmma's parts).
+cudaError_t encode_map(CUtensorMap& m, const void* base, const uint64_t (&dims)[3], const uint64_t (&strides)[2],
+                       const uint32_t (&box)[3]) {
+  const PFN_cuTensorMapEncodeTiled_v12000 fn = tensor_map_encoder();
+  if (!fn) return cudaErrorNotSupported;
+  const uint32_t elem[3] = {1, 1, 1};
+  const CUresult r = fn(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box, elem,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+cudaError_t prefill_maps(const MlaPrefillParams& p, PrefillMaps& m) {
+  using namespace wg;
+  const uint64_t nh = static_cast<uint64_t>(p.num_heads), T = static_cast<uint64_t>(p.num_q_rows);
+  const uint64_t L = static_cast<uint64_t>(p.num_ctx_rows);
+  if (cudaError_t e = encode_map(m.q, p.q, {DQK, nh, T}, {DQK * 2, nh * DQK * 2}, {64, 1, BM}); e != cudaSuccess)
+    return e;
+  if (cudaError_t e = encode_map(m.kv, p.kv, {NOPE + DV, nh, L}, {(NOPE + DV) * 2, nh * (NOPE + DV) * 2}, {64, 1, BN});
+      e != cudaSuccess)
+    return e;
+  return encode_map(m.pe, p.ctx_latent, {KVR + ROPE, L, 1}, {(KVR + ROPE) * 2, L * (KVR + ROPE) * 2}, {64, BN, 1});
 }
 }  // namespace
 
@@ -308,10 +422,12 @@ cudaError_t mla_prefill_prepare() { return configure_prefill_fast(); }
 
 cudaError_t mla_prefill(const MlaPrefillParams& p, bool allow_fast, cudaStream_t stream) {
   if (p.num_items == 0 || p.num_heads == 0) return cudaSuccess;
-  if (allow_fast && p.nope == fa::NOPE && p.rope == fa::ROPE && p.v == fa::DV && p.kvr == fa::KVR) {
+  PrefillMaps maps{};
+  if (allow_fast && p.nope == wg::NOPE && p.rope == wg::ROPE && p.v == wg::DV && p.kvr == wg::KVR &&
+      prefill_maps(p, maps) == cudaSuccess) {
     if (cudaError_t e = configure_prefill_fast(); e != cudaSuccess) return e;
     dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>(p.num_heads));
-    mla_prefill_fast_kernel<<<grid, fa::NT, fa::smem_bytes, stream>>>(p);
+    mla_prefill_wgmma_kernel<<<grid, wg::NT, wg::smem_bytes, stream>>>(p, maps);
     return cudaGetLastError();
   }
   if (p.v > kSimpleThreads * kSimpleMaxCols) return cudaErrorInvalidValue;

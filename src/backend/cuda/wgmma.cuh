@@ -1,0 +1,74 @@
+// Hopper warpgroup MMA (wgmma, sm_90a): shared-memory matrix descriptors for 128-byte-swizzled tiles and the
+// m64n128k16 bf16 -> f32 instructions a kernel needs. A warpgroup is 4 consecutive warps (128 threads); every
+// thread of it issues each instruction. Accumulator layout per warp (warp w % 4 of the group holds rows 16w..16w+15):
+// for each 8-column chunk j, d[4j + 0..1] are row g, columns 8j + 2t + 0..1 and d[4j + 2..3] row g + 8 (g = lane / 4,
+// t = lane % 4), as mma.sync's m16n8 fragments; a register A operand of 16 columns is mma.sync's m16k16 A fragment.
+//
+// Tile layout in shared memory (what the descriptors describe): a part of 64 bf16 columns holds each row's 128 bytes
+// at row * 128, its 16-byte chunk c stored at chunk c ^ (row % 8) (the hardware's 128-byte swizzle; every part starts
+// 1024-byte aligned). K-major operands (rows = M or N, the 64 columns = K) step K by 16 with +32 bytes inside a part,
+// and the next 64 K columns are the next part. An MN-major B (rows = K, columns = N) steps K by 16 rows (+2,048
+// bytes) and N by 64 with the leading byte offset (the distance between parts).
+#pragma once
+
+#include <cstdint>
+
+#include "backend/cuda/common.cuh"
+
+namespace mlaserve::cuda {
+
+// A 128-byte-swizzled descriptor: start address, leading byte offset, stride byte offset (8 rows: 1,024 bytes).
+__device__ __forceinline__ uint64_t wgmma_desc(uint32_t smem_address, uint32_t lbo_bytes) {
+  return static_cast<uint64_t>((smem_address & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo_bytes >> 4) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving reads or writes of accumulators across an async MMA's issue or wait.
+template <int N>
+__device__ __forceinline__ void wgmma_pin(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define MLASERVE_WG_D8(i)                                                                                     \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+#define MLASERVE_WG_D64                                                                                        \
+  MLASERVE_WG_D8(0), MLASERVE_WG_D8(8), MLASERVE_WG_D8(16), MLASERVE_WG_D8(24), MLASERVE_WG_D8(32),            \
+      MLASERVE_WG_D8(40), MLASERVE_WG_D8(48), MLASERVE_WG_D8(56)
+#define MLASERVE_WG_R64                                                                                        \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "  \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "    \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// d (+)= A * B^T: A [64 x 16] and B [128 x 16], both K-major in shared memory. accumulate = 0 overwrites d.
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " MLASERVE_WG_R64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : MLASERVE_WG_D64
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// d (+)= A * B: A [64 x 16] in registers (a warp's m16k16 fragment), B [16 x 128] MN-major in shared memory.
+__device__ __forceinline__ void wgmma_m64n128k16_rs_mn(float (&d)[64], const uint32_t (&a)[4], uint64_t b,
+                                                       int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " MLASERVE_WG_R64
+      ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : MLASERVE_WG_D64
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
+#undef MLASERVE_WG_D8
+#undef MLASERVE_WG_D64
+#undef MLASERVE_WG_R64
+
+}  // namespace mlaserve::cuda
