@@ -229,7 +229,8 @@ struct MlaPrefillParams {
   int64_t num_q_rows;       // T
   int64_t num_ctx_rows;     // L
 };
-// Causal attention, expanded form. Fast tensor-core path for nope 128 / rope 64 / v 128, a simple path otherwise.
+// Causal attention, expanded form. Hopper warpgroup MMAs fed by TMA for nope 128 / rope 64 / v 128 (q, kv and
+// ctx_latent 16-byte aligned), a simple path otherwise.
 cudaError_t mla_prefill(const MlaPrefillParams& p, bool allow_fast, cudaStream_t stream);
 
 // ctx_latent[row, :] = cache[slot of (seq, pos)] for every context row; row_seq / row_pos: [L].
