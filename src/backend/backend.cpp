@@ -83,16 +83,24 @@ int64_t shared_experts_width(const Tensor& x, const Tensor* gate_up, const Tenso
   return Is;
 }
 
+void shared_experts_mlp(Backend& be, const Tensor& x, const Tensor& gate_up, const Tensor& down, int64_t Is,
+                        Tensor& y) {
+  const int64_t H = x.size(-1), T = H ? x.numel() / H : 0;
+  const size_t mark = be.scratch_mark();
+  Tensor gu = be.scratch({T, 2 * Is}, be.act_dtype()), act = be.scratch({T, Is}, be.act_dtype());
+  be.linear(x, gate_up, gu);
+  be.silu_mul(gu, act);
+  be.linear(act, down, y);
+  be.scratch_release(mark);
+}
+
 void add_shared_experts(Backend& be, const Tensor& x, const Tensor* gate_up, const Tensor* down, Tensor& out) {
   const int64_t Is = shared_experts_width(x, gate_up, down, out);
   if (Is == 0) return;
   const int64_t H = x.size(-1), T = H ? x.numel() / H : 0;
   const size_t mark = be.scratch_mark();
-  Tensor gu = be.scratch({T, 2 * Is}, be.act_dtype()), act = be.scratch({T, Is}, be.act_dtype());
   Tensor y = be.scratch({T, out.size(-1)}, out.dtype());
-  be.linear(x, *gate_up, gu);
-  be.silu_mul(gu, act);
-  be.linear(act, *down, y);
+  shared_experts_mlp(be, x, *gate_up, *down, Is, y);
   be.add(out, y);
   be.scratch_release(mark);
 }

@@ -316,8 +316,11 @@ class Backend {
 
 // The width Is of moe_experts' shared experts (0 without them) after checking their shapes against x [T, H] and out.
 int64_t shared_experts_width(const Tensor& x, const Tensor* gate_up, const Tensor* down, const Tensor& out);
-// out += down(silu(gate x) * up x) with gate_up [2 Is, H], down [H, Is], through the backend's linear / silu_mul /
-// add (the shared experts of Backend::moe_experts where a backend has no fused path); nothing without them.
+// y = down(silu(gate x) * up x) with gate_up [2 Is, H], down [H, Is] (Is > 0), through the backend's linear /
+// silu_mul; its intermediates in scratch, released before it returns.
+void shared_experts_mlp(Backend& be, const Tensor& x, const Tensor& gate_up, const Tensor& down, int64_t Is, Tensor& y);
+// out += shared_experts_mlp(x) (the shared experts of Backend::moe_experts where a backend has no fused path);
+// nothing without them.
 void add_shared_experts(Backend& be, const Tensor& x, const Tensor* gate_up, const Tensor* down, Tensor& out);
 
 std::unique_ptr<Backend> make_cpu_backend();

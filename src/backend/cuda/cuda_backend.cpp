@@ -1545,14 +1545,8 @@ const cuda::bf16* CudaBackend::shared_experts_out(const Tensor& x, const Tensor*
                                                   const Tensor& out) {
   const int64_t Is = shared_experts_width(x, gate_up, down, out);
   if (Is == 0) return nullptr;
-  const int64_t T = rows_of(x);
-  Tensor y = scratch({T, out.size(-1)}, DType::BF16);
-  const size_t mark = scratch_mark();
-  Tensor gu = scratch({T, 2 * Is}, DType::BF16), act = scratch({T, Is}, DType::BF16);
-  linear(x, *gate_up, gu);
-  silu_mul(gu, act);
-  linear(act, *down, y);
-  scratch_release(mark);
+  Tensor y = scratch({rows_of(x), out.size(-1)}, DType::BF16);
+  shared_experts_mlp(*this, x, *gate_up, *down, Is, y);
   return bf(y);
 }
 
