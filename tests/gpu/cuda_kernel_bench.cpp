@@ -42,7 +42,7 @@ int num_sms() {
   return p.multiProcessorCount;
 }
 
-double bench_mla(int batch, int ctx, int nh, int page_size, int variant) {
+double bench_mla(int batch, int ctx, int nh, int page_size, int variant, bool wgmma = false) {
   const int kvr = 512, rope = 64, nope = 128, W = kvr + rope;
   const int64_t slots = static_cast<int64_t>(batch) * ctx;
   const int pages_per_seq = ctx / page_size;
@@ -80,6 +80,7 @@ double bench_mla(int batch, int ctx, int nh, int page_size, int variant) {
   p.cache = cache;
   p.cache_f8 = cache_f8;
   p.page_table = upload(table);
+  p.num_slots = wgmma ? slots : 0;  // 0: no warpgroup-MMA kernel
   p.items = upload(items);
   p.num_items = static_cast<int32_t>(items.size());
   p.num_heads = nh;
@@ -101,9 +102,9 @@ double bench_mla(int batch, int ctx, int nh, int page_size, int variant) {
   });
   const double bytes = static_cast<double>(slots) * W * (fp8 ? 1 : 2);
   const double flops = static_cast<double>(slots) * nh * (W + kvr) * 2;
-  std::printf("mla_decode v%d batch %4d ctx %5d heads %3d page %2d: split %5d keys (%4zu blocks x %d groups)  kernel %7.3f ms"
+  std::printf("mla_decode%s v%d batch %4d ctx %5d heads %3d page %2d: split %5d keys (%4zu blocks x %d groups)  kernel %7.3f ms"
               "  %5.2f TB/s  %6.1f TFLOP/s | +combine %6.3f ms -> %5.2f TB/s\n",
-              variant, batch, ctx, nh, page_size, chunk, items.size(), nh % 64 == 0 && !fp8 ? nh / 64 : (nh + 15) / 16, t_kernel,
+              wgmma ? " wgmma" : "", variant, batch, ctx, nh, page_size, chunk, items.size(), nh % 64 == 0 && !fp8 ? nh / 64 : (nh + 15) / 16, t_kernel,
               bytes / t_kernel / 1e9, flops / t_kernel / 1e9, t_comb, bytes / (t_kernel + t_comb) / 1e9);
   CK(cudaFree(fp8 ? static_cast<void*>(cache_f8) : static_cast<void*>(cache)));
   CK(cudaFree(q_lat));
@@ -280,10 +281,14 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (what == "mla128") {  // 128 heads (V2 / V3 unsplit: one rank's heads under DP attention); 9: an FP8 cache
-    bench_mla(128, 4096, 128, 64, 0);
     bench_mla(128, 4096, 128, 64, 1);
+    bench_mla(128, 4096, 128, 64, 1, true);
+    bench_mla(128, 4096, 128, 16, 1, true);
     bench_mla(128, 4096, 128, 64, kMlaDecodeFp8Variant);
     bench_mla(32, 4096, 128, 64, 1);
+    bench_mla(32, 4096, 128, 64, 1, true);
+    bench_mla(256, 1024, 128, 16, 1);
+    bench_mla(256, 1024, 128, 16, 1, true);
     bench_mla(32, 4096, 128, 64, kMlaDecodeFp8Variant);
     return 0;
   }

@@ -537,8 +537,8 @@ TEST(CudaModel, ChunkedPrefillAndIdleStep) {
 
 // CUDA graphs: decode steps replayed from a graph recorded once (padded to 8 rows, fixed attention splits, the page
 // table at the end of the metadata) give the logits of the eager forward, step after step, while contexts grow
-// across page boundaries (max_pages changes). Golden v2 (simple attention kernels) and a real-dims dummy model
-// (kv_lora 512 / rope 64: the tensor-core decode kernel, split into parts). fp8: an FP8 cache (its decode kernel).
+// across page boundaries (max_pages changes). Golden v2 (simple attention kernels) and real-dims dummy models
+// (kv_lora 512 / rope 64: the tensor-core decode kernels, split into parts; 16 or 128 heads). fp8: an FP8 cache (its decode kernel).
 // drafts: per sequence, how many draft tokens follow its decode token (a step checking n-gram drafts: several tokens
 // of one sequence in the absorbed form, every token a logit row).
 void graph_case(const std::string& dir, bool dummy, std::optional<DType> fp8 = std::nullopt,
@@ -594,15 +594,19 @@ void graph_case(const std::string& dir, bool dummy, std::optional<DType> fp8 = s
   EXPECT_EQ(m.num_graphs(), 1);  // one recording, replayed for every step after
 }
 
-// A V2-Lite config cut to two layers (dense then MoE) and a 2048-token vocabulary: real MLA dims, dummy weights.
-std::string real_dims_dir() {
-  const std::string src = golden_dir() + "/../../../tools/bench/deepseek-v2-lite/config.json";
+// A V2-Lite config cut to two layers (dense then MoE) and a 2048-token vocabulary: real MLA dims, dummy weights;
+// `heads` attention heads (128: two 64-head groups, the warpgroup-MMA decode kernel). The config is found beside the
+// golden data of the source tree, else under the working directory (a repository root with other golden data).
+std::string real_dims_dir(int heads = 16) {
+  std::string src = golden_dir() + "/../../../tools/bench/deepseek-v2-lite/config.json";
+  if (!std::filesystem::exists(src)) src = "tools/bench/deepseek-v2-lite/config.json";
   std::ifstream in(src);
   EXPECT_TRUE(in) << src;
   nlohmann::json cfg = nlohmann::json::parse(in);
   cfg["num_hidden_layers"] = 2;
   cfg["vocab_size"] = 2048;
-  const auto dir = std::filesystem::temp_directory_path() / "mlaserve-graph-real";
+  cfg["num_attention_heads"] = cfg["num_key_value_heads"] = heads;
+  const auto dir = std::filesystem::temp_directory_path() / ("mlaserve-graph-real" + std::to_string(heads));
   std::filesystem::create_directories(dir);
   std::ofstream(dir / "config.json") << cfg.dump();
   return dir.string();
@@ -612,6 +616,7 @@ TEST(CudaModel, GraphReplayMatchesEager) {
   REQUIRE_GPU();
   graph_case(golden_dir() + "/v2", false);
   graph_case(real_dims_dir(), true);
+  graph_case(real_dims_dir(128), true);
 }
 
 // Steps checking drafts (2, 0 and 1 drafts after the decode tokens: 6 tokens padded to 8) replay the decode graph.
@@ -619,6 +624,7 @@ TEST(CudaModel, GraphReplayMatchesEagerWithDrafts) {
   REQUIRE_GPU();
   graph_case(golden_dir() + "/v2", false, std::nullopt, {2, 0, 1});
   graph_case(real_dims_dir(), true, std::nullopt, {2, 0, 1});
+  graph_case(real_dims_dir(128), true, std::nullopt, {2, 0, 1});
 }
 
 TEST(CudaModel, GraphReplayMatchesEagerFp8Cache) {

@@ -564,9 +564,16 @@ TEST(CudaOps, MlaAttentionLongPrefills) {
   mla_case(16, 512, 64, 128, 128, 64, false, 0, false, 0, DType::F8_E4M3, seqs);
 }
 
+// 128 heads (two 64-head groups): the warpgroup-MMA decode kernel over pages of 16, 64 and 8 rows (tiles of one
+// page, of four, of eight; the last tile cut short), split and unsplit tokens; pages of one row take the mma.sync
+// kernel.
 TEST(CudaOps, MlaAttention128Heads) {
   REQUIRE_GPU();
   mla_case(128, 512, 64, 128, 128, 16, false, 0);
+  mla_case(128, 512, 64, 128, 128, 64, true, 0);
+  mla_case(128, 512, 64, 128, 128, 8, false, 0, true);
+  mla_case(128, 512, 64, 128, 128, 1, false, 0, true);
+  for (int few : {1, 2}) mla_case(128, 512, 64, 128, 128, 64, true, 0, true, few);
 }
 
 TEST(CudaOps, MlaAttentionOddDims) {

@@ -83,6 +83,22 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// 2^x, the hardware approximation (flushes denormals; exact enough for softmax weights).
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+// Named barriers (ids 1..15; 0 is __syncthreads): sync waits for `threads` arrivals, arrive only counts itself.
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy accesses (wgmma, TMA, bulk copies).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
 // 16-byte async copy global -> shared; zero-fills the destination when !pred (nothing is read then).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
   const int n = pred ? 16 : 0;

@@ -254,6 +254,7 @@ class CudaBackend final : public Backend {
     moe_cublas_ = o.moe_cublas || env_flag("MLASERVE_MOE_CUBLAS");
     if (const char* v = std::getenv("MLASERVE_MLA_DECODE_VARIANT")) mla_variant_ = std::atoi(v);
     moe_grouped_only_ = env_flag("MLASERVE_MOE_GROUPED");
+    wgmma_decode_ = !env_off("MLASERVE_MLA_WGMMA");
     small_batch_ = o.small_batch && !env_off("MLASERVE_SMALL_BATCH");
     fp8_decode_ = small_batch_ && !env_off("MLASERVE_MOE_FP8_DECODE");
     one_token_ = small_batch_ && o.one_token_attention && !env_off("MLASERVE_MLA_ONE_TOKEN");
@@ -1214,6 +1215,9 @@ class CudaBackend final : public Backend {
   // measured fastest on H200 (docs/perf.md); MLASERVE_MLA_DECODE_VARIANT overrides
   int32_t mla_variant_ = cuda::kMlaDecodeDefaultVariant;
   bool moe_grouped_only_ = false;
+  // 64-head groups over a bf16 cache decode on the warpgroup-MMA kernel (cuda::mla_decode_wgmma) unless
+  // MLASERVE_MLA_WGMMA=0 (then the mma.sync kernel).
+  bool wgmma_decode_ = true;
   bool fp8_decode_ = true;  // FP8 experts at decode sizes through moe_fp8_decode (with small_batch_)
   // Steps of at most cuda::kGemvMaxRows rows use the small-batch kernels (gemv.cu); MLASERVE_SMALL_BATCH=0: cuBLAS and
   // the grouped MoE kernels instead.
@@ -1408,6 +1412,7 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
     dp.cache_f8 = cache_fp8(cache);
     dp.cache_e5m2 = cache_e5m2(cache);
     dp.page_table = d_page_table_;
+    dp.num_slots = wgmma_decode_ ? rows_of(cache) : 0;  // (0: not the warpgroup-MMA kernel)
     dp.items = plan.d_decode;
     dp.num_items = plan.num_decode_items;
     dp.num_heads = static_cast<int32_t>(nh);

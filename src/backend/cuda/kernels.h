@@ -152,6 +152,7 @@ struct MlaDecodeParams {
   const uint8_t* cache_f8; // instead of cache: the rows as FP8 codes (kFp8DecodeVariant, or the simple path)
   bool cache_e5m2;         // cache_f8's codes are E5M2 (else E4M3)
   const int32_t* page_table;  // [num_seqs, max_pages]
+  int64_t num_slots = 0;      // rows of the cache (0: unknown; then no warpgroup-MMA kernel, which maps the cache)
   const MlaDecodeItem* items; // [num_items]
   int32_t num_items;
   int32_t num_heads, kvr, rope, nope;
@@ -175,6 +176,10 @@ constexpr int kMlaDecodeFp8Variant = kMlaDecodeVariants;
 // Absorbed-form attention over the paged latent cache (one KV head of 576 shared by all heads).
 // Fast tensor-core path for kvr 512 / rope 64 (heads in groups of 16, 32 or 64); a simple path otherwise.
 cudaError_t mla_decode(const MlaDecodeParams& p, bool allow_fast, cudaStream_t stream);
+// The Hopper warpgroup-MMA kernel mla_decode takes for 64-head groups over a bf16 cache (kvr 512, rope 64, num_slots
+// known, pages of a multiple of 8 rows); launched = false (nothing done) where it does not apply.
+cudaError_t mla_decode_wgmma(const MlaDecodeParams& p, cudaStream_t stream, bool& launched);
+cudaError_t mla_decode_wgmma_prepare();
 // out_lat[token] = sum over splits of exp2(lse_i - lse) * partial_o_i
 cudaError_t mla_decode_combine(const MlaDecodeCombineItem* items, int32_t num_items, const float* partial_o,
                                const float* partial_lse, int32_t num_heads, int32_t kvr, bf16* out_lat,

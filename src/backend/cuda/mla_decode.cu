@@ -25,6 +25,7 @@
 
 #include "backend/cuda/combine.cuh"
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/decode_out.cuh"
 #include "backend/cuda/fp8.cuh"
 #include "backend/cuda/kernels.h"
 
@@ -33,41 +34,6 @@ namespace mlaserve::cuda {
 namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
-
-// An empty split (fixed split counts for CUDA graphs) gets weight zero in the combine; true when the item is empty.
-__device__ __forceinline__ bool empty_split(const MlaDecodeParams& p, const MlaDecodeItem& it, int h0, int rows_valid) {
-  if (it.key_end > it.key_begin) return false;
-  if (it.partial >= 0 && static_cast<int>(threadIdx.x) < rows_valid)
-    p.partial_lse[static_cast<int64_t>(it.partial) * p.num_heads + h0 + threadIdx.x] = -INFINITY;
-  return true;
-}
-
-// Writes a warp's normalised output fragments (rows r0 and r0 + 8 of the head group, NTO n8 tiles from colbase):
-// straight to the latent output (bf16) for an unsplit item, else to the item's partial (fp32).
-template <int NTO>
-__device__ __forceinline__ void store_output(const MlaDecodeParams& p, const MlaDecodeItem& it, int h0, int r0,
-                                             int colbase, int rows_valid, const float (&o)[NTO][4], float inv0,
-                                             float inv1) {
-  constexpr int KVR = 512;  // the fast paths only (kvr 512)
-  const int nh = p.num_heads, r1 = r0 + 8;
-  if (it.partial < 0) {
-    bf16* out0 = p.out_lat + (static_cast<int64_t>(it.token) * nh + h0 + r0) * KVR + colbase;
-    bf16* out1 = out0 + 8 * KVR;
-#pragma unroll
-    for (int i = 0; i < NTO; ++i) {
-      if (r0 < rows_valid) *reinterpret_cast<uint32_t*>(out0 + i * 8) = pack_bf16x2(o[i][0] * inv0, o[i][1] * inv0);
-      if (r1 < rows_valid) *reinterpret_cast<uint32_t*>(out1 + i * 8) = pack_bf16x2(o[i][2] * inv1, o[i][3] * inv1);
-    }
-  } else {
-    float* out0 = p.partial_o + (static_cast<int64_t>(it.partial) * nh + h0 + r0) * KVR + colbase;
-    float* out1 = out0 + 8 * KVR;
-#pragma unroll
-    for (int i = 0; i < NTO; ++i) {
-      if (r0 < rows_valid) *reinterpret_cast<float2*>(out0 + i * 8) = make_float2(o[i][0] * inv0, o[i][1] * inv0);
-      if (r1 < rows_valid) *reinterpret_cast<float2*>(out1 + i * 8) = make_float2(o[i][2] * inv1, o[i][3] * inv1);
-    }
-  }
-}
 
 template <int HB, int NW, int STAGES, int BN_, int KSPLIT_ = 1>
 struct DecodeCfg {
@@ -325,10 +291,6 @@ struct WsCfg {
   static_assert(BN % 32 == 0 && BN <= 64, "the producer moves one row per lane per 32 keys");
   static_assert(NTO % 2 == 0, "O tiles come in pairs");
 };
-
-__device__ __forceinline__ void named_bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 
 // FP8 stage -> bf16 tile (BN rows of D codes -> rows of LDS elements), by the NW consumer warps (thread i of them).
 template <class C>
@@ -825,7 +787,8 @@ cudaError_t mla_decode_prepare() {
   for (cudaError_t e : {configure_fast<64, 8, 3, 32>(), configure_fast<64, 8, 2, 32>(), configure_fast<16, 4, 3, 32>(),
                         configure_fast<16, 4, 4, 32>(), configure_fast<16, 8, 2, 64>(), configure_fast<16, 8, 2, 32, 2>(),
                         configure_fast<16, 4, 2, 32>(), configure_ws<8, 5, 32, 2, 1>(), configure_ws<8, 5, 32, 4, 1>(),
-                        configure_ws<4, 2, 32, 4, 2>(), configure_ws<8, 2, 64, 2, 1>(), configure_fp8()})
+                        configure_ws<4, 2, 32, 4, 2>(), configure_ws<8, 2, 64, 2, 1>(), configure_fp8(),
+                        mla_decode_wgmma_prepare()})
     if (e != cudaSuccess) return e;
   return cudaSuccess;
 }
@@ -835,6 +798,8 @@ cudaError_t mla_decode(const MlaDecodeParams& p, bool allow_fast, cudaStream_t s
   if (p.cache_f8 && allow_fast && fast_dims(p.kvr, p.rope)) return launch_fp8(p, stream);
   if (allow_fast && fast_dims(p.kvr, p.rope) && !p.cache_f8) {
     if (p.num_heads % 64 == 0) {
+      bool launched = false;  // the warpgroup-MMA kernel (mla_decode_wgmma.cu) where it applies
+      if (cudaError_t e = mla_decode_wgmma(p, stream, launched); e != cudaSuccess || launched) return e;
       if (p.variant == 1) return launch_fast<64, 8, 3, 32>(p, stream);
       return launch_fast<64, 8, 2, 32>(p, stream);
     }

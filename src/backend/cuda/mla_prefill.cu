@@ -16,13 +16,12 @@
 
 #include <cmath>
 
-#include <cuda.h>
 #include <cuda_fp8.h>
-#include <cudaTypedefs.h>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/fp8.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/tma.cuh"
 #include "backend/cuda/wgmma.cuh"
 
 namespace mlaserve::cuda {
@@ -73,22 +72,9 @@ constexpr size_t smem_bytes = 1024 + Q_BYTES + 2 * K_BYTES + 2 * V_BYTES + BAR_B
 static_assert(BM == 128, "two warpgroups of 64 queries");
 }  // namespace wg
 
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 struct PrefillMaps {  // TMA descriptors: q [T, nh, 192], kv [L, nh, 256], ctx_latent [L, 576]; boxes of 64 x 128 rows
   CUtensorMap q, kv, pe;
 };
-
-__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int c0, int c1, int c2, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
-      ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
-      : "memory");
-}
 
 __global__ void __launch_bounds__(wg::NT, 1)
     mla_prefill_wgmma_kernel(const MlaPrefillParams p, const __grid_constant__ PrefillMaps maps) {
@@ -380,41 +366,16 @@ cudaError_t configure_prefill_fast() {
   return set_max_dynamic_smem_once(mla_prefill_wgmma_kernel, static_cast<int>(wg::smem_bytes), configured);
 }
 
-// The driver's cuTensorMapEncodeTiled (through the runtime: no link to libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
-// A 3-d bf16 map of dims[0] contiguous columns, boxes of box[] elements, 128-byte swizzle (wgmma's parts).
-cudaError_t encode_map(CUtensorMap& m, const void* base, const uint64_t (&dims)[3], const uint64_t (&strides)[2],
-                       const uint32_t (&box)[3]) {
-  const PFN_cuTensorMapEncodeTiled_v12000 fn = tensor_map_encoder();
-  if (!fn) return cudaErrorNotSupported;
-  const uint32_t elem[3] = {1, 1, 1};
-  const CUresult r = fn(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box, elem,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
 cudaError_t prefill_maps(const MlaPrefillParams& p, PrefillMaps& m) {
   using namespace wg;
   const uint64_t nh = static_cast<uint64_t>(p.num_heads), T = static_cast<uint64_t>(p.num_q_rows);
   const uint64_t L = static_cast<uint64_t>(p.num_ctx_rows);
-  if (cudaError_t e = encode_map(m.q, p.q, {DQK, nh, T}, {DQK * 2, nh * DQK * 2}, {64, 1, BM}); e != cudaSuccess)
+  if (cudaError_t e = encode_map<3>(m.q, p.q, {DQK, nh, T}, {DQK * 2, nh * DQK * 2}, {64, 1, BM}); e != cudaSuccess)
     return e;
-  if (cudaError_t e = encode_map(m.kv, p.kv, {NOPE + DV, nh, L}, {(NOPE + DV) * 2, nh * (NOPE + DV) * 2}, {64, 1, BN});
+  if (cudaError_t e = encode_map<3>(m.kv, p.kv, {NOPE + DV, nh, L}, {(NOPE + DV) * 2, nh * (NOPE + DV) * 2}, {64, 1, BN});
       e != cudaSuccess)
     return e;
-  return encode_map(m.pe, p.ctx_latent, {KVR + ROPE, L, 1}, {(KVR + ROPE) * 2, L * (KVR + ROPE) * 2}, {64, BN, 1});
+  return encode_map<3>(m.pe, p.ctx_latent, {KVR + ROPE, L, 1}, {(KVR + ROPE) * 2, L * (KVR + ROPE) * 2}, {64, BN, 1});
 }
 }  // namespace
 

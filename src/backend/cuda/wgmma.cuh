@@ -1,5 +1,5 @@
 // Hopper warpgroup MMA (wgmma, sm_90a): shared-memory matrix descriptors for 128-byte-swizzled tiles and the
-// m64n128k16 bf16 -> f32 instructions a kernel needs. A warpgroup is 4 consecutive warps (128 threads); every
+// m64n128k16 / m64n64k16 bf16 -> f32 instructions the kernels need. A warpgroup is 4 consecutive warps (128 threads); every
 // thread of it issues each instruction. Accumulator layout per warp (warp w % 4 of the group holds rows 16w..16w+15):
 // for each 8-column chunk j, d[4j + 0..1] are row g, columns 8j + 2t + 0..1 and d[4j + 2..3] row g + 8 (g = lane / 4,
 // t = lane % 4), as mma.sync's m16n8 fragments; a register A operand of 16 columns is mma.sync's m16k16 A fragment.
@@ -36,12 +36,28 @@ __device__ __forceinline__ void wgmma_pin(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+template <int N, int M>
+__device__ __forceinline__ void wgmma_pin(uint32_t (&a)[N][M]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < M; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+}
+
 #define MLASERVE_WG_D8(i)                                                                                     \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
       "+f"(d[i + 7])
 #define MLASERVE_WG_D64                                                                                        \
   MLASERVE_WG_D8(0), MLASERVE_WG_D8(8), MLASERVE_WG_D8(16), MLASERVE_WG_D8(24), MLASERVE_WG_D8(32),            \
       MLASERVE_WG_D8(40), MLASERVE_WG_D8(48), MLASERVE_WG_D8(56)
+#define MLASERVE_WG_W8(i)                                                                                     \
+  "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]), "=f"(d[i + 5]), "=f"(d[i + 6]), \
+      "=f"(d[i + 7])
+#define MLASERVE_WG_W32 MLASERVE_WG_W8(0), MLASERVE_WG_W8(8), MLASERVE_WG_W8(16), MLASERVE_WG_W8(24)
+#define MLASERVE_WG_D32 MLASERVE_WG_D8(0), MLASERVE_WG_D8(8), MLASERVE_WG_D8(16), MLASERVE_WG_D8(24)
+#define MLASERVE_WG_R32                                                                                        \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "  \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define MLASERVE_WG_R64                                                                                        \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "  \
   "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "    \
@@ -67,7 +83,28 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs_mn(float (&d)[64], const uin
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
+// d (+)= A * B^T: A [64 x 16] and B [64 x 16], both K-major in shared memory. accumulate = 0 overwrites d.
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " MLASERVE_WG_R32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : MLASERVE_WG_D32
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+// d = A * B^T, as above with nothing accumulated: d is only written (no copies of its old values are kept alive).
+__device__ __forceinline__ void wgmma_m64n64k16_ss_first(float (&d)[32], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " MLASERVE_WG_R32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : MLASERVE_WG_W32
+      : "l"(a), "l"(b));
+}
+
 #undef MLASERVE_WG_D8
+#undef MLASERVE_WG_D32
+#undef MLASERVE_WG_W8
+#undef MLASERVE_WG_W32
+#undef MLASERVE_WG_R32
 #undef MLASERVE_WG_D64
 #undef MLASERVE_WG_R64
 

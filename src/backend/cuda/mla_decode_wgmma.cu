@@ -1,0 +1,349 @@
+// MLA decode attention on Hopper warpgroup MMAs (wgmma.cuh), absorbed form, for head groups of 64 over a bf16 cache
+// (kvr 512, rope 64): V2 / V3's 128 heads, which every rank keeps under --enable-dp-attention, are compute-bound
+// here, where 16-head groups (V2-Lite) are bound by the cache's bytes. CPU reference: cpu::mla_attention.
+//
+// A block takes one item (a token's split of keys, MlaDecodeItem) for 64 heads: three warpgroups. The producer
+// warpgroup's first warp copies tiles of 64 cache rows by TMA (a 2-d map over the cache's rows, boxes of a page's
+// rows or 64, 128-byte swizzle) into two stages, one lane per box, each of a stage's 9 parts of 64 columns landing
+// on its own mbarrier (S starts on the first part while the others land) and the stage handed back on one; it hands
+// its registers to the consumers (setmaxnreg 40 / 232). Consumer warpgroup 0 holds Q (64 heads x 576, in shared memory), issues
+// S = Q K^T (36 k-steps of m64n64k16), runs the online softmax (log2 space), hands P (bf16, in its MMA fragments)
+// and the rows' rescale to warpgroup 1 through shared memory (two named barriers), and computes O's columns
+// [0, 256) = P V; warpgroup 1 computes columns [256, 512) from the same P. Warpgroup 0 issues tile kt's P V and then
+// tile kt + 1's S, so the tensor cores work on both while it waits; a stage is handed back once both P V are done.
+// The last tile's rows past the item's keys are zeroed before P V reads them (their P is zero, but the rows of an
+// unwritten page may hold NaN). Splits write normalised partial outputs + log2-sum-exp as the other kernels do.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <numeric>
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/decode_out.cuh"
+#include "backend/cuda/kernels.h"
+#include "backend/cuda/tma.cuh"
+#include "backend/cuda/wgmma.cuh"
+
+namespace mlaserve::cuda {
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+namespace dw {
+constexpr int HB = 64, BN = 64, D = 576, KVR = 512, ROPE = 64, PARTS = D / 64, PART = 128;
+constexpr int PART_BYTES = 64 * PART;           // 64 rows (heads or keys) of one 64-column part
+constexpr int TILE_BYTES = PARTS * PART_BYTES;  // Q, or one stage of 64 cache rows: 73,728 bytes
+constexpr int P_WORDS = 16;                     // a consumer thread's P fragments (2 rows x 32 keys' pairs)
+constexpr int THREADS = 384;                    // 2 consumer warpgroups + the producer
+constexpr int BARS = 2 * PARTS + 2;            // per stage and part: landed; per stage: read
+constexpr size_t smem_bytes = 1024 + 3 * TILE_BYTES + 128 * P_WORDS * 4 + 3 * HB * sizeof(float) + BARS * 8;
+static_assert(smem_bytes <= 232448, "one block per SM");
+}  // namespace dw
+
+__global__ void __launch_bounds__(dw::THREADS, 1)
+    mla_decode_wgmma_kernel(const MlaDecodeParams p, const __grid_constant__ CUtensorMap cache_map, int box_rows) {
+  using namespace dw;
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* sQ = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // [9 parts][64 heads][128 B]
+  uint8_t* sK = sQ + TILE_BYTES;                                           // [2][9 parts][64 keys][128 B]
+  uint32_t* sP = reinterpret_cast<uint32_t*>(sK + 2 * TILE_BYTES);        // [16 words][128 threads]
+  float* sA = reinterpret_cast<float*>(sP + 128 * P_WORDS);               // [64] the rescale of o for sP's tile
+  float* sM = sA + HB;                                                     // [64] final maxima, sums
+  float* sL = sM + HB;
+  uint64_t* full = reinterpret_cast<uint64_t*>(sL + HB);                   // [2][9] a stage's part landed
+  uint64_t* empty = full + 2 * PARTS;                                      // [2] a stage read (8 consumer warps)
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // Blocks of one item's head groups are consecutive, so they run together and read its tiles from L2 once.
+  const int groups = p.num_heads / HB;
+  const MlaDecodeItem it = p.items[blockIdx.x / groups];
+  const int h0 = static_cast<int>(blockIdx.x % groups) * HB;
+  if (empty_split(p, it, h0, HB)) return;
+  const int num_keys = it.key_end - it.key_begin;
+  const int n_tiles = (num_keys + BN - 1) / BN;
+  const int last_keys = num_keys - (n_tiles - 1) * BN;  // keys of the last tile (1..64)
+  if (tid == 0) {
+    for (int i = 0; i < 2 * PARTS; ++i) mbar_init(&full[i], 1);
+    for (int i = 0; i < 2; ++i) mbar_init(&empty[i], 8);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp >= 8) {  // the producer: tile kt into stage kt % 2 once tile kt - 2 there was read
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (warp == 8) {
+      const int32_t* ptab = p.page_table + static_cast<int64_t>(it.seq) * p.max_pages;
+      const int ps = p.page_size;
+      for (int kt = 0; kt < n_tiles; ++kt) {
+        const int stage = kt & 1, key0 = it.key_begin + kt * BN;
+        const int nbox = (min(BN, it.key_end - key0) + box_rows - 1) / box_rows;
+        uint64_t* bars = full + stage * PARTS;
+        if (kt >= 2) mbar_wait(&empty[stage], ((kt >> 1) - 1) & 1);
+        if (lane == 0)
+          for (int part = 0; part < PARTS; ++part) {  // (each part's phase ends once its bytes have landed)
+            mbar_expect_tx(&bars[part], static_cast<uint32_t>(nbox * box_rows * PART));
+            mbar_arrive(&bars[part]);
+          }
+        __syncwarp();
+        uint8_t* dst = sK + stage * TILE_BYTES;
+        if (lane < nbox) {  // (box_rows >= 8: at most 8 boxes)
+          const int key = key0 + lane * box_rows;
+          const int slot = ptab[key / ps] * ps + key % ps;
+          for (int part = 0; part < PARTS; ++part)  // parts in order: S starts on the first while the rest land
+            tma_load(dst + part * PART_BYTES + lane * box_rows * PART, &cache_map, part * 64, slot, &bars[part]);
+        }
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  const int grp = warp >> 2, ct = tid & 127, g = lane >> 2, t4 = lane & 3;
+  const int r0 = (warp & 3) * 16 + g, r1 = r0 + 8;  // this thread's rows of the head group
+  const bool tail = last_keys < BN;
+
+  float oa[64], ob[64];  // O's columns grp * 256 + [0, 128) and + [128, 256)
+  uint32_t pa[BN / 16][4];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) oa[i] = ob[i] = 0.0f;
+
+  auto wait_part = [&](int kt, int part) { mbar_wait(&full[(kt & 1) * PARTS + part], (kt >> 1) & 1); };
+  auto wait_values = [&](int kt) {  // this warpgroup's 4 value parts of tile kt
+    for (int part = grp * 4; part < grp * 4 + 4; ++part) wait_part(kt, part);
+  };
+  auto release = [&](int kt) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[kt & 1]);
+  };
+  // The last tile's rows past the keys, in this warpgroup's 4 value parts: zeros.
+  auto zero_tail = [&](int kt) {
+    uint8_t* st = sK + (kt & 1) * TILE_BYTES + grp * 4 * PART_BYTES;
+    const int chunks = (BN - last_keys) * 8;  // 16-byte chunks per part
+    for (int i = ct; i < 4 * chunks; i += 128) {
+      const int part = i / chunks, rem = i % chunks;
+      *reinterpret_cast<uint4*>(st + part * PART_BYTES + (last_keys + rem / 8) * PART + (rem % 8) * 16) =
+          make_uint4(0, 0, 0, 0);
+    }
+    fence_proxy_async();
+    named_bar_sync(3 + grp, 128);
+  };
+  auto issue_pv = [&](int kt) {  // O[:, grp * 256 ...] += P V (P from registers, V MN-major: keys x columns)
+    const uint32_t v_base = smem_addr(sK + (kt & 1) * TILE_BYTES) + grp * 4 * PART_BYTES;
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      wgmma_m64n128k16_rs_mn(oa, pa[kk], wgmma_desc(v_base + kk * 16 * PART, PART_BYTES), 1);
+      wgmma_m64n128k16_rs_mn(ob, pa[kk], wgmma_desc(v_base + 2 * PART_BYTES + kk * 16 * PART, PART_BYTES), 1);
+    }
+  };
+  auto rescale = [&](float a0, float a1) {
+#pragma unroll
+    for (int i = 0; i < 64; i += 4) {
+      oa[i] *= a0;
+      oa[i + 1] *= a0;
+      oa[i + 2] *= a1;
+      oa[i + 3] *= a1;
+      ob[i] *= a0;
+      ob[i + 1] *= a0;
+      ob[i + 2] *= a1;
+      ob[i + 3] *= a1;
+    }
+  };
+  auto store = [&](float inv0, float inv1) {
+    const int col = grp * 256 + 2 * t4;
+    store_output<16>(p, it, h0, r0, col, HB, *reinterpret_cast<const float(*)[16][4]>(&oa), inv0, inv1);
+    store_output<16>(p, it, h0, r0, col + 128, HB, *reinterpret_cast<const float(*)[16][4]>(&ob), inv0, inv1);
+  };
+
+  if (grp == 0) {
+    // Q: 64 heads x [q_lat (512) | q_pe (64)], 72 chunks of 16 bytes per row, swizzled into 9 parts.
+    for (int c = ct; c < HB * (D / 8); c += 128) {
+      const int r = c / (D / 8), ch = c % (D / 8), col = ch * 8;
+      const int64_t th = static_cast<int64_t>(it.token) * p.num_heads + h0 + r;
+      const bf16* src = col < KVR ? p.q_lat + th * KVR + col : p.q + th * (p.nope + ROPE) + p.nope + (col - KVR);
+      cp_async16(sQ + (ch >> 3) * PART_BYTES + r * PART + (((ch & 7) ^ (r & 7)) << 4), src, true);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    named_bar_sync(3, 128);
+
+    const float scale = p.softmax_scale * kLog2e;
+    const uint32_t q_base = smem_addr(sQ);
+    float s[32];
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // running maxima of the scaled scores, sums
+    auto issue_s = [&](int kt) {
+      const uint32_t k_base = smem_addr(sK + (kt & 1) * TILE_BYTES);
+      const uint64_t qd = wgmma_desc(q_base, 16), kd = wgmma_desc(k_base, 16);  // + 32 bytes: + 2 in a descriptor
+      wait_part(kt, 0);
+      wgmma_m64n64k16_ss_first(s, qd, kd);
+#pragma unroll
+      for (int kk = 1; kk < 4; ++kk) wgmma_m64n64k16_ss(s, qd + 2 * kk, kd + 2 * kk, 1);
+#pragma unroll 1
+      for (int part = 1; part < PARTS; ++part) {  // (not unrolled: 36 descriptors would stay in registers)
+        const uint64_t off = part * (PART_BYTES >> 4);
+        wait_part(kt, part);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_m64n64k16_ss(s, qd + off + 2 * kk, kd + off + 2 * kk, 1);
+      }
+    };
+    if (tail && n_tiles == 1) {
+      wait_values(0);
+      zero_tail(0);
+    }
+    wgmma_pin(s);
+    wgmma_fence();
+    issue_s(0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_pin(s);
+    for (int kt = 0; kt < n_tiles; ++kt) {
+      if (tail && kt == n_tiles - 1) {  // keys past the item's end
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          const int k = 8 * j + 2 * t4;
+          if (k >= last_keys) s[4 * j] = s[4 * j + 2] = -INFINITY;
+          if (k + 1 >= last_keys) s[4 * j + 1] = s[4 * j + 3] = -INFINITY;
+        }
+      }
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      const float mn0 = fmaxf(m0, mx0 * scale), mn1 = fmaxf(m1, mx1 * scale);
+      const float a0 = ex2_approx(m0 - mn0), a1 = ex2_approx(m1 - mn1);
+      m0 = mn0;
+      m1 = mn1;
+      float rs0 = 0.0f, rs1 = 0.0f;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        s[4 * j] = ex2_approx(fmaf(s[4 * j], scale, -mn0));
+        s[4 * j + 1] = ex2_approx(fmaf(s[4 * j + 1], scale, -mn0));
+        s[4 * j + 2] = ex2_approx(fmaf(s[4 * j + 2], scale, -mn1));
+        s[4 * j + 3] = ex2_approx(fmaf(s[4 * j + 3], scale, -mn1));
+        rs0 += s[4 * j] + s[4 * j + 1];
+        rs1 += s[4 * j + 2] + s[4 * j + 3];
+      }
+      l0 = l0 * a0 + rs0;
+      l1 = l1 * a1 + rs1;
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        pa[kk][0] = pack_bf16x2(s[8 * kk], s[8 * kk + 1]);
+        pa[kk][1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+        pa[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+      }
+      if (kt > 0) named_bar_sync(2, 256);  // warpgroup 1 has read the previous tile's P
+#pragma unroll
+      for (int w = 0; w < P_WORDS; ++w) sP[w * 128 + ct] = pa[w >> 2][w & 3];
+      if (t4 == 0) {
+        sA[r0] = a0;
+        sA[r1] = a1;
+      }
+      named_bar_arrive(1, 256);
+      rescale(a0, a1);
+      wgmma_pin(oa);
+      wgmma_pin(ob);
+      wgmma_pin(s);
+      wgmma_pin(pa);
+      wgmma_fence();
+      issue_pv(kt);
+      wgmma_commit();
+      if (kt + 1 < n_tiles) {
+        if (tail && kt + 1 == n_tiles - 1) {
+          wait_values(kt + 1);
+          zero_tail(kt + 1);
+        }
+        issue_s(kt + 1);
+        wgmma_commit();
+        wgmma_wait<1>();  // P V of tile kt (S of tile kt + 1 may still run)
+      } else {
+        wgmma_wait<0>();
+      }
+      wgmma_pin(oa);
+      wgmma_pin(ob);
+      wgmma_pin(pa);  // (read by the MMAs until here: not to be reused before)
+      release(kt);
+      wgmma_wait<0>();
+      wgmma_pin(s);
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    named_bar_sync(2, 256);  // warpgroup 1 has read the last P
+    if (t4 == 0) {
+      sM[r0] = m0;
+      sM[r1] = m1;
+      sL[r0] = l0;
+      sL[r1] = l1;
+    }
+    named_bar_arrive(1, 256);
+    store(1.0f / l0, 1.0f / l1);
+    if (it.partial >= 0 && t4 == 0) {
+      float* lse = p.partial_lse + static_cast<int64_t>(it.partial) * p.num_heads + h0;
+      lse[r0] = m0 + log2f(l0);
+      lse[r1] = m1 + log2f(l1);
+    }
+    return;
+  }
+
+  // Warpgroup 1: O's columns [256, 512) from warpgroup 0's P; each tile's stage handed back as soon as its P V ends.
+  for (int kt = 0; kt < n_tiles; ++kt) {
+    named_bar_sync(1, 256);  // P of tile kt
+#pragma unroll
+    for (int w = 0; w < P_WORDS; ++w) pa[w >> 2][w & 3] = sP[w * 128 + ct];
+    const float a0 = sA[r0], a1 = sA[r1];
+    named_bar_arrive(2, 256);
+    wait_values(kt);
+    if (tail && kt == n_tiles - 1) zero_tail(kt);
+    rescale(a0, a1);
+    wgmma_pin(oa);
+    wgmma_pin(ob);
+    wgmma_pin(pa);
+    wgmma_fence();
+    issue_pv(kt);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_pin(oa);
+    wgmma_pin(ob);
+    wgmma_pin(pa);
+    release(kt);
+  }
+  named_bar_sync(1, 256);  // the final sums
+  store(1.0f / sL[r0], 1.0f / sL[r1]);
+}
+
+}  // namespace
+
+cudaError_t mla_decode_wgmma_prepare() {
+  static std::atomic<uint64_t> configured{0};  // one bit per device
+  return set_max_dynamic_smem_once(mla_decode_wgmma_kernel, static_cast<int>(dw::smem_bytes), configured);
+}
+
+cudaError_t mla_decode_wgmma(const MlaDecodeParams& p, cudaStream_t stream, bool& launched) {
+  launched = false;
+  if (p.num_slots <= 0 || !p.cache || p.cache_f8 || p.num_heads % dw::HB != 0 || p.kvr != dw::KVR ||
+      p.rope != dw::ROPE || p.page_size <= 0)
+    return cudaSuccess;
+  // A box is a page's rows (consecutive slots) within a 64-key tile; the splits start on 64-key bounds.
+  const int box_rows = std::gcd(p.page_size, dw::BN);
+  if (box_rows < 8) return cudaSuccess;
+  CUtensorMap map{};
+  const uint64_t dims[2] = {dw::D, static_cast<uint64_t>(p.num_slots)}, strides[1] = {dw::D * 2};
+  const uint32_t box[2] = {64, static_cast<uint32_t>(box_rows)};
+  if (encode_map<2>(map, p.cache, dims, strides, box) != cudaSuccess) return cudaSuccess;
+  if (cudaError_t e = mla_decode_wgmma_prepare(); e != cudaSuccess) return e;
+  const unsigned grid = static_cast<unsigned>(p.num_items) * static_cast<unsigned>(p.num_heads / dw::HB);
+  mla_decode_wgmma_kernel<<<grid, dw::THREADS, dw::smem_bytes, stream>>>(p, map, box_rows);
+  launched = true;
+  return cudaGetLastError();
+}
+
+}  // namespace mlaserve::cuda
