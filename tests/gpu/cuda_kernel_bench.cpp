@@ -102,9 +102,11 @@ double bench_mla(int batch, int ctx, int nh, int page_size, int variant, bool wg
   });
   const double bytes = static_cast<double>(slots) * W * (fp8 ? 1 : 2);
   const double flops = static_cast<double>(slots) * nh * (W + kvr) * 2;
-  std::printf("mla_decode%s v%d batch %4d ctx %5d heads %3d page %2d: split %5d keys (%4zu blocks x %d groups)  kernel %7.3f ms"
+  std::printf("mla_decode%s v%d batch %4d ctx %5d heads %3d page %2d: split %5d keys (%4zu blocks x %d groups)  "
+              "kernel %7.3f ms"
               "  %5.2f TB/s  %6.1f TFLOP/s | +combine %6.3f ms -> %5.2f TB/s\n",
-              wgmma ? " wgmma" : "", variant, batch, ctx, nh, page_size, chunk, items.size(), nh % 64 == 0 && !fp8 ? nh / 64 : (nh + 15) / 16, t_kernel,
+              wgmma ? " wgmma" : "", variant, batch, ctx, nh, page_size, chunk, items.size(),
+              nh % 64 == 0 && !fp8 ? nh / 64 : (nh + 15) / 16, t_kernel,
               bytes / t_kernel / 1e9, flops / t_kernel / 1e9, t_comb, bytes / (t_kernel + t_comb) / 1e9);
   CK(cudaFree(fp8 ? static_cast<void*>(cache_f8) : static_cast<void*>(cache)));
   CK(cudaFree(q_lat));

@@ -538,7 +538,8 @@ TEST(CudaModel, ChunkedPrefillAndIdleStep) {
 // CUDA graphs: decode steps replayed from a graph recorded once (padded to 8 rows, fixed attention splits, the page
 // table at the end of the metadata) give the logits of the eager forward, step after step, while contexts grow
 // across page boundaries (max_pages changes). Golden v2 (simple attention kernels) and real-dims dummy models
-// (kv_lora 512 / rope 64: the tensor-core decode kernels, split into parts; 16 or 128 heads). fp8: an FP8 cache (its decode kernel).
+// (kv_lora 512 / rope 64: the tensor-core decode kernels, split into parts; 16 or 128 heads). fp8: an FP8 cache
+// (its decode kernel).
 // drafts: per sequence, how many draft tokens follow its decode token (a step checking n-gram drafts: several tokens
 // of one sequence in the absorbed form, every token a logit row).
 void graph_case(const std::string& dir, bool dummy, std::optional<DType> fp8 = std::nullopt,

@@ -1,18 +1,24 @@
 // MLA decode attention on Hopper warpgroup MMAs (wgmma.cuh), absorbed form, for head groups of 64 over a bf16 cache
-// (kvr 512, rope 64): V2 / V3's 128 heads, which every rank keeps under --enable-dp-attention, are compute-bound
-// here, where 16-head groups (V2-Lite) are bound by the cache's bytes. CPU reference: cpu::mla_attention.
+// (kvr 512, rope 64): V2 / V3's 128 heads, which every rank keeps under --enable-dp-attention, are compute-bound on
+// mma.sync (mla_decode.cu: ~120 TFLOP/s), where 16-head groups (V2-Lite) are bound by the cache's bytes. CPU
+// reference: cpu::mla_attention (absorbed branch).
 //
-// A block takes one item (a token's split of keys, MlaDecodeItem) for 64 heads: three warpgroups. The producer
-// warpgroup's first warp copies tiles of 64 cache rows by TMA (a 2-d map over the cache's rows, boxes of a page's
-// rows or 64, 128-byte swizzle) into two stages, one lane per box, each of a stage's 9 parts of 64 columns landing
-// on its own mbarrier (S starts on the first part while the others land) and the stage handed back on one; it hands
-// its registers to the consumers (setmaxnreg 40 / 232). Consumer warpgroup 0 holds Q (64 heads x 576, in shared memory), issues
-// S = Q K^T (36 k-steps of m64n64k16), runs the online softmax (log2 space), hands P (bf16, in its MMA fragments)
-// and the rows' rescale to warpgroup 1 through shared memory (two named barriers), and computes O's columns
-// [0, 256) = P V; warpgroup 1 computes columns [256, 512) from the same P. Warpgroup 0 issues tile kt's P V and then
-// tile kt + 1's S, so the tensor cores work on both while it waits; a stage is handed back once both P V are done.
+// A block takes one item (a token's split of keys, MlaDecodeItem) for 64 heads; an item's head groups are
+// consecutive blocks, so they run together and its tiles come from DRAM about once. Three warpgroups:
+//  - the producer: its first warp copies tiles of 64 cache rows by TMA (a 2-d tensor map over the cache's rows, boxes
+//    of a page's rows (pages of a multiple of 8 rows) or 64, 128-byte swizzle: wgmma's layout) into two stages, a
+//    lane per box; each of a stage's 9 parts of 64 columns lands on its own mbarrier (S starts on the first part
+//    while the others land), and the stage is handed back on one. It gives its registers away (setmaxnreg 40 / 232).
+//  - consumer 0 holds Q (64 heads x 576, in shared memory), issues S = Q K^T (36 k-steps of m64n64k16), runs the
+//    online softmax (log2 space), hands P (bf16, as its MMA fragments) and the rows' rescale to consumer 1 through
+//    shared memory (two named barriers) and computes O's columns [0, 256) += P V (P from registers, V read
+//    MN-major from the same tile). It issues tile kt's P V, then tile kt + 1's S, and hands tile kt back once its
+//    P V is done.
+//  - consumer 1 computes O's columns [256, 512) from the same P.
 // The last tile's rows past the item's keys are zeroed before P V reads them (their P is zero, but the rows of an
 // unwritten page may hold NaN). Splits write normalised partial outputs + log2-sum-exp as the other kernels do.
+// Measured (docs/perf.md, forty-fourth session): bound by the tiles' copies (a build without MMAs is as fast);
+// copying each tile once into a cluster of the two head groups (TMA multicast) was slower, its blocks in lockstep.
 #include <algorithm>
 #include <atomic>
 #include <cmath>

@@ -372,7 +372,8 @@ cudaError_t prefill_maps(const MlaPrefillParams& p, PrefillMaps& m) {
   const uint64_t L = static_cast<uint64_t>(p.num_ctx_rows);
   if (cudaError_t e = encode_map<3>(m.q, p.q, {DQK, nh, T}, {DQK * 2, nh * DQK * 2}, {64, 1, BM}); e != cudaSuccess)
     return e;
-  if (cudaError_t e = encode_map<3>(m.kv, p.kv, {NOPE + DV, nh, L}, {(NOPE + DV) * 2, nh * (NOPE + DV) * 2}, {64, 1, BN});
+  if (cudaError_t e =
+          encode_map<3>(m.kv, p.kv, {NOPE + DV, nh, L}, {(NOPE + DV) * 2, nh * (NOPE + DV) * 2}, {64, 1, BN});
       e != cudaSuccess)
     return e;
   return encode_map<3>(m.pe, p.ctx_latent, {KVR + ROPE, L, 1}, {(KVR + ROPE) * 2, L * (KVR + ROPE) * 2}, {64, BN, 1});

@@ -1,8 +1,9 @@
 // Hopper warpgroup MMA (wgmma, sm_90a): shared-memory matrix descriptors for 128-byte-swizzled tiles and the
-// m64n128k16 / m64n64k16 bf16 -> f32 instructions the kernels need. A warpgroup is 4 consecutive warps (128 threads); every
-// thread of it issues each instruction. Accumulator layout per warp (warp w % 4 of the group holds rows 16w..16w+15):
-// for each 8-column chunk j, d[4j + 0..1] are row g, columns 8j + 2t + 0..1 and d[4j + 2..3] row g + 8 (g = lane / 4,
-// t = lane % 4), as mma.sync's m16n8 fragments; a register A operand of 16 columns is mma.sync's m16k16 A fragment.
+// m64n128k16 / m64n64k16 bf16 -> f32 instructions the kernels need. A warpgroup is 4 consecutive warps (128
+// threads); every thread of it issues each instruction. Accumulator layout per warp (warp w % 4 of the group holds
+// rows 16w..16w+15): for each 8-column chunk j, d[4j + 0..1] are row g, columns 8j + 2t + 0..1 and d[4j + 2..3] row
+// g + 8 (g = lane / 4, t = lane % 4), as mma.sync's m16n8 fragments; a register A operand of 16 columns is mma.sync's
+// m16k16 A fragment. Registers an MMA in flight reads or writes must not be touched before its wait (wgmma_pin).
 //
 // Tile layout in shared memory (what the descriptors describe): a part of 64 bf16 columns holds each row's 128 bytes
 // at row * 128, its 16-byte chunk c stored at chunk c ^ (row % 8) (the hardware's 128-byte swizzle; every part starts
