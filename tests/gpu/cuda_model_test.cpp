@@ -633,6 +633,7 @@ TEST(CudaModel, GraphReplayMatchesEagerFp8Cache) {
   for (DType t : {DType::F8_E4M3, DType::F8_E5M2}) {
     graph_case(golden_dir() + "/v2", false, t);
     graph_case(real_dims_dir(), true, t);
+    graph_case(real_dims_dir(128), true, t);
   }
 }
 

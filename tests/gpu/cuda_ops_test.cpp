@@ -530,15 +530,17 @@ void mla_case(int64_t nh, int64_t kvr, int64_t rope, int64_t nope, int64_t vh, i
   }
 }
 
-// An FP8 cache (E4M3 and E5M2 codes): the FP8 decode kernel (16-head groups, also for 128 heads), the simple kernel
-// (other dims, or no fast paths), the prefill's gather; eager splits and fixed ones (graph steps), one or two split
-// tokens.
+// An FP8 cache (E4M3 and E5M2 codes): the FP8 decode kernel (16-head groups), the warpgroup-MMA kernel (128 heads:
+// pages of 16, 64 and 1 rows, split and unsplit), the simple kernel (other dims, or no fast paths), the prefill's
+// gather; eager splits and fixed ones (graph steps), one or two split tokens.
 TEST(CudaOps, MlaAttentionFp8Cache) {
   REQUIRE_GPU();
   for (DType t : {DType::F8_E4M3, DType::F8_E5M2}) {
     mla_case(16, 512, 64, 128, 128, 16, true, 0, false, 0, t);
     mla_case(16, 512, 64, 128, 128, 64, true, 0, false, 0, t);
     mla_case(128, 512, 64, 128, 128, 16, false, 0, false, 0, t);
+    mla_case(128, 512, 64, 128, 128, 64, true, 0, true, 0, t);
+    mla_case(128, 512, 64, 128, 128, 1, true, 0, true, 2, t);
     mla_case(24, 512, 64, 128, 128, 16, false, 0, false, 0, t);
     mla_case(16, 512, 64, 128, 128, 16, true, 1, false, 0, t);
     mla_case(4, 64, 16, 32, 32, 16, true, 0, false, 0, t);

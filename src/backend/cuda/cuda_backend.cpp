@@ -1215,8 +1215,8 @@ class CudaBackend final : public Backend {
   // measured fastest on H200 (docs/perf.md); MLASERVE_MLA_DECODE_VARIANT overrides
   int32_t mla_variant_ = cuda::kMlaDecodeDefaultVariant;
   bool moe_grouped_only_ = false;
-  // 64-head groups over a bf16 cache decode on the warpgroup-MMA kernel (cuda::mla_decode_wgmma) unless
-  // MLASERVE_MLA_WGMMA=0 (then the mma.sync kernel).
+  // 64-head groups decode on the warpgroup-MMA kernel (cuda::mla_decode_wgmma) unless MLASERVE_MLA_WGMMA=0 (then
+  // the mma.sync kernel, or the 16-head FP8 kernel over an FP8 cache).
   bool wgmma_decode_ = true;
   bool fp8_decode_ = true;  // FP8 experts at decode sizes through moe_fp8_decode (with small_batch_)
   // Steps of at most cuda::kGemvMaxRows rows use the small-batch kernels (gemv.cu); MLASERVE_SMALL_BATCH=0: cuBLAS and
@@ -1374,7 +1374,8 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
             dtype_name(cache.dtype()));
   if (T == 0) return;
   const bool fp8 = is_fp8_cache(cache);
-  const int32_t variant = fp8 ? cuda::kMlaDecodeFp8Variant : mla_variant_;
+  // (the planner sizes splits for the kernel that runs: 64-head groups of an FP8 cache take the warpgroup-MMA one)
+  const int32_t variant = fp8 && !(wgmma_decode_ && nh % 64 == 0) ? cuda::kMlaDecodeFp8Variant : mla_variant_;
   const MlaPlan& plan =
       plan_for(p.form, static_cast<int32_t>(nh), static_cast<int32_t>(kvr), static_cast<int32_t>(rope), variant);
   const char* kvb = static_cast<const char*>(kv_b.data());

@@ -176,8 +176,9 @@ constexpr int kMlaDecodeFp8Variant = kMlaDecodeVariants;
 // Absorbed-form attention over the paged latent cache (one KV head of 576 shared by all heads).
 // Fast tensor-core path for kvr 512 / rope 64 (heads in groups of 16, 32 or 64); a simple path otherwise.
 cudaError_t mla_decode(const MlaDecodeParams& p, bool allow_fast, cudaStream_t stream);
-// The Hopper warpgroup-MMA kernel mla_decode takes for 64-head groups over a bf16 cache (kvr 512, rope 64, num_slots
-// known, pages of a multiple of 8 rows); launched = false (nothing done) where it does not apply.
+// The Hopper warpgroup-MMA kernel mla_decode takes for 64-head groups (kvr 512, rope 64, num_slots known): over a
+// bf16 cache with pages of a multiple of 8 rows, or an FP8 cache; launched = false (nothing done) where it does not
+// apply.
 cudaError_t mla_decode_wgmma(const MlaDecodeParams& p, cudaStream_t stream, bool& launched);
 cudaError_t mla_decode_wgmma_prepare();
 // out_lat[token] = sum over splits of exp2(lse_i - lse) * partial_o_i

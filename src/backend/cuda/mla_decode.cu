@@ -795,11 +795,13 @@ cudaError_t mla_decode_prepare() {
 
 cudaError_t mla_decode(const MlaDecodeParams& p, bool allow_fast, cudaStream_t stream) {
   if (p.num_items == 0 || p.num_heads == 0) return cudaSuccess;
+  if (allow_fast && fast_dims(p.kvr, p.rope) && p.num_heads % 64 == 0) {
+    bool launched = false;  // the warpgroup-MMA kernel (mla_decode_wgmma.cu) where it applies
+    if (cudaError_t e = mla_decode_wgmma(p, stream, launched); e != cudaSuccess || launched) return e;
+  }
   if (p.cache_f8 && allow_fast && fast_dims(p.kvr, p.rope)) return launch_fp8(p, stream);
   if (allow_fast && fast_dims(p.kvr, p.rope) && !p.cache_f8) {
     if (p.num_heads % 64 == 0) {
-      bool launched = false;  // the warpgroup-MMA kernel (mla_decode_wgmma.cu) where it applies
-      if (cudaError_t e = mla_decode_wgmma(p, stream, launched); e != cudaSuccess || launched) return e;
       if (p.variant == 1) return launch_fast<64, 8, 3, 32>(p, stream);
       return launch_fast<64, 8, 2, 32>(p, stream);
     }

@@ -26,6 +26,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/decode_out.cuh"
+#include "backend/cuda/fp8.cuh"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/tma.cuh"
 #include "backend/cuda/wgmma.cuh"
@@ -47,17 +48,21 @@ constexpr size_t smem_bytes = 1024 + 3 * TILE_BYTES + 128 * P_WORDS * 4 + 3 * HB
 static_assert(smem_bytes <= 232448, "one block per SM");
 }  // namespace dw
 
+// CODES: the cache's type (None: bf16 rows, copied by TMA; E4M3 / E5M2: FP8 code rows, see the FP8 path above).
+template <CacheCodes CODES>
 __global__ void __launch_bounds__(dw::THREADS, 1)
     mla_decode_wgmma_kernel(const MlaDecodeParams p, const __grid_constant__ CUtensorMap cache_map, int box_rows) {
   using namespace dw;
+  constexpr bool FP8 = CODES != CacheCodes::None;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* sQ = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // [9 parts][64 heads][128 B]
-  uint8_t* sK = sQ + TILE_BYTES;                                           // [2][9 parts][64 keys][128 B]
+  uint8_t* sK = sQ + TILE_BYTES;  // [2][9 parts][64 keys][128 B]; FP8: [9 parts][64 keys][128 B], then sF8
+  uint8_t* sF8 = sK + TILE_BYTES;  // FP8: [2][64 keys][576 codes]
   uint32_t* sP = reinterpret_cast<uint32_t*>(sK + 2 * TILE_BYTES);        // [16 words][128 threads]
   float* sA = reinterpret_cast<float*>(sP + 128 * P_WORDS);               // [64] the rescale of o for sP's tile
   float* sM = sA + HB;                                                     // [64] final maxima, sums
   float* sL = sM + HB;
-  uint64_t* full = reinterpret_cast<uint64_t*>(sL + HB);                   // [2][9] a stage's part landed
+  uint64_t* full = reinterpret_cast<uint64_t*>(sL + HB);                   // [2][9] a stage's part landed (FP8: [2])
   uint64_t* empty = full + 2 * PARTS;                                      // [2] a stage read (8 consumer warps)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -83,6 +88,20 @@ __global__ void __launch_bounds__(dw::THREADS, 1)
       const int ps = p.page_size;
       for (int kt = 0; kt < n_tiles; ++kt) {
         const int stage = kt & 1, key0 = it.key_begin + kt * BN;
+        if constexpr (FP8) {  // a code row (576 bytes) per key by bulk copies, two per lane; none past the keys
+          const int rows = min(BN, it.key_end - key0);
+          if (kt >= 2) mbar_wait(&empty[stage], ((kt >> 1) - 1) & 1);
+          if (lane == 0) mbar_expect_tx(&full[stage], static_cast<uint32_t>(rows * D));
+          __syncwarp();
+          for (int r = lane; r < rows; r += 32) {
+            const int key = key0 + r;
+            const int64_t slot = static_cast<int64_t>(ptab[key / ps]) * ps + key % ps;
+            bulk_copy_g2s(sF8 + (stage * BN + r) * D, p.cache_f8 + slot * D, D, &full[stage]);
+          }
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&full[stage]);
+          continue;
+        }
         const int nbox = (min(BN, it.key_end - key0) + box_rows - 1) / box_rows;
         uint64_t* bars = full + stage * PARTS;
         if (kt >= 2) mbar_wait(&empty[stage], ((kt >> 1) - 1) & 1);
@@ -114,7 +133,10 @@ __global__ void __launch_bounds__(dw::THREADS, 1)
 #pragma unroll
   for (int i = 0; i < 64; ++i) oa[i] = ob[i] = 0.0f;
 
-  auto wait_part = [&](int kt, int part) { mbar_wait(&full[(kt & 1) * PARTS + part], (kt >> 1) & 1); };
+  auto wait_part = [&](int kt, int part) {  // (FP8: the tile is whole once converted)
+    if constexpr (!FP8) mbar_wait(&full[(kt & 1) * PARTS + part], (kt >> 1) & 1);
+  };
+  auto tile = [&](int kt) { return FP8 ? sK : sK + (kt & 1) * TILE_BYTES; };
   auto wait_values = [&](int kt) {  // this warpgroup's 4 value parts of tile kt
     for (int part = grp * 4; part < grp * 4 + 4; ++part) wait_part(kt, part);
   };
@@ -124,7 +146,7 @@ __global__ void __launch_bounds__(dw::THREADS, 1)
   };
   // The last tile's rows past the keys, in this warpgroup's 4 value parts: zeros.
   auto zero_tail = [&](int kt) {
-    uint8_t* st = sK + (kt & 1) * TILE_BYTES + grp * 4 * PART_BYTES;
+    uint8_t* st = tile(kt) + grp * 4 * PART_BYTES;
     const int chunks = (BN - last_keys) * 8;  // 16-byte chunks per part
     for (int i = ct; i < 4 * chunks; i += 128) {
       const int part = i / chunks, rem = i % chunks;
@@ -134,8 +156,34 @@ __global__ void __launch_bounds__(dw::THREADS, 1)
     fence_proxy_async();
     named_bar_sync(3 + grp, 128);
   };
+  // FP8: tile kt's codes made into the bf16 tile (their exact values; rows past the keys zero) by both consumer
+  // warpgroups, once both are done with the tile before; the FP8 stage is handed back at once.
+  auto convert = [&](int kt) {
+    if (kt > 0) named_bar_sync(6, 256);  // both warpgroups' MMAs on tile kt - 1 are done
+    mbar_wait(&full[kt & 1], (kt >> 1) & 1);
+    const int rows = min(BN, it.key_end - (it.key_begin + kt * BN));
+    const uint8_t* src = sF8 + (kt & 1) * BN * D;
+    for (int c = tid; c < BN * (D / 16); c += 256) {
+      const int r = c / (D / 16), cc = c % (D / 16);  // 16 codes: columns 16 cc .. 16 cc + 15
+      uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+      if (r < rows) {
+        const uint4 q = *reinterpret_cast<const uint4*>(src + r * D + cc * 16);
+        cache_codes4_bf16(q.x, lo.x, lo.y, CODES);
+        cache_codes4_bf16(q.y, lo.z, lo.w, CODES);
+        cache_codes4_bf16(q.z, hi.x, hi.y, CODES);
+        cache_codes4_bf16(q.w, hi.z, hi.w, CODES);
+      }
+      uint8_t* row = sK + (cc >> 2) * PART_BYTES + r * PART;
+      const int ch = (cc & 3) * 2;  // the part's 16-byte chunks ch and ch + 1, swizzled
+      *reinterpret_cast<uint4*>(row + ((ch ^ (r & 7)) << 4)) = lo;
+      *reinterpret_cast<uint4*>(row + (((ch + 1) ^ (r & 7)) << 4)) = hi;
+    }
+    fence_proxy_async();
+    release(kt);
+    named_bar_sync(5, 256);  // the bf16 tile is whole
+  };
   auto issue_pv = [&](int kt) {  // O[:, grp * 256 ...] += P V (P from registers, V MN-major: keys x columns)
-    const uint32_t v_base = smem_addr(sK + (kt & 1) * TILE_BYTES) + grp * 4 * PART_BYTES;
+    const uint32_t v_base = smem_addr(tile(kt)) + grp * 4 * PART_BYTES;
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       wgmma_m64n128k16_rs_mn(oa, pa[kk], wgmma_desc(v_base + kk * 16 * PART, PART_BYTES), 1);
@@ -179,7 +227,7 @@ __global__ void __launch_bounds__(dw::THREADS, 1)
     float s[32];
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // running maxima of the scaled scores, sums
     auto issue_s = [&](int kt) {
-      const uint32_t k_base = smem_addr(sK + (kt & 1) * TILE_BYTES);
+      const uint32_t k_base = smem_addr(tile(kt));
       const uint64_t qd = wgmma_desc(q_base, 16), kd = wgmma_desc(k_base, 16);  // + 32 bytes: + 2 in a descriptor
       wait_part(kt, 0);
       wgmma_m64n64k16_ss_first(s, qd, kd);
@@ -193,17 +241,8 @@ __global__ void __launch_bounds__(dw::THREADS, 1)
         for (int kk = 0; kk < 4; ++kk) wgmma_m64n64k16_ss(s, qd + off + 2 * kk, kd + off + 2 * kk, 1);
       }
     };
-    if (tail && n_tiles == 1) {
-      wait_values(0);
-      zero_tail(0);
-    }
-    wgmma_pin(s);
-    wgmma_fence();
-    issue_s(0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_pin(s);
-    for (int kt = 0; kt < n_tiles; ++kt) {
+    // Tile kt's S (in s) -> P (pa, and to warpgroup 1 with the rows' rescale); returns the rescale of o.
+    auto softmax_send = [&](int kt) {
       if (tail && kt == n_tiles - 1) {  // keys past the item's end
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
@@ -253,31 +292,71 @@ __global__ void __launch_bounds__(dw::THREADS, 1)
         sA[r1] = a1;
       }
       named_bar_arrive(1, 256);
-      rescale(a0, a1);
-      wgmma_pin(oa);
-      wgmma_pin(ob);
-      wgmma_pin(s);
-      wgmma_pin(pa);
-      wgmma_fence();
-      issue_pv(kt);
-      wgmma_commit();
-      if (kt + 1 < n_tiles) {
-        if (tail && kt + 1 == n_tiles - 1) {
-          wait_values(kt + 1);
-          zero_tail(kt + 1);
-        }
-        issue_s(kt + 1);
+      return make_float2(a0, a1);
+    };
+    if constexpr (FP8) {
+      for (int kt = 0; kt < n_tiles; ++kt) {
+        convert(kt);
+        wgmma_pin(s);
+        wgmma_fence();
+        issue_s(kt);
         wgmma_commit();
-        wgmma_wait<1>();  // P V of tile kt (S of tile kt + 1 may still run)
-      } else {
         wgmma_wait<0>();
+        wgmma_pin(s);
+        const float2 a = softmax_send(kt);
+        rescale(a.x, a.y);
+        wgmma_pin(oa);
+        wgmma_pin(ob);
+        wgmma_pin(pa);
+        wgmma_fence();
+        issue_pv(kt);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(oa);
+        wgmma_pin(ob);
+        wgmma_pin(pa);
       }
-      wgmma_pin(oa);
-      wgmma_pin(ob);
-      wgmma_pin(pa);  // (read by the MMAs until here: not to be reused before)
-      release(kt);
+    } else {
+      // bf16: tile kt's P V issued, then tile kt + 1's S.
+      if (tail && n_tiles == 1) {
+        wait_values(0);
+        zero_tail(0);
+      }
+      wgmma_pin(s);
+      wgmma_fence();
+      issue_s(0);
+      wgmma_commit();
       wgmma_wait<0>();
       wgmma_pin(s);
+      for (int kt = 0; kt < n_tiles; ++kt) {
+        const float2 a = softmax_send(kt);
+        const float a0 = a.x, a1 = a.y;
+        rescale(a0, a1);
+        wgmma_pin(oa);
+        wgmma_pin(ob);
+        wgmma_pin(s);
+        wgmma_pin(pa);
+        wgmma_fence();
+        issue_pv(kt);
+        wgmma_commit();
+        if (kt + 1 < n_tiles) {
+          if (tail && kt + 1 == n_tiles - 1) {
+            wait_values(kt + 1);
+            zero_tail(kt + 1);
+          }
+          issue_s(kt + 1);
+          wgmma_commit();
+          wgmma_wait<1>();  // P V of tile kt (S of tile kt + 1 may still run)
+        } else {
+          wgmma_wait<0>();
+        }
+        wgmma_pin(oa);
+        wgmma_pin(ob);
+        wgmma_pin(pa);  // (read by the MMAs until here: not to be reused before)
+        release(kt);
+        wgmma_wait<0>();
+        wgmma_pin(s);
+      }
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -302,13 +381,16 @@ __global__ void __launch_bounds__(dw::THREADS, 1)
 
   // Warpgroup 1: O's columns [256, 512) from warpgroup 0's P; each tile's stage handed back as soon as its P V ends.
   for (int kt = 0; kt < n_tiles; ++kt) {
+    if constexpr (FP8) convert(kt);
     named_bar_sync(1, 256);  // P of tile kt
 #pragma unroll
     for (int w = 0; w < P_WORDS; ++w) pa[w >> 2][w & 3] = sP[w * 128 + ct];
     const float a0 = sA[r0], a1 = sA[r1];
     named_bar_arrive(2, 256);
-    wait_values(kt);
-    if (tail && kt == n_tiles - 1) zero_tail(kt);
+    if constexpr (!FP8) {
+      wait_values(kt);
+      if (tail && kt == n_tiles - 1) zero_tail(kt);
+    }
     rescale(a0, a1);
     wgmma_pin(oa);
     wgmma_pin(ob);
@@ -320,7 +402,7 @@ __global__ void __launch_bounds__(dw::THREADS, 1)
     wgmma_pin(oa);
     wgmma_pin(ob);
     wgmma_pin(pa);
-    release(kt);
+    if constexpr (!FP8) release(kt);
   }
   named_bar_sync(1, 256);  // the final sums
   store(1.0f / sL[r0], 1.0f / sL[r1]);
@@ -329,26 +411,38 @@ __global__ void __launch_bounds__(dw::THREADS, 1)
 }  // namespace
 
 cudaError_t mla_decode_wgmma_prepare() {
-  static std::atomic<uint64_t> configured{0};  // one bit per device
-  return set_max_dynamic_smem_once(mla_decode_wgmma_kernel, static_cast<int>(dw::smem_bytes), configured);
+  static std::atomic<uint64_t> configured[3];  // per instantiation, one bit per device
+  const int bytes = static_cast<int>(dw::smem_bytes);
+  for (cudaError_t e : {set_max_dynamic_smem_once(mla_decode_wgmma_kernel<CacheCodes::None>, bytes, configured[0]),
+                        set_max_dynamic_smem_once(mla_decode_wgmma_kernel<CacheCodes::E4M3>, bytes, configured[1]),
+                        set_max_dynamic_smem_once(mla_decode_wgmma_kernel<CacheCodes::E5M2>, bytes, configured[2])})
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
 }
 
 cudaError_t mla_decode_wgmma(const MlaDecodeParams& p, cudaStream_t stream, bool& launched) {
   launched = false;
-  if (p.num_slots <= 0 || !p.cache || p.cache_f8 || p.num_heads % dw::HB != 0 || p.kvr != dw::KVR ||
+  if (p.num_slots <= 0 || !(p.cache || p.cache_f8) || p.num_heads % dw::HB != 0 || p.kvr != dw::KVR ||
       p.rope != dw::ROPE || p.page_size <= 0)
     return cudaSuccess;
-  // A box is a page's rows (consecutive slots) within a 64-key tile; the splits start on 64-key bounds.
-  const int box_rows = std::gcd(p.page_size, dw::BN);
-  if (box_rows < 8) return cudaSuccess;
-  CUtensorMap map{};
-  const uint64_t dims[2] = {dw::D, static_cast<uint64_t>(p.num_slots)}, strides[1] = {dw::D * 2};
-  const uint32_t box[2] = {64, static_cast<uint32_t>(box_rows)};
-  if (encode_map<2>(map, p.cache, dims, strides, box) != cudaSuccess) return cudaSuccess;
-  if (cudaError_t e = mla_decode_wgmma_prepare(); e != cudaSuccess) return e;
+  const CacheCodes codes = cache_codes(p.cache_f8, p.cache_e5m2);
   const unsigned grid = static_cast<unsigned>(p.num_items) * static_cast<unsigned>(p.num_heads / dw::HB);
-  mla_decode_wgmma_kernel<<<grid, dw::THREADS, dw::smem_bytes, stream>>>(p, map, box_rows);
+  CUtensorMap map{};  // (an FP8 cache's rows are bulk copies: no map)
+  int box_rows = 0;
+  if (codes == CacheCodes::None) {
+    // A box is a page's rows (consecutive slots) within a 64-key tile; the splits start on 64-key bounds.
+    box_rows = std::gcd(p.page_size, dw::BN);
+    if (box_rows < 8) return cudaSuccess;
+    const uint64_t dims[2] = {dw::D, static_cast<uint64_t>(p.num_slots)}, strides[1] = {dw::D * 2};
+    const uint32_t box[2] = {64, static_cast<uint32_t>(box_rows)};
+    if (encode_map<2>(map, p.cache, dims, strides, box) != cudaSuccess) return cudaSuccess;
+  }
+  if (cudaError_t e = mla_decode_wgmma_prepare(); e != cudaSuccess) return e;
   launched = true;
+  auto kernel = codes == CacheCodes::E4M3   ? mla_decode_wgmma_kernel<CacheCodes::E4M3>
+                : codes == CacheCodes::E5M2 ? mla_decode_wgmma_kernel<CacheCodes::E5M2>
+                                            : mla_decode_wgmma_kernel<CacheCodes::None>;
+  kernel<<<grid, dw::THREADS, dw::smem_bytes, stream>>>(p, map, box_rows);
   return cudaGetLastError();
 }
 
