@@ -191,17 +191,22 @@ __global__ void __launch_bounds__(dw::THREADS, 1)
     }
   };
   auto rescale = [&](float a0, float a1) {
-#pragma unroll
-    for (int i = 0; i < 64; i += 4) {
-      oa[i] *= a0;
-      oa[i + 1] *= a0;
-      oa[i + 2] *= a1;
-      oa[i + 3] *= a1;
-      ob[i] *= a0;
-      ob[i + 1] *= a0;
-      ob[i + 2] *= a1;
-      ob[i + 3] *= a1;
-    }
+    wgmma_scale_rows(oa, a0, a1);
+    wgmma_scale_rows(ob, a0, a1);
+  };
+  // O rescaled, then tile kt's P V, waited for (the FP8 path and warpgroup 1: nothing to overlap it with).
+  auto pv_step = [&](int kt, float a0, float a1) {
+    rescale(a0, a1);
+    wgmma_pin(oa);
+    wgmma_pin(ob);
+    wgmma_pin(pa);
+    wgmma_fence();
+    issue_pv(kt);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_pin(oa);
+    wgmma_pin(ob);
+    wgmma_pin(pa);
   };
   auto store = [&](float inv0, float inv1) {
     const int col = grp * 256 + 2 * t4;
@@ -251,39 +256,9 @@ __global__ void __launch_bounds__(dw::THREADS, 1)
           if (k + 1 >= last_keys) s[4 * j + 1] = s[4 * j + 3] = -INFINITY;
         }
       }
-      float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-      }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      const float mn0 = fmaxf(m0, mx0 * scale), mn1 = fmaxf(m1, mx1 * scale);
-      const float a0 = ex2_approx(m0 - mn0), a1 = ex2_approx(m1 - mn1);
-      m0 = mn0;
-      m1 = mn1;
-      float rs0 = 0.0f, rs1 = 0.0f;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        s[4 * j] = ex2_approx(fmaf(s[4 * j], scale, -mn0));
-        s[4 * j + 1] = ex2_approx(fmaf(s[4 * j + 1], scale, -mn0));
-        s[4 * j + 2] = ex2_approx(fmaf(s[4 * j + 2], scale, -mn1));
-        s[4 * j + 3] = ex2_approx(fmaf(s[4 * j + 3], scale, -mn1));
-        rs0 += s[4 * j] + s[4 * j + 1];
-        rs1 += s[4 * j + 2] + s[4 * j + 3];
-      }
-      l0 = l0 * a0 + rs0;
-      l1 = l1 * a1 + rs1;
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        pa[kk][0] = pack_bf16x2(s[8 * kk], s[8 * kk + 1]);
-        pa[kk][1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
-        pa[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
-        pa[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
-      }
+      float a0, a1;
+      wgmma_online_softmax<BN>(s, scale, m0, m1, l0, l1, a0, a1);
+      wgmma_pack_a<BN>(s, pa);
       if (kt > 0) named_bar_sync(2, 256);  // warpgroup 1 has read the previous tile's P
 #pragma unroll
       for (int w = 0; w < P_WORDS; ++w) sP[w * 128 + ct] = pa[w >> 2][w & 3];
@@ -297,24 +272,9 @@ __global__ void __launch_bounds__(dw::THREADS, 1)
     if constexpr (FP8) {
       for (int kt = 0; kt < n_tiles; ++kt) {
         convert(kt);
-        wgmma_pin(s);
-        wgmma_fence();
-        issue_s(kt);
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_pin(s);
+        wgmma_run(s, [&] { issue_s(kt); });
         const float2 a = softmax_send(kt);
-        rescale(a.x, a.y);
-        wgmma_pin(oa);
-        wgmma_pin(ob);
-        wgmma_pin(pa);
-        wgmma_fence();
-        issue_pv(kt);
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_pin(oa);
-        wgmma_pin(ob);
-        wgmma_pin(pa);
+        pv_step(kt, a.x, a.y);
       }
     } else {
       // bf16: tile kt's P V issued, then tile kt + 1's S.
@@ -322,12 +282,7 @@ __global__ void __launch_bounds__(dw::THREADS, 1)
         wait_values(0);
         zero_tail(0);
       }
-      wgmma_pin(s);
-      wgmma_fence();
-      issue_s(0);
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_pin(s);
+      wgmma_run(s, [&] { issue_s(0); });
       for (int kt = 0; kt < n_tiles; ++kt) {
         const float2 a = softmax_send(kt);
         const float a0 = a.x, a1 = a.y;
@@ -391,17 +346,7 @@ __global__ void __launch_bounds__(dw::THREADS, 1)
       wait_values(kt);
       if (tail && kt == n_tiles - 1) zero_tail(kt);
     }
-    rescale(a0, a1);
-    wgmma_pin(oa);
-    wgmma_pin(ob);
-    wgmma_pin(pa);
-    wgmma_fence();
-    issue_pv(kt);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_pin(oa);
-    wgmma_pin(ob);
-    wgmma_pin(pa);
+    pv_step(kt, a0, a1);
     if constexpr (!FP8) release(kt);
   }
   named_bar_sync(1, 256);  // the final sums

@@ -167,68 +167,27 @@ __global__ void __launch_bounds__(wg::NT, 1)
   auto softmax = [&](int kt) {  // s -> probabilities in place; m, l updated; a0 / a1 the rescale of o
     const int key0 = kt * BN;
     const bool need_mask = key0 + BN - 1 > first_pos;
-    float mx0 = -INFINITY, mx1 = -INFINITY;
+    if (need_mask) {
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-      float* e = s + 4 * nt;
-      if (need_mask) {
+      for (int nt = 0; nt < BN / 8; ++nt) {
+        float* e = s + 4 * nt;
         const int k = key0 + nt * 8 + 2 * t4;
         if (k > pos0) e[0] = -INFINITY;
         if (k + 1 > pos0) e[1] = -INFINITY;
         if (k > pos1) e[2] = -INFINITY;
         if (k + 1 > pos1) e[3] = -INFINITY;
       }
-      mx0 = fmaxf(mx0, fmaxf(e[0], e[1]));
-      mx1 = fmaxf(mx1, fmaxf(e[2], e[3]));
     }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0 * scale), mn1 = fmaxf(m1, mx1 * scale);
-    a0 = ex2_approx(m0 - mn0);
-    a1 = ex2_approx(m1 - mn1);
-    m0 = mn0;
-    m1 = mn1;
-    float rs0 = 0.0f, rs1 = 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-      float* e = s + 4 * nt;
-      e[0] = ex2_approx(fmaf(e[0], scale, -mn0));
-      e[1] = ex2_approx(fmaf(e[1], scale, -mn0));
-      e[2] = ex2_approx(fmaf(e[2], scale, -mn1));
-      e[3] = ex2_approx(fmaf(e[3], scale, -mn1));
-      rs0 += e[0] + e[1];
-      rs1 += e[2] + e[3];
-    }
-    l0 = l0 * a0 + rs0;
-    l1 = l1 * a1 + rs1;
+    wgmma_online_softmax<BN>(s, scale, m0, m1, l0, l1, a0, a1);
   };
   auto rescale_and_pack = [&]() {
-#pragma unroll
-    for (int i = 0; i < 64; i += 4) {
-      o[i] *= a0;
-      o[i + 1] *= a0;
-      o[i + 2] *= a1;
-      o[i + 3] *= a1;
-    }
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      pa[kk][0] = pack_bf16x2(s[8 * kk], s[8 * kk + 1]);
-      pa[kk][1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    wgmma_scale_rows(o, a0, a1);
+    wgmma_pack_a<BN>(s, pa);
   };
 
   if (n_my > 0) {
     mbar_wait(&full_k[0], 0);
-    wgmma_pin(s);
-    wgmma_fence();
-    issue_s(0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_pin(s);
+    wgmma_run(s, [&] { issue_s(0); });
     release(empty_k, 0);
     softmax(0);
     rescale_and_pack();
@@ -252,12 +211,7 @@ __global__ void __launch_bounds__(wg::NT, 1)
       rescale_and_pack();
     }
     mbar_wait(&full_v[(n_my - 1) & 1], ((n_my - 1) >> 1) & 1);
-    wgmma_pin(o);
-    wgmma_fence();
-    issue_pv(n_my - 1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_pin(o);
+    wgmma_run(o, [&] { issue_pv(n_my - 1); });
     release(empty_v, n_my - 1);
   }
   for (int kt = n_my; kt < n_tiles; ++kt) {  // tiles after this group's last query: released unread, in order

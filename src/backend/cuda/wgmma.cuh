@@ -12,6 +12,7 @@
 // bytes) and N by 64 with the leading byte offset (the distance between parts).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "backend/cuda/common.cuh"
@@ -43,6 +44,76 @@ __device__ __forceinline__ void wgmma_pin(uint32_t (&a)[N][M]) {
   for (int i = 0; i < N; ++i)
 #pragma unroll
     for (int j = 0; j < M; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+}
+
+// issue() (the wgmma instructions writing d) as one group, waited for: d pinned on both sides.
+template <int N, class Issue>
+__device__ __forceinline__ void wgmma_run(float (&d)[N], Issue&& issue) {
+  wgmma_pin(d);
+  wgmma_fence();
+  issue();
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_pin(d);
+}
+
+// An accumulator's rows g and g + 8 (the layout above) times a0 and a1: an online softmax's rescale of O.
+__device__ __forceinline__ void wgmma_scale_rows(float (&d)[64], float a0, float a1) {
+#pragma unroll
+  for (int i = 0; i < 64; i += 4) {
+    d[i] *= a0;
+    d[i + 1] *= a0;
+    d[i + 2] *= a1;
+    d[i + 3] *= a1;
+  }
+}
+
+// One step of an online softmax (log2 space) over an S accumulator of N columns (the layout above; masked entries
+// already -inf, at least one finite per row): m0 / m1, the running maxima of the scaled scores of rows g and g + 8,
+// and l0 / l1, this thread's running sums of their exponentials, updated; S made into the probabilities in place;
+// a0 / a1 the factors O's rows are to be rescaled by.
+template <int N>
+__device__ __forceinline__ void wgmma_online_softmax(float (&s)[N / 2], float scale, float& m0, float& m1, float& l0,
+                                                     float& l1, float& a0, float& a1) {
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+    mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float mn0 = fmaxf(m0, mx0 * scale), mn1 = fmaxf(m1, mx1 * scale);
+  a0 = ex2_approx(m0 - mn0);
+  a1 = ex2_approx(m1 - mn1);
+  m0 = mn0;
+  m1 = mn1;
+  float rs0 = 0.0f, rs1 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    s[4 * j] = ex2_approx(fmaf(s[4 * j], scale, -mn0));
+    s[4 * j + 1] = ex2_approx(fmaf(s[4 * j + 1], scale, -mn0));
+    s[4 * j + 2] = ex2_approx(fmaf(s[4 * j + 2], scale, -mn1));
+    s[4 * j + 3] = ex2_approx(fmaf(s[4 * j + 3], scale, -mn1));
+    rs0 += s[4 * j] + s[4 * j + 1];
+    rs1 += s[4 * j + 2] + s[4 * j + 3];
+  }
+  l0 = l0 * a0 + rs0;
+  l1 = l1 * a1 + rs1;
+}
+
+// The probabilities of an S accumulator of N columns as bf16 A fragments, one per 16 columns (for P V).
+template <int N>
+__device__ __forceinline__ void wgmma_pack_a(const float (&s)[N / 2], uint32_t (&pa)[N / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < N / 16; ++kk) {
+    pa[kk][0] = pack_bf16x2(s[8 * kk], s[8 * kk + 1]);
+    pa[kk][1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+    pa[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+    pa[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+  }
 }
 
 #define MLASERVE_WG_D8(i)                                                                                     \
