@@ -18,6 +18,8 @@
 //    streams the 576-byte code rows (E4M3 or E5M2) into a ring of FP8 stages; the consumers make each tile into one
 //    bf16 tile in shared memory (the codes' exact values), hand the stage back, and go on as above (two more named
 //    barriers per tile: the bf16 tile is free, it is made). Other dims: the simple kernel, reading codes.
+// Multiples of 64 heads go first to the warpgroup-MMA kernel (mla_decode_wgmma.cu; bf16 or FP8 caches); these
+// kernels take what it declines.
 #include <algorithm>
 #include <cmath>
 

@@ -1,7 +1,7 @@
-// MLA decode attention on Hopper warpgroup MMAs (wgmma.cuh), absorbed form, for head groups of 64 over a bf16 cache
-// (kvr 512, rope 64): V2 / V3's 128 heads, which every rank keeps under --enable-dp-attention, are compute-bound on
-// mma.sync (mla_decode.cu: ~120 TFLOP/s), where 16-head groups (V2-Lite) are bound by the cache's bytes. CPU
-// reference: cpu::mla_attention (absorbed branch).
+// MLA decode attention on Hopper warpgroup MMAs (wgmma.cuh), absorbed form, for head groups of 64 (kvr 512, rope
+// 64): V2 / V3's 128 heads, which every rank keeps under --enable-dp-attention, are compute-bound on mma.sync
+// (mla_decode.cu: ~120 TFLOP/s), where 16-head groups (V2-Lite) are bound by the cache's bytes. CPU reference:
+// cpu::mla_attention (absorbed branch).
 //
 // A block takes one item (a token's split of keys, MlaDecodeItem) for 64 heads; an item's head groups are
 // consecutive blocks, so they run together and its tiles come from DRAM about once. Three warpgroups:
@@ -17,6 +17,10 @@
 //  - consumer 1 computes O's columns [256, 512) from the same P.
 // The last tile's rows past the item's keys are zeroed before P V reads them (their P is zero, but the rows of an
 // unwritten page may hold NaN). Splits write normalised partial outputs + log2-sum-exp as the other kernels do.
+// An FP8 cache (E4M3 / E5M2 codes, any page size): the producer copies each key's 576-byte code row by a bulk copy
+// into two FP8 stages (where the second bf16 stage was); both consumers make each tile into the one bf16 tile
+// (exact values, rows past the keys zero) once both are done with the tile before, then go on as above without
+// overlapping a tile's S with the previous P V.
 // Measured (docs/perf.md, forty-fourth session): bound by the tiles' copies (a build without MMAs is as fast);
 // copying each tile once into a cluster of the two head groups (TMA multicast) was slower, its blocks in lockstep.
 #include <algorithm>
