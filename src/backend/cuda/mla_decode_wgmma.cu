@@ -371,8 +371,9 @@ cudaError_t mla_decode_wgmma_prepare() {
 
 cudaError_t mla_decode_wgmma(const MlaDecodeParams& p, cudaStream_t stream, bool& launched) {
   launched = false;
+  // (q's rope part is copied in 16-byte chunks: nope a multiple of 8)
   if (p.num_slots <= 0 || !(p.cache || p.cache_f8) || p.num_heads % dw::HB != 0 || p.kvr != dw::KVR ||
-      p.rope != dw::ROPE || p.page_size <= 0)
+      p.rope != dw::ROPE || p.nope % 8 != 0 || p.page_size <= 0)
     return cudaSuccess;
   const CacheCodes codes = cache_codes(p.cache_f8, p.cache_e5m2);
   const unsigned grid = static_cast<unsigned>(p.num_items) * static_cast<unsigned>(p.num_heads / dw::HB);
