@@ -69,8 +69,7 @@ double bench_mla(int batch, int ctx, int nh, int page_size, int variant, bool wg
   std::iota(table.begin(), table.end(), 0);
   std::mt19937_64 rng(5);
   std::shuffle(table.begin(), table.end(), rng);
-  // (the warpgroup-MMA kernel takes 64-head groups whatever the cache: planned as variant 1's)
-  const int32_t chunk = mla_decode_split_keys(slots, batch, ctx, nh, kvr, rope, num_sms(), wgmma ? 1 : variant);
+  const int32_t chunk = mla_decode_split_keys(slots, batch, ctx, nh, kvr, rope, num_sms(), variant);
   std::vector<MlaDecodeItem> items;
   std::vector<MlaDecodeCombineItem> comb;
   int32_t partial = 0;

@@ -83,6 +83,8 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+constexpr float kLog2e = 1.4426950408889634f;  // softmax in log2 space: exp(x) = 2^(x log2 e)
+
 // 2^x, the hardware approximation (flushes denormals; exact enough for softmax weights).
 __device__ __forceinline__ float ex2_approx(float x) {
   float y;

@@ -1374,8 +1374,7 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
             dtype_name(cache.dtype()));
   if (T == 0) return;
   const bool fp8 = is_fp8_cache(cache);
-  // (the planner sizes splits for the kernel that runs: 64-head groups of an FP8 cache take the warpgroup-MMA one)
-  const int32_t variant = fp8 && !(wgmma_decode_ && nh % 64 == 0) ? cuda::kMlaDecodeFp8Variant : mla_variant_;
+  const int32_t variant = fp8 ? cuda::kMlaDecodeFp8Variant : mla_variant_;
   const MlaPlan& plan =
       plan_for(p.form, static_cast<int32_t>(nh), static_cast<int32_t>(kvr), static_cast<int32_t>(rope), variant);
   const char* kvb = static_cast<const char*>(kv_b.data());

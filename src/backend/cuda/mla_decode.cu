@@ -35,8 +35,6 @@ namespace mlaserve::cuda {
 
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 template <int HB, int NW, int STAGES, int BN_, int KSPLIT_ = 1>
 struct DecodeCfg {
   static constexpr int KSPLIT = KSPLIT_;    // warps sharing one S tile, each over a slice of the 576 dims
@@ -748,7 +746,7 @@ int64_t blocks_per_sm_16(int32_t variant) { return variant == 5 || variant == 6 
 // Blocks of the decode kernel resident at once, and blocks per item (head groups), for these dims.
 void decode_occupancy(int32_t num_heads, int32_t kvr, int32_t rope, int32_t num_sms, int32_t variant, int64_t& slots,
                       int64_t& groups) {
-  if (fast_dims(kvr, rope) && num_heads % 64 == 0 && variant != kMlaDecodeFp8Variant) {
+  if (fast_dims(kvr, rope) && num_heads % 64 == 0) {  // one block per SM: mla_decode_wgmma (bf16 or FP8 cache)
     slots = num_sms;
     groups = num_heads / 64;
   } else if (fast_dims(kvr, rope)) {

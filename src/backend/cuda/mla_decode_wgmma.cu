@@ -39,8 +39,6 @@ namespace mlaserve::cuda {
 
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 namespace dw {
 constexpr int HB = 64, BN = 64, D = 576, KVR = 512, ROPE = 64, PARTS = D / 64, PART = 128;
 constexpr int PART_BYTES = 64 * PART;           // 64 rows (heads or keys) of one 64-column part

@@ -28,8 +28,6 @@ namespace mlaserve::cuda {
 
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 __global__ void gather_context_kernel(const bf16* cache, const uint8_t* cache_f8, bool e5m2, int32_t width,
                                       const int32_t* page_table, int32_t page_size, int32_t max_pages,
                                       const int32_t* row_seq, const int32_t* row_pos, bf16* ctx) {
