@@ -50,8 +50,17 @@ std::vector<int32_t> ngram_draft(std::span<const int32_t> seq, int32_t min_n, in
   return out;
 }
 
+namespace {
+// A sequence's pages are kept consecutive in runs of a 64-key decode tile (the 64-head-group decode kernel copies a
+// tile over consecutive pages as one box; PagePool's placement).
+int32_t run_pages(int32_t page_size) {
+  constexpr int32_t kTileKeys = 64;
+  return page_size > 0 && page_size < kTileKeys ? (kTileKeys + page_size - 1) / page_size : 1;
+}
+}  // namespace
+
 Scheduler::Scheduler(SchedulerConfig cfg)
-    : cfg_(std::move(cfg)), pool_(cfg_.num_pages), cache_(cfg_.page_size, pool_, cfg_.enable_radix_cache) {
+    : cfg_(std::move(cfg)), pool_(cfg_.num_pages, run_pages(cfg_.page_size)), cache_(cfg_.page_size, pool_, cfg_.enable_radix_cache) {
   MLA_CHECK(cfg_.max_running_requests > 0, "max running requests must be positive");
   MLA_CHECK(cfg_.host_pages >= 0, "scheduler: {} host pages", cfg_.host_pages);
   if (cfg_.host_pages > 0) cache_.enable_host_tier(cfg_.host_pages);
@@ -223,7 +232,7 @@ bool Scheduler::take_pages(Req& r, int32_t upto_tokens, const Req* protect) {
   const int32_t need = div_up(upto_tokens, cfg_.page_size) - static_cast<int32_t>(r.pages.size());
   if (need <= 0) return true;
   if (!ensure_pages(need, protect)) return false;
-  auto got = pool_.alloc(need);
+  auto got = pool_.alloc_after(r.pages, need);
   MLA_CHECK(got.has_value(), "page pool: allocation failed after ensure");
   r.pages.insert(r.pages.end(), got->begin(), got->end());
   return true;

@@ -42,7 +42,8 @@ int num_sms() {
   return p.multiProcessorCount;
 }
 
-double bench_mla(int batch, int ctx, int nh, int page_size, int variant, bool wgmma = false) {
+// in_order: each sequence's pages consecutive (as a fresh page pool hands them out), else shuffled.
+double bench_mla(int batch, int ctx, int nh, int page_size, int variant, bool wgmma = false, bool in_order = false) {
   const int kvr = 512, rope = 64, nope = 128, W = kvr + rope;
   const int64_t slots = static_cast<int64_t>(batch) * ctx;
   const int pages_per_seq = ctx / page_size;
@@ -68,7 +69,7 @@ double bench_mla(int batch, int ctx, int nh, int page_size, int variant, bool wg
   std::vector<int32_t> table(static_cast<size_t>(batch) * pages_per_seq);
   std::iota(table.begin(), table.end(), 0);
   std::mt19937_64 rng(5);
-  std::shuffle(table.begin(), table.end(), rng);
+  if (!in_order) std::shuffle(table.begin(), table.end(), rng);
   const int32_t chunk = mla_decode_split_keys(slots, batch, ctx, nh, kvr, rope, num_sms(), variant);
   std::vector<MlaDecodeItem> items;
   std::vector<MlaDecodeCombineItem> comb;
@@ -102,10 +103,10 @@ double bench_mla(int batch, int ctx, int nh, int page_size, int variant, bool wg
   });
   const double bytes = static_cast<double>(slots) * W * (fp8 ? 1 : 2);
   const double flops = static_cast<double>(slots) * nh * (W + kvr) * 2;
-  std::printf("mla_decode%s v%d batch %4d ctx %5d heads %3d page %2d: split %5d keys (%4zu blocks x %d groups)  "
+  std::printf("mla_decode%s v%d batch %4d ctx %5d heads %3d page %2d%s: split %5d keys (%4zu blocks x %d groups)  "
               "kernel %7.3f ms"
               "  %5.2f TB/s  %6.1f TFLOP/s | +combine %6.3f ms -> %5.2f TB/s\n",
-              wgmma ? " wgmma" : "", variant, batch, ctx, nh, page_size, chunk, items.size(),
+              wgmma ? " wgmma" : "", variant, batch, ctx, nh, page_size, in_order ? " in order" : "", chunk, items.size(),
               nh % 64 == 0 && (!fp8 || wgmma) ? nh / 64 : (nh + 15) / 16, t_kernel,
               bytes / t_kernel / 1e9, flops / t_kernel / 1e9, t_comb, bytes / (t_kernel + t_comb) / 1e9);
   CK(cudaFree(fp8 ? static_cast<void*>(cache_f8) : static_cast<void*>(cache)));
@@ -286,11 +287,13 @@ int main(int argc, char** argv) {
     bench_mla(128, 4096, 128, 64, 1);
     bench_mla(128, 4096, 128, 64, 1, true);
     bench_mla(128, 4096, 128, 16, 1, true);
+    bench_mla(128, 4096, 128, 16, 1, true, true);
     bench_mla(128, 4096, 128, 64, kMlaDecodeFp8Variant);
     bench_mla(32, 4096, 128, 64, 1);
     bench_mla(32, 4096, 128, 64, 1, true);
     bench_mla(256, 1024, 128, 16, 1);
     bench_mla(256, 1024, 128, 16, 1, true);
+    bench_mla(256, 1024, 128, 16, 1, true, true);
     bench_mla(32, 4096, 128, 64, kMlaDecodeFp8Variant);
     bench_mla(128, 4096, 128, 64, kMlaDecodeFp8Variant, true);
     bench_mla(128, 4096, 128, 16, kMlaDecodeFp8Variant, true);

@@ -17,7 +17,9 @@
 namespace mlaserve::test {
 namespace {
 
-// A batch of sequences (prefix, new tokens) with pages taken from a shuffled pool of `num_pages`.
+// A batch of sequences (prefix, new tokens) with pages taken from a shuffled pool of `num_pages`, or (runs) in
+// order as a fresh PagePool hands them out, except that each sequence of more than 8 pages has its middle page
+// swapped with a spare one far away (so its tiles are consecutive pages but one or two).
 struct Scenario {
   ForwardBatch batch;
   int64_t num_pages = 0;
@@ -25,21 +27,22 @@ struct Scenario {
 };
 
 Scenario make_scenario(const std::vector<std::pair<int32_t, int32_t>>& seqs, int32_t page_size, uint64_t seed,
-                       int32_t vocab = 100) {
+                       int32_t vocab = 100, bool runs = false) {
   Scenario s;
   int64_t need = 0;
   for (auto [prefix, q] : seqs) need += (prefix + q + page_size - 1) / page_size;
-  s.num_pages = need + 7;  // spare pages nobody owns
+  s.num_pages = need + 7 + (runs ? static_cast<int64_t>(seqs.size()) : 0);  // spare pages nobody owns
   std::vector<int32_t> pool(static_cast<size_t>(s.num_pages));
   std::iota(pool.begin(), pool.end(), 0);
   std::mt19937_64 rng(seed);
-  std::shuffle(pool.begin(), pool.end(), rng);
+  if (!runs) std::shuffle(pool.begin(), pool.end(), rng);
   ForwardBatchBuilder bb(page_size);
   size_t next = 0;
   for (auto [prefix, q] : seqs) {
     const int32_t n = (prefix + q + page_size - 1) / page_size;
     std::vector<int32_t> pages(pool.begin() + static_cast<int64_t>(next), pool.begin() + static_cast<int64_t>(next + n));
     next += n;
+    if (runs && n > 8) pages[static_cast<size_t>(n / 2)] = static_cast<int32_t>(s.num_pages - s.pages.size() - 1);
     std::vector<int32_t> toks(static_cast<size_t>(q));
     for (auto& t : toks) t = static_cast<int32_t>(rng() % vocab);
     bb.add(toks, prefix, pages, true);
@@ -477,7 +480,7 @@ TEST(CudaOps, RopeAndLatentWrite) {
 // prefill (non-empty): these (cached, new) sequences instead of the default mix.
 void mla_case(int64_t nh, int64_t kvr, int64_t rope, int64_t nope, int64_t vh, int32_t page_size, bool long_ctx,
               int kind, bool decode_only = false, int few_tokens = 0, std::optional<DType> fp8 = std::nullopt,
-              const std::vector<std::pair<int32_t, int32_t>>& prefill = {}) {
+              const std::vector<std::pair<int32_t, int32_t>>& prefill = {}, bool page_runs = false) {
   // (prefill items hold up to 128 new tokens: {5, 300} takes three, the last of 44; {0, 100} and {63, 65} one with
   // warps past its tokens)
   std::vector<std::pair<int32_t, int32_t>> seqs = {{0, 1},  {15, 1}, {16, 1},  {299, 1},
@@ -487,7 +490,7 @@ void mla_case(int64_t nh, int64_t kvr, int64_t rope, int64_t nope, int64_t vh, i
   if (few_tokens > 0) seqs = {{299, 1}, {16, 1}};
   seqs.resize(few_tokens > 0 ? static_cast<size_t>(few_tokens - 1) : seqs.size());
   seqs.push_back({long_ctx ? 2499 : 700, 1});
-  Scenario s = make_scenario(seqs, page_size, 100 + nh + kind);
+  Scenario s = make_scenario(seqs, page_size, 100 + nh + kind, 100, page_runs);
   const int64_t T = s.batch.num_tokens(), W = kvr + rope, slots = s.num_pages * page_size;
   Tensor cache = Tensor::empty_host({slots, W}, DType::F32);
   std::fill(cache.data_as<float>(), cache.data_as<float>() + cache.numel(), std::nanf(""));
@@ -525,7 +528,7 @@ void mla_case(int64_t nh, int64_t kvr, int64_t rope, int64_t nope, int64_t vh, i
     const char* fn = form == MlaForm::Auto ? "auto" : form == MlaForm::Absorbed ? "absorbed" : "expanded";
     expect_close(cpu().to_host_f32(oc), g.to_host_f32(og), 2e-2, 5e-2,
                  "mla " + std::string(fn) + " nh" + std::to_string(nh) + " kvr" + std::to_string(kvr) + " ps" +
-                     std::to_string(page_size) + (kind == 1 ? " simple" : "") +
+                     std::to_string(page_size) + (kind == 1 ? " simple" : "") + (page_runs ? " runs" : "") +
                      (fp8 ? std::string(" ") + dtype_name(*fp8) + " cache" : ""));
   }
 }
@@ -576,6 +579,11 @@ TEST(CudaOps, MlaAttention128Heads) {
   mla_case(128, 512, 64, 128, 128, 8, false, 0, true);
   mla_case(128, 512, 64, 128, 128, 1, false, 0, true);
   for (int few : {1, 2}) mla_case(128, 512, 64, 128, 128, 64, true, 0, true, few);
+  // Pages in order (as the page pool hands them out) but one per long sequence: a tile over consecutive pages is one
+  // copy of 64 rows, the others a copy per page; pages of 48 rows take boxes of 16 rows.
+  for (int32_t ps : {16, 8, 32, 48}) mla_case(128, 512, 64, 128, 128, ps, true, 0, true, 0, std::nullopt, {}, true);
+  mla_case(128, 512, 64, 128, 128, 16, false, 0, false, 0, std::nullopt, {}, true);
+  for (int few : {1, 2}) mla_case(128, 512, 64, 128, 128, 16, true, 0, true, few, std::nullopt, {}, true);
 }
 
 TEST(CudaOps, MlaAttentionOddDims) {

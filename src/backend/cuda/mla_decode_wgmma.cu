@@ -7,7 +7,7 @@
 // consecutive blocks, so they run together and its tiles come from DRAM about once. Three warpgroups:
 //  - the producer: its first warp copies tiles of 64 cache rows by TMA (a 2-d tensor map over the cache's rows, boxes
 //    of a page's rows (pages of a multiple of 8 rows) or 64, 128-byte swizzle: wgmma's layout) into two stages, a
-//    lane per box; each of a stage's 9 parts of 64 columns lands on its own mbarrier (S starts on the first part
+//    lane per box, or one box of 64 rows where the tile's pages are consecutive (a second map); each of a stage's 9 parts of 64 columns lands on its own mbarrier (S starts on the first part
 //    while the others land), and the stage is handed back on one. It gives its registers away (setmaxnreg 40 / 232).
 //  - consumer 0 holds Q (64 heads x 576, in shared memory), issues S = Q K^T (36 k-steps of m64n64k16), runs the
 //    online softmax (log2 space), hands P (bf16, as its MMA fragments) and the rows' rescale to consumer 1 through
@@ -26,6 +26,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <numeric>
 
 #include "backend/cuda/common.cuh"
@@ -53,7 +55,8 @@ static_assert(smem_bytes <= 232448, "one block per SM");
 // CODES: the cache's type (None: bf16 rows, copied by TMA; E4M3 / E5M2: FP8 code rows, see the FP8 path above).
 template <CacheCodes CODES>
 __global__ void __launch_bounds__(dw::THREADS, 1)
-    mla_decode_wgmma_kernel(const MlaDecodeParams p, const __grid_constant__ CUtensorMap cache_map, int box_rows) {
+    mla_decode_wgmma_kernel(const MlaDecodeParams p, const __grid_constant__ CUtensorMap cache_map,
+                            const __grid_constant__ CUtensorMap run_map, int box_rows, bool runs) {
   using namespace dw;
   constexpr bool FP8 = CODES != CacheCodes::None;
   extern __shared__ __align__(128) uint8_t smem_raw[];
@@ -114,9 +117,15 @@ __global__ void __launch_bounds__(dw::THREADS, 1)
           }
         __syncwarp();
         uint8_t* dst = sK + stage * TILE_BYTES;
-        if (lane < nbox) {  // (box_rows >= 8: at most 8 boxes)
-          const int key = key0 + lane * box_rows;
-          const int slot = ptab[key / ps] * ps + key % ps;
+        const int key = key0 + lane * box_rows;
+        const int slot = lane < nbox ? ptab[key / ps] * ps + key % ps : 0;  // (box_rows >= 8: at most 8 boxes)
+        // A whole tile whose boxes are consecutive cache rows (pages handed out in order) is one box of 64 rows.
+        const int slot0 = __shfl_sync(0xffffffffu, slot, 0);
+        if (runs && nbox * box_rows == BN && __all_sync(0xffffffffu, lane >= nbox || slot == slot0 + lane * box_rows)) {
+          if (lane == 0)
+            for (int part = 0; part < PARTS; ++part)
+              tma_load(dst + part * PART_BYTES, &run_map, part * 64, slot0, &bars[part]);
+        } else if (lane < nbox) {
           for (int part = 0; part < PARTS; ++part)  // parts in order: S starts on the first while the rest land
             tma_load(dst + part * PART_BYTES + lane * box_rows * PART, &cache_map, part * 64, slot, &bars[part]);
         }
@@ -375,8 +384,9 @@ cudaError_t mla_decode_wgmma(const MlaDecodeParams& p, cudaStream_t stream, bool
     return cudaSuccess;
   const CacheCodes codes = cache_codes(p.cache_f8, p.cache_e5m2);
   const unsigned grid = static_cast<unsigned>(p.num_items) * static_cast<unsigned>(p.num_heads / dw::HB);
-  CUtensorMap map{};  // (an FP8 cache's rows are bulk copies: no map)
+  CUtensorMap map{}, run_map{};  // (an FP8 cache's rows are bulk copies: no map)
   int box_rows = 0;
+  bool runs = false;
   if (codes == CacheCodes::None) {
     // A box is a page's rows (consecutive slots) within a 64-key tile; the splits start on 64-key bounds.
     box_rows = std::gcd(p.page_size, dw::BN);
@@ -384,13 +394,21 @@ cudaError_t mla_decode_wgmma(const MlaDecodeParams& p, cudaStream_t stream, bool
     const uint64_t dims[2] = {dw::D, static_cast<uint64_t>(p.num_slots)}, strides[1] = {dw::D * 2};
     const uint32_t box[2] = {64, static_cast<uint32_t>(box_rows)};
     if (encode_map<2>(map, p.cache, dims, strides, box) != cudaSuccess) return cudaSuccess;
+    // Smaller pages: a second map whose box is a whole tile, for tiles over consecutive pages.
+    static const bool runs_on = [] {  // MLASERVE_MLA_PAGE_RUNS=0: a box per page always (for A/B runs)
+      const char* v = std::getenv("MLASERVE_MLA_PAGE_RUNS");
+      return v == nullptr || std::strcmp(v, "0") != 0;
+    }();
+    const uint32_t run_box[2] = {64, dw::BN};
+    runs = runs_on && box_rows < dw::BN && p.num_slots >= dw::BN &&
+           encode_map<2>(run_map, p.cache, dims, strides, run_box) == cudaSuccess;
   }
   if (cudaError_t e = mla_decode_wgmma_prepare(); e != cudaSuccess) return e;
   launched = true;
   auto kernel = codes == CacheCodes::E4M3   ? mla_decode_wgmma_kernel<CacheCodes::E4M3>
                 : codes == CacheCodes::E5M2 ? mla_decode_wgmma_kernel<CacheCodes::E5M2>
                                             : mla_decode_wgmma_kernel<CacheCodes::None>;
-  kernel<<<grid, dw::THREADS, dw::smem_bytes, stream>>>(p, map, box_rows);
+  kernel<<<grid, dw::THREADS, dw::smem_bytes, stream>>>(p, map, run_map, box_rows, runs);
   return cudaGetLastError();
 }
 
