@@ -1061,3 +1061,37 @@ TEST_F(SchedulerTest, FailedStepsCacheNothingTheyMayHaveWritten) {
   expect_all_pages_back();
   host_pages_ = 0;
 }
+
+// The pages a request takes while it decodes lie in consecutive ids a 64-key tile at a time (pages of 4 tokens: 16
+// pages, PagePool's placement), whatever the other requests take in between: every tile of a request's pages made
+// only of pages taken while decoding is one run.
+TEST_F(SchedulerTest, DecodePagesStayConsecutiveWithinTiles) {
+  make(4096, /*chunk=*/64);
+  const std::vector<int32_t> lens = {5, 37, 64, 90, 130, 3, 250, 61};
+  for (size_t i = 0; i < lens.size(); ++i) add("r" + std::to_string(i), range(10, lens[i]), 300);
+  std::map<std::string, std::vector<int32_t>> held;
+  for (int steps = 0; s->has_work() && steps < 1000; ++steps) {
+    StepPlan p = s->schedule();
+    std::vector<SampleResult> sampled;
+    for (auto& q : p.seqs) {
+      held[q.req->rid] = q.req->pages;
+      if (!q.wants_logits) continue;
+      SampleResult r;
+      r.token = 100 + static_cast<int32_t>(q.req->fill.size());
+      sampled.push_back(r);
+    }
+    s->commit(p, sampled);
+    s->check_integrity();
+  }
+  int tiles = 0;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    const auto& pages = held["r" + std::to_string(i)];
+    EXPECT_EQ(static_cast<int32_t>(pages.size()), (lens[i] + 300 - 1 + 3) / 4);  // (the last token has no KV)
+    const size_t first = ((static_cast<size_t>(lens[i]) + 3) / 4 + 15) / 16 * 16;  // the first decode-only tile
+    for (size_t t = first; t + 16 <= pages.size(); t += 16, ++tiles)
+      for (size_t k = 1; k < 16; ++k)
+        EXPECT_EQ(pages[t + k], pages[t] + static_cast<int32_t>(k)) << "r" << i << " tile at page " << t;
+  }
+  EXPECT_GE(tiles, 24);
+  expect_all_pages_back();
+}
