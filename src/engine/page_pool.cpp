@@ -128,8 +128,8 @@ void PagePool::check_integrity() const {
               "page pool: page {} marked free but not on the free stack", p);
     ++marked;
   }
-  MLA_CHECK(live == num_free_ && marked == num_free_, "page pool: {} pages marked free, {} on the free stack, {} counted",
-            marked, live, num_free_);
+  MLA_CHECK(live == num_free_ && marked == num_free_,
+            "page pool: {} pages marked free, {} on the free stack, {} counted", marked, live, num_free_);
   MLA_CHECK(run_ == 1 || per_block == block_free_, "page pool: a block's free count is off");
 }
 

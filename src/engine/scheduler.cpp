@@ -60,7 +60,9 @@ int32_t run_pages(int32_t page_size) {
 }  // namespace
 
 Scheduler::Scheduler(SchedulerConfig cfg)
-    : cfg_(std::move(cfg)), pool_(cfg_.num_pages, run_pages(cfg_.page_size)), cache_(cfg_.page_size, pool_, cfg_.enable_radix_cache) {
+    : cfg_(std::move(cfg)),
+      pool_(cfg_.num_pages, run_pages(cfg_.page_size)),
+      cache_(cfg_.page_size, pool_, cfg_.enable_radix_cache) {
   MLA_CHECK(cfg_.max_running_requests > 0, "max running requests must be positive");
   MLA_CHECK(cfg_.host_pages >= 0, "scheduler: {} host pages", cfg_.host_pages);
   if (cfg_.host_pages > 0) cache_.enable_host_tier(cfg_.host_pages);

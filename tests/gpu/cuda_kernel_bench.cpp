@@ -106,7 +106,8 @@ double bench_mla(int batch, int ctx, int nh, int page_size, int variant, bool wg
   std::printf("mla_decode%s v%d batch %4d ctx %5d heads %3d page %2d%s: split %5d keys (%4zu blocks x %d groups)  "
               "kernel %7.3f ms"
               "  %5.2f TB/s  %6.1f TFLOP/s | +combine %6.3f ms -> %5.2f TB/s\n",
-              wgmma ? " wgmma" : "", variant, batch, ctx, nh, page_size, in_order ? " in order" : "", chunk, items.size(),
+              wgmma ? " wgmma" : "", variant, batch, ctx, nh, page_size, in_order ? " in order" : "", chunk,
+              items.size(),
               nh % 64 == 0 && (!fp8 || wgmma) ? nh / 64 : (nh + 15) / 16, t_kernel,
               bytes / t_kernel / 1e9, flops / t_kernel / 1e9, t_comb, bytes / (t_kernel + t_comb) / 1e9);
   CK(cudaFree(fp8 ? static_cast<void*>(cache_f8) : static_cast<void*>(cache)));

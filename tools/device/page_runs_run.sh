@@ -23,6 +23,8 @@ for setting in "MLASERVE_MLA_PAGE_RUNS=0|" "MLASERVE_MLA_PAGE_RUNS=1|" "MLASERVE
   timeout 200 $B/mlaserve bench-serving --backend sglang --host 127.0.0.1 --port $PORT --dataset-name random-ids \
     --tokenizer .devcarry/tok --random-input $IN --random-output $OUTLEN --random-range-ratio 1 --num-prompts $N \
     --max-concurrency $N > /tmp/b.log 2>&1
-  echo "== [$var $extra] rc=$?: $(grep -iE 'output token throughput|median tpot|successful' /tmp/b.log | tr -s ' ' | tr '\n' '|')"
+  rc=$?
+  got=$(grep -iE 'output token throughput|median tpot|successful' /tmp/b.log | tr -s ' ' | tr '\n' '|')
+  echo "== [$var $extra] rc=$rc: $got"
   kill -INT $SPID; wait $SPID 2>/dev/null
 done

@@ -7,8 +7,9 @@
 // consecutive blocks, so they run together and its tiles come from DRAM about once. Three warpgroups:
 //  - the producer: its first warp copies tiles of 64 cache rows by TMA (a 2-d tensor map over the cache's rows, boxes
 //    of a page's rows (pages of a multiple of 8 rows) or 64, 128-byte swizzle: wgmma's layout) into two stages, a
-//    lane per box, or one box of 64 rows where the tile's pages are consecutive (a second map); each of a stage's 9 parts of 64 columns lands on its own mbarrier (S starts on the first part
-//    while the others land), and the stage is handed back on one. It gives its registers away (setmaxnreg 40 / 232).
+//    lane per box, or one box of 64 rows where the tile's pages are consecutive (a second map); each of a stage's
+//    9 parts of 64 columns lands on its own mbarrier (S starts on the first part while the others land), and the
+//    stage is handed back on one. It gives its registers away (setmaxnreg 40 / 232).
 //  - consumer 0 holds Q (64 heads x 576, in shared memory), issues S = Q K^T (36 k-steps of m64n64k16), runs the
 //    online softmax (log2 space), hands P (bf16, as its MMA fragments) and the rows' rescale to consumer 1 through
 //    shared memory (two named barriers) and computes O's columns [0, 256) += P V (P from registers, V read
