@@ -1387,11 +1387,14 @@ size_t Api::abort_jobs(const std::function<bool(const std::string&)>& match, con
 void Api::open_session(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {
   const json body = body_or_empty(req);
   const Fields f(body);
-  f.required("capacity_of_str_len", "an integer");
-  const int64_t capacity = *f.integer("capacity_of_str_len", 0, std::numeric_limits<int64_t>::max());
+  // (SGLang's fields; capacity_of_str_len 0 when absent, as its newer servers take it; `streaming` sessions keep
+  // their turns in the prefix cache as every session here does)
+  const int64_t capacity = f.integer("capacity_of_str_len", 0, std::numeric_limits<int64_t>::max()).value_or(0);
   const std::optional<std::string> id = f.string("session_id");
   if (id && id->empty()) bad_request("session_id", "invalid_value", "'session_id' must not be empty");
-  respond_json(ex, 200, json(sessions_->open(id.value_or(""), capacity)).dump());
+  f.boolean("streaming");
+  const std::optional<double> timeout = f.number("timeout", 0.0, 1e9, /*lo_open=*/true);  // seconds idle
+  respond_json(ex, 200, json(sessions_->open(id.value_or(""), capacity, timeout)).dump());
 }
 
 void Api::configure_logging(const HttpRequest& req, const std::shared_ptr<HttpExchange>& ex) {

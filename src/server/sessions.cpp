@@ -9,11 +9,28 @@
 
 namespace mlaserve::server {
 
-std::string SessionStore::open(std::string id, int64_t capacity_of_str_len) {
+bool SessionStore::Session::expired(std::chrono::steady_clock::time_point now) const {
+  if (!timeout || now - used <= *timeout) return false;
+  for (const auto& [rid, node] : nodes)
+    if (!node.finished) return false;  // (a request running: in use)
+  return true;
+}
+
+void SessionStore::reap(bool now_or_never) {
+  const auto now = now_();
+  if (!now_or_never && now - reaped_ < std::chrono::seconds(1)) return;
+  reaped_ = now;
+  std::erase_if(sessions_, [now](const auto& kv) { return kv.second.expired(now); });
+}
+
+std::string SessionStore::open(std::string id, int64_t capacity_of_str_len, std::optional<double> timeout_s) {
   if (capacity_of_str_len < 0)
     bad_request("capacity_of_str_len", "invalid_value", "'capacity_of_str_len' must not be negative, got {}",
                 capacity_of_str_len);
+  if (timeout_s && !(*timeout_s > 0 && *timeout_s < 1e9))
+    bad_request("timeout", "invalid_value", "'timeout' must be a number of seconds above 0, got {}", *timeout_s);
   std::lock_guard lk(mu_);
+  reap(sessions_.size() >= kMaxSessions);
   if (sessions_.size() >= kMaxSessions)
     throw ApiError(400, fmt::format("{} sessions are open, the most this server keeps; close some first",
                                     sessions_.size()),
@@ -22,22 +39,31 @@ std::string SessionStore::open(std::string id, int64_t capacity_of_str_len) {
     thread_local std::mt19937_64 rng{std::random_device{}()};
     do id = fmt::format("{:016x}{:016x}", rng(), rng());
     while (sessions_.count(id));
-  } else if (sessions_.count(id)) {
-    bad_request("session_id", "invalid_value", "session '{}' is already open", id);
+  } else if (const auto it = sessions_.find(id); it != sessions_.end()) {
+    if (!it->second.expired(now_())) bad_request("session_id", "invalid_value", "session '{}' is already open", id);
+    sessions_.erase(it);
   }
-  sessions_[id].capacity_of_str_len = capacity_of_str_len;
+  Session& s = sessions_[id];
+  s.capacity_of_str_len = capacity_of_str_len;
+  using std::chrono::duration_cast, std::chrono::steady_clock;
+  if (timeout_s) s.timeout = duration_cast<steady_clock::duration>(std::chrono::duration<double>(*timeout_s));
+  s.used = now_();
   return id;
 }
 
 bool SessionStore::close(const std::string& id) {
   std::lock_guard lk(mu_);
-  return sessions_.erase(id) > 0;
+  const auto it = sessions_.find(id);
+  if (it == sessions_.end()) return false;
+  const bool open = !it->second.expired(now_());
+  sessions_.erase(it);
+  return open;
 }
 
 template <typename Map>
-auto& SessionStore::session(Map& sessions, const SessionParams& p) {
+auto& SessionStore::session(Map& sessions, const SessionParams& p, std::chrono::steady_clock::time_point now) {
   const auto it = sessions.find(p.id);
-  if (it == sessions.end())
+  if (it == sessions.end() || it->second.expired(now))
     bad_request("session_params.id", "invalid_value", "session '{}' is not open (open it with /open_session)", p.id);
   return it->second;
 }
@@ -78,7 +104,7 @@ size_t SessionStore::kept(const Node& parent, const SessionParams& p) {
 std::vector<int32_t> SessionStore::prompt(const SessionParams& p, const std::vector<int32_t>& ids,
                                           std::optional<int32_t> bos) const {
   std::lock_guard lk(mu_);
-  const Session& s = session(sessions_, p);
+  const Session& s = session(sessions_, p, now_());
   if (!p.rid) return ids;
   const Node& last = parent(s, p);
   std::vector<int32_t> out;
@@ -104,7 +130,10 @@ void SessionStore::drop(Session& s, const std::string& rid, std::vector<std::str
 std::vector<std::string> SessionStore::add(const SessionParams& p, const std::string& rid,
                                            const std::vector<int32_t>& prompt) {
   std::lock_guard lk(mu_);
-  Session& s = session(sessions_, p);
+  reap();
+  const auto now = now_();
+  Session& s = session(sessions_, p, now);
+  s.used = now;
   if (p.rid) parent(s, p);  // still there and finished
   if (s.nodes.count(rid))
     bad_request("rid", "invalid_value", "session '{}' already has a request '{}'; give each request its own rid",
@@ -142,6 +171,7 @@ void SessionStore::finish(const std::string& id, const std::string& rid, std::ve
   if (n == s->second.nodes.end()) return;
   n->second.output = std::move(output_ids);
   n->second.finished = true;
+  s->second.used = now_();  // (idle from here)
 }
 
 void SessionStore::forget(const std::string& id, const std::string& rid) {
@@ -159,7 +189,9 @@ void SessionStore::forget(const std::string& id, const std::string& rid) {
 
 size_t SessionStore::num_sessions() const {
   std::lock_guard lk(mu_);
-  return sessions_.size();
+  const auto now = now_();
+  return static_cast<size_t>(
+      std::count_if(sessions_.begin(), sessions_.end(), [now](const auto& kv) { return !kv.second.expired(now); }));
 }
 
 size_t SessionStore::num_requests(const std::string& id) const {

@@ -2,10 +2,14 @@
 // continues an earlier request of it (its prompt and output, cut at `offset`) with the request's own tokens, so a
 // multi-turn client sends each turn's new tokens only (the radix cache keeps the earlier ones computed). A session is
 // a tree of requests: a request continues its parent (`session_params.rid`) or starts a new root; `replace` drops
-// what continued from that parent before (or, without a parent, the whole tree). Pure bookkeeping, thread-safe.
+// what continued from that parent before (or, without a parent, the whole tree). A session opened with a timeout
+// closes once that long passes with no request of it running or named (SGLang's `timeout`). Pure bookkeeping,
+// thread-safe.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -26,10 +30,13 @@ struct SessionParams {
 class SessionStore {
  public:
   static constexpr size_t kMaxSessions = 65536;
+  using Clock = std::function<std::chrono::steady_clock::time_point()>;
 
+  explicit SessionStore(Clock now = std::chrono::steady_clock::now) : now_(std::move(now)) {}
   // Opens a session: `id` (ApiError 400 if already open), or a new random one when empty; returns its id.
-  // capacity_of_str_len is SGLang's field, kept for the session but not enforced.
-  std::string open(std::string id, int64_t capacity_of_str_len);
+  // capacity_of_str_len is SGLang's field, kept for the session but not enforced. timeout_s (> 0; none: never):
+  // the session closes once it has been idle that many seconds (no request of it running, none naming it).
+  std::string open(std::string id, int64_t capacity_of_str_len, std::optional<double> timeout_s = std::nullopt);
   // Closes a session (its running requests run on, unrecorded); false if none is open by that id.
   bool close(const std::string& id);
   // The prompt a session request runs: its parent's prompt and output (or prompt alone with drop_previous_output),
@@ -63,10 +70,16 @@ class SessionStore {
   struct Session {
     int64_t capacity_of_str_len = 0;
     std::unordered_map<std::string, Node> nodes;
+    std::optional<std::chrono::steady_clock::duration> timeout;
+    std::chrono::steady_clock::time_point used;  // opened, or a request of it named, run or finished
+    bool expired(std::chrono::steady_clock::time_point now) const;
   };
-  // The session p names, and p's parent in it (finished); ApiError 400 otherwise. (Map: sessions_, const or not.)
+  // Closes the sessions that have expired (a scan of them all: at most once a second unless now_or_never).
+  void reap(bool now_or_never = false);
+  // The session p names (not expired at `now`), and p's parent in it (finished); ApiError 400 otherwise. (Map:
+  // sessions_, const or not.)
   template <typename Map>
-  static auto& session(Map& sessions, const SessionParams& p);
+  static auto& session(Map& sessions, const SessionParams& p, std::chrono::steady_clock::time_point now);
   static const Node& parent(const Session& s, const SessionParams& p);
   // How many tokens of the parent's prompt and output a request continuing it keeps (drop_previous_output, offset).
   static size_t kept(const Node& parent, const SessionParams& p);
@@ -76,8 +89,10 @@ class SessionStore {
   // Drops `rid` and its descendants, collecting those still running.
   static void drop(Session& s, const std::string& rid, std::vector<std::string>& running);
 
+  Clock now_;
   mutable std::mutex mu_;
   std::unordered_map<std::string, Session> sessions_;
+  std::chrono::steady_clock::time_point reaped_{};
 };
 
 }  // namespace mlaserve::server

@@ -2663,8 +2663,17 @@ TEST(HttpApi, SessionsContinueEarlierRequests) {
   auto again = s.post("/open_session", R"({"capacity_of_str_len": 5, "session_id": "mine"})");
   EXPECT_EQ(again.status, 400);
   EXPECT_NE(again.body.find("already open"), std::string::npos) << again.body;
-  EXPECT_EQ(s.post("/open_session", "{}").status, 400);
   EXPECT_EQ(s.post("/open_session", R"({"capacity_of_str_len": "x"})").status, 400);
+  // SGLang's newer fields: capacity_of_str_len may be left out; `streaming` a boolean; `timeout` seconds above 0
+  EXPECT_EQ(s.post("/open_session", "{}").status, 200);
+  EXPECT_EQ(s.post("/open_session", R"({"streaming": true, "timeout": 30.5, "session_id": "t"})").status, 200);
+  for (const char* bad : {R"({"timeout": 0})", R"({"timeout": -1})", R"({"timeout": "x"})", R"({"streaming": 1})"}) {
+    const auto r = s.post("/open_session", bad);
+    EXPECT_EQ(r.status, 400) << bad;
+    EXPECT_NE(r.body.find(std::string(bad).find("timeout") != std::string::npos ? "timeout" : "streaming"),
+              std::string::npos)
+        << r.body;
+  }
 
   // rid "" : none given (the response's meta_info.id names the request).
   auto gen = [&](const std::string& rid, const std::string& input, const std::string& params) {

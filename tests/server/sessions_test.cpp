@@ -1,6 +1,8 @@
 // SessionStore (server/sessions.h): the prompts session requests run and the tree they make.
 #include <gtest/gtest.h>
 
+#include <chrono>
+
 #include "server/api_error.h"
 #include "server/sessions.h"
 
@@ -134,6 +136,47 @@ TEST(Sessions, LongConversationsHoldEachTokenOnce) {
   EXPECT_TRUE(st.add(rep, "branch", st.prompt(rep, {5}, 7)).empty());
   EXPECT_EQ(st.num_requests(s), 2u);
   EXPECT_EQ(st.num_tokens(s), 4u);  // t0's 1, 2, 3 and the branch's 5
+}
+
+// A session opened with a timeout closes once it has been idle that long (no request running or named); one
+// without never does. The clock is the test's.
+TEST(Sessions, IdleSessionsWithATimeoutClose) {
+  auto t = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
+  SessionStore st([&t] { return t; });
+  using std::chrono::seconds;
+  EXPECT_EQ(error_param([&] { st.open("z", 0, 0.0); }), "timeout");
+  EXPECT_EQ(error_param([&] { st.open("z", 0, -2.0); }), "timeout");
+  st.open("a", 0, 10.0);
+  st.open("forever", 0);
+  t += seconds(6);
+  EXPECT_EQ(st.prompt(params("a"), {5, 6}, std::nullopt), (Ids{5, 6}));
+  st.add(params("a"), "r1", {5, 6});  // named: idle from here, but running
+  t += seconds(60);
+  EXPECT_EQ(st.num_sessions(), 2u);  // a request of it runs: in use
+  st.finish("a", "r1", {7});
+  t += seconds(9);
+  EXPECT_EQ(st.prompt(params("a", "r1"), {8}, std::nullopt), (Ids{5, 6, 7, 8}));
+  t += seconds(2);  // 11 s idle
+  EXPECT_EQ(error_param([&] { st.prompt(params("a", "r1"), {8}, std::nullopt); }), "session_params.id");
+  EXPECT_EQ(error_param([&] { st.add(params("a", "r1"), "r2", {5, 6, 7, 8}); }), "session_params.id");
+  EXPECT_EQ(st.num_sessions(), 1u);
+  EXPECT_FALSE(st.close("a"));
+  EXPECT_EQ(st.open("a", 0, 10.0), "a");  // the id is free again, its tree gone
+  EXPECT_EQ(st.num_requests("a"), 0u);
+  t += seconds(1000000);
+  EXPECT_EQ(st.prompt(params("forever"), {1}, std::nullopt), (Ids{1}));
+  EXPECT_EQ(st.num_sessions(), 1u);
+  // Expired sessions are dropped from the store (their tokens with them) as later calls come.
+  for (int i = 0; i < 100; ++i) st.open("e" + std::to_string(i), 0, 1.0);
+  st.add(params("e0"), "x", Ids(1000, 3));
+  st.finish("e0", "x", {4});
+  st.add(params("e1"), "y", {3});
+  t += seconds(5);
+  EXPECT_EQ(st.num_tokens("e0"), 1001u);  // (expired, not dropped yet)
+  EXPECT_EQ(st.open("new", 0), "new");
+  EXPECT_EQ(st.num_tokens("e0"), 0u);
+  EXPECT_EQ(st.num_requests("e1"), 1u);  // (running: kept)
+  EXPECT_EQ(st.num_sessions(), 3u);      // forever, new, e1
 }
 
 }  // namespace
