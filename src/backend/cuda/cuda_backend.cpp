@@ -255,6 +255,7 @@ class CudaBackend final : public Backend {
     if (const char* v = std::getenv("MLASERVE_MLA_DECODE_VARIANT")) mla_variant_ = std::atoi(v);
     moe_grouped_only_ = env_flag("MLASERVE_MOE_GROUPED");
     wgmma_decode_ = !env_off("MLASERVE_MLA_WGMMA");
+    page_runs_ = !env_off("MLASERVE_MLA_PAGE_RUNS");
     small_batch_ = o.small_batch && !env_off("MLASERVE_SMALL_BATCH");
     fp8_decode_ = small_batch_ && !env_off("MLASERVE_MOE_FP8_DECODE");
     one_token_ = small_batch_ && o.one_token_attention && !env_off("MLASERVE_MLA_ONE_TOKEN");
@@ -1218,6 +1219,7 @@ class CudaBackend final : public Backend {
   // 64-head groups decode on the warpgroup-MMA kernel (cuda::mla_decode_wgmma) unless MLASERVE_MLA_WGMMA=0 (then
   // the mma.sync kernel, or the 16-head FP8 kernel over an FP8 cache).
   bool wgmma_decode_ = true;
+  bool page_runs_ = true;  // MLASERVE_MLA_PAGE_RUNS=0: that kernel copies a box per page always (for A/B runs)
   bool fp8_decode_ = true;  // FP8 experts at decode sizes through moe_fp8_decode (with small_batch_)
   // Steps of at most cuda::kGemvMaxRows rows use the small-batch kernels (gemv.cu); MLASERVE_SMALL_BATCH=0: cuBLAS and
   // the grouped MoE kernels instead.
@@ -1413,6 +1415,7 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
     dp.cache_e5m2 = cache_e5m2(cache);
     dp.page_table = d_page_table_;
     dp.num_slots = wgmma_decode_ ? rows_of(cache) : 0;  // (0: not the warpgroup-MMA kernel)
+    dp.page_runs = page_runs_;
     dp.items = plan.d_decode;
     dp.num_items = plan.num_decode_items;
     dp.num_heads = static_cast<int32_t>(nh);

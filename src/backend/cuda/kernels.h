@@ -153,6 +153,7 @@ struct MlaDecodeParams {
   bool cache_e5m2;         // cache_f8's codes are E5M2 (else E4M3)
   const int32_t* page_table;  // [num_seqs, max_pages]
   int64_t num_slots = 0;      // rows of the cache (0: unknown; then no warpgroup-MMA kernel, which maps the cache)
+  bool page_runs = true;      // warpgroup-MMA kernel: a tile over consecutive pages copied as one box
   const MlaDecodeItem* items; // [num_items]
   int32_t num_items;
   int32_t num_heads, kvr, rope, nope;

@@ -27,8 +27,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <numeric>
 
 #include "backend/cuda/common.cuh"
@@ -396,12 +394,8 @@ cudaError_t mla_decode_wgmma(const MlaDecodeParams& p, cudaStream_t stream, bool
     const uint32_t box[2] = {64, static_cast<uint32_t>(box_rows)};
     if (encode_map<2>(map, p.cache, dims, strides, box) != cudaSuccess) return cudaSuccess;
     // Smaller pages: a second map whose box is a whole tile, for tiles over consecutive pages.
-    static const bool runs_on = [] {  // MLASERVE_MLA_PAGE_RUNS=0: a box per page always (for A/B runs)
-      const char* v = std::getenv("MLASERVE_MLA_PAGE_RUNS");
-      return v == nullptr || std::strcmp(v, "0") != 0;
-    }();
     const uint32_t run_box[2] = {64, dw::BN};
-    runs = runs_on && box_rows < dw::BN && p.num_slots >= dw::BN &&
+    runs = p.page_runs && box_rows < dw::BN && p.num_slots >= dw::BN &&
            encode_map<2>(run_map, p.cache, dims, strides, run_box) == cudaSuccess;
   }
   if (cudaError_t e = mla_decode_wgmma_prepare(); e != cudaSuccess) return e;
