@@ -142,7 +142,9 @@ const RegisterCommand reg("tokenize", "tokenize / detokenize / render chat templ
   auto path = std::make_shared<std::string>();
   auto bench = std::make_shared<std::string>();
   auto repeat = std::make_shared<int>(3);
-  app.add_option("--tokenizer-path", *path, "folder with tokenizer.json (+ tokenizer_config.json, ...)")->required();
+  app.add_option("--tokenizer-path", *path,
+                 "folder with tokenizer.json or tiktoken.model (+ tokenizer_config.json, ...)")
+      ->required();
   app.add_option("--benchmark", *bench, "encode each line of this file and print the speed (single thread)");
   app.add_option("--repeat", *repeat, "benchmark repetitions (the best is reported)")->capture_default_str();
   return [=]() -> int {

@@ -34,7 +34,8 @@ class TokenizerCodec : public TextCodec {
   TokenizerCodec(const std::string& path, const std::string& chat_template) : path_(path) {
     namespace fs = std::filesystem;
     const std::string dir = fs::is_directory(path) ? path : fs::path(path).parent_path().string();
-    MLA_CHECK(fs::exists(fs::path(dir) / "tokenizer.json"), "--tokenizer-path: no tokenizer.json in '{}'", dir);
+    MLA_CHECK(fs::exists(fs::path(dir) / "tokenizer.json") || fs::exists(fs::path(dir) / "tiktoken.model"),
+              "--tokenizer-path: no tokenizer.json (or tiktoken.model) in '{}'", dir);
     tok_ = tok::PretrainedTokenizer::load(dir);
     if (!chat_template.empty()) {
       std::ifstream f(chat_template, std::ios::binary);

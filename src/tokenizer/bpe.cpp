@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "tokenizer/json_util.h"
+#include "tokenizer/pre_tokenizers.h"
 #include "tokenizer/unicode.h"
 
 namespace mlaserve::tok {
@@ -83,6 +84,42 @@ BpeModel::BpeModel(const nlohmann::json& spec, const std::string& where) {
     // A repeated pair keeps its last rank, as HF's HashMap collect does.
     merges_[pair_key(ia->second, ib->second)] = Merge{static_cast<int32_t>(i), im->second};
   }
+}
+
+std::unique_ptr<BpeModel> BpeModel::from_byte_ranks(const std::vector<std::string>& bytes_by_id,
+                                                    const std::string& where) {
+  std::unique_ptr<BpeModel> m(new BpeModel());
+  m->ignore_merges_ = true;
+  std::fill(std::begin(m->byte_ids_), std::end(m->byte_ids_), -1);
+  std::unordered_map<std::string_view, int32_t> by_bytes;
+  by_bytes.reserve(bytes_by_id.size());
+  m->vocab_.reserve(bytes_by_id.size());
+  m->id_to_token_.resize(bytes_by_id.size());
+  m->has_id_.resize(bytes_by_id.size(), false);
+  for (size_t id = 0; id < bytes_by_id.size(); ++id) {
+    const std::string& b = bytes_by_id[id];
+    if (b.empty()) continue;
+    MLA_CHECK(by_bytes.emplace(b, static_cast<int32_t>(id)).second, "{}: two ranks for one token (rank {})", where,
+              id);
+    std::string t;
+    for (unsigned char c : b) t += byte_char_utf8(c);
+    m->vocab_[t] = static_cast<int32_t>(id);
+    m->id_to_token_[id] = std::move(t);
+    m->has_id_[id] = true;
+  }
+  for (int c = 0; c < 256; ++c) {
+    const char ch = static_cast<char>(c);
+    MLA_CHECK(by_bytes.count(std::string_view(&ch, 1)), "{}: byte 0x{:02X} has no rank (every byte must be a token)",
+              where, c);
+  }
+  m->merges_.reserve(bytes_by_id.size() * 4);
+  for (const auto& [b, id] : by_bytes) {
+    for (size_t k = 1; k < b.size(); ++k) {
+      auto l = by_bytes.find(b.substr(0, k)), r = by_bytes.find(b.substr(k));
+      if (l != by_bytes.end() && r != by_bytes.end()) m->merges_[pair_key(l->second, r->second)] = Merge{id, id};
+    }
+  }
+  return m;
 }
 
 std::optional<int32_t> BpeModel::token_to_id(std::string_view token) const {

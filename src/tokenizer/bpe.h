@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -27,6 +28,14 @@ class BpeModel {
  public:
   BpeModel(const nlohmann::json& spec, const std::string& where);
 
+  // tiktoken's byte-level BPE from its ranks: `bytes_by_id[id]` is the token's bytes ("" where no token has the
+  // id; a rank is the id). Adjacent parts whose concatenation is a token merge lowest rank first, leftmost on ties,
+  // and a word that is itself a token is that token, which is tiktoken's byte_pair_encode. Tokens are kept as GPT-2
+  // byte characters, so words come from the ByteLevel pre-tokenizer and ids decode through the ByteLevel decoder.
+  // Every single byte must be a token (`where` names the file in errors).
+  static std::unique_ptr<BpeModel> from_byte_ranks(const std::vector<std::string>& bytes_by_id,
+                                                   const std::string& where);
+
   // Appends the ids of one pre-tokenized word.
   void tokenize(std::string_view word, std::vector<int32_t>& out) const;
 
@@ -36,6 +45,7 @@ class BpeModel {
   const Vocab& vocab() const { return vocab_; }
 
  private:
+  BpeModel() = default;
   struct Merge {
     int32_t rank;
     int32_t new_id;

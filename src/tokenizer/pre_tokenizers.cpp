@@ -163,6 +163,51 @@ class SplitPre : public PreTokenizer {
   bool invert_;
 };
 
+// Python's str.isspace: bidirectional class WS, B or S, or category Zs.
+bool py_isspace(char32_t c) {
+  return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+}
+
+class LongRunSplitPre : public PreTokenizer {
+ public:
+  LongRunSplitPre(size_t max_chars, size_t max_run) : max_chars_(max_chars), max_run_(max_run) {}
+  void apply(Pieces& pieces, Pieces& scratch) const override {
+    scratch.clear();
+    for (const auto& p : pieces) {
+      const std::string& t = p.text;
+      size_t start = 0;  // of the current output piece, in bytes
+      auto emit = [&](size_t end) {
+        if (end > start) scratch.push_back(Piece{t.substr(start, end - start), p.at_origin && start == 0});
+        start = end;
+      };
+      size_t chars = 0, run = 0;
+      bool run_space = false;
+      for (size_t i = 0; i < t.size();) {
+        size_t at = i;
+        bool space = py_isspace(next_code_point(t, i));
+        if (chars % max_chars_ == 0) {  // a new chunk: its first character starts a run
+          emit(at);
+          run = 1;
+          run_space = space;
+        } else if (space != run_space) {
+          run = 1;
+          run_space = space;
+        } else if (++run > max_run_) {
+          emit(at);
+          run = 1;
+        }
+        ++chars;
+      }
+      emit(t.size());
+    }
+    pieces.swap(scratch);
+  }
+
+ private:
+  size_t max_chars_, max_run_;
+};
+
 class ByteLevelPre : public PreTokenizer {
  public:
   ByteLevelPre(bool add_prefix_space, bool use_regex)
@@ -299,6 +344,18 @@ class MetaspacePre : public PreTokenizer {
 char32_t byte_char(unsigned char b) { return byte_tables().to_char[b]; }
 const std::string& byte_char_utf8(unsigned char b) { return byte_tables().to_utf8[b]; }
 int char_byte(char32_t c) { return c < 512 ? byte_tables().to_byte[c] : -1; }
+
+std::unique_ptr<PreTokenizer> make_long_run_split(size_t max_chars, size_t max_run) {
+  MLA_CHECK(max_chars > 0 && max_run > 0, "make_long_run_split: limits must be positive");
+  return std::make_unique<LongRunSplitPre>(max_chars, max_run);
+}
+
+std::unique_ptr<PreTokenizer> make_pre_tokenizer_sequence(std::vector<std::unique_ptr<PreTokenizer>> parts) {
+  auto seq = std::make_unique<SequencePre>();
+  for (auto& p : parts)
+    if (p) seq->parts.push_back(std::move(p));
+  return seq;
+}
 
 std::unique_ptr<PreTokenizer> make_pre_tokenizer(const nlohmann::json& spec, const std::string& where) {
   if (spec.is_null()) return nullptr;

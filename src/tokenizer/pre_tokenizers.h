@@ -27,6 +27,13 @@ class PreTokenizer {
 
 std::unique_ptr<PreTokenizer> make_pre_tokenizer(const nlohmann::json& spec, const std::string& where);
 
+// Not a tokenizer.json type: the cuts the tiktoken wrappers of Kimi / Llama 3 make before encoding. Each piece is cut
+// into chunks of `max_chars` code points, and a chunk again wherever a run of whitespace or of non-whitespace
+// (Python's str.isspace) would pass `max_run` code points (tiktoken's _split_whitespaces_or_nonwhitespaces).
+std::unique_ptr<PreTokenizer> make_long_run_split(size_t max_chars, size_t max_run);
+// The parts applied in order (a Sequence); null parts are skipped.
+std::unique_ptr<PreTokenizer> make_pre_tokenizer_sequence(std::vector<std::unique_ptr<PreTokenizer>> parts);
+
 // GPT-2's byte to printable-character table (bytes_to_unicode): byte b is written as code point byte_char(b).
 char32_t byte_char(unsigned char b);
 // UTF-8 of byte_char(b), for all 256 bytes.

@@ -3,6 +3,8 @@
 
 #include <pcre2.h>
 
+#include <vector>
+
 #include "core/error.h"
 #include "tokenizer/unicode.h"
 
@@ -151,6 +153,152 @@ std::string Regex::escape(std::string_view literal) {
   for (char c : literal) {
     if (std::string_view("\\^$.|?*+()[]{}-#&~ \t\n").find(c) != std::string_view::npos) out += '\\';
     out += c;
+  }
+  return out;
+}
+
+}  // namespace mlaserve::tok
+
+namespace mlaserve::tok {
+namespace {
+
+// One bracketed class of a Rust pattern, parsed: `[^? operand (&& operand)* ]`, each operand a union of plain items
+// (kept as source text, valid inside a PCRE2 class) and nested classes.
+struct RustClass {
+  bool negated = false;
+  struct Operand {
+    std::string items;
+    std::vector<RustClass> nested;
+  };
+  std::vector<Operand> operands;
+};
+
+class RustClassParser {
+ public:
+  RustClassParser(std::string_view p, std::string_view where) : p_(p), where_(where) {}
+
+  // Parses the class opening at p_[i] ('['); i ends after its ']'.
+  RustClass parse(size_t& i) {
+    RustClass c;
+    ++i;
+    if (i < p_.size() && p_[i] == '^') {
+      c.negated = true;
+      ++i;
+    }
+    c.operands.emplace_back();
+    bool first = true;
+    while (true) {
+      MLA_CHECK(i < p_.size(), "{}: unterminated character class in '{}'", where_, p_);
+      char ch = p_[i];
+      if (ch == ']' && !first) {
+        ++i;
+        break;
+      }
+      first = false;
+      if (ch == '&' && i + 1 < p_.size() && p_[i + 1] == '&') {
+        c.operands.emplace_back();
+        i += 2;
+        continue;
+      }
+      if (ch == '[' && i + 1 < p_.size() && p_[i + 1] == ':') {  // POSIX [:alpha:]
+        size_t e = p_.find(":]", i + 2);
+        MLA_CHECK(e != std::string_view::npos, "{}: unterminated [: in '{}'", where_, p_);
+        c.operands.back().items.append(p_.substr(i, e + 2 - i));
+        i = e + 2;
+        continue;
+      }
+      if (ch == '[') {
+        c.operands.back().nested.push_back(parse(i));
+        continue;
+      }
+      if (ch == '\\') {
+        MLA_CHECK(i + 1 < p_.size(), "{}: pattern '{}' ends with a backslash", where_, p_);
+        size_t b = i;
+        i += 2;
+        char e = p_[b + 1];
+        // \p{..} / \P{..} / \x{..} / \u{..} keep their braces.
+        if ((e == 'p' || e == 'P' || e == 'x' || e == 'u') && i < p_.size() && p_[i] == '{') {
+          size_t close = p_.find('}', i);
+          MLA_CHECK(close != std::string_view::npos, "{}: unterminated \\{}{{ in '{}'", where_, e, p_);
+          i = close + 1;
+        }
+        c.operands.back().items.append(p_.substr(b, i - b));
+        continue;
+      }
+      size_t b = i;
+      i += utf8_seq_len(static_cast<unsigned char>(ch));
+      c.operands.back().items.append(p_.substr(b, i - b));
+    }
+    return c;
+  }
+
+ private:
+  std::string_view p_, where_;
+};
+
+bool plain(const RustClass& c) { return c.operands.size() == 1 && c.operands[0].nested.empty(); }
+
+// A regex atom matching one character of the class.
+std::string class_atom(const RustClass& c, std::string_view where);
+
+std::string operand_atom(const RustClass::Operand& o, std::string_view where) {
+  std::string items = o.items;
+  std::vector<std::string> alts;
+  for (const RustClass& n : o.nested) {
+    if (plain(n) && !n.negated) {
+      items += n.operands[0].items;  // a union of plain members: flatten
+    } else {
+      alts.push_back(class_atom(n, where));
+    }
+  }
+  if (!items.empty()) alts.insert(alts.begin(), "[" + items + "]");
+  MLA_CHECK(!alts.empty(), "{}: an empty operand in a character class", where);
+  if (alts.size() == 1) return alts[0];
+  std::string out = "(?:";
+  for (size_t k = 0; k < alts.size(); ++k) out += (k ? "|" : "") + alts[k];
+  return out + ")";
+}
+
+std::string class_atom(const RustClass& c, std::string_view where) {
+  if (plain(c)) return std::string(c.negated ? "[^" : "[") + c.operands[0].items + "]";
+  std::string inner;
+  if (c.operands.size() == 1) {
+    inner = operand_atom(c.operands[0], where);
+  } else {
+    // A && B && C: C's atom consumes the character after lookaheads for the others.
+    inner = "(?:";
+    for (size_t k = 0; k + 1 < c.operands.size(); ++k) inner += "(?=" + operand_atom(c.operands[k], where) + ")";
+    inner += operand_atom(c.operands.back(), where) + ")";
+  }
+  if (!c.negated) return inner;
+  return "(?:(?!" + inner + ")[\\x{0}-\\x{10FFFF}])";
+}
+
+}  // namespace
+
+std::string rust_classes_to_onig(std::string_view p, std::string_view where) {
+  std::string out;
+  out.reserve(p.size() + 32);
+  RustClassParser parser(p, where);
+  for (size_t i = 0; i < p.size();) {
+    char c = p[i];
+    if (c == '\\' && i + 1 < p.size()) {
+      out.append(p.substr(i, 2));
+      i += 2;
+      continue;
+    }
+    if (c == '[') {
+      size_t b = i;
+      RustClass cls = parser.parse(i);
+      if (plain(cls)) {
+        out.append(p.substr(b, i - b));  // nothing to rewrite: keep the source
+      } else {
+        out += class_atom(cls, where);
+      }
+      continue;
+    }
+    out += c;
+    ++i;
   }
   return out;
 }

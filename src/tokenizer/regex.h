@@ -39,4 +39,10 @@ class Regex {
 // Onig-compatible rewrite of a pattern for PCRE2 (exposed for tests).
 std::string onig_to_pcre2(std::string_view pattern);
 
+// tiktoken's patterns are Rust `regex` / fancy-regex syntax, whose classes may nest and intersect
+// (`[\p{L}&&[^\p{Han}]]`). This rewrites such classes into lookaheads over plain classes (`(?:(?=[^\p{Han}])[\p{L}])`);
+// everything else (\s, \w, \p{..}, (?i:..), lookahead) already means the same as in Oniguruma. Throws for a class
+// it cannot rewrite (naming `where`).
+std::string rust_classes_to_onig(std::string_view pattern, std::string_view where);
+
 }  // namespace mlaserve::tok

@@ -220,13 +220,18 @@ std::unique_ptr<Tokenizer> Tokenizer::from_file(const std::string& path) {
 
 std::unique_ptr<Tokenizer> Tokenizer::from_json(const nlohmann::json& j, const std::string& where) {
   MLA_CHECK(j.is_object(), "{}: expected a JSON object", where);
+  return assemble(j, where, std::make_unique<BpeModel>(get_field(j, "model", where), where + " model"));
+}
+
+std::unique_ptr<Tokenizer> Tokenizer::assemble(const nlohmann::json& j, const std::string& where,
+                                               std::unique_ptr<BpeModel> model, bool stored_ids) {
   std::unique_ptr<Tokenizer> t(new Tokenizer());
   auto get = [&](const char* k) -> const nlohmann::json& {
     static const nlohmann::json null;
     auto it = j.find(k);
     return it == j.end() ? null : *it;
   };
-  t->model_ = std::make_unique<BpeModel>(get_field(j, "model", where), where + " model");
+  t->model_ = std::move(model);
   t->normalizer_ = make_normalizer(get("normalizer"), where + " normalizer");
   t->pre_tokenizer_ = make_pre_tokenizer(get("pre_tokenizer"), where + " pre_tokenizer");
   t->post_processor_ = make_post_processor(get("post_processor"), where + " post_processor");
@@ -254,7 +259,14 @@ std::unique_ptr<Tokenizer> Tokenizer::from_json(const nlohmann::json& j, const s
       t->added_[t->added_by_id_[tok.id]] = tok;
       continue;
     }
-    if (auto mid = t->model_->token_to_id(tok.content)) {
+    if (stored_ids) {
+      MLA_CHECK(a.contains("id") && a["id"].is_number_integer() && a["id"].get<int64_t>() >= 0 &&
+                    a["id"].get<int64_t>() < INT32_MAX,
+                "{}: expected a non-negative integer id", w);
+      tok.id = a["id"].get<int32_t>();
+      MLA_CHECK(!t->added_by_id_.count(tok.id) && !t->model_->id_to_token(tok.id), "{}: id {} is taken twice", w,
+                tok.id);
+    } else if (auto mid = t->model_->token_to_id(tok.content)) {
       tok.id = *mid;
     } else {
       int32_t vs = static_cast<int32_t>(t->model_->vocab_size());

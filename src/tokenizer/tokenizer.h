@@ -46,6 +46,14 @@ class Tokenizer {
   static std::unique_ptr<Tokenizer> from_file(const std::string& path);
   // `where` names the source in error messages.
   static std::unique_ptr<Tokenizer> from_json(const nlohmann::json& j, const std::string& where);
+  // A tiktoken vocabulary (`ranks[id]`: the bytes of the token of rank id, read_tiktoken_ranks) encoding as
+  // tiktoken's Encoding does with allowed_special="all": `specials` (given ids) are matched anywhere in the text,
+  // the rest is cut by `pattern` (Rust regex syntax; text it does not match is dropped) and each piece merged by
+  // rank (BpeModel::from_byte_ranks). When `max_chars` > 0, text between specials is first cut as
+  // make_long_run_split(max_chars, max_run) does (Kimi's encode). Decoding joins the tokens' bytes.
+  static std::unique_ptr<Tokenizer> from_tiktoken(const std::vector<std::string>& ranks, const std::string& where,
+                                                  const std::string& pattern, const std::vector<AddedToken>& specials,
+                                                  size_t max_chars = 0, size_t max_run = 0);
   ~Tokenizer();
 
   // Throws mlaserve::Error for text that is not valid UTF-8.
@@ -68,6 +76,9 @@ class Tokenizer {
 
  private:
   Tokenizer();
+  // The pipeline of tokenizer.json `j` around `model`; stored_ids: added tokens keep the ids `j` gives them.
+  static std::unique_ptr<Tokenizer> assemble(const nlohmann::json& j, const std::string& where,
+                                             std::unique_ptr<BpeModel> model, bool stored_ids = false);
   struct Segment {
     std::string text;  // when id < 0
     int32_t id = -1;   // an added token

@@ -1,10 +1,12 @@
 #include "tokenizer/tokenizer_config.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include "core/error.h"
+#include "tokenizer/tiktoken.h"
 #include "tokenizer/unicode.h"
 
 namespace mlaserve::tok {
@@ -37,13 +39,20 @@ std::optional<std::string> token_text(const nlohmann::ordered_json& cfg, const c
 
 std::unique_ptr<PretrainedTokenizer> PretrainedTokenizer::load(const std::string& dir) {
   auto p = std::unique_ptr<PretrainedTokenizer>(new PretrainedTokenizer());
-  std::string tj = dir + "/tokenizer.json";
-  MLA_CHECK(std::filesystem::exists(tj), "--tokenizer-path '{}': no tokenizer.json there", dir);
-  p->tok_ = Tokenizer::from_file(tj);
-
   std::string cfg_path = dir + "/tokenizer_config.json";
   auto cfg = read_json_if_exists(cfg_path).value_or(nlohmann::ordered_json::object());
   MLA_CHECK(cfg.is_object(), "{}: expected a JSON object", cfg_path);
+
+  std::string tj = dir + "/tokenizer.json";
+  if (std::filesystem::exists(tj)) {
+    p->tok_ = Tokenizer::from_file(tj);
+  } else {
+    MLA_CHECK(std::filesystem::exists(dir + "/tiktoken.model"),
+              "--tokenizer-path '{}': no tokenizer.json (or tiktoken.model) there", dir);
+    TiktokenTokenizer t = load_tiktoken_dir(dir, cfg, cfg_path);
+    p->tok_ = std::move(t.tokenizer);
+    p->sort_tool_keys_ = t.sort_tool_keys;
+  }
   p->bos_token_ = token_text(cfg, "bos_token", cfg_path);
   p->eos_token_ = token_text(cfg, "eos_token", cfg_path);
   p->pad_token_ = token_text(cfg, "pad_token", cfg_path);
@@ -147,6 +156,21 @@ void check_json_utf8(const nlohmann::ordered_json& j, const std::string& where) 
     }
   }
 }
+// Every object's keys in sorted order, at every depth (Kimi's deep_sort_dict).
+nlohmann::ordered_json sorted_keys(const nlohmann::ordered_json& j) {
+  if (j.is_array()) {
+    nlohmann::ordered_json out = nlohmann::ordered_json::array();
+    for (const auto& v : j) out.push_back(sorted_keys(v));
+    return out;
+  }
+  if (!j.is_object()) return j;
+  std::vector<std::string> keys;
+  for (auto it = j.begin(); it != j.end(); ++it) keys.push_back(it.key());
+  std::sort(keys.begin(), keys.end());
+  nlohmann::ordered_json out = nlohmann::ordered_json::object();
+  for (const auto& k : keys) out[k] = sorted_keys(j[k]);
+  return out;
+}
 }  // namespace
 
 void PretrainedTokenizer::set_chat_template(const std::string& source, const std::string& where) {
@@ -186,7 +210,13 @@ std::string PretrainedTokenizer::render_chat_template(const jinja::Template& tmp
   d.set("tools", jinja::Value::none());
   d.set("documents", jinja::Value::none());
   d.set("add_generation_prompt", jinja::Value(add_generation_prompt));
-  for (auto e = extra.begin(); e != extra.end(); ++e) d.set(e.key(), jinja::Value::from_json(e.value()));
+  for (auto e = extra.begin(); e != extra.end(); ++e) {
+    if (sort_tool_keys_ && e.key() == "tools") {
+      d.set(e.key(), jinja::Value::from_json(sorted_keys(e.value())));
+    } else {
+      d.set(e.key(), jinja::Value::from_json(e.value()));
+    }
+  }
   return tmpl.render(ctx);
 }
 

@@ -19,7 +19,8 @@ namespace mlaserve::tok {
 
 class PretrainedTokenizer {
  public:
-  // `dir` holds tokenizer.json and optionally tokenizer_config.json, generation_config.json, chat_template.jinja.
+  // `dir` holds tokenizer.json (or tiktoken.model with its tokenization_*.py: tokenizer/tiktoken.h) and
+  // optionally tokenizer_config.json, generation_config.json, chat_template.jinja.
   static std::unique_ptr<PretrainedTokenizer> load(const std::string& dir);
 
   const Tokenizer& tokenizer() const { return *tok_; }
@@ -70,6 +71,7 @@ class PretrainedTokenizer {
   std::optional<nlohmann::ordered_json> additional_special_tokens_;
   std::vector<int32_t> eos_ids_;
   bool add_bos_ = false, add_eos_ = false;
+  bool sort_tool_keys_ = false;  // a tiktoken class whose apply_chat_template sorts the tools' keys (Kimi's)
   std::map<std::string, std::unique_ptr<jinja::Template>> templates_;
 };
 
