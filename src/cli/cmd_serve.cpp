@@ -720,9 +720,11 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                "requests may ask for return_routed_experts: every position's routed experts per layer, as SGLang's");
   app.add_option("--reasoning-parser", a->reasoning_parser,
                  "split chat output into reasoning_content and content (deepseek-r1; deepseek-v3: V3.1's, when "
-                 "chat_template_kwargs turn thinking on; or vLLM's deepseek_r1 / deepseek_v3)");
+                 "chat_template_kwargs turn thinking on; kimi_k2: an output that opens <think>; or vLLM's "
+                 "deepseek_r1 / deepseek_v3)");
   app.add_option("--tool-call-parser", a->tool_call_parser,
-                 "parse tool calls out of chat output (deepseekv3; deepseekv31: V3.1's call form for tool_choice)");
+                 "parse tool calls out of chat output (deepseekv3; deepseekv31: V3.1's call form for tool_choice; "
+                 "kimi_k2: Kimi-K2's)");
   app.add_option("--chat-template", a->chat_template, "a Jinja chat template file replacing the tokenizer's");
   app.add_option("--default-chat-template-kwargs", a->default_chat_template_kwargs,
                  "a JSON object of chat template variables every chat request has unless it sets them, e.g. "
@@ -897,11 +899,10 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     }
     s.origins = parse_origins(s.allowed_origins);
     MLA_CHECK(s.reasoning_parser.empty() || server::known_reasoning_parser(s.reasoning_parser),
-              "--reasoning-parser '{}' is not known (known: deepseek-r1, deepseek-v3, or vLLM's deepseek_r1, "
-              "deepseek_v3)", s.reasoning_parser);
+              "--reasoning-parser '{}' is not known (known: deepseek-r1, deepseek-v3, kimi_k2, or vLLM's "
+              "deepseek_r1, deepseek_v3)", s.reasoning_parser);
     MLA_CHECK(s.tool_call_parser.empty() || server::known_tool_call_parser(s.tool_call_parser),
-              "--tool-call-parser '{}' is not known (known: deepseekv3, deepseek_v3, deepseekv31, deepseek_v31)",
-              s.tool_call_parser);
+              "--tool-call-parser '{}' is not known (known: {})", s.tool_call_parser, server::kToolCallParsers);
     MLA_CHECK(s.chat_template.empty() || std::filesystem::is_regular_file(s.chat_template),
               "--chat-template: '{}' is not a file", s.chat_template);
     MLA_CHECK(s.request_timeout >= 0, "--request-timeout must be >= 0");
@@ -1025,7 +1026,6 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     so.parse.max_n = s.max_n;
     so.parse.defaults = s.defaults;
     so.parse.max_top_logprobs = s.max_logprobs < 0 ? (1 << 30) : s.max_logprobs;
-    so.parse.tool_calls_v31 = server::tool_calls_v31(s.tool_call_parser);
     so.parse.return_tokens_as_token_ids = s.return_tokens_as_token_ids;
     so.stream_interval = s.stream_interval;
     so.stream_output = s.stream_output;

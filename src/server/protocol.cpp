@@ -287,11 +287,12 @@ void set_choice_constraint(ParsedRequest& r, const std::string& param, const jso
   set_constraint(r, param, "(" + re + ")", /*check=*/false);
 }
 
-// tool_choice required (forced == "") or a named function: the output is DeepSeek's tool calls (its special tokens,
-// `\C` + their text in the constraint's vocabulary) of those tools, the arguments JSON of each tool's parameters (at
-// most a space between tokens); one call for a named function or parallel_tool_calls false, else one or more. v31:
-// each call as V3.1 writes it (NAME<｜tool▁sep｜>ARGS), else as V3 / R1 do (function<｜tool▁sep｜>NAME, a json fence).
-void set_tool_constraint(ParsedRequest& r, const std::string& forced, std::string_view raw, bool v31) {
+// tool_choice required (forced == "") or a named function: the output is tool calls in format `f` (its markers are
+// special tokens: `\C` + their text in the constraint's vocabulary) of those tools, the arguments JSON of each
+// tool's parameters (at most a space between tokens); one call for a named function or parallel_tool_calls false,
+// else one or more. DeepSeek V3 / R1: function<｜tool▁sep｜>NAME and a json fence; V3.1: NAME<｜tool▁sep｜>ARGS;
+// Kimi-K2: functions.NAME:IDX<|tool_call_argument_begin|>ARGS.
+void set_tool_constraint(ParsedRequest& r, const std::string& forced, std::string_view raw, ToolFormat f) {
   if (r.tools.is_null())
     bad_request("tool_choice", "invalid_value", "'tool_choice' '{}' needs 'tools'",
                 forced.empty() ? "required" : forced);
@@ -307,16 +308,21 @@ void set_tool_constraint(ParsedRequest& r, const std::string& forced, std::strin
     if (fn.contains("parameters") && fn["parameters"].is_object() && !ordered_at(body, path, params))
       params = nlohmann::ordered_json::parse(fn["parameters"].dump());
     const std::string args = schema_regex(fmt::format("tools[{}].function.parameters", i), params, /*compact=*/true);
-    const std::string call = v31 ? structured::regex_escape(name) + marker(kToolSep) + "(" + args + ")"
-                                 : "function" + marker(kToolSep) + structured::regex_escape(name) + "\n```json\n(" +
-                                       args + ")\n```";
-    calls += (calls.empty() ? "" : "|") + marker(kToolCallBegin) + call + marker(kToolCallEnd);
+    const ToolMarkers& m = tool_markers(f);
+    std::string call;
+    if (f == ToolFormat::KimiK2)
+      call = "functions\\." + structured::regex_escape(name) + ":[0-9]+" + marker(m.sep) + "(" + args + ")";
+    else if (f == ToolFormat::DeepseekV31)
+      call = structured::regex_escape(name) + marker(m.sep) + "(" + args + ")";
+    else
+      call = "function" + marker(m.sep) + structured::regex_escape(name) + "\n```json\n(" + args + ")\n```";
+    calls += (calls.empty() ? "" : "|") + marker(m.call_begin) + call + marker(m.call_end);
   }
   if (calls.empty())
     bad_request("tool_choice", "invalid_value", "'tool_choice' names '{}', which is not in 'tools'", forced);
   const bool one = !forced.empty() || !r.parallel_tool_calls;
-  set_constraint(r, "tool_choice", marker(kToolCallsBegin) + "(" + calls + ")" + (one ? "" : "+") +
-                                       marker(kToolCallsEnd), /*check=*/false);
+  set_constraint(r, "tool_choice", marker(tool_markers(f).calls_begin) + "(" + calls + ")" + (one ? "" : "+") +
+                                       marker(tool_markers(f).calls_end), /*check=*/false);
   r.forced_tool_calls = true;
 }
 
@@ -937,7 +943,7 @@ ParsedRequest parse_chat(const json& body, const ParseOptions& opts, std::string
     }
   }
   if (auto v = f.boolean("parallel_tool_calls")) r.parallel_tool_calls = *v;
-  if (forced) set_tool_constraint(r, *forced, raw, opts.tool_calls_v31);
+  if (forced) set_tool_constraint(r, *forced, raw, opts.tool_format);
   f.reject_unsupported("functions", "the legacy 'functions' field is not supported; use 'tools'");
   parse_response_format(f, r, raw);
   parse_openai_common(f, opts, r);

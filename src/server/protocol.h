@@ -14,6 +14,7 @@
 
 #include "engine/engine_api.h"
 #include "server/kv_transfer.h"
+#include "server/tool_calls.h"
 #include "server/sessions.h"
 
 namespace mlaserve::structured {
@@ -147,9 +148,9 @@ struct ParseOptions {
   int32_t max_bad_words = 256;
   int32_t max_token_ids_logprob = 1024;
   size_t max_batch = 4096;
-  // tool_choice's forced calls in DeepSeek-V3.1's form (NAME<｜tool▁sep｜>ARGS; --tool-call-parser deepseekv31)
-  // instead of V3 / R1's (function<｜tool▁sep｜>NAME and a ```json fence).
-  bool tool_calls_v31 = false;
+  // tool_choice's forced calls in this form (--tool-call-parser): V3 / R1's (function<｜tool▁sep｜>NAME and a
+  // ```json fence), V3.1's (NAME<｜tool▁sep｜>ARGS) or Kimi-K2's (functions.NAME:IDX<|tool_call_argument_begin|>ARGS).
+  ToolFormat tool_format = ToolFormat::DeepseekV3;
   // vLLM's --default-chat-template-kwargs: chat template variables every chat request has unless it sets them itself.
   nlohmann::json default_chat_template_kwargs = nlohmann::json::object();
 };

@@ -85,11 +85,12 @@ ojson separate_reasoning(const json& body, const std::string& server_parser) {
                 "'reasoning_parser' is required: this server runs without --reasoning-parser");
   if (!known_reasoning_parser(parser))
     bad_request("reasoning_parser", "invalid_value",
-                "'reasoning_parser' '{}' is not known (known: deepseek-r1, deepseek-v3, deepseek_r1, deepseek_v3)",
+                "'reasoning_parser' '{}' is not known (known: deepseek-r1, deepseek-v3, kimi_k2, deepseek_r1, "
+                "deepseek_v3)",
                 parser);
   ojson out;
   if (reasoning_split(parser, nullptr) || text.find("<think>") != std::string::npos) {
-    ReasoningSplitter split;
+    ReasoningSplitter split(reasoning_needs_open_think(parser));
     ReasoningSplitter::Parts a = split.push(text), b = split.flush();
     out["reasoning_text"] = a.reasoning + b.reasoning;
     out["text"] = a.content + b.content;
@@ -109,10 +110,10 @@ ojson parse_function_call(const json& body, const std::string& server_parser) {
   const std::string text = f.required_string("text", "the text to parse");
   const std::string parser =
       f.string("tool_call_parser").value_or(server_parser.empty() ? std::string("deepseekv3") : server_parser);
-  if (!known_tool_call_parser(parser))
-    bad_request("tool_call_parser", "invalid_value",
-                "'tool_call_parser' '{}' is not known (known: deepseekv3, deepseek_v3, deepseekv31, deepseek_v31)",
-                parser);
+  const std::optional<ToolFormat> format = tool_call_format(parser);
+  if (!format)
+    bad_request("tool_call_parser", "invalid_value", "'tool_call_parser' '{}' is not known (known: {})", parser,
+                kToolCallParsers);
   std::vector<std::string> names;
   if (const auto tools = body.find("tools"); tools != body.end() && !tools->is_null()) {
     if (!tools->is_array()) bad_request("tools", "invalid_type", "'tools' must be an array of tools");
@@ -125,10 +126,10 @@ ojson parse_function_call(const json& body, const std::string& server_parser) {
       names.push_back((*fn)["name"].get<std::string>());
     }
   }
-  ToolCallParser tool_calls;
+  ToolCallParser tool_calls(*format);
   const ToolCallParser::Out parsed = tool_calls.push(text);  // (whole calls only: one without its end is none)
   ojson out;
-  const size_t begin = text.find(kToolCallsBegin);
+  const size_t begin = text.find(tool_markers(*format).calls_begin);
   if (begin == std::string::npos) {
     out["normal_text"] = text;
   } else {
@@ -258,6 +259,8 @@ struct ResponseContext {
   int32_t vllm_prompt_logprobs;  // vLLM's prompt_logprobs: -1 none, else the alternatives per prompt token
   bool split_reasoning;  // chat with a reasoning parser: reasoning_content apart from content
   bool parse_tools;      // chat with tools and a tool-call parser: tool_calls apart from content
+  ToolFormat tool_format;  // the parser's call form
+  bool think_opened;       // the reasoning parser splits only an output that opens "<think>" (kimi_k2)
   bool parallel_tool_calls;
   bool echo;
   bool include_usage;
@@ -526,6 +529,11 @@ struct ChatSplitter {
   Parts push(const ResponseContext& rc, std::string_view text, bool last) {
     Parts out;
     std::string content;
+    if (!started) {
+      started = true;
+      reasoning = ReasoningSplitter(rc.think_opened);
+      tools = ToolCallParser(rc.tool_format);
+    }
     if (rc.split_reasoning) {
       ReasoningSplitter::Parts p = reasoning.push(text);
       if (last) {
@@ -552,6 +560,7 @@ struct ChatSplitter {
       if (rc.parallel_tool_calls || calls_made++ == 0) out.calls.push_back(std::move(call));
     return out;
   }
+  bool started = false;
   ReasoningSplitter reasoning;
   ToolCallParser tools;
   size_t calls_made = 0;
@@ -561,7 +570,8 @@ struct ChatSplitter {
 ojson tool_call_json(const ResponseContext& rc, const Choice& c, const ToolCall& call, size_t k, bool stream) {
   ojson t;
   if (stream) t["index"] = k;
-  t["id"] = fmt::format("call_{}_{}_{}", rc.id.substr(rc.id.find('-') + 1), c.index, k);
+  // The format's own id where it writes one (Kimi-K2's functions.NAME:IDX, which its template shows back to it).
+  t["id"] = !call.id.empty() ? call.id : fmt::format("call_{}_{}_{}", rc.id.substr(rc.id.find('-') + 1), c.index, k);
   t["type"] = "function";
   t["function"] = ojson{{"name", call.name}, {"arguments", call.arguments}};
   return t;
@@ -717,6 +727,7 @@ struct Api::Prepared {
 Api::Api(EngineClient& engine, const TextCodec* codec, ServerOptions opts)
     : engine_(engine), codec_(codec), opts_(std::move(opts)), id_salt_(std::random_device{}()) {
   if (opts_.served_model_name.empty()) opts_.served_model_name = opts_.model_path;
+  if (auto f = tool_call_format(opts_.tool_call_parser)) opts_.parse.tool_format = *f;  // tool_choice's form
   if (opts_.disaggregation_mode == "prefill") rooms_ = std::make_shared<BootstrapRooms>();
   weights_->path = opts_.model_path;
   weights_->version = opts_.weight_version;
@@ -1046,7 +1057,7 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
   json template_vars = pr.chat_template_kwargs;
   if (!pr.tools.is_null()) {
     if (opts_.tool_call_parser.empty())
-      throw ApiError(400, "'tools' needs a server started with --tool-call-parser (deepseekv3)", "tools",
+      throw ApiError(400, "'tools' needs a server started with --tool-call-parser (deepseekv3, kimi_k2, ...)", "tools",
                      "unsupported_parameter");
     if (!pr.tool_choice_none) {
       template_vars["tools"] = pr.tools;
@@ -1208,12 +1219,15 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
     if (!codec_)
       throw ApiError(400, "constrained decoding needs the tokenizer; this server runs without one",
                      pr.constraint_param, "no_tokenizer");
-    if (pr.forced_tool_calls)  // the calls are written in DeepSeek's special tokens: the tokenizer must have them
-      for (std::string_view m : {kToolCallsBegin, kToolCallsEnd, kToolCallBegin, kToolCallEnd, kToolSep})
+    if (pr.forced_tool_calls) {  // the calls are written in the format's special tokens: the tokenizer needs them
+      const ToolMarkers& tm = tool_markers(opts_.parse.tool_format);
+      for (std::string_view m : {tm.calls_begin, tm.calls_end, tm.call_begin, tm.call_end, tm.sep})
         if (!single_token(std::string(m)))
-          throw ApiError(400, fmt::format("'tool_choice' needs DeepSeek's tool-call tokens; this tokenizer has no {}",
-                                          m),
+          throw ApiError(400, fmt::format("'tool_choice' needs the tool-call tokens of --tool-call-parser {}; this "
+                                          "tokenizer has no {}",
+                                          opts_.tool_call_parser, m),
                          "tool_choice", "invalid_value");
+    }
     try {
       p.spec.sampling.constraint = constraint_for(pr.constraint_regex, pr.constraint_nfa);  // shared by the choices
     } catch (const Error& e) {  // a schema's pattern the regex compiler rejects
@@ -1233,6 +1247,8 @@ Api::Prepared Api::prepare(ParsedRequest& pr) {
                          pr.api == ApiKind::Chat && pr.separate_reasoning &&
                              reasoning_split(opts_.reasoning_parser, pr.chat_template_kwargs),
                          parse_tools,
+                         opts_.parse.tool_format,
+                         reasoning_needs_open_think(opts_.reasoning_parser),
                          pr.parallel_tool_calls,
                          pr.echo,
                          pr.include_usage,

@@ -122,10 +122,14 @@ bool truthy(const nlohmann::json& kwargs, const char* key) {
 }
 }  // namespace
 
-bool known_reasoning_parser(const std::string& name) { return r1_parser(name) || v3_parser(name); }
+bool known_reasoning_parser(const std::string& name) {
+  return r1_parser(name) || v3_parser(name) || reasoning_needs_open_think(name);
+}
+
+bool reasoning_needs_open_think(const std::string& parser) { return parser == "kimi_k2"; }
 
 bool reasoning_split(const std::string& parser, const nlohmann::json& chat_template_kwargs) {
-  if (r1_parser(parser)) return true;
+  if (r1_parser(parser) || reasoning_needs_open_think(parser)) return true;
   return v3_parser(parser) && chat_template_kwargs.is_object() &&
          (truthy(chat_template_kwargs, "thinking") || truthy(chat_template_kwargs, "enable_thinking"));
 }
@@ -140,8 +144,13 @@ ReasoningSplitter::Parts ReasoningSplitter::push(std::string_view text) {
     if (rest.substr(0, kThinkStart.size()) == kThinkStart) {
       held_.erase(0, i + kThinkStart.size());
       reasoning_started_ = false;  // the whitespace after it goes too
+      state_ = State::Reasoning;
+    } else if (opened_only_) {
+      state_ = State::Content;
+      content_started_ = true;  // the text as generated
+    } else {
+      state_ = State::Reasoning;
     }
-    state_ = State::Reasoning;
   }
   if (state_ == State::Reasoning && !reasoning_started_) {
     held_.erase(0, leading_space(held_));
@@ -164,7 +173,9 @@ ReasoningSplitter::Parts ReasoningSplitter::push(std::string_view text) {
 
 ReasoningSplitter::Parts ReasoningSplitter::flush() {
   Parts out;
-  if (state_ != State::Content) {
+  if (state_ == State::Start && opened_only_) {
+    out.content = std::move(held_);  // never opened "<think>": content
+  } else if (state_ != State::Content) {
     // Undecided text at the start that turned out not to be "<think>", or a partial "</think>": reasoning.
     out.reasoning = std::move(held_);
     if (state_ == State::Start) {

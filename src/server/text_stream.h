@@ -79,6 +79,9 @@ class StopRegexes {
 // at the start of the content is dropped (so the streamed parts equal the whole text's).
 class ReasoningSplitter {
  public:
+  // opened_only: an output that does not open with "<think>" (after whitespace) is all content (Kimi-K2-Thinking's
+  // parser) rather than reasoning up to "</think>" (R1's).
+  explicit ReasoningSplitter(bool opened_only = false) : opened_only_(opened_only) {}
   struct Parts {
     std::string reasoning, content;
   };
@@ -90,6 +93,7 @@ class ReasoningSplitter {
   enum class State { Start, Reasoning, Content };
   State state_ = State::Start;
   std::string held_;
+  bool opened_only_;
   bool reasoning_started_ = true;  // false right after "<think>": whitespace is dropped until the reasoning starts
   bool content_started_ = false;
 };
@@ -105,8 +109,11 @@ size_t leading_space(std::string_view s);
 // The reasoning parsers `--reasoning-parser` takes (the model families whose output ReasoningSplitter splits).
 bool known_reasoning_parser(const std::string& name);
 // Whether the reasoning parser `parser` splits a chat request's output, given its chat_template_kwargs (an object or
-// null): deepseek-r1 always; deepseek-v3 (SGLang's; vLLM's deepseek_v3), for the hybrid DeepSeek-V3.1 whose template
+// null): deepseek-r1 and kimi_k2 always; deepseek-v3 (SGLang's; vLLM's deepseek_v3), for the hybrid DeepSeek-V3.1 whose template
 // opens the thinking only when asked, when the kwargs turn "thinking" (or "enable_thinking") on.
 bool reasoning_split(const std::string& parser, const nlohmann::json& chat_template_kwargs);
+// Whether the parser takes only an output that opens "<think>" as reasoning (kimi_k2: SGLang's and vLLM's parser for
+// Kimi-K2-Thinking; ReasoningSplitter's opened_only).
+bool reasoning_needs_open_think(const std::string& parser);
 
 }  // namespace mlaserve::server

@@ -1215,6 +1215,56 @@ TEST(HttpApi, ToolCalls) {
   EXPECT_NE(no_parser.body.find("--tool-call-parser"), std::string::npos);
 }
 
+// --tool-call-parser kimi_k2: Kimi-K2's markers; each call keeps the id the model wrote (functions.NAME:IDX), which
+// Kimi's template shows back to it; /parse_function_call reads the same form.
+TEST(HttpApi, KimiToolCalls) {
+  ServerOptions o;
+  o.tool_call_parser = "kimi_k2";
+  TestServer s(o);
+  const std::string calls =
+      "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\": 1}"
+      "<|tool_call_end|><|tool_call_begin|>functions.g:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
+      "<|tool_calls_section_end|>";
+  const std::string tools = R"([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+      {"type": "function", "function": {"name": "g"}}])";
+  const std::string body = R"({"messages": [{"role": "user", "content": )" + json("hi" + calls + "#").dump() +
+                           R"(}], "max_tokens": 500, "tools": )" + tools;
+  auto r = s.post("/v1/chat/completions", body + "}");
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto ch = json::parse(r.body)["choices"][0];
+  EXPECT_EQ(ch["finish_reason"], "tool_calls");
+  EXPECT_EQ(ch["message"]["content"], "<bos>[tools:f,g,][user]hi");
+  ASSERT_EQ(ch["message"]["tool_calls"].size(), 2u);
+  EXPECT_EQ(ch["message"]["tool_calls"][0]["id"], "functions.f:0");
+  EXPECT_EQ(ch["message"]["tool_calls"][0]["function"]["name"], "f");
+  EXPECT_EQ(ch["message"]["tool_calls"][0]["function"]["arguments"], "{\"a\": 1}");
+  EXPECT_EQ(ch["message"]["tool_calls"][1]["id"], "functions.g:1");
+  // DeepSeek's markers are plain text to this parser.
+  const std::string ds_body = R"({"messages": [{"role": "user", "content": )" + json("hi" + kCallsFG + "#").dump() +
+                              R"(}], "max_tokens": 500, "tools": )" + tools + "}";
+  ch = json::parse(s.post("/v1/chat/completions", ds_body).body)["choices"][0];
+  EXPECT_FALSE(ch["message"].contains("tool_calls"));
+  // tool_choice "required" writes Kimi's special tokens, which the fake tokenizer lacks: a 400 naming them.
+  r = s.post("/v1/chat/completions", body + R"(, "tool_choice": "required"})");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_NE(r.body.find("<|tool_calls_section_begin|>"), std::string::npos) << r.body;
+  // SGLang's /parse_function_call with the server's parser, and naming it.
+  r = s.post("/parse_function_call", json{{"text", "ok " + calls}, {"tools", json::parse(tools)}}.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  json p = json::parse(r.body);
+  EXPECT_EQ(p["normal_text"], "ok");
+  ASSERT_EQ(p["calls"].size(), 2u);
+  EXPECT_EQ(p["calls"][1]["name"], "g");
+  EXPECT_EQ(p["calls"][1]["tool_index"], 1);
+  p = json::parse(s.post("/parse_function_call", json{{"text", "ok " + kCallsFG}, {"tool_call_parser", "deepseekv3"}}
+                                                      .dump())
+                      .body);
+  EXPECT_EQ(p["calls"].size(), 2u);
+  r = s.post("/parse_function_call", json{{"text", "x"}, {"tool_call_parser", "kimi"}}.dump());
+  EXPECT_EQ(r.status, 400);
+  EXPECT_NE(r.body.find("kimi_k2"), std::string::npos) << r.body;
+}
+
 // Generative scoring (SGLang's /v1/score, vLLM's /generative_scoring): each item's prompt generated for one token
 // with the labels' logprobs; the fake engine gives label id the logprob -(id % 8) / 8 - P / 16 at a prompt of P
 // tokens, so the answers show each prompt's length and each API's normalisation.

@@ -560,7 +560,7 @@ TEST(Protocol, ForcedToolCallsAreAConstraint) {
     return sp(kToolCallBegin) + name + sp(kToolSep) + args + sp(kToolCallEnd);
   };
   ParseOptions v31;
-  v31.tool_calls_v31 = true;
+  v31.tool_format = ToolFormat::DeepseekV31;
   ParsedRequest named31 = parse_chat(
       json::parse(body + R"(, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})"), v31,
       body + R"(, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})");
@@ -568,8 +568,26 @@ TEST(Protocol, ForcedToolCallsAreAConstraint) {
   EXPECT_TRUE(matches(named31, calls(call31("get_weather", R"({"city": "Paris"})"))));
   EXPECT_FALSE(matches(named31, calls(call("get_weather", R"({"unit": "C", "city": "Paris"})"))));  // V3's form
   EXPECT_FALSE(matches(named31, calls(call31("now", "{}"))));
-  EXPECT_TRUE(tool_calls_v31("deepseekv31") && known_tool_call_parser("deepseek_v31"));
-  EXPECT_FALSE(tool_calls_v31("deepseekv3"));
+  EXPECT_EQ(tool_call_format("deepseekv31"), ToolFormat::DeepseekV31);
+  EXPECT_EQ(tool_call_format("deepseek_v31"), ToolFormat::DeepseekV31);
+  EXPECT_EQ(tool_call_format("deepseekv3"), ToolFormat::DeepseekV3);
+  // --tool-call-parser kimi_k2: functions.NAME:IDX<|tool_call_argument_begin|>ARGS between Kimi's markers.
+  const ToolMarkers& km = tool_markers(ToolFormat::KimiK2);
+  auto kcall = [&](const std::string& id, const std::string& args) {
+    return sp(km.call_begin) + id + sp(km.sep) + args + sp(km.call_end);
+  };
+  auto kcalls = [&](const std::string& inner) { return sp(km.calls_begin) + inner + sp(km.calls_end); };
+  ParseOptions kimi;
+  kimi.tool_format = ToolFormat::KimiK2;
+  ParsedRequest kreq = parse_chat(json::parse(required), kimi, required);
+  EXPECT_TRUE(matches(kreq, kcalls(kcall("functions.get_weather:0", R"({"unit": "C", "city": "Paris"})") +
+                                   kcall("functions.now:1", "{}"))));
+  EXPECT_FALSE(matches(kreq, kcalls(kcall("get_weather:0", R"({"city": "Paris"})"))));  // no functions. prefix
+  EXPECT_FALSE(matches(kreq, kcalls(kcall("functions.get_weather", R"({"city": "Paris"})"))));  // no index
+  EXPECT_FALSE(matches(kreq, kcalls(kcall("functions.later:0", "{}"))));  // not a tool
+  EXPECT_FALSE(matches(kreq, calls(call("now", "{}"))));                  // DeepSeek's form
+  EXPECT_EQ(tool_call_format("kimi_k2"), ToolFormat::KimiK2);
+  EXPECT_FALSE(tool_call_format("kimi-k2").has_value());
 }
 
 TEST(Protocol, BodyMustBeJsonObject) {

@@ -174,5 +174,43 @@ TEST(ReasoningSplitter, SplitsAtTheEndTagWhateverThePieces) {
   EXPECT_FALSE(reasoning_split("", kw(R"({"thinking": true})")));
 }
 
+// kimi_k2 (Kimi-K2-Thinking): only an output that opens "<think>" has reasoning; any other output is content as
+// generated, whatever the pieces.
+TEST(ReasoningSplitter, OpenedOnlySplitsAnOutputThatOpensThink) {
+  struct Case {
+    std::string text, reasoning, content;
+  };
+  const std::vector<Case> cases = {
+      {"<think>\nWhy.\n</think>\n\nBecause.", "Why.\n", "Because."},
+      {"  <think>a</think>b", "a", "b"},
+      {"Let me see.</think>Four.", "", "Let me see.</think>Four."},
+      {"  plain answer", "", "  plain answer"},
+      {"<thinking>x", "", "<thinking>x"},
+      {"<think>cut short", "cut short", ""},
+      {"<thi", "", "<thi"},
+      {"", "", ""},
+  };
+  for (const auto& c : cases) {
+    for (size_t piece : {size_t{1000}, size_t{1}, size_t{2}, size_t{3}}) {
+      ReasoningSplitter sp(/*opened_only=*/true);
+      std::string reasoning, content;
+      for (size_t i = 0; i < c.text.size(); i += piece) {
+        auto p = sp.push(std::string_view(c.text).substr(i, piece));
+        reasoning += p.reasoning;
+        content += p.content;
+      }
+      auto p = sp.flush();
+      reasoning += p.reasoning;
+      content += p.content;
+      EXPECT_EQ(reasoning, c.reasoning) << c.text << " in pieces of " << piece;
+      EXPECT_EQ(content, c.content) << c.text << " in pieces of " << piece;
+    }
+  }
+  EXPECT_TRUE(known_reasoning_parser("kimi_k2"));
+  EXPECT_TRUE(reasoning_needs_open_think("kimi_k2"));
+  EXPECT_FALSE(reasoning_needs_open_think("deepseek-r1"));
+  EXPECT_TRUE(reasoning_split("kimi_k2", nlohmann::json::object()));
+}
+
 }  // namespace
 }  // namespace mlaserve::server

@@ -88,6 +88,41 @@ TEST(ModelConfig, V3Values) {
   EXPECT_TRUE(c.is_moe_layer(3));
 }
 
+// Kimi-K2's config.json (model_type kimi_k2, DeepseekV3ForCausalLM): 64 heads, 384 experts in one group, FP8 blocks.
+TEST(ModelConfig, KimiK2Values) {
+  ModelConfig c = ModelConfig::from_json(json::parse(R"({
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "attention_bias": false,
+    "bos_token_id": 163584, "eos_token_id": 163585, "first_k_dense_replace": 1, "hidden_act": "silu",
+    "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 131072,
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 384,
+    "n_shared_experts": 1, "norm_topk_prob": true, "num_attention_heads": 64, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 64, "num_nextn_predict_layers": 0, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "topk_group": 1,
+    "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 163840})"),
+                                         "config.json");
+  EXPECT_EQ(c.arch, Architecture::DeepseekV3);
+  EXPECT_EQ(c.num_attention_heads, 64);
+  EXPECT_EQ(c.n_routed_experts, 384);
+  EXPECT_EQ(c.n_group, 1);
+  EXPECT_EQ(c.topk_group, 1);
+  EXPECT_EQ(c.num_experts_per_tok, 8);
+  EXPECT_DOUBLE_EQ(c.routed_scaling_factor, 2.827);
+  EXPECT_EQ(c.topk_method, TopkMethod::NoauxTc);
+  EXPECT_EQ(c.scoring_func, ScoringFunc::Sigmoid);
+  EXPECT_EQ(c.quant, QuantMethod::Fp8Block);
+  EXPECT_TRUE(c.rope.yarn);
+  EXPECT_DOUBLE_EQ(c.rope.factor, 32.0);
+  EXPECT_EQ(c.vocab_size, 163840);
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{163585}));
+  EXPECT_FALSE(c.is_moe_layer(0));
+  EXPECT_TRUE(c.is_moe_layer(1));
+}
+
 TEST(ModelConfig, MoeLayerFrequency) {
   json j = v2_lite();
   j["moe_layer_freq"] = 2;
