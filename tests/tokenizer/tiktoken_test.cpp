@@ -166,6 +166,26 @@ TEST(Tiktoken, ChatTemplateSeesToolsWithSortedKeysWhenTheClassSortsThem) {
   fs::remove_all(other);
 }
 
+// `mlaserve tokenize` (as `serve` does) takes a folder with tiktoken.model and no tokenizer.json.
+TEST(Tiktoken, TokenizeCommandLoadsTheFolder) {
+  fs::path dir = fixture_dir("kimi");
+  const std::string text = "[BOS]汉字 and MixedCase text<|im_end|>";
+  write(dir / "in.jsonl", nlohmann::json{{"text", text}}.dump() + "\n");
+  const std::string cmd = std::string(MLASERVE_BINARY) + " tokenize --tokenizer-path '" + dir.string() + "' < '" +
+                          (dir / "in.jsonl").string() + "' 2>/dev/null";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  EXPECT_EQ(pclose(p), 0) << out;
+  auto tok = PretrainedTokenizer::load(dir.string());
+  EXPECT_EQ(nlohmann::json::parse(out)["ids"].get<std::vector<int32_t>>(), tok->encode(text)) << out;
+  EXPECT_EQ(tok->encode(text).front(), 199998);
+  fs::remove_all(dir);
+}
+
 TEST(Tiktoken, ReadsTheClassFile) {
   auto c = read_tiktoken_class(slurp(fs::path(data_path("tiktoken/kimi/tokenization_kimi.py"))), "kimi.py");
   EXPECT_EQ(c.pattern, kimi_tiktoken_class().pattern);
