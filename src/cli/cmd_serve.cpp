@@ -829,7 +829,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
       if (quantization_names(s.quantization, checkpoint)) s.quantization.clear();
       MLA_CHECK(s.quantization != "fp8" || q == QuantMethod::None,
                 "--quantization fp8: {} is an {} checkpoint (quantizing it again is not supported)", s.model_path,
-                q == QuantMethod::Gptq ? "GPTQ" : "AWQ");
+                q == QuantMethod::Gptq ? "GPTQ" : q == QuantMethod::CtInt ? "integer compressed-tensors" : "AWQ");
     }
     not_implemented(!s.quantization.empty() && s.quantization != "fp8",
                     fmt::format("--quantization {} (quantizing at load is fp8 only; FP8, AWQ and GPTQ checkpoints "

@@ -128,14 +128,59 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& src) {
         return o.is_object() && o.contains(key) && o[key].is_string() ? o[key].get<std::string>() : std::string();
       };
       const std::string format = str_of(q, "format");
-      MLA_CHECK(format == "float-quantized" || format == "naive-quantized",
-                "{}: quantization_config.format '{}' is not supported (compressed-tensors: FP8 weights, "
-                "float-quantized)", src, format);
+      MLA_CHECK(format == "float-quantized" || format == "naive-quantized" || format == "pack-quantized" ||
+                    format == "int-quantized",
+                "{}: quantization_config.format '{}' is not supported (compressed-tensors: float-quantized FP8 "
+                "weights, pack-quantized or int-quantized integer weights)", src, format);
       MLA_CHECK(q.contains("config_groups") && q["config_groups"].is_object() && !q["config_groups"].empty(),
                 "{}: quantization_config.config_groups must name the weights' scheme", src);
+      bool any_int = false;
+      for (const auto& [group, g] : q["config_groups"].items())
+        any_int = any_int || (g.is_object() && g.contains("weights") && str_of(g["weights"], "type") == "int");
+      MLA_CHECK(any_int ? format != "float-quantized" : format == "float-quantized" || format == "naive-quantized",
+                "{}: quantization_config.format '{}' is not supported for {} weights ({})", src, format,
+                any_int ? "integer" : "8-bit float", any_int ? "pack-quantized or int-quantized" : "float-quantized");
+      if (any_int) {
+        // Integer weights (W4A16 / W8A16 / W8A8 checkpoints): dequantized at load. pack-quantized: `weight_packed`
+        // (int32 words of 32 / num_bits values along the input channels), `weight_scale` per group, channel or
+        // tensor, `weight_zero_point` when asymmetric, `weight_g_idx` for act order; int-quantized: an I8 `weight`.
+        // Each tensor's groups follow from its scales' shape; the bits must be one number.
+        int64_t bits = 0;
+        for (const auto& [group, g] : q["config_groups"].items()) {
+          const std::string at = "quantization_config.config_groups." + group + ".weights";
+          MLA_CHECK(g.is_object() && g.contains("weights") && g["weights"].is_object(), "{}: {} must be an object",
+                    src, at);
+          const json& w = g["weights"];
+          const int64_t b = w.contains("num_bits") && w["num_bits"].is_number_integer() ? w["num_bits"].get<int64_t>()
+                                                                                         : 0;
+          MLA_CHECK(str_of(w, "type") == "int", "{}: {}: {} weights beside integer ones are not supported", src, at,
+                    str_of(w, "type").empty() ? std::string("untyped") : str_of(w, "type"));
+          MLA_CHECK(format == "pack-quantized" ? (b == 2 || b == 4 || b == 8) : b == 8,
+                    "{}: {}: {}-bit integer weights are not supported ({})", src, at, b,
+                    format == "pack-quantized" ? "pack-quantized: 2, 4 or 8 bits" : "int-quantized: 8 bits");
+          MLA_CHECK(bits == 0 || bits == b, "{}: quantization_config.config_groups: {} and {} bits in one checkpoint "
+                    "are not supported", src, bits, b);
+          bits = b;
+          MLA_CHECK(!w.contains("dynamic") || !w["dynamic"].is_boolean() || !w["dynamic"].get<bool>(),
+                    "{}: {}.dynamic true is not supported (the weights' scales are stored)", src, at);
+          const std::string st = str_of(w, "strategy");
+          MLA_CHECK(st == "group" || st == "channel" || st == "tensor",
+                    "{}: {}.strategy '{}' is not supported for integer weights (group, channel or tensor)", src, at,
+                    st);
+          if (st == "group")
+            MLA_CHECK(w.contains("group_size") && w["group_size"].is_number_integer() &&
+                          w["group_size"].get<int64_t>() > 0,
+                      "{}: {}.group_size must be a positive integer for strategy group", src, at);
+        }
+        c.quant = QuantMethod::CtInt;
+        c.quant_bits = bits;
+        c.quant_compressed_tensors = true;
+      }
       std::string strategy;
       std::vector<int64_t> block;
-      for (const auto& [group, g] : q["config_groups"].items()) {
+      static const json kNoGroups = json::object();
+      const json& float_groups = any_int ? kNoGroups : q["config_groups"];  // integer weights: read above
+      for (const auto& [group, g] : float_groups.items()) {
         const std::string at = "quantization_config.config_groups." + group + ".weights";
         MLA_CHECK(g.is_object() && g.contains("weights") && g["weights"].is_object(), "{}: {} must be an object", src,
                   at);
@@ -167,7 +212,9 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& src) {
         if (strategy.empty() || st == "channel") strategy = st;  // tensor and channel scales are read alike
         block = b;
       }
-      if (strategy == "block") {
+      if (any_int) {
+        // (set above)
+      } else if (strategy == "block") {
         c.quant = QuantMethod::Fp8Block;
         c.quant_block_rows = block[0];
         c.quant_block_cols = block[1];
@@ -420,6 +467,8 @@ std::string ModelConfig::summary() const {
       : quant == QuantMethod::Gptq
           ? fmt::format(", GPTQ {}-bit weights in groups of {} (dequantized to bf16 at load)", quant_bits,
                         quant_group > 0 ? std::to_string(quant_group) : std::string("all input channels"))
+      : quant == QuantMethod::CtInt
+          ? fmt::format(", compressed-tensors {}-bit integer weights (dequantized to bf16 at load)", quant_bits)
           : std::string());
 }
 
@@ -472,6 +521,7 @@ std::string ModelConfig::forward_difference(const ModelConfig& o) const {
 }
 
 bool quantization_names(const std::string& flag, const ModelConfig& checkpoint) {
+  if (checkpoint.quant == QuantMethod::CtInt) return flag == "compressed-tensors" || flag == "moe_wna16";
   if (checkpoint.quant_compressed_tensors) return flag == "compressed-tensors" || flag == "fp8";
   if (checkpoint.quant == QuantMethod::Fp8Block || checkpoint.quant == QuantMethod::Fp8Tensor) return flag == "fp8";
   if (checkpoint.quant == QuantMethod::Gptq) return flag == "gptq" || flag == "gptq_marlin" || flag == "moe_wna16";

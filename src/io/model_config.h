@@ -21,7 +21,8 @@ enum class ScoringFunc { Softmax, Sigmoid };
 // strategy) or Fp8Block (block strategy, its scales named `weight_scale`), with quant_compressed_tensors set.
 // Gptq: AutoGPTQ / GPTQModel's layout (`qweight` packed along the input channels, `qzeros`, `scales`, `g_idx`) of
 // quant_bits-bit weights in groups of quant_group input channels (0: one group).
-enum class QuantMethod { None, Fp8Block, Fp8Tensor, Awq, Gptq };
+// CtInt: compressed-tensors' integer weights (pack-quantized / int-quantized), dequantized at load.
+enum class QuantMethod { None, Fp8Block, Fp8Tensor, Awq, Gptq, CtInt };
 struct ModelConfig;
 // Whether --quantization `flag` names a checkpoint's own method (it then loads from its quantization_config): fp8 for
 // an FP8 checkpoint (compressed-tensors too for one of llm-compressor's); awq, or the names SGLang and vLLM give their

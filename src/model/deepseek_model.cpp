@@ -104,10 +104,19 @@ class DeepseekModel::Loader {
                       dst);
       return;
     }
+    if (quant_ == QuantMethod::CtInt && !ckpt_->has(name) && name.ends_with(".weight") &&
+        ckpt_->has(name.substr(0, name.size() - 7) + ".weight_packed")) {
+      be_.upload_into(dequantize_ct_int(name.substr(0, name.size() - 7), full, r0, c0, nr, nc), dst);
+      return;
+    }
     const TensorInfo& info = ckpt_->get(name);
     used_.insert(name);
     MLA_CHECK(info.shape == full, "{}: tensor '{}' has shape {}, expected {} from config.json", info.file, name,
               shape_str(info.shape), shape_str(full));
+    if (info.dtype == DType::I8 && quant_ == QuantMethod::CtInt) {  // int-quantized: the codes as they are
+      be_.upload_into(dequantize_ct_int(name.substr(0, name.size() - 7), full, r0, c0, nr, nc), dst);
+      return;
+    }
     if (info.dtype == DType::F8_E4M3) {
       be_.upload_into(dequantize_fp8(info, r0, c0, nr, nc), dst);
       return;
@@ -425,6 +434,110 @@ class DeepseekModel::Loader {
           const int64_t qv = (q[(i / p) * O + oc] >> qshift) & mask;
           const int64_t zv = (z[g * (O / p) + oc / p] >> (bits_ * (oc % p))) & mask;
           o[r * nc + c] = static_cast<float>(qv - zv - zero_offset_) * scales[static_cast<size_t>(g * O + oc)];
+        }
+      }
+    });
+    return out;
+  }
+
+  // Rows (output channels) [r0, r0 + nr) x columns (input channels) [c0, c0 + nc) of the compressed-tensors integer
+  // linear `stem` (full: [out, in]) as an F32 host tensor: w[o][i] = (q[o][i] - z[o][g]) * s[o][g]. pack-quantized:
+  // `weight_packed` [out, ceil(in / p)] (int32 words of p = 32 / bits values along the input channels, value k at
+  // bits k * bits, stored plus 2^(bits - 1)); int-quantized: `weight` (I8 [out, in]). `weight_scale` [out, groups]
+  // (or [out], one per channel, or one number: the tensor), groups of ceil(in / groups) input channels unless
+  // `weight_g_idx` (I32 [in]) assigns them; `weight_zero_point` (asymmetric; absent: 0) [ceil(out / p), groups]
+  // packed along the output channels like the weights, or I8 [out, groups]. `weight_shape` ([out, in]) is checked.
+  Tensor dequantize_ct_int(const std::string& stem, const Shape& full, int64_t r0, int64_t c0, int64_t nr,
+                           int64_t nc) {
+    const std::string pn = stem + ".weight_packed", wn = stem + ".weight", sn = stem + ".weight_scale",
+                      zn = stem + ".weight_zero_point", gn = stem + ".weight_g_idx", shn = stem + ".weight_shape";
+    const bool packed = ckpt_->has(pn);
+    const TensorInfo& w = ckpt_->get(packed ? pn : wn);
+    MLA_CHECK(full.size() == 2, "{}: integer tensor '{}' for a {} weight: only matrices can be quantized", w.file,
+              w.name, shape_str(full));
+    const int64_t O = full[0], I = full[1], p = packed ? 32 / bits_ : 1;
+    const uint32_t mask = (1u << bits_) - 1u, offset = 1u << (bits_ - 1);
+    if (packed) {
+      const Shape want{O, (I + p - 1) / p};
+      MLA_CHECK(w.dtype == DType::I32 && w.shape == want, "{}: tensor '{}' is {} {}, expected I32 {} for a {} weight "
+                "of {} bits", w.file, pn, dtype_name(w.dtype), shape_str(w.shape), shape_str(want), shape_str(full),
+                bits_);
+    } else {
+      MLA_CHECK(w.dtype == DType::I8, "{}: tensor '{}' is {}, expected I8", w.file, wn, dtype_name(w.dtype));
+    }
+    used_.insert(w.name);
+    if (ckpt_->has(shn)) {
+      const TensorInfo& sh = ckpt_->get(shn);
+      std::vector<int64_t> v;
+      for (int64_t k = 0; k < static_cast<int64_t>(sh.nbytes / std::max<size_t>(dtype_size(sh.dtype), 1)); ++k)
+        v.push_back(sh.dtype == DType::I64   ? reinterpret_cast<const int64_t*>(sh.data)[k]
+                    : sh.dtype == DType::I32 ? reinterpret_cast<const int32_t*>(sh.data)[k]
+                                             : -1);
+      MLA_CHECK(v == std::vector<int64_t>(full.begin(), full.end()), "{}: '{}' says {}, expected {} from config.json",
+                sh.file, shn, fmt::format("[{}]", fmt::join(v, ", ")), shape_str(full));
+      used_.insert(shn);
+    }
+    MLA_CHECK(ckpt_->has(sn), "{}: integer tensor '{}' has no '{}'", w.file, w.name, sn);
+    const TensorInfo& sc = ckpt_->get(sn);
+    const std::vector<float> scales = scales_of(sc);
+    const int64_t G = scales.size() == 1 ? 1 : sc.shape.size() == 2 ? sc.shape[1] : 1;
+    MLA_CHECK(scales.size() == 1 || (sc.shape.size() == 2 && sc.shape[0] == O && G >= 1 && G <= I) ||
+                  sc.shape == Shape{O},
+              "{}: '{}' has shape {}; expected [{}, groups], [{}] or one number for '{}' {}", sc.file, sn,
+              shape_str(sc.shape), O, O, w.name, shape_str(full));
+    used_.insert(sn);
+    const bool per_tensor = scales.size() == 1;
+    const int64_t gs = (I + G - 1) / G;
+    std::vector<int32_t> g_idx(static_cast<size_t>(I));
+    for (int64_t i = 0; i < I; ++i) g_idx[static_cast<size_t>(i)] = static_cast<int32_t>(i / gs);
+    if (ckpt_->has(gn)) {  // act order
+      const TensorInfo& gi = ckpt_->get(gn);
+      MLA_CHECK(gi.shape == Shape{I} && gi.dtype == DType::I32, "{}: tensor '{}' is {} {}, expected I32 [{}]",
+                gi.file, gn, dtype_name(gi.dtype), shape_str(gi.shape), I);
+      std::memcpy(g_idx.data(), gi.data, static_cast<size_t>(I) * sizeof(int32_t));
+      for (int64_t i = 0; i < I; ++i)
+        MLA_CHECK(g_idx[static_cast<size_t>(i)] >= 0 && g_idx[static_cast<size_t>(i)] < G,
+                  "{}: '{}' gives input channel {} the group {}, outside [0, {})", gi.file, gn, i,
+                  g_idx[static_cast<size_t>(i)], G);
+      used_.insert(gn);
+    }
+    // Zero points as signed values per [output channel, group] (0 without them).
+    std::vector<int32_t> zeros;
+    if (ckpt_->has(zn)) {
+      const TensorInfo& zt = ckpt_->get(zn);
+      zeros.assign(static_cast<size_t>(O * G), 0);
+      if (packed) {
+        const Shape want{(O + p - 1) / p, G};
+        MLA_CHECK(zt.dtype == DType::I32 && zt.shape == want, "{}: tensor '{}' is {} {}, expected I32 {}", zt.file,
+                  zn, dtype_name(zt.dtype), shape_str(zt.shape), shape_str(want));
+        const auto* zw = reinterpret_cast<const uint32_t*>(zt.data);
+        for (int64_t o = 0; o < O; ++o)
+          for (int64_t g = 0; g < G; ++g)
+            zeros[static_cast<size_t>(o * G + g)] =
+                static_cast<int32_t>((zw[(o / p) * G + g] >> (bits_ * (o % p))) & mask) - static_cast<int32_t>(offset);
+      } else {
+        MLA_CHECK(zt.dtype == DType::I8 && zt.shape == (Shape{O, G}), "{}: tensor '{}' is {} {}, expected I8 [{}, {}]",
+                  zt.file, zn, dtype_name(zt.dtype), shape_str(zt.shape), O, G);
+        for (int64_t k = 0; k < O * G; ++k) zeros[static_cast<size_t>(k)] = reinterpret_cast<const int8_t*>(zt.data)[k];
+      }
+      used_.insert(zn);
+    }
+    const auto* words = reinterpret_cast<const uint32_t*>(w.data);
+    const auto* bytes = reinterpret_cast<const int8_t*>(w.data);
+    const int64_t wpr = (I + p - 1) / p;  // words per row
+    Tensor out = Tensor::empty_host({nr, nc}, DType::F32);
+    float* o = out.data_as<float>();
+    parallel_for(nr, 8, [&](int64_t rb, int64_t re) {
+      for (int64_t r = rb; r < re; ++r) {
+        const int64_t oc = r0 + r;
+        for (int64_t c = 0; c < nc; ++c) {
+          const int64_t i = c0 + c, g = g_idx[static_cast<size_t>(i)];
+          const int32_t qv = packed ? static_cast<int32_t>((words[oc * wpr + i / p] >> (bits_ * (i % p))) & mask) -
+                                          static_cast<int32_t>(offset)
+                                    : bytes[oc * I + i];
+          const int32_t zv = zeros.empty() ? 0 : zeros[static_cast<size_t>(oc * G + g)];
+          const float s = per_tensor ? scales[0] : scales[static_cast<size_t>(oc * G + g)];
+          o[r * nc + c] = static_cast<float>(qv - zv) * s;
         }
       }
     });

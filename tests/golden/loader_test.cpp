@@ -542,7 +542,141 @@ void write_gptq_pair(const std::string& family, const fs::path& gptq, const fs::
   write_safetensors((gptq / "model.safetensors").string(), q_ts);
 }
 
+// Writes the golden family's compressed-tensors integer checkpoint to `ct` and its dequantized model to `ref`: every
+// quantizable linear but kv_a as llm-compressor stores it, pack-quantized (`bits` values per int32 word along the
+// input channels, plus 2^(bits - 1); zero points packed along the output channels) or int-quantized (I8 `weight`),
+// groups of `g` input channels (0: one per channel), act order through weight_g_idx, symmetric or with zero points,
+// bf16 scales.
+void write_ct_int_pair(const std::string& family, const fs::path& ct, const fs::path& ref, int bits, int64_t g,
+                       bool act_order, bool symmetric, bool packed) {
+  const int64_t p = packed ? 32 / bits : 1;
+  const int qmin = -(1 << (bits - 1)), qmax = (1 << (bits - 1)) - 1;
+  std::map<std::string, Tensor> q_ts;
+  rewrite_packed(family, ref, q_ts, [&](const std::string& n, Tensor& t) {
+    const int64_t O = t.size(0), I = t.size(1), gs = g > 0 ? g : I, G = (I + gs - 1) / gs;
+    std::vector<int32_t> gidx(static_cast<size_t>(I));
+    for (int64_t i = 0; i < I; ++i)  // act order: channel i in group (i * 5 + 1) mod I / gs
+      gidx[static_cast<size_t>(i)] = static_cast<int32_t>((act_order ? (i * 5 + 1) % I : i) / gs);
+    std::vector<int32_t> qv(static_cast<size_t>(O * I)), zv(static_cast<size_t>(O * G));
+    Tensor sc = Tensor::empty_host({O, G}, DType::BF16), d = Tensor::empty_host({O, I}, DType::F32);
+    for (int64_t o = 0; o < O; ++o)
+      for (int64_t k = 0; k < G; ++k) {
+        float lo = 0.0f, hi = 0.0f;
+        for (int64_t i = 0; i < I; ++i)
+          if (gidx[static_cast<size_t>(i)] == k) {
+            lo = std::min(lo, value_of(t, o * I + i));
+            hi = std::max(hi, value_of(t, o * I + i));
+          }
+        float s = symmetric ? std::max(-lo, hi) / static_cast<float>(qmax) : (hi - lo) / static_cast<float>(qmax - qmin);
+        const uint16_t s16 = f32_to_bf16(s > 0.0f ? s : 1.0f);
+        s = bf16_to_f32(s16);
+        const int zero = symmetric ? 0 : std::clamp(qmin - static_cast<int>(std::lround(lo / s)), qmin, qmax);
+        sc.data_as<uint16_t>()[o * G + k] = s16;
+        zv[static_cast<size_t>(o * G + k)] = zero;
+        for (int64_t i = 0; i < I; ++i)
+          if (gidx[static_cast<size_t>(i)] == k) {
+            const int qi = std::clamp(static_cast<int>(std::lround(value_of(t, o * I + i) / s)) + zero, qmin, qmax);
+            qv[static_cast<size_t>(o * I + i)] = qi;
+            d.data_as<float>()[o * I + i] = static_cast<float>(qi - zero) * s;
+          }
+      }
+    const std::string stem = n.substr(0, n.size() - 7);
+    const uint32_t offset = 1u << (bits - 1), mask = (1u << bits) - 1u;
+    if (packed) {
+      const int64_t W = (I + p - 1) / p;
+      Tensor qw = Tensor::empty_host({O, W}, DType::I32);
+      for (int64_t o = 0; o < O; ++o)
+        for (int64_t w = 0; w < W; ++w) {
+          uint32_t word = 0;
+          for (int64_t k = 0; k < p && w * p + k < I; ++k)
+            word |= ((static_cast<uint32_t>(qv[static_cast<size_t>(o * I + w * p + k)]) + offset) & mask) << (bits * k);
+          qw.data_as<uint32_t>()[o * W + w] = word;
+        }
+      q_ts[stem + ".weight_packed"] = qw;
+      Tensor shape = Tensor::empty_host({2}, DType::I64);
+      shape.data_as<int64_t>()[0] = O;
+      shape.data_as<int64_t>()[1] = I;
+      q_ts[stem + ".weight_shape"] = shape;
+      if (!symmetric) {
+        const int64_t ZR = (O + p - 1) / p;
+        Tensor qz = Tensor::empty_host({ZR, G}, DType::I32);
+        for (int64_t r = 0; r < ZR; ++r)
+          for (int64_t k = 0; k < G; ++k) {
+            uint32_t word = 0;
+            for (int64_t j = 0; j < p && r * p + j < O; ++j)
+              word |= ((static_cast<uint32_t>(zv[static_cast<size_t>((r * p + j) * G + k)]) + offset) & mask)
+                      << (bits * j);
+            qz.data_as<uint32_t>()[r * G + k] = word;
+          }
+        q_ts[stem + ".weight_zero_point"] = qz;
+      }
+    } else {
+      Tensor qw = Tensor::empty_host({O, I}, DType::I8);
+      for (int64_t k = 0; k < O * I; ++k) qw.data_as<int8_t>()[k] = static_cast<int8_t>(qv[static_cast<size_t>(k)]);
+      q_ts[n] = qw;
+      if (!symmetric) {
+        Tensor qz = Tensor::empty_host({O, G}, DType::I8);
+        for (int64_t k = 0; k < O * G; ++k) qz.data_as<int8_t>()[k] = static_cast<int8_t>(zv[static_cast<size_t>(k)]);
+        q_ts[stem + ".weight_zero_point"] = qz;
+      }
+    }
+    q_ts[stem + ".weight_scale"] = sc;
+    if (act_order) {
+      Tensor gi = Tensor::empty_host({I}, DType::I32);
+      std::copy(gidx.begin(), gidx.end(), gi.data_as<int32_t>());
+      q_ts[stem + ".weight_g_idx"] = gi;
+    }
+    t = d;
+  });
+  auto cfg = nlohmann::json::parse(test::read_text(ref / "config.json"));
+  nlohmann::json weights = {{"num_bits", bits}, {"type", "int"}, {"symmetric", symmetric},
+                            {"strategy", g > 0 ? "group" : "channel"}, {"dynamic", false},
+                            {"actorder", act_order ? nlohmann::json("group") : nlohmann::json(nullptr)}};
+  if (g > 0) weights["group_size"] = g;
+  cfg["quantization_config"] = {
+      {"quant_method", "compressed-tensors"},
+      {"format", packed ? "pack-quantized" : "int-quantized"},
+      {"config_groups", {{"group_0", {{"targets", {"Linear"}}, {"weights", weights}, {"input_activations", nullptr}}}}},
+      {"ignore", {"lm_head"}}};
+  test::write_text(ct / "config.json", cfg.dump(2));
+  write_safetensors((ct / "model.safetensors").string(), q_ts);
+}
+
 }  // namespace
+
+// A compressed-tensors integer checkpoint (llm-compressor's W4A16 / W8A16 pack-quantized, W8A8 int-quantized; groups
+// or channels, act order, symmetric or with zero points) loads as the model of its dequantized weights, on one rank
+// and as tp 2; a zero point tensor of the wrong shape is named.
+TEST(Loader, CompressedTensorsIntegerCheckpointIsItsDequantizedModel) {
+  struct Case {
+    std::string family;
+    int bits;
+    int64_t g;
+    bool act_order, symmetric, packed;
+  };
+  for (const Case& c : {Case{"v2", 4, 16, false, true, true}, Case{"v3", 4, 32, true, false, true},
+                        Case{"v2", 8, 0, false, true, true}, Case{"v3", 2, 16, false, false, true},
+                        Case{"v2", 8, 0, false, true, false}, Case{"v3", 8, 16, true, false, false}}) {
+    SCOPED_TRACE(fmt::format("{} {} bits, groups of {}, act order {}, symmetric {}, packed {}", c.family, c.bits, c.g,
+                             c.act_order, c.symmetric, c.packed));
+    auto ct = test::temp_dir("ct"), ref = test::temp_dir("ctref");
+    write_ct_int_pair(c.family, ct, ref, c.bits, c.g, c.act_order, c.symmetric, c.packed);
+    for (int32_t tp : {1, 2}) {
+      const auto a = ranks_logits(ct, tp), b = ranks_logits(ref, tp);
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << "logit " << i << " tp " << tp;
+    }
+  }
+  auto ct = test::temp_dir("ct"), ref = test::temp_dir("ctref");
+  write_ct_int_pair("v2", ct, ref, 4, 16, false, false, true);
+  std::map<std::string, Tensor> ts = test::read_checkpoint(ct.string());
+  ts["model.layers.1.self_attn.o_proj.weight_zero_point"] = Tensor::empty_host({3, 16}, DType::I32);
+  write_safetensors((ct / "model.safetensors").string(), ts);
+  const auto e = load_error(ct);
+  EXPECT_NE(e.find("'model.layers.1.self_attn.o_proj.weight_zero_point' is I32 [3, 16], expected I32"),
+            std::string::npos)
+      << e;
+}
 
 // A GPTQ checkpoint (AutoGPTQ's packing, f16 scales, zeros stored less one or as they are, act order through g_idx,
 // 2, 4 or 8 bits, groups or one group) loads as the model of its dequantized weights, on one rank and as tp 2.

@@ -331,7 +331,7 @@ TEST(CudaModel, GoldenCheckModels) {
 // routing forced (2026-12-01), past the bf16 families' 0.10, though it loads the same bf16 weights as the CPU, which
 // matches Hugging Face to 1e-5 (docs/status.md).
 TEST(CudaModel, GoldenV3Fp8Blocks) { REQUIRE_GPU(); golden_family("v3-fp8"); }
-// Real-dims families, generated on the device by tools/golden/make_golden.py (real16, real128).
+// Real-dims families, generated on the device by tools/golden/make_golden.py (real16, real128, kimi64).
 // An FP8 checkpoint's routed experts kept FP8 on the GPU (F8 codes and block scales, read as they are by the MoE
 // kernels: 16 x 16 blocks take the exact conversions at every batch) give the logits and greedy tokens of their
 // dequantization at load bit for bit, in less memory; so do a bf16 checkpoint's experts quantized at load
@@ -376,6 +376,9 @@ TEST(CudaModel, QuantizedAtLoadFp8ExpertsKeptAreTheDequantizedModel) {
 
 TEST(CudaModel, GoldenReal16Heads) { REQUIRE_GPU(); golden_family("real16"); }
 TEST(CudaModel, GoldenReal128Heads) { REQUIRE_GPU(); golden_family("real128"); }
+// Kimi-K2's shape: 384 experts top-8 in one group (tiny, committed) and with real dims and 64 heads (generated).
+TEST(CudaModel, GoldenKimi) { REQUIRE_GPU(); golden_family("kimi"); }
+TEST(CudaModel, GoldenKimi64Heads) { REQUIRE_GPU(); golden_family("kimi64"); }
 
 // The one-launch attention of one decode token (cuda::mla_one_token) in a real-dims model (real16: 16 heads and
 // DeepSeek's MLA dims): every golden prompt prefilled one token per step, so each step is a one-token decode step,

@@ -252,7 +252,7 @@ TEST(ModelConfig, CompressedTensorsFp8) {
   const std::pair<json, const char*> bad[] = {
       {ct(with(fp8, {{"strategy", "group"}, {"group_size", 128}})), "strategy 'group' is not supported"},
       {ct(with(fp8, {{"strategy", "channel"}, {"type", "int"}, {"num_bits", 4}})),
-       "4-bit int weights are not supported"},
+       "format 'float-quantized' is not supported for integer weights"},
       {ct(with(fp8, {{"strategy", "channel"}, {"symmetric", false}})), "symmetric false"},
       {ct(with(fp8, {{"strategy", "channel"}, {"dynamic", true}})), "dynamic true"},
       {ct(with(fp8, {{"strategy", "block"}, {"block_structure", {128}}})), "block_structure must be"},
@@ -272,6 +272,56 @@ TEST(ModelConfig, CompressedTensorsFp8) {
   two["config_groups"]["group_1"]["weights"] = with(fp8, {{"strategy", "tensor"}});  // tensor + channel: fine
   j["quantization_config"] = two;
   EXPECT_EQ(ModelConfig::from_json(j, "config.json").quant, QuantMethod::Fp8Tensor);
+}
+
+// compressed-tensors integer weights (llm-compressor's W4A16 / W8A16 / W8A8): pack-quantized 2 / 4 / 8 bits or
+// int-quantized 8 bits, groups / channels / tensor, symmetric or not; mixed bits or float groups are refused.
+TEST(ModelConfig, CompressedTensorsIntegers) {
+  json j = v2_lite();
+  auto ct = [](const std::string& format, json weights) {
+    return json{{"quant_method", "compressed-tensors"}, {"format", format}, {"ignore", {"lm_head"}},
+                {"config_groups", {{"group_0", {{"targets", {"Linear"}}, {"weights", weights}}}}}};
+  };
+  const json w4 = {{"num_bits", 4}, {"type", "int"}, {"symmetric", true}, {"strategy", "group"}, {"group_size", 128},
+                   {"dynamic", false}, {"actorder", nullptr}};
+  j["quantization_config"] = ct("pack-quantized", w4);
+  ModelConfig c = ModelConfig::from_json(j, "config.json");
+  EXPECT_EQ(c.quant, QuantMethod::CtInt);
+  EXPECT_EQ(c.quant_bits, 4);
+  EXPECT_TRUE(c.quant_compressed_tensors);
+  EXPECT_TRUE(quantization_names("compressed-tensors", c));
+  EXPECT_TRUE(quantization_names("moe_wna16", c));
+  EXPECT_FALSE(quantization_names("fp8", c));
+  json w8 = w4;
+  w8.update({{"num_bits", 8}, {"strategy", "channel"}, {"symmetric", false}});
+  w8.erase("group_size");
+  j["quantization_config"] = ct("int-quantized", w8);
+  EXPECT_EQ(ModelConfig::from_json(j, "config.json").quant_bits, 8);
+  json two = ct("pack-quantized", w4);
+  two["config_groups"]["group_1"] = {{"targets", {"Linear"}}, {"weights", w8}};
+  j["quantization_config"] = two;
+  EXPECT_NE(error_of(j).find("4 and 8 bits in one checkpoint"), std::string::npos) << error_of(j);
+  json w3 = w4;
+  w3["num_bits"] = 3;
+  j["quantization_config"] = ct("pack-quantized", w3);
+  EXPECT_NE(error_of(j).find("3-bit integer weights are not supported (pack-quantized: 2, 4 or 8 bits)"),
+            std::string::npos) << error_of(j);
+  j["quantization_config"] = ct("int-quantized", w4);
+  EXPECT_NE(error_of(j).find("4-bit integer weights are not supported (int-quantized: 8 bits)"), std::string::npos)
+      << error_of(j);
+  json nogroup = w4;
+  nogroup.erase("group_size");
+  j["quantization_config"] = ct("pack-quantized", nogroup);
+  EXPECT_NE(error_of(j).find("group_size must be a positive integer"), std::string::npos) << error_of(j);
+  json block = w4;
+  block["strategy"] = "block";
+  j["quantization_config"] = ct("pack-quantized", block);
+  EXPECT_NE(error_of(j).find("strategy 'block' is not supported for integer weights"), std::string::npos)
+      << error_of(j);
+  json mixed = ct("pack-quantized", w4);
+  mixed["config_groups"]["group_1"] = {{"weights", {{"num_bits", 8}, {"type", "float"}, {"strategy", "tensor"}}}};
+  j["quantization_config"] = mixed;
+  EXPECT_NE(error_of(j).find("float weights beside integer ones"), std::string::npos) << error_of(j);
 }
 
 TEST(ModelConfig, ClearErrors) {

@@ -9,7 +9,7 @@ implementation (eager attention) loaded back from those files. Output per family
   greedy_j (int32 [N]), margin_j (f32 [N], top1 - top2 logit at each greedy step).
 
 The real-dims families (real16, real128: kv_lora_rank 512, rope 64, nope 128, v 128, 64 experts top-6, 16 or 128
-heads) are too big to commit: they are generated on the GPU machine at test time (the reference then runs on the
+heads; kimi64: 64 heads, 384 experts top-8) are too big to commit: they are generated on the GPU machine at test time (the reference then runs on the
 GPU in fp32, TF32 off) and are not part of the default family list.
 
 usage: make_golden.py OUT_DIR [family ...]
@@ -99,6 +99,27 @@ FAMILIES = {
         scoring_func="sigmoid", max_position_embeddings=163840,
         rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # Kimi-K2-like (a DeepseekV3ForCausalLM of Moonshot's): 384 experts top-8 in one group (more experts than a
+    # block routes), sigmoid noaux_tc, routed_scaling_factor 2.827, YaRN factor 32 with beta 1 / 1, rope_theta 50000.
+    "kimi": dict(BASE, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+        vocab_size=640, hidden_size=64, intermediate_size=128, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        n_shared_experts=1, n_routed_experts=384, num_experts_per_tok=8, kv_lora_rank=64, q_lora_rank=48,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, first_k_dense_replace=1, moe_layer_freq=1,
+        norm_topk_prob=True, routed_scaling_factor=2.827, n_group=1, topk_group=1, topk_method="noaux_tc",
+        scoring_func="sigmoid", max_position_embeddings=4096, rope_theta=50000.0,
+        rope_scaling={"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 128,
+                      "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # ... with real MLA dims and Kimi-K2's 64 heads (generated on the device at test time, as real16 / real128).
+    "kimi64": dict(BASE, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", shard="16MB",
+        vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=64,
+        num_hidden_layers=3, num_attention_heads=64, num_key_value_heads=64,
+        n_shared_experts=1, n_routed_experts=384, num_experts_per_tok=8, kv_lora_rank=512, q_lora_rank=384,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1, moe_layer_freq=1,
+        norm_topk_prob=True, routed_scaling_factor=2.827, n_group=1, topk_group=1, topk_method="noaux_tc",
+        scoring_func="sigmoid", max_position_embeddings=131072, rope_theta=50000.0,
+        rope_scaling={"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                      "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
 }
 DEFAULT_FAMILIES = ["v2lite", "v2", "v3"]
 
