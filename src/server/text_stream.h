@@ -109,8 +109,8 @@ size_t leading_space(std::string_view s);
 // The reasoning parsers `--reasoning-parser` takes (the model families whose output ReasoningSplitter splits).
 bool known_reasoning_parser(const std::string& name);
 // Whether the reasoning parser `parser` splits a chat request's output, given its chat_template_kwargs (an object or
-// null): deepseek-r1 and kimi_k2 always; deepseek-v3 (SGLang's; vLLM's deepseek_v3), for the hybrid DeepSeek-V3.1 whose template
-// opens the thinking only when asked, when the kwargs turn "thinking" (or "enable_thinking") on.
+// null): deepseek-r1 and kimi_k2 always; deepseek-v3 (SGLang's; vLLM's deepseek_v3), for the hybrid DeepSeek-V3.1
+// whose template opens the thinking only when asked, when the kwargs turn "thinking" (or "enable_thinking") on.
 bool reasoning_split(const std::string& parser, const nlohmann::json& chat_template_kwargs);
 // Whether the parser takes only an output that opens "<think>" as reasoning (kimi_k2: SGLang's and vLLM's parser for
 // Kimi-K2-Thinking; ReasoningSplitter's opened_only).

@@ -567,7 +567,8 @@ void write_ct_int_pair(const std::string& family, const fs::path& ct, const fs::
             lo = std::min(lo, value_of(t, o * I + i));
             hi = std::max(hi, value_of(t, o * I + i));
           }
-        float s = symmetric ? std::max(-lo, hi) / static_cast<float>(qmax) : (hi - lo) / static_cast<float>(qmax - qmin);
+        float s = symmetric ? std::max(-lo, hi) / static_cast<float>(qmax)
+                            : (hi - lo) / static_cast<float>(qmax - qmin);
         const uint16_t s16 = f32_to_bf16(s > 0.0f ? s : 1.0f);
         s = bf16_to_f32(s16);
         const int zero = symmetric ? 0 : std::clamp(qmin - static_cast<int>(std::lround(lo / s)), qmin, qmax);

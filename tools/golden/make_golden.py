@@ -9,8 +9,8 @@ implementation (eager attention) loaded back from those files. Output per family
   greedy_j (int32 [N]), margin_j (f32 [N], top1 - top2 logit at each greedy step).
 
 The real-dims families (real16, real128: kv_lora_rank 512, rope 64, nope 128, v 128, 64 experts top-6, 16 or 128
-heads; kimi64: 64 heads, 384 experts top-8) are too big to commit: they are generated on the GPU machine at test time (the reference then runs on the
-GPU in fp32, TF32 off) and are not part of the default family list.
+heads; kimi64: 64 heads, 384 experts top-8) are too big to commit: they are generated on the GPU machine at test
+time (the reference then runs on the GPU in fp32, TF32 off) and are not part of the default family list.
 
 usage: make_golden.py OUT_DIR [family ...]
 """

@@ -27,8 +27,10 @@ const corpus = fs.readFileSync(path.join(dataDir, "corpus.jsonl"), "utf8").split
 // Kimi-K2's pattern, part by part (Rust regex syntax, as its class writes it).
 const KIMI_PARTS = [
   String.raw`[\p{Han}]+`,
-  String.raw`[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?`,
-  String.raw`[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?`,
+  String.raw`[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*` +
+    String.raw`[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?`,
+  String.raw`[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+` +
+    String.raw`[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?`,
   String.raw`\p{N}{1,3}`,
   String.raw` ?[^\s\p{L}\p{N}]+[\r\n]*`,
   String.raw`\s*[\r\n]+`,
@@ -143,7 +145,9 @@ const kimiPy = [
   "",
   '    pat_str = "|".join(',
   "        [",
-  ...KIMI_PARTS.map((p) => `            r"""${p}""",`),
+  // Long parts as juxtaposed literals over two lines (Python concatenates them; so does mlaserve's reader).
+  ...KIMI_PARTS.map((p) => p.length > 80 ? `            r"""${p.slice(0, 60)}"""\n            r"""${p.slice(60)}""",`
+                                         : `            r"""${p}""",`),
   "        ]",
   "    )",
   "",
@@ -162,7 +166,8 @@ const cl100kPy = [
   "# tools/tokenizer/make_tiktoken_goldens.cjs).",
   "class TikTokenTokenizer:",
   "    num_reserved_special_tokens = 4",
-  `    pat_str = r"${cl100k.pat_str}"`,
+  `    pat_str = (r"${cl100k.pat_str.slice(0, 60)}"`,
+  `               r"${cl100k.pat_str.slice(60)}")`,
   "",
 ].join("\n");
 
