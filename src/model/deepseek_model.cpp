@@ -391,6 +391,24 @@ class DeepseekModel::Loader {
     return out;
   }
 
+  // Each of the I input channels' group among G: the act-order tensor `gn` (I32 [I]) when the checkpoint has it
+  // (checked, marked used), else consecutive runs of `group_size`.
+  std::vector<int32_t> input_groups(const std::string& gn, int64_t I, int64_t group_size, int64_t G) {
+    std::vector<int32_t> g_idx(static_cast<size_t>(I));
+    for (int64_t i = 0; i < I; ++i) g_idx[static_cast<size_t>(i)] = static_cast<int32_t>(i / group_size);
+    if (!ckpt_->has(gn)) return g_idx;
+    const TensorInfo& gi = ckpt_->get(gn);
+    MLA_CHECK(gi.shape == Shape{I} && gi.dtype == DType::I32, "{}: tensor '{}' is {} {}, expected I32 [{}]", gi.file,
+              gn, dtype_name(gi.dtype), shape_str(gi.shape), I);
+    std::memcpy(g_idx.data(), gi.data, static_cast<size_t>(I) * sizeof(int32_t));
+    for (int64_t i = 0; i < I; ++i)
+      MLA_CHECK(g_idx[static_cast<size_t>(i)] >= 0 && g_idx[static_cast<size_t>(i)] < G,
+                "{}: '{}' gives input channel {} the group {}, outside [0, {})", gi.file, gn, i,
+                g_idx[static_cast<size_t>(i)], G);
+    used_.insert(gn);
+    return g_idx;
+  }
+
   // Rows (output channels) [r0, r0 + nr) x columns (input channels) [c0, c0 + nc) of the GPTQ linear `stem` (full:
   // [out, in]) as an F32 host tensor: w[o][i] = (q[i][o] - z[g][o] - zero_offset) * s[g][o], g = g_idx[i] (act
   // order) or i / group; `qweight` [in / p, out] and `qzeros` [groups, out / p] (int32) hold p = 32 / bits values
@@ -407,19 +425,7 @@ class DeepseekModel::Loader {
     const Packed pk = packed_parts(stem, "GPTQ", {I / p, O}, {G, O / p}, {G, O},
                                    fmt::format("a [{}, {}] weight of {} bits in {}", O, I, bits_,
                                                group_ > 0 ? fmt::format("groups of {}", group_) : "one group"));
-    std::vector<int32_t> g_idx(static_cast<size_t>(I));
-    for (int64_t i = 0; i < I; ++i) g_idx[static_cast<size_t>(i)] = static_cast<int32_t>(group_ > 0 ? i / group_ : 0);
-    if (ckpt_->has(gn)) {  // act order: each input channel's group
-      const TensorInfo& gi = ckpt_->get(gn);
-      MLA_CHECK(gi.shape == Shape{I} && gi.dtype == DType::I32, "{}: tensor '{}' is {} {}, expected I32 [{}]",
-                gi.file, gn, dtype_name(gi.dtype), shape_str(gi.shape), I);
-      std::memcpy(g_idx.data(), gi.data, static_cast<size_t>(I) * sizeof(int32_t));
-      for (int64_t i = 0; i < I; ++i)
-        MLA_CHECK(g_idx[static_cast<size_t>(i)] >= 0 && g_idx[static_cast<size_t>(i)] < G,
-                  "{}: '{}' gives input channel {} the group {}, outside [0, {})", gi.file, gn, i,
-                  g_idx[static_cast<size_t>(i)], G);
-      used_.insert(gn);
-    }
+    const std::vector<int32_t> g_idx = input_groups(gn, I, group_ > 0 ? group_ : I, G);
     const uint32_t *q = pk.q, *z = pk.z;
     const std::vector<float>& scales = pk.scales;
     const uint32_t mask = (1u << bits_) - 1u;
@@ -487,20 +493,7 @@ class DeepseekModel::Loader {
               shape_str(sc.shape), O, O, w.name, shape_str(full));
     used_.insert(sn);
     const bool per_tensor = scales.size() == 1;
-    const int64_t gs = (I + G - 1) / G;
-    std::vector<int32_t> g_idx(static_cast<size_t>(I));
-    for (int64_t i = 0; i < I; ++i) g_idx[static_cast<size_t>(i)] = static_cast<int32_t>(i / gs);
-    if (ckpt_->has(gn)) {  // act order
-      const TensorInfo& gi = ckpt_->get(gn);
-      MLA_CHECK(gi.shape == Shape{I} && gi.dtype == DType::I32, "{}: tensor '{}' is {} {}, expected I32 [{}]",
-                gi.file, gn, dtype_name(gi.dtype), shape_str(gi.shape), I);
-      std::memcpy(g_idx.data(), gi.data, static_cast<size_t>(I) * sizeof(int32_t));
-      for (int64_t i = 0; i < I; ++i)
-        MLA_CHECK(g_idx[static_cast<size_t>(i)] >= 0 && g_idx[static_cast<size_t>(i)] < G,
-                  "{}: '{}' gives input channel {} the group {}, outside [0, {})", gi.file, gn, i,
-                  g_idx[static_cast<size_t>(i)], G);
-      used_.insert(gn);
-    }
+    const std::vector<int32_t> g_idx = input_groups(gn, I, (I + G - 1) / G, G);
     // Zero points as signed values per [output channel, group] (0 without them).
     std::vector<int32_t> zeros;
     if (ckpt_->has(zn)) {

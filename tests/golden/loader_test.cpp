@@ -407,6 +407,13 @@ uint16_t to_f16(float f) {  // round to nearest even; finite normal or zero resu
   return static_cast<uint16_t>(sign | h);
 }
 
+// An I32 vector tensor of `v` (act order's group of each input channel).
+Tensor i32_tensor(const std::vector<int32_t>& v) {
+  Tensor t = Tensor::empty_host({static_cast<int64_t>(v.size())}, DType::I32);
+  std::copy(v.begin(), v.end(), t.data_as<int32_t>());
+  return t;
+}
+
 // Rewrites the golden family into `ref` through `quantize` (each quantizable linear but the kv_a projection: its
 // packed tensors into `q_ts`, the tensor replaced by its dequantized form); the other tensors are copied to `q_ts`.
 void rewrite_packed(const std::string& family, const fs::path& ref, std::map<std::string, Tensor>& q_ts,
@@ -527,11 +534,7 @@ void write_gptq_pair(const std::string& family, const fs::path& gptq, const fs::
     q_ts[stem + ".qweight"] = qw;
     q_ts[stem + ".qzeros"] = qz;
     q_ts[stem + ".scales"] = sc;
-    if (act_order) {
-      Tensor gi = Tensor::empty_host({I}, DType::I32);
-      std::copy(gidx.begin(), gidx.end(), gi.data_as<int32_t>());
-      q_ts[stem + ".g_idx"] = gi;
-    }
+    if (act_order) q_ts[stem + ".g_idx"] = i32_tensor(gidx);
     t = d;
   });
   auto cfg = nlohmann::json::parse(test::read_text(ref / "config.json"));
@@ -622,11 +625,7 @@ void write_ct_int_pair(const std::string& family, const fs::path& ct, const fs::
       }
     }
     q_ts[stem + ".weight_scale"] = sc;
-    if (act_order) {
-      Tensor gi = Tensor::empty_host({I}, DType::I32);
-      std::copy(gidx.begin(), gidx.end(), gi.data_as<int32_t>());
-      q_ts[stem + ".weight_g_idx"] = gi;
-    }
+    if (act_order) q_ts[stem + ".weight_g_idx"] = i32_tensor(gidx);
     t = d;
   });
   auto cfg = nlohmann::json::parse(test::read_text(ref / "config.json"));

@@ -115,6 +115,19 @@ TEST(StopStringMatcher, EmptyStopStringsIgnored) {
   EXPECT_EQ(m.push("abc"), "abc");
 }
 
+// `text` pushed through a ReasoningSplitter in pieces of `piece` bytes, then flushed: (reasoning, content).
+std::pair<std::string, std::string> split_in_pieces(const std::string& text, size_t piece, bool opened_only) {
+  ReasoningSplitter sp(opened_only);
+  std::string reasoning, content;
+  for (size_t i = 0; i < text.size(); i += piece) {
+    auto p = sp.push(std::string_view(text).substr(i, piece));
+    reasoning += p.reasoning;
+    content += p.content;
+  }
+  auto p = sp.flush();
+  return {reasoning + p.reasoning, content + p.content};
+}
+
 // DeepSeek-R1 output split at "</think>": the whole text, and the same text pushed in every split into pieces of
 // 1, 2, 3 and 5 bytes, give the same two parts.
 TEST(ReasoningSplitter, SplitsAtTheEndTagWhateverThePieces) {
@@ -134,16 +147,7 @@ TEST(ReasoningSplitter, SplitsAtTheEndTagWhateverThePieces) {
   };
   for (const auto& c : cases) {
     for (size_t piece : {size_t{1000}, size_t{1}, size_t{2}, size_t{3}, size_t{5}}) {
-      ReasoningSplitter sp;
-      std::string reasoning, content;
-      for (size_t i = 0; i < c.text.size(); i += piece) {
-        auto p = sp.push(std::string_view(c.text).substr(i, piece));
-        reasoning += p.reasoning;
-        content += p.content;
-      }
-      auto p = sp.flush();
-      reasoning += p.reasoning;
-      content += p.content;
+      const auto [reasoning, content] = split_in_pieces(c.text, piece, /*opened_only=*/false);
       EXPECT_EQ(reasoning, c.reasoning) << c.text << " in pieces of " << piece;
       EXPECT_EQ(content, c.content) << c.text << " in pieces of " << piece;
     }
@@ -192,16 +196,7 @@ TEST(ReasoningSplitter, OpenedOnlySplitsAnOutputThatOpensThink) {
   };
   for (const auto& c : cases) {
     for (size_t piece : {size_t{1000}, size_t{1}, size_t{2}, size_t{3}}) {
-      ReasoningSplitter sp(/*opened_only=*/true);
-      std::string reasoning, content;
-      for (size_t i = 0; i < c.text.size(); i += piece) {
-        auto p = sp.push(std::string_view(c.text).substr(i, piece));
-        reasoning += p.reasoning;
-        content += p.content;
-      }
-      auto p = sp.flush();
-      reasoning += p.reasoning;
-      content += p.content;
+      const auto [reasoning, content] = split_in_pieces(c.text, piece, /*opened_only=*/true);
       EXPECT_EQ(reasoning, c.reasoning) << c.text << " in pieces of " << piece;
       EXPECT_EQ(content, c.content) << c.text << " in pieces of " << piece;
     }

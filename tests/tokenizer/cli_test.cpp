@@ -17,13 +17,9 @@ std::vector<nlohmann::ordered_json> run_lines(const std::vector<std::string>& li
   }
   std::string cmd = std::string(MLASERVE_BINARY) + " tokenize --tokenizer-path '" +
                     mlaserve::tok::testing::deepseek_dir() + "' < '" + in + "'";
-  FILE* p = popen(cmd.c_str(), "r");
-  EXPECT_NE(p, nullptr);
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  EXPECT_EQ(pclose(p), 0);
+  int status = -1;
+  const std::string out = mlaserve::tok::testing::command_output(cmd, status);
+  EXPECT_EQ(status, 0);
   std::filesystem::remove(in);
   std::vector<nlohmann::ordered_json> rows;
   size_t b = 0;

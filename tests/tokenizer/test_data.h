@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -39,5 +41,18 @@ inline std::vector<std::string> corpus_texts() {
 }
 
 inline std::string show(const std::string& s) { return nlohmann::json(s).dump(); }
+
+// Runs a shell command; its stdout, and its exit status through `status`.
+inline std::string command_output(const std::string& cmd, int& status) {
+  FILE* p = popen(cmd.c_str(), "r");
+  EXPECT_NE(p, nullptr) << cmd;
+  if (!p) return "";
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  status = pclose(p);
+  return out;
+}
 
 }  // namespace mlaserve::tok::testing

@@ -173,13 +173,9 @@ TEST(Tiktoken, TokenizeCommandLoadsTheFolder) {
   write(dir / "in.jsonl", nlohmann::json{{"text", text}}.dump() + "\n");
   const std::string cmd = std::string(MLASERVE_BINARY) + " tokenize --tokenizer-path '" + dir.string() + "' < '" +
                           (dir / "in.jsonl").string() + "' 2>/dev/null";
-  FILE* p = popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  EXPECT_EQ(pclose(p), 0) << out;
+  int status = -1;
+  const std::string out = testing::command_output(cmd, status);
+  EXPECT_EQ(status, 0) << out;
   auto tok = PretrainedTokenizer::load(dir.string());
   EXPECT_EQ(nlohmann::json::parse(out)["ids"].get<std::vector<int32_t>>(), tok->encode(text)) << out;
   EXPECT_EQ(tok->encode(text).front(), 199998);
