@@ -197,8 +197,10 @@ TEST_P(GoldenModel, Fp8KvCacheIsTheRoundedCacheModel) {
 // dequantize=True / Hugging Face on the dequantized weights (tools/golden/make_fp8_golden.py).
 // odd-v3 / odd-v2: widths no kernel is tuned to (hidden 96 / 80, three / five heads, latent 40 / 48, RoPE 8 / 16 wide),
 // every layer MoE in two expert groups / a plain q_proj with YaRN (tools/golden/make_golden.py).
+// kimi: Kimi-K2's routing (384 experts top-8 in one group, routed_scaling_factor 2.827) and YaRN (factor 32, beta 1 / 1).
 INSTANTIATE_TEST_SUITE_P(Families, GoldenModel,
-                         ::testing::Values("v2lite", "v2", "v3", "v3-fp8", "v2-fp8-tensor", "odd-v3", "odd-v2"),
+                         ::testing::Values("v2lite", "v2", "v3", "v3-fp8", "v2-fp8-tensor", "odd-v3", "odd-v2",
+                                           "kimi"),
                          [](const ::testing::TestParamInfo<std::string>& p) {
                            std::string n = p.param;
                            for (char& ch : n)
