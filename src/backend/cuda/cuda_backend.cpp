@@ -230,14 +230,16 @@ class CudaBackend final : public Backend {
     meta_.size = meta_bytes;
     persistent_memory_.create(device, persistent);
     persistent_.base = persistent_memory_.base();
-    CUDA_OK(cudaMemset(persistent_.base, 0, persistent), "clearing the persistent arena");
+    // On this backend's stream (non-blocking: a cudaMemset on the legacy stream would not order before its uploads).
+    CUDA_OK(cudaMemsetAsync(persistent_.base, 0, persistent, stream_), "clearing the persistent arena");
     CUDA_OK(cudaMalloc(&scratch_.base, scratch), "allocating the scratch arena");
     CUDA_OK(cudaMalloc(&meta_.base, meta_bytes), "allocating the metadata arena");
     CUDA_OK(cudaMalloc(&lt_ws_, ws_bytes), "allocating the cuBLASLt workspace");
     lt_ws_size_ = ws_bytes;
     CUDA_OK(cudaMalloc(&blas_ws_, blas_ws_bytes), "allocating the cuBLAS workspace");
     CUDA_OK(cudaMalloc(&gate_counter_, sizeof(unsigned)), "allocating the router's counter");
-    CUDA_OK(cudaMemset(gate_counter_, 0, sizeof(unsigned)), "clearing the router's counter");
+    CUDA_OK(cudaMemsetAsync(gate_counter_, 0, sizeof(unsigned), stream_), "clearing the router's counter");
+    CUDA_OK(cudaStreamSynchronize(stream_), "clearing the arenas");
     CUBLAS_OK(cublasSetWorkspace(blas_, blas_ws_, blas_ws_bytes), "cublasSetWorkspace");
     CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&pinned_), 2 * meta_bytes, cudaHostAllocDefault), "pinned buffer");
     // Download slots up front, large enough for any step's ids + logprobs (RankSet keeps at most 65536 rows), so the
@@ -340,7 +342,10 @@ class CudaBackend final : public Backend {
   void resume_persistent() override {
     MLA_CHECK(!persistent_memory_.mapped(), "the persistent GPU memory is not released");
     persistent_memory_.map();
-    CUDA_OK(cudaMemset(persistent_.base, 0, persistent_.size), "clearing the persistent arena");
+    // Cleared on this backend's stream and waited for: its stream is non-blocking, so a cudaMemset (legacy stream)
+    // could still be running when the weights' uploads on the stream land, and zero them.
+    CUDA_OK(cudaMemsetAsync(persistent_.base, 0, persistent_.size, stream_), "clearing the persistent arena");
+    CUDA_OK(cudaStreamSynchronize(stream_), "clearing the persistent arena");
     // What this backend keeps there itself (the model's tensors are the model's to load again).
     if (inv_freq_.defined()) upload_into(inv_freq_host_, inv_freq_);
     MLA_LOG_INFO("cuda: took {:.2f} GiB for weights and KV cache again", persistent_memory_.size() / kGiB);
