@@ -96,18 +96,19 @@ class DeepseekModel::Loader {
       be_.fill_random(view, fnv1a64(name) ^ splitmix64(opts_.seed), mean, stddev, full_cols, r0, c0);
       return;
     }
-    if ((quant_ == QuantMethod::Awq || quant_ == QuantMethod::Gptq) && !ckpt_->has(name) &&
-        name.ends_with(".weight") && ckpt_->has(name.substr(0, name.size() - 7) + ".qweight")) {
+    if (!ckpt_->has(name) && name.ends_with(".weight")) {  // a packed integer linear's parts instead
       const std::string stem = name.substr(0, name.size() - 7);
-      be_.upload_into(quant_ == QuantMethod::Awq ? dequantize_awq(stem, full, r0, c0, nr, nc)
-                                                 : dequantize_gptq(stem, full, r0, c0, nr, nc),
-                      dst);
-      return;
-    }
-    if (quant_ == QuantMethod::CtInt && !ckpt_->has(name) && name.ends_with(".weight") &&
-        ckpt_->has(name.substr(0, name.size() - 7) + ".weight_packed")) {
-      be_.upload_into(dequantize_ct_int(name.substr(0, name.size() - 7), full, r0, c0, nr, nc), dst);
-      return;
+      const bool gptq_like = quant_ == QuantMethod::Awq || quant_ == QuantMethod::Gptq;
+      if (gptq_like && ckpt_->has(stem + ".qweight")) {
+        be_.upload_into(quant_ == QuantMethod::Awq ? dequantize_awq(stem, full, r0, c0, nr, nc)
+                                                   : dequantize_gptq(stem, full, r0, c0, nr, nc),
+                        dst);
+        return;
+      }
+      if (quant_ == QuantMethod::CtInt && ckpt_->has(stem + ".weight_packed")) {
+        be_.upload_into(dequantize_ct_int(stem, full, r0, c0, nr, nc), dst);
+        return;
+      }
     }
     const TensorInfo& info = ckpt_->get(name);
     used_.insert(name);

@@ -522,6 +522,7 @@ ojson chat_logprobs(const ResponseContext& rc, const Choice& c, size_t begin) {
 // A chat choice's text as the client sees it: reasoning (with a reasoning parser), content, and tool calls (with
 // tools), a piece at a time.
 struct ChatSplitter {
+  explicit ChatSplitter(const ResponseContext& rc) : reasoning(rc.think_opened), tools(rc.tool_format) {}
   struct Parts {
     std::string reasoning, content;
     std::vector<ToolCall> calls;
@@ -529,11 +530,6 @@ struct ChatSplitter {
   Parts push(const ResponseContext& rc, std::string_view text, bool last) {
     Parts out;
     std::string content;
-    if (!started) {
-      started = true;
-      reasoning = ReasoningSplitter(rc.think_opened);
-      tools = ToolCallParser(rc.tool_format);
-    }
     if (rc.split_reasoning) {
       ReasoningSplitter::Parts p = reasoning.push(text);
       if (last) {
@@ -560,7 +556,6 @@ struct ChatSplitter {
       if (rc.parallel_tool_calls || calls_made++ == 0) out.calls.push_back(std::move(call));
     return out;
   }
-  bool started = false;
   ReasoningSplitter reasoning;
   ToolCallParser tools;
   size_t calls_made = 0;
@@ -625,7 +620,7 @@ ojson openai_response(const ResponseContext& rc, const GenerationJob& job) {
     ch["index"] = c.index;
     bool called_tools = false;
     if (chat) {
-      ChatSplitter split;
+      ChatSplitter split(rc);
       ChatSplitter::Parts parts = split.push(rc, c.text, /*last=*/true);
       called_tools = !parts.calls.empty();
       ojson msg{{"role", rc.role},
@@ -2213,7 +2208,7 @@ void Api::run_generation(const ParsedRequest& pr, Prepared p, const std::shared_
     for (size_t i = 0; i < job->choices().size(); ++i) {
       state->text_offsets.push_back(0);
       state->echo_pending.push_back(rc.api == ApiKind::Completions && rc.echo && rc.logprobs);
-      state->chat.emplace_back();
+      state->chat.emplace_back(rc);
       state->calls_sent.push_back(0);
       state->prompt_lps_sent.push_back(false);
       state->ids_sent.push_back(0);

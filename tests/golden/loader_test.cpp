@@ -407,6 +407,27 @@ uint16_t to_f16(float f) {  // round to nearest even; finite normal or zero resu
   return static_cast<uint16_t>(sign | h);
 }
 
+// Each of I input channels' group in groups of gs: channel i's group is (i * mul + add) mod I / gs with act order
+// (a permutation when mul is prime to I), else i / gs.
+std::vector<int32_t> test_groups(int64_t I, int64_t gs, bool act_order, int64_t mul, int64_t add) {
+  std::vector<int32_t> gidx(static_cast<size_t>(I));
+  for (int64_t i = 0; i < I; ++i)
+    gidx[static_cast<size_t>(i)] = static_cast<int32_t>((act_order ? (i * mul + add) % I : i) / gs);
+  return gidx;
+}
+
+// The smallest and largest of row o's values in group k (0 included), over [O, I] tensor t.
+std::pair<float, float> group_range(const Tensor& t, int64_t o, int64_t I, const std::vector<int32_t>& gidx,
+                                    int64_t k) {
+  float lo = 0.0f, hi = 0.0f;
+  for (int64_t i = 0; i < I; ++i)
+    if (gidx[static_cast<size_t>(i)] == k) {
+      lo = std::min(lo, value_of(t, o * I + i));
+      hi = std::max(hi, value_of(t, o * I + i));
+    }
+  return {lo, hi};
+}
+
 // An I32 vector tensor of `v` (act order's group of each input channel).
 Tensor i32_tensor(const std::vector<int32_t>& v) {
   Tensor t = Tensor::empty_host({static_cast<int64_t>(v.size())}, DType::I32);
@@ -492,19 +513,12 @@ void write_gptq_pair(const std::string& family, const fs::path& gptq, const fs::
   std::map<std::string, Tensor> q_ts;
   rewrite_packed(family, ref, q_ts, [&](const std::string& n, Tensor& t) {
     const int64_t O = t.size(0), I = t.size(1), gs = g > 0 ? g : I, G = (I + gs - 1) / gs;
-    std::vector<int32_t> gidx(static_cast<size_t>(I));
-    for (int64_t i = 0; i < I; ++i)  // act order: channel i in group (i * 7 + 3) mod I / gs (a permutation)
-      gidx[static_cast<size_t>(i)] = static_cast<int32_t>((act_order ? (i * 7 + 3) % I : i) / gs);
+    const std::vector<int32_t> gidx = test_groups(I, gs, act_order, 7, 3);
     std::vector<uint32_t> qv(static_cast<size_t>(O * I)), zv(static_cast<size_t>(O * G));
     Tensor sc = Tensor::empty_host({G, O}, DType::F16), d = Tensor::empty_host({O, I}, DType::F32);
     for (int64_t o = 0; o < O; ++o)
       for (int64_t k = 0; k < G; ++k) {
-        float lo = 0.0f, hi = 0.0f;
-        for (int64_t i = 0; i < I; ++i)
-          if (gidx[static_cast<size_t>(i)] == k) {
-            lo = std::min(lo, value_of(t, o * I + i));
-            hi = std::max(hi, value_of(t, o * I + i));
-          }
+        const auto [lo, hi] = group_range(t, o, I, gidx, k);
         const uint16_t s16 = to_f16(hi > lo ? (hi - lo) / static_cast<float>(maxq) : 1.0f);
         const float s = f16_to_f32(s16);
         const int zero = std::clamp(static_cast<int>(std::lround(-lo / s)), v2 ? 0 : 1, maxq);
@@ -557,19 +571,12 @@ void write_ct_int_pair(const std::string& family, const fs::path& ct, const fs::
   std::map<std::string, Tensor> q_ts;
   rewrite_packed(family, ref, q_ts, [&](const std::string& n, Tensor& t) {
     const int64_t O = t.size(0), I = t.size(1), gs = g > 0 ? g : I, G = (I + gs - 1) / gs;
-    std::vector<int32_t> gidx(static_cast<size_t>(I));
-    for (int64_t i = 0; i < I; ++i)  // act order: channel i in group (i * 5 + 1) mod I / gs
-      gidx[static_cast<size_t>(i)] = static_cast<int32_t>((act_order ? (i * 5 + 1) % I : i) / gs);
+    const std::vector<int32_t> gidx = test_groups(I, gs, act_order, 5, 1);
     std::vector<int32_t> qv(static_cast<size_t>(O * I)), zv(static_cast<size_t>(O * G));
     Tensor sc = Tensor::empty_host({O, G}, DType::BF16), d = Tensor::empty_host({O, I}, DType::F32);
     for (int64_t o = 0; o < O; ++o)
       for (int64_t k = 0; k < G; ++k) {
-        float lo = 0.0f, hi = 0.0f;
-        for (int64_t i = 0; i < I; ++i)
-          if (gidx[static_cast<size_t>(i)] == k) {
-            lo = std::min(lo, value_of(t, o * I + i));
-            hi = std::max(hi, value_of(t, o * I + i));
-          }
+        const auto [lo, hi] = group_range(t, o, I, gidx, k);
         float s = symmetric ? std::max(-lo, hi) / static_cast<float>(qmax)
                             : (hi - lo) / static_cast<float>(qmax - qmin);
         const uint16_t s16 = f32_to_bf16(s > 0.0f ? s : 1.0f);

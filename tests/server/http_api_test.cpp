@@ -1154,6 +1154,15 @@ const std::string kCallsFG =
     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜>\n"
     "<｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
 
+// Tools f (an object's parameters) and g, and an unfinished chat body (no closing brace) asking with them for a reply
+// the fake engine makes of "hi", `calls` and an EOS.
+const std::string kToolsFG = R"([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "g"}}])";
+std::string tool_chat_body(const std::string& calls) {
+  return R"({"messages": [{"role": "user", "content": )" + json("hi" + calls + "#").dump() +
+         R"(}], "max_tokens": 500, "tools": )" + kToolsFG;
+}
+
 // --tool-call-parser deepseekv3: the tools reach the template, the calls in the output come back as tool_calls (whole
 // and streamed, finish_reason "tool_calls" when the model stopped after them). The fake engine repeats the prompt
 // "<bos>[tools:f,g,][user]<user content>[assistant]", where the user content holds the calls and a '#' (EOS).
@@ -1162,10 +1171,7 @@ TEST(HttpApi, ToolCalls) {
   o.tool_call_parser = "deepseekv3";
   TestServer s(o);
   const std::string calls = kCallsFG;
-  const std::string tools = R"([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
-      {"type": "function", "function": {"name": "g"}}])";
-  const std::string body = R"({"messages": [{"role": "user", "content": )" + json("hi" + calls + "#").dump() +
-                           R"(}], "max_tokens": 500, "tools": )" + tools;
+  const std::string tools = kToolsFG, body = tool_chat_body(calls);
   auto r = s.post("/v1/chat/completions", body + "}");
   ASSERT_EQ(r.status, 200) << r.body;
   auto ch = json::parse(r.body)["choices"][0];
@@ -1225,10 +1231,7 @@ TEST(HttpApi, KimiToolCalls) {
       "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\": 1}"
       "<|tool_call_end|><|tool_call_begin|>functions.g:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
       "<|tool_calls_section_end|>";
-  const std::string tools = R"([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
-      {"type": "function", "function": {"name": "g"}}])";
-  const std::string body = R"({"messages": [{"role": "user", "content": )" + json("hi" + calls + "#").dump() +
-                           R"(}], "max_tokens": 500, "tools": )" + tools;
+  const std::string tools = kToolsFG, body = tool_chat_body(calls);
   auto r = s.post("/v1/chat/completions", body + "}");
   ASSERT_EQ(r.status, 200) << r.body;
   auto ch = json::parse(r.body)["choices"][0];
@@ -1240,8 +1243,7 @@ TEST(HttpApi, KimiToolCalls) {
   EXPECT_EQ(ch["message"]["tool_calls"][0]["function"]["arguments"], "{\"a\": 1}");
   EXPECT_EQ(ch["message"]["tool_calls"][1]["id"], "functions.g:1");
   // DeepSeek's markers are plain text to this parser.
-  const std::string ds_body = R"({"messages": [{"role": "user", "content": )" + json("hi" + kCallsFG + "#").dump() +
-                              R"(}], "max_tokens": 500, "tools": )" + tools + "}";
+  const std::string ds_body = tool_chat_body(kCallsFG) + "}";
   ch = json::parse(s.post("/v1/chat/completions", ds_body).body)["choices"][0];
   EXPECT_FALSE(ch["message"].contains("tool_calls"));
   // tool_choice "required" writes Kimi's special tokens, which the fake tokenizer lacks: a 400 naming them.
