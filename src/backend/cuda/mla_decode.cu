@@ -35,6 +35,25 @@ namespace mlaserve::cuda {
 
 namespace {
 
+// O += P V for one 16-key step of a warp: `a` the 16 x 16 P fragment, `vbase` this lane's ldmatrix address of the
+// first 16 x 16 V block of the warp's columns; o holds NTO n8 tiles. All B fragments of a
+// group are issued back to back, then the MMAs.
+template <int NTO>
+__device__ __forceinline__ void mma_pv_step(float (&o)[NTO][4], const uint32_t (&a)[4], const bf16* vbase) {
+  constexpr int NB = NTO / 2 < 8 ? NTO / 2 : 8;
+#pragma unroll
+  for (int n0 = 0; n0 < NTO / 2; n0 += NB) {
+    uint32_t b[NB][4];
+#pragma unroll
+    for (int j = 0; j < NB; ++j) ldmatrix_x4_trans(b[j], vbase + (n0 + j) * 16);
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      mma_bf16(o[2 * (n0 + j)], a, b[j][0], b[j][1]);
+      mma_bf16(o[2 * (n0 + j) + 1], a, b[j][2], b[j][3]);
+    }
+  }
+}
+
 template <int HB, int NW, int STAGES, int BN_, int KSPLIT_ = 1>
 struct DecodeCfg {
   static constexpr int KSPLIT = KSPLIT_;    // warps sharing one S tile, each over a slice of the 576 dims
@@ -230,20 +249,7 @@ __global__ void __launch_bounds__(NW * 32) mla_decode_fast_kernel(const MlaDecod
       for (int ks = 0; ks < BN / 16; ++ks) {
         uint32_t a[4];
         ldmatrix_x4(a, sP + (pv_mt * 16 + (lane & 15)) * C::LDP + ks * 16 + (lane >> 4) * 8);
-        const bf16* vbase = K + (ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + pv_cg * C::DVW + (lane >> 4) * 8;
-        // All B fragments of this k step first (issued back to back), then the MMAs.
-        constexpr int NB = C::NTO / 2 < 8 ? C::NTO / 2 : 8;
-#pragma unroll
-        for (int n0 = 0; n0 < C::NTO / 2; n0 += NB) {
-          uint32_t b[NB][4];
-#pragma unroll
-          for (int j = 0; j < NB; ++j) ldmatrix_x4_trans(b[j], vbase + (n0 + j) * 16);
-#pragma unroll
-          for (int j = 0; j < NB; ++j) {
-            mma_bf16(o[2 * (n0 + j)], a, b[j][0], b[j][1]);
-            mma_bf16(o[2 * (n0 + j) + 1], a, b[j][2], b[j][3]);
-          }
-        }
+        mma_pv_step(o, a, K + (ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + pv_cg * C::DVW + (lane >> 4) * 8);
       }
     }
   }
@@ -560,19 +566,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, MINB) mla_decode_ws_kernel(cons
     // O += P V  (V = the first 512 columns of the cache tile; this warp's DVW columns)
 #pragma unroll
     for (int j = 0; j < PK; ++j) {
-      const bf16* vbase = K + (j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + warp * C::DVW + (lane >> 4) * 8;
-      constexpr int NB = C::NTO / 2 < 8 ? C::NTO / 2 : 8;
-#pragma unroll
-      for (int n0 = 0; n0 < C::NTO / 2; n0 += NB) {
-        uint32_t b[NB][4];
-#pragma unroll
-        for (int q = 0; q < NB; ++q) ldmatrix_x4_trans(b[q], vbase + (n0 + q) * 16);
-#pragma unroll
-        for (int q = 0; q < NB; ++q) {
-          mma_bf16(o[2 * (n0 + q)], pa[j], b[q][0], b[q][1]);
-          mma_bf16(o[2 * (n0 + q) + 1], pa[j], b[q][2], b[q][3]);
-        }
-      }
+      mma_pv_step(o, pa[j], K + (j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + warp * C::DVW + (lane >> 4) * 8);
     }
     if constexpr (!FP8) {
       __syncwarp();
