@@ -288,6 +288,10 @@ class Backend {
   // Whether moe_experts takes routed experts kept in FP8 (F8_E4M3 gate_up / down with their BlockScales): the loader
   // then keeps an FP8 checkpoint's experts quantized (half the memory of bf16) instead of dequantizing them.
   virtual bool takes_fp8_experts() const { return false; }
+  // Whether moe_experts takes routed experts kept in INT4 (U8 gate_up / down of code pairs with BlockScales holding
+  // scales and zeros): the loader then keeps a 4-bit checkpoint's experts quantized (about a quarter of the memory of
+  // bf16).
+  virtual bool takes_int4_experts() const { return false; }
   // out[T, H] = sum_k w * down_e(silu(gate_e x) * up_e x) over the experts in [expert_begin, expert_begin + E).
   // gate_up: [E, 2I, H] (gate rows then up rows), down: [E, H, I]. With shared experts (shared_gate_up [2 Is, H] and
   // shared_down [H, Is], both or neither) their MLP is added: out = routed + down_s(silu(gate_s x) * up_s x), each

@@ -48,6 +48,7 @@ class ForwardingBackend : public Backend {
   void end_step() override { b_.end_step(); }
   bool supports_graphs() const override { return b_.supports_graphs(); }
   bool takes_fp8_experts() const override { return b_.takes_fp8_experts(); }
+  bool takes_int4_experts() const override { return b_.takes_int4_experts(); }
   int32_t graph_variant(const ForwardBatch& b) const override { return b_.graph_variant(b); }
   std::vector<int32_t> graph_variant_contexts() const override { return b_.graph_variant_contexts(); }
   void begin_graph_step(const ForwardBatch& b) override { b_.begin_graph_step(b); }

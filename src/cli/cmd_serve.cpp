@@ -109,7 +109,7 @@ struct ServeArgs {
   std::string response_role = "assistant";   // vLLM's --response-role
   bool trust_request_chat_template = false;  // vLLM's: requests' own chat_template taken
   std::string completion_template;
-  std::string fp8_experts = "auto";
+  std::string fp8_experts = "auto", int4_experts = "auto";
   // Speculative decoding: SGLang's --speculative-algorithm NGRAM and its sizes, or vLLM's --speculative-config JSON.
   std::string speculative_algorithm, speculative_config;
   int32_t speculative_num_draft_tokens = 0;  // 0: the default (4) with an algorithm
@@ -738,6 +738,9 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--fp8-experts", a->fp8_experts,
                  "FP8 routed experts: auto|on (kept FP8: half the memory)|off (bf16 at load)")
       ->capture_default_str();
+  app.add_option("--int4-experts", a->int4_experts,
+                 "4-bit routed experts (AWQ, GPTQ, compressed-tensors): auto|on (kept INT4)|off (bf16 at load)")
+      ->capture_default_str();
   app.add_option("--max-body-bytes", a->max_body_bytes, "largest request body accepted")->capture_default_str();
   app.add_option("--num-http-threads", a->num_http_threads,
                  "HTTP io threads (0: half the cores, 4 to 16; streaming many requests needs several)")
@@ -934,6 +937,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     ea.device = s.device;
     ea.load_format = s.load_format;
     ea.fp8_experts = s.fp8_experts;
+    ea.int4_experts = s.int4_experts;
     ea.quantization = s.quantization;
     ea.seed = s.random_seed;
     ea.tp_size = s.tp;

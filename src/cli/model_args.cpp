@@ -15,6 +15,9 @@ void ModelArgs::add_to(CLI::App& app) {
   app.add_option("--fp8-experts", fp8_experts,
                  "FP8 routed experts: auto|on (kept FP8: half the memory)|off (bf16 at load)")
       ->capture_default_str();
+  app.add_option("--int4-experts", int4_experts,
+                 "4-bit routed experts (AWQ, GPTQ, compressed-tensors): auto|on (kept INT4)|off (bf16 at load)")
+      ->capture_default_str();
   app.add_option("--quantization", quantization, "fp8: quantize a bf16 checkpoint's routed experts to FP8 at load")
       ->check(CLI::IsMember({"fp8"}));
   app.add_option("--mla-form", mla_form, "auto|expanded|absorbed (auto: expanded for prefill, absorbed for decode)")
@@ -69,7 +72,8 @@ MlaForm ModelArgs::form() const {
 LoadOptions ModelArgs::load_options() const {
   LoadOptions lo;
   lo.dummy = load_format == "dummy";
-  lo.fp8_experts = parse_fp8_experts(fp8_experts);
+  lo.fp8_experts = parse_keep_quantized(fp8_experts, "--fp8-experts");
+  lo.int4_experts = parse_keep_quantized(int4_experts, "--int4-experts");
   lo.quantize_fp8 = quantization == "fp8";
   lo.seed = seed;
   return lo;

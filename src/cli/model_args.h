@@ -17,6 +17,7 @@ struct ModelArgs {
   std::string device = "auto";
   std::string load_format = "auto";
   std::string fp8_experts = "auto";
+  std::string int4_experts = "auto";
   std::string quantization;
   std::string mla_form = "auto";
   int32_t page_size = 16;

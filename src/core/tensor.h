@@ -54,8 +54,8 @@ class Tensor {
   Tensor reshape(Shape shape) const;
   // Rows [begin, end) along dim 0 (contiguous, no copy).
   Tensor rows(int64_t begin, int64_t end) const;
-  // FP8 weights kept quantized (F8_E4M3): the scales of their blocks (BlockScales), null otherwise. reshape and rows
-  // views drop them (the blocks are of the whole tensor's last two dims).
+  // Weights kept quantized (F8_E4M3, or INT4 pairs in U8): the scales of their blocks (BlockScales), null otherwise.
+  // reshape and rows views drop them (the blocks are of the whole tensor's last two dims).
   const BlockScales* block_scales() const { return scales_.get(); }
   void set_block_scales(std::shared_ptr<const BlockScales> s) { scales_ = std::move(s); }
 
@@ -70,9 +70,14 @@ class Tensor {
 
 // The F32 scale of each block_rows x block_cols block of an F8_E4M3 tensor [..., R, C]: scale [..., ceil(R /
 // block_rows), ceil(C / block_cols)]; element (.., r, c) is f8 * scale[.., r / block_rows, c / block_cols].
+// INT4 weights: a U8 tensor [..., R, C / 2] holds two 4-bit codes per byte (column 2 j in the low nibble), `zero`
+// (F32, scale's shape) each block's zero point; element (.., r, c) is (code - zero) * scale of its block.
 struct BlockScales {
   Tensor scale;
   int64_t block_rows = 0, block_cols = 0;
+  Tensor zero;  // INT4 only
+
+  bool int4() const { return zero.defined(); }
 };
 
 }  // namespace mlaserve

@@ -36,7 +36,8 @@ ParallelConfig parallel_config(const EngineArgs& a, int32_t dp_groups) {
 LoadOptions load_options(const EngineArgs& a) {
   LoadOptions lo;
   lo.dummy = a.load_format == "dummy";
-  lo.fp8_experts = parse_fp8_experts(a.fp8_experts);
+  lo.fp8_experts = parse_keep_quantized(a.fp8_experts, "--fp8-experts");
+  lo.int4_experts = parse_keep_quantized(a.int4_experts, "--int4-experts");
   MLA_CHECK(a.quantization.empty() || a.quantization == "fp8", "quantization: expected fp8 or none, got '{}'",
             a.quantization);
   lo.quantize_fp8 = a.quantization == "fp8";

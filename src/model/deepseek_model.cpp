@@ -22,11 +22,11 @@ namespace {
 std::string layer_name(int64_t l, const char* rest) { return fmt::format("model.layers.{}.{}", l, rest); }
 }  // namespace
 
-LoadOptions::Fp8Experts parse_fp8_experts(const std::string& s) {
-  if (s == "auto") return LoadOptions::Fp8Experts::Auto;
-  if (s == "on") return LoadOptions::Fp8Experts::On;
-  MLA_CHECK(s == "off", "--fp8-experts: expected auto, on or off, got '{}'", s);
-  return LoadOptions::Fp8Experts::Off;
+LoadOptions::KeepQuantized parse_keep_quantized(const std::string& s, const char* flag) {
+  if (s == "auto") return LoadOptions::KeepQuantized::Auto;
+  if (s == "on") return LoadOptions::KeepQuantized::On;
+  MLA_CHECK(s == "off", "{}: expected auto, on or off, got '{}'", flag, s);
+  return LoadOptions::KeepQuantized::Off;
 }
 
 // Reads one tensor block [r0, r0 + rows) x [c0, c0 + cols) of a checkpoint tensor (or makes it, for dummy
@@ -96,26 +96,16 @@ class DeepseekModel::Loader {
       be_.fill_random(view, fnv1a64(name) ^ splitmix64(opts_.seed), mean, stddev, full_cols, r0, c0);
       return;
     }
-    if (!ckpt_->has(name) && name.ends_with(".weight")) {  // a packed integer linear's parts instead
-      const std::string stem = name.substr(0, name.size() - 7);
-      const bool gptq_like = quant_ == QuantMethod::Awq || quant_ == QuantMethod::Gptq;
-      if (gptq_like && ckpt_->has(stem + ".qweight")) {
-        be_.upload_into(quant_ == QuantMethod::Awq ? dequantize_awq(stem, full, r0, c0, nr, nc)
-                                                   : dequantize_gptq(stem, full, r0, c0, nr, nc),
-                        dst);
-        return;
-      }
-      if (quant_ == QuantMethod::CtInt && ckpt_->has(stem + ".weight_packed")) {
-        be_.upload_into(dequantize_ct_int(stem, full, r0, c0, nr, nc), dst);
-        return;
-      }
+    if (packed_integer(name)) {
+      be_.upload_into(dequantize(int_slice(name.substr(0, name.size() - 7), full, r0, c0, nr, nc)), dst);
+      return;
     }
     const TensorInfo& info = ckpt_->get(name);
     used_.insert(name);
     MLA_CHECK(info.shape == full, "{}: tensor '{}' has shape {}, expected {} from config.json", info.file, name,
               shape_str(info.shape), shape_str(full));
     if (info.dtype == DType::I8 && quant_ == QuantMethod::CtInt) {  // int-quantized: the codes as they are
-      be_.upload_into(dequantize_ct_int(name.substr(0, name.size() - 7), full, r0, c0, nr, nc), dst);
+      be_.upload_into(dequantize(int_slice(name.substr(0, name.size() - 7), full, r0, c0, nr, nc)), dst);
       return;
     }
     if (info.dtype == DType::F8_E4M3) {
@@ -247,10 +237,12 @@ class DeepseekModel::Loader {
   int64_t block_rows() const { return block_rows_; }
   int64_t block_cols() const { return block_cols_; }
   void set_keep_fp8(bool keep) { keep_fp8_ = keep; }
+  void set_keep_int4(bool keep) { keep_int4_ = keep; }
 
   void set_quant(const ModelConfig& c) {
     quant_ = c.quant;
     keep_fp8_ = false;
+    keep_int4_ = false;
     block_rows_ = c.quant_block_rows;
     block_cols_ = c.quant_block_cols;
     group_ = c.quant_group;
@@ -361,11 +353,143 @@ class DeepseekModel::Loader {
     return {reinterpret_cast<const uint32_t*>(qw.data), reinterpret_cast<const uint32_t*>(qz.data), scales_of(sc)};
   }
 
-  // Rows (output channels) [r0, r0 + nr) x columns (input channels) [c0, c0 + nc) of the AWQ linear `stem` (full:
-  // [out, in]) as an F32 host tensor: w[o][i] = (q[i][o] - z[i / g][o]) * s[i / g][o], where `qweight` [in, out / 8]
-  // and `qzeros` [in / g, out / 8] (int32) hold 8 four-bit values each, output channel 8 k + j in the nibble at bits
-  // 4 kAwqNibble[j] (AutoAWQ's packing order), and `scales` [in / g, out] (F16, BF16 or F32).
-  Tensor dequantize_awq(const std::string& stem, const Shape& full, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
+  // Whether the weight `name` (...weight) is a packed integer linear's parts in the checkpoint (AWQ / GPTQ `qweight`,
+  // compressed-tensors `weight_packed`).
+  bool packed_integer(const std::string& name) const {
+    if (!name.ends_with(".weight") || ckpt_->has(name)) return false;
+    const std::string stem = name.substr(0, name.size() - 7);
+    if (quant_ == QuantMethod::Awq || quant_ == QuantMethod::Gptq) return ckpt_->has(stem + ".qweight");
+    return quant_ == QuantMethod::CtInt && ckpt_->has(stem + ".weight_packed");
+  }
+
+  // A slice of a packed integer linear: rows (output channels) [r0, r0 + nr) x columns (input channels) [c0, c0 + nc)
+  // as integer codes, each element's value (q - z) * s with z and s those of its row and its column's group.
+  struct IntSlice {
+    IntSlice(int64_t rows, int64_t cols, int64_t groups, int32_t shift = 0)
+        : nr(rows), nc(cols), G(groups), code_shift(shift), q(static_cast<size_t>(rows * cols)),
+          group(static_cast<size_t>(cols)) {}
+    int64_t nr = 0, nc = 0, G = 0;
+    int32_t code_shift = 0;      // q + code_shift is the unsigned code of `bits` bits (z + code_shift its zero)
+    std::vector<int32_t> q;      // [nr, nc]
+    std::vector<int32_t> group;  // [nc]: each column's group in [0, G)
+    std::vector<int32_t> z;      // [nr, G]
+    std::vector<float> s;        // [nr, G]
+  };
+
+  // The slice's values as an F32 host tensor [nr, nc]: float(q - z) * s.
+  static Tensor dequantize(const IntSlice& t) {
+    Tensor out = Tensor::empty_host({t.nr, t.nc}, DType::F32);
+    float* o = out.data_as<float>();
+    parallel_for(t.nr, 8, [&](int64_t rb, int64_t re) {
+      for (int64_t r = rb; r < re; ++r)
+        for (int64_t c = 0; c < t.nc; ++c) {
+          const size_t g = static_cast<size_t>(r * t.G + t.group[static_cast<size_t>(c)]);
+          o[r * t.nc + c] = static_cast<float>(t.q[static_cast<size_t>(r * t.nc + c)] - t.z[g]) * t.s[g];
+        }
+    });
+    return out;
+  }
+
+ public:
+  // Whether a 4-bit checkpoint's (AWQ, GPTQ, compressed-tensors pack-quantized) routed experts stay INT4 on this
+  // backend, and the columns per group of their gate / up rows and of their down rows (`group_cols`, 0 if not):
+  // the backend takes them, keeping was asked for, and the slices of expert 0 (`local` rows of gate at `offset`, the
+  // same columns of down) have groups of whole runs of columns (no act order across them) of a multiple of 8 columns
+  // or one group per row, with columns in 8-element vectors.
+  bool keep_int4_experts(const std::string& prefix, int64_t full_inter, int64_t local, int64_t offset, int64_t H,
+                         std::pair<int64_t, int64_t>& group_cols) {
+    const bool format = quant_ == QuantMethod::Awq || quant_ == QuantMethod::Gptq || quant_ == QuantMethod::CtInt;
+    if (!keep_int4_ || !format || bits_ != 4 || !be_.takes_int4_experts() || H % 8 || local % 8) return false;
+    if (opts_.dummy) {  // the config's groups
+      const int64_t g = group_ > 0 ? group_ : 0;
+      group_cols = {g > 0 && g < H ? g : H, g > 0 && g < local ? g : local};
+      if (g > 0 && (g % 8 || offset % g)) return false;
+      return true;
+    }
+    const std::string gate = prefix + "gate_proj.weight", down = prefix + "down_proj.weight";
+    if (!packed_integer(gate) || !packed_integer(down)) return false;
+    group_cols = {slice_group_cols(int_slice(gate.substr(0, gate.size() - 7), {full_inter, H}, offset, 0, 8, H)),
+                  slice_group_cols(int_slice(down.substr(0, down.size() - 7), {H, full_inter}, 0, offset, 8, local))};
+    return group_cols.first > 0 && group_cols.second > 0;
+  }
+
+  // The columns per group of a slice whose groups are consecutive runs of one length (the last may be shorter), a
+  // multiple of 8 or the whole row; 0 otherwise.
+  static int64_t slice_group_cols(const IntSlice& t) {
+    int64_t g = 1;
+    while (g < t.nc && t.group[static_cast<size_t>(g)] == t.group[0]) ++g;
+    if (g < t.nc && g % 8) return 0;
+    for (int64_t c = 0; c < t.nc; ++c)
+      if (t.group[static_cast<size_t>(c)] != t.group[0] + c / g) return 0;
+    return g;
+  }
+
+  // Rows [r0, r0 + codes rows) x columns [c0, c0 + 2 x codes cols) of the 4-bit linear `name` kept INT4: their codes
+  // in pairs into `codes` (U8), each row's groups of `group_cols` columns' scales and zero points into `scale` and
+  // `zero` (F32 [rows, ceil(cols / group_cols)]); dummy weights: random codes about zero point 8, scaled to about
+  // N(0, 1 / cols) like the bf16 dummies.
+  void load_int4(const std::string& name, const Shape& full, int64_t r0, int64_t c0, int64_t group_cols, Tensor codes,
+                 Tensor scale, Tensor zero) {
+    const int64_t nr = codes.size(0), nc = 2 * codes.size(1), ng = scale.size(1);
+    bytes_ += static_cast<int64_t>(codes.nbytes() + scale.nbytes() + zero.nbytes());
+    place(name, full, r0, c0, codes, scale, 1, group_cols, zero);
+    Tensor hc = Tensor::empty_host(codes.shape(), DType::U8), hs = Tensor::empty_host(scale.shape(), DType::F32);
+    Tensor hz = Tensor::empty_host(zero.shape(), DType::F32);
+    uint8_t* q = hc.data_as<uint8_t>();
+    float *sv = hs.data_as<float>(), *zv = hz.data_as<float>();
+    if (opts_.dummy) {
+      const uint64_t seed = fnv1a64(name) ^ splitmix64(opts_.seed) ^ static_cast<uint64_t>(r0 * 131 + c0);
+      for (int64_t i = 0; i < hc.numel(); ++i) q[i] = static_cast<uint8_t>(splitmix64(seed + static_cast<uint64_t>(i)));
+      std::fill(zv, zv + hz.numel(), 8.0f);
+      std::fill(sv, sv + hs.numel(), 1.0f / (4.6f * std::sqrt(static_cast<float>(full[1]))));  // codes' std ~4.6
+    } else {
+      const IntSlice t = int_slice(name.substr(0, name.size() - 7), full, r0, c0, nr, nc);
+      MLA_CHECK(slice_group_cols(t) == group_cols || (nc <= group_cols && slice_group_cols(t) == nc),
+                "'{}': its rows [{}, {}) x columns [{}, {}) are not in groups of {} columns as expert 0's are; load "
+                "the experts dequantized (--int4-experts off)", name, r0, r0 + nr, c0, c0 + nc, group_cols);
+      for (int64_t r = 0; r < nr; ++r) {
+        for (int64_t c = 0; c < nc; c += 2) {
+          const int32_t a = t.q[static_cast<size_t>(r * nc + c)] + t.code_shift;
+          const int32_t b = t.q[static_cast<size_t>(r * nc + c + 1)] + t.code_shift;
+          MLA_CHECK(a >= 0 && a < 16 && b >= 0 && b < 16, "'{}': code {} is not 4-bit", name, a < 0 || a > 15 ? a : b);
+          q[r * (nc / 2) + c / 2] = static_cast<uint8_t>(a | (b << 4));
+        }
+        for (int64_t j = 0; j < ng; ++j) {
+          const size_t g = static_cast<size_t>(r * t.G + t.group[static_cast<size_t>(j * group_cols)]);
+          sv[r * ng + j] = t.s[g];
+          zv[r * ng + j] = static_cast<float>(t.z[g] + t.code_shift);
+        }
+      }
+    }
+    be_.upload_into(hc, codes);
+    be_.upload_into(hs, scale);
+    be_.upload_into(hz, zero);
+  }
+
+ private:
+  // The packed integer linear `stem` (AWQ, GPTQ or compressed-tensors; full: [out, in]) sliced.
+  IntSlice int_slice(const std::string& stem, const Shape& full, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
+    if (quant_ == QuantMethod::Awq) return awq_slice(stem, full, r0, c0, nr, nc);
+    if (quant_ == QuantMethod::Gptq) return gptq_slice(stem, full, r0, c0, nr, nc);
+    return ct_int_slice(stem, full, r0, c0, nr, nc);
+  }
+
+  // The slice's per-row z and s of groups [0, G): z_of(oc, g), s_of(oc, g) for output channel oc = r0 + r.
+  template <class Z, class S>
+  static void fill_groups(IntSlice& t, int64_t r0, Z z_of, S s_of) {
+    t.z.resize(static_cast<size_t>(t.nr * t.G));
+    t.s.resize(t.z.size());
+    for (int64_t r = 0; r < t.nr; ++r)
+      for (int64_t g = 0; g < t.G; ++g) {
+        t.z[static_cast<size_t>(r * t.G + g)] = z_of(r0 + r, g);
+        t.s[static_cast<size_t>(r * t.G + g)] = s_of(r0 + r, g);
+      }
+  }
+
+  // AWQ: w[o][i] = (q[i][o] - z[i / g][o]) * s[i / g][o], where `qweight` [in, out / 8] and `qzeros` [in / g, out /
+  // 8] (int32) hold 8 four-bit values each, output channel 8 k + j in the nibble at bits 4 kAwqNibble[j] (AutoAWQ's
+  // packing order), and `scales` [in / g, out] (F16, BF16 or F32).
+  IntSlice awq_slice(const std::string& stem, const Shape& full, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
     static constexpr int kAwqNibble[8] = {0, 4, 1, 5, 2, 6, 3, 7};
     const TensorInfo& qw = ckpt_->get(stem + ".qweight");
     MLA_CHECK(full.size() == 2 && full[0] % 8 == 0 && full[1] % group_ == 0,
@@ -376,20 +500,22 @@ class DeepseekModel::Loader {
     const Packed pk = packed_parts(stem, "AWQ", {I, O / 8}, {G, O / 8}, {G, O},
                                    fmt::format("a [{}, {}] weight in groups of {}", O, I, group_));
     const uint32_t *q = pk.q, *z = pk.z;
-    const std::vector<float>& scales = pk.scales;
-    Tensor out = Tensor::empty_host({nr, nc}, DType::F32);
-    float* o = out.data_as<float>();
+    IntSlice t(nr, nc, G);
+    for (int64_t c = 0; c < nc; ++c) t.group[static_cast<size_t>(c)] = static_cast<int32_t>((c0 + c) / group_);
     parallel_for(nr, 8, [&](int64_t rb, int64_t re) {
-      for (int64_t c = 0; c < nc; ++c) {
-        const int64_t i = c0 + c, g = i / group_;
-        for (int64_t r = rb; r < re; ++r) {
-          const int64_t oc = r0 + r, shift = 4 * kAwqNibble[oc % 8];
-          const int64_t qv = (q[i * (O / 8) + oc / 8] >> shift) & 15, zv = (z[g * (O / 8) + oc / 8] >> shift) & 15;
-          o[r * nc + c] = static_cast<float>(qv - zv) * scales[static_cast<size_t>(g * O + oc)];
-        }
+      for (int64_t r = rb; r < re; ++r) {
+        const int64_t oc = r0 + r, shift = 4 * kAwqNibble[oc % 8];
+        for (int64_t c = 0; c < nc; ++c)
+          t.q[static_cast<size_t>(r * nc + c)] = static_cast<int32_t>((q[(c0 + c) * (O / 8) + oc / 8] >> shift) & 15);
       }
     });
-    return out;
+    fill_groups(
+        t, r0,
+        [&](int64_t oc, int64_t g) {
+          return static_cast<int32_t>((z[g * (O / 8) + oc / 8] >> (4 * kAwqNibble[oc % 8])) & 15);
+        },
+        [&](int64_t oc, int64_t g) { return pk.scales[static_cast<size_t>(g * O + oc)]; });
+    return t;
   }
 
   // Each of the I input channels' group among G: the act-order tensor `gn` (I32 [I]) when the checkpoint has it
@@ -410,12 +536,11 @@ class DeepseekModel::Loader {
     return g_idx;
   }
 
-  // Rows (output channels) [r0, r0 + nr) x columns (input channels) [c0, c0 + nc) of the GPTQ linear `stem` (full:
-  // [out, in]) as an F32 host tensor: w[o][i] = (q[i][o] - z[g][o] - zero_offset) * s[g][o], g = g_idx[i] (act
-  // order) or i / group; `qweight` [in / p, out] and `qzeros` [groups, out / p] (int32) hold p = 32 / bits values
-  // each, value k at bits k * bits (qweight along the input channels, qzeros along the output ones), `scales`
-  // [groups, out] (F16, BF16 or F32), `g_idx` [in] (int32, optional).
-  Tensor dequantize_gptq(const std::string& stem, const Shape& full, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
+  // GPTQ: w[o][i] = (q[i][o] - z[g][o] - zero_offset) * s[g][o], g = g_idx[i] (act order) or i / group; `qweight`
+  // [in / p, out] and `qzeros` [groups, out / p] (int32) hold p = 32 / bits values each, value k at bits k * bits
+  // (qweight along the input channels, qzeros along the output ones), `scales` [groups, out] (F16, BF16 or F32),
+  // `g_idx` [in] (int32, optional).
+  IntSlice gptq_slice(const std::string& stem, const Shape& full, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
     const std::string gn = stem + ".g_idx";
     const TensorInfo& qw = ckpt_->get(stem + ".qweight");
     const int64_t p = 32 / bits_;
@@ -428,34 +553,35 @@ class DeepseekModel::Loader {
                                                group_ > 0 ? fmt::format("groups of {}", group_) : "one group"));
     const std::vector<int32_t> g_idx = input_groups(gn, I, group_ > 0 ? group_ : I, G);
     const uint32_t *q = pk.q, *z = pk.z;
-    const std::vector<float>& scales = pk.scales;
     const uint32_t mask = (1u << bits_) - 1u;
-    Tensor out = Tensor::empty_host({nr, nc}, DType::F32);
-    float* o = out.data_as<float>();
+    IntSlice t(nr, nc, G);
+    t.group.assign(g_idx.begin() + c0, g_idx.begin() + c0 + nc);
     parallel_for(nr, 8, [&](int64_t rb, int64_t re) {
-      for (int64_t c = 0; c < nc; ++c) {
-        const int64_t i = c0 + c, g = g_idx[static_cast<size_t>(i)];
-        const int64_t qshift = bits_ * (i % p);
-        for (int64_t r = rb; r < re; ++r) {
-          const int64_t oc = r0 + r;
-          const int64_t qv = (q[(i / p) * O + oc] >> qshift) & mask;
-          const int64_t zv = (z[g * (O / p) + oc / p] >> (bits_ * (oc % p))) & mask;
-          o[r * nc + c] = static_cast<float>(qv - zv - zero_offset_) * scales[static_cast<size_t>(g * O + oc)];
+      for (int64_t r = rb; r < re; ++r)
+        for (int64_t c = 0; c < nc; ++c) {
+          const int64_t i = c0 + c;
+          t.q[static_cast<size_t>(r * nc + c)] =
+              static_cast<int32_t>((q[(i / p) * O + r0 + r] >> (bits_ * (i % p))) & mask);
         }
-      }
     });
-    return out;
+    fill_groups(
+        t, r0,
+        [&](int64_t oc, int64_t g) {
+          return static_cast<int32_t>((z[g * (O / p) + oc / p] >> (bits_ * (oc % p))) & mask) +
+                 static_cast<int32_t>(zero_offset_);
+        },
+        [&](int64_t oc, int64_t g) { return pk.scales[static_cast<size_t>(g * O + oc)]; });
+    return t;
   }
 
-  // Rows (output channels) [r0, r0 + nr) x columns (input channels) [c0, c0 + nc) of the compressed-tensors integer
-  // linear `stem` (full: [out, in]) as an F32 host tensor: w[o][i] = (q[o][i] - z[o][g]) * s[o][g]. pack-quantized:
+  // compressed-tensors integers: w[o][i] = (q[o][i] - z[o][g]) * s[o][g]. pack-quantized:
   // `weight_packed` [out, ceil(in / p)] (int32 words of p = 32 / bits values along the input channels, value k at
   // bits k * bits, stored plus 2^(bits - 1)); int-quantized: `weight` (I8 [out, in]). `weight_scale` [out, groups]
   // (or [out], one per channel, or one number: the tensor), groups of ceil(in / groups) input channels unless
   // `weight_g_idx` (I32 [in]) assigns them; `weight_zero_point` (asymmetric; absent: 0) [ceil(out / p), groups]
   // packed along the output channels like the weights, or I8 [out, groups]. `weight_shape` ([out, in]) is checked.
-  Tensor dequantize_ct_int(const std::string& stem, const Shape& full, int64_t r0, int64_t c0, int64_t nr,
-                           int64_t nc) {
+  IntSlice ct_int_slice(const std::string& stem, const Shape& full, int64_t r0, int64_t c0, int64_t nr,
+                        int64_t nc) {
     const std::string pn = stem + ".weight_packed", wn = stem + ".weight", sn = stem + ".weight_scale",
                       zn = stem + ".weight_zero_point", gn = stem + ".weight_g_idx", shn = stem + ".weight_shape";
     const bool packed = ckpt_->has(pn);
@@ -519,23 +645,24 @@ class DeepseekModel::Loader {
     const auto* words = reinterpret_cast<const uint32_t*>(w.data);
     const auto* bytes = reinterpret_cast<const int8_t*>(w.data);
     const int64_t wpr = (I + p - 1) / p;  // words per row
-    Tensor out = Tensor::empty_host({nr, nc}, DType::F32);
-    float* o = out.data_as<float>();
+    IntSlice t(nr, nc, G, packed ? static_cast<int32_t>(offset) : 0);
+    t.group.assign(g_idx.begin() + c0, g_idx.begin() + c0 + nc);
     parallel_for(nr, 8, [&](int64_t rb, int64_t re) {
       for (int64_t r = rb; r < re; ++r) {
         const int64_t oc = r0 + r;
         for (int64_t c = 0; c < nc; ++c) {
-          const int64_t i = c0 + c, g = g_idx[static_cast<size_t>(i)];
-          const int32_t qv = packed ? static_cast<int32_t>((words[oc * wpr + i / p] >> (bits_ * (i % p))) & mask) -
-                                          static_cast<int32_t>(offset)
-                                    : bytes[oc * I + i];
-          const int32_t zv = zeros.empty() ? 0 : zeros[static_cast<size_t>(oc * G + g)];
-          const float s = per_tensor ? scales[0] : scales[static_cast<size_t>(oc * G + g)];
-          o[r * nc + c] = static_cast<float>(qv - zv) * s;
+          const int64_t i = c0 + c;
+          t.q[static_cast<size_t>(r * nc + c)] =
+              packed ? static_cast<int32_t>((words[oc * wpr + i / p] >> (bits_ * (i % p))) & mask) -
+                           static_cast<int32_t>(offset)
+                     : bytes[oc * I + i];
         }
       }
     });
-    return out;
+    fill_groups(
+        t, r0, [&](int64_t oc, int64_t g) { return zeros.empty() ? 0 : zeros[static_cast<size_t>(oc * G + g)]; },
+        [&](int64_t oc, int64_t g) { return per_tensor ? scales[0] : scales[static_cast<size_t>(oc * G + g)]; });
+    return t;
   }
 
   Backend& be_;
@@ -546,6 +673,7 @@ class DeepseekModel::Loader {
   int64_t block_rows_ = 0, block_cols_ = 0, group_ = 0, bits_ = 4, zero_offset_ = 1;
   std::string block_scale_name_ = ".weight_scale_inv";  // Fp8Block's scales (compressed-tensors: .weight_scale)
   bool keep_fp8_ = false;  // routed experts of an FP8 block checkpoint stay FP8 (where keep_fp8_experts allows)
+  bool keep_int4_ = false;  // routed experts of a 4-bit checkpoint stay INT4 (where keep_int4_experts allows)
   std::set<std::string> used_;
   int64_t bytes_ = 0;
   std::vector<Tensor>& held_;
@@ -554,8 +682,10 @@ class DeepseekModel::Loader {
   std::unordered_map<std::string, std::vector<Placement>>* placed_ = nullptr;
 
   void place(const std::string& name, const Shape& full, int64_t r0, int64_t c0, Tensor dst, Tensor scales = {},
-             int64_t br = 0, int64_t bc = 0) {
-    if (placed_) (*placed_)[name].push_back(Placement{full, r0, c0, std::move(dst), std::move(scales), br, bc});
+             int64_t br = 0, int64_t bc = 0, Tensor zeros = {}) {
+    if (placed_)
+      (*placed_)[name].push_back(
+          Placement{full, r0, c0, std::move(dst), std::move(scales), br, bc, std::move(zeros)});
   }
 };
 
@@ -597,13 +727,15 @@ DeepseekModel::~DeepseekModel() = default;
 
 void DeepseekModel::load(const std::string& model_dir, const LoadOptions& opts) {
   MLA_CHECK(held_.empty(), "the model's weights are loaded already (DeepseekModel::reload replaces them)");
-  {  // FP8 experts kept? (Auto: when their bf16 form would take more than half of the free weight memory)
+  {  // FP8 / INT4 experts kept? (Auto: when their bf16 form would take more than half of the free weight memory)
     int64_t moe_layers = 0;
     for (int64_t l = 0; l < config_.num_hidden_layers; ++l) moe_layers += config_.is_moe_layer(l);
     const int64_t bf16_bytes = moe_layers * local_experts_ * 3 * local_moe_inter_ * config_.hidden_size * 2;
     const int64_t free = backend_.persistent_bytes_free();
-    using F = LoadOptions::Fp8Experts;
-    keep_fp8_ = opts.fp8_experts == F::On || (opts.fp8_experts == F::Auto && free >= 0 && bf16_bytes > free / 2);
+    using K = LoadOptions::KeepQuantized;
+    const bool large = free >= 0 && bf16_bytes > free / 2;
+    keep_fp8_ = opts.fp8_experts == K::On || (opts.fp8_experts == K::Auto && large);
+    keep_int4_ = opts.int4_experts == K::On || (opts.int4_experts == K::Auto && large);
   }
   load_opts_ = opts;
   load_weights(model_dir, config_, opts, false);
@@ -646,6 +778,7 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
   // is config_'s.
   ld.set_quant(from);
   ld.set_keep_fp8(keep_fp8_);
+  ld.set_keep_int4(keep_int4_);
   if (ckpt) {
     const TensorInfo& e = ckpt->get("model.embed_tokens.weight");
     ld.set_matrix_dtype(backend_.weight_dtype(e.dtype));
@@ -734,7 +867,7 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
     const int64_t qb = ld.quantize_block(Im);  // --quantization fp8
     const bool keep_ckpt = ld.keep_fp8_experts(expert_prefix(0) + "gate_proj.weight", Im, er * Im, H);
     const bool keep_quantized =
-        qb && backend_.takes_fp8_experts() && opts.fp8_experts != LoadOptions::Fp8Experts::Off && H % 8 == 0;
+        qb && backend_.takes_fp8_experts() && opts.fp8_experts != LoadOptions::KeepQuantized::Off && H % 8 == 0;
     if (qb && !logged_quantization) {
       MLA_LOG_INFO("quantizing the routed experts to FP8 in {}x{} blocks ({})", qb, qb,
                    keep_quantized ? "kept FP8" : "dequantized again: this backend keeps no FP8 experts");
@@ -745,7 +878,35 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
                                                   : "no block size divides the experts' width; they stay bf16");
       logged_quantization = true;
     }
-    if (keep_ckpt || keep_quantized) {
+    std::pair<int64_t, int64_t> int4_groups{0, 0};  // columns per group: gate / up rows, down rows
+    const bool keep_int4 = !keep_ckpt && !qb &&
+                           ld.keep_int4_experts(expert_prefix(0), c.moe_intermediate_size, Im, er * Im, H, int4_groups);
+    if (keep_int4) {
+      // INT4 kept: code pairs, each row's groups' scales and zero points beside them (gate rows', then up rows').
+      const auto [gg, dg] = int4_groups;
+      const int64_t full = c.moe_intermediate_size;
+      w.experts_gate_up = ld.alloc({E, 2 * Im, H / 2}, DType::U8, experts + "*.gate_proj / up_proj (INT4)");
+      w.experts_down = ld.alloc({E, H, Im / 2}, DType::U8, experts + "*.down_proj (INT4)");
+      const Shape gshape{E, 2 * Im, (H + gg - 1) / gg}, dshape{E, H, (Im + dg - 1) / dg};
+      Tensor gs = ld.alloc(gshape, DType::F32, experts + "*.gate_proj / up_proj scales");
+      Tensor gz = ld.alloc(gshape, DType::F32, experts + "*.gate_proj / up_proj zero points");
+      Tensor ds = ld.alloc(dshape, DType::F32, experts + "*.down_proj scales");
+      Tensor dz = ld.alloc(dshape, DType::F32, experts + "*.down_proj zero points");
+      auto at = [](const Tensor& t, int64_t e, int64_t r0, int64_t r1) {
+        return t.rows(e, e + 1).reshape({t.size(1), t.size(2)}).rows(r0, r1);
+      };
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string prefix = expert_prefix(e);
+        ld.load_int4(prefix + "gate_proj.weight", {full, H}, er * Im, 0, gg, at(w.experts_gate_up, e, 0, Im),
+                     at(gs, e, 0, Im), at(gz, e, 0, Im));
+        ld.load_int4(prefix + "up_proj.weight", {full, H}, er * Im, 0, gg, at(w.experts_gate_up, e, Im, 2 * Im),
+                     at(gs, e, Im, 2 * Im), at(gz, e, Im, 2 * Im));
+        ld.load_int4(prefix + "down_proj.weight", {H, full}, 0, er * Im, dg, at(w.experts_down, e, 0, H),
+                     at(ds, e, 0, H), at(dz, e, 0, H));
+      }
+      w.experts_gate_up.set_block_scales(std::make_shared<const BlockScales>(BlockScales{gs, 1, gg, gz}));
+      w.experts_down.set_block_scales(std::make_shared<const BlockScales>(BlockScales{ds, 1, dg, dz}));
+    } else if (keep_ckpt || keep_quantized) {
       // FP8 kept: the checkpoint's codes as they are (or the bf16 weights quantized), each block's scale beside
       // them (gate rows' blocks, then up rows').
       const int64_t br = keep_ckpt ? ld.block_rows() : qb, bc = keep_ckpt ? ld.block_cols() : qb;
@@ -767,8 +928,8 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
         fill(prefix + "down_proj.weight", {H, full}, 0, er * Im, w.experts_down.rows(e, e + 1).reshape({H, Im}),
              ds.rows(e, e + 1).reshape({ds.size(1), Im / bc}));
       }
-      w.experts_gate_up.set_block_scales(std::make_shared<const BlockScales>(BlockScales{gs, br, bc}));
-      w.experts_down.set_block_scales(std::make_shared<const BlockScales>(BlockScales{ds, br, bc}));
+      w.experts_gate_up.set_block_scales(std::make_shared<const BlockScales>(BlockScales{gs, br, bc, {}}));
+      w.experts_down.set_block_scales(std::make_shared<const BlockScales>(BlockScales{ds, br, bc, {}}));
     } else {
       w.experts_gate_up = ld.alloc({E, 2 * Im, H}, ld.matrix_dtype(), experts + "*.gate_proj / up_proj");
       w.experts_down = ld.alloc({E, H, Im}, ld.matrix_dtype(), experts + "*.down_proj");
@@ -921,7 +1082,8 @@ std::optional<DeepseekModel::WeightRows> DeepseekModel::read_weight(const std::s
   out.values.assign(static_cast<size_t>(out.rows * out.cols), 0.0f);
   out.held.assign(out.values.size(), 0);
   for (const Placement& p : it->second) {
-    const int64_t pr = p.dst.size(0), pc = p.dst.size(1);
+    const bool int4 = p.dst.dtype() == DType::U8 && p.zeros.defined();  // code pairs: twice the columns
+    const int64_t pr = p.dst.size(0), pc = int4 ? 2 * p.dst.size(1) : p.dst.size(1);
     const int64_t a = p.r0, b = std::min(p.r0 + pr, out.rows);  // the block's rows asked for
     const int64_t nc = std::min(pc, out.cols - p.c0);            // and columns
     if (b <= a || nc <= 0) continue;
@@ -932,6 +1094,12 @@ std::optional<DeepseekModel::WeightRows> DeepseekModel::read_weight(const std::s
       backend_.download(part, codes.data());
       const Tensor sc = backend_.to_host_f32(p.scales);
       cpu::dequant_fp8(codes.data(), sc.data_as<float>(), 1, b - a, pc, p.br, p.bc, v.data());
+      for (float& x : v) x = bf16_to_f32(f32_to_bf16(x));
+    } else if (int4) {  // bf16((code - zero) * scale), likewise
+      std::vector<uint8_t> codes(v.size() / 2);
+      backend_.download(part, codes.data());
+      const Tensor sc = backend_.to_host_f32(p.scales.rows(0, b - a)), z = backend_.to_host_f32(p.zeros.rows(0, b - a));
+      cpu::dequant_int4(codes.data(), sc.data_as<float>(), z.data_as<float>(), 1, b - a, pc, p.bc, v.data());
       for (float& x : v) x = bf16_to_f32(f32_to_bf16(x));
     } else {
       const Tensor h = backend_.to_host_f32(part);

@@ -54,8 +54,12 @@ struct LoadOptions {
   // them FP8 (half the memory; the MoE kernels read them as they are: about bf16's speed at 1-4 tokens, slower at
   // more, docs/perf.md), Off dequantizes them at load like every other FP8 weight, Auto keeps them only when their
   // bf16 form would take more than half of the backend's free weight memory (--fp8-experts).
-  enum class Fp8Experts { Auto, On, Off };
-  Fp8Experts fp8_experts = Fp8Experts::Auto;
+  enum class KeepQuantized { Auto, On, Off };
+  KeepQuantized fp8_experts = KeepQuantized::Auto;
+  // 4-bit checkpoints' routed experts (AWQ, GPTQ, compressed-tensors pack-quantized; groups in runs of columns) on a
+  // backend that takes them INT4 (Backend::takes_int4_experts): the same choice (--int4-experts). Kept INT4 they take
+  // about a quarter of bf16's memory; each step dequantizes the experts it routes to into bf16 scratch.
+  KeepQuantized int4_experts = KeepQuantized::Auto;
   // --quantization fp8 on a checkpoint without quantization: its routed experts quantized to FP8 at load
   // (cpu::quantize_fp8, blocks of 128, or the largest power of two down to 8 dividing a rank's expert width), kept FP8
   // on a backend that takes them unless fp8_experts is Off, else dequantized again (the same model in bf16).
@@ -64,8 +68,8 @@ struct LoadOptions {
   // config.json of a checkpoint reload() brings, as to the first one.
   std::string config_overrides = {};
 };
-// --fp8-experts auto|on|off.
-LoadOptions::Fp8Experts parse_fp8_experts(const std::string& s);
+// --fp8-experts / --int4-experts (`flag`) auto|on|off.
+LoadOptions::KeepQuantized parse_keep_quantized(const std::string& s, const char* flag);
 
 class DeepseekModel {
  public:
@@ -238,12 +242,14 @@ class DeepseekModel {
     int64_t r0 = 0, c0 = 0;
     Tensor dst, scales;
     int64_t br = 0, bc = 0;
+    Tensor zeros;  // INT4 (dst: code pairs in U8)
   };
   std::unordered_map<std::string, std::vector<Placement>> placements_;
   LoadOptions load_opts_;  // the first load's
   std::string weights_dir_;     // where the weights came from (the last load or reload)
   bool weights_dummy_ = false;  // and whether they are load_opts_'s dummy weights
   bool keep_fp8_ = false;  // FP8 block checkpoints' routed experts kept FP8 (decided at the first load)
+  bool keep_int4_ = false;  // 4-bit checkpoints' routed experts kept INT4 (likewise)
   int64_t weight_bytes_ = 0;
   Tensor prev_ids_;
   Tensor expert_counts_;  // enable_expert_counts

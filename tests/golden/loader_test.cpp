@@ -182,18 +182,20 @@ void write_fp8_pair(const std::string& family, const fs::path& fp8, const fs::pa
   write_safetensors((fp8 / "model.safetensors").string(), q_ts);
 }
 
-// A CPU backend that takes FP8 experts (Backend::takes_fp8_experts), as the CUDA one does.
+// A CPU backend that takes FP8 and INT4 experts (Backend::takes_fp8_experts, takes_int4_experts), as the CUDA one
+// does.
 class TakesFp8Experts : public ForwardingBackend {
  public:
   explicit TakesFp8Experts(std::unique_ptr<Backend> b) : ForwardingBackend(*b), own_(std::move(b)) {}
   bool takes_fp8_experts() const override { return true; }
+  bool takes_int4_experts() const override { return true; }
 
  private:
   std::unique_ptr<Backend> own_;
 };
 
-// `tp` CPU ranks of the checkpoint in `dir` (taking FP8 experts when `fp8_experts`; quantizing the routed experts to
-// FP8 at load with `quantize_fp8`; experts whole on each rank with `expert_parallel`).
+// `tp` CPU ranks of the checkpoint in `dir` (taking FP8 / INT4 experts when `fp8_experts`; quantizing the routed
+// experts to FP8 at load with `quantize_fp8`; experts whole on each rank with `expert_parallel`).
 std::unique_ptr<RankSet> fp8_ranks(const fs::path& dir, int32_t tp, bool fp8_experts, bool quantize_fp8 = false,
                                    bool expert_parallel = false) {
   ParallelConfig pc;
@@ -205,7 +207,8 @@ std::unique_ptr<RankSet> fp8_ranks(const fs::path& dir, int32_t tp, bool fp8_exp
       return std::make_unique<TakesFp8Experts>(std::move(b));
     };
   LoadOptions lo;
-  lo.fp8_experts = fp8_experts ? LoadOptions::Fp8Experts::On : LoadOptions::Fp8Experts::Off;
+  lo.fp8_experts = fp8_experts ? LoadOptions::KeepQuantized::On : LoadOptions::KeepQuantized::Off;
+  lo.int4_experts = lo.fp8_experts;
   lo.quantize_fp8 = quantize_fp8;
   return std::make_unique<RankSet>(ModelConfig::from_file(dir.string()), pc, dir.string(), lo);
 }
@@ -319,7 +322,7 @@ TEST(Loader, Fp8ExpertsKeptReadBackAsTheDequantizedModel) {
                           "model.layers.1.mlp.experts.3.up_proj.weight",
                           "model.layers.2.mlp.experts.6.down_proj.weight"}) {
       const auto a = kept->read_weight(n, 1 << 20), b = plain->read_weight(n, 1 << 20);
-      ASSERT_TRUE(a && b) << n;
+      ASSERT_TRUE(a && b) << n << " " << bool(a) << bool(b);
       std::vector<float> want = test::checkpoint_values(ref.string(), n);  // code * scale in F32
       for (float& x : want) x = bf16_to_f32(f32_to_bf16(x));
       EXPECT_EQ(a->values, want) << n;
@@ -737,6 +740,71 @@ TEST(Loader, AwqCheckpointIsItsDequantizedModel) {
   write_safetensors((awq / "model.safetensors").string(), ts);
   const auto e = load_error(awq);
   EXPECT_NE(e.find("'model.layers.1.self_attn.o_proj.qzeros' has shape [3, 16], expected"), std::string::npos) << e;
+}
+
+// A 4-bit checkpoint's routed experts kept INT4 (a backend that takes them: code pairs, each group's scale and zero
+// point, dequantized by moe_experts) give the model of the dequantized weights bit for bit, in less memory: AWQ,
+// GPTQ, compressed-tensors pack-quantized (zero points or symmetric; groups or one per channel), on one rank, two by
+// width and two by whole experts. Where a rank's slice does not start on a group (the second rank's 24 columns of down
+// at tp 2 in groups of 16) or act order mixes the groups, the loader dequantizes them as before (the same bytes).
+TEST(Loader, Int4ExpertsKeptAreTheSameModel) {
+  enum class Format { Awq, Gptq, Ct };
+  struct Case {
+    Format format;
+    std::string family;
+    int64_t g;
+    bool act_order, symmetric, tp2_kept;
+  };
+  const Format awq = Format::Awq, gptq = Format::Gptq, ct = Format::Ct;
+  for (const Case& c : {Case{awq, "v2", 16, false, false, false}, Case{awq, "v3", 8, false, false, true},
+                        Case{gptq, "v3", 8, false, false, true}, Case{gptq, "v2", 16, true, false, false},
+                        Case{ct, "v2", 8, false, true, true}, Case{ct, "v3", 0, false, false, true}}) {
+    SCOPED_TRACE(fmt::format("format {} {} groups of {} act order {} symmetric {}", static_cast<int>(c.format),
+                             c.family, c.g, c.act_order, c.symmetric));
+    auto q = test::temp_dir("int4"), ref = test::temp_dir("int4ref");
+    if (c.format == Format::Awq) write_awq_pair(c.family, q, ref, c.g);
+    if (c.format == Format::Gptq) write_gptq_pair(c.family, q, ref, 4, c.g, c.act_order, false);
+    if (c.format == Format::Ct) write_ct_int_pair(c.family, q, ref, 4, c.g, c.act_order, c.symmetric, true);
+    struct Layout {
+      int32_t tp;
+      bool ep;
+      int kept;  // 1: on every rank, 0: on none, -1: on some (a rank decides from its own slices)
+    };
+    const int kept = c.act_order ? 0 : 1;
+    const int tp2 = c.tp2_kept ? kept : -kept;
+    for (const Layout& L : {Layout{1, false, kept}, Layout{2, false, tp2}, Layout{2, true, kept}}) {
+      SCOPED_TRACE(fmt::format("tp {}{}", L.tp, L.ep ? " expert parallel" : ""));
+      int64_t kept_bytes = 0, plain_bytes = 0;
+      const auto a = ranks_logits(q, L.tp, /*fp8_experts=*/true, &kept_bytes, false, L.ep);
+      const auto b = ranks_logits(q, L.tp, false, &plain_bytes, false, L.ep);
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << "logit " << i;
+      if (L.kept == 1) EXPECT_LT(kept_bytes, plain_bytes);
+      if (L.kept == 0) EXPECT_EQ(kept_bytes, plain_bytes);
+    }
+  }
+}
+
+// /get_weights_by_name of routed experts kept INT4: the values the model computes with, bf16((code - zero) * scale),
+// the same as the model dequantized at load reads.
+TEST(Loader, Int4ExpertsKeptReadBackAsTheDequantizedModel) {
+  auto q = test::temp_dir("int4r"), ref = test::temp_dir("int4rref");
+  write_awq_pair("v3", q, ref, 8);
+  for (int32_t tp : {1, 2}) {
+    SCOPED_TRACE(fmt::format("tp {}", tp));
+    auto kept = fp8_ranks(q, tp, true), plain = fp8_ranks(q, tp, false);
+    EXPECT_LT(kept->weight_bytes_per_rank(), plain->weight_bytes_per_rank());
+    for (const char* n : {"model.layers.2.mlp.experts.3.gate_proj.weight",
+                          "model.layers.2.mlp.experts.3.up_proj.weight",
+                          "model.layers.3.mlp.experts.6.down_proj.weight"}) {
+      const auto a = kept->read_weight(n, 1 << 20), b = plain->read_weight(n, 1 << 20);
+      ASSERT_TRUE(a && b) << n;
+      std::vector<float> want = test::checkpoint_values(ref.string(), n);
+      for (float& x : want) x = bf16_to_f32(f32_to_bf16(x));
+      EXPECT_EQ(a->values, want) << n;
+      EXPECT_EQ(b->values, want) << n;
+    }
+  }
 }
 
 TEST(Loader, Fp8ScaleErrorsNameTheTensor) {

@@ -344,7 +344,7 @@ void fp8_experts_kept_vs_dequantized(const std::string& family, bool quantize) {
     auto be = model_backend();
     DeepseekModel m(ModelConfig::from_file(dir), *be);
     LoadOptions lo;
-    lo.fp8_experts = keep ? LoadOptions::Fp8Experts::On : LoadOptions::Fp8Experts::Off;
+    lo.fp8_experts = keep ? LoadOptions::KeepQuantized::On : LoadOptions::KeepQuantized::Off;
     lo.quantize_fp8 = quantize;
     m.load(dir, lo);
     bytes = m.weight_bytes();

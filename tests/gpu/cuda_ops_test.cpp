@@ -9,6 +9,8 @@
 #include <optional>
 #include <random>
 
+#include <fmt/format.h>
+
 #include "backend/cpu/cpu_kernels.h"
 #include "backend/cuda/kernels.h"
 #include "gpu_test_util.h"
@@ -1149,8 +1151,10 @@ void moe_fp8_case(int64_t E, int64_t k, int64_t H, int64_t I, int64_t Is, int64_
   for (int kind : {0, 2, 3}) {
     Backend& g = gpu(kind);
     Tensor gu8 = g.upload(gu.codes, DType::F8_E4M3), dn8 = g.upload(dn.codes, DType::F8_E4M3);
-    gu8.set_block_scales(std::make_shared<const BlockScales>(BlockScales{g.upload(gu.scales, DType::F32), br, bc}));
-    dn8.set_block_scales(std::make_shared<const BlockScales>(BlockScales{g.upload(dn.scales, DType::F32), br, bc}));
+    gu8.set_block_scales(
+        std::make_shared<const BlockScales>(BlockScales{g.upload(gu.scales, DType::F32), br, bc, {}}));
+    dn8.set_block_scales(
+        std::make_shared<const BlockScales>(BlockScales{g.upload(dn.scales, DType::F32), br, bc, {}}));
     Tensor gub = g.upload(gu.bf16_ref, DType::BF16), dnb = g.upload(dn.bf16_ref, DType::BF16);
     Tensor sg, sd;
     if (Is) {
@@ -1203,6 +1207,126 @@ TEST(CudaOps, MoeExpertsFp8IsItsDequantizedModel) {
   // Expert parallelism: this rank's experts are the second half of the routed ones (the other ids are skipped).
   moe_fp8_case(8, 2, 256, 128, 0, 64, 64, {1, 2, 4, 8, 20, 60, 300}, 130, false, 8);
   moe_fp8_case(16, 6, 2048, 1408, 2816, 128, 128, {1, 4, 9, 40, 80}, 140, false, 16);
+}
+
+// INT4 weights kept quantized: random code pairs, each row's groups' scales in [1e-3, 2e-2] and zero points 0-15.
+struct Int4Weights {
+  Tensor codes, scales, zeros, bf16_ref;  // host: U8 [B, R, C / 2], F32 [B, R, G] twice, the CPU reference's bf16
+};
+Int4Weights int4_weights(int64_t B, int64_t R, int64_t C, int64_t group, uint64_t seed) {
+  Int4Weights w;
+  const int64_t G = (C + group - 1) / group;
+  w.codes = Tensor::empty_host({B, R, C / 2}, DType::U8);
+  w.scales = Tensor::empty_host({B, R, G}, DType::F32);
+  w.zeros = Tensor::empty_host({B, R, G}, DType::F32);
+  std::mt19937_64 rng(seed);
+  for (int64_t i = 0; i < w.codes.numel(); ++i) w.codes.data_as<uint8_t>()[i] = static_cast<uint8_t>(rng());
+  std::uniform_real_distribution<float> u(1e-3f, 2e-2f);
+  for (int64_t i = 0; i < w.scales.numel(); ++i) {
+    w.scales.data_as<float>()[i] = u(rng);
+    w.zeros.data_as<float>()[i] = static_cast<float>(rng() % 16);
+  }
+  w.bf16_ref = Tensor::empty_host({B, R, C}, DType::F32);
+  cpu::dequant_int4(w.codes.data_as<uint8_t>(), w.scales.data_as<float>(), w.zeros.data_as<float>(), B, R, C, group,
+                    w.bf16_ref.data_as<float>());
+  for (int64_t i = 0; i < w.bf16_ref.numel(); ++i) {
+    float& v = w.bf16_ref.data_as<float>()[i];
+    v = bf16_to_f32(f32_to_bf16(v));
+  }
+  return w;
+}
+
+// cuda::dequant_int4 is the CPU reference rounded to bf16, bit for bit (a last group cut short, one group per row
+// included), and with routing ids it writes only the matrices they name.
+TEST(CudaOps, DequantInt4IsTheCpuReference) {
+  REQUIRE_GPU();
+  struct Case {
+    int64_t B, R, C, group;
+  };
+  for (const Case& c : {Case{3, 40, 48, 16}, Case{2, 200, 264, 128}, Case{4, 24, 64, 64}, Case{2, 16, 40, 1000}}) {
+    const std::string what = fmt::format("{}x{}x{} in groups of {}", c.B, c.R, c.C, c.group);
+    Int4Weights w = int4_weights(c.B, c.R, c.C, c.group, 63);
+    Tensor codes = gpu().upload(w.codes, DType::U8), scales = gpu().upload(w.scales, DType::F32);
+    Tensor zeros = gpu().upload(w.zeros, DType::F32);
+    for (bool routed : {false, true}) {
+      Tensor fill = Tensor::empty_host({c.B, c.R, c.C}, DType::F32);
+      std::fill(fill.data_as<float>(), fill.data_as<float>() + fill.numel(), 7.0f);
+      Tensor out = gpu().upload(fill, DType::BF16);
+      const int32_t eb = 5;
+      const std::vector<int32_t> ids{eb + 0, eb + 2, eb + 2, 1, eb + 100};  // matrices 0 and 2; others not local
+      Tensor idg = gpu().upload(Tensor::view(const_cast<int32_t*>(ids.data()), {5}, DType::I32), DType::I32);
+      cuda::Int4DequantArgs a{};
+      a.w = codes.data_as<const uint8_t>();
+      a.scale = scales.data_as<const float>();
+      a.zero = zeros.data_as<const float>();
+      a.B = c.B;
+      a.R = c.R;
+      a.C = c.C;
+      a.group = c.group;
+      a.ids = routed ? idg.data_as<const int32_t>() : nullptr;
+      a.num_ids = 5;
+      a.expert_begin = eb;
+      a.out = static_cast<cuda::bf16*>(out.data());
+      ASSERT_EQ(cuda::dequant_int4(a, static_cast<cudaStream_t>(gpu().native_stream())), cudaSuccess);
+      const Tensor got = gpu().to_host_f32(out);
+      const int64_t n = c.R * c.C;
+      int64_t bad = 0;
+      for (int64_t b = 0; b < c.B; ++b) {
+        const bool named = !routed || b == 0 || b == 2;
+        for (int64_t i = b * n; i < (b + 1) * n; ++i)
+          bad += got.data_as<float>()[i] != (named ? w.bf16_ref.data_as<float>()[i] : 7.0f);
+      }
+      EXPECT_EQ(bad, 0) << what << (routed ? " routed" : " all");
+    }
+  }
+}
+
+// moe_experts on INT4 experts (code pairs with BlockScales holding scales and zeros) is moe_experts on their
+// dequantized bf16 weights bit for bit (the named experts dequantized first, then the same bf16 paths): small
+// batches, the grouped kernels, cuBLAS; with shared experts; under expert parallelism (ids of other ranks skipped).
+void moe_int4_case(int64_t E, int64_t k, int64_t H, int64_t I, int64_t Is, int64_t group,
+                   std::initializer_list<int64_t> Ts, uint64_t seed, int32_t expert_begin = 0) {
+  Int4Weights gu = int4_weights(E, 2 * I, H, group, seed), dn = int4_weights(E, H, I, group, seed + 1);
+  for (int kind : {0, 2, 3}) {
+    Backend& g = gpu(kind);
+    Tensor gu4 = g.upload(gu.codes, DType::U8), dn4 = g.upload(dn.codes, DType::U8);
+    gu4.set_block_scales(std::make_shared<const BlockScales>(
+        BlockScales{g.upload(gu.scales, DType::F32), 1, group, g.upload(gu.zeros, DType::F32)}));
+    dn4.set_block_scales(std::make_shared<const BlockScales>(
+        BlockScales{g.upload(dn.scales, DType::F32), 1, group, g.upload(dn.zeros, DType::F32)}));
+    Tensor gub = g.upload(gu.bf16_ref, DType::BF16), dnb = g.upload(dn.bf16_ref, DType::BF16);
+    Tensor sg, sd;
+    if (Is) {
+      sg = g.upload(rand_host({2 * Is, H}, seed + 2, 1.0f / std::sqrt(static_cast<float>(H))), DType::BF16);
+      sd = g.upload(rand_host({H, Is}, seed + 3, 1.0f / std::sqrt(static_cast<float>(Is))), DType::BF16);
+    }
+    for (int64_t T : Ts) {
+      Tensor x = g.upload(rand_host({T, H}, seed + 4 + static_cast<uint64_t>(T)), DType::BF16);
+      Tensor ids_h = Tensor::empty_host({T, k}, DType::I32), w_h = rand_host({T, k}, seed + 5, 0.5f);
+      std::mt19937_64 rng(seed + static_cast<uint64_t>(T));
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<int32_t> all(static_cast<size_t>(E + expert_begin));
+        std::iota(all.begin(), all.end(), 0);
+        std::shuffle(all.begin(), all.end(), rng);
+        for (int64_t j = 0; j < k; ++j) ids_h.data_as<int32_t>()[t * k + j] = all[static_cast<size_t>(j)];
+      }
+      Tensor ids = g.upload(ids_h, DType::I32), wts = g.upload(w_h, DType::F32);
+      Tensor o4 = g.alloc({T, H}, DType::BF16), ob = g.alloc({T, H}, DType::BF16);
+      g.moe_experts(x, ids, wts, gu4, dn4, expert_begin, Is ? &sg : nullptr, Is ? &sd : nullptr, o4);
+      g.moe_experts(x, ids, wts, gub, dnb, expert_begin, Is ? &sg : nullptr, Is ? &sd : nullptr, ob);
+      expect_close(g.to_host_f32(ob), g.to_host_f32(o4), 0.0, 0.0,
+                   fmt::format("int4 experts T{} I{} shared {} kind {} experts from {}", T, I, Is, kind,
+                               expert_begin));
+    }
+  }
+}
+
+TEST(CudaOps, MoeExpertsInt4IsItsDequantizedModel) {
+  REQUIRE_GPU();
+  moe_int4_case(8, 2, 256, 128, 0, 64, {1, 2, 4, 8, 20, 300}, 150);
+  moe_int4_case(16, 6, 2048, 1408, 2816, 128, {1, 4, 9, 40, 80}, 160);  // V2-Lite, groups of 128, 2 shared
+  moe_int4_case(8, 2, 256, 96, 96, 32, {1, 3, 16, 40}, 170);
+  moe_int4_case(8, 2, 256, 128, 0, 64, {1, 4, 20, 300}, 180, 8);        // expert parallelism: the second half
 }
 
 TEST(CudaOps, MoeExpertsV2LiteShape) {

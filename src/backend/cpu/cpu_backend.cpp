@@ -336,6 +336,24 @@ class CpuBackend final : public Backend {
   void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
                    const Tensor& down, int32_t expert_begin, const Tensor* shared_gate_up, const Tensor* shared_down,
                    Tensor& out) override {
+    if (gate_up.dtype() == DType::U8 || down.dtype() == DType::U8) {
+      // INT4 experts: dequantized and rounded to bf16 (as the CUDA kernel, and as the loader's dequantization gives
+      // a 4-bit checkpoint's bf16 model), then below.
+      auto bf16_of = [](const Tensor& w) {
+        const BlockScales* s = w.block_scales();
+        MLA_CHECK(w.dtype() == DType::U8 && s && s->int4() && w.dim() == 3, "moe_experts: INT4 experts need both "
+                  "matrices in U8 [E, rows, cols / 2] with their scales and zeros");
+        const Shape shape{w.size(0), w.size(1), 2 * w.size(2)};
+        Tensor f = Tensor::empty_host(shape, DType::F32), o = Tensor::empty_host(shape, DType::BF16);
+        cpu::dequant_int4(w.data_as<const uint8_t>(), s->scale.data_as<const float>(), s->zero.data_as<const float>(),
+                          shape[0], shape[1], shape[2], s->block_cols, f.data_as<float>());
+        cpu::convert(f.data(), DType::F32, o.data(), DType::BF16, f.numel());
+        return o;
+      };
+      moe_experts(x, topk_ids, topk_weights, bf16_of(gate_up), bf16_of(down), expert_begin, shared_gate_up,
+                  shared_down, out);
+      return;
+    }
     if (gate_up.dtype() == DType::F8_E4M3 || down.dtype() == DType::F8_E4M3) {
       // FP8 experts: dequantized and rounded to bf16 (as the CUDA kernel, and as the loader's dequantization gives an
       // FP8 checkpoint's bf16 model), then below.

@@ -41,6 +41,19 @@ void dequant_fp8(const uint8_t* w, const float* scale, int64_t B, int64_t R, int
       }
 }
 
+void dequant_int4(const uint8_t* w, const float* scale, const float* zero, int64_t B, int64_t R, int64_t C,
+                  int64_t group, float* out) {
+  const int64_t G = (C + group - 1) / group;
+  parallel_for(B * R, 16, [&](int64_t rb, int64_t re) {
+    for (int64_t row = rb; row < re; ++row)
+      for (int64_t c = 0; c < C; ++c) {
+        const int32_t code = (w[row * (C / 2) + c / 2] >> (4 * (c & 1))) & 15;
+        const int64_t g = row * G + c / group;
+        out[row * C + c] = (static_cast<float>(code) - zero[g]) * scale[g];
+      }
+  });
+}
+
 void quantize_fp8(const float* w, int64_t R, int64_t C, int64_t block_rows, int64_t block_cols, uint8_t* codes,
                   float* scales) {
   const int64_t sr = (R + block_rows - 1) / block_rows, sc = (C + block_cols - 1) / block_cols;

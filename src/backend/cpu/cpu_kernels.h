@@ -15,6 +15,11 @@ void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64
 // (which rounds each product to bf16).
 void dequant_fp8(const uint8_t* w, const float* scale, int64_t B, int64_t R, int64_t C, int64_t block_rows,
                  int64_t block_cols, float* out);
+// INT4 weights kept quantized, as F32: out[b][r][c] = (code - zero) * scale, code the 4-bit value of column c (byte
+// c / 2 of the row, the low nibble for even c), zero and scale [b][r][c / group] (w: B matrices of R x C / 2 bytes;
+// scale, zero: [B, R, ceil(C / group)]; C even). The reference of cuda::dequant_int4 (which rounds each to bf16).
+void dequant_int4(const uint8_t* w, const float* scale, const float* zero, int64_t B, int64_t R, int64_t C,
+                  int64_t group, float* out);
 // An R x C matrix quantized to FP8 in blocks of block_rows x block_cols (--quantization fp8): each block's scale is
 // its largest magnitude / 448 (1 for an all-zero block), its codes f32_to_e4m3(w / scale); scales as dequant_fp8
 // reads them ([ceil(R / block_rows), ceil(C / block_cols)]).

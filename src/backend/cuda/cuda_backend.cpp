@@ -818,6 +818,7 @@ class CudaBackend final : public Backend {
   }
 
   bool takes_fp8_experts() const override { return true; }
+  bool takes_int4_experts() const override { return true; }
   void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
                    const Tensor& down, int32_t expert_begin, const Tensor* shared_gate_up, const Tensor* shared_down,
                    Tensor& out) override;
@@ -1484,6 +1485,33 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
 void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
                               const Tensor& gate_up, const Tensor& down, int32_t expert_begin,
                               const Tensor* shared_gate_up, const Tensor* shared_down, Tensor& out) {
+  if (gate_up.dtype() == DType::U8 || down.dtype() == DType::U8) {
+    // INT4 experts: the ones the step's ids name dequantized into bf16 scratch, then the bf16 paths (which read only
+    // those experts).
+    const BlockScales *gs = gate_up.block_scales(), *ds = down.block_scales();
+    MLA_CHECK(gate_up.dtype() == DType::U8 && down.dtype() == DType::U8 && gs && ds && gs->int4() && ds->int4() &&
+                  gate_up.dim() == 3 && down.dim() == 3,
+              "moe_experts: INT4 experts need both matrices in U8 [E, rows, cols / 2] with their scales and zeros");
+    Tensor gu = scratch({gate_up.size(0), gate_up.size(1), 2 * gate_up.size(2)}, DType::BF16);
+    Tensor dn = scratch({down.size(0), down.size(1), 2 * down.size(2)}, DType::BF16);
+    for (auto [w, s, o] : {std::tuple{&gate_up, gs, &gu}, std::tuple{&down, ds, &dn}}) {
+      cuda::Int4DequantArgs a{};
+      a.w = w->data_as<const uint8_t>();
+      a.scale = s->scale.data_as<const float>();
+      a.zero = s->zero.data_as<const float>();
+      a.B = o->size(0);
+      a.R = o->size(1);
+      a.C = o->size(2);
+      a.group = s->block_cols;
+      a.ids = topk_ids.data_as<const int32_t>();
+      a.num_ids = topk_ids.numel();
+      a.expert_begin = expert_begin;
+      a.out = bf(*o);
+      CUDA_OK(cuda::dequant_int4(a, stream_), "dequant_int4");
+    }
+    moe_experts(x, topk_ids, topk_weights, gu, dn, expert_begin, shared_gate_up, shared_down, out);
+    return;
+  }
   if (gate_up.dtype() == DType::F8_E4M3 || down.dtype() == DType::F8_E4M3) {
     // FP8 experts: read as they are by the small-batch kernels; else the ones the step's ids name dequantized into
     // bf16 scratch, then the bf16 paths (which read only those experts).

@@ -476,6 +476,20 @@ struct Fp8DequantArgs {
 // (F8 -> f32 times the block's scale, rounded to bf16 on upload).
 cudaError_t dequant_fp8(const Fp8DequantArgs& a, cudaStream_t stream);
 
+struct Int4DequantArgs {
+  const uint8_t* w;      // [B, R, C / 2]: two 4-bit codes per byte, column 2 j in the low nibble
+  const float* scale;    // [B, R, ceil(C / group)]
+  const float* zero;     // the same shape: each group's zero point
+  int64_t B, R, C;       // C % 8 == 0
+  int64_t group;         // columns per group: a multiple of 8, or >= C (one group per row)
+  const int32_t* ids;    // null: every matrix; else only the matrices b that some ids[i] - expert_begin names
+  int64_t num_ids;
+  int32_t expert_begin;
+  bf16* out;             // [B, R, C]: bf16((code - zero) * scale) (matrices not named are left as they are)
+};
+// Launched without PDL, as dequant_fp8. CPU reference: cpu::dequant_int4 rounded to bf16.
+cudaError_t dequant_int4(const Int4DequantArgs& a, cudaStream_t stream);
+
 // ---------------------------------------------------------------------------------------------------------------
 // Sampling (sampling.cu)
 
