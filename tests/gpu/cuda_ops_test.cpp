@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -1088,6 +1089,32 @@ Fp8Weights fp8_weights(int64_t B, int64_t R, int64_t C, int64_t br, int64_t bc, 
   return w;
 }
 
+// A dequantization kernel against its CPU reference `ref` (B matrices of R x C, bf16 values as F32): launched by
+// `launch(ids, expert_begin, out)` over every matrix (no ids) and over routing ids naming matrices 0 and 2 (and
+// experts that are not local), it writes exactly the reference into the matrices it dequantizes and nothing else.
+void expect_dequant(int64_t B, int64_t R, int64_t C, const Tensor& ref, const std::string& what,
+                    const std::function<cudaError_t(const int32_t*, int32_t, cuda::bf16*)>& launch) {
+  for (bool routed : {false, true}) {
+    Tensor fill = Tensor::empty_host({B, R, C}, DType::F32);
+    std::fill(fill.data_as<float>(), fill.data_as<float>() + fill.numel(), 7.0f);
+    Tensor out = gpu().upload(fill, DType::BF16);
+    const int32_t eb = 5;
+    const std::vector<int32_t> ids{eb + 0, eb + 2, eb + 2, 1, eb + 100};  // matrices 0 and 2; others not local
+    Tensor idg = gpu().upload(Tensor::view(const_cast<int32_t*>(ids.data()), {5}, DType::I32), DType::I32);
+    ASSERT_EQ(launch(routed ? idg.data_as<const int32_t>() : nullptr, eb, static_cast<cuda::bf16*>(out.data())),
+              cudaSuccess);
+    const Tensor got = gpu().to_host_f32(out);
+    const int64_t n = R * C;
+    int64_t bad = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const bool named = !routed || b == 0 || b == 2;
+      for (int64_t i = b * n; i < (b + 1) * n; ++i)
+        bad += got.data_as<float>()[i] != (named ? ref.data_as<float>()[i] : 7.0f);
+    }
+    EXPECT_EQ(bad, 0) << what << (routed ? " routed" : " all");
+  }
+}
+
 // cuda::dequant_fp8 is the CPU reference rounded to bf16, bit for bit (edge blocks cut short included), and with
 // routing ids it writes only the matrices they name.
 TEST(CudaOps, DequantFp8IsTheCpuReference) {
@@ -1096,40 +1123,24 @@ TEST(CudaOps, DequantFp8IsTheCpuReference) {
     int64_t B, R, C, br, bc;
   };
   for (const Case& c : {Case{3, 40, 48, 16, 16}, Case{2, 200, 264, 128, 128}, Case{4, 24, 64, 8, 8}}) {
-    const std::string what = std::to_string(c.B) + "x" + std::to_string(c.R) + "x" + std::to_string(c.C) + " in " +
-                             std::to_string(c.br) + "x" + std::to_string(c.bc);
     Fp8Weights w = fp8_weights(c.B, c.R, c.C, c.br, c.bc, 61);
     Tensor codes = gpu().upload(w.codes, DType::F8_E4M3), scales = gpu().upload(w.scales, DType::F32);
-    for (bool routed : {false, true}) {
-      Tensor fill = Tensor::empty_host({c.B, c.R, c.C}, DType::F32);
-      std::fill(fill.data_as<float>(), fill.data_as<float>() + fill.numel(), 7.0f);
-      Tensor out = gpu().upload(fill, DType::BF16);
-      const int32_t eb = 5;
-      const std::vector<int32_t> ids{eb + 0, eb + 2, eb + 2, 1, eb + 100};  // matrices 0 and 2; others not local
-      Tensor idg = gpu().upload(Tensor::view(const_cast<int32_t*>(ids.data()), {5}, DType::I32), DType::I32);
-      cuda::Fp8DequantArgs a{};
-      a.w = codes.data_as<const uint8_t>();
-      a.scale = scales.data_as<const float>();
-      a.B = c.B;
-      a.R = c.R;
-      a.C = c.C;
-      a.block_rows = c.br;
-      a.block_cols = c.bc;
-      a.ids = routed ? idg.data_as<const int32_t>() : nullptr;
-      a.num_ids = 5;
-      a.expert_begin = eb;
-      a.out = static_cast<cuda::bf16*>(out.data());
-      ASSERT_EQ(cuda::dequant_fp8(a, static_cast<cudaStream_t>(gpu().native_stream())), cudaSuccess);
-      const Tensor got = gpu().to_host_f32(out);
-      const int64_t n = c.R * c.C;
-      int64_t bad = 0;
-      for (int64_t b = 0; b < c.B; ++b) {
-        const bool named = !routed || b == 0 || b == 2;
-        for (int64_t i = b * n; i < (b + 1) * n; ++i)
-          bad += got.data_as<float>()[i] != (named ? w.bf16_ref.data_as<float>()[i] : 7.0f);
-      }
-      EXPECT_EQ(bad, 0) << what << (routed ? " routed" : " all");
-    }
+    expect_dequant(c.B, c.R, c.C, w.bf16_ref, fmt::format("{}x{}x{} in {}x{}", c.B, c.R, c.C, c.br, c.bc),
+                   [&](const int32_t* ids, int32_t eb, cuda::bf16* out) {
+                     cuda::Fp8DequantArgs a{};
+                     a.w = codes.data_as<const uint8_t>();
+                     a.scale = scales.data_as<const float>();
+                     a.B = c.B;
+                     a.R = c.R;
+                     a.C = c.C;
+                     a.block_rows = c.br;
+                     a.block_cols = c.bc;
+                     a.ids = ids;
+                     a.num_ids = 5;
+                     a.expert_begin = eb;
+                     a.out = out;
+                     return cuda::dequant_fp8(a, static_cast<cudaStream_t>(gpu().native_stream()));
+                   });
   }
 }
 
@@ -1244,40 +1255,25 @@ TEST(CudaOps, DequantInt4IsTheCpuReference) {
     int64_t B, R, C, group;
   };
   for (const Case& c : {Case{3, 40, 48, 16}, Case{2, 200, 264, 128}, Case{4, 24, 64, 64}, Case{2, 16, 40, 1000}}) {
-    const std::string what = fmt::format("{}x{}x{} in groups of {}", c.B, c.R, c.C, c.group);
     Int4Weights w = int4_weights(c.B, c.R, c.C, c.group, 63);
     Tensor codes = gpu().upload(w.codes, DType::U8), scales = gpu().upload(w.scales, DType::F32);
     Tensor zeros = gpu().upload(w.zeros, DType::F32);
-    for (bool routed : {false, true}) {
-      Tensor fill = Tensor::empty_host({c.B, c.R, c.C}, DType::F32);
-      std::fill(fill.data_as<float>(), fill.data_as<float>() + fill.numel(), 7.0f);
-      Tensor out = gpu().upload(fill, DType::BF16);
-      const int32_t eb = 5;
-      const std::vector<int32_t> ids{eb + 0, eb + 2, eb + 2, 1, eb + 100};  // matrices 0 and 2; others not local
-      Tensor idg = gpu().upload(Tensor::view(const_cast<int32_t*>(ids.data()), {5}, DType::I32), DType::I32);
-      cuda::Int4DequantArgs a{};
-      a.w = codes.data_as<const uint8_t>();
-      a.scale = scales.data_as<const float>();
-      a.zero = zeros.data_as<const float>();
-      a.B = c.B;
-      a.R = c.R;
-      a.C = c.C;
-      a.group = c.group;
-      a.ids = routed ? idg.data_as<const int32_t>() : nullptr;
-      a.num_ids = 5;
-      a.expert_begin = eb;
-      a.out = static_cast<cuda::bf16*>(out.data());
-      ASSERT_EQ(cuda::dequant_int4(a, static_cast<cudaStream_t>(gpu().native_stream())), cudaSuccess);
-      const Tensor got = gpu().to_host_f32(out);
-      const int64_t n = c.R * c.C;
-      int64_t bad = 0;
-      for (int64_t b = 0; b < c.B; ++b) {
-        const bool named = !routed || b == 0 || b == 2;
-        for (int64_t i = b * n; i < (b + 1) * n; ++i)
-          bad += got.data_as<float>()[i] != (named ? w.bf16_ref.data_as<float>()[i] : 7.0f);
-      }
-      EXPECT_EQ(bad, 0) << what << (routed ? " routed" : " all");
-    }
+    expect_dequant(c.B, c.R, c.C, w.bf16_ref, fmt::format("{}x{}x{} in groups of {}", c.B, c.R, c.C, c.group),
+                   [&](const int32_t* ids, int32_t eb, cuda::bf16* out) {
+                     cuda::Int4DequantArgs a{};
+                     a.w = codes.data_as<const uint8_t>();
+                     a.scale = scales.data_as<const float>();
+                     a.zero = zeros.data_as<const float>();
+                     a.B = c.B;
+                     a.R = c.R;
+                     a.C = c.C;
+                     a.group = c.group;
+                     a.ids = ids;
+                     a.num_ids = 5;
+                     a.expert_begin = eb;
+                     a.out = out;
+                     return cuda::dequant_int4(a, static_cast<cudaStream_t>(gpu().native_stream()));
+                   });
   }
 }
 

@@ -459,7 +459,7 @@ bool moe_small_tc_fits(int64_t H, int64_t I, int64_t Is, int64_t block_cols);
 cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
-// FP8 weights (fp8.cu)
+// Weights kept quantized (dequant.cu)
 
 struct Fp8DequantArgs {
   const uint8_t* w;      // [B, R, C] F8_E4M3 codes
