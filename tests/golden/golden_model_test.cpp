@@ -250,6 +250,13 @@ TEST(GoldenCli, BadInputsGiveClearErrors) {
   EXPECT_NE(r.output.find("outside the vocabulary"), std::string::npos) << r.output;
   r = test::run_command(bin + " generate --model-path " + test::golden_dir("v2") + " --input-ids 5 --load-format bogus");
   EXPECT_NE(r.output.find("--load-format"), std::string::npos) << r.output;
+  for (const char* flag : {"--fp8-experts", "--int4-experts"}) {
+    r = test::run_command(bin + " generate --model-path " + test::golden_dir("v2") + " --input-ids 5 " + flag +
+                          " sometimes");
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_NE(r.output.find(std::string(flag) + ": expected auto, on or off, got 'sometimes'"), std::string::npos)
+        << r.output;
+  }
 }
 
 }  // namespace
