@@ -333,41 +333,33 @@ class CpuBackend final : public Backend {
                        static_cast<int32_t>(counts.numel()), counts.data_as<int64_t>());
   }
 
+  // Routed experts kept FP8 (F8_E4M3 [E, R, C]) or INT4 (U8 [E, R, C / 2]) with their BlockScales, as bf16 [E, R, C].
+  static Tensor bf16_experts(const Tensor& w) {
+    const BlockScales* s = w.block_scales();
+    const bool int4 = w.dtype() == DType::U8;
+    MLA_CHECK(s && w.dim() == 3 && (int4 ? s->int4() : w.dtype() == DType::F8_E4M3 && !s->int4()),
+              "moe_experts: quantized experts need both matrices in F8_E4M3 [E, rows, cols] with their block scales or "
+              "in U8 [E, rows, cols / 2] with their scales and zeros");
+    const Shape shape{w.size(0), w.size(1), int4 ? 2 * w.size(2) : w.size(2)};
+    Tensor f = Tensor::empty_host(shape, DType::F32), o = Tensor::empty_host(shape, DType::BF16);
+    if (int4)
+      cpu::dequant_int4(w.data_as<const uint8_t>(), s->scale.data_as<const float>(), s->zero.data_as<const float>(),
+                        shape[0], shape[1], shape[2], s->block_cols, f.data_as<float>());
+    else
+      cpu::dequant_fp8(w.data_as<const uint8_t>(), s->scale.data_as<const float>(), shape[0], shape[1], shape[2],
+                       s->block_rows, s->block_cols, f.data_as<float>());
+    cpu::convert(f.data(), DType::F32, o.data(), DType::BF16, f.numel());
+    return o;
+  }
+
   void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
                    const Tensor& down, int32_t expert_begin, const Tensor* shared_gate_up, const Tensor* shared_down,
                    Tensor& out) override {
-    if (gate_up.dtype() == DType::U8 || down.dtype() == DType::U8) {
-      // INT4 experts: dequantized and rounded to bf16 (as the CUDA kernel, and as the loader's dequantization gives
-      // a 4-bit checkpoint's bf16 model), then below.
-      auto bf16_of = [](const Tensor& w) {
-        const BlockScales* s = w.block_scales();
-        MLA_CHECK(w.dtype() == DType::U8 && s && s->int4() && w.dim() == 3, "moe_experts: INT4 experts need both "
-                  "matrices in U8 [E, rows, cols / 2] with their scales and zeros");
-        const Shape shape{w.size(0), w.size(1), 2 * w.size(2)};
-        Tensor f = Tensor::empty_host(shape, DType::F32), o = Tensor::empty_host(shape, DType::BF16);
-        cpu::dequant_int4(w.data_as<const uint8_t>(), s->scale.data_as<const float>(), s->zero.data_as<const float>(),
-                          shape[0], shape[1], shape[2], s->block_cols, f.data_as<float>());
-        cpu::convert(f.data(), DType::F32, o.data(), DType::BF16, f.numel());
-        return o;
-      };
-      moe_experts(x, topk_ids, topk_weights, bf16_of(gate_up), bf16_of(down), expert_begin, shared_gate_up,
-                  shared_down, out);
-      return;
-    }
-    if (gate_up.dtype() == DType::F8_E4M3 || down.dtype() == DType::F8_E4M3) {
-      // FP8 experts: dequantized and rounded to bf16 (as the CUDA kernel, and as the loader's dequantization gives an
-      // FP8 checkpoint's bf16 model), then below.
-      auto bf16_of = [](const Tensor& w) {
-        const BlockScales* s = w.block_scales();
-        MLA_CHECK(w.dtype() == DType::F8_E4M3 && s && w.dim() == 3, "moe_experts: FP8 experts need both matrices in "
-                  "F8_E4M3 [E, rows, cols] with their block scales");
-        Tensor f = Tensor::empty_host(w.shape(), DType::F32), o = Tensor::empty_host(w.shape(), DType::BF16);
-        cpu::dequant_fp8(w.data_as<const uint8_t>(), s->scale.data_as<const float>(), w.size(0), w.size(1), w.size(2),
-                         s->block_rows, s->block_cols, f.data_as<float>());
-        cpu::convert(f.data(), DType::F32, o.data(), DType::BF16, f.numel());
-        return o;
-      };
-      moe_experts(x, topk_ids, topk_weights, bf16_of(gate_up), bf16_of(down), expert_begin, shared_gate_up,
+    if (gate_up.dtype() == DType::U8 || down.dtype() == DType::U8 || gate_up.dtype() == DType::F8_E4M3 ||
+        down.dtype() == DType::F8_E4M3) {
+      // Experts kept FP8 or INT4: dequantized and rounded to bf16 (as the CUDA kernels, and as the loader's
+      // dequantization gives a quantized checkpoint's bf16 model), then below.
+      moe_experts(x, topk_ids, topk_weights, bf16_experts(gate_up), bf16_experts(down), expert_begin, shared_gate_up,
                   shared_down, out);
       return;
     }

@@ -833,6 +833,9 @@ class CudaBackend final : public Backend {
   }
   // moe_experts through the small-batch kernels (cuda::moe_small); FP8 experts (gs, ds: their BlockScales) read as
   // they are.
+  // The experts of `w` (kept FP8 or INT4, with its BlockScales) that topk_ids name, dequantized into bf16 scratch
+  // [E, rows, cols] (the others left as they are: the bf16 paths read only the experts the ids name).
+  Tensor routed_bf16(const Tensor& w, const Tensor& topk_ids, int32_t expert_begin);
   void moe_small_path(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
                       const Tensor& down, int32_t expert_begin, const Tensor* shared_gate_up, const Tensor* shared_down,
                       int64_t Is, Tensor& out, const BlockScales* gs = nullptr, const BlockScales* ds = nullptr);
@@ -1482,6 +1485,43 @@ void CudaBackend::attend(const Tensor& q, const Tensor& cache, const Tensor& kv_
   }
 }
 
+Tensor CudaBackend::routed_bf16(const Tensor& w, const Tensor& topk_ids, int32_t expert_begin) {
+  const BlockScales* s = w.block_scales();
+  const int64_t cols = s->int4() ? 2 * w.size(2) : w.size(2);
+  Tensor o = scratch({w.size(0), w.size(1), cols}, DType::BF16);
+  const auto* ids = topk_ids.data_as<const int32_t>();
+  if (s->int4()) {
+    cuda::Int4DequantArgs a{};
+    a.w = w.data_as<const uint8_t>();
+    a.scale = s->scale.data_as<const float>();
+    a.zero = s->zero.data_as<const float>();
+    a.B = o.size(0);
+    a.R = o.size(1);
+    a.C = o.size(2);
+    a.group = s->block_cols;
+    a.ids = ids;
+    a.num_ids = topk_ids.numel();
+    a.expert_begin = expert_begin;
+    a.out = bf(o);
+    CUDA_OK(cuda::dequant_int4(a, stream_), "dequant_int4");
+    return o;
+  }
+  cuda::Fp8DequantArgs a{};
+  a.w = w.data_as<const uint8_t>();
+  a.scale = s->scale.data_as<const float>();
+  a.B = o.size(0);
+  a.R = o.size(1);
+  a.C = o.size(2);
+  a.block_rows = s->block_rows;
+  a.block_cols = s->block_cols;
+  a.ids = ids;
+  a.num_ids = topk_ids.numel();
+  a.expert_begin = expert_begin;
+  a.out = bf(o);
+  CUDA_OK(cuda::dequant_fp8(a, stream_), "dequant_fp8");
+  return o;
+}
+
 void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
                               const Tensor& gate_up, const Tensor& down, int32_t expert_begin,
                               const Tensor* shared_gate_up, const Tensor* shared_down, Tensor& out) {
@@ -1492,23 +1532,7 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
     MLA_CHECK(gate_up.dtype() == DType::U8 && down.dtype() == DType::U8 && gs && ds && gs->int4() && ds->int4() &&
                   gate_up.dim() == 3 && down.dim() == 3,
               "moe_experts: INT4 experts need both matrices in U8 [E, rows, cols / 2] with their scales and zeros");
-    Tensor gu = scratch({gate_up.size(0), gate_up.size(1), 2 * gate_up.size(2)}, DType::BF16);
-    Tensor dn = scratch({down.size(0), down.size(1), 2 * down.size(2)}, DType::BF16);
-    for (auto [w, s, o] : {std::tuple{&gate_up, gs, &gu}, std::tuple{&down, ds, &dn}}) {
-      cuda::Int4DequantArgs a{};
-      a.w = w->data_as<const uint8_t>();
-      a.scale = s->scale.data_as<const float>();
-      a.zero = s->zero.data_as<const float>();
-      a.B = o->size(0);
-      a.R = o->size(1);
-      a.C = o->size(2);
-      a.group = s->block_cols;
-      a.ids = topk_ids.data_as<const int32_t>();
-      a.num_ids = topk_ids.numel();
-      a.expert_begin = expert_begin;
-      a.out = bf(*o);
-      CUDA_OK(cuda::dequant_int4(a, stream_), "dequant_int4");
-    }
+    const Tensor gu = routed_bf16(gate_up, topk_ids, expert_begin), dn = routed_bf16(down, topk_ids, expert_begin);
     moe_experts(x, topk_ids, topk_weights, gu, dn, expert_begin, shared_gate_up, shared_down, out);
     return;
   }
@@ -1542,22 +1566,7 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
       moe_routed(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared, out, gs, ds);
       return;
     }
-    Tensor gu = scratch(gate_up.shape(), DType::BF16), dn = scratch(down.shape(), DType::BF16);
-    for (auto [w, s, o] : {std::tuple{&gate_up, gs, &gu}, std::tuple{&down, ds, &dn}}) {
-      cuda::Fp8DequantArgs a{};
-      a.w = w->data_as<const uint8_t>();
-      a.scale = s->scale.data_as<const float>();
-      a.B = w->size(0);
-      a.R = w->size(1);
-      a.C = w->size(2);
-      a.block_rows = s->block_rows;
-      a.block_cols = s->block_cols;
-      a.ids = topk_ids.data_as<const int32_t>();
-      a.num_ids = topk_ids.numel();
-      a.expert_begin = expert_begin;
-      a.out = bf(*o);
-      CUDA_OK(cuda::dequant_fp8(a, stream_), "dequant_fp8");
-    }
+    const Tensor gu = routed_bf16(gate_up, topk_ids, expert_begin), dn = routed_bf16(down, topk_ids, expert_begin);
     moe_experts(x, topk_ids, topk_weights, gu, dn, expert_begin, shared_gate_up, shared_down, out);
     return;
   }
