@@ -831,8 +831,8 @@ class CudaBackend final : public Backend {
   bool use_moe_small(int64_t T, int64_t k, int64_t Is, int64_t max_rows = cuda::kMoeSmallRows) const {
     return small_batch_ && !moe_cublas_ && T <= max_rows && k <= cuda::kMoeSmallMaxK && Is % 8 == 0;
   }
-  // moe_experts through the small-batch kernels (cuda::moe_small); FP8 experts (gs, ds: their BlockScales) read as
-  // they are.
+  // moe_experts through the small-batch kernels (cuda::moe_small); FP8 or INT4 experts (gs, ds: their BlockScales)
+  // read as they are.
   // The experts of `w` (kept FP8 or INT4, with its BlockScales) that topk_ids name, dequantized into bf16 scratch
   // [E, rows, cols] (the others left as they are: the bf16 paths read only the experts the ids name).
   Tensor routed_bf16(const Tensor& w, const Tensor& topk_ids, int32_t expert_begin);
@@ -845,7 +845,7 @@ class CudaBackend final : public Backend {
     return !capturing_ && (moe_cublas_ || (!moe_grouped_only_ && P >= kMoeCublasRowsPerExpert * E));
   }
   // The routed experts of moe_experts through the grouped kernels (or per-expert cuBLASLt GEMMs for many rows); FP8
-  // experts (gs, ds: their BlockScales) only through the grouped kernels.
+  // or INT4 experts (gs, ds: their BlockScales) only through the grouped kernels.
   // shared_out: the shared experts' output, added to the routed sum by its combine.
   void moe_routed(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
                   const Tensor& down, int32_t expert_begin, const cuda::bf16* shared_out, Tensor& out,
@@ -1526,12 +1526,34 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
                               const Tensor& gate_up, const Tensor& down, int32_t expert_begin,
                               const Tensor* shared_gate_up, const Tensor* shared_down, Tensor& out) {
   if (gate_up.dtype() == DType::U8 || down.dtype() == DType::U8) {
-    // INT4 experts: the ones the step's ids name dequantized into bf16 scratch, then the bf16 paths (which read only
-    // those experts).
+    // INT4 experts: read as they are by the small-batch kernels on tensor cores (groups of a power-of-two multiple of
+    // 64 columns) or the grouped kernels; else (cuBLAS, widths off 32-column chunks) the ones the step's ids name
+    // dequantized into bf16 scratch, then the bf16 paths (which read only those experts).
     const BlockScales *gs = gate_up.block_scales(), *ds = down.block_scales();
     MLA_CHECK(gate_up.dtype() == DType::U8 && down.dtype() == DType::U8 && gs && ds && gs->int4() && ds->int4() &&
                   gate_up.dim() == 3 && down.dim() == 3,
               "moe_experts: INT4 experts need both matrices in U8 [E, rows, cols / 2] with their scales and zeros");
+    const int64_t T = rows_of(x), k = topk_ids.size(-1), H = x.size(-1), I = gate_up.size(1) / 2;
+    const int64_t Is = T == 0 ? 0 : shared_experts_width(x, shared_gate_up, shared_down, out);
+    if (T >= 1 && use_moe_small(T, k, Is, cuda::kMoeSmallTcRows) && gs->block_cols == ds->block_cols &&
+        cuda::moe_small_tc_fits(H, I, Is, gs->block_cols) && gate_up.size(2) * 2 == H && down.size(1) == H &&
+        down.size(2) * 2 == I && down.size(0) == gate_up.size(0)) {
+      moe_small_path(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared_gate_up, shared_down, Is, out, gs,
+                     ds);
+      return;
+    }
+    const int64_t E = gate_up.size(0);
+    auto groups_fit = [](const BlockScales* b, int64_t cols) {
+      return b->block_cols % 8 == 0 || b->block_cols >= cols;
+    };
+    if (T >= 1 && !moe_uses_cublas(T * k, E) && H % 32 == 0 && I % 32 == 0 && groups_fit(gs, H) &&
+        groups_fit(ds, I) && gate_up.size(2) * 2 == H && down.size(0) == E && down.size(1) == H &&
+        down.size(2) * 2 == I && x.dtype() == DType::BF16 && out.dtype() == DType::BF16) {
+      // The grouped kernels' INT4 tiles (32 codes per copy, each code word's 8 in one group).
+      const cuda::bf16* shared = shared_experts_out(x, shared_gate_up, shared_down, out);
+      moe_routed(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared, out, gs, ds);
+      return;
+    }
     const Tensor gu = routed_bf16(gate_up, topk_ids, expert_begin), dn = routed_bf16(down, topk_ids, expert_begin);
     moe_experts(x, topk_ids, topk_weights, gu, dn, expert_begin, shared_gate_up, shared_down, out);
     return;
@@ -1622,6 +1644,10 @@ void CudaBackend::moe_small_path(const Tensor& x, const Tensor& topk_ids, const 
       a.down_scale = ds->scale.data_as<const float>();
       a.block_rows = static_cast<int32_t>(gs->block_rows);
       a.block_cols = static_cast<int32_t>(gs->block_cols);
+      if (gs->int4()) {
+        a.gate_up_zero = gs->zero.data_as<const float>();
+        a.down_zero = ds->zero.data_as<const float>();
+      }
     }
     a.E = static_cast<int32_t>(E);
     a.I = static_cast<int32_t>(I);
@@ -1663,7 +1689,7 @@ void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tens
   // Many rows per expert (prefill): per-expert cuBLASLt GEMMs (Hopper tensor-core kernels) on gathered rows, one
   // host synchronisation per layer for the counts. Few rows (decode): the grouped kernels, no synchronisation.
   if (moe_uses_cublas(P, E)) {
-    MLA_CHECK(!gs, "moe_routed: FP8 experts take the grouped kernels only");
+    MLA_CHECK(!gs, "moe_routed: FP8 / INT4 experts take the grouped kernels only");
     std::vector<int32_t> cnt(static_cast<size_t>(E));
     MLA_LOG_TRACE("cuda {}: MoE counts download (host sync)", device_);
     download(counts, cnt.data());
@@ -1711,6 +1737,7 @@ void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tens
       gp.w_scale = gs->scale.data_as<const float>();
       gp.block_rows = static_cast<int32_t>(gs->block_rows);
       gp.block_cols = static_cast<int32_t>(gs->block_cols);
+      if (gs->int4()) gp.w_zero = gs->zero.data_as<const float>();
     }
     gp.tiles = tiles.data_as<int32_t>();
     gp.num_tiles = num_tiles.data_as<int32_t>();
@@ -1720,7 +1747,7 @@ void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tens
     gp.K = static_cast<int32_t>(H);
     gp.act = bf(act);
     // FP8 experts with few rows per expert: the weights straight into registers (moe_fp8_decode).
-    const bool fp8_decode = gs && ds && fp8_decode_ && P <= cuda::kMoeFp8DecodeRowsPerExpert * E &&
+    const bool fp8_decode = gs && ds && !gs->int4() && fp8_decode_ && P <= cuda::kMoeFp8DecodeRowsPerExpert * E &&
                             cuda::moe_fp8_decode_fits(H, I, gs->block_rows, gs->block_cols) &&
                             cuda::moe_fp8_decode_fits(H, I, ds->block_rows, ds->block_cols);
     if (fp8_decode)
@@ -1734,6 +1761,7 @@ void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tens
       gp.w_scale = ds->scale.data_as<const float>();
       gp.block_rows = static_cast<int32_t>(ds->block_rows);
       gp.block_cols = static_cast<int32_t>(ds->block_cols);
+      gp.w_zero = ds->int4() ? ds->zero.data_as<const float>() : nullptr;
     }
     gp.N = static_cast<int32_t>(H);
     gp.K = static_cast<int32_t>(I);

@@ -67,17 +67,7 @@ __global__ void __launch_bounds__(kDequantThreads) dequant_int4_kernel(Int4Dequa
        v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = v / vecs_per_row, c = (v % vecs_per_row) * 8;
     const int64_t g = r * G + c / a.group;  // the 8 columns share a group (group % 8 == 0)
-    const float s = scale[g], z = zero[g];
-    const uint32_t codes = w[v];
-    uint32_t packed[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float lo = __fmul_rn(static_cast<float>((codes >> (8 * i)) & 15u) - z, s);
-      const float hi = __fmul_rn(static_cast<float>((codes >> (8 * i + 4)) & 15u) - z, s);
-      const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
-      packed[i] = *reinterpret_cast<const uint32_t*>(&p);
-    }
-    out[v] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    out[v] = int4x8_to_bf16(w[v], scale[g], zero[g]);
   }
 }
 

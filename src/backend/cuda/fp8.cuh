@@ -1,6 +1,6 @@
 // FP8 (E4M3) weights on the device: codes made into bf16 the way the host's dequantization makes them, or into bf16
-// of exactly their values (the tensor-core path scales the products instead); an FP8 latent cache's E4M3 or E5M2
-// codes.
+// of exactly their values (the tensor-core path scales the products instead); INT4 code words made into bf16 as the
+// host dequantizes them; an FP8 latent cache's E4M3 or E5M2 codes.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -41,6 +41,20 @@ __device__ __forceinline__ uint4 fp8x8_to_bf16(const uint2& q, float s) {
   for (int i = 0; i < 4; ++i) {
     const float2 f = f16x2_to_float2(h[i]);
     r[i] = pack_bf16x2(f.x * s, f.y * s);
+  }
+  return make_uint4(r[0], r[1], r[2], r[3]);
+}
+
+// bf16((code - z) * s) for the 8 INT4 codes of one 32-bit word (code pairs, column 2 j in the low nibble), packed as
+// a 16-byte vector of 8 bf16: each product rounded once to f32 and once to bf16, as the host's dequantization rounds it
+// (cpu::dequant_int4).
+__device__ __forceinline__ uint4 int4x8_to_bf16(uint32_t codes, float s, float z) {
+  uint32_t r[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float lo = __fmul_rn(static_cast<float>((codes >> (8 * i)) & 15u) - z, s);
+    const float hi = __fmul_rn(static_cast<float>((codes >> (8 * i + 4)) & 15u) - z, s);
+    r[i] = pack_bf16x2(lo, hi);
   }
   return make_uint4(r[0], r[1], r[2], r[3]);
 }

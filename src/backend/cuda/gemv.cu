@@ -130,6 +130,74 @@ __device__ __forceinline__ void fp8_tile(float (&acc)[R2 ? 4 : 2], const uint8_t
   }
 }
 
+// INT4 experts on tensor cores, laid out as fp8_tile's: lane / 4 loads 16 codes (8 bytes, code pairs with column 2 j
+// in the low nibble) at column 16 (lane % 4) of each 64-column chunk of its row. A code word's nibbles become bf16
+// pairs (columns j, j + 4) as 128 + code (the code in the low mantissa bits of 128), minus 128 + its row's group zero
+// point: code - zero exactly (zero points are integers in [0, 16], as every checkpoint format the loader reads gives
+// them); the activations are paired the same way (byte permutes). Each chunk's product is scaled by its output rows'
+// group scales in f32, so a product is the sum over chunks of scale * ((code - zero) . x): the dequantized model's
+// without rounding (code - zero) * scale to bf16 first. zr: this lane's own row's zero points; s0 / s1, cps_shift, x,
+// x2 and acc as fp8_tile's (groups of 2^cps_shift chunks).
+__device__ __forceinline__ uint32_t int4_pair(uint32_t codes, int shift, uint32_t zero2) {
+  uint32_t v;  // (codes >> shift) & 0x000f000f | 0x43004300: 128 + the nibbles at bits shift and 16 + shift
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(v) : "r"(codes >> shift), "r"(0x000f000fu), "r"(0x43004300u));
+  __nv_bfloat162 d = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v),
+                             *reinterpret_cast<const __nv_bfloat162*>(&zero2));
+  return *reinterpret_cast<const uint32_t*>(&d);
+}
+// The activations of columns (j, j + 4) and (j + 1, j + 5) for j = 0, 2 of 8 bf16 (a: columns 0-3, b: columns 4-7).
+__device__ __forceinline__ void int4_act_pairs(uint32_t* o, uint32_t a01, uint32_t a23, uint32_t a45, uint32_t a67) {
+  o[0] = __byte_perm(a01, a45, 0x5410);
+  o[1] = __byte_perm(a01, a45, 0x7632);
+  o[2] = __byte_perm(a23, a67, 0x5410);
+  o[3] = __byte_perm(a23, a67, 0x7632);
+}
+template <int U, bool R2 = false>
+__device__ __forceinline__ void int4_tile(float (&acc)[R2 ? 4 : 2], const uint8_t* w, const bf16* x, const float* s0,
+                                          const float* s1, const float* zr, int nch, int cps_shift,
+                                          const bf16* x2 = nullptr) {
+  for (int c0 = 0; c0 < nch; c0 += U) {
+    uint2 b[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      b[u] = c0 + u < nch ? ld_weights8(w + static_cast<int64_t>(c0 + u) * 32) : make_uint2(0, 0);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u;
+      if (c >= nch) break;
+      const int grp = c >> cps_shift;
+      const float sa = s0[grp], sb = s1[grp];
+      const __nv_bfloat162 z2 = __float2bfloat162_rn(128.0f + zr[grp]);
+      const uint32_t zero2 = *reinterpret_cast<const uint32_t*>(&z2);
+      uint32_t xp[8] = {}, yp[8] = {};
+      auto act = [&](uint32_t (&o)[8], const bf16* r) {
+        const uint4 lo = ld_act(r + static_cast<int64_t>(c) * 64), hi = ld_act(r + static_cast<int64_t>(c) * 64 + 8);
+        int4_act_pairs(o, lo.x, lo.y, lo.z, lo.w);
+        int4_act_pairs(o + 4, hi.x, hi.y, hi.z, hi.w);
+      };
+      if (x) act(xp, x);
+      if (R2 && x2) act(yp, x2);
+      const uint32_t wq[2] = {b[u].x, b[u].y};
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // code word h: columns 8h..8h+7 as pairs (j, j + 4), j = 0..3
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {  // an mma: pairs 2m (a0 / b0) and 2m + 1 (a2 / b1)
+          const int j = 4 * h + 2 * m;
+          const uint32_t af[4] = {xp[j], R2 ? yp[j] : 0u, xp[j + 1], R2 ? yp[j + 1] : 0u};
+          mma_bf16(d, af, int4_pair(wq[h], 8 * m, zero2), int4_pair(wq[h], 8 * m + 4, zero2));
+        }
+      }
+      acc[0] = fmaf(sa, d[0], acc[0]);
+      acc[1] = fmaf(sb, d[1], acc[1]);
+      if constexpr (R2) {
+        acc[2] = fmaf(sa, d[2], acc[2]);
+        acc[3] = fmaf(sb, d[3], acc[3]);
+      }
+    }
+  }
+}
+
 // bf16 weights on tensor cores, as fp8_tile lays them out: a warp multiplies 8 weight rows (lane / 4 loads row
 // lane / 4, 16 values at column 16 (lane % 4) of each 64-column chunk, two 16-byte loads) with the tokens (A's rows).
 // b: U chunks of this lane's loads, the first group already issued (bf16_tile_load at c0); d: the mma accumulators
@@ -686,7 +754,8 @@ __device__ __forceinline__ std::conditional_t<FP8, Fp8Row, const uint4*> gate_up
 // intermediate indices (B column 2j gate row i0 + j, 2j + 1 its up row), so a lane holds both halves of its act.
 // STC (TC at more than kMoeSmallRows tokens): the shared experts on tensor cores too, in bf16_tile's 8-row items laid
 // out as the routed ones (4 intermediate indices each), the first item's first chunks loaded before the wait.
-template <int TT, int U, int MINB, bool FP8 = false, bool TC = false, int UT = U>
+// INT4 (with TC): the routed experts are INT4 code pairs, int4_tile's, in groups of block_cols columns.
+template <int TT, int U, int MINB, bool FP8 = false, bool TC = false, int UT = U, bool INT4 = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(MoeSmallArgs a, MoePlan* plan_out) {
   constexpr bool STC = TC && TT > kMoeSmallRows, R2 = TT > 8;  // R2: tokens 8-15 in the mma's A rows 8-15
   __shared__ MoePlan plan;
@@ -790,15 +859,20 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
     const int quads = a.I / 4, u = static_cast<int>(r / quads), i0 = static_cast<int>(r % quads) * 4;
     const int e = plan.uniq[u], g = lane >> 2, q = lane & 3;
     const int s = g < a.T ? plan.slot[u][g] : -1, s2 = R2 && g + 8 < a.T ? plan.slot[u][g + 8] : -1;
-    const int64_t row = (g & 1 ? a.I : 0) + i0 + (g >> 1);
-    const uint8_t* w = reinterpret_cast<const uint8_t*>(a.gate_up) + (static_cast<int64_t>(e) * 2 * a.I + row) * a.H +
-                       16 * q;
+    const int64_t row = static_cast<int64_t>(e) * 2 * a.I + (g & 1 ? a.I : 0) + i0 + (g >> 1);  // this lane's
     const int64_t sr = (2 * a.I + a.block_rows - 1) / a.block_rows, sc = (a.H + a.block_cols - 1) / a.block_cols;
     const float* s0 = a.gate_up_scale + (e * sr + (i0 + q) / a.block_rows) * sc;
     const float* s1 = a.gate_up_scale + (e * sr + (a.I + i0 + q) / a.block_rows) * sc;
+    const bf16* x = s >= 0 ? a.x + g * a.ldx + 16 * q : nullptr;
+    const bf16* x2 = s2 >= 0 ? a.x + (g + 8) * a.ldx + 16 * q : nullptr;
+    const uint8_t* codes = reinterpret_cast<const uint8_t*>(a.gate_up);
+    const int shift = __ffs(a.block_cols >> 6) - 1;
     float acc[R2 ? 4 : 2] = {};
-    fp8_tile<UT, R2>(acc, w, s >= 0 ? a.x + g * a.ldx + 16 * q : nullptr, s0, s1, a.H >> 6,
-                     __ffs(a.block_cols >> 6) - 1, s2 >= 0 ? a.x + (g + 8) * a.ldx + 16 * q : nullptr);
+    if constexpr (INT4)
+      int4_tile<2 * UT, R2>(acc, codes + row * (a.H / 2) + 8 * q, x, s0, s1, a.gate_up_zero + row * sc, a.H >> 6, shift,
+                            x2);
+    else
+      fp8_tile<UT, R2>(acc, codes + row * a.H + 16 * q, x, s0, s1, a.H >> 6, shift, x2);
     if (s >= 0) a.act[(static_cast<int64_t>(g) * a.k + s) * a.I + i0 + q] = __float2bfloat16_rn(silu(acc[0]) * acc[1]);
     if constexpr (R2)
       if (s2 >= 0)
@@ -996,7 +1070,8 @@ __device__ __forceinline__ void shared_share(int w, int n, int I, int nsc, int& 
 // local expert plan.uniq[u]'s rows h0..h0+7) and a slice of the shared experts' K (bf16_tile of shared_down's same
 // rows; shared_share: about the same bytes per warp), the first of its shared chunks loaded before the wait. The sums:
 // down_output's.
-template <int TT, int UT, int MINB>
+// INT4: the routed experts through int4_tile (as gate/up's).
+template <int TT, int UT, int MINB, bool INT4 = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_tc_kernel(MoeSmallArgs a, const MoePlan* gplan) {
   __shared__ MoePlan plan;
   __shared__ float part[8][kMaxPairs];
@@ -1034,15 +1109,20 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_tc_kernel(Mo
   for (int u = warp; u < n; u += kWarps) {
     const int e = P->uniq[u];
     const int sl = g < a.T ? P->slot[u][g] : -1, sl2 = R2 && g + 8 < a.T ? P->slot[u][g + 8] : -1;
-    const uint8_t* w =
-        reinterpret_cast<const uint8_t*>(a.down) + (static_cast<int64_t>(e) * a.H + h0 + g) * a.I + 16 * q;
+    const int64_t row = static_cast<int64_t>(e) * a.H + h0 + g;  // this lane's
+    const uint8_t* codes = reinterpret_cast<const uint8_t*>(a.down);
     const int64_t sr = (a.H + a.block_rows - 1) / a.block_rows, sc = (a.I + a.block_cols - 1) / a.block_cols;
     const float* s0 = a.down_scale + (e * sr + (h0 + 2 * q) / a.block_rows) * sc;
     const float* s1 = a.down_scale + (e * sr + (h0 + 2 * q + 1) / a.block_rows) * sc;
     float acc[R2 ? 4 : 2] = {};
     const bf16* x = sl >= 0 ? a.act + (static_cast<int64_t>(g) * a.k + sl) * a.I + 16 * q : nullptr;
     const bf16* x2 = sl2 >= 0 ? a.act + (static_cast<int64_t>(g + 8) * a.k + sl2) * a.I + 16 * q : nullptr;
-    fp8_tile<UT, R2>(acc, w, x, s0, s1, a.I >> 6, __ffs(a.block_cols >> 6) - 1, x2);
+    const int shift = __ffs(a.block_cols >> 6) - 1;
+    if constexpr (INT4)
+      int4_tile<2 * UT, R2>(acc, codes + row * (a.I / 2) + 8 * q, x, s0, s1, a.down_zero + row * sc, a.I >> 6, shift,
+                            x2);
+    else
+      fp8_tile<UT, R2>(acc, codes + row * a.I + 16 * q, x, s0, s1, a.I >> 6, shift, x2);
     if (sl >= 0) {
       const int p = g * a.k + sl;
       part[2 * q][p] = a.weights[p] * acc[0];
@@ -1243,8 +1323,8 @@ cudaError_t gemv_n_prepare(GemvArgs a, int32_t batch, const MlaPrepArgs& prep, c
 namespace {
 
 // TC: FP8 experts through fp8_tile, 8 chunks of loads per lane at one token (2 gate/up blocks per SM), 4 at 2-4
-// tokens (measured on H200, docs/perf.md).
-template <bool FP8, bool TC, typename Grid>
+// tokens (measured on H200, docs/perf.md); INT4 (with TC) through int4_tile, twice the chunks (8-byte loads).
+template <bool FP8, bool TC, bool INT4, typename Grid>
 cudaError_t moe_small_launch(const MoeSmallArgs& a, MoePlan* plan, int shared_segs, Grid gate_up_grid,
                              cudaStream_t stream) {
   constexpr int U = kSmallMoeUnroll;
@@ -1260,35 +1340,36 @@ cudaError_t moe_small_launch(const MoeSmallArgs& a, MoePlan* plan, int shared_se
   const MoePlan* none = nullptr;
   cudaError_t e;
   if (a.T == 1) {
-    e = launch(moe_small_gate_up_kernel<1, U, GB1, FP8, TC, UT1>, gate_up_grid(GB1), kWarps * 32, 0, stream, a,
+    e = launch(moe_small_gate_up_kernel<1, U, GB1, FP8, TC, UT1, INT4>, gate_up_grid(GB1), kWarps * 32, 0, stream, a,
                static_cast<MoePlan*>(nullptr));
     if (e != cudaSuccess) return e;
-    if constexpr (TC) return down_tc(moe_small_down_tc_kernel<1, UT1, 2>, none);
+    if constexpr (TC) return down_tc(moe_small_down_tc_kernel<1, UT1, 2, INT4>, none);
     return down(moe_small_down_kernel<1, 4, U, 4, FP8>, 4, none);
   }
   if (a.T > kMoeSmallRows) {  // FP8 experts on tensor cores only (moe_small checks)
     if constexpr (TC) {
       static_assert(kMoeSmallTcRows == 16, "moe_small instantiates 8 and 16 rows on tensor cores");
       if (a.T > 8) {
-        e = launch(moe_small_gate_up_kernel<16, U, 3, FP8, TC>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
+        e = launch(moe_small_gate_up_kernel<16, U, 3, FP8, TC, U, INT4>, gate_up_grid(3), kWarps * 32, 0, stream, a,
+                   plan);
         if (e != cudaSuccess) return e;
-        return down_tc(moe_small_down_tc_kernel<16, U, 2>, plan);
+        return down_tc(moe_small_down_tc_kernel<16, U, 2, INT4>, plan);
       }
-      e = launch(moe_small_gate_up_kernel<8, U, 3, FP8, TC>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
+      e = launch(moe_small_gate_up_kernel<8, U, 3, FP8, TC, U, INT4>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
       if (e != cudaSuccess) return e;
-      return down_tc(moe_small_down_tc_kernel<8, U, 2>, plan);
+      return down_tc(moe_small_down_tc_kernel<8, U, 2, INT4>, plan);
     }
     return cudaErrorInvalidValue;
   }
   if (a.T > 2) {
-    e = launch(moe_small_gate_up_kernel<4, U, 3, FP8, TC>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
+    e = launch(moe_small_gate_up_kernel<4, U, 3, FP8, TC, U, INT4>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
     if (e != cudaSuccess) return e;
-    if constexpr (TC) return down_tc(moe_small_down_tc_kernel<4, U, 2>, plan);
+    if constexpr (TC) return down_tc(moe_small_down_tc_kernel<4, U, 2, INT4>, plan);
     return down(moe_small_down_kernel<4, 1, U, 5, FP8>, 1, plan);
   }
-  e = launch(moe_small_gate_up_kernel<2, U, 3, FP8, TC>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
+  e = launch(moe_small_gate_up_kernel<2, U, 3, FP8, TC, U, INT4>, gate_up_grid(3), kWarps * 32, 0, stream, a, plan);
   if (e != cudaSuccess) return e;
-  if constexpr (TC) return down_tc(moe_small_down_tc_kernel<2, U, 2>, plan);
+  if constexpr (TC) return down_tc(moe_small_down_tc_kernel<2, U, 2, INT4>, plan);
   return down(moe_small_down_kernel<2, 1, U, 6, FP8>, 1, plan);
 }
 
@@ -1304,7 +1385,8 @@ bool moe_small_tc_fits(int64_t H, int64_t I, int64_t Is, int64_t block_cols) {
 cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStream_t stream) {
   if (a.T == 0) return cudaSuccess;
   // FP8 experts in whole 64-column scale blocks (a power of two of chunks) go to the tensor cores (fp8_tile; the
-  // down kernel's shared experts through bf16_tile, in 64-column chunks; past kMoeSmallRows tokens gate/up's too).
+  // down kernel's shared experts through bf16_tile, in 64-column chunks; past kMoeSmallRows tokens gate/up's too), as
+  // do INT4 experts in such groups (int4_tile; only there).
   const bool tc = a.gate_up_scale && moe_small_tc_fits(a.H, a.I, a.Is, a.block_cols);
   if (a.T > (tc ? kMoeSmallTcRows : kMoeSmallRows) || a.k > kMoeSmallMaxK || a.k < 1 || a.H % 8 != 0 ||
       a.I % 8 != 0 || a.Is % 8 != 0 || a.ldx % 8 != 0 || (reinterpret_cast<uintptr_t>(plan_buf) & 15) != 0)
@@ -1326,12 +1408,16 @@ cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStrea
   // column per block (many short blocks, 6 / 5 per SM, 40 / 48 registers) reading gate/up's copy of the plan. FP8 on
   // tensor cores at 5-16 tokens: 3 gate/up and 2 down blocks per SM (as at 3-4 tokens; not tuned further).
   static_assert(kMoeSmallRows == 4, "moe_small instantiates 1, 2 and 4 rows (and kMoeSmallTcRows on tensor cores)");
+  if (a.gate_up_zero) {  // INT4 experts: on tensor cores only
+    if (!tc || !a.down_scale || !a.down_zero || a.block_rows != 1) return cudaErrorInvalidValue;
+    return moe_small_launch<true, true, true>(a, plan, shared_segs, gate_up_grid, stream);
+  }
   if (a.gate_up_scale) {
     if (!a.down_scale || a.block_rows <= 0 || a.block_cols <= 0 || a.block_cols % 8 != 0) return cudaErrorInvalidValue;
-    return tc ? moe_small_launch<true, true>(a, plan, shared_segs, gate_up_grid, stream)
-              : moe_small_launch<true, false>(a, plan, shared_segs, gate_up_grid, stream);
+    return tc ? moe_small_launch<true, true, false>(a, plan, shared_segs, gate_up_grid, stream)
+              : moe_small_launch<true, false, false>(a, plan, shared_segs, gate_up_grid, stream);
   }
-  return moe_small_launch<false, false>(a, plan, shared_segs, gate_up_grid, stream);
+  return moe_small_launch<false, false, false>(a, plan, shared_segs, gate_up_grid, stream);
 }
 
 }  // namespace mlaserve::cuda

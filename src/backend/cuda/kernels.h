@@ -305,6 +305,10 @@ struct MoeGemmParams {
   // block_cols % 16 == 0); null: bf16 weights.
   const float* w_scale = nullptr;
   int32_t block_rows = 0, block_cols = 0;
+  // INT4 experts: w holds code pairs ([E, rows, K / 2], column 2 j in the low nibble), w_scale their group scales
+  // (block_rows 1, block_cols the group: a multiple of 8, or >= K) and these the zero points (the same shape), each
+  // tile made into bf16((code - zero) * scale) as dequant_int4 makes it (K % 32 == 0).
+  const float* w_zero = nullptr;
 };
 cudaError_t moe_gemm_gate_up(const MoeGemmParams& p, int32_t block_m, cudaStream_t stream);
 cudaError_t moe_gemm_down(const MoeGemmParams& p, int32_t block_m, cudaStream_t stream);
@@ -446,15 +450,21 @@ struct MoeSmallArgs {
   const float* gate_up_scale = nullptr;
   const float* down_scale = nullptr;
   int32_t block_rows = 0, block_cols = 0;
+  // INT4 routed experts (moe_small_tc_fits of their group only): gate_up / down hold code pairs ([E, 2I, H / 2] and
+  // [E, H, I / 2], column 2 j in the low nibble), the scales above per row and group (block_rows 1, block_cols the
+  // group) and these their zero points (integers in [0, 16]; the same shapes). On tensor cores: (code - zero) . x
+  // scaled per group in f32, within the bf16 rounding of (code - zero) * scale of the dequantized model.
+  const float* gate_up_zero = nullptr;
+  const float* down_zero = nullptr;
 };
 // out = sum_k w * down_e(silu(gate_e x) * up_e x) over the local experts, rounded, plus the shared experts' MLP,
 // rounded (as moe_experts + the dense shared MLP + add compute it). T <= kMoeSmallRows (kMoeSmallTcRows for FP8
-// experts on tensor cores), k <= kMoeSmallMaxK, H, I, Is multiples of 8. Two kernels (gate/up, persistent over a few
-// blocks per SM of num_sms; down), the blocks finding the distinct experts from the ids themselves or (down, 2+
-// tokens) from gate/up's copy in plan_buf (16-byte aligned, moe_small_plan_bytes() bytes); no host sync.
+// or INT4 experts on tensor cores), k <= kMoeSmallMaxK, H, I, Is multiples of 8. Two kernels (gate/up, persistent
+// over a few blocks per SM of num_sms; down), the blocks finding the distinct experts from the ids themselves or
+// (down, 2+ tokens) from gate/up's copy in plan_buf (16-byte aligned, moe_small_plan_bytes() bytes); no host sync.
 size_t moe_small_plan_bytes();
-// Whether moe_small runs FP8 experts of these widths and scale blocks on tensor cores (then up to kMoeSmallTcRows
-// tokens): H, I and Is multiples of 64, block_cols a power-of-two multiple of 64.
+// Whether moe_small runs FP8 (INT4) experts of these widths and scale blocks (groups) on tensor cores (then up to
+// kMoeSmallTcRows tokens): H, I and Is multiples of 64, block_cols a power-of-two multiple of 64.
 bool moe_small_tc_fits(int64_t H, int64_t I, int64_t Is, int64_t block_cols);
 cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStream_t stream);
 
