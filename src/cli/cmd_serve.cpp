@@ -739,7 +739,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                  "FP8 routed experts: auto|on (kept FP8: half the memory)|off (bf16 at load)")
       ->capture_default_str();
   app.add_option("--int4-experts", a->int4_experts,
-                 "4-bit routed experts (AWQ, GPTQ, compressed-tensors): auto|on (kept INT4)|off (bf16 at load)")
+                 "4-bit routed experts (AWQ, GPTQ, compressed-tensors): auto|on (kept INT4; auto: on)|off (bf16)")
       ->capture_default_str();
   app.add_option("--max-body-bytes", a->max_body_bytes, "largest request body accepted")->capture_default_str();
   app.add_option("--num-http-threads", a->num_http_threads,

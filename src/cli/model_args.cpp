@@ -16,7 +16,7 @@ void ModelArgs::add_to(CLI::App& app) {
                  "FP8 routed experts: auto|on (kept FP8: half the memory)|off (bf16 at load)")
       ->capture_default_str();
   app.add_option("--int4-experts", int4_experts,
-                 "4-bit routed experts (AWQ, GPTQ, compressed-tensors): auto|on (kept INT4)|off (bf16 at load)")
+                 "4-bit routed experts (AWQ, GPTQ, compressed-tensors): auto|on (kept INT4; auto: on)|off (bf16)")
       ->capture_default_str();
   app.add_option("--quantization", quantization, "fp8: quantize a bf16 checkpoint's routed experts to FP8 at load")
       ->check(CLI::IsMember({"fp8"}));

@@ -57,8 +57,9 @@ struct LoadOptions {
   enum class KeepQuantized { Auto, On, Off };
   KeepQuantized fp8_experts = KeepQuantized::Auto;
   // 4-bit checkpoints' routed experts (AWQ, GPTQ, compressed-tensors pack-quantized; groups in runs of columns) on a
-  // backend that takes them INT4 (Backend::takes_int4_experts): the same choice (--int4-experts). Kept INT4 they take
-  // about a quarter of bf16's memory; each step dequantizes the experts it routes to into bf16 scratch.
+  // backend that takes them INT4 (Backend::takes_int4_experts): On / Auto keep them INT4 where a rank's slices allow
+  // (about a quarter of bf16's memory; the CUDA MoE kernels read the codes, faster than bf16 at decode), Off
+  // dequantizes them at load (--int4-experts).
   KeepQuantized int4_experts = KeepQuantized::Auto;
   // --quantization fp8 on a checkpoint without quantization: its routed experts quantized to FP8 at load
   // (cpu::quantize_fp8, blocks of 128, or the largest power of two down to 8 dividing a rank's expert width), kept FP8

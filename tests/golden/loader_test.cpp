@@ -779,10 +779,41 @@ TEST(Loader, Int4ExpertsKeptAreTheSameModel) {
       const auto b = ranks_logits(q, L.tp, false, &plain_bytes, false, L.ep);
       ASSERT_EQ(a.size(), b.size());
       for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << "logit " << i;
-      if (L.kept == 1) EXPECT_LT(kept_bytes, plain_bytes);
-      if (L.kept == 0) EXPECT_EQ(kept_bytes, plain_bytes);
+      if (L.kept == 1) {
+        EXPECT_LT(kept_bytes, plain_bytes);
+      }
+      if (L.kept == 0) {
+        EXPECT_EQ(kept_bytes, plain_bytes);
+      }
     }
   }
+}
+
+// --int4-experts auto keeps a 4-bit checkpoint's routed experts INT4 on a backend that takes them, however small the
+// model (the same bytes and logits as on), and off dequantizes them at load.
+TEST(Loader, Int4ExpertsAutoKeepsThem) {
+  auto q = test::temp_dir("int4a"), ref = test::temp_dir("int4aref");
+  write_awq_pair("v3", q, ref, 8);
+  auto bytes_and_logits = [&](LoadOptions::KeepQuantized k) {
+    ParallelConfig pc;
+    pc.device = "cpu";
+    pc.wrap_backend = [](std::unique_ptr<Backend> b, int32_t) -> std::unique_ptr<Backend> {
+      return std::make_unique<TakesFp8Experts>(std::move(b));
+    };
+    LoadOptions lo;
+    lo.int4_experts = k;
+    RankSet ranks(ModelConfig::from_file(q.string()), pc, q.string(), lo);
+    OfflineOptions o;
+    o.prompt_logits = true;
+    const Tensor t = run_offline(ranks, {kPrompt}, o).prompt_logits[0];
+    return std::make_pair(ranks.weight_bytes_per_rank(),
+                          std::vector<float>(t.data_as<float>(), t.data_as<float>() + t.numel()));
+  };
+  using K = LoadOptions::KeepQuantized;
+  const auto autos = bytes_and_logits(K::Auto), on = bytes_and_logits(K::On), off = bytes_and_logits(K::Off);
+  EXPECT_EQ(autos.first, on.first);
+  EXPECT_LT(autos.first, off.first);
+  EXPECT_EQ(autos.second, on.second);
 }
 
 // /get_weights_by_name of routed experts kept INT4: the values the model computes with, bf16((code - zero) * scale),

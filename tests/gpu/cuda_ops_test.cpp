@@ -1300,6 +1300,7 @@ void moe_int4_case(int64_t E, int64_t k, int64_t H, int64_t I, int64_t Is, int64
       sd = g.upload(rand_host({H, Is}, seed + 3, 1.0f / std::sqrt(static_cast<float>(Is))), DType::BF16);
     }
     for (int64_t T : Ts) {
+      const size_t mark = g.scratch_mark();  // the dequantized experts' scratch, handed out again next size
       Tensor x = g.upload(rand_host({T, H}, seed + 4 + static_cast<uint64_t>(T)), DType::BF16);
       Tensor ids_h = Tensor::empty_host({T, k}, DType::I32), w_h = rand_host({T, k}, seed + 5, 0.5f);
       std::mt19937_64 rng(seed + static_cast<uint64_t>(T));
@@ -1319,6 +1320,7 @@ void moe_int4_case(int64_t E, int64_t k, int64_t H, int64_t I, int64_t Is, int64
       expect_close(g.to_host_f32(ob), g.to_host_f32(o4), tol, 5 * tol,
                    fmt::format("int4 experts T{} I{} shared {} kind {} experts from {}", T, I, Is, kind,
                                expert_begin));
+      g.scratch_release(mark);
     }
   }
 }
