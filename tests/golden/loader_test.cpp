@@ -816,6 +816,37 @@ TEST(Loader, Int4ExpertsAutoKeepsThem) {
   EXPECT_EQ(autos.second, on.second);
 }
 
+// A model holding INT4 experts takes a checkpoint of the same format again in place (/update_weights_from_disk: the
+// codes, scales and zeros rewritten, the same logits), while a bf16 checkpoint of it is refused naming the tensor
+// it would give in another dtype, and the previous weights are loaded again.
+TEST(Loader, Int4ExpertsKeptReloadInPlace) {
+  auto q = test::temp_dir("int4u"), ref = test::temp_dir("int4uref");
+  write_awq_pair("v3", q, ref, 8);
+  auto ranks = fp8_ranks(q, 2, true);
+  OfflineOptions o;
+  o.prompt_logits = true;
+  auto logits = [&] {
+    const Tensor t = run_offline(*ranks, {kPrompt}, o).prompt_logits[0];
+    return std::vector<float>(t.data_as<float>(), t.data_as<float>() + t.numel());
+  };
+  const std::vector<float> before = logits();
+  const int64_t bytes = ranks->weight_bytes_per_rank();
+  ranks->reload_weights(q.string());
+  EXPECT_EQ(logits(), before);
+  EXPECT_EQ(ranks->weight_bytes_per_rank(), bytes);
+  std::string err;
+  try {
+    ranks->reload_weights(ref.string());
+  } catch (const Error& e) {
+    err = e.what();
+  }
+  EXPECT_NE(err.find("experts"), std::string::npos) << err;
+  EXPECT_NE(err.find("U8"), std::string::npos) << err;
+  EXPECT_NE(err.find("loaded again"), std::string::npos) << err;
+  EXPECT_EQ(ranks->model_dir(), q.string());
+  EXPECT_EQ(logits(), before);
+}
+
 // /get_weights_by_name of routed experts kept INT4: the values the model computes with, bf16((code - zero) * scale),
 // the same as the model dequantized at load reads.
 TEST(Loader, Int4ExpertsKeptReadBackAsTheDequantizedModel) {
