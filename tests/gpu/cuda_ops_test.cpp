@@ -1089,11 +1089,11 @@ Fp8Weights fp8_weights(int64_t B, int64_t R, int64_t C, int64_t br, int64_t bc, 
   return w;
 }
 
-// A dequantization kernel against its CPU reference `ref` (B matrices of R x C, bf16 values as F32): launched by
-// `launch(ids, expert_begin, out)` over every matrix (no ids) and over routing ids naming matrices 0 and 2 (and
-// experts that are not local), it writes exactly the reference into the matrices it dequantizes and nothing else.
-void expect_dequant(int64_t B, int64_t R, int64_t C, const Tensor& ref, const std::string& what,
-                    const std::function<cudaError_t(const int32_t*, int32_t, cuda::bf16*)>& launch) {
+// cuda::dequant_experts of the matrices in `a` (B matrices of R x C) against its CPU reference `ref` (bf16 values as
+// F32): over every matrix (no ids) and over routing ids naming matrices 0 and 2 (and experts that are not local), it
+// writes exactly the reference into the matrices it dequantizes and nothing else.
+void expect_dequant(cuda::DequantArgs a, const Tensor& ref, const std::string& what) {
+  const int64_t B = a.B, R = a.R, C = a.C;
   for (bool routed : {false, true}) {
     Tensor fill = Tensor::empty_host({B, R, C}, DType::F32);
     std::fill(fill.data_as<float>(), fill.data_as<float>() + fill.numel(), 7.0f);
@@ -1101,8 +1101,11 @@ void expect_dequant(int64_t B, int64_t R, int64_t C, const Tensor& ref, const st
     const int32_t eb = 5;
     const std::vector<int32_t> ids{eb + 0, eb + 2, eb + 2, 1, eb + 100};  // matrices 0 and 2; others not local
     Tensor idg = gpu().upload(Tensor::view(const_cast<int32_t*>(ids.data()), {5}, DType::I32), DType::I32);
-    ASSERT_EQ(launch(routed ? idg.data_as<const int32_t>() : nullptr, eb, static_cast<cuda::bf16*>(out.data())),
-              cudaSuccess);
+    a.ids = routed ? idg.data_as<const int32_t>() : nullptr;
+    a.num_ids = 5;
+    a.expert_begin = eb;
+    a.out = static_cast<cuda::bf16*>(out.data());
+    ASSERT_EQ(cuda::dequant_experts(a, static_cast<cudaStream_t>(gpu().native_stream())), cudaSuccess);
     const Tensor got = gpu().to_host_f32(out);
     const int64_t n = R * C;
     int64_t bad = 0;
@@ -1115,8 +1118,8 @@ void expect_dequant(int64_t B, int64_t R, int64_t C, const Tensor& ref, const st
   }
 }
 
-// cuda::dequant_fp8 is the CPU reference rounded to bf16, bit for bit (edge blocks cut short included), and with
-// routing ids it writes only the matrices they name.
+// cuda::dequant_experts of FP8 codes is the CPU reference rounded to bf16, bit for bit (edge blocks cut short
+// included), and with routing ids it writes only the matrices they name.
 TEST(CudaOps, DequantFp8IsTheCpuReference) {
   REQUIRE_GPU();
   struct Case {
@@ -1125,22 +1128,15 @@ TEST(CudaOps, DequantFp8IsTheCpuReference) {
   for (const Case& c : {Case{3, 40, 48, 16, 16}, Case{2, 200, 264, 128, 128}, Case{4, 24, 64, 8, 8}}) {
     Fp8Weights w = fp8_weights(c.B, c.R, c.C, c.br, c.bc, 61);
     Tensor codes = gpu().upload(w.codes, DType::F8_E4M3), scales = gpu().upload(w.scales, DType::F32);
-    expect_dequant(c.B, c.R, c.C, w.bf16_ref, fmt::format("{}x{}x{} in {}x{}", c.B, c.R, c.C, c.br, c.bc),
-                   [&](const int32_t* ids, int32_t eb, cuda::bf16* out) {
-                     cuda::Fp8DequantArgs a{};
-                     a.w = codes.data_as<const uint8_t>();
-                     a.scale = scales.data_as<const float>();
-                     a.B = c.B;
-                     a.R = c.R;
-                     a.C = c.C;
-                     a.block_rows = c.br;
-                     a.block_cols = c.bc;
-                     a.ids = ids;
-                     a.num_ids = 5;
-                     a.expert_begin = eb;
-                     a.out = out;
-                     return cuda::dequant_fp8(a, static_cast<cudaStream_t>(gpu().native_stream()));
-                   });
+    cuda::DequantArgs a{};
+    a.w = codes.data_as<const uint8_t>();
+    a.scale = scales.data_as<const float>();
+    a.B = c.B;
+    a.R = c.R;
+    a.C = c.C;
+    a.block_rows = c.br;
+    a.block_cols = c.bc;
+    expect_dequant(a, w.bf16_ref, fmt::format("{}x{}x{} in {}x{}", c.B, c.R, c.C, c.br, c.bc));
   }
 }
 
@@ -1247,8 +1243,8 @@ Int4Weights int4_weights(int64_t B, int64_t R, int64_t C, int64_t group, uint64_
   return w;
 }
 
-// cuda::dequant_int4 is the CPU reference rounded to bf16, bit for bit (a last group cut short, one group per row
-// included), and with routing ids it writes only the matrices they name.
+// cuda::dequant_experts of INT4 codes is the CPU reference rounded to bf16, bit for bit (a last group cut short, one
+// group per row included), and with routing ids it writes only the matrices they name.
 TEST(CudaOps, DequantInt4IsTheCpuReference) {
   REQUIRE_GPU();
   struct Case {
@@ -1258,28 +1254,22 @@ TEST(CudaOps, DequantInt4IsTheCpuReference) {
     Int4Weights w = int4_weights(c.B, c.R, c.C, c.group, 63);
     Tensor codes = gpu().upload(w.codes, DType::U8), scales = gpu().upload(w.scales, DType::F32);
     Tensor zeros = gpu().upload(w.zeros, DType::F32);
-    expect_dequant(c.B, c.R, c.C, w.bf16_ref, fmt::format("{}x{}x{} in groups of {}", c.B, c.R, c.C, c.group),
-                   [&](const int32_t* ids, int32_t eb, cuda::bf16* out) {
-                     cuda::Int4DequantArgs a{};
-                     a.w = codes.data_as<const uint8_t>();
-                     a.scale = scales.data_as<const float>();
-                     a.zero = zeros.data_as<const float>();
-                     a.B = c.B;
-                     a.R = c.R;
-                     a.C = c.C;
-                     a.group = c.group;
-                     a.ids = ids;
-                     a.num_ids = 5;
-                     a.expert_begin = eb;
-                     a.out = out;
-                     return cuda::dequant_int4(a, static_cast<cudaStream_t>(gpu().native_stream()));
-                   });
+    cuda::DequantArgs a{};
+    a.w = codes.data_as<const uint8_t>();
+    a.scale = scales.data_as<const float>();
+    a.zero = zeros.data_as<const float>();
+    a.B = c.B;
+    a.R = c.R;
+    a.C = c.C;
+    a.block_rows = 1;
+    a.block_cols = c.group;
+    expect_dequant(a, w.bf16_ref, fmt::format("{}x{}x{} in groups of {}", c.B, c.R, c.C, c.group));
   }
 }
 
 // moe_experts on INT4 experts (code pairs with BlockScales holding scales and zeros) is moe_experts on their
 // dequantized bf16 weights: bit for bit where the grouped kernels make each tile bf16((code - zero) * scale) as
-// dequant_int4 does, or where the named experts are dequantized first (cuBLAS; widths off 32-column chunks); within
+// dequant_experts does, or where the named experts are dequantized first (cuBLAS; widths off 32-column chunks); within
 // the rounding of (code - zero) * scale to bf16 where the small-batch kernels read the codes on tensor cores (up to
 // kMoeSmallTcRows tokens, groups of a power-of-two multiple of 64 columns). With shared experts; under expert
 // parallelism (ids of other ranks skipped).

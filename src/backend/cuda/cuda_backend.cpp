@@ -1489,36 +1489,20 @@ Tensor CudaBackend::routed_bf16(const Tensor& w, const Tensor& topk_ids, int32_t
   const BlockScales* s = w.block_scales();
   const int64_t cols = s->int4() ? 2 * w.size(2) : w.size(2);
   Tensor o = scratch({w.size(0), w.size(1), cols}, DType::BF16);
-  const auto* ids = topk_ids.data_as<const int32_t>();
-  if (s->int4()) {
-    cuda::Int4DequantArgs a{};
-    a.w = w.data_as<const uint8_t>();
-    a.scale = s->scale.data_as<const float>();
-    a.zero = s->zero.data_as<const float>();
-    a.B = o.size(0);
-    a.R = o.size(1);
-    a.C = o.size(2);
-    a.group = s->block_cols;
-    a.ids = ids;
-    a.num_ids = topk_ids.numel();
-    a.expert_begin = expert_begin;
-    a.out = bf(o);
-    CUDA_OK(cuda::dequant_int4(a, stream_), "dequant_int4");
-    return o;
-  }
-  cuda::Fp8DequantArgs a{};
+  cuda::DequantArgs a{};
   a.w = w.data_as<const uint8_t>();
   a.scale = s->scale.data_as<const float>();
+  if (s->int4()) a.zero = s->zero.data_as<const float>();
   a.B = o.size(0);
   a.R = o.size(1);
   a.C = o.size(2);
   a.block_rows = s->block_rows;
   a.block_cols = s->block_cols;
-  a.ids = ids;
+  a.ids = topk_ids.data_as<const int32_t>();
   a.num_ids = topk_ids.numel();
   a.expert_begin = expert_begin;
   a.out = bf(o);
-  CUDA_OK(cuda::dequant_fp8(a, stream_), "dequant_fp8");
+  CUDA_OK(cuda::dequant_experts(a, stream_), "dequant_experts");
   return o;
 }
 

@@ -37,7 +37,7 @@ cudaError_t launch_dequant(void (*kernel)(Args), Args k, int64_t vecs, cudaStrea
 
 // Block (x, y): 8-element vectors x, x + gridDim.x, ... of its matrix (dequant_matrix). out = bf16(f8 * scale of the
 // element's block), each product rounded once as the host's dequantization rounds it.
-__global__ void __launch_bounds__(kDequantThreads) dequant_fp8_kernel(Fp8DequantArgs a) {
+__global__ void __launch_bounds__(kDequantThreads) dequant_fp8_kernel(DequantArgs a) {
   const int64_t b = dequant_matrix(a.ids, a.expert_begin, a.B);
   if (b < 0) return;
   const int64_t vecs_per_row = a.C / 8, vecs = a.R * vecs_per_row;
@@ -55,10 +55,10 @@ __global__ void __launch_bounds__(kDequantThreads) dequant_fp8_kernel(Fp8Dequant
 
 // The same for INT4 code pairs: 8 columns (one 32-bit word of codes) a vector, out = bf16((code - zero) * scale) of
 // the vector's group, each rounded once as the host's dequantization rounds it.
-__global__ void __launch_bounds__(kDequantThreads) dequant_int4_kernel(Int4DequantArgs a) {
+__global__ void __launch_bounds__(kDequantThreads) dequant_int4_kernel(DequantArgs a) {
   const int64_t b = dequant_matrix(a.ids, a.expert_begin, a.B);
   if (b < 0) return;
-  const int64_t vecs_per_row = a.C / 8, vecs = a.R * vecs_per_row, G = (a.C + a.group - 1) / a.group;
+  const int64_t vecs_per_row = a.C / 8, vecs = a.R * vecs_per_row, G = (a.C + a.block_cols - 1) / a.block_cols;
   const uint32_t* w = reinterpret_cast<const uint32_t*>(a.w + b * a.R * (a.C / 2));
   uint4* out = reinterpret_cast<uint4*>(a.out + b * a.R * a.C);
   const float* scale = a.scale + b * a.R * G;
@@ -66,24 +66,23 @@ __global__ void __launch_bounds__(kDequantThreads) dequant_int4_kernel(Int4Dequa
   for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < vecs;
        v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = v / vecs_per_row, c = (v % vecs_per_row) * 8;
-    const int64_t g = r * G + c / a.group;  // the 8 columns share a group (group % 8 == 0)
+    const int64_t g = r * G + c / a.block_cols;  // the 8 columns share a group (block_cols % 8 == 0 or >= C)
     out[v] = int4x8_to_bf16(w[v], scale[g], zero[g]);
   }
 }
 
 }  // namespace
 
-cudaError_t dequant_fp8(const Fp8DequantArgs& a, cudaStream_t stream) {
+cudaError_t dequant_experts(const DequantArgs& a, cudaStream_t stream) {
   if (a.B == 0 || a.R == 0 || a.C == 0) return cudaSuccess;
-  if (a.C % 8 || a.block_cols % 8 || a.block_rows <= 0) return cudaErrorInvalidValue;
-  return launch_dequant(dequant_fp8_kernel, a, a.R * a.C / 8, stream);
-}
-
-cudaError_t dequant_int4(const Int4DequantArgs& a, cudaStream_t stream) {
-  if (a.B == 0 || a.R == 0 || a.C == 0) return cudaSuccess;
-  if (a.C % 8 || a.group <= 0 || (a.group % 8 && a.group < a.C)) return cudaErrorInvalidValue;
-  Int4DequantArgs k = a;
-  if (k.group > k.C) k.group = k.C;
+  if (a.C % 8 || a.block_rows <= 0 || a.block_cols <= 0) return cudaErrorInvalidValue;
+  if (!a.zero) {
+    if (a.block_cols % 8) return cudaErrorInvalidValue;
+    return launch_dequant(dequant_fp8_kernel, a, a.R * a.C / 8, stream);
+  }
+  if (a.block_rows != 1 || (a.block_cols % 8 && a.block_cols < a.C)) return cudaErrorInvalidValue;
+  DequantArgs k = a;
+  if (k.block_cols > k.C) k.block_cols = k.C;
   return launch_dequant(dequant_int4_kernel, k, a.R * a.C / 8, stream);
 }
 

@@ -56,7 +56,7 @@ __device__ __forceinline__ uint2 ld_weights8(const void* p) {
 }
 
 // A weight row of the small-batch MoE with FP8 experts: bf16 (shared experts: `scale` null, p a bf16 row) or F8
-// codes whose 16-byte vectors of 8 bf16 are made as dequant_fp8 makes them (code times its block's scale, rounded).
+// codes whose 16-byte vectors of 8 bf16 are made as dequant_experts makes them (code times its block's scale, rounded).
 struct Fp8Row {
   const void* p;
   const float* scale;  // the row's block scales, one per vec_per_scale vectors (null: bf16)

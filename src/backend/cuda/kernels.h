@@ -301,13 +301,13 @@ struct MoeGemmParams {
   float* y;                 // down output [P, H] = pos_weight * (act W_down^T)
   const float* pos_weight;  // [P]
   // FP8 experts: w holds F8_E4M3 codes, these their block scales ([E, ceil(rows / block_rows), ceil(K /
-  // block_cols)] with rows = 2I or H), each tile made into bf16(code * scale) as dequant_fp8 makes it (K % 16 == 0,
+  // block_cols)] with rows = 2I or H), each tile made into bf16(code * scale) as dequant_experts makes it (K % 16 == 0,
   // block_cols % 16 == 0); null: bf16 weights.
   const float* w_scale = nullptr;
   int32_t block_rows = 0, block_cols = 0;
   // INT4 experts: w holds code pairs ([E, rows, K / 2], column 2 j in the low nibble), w_scale their group scales
   // (block_rows 1, block_cols the group: a multiple of 8, or >= K) and these the zero points (the same shape), each
-  // tile made into bf16((code - zero) * scale) as dequant_int4 makes it (K % 32 == 0).
+  // tile made into bf16((code - zero) * scale) as dequant_experts makes it (K % 32 == 0).
   const float* w_zero = nullptr;
 };
 cudaError_t moe_gemm_gate_up(const MoeGemmParams& p, int32_t block_m, cudaStream_t stream);
@@ -446,7 +446,7 @@ struct MoeSmallArgs {
   // [E, ceil(H / br), ceil(I / bc)], block_cols % 8 == 0); null: bf16 experts. With H, I and Is multiples of 64 and
   // block_cols a power-of-two multiple of 64, on tensor cores (each code's exact value, scaled per 64-column chunk in
   // f32: within the bf16 rounding of code * scale of the dequantized model); else 8 codes per 8-byte vector, each
-  // times its block's scale and rounded to bf16 as dequant_fp8 rounds it (bit for bit the dequantized model).
+  // times its block's scale and rounded to bf16 as dequant_experts rounds it (bit for bit the dequantized model).
   const float* gate_up_scale = nullptr;
   const float* down_scale = nullptr;
   int32_t block_rows = 0, block_cols = 0;
@@ -471,34 +471,24 @@ cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStrea
 // ---------------------------------------------------------------------------------------------------------------
 // Weights kept quantized (dequant.cu)
 
-struct Fp8DequantArgs {
-  const uint8_t* w;      // [B, R, C] F8_E4M3 codes
+struct DequantArgs {
+  const uint8_t* w;      // FP8: [B, R, C] F8_E4M3 codes; INT4 (zero given): [B, R, C / 2] code pairs, column 2 j in
+                         // the low nibble
   const float* scale;    // [B, ceil(R / block_rows), ceil(C / block_cols)]
+  const float* zero = nullptr;  // INT4: each group's zero point (the scales' shape; block_rows 1, block_cols the group)
   int64_t B, R, C;       // C % 8 == 0
-  int64_t block_rows, block_cols;  // block_cols % 8 == 0
+  int64_t block_rows, block_cols;  // block_cols % 8 == 0 (INT4: or >= C, one group per row)
   const int32_t* ids;    // null: every matrix; else only the matrices b that some ids[i] - expert_begin names
   int64_t num_ids;
   int32_t expert_begin;
-  bf16* out;             // [B, R, C]: f8 * its block's scale, rounded to bf16 (matrices not named are left as they are)
+  bf16* out;             // [B, R, C]: bf16(f8 * scale) or bf16((code - zero) * scale) of the element's block or
+                         // group, each product rounded once as the host rounds it (matrices not named are left as
+                         // they are)
 };
 // Launched without PDL: it waits for the kernels before it (the routing ids), and the kernels after it may read its
-// output before their own PDL wait only through a kernel that waited. CPU reference: the loader's dequantization
-// (F8 -> f32 times the block's scale, rounded to bf16 on upload).
-cudaError_t dequant_fp8(const Fp8DequantArgs& a, cudaStream_t stream);
-
-struct Int4DequantArgs {
-  const uint8_t* w;      // [B, R, C / 2]: two 4-bit codes per byte, column 2 j in the low nibble
-  const float* scale;    // [B, R, ceil(C / group)]
-  const float* zero;     // the same shape: each group's zero point
-  int64_t B, R, C;       // C % 8 == 0
-  int64_t group;         // columns per group: a multiple of 8, or >= C (one group per row)
-  const int32_t* ids;    // null: every matrix; else only the matrices b that some ids[i] - expert_begin names
-  int64_t num_ids;
-  int32_t expert_begin;
-  bf16* out;             // [B, R, C]: bf16((code - zero) * scale) (matrices not named are left as they are)
-};
-// Launched without PDL, as dequant_fp8. CPU reference: cpu::dequant_int4 rounded to bf16.
-cudaError_t dequant_int4(const Int4DequantArgs& a, cudaStream_t stream);
+// output before their own PDL wait only through a kernel that waited. CPU references: the loader's dequantization
+// (F8 -> f32 times the block's scale, rounded to bf16 on upload), cpu::dequant_int4 rounded to bf16.
+cudaError_t dequant_experts(const DequantArgs& a, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Sampling (sampling.cu)

@@ -1,7 +1,7 @@
 // FP8 experts at decode sizes (more tokens than the small-batch MoE takes, few per expert): the grouped gate/up and
 // down products with the weights streamed from memory straight into registers, each code made into bf16(code *
-// scale) there (as dequant_fp8 makes it: the dequantized model, as the shared-memory FP8 tiles of moe_gemm.cuh), and
-// multiplied on tensor cores with up to 8 NT of the expert's tokens at a time. No shared memory, no barriers.
+// scale) there (as dequant_experts makes it: the dequantized model, as the shared-memory FP8 tiles of moe_gemm.cuh),
+// and multiplied on tensor cores with up to 8 NT of the expert's tokens at a time. No shared memory, no barriers.
 //
 // A warp item is 32 weight rows of one expert as two m16 tiles of mma m16n8k16 (gate/up: 16 gate rows and the 16 up
 // rows of the same intermediate indices, so a lane holds both halves of its act; down: 32 output columns, H % 64 == 0

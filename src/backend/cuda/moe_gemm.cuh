@@ -40,9 +40,9 @@ struct MoeGemmCfg {
 __device__ __forceinline__ int swz(int row, int chunk) { return row * 64 + ((chunk ^ (row & 7)) << 3); }
 
 // FP8: W holds F8 codes with block scales (p.w_scale); each k tile's codes land in the ring as they are and are made
-// into bf16(code * scale), as dequant_fp8 makes them, in one bf16 tile before the products (so the results equal the
-// dequantized experts' bit for bit). INT4: W holds code pairs with group scales and zeros (p.w_zero), made into
-// bf16((code - zero) * scale) as dequant_int4 makes them, the same way.
+// into bf16(code * scale), as dequant_experts makes them, in one bf16 tile before the products (so the results equal
+// the dequantized experts' bit for bit). INT4: W holds code pairs with group scales and zeros (p.w_zero), made into
+// bf16((code - zero) * scale) as dequant_experts makes them, the same way.
 template <int BM, int BN, int WM, int WN, int STAGES, bool GATE_UP, Codes Q = Codes::kBf16>
 __global__ void __launch_bounds__(WM * WN * 32, 2) moe_gemm_kernel(const MoeGemmParams p) {
   using C = MoeGemmCfg<BM, BN, WM, WN, STAGES, GATE_UP, Q>;
