@@ -1509,65 +1509,43 @@ Tensor CudaBackend::routed_bf16(const Tensor& w, const Tensor& topk_ids, int32_t
 void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
                               const Tensor& gate_up, const Tensor& down, int32_t expert_begin,
                               const Tensor* shared_gate_up, const Tensor* shared_down, Tensor& out) {
-  if (gate_up.dtype() == DType::U8 || down.dtype() == DType::U8) {
-    // INT4 experts: read as they are by the small-batch kernels on tensor cores (groups of a power-of-two multiple of
-    // 64 columns) or the grouped kernels; else (cuBLAS, widths off 32-column chunks) the ones the step's ids name
-    // dequantized into bf16 scratch, then the bf16 paths (which read only those experts).
+  const bool int4 = gate_up.dtype() == DType::U8 || down.dtype() == DType::U8;
+  if (int4 || gate_up.dtype() == DType::F8_E4M3 || down.dtype() == DType::F8_E4M3) {
+    // Kept FP8 / INT4 experts: read as they are by the small-batch kernels (FP8 at 1-4 tokens, on tensor cores at
+    // 1-16 where the scale blocks are whole 64-column chunks; INT4 on tensor cores only, groups alike) or by the
+    // grouped kernels' quantized tiles (16 FP8 / 32 INT4 codes per copy, each copy in one block, each code word in
+    // one group); else (cuBLAS, widths off those chunks) the ones the step's ids name dequantized into bf16 scratch,
+    // then the bf16 paths (which read only those experts).
+    const DType codes = int4 ? DType::U8 : DType::F8_E4M3;
     const BlockScales *gs = gate_up.block_scales(), *ds = down.block_scales();
-    MLA_CHECK(gate_up.dtype() == DType::U8 && down.dtype() == DType::U8 && gs && ds && gs->int4() && ds->int4() &&
-                  gate_up.dim() == 3 && down.dim() == 3,
-              "moe_experts: INT4 experts need both matrices in U8 [E, rows, cols / 2] with their scales and zeros");
+    MLA_CHECK(gate_up.dtype() == codes && down.dtype() == codes && gs && ds && gs->int4() == int4 &&
+                  ds->int4() == int4 && gate_up.dim() == 3 && down.dim() == 3,
+              "moe_experts: {} experts need both matrices in {} with their {}", int4 ? "INT4" : "FP8",
+              int4 ? "U8 [E, rows, cols / 2]" : "F8_E4M3 [E, rows, cols]",
+              int4 ? "scales and zeros" : "block scales");
     const int64_t T = rows_of(x), k = topk_ids.size(-1), H = x.size(-1), I = gate_up.size(1) / 2;
+    const int64_t E = gate_up.size(0), per_code = int4 ? 2 : 1;  // columns per byte
+    MLA_CHECK(down.size(0) == E && down.size(1) == H && down.size(2) * per_code == I &&
+                  gate_up.size(2) * per_code == H && x.dtype() == DType::BF16 && out.dtype() == DType::BF16,
+              "moe_experts: {} experts gate_up {} / down {} do not match x {}", int4 ? "INT4" : "FP8",
+              shape_str(gate_up.shape()), shape_str(down.shape()), shape_str(x.shape()));
     const int64_t Is = T == 0 ? 0 : shared_experts_width(x, shared_gate_up, shared_down, out);
-    if (T >= 1 && use_moe_small(T, k, Is, cuda::kMoeSmallTcRows) && gs->block_cols == ds->block_cols &&
-        cuda::moe_small_tc_fits(H, I, Is, gs->block_cols) && gate_up.size(2) * 2 == H && down.size(1) == H &&
-        down.size(2) * 2 == I && down.size(0) == gate_up.size(0)) {
+    const bool tc = gs->block_cols == ds->block_cols && cuda::moe_small_tc_fits(H, I, Is, gs->block_cols);
+    const bool small = int4 ? tc && use_moe_small(T, k, Is, cuda::kMoeSmallTcRows)
+                            : use_moe_small(T, k, Is, tc ? cuda::kMoeSmallTcRows : cuda::kMoeSmallRows) &&
+                                  gs->block_rows == ds->block_rows && gs->block_cols == ds->block_cols &&
+                                  gs->block_cols % 8 == 0 && H % 8 == 0 && I % 8 == 0;
+    if (T >= 1 && small) {
       moe_small_path(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared_gate_up, shared_down, Is, out, gs,
                      ds);
       return;
     }
-    const int64_t E = gate_up.size(0);
-    auto groups_fit = [](const BlockScales* b, int64_t cols) {
-      return b->block_cols % 8 == 0 || b->block_cols >= cols;
+    const int64_t chunk = int4 ? 32 : 16;  // the grouped kernels' columns per copy
+    auto blocks_fit = [&](const BlockScales* b, int64_t cols) {
+      return int4 ? b->block_cols % 8 == 0 || b->block_cols >= cols : b->block_cols % chunk == 0;
     };
-    if (T >= 1 && !moe_uses_cublas(T * k, E) && H % 32 == 0 && I % 32 == 0 && groups_fit(gs, H) &&
-        groups_fit(ds, I) && gate_up.size(2) * 2 == H && down.size(0) == E && down.size(1) == H &&
-        down.size(2) * 2 == I && x.dtype() == DType::BF16 && out.dtype() == DType::BF16) {
-      // The grouped kernels' INT4 tiles (32 codes per copy, each code word's 8 in one group).
-      const cuda::bf16* shared = shared_experts_out(x, shared_gate_up, shared_down, out);
-      moe_routed(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared, out, gs, ds);
-      return;
-    }
-    const Tensor gu = routed_bf16(gate_up, topk_ids, expert_begin), dn = routed_bf16(down, topk_ids, expert_begin);
-    moe_experts(x, topk_ids, topk_weights, gu, dn, expert_begin, shared_gate_up, shared_down, out);
-    return;
-  }
-  if (gate_up.dtype() == DType::F8_E4M3 || down.dtype() == DType::F8_E4M3) {
-    // FP8 experts: read as they are by the small-batch kernels; else the ones the step's ids name dequantized into
-    // bf16 scratch, then the bf16 paths (which read only those experts).
-    const BlockScales *gs = gate_up.block_scales(), *ds = down.block_scales();
-    MLA_CHECK(gate_up.dtype() == DType::F8_E4M3 && down.dtype() == DType::F8_E4M3 && gs && ds && gate_up.dim() == 3 &&
-                  down.dim() == 3,
-              "moe_experts: FP8 experts need both matrices in F8_E4M3 [E, rows, cols] with their block scales");
-    const int64_t T = rows_of(x), k = topk_ids.size(-1);
-    const int64_t Is = T == 0 ? 0 : shared_experts_width(x, shared_gate_up, shared_down, out);
-    const int64_t max_rows = cuda::moe_small_tc_fits(x.size(-1), gate_up.size(1) / 2, Is, gs->block_cols)
-                                 ? cuda::kMoeSmallTcRows
-                                 : cuda::kMoeSmallRows;
-    if (T >= 1 && use_moe_small(T, k, Is, max_rows) && gs->block_rows == ds->block_rows &&
-        gs->block_cols == ds->block_cols &&
-        gs->block_cols % 8 == 0 && x.size(-1) % 8 == 0 && gate_up.size(1) % 16 == 0) {
-      moe_small_path(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared_gate_up, shared_down, Is, out, gs,
-                     ds);
-      return;
-    }
-    const int64_t H = x.size(-1), I = gate_up.size(1) / 2, E = gate_up.size(0);
-    MLA_CHECK(down.size(0) == E && down.size(1) == H && down.size(2) == I && gate_up.size(2) == H &&
-                  x.dtype() == DType::BF16 && out.dtype() == DType::BF16,
-              "moe_experts: FP8 experts gate_up {} / down {} do not match x {}", shape_str(gate_up.shape()),
-              shape_str(down.shape()), shape_str(x.shape()));
-    if (T >= 1 && !moe_uses_cublas(T * k, E) && gs->block_cols % 16 == 0 && ds->block_cols % 16 == 0 &&
-        H % 16 == 0 && I % 16 == 0) {  // the grouped kernels' FP8 tiles (16 codes per copy, each in one block)
+    if (T >= 1 && !moe_uses_cublas(T * k, E) && H % chunk == 0 && I % chunk == 0 && blocks_fit(gs, H) &&
+        blocks_fit(ds, I)) {
       const cuda::bf16* shared = shared_experts_out(x, shared_gate_up, shared_down, out);
       moe_routed(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared, out, gs, ds);
       return;
