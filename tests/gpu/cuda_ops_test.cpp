@@ -1140,6 +1140,19 @@ TEST(CudaOps, DequantFp8IsTheCpuReference) {
   }
 }
 
+// Routing ids [T, k] (host I32): k distinct experts per token drawn from all `experts` (shuffled by an RNG of `seed`).
+Tensor distinct_routing(int64_t T, int64_t k, int64_t experts, uint64_t seed) {
+  Tensor ids = Tensor::empty_host({T, k}, DType::I32);
+  std::mt19937_64 rng(seed);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int32_t> all(static_cast<size_t>(experts));
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    for (int64_t j = 0; j < k; ++j) ids.data_as<int32_t>()[t * k + j] = all[static_cast<size_t>(j)];
+  }
+  return ids;
+}
+
 // moe_experts on FP8 experts (F8 codes with BlockScales) against moe_experts on their dequantized bf16 weights:
 // bit for bit where the FP8 codes are made into the same bf16 values (dequantized first for cuBLAS, converted tile by
 // tile in the grouped kernels, read by the small-batch kernels one bf16 vector at a time at 1-4 tokens when the scale
@@ -1170,14 +1183,8 @@ void moe_fp8_case(int64_t E, int64_t k, int64_t H, int64_t I, int64_t Is, int64_
     }
     for (int64_t T : Ts) {
       Tensor x = g.upload(rand_host({T, H}, seed + 4 + static_cast<uint64_t>(T)), DType::BF16);
-      Tensor ids_h = Tensor::empty_host({T, k}, DType::I32), w_h = rand_host({T, k}, seed + 5, 0.5f);
-      std::mt19937_64 rng(seed + static_cast<uint64_t>(T));
-      for (int64_t t = 0; t < T; ++t) {  // distinct experts per token (of all E + expert_begin: some not local)
-        std::vector<int32_t> all(static_cast<size_t>(E + expert_begin));
-        std::iota(all.begin(), all.end(), 0);
-        std::shuffle(all.begin(), all.end(), rng);
-        for (int64_t j = 0; j < k; ++j) ids_h.data_as<int32_t>()[t * k + j] = all[static_cast<size_t>(j)];
-      }
+      const Tensor ids_h = distinct_routing(T, k, E + expert_begin, seed + static_cast<uint64_t>(T));
+      const Tensor w_h = rand_host({T, k}, seed + 5, 0.5f);
       Tensor ids = g.upload(ids_h, DType::I32), wts = g.upload(w_h, DType::F32);
       Tensor o8 = g.alloc({T, H}, DType::BF16), ob = g.alloc({T, H}, DType::BF16);
       g.moe_experts(x, ids, wts, gu8, dn8, expert_begin, Is ? &sg : nullptr, Is ? &sd : nullptr, o8);
@@ -1292,14 +1299,8 @@ void moe_int4_case(int64_t E, int64_t k, int64_t H, int64_t I, int64_t Is, int64
     for (int64_t T : Ts) {
       const size_t mark = g.scratch_mark();  // the dequantized experts' scratch, handed out again next size
       Tensor x = g.upload(rand_host({T, H}, seed + 4 + static_cast<uint64_t>(T)), DType::BF16);
-      Tensor ids_h = Tensor::empty_host({T, k}, DType::I32), w_h = rand_host({T, k}, seed + 5, 0.5f);
-      std::mt19937_64 rng(seed + static_cast<uint64_t>(T));
-      for (int64_t t = 0; t < T; ++t) {
-        std::vector<int32_t> all(static_cast<size_t>(E + expert_begin));
-        std::iota(all.begin(), all.end(), 0);
-        std::shuffle(all.begin(), all.end(), rng);
-        for (int64_t j = 0; j < k; ++j) ids_h.data_as<int32_t>()[t * k + j] = all[static_cast<size_t>(j)];
-      }
+      const Tensor ids_h = distinct_routing(T, k, E + expert_begin, seed + static_cast<uint64_t>(T));
+      const Tensor w_h = rand_host({T, k}, seed + 5, 0.5f);
       Tensor ids = g.upload(ids_h, DType::I32), wts = g.upload(w_h, DType::F32);
       Tensor o4 = g.alloc({T, H}, DType::BF16), ob = g.alloc({T, H}, DType::BF16);
       g.moe_experts(x, ids, wts, gu4, dn4, expert_begin, Is ? &sg : nullptr, Is ? &sd : nullptr, o4);
