@@ -194,7 +194,8 @@ inline std::string free_loopback_addr() {
 // `tune` (may be empty) changes the configuration last.
 inline std::unique_ptr<RankSet> cpu_ranks_at(const std::string& dir, int32_t tp = 1, int32_t dp = 1,
                                              int32_t graph_max_bs = 0, bool mtp = false, bool expert_parallel = false,
-                                             const std::function<void(ParallelConfig&)>& tune = {}) {
+                                             const std::function<void(ParallelConfig&)>& tune = {},
+                                             const LoadOptions& lo = {}) {
   ParallelConfig pc;
   pc.tp_size = tp;
   pc.dp_size = dp;
@@ -205,7 +206,7 @@ inline std::unique_ptr<RankSet> cpu_ranks_at(const std::string& dir, int32_t tp 
   if (tune) tune(pc);
   ModelConfig c = ModelConfig::from_file(dir);
   if (mtp) c.mtp_layers = 1;
-  return std::make_unique<RankSet>(c, pc, dir, LoadOptions{});
+  return std::make_unique<RankSet>(c, pc, dir, lo);
 }
 // The same for a golden family.
 inline std::unique_ptr<RankSet> cpu_ranks(const std::string& family, int32_t tp = 1, int32_t dp = 1,

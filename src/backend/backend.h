@@ -31,6 +31,12 @@ struct RouterParams {
   int32_t topk_group = 1;
   bool norm_topk_prob = false;
   float routed_scaling_factor = 1.0f;
+  // Shared experts fused into the routed ones: after its top_k picks every token takes n_fixed more experts,
+  // fixed_base + j with weight 1, so ids / weights are [T, top_k + n_fixed] (ids_per_token()).
+  int32_t n_fixed = 0;
+  int32_t fixed_base = 0;
+
+  int32_t ids_per_token() const { return top_k + n_fixed; }
 
   static RouterParams from_config(const ModelConfig& c) {
     RouterParams p;
@@ -260,7 +266,8 @@ class Backend {
   }
 
   // MoE routing from router logits[T, E_total] (F32) and optional correction bias[E_total] (F32).
-  // topk_ids[T, k] (I32, global expert ids), topk_weights[T, k] (F32, scaled).
+  // topk_ids[T, k] (I32, global expert ids), topk_weights[T, k] (F32, scaled); k = p.ids_per_token() (the fixed
+  // experts after the picks).
   virtual void moe_route(const Tensor& logits, const Tensor* bias, const RouterParams& p, Tensor& topk_ids,
                          Tensor& topk_weights) = 0;
   // moe_route of logits = linear(x[T, H], router[E_total, H]) in F32: the default runs the two ops; a backend may

@@ -109,7 +109,7 @@ struct ServeArgs {
   std::string response_role = "assistant";   // vLLM's --response-role
   bool trust_request_chat_template = false;  // vLLM's: requests' own chat_template taken
   std::string completion_template;
-  std::string fp8_experts = "auto", int4_experts = "auto";
+  std::string fp8_experts = "auto", int4_experts = "auto", shared_experts_fusion = "auto";
   // Speculative decoding: SGLang's --speculative-algorithm NGRAM and its sizes, or vLLM's --speculative-config JSON.
   std::string speculative_algorithm, speculative_config;
   int32_t speculative_num_draft_tokens = 0;  // 0: the default (4) with an algorithm
@@ -741,6 +741,11 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
   app.add_option("--int4-experts", a->int4_experts,
                  "4-bit routed experts (AWQ, GPTQ, compressed-tensors): auto|on (kept INT4; auto: on)|off (bf16)")
       ->capture_default_str();
+  app.add_option("--shared-experts-fusion", a->shared_experts_fusion,
+                 "shared experts read as more routed experts: auto (where the routed experts are kept INT4)|on|off")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
+  app.add_flag_callback("--disable-shared-experts-fusion", [a] { a->shared_experts_fusion = "off"; }, "--shared-experts-fusion off (SGLang's)");
   app.add_option("--max-body-bytes", a->max_body_bytes, "largest request body accepted")->capture_default_str();
   app.add_option("--num-http-threads", a->num_http_threads,
                  "HTTP io threads (0: half the cores, 4 to 16; streaming many requests needs several)")
@@ -771,7 +776,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
        {"--enable-torch-compile", "--disable-custom-all-reduce", "--enable-mixed-chunk", "--enable-cache-report",
         "--skip-server-warmup", "--disable-log-requests", "--disable-log-stats",
         "--enable-auto-tool-choice", "--enable-prefix-caching", "--enable-dp-lm-head", "--enable-two-batch-overlap",
-        "--disable-shared-experts-fusion", "--enable-flashinfer-mla", "--disable-cuda-graph-padding",
+        "--enable-flashinfer-mla", "--disable-cuda-graph-padding",
         "--show-time-cost", "--enable-nan-detection", "--enable-nccl-nvls",
         "--enable-deepep-moe", "--enable-eplb", "--enable-chunked-prefill",
         "--no-enable-chunked-prefill", "--async-scheduling", "--enable-memory-saver", "--sleep-on-idle", "--enable-symm-mem", "--disable-fastapi-docs",
@@ -938,6 +943,7 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     ea.load_format = s.load_format;
     ea.fp8_experts = s.fp8_experts;
     ea.int4_experts = s.int4_experts;
+    ea.shared_experts_fusion = s.shared_experts_fusion;
     ea.quantization = s.quantization;
     ea.seed = s.random_seed;
     ea.tp_size = s.tp;

@@ -18,6 +18,11 @@ void ModelArgs::add_to(CLI::App& app) {
   app.add_option("--int4-experts", int4_experts,
                  "4-bit routed experts (AWQ, GPTQ, compressed-tensors): auto|on (kept INT4; auto: on)|off (bf16)")
       ->capture_default_str();
+  app.add_option("--shared-experts-fusion", shared_experts_fusion,
+                 "shared experts read as more routed experts: auto (where the routed experts are kept INT4)|on|off")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
+  app.add_flag_callback("--disable-shared-experts-fusion", [this] { shared_experts_fusion = "off"; }, "--shared-experts-fusion off (SGLang's)");
   app.add_option("--quantization", quantization, "fp8: quantize a bf16 checkpoint's routed experts to FP8 at load")
       ->check(CLI::IsMember({"fp8"}));
   app.add_option("--mla-form", mla_form, "auto|expanded|absorbed (auto: expanded for prefill, absorbed for decode)")
@@ -74,6 +79,7 @@ LoadOptions ModelArgs::load_options() const {
   lo.dummy = load_format == "dummy";
   lo.fp8_experts = parse_keep_quantized(fp8_experts, "--fp8-experts");
   lo.int4_experts = parse_keep_quantized(int4_experts, "--int4-experts");
+  lo.shared_experts_fusion = parse_keep_quantized(shared_experts_fusion, "--shared-experts-fusion");
   lo.quantize_fp8 = quantization == "fp8";
   lo.seed = seed;
   return lo;

@@ -18,6 +18,7 @@ struct ModelArgs {
   std::string load_format = "auto";
   std::string fp8_experts = "auto";
   std::string int4_experts = "auto";
+  std::string shared_experts_fusion = "auto";
   std::string quantization;
   std::string mla_form = "auto";
   int32_t page_size = 16;

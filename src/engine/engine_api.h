@@ -386,6 +386,7 @@ struct EngineArgs {
   std::string load_format = "auto";
   std::string fp8_experts = "auto";  // FP8 checkpoints' routed experts: auto | on (kept FP8) | off (bf16 at load)
   std::string int4_experts = "auto";  // 4-bit checkpoints' routed experts: auto | on (kept INT4) | off (bf16 at load)
+  std::string shared_experts_fusion = "auto";  // auto | on | off (LoadOptions::shared_experts_fusion)
   std::string quantization;          // "fp8": a bf16 checkpoint's routed experts quantized to FP8 at load
   std::string kv_cache_dtype = "auto";  // auto | bf16 | fp8_e4m3 (fp8) | fp8_e5m2: the latent cache's element type
   uint64_t seed = 0;

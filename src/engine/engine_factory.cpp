@@ -38,6 +38,7 @@ LoadOptions load_options(const EngineArgs& a) {
   lo.dummy = a.load_format == "dummy";
   lo.fp8_experts = parse_keep_quantized(a.fp8_experts, "--fp8-experts");
   lo.int4_experts = parse_keep_quantized(a.int4_experts, "--int4-experts");
+  lo.shared_experts_fusion = parse_keep_quantized(a.shared_experts_fusion, "--shared-experts-fusion");
   MLA_CHECK(a.quantization.empty() || a.quantization == "fp8", "quantization: expected fp8 or none, got '{}'",
             a.quantization);
   lo.quantize_fp8 = a.quantization == "fp8";

@@ -740,6 +740,7 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
             Tensor picked = rk.backend->scratch({n * M, k}, DType::I32);
             if (M > 0) rk.backend->gather_rows(routes.reshape({M * Tf, k}), at, picked);
             d.moe_layers = M;
+            d.route_width = k;
             d.routes = rk.backend->download_start(picked);
           }
         }
@@ -772,13 +773,14 @@ void RankSet::finish_local(Launched& h) {
 
 std::vector<int32_t> RankSet::all_layers_routes(Rank& rk, const Launched::RowDownloads& d) {
   const int64_t M = d.moe_layers, L = config_.num_hidden_layers, k = config_.num_experts_per_tok, rows = d.rows;
-  std::vector<int32_t> moe(static_cast<size_t>(rows * M * k));
+  const int64_t w = d.route_width;  // the picks, then any fused shared experts (not reported)
+  std::vector<int32_t> moe(static_cast<size_t>(rows * M * w));
   rk.backend->download_finish(d.routes, moe.data());
   std::vector<int32_t> out(static_cast<size_t>(rows * L * k), 0);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t l = 0; l < L; ++l)
       if (const int64_t m = config_.moe_index(l); m >= 0)
-        std::copy_n(moe.begin() + (r * M + m) * k, k, out.begin() + (r * L + l) * k);
+        std::copy_n(moe.begin() + (r * M + m) * w, k, out.begin() + (r * L + l) * k);
   return out;
 }
 

@@ -169,7 +169,7 @@ class RankSet {
       DType dtype = DType::F32;
       uint64_t hidden = 0;
       uint64_t routes = 0;  // capturing routes: the rows' [MoE layers, k] ids
-      int64_t moe_layers = 0;
+      int64_t moe_layers = 0, route_width = 0;  // route_width: ids per row (the picks, then fused shared experts)
     };
     std::vector<RowDownloads> row_downloads;
     LogitRows logit_rows;

@@ -413,6 +413,31 @@ class DeepseekModel::Loader {
     return group_cols.first > 0 && group_cols.second > 0;
   }
 
+  // Whether the parts [part0, part0 + parts) of `width` intermediate rows each of the 4-bit MLP `prefix` (gate / up
+  // [full_inter, H], down [H, full_inter]) load INT4 as a routed expert kept in groups of `group_cols` (gate / up
+  // rows', down rows') columns does (load_int4 takes them): a rank's shared experts fused into its routed ones.
+  bool int4_parts_fit(const std::string& prefix, int64_t full_inter, int64_t width, int64_t H, int64_t part0,
+                      int64_t parts, std::pair<int64_t, int64_t> group_cols) {
+    if (opts_.dummy) {  // the config's groups, as keep_int4_experts
+      for (int64_t p = part0; p < part0 + parts; ++p)
+        if (group_ > 0 && (p * width) % group_) return false;
+      return true;
+    }
+    auto fits = [](const IntSlice& t, int64_t g) {
+      const int64_t s = slice_group_cols(t);
+      return s > 0 && (s == g || (t.nc <= g && s == t.nc));
+    };
+    for (const char* m : {"gate_proj", "up_proj", "down_proj"})
+      if (!packed_integer(prefix + m + ".weight")) return false;
+    for (int64_t p = part0; p < part0 + parts; ++p) {
+      for (const char* m : {"gate_proj", "up_proj"})
+        if (!fits(int_slice(prefix + m, {full_inter, H}, p * width, 0, 8, H), group_cols.first)) return false;
+      if (!fits(int_slice(prefix + "down_proj", {H, full_inter}, 0, p * width, 8, width), group_cols.second))
+        return false;
+    }
+    return true;
+  }
+
   // The columns per group of a slice whose groups are consecutive runs of one length (the last may be shorter), a
   // multiple of 8 or the whole row; 0 otherwise.
   static int64_t slice_group_cols(const IntSlice& t) {
@@ -826,6 +851,56 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
     mtp_eh_hidden_ = ld.make(layer_name(L, "eh_proj.weight"), {H, 2 * H}, {H, H}, 0, H, Kind::Matrix);
     mtp_norm_ = ld.make(layer_name(L, "shared_head.norm.weight"), {H}, {H}, 0, 0, Kind::Norm);
   }
+  // Each MoE layer's routed experts' form (FP8 kept from the checkpoint or quantized at load, INT4 kept, else bf16),
+  // then whether every such layer's shared experts fuse into them (LoadOptions::shared_experts_fusion).
+  struct RoutedForm {
+    bool keep_ckpt = false, keep_quantized = false, keep_int4 = false;
+    std::pair<int64_t, int64_t> int4_groups{0, 0};  // columns per group: gate / up rows, down rows
+  };
+  std::vector<RoutedForm> forms(static_cast<size_t>(c.num_cache_layers()));
+  const int64_t qb = c.n_routed_experts > 0 ? ld.quantize_block(local_moe_inter_) : 0;  // --quantization fp8
+  for (int64_t l = 0; l < c.num_cache_layers(); ++l) {
+    if (!c.is_moe_layer(l)) continue;
+    RoutedForm& f = forms[static_cast<size_t>(l)];
+    const std::string e0 = layer_name(l, "mlp.experts.") + std::to_string(expert_begin_) + ".";
+    const int64_t Im = local_moe_inter_;
+    f.keep_ckpt = ld.keep_fp8_experts(e0 + "gate_proj.weight", Im, er * Im, H);
+    f.keep_quantized =
+        qb && backend_.takes_fp8_experts() && opts.fp8_experts != LoadOptions::KeepQuantized::Off && H % 8 == 0;
+    f.keep_int4 = !f.keep_ckpt && !qb && ld.keep_int4_experts(e0, c.moe_intermediate_size, Im, er * Im, H,
+                                                                 f.int4_groups);
+  }
+  {
+    using K = LoadOptions::KeepQuantized;
+    const int64_t ns = c.n_shared_experts, Im = local_moe_inter_;
+    // (at most 16 ids a token: the small-batch MoE kernels' limit)
+    bool fuse = opts.shared_experts_fusion != K::Off && ns > 0 && c.n_routed_experts > 0 && !plan_.expert_parallel &&
+                local_shared_inter_ == ns * Im && c.num_experts_per_tok + ns <= 16;
+    for (int64_t l = 0; fuse && l < c.num_cache_layers(); ++l) {
+      const RoutedForm& f = forms[static_cast<size_t>(l)];
+      if (!c.is_moe_layer(l)) continue;
+      if (f.keep_int4)
+        fuse = ld.int4_parts_fit(layer_name(l, "mlp.shared_experts."), ns * c.moe_intermediate_size, Im, H, tr * ns,
+                                 ns, f.int4_groups);
+      else
+        fuse = opts.shared_experts_fusion == K::On && !f.keep_ckpt && !f.keep_quantized;
+    }
+    if (opts.shared_experts_fusion == K::On && !fuse && ns > 0 && c.n_routed_experts > 0 && !reload)
+      MLA_LOG_INFO("--shared-experts-fusion on: the shared experts stay apart ({})",
+                   plan_.expert_parallel ? "expert parallelism"
+                                         : "FP8 routed experts, more than 16 experts a token, or 4-bit shared experts "
+                                           "in other groups than the routed ones'");
+    if (reload)
+      MLA_CHECK((fuse ? ns : 0) == fused_shared_,
+                "{}: the running model {} its shared experts into the routed ones and this checkpoint's {} be (its "
+                "experts' format differs)", model_dir, fused_shared_ ? "fused" : "did not fuse",
+                fuse ? "would" : "cannot");
+    fused_shared_ = fuse ? ns : 0;
+    if (fuse && !reload)
+      MLA_LOG_INFO("shared experts fused into the routed ones: {} more experts per MoE layer{}", ns,
+                   std::any_of(forms.begin(), forms.end(), [](const RoutedForm& f) { return f.keep_int4; })
+                       ? " (INT4)" : "");
+  }
   layers_.clear();
   layers_.resize(static_cast<size_t>(c.num_cache_layers()));
   bool logged_quantization = false;
@@ -857,18 +932,25 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
       load_down(w.mlp_down, layer_name(l, "mlp."), c.intermediate_size, I, tr);
       continue;
     }
-    const int64_t E = local_experts_, Im = local_moe_inter_, Eall = c.n_routed_experts;
+    const int64_t Im = local_moe_inter_, Eall = c.n_routed_experts;
+    const int64_t E = local_experts_ + fused_shared_;  // the routed experts, then the fused shared ones
     w.router = ld.make(layer_name(l, "mlp.gate.weight"), {Eall, H}, {Eall, H}, 0, 0, Kind::Router);
     const std::string bias_name = layer_name(l, "mlp.gate.e_score_correction_bias");
     if (c.topk_method == TopkMethod::NoauxTc || (ckpt && ckpt->has(bias_name)))
       w.router_bias = ld.make(bias_name, {Eall}, {Eall}, 0, 0, Kind::Bias);
-    // Local expert e is the checkpoint's expert expert_begin_ + e.
-    const std::string experts = layer_name(l, "mlp.experts.");
-    auto expert_prefix = [&](int64_t e) { return experts + std::to_string(expert_begin_ + e) + "."; };
-    const int64_t qb = ld.quantize_block(Im);  // --quantization fp8
-    const bool keep_ckpt = ld.keep_fp8_experts(expert_prefix(0) + "gate_proj.weight", Im, er * Im, H);
-    const bool keep_quantized =
-        qb && backend_.takes_fp8_experts() && opts.fp8_experts != LoadOptions::KeepQuantized::Off && H % 8 == 0;
+    // Local expert e < local_experts_ is the checkpoint's expert expert_begin_ + e, rows [er Im, (er + 1) Im) of its
+    // intermediate dimension; a fused shared one e - local_experts_ = j rows [(tr ns + j) Im, ...) of the shared
+    // experts' (all ns of them: ns times as wide).
+    const std::string experts = layer_name(l, "mlp.experts."), shared_prefix = layer_name(l, "mlp.shared_experts.");
+    auto expert_prefix = [&](int64_t e) {
+      return e < local_experts_ ? experts + std::to_string(expert_begin_ + e) + "." : shared_prefix;
+    };
+    auto expert_full = [&](int64_t e) {
+      return e < local_experts_ ? c.moe_intermediate_size : c.moe_intermediate_size * c.n_shared_experts;
+    };
+    auto expert_part = [&](int64_t e) { return e < local_experts_ ? er : tr * c.n_shared_experts + e - local_experts_; };
+    const RoutedForm& form = forms[static_cast<size_t>(l)];
+    const bool keep_ckpt = form.keep_ckpt, keep_quantized = form.keep_quantized;
     if (qb && !logged_quantization) {
       MLA_LOG_INFO("quantizing the routed experts to FP8 in {}x{} blocks ({})", qb, qb,
                    keep_quantized ? "kept FP8" : "dequantized again: this backend keeps no FP8 experts");
@@ -879,13 +961,9 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
                                                   : "no block size divides the experts' width; they stay bf16");
       logged_quantization = true;
     }
-    std::pair<int64_t, int64_t> int4_groups{0, 0};  // columns per group: gate / up rows, down rows
-    const bool keep_int4 = !keep_ckpt && !qb &&
-                           ld.keep_int4_experts(expert_prefix(0), c.moe_intermediate_size, Im, er * Im, H, int4_groups);
-    if (keep_int4) {
+    if (form.keep_int4) {
       // INT4 kept: code pairs, each row's groups' scales and zero points beside them (gate rows', then up rows').
-      const auto [gg, dg] = int4_groups;
-      const int64_t full = c.moe_intermediate_size;
+      const auto [gg, dg] = form.int4_groups;
       w.experts_gate_up = ld.alloc({E, 2 * Im, H / 2}, DType::U8, experts + "*.gate_proj / up_proj (INT4)");
       w.experts_down = ld.alloc({E, H, Im / 2}, DType::U8, experts + "*.down_proj (INT4)");
       const Shape gshape{E, 2 * Im, (H + gg - 1) / gg}, dshape{E, H, (Im + dg - 1) / dg};
@@ -898,11 +976,12 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
       };
       for (int64_t e = 0; e < E; ++e) {
         const std::string prefix = expert_prefix(e);
-        ld.load_int4(prefix + "gate_proj.weight", {full, H}, er * Im, 0, gg, at(w.experts_gate_up, e, 0, Im),
+        const int64_t full = expert_full(e), r0 = expert_part(e) * Im;
+        ld.load_int4(prefix + "gate_proj.weight", {full, H}, r0, 0, gg, at(w.experts_gate_up, e, 0, Im),
                      at(gs, e, 0, Im), at(gz, e, 0, Im));
-        ld.load_int4(prefix + "up_proj.weight", {full, H}, er * Im, 0, gg, at(w.experts_gate_up, e, Im, 2 * Im),
+        ld.load_int4(prefix + "up_proj.weight", {full, H}, r0, 0, gg, at(w.experts_gate_up, e, Im, 2 * Im),
                      at(gs, e, Im, 2 * Im), at(gz, e, Im, 2 * Im));
-        ld.load_int4(prefix + "down_proj.weight", {H, full}, 0, er * Im, dg, at(w.experts_down, e, 0, H),
+        ld.load_int4(prefix + "down_proj.weight", {H, full}, 0, r0, dg, at(w.experts_down, e, 0, H),
                      at(ds, e, 0, H), at(dz, e, 0, H));
       }
       w.experts_gate_up.set_block_scales(std::make_shared<const BlockScales>(BlockScales{gs, 1, gg, gz}));
@@ -938,7 +1017,10 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
         const std::string prefix = expert_prefix(e);
         Tensor gu = w.experts_gate_up.rows(e, e + 1).reshape({2 * Im, H});
         Tensor dn = w.experts_down.rows(e, e + 1).reshape({H, Im});
-        if (qb) {  // quantized, then dequantized again
+        if (e >= local_experts_) {  // a fused shared expert (never quantized at load)
+          load_gate_up(gu, prefix, expert_full(e), Im, expert_part(e));
+          load_down(dn, prefix, expert_full(e), Im, expert_part(e));
+        } else if (qb) {  // quantized, then dequantized again
           const int64_t full = c.moe_intermediate_size;
           ld.load_quantized(gu.rows(0, Im), prefix + "gate_proj.weight", {full, H}, er * Im, 0, qb);
           ld.load_quantized(gu.rows(Im, 2 * Im), prefix + "up_proj.weight", {full, H}, er * Im, 0, qb);
@@ -949,7 +1031,7 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
         }
       }
     }
-    if (c.n_shared_experts > 0) {
+    if (c.n_shared_experts > 0 && fused_shared_ == 0) {
       const int64_t Is = local_shared_inter_, full = c.moe_intermediate_size * c.n_shared_experts;
       w.shared_gate_up =
           ld.alloc({2 * Is, H}, ld.matrix_dtype(), layer_name(l, "mlp.shared_experts.gate_proj / up_proj"));
@@ -1042,13 +1124,20 @@ void DeepseekModel::mlp(int64_t l, const Tensor& x, Tensor& out) {
   }
   Tensor ids, weights;
   routing_scratch(T, ids, weights);
-  backend_.moe_gate(x, w.router, router_bias(w), RouterParams::from_config(config_), ids, weights);
+  backend_.moe_gate(x, w.router, router_bias(w), router_params(), ids, weights);
   experts(l, x, ids, weights, out);
 }
 
+RouterParams DeepseekModel::router_params() const {
+  RouterParams p = RouterParams::from_config(config_);
+  p.n_fixed = static_cast<int32_t>(fused_shared_);
+  p.fixed_base = static_cast<int32_t>(config_.n_routed_experts);  // (no expert parallelism: local = global ids)
+  return p;
+}
+
 void DeepseekModel::routing_scratch(int64_t T, Tensor& ids, Tensor& weights) {
-  ids = backend_.scratch({T, config_.num_experts_per_tok}, DType::I32);
-  weights = backend_.scratch({T, config_.num_experts_per_tok}, DType::F32);
+  ids = backend_.scratch({T, router_params().ids_per_token()}, DType::I32);
+  weights = backend_.scratch({T, router_params().ids_per_token()}, DType::F32);
 }
 
 void DeepseekModel::norm_mlp(int64_t l, const Tensor& x, Tensor& residual, Tensor& spare, Tensor& normed, Tensor& out) {
@@ -1062,7 +1151,7 @@ void DeepseekModel::norm_mlp(int64_t l, const Tensor& x, Tensor& residual, Tenso
   Tensor ids, weights;
   routing_scratch(x.size(0), ids, weights);
   backend_.add_rmsnorm_moe_gate(x, residual, spare, w.post_norm, eps, normed, w.router, router_bias(w),
-                                RouterParams::from_config(config_), ids, weights);
+                                router_params(), ids, weights);
   std::swap(residual, spare);
   experts(l, normed, ids, weights, out);
 }
@@ -1140,7 +1229,7 @@ void DeepseekModel::experts(int64_t l, const Tensor& x, const Tensor& ids, const
     Tensor row = expert_counts_.rows(l, l + 1);
     backend_.count_experts(ids, row);
   }
-  const bool shared = config_.n_shared_experts > 0;
+  const bool shared = config_.n_shared_experts > 0 && fused_shared_ == 0;
   backend_.moe_experts(x, ids, weights, w.experts_gate_up, w.experts_down, static_cast<int32_t>(expert_begin_),
                        shared ? &w.shared_gate_up : nullptr,
                        shared ? &w.shared_down : nullptr, out);
@@ -1301,7 +1390,7 @@ Tensor DeepseekModel::forward_body(const ForwardBatch& batch, KvCache& cache, Ml
   Tensor hidden = embed_tokens(T);
   DpRows d = dp_rows(T, dp);
   if (capture_routes_) {  // (each MoE layer copies its rows' expert ids here: experts())
-    routes_ = backend_.scratch({c.num_moe_layers(), T, c.num_experts_per_tok}, DType::I32);
+    routes_ = backend_.scratch({c.num_moe_layers(), T, router_params().ids_per_token()}, DType::I32);
     routes_offset_ = d.on ? d.offset : 0;
   }
   backend_.zero(residual);  // the first sum is the embedding itself

@@ -43,8 +43,8 @@ struct LayerWeights {
   bool is_moe = false;
   Tensor mlp_gate_up, mlp_down;             // dense: [2*I, H], [H, I]
   Tensor router, router_bias;               // [E, H], [E] F32 (noaux_tc only)
-  Tensor experts_gate_up, experts_down;     // [E, 2*Im, H], [E, H, Im]
-  Tensor shared_gate_up, shared_down;       // [2*Is, H], [H, Is]
+  Tensor experts_gate_up, experts_down;     // [E, 2*Im, H], [E, H, Im] (+ the fused shared experts: E + ns)
+  Tensor shared_gate_up, shared_down;       // [2*Is, H], [H, Is] (not with them fused)
 };
 
 struct LoadOptions {
@@ -61,6 +61,13 @@ struct LoadOptions {
   // (about a quarter of bf16's memory; the CUDA MoE kernels read the codes, faster than bf16 at decode), Off
   // dequantizes them at load (--int4-experts).
   KeepQuantized int4_experts = KeepQuantized::Auto;
+  // The shared experts fused into the routed ones (--shared-experts-fusion; SGLang's --disable-shared-experts-fusion
+  // is Off): a rank's slice of the n_shared_experts shared experts, whose width is that many routed experts', loads
+  // as that many more routed experts in the same format, which every token takes with weight 1 (RouterParams::
+  // n_fixed), so the MoE kernels read them as they read the routed ones (kept INT4 too). On fuses wherever the format
+  // allows (bf16 or kept INT4 experts, not FP8; never under expert parallelism), Auto where the routed experts are
+  // kept INT4 (the shared ones bf16 otherwise: measured, docs/perf.md), Off never. Every MoE layer or none.
+  KeepQuantized shared_experts_fusion = KeepQuantized::Auto;
   // --quantization fp8 on a checkpoint without quantization: its routed experts quantized to FP8 at load
   // (cpu::quantize_fp8, blocks of 128, or the largest power of two down to 8 dividing a rank's expert width), kept FP8
   // on a backend that takes them unless fp8_experts is Off, else dequantized again (the same model in bf16).
@@ -139,8 +146,8 @@ class DeepseekModel {
   // The last forward's final hidden state [T, H] (after the final norm), valid until the next step begins.
   const Tensor& last_hidden() const { return last_hidden_; }
   // SGLang's return_routed_experts: every forward of the main model keeps each MoE layer's routed expert ids of its
-  // own rows ([MoE layers, T, num_experts_per_tok] I32 in last_routes(), valid until the next step begins; with DP
-  // attention this group's rows). Call before graphs are recorded (they record the copies).
+  // own rows ([MoE layers, T, router_params().ids_per_token()] I32 in last_routes(): the picks, then the fused shared
+  // experts, if any; valid until the next step begins; with DP attention this group's rows). Call before graphs are recorded (they record the copies).
   void enable_route_capture();
   bool captures_routes() const { return capture_routes_; }
   const Tensor& last_routes() const { return last_routes_; }
@@ -196,6 +203,8 @@ class DeepseekModel {
   void experts(int64_t layer, const Tensor& x, const Tensor& ids, const Tensor& weights, Tensor& out);
   void reduce_mlp(int64_t layer, Tensor& out);
   // The router's outputs for T rows (scratch): ids [T, k] I32, weights [T, k] F32.
+  // The routing of MoE layers (the fused shared experts after the picks) and its ids / weights scratch.
+  RouterParams router_params() const;
   void routing_scratch(int64_t T, Tensor& ids, Tensor& weights);
   static const Tensor* router_bias(const LayerWeights& w) { return w.router_bias.defined() ? &w.router_bias : nullptr; }
   // Validates the ids; true when some come from the previous step's samples (negative).
@@ -219,6 +228,7 @@ class DeepseekModel {
   // The routed experts this rank holds: [expert_begin_, expert_begin_ + local_experts_) (all but with expert
   // parallelism), each local_moe_inter_ wide.
   int64_t local_experts_ = 0, expert_begin_ = 0;
+  int64_t fused_shared_ = 0;  // shared experts loaded as routed experts local_experts_ + j (LoadOptions)
   Tensor embed_, final_norm_, lm_head_;
   // The MTP layer's own weights (config_.mtp_layers == 1): enorm, hnorm, eh_proj's two column halves (the embedding's,
   // the hidden state's), shared_head.norm. Its decoder layer is layers_[num_hidden_layers].

@@ -1809,8 +1809,12 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
                    "--async-scheduling", "--enable-eplb", "--ep-num-redundant-experts", "32", "--pipeline-parallel-size",
                    "1", "--max-logprobs", "2", "--return-tokens-as-token-ids", "--served-model-name", "tiny-v3",
                    "org/tiny", "--default-chat-template-kwargs", R"({"thinking": false})", "--response-role",
-                   "assistant", "--chat-template-content-format", "string", "--schedule-policy", "dfs-weight"});
+                   "assistant", "--chat-template-content-format", "string", "--schedule-policy", "dfs-weight",
+                   "--shared-experts-fusion", "on"});
   ASSERT_TRUE(s.running()) << s.log();
+  // (fusion is asked for, but the experts are split by expert)
+  EXPECT_NE(s.log().find("--shared-experts-fusion on: the shared experts stay apart (expert parallelism)"),
+            std::string::npos) << s.log();
   // Two served names: both listed, either answered under its own name.
   const json models = get_json(s.port(), "/v1/models");
   ASSERT_EQ(models["data"].size(), 2u) << models.dump();

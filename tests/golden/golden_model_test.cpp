@@ -46,11 +46,11 @@ struct Loaded {
   std::unique_ptr<DeepseekModel> model;
 };
 
-Loaded load(const std::string& family) {
+Loaded load(const std::string& family, const LoadOptions& lo = {}) {
   Loaded l;
   l.backend = make_cpu_backend();
   l.model = std::make_unique<DeepseekModel>(ModelConfig::from_file(test::golden_dir(family)), *l.backend);
-  l.model->load(test::golden_dir(family), {});
+  l.model->load(test::golden_dir(family), lo);
   return l;
 }
 
@@ -58,20 +58,26 @@ Loaded load(const std::string& family) {
 
 class GoldenModel : public ::testing::TestWithParam<std::string> {};
 
+// Also with the shared experts fused into the routed ones (read as more routed experts every token takes).
 TEST_P(GoldenModel, LogitsAndGreedyMatchHuggingFace) {
   Golden g = read_golden(GetParam());
-  Loaded l = load(GetParam());
-  OfflineOptions o;
-  o.max_new_tokens = static_cast<int32_t>(g.greedy[0].numel());
-  OfflineResult r = run_offline(*l.model, g.prompts, o);  // all prompts as one ragged batch
-  for (size_t j = 0; j < g.prompts.size(); ++j) {
-    SCOPED_TRACE("prompt " + std::to_string(j));
-    EXPECT_LT(test::rel_err(r.prompt_logits[j], g.logits[j]), kRelTol);
-    const int64_t n = g.greedy[j].numel();
-    ASSERT_EQ(static_cast<int64_t>(r.greedy[j].size()), n);
-    for (int64_t i = 0; i < n; ++i) {
-      if (g.margin[j].data_as<float>()[i] < kNearTie) break;  // a near tie: later tokens may legitimately differ
-      EXPECT_EQ(r.greedy[j][i], g.greedy[j].data_as<int32_t>()[i]) << "step " << i;
+  for (const auto fusion : {LoadOptions::KeepQuantized::Auto, LoadOptions::KeepQuantized::On}) {
+    SCOPED_TRACE(fusion == LoadOptions::KeepQuantized::On ? "shared experts fused" : "shared experts apart");
+    LoadOptions lo;
+    lo.shared_experts_fusion = fusion;
+    Loaded l = load(GetParam(), lo);
+    OfflineOptions o;
+    o.max_new_tokens = static_cast<int32_t>(g.greedy[0].numel());
+    OfflineResult r = run_offline(*l.model, g.prompts, o);  // all prompts as one ragged batch
+    for (size_t j = 0; j < g.prompts.size(); ++j) {
+      SCOPED_TRACE("prompt " + std::to_string(j));
+      EXPECT_LT(test::rel_err(r.prompt_logits[j], g.logits[j]), kRelTol);
+      const int64_t n = g.greedy[j].numel();
+      ASSERT_EQ(static_cast<int64_t>(r.greedy[j].size()), n);
+      for (int64_t i = 0; i < n; ++i) {
+        if (g.margin[j].data_as<float>()[i] < kNearTie) break;  // a near tie: later tokens may legitimately differ
+        EXPECT_EQ(r.greedy[j][i], g.greedy[j].data_as<int32_t>()[i]) << "step " << i;
+      }
     }
   }
 }
@@ -235,6 +241,15 @@ TEST(GoldenCli, EvalLogitsAndGenerate) {
   std::string expect;
   for (int i = 0; i < 8; ++i) expect += (i ? "," : "") + std::to_string(g.greedy[1].data_as<int32_t>()[i]);
   EXPECT_EQ(r.output, expect + "\n");
+  // The same with the shared experts fused into the routed ones, and with SGLang's flag that keeps them apart.
+  for (const char* flag : {"--shared-experts-fusion on", "--disable-shared-experts-fusion"}) {
+    r = test::run_command(std::string(MLASERVE_BINARY) + " generate --log-level info --model-path " + model +
+                          " --input-ids " + ids + " --max-new-tokens 8 " + flag + " 2>&1");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(expect + "\n"), std::string::npos) << flag << ": " << r.output;
+    EXPECT_EQ(r.output.find("shared experts fused into the routed ones") != std::string::npos,
+              std::string(flag).find("disable") == std::string::npos) << flag << ": " << r.output;
+  }
 }
 
 TEST(GoldenCli, BadInputsGiveClearErrors) {
@@ -257,6 +272,10 @@ TEST(GoldenCli, BadInputsGiveClearErrors) {
     EXPECT_NE(r.output.find(std::string(flag) + ": expected auto, on or off, got 'sometimes'"), std::string::npos)
         << r.output;
   }
+  r = test::run_command(bin + " generate --model-path " + test::golden_dir("v2") +
+                        " --input-ids 5 --shared-experts-fusion sometimes");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--shared-experts-fusion: sometimes not in {auto,on,off}"), std::string::npos) << r.output;
 }
 
 }  // namespace

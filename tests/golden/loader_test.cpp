@@ -195,9 +195,11 @@ class TakesFp8Experts : public ForwardingBackend {
 };
 
 // `tp` CPU ranks of the checkpoint in `dir` (taking FP8 / INT4 experts when `fp8_experts`; quantizing the routed
-// experts to FP8 at load with `quantize_fp8`; experts whole on each rank with `expert_parallel`).
+// experts to FP8 at load with `quantize_fp8`; experts whole on each rank with `expert_parallel`; `fusion`: the shared
+// experts' --shared-experts-fusion).
 std::unique_ptr<RankSet> fp8_ranks(const fs::path& dir, int32_t tp, bool fp8_experts, bool quantize_fp8 = false,
-                                   bool expert_parallel = false) {
+                                   bool expert_parallel = false,
+                                   LoadOptions::KeepQuantized fusion = LoadOptions::KeepQuantized::Auto) {
   ParallelConfig pc;
   pc.tp_size = tp;
   pc.expert_parallel = expert_parallel;
@@ -210,14 +212,16 @@ std::unique_ptr<RankSet> fp8_ranks(const fs::path& dir, int32_t tp, bool fp8_exp
   lo.fp8_experts = fp8_experts ? LoadOptions::KeepQuantized::On : LoadOptions::KeepQuantized::Off;
   lo.int4_experts = lo.fp8_experts;
   lo.quantize_fp8 = quantize_fp8;
+  lo.shared_experts_fusion = fusion;
   return std::make_unique<RankSet>(ModelConfig::from_file(dir.string()), pc, dir.string(), lo);
 }
 
 // The prompt's logits on fp8_ranks; `weight_bytes` gets a rank's.
 std::vector<float> ranks_logits(const fs::path& dir, int32_t tp, bool fp8_experts = false,
                                 int64_t* weight_bytes = nullptr, bool quantize_fp8 = false,
-                                bool expert_parallel = false) {
-  const auto r = fp8_ranks(dir, tp, fp8_experts, quantize_fp8, expert_parallel);
+                                bool expert_parallel = false,
+                                LoadOptions::KeepQuantized fusion = LoadOptions::KeepQuantized::Auto) {
+  const auto r = fp8_ranks(dir, tp, fp8_experts, quantize_fp8, expert_parallel, fusion);
   RankSet& ranks = *r;
   if (weight_bytes) *weight_bytes = ranks.weight_bytes_per_rank();
   OfflineOptions o;
@@ -775,8 +779,10 @@ TEST(Loader, Int4ExpertsKeptAreTheSameModel) {
     for (const Layout& L : {Layout{1, false, kept}, Layout{2, false, tp2}, Layout{2, true, kept}}) {
       SCOPED_TRACE(fmt::format("tp {}{}", L.tp, L.ep ? " expert parallel" : ""));
       int64_t kept_bytes = 0, plain_bytes = 0;
-      const auto a = ranks_logits(q, L.tp, /*fp8_experts=*/true, &kept_bytes, false, L.ep);
-      const auto b = ranks_logits(q, L.tp, false, &plain_bytes, false, L.ep);
+      // (the shared experts apart in both: fused, SharedExpertsFuseIntoInt4Experts)
+      const auto off = LoadOptions::KeepQuantized::Off;
+      const auto a = ranks_logits(q, L.tp, /*fp8_experts=*/true, &kept_bytes, false, L.ep, off);
+      const auto b = ranks_logits(q, L.tp, false, &plain_bytes, false, L.ep, off);
       ASSERT_EQ(a.size(), b.size());
       for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << "logit " << i;
       if (L.kept == 1) {
@@ -786,6 +792,39 @@ TEST(Loader, Int4ExpertsKeptAreTheSameModel) {
         EXPECT_EQ(kept_bytes, plain_bytes);
       }
     }
+  }
+}
+
+// A 4-bit checkpoint's shared experts fused into its routed experts kept INT4 (--shared-experts-fusion auto: read as
+// more routed experts, INT4 too) give bit for bit the model of its dequantized weights with the shared experts fused
+// (on), in less memory than with them dequantized apart (off), on one rank and at tp 2 (each rank's slices of the
+// shared experts as routed-width experts). Under expert parallelism they stay apart: the same bytes and logits as off.
+TEST(Loader, SharedExpertsFuseIntoInt4Experts) {
+  using K = LoadOptions::KeepQuantized;
+  for (const std::string fam : {"v2", "v3"}) {
+    auto q = test::temp_dir("int4s"), ref = test::temp_dir("int4sref");
+    write_awq_pair(fam, q, ref, 8);
+    for (int32_t tp : {1, 2}) {
+      SCOPED_TRACE(fmt::format("{} tp {}", fam, tp));
+      int64_t fused_bytes = 0, apart_bytes = 0;
+      const auto a = ranks_logits(q, tp, true, &fused_bytes, false, false, K::Auto);
+      const auto b = ranks_logits(ref, tp, true, nullptr, false, false, K::On);
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << "logit " << i;
+      const auto c = ranks_logits(q, tp, true, &apart_bytes, false, false, K::Off);
+      EXPECT_LT(fused_bytes, apart_bytes);
+      float diff = 0.0f, scale = 0.0f;  // apart: the same model up to the order of the fp32 sums
+      for (size_t i = 0; i < a.size(); ++i) {
+        diff = std::max(diff, std::fabs(a[i] - c[i]));
+        scale = std::max(scale, std::fabs(c[i]));
+      }
+      EXPECT_LT(diff, 1e-4f * scale);
+    }
+    int64_t ep_auto = 0, ep_off = 0;
+    const auto a = ranks_logits(q, 2, true, &ep_auto, false, true, K::Auto);
+    const auto c = ranks_logits(q, 2, true, &ep_off, false, true, K::Off);
+    EXPECT_EQ(ep_auto, ep_off);
+    EXPECT_EQ(a, c);
   }
 }
 
@@ -822,29 +861,34 @@ TEST(Loader, Int4ExpertsAutoKeepsThem) {
 TEST(Loader, Int4ExpertsKeptReloadInPlace) {
   auto q = test::temp_dir("int4u"), ref = test::temp_dir("int4uref");
   write_awq_pair("v3", q, ref, 8);
-  auto ranks = fp8_ranks(q, 2, true);
-  OfflineOptions o;
-  o.prompt_logits = true;
-  auto logits = [&] {
-    const Tensor t = run_offline(*ranks, {kPrompt}, o).prompt_logits[0];
-    return std::vector<float>(t.data_as<float>(), t.data_as<float>() + t.numel());
-  };
-  const std::vector<float> before = logits();
-  const int64_t bytes = ranks->weight_bytes_per_rank();
-  ranks->reload_weights(q.string());
-  EXPECT_EQ(logits(), before);
-  EXPECT_EQ(ranks->weight_bytes_per_rank(), bytes);
-  std::string err;
-  try {
-    ranks->reload_weights(ref.string());
-  } catch (const Error& e) {
-    err = e.what();
+  for (const auto fusion : {LoadOptions::KeepQuantized::Off, LoadOptions::KeepQuantized::Auto}) {
+    SCOPED_TRACE(fusion == LoadOptions::KeepQuantized::Off ? "shared experts apart" : "shared experts fused");
+    auto ranks = fp8_ranks(q, 2, true, false, false, fusion);
+    OfflineOptions o;
+    o.prompt_logits = true;
+    auto logits = [&] {
+      const Tensor t = run_offline(*ranks, {kPrompt}, o).prompt_logits[0];
+      return std::vector<float>(t.data_as<float>(), t.data_as<float>() + t.numel());
+    };
+    const std::vector<float> before = logits();
+    const int64_t bytes = ranks->weight_bytes_per_rank();
+    ranks->reload_weights(q.string());
+    EXPECT_EQ(logits(), before);
+    EXPECT_EQ(ranks->weight_bytes_per_rank(), bytes);
+    std::string err;
+    try {
+      ranks->reload_weights(ref.string());
+    } catch (const Error& e) {
+      err = e.what();
+    }
+    EXPECT_NE(err.find("experts"), std::string::npos) << err;
+    // (the first tensor whose form differs; fused, the shared experts' form is checked first)
+    EXPECT_NE(err.find(fusion == LoadOptions::KeepQuantized::Off ? "U8" : "fused its shared experts into the routed"),
+              std::string::npos) << err;
+    EXPECT_NE(err.find("loaded again"), std::string::npos) << err;
+    EXPECT_EQ(ranks->model_dir(), q.string());
+    EXPECT_EQ(logits(), before);
   }
-  EXPECT_NE(err.find("experts"), std::string::npos) << err;
-  EXPECT_NE(err.find("U8"), std::string::npos) << err;
-  EXPECT_NE(err.find("loaded again"), std::string::npos) << err;
-  EXPECT_EQ(ranks->model_dir(), q.string());
-  EXPECT_EQ(logits(), before);
 }
 
 // /get_weights_by_name of routed experts kept INT4: the values the model computes with, bf16((code - zero) * scale),
@@ -858,7 +902,9 @@ TEST(Loader, Int4ExpertsKeptReadBackAsTheDequantizedModel) {
     EXPECT_LT(kept->weight_bytes_per_rank(), plain->weight_bytes_per_rank());
     for (const char* n : {"model.layers.2.mlp.experts.3.gate_proj.weight",
                           "model.layers.2.mlp.experts.3.up_proj.weight",
-                          "model.layers.3.mlp.experts.6.down_proj.weight"}) {
+                          "model.layers.3.mlp.experts.6.down_proj.weight",
+                          "model.layers.2.mlp.shared_experts.up_proj.weight",  // (fused: INT4 too)
+                          "model.layers.3.mlp.shared_experts.down_proj.weight"}) {
       const auto a = kept->read_weight(n, 1 << 20), b = plain->read_weight(n, 1 << 20);
       ASSERT_TRUE(a && b) << n;
       std::vector<float> want = test::checkpoint_values(ref.string(), n);

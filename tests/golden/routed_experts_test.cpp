@@ -1,7 +1,8 @@
 // SGLang's return_routed_experts: each position's routed expert ids of every layer (dense layers 0), the rows
 // return_hidden_states gives (the prompt's, then each generated token's but the last's). They are the model's own
 // routing: a forward over the same tokens with its routing recorded chooses the same experts, with overlap on and off,
-// in prefill chunks, with graphs, at tp 2 and with DP attention (each group's rows among the MoE's gathered rows).
+// in prefill chunks, with graphs, at tp 2 and with DP attention (each group's rows among the MoE's gathered rows), and
+// with the shared experts fused into the routed ones (only the picks reported).
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
@@ -22,9 +23,13 @@ struct Out {
   std::vector<float> hidden;
 };
 
-std::unique_ptr<RankSet> route_ranks(int32_t tp, int32_t dp, int32_t graph_max_bs, bool capture = true) {
+// fused: the shared experts fused into the routed ones (their fixed ids are not reported).
+std::unique_ptr<RankSet> route_ranks(int32_t tp, int32_t dp, int32_t graph_max_bs, bool capture = true,
+                                     bool fused = false) {
+  LoadOptions lo;
+  lo.shared_experts_fusion = fused ? LoadOptions::KeepQuantized::On : LoadOptions::KeepQuantized::Off;
   return test::cpu_ranks_at(test::golden_dir("v2"), tp, dp, graph_max_bs, false, false,
-                            [capture](ParallelConfig& pc) { pc.capture_routes = capture; });
+                            [capture](ParallelConfig& pc) { pc.capture_routes = capture; }, lo);
 }
 
 std::future<Out> submit(Engine& e, const std::string& rid, const std::vector<int32_t>& ids, int32_t n,
@@ -86,14 +91,16 @@ TEST(RoutedExperts, AreTheModelsRoutingInEveryLayout) {
     int32_t tp, dp, graphs;
     bool overlap;
     int32_t chunk;
+    bool fused = false;
   };
   for (const Layout& lay : {Layout{1, 1, 0, false, 8192}, Layout{1, 1, 0, true, 48}, Layout{1, 1, 8, true, 8192},
-                            Layout{2, 1, 8, true, 8192}, Layout{2, 2, 8, true, 48}}) {
-    const std::string what = fmt::format("tp {} dp {} graphs {} overlap {} chunk {}", lay.tp, lay.dp, lay.graphs,
-                                         lay.overlap, lay.chunk);
+                            Layout{2, 1, 8, true, 8192}, Layout{2, 2, 8, true, 48}, Layout{1, 1, 8, true, 8192, true},
+                            Layout{2, 2, 8, true, 48, true}}) {
+    const std::string what = fmt::format("tp {} dp {} graphs {} overlap {} chunk {} fused {}", lay.tp, lay.dp,
+                                         lay.graphs, lay.overlap, lay.chunk, lay.fused);
     EngineOptions o = test::small_engine_options(lay.overlap, 512);
     o.chunked_prefill_size = lay.chunk;
-    Engine e(route_ranks(lay.tp, lay.dp, lay.graphs), o);
+    Engine e(route_ranks(lay.tp, lay.dp, lay.graphs, true, lay.fused), o);
     std::vector<std::future<Out>> fs;
     // (three requests: decode batches of 3, or 2 and 1 over two groups, replay graphs padded to 4 or 2 rows)
     for (size_t j : {1, 2, 3}) fs.push_back(submit(e, fmt::format("r{}", j), prompts[j], 9, j == 2));

@@ -96,7 +96,7 @@ struct GpuModel {
 //     fp32 run because bf16 rounding reordered near-tied experts) and the resulting logit error, and requires the
 //     greedy tokens of prompts whose prefill had no flip to match the reference up to the first near tie.
 // `fam`: a golden family, or a checkpoint folder (a path) with a reference.safetensors of the same form.
-void golden_family(const std::string& fam) {
+void golden_family(const std::string& fam, const LoadOptions& lo = {}) {
   const std::string dir = fam.find('/') != std::string::npos ? fam : golden_dir() + "/" + fam;
   if (!std::filesystem::exists(dir + "/reference.safetensors")) GTEST_SKIP() << "no golden data at " << dir;
   Prompts ref = read_reference(dir + "/reference.safetensors");
@@ -108,17 +108,17 @@ void golden_family(const std::string& fam) {
     auto cpu_be = make_cpu_backend();
     RouteRecorder rec(*cpu_be, log);
     DeepseekModel cm(cfg, rec);
-    cm.load(dir, LoadOptions{});
+    cm.load(dir, lo);
     run_offline(cm, ref.prompts, prefill_only);
   }
   auto gpu_be = model_backend();
   RouteReplayer forced(*gpu_be, log, true);
   DeepseekModel fm(cfg, forced);
-  fm.load(dir, LoadOptions{});
+  fm.load(dir, lo);
   OfflineResult rf = run_offline(fm, ref.prompts, prefill_only);
   RouteReplayer free_run(*gpu_be, log, false);
   DeepseekModel gm(cfg, free_run);
-  gm.load(dir, LoadOptions{});
+  gm.load(dir, lo);
   OfflineOptions greedy;
   greedy.max_new_tokens = static_cast<int32_t>(ref.greedy[0].size());
   OfflineResult r = run_offline(gm, ref.prompts, greedy);
@@ -330,6 +330,92 @@ TEST(CudaModel, GoldenCheckModels) {
 // v2-fp8-tensor is checked on the CPU only: on the GPU its longest prompt is 0.143 of the logits' std off with the
 // routing forced (2026-12-01), past the bf16 families' 0.10, though it loads the same bf16 weights as the CPU, which
 // matches Hugging Face to 1e-5 (docs/status.md).
+// The shared experts fused into the routed ones (--shared-experts-fusion on: bf16 experts; the CPU run fused too).
+TEST(CudaModel, GoldenV2LiteSharedExpertsFused) {
+  REQUIRE_GPU();
+  LoadOptions lo;
+  lo.shared_experts_fusion = LoadOptions::KeepQuantized::On;
+  golden_family("v2lite", lo);
+}
+TEST(CudaModel, GoldenV3SharedExpertsFused) {
+  REQUIRE_GPU();
+  LoadOptions lo;
+  lo.shared_experts_fusion = LoadOptions::KeepQuantized::On;
+  golden_family("v3", lo);
+}
+
+// A CPU backend that keeps INT4 experts (dequantizing them in its moe_experts), as the CUDA one does.
+class CpuTakesInt4 : public ForwardingBackend {
+ public:
+  explicit CpuTakesInt4(std::unique_ptr<Backend> b) : ForwardingBackend(*b), own_(std::move(b)) {}
+  bool takes_int4_experts() const override { return true; }
+
+ private:
+  std::unique_ptr<Backend> own_;
+};
+
+// An AWQ model (dummy INT4 codes, groups of 64; one dense layer, then one MoE layer of 16 experts, 4 picks and 2
+// shared experts, hidden 512, expert width 128) keeps its routed and, fused into them, its shared experts INT4 (in
+// less memory than with the shared experts apart, bf16): with the CPU's routing forced, the GPU's logits equal the
+// CPU's (the same fused model, the same dummy weights) within the bf16 tolerance, at one token a step (the
+// tensor-core path), 40 (the grouped kernels) and 1,200 (dequantized into scratch, then cuBLAS). (Dummy shared
+// experts apart are other numbers than fused ones: bf16 dummies, not codes.)
+TEST(CudaModel, DummyAwqSharedExpertsFusedMatchCpu) {
+  REQUIRE_GPU();
+  auto cfg = nlohmann::json::parse(std::ifstream(golden_dir() + "/v2lite/config.json"));
+  cfg["hidden_size"] = 512;
+  cfg["intermediate_size"] = 1024;
+  cfg["moe_intermediate_size"] = 128;
+  cfg["n_routed_experts"] = 16;
+  cfg["num_experts_per_tok"] = 4;
+  cfg["n_shared_experts"] = 2;
+  cfg["num_hidden_layers"] = 2;
+  cfg["first_k_dense_replace"] = 1;
+  cfg["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}, {"group_size", 64}, {"zero_point", true},
+                                {"version", "gemm"}};
+  const auto dir = test::temp_dir("awqfused");
+  test::write_text(dir / "config.json", cfg.dump(2));
+  const ModelConfig mc = ModelConfig::from_file(dir.string());
+  std::vector<std::vector<int32_t>> prompts = {{5, 9, 100, 7, 3, 3, 200}, std::vector<int32_t>(40, 0),
+                                               std::vector<int32_t>(1200, 0)};
+  for (size_t i = 0; i < 40; ++i) prompts[1][i] = static_cast<int32_t>((i * 37) % 600 + 2);
+  for (size_t i = 0; i < 1200; ++i) prompts[2][i] = static_cast<int32_t>((i * 53) % 600 + 2);
+  auto run = [&](Backend& be, LoadOptions::KeepQuantized fusion, int64_t& bytes) {
+    DeepseekModel m(mc, be);
+    LoadOptions lo;
+    lo.dummy = true;
+    lo.seed = 5;
+    lo.shared_experts_fusion = fusion;
+    m.load(dir.string(), lo);
+    bytes = m.weight_bytes();
+    std::vector<OfflineResult> out;
+    OfflineOptions o;
+    o.max_new_tokens = 3;  // decode steps of one token (the prompts one at a time)
+    for (const auto& p : prompts) out.push_back(run_offline(m, {p}, o));
+    return out;
+  };
+  using K = LoadOptions::KeepQuantized;
+  int64_t cpu_bytes = 0, fused_bytes = 0, apart_bytes = 0;
+  RouteLog log;
+  CpuTakesInt4 cpu(make_cpu_backend());
+  RouteRecorder rec(cpu, log);
+  const auto want = run(rec, K::Auto, cpu_bytes);
+  auto g1 = model_backend(), g2 = model_backend();
+  RouteReplayer forced(*g1, log, true);
+  const auto fused = run(forced, K::Auto, fused_bytes);
+  (void)run(*g2, K::Off, apart_bytes);
+  EXPECT_EQ(fused_bytes, cpu_bytes);
+  EXPECT_LT(fused_bytes, apart_bytes);
+  for (size_t j = 0; j < prompts.size(); ++j) {
+    const double sd = stddev(want[j].prompt_logits[0]);
+    const Diff df = diff(want[j].prompt_logits[0], fused[j].prompt_logits[0]);
+    std::printf("  awq fused prompt %zu (%zu tokens): max|dlogit|/std vs cpu %.2e (routing forced); greedy %s\n", j,
+                prompts[j].size(), df.max_abs / sd, fused[j].greedy[0] == want[j].greedy[0] ? "agrees" : "differs");
+    EXPECT_EQ(df.nan, 0);
+    EXPECT_LE(df.max_abs / sd, kLogitTol) << "prompt " << j;
+  }
+}
+
 TEST(CudaModel, GoldenV3Fp8Blocks) { REQUIRE_GPU(); golden_family("v3-fp8"); }
 // Real-dims families, generated on the device by tools/golden/make_golden.py (real16, real128, kimi64).
 // An FP8 checkpoint's routed experts kept FP8 on the GPU (F8 codes and block scales, read as they are by the MoE

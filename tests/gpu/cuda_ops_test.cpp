@@ -765,8 +765,9 @@ void route_case(int64_t T, int64_t E, const RouterParams& rp, bool bias, uint64_
   Tensor lg = rand_host({T, E}, seed, 2.0f), bs = rand_host({E}, seed + 1, 0.1f);
   Tensor lc = cpu().upload(lg, DType::F32), lgp = gpu().upload(lg, DType::F32);
   Tensor bc = cpu().upload(bs, DType::F32), bgp = gpu().upload(bs, DType::F32);
-  Tensor ic = cpu().alloc({T, rp.top_k}, DType::I32), ig = gpu().alloc({T, rp.top_k}, DType::I32);
-  Tensor wc = cpu().alloc({T, rp.top_k}, DType::F32), wg = gpu().alloc({T, rp.top_k}, DType::F32);
+  const int64_t k = rp.ids_per_token();
+  Tensor ic = cpu().alloc({T, k}, DType::I32), ig = gpu().alloc({T, k}, DType::I32);
+  Tensor wc = cpu().alloc({T, k}, DType::F32), wg = gpu().alloc({T, k}, DType::F32);
   cpu().moe_route(lc, bias ? &bc : nullptr, rp, ic, wc);
   gpu().moe_route(lgp, bias ? &bgp : nullptr, rp, ig, wg);
   Tensor ich = cpu().to_host_f32(ic), igh = gpu().to_host_f32(ig);
@@ -781,10 +782,18 @@ TEST(CudaOps, MoeRouteAllMethods) {
   RouterParams greedy{TopkMethod::Greedy, ScoringFunc::Softmax, 6, 1, 1, false, 1.0f};
   RouterParams glg{TopkMethod::GroupLimitedGreedy, ScoringFunc::Softmax, 6, 8, 3, false, 16.0f};
   RouterParams noaux{TopkMethod::NoauxTc, ScoringFunc::Sigmoid, 8, 8, 4, true, 2.5f};
+  // Fused shared experts: 2 (1) fixed ids after the picks, weight 1.
+  RouterParams greedy_fixed = greedy, noaux_fixed = noaux;
+  greedy_fixed.n_fixed = 2;
+  greedy_fixed.fixed_base = 64;
+  noaux_fixed.n_fixed = 1;
+  noaux_fixed.fixed_base = 256;
   for (int64_t T : {0, 1, 333}) {
     route_case(T, 64, greedy, false, 30 + T);
     route_case(T, 160, glg, false, 31 + T);
     route_case(T, 256, noaux, true, 32 + T);
+    route_case(T, 64, greedy_fixed, false, 33 + T);
+    route_case(T, 256, noaux_fixed, true, 34 + T);
   }
 }
 
@@ -833,11 +842,12 @@ void gate_case(int64_t T, int64_t E, int64_t H, const RouterParams& rp, bool bia
   Tensor xc = cpu().upload(x, DType::F32), xg = gpu().upload(x, DType::BF16);
   Tensor wc = cpu().upload(w, DType::BF16), wg = gpu().upload(w, DType::BF16);
   Tensor bc = cpu().upload(bs, DType::F32), bg = gpu().upload(bs, DType::F32);
-  Tensor ic = cpu().alloc({T, rp.top_k}, DType::I32), vc = cpu().alloc({T, rp.top_k}, DType::F32);
+  const int64_t k = rp.ids_per_token();
+  Tensor ic = cpu().alloc({T, k}, DType::I32), vc = cpu().alloc({T, k}, DType::F32);
   cpu().moe_gate(xc, wc, bias ? &bc : nullptr, rp, ic, vc);
   const std::string what = "gate T" + std::to_string(T) + " E" + std::to_string(E) + " H" + std::to_string(H);
   for (int run = 0; run < 2; ++run) {
-    Tensor ig = gpu().alloc({T, rp.top_k}, DType::I32), vg = gpu().alloc({T, rp.top_k}, DType::F32);
+    Tensor ig = gpu().alloc({T, k}, DType::I32), vg = gpu().alloc({T, k}, DType::F32);
     gpu().moe_gate(xg, wg, bias ? &bg : nullptr, rp, ig, vg);
     Tensor ich = cpu().to_host_f32(ic), igh = gpu().to_host_f32(ig);
     int64_t mismatch = 0;
@@ -852,9 +862,16 @@ TEST(CudaOps, MoeGateMatchesLinearAndRoute) {
   RouterParams greedy{TopkMethod::Greedy, ScoringFunc::Softmax, 6, 1, 1, false, 1.0f};
   RouterParams glg{TopkMethod::GroupLimitedGreedy, ScoringFunc::Softmax, 6, 8, 3, false, 16.0f};
   RouterParams noaux{TopkMethod::NoauxTc, ScoringFunc::Sigmoid, 8, 8, 4, true, 2.5f};
+  RouterParams greedy_fixed = greedy, noaux_fixed = noaux;  // fused shared experts after the picks
+  greedy_fixed.n_fixed = 2;
+  greedy_fixed.fixed_base = 64;
+  noaux_fixed.n_fixed = 1;
+  noaux_fixed.fixed_base = 256;
   // The fused kernel takes one row, or two (a block routing each) where the experts fit one cluster (<= 64); the rest
   // go through linear + moe_route.
   for (int64_t T : {1, 2, 3, 8, 9}) {
+    gate_case(T, 64, 2048, greedy_fixed, false, 65 + T);
+    gate_case(T, 256, 7168, noaux_fixed, true, 66 + T);
     gate_case(T, 64, 2048, greedy, false, 60 + T);
     gate_case(T, 160, 5120, glg, false, 61 + T);
     gate_case(T, 256, 7168, noaux, true, 62 + T);
@@ -870,8 +887,12 @@ TEST(CudaOps, AddRmsnormMoeGateIsTheOps) {
   REQUIRE_GPU();
   RouterParams greedy{TopkMethod::Greedy, ScoringFunc::Softmax, 6, 1, 1, false, 1.0f};
   RouterParams noaux{TopkMethod::NoauxTc, ScoringFunc::Sigmoid, 8, 8, 4, true, 2.5f};
+  RouterParams greedy_fixed = greedy;  // two fused shared experts after the picks
+  greedy_fixed.n_fixed = 2;
+  greedy_fixed.fixed_base = 64;
   struct Case { int64_t T, E, H; const RouterParams* rp; bool bias; };
   for (const Case c : {Case{1, 64, 2048, &greedy, false}, Case{1, 256, 7168, &noaux, true},
+                       Case{1, 64, 2048, &greedy_fixed, false},
                        Case{1, 20, 40, &greedy, false}, Case{2, 64, 2048, &greedy, false}}) {
     const std::string what =
         "norm+gate T" + std::to_string(c.T) + " E" + std::to_string(c.E) + " H" + std::to_string(c.H);
@@ -882,10 +903,10 @@ TEST(CudaOps, AddRmsnormMoeGateIsTheOps) {
     Tensor wg = gpu().upload(w, DType::BF16), bg = gpu().upload(bs, DType::F32);
     const Tensor* bias = c.bias ? &bg : nullptr;
     Tensor ro = gpu().alloc({c.T, c.H}, DType::BF16), n1 = gpu().alloc({c.T, c.H}, DType::BF16);
-    Tensor i1 = gpu().alloc({c.T, c.rp->top_k}, DType::I32), v1 = gpu().alloc({c.T, c.rp->top_k}, DType::F32);
+    Tensor i1 = gpu().alloc({c.T, c.rp->ids_per_token()}, DType::I32), v1 = gpu().alloc({c.T, c.rp->ids_per_token()}, DType::F32);
     gpu().add_rmsnorm_moe_gate(xg, rg, ro, nwg, 1e-6f, n1, wg, bias, *c.rp, i1, v1);
     Tensor r2 = gpu().upload(r, DType::BF16), n2 = gpu().alloc({c.T, c.H}, DType::BF16);
-    Tensor i2 = gpu().alloc({c.T, c.rp->top_k}, DType::I32), v2 = gpu().alloc({c.T, c.rp->top_k}, DType::F32);
+    Tensor i2 = gpu().alloc({c.T, c.rp->ids_per_token()}, DType::I32), v2 = gpu().alloc({c.T, c.rp->ids_per_token()}, DType::F32);
     gpu().add_rmsnorm(xg, r2, nwg, 1e-6f, n2);
     gpu().moe_gate(n2, wg, bias, *c.rp, i2, v2);
     EXPECT_EQ(count_diff(r2, ro), 0) << what << ": residual sums";
@@ -898,8 +919,8 @@ TEST(CudaOps, AddRmsnormMoeGateIsTheOps) {
       expect_close(gpu().to_host_f32(n2), gpu().to_host_f32(n1), 4e-3, 1e-2, what + " normalised rows");
     }
     Tensor nc = cpu().alloc({c.T, c.H}, DType::F32), rc = cpu().upload(r, DType::F32);
-    Tensor roc = cpu().alloc({c.T, c.H}, DType::F32), ic = cpu().alloc({c.T, c.rp->top_k}, DType::I32);
-    Tensor vc = cpu().alloc({c.T, c.rp->top_k}, DType::F32), bc = cpu().upload(bs, DType::F32);
+    Tensor roc = cpu().alloc({c.T, c.H}, DType::F32), ic = cpu().alloc({c.T, c.rp->ids_per_token()}, DType::I32);
+    Tensor vc = cpu().alloc({c.T, c.rp->ids_per_token()}, DType::F32), bc = cpu().upload(bs, DType::F32);
     cpu().add_rmsnorm_moe_gate(cpu().upload(x, DType::F32), rc, roc, cpu().upload(nw, DType::F32), 1e-6f, nc,
                                cpu().upload(w, DType::BF16), c.bias ? &bc : nullptr, *c.rp, ic, vc);
     expect_close(cpu().to_host_f32(nc), gpu().to_host_f32(n1), 8e-3, 2e-2, what + " normalised rows vs cpu");

@@ -83,6 +83,52 @@ TEST(MoeShared, MismatchedSharedWeightsAreClearErrors) {
 
 // Backend::moe_gate (what the model calls; the CUDA backend fuses it at one token): the routing of the router's
 // logits, checked here against logits computed by hand, and a clear error for a router of the wrong width.
+// Fused shared experts: the router appends n_fixed experts fixed_base + j with weight 1 after its picks, and the
+// shared MLP split by width into that many experts of the routed width, taken so, is the shared MLP added.
+TEST(MoeShared, FusedSharedExpertsAreTheSharedMlp) {
+  auto be = make_cpu_backend();
+  const int64_t T = 3, H = 16, E = 4, k = 2, I = 8, ns = 2, Is = ns * I;
+  Tensor x = random_tensor(*be, {T, H}, 11, 1.0f), router = random_tensor(*be, {E, H}, 12, 1.0f);
+  RouterParams rp;
+  rp.top_k = k;
+  rp.routed_scaling_factor = 2.5f;
+  Tensor ids = be->alloc({T, k}, DType::I32), w = be->alloc({T, k}, DType::F32);
+  be->moe_gate(x, router, nullptr, rp, ids, w);
+  RouterParams fixed = rp;
+  fixed.n_fixed = static_cast<int32_t>(ns);
+  fixed.fixed_base = static_cast<int32_t>(E);
+  ASSERT_EQ(fixed.ids_per_token(), k + ns);
+  Tensor fids = be->alloc({T, k + ns}, DType::I32), fw = be->alloc({T, k + ns}, DType::F32);
+  be->moe_gate(x, router, nullptr, fixed, fids, fw);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < k; ++j) {
+      EXPECT_EQ(fids.data_as<int32_t>()[t * (k + ns) + j], ids.data_as<int32_t>()[t * k + j]) << t << " " << j;
+      EXPECT_EQ(fw.data_as<float>()[t * (k + ns) + j], w.data_as<float>()[t * k + j]) << t << " " << j;
+    }
+    for (int64_t j = 0; j < ns; ++j) {
+      EXPECT_EQ(fids.data_as<int32_t>()[t * (k + ns) + k + j], E + j) << t << " " << j;
+      EXPECT_EQ(fw.data_as<float>()[t * (k + ns) + k + j], 1.0f) << t << " " << j;
+    }
+  }
+  // The experts: E routed, then the shared MLP's columns [j I, (j + 1) I) as expert E + j.
+  Tensor gu = random_tensor(*be, {E + ns, 2 * I, H}, 13, 0.3f), dn = random_tensor(*be, {E + ns, H, I}, 14, 0.3f);
+  Tensor sgu = be->alloc({2 * Is, H}, DType::F32), sdn = be->alloc({H, Is}, DType::F32);
+  for (int64_t j = 0; j < ns; ++j)
+    for (int64_t i = 0; i < I; ++i)
+      for (int64_t h = 0; h < H; ++h) {
+        const float* g = gu.data_as<float>() + (E + j) * 2 * I * H;
+        sgu.data_as<float>()[(j * I + i) * H + h] = g[i * H + h];
+        sgu.data_as<float>()[(Is + j * I + i) * H + h] = g[(I + i) * H + h];
+        sdn.data_as<float>()[h * Is + j * I + i] = dn.data_as<float>()[((E + j) * H + h) * I + i];
+      }
+  Tensor apart = be->alloc({T, H}, DType::F32), fused = be->alloc({T, H}, DType::F32);
+  be->moe_experts(x, ids, w, gu.rows(0, E), dn.rows(0, E), 0, &sgu, &sdn, apart);
+  be->moe_experts(x, fids, fw, gu, dn, 0, nullptr, nullptr, fused);
+  for (int64_t i = 0; i < T * H; ++i)
+    EXPECT_NEAR(fused.data_as<float>()[i], apart.data_as<float>()[i], 1e-5f * (1.0f + std::fabs(apart.data_as<float>()[i])))
+        << i;
+}
+
 TEST(MoeShared, GateRoutesTheRouterLogits) {
   auto be = make_cpu_backend();
   const int64_t T = 2, H = 6, E = 5;

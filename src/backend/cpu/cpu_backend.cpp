@@ -312,13 +312,14 @@ class CpuBackend final : public Backend {
   void moe_route(const Tensor& logits, const Tensor* bias, const RouterParams& p, Tensor& topk_ids,
                  Tensor& topk_weights) override {
     const int64_t T = rows_of(logits), E = logits.size(-1);
-    MLA_CHECK(topk_ids.numel() == T * p.top_k && topk_weights.numel() == T * p.top_k, "moe_route: shape mismatch");
+    const int64_t k = p.ids_per_token();
+    MLA_CHECK(topk_ids.numel() == T * k && topk_weights.numel() == T * k, "moe_route: shape mismatch");
     const float* lp = f32(logits);
     const float* bp = bias ? f32(*bias) : nullptr;
     int32_t* ids = topk_ids.data_as<int32_t>();
     float* ws = f32m(topk_weights);
     parallel_for(T, 16, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) cpu::route_token(lp + t * E, bp, E, p, ids + t * p.top_k, ws + t * p.top_k);
+      for (int64_t t = b; t < e; ++t) cpu::route_token(lp + t * E, bp, E, p, ids + t * k, ws + t * k);
     });
   }
 

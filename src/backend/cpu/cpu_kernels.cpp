@@ -486,6 +486,10 @@ void route_token(const float* logits, const float* bias, int64_t E, const Router
     for (int32_t i = 0; i < p.top_k; ++i) weights[i] /= denom;
   }
   for (int32_t i = 0; i < p.top_k; ++i) weights[i] *= p.routed_scaling_factor;
+  for (int32_t j = 0; j < p.n_fixed; ++j) {
+    ids[p.top_k + j] = p.fixed_base + j;
+    weights[p.top_k + j] = 1.0f;
+  }
 }
 
 void moe_experts(const MoeArgs& a) {

@@ -1002,11 +1002,13 @@ class CudaBackend final : public Backend {
   // The routing kernels' arguments after checking the shapes and the kernels' limits.
   static cuda::RouteArgs route_args(const char* op, int64_t T, int64_t E, const RouterParams& p, const Tensor& ids,
                                     const Tensor& weights) {
-    MLA_CHECK(ids.numel() == T * p.top_k && weights.numel() == T * p.top_k && ids.dtype() == DType::I32 &&
+    const int64_t k = p.ids_per_token();
+    MLA_CHECK(ids.numel() == T * k && weights.numel() == T * k && ids.dtype() == DType::I32 &&
                   weights.dtype() == DType::F32,
-              "{}: ids / weights must be [{}, {}] (i32 / f32)", op, T, p.top_k);
-    MLA_CHECK(E <= 1024 && p.top_k >= 1 && p.top_k <= E && p.top_k <= 32,
-              "{}: {} experts with top-{} exceed the kernel's limits (1024 experts, top-32)", op, E, p.top_k);
+              "{}: ids / weights must be [{}, {}] (i32 / f32)", op, T, k);
+    MLA_CHECK(E <= 1024 && p.top_k >= 1 && p.top_k <= E && k <= 32 && p.n_fixed >= 0,
+              "{}: {} experts with top-{} and {} fixed exceed the kernel's limits (1024 experts, 32 ids a token)",
+              op, E, p.top_k, p.n_fixed);
     MLA_CHECK(p.n_group <= 1 || (p.n_group <= 32 && E % p.n_group == 0), "{}: {} groups over {} experts", op,
               p.n_group, E);
     cuda::RouteArgs a;
@@ -1019,6 +1021,8 @@ class CudaBackend final : public Backend {
     a.topk_group = p.topk_group;
     a.norm_topk_prob = p.norm_topk_prob;
     a.routed_scaling_factor = p.routed_scaling_factor;
+    a.n_fixed = p.n_fixed;
+    a.fixed_base = p.fixed_base;
     return a;
   }
 

@@ -564,7 +564,8 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_kernel(GemvArgs g, const
     cluster_sync();
     const int t = static_cast<int>(blockIdx.x);
     if (t >= g.T) return;
-    route_block<true>(cluster_logits, g.N, 1, bias, g.N, r, ids + t * r.top_k, weights + t * r.top_k);
+    route_block<true>(cluster_logits, g.N, 1, bias, g.N, r, ids + t * r.ids_per_token(),
+                      weights + t * r.ids_per_token());
     return;
   }
   float* logits = static_cast<float*>(g.y);
@@ -1260,7 +1261,7 @@ bool moe_gate_fits(int64_t T, int64_t E) {
 cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned* counter, int32_t* ids,
                      float* weights, cudaStream_t stream) {
   if (a.T == 0) return cudaSuccess;
-  if (!moe_gate_fits(a.T, a.N) || !gemv_fits(a.T, a.K, a.x, a.ldx, a.w, a.ldw) || a.K == 0 || r.top_k > 32 ||
+  if (!moe_gate_fits(a.T, a.N) || !gemv_fits(a.T, a.K, a.x, a.ldx, a.w, a.ldw) || a.K == 0 || r.ids_per_token() > 32 ||
       r.top_k > a.N || a.ldy != a.N)
     return cudaErrorInvalidValue;
   const unsigned grid = static_cast<unsigned>((a.N + kWarps - 1) / kWarps);
@@ -1279,7 +1280,7 @@ cudaError_t moe_gate(GemvArgs a, const float* bias, const RouteArgs& r, unsigned
 cudaError_t moe_gate_norm(GemvArgs a, const float* bias, const RouteArgs& r, const AddNormIn& n, bf16* normed,
                           unsigned* counter, int32_t* ids, float* weights, cudaStream_t stream) {
   if (a.T != 1 || a.K == 0 || a.K % 8 != 0 || a.K > kPairNormMaxK || a.ldw % 8 != 0 || !aligned16(a.w) || a.N == 0 ||
-      r.top_k > 32 || r.top_k > a.N || a.N > kMoeGateMaxExperts || a.ldy != a.N || !aligned16(n.x) ||
+      r.ids_per_token() > 32 || r.top_k > a.N || a.N > kMoeGateMaxExperts || a.ldy != a.N || !aligned16(n.x) ||
       !aligned16(n.residual) || !aligned16(n.residual_out) || !aligned16(n.w) || !aligned16(normed))
     return cudaErrorInvalidValue;
   const unsigned grid = static_cast<unsigned>((a.N + kWarps - 1) / kWarps);

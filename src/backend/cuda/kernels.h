@@ -257,6 +257,8 @@ struct RouteArgs {
   int32_t top_k = 1, n_group = 1, topk_group = 1;
   bool norm_topk_prob = false;
   float routed_scaling_factor = 1.0f;
+  int32_t n_fixed = 0, fixed_base = 0;  // after the picks, experts fixed_base + j (weight 1): k = top_k + n_fixed
+  __host__ __device__ int32_t ids_per_token() const { return top_k + n_fixed; }
 };
 // ids[T, k], weights[T, k] from logits[T, E] (+ bias[E] or null). E <= 1024.
 cudaError_t moe_route(const float* logits, const float* bias, int64_t T, int32_t E, const RouteArgs& a, int32_t* ids,

@@ -36,7 +36,7 @@ __device__ __forceinline__ float group_score(const float* c, int per, RouteMetho
 }
 
 // lg: the token's E logits (read through L2: another block may have written them in this kernel); s: 3E floats of
-// shared memory for this warp; ids / weights: the token's top_k outputs.
+// shared memory for this warp; ids / weights: the token's ids_per_token() outputs (its picks, then the fixed experts).
 __device__ __forceinline__ void route_token_warp(const float* lg, const float* bias, int32_t E, const RouteArgs& a,
                                                  float* s, int32_t* ids, float* weights) {
   const int lane = threadIdx.x & 31;
@@ -121,11 +121,15 @@ __device__ __forceinline__ void route_token_warp(const float* lg, const float* b
     if (a.norm_topk_prob) w /= wsum + 1e-20f;
     ids[lane] = my_id;
     weights[lane] = w * a.routed_scaling_factor;
+  } else if (lane < a.ids_per_token()) {  // the fixed experts (fused shared experts)
+    ids[lane] = a.fixed_base + lane - a.top_k;
+    weights[lane] = 1.0f;
   }
 }
 
 // The same routing for tokens [0, T) with a whole block of at least E threads, thread e owning expert e: every rank
-// is counted at once (no serial top-k). logits: row t at logits + t * ldl (read through L2); ids / weights: [T, top_k].
+// is counted at once (no serial top-k). logits: row t at logits + t * ldl (read through L2); ids / weights:
+// [T, ids_per_token()].
 // The softmax sum may round differently from route_token_warp's in the last bit; the picks follow the same order.
 // Tokens go one after another (measured on H200: one token takes about 1 us; a warp per token with each lane ranking
 // its experts was slower, the loop over shared memory being latency-bound).
@@ -184,8 +188,11 @@ __device__ __forceinline__ void route_block(const float* logits, int64_t ldl, in
       if (lane < a.top_k) {
         float w = my_w;
         if (a.norm_topk_prob) w /= wsum + 1e-20f;
-        ids[t * a.top_k + lane] = pick_id[lane];
-        weights[t * a.top_k + lane] = w * a.routed_scaling_factor;
+        ids[t * a.ids_per_token() + lane] = pick_id[lane];
+        weights[t * a.ids_per_token() + lane] = w * a.routed_scaling_factor;
+      } else if (lane < a.ids_per_token()) {
+        ids[t * a.ids_per_token() + lane] = a.fixed_base + lane - a.top_k;
+        weights[t * a.ids_per_token() + lane] = 1.0f;
       }
     }
     __syncthreads();
