@@ -363,16 +363,10 @@ class CpuTakesInt4 : public ForwardingBackend {
 TEST(CudaModel, DummyAwqSharedExpertsFusedMatchCpu) {
   REQUIRE_GPU();
   auto cfg = nlohmann::json::parse(std::ifstream(golden_dir() + "/v2lite/config.json"));
-  cfg["hidden_size"] = 512;
-  cfg["intermediate_size"] = 1024;
-  cfg["moe_intermediate_size"] = 128;
-  cfg["n_routed_experts"] = 16;
-  cfg["num_experts_per_tok"] = 4;
-  cfg["n_shared_experts"] = 2;
-  cfg["num_hidden_layers"] = 2;
-  cfg["first_k_dense_replace"] = 1;
-  cfg["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}, {"group_size", 64}, {"zero_point", true},
-                                {"version", "gemm"}};
+  cfg.merge_patch(nlohmann::json::parse(R"({"hidden_size": 512, "intermediate_size": 1024,
+      "moe_intermediate_size": 128, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_shared_experts": 2,
+      "num_hidden_layers": 2, "first_k_dense_replace": 1, "quantization_config": {"quant_method": "awq", "bits": 4,
+      "group_size": 64, "zero_point": true, "version": "gemm"}})"));
   const auto dir = test::temp_dir("awqfused");
   test::write_text(dir / "config.json", cfg.dump(2));
   const ModelConfig mc = ModelConfig::from_file(dir.string());
