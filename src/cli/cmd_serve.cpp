@@ -745,7 +745,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                  "shared experts read as more routed experts: auto (where the routed experts are kept INT4)|on|off")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
-  app.add_flag_callback("--disable-shared-experts-fusion", [a] { a->shared_experts_fusion = "off"; }, "--shared-experts-fusion off (SGLang's)");
+  app.add_flag_callback("--disable-shared-experts-fusion", [a] { a->shared_experts_fusion = "off"; },
+                        "--shared-experts-fusion off (SGLang's)");
   app.add_option("--max-body-bytes", a->max_body_bytes, "largest request body accepted")->capture_default_str();
   app.add_option("--num-http-threads", a->num_http_threads,
                  "HTTP io threads (0: half the cores, 4 to 16; streaming many requests needs several)")

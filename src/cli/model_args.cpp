@@ -22,7 +22,8 @@ void ModelArgs::add_to(CLI::App& app) {
                  "shared experts read as more routed experts: auto (where the routed experts are kept INT4)|on|off")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
-  app.add_flag_callback("--disable-shared-experts-fusion", [this] { shared_experts_fusion = "off"; }, "--shared-experts-fusion off (SGLang's)");
+  app.add_flag_callback("--disable-shared-experts-fusion", [this] { shared_experts_fusion = "off"; },
+                        "--shared-experts-fusion off (SGLang's)");
   app.add_option("--quantization", quantization, "fp8: quantize a bf16 checkpoint's routed experts to FP8 at load")
       ->check(CLI::IsMember({"fp8"}));
   app.add_option("--mla-form", mla_form, "auto|expanded|absorbed (auto: expanded for prefill, absorbed for decode)")

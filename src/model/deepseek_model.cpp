@@ -948,7 +948,9 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
     auto expert_full = [&](int64_t e) {
       return e < local_experts_ ? c.moe_intermediate_size : c.moe_intermediate_size * c.n_shared_experts;
     };
-    auto expert_part = [&](int64_t e) { return e < local_experts_ ? er : tr * c.n_shared_experts + e - local_experts_; };
+    auto expert_part = [&](int64_t e) {
+      return e < local_experts_ ? er : tr * c.n_shared_experts + e - local_experts_;
+    };
     const RoutedForm& form = forms[static_cast<size_t>(l)];
     const bool keep_ckpt = form.keep_ckpt, keep_quantized = form.keep_quantized;
     if (qb && !logged_quantization) {

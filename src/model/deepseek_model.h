@@ -147,7 +147,8 @@ class DeepseekModel {
   const Tensor& last_hidden() const { return last_hidden_; }
   // SGLang's return_routed_experts: every forward of the main model keeps each MoE layer's routed expert ids of its
   // own rows ([MoE layers, T, router_params().ids_per_token()] I32 in last_routes(): the picks, then the fused shared
-  // experts, if any; valid until the next step begins; with DP attention this group's rows). Call before graphs are recorded (they record the copies).
+  // experts, if any; valid until the next step begins; with DP attention this group's rows). Call before graphs are
+  // recorded (they record the copies).
   void enable_route_capture();
   bool captures_routes() const { return capture_routes_; }
   const Tensor& last_routes() const { return last_routes_; }

@@ -903,10 +903,11 @@ TEST(CudaOps, AddRmsnormMoeGateIsTheOps) {
     Tensor wg = gpu().upload(w, DType::BF16), bg = gpu().upload(bs, DType::F32);
     const Tensor* bias = c.bias ? &bg : nullptr;
     Tensor ro = gpu().alloc({c.T, c.H}, DType::BF16), n1 = gpu().alloc({c.T, c.H}, DType::BF16);
-    Tensor i1 = gpu().alloc({c.T, c.rp->ids_per_token()}, DType::I32), v1 = gpu().alloc({c.T, c.rp->ids_per_token()}, DType::F32);
+    const int64_t k = c.rp->ids_per_token();
+    Tensor i1 = gpu().alloc({c.T, k}, DType::I32), v1 = gpu().alloc({c.T, k}, DType::F32);
     gpu().add_rmsnorm_moe_gate(xg, rg, ro, nwg, 1e-6f, n1, wg, bias, *c.rp, i1, v1);
     Tensor r2 = gpu().upload(r, DType::BF16), n2 = gpu().alloc({c.T, c.H}, DType::BF16);
-    Tensor i2 = gpu().alloc({c.T, c.rp->ids_per_token()}, DType::I32), v2 = gpu().alloc({c.T, c.rp->ids_per_token()}, DType::F32);
+    Tensor i2 = gpu().alloc({c.T, k}, DType::I32), v2 = gpu().alloc({c.T, k}, DType::F32);
     gpu().add_rmsnorm(xg, r2, nwg, 1e-6f, n2);
     gpu().moe_gate(n2, wg, bias, *c.rp, i2, v2);
     EXPECT_EQ(count_diff(r2, ro), 0) << what << ": residual sums";
@@ -919,8 +920,8 @@ TEST(CudaOps, AddRmsnormMoeGateIsTheOps) {
       expect_close(gpu().to_host_f32(n2), gpu().to_host_f32(n1), 4e-3, 1e-2, what + " normalised rows");
     }
     Tensor nc = cpu().alloc({c.T, c.H}, DType::F32), rc = cpu().upload(r, DType::F32);
-    Tensor roc = cpu().alloc({c.T, c.H}, DType::F32), ic = cpu().alloc({c.T, c.rp->ids_per_token()}, DType::I32);
-    Tensor vc = cpu().alloc({c.T, c.rp->ids_per_token()}, DType::F32), bc = cpu().upload(bs, DType::F32);
+    Tensor roc = cpu().alloc({c.T, c.H}, DType::F32), ic = cpu().alloc({c.T, k}, DType::I32);
+    Tensor vc = cpu().alloc({c.T, k}, DType::F32), bc = cpu().upload(bs, DType::F32);
     cpu().add_rmsnorm_moe_gate(cpu().upload(x, DType::F32), rc, roc, cpu().upload(nw, DType::F32), 1e-6f, nc,
                                cpu().upload(w, DType::BF16), c.bias ? &bc : nullptr, *c.rp, ic, vc);
     expect_close(cpu().to_host_f32(nc), gpu().to_host_f32(n1), 8e-3, 2e-2, what + " normalised rows vs cpu");

@@ -124,9 +124,10 @@ TEST(MoeShared, FusedSharedExpertsAreTheSharedMlp) {
   Tensor apart = be->alloc({T, H}, DType::F32), fused = be->alloc({T, H}, DType::F32);
   be->moe_experts(x, ids, w, gu.rows(0, E), dn.rows(0, E), 0, &sgu, &sdn, apart);
   be->moe_experts(x, fids, fw, gu, dn, 0, nullptr, nullptr, fused);
-  for (int64_t i = 0; i < T * H; ++i)
-    EXPECT_NEAR(fused.data_as<float>()[i], apart.data_as<float>()[i], 1e-5f * (1.0f + std::fabs(apart.data_as<float>()[i])))
-        << i;
+  for (int64_t i = 0; i < T * H; ++i) {
+    const float want = apart.data_as<float>()[i];
+    EXPECT_NEAR(fused.data_as<float>()[i], want, 1e-5f * (1.0f + std::fabs(want))) << i;
+  }
 }
 
 TEST(MoeShared, GateRoutesTheRouterLogits) {

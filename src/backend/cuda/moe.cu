@@ -23,8 +23,8 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float
   const int warp = threadIdx.x >> 5;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouteWarps + warp;
   if (t >= T) return;
-  route_token_warp(logits + t * E, bias, E, a, route_smem + static_cast<int64_t>(warp) * 3 * E, ids + t * a.ids_per_token(),
-                   weights + t * a.ids_per_token());
+  route_token_warp(logits + t * E, bias, E, a, route_smem + static_cast<int64_t>(warp) * 3 * E,
+                   ids + t * a.ids_per_token(), weights + t * a.ids_per_token());
 }
 
 // Counts the assignments [i0, i1) per local expert into cnt (shared memory, zeroed).
@@ -237,7 +237,8 @@ __global__ void moe_gather_x_kernel(const bf16* x, int64_t H, const int32_t* pos
 cudaError_t moe_route(const float* logits, const float* bias, int64_t T, int32_t E, const RouteArgs& a, int32_t* ids,
                       float* weights, cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
-  if (E > 1024 || a.top_k > E || a.ids_per_token() > 32 || a.n_fixed < 0 || (a.n_group > 1 && (a.n_group > 32 || E % a.n_group != 0)))
+  if (E > 1024 || a.top_k > E || a.ids_per_token() > 32 || a.n_fixed < 0 ||
+      (a.n_group > 1 && (a.n_group > 32 || E % a.n_group != 0)))
     return cudaErrorInvalidValue;
   const size_t smem = sizeof(float) * 3 * E * kRouteWarps;
   const unsigned blocks = static_cast<unsigned>((T + kRouteWarps - 1) / kRouteWarps);
