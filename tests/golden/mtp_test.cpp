@@ -79,14 +79,15 @@ struct CpuMtpModel {
   std::unique_ptr<Backend> be = make_cpu_backend();
   DeepseekModel m{mtp_config(family_dir()), *be};
   KvCache cache{*be, m.config(), 64, P};
-  CpuMtpModel() { m.load(family_dir(), {}); }
+  explicit CpuMtpModel(const LoadOptions& lo = {}) { m.load(family_dir(), lo); }
 };
 
 // The model's logits and the MTP layer's over prompt j as one batch of its chunks [cuts[k], cuts[k + 1]), each
-// chunk a step of its own after the ones before it in the cache: both match Hugging Face row by row.
-TEST(Mtp, DraftLogitsMatchHuggingFaceParts) {
+// chunk a step of its own after the ones before it in the cache: both match Hugging Face row by row (`lo`: the
+// shared experts fused into the routed ones or not, the MTP layer's too).
+void expect_draft_logits_match(const LoadOptions& lo) {
   const Reference ref = read_reference();
-  CpuMtpModel cm;
+  CpuMtpModel cm(lo);
   auto& [be, m, cache] = cm;
   constexpr int32_t P = CpuMtpModel::P;
   ASSERT_EQ(cache.num_layers(), m.config().num_hidden_layers + 1);
@@ -130,6 +131,14 @@ TEST(Mtp, DraftLogitsMatchHuggingFaceParts) {
     EXPECT_LT(test::rel_err(draft.rows(row, row + n), ref.mtp_logits[j]), kRelTol) << "prompt " << j << " batched";
     row += n;
   }
+}
+
+TEST(Mtp, DraftLogitsMatchHuggingFaceParts) { expect_draft_logits_match({}); }
+
+TEST(Mtp, DraftLogitsMatchHuggingFaceWithSharedExpertsFused) {
+  LoadOptions lo;
+  lo.shared_experts_fusion = LoadOptions::KeepQuantized::On;
+  expect_draft_logits_match(lo);
 }
 
 // Chained drafts (forward_draft_chain): after the MTP rows of every prompt (one ragged batch), three chained steps,
