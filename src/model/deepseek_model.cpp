@@ -879,17 +879,24 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
     for (int64_t l = 0; fuse && l < c.num_cache_layers(); ++l) {
       const RoutedForm& f = forms[static_cast<size_t>(l)];
       if (!c.is_moe_layer(l)) continue;
-      if (f.keep_int4)
-        fuse = ld.int4_parts_fit(layer_name(l, "mlp.shared_experts."), ns * c.moe_intermediate_size, Im, H, tr * ns,
-                                 ns, f.int4_groups);
-      else
-        fuse = opts.shared_experts_fusion == K::On && !f.keep_ckpt && !f.keep_quantized;
+      const std::string sp = layer_name(l, "mlp.shared_experts.");
+      if (f.keep_int4) {
+        fuse = ld.int4_parts_fit(sp, ns * c.moe_intermediate_size, Im, H, tr * ns, ns, f.int4_groups);
+      } else if (f.keep_ckpt) {  // FP8 blocks (on only: slower past 16 tokens, docs/perf.md): each part's gate / up /
+                                 // down F8 in whole blocks
+        fuse = opts.shared_experts_fusion == K::On;
+        for (int64_t p = tr * ns; fuse && p < (tr + 1) * ns; ++p)
+          for (const char* m : {"gate_proj", "up_proj", "down_proj"})
+            fuse = fuse && ld.keep_fp8_experts(sp + m + ".weight", Im, p * Im, H);
+      } else {  // bf16 experts; not those quantized at load (fused, the shared experts would be quantized too)
+        fuse = opts.shared_experts_fusion == K::On && !f.keep_quantized;
+      }
     }
     if (opts.shared_experts_fusion == K::On && !fuse && ns > 0 && c.n_routed_experts > 0 && !reload)
       MLA_LOG_INFO("--shared-experts-fusion on: the shared experts stay apart ({})",
                    plan_.expert_parallel ? "expert parallelism"
-                                         : "FP8 routed experts, more than 16 experts a token, or 4-bit shared experts "
-                                           "in other groups than the routed ones'");
+                                         : "more than 16 experts a token, experts quantized at load, or shared "
+                                           "experts in other groups / blocks than the routed ones'");
     if (reload)
       MLA_CHECK((fuse ? ns : 0) == fused_shared_,
                 "{}: the running model {} its shared experts into the routed ones and this checkpoint's {} be (its "
@@ -992,7 +999,6 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
       // FP8 kept: the checkpoint's codes as they are (or the bf16 weights quantized), each block's scale beside
       // them (gate rows' blocks, then up rows').
       const int64_t br = keep_ckpt ? ld.block_rows() : qb, bc = keep_ckpt ? ld.block_cols() : qb;
-      const int64_t full = c.moe_intermediate_size;
       auto fill = [&](const std::string& name, const Shape& shape, int64_t r0, int64_t c0, Tensor codes, Tensor sc) {
         if (keep_ckpt) ld.load_fp8_blocks(name, shape, r0, c0, codes, sc);
         else ld.quantize_fp8_blocks(name, shape, r0, c0, qb, codes, sc);
@@ -1005,9 +1011,10 @@ void DeepseekModel::load_weights(const std::string& model_dir, const ModelConfig
         const std::string prefix = expert_prefix(e);
         Tensor gu = w.experts_gate_up.rows(e, e + 1).reshape({2 * Im, H});
         Tensor gus = gs.rows(e, e + 1).reshape({2 * Im / br, gs.size(2)});
-        fill(prefix + "gate_proj.weight", {full, H}, er * Im, 0, gu.rows(0, Im), gus.rows(0, Im / br));
-        fill(prefix + "up_proj.weight", {full, H}, er * Im, 0, gu.rows(Im, 2 * Im), gus.rows(Im / br, 2 * Im / br));
-        fill(prefix + "down_proj.weight", {H, full}, 0, er * Im, w.experts_down.rows(e, e + 1).reshape({H, Im}),
+        const int64_t full = expert_full(e), r0 = expert_part(e) * Im;
+        fill(prefix + "gate_proj.weight", {full, H}, r0, 0, gu.rows(0, Im), gus.rows(0, Im / br));
+        fill(prefix + "up_proj.weight", {full, H}, r0, 0, gu.rows(Im, 2 * Im), gus.rows(Im / br, 2 * Im / br));
+        fill(prefix + "down_proj.weight", {H, full}, 0, r0, w.experts_down.rows(e, e + 1).reshape({H, Im}),
              ds.rows(e, e + 1).reshape({ds.size(1), Im / bc}));
       }
       w.experts_gate_up.set_block_scales(std::make_shared<const BlockScales>(BlockScales{gs, br, bc, {}}));

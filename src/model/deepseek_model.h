@@ -64,9 +64,10 @@ struct LoadOptions {
   // The shared experts fused into the routed ones (--shared-experts-fusion; SGLang's --disable-shared-experts-fusion
   // is Off): a rank's slice of the n_shared_experts shared experts, whose width is that many routed experts', loads
   // as that many more routed experts in the same format, which every token takes with weight 1 (RouterParams::
-  // n_fixed), so the MoE kernels read them as they read the routed ones (kept INT4 too). On fuses wherever the format
-  // allows (bf16 or kept INT4 experts, not FP8; never under expert parallelism), Auto where the routed experts are
-  // kept INT4 (the shared ones bf16 otherwise: measured, docs/perf.md), Off never. Every MoE layer or none.
+  // n_fixed), so the MoE kernels read them as they read the routed ones (kept INT4 / FP8 too). On fuses wherever the
+  // format allows (bf16, kept INT4 or an FP8 checkpoint's kept FP8 experts, the shared ones in the same groups /
+  // blocks; not experts quantized at load; never under expert parallelism or past 16 ids a token), Auto only where
+  // the routed experts are kept INT4 (measured, docs/perf.md), Off never. Every MoE layer or none.
   KeepQuantized shared_experts_fusion = KeepQuantized::Auto;
   // --quantization fp8 on a checkpoint without quantization: its routed experts quantized to FP8 at load
   // (cpu::quantize_fp8, blocks of 128, or the largest power of two down to 8 dividing a rank's expert width), kept FP8

@@ -262,7 +262,8 @@ TEST(Loader, Fp8CheckpointsAreTheirDequantizedModels) {
     EXPECT_GT(diff, 1e-4);
     if (c.format == ct && c.br == 16) {
       int64_t kept_bytes = 0, plain_bytes = 0;
-      const auto k = ranks_logits(dir, 1, /*fp8_experts=*/true, &kept_bytes);
+      const auto k = ranks_logits(dir, 1, /*fp8_experts=*/true, &kept_bytes, false, false,
+                                  LoadOptions::KeepQuantized::Off);  // (the shared experts apart, as in `a`)
       ranks_logits(dir, 1, false, &plain_bytes);
       for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(k[i], a[i]) << "logit " << i << " experts kept FP8";
       EXPECT_LT(kept_bytes, plain_bytes);
@@ -286,8 +287,10 @@ TEST(Loader, Fp8ExpertsKeptQuantizedAreTheSameModel) {
     write_fp8_pair(c.family, fp8, ref, c.b, c.b);
     for (int32_t tp : {1, 2}) {
       int64_t kept_bytes = 0, plain_bytes = 0;
-      const auto a = ranks_logits(fp8, tp, /*fp8_experts=*/true, &kept_bytes);
-      const auto b = ranks_logits(fp8, tp, /*fp8_experts=*/false, &plain_bytes);
+      // (the shared experts apart in both: fused, SharedExpertsFuseIntoQuantizedExperts)
+      const auto off = LoadOptions::KeepQuantized::Off;
+      const auto a = ranks_logits(fp8, tp, /*fp8_experts=*/true, &kept_bytes, false, false, off);
+      const auto b = ranks_logits(fp8, tp, /*fp8_experts=*/false, &plain_bytes, false, false, off);
       ASSERT_EQ(a.size(), b.size());
       for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << "logit " << i << " tp " << tp;
       if (tp == 1 || c.tp2_kept) EXPECT_LT(kept_bytes, plain_bytes) << "tp " << tp;
@@ -779,7 +782,7 @@ TEST(Loader, Int4ExpertsKeptAreTheSameModel) {
     for (const Layout& L : {Layout{1, false, kept}, Layout{2, false, tp2}, Layout{2, true, kept}}) {
       SCOPED_TRACE(fmt::format("tp {}{}", L.tp, L.ep ? " expert parallel" : ""));
       int64_t kept_bytes = 0, plain_bytes = 0;
-      // (the shared experts apart in both: fused, SharedExpertsFuseIntoInt4Experts)
+      // (the shared experts apart in both: fused, SharedExpertsFuseIntoQuantizedExperts)
       const auto off = LoadOptions::KeepQuantized::Off;
       const auto a = ranks_logits(q, L.tp, /*fp8_experts=*/true, &kept_bytes, false, L.ep, off);
       const auto b = ranks_logits(q, L.tp, false, &plain_bytes, false, L.ep, off);
@@ -795,24 +798,33 @@ TEST(Loader, Int4ExpertsKeptAreTheSameModel) {
   }
 }
 
-// A 4-bit checkpoint's shared experts fused into its routed experts kept INT4 (--shared-experts-fusion auto: read as
-// more routed experts, INT4 too) give bit for bit the model of its dequantized weights with the shared experts fused
-// (on), in less memory than with them dequantized apart (off), on one rank and at tp 2 (each rank's slices of the
-// shared experts as routed-width experts). Under expert parallelism they stay apart: the same bytes and logits as off.
-TEST(Loader, SharedExpertsFuseIntoInt4Experts) {
+// A 4-bit (FP8 block) checkpoint's shared experts fused into its routed experts kept INT4 (FP8) (--shared-experts-
+// fusion auto (on): read as more routed experts, in the same format) give bit for bit the model of its dequantized
+// weights with the shared experts fused (on), in less memory than with them dequantized apart (off), on one rank and
+// at tp 2 (each rank's slices of the shared experts as routed-width experts); auto leaves FP8 experts' apart. Under
+// expert parallelism they stay apart: the same bytes and logits as off.
+TEST(Loader, SharedExpertsFuseIntoQuantizedExperts) {
   using K = LoadOptions::KeepQuantized;
-  for (const std::string fam : {"v2", "v3"}) {
-    auto q = test::temp_dir("int4s"), ref = test::temp_dir("int4sref");
-    write_awq_pair(fam, q, ref, 8);
+  for (const std::string fam : {"v2 awq", "v3 awq", "v3 fp8", "v2lite fp8"}) {
+    const std::string family = fam.substr(0, fam.find(' '));
+    auto q = test::temp_dir("qs"), ref = test::temp_dir("qsref");
+    if (fam.ends_with("awq")) write_awq_pair(family, q, ref, 8);
+    else write_fp8_pair(family, q, ref, family == "v3" ? 8 : 16, family == "v3" ? 8 : 16);
     for (int32_t tp : {1, 2}) {
       SCOPED_TRACE(fmt::format("{} tp {}", fam, tp));
       int64_t fused_bytes = 0, apart_bytes = 0;
-      const auto a = ranks_logits(q, tp, true, &fused_bytes, false, false, K::Auto);
+      const bool awq = fam.ends_with("awq");  // (auto fuses only INT4 experts)
+      const auto a = ranks_logits(q, tp, true, &fused_bytes, false, false, awq ? K::Auto : K::On);
       const auto b = ranks_logits(ref, tp, true, nullptr, false, false, K::On);
       ASSERT_EQ(a.size(), b.size());
       for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << "logit " << i;
       const auto c = ranks_logits(q, tp, true, &apart_bytes, false, false, K::Off);
       EXPECT_LT(fused_bytes, apart_bytes);
+      if (!awq) {
+        int64_t auto_bytes = 0;
+        EXPECT_EQ(ranks_logits(q, tp, true, &auto_bytes, false, false, K::Auto), c);
+        EXPECT_EQ(auto_bytes, apart_bytes);
+      }
       float diff = 0.0f, scale = 0.0f;  // apart: the same model up to the order of the fp32 sums
       for (size_t i = 0; i < a.size(); ++i) {
         diff = std::max(diff, std::fabs(a[i] - c[i]));
@@ -820,10 +832,10 @@ TEST(Loader, SharedExpertsFuseIntoInt4Experts) {
       }
       EXPECT_LT(diff, 1e-4f * scale);
     }
-    int64_t ep_auto = 0, ep_off = 0;
-    const auto a = ranks_logits(q, 2, true, &ep_auto, false, true, K::Auto);
+    int64_t ep_on = 0, ep_off = 0;
+    const auto a = ranks_logits(q, 2, true, &ep_on, false, true, K::On);
     const auto c = ranks_logits(q, 2, true, &ep_off, false, true, K::Off);
-    EXPECT_EQ(ep_auto, ep_off);
+    EXPECT_EQ(ep_on, ep_off);
     EXPECT_EQ(a, c);
   }
 }

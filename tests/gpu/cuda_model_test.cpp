@@ -414,33 +414,40 @@ TEST(CudaModel, GoldenV3Fp8Blocks) { REQUIRE_GPU(); golden_family("v3-fp8"); }
 // Real-dims families, generated on the device by tools/golden/make_golden.py (real16, real128, kimi64).
 // An FP8 checkpoint's routed experts kept FP8 on the GPU (F8 codes and block scales, read as they are by the MoE
 // kernels: 16 x 16 blocks take the exact conversions at every batch) give the logits and greedy tokens of their
-// dequantization at load bit for bit, in less memory; so do a bf16 checkpoint's experts quantized at load
-// (--quantization fp8: v3's 48 expert rows in 16 x 16 blocks) against the same quantization dequantized again.
+// dequantization at load bit for bit, in less memory, with the shared experts apart and fused into them (FP8 too,
+// against the dequantized model's fused bf16 experts); so do a bf16 checkpoint's experts quantized at load
+// (--quantization fp8: v3's 48 expert rows in 16 x 16 blocks; the shared experts stay apart, bf16) against the same
+// quantization dequantized again.
 void fp8_experts_kept_vs_dequantized(const std::string& family, bool quantize) {
   const std::string dir = golden_dir() + "/" + family;
   if (!std::filesystem::exists(dir + "/reference.safetensors")) GTEST_SKIP() << "no golden data at " << dir;
   const Prompts ref = read_reference(dir + "/reference.safetensors");
-  auto run = [&](bool keep, int64_t& bytes) {
+  using K = LoadOptions::KeepQuantized;
+  auto run = [&](bool keep, K fusion, int64_t& bytes) {
     auto be = model_backend();
     DeepseekModel m(ModelConfig::from_file(dir), *be);
     LoadOptions lo;
-    lo.fp8_experts = keep ? LoadOptions::KeepQuantized::On : LoadOptions::KeepQuantized::Off;
+    lo.fp8_experts = keep ? K::On : K::Off;
     lo.quantize_fp8 = quantize;
+    lo.shared_experts_fusion = fusion;
     m.load(dir, lo);
     bytes = m.weight_bytes();
     OfflineOptions o;
     o.max_new_tokens = 8;
     return run_offline(m, ref.prompts, o);
   };
-  int64_t kept_bytes = 0, plain_bytes = 0;
-  const OfflineResult a = run(true, kept_bytes), b = run(false, plain_bytes);
-  EXPECT_LT(kept_bytes, plain_bytes);
-  std::printf("  %s weights: %lld bytes with FP8 experts, %lld dequantized at load\n", family.c_str(),
-              static_cast<long long>(kept_bytes), static_cast<long long>(plain_bytes));
-  for (size_t j = 0; j < ref.prompts.size(); ++j) {
-    const Diff d = diff(b.prompt_logits[j], a.prompt_logits[j]);
-    EXPECT_EQ(d.max_abs, 0.0) << "prompt " << j;
-    EXPECT_EQ(a.greedy[j], b.greedy[j]) << "prompt " << j;
+  for (const K fusion : quantize ? std::vector<K>{K::Off} : std::vector<K>{K::Off, K::On}) {
+    int64_t kept_bytes = 0, plain_bytes = 0;
+    const OfflineResult a = run(true, fusion, kept_bytes), b = run(false, fusion, plain_bytes);
+    EXPECT_LT(kept_bytes, plain_bytes);
+    std::printf("  %s weights: %lld bytes with FP8 experts, %lld dequantized at load (shared experts %s)\n",
+                family.c_str(), static_cast<long long>(kept_bytes), static_cast<long long>(plain_bytes),
+                fusion == K::On ? "fused" : "apart");
+    for (size_t j = 0; j < ref.prompts.size(); ++j) {
+      const Diff d = diff(b.prompt_logits[j], a.prompt_logits[j]);
+      EXPECT_EQ(d.max_abs, 0.0) << "prompt " << j << (fusion == K::On ? " fused" : "");
+      EXPECT_EQ(a.greedy[j], b.greedy[j]) << "prompt " << j << (fusion == K::On ? " fused" : "");
+    }
   }
 }
 
