@@ -398,6 +398,8 @@ nlohmann::json server_args_json(const ServeArgs& a) {
   j["dp_size"] = a.dp;
   j["enable_dp_attention"] = a.enable_dp_attention;
   j["ep_size"] = a.expert_parallel ? a.tp : 1;
+  j["disable_shared_experts_fusion"] = a.shared_experts_fusion == "off";  // (SGLang's; ours: shared_experts_fusion)
+  j["shared_experts_fusion"] = a.shared_experts_fusion;
   j["disable_radix_cache"] = a.disable_radix_cache;
   j["enable_hierarchical_cache"] = a.hierarchical_cache || a.kv_offloading_size > 0.0;
   j["hicache_ratio"] = a.hicache_ratio;

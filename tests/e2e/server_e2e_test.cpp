@@ -1830,6 +1830,8 @@ TEST(ServeFlags, VllmNamesAndPerformanceOnlyFlags) {
   EXPECT_EQ(info["base_gpu_id"], 0);
   EXPECT_EQ(info["gpu_id_step"], 1);
   EXPECT_EQ(info["ep_size"], 1);  // (--enable-expert-parallel over one rank, --ep-size 1)
+  EXPECT_EQ(info["shared_experts_fusion"], "on");
+  EXPECT_EQ(info["disable_shared_experts_fusion"], false);
   EXPECT_EQ(get_json(s.port(), "/get_model_info")["max_context_length"], 2048);
   for (const char* logged : {"--enable-torch-compile: accepted for compatibility, no effect here",
                              "--attention-backend fa3: accepted", "--cuda-graph-bs 1 2 4: accepted",
