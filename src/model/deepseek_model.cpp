@@ -1145,8 +1145,9 @@ RouterParams DeepseekModel::router_params() const {
 }
 
 void DeepseekModel::routing_scratch(int64_t T, Tensor& ids, Tensor& weights) {
-  ids = backend_.scratch({T, router_params().ids_per_token()}, DType::I32);
-  weights = backend_.scratch({T, router_params().ids_per_token()}, DType::F32);
+  const int64_t k = router_params().ids_per_token();
+  ids = backend_.scratch({T, k}, DType::I32);
+  weights = backend_.scratch({T, k}, DType::F32);
 }
 
 void DeepseekModel::norm_mlp(int64_t l, const Tensor& x, Tensor& residual, Tensor& spare, Tensor& normed, Tensor& out) {

@@ -928,18 +928,24 @@ TEST(CudaOps, AddRmsnormMoeGateIsTheOps) {
   }
 }
 
-// kind: gpu(kind); Is > 0: shared experts of that width too.
-void moe_case(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, int32_t expert_begin, int64_t e_total,
-              int64_t active, int kind, uint64_t seed, int64_t Is = 0) {
-  // ids only from the first `active` global experts (the rest receive nothing), distinct per token.
+// Routing ids [T, k] (host I32): k distinct experts per token drawn from all `experts` (shuffled by an RNG of `seed`).
+Tensor distinct_routing(int64_t T, int64_t k, int64_t experts, uint64_t seed) {
   Tensor ids = Tensor::empty_host({T, k}, DType::I32);
   std::mt19937_64 rng(seed);
   for (int64_t t = 0; t < T; ++t) {
-    std::vector<int32_t> all(static_cast<size_t>(active));
+    std::vector<int32_t> all(static_cast<size_t>(experts));
     std::iota(all.begin(), all.end(), 0);
     std::shuffle(all.begin(), all.end(), rng);
     for (int64_t j = 0; j < k; ++j) ids.data_as<int32_t>()[t * k + j] = all[static_cast<size_t>(j)];
   }
+  return ids;
+}
+
+// kind: gpu(kind); Is > 0: shared experts of that width too.
+void moe_case(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, int32_t expert_begin, int64_t e_total,
+              int64_t active, int kind, uint64_t seed, int64_t Is = 0) {
+  // ids only from the first `active` global experts (the rest receive nothing), distinct per token.
+  Tensor ids = distinct_routing(T, k, active, seed);
   (void)e_total;
   Tensor w = rand_host({T, k}, seed + 1, 0.3f), x = rand_host({T, H}, seed + 2);
   Tensor gu = rand_host({E, 2 * I, H}, seed + 3, 1.0f / std::sqrt(static_cast<float>(H)));
@@ -1162,18 +1168,6 @@ TEST(CudaOps, DequantFp8IsTheCpuReference) {
   }
 }
 
-// Routing ids [T, k] (host I32): k distinct experts per token drawn from all `experts` (shuffled by an RNG of `seed`).
-Tensor distinct_routing(int64_t T, int64_t k, int64_t experts, uint64_t seed) {
-  Tensor ids = Tensor::empty_host({T, k}, DType::I32);
-  std::mt19937_64 rng(seed);
-  for (int64_t t = 0; t < T; ++t) {
-    std::vector<int32_t> all(static_cast<size_t>(experts));
-    std::iota(all.begin(), all.end(), 0);
-    std::shuffle(all.begin(), all.end(), rng);
-    for (int64_t j = 0; j < k; ++j) ids.data_as<int32_t>()[t * k + j] = all[static_cast<size_t>(j)];
-  }
-  return ids;
-}
 
 // moe_experts on FP8 experts (F8 codes with BlockScales) against moe_experts on their dequantized bf16 weights:
 // bit for bit where the FP8 codes are made into the same bf16 values (dequantized first for cuBLAS, converted tile by
