@@ -303,9 +303,12 @@ class Backend {
   // gate_up: [E, 2I, H] (gate rows then up rows), down: [E, H, I]. With shared experts (shared_gate_up [2 Is, H] and
   // shared_down [H, Is], both or neither) their MLP is added: out = routed + down_s(silu(gate_s x) * up_s x), each
   // term in the activation type before the sum (as linear + silu_mul + linear + add would give).
+  // n_fixed: every token's last n_fixed ids are the last n_fixed local experts, expert_begin + E - n_fixed + j, with
+  // weight 1 (shared experts fused into the routed ones: RouterParams::n_fixed); a backend may start on them before it
+  // reads the ids (the CPU backend checks it).
   virtual void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
                            const Tensor& down, int32_t expert_begin, const Tensor* shared_gate_up,
-                           const Tensor* shared_down, Tensor& out) = 0;
+                           const Tensor* shared_down, int32_t n_fixed, Tensor& out) = 0;
 
   // Samples one token per row of logits[R, V] (F32) with params[r]: ids[R] (I32, backend tensor) and, when
   // logprobs is given, the chosen token's log-probability under the penalised, temperature-scaled distribution

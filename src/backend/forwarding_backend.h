@@ -81,8 +81,8 @@ class ForwardingBackend : public Backend {
     b_.moe_route(l, bias, p, i, w);
   }
   void moe_experts(const Tensor& x, const Tensor& i, const Tensor& w, const Tensor& g, const Tensor& d, int32_t eb,
-                   const Tensor* sg, const Tensor* sd, Tensor& o) override {
-    b_.moe_experts(x, i, w, g, d, eb, sg, sd, o);
+                   const Tensor* sg, const Tensor* sd, int32_t nf, Tensor& o) override {
+    b_.moe_experts(x, i, w, g, d, eb, sg, sd, nf, o);
   }
   void count_experts(const Tensor& i, Tensor& c) override { b_.count_experts(i, c); }
   void profiler(bool on) override { b_.profiler(on); }
@@ -154,10 +154,10 @@ class GraphRecorder final : public ForwardingBackend {
   }
   void count_experts(const Tensor& i, Tensor& c) override { run([this, i, c]() mutable { b_.count_experts(i, c); }); }
   void moe_experts(const Tensor& x, const Tensor& i, const Tensor& w, const Tensor& g, const Tensor& d, int32_t eb,
-                   const Tensor* sg, const Tensor* sd, Tensor& o) override {
+                   const Tensor* sg, const Tensor* sd, int32_t nf, Tensor& o) override {
     const Tensor sgv = sg ? *sg : Tensor(), sdv = sd ? *sd : Tensor();
-    run([this, x, i, w, g, d, eb, sgv, sdv, o]() mutable {
-      b_.moe_experts(x, i, w, g, d, eb, sgv.defined() ? &sgv : nullptr, sdv.defined() ? &sdv : nullptr, o);
+    run([this, x, i, w, g, d, eb, sgv, sdv, nf, o]() mutable {
+      b_.moe_experts(x, i, w, g, d, eb, sgv.defined() ? &sgv : nullptr, sdv.defined() ? &sdv : nullptr, nf, o);
     });
   }
   void sample(const Tensor& l, std::span<const RowSampling> p, Tensor& i, Tensor* lp) override;

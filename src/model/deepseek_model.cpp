@@ -1242,7 +1242,7 @@ void DeepseekModel::experts(int64_t l, const Tensor& x, const Tensor& ids, const
   const bool shared = config_.n_shared_experts > 0 && fused_shared_ == 0;
   backend_.moe_experts(x, ids, weights, w.experts_gate_up, w.experts_down, static_cast<int32_t>(expert_begin_),
                        shared ? &w.shared_gate_up : nullptr,
-                       shared ? &w.shared_down : nullptr, out);
+                       shared ? &w.shared_down : nullptr, static_cast<int32_t>(fused_shared_), out);
   reduce_mlp(l, out);
 }
 

@@ -150,13 +150,13 @@ class CheckingBackend final : public ForwardingBackend {
     check("add_rmsnorm_moe_gate.weights", wc, w);
   }
   void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& w, const Tensor& gu, const Tensor& dn, int32_t eb,
-                   const Tensor* sg, const Tensor* sd, Tensor& out) override {
+                   const Tensor* sg, const Tensor* sd, int32_t nf, Tensor& out) override {
     Tensor xc = cpu_copy(x), wc = cpu_copy(w), guc = cpu_copy(gu), dnc = cpu_copy(dn), oc = cpu_like(out);
     Tensor sgc = sg ? cpu_copy(*sg) : Tensor(), sdc = sd ? cpu_copy(*sd) : Tensor();
     Tensor ic = c_->alloc(ids.shape(), DType::I32);
     g_.download(ids, ic.data());
-    c_->moe_experts(xc, ic, wc, guc, dnc, eb, sg ? &sgc : nullptr, sd ? &sdc : nullptr, oc);
-    g_.moe_experts(x, ids, w, gu, dn, eb, sg, sd, out);
+    c_->moe_experts(xc, ic, wc, guc, dnc, eb, sg ? &sgc : nullptr, sd ? &sdc : nullptr, nf, oc);
+    g_.moe_experts(x, ids, w, gu, dn, eb, sg, sd, nf, out);
     check("moe_experts", oc, out);
   }
 

@@ -966,8 +966,8 @@ void moe_case(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, int32_t exp
     sdc = cpu().upload(sdn, DType::BF16);
     sdg = g.upload(sdn, DType::BF16);
   }
-  cpu().moe_experts(xc, idc, wc, guc, dnc, expert_begin, Is ? &sgc : nullptr, Is ? &sdc : nullptr, oc);
-  g.moe_experts(xg, idg, wg, gug, dng, expert_begin, Is ? &sgg : nullptr, Is ? &sdg : nullptr, og);
+  cpu().moe_experts(xc, idc, wc, guc, dnc, expert_begin, Is ? &sgc : nullptr, Is ? &sdc : nullptr, 0, oc);
+  g.moe_experts(xg, idg, wg, gug, dng, expert_begin, Is ? &sgg : nullptr, Is ? &sdg : nullptr, 0, og);
   expect_close(cpu().to_host_f32(oc), g.to_host_f32(og), 1e-2, 3e-2,
                "moe T" + std::to_string(T) + " E" + std::to_string(E) + " H" + std::to_string(H) + " I" +
                    std::to_string(I) + " shared " + std::to_string(Is) + " kind " + std::to_string(kind));
@@ -1203,8 +1203,8 @@ void moe_fp8_case(int64_t E, int64_t k, int64_t H, int64_t I, int64_t Is, int64_
       const Tensor w_h = rand_host({T, k}, seed + 5, 0.5f);
       Tensor ids = g.upload(ids_h, DType::I32), wts = g.upload(w_h, DType::F32);
       Tensor o8 = g.alloc({T, H}, DType::BF16), ob = g.alloc({T, H}, DType::BF16);
-      g.moe_experts(x, ids, wts, gu8, dn8, expert_begin, Is ? &sg : nullptr, Is ? &sd : nullptr, o8);
-      g.moe_experts(x, ids, wts, gub, dnb, expert_begin, Is ? &sg : nullptr, Is ? &sd : nullptr, ob);
+      g.moe_experts(x, ids, wts, gu8, dn8, expert_begin, Is ? &sg : nullptr, Is ? &sd : nullptr, 0, o8);
+      g.moe_experts(x, ids, wts, gub, dnb, expert_begin, Is ? &sg : nullptr, Is ? &sd : nullptr, 0, ob);
       // kind 0: tensor cores with exact codes (small batches, scaled products: within the bf16 rounding of the
       // dequantized weights), moe_fp8_decode (the dequantized weights, another summation order: an act rounded to
       // the other neighbouring bf16 at most), else the exact grouped kernels.
@@ -1319,8 +1319,8 @@ void moe_int4_case(int64_t E, int64_t k, int64_t H, int64_t I, int64_t Is, int64
       const Tensor w_h = rand_host({T, k}, seed + 5, 0.5f);
       Tensor ids = g.upload(ids_h, DType::I32), wts = g.upload(w_h, DType::F32);
       Tensor o4 = g.alloc({T, H}, DType::BF16), ob = g.alloc({T, H}, DType::BF16);
-      g.moe_experts(x, ids, wts, gu4, dn4, expert_begin, Is ? &sg : nullptr, Is ? &sd : nullptr, o4);
-      g.moe_experts(x, ids, wts, gub, dnb, expert_begin, Is ? &sg : nullptr, Is ? &sd : nullptr, ob);
+      g.moe_experts(x, ids, wts, gu4, dn4, expert_begin, Is ? &sg : nullptr, Is ? &sd : nullptr, 0, o4);
+      g.moe_experts(x, ids, wts, gub, dnb, expert_begin, Is ? &sg : nullptr, Is ? &sd : nullptr, 0, ob);
       const bool tensor_cores = kind == 0 && T <= mlaserve::cuda::kMoeSmallTcRows &&
                                 mlaserve::cuda::moe_small_tc_fits(H, I, Is, group);
       const double tol = tensor_cores ? 1e-2 : 0.0;
@@ -1341,6 +1341,93 @@ TEST(CudaOps, MoeExpertsInt4IsItsDequantizedModel) {
   moe_int4_case(8, 2, 512, 192, 64, 256, {1, 2, 7, 10, 24}, 175);              // 4 chunks a group
   moe_int4_case(8, 2, 256, 128, 96, 64, {1, 4, 8}, 178);                       // shared not in 64-col chunks
   moe_int4_case(8, 2, 256, 128, 0, 64, {1, 4, 9, 20, 300}, 180, 8);            // expert parallelism: the second half
+}
+
+// Routing whose last nf ids per token are the last nf of E experts with weight 1 (shared experts fused into the
+// routed ones), the first k - nf distinct among the others.
+std::pair<Tensor, Tensor> fixed_routing(int64_t T, int64_t k, int64_t nf, int64_t E, uint64_t seed) {
+  const Tensor picks = distinct_routing(T, k - nf, E - nf, seed);
+  Tensor ids = Tensor::empty_host({T, k}, DType::I32), w = rand_host({T, k}, seed + 1, 0.5f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      int32_t& id = ids.data_as<int32_t>()[t * k + j];
+      if (j < k - nf) {
+        id = picks.data_as<int32_t>()[t * (k - nf) + j];
+      } else {
+        id = static_cast<int32_t>(E - nf + j - (k - nf));
+        w.data_as<float>()[t * k + j] = 1.0f;
+      }
+    }
+  return {ids, w};
+}
+
+// moe_experts told that the last n_fixed ids are fixed experts (on tensor cores up to kMoeSmallRows tokens their
+// tiles come first, loaded before the wait, and the plan leaves them out) gives the same bits as untold, for INT4 and
+// FP8 experts (more fixed tiles than warps at one token included, shared experts alongside), and stays the
+// dequantized model's (within the tensor cores' tolerance).
+TEST(CudaOps, MoeFixedExpertsFirstAreTheRoutedOnes) {
+  REQUIRE_GPU();
+  Backend& g = gpu(0);
+  struct Case {
+    bool int4;
+    int64_t E, k, nf, H, I, Is, group;
+    uint64_t seed;
+  };
+  const std::initializer_list<int64_t> Ts = {1, 2, 3, 4, 5, 9, 16};
+  for (const Case& c : {Case{true, 10, 8, 2, 2048, 1408, 0, 128, 190},  // V2-Lite fused: 6 routed + 2 fixed
+                        Case{true, 9, 8, 7, 256, 1408, 0, 64, 192},     // 2,464 fixed tiles at one token
+                        Case{true, 8, 3, 1, 256, 128, 64, 64, 194},     // shared experts too
+                        Case{false, 10, 8, 2, 2048, 1408, 0, 128, 196}, Case{false, 8, 3, 2, 512, 192, 64, 64, 198}}) {
+    const std::string what = fmt::format("{} E{} k{} fixed {} H{} I{} shared {}", c.int4 ? "int4" : "fp8", c.E, c.k,
+                                         c.nf, c.H, c.I, c.Is);
+    Tensor gq, dq, gub, dnb;
+    if (c.int4) {
+      Int4Weights gu = int4_weights(c.E, 2 * c.I, c.H, c.group, c.seed), dn = int4_weights(c.E, c.H, c.I, c.group,
+                                                                                         c.seed + 1);
+      gq = g.upload(gu.codes, DType::U8);
+      dq = g.upload(dn.codes, DType::U8);
+      gq.set_block_scales(std::make_shared<const BlockScales>(
+          BlockScales{g.upload(gu.scales, DType::F32), 1, c.group, g.upload(gu.zeros, DType::F32)}));
+      dq.set_block_scales(std::make_shared<const BlockScales>(
+          BlockScales{g.upload(dn.scales, DType::F32), 1, c.group, g.upload(dn.zeros, DType::F32)}));
+      gub = g.upload(gu.bf16_ref, DType::BF16);
+      dnb = g.upload(dn.bf16_ref, DType::BF16);
+    } else {
+      Fp8Weights gu = fp8_weights(c.E, 2 * c.I, c.H, c.group, c.group, c.seed);
+      Fp8Weights dn = fp8_weights(c.E, c.H, c.I, c.group, c.group, c.seed + 1);
+      gq = g.upload(gu.codes, DType::F8_E4M3);
+      dq = g.upload(dn.codes, DType::F8_E4M3);
+      gq.set_block_scales(
+          std::make_shared<const BlockScales>(BlockScales{g.upload(gu.scales, DType::F32), c.group, c.group, {}}));
+      dq.set_block_scales(
+          std::make_shared<const BlockScales>(BlockScales{g.upload(dn.scales, DType::F32), c.group, c.group, {}}));
+      gub = g.upload(gu.bf16_ref, DType::BF16);
+      dnb = g.upload(dn.bf16_ref, DType::BF16);
+    }
+    Tensor sg, sd;
+    if (c.Is) {
+      sg = g.upload(rand_host({2 * c.Is, c.H}, c.seed + 2, 1.0f / std::sqrt(static_cast<float>(c.H))), DType::BF16);
+      sd = g.upload(rand_host({c.H, c.Is}, c.seed + 3, 1.0f / std::sqrt(static_cast<float>(c.Is))), DType::BF16);
+    }
+    const Tensor* sgp = c.Is ? &sg : nullptr;
+    const Tensor* sdp = c.Is ? &sd : nullptr;
+    for (int64_t T : Ts) {
+      const size_t mark = g.scratch_mark();
+      Tensor x = g.upload(rand_host({T, c.H}, c.seed + 4 + static_cast<uint64_t>(T)), DType::BF16);
+      const auto [ids_h, w_h] = fixed_routing(T, c.k, c.nf, c.E, c.seed + static_cast<uint64_t>(T));
+      Tensor ids = g.upload(ids_h, DType::I32), wts = g.upload(w_h, DType::F32);
+      Tensor told = g.alloc({T, c.H}, DType::BF16), untold = g.alloc({T, c.H}, DType::BF16);
+      Tensor ref = g.alloc({T, c.H}, DType::BF16);
+      const int32_t nf = static_cast<int32_t>(c.nf);
+      g.moe_experts(x, ids, wts, gq, dq, 0, sgp, sdp, nf, told);
+      g.moe_experts(x, ids, wts, gq, dq, 0, sgp, sdp, 0, untold);
+      g.moe_experts(x, ids, wts, gub, dnb, 0, sgp, sdp, nf, ref);
+      const Tensor t_h = g.to_host_f32(told);
+      expect_close(g.to_host_f32(untold), t_h, 0.0, 0.0, fmt::format("{} T{}: told vs untold", what, T));
+      expect_close(g.to_host_f32(ref), t_h, 1e-2, 5e-2, fmt::format("{} T{}: vs the dequantized model", what, T));
+      g.scratch_release(mark);
+    }
+  }
 }
 
 TEST(CudaOps, MoeExpertsV2LiteShape) {

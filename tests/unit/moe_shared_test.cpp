@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "backend/backend.h"
@@ -41,8 +42,8 @@ TEST(MoeShared, SharedExpertsAreAddedToTheRoutedSum) {
   std::copy(std::begin(choice), std::end(choice), ids.data_as<int32_t>());
 
   Tensor routed = be->alloc({T, H}, DType::F32), both = be->alloc({T, H}, DType::F32);
-  be->moe_experts(x, ids, w, gu, dn, 0, nullptr, nullptr, routed);
-  be->moe_experts(x, ids, w, gu, dn, 0, &sgu, &sdn, both);
+  be->moe_experts(x, ids, w, gu, dn, 0, nullptr, nullptr, 0, routed);
+  be->moe_experts(x, ids, w, gu, dn, 0, &sgu, &sdn, 0, both);
   for (int64_t t = 0; t < T; ++t) {
     const std::vector<float> g = matvec(sgu, x.data_as<float>() + t * H);
     std::vector<float> act(static_cast<size_t>(Is));
@@ -70,7 +71,7 @@ TEST(MoeShared, MismatchedSharedWeightsAreClearErrors) {
   Tensor sgu = random_tensor(*be, {2 * 6, H}, 5, 0.3f), bad_dn = random_tensor(*be, {H, 5}, 6, 0.3f);
   auto message = [&](const Tensor* g, const Tensor* d) {
     try {
-      be->moe_experts(x, ids, w, gu, dn, 0, g, d, out);
+      be->moe_experts(x, ids, w, gu, dn, 0, g, d, 0, out);
     } catch (const std::exception& e) {
       return std::string(e.what());
     }
@@ -122,12 +123,31 @@ TEST(MoeShared, FusedSharedExpertsAreTheSharedMlp) {
         sdn.data_as<float>()[h * Is + j * I + i] = dn.data_as<float>()[((E + j) * H + h) * I + i];
       }
   Tensor apart = be->alloc({T, H}, DType::F32), fused = be->alloc({T, H}, DType::F32);
-  be->moe_experts(x, ids, w, gu.rows(0, E), dn.rows(0, E), 0, &sgu, &sdn, apart);
-  be->moe_experts(x, fids, fw, gu, dn, 0, nullptr, nullptr, fused);
+  be->moe_experts(x, ids, w, gu.rows(0, E), dn.rows(0, E), 0, &sgu, &sdn, 0, apart);
+  be->moe_experts(x, fids, fw, gu, dn, 0, nullptr, nullptr, static_cast<int32_t>(ns), fused);
   for (int64_t i = 0; i < T * H; ++i) {
     const float want = apart.data_as<float>()[i];
     EXPECT_NEAR(fused.data_as<float>()[i], want, 1e-5f * (1.0f + std::fabs(want))) << i;
   }
+  // n_fixed names the last experts with weight 1 (a backend may take them before reading the ids): checked.
+  Tensor out = be->alloc({T, H}, DType::F32);
+  auto error_of = [&](const Tensor& i, const Tensor& wt, int32_t n_fixed) {
+    try {
+      be->moe_experts(x, i, wt, gu, dn, 0, nullptr, nullptr, n_fixed, out);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(error_of(fids, fw, static_cast<int32_t>(k + ns)).find("fixed experts"), std::string::npos);
+  Tensor moved = be->alloc({T, k + ns}, DType::I32), halved = be->alloc({T, k + ns}, DType::F32);
+  be->copy(fids, moved);
+  be->copy(fw, halved);
+  moved.data_as<int32_t>()[(T - 1) * (k + ns) + k] = 0;  // the last token's first fixed id
+  halved.data_as<float>()[k + ns - 1] = 0.5f;             // the first token's last fixed weight
+  EXPECT_NE(error_of(moved, fw, static_cast<int32_t>(ns)).find("token 2's fixed id 0 is 0"), std::string::npos);
+  EXPECT_NE(error_of(fids, halved, static_cast<int32_t>(ns)).find("token 0's fixed id 1"), std::string::npos);
+  EXPECT_EQ(error_of(fids, fw, static_cast<int32_t>(ns)), "");
 }
 
 TEST(MoeShared, GateRoutesTheRouterLogits) {

@@ -355,13 +355,13 @@ class CpuBackend final : public Backend {
 
   void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
                    const Tensor& down, int32_t expert_begin, const Tensor* shared_gate_up, const Tensor* shared_down,
-                   Tensor& out) override {
+                   int32_t n_fixed, Tensor& out) override {
     if (gate_up.dtype() == DType::U8 || down.dtype() == DType::U8 || gate_up.dtype() == DType::F8_E4M3 ||
         down.dtype() == DType::F8_E4M3) {
       // Experts kept FP8 or INT4: dequantized and rounded to bf16 (as the CUDA kernels, and as the loader's
       // dequantization gives a quantized checkpoint's bf16 model), then below.
       moe_experts(x, topk_ids, topk_weights, bf16_experts(gate_up), bf16_experts(down), expert_begin, shared_gate_up,
-                  shared_down, out);
+                  shared_down, n_fixed, out);
       return;
     }
     cpu::MoeArgs a;
@@ -380,6 +380,15 @@ class CpuBackend final : public Backend {
     a.out = f32m(out);
     MLA_CHECK(down.dtype() == gate_up.dtype() && down.size(0) == a.E && down.size(1) == a.H && down.size(2) == a.I,
               "moe_experts: down {} does not match gate_up {}", shape_str(down.shape()), shape_str(gate_up.shape()));
+    MLA_CHECK(n_fixed == 0 || (n_fixed > 0 && n_fixed < a.k && n_fixed <= a.E),
+              "moe_experts: {} fixed experts with {} ids per token and {} experts", n_fixed, a.k, a.E);
+    for (int64_t t = 0; t < a.T; ++t)
+      for (int64_t j = 0; j < n_fixed; ++j) {
+        const int64_t p = t * a.k + a.k - n_fixed + j, want = expert_begin + a.E - n_fixed + j;
+        MLA_CHECK(a.ids[p] == want && a.weights[p] == 1.0f,
+                  "moe_experts: token {}'s fixed id {} is {} with weight {}, not expert {} with weight 1", t, j,
+                  a.ids[p], a.weights[p], want);
+      }
     cpu::moe_experts(a);
     add_shared_experts(*this, x, shared_gate_up, shared_down, out);
   }

@@ -821,7 +821,7 @@ class CudaBackend final : public Backend {
   bool takes_int4_experts() const override { return true; }
   void moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
                    const Tensor& down, int32_t expert_begin, const Tensor* shared_gate_up, const Tensor* shared_down,
-                   Tensor& out) override;
+                   int32_t n_fixed, Tensor& out) override;
 
   void sample(const Tensor& logits, std::span<const RowSampling> params, Tensor& ids, Tensor* logprobs) override;
 
@@ -838,7 +838,8 @@ class CudaBackend final : public Backend {
   Tensor routed_bf16(const Tensor& w, const Tensor& topk_ids, int32_t expert_begin);
   void moe_small_path(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& gate_up,
                       const Tensor& down, int32_t expert_begin, const Tensor* shared_gate_up, const Tensor* shared_down,
-                      int64_t Is, Tensor& out, const BlockScales* gs = nullptr, const BlockScales* ds = nullptr);
+                      int64_t Is, int32_t n_fixed, Tensor& out, const BlockScales* gs = nullptr,
+                      const BlockScales* ds = nullptr);
   // Whether the routed experts of P (token, expert) pairs over E local experts go to per-expert cuBLASLt GEMMs (else
   // the grouped kernels).
   bool moe_uses_cublas(int64_t P, int64_t E) const {
@@ -1512,7 +1513,7 @@ Tensor CudaBackend::routed_bf16(const Tensor& w, const Tensor& topk_ids, int32_t
 
 void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
                               const Tensor& gate_up, const Tensor& down, int32_t expert_begin,
-                              const Tensor* shared_gate_up, const Tensor* shared_down, Tensor& out) {
+                              const Tensor* shared_gate_up, const Tensor* shared_down, int32_t n_fixed, Tensor& out) {
   const bool int4 = gate_up.dtype() == DType::U8 || down.dtype() == DType::U8;
   if (int4 || gate_up.dtype() == DType::F8_E4M3 || down.dtype() == DType::F8_E4M3) {
     // Kept FP8 / INT4 experts: read as they are by the small-batch kernels (FP8 at 1-4 tokens, on tensor cores at
@@ -1540,8 +1541,8 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
                                   gs->block_rows == ds->block_rows && gs->block_cols == ds->block_cols &&
                                   gs->block_cols % 8 == 0 && H % 8 == 0 && I % 8 == 0;
     if (T >= 1 && small) {
-      moe_small_path(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared_gate_up, shared_down, Is, out, gs,
-                     ds);
+      moe_small_path(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared_gate_up, shared_down, Is, n_fixed,
+                     out, gs, ds);
       return;
     }
     const int64_t chunk = int4 ? 32 : 16;  // the grouped kernels' columns per copy
@@ -1555,7 +1556,7 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
       return;
     }
     const Tensor gu = routed_bf16(gate_up, topk_ids, expert_begin), dn = routed_bf16(down, topk_ids, expert_begin);
-    moe_experts(x, topk_ids, topk_weights, gu, dn, expert_begin, shared_gate_up, shared_down, out);
+    moe_experts(x, topk_ids, topk_weights, gu, dn, expert_begin, shared_gate_up, shared_down, n_fixed, out);
     return;
   }
   const int64_t T = rows_of(x), H = x.size(-1), k = topk_ids.size(-1);
@@ -1572,7 +1573,8 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& topk_ids, const Ten
     MLA_CHECK(shared_gate_up->dtype() == DType::BF16 && shared_down->dtype() == DType::BF16,
               "moe_experts: shared experts must be bf16");
   if (use_moe_small(T, k, Is)) {
-    moe_small_path(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared_gate_up, shared_down, Is, out);
+    moe_small_path(x, topk_ids, topk_weights, gate_up, down, expert_begin, shared_gate_up, shared_down, Is, n_fixed,
+                   out);
     return;
   }
   const cuda::bf16* shared = shared_experts_out(x, shared_gate_up, shared_down, out);
@@ -1590,8 +1592,8 @@ const cuda::bf16* CudaBackend::shared_experts_out(const Tensor& x, const Tensor*
 
 void CudaBackend::moe_small_path(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
                                  const Tensor& gate_up, const Tensor& down, int32_t expert_begin,
-                                 const Tensor* shared_gate_up, const Tensor* shared_down, int64_t Is, Tensor& out,
-                                 const BlockScales* gs, const BlockScales* ds) {
+                                 const Tensor* shared_gate_up, const Tensor* shared_down, int64_t Is,
+                                 int32_t n_fixed, Tensor& out, const BlockScales* gs, const BlockScales* ds) {
   const int64_t T = rows_of(x), H = x.size(-1), k = topk_ids.size(-1);
   const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2;
   {
@@ -1621,6 +1623,7 @@ void CudaBackend::moe_small_path(const Tensor& x, const Tensor& topk_ids, const 
     a.shared_gate_up = shared_gate_up ? bf(*shared_gate_up) : nullptr;
     a.shared_down = shared_down ? bf(*shared_down) : nullptr;
     a.Is = static_cast<int32_t>(Is);
+    a.n_fixed = n_fixed;
     Tensor act = scratch({T * k, I}, DType::BF16), act_shared = scratch({T, std::max<int64_t>(Is, 1)}, DType::BF16);
     a.act = bf(act);
     a.act_shared = bf(act_shared);

@@ -81,52 +81,70 @@ __device__ __forceinline__ uint4 load_vec(const Fp8Row& row, int v) {
 // 2 (lane % 4) + 1, one scale per 2^cps_shift chunks. U chunks of loads in flight, then computed (two sets, one
 // loading while the other is computed, measured slower: docs/perf.md).
 // R2: tokens in A's rows 8-15 too (x2: lane / 4 + 8's activations, null: zeros; acc[2] / acc[3] its products).
+// fp8_tile_load: chunks [c0, c0 + U) of w (zeros past nch), the loads fp8_tile issues; fp8_chunks computes chunks
+// [c0, c0 + U) from b.
+template <int U>
+__device__ __forceinline__ void fp8_tile_load(uint4 (&b)[U], const uint8_t* w, int c0, int nch) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    b[u] = c0 + u < nch ? ld_weights(w + static_cast<int64_t>(c0 + u) * 64) : make_uint4(0, 0, 0, 0);
+}
+template <int U, bool R2>
+__device__ __forceinline__ void fp8_chunks(float (&acc)[R2 ? 4 : 2], const uint4 (&b)[U], int c0, const bf16* x,
+                                           const float* s0, const float* s1, int nch, int cps_shift, const bf16* x2) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c = c0 + u;
+    if (c >= nch) break;
+    const float sa = s0[c >> cps_shift], sb = s1[c >> cps_shift];
+    uint4 xa = make_uint4(0, 0, 0, 0), xb = xa, ya = xa, yb = xa;
+    if (x) {
+      xa = ld_act(x + static_cast<int64_t>(c) * 64);
+      xb = ld_act(x + static_cast<int64_t>(c) * 64 + 8);
+    }
+    if (R2 && x2) {
+      ya = ld_act(x2 + static_cast<int64_t>(c) * 64);
+      yb = ld_act(x2 + static_cast<int64_t>(c) * 64 + 8);
+    }
+    const uint32_t wq[4] = {b[u].x, b[u].y, b[u].z, b[u].w};
+    const uint32_t xq[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    const uint32_t yq[8] = {ya.x, ya.y, ya.z, ya.w, yb.x, yb.y, yb.z, yb.w};
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // codes 4j..4j+3: k 2q, 2q+1 (a0 / b0) and 2q+8, 2q+9 (a2 / b1) of an mma
+      uint32_t lo, hi;
+      fp8x4_bf16(wq[j], lo, hi);
+      const uint32_t af[4] = {xq[2 * j], R2 ? yq[2 * j] : 0u, xq[2 * j + 1], R2 ? yq[2 * j + 1] : 0u};
+      mma_bf16(d, af, lo, hi);
+    }
+    acc[0] = fmaf(sa, d[0], acc[0]);
+    acc[1] = fmaf(sb, d[1], acc[1]);
+    if constexpr (R2) {
+      acc[2] = fmaf(sa, d[2], acc[2]);
+      acc[3] = fmaf(sb, d[3], acc[3]);
+    }
+  }
+}
 template <int U, bool R2 = false>
 __device__ __forceinline__ void fp8_tile(float (&acc)[R2 ? 4 : 2], const uint8_t* w, const bf16* x, const float* s0,
                                          const float* s1, int nch, int cps_shift, const bf16* x2 = nullptr) {
-  auto load = [&](uint4 (&b)[U], int c0) {
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      b[u] = c0 + u < nch ? ld_weights(w + static_cast<int64_t>(c0 + u) * 64) : make_uint4(0, 0, 0, 0);
-  };
-  auto compute = [&](const uint4 (&b)[U], int c0) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + u;
-      if (c >= nch) break;
-      const float sa = s0[c >> cps_shift], sb = s1[c >> cps_shift];
-      uint4 xa = make_uint4(0, 0, 0, 0), xb = xa, ya = xa, yb = xa;
-      if (x) {
-        xa = ld_act(x + static_cast<int64_t>(c) * 64);
-        xb = ld_act(x + static_cast<int64_t>(c) * 64 + 8);
-      }
-      if (R2 && x2) {
-        ya = ld_act(x2 + static_cast<int64_t>(c) * 64);
-        yb = ld_act(x2 + static_cast<int64_t>(c) * 64 + 8);
-      }
-      const uint32_t wq[4] = {b[u].x, b[u].y, b[u].z, b[u].w};
-      const uint32_t xq[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-      const uint32_t yq[8] = {ya.x, ya.y, ya.z, ya.w, yb.x, yb.y, yb.z, yb.w};
-      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {  // codes 4j..4j+3: k 2q, 2q+1 (a0 / b0) and 2q+8, 2q+9 (a2 / b1) of an mma
-        uint32_t lo, hi;
-        fp8x4_bf16(wq[j], lo, hi);
-        const uint32_t af[4] = {xq[2 * j], R2 ? yq[2 * j] : 0u, xq[2 * j + 1], R2 ? yq[2 * j + 1] : 0u};
-        mma_bf16(d, af, lo, hi);
-      }
-      acc[0] = fmaf(sa, d[0], acc[0]);
-      acc[1] = fmaf(sb, d[1], acc[1]);
-      if constexpr (R2) {
-        acc[2] = fmaf(sa, d[2], acc[2]);
-        acc[3] = fmaf(sb, d[3], acc[3]);
-      }
-    }
-  };
   for (int c0 = 0; c0 < nch; c0 += U) {
     uint4 b[U];
-    load(b, c0);
-    compute(b, c0);
+    fp8_tile_load<U>(b, w, c0, nch);
+    fp8_chunks<U, R2>(acc, b, c0, x, s0, s1, nch, cps_shift, x2);
+  }
+}
+// The first U chunks already in b (fp8_tile_load at 0, e.g. before a kernel's wait); then as above (a separate loop:
+// b live around one would cost registers where they are short).
+template <int U, bool R2 = false>
+__device__ __forceinline__ void fp8_tile(float (&acc)[R2 ? 4 : 2], const uint4 (&b)[U], const uint8_t* w,
+                                         const bf16* x, const float* s0, const float* s1, int nch, int cps_shift,
+                                         const bf16* x2 = nullptr) {
+  fp8_chunks<U, R2>(acc, b, 0, x, s0, s1, nch, cps_shift, x2);
+  for (int c0 = U; c0 < nch; c0 += U) {
+    uint4 n[U];
+    fp8_tile_load<U>(n, w, c0, nch);
+    fp8_chunks<U, R2>(acc, n, c0, x, s0, s1, nch, cps_shift, x2);
   }
 }
 
@@ -152,49 +170,72 @@ __device__ __forceinline__ void int4_act_pairs(uint32_t* o, uint32_t a01, uint32
   o[2] = __byte_perm(a23, a67, 0x5410);
   o[3] = __byte_perm(a23, a67, 0x7632);
 }
+// int4_tile_load / int4_tile: as fp8_tile_load / fp8_tile; int4_chunks computes chunks [c0, c0 + U) from b.
+template <int U>
+__device__ __forceinline__ void int4_tile_load(uint2 (&b)[U], const uint8_t* w, int c0, int nch) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    b[u] = c0 + u < nch ? ld_weights8(w + static_cast<int64_t>(c0 + u) * 32) : make_uint2(0, 0);
+}
+template <int U, bool R2>
+__device__ __forceinline__ void int4_chunks(float (&acc)[R2 ? 4 : 2], const uint2 (&b)[U], int c0, const bf16* x,
+                                            const float* s0, const float* s1, const float* zr, int nch, int cps_shift,
+                                            const bf16* x2) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c = c0 + u;
+    if (c >= nch) break;
+    const int grp = c >> cps_shift;
+    const float sa = s0[grp], sb = s1[grp];
+    const __nv_bfloat162 z2 = __float2bfloat162_rn(128.0f + zr[grp]);
+    const uint32_t zero2 = *reinterpret_cast<const uint32_t*>(&z2);
+    uint32_t xp[8] = {}, yp[8] = {};
+    auto act = [&](uint32_t (&o)[8], const bf16* r) {
+      const uint4 lo = ld_act(r + static_cast<int64_t>(c) * 64), hi = ld_act(r + static_cast<int64_t>(c) * 64 + 8);
+      int4_act_pairs(o, lo.x, lo.y, lo.z, lo.w);
+      int4_act_pairs(o + 4, hi.x, hi.y, hi.z, hi.w);
+    };
+    if (x) act(xp, x);
+    if (R2 && x2) act(yp, x2);
+    const uint32_t wq[2] = {b[u].x, b[u].y};
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // code word h: columns 8h..8h+7 as pairs (j, j + 4), j = 0..3
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {  // an mma: pairs 2m (a0 / b0) and 2m + 1 (a2 / b1)
+        const int j = 4 * h + 2 * m;
+        const uint32_t af[4] = {xp[j], R2 ? yp[j] : 0u, xp[j + 1], R2 ? yp[j + 1] : 0u};
+        mma_bf16(d, af, int4_pair(wq[h], 8 * m, zero2), int4_pair(wq[h], 8 * m + 4, zero2));
+      }
+    }
+    acc[0] = fmaf(sa, d[0], acc[0]);
+    acc[1] = fmaf(sb, d[1], acc[1]);
+    if constexpr (R2) {
+      acc[2] = fmaf(sa, d[2], acc[2]);
+      acc[3] = fmaf(sb, d[3], acc[3]);
+    }
+  }
+}
 template <int U, bool R2 = false>
 __device__ __forceinline__ void int4_tile(float (&acc)[R2 ? 4 : 2], const uint8_t* w, const bf16* x, const float* s0,
                                           const float* s1, const float* zr, int nch, int cps_shift,
                                           const bf16* x2 = nullptr) {
   for (int c0 = 0; c0 < nch; c0 += U) {
     uint2 b[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      b[u] = c0 + u < nch ? ld_weights8(w + static_cast<int64_t>(c0 + u) * 32) : make_uint2(0, 0);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + u;
-      if (c >= nch) break;
-      const int grp = c >> cps_shift;
-      const float sa = s0[grp], sb = s1[grp];
-      const __nv_bfloat162 z2 = __float2bfloat162_rn(128.0f + zr[grp]);
-      const uint32_t zero2 = *reinterpret_cast<const uint32_t*>(&z2);
-      uint32_t xp[8] = {}, yp[8] = {};
-      auto act = [&](uint32_t (&o)[8], const bf16* r) {
-        const uint4 lo = ld_act(r + static_cast<int64_t>(c) * 64), hi = ld_act(r + static_cast<int64_t>(c) * 64 + 8);
-        int4_act_pairs(o, lo.x, lo.y, lo.z, lo.w);
-        int4_act_pairs(o + 4, hi.x, hi.y, hi.z, hi.w);
-      };
-      if (x) act(xp, x);
-      if (R2 && x2) act(yp, x2);
-      const uint32_t wq[2] = {b[u].x, b[u].y};
-      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {  // code word h: columns 8h..8h+7 as pairs (j, j + 4), j = 0..3
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {  // an mma: pairs 2m (a0 / b0) and 2m + 1 (a2 / b1)
-          const int j = 4 * h + 2 * m;
-          const uint32_t af[4] = {xp[j], R2 ? yp[j] : 0u, xp[j + 1], R2 ? yp[j + 1] : 0u};
-          mma_bf16(d, af, int4_pair(wq[h], 8 * m, zero2), int4_pair(wq[h], 8 * m + 4, zero2));
-        }
-      }
-      acc[0] = fmaf(sa, d[0], acc[0]);
-      acc[1] = fmaf(sb, d[1], acc[1]);
-      if constexpr (R2) {
-        acc[2] = fmaf(sa, d[2], acc[2]);
-        acc[3] = fmaf(sb, d[3], acc[3]);
-      }
-    }
+    int4_tile_load<U>(b, w, c0, nch);
+    int4_chunks<U, R2>(acc, b, c0, x, s0, s1, zr, nch, cps_shift, x2);
+  }
+}
+// The first U chunks already in b (int4_tile_load at 0), as fp8_tile's.
+template <int U, bool R2 = false>
+__device__ __forceinline__ void int4_tile(float (&acc)[R2 ? 4 : 2], const uint2 (&b)[U], const uint8_t* w,
+                                          const bf16* x, const float* s0, const float* s1, const float* zr, int nch,
+                                          int cps_shift, const bf16* x2 = nullptr) {
+  int4_chunks<U, R2>(acc, b, 0, x, s0, s1, zr, nch, cps_shift, x2);
+  for (int c0 = U; c0 < nch; c0 += U) {
+    uint2 n[U];
+    int4_tile_load<U>(n, w, c0, nch);
+    int4_chunks<U, R2>(acc, n, c0, x, s0, s1, zr, nch, cps_shift, x2);
   }
 }
 
@@ -687,7 +728,7 @@ struct MoePlan {
 // Thread i's routing pair (its local expert, -1 for none): read once the ids are final, ahead of build_plan.
 __device__ __forceinline__ int plan_pair(const MoeSmallArgs& a) {
   const int i = threadIdx.x;
-  if (i >= a.T * a.k) return -1;
+  if (i >= a.T * a.k || i % a.k >= a.k - a.n_fixed) return -1;  // the fixed experts: not in the plan
   const int e = a.ids[i] - a.expert_begin;
   return e >= 0 && e < a.E ? e : -1;
 }
@@ -744,12 +785,15 @@ __device__ __forceinline__ std::conditional_t<FP8, Fp8Row, const uint4*> gate_up
   }
 }
 
-// Work item it (< Is + n * I): shared-expert row it for it < Is (its weights do not depend on the routing), else
-// routed row (plan entry r / I, row r % I) for r = it - Is. Warps take items it = global warp, + all warps, ...; a
-// warp's first item, when shared, is loaded before the wait and computed before the plan is built (it needs none).
+// Work item it (< F + Is + n * I): at one token on tensor cores with fixed experts (MoeSmallArgs::n_fixed), first
+// F = n_fixed * I / 4 fixed tiles (tile f: fixed expert f / (I / 4), its indices 4 (f % (I / 4))); then, j = it - F,
+// shared-expert row j for j < Is, else routed row (plan entry r / I, row r % I) for r = j - Is; neither the fixed
+// nor the shared items' weights depend on the routing. Warps take items it = global warp, + all warps, ...; a
+// warp's first item, when fixed or shared, is loaded before the wait and computed before the plan is built (it needs
+// none).
 // act[t * k + slot, i] = silu(gate . x) * (up . x) from fp32 sums (the grouped kernel's epilogue); act_shared[t, i]
 // the same from bf16-rounded sums (the shared MLP's linear + silu_mul). Persistent blocks (MINB per SM) build the
-// plan once each; block 0 leaves a copy in plan_out (when given) for the down kernel.
+// plan once each (without the fixed experts); block 0 leaves a copy in plan_out (when given) for the down kernel.
 // U: 16-byte loads per lane in flight; MINB: blocks per SM (the launch sizes the persistent grid to match).
 // TC (FP8 experts in whole 64-column scale blocks): routed items are fp8_tile's 8 rows, the gate and up rows of 4
 // intermediate indices (B column 2j gate row i0 + j, 2j + 1 its up row), so a lane holds both halves of its act.
@@ -759,14 +803,18 @@ __device__ __forceinline__ std::conditional_t<FP8, Fp8Row, const uint4*> gate_up
 template <int TT, int U, int MINB, bool FP8 = false, bool TC = false, int UT = U, bool INT4 = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(MoeSmallArgs a, MoePlan* plan_out) {
   constexpr bool STC = TC && TT > kMoeSmallRows, R2 = TT > 8;  // R2: tokens 8-15 in the mma's A rows 8-15
+  constexpr int TU = INT4 ? 2 * UT : UT;                        // a TC tile's chunks in flight per lane
+  constexpr bool FIX = TC && TT == 1;  // fixed tiles first at one token only (moe_small clears n_fixed elsewhere)
   __shared__ MoePlan plan;
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31;  // (lane / 4 and lane % 4 computed where used: fewer registers held)
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
-  const int nvec = a.H >> 3;
+  const int nvec = a.H >> 3, quads = a.I / 4;
+  const int64_t fixed_items = FIX ? static_cast<int64_t>(a.n_fixed) * quads : 0;
   const int64_t shared_items = STC ? a.Is / 4 : a.Is;
   [[maybe_unused]] uint4 wg[STC ? 1 : U], wu[STC ? 1 : U];
   [[maybe_unused]] uint4 sb[STC ? 2 * UT : 1];
+  [[maybe_unused]] std::conditional_t<INT4, uint2, uint4> tb[TC ? TU : 1];  // a TC tile's chunks
   std::conditional_t<FP8, Fp8Row, const uint4*> gr{}, ur{};
   // An STC shared item j: this lane's row of the 8 (lane / 4: gate rows 4j.. at even, up rows at odd) at column
   // 16 (lane % 4).
@@ -774,19 +822,80 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
     const int g = lane >> 2;
     return a.shared_gate_up + ((g & 1 ? a.Is : 0) + 4 * j + (g >> 1)) * a.H + 16 * (lane & 3);
   };
-  const bool first_shared = first < shared_items;
-  if constexpr (STC) {
-    if (first_shared) bf16_tile_load<UT>(sb, shared_tile_row(first), 0, a.H >> 6);
+  // A TC tile, 4 intermediate indices [i0, i0 + 4) of local expert e: this lane's weight row (lane / 4: gate rows at
+  // even, up rows at odd) and its codes at column 16 (lane % 4); tile_load issues the first chunks into tb.
+  [[maybe_unused]] auto tile_row = [&](int e, int i0) {
+    const int g = lane >> 2;
+    return static_cast<int64_t>(e) * 2 * a.I + (g & 1 ? a.I : 0) + i0 + (g >> 1);
+  };
+  [[maybe_unused]] auto tile_codes = [&](int64_t row) {
+    return reinterpret_cast<const uint8_t*>(a.gate_up) + row * (INT4 ? a.H / 2 : a.H) + (INT4 ? 8 : 16) * (lane & 3);
+  };
+  [[maybe_unused]] auto tile_load = [&](const uint8_t* w) {
+    if constexpr (INT4)
+      int4_tile_load<TU>(tb, w, 0, a.H >> 6);
+    else if constexpr (TC)
+      fp8_tile_load<TU>(tb, w, 0, a.H >> 6);
+  };
+  // The tile's products with token g (slot s) and g + 8 (slot s2; -1: none) into act; its first chunks in tb when
+  // loaded.
+  [[maybe_unused]] auto tile = [&](int e, int i0, int s, int s2, bool loaded) {
+    if constexpr (TC) {
+      const int g = lane >> 2, q = lane & 3;
+      const int64_t row = tile_row(e, i0);
+      const uint8_t* w = tile_codes(row);
+      const int64_t sr = (2 * a.I + a.block_rows - 1) / a.block_rows, sc = (a.H + a.block_cols - 1) / a.block_cols;
+      const float* s0 = a.gate_up_scale + (e * sr + (i0 + q) / a.block_rows) * sc;
+      const float* s1 = a.gate_up_scale + (e * sr + (a.I + i0 + q) / a.block_rows) * sc;
+      const bf16* x = s >= 0 ? a.x + g * a.ldx + 16 * q : nullptr;
+      const bf16* x2 = s2 >= 0 ? a.x + (g + 8) * a.ldx + 16 * q : nullptr;
+      const int shift = __ffs(a.block_cols >> 6) - 1;
+      float acc[R2 ? 4 : 2] = {};
+      const float* zr = INT4 ? a.gate_up_zero + row * sc : nullptr;
+      if constexpr (INT4) {
+        if (loaded)
+          int4_tile<TU, R2>(acc, tb, w, x, s0, s1, zr, a.H >> 6, shift, x2);
+        else
+          int4_tile<TU, R2>(acc, w, x, s0, s1, zr, a.H >> 6, shift, x2);
+      } else {
+        if (loaded)
+          fp8_tile<TU, R2>(acc, tb, w, x, s0, s1, a.H >> 6, shift, x2);
+        else
+          fp8_tile<TU, R2>(acc, w, x, s0, s1, a.H >> 6, shift, x2);
+      }
+      if (s >= 0)
+        a.act[(static_cast<int64_t>(g) * a.k + s) * a.I + i0 + q] = __float2bfloat16_rn(silu(acc[0]) * acc[1]);
+      if constexpr (R2)
+        if (s2 >= 0)
+          a.act[(static_cast<int64_t>(g + 8) * a.k + s2) * a.I + i0 + q] = __float2bfloat16_rn(silu(acc[2]) * acc[3]);
+    }
+  };
+  // Fixed tile f: every token's slot k - n_fixed + f / quads.
+  [[maybe_unused]] auto fixed_tile = [&](int64_t f, bool loaded) {
+    const int j = static_cast<int>(f / quads), e = a.E - a.n_fixed + j, i0 = static_cast<int>(f % quads) * 4;
+    const int s = a.k - a.n_fixed + j, g = lane >> 2;
+    tile(e, i0, g < a.T ? s : -1, R2 && g + 8 < a.T ? s : -1, loaded);
+  };
+  const bool first_fixed = FIX && first < fixed_items;
+  const int64_t first_j = first - fixed_items;  // past the fixed items
+  const bool first_shared = !first_fixed && first_j < shared_items;
+  if (first_fixed) {
+    const int e = a.E - a.n_fixed + static_cast<int>(first / quads), i0 = static_cast<int>(first % quads) * 4;
+    tile_load(tile_codes(tile_row(e, i0)));
   } else if (first_shared) {
-    gr = gate_up_row<FP8>(a, -1, first);
-    ur = gate_up_row<FP8>(a, -1, a.Is + first);
-    load_chunk(wg, gr, lane, nvec);
-    load_chunk(wu, ur, lane, nvec);
+    if constexpr (STC) {
+      bf16_tile_load<UT>(sb, shared_tile_row(first_j), 0, a.H >> 6);
+    } else {
+      gr = gate_up_row<FP8>(a, -1, first_j);
+      ur = gate_up_row<FP8>(a, -1, a.Is + first_j);
+      load_chunk(wg, gr, lane, nvec);
+      load_chunk(wu, ur, lane, nvec);
+    }
   }
   pdl_wait();
   pdl_trigger();
   const int pair = plan_pair(a);  // in flight while the first item is computed
-  // Item it, its first chunk already in wg / wu (gr / ur set).
+  // Item j (past the fixed ones), its first chunk already in wg / wu (gr / ur set).
   auto compute = [&](int64_t it) {
     const bool shared = it < a.Is;
     unsigned mask = (1u << a.T) - 1u;
@@ -820,8 +929,9 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
     for (int t = 0; t < TT; ++t) {
       if (!(mask >> t & 1u)) continue;
       if (shared) {
-        const float g = __bfloat162float(__float2bfloat16_rn(ag[t])), up = __bfloat162float(__float2bfloat16_rn(au[t]));
-        a.act_shared[t * static_cast<int64_t>(a.Is) + i] = __float2bfloat16_rn(silu(g) * up);
+        const float gt = __bfloat162float(__float2bfloat16_rn(ag[t]));
+        const float up = __bfloat162float(__float2bfloat16_rn(au[t]));
+        a.act_shared[t * static_cast<int64_t>(a.Is) + i] = __float2bfloat16_rn(silu(gt) * up);
       } else {
         a.act[(static_cast<int64_t>(t) * a.k + slot[t]) * a.I + i] = __float2bfloat16_rn(silu(ag[t]) * au[t]);
       }
@@ -845,63 +955,52 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_gate_up_kernel(Mo
       if (R2 && g + 8 < a.T) put(g + 8, d[2], d[3]);
     }
   };
-  if constexpr (STC) {
-    if (first_shared) shared_tile(first, true);
+  if (first_fixed) {
+    fixed_tile(first, true);
   } else if (first_shared) {
-    compute(first);
+    if constexpr (STC)
+      shared_tile(first_j, true);
+    else
+      compute(first_j);
   }
   build_plan(a, pair, plan);
   probe_mark(2);
   if (plan_out && blockIdx.x == 0)
     for (int i = threadIdx.x; i < static_cast<int>(sizeof(MoePlan) / 4); i += blockDim.x)
       reinterpret_cast<int32_t*>(plan_out)[i] = reinterpret_cast<const int32_t*>(&plan)[i];
-  // A TC item: 4 intermediate indices [i0, i0 + 4) of plan entry r / (I / 4).
-  [[maybe_unused]] auto tile = [&](int64_t r) {
-    const int quads = a.I / 4, u = static_cast<int>(r / quads), i0 = static_cast<int>(r % quads) * 4;
-    const int e = plan.uniq[u], g = lane >> 2, q = lane & 3;
-    const int s = g < a.T ? plan.slot[u][g] : -1, s2 = R2 && g + 8 < a.T ? plan.slot[u][g + 8] : -1;
-    const int64_t row = static_cast<int64_t>(e) * 2 * a.I + (g & 1 ? a.I : 0) + i0 + (g >> 1);  // this lane's
-    const int64_t sr = (2 * a.I + a.block_rows - 1) / a.block_rows, sc = (a.H + a.block_cols - 1) / a.block_cols;
-    const float* s0 = a.gate_up_scale + (e * sr + (i0 + q) / a.block_rows) * sc;
-    const float* s1 = a.gate_up_scale + (e * sr + (a.I + i0 + q) / a.block_rows) * sc;
-    const bf16* x = s >= 0 ? a.x + g * a.ldx + 16 * q : nullptr;
-    const bf16* x2 = s2 >= 0 ? a.x + (g + 8) * a.ldx + 16 * q : nullptr;
-    const uint8_t* codes = reinterpret_cast<const uint8_t*>(a.gate_up);
-    const int shift = __ffs(a.block_cols >> 6) - 1;
-    float acc[R2 ? 4 : 2] = {};
-    if constexpr (INT4)
-      int4_tile<2 * UT, R2>(acc, codes + row * (a.H / 2) + 8 * q, x, s0, s1, a.gate_up_zero + row * sc, a.H >> 6, shift,
-                            x2);
-    else
-      fp8_tile<UT, R2>(acc, codes + row * a.H + 16 * q, x, s0, s1, a.H >> 6, shift, x2);
-    if (s >= 0) a.act[(static_cast<int64_t>(g) * a.k + s) * a.I + i0 + q] = __float2bfloat16_rn(silu(acc[0]) * acc[1]);
-    if constexpr (R2)
-      if (s2 >= 0)
-        a.act[(static_cast<int64_t>(g + 8) * a.k + s2) * a.I + i0 + q] = __float2bfloat16_rn(silu(acc[2]) * acc[3]);
+  // A routed TC item: 4 intermediate indices [i0, i0 + 4) of plan entry r / (I / 4).
+  [[maybe_unused]] auto routed_tile = [&](int64_t r) {
+    const int u = static_cast<int>(r / quads), i0 = static_cast<int>(r % quads) * 4, e = plan.uniq[u], g = lane >> 2;
+    tile(e, i0, g < a.T ? plan.slot[u][g] : -1, R2 && g + 8 < a.T ? plan.slot[u][g + 8] : -1, false);
   };
-  const int64_t items = shared_items + static_cast<int64_t>(plan.n) * (TC ? a.I / 4 : a.I);
-  for (int64_t it = first_shared ? first + stride : first; it < items; it += stride) {
+  const int64_t items = fixed_items + shared_items + static_cast<int64_t>(plan.n) * (TC ? quads : a.I);
+  for (int64_t it = first_fixed || first_shared ? first + stride : first; it < items; it += stride) {
+    if (FIX && it < fixed_items) {
+      fixed_tile(it, false);
+      continue;
+    }
+    const int64_t j = it - fixed_items;
     if constexpr (TC) {
-      if (it >= shared_items) {
-        tile(it - shared_items);
+      if (j >= shared_items) {
+        routed_tile(j - shared_items);
         continue;
       }
     }
     if constexpr (STC) {
-      shared_tile(it, false);
+      shared_tile(j, false);
     } else {
-      if (it < a.Is) {
-        gr = gate_up_row<FP8>(a, -1, it);
-        ur = gate_up_row<FP8>(a, -1, a.Is + it);
+      if (j < a.Is) {
+        gr = gate_up_row<FP8>(a, -1, j);
+        ur = gate_up_row<FP8>(a, -1, a.Is + j);
       } else {
-        const int64_t r = it - a.Is, i = r % a.I;
+        const int64_t r = j - a.Is, i = r % a.I;
         const int e = plan.uniq[r / a.I];
         gr = gate_up_row<FP8>(a, e, i);
         ur = gate_up_row<FP8>(a, e, a.I + i);
       }
       load_chunk(wg, gr, lane, nvec);
       load_chunk(wu, ur, lane, nvec);
-      compute(it);
+      compute(j);
     }
   }
   probe_mark(3);  // thread 0's warp is done
@@ -1067,13 +1166,15 @@ __device__ __forceinline__ void shared_share(int w, int n, int I, int nsc, int& 
 }
 
 // The down kernel of FP8 experts on tensor cores (MoeSmallArgs with H, I and Is multiples of 64): block b computes
-// output columns [8 b, 8 b + 8) of every token. Warp w takes the routed tiles u = w, w + kWarps, ... (fp8_tile of
-// local expert plan.uniq[u]'s rows h0..h0+7) and a slice of the shared experts' K (bf16_tile of shared_down's same
-// rows; shared_share: about the same bytes per warp), the first of its shared chunks loaded before the wait. The sums:
-// down_output's.
+// output columns [8 b, 8 b + 8) of every token. Warp w takes the tiles u = w, w + kWarps, ... of the fixed experts
+// (u < n_fixed: local expert E - n_fixed + u, every token's slot k - n_fixed + u) then the plan's (fp8_tile of local
+// expert plan.uniq[u - n_fixed]'s rows h0..h0+7), and a slice of the shared experts' K (bf16_tile of shared_down's
+// same rows; shared_share: about the same bytes per warp). Before the wait: the first of its shared chunks, and its
+// first tile's first chunks when that tile is known (fixed, or the plan is built here). The sums: down_output's.
 // INT4: the routed experts through int4_tile (as gate/up's).
 template <int TT, int UT, int MINB, bool INT4 = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_tc_kernel(MoeSmallArgs a, const MoePlan* gplan) {
+  constexpr int TU = INT4 ? 2 * UT : UT;  // a tile's chunks in flight per lane
   __shared__ MoePlan plan;
   __shared__ float part[8][kMaxPairs];
   __shared__ float spart[8][kWarps][TT];
@@ -1082,12 +1183,28 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_tc_kernel(Mo
   const MoePlan* P = gplan ? gplan : &plan;
   if (!gplan) build_plan(a, plan_pair(a), plan);  // the ids are final (see moe_small_down_kernel)
   for (int i = threadIdx.x; i < 8 * kMaxPairs; i += blockDim.x) (&part[0][0])[i] = 0.0f;
-  const int nsc = a.Is / 64;
+  const int nsc = a.Is / 64, nf = a.n_fixed;
   int sc0 = 0, sc1 = 0;  // gate/up's plan is read after the wait: balanced for the most experts the batch can use
-  shared_share(warp, gplan ? min(a.T * a.k, a.E) : plan.n, a.I, nsc, sc0, sc1);
+  shared_share(warp, gplan ? min(a.T * a.k, a.E) : plan.n + nf, a.I, nsc, sc0, sc1);
   const bf16* sw = a.shared_down + (h0 + g) * a.Is + 16 * q;
   uint4 sb[2 * kSmallMoeUnroll];
   bf16_tile_load<kSmallMoeUnroll>(sb, sw, sc0, sc1);
+  // Tile u's local expert and this lane's codes (row h0 + lane / 4 at column 16 (lane % 4)).
+  auto tile_e = [&](int u) { return u < nf ? a.E - nf + u : P->uniq[u - nf]; };
+  auto tile_codes = [&](int e) {
+    const int64_t row = static_cast<int64_t>(e) * a.H + h0 + g;
+    return reinterpret_cast<const uint8_t*>(a.down) + row * (INT4 ? a.I / 2 : a.I) + (INT4 ? 8 : 16) * q;
+  };
+  std::conditional_t<INT4, uint2, uint4> tb[TU];
+  auto tile_load = [&](int e) {
+    if constexpr (INT4)
+      int4_tile_load<TU>(tb, tile_codes(e), 0, a.I >> 6);
+    else
+      fp8_tile_load<TU>(tb, tile_codes(e), 0, a.I >> 6);
+  };
+  // At one token (the plan built above) the first tile's chunks are loaded before the wait; elsewhere none (registers).
+  const bool first_loaded = TT == 1 && warp < nf + plan.n;
+  if (first_loaded) tile_load(tile_e(warp));
   pdl_wait();
   pdl_trigger();
   __syncthreads();
@@ -1106,12 +1223,11 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_tc_kernel(Mo
       spart[2 * q + 1][warp][g + 8] = d[3];
     }
   }
-  const int n = P->n;
-  for (int u = warp; u < n; u += kWarps) {
-    const int e = P->uniq[u];
-    const int sl = g < a.T ? P->slot[u][g] : -1, sl2 = R2 && g + 8 < a.T ? P->slot[u][g + 8] : -1;
-    const int64_t row = static_cast<int64_t>(e) * a.H + h0 + g;  // this lane's
-    const uint8_t* codes = reinterpret_cast<const uint8_t*>(a.down);
+  // Tile u (its first chunks in tb when loaded).
+  auto run_tile = [&](int u, bool loaded) {
+    const int e = tile_e(u);
+    auto slot_of = [&](int t) { return t >= a.T ? -1 : u < nf ? a.k - nf + u : P->slot[u - nf][t]; };
+    const int sl = slot_of(g), sl2 = R2 ? slot_of(g + 8) : -1;
     const int64_t sr = (a.H + a.block_rows - 1) / a.block_rows, sc = (a.I + a.block_cols - 1) / a.block_cols;
     const float* s0 = a.down_scale + (e * sr + (h0 + 2 * q) / a.block_rows) * sc;
     const float* s1 = a.down_scale + (e * sr + (h0 + 2 * q + 1) / a.block_rows) * sc;
@@ -1119,11 +1235,18 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_tc_kernel(Mo
     const bf16* x = sl >= 0 ? a.act + (static_cast<int64_t>(g) * a.k + sl) * a.I + 16 * q : nullptr;
     const bf16* x2 = sl2 >= 0 ? a.act + (static_cast<int64_t>(g + 8) * a.k + sl2) * a.I + 16 * q : nullptr;
     const int shift = __ffs(a.block_cols >> 6) - 1;
-    if constexpr (INT4)
-      int4_tile<2 * UT, R2>(acc, codes + row * (a.I / 2) + 8 * q, x, s0, s1, a.down_zero + row * sc, a.I >> 6, shift,
-                            x2);
-    else
-      fp8_tile<UT, R2>(acc, codes + row * a.I + 16 * q, x, s0, s1, a.I >> 6, shift, x2);
+    const float* zr = INT4 ? a.down_zero + (static_cast<int64_t>(e) * a.H + h0 + g) * sc : nullptr;
+    if constexpr (INT4) {
+      if (loaded)
+        int4_tile<TU, R2>(acc, tb, tile_codes(e), x, s0, s1, zr, a.I >> 6, shift, x2);
+      else
+        int4_tile<TU, R2>(acc, tile_codes(e), x, s0, s1, zr, a.I >> 6, shift, x2);
+    } else {
+      if (loaded)
+        fp8_tile<TU, R2>(acc, tb, tile_codes(e), x, s0, s1, a.I >> 6, shift, x2);
+      else
+        fp8_tile<TU, R2>(acc, tile_codes(e), x, s0, s1, a.I >> 6, shift, x2);
+    }
     if (sl >= 0) {
       const int p = g * a.k + sl;
       part[2 * q][p] = a.weights[p] * acc[0];
@@ -1136,7 +1259,14 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) moe_small_down_tc_kernel(Mo
         part[2 * q + 1][p] = a.weights[p] * acc[3];
       }
     }
+  };
+  const int n = nf + P->n;
+  int u0 = warp;
+  if (first_loaded) {  // apart from the loop: tb is not live around it
+    run_tile(warp, true);
+    u0 += kWarps;
   }
+  for (int u = u0; u < n; u += kWarps) run_tile(u, false);
   __syncthreads();
   probe_mark(3);
   const int c = threadIdx.x / TT, t = threadIdx.x % TT;
@@ -1392,6 +1522,10 @@ cudaError_t moe_small(MoeSmallArgs a, void* plan_buf, int32_t num_sms, cudaStrea
   if (a.T > (tc ? kMoeSmallTcRows : kMoeSmallRows) || a.k > kMoeSmallMaxK || a.k < 1 || a.H % 8 != 0 ||
       a.I % 8 != 0 || a.Is % 8 != 0 || a.ldx % 8 != 0 || (reinterpret_cast<uintptr_t>(plan_buf) & 15) != 0)
     return cudaErrorInvalidValue;
+  if (a.n_fixed < 0 || (a.n_fixed > 0 && (a.n_fixed >= a.k || a.n_fixed > a.E))) return cudaErrorInvalidValue;
+  // Fixed experts first on tensor cores at one token (where the kernels have the registers to load them before the
+  // wait; the kernels of 2-4 tokens spilled holding them); else they go with the routed ones, through the plan.
+  if (!tc || a.T > 1) a.n_fixed = 0;
   MoePlan* plan = static_cast<MoePlan*>(plan_buf);
   const int max_unique = std::min(a.T * a.k, a.E);
   // The shared experts' row in slices of about one routed row each (at most one slice per warp).

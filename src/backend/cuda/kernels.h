@@ -458,6 +458,10 @@ struct MoeSmallArgs {
   // scaled per group in f32, within the bf16 rounding of (code - zero) * scale of the dequantized model.
   const float* gate_up_zero = nullptr;
   const float* down_zero = nullptr;
+  // Every token's last n_fixed ids are the last n_fixed local experts (E - n_fixed + j) with weight 1 (shared experts
+  // fused into the routed ones): at one token on tensor cores their tiles come first, loaded before the wait and
+  // computed before the routing is read; elsewhere they go with the routed ones.
+  int32_t n_fixed = 0;
 };
 // out = sum_k w * down_e(silu(gate_e x) * up_e x) over the local experts, rounded, plus the shared experts' MLP,
 // rounded (as moe_experts + the dense shared MLP + add compute it). T <= kMoeSmallRows (kMoeSmallTcRows for FP8
