@@ -81,6 +81,16 @@ __device__ __forceinline__ uint4 load_vec(const Fp8Row& row, int v) {
 // 2 (lane % 4) + 1, one scale per 2^cps_shift chunks. U chunks of loads in flight, then computed (two sets, one
 // loading while the other is computed, measured slower: docs/perf.md).
 // R2: tokens in A's rows 8-15 too (x2: lane / 4 + 8's activations, null: zeros; acc[2] / acc[3] its products).
+// A chunk's mma products d scaled by its rows' scales into the accumulators (d[2] / d[3]: A's rows 8-15 with R2).
+template <bool R2>
+__device__ __forceinline__ void scaled_add(float (&acc)[R2 ? 4 : 2], float sa, float sb, const float (&d)[4]) {
+  acc[0] = fmaf(sa, d[0], acc[0]);
+  acc[1] = fmaf(sb, d[1], acc[1]);
+  if constexpr (R2) {
+    acc[2] = fmaf(sa, d[2], acc[2]);
+    acc[3] = fmaf(sb, d[3], acc[3]);
+  }
+}
 // fp8_tile_load: chunks [c0, c0 + U) of w (zeros past nch), the loads fp8_tile issues; fp8_chunks computes chunks
 // [c0, c0 + U) from b.
 template <int U>
@@ -117,12 +127,7 @@ __device__ __forceinline__ void fp8_chunks(float (&acc)[R2 ? 4 : 2], const uint4
       const uint32_t af[4] = {xq[2 * j], R2 ? yq[2 * j] : 0u, xq[2 * j + 1], R2 ? yq[2 * j + 1] : 0u};
       mma_bf16(d, af, lo, hi);
     }
-    acc[0] = fmaf(sa, d[0], acc[0]);
-    acc[1] = fmaf(sb, d[1], acc[1]);
-    if constexpr (R2) {
-      acc[2] = fmaf(sa, d[2], acc[2]);
-      acc[3] = fmaf(sb, d[3], acc[3]);
-    }
+    scaled_add<R2>(acc, sa, sb, d);
   }
 }
 template <int U, bool R2 = false>
@@ -208,12 +213,7 @@ __device__ __forceinline__ void int4_chunks(float (&acc)[R2 ? 4 : 2], const uint
         mma_bf16(d, af, int4_pair(wq[h], 8 * m, zero2), int4_pair(wq[h], 8 * m + 4, zero2));
       }
     }
-    acc[0] = fmaf(sa, d[0], acc[0]);
-    acc[1] = fmaf(sb, d[1], acc[1]);
-    if constexpr (R2) {
-      acc[2] = fmaf(sa, d[2], acc[2]);
-      acc[3] = fmaf(sb, d[3], acc[3]);
-    }
+    scaled_add<R2>(acc, sa, sb, d);
   }
 }
 template <int U, bool R2 = false>
