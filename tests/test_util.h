@@ -26,12 +26,24 @@
 
 #include "backend/cpu/cpu_kernels.h"
 #include "core/dtype.h"
+#include "core/error.h"
 #include "engine/engine.h"
 #include "engine/engine_api.h"
 #include "engine/rank_set.h"
 #include "io/safetensors.h"
 
 namespace mlaserve::test {
+
+// The message of the mlaserve::Error that f throws, or "" when it throws none.
+template <typename F>
+std::string error_text(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
 
 inline std::filesystem::path temp_dir(const std::string& tag) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();

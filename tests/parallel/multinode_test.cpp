@@ -389,12 +389,7 @@ TEST(MultiNode, WeightUpdateReachesEveryNode) {
       const OfflineResult got = run_offline(*r0, ps, o);
       EXPECT_EQ(got.greedy, want_new.greedy);
       EXPECT_EQ(test::rel_err(got.prompt_logits[0], want_new.prompt_logits[0]), 0.0);
-      std::string err;
-      try {
-        r0->reload_weights(bad.string());
-      } catch (const Error& e) {
-        err = e.what();
-      }
+      const std::string err = test::error_text([&] { r0->reload_weights(bad.string()); });
       EXPECT_NE(err.find("missing tensor 'model.layers.1.self_attn.o_proj.weight'"), std::string::npos) << err;
       EXPECT_NE(err.find("loaded again"), std::string::npos) << err;
       const OfflineResult kept = run_offline(*r0, ps, o);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "test_util.h"
 
 namespace mlaserve {
 namespace {
@@ -132,12 +133,7 @@ TEST(MoeShared, FusedSharedExpertsAreTheSharedMlp) {
   // n_fixed names the last experts with weight 1 (a backend may take them before reading the ids): checked.
   Tensor out = be->alloc({T, H}, DType::F32);
   auto error_of = [&](const Tensor& i, const Tensor& wt, int32_t n_fixed) {
-    try {
-      be->moe_experts(x, i, wt, gu, dn, 0, nullptr, nullptr, n_fixed, out);
-    } catch (const std::exception& e) {
-      return std::string(e.what());
-    }
-    return std::string();
+    return test::error_text([&] { be->moe_experts(x, i, wt, gu, dn, 0, nullptr, nullptr, n_fixed, out); });
   };
   EXPECT_NE(error_of(fids, fw, static_cast<int32_t>(k + ns)).find("fixed experts"), std::string::npos);
   Tensor moved = be->alloc({T, k + ns}, DType::I32), halved = be->alloc({T, k + ns}, DType::F32);
