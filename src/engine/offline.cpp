@@ -26,6 +26,11 @@ OfflineResult drive(int64_t vocab, int32_t groups, const std::vector<std::vector
   const int32_t ps = opts.page_size;
   const size_t n = prompts.size();
   for (size_t j = 0; j < n; ++j) MLA_CHECK(!prompts[j].empty(), "prompt {} is empty", j);
+  MLA_CHECK(opts.forced.empty() || opts.forced.size() == n, "forced tokens name {} prompts of {}", opts.forced.size(),
+            n);
+  for (size_t j = 0; j < opts.forced.size(); ++j)
+    MLA_CHECK(static_cast<int64_t>(opts.forced[j].size()) >= int64_t{opts.max_new_tokens} - 1,
+              "prompt {}: {} forced tokens for {} decode steps", j, opts.forced[j].size(), opts.max_new_tokens - 1);
   auto group_of = [&](size_t j) { return static_cast<int32_t>(j % static_cast<size_t>(groups)); };
 
   std::vector<int32_t> group_pages(static_cast<size_t>(groups), 0);
@@ -41,6 +46,7 @@ OfflineResult drive(int64_t vocab, int32_t groups, const std::vector<std::vector
   res.prompt_logits.resize(n);
   res.greedy.resize(n);
   std::vector<int32_t> next(n, -1);
+  std::vector<std::vector<float>> step_logits(n);  // decode steps' rows, with opts.decode_logits
 
   // Runs one step where each group's sequences are given by members[g] (prompt index, tokens, prefix, logits).
   struct Entry {
@@ -107,8 +113,9 @@ OfflineResult drive(int64_t vocab, int32_t groups, const std::vector<std::vector
         done[j] = true;
         continue;
       }
+      const int32_t* fed = opts.forced.empty() ? &next[j] : &opts.forced[j][static_cast<size_t>(s)];
       members[static_cast<size_t>(group_of(j))].push_back(
-          {j, std::span<const int32_t>(&next[j], 1), len[j], ForwardBatchBuilder::Logits::Last});
+          {j, std::span<const int32_t>(fed, 1), len[j], ForwardBatchBuilder::Logits::Last});
       any = true;
     }
     if (!any) break;
@@ -117,9 +124,18 @@ OfflineResult drive(int64_t vocab, int32_t groups, const std::vector<std::vector
       int64_t row = 0;
       for (const Entry& e : members[static_cast<size_t>(g)]) {
         ++len[e.j];
-        next[e.j] = argmax_row(logits[static_cast<size_t>(g)].data_as<float>() + row * V, V);
+        const float* src = logits[static_cast<size_t>(g)].data_as<float>() + row * V;
+        next[e.j] = argmax_row(src, V);
+        if (opts.decode_logits) step_logits[e.j].insert(step_logits[e.j].end(), src, src + V);
         ++row;
       }
+    }
+  }
+  if (opts.decode_logits) {
+    res.decode_logits.resize(n);
+    for (size_t j = 0; j < n; ++j) {
+      res.decode_logits[j] = Tensor::empty_host({static_cast<int64_t>(step_logits[j].size()) / V, V}, DType::F32);
+      std::copy(step_logits[j].begin(), step_logits[j].end(), res.decode_logits[j].data_as<float>());
     }
   }
   for (size_t j = 0; j < n; ++j) pools[static_cast<size_t>(group_of(j))]->free(pages[j]);

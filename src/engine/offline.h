@@ -23,11 +23,17 @@ struct OfflineOptions {
   int32_t page_size = 16;
   std::optional<DType> kv_cache_fp8;  // one model on one backend: an FP8 latent cache's type (RankSet: ParallelConfig)
   std::vector<int64_t> stop_ids;  // greedy generation of a sequence stops after one of these (empty: never)
+  // Teacher forcing: per prompt (all or none), the tokens its decode steps take in turn instead of its greedy picks
+  // (at least max_new_tokens - 1 of them; `greedy` still reports the picks). The model tests compare each step's
+  // logits with a reference's along the reference's own tokens.
+  std::vector<std::vector<int32_t>> forced;
+  bool decode_logits = false;  // keep each decode step's logits (OfflineResult::decode_logits)
 };
 
 struct OfflineResult {
   std::vector<Tensor> prompt_logits;          // per prompt: F32 [len, vocab] (or [1, vocab]: last position only)
   std::vector<std::vector<int32_t>> greedy;   // per prompt: generated ids
+  std::vector<Tensor> decode_logits;          // with decode_logits, per prompt: F32 [decode steps, vocab]
 };
 
 // One model on one backend.

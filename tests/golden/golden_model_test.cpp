@@ -12,6 +12,7 @@
 #include "backend/forwarding_backend.h"
 #include "core/dtype.h"
 #include "engine/offline.h"
+#include "engine/sampler.h"
 #include "io/safetensors.h"
 #include "model/deepseek_model.h"
 #include "test_util.h"
@@ -93,6 +94,48 @@ TEST_P(GoldenModel, SameLogitsAloneAndInRaggedBatch) {
     EXPECT_LT(test::rel_err(alone.prompt_logits[0], batch.prompt_logits[j]), 1e-6) << "prompt " << j;
     EXPECT_EQ(alone.greedy[0], batch.greedy[j]);
   }
+}
+
+// Teacher forcing (OfflineOptions::forced): fed the run's own greedy picks, the decode steps are the greedy run's
+// (same logits, same picks); fed other tokens, step s's logits are the last row of a prefill of the prompt and the
+// first s + 1 fed tokens, and `greedy` reports the picks.
+TEST_P(GoldenModel, TeacherForcedDecodeFollowsTheFedTokens) {
+  Golden g = read_golden(GetParam());
+  Loaded l = load(GetParam());
+  std::vector<std::vector<int32_t>> prompts{g.prompts[1], g.prompts[3]};
+  OfflineOptions o;
+  o.max_new_tokens = 5;
+  o.decode_logits = true;
+  OfflineResult plain = run_offline(*l.model, prompts, o);
+  ASSERT_EQ(plain.decode_logits.size(), prompts.size());
+  o.forced = plain.greedy;
+  OfflineResult same = run_offline(*l.model, prompts, o);
+  for (size_t j = 0; j < prompts.size(); ++j) {
+    ASSERT_EQ(plain.decode_logits[j].size(0), 4);
+    EXPECT_EQ(same.greedy[j], plain.greedy[j]);
+    EXPECT_EQ(test::rel_err(same.decode_logits[j], plain.decode_logits[j]), 0.0);
+  }
+  o.forced = {{7, 11, 13, 17}, {19, 23, 29, 31}};
+  OfflineResult fed = run_offline(*l.model, prompts, o);
+  for (size_t j = 0; j < prompts.size(); ++j) {
+    std::vector<int32_t> picks{plain.greedy[j][0]};
+    for (int64_t s = 0; s < 4; ++s) {
+      std::vector<int32_t> longer = prompts[j];
+      longer.insert(longer.end(), o.forced[j].begin(), o.forced[j].begin() + s + 1);
+      OfflineOptions p;
+      p.prompt_logits = false;
+      const Tensor want = run_offline(*l.model, {longer}, p).prompt_logits[0];
+      const Tensor got = fed.decode_logits[j].rows(s, s + 1);
+      EXPECT_LT(test::rel_err(got, want), 1e-4) << "prompt " << j << " step " << s;
+      picks.push_back(argmax_row(got.data_as<float>(), got.size(1)));
+    }
+    EXPECT_EQ(fed.greedy[j], picks);
+  }
+  o.forced = {{1, 2}, {1, 2, 3, 4}};
+  auto error = [&] { return test::error_text([&] { run_offline(*l.model, prompts, o); }); };
+  EXPECT_NE(error().find("prompt 0: 2 forced tokens for 4 decode steps"), std::string::npos) << error();
+  o.forced = {{1, 2, 3, 4}};
+  EXPECT_NE(error().find("forced tokens name 1 prompts of 2"), std::string::npos) << error();
 }
 
 TEST_P(GoldenModel, AbsorbedAndExpandedMlaAgree) {

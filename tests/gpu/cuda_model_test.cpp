@@ -35,6 +35,11 @@ namespace mlaserve::test {
 namespace {
 
 constexpr double kLogitTol = 0.10;
+// A decode step's logits (teacher forced, routing forced) against the CPU's: measured up to 11% of the std on the
+// v2 family (routed_scaling_factor 16; step 17 of a 33-token prompt) and on random configs (2026-12-06, H100), the
+// same with the one-token attention and the small-batch kernels turned off (so bf16's rounding, not one kernel's).
+// The picks are held exactly (outside near ties).
+constexpr double kDecodeTol = 0.15;
 
 
 struct Prompts {
@@ -92,9 +97,15 @@ struct GpuModel {
 //  1. the CPU backend (fp32, equal to the HF reference to ~1e-5), recording every MoE routing decision;
 //  2. the GPU with those routing decisions forced: isolates the numerical error of bf16 from discrete routing flips,
 //     and must be within kLogitTol of the reference at every prompt position;
-//  3. the GPU on its own, with greedy decoding: reports the routing flips (tokens whose expert set differs from the
-//     fp32 run because bf16 rounding reordered near-tied experts) and the resulting logit error, and requires the
-//     greedy tokens of prompts whose prefill had no flip to match the reference up to the first near tie.
+//  3. each prompt alone, decoding the reference's greedy tokens (teacher forcing: every decode step takes the
+//     reference's token, so each step is judged on its own), on the CPU (recording its routing) and on the GPU with
+//     that routing forced: the one-row decode paths; every step's logits within kDecodeTol of the CPU's, and the
+//     GPU's pick equal to the reference's at every step whose reference margin is not a near tie;
+//  4. the GPU on its own, with greedy decoding: reports the routing flips (tokens whose expert set differs from the
+//     fp32 run because bf16 rounding reordered near-tied experts) and the resulting logit error. For the golden
+//     families it requires the greedy tokens of prompts whose prefill had no flip to match the reference up to the
+//     first near tie; for other checkpoints (random ones: config_fuzz.py) a flip in a decode step, not counted,
+//     moves the tokens after it, so there steps 2 and 3 decide.
 // `fam`: a golden family, or a checkpoint folder (a path) with a reference.safetensors of the same form.
 void golden_family(const std::string& fam, const LoadOptions& lo = {}) {
   const std::string dir = fam.find('/') != std::string::npos ? fam : golden_dir() + "/" + fam;
@@ -103,15 +114,57 @@ void golden_family(const std::string& fam, const LoadOptions& lo = {}) {
   const ModelConfig cfg = ModelConfig::from_file(dir);
   OfflineOptions prefill_only;
   prefill_only.max_new_tokens = 0;
-  RouteLog log;
+  RouteLog log, decode_log;
+  OfflineOptions teacher;  // step 3: the reference's tokens fed back (the last one is never fed)
+  teacher.max_new_tokens = static_cast<int32_t>(ref.greedy[0].size());
+  teacher.prompt_logits = false;
+  teacher.decode_logits = true;
+  std::vector<OfflineResult> cpu_steps;
   {
     auto cpu_be = make_cpu_backend();
     RouteRecorder rec(*cpu_be, log);
     DeepseekModel cm(cfg, rec);
     cm.load(dir, lo);
     run_offline(cm, ref.prompts, prefill_only);
+    RouteRecorder rec_decode(*cpu_be, decode_log);
+    DeepseekModel dm(cfg, rec_decode);
+    dm.load(dir, lo);
+    for (size_t j = 0; j < ref.prompts.size(); ++j) {
+      teacher.forced = {ref.greedy[j]};
+      cpu_steps.push_back(run_offline(dm, {ref.prompts[j]}, teacher));
+    }
   }
   auto gpu_be = model_backend();
+  {
+    RouteReplayer forced_decode(*gpu_be, decode_log, true);
+    DeepseekModel tm(cfg, forced_decode);
+    tm.load(dir, lo);
+    for (size_t j = 0; j < ref.prompts.size(); ++j) {
+      teacher.forced = {ref.greedy[j]};
+      const OfflineResult got = run_offline(tm, {ref.prompts[j]}, teacher);
+      const Tensor& want = cpu_steps[j].decode_logits[0];
+      ASSERT_EQ(got.decode_logits[0].size(0), want.size(0));
+      const double sd = stddev(ref.logits[j]);
+      double worst = 0;
+      for (int64_t st = 0; st < want.size(0); ++st) {
+        const Diff d = diff(want.rows(st, st + 1), got.decode_logits[0].rows(st, st + 1));
+        worst = std::max(worst, d.max_abs / sd);
+        EXPECT_EQ(d.nan, 0);
+        EXPECT_LE(d.max_abs / sd, kDecodeTol) << fam << " prompt " << j << " decode step " << st << " (teacher forced)";
+      }
+      size_t picks = 0, judged = 0;
+      for (size_t st = 0; st < ref.greedy[j].size(); ++st) {
+        if (ref.margin[j][st] < kLogitTol * sd) continue;  // a near tie: either pick is right
+        ++judged;
+        picks += got.greedy[0][st] == ref.greedy[j][st];
+        EXPECT_EQ(got.greedy[0][st], ref.greedy[j][st])
+            << fam << " prompt " << j << " step " << st << " (teacher forced)";
+      }
+      std::printf("  %-8s prompt %zu alone, %lld decode steps fed the reference's tokens, routing forced: "
+                  "max|dlogit|/std vs cpu %.2e; picks equal %zu/%zu (near ties left out)\n",
+                  fam.c_str(), j, static_cast<long long>(want.size(0)), worst, picks, judged);
+    }
+  }
   RouteReplayer forced(*gpu_be, log, true);
   DeepseekModel fm(cfg, forced);
   fm.load(dir, lo);
@@ -138,7 +191,7 @@ void golden_family(const std::string& fam, const LoadOptions& lo = {}) {
                 ref.greedy[j].size(), upto);
     EXPECT_EQ(df.nan + d.nan, 0);
     EXPECT_LE(df.max_abs / sd, kLogitTol) << fam << " prompt " << j << " (routing forced)";
-    if (free_run.flips == 0 || d.max_abs / sd <= kLogitTol) {
+    if (fam.find('/') == std::string::npos && (free_run.flips == 0 || d.max_abs / sd <= kLogitTol)) {
       EXPECT_GE(agree, upto) << fam << " prompt " << j << ": greedy tokens differ before the first near tie";
     }
   }

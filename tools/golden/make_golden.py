@@ -172,7 +172,8 @@ def make_family(out_root, fam, seed):
             os.remove(p)
     index = json.load(open(os.path.join(d, "model.safetensors.index.json")))
     names = sorted(index["weight_map"])
-    assert any(".mlp.experts.0.gate_proj.weight" in n for n in names), "expected per-expert layout"
+    if cfg_dict["num_hidden_layers"] > cfg_dict.get("first_k_dense_replace", 0):  # (a dense-only model has none)
+        assert any(".mlp.experts.0.gate_proj.weight" in n for n in names), "expected per-expert layout"
     assert len(set(index["weight_map"].values())) >= 2, "expected a sharded checkpoint"
 
     ref, info = transformers.AutoModelForCausalLM.from_pretrained(
