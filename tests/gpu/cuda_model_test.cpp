@@ -40,6 +40,16 @@ constexpr double kLogitTol = 0.10;
 // same with the one-token attention and the small-batch kernels turned off (so bf16's rounding, not one kernel's).
 // The picks are held exactly (outside near ties).
 constexpr double kDecodeTol = 0.15;
+// Tolerances of golden_family (of the logits' std; a reference margin below one is a near tie either pick may take).
+struct Tolerance {
+  double prefill = kLogitTol;
+  double decode = kDecodeTol;
+};
+// Random tiny checkpoints (tools/device/config_fuzz.py, MLASERVE_CHECK_MODELS): with routing forced, up to 0.21 of
+// the std at a 70-token prompt's positions over 73 random configs (2026-12-06; hidden 32 or routed_scaling_factor
+// 16 the worst), the same through the expanded and the absorbed attention and prefill in chunks of 1 and 16 tokens
+// (so bf16's rounding in widths that small, not one path's); picks held outside near ties as for the families.
+constexpr Tolerance kRandomModelTol{0.25, 0.25};
 
 
 struct Prompts {
@@ -93,21 +103,22 @@ struct GpuModel {
   }
 };
 
-// Three runs of the golden prompts (all prompts in one ragged batch, as eval-logits does):
+// Runs of the golden prompts (all prompts in one ragged batch, as eval-logits does, unless said):
 //  1. the CPU backend (fp32, equal to the HF reference to ~1e-5), recording every MoE routing decision;
 //  2. the GPU with those routing decisions forced: isolates the numerical error of bf16 from discrete routing flips,
-//     and must be within kLogitTol of the reference at every prompt position;
-//  3. each prompt alone, decoding the reference's greedy tokens (teacher forcing: every decode step takes the
-//     reference's token, so each step is judged on its own), on the CPU (recording its routing) and on the GPU with
-//     that routing forced: the one-row decode paths; every step's logits within kDecodeTol of the CPU's, and the
-//     GPU's pick equal to the reference's at every step whose reference margin is not a near tie;
+//     and must be within tol.prefill (kLogitTol) of the reference at every prompt position;
+//  3. each prompt alone, then all together, decoding the reference's greedy tokens (teacher forcing: every decode
+//     step takes the reference's token, so each step is judged on its own), on the CPU (recording its routing) and
+//     on the GPU with that routing forced: the one-row and several-row decode paths; every step's logits within
+//     tol.decode (kDecodeTol) of the CPU's, and the GPU's pick equal to the reference's at every step whose
+//     reference margin is not a near tie;
 //  4. the GPU on its own, with greedy decoding: reports the routing flips (tokens whose expert set differs from the
 //     fp32 run because bf16 rounding reordered near-tied experts) and the resulting logit error. For the golden
 //     families it requires the greedy tokens of prompts whose prefill had no flip to match the reference up to the
 //     first near tie; for other checkpoints (random ones: config_fuzz.py) a flip in a decode step, not counted,
 //     moves the tokens after it, so there steps 2 and 3 decide.
 // `fam`: a golden family, or a checkpoint folder (a path) with a reference.safetensors of the same form.
-void golden_family(const std::string& fam, const LoadOptions& lo = {}) {
+void golden_family(const std::string& fam, const LoadOptions& lo = {}, const Tolerance& tol = {}) {
   const std::string dir = fam.find('/') != std::string::npos ? fam : golden_dir() + "/" + fam;
   if (!std::filesystem::exists(dir + "/reference.safetensors")) GTEST_SKIP() << "no golden data at " << dir;
   Prompts ref = read_reference(dir + "/reference.safetensors");
@@ -119,6 +130,20 @@ void golden_family(const std::string& fam, const LoadOptions& lo = {}) {
   teacher.max_new_tokens = static_cast<int32_t>(ref.greedy[0].size());
   teacher.prompt_logits = false;
   teacher.decode_logits = true;
+  // Each prompt alone (one-row steps), then all of them together (rows of different lengths in one step).
+  std::vector<std::vector<size_t>> groups;
+  for (size_t j = 0; j < ref.prompts.size(); ++j) groups.push_back({j});
+  groups.emplace_back(ref.prompts.size());
+  std::iota(groups.back().begin(), groups.back().end(), size_t{0});
+  auto run_group = [&](DeepseekModel& m, const std::vector<size_t>& g) {
+    std::vector<std::vector<int32_t>> prompts;
+    teacher.forced.clear();
+    for (size_t j : g) {
+      prompts.push_back(ref.prompts[j]);
+      teacher.forced.push_back(ref.greedy[j]);
+    }
+    return run_offline(m, prompts, teacher);
+  };
   std::vector<OfflineResult> cpu_steps;
   {
     auto cpu_be = make_cpu_backend();
@@ -129,40 +154,40 @@ void golden_family(const std::string& fam, const LoadOptions& lo = {}) {
     RouteRecorder rec_decode(*cpu_be, decode_log);
     DeepseekModel dm(cfg, rec_decode);
     dm.load(dir, lo);
-    for (size_t j = 0; j < ref.prompts.size(); ++j) {
-      teacher.forced = {ref.greedy[j]};
-      cpu_steps.push_back(run_offline(dm, {ref.prompts[j]}, teacher));
-    }
+    for (const auto& g : groups) cpu_steps.push_back(run_group(dm, g));
   }
   auto gpu_be = model_backend();
   {
     RouteReplayer forced_decode(*gpu_be, decode_log, true);
     DeepseekModel tm(cfg, forced_decode);
     tm.load(dir, lo);
-    for (size_t j = 0; j < ref.prompts.size(); ++j) {
-      teacher.forced = {ref.greedy[j]};
-      const OfflineResult got = run_offline(tm, {ref.prompts[j]}, teacher);
-      const Tensor& want = cpu_steps[j].decode_logits[0];
-      ASSERT_EQ(got.decode_logits[0].size(0), want.size(0));
-      const double sd = stddev(ref.logits[j]);
-      double worst = 0;
-      for (int64_t st = 0; st < want.size(0); ++st) {
-        const Diff d = diff(want.rows(st, st + 1), got.decode_logits[0].rows(st, st + 1));
-        worst = std::max(worst, d.max_abs / sd);
-        EXPECT_EQ(d.nan, 0);
-        EXPECT_LE(d.max_abs / sd, kDecodeTol) << fam << " prompt " << j << " decode step " << st << " (teacher forced)";
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      const OfflineResult got = run_group(tm, groups[gi]);
+      for (size_t k = 0; k < groups[gi].size(); ++k) {
+        const size_t j = groups[gi][k];
+        const Tensor& want = cpu_steps[gi].decode_logits[k];
+        ASSERT_EQ(got.decode_logits[k].size(0), want.size(0));
+        const double sd = stddev(ref.logits[j]);
+        const std::string where =
+            fam + " prompt " + std::to_string(j) + (groups[gi].size() > 1 ? " with the others" : " alone");
+        double worst = 0;
+        for (int64_t st = 0; st < want.size(0); ++st) {
+          const Diff d = diff(want.rows(st, st + 1), got.decode_logits[k].rows(st, st + 1));
+          worst = std::max(worst, d.max_abs / sd);
+          EXPECT_EQ(d.nan, 0);
+          EXPECT_LE(d.max_abs / sd, tol.decode) << where << ": decode step " << st << " (teacher forced)";
+        }
+        size_t picks = 0, judged = 0;
+        for (size_t st = 0; st < ref.greedy[j].size(); ++st) {
+          if (ref.margin[j][st] < tol.decode * sd) continue;  // a near tie: either pick is right
+          ++judged;
+          picks += got.greedy[k][st] == ref.greedy[j][st];
+          EXPECT_EQ(got.greedy[k][st], ref.greedy[j][st]) << where << ": step " << st << " (teacher forced)";
+        }
+        std::printf("  %s, %lld decode steps fed the reference's tokens, routing forced: max|dlogit|/std vs cpu "
+                    "%.2e; picks equal %zu/%zu (near ties left out)\n",
+                    where.c_str(), static_cast<long long>(want.size(0)), worst, picks, judged);
       }
-      size_t picks = 0, judged = 0;
-      for (size_t st = 0; st < ref.greedy[j].size(); ++st) {
-        if (ref.margin[j][st] < kLogitTol * sd) continue;  // a near tie: either pick is right
-        ++judged;
-        picks += got.greedy[0][st] == ref.greedy[j][st];
-        EXPECT_EQ(got.greedy[0][st], ref.greedy[j][st])
-            << fam << " prompt " << j << " step " << st << " (teacher forced)";
-      }
-      std::printf("  %-8s prompt %zu alone, %lld decode steps fed the reference's tokens, routing forced: "
-                  "max|dlogit|/std vs cpu %.2e; picks equal %zu/%zu (near ties left out)\n",
-                  fam.c_str(), j, static_cast<long long>(want.size(0)), worst, picks, judged);
     }
   }
   RouteReplayer forced(*gpu_be, log, true);
@@ -182,7 +207,7 @@ void golden_family(const std::string& fam, const LoadOptions& lo = {}) {
     const Diff df = diff(ref.logits[j], rf.prompt_logits[j]);
     const Diff d = diff(ref.logits[j], r.prompt_logits[j]);
     size_t upto = 0;
-    while (upto < ref.greedy[j].size() && ref.margin[j][upto] >= kLogitTol * sd) ++upto;
+    while (upto < ref.greedy[j].size() && ref.margin[j][upto] >= tol.prefill * sd) ++upto;
     size_t agree = 0;
     while (agree < ref.greedy[j].size() && agree < r.greedy[j].size() && ref.greedy[j][agree] == r.greedy[j][agree]) ++agree;
     std::printf("  %-8s prompt %zu len %4zu: max|dlogit|/std routing forced %.2e, free %.2e (std %.2f); greedy agrees "
@@ -190,8 +215,8 @@ void golden_family(const std::string& fam, const LoadOptions& lo = {}) {
                 fam.c_str(), j, ref.prompts[j].size(), df.max_abs / sd, d.max_abs / sd, sd, agree,
                 ref.greedy[j].size(), upto);
     EXPECT_EQ(df.nan + d.nan, 0);
-    EXPECT_LE(df.max_abs / sd, kLogitTol) << fam << " prompt " << j << " (routing forced)";
-    if (fam.find('/') == std::string::npos && (free_run.flips == 0 || d.max_abs / sd <= kLogitTol)) {
+    EXPECT_LE(df.max_abs / sd, tol.prefill) << fam << " prompt " << j << " (routing forced)";
+    if (fam.find('/') == std::string::npos && (free_run.flips == 0 || d.max_abs / sd <= tol.prefill)) {
       EXPECT_GE(agree, upto) << fam << " prompt " << j << ": greedy tokens differ before the first near tie";
     }
   }
@@ -375,7 +400,7 @@ TEST(CudaModel, GoldenCheckModels) {
   if (!more) GTEST_SKIP() << "MLASERVE_CHECK_MODELS names no checkpoints";
   for (std::string_view rest = more; !rest.empty();) {
     const size_t comma = rest.find(',');
-    golden_family(std::string(rest.substr(0, comma)));
+    golden_family(std::string(rest.substr(0, comma)), {}, kRandomModelTol);
     rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
   }
 }
