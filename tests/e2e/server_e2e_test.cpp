@@ -1253,7 +1253,9 @@ TEST(ServerE2EVariants, DataParallelSessionTurnsStayOnTheirRank) {
                                  R"(, "session_params": {"id": "dp")" +
                                  (parent.empty() ? "" : R"(, "rid": ")" + parent + "\"") +
                                  R"(}, "sampling_params": {"max_new_tokens": 4, "ignore_eos": true}})");
-    if (turn > 0) EXPECT_GE(j["meta_info"]["cached_tokens"].get<int>(), 64) << "turn " << turn << ": " << j.dump();
+    if (turn > 0) {
+      EXPECT_GE(j["meta_info"]["cached_tokens"].get<int>(), 64) << "turn " << turn << ": " << j.dump();
+    }
     parent = j["meta_info"]["id"].get<std::string>();
   }
 }
@@ -2436,7 +2438,9 @@ TEST(ServeFlags, PrefillDecodeDisaggregation) {
   EXPECT_EQ(none.body.find('\n') + 1, none.body.size());
   EXPECT_EQ(prefill.stop(), 0);
   EXPECT_EQ(decode.stop(), 0);
-  if (decode_dpa) EXPECT_EQ(decode_dpa->stop(), 0);
+  if (decode_dpa) {
+    EXPECT_EQ(decode_dpa->stop(), 0);
+  }
   expect_serve_refuses({"--kv-transfer-timeout 0 --skip-tokenizer-init"}, "--kv-transfer-timeout");
 }
 
