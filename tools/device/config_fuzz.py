@@ -55,6 +55,11 @@ def random_config(rng):
                rope_scaling={"type": "yarn", "factor": rng.choice([2.0, 4.0, 40.0]),
                              "original_max_position_embeddings": rng.choice([64, 128, 1024]), "beta_fast": 32,
                              "beta_slow": 1, "mscale": mscale, "mscale_all_dim": mscale} if yarn else None)
+    if not v3 and cfg["hidden_size"] % cfg["num_attention_heads"]:
+        # transformers 5.17 refuses a V2 config whose hidden size is not a multiple of its heads (MLA does not need
+        # it): a head count that divides it, drawn apart so that the seed's later configs stay what they were.
+        fit = [h for h in (1, 2, 3, 4, 5, 8, 16) if cfg["hidden_size"] % h == 0]
+        cfg["num_attention_heads"] = random.Random(cfg["hidden_size"] * 100 + cfg["num_attention_heads"]).choice(fit)
     cfg["num_key_value_heads"] = cfg["num_attention_heads"]
     return cfg
 
