@@ -24,7 +24,7 @@ GenerationJob::GenerationJob(EngineClient& engine, const TextCodec* codec, Serve
     c.rid = total == 1 ? spec_.id : fmt::format("{}-{}", spec_.id, i);
     c.prompt_tokens = static_cast<int32_t>(spec_.prompts[c.prompt_index].input_ids.size());
     text_.push_back({codec_ ? codec_->stream_decoder(spec_.skip_special_tokens) : nullptr,
-                     StopStringMatcher(spec_.stop)});
+                     StopStringMatcher(spec_.stop), {}});
   }
   last_token_time_.assign(total, start_time_);
   unsent_.assign(total, ChoiceUpdate{});

@@ -277,7 +277,7 @@ struct ResponseContext {
   std::string role = "assistant";  // chat: the answers' role (vLLM's --response-role)
   bool stream_reasoning = true;    // chat, streamed: SGLang's stream_reasoning (false: the reasoning in one delta)
   // OpenAI, not streamed: a prefill answer's kv_transfer_params (prefill / decode disaggregation); null: none.
-  nlohmann::json kv_transfer_params;
+  nlohmann::json kv_transfer_params = nullptr;
 };
 
 std::string token_text(const ResponseContext& rc, int32_t id) { return rc.codec ? rc.codec->token_text(id) : ""; }

@@ -3136,7 +3136,9 @@ TEST(GenerationJob, EndComesBeforeTheAnswer) {
   for (const bool stream : {false, true}) {
     JobSpec spec;
     spec.id = stream ? "streamed" : "whole";
-    spec.prompts.push_back(JobPrompt{{'a', 'b'}});
+    JobPrompt prompt;
+    prompt.input_ids = {'a', 'b'};
+    spec.prompts.push_back(prompt);
     spec.sampling.max_new_tokens = 3;
     auto job = std::make_shared<GenerationJob>(engine, nullptr, nullptr, post, spec);
     std::vector<std::string> events;

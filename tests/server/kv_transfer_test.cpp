@@ -184,7 +184,9 @@ TEST(KvTransferRows, EncodedAndDecoded) {
     const KvRows r = rows_of(3, 10, 16, 2, 5, room);
     const std::string enc = encode_kv_rows(r);
     EXPECT_EQ(enc.size() - enc.find('\n') - 1, r.rows_size());
-    if (room == kKvExportHeaderRoom) EXPECT_EQ(enc.size(), r.bytes.size());
+    if (room == kKvExportHeaderRoom) {
+      EXPECT_EQ(enc.size(), r.bytes.size());
+    }
     const KvRows back = decode_kv_rows(enc);
     EXPECT_EQ(back.begin, 3);
     EXPECT_EQ(back.end, 10);

@@ -86,14 +86,18 @@ TEST(PagePool, DecodeGrowthKeepsTilesConsecutive) {
     std::set<int32_t> all;
     for (const auto& pages : seqs) {
       const int b = broken_tiles(pages, kRun);
-      if (run == kRun) EXPECT_LE(b, 1);
+      if (run == kRun) {
+        EXPECT_LE(b, 1);
+      }
       broken += b;
       tiles += static_cast<int>(pages.size()) / kRun;
       all.insert(pages.begin(), pages.end());
     }
     EXPECT_EQ(static_cast<int32_t>(all.size()) + pool.num_free(), 4096);  // each page held once
     pool.check_integrity();
-    if (run == 1) EXPECT_GT(broken, tiles / 2);
+    if (run == 1) {
+      EXPECT_GT(broken, tiles / 2);
+    }
   }
 }
 
