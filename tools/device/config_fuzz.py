@@ -13,6 +13,7 @@ choices now and then (a few positions, and those attending to them, far off); `c
 --gtest_filter=*GoldenCheckModels` with MLASERVE_CHECK_MODELS=OUT_DIR/fuzz0,... compares the GPU with the CPU's
 routing forced, which tells a flip from a wrong op. (V2 configs keep norm_topk_prob false, as every V2 checkpoint
 does: with it true, DeepSeek's V2 code, transformers 5 and SGLang / vLLM each weigh the experts differently.)
+FUZZ_MORE=1 also varies tie_word_embeddings.
 """
 import json
 import os
@@ -61,6 +62,14 @@ def random_config(rng):
         fit = [h for h in (1, 2, 3, 4, 5, 8, 16) if cfg["hidden_size"] % h == 0]
         cfg["num_attention_heads"] = random.Random(cfg["hidden_size"] * 100 + cfg["num_attention_heads"]).choice(fit)
     cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    if os.environ.get("FUZZ_MORE"):
+        # The lm_head tied to the embeddings (no published checkpoint does it), drawn apart (from the config so far)
+        # so that a seed gives the same configs otherwise. Not drawn, since transformers cannot be the reference:
+        # moe_layer_freq (its DeepSeek ports put MoE on every layer from first_k_dense_replace, where DeepSeek's own
+        # code, SGLang, vLLM and mlaserve keep every moe_layer_freq-th; 2026-12-06: the checkpoint it saved had MoE
+        # weights where mlaserve reads a dense layer's) and no shared experts (5.17 refuses n_shared_experts null).
+        more = random.Random(json.dumps(cfg, sort_keys=True))
+        cfg["tie_word_embeddings"] = more.random() < 0.5
     return cfg
 
 
