@@ -846,7 +846,10 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
                     fmt::format("--quantization {} (quantizing at load is fp8 only; FP8, AWQ and GPTQ checkpoints "
                                 "load without the flag)",
                                 s.quantization));
-    not_implemented(s.dtype != "auto" && s.dtype != "bfloat16" && s.dtype != "bf16", fmt::format("--dtype {}", s.dtype));
+    not_implemented(s.dtype != "auto" && s.dtype != "bfloat16" && s.dtype != "bf16",
+                    fmt::format("--dtype {} (activations are bfloat16, the dtype of DeepSeek's checkpoints: use auto or "
+                                "bfloat16)",
+                                s.dtype));
     MLA_CHECK(s.max_logprobs >= -1, "--max-logprobs must be >= -1, got {}", s.max_logprobs);
     MLA_CHECK(s.pipeline_parallel_size >= 1, "--pipeline-parallel-size must be >= 1, got {}", s.pipeline_parallel_size);
     not_implemented(s.pipeline_parallel_size > 1,
