@@ -35,8 +35,8 @@ using test::HttpConnection;
 using test::sse_payloads;
 
 struct TestServer {
-  explicit TestServer(ServerOptions o = {}, int64_t context_len = 4096, int tokens_per_output = 1)
-      : engine(context_len, 1 << 20, tokens_per_output), opts(fill(std::move(o))), api(engine, &codec, opts),
+  explicit TestServer(const ServerOptions& o = ServerOptions(), int64_t context_len = 4096, int tokens_per_output = 1)
+      : engine(context_len, 1 << 20, tokens_per_output), opts(fill(o)), api(engine, &codec, opts),
         http(api, opts) {
     http.start();
   }
