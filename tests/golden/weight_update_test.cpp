@@ -48,15 +48,6 @@ std::vector<float> model_logits(DeepseekModel& m) {
   return std::vector<float>(t.data_as<float>(), t.data_as<float>() + t.numel());
 }
 
-std::string reload_error(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 // A copy of a golden family's folder (config.json and shards), to edit or delete.
 fs::path copy_family(const std::string& family, const std::string& tag) {
   const fs::path dir = test::temp_dir(tag);
@@ -122,14 +113,14 @@ TEST(WeightUpdate, AnotherModelIsRefusedNamingTheDifference) {
 
   const fs::path scaled = copy_family("v2lite", "wu-cfg");
   edit_config(scaled, [](nlohmann::json& j) { j["routed_scaling_factor"] = 2.5; });
-  std::string e = reload_error([&] { m.reload(scaled.string()); });
+  std::string e = test::error_text([&] { m.reload(scaled.string()); });
   EXPECT_NE(e.find("describes another model"), std::string::npos) << e;
   EXPECT_NE(e.find("routed_scaling_factor: 1 vs 2.5"), std::string::npos) << e;
 
-  e = reload_error([&] { m.reload(test::golden_dir("v2")); });  // another family altogether
+  e = test::error_text([&] { m.reload(test::golden_dir("v2")); });  // another family altogether
   EXPECT_NE(e.find("describes another model"), std::string::npos) << e;
 
-  e = reload_error([&] { m.reload((scaled / "nowhere").string()); });
+  e = test::error_text([&] { m.reload((scaled / "nowhere").string()); });
   EXPECT_NE(e.find("nowhere"), std::string::npos) << e;
 
   const std::vector<float> after = model_logits(m);
@@ -158,7 +149,7 @@ TEST(WeightUpdate, AFailurePartWayLoadsThePreviousWeightsAgain) {
   auto ranks = test::cpu_ranks_at(a.string(), /*tp=*/2);
   const std::vector<float> la = ranks_logits(*ranks);
 
-  const std::string e = reload_error([&] { ranks->reload_weights(bad.string()); });
+  const std::string e = test::error_text([&] { ranks->reload_weights(bad.string()); });
   EXPECT_NE(e.find("missing tensor 'model.layers.1.mlp.experts.5.down_proj.weight'"), std::string::npos) << e;
   EXPECT_NE(e.find("loaded again"), std::string::npos) << e;
   EXPECT_EQ(ranks->model_dir(), a.string());
@@ -173,9 +164,9 @@ TEST(WeightUpdate, AFailurePartWayLoadsThePreviousWeightsAgain) {
 
   // Neither the new checkpoint nor the previous one loads: the ranks hold no model any more.
   fs::remove_all(b);
-  const std::string lost = reload_error([&] { ranks->reload_weights(bad.string()); });
+  const std::string lost = test::error_text([&] { ranks->reload_weights(bad.string()); });
   EXPECT_NE(lost.find("loading " + b.string() + " again failed too"), std::string::npos) << lost;
-  const std::string step = reload_error([&] { ranks_logits(*ranks); });
+  const std::string step = test::error_text([&] { ranks_logits(*ranks); });
   EXPECT_NE(step.find("the model has no weights"), std::string::npos) << step;
 }
 
@@ -566,7 +557,7 @@ TEST(MemoryOccupation, DummyWeightsComeBackTheSame) {
   const std::vector<float> before = ranks_logits(ranks);
   ranks.release_memory();
   EXPECT_TRUE(ranks.memory_released());
-  const std::string step = reload_error([&] { ranks_logits(ranks); });
+  const std::string step = test::error_text([&] { ranks_logits(ranks); });
   EXPECT_NE(step.find("released"), std::string::npos) << step;
   ranks.resume_memory();
   const std::vector<float> after = ranks_logits(ranks);
@@ -633,7 +624,7 @@ TEST(GetWeights, TooManyValuesAtOnceAreRefused) {
   LoadOptions lo;
   lo.dummy = true;
   RankSet ranks(ModelConfig::from_file(dir.string()), pc, dir.string(), lo);
-  const std::string err = reload_error([&] { ranks.read_weight("model.embed_tokens.weight", 1 << 30); });
+  const std::string err = test::error_text([&] { ranks.read_weight("model.embed_tokens.weight", 1 << 30); });
   EXPECT_NE(err.find("at most 8388608"), std::string::npos) << err;
   const auto w = ranks.read_weight("model.embed_tokens.weight", 10);
   ASSERT_TRUE(w);

@@ -28,15 +28,6 @@ void write_raw(const fs::path& p, const std::string& header, size_t data_bytes, 
   o << zeros;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 }  // namespace
 
 TEST(Safetensors, WriteReadRoundTrip) {
@@ -62,40 +53,40 @@ TEST(Safetensors, ErrorsNameFileAndTensor) {
   const std::string p = (dir / "bad.safetensors").string();
 
   write_raw(p, "{\"w\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]}", 8);
-  EXPECT_NE(error_of([&] { SafetensorsFile f(p); }).find("corrupt header"), std::string::npos);
+  EXPECT_NE(test::error_text([&] { SafetensorsFile f(p); }).find("corrupt header"), std::string::npos);
 
   write_raw(p, "{\"w\": {\"dtype\": \"Q3\", \"shape\": [2], \"data_offsets\": [0, 8]}}", 8);
-  auto e = error_of([&] { SafetensorsFile f(p); });
+  auto e = test::error_text([&] { SafetensorsFile f(p); });
   EXPECT_NE(e.find("unknown dtype 'Q3'"), std::string::npos) << e;
   EXPECT_NE(e.find("'w'"), std::string::npos) << e;
   EXPECT_NE(e.find(p), std::string::npos) << e;
 
   write_raw(p, "{\"w\": {\"dtype\": \"F32\", \"shape\": [4], \"data_offsets\": [0, 16]}}", 8);
-  e = error_of([&] { SafetensorsFile f(p); });
+  e = test::error_text([&] { SafetensorsFile f(p); });
   EXPECT_NE(e.find("truncated"), std::string::npos) << e;
   EXPECT_NE(e.find("'w'"), std::string::npos) << e;
 
   write_raw(p, "{\"w\": {\"dtype\": \"F32\", \"shape\": [3], \"data_offsets\": [0, 8]}}", 8);
-  e = error_of([&] { SafetensorsFile f(p); });
+  e = test::error_text([&] { SafetensorsFile f(p); });
   EXPECT_NE(e.find("needs 12 bytes"), std::string::npos) << e;
 
   // A shape whose byte count wraps around 2^64 (to 0 here) is corrupt, not an empty tensor.
   write_raw(p, "{\"w\": {\"dtype\": \"F32\", \"shape\": [4294967296, 4294967296], \"data_offsets\": [0, 0]}}", 8);
-  e = error_of([&] { SafetensorsFile f(p); });
+  e = test::error_text([&] { SafetensorsFile f(p); });
   EXPECT_NE(e.find("more bytes than any file holds"), std::string::npos) << e;
   write_raw(p, "{\"w\": {\"dtype\": \"F32\", \"shape\": [4294967296, 4294967296, 0], \"data_offsets\": [0, 0]}}",
             8);
   EXPECT_EQ(SafetensorsFile(p).get("w").nbytes, 0u);
 
   write_raw(p, "{}", 0, /*claimed_len=*/1000);
-  e = error_of([&] { SafetensorsFile f(p); });
+  e = test::error_text([&] { SafetensorsFile f(p); });
   EXPECT_NE(e.find("exceeds the file size"), std::string::npos) << e;
 
   test::write_text(p, "abc");
-  e = error_of([&] { SafetensorsFile f(p); });
+  e = test::error_text([&] { SafetensorsFile f(p); });
   EXPECT_NE(e.find("truncated"), std::string::npos) << e;
 
-  e = error_of([&] { SafetensorsFile f((dir / "nope.safetensors").string()); });
+  e = test::error_text([&] { SafetensorsFile f((dir / "nope.safetensors").string()); });
   EXPECT_NE(e.find("cannot open"), std::string::npos) << e;
 }
 
@@ -110,33 +101,33 @@ TEST(Checkpoint, ShardedIndexAndErrors) {
   EXPECT_TRUE(c.has("a"));
   EXPECT_TRUE(c.has("extra"));
   EXPECT_EQ(c.get("b").shape, (Shape{3}));
-  auto e = error_of([&] { c.get("zzz"); });
+  auto e = test::error_text([&] { c.get("zzz"); });
   EXPECT_NE(e.find("missing tensor 'zzz'"), std::string::npos) << e;
 
   // The index names a tensor its shard does not hold.
   test::write_text(dir / "model.safetensors.index.json",
                    R"({"weight_map": {"a": "s1.safetensors", "q": "s1.safetensors"}})");
-  e = error_of([&] { Checkpoint c2(dir.string()); });
+  e = test::error_text([&] { Checkpoint c2(dir.string()); });
   EXPECT_NE(e.find("missing tensor 'q'"), std::string::npos) << e;
   EXPECT_NE(e.find("s1.safetensors"), std::string::npos) << e;
 
   // The index names a shard that does not exist.
   test::write_text(dir / "model.safetensors.index.json", R"({"weight_map": {"a": "s9.safetensors"}})");
-  e = error_of([&] { Checkpoint c3(dir.string()); });
+  e = test::error_text([&] { Checkpoint c3(dir.string()); });
   EXPECT_NE(e.find("s9.safetensors"), std::string::npos) << e;
 
   test::write_text(dir / "model.safetensors.index.json", "{not json");
-  e = error_of([&] { Checkpoint c4(dir.string()); });
+  e = test::error_text([&] { Checkpoint c4(dir.string()); });
   EXPECT_NE(e.find("not valid JSON"), std::string::npos) << e;
 }
 
 TEST(Checkpoint, SingleFileAndEmptyDir) {
   auto dir = test::temp_dir("ckpt1");
-  auto e = error_of([&] { Checkpoint c(dir.string()); });
+  auto e = test::error_text([&] { Checkpoint c(dir.string()); });
   EXPECT_NE(e.find("holds no weights"), std::string::npos) << e;
   write_safetensors((dir / "model.safetensors").string(), {{"a", f32_tensor({2}, 0)}});
   Checkpoint c(dir.string());
   EXPECT_TRUE(c.has("a"));
-  e = error_of([&] { Checkpoint c2((dir / "missing").string()); });
+  e = test::error_text([&] { Checkpoint c2((dir / "missing").string()); });
   EXPECT_NE(e.find("not a directory"), std::string::npos) << e;
 }
