@@ -80,6 +80,18 @@ TEST_P(GoldenModel, LogitsAndGreedyMatchHuggingFace) {
         EXPECT_EQ(r.greedy[j][i], g.greedy[j].data_as<int32_t>()[i]) << "step " << i;
       }
     }
+    // Past a near tie too: fed the reference's own tokens (teacher forcing), every step's pick is the reference's
+    // wherever its margin is not a near tie.
+    o.forced.clear();
+    for (const Tensor& t : g.greedy) o.forced.emplace_back(t.data_as<int32_t>(), t.data_as<int32_t>() + t.numel());
+    OfflineResult fed = run_offline(*l.model, g.prompts, o);
+    for (size_t j = 0; j < g.prompts.size(); ++j) {
+      for (int64_t i = 0; i < g.greedy[j].numel(); ++i) {
+        if (g.margin[j].data_as<float>()[i] < kNearTie) continue;
+        EXPECT_EQ(fed.greedy[j][static_cast<size_t>(i)], g.greedy[j].data_as<int32_t>()[i])
+            << "prompt " << j << " step " << i << " (teacher forced)";
+      }
+    }
   }
 }
 
