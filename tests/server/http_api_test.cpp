@@ -2680,7 +2680,7 @@ TEST(HttpApi, RequestTimeoutAborts) {
 }
 
 TEST(HttpApi, MultiTokenOutputsAndMetrics) {
-  TestServer s({}, 4096, /*tokens_per_output=*/3);
+  TestServer s(ServerOptions(), 4096, /*tokens_per_output=*/3);
   auto r = s.post("/generate", R"({"text": "abcdefg", "stream": true, "sampling_params": {"max_new_tokens": 7}})");
   auto events = sse_payloads(r.body);
   ASSERT_EQ(events.size(), 4u);  // 3 + 3 + 1 tokens, then [DONE]
