@@ -4,7 +4,8 @@
 // Tolerance: our CPU backend also computes in fp32 on the same bf16 weights, so the only differences are
 // summation order and libm rounding: measured ~1e-5 of the logits' standard deviation. We require 1e-3 of the
 // standard deviation (the "near 1e-3 relative to the logits' scale"), and greedy tokens equal up to
-// the first step where the reference's top-2 margin is below 0.02 (a near tie that 1e-3 errors could flip).
+// the first step where the reference's top-2 margin is below 0.02 (a near tie that 1e-3 errors could flip), and,
+// fed the reference's own tokens, the picks of every step whose margin is not such a near tie.
 #include <gtest/gtest.h>
 
 #include <cmath>
