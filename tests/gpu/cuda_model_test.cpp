@@ -125,7 +125,7 @@ void golden_family(const std::string& fam, const LoadOptions& lo = {}, const Tol
   const ModelConfig cfg = ModelConfig::from_file(dir);
   OfflineOptions prefill_only;
   prefill_only.max_new_tokens = 0;
-  RouteLog log, decode_log;
+  RouteLog log;  // the CPU's routing: the prefill run, then the teacher-forced runs
   OfflineOptions teacher;  // step 3: the reference's tokens fed back (the last one is never fed)
   teacher.max_new_tokens = static_cast<int32_t>(ref.greedy[0].size());
   teacher.prompt_logits = false;
@@ -145,56 +145,51 @@ void golden_family(const std::string& fam, const LoadOptions& lo = {}, const Tol
     return run_offline(m, prompts, teacher);
   };
   std::vector<OfflineResult> cpu_steps;
+  RouteLog prefill_log;  // the prefill run's part of log, for the free run's comparison
   {
     auto cpu_be = make_cpu_backend();
     RouteRecorder rec(*cpu_be, log);
     DeepseekModel cm(cfg, rec);
     cm.load(dir, lo);
     run_offline(cm, ref.prompts, prefill_only);
-    RouteRecorder rec_decode(*cpu_be, decode_log);
-    DeepseekModel dm(cfg, rec_decode);
-    dm.load(dir, lo);
-    for (const auto& g : groups) cpu_steps.push_back(run_group(dm, g));
+    prefill_log = log;
+    for (const auto& g : groups) cpu_steps.push_back(run_group(cm, g));
   }
+  // The GPU with the CPU's routing forced, its runs in the CPU's order: the prefill, then the teacher-forced runs.
   auto gpu_be = model_backend();
-  {
-    RouteReplayer forced_decode(*gpu_be, decode_log, true);
-    DeepseekModel tm(cfg, forced_decode);
-    tm.load(dir, lo);
-    for (size_t gi = 0; gi < groups.size(); ++gi) {
-      const OfflineResult got = run_group(tm, groups[gi]);
-      for (size_t k = 0; k < groups[gi].size(); ++k) {
-        const size_t j = groups[gi][k];
-        const Tensor& want = cpu_steps[gi].decode_logits[k];
-        ASSERT_EQ(got.decode_logits[k].size(0), want.size(0));
-        const double sd = stddev(ref.logits[j]);
-        const std::string where =
-            fam + " prompt " + std::to_string(j) + (groups[gi].size() > 1 ? " with the others" : " alone");
-        double worst = 0;
-        for (int64_t st = 0; st < want.size(0); ++st) {
-          const Diff d = diff(want.rows(st, st + 1), got.decode_logits[k].rows(st, st + 1));
-          worst = std::max(worst, d.max_abs / sd);
-          EXPECT_EQ(d.nan, 0);
-          EXPECT_LE(d.max_abs / sd, tol.decode) << where << ": decode step " << st << " (teacher forced)";
-        }
-        size_t picks = 0, judged = 0;
-        for (size_t st = 0; st < ref.greedy[j].size(); ++st) {
-          if (ref.margin[j][st] < tol.decode * sd) continue;  // a near tie: either pick is right
-          ++judged;
-          picks += got.greedy[k][st] == ref.greedy[j][st];
-          EXPECT_EQ(got.greedy[k][st], ref.greedy[j][st]) << where << ": step " << st << " (teacher forced)";
-        }
-        std::printf("  %s, %lld decode steps fed the reference's tokens, routing forced: max|dlogit|/std vs cpu "
-                    "%.2e; picks equal %zu/%zu (near ties left out)\n",
-                    where.c_str(), static_cast<long long>(want.size(0)), worst, picks, judged);
-      }
-    }
-  }
   RouteReplayer forced(*gpu_be, log, true);
   DeepseekModel fm(cfg, forced);
   fm.load(dir, lo);
   OfflineResult rf = run_offline(fm, ref.prompts, prefill_only);
-  RouteReplayer free_run(*gpu_be, log, false);
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const OfflineResult got = run_group(fm, groups[gi]);
+    for (size_t k = 0; k < groups[gi].size(); ++k) {
+      const size_t j = groups[gi][k];
+      const Tensor& want = cpu_steps[gi].decode_logits[k];
+      ASSERT_EQ(got.decode_logits[k].size(0), want.size(0));
+      const double sd = stddev(ref.logits[j]);
+      const std::string where =
+          fam + " prompt " + std::to_string(j) + (groups[gi].size() > 1 ? " with the others" : " alone");
+      double worst = 0;
+      for (int64_t st = 0; st < want.size(0); ++st) {
+        const Diff d = diff(want.rows(st, st + 1), got.decode_logits[k].rows(st, st + 1));
+        worst = std::max(worst, d.max_abs / sd);
+        EXPECT_EQ(d.nan, 0);
+        EXPECT_LE(d.max_abs / sd, tol.decode) << where << ": decode step " << st << " (teacher forced)";
+      }
+      size_t picks = 0, judged = 0;
+      for (size_t st = 0; st < ref.greedy[j].size(); ++st) {
+        if (ref.margin[j][st] < tol.decode * sd) continue;  // a near tie: either pick is right
+        ++judged;
+        picks += got.greedy[k][st] == ref.greedy[j][st];
+        EXPECT_EQ(got.greedy[k][st], ref.greedy[j][st]) << where << ": step " << st << " (teacher forced)";
+      }
+      std::printf("  %s, %lld decode steps fed the reference's tokens, routing forced: max|dlogit|/std vs cpu "
+                  "%.2e; picks equal %zu/%zu (near ties left out)\n",
+                  where.c_str(), static_cast<long long>(want.size(0)), worst, picks, judged);
+    }
+  }
+  RouteReplayer free_run(*gpu_be, prefill_log, false);
   DeepseekModel gm(cfg, free_run);
   gm.load(dir, lo);
   OfflineOptions greedy;
