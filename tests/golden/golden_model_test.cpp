@@ -83,7 +83,6 @@ TEST_P(GoldenModel, LogitsAndGreedyMatchHuggingFace) {
     }
     // Past a near tie too: fed the reference's own tokens (teacher forcing), every step's pick is the reference's
     // wherever its margin is not a near tie.
-    o.forced.clear();
     for (const Tensor& t : g.greedy) o.forced.emplace_back(t.data_as<int32_t>(), t.data_as<int32_t>() + t.numel());
     OfflineResult fed = run_offline(*l.model, g.prompts, o);
     for (size_t j = 0; j < g.prompts.size(); ++j) {
