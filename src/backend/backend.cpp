@@ -20,6 +20,26 @@ int64_t Backend::check_sample(const Tensor& logits, std::span<const RowSampling>
   return R;
 }
 
+int64_t Backend::check_staged_sample(std::span<const RowSampling> params, const Tensor* logprobs,
+                                     int64_t step_tokens) {
+  const int64_t R = static_cast<int64_t>(params.size());
+  MLA_CHECK(R <= step_tokens, "stage_sample: {} rows for a step of {} tokens", R, step_tokens);
+  MLA_CHECK(!logprobs || (logprobs->dtype() == DType::F32 && logprobs->numel() == R),
+            "stage_sample: logprobs must be F32 [{}]", R);
+  for (const RowSampling& s : params)
+    MLA_CHECK(s.pending_input < step_tokens, "stage_sample: pending input {} of a {}-token step", s.pending_input,
+              step_tokens);
+  return R;
+}
+
+void Backend::check_sample_staged(const Tensor& logits, const Tensor& ids, int64_t staged) {
+  MLA_CHECK(staged >= 0, "sample_staged: no rows were staged this step (stage_sample first)");
+  MLA_CHECK(logits.dim() == 2 && logits.dtype() == DType::F32, "sample_staged: logits must be F32 [rows, vocab]");
+  MLA_CHECK(logits.size(0) >= staged, "sample_staged: {} rows staged for {} logit rows", staged, logits.size(0));
+  MLA_CHECK(ids.dtype() == DType::I32 && ids.numel() == logits.size(0), "sample_staged: ids must be I32 [{}]",
+            logits.size(0));
+}
+
 void Backend::moe_gate(const Tensor& x, const Tensor& router, const Tensor* bias, const RouterParams& p,
                        Tensor& topk_ids, Tensor& topk_weights) {
   MLA_CHECK(x.dim() == 2 && router.dim() == 2 && router.size(1) == x.size(1),

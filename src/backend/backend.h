@@ -318,6 +318,22 @@ class Backend {
   // step (of step_tokens). Returns R, the rows.
   static int64_t check_sample(const Tensor& logits, std::span<const RowSampling> params, const Tensor& ids,
                               const Tensor* logprobs, int64_t step_tokens);
+  // Sampling recorded in a decode graph. stage_sample gives this step's rows (R <= the step's tokens) and where their
+  // log-probabilities go (F32 [R], or null), between begin_graph_step and the recording or replay of the graph;
+  // sample_staged(logits [n, V], ids [n]) samples the staged rows of logits' first R rows into ids' first R (the
+  // others are not written), as sample() would. While a graph records, sample_staged is recorded: each replay
+  // samples the rows staged before it. Backends with graphs implement both (CPU reference: GraphRecorder over
+  // CpuBackend::sample).
+  virtual void stage_sample(std::span<const RowSampling> /*params*/, const Tensor* /*logprobs*/) {
+    fail("the {} backend has no graphs to sample in", name());
+  }
+  virtual void sample_staged(const Tensor& /*logits*/, Tensor& /*ids*/) {
+    fail("the {} backend has no graphs to sample in", name());
+  }
+  // Their checks, shared by the backends: pending inputs and R within the step, logprobs F32 [R] (returns R);
+  // logits F32 [n, V], ids I32 [n] with n >= the rows staged (staged: -1 when none were this step).
+  static int64_t check_staged_sample(std::span<const RowSampling> params, const Tensor* logprobs, int64_t step_tokens);
+  static void check_sample_staged(const Tensor& logits, const Tensor& ids, int64_t staged);
 
   // Rotary tables: inverse frequencies [rope / 2] and the cos/sin multiplier, set once at model load.
   virtual void set_rope(const std::vector<float>& inv_freq, float attention_factor) = 0;

@@ -87,6 +87,8 @@ class ForwardingBackend : public Backend {
   void count_experts(const Tensor& i, Tensor& c) override { b_.count_experts(i, c); }
   void profiler(bool on) override { b_.profiler(on); }
   void sample(const Tensor& l, std::span<const RowSampling> p, Tensor& i, Tensor* lp) override { b_.sample(l, p, i, lp); }
+  void stage_sample(std::span<const RowSampling> p, const Tensor* lp) override { b_.stage_sample(p, lp); }
+  void sample_staged(const Tensor& l, Tensor& i) override { b_.sample_staged(l, i); }
   void set_rope(const std::vector<float>& f, float a) override { b_.set_rope(f, a); }
 
  protected:
@@ -161,11 +163,18 @@ class GraphRecorder final : public ForwardingBackend {
     });
   }
   void sample(const Tensor& l, std::span<const RowSampling> p, Tensor& i, Tensor* lp) override;
+  // The staged rows are kept here; a recorded sample_staged samples those staged before its replay.
+  void stage_sample(std::span<const RowSampling> p, const Tensor* lp) override;
+  void sample_staged(const Tensor& l, Tensor& i) override;
 
  private:
   void run(std::function<void()> op);
   std::unique_ptr<Backend> owned_;
   bool graph_step_ = false, recording_ = false;
+  std::vector<RowSampling> staged_;
+  Tensor staged_logprobs_;  // (undefined: none)
+  int64_t staged_rows_ = -1;  // -1: nothing staged this step
+  int64_t step_tokens_ = 0;
   std::vector<std::function<void()>> current_;
   std::vector<std::vector<std::function<void()>>> graphs_;
 };

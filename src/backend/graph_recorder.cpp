@@ -12,12 +12,16 @@ void GraphRecorder::run(std::function<void()> op) {
 void GraphRecorder::begin_step(const ForwardBatch& b) {
   MLA_CHECK(!recording_, "begin_step while a graph is being recorded");
   graph_step_ = false;
+  staged_rows_ = -1;
+  step_tokens_ = b.num_tokens();
   b_.begin_step(b);
 }
 
 void GraphRecorder::begin_substep(const ForwardBatch& b) {
   MLA_CHECK(!recording_, "begin_substep while a graph is being recorded");
   graph_step_ = false;
+  staged_rows_ = -1;
+  step_tokens_ = b.num_tokens();
   b_.begin_substep(b);
 }
 
@@ -27,6 +31,8 @@ void GraphRecorder::begin_graph_step(const ForwardBatch& b) {
             "a graph step is a decode batch: every sequence in the absorbed form, every token a logit row "
             "({} tokens, {} sequences)", b.num_tokens(), b.num_seqs());
   graph_step_ = true;
+  staged_rows_ = -1;
+  step_tokens_ = b.num_tokens();
   b_.begin_step(b);
 }
 
@@ -51,8 +57,25 @@ void GraphRecorder::graph_replay(int32_t g) {
 }
 
 void GraphRecorder::sample(const Tensor& l, std::span<const RowSampling> p, Tensor& i, Tensor* lp) {
-  MLA_CHECK(!recording_, "sampling is not recorded in graphs (it runs after the replay)");
+  MLA_CHECK(!recording_, "sample while a graph is being recorded (a graph samples with stage_sample + sample_staged)");
   b_.sample(l, p, i, lp);
+}
+
+void GraphRecorder::stage_sample(std::span<const RowSampling> p, const Tensor* lp) {
+  MLA_CHECK(!recording_, "stage_sample while a graph is being recorded (stage before graph_capture_begin)");
+  staged_rows_ = check_staged_sample(p, lp, step_tokens_);
+  staged_.assign(p.begin(), p.end());
+  staged_logprobs_ = lp ? *lp : Tensor();
+}
+
+void GraphRecorder::sample_staged(const Tensor& l, Tensor& i) {
+  check_sample_staged(l, i, staged_rows_);
+  run([this, l, i]() mutable {  // (the rows staged before this run: a replay's own)
+    const int64_t R = static_cast<int64_t>(staged_.size());
+    MLA_CHECK(R <= l.size(0), "sample_staged: {} rows staged for a graph of {} logit rows", R, l.size(0));
+    Tensor ids = i.rows(0, R);
+    b_.sample(l.rows(0, R), staged_, ids, staged_logprobs_.defined() ? &staged_logprobs_ : nullptr);
+  });
 }
 
 }  // namespace mlaserve

@@ -479,6 +479,8 @@ void RankSet::allocate_kv_local(int32_t num_pages, int32_t page_size, int32_t ho
   graph_sizes_.clear();
   // Every logit row of a step has a token in the cache, so a step never has more rows than the cache tokens.
   sampled_rows_ = std::clamp<int64_t>(static_cast<int64_t>(num_pages) * page_size, 1, kMaxSampledRows);
+  // A graph's sampling writes, and with attention TP sends, the ids of all its rows.
+  const int64_t graph_rows = graphs ? cuda_graph_batch_sizes(pc_.cuda_graph_max_bs).back() : 0;
   run_on_all([&](int i) {
     Rank& r = *ranks_[static_cast<size_t>(i)];
     // Graphs recorded over a previous cache would replay on its memory: drop them first.
@@ -486,8 +488,8 @@ void RankSet::allocate_kv_local(int32_t num_pages, int32_t page_size, int32_t ho
     r.backend->release_graphs();
     // Ids, logprobs and, with the MTP layer, its drafts.
     const int64_t per_row = config_.mtp_layers > 0 ? 2 + kMaxMtpChain : 2;  // (the chained drafts after the first)
-    if (!r.sampled.defined() || r.sampled.numel() < per_row * sampled_rows_)
-      r.sampled = r.backend->alloc({per_row * sampled_rows_}, DType::I32);
+    const int64_t need = std::max<int64_t>(per_row * sampled_rows_, graph_rows);
+    if (!r.sampled.defined() || r.sampled.numel() < need) r.sampled = r.backend->alloc({need}, DType::I32);
     r.model->set_prev_ids(r.sampled.rows(0, sampled_rows_));
     r.kv = std::make_unique<KvCache>(*r.backend, config_, num_pages + (graphs ? 1 : 0), page_size, pc_.kv_cache_fp8);
     if (host_slots > 0) r.kv->enable_host(host_slots);
@@ -523,6 +525,25 @@ void set_group_moe_rows(ForwardBatch& b, const std::vector<int32_t>& real, int32
 
 }  // namespace
 
+Tensor RankSet::logprobs_after(Rank& rk, int64_t R) {
+  return Tensor::view(static_cast<int32_t*>(rk.sampled.data()) + R, {R}, DType::F32, rk.sampled.device());
+}
+
+GraphSampling RankSet::graph_sampling(Rank& rk, int32_t n, std::span<const RowSampling> rows) {
+  const int32_t at = attn_tp();
+  GraphSampling gs;
+  gs.sample = rk.global % at == 0;
+  gs.rows = rows;
+  gs.ids = rk.sampled.rows(0, n);
+  if (gs.sample && !rows.empty()) gs.logprobs = logprobs_after(rk, static_cast<int64_t>(rows.size()));
+  if (at > 1) {  // all n ids (a graph's counts are fixed; the rows past the step's are not read)
+    Communicator* group = pc_.dp_size > 1 ? rk.attn.get() : rk.world.get();
+    Backend* be = rk.backend.get();
+    gs.after = [be, group, ids = gs.ids] { be->collective([group, ids]() mutable { group->broadcast(ids, 0); }); };
+  }
+  return gs;
+}
+
 void RankSet::capture_graphs() {
   const auto t0 = std::chrono::steady_clock::now();
   const std::vector<int32_t> sizes = cuda_graph_batch_sizes(pc_.cuda_graph_max_bs);
@@ -541,8 +562,10 @@ void RankSet::capture_graphs() {
     run_on_all(
         [&](int i) {
           Rank& rk = *ranks_[static_cast<size_t>(i)];
+          // (the graphs serving replays: each samples the rows staged before it, none here)
+          const GraphSampling gs = graph_sampling(rk, n, {});
           if (k == 0) rk.model->forward(padded, *rk.kv, MlaForm::Auto, d > 1 ? &info : nullptr);
-          else rk.model->forward_graph(padded, *rk.kv, d > 1 ? &info : nullptr);
+          else rk.model->forward_graph(padded, *rk.kv, d > 1 ? &info : nullptr, &gs);
           rk.backend->synchronize();
         },
         pc_.step_timeout);
@@ -565,7 +588,8 @@ void RankSet::capture_graphs() {
                                                 static_cast<int64_t>(dummy_page_ + 1) * page_size_);
             rk.backend->zero(page);
           }
-          rk.model->forward_graph(row, *rk.kv, d > 1 ? &info : nullptr);
+          const GraphSampling gs = graph_sampling(rk, 1, {});
+          rk.model->forward_graph(row, *rk.kv, d > 1 ? &info : nullptr, &gs);
           rk.backend->synchronize();
         },
         pc_.step_timeout);
@@ -653,27 +677,30 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
         Rank& rk = *ranks_[static_cast<size_t>(i)];
         const int32_t g = rk.global / at;
         const ForwardBatch& b = batches[static_cast<size_t>(g)] ? *batches[static_cast<size_t>(g)] : idle;
+        const int64_t R = static_cast<int64_t>(b.logit_rows.size());
+        const bool leader = rk.global % at == 0;
+        MLA_CHECK(R <= sampled_rows_, "step: {} logit rows in group {}, more than the {} kept on the device "
+                  "(allocate_kv first)", R, g, sampled_rows_);
+        // The group's leading rank samples its rows on the device; only ids and logprobs go to the host.
+        std::span<const RowSampling> params;
+        if (leader && R > 0) {
+          params = sampling[static_cast<size_t>(g)];
+          MLA_CHECK(static_cast<int64_t>(params.size()) == R, "step: {} sampling rows for {} logit rows of group {}",
+                    params.size(), R, g);
+        }
         Tensor logits;
-        if (graph_size > 0) {
-          logits = rk.model->forward_graph(padded[static_cast<size_t>(g)], *rk.kv, d > 1 ? &graph_info : nullptr)
+        if (graph_size > 0) {  // the graph samples too (and brings the ids to the group's other ranks)
+          const GraphSampling gs = graph_sampling(rk, graph_size, params);
+          logits = rk.model->forward_graph(padded[static_cast<size_t>(g)], *rk.kv, d > 1 ? &graph_info : nullptr, &gs)
                        .rows(0, b.num_tokens());
         } else {
           logits = rk.model->forward(b, *rk.kv, form, d > 1 ? &info : nullptr);
         }
         MLA_LOG_TRACE("rank {}: forward enqueued", rk.global);
-        const int64_t R = static_cast<int64_t>(b.logit_rows.size());
-        const bool leader = rk.global % at == 0;
-        MLA_CHECK(R <= sampled_rows_, "step: {} logit rows in group {}, more than the {} kept on the device "
-                  "(allocate_kv first)", R, g, sampled_rows_);
-        if (R > 0) {
+        if (R > 0 && graph_size == 0) {
           Tensor ids = rk.sampled.rows(0, R);
           if (leader) {
-            // The group's leading rank samples its rows on the device; only ids and logprobs go to the host.
-            const auto& params = sampling[static_cast<size_t>(g)];
-            MLA_CHECK(static_cast<int64_t>(params.size()) == R, "step: {} sampling rows for {} logit rows of group {}",
-                      params.size(), R, g);
-            Tensor lps = Tensor::view(static_cast<int32_t*>(rk.sampled.data()) + R, {R}, DType::F32,
-                                      rk.sampled.device());
+            Tensor lps = logprobs_after(rk, R);
             rk.backend->sample(logits, params, ids, &lps);
           }
           // The other ranks of the group need the ids too (the next step, and the MTP layer, read them on the device).

@@ -256,6 +256,11 @@ class RankSet {
   // held).
   std::string communicator_error();
   void capture_graphs();
+  // A graph step's sampling on rank rk (graph of n tokens; rows: what the rank samples, none but on a group's
+  // leading rank): into the rank's sampled ids, logprobs after the R ids, with attention TP the ids then broadcast.
+  GraphSampling graph_sampling(Rank& rk, int32_t n, std::span<const RowSampling> rows);
+  // F32 [R] after a leading rank's R sampled ids (its logprobs).
+  static Tensor logprobs_after(Rank& rk, int64_t R);
   int32_t attn_tp() const { return pc_.tp_size / pc_.dp_size; }
   int32_t ranks_per_node() const { return pc_.tp_size / pc_.nnodes; }
 

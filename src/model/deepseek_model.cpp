@@ -1276,12 +1276,21 @@ Tensor DeepseekModel::forward(const ForwardBatch& batch, KvCache& cache, MlaForm
   return forward_body(batch, cache, form, dp, prev_ids);
 }
 
-Tensor DeepseekModel::forward_graph(const ForwardBatch& batch, KvCache& cache, const DpStepInfo* dp) {
+Tensor DeepseekModel::forward_graph(const ForwardBatch& batch, KvCache& cache, const DpStepInfo* dp,
+                                    const GraphSampling* sampling) {
   check_ids(batch);
   MLA_LOG_TRACE("rank {}: graph forward of {} tokens", plan_.tp_rank, batch.num_tokens());
-  const std::pair<int64_t, int32_t> key{batch.num_tokens(), backend_.graph_variant(batch)};
+  const std::tuple<int64_t, int32_t, int32_t> key{batch.num_tokens(), backend_.graph_variant(batch),
+                                                  sampling ? sampling->kind() : 0};
+  if (sampling) {
+    MLA_CHECK(sampling->ids.defined() && sampling->ids.numel() == batch.num_tokens(),
+              "graph sampling: ids must hold the step's {} tokens", batch.num_tokens());
+    MLA_CHECK(sampling->sample || sampling->rows.empty(), "graph sampling: rows given to a rank that does not sample");
+  }
   backend_.begin_graph_step(batch);
   cache.copy_pages(batch.kv_saves, batch.kv_loads);  // eagerly, before the graph
+  if (sampling && sampling->sample)  // (before the recording or replay, which samples these rows)
+    backend_.stage_sample(sampling->rows, sampling->logprobs.defined() ? &sampling->logprobs : nullptr);
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
     Graph g;
@@ -1290,6 +1299,12 @@ Tensor DeepseekModel::forward_graph(const ForwardBatch& batch, KvCache& cache, c
       g.logits = forward_body(batch, cache, MlaForm::Auto, dp, /*prev_ids=*/true);
       g.hidden = last_hidden_;
       g.routes = last_routes_;
+      if (sampling) {
+        Tensor ids = sampling->ids;
+        if (sampling->sample) backend_.sample_staged(g.logits, ids);
+        if (sampling->after) sampling->after();
+        g.ids = ids.data();
+      }
     } catch (...) {
       try {
         backend_.graph_capture_end();  // leave the stream usable; the recording is dropped
@@ -1300,6 +1315,8 @@ Tensor DeepseekModel::forward_graph(const ForwardBatch& batch, KvCache& cache, c
     g.id = backend_.graph_capture_end();
     it = graphs_.emplace(key, g).first;
   }
+  MLA_CHECK(!sampling || it->second.ids == sampling->ids.data(),
+            "graph sampling: the graph of {} tokens writes its ids elsewhere than this step asks", batch.num_tokens());
   backend_.graph_replay(it->second.id);
   last_hidden_ = it->second.hidden;
   last_routes_ = it->second.routes;

@@ -13,11 +13,13 @@
 //   logits[R, V] = lm_head(rmsnorm(residual + hidden)[logit_rows])
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -80,6 +82,17 @@ struct LoadOptions {
 // --fp8-experts / --int4-experts (`flag`) auto|on|off.
 LoadOptions::KeepQuantized parse_keep_quantized(const std::string& s, const char* flag);
 
+// A decode graph's sampling (DeepseekModel::forward_graph): recorded after the forward, it samples the rows staged
+// before each replay.
+struct GraphSampling {
+  bool sample = true;               // this rank samples (a group's other ranks only run `after`)
+  std::span<const RowSampling> rows;  // this step's rows (at most the batch's tokens; row r samples logit row r)
+  Tensor ids;                       // I32 [batch tokens]: row r's id at r (rows past the step's are not written)
+  Tensor logprobs;                  // F32 [rows] (undefined: none)
+  std::function<void()> after;      // recorded after the sampling (null: nothing)
+  int32_t kind() const { return 1 + (sample ? 2 : 0) + (after ? 4 : 0); }
+};
+
 class DeepseekModel {
  public:
   // world_comm: all tp_size ranks (MLP / MoE, DP-attention gather); attn_comm: the attention-TP group (heads,
@@ -110,7 +123,11 @@ class DeepseekModel {
   // records the forward, later calls replay it on the new step's metadata. The batch is padded to the graph's
   // token count by the caller (pad_decode_batch); with DP attention every group has that count. Needs an eager
   // forward of this model before the first call.
-  Tensor forward_graph(const ForwardBatch& batch, KvCache& cache, const DpStepInfo* dp = nullptr);
+  // With `sampling`, the graph also samples the step after the forward (Backend::stage_sample, sample_staged) and
+  // then runs sampling->after (e.g. the broadcast of the ids to the group's other ranks), all recorded: graphs with
+  // and without sampling, or with other such work, are kept apart.
+  Tensor forward_graph(const ForwardBatch& batch, KvCache& cache, const DpStepInfo* dp = nullptr,
+                       const GraphSampling* sampling = nullptr);
   // Speculative decoding with the checkpoint's MTP layer (config().mtp_layers == 1; SGLang's EAGLE / NEXTN, vLLM's
   // deepseek_mtp): after forward / forward_graph of a step, the MTP layer over the same tokens (the same batch, or
   // the padded one a graph ran), still in that step: row t reads next_ids[t], the token after token t (a negative id
@@ -218,8 +235,10 @@ class DeepseekModel {
     Tensor logits;  // where the replay leaves them
     Tensor hidden;  // and the final hidden state (forward_draft's input)
     Tensor routes;  // and the routed experts (enable_route_capture)
+    const void* ids = nullptr;  // where its sampling writes the ids (GraphSampling::ids)
   };
-  std::map<std::pair<int64_t, int32_t>, Graph> graphs_;  // by token count and Backend::graph_variant
+  // By token count, Backend::graph_variant and what follows the forward (GraphSampling::kind).
+  std::map<std::tuple<int64_t, int32_t, int32_t>, Graph> graphs_;
 
   ModelConfig config_;
   Backend& backend_;

@@ -6,6 +6,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <future>
@@ -13,6 +15,7 @@
 #include <set>
 #include <tuple>
 
+#include "backend/forwarding_backend.h"
 #include "engine/engine.h"
 #include "io/safetensors.h"
 #include "structured/token_constraint.h"
@@ -754,6 +757,98 @@ TEST_P(EngineTest, DraftCheckingStepsReplayGraphs) {
     EXPECT_GE(graph_steps, steps - dp) << "tp " << tp << " dp " << dp;
     EXPECT_LT(steps, 40) << "drafts kept: fewer steps than tokens";
     EXPECT_EQ(overlapped > 0, GetParam()) << "drafts and overlap scheduling together";
+  }
+}
+
+// Counts on one rank the sampling run eagerly (Backend::sample of some rows) and the graph steps' staged sampling.
+class SampleCounter final : public ForwardingBackend {
+ public:
+  SampleCounter(std::unique_ptr<Backend> inner, std::atomic<int64_t>* eager, std::atomic<int64_t>* staged)
+      : ForwardingBackend(*inner), owned_(std::move(inner)), eager_(eager), staged_(staged) {}
+  void sample(const Tensor& l, std::span<const RowSampling> p, Tensor& i, Tensor* lp) override {
+    if (!p.empty()) ++*eager_;
+    ForwardingBackend::sample(l, p, i, lp);
+  }
+  void stage_sample(std::span<const RowSampling> p, const Tensor* lp) override {
+    ++*staged_;
+    ForwardingBackend::stage_sample(p, lp);
+  }
+
+ private:
+  std::unique_ptr<Backend> owned_;
+  std::atomic<int64_t>*eager_, *staged_;
+};
+
+// Decode steps replaying graphs sample inside them, each replay the rows staged before it (seeds' steps and penalty
+// counts change every step): seeded draws with temperature, top-k / top-p / min-p, the three penalties, a logit bias
+// and an allowed-token mask, beside a greedy request, all with logprobs, give the tokens and logprobs of eager steps;
+// only the steps of the prompts sample eagerly. On one rank, at tp 2 (the ids broadcast inside the graph) and under
+// DP attention 2/2.
+TEST_P(EngineTest, GraphStepsSampleInsideTheirGraphs) {
+  std::vector<SamplingParams> sps(4);
+  for (SamplingParams& sp : sps) sp.return_logprob = true;
+  sps[0].temperature = 0.9f;
+  sps[0].top_k = 40;
+  sps[0].top_p = 0.95f;
+  sps[0].frequency_penalty = 0.3f;
+  sps[0].presence_penalty = 0.2f;
+  sps[0].repetition_penalty = 1.1f;
+  sps[0].seed = 7;
+  sps[1].temperature = 1.3f;
+  sps[1].min_p = 0.05f;
+  sps[1].logit_bias = {{prompts_[1][0], 3.0f}, {prompts_[1][1], -2.0f}};
+  sps[1].seed = 8;
+  sps[2].temperature = 0.7f;
+  for (int32_t t = 0; t < 60; ++t) sps[2].allowed_token_ids.push_back(3 * t + 1);
+  sps[2].seed = 9;
+  sps[3].temperature = 0.0f;  // greedy
+  for (const auto& [tp, dp] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}}) {
+    SCOPED_TRACE(fmt::format("tp {} dp {}", tp, dp));
+    std::vector<std::vector<Result>> runs;
+    for (int32_t graph_max_bs : {0, 8}) {
+      std::array<std::atomic<int64_t>, 2> eager{}, staged{};
+      auto ranks = test::cpu_ranks_at(test::golden_dir("v2"), tp, dp, graph_max_bs, false, false,
+                                      [&](ParallelConfig& pc) {
+                                        pc.wrap_backend = [&](std::unique_ptr<Backend> made, int32_t rank) {
+                                          return std::make_unique<SampleCounter>(std::move(made), &eager[rank],
+                                                                                 &staged[rank]);
+                                        };
+                                      });
+      const RankSet* rs = ranks.get();
+      Engine e(std::move(ranks), test::small_engine_options(GetParam(), 512));
+      std::vector<std::future<Result>> fs;
+      for (size_t r = 0; r < sps.size(); ++r) fs.push_back(submit(e, fmt::format("r{}", r), prompts_[r], 16, sps[r]));
+      runs.emplace_back();
+      for (auto& f : fs) runs.back().push_back(wait(f));
+      int64_t steps = 0;
+      for (const RankStats& st : e.stats()) steps = std::max(steps, st.forward_steps);
+      const int64_t graph_steps = rs->graph_steps();
+      if (graph_max_bs == 0) {
+        EXPECT_EQ(graph_steps, 0);
+        EXPECT_EQ(staged[0] + staged[1], 0);
+      } else {
+        EXPECT_GE(graph_steps, 10);
+        // Every leading rank's eager sampling is of eager steps; the others never sample.
+        EXPECT_LE(eager[0], steps - graph_steps);
+        EXPECT_GE(staged[0], graph_steps);
+        if (tp == 2 && dp == 1) {
+          EXPECT_EQ(eager[1] + staged[1], 0);
+        }
+        if (dp == 2) {
+          EXPECT_LE(eager[1], steps - graph_steps);
+          EXPECT_GE(staged[1], graph_steps);
+        }
+      }
+      expect_no_leak(e);
+    }
+    for (size_t r = 0; r < sps.size(); ++r) {
+      const Result &eager = runs[0][r], &graph = runs[1][r];
+      ASSERT_EQ(graph.tokens, eager.tokens) << "request " << r;
+      ASSERT_EQ(graph.logprobs.size(), eager.logprobs.size());
+      for (size_t i = 0; i < eager.logprobs.size(); ++i)
+        EXPECT_NEAR(graph.logprobs[i].logprob, eager.logprobs[i].logprob, 1e-5) << "request " << r << " token " << i;
+    }
+    for (int32_t id : runs[1][2].tokens) EXPECT_EQ(id % 3, 1) << "the allowed tokens only";
   }
 }
 

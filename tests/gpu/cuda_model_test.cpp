@@ -702,7 +702,7 @@ TEST(CudaModel, ChunkedPrefillAndIdleStep) {
 // table at the end of the metadata) give the logits of the eager forward, step after step, while contexts grow
 // across page boundaries (max_pages changes). Golden v2 (simple attention kernels) and real-dims dummy models
 // (kv_lora 512 / rope 64: the tensor-core decode kernels, split into parts; 16 or 128 heads). fp8: an FP8 cache
-// (its decode kernel).
+// (its decode kernel). Each replay also samples the rows staged before it (GraphSampling).
 // drafts: per sequence, how many draft tokens follow its decode token (a step checking n-gram drafts: several tokens
 // of one sequence in the absorbed form, every token a logit row).
 void graph_case(const std::string& dir, bool dummy, std::optional<DType> fp8 = std::nullopt,
@@ -723,6 +723,7 @@ void graph_case(const std::string& dir, bool dummy, std::optional<DType> fp8 = s
     pre.add(toks, 0, page_of[j], false);
   }
   m.forward(pre.finish(), cache);
+  Tensor graph_ids = gm.backend->alloc({graph_rows}, DType::I32);  // (where the recorded sampling writes)
   for (int step = 0; step < 4; ++step) {
     ForwardBatchBuilder bb(ps);
     for (size_t j = 0; j < lens.size(); ++j) {
@@ -736,8 +737,37 @@ void graph_case(const std::string& dir, bool dummy, std::optional<DType> fp8 = s
     const int64_t rows = b.num_tokens();
     ASSERT_TRUE(is_graph_batch(b));
     const Tensor eager = gm.backend->to_host_f32(m.forward(b, cache));
-    const Tensor graph =
-        gm.backend->to_host_f32(m.forward_graph(pad_decode_batch(b, graph_rows, dummy_page, ps), cache).rows(0, rows));
+    // The graph samples too (greedy, seeded top-k and penalised draws; the parameters change with the step): its
+    // ids and logprobs are those of the eager sampler on the graph's logits, bit for bit.
+    std::vector<RowSampling> params(static_cast<size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) {
+      RowSampling& sp = params[static_cast<size_t>(r)];
+      sp.seed = 11 + r;
+      sp.step = static_cast<uint64_t>(step);
+      if (r % 3 == 1) {
+        sp.temperature = 0.8f;
+        sp.top_k = 20;
+      } else if (r % 3 == 2) {
+        sp.temperature = 1.1f;
+        sp.frequency_penalty = 0.4f;
+        sp.penalty_counts = {{static_cast<int32_t>(step + 2), 1 + step}};
+      }
+    }
+    GraphSampling gs;
+    gs.rows = params;
+    gs.ids = graph_ids;
+    gs.logprobs = gm.backend->alloc({rows}, DType::F32);
+    const Tensor graph_logits =
+        m.forward_graph(pad_decode_batch(b, graph_rows, dummy_page, ps), cache, nullptr, &gs).rows(0, rows);
+    const Tensor graph = gm.backend->to_host_f32(graph_logits);
+    Tensor eager_ids = gm.backend->alloc({rows}, DType::I32), eager_lps = gm.backend->alloc({rows}, DType::F32);
+    gm.backend->sample(graph_logits, params, eager_ids, &eager_lps);
+    std::vector<int32_t> got(static_cast<size_t>(graph_rows)), want(static_cast<size_t>(rows));
+    gm.backend->download(graph_ids, got.data());
+    gm.backend->download(eager_ids, want.data());
+    EXPECT_EQ(std::vector<int32_t>(got.begin(), got.begin() + rows), want) << dir << " step " << step;
+    EXPECT_EQ(diff(gm.backend->to_host_f32(eager_lps), gm.backend->to_host_f32(gs.logprobs)).max_abs, 0.0)
+        << dir << " step " << step;
     ASSERT_EQ(eager.numel(), graph.numel());
     const double sd = stddev(eager);
     const Diff d = diff(eager, graph);

@@ -16,6 +16,7 @@
 #include "backend/cuda/kernels.h"
 #include "gpu_test_util.h"
 #include "model/forward_batch.h"
+#include "test_util.h"
 
 namespace mlaserve::test {
 namespace {
@@ -1567,6 +1568,85 @@ TEST(CudaOps, SamplePendingTokenMatchesCpu) {
   EXPECT_EQ(pending_ids, sample_both(lg, counted, "the same tokens counted on the host"));
   for (int64_t r = 0; r < R; r += 4)  // the greedy rows' maximum is penalised away
     EXPECT_NE(pending_ids[static_cast<size_t>(r)], prev[static_cast<size_t>(r)]) << "row " << r;
+}
+
+// Sampling staged for a graph (Backend::stage_sample + sample_staged, the launch a decode graph records): R rows of
+// a launch of n padded rows give exactly the ids and logprobs of the eager launch of those R rows (the greedy rows'
+// parts depend on R only: a launch of 64 or 256 rows takes 1 or 3 rows' 64 parts in fewer blocks), rows past R are
+// not written, and the same launch samples whatever is staged next (other rows, other parameters).
+TEST(CudaOps, StagedSampleOfPaddedRowsEqualsEager) {
+  REQUIRE_GPU();
+  const int64_t V = 102400;
+  for (const auto& [R, n] : {std::pair<int64_t, int64_t>{1, 64}, {3, 256}, {6, 8}, {0, 8}}) {
+    const std::string what = "R " + std::to_string(R) + " of " + std::to_string(n);
+    Tensor lg = rand_host({n, V}, 80 + R, 3.0f);
+    std::vector<RowSampling> ps(static_cast<size_t>(R));
+    for (int64_t r = 0; r < R; ++r) {
+      RowSampling& sp = ps[static_cast<size_t>(r)];
+      sp.seed = 40 + r;
+      sp.step = 3;
+      if (r % 3 == 1) {
+        sp.temperature = 0.8f;
+        sp.top_k = 30;
+      } else if (r % 3 == 2) {
+        sp.temperature = 1.2f;
+        sp.frequency_penalty = 0.5f;
+        sp.penalty_counts = {{static_cast<int32_t>(r), 2}};
+      }
+    }
+    ForwardBatch b;
+    b.input_ids.assign(static_cast<size_t>(n), 1);
+    gpu().begin_step(b);
+    Tensor lgg = gpu().upload(lg, DType::F32);
+    Tensor ids = gpu().alloc({n}, DType::I32), lps = gpu().alloc({std::max<int64_t>(R, 1)}, DType::F32);
+    std::vector<int32_t> sentinel(static_cast<size_t>(n), -7);
+    Tensor sentinel_h = Tensor::empty_host({n}, DType::I32);
+    std::copy(sentinel.begin(), sentinel.end(), sentinel_h.data_as<int32_t>());
+    gpu().upload_into(sentinel_h, ids);
+    Tensor lp = lps.rows(0, R);
+    gpu().stage_sample(ps, &lp);
+    gpu().sample_staged(lgg, ids);
+    std::vector<int32_t> got(static_cast<size_t>(n));
+    gpu().download(ids, got.data());
+    const Tensor got_lp = gpu().to_host_f32(lp);
+    // The eager launch of the R rows alone.
+    Tensor ie = gpu().alloc({std::max<int64_t>(R, 1)}, DType::I32), pe = gpu().alloc({std::max<int64_t>(R, 1)},
+                                                                                       DType::F32);
+    Tensor ier = ie.rows(0, R), per = pe.rows(0, R);
+    gpu().sample(lgg.rows(0, R), ps, ier, &per);
+    std::vector<int32_t> want(static_cast<size_t>(R));
+    if (R > 0) gpu().download(ier, want.data());
+    EXPECT_EQ(std::vector<int32_t>(got.begin(), got.begin() + R), want) << what;
+    if (R > 0) expect_close(gpu().to_host_f32(per), got_lp, 0.0, 0.0, what + " logprobs");
+    for (int64_t r = R; r < n; ++r) EXPECT_EQ(got[static_cast<size_t>(r)], -7) << what << " row " << r;
+    if (R > 0) {
+      std::vector<int32_t> on_cpu(static_cast<size_t>(R));
+      Tensor lc = cpu().upload(lg, DType::F32), ic = cpu().alloc({R}, DType::I32);
+      cpu().begin_step(b);
+      cpu().sample(lc.rows(0, R), ps, ic, nullptr);
+      cpu().download(ic, on_cpu.data());
+      EXPECT_EQ(want, on_cpu) << what << " (CPU)";
+    }
+    // Staged again with other rows: all greedy, one more row; the same launch follows them.
+    if (R > 0 && R + 1 <= n) {
+      const std::vector<RowSampling> greedy(static_cast<size_t>(R + 1));
+      gpu().stage_sample(greedy, nullptr);
+      gpu().sample_staged(lgg, ids);
+      gpu().download(ids, got.data());
+      const float* l = lg.data_as<float>();
+      for (int64_t r = 0; r <= R; ++r)
+        EXPECT_EQ(got[static_cast<size_t>(r)], std::max_element(l + r * V, l + (r + 1) * V) - (l + r * V))
+            << what << " restaged row " << r;
+    }
+  }
+  EXPECT_NE(test::error_text([] {
+              Tensor lg = gpu().alloc({4, 16}, DType::F32), ids = gpu().alloc({4}, DType::I32);
+              ForwardBatch b;
+              b.input_ids.assign(4, 1);
+              gpu().begin_step(b);
+              gpu().sample_staged(lg, ids);
+            }).find("no rows were staged"),
+            std::string::npos);
 }
 
 }  // namespace

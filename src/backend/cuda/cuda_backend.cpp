@@ -238,6 +238,8 @@ class CudaBackend final : public Backend {
     lt_ws_size_ = ws_bytes;
     CUDA_OK(cudaMalloc(&blas_ws_, blas_ws_bytes), "allocating the cuBLAS workspace");
     CUDA_OK(cudaMalloc(&gate_counter_, sizeof(unsigned)), "allocating the router's counter");
+    CUDA_OK(cudaMalloc(&sample_slot_, sizeof(cuda::SampleStep)), "allocating the staged sampling's slot");
+    CUDA_OK(cudaMemsetAsync(sample_slot_, 0, sizeof(cuda::SampleStep), stream_), "clearing the sampling slot");
     CUDA_OK(cudaMemsetAsync(gate_counter_, 0, sizeof(unsigned), stream_), "clearing the router's counter");
     CUDA_OK(cudaStreamSynchronize(stream_), "clearing the arenas");
     CUBLAS_OK(cublasSetWorkspace(blas_, blas_ws_, blas_ws_bytes), "cublasSetWorkspace");
@@ -292,6 +294,7 @@ class CudaBackend final : public Backend {
     cudaFree(lt_ws_);
     cudaFree(blas_ws_);
     cudaFree(gate_counter_);
+    cudaFree(sample_slot_);
     cudaFreeHost(pinned_);
     for (Download& d : downloads_) {
       if (d.host) cudaFreeHost(d.host);
@@ -539,6 +542,7 @@ class CudaBackend final : public Backend {
     step_ = batch;
     graph_step_ = false;
     slots_checked_ = -1;
+    staged_rows_ = -1;
     plans_.clear();  // (the plans' metadata stays where earlier ops of the step read it)
     MetaUpload up(*this);  // after the step's metadata, as set_input_ids; the scratch stays
     d_input_ids_ = up.add(step_.input_ids);
@@ -824,6 +828,8 @@ class CudaBackend final : public Backend {
                    int32_t n_fixed, Tensor& out) override;
 
   void sample(const Tensor& logits, std::span<const RowSampling> params, Tensor& ids, Tensor* logprobs) override;
+  void stage_sample(std::span<const RowSampling> params, const Tensor* logprobs) override;
+  void sample_staged(const Tensor& logits, Tensor& ids) override;
 
  private:
   // Whether moe_experts of T tokens, k experts each, Is shared-expert columns takes the small-batch kernels.
@@ -883,6 +889,10 @@ class CudaBackend final : public Backend {
     CudaBackend& be_;
     size_t start_;
   };
+  // The rows' parameters and lists into the step's metadata; the step part of a sampling launch.
+  cuda::SampleStep sample_rows(std::span<const RowSampling> params, float* logprobs, MetaUpload& up);
+  // Samples the first step->R rows of logits' rows (ids [rows]); min_rows: the fewest rows step->R may have.
+  void launch_sample(const Tensor& logits, const cuda::SampleStep* step, int64_t min_rows, Tensor& ids);
 
   struct GemmPlan {
     cublasLtMatmulDesc_t desc = nullptr;
@@ -1111,6 +1121,7 @@ class CudaBackend final : public Backend {
     step_ = batch;
     graph_step_ = graph;
     slots_checked_ = -1;
+    staged_rows_ = -1;
     scratch_.used = 0;
     // Steps alternate between the two halves of the pinned staging buffer, so a step issued while the previous one
     // still runs (overlap scheduling) waits only for the uploads of the step before that.
@@ -1251,6 +1262,9 @@ class CudaBackend final : public Backend {
 #endif
   int32_t* d_positions_ = nullptr;
   unsigned* gate_counter_ = nullptr;  // cuda::moe_gate's arrival counter (0 between launches)
+  // stage_sample's rows (SampleStep) at a fixed address, which sample_staged's launches (recorded in graphs) read.
+  cuda::SampleStep* sample_slot_ = nullptr;
+  int64_t staged_rows_ = -1;  // the rows staged this step (-1: none)
   int32_t* d_out_slots_ = nullptr;
   int32_t* d_page_table_ = nullptr;
   int32_t* d_logit_rows_ = nullptr;
@@ -1747,17 +1761,15 @@ void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tens
           "moe_combine");
 }
 
-void CudaBackend::sample(const Tensor& logits, std::span<const RowSampling> params, Tensor& ids, Tensor* logprobs) {
-  const int64_t V = logits.size(-1), R = check_sample(logits, params, ids, logprobs, step_.num_tokens());
-  if (R == 0) return;
-  MLA_CHECK(!capturing_, "sampling is not recorded in graphs (it runs after the replay)");
-  std::vector<cuda::SampleRow> rows(static_cast<size_t>(R));
+cuda::SampleStep CudaBackend::sample_rows(std::span<const RowSampling> params, float* logprobs, MetaUpload& up) {
+  const size_t R = params.size();
+  std::vector<cuda::SampleRow> rows(R);
   std::vector<int32_t> ptok, pcnt, btok;
   std::vector<float> bval;
   std::vector<uint32_t> masks;
-  for (int64_t r = 0; r < R; ++r) {
-    const RowSampling& s = params[static_cast<size_t>(r)];
-    cuda::SampleRow& o = rows[static_cast<size_t>(r)];
+  for (size_t r = 0; r < R; ++r) {
+    const RowSampling& s = params[r];
+    cuda::SampleRow& o = rows[r];
     o.temperature = s.temperature;
     o.top_k = s.top_k;
     o.top_p = s.top_p;
@@ -1784,28 +1796,64 @@ void CudaBackend::sample(const Tensor& logits, std::span<const RowSampling> para
     o.mask_words = s.allowed ? static_cast<int32_t>(s.allowed->size()) : 0;
     if (s.allowed) masks.insert(masks.end(), s.allowed->begin(), s.allowed->end());
   }
-  MetaUpload up(*this);
-  cuda::SampleParams sp{};
-  sp.rows = up.add(rows);
-  sp.penalty_tokens = up.add(ptok);
-  sp.penalty_counts = up.add(pcnt);
-  sp.bias_tokens = up.add(btok);
-  sp.bias_values = up.add(bval);
-  sp.allowed = up.add(masks);
-  sp.input_ids = d_input_ids_;
-  up.flush();
+  cuda::SampleStep st{};
+  st.R = static_cast<int64_t>(R);
+  st.rows = up.add(rows);
+  st.penalty_tokens = up.add(ptok);
+  st.penalty_counts = up.add(pcnt);
+  st.bias_tokens = up.add(btok);
+  st.bias_values = up.add(bval);
+  st.allowed = up.add(masks);
+  st.input_ids = d_input_ids_;
+  st.logprobs = logprobs;
+  return st;
+}
+
+void CudaBackend::launch_sample(const Tensor& logits, const cuda::SampleStep* step, int64_t min_rows, Tensor& ids) {
+  const int64_t rows = logits.size(0), V = logits.size(-1);
   const size_t mark = scratch_mark();
-  Tensor work = scratch({R, V}, DType::F32);
+  Tensor work = scratch({rows, V}, DType::F32);
+  cuda::SampleParams sp{};
   sp.logits = logits.data_as<const float>();
-  sp.R = R;
+  sp.rows = rows;
   sp.V = V;
+  sp.min_rows = min_rows;
   sp.work = work.data_as<float>();
   sp.ids = ids.data_as<int32_t>();
-  sp.logprobs = logprobs ? logprobs->data_as<float>() : nullptr;
+  sp.step = step;
   CUDA_OK(cuda::sample(sp, stream_), "sample");
   scratch_release(mark);
 }
 
+void CudaBackend::sample(const Tensor& logits, std::span<const RowSampling> params, Tensor& ids, Tensor* logprobs) {
+  const int64_t R = check_sample(logits, params, ids, logprobs, step_.num_tokens());
+  if (R == 0) return;
+  MLA_CHECK(!capturing_, "sample while a graph is being recorded (a graph samples with stage_sample + sample_staged)");
+  MetaUpload up(*this);
+  const cuda::SampleStep st = sample_rows(params, logprobs ? logprobs->data_as<float>() : nullptr, up);
+  const cuda::SampleStep* d_st = up.add(&st, 1);
+  up.flush();
+  launch_sample(logits.reshape({R, logits.size(-1)}), d_st, R, ids);
+}
+
+void CudaBackend::stage_sample(std::span<const RowSampling> params, const Tensor* logprobs) {
+  const int64_t R = check_staged_sample(params, logprobs, step_.num_tokens());
+  MLA_CHECK(!capturing_, "stage_sample while a graph is being recorded (stage before graph_capture_begin)");
+  MetaUpload up(*this);
+  const cuda::SampleStep st = sample_rows(params, logprobs ? logprobs->data_as<float>() : nullptr, up);
+  const cuda::SampleStep* d_st = up.add(&st, 1);
+  up.flush();
+  // Into the slot, in stream order: the previous step's launches (issued earlier) have read theirs.
+  CUDA_OK(cudaMemcpyAsync(sample_slot_, d_st, sizeof(cuda::SampleStep), cudaMemcpyDeviceToDevice, stream_),
+          "staging the sampling rows");
+  staged_rows_ = R;
+}
+
+void CudaBackend::sample_staged(const Tensor& logits, Tensor& ids) {
+  check_sample_staged(logits, ids, staged_rows_);
+  if (logits.size(0) == 0) return;
+  launch_sample(logits, sample_slot_, capturing_ ? 1 : staged_rows_, ids);
+}
 }  // namespace
 
 int cuda_device_count() {

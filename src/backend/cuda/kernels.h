@@ -511,9 +511,10 @@ struct SampleRow {
   int32_t bias_begin, bias_end;        // range in the logit-bias list (ids unique within a row)
   int32_t mask_begin, mask_words;      // constrained decoding: the row's allowed-token bits in `allowed` (-1: none)
 };
-struct SampleParams {
-  const float* logits;       // [R, V]
-  int64_t R, V;
+// What a step's sampling reads that changes from step to step, in device memory: a recorded graph's launch reads
+// the step's own (staged before each replay at a fixed address).
+struct SampleStep {
+  int64_t R;                 // rows to sample (at most the launch's rows; the blocks of later rows return at once)
   const SampleRow* rows;     // [R]
   const int32_t* penalty_tokens;  // token ids of all rows' penalty lists
   const int32_t* penalty_counts;  // counts
@@ -521,10 +522,18 @@ struct SampleParams {
   const int32_t* bias_tokens;     // token ids of all rows' logit-bias lists
   const float* bias_values;       // their biases (added to the logits before the penalties)
   const uint32_t* allowed;        // rows' allowed-token bitmasks (tokens without a set bit are never drawn)
-  float* work;               // [R, V] scratch
-  int32_t* ids;              // [R] out
   float* logprobs;           // [R] out or null
 };
+struct SampleParams {
+  const float* logits;       // [rows, V]
+  int64_t rows, V;           // the launch's rows (its grid), at least step->R
+  int64_t min_rows;          // the fewest rows step->R may have (eager: rows; a graph's launch: 1)
+  float* work;               // [rows, V] scratch
+  int32_t* ids;              // [rows] out (the first step->R written)
+  const SampleStep* step;    // device memory
+};
+// Plain greedy rows of a few rows are split into parts that depend only on (step->R, V), however many rows the launch
+// has (its blocks then take several parts each): the same sums, so the same outputs, padded or not.
 cudaError_t sample(const SampleParams& p, cudaStream_t stream);
 
 }  // namespace mlaserve::cuda

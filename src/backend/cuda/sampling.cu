@@ -71,33 +71,54 @@ __device__ float row_sum_exp(const float* x, int64_t V, float mx, float* red) {
   return block_sum(z, red);
 }
 
-// Plain greedy rows (temperature 0, no penalties) of a few rows are split over many blocks: block (c, r) writes the
-// (max, lowest index of the max, sum of exp(x - max)) of part c of row r to work[r * V + 3c ...]; sample_kernel
-// merges the parts in order. Other rows return at once.
+// Plain greedy rows (temperature 0, no penalties) of a few rows are split over many blocks: block (b, r) writes the
+// (max, lowest index of the max, sum of exp(x - max)) of parts c = b, b + gridDim.x, ... of row r to
+// work[r * V + 3c ...]; sample_kernel merges the parts in order. Other rows return at once.
 constexpr int kSplitThreads = 256, kMaxSplit = 64, kMinSplitLen = 1024;
 __device__ __forceinline__ bool plain_greedy(const SampleRow& row) {
   return row.temperature <= 0.0f && row.penalty_begin == row.penalty_end && row.pending_input < 0 &&
          row.bias_begin == row.bias_end && row.mask_begin < 0;
 }
 
-__global__ void __launch_bounds__(kSplitThreads) greedy_parts_kernel(const SampleParams p, int32_t parts) {
+// How many parts split each plain greedy row of a step of R rows: a few rows leave most SMs idle with one block each
+// (256 blocks in all at most).
+__host__ __device__ inline int32_t split_parts(int64_t R, int64_t V) {
+  int64_t n = R > 1 ? 256 / R : 256;
+  if (V / kMinSplitLen < n) n = V / kMinSplitLen;
+  if (n > kMaxSplit) n = kMaxSplit;
+  return static_cast<int32_t>(n < 1 ? 1 : n);
+}
+
+// The step's sampling parameters, read once per block (after the PDL wait: the upload before may still run).
+__device__ __forceinline__ void load_step(const SampleStep* from, SampleStep& st) {
+  if (threadIdx.x == 0) st = *from;
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kSplitThreads) greedy_parts_kernel(const SampleParams p) {
   pdl_wait();
   pdl_trigger();
   __shared__ float red[32];
   __shared__ int redi[32];
+  __shared__ SampleStep st;
+  load_step(p.step, st);
   const int64_t r = blockIdx.y;
-  if (!plain_greedy(p.rows[r])) return;
-  const int64_t len = (p.V + parts - 1) / parts, v0 = min(p.V, blockIdx.x * len), v1 = min(p.V, v0 + len);
-  const float* lg = p.logits + r * p.V + v0;
-  float bv;
-  int bi;
-  row_argmax(lg, v1 - v0, bv, bi, red, redi);
-  const float z = p.logprobs && bi >= 0 ? row_sum_exp(lg, v1 - v0, bv, red) : 0.0f;
-  if (threadIdx.x == 0) {
-    float* part = p.work + r * p.V + 3 * blockIdx.x;
-    part[0] = bv;
-    part[1] = __int_as_float(bi < 0 ? -1 : static_cast<int>(v0) + bi);
-    part[2] = z;
+  const int32_t parts = split_parts(st.R, p.V);
+  if (r >= st.R || parts <= 1 || !plain_greedy(st.rows[r])) return;
+  const int64_t len = (p.V + parts - 1) / parts;
+  for (int32_t c = blockIdx.x; c < parts; c += gridDim.x) {  // (a padded launch: fewer blocks than the step's parts)
+    const int64_t v0 = min(p.V, c * len), v1 = min(p.V, v0 + len);
+    const float* lg = p.logits + r * p.V + v0;
+    float bv;
+    int bi;
+    row_argmax(lg, v1 - v0, bv, bi, red, redi);
+    const float z = st.logprobs && bi >= 0 ? row_sum_exp(lg, v1 - v0, bv, red) : 0.0f;
+    if (threadIdx.x == 0) {
+      float* part = p.work + r * p.V + 3 * c;
+      part[0] = bv;
+      part[1] = __int_as_float(bi < 0 ? -1 : static_cast<int>(v0) + bi);
+      part[2] = z;
+    }
   }
 }
 
@@ -107,9 +128,11 @@ __device__ __forceinline__ void penalise(float* x, int64_t V, const SampleRow& r
   x[tok] = penalised_logit(x[tok], row.repetition_penalty, row.frequency_penalty, row.presence_penalty, cnt);
 }
 
-__global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SampleParams p, int32_t parts) {
+__global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SampleParams p) {
   pdl_wait();
   pdl_trigger();
+  __shared__ SampleStep st;
+  load_step(p.step, st);
   __shared__ float red[32];
   __shared__ int redi[32];
   __shared__ float hist_mass[256];
@@ -119,8 +142,10 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
   __shared__ int sh_need;
 
   const int64_t r = blockIdx.x;
+  if (r >= st.R) return;
+  const int32_t parts = split_parts(st.R, p.V);
   const int64_t V = p.V;
-  const SampleRow& row = p.rows[r];  // read where used (L1): fewer registers live through the kernel
+  const SampleRow& row = st.rows[r];  // read where used (L1): fewer registers live through the kernel
   const float* lg = p.logits + r * V;
   float* x = p.work + r * V;
   const int tid = threadIdx.x;
@@ -139,9 +164,9 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
     int best = i;
     block_argmax(m, best, red, redi);  // (value desc, index asc), as the parts' own argmax
     if (tid == 0) p.ids[r] = best;
-    if (p.logprobs) {
+    if (st.logprobs) {
       const float zsum = block_sum(i >= 0 ? z * expf(v - m) : 0.0f, red);
-      if (tid == 0) p.logprobs[r] = -logf(zsum);
+      if (tid == 0) st.logprobs[r] = -logf(zsum);
     }
     return;
   }
@@ -149,15 +174,15 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
     float bv;
     int bi;
     row_argmax(lg, V, bv, bi, red, redi);
-    if (p.logprobs) {
+    if (st.logprobs) {
       const float z = row_sum_exp(lg, V, bv, red);
-      if (tid == 0) p.logprobs[r] = -logf(z);
+      if (tid == 0) st.logprobs[r] = -logf(z);
     }
     if (tid == 0) p.ids[r] = bi;
     return;
   }
   if (row.mask_begin >= 0) {  // constrained decoding: tokens outside the mask are never drawn
-    const uint32_t* m = p.allowed + row.mask_begin;
+    const uint32_t* m = st.allowed + row.mask_begin;
     for (int64_t v = tid; v < V; v += blockDim.x)
       x[v] = v / 32 < row.mask_words && (m[v / 32] >> (v % 32) & 1u) ? lg[v] : -INFINITY;
   } else {
@@ -165,19 +190,19 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
   }
   __syncthreads();
   for (int i = row.bias_begin + tid; i < row.bias_end; i += blockDim.x) {
-    const int32_t tok = p.bias_tokens[i];
-    if (tok >= 0 && tok < V) x[tok] += p.bias_values[i];
+    const int32_t tok = st.bias_tokens[i];
+    if (tok >= 0 && tok < V) x[tok] += st.bias_values[i];
   }
   __syncthreads();
   // The pending token (a generated token still in flight when the row was built) counts once more: in its entry
   // when the list has one, else as an entry of its own (cpu::count_token).
-  const int32_t pending = row.pending_input >= 0 ? p.input_ids[row.pending_input] : -1;
+  const int32_t pending = row.pending_input >= 0 ? st.input_ids[row.pending_input] : -1;
   bool listed = false;
   for (int i = row.penalty_begin + tid; i < row.penalty_end; i += blockDim.x) {
-    const int32_t tok = p.penalty_tokens[i];
+    const int32_t tok = st.penalty_tokens[i];
     const bool mine = tok == pending;
     listed |= mine;
-    penalise(x, V, row, tok, p.penalty_counts[i] + (mine ? 1 : 0));
+    penalise(x, V, row, tok, st.penalty_counts[i] + (mine ? 1 : 0));
   }
   if (!__syncthreads_or(listed) && tid == 0) penalise(x, V, row, pending, 1);
   __syncthreads();
@@ -194,7 +219,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
   if (greedy) {
     if (tid == 0) {
       p.ids[r] = bi;
-      if (p.logprobs) p.logprobs[r] = -log_z;
+      if (st.logprobs) st.logprobs[r] = -log_z;
     }
     return;
   }
@@ -294,23 +319,23 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SamplePara
   block_argmax(best, besti, red, redi);
   if (tid == 0) {
     p.ids[r] = besti;
-    if (p.logprobs) p.logprobs[r] = x[besti] - xmax - log_z;
+    if (st.logprobs) st.logprobs[r] = x[besti] - xmax - log_z;
   }
 }
 
 }  // namespace
 
 cudaError_t sample(const SampleParams& p, cudaStream_t stream) {
-  if (p.R == 0) return cudaSuccess;
-  // A few rows leave most SMs idle with one block each: their greedy rows are split (256 blocks in all at most).
-  const int32_t parts = static_cast<int32_t>(
-      std::min<int64_t>({kMaxSplit, std::max<int64_t>(1, 256 / p.R), std::max<int64_t>(1, p.V / kMinSplitLen)}));
-  if (parts > 1) {
-    const cudaError_t e = launch(greedy_parts_kernel, dim3(static_cast<unsigned>(parts), static_cast<unsigned>(p.R)),
-                                 kSplitThreads, 0, stream, p, parts);
+  if (p.rows == 0) return cudaSuccess;
+  // The parts kernel runs when some row count the launch serves splits its rows (a padded launch's step may have
+  // fewer rows than the launch, so more parts per row: its blocks then take several).
+  if (split_parts(std::max<int64_t>(p.min_rows, 1), p.V) > 1) {
+    const unsigned parts = static_cast<unsigned>(split_parts(p.rows, p.V));
+    const cudaError_t e =
+        launch(greedy_parts_kernel, dim3(parts, static_cast<unsigned>(p.rows)), kSplitThreads, 0, stream, p);
     if (e != cudaSuccess) return e;
   }
-  return launch(sample_kernel, static_cast<unsigned>(p.R), kSampleThreads, 0, stream, p, parts);
+  return launch(sample_kernel, static_cast<unsigned>(p.rows), kSampleThreads, 0, stream, p);
 }
 
 }  // namespace mlaserve::cuda
