@@ -783,7 +783,7 @@ class SampleCounter final : public ForwardingBackend {
 // counts change every step): seeded draws with temperature, top-k / top-p / min-p, the three penalties, a logit bias
 // and an allowed-token mask, beside a greedy request, all with logprobs, give the tokens and logprobs of eager steps;
 // only the steps of the prompts sample eagerly. On one rank, at tp 2 (the ids broadcast inside the graph) and under
-// DP attention 2/2.
+// DP attention 2/2 and 4/2 (groups of two ranks: the broadcast within the group).
 TEST_P(EngineTest, GraphStepsSampleInsideTheirGraphs) {
   std::vector<SamplingParams> sps(4);
   for (SamplingParams& sp : sps) sp.return_logprob = true;
@@ -802,11 +802,11 @@ TEST_P(EngineTest, GraphStepsSampleInsideTheirGraphs) {
   for (int32_t t = 0; t < 60; ++t) sps[2].allowed_token_ids.push_back(3 * t + 1);
   sps[2].seed = 9;
   sps[3].temperature = 0.0f;  // greedy
-  for (const auto& [tp, dp] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}}) {
+  for (const auto& [tp, dp] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}, std::pair{4, 2}}) {
     SCOPED_TRACE(fmt::format("tp {} dp {}", tp, dp));
     std::vector<std::vector<Result>> runs;
     for (int32_t graph_max_bs : {0, 8}) {
-      std::array<std::atomic<int64_t>, 2> eager{}, staged{};
+      std::array<std::atomic<int64_t>, 4> eager{}, staged{};
       auto ranks = test::cpu_ranks_at(test::golden_dir("v2"), tp, dp, graph_max_bs, false, false,
                                       [&](ParallelConfig& pc) {
                                         pc.wrap_backend = [&](std::unique_ptr<Backend> made, int32_t rank) {
@@ -825,18 +825,17 @@ TEST_P(EngineTest, GraphStepsSampleInsideTheirGraphs) {
       const int64_t graph_steps = rs->graph_steps();
       if (graph_max_bs == 0) {
         EXPECT_EQ(graph_steps, 0);
-        EXPECT_EQ(staged[0] + staged[1], 0);
+        for (int rank = 0; rank < tp; ++rank) EXPECT_EQ(staged[rank], 0);
       } else {
         EXPECT_GE(graph_steps, 10);
-        // Every leading rank's eager sampling is of eager steps; the others never sample.
-        EXPECT_LE(eager[0], steps - graph_steps);
-        EXPECT_GE(staged[0], graph_steps);
-        if (tp == 2 && dp == 1) {
-          EXPECT_EQ(eager[1] + staged[1], 0);
-        }
-        if (dp == 2) {
-          EXPECT_LE(eager[1], steps - graph_steps);
-          EXPECT_GE(staged[1], graph_steps);
+        // Every group's leading rank samples eagerly in eager steps only; the group's other ranks never sample.
+        for (int rank = 0; rank < tp; ++rank) {
+          if (rank % (tp / dp) == 0) {
+            EXPECT_LE(eager[rank], steps - graph_steps) << "rank " << rank;
+            EXPECT_GE(staged[rank], graph_steps) << "rank " << rank;
+          } else {
+            EXPECT_EQ(eager[rank] + staged[rank], 0) << "rank " << rank;
+          }
         }
       }
       expect_no_leak(e);
