@@ -85,11 +85,11 @@ LoadOptions::KeepQuantized parse_keep_quantized(const std::string& s, const char
 // A decode graph's sampling (DeepseekModel::forward_graph): recorded after the forward, it samples the rows staged
 // before each replay.
 struct GraphSampling {
-  bool sample = true;               // this rank samples (a group's other ranks only run `after`)
+  bool sample = true;                 // this rank samples (a group's other ranks only run `after`)
   std::span<const RowSampling> rows;  // this step's rows (at most the batch's tokens; row r samples logit row r)
-  Tensor ids;                       // I32 [batch tokens]: row r's id at r (rows past the step's are not written)
-  Tensor logprobs;                  // F32 [rows] (undefined: none)
-  std::function<void()> after;      // recorded after the sampling (null: nothing)
+  Tensor ids;                         // I32 [batch tokens]: row r's id at r (rows past the step's are not written)
+  Tensor logprobs;                    // F32 [rows] (undefined: none)
+  std::function<void()> after;        // recorded after the sampling (null: nothing)
   int32_t kind() const { return 1 + (sample ? 2 : 0) + (after ? 4 : 0); }
 };
 
