@@ -399,6 +399,20 @@ TEST(CudaModel, GoldenCheckModels) {
     rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
   }
 }
+// Random configs of tools/device/config_fuzz.py kept as golden families (tests/golden/data/random, made by
+// tools/device/random_goldens_run.sh), judged as the checkpoints MLASERVE_CHECK_MODELS names.
+TEST(CudaModel, GoldenRandomConfigs) {
+  REQUIRE_GPU();
+  const std::string root = golden_dir() + "/random";
+  if (!std::filesystem::exists(root)) GTEST_SKIP() << "no random configs at " << root;
+  std::vector<std::string> dirs;
+  for (const auto& e : std::filesystem::directory_iterator(root)) dirs.push_back(e.path().string());
+  std::sort(dirs.begin(), dirs.end());
+  for (const std::string& d : dirs) {
+    SCOPED_TRACE(d);
+    golden_family(d, {}, kRandomModelTol);
+  }
+}
 // An FP8 checkpoint (weights dequantized to bf16 at load), against Hugging Face (tools/golden/make_fp8_golden.py).
 // v2-fp8-tensor is checked on the CPU only: on the GPU its longest prompt is 0.143 of the logits' std off with the
 // routing forced (2026-12-01), past the bf16 families' 0.10, though it loads the same bf16 weights as the CPU, which
