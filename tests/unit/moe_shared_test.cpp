@@ -71,12 +71,8 @@ TEST(MoeShared, MismatchedSharedWeightsAreClearErrors) {
   Tensor ids = be->alloc({T, 1}, DType::I32), out = be->alloc({T, H}, DType::F32);
   Tensor sgu = random_tensor(*be, {2 * 6, H}, 5, 0.3f), bad_dn = random_tensor(*be, {H, 5}, 6, 0.3f);
   auto message = [&](const Tensor* g, const Tensor* d) {
-    try {
-      be->moe_experts(x, ids, w, gu, dn, 0, g, d, 0, out);
-    } catch (const std::exception& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
+    const std::string e = test::error_text([&] { be->moe_experts(x, ids, w, gu, dn, 0, g, d, 0, out); });
+    return e.empty() ? std::string("no error") : e;
   };
   EXPECT_NE(message(&sgu, nullptr).find("need both their gate_up and down"), std::string::npos);
   EXPECT_NE(message(&sgu, &bad_dn).find("shared experts gate_up [12, 8] / down [8, 5]"), std::string::npos)
@@ -168,13 +164,9 @@ TEST(MoeShared, GateRoutesTheRouterLogits) {
     EXPECT_NEAR(w.data_as<float>()[t * 2] + w.data_as<float>()[t * 2 + 1], 1.0f, 1e-5f);
   }
   Tensor narrow = random_tensor(*be, {E, H - 1}, 9, 1.0f);
-  try {
-    be->moe_gate(x, narrow, nullptr, rp, ids, w);
-    ADD_FAILURE() << "a router of the wrong width was accepted";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("moe_gate: router [5, 5] does not match input [2, 6]"), std::string::npos)
-        << e.what();
-  }
+  const std::string e = test::error_text([&] { be->moe_gate(x, narrow, nullptr, rp, ids, w); });
+  EXPECT_NE(e.find("moe_gate: router [5, 5] does not match input [2, 6]"), std::string::npos)
+      << "a router of the wrong width: " << e;
 }
 
 }  // namespace
