@@ -8,6 +8,8 @@
 // fed the reference's own tokens, the picks of every step whose margin is not such a near tie.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cmath>
 
 #include "backend/forwarding_backend.h"
@@ -101,7 +103,7 @@ TEST_P(GoldenModel, SameLogitsAloneAndInRaggedBatch) {
   OfflineOptions o;
   o.max_new_tokens = 4;
   OfflineResult batch = run_offline(*l.model, g.prompts, o);
-  for (size_t j : {size_t(1), size_t(4)}) {
+  for (size_t j : {size_t(1), g.prompts.size() - 1}) {  // (the longest)
     OfflineResult alone = run_offline(*l.model, {g.prompts[j]}, o);
     EXPECT_LT(test::rel_err(alone.prompt_logits[0], batch.prompt_logits[j]), 1e-6) << "prompt " << j;
     EXPECT_EQ(alone.greedy[0], batch.greedy[j]);
@@ -114,7 +116,7 @@ TEST_P(GoldenModel, SameLogitsAloneAndInRaggedBatch) {
 TEST_P(GoldenModel, TeacherForcedDecodeFollowsTheFedTokens) {
   Golden g = read_golden(GetParam());
   Loaded l = load(GetParam());
-  std::vector<std::vector<int32_t>> prompts{g.prompts[1], g.prompts[3]};
+  std::vector<std::vector<int32_t>> prompts{g.prompts[1], g.prompts[std::min<size_t>(3, g.prompts.size() - 1)]};
   OfflineOptions o;
   o.max_new_tokens = 5;
   o.decode_logits = true;
@@ -153,7 +155,9 @@ TEST_P(GoldenModel, TeacherForcedDecodeFollowsTheFedTokens) {
 TEST_P(GoldenModel, AbsorbedAndExpandedMlaAgree) {
   Golden g = read_golden(GetParam());
   Loaded l = load(GetParam());
-  std::vector<std::vector<int32_t>> prompts{g.prompts[2], g.prompts[3]};
+  const size_t n = g.prompts.size();  // (5 prompts in the named families, 3 in the random ones)
+  std::vector<std::vector<int32_t>> prompts{g.prompts[std::min<size_t>(2, n - 2)],
+                                            g.prompts[std::min<size_t>(3, n - 1)]};
   OfflineOptions o;
   o.max_new_tokens = 6;
   o.form = MlaForm::Expanded;
@@ -169,7 +173,8 @@ TEST_P(GoldenModel, AbsorbedAndExpandedMlaAgree) {
 TEST_P(GoldenModel, ChunkedPrefillEqualsPrefillAtOnce) {
   Golden g = read_golden(GetParam());
   Loaded l = load(GetParam());
-  std::vector<std::vector<int32_t>> prompts{g.prompts[4], g.prompts[1], g.prompts[3]};
+  const size_t n = g.prompts.size();  // the longest first, then two shorter ones
+  std::vector<std::vector<int32_t>> prompts{g.prompts[n - 1], g.prompts[1], g.prompts[n >= 4 ? 3 : 0]};
   OfflineOptions o;
   o.max_new_tokens = 3;
   OfflineResult whole = run_offline(*l.model, prompts, o);
@@ -259,13 +264,17 @@ TEST_P(GoldenModel, Fp8KvCacheIsTheRoundedCacheModel) {
 // odd-v3 / odd-v2: widths no kernel is tuned to (hidden 96 / 80, three / five heads, latent 40 / 48, RoPE 8 / 16 wide),
 // every layer MoE in two expert groups / a plain q_proj with YaRN (tools/golden/make_golden.py).
 // kimi: Kimi-K2's routing (384 experts top-8 in one group, routed_scaling_factor 2.827) and YaRN (factor 32, beta 1 / 1).
+// random/*: random configs of tools/device/config_fuzz.py (tools/device/random_goldens_run.sh): V2 and V3 forms of
+// one to five heads in hidden 32-80, q LoRA or not, RoPE 4-32 wide with and without YaRN, every routing kind with
+// groups, routed scaling 1.5-16, all-MoE or dense layers first.
 INSTANTIATE_TEST_SUITE_P(Families, GoldenModel,
                          ::testing::Values("v2lite", "v2", "v3", "v3-fp8", "v2-fp8-tensor", "odd-v3", "odd-v2",
-                                           "kimi"),
+                                           "kimi", "random/s11-fuzz2", "random/s12-fuzz2", "random/s13-fuzz17",
+                                           "random/s14-fuzz4", "random/s16-fuzz3", "random/s18-fuzz6"),
                          [](const ::testing::TestParamInfo<std::string>& p) {
                            std::string n = p.param;
                            for (char& ch : n)
-                             if (ch == '-') ch = '_';
+                             if (ch == '-' || ch == '/') ch = '_';
                            return n;
                          });
 
