@@ -6,17 +6,27 @@
 
 namespace mlaserve {
 
+namespace {
+
+// The rows' checks of sample() and stage_sample() (`what`): logprobs F32 [R], every pending input a token of the step.
+void check_rows(const char* what, std::span<const RowSampling> params, const Tensor* logprobs, int64_t step_tokens) {
+  const int64_t R = static_cast<int64_t>(params.size());
+  MLA_CHECK(!logprobs || (logprobs->dtype() == DType::F32 && logprobs->numel() == R), "{}: logprobs must be F32 [{}]",
+            what, R);
+  for (const RowSampling& s : params)
+    MLA_CHECK(s.pending_input < step_tokens, "{}: pending input {} of a {}-token step", what, s.pending_input,
+              step_tokens);
+}
+
+}  // namespace
+
 int64_t Backend::check_sample(const Tensor& logits, std::span<const RowSampling> params, const Tensor& ids,
                               const Tensor* logprobs, int64_t step_tokens) {
   const int64_t R = logits.dim() >= 1 ? logits.numel() / std::max<int64_t>(logits.size(-1), 1) : 0;
   MLA_CHECK(static_cast<int64_t>(params.size()) == R, "sample: {} parameter rows for {} logit rows", params.size(), R);
   MLA_CHECK(logits.dtype() == DType::F32, "sample: logits must be F32");
   MLA_CHECK(ids.dtype() == DType::I32 && ids.numel() == R, "sample: ids must be I32 [{}]", R);
-  MLA_CHECK(!logprobs || (logprobs->dtype() == DType::F32 && logprobs->numel() == R),
-            "sample: logprobs must be F32 [{}]", R);
-  for (const RowSampling& s : params)
-    MLA_CHECK(s.pending_input < step_tokens, "sample: pending input {} of a {}-token step", s.pending_input,
-              step_tokens);
+  check_rows("sample", params, logprobs, step_tokens);
   return R;
 }
 
@@ -24,11 +34,7 @@ int64_t Backend::check_staged_sample(std::span<const RowSampling> params, const 
                                      int64_t step_tokens) {
   const int64_t R = static_cast<int64_t>(params.size());
   MLA_CHECK(R <= step_tokens, "stage_sample: {} rows for a step of {} tokens", R, step_tokens);
-  MLA_CHECK(!logprobs || (logprobs->dtype() == DType::F32 && logprobs->numel() == R),
-            "stage_sample: logprobs must be F32 [{}]", R);
-  for (const RowSampling& s : params)
-    MLA_CHECK(s.pending_input < step_tokens, "stage_sample: pending input {} of a {}-token step", s.pending_input,
-              step_tokens);
+  check_rows("stage_sample", params, logprobs, step_tokens);
   return R;
 }
 

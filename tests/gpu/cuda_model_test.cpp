@@ -753,20 +753,7 @@ void graph_case(const std::string& dir, bool dummy, std::optional<DType> fp8 = s
     const Tensor eager = gm.backend->to_host_f32(m.forward(b, cache));
     // The graph samples too (greedy, seeded top-k and penalised draws; the parameters change with the step): its
     // ids and logprobs are those of the eager sampler on the graph's logits, bit for bit.
-    std::vector<RowSampling> params(static_cast<size_t>(rows));
-    for (int64_t r = 0; r < rows; ++r) {
-      RowSampling& sp = params[static_cast<size_t>(r)];
-      sp.seed = 11 + r;
-      sp.step = static_cast<uint64_t>(step);
-      if (r % 3 == 1) {
-        sp.temperature = 0.8f;
-        sp.top_k = 20;
-      } else if (r % 3 == 2) {
-        sp.temperature = 1.1f;
-        sp.frequency_penalty = 0.4f;
-        sp.penalty_counts = {{static_cast<int32_t>(step + 2), 1 + step}};
-      }
-    }
+    const std::vector<RowSampling> params = mixed_sampling(rows, 11, step);
     GraphSampling gs;
     gs.rows = params;
     gs.ids = graph_ids;

@@ -1580,20 +1580,7 @@ TEST(CudaOps, StagedSampleOfPaddedRowsEqualsEager) {
   for (const auto& [R, n] : {std::pair<int64_t, int64_t>{1, 64}, {3, 256}, {6, 8}, {0, 8}}) {
     const std::string what = "R " + std::to_string(R) + " of " + std::to_string(n);
     Tensor lg = rand_host({n, V}, 80 + R, 3.0f);
-    std::vector<RowSampling> ps(static_cast<size_t>(R));
-    for (int64_t r = 0; r < R; ++r) {
-      RowSampling& sp = ps[static_cast<size_t>(r)];
-      sp.seed = 40 + r;
-      sp.step = 3;
-      if (r % 3 == 1) {
-        sp.temperature = 0.8f;
-        sp.top_k = 30;
-      } else if (r % 3 == 2) {
-        sp.temperature = 1.2f;
-        sp.frequency_penalty = 0.5f;
-        sp.penalty_counts = {{static_cast<int32_t>(r), 2}};
-      }
-    }
+    const std::vector<RowSampling> ps = mixed_sampling(R, 40, 3);
     ForwardBatch b;
     b.input_ids.assign(static_cast<size_t>(n), 1);
     gpu().begin_step(b);

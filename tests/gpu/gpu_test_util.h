@@ -10,6 +10,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
@@ -52,6 +53,26 @@ inline Tensor rand_host(const Shape& shape, uint64_t seed, float scale = 1.0f) {
   float* p = t.data_as<float>();
   for (int64_t i = 0; i < t.numel(); ++i) p[i] = bf16_to_f32(f32_to_bf16(d(rng)));
   return t;
+}
+
+// R sampling rows in turn greedy, a seeded top-k draw and a penalised draw (row r: seed seed0 + r; `step` also
+// moves the penalised token and its count).
+inline std::vector<RowSampling> mixed_sampling(int64_t R, uint64_t seed0, int32_t step) {
+  std::vector<RowSampling> ps(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    RowSampling& sp = ps[static_cast<size_t>(r)];
+    sp.seed = seed0 + static_cast<uint64_t>(r);
+    sp.step = static_cast<uint64_t>(step);
+    if (r % 3 == 1) {
+      sp.temperature = 0.8f;
+      sp.top_k = 20;
+    } else if (r % 3 == 2) {
+      sp.temperature = 1.1f;
+      sp.frequency_penalty = 0.4f;
+      sp.penalty_counts = {{static_cast<int32_t>(r) + step + 2, 1 + step}};
+    }
+  }
+  return ps;
 }
 
 struct Diff {
