@@ -536,12 +536,14 @@ GraphSampling RankSet::graph_sampling(Rank& rk, int32_t n, std::span<const RowSa
   gs.rows = rows;
   gs.ids = rk.sampled.rows(0, n);
   if (gs.sample && !rows.empty()) gs.logprobs = logprobs_after(rk, static_cast<int64_t>(rows.size()));
-  if (at > 1) {  // all n ids (a graph's counts are fixed; the rows past the step's are not read)
-    Communicator* group = pc_.dp_size > 1 ? rk.attn.get() : rk.world.get();
-    Backend* be = rk.backend.get();
-    gs.after = [be, group, ids = gs.ids] { be->collective([group, ids]() mutable { group->broadcast(ids, 0); }); };
-  }
+  // All n ids (a graph's counts are fixed; the rows past the step's are not read). (`after` runs within the call.)
+  if (at > 1) gs.after = [this, &rk, ids = gs.ids] { share_ids(rk, ids); };
   return gs;
+}
+
+void RankSet::share_ids(Rank& rk, const Tensor& ids) {
+  Communicator* group = pc_.dp_size > 1 ? rk.attn.get() : rk.world.get();
+  rk.backend->collective([group, t = ids]() mutable { group->broadcast(t, 0); });
 }
 
 void RankSet::capture_graphs() {
@@ -704,8 +706,7 @@ void RankSet::launch_local(const std::vector<const ForwardBatch*>& batches,
             rk.backend->sample(logits, params, ids, &lps);
           }
           // The other ranks of the group need the ids too (the next step, and the MTP layer, read them on the device).
-          Communicator* group = d > 1 ? rk.attn.get() : rk.world.get();
-          if (at > 1) rk.backend->collective([group, ids]() mutable { group->broadcast(ids, 0); });
+          if (at > 1) share_ids(rk, ids);
         }
         if (mtp) {
           // The MTP layer over the same tokens (every rank, idle groups too: its MoE joins the collectives); its

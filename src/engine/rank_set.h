@@ -259,6 +259,8 @@ class RankSet {
   // A graph step's sampling on rank rk (graph of n tokens; rows: what the rank samples, none but on a group's
   // leading rank): into the rank's sampled ids, logprobs after the R ids, with attention TP the ids then broadcast.
   GraphSampling graph_sampling(Rank& rk, int32_t n, std::span<const RowSampling> rows);
+  // Brings a group's leading rank's sampled ids to the group's other ranks (attention TP), in the step's order.
+  void share_ids(Rank& rk, const Tensor& ids);
   // F32 [R] after a leading rank's R sampled ids (its logprobs).
   static Tensor logprobs_after(Rank& rk, int64_t R);
   int32_t attn_tp() const { return pc_.tp_size / pc_.dp_size; }
