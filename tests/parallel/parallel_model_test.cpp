@@ -55,6 +55,50 @@ TEST_P(ParallelLayouts, EqualToSingleRank) {
 
 INSTANTIATE_TEST_SUITE_P(Families, ParallelLayouts, ::testing::Values("v2lite", "v2", "v3"));
 
+// Whether config c splits over layout l: heads and vocabulary over the attention-TP group, the dense and expert widths
+// over all ranks, the routed experts over all ranks when split by expert (the model's own checks, restated).
+bool fits(const ModelConfig& c, const Layout& l) {
+  const int attn_tp = l.tp / l.dp;
+  return c.num_attention_heads % attn_tp == 0 && c.vocab_size % attn_tp == 0 && c.intermediate_size % l.tp == 0 &&
+         c.moe_intermediate_size % l.tp == 0 && (!l.ep || c.n_routed_experts % l.tp == 0);
+}
+
+// The random configs (one to sixteen heads, one to four layers, every routing kind) in every layout their shapes
+// split into: DP attention with whole heads on each rank covers the one- and five-head ones.
+class RandomFamilyLayouts : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(RandomFamilyLayouts, EqualToSingleRank) {
+  const ModelConfig c = ModelConfig::from_file(test::golden_dir(GetParam()));
+  auto prompts = test::golden_prompts(GetParam());
+  ASSERT_FALSE(prompts.empty());
+  OfflineResult ref = run(GetParam(), 1, 1, prompts);
+  int ran = 0;
+  for (Layout l : {Layout{2, 1}, Layout{4, 1}, Layout{2, 2}, Layout{4, 4}, Layout{4, 2}, Layout{2, 1, true},
+                   Layout{2, 2, true}, Layout{4, 4, true}, Layout{4, 2, true}}) {
+    const std::string name = "tp " + std::to_string(l.tp) + " dp-attention " + std::to_string(l.dp) +
+                             (l.ep ? " expert-parallel" : "");
+    if (!fits(c, l)) {  // the model refuses it, naming what does not divide
+      std::string err = test::error_text([&] { run(GetParam(), l.tp, l.dp, prompts, 0, l.ep); });
+      EXPECT_NE(err.find("is not divisible by"), std::string::npos) << name << ": " << err;
+      continue;
+    }
+    SCOPED_TRACE(name);
+    expect_same(run(GetParam(), l.tp, l.dp, prompts, 0, l.ep), ref);
+    ++ran;
+  }
+  EXPECT_GE(ran, 3);  // every random config splits at least as DP attention 2/2 and 4/4 and one expert layout
+}
+
+INSTANTIATE_TEST_SUITE_P(Random, RandomFamilyLayouts,
+                         ::testing::Values("random/s11-fuzz2", "random/s12-fuzz2", "random/s13-fuzz17",
+                                           "random/s14-fuzz4", "random/s16-fuzz3", "random/s18-fuzz6"),
+                         [](const ::testing::TestParamInfo<std::string>& p) {
+                           std::string n = p.param.substr(p.param.find('/') + 1);
+                           for (char& ch : n)
+                             if (ch == '-') ch = '_';
+                           return n;
+                         });
+
 TEST(DpAttention, IdleAndUnevenGroups) {
   auto prompts = test::golden_prompts("v3");
   // One prompt over four groups: three groups are idle at every step.
