@@ -724,6 +724,7 @@ void graph_case(const std::string& dir, bool dummy, std::optional<DType> fp8 = s
   GpuModel gm(dir, dummy);
   DeepseekModel& m = *gm.model;
   const int32_t ps = 16, pages = 40, dummy_page = pages, graph_rows = 8;
+  const auto V = static_cast<int32_t>(m.config().vocab_size);  // (small in the random configs: 300-1000)
   KvCache cache(*gm.backend, m.config(), pages + 1, ps, fp8);
   const std::vector<int32_t> lens = {5, 16, 47};
   std::vector<std::vector<int32_t>> page_of(lens.size());
@@ -733,7 +734,8 @@ void graph_case(const std::string& dir, bool dummy, std::optional<DType> fp8 = s
   ForwardBatchBuilder pre(ps);
   for (size_t j = 0; j < lens.size(); ++j) {
     std::vector<int32_t> toks(static_cast<size_t>(lens[j]));
-    for (int32_t i = 0; i < lens[j]; ++i) toks[static_cast<size_t>(i)] = (i * 31 + static_cast<int32_t>(j) * 7) % 500 + 3;
+    for (int32_t i = 0; i < lens[j]; ++i)
+      toks[static_cast<size_t>(i)] = (i * 31 + static_cast<int32_t>(j) * 7) % std::min(500, V - 3) + 3;
     pre.add(toks, 0, page_of[j], false);
   }
   m.forward(pre.finish(), cache);
@@ -743,7 +745,8 @@ void graph_case(const std::string& dir, bool dummy, std::optional<DType> fp8 = s
     for (size_t j = 0; j < lens.size(); ++j) {
       const int32_t k = drafts.empty() ? 0 : drafts[j];
       std::vector<int32_t> toks;
-      for (int32_t i = 0; i <= k; ++i) toks.push_back((step * 13 + static_cast<int32_t>(j) * 5 + i * 17) % 400 + 2);
+      for (int32_t i = 0; i <= k; ++i)
+        toks.push_back((step * 13 + static_cast<int32_t>(j) * 5 + i * 17) % std::min(400, V - 2) + 2);
       bb.add(toks, lens[j] + step, page_of[j], k > 0);
       if (k > 0) bb.absorb_last();
     }
@@ -812,6 +815,22 @@ TEST(CudaModel, GraphReplayMatchesEager) {
   graph_case(golden_dir() + "/v2", false);
   graph_case(real_dims_dir(), true);
   graph_case(real_dims_dir(128), true);
+}
+
+// The random configs of tests/golden/data/random (one to sixteen heads, latent 16-128 wide, RoPE 4-32, dense layers
+// or not): their decode steps, and steps checking drafts, through the graphs too.
+TEST(CudaModel, GraphReplayMatchesEagerRandomConfigs) {
+  REQUIRE_GPU();
+  const std::string root = golden_dir() + "/random";
+  if (!std::filesystem::exists(root)) GTEST_SKIP() << "no random configs at " << root;
+  std::vector<std::string> dirs;
+  for (const auto& e : std::filesystem::directory_iterator(root)) dirs.push_back(e.path().string());
+  std::sort(dirs.begin(), dirs.end());
+  EXPECT_GE(dirs.size(), 6u);
+  for (const std::string& d : dirs) {
+    graph_case(d, false);
+    graph_case(d, false, std::nullopt, {2, 0, 1});
+  }
 }
 
 // Steps checking drafts (2, 0 and 1 drafts after the decode tokens: 6 tokens padded to 8) replay the decode graph.
