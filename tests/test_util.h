@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -175,6 +176,12 @@ inline double rel_err(const Tensor& a, const Tensor& b) {
   }
   return worst / std::sqrt(var / static_cast<double>(n));
 }
+
+// The random configs kept as golden families (tests/golden/data/random, made on the device by
+// tools/device/random_goldens_run.sh from tools/device/config_fuzz.py's seeds): one to sixteen heads, one to four
+// layers, V2 and V3 forms, every routing kind with groups; three prompts each.
+inline const std::vector<std::string> kRandomFamilies = {"random/s11-fuzz2", "random/s12-fuzz2", "random/s13-fuzz17",
+                                                         "random/s14-fuzz4", "random/s16-fuzz3", "random/s18-fuzz6"};
 
 // The prompt_j tensors of a golden family's reference file.
 inline std::vector<std::vector<int32_t>> golden_prompts(const std::string& family) {

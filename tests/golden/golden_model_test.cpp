@@ -265,12 +265,15 @@ TEST_P(GoldenModel, Fp8KvCacheIsTheRoundedCacheModel) {
 // every layer MoE in two expert groups / a plain q_proj with YaRN (tools/golden/make_golden.py).
 // kimi: Kimi-K2's routing (384 experts top-8 in one group, routed_scaling_factor 2.827) and YaRN (factor 32, beta 1 / 1).
 // random/*: random configs of tools/device/config_fuzz.py (tools/device/random_goldens_run.sh): V2 and V3 forms of
-// one to five heads in hidden 32-80, q LoRA or not, RoPE 4-32 wide with and without YaRN, every routing kind with
+// one to sixteen heads in hidden 32-80, q LoRA or not, RoPE 4-32 wide with and without YaRN, every routing kind with
 // groups, routed scaling 1.5-16, all-MoE or dense layers first.
 INSTANTIATE_TEST_SUITE_P(Families, GoldenModel,
-                         ::testing::Values("v2lite", "v2", "v3", "v3-fp8", "v2-fp8-tensor", "odd-v3", "odd-v2",
-                                           "kimi", "random/s11-fuzz2", "random/s12-fuzz2", "random/s13-fuzz17",
-                                           "random/s14-fuzz4", "random/s16-fuzz3", "random/s18-fuzz6"),
+                         ::testing::ValuesIn([] {
+                           std::vector<std::string> f = {"v2lite", "v2", "v3", "v3-fp8", "v2-fp8-tensor",
+                                                         "odd-v3", "odd-v2", "kimi"};
+                           f.insert(f.end(), test::kRandomFamilies.begin(), test::kRandomFamilies.end());
+                           return f;
+                         }()),
                          [](const ::testing::TestParamInfo<std::string>& p) {
                            std::string n = p.param;
                            for (char& ch : n)

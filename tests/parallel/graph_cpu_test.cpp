@@ -57,12 +57,11 @@ TEST(CpuGraphs, ReplayEqualsEagerInEveryLayout) {
 // The random configs (one to sixteen heads, dense layers or not, every routing kind): their three prompts decode
 // through the graphs of 4 tokens on one rank and of 2 under DP attention 2/2, as the eager steps do.
 TEST(CpuGraphs, RandomConfigsReplayAsTheEagerSteps) {
-  for (const char* fam : {"random/s11-fuzz2", "random/s12-fuzz2", "random/s13-fuzz17", "random/s14-fuzz4",
-                          "random/s16-fuzz3", "random/s18-fuzz6"}) {
+  for (const std::string& fam : test::kRandomFamilies) {
     const auto prompts = test::golden_prompts(fam);
     ASSERT_EQ(prompts.size(), 3u) << fam;
     for (int d : {1, 2}) {
-      SCOPED_TRACE(std::string(fam) + (d > 1 ? " dp-attention 2/2" : " one rank"));
+      SCOPED_TRACE(fam + (d > 1 ? " dp-attention 2/2" : " one rank"));
       const Outcome eager = run(fam, d, d, false, prompts), graph = run(fam, d, d, true, prompts);
       EXPECT_GT(graph.graph_steps, 0);
       ASSERT_EQ(graph.out.greedy.size(), prompts.size());

@@ -89,9 +89,7 @@ TEST_P(RandomFamilyLayouts, EqualToSingleRank) {
   EXPECT_GE(ran, 3);  // every random config splits at least as DP attention 2/2 and 4/4 and one expert layout
 }
 
-INSTANTIATE_TEST_SUITE_P(Random, RandomFamilyLayouts,
-                         ::testing::Values("random/s11-fuzz2", "random/s12-fuzz2", "random/s13-fuzz17",
-                                           "random/s14-fuzz4", "random/s16-fuzz3", "random/s18-fuzz6"),
+INSTANTIATE_TEST_SUITE_P(Random, RandomFamilyLayouts, ::testing::ValuesIn(test::kRandomFamilies),
                          [](const ::testing::TestParamInfo<std::string>& p) {
                            std::string n = p.param.substr(p.param.find('/') + 1);
                            for (char& ch : n)
