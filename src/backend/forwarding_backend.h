@@ -169,6 +169,8 @@ class GraphRecorder final : public ForwardingBackend {
 
  private:
   void run(std::function<void()> op);
+  // A step begins (`what`: the call, named if a graph is being recorded): nothing staged, its token count kept.
+  void new_step(const char* what, const ForwardBatch& b, bool graph);
   std::unique_ptr<Backend> owned_;
   bool graph_step_ = false, recording_ = false;
   std::vector<RowSampling> staged_;

@@ -9,30 +9,28 @@ void GraphRecorder::run(std::function<void()> op) {
   else op();
 }
 
-void GraphRecorder::begin_step(const ForwardBatch& b) {
-  MLA_CHECK(!recording_, "begin_step while a graph is being recorded");
-  graph_step_ = false;
+void GraphRecorder::new_step(const char* what, const ForwardBatch& b, bool graph) {
+  MLA_CHECK(!recording_, "{} while a graph is being recorded", what);
+  graph_step_ = graph;
   staged_rows_ = -1;
   step_tokens_ = b.num_tokens();
+}
+
+void GraphRecorder::begin_step(const ForwardBatch& b) {
+  new_step("begin_step", b, false);
   b_.begin_step(b);
 }
 
 void GraphRecorder::begin_substep(const ForwardBatch& b) {
-  MLA_CHECK(!recording_, "begin_substep while a graph is being recorded");
-  graph_step_ = false;
-  staged_rows_ = -1;
-  step_tokens_ = b.num_tokens();
+  new_step("begin_substep", b, false);
   b_.begin_substep(b);
 }
 
 void GraphRecorder::begin_graph_step(const ForwardBatch& b) {
-  MLA_CHECK(!recording_, "begin_graph_step while a graph is being recorded");
+  new_step("begin_graph_step", b, true);
   MLA_CHECK(is_graph_batch(b),
             "a graph step is a decode batch: every sequence in the absorbed form, every token a logit row "
             "({} tokens, {} sequences)", b.num_tokens(), b.num_seqs());
-  graph_step_ = true;
-  staged_rows_ = -1;
-  step_tokens_ = b.num_tokens();
   b_.begin_step(b);
 }
 

@@ -889,8 +889,8 @@ class CudaBackend final : public Backend {
     CudaBackend& be_;
     size_t start_;
   };
-  // The rows' parameters and lists into the step's metadata; the step part of a sampling launch.
-  cuda::SampleStep sample_rows(std::span<const RowSampling> params, float* logprobs, MetaUpload& up);
+  // The rows' parameters and lists, then the SampleStep pointing at them, uploaded into the step's metadata.
+  const cuda::SampleStep* upload_sample_step(std::span<const RowSampling> params, const Tensor* logprobs);
   // Samples the first step->R rows of logits' rows (ids [rows]); min_rows: the fewest rows step->R may have.
   void launch_sample(const Tensor& logits, const cuda::SampleStep* step, int64_t min_rows, Tensor& ids);
 
@@ -1761,7 +1761,7 @@ void CudaBackend::moe_routed(const Tensor& x, const Tensor& topk_ids, const Tens
           "moe_combine");
 }
 
-cuda::SampleStep CudaBackend::sample_rows(std::span<const RowSampling> params, float* logprobs, MetaUpload& up) {
+const cuda::SampleStep* CudaBackend::upload_sample_step(std::span<const RowSampling> params, const Tensor* logprobs) {
   const size_t R = params.size();
   std::vector<cuda::SampleRow> rows(R);
   std::vector<int32_t> ptok, pcnt, btok;
@@ -1796,6 +1796,7 @@ cuda::SampleStep CudaBackend::sample_rows(std::span<const RowSampling> params, f
     o.mask_words = s.allowed ? static_cast<int32_t>(s.allowed->size()) : 0;
     if (s.allowed) masks.insert(masks.end(), s.allowed->begin(), s.allowed->end());
   }
+  MetaUpload up(*this);
   cuda::SampleStep st{};
   st.R = static_cast<int64_t>(R);
   st.rows = up.add(rows);
@@ -1805,8 +1806,10 @@ cuda::SampleStep CudaBackend::sample_rows(std::span<const RowSampling> params, f
   st.bias_values = up.add(bval);
   st.allowed = up.add(masks);
   st.input_ids = d_input_ids_;
-  st.logprobs = logprobs;
-  return st;
+  st.logprobs = logprobs ? logprobs->data_as<float>() : nullptr;
+  const cuda::SampleStep* d_st = up.add(&st, 1);
+  up.flush();
+  return d_st;
 }
 
 void CudaBackend::launch_sample(const Tensor& logits, const cuda::SampleStep* step, int64_t min_rows, Tensor& ids) {
@@ -1829,20 +1832,14 @@ void CudaBackend::sample(const Tensor& logits, std::span<const RowSampling> para
   const int64_t R = check_sample(logits, params, ids, logprobs, step_.num_tokens());
   if (R == 0) return;
   MLA_CHECK(!capturing_, "sample while a graph is being recorded (a graph samples with stage_sample + sample_staged)");
-  MetaUpload up(*this);
-  const cuda::SampleStep st = sample_rows(params, logprobs ? logprobs->data_as<float>() : nullptr, up);
-  const cuda::SampleStep* d_st = up.add(&st, 1);
-  up.flush();
+  const cuda::SampleStep* d_st = upload_sample_step(params, logprobs);
   launch_sample(logits.reshape({R, logits.size(-1)}), d_st, R, ids);
 }
 
 void CudaBackend::stage_sample(std::span<const RowSampling> params, const Tensor* logprobs) {
   const int64_t R = check_staged_sample(params, logprobs, step_.num_tokens());
   MLA_CHECK(!capturing_, "stage_sample while a graph is being recorded (stage before graph_capture_begin)");
-  MetaUpload up(*this);
-  const cuda::SampleStep st = sample_rows(params, logprobs ? logprobs->data_as<float>() : nullptr, up);
-  const cuda::SampleStep* d_st = up.add(&st, 1);
-  up.flush();
+  const cuda::SampleStep* d_st = upload_sample_step(params, logprobs);
   // Into the slot, in stream order: the previous step's launches (issued earlier) have read theirs.
   CUDA_OK(cudaMemcpyAsync(sample_slot_, d_st, sizeof(cuda::SampleStep), cudaMemcpyDeviceToDevice, stream_),
           "staging the sampling rows");
