@@ -399,24 +399,13 @@ TEST(CudaModel, GoldenCheckModels) {
     rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
   }
 }
-// Random configs of tools/device/config_fuzz.py kept as golden families (tests/golden/data/random, made by
-// tools/device/random_goldens_run.sh): their folders in order (none where the data is absent).
-std::vector<std::string> random_config_dirs() {
-  const std::string root = golden_dir() + "/random";
-  std::vector<std::string> dirs;
-  if (!std::filesystem::exists(root)) return dirs;
-  for (const auto& e : std::filesystem::directory_iterator(root)) dirs.push_back(e.path().string());
-  std::sort(dirs.begin(), dirs.end());
-  return dirs;
-}
-// Judged as the checkpoints MLASERVE_CHECK_MODELS names.
+// Random configs of tools/device/config_fuzz.py kept as golden families (test::kRandomFamilies, made by
+// tools/device/random_goldens_run.sh), judged as the checkpoints MLASERVE_CHECK_MODELS names.
 TEST(CudaModel, GoldenRandomConfigs) {
   REQUIRE_GPU();
-  const std::vector<std::string> dirs = random_config_dirs();
-  if (dirs.empty()) GTEST_SKIP() << "no random configs under " << golden_dir();
-  for (const std::string& d : dirs) {
-    SCOPED_TRACE(d);
-    golden_family(d, {}, kRandomModelTol);
+  for (const std::string& fam : test::kRandomFamilies) {
+    SCOPED_TRACE(fam);
+    golden_family(test::golden_dir(fam), {}, kRandomModelTol);
   }
 }
 // An FP8 checkpoint (weights dequantized to bf16 at load), against Hugging Face (tools/golden/make_fp8_golden.py).
@@ -827,11 +816,9 @@ TEST(CudaModel, GraphReplayMatchesEager) {
 // and steps checking drafts, through the graphs too.
 TEST(CudaModel, GraphReplayMatchesEagerRandomConfigs) {
   REQUIRE_GPU();
-  const std::vector<std::string> dirs = random_config_dirs();
-  if (dirs.empty()) GTEST_SKIP() << "no random configs under " << golden_dir();
-  for (const std::string& d : dirs) {
-    graph_case(d, false);
-    graph_case(d, false, std::nullopt, {2, 0, 1});
+  for (const std::string& fam : test::kRandomFamilies) {
+    graph_case(test::golden_dir(fam), false);
+    graph_case(test::golden_dir(fam), false, std::nullopt, {2, 0, 1});
   }
 }
 
