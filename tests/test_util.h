@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <arpa/inet.h>
+#include <pthread.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -45,6 +46,29 @@ std::string error_text(F&& f) {
   }
   return "";
 }
+
+// Sets the default stack size of new threads (what `ulimit -s` decides at startup; glibc: 2 MiB where unlimited) for
+// its lifetime: the product's threads that recurse over clients' input must not depend on it.
+class DefaultThreadStack {
+ public:
+  explicit DefaultThreadStack(size_t bytes) {
+    EXPECT_EQ(pthread_getattr_default_np(&old_), 0);
+    pthread_attr_t a;
+    pthread_attr_init(&a);
+    pthread_attr_setstacksize(&a, bytes);
+    EXPECT_EQ(pthread_setattr_default_np(&a), 0);
+    pthread_attr_destroy(&a);
+  }
+  ~DefaultThreadStack() {
+    pthread_setattr_default_np(&old_);
+    pthread_attr_destroy(&old_);
+  }
+  DefaultThreadStack(const DefaultThreadStack&) = delete;
+  DefaultThreadStack& operator=(const DefaultThreadStack&) = delete;
+
+ private:
+  pthread_attr_t old_;
+};
 
 inline std::filesystem::path temp_dir(const std::string& tag) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();

@@ -14,13 +14,13 @@
 #include <filesystem>
 #include <optional>
 #include <random>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
 #include "core/buffer_pool.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/thread.h"
 #include "server/api_error.h"
 
 namespace mlaserve::server {
@@ -446,7 +446,7 @@ struct HttpServer::Impl {
   std::vector<std::filesystem::file_time_type> tls_times;  // of the files `tls` was made from
   net::io_context ioc;
   tcp::acceptor acceptor;
-  std::vector<std::thread> threads;
+  std::vector<Thread> threads;  // kInputStackBytes each: the handlers parse clients' nested input
   int bound_port = 0;
   std::mutex mu;
   std::condition_variable cv;
@@ -544,7 +544,7 @@ void HttpServer::start() {
   s.bound_port = s.acceptor.local_endpoint().port();
   s.do_accept();
   const int n = std::max(1, s.opts.num_threads);
-  for (int i = 0; i < n; ++i) s.threads.emplace_back([&s] { s.ioc.run(); });
+  for (int i = 0; i < n; ++i) s.threads.emplace_back(kInputStackBytes, [&s] { s.ioc.run(); });
 }
 
 int HttpServer::port() const { return impl_->bound_port; }

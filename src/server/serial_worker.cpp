@@ -7,7 +7,7 @@ namespace mlaserve::server {
 std::shared_ptr<SerialWorker> SerialWorker::start(std::string name) {
   std::shared_ptr<SerialWorker> w(new SerialWorker(std::move(name)));
   // The thread holds the worker until stop() ends its loop (the owner's destructor calls stop()).
-  w->thread_ = std::thread([self = w] { self->loop(); });
+  w->thread_ = Thread(kInputStackBytes, [self = w] { self->loop(); });
   return w;
 }
 
@@ -35,7 +35,7 @@ void SerialWorker::stop() {
   }
   cv_.notify_all();
   if (!thread_.joinable()) return;
-  if (thread_.get_id() == std::this_thread::get_id()) {
+  if (thread_.is_current()) {
     thread_.detach();  // the last reference went in one of its own tasks: the loop ends after it
   } else {
     thread_.join();

@@ -8,8 +8,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 
+#include "core/thread.h"
 #include "server/generation.h"
 
 namespace mlaserve::server {
@@ -35,7 +35,7 @@ class SerialWorker : public std::enable_shared_from_this<SerialWorker> {
   std::condition_variable cv_;
   std::deque<std::function<void()>> tasks_;
   bool stop_ = false;
-  std::thread thread_;
+  Thread thread_;  // kInputStackBytes: its tasks parse clients' input (batch lines)
 };
 
 }  // namespace mlaserve::server

@@ -18,6 +18,7 @@
 
 #include "fakes.h"
 #include "http_test_client.h"
+#include "test_util.h"
 #include "tls_test_util.h"
 #include "server/api.h"
 #include "server/api_error.h"
@@ -109,6 +110,29 @@ TEST(HttpApi, InfoEndpoints) {
   EXPECT_NE(m.body.find("mlaserve:num_running_reqs"), std::string::npos);
   EXPECT_EQ(s.get("/nope").status, 404);
   EXPECT_EQ(s.get("/generate").status, 405);
+}
+
+// The handlers parse clients' nested input (regexes, schemas) by recursion on threads whose stack the server sets
+// (kInputStackBytes), not the default a thread gets from `ulimit -s`: with that default cut to 256 KiB, a regex of
+// 1,000 nested groups (the limit is 1,024) and a schema of 500 optional properties before a required one (its regex
+// nests once per optional property) are answered as with any stack, and a deeper regex gets its 400.
+TEST(HttpApi, NestedInputDoesNotDependOnTheThreadStackDefault) {
+  test::DefaultThreadStack small(size_t{256} << 10);
+  TestServer s;
+  auto generate = [&](const json& sampling) {
+    return s.post("/generate", json{{"text", "hi"}, {"sampling_params", sampling}}.dump());
+  };
+  const std::string deep_regex = std::string(1000, '(') + "a" + std::string(1000, ')');
+  const auto regex = generate({{"max_new_tokens", 2}, {"regex", deep_regex}});
+  EXPECT_EQ(regex.status, 200) << regex.body;
+  json schema = {{"type", "object"}, {"properties", json::object()}, {"required", {"p500"}}};
+  for (int i = 0; i < 600; ++i) schema["properties"][fmt::format("p{}", i)] = {{"type", "integer"}};
+  const auto nested = generate({{"max_new_tokens", 2}, {"json_schema", schema.dump()}});
+  EXPECT_EQ(nested.status, 200) << nested.body;
+  const std::string deeper = std::string(2000, '(') + "a" + std::string(2000, ')');
+  const auto refused = generate({{"max_new_tokens", 2}, {"regex", deeper}});
+  EXPECT_EQ(refused.status, 400) << refused.body;
+  EXPECT_NE(refused.body.find("nest more than"), std::string::npos) << refused.body;
 }
 
 // vLLM's /invocations (SageMaker's inference route): a body with 'messages' is a chat request, one with 'prompt' a
