@@ -303,7 +303,7 @@ TEST(ServerFuzz, MutatedRequestsGetAnAnswerAndLeaveNoTrace) {
   std::mutex mu;
   std::map<int, int> statuses;
   std::atomic<int> timeouts{0}, failures{0};
-  std::vector<std::thread> threads;
+  std::vector<std::jthread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       Mutator m(seed + t);

@@ -355,11 +355,11 @@ TEST_F(ServerE2E, GreedySameAloneInBatchAndWithPrefixHit) {
   EXPECT_GT(cached, 0) << "expected a prefix-cache hit";
   // A prompt sharing the first 100 tokens, then diverging, is served partly from the cache.
   // In a full batch: 24 other requests of different lengths at the same time.
-  std::vector<std::thread> others;
+  std::vector<std::jthread> others;
   std::vector<int32_t> in_batch;
   for (int i = 0; i < 24; ++i)
     others.emplace_back([&, i] { greedy(port(), test_prompt(100 + i, 20 + 7 * i), 16); });
-  std::thread mine([&] { in_batch = greedy(port(), prompt, 12); });
+  std::jthread mine([&] { in_batch = greedy(port(), prompt, 12); });
   for (auto& t : others) t.join();
   mine.join();
   EXPECT_EQ(in_batch, alone);
@@ -373,7 +373,7 @@ TEST_F(ServerE2E, GreedySameAloneInBatchAndWithPrefixHit) {
 
 TEST_F(ServerE2E, ConcurrentStreamsWithRandomDisconnectsLeakNoPages) {
   constexpr int kStreams = 72;
-  std::vector<std::thread> threads;
+  std::vector<std::jthread> threads;
   std::atomic<int> finished{0}, dropped{0}, failures{0};
   for (int i = 0; i < kStreams; ++i) {
     threads.emplace_back([&, i] {
@@ -1305,12 +1305,13 @@ TEST(ServerE2EVariants, DataParallelReportsOneStateObjectPerRank) {
   ServerProcess s({"--dp", "2"});
   ASSERT_TRUE(s.running()) << s.log();
   // While a long request runs, /get_load (SGLang's router reads it) shows it on its rank with its tokens.
-  std::thread busy([&] {
+  std::jthread busy([&] {
     post_json(s.port(), "/generate",
               R"({"text": "a long one", "sampling_params": {"max_new_tokens": 400, "ignore_eos": true}})");
   });
   json load;
-  for (int k = 0; k < 400; ++k) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(60);  // (a slow build's server)
+  while (std::chrono::steady_clock::now() < end) {
     load = get_json(s.port(), "/get_load");
     if (load.size() == 2 && load[0]["num_reqs"].get<int>() + load[1]["num_reqs"].get<int>() == 1) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -1322,7 +1323,7 @@ TEST(ServerE2EVariants, DataParallelReportsOneStateObjectPerRank) {
   EXPECT_EQ(running["num_reqs"], 1) << load.dump();
   EXPECT_GT(running["num_tokens"].get<int64_t>(), 0) << load.dump();
   busy.join();
-  std::vector<std::thread> ts;
+  std::vector<std::jthread> ts;
   for (int i = 0; i < 6; ++i)
     ts.emplace_back([&, i] { EXPECT_EQ(greedy(s.port(), test_prompt(i, 20), 4).size(), 4u); });
   for (auto& t : ts) t.join();
@@ -1429,7 +1430,7 @@ TEST(ServeFlags, UpdateWeightsFromDisk) {
     EXPECT_EQ(post_json(s.port(), "/pause_generation", R"({"mode": "retract"})")["status"], "ok");
     EXPECT_EQ(get_json(s.port(), "/is_paused")["is_paused"], true);
     std::vector<int32_t> waited;
-    std::thread waiting(
+    std::jthread waiting(
         [&] { waited = post_json(s.port(), "/generate", req)["output_ids"].get<std::vector<int32_t>>(); });
     r = post_json(s.port(), "/update_weights_from_disk",
                   json{{"model_path", golden_dir("v3")}, {"abort_all_requests", true}}.dump());
@@ -1481,7 +1482,7 @@ TEST(ServeFlags, ExpertDistributionRecord) {
   // Three at once: their decode steps batch (a graph of 4 rows replays with a padding row on CUDA).
   std::vector<int64_t> forwarded(3, 0);
   {
-    std::vector<std::thread> ts;
+    std::vector<std::jthread> ts;
     for (int i = 0; i < 3; ++i) ts.emplace_back([&, i] { forwarded[static_cast<size_t>(i)] = generate(6 + 3 * i); });
     for (auto& t : ts) t.join();
   }
@@ -2526,7 +2527,7 @@ TEST(ServeFlags, SglangPrefillDecodeDisaggregation) {
                           "--mem-fraction-static", "0.4", "--kv-transfer-timeout", "900"});  // (a fresh cache)
   ASSERT_TRUE(prefill2.running()) << prefill2.log();
   json got;
-  std::thread d([&] { got = post_json(decode.port(), "/generate", body(prompt(0), 12345)); });
+  std::jthread d([&] { got = post_json(decode.port(), "/generate", body(prompt(0), 12345)); });
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // (either order works; this one makes the wait run)
   const json pre = post_json(prefill2.port(), "/generate", body(prompt(0), 12345));
   d.join();
@@ -2638,11 +2639,11 @@ TEST(ServeFlags, PrioritySchedulingOrdersTheQueue) {
   ASSERT_TRUE(s.running()) << s.log();
   EXPECT_EQ(get_json(s.port(), "/get_server_info")["enable_priority_scheduling"], true);
   PriorityRuns runs(s.port());
-  std::thread longest([&] { runs.run("long", 400, 0); });
+  std::jthread longest([&] { runs.run("long", 400, 0); });
   wait_running(s.port(), 1);  // the long one holds the only running slot
-  std::thread low([&] { runs.run("low", 4, 1); });
+  std::jthread low([&] { runs.run("low", 4, 1); });
   wait_waiting(s.port(), 1);
-  std::thread high([&] { runs.run("high", 4, 10); });
+  std::jthread high([&] { runs.run("high", 4, 10); });
   wait_waiting(s.port(), 2);
   longest.join();
   low.join();
@@ -2676,9 +2677,9 @@ TEST(ServeFlags, PriorityPreemptionRetractsFarLowerRequests) {
     EXPECT_EQ(info["priority_scheduling_preemption_threshold"], 10);
     EXPECT_EQ(info["disable_priority_preemption"], !preempt);
     PriorityRuns runs(s.port());
-    std::thread longest([&] { runs.run("long", 400, 0); });
+    std::jthread longest([&] { runs.run("long", 400, 0); });
     wait_running(s.port(), 1);
-    std::thread urgent([&] { runs.run("urgent", 4, 50); });
+    std::jthread urgent([&] { runs.run("urgent", 4, 50); });
     longest.join();
     urgent.join();
     const std::vector<std::string> want =
