@@ -346,10 +346,12 @@ class FakeEngine : public EngineClient {
   void loop() {
     while (true) {
       std::vector<std::pair<std::function<void(const GenerateOutput&)>, GenerateOutput>> outs;
+      bool stopping = false;  // (stop_ read under the lock only)
       {
         std::unique_lock lk(mu_);
         cv_.wait(lk, [this] { return stop_ || !live_.empty(); });
-        if (stop_) {
+        stopping = stop_;
+        if (stopping) {
           for (auto it = live_.begin(); it != live_.end();) {
             FinishReason r;
             r.kind = FinishKind::Abort;
@@ -432,7 +434,7 @@ class FakeEngine : public EngineClient {
         }
       }
       for (auto& [cb, out] : outs) cb(out);
-      if (stop_) return;
+      if (stopping) return;
       std::this_thread::sleep_for(std::chrono::milliseconds(step_delay_ms.load()));
     }
   }
