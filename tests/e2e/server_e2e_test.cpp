@@ -29,7 +29,8 @@ namespace {
 
 // `timeout <seconds> <the mlaserve binary under test>` (MLASERVE_E2E_BINARY, else the one built here).
 std::string mlaserve_cmd(int seconds) {
-  return fmt::format("timeout {} {}", seconds, e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY));
+  return fmt::format("timeout {} {}", static_cast<int>(seconds * time_scale()),
+                     e2e_env("MLASERVE_E2E_BINARY", MLASERVE_BINARY));
 }
 
 using json = nlohmann::json;
@@ -49,7 +50,7 @@ json post_json(int port, const std::string& path, const std::string& body, int w
 
 // Polls /get_server_info until no request runs or waits.
 json wait_idle(int port, double seconds = 60) {
-  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds * time_scale());
   json st;
   while (std::chrono::steady_clock::now() < end) {
     st = get_json(port, "/get_server_info")["internal_states"][0];
@@ -62,7 +63,7 @@ json wait_idle(int port, double seconds = 60) {
 
 // Polls /get_load (rank 0) until `key` reaches n.
 void wait_load(int port, const char* key, int n, double seconds = 60) {
-  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds * time_scale());
   json st;
   while (std::chrono::steady_clock::now() < end) {
     st = get_json(port, "/get_load")[0];
@@ -1310,7 +1311,7 @@ TEST(ServerE2EVariants, DataParallelReportsOneStateObjectPerRank) {
               R"({"text": "a long one", "sampling_params": {"max_new_tokens": 400, "ignore_eos": true}})");
   });
   json load;
-  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(60);  // (a slow build's server)
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(60 * time_scale());
   while (std::chrono::steady_clock::now() < end) {
     load = get_json(s.port(), "/get_load");
     if (load.size() == 2 && load[0]["num_reqs"].get<int>() + load[1]["num_reqs"].get<int>() == 1) break;
@@ -1330,7 +1331,7 @@ TEST(ServerE2EVariants, DataParallelReportsOneStateObjectPerRank) {
   auto st = get_json(s.port(), "/get_server_info")["internal_states"];
   ASSERT_EQ(st.size(), 2u) << st.dump();
   // Engine stats may trail the last output by a scheduler step: poll until both ranks are idle.
-  for (int k = 0; k < 200; ++k) {
+  for (int k = 0; k < 200 * time_scale(); ++k) {
     st = get_json(s.port(), "/get_server_info")["internal_states"];
     if (st[0]["num_running_reqs"] == 0 && st[1]["num_running_reqs"] == 0) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(25));

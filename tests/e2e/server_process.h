@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "http_test_client.h"
 #include "test_util.h"
 
 namespace mlaserve::test {
@@ -108,7 +109,7 @@ class ServerProcess {
       ::execv(argv[0], argv.data());
       ::_exit(127);
     }
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(startup_timeout_s);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(startup_timeout_s * time_scale());
     const std::regex listening(R"(on https?://127\.0\.0\.1:(\d+))");
     while (std::chrono::steady_clock::now() < deadline) {
       std::smatch m;
@@ -135,7 +136,7 @@ class ServerProcess {
   int stop() {
     if (pid_ <= 0) return exit_code_;
     ::kill(pid_, SIGTERM);
-    for (int i = 0; i < 200; ++i) {
+    for (int i = 0; i < 200 * time_scale(); ++i) {  // 10 s
       int status = 0;
       if (::waitpid(pid_, &status, WNOHANG) == pid_) {
         exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
