@@ -109,7 +109,8 @@ class ServerProcess {
       ::execv(argv[0], argv.data());
       ::_exit(127);
     }
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(startup_timeout_s * time_scale());
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::duration<double>(startup_timeout_s * time_scale());
     const std::regex listening(R"(on https?://127\.0\.0\.1:(\d+))");
     while (std::chrono::steady_clock::now() < deadline) {
       std::smatch m;
