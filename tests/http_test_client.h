@@ -19,18 +19,9 @@
 #include <string>
 #include <vector>
 
-namespace mlaserve::test {
+#include "time_scale.h"
 
-// The factor on every limit the tests set on the server's answers (reads, a server's startup and shutdown, polls):
-// MLASERVE_TEST_TIME_SCALE, default 1 (a sanitizer build runs 5-20 times slower; README).
-inline double time_scale() {
-  static const double scale = [] {
-    const char* e = std::getenv("MLASERVE_TEST_TIME_SCALE");
-    const double v = e ? std::atof(e) : 1.0;
-    return v > 0 ? v : 1.0;
-  }();
-  return scale;
-}
+namespace mlaserve::test {
 
 struct HttpResponse {
   int status = 0;

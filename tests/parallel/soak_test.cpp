@@ -16,6 +16,7 @@
 
 #include "engine/engine.h"
 #include "test_util.h"
+#include "time_scale.h"
 
 using namespace mlaserve;
 
@@ -69,7 +70,7 @@ void soak(int32_t tp, int32_t groups, int32_t drafts = 0, bool preempt = false, 
     return prom->get_future();
   };
   auto ref_f = run_one("ref", probe, 12, 0, 0.0f);
-  ASSERT_EQ(ref_f.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+  ASSERT_EQ(ref_f.wait_for(std::chrono::duration<double>(60 * test::time_scale())), std::future_status::ready);
   const std::vector<int32_t> ref = ref_f.get().first;
   ASSERT_NE(ref_pen, ref) << "the penalties change the probe's tokens";
 
@@ -116,13 +117,14 @@ void soak(int32_t tp, int32_t groups, int32_t drafts = 0, bool preempt = false, 
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20 + rng() % 40));
   }
-  for (auto& f : others) ASSERT_EQ(f.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "a request hung";
+  const std::chrono::duration<double> hung(120 * test::time_scale());  // (after the last request was sent)
+  for (auto& f : others) ASSERT_EQ(f.wait_for(hung), std::future_status::ready) << "a request hung";
   for (auto& f : probes) {
-    ASSERT_EQ(f.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "a request hung";
+    ASSERT_EQ(f.wait_for(hung), std::future_status::ready) << "a request hung";
     EXPECT_EQ(f.get().first, ref);
   }
   for (auto& f : pen_probes) {
-    ASSERT_EQ(f.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "a request hung";
+    ASSERT_EQ(f.wait_for(hung), std::future_status::ready) << "a request hung";
     EXPECT_EQ(f.get().first, ref_pen);  // never aborted (only the other requests are)
   }
   EXPECT_GT(n, 20);
