@@ -13,13 +13,12 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "time_scale.h"
+#include "sanitizer_build.h"
 
 namespace mlaserve::test {
 

@@ -33,6 +33,7 @@
 #include "engine/engine_api.h"
 #include "engine/rank_set.h"
 #include "io/safetensors.h"
+#include "sanitizer_build.h"
 
 namespace mlaserve::test {
 
@@ -46,14 +47,6 @@ std::string error_text(F&& f) {
   }
   return "";
 }
-
-// Under ThreadSanitizer every thread's static TLS holds libtsan's 785 KiB: glibc's pthread_create refuses a smaller
-// stack (EINVAL; seen at 256 and 512 KiB). The tests that cut the default to 256 KiB skip there.
-#ifdef __SANITIZE_THREAD__
-inline constexpr bool kThreadSanitizer = true;
-#else
-inline constexpr bool kThreadSanitizer = false;
-#endif
 
 // Sets the default stack size of new threads (what `ulimit -s` decides at startup; glibc: 2 MiB where unlimited) for
 // its lifetime: the product's threads that recurse over clients' input must not depend on it.

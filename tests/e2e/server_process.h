@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "http_test_client.h"
+#include "sanitizer_build.h"
 #include "test_util.h"
 
 namespace mlaserve::test {

@@ -15,8 +15,8 @@
 #include <thread>
 
 #include "engine/engine.h"
+#include "sanitizer_build.h"
 #include "test_util.h"
-#include "time_scale.h"
 
 using namespace mlaserve;
 

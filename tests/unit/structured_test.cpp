@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "core/thread.h"
+#include "sanitizer_build.h"
 #include "structured/ebnf.h"
 #include "structured/json_schema.h"
 #include "structured/regex.h"
@@ -736,9 +737,8 @@ TEST(JsonSchema, MapsFollowAdditionalProperties) {
 // Objects with many properties: required ones after the first required property add no nesting, optional ones
 // before it nest one group each (up to the regex parser's bound of 1024 groups); regexes that deep compile.
 TEST(JsonSchema, ObjectsWithManyPropertiesCompile) {
-#ifdef __SANITIZE_THREAD__
-  GTEST_SKIP() << "under ThreadSanitizer this test grew past 24 GiB and was killed (33 MiB in a release build)";
-#endif
+  if (test::kThreadSanitizer)
+    GTEST_SKIP() << "under ThreadSanitizer this test grew past 24 GiB and was killed (33 MiB in a release build)";
   on_input_stack([] {
     auto object = [](int n, int first_required, bool all_required_after) {
       nlohmann::ordered_json s = {{"type", "object"}, {"properties", nlohmann::ordered_json::object()}};
