@@ -226,7 +226,7 @@ TEST_F(ServerE2E, OpenAINpmClient) {
 TEST(ServerE2EVariants, AnthropicNpmClient) {
   REQUIRE_NODE_CLIENT("@anthropic-ai/sdk");
   ASSERT_TRUE(have_deepseek_tokenizer());
-  const std::string tmpl = std::string(MLASERVE_SOURCE_DIR) + "/examples/chat_templates/deepseek_v3_tools.jinja";
+  const std::string tmpl = e2e_source_file("examples/chat_templates/deepseek_v3_tools.jinja");
   ServerProcess s({"--chat-template", tmpl, "--tool-call-parser", "deepseekv3", "--api-key", "anthropic-key"});
   ASSERT_TRUE(s.running()) << s.log();
   auto r = run_command("timeout 120 " + node + " " + MLASERVE_SOURCE_DIR + "/tests/e2e/anthropic_client.mjs " +
@@ -1066,7 +1066,7 @@ TEST(ServerE2EVariants, SharedPrefixBenchAndCacheAwareRouting) {
 // a chat request with tools is answered (the dummy model's random text parsed: no calls expected, a valid shape).
 TEST(ServerE2EVariants, ToolTemplateAndParser) {
   ASSERT_TRUE(have_deepseek_tokenizer());
-  const std::string tmpl = std::string(MLASERVE_SOURCE_DIR) + "/examples/chat_templates/deepseek_v3_tools.jinja";
+  const std::string tmpl = e2e_source_file("examples/chat_templates/deepseek_v3_tools.jinja");
   ServerProcess s({"--chat-template", tmpl, "--tool-call-parser", "deepseekv3", "--reasoning-parser", "deepseek-r1"});
   ASSERT_TRUE(s.running()) << s.log();
   const std::string tools = R"("tools": [{"type": "function", "function": {"name": "get_weather", "description":
@@ -1111,7 +1111,7 @@ class ForcedToolCalls : public ::testing::TestWithParam<const char*> {};
 INSTANTIATE_TEST_SUITE_P(ServerE2EVariants, ForcedToolCalls, ::testing::Values("deepseekv3", "deepseekv31"));
 TEST_P(ForcedToolCalls, FollowTheTools) {
   ASSERT_TRUE(have_deepseek_tokenizer());
-  const std::string tmpl = std::string(MLASERVE_SOURCE_DIR) + "/examples/chat_templates/deepseek_v3_tools.jinja";
+  const std::string tmpl = e2e_source_file("examples/chat_templates/deepseek_v3_tools.jinja");
   ServerProcess s({"--chat-template", tmpl, "--tool-call-parser", GetParam()});
   ASSERT_TRUE(s.running()) << s.log();
   const std::string base = R"({"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 120,

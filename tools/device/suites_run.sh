@@ -13,7 +13,7 @@ source tools/device/bench_env.sh
 e2e_env $B
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 date -u
-gtest_run ops 150 $B/cuda_ops_test '-*V2LiteShape*'
+gtest_run ops 300 $B/cuda_ops_test '-*V2LiteShape*'
 gtest_run model 90 $B/cuda_model_test '*'
 gtest_run e2e 240 $B/server_e2e_test '*:-*Npm*'
 grep -E '^\[  SKIPPED|^\[  FAILED' /tmp/e2e.log | head -12
