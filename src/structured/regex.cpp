@@ -105,7 +105,8 @@ class Parser {
   Node concat() {
     Node n;
     while (!eof() && peek() != '|' && peek() != ')') n.kids.push_back(repeat());
-    return n.kids.size() == 1 ? std::move(n.kids[0]) : n;
+    if (n.kids.size() == 1) return std::move(n.kids[0]);
+    return n;  // moved (a conditional expression with `n` in it copied the whole subtree at every nesting level)
   }
 
   static constexpr int64_t kMaxCount = 999999;

@@ -737,8 +737,6 @@ TEST(JsonSchema, MapsFollowAdditionalProperties) {
 // Objects with many properties: required ones after the first required property add no nesting, optional ones
 // before it nest one group each (up to the regex parser's bound of 1024 groups); regexes that deep compile.
 TEST(JsonSchema, ObjectsWithManyPropertiesCompile) {
-  if (test::kThreadSanitizer)
-    GTEST_SKIP() << "under ThreadSanitizer this test grew past 24 GiB and was killed (33 MiB in a release build)";
   on_input_stack([] {
     auto object = [](int n, int first_required, bool all_required_after) {
       nlohmann::ordered_json s = {{"type", "object"}, {"properties", nlohmann::ordered_json::object()}};
