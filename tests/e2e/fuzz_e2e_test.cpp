@@ -16,6 +16,7 @@
 #include <set>
 #include <thread>
 
+#include "core/thread.h"
 #include "e2e/server_process.h"
 #include "http_test_client.h"
 
@@ -303,9 +304,11 @@ TEST(ServerFuzz, MutatedRequestsGetAnAnswerAndLeaveNoTrace) {
   std::mutex mu;
   std::map<int, int> statuses;
   std::atomic<int> timeouts{0}, failures{0};
-  std::vector<std::jthread> threads;
+  // The mutator makes and writes values nested 3,000 deep by recursion: its threads get the server handlers' stack
+  // (a sanitizer build's frames overflowed the default 8 MiB).
+  std::vector<Thread> threads;
   for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
+    threads.emplace_back(kInputStackBytes, [&, t] {
       Mutator m(seed + t);
       std::mt19937 pick(static_cast<uint32_t>(seed + t));
       for (int i = 0; i < kPerThread && failures < 20; ++i) {
@@ -368,22 +371,24 @@ TEST(ServerFuzz, MutatedRequestsGetAnAnswerAndLeaveNoTrace) {
     Mutator m(seed + 99);
     std::string jsonl;
     int lines = 0;
-    for (int i = 0; lines < 60 && i < 1000; ++i) {
-      const Seed& s = kSeeds[static_cast<size_t>(i) % std::size(kSeeds)];
-      if (std::string(s.path) != "/v1/chat/completions") continue;
-      const std::string text = m.mutate(s.body);
-      if (text.size() > 20000) continue;  // the deeply nested ones: this process would recurse through them
-      json body = json::parse(text, nullptr, false);
-      if (!body.is_object()) continue;
-      body.erase("stream");
-      for (const char* k : {"max_tokens", "max_completion_tokens"})
-        if (body.contains(k) && body[k].is_number_integer() && body[k].get<int64_t>() > 32) body[k] = 32;
-      if (!body.contains("max_tokens") && !body.contains("max_completion_tokens")) body["max_tokens"] = 16;
-      jsonl += json({{"custom_id", "c" + std::to_string(lines++)}, {"method", "POST"},
-                     {"url", "/v1/chat/completions"}, {"body", body}})
-                   .dump(-1, ' ', false, json::error_handler_t::replace) +
-               "\n";
-    }
+    Thread(kInputStackBytes, [&] {  // the mutator's recursion, as above
+      for (int i = 0; lines < 60 && i < 1000; ++i) {
+        const Seed& s = kSeeds[static_cast<size_t>(i) % std::size(kSeeds)];
+        if (std::string(s.path) != "/v1/chat/completions") continue;
+        const std::string text = m.mutate(s.body);
+        if (text.size() > 20000) continue;  // the deeply nested ones: this process would recurse through them
+        json body = json::parse(text, nullptr, false);
+        if (!body.is_object()) continue;
+        body.erase("stream");
+        for (const char* k : {"max_tokens", "max_completion_tokens"})
+          if (body.contains(k) && body[k].is_number_integer() && body[k].get<int64_t>() > 32) body[k] = 32;
+        if (!body.contains("max_tokens") && !body.contains("max_completion_tokens")) body["max_tokens"] = 16;
+        jsonl += json({{"custom_id", "c" + std::to_string(lines++)}, {"method", "POST"},
+                       {"url", "/v1/chat/completions"}, {"body", body}})
+                     .dump(-1, ' ', false, json::error_handler_t::replace) +
+                 "\n";
+      }
+    }).join();
     const std::string b = "fuzzboundary";
     const std::string form = "--" + b + "\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--" + b +
                              "\r\nContent-Disposition: form-data; name=\"file\"; filename=\"f.jsonl\"\r\n\r\n" + jsonl +
