@@ -19,6 +19,7 @@
 #include "core/thread.h"
 #include "e2e/server_process.h"
 #include "http_test_client.h"
+#include "input_stack.h"
 
 namespace mlaserve::test {
 namespace {
@@ -371,7 +372,7 @@ TEST(ServerFuzz, MutatedRequestsGetAnAnswerAndLeaveNoTrace) {
     Mutator m(seed + 99);
     std::string jsonl;
     int lines = 0;
-    Thread(kInputStackBytes, [&] {  // the mutator's recursion, as above
+    on_input_stack([&] {  // the mutator's recursion, as above
       for (int i = 0; lines < 60 && i < 1000; ++i) {
         const Seed& s = kSeeds[static_cast<size_t>(i) % std::size(kSeeds)];
         if (std::string(s.path) != "/v1/chat/completions") continue;
@@ -388,7 +389,7 @@ TEST(ServerFuzz, MutatedRequestsGetAnAnswerAndLeaveNoTrace) {
                      .dump(-1, ' ', false, json::error_handler_t::replace) +
                  "\n";
       }
-    }).join();
+    });
     const std::string b = "fuzzboundary";
     const std::string form = "--" + b + "\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--" + b +
                              "\r\nContent-Disposition: form-data; name=\"file\"; filename=\"f.jsonl\"\r\n\r\n" + jsonl +

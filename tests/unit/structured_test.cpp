@@ -4,7 +4,6 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include <functional>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -14,8 +13,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "core/thread.h"
-#include "sanitizer_build.h"
+#include "input_stack.h"
 #include "structured/ebnf.h"
 #include "structured/json_schema.h"
 #include "structured/regex.h"
@@ -23,22 +21,9 @@
 
 using namespace mlaserve;
 using namespace mlaserve::structured;
+using mlaserve::test::on_input_stack;
 
 namespace {
-
-// Runs fn on a thread with the stack of the threads that take clients' input (kInputStackBytes), as the server does:
-// the parsers' nesting limits are set for it, not for the main thread's `ulimit -s` (a sanitizer's larger frames
-// overflow 8 MiB there).
-void on_input_stack(const std::function<void()>& fn) {
-  Thread t(kInputStackBytes, [&] {
-    try {
-      fn();
-    } catch (const std::exception& e) {
-      ADD_FAILURE() << "uncaught: " << e.what();
-    }
-  });
-  t.join();
-}
 
 bool full_match(const std::string& pattern, const std::string& text) {
   Dfa d(compile_regex(pattern));
