@@ -1331,7 +1331,8 @@ TEST(ServerE2EVariants, DataParallelReportsOneStateObjectPerRank) {
   auto st = get_json(s.port(), "/get_server_info")["internal_states"];
   ASSERT_EQ(st.size(), 2u) << st.dump();
   // Engine stats may trail the last output by a scheduler step: poll until both ranks are idle.
-  for (int k = 0; k < 200 * time_scale(); ++k) {
+  const auto idle_by = std::chrono::steady_clock::now() + std::chrono::duration<double>(5 * time_scale());
+  while (std::chrono::steady_clock::now() < idle_by) {
     st = get_json(s.port(), "/get_server_info")["internal_states"];
     if (st[0]["num_running_reqs"] == 0 && st[1]["num_running_reqs"] == 0) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(25));
