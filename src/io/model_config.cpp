@@ -398,6 +398,34 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& src) {
                 "{}: topk_group * experts per group is smaller than num_experts_per_tok", src);
     }
   }
+  // The real-valued fields, and what the attention derives from them, are finite numbers in range (a corrupt value
+  // such as a negative rope_theta or a zero yarn mscale would make every logit NaN, silently).
+  auto number = [&](double v, bool ok, const char* k, const char* want) {
+    MLA_CHECK(std::isfinite(v) && ok, "{}: field '{}' is {}, expected {}", src, k, v, want);
+  };
+  number(c.rope.theta, c.rope.theta > 0.0, "rope_theta", "a positive number");
+  number(c.rms_norm_eps, c.rms_norm_eps >= 0.0, "rms_norm_eps", "a number >= 0");
+  number(c.routed_scaling_factor, c.routed_scaling_factor > 0.0, "routed_scaling_factor", "a positive number");
+  if (c.rope.yarn) {
+    number(c.rope.factor, c.rope.factor > 0.0, "rope_scaling.factor", "a positive number");
+    number(c.rope.beta_fast, c.rope.beta_fast > 0.0, "rope_scaling.beta_fast", "a positive number");
+    number(c.rope.beta_slow, c.rope.beta_slow > 0.0, "rope_scaling.beta_slow", "a positive number");
+    number(c.rope.mscale, true, "rope_scaling.mscale", "a finite number");
+    number(c.rope.mscale_all_dim, true, "rope_scaling.mscale_all_dim", "a finite number");
+    number(c.rope.attention_factor, c.rope.attention_factor >= 0.0, "rope_scaling.attention_factor",
+           "a number >= 0");
+    MLA_CHECK(c.rope.original_max_position_embeddings > 0,
+              "{}: field 'rope_scaling.original_max_position_embeddings' must be positive, got {}", src,
+              c.rope.original_max_position_embeddings);
+  }
+  const double attention = c.rope_attention_factor(), scale = c.softmax_scale();
+  MLA_CHECK(std::isfinite(attention) && attention > 0.0 && std::isfinite(scale) && scale > 0.0,
+            "{}: the rope settings give an attention factor of {} and a softmax scale of {} (both must be positive "
+            "numbers): check rope_scaling's factor, mscale and mscale_all_dim",
+            src, attention, scale);
+  for (const float f : c.rope_inv_freq())
+    MLA_CHECK(std::isfinite(f) && f > 0.0f, "{}: rope_theta {} and rope_scaling give a rotary frequency of {}", src,
+              c.rope.theta, f);
   return c;
 }
 

@@ -1,9 +1,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <random>
 #include <nlohmann/json.hpp>
 
 #include "io/model_config.h"
+#include "json_mutation.h"
 #include "test_util.h"
 
 using namespace mlaserve;
@@ -376,6 +378,18 @@ TEST(ModelConfig, ClearErrors) {
   j = v2_lite();
   j["hidden_size"] = 1e30;
   EXPECT_NE(error_of(j).find("field 'hidden_size' is 1e+30, out of range"), std::string::npos) << error_of(j);
+  // Real values out of range are refused by name (they made every logit NaN).
+  j = v2_lite();
+  j["rope_theta"] = -1e300;
+  EXPECT_NE(error_of(j).find("field 'rope_theta' is -1e+300, expected a positive number"), std::string::npos)
+      << error_of(j);
+  j = v2_lite();
+  j["rope_scaling"]["beta_slow"] = -1;
+  EXPECT_NE(error_of(j).find("field 'rope_scaling.beta_slow' is -1"), std::string::npos) << error_of(j);
+  j = v2_lite();
+  j["rms_norm_eps"] = -1e-6;
+  EXPECT_NE(error_of(j).find("field 'rms_norm_eps' is -1e-06, expected a number >= 0"), std::string::npos)
+      << error_of(j);
   j = v2_lite();
   j["kv_lora_rank"] = uint64_t{18446744073709551615u};
   EXPECT_NE(error_of(j).find("field 'kv_lora_rank' is 18446744073709551615, out of range"), std::string::npos);
@@ -398,4 +412,71 @@ TEST(ModelConfig, FromFileNamesThePath) {
   }
   ModelConfig c = ModelConfig::from_file(test::golden_dir("v3"));
   EXPECT_EQ(c.arch, Architecture::DeepseekV3);
+}
+
+// config.json files with random fields replaced by values of other types and ranges, removed, or added: each is either
+// read or refused with an Error (what the server prints naming the file), never another exception (a JSON library
+// type error, a bad_alloc, ...) and never a crash; what is read is a forward pass the model can be built for.
+TEST(ModelConfig, MutatedConfigsAreReadOrRefusedClearly) {
+  std::vector<json> bases = {v2_lite(), v3()};
+  json q = v3();
+  q["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"activation_scheme", "dynamic"},
+                              {"weight_block_size", {128, 128}}};
+  bases.push_back(q);
+  q["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}, {"group_size", 64}, {"zero_point", true},
+                              {"version", "gemm"}};
+  bases.push_back(q);
+  q["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 4}, {"group_size", 128}, {"desc_act", false},
+                              {"sym", true}};
+  bases.push_back(q);
+  q["quantization_config"] = {
+      {"quant_method", "compressed-tensors"}, {"format", "pack-quantized"}, {"ignore", {"lm_head"}},
+      {"config_groups",
+       {{"group_0",
+         {{"targets", {"Linear"}},
+          {"weights", {{"num_bits", 4}, {"type", "int"}, {"symmetric", true}, {"strategy", "group"},
+                       {"group_size", 128}, {"dynamic", false}}}}}}}};
+  bases.push_back(q);
+  q = v2_lite();
+  q["eos_token_id"] = {100001, 100002};
+  q["rope_scaling"] = nullptr;
+  bases.push_back(q);
+  const std::vector<json> values = test::edge_values({"yarn", "fp8", "128", json{{"type", "yarn"}}});
+  std::mt19937_64 rng(20261207);
+  int64_t read = 0, refused = 0;
+  for (int it = 0; it < 4000; ++it) {
+    json j = bases[rng() % bases.size()];
+    const int edits = 1 + static_cast<int>(rng() % 3);
+    for (int e = 0; e < edits; ++e) test::mutate_json(j, rng, values);
+    try {
+      const ModelConfig c = ModelConfig::from_json(j, "config.json");
+      ++read;
+      // What the model's shapes are made of is positive and consistent.
+      EXPECT_GT(c.hidden_size, 0) << j.dump();
+      EXPECT_GT(c.num_hidden_layers, 0) << j.dump();
+      EXPECT_GT(c.num_attention_heads, 0) << j.dump();
+      EXPECT_GT(c.vocab_size, 0) << j.dump();
+      EXPECT_GT(c.kv_lora_rank, 0) << j.dump();
+      EXPECT_GT(c.qk_rope_head_dim, 0) << j.dump();
+      EXPECT_EQ(c.qk_rope_head_dim % 2, 0) << j.dump();
+      EXPECT_GT(c.v_head_dim, 0) << j.dump();
+      EXPECT_GE(c.moe_layer_freq, 1) << j.dump();
+      if (c.num_moe_layers() > 0) {
+        EXPECT_GE(c.num_experts_per_tok, 1) << j.dump();
+        EXPECT_LE(c.num_experts_per_tok, c.n_routed_experts) << j.dump();
+        EXPECT_GT(c.moe_intermediate_size, 0) << j.dump();
+      }
+      EXPECT_TRUE(std::isfinite(c.softmax_scale()) && c.softmax_scale() > 0) << j.dump();
+      for (float f : c.rope_inv_freq()) ASSERT_TRUE(std::isfinite(f)) << j.dump();
+      EXPECT_FALSE(c.summary().empty());
+    } catch (const Error& e) {
+      ++refused;
+      EXPECT_NE(std::string(e.what()).find("config.json"), std::string::npos) << e.what() << "\n" << j.dump();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "not a clear error: " << e.what() << "\n" << j.dump();
+    }
+    if (::testing::Test::HasFailure()) break;  // the first bad config, not thousands of lines
+  }
+  EXPECT_GT(read, 100);
+  EXPECT_GT(refused, 100);
 }

@@ -3,8 +3,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <random>
+
+#include <nlohmann/json.hpp>
 
 #include "io/safetensors.h"
+#include "json_mutation.h"
 #include "test_util.h"
 
 using namespace mlaserve;
@@ -88,6 +92,102 @@ TEST(Safetensors, ErrorsNameFileAndTensor) {
 
   e = test::error_text([&] { SafetensorsFile f((dir / "nope.safetensors").string()); });
   EXPECT_NE(e.find("cannot open"), std::string::npos) << e;
+}
+
+// Safetensors files with corrupt headers (random edits of the JSON, bytes overwritten, wrong header lengths) or cut
+// short: each is either read, every tensor's bytes then lying in the file and matching its dtype and shape, or
+// refused with an Error naming the file; never another exception, never a read outside the file.
+TEST(Safetensors, CorruptFilesAreReadOrRefusedClearly) {
+  using json = nlohmann::json;
+  auto dir = test::temp_dir("st_fuzz");
+  const std::string good = (dir / "good.safetensors").string(), p = (dir / "bad.safetensors").string();
+  std::map<std::string, Tensor> ts;
+  ts.emplace("a.weight", f32_tensor({3, 5}, 1.0f));
+  ts.emplace("b", Tensor::empty_host({7}, DType::BF16));
+  ts.emplace("c", Tensor::empty_host({3, 3}, DType::F8_E4M3));
+  ts.emplace("d", Tensor::empty_host({2}, DType::I64));
+  ts.emplace("e", Tensor::empty_host({0, 4}, DType::F32));
+  int k = 0;  // the data section's bytes: (131 k + 7) mod 251, so two in a row tell where they are
+  for (auto& [name, t] : ts)
+    for (size_t i = 0; i < t.nbytes(); ++i, ++k) static_cast<uint8_t*>(t.data())[i] = static_cast<uint8_t>((131 * k + 7) % 251);
+  write_safetensors(good, ts, {{"format", "pt"}});
+  std::string file;
+  {
+    std::ifstream in(good, std::ios::binary);
+    file.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  uint64_t hlen = 0;
+  std::memcpy(&hlen, file.data(), 8);
+  const json header = json::parse(file.substr(8, hlen));
+  const std::string data = file.substr(8 + hlen);
+  const std::vector<json> values =
+      test::edge_values({"F32", "BF16", "F8_E4M3", "I64", "U8", "BOOL", "F64", json::array({0, 60}),
+                         json::array({60, 0}), json::array({0, 1, 2}), static_cast<int64_t>(data.size()),
+                         static_cast<int64_t>(data.size()) + 1});
+  auto with_header = [&](const std::string& h, uint64_t claimed) {
+    std::string out(8, '\0');
+    std::memcpy(out.data(), &claimed, 8);
+    return out + h + data;
+  };
+  std::mt19937_64 rng(20261207);
+  int64_t read = 0, refused = 0;
+  for (int it = 0; it < 3000; ++it) {
+    std::string bytes;
+    switch (rng() % 4) {
+      case 0:
+      case 1: {  // the header's JSON edited, its length right (padded as writers pad it) or not
+        json h = header;
+        const int edits = 1 + static_cast<int>(rng() % 3);
+        for (int e = 0; e < edits; ++e) test::mutate_json(h, rng, values);
+        std::string text = h.dump();
+        while (text.size() % 8 != 0) text.push_back(' ');
+        const int64_t skew = rng() % 4 == 0 ? static_cast<int64_t>(rng() % 17) - 8 : 0;
+        bytes = with_header(text, static_cast<uint64_t>(static_cast<int64_t>(text.size()) + skew));
+        break;
+      }
+      case 2: {  // header bytes overwritten
+        bytes = file;
+        const std::string alphabet = "0123456789\"[]{},:-.eE \\\x00\xff";
+        const int n = 1 + static_cast<int>(rng() % 4);
+        for (int k = 0; k < n; ++k) bytes[8 + rng() % hlen] = alphabet[rng() % alphabet.size()];
+        break;
+      }
+      default: {  // cut short, or a header length from anywhere
+        bytes = file;
+        if (rng() % 2 == 0) {
+          bytes.resize(rng() % file.size());
+        } else {
+          const uint64_t claimed = rng() % 3 == 0 ? rng() : rng() % (file.size() + 16);
+          std::memcpy(bytes.data(), &claimed, 8);
+        }
+        break;
+      }
+    }
+    {
+      std::ofstream out(p, std::ios::binary | std::ios::trunc);
+      out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    }
+    try {
+      SafetensorsFile f(p);
+      ++read;
+      for (const auto& [name, info] : f.tensors()) {
+        int64_t numel = 1;
+        for (const int64_t d : info.shape) numel *= d;
+        ASSERT_EQ(info.nbytes, static_cast<size_t>(numel) * dtype_size(info.dtype)) << name << " in " << bytes;
+        // The tensor's bytes are bytes of the file (the data section's pattern places any two of them): a read
+        // past the mapping would not come back equal, or at all.
+        const std::string in_file(reinterpret_cast<const char*>(f.tensor(name).data()), info.nbytes);
+        ASSERT_NE(bytes.find(in_file), std::string::npos) << name;
+      }
+    } catch (const Error& e) {
+      ++refused;
+      ASSERT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+    } catch (const std::exception& e) {
+      FAIL() << "not a clear error: " << e.what() << "\n" << bytes;
+    }
+  }
+  EXPECT_GT(read, 100);
+  EXPECT_GT(refused, 1000);
 }
 
 TEST(Checkpoint, ShardedIndexAndErrors) {
