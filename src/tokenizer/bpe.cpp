@@ -19,7 +19,7 @@ std::optional<std::string> opt_string(const nlohmann::json& j, const char* key, 
 }  // namespace
 
 BpeModel::BpeModel(const nlohmann::json& spec, const std::string& where) {
-  std::string type = spec.value("type", std::string("BPE"));
+  std::string type = get_string_or(spec, "type", where, "BPE");
   MLA_CHECK(type == "BPE", "{}: unsupported model type '{}' (only BPE is implemented)", where, type);
   auto dropout = spec.find("dropout");
   MLA_CHECK(dropout == spec.end() || dropout->is_null() || (dropout->is_number() && dropout->get<double>() == 0.0),

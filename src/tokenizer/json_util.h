@@ -25,6 +25,16 @@ inline std::string get_string(const nlohmann::json& j, const char* key, const st
   return v.get<std::string>();
 }
 
+// j[key] as a string, or `dflt` where it is missing or null.
+inline std::string get_string_or(const nlohmann::json& j, const char* key, const std::string& where,
+                                 const std::string& dflt) {
+  MLA_CHECK(j.is_object(), "{}: expected an object, got {}", where, j.type_name());
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return dflt;
+  MLA_CHECK(it->is_string(), "{}.{}: expected a string, got {}", where, key, it->type_name());
+  return it->get<std::string>();
+}
+
 inline bool get_bool(const nlohmann::json& j, const char* key, const std::string& where, bool dflt) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return dflt;

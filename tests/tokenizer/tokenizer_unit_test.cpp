@@ -4,8 +4,10 @@
 
 #include <filesystem>
 #include <fstream>
+#include <random>
 
 #include "core/error.h"
+#include "json_mutation.h"
 #include "test_data.h"
 #include "tokenizer/regex.h"
 #include "tokenizer/tokenizer.h"
@@ -106,6 +108,84 @@ TEST(Tokenizer, AddedTokenOptions) {
   EXPECT_FALSE(tok->is_special(6));
 }
 
+// tokenizer.json files with random fields replaced by values of other types and ranges, removed, or added (a small
+// BPE tokenizer with every kind of part): each is either loaded, and then encodes and decodes without a crash (errors
+// of its own allowed), or refused with an Error naming the file; never another exception.
+// A small BPE tokenizer.json with every kind of part (normalizers, pre-tokenizers, decoders, a template, added
+// tokens): ids 0-7 plain tokens, 8 <s>, 9 </s>, 10 "ba" (added).
+nlohmann::json small_tokenizer_json() {
+  return nlohmann::json::parse(R"({
+    "normalizer": {"type": "Sequence", "normalizers": [{"type": "NFC"}, {"type": "Replace",
+        "pattern": {"String": "  "}, "content": " "}, {"type": "Prepend", "prepend": "_"}, {"type": "Strip",
+        "strip_left": true, "strip_right": false}]},
+    "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "\\p{N}{1,3}| ?\\p{L}+|\\s+"}, "behavior": "Isolated",
+         "invert": false},
+        {"type": "Digits", "individual_digits": true},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]},
+    "model": {"type": "BPE", "unk_token": null, "byte_fallback": false, "fuse_unk": false,
+              "ignore_merges": false, "dropout": null, "continuing_subword_prefix": null,
+              "end_of_word_suffix": null,
+              "vocab": {"_": 0, "a": 1, "b": 2, "ab": 3, "Ġ": 4, "1": 5, "2": 6, "Ġa": 7, "<s>": 8, "</s>": 9},
+              "merges": ["a b", ["Ġ", "a"]]},
+    "decoder": {"type": "Sequence", "decoders": [{"type": "ByteLevel"}, {"type": "Replace",
+        "pattern": {"String": "_"}, "content": " "}, {"type": "Fuse"}, {"type": "Strip", "content": " ",
+        "start": 1, "stop": 0}]},
+    "post_processor": {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+        {"Sequence": {"id": "A", "type_id": 0}}], "pair": [],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [8], "tokens": ["<s>"]}}},
+    "added_tokens": [
+      {"id": 8, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false,
+       "special": true},
+      {"id": 9, "content": "</s>", "single_word": false, "lstrip": true, "rstrip": false, "normalized": false,
+       "special": true},
+      {"id": 10, "content": "ba", "single_word": true, "lstrip": false, "rstrip": false, "normalized": true,
+       "special": false}]})");;
+}
+
+TEST(Tokenizer, MutatedFilesAreLoadedOrRefusedClearly) {
+  const nlohmann::json base = small_tokenizer_json();
+  const std::vector<int32_t> unedited = Tokenizer::from_json(base, "t.json")->encode("ab 12 <s>ba", true);
+  ASSERT_GT(unedited.size(), 2u);
+  EXPECT_EQ(unedited.front(), 8);  // the template's <s>
+  const std::vector<nlohmann::json> values = test::edge_values(
+      {"BPE", "Sequence", "Split", "ByteLevel", "Replace", "Isolated", "Removed", "MergedWithNext", "(", "[a-",
+       "\\p{Q}", nlohmann::json{{"Regex", "("}}, nlohmann::json{{"String", ""}}, nlohmann::json{{"Regex", ""}},
+       nlohmann::json{{"type", "Sequence"}}, nlohmann::json::array({"a", "c"}), "a", "a b", "x y z"});
+  std::mt19937_64 rng(20261207);
+  int64_t loaded = 0, refused = 0;
+  for (int it = 0; it < 3000; ++it) {
+    nlohmann::json j = base;
+    const int edits = 1 + static_cast<int>(rng() % 3);
+    for (int e = 0; e < edits; ++e) test::mutate_json(j, rng, values);
+    std::unique_ptr<Tokenizer> tok;
+    try {
+      tok = Tokenizer::from_json(j, "t.json");
+      ++loaded;
+    } catch (const Error& e) {
+      ++refused;
+      ASSERT_NE(std::string(e.what()).find("t.json"), std::string::npos) << e.what() << "\n" << j.dump();
+      continue;
+    } catch (const std::exception& e) {
+      FAIL() << "not a clear error: " << e.what() << "\n" << j.dump();
+    }
+    for (const char* text : {"", "ab ab  12 3", "<s>ba </s>ab", "a\xC3\xA9 \xE4\xB8\x96 \xF0\x9F\x98\x80"}) {
+      try {
+        const std::vector<int32_t> ids = tok->encode(text, true);
+        (void)tok->decode(ids, false);
+        (void)tok->decode(ids, true);
+        const std::vector<int32_t> odd = {0, 3, 9, 10, 11, 1 << 20, -1};
+        (void)tok->decode(odd, false);
+      } catch (const Error&) {
+      } catch (const std::exception& e) {
+        FAIL() << "not a clear error: " << e.what() << " encoding '" << text << "' with\n" << j.dump();
+      }
+    }
+  }
+  EXPECT_GT(loaded, 100);
+  EXPECT_GT(refused, 100);
+}
+
 class TempDir {
  public:
   TempDir() {
@@ -173,6 +253,65 @@ TEST(PretrainedTokenizer, NamedTemplatesGenerationConfigAndAddedTokenObjects) {
   EXPECT_NE(err([&] { PretrainedTokenizer::load(d.path()); }).find("chat_template.jinja line 2 column 8"),
             std::string::npos)
       << err([&] { PretrainedTokenizer::load(d.path()); });
+}
+
+// tokenizer_config.json and generation_config.json with random edits (as the tokenizer.json test above): the
+// tokenizer is either loaded, and then encodes with its special tokens and renders its chat templates without a
+// crash (template errors allowed), or refused with an Error naming the file; never another exception.
+TEST(PretrainedTokenizer, MutatedConfigsAreLoadedOrRefusedClearly) {
+  const nlohmann::json config = nlohmann::json::parse(R"({
+    "add_bos_token": true, "add_eos_token": false, "clean_up_tokenization_spaces": false, "legacy": true,
+    "model_max_length": 4096, "pad_token": null, "eos_token": "</s>",
+    "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": false, "normalized": true, "rstrip": false,
+                  "single_word": false},
+    "added_tokens_decoder": {"8": {"content": "<s>", "lstrip": false, "normalized": false, "rstrip": false,
+                                   "single_word": false, "special": true}},
+    "chat_template": [
+      {"name": "default", "template": "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"},
+      {"name": "tool_use", "template": "{{ tools | length if tools else 0 }} {{ messages | length }}"}]})");
+  const nlohmann::json generation = nlohmann::json::parse(R"({"bos_token_id": 8, "eos_token_id": [9, 8],
+                                                              "temperature": 0.6, "top_p": 0.95})");
+  TempDir d;
+  d.write("tokenizer.json", small_tokenizer_json().dump());
+  const std::vector<nlohmann::json> values = test::edge_values(
+      {"<s>", "</s>", "ba", "{{ bos_token }}", "{% for %}", "{{ messages[0].content | upper }}",
+       nlohmann::json{{"name", "default"}}, nlohmann::json{{"template", "x"}}, nlohmann::json{{"content", 5}},
+       nlohmann::json::array({nlohmann::json{{"name", 1}, {"template", 2}}})});
+  const nlohmann::ordered_json msgs =
+      nlohmann::ordered_json::parse(R"([{"role": "user", "content": "ab"}, {"role": "assistant", "content": "12"}])");
+  std::mt19937_64 rng(20261207);
+  int64_t loaded = 0, refused = 0;
+  for (int it = 0; it < 1000; ++it) {
+    nlohmann::json c = config, g = generation;
+    const bool edit_config = rng() % 3 != 0;
+    const int edits = 1 + static_cast<int>(rng() % 3);
+    for (int e = 0; e < edits; ++e) test::mutate_json(edit_config ? c : g, rng, values);
+    d.write("tokenizer_config.json", c.dump());
+    d.write("generation_config.json", g.dump());
+    const char* file = edit_config ? "tokenizer_config.json" : "generation_config.json";
+    std::unique_ptr<PretrainedTokenizer> p;
+    try {
+      p = PretrainedTokenizer::load(d.path());
+      ++loaded;
+    } catch (const Error& e) {
+      ++refused;
+      ASSERT_NE(std::string(e.what()).find(file), std::string::npos) << e.what() << "\n" << c.dump() << g.dump();
+      continue;
+    } catch (const std::exception& e) {
+      FAIL() << "not a clear error: " << e.what() << "\n" << c.dump() << "\n" << g.dump();
+    }
+    try {
+      (void)p->encode("ab <s>", true);
+      (void)p->eos_token_ids();
+      for (const std::string& name : p->chat_template_names())
+        (void)p->apply_chat_template(msgs, true, nlohmann::ordered_json::object(), name);
+    } catch (const Error&) {
+    } catch (const std::exception& e) {
+      FAIL() << "not a clear error: " << e.what() << "\n" << c.dump() << "\n" << g.dump();
+    }
+  }
+  EXPECT_GT(loaded, 100);
+  EXPECT_GT(refused, 50);
 }
 
 }  // namespace
