@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <random>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -17,6 +18,7 @@
 #include "engine/offline.h"
 #include "engine/rank_set.h"
 #include "io/safetensors.h"
+#include "json_mutation.h"
 #include "model/deepseek_model.h"
 #include "test_util.h"
 
@@ -1014,4 +1016,82 @@ TEST(Loader, DummyWeightsAreDeterministicAndSensible) {
     EXPECT_GT(count[e], mean / 4) << "expert " << e;
     EXPECT_LT(count[e], mean * 3) << "expert " << e;
   }
+}
+
+// Golden checkpoints with a random tensor given another shape or dtype, or removed (with now and then a config.json
+// field edited too): the model either loads, and then runs a prompt, or is refused with an Error naming that tensor
+// (or the config or tensor the edited config makes wrong); never another exception, never a crash. FP8 checkpoints' weights and scales are among the tensors.
+TEST(Loader, MutatedCheckpointsLoadOrNameTheTensor) {
+  const std::vector<std::string> families = {"v2lite", "v3", "v3-fp8", "v2-fp8-tensor"};
+  const std::vector<DType> dtypes = {DType::F32, DType::F16, DType::BF16, DType::F8_E4M3, DType::I64, DType::I32,
+                                     DType::U8, DType::BOOL};
+  const std::vector<nlohmann::json> values = test::edge_values();
+  std::map<std::string, std::map<std::string, Tensor>> originals;
+  for (const std::string& f : families) originals[f] = test::read_checkpoint(test::golden_dir(f));
+  std::mt19937_64 rng(20261207);
+  auto dir = test::temp_dir("ld_fuzz");
+  int64_t loaded = 0, refused = 0;
+  for (int it = 0; it < 160; ++it) {
+    const std::string& family = families[rng() % families.size()];
+    std::map<std::string, Tensor> ts = originals[family];
+    std::vector<std::string> names;
+    for (const auto& [n, t] : ts) names.push_back(n);
+    const std::string name = names[rng() % names.size()];
+    const Tensor t = ts[name];
+    Shape shape = t.shape();
+    DType dtype = t.dtype();
+    switch (rng() % 4) {
+      case 0:  // removed
+        ts.erase(name);
+        break;
+      case 1:  // another dtype
+        dtype = dtypes[rng() % dtypes.size()];
+        break;
+      case 2:  // a dimension one more or less, or none
+        if (!shape.empty()) {
+          const size_t d = rng() % shape.size();
+          shape[d] = std::max<int64_t>(0, shape[d] + (rng() % 2 ? 1 : -1));
+        }
+        break;
+      default:  // the dimensions reversed, or one added
+        if (rng() % 2)
+          std::reverse(shape.begin(), shape.end());
+        else
+          shape.push_back(1);
+        break;
+    }
+    if (ts.count(name) && (shape != t.shape() || dtype != t.dtype())) {
+      Tensor m = Tensor::empty_host(shape, dtype);
+      for (size_t i = 0; i < m.nbytes(); ++i) static_cast<uint8_t*>(m.data())[i] = static_cast<uint8_t>(rng() & 0x3f);
+      ts[name] = m;
+    }
+    auto config = nlohmann::json::parse(test::read_text(fs::path(test::golden_dir(family)) / "config.json"));
+    const bool edit_config = rng() % 8 == 0;
+    if (edit_config) test::mutate_json(config, rng, values);
+    test::write_text(dir / "config.json", config.dump());
+    write_safetensors((dir / "model.safetensors").string(), ts);
+    const std::string what = family + ": " + name + " " + shape_str(shape) + " " + dtype_name(dtype) +
+                             (edit_config ? " and config " + config.dump() : "");
+    try {
+      auto be = make_cpu_backend();
+      DeepseekModel m(ModelConfig::from_file(dir.string()), *be);
+      m.load(dir.string(), {});
+      OfflineOptions o;
+      o.max_new_tokens = 2;
+      (void)run_offline(m, {kPrompt}, o);
+      ++loaded;
+    } catch (const Error& e) {
+      ++refused;
+      const std::string msg = e.what();
+      // (An edited config changes which tensors the model expects: the error then names whichever is wrong.)
+      EXPECT_TRUE(msg.find(name) != std::string::npos || (edit_config && msg.find("tensor") != std::string::npos) ||
+                  (edit_config && msg.find("config.json") != std::string::npos))
+          << msg << "\n" << what;
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "not a clear error: " << e.what() << "\n" << what;
+    }
+    if (::testing::Test::HasFailure()) break;
+  }
+  EXPECT_GT(loaded, 10);
+  EXPECT_GT(refused, 50);
 }
