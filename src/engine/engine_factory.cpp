@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 
@@ -187,6 +188,22 @@ std::unique_ptr<EngineClient> make_engine(const EngineArgs& a) {
             "--dp replicas across nodes are not supported; use --enable-dp-attention or one replica");
   ModelConfig cfg = run_config(a);
   MLA_LOG_INFO("{}", cfg.summary());
+  if (a.context_length > cfg.max_position_embeddings) {
+    // Refused unless asked for by SGLang's or vLLM's variable, as both do.
+    auto set = [](const char* name) {
+      const char* v = std::getenv(name);
+      const std::string s = v ? v : "";
+      return !s.empty() && s != "0" && s != "false" && s != "False";
+    };
+    MLA_CHECK(set("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN") || set("VLLM_ALLOW_LONG_MAX_MODEL_LEN"),
+              "--context-length {} is longer than the model's max_position_embeddings ({}, config.json): positions "
+              "past it are not what the model was trained for; set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 (or "
+              "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) to serve that length anyway",
+              a.context_length, cfg.max_position_embeddings);
+    MLA_LOG_WARN("--context-length {} is longer than the model's max_position_embeddings ({}): outputs past {} "
+                 "positions may be wrong",
+                 a.context_length, cfg.max_position_embeddings, cfg.max_position_embeddings);
+  }
   if (a.enable_dp_attention || a.dp_size == 1) return make_replica(a, cfg, a.enable_dp_attention ? a.dp_size : 1);
   std::vector<std::unique_ptr<EngineClient>> replicas;
   for (int32_t r = 0; r < a.dp_size; ++r) replicas.push_back(make_replica(a, cfg, 1, r));

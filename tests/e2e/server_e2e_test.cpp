@@ -2192,6 +2192,21 @@ TEST(ServeFlags, AllowAutoTruncateKeepsThePromptsFirstTokens) {
   EXPECT_EQ(s.stop(), 0);
 }
 
+// A --context-length past the model's max_position_embeddings exits naming SGLang's variable that allows it (as SGLang
+// and vLLM refuse it); with the variable set the server serves that context, with a warning.
+TEST(ServeFlags, ContextPastTheModelsNeedsTheVariable) {
+  ASSERT_TRUE(have_deepseek_tokenizer());
+  expect_serve_refuses({"--context-length 100000 --tokenizer-path " + deepseek_tokenizer_dir()},
+                       "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1");
+  ::setenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1", 1);  // (the server started next inherits it)
+  ServerProcess s({"--context-length", "100000"});
+  ::unsetenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN");
+  ASSERT_TRUE(s.running()) << s.log();
+  EXPECT_EQ(get_json(s.port(), "/get_model_info")["max_context_length"], 100000);
+  EXPECT_NE(s.log().find("outputs past 5120 positions may be wrong"), std::string::npos) << s.log();
+  EXPECT_EQ(s.stop(), 0);
+}
+
 // SGLang's --stream-output: a streamed /generate's chunks carry only what is new (text, output_ids, output logprobs;
 // the prompt's logprobs in the first); joined they are the whole answer. Without the flag they are cumulative (the
 // byte-for-byte test above); OpenAI streams are deltas either way.
