@@ -109,6 +109,7 @@ struct ServeArgs {
   std::string response_role = "assistant";   // vLLM's --response-role
   bool trust_request_chat_template = false;  // vLLM's: requests' own chat_template taken
   std::string completion_template;
+  std::string hicache_storage_backend;  // SGLang's L3 tier below the host tier (not implemented)
   std::string fp8_experts = "auto", int4_experts = "auto", shared_experts_fusion = "auto";
   // Speculative decoding: SGLang's --speculative-algorithm NGRAM and its sizes, or vLLM's --speculative-config JSON.
   std::string speculative_algorithm, speculative_config;
@@ -735,6 +736,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
       ->capture_default_str();
   app.add_flag("--trust-request-chat-template", a->trust_request_chat_template,
                "chat requests may bring their own Jinja template (chat_template), as vLLM's; refused otherwise");
+  app.add_option("--hicache-storage-backend", a->hicache_storage_backend,
+                 "SGLang's storage tier below the host tier (file, mooncake, ...): recognised, not implemented");
   app.add_option("--completion-template", a->completion_template,
                  "deepseek_coder: completions' suffix as DeepSeek's fill in the middle (always on with its tokens)");
   app.add_option("--fp8-experts", a->fp8_experts,
@@ -798,7 +801,8 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
         "--scheduler-delay-factor", "--preemption-mode", "--num-reserved-decode-tokens", "--hicache-io-backend",
         "--hicache-mem-layout", "--kv-offloading-backend", "--otlp-traces-endpoint", "--collect-detailed-traces",
         "--tokenizer-revision", "--code-revision", "--max-num-partial-prefills", "--long-prefill-token-threshold",
-        "--chat-template-content-format", "--disaggregation-transfer-backend", "--disaggregation-ib-device"}) {
+        "--chat-template-content-format", "--disaggregation-transfer-backend", "--disaggregation-ib-device",
+        "--hicache-storage-prefetch-policy", "--hicache-storage-backend-extra-config"}) {
     const bool list = std::string_view(opt) == "--cuda-graph-bs";
     app.add_option_function<std::vector<std::string>>(
            opt,
@@ -859,6 +863,10 @@ Runner serve_setup(CLI::App& app, bool run_batch) {
     not_implemented(!s.completion_template.empty() && s.completion_template != "deepseek_coder",
                     fmt::format("--completion-template {} (deepseek_coder's fill in the middle is built in)",
                                 s.completion_template));
+    not_implemented(!s.hicache_storage_backend.empty(),
+                    fmt::format("--hicache-storage-backend {} (the prefix cache keeps a device and, with "
+                                "--enable-hierarchical-cache, a host tier; no storage tier below them)",
+                                s.hicache_storage_backend));
     (void)parse_kv_cache_dtype(s.kv_cache_dtype);  // a clear error before any loading
     MLA_CHECK(s.nnodes >= 1 && s.node_rank >= 0 && s.node_rank < s.nnodes, "--node-rank {} must be in [0, --nnodes {})",
               s.node_rank, s.nnodes);

@@ -2712,7 +2712,8 @@ TEST(ServeFlags, PriorityPreemptionRetractsFarLowerRequests) {
 
 TEST(ServeFlags, RecognisedButNotImplementedExitNonZero) {
   for (const std::string flags :
-       {"--quantization gptq", "--dtype float16", "--completion-template qwen"}) {
+       {"--quantization gptq", "--dtype float16", "--completion-template qwen",
+        "--enable-hierarchical-cache --hicache-storage-backend file --hicache-storage-prefetch-policy timeout"}) {
     auto r = run_command(mlaserve_cmd(60) + " serve --model-path " + e2e_model_dir() +
                          " --tokenizer-path " + deepseek_tokenizer_dir() + " --load-format dummy --port 0 " + flags);
     EXPECT_NE(r.exit_code, 0) << flags << "\n" << r.output;
