@@ -222,27 +222,37 @@ KvRows decode_kv_rows(std::string body) {
   const json h = json::parse(std::string_view(body).substr(0, nl), nullptr, /*allow_exceptions=*/false);
   MLA_CHECK(h.is_object(), "KV rows: the header line is not a JSON object");
   KvRows r;
-  std::string layout;
-  try {
-    r.begin = h.at("begin").get<int32_t>();
-    r.end = h.at("end").get<int32_t>();
-    r.cached = h.at("cached").get<int32_t>();
-    r.layers = h.at("layers").get<int64_t>();
-    r.row_bytes = h.at("row_bytes").get<int64_t>();
-    r.dtype = h.at("dtype").get<std::string>();
-    layout = h.at("layout").get<std::string>();
-  } catch (const json::exception& e) {
-    fail("KV rows: bad header {}: {}", body.substr(0, std::min<size_t>(nl, 200)), e.what());
-  }
+  // Integers, in range: a float (or a number past int32) is refused, not converted.
+  auto count = [&](const char* k, int64_t most) -> int64_t {
+    const auto it = h.find(k);
+    MLA_CHECK(it != h.end() && it->is_number_integer() && it->get<int64_t>() >= 0 && it->get<int64_t>() <= most,
+              "KV rows: bad header: '{}' must be an integer in [0, {}], got {}", k, most,
+              it == h.end() ? std::string("nothing") : it->dump());
+    return it->get<int64_t>();
+  };
+  auto text = [&](const char* k) -> std::string {
+    const auto it = h.find(k);
+    MLA_CHECK(it != h.end() && it->is_string(), "KV rows: bad header: '{}' must be a string", k);
+    return it->get<std::string>();
+  };
+  constexpr int64_t kMaxTokens = std::numeric_limits<int32_t>::max();
+  r.begin = static_cast<int32_t>(count("begin", kMaxTokens));
+  r.end = static_cast<int32_t>(count("end", kMaxTokens));
+  r.cached = static_cast<int32_t>(count("cached", kMaxTokens));
+  r.layers = count("layers", int64_t{1} << 20);
+  r.row_bytes = count("row_bytes", int64_t{1} << 30);
+  r.dtype = text("dtype");
+  const std::string layout = text("layout");
   MLA_CHECK(layout == kRowsLayout, "KV rows: the rows come in order '{}', this server reads '{}'", layout,
             kRowsLayout);
-  MLA_CHECK(r.begin >= 0 && r.end >= r.begin && r.cached >= r.end && r.layers >= 0 && r.row_bytes >= 0,
-            "KV rows: bad header (tokens [{}, {}) of {} cached, {} layers x {} bytes)", r.begin, r.end, r.cached,
-            r.layers, r.row_bytes);
-  const auto want = static_cast<uint64_t>(r.layers) * static_cast<uint64_t>(r.end - r.begin) *
-                    static_cast<uint64_t>(r.row_bytes);
-  MLA_CHECK(body.size() - nl - 1 == want, "KV rows: {} bytes of rows where the header says {}", body.size() - nl - 1,
-            want);
+  MLA_CHECK(r.end >= r.begin && r.cached >= r.end, "KV rows: bad header (tokens [{}, {}) of {} cached)", r.begin, r.end,
+            r.cached);
+  // The rows' size by division (layers * row_bytes < 2^50; times the tokens it could pass 64 bits).
+  const auto per_token = static_cast<uint64_t>(r.layers) * static_cast<uint64_t>(r.row_bytes);
+  const uint64_t have = body.size() - nl - 1, tokens = static_cast<uint64_t>(r.end - r.begin);
+  MLA_CHECK(per_token == 0 ? have == 0 : have % per_token == 0 && have / per_token == tokens,
+            "KV rows: {} bytes of rows where the header says {} tokens x {} layers x {} bytes", have, tokens, r.layers,
+            r.row_bytes);
   r.bytes = std::move(body);
   r.offset = nl + 1;
   return r;

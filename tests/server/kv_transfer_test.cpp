@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <future>
+#include <random>
 #include <thread>
 
 #include <boost/asio/io_context.hpp>
@@ -13,6 +14,7 @@
 #include <boost/beast/http.hpp>
 
 #include "core/error.h"
+#include "json_mutation.h"
 #include "server/api_error.h"
 #include "server/kv_transfer.h"
 
@@ -210,6 +212,41 @@ TEST(KvTransferRows, EncodedAndDecoded) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("layer,token,row"), std::string::npos) << e.what();
   }
+}
+
+// Answers of another server (a prefill server of another build, or a broken one) with the header line edited at random
+// and rows cut or added: each decodes to a consistent answer from integer fields, or is refused with an Error, never
+// another exception (a float such as 1e10 was converted to int32 before: undefined behaviour).
+TEST(KvTransferRows, EditedAnswersDecodeConsistentlyOrAreRefused) {
+  const std::string enc = encode_kv_rows(rows_of(3, 10, 16, 2, 5, 0));
+  const size_t nl = enc.find('\n');
+  const json header = json::parse(enc.substr(0, nl));
+  const std::string rows = enc.substr(nl + 1);
+  const std::vector<json> values =
+      test::edge_values({"token,layer,row", "layer,token,row", 1e10, -1e10, 4.5, 3.0, 10.0, 16.0, 2.0, 5.0});
+  std::mt19937_64 rng(20261207);
+  int decoded = 0, refused = 0;
+  for (int it = 0; it < 3000; ++it) {
+    json h = header;
+    const int edits = static_cast<int>(rng() % 3);
+    for (int e = 0; e < edits; ++e) test::mutate_json(h, rng, values);
+    std::string body = rows;
+    if (rng() % 4 == 0) body.resize(rng() % (rows.size() + 8), 'r');
+    try {
+      const KvRows r = decode_kv_rows(h.dump() + "\n" + body);
+      ++decoded;
+      EXPECT_TRUE(r.begin >= 0 && r.begin <= r.end && r.end <= r.cached) << h.dump();
+      EXPECT_EQ(r.rows_size(), static_cast<size_t>(r.layers * r.row_bytes * (r.end - r.begin))) << h.dump();
+      for (const char* k : {"begin", "end", "cached", "layers", "row_bytes"})
+        EXPECT_TRUE(h[k].is_number_integer()) << k << " read from " << h.dump();
+    } catch (const Error&) {
+      ++refused;
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "not a clear error: " << e.what() << "\n" << h.dump();
+    }
+  }
+  EXPECT_GT(decoded, 100);
+  EXPECT_GT(refused, 1000);
 }
 
 // An export server on the loopback: answers POST /kv_transfer/export from the rows of `cached` tokens (layers x
