@@ -94,15 +94,30 @@ std::unique_ptr<Backend> model_backend(bool one_token = true) {
 struct GpuModel {
   std::unique_ptr<Backend> backend;
   std::unique_ptr<DeepseekModel> model;
-  GpuModel(const std::string& dir, bool dummy, bool one_token = true) {
+  GpuModel(const std::string& dir, bool dummy, bool one_token = true,
+           LoadOptions::KeepQuantized fp8_experts = LoadOptions::KeepQuantized::Auto) {
     backend = model_backend(one_token);
     model = std::make_unique<DeepseekModel>(ModelConfig::from_file(dir), *backend);
     LoadOptions lo;
     lo.dummy = dummy;
     lo.seed = 3;
+    lo.fp8_experts = fp8_experts;
     model->load(dir, lo);
   }
 };
+
+// The checkpoints MLASERVE_CHECK_MODELS names (folders separated by commas; e.g. tools/device/config_fuzz.py's random
+// configs); none without it.
+std::vector<std::string> check_model_dirs() {
+  std::vector<std::string> dirs;
+  if (const char* more = std::getenv("MLASERVE_CHECK_MODELS"))
+    for (std::string_view rest = more; !rest.empty();) {
+      const size_t comma = rest.find(',');
+      dirs.emplace_back(rest.substr(0, comma));
+      rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+    }
+  return dirs;
+}
 
 // Runs of the golden prompts (all prompts in one ragged batch, as eval-logits does, unless said):
 //  1. the CPU backend (fp32, equal to the HF reference to ~1e-5), recording every MoE routing decision;
@@ -392,13 +407,9 @@ TEST(CudaModel, GoldenOddV2) { REQUIRE_GPU(); golden_family("odd-v2"); }
 // make_golden.py's form: e.g. tools/device/config_fuzz.py's random configs); skipped without it.
 TEST(CudaModel, GoldenCheckModels) {
   REQUIRE_GPU();
-  const char* more = std::getenv("MLASERVE_CHECK_MODELS");
-  if (!more) GTEST_SKIP() << "MLASERVE_CHECK_MODELS names no checkpoints";
-  for (std::string_view rest = more; !rest.empty();) {
-    const size_t comma = rest.find(',');
-    golden_family(std::string(rest.substr(0, comma)), {}, kRandomModelTol);
-    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
-  }
+  const std::vector<std::string> dirs = check_model_dirs();
+  if (dirs.empty()) GTEST_SKIP() << "MLASERVE_CHECK_MODELS names no checkpoints";
+  for (const std::string& dir : dirs) golden_family(dir, {}, kRandomModelTol);
 }
 // Random configs of tools/device/config_fuzz.py kept as golden families (test::kRandomFamilies, made by
 // tools/device/random_goldens_run.sh), judged as the checkpoints MLASERVE_CHECK_MODELS names.
@@ -599,12 +610,7 @@ TEST(CudaModel, EveryOpMatchesCpuInModel) {
   REQUIRE_GPU();
   std::vector<std::string> dirs;
   for (const char* fam : {"v2lite", "v3", "v2"}) dirs.push_back(golden_dir() + "/" + fam);
-  if (const char* more = std::getenv("MLASERVE_CHECK_MODELS"))
-    for (std::string_view rest = more; !rest.empty();) {
-      const size_t comma = rest.find(',');
-      dirs.emplace_back(rest.substr(0, comma));
-      rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
-    }
+  for (const std::string& dir : check_model_dirs()) dirs.push_back(dir);
   for (const std::string& dir : dirs) {
     const char* fam = dir.c_str();
     CudaBackendOptions o;
@@ -718,8 +724,9 @@ TEST(CudaModel, ChunkedPrefillAndIdleStep) {
 // near_ties: routing may pick differently at another row count (random configs: a replayed step is checked against
 // the eager forward of its padded batch only; the unpadded step's logits are printed).
 void graph_case(const std::string& dir, bool dummy, std::optional<DType> fp8 = std::nullopt,
-                const std::vector<int32_t>& drafts = {}, bool near_ties = false) {
-  GpuModel gm(dir, dummy);
+                const std::vector<int32_t>& drafts = {}, bool near_ties = false,
+                LoadOptions::KeepQuantized fp8_experts = LoadOptions::KeepQuantized::Auto) {
+  GpuModel gm(dir, dummy, /*one_token=*/true, fp8_experts);
   DeepseekModel& m = *gm.model;
   const int32_t ps = 16, pages = 40, dummy_page = pages;
   const std::vector<int32_t> lens = {5, 16, 47};
@@ -832,6 +839,23 @@ TEST(CudaModel, GraphReplayMatchesEagerRandomConfigs) {
   for (const std::string& fam : test::kRandomFamilies) {
     graph_case(test::golden_dir(fam), false, std::nullopt, {}, true);
     graph_case(test::golden_dir(fam), false, std::nullopt, {2, 0, 1}, true);
+  }
+}
+
+// The same for the checkpoints MLASERVE_CHECK_MODELS names (tools/device/check_models_run.sh: random bf16 configs, or
+// with FP8=1 random FP8 block checkpoints, whose routed experts run kept FP8 here and dequantized at load); skipped
+// without it.
+TEST(CudaModel, GraphReplayMatchesEagerCheckModels) {
+  REQUIRE_GPU();
+  const std::vector<std::string> dirs = check_model_dirs();
+  if (dirs.empty()) GTEST_SKIP() << "MLASERVE_CHECK_MODELS names no checkpoints";
+  using K = LoadOptions::KeepQuantized;
+  for (const std::string& dir : dirs) {
+    const bool fp8 = ModelConfig::from_file(dir).quant == QuantMethod::Fp8Block;
+    for (const K keep : fp8 ? std::vector<K>{K::On, K::Off} : std::vector<K>{K::Auto}) {
+      graph_case(dir, false, std::nullopt, {}, true, keep);
+      graph_case(dir, false, std::nullopt, {2, 0, 1}, true, keep);
+    }
   }
 }
 
