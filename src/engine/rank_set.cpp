@@ -51,9 +51,10 @@ void put_vec(std::string& o, const std::vector<T>& v) {
 template <typename T>
 std::vector<T> get_vec(const char*& p, const char* end) {
   const int64_t n = get<int64_t>(p, end);
-  MLA_CHECK(n >= 0 && end - p >= n * static_cast<int64_t>(sizeof(T)), "truncated message between nodes");
+  // (divided, not multiplied: a corrupt count could overflow the product)
+  MLA_CHECK(n >= 0 && n <= (end - p) / static_cast<int64_t>(sizeof(T)), "truncated message between nodes");
   std::vector<T> v(static_cast<size_t>(n));
-  std::memcpy(static_cast<void*>(v.data()), p, static_cast<size_t>(n) * sizeof(T));
+  if (n > 0) std::memcpy(static_cast<void*>(v.data()), p, static_cast<size_t>(n) * sizeof(T));  // (data() may be null)
   p += n * static_cast<int64_t>(sizeof(T));
   return v;
 }

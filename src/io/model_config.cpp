@@ -27,7 +27,8 @@ struct Reader {
     MLA_CHECK(v.is_number_integer() || (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>()),
               "{}: field '{}' must be an integer, got {}", src, k, v.dump());
     const bool fits = v.is_number_unsigned()  ? v.get<uint64_t>() <= uint64_t{1} << 62
-                      : v.is_number_integer() ? std::llabs(v.get<int64_t>()) <= int64_t{1} << 62
+                      : v.is_number_integer() ? v.get<int64_t>() >= -(int64_t{1} << 62) &&
+                                                    v.get<int64_t>() <= int64_t{1} << 62
                                               : std::fabs(v.get<double>()) <= 0x1p62;
     MLA_CHECK(fits, "{}: field '{}' is {}, out of range", src, k, v.dump());
     return v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(v.get<double>());

@@ -34,7 +34,7 @@ std::vector<int32_t> get_vec(const char*& p, const char* end) {
   const int32_t n = get_i32(p, end);
   MLA_CHECK(n >= 0 && end - p >= static_cast<int64_t>(n) * 4, "truncated step message");
   std::vector<int32_t> v(static_cast<size_t>(n));
-  std::memcpy(v.data(), p, static_cast<size_t>(n) * 4);
+  if (n > 0) std::memcpy(v.data(), p, static_cast<size_t>(n) * 4);  // (an empty vector's data() may be null)
   p += static_cast<int64_t>(n) * 4;
   return v;
 }
