@@ -1020,7 +1020,8 @@ TEST(Loader, DummyWeightsAreDeterministicAndSensible) {
 
 // Golden checkpoints with a random tensor given another shape or dtype, or removed (with now and then a config.json
 // field edited too): the model either loads, and then runs a prompt, or is refused with an Error naming that tensor
-// (or the config or tensor the edited config makes wrong); never another exception, never a crash. FP8 checkpoints' weights and scales are among the tensors.
+// (or the config or tensor the edited config makes wrong); never another exception, never a crash. FP8 checkpoints'
+// weights and scales are among the tensors.
 TEST(Loader, MutatedCheckpointsLoadOrNameTheTensor) {
   const std::vector<std::string> families = {"v2lite", "v3", "v3-fp8", "v2-fp8-tensor"};
   const std::vector<DType> dtypes = {DType::F32, DType::F16, DType::BF16, DType::F8_E4M3, DType::I64, DType::I32,

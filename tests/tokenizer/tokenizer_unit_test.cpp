@@ -259,7 +259,7 @@ TEST(PretrainedTokenizer, NamedTemplatesGenerationConfigAndAddedTokenObjects) {
 // tokenizer is either loaded, and then encodes with its special tokens and renders its chat templates without a
 // crash (template errors allowed), or refused with an Error naming the file; never another exception.
 TEST(PretrainedTokenizer, MutatedConfigsAreLoadedOrRefusedClearly) {
-  const nlohmann::json config = nlohmann::json::parse(R"({
+  nlohmann::json config = nlohmann::json::parse(R"({
     "add_bos_token": true, "add_eos_token": false, "clean_up_tokenization_spaces": false, "legacy": true,
     "model_max_length": 4096, "pad_token": null, "eos_token": "</s>",
     "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": false, "normalized": true, "rstrip": false,
@@ -267,8 +267,11 @@ TEST(PretrainedTokenizer, MutatedConfigsAreLoadedOrRefusedClearly) {
     "added_tokens_decoder": {"8": {"content": "<s>", "lstrip": false, "normalized": false, "rstrip": false,
                                    "single_word": false, "special": true}},
     "chat_template": [
-      {"name": "default", "template": "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"},
+      {"name": "default", "template": ""},
       {"name": "tool_use", "template": "{{ tools | length if tools else 0 }} {{ messages | length }}"}]})");
+  config["chat_template"][0]["template"] =
+      "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+      "{% if add_generation_prompt %}assistant:{% endif %}";
   const nlohmann::json generation = nlohmann::json::parse(R"({"bos_token_id": 8, "eos_token_id": [9, 8],
                                                               "temperature": 0.6, "top_p": 0.95})");
   TempDir d;
@@ -279,6 +282,13 @@ TEST(PretrainedTokenizer, MutatedConfigsAreLoadedOrRefusedClearly) {
        nlohmann::json::array({nlohmann::json{{"name", 1}, {"template", 2}}})});
   const nlohmann::ordered_json msgs =
       nlohmann::ordered_json::parse(R"([{"role": "user", "content": "ab"}, {"role": "assistant", "content": "12"}])");
+  d.write("tokenizer_config.json", config.dump());
+  d.write("generation_config.json", generation.dump());
+  {
+    const auto unedited = PretrainedTokenizer::load(d.path());
+    EXPECT_EQ(unedited->apply_chat_template(msgs, true), "<s>user: ab\nassistant: 12\nassistant:");
+    EXPECT_EQ(unedited->eos_token_ids(), (std::vector<int32_t>{9, 8}));
+  }
   std::mt19937_64 rng(20261207);
   int64_t loaded = 0, refused = 0;
   for (int it = 0; it < 1000; ++it) {

@@ -109,7 +109,8 @@ TEST(Safetensors, CorruptFilesAreReadOrRefusedClearly) {
   ts.emplace("e", Tensor::empty_host({0, 4}, DType::F32));
   int k = 0;  // the data section's bytes: (131 k + 7) mod 251, so two in a row tell where they are
   for (auto& [name, t] : ts)
-    for (size_t i = 0; i < t.nbytes(); ++i, ++k) static_cast<uint8_t*>(t.data())[i] = static_cast<uint8_t>((131 * k + 7) % 251);
+    for (size_t i = 0; i < t.nbytes(); ++i, ++k)
+      static_cast<uint8_t*>(t.data())[i] = static_cast<uint8_t>((131 * k + 7) % 251);
   write_safetensors(good, ts, {{"format", "pt"}});
   std::string file;
   {
