@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <algorithm>
+#include <limits>
 #include <condition_variable>
 #include <filesystem>
 #include <fstream>
@@ -261,7 +262,11 @@ void resolve_speculative(ServeArgs& s) {
     MLA_CHECK(j.is_object(), "--speculative-config: '{}' is not a JSON object", s.speculative_config);
     for (const auto& [key, v] : j.items()) {
       auto int_of = [&, key = key, v = v] {
-        MLA_CHECK(v.is_number_integer(), "--speculative-config: '{}' must be an integer", key);
+        constexpr int64_t lo = std::numeric_limits<int32_t>::min(), hi = std::numeric_limits<int32_t>::max();
+        const bool fits = v.is_number_integer() && (v.is_number_unsigned()
+                                                       ? v.get<uint64_t>() <= static_cast<uint64_t>(hi)
+                                                       : v.get<int64_t>() >= lo && v.get<int64_t>() <= hi);
+        MLA_CHECK(fits, "--speculative-config: '{}' must be a 32-bit integer, got {}", key, v.dump());
         return v.get<int32_t>();
       };
       if (key == "method") {

@@ -1965,6 +1965,7 @@ TEST(ServeFlags, NgramSpeculativeDecodingKeepsTheAnswers) {
                         "--speculative-config '{\"method\": \"ngram\", \"bogus\": 1}'",
                         "--speculative-config '{\"method\": \"eagle3\", \"num_speculative_tokens\": 2}'",
                         "--speculative-config '{\"method\": \"ngram\", \"disable_by_batch_size\": -1}'",
+                        "--speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4294967297}'",
                         "--speculative-disable-by-batch-size 4",
                         "--speculative-algorithm NGRAM --speculative-ngram-min-match-window-size 4 "
                         "--speculative-ngram-max-match-window-size 2"},
