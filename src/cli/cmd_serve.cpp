@@ -147,10 +147,16 @@ std::vector<int32_t> generation_config_eos(const std::string& model_path) {
   const nlohmann::json j = read_generation_config(model_path);
   if (!j.is_object() || !j.contains("eos_token_id")) return ids;
   const auto& e = j["eos_token_id"];
-  if (e.is_number_integer()) ids.push_back(e.get<int32_t>());
+  auto add = [&](const nlohmann::json& v) {  // token ids only (a value past 32 bits is left out, not truncated)
+    constexpr uint64_t most = std::numeric_limits<int32_t>::max();
+    if (v.is_number_unsigned() ? v.get<uint64_t>() <= most
+                               : v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() <= int64_t{most})
+      ids.push_back(static_cast<int32_t>(v.get<int64_t>()));
+  };
   if (e.is_array())
-    for (const auto& v : e)
-      if (v.is_number_integer()) ids.push_back(v.get<int32_t>());
+    for (const auto& v : e) add(v);
+  else
+    add(e);
   return ids;
 }
 

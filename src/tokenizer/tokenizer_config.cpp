@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "core/error.h"
@@ -121,13 +122,17 @@ std::unique_ptr<PretrainedTokenizer> PretrainedTokenizer::load(const std::string
   std::string gen_path = dir + "/generation_config.json";
   if (auto gen = read_json_if_exists(gen_path); gen && gen->contains("eos_token_id")) {
     const auto& e = (*gen)["eos_token_id"];
+    auto id_of = [&](const nlohmann::json& x) {  // (a value past 32 bits is refused, not truncated into a token)
+      constexpr int64_t lo = std::numeric_limits<int32_t>::min(), hi = std::numeric_limits<int32_t>::max();
+      MLA_CHECK(x.is_number_integer() && (x.is_number_unsigned() ? x.get<uint64_t>() <= static_cast<uint64_t>(hi)
+                                                                 : x.get<int64_t>() >= lo && x.get<int64_t>() <= hi),
+                "{}: eos_token_id entries must be token ids (32-bit integers), got {}", gen_path, x.dump());
+      return x.get<int32_t>();
+    };
     if (e.is_number_integer()) {
-      p->eos_ids_.push_back(e.get<int32_t>());
+      p->eos_ids_.push_back(id_of(e));
     } else if (e.is_array()) {
-      for (const auto& x : e) {
-        MLA_CHECK(x.is_number_integer(), "{}: eos_token_id entries must be integers", gen_path);
-        p->eos_ids_.push_back(x.get<int32_t>());
-      }
+      for (const auto& x : e) p->eos_ids_.push_back(id_of(x));
     } else {
       MLA_CHECK(e.is_null(), "{}: eos_token_id must be an integer or a list of integers", gen_path);
     }

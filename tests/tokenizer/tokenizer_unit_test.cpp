@@ -289,6 +289,11 @@ TEST(PretrainedTokenizer, MutatedConfigsAreLoadedOrRefusedClearly) {
     EXPECT_EQ(unedited->apply_chat_template(msgs, true), "<s>user: ab\nassistant: 12\nassistant:");
     EXPECT_EQ(unedited->eos_token_ids(), (std::vector<int32_t>{9, 8}));
   }
+  // An id past 32 bits is refused (it was truncated: 4294967297 became token 1).
+  d.write("generation_config.json", R"({"eos_token_id": [9, 4294967297]})");
+  EXPECT_NE(err([&] { PretrainedTokenizer::load(d.path()); }).find("generation_config.json: eos_token_id entries must "
+                                                                   "be token ids (32-bit integers), got 4294967297"),
+            std::string::npos);
   std::mt19937_64 rng(20261207);
   int64_t loaded = 0, refused = 0;
   for (int it = 0; it < 1000; ++it) {
