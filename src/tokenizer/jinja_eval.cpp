@@ -984,7 +984,8 @@ class Renderer {
     while (true) {
       size_t d = path.find('.', s);
       std::string part = path.substr(s, d == std::string::npos ? std::string::npos : d - s);
-      bool digits = !part.empty() && std::all_of(part.begin(), part.end(), ::isdigit);
+      // (digits past int64's range stay a string key, which no list has)
+      const bool digits = !part.empty() && part.size() <= 18 && std::all_of(part.begin(), part.end(), ::isdigit);
       cur = digits ? get_item(cur, Value(static_cast<int64_t>(std::stoll(part))), p) : get_item(cur, Value(part), p);
       if (d == std::string::npos) return cur;
       s = d + 1;

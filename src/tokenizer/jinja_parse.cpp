@@ -2,6 +2,8 @@
 // configures them: newlines normalized and one trailing newline dropped (keep_trailing_newline=False),
 // lstrip_blocks (spaces/tabs before a {% %} or {# #} tag on its line are dropped), trim_blocks (the newline
 // after %} or #} is dropped), and the explicit '-' / '+' markers.
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include "core/error.h"
@@ -759,7 +761,7 @@ class Parser {
       case Token::Float: {
         next();
         auto c = make(Expr::Kind::Const, t);
-        c->value = Value(std::stod(t.value));
+        c->value = Value(std::strtod(t.value.c_str(), nullptr));  // (past the range: inf, as Python's float)
         return c;
       }
       case Token::Op:
@@ -817,7 +819,11 @@ class Parser {
           auto g = make(Expr::Kind::GetItem, at);
           g->args.push_back(std::move(e));
           auto c = make(Expr::Kind::Const, cur());
-          c->value = Value(static_cast<int64_t>(std::stoll(next().value)));
+          const Token& index = next();
+          errno = 0;
+          const long long i = std::strtoll(index.value.c_str(), nullptr, 10);
+          if (errno == ERANGE) error(index, "integer literal out of range");
+          c->value = Value(static_cast<int64_t>(i));
           g->args.push_back(std::move(c));
           e = std::move(g);
         } else {

@@ -2,6 +2,10 @@
 // (data/jinja_cases.jsonl, from tools/tokenizer/make_jinja_cases.py), plus its error reporting.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
+#include <random>
+
 #include "core/error.h"
 #include "test_data.h"
 #include "tokenizer/jinja.h"
@@ -92,6 +96,56 @@ TEST(Jinja, PythonFloatAndReprFormatting) {
   EXPECT_EQ(python_str_repr("it's"), "\"it's\"");
   EXPECT_EQ(python_str_repr("a\"b'c"), "'a\"b\\'c'");
   EXPECT_EQ(python_str_repr("\x01\u00a0\u00e9"), "'\\x01\\xa0\u00e9'");
+}
+
+// Real chat templates (tests/tokenizer/data/templates) with random edits (pieces of Jinja syntax, long numbers and
+// deep nesting inserted, characters removed): each either fails to parse or render with an Error, or renders; never
+// another exception (an integer literal past 64 bits escaped as std::out_of_range before), never a crash.
+TEST(Jinja, EditedTemplatesParseAndRenderOrFailClearly) {
+  std::vector<std::string> sources;
+  for (const auto& e : std::filesystem::directory_iterator(data_path("templates"))) {
+    std::ifstream in(e.path());
+    sources.emplace_back(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  ASSERT_GE(sources.size(), 5u);
+  const std::vector<std::string> pieces = {
+      "{{", "}}", "{%", "%}", "{#", "#}", "(", ")", "[", "]", "{", "}", "|", "'", "\"", ".", ",", ":", "-", "~",
+      " if ", " else ", " for ", " in ", " not ", " and ", " is ", "endif", "endfor", "set ", "macro ", "loop.",
+      "99999999999999999999999", "1e999", "-0", "0.5", "[0]", "[-1]", "[1:3]", "|length", "|tojson", "|int",
+      "|string", "|items", "messages", "message['content']", "range(100)", "((((((((((", ")))))))))))",
+      std::string(3000, '('), std::string(3000, '['), "{% if x %}"};
+  nlohmann::ordered_json ctx = nlohmann::ordered_json::parse(R"({
+    "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                 {"role": "assistant", "content": "hello", "tool_calls": [{"type": "function",
+                  "function": {"name": "f", "arguments": {"a": 1}}}]},
+                 {"role": "tool", "content": "42"}, {"role": "user", "content": [{"type": "text", "text": "x"}]}],
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "add_generation_prompt": true, "bos_token": "<s>", "eos_token": "</s>"})");
+  const Value context = Value::from_json(ctx);
+  std::mt19937_64 rng(20261207);
+  int rendered = 0, refused = 0;
+  for (int it = 0; it < 1500; ++it) {
+    std::string src = sources[rng() % sources.size()];
+    const int edits = 1 + static_cast<int>(rng() % 3);
+    for (int e = 0; e < edits && !src.empty(); ++e) {
+      const size_t at = rng() % src.size();
+      if (rng() % 3 == 0)
+        src.erase(at, 1 + rng() % 8);
+      else
+        src.insert(at, pieces[rng() % pieces.size()]);
+    }
+    try {
+      (void)Template(src, "t").render(context);
+      ++rendered;
+    } catch (const Error&) {
+      ++refused;
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "not a clear error: " << e.what() << "\n" << src;
+    }
+    if (::testing::Test::HasFailure()) break;
+  }
+  EXPECT_GT(rendered, 20);
+  EXPECT_GT(refused, 500);
 }
 
 }  // namespace
