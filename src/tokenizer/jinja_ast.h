@@ -42,6 +42,7 @@ struct Expr {
   std::vector<std::string> ops;      // Compare
   bool is_tuple = false;
   bool negated = false;  // Test
+  int depth = 1;         // levels of the tree below and including this node (the parser bounds it)
 };
 
 struct Node;

@@ -100,12 +100,21 @@ class Lexer {
     return std::move(tokens_);
   }
 
+  // Line and column (in code points) of offset `off`. Tokens ask in increasing order: the column is counted on from
+  // the last answer's when both are on one line (counting from the line's start each time was quadratic in a long
+  // line, and real templates are often one line).
   Pos pos(size_t off) const {
     auto it = std::upper_bound(line_starts_.begin(), line_starts_.end(), off);
     size_t line = static_cast<size_t>(it - line_starts_.begin());
     size_t start = line_starts_[line - 1];
-    return Pos{static_cast<int>(line),
-               static_cast<int>(tok::count_code_points(std::string_view(src_).substr(start, off - start)) + 1)};
+    if (line != last_line_ || off < last_off_) {
+      last_line_ = line;
+      last_off_ = start;
+      last_col_ = 1;
+    }
+    last_col_ += tok::count_code_points(std::string_view(src_).substr(last_off_, off - last_off_));
+    last_off_ = off;
+    return Pos{static_cast<int>(line), static_cast<int>(last_col_)};
   }
 
  private:
@@ -315,6 +324,7 @@ class Lexer {
   std::string src_;
   std::string name_;
   std::vector<size_t> line_starts_;
+  mutable size_t last_line_ = 0, last_off_ = 0, last_col_ = 1;  // pos()'s last answer
   std::vector<Token> tokens_;
 };
 
@@ -363,9 +373,39 @@ class Parser {
     return e;
   }
 
+  // Bounds on what a template nests (the parser, the renderer and the trees' destructors recurse through it): jinja2
+  // itself stops at Python's recursion limit well before these.
+  static constexpr int kMaxNesting = 256;     // brackets, unary operators and blocks inside each other
+  static constexpr int kMaxExprDepth = 1024;  // levels of one expression's tree (operator chains included)
+  // A level of nesting for the scope of one parse call.
+  class Nested {
+   public:
+    Nested(Parser& p, const Token& at) : p_(p) {
+      if (++p_.nesting_ > kMaxNesting)
+        p_.error(at, fmt::format("the template nests deeper than {} levels", kMaxNesting));
+    }
+    ~Nested() { --p_.nesting_; }
+    Nested(const Nested&) = delete;
+    Nested& operator=(const Nested&) = delete;
+
+   private:
+    Parser& p_;
+  };
+  // child as parent's next argument, the parent's depth updated.
+  void adopt(Expr& parent, ExprPtr child) {
+    if (child) {
+      parent.depth = std::max(parent.depth, child->depth + 1);
+      if (parent.depth > kMaxExprDepth)
+        fail("{} line {} column {}: an expression nested deeper than {} levels", name_, parent.pos.line,
+             parent.pos.col, kMaxExprDepth);
+    }
+    parent.args.push_back(std::move(child));
+  }
+
   // ---- statements
   // Parses nodes until a block tag whose keyword is in `ends` (left unconsumed, positioned at its keyword).
   Body parse_body(const std::vector<std::string>& ends) {
+    const Nested nested(*this, cur());
     Body body;
     while (true) {
       const Token& t = cur();
@@ -581,30 +621,34 @@ class Parser {
     if (!is_op(",")) return first;
     auto t = make(Expr::Kind::ListLit, at);
     t->is_tuple = true;
-    t->args.push_back(std::move(first));
+    adopt(*t, std::move(first));
     while (is_op(",")) {
       next();
       if (cur().type == Token::BlockEnd || cur().type == Token::VarEnd || is_op(")") || is_op("=")) break;
-      t->args.push_back(parse_expression(with_condexpr));
+      adopt(*t, parse_expression(with_condexpr));
     }
     return t;
   }
 
-  ExprPtr parse_expression(bool with_condexpr) { return with_condexpr ? parse_condexpr() : parse_or(); }
+  ExprPtr parse_expression(bool with_condexpr) {
+    const Nested nested(*this, cur());
+    return with_condexpr ? parse_condexpr() : parse_or();
+  }
 
   ExprPtr parse_condexpr() {
+    const Nested nested(*this, cur());
     const Token& at = cur();
     ExprPtr e = parse_or();
     while (is_name("if")) {
       next();
       auto c = make(Expr::Kind::CondExpr, at);
-      c->args.push_back(parse_or());
-      c->args.push_back(std::move(e));
+      adopt(*c, parse_or());
+      adopt(*c, std::move(e));
       if (is_name("else")) {
         next();
-        c->args.push_back(parse_condexpr());
+        adopt(*c, parse_condexpr());
       } else {
-        c->args.push_back(nullptr);
+        adopt(*c, nullptr);
       }
       e = std::move(c);
     }
@@ -614,8 +658,8 @@ class Parser {
   ExprPtr binary(const char* op, ExprPtr l, ExprPtr r, const Token& at) {
     auto b = make(Expr::Kind::Binary, at);
     b->name = op;
-    b->args.push_back(std::move(l));
-    b->args.push_back(std::move(r));
+    adopt(*b, std::move(l));
+    adopt(*b, std::move(r));
     return b;
   }
 
@@ -636,11 +680,12 @@ class Parser {
     return e;
   }
   ExprPtr parse_not() {
+    const Nested nested(*this, cur());
     if (is_name("not")) {
       const Token& at = next();
       auto u = make(Expr::Kind::Unary, at);
       u->name = "not";
-      u->args.push_back(parse_not());
+      adopt(*u, parse_not());
       return u;
     }
     return parse_compare();
@@ -667,10 +712,10 @@ class Parser {
       }
       if (!cmp) {
         cmp = make(Expr::Kind::Compare, at);
-        cmp->args.push_back(std::move(e));
+        adopt(*cmp, std::move(e));
       }
       cmp->ops.push_back(op);
-      cmp->args.push_back(parse_math1());
+      adopt(*cmp, parse_math1());
     }
     return cmp ? std::move(cmp) : std::move(e);
   }
@@ -708,12 +753,13 @@ class Parser {
     return e;
   }
   ExprPtr parse_unary(bool with_filter) {
+    const Nested nested(*this, cur());
     ExprPtr e;
     if (is_op("-") || is_op("+")) {
       const Token& at = next();
       auto u = make(Expr::Kind::Unary, at);
       u->name = at.value;
-      u->args.push_back(parse_unary(false));
+      adopt(*u, parse_unary(false));
       e = std::move(u);
     } else {
       e = parse_primary();
@@ -781,7 +827,7 @@ class Parser {
           next();
           auto l = make(Expr::Kind::ListLit, t);
           while (!is_op("]")) {
-            l->args.push_back(parse_expression(true));
+            adopt(*l, parse_expression(true));
             if (!is_op("]")) expect_op(",");
           }
           next();
@@ -791,9 +837,9 @@ class Parser {
           next();
           auto d = make(Expr::Kind::DictLit, t);
           while (!is_op("}")) {
-            d->args.push_back(parse_expression(true));
+            adopt(*d, parse_expression(true));
             expect_op(":");
-            d->args.push_back(parse_expression(true));
+            adopt(*d, parse_expression(true));
             if (!is_op("}")) expect_op(",");
           }
           next();
@@ -813,18 +859,18 @@ class Parser {
         if (cur().type == Token::Name) {
           auto g = make(Expr::Kind::GetAttr, at);
           g->name = next().value;
-          g->args.push_back(std::move(e));
+          adopt(*g, std::move(e));
           e = std::move(g);
         } else if (cur().type == Token::Int) {
           auto g = make(Expr::Kind::GetItem, at);
-          g->args.push_back(std::move(e));
+          adopt(*g, std::move(e));
           auto c = make(Expr::Kind::Const, cur());
           const Token& index = next();
           errno = 0;
           const long long i = std::strtoll(index.value.c_str(), nullptr, 10);
           if (errno == ERANGE) error(index, "integer literal out of range");
           c->value = Value(static_cast<int64_t>(i));
-          g->args.push_back(std::move(c));
+          adopt(*g, std::move(c));
           e = std::move(g);
         } else {
           error(cur(), "expected an attribute name after '.'");
@@ -859,13 +905,13 @@ class Parser {
     if (!is_slice) {
       if (!parts[0]) error(at, "empty subscript");
       auto g = make(Expr::Kind::GetItem, at);
-      g->args.push_back(std::move(obj));
-      g->args.push_back(std::move(parts[0]));
+      adopt(*g, std::move(obj));
+      adopt(*g, std::move(parts[0]));
       return g;
     }
     auto s = make(Expr::Kind::Slice, at);
-    s->args.push_back(std::move(obj));
-    for (auto& p : parts) s->args.push_back(std::move(p));
+    adopt(*s, std::move(obj));
+    for (auto& p : parts) adopt(*s, std::move(p));
     return s;
   }
 
@@ -877,10 +923,10 @@ class Parser {
       if (cur().type == Token::Name && peek().type == Token::Op && peek().value == "=") {
         e.kwnames.push_back(next().value);
         next();
-        e.args.push_back(parse_expression(true));
+        adopt(e, parse_expression(true));
       } else {
         if (!e.kwnames.empty()) error(cur(), "positional argument after keyword argument");
-        e.args.push_back(parse_expression(true));
+        adopt(e, parse_expression(true));
       }
       if (!is_op(")")) expect_op(",");
     }
@@ -889,7 +935,7 @@ class Parser {
 
   ExprPtr parse_call(ExprPtr callee) {
     auto c = make(Expr::Kind::Call, cur());
-    c->args.push_back(std::move(callee));
+    adopt(*c, std::move(callee));
     parse_args(*c);
     return c;
   }
@@ -902,7 +948,7 @@ class Parser {
       next();
       f->name += "." + expect_name();
     }
-    f->args.push_back(std::move(node));
+    adopt(*f, std::move(node));
     if (is_op("(")) parse_args(*f);
     return f;
   }
@@ -920,14 +966,14 @@ class Parser {
           t->negated = true;
         }
         t->name = expect_name();
-        t->args.push_back(std::move(e));
+        adopt(*t, std::move(e));
         if (is_op("(")) {
           parse_args(*t);
         } else if ((cur().type == Token::Name || cur().type == Token::String || cur().type == Token::Int ||
                     cur().type == Token::Float || is_op("(") || is_op("[") || is_op("{")) &&
                    !is_name("else") && !is_name("or") && !is_name("and")) {
           if (is_name("is")) error(cur(), "you cannot chain multiple tests with 'is'");
-          t->args.push_back(parse_postfix(parse_primary()));
+          adopt(*t, parse_postfix(parse_primary()));
         }
         e = std::move(t);
       } else if (is_op("(")) {
@@ -939,6 +985,7 @@ class Parser {
   }
 
   std::vector<Token> t_;
+  int nesting_ = 0;  // Nested levels now open
   size_t i_ = 0;
   std::string name_;
 };

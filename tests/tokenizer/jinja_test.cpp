@@ -70,6 +70,39 @@ TEST(Jinja, SyntaxErrorsNamePosition) {
   EXPECT_NE(error_of("{{ a ? b }}").find("unexpected character '?'"), std::string::npos);
 }
 
+// Nesting past the bounds is a template error naming its place, not a stack overflow in the parser, the renderer or
+// the trees' destructors: brackets, blocks and operator chains.
+TEST(Jinja, DeepNestingIsAnError) {
+  const int n = 20000;
+  std::string e = error_of("{{ " + std::string(n, '(') + "1" + std::string(n, ')') + " }}");
+  EXPECT_NE(e.find("the template nests deeper than 256 levels"), std::string::npos) << e.substr(0, 200);
+  e = error_of("{{ " + std::string(n, '[') + "1" + std::string(n, ']') + " }}");
+  EXPECT_NE(e.find("the template nests deeper than 256 levels"), std::string::npos) << e.substr(0, 200);
+  std::string ifs;
+  for (int i = 0; i < 300; ++i) ifs += "{% if true %}";
+  for (int i = 0; i < 300; ++i) ifs += "{% endif %}";
+  e = error_of(ifs);
+  EXPECT_NE(e.find("the template nests deeper than 256 levels"), std::string::npos) << e.substr(0, 200);
+  std::string chain = "{{ 1";
+  for (int i = 0; i < n; ++i) chain += " ~ 1";
+  e = error_of(chain + " }}");
+  EXPECT_NE(e.find("an expression nested deeper than 1024 levels"), std::string::npos) << e.substr(0, 200);
+  std::string attrs = "{{ x";
+  for (int i = 0; i < n; ++i) attrs += ".a";
+  e = error_of(attrs + " }}");
+  EXPECT_NE(e.find("an expression nested deeper than 1024 levels"), std::string::npos) << e.substr(0, 200);
+  // Within the bounds: 200 chained operators and 60 brackets render as Jinja does.
+  std::string fine = "{{ " + std::string(60, '(') + "'a'";
+  for (int i = 0; i < 200; ++i) fine += " ~ 'b'";
+  EXPECT_EQ(render(fine + std::string(60, ')') + " }}"), "a" + std::string(200, 'b'));
+  // A long one-line template (its positions counted on, not from the line's start each time).
+  std::string flat;
+  for (int i = 0; i < n; ++i) flat += "{{ x }}";
+  EXPECT_EQ(render(flat, {{"x", "y"}}), std::string(n, 'y'));
+  EXPECT_NE(error_of(flat + "{{ 1 + }}", {{"x", "y"}}).find("line 1 column " + std::to_string(7 * n + 8)),
+            std::string::npos);
+}
+
 TEST(Jinja, RuntimeErrorsNamePosition) {
   std::string e = error_of("a\n  {{ x.y }}");
   EXPECT_NE(e.find("t line 2 column 7"), std::string::npos) << e;
