@@ -154,10 +154,14 @@ class PySource {
   size_t i_ = 0;
 };
 
-int64_t py_int(const std::string& s) {
+// A Python integer literal (digits, '_' between them) of at most 2^24: sizes of a vocabulary (what the tokenizer
+// allocates by), refused naming `what` past that.
+int64_t py_int(const std::string& s, const std::string& what) {
   std::string digits;
   for (char c : s)
     if (c != '_') digits += c;
+  MLA_CHECK(!digits.empty() && digits.size() <= 8 && std::stoll(digits) <= (int64_t{1} << 24),
+            "{} is '{}', expected a whole number up to {}", what, s, int64_t{1} << 24);
   return std::stoll(digits);
 }
 
@@ -196,7 +200,8 @@ std::vector<std::string> read_tiktoken_ranks(const std::string& path, size_t* co
       if (used != rank_s.size()) rank = -1;
     } catch (const std::exception&) {
     }
-    MLA_CHECK(rank >= 0 && rank < INT32_MAX, "{}:{}: rank '{}' is not a non-negative integer", path, line_no, rank_s);
+    MLA_CHECK(rank >= 0 && rank <= (int64_t{1} << 24), "{}:{}: rank '{}' is not a whole number up to 2^24", path,
+              line_no, rank_s);
     if (static_cast<size_t>(rank) >= by_rank.size()) by_rank.resize(rank + 1);
     MLA_CHECK(by_rank[rank].empty(), "{}:{}: rank {} is given twice", path, line_no, rank);
     by_rank[rank] = bytes;
@@ -279,16 +284,16 @@ TiktokenClassInfo read_tiktoken_class(const std::string& src, const std::string&
   }
   std::smatch m;
   if (std::regex_search(src, m, std::regex(R"(\bnum_reserved_special_tokens\s*(:\s*int\s*)?=\s*([0-9_]+))")))
-    c.num_special = py_int(m[2].str());
+    c.num_special = py_int(m[2].str(), where + ": num_reserved_special_tokens");
   // The class's range of special ids may run past the reserved count (range(n, n + self.num_reserved... + 2)).
   static const std::regex extra(R"(num_base_tokens\s*\+\s*self\.num_reserved_special_tokens\s*\+\s*([0-9_]+))");
   if (std::regex_search(src, m, extra))
-    c.num_special += py_int(m[1].str());
+    c.num_special += py_int(m[1].str(), where + ": the special ids' range");
   std::smatch a, b;
   if (std::regex_search(src, a, std::regex(R"(\bTIKTOKEN_MAX_ENCODE_CHARS\s*=\s*([0-9_]+))")) &&
       std::regex_search(src, b, std::regex(R"(\bMAX_NO_WHITESPACES_CHARS\s*=\s*([0-9_]+))"))) {
-    c.max_chars = static_cast<size_t>(py_int(a[1].str()));
-    c.max_run = static_cast<size_t>(py_int(b[1].str()));
+    c.max_chars = static_cast<size_t>(py_int(a[1].str(), where + ": TIKTOKEN_MAX_ENCODE_CHARS"));
+    c.max_run = static_cast<size_t>(py_int(b[1].str(), where + ": MAX_NO_WHITESPACES_CHARS"));
   }
   c.sort_tool_keys = src.find("deep_sort_dict(tools)") != std::string::npos;
   return c;

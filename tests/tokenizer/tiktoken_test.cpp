@@ -208,6 +208,15 @@ class T:
   auto f = read_tiktoken_class("pat_str = (\n  \"x\"\n  \"\\s\"\n)\n", "f.py");
   EXPECT_EQ(f.pattern, "x\\s");  // Python keeps an unknown escape as written
   EXPECT_TRUE(read_tiktoken_class("class T:\n    pass\n", "g.py").pattern.empty());
+  // Sizes past 2^24 are refused naming the file and the name (a 20-digit count escaped as std::out_of_range).
+  try {
+    read_tiktoken_class("pat_str = r'a'\nnum_reserved_special_tokens = 99999999999999999999\n", "n.py");
+    ADD_FAILURE() << "a 20-digit count was read";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("n.py: num_reserved_special_tokens is '99999999999999999999'"),
+              std::string::npos)
+        << err.what();
+  }
   try {
     read_tiktoken_class("pat_str = \"|\".join([r\"a\", r\"b\n", "h.py");
     ADD_FAILURE() << "an unterminated literal was read";
