@@ -503,6 +503,9 @@ int run_batch_file(server::Api& api, const std::string& input, const std::string
                   j["custom_id"].is_string(),
               "{} line {}: expected a JSON object with string 'custom_id' and 'url'", input, n);
     const std::string url = j["url"];
+    MLA_CHECK(url == "/v1/chat/completions" || url == "/v1/completions" || url == "/v1/responses",
+              "{} line {}: url '{}' is not /v1/chat/completions, /v1/completions or /v1/responses", input, n,
+              url.substr(0, 100));
     MLA_CHECK(seen.insert(j["custom_id"].get<std::string>()).second, "{} line {}: custom_id '{}' appears twice", input,
               n, j["custom_id"].get<std::string>());
     if (!by_url.count(url)) urls.push_back(url);

@@ -688,6 +688,14 @@ TEST_F(ServerE2E, RunBatchAnswersAsTheServer) {
   r = run_command(cmd);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("custom_id 'c1' appears twice"), std::string::npos) << r.output;
+  {
+    std::ofstream elsewhere(in);  // an endpoint the batch does not serve, named with its line
+    elsewhere << R"({"custom_id": "c1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a"}})" << "\n"
+              << R"({"custom_id": "e1", "method": "POST", "url": "/v1/embeddings", "body": {"input": "a"}})" << "\n";
+  }
+  r = run_command(cmd);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("line 2: url '/v1/embeddings' is not"), std::string::npos) << r.output;
   std::filesystem::remove(in);
   std::filesystem::remove(out);
   wait_idle(port());
