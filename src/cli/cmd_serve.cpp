@@ -21,6 +21,7 @@
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "core/json_int.h"
 #include "core/log.h"
 #include "engine/engine_api.h"
 #include "io/model_config.h"
@@ -148,10 +149,8 @@ std::vector<int32_t> generation_config_eos(const std::string& model_path) {
   if (!j.is_object() || !j.contains("eos_token_id")) return ids;
   const auto& e = j["eos_token_id"];
   auto add = [&](const nlohmann::json& v) {  // token ids only (a value past 32 bits is left out, not truncated)
-    constexpr uint64_t most = std::numeric_limits<int32_t>::max();
-    if (v.is_number_unsigned() ? v.get<uint64_t>() <= most
-                               : v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() <= int64_t{most})
-      ids.push_back(static_cast<int32_t>(v.get<int64_t>()));
+    if (const auto id = json_integer(v, 0, std::numeric_limits<int32_t>::max()))
+      ids.push_back(static_cast<int32_t>(*id));
   };
   if (e.is_array())
     for (const auto& v : e) add(v);
@@ -268,12 +267,9 @@ void resolve_speculative(ServeArgs& s) {
     MLA_CHECK(j.is_object(), "--speculative-config: '{}' is not a JSON object", s.speculative_config);
     for (const auto& [key, v] : j.items()) {
       auto int_of = [&, key = key, v = v] {
-        constexpr int64_t lo = std::numeric_limits<int32_t>::min(), hi = std::numeric_limits<int32_t>::max();
-        const bool fits = v.is_number_integer() && (v.is_number_unsigned()
-                                                       ? v.get<uint64_t>() <= static_cast<uint64_t>(hi)
-                                                       : v.get<int64_t>() >= lo && v.get<int64_t>() <= hi);
-        MLA_CHECK(fits, "--speculative-config: '{}' must be a 32-bit integer, got {}", key, v.dump());
-        return v.get<int32_t>();
+        const auto i = json_integer(v, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max());
+        MLA_CHECK(i, "--speculative-config: '{}' must be a 32-bit integer, got {}", key, v.dump());
+        return static_cast<int32_t>(*i);
       };
       if (key == "method") {
         MLA_CHECK(v.is_string(), "--speculative-config: 'method' must be a string");

@@ -6,6 +6,7 @@
 
 #include "core/buffer_pool.h"
 #include "core/error.h"
+#include "core/json_int.h"
 #include "core/log.h"
 #include "server/api_error.h"
 #include "server/http_client.h"
@@ -225,10 +226,10 @@ KvRows decode_kv_rows(std::string body) {
   // Integers, in range: a float (or a number past int32) is refused, not converted.
   auto count = [&](const char* k, int64_t most) -> int64_t {
     const auto it = h.find(k);
-    MLA_CHECK(it != h.end() && it->is_number_integer() && it->get<int64_t>() >= 0 && it->get<int64_t>() <= most,
-              "KV rows: bad header: '{}' must be an integer in [0, {}], got {}", k, most,
+    const auto v = it == h.end() ? std::nullopt : json_integer(*it, 0, most);
+    MLA_CHECK(v, "KV rows: bad header: '{}' must be an integer in [0, {}], got {}", k, most,
               it == h.end() ? std::string("nothing") : it->dump());
-    return it->get<int64_t>();
+    return *v;
   };
   auto text = [&](const char* k) -> std::string {
     const auto it = h.find(k);

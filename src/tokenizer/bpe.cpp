@@ -9,17 +9,8 @@
 
 namespace mlaserve::tok {
 
-namespace {
-std::optional<std::string> opt_string(const nlohmann::json& j, const char* key, const std::string& where) {
-  auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return std::nullopt;
-  MLA_CHECK(it->is_string(), "{}.{}: expected a string or null", where, key);
-  return it->get<std::string>();
-}
-}  // namespace
-
 BpeModel::BpeModel(const nlohmann::json& spec, const std::string& where) {
-  std::string type = get_string_or(spec, "type", where, "BPE");
+  std::string type = opt_string(spec, "type", where).value_or("BPE");
   MLA_CHECK(type == "BPE", "{}: unsupported model type '{}' (only BPE is implemented)", where, type);
   auto dropout = spec.find("dropout");
   MLA_CHECK(dropout == spec.end() || dropout->is_null() || (dropout->is_number() && dropout->get<double>() == 0.0),

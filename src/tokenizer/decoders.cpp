@@ -237,7 +237,7 @@ std::unique_ptr<Decoder> make_decoder(const nlohmann::json& spec, const std::str
     };
     return std::make_unique<StripDecoder>(get_string(spec, "content", where), n("start"), n("stop"));
   }
-  if (type == "BPEDecoder") return std::make_unique<BpeDecoder>(get_string_or(spec, "suffix", where, "</w>"));
+  if (type == "BPEDecoder") return std::make_unique<BpeDecoder>(opt_string(spec, "suffix", where).value_or("</w>"));
   fail("{}: unsupported decoder type '{}' (supported: ByteLevel, Sequence, Metaspace, Replace, ByteFallback, Fuse, "
        "Strip, BPEDecoder)",
        where, type);

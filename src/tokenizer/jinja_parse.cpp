@@ -344,9 +344,10 @@ class Parser {
   const Token& peek(size_t k = 1) const { return t_[std::min(i_ + k, t_.size() - 1)]; }
   const Token& next() { return t_[i_ < t_.size() - 1 ? i_++ : i_]; }
 
-  [[noreturn]] void error(const Token& t, const std::string& msg) const {
-    fail("{} line {} column {}: {}", name_, t.pos.line, t.pos.col, msg);
+  [[noreturn]] void error(const Pos& p, const std::string& msg) const {
+    fail("{} line {} column {}: {}", name_, p.line, p.col, msg);
   }
+  [[noreturn]] void error(const Token& t, const std::string& msg) const { error(t.pos, msg); }
   bool is_op(const char* op) const { return cur().type == Token::Op && cur().value == op; }
   bool is_name(const char* n) const { return cur().type == Token::Name && cur().value == n; }
   void expect_op(const char* op) {
@@ -396,8 +397,7 @@ class Parser {
     if (child) {
       parent.depth = std::max(parent.depth, child->depth + 1);
       if (parent.depth > kMaxExprDepth)
-        fail("{} line {} column {}: an expression nested deeper than {} levels", name_, parent.pos.line,
-             parent.pos.col, kMaxExprDepth);
+        error(parent.pos, fmt::format("an expression nested deeper than {} levels", kMaxExprDepth));
     }
     parent.args.push_back(std::move(child));
   }

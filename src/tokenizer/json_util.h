@@ -2,6 +2,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -25,13 +26,12 @@ inline std::string get_string(const nlohmann::json& j, const char* key, const st
   return v.get<std::string>();
 }
 
-// j[key] as a string, or `dflt` where it is missing or null.
-inline std::string get_string_or(const nlohmann::json& j, const char* key, const std::string& where,
-                                 const std::string& dflt) {
+// j[key] as a string, or nothing where it is missing or null.
+inline std::optional<std::string> opt_string(const nlohmann::json& j, const char* key, const std::string& where) {
   MLA_CHECK(j.is_object(), "{}: expected an object, got {}", where, j.type_name());
   auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return dflt;
-  MLA_CHECK(it->is_string(), "{}.{}: expected a string, got {}", where, key, it->type_name());
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  MLA_CHECK(it->is_string(), "{}.{}: expected a string or null, got {}", where, key, it->type_name());
   return it->get<std::string>();
 }
 

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/json_int.h"
 #include "tokenizer/tiktoken.h"
 #include "tokenizer/unicode.h"
 
@@ -123,11 +124,9 @@ std::unique_ptr<PretrainedTokenizer> PretrainedTokenizer::load(const std::string
   if (auto gen = read_json_if_exists(gen_path); gen && gen->contains("eos_token_id")) {
     const auto& e = (*gen)["eos_token_id"];
     auto id_of = [&](const nlohmann::json& x) {  // (a value past 32 bits is refused, not truncated into a token)
-      constexpr int64_t lo = std::numeric_limits<int32_t>::min(), hi = std::numeric_limits<int32_t>::max();
-      MLA_CHECK(x.is_number_integer() && (x.is_number_unsigned() ? x.get<uint64_t>() <= static_cast<uint64_t>(hi)
-                                                                 : x.get<int64_t>() >= lo && x.get<int64_t>() <= hi),
-                "{}: eos_token_id entries must be token ids (32-bit integers), got {}", gen_path, x.dump());
-      return x.get<int32_t>();
+      const auto id = json_integer(x, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max());
+      MLA_CHECK(id, "{}: eos_token_id entries must be token ids (32-bit integers), got {}", gen_path, x.dump());
+      return static_cast<int32_t>(*id);
     };
     if (e.is_number_integer()) {
       p->eos_ids_.push_back(id_of(e));
